@@ -1,0 +1,139 @@
+//! Micro-kernel descriptors and run-time ISA selection.
+//!
+//! The contract every kernel implements is written down in `docs/KERNELS.md`.
+
+use crate::arch;
+use crate::error::GemmError;
+use std::fmt;
+
+/// Signature of an f32 micro-kernel (see `docs/KERNELS.md`).
+///
+/// `k, alpha, a (k*mr packed), b (k*nr packed), beta, c (column-major mr×nr tile), ldc`.
+pub type KernelFnF32 = unsafe fn(usize, f32, *const f32, *const f32, f32, *mut f32, usize);
+
+/// Instruction sets fugu-gemm has micro-kernels for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Isa {
+    /// Plain Rust, auto-vectorised by the compiler. Always available.
+    Portable,
+    /// x86-64 AVX2 + FMA.
+    Avx2,
+    /// x86-64 AVX-512F.
+    Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
+    /// aarch64 SVE, vector-length agnostic.
+    Sve,
+}
+
+impl Isa {
+    /// Every ISA, in order of preference (best last).
+    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Neon, Isa::Sve];
+
+    /// The lower-case name used by `FUGU_GEMM_ISA` and `--isa`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
+            Isa::Sve => "sve",
+        }
+    }
+
+    /// Parses a name as accepted by `FUGU_GEMM_ISA`.
+    pub fn parse(s: &str) -> Result<Isa, GemmError> {
+        let t = s.trim().to_ascii_lowercase();
+        Isa::ALL
+            .iter()
+            .copied()
+            .find(|i| i.name() == t)
+            .ok_or_else(|| GemmError::Config {
+                what: "ISA".into(),
+                value: s.to_string(),
+                expected: "one of portable, avx2, avx512, neon, sve".into(),
+            })
+    }
+
+    /// FP32 lanes of one FMA on this ISA's widest register (used for the peak-FLOP estimate).
+    pub fn f32_lanes(self) -> usize {
+        match self {
+            Isa::Portable => 4,
+            Isa::Avx2 => 8,
+            Isa::Avx512 => 16,
+            Isa::Neon => 4,
+            Isa::Sve => arch::sve_f32_lanes().unwrap_or(4),
+        }
+    }
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A micro-kernel together with its register-tile shape.
+#[derive(Clone, Copy)]
+pub struct KernelF32 {
+    /// The instruction set the kernel uses.
+    pub isa: Isa,
+    /// Rows of the C tile (the vectorised dimension).
+    pub mr: usize,
+    /// Columns of the C tile.
+    pub nr: usize,
+    /// The kernel itself. Callable only under the contract in `docs/KERNELS.md`.
+    pub func: KernelFnF32,
+}
+
+impl fmt::Debug for KernelF32 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KernelF32({} {}x{})", self.isa, self.mr, self.nr)
+    }
+}
+
+/// The kernel for `isa`, or `None` when this CPU cannot run it.
+pub fn kernel_for(isa: Isa) -> Option<KernelF32> {
+    match isa {
+        Isa::Portable => Some(arch::portable::kernel()),
+        Isa::Avx2 => arch::avx2_kernel(),
+        Isa::Avx512 => arch::avx512_kernel(),
+        Isa::Neon => arch::neon_kernel(),
+        Isa::Sve => arch::sve_kernel(),
+    }
+}
+
+/// Every ISA this CPU can run, in order of preference (best last).
+pub fn available_isas() -> Vec<Isa> {
+    Isa::ALL
+        .iter()
+        .copied()
+        .filter(|&i| kernel_for(i).is_some())
+        .collect()
+}
+
+/// The best kernel this CPU can run.
+pub fn best_kernel() -> KernelF32 {
+    for isa in [Isa::Sve, Isa::Avx512, Isa::Avx2, Isa::Neon] {
+        if let Some(k) = kernel_for(isa) {
+            return k;
+        }
+    }
+    arch::portable::kernel()
+}
+
+/// The kernel for a forced ISA, with an error naming the ISA when this CPU cannot run it.
+pub fn forced_kernel(isa: Isa) -> Result<KernelF32, GemmError> {
+    kernel_for(isa).ok_or_else(|| GemmError::Config {
+        what: "ISA".into(),
+        value: isa.name().into(),
+        expected: format!(
+            "an ISA this CPU supports ({})",
+            available_isas()
+                .iter()
+                .map(|i| i.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    })
+}

@@ -1,0 +1,40 @@
+//! # fugu-gemm
+//!
+//! A BLIS-style single-precision GEMM library for CPUs with many cores in several NUMA domains
+//! (the four CMGs of a Fujitsu A64FX, the CCDs of an AMD EPYC), with strided-batched and
+//! pointer-array batched GEMM for attention.
+//!
+//! * Data enters through strided views ([`MatRef`], [`MatMut`], [`BatchRef`], [`BatchMut`]):
+//!   any row and column stride, so transposes and sub-matrices are free. Views are checked when
+//!   built; a GEMM on mismatched shapes returns a [`GemmError`] and never touches memory it
+//!   should not.
+//! * One micro-kernel per ISA (SVE, NEON, AVX-512, AVX2+FMA, portable Rust), chosen once at run
+//!   time; `FUGU_GEMM_ISA` forces one. The kernel contract is in `docs/KERNELS.md`.
+//! * Threads are grouped by NUMA domain (one pinned rayon pool per domain, from sysfs, or
+//!   simulated with `FUGU_CMGS=4x12`). Large GEMMs split across domains; batched GEMMs hand
+//!   whole problems to domains and threads by cost.
+//!
+//! ```
+//! use fugu_gemm::{gemm, MatMut, MatRef};
+//! let a = vec![1.0f32; 6]; // 2x3
+//! let b = vec![2.0f32; 12]; // 3x4
+//! let mut c = vec![0.0f32; 8]; // 2x4
+//! gemm(
+//!     1.0,
+//!     MatRef::row_major(&a, 2, 3).unwrap(),
+//!     MatRef::row_major(&b, 3, 4).unwrap(),
+//!     0.0,
+//!     MatMut::row_major(&mut c, 2, 4).unwrap(),
+//! )
+//! .unwrap();
+//! assert_eq!(c, vec![6.0; 8]);
+//! ```
+
+pub mod arch;
+mod error;
+pub mod kernel;
+mod view;
+
+pub use error::GemmError;
+pub use kernel::{Isa, KernelF32};
+pub use view::{BatchMut, BatchRef, MatMut, MatRef};

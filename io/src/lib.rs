@@ -1,0 +1,1 @@
+//! fugu-io: tokenizer, tar shards and the training-data loader.

@@ -1,0 +1,53 @@
+//! The `fugu` command line: one module per subcommand.
+
+mod bench_gemm;
+mod bench_io;
+mod prepare;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "fugu",
+    version,
+    about = "CPU-first GPT trainer for A64FX-class supercomputers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Tokenise text into WebDataset-style tar shards plus a manifest.
+    Prepare(prepare::PrepareArgs),
+    /// Microbenchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// GEMM throughput against matrixmultiply, as GFLOP/s and % of peak.
+    Gemm(bench_gemm::BenchGemmArgs),
+    /// Data-loader throughput from the page cache.
+    Io(bench_io::BenchIoArgs),
+}
+
+/// Entry point of the `fugu` binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Prepare(args) => prepare::run(args),
+        Command::Bench(BenchCommand::Gemm(args)) => bench_gemm::run(args),
+        Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,3 @@
+//! fugu: a CPU-first GPT trainer for A64FX-class supercomputers.
+
+pub mod cli;
