@@ -38,3 +38,52 @@ mod view;
 pub use error::GemmError;
 pub use kernel::{Isa, KernelF32};
 pub use view::{BatchMut, BatchRef, MatMut, MatRef};
+mod blocking;
+mod buffer;
+mod driver;
+mod pack;
+pub mod peak;
+mod raw;
+pub mod reference;
+mod runtime;
+pub mod topology;
+
+pub use blocking::{Blocking, CacheInfo};
+pub use driver::SplitMode;
+pub use runtime::{Runtime, RuntimeConfig};
+pub use topology::{Topology, TopologyRequest};
+
+/// `C := alpha·A·B + beta·C` on the process-wide runtime ([`Runtime::global`]).
+///
+/// A is m×k, B is k×n, C is m×n, each with any strides. When `beta == 0`, C is not read.
+pub fn gemm(
+    alpha: f32,
+    a: MatRef<'_, f32>,
+    b: MatRef<'_, f32>,
+    beta: f32,
+    c: MatMut<'_, f32>,
+) -> Result<(), GemmError> {
+    Runtime::global()?.gemm(alpha, a, b, beta, c)
+}
+
+/// Strided batched GEMM (`baddbmm`/`bmm`) on the process-wide runtime.
+pub fn gemm_strided_batched(
+    alpha: f32,
+    a: BatchRef<'_, f32>,
+    b: BatchRef<'_, f32>,
+    beta: f32,
+    c: BatchMut<'_, f32>,
+) -> Result<(), GemmError> {
+    Runtime::global()?.gemm_strided_batched(alpha, a, b, beta, c)
+}
+
+/// Pointer-array batched GEMM on the process-wide runtime.
+pub fn gemm_batched(
+    alpha: f32,
+    a: &[MatRef<'_, f32>],
+    b: &[MatRef<'_, f32>],
+    beta: f32,
+    c: &mut [MatMut<'_, f32>],
+) -> Result<(), GemmError> {
+    Runtime::global()?.gemm_batched(alpha, a, b, beta, c)
+}

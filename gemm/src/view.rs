@@ -123,7 +123,16 @@ impl<'a, T> MatRef<'a, T> {
         row_stride: usize,
         col_stride: usize,
     ) -> Result<Self, GemmError> {
-        check_fits("A/B", data.len(), offset, rows, cols, row_stride, col_stride, &[])?;
+        check_fits(
+            "A/B",
+            data.len(),
+            offset,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+            &[],
+        )?;
         Ok(MatRef {
             data,
             offset,
@@ -156,7 +165,13 @@ impl<'a, T> MatRef<'a, T> {
     }
 
     /// The `rows × cols` sub-matrix starting at `(r0, c0)`.
-    pub fn submatrix(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Result<Self, GemmError> {
+    pub fn submatrix(
+        self,
+        r0: usize,
+        c0: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, GemmError> {
         sub_bounds(self.rows, self.cols, r0, c0, rows, cols)?;
         let offset = self.offset + r0 * self.rs + c0 * self.cs;
         Ok(MatRef {
@@ -240,7 +255,16 @@ impl<'a, T> MatMut<'a, T> {
         row_stride: usize,
         col_stride: usize,
     ) -> Result<Self, GemmError> {
-        check_fits("C", data.len(), offset, rows, cols, row_stride, col_stride, &[])?;
+        check_fits(
+            "C",
+            data.len(),
+            offset,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+            &[],
+        )?;
         if !injective(&[(rows, row_stride), (cols, col_stride)]) {
             return Err(GemmError::OverlappingOutput {
                 operand: "C".into(),
@@ -301,11 +325,18 @@ impl<'a, T> MatMut<'a, T> {
         T: Copy,
     {
         // SAFETY: (i, j) is inside the view, which the constructor checked lies in the buffer.
-        (i < self.rows && j < self.cols).then(|| unsafe { *self.ptr.add(i * self.rs + j * self.cs) })
+        (i < self.rows && j < self.cols)
+            .then(|| unsafe { *self.ptr.add(i * self.rs + j * self.cs) })
     }
 
     /// The writable `rows × cols` sub-matrix starting at `(r0, c0)`.
-    pub fn submatrix(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Result<Self, GemmError> {
+    pub fn submatrix(
+        self,
+        r0: usize,
+        c0: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, GemmError> {
         sub_bounds(self.rows, self.cols, r0, c0, rows, cols)?;
         let ptr = if rows == 0 || cols == 0 {
             self.ptr
@@ -342,7 +373,8 @@ impl<'a, T> MatMut<'a, T> {
     pub fn get_mut(&mut self, i: usize, j: usize) -> Option<&mut T> {
         // SAFETY: (i, j) is inside the view, hence inside the buffer, and the view borrows its
         // elements uniquely; the returned reference borrows `self`.
-        (i < self.rows && j < self.cols).then(|| unsafe { &mut *self.ptr.add(i * self.rs + j * self.cs) })
+        (i < self.rows && j < self.cols)
+            .then(|| unsafe { &mut *self.ptr.add(i * self.rs + j * self.cs) })
     }
 
     /// Pointer to element (0, 0). Only meaningful for non-empty views.
@@ -404,7 +436,12 @@ impl<'a, T> BatchRef<'a, T> {
     }
 
     /// Dense row-major matrices stored one after another.
-    pub fn row_major(data: &'a [T], batch: usize, rows: usize, cols: usize) -> Result<Self, GemmError> {
+    pub fn row_major(
+        data: &'a [T],
+        batch: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, GemmError> {
         Self::new(data, batch, rows, cols, cols, 1, rows * cols)
     }
 
@@ -459,7 +496,11 @@ impl<'a, T> BatchMut<'a, T> {
             col_stride,
             &[(batch, batch_stride)],
         )?;
-        if !injective(&[(rows, row_stride), (cols, col_stride), (batch, batch_stride)]) {
+        if !injective(&[
+            (rows, row_stride),
+            (cols, col_stride),
+            (batch, batch_stride),
+        ]) {
             return Err(GemmError::OverlappingOutput {
                 operand: format!("C batch (batch {batch}, batch stride {batch_stride})"),
                 rows,
@@ -514,7 +555,11 @@ impl<'a, T> BatchMut<'a, T> {
                 // two of its elements share an address, so these views are disjoint; they
                 // borrow `self` mutably, so nothing else touches the buffer while they live.
                 // wrapping_add: empty matrices are never dereferenced.
-                ptr: if empty { self.mat.ptr } else { self.mat.ptr.wrapping_add(i * self.bs) },
+                ptr: if empty {
+                    self.mat.ptr
+                } else {
+                    self.mat.ptr.wrapping_add(i * self.bs)
+                },
                 rows: self.mat.rows,
                 cols: self.mat.cols,
                 rs: self.mat.rs,
@@ -546,7 +591,13 @@ mod tests {
         assert!(MatRef::new(&v, 3, 5, 4, 1).is_err());
         assert!(MatRef::new(&v, 0, 5, 400, 1).is_ok());
         assert!(MatRef::new(&v, 2, 2, usize::MAX, 1).is_err());
-        assert!(MatRef::row_major(&v, 3, 4).unwrap().submatrix(1, 1, 2, 3).is_ok());
-        assert!(MatRef::row_major(&v, 3, 4).unwrap().submatrix(1, 1, 3, 3).is_err());
+        assert!(MatRef::row_major(&v, 3, 4)
+            .unwrap()
+            .submatrix(1, 1, 2, 3)
+            .is_ok());
+        assert!(MatRef::row_major(&v, 3, 4)
+            .unwrap()
+            .submatrix(1, 1, 3, 3)
+            .is_err());
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::kernel::KernelF32;
 
+pub mod fma_peak;
 pub mod portable;
 
 #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,142 @@
+//! Tight loops of independent FMAs, used to measure a core's FP32 FMA throughput (the "peak"
+//! that benchmarks and the trainer report against). Each loop keeps enough independent
+//! accumulators to cover FMA latency on every supported core and returns the number of FLOPs
+//! it executed.
+
+use crate::kernel::Isa;
+
+/// Runs `iters` iterations of the FMA loop for `isa` and returns the FLOPs executed, or `None`
+/// when this CPU cannot run `isa`.
+pub fn fma_loop(isa: Isa, iters: u64) -> Option<f64> {
+    match isa {
+        Isa::Portable => Some(portable(iters)),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if is_x86_feature_detected!("avx512f") => {
+            // SAFETY: avx512f checked just above.
+            Some(unsafe { x86::avx512(iters) })
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
+            // SAFETY: avx2 and fma checked just above.
+            Some(unsafe { x86::avx2(iters) })
+        }
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon if std::arch::is_aarch64_feature_detected!("neon") => Some(aarch64::neon(iters)),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Sve if std::arch::is_aarch64_feature_detected!("sve") => {
+            // SAFETY: sve checked just above.
+            Some(unsafe { aarch64::sve(iters) })
+        }
+        _ => None,
+    }
+}
+
+fn portable(iters: u64) -> f64 {
+    let mut acc = [[1.0f32; 8]; 8];
+    let x = std::hint::black_box(0.999_999f32);
+    for _ in 0..iters {
+        for row in acc.iter_mut() {
+            for v in row.iter_mut() {
+                *v = *v * x + 1e-7;
+            }
+        }
+    }
+    std::hint::black_box(acc);
+    iters as f64 * 64.0 * 2.0
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512(iters: u64) -> f64 {
+        let mut acc = [_mm512_set1_ps(1.0); 16];
+        let x = _mm512_set1_ps(std::hint::black_box(0.999_999));
+        let y = _mm512_set1_ps(1e-7);
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm512_fmadd_ps(*a, x, y);
+            }
+        }
+        std::hint::black_box(acc);
+        iters as f64 * 16.0 * 16.0 * 2.0
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn avx2(iters: u64) -> f64 {
+        let mut acc = [_mm256_set1_ps(1.0); 12];
+        let x = _mm256_set1_ps(std::hint::black_box(0.999_999));
+        let y = _mm256_set1_ps(1e-7);
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm256_fmadd_ps(*a, x, y);
+            }
+        }
+        std::hint::black_box(acc);
+        iters as f64 * 12.0 * 8.0 * 2.0
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod aarch64 {
+    use std::arch::aarch64::*;
+
+    pub fn neon(iters: u64) -> f64 {
+        // SAFETY: NEON is part of the aarch64 baseline.
+        unsafe {
+            let mut acc = [vdupq_n_f32(1.0); 16];
+            let x = vdupq_n_f32(std::hint::black_box(0.999_999));
+            let y = vdupq_n_f32(1e-7);
+            for _ in 0..iters {
+                for a in acc.iter_mut() {
+                    *a = vfmaq_f32(y, *a, x);
+                }
+            }
+            std::hint::black_box(acc);
+        }
+        iters as f64 * 16.0 * 4.0 * 2.0
+    }
+
+    #[target_feature(enable = "sve")]
+    pub unsafe fn sve(iters: u64) -> f64 {
+        let lanes: u64;
+        // SAFETY: cntw only reads the vector length; the loop touches only the listed z/p
+        // registers and the counter, and runs `iters` (>= 1) times.
+        unsafe {
+            std::arch::asm!("cntw {l}", l = out(reg) lanes, options(nomem, nostack, pure));
+            let n = iters.max(1);
+            std::arch::asm!(
+                "ptrue p0.s",
+                "fmov z30.s, #1.0",
+                "fmov z31.s, #0.5",
+                "mov z0.d, z30.d", "mov z1.d, z30.d", "mov z2.d, z30.d", "mov z3.d, z30.d",
+                "mov z4.d, z30.d", "mov z5.d, z30.d", "mov z6.d, z30.d", "mov z7.d, z30.d",
+                "mov z8.d, z30.d", "mov z9.d, z30.d", "mov z10.d, z30.d", "mov z11.d, z30.d",
+                "mov z12.d, z30.d", "mov z13.d, z30.d", "mov z14.d, z30.d", "mov z15.d, z30.d",
+                "mov z16.d, z30.d", "mov z17.d, z30.d", "mov z18.d, z30.d", "mov z19.d, z30.d",
+                "2:",
+                "fmla z0.s, p0/m, z30.s, z31.s", "fmla z1.s, p0/m, z30.s, z31.s",
+                "fmla z2.s, p0/m, z30.s, z31.s", "fmla z3.s, p0/m, z30.s, z31.s",
+                "fmla z4.s, p0/m, z30.s, z31.s", "fmla z5.s, p0/m, z30.s, z31.s",
+                "fmla z6.s, p0/m, z30.s, z31.s", "fmla z7.s, p0/m, z30.s, z31.s",
+                "fmla z8.s, p0/m, z30.s, z31.s", "fmla z9.s, p0/m, z30.s, z31.s",
+                "fmla z10.s, p0/m, z30.s, z31.s", "fmla z11.s, p0/m, z30.s, z31.s",
+                "fmla z12.s, p0/m, z30.s, z31.s", "fmla z13.s, p0/m, z30.s, z31.s",
+                "fmla z14.s, p0/m, z30.s, z31.s", "fmla z15.s, p0/m, z30.s, z31.s",
+                "fmla z16.s, p0/m, z30.s, z31.s", "fmla z17.s, p0/m, z30.s, z31.s",
+                "fmla z18.s, p0/m, z30.s, z31.s", "fmla z19.s, p0/m, z30.s, z31.s",
+                "subs {n}, {n}, #1",
+                "b.ne 2b",
+                n = inout(reg) n => _,
+                out("v0") _, out("v1") _, out("v2") _, out("v3") _, out("v4") _,
+                out("v5") _, out("v6") _, out("v7") _, out("v8") _, out("v9") _,
+                out("v10") _, out("v11") _, out("v12") _, out("v13") _, out("v14") _,
+                out("v15") _, out("v16") _, out("v17") _, out("v18") _, out("v19") _,
+                out("v30") _, out("v31") _, out("p0") _,
+                options(nomem, nostack),
+            );
+        }
+        iters.max(1) as f64 * 20.0 * lanes as f64 * 2.0
+    }
+}

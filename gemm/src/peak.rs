@@ -1,0 +1,117 @@
+//! The machine's FP32 peak: cores × FMA width × 2 × clock, measured with a tight FMA loop
+//! (so the clock and the number of FMA pipes need not be known), or given by
+//! `FUGU_PEAK_GFLOPS` (total for the threads in use). Benchmarks and the trainer's
+//! `peak_pct` both come from here.
+
+use crate::arch::fma_peak::fma_loop;
+use crate::kernel::Isa;
+use std::time::Instant;
+
+/// How a peak figure was obtained.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PeakSource {
+    /// Measured with an FMA loop of this ISA on one core, times the thread count.
+    Measured { isa: Isa },
+    /// Set by the user (`FUGU_PEAK_GFLOPS` or a flag).
+    Given,
+}
+
+/// An FP32 peak for a number of threads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Peak {
+    /// GFLOP/s of one core.
+    pub per_core_gflops: f64,
+    /// Threads (cores) the peak counts.
+    pub threads: usize,
+    pub source: PeakSource,
+}
+
+impl Peak {
+    /// Peak of all counted threads, GFLOP/s.
+    pub fn total_gflops(&self) -> f64 {
+        self.per_core_gflops * self.threads as f64
+    }
+
+    /// The same per-core peak for another thread count.
+    pub fn for_threads(&self, threads: usize) -> Peak {
+        Peak {
+            threads,
+            ..self.clone()
+        }
+    }
+
+    /// One line saying how the figure was derived.
+    pub fn describe(&self) -> String {
+        match &self.source {
+            PeakSource::Measured { isa } => format!(
+                "peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (measured: {} FMA loop, 1 thread, median of 5)",
+                self.total_gflops(),
+                self.threads,
+                self.per_core_gflops,
+                isa
+            ),
+            PeakSource::Given => format!(
+                "peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (given by FUGU_PEAK_GFLOPS or --peak-gflops)",
+                self.total_gflops(),
+                self.threads,
+                self.per_core_gflops
+            ),
+        }
+    }
+}
+
+/// Measures one core's FP32 FMA throughput (GFLOP/s) with `isa`'s widest FMA, on the calling
+/// thread: the median of five ~20 ms runs after a warm-up (which also lets the clock settle).
+pub fn measure_core_gflops(isa: Isa) -> Option<f64> {
+    let _ = fma_loop(isa, 1 << 16)?;
+    // Calibrate the iteration count to about 20 ms.
+    let mut iters: u64 = 1 << 16;
+    loop {
+        let t = Instant::now();
+        fma_loop(isa, iters)?;
+        if t.elapsed().as_secs_f64() > 0.005 || iters > 1 << 34 {
+            break;
+        }
+        iters *= 2;
+    }
+    iters *= 4;
+    let mut rates: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let flops = fma_loop(isa, iters).unwrap_or(0.0);
+            flops / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    Some(rates[2])
+}
+
+/// The peak for `threads` threads running `isa`: `FUGU_PEAK_GFLOPS` (total for those threads)
+/// if set, otherwise measured on one core and multiplied by the thread count.
+pub fn machine_peak(isa: Isa, threads: usize) -> Result<Peak, crate::GemmError> {
+    if let Ok(v) = std::env::var("FUGU_PEAK_GFLOPS") {
+        let total: f64 = v
+            .trim()
+            .parse()
+            .ok()
+            .filter(|x: &f64| *x > 0.0 && x.is_finite())
+            .ok_or_else(|| crate::GemmError::Config {
+                what: "FUGU_PEAK_GFLOPS".into(),
+                value: v.clone(),
+                expected: "a positive number of GFLOP/s for the threads in use".into(),
+            })?;
+        return Ok(Peak {
+            per_core_gflops: total / threads.max(1) as f64,
+            threads,
+            source: PeakSource::Given,
+        });
+    }
+    let per_core = measure_core_gflops(isa)
+        .or_else(|| measure_core_gflops(Isa::Portable))
+        .unwrap_or(1.0);
+    Ok(Peak {
+        per_core_gflops: per_core,
+        threads,
+        source: PeakSource::Measured { isa },
+    })
+}

@@ -1,0 +1,79 @@
+//! Raw strided matrices used inside the driver, after the safe views have been validated.
+
+/// A validated read-only strided block: `ptr` points at element (0, 0).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawMat {
+    pub ptr: *const f32,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+/// A validated writable strided block whose elements do not alias.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawMatMut {
+    pub ptr: *mut f32,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+// SAFETY: RawMat/RawMatMut are only built from validated views whose borrows outlive the GEMM
+// call; the driver gives each thread disjoint C tiles, and A/B are only read.
+unsafe impl Send for RawMat {}
+// SAFETY: as above.
+unsafe impl Sync for RawMat {}
+// SAFETY: as above; writes go to disjoint tiles.
+unsafe impl Send for RawMatMut {}
+// SAFETY: as above.
+unsafe impl Sync for RawMatMut {}
+
+impl RawMat {
+    /// The transpose.
+    pub fn t(self) -> Self {
+        RawMat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// The `rows × cols` block at `(r0, c0)`; the caller keeps it inside the view.
+    pub fn block(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Self {
+        debug_assert!(r0 + rows <= self.rows && c0 + cols <= self.cols);
+        RawMat {
+            ptr: self.ptr.wrapping_add(r0 * self.rs + c0 * self.cs),
+            rows,
+            cols,
+            ..self
+        }
+    }
+}
+
+impl RawMatMut {
+    /// The transpose.
+    pub fn t(self) -> Self {
+        RawMatMut {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// The `rows × cols` block at `(r0, c0)`; the caller keeps it inside the view.
+    pub fn block(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Self {
+        debug_assert!(r0 + rows <= self.rows && c0 + cols <= self.cols);
+        RawMatMut {
+            ptr: self.ptr.wrapping_add(r0 * self.rs + c0 * self.cs),
+            rows,
+            cols,
+            ..self
+        }
+    }
+}

@@ -1,0 +1,501 @@
+//! The runtime: the chosen kernel, block sizes and one thread pool per NUMA domain; and the GEMM
+//! entry points that validate views and dispatch to the driver.
+
+use crate::blocking::{Blocking, CacheInfo};
+use crate::buffer::AlignedBuf;
+use crate::driver::{run_parallel, run_sequential, scale_c, Ctx, Problem, SplitMode, MAX_TILE};
+use crate::error::GemmError;
+use crate::kernel::{best_kernel, forced_kernel, Isa, KernelF32};
+use crate::raw::{RawMat, RawMatMut};
+use crate::topology::{pin_current_thread, Topology, TopologyRequest};
+use crate::view::{BatchMut, BatchRef, MatMut, MatRef};
+use rayon::prelude::*;
+use std::sync::{Mutex, OnceLock};
+
+/// Everything that can be chosen when building a [`Runtime`]. `Default` means "detect";
+/// [`RuntimeConfig::from_env`] reads the `FUGU_*` environment variables.
+#[derive(Clone, Debug, Default)]
+pub struct RuntimeConfig {
+    /// Force one micro-kernel (`FUGU_GEMM_ISA`).
+    pub isa: Option<Isa>,
+    /// Domains, thread cap and pinning (`FUGU_CMGS`, `FUGU_NUM_THREADS`, `FUGU_PIN`).
+    pub topology: TopologyRequest,
+    /// Block sizes instead of the cache-derived ones (`FUGU_GEMM_MC/KC/NC` override fields).
+    pub blocking: Option<Blocking>,
+    /// How a domain's threads share one GEMM (`FUGU_GEMM_SPLIT=ic|jr`).
+    pub split: Option<SplitMode>,
+}
+
+impl RuntimeConfig {
+    /// Reads `FUGU_GEMM_ISA`, `FUGU_CMGS`, `FUGU_NUM_THREADS`, `FUGU_PIN` and
+    /// `FUGU_GEMM_SPLIT`. (`FUGU_GEMM_MC/KC/NC` are applied in [`Runtime::new`].)
+    pub fn from_env() -> Result<RuntimeConfig, GemmError> {
+        let isa = match std::env::var("FUGU_GEMM_ISA") {
+            Ok(v) if !v.trim().is_empty() => Some(Isa::parse(&v)?),
+            _ => None,
+        };
+        let split = match std::env::var("FUGU_GEMM_SPLIT") {
+            Ok(v) => Some(match v.trim() {
+                "ic" => SplitMode::Ic,
+                "jr" => SplitMode::Jr,
+                _ => {
+                    return Err(GemmError::Config {
+                        what: "FUGU_GEMM_SPLIT".into(),
+                        value: v,
+                        expected: "ic or jr".into(),
+                    })
+                }
+            }),
+            Err(_) => None,
+        };
+        Ok(RuntimeConfig {
+            isa,
+            topology: TopologyRequest::from_env()?,
+            blocking: None,
+            split,
+        })
+    }
+}
+
+struct Domain {
+    /// `None` for a single-threaded runtime, which runs on the calling thread.
+    pool: Option<rayon::ThreadPool>,
+    threads: usize,
+    /// Packing buffers owned by this domain (B̃ panel, shared Ã block), reused across calls.
+    bufs: Mutex<Vec<(AlignedBuf, AlignedBuf)>>,
+}
+
+/// A configured GEMM engine: kernel, block sizes and per-domain thread pools.
+///
+/// Most code uses the process-wide runtime behind [`crate::gemm`] (configured from the
+/// environment). Build your own with [`Runtime::new`] to choose threads or layout in code.
+pub struct Runtime {
+    ctx: Ctx,
+    split: SplitMode,
+    topology: Topology,
+    caches: CacheInfo,
+    domains: Vec<Domain>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+static GLOBAL: OnceLock<Result<Runtime, GemmError>> = OnceLock::new();
+
+impl Runtime {
+    /// Builds a runtime: picks the kernel, derives block sizes and starts the domain pools.
+    pub fn new(cfg: RuntimeConfig) -> Result<Runtime, GemmError> {
+        let kernel = match cfg.isa {
+            Some(isa) => forced_kernel(isa)?,
+            None => best_kernel(),
+        };
+        assert!(
+            kernel.mr * kernel.nr <= MAX_TILE,
+            "kernel tile exceeds MAX_TILE"
+        );
+        let topology = Topology::build(&cfg.topology);
+        let first_cpu = topology
+            .domains
+            .iter()
+            .flat_map(|d| d.cpus.first())
+            .next()
+            .copied()
+            .unwrap_or(0);
+        let caches = CacheInfo::detect(first_cpu);
+        let blk = match cfg.blocking {
+            Some(b) => b,
+            None => Blocking::derive(&caches, kernel.mr, kernel.nr),
+        }
+        .with_env_overrides(kernel.mr, kernel.nr)?;
+        let split = cfg.split.unwrap_or(if caches.l2_shared_by > 1 {
+            SplitMode::Jr
+        } else {
+            SplitMode::Ic
+        });
+        let single = topology.domains.len() == 1 && topology.domains[0].threads == 1;
+        let mut domains = Vec::new();
+        for (di, d) in topology.domains.iter().enumerate() {
+            let pool = if single {
+                None
+            } else {
+                let cpus = d.cpus.clone();
+                let pin = topology.pin;
+                let threads = d.threads;
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(d.threads)
+                    .thread_name(move |i| format!("fugu-gemm-d{di}-t{i}"))
+                    .start_handler(move |i| {
+                        if pin && !cpus.is_empty() {
+                            if threads <= cpus.len() {
+                                pin_current_thread(&cpus[i % cpus.len()..=i % cpus.len()]);
+                            } else {
+                                pin_current_thread(&cpus);
+                            }
+                        }
+                    })
+                    .build()
+                    .map_err(|e| GemmError::Config {
+                        what: "thread pool".into(),
+                        value: format!("{} threads", d.threads),
+                        expected: format!("a pool the OS can start ({e})"),
+                    })?;
+                Some(pool)
+            };
+            domains.push(Domain {
+                pool,
+                threads: d.threads,
+                bufs: Mutex::new(Vec::new()),
+            });
+        }
+        Ok(Runtime {
+            ctx: Ctx { kernel, blk },
+            split,
+            topology,
+            caches,
+            domains,
+        })
+    }
+
+    /// A runtime configured from the environment (see [`RuntimeConfig::from_env`]).
+    pub fn from_env() -> Result<Runtime, GemmError> {
+        Runtime::new(RuntimeConfig::from_env()?)
+    }
+
+    /// The process-wide runtime used by [`crate::gemm`] and friends, built from the
+    /// environment on first use. A bad environment setting is returned on every call.
+    pub fn global() -> Result<&'static Runtime, GemmError> {
+        GLOBAL
+            .get_or_init(Runtime::from_env)
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// The micro-kernel in use.
+    pub fn kernel(&self) -> KernelF32 {
+        self.ctx.kernel
+    }
+    /// The block sizes in use.
+    pub fn blocking(&self) -> Blocking {
+        self.ctx.blk
+    }
+    /// The domains and threads.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+    /// The detected cache sizes.
+    pub fn caches(&self) -> CacheInfo {
+        self.caches
+    }
+    /// How a domain's threads share one GEMM.
+    pub fn split_mode(&self) -> SplitMode {
+        self.split
+    }
+    /// Total number of threads.
+    pub fn threads(&self) -> usize {
+        self.domains.iter().map(|d| d.threads).sum()
+    }
+
+    /// One line for logs: kernel, tile, blocks, domains.
+    pub fn describe(&self) -> String {
+        let k = self.ctx.kernel;
+        let b = self.ctx.blk;
+        format!(
+            "isa={} tile={}x{} mc={} kc={} nc={} split={:?} {}",
+            k.isa,
+            k.mr,
+            k.nr,
+            b.mc,
+            b.kc,
+            b.nc,
+            self.split,
+            self.topology.describe()
+        )
+    }
+
+    /// `C := alpha·A·B + beta·C`.
+    ///
+    /// A is m×k, B is k×n and C is m×n; any strides. When `beta == 0`, C is not read (NaN in C
+    /// does not propagate). Mismatched shapes return [`GemmError::ShapeMismatch`].
+    pub fn gemm(
+        &self,
+        alpha: f32,
+        a: MatRef<'_, f32>,
+        b: MatRef<'_, f32>,
+        beta: f32,
+        mut c: MatMut<'_, f32>,
+    ) -> Result<(), GemmError> {
+        check_shapes(&a, &b, c.rows(), c.cols(), "")?;
+        let p = problem(alpha, &a, &b, beta, &mut c);
+        self.run_one(p);
+        Ok(())
+    }
+
+    /// Strided batched GEMM: `C[i] := alpha·A[i]·B[i] + beta·C[i]` for every `i` of the batch
+    /// (PyTorch's `baddbmm`; `bmm` is `beta = 0`).
+    pub fn gemm_strided_batched(
+        &self,
+        alpha: f32,
+        a: BatchRef<'_, f32>,
+        b: BatchRef<'_, f32>,
+        beta: f32,
+        mut c: BatchMut<'_, f32>,
+    ) -> Result<(), GemmError> {
+        if a.batch() != c.batch() || b.batch() != c.batch() {
+            return Err(GemmError::BatchMismatch {
+                detail: format!(
+                    "A has {} matrices, B has {}, C has {}",
+                    a.batch(),
+                    b.batch(),
+                    c.batch()
+                ),
+            });
+        }
+        let mut cs = c.matrices();
+        let mut problems = Vec::with_capacity(cs.len());
+        for (i, ci) in cs.iter_mut().enumerate() {
+            let (ai, bi) = (
+                a.matrix(i).expect("i < batch"),
+                b.matrix(i).expect("i < batch"),
+            );
+            check_shapes(&ai, &bi, ci.rows(), ci.cols(), "")?;
+            problems.push(problem(alpha, &ai, &bi, beta, ci));
+        }
+        self.run_batch(problems);
+        Ok(())
+    }
+
+    /// Pointer-array batched GEMM: `C[i] := alpha·A[i]·B[i] + beta·C[i]`. Problems may have
+    /// different shapes; they are scheduled by cost (m·n·k).
+    pub fn gemm_batched(
+        &self,
+        alpha: f32,
+        a: &[MatRef<'_, f32>],
+        b: &[MatRef<'_, f32>],
+        beta: f32,
+        c: &mut [MatMut<'_, f32>],
+    ) -> Result<(), GemmError> {
+        if a.len() != c.len() || b.len() != c.len() {
+            return Err(GemmError::BatchMismatch {
+                detail: format!(
+                    "{} A matrices, {} B matrices, {} C matrices",
+                    a.len(),
+                    b.len(),
+                    c.len()
+                ),
+            });
+        }
+        let mut problems = Vec::with_capacity(c.len());
+        for (i, ci) in c.iter_mut().enumerate() {
+            check_shapes(
+                &a[i],
+                &b[i],
+                ci.rows(),
+                ci.cols(),
+                &format!(" (problem {i})"),
+            )?;
+            problems.push(problem(alpha, &a[i], &b[i], beta, ci));
+        }
+        self.run_batch(problems);
+        Ok(())
+    }
+
+    /// Runs one problem on all domains: rows of C are split over domains in proportion to
+    /// their threads, each domain packing its own panels.
+    fn run_one(&self, p: Problem) {
+        if p.m() == 0 || p.n() == 0 {
+            return;
+        }
+        if p.is_scale_only() || self.threads() == 1 {
+            return run_sequential(&self.ctx, p);
+        }
+        let p = p.oriented();
+        let mr = self.ctx.kernel.mr;
+        let nd = self.domains.len();
+        if nd == 1 || p.m() < nd * mr * 4 {
+            return self.run_on_domain(0, p);
+        }
+        let total = self.threads();
+        let mut parts = Vec::with_capacity(nd);
+        let (mut start, mut cum) = (0, 0);
+        for d in &self.domains {
+            cum += d.threads;
+            let end = if cum == total {
+                p.m()
+            } else {
+                (p.m() * cum / total).next_multiple_of(mr).min(p.m())
+            };
+            parts.push((start, end.max(start) - start));
+            start = end.max(start);
+        }
+        std::thread::scope(|s| {
+            for (di, &(r0, rows)) in parts.iter().enumerate().skip(1) {
+                if rows > 0 {
+                    let sub = p.rows(r0, rows);
+                    s.spawn(move || self.run_on_domain(di, sub));
+                }
+            }
+            let (r0, rows) = parts[0];
+            if rows > 0 {
+                self.run_on_domain(0, p.rows(r0, rows));
+            }
+        });
+    }
+
+    fn run_on_domain(&self, di: usize, p: Problem) {
+        let d = &self.domains[di];
+        let Some(pool) = d.pool.as_ref().filter(|_| d.threads > 1) else {
+            return match d.pool.as_ref() {
+                Some(pool) => pool.install(|| run_sequential(&self.ctx, p)),
+                None => run_sequential(&self.ctx, p),
+            };
+        };
+        let (mut bbuf, mut abuf) = d
+            .bufs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or((AlignedBuf::empty(), AlignedBuf::empty()));
+        run_parallel(
+            &self.ctx, p, pool, d.threads, self.split, &mut bbuf, &mut abuf,
+        );
+        d.bufs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((bbuf, abuf));
+    }
+
+    /// Schedules a batch: whole problems go to domains and threads by cost when that balances
+    /// well (many small GEMMs: attention); otherwise each problem uses every thread in turn.
+    fn run_batch(&self, problems: Vec<Problem>) {
+        let mut work: Vec<Problem> = Vec::with_capacity(problems.len());
+        for p in problems {
+            if p.m() == 0 || p.n() == 0 {
+                continue;
+            }
+            if p.is_scale_only() {
+                scale_c(p.c, p.beta);
+            } else {
+                work.push(p);
+            }
+        }
+        let threads = self.threads();
+        if threads == 1 {
+            return work.into_iter().for_each(|p| run_sequential(&self.ctx, p));
+        }
+        if work.is_empty() {
+            return;
+        }
+        // Longest-processing-time-first over all threads predicts the balance.
+        work.sort_by_key(|p| std::cmp::Reverse(p.cost()));
+        let mut loads = vec![0u128; threads];
+        for p in &work {
+            let min = loads.iter_mut().min().expect("threads >= 1");
+            *min += p.cost();
+        }
+        let total: u128 = loads.iter().sum();
+        let makespan = *loads.iter().max().expect("threads >= 1");
+        let efficiency = total as f64 / (threads as f64 * makespan as f64);
+        if efficiency < 0.8 {
+            return work.into_iter().for_each(|p| self.run_one(p));
+        }
+        // Whole problems to domains, by cost relative to each domain's thread count.
+        let nd = self.domains.len();
+        let mut per_domain: Vec<Vec<Problem>> = vec![Vec::new(); nd];
+        let mut dload = vec![0f64; nd];
+        for p in work {
+            let di = (0..nd)
+                .min_by(|&x, &y| {
+                    let lx = (dload[x] + p.cost() as f64) / self.domains[x].threads as f64;
+                    let ly = (dload[y] + p.cost() as f64) / self.domains[y].threads as f64;
+                    lx.total_cmp(&ly)
+                })
+                .expect("at least one domain");
+            dload[di] += p.cost() as f64;
+            per_domain[di].push(p);
+        }
+        let ctx = &self.ctx;
+        let run_domain = |di: usize, ps: Vec<Problem>| {
+            let d = &self.domains[di];
+            match d.pool.as_ref() {
+                Some(pool) => pool.install(|| {
+                    ps.into_par_iter()
+                        .with_max_len(1)
+                        .for_each(|p| run_sequential(ctx, p))
+                }),
+                None => ps.into_iter().for_each(|p| run_sequential(ctx, p)),
+            }
+        };
+        let mut per_domain = per_domain.into_iter().enumerate();
+        let first = per_domain.next();
+        std::thread::scope(|s| {
+            for (di, ps) in per_domain {
+                if !ps.is_empty() {
+                    s.spawn(move || run_domain(di, ps));
+                }
+            }
+            if let Some((di, ps)) = first {
+                run_domain(di, ps);
+            }
+        });
+    }
+}
+
+fn check_shapes(
+    a: &MatRef<'_, f32>,
+    b: &MatRef<'_, f32>,
+    m: usize,
+    n: usize,
+    ctx: &str,
+) -> Result<(), GemmError> {
+    if a.rows() != m || b.cols() != n || a.cols() != b.rows() {
+        return Err(GemmError::ShapeMismatch {
+            detail: format!(
+                "A is {}x{}, B is {}x{}, C is {}x{}{}: need A m×k, B k×n, C m×n",
+                a.rows(),
+                a.cols(),
+                b.rows(),
+                b.cols(),
+                m,
+                n,
+                ctx
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn raw(v: &MatRef<'_, f32>) -> RawMat {
+    let empty = v.rows() == 0 || v.cols() == 0;
+    RawMat {
+        ptr: if empty { std::ptr::null() } else { v.ptr() },
+        rows: v.rows(),
+        cols: v.cols(),
+        rs: v.row_stride(),
+        cs: v.col_stride(),
+    }
+}
+
+fn problem(
+    alpha: f32,
+    a: &MatRef<'_, f32>,
+    b: &MatRef<'_, f32>,
+    beta: f32,
+    c: &mut MatMut<'_, f32>,
+) -> Problem {
+    Problem {
+        alpha,
+        a: raw(a),
+        b: raw(b),
+        beta,
+        c: RawMatMut {
+            ptr: c.ptr_mut(),
+            rows: c.rows(),
+            cols: c.cols(),
+            rs: c.row_stride(),
+            cs: c.col_stride(),
+        },
+    }
+}

@@ -1,0 +1,168 @@
+//! Shared helpers for the fugu-gemm integration tests: a deterministic RNG, runtime layouts
+//! and a checker against the f64 reference.
+#![allow(dead_code)]
+
+use fugu_gemm::reference::gemm_ref;
+use fugu_gemm::{Blocking, Isa, MatMut, MatRef, Runtime, RuntimeConfig, TopologyRequest};
+
+/// A small xorshift RNG so the tests need no dependencies and are reproducible.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    /// Uniform in [-1, 1).
+    pub fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f32()).collect()
+    }
+}
+
+/// The thread layouts every driver test runs under: 1 thread, 2 threads in one domain, and
+/// simulated multi-domain layouts (2 domains × 1 thread, 2 domains × 2 threads).
+pub fn layouts() -> Vec<(&'static str, TopologyRequest)> {
+    let req = |layout: Option<(usize, usize)>, max: Option<usize>| TopologyRequest {
+        layout,
+        max_threads: max,
+        pin: Some(false),
+    };
+    vec![
+        ("1 thread", req(Some((1, 1)), None)),
+        ("1 domain x 2 threads", req(Some((1, 2)), None)),
+        ("2 domains x 1 thread", req(Some((2, 1)), None)),
+        ("2 domains x 2 threads", req(Some((2, 2)), None)),
+    ]
+}
+
+/// A runtime for `isa` and `layout`, with tiny blocks so that small matrices still run
+/// several iterations of every loop (jc, pc, ic) and exercise every edge.
+pub fn small_block_runtime(isa: Isa, topology: TopologyRequest) -> Runtime {
+    let k = fugu_gemm::kernel::kernel_for(isa).expect("caller checked the ISA");
+    Runtime::new(RuntimeConfig {
+        isa: Some(isa),
+        topology,
+        blocking: Some(Blocking {
+            mc: 2 * k.mr,
+            kc: 16,
+            nc: 3 * k.nr,
+        }),
+        split: None,
+    })
+    .expect("runtime")
+}
+
+/// ISAs this CPU can run; prints the skipped ones.
+pub fn runnable_isas() -> Vec<Isa> {
+    Isa::ALL
+        .iter()
+        .copied()
+        .filter(|&isa| {
+            let ok = fugu_gemm::kernel::kernel_for(isa).is_some();
+            if !ok {
+                eprintln!("skipped: {isa} not supported on this CPU");
+            }
+            ok
+        })
+        .collect()
+}
+
+/// Storage of one operand: row-major or column-major inside a larger buffer with padding
+/// (leading dimension larger than needed) and an offset, so every view is a strided sub-view.
+#[derive(Clone, Copy, Debug)]
+pub enum Layout {
+    RowMajor,
+    ColMajor,
+    /// Both strides larger than 1 (e.g. every other element of every other row).
+    Strided,
+}
+
+pub const LAYOUTS: [Layout; 3] = [Layout::RowMajor, Layout::ColMajor, Layout::Strided];
+
+/// (buffer length, offset, row stride, col stride) for a `rows × cols` view in `layout`.
+pub fn geometry(layout: Layout, rows: usize, cols: usize) -> (usize, usize, usize, usize) {
+    let off = 3;
+    let (rs, cs) = match layout {
+        Layout::RowMajor => (cols + 2, 1),
+        Layout::ColMajor => (1, rows + 1),
+        Layout::Strided => (2, 2 * rows + 3),
+    };
+    let len = off + rows.saturating_sub(1) * rs + cols.saturating_sub(1) * cs + 1 + 5;
+    (len, off, rs, cs)
+}
+
+/// Relative error bound for an f32 GEMM of depth k against the f64 reference.
+pub fn tolerance(k: usize) -> f32 {
+    1e-6 * (k as f32 + 8.0) * 4.0
+}
+
+/// Runs `rt.gemm` on one configuration and compares every element (and the untouched
+/// padding) against the reference. Returns a description of the first mismatch.
+#[allow(clippy::too_many_arguments)]
+pub fn check_gemm(
+    rt: &Runtime,
+    rng: &mut Rng,
+    m: usize,
+    n: usize,
+    k: usize,
+    la: Layout,
+    lb: Layout,
+    lc: Layout,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), String> {
+    let (alen, aoff, ars, acs) = geometry(la, m, k);
+    let (blen, boff, brs, bcs) = geometry(lb, k, n);
+    let (clen, coff, crs, ccs) = geometry(lc, m, n);
+    let a = rng.vec(alen);
+    let b = rng.vec(blen);
+    let mut c = rng.vec(clen);
+    if beta == 0.0 {
+        // NaN must not leak from C when beta is 0. Mark the elements of the view only, so the
+        // padding check below still sees the original values.
+        for i in 0..m {
+            for j in 0..n {
+                c[coff + i * crs + j * ccs] = f32::NAN;
+            }
+        }
+    }
+    let mut want = c.clone();
+    let av = MatRef::with_offset(&a, aoff, m, k, ars, acs).unwrap();
+    let bv = MatRef::with_offset(&b, boff, k, n, brs, bcs).unwrap();
+    gemm_ref(
+        alpha,
+        av,
+        bv,
+        beta,
+        MatMut::with_offset(&mut want, coff, m, n, crs, ccs).unwrap(),
+    );
+    rt.gemm(
+        alpha,
+        av,
+        bv,
+        beta,
+        MatMut::with_offset(&mut c, coff, m, n, crs, ccs).unwrap(),
+    )
+    .map_err(|e| e.to_string())?;
+    let tol = tolerance(k);
+    for (idx, (&got, &exp)) in c.iter().zip(&want).enumerate() {
+        let scale = 1.0 + exp.abs();
+        if !(got.is_finite() == exp.is_finite() && ((got - exp).abs() <= tol * scale || got == exp))
+        {
+            return Err(format!(
+                "m={m} n={n} k={k} A={la:?} B={lb:?} C={lc:?} alpha={alpha} beta={beta}: element {idx} is {got}, want {exp} (tol {tol})"
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI): installs what it needs, then runs
+#   1. formatting check,
+#   2. the host test suite (x86-64: portable, AVX2 and AVX-512 kernels, driver, CLI),
+#   3. fugu-gemm's tests on aarch64 under QEMU at 512 (A64FX), 128, 256 and 2048-bit SVE,
+#   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%).
+# Skip stages with FUGU_TEST_SKIP="fmt host aarch64 mca" (space-separated) for quick loops.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$HOME/.cargo/bin:$PATH"
+
+skip() { case " ${FUGU_TEST_SKIP:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+stage() { printf '\n=== %s ===\n' "$*"; }
+start=$(date +%s)
+
+stage "dependencies"
+scripts/install-deps.sh
+
+if ! skip fmt; then
+  stage "cargo fmt --check"
+  cargo fmt --all -- --check
+fi
+
+if ! skip host; then
+  stage "host tests ($(uname -m))"
+  cargo test --workspace --locked -j2
+fi
+
+if ! skip aarch64; then
+  stage "aarch64 tests under QEMU"
+  scripts/test-aarch64.sh
+fi
+
+if ! skip mca; then
+  stage "A64FX prediction (llvm-mca)"
+  scripts/predict-a64fx.sh
+fi
+
+stage "all tests passed in $(( $(date +%s) - start )) s"
