@@ -1,3 +1,4 @@
 //! fugu: a CPU-first GPT trainer for A64FX-class supercomputers.
 
+pub mod bench;
 pub mod cli;

@@ -1,6 +1,6 @@
 //! The machine's FP32 peak: cores × FMA width × 2 × clock, measured with a tight FMA loop
 //! (so the clock and the number of FMA pipes need not be known), or given by
-//! `FUGU_PEAK_GFLOPS` (total for the threads in use). Benchmarks and the trainer's
+//! `FUGU_PEAK_GFLOPS_PER_CORE`. Benchmarks and the trainer's
 //! `peak_pct` both come from here.
 
 use crate::arch::fma_peak::fma_loop;
@@ -12,7 +12,7 @@ use std::time::Instant;
 pub enum PeakSource {
     /// Measured with an FMA loop of this ISA on one core, times the thread count.
     Measured { isa: Isa },
-    /// Set by the user (`FUGU_PEAK_GFLOPS` or a flag).
+    /// Set by the user (`FUGU_PEAK_GFLOPS_PER_CORE` or a flag).
     Given,
 }
 
@@ -51,7 +51,7 @@ impl Peak {
                 isa
             ),
             PeakSource::Given => format!(
-                "peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (given by FUGU_PEAK_GFLOPS or --peak-gflops)",
+                "peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (given by FUGU_PEAK_GFLOPS_PER_CORE or --peak-per-core)",
                 self.total_gflops(),
                 self.threads,
                 self.per_core_gflops
@@ -86,22 +86,22 @@ pub fn measure_core_gflops(isa: Isa) -> Option<f64> {
     Some(rates[2])
 }
 
-/// The peak for `threads` threads running `isa`: `FUGU_PEAK_GFLOPS` (total for those threads)
+/// The peak for `threads` threads running `isa`: `FUGU_PEAK_GFLOPS_PER_CORE` × threads
 /// if set, otherwise measured on one core and multiplied by the thread count.
 pub fn machine_peak(isa: Isa, threads: usize) -> Result<Peak, crate::GemmError> {
-    if let Ok(v) = std::env::var("FUGU_PEAK_GFLOPS") {
+    if let Ok(v) = std::env::var("FUGU_PEAK_GFLOPS_PER_CORE") {
         let total: f64 = v
             .trim()
             .parse()
             .ok()
             .filter(|x: &f64| *x > 0.0 && x.is_finite())
             .ok_or_else(|| crate::GemmError::Config {
-                what: "FUGU_PEAK_GFLOPS".into(),
+                what: "FUGU_PEAK_GFLOPS_PER_CORE".into(),
                 value: v.clone(),
-                expected: "a positive number of GFLOP/s for the threads in use".into(),
+                expected: "a positive number of GFLOP/s for one core".into(),
             })?;
         return Ok(Peak {
-            per_core_gflops: total / threads.max(1) as f64,
+            per_core_gflops: total,
             threads,
             source: PeakSource::Given,
         });

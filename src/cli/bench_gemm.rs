@@ -1,10 +1,124 @@
-//! `fugu bench gemm` (not implemented yet).
+//! `fugu bench gemm`: fugu-gemm against matrixmultiply (and OpenBLAS with the `openblas`
+//! feature) on named shape sets or custom shapes.
+
+use crate::bench::gemm::{format_row, parse_shape, run_shape, shape_set, table_header, BenchOptions};
+use anyhow::{bail, Context, Result};
+use fugu_gemm::{Isa, Runtime, RuntimeConfig};
 
 /// Arguments of `fugu bench gemm`.
-#[derive(clap::Args, Debug)]
-pub struct BenchGemmArgs {}
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchGemmArgs {
+    /// Shape sets: square, gpt2, attention, fugaku, all (comma-separated or repeated).
+    #[arg(long = "set", value_delimiter = ',', default_value = "gpt2")]
+    pub sets: Vec<String>,
+    /// Custom shape MxNxK or MxNxKxBATCH (repeatable); replaces the sets unless --set is given.
+    #[arg(long = "shape")]
+    pub shapes: Vec<String>,
+    /// Thread counts (comma-separated); each runs in its own process so that the baseline
+    /// uses the same count. Default: all threads fugu-gemm would use.
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Vec<usize>,
+    /// Force a micro-kernel: portable, avx2, avx512, neon, sve.
+    #[arg(long)]
+    pub isa: Option<String>,
+    /// Output format.
+    #[arg(long, default_value = "table", value_parser = ["table", "json"])]
+    pub format: String,
+    /// Seconds spent timing each implementation per row (median over the repeats).
+    #[arg(long, default_value_t = 0.5)]
+    pub budget: f64,
+    /// Skip the matrixmultiply baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// FP32 peak of one core in GFLOP/s, instead of measuring it.
+    #[arg(long)]
+    pub peak_per_core: Option<f64>,
+}
 
-/// Runs the subcommand.
-pub fn run(_args: BenchGemmArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+/// Runs the benchmark.
+pub fn run(args: BenchGemmArgs) -> Result<()> {
+    if args.threads.len() > 1 {
+        return run_each_thread_count(&args);
+    }
+    let explicit_sets = std::env::args().any(|a| a == "--set" || a.starts_with("--set="));
+    let mut shapes = Vec::new();
+    if args.shapes.is_empty() || explicit_sets {
+        for s in &args.sets {
+            shapes.extend(shape_set(s.trim())?);
+        }
+    }
+    for s in &args.shapes {
+        shapes.push(parse_shape(s)?);
+    }
+    let mut cfg = RuntimeConfig::from_env().context("reading FUGU_* settings")?;
+    if let Some(isa) = &args.isa {
+        cfg.isa = Some(Isa::parse(isa)?);
+    }
+    if let Some(&t) = args.threads.first() {
+        if t == 0 {
+            bail!("--threads must be at least 1");
+        }
+        cfg.topology.max_threads = Some(t);
+    }
+    let rt = Runtime::new(cfg)?;
+    // matrixmultiply reads its thread count once, at its first call (it caps it at 4).
+    std::env::set_var("MATMUL_NUM_THREADS", rt.threads().to_string());
+    if let Some(p) = args.peak_per_core {
+        std::env::set_var("FUGU_PEAK_GFLOPS_PER_CORE", p.to_string());
+    }
+    let peak = fugu_gemm::peak::machine_peak(rt.kernel().isa, rt.threads())?;
+    eprintln!("fugu-gemm: {}", rt.describe());
+    eprintln!("{}", peak.describe());
+    eprintln!(
+        "baseline: matrixmultiply 0.3 with {} thread(s){}",
+        rt.threads().min(4),
+        if cfg!(feature = "openblas") { "; OpenBLAS (system) side by side" } else { "" }
+    );
+    let opts = BenchOptions {
+        budget_s: args.budget.max(0.0),
+        baseline: !args.no_baseline,
+        ..Default::default()
+    };
+    let json = args.format == "json";
+    if !json {
+        println!("{}", table_header());
+    }
+    let total = shapes.len();
+    for (i, s) in shapes.iter().enumerate() {
+        if json {
+            eprintln!("[{}/{}] {} {}x{}x{} batch {}", i + 1, total, s.name, s.m, s.n, s.k, s.batch);
+        }
+        let row = run_shape(&rt, &peak, s, &opts)?;
+        if json {
+            println!("{}", serde_json::to_string(&row)?);
+        } else {
+            println!("{}", format_row(&row));
+        }
+    }
+    Ok(())
+}
+
+/// Re-runs this command once per thread count, in a child process each.
+fn run_each_thread_count(args: &BenchGemmArgs) -> Result<()> {
+    let exe = std::env::current_exe().context("locating the fugu executable")?;
+    let mut rest: Vec<String> = Vec::new();
+    let mut it = std::env::args().skip(1).peekable();
+    while let Some(a) = it.next() {
+        if a == "--threads" {
+            it.next();
+        } else if !a.starts_with("--threads=") {
+            rest.push(a);
+        }
+    }
+    for &t in &args.threads {
+        let status = std::process::Command::new(&exe)
+            .args(&rest)
+            .arg(format!("--threads={t}"))
+            .status()
+            .with_context(|| format!("running {} for {t} threads", exe.display()))?;
+        if !status.success() {
+            bail!("benchmark with {t} threads failed ({status})");
+        }
+    }
+    Ok(())
 }

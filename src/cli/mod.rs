@@ -1,6 +1,7 @@
 //! The `fugu` command line: one module per subcommand.
 
 mod bench_gemm;
+pub use bench_gemm::{run as bench_gemm_run, BenchGemmArgs};
 mod bench_io;
 mod prepare;
 

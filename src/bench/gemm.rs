@@ -1,0 +1,487 @@
+//! The GEMM benchmark behind `fugu bench gemm` and `cargo bench --bench gemm`.
+//!
+//! Every row times fugu-gemm and a baseline (matrixmultiply, and the system OpenBLAS with the
+//! `openblas` feature) on the same operands in the same process, checks that they agree, and
+//! reports median GFLOP/s, % of the machine's FP32 peak and the ratio to the baseline.
+
+use super::stats::{median, time_runs};
+use anyhow::{bail, Context, Result};
+use fugu_gemm::peak::Peak;
+use fugu_gemm::{BatchMut, BatchRef, MatMut, MatRef, Runtime};
+use serde::Serialize;
+
+/// One benchmark problem: `batch` GEMMs of C (m×n) = A (m×k) · B (k×n), row-major, with A
+/// stored transposed when `ta` and B stored transposed when `tb` (as the trainer's backward
+/// pass uses them).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BenchShape {
+    pub set: String,
+    pub name: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub batch: usize,
+    pub ta: bool,
+    pub tb: bool,
+}
+
+fn shape(set: &str, name: &str, m: usize, n: usize, k: usize, batch: usize, ta: bool, tb: bool) -> BenchShape {
+    BenchShape {
+        set: set.into(),
+        name: name.into(),
+        m,
+        n,
+        k,
+        batch,
+        ta,
+        tb,
+    }
+}
+
+/// The named shape sets: `square`, `gpt2`, `attention`, `fugaku`, and `all`.
+pub fn shape_set(name: &str) -> Result<Vec<BenchShape>> {
+    let mut v = Vec::new();
+    match name {
+        "square" => {
+            for s in [256, 512, 1024, 2048, 4096] {
+                v.push(shape("square", &format!("{s}^3"), s, s, s, 1, false, false));
+            }
+        }
+        "gpt2" => {
+            // GPT-2 124M at B·T = 1024 tokens: every linear layer forward (X·W), backward data
+            // (dY·Wᵀ) and backward weight (Xᵀ·dY), and the LM head (X·Eᵀ).
+            let bt = 1024;
+            for (layer, din, dout) in [
+                ("qkv", 768, 2304),
+                ("attn-proj", 768, 768),
+                ("fc", 768, 3072),
+                ("mlp-proj", 3072, 768),
+            ] {
+                v.push(shape("gpt2", &format!("{layer} fwd"), bt, dout, din, 1, false, false));
+                v.push(shape("gpt2", &format!("{layer} bwd-data"), bt, din, dout, 1, false, true));
+                v.push(shape("gpt2", &format!("{layer} bwd-weight"), din, dout, bt, 1, true, false));
+            }
+            v.push(shape("gpt2", "lm-head fwd", bt, 50304, 768, 1, false, true));
+            v.push(shape("gpt2", "lm-head bwd-data", bt, 768, 50304, 1, false, false));
+            v.push(shape("gpt2", "lm-head bwd-weight", 50304, 768, bt, 1, true, false));
+        }
+        "attention" => {
+            // 4 sequences x 12 heads = batch 48, head size 64: scores Q·Kᵀ and context P·V.
+            for t in [64, 256, 1024] {
+                v.push(shape("attention", &format!("QK^T T={t}"), t, t, 64, 48, false, true));
+                v.push(shape("attention", &format!("PV T={t}"), t, 64, t, 48, false, false));
+            }
+        }
+        "fugaku" => {
+            // DL4Fugaku GPT shapes (hidden 7168, 56 heads of 128, sequence 2048) at tensor
+            // parallel degree 8, which fits a 24 GiB machine with the baseline's copies.
+            let (s, h, heads, tp) = (2048, 7168, 56, 8);
+            v.push(shape("fugaku", "qkv tp=8", s, 3 * h / tp, h, 1, false, false));
+            v.push(shape("fugaku", "scores tp=8", s, s, 128, heads / tp, false, true));
+            v.push(shape("fugaku", "context tp=8", s, 128, s, heads / tp, false, false));
+            v.push(shape("fugaku", "out-proj tp=8", s, h, h / tp, 1, false, false));
+            v.push(shape("fugaku", "fc1 tp=8", s, 4 * h / tp, h, 1, false, false));
+            v.push(shape("fugaku", "fc2 tp=8", s, h, 4 * h / tp, 1, false, false));
+        }
+        "all" => {
+            for s in ["square", "gpt2", "attention", "fugaku"] {
+                v.extend(shape_set(s)?);
+            }
+        }
+        other => bail!("unknown shape set {other:?}: expected square, gpt2, attention, fugaku or all"),
+    }
+    Ok(v)
+}
+
+/// Parses `MxNxK` or `MxNxKxBATCH`.
+pub fn parse_shape(s: &str) -> Result<BenchShape> {
+    let parts: Vec<&str> = s.split(['x', 'X']).collect();
+    let nums: Vec<usize> = parts
+        .iter()
+        .map(|p| p.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH with integers"))?;
+    let (m, n, k, batch) = match nums[..] {
+        [m, n, k] => (m, n, k, 1),
+        [m, n, k, b] => (m, n, k, b),
+        _ => bail!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH"),
+    };
+    if m == 0 || n == 0 || k == 0 || batch == 0 {
+        bail!("bad --shape {s:?}: every dimension must be at least 1");
+    }
+    let elems = (m * k + k * n + m * n).saturating_mul(batch);
+    if elems > 2_000_000_000 {
+        bail!("--shape {s:?} needs {elems} floats per operand copy; too large");
+    }
+    Ok(shape("custom", s, m, n, k, batch, false, false))
+}
+
+/// What to compare against, and how long to time each row.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Approximate seconds spent timing each implementation per row.
+    pub budget_s: f64,
+    pub min_reps: usize,
+    pub max_reps: usize,
+    /// Time matrixmultiply too (the default baseline).
+    pub baseline: bool,
+    /// Time the system OpenBLAS too (only with the `openblas` feature).
+    pub openblas: bool,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            budget_s: 0.5,
+            min_reps: 3,
+            max_reps: 50,
+            baseline: true,
+            openblas: cfg!(feature = "openblas"),
+        }
+    }
+}
+
+/// One result line (`--format json` writes these).
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRow {
+    pub set: String,
+    pub name: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub batch: usize,
+    pub ta: bool,
+    pub tb: bool,
+    pub threads: usize,
+    pub domains: usize,
+    pub isa: String,
+    pub gflops: f64,
+    pub median_s: f64,
+    pub repeats: usize,
+    pub peak_gflops: f64,
+    pub peak_pct: f64,
+    pub peak_source: String,
+    pub baseline: String,
+    pub baseline_gflops: Option<f64>,
+    pub ratio: Option<f64>,
+    pub openblas_gflops: Option<f64>,
+    pub openblas_ratio: Option<f64>,
+    /// Batched shapes: OpenBLAS with the batch split over threads, 1-thread calls each.
+    pub openblas_split_gflops: Option<f64>,
+    /// Largest |fugu − baseline| relative to the largest |C|.
+    pub max_rel_diff: Option<f64>,
+}
+
+struct Operands {
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+fn fill(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// Strides (row, col) of the stored A (m×k logical) and B (k×n logical).
+fn strides(s: &BenchShape) -> ((usize, usize), (usize, usize)) {
+    let a = if s.ta { (1, s.m) } else { (s.k, 1) };
+    let b = if s.tb { (1, s.k) } else { (s.n, 1) };
+    (a, b)
+}
+
+fn run_fugu(rt: &Runtime, s: &BenchShape, ops: &Operands, c: &mut [f32]) -> Result<()> {
+    let ((ars, acs), (brs, bcs)) = strides(s);
+    if s.batch == 1 {
+        rt.gemm(
+            1.0,
+            MatRef::new(&ops.a, s.m, s.k, ars, acs)?,
+            MatRef::new(&ops.b, s.k, s.n, brs, bcs)?,
+            0.0,
+            MatMut::row_major(c, s.m, s.n)?,
+        )?;
+    } else {
+        rt.gemm_strided_batched(
+            1.0,
+            BatchRef::new(&ops.a, s.batch, s.m, s.k, ars, acs, s.m * s.k)?,
+            BatchRef::new(&ops.b, s.batch, s.k, s.n, brs, bcs, s.k * s.n)?,
+            0.0,
+            BatchMut::row_major(c, s.batch, s.m, s.n)?,
+        )?;
+    }
+    Ok(())
+}
+
+fn run_matrixmultiply(s: &BenchShape, ops: &Operands, c: &mut [f32]) {
+    let ((ars, acs), (brs, bcs)) = strides(s);
+    for i in 0..s.batch {
+        let (a, b) = (&ops.a[i * s.m * s.k..], &ops.b[i * s.k * s.n..]);
+        let c = &mut c[i * s.m * s.n..(i + 1) * s.m * s.n];
+        // SAFETY: a, b and c hold the dense m×k, k×n and m×n matrices of problem i with the
+        // strides given, as laid out by `strides` and the batch offsets above.
+        unsafe {
+            matrixmultiply::sgemm(
+                s.m,
+                s.k,
+                s.n,
+                1.0,
+                a.as_ptr(),
+                ars as isize,
+                acs as isize,
+                b.as_ptr(),
+                brs as isize,
+                bcs as isize,
+                0.0,
+                c.as_mut_ptr(),
+                s.n as isize,
+                1,
+            )
+        }
+    }
+}
+
+#[cfg(feature = "openblas")]
+fn run_openblas_loop(s: &BenchShape, ops: &Operands, c: &mut [f32]) {
+    for i in 0..s.batch {
+        super::openblas::sgemm(
+            s.m,
+            s.n,
+            s.k,
+            s.ta,
+            s.tb,
+            &ops.a[i * s.m * s.k..(i + 1) * s.m * s.k],
+            &ops.b[i * s.k * s.n..(i + 1) * s.k * s.n],
+            &mut c[i * s.m * s.n..(i + 1) * s.m * s.n],
+        );
+    }
+}
+
+#[cfg(feature = "openblas")]
+fn run_openblas_split(s: &BenchShape, ops: &Operands, c: &mut [f32], threads: usize) {
+    let per = s.batch.div_ceil(threads);
+    std::thread::scope(|sc| {
+        for (t, cc) in c.chunks_mut(per * s.m * s.n).enumerate() {
+            sc.spawn(move || {
+                for (j, ci) in cc.chunks_mut(s.m * s.n).enumerate() {
+                    let i = t * per + j;
+                    super::openblas::sgemm(
+                        s.m,
+                        s.n,
+                        s.k,
+                        s.ta,
+                        s.tb,
+                        &ops.a[i * s.m * s.k..(i + 1) * s.m * s.k],
+                        &ops.b[i * s.k * s.n..(i + 1) * s.k * s.n],
+                        ci,
+                    );
+                }
+            });
+        }
+    });
+}
+
+fn gflops(s: &BenchShape, secs: f64) -> f64 {
+    2.0 * (s.m * s.n * s.k * s.batch) as f64 / secs / 1e9
+}
+
+/// Times one shape on `rt` (and the baselines) and checks that the results agree.
+pub fn run_shape(rt: &Runtime, peak: &Peak, s: &BenchShape, opts: &BenchOptions) -> Result<BenchRow> {
+    let ops = Operands {
+        a: fill(s.batch * s.m * s.k, 1),
+        b: fill(s.batch * s.k * s.n, 2),
+    };
+    let mut c = vec![0.0f32; s.batch * s.m * s.n];
+    let mut err = None;
+    let times = time_runs(
+        || {
+            if let Err(e) = run_fugu(rt, s, &ops, &mut c) {
+                err.get_or_insert(e);
+            }
+        },
+        opts.budget_s,
+        opts.min_reps,
+        opts.max_reps,
+    );
+    if let Some(e) = err {
+        return Err(e).with_context(|| format!("fugu-gemm failed on {}", s.name));
+    }
+    let t = median(&times);
+    let g = gflops(s, t);
+    let mut row = BenchRow {
+        set: s.set.clone(),
+        name: s.name.clone(),
+        m: s.m,
+        n: s.n,
+        k: s.k,
+        batch: s.batch,
+        ta: s.ta,
+        tb: s.tb,
+        threads: rt.threads(),
+        domains: rt.topology().domains.len(),
+        isa: rt.kernel().isa.to_string(),
+        gflops: g,
+        median_s: t,
+        repeats: times.len(),
+        peak_gflops: peak.total_gflops(),
+        peak_pct: 100.0 * g / peak.total_gflops(),
+        peak_source: format!("{:?}", peak.source),
+        baseline: "matrixmultiply".into(),
+        baseline_gflops: None,
+        ratio: None,
+        openblas_gflops: None,
+        openblas_ratio: None,
+        openblas_split_gflops: None,
+        max_rel_diff: None,
+    };
+    if opts.baseline {
+        let mut cb = vec![0.0f32; c.len()];
+        let bt = median(&time_runs(
+            || run_matrixmultiply(s, &ops, &mut cb),
+            opts.budget_s,
+            opts.min_reps,
+            opts.max_reps,
+        ));
+        let bg = gflops(s, bt);
+        row.baseline_gflops = Some(bg);
+        row.ratio = Some(g / bg);
+        let scale = cb.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+        let diff = c.iter().zip(&cb).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        let rel = (diff / scale) as f64;
+        row.max_rel_diff = Some(rel);
+        if !(rel < 1e-3) {
+            bail!(
+                "{}: fugu-gemm and matrixmultiply disagree (max relative difference {rel:e})",
+                s.name
+            );
+        }
+    }
+    #[cfg(feature = "openblas")]
+    if opts.openblas {
+        let mut co = vec![0.0f32; c.len()];
+        super::openblas::set_threads(rt.threads());
+        let ot = median(&time_runs(
+            || run_openblas_loop(s, &ops, &mut co),
+            opts.budget_s,
+            opts.min_reps,
+            opts.max_reps,
+        ));
+        row.openblas_gflops = Some(gflops(s, ot));
+        row.openblas_ratio = Some(g / gflops(s, ot));
+        if s.batch > 1 && rt.threads() > 1 {
+            super::openblas::set_threads(1);
+            let st = median(&time_runs(
+                || run_openblas_split(s, &ops, &mut co, rt.threads()),
+                opts.budget_s,
+                opts.min_reps,
+                opts.max_reps,
+            ));
+            row.openblas_split_gflops = Some(gflops(s, st));
+            super::openblas::set_threads(rt.threads());
+        }
+    }
+    Ok(row)
+}
+
+/// The table header matching [`format_row`].
+pub fn table_header() -> String {
+    let mut h = format!(
+        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:>8} {:>6} {:>9} {:>6}",
+        "set", "name", "MxNxK", "batch", "thr", "isa", "GFLOP/s", "%peak", "mm GF/s", "ratio"
+    );
+    if cfg!(feature = "openblas") {
+        h.push_str(&format!(" {:>9} {:>6} {:>9}", "oblas GF", "ratio", "oblas-spl"));
+    }
+    h
+}
+
+fn opt(v: Option<f64>, prec: usize) -> String {
+    v.map_or("-".into(), |x| format!("{x:.prec$}"))
+}
+
+/// One human-readable table line.
+pub fn format_row(r: &BenchRow) -> String {
+    let mut line = format!(
+        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:>8.1} {:>5.1}% {:>9} {:>6}",
+        r.set,
+        r.name,
+        format!("{}x{}x{}", r.m, r.n, r.k),
+        r.batch,
+        r.threads,
+        r.isa,
+        r.gflops,
+        r.peak_pct,
+        opt(r.baseline_gflops, 1),
+        opt(r.ratio, 2),
+    );
+    if cfg!(feature = "openblas") {
+        line.push_str(&format!(
+            " {:>9} {:>6} {:>9}",
+            opt(r.openblas_gflops, 1),
+            opt(r.openblas_ratio, 2),
+            opt(r.openblas_split_gflops, 1)
+        ));
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_sets_have_the_issue_shapes() {
+        let g = shape_set("gpt2").unwrap();
+        for (m, n, k) in [(1024, 2304, 768), (1024, 768, 768), (1024, 3072, 768), (1024, 768, 3072), (1024, 50304, 768)] {
+            assert!(g.iter().any(|s| (s.m, s.n, s.k) == (m, n, k)), "{m}x{n}x{k}");
+        }
+        assert!(g.iter().any(|s| s.ta) && g.iter().any(|s| s.tb));
+        let a = shape_set("attention").unwrap();
+        assert_eq!(a.len(), 6);
+        assert!(a.iter().all(|s| s.batch == 48));
+        assert_eq!(shape_set("square").unwrap().last().unwrap().m, 4096);
+        assert!(shape_set("nope").is_err());
+    }
+
+    #[test]
+    fn custom_shapes() {
+        let s = parse_shape("7x5x3x2").unwrap();
+        assert_eq!((s.m, s.n, s.k, s.batch), (7, 5, 3, 2));
+        assert!(parse_shape("7x5").is_err());
+        assert!(parse_shape("7x0x3").is_err());
+        assert!(parse_shape("axbxc").is_err());
+    }
+
+    #[test]
+    fn a_small_row_runs_and_agrees_with_the_baseline() {
+        let rt = Runtime::new(fugu_gemm::RuntimeConfig {
+            topology: fugu_gemm::TopologyRequest {
+                layout: Some((1, 1)),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        let peak = Peak {
+            per_core_gflops: 10.0,
+            threads: 1,
+            source: fugu_gemm::peak::PeakSource::Given,
+        };
+        let opts = BenchOptions {
+            budget_s: 0.0,
+            min_reps: 1,
+            max_reps: 1,
+            ..Default::default()
+        };
+        for s in [parse_shape("33x17x9x3").unwrap(), shape("t", "t", 20, 30, 40, 1, true, true)] {
+            let r = run_shape(&rt, &peak, &s, &opts).unwrap();
+            assert!(r.gflops > 0.0 && r.baseline_gflops.unwrap() > 0.0);
+            assert!(r.max_rel_diff.unwrap() < 1e-5, "{:?}", r.max_rel_diff);
+        }
+    }
+}
