@@ -1,10 +1,105 @@
-//! `fugu prepare` (not implemented yet).
+//! `fugu prepare`: tokenise text into WebDataset-style tar shards plus a
+//! `manifest.json` (see docs/DATA.md).
+
+use anyhow::Context;
+use std::path::PathBuf;
 
 /// Arguments of `fugu prepare`.
 #[derive(clap::Args, Debug)]
-pub struct PrepareArgs {}
+pub struct PrepareArgs {
+    /// Text files, folders of them, .tar/.tar.gz archives of text files, or
+    /// JSONL files with a `text` field (.gz accepted). None: the bundled
+    /// Shakespeare corpus.
+    pub inputs: Vec<PathBuf>,
+    /// Output folder for the shards and manifest.json.
+    #[arg(short, long, default_value = "data/shakespeare")]
+    pub out: PathBuf,
+    /// Target shard size (bytes; suffixes K, M, G).
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pub shard_size: u64,
+    /// Fraction of documents held out for validation (every round(1/f)-th).
+    #[arg(long, default_value_t = 0.05)]
+    pub val_fraction: f64,
+    /// Tokenizer.
+    #[arg(long, default_value = "gpt2")]
+    pub tokenizer: String,
+    /// Also store each sample's text as KEY.txt.
+    #[arg(long)]
+    pub write_text: bool,
+    /// Log and skip unreadable inputs and bad JSONL lines instead of failing.
+    #[arg(long)]
+    pub skip_bad_samples: bool,
+    /// Tokenisation threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Longest sample in tokens; longer documents are split into parts.
+    #[arg(long, default_value_t = 1 << 18)]
+    pub max_sample_tokens: usize,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Parses `123`, `64K`, `256M`, `1G` (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size like 512K, 256M or 1G"))?;
+    if !(n.is_finite() && n > 0.0) {
+        return Err(format!("`{s}` must be positive"));
+    }
+    Ok((n * mul as f64) as u64)
+}
 
 /// Runs the subcommand.
-pub fn run(_args: PrepareArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: PrepareArgs) -> anyhow::Result<()> {
+    let opts = fugu_io::PrepareOptions {
+        inputs: args.inputs,
+        out_dir: args.out,
+        tokenizer: args.tokenizer,
+        shard_bytes: args.shard_size,
+        val_fraction: args.val_fraction,
+        write_text: args.write_text,
+        skip_bad: args.skip_bad_samples,
+        threads: args.threads,
+        progress: !args.quiet,
+        max_sample_tokens: args.max_sample_tokens,
+        ..Default::default()
+    };
+    let s = fugu_io::prepare(&opts).context("fugu prepare failed")?;
+    let m = &s.manifest;
+    let t = &m.totals;
+    println!(
+        "prepared {} documents ({} text bytes) -> {} tokens in {:.2} s ({:.2} M tokens/s)",
+        t.documents,
+        t.text_bytes,
+        t.tokens,
+        s.seconds,
+        t.tokens as f64 / s.seconds / 1e6
+    );
+    for (name, sp) in [("train", &m.train), ("val", &m.val)] {
+        println!(
+            "  {name:5}: {} documents, {} samples, {} tokens, {} shard(s)",
+            sp.documents,
+            sp.samples,
+            sp.tokens,
+            sp.shards.len()
+        );
+    }
+    if t.empty_documents + t.invalid_utf8_documents + t.skipped_bad_inputs > 0 {
+        println!(
+            "  notes: {} empty documents left out, {} with invalid UTF-8, {} bad inputs skipped",
+            t.empty_documents, t.invalid_utf8_documents, t.skipped_bad_inputs
+        );
+    }
+    println!("manifest: {}", s.manifest_path.display());
+    Ok(())
 }

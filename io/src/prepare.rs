@@ -1,0 +1,816 @@
+//! `prepare`: text in, WebDataset-style token shards plus `manifest.json` out.
+//!
+//! Inputs are walked in a fixed order (arguments as given; folders sorted by
+//! name; tar members and JSONL lines in file order). Text is cut into chunks
+//! only where GPT-2's pre-tokenizer cannot join across the cut, tokenised in
+//! parallel batches, and written in input order, so the output does not
+//! depend on the thread count and a re-run is byte-identical.
+
+use crate::bundled;
+use crate::error::{Error, Result};
+use crate::manifest::{
+    hex, Manifest, ShardInfo, SplitInfo, SplitRule, Totals, MANIFEST_FORMAT, MANIFEST_VERSION,
+};
+use crate::tar::{EntryKind, StreamSource, TarReader, TarSource, TarWriter};
+use crate::tokenizer::{is_safe_cut, tokenizer_by_name, Tokenizer};
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Options of [`prepare`].
+#[derive(Clone, Debug)]
+pub struct PrepareOptions {
+    /// Text files, folders, `.tar`/`.tar.gz` archives, `.jsonl` (optionally
+    /// `.gz`). Empty: the bundled Shakespeare corpus.
+    pub inputs: Vec<PathBuf>,
+    /// Output folder (created if needed).
+    pub out_dir: PathBuf,
+    /// Tokenizer name (`gpt2`).
+    pub tokenizer: String,
+    /// Target shard size in bytes (a shard holds at least one sample).
+    pub shard_bytes: u64,
+    /// Fraction of documents held out for validation (0 disables).
+    pub val_fraction: f64,
+    /// Also store `KEY.txt` (the decoded text of the sample).
+    pub write_text: bool,
+    /// Skip unreadable inputs / bad JSONL lines instead of failing.
+    pub skip_bad: bool,
+    /// Worker threads for tokenisation (`None`: all cores).
+    pub threads: Option<usize>,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+    /// Longest sample; longer documents are split into parts.
+    pub max_sample_tokens: usize,
+    /// Target size of a tokenisation chunk in bytes.
+    pub chunk_bytes: usize,
+}
+
+impl Default for PrepareOptions {
+    fn default() -> Self {
+        PrepareOptions {
+            inputs: Vec::new(),
+            out_dir: PathBuf::from("data/shakespeare"),
+            tokenizer: "gpt2".into(),
+            shard_bytes: 256 << 20,
+            val_fraction: 0.05,
+            write_text: false,
+            skip_bad: false,
+            threads: None,
+            progress: false,
+            max_sample_tokens: 1 << 18,
+            chunk_bytes: 256 << 10,
+        }
+    }
+}
+
+/// What [`prepare`] did.
+#[derive(Clone, Debug)]
+pub struct PrepareSummary {
+    /// Path of the written `manifest.json`.
+    pub manifest_path: PathBuf,
+    /// The manifest itself.
+    pub manifest: Manifest,
+    /// Wall time in seconds.
+    pub seconds: f64,
+}
+
+/// Tokenises the inputs into shards. Usable without the CLI (the trainer
+/// calls it to prepare the bundled corpus).
+pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
+    let start = Instant::now();
+    if !(0.0..1.0).contains(&opts.val_fraction) {
+        return Err(Error::Config(format!(
+            "val_fraction must be in [0, 1), got {}",
+            opts.val_fraction
+        )));
+    }
+    if opts.max_sample_tokens < 2 || opts.chunk_bytes < 16 {
+        return Err(Error::Config(
+            "max_sample_tokens must be >= 2 and chunk_bytes >= 16".into(),
+        ));
+    }
+    let tok = tokenizer_by_name(&opts.tokenizer)?;
+    std::fs::create_dir_all(&opts.out_dir)
+        .map_err(|e| Error::io(&opts.out_dir, "create output folder", e))?;
+    let val_every = if opts.val_fraction > 0.0 {
+        ((1.0 / opts.val_fraction).round() as u64).max(2)
+    } else {
+        0
+    };
+    let dtype = if tok.vocab_size() <= 65536 {
+        "u16"
+    } else {
+        "u32"
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.unwrap_or(0))
+        .build()
+        .map_err(|e| Error::Config(format!("thread pool: {e}")))?;
+
+    let bar = if opts.progress {
+        let b = indicatif::ProgressBar::new_spinner();
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {elapsed} {bytes} of text ({bytes_per_sec}) {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+        );
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+
+    let mut state = Writer {
+        tok: tok.as_ref(),
+        opts,
+        val_every,
+        dtype,
+        splits: [
+            SplitWriter::new(&opts.out_dir, "train"),
+            SplitWriter::new(&opts.out_dir, "val"),
+        ],
+        totals: Totals::default(),
+        doc: None,
+        next_doc: 0,
+        batch: Vec::new(),
+        batch_bytes: 0,
+        pool: &pool,
+        bar: &bar,
+    };
+
+    let mut walker = Walker {
+        opts,
+        seq: 0,
+        skipped: 0,
+    };
+    let mut sink = |c: Chunk| state.push(c);
+    if opts.inputs.is_empty() {
+        let src = StreamSource(flate2::read::GzDecoder::new(bundled::SHAKESPEARE_TAR_GZ));
+        walker.walk_tar(src, Path::new(bundled::SHAKESPEARE_NAME), &mut sink)?;
+    } else {
+        for input in &opts.inputs {
+            walker.walk_path(input, true, &mut sink)?;
+        }
+    }
+    state.totals.skipped_bad_inputs = walker.skipped;
+    state.flush_batch()?;
+    state.end_doc()?;
+    let Writer {
+        splits, mut totals, ..
+    } = state;
+    let [train, val] = splits;
+    let train = train.finish()?;
+    let val = val.finish()?;
+    totals.samples = train.samples + val.samples;
+    totals.tokens = train.tokens + val.tokens;
+    totals.shard_bytes = train
+        .shards
+        .iter()
+        .chain(val.shards.iter())
+        .map(|s| s.bytes)
+        .sum();
+    bar.finish_and_clear();
+
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        version: MANIFEST_VERSION,
+        tokenizer: tok.name().into(),
+        vocab_size: tok.vocab_size(),
+        eot: tok.eot(),
+        dtype: dtype.into(),
+        created_by: concat!("fugu-io ", env!("CARGO_PKG_VERSION")).into(),
+        inputs: if opts.inputs.is_empty() {
+            vec![bundled::SHAKESPEARE_NAME.into()]
+        } else {
+            opts.inputs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect()
+        },
+        split: SplitRule {
+            val_fraction: opts.val_fraction,
+            val_every,
+        },
+        train,
+        val,
+        totals,
+    };
+    let manifest_path = opts.out_dir.join("manifest.json");
+    let mut text = serde_json::to_string_pretty(&manifest)
+        .map_err(|e| Error::Config(format!("serialising manifest: {e}")))?;
+    text.push('\n');
+    write_atomic(&manifest_path, text.as_bytes())?;
+    Ok(PrepareSummary {
+        manifest_path,
+        manifest,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = tmp_name(path);
+    let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, "create", e))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| Error::io(&tmp, "write", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "rename into place", e))
+}
+
+fn tmp_name(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp"))
+}
+
+/// A piece of one document's text.
+struct Chunk {
+    /// Walker's document sequence number (changes at each new document).
+    seq: u64,
+    source: String,
+    bytes: Vec<u8>,
+    last: bool,
+}
+
+struct Walker<'a> {
+    opts: &'a PrepareOptions,
+    seq: u64,
+    skipped: u64,
+}
+
+type Sink<'s> = dyn FnMut(Chunk) -> Result<()> + 's;
+
+fn lower_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().to_lowercase())
+        .unwrap_or_default()
+}
+
+#[derive(PartialEq)]
+enum Kind {
+    Tar,
+    TarGz,
+    Jsonl,
+    JsonlGz,
+    TextGz,
+    Text,
+    Skip,
+}
+
+fn kind_of(name: &str, explicit: bool) -> Kind {
+    if name.ends_with(".tar") {
+        Kind::Tar
+    } else if name.ends_with(".tar.gz") || name.ends_with(".tgz") {
+        Kind::TarGz
+    } else if name.ends_with(".jsonl") {
+        Kind::Jsonl
+    } else if name.ends_with(".jsonl.gz") {
+        Kind::JsonlGz
+    } else if name.ends_with(".gz") {
+        Kind::TextGz
+    } else if explicit
+        || name.ends_with(".txt")
+        || name.ends_with(".text")
+        || name.ends_with(".md")
+        || !name.contains('.')
+    {
+        Kind::Text
+    } else {
+        Kind::Skip
+    }
+}
+
+impl Walker<'_> {
+    fn bad(&mut self, e: Error) -> Result<()> {
+        if self.opts.skip_bad {
+            eprintln!("warning: skipping bad input: {e}");
+            self.skipped += 1;
+            Ok(())
+        } else {
+            Err(e)
+        }
+    }
+
+    fn walk_path(&mut self, path: &Path, explicit: bool, sink: &mut Sink) -> Result<()> {
+        let meta = match std::fs::metadata(path) {
+            Ok(m) => m,
+            Err(e) => return self.bad(Error::io(path, "stat input", e)),
+        };
+        if meta.is_dir() {
+            let mut entries = Vec::new();
+            let rd = match std::fs::read_dir(path) {
+                Ok(r) => r,
+                Err(e) => return self.bad(Error::io(path, "list folder", e)),
+            };
+            for e in rd {
+                match e {
+                    Ok(e) => entries.push(e.path()),
+                    Err(e) => return self.bad(Error::io(path, "list folder", e)),
+                }
+            }
+            entries.sort();
+            for p in entries {
+                if lower_name(&p).starts_with('.') {
+                    continue;
+                }
+                self.walk_path(&p, false, sink)?;
+            }
+            return Ok(());
+        }
+        let kind = kind_of(&lower_name(path), explicit);
+        if kind == Kind::Skip {
+            return Ok(());
+        }
+        let file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) => return self.bad(Error::io(path, "open input", e)),
+        };
+        let source = path.display().to_string();
+        let r = BufReader::with_capacity(1 << 20, file);
+        let res = match kind {
+            Kind::Tar => self.walk_tar(StreamSource(r), path, sink),
+            Kind::TarGz => self.walk_tar(StreamSource(flate2::read::GzDecoder::new(r)), path, sink),
+            Kind::Jsonl => self.walk_jsonl(r, &source, sink),
+            Kind::JsonlGz => self.walk_jsonl(
+                BufReader::new(flate2::read::GzDecoder::new(r)),
+                &source,
+                sink,
+            ),
+            Kind::TextGz => self.walk_text(flate2::read::GzDecoder::new(r), &source, sink),
+            Kind::Text => self.walk_text(r, &source, sink),
+            Kind::Skip => Ok(()),
+        };
+        match res {
+            Err(e @ (Error::Input { .. } | Error::Io { .. } | Error::Tar { .. })) => self.bad(e),
+            other => other,
+        }
+    }
+
+    fn walk_tar<S: TarSource>(&mut self, src: S, path: &Path, sink: &mut Sink) -> Result<()> {
+        let mut tar = TarReader::new(src, path);
+        while let Some(entry) = tar.next_entry()? {
+            if entry.kind != EntryKind::File {
+                continue;
+            }
+            let name = entry.name.to_lowercase();
+            let base = name.rsplit('/').next().unwrap_or("");
+            if base.starts_with('.') {
+                continue;
+            }
+            let source = format!("{}:{}", path.display(), entry.name);
+            match kind_of(base, false) {
+                Kind::Text => self.walk_text(tar.entry_reader(), &source, sink)?,
+                Kind::TextGz => self.walk_text(
+                    flate2::read::GzDecoder::new(tar.entry_reader()),
+                    &source,
+                    sink,
+                )?,
+                Kind::Jsonl => {
+                    self.walk_jsonl(BufReader::new(tar.entry_reader()), &source, sink)?
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn walk_jsonl<R: BufRead>(&mut self, mut r: R, source: &str, sink: &mut Sink) -> Result<()> {
+        let mut line = Vec::new();
+        let mut lineno = 0u64;
+        loop {
+            line.clear();
+            let n = r.read_until(b'\n', &mut line).map_err(|e| Error::Input {
+                path: source.into(),
+                what: format!("reading line {}: {e}", lineno + 1),
+            })?;
+            if n == 0 {
+                return Ok(());
+            }
+            lineno += 1;
+            if line.iter().all(|b| b.is_ascii_whitespace()) {
+                continue;
+            }
+            let text = match serde_json::from_slice::<serde_json::Value>(&line) {
+                Ok(v) => match v.get("text").and_then(|t| t.as_str()) {
+                    Some(t) => t.to_owned(),
+                    None => {
+                        self.bad(Error::Input {
+                            path: format!("{source}:{lineno}").into(),
+                            what: "JSONL line has no string field `text`".into(),
+                        })?;
+                        continue;
+                    }
+                },
+                Err(e) => {
+                    self.bad(Error::Input {
+                        path: format!("{source}:{lineno}").into(),
+                        what: format!("invalid JSON: {e}"),
+                    })?;
+                    continue;
+                }
+            };
+            self.walk_text(text.as_bytes(), &format!("{source}:{lineno}"), sink)?;
+        }
+    }
+
+    /// Cuts one document into chunks at safe newlines.
+    fn walk_text<R: Read>(&mut self, mut r: R, source: &str, sink: &mut Sink) -> Result<()> {
+        self.seq += 1;
+        let seq = self.seq;
+        let target = self.opts.chunk_bytes;
+        let mut buf: Vec<u8> = Vec::with_capacity(target * 2);
+        let mut scan_from = 0usize;
+        let mut eof = false;
+        let mut tmp = vec![0u8; 64 << 10];
+        loop {
+            while !eof && buf.len() < target * 2 {
+                let n = r.read(&mut tmp).map_err(|e| Error::Input {
+                    path: source.into(),
+                    what: format!("read: {e}"),
+                })?;
+                if n == 0 {
+                    eof = true;
+                } else {
+                    buf.extend_from_slice(&tmp[..n]);
+                }
+            }
+            if eof && buf.len() <= target * 2 {
+                let last = std::mem::take(&mut buf);
+                return sink(Chunk {
+                    seq,
+                    source: source.into(),
+                    bytes: last,
+                    last: true,
+                });
+            }
+            // Find a safe cut at or after `target`.
+            let from = scan_from.max(target);
+            let mut cut = None;
+            let mut i = from;
+            while let Some(off) = buf[i..buf.len().saturating_sub(1)]
+                .iter()
+                .position(|&b| b == b'\n')
+            {
+                let p = i + off;
+                if is_safe_cut(&buf, p) {
+                    cut = Some(p + 1);
+                    break;
+                }
+                i = p + 1;
+            }
+            let cut = match cut {
+                Some(c) => c,
+                None if buf.len() < target * 16 && !eof => {
+                    // Read more and keep looking.
+                    scan_from = buf.len().saturating_sub(8);
+                    let n = r.read(&mut tmp).map_err(|e| Error::Input {
+                        path: source.into(),
+                        what: format!("read: {e}"),
+                    })?;
+                    if n == 0 {
+                        eof = true;
+                    } else {
+                        buf.extend_from_slice(&tmp[..n]);
+                    }
+                    continue;
+                }
+                None if eof => {
+                    let last = std::mem::take(&mut buf);
+                    return sink(Chunk {
+                        seq,
+                        source: source.into(),
+                        bytes: last,
+                        last: true,
+                    });
+                }
+                None => {
+                    // No safe newline in a long stretch: cut at a UTF-8 boundary.
+                    let mut c = target * 8;
+                    while c > 0 && (buf[c] & 0xC0) == 0x80 {
+                        c -= 1;
+                    }
+                    c.max(1)
+                }
+            };
+            let rest = buf.split_off(cut);
+            let chunk = std::mem::replace(&mut buf, rest);
+            scan_from = 0;
+            sink(Chunk {
+                seq,
+                source: source.into(),
+                bytes: chunk,
+                last: false,
+            })?;
+        }
+    }
+}
+
+struct DocState {
+    seq: u64,
+    index: u64,
+    split: usize,
+    source: String,
+    part: u64,
+    part_bytes: u64,
+    tokens: Vec<u32>,
+    text_bytes: u64,
+    any_text: bool,
+}
+
+struct Writer<'a> {
+    tok: &'a dyn Tokenizer,
+    opts: &'a PrepareOptions,
+    val_every: u64,
+    dtype: &'static str,
+    splits: [SplitWriter; 2],
+    totals: Totals,
+    doc: Option<DocState>,
+    next_doc: u64,
+    batch: Vec<Chunk>,
+    batch_bytes: usize,
+    pool: &'a rayon::ThreadPool,
+    bar: &'a indicatif::ProgressBar,
+}
+
+const BATCH_BYTES: usize = 8 << 20;
+
+impl Writer<'_> {
+    fn push(&mut self, c: Chunk) -> Result<()> {
+        self.batch_bytes += c.bytes.len();
+        self.batch.push(c);
+        if self.batch_bytes >= BATCH_BYTES || self.batch.len() >= 1024 {
+            self.flush_batch()?;
+        }
+        Ok(())
+    }
+
+    fn flush_batch(&mut self) -> Result<()> {
+        let batch = std::mem::take(&mut self.batch);
+        self.batch_bytes = 0;
+        let tok = self.tok;
+        let encoded: Vec<(Vec<u32>, bool)> = self.pool.install(|| {
+            batch
+                .par_iter()
+                .map(|c| match std::str::from_utf8(&c.bytes) {
+                    Ok(s) => (tok.encode(s), false),
+                    Err(_) => (tok.encode(&String::from_utf8_lossy(&c.bytes)), true),
+                })
+                .collect()
+        });
+        for (c, (ids, invalid)) in batch.into_iter().zip(encoded) {
+            self.bar.inc(c.bytes.len() as u64);
+            self.consume(c, ids, invalid)?;
+        }
+        Ok(())
+    }
+
+    fn consume(&mut self, c: Chunk, ids: Vec<u32>, invalid: bool) -> Result<()> {
+        if self.doc.as_ref().is_none_or(|d| d.seq != c.seq) {
+            self.end_doc()?;
+            self.doc = Some(DocState {
+                seq: c.seq,
+                index: 0,
+                split: 0,
+                source: c.source.clone(),
+                part: 0,
+                part_bytes: 0,
+                tokens: Vec::new(),
+                text_bytes: 0,
+                any_text: false,
+            });
+        }
+        let max = self.opts.max_sample_tokens;
+        let mut d = self.doc.take().expect("document state");
+        if !c.bytes.is_empty() && !d.any_text {
+            d.any_text = true;
+            d.index = self.next_doc;
+            self.next_doc += 1;
+            d.split =
+                usize::from(self.val_every > 0 && d.index % self.val_every == self.val_every - 1);
+            self.splits[d.split].documents += 1;
+            self.totals.documents += 1;
+            if invalid {
+                self.totals.invalid_utf8_documents += 1;
+            }
+        }
+        d.text_bytes += c.bytes.len() as u64;
+        d.part_bytes += c.bytes.len() as u64;
+        self.totals.text_bytes += c.bytes.len() as u64;
+        d.tokens.extend_from_slice(&ids);
+        while d.tokens.len() > max {
+            let rest = d.tokens.split_off(max);
+            let part = std::mem::replace(&mut d.tokens, rest);
+            self.write_sample(&d, &part, false)?;
+            d.part += 1;
+            d.part_bytes = 0;
+        }
+        self.doc = Some(d);
+        if c.last {
+            self.end_doc()?;
+        }
+        Ok(())
+    }
+
+    fn end_doc(&mut self) -> Result<()> {
+        let Some(mut d) = self.doc.take() else {
+            return Ok(());
+        };
+        if !d.any_text {
+            self.totals.empty_documents += 1;
+            return Ok(());
+        }
+        d.tokens.push(self.tok.eot());
+        let tokens = std::mem::take(&mut d.tokens);
+        self.write_sample(&d, &tokens, true)
+    }
+
+    fn write_sample(&mut self, d: &DocState, tokens: &[u32], last: bool) -> Result<()> {
+        let sw = &mut self.splits[d.split];
+        let key = format!("{:010}", sw.samples);
+        let mut data = Vec::with_capacity(tokens.len() * 4);
+        if self.dtype == "u16" {
+            for &t in tokens {
+                data.extend_from_slice(&(t as u16).to_le_bytes());
+            }
+        } else {
+            for &t in tokens {
+                data.extend_from_slice(&t.to_le_bytes());
+            }
+        }
+        let meta = serde_json::json!({
+            "source": d.source,
+            "doc": d.index,
+            "part": d.part,
+            "last": last,
+            "bytes": d.part_bytes,
+            "tokens": tokens.len(),
+        });
+        let meta = serde_json::to_vec(&meta).unwrap_or_default();
+        let text = if self.opts.write_text {
+            let body = if last {
+                &tokens[..tokens.len() - 1]
+            } else {
+                tokens
+            };
+            Some(self.tok.decode(body)?.into_bytes())
+        } else {
+            None
+        };
+        let size = TarWriter::<File>::member_size(data.len() as u64)
+            + TarWriter::<File>::member_size(meta.len() as u64)
+            + text
+                .as_ref()
+                .map_or(0, |t| TarWriter::<File>::member_size(t.len() as u64));
+        sw.write(
+            &key,
+            &data,
+            &meta,
+            text.as_deref(),
+            tokens.len() as u64,
+            size,
+            self.opts.shard_bytes,
+        )
+    }
+}
+
+/// Hashing, counting writer around the temporary shard file.
+struct HashWriter {
+    file: std::io::BufWriter<File>,
+    hash: Sha256,
+}
+
+impl Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.hash.update(&buf[..n]);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
+struct OpenShard {
+    tar: TarWriter<HashWriter>,
+    tmp: PathBuf,
+    file: String,
+    samples: u64,
+    tokens: u64,
+}
+
+struct SplitWriter {
+    dir: PathBuf,
+    name: &'static str,
+    open: Option<OpenShard>,
+    shards: Vec<ShardInfo>,
+    documents: u64,
+    samples: u64,
+    tokens: u64,
+}
+
+impl SplitWriter {
+    fn new(dir: &Path, name: &'static str) -> Self {
+        SplitWriter {
+            dir: dir.to_path_buf(),
+            name,
+            open: None,
+            shards: Vec::new(),
+            documents: 0,
+            samples: 0,
+            tokens: 0,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &mut self,
+        key: &str,
+        data: &[u8],
+        meta: &[u8],
+        text: Option<&[u8]>,
+        ntok: u64,
+        size: u64,
+        shard_bytes: u64,
+    ) -> Result<()> {
+        if let Some(o) = &self.open {
+            // 1024: the end-of-archive marker.
+            if o.samples > 0 && o.tar.bytes_written() + size + 1024 > shard_bytes {
+                self.close()?;
+            }
+        }
+        if self.open.is_none() {
+            let file = format!("{}-{:06}.tar", self.name, self.shards.len());
+            let path = self.dir.join(&file);
+            let tmp = tmp_name(&path);
+            let f = File::create(&tmp).map_err(|e| Error::io(&tmp, "create", e))?;
+            self.open = Some(OpenShard {
+                tar: TarWriter::new(HashWriter {
+                    file: std::io::BufWriter::with_capacity(1 << 20, f),
+                    hash: Sha256::new(),
+                }),
+                tmp,
+                file,
+                samples: 0,
+                tokens: 0,
+            });
+        }
+        let o = self.open.as_mut().expect("open shard");
+        let res = (|| {
+            o.tar.append(&format!("{key}.tokens"), data)?;
+            o.tar.append(&format!("{key}.json"), meta)?;
+            if let Some(t) = text {
+                o.tar.append(&format!("{key}.txt"), t)?;
+            }
+            Ok::<_, std::io::Error>(())
+        })();
+        res.map_err(|e| Error::io(&o.tmp, "write shard", e))?;
+        o.samples += 1;
+        o.tokens += ntok;
+        self.samples += 1;
+        self.tokens += ntok;
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<()> {
+        let Some(o) = self.open.take() else {
+            return Ok(());
+        };
+        let bytes = o.tar.bytes_written() + 1024;
+        let mut hw = o
+            .tar
+            .finish()
+            .map_err(|e| Error::io(&o.tmp, "write shard", e))?;
+        hw.flush()
+            .map_err(|e| Error::io(&o.tmp, "write shard", e))?;
+        hw.file
+            .get_ref()
+            .sync_all()
+            .map_err(|e| Error::io(&o.tmp, "sync shard", e))?;
+        let sha = hex(&hw.hash.finalize());
+        let final_path = self.dir.join(&o.file);
+        std::fs::rename(&o.tmp, &final_path)
+            .map_err(|e| Error::io(&final_path, "rename into place", e))?;
+        self.shards.push(ShardInfo {
+            file: o.file,
+            samples: o.samples,
+            tokens: o.tokens,
+            bytes,
+            sha256: sha,
+        });
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<SplitInfo> {
+        self.close()?;
+        Ok(SplitInfo {
+            documents: self.documents,
+            samples: self.samples,
+            tokens: self.tokens,
+            shards: self.shards,
+        })
+    }
+}
