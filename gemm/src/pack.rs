@@ -36,8 +36,24 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
             out[..rows].copy_from_slice(col);
         }
     } else if s_k == 1 {
-        // Contiguous along k: read each row once, scatter with stride w.
-        for r in 0..rows {
+        // Contiguous along k: a transpose. Take the rows eight at a time so each k step
+        // writes eight consecutive floats (one vector store) from eight sequential streams.
+        let mut r = 0;
+        while r + 8 <= rows {
+            // SAFETY: rows r0+r .. r0+r+8, columns 0..k are inside the source view, which is
+            // contiguous along k.
+            let src: [&[f32]; 8] = std::array::from_fn(|i| unsafe {
+                std::slice::from_raw_parts(base.add((r0 + r + i) * s_w), k)
+            });
+            for (p, out) in panel.chunks_exact_mut(w).enumerate() {
+                let out: &mut [f32; 8] = (&mut out[r..r + 8]).try_into().expect("8 floats");
+                for i in 0..8 {
+                    out[i] = src[i][p];
+                }
+            }
+            r += 8;
+        }
+        for r in r..rows {
             // SAFETY: row r0+r, columns 0..k are inside the source view, contiguous along k.
             let row = unsafe { std::slice::from_raw_parts(base.add((r0 + r) * s_w), k) };
             for (p, &v) in row.iter().enumerate() {
