@@ -56,6 +56,9 @@ fn check_fits(
 /// True when no two index tuples map to the same element: sorting the dimensions that have
 /// more than one element by stride, each stride must exceed the span of all smaller ones.
 fn injective(dims: &[(usize, usize)]) -> bool {
+    if dims.iter().any(|&(d, _)| d == 0) {
+        return true; // no elements at all
+    }
     let mut ds: Vec<(usize, usize)> = dims.iter().copied().filter(|&(d, _)| d > 1).collect();
     ds.sort_by_key(|&(_, s)| s);
     let mut reach: usize = 0;
@@ -582,6 +585,7 @@ mod tests {
         assert!(injective(&[(1, 0), (4, 1)]));
         assert!(injective(&[(2, 12), (3, 4), (4, 1)]));
         assert!(!injective(&[(2, 11), (3, 4), (4, 1)]));
+        assert!(injective(&[(0, 0), (4, 0)]));
     }
 
     #[test]
