@@ -283,6 +283,9 @@ pub fn expand_braces(pattern: &str) -> Result<Vec<String>> {
         alts.extend(body.split(',').map(str::to_string));
     }
     let rests = expand_braces(tail).map_err(|_| bad("invalid pattern after the first brace"))?;
+    if alts.len().saturating_mul(rests.len()) > 1_000_000 {
+        return Err(bad("expands to more than 1000000 names"));
+    }
     let mut out = Vec::with_capacity(alts.len() * rests.len());
     for a in &alts {
         for r in &rests {
