@@ -1,11 +1,451 @@
-//! aarch64 SVE micro-kernel (placeholder until the SVE kernel lands).
+//! aarch64 SVE f32 micro-kernel, vector-length agnostic, written as `asm!` (SVE intrinsics are
+//! not stable in Rust).
+//!
+//! Tile: `mr = 2·VL` rows (VL = f32 lanes of one SVE vector, read at run time with `cntw`) by
+//! `nr = 10` columns: the BLIS A64FX SGEMM shape (see `docs/A64FX.md`).
+//!
+//! Register allocation (all 32 z registers, one predicate):
+//!
+//! | registers | use |
+//! |---|---|
+//! | `z0`–`z19` | C accumulators; column `j` is `z(2j)` (rows `0..VL`) and `z(2j+1)` (rows `VL..2VL`) |
+//! | `z20`,`z21` / `z22`,`z23` | A, double-buffered: step `p` uses pair `p % 2`, loads step `p+1` into the other |
+//! | `z24`–`z31` | B broadcasts (`ld1rw`), rotating: broadcast `g = 10p + j` lives in `z(24 + g % 8)` |
+//! | `p0` | all-true `.s` predicate |
+//!
+//! The k loop is unrolled by 4 (lcm(10, 8) = 40 broadcasts, so the B register rotation repeats
+//! every 4 steps). Each broadcast register is refilled with the broadcast 8 positions ahead right
+//! after its two FMLAs, and the next step's A pair is loaded at the start of each step, so loads
+//! run 8–10 cycles ahead of their use and the out-of-order core covers the rest of the 11-cycle
+//! load latency. The 20 independent accumulators cover the 9-cycle FMLA latency on two pipes.
+//! Only non-indexed `fmla` is used (indexed FMLA is 15 cycles and 2 µops on the A64FX).
+//!
+//! Loads never run past the packed panels: the main loop runs only while the next 4-step block
+//! is followed by at least one more step, and the last step of the tail has no look-ahead loads.
+//!
+//! `scripts/predict-a64fx.sh` finds [`fugu_sve_sgemm_2vx10`] in the release build and checks its
+//! inner loop with `llvm-mca -mcpu=a64fx`.
 
-use crate::kernel::KernelF32;
+use crate::kernel::{Isa, KernelF32};
 
+/// Columns of the C tile.
+const NR: usize = 10;
+
+/// The SVE kernel descriptor, or `None` when the CPU has no SVE.
 pub fn kernel() -> Option<KernelF32> {
-    None
+    let lanes = f32_lanes()?;
+    Some(KernelF32 {
+        isa: Isa::Sve,
+        mr: 2 * lanes,
+        nr: NR,
+        func: fugu_sve_sgemm_2vx10,
+    })
 }
 
+/// f32 lanes of one SVE vector (`cntw`), or `None` when the CPU has no SVE.
 pub fn f32_lanes() -> Option<usize> {
-    None
+    if std::arch::is_aarch64_feature_detected!("sve") {
+        // SAFETY: the CPU has SVE (checked just above), which is all `cntw_sve` needs.
+        Some(unsafe { cntw_sve() })
+    } else {
+        None
+    }
+}
+
+/// # Safety
+/// The CPU must support SVE.
+#[target_feature(enable = "sve")]
+unsafe fn cntw_sve() -> usize {
+    let n: usize;
+    // SAFETY: `cntw` only reads the vector length; the caller guarantees SVE is present.
+    unsafe {
+        core::arch::asm!("cntw {n}", n = out(reg) n, options(pure, nomem, nostack, preserves_flags));
+    }
+    n
+}
+
+/// Two FMLAs for one C column (accumulators `z$c0`, `z$c1`) with the A pair `z$a0`, `z$a1` and
+/// the broadcast `z$b`; with `$off`, then refill `z$b` from byte offset `$off` of the B block.
+macro_rules! col {
+    ($c0:literal, $c1:literal, $a0:literal, $a1:literal, $b:literal) => {
+        concat!(
+            "fmla z",
+            $c0,
+            ".s, p0/m, z",
+            $a0,
+            ".s, z",
+            $b,
+            ".s\n",
+            "fmla z",
+            $c1,
+            ".s, p0/m, z",
+            $a1,
+            ".s, z",
+            $b,
+            ".s\n",
+        )
+    };
+    ($c0:literal, $c1:literal, $a0:literal, $a1:literal, $b:literal, $off:literal) => {
+        concat!(
+            col!($c0, $c1, $a0, $a1, $b),
+            "ld1rw {{z",
+            $b,
+            ".s}}, p0/z, [{b}, #",
+            $off,
+            "]\n",
+        )
+    };
+}
+
+/// Loads the A pair `z$r0`, `z$r1` from vectors `$v0`, `$v1` (in units of VL) of the A block.
+macro_rules! load_a {
+    ($r0:literal, $r1:literal, $v0:literal, $v1:literal) => {
+        concat!(
+            "ld1w {{z",
+            $r0,
+            ".s}}, p0/z, [{a}, #",
+            $v0,
+            ", mul vl]\n",
+            "ld1w {{z",
+            $r1,
+            ".s}}, p0/z, [{a}, #",
+            $v1,
+            ", mul vl]\n",
+        )
+    };
+}
+
+// One k step `p` of a 4-step block. Broadcast `g = 10p + j` of column `j` is in `z(24 + g % 8)`
+// and, after its FMLAs, that register is refilled with broadcast `g + 8` (byte offset 4(g + 8)
+// from the block start). The `*_la` steps load ahead (A of step p+1, broadcasts up to the
+// 8th of step p+1); the `*_last` steps are the final step of the whole k loop and load only the
+// two broadcasts of their own step that did not fit in the 8 registers.
+
+macro_rules! step0_la {
+    () => {
+        concat!(
+            load_a!(22, 23, 2, 3),
+            col!(0, 1, 20, 21, 24, 32),
+            col!(2, 3, 20, 21, 25, 36),
+            col!(4, 5, 20, 21, 26, 40),
+            col!(6, 7, 20, 21, 27, 44),
+            col!(8, 9, 20, 21, 28, 48),
+            col!(10, 11, 20, 21, 29, 52),
+            col!(12, 13, 20, 21, 30, 56),
+            col!(14, 15, 20, 21, 31, 60),
+            col!(16, 17, 20, 21, 24, 64),
+            col!(18, 19, 20, 21, 25, 68),
+        )
+    };
+}
+
+macro_rules! step1_la {
+    () => {
+        concat!(
+            load_a!(20, 21, 4, 5),
+            col!(0, 1, 22, 23, 26, 72),
+            col!(2, 3, 22, 23, 27, 76),
+            col!(4, 5, 22, 23, 28, 80),
+            col!(6, 7, 22, 23, 29, 84),
+            col!(8, 9, 22, 23, 30, 88),
+            col!(10, 11, 22, 23, 31, 92),
+            col!(12, 13, 22, 23, 24, 96),
+            col!(14, 15, 22, 23, 25, 100),
+            col!(16, 17, 22, 23, 26, 104),
+            col!(18, 19, 22, 23, 27, 108),
+        )
+    };
+}
+
+macro_rules! step2_la {
+    () => {
+        concat!(
+            load_a!(22, 23, 6, 7),
+            col!(0, 1, 20, 21, 28, 112),
+            col!(2, 3, 20, 21, 29, 116),
+            col!(4, 5, 20, 21, 30, 120),
+            col!(6, 7, 20, 21, 31, 124),
+            col!(8, 9, 20, 21, 24, 128),
+            col!(10, 11, 20, 21, 25, 132),
+            col!(12, 13, 20, 21, 26, 136),
+            col!(14, 15, 20, 21, 27, 140),
+            col!(16, 17, 20, 21, 28, 144),
+            col!(18, 19, 20, 21, 29, 148),
+        )
+    };
+}
+
+/// Step 3 with look-ahead, main loop only: also advances `{a}` and `{b}` to the next block.
+macro_rules! step3_la {
+    () => {
+        concat!(
+            "addvl {a}, {a}, #8\n",
+            load_a!(20, 21, 0, 1),
+            col!(0, 1, 22, 23, 30, 152),
+            col!(2, 3, 22, 23, 31, 156),
+            col!(4, 5, 22, 23, 24, 160),
+            col!(6, 7, 22, 23, 25, 164),
+            col!(8, 9, 22, 23, 26, 168),
+            col!(10, 11, 22, 23, 27, 172),
+            col!(12, 13, 22, 23, 28, 176),
+            col!(14, 15, 22, 23, 29, 180),
+            col!(16, 17, 22, 23, 30, 184),
+            col!(18, 19, 22, 23, 31, 188),
+            "add {b}, {b}, #160\n",
+        )
+    };
+}
+
+macro_rules! step0_last {
+    () => {
+        concat!(
+            col!(0, 1, 20, 21, 24, 32),
+            col!(2, 3, 20, 21, 25, 36),
+            col!(4, 5, 20, 21, 26),
+            col!(6, 7, 20, 21, 27),
+            col!(8, 9, 20, 21, 28),
+            col!(10, 11, 20, 21, 29),
+            col!(12, 13, 20, 21, 30),
+            col!(14, 15, 20, 21, 31),
+            col!(16, 17, 20, 21, 24),
+            col!(18, 19, 20, 21, 25),
+        )
+    };
+}
+
+macro_rules! step1_last {
+    () => {
+        concat!(
+            col!(0, 1, 22, 23, 26, 72),
+            col!(2, 3, 22, 23, 27, 76),
+            col!(4, 5, 22, 23, 28),
+            col!(6, 7, 22, 23, 29),
+            col!(8, 9, 22, 23, 30),
+            col!(10, 11, 22, 23, 31),
+            col!(12, 13, 22, 23, 24),
+            col!(14, 15, 22, 23, 25),
+            col!(16, 17, 22, 23, 26),
+            col!(18, 19, 22, 23, 27),
+        )
+    };
+}
+
+macro_rules! step2_last {
+    () => {
+        concat!(
+            col!(0, 1, 20, 21, 28, 112),
+            col!(2, 3, 20, 21, 29, 116),
+            col!(4, 5, 20, 21, 30),
+            col!(6, 7, 20, 21, 31),
+            col!(8, 9, 20, 21, 24),
+            col!(10, 11, 20, 21, 25),
+            col!(12, 13, 20, 21, 26),
+            col!(14, 15, 20, 21, 27),
+            col!(16, 17, 20, 21, 28),
+            col!(18, 19, 20, 21, 29),
+        )
+    };
+}
+
+macro_rules! step3_last {
+    () => {
+        concat!(
+            col!(0, 1, 22, 23, 30, 152),
+            col!(2, 3, 22, 23, 31, 156),
+            col!(4, 5, 22, 23, 24),
+            col!(6, 7, 22, 23, 25),
+            col!(8, 9, 22, 23, 26),
+            col!(10, 11, 22, 23, 27),
+            col!(12, 13, 22, 23, 28),
+            col!(14, 15, 22, 23, 29),
+            col!(16, 17, 22, 23, 30),
+            col!(18, 19, 22, 23, 31),
+        )
+    };
+}
+
+/// C column `j` (accumulators `z$c0`, `z$c1`) := alpha·acc (`z20` = alpha); C is not read.
+macro_rules! store_beta0 {
+    ($c0:literal, $c1:literal) => {
+        concat!(
+            "fmul z",
+            $c0,
+            ".s, z",
+            $c0,
+            ".s, z20.s\n",
+            "fmul z",
+            $c1,
+            ".s, z",
+            $c1,
+            ".s, z20.s\n",
+            "st1w {{z",
+            $c0,
+            ".s}}, p0, [{c}, #0, mul vl]\n",
+            "st1w {{z",
+            $c1,
+            ".s}}, p0, [{c}, #1, mul vl]\n",
+            "add {c}, {c}, {ldc}\n",
+        )
+    };
+}
+
+/// C column `j` := alpha·acc + beta·C (`z20` = alpha, `z21` = beta, `z22`/`z23` hold old C).
+macro_rules! store_beta {
+    ($c0:literal, $c1:literal) => {
+        concat!(
+            "ld1w {{z22.s}}, p0/z, [{c}, #0, mul vl]\n",
+            "ld1w {{z23.s}}, p0/z, [{c}, #1, mul vl]\n",
+            "fmul z",
+            $c0,
+            ".s, z",
+            $c0,
+            ".s, z20.s\n",
+            "fmul z",
+            $c1,
+            ".s, z",
+            $c1,
+            ".s, z20.s\n",
+            "fmla z",
+            $c0,
+            ".s, p0/m, z22.s, z21.s\n",
+            "fmla z",
+            $c1,
+            ".s, p0/m, z23.s, z21.s\n",
+            "st1w {{z",
+            $c0,
+            ".s}}, p0, [{c}, #0, mul vl]\n",
+            "st1w {{z",
+            $c1,
+            ".s}}, p0, [{c}, #1, mul vl]\n",
+            "add {c}, {c}, {ldc}\n",
+        )
+    };
+}
+
+/// The SVE micro-kernel: `C := alpha·Ã·B̃ + beta·C` on a `2·VL × 10` column-major tile.
+///
+/// # Safety
+/// The CPU must support SVE and the caller must uphold the contract in `docs/KERNELS.md` with
+/// `mr = 2·VL` (`2 * f32_lanes()`) and `nr = 10`: `a` holds `k*mr` floats, `b` holds `k*nr`
+/// floats, and `c[r + j*ldc]` is writable for `r < mr`, `j < nr`, `ldc >= mr`.
+#[inline(never)]
+#[target_feature(enable = "sve")]
+unsafe fn fugu_sve_sgemm_2vx10(
+    k: usize,
+    alpha: f32,
+    a: *const f32,
+    b: *const f32,
+    beta: f32,
+    c: *mut f32,
+    ldc: usize,
+) {
+    // Blocks of 4 steps that are followed by at least one more step (so their look-ahead loads
+    // stay inside the panels), then 1..=4 tail steps; `rem == 0` only when `k == 0`.
+    let blocks = k.saturating_sub(1) / 4;
+    let rem = k - 4 * blocks;
+    let ldc_bytes = ldc * core::mem::size_of::<f32>();
+    let beta_nonzero = usize::from(beta != 0.0);
+    // SAFETY: the caller guarantees SVE and the contract: the loads read Ã[0 .. k*mr] and
+    // B̃[0 .. k*nr] only (see the look-ahead argument in the module docs), and the stores write
+    // exactly the mr×nr tile at `c` with column stride `ldc`; C is loaded only when beta != 0.
+    // Every z register (aliasing v0–v31), p0 and the flags are declared clobbered.
+    unsafe {
+        core::arch::asm!(
+            "ptrue p0.s",
+            // Zero the 20 accumulators.
+            "dup z0.s, #0", "dup z1.s, #0", "dup z2.s, #0", "dup z3.s, #0",
+            "dup z4.s, #0", "dup z5.s, #0", "dup z6.s, #0", "dup z7.s, #0",
+            "dup z8.s, #0", "dup z9.s, #0", "dup z10.s, #0", "dup z11.s, #0",
+            "dup z12.s, #0", "dup z13.s, #0", "dup z14.s, #0", "dup z15.s, #0",
+            "dup z16.s, #0", "dup z17.s, #0", "dup z18.s, #0", "dup z19.s, #0",
+            "cbz {rem}, 8f",
+            // Prologue: A of step 0 and the first 8 broadcasts.
+            load_a!(20, 21, 0, 1),
+            "ld1rw {{z24.s}}, p0/z, [{b}, #0]",
+            "ld1rw {{z25.s}}, p0/z, [{b}, #4]",
+            "ld1rw {{z26.s}}, p0/z, [{b}, #8]",
+            "ld1rw {{z27.s}}, p0/z, [{b}, #12]",
+            "ld1rw {{z28.s}}, p0/z, [{b}, #16]",
+            "ld1rw {{z29.s}}, p0/z, [{b}, #20]",
+            "ld1rw {{z30.s}}, p0/z, [{b}, #24]",
+            "ld1rw {{z31.s}}, p0/z, [{b}, #28]",
+            "cbz {blocks}, 3f",
+            // Main loop: 4 steps with look-ahead.
+            "2:",
+            step0_la!(),
+            step1_la!(),
+            step2_la!(),
+            step3_la!(),
+            "subs {blocks}, {blocks}, #1",
+            "b.ne 2b",
+            // Tail: `rem` (1..=4) steps, the last one without look-ahead.
+            "3:",
+            "cmp {rem}, #1",
+            "b.eq 4f",
+            step0_la!(),
+            "cmp {rem}, #2",
+            "b.eq 5f",
+            step1_la!(),
+            "cmp {rem}, #3",
+            "b.eq 6f",
+            step2_la!(),
+            step3_last!(),
+            "b 8f",
+            "4:",
+            step0_last!(),
+            "b 8f",
+            "5:",
+            step1_last!(),
+            "b 8f",
+            "6:",
+            step2_last!(),
+            // Write the tile.
+            "8:",
+            "dup z20.s, {alpha:w}",
+            "dup z21.s, {beta:w}",
+            "cbnz {beta_nonzero}, 9f",
+            store_beta0!(0, 1),
+            store_beta0!(2, 3),
+            store_beta0!(4, 5),
+            store_beta0!(6, 7),
+            store_beta0!(8, 9),
+            store_beta0!(10, 11),
+            store_beta0!(12, 13),
+            store_beta0!(14, 15),
+            store_beta0!(16, 17),
+            store_beta0!(18, 19),
+            "b 7f",
+            "9:",
+            store_beta!(0, 1),
+            store_beta!(2, 3),
+            store_beta!(4, 5),
+            store_beta!(6, 7),
+            store_beta!(8, 9),
+            store_beta!(10, 11),
+            store_beta!(12, 13),
+            store_beta!(14, 15),
+            store_beta!(16, 17),
+            store_beta!(18, 19),
+            "7:",
+            a = inout(reg) a => _,
+            b = inout(reg) b => _,
+            c = inout(reg) c => _,
+            blocks = inout(reg) blocks => _,
+            rem = in(reg) rem,
+            ldc = in(reg) ldc_bytes,
+            alpha = in(reg) alpha.to_bits(),
+            beta = in(reg) beta.to_bits(),
+            beta_nonzero = in(reg) beta_nonzero,
+            out("v0") _, out("v1") _, out("v2") _, out("v3") _,
+            out("v4") _, out("v5") _, out("v6") _, out("v7") _,
+            out("v8") _, out("v9") _, out("v10") _, out("v11") _,
+            out("v12") _, out("v13") _, out("v14") _, out("v15") _,
+            out("v16") _, out("v17") _, out("v18") _, out("v19") _,
+            out("v20") _, out("v21") _, out("v22") _, out("v23") _,
+            out("v24") _, out("v25") _, out("v26") _, out("v27") _,
+            out("v28") _, out("v29") _, out("v30") _, out("v31") _,
+            out("p0") _,
+            options(nostack),
+        );
+    }
 }

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Builds fugu-gemm's tests for aarch64 and runs them under QEMU at several SVE vector lengths.
+#
+#   scripts/test-aarch64.sh [extra cargo test args, e.g. `--test kernel_contract`]
+#
+# Recipe: shared docs AARCH64-TESTING.md. Debian's rustc (/usr/bin/rustc, with its aarch64 std)
+# does the cross build, statically linked (+crt-static: dynamically linked binaries hang under
+# qemu-user as soon as they start a second thread), into target/aarch64 so host builds are kept
+# apart. Packages: scripts/install-deps.sh.
+#
+# Runs (each must pass):
+#   qemu-aarch64 -cpu a64fx            512-bit SVE (the A64FX)
+#   qemu-aarch64 -cpu max,sve128=on    128-bit
+#   qemu-aarch64 -cpu max,sve256=on    256-bit
+#   qemu-aarch64 -cpu max,sve2048=on   2048-bit
+# Each `max` run also sets sve-default-vector-length (in bytes): qemu-user starts a process at
+# that default (64 bytes = 512 bits), not at the largest enabled length, so `sve2048=on` alone
+# runs at 512 bits. Each run checks the vector length the kernels actually see.
+#   qemu-aarch64 -cpu a64fx            with FUGU_GEMM_ISA=neon (the NEON kernel through the driver)
+#
+# Env: FUGU_QEMU_RUNS="a64fx sve128 ..." limits the runs (names: a64fx sve128 sve256 sve2048 neon);
+#      CARGO_BUILD_JOBS as usual (default 2 here).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+
+die() {
+    echo "test-aarch64.sh: $*" >&2
+    exit 1
+}
+
+[[ -x /usr/bin/rustc ]] || die "/usr/bin/rustc (Debian rustc-web) is missing; run scripts/install-deps.sh"
+[[ -x /usr/bin/rustdoc ]] || die "/usr/bin/rustdoc (Debian rustc-web) is missing; run scripts/install-deps.sh"
+command -v qemu-aarch64 >/dev/null || die "qemu-aarch64 is missing (apt-get install -t bookworm-backports qemu-user); run scripts/install-deps.sh"
+command -v aarch64-linux-gnu-gcc >/dev/null || die "aarch64-linux-gnu-gcc is missing (gcc-aarch64-linux-gnu); run scripts/install-deps.sh"
+libdir=$(/usr/bin/rustc --print target-libdir --target aarch64-unknown-linux-gnu 2>/dev/null || true)
+if [[ -z "$libdir" ]] || ! compgen -G "$libdir/libstd-*.rlib" >/dev/null; then
+    die "no aarch64 std for /usr/bin/rustc (libstd-rust-web-dev:arm64); run scripts/install-deps.sh"
+fi
+
+TARGET=aarch64-unknown-linux-gnu
+export RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc
+export CARGO_TARGET_DIR=target/aarch64
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static"
+# Doctests are linked by rustdoc, which does not see the target RUSTFLAGS.
+export RUSTDOCFLAGS="-C target-feature=+crt-static -C linker=aarch64-linux-gnu-gcc"
+# Debug code is very slow under QEMU; optimise the test profile (debug assertions stay on).
+export CARGO_PROFILE_TEST_OPT_LEVEL=2
+export CARGO_PROFILE_DEV_OPT_LEVEL=2
+export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+export FUGU_NUM_THREADS=2
+export RUST_BACKTRACE=1
+
+CARGO_ARGS=(test -p fugu-gemm --target "$TARGET" "$@")
+
+echo "== building fugu-gemm tests for $TARGET (rustc: $(/usr/bin/rustc --version))"
+CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu a64fx" \
+    cargo "${CARGO_ARGS[@]}" --no-run
+
+RUNS="${FUGU_QEMU_RUNS:-a64fx sve128 sve256 sve2048 neon}"
+failed=()
+for run in $RUNS; do
+    isa_env=()
+    case "$run" in
+        a64fx) cpu="a64fx" bits=512 ;;
+        sve128) cpu="max,sve128=on,sve-default-vector-length=16" bits=128 ;;
+        sve256) cpu="max,sve256=on,sve-default-vector-length=32" bits=256 ;;
+        sve2048) cpu="max,sve2048=on,sve-default-vector-length=256" bits=2048 ;;
+        neon) cpu="a64fx" bits=512 isa_env=(FUGU_GEMM_ISA=neon) ;;
+        *) die "unknown run '$run' in FUGU_QEMU_RUNS" ;;
+    esac
+    runner="qemu-aarch64 -cpu $cpu"
+    echo
+    echo "== run '$run': $runner (SVE $bits bits)${isa_env[*]:+ ${isa_env[*]}}"
+    export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="$runner"
+    # Show the vector length the kernels actually see.
+    report=$(env "${isa_env[@]}" cargo test -q -p fugu-gemm --target "$TARGET" \
+        --test kernel_contract -- --exact report_kernels --nocapture 2>&1 | grep '^kernel ' || true)
+    if [[ -z "$report" ]]; then
+        echo "   (could not run report_kernels)"
+    else
+        while IFS= read -r line; do echo "   $line"; done <<<"$report"
+    fi
+    if [[ "$run" != neon ]] && ! grep -q "vector length $bits bits" <<<"$report"; then
+        echo "!! run '$run': expected an SVE kernel with a $bits-bit vector length" >&2
+        failed+=("$run(vector length)")
+    fi
+    if env "${isa_env[@]}" cargo "${CARGO_ARGS[@]}"; then
+        echo "== run '$run': passed"
+    else
+        echo "!! run '$run': FAILED" >&2
+        failed+=("$run")
+    fi
+done
+
+echo
+if ((${#failed[@]})); then
+    echo "test-aarch64.sh: FAILED runs: ${failed[*]}" >&2
+    exit 1
+fi
+echo "test-aarch64.sh: all runs passed ($RUNS)"
