@@ -44,7 +44,14 @@ fn assert_close(got: &[f32], want: &[f32], k: usize, what: &str) {
 fn strided_batched_matches_reference() {
     let mut rng = Rng::new(11);
     for (name, rt) in runtimes() {
-        for &(batch, m, n, k) in &[(1, 13, 7, 5), (5, 33, 17, 9), (48, 16, 16, 8), (3, 1, 40, 2), (4, 0, 3, 2), (2, 5, 4, 0)] {
+        for &(batch, m, n, k) in &[
+            (1, 13, 7, 5),
+            (5, 33, 17, 9),
+            (48, 16, 16, 8),
+            (3, 1, 40, 2),
+            (4, 0, 3, 2),
+            (2, 5, 4, 0),
+        ] {
             for (ta, tb) in [(false, false), (false, true), (true, false)] {
                 for beta in [0.0f32, 0.5] {
                     // A: batch of m×k (stored k×m when ta), padded batch stride.
@@ -80,7 +87,11 @@ fn strided_batched_matches_reference() {
                         let r = i * sc..i * sc + m * n;
                         assert_close(&c[r.clone()], &want[r], k, &format!("{name}: batch {batch} {m}x{n}x{k} ta={ta} tb={tb} beta={beta} matrix {i}"));
                         if beta != 0.0 {
-                            assert_eq!(c[i * sc + m * n..(i + 1) * sc], want[i * sc + m * n..(i + 1) * sc], "{name}: padding changed");
+                            assert_eq!(
+                                c[i * sc + m * n..(i + 1) * sc],
+                                want[i * sc + m * n..(i + 1) * sc],
+                                "{name}: padding changed"
+                            );
                         }
                     }
                 }
@@ -123,11 +134,22 @@ fn broadcast_operand_with_zero_batch_stride() {
 #[test]
 fn pointer_array_batch_with_mixed_shapes() {
     let mut rng = Rng::new(9);
-    let shapes = [(1usize, 1usize, 1usize), (70, 3, 9), (5, 64, 33), (0, 4, 4), (31, 29, 0), (40, 40, 40), (2, 97, 13)];
+    let shapes = [
+        (1usize, 1usize, 1usize),
+        (70, 3, 9),
+        (5, 64, 33),
+        (0, 4, 4),
+        (31, 29, 0),
+        (40, 40, 40),
+        (2, 97, 13),
+    ];
     for (name, rt) in runtimes() {
         let a: Vec<Vec<f32>> = shapes.iter().map(|&(m, _, k)| rng.vec(m * k)).collect();
         let b: Vec<Vec<f32>> = shapes.iter().map(|&(_, n, k)| rng.vec(k * n)).collect();
-        let mut c: Vec<Vec<f32>> = shapes.iter().map(|&(m, n, _)| vec![f32::NAN; m * n]).collect();
+        let mut c: Vec<Vec<f32>> = shapes
+            .iter()
+            .map(|&(m, n, _)| vec![f32::NAN; m * n])
+            .collect();
         let mut want: Vec<Vec<f32>> = shapes.iter().map(|&(m, n, _)| vec![0.0; m * n]).collect();
         for (i, &(m, n, k)) in shapes.iter().enumerate() {
             gemm_ref(
@@ -138,8 +160,16 @@ fn pointer_array_batch_with_mixed_shapes() {
                 MatMut::row_major(&mut want[i], m, n).unwrap(),
             );
         }
-        let av: Vec<MatRef<f32>> = shapes.iter().enumerate().map(|(i, &(m, _, k))| MatRef::row_major(&a[i], m, k).unwrap()).collect();
-        let bv: Vec<MatRef<f32>> = shapes.iter().enumerate().map(|(i, &(_, n, k))| MatRef::col_major(&b[i], k, n).unwrap()).collect();
+        let av: Vec<MatRef<f32>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(m, _, k))| MatRef::row_major(&a[i], m, k).unwrap())
+            .collect();
+        let bv: Vec<MatRef<f32>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, n, k))| MatRef::col_major(&b[i], k, n).unwrap())
+            .collect();
         let mut cv: Vec<MatMut<f32>> = c
             .iter_mut()
             .zip(&shapes)
@@ -176,7 +206,13 @@ fn batch_errors_name_the_problem() {
     let mut c2 = vec![0.0f32; 4];
     let mut cs = vec![MatMut::row_major(&mut c2, 2, 2).unwrap()];
     let err = rt
-        .gemm_batched(1.0, &[MatRef::row_major(&a, 2, 3).unwrap()], &[MatRef::row_major(&b, 2, 2).unwrap()], 0.0, &mut cs)
+        .gemm_batched(
+            1.0,
+            &[MatRef::row_major(&a, 2, 3).unwrap()],
+            &[MatRef::row_major(&b, 2, 2).unwrap()],
+            0.0,
+            &mut cs,
+        )
         .unwrap_err();
     assert!(err.to_string().contains("problem 0"), "{err}");
 }

@@ -20,6 +20,9 @@ fn kernel_table_matches_docs() {
         } else {
             format!("{} × {}", k.mr, k.nr)
         };
-        assert!(row.contains(&tile), "docs/KERNELS.md row for {isa} should say {tile}: {row}");
+        assert!(
+            row.contains(&tile),
+            "docs/KERNELS.md row for {isa} should say {tile}: {row}"
+        );
     }
 }

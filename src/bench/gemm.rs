@@ -25,7 +25,16 @@ pub struct BenchShape {
     pub tb: bool,
 }
 
-fn shape(set: &str, name: &str, m: usize, n: usize, k: usize, batch: usize, ta: bool, tb: bool) -> BenchShape {
+fn shape(
+    set: &str,
+    name: &str,
+    m: usize,
+    n: usize,
+    k: usize,
+    batch: usize,
+    ta: bool,
+    tb: bool,
+) -> BenchShape {
     BenchShape {
         set: set.into(),
         name: name.into(),
@@ -57,38 +66,157 @@ pub fn shape_set(name: &str) -> Result<Vec<BenchShape>> {
                 ("fc", 768, 3072),
                 ("mlp-proj", 3072, 768),
             ] {
-                v.push(shape("gpt2", &format!("{layer} fwd"), bt, dout, din, 1, false, false));
-                v.push(shape("gpt2", &format!("{layer} bwd-data"), bt, din, dout, 1, false, true));
-                v.push(shape("gpt2", &format!("{layer} bwd-weight"), din, dout, bt, 1, true, false));
+                v.push(shape(
+                    "gpt2",
+                    &format!("{layer} fwd"),
+                    bt,
+                    dout,
+                    din,
+                    1,
+                    false,
+                    false,
+                ));
+                v.push(shape(
+                    "gpt2",
+                    &format!("{layer} bwd-data"),
+                    bt,
+                    din,
+                    dout,
+                    1,
+                    false,
+                    true,
+                ));
+                v.push(shape(
+                    "gpt2",
+                    &format!("{layer} bwd-weight"),
+                    din,
+                    dout,
+                    bt,
+                    1,
+                    true,
+                    false,
+                ));
             }
             v.push(shape("gpt2", "lm-head fwd", bt, 50304, 768, 1, false, true));
-            v.push(shape("gpt2", "lm-head bwd-data", bt, 768, 50304, 1, false, false));
-            v.push(shape("gpt2", "lm-head bwd-weight", 50304, 768, bt, 1, true, false));
+            v.push(shape(
+                "gpt2",
+                "lm-head bwd-data",
+                bt,
+                768,
+                50304,
+                1,
+                false,
+                false,
+            ));
+            v.push(shape(
+                "gpt2",
+                "lm-head bwd-weight",
+                50304,
+                768,
+                bt,
+                1,
+                true,
+                false,
+            ));
         }
         "attention" => {
             // 4 sequences x 12 heads = batch 48, head size 64: scores Q·Kᵀ and context P·V.
             for t in [64, 256, 1024] {
-                v.push(shape("attention", &format!("QK^T T={t}"), t, t, 64, 48, false, true));
-                v.push(shape("attention", &format!("PV T={t}"), t, 64, t, 48, false, false));
+                v.push(shape(
+                    "attention",
+                    &format!("QK^T T={t}"),
+                    t,
+                    t,
+                    64,
+                    48,
+                    false,
+                    true,
+                ));
+                v.push(shape(
+                    "attention",
+                    &format!("PV T={t}"),
+                    t,
+                    64,
+                    t,
+                    48,
+                    false,
+                    false,
+                ));
             }
         }
         "fugaku" => {
             // DL4Fugaku GPT shapes (hidden 7168, 56 heads of 128, sequence 2048) at tensor
             // parallel degree 8, which fits a 24 GiB machine with the baseline's copies.
             let (s, h, heads, tp) = (2048, 7168, 56, 8);
-            v.push(shape("fugaku", "qkv tp=8", s, 3 * h / tp, h, 1, false, false));
-            v.push(shape("fugaku", "scores tp=8", s, s, 128, heads / tp, false, true));
-            v.push(shape("fugaku", "context tp=8", s, 128, s, heads / tp, false, false));
-            v.push(shape("fugaku", "out-proj tp=8", s, h, h / tp, 1, false, false));
-            v.push(shape("fugaku", "fc1 tp=8", s, 4 * h / tp, h, 1, false, false));
-            v.push(shape("fugaku", "fc2 tp=8", s, h, 4 * h / tp, 1, false, false));
+            v.push(shape(
+                "fugaku",
+                "qkv tp=8",
+                s,
+                3 * h / tp,
+                h,
+                1,
+                false,
+                false,
+            ));
+            v.push(shape(
+                "fugaku",
+                "scores tp=8",
+                s,
+                s,
+                128,
+                heads / tp,
+                false,
+                true,
+            ));
+            v.push(shape(
+                "fugaku",
+                "context tp=8",
+                s,
+                128,
+                s,
+                heads / tp,
+                false,
+                false,
+            ));
+            v.push(shape(
+                "fugaku",
+                "out-proj tp=8",
+                s,
+                h,
+                h / tp,
+                1,
+                false,
+                false,
+            ));
+            v.push(shape(
+                "fugaku",
+                "fc1 tp=8",
+                s,
+                4 * h / tp,
+                h,
+                1,
+                false,
+                false,
+            ));
+            v.push(shape(
+                "fugaku",
+                "fc2 tp=8",
+                s,
+                h,
+                4 * h / tp,
+                1,
+                false,
+                false,
+            ));
         }
         "all" => {
             for s in ["square", "gpt2", "attention", "fugaku"] {
                 v.extend(shape_set(s)?);
             }
         }
-        other => bail!("unknown shape set {other:?}: expected square, gpt2, attention, fugaku or all"),
+        other => {
+            bail!("unknown shape set {other:?}: expected square, gpt2, attention, fugaku or all")
+        }
     }
     Ok(v)
 }
@@ -100,7 +228,9 @@ pub fn parse_shape(s: &str) -> Result<BenchShape> {
         .iter()
         .map(|p| p.trim().parse::<usize>())
         .collect::<Result<_, _>>()
-        .with_context(|| format!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH with integers"))?;
+        .with_context(|| {
+            format!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH with integers")
+        })?;
     let (m, n, k, batch) = match nums[..] {
         [m, n, k] => (m, n, k, 1),
         [m, n, k, b] => (m, n, k, b),
@@ -291,7 +421,12 @@ fn gflops(s: &BenchShape, secs: f64) -> f64 {
 }
 
 /// Times one shape on `rt` (and the baselines) and checks that the results agree.
-pub fn run_shape(rt: &Runtime, peak: &Peak, s: &BenchShape, opts: &BenchOptions) -> Result<BenchRow> {
+pub fn run_shape(
+    rt: &Runtime,
+    peak: &Peak,
+    s: &BenchShape,
+    opts: &BenchOptions,
+) -> Result<BenchRow> {
     let ops = Operands {
         a: fill(s.batch * s.m * s.k, 1),
         b: fill(s.batch * s.k * s.n, 2),
@@ -350,8 +485,14 @@ pub fn run_shape(rt: &Runtime, peak: &Peak, s: &BenchShape, opts: &BenchOptions)
         let bg = gflops(s, bt);
         row.baseline_gflops = Some(bg);
         row.ratio = Some(g / bg);
-        let scale = cb.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-        let diff = c.iter().zip(&cb).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        let scale = cb
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
+        let diff = c
+            .iter()
+            .zip(&cb)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
         let rel = (diff / scale) as f64;
         row.max_rel_diff = Some(rel);
         if !(rel < 1e-3) {
@@ -395,7 +536,10 @@ pub fn table_header() -> String {
         "set", "name", "MxNxK", "batch", "thr", "isa", "GFLOP/s", "%peak", "mm GF/s", "ratio"
     );
     if cfg!(feature = "openblas") {
-        h.push_str(&format!(" {:>9} {:>6} {:>9}", "oblas GF", "ratio", "oblas-spl"));
+        h.push_str(&format!(
+            " {:>9} {:>6} {:>9}",
+            "oblas GF", "ratio", "oblas-spl"
+        ));
     }
     h
 }
@@ -437,8 +581,17 @@ mod tests {
     #[test]
     fn shape_sets_have_the_issue_shapes() {
         let g = shape_set("gpt2").unwrap();
-        for (m, n, k) in [(1024, 2304, 768), (1024, 768, 768), (1024, 3072, 768), (1024, 768, 3072), (1024, 50304, 768)] {
-            assert!(g.iter().any(|s| (s.m, s.n, s.k) == (m, n, k)), "{m}x{n}x{k}");
+        for (m, n, k) in [
+            (1024, 2304, 768),
+            (1024, 768, 768),
+            (1024, 3072, 768),
+            (1024, 768, 3072),
+            (1024, 50304, 768),
+        ] {
+            assert!(
+                g.iter().any(|s| (s.m, s.n, s.k) == (m, n, k)),
+                "{m}x{n}x{k}"
+            );
         }
         assert!(g.iter().any(|s| s.ta) && g.iter().any(|s| s.tb));
         let a = shape_set("attention").unwrap();
@@ -478,7 +631,10 @@ mod tests {
             max_reps: 1,
             ..Default::default()
         };
-        for s in [parse_shape("33x17x9x3").unwrap(), shape("t", "t", 20, 30, 40, 1, true, true)] {
+        for s in [
+            parse_shape("33x17x9x3").unwrap(),
+            shape("t", "t", 20, 30, 40, 1, true, true),
+        ] {
             let r = run_shape(&rt, &peak, &s, &opts).unwrap();
             assert!(r.gflops > 0.0 && r.baseline_gflops.unwrap() > 0.0);
             assert!(r.max_rel_diff.unwrap() < 1e-5, "{:?}", r.max_rel_diff);

@@ -36,7 +36,16 @@ pub fn set_threads(n: usize) {
 
 /// Row-major `C = A·B` (A m×k, or k×m when `ta`; B k×n, or n×k when `tb`), dense operands.
 #[allow(clippy::too_many_arguments)]
-pub fn sgemm(m: usize, n: usize, k: usize, ta: bool, tb: bool, a: &[f32], b: &[f32], c: &mut [f32]) {
+pub fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    ta: bool,
+    tb: bool,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+) {
     assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     let lda = if ta { m } else { k };
     let ldb = if tb { k } else { n };

@@ -1,7 +1,9 @@
 //! `fugu bench gemm`: fugu-gemm against matrixmultiply (and OpenBLAS with the `openblas`
 //! feature) on named shape sets or custom shapes.
 
-use crate::bench::gemm::{format_row, parse_shape, run_shape, shape_set, table_header, BenchOptions};
+use crate::bench::gemm::{
+    format_row, parse_shape, run_shape, shape_set, table_header, BenchOptions,
+};
 use anyhow::{bail, Context, Result};
 use fugu_gemm::{Isa, Runtime, RuntimeConfig};
 
@@ -72,7 +74,11 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     eprintln!(
         "baseline: matrixmultiply 0.3 with {} thread(s){}",
         rt.threads().min(4),
-        if cfg!(feature = "openblas") { "; OpenBLAS (system) side by side" } else { "" }
+        if cfg!(feature = "openblas") {
+            "; OpenBLAS (system) side by side"
+        } else {
+            ""
+        }
     );
     let opts = BenchOptions {
         budget_s: args.budget.max(0.0),
@@ -86,7 +92,16 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     let total = shapes.len();
     for (i, s) in shapes.iter().enumerate() {
         if json {
-            eprintln!("[{}/{}] {} {}x{}x{} batch {}", i + 1, total, s.name, s.m, s.n, s.k, s.batch);
+            eprintln!(
+                "[{}/{}] {} {}x{}x{} batch {}",
+                i + 1,
+                total,
+                s.name,
+                s.m,
+                s.n,
+                s.k,
+                s.batch
+            );
         }
         let row = run_shape(&rt, &peak, s, &opts)?;
         if json {
