@@ -40,15 +40,12 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
         // writes eight consecutive floats (one vector store) from eight sequential streams.
         let mut r = 0;
         while r + 8 <= rows {
-            // SAFETY: rows r0+r .. r0+r+8, columns 0..k are inside the source view, which is
-            // contiguous along k.
-            let src: [&[f32]; 8] = std::array::from_fn(|i| unsafe {
-                std::slice::from_raw_parts(base.add((r0 + r + i) * s_w), k)
-            });
+            let src: [*const f32; 8] = std::array::from_fn(|i| base.wrapping_add((r0 + r + i) * s_w));
             for (p, out) in panel.chunks_exact_mut(w).enumerate() {
                 let out: &mut [f32; 8] = (&mut out[r..r + 8]).try_into().expect("8 floats");
                 for i in 0..8 {
-                    out[i] = src[i][p];
+                    // SAFETY: rows r0+r .. r0+r+8 and column p < k are inside the source view.
+                    out[i] = unsafe { *src[i].add(p) };
                 }
             }
             r += 8;
