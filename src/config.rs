@@ -1,0 +1,220 @@
+//! Model and training configuration: TOML files in `configs/` (also built into the binary, so
+//! `--config gpt2-124m` works anywhere), with every field overridable from the command line.
+//! Unknown keys are errors, and validation names the offending field.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// GPT-2 architecture.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Vocabulary size as stored in files (padded to a multiple of 128 inside the model).
+    pub vocab_size: usize,
+    /// Maximum sequence length (rows of the position embedding).
+    pub n_positions: usize,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// Transformer blocks.
+    pub n_layer: usize,
+}
+
+/// Learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    /// Linear warmup, then cosine decay to `min_lr` at the last step.
+    Cosine,
+    /// Linear warmup, then constant `lr`.
+    Constant,
+}
+
+/// Optimisation and run-length settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub steps: usize,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: usize,
+    pub lr_schedule: LrSchedule,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Global-norm gradient clipping; 0 turns it off.
+    pub grad_clip: f64,
+    pub seed: u64,
+    /// Evaluate on the validation split every N steps (0 = never).
+    pub eval_every: usize,
+    /// Checkpoint every N steps (0 = only at the end).
+    pub ckpt_every: usize,
+}
+
+/// A whole config file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+}
+
+/// Configs shipped with fugu, by name.
+pub const BUILTIN: [(&str, &str); 6] = [
+    ("gpt2-tiny", include_str!("../configs/gpt2-tiny.toml")),
+    ("gpt2-124m", include_str!("../configs/gpt2-124m.toml")),
+    ("gpt2-350m", include_str!("../configs/gpt2-350m.toml")),
+    ("gpt2-774m", include_str!("../configs/gpt2-774m.toml")),
+    ("gpt2-1.5b", include_str!("../configs/gpt2-1.5b.toml")),
+    ("gpt-1.3b", include_str!("../configs/gpt-1.3b.toml")),
+];
+
+impl RunConfig {
+    /// Parses TOML text; `origin` names the file in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<RunConfig> {
+        let cfg: RunConfig =
+            toml::from_str(text).with_context(|| format!("invalid config {origin}"))?;
+        Ok(cfg)
+    }
+
+    /// Loads a config by path, or by built-in name (`gpt2-tiny`, `gpt2-124m`, ...).
+    pub fn load(name_or_path: &str) -> Result<RunConfig> {
+        let path = Path::new(name_or_path);
+        if path.exists() {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading config {}", path.display()))?;
+            return Self::parse(&text, &path.display().to_string());
+        }
+        let stem = name_or_path.trim_end_matches(".toml");
+        let stem = Path::new(stem)
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match BUILTIN.iter().find(|(n, _)| *n == stem) {
+            Some((n, text)) => Self::parse(text, &format!("(built-in {n})")),
+            None => bail!(
+                "config {name_or_path:?} is neither a file nor a built-in config ({})",
+                BUILTIN
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+
+    /// Checks consistency; the error names the field and the expectation.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        let t = &self.train;
+        let positive = [
+            ("model.vocab_size", m.vocab_size),
+            ("model.n_positions", m.n_positions),
+            ("model.n_embd", m.n_embd),
+            ("model.n_head", m.n_head),
+            ("model.n_layer", m.n_layer),
+            ("train.batch_size", t.batch_size),
+            ("train.seq_len", t.seq_len),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                bail!("{name} = 0: must be at least 1");
+            }
+        }
+        if m.n_embd % m.n_head != 0 {
+            bail!(
+                "model.n_embd = {} is not divisible by model.n_head = {}",
+                m.n_embd,
+                m.n_head
+            );
+        }
+        if t.seq_len > m.n_positions {
+            bail!(
+                "train.seq_len = {} exceeds model.n_positions = {}",
+                t.seq_len,
+                m.n_positions
+            );
+        }
+        if m.vocab_size > u32::MAX as usize / 2 {
+            bail!("model.vocab_size = {} is too large", m.vocab_size);
+        }
+        let checks = [
+            ("train.lr", t.lr, t.lr > 0.0),
+            (
+                "train.min_lr",
+                t.min_lr,
+                t.min_lr >= 0.0 && t.min_lr <= t.lr,
+            ),
+            ("train.weight_decay", t.weight_decay, t.weight_decay >= 0.0),
+            ("train.beta1", t.beta1, (0.0..1.0).contains(&t.beta1)),
+            ("train.beta2", t.beta2, (0.0..1.0).contains(&t.beta2)),
+            ("train.eps", t.eps, t.eps > 0.0),
+            ("train.grad_clip", t.grad_clip, t.grad_clip >= 0.0),
+        ];
+        for (name, v, ok) in checks {
+            if !ok || !v.is_finite() {
+                let want = match name {
+                    "train.min_lr" => "0 <= min_lr <= lr",
+                    "train.beta1" | "train.beta2" => "0 <= beta < 1",
+                    "train.lr" | "train.eps" => "a positive number",
+                    _ => "a non-negative number",
+                };
+                bail!("{name} = {v}: expected {want}");
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtins_parse_and_validate() {
+        for (name, _) in BUILTIN {
+            let c = RunConfig::load(name).unwrap();
+            c.validate().unwrap();
+        }
+        let c = RunConfig::load("gpt-1.3b").unwrap();
+        assert_eq!(
+            (c.model.n_layer, c.model.n_embd, c.model.n_head),
+            (24, 2048, 16)
+        );
+        let c = RunConfig::load("configs/gpt2-124m.toml").unwrap();
+        assert_eq!(
+            (c.model.n_layer, c.model.n_embd, c.model.n_head),
+            (12, 768, 12)
+        );
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let base = BUILTIN[0].1;
+        let e = RunConfig::parse(
+            &base.replace("n_head = 4", "n_head = 4\nn_heads = 3"),
+            "x.toml",
+        )
+        .unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(msg.contains("x.toml") && msg.contains("n_heads"), "{msg}");
+        let c = RunConfig::parse(&base.replace("n_head = 4", "n_head = 5"), "x").unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("n_embd = 128 is not divisible by model.n_head = 5"),
+            "{msg}"
+        );
+        let c = RunConfig::parse(&base.replace("seq_len = 128", "seq_len = 512"), "x").unwrap();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("exceeds model.n_positions"));
+        assert!(RunConfig::load("no-such-config").is_err());
+    }
+}
