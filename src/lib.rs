@@ -3,3 +3,4 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod model;

@@ -1,0 +1,185 @@
+//! Tensor tables: a list of (name, shape) carved out of one flat `f32` allocation.
+//!
+//! Parameters, gradients and optimizer moments share the parameter table, so a checkpoint, an
+//! all-reduce bucket or a ZeRO shard is a slice of one buffer. Every tensor starts on a
+//! 64-byte boundary.
+
+use crate::config::ModelConfig;
+use anyhow::{bail, Result};
+use std::collections::HashMap;
+
+/// Floats per alignment unit (64 bytes).
+const ALIGN: usize = 16;
+
+/// One tensor of a table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Hugging Face GPT-2 name (e.g. `h.0.attn.c_attn.weight`).
+    pub name: String,
+    /// Shape in the model's own layout (Conv1D weights are (in, out), as in HF files).
+    pub shape: Vec<usize>,
+    /// Offset of the first element in the flat buffer.
+    pub offset: usize,
+    /// AdamW weight decay applies (2-D tensors: matrices and embeddings).
+    pub decay: bool,
+}
+
+impl TensorSpec {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// True for a tensor with no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The element range in the flat buffer.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len()
+    }
+}
+
+/// An ordered set of tensors in one flat buffer.
+#[derive(Clone, Debug, Default)]
+pub struct Table {
+    specs: Vec<TensorSpec>,
+    index: HashMap<String, usize>,
+    total: usize,
+}
+
+impl Table {
+    /// Appends a tensor (aligned to 64 bytes) and returns its index.
+    pub fn push(&mut self, name: impl Into<String>, shape: &[usize]) -> usize {
+        let name = name.into();
+        let offset = self.total.next_multiple_of(ALIGN);
+        let spec = TensorSpec {
+            decay: shape.len() == 2,
+            name: name.clone(),
+            shape: shape.to_vec(),
+            offset,
+        };
+        self.total = offset + spec.len();
+        self.index.insert(name, self.specs.len());
+        self.specs.push(spec);
+        self.specs.len() - 1
+    }
+
+    /// Floats the flat buffer needs.
+    pub fn total(&self) -> usize {
+        self.total.next_multiple_of(ALIGN)
+    }
+
+    /// All tensors in order.
+    pub fn specs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+
+    /// The tensor called `name`.
+    pub fn get(&self, name: &str) -> Option<&TensorSpec> {
+        self.index.get(name).map(|&i| &self.specs[i])
+    }
+
+    /// Number of elements over all tensors (without alignment padding).
+    pub fn elements(&self) -> usize {
+        self.specs.iter().map(TensorSpec::len).sum()
+    }
+}
+
+/// The vocabulary size inside the model: padded up to a multiple of 128 so the LM-head GEMM
+/// has friendly shapes. Padded rows of `wte` are zero and never written to files.
+pub fn padded_vocab(vocab: usize) -> usize {
+    vocab.next_multiple_of(128)
+}
+
+/// The parameter table of GPT-2 for tensor-parallel degree `tp` (this rank's shards; 1 = all).
+///
+/// Names follow Hugging Face's `model.safetensors` for `gpt2`. With `tp > 1`, `c_attn` and
+/// `c_fc` are split by columns (heads / MLP units), the two `c_proj` weights by rows, and
+/// `wte` by vocabulary rows; LayerNorms, `wpe` and the row-parallel biases are replicated.
+pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
+    if tp == 0 || m.n_head % tp != 0 {
+        bail!(
+            "tensor parallel degree {tp} does not divide model.n_head = {}",
+            m.n_head
+        );
+    }
+    if (4 * m.n_embd) % tp != 0 {
+        bail!(
+            "tensor parallel degree {tp} does not divide the MLP width 4*n_embd = {}",
+            4 * m.n_embd
+        );
+    }
+    let c = m.n_embd;
+    let vp = padded_vocab(m.vocab_size);
+    if vp % tp != 0 {
+        bail!("tensor parallel degree {tp} does not divide the padded vocabulary {vp}");
+    }
+    let mut t = Table::default();
+    t.push("wte.weight", &[vp / tp, c]);
+    t.push("wpe.weight", &[m.n_positions, c]);
+    for l in 0..m.n_layer {
+        let p = |s: &str| format!("h.{l}.{s}");
+        t.push(p("ln_1.weight"), &[c]);
+        t.push(p("ln_1.bias"), &[c]);
+        t.push(p("attn.c_attn.weight"), &[c, 3 * c / tp]);
+        t.push(p("attn.c_attn.bias"), &[3 * c / tp]);
+        t.push(p("attn.c_proj.weight"), &[c / tp, c]);
+        t.push(p("attn.c_proj.bias"), &[c]);
+        t.push(p("ln_2.weight"), &[c]);
+        t.push(p("ln_2.bias"), &[c]);
+        t.push(p("mlp.c_fc.weight"), &[c, 4 * c / tp]);
+        t.push(p("mlp.c_fc.bias"), &[4 * c / tp]);
+        t.push(p("mlp.c_proj.weight"), &[4 * c / tp, c]);
+        t.push(p("mlp.c_proj.bias"), &[c]);
+    }
+    t.push("ln_f.weight", &[c]);
+    t.push("ln_f.bias", &[c]);
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RunConfig;
+
+    #[test]
+    fn gpt2_124m_has_the_known_parameter_count() {
+        let m = RunConfig::load("gpt2-124m").unwrap().model;
+        let t = gpt2_params(&m, 1).unwrap();
+        // 124,439,808 with the unpadded 50257 vocabulary (the published GPT-2 small count);
+        // padding adds (50304 - 50257) * 768 rows inside the model.
+        assert_eq!(t.elements(), 124_439_808 + (50304 - 50257) * 768);
+        assert_eq!(t.get("wte.weight").unwrap().shape, vec![50304, 768]);
+        assert_eq!(
+            t.get("h.11.mlp.c_proj.weight").unwrap().shape,
+            vec![3072, 768]
+        );
+        assert!(t.get("h.0.attn.c_attn.weight").unwrap().decay);
+        assert!(!t.get("h.0.attn.c_attn.bias").unwrap().decay);
+        assert!(t.specs().iter().all(|s| s.offset % 16 == 0));
+        assert!(t.total() >= t.elements());
+    }
+
+    #[test]
+    fn tensor_parallel_shards_and_errors() {
+        let m = RunConfig::load("gpt2-tiny").unwrap().model;
+        let t = gpt2_params(&m, 2).unwrap();
+        assert_eq!(
+            t.get("h.0.attn.c_attn.weight").unwrap().shape,
+            vec![128, 192]
+        );
+        assert_eq!(
+            t.get("h.0.mlp.c_proj.weight").unwrap().shape,
+            vec![256, 128]
+        );
+        let e = gpt2_params(&m, 3).unwrap_err().to_string();
+        assert!(e.contains("n_head = 4"), "{e}");
+    }
+
+    #[test]
+    fn vocab_padding() {
+        assert_eq!(padded_vocab(50257), 50304);
+        assert_eq!(padded_vocab(128), 128);
+        assert_eq!(padded_vocab(101), 128);
+    }
+}
