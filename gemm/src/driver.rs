@@ -79,6 +79,20 @@ impl Problem {
         }
     }
 
+    /// Orients the problem and finishes the cases that need no kernel (empty C; `k == 0` or
+    /// `alpha == 0`, which only scale C). Returns the problem when the kernel has work.
+    pub fn needs_kernel(self) -> Option<Problem> {
+        let p = self.oriented();
+        if p.m() == 0 || p.n() == 0 {
+            return None;
+        }
+        if p.is_scale_only() {
+            scale_c(p.c, p.beta);
+            return None;
+        }
+        Some(p)
+    }
+
     /// True when only `C := beta·C` is left to do.
     pub fn is_scale_only(&self) -> bool {
         self.k() == 0 || self.alpha == 0.0
@@ -170,14 +184,10 @@ fn macro_kernel(
 
 /// Runs one problem on the calling thread, with its thread-local packing buffers.
 pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
-    let p = p.oriented();
-    let (m, n, k) = (p.m(), p.n(), p.k());
-    if m == 0 || n == 0 {
+    let Some(p) = p.needs_kernel() else {
         return;
-    }
-    if p.is_scale_only() {
-        return scale_c(p.c, p.beta);
-    }
+    };
+    let (m, n, k) = (p.m(), p.n(), p.k());
     let KernelF32 { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc } = ctx.blk;
     for jc in (0..n).step_by(nc) {
@@ -229,14 +239,10 @@ pub(crate) fn run_parallel(
     bbuf: &mut AlignedBuf,
     abuf: &mut AlignedBuf,
 ) {
-    let p = p.oriented();
-    let (m, n, k) = (p.m(), p.n(), p.k());
-    if m == 0 || n == 0 {
+    let Some(p) = p.needs_kernel() else {
         return;
-    }
-    if p.is_scale_only() {
-        return scale_c(p.c, p.beta);
-    }
+    };
+    let (m, n, k) = (p.m(), p.n(), p.k());
     let KernelF32 { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc } = ctx.blk;
     // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
