@@ -984,6 +984,7 @@ impl BinStream {
             self.advance();
             return Ok(());
         };
+        let mut skipped_in_a_row = 0u64;
         loop {
             if self.k == self.c {
                 self.set_epoch(self.epoch + 1);
@@ -1030,7 +1031,8 @@ impl BinStream {
                     out[i], self.vocab
                 ),
             };
-            if !self.skip_bad {
+            skipped_in_a_row += 1;
+            if !self.skip_bad || skipped_in_a_row >= self.c {
                 return Err(e);
             }
             log_skip(&self.shared, &e);

@@ -271,5 +271,10 @@ fn bad_bin_files() {
         s.contains("vocab.bin") && s.contains("byte offset 70") && s.contains("65000"),
         "{s}"
     );
+    // Every window bad under skip_bad_samples: an error, not an endless loop.
+    let p = d.join("allbad.bin");
+    std::fs::write(&p, [0xffu8; 256]).unwrap();
+    let s = msg(&first_error(p.to_str().unwrap(), &cfg(true), 10));
+    assert!(s.contains("allbad.bin") && s.contains("65535"), "{s}");
     let _ = Path::new("");
 }

@@ -219,7 +219,7 @@ fn fuzz_brace_patterns_and_bin_files() {
     let mut rng = Rng(77);
     let alphabet = b"{},.0123456789ab-/";
     for _ in 0..iters(3000) {
-        let s: String = (0..rng.below(24))
+        let s: String = (0..rng.below(14))
             .map(|_| alphabet[rng.below(alphabet.len())] as char)
             .collect();
         if let Ok(v) = fugu_io::expand_braces(&s) {
