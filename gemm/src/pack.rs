@@ -40,7 +40,8 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
         // writes eight consecutive floats (one vector store) from eight sequential streams.
         let mut r = 0;
         while r + 8 <= rows {
-            let src: [*const f32; 8] = std::array::from_fn(|i| base.wrapping_add((r0 + r + i) * s_w));
+            let src: [*const f32; 8] =
+                std::array::from_fn(|i| base.wrapping_add((r0 + r + i) * s_w));
             for (p, out) in panel.chunks_exact_mut(w).enumerate() {
                 let out: &mut [f32; 8] = (&mut out[r..r + 8]).try_into().expect("8 floats");
                 for i in 0..8 {
