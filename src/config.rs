@@ -126,7 +126,7 @@ impl RunConfig {
                 bail!("{name} = 0: must be at least 1");
             }
         }
-        if m.n_embd % m.n_head != 0 {
+        if !m.n_embd.is_multiple_of(m.n_head) {
             bail!(
                 "model.n_embd = {} is not divisible by model.n_head = {}",
                 m.n_embd,

@@ -22,6 +22,7 @@ fn span(offset: usize, dims: &[(usize, usize)]) -> Option<usize> {
     last.checked_add(1)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check_fits(
     operand: &str,
     len: usize,

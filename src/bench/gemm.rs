@@ -25,6 +25,7 @@ pub struct BenchShape {
     pub tb: bool,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn shape(
     set: &str,
     name: &str,
@@ -495,7 +496,7 @@ pub fn run_shape(
             .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
         let rel = (diff / scale) as f64;
         row.max_rel_diff = Some(rel);
-        if !(rel < 1e-3) {
+        if rel.is_nan() || rel >= 1e-3 {
             bail!(
                 "{}: fugu-gemm and matrixmultiply disagree (max relative difference {rel:e})",
                 s.name

@@ -97,13 +97,13 @@ pub fn padded_vocab(vocab: usize) -> usize {
 /// `c_fc` are split by columns (heads / MLP units), the two `c_proj` weights by rows, and
 /// `wte` by vocabulary rows; LayerNorms, `wpe` and the row-parallel biases are replicated.
 pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
-    if tp == 0 || m.n_head % tp != 0 {
+    if tp == 0 || !m.n_head.is_multiple_of(tp) {
         bail!(
             "tensor parallel degree {tp} does not divide model.n_head = {}",
             m.n_head
         );
     }
-    if (4 * m.n_embd) % tp != 0 {
+    if !(4 * m.n_embd).is_multiple_of(tp) {
         bail!(
             "tensor parallel degree {tp} does not divide the MLP width 4*n_embd = {}",
             4 * m.n_embd
@@ -111,7 +111,7 @@ pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
     }
     let c = m.n_embd;
     let vp = padded_vocab(m.vocab_size);
-    if vp % tp != 0 {
+    if !vp.is_multiple_of(tp) {
         bail!("tensor parallel degree {tp} does not divide the padded vocabulary {vp}");
     }
     let mut t = Table::default();
