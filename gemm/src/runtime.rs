@@ -3,7 +3,7 @@
 
 use crate::blocking::{Blocking, CacheInfo};
 use crate::buffer::AlignedBuf;
-use crate::driver::{run_parallel, run_sequential, scale_c, Ctx, Problem, SplitMode, MAX_TILE};
+use crate::driver::{run_parallel, run_sequential, Ctx, Problem, SplitMode, MAX_TILE};
 use crate::error::GemmError;
 use crate::kernel::{best_kernel, forced_kernel, Isa, KernelF32};
 use crate::raw::{RawMat, RawMatMut};
@@ -305,13 +305,12 @@ impl Runtime {
     /// Runs one problem on all domains: rows of C are split over domains in proportion to
     /// their threads, each domain packing its own panels.
     fn run_one(&self, p: Problem) {
-        if p.m() == 0 || p.n() == 0 {
+        let Some(p) = p.needs_kernel() else {
             return;
-        }
-        if p.is_scale_only() || self.threads() == 1 {
+        };
+        if self.threads() == 1 {
             return run_sequential(&self.ctx, p);
         }
-        let p = p.oriented();
         let mr = self.ctx.kernel.mr;
         let nd = self.domains.len();
         if nd == 1 || p.m() < nd * mr * 4 {
@@ -370,17 +369,11 @@ impl Runtime {
     /// Schedules a batch: whole problems go to domains and threads by cost when that balances
     /// well (many small GEMMs: attention); otherwise each problem uses every thread in turn.
     fn run_batch(&self, problems: Vec<Problem>) {
-        let mut work: Vec<Problem> = Vec::with_capacity(problems.len());
-        for p in problems {
-            if p.m() == 0 || p.n() == 0 {
-                continue;
-            }
-            if p.is_scale_only() {
-                scale_c(p.c, p.beta);
-            } else {
-                work.push(p);
-            }
-        }
+        // Empty and scale-only problems are finished here; the rest need the kernel.
+        let mut work: Vec<Problem> = problems
+            .into_iter()
+            .filter_map(Problem::needs_kernel)
+            .collect();
         let threads = self.threads();
         if threads == 1 {
             return work.into_iter().for_each(|p| run_sequential(&self.ctx, p));
