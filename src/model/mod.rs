@@ -1,4 +1,11 @@
-//! The GPT-2 model: the tensor tables that carve parameters, gradients and activations out of
-//! one allocation each (the llm.c way), and (to come) the forward/backward passes.
+//! The GPT-2 model: tensor tables that carve parameters, gradients and activations out of one
+//! allocation each (the llm.c way), deterministic initialisation, and the forward/backward
+//! passes over a [`crate::backend::Backend`].
 
+pub mod acts;
+pub mod gpt2;
+pub mod init;
+pub mod params;
 pub mod table;
+
+pub use gpt2::{Gpt2, OptimStep, TpRank};

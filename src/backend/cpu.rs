@@ -1,0 +1,402 @@
+//! The CPU backend: buffers are host `Vec<f32>`s, GEMMs go to fugu-gemm, the other ops to the
+//! rayon kernels of [`crate::ops`].
+
+use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
+use crate::ops;
+use anyhow::{bail, Result};
+
+/// Host-memory backend.
+#[derive(Default)]
+pub struct CpuBackend {
+    bufs: Vec<Vec<f32>>,
+    tokens: Vec<u32>,
+}
+
+impl CpuBackend {
+    pub fn new() -> CpuBackend {
+        CpuBackend::default()
+    }
+
+    /// Read-only host view of a span (zero-copy; used by checkpoints and collectives).
+    pub fn host(&self, s: Span) -> &[f32] {
+        &self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
+    }
+
+    /// Mutable host view of a span.
+    pub fn host_mut(&mut self, s: Span) -> &mut [f32] {
+        &mut self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
+    }
+}
+
+/// Borrows `W` spans mutably and `R` spans immutably from `bufs` at once.
+///
+/// Panics (an internal bug, never user input) if a span is out of bounds or a written span
+/// overlaps any other span of the call.
+fn views<'a, const W: usize, const R: usize>(
+    bufs: &'a mut [Vec<f32>],
+    w: [Span; W],
+    r: [Span; R],
+) -> ([&'a mut [f32]; W], [&'a [f32]; R]) {
+    for s in w.iter().chain(r.iter()) {
+        let len = bufs.get(s.buf.0 as usize).map_or(0, Vec::len);
+        assert!(
+            s.offset.checked_add(s.len).is_some_and(|end| end <= len),
+            "span {s:?} outside its buffer of {len} floats"
+        );
+    }
+    for (i, a) in w.iter().enumerate() {
+        for b in w.iter().skip(i + 1).chain(r.iter()) {
+            assert!(!a.overlaps(*b), "written span {a:?} overlaps {b:?}");
+        }
+    }
+    let ptrs: Vec<*mut f32> = bufs.iter_mut().map(|v| v.as_mut_ptr()).collect();
+    // SAFETY: every span was checked above to lie inside its buffer, and no written span
+    // overlaps another span of this call, so the mutable slices are disjoint from each other
+    // and from the shared ones. Shared spans may overlap each other (both are reads). The
+    // slices borrow `bufs` mutably for 'a, so no buffer can be reallocated or accessed
+    // elsewhere while they live.
+    let wm = w.map(|s| unsafe {
+        std::slice::from_raw_parts_mut(ptrs[s.buf.0 as usize].add(s.offset), s.len)
+    });
+    // SAFETY: as above.
+    let rm = r.map(|s| unsafe {
+        std::slice::from_raw_parts(ptrs[s.buf.0 as usize].add(s.offset) as *const f32, s.len)
+    });
+    (wm, rm)
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<BufId> {
+        let mut v = Vec::new();
+        if v.try_reserve_exact(len).is_err() {
+            bail!(
+                "out of memory allocating {:.1} MiB",
+                len as f64 * 4.0 / (1 << 20) as f64
+            );
+        }
+        v.resize(len, 0.0);
+        self.bufs.push(v);
+        Ok(BufId(self.bufs.len() as u32 - 1))
+    }
+
+    fn free(&mut self, buf: BufId) {
+        self.bufs[buf.0 as usize] = Vec::new();
+    }
+
+    fn buf_len(&self, buf: BufId) -> usize {
+        self.bufs[buf.0 as usize].len()
+    }
+
+    fn upload(&mut self, dst: Span, src: &[f32]) {
+        self.host_mut(dst).copy_from_slice(src);
+    }
+
+    fn download(&self, src: Span, dst: &mut [f32]) {
+        dst.copy_from_slice(self.host(src));
+    }
+
+    fn zero(&mut self, s: Span) {
+        self.host_mut(s).fill(0.0);
+    }
+
+    fn set_tokens(&mut self, tokens: &[u32]) {
+        self.tokens.clear();
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    fn encoder_forward(
+        &mut self,
+        out: Span,
+        tokens: TokSpan,
+        wte: Span,
+        vocab_start: usize,
+        wpe: Option<Span>,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
+        match wpe {
+            Some(wpe) => {
+                let ([o], [e, p]) = views(&mut self.bufs, [out], [wte, wpe]);
+                ops::encoder::encoder_forward(o, toks, e, vocab_start, Some(p), b, t, c);
+            }
+            None => {
+                let ([o], [e]) = views(&mut self.bufs, [out], [wte]);
+                ops::encoder::encoder_forward(o, toks, e, vocab_start, None, b, t, c);
+            }
+        }
+    }
+
+    fn encoder_backward(
+        &mut self,
+        dwte: Span,
+        dwpe: Option<Span>,
+        dout: Span,
+        tokens: TokSpan,
+        vocab_start: usize,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
+        match dwpe {
+            Some(dwpe) => {
+                let ([de, dp], [d]) = views(&mut self.bufs, [dwte, dwpe], [dout]);
+                ops::encoder::encoder_backward(de, Some(dp), d, toks, vocab_start, b, t, c);
+            }
+            None => {
+                let ([de], [d]) = views(&mut self.bufs, [dwte], [dout]);
+                ops::encoder::encoder_backward(de, None, d, toks, vocab_start, b, t, c);
+            }
+        }
+    }
+
+    fn layernorm_forward(
+        &mut self,
+        out: Span,
+        mean: Span,
+        rstd: Span,
+        inp: Span,
+        w: Span,
+        bias: Span,
+        n: usize,
+        c: usize,
+    ) {
+        let ([o, m, r], [i, w, bi]) = views(&mut self.bufs, [out, mean, rstd], [inp, w, bias]);
+        ops::layernorm::layernorm_forward(o, m, r, i, w, bi, n, c);
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        dinp: Span,
+        dw: Span,
+        dbias: Span,
+        dout: Span,
+        inp: Span,
+        w: Span,
+        mean: Span,
+        rstd: Span,
+        n: usize,
+        c: usize,
+    ) {
+        let ([di, dw, db], [d, i, w, m, r]) = views(
+            &mut self.bufs,
+            [dinp, dw, dbias],
+            [dout, inp, w, mean, rstd],
+        );
+        ops::layernorm::layernorm_backward(di, dw, db, d, i, w, m, r, n, c);
+    }
+
+    fn linear_forward(
+        &mut self,
+        out: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        match bias {
+            Some(bias) => {
+                let ([o], [i, w, bi]) = views(&mut self.bufs, [out], [inp, w, bias]);
+                ops::linear::linear_forward(o, i, w, layout, Some(bi), n, ic, oc);
+            }
+            None => {
+                let ([o], [i, w]) = views(&mut self.bufs, [out], [inp, w]);
+                ops::linear::linear_forward(o, i, w, layout, None, n, ic, oc);
+            }
+        }
+    }
+
+    fn linear_backward(
+        &mut self,
+        dinp: Option<Span>,
+        dw: Span,
+        dbias: Option<Span>,
+        dout: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        use ops::linear::linear_backward as lb;
+        let r = [dout, inp, w];
+        match (dinp, dbias) {
+            (Some(di), Some(db)) => {
+                let ([di, dw, db], [d, i, w]) = views(&mut self.bufs, [di, dw, db], r);
+                lb(Some(di), dw, Some(db), d, i, w, layout, n, ic, oc);
+            }
+            (Some(di), None) => {
+                let ([di, dw], [d, i, w]) = views(&mut self.bufs, [di, dw], r);
+                lb(Some(di), dw, None, d, i, w, layout, n, ic, oc);
+            }
+            (None, Some(db)) => {
+                let ([dw, db], [d, i, w]) = views(&mut self.bufs, [dw, db], r);
+                lb(None, dw, Some(db), d, i, w, layout, n, ic, oc);
+            }
+            (None, None) => {
+                let ([dw], [d, i, w]) = views(&mut self.bufs, [dw], r);
+                lb(None, dw, None, d, i, w, layout, n, ic, oc);
+            }
+        }
+    }
+
+    fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
+        let ([a], [q]) = views(&mut self.bufs, [att], [qkv]);
+        ops::attention::attention_scores(a, q, d.b, d.t, d.nh, d.hs);
+    }
+
+    fn attention_softmax(&mut self, att: Span, d: AttnDims) {
+        let ([a], []) = views(&mut self.bufs, [att], []);
+        ops::attention::attention_softmax(a, d.b, d.t, d.nh);
+    }
+
+    fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
+        let ([o], [a, q]) = views(&mut self.bufs, [out], [att, qkv]);
+        ops::attention::attention_values(o, a, q, d.b, d.t, d.nh, d.hs);
+    }
+
+    fn attention_values_backward(
+        &mut self,
+        datt: Span,
+        dqkv: Span,
+        dout: Span,
+        att: Span,
+        qkv: Span,
+        d: AttnDims,
+    ) {
+        let ([da, dq], [dout, a, q]) = views(&mut self.bufs, [datt, dqkv], [dout, att, qkv]);
+        ops::attention::attention_values_backward(da, dq, dout, a, q, d.b, d.t, d.nh, d.hs);
+    }
+
+    fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims) {
+        let ([da], [a]) = views(&mut self.bufs, [datt], [att]);
+        ops::attention::attention_softmax_backward(da, a, d.b, d.t, d.nh);
+    }
+
+    fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
+        let ([dq], [da, q]) = views(&mut self.bufs, [dqkv], [datt, qkv]);
+        ops::attention::attention_scores_backward(dq, da, q, d.b, d.t, d.nh, d.hs);
+    }
+
+    fn gelu_forward(&mut self, out: Span, inp: Span) {
+        let ([o], [i]) = views(&mut self.bufs, [out], [inp]);
+        ops::gelu::gelu_forward(o, i);
+    }
+
+    fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
+        let ([di], [i, d]) = views(&mut self.bufs, [dinp], [inp, dout]);
+        ops::gelu::gelu_backward(di, i, d);
+    }
+
+    fn residual_forward(&mut self, out: Span, a: Span, b: Span) {
+        let ([o], [a, b]) = views(&mut self.bufs, [out], [a, b]);
+        ops::residual::residual_forward(o, a, b);
+    }
+
+    fn add_inplace(&mut self, acc: Span, x: Span) {
+        let ([a], [x]) = views(&mut self.bufs, [acc], [x]);
+        ops::residual::add_inplace(a, x);
+    }
+
+    fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims) {
+        let ([m], [l]) = views(&mut self.bufs, [maxes], [logits]);
+        ops::crossentropy::ce_row_max(m, l, d.n, d.vp, d.v_valid);
+    }
+
+    fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims) {
+        let ([s], [l, m]) = views(&mut self.bufs, [sums], [logits, maxes]);
+        ops::crossentropy::ce_row_sumexp(s, l, m, d.n, d.vp, d.v_valid);
+    }
+
+    fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims) {
+        let tg = &self.tokens[targets.offset..targets.offset + targets.len];
+        let ([t], [l]) = views(&mut self.bufs, [tl], [logits]);
+        ops::crossentropy::ce_target_logit(t, l, tg, d.vocab_start, d.n, d.vp, d.v_valid);
+    }
+
+    fn ce_finish(
+        &mut self,
+        losses: Span,
+        logits: Span,
+        maxes: Span,
+        sums: Span,
+        tl: Span,
+        targets: TokSpan,
+        dloss: Option<f32>,
+        d: CeDims,
+    ) {
+        let tg = &self.tokens[targets.offset..targets.offset + targets.len];
+        match dloss {
+            Some(dl) => {
+                let ([lo, lg], [m, s, t]) =
+                    views(&mut self.bufs, [losses, logits], [maxes, sums, tl]);
+                ops::crossentropy::ce_finish(
+                    lo,
+                    lg,
+                    m,
+                    s,
+                    t,
+                    tg,
+                    d.vocab_start,
+                    dl,
+                    d.n,
+                    d.vp,
+                    d.v_valid,
+                );
+            }
+            None => {
+                let ([lo], [m, s, t]) = views(&mut self.bufs, [losses], [maxes, sums, tl]);
+                for i in 0..d.n {
+                    lo[i] = s[i].ln() + m[i] - t[i];
+                }
+            }
+        }
+    }
+
+    fn sum_of_squares(&mut self, x: Span) -> f64 {
+        ops::adamw::sum_of_squares(self.host(x))
+    }
+
+    fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep) {
+        let ([p, m, v], [g]) = views(&mut self.bufs, [params, m, v], [grads]);
+        ops::adamw::adamw_update(p, g, m, v, hp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_are_checked() {
+        let mut be = CpuBackend::new();
+        let a = be.alloc(10).unwrap();
+        let s = |o, l| Span {
+            buf: a,
+            offset: o,
+            len: l,
+        };
+        let ([w], [r]) = views(&mut be.bufs, [s(0, 5)], [s(5, 5)]);
+        w[0] = 1.0;
+        assert_eq!(r.len(), 5);
+        let overl = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = views(&mut be.bufs, [s(0, 5)], [s(4, 2)]);
+        }));
+        assert!(overl.is_err());
+        let oob = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = views(&mut be.bufs, [s(8, 5)], []);
+        }));
+        assert!(oob.is_err());
+        assert_eq!(be.host(s(0, 1)), &[1.0]);
+    }
+}

@@ -1,0 +1,249 @@
+//! Compute backends: where the model's buffers live and how its ops run.
+//!
+//! The model never touches memory directly. It owns a few large buffers (parameters, gradients,
+//! AdamW moments, activations), each one allocation carved by a [`crate::model::table::Table`],
+//! and hands the backend [`Span`]s: (buffer, offset, length) triples, the llm.c pointer-into-one-
+//! allocation style made explicit. A span is a plain `Copy` handle, so it means the same thing
+//! for host memory (the CPU backend) and device memory (a CUDA backend: a device pointer plus an
+//! offset), and the model code is identical for both.
+//!
+//! Ops follow the `*_forward` / `*_backward` pairs of [`crate::ops`]; the CPU backend is a thin
+//! layer over them. Every op documents which outputs are overwritten and which accumulate.
+
+pub mod cpu;
+
+pub use crate::ops::linear::WeightLayout;
+pub use crate::ops::adamw::AdamWStep;
+pub use cpu::CpuBackend;
+
+/// One buffer owned by a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BufId(pub u32);
+
+/// A contiguous range of `f32`s inside one backend buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub buf: BufId,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl Span {
+    /// The first `len` elements after `offset` (relative to this span).
+    pub fn sub(self, offset: usize, len: usize) -> Span {
+        assert!(offset + len <= self.len, "sub-span out of range");
+        Span {
+            buf: self.buf,
+            offset: self.offset + offset,
+            len,
+        }
+    }
+
+    /// True when both spans touch a common element.
+    pub fn overlaps(self, other: Span) -> bool {
+        self.buf == other.buf
+            && self.len > 0
+            && other.len > 0
+            && self.offset < other.offset + other.len
+            && other.offset < self.offset + self.len
+    }
+}
+
+/// A range of the backend's token buffer (`u32` token ids).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokSpan {
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Dimensions of one attention call: `b` sequences of `t` tokens, `nh` local heads of size `hs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    pub b: usize,
+    pub t: usize,
+    pub nh: usize,
+    pub hs: usize,
+}
+
+/// Dimensions of one cross-entropy call: `n` rows of `vp` logits (in memory) of which the
+/// first `v_valid` are real vocabulary, this shard starting at vocabulary id `vocab_start`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CeDims {
+    pub n: usize,
+    pub vp: usize,
+    pub v_valid: usize,
+    pub vocab_start: usize,
+}
+
+/// The operations a GPT-2 training step needs. Shapes are row-major; see [`crate::ops`] for the
+/// exact semantics of each op, which every backend must reproduce.
+pub trait Backend {
+    /// Short name for logs (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    /// Allocates a zero-filled buffer of `len` floats.
+    fn alloc(&mut self, len: usize) -> anyhow::Result<BufId>;
+    /// Releases a buffer's memory; its id must not be used again.
+    fn free(&mut self, buf: BufId);
+    /// Length of a buffer in floats.
+    fn buf_len(&self, buf: BufId) -> usize;
+    /// The whole buffer as a span.
+    fn whole(&self, buf: BufId) -> Span {
+        Span {
+            buf,
+            offset: 0,
+            len: self.buf_len(buf),
+        }
+    }
+    /// Copies host data into a span (`src.len() == dst.len`).
+    fn upload(&mut self, dst: Span, src: &[f32]);
+    /// Copies a span to host memory (`dst.len() == src.len`).
+    fn download(&self, src: Span, dst: &mut [f32]);
+    /// Sets a span to zero.
+    fn zero(&mut self, s: Span);
+    /// Replaces the token buffer (inputs and targets of a step).
+    fn set_tokens(&mut self, tokens: &[u32]);
+    /// Waits for queued work (no-op on the CPU); timers call it at `--timers fine`.
+    fn sync(&self) {}
+
+    // --- embedding -----------------------------------------------------------------------
+    /// `out (B,T,C) = wte[tokens] (+ wpe[t])`; tokens outside this vocabulary shard give 0.
+    #[allow(clippy::too_many_arguments)]
+    fn encoder_forward(
+        &mut self,
+        out: Span,
+        tokens: TokSpan,
+        wte: Span,
+        vocab_start: usize,
+        wpe: Option<Span>,
+        b: usize,
+        t: usize,
+        c: usize,
+    );
+    /// Accumulates embedding gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn encoder_backward(
+        &mut self,
+        dwte: Span,
+        dwpe: Option<Span>,
+        dout: Span,
+        tokens: TokSpan,
+        vocab_start: usize,
+        b: usize,
+        t: usize,
+        c: usize,
+    );
+
+    // --- layernorm -----------------------------------------------------------------------
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(
+        &mut self,
+        out: Span,
+        mean: Span,
+        rstd: Span,
+        inp: Span,
+        w: Span,
+        bias: Span,
+        n: usize,
+        c: usize,
+    );
+    /// `dinp`, `dw`, `dbias` accumulate.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(
+        &mut self,
+        dinp: Span,
+        dw: Span,
+        dbias: Span,
+        dout: Span,
+        inp: Span,
+        w: Span,
+        mean: Span,
+        rstd: Span,
+        n: usize,
+        c: usize,
+    );
+
+    // --- linear --------------------------------------------------------------------------
+    #[allow(clippy::too_many_arguments)]
+    fn linear_forward(
+        &mut self,
+        out: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    );
+    /// `dinp` is overwritten; `dw` and `dbias` accumulate.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &mut self,
+        dinp: Option<Span>,
+        dw: Span,
+        dbias: Option<Span>,
+        dout: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    );
+
+    // --- attention -----------------------------------------------------------------------
+    /// `att (B,NH,T,T) = QKᵀ/√hs` (the Megatron `baddbmm`).
+    fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims);
+    /// Causal softmax of each row of `att`, in place.
+    fn attention_softmax(&mut self, att: Span, d: AttnDims);
+    /// `out (B,T,NH·hs) = att·V` (the Megatron `bmm`).
+    fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims);
+    /// `datt` overwritten; the V columns of `dqkv` overwritten.
+    fn attention_values_backward(
+        &mut self,
+        datt: Span,
+        dqkv: Span,
+        dout: Span,
+        att: Span,
+        qkv: Span,
+        d: AttnDims,
+    );
+    /// Turns d(att) into d(pre-softmax scores), in place.
+    fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims);
+    /// The Q and K columns of `dqkv` overwritten.
+    fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims);
+
+    // --- pointwise -----------------------------------------------------------------------
+    fn gelu_forward(&mut self, out: Span, inp: Span);
+    /// `dinp` overwritten.
+    fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span);
+    /// `out = a + b`.
+    fn residual_forward(&mut self, out: Span, a: Span, b: Span);
+    /// `acc += x`.
+    fn add_inplace(&mut self, acc: Span, x: Span);
+
+    // --- fused softmax cross-entropy, in phases (vocabulary-parallel TP all-reduces between) ---
+    fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims);
+    fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims);
+    fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims);
+    /// Per-row losses, and (when `dloss` is `Some`) the logits overwritten by their gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn ce_finish(
+        &mut self,
+        losses: Span,
+        logits: Span,
+        maxes: Span,
+        sums: Span,
+        tl: Span,
+        targets: TokSpan,
+        dloss: Option<f32>,
+        d: CeDims,
+    );
+
+    // --- optimizer -----------------------------------------------------------------------
+    /// Σ x² in f64, deterministic.
+    fn sum_of_squares(&mut self, x: Span) -> f64;
+    /// One AdamW step on a tensor.
+    fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep);
+}

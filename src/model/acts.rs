@@ -1,0 +1,211 @@
+//! Activation layout: every tensor the forward pass keeps for the backward pass, and the
+//! per-layer gradient scratch the backward pass reuses, each carved from one allocation by a
+//! [`Table`] (the llm.c `ActivationTensors` idea).
+
+use super::table::Table;
+use crate::backend::{BufId, Span};
+
+/// Shapes of one step: `b` sequences of `t` tokens, hidden `c`, and this rank's share of heads,
+/// MLP width and (padded) vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepDims {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    /// Local attention heads (n_head / tp).
+    pub nh: usize,
+    /// Head size (c / n_head).
+    pub hs: usize,
+    /// Local MLP width (4·c / tp).
+    pub f: usize,
+    /// Local padded vocabulary rows (padded_vocab / tp).
+    pub vp: usize,
+}
+
+impl StepDims {
+    /// Tokens per step (B·T), the row count of every 2-D activation.
+    pub fn n(&self) -> usize {
+        self.b * self.t
+    }
+    /// Width of this rank's attention heads (nh·hs = c / tp).
+    pub fn local_c(&self) -> usize {
+        self.nh * self.hs
+    }
+}
+
+/// Activations of one transformer block.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerActs {
+    pub ln1: Span,
+    pub ln1_mean: Span,
+    pub ln1_rstd: Span,
+    pub qkv: Span,
+    /// Attention probabilities (B, NH, T, T), written by the scores GEMM and softmaxed in place.
+    pub att: Span,
+    /// Attention output before the projection (B, T, C/tp).
+    pub atty: Span,
+    pub resid2: Span,
+    pub ln2: Span,
+    pub ln2_mean: Span,
+    pub ln2_rstd: Span,
+    pub fch: Span,
+    pub fch_gelu: Span,
+    /// Block output (residual stream after the MLP).
+    pub resid3: Span,
+}
+
+/// All activations of a step.
+#[derive(Clone, Debug)]
+pub struct Acts {
+    pub dims: StepDims,
+    pub table: Table,
+    pub buf: BufId,
+    pub encoded: Span,
+    pub layers: Vec<LayerActs>,
+    /// Output of a projection before it joins the residual stream (attention and MLP share it).
+    pub proj: Span,
+    pub lnf: Span,
+    pub lnf_mean: Span,
+    pub lnf_rstd: Span,
+    /// Logits (B·T, Vp/tp); the cross-entropy overwrites them with their gradient.
+    pub logits: Span,
+    pub losses: Span,
+    pub ce_max: Span,
+    pub ce_sum: Span,
+    pub ce_tl: Span,
+}
+
+/// Gradient scratch reused by every block during the backward pass.
+#[derive(Clone, Debug)]
+pub struct GradActs {
+    pub table: Table,
+    pub buf: BufId,
+    /// Gradient of the loss with respect to the residual stream at the current depth.
+    pub dres: Span,
+    /// Gradient with respect to a LayerNorm output (ln_1, ln_2 or ln_f).
+    pub dln: Span,
+    pub dqkv: Span,
+    pub datt: Span,
+    pub datty: Span,
+    pub dfch: Span,
+    pub dfch_gelu: Span,
+}
+
+fn span(table: &Table, buf: BufId, name: &str) -> Span {
+    let s = table
+        .get(name)
+        .unwrap_or_else(|| panic!("activation {name} missing"));
+    Span {
+        buf,
+        offset: s.offset,
+        len: s.len(),
+    }
+}
+
+/// The activation table for `n_layer` blocks.
+pub fn acts_table(d: &StepDims, n_layer: usize) -> Table {
+    let n = d.n();
+    let mut t = Table::default();
+    t.push("encoded", &[n, d.c]);
+    for l in 0..n_layer {
+        let p = |s: &str| format!("h.{l}.{s}");
+        t.push(p("ln1"), &[n, d.c]);
+        t.push(p("ln1_mean"), &[n]);
+        t.push(p("ln1_rstd"), &[n]);
+        t.push(p("qkv"), &[n, 3 * d.local_c()]);
+        t.push(p("att"), &[d.b, d.nh, d.t, d.t]);
+        t.push(p("atty"), &[n, d.local_c()]);
+        t.push(p("resid2"), &[n, d.c]);
+        t.push(p("ln2"), &[n, d.c]);
+        t.push(p("ln2_mean"), &[n]);
+        t.push(p("ln2_rstd"), &[n]);
+        t.push(p("fch"), &[n, d.f]);
+        t.push(p("fch_gelu"), &[n, d.f]);
+        t.push(p("resid3"), &[n, d.c]);
+    }
+    t.push("proj", &[n, d.c]);
+    t.push("lnf", &[n, d.c]);
+    t.push("lnf_mean", &[n]);
+    t.push("lnf_rstd", &[n]);
+    t.push("logits", &[n, d.vp]);
+    t.push("losses", &[n]);
+    t.push("ce_max", &[n]);
+    t.push("ce_sum", &[n]);
+    t.push("ce_tl", &[n]);
+    t
+}
+
+impl Acts {
+    /// Resolves the named spans of `table` (from [`acts_table`]) in buffer `buf`.
+    pub fn new(dims: StepDims, n_layer: usize, table: Table, buf: BufId) -> Acts {
+        let s = |name: &str| span(&table, buf, name);
+        let layers = (0..n_layer)
+            .map(|l| {
+                let p = |x: &str| s(&format!("h.{l}.{x}"));
+                LayerActs {
+                    ln1: p("ln1"),
+                    ln1_mean: p("ln1_mean"),
+                    ln1_rstd: p("ln1_rstd"),
+                    qkv: p("qkv"),
+                    att: p("att"),
+                    atty: p("atty"),
+                    resid2: p("resid2"),
+                    ln2: p("ln2"),
+                    ln2_mean: p("ln2_mean"),
+                    ln2_rstd: p("ln2_rstd"),
+                    fch: p("fch"),
+                    fch_gelu: p("fch_gelu"),
+                    resid3: p("resid3"),
+                }
+            })
+            .collect();
+        Acts {
+            dims,
+            encoded: s("encoded"),
+            layers,
+            proj: s("proj"),
+            lnf: s("lnf"),
+            lnf_mean: s("lnf_mean"),
+            lnf_rstd: s("lnf_rstd"),
+            logits: s("logits"),
+            losses: s("losses"),
+            ce_max: s("ce_max"),
+            ce_sum: s("ce_sum"),
+            ce_tl: s("ce_tl"),
+            table,
+            buf,
+        }
+    }
+}
+
+/// The gradient-scratch table.
+pub fn grad_acts_table(d: &StepDims) -> Table {
+    let n = d.n();
+    let local_c = d.local_c();
+    let mut t = Table::default();
+    t.push("dres", &[n, d.c]);
+    t.push("dln", &[n, d.c]);
+    t.push("dqkv", &[n, 3 * local_c]);
+    t.push("datt", &[d.b, d.nh, d.t, d.t]);
+    t.push("datty", &[n, local_c]);
+    t.push("dfch", &[n, d.f]);
+    t.push("dfch_gelu", &[n, d.f]);
+    t
+}
+
+impl GradActs {
+    pub fn new(table: Table, buf: BufId) -> GradActs {
+        let s = |name: &str| span(&table, buf, name);
+        GradActs {
+            dres: s("dres"),
+            dln: s("dln"),
+            dqkv: s("dqkv"),
+            datt: s("datt"),
+            datty: s("datty"),
+            dfch: s("dfch"),
+            dfch_gelu: s("dfch_gelu"),
+            table,
+            buf,
+        }
+    }
+}

@@ -1,0 +1,587 @@
+//! GPT-2 forward and backward passes over a [`Backend`], llm.c style: one parameter buffer,
+//! one gradient buffer, two AdamW moment buffers (all carved by the parameter table) and one
+//! activation buffer (carved by the activation table).
+//!
+//! Tensor parallelism: the parameter table already holds this rank's shards (`gpt2_params(cfg,
+//! tp)`), and the activation shapes use the local head count, MLP width and vocabulary rows.
+//! The points where Megatron's f/g all-reduces go are marked `TP:` below.
+
+use super::acts::{acts_table, grad_acts_table, Acts, GradActs, StepDims};
+use super::params::ParamSpans;
+use super::table::{gpt2_params, padded_vocab, Table};
+use crate::backend::{AdamWStep, AttnDims, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
+use crate::config::ModelConfig;
+use crate::metrics::timers::{TimerLevel, Timers};
+use anyhow::{bail, Result};
+
+use TimerLevel::{Coarse, Fine};
+
+/// This rank's place in the tensor-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpRank {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl TpRank {
+    /// No tensor parallelism.
+    pub const SERIAL: TpRank = TpRank { rank: 0, size: 1 };
+}
+
+/// AdamW and clipping settings of one optimizer step.
+#[derive(Clone, Copy, Debug)]
+pub struct OptimStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Global-norm clipping threshold (0 = off).
+    pub grad_clip: f64,
+    /// 1-based step count for the bias corrections.
+    pub step: u64,
+}
+
+/// The model on a backend.
+pub struct Gpt2<B: Backend> {
+    pub cfg: ModelConfig,
+    pub tp: TpRank,
+    pub be: B,
+    /// Parameter table (this rank's shards); also carves gradients and moments.
+    pub table: Table,
+    pub params: BufId,
+    pub grads: BufId,
+    pub m: BufId,
+    pub v: BufId,
+    p: ParamSpans,
+    g: ParamSpans,
+    acts: Option<(Acts, GradActs)>,
+}
+
+impl<B: Backend> Gpt2<B> {
+    /// Allocates parameters (zeroed), gradients and moments for `cfg` on `be`.
+    pub fn new(cfg: &ModelConfig, tp: TpRank, mut be: B) -> Result<Gpt2<B>> {
+        let table = gpt2_params(cfg, tp.size)?;
+        let n = table.total();
+        let params = be.alloc(n)?;
+        let grads = be.alloc(n)?;
+        let m = be.alloc(n)?;
+        let v = be.alloc(n)?;
+        let p = ParamSpans::new(&table, params, cfg.n_layer);
+        let g = p.on(grads);
+        Ok(Gpt2 {
+            cfg: cfg.clone(),
+            tp,
+            be,
+            table,
+            params,
+            grads,
+            m,
+            v,
+            p,
+            g,
+            acts: None,
+        })
+    }
+
+    /// Copies a host parameter buffer (laid out by [`Self::table`]) onto the backend.
+    pub fn load_params(&mut self, host: &[f32]) -> Result<()> {
+        if host.len() != self.table.total() {
+            bail!(
+                "parameter buffer has {} floats, the model needs {}",
+                host.len(),
+                self.table.total()
+            );
+        }
+        let s = self.be.whole(self.params);
+        self.be.upload(s, host);
+        Ok(())
+    }
+
+    /// Parameters, gradients or a moment buffer as a host copy.
+    pub fn download(&self, buf: BufId) -> Vec<f32> {
+        let s = self.be.whole(buf);
+        let mut out = vec![0.0; s.len];
+        self.be.download(s, &mut out);
+        out
+    }
+
+    /// Floats per step shape of activations and gradient scratch (for the memory report).
+    pub fn activation_floats(&self, b: usize, t: usize) -> (usize, usize) {
+        let d = self.dims(b, t);
+        (
+            acts_table(&d, self.cfg.n_layer).total(),
+            grad_acts_table(&d).total(),
+        )
+    }
+
+    fn dims(&self, b: usize, t: usize) -> StepDims {
+        StepDims {
+            b,
+            t,
+            c: self.cfg.n_embd,
+            nh: self.cfg.n_head / self.tp.size,
+            hs: self.cfg.n_embd / self.cfg.n_head,
+            f: 4 * self.cfg.n_embd / self.tp.size,
+            vp: padded_vocab(self.cfg.vocab_size) / self.tp.size,
+        }
+    }
+
+    /// Makes sure activation buffers for `b`×`t` exist (allocated once, reused every step).
+    fn ensure_acts(&mut self, b: usize, t: usize) -> Result<()> {
+        if self.acts.as_ref().is_some_and(|(a, _)| a.dims.b == b && a.dims.t == t) {
+            return Ok(());
+        }
+        if t > self.cfg.n_positions {
+            bail!(
+                "sequence length {t} exceeds model.n_positions = {}",
+                self.cfg.n_positions
+            );
+        }
+        let d = self.dims(b, t);
+        let at = acts_table(&d, self.cfg.n_layer);
+        let gt = grad_acts_table(&d);
+        if let Some((old_a, old_g)) = self.acts.take() {
+            self.be.free(old_a.buf);
+            self.be.free(old_g.buf);
+        }
+        let ab = self.be.alloc(at.total())?;
+        let gb = self.be.alloc(gt.total())?;
+        self.acts = Some((Acts::new(d, self.cfg.n_layer, at, ab), GradActs::new(gt, gb)));
+        Ok(())
+    }
+
+    /// Loads a batch window of `b` rows of `t + 1` tokens (inputs are the first `t`, targets
+    /// the last `t` of each row). Token ids must be below the vocabulary size.
+    pub fn set_batch(&mut self, window: &[u32], b: usize, t: usize) -> Result<()> {
+        if window.len() != b * (t + 1) {
+            bail!(
+                "batch has {} tokens, expected {b} x ({t} + 1)",
+                window.len()
+            );
+        }
+        if let Some((i, &bad)) = window
+            .iter()
+            .enumerate()
+            .find(|(_, &x)| x as usize >= self.cfg.vocab_size)
+        {
+            bail!(
+                "token id {bad} at position {i} of the batch is not below model.vocab_size = {}",
+                self.cfg.vocab_size
+            );
+        }
+        self.ensure_acts(b, t)?;
+        let mut toks = Vec::with_capacity(2 * b * t);
+        for row in window.chunks(t + 1) {
+            toks.extend_from_slice(&row[..t]);
+        }
+        for row in window.chunks(t + 1) {
+            toks.extend_from_slice(&row[1..]);
+        }
+        self.be.set_tokens(&toks);
+        Ok(())
+    }
+
+    fn acts(&self) -> (Acts, GradActs) {
+        self.acts.clone().expect("set_batch before forward")
+    }
+
+    /// Forward pass on the batch from [`Self::set_batch`]. Returns the mean loss. With
+    /// `for_backward`, the logits are replaced by the loss gradient (mean over B·T), ready for
+    /// [`Self::backward`].
+    pub fn forward(&mut self, timers: &Timers, for_backward: bool) -> f32 {
+        let (a, _) = self.acts();
+        let d = a.dims;
+        let n = d.n();
+        let (c, f, lc) = (d.c, d.f, d.local_c());
+        let inputs = TokSpan { offset: 0, len: n };
+        let targets = TokSpan { offset: n, len: n };
+        let vocab_start = self.tp.rank * d.vp;
+        let ad = AttnDims {
+            b: d.b,
+            t: d.t,
+            nh: d.nh,
+            hs: d.hs,
+        };
+        let p = self.p.clone();
+        let be = &mut self.be;
+        let _fwd = timers.scope("forward", Coarse);
+        {
+            let _t = timers.scope("forward:embedding", Fine);
+            // TP: vocabulary-parallel embedding = partial sums, all-reduced; wpe once.
+            be.encoder_forward(
+                a.encoded,
+                inputs,
+                p.wte,
+                vocab_start,
+                Some(p.wpe),
+                d.b,
+                d.t,
+                c,
+            );
+        }
+        let mut resid = a.encoded;
+        for (la, lp) in a.layers.iter().zip(&p.layers) {
+            {
+                let _t = timers.scope("forward:layernorm", Fine);
+                be.layernorm_forward(
+                    la.ln1, la.ln1_mean, la.ln1_rstd, resid, lp.ln1_w, lp.ln1_b, n, c,
+                );
+            }
+            {
+                let _t = timers.scope("forward:attention:qkv", Fine);
+                be.linear_forward(
+                    la.qkv,
+                    la.ln1,
+                    lp.qkv_w,
+                    WeightLayout::InOut,
+                    Some(lp.qkv_b),
+                    n,
+                    c,
+                    3 * lc,
+                );
+            }
+            {
+                let _t = timers.scope("forward:attention:baddbmm", Fine);
+                be.attention_scores(la.att, la.qkv, ad);
+            }
+            {
+                let _t = timers.scope("forward:attention:softmax", Fine);
+                be.attention_softmax(la.att, ad);
+            }
+            {
+                let _t = timers.scope("forward:attention:bmm", Fine);
+                be.attention_values(la.atty, la.att, la.qkv, ad);
+            }
+            {
+                let _t = timers.scope("forward:attention:proj", Fine);
+                // TP: row-parallel; bias after the all-reduce.
+                be.linear_forward(
+                    a.proj,
+                    la.atty,
+                    lp.attproj_w,
+                    WeightLayout::InOut,
+                    Some(lp.attproj_b),
+                    n,
+                    lc,
+                    c,
+                );
+            }
+            {
+                let _t = timers.scope("forward:residual", Fine);
+                be.residual_forward(la.resid2, resid, a.proj);
+            }
+            {
+                let _t = timers.scope("forward:layernorm", Fine);
+                be.layernorm_forward(
+                    la.ln2, la.ln2_mean, la.ln2_rstd, la.resid2, lp.ln2_w, lp.ln2_b, n, c,
+                );
+            }
+            {
+                let _t = timers.scope("forward:mlp:mm", Fine);
+                be.linear_forward(
+                    la.fch,
+                    la.ln2,
+                    lp.fc_w,
+                    WeightLayout::InOut,
+                    Some(lp.fc_b),
+                    n,
+                    c,
+                    f,
+                );
+            }
+            {
+                let _t = timers.scope("forward:mlp:gelu", Fine);
+                be.gelu_forward(la.fch_gelu, la.fch);
+            }
+            {
+                let _t = timers.scope("forward:mlp:mm", Fine);
+                // TP: row-parallel; bias after the all-reduce.
+                be.linear_forward(
+                    a.proj,
+                    la.fch_gelu,
+                    lp.fcproj_w,
+                    WeightLayout::InOut,
+                    Some(lp.fcproj_b),
+                    n,
+                    f,
+                    c,
+                );
+            }
+            {
+                let _t = timers.scope("forward:residual", Fine);
+                be.residual_forward(la.resid3, la.resid2, a.proj);
+            }
+            resid = la.resid3;
+        }
+        {
+            let _t = timers.scope("forward:layernorm", Fine);
+            be.layernorm_forward(
+                a.lnf, a.lnf_mean, a.lnf_rstd, resid, p.lnf_w, p.lnf_b, n, c,
+            );
+        }
+        {
+            let _t = timers.scope("forward:lm-head", Fine);
+            be.linear_forward(
+                a.logits,
+                a.lnf,
+                p.wte,
+                WeightLayout::OutIn,
+                None,
+                n,
+                c,
+                d.vp,
+            );
+        }
+        let _t = timers.scope("forward:loss", Fine);
+        let cd = CeDims {
+            n,
+            vp: d.vp,
+            v_valid: self.cfg.vocab_size.saturating_sub(vocab_start).min(d.vp),
+            vocab_start,
+        };
+        // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
+        be.ce_row_max(a.ce_max, a.logits, cd);
+        be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
+        be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
+        let dloss = for_backward.then_some(1.0 / n as f32);
+        be.ce_finish(
+            a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
+        );
+        let mut losses = vec![0.0f32; n];
+        be.download(a.losses, &mut losses);
+        (losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64) as f32
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grad(&mut self) {
+        let s = self.be.whole(self.grads);
+        self.be.zero(s);
+    }
+
+    /// Backward pass after `forward(.., true)`: accumulates into the gradient buffer.
+    pub fn backward(&mut self, timers: &Timers) {
+        let (a, ga) = self.acts();
+        let d = a.dims;
+        let n = d.n();
+        let (c, f, lc) = (d.c, d.f, d.local_c());
+        let inputs = TokSpan { offset: 0, len: n };
+        let vocab_start = self.tp.rank * d.vp;
+        let ad = AttnDims {
+            b: d.b,
+            t: d.t,
+            nh: d.nh,
+            hs: d.hs,
+        };
+        let p = self.p.clone();
+        let g = self.g.clone();
+        let be = &mut self.be;
+        let _bwd = timers.scope("backward", Coarse);
+        {
+            let _t = timers.scope("backward:lm-head", Fine);
+            // TP: dlnf is a partial sum over vocabulary shards, all-reduced.
+            be.linear_backward(
+                Some(ga.dln),
+                g.wte,
+                None,
+                a.logits,
+                a.lnf,
+                p.wte,
+                WeightLayout::OutIn,
+                n,
+                c,
+                d.vp,
+            );
+        }
+        let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
+        {
+            let _t = timers.scope("backward:layernorm", Fine);
+            be.zero(ga.dres);
+            be.layernorm_backward(
+                ga.dres, g.lnf_w, g.lnf_b, ga.dln, last, p.lnf_w, a.lnf_mean, a.lnf_rstd, n, c,
+            );
+        }
+        for l in (0..a.layers.len()).rev() {
+            let (la, lp, lg) = (&a.layers[l], &p.layers[l], &g.layers[l]);
+            let resid = if l == 0 {
+                a.encoded
+            } else {
+                a.layers[l - 1].resid3
+            };
+            // MLP: dres is the gradient of the block output (= resid2 + fcproj).
+            {
+                let _t = timers.scope("backward:mlp:mm", Fine);
+                be.linear_backward(
+                    Some(ga.dfch_gelu),
+                    lg.fcproj_w,
+                    Some(lg.fcproj_b),
+                    ga.dres,
+                    la.fch_gelu,
+                    lp.fcproj_w,
+                    WeightLayout::InOut,
+                    n,
+                    f,
+                    c,
+                );
+            }
+            {
+                let _t = timers.scope("backward:mlp:gelu", Fine);
+                be.gelu_backward(ga.dfch, la.fch, ga.dfch_gelu);
+            }
+            {
+                let _t = timers.scope("backward:mlp:mm", Fine);
+                // TP: column-parallel; dln2 all-reduced.
+                be.linear_backward(
+                    Some(ga.dln),
+                    lg.fc_w,
+                    Some(lg.fc_b),
+                    ga.dfch,
+                    la.ln2,
+                    lp.fc_w,
+                    WeightLayout::InOut,
+                    n,
+                    c,
+                    f,
+                );
+            }
+            {
+                let _t = timers.scope("backward:layernorm", Fine);
+                be.layernorm_backward(
+                    ga.dres, lg.ln2_w, lg.ln2_b, ga.dln, la.resid2, lp.ln2_w, la.ln2_mean,
+                    la.ln2_rstd, n, c,
+                );
+            }
+            // Attention: dres is now the gradient of resid2 (= resid + attproj).
+            {
+                let _t = timers.scope("backward:attention:proj", Fine);
+                be.linear_backward(
+                    Some(ga.datty),
+                    lg.attproj_w,
+                    Some(lg.attproj_b),
+                    ga.dres,
+                    la.atty,
+                    lp.attproj_w,
+                    WeightLayout::InOut,
+                    n,
+                    lc,
+                    c,
+                );
+            }
+            {
+                let _t = timers.scope("backward:attention:bmm", Fine);
+                be.attention_values_backward(ga.datt, ga.dqkv, ga.datty, la.att, la.qkv, ad);
+            }
+            {
+                let _t = timers.scope("backward:attention:softmax", Fine);
+                be.attention_softmax_backward(ga.datt, la.att, ad);
+            }
+            {
+                let _t = timers.scope("backward:attention:baddbmm", Fine);
+                be.attention_scores_backward(ga.dqkv, ga.datt, la.qkv, ad);
+            }
+            {
+                let _t = timers.scope("backward:attention:qkv", Fine);
+                // TP: column-parallel; dln1 all-reduced.
+                be.linear_backward(
+                    Some(ga.dln),
+                    lg.qkv_w,
+                    Some(lg.qkv_b),
+                    ga.dqkv,
+                    la.ln1,
+                    lp.qkv_w,
+                    WeightLayout::InOut,
+                    n,
+                    c,
+                    3 * lc,
+                );
+            }
+            {
+                let _t = timers.scope("backward:layernorm", Fine);
+                be.layernorm_backward(
+                    ga.dres, lg.ln1_w, lg.ln1_b, ga.dln, resid, lp.ln1_w, la.ln1_mean,
+                    la.ln1_rstd, n, c,
+                );
+            }
+        }
+        let _t = timers.scope("backward:embedding", Fine);
+        be.encoder_backward(
+            g.wte,
+            Some(g.wpe),
+            ga.dres,
+            inputs,
+            vocab_start,
+            d.b,
+            d.t,
+            c,
+        );
+    }
+
+    /// Global L2 norm of the gradients.
+    pub fn grad_norm(&mut self) -> f64 {
+        let s = self.be.whole(self.grads);
+        self.be.sum_of_squares(s).sqrt()
+    }
+
+    /// Clipping (PyTorch `clip_grad_norm_`: scale by clip/(norm+1e-6) when that is below 1) and
+    /// one AdamW step on every tensor; weight decay only on 2-D tensors. Returns the pre-clip
+    /// gradient norm.
+    pub fn optimizer_step(&mut self, timers: &Timers, o: &OptimStep) -> f64 {
+        let _t = timers.scope("optimizer", Coarse);
+        let norm = {
+            let _c = timers.scope("optimizer:clip", Fine);
+            self.grad_norm()
+        };
+        let mut scale = 1.0f64;
+        if o.grad_clip > 0.0 {
+            let coef = o.grad_clip / (norm + 1e-6);
+            if coef < 1.0 {
+                scale = coef;
+            }
+        }
+        for spec in self.table.specs() {
+            let span = |buf| Span {
+                buf,
+                offset: spec.offset,
+                len: spec.len(),
+            };
+            let hp = AdamWStep {
+                lr: o.lr as f32,
+                beta1: o.beta1 as f32,
+                beta2: o.beta2 as f32,
+                eps: o.eps as f32,
+                weight_decay: if spec.decay {
+                    o.weight_decay as f32
+                } else {
+                    0.0
+                },
+                step: o.step,
+                grad_scale: scale as f32,
+            };
+            self.be.adamw(
+                span(self.params),
+                span(self.grads),
+                span(self.m),
+                span(self.v),
+                &hp,
+            );
+        }
+        norm
+    }
+
+    /// Per-row losses of the last forward pass (host copy).
+    pub fn last_losses(&self) -> Vec<f32> {
+        let (a, _) = self.acts();
+        let mut out = vec![0.0; a.losses.len];
+        self.be.download(a.losses, &mut out);
+        out
+    }
+
+    /// Logits of the last forward pass without the loss gradient (host copy, padded columns
+    /// included). Only meaningful after `forward(.., false)`.
+    pub fn last_logits(&self) -> Vec<f32> {
+        let (a, _) = self.acts();
+        let mut out = vec![0.0; a.logits.len];
+        self.be.download(a.logits, &mut out);
+        out
+    }
+}
