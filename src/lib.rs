@@ -1,6 +1,9 @@
 //! fugu: a CPU-first GPT trainer for A64FX-class supercomputers.
 
+pub mod backend;
 pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod model;
+pub mod sample;
+pub mod train;

@@ -4,6 +4,9 @@ mod bench_gemm;
 pub use bench_gemm::{run as bench_gemm_run, BenchGemmArgs};
 mod bench_io;
 mod prepare;
+mod sample;
+mod train;
+pub use train::TrainArgs;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -23,6 +26,10 @@ struct Cli {
 enum Command {
     /// Tokenise text into WebDataset-style tar shards plus a manifest.
     Prepare(prepare::PrepareArgs),
+    /// Train a GPT-2 (no arguments: gpt2-tiny on the bundled Shakespeare corpus).
+    Train(Box<train::TrainArgs>),
+    /// Generate text from a checkpoint.
+    Sample(sample::SampleArgs),
     /// Microbenchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -41,6 +48,8 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Prepare(args) => prepare::run(args),
+        Command::Train(args) => train::run(*args),
+        Command::Sample(args) => sample::run(args),
         Command::Bench(BenchCommand::Gemm(args)) => bench_gemm::run(args),
         Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
     };
@@ -48,7 +57,10 @@ pub fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            match e.downcast_ref::<crate::train::ExitError>() {
+                Some(x) => ExitCode::from(x.code),
+                None => ExitCode::FAILURE,
+            }
         }
     }
 }

@@ -517,20 +517,16 @@ impl<B: Backend> Gpt2<B> {
     }
 
     /// Global L2 norm of the gradients.
-    pub fn grad_norm(&mut self) -> f64 {
+    pub fn grad_norm(&mut self, timers: &Timers) -> f64 {
+        let _c = timers.scope("optimizer:clip", Fine);
         let s = self.be.whole(self.grads);
         self.be.sum_of_squares(s).sqrt()
     }
 
     /// Clipping (PyTorch `clip_grad_norm_`: scale by clip/(norm+1e-6) when that is below 1) and
-    /// one AdamW step on every tensor; weight decay only on 2-D tensors. Returns the pre-clip
-    /// gradient norm.
-    pub fn optimizer_step(&mut self, timers: &Timers, o: &OptimStep) -> f64 {
-        let _t = timers.scope("optimizer", Coarse);
-        let norm = {
-            let _c = timers.scope("optimizer:clip", Fine);
-            self.grad_norm()
-        };
+    /// one AdamW step on every tensor; weight decay only on 2-D tensors. `norm` is the pre-clip
+    /// global gradient norm from [`Self::grad_norm`].
+    pub fn apply_optimizer(&mut self, o: &OptimStep, norm: f64) {
         let mut scale = 1.0f64;
         if o.grad_clip > 0.0 {
             let coef = o.grad_clip / (norm + 1e-6);
@@ -565,7 +561,6 @@ impl<B: Backend> Gpt2<B> {
                 &hp,
             );
         }
-        norm
     }
 
     /// Per-row losses of the last forward pass (host copy).

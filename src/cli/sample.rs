@@ -1,0 +1,104 @@
+//! `fugu sample`: generate text from a checkpoint.
+
+use crate::checkpoint;
+use crate::model::table::gpt2_params;
+use crate::sample::{generate, Generator, SampleOptions};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use fugu_io::Tokenizer;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Generate text with a KV cache from a checkpoint (`ckpt-*` or any Hugging Face GPT-2 dir).
+#[derive(Args, Debug, Clone)]
+pub struct SampleArgs {
+    /// Checkpoint directory, or a run directory (its newest checkpoint). Default: the newest
+    /// checkpoint under ./runs.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    #[arg(long, default_value_t = 200)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample from the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// The newest checkpoint (by modification time) of any run under `runs`.
+fn newest_under(runs: &Path) -> Result<Option<PathBuf>> {
+    let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
+    let Ok(rd) = std::fs::read_dir(runs) else {
+        return Ok(None);
+    };
+    for e in rd.flatten() {
+        if let Some(ck) = checkpoint::latest_checkpoint(&e.path())? {
+            let t = std::fs::metadata(&ck).and_then(|m| m.modified()).ok();
+            if let Some(t) = t {
+                if best.as_ref().is_none_or(|(bt, _)| t > *bt) {
+                    best = Some((t, ck));
+                }
+            }
+        }
+    }
+    Ok(best.map(|(_, p)| p))
+}
+
+fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
+    match ck {
+        Some(p) if p.join("model.safetensors").exists() => Ok(p.to_path_buf()),
+        Some(p) => checkpoint::latest_checkpoint(p)?.with_context(|| {
+            format!("{}: no model.safetensors and no ckpt-* checkpoints", p.display())
+        }),
+        None => match newest_under(Path::new("runs"))? {
+            Some(p) => Ok(p),
+            None => bail!("no --checkpoint given and no checkpoints under ./runs; run `fugu train` first"),
+        },
+    }
+}
+
+/// Runs `fugu sample`.
+pub fn run(args: SampleArgs) -> Result<()> {
+    crate::train::set_threads(args.threads)?;
+    let dir = resolve(args.checkpoint.as_deref())?;
+    let hf = checkpoint::load_hf(&dir)?;
+    let table = gpt2_params(&hf.config, 1)?;
+    let mut params = vec![0.0f32; table.total()];
+    hf.copy_into(&table, &mut params)?;
+    let mut g = Generator::new(&hf.config, params)?;
+    let tok = fugu_io::Gpt2Tokenizer::new();
+    let prompt = tok.encode(&args.prompt);
+    eprintln!("sampling from {} ({} prompt tokens)", dir.display(), prompt.len());
+    let opts = SampleOptions {
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
+    let mut stdout = std::io::stdout().lock();
+    write!(stdout, "{}", args.prompt)?;
+    // Decode incrementally but print only complete UTF-8: hold back ids until they decode.
+    let mut pending: Vec<u32> = Vec::new();
+    generate(&mut g, &prompt, &opts, |id| {
+        pending.push(id);
+        if let Ok(s) = tok.decode(&pending) {
+            if !s.contains('\u{FFFD}') {
+                let _ = write!(stdout, "{s}");
+                let _ = stdout.flush();
+                pending.clear();
+            }
+        }
+    })?;
+    if !pending.is_empty() {
+        write!(stdout, "{}", tok.decode(&pending).unwrap_or_default())?;
+    }
+    writeln!(stdout)?;
+    Ok(())
+}

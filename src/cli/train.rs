@@ -1,0 +1,156 @@
+//! `fugu train`: arguments and their mapping onto [`crate::train::TrainOptions`].
+
+use crate::config::{LrSchedule, RunConfig};
+use crate::metrics::timers::TimerLevel;
+use crate::train::{self, TrainOptions};
+use anyhow::Result;
+use clap::Args;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+/// Train a GPT-2. With no arguments: `gpt2-tiny` on the bundled Shakespeare corpus.
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Config file or built-in name (gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b,
+    /// gpt-1.3b).
+    #[arg(long, default_value = "gpt2-tiny")]
+    pub config: String,
+    /// Training data: a shard manifest (or its folder), a brace pattern of .tar shards, or a
+    /// raw .bin token file. Default: the bundled Shakespeare corpus.
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Validation data (default: the validation split of --data, when it has one).
+    #[arg(long)]
+    pub val_data: Option<String>,
+    /// Read the data in file order (a .bin: consecutive windows, wrapping at the end).
+    #[arg(long)]
+    pub no_shuffle: bool,
+    /// Start from a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors).
+    #[arg(long, value_name = "DIR")]
+    pub init_from: Option<PathBuf>,
+    /// Continue a run: a checkpoint directory, a run directory, or `auto` (the newest
+    /// checkpoint in --out, or a fresh start when there is none).
+    #[arg(long, value_name = "DIR|auto")]
+    pub resume: Option<String>,
+    /// Output directory (metrics.jsonl, breakdown.json, ckpt-*). Default: runs/CONFIG-TIME.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    #[arg(long)]
+    pub steps: Option<usize>,
+    #[arg(long)]
+    pub lr: Option<f64>,
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    #[arg(long)]
+    pub warmup_steps: Option<usize>,
+    #[arg(long, value_enum)]
+    pub lr_schedule: Option<LrSchedule>,
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    #[arg(long)]
+    pub beta1: Option<f64>,
+    #[arg(long)]
+    pub beta2: Option<f64>,
+    #[arg(long)]
+    pub eps: Option<f64>,
+    /// Global-norm gradient clipping (0 = off).
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Evaluate every N steps (0 = never).
+    #[arg(long)]
+    pub eval_every: Option<usize>,
+    /// Checkpoint every N steps (0 = only at the end).
+    #[arg(long)]
+    pub ckpt_every: Option<usize>,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 8)]
+    pub eval_batches: usize,
+    /// Compute threads (GEMM and the other ops). Default: all CPUs this process may use.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Per-op timers: off, coarse (forward/backward/optimizer) or fine (every op).
+    #[arg(long, value_enum, default_value = "fine")]
+    pub timers: TimerLevel,
+    /// Keep only the newest K checkpoints (0 = keep all).
+    #[arg(long, default_value_t = 3)]
+    pub keep_last: usize,
+    /// Write the first step's gradients (HF names, safetensors) to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub dump_grads: Option<PathBuf>,
+    /// Skip up to N steps whose loss or gradients are not finite (default: stop at the first).
+    #[arg(long, default_value_t = 0)]
+    pub skip_nonfinite: u64,
+    /// Print a plain progress line every N steps (batch jobs; a TTY gets a progress bar).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: usize,
+}
+
+impl TrainArgs {
+    /// The config with every command-line override applied.
+    pub fn run_config(&self) -> Result<RunConfig> {
+        let mut c = RunConfig::load(&self.config)?;
+        let t = &mut c.train;
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = self.$f { t.$f = v; } )* };
+        }
+        set!(
+            batch_size,
+            seq_len,
+            steps,
+            lr,
+            min_lr,
+            warmup_steps,
+            lr_schedule,
+            weight_decay,
+            beta1,
+            beta2,
+            eps,
+            grad_clip,
+            seed,
+            eval_every,
+            ckpt_every
+        );
+        Ok(c)
+    }
+
+    fn config_name(&self) -> String {
+        std::path::Path::new(&self.config)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "run".into())
+    }
+
+    /// Converts to the trainer's options.
+    pub fn options(&self) -> Result<TrainOptions> {
+        Ok(TrainOptions {
+            config: self.run_config()?,
+            config_name: self.config_name(),
+            data: self.data.clone(),
+            val_data: self.val_data.clone(),
+            shuffle: !self.no_shuffle,
+            init_from: self.init_from.clone(),
+            resume: self.resume.clone(),
+            out: self.out.clone(),
+            threads: self.threads,
+            timers: self.timers,
+            keep_last: self.keep_last,
+            dump_grads: self.dump_grads.clone(),
+            skip_nonfinite: self.skip_nonfinite,
+            log_every: self.log_every,
+            eval_batches: self.eval_batches.max(1),
+            tty: std::io::stderr().is_terminal(),
+        })
+    }
+}
+
+/// Runs `fugu train`.
+pub fn run(args: TrainArgs) -> Result<()> {
+    train::run(args.options()?)?;
+    Ok(())
+}
