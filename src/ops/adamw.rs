@@ -56,7 +56,7 @@ pub fn adamw_update(
     let bias_correction2 = 1.0 - b2.powf(hp.step as f64);
     let neg_step_size = (-(lr / bias_correction1)) as f32;
     let bc2_sqrt = bias_correction2.sqrt() as f32;
-    let decay = (hp.weight_decay != 0.0).then(|| (1.0 - lr * hp.weight_decay as f64) as f32);
+    let decay = (hp.weight_decay != 0.0).then_some((1.0 - lr * hp.weight_decay as f64) as f32);
     let (beta1, beta2, eps, scale) = (hp.beta1, hp.beta2, hp.eps, hp.grad_scale);
     let one_m_b1 = (1.0 - b1) as f32;
     let one_m_b2 = (1.0 - b2) as f32;
