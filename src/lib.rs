@@ -2,8 +2,11 @@
 
 pub mod backend;
 pub mod bench;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod metrics;
 pub mod model;
+pub mod ops;
 pub mod sample;
 pub mod train;

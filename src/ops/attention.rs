@@ -1,0 +1,482 @@
+//! Causal multi-head self-attention on a fused qkv tensor, as three timed steps (Megatron's
+//! baddbmm / softmax / bmm) and their backward counterparts.
+//!
+//! Layout: `qkv` is (B, T, 3C) with each row `[q (C) | k (C) | v (C)]`, head `h` at columns
+//! `h*hs .. (h+1)*hs` of each part; `C = nh*hs` is the *local* width (with tensor parallelism
+//! each rank sees only its `nh` heads). `att` is (B, nh, T, T). The attention output and its
+//! gradient are (B, T, C) with the same head layout.
+//!
+//! Every matrix product is a strided batched GEMM over the heads of one batch element (batch
+//! stride `hs` inside a qkv or output row, `T·T` in `att`), reading and writing the fused
+//! layouts in place through strides: no head split or merge copies.
+
+use super::{BatchMat, BatchMatMut, Float};
+use rayon::prelude::*;
+
+fn check(qkv: usize, b: usize, t: usize, nh: usize, hs: usize, op: &str) {
+    assert_eq!(qkv, b * t * 3 * nh * hs, "{op}: qkv length");
+}
+
+/// Part `part` (0 = Q, 1 = K, 2 = V) of batch element `bi` of a (B, T, 3C) tensor, as a batch
+/// of `nh` (T, hs) matrices.
+fn qkv_part<T>(
+    qkv: &[T],
+    bi: usize,
+    part: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) -> BatchMat<'_, T> {
+    let c = nh * hs;
+    BatchMat {
+        data: qkv,
+        offset: bi * t * 3 * c + part * c,
+        batch: nh,
+        bs: hs,
+        rows: t,
+        cols: hs,
+        rs: 3 * c,
+        cs: 1,
+    }
+}
+
+/// The same, writable (over batch element `bi`'s rows only).
+fn qkv_part_mut<T>(
+    dqkv: &mut [T],
+    bi: usize,
+    part: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) -> BatchMatMut<'_, T> {
+    let c = nh * hs;
+    BatchMatMut {
+        data: &mut dqkv[bi * t * 3 * c..(bi + 1) * t * 3 * c],
+        offset: part * c,
+        batch: nh,
+        bs: hs,
+        rows: t,
+        cols: hs,
+        rs: 3 * c,
+        cs: 1,
+    }
+}
+
+/// Batch element `bi` of a (B, T, C) tensor as `nh` (T, hs) matrices.
+fn btc<T>(x: &[T], bi: usize, t: usize, nh: usize, hs: usize) -> BatchMat<'_, T> {
+    let c = nh * hs;
+    BatchMat {
+        data: x,
+        offset: bi * t * c,
+        batch: nh,
+        bs: hs,
+        rows: t,
+        cols: hs,
+        rs: c,
+        cs: 1,
+    }
+}
+
+fn btc_mut<T>(x: &mut [T], bi: usize, t: usize, nh: usize, hs: usize) -> BatchMatMut<'_, T> {
+    let c = nh * hs;
+    BatchMatMut {
+        data: &mut x[bi * t * c..(bi + 1) * t * c],
+        offset: 0,
+        batch: nh,
+        bs: hs,
+        rows: t,
+        cols: hs,
+        rs: c,
+        cs: 1,
+    }
+}
+
+/// Batch element `bi` of a (B, nh, T, T) tensor as `nh` (T, T) matrices.
+fn att_of<T>(att: &[T], bi: usize, t: usize, nh: usize) -> BatchMat<'_, T> {
+    BatchMat {
+        data: att,
+        offset: bi * nh * t * t,
+        batch: nh,
+        bs: t * t,
+        rows: t,
+        cols: t,
+        rs: t,
+        cs: 1,
+    }
+}
+
+fn att_of_mut<T>(att: &mut [T], bi: usize, t: usize, nh: usize) -> BatchMatMut<'_, T> {
+    BatchMatMut {
+        data: &mut att[bi * nh * t * t..(bi + 1) * nh * t * t],
+        offset: 0,
+        batch: nh,
+        bs: t * t,
+        rows: t,
+        cols: t,
+        rs: t,
+        cs: 1,
+    }
+}
+
+/// `1/sqrt(hs)`, computed in `f64` and rounded once.
+fn scale<T: Float>(hs: usize) -> T {
+    T::from_f64(1.0 / (hs as f64).sqrt())
+}
+
+/// Attention scores: `att[b, h] = Q[b, h]·K[b, h]ᵀ / sqrt(hs)` (the pre-softmax logits).
+///
+/// * `att`: (B, nh, T, T), **overwritten** (every entry; those above the diagonal are computed
+///   too and are meaningless until [`attention_softmax`]).
+/// * `qkv`: (B, T, 3·nh·hs).
+///
+/// One strided batched GEMM (batch = nh) per batch element.
+pub fn attention_scores<T: Float>(
+    att: &mut [T],
+    qkv: &[T],
+    b: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) {
+    check(qkv.len(), b, t, nh, hs, "attention_scores");
+    assert_eq!(att.len(), b * nh * t * t, "attention_scores: att length");
+    let alpha = scale::<T>(hs);
+    for bi in 0..b {
+        T::gemm_strided_batched(
+            alpha,
+            qkv_part(qkv, bi, 0, t, nh, hs),
+            qkv_part(qkv, bi, 1, t, nh, hs).t(),
+            T::ZERO,
+            att_of_mut(att, bi, t, nh),
+        );
+    }
+}
+
+/// Causal softmax in place: row `i` of each (T, T) matrix becomes the softmax of its columns
+/// `0..=i` (max-subtracted, sum in `T`); columns `> i` are set to exactly 0.
+///
+/// * `att`: (B, nh, T, T), read and **overwritten**. Parallel over the B·nh·T rows.
+pub fn attention_softmax<T: Float>(att: &mut [T], b: usize, t: usize, nh: usize) {
+    assert_eq!(att.len(), b * nh * t * t, "attention_softmax: att length");
+    if t == 0 {
+        return;
+    }
+    att.par_chunks_mut(t).enumerate().for_each(|(r, row)| {
+        let i = r % t;
+        let (live, masked) = row.split_at_mut(i + 1);
+        let mut mx = T::NEG_INFINITY;
+        for &x in live.iter() {
+            mx = mx.max(x);
+        }
+        let mut sum = T::ZERO;
+        for x in live.iter_mut() {
+            *x = (*x - mx).exp();
+            sum += *x;
+        }
+        let inv = T::ONE / sum;
+        for x in live.iter_mut() {
+            *x *= inv;
+        }
+        masked.fill(T::ZERO);
+    });
+}
+
+/// Attention output: `out[b, :, h] = att[b, h]·V[b, h]`.
+///
+/// * `out`: (B, T, nh·hs), **overwritten**, written in place through strides.
+/// * `att`: (B, nh, T, T) after [`attention_softmax`] (zero above the diagonal); `qkv` as above.
+pub fn attention_values<T: Float>(
+    out: &mut [T],
+    att: &[T],
+    qkv: &[T],
+    b: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) {
+    check(qkv.len(), b, t, nh, hs, "attention_values");
+    assert_eq!(att.len(), b * nh * t * t, "attention_values: att length");
+    assert_eq!(out.len(), b * t * nh * hs, "attention_values: out length");
+    for bi in 0..b {
+        T::gemm_strided_batched(
+            T::ONE,
+            att_of(att, bi, t, nh),
+            qkv_part(qkv, bi, 2, t, nh, hs),
+            T::ZERO,
+            btc_mut(out, bi, t, nh, hs),
+        );
+    }
+}
+
+/// Backward of [`attention_values`].
+///
+/// * `datt`: (B, nh, T, T), **overwritten** with `dout·Vᵀ` per head (entries above the
+///   diagonal are computed and later zeroed by [`attention_softmax_backward`]).
+/// * `dqkv`: (B, T, 3C); its V columns are **overwritten** with `attᵀ·dout`; Q and K columns
+///   are untouched.
+/// * `dout`: (B, T, C); `att`, `qkv` from the forward pass.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_values_backward<T: Float>(
+    datt: &mut [T],
+    dqkv: &mut [T],
+    dout: &[T],
+    att: &[T],
+    qkv: &[T],
+    b: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) {
+    check(qkv.len(), b, t, nh, hs, "attention_values_backward");
+    check(dqkv.len(), b, t, nh, hs, "attention_values_backward (dqkv)");
+    assert_eq!(
+        att.len(),
+        b * nh * t * t,
+        "attention_values_backward: att length"
+    );
+    assert_eq!(
+        datt.len(),
+        b * nh * t * t,
+        "attention_values_backward: datt length"
+    );
+    assert_eq!(
+        dout.len(),
+        b * t * nh * hs,
+        "attention_values_backward: dout length"
+    );
+    for bi in 0..b {
+        T::gemm_strided_batched(
+            T::ONE,
+            btc(dout, bi, t, nh, hs),
+            qkv_part(qkv, bi, 2, t, nh, hs).t(),
+            T::ZERO,
+            att_of_mut(datt, bi, t, nh),
+        );
+        T::gemm_strided_batched(
+            T::ONE,
+            att_of(att, bi, t, nh).t(),
+            btc(dout, bi, t, nh, hs),
+            T::ZERO,
+            qkv_part_mut(dqkv, bi, 2, t, nh, hs),
+        );
+    }
+}
+
+/// Backward of [`attention_softmax`], in place: `datt` (the gradient of the softmax output)
+/// becomes the gradient of the scores, `datt[i, j] = att[i, j]·(datt[i, j] - Σ_{k≤i}
+/// datt[i, k]·att[i, k])` for `j ≤ i`, and exactly 0 for `j > i`. The `1/sqrt(hs)` scale is
+/// not folded in (it is [`attention_scores_backward`]'s GEMM alpha).
+///
+/// * `datt`: (B, nh, T, T), read and **overwritten**; `att`: the softmax output.
+///   Parallel over rows.
+pub fn attention_softmax_backward<T: Float>(
+    datt: &mut [T],
+    att: &[T],
+    b: usize,
+    t: usize,
+    nh: usize,
+) {
+    assert_eq!(
+        att.len(),
+        b * nh * t * t,
+        "attention_softmax_backward: att length"
+    );
+    assert_eq!(
+        datt.len(),
+        b * nh * t * t,
+        "attention_softmax_backward: datt length"
+    );
+    if t == 0 {
+        return;
+    }
+    datt.par_chunks_mut(t)
+        .zip(att.par_chunks(t))
+        .enumerate()
+        .for_each(|(r, (d, a))| {
+            let i = r % t;
+            let (live, masked) = d.split_at_mut(i + 1);
+            let mut s = T::ZERO;
+            for (&dj, &aj) in live.iter().zip(a) {
+                s += dj * aj;
+            }
+            for (dj, &aj) in live.iter_mut().zip(a) {
+                *dj = aj * (*dj - s);
+            }
+            masked.fill(T::ZERO);
+        });
+}
+
+/// Backward of [`attention_scores`].
+///
+/// * `dqkv`: (B, T, 3C); its Q columns are **overwritten** with `scale·dpre·K` and its K
+///   columns with `scale·dpreᵀ·Q`; V columns are untouched.
+/// * `datt`: (B, nh, T, T), the score gradient from [`attention_softmax_backward`] (zero above
+///   the diagonal); `qkv` from the forward pass.
+pub fn attention_scores_backward<T: Float>(
+    dqkv: &mut [T],
+    datt: &[T],
+    qkv: &[T],
+    b: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) {
+    check(qkv.len(), b, t, nh, hs, "attention_scores_backward");
+    check(dqkv.len(), b, t, nh, hs, "attention_scores_backward (dqkv)");
+    assert_eq!(
+        datt.len(),
+        b * nh * t * t,
+        "attention_scores_backward: datt length"
+    );
+    let alpha = scale::<T>(hs);
+    for bi in 0..b {
+        T::gemm_strided_batched(
+            alpha,
+            att_of(datt, bi, t, nh),
+            qkv_part(qkv, bi, 1, t, nh, hs),
+            T::ZERO,
+            qkv_part_mut(dqkv, bi, 0, t, nh, hs),
+        );
+        T::gemm_strided_batched(
+            alpha,
+            att_of(datt, bi, t, nh).t(),
+            qkv_part(qkv, bi, 0, t, nh, hs),
+            T::ZERO,
+            qkv_part_mut(dqkv, bi, 1, t, nh, hs),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::*;
+
+    /// The three forward steps; returns (att, out).
+    fn forward<T: Float>(qkv: &[T], b: usize, t: usize, nh: usize, hs: usize) -> (Vec<T>, Vec<T>) {
+        let mut att = vec![T::from_f64(f64::NAN); b * nh * t * t];
+        let mut out = vec![T::from_f64(f64::NAN); b * t * nh * hs];
+        attention_scores(&mut att, qkv, b, t, nh, hs);
+        attention_softmax(&mut att, b, t, nh);
+        attention_values(&mut out, &att, qkv, b, t, nh, hs);
+        (att, out)
+    }
+
+    /// The three backward steps; returns dqkv (every column overwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn backward<T: Float>(
+        dout: &[T],
+        att: &[T],
+        qkv: &[T],
+        b: usize,
+        t: usize,
+        nh: usize,
+        hs: usize,
+    ) -> Vec<T> {
+        let mut datt = vec![T::from_f64(f64::NAN); b * nh * t * t];
+        let mut dqkv = vec![T::from_f64(f64::NAN); qkv.len()];
+        attention_values_backward(&mut datt, &mut dqkv, dout, att, qkv, b, t, nh, hs);
+        attention_softmax_backward(&mut datt, att, b, t, nh);
+        attention_scores_backward(&mut dqkv, &datt, qkv, b, t, nh, hs);
+        dqkv
+    }
+
+    /// Straightforward per-head reference (like dev/gpt2_ref.py).
+    fn reference(qkv: &[f64], b: usize, t: usize, nh: usize, hs: usize) -> Vec<f64> {
+        let c = nh * hs;
+        let mut out = vec![0.0; b * t * c];
+        let at = |bi: usize, ti: usize, part: usize, h: usize, d: usize| {
+            qkv[(bi * t + ti) * 3 * c + part * c + h * hs + d]
+        };
+        for bi in 0..b {
+            for h in 0..nh {
+                for i in 0..t {
+                    let s: Vec<f64> = (0..=i)
+                        .map(|j| {
+                            (0..hs)
+                                .map(|d| at(bi, i, 0, h, d) * at(bi, j, 1, h, d))
+                                .sum::<f64>()
+                                / (hs as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hs {
+                        out[(bi * t + i) * c + h * hs + d] =
+                            (0..=i).map(|j| e[j] / z * at(bi, j, 2, h, d)).sum();
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let (b, t, nh, hs) = (2, 5, 2, 3);
+        let mut rng = Rng::new(40);
+        let qkv: Vec<f64> = rng
+            .vec(b * t * 3 * nh * hs)
+            .iter()
+            .map(|x| 1.5 * x)
+            .collect();
+        let dout = rng.vec(b * t * nh * hs);
+        let (att, out) = forward(&qkv, b, t, nh, hs);
+        assert_close(
+            "out vs reference",
+            &out,
+            &reference(&qkv, b, t, nh, hs),
+            1e-13,
+        );
+        // Causal structure: zeros above the diagonal, rows sum to 1.
+        for (r, row) in att.chunks(t).enumerate() {
+            let i = r % t;
+            assert!(row[i + 1..].iter().all(|&x| x == 0.0));
+            assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-14);
+        }
+        let dqkv = backward(&dout, &att, &qkv, b, t, nh, hs);
+        check_grad("dqkv", &qkv, &dqkv, |x| {
+            dot(&dout, &forward(x, b, t, nh, hs).1)
+        });
+    }
+
+    /// The f32 path (fugu-gemm strided batches over the fused layouts) against the f64 loop.
+    #[test]
+    fn f32_matches_f64() {
+        let (b, t, nh, hs) = (2, 67, 2, 20);
+        let mut rng = Rng::new(41);
+        let qkv = round_f32(&rng.vec(b * t * 3 * nh * hs));
+        let dout = round_f32(&rng.vec(b * t * nh * hs));
+        let (att64, out64) = forward(&qkv, b, t, nh, hs);
+        let (att32, out32) = forward(&to_f32(&qkv), b, t, nh, hs);
+        assert_close_f32("att", &att32, &att64, 1e-5);
+        assert_close_f32("out", &out32, &out64, 1e-5);
+        let d64 = backward(&dout, &att64, &qkv, b, t, nh, hs);
+        let d32 = backward(&to_f32(&dout), &att32, &to_f32(&qkv), b, t, nh, hs);
+        assert_close_f32("dqkv", &d32, &d64, 1e-5);
+    }
+
+    /// Each backward step overwrites only its own columns of dqkv.
+    #[test]
+    fn backward_steps_write_their_own_columns() {
+        let (b, t, nh, hs) = (2, 3, 2, 2);
+        let c = nh * hs;
+        let mut rng = Rng::new(42);
+        let qkv = rng.vec(b * t * 3 * c);
+        let dout = rng.vec(b * t * c);
+        let (att, _) = forward(&qkv, b, t, nh, hs);
+        let mut datt = vec![0.0; b * nh * t * t];
+        let mut dqkv = vec![7.0; qkv.len()];
+        attention_values_backward(&mut datt, &mut dqkv, &dout, &att, &qkv, b, t, nh, hs);
+        for (i, &x) in dqkv.iter().enumerate() {
+            assert_eq!(x == 7.0, (i % (3 * c)) < 2 * c, "element {i}");
+        }
+        let mut dqkv2 = vec![7.0; qkv.len()];
+        attention_softmax_backward(&mut datt, &att, b, t, nh);
+        attention_scores_backward(&mut dqkv2, &datt, &qkv, b, t, nh, hs);
+        for (i, &x) in dqkv2.iter().enumerate() {
+            assert_eq!(x == 7.0, (i % (3 * c)) >= 2 * c, "element {i}");
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! Fused softmax + cross-entropy over the logits, with the gradient written over the logits in
+//! place (no second vocabulary-sized tensor).
+//!
+//! Logits are (N, VP) in memory, of which the first `v_valid` columns are real vocabulary and
+//! the rest padding: padding is ignored by every phase and gets gradient exactly 0.
+//!
+//! The work is split into phases so that a vocabulary-parallel (tensor-parallel) LM head can
+//! all-reduce between them; each rank holds columns `vocab_start ..` of the vocabulary:
+//!
+//! 1. [`ce_row_max`] → all-reduce **max** over ranks;
+//! 2. [`ce_row_sumexp`] with the global max → all-reduce **sum**;
+//! 3. [`ce_target_logit`] (0 on ranks without the target) → all-reduce **sum**;
+//! 4. [`ce_finish`]: per-row losses (identical on every rank) and this rank's dlogits.
+//!
+//! Serial code uses [`crossentropy_forward_backward`] (training) or [`crossentropy_forward`]
+//! (evaluation). Sums of exponentials are accumulated in `f64` and rounded to `T`; the loss
+//! `ln(sum) + max - target_logit` is evaluated in `f64`.
+
+use super::Float;
+use rayon::prelude::*;
+
+fn check_logits(len: usize, n: usize, vp: usize, v_valid: usize, op: &str) {
+    assert!(vp > 0, "{op}: VP must be positive");
+    assert!(v_valid <= vp, "{op}: v_valid {v_valid} exceeds VP {vp}");
+    assert_eq!(len, n * vp, "{op}: logits length");
+}
+
+/// Phase 1: `maxes[i] = max_{j < v_valid} logits[i, j]` (−∞ when `v_valid == 0`).
+/// `maxes`: (N), **overwritten**.
+pub fn ce_row_max<T: Float>(maxes: &mut [T], logits: &[T], n: usize, vp: usize, v_valid: usize) {
+    check_logits(logits.len(), n, vp, v_valid, "ce_row_max");
+    assert_eq!(maxes.len(), n, "ce_row_max: maxes length");
+    maxes
+        .par_iter_mut()
+        .zip(logits.par_chunks(vp))
+        .for_each(|(m, row)| {
+            *m = row_max(&row[..v_valid]);
+        });
+}
+
+fn row_max<T: Float>(row: &[T]) -> T {
+    let mut m = T::NEG_INFINITY;
+    for &x in row {
+        m = m.max(x);
+    }
+    m
+}
+
+/// `Σ exp(x - max)` accumulated in `f64`.
+fn sum_exp<T: Float>(row: &[T], max: T) -> f64 {
+    let mut s = 0.0f64;
+    for &x in row {
+        s += (x - max).exp().to_f64();
+    }
+    s
+}
+
+/// Phase 2: `sums[i] = Σ_{j < v_valid} exp(logits[i, j] - maxes[i])` with the (global) row
+/// maxima. `sums`: (N), **overwritten**.
+pub fn ce_row_sumexp<T: Float>(
+    sums: &mut [T],
+    logits: &[T],
+    maxes: &[T],
+    n: usize,
+    vp: usize,
+    v_valid: usize,
+) {
+    check_logits(logits.len(), n, vp, v_valid, "ce_row_sumexp");
+    assert_eq!(sums.len(), n, "ce_row_sumexp: sums length");
+    assert_eq!(maxes.len(), n, "ce_row_sumexp: maxes length");
+    sums.par_iter_mut()
+        .zip(logits.par_chunks(vp))
+        .zip(maxes.par_iter())
+        .for_each(|((s, row), &m)| *s = T::from_f64(sum_exp(&row[..v_valid], m)));
+}
+
+/// Local column of target `tgt` in a shard holding vocabulary `vocab_start .. + v_valid`.
+fn local_target(tgt: u32, vocab_start: usize, v_valid: usize) -> Option<usize> {
+    (tgt as usize)
+        .checked_sub(vocab_start)
+        .filter(|&j| j < v_valid)
+}
+
+/// Phase 3: `tl[i] = logits[i, targets[i] - vocab_start]` when the target lies in this shard
+/// (`vocab_start ..= vocab_start + v_valid - 1`), else 0, so a sum over shards gives the
+/// target logit. `tl`: (N), **overwritten**; `targets`: (N) global token ids.
+pub fn ce_target_logit<T: Float>(
+    tl: &mut [T],
+    logits: &[T],
+    targets: &[u32],
+    vocab_start: usize,
+    n: usize,
+    vp: usize,
+    v_valid: usize,
+) {
+    check_logits(logits.len(), n, vp, v_valid, "ce_target_logit");
+    assert_eq!(tl.len(), n, "ce_target_logit: tl length");
+    assert_eq!(targets.len(), n, "ce_target_logit: targets length");
+    tl.par_iter_mut()
+        .zip(logits.par_chunks(vp))
+        .zip(targets.par_iter())
+        .for_each(|((t, row), &tgt)| {
+            *t = match local_target(tgt, vocab_start, v_valid) {
+                Some(j) => row[j],
+                None => T::ZERO,
+            };
+        });
+}
+
+/// Phase 4: losses and gradient, from the (all-reduced) `maxes`, `sums` and `tl`.
+///
+/// * `losses`: (N), **overwritten** with `ln(sums[i]) + maxes[i] - tl[i]` (evaluated in `f64`).
+/// * `logits_to_dlogits`: (N, VP) logits in, **overwritten** with
+///   `dloss · (softmax - onehot(target))` on the `v_valid` real columns and 0 on padding.
+///   `dloss` is the gradient of the objective per row loss (e.g. `1/(B·T)` for a mean).
+/// * `targets`: (N) global ids; `vocab_start` as in [`ce_target_logit`].
+#[allow(clippy::too_many_arguments)]
+pub fn ce_finish<T: Float>(
+    losses: &mut [T],
+    logits_to_dlogits: &mut [T],
+    maxes: &[T],
+    sums: &[T],
+    tl: &[T],
+    targets: &[u32],
+    vocab_start: usize,
+    dloss: T,
+    n: usize,
+    vp: usize,
+    v_valid: usize,
+) {
+    check_logits(logits_to_dlogits.len(), n, vp, v_valid, "ce_finish");
+    assert_eq!(losses.len(), n, "ce_finish: losses length");
+    assert_eq!(maxes.len(), n, "ce_finish: maxes length");
+    assert_eq!(sums.len(), n, "ce_finish: sums length");
+    assert_eq!(tl.len(), n, "ce_finish: tl length");
+    assert_eq!(targets.len(), n, "ce_finish: targets length");
+    logits_to_dlogits
+        .par_chunks_mut(vp)
+        .zip(losses.par_iter_mut())
+        .enumerate()
+        .for_each(|(i, (row, loss))| {
+            let (m, s) = (maxes[i], sums[i]);
+            *loss = T::from_f64(s.to_f64().ln() + m.to_f64() - tl[i].to_f64());
+            let inv = T::ONE / s;
+            let (real, pad) = row.split_at_mut(v_valid);
+            // The target's logit, read before the row is overwritten.
+            let target = local_target(targets[i], vocab_start, v_valid).map(|j| (j, real[j]));
+            for x in real.iter_mut() {
+                *x = dloss * ((*x - m).exp() * inv);
+            }
+            if let Some((j, x)) = target {
+                real[j] = dloss * ((x - m).exp() * inv - T::ONE);
+            }
+            pad.fill(T::ZERO);
+        });
+}
+
+fn check_targets(targets: &[u32], v_valid: usize, op: &str) {
+    if let Some(i) = targets.iter().position(|&t| t as usize >= v_valid) {
+        panic!(
+            "{op}: target {} at row {i} is not below v_valid {v_valid}",
+            targets[i]
+        );
+    }
+}
+
+/// Serial fused forward + backward (all four phases with `vocab_start = 0`).
+///
+/// * `losses`: (N), **overwritten** with the per-row losses.
+/// * `logits`: (N, VP), **overwritten** with `dloss · (softmax - onehot)` (padding 0).
+/// * Returns the **sum** of the N losses (accumulated in `f64`, rounded to `T`); divide by N
+///   for the mean. Targets must be below `v_valid` (checked).
+pub fn crossentropy_forward_backward<T: Float>(
+    losses: &mut [T],
+    logits: &mut [T],
+    targets: &[u32],
+    dloss: T,
+    n: usize,
+    vp: usize,
+    v_valid: usize,
+) -> T {
+    check_logits(
+        logits.len(),
+        n,
+        vp,
+        v_valid,
+        "crossentropy_forward_backward",
+    );
+    check_targets(targets, v_valid, "crossentropy_forward_backward");
+    let mut maxes = vec![T::ZERO; n];
+    let mut sums = vec![T::ZERO; n];
+    let mut tl = vec![T::ZERO; n];
+    ce_row_max(&mut maxes, logits, n, vp, v_valid);
+    ce_row_sumexp(&mut sums, logits, &maxes, n, vp, v_valid);
+    ce_target_logit(&mut tl, logits, targets, 0, n, vp, v_valid);
+    ce_finish(
+        losses, logits, &maxes, &sums, &tl, targets, 0, dloss, n, vp, v_valid,
+    );
+    T::from_f64(losses.iter().map(|l| l.to_f64()).sum())
+}
+
+/// Forward only (evaluation): `losses` (N) **overwritten** with the per-row losses; `logits`
+/// are only read. Returns the sum of the losses (accumulated in `f64`). Targets must be below
+/// `v_valid` (checked). Gives the same losses as [`crossentropy_forward_backward`].
+pub fn crossentropy_forward<T: Float>(
+    losses: &mut [T],
+    logits: &[T],
+    targets: &[u32],
+    n: usize,
+    vp: usize,
+    v_valid: usize,
+) -> T {
+    check_logits(logits.len(), n, vp, v_valid, "crossentropy_forward");
+    assert_eq!(losses.len(), n, "crossentropy_forward: losses length");
+    assert_eq!(targets.len(), n, "crossentropy_forward: targets length");
+    check_targets(targets, v_valid, "crossentropy_forward");
+    losses
+        .par_iter_mut()
+        .zip(logits.par_chunks(vp))
+        .zip(targets.par_iter())
+        .for_each(|((loss, row), &tgt)| {
+            let row = &row[..v_valid];
+            let m = row_max(row);
+            let s = T::from_f64(sum_exp(row, m));
+            *loss = T::from_f64(s.to_f64().ln() + m.to_f64() - row[tgt as usize].to_f64());
+        });
+    T::from_f64(losses.iter().map(|l| l.to_f64()).sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::*;
+
+    const N: usize = 7;
+    const VP: usize = 16;
+    const V: usize = 11;
+
+    fn logits(rng: &mut Rng, n: usize, vp: usize, v: usize, pad: f64) -> Vec<f64> {
+        let mut x: Vec<f64> = rng.vec(n * vp).iter().map(|x| 3.0 * x).collect();
+        for row in x.chunks_mut(vp) {
+            row[v..].fill(pad);
+        }
+        x
+    }
+
+    #[test]
+    fn gradient_matches_finite_differences() {
+        let mut rng = Rng::new(70);
+        let x = logits(&mut rng, N, VP, V, 50.0); // large padding must be ignored
+        let mut targets = rng.tokens(N, V);
+        targets[0] = (V - 1) as u32; // the last real column
+        let dloss = 0.37;
+        let mut losses = vec![f64::NAN; N];
+        let mut d = x.clone();
+        let total = crossentropy_forward_backward(&mut losses, &mut d, &targets, dloss, N, VP, V);
+        for i in 0..N {
+            let row = &x[i * VP..i * VP + V];
+            let lse = row.iter().map(|v| v.exp()).sum::<f64>().ln();
+            assert!((losses[i] - (lse - row[targets[i] as usize])).abs() < 1e-13);
+        }
+        assert!((total - losses.iter().sum::<f64>()).abs() < 1e-13);
+        // Padding gets exactly zero gradient.
+        for row in d.chunks(VP) {
+            assert!(row[V..].iter().all(|&g| g == 0.0));
+        }
+        let loss = |x: &[f64]| {
+            let mut l = vec![0.0; N];
+            dloss * crossentropy_forward(&mut l, x, &targets, N, VP, V)
+        };
+        check_grad("dlogits", &x, &d, loss);
+        // Forward-only agrees exactly and leaves the logits alone.
+        let mut l2 = vec![f64::NAN; N];
+        let x2 = x.clone();
+        assert_eq!(
+            crossentropy_forward(&mut l2, &x2, &targets, N, VP, V),
+            total
+        );
+        assert_eq!(l2, losses);
+        assert_eq!(x2, x);
+        // NaN in the padding changes nothing.
+        let mut xn = logits(&mut Rng::new(70), N, VP, V, f64::NAN);
+        let mut ln = vec![0.0; N];
+        crossentropy_forward_backward(&mut ln, &mut xn, &targets, dloss, N, VP, V);
+        assert_eq!(ln, losses);
+        assert_eq!(xn, d);
+    }
+
+    /// Two vocabulary shards (columns 0..8 and 8..16, the second with 3 real columns), combined
+    /// with max / sum / sum between the phases as an all-reduce would, match the serial op.
+    #[test]
+    fn vocab_shards_match_serial() {
+        let mut rng = Rng::new(71);
+        let x = logits(&mut rng, N, VP, V, -7.0);
+        let targets = rng.tokens(N, V);
+        let dloss = 1.0 / N as f64;
+        let mut losses = vec![0.0; N];
+        let mut d = x.clone();
+        crossentropy_forward_backward(&mut losses, &mut d, &targets, dloss, N, VP, V);
+
+        let w = 8;
+        let shards: Vec<(usize, usize, Vec<f64>)> = (0..2)
+            .map(|s| {
+                let start = s * w;
+                let cols: Vec<f64> = x
+                    .chunks(VP)
+                    .flat_map(|r| r[start..start + w].to_vec())
+                    .collect();
+                (start, (V - start).min(w), cols)
+            })
+            .collect();
+        let mut maxes = vec![f64::NEG_INFINITY; N];
+        let mut sums = vec![0.0; N];
+        let mut tl = vec![0.0; N];
+        let mut part = vec![0.0; N];
+        for (_, vv, cols) in &shards {
+            ce_row_max(&mut part, cols, N, w, *vv);
+            maxes
+                .iter_mut()
+                .zip(&part)
+                .for_each(|(m, p)| *m = m.max(*p));
+        }
+        for (start, vv, cols) in &shards {
+            ce_row_sumexp(&mut part, cols, &maxes, N, w, *vv);
+            sums.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+            ce_target_logit(&mut part, cols, &targets, *start, N, w, *vv);
+            tl.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+        }
+        for (start, vv, cols) in &shards {
+            let mut l = vec![0.0; N];
+            let mut dl = cols.clone();
+            ce_finish(
+                &mut l, &mut dl, &maxes, &sums, &tl, &targets, *start, dloss, N, w, *vv,
+            );
+            assert_close("shard losses", &l, &losses, 1e-13);
+            let want: Vec<f64> = d
+                .chunks(VP)
+                .flat_map(|r| r[*start..*start + w].to_vec())
+                .collect();
+            assert_close("shard dlogits", &dl, &want, 1e-13);
+        }
+    }
+
+    #[test]
+    fn f32_matches_f64() {
+        let (n, vp, v) = (67, 64, 50);
+        let mut rng = Rng::new(72);
+        let x = round_f32(&logits(&mut rng, n, vp, v, 0.0));
+        let targets = rng.tokens(n, v);
+        let (mut l64, mut d64) = (vec![0.0; n], x.clone());
+        let t64 = crossentropy_forward_backward(&mut l64, &mut d64, &targets, 0.5, n, vp, v);
+        let (mut l32, mut d32) = (vec![0.0f32; n], to_f32(&x));
+        let t32 = crossentropy_forward_backward(&mut l32, &mut d32, &targets, 0.5f32, n, vp, v);
+        assert_close_f32("losses", &l32, &l64, 1e-6);
+        assert_close_f32("dlogits", &d32, &d64, 1e-6);
+        assert!((t32 as f64 - t64).abs() < 1e-6 * t64);
+    }
+
+    #[test]
+    #[should_panic(expected = "not below v_valid")]
+    fn target_in_padding_panics() {
+        let mut l = vec![0.0; 1];
+        crossentropy_forward(&mut l, &[0.0; 4], &[3], 1, 4, 3);
+    }
+}

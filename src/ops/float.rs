@@ -1,0 +1,613 @@
+//! The float type the ops are generic over, and the GEMM hooks behind it.
+//!
+//! Every op is written once over `T: Float`. Production runs in `f32`, whose GEMMs go to
+//! fugu-gemm; the finite-difference tests run in `f64`, whose GEMMs are a plain triple loop
+//! (slow, exact enough, only ever used on tiny shapes).
+//!
+//! GEMM operands are described by small plain views ([`Mat`], [`MatMutT`], [`BatchMat`],
+//! [`BatchMatMut`]): a slice plus `(offset, rows, cols, row stride, col stride)`, element
+//! `(i, j)` at `offset + i*rs + j*cs`, and for batches matrix `p` starting `p*bs` further on.
+//! `.t()` transposes a view for free. They are deliberately dumb: fugu-gemm checks bounds and
+//! output aliasing when the `f32` path builds its own views, and the `f64` loop bounds-checks
+//! every access. A failed check is a bug in an op (the ops assert their slice lengths first), so
+//! it panics with fugu-gemm's error message.
+
+use std::fmt::Debug;
+use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
+
+/// A read-only strided matrix view: element `(i, j)` is `data[offset + i*rs + j*cs]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// Row stride (elements between `(i, j)` and `(i+1, j)`).
+    pub rs: usize,
+    /// Column stride (elements between `(i, j)` and `(i, j+1)`).
+    pub cs: usize,
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// A `rows × cols` view starting at `offset` with strides `(rs, cs)`.
+    pub fn new(
+        data: &'a [T],
+        offset: usize,
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        cs: usize,
+    ) -> Self {
+        Mat {
+            data,
+            offset,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
+    }
+
+    /// A dense row-major `rows × cols` view of `data` from element 0.
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
+        Mat::new(data, 0, rows, cols, cols, 1)
+    }
+
+    /// The transpose (swaps dimensions and strides).
+    pub fn t(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// A writable strided matrix view (same indexing as [`Mat`]). Its elements must not alias one
+/// another (fugu-gemm checks this on the `f32` path).
+#[derive(Debug)]
+pub struct MatMutT<'a, T> {
+    pub data: &'a mut [T],
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> MatMutT<'a, T> {
+    /// A writable `rows × cols` view starting at `offset` with strides `(rs, cs)`.
+    pub fn new(
+        data: &'a mut [T],
+        offset: usize,
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        cs: usize,
+    ) -> Self {
+        MatMutT {
+            data,
+            offset,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
+    }
+
+    /// A dense row-major `rows × cols` view of `data` from element 0.
+    pub fn row_major(data: &'a mut [T], rows: usize, cols: usize) -> Self {
+        MatMutT::new(data, 0, rows, cols, cols, 1)
+    }
+
+    /// The transpose.
+    pub fn t(self) -> Self {
+        MatMutT {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// A read-only strided batch: matrix `p` (for `p < batch`) is the [`Mat`] starting at
+/// `offset + p*bs`.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchMat<'a, T> {
+    pub data: &'a [T],
+    pub offset: usize,
+    pub batch: usize,
+    /// Batch stride: elements between matrix `p` and matrix `p+1`.
+    pub bs: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> BatchMat<'a, T> {
+    /// Transposes every matrix of the batch.
+    pub fn t(self) -> Self {
+        BatchMat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Matrix `p` of the batch.
+    pub fn matrix(&self, p: usize) -> Mat<'a, T> {
+        Mat::new(
+            self.data,
+            self.offset + p * self.bs,
+            self.rows,
+            self.cols,
+            self.rs,
+            self.cs,
+        )
+    }
+}
+
+/// A writable strided batch (indexing as [`BatchMat`]); no two elements of any two matrices may
+/// alias.
+#[derive(Debug)]
+pub struct BatchMatMut<'a, T> {
+    pub data: &'a mut [T],
+    pub offset: usize,
+    pub batch: usize,
+    pub bs: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> BatchMatMut<'a, T> {
+    /// Transposes every matrix of the batch.
+    pub fn t(self) -> Self {
+        BatchMatMut {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// The scalar type of the ops: `f32` (production, GEMMs on fugu-gemm) or `f64` (tests).
+pub trait Float:
+    Copy
+    + Send
+    + Sync
+    + Default
+    + PartialOrd
+    + Debug
+    + 'static
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + SubAssign
+    + MulAssign
+{
+    const ZERO: Self;
+    const ONE: Self;
+    const NEG_INFINITY: Self;
+
+    /// Rounds an `f64` to this type.
+    fn from_f64(x: f64) -> Self;
+    /// Widens (exactly) to `f64`.
+    fn to_f64(self) -> f64;
+    /// Converts a count (rounding above 2^24 for `f32`).
+    fn from_usize(x: usize) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn abs(self) -> Self;
+    /// The larger of the two; a NaN operand is ignored (IEEE `maxNum`, like `f32::max`).
+    fn max(self, other: Self) -> Self;
+    fn is_finite(self) -> bool;
+
+    /// `C := alpha·A·B + beta·C` with A m×k, B k×n, C m×n. When `beta == 0`, C is not read
+    /// (NaN or garbage in C does not propagate).
+    ///
+    /// # Panics
+    /// On mismatched shapes or views that do not fit their slices (a bug in the caller).
+    fn gemm(alpha: Self, a: Mat<'_, Self>, b: Mat<'_, Self>, beta: Self, c: MatMutT<'_, Self>);
+
+    /// Strided batched GEMM, `C[p] := alpha·A[p]·B[p] + beta·C[p]` for every `p < batch`
+    /// (PyTorch `baddbmm`; `bmm` with `beta = 0`). C is not read when `beta == 0`.
+    ///
+    /// # Panics
+    /// As [`Float::gemm`], and when the batch sizes differ.
+    fn gemm_strided_batched(
+        alpha: Self,
+        a: BatchMat<'_, Self>,
+        b: BatchMat<'_, Self>,
+        beta: Self,
+        c: BatchMatMut<'_, Self>,
+    );
+}
+
+fn check_shapes(am: usize, ak: usize, bk: usize, bn: usize, cm: usize, cn: usize) {
+    assert!(
+        am == cm && bn == cn && ak == bk,
+        "ops gemm: shape mismatch: A is {am}x{ak}, B is {bk}x{bn}, C is {cm}x{cn}"
+    );
+}
+
+/// The `f64` reference GEMM: one dot product per element of C, summed in `k` order.
+#[allow(clippy::too_many_arguments)]
+fn gemm_naive<T: Float>(
+    alpha: T,
+    a: &Mat<'_, T>,
+    b: &Mat<'_, T>,
+    beta: T,
+    c: &mut [T],
+    c_off: usize,
+    c_rs: usize,
+    c_cs: usize,
+) {
+    for i in 0..a.rows {
+        for j in 0..b.cols {
+            let mut s = T::ZERO;
+            for p in 0..a.cols {
+                s +=
+                    a.data[a.offset + i * a.rs + p * a.cs] * b.data[b.offset + p * b.rs + j * b.cs];
+            }
+            let ci = &mut c[c_off + i * c_rs + j * c_cs];
+            *ci = if beta == T::ZERO {
+                alpha * s
+            } else {
+                alpha * s + beta * *ci
+            };
+        }
+    }
+}
+
+/// The part of `data` from `offset` on (empty when `offset` is past the end, which only an
+/// empty view may have).
+fn tail<T>(data: &[T], offset: usize) -> &[T] {
+    data.get(offset..).unwrap_or(&[])
+}
+
+fn tail_mut<T>(data: &mut [T], offset: usize) -> &mut [T] {
+    let len = data.len();
+    &mut data[offset.min(len)..]
+}
+
+fn gemm_failed(e: fugu_gemm::GemmError) -> ! {
+    panic!("ops gemm (internal misuse): {e}")
+}
+
+impl Float for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_usize(x: usize) -> Self {
+        x as f32
+    }
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    fn tanh(self) -> Self {
+        f32::tanh(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn abs(self) -> Self {
+        f32::abs(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
+
+    fn gemm(alpha: f32, a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f32, c: MatMutT<'_, f32>) {
+        use fugu_gemm::{MatMut, MatRef};
+        let av = MatRef::with_offset(a.data, a.offset, a.rows, a.cols, a.rs, a.cs)
+            .unwrap_or_else(|e| gemm_failed(e));
+        let bv = MatRef::with_offset(b.data, b.offset, b.rows, b.cols, b.rs, b.cs)
+            .unwrap_or_else(|e| gemm_failed(e));
+        let cv = MatMut::with_offset(c.data, c.offset, c.rows, c.cols, c.rs, c.cs)
+            .unwrap_or_else(|e| gemm_failed(e));
+        fugu_gemm::gemm(alpha, av, bv, beta, cv).unwrap_or_else(|e| gemm_failed(e));
+    }
+
+    fn gemm_strided_batched(
+        alpha: f32,
+        a: BatchMat<'_, f32>,
+        b: BatchMat<'_, f32>,
+        beta: f32,
+        c: BatchMatMut<'_, f32>,
+    ) {
+        use fugu_gemm::{BatchMut, BatchRef};
+        let av = BatchRef::new(
+            tail(a.data, a.offset),
+            a.batch,
+            a.rows,
+            a.cols,
+            a.rs,
+            a.cs,
+            a.bs,
+        )
+        .unwrap_or_else(|e| gemm_failed(e));
+        let bv = BatchRef::new(
+            tail(b.data, b.offset),
+            b.batch,
+            b.rows,
+            b.cols,
+            b.rs,
+            b.cs,
+            b.bs,
+        )
+        .unwrap_or_else(|e| gemm_failed(e));
+        let cv = BatchMut::new(
+            tail_mut(c.data, c.offset),
+            c.batch,
+            c.rows,
+            c.cols,
+            c.rs,
+            c.cs,
+            c.bs,
+        )
+        .unwrap_or_else(|e| gemm_failed(e));
+        fugu_gemm::gemm_strided_batched(alpha, av, bv, beta, cv).unwrap_or_else(|e| gemm_failed(e));
+    }
+}
+
+impl Float for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_usize(x: usize) -> Self {
+        x as f64
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn abs(self) -> Self {
+        f64::abs(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
+    }
+    fn is_finite(self) -> bool {
+        f64::is_finite(self)
+    }
+
+    fn gemm(alpha: f64, a: Mat<'_, f64>, b: Mat<'_, f64>, beta: f64, c: MatMutT<'_, f64>) {
+        check_shapes(a.rows, a.cols, b.rows, b.cols, c.rows, c.cols);
+        gemm_naive(alpha, &a, &b, beta, c.data, c.offset, c.rs, c.cs);
+    }
+
+    fn gemm_strided_batched(
+        alpha: f64,
+        a: BatchMat<'_, f64>,
+        b: BatchMat<'_, f64>,
+        beta: f64,
+        c: BatchMatMut<'_, f64>,
+    ) {
+        assert!(
+            a.batch == c.batch && b.batch == c.batch,
+            "ops gemm: batch mismatch: A has {}, B has {}, C has {}",
+            a.batch,
+            b.batch,
+            c.batch
+        );
+        check_shapes(a.rows, a.cols, b.rows, b.cols, c.rows, c.cols);
+        for p in 0..c.batch {
+            let off = c.offset + p * c.bs;
+            gemm_naive(
+                alpha,
+                &a.matrix(p),
+                &b.matrix(p),
+                beta,
+                c.data,
+                off,
+                c.rs,
+                c.cs,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::Rng;
+
+    /// Transposed, offset and strided views agree between the fugu-gemm path and the loop.
+    #[test]
+    fn f32_hooks_match_f64_loop() {
+        let mut rng = Rng::new(1);
+        let (m, k, n) = (13, 9, 11);
+        // A stored transposed with padding: (k, m) with row stride m + 3, at offset 5.
+        let a64: Vec<f64> = rng.vec(5 + k * (m + 3));
+        let b64: Vec<f64> = rng.vec(n * k); // B stored as (n, k): B = this^T
+        let c0: Vec<f64> = rng.vec(2 + m * n * 2);
+        let a32: Vec<f32> = a64.iter().map(|&x| x as f32).collect();
+        let b32: Vec<f32> = b64.iter().map(|&x| x as f32).collect();
+        let mut c64 = c0.clone();
+        let mut c32: Vec<f32> = c0.iter().map(|&x| x as f32).collect();
+        // C: (m, n) with column stride 2 at offset 2.
+        f64::gemm(
+            0.5,
+            Mat::new(&a64, 5, k, m, m + 3, 1).t(),
+            Mat::row_major(&b64, n, k).t(),
+            1.5,
+            MatMutT::new(&mut c64, 2, m, n, 2 * n, 2),
+        );
+        f32::gemm(
+            0.5,
+            Mat::new(&a32, 5, k, m, m + 3, 1).t(),
+            Mat::row_major(&b32, n, k).t(),
+            1.5,
+            MatMutT::new(&mut c32, 2, m, n, 2 * n, 2),
+        );
+        for (x, y) in c32.iter().zip(&c64) {
+            assert!((*x as f64 - y).abs() < 1e-5, "{x} vs {y}");
+        }
+        // Untouched elements (odd positions after the offset) keep their values.
+        assert_eq!(c64[3], c0[3]);
+        assert_eq!(c32[3], c0[3] as f32);
+
+        // Batched: 3 matrices interleaved along the columns (batch stride 4, row stride 12).
+        let x: Vec<f64> = rng.vec(7 * 12);
+        let y: Vec<f64> = rng.vec(3 * 4 * 5);
+        let (x32, y32): (Vec<f32>, Vec<f32>) = (
+            x.iter().map(|&v| v as f32).collect(),
+            y.iter().map(|&v| v as f32).collect(),
+        );
+        let mut o64 = vec![f64::NAN; 3 * 7 * 5];
+        let mut o32 = vec![f32::NAN; 3 * 7 * 5];
+        let xa = |d| BatchMat {
+            data: d,
+            offset: 0,
+            batch: 3,
+            bs: 4,
+            rows: 7,
+            cols: 4,
+            rs: 12,
+            cs: 1,
+        };
+        f64::gemm_strided_batched(
+            1.0,
+            xa(&x),
+            BatchMat {
+                data: &y,
+                offset: 0,
+                batch: 3,
+                bs: 20,
+                rows: 5,
+                cols: 4,
+                rs: 4,
+                cs: 1,
+            }
+            .t(),
+            0.0,
+            BatchMatMut {
+                data: &mut o64,
+                offset: 0,
+                batch: 3,
+                bs: 5,
+                rows: 7,
+                cols: 5,
+                rs: 15,
+                cs: 1,
+            },
+        );
+        f32::gemm_strided_batched(
+            1.0,
+            BatchMat {
+                data: &x32,
+                offset: 0,
+                batch: 3,
+                bs: 4,
+                rows: 7,
+                cols: 4,
+                rs: 12,
+                cs: 1,
+            },
+            BatchMat {
+                data: &y32,
+                offset: 0,
+                batch: 3,
+                bs: 20,
+                rows: 5,
+                cols: 4,
+                rs: 4,
+                cs: 1,
+            }
+            .t(),
+            0.0,
+            BatchMatMut {
+                data: &mut o32,
+                offset: 0,
+                batch: 3,
+                bs: 5,
+                rows: 7,
+                cols: 5,
+                rs: 15,
+                cs: 1,
+            },
+        );
+        for (p, (u, v)) in o32.iter().zip(&o64).enumerate() {
+            assert!(v.is_finite(), "element {p} not written");
+            assert!((*u as f64 - v).abs() < 1e-5, "{u} vs {v}");
+        }
+        // Spot-check one element against a direct dot product.
+        let (p, i, j) = (2, 6, 3);
+        let want: f64 = (0..4)
+            .map(|q| x[i * 12 + p * 4 + q] * y[p * 20 + j * 4 + q])
+            .sum();
+        assert!((o64[i * 15 + p * 5 + j] - want).abs() < 1e-12);
+    }
+
+    #[test]
+    #[should_panic(expected = "shape mismatch")]
+    fn f64_shape_mismatch_panics() {
+        let a = vec![0.0f64; 6];
+        let mut c = vec![0.0f64; 4];
+        f64::gemm(
+            1.0,
+            Mat::row_major(&a, 2, 3),
+            Mat::row_major(&a, 2, 3),
+            0.0,
+            MatMutT::row_major(&mut c, 2, 2),
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "internal misuse")]
+    fn f32_out_of_bounds_panics() {
+        let a = vec![0.0f32; 6];
+        let mut c = vec![0.0f32; 3];
+        f32::gemm(
+            1.0,
+            Mat::row_major(&a, 2, 3),
+            Mat::row_major(&a, 3, 2),
+            0.0,
+            MatMutT::row_major(&mut c, 2, 2),
+        );
+    }
+}

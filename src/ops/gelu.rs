@@ -1,0 +1,95 @@
+//! GELU, tanh approximation (GPT-2; PyTorch `gelu(approximate="tanh")`):
+//! `gelu(x) = 0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³)))`.
+
+use super::{Float, ELEM_CHUNK};
+use rayon::prelude::*;
+
+const GELU_COEFF: f64 = 0.044715;
+
+fn sqrt_2_over_pi<T: Float>() -> T {
+    T::from_f64((2.0 / std::f64::consts::PI).sqrt())
+}
+
+/// `out = gelu(inp)` elementwise; `out` (any length, equal to `inp`'s) is **overwritten**.
+pub fn gelu_forward<T: Float>(out: &mut [T], inp: &[T]) {
+    assert_eq!(out.len(), inp.len(), "gelu_forward: lengths differ");
+    let (k, a, half) = (
+        sqrt_2_over_pi::<T>(),
+        T::from_f64(GELU_COEFF),
+        T::from_f64(0.5),
+    );
+    out.par_chunks_mut(ELEM_CHUNK)
+        .zip(inp.par_chunks(ELEM_CHUNK))
+        .for_each(|(o, x)| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                let u = k * (x + a * x * x * x);
+                *o = half * x * (T::ONE + u.tanh());
+            }
+        });
+}
+
+/// `dinp = dout · gelu'(inp)` elementwise; `dinp` is **overwritten** (not accumulated).
+pub fn gelu_backward<T: Float>(dinp: &mut [T], inp: &[T], dout: &[T]) {
+    assert_eq!(dinp.len(), inp.len(), "gelu_backward: dinp length");
+    assert_eq!(dout.len(), inp.len(), "gelu_backward: dout length");
+    let (k, a, half) = (
+        sqrt_2_over_pi::<T>(),
+        T::from_f64(GELU_COEFF),
+        T::from_f64(0.5),
+    );
+    let a3 = T::from_f64(3.0 * GELU_COEFF);
+    dinp.par_chunks_mut(ELEM_CHUNK)
+        .zip(inp.par_chunks(ELEM_CHUNK))
+        .zip(dout.par_chunks(ELEM_CHUNK))
+        .for_each(|((d, x), g)| {
+            for ((d, &x), &g) in d.iter_mut().zip(x).zip(g) {
+                let u = k * (x + a * x * x * x);
+                let th = u.tanh();
+                let sech2 = T::ONE - th * th;
+                let du = k * (T::ONE + a3 * x * x);
+                *d = g * (half * (T::ONE + th) + half * x * sech2 * du);
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::*;
+
+    #[test]
+    fn gradient_matches_finite_differences() {
+        let mut rng = Rng::new(50);
+        let x: Vec<f64> = rng.vec(37).iter().map(|v| 4.0 * v).collect();
+        let dout = rng.vec(37);
+        let f = |x: &[f64]| {
+            let mut y = vec![0.0; x.len()];
+            gelu_forward(&mut y, x);
+            y
+        };
+        // Known values: gelu(0) = 0, gelu(±1) from Python math (tanh form).
+        let y = f(&[0.0, 1.0, -1.0]);
+        assert_eq!(y[0], 0.0);
+        assert!((y[1] - 0.841_191_990_608_276_8).abs() < 1e-12);
+        assert!((y[2] + 0.158_808_009_391_723_24).abs() < 1e-12);
+        let mut dx = vec![f64::NAN; 37];
+        gelu_backward(&mut dx, &x, &dout);
+        check_grad("dinp", &x, &dx, |v| dot(&dout, &f(v)));
+    }
+
+    #[test]
+    fn f32_matches_f64() {
+        let mut rng = Rng::new(51);
+        let n = 3 * ELEM_CHUNK + 5;
+        let x = round_f32(&rng.vec(n).iter().map(|v| 5.0 * v).collect::<Vec<_>>());
+        let g = round_f32(&rng.vec(n));
+        let (mut y64, mut d64) = (vec![0.0; n], vec![0.0; n]);
+        gelu_forward(&mut y64, &x);
+        gelu_backward(&mut d64, &x, &g);
+        let (mut y32, mut d32) = (vec![0.0f32; n], vec![0.0f32; n]);
+        gelu_forward(&mut y32, &to_f32(&x));
+        gelu_backward(&mut d32, &to_f32(&x), &to_f32(&g));
+        assert_close_f32("out", &y32, &y64, 1e-6);
+        assert_close_f32("dinp", &d32, &d64, 1e-6);
+    }
+}

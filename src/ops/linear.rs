@@ -1,0 +1,275 @@
+//! Fully connected layer `y = x·W + bias` on the GEMM hooks.
+
+use super::{add_column_sums, Float, Mat, MatMutT};
+use rayon::prelude::*;
+
+/// How a weight matrix is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `W` is (in, out) row-major: `y = x·W` (Hugging Face GPT-2 `Conv1D`).
+    InOut,
+    /// `W` is (out, in) row-major: `y = x·Wᵀ` (`nn.Linear`; the tied `wte` as LM head).
+    OutIn,
+}
+
+/// `W` as the (IC, OC) matrix of `y = x·W`, whatever its storage.
+fn w_view<T>(w: &[T], layout: WeightLayout, ic: usize, oc: usize) -> Mat<'_, T> {
+    match layout {
+        WeightLayout::InOut => Mat::row_major(w, ic, oc),
+        WeightLayout::OutIn => Mat::row_major(w, oc, ic).t(),
+    }
+}
+
+/// `out = inp·W + bias`.
+///
+/// * `out`: (N, OC), **overwritten**; `inp`: (N, IC); `w`: IC·OC elements in `layout`;
+///   `bias`: (OC) or `None`.
+///
+/// With a bias, the rows of `out` are first set to it and the GEMM adds with `beta = 1`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_forward<T: Float>(
+    out: &mut [T],
+    inp: &[T],
+    w: &[T],
+    layout: WeightLayout,
+    bias: Option<&[T]>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    assert_eq!(out.len(), n * oc, "linear_forward: out length");
+    assert_eq!(inp.len(), n * ic, "linear_forward: inp length");
+    assert_eq!(w.len(), ic * oc, "linear_forward: weight length");
+    let beta = match bias {
+        Some(bias) => {
+            assert_eq!(bias.len(), oc, "linear_forward: bias length");
+            if oc > 0 {
+                out.par_chunks_mut(oc)
+                    .for_each(|row| row.copy_from_slice(bias));
+            }
+            T::ONE
+        }
+        None => T::ZERO,
+    };
+    T::gemm(
+        T::ONE,
+        Mat::row_major(inp, n, ic),
+        w_view(w, layout, ic, oc),
+        beta,
+        MatMutT::row_major(out, n, oc),
+    );
+}
+
+/// Backward of [`linear_forward`].
+///
+/// * `dinp`: (N, IC), **overwritten** with `dout·Wᵀ` (GEMM `beta = 0`); skipped when `None`
+///   (e.g. the first layer's input needs no gradient).
+/// * `dw`: same layout and size as `w`, **accumulated** (`beta = 1`): `+= inpᵀ·dout` for
+///   `InOut`, `+= doutᵀ·inp` for `OutIn`.
+/// * `dbias`: (OC), **accumulated** with the column sums of `dout` (rows summed in order,
+///   parallel over column blocks).
+/// * `dout`: (N, OC); `inp`: (N, IC); `w` as in the forward pass.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward<T: Float>(
+    dinp: Option<&mut [T]>,
+    dw: &mut [T],
+    dbias: Option<&mut [T]>,
+    dout: &[T],
+    inp: &[T],
+    w: &[T],
+    layout: WeightLayout,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    assert_eq!(dout.len(), n * oc, "linear_backward: dout length");
+    assert_eq!(inp.len(), n * ic, "linear_backward: inp length");
+    assert_eq!(w.len(), ic * oc, "linear_backward: weight length");
+    assert_eq!(dw.len(), ic * oc, "linear_backward: dw length");
+    if let Some(dinp) = dinp {
+        assert_eq!(dinp.len(), n * ic, "linear_backward: dinp length");
+        T::gemm(
+            T::ONE,
+            Mat::row_major(dout, n, oc),
+            w_view(w, layout, ic, oc).t(),
+            T::ZERO,
+            MatMutT::row_major(dinp, n, ic),
+        );
+    }
+    match layout {
+        WeightLayout::InOut => T::gemm(
+            T::ONE,
+            Mat::row_major(inp, n, ic).t(),
+            Mat::row_major(dout, n, oc),
+            T::ONE,
+            MatMutT::row_major(dw, ic, oc),
+        ),
+        WeightLayout::OutIn => T::gemm(
+            T::ONE,
+            Mat::row_major(dout, n, oc).t(),
+            Mat::row_major(inp, n, ic),
+            T::ONE,
+            MatMutT::row_major(dw, oc, ic),
+        ),
+    }
+    if let Some(dbias) = dbias {
+        assert_eq!(dbias.len(), oc, "linear_backward: dbias length");
+        add_column_sums(dbias, dout, n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::*;
+    use WeightLayout::*;
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        x: &[f64],
+        w: &[f64],
+        b: Option<&[f64]>,
+        l: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> Vec<f64> {
+        let mut out = vec![f64::NAN; n * oc];
+        linear_forward(&mut out, x, w, l, b, n, ic, oc);
+        out
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let (n, ic, oc) = (7, 5, 6);
+        for layout in [InOut, OutIn] {
+            let mut rng = Rng::new(30);
+            let x = rng.vec(n * ic);
+            let w = rng.vec(ic * oc);
+            let b = rng.vec(oc);
+            let dout = rng.vec(n * oc);
+            // Forward against the definition.
+            let out = forward(&x, &w, Some(&b), layout, n, ic, oc);
+            for i in 0..n {
+                for o in 0..oc {
+                    let wio = |k: usize| match layout {
+                        InOut => w[k * oc + o],
+                        OutIn => w[o * ic + k],
+                    };
+                    let want: f64 = b[o] + (0..ic).map(|k| x[i * ic + k] * wio(k)).sum::<f64>();
+                    assert!((out[i * oc + o] - want).abs() < 1e-12);
+                }
+            }
+            let mut dx = vec![f64::NAN; n * ic]; // overwritten: NaN must not leak
+            let (mut dw, mut db) = (vec![0.0; ic * oc], vec![0.0; oc]);
+            linear_backward(
+                Some(&mut dx),
+                &mut dw,
+                Some(&mut db),
+                &dout,
+                &x,
+                &w,
+                layout,
+                n,
+                ic,
+                oc,
+            );
+            check_grad("dinp", &x, &dx, |v| {
+                dot(&dout, &forward(v, &w, Some(&b), layout, n, ic, oc))
+            });
+            check_grad("dw", &w, &dw, |v| {
+                dot(&dout, &forward(&x, v, Some(&b), layout, n, ic, oc))
+            });
+            check_grad("dbias", &b, &db, |v| {
+                dot(&dout, &forward(&x, &w, Some(v), layout, n, ic, oc))
+            });
+            // No bias.
+            let nb = forward(&x, &w, None, layout, n, ic, oc);
+            for i in 0..n * oc {
+                assert!((nb[i] + b[i % oc] - out[i]).abs() < 1e-12);
+            }
+            // Second call: dinp overwritten (same), dw and dbias doubled.
+            let (x1, w1, b1) = (dx.clone(), dw.clone(), db.clone());
+            linear_backward(
+                Some(&mut dx),
+                &mut dw,
+                Some(&mut db),
+                &dout,
+                &x,
+                &w,
+                layout,
+                n,
+                ic,
+                oc,
+            );
+            assert_eq!(dx, x1);
+            assert!(dw.iter().zip(&w1).all(|(a, b)| (a - 2.0 * b).abs() < 1e-12));
+            assert!(db.iter().zip(&b1).all(|(a, b)| (a - 2.0 * b).abs() < 1e-12));
+            // Without dinp/dbias only dw moves.
+            linear_backward(None, &mut dw, None, &dout, &x, &w, layout, n, ic, oc);
+            assert!(dw.iter().zip(&w1).all(|(a, b)| (a - 3.0 * b).abs() < 1e-12));
+        }
+    }
+
+    /// The f32 path (fugu-gemm, transposed and strided views) against the f64 loop, on shapes
+    /// past the micro-tile edges.
+    #[test]
+    fn f32_matches_f64() {
+        let (n, ic, oc) = (67, 40, 72);
+        for layout in [InOut, OutIn] {
+            let mut rng = Rng::new(31);
+            let x = round_f32(&rng.vec(n * ic));
+            let w = round_f32(&rng.vec(ic * oc));
+            let b = round_f32(&rng.vec(oc));
+            let dout = round_f32(&rng.vec(n * oc));
+            let dw0 = round_f32(&rng.vec(ic * oc));
+            let db0 = round_f32(&rng.vec(oc));
+
+            let out64 = forward(&x, &w, Some(&b), layout, n, ic, oc);
+            let mut out32 = vec![f32::NAN; n * oc];
+            linear_forward(
+                &mut out32,
+                &to_f32(&x),
+                &to_f32(&w),
+                layout,
+                Some(&to_f32(&b)),
+                n,
+                ic,
+                oc,
+            );
+            assert_close_f32("out", &out32, &out64, 2e-6);
+
+            let (mut dx64, mut dw64, mut db64) = (vec![f64::NAN; n * ic], dw0.clone(), db0.clone());
+            linear_backward(
+                Some(&mut dx64),
+                &mut dw64,
+                Some(&mut db64),
+                &dout,
+                &x,
+                &w,
+                layout,
+                n,
+                ic,
+                oc,
+            );
+            let (mut dx32, mut dw32, mut db32) =
+                (vec![f32::NAN; n * ic], to_f32(&dw0), to_f32(&db0));
+            let (x32, w32, d32) = (to_f32(&x), to_f32(&w), to_f32(&dout));
+            linear_backward(
+                Some(&mut dx32),
+                &mut dw32,
+                Some(&mut db32),
+                &d32,
+                &x32,
+                &w32,
+                layout,
+                n,
+                ic,
+                oc,
+            );
+            assert_close_f32("dinp", &dx32, &dx64, 2e-6);
+            assert_close_f32("dw", &dw32, &dw64, 2e-6);
+            assert_close_f32("dbias", &db32, &db64, 2e-6);
+        }
+    }
+}
