@@ -3,4 +3,5 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod metrics;
 pub mod model;
