@@ -66,11 +66,8 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     // matrixmultiply reads its thread count once, at its first call (it caps it at 4).
     std::env::set_var("MATMUL_NUM_THREADS", rt.threads().to_string());
     // The same peak the trainer divides by (`MachineInfo::for_runtime`).
-    let peak = crate::metrics::machine::machine_peak(
-        rt.kernel().isa,
-        rt.threads(),
-        args.peak_per_core,
-    )?;
+    let peak =
+        crate::metrics::machine::machine_peak(rt.kernel().isa, rt.threads(), args.peak_per_core)?;
     eprintln!("fugu-gemm: {}", rt.describe());
     eprintln!("{}", peak.describe());
     eprintln!(

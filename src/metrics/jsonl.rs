@@ -68,7 +68,10 @@ pub enum Record {
     Step(StepRecord),
     Eval(EvalRecord),
     /// An event's kind and its other fields (without `type` and `kind`).
-    Event { kind: String, data: Value },
+    Event {
+        kind: String,
+        data: Value,
+    },
     /// A line with a `type` this reader does not know (kept for newer writers).
     Unknown(Value),
 }
@@ -206,8 +209,7 @@ impl MetricsWriter {
 pub fn read_metrics(path: impl AsRef<Path>) -> Result<Vec<Record>> {
     let path = path.as_ref();
     let text = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    parse_metrics(&String::from_utf8_lossy(&text))
-        .with_context(|| format!("in {}", path.display()))
+    parse_metrics(&String::from_utf8_lossy(&text)).with_context(|| format!("in {}", path.display()))
 }
 
 /// Parses the lines of a `metrics.jsonl`. Blank lines are skipped. A line that is not a JSON

@@ -239,8 +239,7 @@ mod tests {
         assert!(m.logical_cpus >= 1);
         assert!(!m.hostname.is_empty() && !m.cpu_model.is_empty());
         // Round-trips through JSON.
-        let back: MachineInfo =
-            serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
+        let back: MachineInfo = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
         assert_eq!(back, m);
 
         assert!(machine_peak(Isa::Portable, 1, Some(0.0)).is_err());
@@ -263,12 +262,21 @@ mod tests {
             cpu_model_from_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC 7763\n").unwrap(),
             "AMD EPYC 7763"
         );
-        let a64fx = "processor\t: 12\nCPU implementer\t: 0x46\nCPU architecture: 8\nCPU part\t: 0x001\n";
+        let a64fx =
+            "processor\t: 12\nCPU implementer\t: 0x46\nCPU architecture: 8\nCPU part\t: 0x001\n";
         assert_eq!(cpu_model_from_cpuinfo(a64fx).unwrap(), "Fujitsu A64FX");
         assert!(cpu_model_from_cpuinfo("processor: 0\n").is_none());
         assert_eq!(count_cpulist("0-3,8,10-11\n"), Some(7));
         assert_eq!(count_cpulist("0"), Some(1));
         assert_eq!(count_cpulist(""), None);
+    }
+
+    #[test]
+    fn detect_measures_a_peak() {
+        let m = detect(1).unwrap();
+        assert_eq!(m.threads, 1);
+        assert!(m.peak_gflops > 0.0 && m.peak_gflops.is_finite());
+        assert_eq!(m.peak_gflops, m.peak_gflops_per_core);
     }
 
     #[test]

@@ -133,7 +133,7 @@ impl Progress {
         }
         let due = !self.printed_any
             || line.step >= self.total_steps
-            || (self.log_every > 0 && line.step % self.log_every == 0);
+            || (self.log_every > 0 && line.step.is_multiple_of(self.log_every));
         if !due {
             return None;
         }

@@ -237,6 +237,8 @@ impl Timers {
 
     /// Starts timing `name` until the guard drops, if `level` is enabled (see
     /// [`Timers::enabled`]); otherwise returns an inert guard without reading the clock.
+    /// Bind the guard to a named variable (`let _t = timers.scope(..)`): `let _ = ..` drops it
+    /// at once and records nothing useful.
     #[inline]
     pub fn scope(&self, name: &'static str, level: TimerLevel) -> TimerGuard<'_> {
         let start = if self.enabled(level) {
@@ -370,6 +372,58 @@ fn parent_of(name: &str) -> Option<&str> {
     name.rfind(':').map(|i| &name[..i])
 }
 
+/// The name tree behind [`Breakdown::from_totals`].
+struct Tree<'a, 'b> {
+    children: &'b BTreeMap<Option<&'a str>, Vec<&'a str>>,
+    /// ms/step of every node (untimed parents: the sum of their children).
+    value: &'b BTreeMap<&'a str, f64>,
+    /// ms/step of the nodes that were timed themselves.
+    timed: &'b BTreeMap<&'a str, f64>,
+    pct: &'b dyn Fn(f64) -> f64,
+}
+
+impl<'a> Tree<'a, '_> {
+    /// Depth-first: `parent`'s children by decreasing time, each followed by its subtree, then
+    /// `parent`'s `(other)` row if `parent_ms` (its own time) is known. `None` is the root.
+    fn visit(
+        &self,
+        parent: Option<&'a str>,
+        parent_ms: Option<f64>,
+        depth: usize,
+        rows: &mut Vec<BreakdownRow>,
+    ) {
+        let Some(kids) = self.children.get(&parent) else {
+            return;
+        };
+        let value = self.value;
+        let mut kids = kids.clone();
+        kids.sort_by(|a, b| value[b].total_cmp(&value[a]).then(a.cmp(b)));
+        for &k in &kids {
+            rows.push(BreakdownRow {
+                name: k.to_owned(),
+                ms_per_step: value[k],
+                pct_of_step: (self.pct)(value[k]),
+                depth,
+                timed: self.timed.contains_key(k),
+            });
+            self.visit(Some(k), self.timed.get(k).copied(), depth + 1, rows);
+        }
+        if let Some(p) = parent_ms {
+            let rest = (p - kids.iter().map(|k| value[k]).sum::<f64>()).max(0.0);
+            rows.push(BreakdownRow {
+                name: match parent {
+                    Some(p) => format!("{p}:{OTHER}"),
+                    None => OTHER.to_owned(),
+                },
+                ms_per_step: rest,
+                pct_of_step: (self.pct)(rest),
+                depth,
+                timed: false,
+            });
+        }
+    }
+}
+
 impl Breakdown {
     /// Builds the tree from run totals (ms per name summed over `steps` steps).
     pub fn from_totals(totals: &BTreeMap<String, f64>, total_step_ms: f64, steps: u64) -> Self {
@@ -412,52 +466,15 @@ impl Breakdown {
             value.insert(name, v);
         }
 
+        let tree = Tree {
+            children: &children,
+            value: &value,
+            timed: &timed,
+            pct: &pct,
+        };
         let mut rows = Vec::new();
-        // Depth-first from the virtual root (the whole step).
-        fn visit<'a>(
-            parent: Option<&'a str>,
-            parent_ms: Option<f64>,
-            depth: usize,
-            children: &BTreeMap<Option<&'a str>, Vec<&'a str>>,
-            value: &BTreeMap<&'a str, f64>,
-            timed: &BTreeMap<&'a str, f64>,
-            pct: &dyn Fn(f64) -> f64,
-            rows: &mut Vec<BreakdownRow>,
-        ) {
-            let Some(kids) = children.get(&parent) else {
-                return;
-            };
-            let mut kids = kids.clone();
-            kids.sort_by(|a, b| value[b].total_cmp(&value[a]).then(a.cmp(b)));
-            for k in &kids {
-                rows.push(BreakdownRow {
-                    name: (*k).to_owned(),
-                    ms_per_step: value[k],
-                    pct_of_step: pct(value[k]),
-                    depth,
-                    timed: timed.contains_key(k),
-                });
-                let own = timed.get(k).copied();
-                visit(Some(k), own, depth + 1, children, value, timed, pct, rows);
-            }
-            if let Some(p) = parent_ms {
-                let rest = (p - kids.iter().map(|k| value[k]).sum::<f64>()).max(0.0);
-                rows.push(BreakdownRow {
-                    name: match parent {
-                        Some(p) => format!("{p}:{OTHER}"),
-                        None => OTHER.to_owned(),
-                    },
-                    ms_per_step: rest,
-                    pct_of_step: pct(rest),
-                    depth,
-                    timed: false,
-                });
-            }
-        }
         let root_ms = (!totals.is_empty()).then_some(step_ms);
-        visit(
-            None, root_ms, 0, &children, &value, &timed, &pct, &mut rows,
-        );
+        tree.visit(None, root_ms, 0, &mut rows);
 
         let mut gemm_ms = 0.0;
         let mut non_gemm_ms = 0.0;
@@ -760,13 +777,19 @@ mod tests {
     fn table_and_json() {
         let b = sample();
         let table = b.to_table();
-        assert!(table.contains("over 2 steps (mean step 100.0 ms)"), "{table}");
+        assert!(
+            table.contains("over 2 steps (mean step 100.0 ms)"),
+            "{table}"
+        );
         assert!(table.contains("\n    qkv "), "{table}");
         assert!(table.contains("GEMM 52.0%"), "{table}");
         let lines: Vec<&str> = table.lines().skip(1).collect();
         // Aligned: every row has the same length.
-        let widths: std::collections::BTreeSet<usize> =
-            lines.iter().filter(|l| !l.starts_with("GEMM")).map(|l| l.len()).collect();
+        let widths: std::collections::BTreeSet<usize> = lines
+            .iter()
+            .filter(|l| !l.starts_with("GEMM"))
+            .map(|l| l.len())
+            .collect();
         assert_eq!(widths.len(), 1, "{table}");
 
         let dir = std::env::temp_dir().join(format!("fugu-bd-{}", std::process::id()));
