@@ -65,10 +65,9 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     let rt = Runtime::new(cfg)?;
     // matrixmultiply reads its thread count once, at its first call (it caps it at 4).
     std::env::set_var("MATMUL_NUM_THREADS", rt.threads().to_string());
-    if let Some(p) = args.peak_per_core {
-        std::env::set_var("FUGU_PEAK_GFLOPS_PER_CORE", p.to_string());
-    }
-    let peak = fugu_gemm::peak::machine_peak(rt.kernel().isa, rt.threads())?;
+    // The same peak the trainer divides by (`MachineInfo::for_runtime`).
+    let peak =
+        crate::metrics::machine::machine_peak(rt.kernel().isa, rt.threads(), args.peak_per_core)?;
     eprintln!("fugu-gemm: {}", rt.describe());
     eprintln!("{}", peak.describe());
     eprintln!(

@@ -1,0 +1,16 @@
+//! Observability for the trainer: per-op timers and the end-of-run breakdown
+//! ([`timers`]), model FLOPs ([`flops`]), the machine and its FP32 peak ([`machine`], the same
+//! figure `fugu bench gemm` reports against), `OUT/metrics.jsonl` ([`jsonl`]) and the step
+//! progress display ([`progress`]).
+
+pub mod flops;
+pub mod jsonl;
+pub mod machine;
+pub mod progress;
+pub mod timers;
+
+pub use flops::megatron_flops_per_step;
+pub use jsonl::{read_metrics, EvalRecord, MetricsWriter, Record, StepRecord};
+pub use machine::MachineInfo;
+pub use progress::{stderr_is_tty, Progress, StepLine};
+pub use timers::{names, Breakdown, BreakdownRow, TimerGuard, TimerLevel, Timers};

@@ -1,0 +1,808 @@
+//! Per-op wall-clock timers with Megatron-DeepSpeed-style names and a per-step breakdown.
+//!
+//! [`Timers`] lives on the training loop's thread. Scopes nest freely (`forward` around
+//! `forward:attention:qkv` around nothing): each guard records its own interval when dropped,
+//! so a parent's time includes its children's. A name used several times in one step (once per
+//! layer) sums. [`Timers::take_step`] hands out the step's times and adds them to run totals,
+//! from which [`Timers::breakdown`] builds the end-of-run table and `breakdown.json`.
+//!
+//! Levels: a scope opened at [`TimerLevel::Coarse`] records when the timers run at `Coarse` or
+//! `Fine`; one opened at [`TimerLevel::Fine`] only at `Fine`. With the timers [`TimerLevel::Off`]
+//! nothing records and a scope costs one `Cell` read (no clock read). At `Fine`, the function
+//! given to [`Timers::set_sync`] runs before every clock reading (a GPU backend would
+//! synchronise its stream there; the CPU backend needs none).
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// How much to time (`--timers off|coarse|fine`). Ordered: `Off < Coarse < Fine`.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TimerLevel {
+    /// Time nothing.
+    Off,
+    /// Whole phases: forward, backward, optimizer, checkpoint, eval, batch generation.
+    #[default]
+    Coarse,
+    /// Every op inside the phases (per layer, summed over layers).
+    Fine,
+}
+
+impl std::fmt::Display for TimerLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TimerLevel::Off => "off",
+            TimerLevel::Coarse => "coarse",
+            TimerLevel::Fine => "fine",
+        })
+    }
+}
+
+/// Timer names. Hierarchy is spelled with `:`; a name's parent is the part before its last `:`.
+/// Use these constants so that a typo is a compile error.
+pub mod names {
+    pub const FORWARD: &str = "forward";
+    pub const FORWARD_BATCH_GENERATOR: &str = "forward:batch-generator";
+    pub const FORWARD_EMBEDDING: &str = "forward:embedding";
+    pub const FORWARD_LAYERNORM: &str = "forward:layernorm";
+    /// Optional parent of the `forward:attention:*` ops (synthesised if not timed).
+    pub const FORWARD_ATTENTION: &str = "forward:attention";
+    pub const FORWARD_ATTENTION_QKV: &str = "forward:attention:qkv";
+    pub const FORWARD_ATTENTION_BADDBMM: &str = "forward:attention:baddbmm";
+    pub const FORWARD_ATTENTION_SOFTMAX: &str = "forward:attention:softmax";
+    pub const FORWARD_ATTENTION_BMM: &str = "forward:attention:bmm";
+    pub const FORWARD_ATTENTION_PROJ: &str = "forward:attention:proj";
+    /// Optional parent of the `forward:mlp:*` ops (synthesised if not timed).
+    pub const FORWARD_MLP: &str = "forward:mlp";
+    pub const FORWARD_MLP_MM: &str = "forward:mlp:mm";
+    pub const FORWARD_MLP_GELU: &str = "forward:mlp:gelu";
+    pub const FORWARD_RESIDUAL: &str = "forward:residual";
+    pub const FORWARD_LM_HEAD: &str = "forward:lm-head";
+    pub const FORWARD_LOSS: &str = "forward:loss";
+
+    pub const BACKWARD: &str = "backward";
+    pub const BACKWARD_EMBEDDING: &str = "backward:embedding";
+    pub const BACKWARD_LAYERNORM: &str = "backward:layernorm";
+    /// Optional parent of the `backward:attention:*` ops (synthesised if not timed).
+    pub const BACKWARD_ATTENTION: &str = "backward:attention";
+    pub const BACKWARD_ATTENTION_QKV: &str = "backward:attention:qkv";
+    pub const BACKWARD_ATTENTION_BADDBMM: &str = "backward:attention:baddbmm";
+    pub const BACKWARD_ATTENTION_SOFTMAX: &str = "backward:attention:softmax";
+    pub const BACKWARD_ATTENTION_BMM: &str = "backward:attention:bmm";
+    pub const BACKWARD_ATTENTION_PROJ: &str = "backward:attention:proj";
+    /// Optional parent of the `backward:mlp:*` ops (synthesised if not timed).
+    pub const BACKWARD_MLP: &str = "backward:mlp";
+    pub const BACKWARD_MLP_MM: &str = "backward:mlp:mm";
+    pub const BACKWARD_MLP_GELU: &str = "backward:mlp:gelu";
+    pub const BACKWARD_RESIDUAL: &str = "backward:residual";
+    pub const BACKWARD_LM_HEAD: &str = "backward:lm-head";
+    pub const BACKWARD_LOSS: &str = "backward:loss";
+    /// Data-parallel gradient all-reduce (not in the original list; Megatron's
+    /// `backward-params-all-reduce`).
+    pub const BACKWARD_ALLREDUCE: &str = "backward:allreduce";
+
+    pub const OPTIMIZER: &str = "optimizer";
+    pub const OPTIMIZER_CLIP: &str = "optimizer:clip";
+    pub const CHECKPOINT: &str = "checkpoint";
+    pub const EVAL: &str = "eval";
+
+    /// Every name above.
+    pub const ALL: &[&str] = &[
+        FORWARD,
+        FORWARD_BATCH_GENERATOR,
+        FORWARD_EMBEDDING,
+        FORWARD_LAYERNORM,
+        FORWARD_ATTENTION,
+        FORWARD_ATTENTION_QKV,
+        FORWARD_ATTENTION_BADDBMM,
+        FORWARD_ATTENTION_SOFTMAX,
+        FORWARD_ATTENTION_BMM,
+        FORWARD_ATTENTION_PROJ,
+        FORWARD_MLP,
+        FORWARD_MLP_MM,
+        FORWARD_MLP_GELU,
+        FORWARD_RESIDUAL,
+        FORWARD_LM_HEAD,
+        FORWARD_LOSS,
+        BACKWARD,
+        BACKWARD_EMBEDDING,
+        BACKWARD_LAYERNORM,
+        BACKWARD_ATTENTION,
+        BACKWARD_ATTENTION_QKV,
+        BACKWARD_ATTENTION_BADDBMM,
+        BACKWARD_ATTENTION_SOFTMAX,
+        BACKWARD_ATTENTION_BMM,
+        BACKWARD_ATTENTION_PROJ,
+        BACKWARD_MLP,
+        BACKWARD_MLP_MM,
+        BACKWARD_MLP_GELU,
+        BACKWARD_RESIDUAL,
+        BACKWARD_LM_HEAD,
+        BACKWARD_LOSS,
+        BACKWARD_ALLREDUCE,
+        OPTIMIZER,
+        OPTIMIZER_CLIP,
+        CHECKPOINT,
+        EVAL,
+    ];
+}
+
+/// Wall-clock timers for one training loop (main thread only; see the module docs).
+pub struct Timers {
+    level: Cell<TimerLevel>,
+    sync: RefCell<Option<Box<dyn Fn()>>>,
+    /// Milliseconds per name since the last `take_step`.
+    step: RefCell<BTreeMap<String, f64>>,
+    /// Milliseconds per name summed over every `take_step` (since the last `reset_totals`).
+    totals: RefCell<BTreeMap<String, f64>>,
+    steps: Cell<u64>,
+}
+
+impl std::fmt::Debug for Timers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Timers")
+            .field("level", &self.level.get())
+            .field("steps", &self.steps.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Timers {
+    fn default() -> Self {
+        Timers::new(TimerLevel::default())
+    }
+}
+
+/// Records the time from its creation to its drop (see [`Timers::scope`]).
+#[must_use = "the timer stops when the guard is dropped; bind it with `let _t = ...`"]
+pub struct TimerGuard<'a> {
+    timers: &'a Timers,
+    name: &'static str,
+    /// `None` when this scope does not record.
+    start: Option<Instant>,
+}
+
+impl TimerGuard<'_> {
+    /// Stops the timer now (same as dropping the guard).
+    pub fn stop(self) {}
+}
+
+impl Drop for TimerGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(start) = self.start {
+            self.timers.sync_if_fine();
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            self.timers.record(self.name, ms);
+        }
+    }
+}
+
+impl Timers {
+    pub fn new(level: TimerLevel) -> Timers {
+        Timers {
+            level: Cell::new(level),
+            sync: RefCell::new(None),
+            step: RefCell::new(BTreeMap::new()),
+            totals: RefCell::new(BTreeMap::new()),
+            steps: Cell::new(0),
+        }
+    }
+
+    pub fn level(&self) -> TimerLevel {
+        self.level.get()
+    }
+
+    /// Changes the level (e.g. to time only some steps finely).
+    pub fn set_level(&self, level: TimerLevel) {
+        self.level.set(level);
+    }
+
+    /// Whether a scope opened at `level` records: `level` is not `Off` and at most the timers'
+    /// level.
+    #[inline]
+    pub fn enabled(&self, level: TimerLevel) -> bool {
+        level != TimerLevel::Off && level <= self.level.get()
+    }
+
+    /// Sets the function run before every clock reading at [`TimerLevel::Fine`] (a device
+    /// synchronisation; the CPU backend sets none).
+    pub fn set_sync(&self, f: Box<dyn Fn()>) {
+        *self.sync.borrow_mut() = Some(f);
+    }
+
+    fn sync_if_fine(&self) {
+        if self.level.get() == TimerLevel::Fine {
+            if let Some(f) = self.sync.borrow().as_ref() {
+                f();
+            }
+        }
+    }
+
+    /// Starts timing `name` until the guard drops, if `level` is enabled (see
+    /// [`Timers::enabled`]); otherwise returns an inert guard without reading the clock.
+    /// Bind the guard to a named variable (`let _t = timers.scope(..)`): `let _ = ..` drops it
+    /// at once and records nothing useful.
+    #[inline]
+    pub fn scope(&self, name: &'static str, level: TimerLevel) -> TimerGuard<'_> {
+        let start = if self.enabled(level) {
+            self.sync_if_fine();
+            Some(Instant::now())
+        } else {
+            None
+        };
+        TimerGuard {
+            timers: self,
+            name,
+            start,
+        }
+    }
+
+    /// Runs `f` inside [`Timers::scope`]`(name, level)`.
+    pub fn time<R>(&self, name: &'static str, level: TimerLevel, f: impl FnOnce() -> R) -> R {
+        let _g = self.scope(name, level);
+        f()
+    }
+
+    /// Adds an externally measured time (milliseconds) to `name` for this step. Ignored when
+    /// the timers are `Off`.
+    pub fn add(&self, name: &str, ms: f64) {
+        if self.level.get() != TimerLevel::Off {
+            self.record(name, ms);
+        }
+    }
+
+    fn record(&self, name: &str, ms: f64) {
+        let mut step = self.step.borrow_mut();
+        match step.get_mut(name) {
+            Some(v) => *v += ms,
+            None => {
+                step.insert(name.to_owned(), ms);
+            }
+        }
+    }
+
+    /// Milliseconds per name recorded since the last call; resets the step's map, adds it to
+    /// the run totals and counts one step (also when nothing was recorded).
+    pub fn take_step(&self) -> BTreeMap<String, f64> {
+        let step = std::mem::take(&mut *self.step.borrow_mut());
+        let mut totals = self.totals.borrow_mut();
+        for (k, v) in &step {
+            *totals.entry(k.clone()).or_insert(0.0) += v;
+        }
+        self.steps.set(self.steps.get() + 1);
+        step
+    }
+
+    /// Steps counted by [`Timers::take_step`] since the start or the last
+    /// [`Timers::reset_totals`].
+    pub fn steps(&self) -> u64 {
+        self.steps.get()
+    }
+
+    /// Run totals (milliseconds per name) over [`Timers::steps`] steps.
+    pub fn totals(&self) -> BTreeMap<String, f64> {
+        self.totals.borrow().clone()
+    }
+
+    /// Forgets the run totals and the step count (e.g. after warm-up steps); the current step's
+    /// times are kept.
+    pub fn reset_totals(&self) {
+        self.totals.borrow_mut().clear();
+        self.steps.set(0);
+    }
+
+    /// The breakdown of the run totals over `steps` steps whose wall times sum to
+    /// `total_step_ms` (so the mean step is `total_step_ms / steps`). Normally `steps` is
+    /// [`Timers::steps`] and `total_step_ms` the summed step times of the same steps. Times of
+    /// the step in progress (not yet taken) are not included.
+    pub fn breakdown(&self, total_step_ms: f64, steps: u64) -> Breakdown {
+        Breakdown::from_totals(&self.totals.borrow(), total_step_ms, steps)
+    }
+}
+
+/// One line of a [`Breakdown`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BreakdownRow {
+    /// Full timer name (`forward:attention:qkv`); the untimed remainder of a parent `P` is
+    /// `P:(other)`, that of the whole step `(other)`.
+    pub name: String,
+    pub ms_per_step: f64,
+    /// Share of the mean step time, in percent.
+    pub pct_of_step: f64,
+    /// 0 for top-level names, 1 for their children, ...
+    pub depth: usize,
+    /// False for parents that were not timed themselves (their time is the sum of their
+    /// children) and for `(other)` rows.
+    pub timed: bool,
+}
+
+impl BreakdownRow {
+    /// The last component of the name (what the table prints, indented by depth).
+    pub fn label(&self) -> &str {
+        self.name.rsplit(':').next().unwrap_or(&self.name)
+    }
+}
+
+/// Where the time of a step went, as a tree (parents before children, children by decreasing
+/// time, each parent's `(other)` last).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Breakdown {
+    pub steps: u64,
+    /// Mean step time, ms.
+    pub step_ms: f64,
+    pub rows: Vec<BreakdownRow>,
+    /// Share of the step in GEMM-bound ops (`attention:qkv|baddbmm|bmm|proj`, `mlp:mm`,
+    /// `lm-head`, forward and backward), percent. Meaningful at `--timers fine`.
+    pub gemm_pct: f64,
+    /// Share of the step in the other compute ops (`attention:softmax`, `layernorm`,
+    /// `mlp:gelu`, `residual`, `embedding`, `loss`, forward and backward, and `optimizer`),
+    /// percent. Meaningful at `--timers fine`.
+    pub non_gemm_pct: f64,
+}
+
+const OTHER: &str = "(other)";
+const GEMM_OPS: &[&str] = &["qkv", "baddbmm", "bmm", "proj", "mm", "lm-head"];
+const NON_GEMM_OPS: &[&str] = &[
+    "softmax",
+    "layernorm",
+    "gelu",
+    "residual",
+    "embedding",
+    "loss",
+];
+
+fn parent_of(name: &str) -> Option<&str> {
+    name.rfind(':').map(|i| &name[..i])
+}
+
+/// The name tree behind [`Breakdown::from_totals`].
+struct Tree<'a, 'b> {
+    children: &'b BTreeMap<Option<&'a str>, Vec<&'a str>>,
+    /// ms/step of every node (untimed parents: the sum of their children).
+    value: &'b BTreeMap<&'a str, f64>,
+    /// ms/step of the nodes that were timed themselves.
+    timed: &'b BTreeMap<&'a str, f64>,
+    pct: &'b dyn Fn(f64) -> f64,
+}
+
+impl<'a> Tree<'a, '_> {
+    /// Depth-first: `parent`'s children by decreasing time, each followed by its subtree, then
+    /// `parent`'s `(other)` row if `parent_ms` (its own time) is known. `None` is the root.
+    fn visit(
+        &self,
+        parent: Option<&'a str>,
+        parent_ms: Option<f64>,
+        depth: usize,
+        rows: &mut Vec<BreakdownRow>,
+    ) {
+        let Some(kids) = self.children.get(&parent) else {
+            return;
+        };
+        let value = self.value;
+        let mut kids = kids.clone();
+        kids.sort_by(|a, b| value[b].total_cmp(&value[a]).then(a.cmp(b)));
+        for &k in &kids {
+            rows.push(BreakdownRow {
+                name: k.to_owned(),
+                ms_per_step: value[k],
+                pct_of_step: (self.pct)(value[k]),
+                depth,
+                timed: self.timed.contains_key(k),
+            });
+            self.visit(Some(k), self.timed.get(k).copied(), depth + 1, rows);
+        }
+        if let Some(p) = parent_ms {
+            let rest = (p - kids.iter().map(|k| value[k]).sum::<f64>()).max(0.0);
+            rows.push(BreakdownRow {
+                name: match parent {
+                    Some(p) => format!("{p}:{OTHER}"),
+                    None => OTHER.to_owned(),
+                },
+                ms_per_step: rest,
+                pct_of_step: (self.pct)(rest),
+                depth,
+                timed: false,
+            });
+        }
+    }
+}
+
+impl Breakdown {
+    /// Builds the tree from run totals (ms per name summed over `steps` steps).
+    pub fn from_totals(totals: &BTreeMap<String, f64>, total_step_ms: f64, steps: u64) -> Self {
+        let n = steps.max(1) as f64;
+        let step_ms = total_step_ms / n;
+        let pct = |ms: f64| {
+            if step_ms > 0.0 {
+                100.0 * ms / step_ms
+            } else {
+                0.0
+            }
+        };
+        // Every name and every ancestor of a name; untimed ancestors get their children's sum.
+        let mut timed: BTreeMap<&str, f64> = BTreeMap::new();
+        let mut nodes: BTreeMap<&str, ()> = BTreeMap::new();
+        for (name, &ms) in totals {
+            timed.insert(name.as_str(), ms / n);
+            let mut cur = name.as_str();
+            nodes.insert(cur, ());
+            while let Some(p) = parent_of(cur) {
+                nodes.insert(p, ());
+                cur = p;
+            }
+        }
+        let mut children: BTreeMap<Option<&str>, Vec<&str>> = BTreeMap::new();
+        for &name in nodes.keys() {
+            children.entry(parent_of(name)).or_default().push(name);
+        }
+        // Values bottom-up: deepest names first.
+        let mut value: BTreeMap<&str, f64> = BTreeMap::new();
+        let mut by_depth: Vec<&str> = nodes.keys().copied().collect();
+        by_depth.sort_by_key(|s| std::cmp::Reverse(s.matches(':').count()));
+        for name in by_depth {
+            let v = match timed.get(name) {
+                Some(&v) => v,
+                None => children
+                    .get(&Some(name))
+                    .map_or(0.0, |c| c.iter().map(|k| value[k]).sum()),
+            };
+            value.insert(name, v);
+        }
+
+        let tree = Tree {
+            children: &children,
+            value: &value,
+            timed: &timed,
+            pct: &pct,
+        };
+        let mut rows = Vec::new();
+        let root_ms = (!totals.is_empty()).then_some(step_ms);
+        tree.visit(None, root_ms, 0, &mut rows);
+
+        let mut gemm_ms = 0.0;
+        let mut non_gemm_ms = 0.0;
+        for (&name, &ms) in &timed {
+            let last = name.rsplit(':').next().unwrap_or(name);
+            let phase = name.split(':').next().unwrap_or(name);
+            if name == names::OPTIMIZER {
+                non_gemm_ms += ms;
+            } else if phase == names::FORWARD || phase == names::BACKWARD {
+                if name.contains(':') && GEMM_OPS.contains(&last) {
+                    gemm_ms += ms;
+                } else if name.contains(':') && NON_GEMM_OPS.contains(&last) {
+                    non_gemm_ms += ms;
+                }
+            }
+        }
+        Breakdown {
+            steps,
+            step_ms,
+            rows,
+            gemm_pct: pct(gemm_ms),
+            non_gemm_pct: pct(non_gemm_ms),
+        }
+    }
+
+    /// An aligned text table: name indented by depth, ms/step and % of the step, then the
+    /// step total and the GEMM / non-GEMM summary.
+    pub fn to_table(&self) -> String {
+        let label = |r: &BreakdownRow| format!("{}{}", "  ".repeat(r.depth), r.label());
+        let width = self
+            .rows
+            .iter()
+            .map(|r| label(r).len())
+            .max()
+            .unwrap_or(0)
+            .max(12);
+        let mut s = format!(
+            "timer breakdown over {} step{} (mean step {:.1} ms)\n",
+            self.steps,
+            if self.steps == 1 { "" } else { "s" },
+            self.step_ms
+        );
+        s.push_str(&format!("{:<width$} {:>10} {:>7}\n", "op", "ms/step", "%"));
+        for r in &self.rows {
+            s.push_str(&format!(
+                "{:<width$} {:>10.2} {:>6.1}%\n",
+                label(r),
+                r.ms_per_step,
+                r.pct_of_step
+            ));
+        }
+        s.push_str(&format!(
+            "{:<width$} {:>10.2} {:>6.1}%\n",
+            "step", self.step_ms, 100.0
+        ));
+        if self.gemm_pct > 0.0 {
+            s.push_str(&format!(
+                "GEMM {:.1}% | non-GEMM compute {:.1}% | rest {:.1}%\n",
+                self.gemm_pct,
+                self.non_gemm_pct,
+                (100.0 - self.gemm_pct - self.non_gemm_pct).max(0.0)
+            ));
+        }
+        s
+    }
+
+    /// The JSON written by [`Breakdown::write_json`]:
+    /// `{"steps", "step_ms", "gemm_pct", "non_gemm_pct", "ops": [{"name", "ms_per_step", "pct",
+    /// "depth", "timed"}]}`. Non-finite numbers become `null`.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "steps": self.steps,
+            "step_ms": self.step_ms,
+            "gemm_pct": self.gemm_pct,
+            "non_gemm_pct": self.non_gemm_pct,
+            "ops": self.rows.iter().map(|r| serde_json::json!({
+                "name": r.name,
+                "ms_per_step": r.ms_per_step,
+                "pct": r.pct_of_step,
+                "depth": r.depth,
+                "timed": r.timed,
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    /// Writes [`Breakdown::to_json`] to `path` (normally `OUT/breakdown.json`), replacing it
+    /// atomically (temporary file, then rename).
+    pub fn write_json(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let text = serde_json::to_string_pretty(&self.to_json())? + "\n";
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names::*;
+    use super::*;
+    use std::rc::Rc;
+    use std::time::Duration;
+
+    fn sleep_ms(ms: u64) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+
+    #[test]
+    fn names_are_unique_and_parents_exist() {
+        let mut seen = std::collections::BTreeSet::new();
+        for n in ALL {
+            assert!(seen.insert(*n), "duplicate {n}");
+        }
+        for n in ALL {
+            if let Some(p) = parent_of(n) {
+                assert!(seen.contains(p), "{n} has no parent constant {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn levels_order_and_parse() {
+        assert!(TimerLevel::Off < TimerLevel::Coarse && TimerLevel::Coarse < TimerLevel::Fine);
+        use clap::ValueEnum;
+        assert_eq!(
+            TimerLevel::from_str("fine", false).unwrap(),
+            TimerLevel::Fine
+        );
+        assert_eq!(serde_json::to_string(&TimerLevel::Off).unwrap(), "\"off\"");
+        let t: TimerLevel = serde_json::from_str("\"coarse\"").unwrap();
+        assert_eq!(t, TimerLevel::Coarse);
+    }
+
+    #[test]
+    fn nesting_records_both_and_parent_includes_child() {
+        let t = Timers::new(TimerLevel::Fine);
+        {
+            let _outer = t.scope(FORWARD, TimerLevel::Coarse);
+            sleep_ms(2);
+            {
+                let _inner = t.scope(FORWARD_ATTENTION_QKV, TimerLevel::Fine);
+                sleep_ms(3);
+            }
+        }
+        let s = t.take_step();
+        assert_eq!(s.len(), 2);
+        assert!(s[FORWARD_ATTENTION_QKV] >= 3.0);
+        assert!(s[FORWARD] >= s[FORWARD_ATTENTION_QKV] + 2.0, "{s:?}");
+    }
+
+    #[test]
+    fn levels_filter_scopes() {
+        let t = Timers::new(TimerLevel::Coarse);
+        {
+            let _a = t.scope(FORWARD, TimerLevel::Coarse);
+            let _b = t.scope(FORWARD_LAYERNORM, TimerLevel::Fine);
+            let _c = t.scope(EVAL, TimerLevel::Off);
+        }
+        let s = t.take_step();
+        assert_eq!(s.keys().collect::<Vec<_>>(), vec![FORWARD]);
+    }
+
+    #[test]
+    fn off_records_nothing_and_skips_sync() {
+        let calls = Rc::new(Cell::new(0));
+        let t = Timers::new(TimerLevel::Off);
+        let c = calls.clone();
+        t.set_sync(Box::new(move || c.set(c.get() + 1)));
+        {
+            let _a = t.scope(FORWARD, TimerLevel::Coarse);
+            let _b = t.scope(FORWARD_LAYERNORM, TimerLevel::Fine);
+            assert!(_a.start.is_none() && _b.start.is_none());
+        }
+        t.add(CHECKPOINT, 5.0);
+        assert!(t.take_step().is_empty());
+        assert!(t.totals().is_empty());
+        assert_eq!(t.steps(), 1);
+        assert_eq!(calls.get(), 0);
+    }
+
+    #[test]
+    fn sync_runs_only_at_fine() {
+        let calls = Rc::new(Cell::new(0));
+        let t = Timers::new(TimerLevel::Coarse);
+        let c = calls.clone();
+        t.set_sync(Box::new(move || c.set(c.get() + 1)));
+        t.time(FORWARD, TimerLevel::Coarse, || {});
+        assert_eq!(calls.get(), 0);
+        t.set_level(TimerLevel::Fine);
+        t.time(FORWARD, TimerLevel::Coarse, || {});
+        // Before the start reading and before the end reading.
+        assert_eq!(calls.get(), 2);
+        // A scope that does not record does not sync either.
+        t.set_level(TimerLevel::Coarse);
+        t.time(FORWARD_MLP_GELU, TimerLevel::Fine, || {});
+        assert_eq!(calls.get(), 2);
+    }
+
+    #[test]
+    fn take_step_sums_repeats_resets_and_accumulates() {
+        let t = Timers::new(TimerLevel::Fine);
+        for _ in 0..12 {
+            t.add(FORWARD_LAYERNORM, 0.5);
+        }
+        t.add(FORWARD, 10.0);
+        let s = t.take_step();
+        assert_eq!(s[FORWARD_LAYERNORM], 6.0);
+        assert_eq!(s[FORWARD], 10.0);
+        t.add(FORWARD, 20.0);
+        let s = t.take_step();
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[FORWARD], 20.0);
+        assert!(t.take_step().is_empty());
+        assert_eq!(t.steps(), 3);
+        let tot = t.totals();
+        assert_eq!(tot[FORWARD], 30.0);
+        assert_eq!(tot[FORWARD_LAYERNORM], 6.0);
+        t.reset_totals();
+        assert_eq!(t.steps(), 0);
+        assert!(t.totals().is_empty());
+    }
+
+    fn sample() -> Breakdown {
+        // Two steps of 100 ms each.
+        let t = Timers::new(TimerLevel::Fine);
+        for _ in 0..2 {
+            t.add(FORWARD, 40.0);
+            t.add(FORWARD_ATTENTION_QKV, 10.0);
+            t.add(FORWARD_ATTENTION_SOFTMAX, 4.0);
+            t.add(FORWARD_MLP_MM, 12.0);
+            t.add(FORWARD_LAYERNORM, 2.0);
+            t.add(BACKWARD, 50.0);
+            t.add(BACKWARD_MLP_MM, 30.0);
+            t.add(OPTIMIZER, 5.0);
+            t.take_step();
+        }
+        t.breakdown(200.0, t.steps())
+    }
+
+    #[test]
+    fn breakdown_is_a_sorted_tree_with_other_rows() {
+        let b = sample();
+        let got: Vec<(&str, f64, usize)> = b
+            .rows
+            .iter()
+            .map(|r| (r.name.as_str(), r.ms_per_step, r.depth))
+            .collect();
+        let want = vec![
+            ("backward", 50.0, 0),
+            ("backward:mlp", 30.0, 1),
+            ("backward:mlp:mm", 30.0, 2),
+            ("backward:(other)", 20.0, 1),
+            ("forward", 40.0, 0),
+            ("forward:attention", 14.0, 1),
+            ("forward:attention:qkv", 10.0, 2),
+            ("forward:attention:softmax", 4.0, 2),
+            ("forward:mlp", 12.0, 1),
+            ("forward:mlp:mm", 12.0, 2),
+            ("forward:layernorm", 2.0, 1),
+            ("forward:(other)", 12.0, 1),
+            ("optimizer", 5.0, 0),
+            ("(other)", 5.0, 0),
+        ];
+        assert_eq!(got, want);
+        assert_eq!(b.step_ms, 100.0);
+        assert_eq!(b.steps, 2);
+        // Percent of the mean step.
+        let fwd = b.rows.iter().find(|r| r.name == "forward").unwrap();
+        assert_eq!(fwd.pct_of_step, 40.0);
+        assert!(fwd.timed);
+        assert!(!b.rows[5].timed, "forward:attention was synthesised");
+        // Top-level rows add up to the step.
+        let top: f64 = b
+            .rows
+            .iter()
+            .filter(|r| r.depth == 0)
+            .map(|r| r.pct_of_step)
+            .sum();
+        assert!((top - 100.0).abs() < 1e-9);
+        assert_eq!(b.gemm_pct, 52.0); // qkv 10 + mlp:mm 12 + backward mlp:mm 30
+        assert_eq!(b.non_gemm_pct, 11.0); // softmax 4 + layernorm 2 + optimizer 5
+    }
+
+    #[test]
+    fn other_is_clamped_and_empty_breakdown_is_empty() {
+        let mut tot = BTreeMap::new();
+        tot.insert("forward".to_string(), 10.0);
+        tot.insert("forward:loss".to_string(), 11.0); // clock noise: child > parent
+        let b = Breakdown::from_totals(&tot, 10.0, 1);
+        let other = b.rows.iter().find(|r| r.name == "forward:(other)").unwrap();
+        assert_eq!(other.ms_per_step, 0.0);
+        let e = Breakdown::from_totals(&BTreeMap::new(), 0.0, 0);
+        assert!(e.rows.is_empty());
+        assert_eq!(e.step_ms, 0.0);
+        assert!(e.to_table().contains("step"));
+    }
+
+    #[test]
+    fn table_and_json() {
+        let b = sample();
+        let table = b.to_table();
+        assert!(
+            table.contains("over 2 steps (mean step 100.0 ms)"),
+            "{table}"
+        );
+        assert!(table.contains("\n    qkv "), "{table}");
+        assert!(table.contains("GEMM 52.0%"), "{table}");
+        let lines: Vec<&str> = table.lines().skip(1).collect();
+        // Aligned: every row has the same length.
+        let widths: std::collections::BTreeSet<usize> = lines
+            .iter()
+            .filter(|l| !l.starts_with("GEMM"))
+            .map(|l| l.len())
+            .collect();
+        assert_eq!(widths.len(), 1, "{table}");
+
+        let dir = std::env::temp_dir().join(format!("fugu-bd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("breakdown.json");
+        b.write_json(&p).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        assert_eq!(v["steps"], 2);
+        assert_eq!(v["step_ms"], 100.0);
+        assert_eq!(v["ops"][0]["name"], "backward");
+        assert_eq!(v["ops"][0]["pct"], 50.0);
+        assert_eq!(v["ops"].as_array().unwrap().len(), b.rows.len());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
