@@ -26,15 +26,15 @@
 //! | `crossentropy.rs` | fused softmax + cross-entropy in phases (vocabulary-parallel ready) |
 //! | `adamw.rs` | PyTorch AdamW step, sum of squares for gradient clipping |
 
-mod adamw;
-mod attention;
-mod crossentropy;
-mod encoder;
-mod float;
-mod gelu;
-mod layernorm;
-mod linear;
-mod residual;
+pub mod adamw;
+pub mod attention;
+pub mod crossentropy;
+pub mod encoder;
+pub mod float;
+pub mod gelu;
+pub mod layernorm;
+pub mod linear;
+pub mod residual;
 #[cfg(test)]
 pub(crate) mod testutil;
 

@@ -232,18 +232,13 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
     vcfg.vocab_size = m.vocab_size as u32;
 
     // Header: config, machine, layout, memory accounting.
-    let machine = MachineInfo::detect(threads);
+    let machine = MachineInfo::detect(threads)?;
     let params_n = model.table.elements();
     let (act_f, gact_f) = model.activation_floats(t.batch_size, t.seq_len);
     let state_bytes = 16.0 * model.table.total() as f64;
     let act_bytes = 4.0 * (act_f + gact_f) as f64;
-    let flops_step = megatron_flops_per_step(
-        t.batch_size as f64,
-        t.seq_len as f64,
-        m.n_layer as f64,
-        m.n_embd as f64,
-        m.vocab_size as f64,
-    );
+    let flops_step =
+        megatron_flops_per_step(t.batch_size, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
     let start_step = start_state.as_ref().map_or(0, |s| s.step);
     let metrics_path = out.join("metrics.jsonl");
     let mut metrics = if start_step > 0 {
@@ -436,6 +431,7 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
             tokens_per_s: tokens_per_step as f64 / secs,
             step_ms,
             tflops: flops / 1e12,
+            eta_secs: None,
         });
 
         let is_last = done == t.steps as u64;
@@ -461,7 +457,7 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
     progress.finish();
 
     if timed_steps > 0 {
-        let b = timers.breakdown(total_ms / timed_steps as f64, timed_steps);
+        let b = timers.breakdown(total_ms, timed_steps);
         eprintln!("\nper-op breakdown (ms per step, {timed_steps} steps):\n{}", b.to_table());
         b.write_json(&out.join("breakdown.json"))?;
     }

@@ -1,0 +1,246 @@
+//! `fugu train` / `fugu sample` end to end, through the real binary: training on the bundled
+//! corpus lowers validation loss, resume is bit-exact, checkpoints load in `fugu sample`, and
+//! bad input ends with a clear error and an intact output directory.
+
+use fugu::metrics::jsonl::{read_metrics, Record};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fugu(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args(args)
+        .current_dir(cwd)
+        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .output()
+        .expect("running fugu")
+}
+
+fn ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "fugu failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fugu-train-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The bundled corpus, tokenised once per test process into a shared folder.
+fn corpus() -> String {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _held = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("fugu-train-data-{}", std::process::id()));
+    let manifest = dir.join("manifest.json");
+    if !manifest.exists() {
+        let out = fugu(&["prepare", "--out", dir.to_str().unwrap()], Path::new("."));
+        ok(&out);
+    }
+    manifest.display().to_string()
+}
+
+/// A small model that still uses the GPT-2 vocabulary (the data is GPT-2 tokens).
+const SMALL: &str = r#"
+[model]
+vocab_size = 50257
+n_positions = 64
+n_embd = 64
+n_head = 2
+n_layer = 2
+
+[train]
+batch_size = 4
+seq_len = 32
+steps = 6
+lr = 2e-3
+min_lr = 1e-4
+warmup_steps = 2
+lr_schedule = "cosine"
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+eps = 1e-8
+grad_clip = 1.0
+seed = 42
+eval_every = 0
+ckpt_every = 3
+"#;
+
+fn losses(run: &Path) -> Vec<(u64, f64)> {
+    read_metrics(&run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some((s.step, s.loss)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn resume_is_bit_exact_and_sample_reads_the_checkpoint() {
+    let dir = tmp("resume");
+    let data = corpus();
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    let base = ["train", "--config", "small.toml", "--data", &data, "--threads", "2"];
+    let mut a = base.to_vec();
+    a.extend(["--out", "a"]);
+    ok(&fugu(&a, &dir));
+    let full = losses(&dir.join("a"));
+    assert_eq!(full.len(), 6);
+    assert!(dir.join("a/ckpt-00000003/model.safetensors").exists());
+    assert!(dir.join("a/ckpt-00000006/optimizer.safetensors").exists());
+    assert!(dir.join("a/breakdown.json").exists());
+
+    // Interrupted after step 3: a copy of the run as it was then, resumed.
+    std::fs::create_dir_all(dir.join("b")).unwrap();
+    copy_dir(&dir.join("a/ckpt-00000003"), &dir.join("b/ckpt-00000003"));
+    let mut b = base.to_vec();
+    b.extend(["--out", "b", "--resume", "auto"]);
+    ok(&fugu(&b, &dir));
+    let resumed = losses(&dir.join("b"));
+    assert_eq!(resumed.len(), 3);
+    for (r, f) in resumed.iter().zip(&full[3..]) {
+        assert_eq!(r.0, f.0);
+        assert_eq!(
+            r.1.to_bits(),
+            f.1.to_bits(),
+            "step {}: resumed loss {} vs uninterrupted {}",
+            r.0,
+            r.1,
+            f.1
+        );
+    }
+    // The final checkpoints are identical too.
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(dir.join("a/ckpt-00000006").join(file)).unwrap();
+        let y = std::fs::read(dir.join("b/ckpt-00000006").join(file)).unwrap();
+        assert!(x == y, "{file} differs after resume");
+    }
+
+    // A run directory that already holds checkpoints is not overwritten by accident.
+    let out = fugu(&a, &dir);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume auto"));
+
+    // fugu sample reads the checkpoint.
+    let out = fugu(
+        &[
+            "sample",
+            "--checkpoint",
+            "a",
+            "--prompt",
+            "ROMEO:",
+            "--max-tokens",
+            "8",
+            "--seed",
+            "1",
+        ],
+        &dir,
+    );
+    ok(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ROMEO:"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn training_on_the_bundled_corpus_lowers_validation_loss() {
+    let dir = tmp("e2e");
+    let data = corpus();
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    let out = fugu(
+        &[
+            "train", "--config", "small.toml", "--data", &data, "--out", "run", "--steps", "60",
+            "--eval-every", "20", "--eval-batches", "4", "--lr", "3e-3", "--warmup-steps", "5",
+            "--ckpt-every", "0", "--timers", "coarse",
+        ],
+        &dir,
+    );
+    ok(&out);
+    let recs = read_metrics(&dir.join("run/metrics.jsonl")).unwrap();
+    let vals: Vec<f64> = recs
+        .iter()
+        .filter_map(|r| match r {
+            Record::Eval(e) => Some(e.val_loss),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(vals.len(), 3, "{vals:?}");
+    // ln(50257) = 10.8 at initialisation.
+    assert!(vals[0] < 10.0 && vals[2] < vals[0] - 1.0, "{vals:?}");
+    match &recs[0] {
+        Record::Header(h) => {
+            assert!(h.get("machine").is_some() && h.get("layout").is_some());
+        }
+        other => panic!("first line is not a header: {other:?}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let dir = tmp("bad");
+    let data = corpus();
+    let cases: [(&str, &str, &str); 3] = [
+        ("n_head = 2", "n_head = 3", "not divisible by model.n_head"),
+        ("seq_len = 32", "seq_len = 100", "exceeds model.n_positions"),
+        ("n_layer = 2", "n_layer = 2\nn_layers = 2", "n_layers"),
+    ];
+    for (from, to, want) in cases {
+        std::fs::write(dir.join("bad.toml"), SMALL.replace(from, to)).unwrap();
+        let out = fugu(
+            &["train", "--config", "bad.toml", "--data", &data, "--out", "x"],
+            &dir,
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{want}: {err}");
+    }
+
+    // Token ids at or above the vocabulary size in a raw .bin file.
+    let ids: Vec<u8> = (0..4000u32)
+        .flat_map(|i| (if i == 100 { 60000u16 } else { (i % 500) as u16 }).to_le_bytes())
+        .collect();
+    std::fs::write(dir.join("bad.bin"), ids).unwrap();
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    let out = fugu(
+        &[
+            "train", "--config", "small.toml", "--data", "bad.bin", "--out", "y", "--no-shuffle",
+        ],
+        &dir,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("60000"), "{err}");
+
+    // A diverging run stops at the first non-finite loss with its own exit code and keeps
+    // only complete checkpoints.
+    let out = fugu(
+        &[
+            "train", "--config", "small.toml", "--data", &data, "--out", "z", "--lr", "1e12",
+            "--min-lr", "1e12", "--grad-clip", "0", "--steps", "20", "--ckpt-every", "1",
+        ],
+        &dir,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("non-finite"), "{err}");
+    for e in std::fs::read_dir(dir.join("z")).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() && p.file_name().unwrap().to_string_lossy().starts_with("ckpt-") {
+            assert!(p.join("state.json").exists() && p.join("model.safetensors").exists());
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
