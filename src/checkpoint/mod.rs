@@ -21,6 +21,8 @@ pub mod atomic;
 pub mod hf;
 pub mod optim;
 pub mod st;
+#[cfg(test)]
+mod testutil;
 
 pub use hf::{
     hf_config_json, load_hf, load_model, read_hf_config, save_model, HfModel, CONFIG_FILE,
@@ -185,7 +187,12 @@ pub fn write_checkpoint(
         return Err(e).with_context(|| format!("writing checkpoint {}", dst.display()));
     }
     if keep_last > 0 {
-        prune(out_dir, &dst, keep_last)?;
+        prune(out_dir, &dst, keep_last).with_context(|| {
+            format!(
+                "checkpoint {} was written, but deleting older ones failed",
+                dst.display()
+            )
+        })?;
     }
     Ok(dst)
 }
@@ -216,7 +223,7 @@ fn prune(out_dir: &Path, keep_this: &Path, keep: usize) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::hf::{tiny, TestDir};
+    use super::testutil::{tiny, TestDir};
     use super::*;
     use serde::{Deserialize, Serializer};
 

@@ -159,7 +159,8 @@ pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::hf::{save_model, tiny, TestDir};
+    use crate::checkpoint::hf::save_model;
+    use crate::checkpoint::testutil::{tiny, TestDir};
 
     #[test]
     fn moments_round_trip_and_errors() {
