@@ -2,7 +2,7 @@
 
 pub mod backend;
 pub mod bench;
-
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod metrics;

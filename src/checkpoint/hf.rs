@@ -1,0 +1,636 @@
+//! Hugging Face GPT-2 directories: `config.json` (a `GPT2Config`) and `model.safetensors`.
+//!
+//! fugu writes what `transformers` `save_pretrained` writes for a `GPT2LMHeadModel`: keys
+//! `transformer.<name>` with `<name>` the table's name (`transformer.h.0.attn.c_attn.weight`),
+//! F32, Conv1D weights as (in, out), `wte.weight` with `vocab_size` rows (the model's padding
+//! rows are not stored), no `lm_head.weight` (tied to `wte`), metadata `{"format": "pt"}`,
+//! tensors ordered by name. It reads that, the unprefixed layout of the original hub `gpt2`
+//! files (whose `h.N.attn.bias` / `h.N.attn.masked_bias` causal-mask buffers are ignored), and
+//! F16/BF16 tensors.
+
+use super::atomic;
+use super::st::{self, Data, Dtype, Entry, Header, OutTensor};
+use crate::config::ModelConfig;
+use crate::model::table::{gpt2_params, padded_vocab, Table, TensorSpec};
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::path::Path;
+
+/// The weights file of a Hugging Face model directory.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The `GPT2Config` file of a Hugging Face model directory.
+pub const CONFIG_FILE: &str = "config.json";
+/// The key prefix `transformers` gives the body of `GPT2LMHeadModel`.
+pub const KEY_PREFIX: &str = "transformer.";
+
+/// The `config.json` of a `GPT2LMHeadModel` for `cfg`, as fugu trains it (no dropout, tied
+/// embeddings, tanh GELU). Keys are sorted, like `save_pretrained` writes them.
+///
+/// `bos_token_id` / `eos_token_id` are GPT-2's `<|endoftext|>` (50256) when the vocabulary
+/// contains it, else the last token.
+pub fn hf_config_json(cfg: &ModelConfig) -> Value {
+    let eot = 50256.min(cfg.vocab_size.saturating_sub(1));
+    json!({
+        "activation_function": "gelu_new",
+        "add_cross_attention": false,
+        "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": 0.0,
+        "bos_token_id": eot,
+        "dtype": "float32",
+        "embd_pdrop": 0.0,
+        "eos_token_id": eot,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-5,
+        "model_type": "gpt2",
+        "n_ctx": cfg.n_positions,
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "n_inner": null,
+        "n_layer": cfg.n_layer,
+        "n_positions": cfg.n_positions,
+        "reorder_and_upcast_attn": false,
+        "resid_pdrop": 0.0,
+        "scale_attn_by_inverse_layer_idx": false,
+        "scale_attn_weights": true,
+        "tie_word_embeddings": true,
+        "use_cache": true,
+        "vocab_size": cfg.vocab_size,
+    })
+}
+
+fn json_text(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).expect("JSON values serialize");
+    s.push('\n');
+    s
+}
+
+/// Reads `dir/config.json` as a GPT-2 config fugu can run; fields `transformers` would default
+/// may be absent. Errors name the file and the field.
+pub fn read_hf_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join(CONFIG_FILE);
+    let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    parse_hf_config(&text, &path)
+}
+
+fn parse_hf_config(text: &str, path: &Path) -> Result<ModelConfig> {
+    let p = path.display();
+    let v: Value = serde_json::from_str(text).map_err(|e| anyhow!("{p}: invalid JSON: {e}"))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| anyhow!("{p}: expected a JSON object"))?;
+    let field = |k: &str| obj.get(k);
+    let int = |k: &str, default: usize| -> Result<usize> {
+        match field(k) {
+            None => Ok(default),
+            Some(x) => match x.as_u64() {
+                Some(n) if n > 0 && n <= u32::MAX as u64 => Ok(n as usize),
+                _ => bail!("{p}: field `{k}` = {x}: expected a positive integer"),
+            },
+        }
+    };
+    let flag = |k: &str, default: bool, supported: bool| -> Result<()> {
+        let b = match field(k) {
+            None => default,
+            Some(x) => x
+                .as_bool()
+                .ok_or_else(|| anyhow!("{p}: field `{k}` = {x}: expected true or false"))?,
+        };
+        if b != supported {
+            bail!("{p}: field `{k}` = {b} is not supported by fugu (only {supported})");
+        }
+        Ok(())
+    };
+    if let Some(t) = field("model_type") {
+        if t.as_str() != Some("gpt2") {
+            bail!("{p}: field `model_type` = {t}: only \"gpt2\" is supported");
+        }
+    }
+    let cfg = ModelConfig {
+        vocab_size: int("vocab_size", 50257)?,
+        n_positions: int("n_positions", 1024)?,
+        n_embd: int("n_embd", 768)?,
+        n_head: int("n_head", 12)?,
+        n_layer: int("n_layer", 12)?,
+    };
+    if !cfg.n_embd.is_multiple_of(cfg.n_head) {
+        bail!(
+            "{p}: field `n_embd` = {} is not divisible by `n_head` = {}",
+            cfg.n_embd,
+            cfg.n_head
+        );
+    }
+    match field("activation_function") {
+        None => {}
+        Some(Value::String(s)) if s == "gelu_new" || s == "gelu_pytorch_tanh" => {}
+        Some(x) => bail!(
+            "{p}: field `activation_function` = {x} is not supported by fugu (only \"gelu_new\" or \"gelu_pytorch_tanh\")"
+        ),
+    }
+    match field("n_inner") {
+        None | Some(Value::Null) => {}
+        Some(x) if x.as_u64() == Some(4 * cfg.n_embd as u64) => {}
+        Some(x) => bail!(
+            "{p}: field `n_inner` = {x} is not supported by fugu (only null or 4 * n_embd = {})",
+            4 * cfg.n_embd
+        ),
+    }
+    if let Some(x) = field("layer_norm_epsilon") {
+        match x.as_f64() {
+            Some(e) if (e - 1e-5).abs() <= 1e-12 => {}
+            _ => {
+                bail!("{p}: field `layer_norm_epsilon` = {x} is not supported by fugu (only 1e-5)")
+            }
+        }
+    }
+    flag("scale_attn_weights", true, true)?;
+    flag("scale_attn_by_inverse_layer_idx", false, false)?;
+    flag("reorder_and_upcast_attn", false, false)?;
+    flag("tie_word_embeddings", true, true)?;
+    flag("add_cross_attention", false, false)?;
+    Ok(cfg)
+}
+
+/// The shape a table tensor has in files: the table's shape, except `wte.weight`, which has
+/// `vocab` rows (the padding rows are not stored).
+pub(crate) fn file_shape(spec: &TensorSpec, vocab: usize) -> Vec<usize> {
+    if spec.name == "wte.weight" {
+        let mut s = spec.shape.clone();
+        s[0] = vocab;
+        s
+    } else {
+        spec.shape.clone()
+    }
+}
+
+/// Checks that `table` is the whole (tensor-parallel degree 1) GPT-2 table of `cfg`.
+pub(crate) fn check_full_table(cfg: &ModelConfig, table: &Table) -> Result<()> {
+    let want = gpt2_params(cfg, 1)?;
+    let same = want.specs().len() == table.specs().len()
+        && want
+            .specs()
+            .iter()
+            .zip(table.specs())
+            .all(|(a, b)| a.name == b.name && a.shape == b.shape);
+    if !same {
+        bail!(
+            "the parameter table is not the full GPT-2 table of the model config {cfg:?} \
+             (a tensor-parallel shard or another model's table?)"
+        );
+    }
+    Ok(())
+}
+
+/// Checks that the table's `wte.weight` is the padded vocabulary of `vocab`.
+pub(crate) fn check_vocab(table: &Table, vocab: usize, origin: &Path) -> Result<()> {
+    if let Some(w) = table.get("wte.weight") {
+        if w.shape.first() != Some(&padded_vocab(vocab)) {
+            bail!(
+                "{}: vocab_size {vocab} pads to {} rows, but the table's wte.weight has shape {:?}",
+                origin.display(),
+                padded_vocab(vocab),
+                w.shape
+            );
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn check_len(what: &str, buf: &[f32], table: &Table) -> Result<()> {
+    if buf.len() < table.total() {
+        bail!(
+            "{what} buffer holds {} floats, the table needs {}",
+            buf.len(),
+            table.total()
+        );
+    }
+    Ok(())
+}
+
+/// Reads the file tensor `e` into the table tensor `spec` of `out`: checks the shape against
+/// [`file_shape`] and zeroes the padding rows.
+pub(crate) fn read_into(
+    f: &mut File,
+    h: &Header,
+    e: &Entry,
+    spec: &TensorSpec,
+    vocab: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    check_shape(h, e, spec, vocab)?;
+    let dst = &mut out[spec.range()];
+    let n = e.numel();
+    st::read_f32(f, h, e, &mut dst[..n])?;
+    dst[n..].fill(0.0);
+    Ok(())
+}
+
+pub(crate) fn check_shape(h: &Header, e: &Entry, spec: &TensorSpec, vocab: usize) -> Result<()> {
+    let want = file_shape(spec, vocab);
+    if e.shape != want {
+        bail!(
+            "{}: tensor `{}` has shape {:?}, expected {:?}",
+            h.path.display(),
+            e.key,
+            e.shape,
+            want
+        );
+    }
+    if !e.dtype.is_float() {
+        bail!(
+            "{}: tensor `{}` has dtype {}, expected F32, F16 or BF16",
+            h.path.display(),
+            e.key,
+            e.dtype
+        );
+    }
+    Ok(())
+}
+
+/// A file key without the `transformer.` prefix.
+fn strip(key: &str) -> &str {
+    key.strip_prefix(KEY_PREFIX).unwrap_or(key)
+}
+
+/// `h.N.attn.bias` / `h.N.attn.masked_bias`: causal-mask buffers of old GPT-2 files.
+fn is_buffer(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("h.") else {
+        return false;
+    };
+    let Some((layer, tail)) = rest.split_once('.') else {
+        return false;
+    };
+    !layer.is_empty()
+        && layer.bytes().all(|b| b.is_ascii_digit())
+        && (tail == "attn.bias" || tail == "attn.masked_bias")
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Role {
+    /// A parameter, by table name.
+    Param(String),
+    /// `lm_head.weight`: must equal `wte.weight` (tied); rewritten from it.
+    Tied,
+    /// An attention-mask buffer: ignored, written back as it was.
+    Buffer,
+}
+
+/// A Hugging Face GPT-2 directory as loaded, remembering how it was stored (key prefix, dtype
+/// of each tensor, metadata, tensor order, the original `config.json` text and the ignored
+/// buffers) so that [`HfModel::save`] of unchanged weights writes identical files.
+#[derive(Clone, Debug)]
+pub struct HfModel {
+    /// The model, from `config.json`.
+    pub config: ModelConfig,
+    config_text: String,
+    header: Header,
+    roles: Vec<Role>,
+    buffers: HashMap<usize, Vec<u8>>,
+}
+
+/// Loads `dir/config.json` and the header of `dir/model.safetensors` (the weights are read by
+/// [`HfModel::copy_into`]). The header and file size are checked here.
+pub fn load_hf(dir: &Path) -> Result<HfModel> {
+    let cpath = dir.join(CONFIG_FILE);
+    let config_text =
+        fs::read_to_string(&cpath).with_context(|| format!("reading {}", cpath.display()))?;
+    let config = parse_hf_config(&config_text, &cpath)?;
+    let mpath = dir.join(MODEL_FILE);
+    if !mpath.exists() && dir.join("model.safetensors.index.json").exists() {
+        bail!(
+            "{}: sharded checkpoints (model.safetensors.index.json) are not supported",
+            dir.display()
+        );
+    }
+    let header = st::read_header(&mpath)?;
+    let mut roles = Vec::with_capacity(header.entries.len());
+    let mut seen: HashMap<&str, &str> = HashMap::new();
+    for e in &header.entries {
+        let name = strip(&e.key);
+        if let Some(other) = seen.insert(name, &e.key) {
+            bail!(
+                "{}: tensor `{name}` is stored twice (as `{other}` and `{}`)",
+                mpath.display(),
+                e.key
+            );
+        }
+        roles.push(if name == "lm_head.weight" {
+            Role::Tied
+        } else if is_buffer(name) {
+            Role::Buffer
+        } else {
+            Role::Param(name.to_string())
+        });
+    }
+    let mut buffers = HashMap::new();
+    if roles.contains(&Role::Buffer) {
+        let mut f = File::open(&mpath).with_context(|| format!("opening {}", mpath.display()))?;
+        for (i, e) in header.entries.iter().enumerate() {
+            if roles[i] == Role::Buffer {
+                buffers.insert(i, st::read_raw(&mut f, &header, e)?);
+            }
+        }
+    }
+    Ok(HfModel {
+        config,
+        config_text,
+        header,
+        roles,
+        buffers,
+    })
+}
+
+/// [`load_hf`] + [`HfModel::copy_into`]: loads the weights of a Hugging Face GPT-2 directory
+/// into `params` (laid out by `table`) and returns its config.
+pub fn load_model(dir: &Path, table: &Table, params: &mut [f32]) -> Result<ModelConfig> {
+    let m = load_hf(dir)?;
+    m.copy_into(table, params)?;
+    Ok(m.config)
+}
+
+impl HfModel {
+    /// The `model.safetensors` this was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.header.path
+    }
+
+    /// `"transformer."` or `""`: how the file names its tensors.
+    pub fn key_prefix(&self) -> &str {
+        let wte = self
+            .header
+            .entries
+            .iter()
+            .find(|e| strip(&e.key) == "wte.weight");
+        match wte {
+            Some(e) if e.key.starts_with(KEY_PREFIX) => KEY_PREFIX,
+            _ => "",
+        }
+    }
+
+    /// The stored dtype of the table tensor `name` (e.g. `h.0.ln_1.weight`).
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        self.entry(name).map(|(_, e)| e.dtype)
+    }
+
+    /// The file's `__metadata__`.
+    pub fn metadata(&self) -> Option<&BTreeMap<String, String>> {
+        self.header.metadata.as_ref()
+    }
+
+    /// Keys that are not parameters: causal-mask buffers and a tied `lm_head.weight`.
+    pub fn ignored_tensors(&self) -> Vec<&str> {
+        self.header
+            .entries
+            .iter()
+            .zip(&self.roles)
+            .filter(|(_, r)| !matches!(r, Role::Param(_)))
+            .map(|(e, _)| e.key.as_str())
+            .collect()
+    }
+
+    fn entry(&self, name: &str) -> Option<(usize, &Entry)> {
+        self.roles
+            .iter()
+            .position(|r| matches!(r, Role::Param(n) if n == name))
+            .map(|i| (i, &self.header.entries[i]))
+    }
+
+    fn tied(&self) -> Option<&Entry> {
+        self.roles
+            .iter()
+            .position(|r| *r == Role::Tied)
+            .map(|i| &self.header.entries[i])
+    }
+
+    /// Table tensors paired with their file entries; errors for unknown and missing tensors.
+    fn pair<'a>(&'a self, table: &'a Table) -> Result<Vec<(&'a TensorSpec, &'a Entry)>> {
+        let p = self.path().display();
+        let unknown: Vec<&str> = self
+            .roles
+            .iter()
+            .zip(&self.header.entries)
+            .filter(|(r, _)| matches!(r, Role::Param(n) if table.get(n).is_none()))
+            .map(|(_, e)| e.key.as_str())
+            .collect();
+        if !unknown.is_empty() {
+            bail!(
+                "{p}: {} tensor(s) that fugu's GPT-2 model does not have: {}",
+                unknown.len(),
+                list(&unknown)
+            );
+        }
+        let mut pairs = Vec::with_capacity(table.specs().len());
+        let mut missing = Vec::new();
+        for s in table.specs() {
+            match self.entry(&s.name) {
+                Some((_, e)) => pairs.push((s, e)),
+                None => missing.push(s.name.as_str()),
+            }
+        }
+        if !missing.is_empty() {
+            bail!(
+                "{p}: {} tensor(s) missing: {} (looked for names with and without `{KEY_PREFIX}`)",
+                missing.len(),
+                list(&missing)
+            );
+        }
+        Ok(pairs)
+    }
+
+    /// Copies the weights into `params` (laid out by `table`, which must be the table of
+    /// `self.config`): every table tensor must be in the file with its shape (`wte.weight`
+    /// unpadded), and every file tensor must be a table tensor, a causal-mask buffer or an
+    /// `lm_head.weight` equal to `wte.weight`. The padding rows of `wte` are zeroed. Shapes
+    /// and names are checked before anything is written; a read error midway leaves `params`
+    /// partly written.
+    pub fn copy_into(&self, table: &Table, params: &mut [f32]) -> Result<()> {
+        check_len("parameter", params, table)?;
+        let vocab = self.config.vocab_size;
+        check_vocab(table, vocab, &self.path().with_file_name(CONFIG_FILE))?;
+        let pairs = self.pair(table)?;
+        for (s, e) in &pairs {
+            check_shape(&self.header, e, s, vocab)?;
+        }
+        let tied = self.tied();
+        let wte = table.get("wte.weight");
+        if let (Some(t), Some(w)) = (tied, wte) {
+            check_shape(&self.header, t, w, vocab)?;
+        }
+        let p = self.path();
+        let mut f = File::open(p).with_context(|| format!("opening {}", p.display()))?;
+        for (s, e) in pairs {
+            read_into(&mut f, &self.header, e, s, vocab, params)?;
+        }
+        if let (Some(t), Some(w)) = (tied, wte) {
+            let mut head = vec![0f32; t.numel()];
+            st::read_f32(&mut f, &self.header, t, &mut head)?;
+            let emb = &params[w.offset..w.offset + head.len()];
+            if head
+                .iter()
+                .zip(emb)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                bail!(
+                    "{}: `{}` differs from `wte.weight`, but fugu ties the two (tie_word_embeddings)",
+                    p.display(),
+                    t.key
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `dir/config.json` and `dir/model.safetensors` in this model's own layout (key
+    /// prefix, dtypes, metadata, tensor order, buffers) with the weights from `params`. If the
+    /// weights and config are unchanged since loading, both files are byte-identical to the
+    /// originals. If `self.config` was changed, `config.json` is the original with the size
+    /// fields replaced; if the tensor shapes changed, the file is laid out afresh (sorted like
+    /// `save_pretrained`, dtypes kept by name, new tensors F32, buffers dropped).
+    pub fn save(&self, dir: &Path, table: &Table, params: &[f32]) -> Result<()> {
+        check_len("parameter", params, table)?;
+        let vocab = self.config.vocab_size;
+        check_vocab(table, vocab, &dir.join(CONFIG_FILE))?;
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let wte = table.get("wte.weight");
+        let wte_data = |n: usize| wte.map(|w| &params[w.offset..w.offset + n]);
+        let same_layout = self.pair(table).is_ok_and(|pairs| {
+            pairs
+                .iter()
+                .all(|(s, e)| check_shape(&self.header, e, s, vocab).is_ok())
+        }) && self
+            .tied()
+            .is_none_or(|t| wte.is_some_and(|w| check_shape(&self.header, t, w, vocab).is_ok()));
+        let (header, tensors) = if same_layout {
+            let mut tensors = Vec::with_capacity(self.roles.len());
+            for (i, (e, r)) in self.header.entries.iter().zip(&self.roles).enumerate() {
+                let data = match r {
+                    Role::Param(n) => {
+                        let s = table.get(n).expect("paired above");
+                        Data::F32(&params[s.offset..s.offset + e.numel()])
+                    }
+                    Role::Tied => Data::F32(wte_data(e.numel()).expect("checked above")),
+                    Role::Buffer => Data::Raw(&self.buffers[&i]),
+                };
+                tensors.push(OutTensor {
+                    key: e.key.clone(),
+                    dtype: e.dtype,
+                    shape: e.shape.clone(),
+                    data,
+                });
+            }
+            (self.header.raw.clone(), tensors)
+        } else {
+            let prefix = self.key_prefix();
+            let mut tensors: Vec<OutTensor> = table
+                .specs()
+                .iter()
+                .map(|s| {
+                    let shape = file_shape(s, vocab);
+                    let n = shape.iter().product::<usize>();
+                    OutTensor {
+                        key: format!("{prefix}{}", s.name),
+                        dtype: self
+                            .dtype(&s.name)
+                            .filter(|d| d.is_float())
+                            .unwrap_or(Dtype::F32),
+                        shape,
+                        data: Data::F32(&params[s.offset..s.offset + n]),
+                    }
+                })
+                .collect();
+            if let (Some(t), Some(w)) = (self.tied(), wte) {
+                let shape = file_shape(w, vocab);
+                let n = shape.iter().product();
+                tensors.push(OutTensor {
+                    key: t.key.clone(),
+                    dtype: t.dtype,
+                    shape,
+                    data: Data::F32(wte_data(n).expect("wte present")),
+                });
+            }
+            st::sort_tensors(&mut tensors);
+            let meta = self.metadata().cloned().unwrap_or_else(pt_metadata);
+            (st::build_header(Some(&meta), &tensors), tensors)
+        };
+        atomic::write_file(&dir.join(MODEL_FILE), |w| {
+            st::write_body(w, &header, &tensors)
+        })?;
+        let origin = self.path().with_file_name(CONFIG_FILE);
+        let text = if parse_hf_config(&self.config_text, &origin)? == self.config {
+            self.config_text.clone()
+        } else {
+            let mut v: Value = serde_json::from_str(&self.config_text)?;
+            let c = &self.config;
+            let obj = v.as_object_mut().expect("checked when loaded");
+            for (k, x) in [
+                ("vocab_size", c.vocab_size),
+                ("n_positions", c.n_positions),
+                ("n_embd", c.n_embd),
+                ("n_head", c.n_head),
+                ("n_layer", c.n_layer),
+            ] {
+                obj.insert(k.into(), x.into());
+            }
+            if obj.contains_key("n_ctx") {
+                obj.insert("n_ctx".into(), c.n_positions.into());
+            }
+            json_text(&v)
+        };
+        atomic::write_bytes(&dir.join(CONFIG_FILE), text.as_bytes())
+    }
+}
+
+fn pt_metadata() -> BTreeMap<String, String> {
+    BTreeMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// Up to 8 names, then a count.
+pub(crate) fn list(names: &[&str]) -> String {
+    let mut s = names
+        .iter()
+        .take(8)
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > 8 {
+        s.push_str(&format!(" and {} more", names.len() - 8));
+    }
+    s
+}
+
+/// Writes `dir/config.json` and `dir/model.safetensors` in the layout `transformers`
+/// `save_pretrained` uses for `GPT2LMHeadModel` (see the module docs). `table` must be the full
+/// table of `cfg`. Each file is written atomically.
+pub fn save_model(dir: &Path, cfg: &ModelConfig, table: &Table, params: &[f32]) -> Result<()> {
+    check_full_table(cfg, table)?;
+    check_len("parameter", params, table)?;
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut tensors: Vec<OutTensor> = table
+        .specs()
+        .iter()
+        .map(|s| {
+            let shape = file_shape(s, cfg.vocab_size);
+            let n = shape.iter().product::<usize>();
+            OutTensor {
+                key: format!("{KEY_PREFIX}{}", s.name),
+                dtype: Dtype::F32,
+                shape,
+                data: Data::F32(&params[s.offset..s.offset + n]),
+            }
+        })
+        .collect();
+    st::sort_tensors(&mut tensors);
+    let header = st::build_header(Some(&pt_metadata()), &tensors);
+    atomic::write_file(&dir.join(MODEL_FILE), |w| {
+        st::write_body(w, &header, &tensors)
+    })?;
+    atomic::write_bytes(
+        &dir.join(CONFIG_FILE),
+        json_text(&hf_config_json(cfg)).as_bytes(),
+    )
+}
+
+#[cfg(test)]
+#[path = "hf_tests.rs"]
+mod tests;

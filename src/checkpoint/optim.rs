@@ -1,0 +1,249 @@
+//! AdamW moments: `optimizer.safetensors` with F32 tensors `exp_avg.<key>` and
+//! `exp_avg_sq.<key>`, where `<key>` is the parameter's key in `model.safetensors`
+//! (`transformer.h.0.attn.c_attn.weight`), in the same unpadded shapes. Metadata:
+//! `{"format": "pt", "optimizer": "adamw", "step": "<optimizer step>"}`.
+
+use super::atomic;
+use super::hf::{self, check_full_table, check_len, file_shape, list, read_hf_config, KEY_PREFIX};
+use super::st::{self, Data, Dtype, OutTensor};
+use crate::config::ModelConfig;
+use crate::model::table::{padded_vocab, Table};
+use anyhow::{anyhow, bail, Context, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::path::Path;
+
+/// The optimizer-state file of a checkpoint.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
+const MOMENTS: [&str; 2] = ["exp_avg.", "exp_avg_sq."];
+
+/// Writes `dir/optimizer.safetensors` (atomically) with the first (`m`) and second (`v`)
+/// moments laid out by `table`, which must be the full table of `cfg`.
+pub fn save_optimizer(
+    dir: &Path,
+    cfg: &ModelConfig,
+    table: &Table,
+    m: &[f32],
+    v: &[f32],
+    step: u64,
+) -> Result<()> {
+    check_full_table(cfg, table)?;
+    check_len("first-moment (m)", m, table)?;
+    check_len("second-moment (v)", v, table)?;
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut tensors = Vec::with_capacity(2 * table.specs().len());
+    for (prefix, buf) in MOMENTS.iter().zip([m, v]) {
+        for s in table.specs() {
+            let shape = file_shape(s, cfg.vocab_size);
+            let n = shape.iter().product::<usize>();
+            tensors.push(OutTensor {
+                key: format!("{prefix}{KEY_PREFIX}{}", s.name),
+                dtype: Dtype::F32,
+                shape,
+                data: Data::F32(&buf[s.offset..s.offset + n]),
+            });
+        }
+    }
+    st::sort_tensors(&mut tensors);
+    let meta = BTreeMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("optimizer".to_string(), "adamw".to_string()),
+        ("step".to_string(), step.to_string()),
+    ]);
+    let header = st::build_header(Some(&meta), &tensors);
+    atomic::write_file(&dir.join(OPTIMIZER_FILE), |w| {
+        st::write_body(w, &header, &tensors)
+    })
+}
+
+/// Reads `dir/optimizer.safetensors` into `m` and `v` (laid out by `table`) and returns the
+/// optimizer step from its metadata. The vocabulary size is `dir/config.json`'s where that
+/// exists, else the stored `wte` row count (which must pad to the table's). Every table tensor
+/// must be present with its shape, and nothing else; keys with or without `transformer.` are
+/// accepted. The padding rows of `wte` are zeroed.
+pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -> Result<u64> {
+    check_len("first-moment (m)", m, table)?;
+    check_len("second-moment (v)", v, table)?;
+    let path = dir.join(OPTIMIZER_FILE);
+    let p = path.display();
+    let h = st::read_header(&path)?;
+    let step = h
+        .metadata
+        .as_ref()
+        .and_then(|md| md.get("step"))
+        .ok_or_else(|| anyhow!("{p}: no `step` in the safetensors metadata"))?;
+    let step: u64 = step
+        .parse()
+        .map_err(|_| anyhow!("{p}: metadata `step` = {step:?} is not an integer"))?;
+    // (moment index, table name) for each key.
+    let mut index: HashMap<(usize, &str), usize> = HashMap::new();
+    let mut unknown = Vec::new();
+    for (i, e) in h.entries.iter().enumerate() {
+        let found = MOMENTS.iter().enumerate().find_map(|(k, pre)| {
+            let name = e.key.strip_prefix(pre)?;
+            let name = name.strip_prefix(KEY_PREFIX).unwrap_or(name);
+            table.get(name).map(|s| (k, s.name.as_str()))
+        });
+        match found {
+            Some(id) => {
+                if index.insert(id, i).is_some() {
+                    bail!("{p}: the moment `{}` is stored twice", e.key);
+                }
+            }
+            None => unknown.push(e.key.as_str()),
+        }
+    }
+    if !unknown.is_empty() {
+        bail!(
+            "{p}: {} tensor(s) that are not AdamW moments of the model's parameters: {}",
+            unknown.len(),
+            list(&unknown)
+        );
+    }
+    let mut missing = Vec::new();
+    for pre in MOMENTS.iter() {
+        for s in table.specs() {
+            let k = MOMENTS.iter().position(|x| x == pre).unwrap();
+            if !index.contains_key(&(k, s.name.as_str())) {
+                missing.push(format!("{pre}{KEY_PREFIX}{}", s.name));
+            }
+        }
+    }
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter().map(String::as_str).collect();
+        bail!("{p}: {} tensor(s) missing: {}", names.len(), list(&names));
+    }
+    let vocab = match table.get("wte.weight") {
+        None => 0,
+        Some(w) => {
+            if dir.join(hf::CONFIG_FILE).exists() {
+                let vocab = read_hf_config(dir)?.vocab_size;
+                hf::check_vocab(table, vocab, &dir.join(hf::CONFIG_FILE))?;
+                vocab
+            } else {
+                let e = &h.entries[index[&(0, "wte.weight")]];
+                let rows = e.shape.first().copied().unwrap_or(0);
+                if padded_vocab(rows) != w.shape[0] {
+                    bail!(
+                        "{p}: tensor `{}` has shape {:?}, expected {} rows padding to {}",
+                        e.key,
+                        e.shape,
+                        w.shape[0],
+                        w.shape[0]
+                    );
+                }
+                rows
+            }
+        }
+    };
+    for ((k, name), &i) in &index {
+        hf::check_shape(&h, &h.entries[i], table.get(name).unwrap(), vocab)
+            .with_context(|| format!("moment {k} of {name}"))?;
+    }
+    let mut f = File::open(&path).with_context(|| format!("opening {p}"))?;
+    for ((k, name), &i) in &index {
+        let out = if *k == 0 { &mut *m } else { &mut *v };
+        hf::read_into(
+            &mut f,
+            &h,
+            &h.entries[i],
+            table.get(name).unwrap(),
+            vocab,
+            out,
+        )?;
+    }
+    Ok(step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::hf::save_model;
+    use crate::checkpoint::testutil::{tiny, TestDir};
+
+    #[test]
+    fn moments_round_trip_and_errors() {
+        let d = TestDir::new("optim");
+        let (cfg, table, params) = tiny();
+        let m: Vec<f32> = params.iter().map(|x| x * 0.5).collect();
+        let v: Vec<f32> = params.iter().map(|x| x * x).collect();
+        save_optimizer(&d.0, &cfg, &table, &m, &v, 1234).unwrap();
+        let h = st::read_header(&d.0.join(OPTIMIZER_FILE)).unwrap();
+        assert_eq!(
+            h.find("exp_avg_sq.transformer.wte.weight").unwrap().shape,
+            vec![101, 32]
+        );
+        assert_eq!(h.entries.len(), 2 * table.specs().len());
+        assert_eq!(h.metadata.as_ref().unwrap()["step"], "1234");
+        // Without config.json (vocabulary from the file) and with it.
+        for with_config in [false, true] {
+            if with_config {
+                save_model(&d.0, &cfg, &table, &params).unwrap();
+            }
+            let mut m2 = vec![f32::NAN; table.total()];
+            let mut v2 = vec![f32::NAN; table.total()];
+            assert_eq!(
+                load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap(),
+                1234
+            );
+            for s in table.specs() {
+                assert_eq!(m2[s.range()], m[s.range()], "{}", s.name);
+                assert_eq!(v2[s.range()], v[s.range()], "{}", s.name);
+            }
+        }
+        // A model file is not an optimizer file.
+        fs::copy(d.0.join(hf::MODEL_FILE), d.0.join(OPTIMIZER_FILE)).unwrap();
+        let (mut m2, mut v2) = (vec![0f32; table.total()], vec![0f32; table.total()]);
+        let e = format!(
+            "{:#}",
+            load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap_err()
+        );
+        assert!(e.contains("no `step`"), "{e}");
+        // Wrong shape: a different model's moments.
+        let cfg2 = ModelConfig {
+            n_positions: 8,
+            ..cfg.clone()
+        };
+        let t2 = crate::model::table::gpt2_params(&cfg2, 1).unwrap();
+        let z = vec![0f32; t2.total()];
+        save_optimizer(&d.0, &cfg2, &t2, &z, &z, 1).unwrap();
+        let e = format!(
+            "{:#}",
+            load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap_err()
+        );
+        assert!(
+            e.contains("`exp_avg.transformer.wpe.weight` has shape [8, 32], expected [16, 32]")
+                || e.contains(
+                    "`exp_avg_sq.transformer.wpe.weight` has shape [8, 32], expected [16, 32]"
+                ),
+            "{e}"
+        );
+        // Unknown and missing moments: a 1-layer model's file for the 2-layer table and back.
+        let cfg1 = ModelConfig {
+            n_layer: 1,
+            ..cfg.clone()
+        };
+        let t1 = crate::model::table::gpt2_params(&cfg1, 1).unwrap();
+        let z1 = vec![0f32; t1.total()];
+        save_optimizer(&d.0, &cfg1, &t1, &z1, &z1, 1).unwrap();
+        let e = format!(
+            "{:#}",
+            load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap_err()
+        );
+        assert!(
+            e.contains("24 tensor(s) missing") && e.contains("exp_avg.transformer.h.1."),
+            "{e}"
+        );
+        save_optimizer(&d.0, &cfg, &table, &m, &v, 1).unwrap();
+        let (mut a, mut b) = (z1.clone(), z1.clone());
+        let e = format!(
+            "{:#}",
+            load_optimizer(&d.0, &t1, &mut a, &mut b).unwrap_err()
+        );
+        assert!(
+            e.contains("24 tensor(s) that are not AdamW moments") && e.contains("h.1."),
+            "{e}"
+        );
+    }
+}
