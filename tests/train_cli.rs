@@ -180,7 +180,10 @@ fn training_on_the_bundled_corpus_lowers_validation_loss() {
         .collect();
     assert_eq!(vals.len(), 3, "{vals:?}");
     // ln(50257) = 10.8 at initialisation.
-    assert!(vals[0] < 10.0 && vals[2] < vals[0] - 1.0, "{vals:?}");
+    assert!(
+        vals[0] < 9.5 && vals[1] < vals[0] && vals[2] < vals[1] && vals[2] < 8.0,
+        "{vals:?}"
+    );
     match &recs[0] {
         Record::Header(h) => {
             assert!(h.get("machine").is_some() && h.get("layout").is_some());
