@@ -305,13 +305,13 @@ impl Float for f32 {
         x as f32
     }
     fn exp(self) -> Self {
-        f32::exp(self)
+        super::fastmath::exp_f32(self)
     }
     fn ln(self) -> Self {
         f32::ln(self)
     }
     fn tanh(self) -> Self {
-        f32::tanh(self)
+        super::fastmath::tanh_f32(self)
     }
     fn sqrt(self) -> Self {
         f32::sqrt(self)

@@ -30,6 +30,7 @@ pub mod adamw;
 pub mod attention;
 pub mod crossentropy;
 pub mod encoder;
+pub mod fastmath;
 pub mod float;
 pub mod gelu;
 pub mod layernorm;
