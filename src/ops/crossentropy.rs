@@ -39,8 +39,17 @@ pub fn ce_row_max<T: Float>(maxes: &mut [T], logits: &[T], n: usize, vp: usize, 
 }
 
 fn row_max<T: Float>(row: &[T]) -> T {
+    // Eight independent lanes so the loop vectorises; max is exact, so the order is free.
+    const LANES: usize = 8;
+    let mut acc = [T::NEG_INFINITY; LANES];
+    let mut it = row.chunks_exact(LANES);
+    for c in &mut it {
+        for l in 0..LANES {
+            acc[l] = acc[l].max(c[l]);
+        }
+    }
     let mut m = T::NEG_INFINITY;
-    for &x in row {
+    for &x in acc.iter().chain(it.remainder()) {
         m = m.max(x);
     }
     m
@@ -48,24 +57,7 @@ fn row_max<T: Float>(row: &[T]) -> T {
 
 /// `Σ exp(x - max)` accumulated in `f64`.
 fn sum_exp<T: Float>(row: &[T], max: T) -> f64 {
-    // Eight independent f32/f64 lanes per 512-element block (so the loop vectorises), blocks
-    // added in order in f64: deterministic and accurate to ~1e-7 relative.
-    const LANES: usize = 8;
-    let mut total = 0.0f64;
-    for block in row.chunks(512) {
-        let mut acc = [T::ZERO; LANES];
-        let mut it = block.chunks_exact(LANES);
-        for c in &mut it {
-            for l in 0..LANES {
-                acc[l] += (c[l] - max).exp();
-            }
-        }
-        for (l, &x) in it.remainder().iter().enumerate() {
-            acc[l] += (x - max).exp();
-        }
-        total += acc.iter().map(|a| a.to_f64()).sum::<f64>();
-    }
-    total
+    T::sum_exp_row(row, max)
 }
 
 /// Phase 2: `sums[i] = Σ_{j < v_valid} exp(logits[i, j] - maxes[i])` with the (global) row
@@ -158,9 +150,7 @@ pub fn ce_finish<T: Float>(
             let (real, pad) = row.split_at_mut(v_valid);
             // The target's logit, read before the row is overwritten.
             let target = local_target(targets[i], vocab_start, v_valid).map(|j| (j, real[j]));
-            for x in real.iter_mut() {
-                *x = dloss * ((*x - m).exp() * inv);
-            }
+            T::exp_scale_row(real, m, dloss * inv);
             if let Some((j, x)) = target {
                 real[j] = dloss * ((x - m).exp() * inv - T::ONE);
             }

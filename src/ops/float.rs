@@ -210,6 +210,31 @@ pub trait Float:
     /// Converts a count (rounding above 2^24 for `f32`).
     fn from_usize(x: usize) -> Self;
     fn exp(self) -> Self;
+    /// `Σ exp(x − max)` over a row, accumulated in f64 (deterministic for a given row).
+    fn sum_exp_row(row: &[Self], max: Self) -> f64 {
+        const LANES: usize = 8;
+        let mut total = 0.0f64;
+        for block in row.chunks(512) {
+            let mut acc = [Self::ZERO; LANES];
+            let mut it = block.chunks_exact(LANES);
+            for c in &mut it {
+                for l in 0..LANES {
+                    acc[l] += (c[l] - max).exp();
+                }
+            }
+            for (l, &x) in it.remainder().iter().enumerate() {
+                acc[l] += (x - max).exp();
+            }
+            total += acc.iter().map(|a| a.to_f64()).sum::<f64>();
+        }
+        total
+    }
+    /// `row[j] = scale · exp(row[j] − max)` in place.
+    fn exp_scale_row(row: &mut [Self], max: Self, scale: Self) {
+        for x in row.iter_mut() {
+            *x = scale * (*x - max).exp();
+        }
+    }
     fn ln(self) -> Self;
     fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
@@ -295,33 +320,49 @@ impl Float for f32 {
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f32::NEG_INFINITY;
 
+    #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x as f32
     }
+    #[inline(always)]
     fn to_f64(self) -> f64 {
         self as f64
     }
+    #[inline(always)]
     fn from_usize(x: usize) -> Self {
         x as f32
     }
+    fn sum_exp_row(row: &[f32], max: f32) -> f64 {
+        super::fastmath::sum_exp_f32(row, max)
+    }
+    fn exp_scale_row(row: &mut [f32], max: f32, scale: f32) {
+        super::fastmath::exp_scale_f32(row, max, scale)
+    }
+    #[inline(always)]
     fn exp(self) -> Self {
         super::fastmath::exp_f32(self)
     }
+    #[inline(always)]
     fn ln(self) -> Self {
         f32::ln(self)
     }
+    #[inline(always)]
     fn tanh(self) -> Self {
         super::fastmath::tanh_f32(self)
     }
+    #[inline(always)]
     fn sqrt(self) -> Self {
         f32::sqrt(self)
     }
+    #[inline(always)]
     fn abs(self) -> Self {
         f32::abs(self)
     }
+    #[inline(always)]
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
+    #[inline(always)]
     fn is_finite(self) -> bool {
         f32::is_finite(self)
     }
@@ -384,33 +425,43 @@ impl Float for f64 {
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f64::NEG_INFINITY;
 
+    #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x
     }
+    #[inline(always)]
     fn to_f64(self) -> f64 {
         self
     }
+    #[inline(always)]
     fn from_usize(x: usize) -> Self {
         x as f64
     }
+    #[inline(always)]
     fn exp(self) -> Self {
         f64::exp(self)
     }
+    #[inline(always)]
     fn ln(self) -> Self {
         f64::ln(self)
     }
+    #[inline(always)]
     fn tanh(self) -> Self {
         f64::tanh(self)
     }
+    #[inline(always)]
     fn sqrt(self) -> Self {
         f64::sqrt(self)
     }
+    #[inline(always)]
     fn abs(self) -> Self {
         f64::abs(self)
     }
+    #[inline(always)]
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
     }
+    #[inline(always)]
     fn is_finite(self) -> bool {
         f64::is_finite(self)
     }
