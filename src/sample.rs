@@ -38,7 +38,11 @@ impl Generator {
     pub fn new(cfg: &ModelConfig, params: Vec<f32>) -> Result<Generator> {
         let table = gpt2_params(cfg, 1)?;
         if params.len() != table.total() {
-            bail!("parameter buffer has {} floats, expected {}", params.len(), table.total());
+            bail!(
+                "parameter buffer has {} floats, expected {}",
+                params.len(),
+                table.total()
+            );
         }
         let cache = vec![vec![0.0f32; cfg.n_positions * cfg.n_embd]; cfg.n_layer];
         Ok(Generator {
@@ -72,13 +76,25 @@ impl Generator {
             );
         }
         if token as usize >= self.cfg.vocab_size {
-            bail!("token id {token} is not below vocab_size {}", self.cfg.vocab_size);
+            bail!(
+                "token id {token} is not below vocab_size {}",
+                self.cfg.vocab_size
+            );
         }
         let t = self.pos;
         let mut x = vec![0.0f32; c];
         // Embedding of one token at position t: a (B=1, T=1) call with wpe shifted to row t.
         let wpe_row = &self.p("wpe.weight")[t * c..(t + 1) * c];
-        ops::encoder::encoder_forward(&mut x, &[token], self.p("wte.weight"), 0, Some(wpe_row), 1, 1, c);
+        ops::encoder::encoder_forward(
+            &mut x,
+            &[token],
+            self.p("wte.weight"),
+            0,
+            Some(wpe_row),
+            1,
+            1,
+            c,
+        );
         let (mut ln, mut mean, mut rstd) = (vec![0.0f32; c], [0.0f32], [0.0f32]);
         let mut qkv = vec![0.0f32; 3 * c];
         let mut y = vec![0.0f32; c];
@@ -89,12 +105,24 @@ impl Generator {
         for l in 0..self.cfg.n_layer {
             let pn = |s: &str| format!("h.{l}.{s}");
             ops::layernorm::layernorm_forward(
-                &mut ln, &mut mean, &mut rstd, &x,
-                self.p(&pn("ln_1.weight")), self.p(&pn("ln_1.bias")), 1, c,
+                &mut ln,
+                &mut mean,
+                &mut rstd,
+                &x,
+                self.p(&pn("ln_1.weight")),
+                self.p(&pn("ln_1.bias")),
+                1,
+                c,
             );
             ops::linear::linear_forward(
-                &mut qkv, &ln, self.p(&pn("attn.c_attn.weight")), WeightLayout::InOut,
-                Some(self.p(&pn("attn.c_attn.bias"))), 1, c, 3 * c,
+                &mut qkv,
+                &ln,
+                self.p(&pn("attn.c_attn.weight")),
+                WeightLayout::InOut,
+                Some(self.p(&pn("attn.c_attn.bias"))),
+                1,
+                c,
+                3 * c,
             );
             self.k_cache[l][t * c..(t + 1) * c].copy_from_slice(&qkv[c..2 * c]);
             self.v_cache[l][t * c..(t + 1) * c].copy_from_slice(&qkv[2 * c..]);
@@ -123,32 +151,70 @@ impl Generator {
                 }
             }
             ops::linear::linear_forward(
-                &mut proj, &y, self.p(&pn("attn.c_proj.weight")), WeightLayout::InOut,
-                Some(self.p(&pn("attn.c_proj.bias"))), 1, c, c,
+                &mut proj,
+                &y,
+                self.p(&pn("attn.c_proj.weight")),
+                WeightLayout::InOut,
+                Some(self.p(&pn("attn.c_proj.bias"))),
+                1,
+                c,
+                c,
             );
             ops::residual::add_inplace(&mut x, &proj);
             ops::layernorm::layernorm_forward(
-                &mut ln, &mut mean, &mut rstd, &x,
-                self.p(&pn("ln_2.weight")), self.p(&pn("ln_2.bias")), 1, c,
+                &mut ln,
+                &mut mean,
+                &mut rstd,
+                &x,
+                self.p(&pn("ln_2.weight")),
+                self.p(&pn("ln_2.bias")),
+                1,
+                c,
             );
             ops::linear::linear_forward(
-                &mut fch, &ln, self.p(&pn("mlp.c_fc.weight")), WeightLayout::InOut,
-                Some(self.p(&pn("mlp.c_fc.bias"))), 1, c, 4 * c,
+                &mut fch,
+                &ln,
+                self.p(&pn("mlp.c_fc.weight")),
+                WeightLayout::InOut,
+                Some(self.p(&pn("mlp.c_fc.bias"))),
+                1,
+                c,
+                4 * c,
             );
             ops::gelu::gelu_forward(&mut fcg, &fch);
             ops::linear::linear_forward(
-                &mut proj, &fcg, self.p(&pn("mlp.c_proj.weight")), WeightLayout::InOut,
-                Some(self.p(&pn("mlp.c_proj.bias"))), 1, 4 * c, c,
+                &mut proj,
+                &fcg,
+                self.p(&pn("mlp.c_proj.weight")),
+                WeightLayout::InOut,
+                Some(self.p(&pn("mlp.c_proj.bias"))),
+                1,
+                4 * c,
+                c,
             );
             ops::residual::add_inplace(&mut x, &proj);
         }
         ops::layernorm::layernorm_forward(
-            &mut ln, &mut mean, &mut rstd, &x, self.p("ln_f.weight"), self.p("ln_f.bias"), 1, c,
+            &mut ln,
+            &mut mean,
+            &mut rstd,
+            &x,
+            self.p("ln_f.weight"),
+            self.p("ln_f.bias"),
+            1,
+            c,
         );
         let vp = padded_vocab(self.cfg.vocab_size);
         let mut logits = vec![0.0f32; vp];
         ops::linear::linear_forward(
-            &mut logits, &ln, self.p("wte.weight"), WeightLayout::OutIn, None, 1, c, vp,
+            &mut logits,
+            &ln,
+            self.p("wte.weight"),
+            WeightLayout::OutIn,
+            None,
+            1,
+            c,
+            vp,
         );
         logits.truncate(self.cfg.vocab_size);
         self.pos += 1;
@@ -162,7 +228,13 @@ pub fn pick(logits: &[f32], o: &SampleOptions, rng: &mut SplitMix64) -> u32 {
         logits
             .iter()
             .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best })
+            .fold((0usize, f32::NEG_INFINITY), |best, (i, &x)| {
+                if x > best.1 {
+                    (i, x)
+                } else {
+                    best
+                }
+            })
             .0 as u32
     };
     if o.temperature <= 0.0 {
@@ -173,7 +245,10 @@ pub fn pick(logits: &[f32], o: &SampleOptions, rng: &mut SplitMix64) -> u32 {
         idx.select_nth_unstable_by(o.top_k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
         idx.truncate(o.top_k);
     }
-    let mx = idx.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mx = idx
+        .iter()
+        .map(|&i| logits[i])
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
     let w: Vec<f64> = idx
         .iter()
         .map(|&i| ((logits[i] as f64 - mx) / o.temperature).exp())
@@ -191,7 +266,12 @@ pub fn pick(logits: &[f32], o: &SampleOptions, rng: &mut SplitMix64) -> u32 {
 
 /// Runs the prompt through the model and generates up to `max_tokens` more tokens (stopping
 /// early at the context limit). Returns the generated ids.
-pub fn generate(g: &mut Generator, prompt: &[u32], o: &SampleOptions, mut on_token: impl FnMut(u32)) -> Result<Vec<u32>> {
+pub fn generate(
+    g: &mut Generator,
+    prompt: &[u32],
+    o: &SampleOptions,
+    mut on_token: impl FnMut(u32),
+) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenisation");
     }

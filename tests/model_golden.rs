@@ -159,7 +159,10 @@ fn check(name: &str) {
     let loss = m.forward(&timers, false);
     let want_loss = g.tensors["loss"].1[0];
     let loss_err = (loss as f64 - want_loss).abs() / want_loss;
-    assert!(loss_err < 1e-6, "{name}: loss {loss} vs {want_loss} ({loss_err:.2e})");
+    assert!(
+        loss_err < 1e-6,
+        "{name}: loss {loss} vs {want_loss} ({loss_err:.2e})"
+    );
     let vp = padded_vocab(g.cfg.vocab_size);
     let logits = m.last_logits();
     let v = g.cfg.vocab_size;
@@ -181,11 +184,21 @@ fn check(name: &str) {
             worst = (e, spec.name.clone());
         }
     }
-    assert!(worst.0 < 3e-6, "{name}: worst gradient {} rel err {:.2e}", worst.1, worst.0);
+    assert!(
+        worst.0 < 3e-6,
+        "{name}: worst gradient {} rel err {:.2e}",
+        worst.1,
+        worst.0
+    );
     // Padded vocabulary rows get no gradient.
     let wte = m.table.get("wte.weight").unwrap();
-    assert!(grads[wte.range()][v * g.cfg.n_embd..].iter().all(|&x| x == 0.0));
-    eprintln!("{name}: loss err {loss_err:.2e}, logits {e:.2e}, worst grad {} {:.2e}", worst.1, worst.0);
+    assert!(grads[wte.range()][v * g.cfg.n_embd..]
+        .iter()
+        .all(|&x| x == 0.0));
+    eprintln!(
+        "{name}: loss err {loss_err:.2e}, logits {e:.2e}, worst grad {} {:.2e}",
+        worst.1, worst.0
+    );
 
     // Several AdamW steps on the same batch.
     let mut m = model(&g);
@@ -199,11 +212,20 @@ fn check(name: &str) {
         let want_l = g.tensors["step_losses"].1[s];
         let want_n = g.tensors["step_grad_norms"].1[s];
         let want_lr = g.tensors["step_lrs"].1[s];
-        assert!((lr - want_lr).abs() <= 1e-15 * want_lr, "{name} step {s}: lr {lr} vs {want_lr}");
+        assert!(
+            (lr - want_lr).abs() <= 1e-15 * want_lr,
+            "{name} step {s}: lr {lr} vs {want_lr}"
+        );
         let el = (l as f64 - want_l).abs() / want_l;
         let en = (norm - want_n).abs() / want_n;
-        assert!(el < 2e-6, "{name} step {s}: loss {l} vs {want_l} ({el:.2e})");
-        assert!(en < 1e-5, "{name} step {s}: grad norm {norm} vs {want_n} ({en:.2e})");
+        assert!(
+            el < 2e-6,
+            "{name} step {s}: loss {l} vs {want_l} ({el:.2e})"
+        );
+        assert!(
+            en < 1e-5,
+            "{name} step {s}: grad norm {norm} vs {want_n} ({en:.2e})"
+        );
         m.apply_optimizer(
             &OptimStep {
                 lr,
@@ -240,7 +262,10 @@ fn check(name: &str) {
         worst_abs.1,
         worst_abs.0
     );
-    eprintln!("{name}: final params worst {} abs err {:.2e}", worst_abs.1, worst_abs.0);
+    eprintln!(
+        "{name}: final params worst {} abs err {:.2e}",
+        worst_abs.1, worst_abs.0
+    );
 }
 
 #[test]

@@ -42,7 +42,10 @@ fn kv_cache_matches_full_forward() {
             worst = worst.max((a - b).abs() / scale);
         }
     }
-    assert!(worst < 1e-5, "KV-cache logits differ from the full forward: {worst:.2e}");
+    assert!(
+        worst < 1e-5,
+        "KV-cache logits differ from the full forward: {worst:.2e}"
+    );
 }
 
 #[test]

@@ -72,7 +72,7 @@ ckpt_every = 3
 "#;
 
 fn losses(run: &Path) -> Vec<(u64, f64)> {
-    read_metrics(&run.join("metrics.jsonl"))
+    read_metrics(run.join("metrics.jsonl"))
         .unwrap()
         .into_iter()
         .filter_map(|r| match r {
@@ -87,7 +87,15 @@ fn resume_is_bit_exact_and_sample_reads_the_checkpoint() {
     let dir = tmp("resume");
     let data = corpus();
     std::fs::write(dir.join("small.toml"), SMALL).unwrap();
-    let base = ["train", "--config", "small.toml", "--data", &data, "--threads", "2"];
+    let base = [
+        "train",
+        "--config",
+        "small.toml",
+        "--data",
+        &data,
+        "--threads",
+        "2",
+    ];
     let mut a = base.to_vec();
     a.extend(["--out", "a"]);
     ok(&fugu(&a, &dir));
@@ -163,14 +171,32 @@ fn training_on_the_bundled_corpus_lowers_validation_loss() {
     std::fs::write(dir.join("small.toml"), SMALL).unwrap();
     let out = fugu(
         &[
-            "train", "--config", "small.toml", "--data", &data, "--out", "run", "--steps", "60",
-            "--eval-every", "20", "--eval-batches", "4", "--lr", "3e-3", "--warmup-steps", "5",
-            "--ckpt-every", "0", "--timers", "coarse",
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            &data,
+            "--out",
+            "run",
+            "--steps",
+            "60",
+            "--eval-every",
+            "20",
+            "--eval-batches",
+            "4",
+            "--lr",
+            "3e-3",
+            "--warmup-steps",
+            "5",
+            "--ckpt-every",
+            "0",
+            "--timers",
+            "coarse",
         ],
         &dir,
     );
     ok(&out);
-    let recs = read_metrics(&dir.join("run/metrics.jsonl")).unwrap();
+    let recs = read_metrics(dir.join("run/metrics.jsonl")).unwrap();
     let vals: Vec<f64> = recs
         .iter()
         .filter_map(|r| match r {
@@ -205,7 +231,9 @@ fn bad_input_is_a_clear_error() {
     for (from, to, want) in cases {
         std::fs::write(dir.join("bad.toml"), SMALL.replace(from, to)).unwrap();
         let out = fugu(
-            &["train", "--config", "bad.toml", "--data", &data, "--out", "x"],
+            &[
+                "train", "--config", "bad.toml", "--data", &data, "--out", "x",
+            ],
             &dir,
         );
         let err = String::from_utf8_lossy(&out.stderr);
@@ -220,7 +248,14 @@ fn bad_input_is_a_clear_error() {
     std::fs::write(dir.join("small.toml"), SMALL).unwrap();
     let out = fugu(
         &[
-            "train", "--config", "small.toml", "--data", "bad.bin", "--out", "y", "--no-shuffle",
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            "bad.bin",
+            "--out",
+            "y",
+            "--no-shuffle",
         ],
         &dir,
     );
@@ -231,8 +266,23 @@ fn bad_input_is_a_clear_error() {
     // only complete checkpoints.
     let out = fugu(
         &[
-            "train", "--config", "small.toml", "--data", &data, "--out", "z", "--lr", "1e12",
-            "--min-lr", "1e12", "--grad-clip", "0", "--steps", "20", "--ckpt-every", "1",
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            &data,
+            "--out",
+            "z",
+            "--lr",
+            "1e12",
+            "--min-lr",
+            "1e12",
+            "--grad-clip",
+            "0",
+            "--steps",
+            "20",
+            "--ckpt-every",
+            "1",
         ],
         &dir,
     );
@@ -241,7 +291,12 @@ fn bad_input_is_a_clear_error() {
     assert!(err.contains("non-finite"), "{err}");
     for e in std::fs::read_dir(dir.join("z")).unwrap() {
         let p = e.unwrap().path();
-        if p.is_dir() && p.file_name().unwrap().to_string_lossy().starts_with("ckpt-") {
+        if p.is_dir()
+            && p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("ckpt-")
+        {
             assert!(p.join("state.json").exists() && p.join("model.safetensors").exists());
         }
     }

@@ -32,11 +32,11 @@ impl CpuBackend {
 ///
 /// Panics (an internal bug, never user input) if a span is out of bounds or a written span
 /// overlaps any other span of the call.
-fn views<'a, const W: usize, const R: usize>(
-    bufs: &'a mut [Vec<f32>],
+fn views<const W: usize, const R: usize>(
+    bufs: &mut [Vec<f32>],
     w: [Span; W],
     r: [Span; R],
-) -> ([&'a mut [f32]; W], [&'a [f32]; R]) {
+) -> ([&mut [f32]; W], [&[f32]; R]) {
     for s in w.iter().chain(r.iter()) {
         let len = bufs.get(s.buf.0 as usize).map_or(0, Vec::len);
         assert!(

@@ -12,8 +12,8 @@
 
 pub mod cpu;
 
-pub use crate::ops::linear::WeightLayout;
 pub use crate::ops::adamw::AdamWStep;
+pub use crate::ops::linear::WeightLayout;
 pub use cpu::CpuBackend;
 
 /// One buffer owned by a backend.

@@ -55,11 +55,16 @@ fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
     match ck {
         Some(p) if p.join("model.safetensors").exists() => Ok(p.to_path_buf()),
         Some(p) => checkpoint::latest_checkpoint(p)?.with_context(|| {
-            format!("{}: no model.safetensors and no ckpt-* checkpoints", p.display())
+            format!(
+                "{}: no model.safetensors and no ckpt-* checkpoints",
+                p.display()
+            )
         }),
         None => match newest_under(Path::new("runs"))? {
             Some(p) => Ok(p),
-            None => bail!("no --checkpoint given and no checkpoints under ./runs; run `fugu train` first"),
+            None => bail!(
+                "no --checkpoint given and no checkpoints under ./runs; run `fugu train` first"
+            ),
         },
     }
 }
@@ -75,7 +80,11 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let mut g = Generator::new(&hf.config, params)?;
     let tok = fugu_io::Gpt2Tokenizer::new();
     let prompt = tok.encode(&args.prompt);
-    eprintln!("sampling from {} ({} prompt tokens)", dir.display(), prompt.len());
+    eprintln!(
+        "sampling from {} ({} prompt tokens)",
+        dir.display(),
+        prompt.len()
+    );
     let opts = SampleOptions {
         max_tokens: args.max_tokens,
         temperature: args.temperature,

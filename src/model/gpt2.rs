@@ -129,7 +129,11 @@ impl<B: Backend> Gpt2<B> {
 
     /// Makes sure activation buffers for `b`×`t` exist (allocated once, reused every step).
     fn ensure_acts(&mut self, b: usize, t: usize) -> Result<()> {
-        if self.acts.as_ref().is_some_and(|(a, _)| a.dims.b == b && a.dims.t == t) {
+        if self
+            .acts
+            .as_ref()
+            .is_some_and(|(a, _)| a.dims.b == b && a.dims.t == t)
+        {
             return Ok(());
         }
         if t > self.cfg.n_positions {
@@ -147,7 +151,10 @@ impl<B: Backend> Gpt2<B> {
         }
         let ab = self.be.alloc(at.total())?;
         let gb = self.be.alloc(gt.total())?;
-        self.acts = Some((Acts::new(d, self.cfg.n_layer, at, ab), GradActs::new(gt, gb)));
+        self.acts = Some((
+            Acts::new(d, self.cfg.n_layer, at, ab),
+            GradActs::new(gt, gb),
+        ));
         Ok(())
     }
 
@@ -225,7 +232,14 @@ impl<B: Backend> Gpt2<B> {
             {
                 let _t = timers.scope("forward:layernorm", Fine);
                 be.layernorm_forward(
-                    la.ln1, la.ln1_mean, la.ln1_rstd, resid, lp.ln1_w, lp.ln1_b, n, c,
+                    la.ln1,
+                    la.ln1_mean,
+                    la.ln1_rstd,
+                    resid,
+                    lp.ln1_w,
+                    lp.ln1_b,
+                    n,
+                    c,
                 );
             }
             {
@@ -274,7 +288,14 @@ impl<B: Backend> Gpt2<B> {
             {
                 let _t = timers.scope("forward:layernorm", Fine);
                 be.layernorm_forward(
-                    la.ln2, la.ln2_mean, la.ln2_rstd, la.resid2, lp.ln2_w, lp.ln2_b, n, c,
+                    la.ln2,
+                    la.ln2_mean,
+                    la.ln2_rstd,
+                    la.resid2,
+                    lp.ln2_w,
+                    lp.ln2_b,
+                    n,
+                    c,
                 );
             }
             {
@@ -316,9 +337,7 @@ impl<B: Backend> Gpt2<B> {
         }
         {
             let _t = timers.scope("forward:layernorm", Fine);
-            be.layernorm_forward(
-                a.lnf, a.lnf_mean, a.lnf_rstd, resid, p.lnf_w, p.lnf_b, n, c,
-            );
+            be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, resid, p.lnf_w, p.lnf_b, n, c);
         }
         {
             let _t = timers.scope("forward:lm-head", Fine);
@@ -447,8 +466,16 @@ impl<B: Backend> Gpt2<B> {
             {
                 let _t = timers.scope("backward:layernorm", Fine);
                 be.layernorm_backward(
-                    ga.dres, lg.ln2_w, lg.ln2_b, ga.dln, la.resid2, lp.ln2_w, la.ln2_mean,
-                    la.ln2_rstd, n, c,
+                    ga.dres,
+                    lg.ln2_w,
+                    lg.ln2_b,
+                    ga.dln,
+                    la.resid2,
+                    lp.ln2_w,
+                    la.ln2_mean,
+                    la.ln2_rstd,
+                    n,
+                    c,
                 );
             }
             // Attention: dres is now the gradient of resid2 (= resid + attproj).
@@ -498,8 +525,16 @@ impl<B: Backend> Gpt2<B> {
             {
                 let _t = timers.scope("backward:layernorm", Fine);
                 be.layernorm_backward(
-                    ga.dres, lg.ln1_w, lg.ln1_b, ga.dln, resid, lp.ln1_w, la.ln1_mean,
-                    la.ln1_rstd, n, c,
+                    ga.dres,
+                    lg.ln1_w,
+                    lg.ln1_b,
+                    ga.dln,
+                    resid,
+                    lp.ln1_w,
+                    la.ln1_mean,
+                    la.ln1_rstd,
+                    n,
+                    c,
                 );
             }
         }

@@ -21,7 +21,8 @@ fn name_key(name: &str) -> u64 {
 
 /// Fills `out` with N(0, std²) samples (Box-Muller over 53-bit uniforms).
 fn fill_normal(out: &mut [f32], rng: &mut SplitMix64, std: f64) {
-    let uniform = |rng: &mut SplitMix64| ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let uniform =
+        |rng: &mut SplitMix64| ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
     for pair in out.chunks_mut(2) {
         let (u1, u2) = (uniform(rng), uniform(rng));
         let r = (-2.0 * u1.ln()).sqrt() * std;
@@ -81,7 +82,11 @@ mod tests {
         assert!(w[real..].iter().all(|&x| x == 0.0));
         let n = real as f64;
         let mean = w[..real].iter().map(|&x| x as f64).sum::<f64>() / n;
-        let var = w[..real].iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        let var = w[..real]
+            .iter()
+            .map(|&x| (x as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n;
         assert!(mean.abs() < 1e-4, "{mean}");
         assert!((var.sqrt() - 0.02).abs() < 2e-4, "{}", var.sqrt());
         let ln = t.get("h.1.ln_2.weight").unwrap();

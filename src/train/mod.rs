@@ -225,8 +225,7 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
     let mut lcfg = LoaderConfig::train(t.batch_size, t.seq_len, 0, 1, t.seed);
     lcfg.shuffle = opts.shuffle;
     lcfg.vocab_size = m.vocab_size as u32;
-    let mut loader =
-        data::train_loader(&data, &lcfg, start_state.as_ref().map(|s| &s.cursor))?;
+    let mut loader = data::train_loader(&data, &lcfg, start_state.as_ref().map(|s| &s.cursor))?;
     let val_data = opts.val_data.clone().unwrap_or_else(|| data.clone());
     let mut vcfg = LoaderConfig::val(t.batch_size, t.seq_len, 0, 1);
     vcfg.vocab_size = m.vocab_size as u32;
@@ -308,10 +307,10 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
     let peak = machine.peak_gflops * 1e9;
 
     let save = |model: &Gpt2<CpuBackend>,
-                    step: u64,
-                    cursor: fugu_io::Cursor,
-                    tokens_seen: u64,
-                    skipped: u64|
+                step: u64,
+                cursor: fugu_io::Cursor,
+                tokens_seen: u64,
+                skipped: u64|
      -> Result<PathBuf> {
         let state = TrainState {
             format: STATE_FORMAT.into(),
@@ -458,8 +457,11 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
 
     if timed_steps > 0 {
         let b = timers.breakdown(total_ms, timed_steps);
-        eprintln!("\nper-op breakdown (ms per step, {timed_steps} steps):\n{}", b.to_table());
-        b.write_json(&out.join("breakdown.json"))?;
+        eprintln!(
+            "\nper-op breakdown (ms per step, {timed_steps} steps):\n{}",
+            b.to_table()
+        );
+        b.write_json(out.join("breakdown.json"))?;
     }
     let rss = peak_rss_bytes();
     if let Some(rss) = rss {
