@@ -161,24 +161,19 @@ pub fn attention_softmax<T: Float>(att: &mut [T], b: usize, t: usize, nh: usize)
     if t == 0 {
         return;
     }
-    att.par_chunks_mut(t).enumerate().for_each(|(r, row)| {
-        let i = r % t;
-        let (live, masked) = row.split_at_mut(i + 1);
-        let mut mx = T::NEG_INFINITY;
-        for &x in live.iter() {
-            mx = mx.max(x);
-        }
-        let mut sum = T::ZERO;
-        for x in live.iter_mut() {
-            *x = (*x - mx).exp();
-            sum += *x;
-        }
-        let inv = T::ONE / sum;
-        for x in live.iter_mut() {
-            *x *= inv;
-        }
-        masked.fill(T::ZERO);
-    });
+    att.par_chunks_mut(t)
+        .with_min_len(16)
+        .enumerate()
+        .for_each(|(r, row)| {
+            let i = r % t;
+            let (live, masked) = row.split_at_mut(i + 1);
+            // Vectorised row kernels: the sum of exponentials is taken first (in f64), then
+            // the row is overwritten with the normalised exponentials.
+            let mx = super::crossentropy::row_max(live);
+            let sum = T::sum_exp_row(live, mx);
+            T::exp_scale_row(live, mx, T::from_f64(1.0 / sum));
+            masked.fill(T::ZERO);
+        });
 }
 
 /// Attention output: `out[b, :, h] = att[b, h]·V[b, h]`.

@@ -38,7 +38,7 @@ pub fn ce_row_max<T: Float>(maxes: &mut [T], logits: &[T], n: usize, vp: usize, 
         });
 }
 
-fn row_max<T: Float>(row: &[T]) -> T {
+pub(crate) fn row_max<T: Float>(row: &[T]) -> T {
     // Eight independent lanes so the loop vectorises; max is exact, so the order is free.
     const LANES: usize = 8;
     let mut acc = [T::NEG_INFINITY; LANES];
