@@ -302,3 +302,74 @@ fn bad_input_is_a_clear_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn init_from_a_hugging_face_checkpoint() {
+    let dir = tmp("init");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny");
+    let tiny = SMALL
+        .replace("vocab_size = 50257", "vocab_size = 101")
+        .replace("n_positions = 64", "n_positions = 16")
+        .replace("n_embd = 64", "n_embd = 32")
+        .replace("n_head = 2", "n_head = 4")
+        .replace("seq_len = 32", "seq_len = 16");
+    std::fs::write(dir.join("hf.toml"), &tiny).unwrap();
+    let ids: Vec<u8> = (0..2000u32)
+        .flat_map(|i| ((i * 7 % 101) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(dir.join("tok.bin"), ids).unwrap();
+    let fx = fixture.to_str().unwrap();
+    let args = [
+        "train",
+        "--config",
+        "hf.toml",
+        "--data",
+        "tok.bin",
+        "--no-shuffle",
+        "--out",
+        "r",
+        "--steps",
+        "2",
+        "--init-from",
+        fx,
+    ];
+    let mut first = args.to_vec();
+    first.extend(["--dump-grads", "grads.safetensors"]);
+    ok(&fugu(&first, &dir));
+    let g = std::fs::read(dir.join("grads.safetensors")).unwrap();
+    let g = safetensors::SafeTensors::deserialize(&g).unwrap();
+    assert_eq!(g.tensor("wte.weight").unwrap().shape(), &[101, 32]);
+    assert_eq!(g.tensor("h.1.mlp.c_fc.weight").unwrap().shape(), &[32, 128]);
+    let l = losses(&dir.join("r"));
+    assert_eq!(l.len(), 2);
+    // The fixture is a freshly initialised model: over 101 tokens it starts near ln(101) = 4.6.
+    assert!(l[0].1 > 3.0 && l[0].1 < 6.0, "{l:?}");
+    // The checkpoint fugu writes has the same tensor names as the transformers file.
+    let names = |p: &Path| {
+        let b = std::fs::read(p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&b).unwrap();
+        let mut n: Vec<String> = st.names().into_iter().cloned().collect();
+        n.sort();
+        n
+    };
+    assert_eq!(
+        names(&dir.join("r/ckpt-00000002/model.safetensors")),
+        names(&fixture.join("model.safetensors"))
+    );
+    // A model section that does not match the checkpoint's config.json is refused.
+    std::fs::write(
+        dir.join("bad.toml"),
+        tiny.replace("n_layer = 2", "n_layer = 3"),
+    )
+    .unwrap();
+    let mut bad = args.to_vec();
+    bad[2] = "bad.toml";
+    bad[7] = "r2";
+    let out = fugu(&bad, &dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("does not match"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
