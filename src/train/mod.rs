@@ -49,7 +49,7 @@ pub struct TrainOptions {
     pub skip_nonfinite: u64,
     pub log_every: usize,
     pub eval_batches: usize,
-    /// Show the progress bar even without a TTY (tests use plain lines).
+    /// stderr is a terminal: draw a progress bar instead of plain lines.
     pub tty: bool,
 }
 
