@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""PyTorch CPU eager baseline for fugu's training-step benchmark (`cargo bench --bench train`).
+
+    python3 dev/bench_pytorch.py [--threads 2] [--shape 4x64 --shape 4x256] [--steps 5]
+
+Builds GPT-2 124M (vocab 50257, n_positions 1024, n_embd 768, 12 heads, 12 layers, tanh-GELU,
+pre-LN, tied token embedding / LM head, no dropout) as a small plain-PyTorch module, in fp32 on
+the CPU, eager mode (no torch.compile). Per shape BxT it runs 1 warm-up step and then `--steps`
+timed steps of: forward + cross-entropy on random tokens, backward, grad-norm clip at 1.0,
+AdamW step (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on 2-D weights only, as fugu
+does; PyTorch's default foreach/fused choice), zero_grad. It prints the median ms/step,
+tokens/s and model TFLOP/s by the Megatron formula
+72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)), in the same columns as fugu's bench (without MFU and
+non-GEMM share, which fugu measures from its own kernels).
+
+Needs only `torch` (`pip install torch`; the CPU wheel is enough, e.g.
+`pip install torch --index-url https://download.pytorch.org/whl/cpu`). It is a development
+tool: fugu's test suite never runs it and never needs torch.
+"""
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+V, NPOS, H, NHEAD, NLAYER = 50257, 1024, 768, 12, 12
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(H)
+        self.c_attn = nn.Linear(H, 3 * H)
+        self.c_proj = nn.Linear(H, H)
+        self.ln_2 = nn.LayerNorm(H)
+        self.c_fc = nn.Linear(H, 4 * H)
+        self.mlp_proj = nn.Linear(4 * H, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(H, dim=2)
+        q, k, v = (z.view(b, t, NHEAD, H // NHEAD).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, H))
+        x = x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        return x
+
+
+class GPT2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(V, H)
+        self.wpe = nn.Embedding(NPOS, H)
+        self.h = nn.ModuleList(Block() for _ in range(NLAYER))
+        self.ln_f = nn.LayerNorm(H)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * NLAYER) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif "ln" not in name:
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for blk in self.h:
+            x = blk(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied LM head
+        return F.cross_entropy(logits.view(-1, V), targets.reshape(-1))
+
+
+def megatron_flops(b, s, l, h, v):
+    return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", action="append", default=None, help="BxT (repeatable)")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    shapes = args.shape or ["4x64", "4x256"]
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(1)
+    print(f"torch {torch.__version__} | {torch.get_num_threads()} threads | fp32 eager CPU")
+    print(f"{'config':<12} {'BxT':>7} {'ms/step':>10} {'tokens/s':>10} {'TFLOP/s':>9}")
+    for s in shapes:
+        b, t = (int(z) for z in s.split("x"))
+        model = GPT2()
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+        )
+        gen = torch.Generator().manual_seed(7)
+        times = []
+        for step in range(args.steps + 1):
+            window = torch.randint(0, V, (b, t + 1), generator=gen)
+            t0 = time.perf_counter()
+            loss = model(window[:, :-1], window[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ms = (time.perf_counter() - t0) * 1e3
+            if step > 0:
+                times.append(ms)
+        med = statistics.median(times)
+        tflops = megatron_flops(b, t, NLAYER, H, V) / (med / 1e3) / 1e12
+        print(f"{'gpt2-124m':<12} {s:>7} {med:>10.1f} {b * t / (med / 1e3):>10.1f} {tflops:>9.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
