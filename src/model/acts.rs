@@ -3,7 +3,7 @@
 //! [`Table`] (the llm.c `ActivationTensors` idea).
 
 use super::table::Table;
-use crate::backend::{BufId, Span};
+use crate::backend::{AttnDims, BufId, Span};
 
 /// Shapes of one step: `b` sequences of `t` tokens, hidden `c`, and this rank's share of heads,
 /// MLP width and (padded) vocabulary.
@@ -26,6 +26,15 @@ impl StepDims {
     /// Tokens per step (B·T), the row count of every 2-D activation.
     pub fn n(&self) -> usize {
         self.b * self.t
+    }
+    /// The attention ops' dimensions.
+    pub fn attn(&self) -> AttnDims {
+        AttnDims {
+            b: self.b,
+            t: self.t,
+            nh: self.nh,
+            hs: self.hs,
+        }
     }
     /// Width of this rank's attention heads (nh·hs = c / tp).
     pub fn local_c(&self) -> usize {

@@ -9,7 +9,7 @@
 use super::acts::{acts_table, grad_acts_table, Acts, GradActs, StepDims};
 use super::params::ParamSpans;
 use super::table::{gpt2_params, padded_vocab, Table};
-use crate::backend::{AdamWStep, AttnDims, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
+use crate::backend::{AdamWStep, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
 use anyhow::{bail, Result};
@@ -189,28 +189,23 @@ impl<B: Backend> Gpt2<B> {
         Ok(())
     }
 
-    fn acts(&self) -> (Acts, GradActs) {
-        self.acts.clone().expect("set_batch before forward")
+    fn acts(&self) -> &(Acts, GradActs) {
+        self.acts.as_ref().expect("set_batch before forward")
     }
 
     /// Forward pass on the batch from [`Self::set_batch`]. Returns the mean loss. With
     /// `for_backward`, the logits are replaced by the loss gradient (mean over B·T), ready for
     /// [`Self::backward`].
     pub fn forward(&mut self, timers: &Timers, for_backward: bool) -> f32 {
-        let (a, _) = self.acts();
+        let (a, _) = self.acts.as_ref().expect("set_batch before forward");
         let d = a.dims;
         let n = d.n();
         let (c, f, lc) = (d.c, d.f, d.local_c());
         let inputs = TokSpan { offset: 0, len: n };
         let targets = TokSpan { offset: n, len: n };
         let vocab_start = self.tp.rank * d.vp;
-        let ad = AttnDims {
-            b: d.b,
-            t: d.t,
-            nh: d.nh,
-            hs: d.hs,
-        };
-        let p = self.p.clone();
+        let ad = d.attn();
+        let p = &self.p;
         let be = &mut self.be;
         let _fwd = timers.scope("forward", Coarse);
         {
@@ -380,20 +375,14 @@ impl<B: Backend> Gpt2<B> {
 
     /// Backward pass after `forward(.., true)`: accumulates into the gradient buffer.
     pub fn backward(&mut self, timers: &Timers) {
-        let (a, ga) = self.acts();
+        let (a, ga) = self.acts.as_ref().expect("set_batch before backward");
         let d = a.dims;
         let n = d.n();
         let (c, f, lc) = (d.c, d.f, d.local_c());
         let inputs = TokSpan { offset: 0, len: n };
         let vocab_start = self.tp.rank * d.vp;
-        let ad = AttnDims {
-            b: d.b,
-            t: d.t,
-            nh: d.nh,
-            hs: d.hs,
-        };
-        let p = self.p.clone();
-        let g = self.g.clone();
+        let ad = d.attn();
+        let (p, g) = (&self.p, &self.g);
         let be = &mut self.be;
         let _bwd = timers.scope("backward", Coarse);
         {
@@ -596,14 +585,6 @@ impl<B: Backend> Gpt2<B> {
                 &hp,
             );
         }
-    }
-
-    /// Per-row losses of the last forward pass (host copy).
-    pub fn last_losses(&self) -> Vec<f32> {
-        let (a, _) = self.acts();
-        let mut out = vec![0.0; a.losses.len];
-        self.be.download(a.losses, &mut out);
-        out
     }
 
     /// Logits of the last forward pass without the loss gradient (host copy, padded columns
