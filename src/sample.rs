@@ -4,8 +4,10 @@
 //! per-layer cache, so a step costs O(position) attention work instead of re-running the whole
 //! prefix. It uses the same op kernels as training (on the host, in f32).
 
+use crate::backend::{BufId, Span};
 use crate::config::ModelConfig;
-use crate::model::table::{gpt2_params, padded_vocab, Table};
+use crate::model::params::ParamSpans;
+use crate::model::table::{gpt2_params, padded_vocab};
 use crate::ops;
 use crate::ops::linear::WeightLayout;
 use anyhow::{bail, Result};
@@ -25,12 +27,28 @@ pub struct SampleOptions {
 /// A model ready for incremental decoding.
 pub struct Generator {
     cfg: ModelConfig,
-    table: Table,
+    /// Where each tensor lives in `params` (the trainer's parameter spans; the buffer id is
+    /// unused here).
+    spans: ParamSpans,
     params: Vec<f32>,
     /// Per layer: keys and values of the positions seen so far, (n_positions, C) each.
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
     pos: usize,
+    scratch: Scratch,
+}
+
+/// Per-token work buffers, allocated once.
+struct Scratch {
+    x: Vec<f32>,
+    ln: Vec<f32>,
+    qkv: Vec<f32>,
+    y: Vec<f32>,
+    proj: Vec<f32>,
+    fch: Vec<f32>,
+    fcg: Vec<f32>,
+    att: Vec<f32>,
+    logits: Vec<f32>,
 }
 
 impl Generator {
@@ -44,20 +62,27 @@ impl Generator {
                 table.total()
             );
         }
-        let cache = vec![vec![0.0f32; cfg.n_positions * cfg.n_embd]; cfg.n_layer];
+        let c = cfg.n_embd;
+        let cache = vec![vec![0.0f32; cfg.n_positions * c]; cfg.n_layer];
         Ok(Generator {
             cfg: cfg.clone(),
-            table,
+            spans: ParamSpans::new(&table, BufId(0), cfg.n_layer),
             params,
             k_cache: cache.clone(),
             v_cache: cache,
             pos: 0,
+            scratch: Scratch {
+                x: vec![0.0; c],
+                ln: vec![0.0; c],
+                qkv: vec![0.0; 3 * c],
+                y: vec![0.0; c],
+                proj: vec![0.0; c],
+                fch: vec![0.0; 4 * c],
+                fcg: vec![0.0; 4 * c],
+                att: vec![0.0; cfg.n_positions],
+                logits: vec![0.0; padded_vocab(cfg.vocab_size)],
+            },
         })
-    }
-
-    fn p(&self, name: &str) -> &[f32] {
-        let s = self.table.get(name).expect("GPT-2 tensor");
-        &self.params[s.range()]
     }
 
     /// Positions consumed so far.
@@ -82,59 +107,59 @@ impl Generator {
             );
         }
         let t = self.pos;
-        let mut x = vec![0.0f32; c];
+        let params = &self.params;
+        let at = |s: Span| &params[s.offset..s.offset + s.len];
+        let sp = &self.spans;
+        let Scratch {
+            x,
+            ln,
+            qkv,
+            y,
+            proj,
+            fch,
+            fcg,
+            att,
+            logits,
+        } = &mut self.scratch;
+        let (mut mean, mut rstd) = ([0.0f32], [0.0f32]);
         // Embedding of one token at position t: a (B=1, T=1) call with wpe shifted to row t.
-        let wpe_row = &self.p("wpe.weight")[t * c..(t + 1) * c];
-        ops::encoder::encoder_forward(
-            &mut x,
-            &[token],
-            self.p("wte.weight"),
-            0,
-            Some(wpe_row),
-            1,
-            1,
-            c,
-        );
-        let (mut ln, mut mean, mut rstd) = (vec![0.0f32; c], [0.0f32], [0.0f32]);
-        let mut qkv = vec![0.0f32; 3 * c];
-        let mut y = vec![0.0f32; c];
-        let mut proj = vec![0.0f32; c];
-        let mut fch = vec![0.0f32; 4 * c];
-        let mut fcg = vec![0.0f32; 4 * c];
+        let wpe_row = &at(sp.wpe)[t * c..(t + 1) * c];
+        ops::encoder::encoder_forward(x, &[token], at(sp.wte), 0, Some(wpe_row), 1, 1, c);
         let scale = 1.0 / (hs as f32).sqrt();
-        for l in 0..self.cfg.n_layer {
-            let pn = |s: &str| format!("h.{l}.{s}");
+        let linear = |out: &mut [f32], inp: &[f32], w: Span, b: Span, ic: usize, oc: usize| {
+            ops::linear::linear_forward(
+                out,
+                inp,
+                at(w),
+                WeightLayout::InOut,
+                Some(at(b)),
+                1,
+                ic,
+                oc,
+            )
+        };
+        for (l, lp) in sp.layers.iter().enumerate() {
             ops::layernorm::layernorm_forward(
-                &mut ln,
+                ln,
                 &mut mean,
                 &mut rstd,
-                &x,
-                self.p(&pn("ln_1.weight")),
-                self.p(&pn("ln_1.bias")),
+                x,
+                at(lp.ln1_w),
+                at(lp.ln1_b),
                 1,
                 c,
             );
-            ops::linear::linear_forward(
-                &mut qkv,
-                &ln,
-                self.p(&pn("attn.c_attn.weight")),
-                WeightLayout::InOut,
-                Some(self.p(&pn("attn.c_attn.bias"))),
-                1,
-                c,
-                3 * c,
-            );
+            linear(qkv, ln, lp.qkv_w, lp.qkv_b, c, 3 * c);
             self.k_cache[l][t * c..(t + 1) * c].copy_from_slice(&qkv[c..2 * c]);
             self.v_cache[l][t * c..(t + 1) * c].copy_from_slice(&qkv[2 * c..]);
             let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
+            let att = &mut att[..=t];
             for h in 0..nh {
                 let q = &qkv[h * hs..(h + 1) * hs];
-                let mut att: Vec<f32> = (0..=t)
-                    .map(|s| {
-                        let k = &kc[s * c + h * hs..s * c + (h + 1) * hs];
-                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
-                    })
-                    .collect();
+                for (s, a) in att.iter_mut().enumerate() {
+                    let k = &kc[s * c + h * hs..s * c + (h + 1) * hs];
+                    *a = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+                }
                 let mx = att.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0f32;
                 for a in att.iter_mut() {
@@ -150,75 +175,37 @@ impl Generator {
                     }
                 }
             }
-            ops::linear::linear_forward(
-                &mut proj,
-                &y,
-                self.p(&pn("attn.c_proj.weight")),
-                WeightLayout::InOut,
-                Some(self.p(&pn("attn.c_proj.bias"))),
-                1,
-                c,
-                c,
-            );
-            ops::residual::add_inplace(&mut x, &proj);
+            linear(proj, y, lp.attproj_w, lp.attproj_b, c, c);
+            ops::residual::add_inplace(x, proj);
             ops::layernorm::layernorm_forward(
-                &mut ln,
+                ln,
                 &mut mean,
                 &mut rstd,
-                &x,
-                self.p(&pn("ln_2.weight")),
-                self.p(&pn("ln_2.bias")),
+                x,
+                at(lp.ln2_w),
+                at(lp.ln2_b),
                 1,
                 c,
             );
-            ops::linear::linear_forward(
-                &mut fch,
-                &ln,
-                self.p(&pn("mlp.c_fc.weight")),
-                WeightLayout::InOut,
-                Some(self.p(&pn("mlp.c_fc.bias"))),
-                1,
-                c,
-                4 * c,
-            );
-            ops::gelu::gelu_forward(&mut fcg, &fch);
-            ops::linear::linear_forward(
-                &mut proj,
-                &fcg,
-                self.p(&pn("mlp.c_proj.weight")),
-                WeightLayout::InOut,
-                Some(self.p(&pn("mlp.c_proj.bias"))),
-                1,
-                4 * c,
-                c,
-            );
-            ops::residual::add_inplace(&mut x, &proj);
+            linear(fch, ln, lp.fc_w, lp.fc_b, c, 4 * c);
+            ops::gelu::gelu_forward(fcg, fch);
+            linear(proj, fcg, lp.fcproj_w, lp.fcproj_b, 4 * c, c);
+            ops::residual::add_inplace(x, proj);
         }
         ops::layernorm::layernorm_forward(
-            &mut ln,
+            ln,
             &mut mean,
             &mut rstd,
-            &x,
-            self.p("ln_f.weight"),
-            self.p("ln_f.bias"),
+            x,
+            at(sp.lnf_w),
+            at(sp.lnf_b),
             1,
             c,
         );
-        let vp = padded_vocab(self.cfg.vocab_size);
-        let mut logits = vec![0.0f32; vp];
-        ops::linear::linear_forward(
-            &mut logits,
-            &ln,
-            self.p("wte.weight"),
-            WeightLayout::OutIn,
-            None,
-            1,
-            c,
-            vp,
-        );
-        logits.truncate(self.cfg.vocab_size);
+        let vp = logits.len();
+        ops::linear::linear_forward(logits, ln, at(sp.wte), WeightLayout::OutIn, None, 1, c, vp);
         self.pos += 1;
-        Ok(logits)
+        Ok(logits[..self.cfg.vocab_size].to_vec())
     }
 }
 
