@@ -315,23 +315,51 @@ fn gemm_failed(e: fugu_gemm::GemmError) -> ! {
     panic!("ops gemm (internal misuse): {e}")
 }
 
-impl Float for f32 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+/// The `Float` methods that only forward to the primitive type's own.
+macro_rules! primitive_float_methods {
+    ($t:ident) => {
+        const ZERO: Self = 0.0;
+        const ONE: Self = 1.0;
+        const NEG_INFINITY: Self = $t::NEG_INFINITY;
 
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        x as f32
-    }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-    #[inline(always)]
-    fn from_usize(x: usize) -> Self {
-        x as f32
-    }
+        #[inline(always)]
+        fn from_f64(x: f64) -> Self {
+            x as $t
+        }
+        #[inline(always)]
+        fn to_f64(self) -> f64 {
+            self as f64
+        }
+        #[inline(always)]
+        fn from_usize(x: usize) -> Self {
+            x as $t
+        }
+        #[inline(always)]
+        fn ln(self) -> Self {
+            $t::ln(self)
+        }
+        #[inline(always)]
+        fn sqrt(self) -> Self {
+            $t::sqrt(self)
+        }
+        #[inline(always)]
+        fn abs(self) -> Self {
+            $t::abs(self)
+        }
+        #[inline(always)]
+        fn max(self, other: Self) -> Self {
+            $t::max(self, other)
+        }
+        #[inline(always)]
+        fn is_finite(self) -> bool {
+            $t::is_finite(self)
+        }
+    };
+}
+
+impl Float for f32 {
+    primitive_float_methods!(f32);
+
     fn sum_exp_row(row: &[f32], max: f32) -> f64 {
         super::fastmath::sum_exp_f32(row, max)
     }
@@ -343,28 +371,8 @@ impl Float for f32 {
         super::fastmath::exp_f32(self)
     }
     #[inline(always)]
-    fn ln(self) -> Self {
-        f32::ln(self)
-    }
-    #[inline(always)]
     fn tanh(self) -> Self {
         super::fastmath::tanh_f32(self)
-    }
-    #[inline(always)]
-    fn sqrt(self) -> Self {
-        f32::sqrt(self)
-    }
-    #[inline(always)]
-    fn abs(self) -> Self {
-        f32::abs(self)
-    }
-    #[inline(always)]
-    fn max(self, other: Self) -> Self {
-        f32::max(self, other)
-    }
-    #[inline(always)]
-    fn is_finite(self) -> bool {
-        f32::is_finite(self)
     }
 
     fn gemm(alpha: f32, a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f32, c: MatMutT<'_, f32>) {
@@ -421,49 +429,15 @@ impl Float for f32 {
 }
 
 impl Float for f64 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    primitive_float_methods!(f64);
 
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        x
-    }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn from_usize(x: usize) -> Self {
-        x as f64
-    }
     #[inline(always)]
     fn exp(self) -> Self {
         f64::exp(self)
     }
     #[inline(always)]
-    fn ln(self) -> Self {
-        f64::ln(self)
-    }
-    #[inline(always)]
     fn tanh(self) -> Self {
         f64::tanh(self)
-    }
-    #[inline(always)]
-    fn sqrt(self) -> Self {
-        f64::sqrt(self)
-    }
-    #[inline(always)]
-    fn abs(self) -> Self {
-        f64::abs(self)
-    }
-    #[inline(always)]
-    fn max(self, other: Self) -> Self {
-        f64::max(self, other)
-    }
-    #[inline(always)]
-    fn is_finite(self) -> bool {
-        f64::is_finite(self)
     }
 
     fn gemm(alpha: f64, a: Mat<'_, f64>, b: Mat<'_, f64>, beta: f64, c: MatMutT<'_, f64>) {
