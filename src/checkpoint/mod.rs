@@ -28,7 +28,7 @@ pub use hf::{
     hf_config_json, load_hf, load_model, read_hf_config, save_model, HfModel, CONFIG_FILE,
     MODEL_FILE,
 };
-pub use optim::{load_optimizer, save_optimizer, OPTIMIZER_FILE};
+pub use optim::{load_optimizer, save_optimizer, save_table_tensors, OPTIMIZER_FILE};
 pub use st::Dtype;
 
 use crate::config::ModelConfig;

@@ -28,17 +28,43 @@ pub fn save_optimizer(
     v: &[f32],
     step: u64,
 ) -> Result<()> {
-    check_full_table(cfg, table)?;
     check_len("first-moment (m)", m, table)?;
     check_len("second-moment (v)", v, table)?;
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut tensors = Vec::with_capacity(2 * table.specs().len());
-    for (prefix, buf) in MOMENTS.iter().zip([m, v]) {
+    let prefixes = MOMENTS.map(|m| format!("{m}{KEY_PREFIX}"));
+    let meta = BTreeMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("optimizer".to_string(), "adamw".to_string()),
+        ("step".to_string(), step.to_string()),
+    ]);
+    save_table_tensors(
+        &dir.join(OPTIMIZER_FILE),
+        cfg,
+        table,
+        &[(&prefixes[0], m), (&prefixes[1], v)],
+        &meta,
+    )
+}
+
+/// Writes buffers laid out by the full `table` of `cfg` as one safetensors file (atomically):
+/// each tensor of each buffer as F32 under `prefix + name`, in its file shape (`wte` without
+/// the padding rows). Used for the optimizer state and for `fugu train --dump-grads`.
+pub fn save_table_tensors(
+    path: &Path,
+    cfg: &ModelConfig,
+    table: &Table,
+    buffers: &[(&str, &[f32])],
+    meta: &BTreeMap<String, String>,
+) -> Result<()> {
+    check_full_table(cfg, table)?;
+    let mut tensors = Vec::with_capacity(buffers.len() * table.specs().len());
+    for (prefix, buf) in buffers {
+        check_len(&format!("buffer for keys {prefix:?}"), buf, table)?;
         for s in table.specs() {
             let shape = file_shape(s, cfg.vocab_size);
             let n = shape.iter().product::<usize>();
             tensors.push(OutTensor {
-                key: format!("{prefix}{KEY_PREFIX}{}", s.name),
+                key: format!("{prefix}{}", s.name),
                 dtype: Dtype::F32,
                 shape,
                 data: Data::F32(&buf[s.offset..s.offset + n]),
@@ -46,15 +72,8 @@ pub fn save_optimizer(
         }
     }
     st::sort_tensors(&mut tensors);
-    let meta = BTreeMap::from([
-        ("format".to_string(), "pt".to_string()),
-        ("optimizer".to_string(), "adamw".to_string()),
-        ("step".to_string(), step.to_string()),
-    ]);
-    let header = st::build_header(Some(&meta), &tensors);
-    atomic::write_file(&dir.join(OPTIMIZER_FILE), |w| {
-        st::write_body(w, &header, &tensors)
-    })
+    let header = st::build_header(Some(meta), &tensors);
+    atomic::write_file(path, |w| st::write_body(w, &header, &tensors))
 }
 
 /// Reads `dir/optimizer.safetensors` into `m` and `v` (laid out by `table`) and returns the

@@ -53,7 +53,7 @@ fn newest_under(runs: &Path) -> Result<Option<PathBuf>> {
 
 fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
     match ck {
-        Some(p) if p.join("model.safetensors").exists() => Ok(p.to_path_buf()),
+        Some(p) if p.join(checkpoint::MODEL_FILE).exists() => Ok(p.to_path_buf()),
         Some(p) => checkpoint::latest_checkpoint(p)?.with_context(|| {
             format!(
                 "{}: no model.safetensors and no ckpt-* checkpoints",

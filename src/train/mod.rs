@@ -78,6 +78,11 @@ impl std::fmt::Display for ExitError {
 
 impl std::error::Error for ExitError {}
 
+/// True for a checkpoint directory itself (as opposed to a run directory holding `ckpt-*`).
+fn is_checkpoint_dir(p: &Path) -> bool {
+    p.join(checkpoint::STATE_FILE).exists()
+}
+
 /// Resolves `--resume`: a checkpoint directory, a run directory (its newest checkpoint), or
 /// `auto` (the newest checkpoint in `out`, if any).
 fn resume_point(resume: Option<&str>, out: &Path) -> Result<Option<PathBuf>> {
@@ -86,7 +91,7 @@ fn resume_point(resume: Option<&str>, out: &Path) -> Result<Option<PathBuf>> {
         return checkpoint::latest_checkpoint(out);
     }
     let p = PathBuf::from(r);
-    if p.join("state.json").exists() {
+    if is_checkpoint_dir(&p) {
         return Ok(Some(p));
     }
     match checkpoint::latest_checkpoint(&p)? {
@@ -141,7 +146,7 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
         (Some(o), _) => o.clone(),
         (None, Some(r)) if r != "auto" => {
             let p = PathBuf::from(r);
-            if p.join("state.json").exists() {
+            if is_checkpoint_dir(&p) {
                 p.parent().map(Path::to_path_buf).unwrap_or_default()
             } else {
                 p
