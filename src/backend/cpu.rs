@@ -99,6 +99,10 @@ impl Backend for CpuBackend {
         dst.copy_from_slice(self.host(src));
     }
 
+    fn with_host(&mut self, s: Span, f: &mut dyn FnMut(&mut [f32])) {
+        f(self.host_mut(s));
+    }
+
     fn zero(&mut self, s: Span) {
         self.host_mut(s).fill(0.0);
     }

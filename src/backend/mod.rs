@@ -99,6 +99,14 @@ pub trait Backend {
     fn upload(&mut self, dst: Span, src: &[f32]);
     /// Copies a span to host memory (`dst.len() == src.len`).
     fn download(&self, src: Span, dst: &mut [f32]);
+    /// Runs `f` on a host view of `s` that it may read and write (used to hand buffers to
+    /// MPI). Host backends lend their memory; the default stages through a host copy.
+    fn with_host(&mut self, s: Span, f: &mut dyn FnMut(&mut [f32])) {
+        let mut tmp = vec![0.0; s.len];
+        self.download(s, &mut tmp);
+        f(&mut tmp);
+        self.upload(s, &tmp);
+    }
     /// Sets a span to zero.
     fn zero(&mut self, s: Span);
     /// Replaces the token buffer (inputs and targets of a step).

@@ -2,7 +2,8 @@
 
 use crate::config::{LrSchedule, RunConfig};
 use crate::metrics::timers::TimerLevel;
-use crate::train::{self, TrainOptions};
+use crate::train::dist::Dist;
+use crate::train::{self, ExitError, TrainOptions};
 use anyhow::Result;
 use clap::Args;
 use std::io::IsTerminal;
@@ -89,6 +90,20 @@ pub struct TrainArgs {
     /// Print a plain progress line every N steps (batch jobs; a TTY gets a progress bar).
     #[arg(long, default_value_t = 10)]
     pub log_every: usize,
+    /// Tensor-parallel degree (MPI builds): ranks per tensor-parallel group, consecutive world
+    /// ranks (one per CMG on A64FX). Must divide the rank count, n_head and 4*n_embd.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// ZeRO stage: 1 shards the AdamW moments across data-parallel ranks.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Data-parallel gradient bucket size in MiB (all-reduces start as buckets fill).
+    #[arg(long, default_value_t = 16.0)]
+    pub bucket_mb: f64,
+    /// Read the global batch as N data streams (default: one per data-parallel rank, or the
+    /// resumed checkpoint's). Keeping N fixed keeps the data order when dp changes.
+    #[arg(long, value_name = "N")]
+    pub data_ranks: Option<usize>,
 }
 
 impl TrainArgs {
@@ -145,12 +160,28 @@ impl TrainArgs {
             log_every: self.log_every,
             eval_batches: self.eval_batches.max(1),
             tty: std::io::stderr().is_terminal(),
+            tp: self.tp,
+            zero: self.zero,
+            bucket_mb: self.bucket_mb,
+            data_ranks: self.data_ranks,
         })
     }
 }
 
-/// Runs `fugu train`.
+/// Runs `fugu train`. Under MPI, an error on one rank ends the whole job (`MPI_Abort`) after
+/// printing it, so no rank hangs in a collective; a non-finite loss is seen by every rank at
+/// once and ends the job normally with its own exit code.
 pub fn run(args: TrainArgs) -> Result<()> {
-    train::run(args.options()?)?;
-    Ok(())
+    let mut dist = Dist::init()?;
+    let res = args.options().and_then(|opts| train::run(opts, &mut dist));
+    if let Err(e) = &res {
+        if dist.is_parallel() && e.downcast_ref::<ExitError>().is_none() {
+            eprintln!(
+                "fugu train: error on rank {} of {}: {e:#}\nfugu train: aborting all ranks",
+                dist.grid.world_rank, dist.grid.world_size
+            );
+            dist.abort_job(1);
+        }
+    }
+    res.map(|_| ())
 }

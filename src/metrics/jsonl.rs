@@ -3,7 +3,9 @@
 //! * `{"type":"header", ...}`: whatever the trainer passes (config, machine, thread layout,
 //!   world/tp/dp); a resumed run appends a new header;
 //! * `{"type":"step","step":..,"loss":..,"lr":..,"grad_norm":..,"tokens":..,"tokens_per_s":..,
-//!   "step_ms":..,"tflops_per_process":..,"peak_pct":..,"timers":{name: ms}}`;
+//!   "step_ms":..,"tflops_per_process":..,"peak_pct":..,"timers":{name: ms}}`, and with several
+//!   ranks also `"timers_min"`, `"timers_max"` (over ranks; `timers` is then the mean) and
+//!   `"comm_bytes"`;
 //! * `{"type":"eval","step":..,"val_loss":..}`;
 //! * `{"type":"event","kind":"checkpoint", ...}`: anything else (checkpoint written, skipped
 //!   non-finite step, ...), the payload's fields inline.
@@ -48,8 +50,27 @@ pub struct StepRecord {
     #[serde(deserialize_with = "f64_or_nan")]
     pub peak_pct: f64,
     /// Milliseconds per timer name in this step ([`super::Timers::take_step`]).
+    /// With several ranks: the mean over ranks.
     #[serde(default, deserialize_with = "map_f64_or_nan")]
     pub timers: BTreeMap<String, f64>,
+    /// With several ranks: the minimum over ranks of each timer.
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "map_f64_or_nan"
+    )]
+    pub timers_min: BTreeMap<String, f64>,
+    /// With several ranks: the maximum over ranks of each timer.
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "map_f64_or_nan"
+    )]
+    pub timers_max: BTreeMap<String, f64>,
+    /// Payload bytes this rank handed to collectives in this step (see
+    /// [`crate::parallel::comm`]); absent for one process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_bytes: Option<u64>,
 }
 
 /// A validation-loss measurement.
@@ -308,6 +329,7 @@ mod tests {
             tflops_per_process: 0.12,
             peak_pct: 8.5,
             timers,
+            ..Default::default()
         }
     }
 

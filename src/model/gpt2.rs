@@ -4,7 +4,13 @@
 //!
 //! Tensor parallelism: the parameter table already holds this rank's shards (`gpt2_params(cfg,
 //! tp)`), and the activation shapes use the local head count, MLP width and vocabulary rows.
-//! The points where Megatron's f/g all-reduces go are marked `TP:` below.
+//! The Megatron f/g all-reduces go through the tensor-parallel communicator (`TP:` below); with
+//! [`SerialComm`] they are no-ops.
+//!
+//! Data parallelism and ZeRO-1 live outside the model: [`Gpt2::backward_with`] reports when a
+//! suffix of the gradient buffer is final (so the trainer can start bucket all-reduces while
+//! backward goes on), and [`Gpt2::set_owned`] restricts the optimizer (and the AdamW moments)
+//! to the parameter ranges this rank updates.
 
 use super::acts::{acts_table, grad_acts_table, Acts, GradActs, StepDims};
 use super::params::ParamSpans;
@@ -12,7 +18,11 @@ use super::table::{gpt2_params, padded_vocab, Table};
 use crate::backend::{AdamWStep, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
+use crate::parallel::shard::{split_of, Split};
+use crate::parallel::{Comm, ReduceOp, SerialComm};
 use anyhow::{bail, Result};
+use std::ops::Range;
+use std::rc::Rc;
 
 use TimerLevel::{Coarse, Fine};
 
@@ -42,6 +52,30 @@ pub struct OptimStep {
     pub step: u64,
 }
 
+/// A range of the flat parameter buffer that this rank updates, and where its AdamW moments
+/// start in the (possibly shorter) moment buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedRange {
+    pub flat: Range<usize>,
+    pub moment_offset: usize,
+}
+
+/// Runs a tensor-parallel all-reduce of `s` (a no-op without tensor parallelism), timed as
+/// `name`.
+fn tp_allreduce<B: Backend>(
+    be: &mut B,
+    comm: &dyn Comm,
+    timers: &Timers,
+    name: &'static str,
+    s: Span,
+    op: ReduceOp,
+) {
+    if comm.size() > 1 {
+        let _t = timers.scope(name, Coarse);
+        be.with_host(s, &mut |x| comm.allreduce_f32(x, op));
+    }
+}
+
 /// The model on a backend.
 pub struct Gpt2<B: Backend> {
     pub cfg: ModelConfig,
@@ -56,6 +90,8 @@ pub struct Gpt2<B: Backend> {
     p: ParamSpans,
     g: ParamSpans,
     acts: Option<(Acts, GradActs)>,
+    tp_comm: Rc<dyn Comm>,
+    owned: Vec<OwnedRange>,
 }
 
 impl<B: Backend> Gpt2<B> {
@@ -81,9 +117,53 @@ impl<B: Backend> Gpt2<B> {
             p,
             g,
             acts: None,
+            tp_comm: Rc::new(SerialComm::new()),
+            owned: vec![OwnedRange {
+                flat: 0..n,
+                moment_offset: 0,
+            }],
         })
     }
 
+    /// Uses `comm` (this rank's tensor-parallel group, of size `tp.size`) for the TP
+    /// all-reduces.
+    pub fn set_tp_comm(&mut self, comm: Rc<dyn Comm>) -> Result<()> {
+        if comm.size() != self.tp.size || comm.rank() != self.tp.rank {
+            bail!(
+                "tensor-parallel communicator is rank {} of {}, the model was built as rank {} of {}",
+                comm.rank(),
+                comm.size(),
+                self.tp.rank,
+                self.tp.size
+            );
+        }
+        self.tp_comm = comm;
+        Ok(())
+    }
+
+    /// Restricts the optimizer to `owned` parameter ranges (ZeRO-1) and reallocates the AdamW
+    /// moments to hold just those (zeroed).
+    pub fn set_owned(&mut self, owned: Vec<OwnedRange>) -> Result<()> {
+        let total = self.table.total();
+        let mut next = 0;
+        for o in &owned {
+            if o.flat.end > total || o.moment_offset != next {
+                bail!("owned parameter ranges must lie in 0..{total} with packed moment offsets");
+            }
+            next += o.flat.len();
+        }
+        self.be.free(self.m);
+        self.be.free(self.v);
+        self.m = self.be.alloc(next)?;
+        self.v = self.be.alloc(next)?;
+        self.owned = owned;
+        Ok(())
+    }
+
+    /// The parameter ranges this rank's optimizer updates.
+    pub fn owned(&self) -> &[OwnedRange] {
+        &self.owned
+    }
     /// Copies a host parameter buffer (laid out by [`Self::table`]) onto the backend.
     pub fn load_params(&mut self, host: &[f32]) -> Result<()> {
         if host.len() != self.table.total() {
@@ -207,6 +287,10 @@ impl<B: Backend> Gpt2<B> {
         let ad = d.attn();
         let p = &self.p;
         let be = &mut self.be;
+        let comm = &*self.tp_comm;
+        // Replicated additions (position embedding, row-parallel biases) happen on one rank,
+        // before the all-reduce sums the shards.
+        let first = self.tp.rank == 0;
         let _fwd = timers.scope("forward", Coarse);
         {
             let _t = timers.scope("forward:embedding", Fine);
@@ -216,12 +300,20 @@ impl<B: Backend> Gpt2<B> {
                 inputs,
                 p.wte,
                 vocab_start,
-                Some(p.wpe),
+                first.then_some(p.wpe),
                 d.b,
                 d.t,
                 c,
             );
         }
+        tp_allreduce(
+            be,
+            comm,
+            timers,
+            "forward:embedding:allreduce",
+            a.encoded,
+            ReduceOp::Sum,
+        );
         let mut resid = a.encoded;
         for (la, lp) in a.layers.iter().zip(&p.layers) {
             {
@@ -270,12 +362,20 @@ impl<B: Backend> Gpt2<B> {
                     la.atty,
                     lp.attproj_w,
                     WeightLayout::InOut,
-                    Some(lp.attproj_b),
+                    first.then_some(lp.attproj_b),
                     n,
                     lc,
                     c,
                 );
             }
+            tp_allreduce(
+                be,
+                comm,
+                timers,
+                "forward:attention:allreduce",
+                a.proj,
+                ReduceOp::Sum,
+            );
             {
                 let _t = timers.scope("forward:residual", Fine);
                 be.residual_forward(la.resid2, resid, a.proj);
@@ -318,12 +418,20 @@ impl<B: Backend> Gpt2<B> {
                     la.fch_gelu,
                     lp.fcproj_w,
                     WeightLayout::InOut,
-                    Some(lp.fcproj_b),
+                    first.then_some(lp.fcproj_b),
                     n,
                     f,
                     c,
                 );
             }
+            tp_allreduce(
+                be,
+                comm,
+                timers,
+                "forward:mlp:allreduce",
+                a.proj,
+                ReduceOp::Sum,
+            );
             {
                 let _t = timers.scope("forward:residual", Fine);
                 be.residual_forward(la.resid3, la.resid2, a.proj);
@@ -347,7 +455,6 @@ impl<B: Backend> Gpt2<B> {
                 d.vp,
             );
         }
-        let _t = timers.scope("forward:loss", Fine);
         let cd = CeDims {
             n,
             vp: d.vp,
@@ -355,9 +462,18 @@ impl<B: Backend> Gpt2<B> {
             vocab_start,
         };
         // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
-        be.ce_row_max(a.ce_max, a.logits, cd);
-        be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
-        be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
+        let loss_allreduce = "forward:loss:allreduce";
+        timers.time("forward:loss", Fine, || {
+            be.ce_row_max(a.ce_max, a.logits, cd)
+        });
+        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_max, ReduceOp::Max);
+        timers.time("forward:loss", Fine, || {
+            be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
+            be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
+        });
+        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_sum, ReduceOp::Sum);
+        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_tl, ReduceOp::Sum);
+        let _t = timers.scope("forward:loss", Fine);
         let dloss = for_backward.then_some(1.0 / n as f32);
         be.ce_finish(
             a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
@@ -375,6 +491,13 @@ impl<B: Backend> Gpt2<B> {
 
     /// Backward pass after `forward(.., true)`: accumulates into the gradient buffer.
     pub fn backward(&mut self, timers: &Timers) {
+        self.backward_with(timers, &mut |_, _| {});
+    }
+
+    /// [`Self::backward`], calling `ready(backend, from)` whenever the gradients at flat
+    /// offsets `from..` have their final value for this step (after each block, in reverse
+    /// order, and with `from = 0` at the end), so their all-reduce can start early.
+    pub fn backward_with(&mut self, timers: &Timers, ready: &mut dyn FnMut(&B, usize)) {
         let (a, ga) = self.acts.as_ref().expect("set_batch before backward");
         let d = a.dims;
         let n = d.n();
@@ -384,6 +507,7 @@ impl<B: Backend> Gpt2<B> {
         let ad = d.attn();
         let (p, g) = (&self.p, &self.g);
         let be = &mut self.be;
+        let comm = &*self.tp_comm;
         let _bwd = timers.scope("backward", Coarse);
         {
             let _t = timers.scope("backward:lm-head", Fine);
@@ -401,6 +525,14 @@ impl<B: Backend> Gpt2<B> {
                 d.vp,
             );
         }
+        tp_allreduce(
+            be,
+            comm,
+            timers,
+            "backward:lm-head:allreduce",
+            ga.dln,
+            ReduceOp::Sum,
+        );
         let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
         {
             let _t = timers.scope("backward:layernorm", Fine);
@@ -452,6 +584,14 @@ impl<B: Backend> Gpt2<B> {
                     f,
                 );
             }
+            tp_allreduce(
+                be,
+                comm,
+                timers,
+                "backward:mlp:allreduce",
+                ga.dln,
+                ReduceOp::Sum,
+            );
             {
                 let _t = timers.scope("backward:layernorm", Fine);
                 be.layernorm_backward(
@@ -511,6 +651,14 @@ impl<B: Backend> Gpt2<B> {
                     3 * lc,
                 );
             }
+            tp_allreduce(
+                be,
+                comm,
+                timers,
+                "backward:attention:allreduce",
+                ga.dln,
+                ReduceOp::Sum,
+            );
             {
                 let _t = timers.scope("backward:layernorm", Fine);
                 be.layernorm_backward(
@@ -526,6 +674,7 @@ impl<B: Backend> Gpt2<B> {
                     c,
                 );
             }
+            ready(be, lp.ln1_w.offset);
         }
         let _t = timers.scope("backward:embedding", Fine);
         be.encoder_backward(
@@ -538,13 +687,34 @@ impl<B: Backend> Gpt2<B> {
             d.t,
             c,
         );
+        ready(be, 0);
     }
 
-    /// Global L2 norm of the gradients.
+    /// Global L2 norm of the gradients (one process; parallel runs all-reduce
+    /// [`Self::grad_sq_sum`] instead).
     pub fn grad_norm(&mut self, timers: &Timers) -> f64 {
+        self.grad_sq_sum(timers).sqrt()
+    }
+
+    /// This rank's share of the squared gradient norm: the owned ranges of every tensor, with
+    /// replicated (not tensor-parallel) tensors counted on TP rank 0 only, so the sum over all
+    /// ranks is the squared norm of the logical model's gradient.
+    pub fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
         let _c = timers.scope("optimizer:clip", Fine);
-        let s = self.be.whole(self.grads);
-        self.be.sum_of_squares(s).sqrt()
+        let mut sum = 0.0;
+        for spec in self.table.specs() {
+            if self.tp.rank != 0 && split_of(&spec.name) == Split::Replicated {
+                continue;
+            }
+            for (r, _) in owned_parts(&self.owned, spec.range()) {
+                sum += self.be.sum_of_squares(Span {
+                    buf: self.grads,
+                    offset: r.start,
+                    len: r.len(),
+                });
+            }
+        }
+        sum
     }
 
     /// Clipping (PyTorch `clip_grad_norm_`: scale by clip/(norm+1e-6) when that is below 1) and
@@ -559,11 +729,6 @@ impl<B: Backend> Gpt2<B> {
             }
         }
         for spec in self.table.specs() {
-            let span = |buf| Span {
-                buf,
-                offset: spec.offset,
-                len: spec.len(),
-            };
             let hp = AdamWStep {
                 lr: o.lr as f32,
                 beta1: o.beta1 as f32,
@@ -577,13 +742,20 @@ impl<B: Backend> Gpt2<B> {
                 step: o.step,
                 grad_scale: scale as f32,
             };
-            self.be.adamw(
-                span(self.params),
-                span(self.grads),
-                span(self.m),
-                span(self.v),
-                &hp,
-            );
+            for (r, moment) in owned_parts(&self.owned, spec.range()) {
+                let span = |buf, offset| Span {
+                    buf,
+                    offset,
+                    len: r.len(),
+                };
+                self.be.adamw(
+                    span(self.params, r.start),
+                    span(self.grads, r.start),
+                    span(self.m, moment),
+                    span(self.v, moment),
+                    &hp,
+                );
+            }
         }
     }
 
@@ -595,4 +767,17 @@ impl<B: Backend> Gpt2<B> {
         self.be.download(a.logits, &mut out);
         out
     }
+}
+
+/// The parts of `range` (flat offsets) inside the owned ranges, each with the moment offset of
+/// its first element.
+fn owned_parts(owned: &[OwnedRange], range: Range<usize>) -> Vec<(Range<usize>, usize)> {
+    owned
+        .iter()
+        .filter_map(|o| {
+            let lo = o.flat.start.max(range.start);
+            let hi = o.flat.end.min(range.end);
+            (lo < hi).then(|| (lo..hi, o.moment_offset + (lo - o.flat.start)))
+        })
+        .collect()
 }

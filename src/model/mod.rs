@@ -8,4 +8,4 @@ pub mod init;
 pub mod params;
 pub mod table;
 
-pub use gpt2::{Gpt2, OptimStep, TpRank};
+pub use gpt2::{Gpt2, OptimStep, OwnedRange, TpRank};

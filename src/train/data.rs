@@ -71,3 +71,72 @@ pub fn eval_loss(
     }
     Ok(Some(sum / batches as f64))
 }
+
+/// The training batches of one data-parallel rank.
+///
+/// The global batch (`B × dp` rows) is read as `data_ranks` equal streams of the fugu-io
+/// loader (rank `k` of `data_ranks`), concatenated in stream order; data-parallel rank `d`
+/// reads streams `d·data_ranks/dp ..`. The default `data_ranks = dp` is one stream per rank.
+/// Fixing `data_ranks` makes the sequence of global batches independent of `dp`: a serial
+/// run with `--data-ranks 2` and twice the batch sees exactly the batches of a dp = 2 run,
+/// and a checkpoint resumes exactly under another `dp` (see docs/TRAINING.md).
+pub struct BatchSource {
+    loaders: Vec<Loader>,
+}
+
+impl BatchSource {
+    /// Opens the streams of DP rank `dp_rank` of `dp`; `cfg.batch_size` is this rank's `B`.
+    pub fn open(
+        data: &str,
+        cfg: &LoaderConfig,
+        dp_rank: usize,
+        dp: usize,
+        data_ranks: usize,
+        cursor: Option<&fugu_io::Cursor>,
+    ) -> Result<BatchSource> {
+        if data_ranks == 0 || !data_ranks.is_multiple_of(dp) {
+            anyhow::bail!(
+                "--data-ranks {data_ranks} must be a positive multiple of the data-parallel size {dp}"
+            );
+        }
+        let per_rank = data_ranks / dp;
+        if !cfg.batch_size.is_multiple_of(per_rank) {
+            anyhow::bail!(
+                "--data-ranks {data_ranks}: each of the {dp} data-parallel ranks reads {per_rank} \
+                 streams, which must divide the per-rank batch size {}",
+                cfg.batch_size
+            );
+        }
+        let loaders = (0..per_rank)
+            .map(|j| {
+                let mut c = cfg.clone();
+                c.batch_size = cfg.batch_size / per_rank;
+                c.rank = dp_rank * per_rank + j;
+                c.world = data_ranks;
+                train_loader(data, &c, cursor)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BatchSource { loaders })
+    }
+
+    /// The next batch window of this rank (`B` rows of `T + 1` tokens) into `out`.
+    pub fn next_into(&mut self, out: &mut Vec<u32>) -> Result<()> {
+        out.clear();
+        for l in &mut self.loaders {
+            let b = l.next_batch()?;
+            out.extend_from_slice(&b.tokens);
+            l.recycle(b);
+        }
+        Ok(())
+    }
+
+    /// The loader position (the same for every stream and rank).
+    pub fn cursor(&self) -> fugu_io::Cursor {
+        self.loaders[0].cursor()
+    }
+
+    /// Size of one stream (for the run header).
+    pub fn info(&self) -> &fugu_io::LoaderInfo {
+        self.loaders[0].info()
+    }
+}

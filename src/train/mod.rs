@@ -1,7 +1,9 @@
 //! `fugu train`: the training loop, with metrics, timers, evaluation and checkpoints.
 
 pub mod data;
+pub mod dist;
 pub mod dump;
+pub mod layout;
 pub mod schedule;
 pub mod state;
 
@@ -16,10 +18,13 @@ use crate::metrics::timers::{TimerLevel, Timers};
 use crate::model::init::init_params;
 use crate::model::table::gpt2_params;
 use crate::model::{Gpt2, OptimStep, TpRank};
+use crate::parallel::grad_sync::GradSync;
+use crate::parallel::{timer_stats, ReduceOp};
 use anyhow::{bail, Context, Result};
+use dist::Dist;
 use fugu_io::LoaderConfig;
 use serde_json::json;
-use state::{TrainState, STATE_FORMAT};
+use state::{SavedLayout, TrainState, STATE_FORMAT};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -51,6 +56,14 @@ pub struct TrainOptions {
     pub eval_batches: usize,
     /// stderr is a terminal: draw a progress bar instead of plain lines.
     pub tty: bool,
+    /// Tensor-parallel degree (`--tp`).
+    pub tp: usize,
+    /// ZeRO stage (0 or 1).
+    pub zero: u8,
+    /// Data-parallel gradient bucket size in MiB.
+    pub bucket_mb: f64,
+    /// `--data-ranks` (default: the data-parallel size, or the checkpoint's).
+    pub data_ranks: Option<usize>,
 }
 
 /// How a run ended.
@@ -139,9 +152,10 @@ pub fn set_threads(threads: Option<usize>) -> Result<usize> {
     Ok(rayon::current_num_threads())
 }
 
-/// Runs `fugu train`.
-pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
+/// Runs `fugu train` in the job described by `dist` (one process: [`Dist::serial`]).
+pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
     let threads = set_threads(opts.threads)?;
+    let root = dist.is_root();
     let out = match (&opts.out, &opts.resume) {
         (Some(o), _) => o.clone(),
         (None, Some(r)) if r != "auto" => {
@@ -152,6 +166,10 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
                 p
             }
         }
+        _ if dist.is_parallel() => bail!(
+            "--out is required with several MPI ranks (the default folder name contains the \
+             start time, which differs between ranks)"
+        ),
         _ => default_out(&opts.config_name),
     };
     let resume_from = resume_point(opts.resume.as_deref(), &out)?;
@@ -162,8 +180,12 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
             out.display()
         );
     }
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    checkpoint::clean_stale_tmp(&out)?;
+    // Everyone has looked at `out` before rank 0 changes it.
+    dist.world.barrier();
+    if root {
+        std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+        checkpoint::clean_stale_tmp(&out)?;
+    }
 
     // Configuration: a resumed run keeps its model; run-length and optimiser fields come from
     // the command line when given there (they are already merged into opts.config).
@@ -184,26 +206,49 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
     cfg.validate()?;
     let m = cfg.model.clone();
     let t = cfg.train.clone();
+    if opts.zero > 1 {
+        bail!("--zero {}: only stages 0 and 1 exist", opts.zero);
+    }
+    dist.make_grid(opts.tp, &m)?;
+    let grid = dist.grid;
+    // The bundled corpus is tokenised once, by rank 0, before anyone reads it.
     let data = match &start_state {
         Some(st) if opts.data.is_none() => st.data.clone(),
-        _ => data::resolve_data(opts.data.as_deref(), false)?,
+        _ if root => data::resolve_data(opts.data.as_deref(), false)?,
+        _ => String::new(),
     };
+    let data = broadcast_string(dist, data);
+    let data_ranks = opts
+        .data_ranks
+        .or_else(|| {
+            let saved = start_state.as_ref()?.layout?.data_ranks;
+            saved.is_multiple_of(grid.dp).then_some(saved)
+        })
+        .unwrap_or(grid.dp);
 
-    // Model.
-    let mut model = Gpt2::new(&m, TpRank::SERIAL, CpuBackend::new())?;
+    // Model: this rank's tensor-parallel shard, its gradient buckets and (ZeRO-1) its block of
+    // the AdamW moments.
+    let mut model = Gpt2::new(
+        &m,
+        TpRank {
+            rank: grid.tp_rank,
+            size: grid.tp,
+        },
+        CpuBackend::new(),
+    )?;
+    model.set_tp_comm(dist.tp.clone())?;
+    let bucket_floats = ((opts.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
+    let mut sync = GradSync::new(&model.table, dist.dp.clone(), bucket_floats, opts.zero == 1);
+    model.set_owned(sync.owned(model.table.total()))?;
     let full_table = gpt2_params(&m, 1)?;
-    let mut host = vec![0.0f32; full_table.total()];
     let init_desc;
     if let Some(ck) = &resume_from {
-        let hf = checkpoint::load_hf(ck)?;
-        hf.copy_into(&model.table, &mut host)?;
-        model.load_params(&host)?;
-        let mut mm = vec![0.0f32; model.table.total()];
-        let mut vv = vec![0.0f32; model.table.total()];
-        checkpoint::load_optimizer(ck, &model.table, &mut mm, &mut vv)?;
-        let (sm, sv) = (model.be.whole(model.m), model.be.whole(model.v));
-        model.be.upload(sm, &mm);
-        model.be.upload(sv, &vv);
+        let mut host = vec![0.0f32; full_table.total()];
+        checkpoint::load_hf(ck)?.copy_into(&full_table, &mut host)?;
+        let mut mm = vec![0.0f32; full_table.total()];
+        let mut vv = vec![0.0f32; full_table.total()];
+        checkpoint::load_optimizer(ck, &full_table, &mut mm, &mut vv)?;
+        layout::load_full(&mut model, &full_table, &host, Some((&mm, &vv)))?;
         init_desc = format!("resumed from {}", ck.display());
     } else if let Some(dir) = &opts.init_from {
         let hf = checkpoint::load_hf(dir)?;
@@ -216,90 +261,125 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
                 m
             );
         }
-        hf.copy_into(&model.table, &mut host)?;
-        model.load_params(&host)?;
+        let mut host = vec![0.0f32; full_table.total()];
+        hf.copy_into(&full_table, &mut host)?;
+        layout::load_full(&mut model, &full_table, &host, None)?;
         init_desc = format!("initialised from {}", dir.display());
     } else {
-        host = init_params(&m, &full_table, t.seed);
-        model.load_params(&host)?;
+        let host = init_params(&m, &full_table, t.seed);
+        layout::load_full(&mut model, &full_table, &host, None)?;
         init_desc = format!("random init (seed {})", t.seed);
     }
-    drop(host);
 
-    // Data.
+    // Data: B rows per data-parallel rank.
     let mut lcfg = LoaderConfig::train(t.batch_size, t.seq_len, 0, 1, t.seed);
     lcfg.shuffle = opts.shuffle;
     lcfg.vocab_size = m.vocab_size as u32;
-    let mut loader = data::train_loader(&data, &lcfg, start_state.as_ref().map(|s| &s.cursor))?;
+    let mut source = data::BatchSource::open(
+        &data,
+        &lcfg,
+        grid.dp_rank,
+        grid.dp,
+        data_ranks,
+        start_state.as_ref().map(|s| &s.cursor),
+    )?;
     let val_data = opts.val_data.clone().unwrap_or_else(|| data.clone());
-    let mut vcfg = LoaderConfig::val(t.batch_size, t.seq_len, 0, 1);
+    let mut vcfg = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
     vcfg.vocab_size = m.vocab_size as u32;
 
     // Header: config, machine, layout, memory accounting.
     let machine = MachineInfo::detect(threads)?;
-    let params_n = model.table.elements();
+    let params_n = full_table.elements();
     let (act_f, gact_f) = model.activation_floats(t.batch_size, t.seq_len);
-    let state_bytes = 16.0 * model.table.total() as f64;
+    let local_n = model.table.total() as f64;
+    let moment_n: f64 = model.owned().iter().map(|o| o.flat.len() as f64).sum();
+    let state_bytes = 8.0 * local_n + 8.0 * moment_n;
     let act_bytes = 4.0 * (act_f + gact_f) as f64;
+    let global_batch = t.batch_size * grid.dp;
     let flops_step =
-        megatron_flops_per_step(t.batch_size, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
+        megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
+    let flops_rank = flops_step / grid.world_size as f64;
     let start_step = start_state.as_ref().map_or(0, |s| s.step);
-    let metrics_path = out.join("metrics.jsonl");
-    let mut metrics = if start_step > 0 {
-        MetricsWriter::append(&metrics_path)?
-    } else {
-        MetricsWriter::create(&metrics_path)?
-    };
-    let header = json!({
-        "config": cfg,
-        "config_name": opts.config_name,
-        "data": data,
-        "init": init_desc,
-        "machine": machine,
-        "layout": {"world": 1, "tp": 1, "dp": 1, "nodes": 1, "threads": threads},
-        "backend": model.be.name(),
-        "parameters": params_n,
-        "memory": {
-            "params_grads_adam_bytes": state_bytes,
-            "activation_bytes": act_bytes,
-        },
-        "flops_per_step": flops_step,
-        "start_step": start_step,
-        "fugu_version": env!("CARGO_PKG_VERSION"),
-    });
-    metrics.header(&header)?;
-    eprintln!(
-        "fugu train: {} ({:.2}M parameters), B={} T={} steps={} | {} | out {}",
-        opts.config_name,
-        params_n as f64 / 1e6,
-        t.batch_size,
-        t.seq_len,
-        t.steps,
-        init_desc,
-        out.display()
-    );
-    eprintln!(
-        "  machine: {} | {} threads ({}) | peak {:.0} GFLOP/s ({})",
-        machine.cpu_model, threads, machine.layout, machine.peak_gflops, machine.peak_source
-    );
-    eprintln!(
-        "  memory: params+grads+AdamW 16 B x {:.2}M = {}, activations {} (forward {} + backward scratch {}), expected total {}",
-        model.table.total() as f64 / 1e6,
-        mib(state_bytes),
-        mib(act_bytes),
-        mib(4.0 * act_f as f64),
-        mib(4.0 * gact_f as f64),
-        mib(state_bytes + act_bytes)
-    );
-    eprintln!(
-        "  data: {} ({} tokens, {:.1} batches/epoch)",
-        data,
-        loader.info().tokens,
-        loader.info().batches_per_epoch
-    );
-
     let timers = Timers::new(opts.timers);
-    let mut progress = Progress::new(t.steps as u64, start_step, opts.tty);
+    let mut metrics = None;
+    if root {
+        let metrics_path = out.join("metrics.jsonl");
+        let mut w = if start_step > 0 {
+            MetricsWriter::append(&metrics_path)?
+        } else {
+            MetricsWriter::create(&metrics_path)?
+        };
+        let header = json!({
+            "config": cfg,
+            "config_name": opts.config_name,
+            "data": data,
+            "init": init_desc,
+            "machine": machine,
+            "layout": {
+                "world": grid.world_size, "tp": grid.tp, "dp": grid.dp, "nodes": dist.nodes,
+                "ranks_per_node": grid.world_size / dist.nodes.max(1), "threads": threads,
+                "zero": opts.zero, "data_ranks": data_ranks, "global_batch": global_batch,
+                "bucket_mb": opts.bucket_mb, "buckets": sync.buckets(),
+            },
+            "backend": model.be.name(),
+            "parameters": params_n,
+            "memory": {
+                "per_rank": true,
+                "params_grads_bytes": 8.0 * local_n,
+                "adam_moment_bytes": 8.0 * moment_n,
+                "params_grads_adam_bytes": state_bytes,
+                "activation_bytes": act_bytes,
+            },
+            "flops_per_step": flops_step,
+            "flops_per_step_per_rank": flops_rank,
+            "start_step": start_step,
+            "fugu_version": env!("CARGO_PKG_VERSION"),
+        });
+        w.header(&header)?;
+        metrics = Some(w);
+        eprintln!(
+            "fugu train: {} ({:.2}M parameters), B={} per rank x dp {} = {} sequences of T={}, steps={} | {} | out {}",
+            opts.config_name,
+            params_n as f64 / 1e6,
+            t.batch_size,
+            grid.dp,
+            global_batch,
+            t.seq_len,
+            t.steps,
+            init_desc,
+            out.display()
+        );
+        if dist.is_parallel() {
+            eprintln!(
+                "  layout: {} ranks on {} node(s) = dp {} x tp {}, ZeRO-{}, {} gradient buckets of {} MiB, {} data streams",
+                grid.world_size, dist.nodes, grid.dp, grid.tp, opts.zero, sync.buckets(), opts.bucket_mb, data_ranks
+            );
+        }
+        eprintln!(
+            "  machine: {} | {} threads per rank ({}) | peak {:.0} GFLOP/s per rank ({})",
+            machine.cpu_model, threads, machine.layout, machine.peak_gflops, machine.peak_source
+        );
+        eprintln!(
+            "  memory per rank: params+grads 8 B x {:.2}M = {}, AdamW moments 8 B x {:.2}M = {}{}, activations {} (forward {} + backward scratch {}), expected total {}",
+            local_n / 1e6,
+            mib(8.0 * local_n),
+            moment_n / 1e6,
+            mib(8.0 * moment_n),
+            if opts.zero == 1 && grid.dp > 1 { format!(" (ZeRO-1: 1/{} of the shard)", grid.dp) } else { String::new() },
+            mib(act_bytes),
+            mib(4.0 * act_f as f64),
+            mib(4.0 * gact_f as f64),
+            mib(state_bytes + act_bytes)
+        );
+        eprintln!(
+            "  data: {} ({} tokens, {:.1} batches/epoch per stream)",
+            data,
+            source.info().tokens,
+            source.info().batches_per_epoch
+        );
+    }
+
+    let mut progress = Progress::new(t.steps as u64, start_step, opts.tty && root);
     progress.set_log_every(opts.log_every.max(1) as u64);
     let mut tokens_seen = start_state.as_ref().map_or(0, |s| s.tokens_seen);
     let mut skipped = start_state.as_ref().map_or(0, |s| s.skipped_nonfinite);
@@ -308,70 +388,64 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
     let mut last_val = None;
     let mut total_ms = 0.0f64;
     let mut timed_steps = 0u64;
-    let tokens_per_step = (t.batch_size * t.seq_len) as u64;
+    let tokens_per_step = (global_batch * t.seq_len) as u64;
     let peak = machine.peak_gflops * 1e9;
-
-    let save = |model: &Gpt2<CpuBackend>,
-                step: u64,
-                cursor: fugu_io::Cursor,
-                tokens_seen: u64,
-                skipped: u64|
-     -> Result<PathBuf> {
-        let state = TrainState {
-            format: STATE_FORMAT.into(),
-            step,
-            config: cfg.clone(),
-            data: data.clone(),
-            cursor,
-            tokens_seen,
-            skipped_nonfinite: skipped,
-            threads,
-            fugu_version: env!("CARGO_PKG_VERSION").into(),
-        };
-        let p = model.be.host(model.be.whole(model.params));
-        let mm = model.be.host(model.be.whole(model.m));
-        let vv = model.be.host(model.be.whole(model.v));
-        checkpoint::write_checkpoint(
-            &out,
-            step,
-            &m,
-            &model.table,
-            p,
-            Some((mm, vv)),
-            step,
-            &state,
-            opts.keep_last,
-        )
+    let saved_layout = SavedLayout {
+        tp: grid.tp,
+        dp: grid.dp,
+        zero: opts.zero,
+        data_ranks,
     };
+    let norm_comm = if opts.zero == 1 {
+        dist.world.clone()
+    } else {
+        dist.tp.clone()
+    };
+    let mut window = Vec::new();
 
     for step in start_step..t.steps as u64 {
         let t0 = Instant::now();
-        let batch = {
+        let bytes0 = dist.payload_bytes();
+        {
             let _g = timers.scope("forward:batch-generator", TimerLevel::Coarse);
-            loader
-                .next_batch()
-                .with_context(|| format!("reading training data {data} at step {step}"))?
-        };
-        model.set_batch(&batch.tokens, t.batch_size, t.seq_len)?;
-        loader.recycle(batch);
+            source
+                .next_into(&mut window)
+                .with_context(|| format!("reading training data {data} at step {step}"))?;
+        }
+        model.set_batch(&window, t.batch_size, t.seq_len)?;
         model.zero_grad();
-        let loss = model.forward(&timers, true);
-        model.backward(&timers);
+        let local_loss = model.forward(&timers, true);
+        sync.begin_step();
+        let grads = model.grads;
+        model.backward_with(&timers, &mut |be, from| sync.ready(be, grads, from));
+        {
+            let _g = timers.scope("allreduce-params", TimerLevel::Coarse);
+            sync.finish(&mut model.be, model.grads);
+        }
+        let loss = dist.dp_mean(local_loss as f64) as f32;
         if step == start_step && start_step == 0 {
             if let Some(path) = &opts.dump_grads {
+                if dist.is_parallel() {
+                    bail!("--dump-grads works with one process only");
+                }
                 let g = model.be.host(model.be.whole(model.grads));
                 dump::dump_grads(path, &m, &model.table, g)?;
                 eprintln!("  wrote first-step gradients to {}", path.display());
             }
         }
         let optimizer_timer = timers.scope("optimizer", TimerLevel::Coarse);
-        let norm = model.grad_norm(&timers);
+        let mut sq = [model.grad_sq_sum(&timers)];
+        norm_comm.allreduce_f64(&mut sq, ReduceOp::Sum);
+        let norm = sq[0].sqrt();
         let lr = schedule::lr_at(&t, step as usize);
         if !loss.is_finite() || !norm.is_finite() {
-            metrics.event(
-                "nonfinite",
-                &json!({"step": step, "loss": loss, "grad_norm": norm}),
-            )?;
+            // Loss and norm are reduced over all ranks, so every rank takes this branch.
+            if let Some(w) = metrics.as_mut() {
+                w.event(
+                    "nonfinite",
+                    &json!({"step": step, "loss": loss, "grad_norm": norm}),
+                )?;
+            }
             if skipped < opts.skip_nonfinite {
                 skipped += 1;
                 progress.message(&format!(
@@ -407,27 +481,47 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
             norm,
         );
         drop(optimizer_timer);
+        if sync.active() && opts.zero == 1 {
+            let _g = timers.scope("allgather-params", TimerLevel::Coarse);
+            sync.gather_params(&mut model.be, model.params);
+        }
         last_loss = loss;
         tokens_seen += tokens_per_step;
         let step_ms = t0.elapsed().as_secs_f64() * 1e3;
         let done = step + 1;
+        let step_bytes = dist.payload_bytes() - bytes0;
         let timer_map = timers.take_step();
+        let stats = if dist.is_parallel() {
+            timer_stats::gather(&*dist.world, &timer_map)
+        } else {
+            None
+        };
         total_ms += step_ms;
         timed_steps += 1;
         let secs = step_ms / 1e3;
-        let flops = flops_step / secs;
-        metrics.step(&StepRecord {
-            step: done,
-            loss: loss as f64,
-            lr,
-            grad_norm: norm,
-            tokens: tokens_seen,
-            tokens_per_s: tokens_per_step as f64 / secs,
-            step_ms,
-            tflops_per_process: flops / 1e12,
-            peak_pct: 100.0 * flops / peak,
-            timers: timer_map,
-        })?;
+        let flops = flops_rank / secs;
+        if let Some(w) = metrics.as_mut() {
+            let mut rec = StepRecord {
+                step: done,
+                loss: loss as f64,
+                lr,
+                grad_norm: norm,
+                tokens: tokens_seen,
+                tokens_per_s: tokens_per_step as f64 / secs,
+                step_ms,
+                tflops_per_process: flops / 1e12,
+                peak_pct: 100.0 * flops / peak,
+                timers: timer_map,
+                ..Default::default()
+            };
+            if let Some(st) = stats {
+                rec.timers = st.mean;
+                rec.timers_min = st.min;
+                rec.timers_max = st.max;
+                rec.comm_bytes = Some(step_bytes);
+            }
+            w.step(&rec)?;
+        }
         progress.update(&StepLine {
             step: done,
             loss: loss as f64,
@@ -446,43 +540,79 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
                 Ok(model.forward(&timers, false))
             })?;
             if let Some(v) = v {
-                metrics.eval(done, v)?;
+                let v = dist.dp_mean(v);
+                if let Some(w) = metrics.as_mut() {
+                    w.eval(done, v)?;
+                }
                 progress.message(&format!("step {done}: val_loss {v:.4}"));
                 last_val = Some(v);
             }
         }
         if (t.ckpt_every > 0 && done % t.ckpt_every as u64 == 0) || is_last {
             let _g = timers.scope("checkpoint", TimerLevel::Coarse);
-            let path = save(&model, done, loader.cursor(), tokens_seen, skipped)?;
-            metrics.event("checkpoint", &json!({"step": done, "path": path}))?;
-            last_ckpt = Some(path);
+            let full = layout::gather_full(&model, &sync, dist, &full_table)?;
+            let mut path = None;
+            if let Some([p, mm, vv]) = full {
+                let state = TrainState {
+                    format: STATE_FORMAT.into(),
+                    step: done,
+                    config: cfg.clone(),
+                    data: data.clone(),
+                    cursor: source.cursor(),
+                    tokens_seen,
+                    skipped_nonfinite: skipped,
+                    threads,
+                    fugu_version: env!("CARGO_PKG_VERSION").into(),
+                    layout: Some(saved_layout),
+                };
+                let written = checkpoint::write_checkpoint(
+                    &out,
+                    done,
+                    &m,
+                    &full_table,
+                    &p,
+                    Some((&mm, &vv)),
+                    done,
+                    &state,
+                    opts.keep_last,
+                )?;
+                if let Some(w) = metrics.as_mut() {
+                    w.event("checkpoint", &json!({"step": done, "path": written}))?;
+                }
+                path = Some(written);
+            }
+            // No rank runs ahead of an incomplete checkpoint.
+            dist.world.barrier();
+            last_ckpt = Some(path.unwrap_or_else(|| out.join(format!("ckpt-{done:08}"))));
         }
     }
     progress.finish();
 
-    if timed_steps > 0 {
+    if timed_steps > 0 && root {
         let b = timers.breakdown(total_ms, timed_steps);
         eprintln!(
-            "\nper-op breakdown (ms per step, {timed_steps} steps):\n{}",
+            "\nper-op breakdown (ms per step, rank 0, {timed_steps} steps):\n{}",
             b.to_table()
         );
         b.write_json(out.join("breakdown.json"))?;
     }
     let rss = peak_rss_bytes();
-    if let Some(rss) = rss {
-        eprintln!(
-            "peak RSS {} = {:.2} x (params+grads+AdamW + activations)",
-            mib(rss as f64),
-            rss as f64 / (state_bytes + act_bytes)
-        );
-    }
-    metrics.event(
-        "end",
-        &json!({"steps": t.steps, "last_loss": last_loss, "val_loss": last_val,
-                "peak_rss_bytes": rss, "checkpoint": last_ckpt}),
-    )?;
-    if let Some(c) = &last_ckpt {
-        eprintln!("checkpoint: {}", c.display());
+    if let Some(w) = metrics.as_mut() {
+        if let Some(rss) = rss {
+            eprintln!(
+                "peak RSS {} = {:.2} x (params+grads+AdamW + activations)",
+                mib(rss as f64),
+                rss as f64 / (state_bytes + act_bytes)
+            );
+        }
+        w.event(
+            "end",
+            &json!({"steps": t.steps, "last_loss": last_loss, "val_loss": last_val,
+                    "peak_rss_bytes": rss, "checkpoint": last_ckpt}),
+        )?;
+        if let Some(c) = &last_ckpt {
+            eprintln!("checkpoint: {}", c.display());
+        }
     }
     Ok(TrainOutcome {
         out_dir: out,
@@ -491,4 +621,11 @@ pub fn run(opts: TrainOptions) -> Result<TrainOutcome> {
         last_checkpoint: last_ckpt,
         val_loss: last_val,
     })
+}
+
+/// Rank 0's string on every rank.
+fn broadcast_string(dist: &Dist, s: String) -> String {
+    let mut b = s.into_bytes();
+    dist.world.broadcast_bytes(&mut b);
+    String::from_utf8(b).expect("rank 0 sent UTF-8")
 }

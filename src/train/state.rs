@@ -27,4 +27,18 @@ pub struct TrainState {
     pub threads: usize,
     /// `fugu` version that wrote it.
     pub fugu_version: String,
+    /// The parallel layout that wrote it (absent in single-process checkpoints of older
+    /// versions). The model files are layout-free; only the data streams depend on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<SavedLayout>,
+}
+
+/// The parallel layout of the run that wrote a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedLayout {
+    pub tp: usize,
+    pub dp: usize,
+    pub zero: u8,
+    /// Data streams the global batch is read as (`--data-ranks`).
+    pub data_ranks: usize,
 }

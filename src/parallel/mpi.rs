@@ -1,0 +1,318 @@
+//! [`Comm`] over MPI (rsmpi; cargo feature `mpi`).
+//!
+//! Blocking collectives use rsmpi's safe API. The non-blocking all-reduce and reduce-scatter
+//! of the gradient buckets call `MPI_Iallreduce` / `MPI_Ireduce_scatter_block` directly: the
+//! [`MpiPending`] that owns the request also owns both buffers, so they cannot be touched or
+//! freed while MPI may still read or write them, and dropping it waits for completion.
+
+use super::comm::{Comm, Pending, ReduceOp};
+use anyhow::{bail, Result};
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+use std::cell::Cell;
+use std::os::raw::{c_int, c_void};
+
+/// The MPI environment; finalises MPI when dropped.
+pub struct MpiRuntime {
+    _universe: mpi::environment::Universe,
+    world: SimpleCommunicator,
+}
+
+impl MpiRuntime {
+    /// Initialises MPI with `MPI_THREAD_FUNNELED` (compute threads never call MPI).
+    pub fn init() -> Result<MpiRuntime> {
+        let Some((universe, level)) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+        else {
+            bail!("MPI was already initialised in this process");
+        };
+        if level < mpi::Threading::Funneled {
+            bail!("the MPI library offers thread level {level:?}; fugu needs at least Funneled");
+        }
+        let world = universe.world();
+        Ok(MpiRuntime {
+            _universe: universe,
+            world,
+        })
+    }
+
+    /// The whole job.
+    pub fn world(&self) -> MpiComm {
+        MpiComm::new(self.world.duplicate())
+    }
+
+    /// Splits the world: ranks with the same `color` form one group, ordered by `key`.
+    pub fn split(&self, color: usize, key: usize) -> Result<MpiComm> {
+        match self
+            .world
+            .split_by_color_with_key(Color::with_value(color as c_int), key as c_int)
+        {
+            Some(c) => Ok(MpiComm::new(c)),
+            None => bail!("MPI_Comm_split returned no communicator for color {color}"),
+        }
+    }
+
+    /// Ends every process of the job with `code` (`MPI_Abort`). Used after an error on one
+    /// rank so the others do not wait forever in a collective.
+    pub fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+
+    /// The MPI library's version string.
+    pub fn library_version() -> String {
+        mpi::environment::library_version().unwrap_or_else(|_| "unknown MPI".into())
+    }
+}
+
+/// One MPI communicator.
+pub struct MpiComm {
+    comm: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    bytes: Cell<u64>,
+}
+
+fn system_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::Min => SystemOperation::min(),
+    }
+}
+
+fn count(len: usize) -> c_int {
+    c_int::try_from(len).expect("collective larger than 2^31 elements (buckets are smaller)")
+}
+
+impl MpiComm {
+    fn new(comm: SimpleCommunicator) -> MpiComm {
+        MpiComm {
+            rank: comm.rank() as usize,
+            size: comm.size() as usize,
+            comm,
+            bytes: Cell::new(0),
+        }
+    }
+
+    fn count_bytes(&self, n: usize) {
+        self.bytes.set(self.bytes.get() + n as u64);
+    }
+}
+
+impl Comm for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn allreduce_f32(&self, buf: &mut [f32], op: ReduceOp) {
+        if self.size == 1 || buf.is_empty() {
+            return;
+        }
+        self.count_bytes(4 * buf.len());
+        let send = buf.to_vec();
+        self.comm.all_reduce_into(&send[..], buf, system_op(op));
+    }
+
+    fn allreduce_f64(&self, buf: &mut [f64], op: ReduceOp) {
+        if self.size == 1 || buf.is_empty() {
+            return;
+        }
+        self.count_bytes(8 * buf.len());
+        let send = buf.to_vec();
+        self.comm.all_reduce_into(&send[..], buf, system_op(op));
+    }
+
+    fn allgather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(
+            recv.len(),
+            send.len() * self.size,
+            "allgather_f32: recv length"
+        );
+        self.count_bytes(4 * send.len());
+        self.comm.all_gather_into(send, recv);
+    }
+
+    fn gather_f32(&self, send: &[f32], recv: Option<&mut [f32]>) {
+        self.count_bytes(4 * send.len());
+        let root = self.comm.process_at_rank(0);
+        if self.rank == 0 {
+            let recv = recv.expect("gather_f32: rank 0 needs a receive buffer");
+            assert_eq!(
+                recv.len(),
+                send.len() * self.size,
+                "gather_f32: recv length"
+            );
+            root.gather_into_root(send, recv);
+        } else {
+            root.gather_into(send);
+        }
+    }
+
+    fn gather_bytes(&self, send: &[u8]) -> Option<Vec<Vec<u8>>> {
+        self.count_bytes(send.len());
+        let root = self.comm.process_at_rank(0);
+        let len = count(send.len());
+        if self.rank != 0 {
+            root.gather_into(&len);
+            root.gather_varcount_into(send);
+            return None;
+        }
+        let mut lens = vec![0 as c_int; self.size];
+        root.gather_into_root(&len, &mut lens[..]);
+        let displs: Vec<c_int> = lens
+            .iter()
+            .scan(0, |acc, &l| {
+                let d = *acc;
+                *acc += l;
+                Some(d)
+            })
+            .collect();
+        let total: usize = lens.iter().map(|&l| l as usize).sum();
+        let mut all = vec![0u8; total];
+        {
+            let mut part = PartitionMut::new(&mut all[..], &lens[..], &displs[..]);
+            root.gather_varcount_into_root(send, &mut part);
+        }
+        Some(
+            lens.iter()
+                .zip(&displs)
+                .map(|(&l, &d)| all[d as usize..(d + l) as usize].to_vec())
+                .collect(),
+        )
+    }
+
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>) {
+        if self.size == 1 {
+            return;
+        }
+        self.count_bytes(buf.len());
+        let root = self.comm.process_at_rank(0);
+        let mut len = buf.len() as u64;
+        root.broadcast_into(&mut len);
+        buf.resize(len as usize, 0);
+        root.broadcast_into(&mut buf[..]);
+    }
+
+    fn barrier(&self) {
+        self.comm.barrier();
+    }
+
+    fn start_allreduce(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Box<dyn Pending> {
+        assert_eq!(send.len(), recv.len(), "start_allreduce: buffer lengths");
+        self.count_bytes(4 * send.len());
+        // SAFETY: both buffers are moved into the returned MpiPending, which is the only owner
+        // until MPI_Wait/MPI_Test reports completion (its Drop waits), so MPI reads `send` and
+        // writes `recv` while nothing else can; the heap storage of a Vec does not move when
+        // the Vec is moved. `count` fits the lengths, and the communicator outlives the call
+        // (collectives on it complete before it is freed: the trainer waits every bucket).
+        let req = unsafe {
+            let mut req = ffi::RSMPI_REQUEST_NULL;
+            ffi::MPI_Iallreduce(
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                count(send.len()),
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                self.comm.as_raw(),
+                &mut req,
+            );
+            req
+        };
+        Box::new(MpiPending {
+            req,
+            send,
+            recv,
+            done: false,
+        })
+    }
+
+    fn start_reduce_scatter(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Box<dyn Pending> {
+        assert_eq!(
+            send.len(),
+            recv.len() * self.size,
+            "start_reduce_scatter: buffer lengths"
+        );
+        self.count_bytes(4 * send.len());
+        // SAFETY: as in start_allreduce: MpiPending owns both buffers until completion.
+        let req = unsafe {
+            let mut req = ffi::RSMPI_REQUEST_NULL;
+            ffi::MPI_Ireduce_scatter_block(
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                count(recv.len()),
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                self.comm.as_raw(),
+                &mut req,
+            );
+            req
+        };
+        Box::new(MpiPending {
+            req,
+            send,
+            recv,
+            done: false,
+        })
+    }
+
+    fn payload_bytes(&self) -> u64 {
+        self.bytes.get()
+    }
+}
+
+/// A non-blocking collective that owns its buffers.
+struct MpiPending {
+    req: ffi::MPI_Request,
+    send: Vec<f32>,
+    recv: Vec<f32>,
+    done: bool,
+}
+
+impl MpiPending {
+    fn wait_now(&mut self) {
+        if !self.done {
+            // SAFETY: `req` is the live request of this collective (or MPI_REQUEST_NULL after a
+            // completed MPI_Test, which MPI_Wait accepts).
+            unsafe {
+                ffi::MPI_Wait(&mut self.req, ffi::RSMPI_STATUS_IGNORE);
+            }
+            self.done = true;
+        }
+    }
+}
+
+impl Pending for MpiPending {
+    fn test(&mut self) -> bool {
+        if !self.done {
+            let mut flag: c_int = 0;
+            // SAFETY: `req` is the live request of this collective; MPI_Test sets it to
+            // MPI_REQUEST_NULL once complete.
+            unsafe {
+                ffi::MPI_Test(&mut self.req, &mut flag, ffi::RSMPI_STATUS_IGNORE);
+            }
+            self.done = flag != 0;
+        }
+        self.done
+    }
+
+    fn wait(mut self: Box<Self>) -> (Vec<f32>, Vec<f32>) {
+        self.wait_now();
+        (
+            std::mem::take(&mut self.recv),
+            std::mem::take(&mut self.send),
+        )
+    }
+}
+
+impl Drop for MpiPending {
+    fn drop(&mut self) {
+        self.wait_now();
+    }
+}

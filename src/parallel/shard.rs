@@ -1,0 +1,201 @@
+//! Tensor-parallel sharding: how each tensor of the full (tp = 1) parameter table maps onto the
+//! shards of `tp` ranks, and the copies between a full buffer and one rank's buffer.
+//!
+//! Megatron's layout for GPT-2 (Conv1D weights are stored (in, out)):
+//! * column-parallel `c_attn` (q, k and v each split by heads) and `c_fc` (split by MLP units),
+//!   weights and biases;
+//! * row-parallel attention and MLP `c_proj` weights (split by input rows); their biases are
+//!   replicated and added once, after the all-reduce;
+//! * vocabulary-parallel `wte` (split by vocabulary rows; it is also the tied LM head);
+//! * everything else (`wpe`, LayerNorms) replicated.
+//!
+//! The same mapping shards optimizer moments and gradients, and gathers them back for a
+//! checkpoint, which is what lets a checkpoint move between layouts.
+
+use crate::model::table::{Table, TensorSpec};
+use anyhow::{bail, Result};
+
+/// How one tensor is split across tensor-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds all of it.
+    Replicated,
+    /// The first dimension is split into `tp` contiguous blocks.
+    Rows,
+    /// The last dimension is `parts` equal blocks (q, k, v for `c_attn`), each split into `tp`.
+    Cols { parts: usize },
+}
+
+/// The split of the tensor called `name` (Hugging Face GPT-2 names).
+pub fn split_of(name: &str) -> Split {
+    if name == "wte.weight"
+        || name.ends_with("attn.c_proj.weight")
+        || name.ends_with("mlp.c_proj.weight")
+    {
+        Split::Rows
+    } else if name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
+        Split::Cols { parts: 3 }
+    } else if name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
+        Split::Cols { parts: 1 }
+    } else {
+        Split::Replicated
+    }
+}
+
+/// Calls `f(full_offset, local_offset, len)` for every contiguous run of elements that rank
+/// `r` of `tp` holds of tensor `full` (offsets relative to each tensor's start).
+fn segments(
+    full: &TensorSpec,
+    local: &TensorSpec,
+    r: usize,
+    tp: usize,
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    match split_of(&full.name) {
+        Split::Replicated => f(0, 0, full.len()),
+        Split::Rows => {
+            let rows = full.shape[0] / tp;
+            let row_len: usize = full.shape[1..].iter().product();
+            f(r * rows * row_len, 0, rows * row_len)
+        }
+        Split::Cols { parts } => {
+            let cols = *full.shape.last().expect("a tensor has a shape");
+            let rows = full.len() / cols;
+            let block = cols / parts / tp;
+            let local_cols = block * parts;
+            for i in 0..rows {
+                for p in 0..parts {
+                    f(
+                        i * cols + p * (cols / parts) + r * block,
+                        i * local_cols + p * block,
+                        block,
+                    );
+                }
+            }
+        }
+    }
+    debug_assert_eq!(
+        local.len() * tp,
+        match split_of(&full.name) {
+            Split::Replicated => full.len() * tp,
+            _ => full.len(),
+        }
+    );
+}
+
+fn check_tables(full: &Table, local: &Table) -> Result<()> {
+    if full.specs().len() != local.specs().len() {
+        bail!(
+            "parameter tables differ: {} tensors in the full model, {} in the shard",
+            full.specs().len(),
+            local.specs().len()
+        );
+    }
+    for (f, l) in full.specs().iter().zip(local.specs()) {
+        if f.name != l.name {
+            bail!("parameter tables differ: {} against {}", f.name, l.name);
+        }
+    }
+    Ok(())
+}
+
+/// Copies rank `r`'s part of a full buffer (laid out by `full_table`) into `out` (laid out by
+/// `local_table`, the table of one of `tp` shards).
+pub fn shard(
+    full_table: &Table,
+    full: &[f32],
+    local_table: &Table,
+    r: usize,
+    tp: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    check_tables(full_table, local_table)?;
+    for (fs, ls) in full_table.specs().iter().zip(local_table.specs()) {
+        let (src, dst) = (&full[fs.range()], &mut out[ls.range()]);
+        segments(fs, ls, r, tp, |fo, lo, n| {
+            dst[lo..lo + n].copy_from_slice(&src[fo..fo + n])
+        });
+    }
+    Ok(())
+}
+
+/// The inverse of [`shard`]: assembles a full buffer from all `tp` shards (replicated tensors
+/// are taken from shard 0).
+pub fn unshard(
+    full_table: &Table,
+    local_table: &Table,
+    shards: &[&[f32]],
+    out: &mut [f32],
+) -> Result<()> {
+    check_tables(full_table, local_table)?;
+    let tp = shards.len();
+    for (fs, ls) in full_table.specs().iter().zip(local_table.specs()) {
+        let dst = &mut out[fs.range()];
+        for (r, sh) in shards.iter().enumerate() {
+            if r > 0 && split_of(&fs.name) == Split::Replicated {
+                continue;
+            }
+            let src = &sh[ls.range()];
+            segments(fs, ls, r, tp, |fo, lo, n| {
+                dst[fo..fo + n].copy_from_slice(&src[lo..lo + n])
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RunConfig;
+    use crate::model::table::gpt2_params;
+
+    #[test]
+    fn shard_then_unshard_is_the_identity_and_shards_partition_the_model() {
+        let m = RunConfig::load("gpt2-tiny").unwrap().model;
+        let full_t = gpt2_params(&m, 1).unwrap();
+        let full: Vec<f32> = (0..full_t.total()).map(|i| i as f32).collect();
+        for tp in [1, 2, 4] {
+            let lt = gpt2_params(&m, tp).unwrap();
+            let shards: Vec<Vec<f32>> = (0..tp)
+                .map(|r| {
+                    let mut s = vec![-1.0; lt.total()];
+                    shard(&full_t, &full, &lt, r, tp, &mut s).unwrap();
+                    s
+                })
+                .collect();
+            let refs: Vec<&[f32]> = shards.iter().map(|s| &s[..]).collect();
+            let mut back = vec![0.0; full_t.total()];
+            unshard(&full_t, &lt, &refs, &mut back).unwrap();
+            for s in full_t.specs() {
+                assert_eq!(&back[s.range()], &full[s.range()], "tp={tp} {}", s.name);
+            }
+            // Sharded tensors: every element lives on exactly one rank.
+            let qkv = full_t.get("h.1.attn.c_attn.weight").unwrap();
+            let mut seen = std::collections::HashSet::new();
+            for (r, sh) in shards.iter().enumerate() {
+                let ls = lt.get("h.1.attn.c_attn.weight").unwrap();
+                for &x in &sh[ls.range()] {
+                    assert!(seen.insert(x as usize), "tp={tp} rank {r} holds {x} twice");
+                }
+            }
+            assert_eq!(seen.len(), qkv.len());
+        }
+    }
+
+    #[test]
+    fn qkv_shard_takes_the_ranks_heads_of_q_k_and_v() {
+        let m = RunConfig::load("gpt2-tiny").unwrap().model; // C = 128, 4 heads of 32
+        let full_t = gpt2_params(&m, 1).unwrap();
+        let lt = gpt2_params(&m, 2).unwrap();
+        let full: Vec<f32> = (0..full_t.total()).map(|i| i as f32).collect();
+        let mut s = vec![0.0; lt.total()];
+        shard(&full_t, &full, &lt, 1, 2, &mut s).unwrap();
+        let fb = full_t.get("h.0.attn.c_attn.bias").unwrap().offset as f32;
+        let lb = &s[lt.get("h.0.attn.c_attn.bias").unwrap().range()];
+        // Rank 1 holds heads 2-3: q columns 64..128, k 192..256, v 320..384.
+        assert_eq!(lb[0], fb + 64.0);
+        assert_eq!(lb[64], fb + 192.0);
+        assert_eq!(lb[191], fb + 383.0);
+    }
+}
