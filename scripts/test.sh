@@ -2,9 +2,11 @@
 # The project's test command (README, CI): installs what it needs, then runs
 #   1. formatting check,
 #   2. the host test suite (x86-64: portable, AVX2 and AVX-512 kernels, driver, CLI),
+#   2b. the MPI tests (`--features mpi`: dp, tp, tp x dp and ZeRO-1 against one process,
+#       checkpoint resharding, failure on one rank) with Open MPI on this machine,
 #   3. fugu-gemm's tests on aarch64 under QEMU at 512 (A64FX), 128, 256 and 2048-bit SVE,
 #   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%).
-# Skip stages with FUGU_TEST_SKIP="fmt host aarch64 mca" (space-separated) for quick loops.
+# Skip stages with FUGU_TEST_SKIP="fmt host mpi aarch64 mca" (space-separated) for quick loops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -24,6 +26,13 @@ fi
 if ! skip host; then
   stage "host tests ($(uname -m))"
   cargo test --workspace --locked -j2
+fi
+
+if ! skip mpi; then
+  stage "MPI tests (mpirun -np 2 and 4 --oversubscribe)"
+  # Open MPI refuses to run as root without these; CI runs as root.
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  cargo test --locked -j2 --features mpi --test mpi_cli -- --test-threads 1
 fi
 
 if ! skip aarch64; then

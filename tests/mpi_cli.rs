@@ -1,0 +1,374 @@
+//! MPI data and tensor parallelism end to end (`cargo test --features mpi --test mpi_cli`):
+//! `mpirun -np 2 | 4 --oversubscribe fugu train` against one process on the same global batch.
+//!
+//! Every comparison is between a parallel run and a serial run that reads the same global
+//! batch (`--data-ranks 2`, B doubled), over 4 AdamW steps of a small GPT-2.
+//!
+//! Tolerances, and why: the parallel runs change the order of floating-point sums (partial
+//! GEMM products summed by the TP all-reduce, the gradient average over DP ranks, the gradient
+//! norm summed per shard), nothing else. In fp32 that perturbs a gradient by a few ulp
+//! (relative ~1e-7 to 1e-6 for elements that are sums of cancelling terms). AdamW divides each
+//! gradient by √v, so after the first step the update of an element with a tiny gradient can
+//! differ by a fraction of the learning rate: parameter differences are bounded by
+//! steps × lr × (a small factor). We require |Δp| ≤ 2e-5 absolute after 4 steps at lr 1e-3
+//! (observed: 0.7e-6 to 2.6e-6), first moments to 2e-7 (observed ≤ 1.1e-8), and per-step
+//! losses to agree to 1e-5 relative (observed: equal to all printed digits).
+
+#![cfg(feature = "mpi")]
+
+use fugu::checkpoint;
+use fugu::config::RunConfig;
+use fugu::metrics::jsonl::{read_metrics, Record};
+use fugu::model::table::gpt2_params;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = r#"
+[model]
+vocab_size = 1024
+n_positions = 64
+n_embd = 64
+n_head = 4
+n_layer = 2
+
+[train]
+batch_size = 4
+seq_len = 32
+steps = 4
+lr = 1e-3
+min_lr = 1e-4
+warmup_steps = 2
+lr_schedule = "cosine"
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+eps = 1e-8
+grad_clip = 1.0
+seed = 7
+eval_every = 0
+ckpt_every = 0
+"#;
+
+fn have_mpirun() -> bool {
+    Command::new("mpirun").arg("--version").output().is_ok()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fugu-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("m.toml"), MODEL).unwrap();
+    // A deterministic token stream below the vocabulary (LCG), 20k tokens.
+    let mut x = 12345u32;
+    let ids: Vec<u8> = (0..20_000)
+        .flat_map(|_| {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            (((x >> 16) % 1000) as u16).to_le_bytes()
+        })
+        .collect();
+    std::fs::write(d.join("tok.bin"), ids).unwrap();
+    d
+}
+
+/// Runs `fugu train` in `dir` with `np` ranks (0 = no mpirun) and the common flags.
+fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
+    let exe = env!("CARGO_BIN_EXE_fugu");
+    let mut args: Vec<String> = vec![];
+    let mut cmd = if np == 0 {
+        Command::new(exe)
+    } else {
+        args.extend(
+            [
+                "-np",
+                &np.to_string(),
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                exe,
+            ]
+            .map(String::from),
+        );
+        Command::new("mpirun")
+    };
+    args.extend(
+        [
+            "train",
+            "--config",
+            "m.toml",
+            "--data",
+            "tok.bin",
+            "--no-shuffle",
+            "--threads",
+            "1",
+            "--timers",
+            "coarse",
+        ]
+        .map(String::from),
+    );
+    args.extend(extra.iter().map(|s| s.to_string()));
+    cmd.args(&args)
+        .current_dir(dir)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .output()
+        .expect("running fugu")
+}
+
+fn ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "fugu failed ({:?}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn losses(run: &Path) -> Vec<f64> {
+    read_metrics(run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some(s.loss),
+            _ => None,
+        })
+        .collect()
+}
+
+fn params_of(ckpt: &Path) -> (Vec<f32>, Vec<f32>) {
+    let m = RunConfig::load(ckpt.join("../../m.toml").to_str().unwrap())
+        .unwrap()
+        .model;
+    let t = gpt2_params(&m, 1).unwrap();
+    let mut p = vec![0.0; t.total()];
+    checkpoint::load_hf(ckpt)
+        .unwrap()
+        .copy_into(&t, &mut p)
+        .unwrap();
+    let (mut mm, mut vv) = (vec![0.0; t.total()], vec![0.0; t.total()]);
+    checkpoint::load_optimizer(ckpt, &t, &mut mm, &mut vv).unwrap();
+    (p, mm)
+}
+
+/// Asserts that two runs agree (see the module docs for the tolerances).
+fn assert_same(a: &Path, b: &Path, step: u64, what: &str) {
+    let (la, lb) = (losses(a), losses(b));
+    assert_eq!(la.len(), lb.len(), "{what}: step counts");
+    for (i, (x, y)) in la.iter().zip(&lb).enumerate() {
+        assert!(
+            ((x - y) / x).abs() <= 1e-5,
+            "{what}: loss at step {} differs: {x} vs {y}",
+            i + 1
+        );
+    }
+    let ck = format!("ckpt-{step:08}");
+    let (pa, ma) = params_of(&a.join(&ck));
+    let (pb, mb) = params_of(&b.join(&ck));
+    let dp = pa
+        .iter()
+        .zip(&pb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    let dm = ma
+        .iter()
+        .zip(&mb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    eprintln!("{what}: max |dparam| {dp:.3e}, max |dm| {dm:.3e}");
+    assert!(dp <= 2e-5, "{what}: parameters differ by {dp}");
+    assert!(dm <= 2e-7, "{what}: first moments differ by {dm}");
+}
+
+/// The serial reference: B = 4 read as 2 data streams (the global batch of dp = 2 × B = 2).
+fn serial(dir: &Path) -> PathBuf {
+    let out = dir.join("serial");
+    ok(&train(dir, 0, &["--data-ranks", "2", "--out", "serial"]));
+    out
+}
+
+#[test]
+fn parallel_layouts_match_the_serial_run() {
+    if !have_mpirun() {
+        eprintln!("skipped: mpirun not found");
+        return;
+    }
+    let dir = tmp("layouts");
+    let s = serial(&dir);
+    // dp = 2 (B = 2 per rank), tp = 2 (one replica of B = 4), tp = 2 x dp = 2, ZeRO-1 dp = 2
+    // with small buckets so that blocks cross tensor boundaries.
+    for (name, np, extra) in [
+        ("dp2", 2, vec!["--batch-size", "2"]),
+        ("tp2", 2, vec!["--tp", "2", "--data-ranks", "2"]),
+        ("tp2dp2", 4, vec!["--tp", "2", "--batch-size", "2"]),
+        (
+            "zero1",
+            2,
+            vec!["--batch-size", "2", "--zero", "1", "--bucket-mb", "0.05"],
+        ),
+    ] {
+        let mut args = extra.clone();
+        args.extend(["--out", name]);
+        let out = train(&dir, np, &args);
+        ok(&out);
+        assert_same(&s, &dir.join(name), 4, name);
+        // The header records the layout and the per-step records the cross-rank timers.
+        let recs = read_metrics(dir.join(name).join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.first() else {
+            panic!("no header")
+        };
+        assert_eq!(h["layout"]["world"], np, "{name}");
+        let step = recs
+            .iter()
+            .find_map(|r| match r {
+                Record::Step(s) => Some(s.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(step.comm_bytes.unwrap() > 0, "{name}");
+        for key in step.timers.keys() {
+            assert!(
+                step.timers_min[key] <= step.timers[key] + 1e-9,
+                "{name} {key}"
+            );
+            assert!(
+                step.timers[key] <= step.timers_max[key] + 1e-9,
+                "{name} {key}"
+            );
+        }
+        let must: &[&str] = match name {
+            "tp2" | "tp2dp2" => &[
+                "forward:attention:allreduce",
+                "forward:mlp:allreduce",
+                "backward:attention:allreduce",
+                "backward:mlp:allreduce",
+            ],
+            _ => &["allreduce-params"],
+        };
+        for m in must {
+            assert!(step.timers.contains_key(*m), "{name}: no {m} timer");
+        }
+    }
+    // ZeRO-1 halves the AdamW moments per rank.
+    let recs = read_metrics(dir.join("zero1").join("metrics.jsonl")).unwrap();
+    let Some(Record::Header(h)) = recs.first() else {
+        panic!()
+    };
+    let (pg, mom) = (
+        h["memory"]["params_grads_bytes"].as_f64().unwrap(),
+        h["memory"]["adam_moment_bytes"].as_f64().unwrap(),
+    );
+    assert!(
+        (mom / pg - 0.5).abs() < 0.01,
+        "moments {mom} vs params+grads {pg}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn checkpoints_reshard_between_layouts() {
+    if !have_mpirun() {
+        eprintln!("skipped: mpirun not found");
+        return;
+    }
+    let dir = tmp("reshard");
+    let s = serial(&dir);
+    // tp 2 x dp 2 for 2 steps, then one process finishes the run ...
+    ok(&train(
+        &dir,
+        4,
+        &[
+            "--tp",
+            "2",
+            "--batch-size",
+            "2",
+            "--steps",
+            "2",
+            "--out",
+            "a",
+        ],
+    ));
+    ok(&train(
+        &dir,
+        0,
+        &["--batch-size", "4", "--resume", "auto", "--out", "a"],
+    ));
+    assert_same(&s, &dir.join("a"), 4, "tp2dp2 -> serial");
+    // ... and the reverse, with ZeRO-1 on the way back.
+    ok(&train(
+        &dir,
+        0,
+        &["--data-ranks", "2", "--steps", "2", "--out", "b"],
+    ));
+    ok(&train(
+        &dir,
+        4,
+        &[
+            "--tp",
+            "2",
+            "--batch-size",
+            "2",
+            "--zero",
+            "1",
+            "--resume",
+            "auto",
+            "--out",
+            "b",
+        ],
+    ));
+    assert_same(&s, &dir.join("b"), 4, "serial -> tp2dp2 zero1");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_error_on_one_rank_ends_the_job() {
+    if !have_mpirun() {
+        eprintln!("skipped: mpirun not found");
+        return;
+    }
+    let dir = tmp("fail");
+    // Rank 1 of 2 reads the second half of the file; put a token id beyond the vocabulary
+    // there. Rank 0's data is fine, so it would wait in the gradient all-reduce forever
+    // without MPI_Abort.
+    let mut ids = std::fs::read(dir.join("tok.bin")).unwrap();
+    let at = 2 * (ids.len() / 2 / 2 + 10);
+    ids[at..at + 2].copy_from_slice(&5000u16.to_le_bytes());
+    std::fs::write(dir.join("tok.bin"), ids).unwrap();
+    let t0 = Instant::now();
+    let out = train(&dir, 2, &["--batch-size", "2", "--out", "f"]);
+    let took = t0.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("error on rank 1 of 2"), "{err}");
+    assert!(err.contains("5000"), "{err}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    // No checkpoint, complete or partial, was left behind.
+    let left: Vec<_> = std::fs::read_dir(dir.join("f"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        left.iter()
+            .all(|n| !n.to_string_lossy().starts_with("ckpt")),
+        "{left:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_layouts_are_refused_with_the_reason() {
+    if !have_mpirun() {
+        eprintln!("skipped: mpirun not found");
+        return;
+    }
+    let dir = tmp("badtp");
+    let out = train(&dir, 2, &["--tp", "3", "--out", "x"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--tp 3 does not divide the number of MPI ranks (2)"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
