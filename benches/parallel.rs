@@ -1,0 +1,171 @@
+//! `cargo bench --features mpi --bench parallel -- [--config gpt2-124m] [--shape 8x256]
+//! [--steps 6] [--cores 2]`
+//!
+//! The MPI targets of the parallelism issue, as ratios measured in one run on this machine:
+//! `fugu train` (the real binary, the real data path) as
+//!   1. one rank × `cores` threads (the baseline),
+//!   2. `cores` ranks × 1 thread, data parallel (B per rank, so `cores`× the tokens per step),
+//!   3. `cores` ranks × 1 thread, tensor parallel (one replica of B),
+//! each for `steps` steps. Reads every run's metrics.jsonl and prints the median tokens/s
+//! (first step excluded as warm-up), the ratio to the baseline, the visible
+//! `allreduce-params` time and the TP all-reduce time as a share of the step, and the payload
+//! bytes communicated per step.
+
+use clap::Parser;
+use fugu::metrics::jsonl::{read_metrics, Record, StepRecord};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, default_value = "gpt2-124m")]
+    config: String,
+    /// Per-rank batch BxT.
+    #[arg(long, default_value = "8x256")]
+    shape: String,
+    /// Steps per run (the first is excluded).
+    #[arg(long, default_value_t = 6)]
+    steps: usize,
+    /// Cores to use: threads of the baseline, ranks of the parallel runs.
+    #[arg(long, default_value_t = 2)]
+    cores: usize,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() / 2]
+}
+
+fn steps_of(out: &Path) -> anyhow::Result<Vec<StepRecord>> {
+    Ok(read_metrics(out.join("metrics.jsonl"))?
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some(s),
+            _ => None,
+        })
+        .skip(1)
+        .collect())
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let (b, t) = a
+        .shape
+        .split_once('x')
+        .ok_or_else(|| anyhow::anyhow!("--shape {}: expected BxT", a.shape))?;
+    let exe = env!("CARGO_BIN_EXE_fugu");
+    let tmp = std::env::temp_dir().join(format!("fugu-bench-parallel-{}", std::process::id()));
+    let cores = a.cores.to_string();
+    let steps = a.steps.to_string();
+    let runs: Vec<(&str, usize, Vec<&str>)> = vec![
+        ("1 rank x threads", 0, vec!["--threads", &cores]),
+        ("dp ranks x 1 thread", a.cores, vec!["--threads", "1"]),
+        (
+            "tp ranks x 1 thread",
+            a.cores,
+            vec!["--threads", "1", "--tp", &cores],
+        ),
+    ];
+    println!(
+        "{} B={b} T={t} per replica, {} steps (first excluded), {} cores",
+        a.config, a.steps, a.cores
+    );
+    println!(
+        "{:<22} {:>10} {:>9} {:>8} {:>16} {:>14} {:>12}",
+        "run", "tokens/s", "ms/step", "ratio", "allreduce-params", "TP allreduce", "MB/step"
+    );
+    let mut base = f64::NAN;
+    for (name, np, extra) in runs {
+        let out: PathBuf = tmp.join(name.replace(' ', "_"));
+        let _ = std::fs::remove_dir_all(&out);
+        let mut cmd = if np == 0 {
+            Command::new(exe)
+        } else {
+            let mut c = Command::new("mpirun");
+            c.args([
+                "-np",
+                &np.to_string(),
+                "--oversubscribe",
+                "--bind-to",
+                "core",
+                exe,
+            ]);
+            c
+        };
+        cmd.args([
+            "train",
+            "--config",
+            &a.config,
+            "--batch-size",
+            b,
+            "--seq-len",
+            t,
+            "--steps",
+            &steps,
+            "--eval-every",
+            "0",
+            "--ckpt-every",
+            "0",
+            "--keep-last",
+            "1",
+            "--timers",
+            "coarse",
+            "--log-every",
+            "1",
+            "--out",
+        ])
+        .arg(&out)
+        .args(&extra)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        let st = cmd.output()?;
+        if !st.status.success() {
+            anyhow::bail!("{name} failed:\n{}", String::from_utf8_lossy(&st.stderr));
+        }
+        let recs = steps_of(&out)?;
+        let tps = median(recs.iter().map(|r| r.tokens_per_s).collect());
+        let ms = median(recs.iter().map(|r| r.step_ms).collect());
+        let share = |pred: &dyn Fn(&str) -> bool| {
+            median(
+                recs.iter()
+                    .map(|r| {
+                        r.timers
+                            .iter()
+                            .filter(|(k, _)| pred(k))
+                            .map(|(_, v)| v)
+                            .sum::<f64>()
+                            / r.step_ms
+                    })
+                    .collect(),
+            ) * 100.0
+        };
+        let ar = share(&|k| k == "allreduce-params");
+        let tpar = share(&|k| k.ends_with(":allreduce"));
+        let mb = median(
+            recs.iter()
+                .map(|r| r.comm_bytes.unwrap_or(0) as f64 / 1e6)
+                .collect(),
+        );
+        if np == 0 {
+            base = tps;
+        }
+        println!(
+            "{:<22} {:>10.1} {:>9.0} {:>7.2}x {:>15.1}% {:>13.1}% {:>12.0}",
+            name,
+            tps,
+            ms,
+            tps / base,
+            ar,
+            tpar,
+            mb
+        );
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    Ok(())
+}
