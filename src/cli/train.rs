@@ -104,6 +104,15 @@ pub struct TrainArgs {
     /// resumed checkpoint's). Keeping N fixed keeps the data order when dp changes.
     #[arg(long, value_name = "N")]
     pub data_ranks: Option<usize>,
+    /// Write a checkpoint and stop (exit code 4) before this time: `+DURATION` or a duration
+    /// from now (seconds, MM:SS, HH:MM:SS, D-HH:MM:SS), or a Unix time. Default: the Slurm job's
+    /// end (SLURM_JOB_END_TIME) or PJM_ELAPSE_LIMIT from FUGU_JOB_START. SIGUSR1 and SIGTERM
+    /// also stop the run with a checkpoint.
+    #[arg(long, value_name = "WHEN")]
+    pub deadline: Option<String>,
+    /// Seconds kept free before the deadline, on top of twice the longest step + checkpoint.
+    #[arg(long, default_value_t = 30.0)]
+    pub deadline_margin: f64,
 }
 
 impl TrainArgs {
@@ -164,6 +173,8 @@ impl TrainArgs {
             zero: self.zero,
             bucket_mb: self.bucket_mb,
             data_ranks: self.data_ranks,
+            deadline: self.deadline.clone(),
+            deadline_margin: self.deadline_margin,
         })
     }
 }

@@ -6,6 +6,7 @@ pub mod dump;
 pub mod layout;
 pub mod schedule;
 pub mod state;
+pub mod stop;
 
 use crate::backend::{Backend, CpuBackend};
 use crate::checkpoint;
@@ -30,6 +31,9 @@ use std::time::Instant;
 
 /// Exit code of a run stopped because the loss or the gradients were not finite.
 pub const EXIT_NONFINITE: u8 = 3;
+/// Exit code of a run that wrote a checkpoint and stopped early because of a stop signal
+/// (SIGUSR1, SIGTERM) or its deadline: resubmit with `--resume auto` to continue.
+pub const EXIT_CHECKPOINTED: u8 = 4;
 
 /// Everything `fugu train` was asked to do, after command-line parsing.
 #[derive(Clone, Debug)]
@@ -64,6 +68,10 @@ pub struct TrainOptions {
     pub bucket_mb: f64,
     /// `--data-ranks` (default: the data-parallel size, or the checkpoint's).
     pub data_ranks: Option<usize>,
+    /// `--deadline`: stop with a checkpoint before this time (see [`stop::find_deadline`]).
+    pub deadline: Option<String>,
+    /// Seconds kept free before the deadline, besides room for a step and a checkpoint.
+    pub deadline_margin: f64,
 }
 
 /// How a run ended.
@@ -156,6 +164,11 @@ pub fn set_threads(threads: Option<usize>) -> Result<usize> {
 pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
     let threads = set_threads(opts.threads)?;
     let root = dist.is_root();
+    stop::install_handlers();
+    let mut watch = stop::StopWatch::new(
+        stop::find_deadline(opts.deadline.as_deref())?,
+        std::time::Duration::from_secs_f64(opts.deadline_margin.max(0.0)),
+    );
     let out = match (&opts.out, &opts.resume) {
         (Some(o), _) => o.clone(),
         (None, Some(r)) if r != "auto" => {
@@ -371,6 +384,13 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
             mib(4.0 * gact_f as f64),
             mib(state_bytes + act_bytes)
         );
+        if let Some(d) = watch.deadline() {
+            eprintln!(
+                "  deadline: {} (in {:.0} s): a checkpoint is written and the run stops (exit code {EXIT_CHECKPOINTED}) before it",
+                d.source,
+                d.at_unix - std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |x| x.as_secs_f64())
+            );
+        }
         eprintln!(
             "  data: {} ({} tokens, {:.1} batches/epoch per stream)",
             data,
@@ -402,6 +422,56 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
         dist.tp.clone()
     };
     let mut window = Vec::new();
+
+    // Writes ckpt-DONE (gathered on rank 0); every rank returns once it is complete.
+    #[allow(clippy::too_many_arguments)]
+    let write_ckpt = |model: &Gpt2<CpuBackend>,
+                      sync: &GradSync,
+                      done: u64,
+                      cursor: fugu_io::Cursor,
+                      tokens_seen: u64,
+                      skipped: u64,
+                      metrics: &mut Option<MetricsWriter>,
+                      watch: &mut stop::StopWatch|
+     -> Result<PathBuf> {
+        let t0 = Instant::now();
+        let _g = timers.scope("checkpoint", TimerLevel::Coarse);
+        let full = layout::gather_full(model, sync, dist, &full_table)?;
+        let mut path = None;
+        if let Some([p, mm, vv]) = full {
+            let state = TrainState {
+                format: STATE_FORMAT.into(),
+                step: done,
+                config: cfg.clone(),
+                data: data.clone(),
+                cursor,
+                tokens_seen,
+                skipped_nonfinite: skipped,
+                threads,
+                fugu_version: env!("CARGO_PKG_VERSION").into(),
+                layout: Some(saved_layout),
+            };
+            let written = checkpoint::write_checkpoint(
+                &out,
+                done,
+                &m,
+                &full_table,
+                &p,
+                Some((&mm, &vv)),
+                done,
+                &state,
+                opts.keep_last,
+            )?;
+            if let Some(w) = metrics.as_mut() {
+                w.event("checkpoint", &json!({"step": done, "path": written}))?;
+            }
+            path = Some(written);
+        }
+        // No rank runs ahead of an incomplete checkpoint.
+        dist.world.barrier();
+        watch.record_checkpoint(t0.elapsed());
+        Ok(path.unwrap_or_else(|| out.join(checkpoint::checkpoint_dir_name(done))))
+    };
 
     for step in start_step..t.steps as u64 {
         let t0 = Instant::now();
@@ -488,6 +558,7 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
         last_loss = loss;
         tokens_seen += tokens_per_step;
         let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        watch.record_step(t0.elapsed());
         let done = step + 1;
         let step_bytes = dist.payload_bytes() - bytes0;
         let timer_map = timers.take_step();
@@ -548,42 +619,57 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
                 last_val = Some(v);
             }
         }
-        if (t.ckpt_every > 0 && done % t.ckpt_every as u64 == 0) || is_last {
-            let _g = timers.scope("checkpoint", TimerLevel::Coarse);
-            let full = layout::gather_full(&model, &sync, dist, &full_table)?;
-            let mut path = None;
-            if let Some([p, mm, vv]) = full {
-                let state = TrainState {
-                    format: STATE_FORMAT.into(),
-                    step: done,
-                    config: cfg.clone(),
-                    data: data.clone(),
-                    cursor: source.cursor(),
+        let want_ckpt = (t.ckpt_every > 0 && done % t.ckpt_every as u64 == 0) || is_last;
+        if want_ckpt {
+            last_ckpt = Some(write_ckpt(
+                &model,
+                &sync,
+                done,
+                source.cursor(),
+                tokens_seen,
+                skipped,
+                &mut metrics,
+                &mut watch,
+            )?);
+        }
+        // Stop early (signal or deadline) when any rank asks to.
+        let reason = watch.should_stop();
+        let mut flag = [reason.is_some() as u8 as f64];
+        dist.world.allreduce_f64(&mut flag, ReduceOp::Max);
+        if flag[0] > 0.0 && !is_last {
+            if !want_ckpt {
+                last_ckpt = Some(write_ckpt(
+                    &model,
+                    &sync,
+                    done,
+                    source.cursor(),
                     tokens_seen,
-                    skipped_nonfinite: skipped,
-                    threads,
-                    fugu_version: env!("CARGO_PKG_VERSION").into(),
-                    layout: Some(saved_layout),
-                };
-                let written = checkpoint::write_checkpoint(
-                    &out,
-                    done,
-                    &m,
-                    &full_table,
-                    &p,
-                    Some((&mm, &vv)),
-                    done,
-                    &state,
-                    opts.keep_last,
-                )?;
-                if let Some(w) = metrics.as_mut() {
-                    w.event("checkpoint", &json!({"step": done, "path": written}))?;
-                }
-                path = Some(written);
+                    skipped,
+                    &mut metrics,
+                    &mut watch,
+                )?);
             }
-            // No rank runs ahead of an incomplete checkpoint.
-            dist.world.barrier();
-            last_ckpt = Some(path.unwrap_or_else(|| out.join(format!("ckpt-{done:08}"))));
+            progress.finish();
+            let why = reason.unwrap_or_else(|| "another rank was told to stop".into());
+            if let Some(w) = metrics.as_mut() {
+                w.event(
+                    "stopped",
+                    &json!({"step": done, "reason": why, "checkpoint": last_ckpt}),
+                )?;
+            }
+            let ck = last_ckpt
+                .as_ref()
+                .map(|c| c.display().to_string())
+                .unwrap_or_default();
+            return Err(ExitError {
+                code: EXIT_CHECKPOINTED,
+                message: format!(
+                    "stopped after step {done} of {} ({why}); checkpoint {ck} is complete. \
+                     Resubmit with --resume auto to continue",
+                    t.steps
+                ),
+            }
+            .into());
         }
     }
     progress.finish();

@@ -1,0 +1,200 @@
+//! Stopping before a batch system's time limit: SIGUSR1 / SIGTERM (Slurm's `--signal`,
+//! `scancel --signal`, a forwarded signal) and a wall-clock deadline (`--deadline`,
+//! `SLURM_JOB_END_TIME`, `PJM_ELAPSE_LIMIT`). The trainer checks [`StopWatch::should_stop`]
+//! after every step; all ranks agree through a max-all-reduce, write one complete checkpoint
+//! and exit with [`super::EXIT_CHECKPOINTED`].
+
+use anyhow::{bail, Result};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The last stop signal received (0 = none).
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Only an atomic store: async-signal-safe.
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+/// Installs the SIGUSR1 and SIGTERM handlers.
+pub fn install_handlers() {
+    for sig in [libc::SIGUSR1, libc::SIGTERM] {
+        // SAFETY: `on_signal` is an `extern "C"` function that only stores to an atomic, which
+        // is async-signal-safe; `signal` is called before any other thread could race on the
+        // disposition of these signals.
+        unsafe {
+            libc::signal(
+                sig,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
+/// The signal received so far, if any (`SIGUSR1`, `SIGTERM`).
+pub fn signalled() -> Option<&'static str> {
+    match SIGNALLED.load(Ordering::SeqCst) {
+        0 => None,
+        s if s == libc::SIGUSR1 => Some("SIGUSR1"),
+        s if s == libc::SIGTERM => Some("SIGTERM"),
+        _ => Some("a signal"),
+    }
+}
+
+fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Parses a duration: plain seconds, `MM:SS`, `HH:MM:SS` or `D-HH:MM:SS`.
+pub fn parse_duration(s: &str) -> Result<f64> {
+    let s = s.trim();
+    let (days, rest) = match s.split_once('-') {
+        Some((d, r)) => (d.parse::<f64>().ok(), r),
+        None => (Some(0.0), s),
+    };
+    let parts: Vec<Option<f64>> = rest.split(':').map(|p| p.parse::<f64>().ok()).collect();
+    let secs = match (days, parts.as_slice()) {
+        (Some(d), [Some(x)]) => d * 86400.0 + x,
+        (Some(d), [Some(m), Some(x)]) => d * 86400.0 + m * 60.0 + x,
+        (Some(d), [Some(h), Some(m), Some(x)]) => d * 86400.0 + h * 3600.0 + m * 60.0 + x,
+        _ => bail!("{s:?} is not a duration (seconds, MM:SS, HH:MM:SS or D-HH:MM:SS)"),
+    };
+    if !(secs.is_finite() && secs >= 0.0) {
+        bail!("{s:?} is not a non-negative duration");
+    }
+    Ok(secs)
+}
+
+/// Where the deadline came from and when it is (Unix seconds).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Deadline {
+    pub at_unix: f64,
+    pub source: String,
+}
+
+/// The run's deadline: `--deadline` (`+DURATION` from now, a Unix time, or a duration from
+/// now), else `SLURM_JOB_END_TIME` (Unix seconds), else `PJM_ELAPSE_LIMIT` (a duration counted
+/// from `FUGU_JOB_START`, Unix seconds, which the job scripts export at the top of the job,
+/// or from now).
+pub fn find_deadline(arg: Option<&str>) -> Result<Option<Deadline>> {
+    let now = now_unix();
+    if let Some(a) = arg {
+        let at = if let Some(d) = a.strip_prefix('+') {
+            now + parse_duration(d)?
+        } else {
+            let v = parse_duration(a).map_err(|e| anyhow::anyhow!("--deadline {a}: {e}"))?;
+            // A Unix time is large; anything else is a duration from now.
+            if v > 1e9 {
+                v
+            } else {
+                now + v
+            }
+        };
+        return Ok(Some(Deadline {
+            at_unix: at,
+            source: format!("--deadline {a}"),
+        }));
+    }
+    if let Ok(end) = std::env::var("SLURM_JOB_END_TIME") {
+        if let Ok(at) = end.trim().parse::<f64>() {
+            return Ok(Some(Deadline {
+                at_unix: at,
+                source: "SLURM_JOB_END_TIME".into(),
+            }));
+        }
+    }
+    if let Ok(lim) = std::env::var("PJM_ELAPSE_LIMIT") {
+        let secs =
+            parse_duration(&lim).map_err(|e| anyhow::anyhow!("PJM_ELAPSE_LIMIT={lim}: {e}"))?;
+        let start = std::env::var("FUGU_JOB_START")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .unwrap_or(now);
+        return Ok(Some(Deadline {
+            at_unix: start + secs,
+            source: format!("PJM_ELAPSE_LIMIT={lim}"),
+        }));
+    }
+    Ok(None)
+}
+
+/// Decides, after each step, whether to checkpoint and stop now.
+pub struct StopWatch {
+    deadline: Option<Deadline>,
+    margin: Duration,
+    longest_step: Duration,
+    longest_ckpt: Duration,
+}
+
+impl StopWatch {
+    pub fn new(deadline: Option<Deadline>, margin: Duration) -> StopWatch {
+        StopWatch {
+            deadline,
+            margin,
+            longest_step: Duration::ZERO,
+            longest_ckpt: Duration::ZERO,
+        }
+    }
+
+    pub fn deadline(&self) -> Option<&Deadline> {
+        self.deadline.as_ref()
+    }
+
+    pub fn record_step(&mut self, d: Duration) {
+        self.longest_step = self.longest_step.max(d);
+    }
+
+    pub fn record_checkpoint(&mut self, d: Duration) {
+        self.longest_ckpt = self.longest_ckpt.max(d);
+    }
+
+    /// This rank's reason to stop now: a stop signal, or too little time left for one more
+    /// step and a checkpoint (longest seen of each, doubled, plus the margin).
+    pub fn should_stop(&self) -> Option<String> {
+        if let Some(s) = signalled() {
+            return Some(format!("received {s}"));
+        }
+        let d = self.deadline.as_ref()?;
+        let need =
+            2.0 * (self.longest_step + self.longest_ckpt).as_secs_f64() + self.margin.as_secs_f64();
+        let left = d.at_unix - now_unix();
+        (left < need).then(|| {
+            format!(
+                "{:.0} s left before the deadline ({}), {need:.0} s needed for another step and a checkpoint",
+                left.max(0.0),
+                d.source
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90").unwrap(), 90.0);
+        assert_eq!(parse_duration("01:30").unwrap(), 90.0);
+        assert_eq!(parse_duration("1:00:00").unwrap(), 3600.0);
+        assert_eq!(parse_duration("1-00:00:10").unwrap(), 86410.0);
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("-5").is_err());
+    }
+
+    #[test]
+    fn deadline_arithmetic() {
+        let d = find_deadline(Some("+100")).unwrap().unwrap();
+        assert!((d.at_unix - now_unix() - 100.0).abs() < 5.0);
+        let w = StopWatch::new(Some(d), Duration::from_secs(10));
+        assert!(w.should_stop().is_none());
+        let past = Deadline {
+            at_unix: now_unix() + 5.0,
+            source: "test".into(),
+        };
+        let w = StopWatch::new(Some(past), Duration::from_secs(10));
+        assert!(w.should_stop().unwrap().contains("test"));
+    }
+}
