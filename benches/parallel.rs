@@ -145,8 +145,8 @@ fn main() -> anyhow::Result<()> {
                     .collect(),
             ) * 100.0
         };
-        let ar = share(&|k| k == "allreduce-params");
-        let tpar = share(&|k| k.ends_with(":allreduce"));
+        let ar = share(&|k| k == "allreduce-params") + 0.0;
+        let tpar = share(&|k| k.ends_with(":allreduce")) + 0.0;
         let mb = median(
             recs.iter()
                 .map(|r| r.comm_bytes.unwrap_or(0) as f64 / 1e6)

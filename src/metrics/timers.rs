@@ -331,6 +331,9 @@ pub struct BreakdownRow {
     /// False for parents that were not timed themselves (their time is the sum of their
     /// children) and for `(other)` rows.
     pub timed: bool,
+    /// With several ranks: the smallest and largest per-rank ms/step of this timer
+    /// ([`Breakdown::set_rank_spread`]); `ms_per_step` is then the mean over ranks.
+    pub min_max: Option<(f64, f64)>,
 }
 
 impl BreakdownRow {
@@ -405,6 +408,7 @@ impl<'a> Tree<'a, '_> {
                 pct_of_step: (self.pct)(value[k]),
                 depth,
                 timed: self.timed.contains_key(k),
+                min_max: None,
             });
             self.visit(Some(k), self.timed.get(k).copied(), depth + 1, rows);
         }
@@ -419,6 +423,7 @@ impl<'a> Tree<'a, '_> {
                 pct_of_step: (self.pct)(rest),
                 depth,
                 timed: false,
+                min_max: None,
             });
         }
     }
@@ -500,8 +505,24 @@ impl Breakdown {
         }
     }
 
-    /// An aligned text table: name indented by depth, ms/step and % of the step, then the
-    /// step total and the GEMM / non-GEMM summary.
+    /// Adds the per-rank spread of every timed row from run totals over `steps` steps of the
+    /// per-step minimum and maximum over ranks (the totals this breakdown was built from being
+    /// the means).
+    pub fn set_rank_spread(
+        &mut self,
+        min_totals: &BTreeMap<String, f64>,
+        max_totals: &BTreeMap<String, f64>,
+    ) {
+        let n = self.steps.max(1) as f64;
+        for r in &mut self.rows {
+            if let (Some(lo), Some(hi)) = (min_totals.get(&r.name), max_totals.get(&r.name)) {
+                r.min_max = Some((lo / n, hi / n));
+            }
+        }
+    }
+
+    /// An aligned text table: name indented by depth, ms/step and % of the step (and the
+    /// min/max over ranks when known), then the step total and the GEMM / non-GEMM summary.
     pub fn to_table(&self) -> String {
         let label = |r: &BreakdownRow| format!("{}{}", "  ".repeat(r.depth), r.label());
         let width = self
@@ -517,14 +538,27 @@ impl Breakdown {
             if self.steps == 1 { "" } else { "s" },
             self.step_ms
         );
-        s.push_str(&format!("{:<width$} {:>10} {:>7}\n", "op", "ms/step", "%"));
-        for r in &self.rows {
+        let spread = self.rows.iter().any(|r| r.min_max.is_some());
+        if spread {
             s.push_str(&format!(
-                "{:<width$} {:>10.2} {:>6.1}%\n",
+                "{:<width$} {:>10} {:>7} {:>10} {:>10}\n",
+                "op", "ms/step", "%", "min rank", "max rank"
+            ));
+        } else {
+            s.push_str(&format!("{:<width$} {:>10} {:>7}\n", "op", "ms/step", "%"));
+        }
+        for r in &self.rows {
+            let mut line = format!(
+                "{:<width$} {:>10.2} {:>6.1}%",
                 label(r),
                 r.ms_per_step,
                 r.pct_of_step
-            ));
+            );
+            if let Some((lo, hi)) = r.min_max {
+                line.push_str(&format!(" {lo:>10.2} {hi:>10.2}"));
+            }
+            line.push('\n');
+            s.push_str(&line);
         }
         s.push_str(&format!(
             "{:<width$} {:>10.2} {:>6.1}%\n",
@@ -543,20 +577,28 @@ impl Breakdown {
 
     /// The JSON written by [`Breakdown::write_json`]:
     /// `{"steps", "step_ms", "gemm_pct", "non_gemm_pct", "ops": [{"name", "ms_per_step", "pct",
-    /// "depth", "timed"}]}`. Non-finite numbers become `null`.
+    /// "depth", "timed"}]}`, each op with `"min_ms_per_step"` and `"max_ms_per_step"` (over
+    /// ranks) when known. Non-finite numbers become `null`.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "steps": self.steps,
             "step_ms": self.step_ms,
             "gemm_pct": self.gemm_pct,
             "non_gemm_pct": self.non_gemm_pct,
-            "ops": self.rows.iter().map(|r| serde_json::json!({
-                "name": r.name,
-                "ms_per_step": r.ms_per_step,
-                "pct": r.pct_of_step,
-                "depth": r.depth,
-                "timed": r.timed,
-            })).collect::<Vec<_>>(),
+            "ops": self.rows.iter().map(|r| {
+                let mut o = serde_json::json!({
+                    "name": r.name,
+                    "ms_per_step": r.ms_per_step,
+                    "pct": r.pct_of_step,
+                    "depth": r.depth,
+                    "timed": r.timed,
+                });
+                if let Some((lo, hi)) = r.min_max {
+                    o["min_ms_per_step"] = lo.into();
+                    o["max_ms_per_step"] = hi.into();
+                }
+                o
+            }).collect::<Vec<_>>(),
         })
     }
 

@@ -305,15 +305,15 @@ impl<B: Backend> Gpt2<B> {
                 d.t,
                 c,
             );
+            tp_allreduce(
+                be,
+                comm,
+                timers,
+                "forward:embedding:allreduce",
+                a.encoded,
+                ReduceOp::Sum,
+            );
         }
-        tp_allreduce(
-            be,
-            comm,
-            timers,
-            "forward:embedding:allreduce",
-            a.encoded,
-            ReduceOp::Sum,
-        );
         let mut resid = a.encoded;
         for (la, lp) in a.layers.iter().zip(&p.layers) {
             {
@@ -463,17 +463,13 @@ impl<B: Backend> Gpt2<B> {
         };
         // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
         let loss_allreduce = "forward:loss:allreduce";
-        timers.time("forward:loss", Fine, || {
-            be.ce_row_max(a.ce_max, a.logits, cd)
-        });
+        let _t = timers.scope("forward:loss", Fine);
+        be.ce_row_max(a.ce_max, a.logits, cd);
         tp_allreduce(be, comm, timers, loss_allreduce, a.ce_max, ReduceOp::Max);
-        timers.time("forward:loss", Fine, || {
-            be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
-            be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
-        });
+        be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
+        be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
         tp_allreduce(be, comm, timers, loss_allreduce, a.ce_sum, ReduceOp::Sum);
         tp_allreduce(be, comm, timers, loss_allreduce, a.ce_tl, ReduceOp::Sum);
-        let _t = timers.scope("forward:loss", Fine);
         let dloss = for_backward.then_some(1.0 / n as f32);
         be.ce_finish(
             a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
@@ -524,15 +520,15 @@ impl<B: Backend> Gpt2<B> {
                 c,
                 d.vp,
             );
+            tp_allreduce(
+                be,
+                comm,
+                timers,
+                "backward:lm-head:allreduce",
+                ga.dln,
+                ReduceOp::Sum,
+            );
         }
-        tp_allreduce(
-            be,
-            comm,
-            timers,
-            "backward:lm-head:allreduce",
-            ga.dln,
-            ReduceOp::Sum,
-        );
         let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
         {
             let _t = timers.scope("backward:layernorm", Fine);

@@ -15,7 +15,7 @@ use crate::metrics::flops::megatron_flops_per_step;
 use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::MachineInfo;
 use crate::metrics::progress::{Progress, StepLine};
-use crate::metrics::timers::{TimerLevel, Timers};
+use crate::metrics::timers::{Breakdown, TimerLevel, Timers};
 use crate::model::init::init_params;
 use crate::model::table::gpt2_params;
 use crate::model::{Gpt2, OptimStep, TpRank};
@@ -422,6 +422,8 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
         dist.tp.clone()
     };
     let mut window = Vec::new();
+    // Rank 0: run totals of the per-step mean, min and max over ranks of every timer.
+    let mut rank_totals: [std::collections::BTreeMap<String, f64>; 3] = Default::default();
 
     // Writes ckpt-DONE (gathered on rank 0); every rank returns once it is complete.
     #[allow(clippy::too_many_arguments)]
@@ -586,6 +588,11 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
                 ..Default::default()
             };
             if let Some(st) = stats {
+                for (tot, m) in rank_totals.iter_mut().zip([&st.mean, &st.min, &st.max]) {
+                    for (k, v) in m {
+                        *tot.entry(k.clone()).or_default() += v;
+                    }
+                }
                 rec.timers = st.mean;
                 rec.timers_min = st.min;
                 rec.timers_max = st.max;
@@ -675,9 +682,20 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
     progress.finish();
 
     if timed_steps > 0 && root {
-        let b = timers.breakdown(total_ms, timed_steps);
+        let b = if dist.is_parallel() {
+            let mut b = Breakdown::from_totals(&rank_totals[0], total_ms, timed_steps);
+            b.set_rank_spread(&rank_totals[1], &rank_totals[2]);
+            b
+        } else {
+            timers.breakdown(total_ms, timed_steps)
+        };
+        let whose = if dist.is_parallel() {
+            format!("mean over {} ranks", grid.world_size)
+        } else {
+            "one process".into()
+        };
         eprintln!(
-            "\nper-op breakdown (ms per step, rank 0, {timed_steps} steps):\n{}",
+            "\nper-op breakdown (ms per step, {whose}, {timed_steps} steps):\n{}",
             b.to_table()
         );
         b.write_json(out.join("breakdown.json"))?;
