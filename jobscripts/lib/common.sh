@@ -129,9 +129,16 @@ fugu_stage_data() {
   local dir
   dir=$(fugu_abs "${FUGU_BUNDLED_DATA_DIR:-data/shakespeare}")
   if [ ! -f "$dir/manifest.json" ]; then
+    # Several jobs of a sweep may start at once: prepare into a private folder, then rename it
+    # into place (atomic; the loser of a race throws its copy away).
+    local tmp
+    tmp=$dir.tmp-$(hostname)-$$
     fugu_log "FUGU_DATA is empty: tokenising the bundled corpus into $dir"
-    "$FUGU_BIN" prepare --out "$dir" --quiet ||
-      fugu_die "'$FUGU_BIN prepare --out $dir' failed (set FUGU_DATA to prepared data instead)"
+    mkdir -p "$(dirname -- "$dir")"
+    "$FUGU_BIN" prepare --out "$tmp" --quiet ||
+      fugu_die "'$FUGU_BIN prepare --out $tmp' failed (set FUGU_DATA to prepared data instead)"
+    mv -T "$tmp" "$dir" 2>/dev/null || rm -rf "$tmp"
+    [ -f "$dir/manifest.json" ] || fugu_die "no $dir/manifest.json after preparing the bundled corpus"
   fi
   FUGU_DATA=$dir/manifest.json
 }
@@ -258,4 +265,100 @@ fugu_slurm_resubmit() {
   else
     fugu_log "resubmission failed: sbatch ${args[*]} $script"
   fi
+}
+
+# ------------------------------------------------------------------------------ GEMM benchmark
+
+# fugu_cpulist_expand LIST: "12-23,30" -> one CPU id per line.
+fugu_cpulist_expand() {
+  local part a b
+  local IFS=,
+  for part in $1; do
+    case "$part" in
+      *-*) a=${part%-*}; b=${part#*-}; seq "$a" "$b" ;;
+      ?*) echo "$part" ;;
+    esac
+  done
+}
+
+# fugu_numa_domains: the NUMA nodes this process may run on, one id per line: FUGU_NUMA_NODES
+# (comma- or space-separated) if set, else every node of /sys/devices/system/node whose CPUs
+# meet our affinity mask (on a Fugaku compute node: 4 5 6 7, the CMGs of the job's cores).
+fugu_numa_domains() {
+  if [ -n "${FUGU_NUMA_NODES:-}" ]; then
+    tr ',' ' ' <<<"$FUGU_NUMA_NODES" | tr -s ' ' '\n' | sed '/^$/d'
+    return 0
+  fi
+  local allowed n f cpus
+  allowed=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status 2>/dev/null)
+  allowed=$(fugu_cpulist_expand "$allowed" | sort -u)
+  for f in /sys/devices/system/node/node[0-9]*/cpulist; do
+    [ -r "$f" ] || continue
+    n=${f%/cpulist}; n=${n##*/node}
+    cpus=$(fugu_cpulist_expand "$(cat "$f")" | sort -u)
+    [ -n "$cpus" ] || continue
+    if [ -z "$allowed" ] || [ -n "$(comm -12 <(echo "$cpus") <(echo "$allowed"))" ]; then
+      echo "$n"
+    fi
+  done | sort -n
+}
+
+# fugu_bench_gemm_runs: runs `fugu bench gemm` once per entry of FUGU_BENCH_RUNS
+# ("THREADS:CMGS ..."), each into $FUGU_OUT/gemm-tTHREADS-cCMGS.jsonl. A run on fewer CMGs than
+# the process sees is bound to the first CMGS NUMA nodes with numactl; without numactl, or on a
+# machine with fewer NUMA nodes, the layout is simulated with FUGU_CMGS=CMGSx(THREADS/CMGS).
+fugu_bench_gemm_runs() {
+  local domains ndom spec t c file bind layout sets=() extra=() failed=0
+  mapfile -t domains < <(fugu_numa_domains)
+  ndom=${#domains[@]}
+  [ "$ndom" -ge 1 ] || ndom=1
+  [ -z "$FUGU_BENCH_SETS" ] || sets=(--set "$FUGU_BENCH_SETS")
+  read -r -a extra <<<"${FUGU_BENCH_ARGS:-}"
+  [ -n "$FUGU_BENCH_RUNS" ] || fugu_die "FUGU_BENCH_RUNS is empty: give THREADS:CMGS entries, e.g. '1:1 12:1 48:4'"
+  fugu_log "NUMA nodes available: ${domains[*]:-unknown}"
+  for spec in $FUGU_BENCH_RUNS; do
+    t=${spec%%:*}
+    c=1
+    case "$spec" in *:*) c=${spec#*:} ;; esac
+    case "$t$c" in *[!0-9]*) fugu_die "FUGU_BENCH_RUNS entry '$spec' is not THREADS:CMGS" ;; esac
+    if [ "$t" -lt 1 ] || [ "$c" -lt 1 ]; then
+      fugu_die "FUGU_BENCH_RUNS entry '$spec': threads and CMGs must be at least 1"
+    fi
+    file=$FUGU_OUT/gemm-t$t-c$c.jsonl
+    bind=()
+    layout=
+    if [ "$c" -lt "$ndom" ] && command -v numactl >/dev/null 2>&1; then
+      local nodes
+      nodes=$(printf '%s\n' "${domains[@]:0:$c}" | paste -sd, -)
+      bind=(numactl --cpunodebind="$nodes" --membind="$nodes")
+    elif [ "$c" -ne "$ndom" ]; then
+      [ $(( t % c )) -eq 0 ] || fugu_die "FUGU_BENCH_RUNS entry '$spec': $t threads do not split over $c CMGs"
+      layout=${c}x$(( t / c ))
+      fugu_log "$c CMG(s) requested, $ndom NUMA node(s) here$(command -v numactl >/dev/null || echo ', no numactl'): simulating FUGU_CMGS=$layout"
+    fi
+    fugu_log "GEMM benchmark: $t thread(s) on $c CMG(s) -> $file"
+    if ! env FUGU_NUM_THREADS="$t" OMP_NUM_THREADS="$t" ${layout:+FUGU_CMGS=$layout} \
+      "${bind[@]}" "$FUGU_BIN" bench gemm "${sets[@]}" --threads "$t" --format json "${extra[@]}" >"$file"; then
+      fugu_log "GEMM benchmark $spec failed"
+      failed=1
+    fi
+  done
+  return "$failed"
+}
+
+# ------------------------------------------------------------------------------ sweep report
+
+# fugu_sweep_report DIR: `fugu report` over DIR/runs/* and DIR/gemm/*.jsonl into DIR/report.
+fugu_sweep_report() {
+  local dir=$1 runs=() gemm=() f
+  for f in "$dir"/runs/*/; do
+    [ -d "$f" ] && runs+=("${f%/}")
+  done
+  for f in "$dir"/gemm/*.jsonl; do
+    [ -f "$f" ] && gemm+=(--gemm "$f")
+  done
+  [ ${#runs[@]} -gt 0 ] || [ ${#gemm[@]} -gt 0 ] || fugu_die "nothing to report in $dir (no runs/*/, no gemm/*.jsonl)"
+  fugu_log "fugu report: ${#runs[@]} run(s), $(( ${#gemm[@]} / 2 )) GEMM file(s) -> $dir/report"
+  "$FUGU_BIN" report "${runs[@]}" --out "$dir/report" "${gemm[@]}"
+  fugu_log "wrote $dir/report/REPORT.md"
 }
