@@ -27,6 +27,7 @@ set -euo pipefail
 : "${FUGU_TIME:=01:00:00}"       # time limit of each training job
 : "${FUGU_SWEEP_GEMM:=1}"        # 1: also submit bench-gemm.sh and chart its results in the report
 : "${FUGU_BENCH_TIME:=01:00:00}" # time limit of the GEMM benchmark job
+: "${FUGU_BENCH_CPUS:=48}"       # CPUs of the GEMM benchmark job (at least the most threads in FUGU_BENCH_RUNS)
 : "${FUGU_REPORT_DEPENDENCY:=afterok}"  # afterok: report only if every job succeeded; afterany: always
 : "${FUGU_SBATCH_ARGS:=}"        # extra sbatch options for every job, e.g. "--partition=a64fx --account=proj"
 : "${FUGU_WORKDIR:=${SLURM_SUBMIT_DIR:-$PWD}}"  # base of relative paths
@@ -57,7 +58,7 @@ fi
 
 # ----------------------------------------------------------------------------- submission
 command -v sbatch >/dev/null || fugu_die "sbatch not found: run this on a Slurm login node"
-fugu_require_uint FUGU_RANKS_PER_NODE FUGU_THREADS FUGU_SWEEP_GEMM
+fugu_require_uint FUGU_RANKS_PER_NODE FUGU_THREADS FUGU_SWEEP_GEMM FUGU_BENCH_CPUS
 FUGU_SWEEP_DIR=$(fugu_abs "${FUGU_SWEEP_DIR:-runs/sweep-$(fugu_sanitize "$FUGU_CONFIG")-$(date +%Y%m%d-%H%M%S)}")
 case "$FUGU_SWEEP_DIR" in *,*) fugu_die "FUGU_SWEEP_DIR must not contain a comma (sbatch --export)" ;; esac
 mkdir -p "$FUGU_SWEEP_DIR/runs" "$FUGU_SWEEP_DIR/logs"
@@ -89,7 +90,7 @@ done
 
 if [ "$FUGU_SWEEP_GEMM" = 1 ]; then
   submit gemm bench --export="ALL,FUGU_OUT=$FUGU_SWEEP_DIR/gemm" \
-    --job-name=fugu-bench-gemm --time="$FUGU_BENCH_TIME" \
+    --job-name=fugu-bench-gemm --time="$FUGU_BENCH_TIME" --cpus-per-task="$FUGU_BENCH_CPUS" \
     --output="$FUGU_SWEEP_DIR/logs/%x-%j.out" "$FUGU_JOBSCRIPTS/slurm/bench-gemm.sh"
 fi
 
