@@ -362,3 +362,90 @@ fugu_sweep_report() {
   "$FUGU_BIN" report "${runs[@]}" --out "$dir/report" "${gemm[@]}"
   fugu_log "wrote $dir/report/REPORT.md"
 }
+
+# ------------------------------------------------------------------------------ pjsub (Fugaku)
+
+# Settings a pjsub job hands to its continuation (pjsub does not pass the submitting
+# environment on; the continuation reads them from FUGU_ENV_FILE). FUGU_DEADLINE is not among
+# them: it is computed again from each job's own start.
+# shellcheck disable=SC2034  # used by the pjsub scripts
+FUGU_PJSUB_SETTINGS=(FUGU_HOME FUGU_BIN FUGU_CONFIG FUGU_DATA FUGU_STEPS FUGU_BATCH_SIZE FUGU_SEQ_LEN
+  FUGU_TP FUGU_ZERO FUGU_THREADS FUGU_WORKDIR FUGU_OUT FUGU_CKPT_EVERY FUGU_EVAL_EVERY FUGU_LOG_EVERY
+  FUGU_TIMERS FUGU_EXTRA_ARGS FUGU_RANKS_PER_NODE FUGU_ELAPSE FUGU_DEADLINE_MARGIN FUGU_LLIO_TRANSFER
+  FUGU_MPIEXEC_ARGS FUGU_GROUP FUGU_RSCGRP FUGU_PJSUB_ARGS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX
+  FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR)
+
+# fugu_write_env FILE VAR...: `export VAR=value` lines (shell-quoted) for the variables that are
+# set (an empty value is kept: FUGU_BENCH_SETS= means "no shape sets").
+fugu_write_env() {
+  local file=$1 v
+  shift
+  mkdir -p "$(dirname -- "$file")"
+  {
+    echo "# written by fugu's job scripts on $(date -u '+%Y-%m-%dT%H:%M:%SZ'); sourced through FUGU_ENV_FILE"
+    for v in "$@"; do
+      if [ -n "${!v+x}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
+    done
+  } >"$file"
+}
+
+# fugu_pjm_directive_elapse SCRIPT: the elapse= value of SCRIPT's `#PJM -L` lines (the last one).
+fugu_pjm_directive_elapse() {
+  [ -r "$1" ] || return 0
+  grep -E '^#PJM[[:space:]]+(-L|--rsc-list)[[:space:]]' "$1" | tr -d '"'"'" | tr ',' '\n' | tr ' ' '\n' |
+    sed -n 's/^elapse=//p' | tail -n 1
+}
+
+# fugu_pjm_elapse SCRIPT: sets FUGU_ELAPSE_S (seconds, empty if unknown) and FUGU_ELAPSE_SRC from,
+# in order: FUGU_ELAPSE, PJM_ELAPSE_LIMIT, `pjstat` (ELAPSE_LIM column), SCRIPT's #PJM lines.
+# (An elapse given on the pjsub command line is only seen through the first three: pass
+# `-x FUGU_ELAPSE=...` along with `-L elapse=...`.)
+fugu_pjm_elapse() {
+  local script=$1 v=
+  FUGU_ELAPSE_S=
+  FUGU_ELAPSE_SRC=
+  if [ -n "${FUGU_ELAPSE:-}" ]; then
+    v=$FUGU_ELAPSE; FUGU_ELAPSE_SRC="FUGU_ELAPSE=$v"
+  elif [ -n "${PJM_ELAPSE_LIMIT:-}" ]; then
+    v=$PJM_ELAPSE_LIMIT; FUGU_ELAPSE_SRC="PJM_ELAPSE_LIMIT=$v"
+  elif [ -n "${PJM_JOBID:-}" ] && command -v pjstat >/dev/null 2>&1; then
+    v=$(timeout 30 pjstat "$PJM_JOBID" 2>/dev/null | awk -v id="$PJM_JOBID" '
+      /ELAPSE_LIM/ { for (i = 1; i <= NF; i++) if ($i == "ELAPSE_LIM") col = i; next }
+      col && $1 == id { print $col; exit }') || v=
+    [ -z "$v" ] || FUGU_ELAPSE_SRC="pjstat ELAPSE_LIM=$v"
+  fi
+  if [ -z "$v" ]; then
+    v=$(fugu_pjm_directive_elapse "$script")
+    [ -z "$v" ] || FUGU_ELAPSE_SRC="#PJM -L elapse=$v in $script"
+  fi
+  [ -n "$v" ] || return 0
+  # shellcheck disable=SC2034  # read by the pjsub scripts
+  FUGU_ELAPSE_S=$(fugu_parse_elapse "$v") || fugu_die "cannot read the elapse limit '$v' ($FUGU_ELAPSE_SRC); set FUGU_ELAPSE=H:MM:SS"
+}
+
+# fugu_llio_transfer FILE...: cache read-only files in LLIO for all nodes of the job (Fugaku),
+# so that thousands of ranks do not all read them from the global file system.
+fugu_llio_transfer() {
+  [ "${FUGU_LLIO_TRANSFER:-1}" = 1 ] || return 0
+  if ! command -v llio_transfer >/dev/null 2>&1; then
+    fugu_log "llio_transfer not found (not on Fugaku?): files are read from where they are"
+    return 0
+  fi
+  llio_transfer "$@" || fugu_log "llio_transfer $* failed: continuing without the LLIO cache"
+}
+
+fugu_llio_purge() {
+  [ "${FUGU_LLIO_TRANSFER:-1}" = 1 ] && command -v llio_transfer >/dev/null 2>&1 || return 0
+  llio_transfer --purge "$@" || true
+}
+
+# fugu_pjsub SUBMIT_ARGS...: runs pjsub and prints the job id (the number in "Job 1234 submitted"
+# or "Job 1234_0 submitted" for a step job).
+fugu_pjsub() {
+  local out jid
+  out=$(pjsub "$@") || fugu_die "pjsub $* failed: $out"
+  printf '%s\n' "$out" >&2
+  jid=$(sed -n 's/.*Job \([0-9][0-9]*\).* submitted.*/\1/p' <<<"$out" | head -n 1)
+  [ -n "$jid" ] || fugu_die "no job id in pjsub's answer: $out"
+  echo "$jid"
+}
