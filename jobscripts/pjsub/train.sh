@@ -54,7 +54,7 @@ fi
 : "${FUGU_EXTRA_ARGS:=}"         # more `fugu train` arguments (split on spaces)
 : "${FUGU_ELAPSE:=}"             # this job's elapse limit; empty: PJM_ELAPSE_LIMIT, pjstat or the #PJM line
 : "${FUGU_DEADLINE_MARGIN:=300}" # seconds before the elapse limit by which the checkpoint must be written
-: "${FUGU_DEADLINE:=}"           # explicit --deadline (seconds or RFC 3339); empty: start + elapse - margin
+: "${FUGU_DEADLINE:=}"           # explicit --deadline (seconds or RFC 3339); empty: start + elapse - margin; off: none
 : "${FUGU_LLIO_TRANSFER:=1}"     # 1: llio_transfer the binary (and a config file) to the nodes' cache
 : "${FUGU_MPIEXEC_ARGS:=}"       # extra mpiexec options, e.g. "-of-proc out/rank" (split on spaces)
 : "${FUGU_AUTO_RESUBMIT:=0}"     # 1: after exit 4 (checkpointed before the limit) submit the continuation
@@ -98,6 +98,7 @@ if [ -z "$FUGU_DEADLINE" ]; then
     fugu_log "WARNING: elapse limit unknown (set FUGU_ELAPSE): the trainer gets no deadline and cannot checkpoint before it"
   fi
 fi
+[ "$FUGU_DEADLINE" != off ] || FUGU_DEADLINE=
 fugu_train_args
 
 # Fujitsu's large-page runtime: allocate on first touch, so that each CMG's threads get their
@@ -112,7 +113,7 @@ cache=("$FUGU_BIN")
 fugu_llio_transfer "${cache[@]}"
 read -r -a mpiexec_args <<<"$FUGU_MPIEXEC_ARGS"
 jobid=${PJM_JOBID:-unknown}
-fugu_log "job $jobid: $nodes node(s) x $FUGU_RANKS_PER_NODE rank(s) x $FUGU_THREADS thread(s), tp=$FUGU_TP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
+fugu_log "job $jobid: $FUGU_RANKS rank(s) on $nodes node(s) (at most $FUGU_RANKS_PER_NODE per node) x $FUGU_THREADS thread(s), tp=$FUGU_TP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
 fugu_log "run directory $FUGU_OUT"
 fugu_log "mpiexec -n $FUGU_RANKS ${mpiexec_args[*]} $FUGU_BIN ${FUGU_TRAIN_ARGS[*]}"
 fugu_job_record "pjsub job $jobid start ($FUGU_RANKS ranks on $nodes node(s), deadline ${FUGU_DEADLINE:-none})"
