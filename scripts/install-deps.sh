@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on Debian 12, idempotently: the aarch64 cross toolchain
 # (Debian's rustc-web with its arm64 std, gcc-aarch64-linux-gnu), QEMU user mode from
-# bookworm-backports, llvm-14 (llvm-mca, llvm-objdump) and python3.
+# bookworm-backports, llvm-14 (llvm-mca, llvm-objdump), python3 and shellcheck (job scripts).
+# (Slurm, munge and Open MPI for the job-script tests are installed by jobscripts/local-slurm.sh.)
 # Run as root (CI) or with sudo. Already-installed packages are not touched, so a second run
 # takes well under a second.
 set -euo pipefail
@@ -9,7 +10,7 @@ set -euo pipefail
 need=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 
-for p in rustc-web libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu libc6-dev-arm64-cross llvm-14 python3; do
+for p in rustc-web libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu libc6-dev-arm64-cross llvm-14 python3 shellcheck; do
   have "$p" || need+=("$p")
 done
 need_qemu=0
