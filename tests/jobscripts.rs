@@ -80,13 +80,19 @@ fn gated(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if !opted_in || !root {
-        eprintln!(
-            "skipped: {test} (needs root and FUGU_SLURM_TESTS=1: it runs a local Slurm and MPI \
-             jobs; scripts/test.sh sets it)"
-        );
+        skipped(&format!(
+            "{test} (needs root and FUGU_SLURM_TESTS=1: it runs a local Slurm and MPI jobs; \
+             scripts/test.sh sets it)"
+        ));
         return false;
     }
     true
+}
+
+/// Says so on the real stderr (the test harness captures `eprintln!`).
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
 }
 
 /// The bundled corpus, tokenised once per test process (jobs then skip their own staging).
@@ -197,7 +203,7 @@ fn shellcheck_every_job_script() {
             std::env::var_os("FUGU_SLURM_TESTS").is_none() && std::env::var_os("CI").is_none(),
             "shellcheck is not installed (scripts/install-deps.sh installs it)"
         );
-        eprintln!("skipped: shellcheck_every_job_script (shellcheck not installed)");
+        skipped("shellcheck_every_job_script (shellcheck not installed)");
         return;
     }
     let files = job_script_files();
@@ -461,10 +467,11 @@ fn lint_pjm(script: &str) -> Result<PjmJob, String> {
     Ok(job)
 }
 
-/// The `: "${FUGU_X:=default}"  # comment` settings at the top of a job script.
+/// The `: "${FUGU_X:=default}"  # comment` settings at the top of a job script (before its
+/// "common code" section).
 fn settings(script: &str) -> BTreeMap<String, String> {
     let mut m = BTreeMap::new();
-    for line in script.lines() {
+    for line in script.lines().take_while(|l| !l.contains("common code")) {
         let Some(rest) = line.strip_prefix(": \"${") else {
             continue;
         };
