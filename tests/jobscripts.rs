@@ -33,11 +33,36 @@ fn jobscripts() -> PathBuf {
     repo().join("jobscripts")
 }
 
-fn tmp(name: &str) -> PathBuf {
+/// A scratch folder, removed when the test passes (kept for a look when it fails, or with
+/// `FUGU_KEEP_TEST_DIRS=1`).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() && std::env::var_os("FUGU_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+fn tmp(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("fugu-jobs-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }
 
 fn text(out: &Output) -> String {
@@ -95,17 +120,25 @@ fn skipped(why: &str) {
     let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
 }
 
-/// The bundled corpus, tokenised once per test process (jobs then skip their own staging).
+/// The bundled corpus, tokenised once into the temp folder and reused by later test runs
+/// (the jobs then skip their own staging).
 fn corpus() -> PathBuf {
     static DATA: OnceLock<PathBuf> = OnceLock::new();
     DATA.get_or_init(|| {
-        let dir = tmp("data");
-        let out = Command::new(jobs_bin())
-            .args(["prepare", "--quiet", "--out"])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "fugu prepare: {}", text(&out));
+        let dir = std::env::temp_dir().join("fugu-jobs-corpus");
+        if !dir.join("manifest.json").exists() {
+            let part = std::env::temp_dir().join(format!("fugu-jobs-corpus.{}", std::process::id()));
+            let out = Command::new(jobs_bin())
+                .args(["prepare", "--quiet", "--out"])
+                .arg(&part)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "fugu prepare: {}", text(&out));
+            // Another test process may have won the race: keep its copy.
+            if std::fs::rename(&part, &dir).is_err() {
+                let _ = std::fs::remove_dir_all(&part);
+            }
+        }
         dir.join("manifest.json")
     })
     .clone()
