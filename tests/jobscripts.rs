@@ -127,7 +127,8 @@ fn corpus() -> PathBuf {
     DATA.get_or_init(|| {
         let dir = std::env::temp_dir().join("fugu-jobs-corpus");
         if !dir.join("manifest.json").exists() {
-            let part = std::env::temp_dir().join(format!("fugu-jobs-corpus.{}", std::process::id()));
+            let part =
+                std::env::temp_dir().join(format!("fugu-jobs-corpus.{}", std::process::id()));
             let out = Command::new(jobs_bin())
                 .args(["prepare", "--quiet", "--out"])
                 .arg(&part)
@@ -262,7 +263,12 @@ fn shellcheck_every_job_script() {
     );
     for f in &files {
         let out = Command::new("bash").arg("-n").arg(f).output().unwrap();
-        assert!(out.status.success(), "bash -n {}: {}", f.display(), text(&out));
+        assert!(
+            out.status.success(),
+            "bash -n {}: {}",
+            f.display(),
+            text(&out)
+        );
     }
 }
 
@@ -329,7 +335,10 @@ fn pjm_directives(script: &str) -> Result<Vec<PjmOpt>, String> {
             while let Some(opt) = w.next() {
                 let takes_arg = !matches!(opt.as_str(), "-j" | "-s" | "-S" | "-X" | "--step");
                 let arg = if takes_arg {
-                    Some(w.next().ok_or(format!("line {}: {opt} needs a value", i + 1))?)
+                    Some(
+                        w.next()
+                            .ok_or(format!("line {}: {opt} needs a value", i + 1))?,
+                    )
                 } else {
                     None
                 };
@@ -462,10 +471,9 @@ fn lint_pjm(script: &str) -> Result<PjmJob, String> {
                 let (k, v) = arg
                     .split_once('=')
                     .ok_or(format!("-x {arg}: expected VAR=value"))?;
-                let ok_name = k
-                    .chars()
-                    .enumerate()
-                    .all(|(i, c)| c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit()));
+                let ok_name = k.chars().enumerate().all(|(i, c)| {
+                    c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit())
+                });
                 if k.is_empty() || !ok_name {
                     return Err(format!("-x {arg}: `{k}` is not a variable name"));
                 }
@@ -508,7 +516,7 @@ fn settings(script: &str) -> BTreeMap<String, String> {
         let Some(rest) = line.strip_prefix(": \"${") else {
             continue;
         };
-        let Some((name, tail)) = rest.split_once(|c| c == ':' || c == '=') else {
+        let Some((name, tail)) = rest.split_once([':', '=']) else {
             continue;
         };
         let tail = tail.trim_start_matches('=');
@@ -531,9 +539,15 @@ fn pjsub_directives_follow_the_documented_syntax() {
     for name in ["train.sh", "bench-gemm.sh", "scaling-sweep.sh"] {
         let s = script(&format!("pjsub/{name}"));
         let job = lint_pjm(&s).unwrap_or_else(|e| panic!("pjsub/{name}: {e}"));
-        assert!(job.group.is_some(), "pjsub/{name}: no -g (required on Fugaku)");
+        assert!(
+            job.group.is_some(),
+            "pjsub/{name}: no -g (required on Fugaku)"
+        );
         assert!(job.rscgrp.is_some(), "pjsub/{name}: no rscgrp");
-        assert!(job.merge && job.stats && job.name.is_some(), "pjsub/{name}: -j, -S, --name");
+        assert!(
+            job.merge && job.stats && job.name.is_some(),
+            "pjsub/{name}: -j, -S, --name"
+        );
         assert!(
             job.exports.contains_key("PJM_LLIO_GFSCACHE"),
             "pjsub/{name}: -x PJM_LLIO_GFSCACHE"
@@ -547,14 +561,34 @@ fn pjsub_directives_follow_the_documented_syntax() {
     let job = lint_pjm(&s).unwrap();
     let m = settings(&s);
     assert_eq!(job.max_proc_per_node, Some(4));
-    assert_eq!(job.proc, Some(job.nodes * 4), "proc = node x max-proc-per-node");
+    assert_eq!(
+        job.proc,
+        Some(job.nodes * 4),
+        "proc = node x max-proc-per-node"
+    );
     assert_eq!(job.freq, Some(2200));
-    assert_eq!(m["FUGU_RANKS_PER_NODE"], "4", "FUGU_RANKS_PER_NODE = max-proc-per-node");
+    assert_eq!(
+        m["FUGU_RANKS_PER_NODE"], "4",
+        "FUGU_RANKS_PER_NODE = max-proc-per-node"
+    );
     let threads: u64 = m["FUGU_THREADS"].parse().unwrap();
-    assert_eq!(threads * job.max_proc_per_node.unwrap(), 48, "ranks x threads = 48 cores");
-    let margin: u64 = m["FUGU_DEADLINE_MARGIN"].parse().unwrap();
-    assert!(margin < job.elapse_s.unwrap() / 2, "deadline margin vs elapse");
-    for v in ["FUGU_CONFIG", "FUGU_DATA", "FUGU_STEPS", "FUGU_TP", "FUGU_OUT", "FUGU_ZERO"] {
+    assert_eq!(
+        threads * job.max_proc_per_node.unwrap(),
+        48,
+        "ranks x threads = 48 cores"
+    );
+    assert!(
+        m.contains_key("FUGU_DEADLINE_MARGIN"),
+        "pjsub/train.sh: FUGU_DEADLINE_MARGIN"
+    );
+    for v in [
+        "FUGU_CONFIG",
+        "FUGU_DATA",
+        "FUGU_STEPS",
+        "FUGU_TP",
+        "FUGU_OUT",
+        "FUGU_ZERO",
+    ] {
         assert!(m.contains_key(v), "pjsub/train.sh: setting {v}");
     }
     for needed in [
@@ -569,7 +603,10 @@ fn pjsub_directives_follow_the_documented_syntax() {
 
     // bench-gemm.sh: one process on one node.
     let job = lint_pjm(&script("pjsub/bench-gemm.sh")).unwrap();
-    assert_eq!((job.nodes, job.proc, job.max_proc_per_node), (1, Some(1), Some(1)));
+    assert_eq!(
+        (job.nodes, job.proc, job.max_proc_per_node),
+        (1, Some(1), Some(1))
+    );
 }
 
 #[test]
@@ -581,7 +618,10 @@ fn the_pjsub_lint_catches_mistakes() {
         ("#PJM -L \"elapse=1h\"\n", "elapse"),
         ("#PJM -L \"freq=2500\"\n", "freq"),
         ("#PJM -L \"nodes=2\"\n", "unknown"),
-        ("#PJM --mpi \"proc=9,max-proc-per-node=4\"\n", "does not fit"),
+        (
+            "#PJM --mpi \"proc=9,max-proc-per-node=4\"\n",
+            "does not fit",
+        ),
         ("#PJM --mpi \"max-proc-per-node=64\"\n", "48 cores"),
         ("#PJM -x 1VAR=x\n", "variable name"),
         ("#PJM -x NOVALUE\n", "VAR=value"),
@@ -598,7 +638,8 @@ fn the_pjsub_lint_catches_mistakes() {
     assert!(lint_pjm("#!/bin/bash\n#PJM -L \"elapse=10\"\n")
         .unwrap_err()
         .contains("node"));
-    let shaped = lint_pjm("#PJM -L \"node=2x3x2:torus,elapse=60:00\"\n#PJM --mpi proc=48\n").unwrap();
+    let shaped =
+        lint_pjm("#PJM -L \"node=2x3x2:torus,elapse=60:00\"\n#PJM --mpi proc=48\n").unwrap();
     assert_eq!((shaped.nodes, shaped.elapse_s), (12, Some(3600)));
 }
 
@@ -631,15 +672,32 @@ fn slurm_directives_match_the_a64fx_layout() {
     );
     assert!(s.contains("trap") || read(&jobscripts().join("lib/common.sh")).contains("trap"));
     let m = settings(&s);
-    for v in ["FUGU_BIN", "FUGU_CONFIG", "FUGU_DATA", "FUGU_STEPS", "FUGU_TP", "FUGU_OUT", "FUGU_ZERO"] {
+    for v in [
+        "FUGU_BIN",
+        "FUGU_CONFIG",
+        "FUGU_DATA",
+        "FUGU_STEPS",
+        "FUGU_TP",
+        "FUGU_OUT",
+        "FUGU_ZERO",
+    ] {
         assert!(m.contains_key(v), "slurm/train.sh: setting {v}");
     }
     let d = sbatch_directives(&script("slurm/bench-gemm.sh"));
-    assert_eq!((d["--nodes"].as_str(), d["--cpus-per-task"].as_str()), ("1", "48"));
+    assert_eq!(
+        (d["--nodes"].as_str(), d["--cpus-per-task"].as_str()),
+        ("1", "48")
+    );
     for name in ["train.sh", "bench-gemm.sh", "scaling-sweep.sh"] {
         let s = script(&format!("slurm/{name}"));
-        assert!(sbatch_directives(&s).contains_key("--time"), "slurm/{name}: --time");
-        assert!(s.contains("set -euo pipefail"), "slurm/{name}: set -euo pipefail");
+        assert!(
+            sbatch_directives(&s).contains_key("--time"),
+            "slurm/{name}: --time"
+        );
+        assert!(
+            s.contains("set -euo pipefail"),
+            "slurm/{name}: set -euo pipefail"
+        );
     }
 }
 
@@ -683,7 +741,9 @@ fn common_sh_helpers() {
         assert_eq!(got, secs.to_string(), "{limit} ({unit})");
     }
     for bad in ["1h", "", "1:xx:00"] {
-        assert!(!common_sh(&format!("fugu_parse_elapse '{bad}'"), &[]).status.success());
+        assert!(!common_sh(&format!("fugu_parse_elapse '{bad}'"), &[])
+            .status
+            .success());
     }
     assert_eq!(common_sh_ok("fugu_rfc3339 0", &[]), "1970-01-01T00:00:00Z");
 
@@ -692,10 +752,16 @@ fn common_sh_helpers() {
     let t = train.display();
     let code = format!("fugu_pjm_elapse {t}; echo \"$FUGU_ELAPSE_S|$FUGU_ELAPSE_SRC\"");
     let from_script = common_sh_ok(&code, &[]);
-    assert!(from_script.starts_with("3600|#PJM -L elapse=01:00:00"), "{from_script}");
+    assert!(
+        from_script.starts_with("3600|#PJM -L elapse=01:00:00"),
+        "{from_script}"
+    );
     let from_pjm = common_sh_ok(&code, &[("PJM_ELAPSE_LIMIT", "120")]);
     assert_eq!(from_pjm, "120|PJM_ELAPSE_LIMIT=120");
-    let from_user = common_sh_ok(&code, &[("FUGU_ELAPSE", "2:00:00"), ("PJM_ELAPSE_LIMIT", "120")]);
+    let from_user = common_sh_ok(
+        &code,
+        &[("FUGU_ELAPSE", "2:00:00"), ("PJM_ELAPSE_LIMIT", "120")],
+    );
     assert_eq!(from_user, "7200|FUGU_ELAPSE=2:00:00");
 
     // Errors name the variable.
@@ -716,7 +782,10 @@ fn common_sh_helpers() {
     );
     let back = Command::new("bash")
         .arg("-c")
-        .arg(format!(". {}; echo \"$FUGU_EXTRA_ARGS|${{FUGU_BENCH_SETS-unset}}|${{FUGU_UNSET_X-unset}}\"", f.display()))
+        .arg(format!(
+            ". {}; echo \"$FUGU_EXTRA_ARGS|${{FUGU_BENCH_SETS-unset}}|${{FUGU_UNSET_X-unset}}\"",
+            f.display()
+        ))
         .output()
         .unwrap();
     assert_eq!(
@@ -731,7 +800,10 @@ fn job_scripts_fail_clearly_without_a_binary() {
     for (script, envs) in [
         ("pjsub/train.sh", vec![("PJM_MPI_PROC", "2")]),
         ("pjsub/bench-gemm.sh", vec![]),
-        ("slurm/train.sh", vec![("SLURM_JOB_ID", "1"), ("SLURM_NTASKS", "2")]),
+        (
+            "slurm/train.sh",
+            vec![("SLURM_JOB_ID", "1"), ("SLURM_NTASKS", "2")],
+        ),
         ("slurm/bench-gemm.sh", vec![("SLURM_JOB_ID", "1")]),
     ] {
         let out = Command::new("bash")
@@ -791,7 +863,10 @@ fn local_pjsub_stand_in() {
         )),
         "{log}"
     );
-    assert!(log.contains("to-stderr") && log.contains("mpiexec\nllio_transfer\npjsub"), "{log}");
+    assert!(
+        log.contains("to-stderr") && log.contains("mpiexec\nllio_transfer\npjsub"),
+        "{log}"
+    );
     let stats = read(&dir.join(format!("job.sh.{id}.stats")));
     assert!(stats.contains("PJM CODE          : 0") && stats.contains("EXIT CODE         : 7"));
 
@@ -800,10 +875,18 @@ fn local_pjsub_stand_in() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).contains("does not fit"), "{}", text(&out));
     let out = local_pjsub(&dir, &["--walltime", "5", "job.sh"]);
-    assert!(text(&out).contains("unsupported pjsub option"), "{}", text(&out));
+    assert!(
+        text(&out).contains("unsupported pjsub option"),
+        "{}",
+        text(&out)
+    );
 
     // The elapse limit is enforced: PJM code 11.
-    std::fs::write(&job, "#!/bin/bash\n#PJM -L \"node=1,elapse=1\"\n#PJM -s\nsleep 30\n").unwrap();
+    std::fs::write(
+        &job,
+        "#!/bin/bash\n#PJM -L \"node=1,elapse=1\"\n#PJM -s\nsleep 30\n",
+    )
+    .unwrap();
     let t = Instant::now();
     let out = local_pjsub(&dir, &["job.sh"]);
     assert_eq!(out.status.code(), Some(124), "{}", text(&out));
@@ -836,7 +919,10 @@ fn pjsub_bench_gemm_under_local_pjsub() {
             "FUGU_BENCH_ARGS=--shape 64x64x64 --shape 32x48x16 --budget 0.02 --no-baseline",
             "-x",
             "FUGU_NUMA_NODES=0",
-            &jobscripts().join("pjsub/bench-gemm.sh").display().to_string(),
+            &jobscripts()
+                .join("pjsub/bench-gemm.sh")
+                .display()
+                .to_string(),
         ],
     );
     let id = pjm_job_id(&out);
@@ -861,7 +947,12 @@ fn pjsub_train_two_ranks_under_local_pjsub() {
         return;
     }
     let dir = tmp("pjm-train");
-    let mut args: Vec<String> = vec!["-L".into(), "node=1".into(), "--mpi".into(), "proc=2".into()];
+    let mut args: Vec<String> = vec![
+        "-L".into(),
+        "node=1".into(),
+        "--mpi".into(),
+        "proc=2".into(),
+    ];
     let mut env = tiny_train_env(6);
     env.push(("FUGU_HOME".into(), repo().display().to_string()));
     env.push(("FUGU_BIN".into(), jobs_bin().display().to_string()));
@@ -876,7 +967,10 @@ fn pjsub_train_two_ranks_under_local_pjsub() {
     let id = pjm_job_id(&out);
     let log = read(&dir.join(format!("fugu-train.{id}.out")));
     assert!(out.status.success(), "{}\n{log}", text(&out));
-    assert!(log.contains("--deadline") && log.contains("--resume auto"), "{log}");
+    assert!(
+        log.contains("--deadline") && log.contains("--resume auto"),
+        "{log}"
+    );
     let run = dir.join("runs/gpt2-tiny-n2-tp1");
     let m = metrics(&run);
     assert_world(&m, 2);
@@ -893,11 +987,9 @@ fn pjsub_deadline_checkpoints_and_the_continuation_resumes() {
         return;
     }
     let dir = tmp("pjm-deadline");
-    let mut args: Vec<String> = [
-        "-L", "node=1,elapse=40", "--mpi", "proc=2",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut args: Vec<String> = ["-L", "node=1,elapse=40", "--mpi", "proc=2"]
+        .map(String::from)
+        .to_vec();
     let mut env = tiny_train_env(100_000);
     env.extend(
         [
@@ -922,6 +1014,89 @@ fn pjsub_deadline_checkpoints_and_the_continuation_resumes() {
     assert_eq!(out.status.code(), Some(4), "{}\n{log}", text(&out));
     assert!(log.contains("resubmitted as job"), "{log}");
     assert_continued(&dir.join("runs/gpt2-tiny-n2-tp1"), 2);
+}
+
+/// The pjsub scaling sweep, submitted from the "login node" through the stand-in's `pjsub`:
+/// one step job of a 2-rank training, the GEMM benchmark and the report, in that order.
+#[test]
+fn pjsub_sweep_under_local_pjsub() {
+    if !gated("pjsub_sweep_under_local_pjsub") {
+        return;
+    }
+    let dir = tmp("pjm-sweep");
+    let state = dir.join("pjm-state");
+    let out = Command::new(jobscripts().join("pjsub/local-pjsub.sh"))
+        .arg("--install-shims")
+        .env("LOCAL_PJSUB_DIR", &state)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let shims = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let path = format!("{shims}:{}", std::env::var("PATH").unwrap_or_default());
+    let mut env = tiny_train_env(4);
+    env.extend(
+        [
+            ("FUGU_HOME", repo().display().to_string()),
+            ("FUGU_BIN", jobs_bin().display().to_string()),
+            ("FUGU_DATA", corpus().display().to_string()),
+            ("FUGU_GROUP", "testgrp".into()),
+            ("FUGU_SWEEP", "1x2".into()),
+            ("FUGU_ELAPSE", "10:00".into()),
+            ("FUGU_SWEEP_DIR", "sweep".into()),
+            ("FUGU_BENCH_RUNS", "1:1".into()),
+            ("FUGU_BENCH_SETS", String::new()),
+            (
+                "FUGU_BENCH_ARGS",
+                "--shape 64x64x64 --budget 0.02 --no-baseline".into(),
+            ),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let out = Command::new(jobscripts().join("pjsub/scaling-sweep.sh"))
+        .current_dir(&dir)
+        .env("PATH", path)
+        .env("LOCAL_PJSUB_DIR", &state)
+        .envs(OMPI_ENV)
+        .envs(env)
+        .output()
+        .unwrap();
+    let logs: String = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "out"))
+        .map(|p| read(&p))
+        .collect::<Vec<_>>()
+        .join("\n-----\n");
+    assert!(
+        out.status.success(),
+        "scaling-sweep.sh: {}\n{logs}",
+        text(&out)
+    );
+    let sweep = dir.join("sweep");
+    let jobs = read(&sweep.join("jobs.txt"));
+    let ids: Vec<&str> = jobs
+        .lines()
+        .map(|l| l.split_whitespace().nth(2).unwrap())
+        .collect();
+    assert_eq!(ids.len(), 3, "{jobs}");
+    // One step job: the same job id, sub-jobs 0, 1, 2.
+    let base = ids[0].split('_').next().unwrap();
+    assert_eq!(
+        ids,
+        [
+            format!("{base}_0"),
+            format!("{base}_1"),
+            format!("{base}_2")
+        ]
+    );
+    let m = metrics(&sweep.join("runs/N1-n2"));
+    assert_world(&m, 2);
+    assert_eq!(steps(&m), vec![1, 2, 3, 4]);
+    assert!(
+        !jsonl_rows(&sweep.join("gemm/gemm-t1-c1.jsonl")).is_empty(),
+        "{logs}"
+    );
+    assert!(sweep.join("report/REPORT.md").exists(), "{logs}");
 }
 
 /// A run stopped by its deadline or signal and continued by the next job: the second
@@ -954,8 +1129,15 @@ fn assert_continued(run: &Path, world: u64) {
     let k = last_ckpt_of_first.expect("the first job wrote no checkpoint before stopping");
     assert!(k >= 1, "checkpoint at step {k}");
     assert_eq!(second_start, Some(k), "the continuation resumed elsewhere");
-    assert_eq!(second_steps.first(), Some(&(k + 1)), "steps after resuming: {second_steps:?}");
-    assert!(first_steps.iter().all(|&s| s <= k), "{first_steps:?} vs checkpoint {k}");
+    assert_eq!(
+        second_steps.first(),
+        Some(&(k + 1)),
+        "steps after resuming: {second_steps:?}"
+    );
+    assert!(
+        first_steps.iter().all(|&s| s <= k),
+        "{first_steps:?} vs checkpoint {k}"
+    );
 }
 
 // ------------------------------------------------------------------------------ Slurm
@@ -1014,7 +1196,11 @@ fn wait_job(jid: &str, secs: u64) -> (String, i32) {
         .unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
     let f: Vec<&str> = s.split_whitespace().collect();
-    assert!(f.len() == 3 && f[0] == jid, "local-slurm.sh wait {jid}: {}", text(&out));
+    assert!(
+        f.len() == 3 && f[0] == jid,
+        "local-slurm.sh wait {jid}: {}",
+        text(&out)
+    );
     assert_ne!(f[2], "timeout", "job {jid} still {} after {secs} s", f[1]);
     let code = f[2].split(':').next().unwrap().parse().unwrap_or(-1);
     (f[1].to_string(), code)
@@ -1071,7 +1257,10 @@ fn slurm_sweep_trains_benchmarks_and_reports() {
             ("FUGU_BENCH_RUNS", "1:1 2:2".into()),
             ("FUGU_BENCH_CPUS", "2".into()),
             ("FUGU_BENCH_SETS", String::new()),
-            ("FUGU_BENCH_ARGS", "--shape 64x64x64 --budget 0.02 --no-baseline".into()),
+            (
+                "FUGU_BENCH_ARGS",
+                "--shape 64x64x64 --budget 0.02 --no-baseline".into(),
+            ),
             ("FUGU_SBATCH_ARGS", "--cpus-per-task=1".into()),
         ]
         .map(|(k, v)| (k.to_string(), v)),
@@ -1116,7 +1305,13 @@ fn slurm_sweep_trains_benchmarks_and_reports() {
     assert!(read(&report.join("REPORT.md")).contains('#'));
     let svgs = std::fs::read_dir(&report)
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "svg"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "svg")
+        })
         .count();
     assert!(svgs >= 1, "no SVG chart in {}", report.display());
 }
@@ -1163,7 +1358,10 @@ fn slurm_usr1_checkpoints_exits_4_and_the_resubmitted_job_resumes() {
         .map(|m| steps(&m).is_empty())
         .unwrap_or(true)
     {
-        assert!(t.elapsed() < Duration::from_secs(120), "training did not start");
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "training did not start"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let out = Command::new("scancel")

@@ -360,6 +360,7 @@ fugu_sweep_report() {
   [ ${#runs[@]} -gt 0 ] || [ ${#gemm[@]} -gt 0 ] || fugu_die "nothing to report in $dir (no runs/*/, no gemm/*.jsonl)"
   fugu_log "fugu report: ${#runs[@]} run(s), $(( ${#gemm[@]} / 2 )) GEMM file(s) -> $dir/report"
   "$FUGU_BIN" report "${runs[@]}" --out "$dir/report" "${gemm[@]}"
+  [ -f "$dir/report/REPORT.md" ] || fugu_die "fugu report wrote no $dir/report/REPORT.md"
   fugu_log "wrote $dir/report/REPORT.md"
 }
 
@@ -439,13 +440,13 @@ fugu_llio_purge() {
   llio_transfer --purge "$@" || true
 }
 
-# fugu_pjsub SUBMIT_ARGS...: runs pjsub and prints the job id (the number in "Job 1234 submitted"
-# or "Job 1234_0 submitted" for a step job).
+# fugu_pjsub SUBMIT_ARGS...: runs pjsub and prints the job id ("1234" from "Job 1234 submitted",
+# "1234_0" for a step job).
 fugu_pjsub() {
   local out jid
   out=$(pjsub "$@") || fugu_die "pjsub $* failed: $out"
   printf '%s\n' "$out" >&2
-  jid=$(sed -n 's/.*Job \([0-9][0-9]*\).* submitted.*/\1/p' <<<"$out" | head -n 1)
+  jid=$(sed -n 's/.*Job \([0-9][0-9_]*\) submitted.*/\1/p' <<<"$out" | head -n 1)
   [ -n "$jid" ] || fugu_die "no job id in pjsub's answer: $out"
   echo "$jid"
 }

@@ -4,6 +4,8 @@
 # Open MPI. It is a test tool, not a scheduler: the job runs at once, in the foreground.
 #
 #   local-pjsub.sh [pjsub options] SCRIPT
+#   local-pjsub.sh --install-shims     # create the shims, print their folder (put it in PATH to
+#                                      # run a script that calls pjsub, e.g. scaling-sweep.sh)
 #
 # What it does, like pjsub as far as public documentation tells (docs/JOBS.md):
 #   * reads the `#PJM` lines at the top of SCRIPT, then the command-line options (which win);
@@ -52,6 +54,51 @@ elapse_seconds() {
   is_uint "$h" && is_uint "$m" && is_uint "$s" || return 1
   echo $(( (10#$h * 60 + 10#$m) * 60 + 10#$s ))
 }
+
+# ------------------------------------------------------------------------------ shims
+make_shims() {  # the shim folder put first in the job's PATH
+  local shim=$D/shim
+  mkdir -p "$shim"
+  cat >"$shim/mpiexec" <<'EOF'
+#!/usr/bin/env bash
+# local-pjsub shim: Fujitsu mpiexec -> Open MPI mpirun
+set -euo pipefail
+np=${PJM_MPI_PROC:-1}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -n | -np) np=$2; shift 2 ;;
+    -of | -of-proc | -std | -std-proc | -stdout | -stdout-proc | -stderr | -stderr-proc | \
+    -ofout | -ofout-proc | -oferr | -oferr-proc | -stdin | -vcoordfile | -mca)
+      echo "[local-pjsub mpiexec] dropping Fugaku option $1 $2" >&2; shift 2 ;;
+    --) shift; break ;;
+    -*) echo "[local-pjsub mpiexec] unknown mpiexec option $1" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+read -r -a extra <<<"${LOCAL_PJSUB_MPIRUN_ARGS---oversubscribe}"
+exec mpirun -np "$np" "${extra[@]}" "$@"
+EOF
+  cat >"$shim/llio_transfer" <<'EOF'
+#!/usr/bin/env bash
+# local-pjsub shim: llio_transfer caches nothing here, but fails like the real one on a
+# missing file
+purge=0
+[ "${1:-}" = --purge ] && { purge=1; shift; }
+for f in "$@"; do
+  [ -e "$f" ] || { echo "llio_transfer: $f: No such file or directory" >&2; exit 1; }
+done
+if [ $purge = 1 ]; then what=purged; else what=transferred; fi
+echo "[local-pjsub llio_transfer] $what (nothing cached locally): $*" >&2
+EOF
+  printf '#!/usr/bin/env bash\nLOCAL_PJSUB_EXIT=submit exec %q "$@"\n' "$SELF" >"$shim/pjsub"
+  chmod 755 "$shim/mpiexec" "$shim/llio_transfer" "$shim/pjsub"
+}
+
+if [ "${1:-}" = --install-shims ]; then
+  make_shims
+  echo "$D/shim"
+  exit 0
+fi
 
 # ------------------------------------------------------------------------------ options
 node=1 node_shape=1 proc='' mppn='' elapse='' rscgrp='' group='' name='' merge=0 stats=0 export_all=0
@@ -214,40 +261,8 @@ if [ "$step" = 1 ] && [ -n "$sparam" ]; then
 fi
 echo "[INFO] PJM 0000 pjsub Job $jid submitted."
 
+make_shims
 shim=$D/shim
-cat >"$shim/mpiexec" <<'EOF'
-#!/usr/bin/env bash
-# local-pjsub shim: Fujitsu mpiexec -> Open MPI mpirun
-set -euo pipefail
-np=${PJM_MPI_PROC:-1}
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -n | -np) np=$2; shift 2 ;;
-    -of | -of-proc | -std | -std-proc | -stdout | -stdout-proc | -stderr | -stderr-proc | \
-    -ofout | -ofout-proc | -oferr | -oferr-proc | -stdin | -vcoordfile | -mca)
-      echo "[local-pjsub mpiexec] dropping Fugaku option $1 $2" >&2; shift 2 ;;
-    --) shift; break ;;
-    -*) echo "[local-pjsub mpiexec] unknown mpiexec option $1" >&2; exit 2 ;;
-    *) break ;;
-  esac
-done
-read -r -a extra <<<"${LOCAL_PJSUB_MPIRUN_ARGS---oversubscribe}"
-exec mpirun -np "$np" "${extra[@]}" "$@"
-EOF
-cat >"$shim/llio_transfer" <<'EOF'
-#!/usr/bin/env bash
-# local-pjsub shim: llio_transfer caches nothing here, but fails like the real one on a
-# missing file
-purge=0
-[ "${1:-}" = --purge ] && { purge=1; shift; }
-for f in "$@"; do
-  [ -e "$f" ] || { echo "llio_transfer: $f: No such file or directory" >&2; exit 1; }
-done
-if [ $purge = 1 ]; then what=purged; else what=transferred; fi
-echo "[local-pjsub llio_transfer] $what (nothing cached locally): $*" >&2
-EOF
-printf '#!/usr/bin/env bash\nLOCAL_PJSUB_EXIT=submit exec %q "$@"\n' "$SELF" >"$shim/pjsub"
-chmod 755 "$shim/mpiexec" "$shim/llio_transfer" "$shim/pjsub"
 
 # ------------------------------------------------------------------------------ environment
 workdir=$PWD

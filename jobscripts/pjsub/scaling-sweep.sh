@@ -87,7 +87,7 @@ submit() {  # submit KIND NAME ENVFILE PJSUB_ARGS... SCRIPT: pjsub, record the i
     [ -z "$step_jid" ] || step+=(--sparam "jid=$step_jid")
   fi
   jid=$(fugu_pjsub "${step[@]}" "${common_args[@]}" -x "FUGU_ENV_FILE=$envfile" "$@")
-  [ -n "$step_jid" ] || [ "$FUGU_SWEEP_STEP" != 1 ] || step_jid=$jid
+  [ -n "$step_jid" ] || [ "$FUGU_SWEEP_STEP" != 1 ] || step_jid=${jid%%_*}
   echo "$kind $name $jid" >>"$FUGU_SWEEP_DIR/jobs.txt"
   fugu_log "submitted $kind $name: job $jid"
 }

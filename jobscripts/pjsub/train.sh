@@ -53,7 +53,7 @@ fi
 : "${FUGU_TIMERS:=}"             # off | coarse | fine; empty: the trainer's default
 : "${FUGU_EXTRA_ARGS:=}"         # more `fugu train` arguments (split on spaces)
 : "${FUGU_ELAPSE:=}"             # this job's elapse limit; empty: PJM_ELAPSE_LIMIT, pjstat or the #PJM line
-: "${FUGU_DEADLINE_MARGIN:=300}" # seconds before the elapse limit by which the checkpoint must be written
+: "${FUGU_DEADLINE_MARGIN:=}"    # seconds before the elapse limit for the checkpoint; empty: 300, at most elapse/5
 : "${FUGU_DEADLINE:=}"           # explicit --deadline (seconds or RFC 3339); empty: start + elapse - margin; off: none
 : "${FUGU_LLIO_TRANSFER:=1}"     # 1: llio_transfer the binary (and a config file) to the nodes' cache
 : "${FUGU_MPIEXEC_ARGS:=}"       # extra mpiexec options, e.g. "-of-proc out/rank" (split on spaces)
@@ -81,7 +81,7 @@ done
 : "${FUGU_JOBSCRIPT:=$FUGU_JOBSCRIPTS/pjsub/train.sh}"
 FUGU_RANKS=${FUGU_RANKS:-${PJM_MPI_PROC:-}}
 [ -n "$FUGU_RANKS" ] || fugu_die "PJM_MPI_PROC is unset: submit with pjsub and --mpi \"proc=N\" (or set FUGU_RANKS)"
-fugu_require_uint FUGU_RANKS_PER_NODE FUGU_DEADLINE_MARGIN
+fugu_require_uint FUGU_RANKS_PER_NODE
 [ "$FUGU_RANKS_PER_NODE" -ge 1 ] || fugu_die "FUGU_RANKS_PER_NODE must be at least 1"
 nodes=$(( (FUGU_RANKS + FUGU_RANKS_PER_NODE - 1) / FUGU_RANKS_PER_NODE ))
 fugu_setup_train
@@ -90,10 +90,16 @@ fugu_setup_train
 fugu_pjm_elapse "$0"
 if [ -z "$FUGU_DEADLINE" ]; then
   if [ -n "$FUGU_ELAPSE_S" ]; then
-    [ "$FUGU_DEADLINE_MARGIN" -lt "$FUGU_ELAPSE_S" ] ||
-      fugu_die "FUGU_DEADLINE_MARGIN=$FUGU_DEADLINE_MARGIN s is not less than the elapse limit ($FUGU_ELAPSE_S s, $FUGU_ELAPSE_SRC)"
-    FUGU_DEADLINE=$(fugu_rfc3339 $(( FUGU_JOB_START + FUGU_ELAPSE_S - FUGU_DEADLINE_MARGIN )))
-    fugu_log "elapse limit ${FUGU_ELAPSE_S} s ($FUGU_ELAPSE_SRC): deadline $FUGU_DEADLINE"
+    margin=$FUGU_DEADLINE_MARGIN
+    if [ -z "$margin" ]; then
+      margin=$(( FUGU_ELAPSE_S / 5 ))
+      [ "$margin" -le 300 ] || margin=300
+    fi
+    fugu_require_uint margin
+    [ "$margin" -lt "$FUGU_ELAPSE_S" ] ||
+      fugu_die "FUGU_DEADLINE_MARGIN=$margin s is not less than the elapse limit ($FUGU_ELAPSE_S s, $FUGU_ELAPSE_SRC)"
+    FUGU_DEADLINE=$(fugu_rfc3339 $(( FUGU_JOB_START + FUGU_ELAPSE_S - margin )))
+    fugu_log "elapse limit ${FUGU_ELAPSE_S} s ($FUGU_ELAPSE_SRC), margin $margin s: deadline $FUGU_DEADLINE"
   else
     fugu_log "WARNING: elapse limit unknown (set FUGU_ELAPSE): the trainer gets no deadline and cannot checkpoint before it"
   fi
@@ -116,7 +122,7 @@ jobid=${PJM_JOBID:-unknown}
 fugu_log "job $jobid: $FUGU_RANKS rank(s) on $nodes node(s) (at most $FUGU_RANKS_PER_NODE per node) x $FUGU_THREADS thread(s), tp=$FUGU_TP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
 fugu_log "run directory $FUGU_OUT"
 fugu_log "mpiexec -n $FUGU_RANKS ${mpiexec_args[*]} $FUGU_BIN ${FUGU_TRAIN_ARGS[*]}"
-fugu_job_record "pjsub job $jobid start ($FUGU_RANKS ranks on $nodes node(s), deadline ${FUGU_DEADLINE:-none})"
+fugu_job_record "pjsub job $jobid start ($FUGU_RANKS rank(s) on $nodes node(s), deadline ${FUGU_DEADLINE:-none})"
 fugu_run_forwarding mpiexec -n "$FUGU_RANKS" "${mpiexec_args[@]}" "$FUGU_BIN" "${FUGU_TRAIN_ARGS[@]}"
 rc=$FUGU_RC
 fugu_job_record "pjsub job $jobid exit $rc"

@@ -90,7 +90,7 @@ esac
 fugu_log "job $SLURM_JOB_ID: $nodes node(s) x $ranks_per_node rank(s) x $FUGU_THREADS thread(s), tp=$FUGU_TP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
 fugu_log "run directory $FUGU_OUT"
 fugu_log "${launcher[*]} $FUGU_BIN ${FUGU_TRAIN_ARGS[*]}"
-fugu_job_record "slurm job $SLURM_JOB_ID start ($FUGU_RANKS ranks on $nodes node(s))"
+fugu_job_record "slurm job $SLURM_JOB_ID start ($FUGU_RANKS rank(s) on $nodes node(s))"
 fugu_run_forwarding "${launcher[@]}" "$FUGU_BIN" "${FUGU_TRAIN_ARGS[@]}"
 rc=$FUGU_RC
 fugu_job_record "slurm job $SLURM_JOB_ID exit $rc"
