@@ -1089,6 +1089,7 @@ fn pjsub_sweep_under_local_pjsub() {
             format!("{base}_2")
         ]
     );
+    assert!(sweep.join("runs/N1-n2/metrics.jsonl").exists(), "{logs}");
     let m = metrics(&sweep.join("runs/N1-n2"));
     assert_world(&m, 2);
     assert_eq!(steps(&m), vec![1, 2, 3, 4]);

@@ -35,9 +35,11 @@ set -euo pipefail
 : "${FUGU_SWEEP_MODE:=submit}"   # submit (on the login node) | report (inside the report job)
 
 # ----------------------------------------------------------------------------- common code
-for d in "${FUGU_HOME:+$FUGU_HOME/jobscripts}" "$(dirname -- "$0")/.." \
-  "$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null | sed -n 's|^ *Command=\(.*\)/[^/]*/[^/ ]*$|\1|p')" \
-  "${SLURM_SUBMIT_DIR:-$PWD}/jobscripts"; do
+for d in "${FUGU_HOME:+$FUGU_HOME/jobscripts}" "$(dirname -- "$0")/.." scontrol "${SLURM_SUBMIT_DIR:-$PWD}/jobscripts"; do
+  if [ "$d" = scontrol ]; then  # the submitted script's folder, asked only when needed
+    d=$([ -z "${SLURM_JOB_ID:-}" ] || scontrol show job "$SLURM_JOB_ID" 2>/dev/null |
+      sed -n 's|^ *Command=\(.*\)/[^/]*/[^/ ]*$|\1|p') || d=
+  fi
   if [ -n "$d" ] && [ -f "$d/lib/common.sh" ]; then FUGU_COMMON=$d/lib/common.sh; break; fi
 done
 [ -n "${FUGU_COMMON:-}" ] || { echo "fugu: cannot find jobscripts/lib/common.sh; set FUGU_HOME to the fugu checkout" >&2; exit 2; }
