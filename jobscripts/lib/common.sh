@@ -132,7 +132,7 @@ fugu_stage_data() {
     # Several jobs of a sweep may start at once: prepare into a private folder, then rename it
     # into place (atomic; the loser of a race throws its copy away).
     local tmp
-    tmp=$dir.tmp-$(hostname)-$$
+    tmp=$dir.tmp-${HOSTNAME:-host}-$$
     fugu_log "FUGU_DATA is empty: tokenising the bundled corpus into $dir"
     mkdir -p "$(dirname -- "$dir")"
     "$FUGU_BIN" prepare --out "$tmp" --quiet ||
@@ -180,6 +180,7 @@ fugu_job_record() {
 # instead of `kill -SIG PID` (its first argument is the signal name).
 fugu_run_forwarding() {
   FUGU_RC=0
+  command -v "$1" >/dev/null 2>&1 || fugu_die "$1 not found in PATH (the MPI launcher of this job)"
   "$@" &
   FUGU_LAUNCHER_PID=$!
   local sig

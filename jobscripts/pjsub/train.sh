@@ -82,6 +82,7 @@ done
 FUGU_RANKS=${FUGU_RANKS:-${PJM_MPI_PROC:-}}
 [ -n "$FUGU_RANKS" ] || fugu_die "PJM_MPI_PROC is unset: submit with pjsub and --mpi \"proc=N\" (or set FUGU_RANKS)"
 fugu_require_uint FUGU_RANKS_PER_NODE
+[ -z "$FUGU_DEADLINE_MARGIN" ] || fugu_require_uint FUGU_DEADLINE_MARGIN
 [ "$FUGU_RANKS_PER_NODE" -ge 1 ] || fugu_die "FUGU_RANKS_PER_NODE must be at least 1"
 nodes=$(( (FUGU_RANKS + FUGU_RANKS_PER_NODE - 1) / FUGU_RANKS_PER_NODE ))
 fugu_setup_train
@@ -95,7 +96,6 @@ if [ -z "$FUGU_DEADLINE" ]; then
       margin=$(( FUGU_ELAPSE_S / 5 ))
       [ "$margin" -le 300 ] || margin=300
     fi
-    fugu_require_uint margin
     [ "$margin" -lt "$FUGU_ELAPSE_S" ] ||
       fugu_die "FUGU_DEADLINE_MARGIN=$margin s is not less than the elapse limit ($FUGU_ELAPSE_S s, $FUGU_ELAPSE_SRC)"
     FUGU_DEADLINE=$(fugu_rfc3339 $(( FUGU_JOB_START + FUGU_ELAPSE_S - margin )))
@@ -137,7 +137,8 @@ if [ "$rc" = "$FUGU_EXIT_CHECKPOINTED" ] && [ "$FUGU_AUTO_RESUBMIT" = 1 ]; then
     [ -n "$FUGU_ELAPSE" ] || FUGU_ELAPSE=${FUGU_ELAPSE_S:-}
     envfile=$FUGU_OUT/job-env/continuation-$FUGU_RESUBMIT_COUNT.sh
     fugu_write_env "$envfile" "${FUGU_PJSUB_SETTINGS[@]}"
-    sub=(-L "node=$nodes" --mpi "proc=$FUGU_RANKS" -x "FUGU_ENV_FILE=$envfile")
+    sub=(-L "node=$nodes" --mpi "proc=$FUGU_RANKS" --mpi "max-proc-per-node=$FUGU_RANKS_PER_NODE"
+      -x "FUGU_ENV_FILE=$envfile")
     [ -z "$FUGU_ELAPSE" ] || sub+=(-L "elapse=$FUGU_ELAPSE")
     [ -z "$FUGU_RSCGRP" ] || sub+=(-L "rscgrp=$FUGU_RSCGRP")
     [ -z "$FUGU_GROUP" ] || sub+=(-g "$FUGU_GROUP")
