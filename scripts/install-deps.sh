@@ -2,7 +2,8 @@
 # Installs what the test suite needs on Debian 12, idempotently: the aarch64 cross toolchain
 # (Debian's rustc-web with its arm64 std, gcc-aarch64-linux-gnu), QEMU user mode from
 # bookworm-backports, llvm-14 (llvm-mca, llvm-objdump), python3, Open MPI with its headers and
-# libclang (for the `mpi` feature: rsmpi generates its bindings with bindgen) and shellcheck.
+# libclang (for the `mpi` feature: rsmpi generates its bindings with bindgen) and shellcheck
+# (job scripts). (Slurm and munge for the job-script tests come from jobscripts/local-slurm.sh.)
 # Run as root (CI) or with sudo. Already-installed packages are not touched, so a second run
 # takes well under a second.
 set -euo pipefail

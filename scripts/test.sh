@@ -5,8 +5,12 @@
 #   2b. the MPI tests (`--features mpi`: dp, tp, tp x dp and ZeRO-1 against one process,
 #       checkpoint resharding, failure on one rank) with Open MPI on this machine,
 #   3. fugu-gemm's tests on aarch64 under QEMU at 512 (A64FX), 128, 256 and 2048-bit SVE,
-#   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%).
-# Skip stages with FUGU_TEST_SKIP="fmt host mpi aarch64 mca" (space-separated) for quick loops.
+#   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%),
+#   5. the batch job scripts (jobscripts/, docs/JOBS.md) for real: Slurm jobs submitted to a
+#      local single-node Slurm (jobscripts/local-slurm.sh, needs root) and the pjsub scripts
+#      under jobscripts/pjsub/local-pjsub.sh, with an MPI build of fugu (FUGU_JOBS_FEATURES,
+#      default "mpi"). Not root: skipped with a message.
+# Skip stages with FUGU_TEST_SKIP="fmt host mpi aarch64 mca jobs" (space-separated) for quick loops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -43,6 +47,25 @@ fi
 if ! skip mca; then
   stage "A64FX prediction (llvm-mca)"
   scripts/predict-a64fx.sh
+fi
+
+if ! skip jobs; then
+  stage "batch job scripts: local Slurm and local pjsub"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "skipped: the job-script tests start a local Slurm (jobscripts/local-slurm.sh) and need root;"
+    echo "         the unprivileged ones (shellcheck, directive lint, local-pjsub) ran with the host tests"
+  else
+    export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/fugu-test-slurm}
+    export LOCAL_SLURM_CPUS=${LOCAL_SLURM_CPUS:-4}
+    # start first: it also installs Open MPI (libopenmpi-dev), which the MPI build needs
+    jobscripts/local-slurm.sh start >/dev/null
+    trap 'jobscripts/local-slurm.sh stop --purge >/dev/null 2>&1 || true' EXIT
+    features=${FUGU_JOBS_FEATURES-mpi}
+    cargo build --release --locked -j2 ${features:+--features "$features"}
+    FUGU_SLURM_TESTS=1 FUGU_JOBS_BIN=target/release/fugu cargo test --locked -j2 --test jobscripts
+    jobscripts/local-slurm.sh stop --purge
+    trap - EXIT
+  fi
 fi
 
 stage "all tests passed in $(( $(date +%s) - start )) s"

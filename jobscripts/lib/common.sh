@@ -1,0 +1,453 @@
+# shellcheck shell=bash
+# jobscripts/lib/common.sh: helpers shared by the pjsub and Slurm job scripts of fugu.
+#
+# Sourced, never run. The job scripts find this file, in this order, at:
+#   1. $FUGU_HOME/jobscripts/lib/common.sh   (FUGU_HOME = the fugu checkout or install dir;
+#      set it when submitting, e.g. `pjsub -x FUGU_HOME=/vol0004/.../fugu` or
+#      `FUGU_HOME=... sbatch ...`);
+#   2. ../lib/common.sh next to the running script (when it runs in place: local-pjsub.sh,
+#      plain bash, or a scheduler that does not copy the script);
+#   3. under Slurm, ../lib/common.sh next to the script as it was submitted (from the job's
+#      `Command=` in `scontrol show job`; slurmd runs a copy in its spool directory);
+#   4. ./jobscripts/lib/common.sh below the submission directory
+#      ($SLURM_SUBMIT_DIR, $PJM_O_WORKDIR or the current directory).
+# The job scripts set FUGU_COMMON to the file they sourced; everything else comes from here.
+
+# ------------------------------------------------------------------------------ basics
+
+# Where the fugu checkout (or install) is: the folder that holds jobscripts/.
+FUGU_HOME=$(cd "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)
+FUGU_JOBSCRIPTS=$FUGU_HOME/jobscripts
+export FUGU_HOME FUGU_JOBSCRIPTS
+
+# Exit codes of `fugu train` that the job scripts act on (docs/JOBS.md lists all of them).
+FUGU_EXIT_NONFINITE=3            # the loss or the gradients were not finite
+FUGU_EXIT_CHECKPOINTED=4         # checkpointed before the time limit: resubmit to continue
+
+fugu_log() { printf '[fugu-job %s] %s\n' "$(date '+%F %T')" "$*" >&2; }
+fugu_die() { printf '[fugu-job] ERROR: %s\n' "$*" >&2; exit 2; }
+
+# fugu_require_uint VAR...: each named variable holds a non-negative integer.
+fugu_require_uint() {
+  local v
+  for v in "$@"; do
+    case "${!v:-}" in
+      '' | *[!0-9]*) fugu_die "$v must be a non-negative integer (got '${!v:-}')" ;;
+    esac
+  done
+}
+
+# fugu_require_bin: FUGU_BIN names an executable file.
+fugu_require_bin() {
+  [ -n "${FUGU_BIN:-}" ] || fugu_die "FUGU_BIN is empty: set it to the fugu binary (cargo build --release --features mpi)"
+  [ -e "$FUGU_BIN" ] || fugu_die "FUGU_BIN=$FUGU_BIN does not exist: build it (cargo build --release --features mpi) or set FUGU_BIN"
+  if [ ! -f "$FUGU_BIN" ] || [ ! -x "$FUGU_BIN" ]; then
+    fugu_die "FUGU_BIN=$FUGU_BIN is not an executable file"
+  fi
+  FUGU_BIN=$(cd "$(dirname -- "$FUGU_BIN")" && pwd)/$(basename -- "$FUGU_BIN")
+}
+
+# fugu_abs PATH: PATH made absolute against FUGU_WORKDIR (the submission directory).
+fugu_abs() {
+  case "$1" in
+    /*) printf '%s\n' "$1" ;;
+    *) printf '%s\n' "$FUGU_WORKDIR/$1" ;;
+  esac
+}
+
+# fugu_sanitize STRING: a file-name-safe version (config paths become their stem).
+fugu_sanitize() {
+  local s
+  s=$(basename -- "$1")
+  s=${s%.toml}
+  printf '%s\n' "${s//[^A-Za-z0-9._-]/_}"
+}
+
+# ------------------------------------------------------------------------------ time
+
+# fugu_parse_elapse LIMIT: seconds in a pjsub/Slurm time limit: S, M:S, H:M:S, D-H, D-H:M,
+# D-H:M:S. (pjsub's elapse is [[H:]M:]S; a bare number is seconds there but minutes in Slurm:
+# pass a second argument "minutes" for Slurm's meaning.)
+fugu_parse_elapse() {
+  local t=$1 unit=${2:-seconds} d=0 h=0 m=0 s=0 rest
+  [ -n "$t" ] || return 1
+  case "$t" in
+    *-*) d=${t%%-*}; rest=${t#*-}
+         case "$rest" in
+           *:*:*) IFS=: read -r h m s <<<"$rest" ;;
+           *:*) IFS=: read -r h m <<<"$rest" ;;
+           *) h=$rest ;;
+         esac ;;
+    *:*:*) IFS=: read -r h m s <<<"$t" ;;
+    *:*) IFS=: read -r m s <<<"$t" ;;
+    *) if [ "$unit" = minutes ]; then m=$t; else s=$t; fi ;;
+  esac
+  local x
+  for x in "$d" "$h" "$m" "$s"; do
+    case "$x" in '' | *[!0-9]*) return 1 ;; esac
+  done
+  echo $(( ((10#$d * 24 + 10#$h) * 60 + 10#$m) * 60 + 10#$s ))
+}
+
+# fugu_rfc3339 EPOCH: the UTC time as RFC 3339 (what --deadline reads unambiguously).
+fugu_rfc3339() { date -u -d "@$1" '+%Y-%m-%dT%H:%M:%SZ'; }
+
+# ------------------------------------------------------------------------------ run setup
+
+# fugu_setup_train: checks the common settings of the training scripts and sets FUGU_RUN_NAME,
+# FUGU_OUT (absolute) and FUGU_DATA (staged). Needs FUGU_RANKS (total MPI ranks).
+fugu_setup_train() {
+  fugu_require_bin
+  fugu_require_uint FUGU_TP FUGU_ZERO FUGU_THREADS FUGU_RANKS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX FUGU_RESUBMIT_COUNT
+  [ -n "$FUGU_CONFIG" ] || fugu_die "FUGU_CONFIG is empty: set it to a built-in config name (gpt2-tiny, gpt2-124m, ...) or a TOML file"
+  [ "$FUGU_TP" -ge 1 ] || fugu_die "FUGU_TP must be at least 1"
+  [ "$FUGU_THREADS" -ge 1 ] || fugu_die "FUGU_THREADS must be at least 1"
+  [ "$FUGU_RANKS" -ge 1 ] || fugu_die "the job has no MPI ranks (FUGU_RANKS=$FUGU_RANKS)"
+  [ $(( FUGU_RANKS % FUGU_TP )) -eq 0 ] || fugu_die "FUGU_TP=$FUGU_TP does not divide the $FUGU_RANKS ranks of this job"
+  case "$FUGU_ZERO" in 0 | 1) ;; *) fugu_die "FUGU_ZERO must be 0 or 1 (got $FUGU_ZERO)" ;; esac
+  # A config given as a file: make it absolute, the ranks may start elsewhere.
+  if [ -f "$FUGU_CONFIG" ] || [ -f "$FUGU_WORKDIR/$FUGU_CONFIG" ]; then
+    case "$FUGU_CONFIG" in *.toml | */*) FUGU_CONFIG=$(fugu_abs "$FUGU_CONFIG") ;; esac
+  fi
+  # The run directory must not change between a job and its resubmission: no job id in it.
+  FUGU_RUN_NAME=${FUGU_RUN_NAME:-$(fugu_sanitize "$FUGU_CONFIG")-n${FUGU_RANKS}-tp${FUGU_TP}}
+  FUGU_OUT=$(fugu_abs "${FUGU_OUT:-runs/$FUGU_RUN_NAME}")
+  mkdir -p "$FUGU_OUT" || fugu_die "cannot create FUGU_OUT=$FUGU_OUT"
+  fugu_stage_data
+}
+
+# fugu_stage_data: with FUGU_DATA empty, tokenise the bundled corpus once, here in the batch
+# shell, instead of letting every rank race to do it; FUGU_DATA then names its manifest.
+fugu_stage_data() {
+  if [ -n "${FUGU_DATA:-}" ]; then
+    case "$FUGU_DATA" in
+      /* | *'{'*) ;;                           # absolute, or a brace pattern: as given
+      *) FUGU_DATA=$(fugu_abs "$FUGU_DATA") ;;
+    esac
+    return 0
+  fi
+  local dir
+  dir=$(fugu_abs "${FUGU_BUNDLED_DATA_DIR:-data/shakespeare}")
+  if [ ! -f "$dir/manifest.json" ]; then
+    # Several jobs of a sweep may start at once: prepare into a private folder, then rename it
+    # into place (atomic; the loser of a race throws its copy away).
+    local tmp
+    tmp=$dir.tmp-${HOSTNAME:-host}-$$
+    fugu_log "FUGU_DATA is empty: tokenising the bundled corpus into $dir"
+    mkdir -p "$(dirname -- "$dir")"
+    "$FUGU_BIN" prepare --out "$tmp" --quiet ||
+      fugu_die "'$FUGU_BIN prepare --out $tmp' failed (set FUGU_DATA to prepared data instead)"
+    mv -T "$tmp" "$dir" 2>/dev/null || rm -rf "$tmp"
+    [ -f "$dir/manifest.json" ] || fugu_die "no $dir/manifest.json after preparing the bundled corpus"
+  fi
+  FUGU_DATA=$dir/manifest.json
+}
+
+# fugu_train_args: the `fugu train ...` argument list, in the array FUGU_TRAIN_ARGS.
+# Options left empty are not passed (the config's value or the trainer's default applies).
+fugu_train_args() {
+  FUGU_TRAIN_ARGS=(train --config "$FUGU_CONFIG" --data "$FUGU_DATA" --out "$FUGU_OUT"
+    --resume auto --threads "$FUGU_THREADS")
+  # --tp/--zero only when not the trainer's default, so that a binary without them still runs
+  # plain data-parallel jobs.
+  [ "$FUGU_TP" = 1 ] || FUGU_TRAIN_ARGS+=(--tp "$FUGU_TP")
+  [ "$FUGU_ZERO" = 0 ] || FUGU_TRAIN_ARGS+=(--zero "$FUGU_ZERO")
+  [ -z "${FUGU_STEPS:-}" ] || FUGU_TRAIN_ARGS+=(--steps "$FUGU_STEPS")
+  [ -z "${FUGU_BATCH_SIZE:-}" ] || FUGU_TRAIN_ARGS+=(--batch-size "$FUGU_BATCH_SIZE")
+  [ -z "${FUGU_SEQ_LEN:-}" ] || FUGU_TRAIN_ARGS+=(--seq-len "$FUGU_SEQ_LEN")
+  [ -z "${FUGU_CKPT_EVERY:-}" ] || FUGU_TRAIN_ARGS+=(--ckpt-every "$FUGU_CKPT_EVERY")
+  [ -z "${FUGU_EVAL_EVERY:-}" ] || FUGU_TRAIN_ARGS+=(--eval-every "$FUGU_EVAL_EVERY")
+  [ -z "${FUGU_LOG_EVERY:-}" ] || FUGU_TRAIN_ARGS+=(--log-every "$FUGU_LOG_EVERY")
+  [ -z "${FUGU_TIMERS:-}" ] || FUGU_TRAIN_ARGS+=(--timers "$FUGU_TIMERS")
+  [ -z "${FUGU_DEADLINE:-}" ] || FUGU_TRAIN_ARGS+=(--deadline "$FUGU_DEADLINE")
+  local extra=()
+  # FUGU_EXTRA_ARGS is split on white space (no quoting inside it).
+  read -r -a extra <<<"${FUGU_EXTRA_ARGS:-}"
+  FUGU_TRAIN_ARGS+=("${extra[@]}")
+}
+
+# fugu_job_record TEXT: one line in $FUGU_OUT/jobs.log (which jobs ran this run, how they ended).
+fugu_job_record() {
+  printf '%s %s\n' "$(date -u '+%Y-%m-%dT%H:%M:%SZ')" "$*" >>"$FUGU_OUT/jobs.log" || true
+}
+
+# ------------------------------------------------------------------------------ launching
+
+# fugu_run_forwarding CMD...: runs CMD (the MPI launcher) in the background and waits for it.
+# SIGUSR1, SIGUSR2, SIGTERM and SIGINT sent to this batch shell are passed on to CMD (mpirun,
+# mpiexec and srun all forward them to every rank): the trainer checkpoints and exits with 4.
+# The launcher's exit status ends up in FUGU_RC. FUGU_SIGNAL_FORWARD_CMD, when set, is run
+# instead of `kill -SIG PID` (its first argument is the signal name).
+fugu_run_forwarding() {
+  FUGU_RC=0
+  command -v "$1" >/dev/null 2>&1 || fugu_die "$1 not found in PATH (the MPI launcher of this job)"
+  "$@" &
+  FUGU_LAUNCHER_PID=$!
+  local sig
+  for sig in USR1 USR2 TERM INT; do
+    # shellcheck disable=SC2064  # expand $sig now, once per trap
+    trap "fugu_forward_signal $sig" "$sig"
+  done
+  while :; do
+    FUGU_RC=0
+    wait "$FUGU_LAUNCHER_PID" || FUGU_RC=$?
+    # > 128 either means "killed by a signal" or "wait was interrupted by a trapped signal";
+    # the launcher is alive (or not yet reaped) only in the second case.
+    if [ "$FUGU_RC" -gt 128 ] && kill -0 "$FUGU_LAUNCHER_PID" 2>/dev/null; then
+      continue
+    fi
+    break
+  done
+  trap - USR1 USR2 TERM INT
+}
+
+fugu_forward_signal() {
+  fugu_log "batch shell got SIG$1: forwarding it to the launcher (pid $FUGU_LAUNCHER_PID)"
+  if [ -n "${FUGU_SIGNAL_FORWARD_CMD:-}" ]; then
+    local cmd=()
+    read -r -a cmd <<<"$FUGU_SIGNAL_FORWARD_CMD"
+    "${cmd[@]}" "$1" || fugu_log "'$FUGU_SIGNAL_FORWARD_CMD $1' failed"
+  else
+    kill -s "$1" "$FUGU_LAUNCHER_PID" 2>/dev/null || fugu_log "the launcher is already gone"
+  fi
+}
+
+# fugu_explain_exit RC: one line on what the trainer's exit status means.
+fugu_explain_exit() {
+  case "$1" in
+    0) fugu_log "training finished (exit 0); run directory: $FUGU_OUT" ;;
+    "$FUGU_EXIT_NONFINITE") fugu_log "training stopped on a non-finite loss or gradient (exit 3); see the log, lower the learning rate or pass --skip-nonfinite" ;;
+    "$FUGU_EXIT_CHECKPOINTED") fugu_log "training checkpointed before the time limit (exit 4); submit the same job again to continue from $FUGU_OUT (or set FUGU_AUTO_RESUBMIT=1)" ;;
+    *) if [ "$1" -gt 128 ]; then
+         fugu_log "the launcher ended on signal $(( $1 - 128 )) (exit $1); --resume auto continues from the last complete checkpoint in $FUGU_OUT"
+       else
+         fugu_log "training failed (exit $1); see the log above and the rank outputs"
+       fi ;;
+  esac
+}
+
+# ------------------------------------------------------------------------------ Slurm
+
+# fugu_slurm_job_field NAME: a field of `scontrol show job $SLURM_JOB_ID` (empty if unknown).
+fugu_slurm_job_field() {
+  scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p" | head -n 1
+}
+
+# fugu_slurm_resubmit: submits this job's script again, with this job's geometry, to start when
+# this job has ended; the new job finds the checkpoint through --resume auto.
+fugu_slurm_resubmit() {
+  local script timelimit stdout partition account jid
+  script=$(fugu_slurm_job_field Command)
+  if [ -z "$script" ] || [ ! -f "$script" ]; then script=${FUGU_JOBSCRIPT:-}; fi
+  if [ -z "$script" ] || [ ! -f "$script" ]; then
+    fugu_log "cannot resubmit: the submitted script is unknown (set FUGU_JOBSCRIPT)"
+    return 0
+  fi
+  local args=(--parsable --dependency="afterany:$SLURM_JOB_ID" --nodes="${SLURM_JOB_NUM_NODES:-1}"
+    --ntasks="${SLURM_NTASKS:-1}")
+  [ -z "${SLURM_NTASKS_PER_NODE:-}" ] || args+=(--ntasks-per-node="${SLURM_NTASKS_PER_NODE%%(*}")
+  [ -z "${SLURM_CPUS_PER_TASK:-}" ] || args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+  timelimit=$(fugu_slurm_job_field TimeLimit)
+  case "$timelimit" in '' | UNLIMITED | Partition_Limit) ;; *) args+=(--time="$timelimit") ;; esac
+  partition=$(fugu_slurm_job_field Partition)
+  [ -z "$partition" ] || args+=(--partition="$partition")
+  account=$(fugu_slurm_job_field Account)
+  case "$account" in '' | '(null)') ;; *) args+=(--account="$account") ;; esac
+  stdout=$(fugu_slurm_job_field StdOut)
+  [ -z "$stdout" ] || args+=(--output="${stdout//$SLURM_JOB_ID/%j}")
+  local extra=()
+  read -r -a extra <<<"${FUGU_SBATCH_ARGS:-}"
+  args+=("${extra[@]}")
+  # The continuation must train into the same run directory, on the same data.
+  export FUGU_OUT FUGU_DATA FUGU_CONFIG FUGU_RESUBMIT_COUNT=$(( FUGU_RESUBMIT_COUNT + 1 ))
+  if jid=$(sbatch "${args[@]}" "$script"); then
+    fugu_log "resubmitted as job $jid (continuation $FUGU_RESUBMIT_COUNT of at most $FUGU_RESUBMIT_MAX)"
+    fugu_job_record "slurm job $SLURM_JOB_ID resubmitted as job $jid"
+  else
+    fugu_log "resubmission failed: sbatch ${args[*]} $script"
+  fi
+}
+
+# ------------------------------------------------------------------------------ GEMM benchmark
+
+# fugu_cpulist_expand LIST: "12-23,30" -> one CPU id per line.
+fugu_cpulist_expand() {
+  local part a b
+  local IFS=,
+  for part in $1; do
+    case "$part" in
+      *-*) a=${part%-*}; b=${part#*-}; seq "$a" "$b" ;;
+      ?*) echo "$part" ;;
+    esac
+  done
+}
+
+# fugu_numa_domains: the NUMA nodes this process may run on, one id per line: FUGU_NUMA_NODES
+# (comma- or space-separated) if set, else every node of /sys/devices/system/node whose CPUs
+# meet our affinity mask (on a Fugaku compute node: 4 5 6 7, the CMGs of the job's cores).
+fugu_numa_domains() {
+  if [ -n "${FUGU_NUMA_NODES:-}" ]; then
+    tr ',' ' ' <<<"$FUGU_NUMA_NODES" | tr -s ' ' '\n' | sed '/^$/d'
+    return 0
+  fi
+  local allowed n f cpus
+  allowed=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status 2>/dev/null)
+  allowed=$(fugu_cpulist_expand "$allowed" | sort -u)
+  for f in /sys/devices/system/node/node[0-9]*/cpulist; do
+    [ -r "$f" ] || continue
+    n=${f%/cpulist}; n=${n##*/node}
+    cpus=$(fugu_cpulist_expand "$(cat "$f")" | sort -u)
+    [ -n "$cpus" ] || continue
+    if [ -z "$allowed" ] || [ -n "$(comm -12 <(echo "$cpus") <(echo "$allowed"))" ]; then
+      echo "$n"
+    fi
+  done | sort -n
+}
+
+# fugu_bench_gemm_runs: runs `fugu bench gemm` once per entry of FUGU_BENCH_RUNS
+# ("THREADS:CMGS ..."), each into $FUGU_OUT/gemm-tTHREADS-cCMGS.jsonl. A run on fewer CMGs than
+# the process sees is bound to the first CMGS NUMA nodes with numactl; without numactl, or on a
+# machine with fewer NUMA nodes, the layout is simulated with FUGU_CMGS=CMGSx(THREADS/CMGS).
+fugu_bench_gemm_runs() {
+  local domains ndom spec t c file bind layout sets=() extra=() failed=0
+  mapfile -t domains < <(fugu_numa_domains)
+  ndom=${#domains[@]}
+  [ "$ndom" -ge 1 ] || ndom=1
+  [ -z "$FUGU_BENCH_SETS" ] || sets=(--set "$FUGU_BENCH_SETS")
+  read -r -a extra <<<"${FUGU_BENCH_ARGS:-}"
+  [ -n "$FUGU_BENCH_RUNS" ] || fugu_die "FUGU_BENCH_RUNS is empty: give THREADS:CMGS entries, e.g. '1:1 12:1 48:4'"
+  fugu_log "NUMA nodes available: ${domains[*]:-unknown}"
+  for spec in $FUGU_BENCH_RUNS; do
+    t=${spec%%:*}
+    c=1
+    case "$spec" in *:*) c=${spec#*:} ;; esac
+    case "$t$c" in *[!0-9]*) fugu_die "FUGU_BENCH_RUNS entry '$spec' is not THREADS:CMGS" ;; esac
+    if [ "$t" -lt 1 ] || [ "$c" -lt 1 ]; then
+      fugu_die "FUGU_BENCH_RUNS entry '$spec': threads and CMGs must be at least 1"
+    fi
+    file=$FUGU_OUT/gemm-t$t-c$c.jsonl
+    bind=()
+    layout=
+    if [ "$c" -lt "$ndom" ] && command -v numactl >/dev/null 2>&1; then
+      local nodes
+      nodes=$(printf '%s\n' "${domains[@]:0:$c}" | paste -sd, -)
+      bind=(numactl --cpunodebind="$nodes" --membind="$nodes")
+    elif [ "$c" -ne "$ndom" ]; then
+      [ $(( t % c )) -eq 0 ] || fugu_die "FUGU_BENCH_RUNS entry '$spec': $t threads do not split over $c CMGs"
+      layout=${c}x$(( t / c ))
+      fugu_log "$c CMG(s) requested, $ndom NUMA node(s) here$(command -v numactl >/dev/null || echo ', no numactl'): simulating FUGU_CMGS=$layout"
+    fi
+    fugu_log "GEMM benchmark: $t thread(s) on $c CMG(s) -> $file"
+    if ! env FUGU_NUM_THREADS="$t" OMP_NUM_THREADS="$t" ${layout:+FUGU_CMGS=$layout} \
+      "${bind[@]}" "$FUGU_BIN" bench gemm "${sets[@]}" --threads "$t" --format json "${extra[@]}" >"$file"; then
+      fugu_log "GEMM benchmark $spec failed"
+      failed=1
+    fi
+  done
+  return "$failed"
+}
+
+# ------------------------------------------------------------------------------ sweep report
+
+# fugu_sweep_report DIR: `fugu report` over DIR/runs/* and DIR/gemm/*.jsonl into DIR/report.
+fugu_sweep_report() {
+  local dir=$1 runs=() gemm=() f
+  for f in "$dir"/runs/*/; do
+    [ -d "$f" ] && runs+=("${f%/}")
+  done
+  for f in "$dir"/gemm/*.jsonl; do
+    [ -f "$f" ] && gemm+=(--gemm "$f")
+  done
+  [ ${#runs[@]} -gt 0 ] || [ ${#gemm[@]} -gt 0 ] || fugu_die "nothing to report in $dir (no runs/*/, no gemm/*.jsonl)"
+  fugu_log "fugu report: ${#runs[@]} run(s), $(( ${#gemm[@]} / 2 )) GEMM file(s) -> $dir/report"
+  "$FUGU_BIN" report "${runs[@]}" --out "$dir/report" "${gemm[@]}"
+  [ -f "$dir/report/REPORT.md" ] || fugu_die "fugu report wrote no $dir/report/REPORT.md"
+  fugu_log "wrote $dir/report/REPORT.md"
+}
+
+# ------------------------------------------------------------------------------ pjsub (Fugaku)
+
+# Settings a pjsub job hands to its continuation (pjsub does not pass the submitting
+# environment on; the continuation reads them from FUGU_ENV_FILE). FUGU_DEADLINE is not among
+# them: it is computed again from each job's own start.
+# shellcheck disable=SC2034  # used by the pjsub scripts
+FUGU_PJSUB_SETTINGS=(FUGU_HOME FUGU_BIN FUGU_CONFIG FUGU_DATA FUGU_STEPS FUGU_BATCH_SIZE FUGU_SEQ_LEN
+  FUGU_TP FUGU_ZERO FUGU_THREADS FUGU_WORKDIR FUGU_OUT FUGU_CKPT_EVERY FUGU_EVAL_EVERY FUGU_LOG_EVERY
+  FUGU_TIMERS FUGU_EXTRA_ARGS FUGU_RANKS_PER_NODE FUGU_ELAPSE FUGU_DEADLINE_MARGIN FUGU_LLIO_TRANSFER
+  FUGU_MPIEXEC_ARGS FUGU_GROUP FUGU_RSCGRP FUGU_PJSUB_ARGS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX
+  FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR)
+
+# fugu_write_env FILE VAR...: `export VAR=value` lines (shell-quoted) for the variables that are
+# set (an empty value is kept: FUGU_BENCH_SETS= means "no shape sets").
+fugu_write_env() {
+  local file=$1 v
+  shift
+  mkdir -p "$(dirname -- "$file")"
+  {
+    echo "# written by fugu's job scripts on $(date -u '+%Y-%m-%dT%H:%M:%SZ'); sourced through FUGU_ENV_FILE"
+    for v in "$@"; do
+      if [ -n "${!v+x}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
+    done
+  } >"$file"
+}
+
+# fugu_pjm_directive_elapse SCRIPT: the elapse= value of SCRIPT's `#PJM -L` lines (the last one).
+fugu_pjm_directive_elapse() {
+  [ -r "$1" ] || return 0
+  grep -E '^#PJM[[:space:]]+(-L|--rsc-list)[[:space:]]' "$1" | tr -d '"'"'" | tr ',' '\n' | tr ' ' '\n' |
+    sed -n 's/^elapse=//p' | tail -n 1
+}
+
+# fugu_pjm_elapse SCRIPT: sets FUGU_ELAPSE_S (seconds, empty if unknown) and FUGU_ELAPSE_SRC from,
+# in order: FUGU_ELAPSE, PJM_ELAPSE_LIMIT, `pjstat` (ELAPSE_LIM column), SCRIPT's #PJM lines.
+# (An elapse given on the pjsub command line is only seen through the first three: pass
+# `-x FUGU_ELAPSE=...` along with `-L elapse=...`.)
+fugu_pjm_elapse() {
+  local script=$1 v=
+  FUGU_ELAPSE_S=
+  FUGU_ELAPSE_SRC=
+  if [ -n "${FUGU_ELAPSE:-}" ]; then
+    v=$FUGU_ELAPSE; FUGU_ELAPSE_SRC="FUGU_ELAPSE=$v"
+  elif [ -n "${PJM_ELAPSE_LIMIT:-}" ]; then
+    v=$PJM_ELAPSE_LIMIT; FUGU_ELAPSE_SRC="PJM_ELAPSE_LIMIT=$v"
+  elif [ -n "${PJM_JOBID:-}" ] && command -v pjstat >/dev/null 2>&1; then
+    v=$(timeout 30 pjstat "$PJM_JOBID" 2>/dev/null | awk -v id="$PJM_JOBID" '
+      /ELAPSE_LIM/ { for (i = 1; i <= NF; i++) if ($i == "ELAPSE_LIM") col = i; next }
+      col && $1 == id { print $col; exit }') || v=
+    [ -z "$v" ] || FUGU_ELAPSE_SRC="pjstat ELAPSE_LIM=$v"
+  fi
+  if [ -z "$v" ]; then
+    v=$(fugu_pjm_directive_elapse "$script")
+    [ -z "$v" ] || FUGU_ELAPSE_SRC="#PJM -L elapse=$v in $script"
+  fi
+  [ -n "$v" ] || return 0
+  # shellcheck disable=SC2034  # read by the pjsub scripts
+  FUGU_ELAPSE_S=$(fugu_parse_elapse "$v") || fugu_die "cannot read the elapse limit '$v' ($FUGU_ELAPSE_SRC); set FUGU_ELAPSE=H:MM:SS"
+}
+
+# fugu_llio_transfer FILE...: cache read-only files in LLIO for all nodes of the job (Fugaku),
+# so that thousands of ranks do not all read them from the global file system.
+fugu_llio_transfer() {
+  [ "${FUGU_LLIO_TRANSFER:-1}" = 1 ] || return 0
+  if ! command -v llio_transfer >/dev/null 2>&1; then
+    fugu_log "llio_transfer not found (not on Fugaku?): files are read from where they are"
+    return 0
+  fi
+  llio_transfer "$@" || fugu_log "llio_transfer $* failed: continuing without the LLIO cache"
+}
+
+fugu_llio_purge() {
+  [ "${FUGU_LLIO_TRANSFER:-1}" = 1 ] && command -v llio_transfer >/dev/null 2>&1 || return 0
+  llio_transfer --purge "$@" || true
+}
+
+# fugu_pjsub SUBMIT_ARGS...: runs pjsub and prints the job id ("1234" from "Job 1234 submitted",
+# "1234_0" for a step job).
+fugu_pjsub() {
+  local out jid
+  out=$(pjsub "$@") || fugu_die "pjsub $* failed: $out"
+  printf '%s\n' "$out" >&2
+  jid=$(sed -n 's/.*Job \([0-9][0-9_]*\) submitted.*/\1/p' <<<"$out" | head -n 1)
+  [ -n "$jid" ] || fugu_die "no job id in pjsub's answer: $out"
+  echo "$jid"
+}

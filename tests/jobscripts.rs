@@ -1,0 +1,1391 @@
+//! The batch job scripts in `jobscripts/` (docs/JOBS.md), tested for real:
+//!
+//! * always: shellcheck on every script, the `#PJM` / `#SBATCH` directives linted against the
+//!   documented pjsub syntax and against each other (node, proc, max-proc-per-node, threads),
+//!   the shell helpers of `lib/common.sh`, the `local-pjsub.sh` stand-in itself, and the pjsub
+//!   GEMM benchmark job under it;
+//! * with `FUGU_SLURM_TESTS=1` as root (scripts/test.sh sets it; root because the local Slurm
+//!   runs its daemons as root and Open MPI must be told that root is fine): the Slurm scripts
+//!   submitted to a single-node Slurm started here by `jobscripts/local-slurm.sh` (a 1-rank
+//!   job; a 2-rank training, a GEMM benchmark and a report job that depends on both, through
+//!   `scaling-sweep.sh`; the pre-timeout signal: USR1 -> checkpoint -> exit 4 -> resubmitted
+//!   job resumes at the right step), and the pjsub training under `local-pjsub.sh` with 2
+//!   ranks, including its own deadline.
+//!
+//! The MPI jobs need a binary built with `--features mpi`: set `FUGU_JOBS_BIN` (scripts/test.sh
+//! builds `target/release/fugu` for it); otherwise the test build of `fugu` is used.
+
+use fugu::metrics::jsonl::{read_metrics, Record};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+// ------------------------------------------------------------------------------------ helpers
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn jobscripts() -> PathBuf {
+    repo().join("jobscripts")
+}
+
+/// A scratch folder, removed when the test passes (kept for a look when it fails, or with
+/// `FUGU_KEEP_TEST_DIRS=1`).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() && std::env::var_os("FUGU_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+fn tmp(name: &str) -> Scratch {
+    let d = std::env::temp_dir().join(format!("fugu-jobs-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    Scratch(d)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()))
+}
+
+fn have(cmd: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// The fugu binary the jobs run.
+fn jobs_bin() -> PathBuf {
+    match std::env::var_os("FUGU_JOBS_BIN") {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            let p = if p.is_absolute() { p } else { repo().join(p) };
+            assert!(p.is_file(), "FUGU_JOBS_BIN={} does not exist", p.display());
+            p
+        }
+        None => PathBuf::from(env!("CARGO_BIN_EXE_fugu")),
+    }
+}
+
+/// Root and `FUGU_SLURM_TESTS=1`, or prints why the test is skipped.
+fn gated(test: &str) -> bool {
+    let opted_in = std::env::var("FUGU_SLURM_TESTS").as_deref() == Ok("1");
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !opted_in || !root {
+        skipped(&format!(
+            "{test} (needs root and FUGU_SLURM_TESTS=1: it runs a local Slurm and MPI jobs; \
+             scripts/test.sh sets it)"
+        ));
+        return false;
+    }
+    true
+}
+
+/// Says so on the real stderr (the test harness captures `eprintln!`).
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
+}
+
+/// The bundled corpus, tokenised once into the temp folder and reused by later test runs
+/// (the jobs then skip their own staging).
+fn corpus() -> PathBuf {
+    static DATA: OnceLock<PathBuf> = OnceLock::new();
+    DATA.get_or_init(|| {
+        let dir = std::env::temp_dir().join("fugu-jobs-corpus");
+        if !dir.join("manifest.json").exists() {
+            let part =
+                std::env::temp_dir().join(format!("fugu-jobs-corpus.{}", std::process::id()));
+            let out = Command::new(jobs_bin())
+                .args(["prepare", "--quiet", "--out"])
+                .arg(&part)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "fugu prepare: {}", text(&out));
+            // Another test process may have won the race: keep its copy.
+            if std::fs::rename(&part, &dir).is_err() {
+                let _ = std::fs::remove_dir_all(&part);
+            }
+        }
+        dir.join("manifest.json")
+    })
+    .clone()
+}
+
+/// Environment of every MPI job: Open MPI as root, loopback only.
+const OMPI_ENV: [(&str, &str); 4] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+    ("OMPI_MCA_btl_tcp_if_include", "lo"),
+    ("OMPI_MCA_oob_tcp_if_include", "lo"),
+];
+
+/// A tiny, quick training: gpt2-tiny with short sequences (what the 2-core CI can afford).
+fn tiny_train_env(steps: u32) -> Vec<(String, String)> {
+    [
+        ("FUGU_CONFIG", "gpt2-tiny".to_string()),
+        ("FUGU_STEPS", steps.to_string()),
+        ("FUGU_BATCH_SIZE", "2".into()),
+        ("FUGU_SEQ_LEN", "32".into()),
+        ("FUGU_THREADS", "1".into()),
+        ("FUGU_EVAL_EVERY", "0".into()),
+        ("FUGU_LOG_EVERY", "1".into()),
+        ("FUGU_PEAK_GFLOPS_PER_CORE", "100".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+fn metrics(run: &Path) -> Vec<Record> {
+    read_metrics(run.join("metrics.jsonl"))
+        .unwrap_or_else(|e| panic!("{}/metrics.jsonl: {e:#}", run.display()))
+}
+
+fn headers(m: &[Record]) -> Vec<&Value> {
+    m.iter()
+        .filter_map(|r| match r {
+            Record::Header(h) => Some(h),
+            _ => None,
+        })
+        .collect()
+}
+
+fn steps(m: &[Record]) -> Vec<u64> {
+    m.iter()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some(s.step),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The first header says the run used `world` ranks.
+fn assert_world(m: &[Record], world: u64) {
+    let h = headers(m);
+    assert!(!h.is_empty(), "no header in metrics.jsonl");
+    assert_eq!(
+        h[0]["layout"]["world"].as_u64(),
+        Some(world),
+        "layout in the header: {}",
+        h[0]["layout"]
+    );
+}
+
+fn jsonl_rows(p: &Path) -> Vec<Value> {
+    read(p)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{}: {e}: {l}", p.display())))
+        .collect()
+}
+
+// ------------------------------------------------------------------------------ shellcheck
+
+fn job_script_files() -> Vec<PathBuf> {
+    let mut v = vec![jobscripts().join("lib/common.sh")];
+    for dir in ["pjsub", "slurm"] {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(jobscripts().join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "sh"))
+            .collect();
+        files.sort();
+        v.extend(files);
+    }
+    v
+}
+
+#[test]
+fn shellcheck_every_job_script() {
+    if !have("shellcheck") {
+        // CI installs it (scripts/install-deps.sh); a developer without it is told so.
+        assert!(
+            std::env::var_os("FUGU_SLURM_TESTS").is_none() && std::env::var_os("CI").is_none(),
+            "shellcheck is not installed (scripts/install-deps.sh installs it)"
+        );
+        skipped("shellcheck_every_job_script (shellcheck not installed)");
+        return;
+    }
+    let files = job_script_files();
+    assert!(files.len() >= 8, "job scripts: {files:?}");
+    // The job scripts: every check, down to style. -x follows `. common.sh`.
+    let out = Command::new("shellcheck")
+        .args(["-x", "--severity=style", "--shell=bash"])
+        .args(&files)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "shellcheck:\n{}", text(&out));
+    // local-slurm.sh is a copied test tool: warnings and errors only.
+    let out = Command::new("shellcheck")
+        .args(["--severity=warning"])
+        .arg(jobscripts().join("local-slurm.sh"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "shellcheck local-slurm.sh:\n{}",
+        text(&out)
+    );
+    for f in &files {
+        let out = Command::new("bash").arg("-n").arg(f).output().unwrap();
+        assert!(
+            out.status.success(),
+            "bash -n {}: {}",
+            f.display(),
+            text(&out)
+        );
+    }
+}
+
+// ------------------------------------------------------------------------- directive lint
+
+/// One `#PJM` option with its argument, as written.
+#[derive(Debug, Clone, PartialEq)]
+struct PjmOpt {
+    opt: String,
+    arg: Option<String>,
+}
+
+/// Splits a directive line like the shell does (double and single quotes, no expansion).
+fn shell_words(s: &str) -> Result<Vec<String>, String> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut in_word = false;
+    let mut quote: Option<char> = None;
+    for c in s.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => cur.push(c),
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                in_word = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if in_word {
+                    words.push(std::mem::take(&mut cur));
+                    in_word = false;
+                }
+            }
+            (None, c) => {
+                cur.push(c);
+                in_word = true;
+            }
+        }
+    }
+    if quote.is_some() {
+        return Err(format!("unbalanced quote in `{s}`"));
+    }
+    if in_word {
+        words.push(cur);
+    }
+    Ok(words)
+}
+
+/// The `#PJM` directives of a script: only those in the leading comment block count (a
+/// directive after the first command is an error, since a scheduler may ignore it).
+fn pjm_directives(script: &str) -> Result<Vec<PjmOpt>, String> {
+    let mut v = Vec::new();
+    let mut body = false;
+    for (i, line) in script.lines().enumerate() {
+        let t = line.trim_start();
+        if let Some(rest) = t.strip_prefix("#PJM") {
+            if body {
+                return Err(format!("line {}: #PJM after the first command", i + 1));
+            }
+            if !rest.starts_with(char::is_whitespace) {
+                return Err(format!("line {}: `{line}` is not `#PJM <option>`", i + 1));
+            }
+            let words = shell_words(rest)?;
+            let mut w = words.into_iter().peekable();
+            while let Some(opt) = w.next() {
+                let takes_arg = !matches!(opt.as_str(), "-j" | "-s" | "-S" | "-X" | "--step");
+                let arg = if takes_arg {
+                    Some(
+                        w.next()
+                            .ok_or(format!("line {}: {opt} needs a value", i + 1))?,
+                    )
+                } else {
+                    None
+                };
+                v.push(PjmOpt { opt, arg });
+            }
+        } else if !(t.is_empty() || t.starts_with('#')) {
+            body = true;
+        }
+    }
+    Ok(v)
+}
+
+/// pjsub's elapse syntax: `[[H:]M:]S`.
+fn pjm_elapse_seconds(s: &str) -> Option<u64> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.is_empty()
+        || parts.len() > 3
+        || parts
+            .iter()
+            .any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return None;
+    }
+    Some(
+        parts
+            .iter()
+            .fold(0u64, |acc, p| acc * 60 + p.parse::<u64>().unwrap()),
+    )
+}
+
+/// What the directives of one pjsub script ask for.
+#[derive(Debug, Default)]
+struct PjmJob {
+    nodes: u64,
+    proc: Option<u64>,
+    max_proc_per_node: Option<u64>,
+    elapse_s: Option<u64>,
+    rscgrp: Option<String>,
+    freq: Option<u64>,
+    group: Option<String>,
+    exports: BTreeMap<String, String>,
+    merge: bool,
+    stats: bool,
+    name: Option<String>,
+}
+
+/// Checks every directive against the syntax confirmed from the R-CCS Fugaku user guide
+/// (shared/slurm/PJSUB-NOTES.md, summarised in docs/JOBS.md) and the resources against each
+/// other.
+fn lint_pjm(script: &str) -> Result<PjmJob, String> {
+    let mut job = PjmJob {
+        nodes: 0,
+        ..Default::default()
+    };
+    let positive = |what: &str, v: &str| -> Result<u64, String> {
+        v.parse::<u64>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or(format!("{what}={v}: expected a positive integer"))
+    };
+    for d in pjm_directives(script)? {
+        let arg = d.arg.clone().unwrap_or_default();
+        match d.opt.as_str() {
+            "-L" | "--rsc-list" => {
+                for item in arg.split(',') {
+                    let (k, v) = item
+                        .trim()
+                        .split_once('=')
+                        .ok_or(format!("-L {arg}: `{item}` is not resource=value"))?;
+                    match k {
+                        "node" => {
+                            let (shape, mode) = v.split_once(':').unwrap_or((v, ""));
+                            if !["", "torus", "mesh", "noncont"].contains(&mode) {
+                                return Err(format!("-L node={v}: unknown allocation mode {mode}"));
+                            }
+                            let mut n = 1;
+                            for dim in shape.split('x') {
+                                n *= positive("node", dim)?;
+                            }
+                            if n > 82_944 {
+                                return Err(format!("-L node={v}: Fugaku has 82,944 nodes"));
+                            }
+                            job.nodes = n;
+                        }
+                        "elapse" => {
+                            job.elapse_s = Some(
+                                pjm_elapse_seconds(v)
+                                    .ok_or(format!("-L elapse={v}: expected [[H:]M:]S"))?,
+                            )
+                        }
+                        "rscgrp" if !v.is_empty() => job.rscgrp = Some(v.into()),
+                        "freq" => {
+                            let f = positive("freq", v)?;
+                            if f != 2000 && f != 2200 {
+                                return Err(format!("-L freq={v}: A64FX runs at 2000 or 2200"));
+                            }
+                            job.freq = Some(f);
+                        }
+                        "rscunit" | "eco_state" | "proc-core" | "jobenv" if !v.is_empty() => {}
+                        _ => return Err(format!("-L {k}={v}: unknown or empty resource")),
+                    }
+                }
+            }
+            "--mpi" => {
+                for item in arg.split(',') {
+                    let (k, v) = item.trim().split_once('=').unwrap_or((item.trim(), ""));
+                    match k {
+                        "proc" => job.proc = Some(positive("proc", v)?),
+                        "max-proc-per-node" => {
+                            let n = positive("max-proc-per-node", v)?;
+                            if n > 48 {
+                                return Err(format!(
+                                    "--mpi max-proc-per-node={n}: an A64FX node has 48 cores"
+                                ));
+                            }
+                            job.max_proc_per_node = Some(n);
+                        }
+                        "shape" | "rank-map-bynode" | "rank-map-bychip" => {}
+                        _ => return Err(format!("--mpi {item}: unknown MPI option")),
+                    }
+                }
+            }
+            "-g" => {
+                if arg.is_empty() || arg.contains(char::is_whitespace) {
+                    return Err(format!("-g `{arg}`: expected a group name"));
+                }
+                job.group = Some(arg);
+            }
+            "-x" => {
+                let (k, v) = arg
+                    .split_once('=')
+                    .ok_or(format!("-x {arg}: expected VAR=value"))?;
+                let ok_name = k.chars().enumerate().all(|(i, c)| {
+                    c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit())
+                });
+                if k.is_empty() || !ok_name {
+                    return Err(format!("-x {arg}: `{k}` is not a variable name"));
+                }
+                job.exports.insert(k.into(), v.into());
+            }
+            "-j" => job.merge = true,
+            "-s" | "-S" => job.stats = true,
+            "--name" | "-N" => {
+                if arg.is_empty() || arg.len() > 63 {
+                    return Err(format!("--name `{arg}`: 1 to 63 bytes"));
+                }
+                job.name = Some(arg);
+            }
+            "-o" | "-e" | "--spath" | "--llio" | "-m" | "--mail-list" if !arg.is_empty() => {}
+            o => return Err(format!("unknown or unsupported pjsub option {o}")),
+        }
+    }
+    if job.nodes == 0 {
+        return Err("no -L node=".into());
+    }
+    if job.elapse_s.is_none() {
+        return Err("no -L elapse=".into());
+    }
+    if let (Some(p), Some(m)) = (job.proc, job.max_proc_per_node) {
+        if p > job.nodes * m {
+            return Err(format!(
+                "--mpi proc={p} does not fit node={} x max-proc-per-node={m}",
+                job.nodes
+            ));
+        }
+    }
+    Ok(job)
+}
+
+/// The `: "${FUGU_X:=default}"  # comment` settings at the top of a job script (before its
+/// "common code" section).
+fn settings(script: &str) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    for line in script.lines().take_while(|l| !l.contains("common code")) {
+        let Some(rest) = line.strip_prefix(": \"${") else {
+            continue;
+        };
+        let Some((name, tail)) = rest.split_once([':', '=']) else {
+            continue;
+        };
+        let tail = tail.trim_start_matches('=');
+        let default = tail.split("}\"").next().unwrap_or("").to_string();
+        assert!(
+            line.contains("}\"") && line.contains(" # "),
+            "setting {name} has no comment: {line}"
+        );
+        m.insert(name.to_string(), default);
+    }
+    m
+}
+
+fn script(path: &str) -> String {
+    read(&jobscripts().join(path))
+}
+
+#[test]
+fn pjsub_directives_follow_the_documented_syntax() {
+    for name in ["train.sh", "bench-gemm.sh", "scaling-sweep.sh"] {
+        let s = script(&format!("pjsub/{name}"));
+        let job = lint_pjm(&s).unwrap_or_else(|e| panic!("pjsub/{name}: {e}"));
+        assert!(
+            job.group.is_some(),
+            "pjsub/{name}: no -g (required on Fugaku)"
+        );
+        assert!(job.rscgrp.is_some(), "pjsub/{name}: no rscgrp");
+        assert!(
+            job.merge && job.stats && job.name.is_some(),
+            "pjsub/{name}: -j, -S, --name"
+        );
+        assert!(
+            job.exports.contains_key("PJM_LLIO_GFSCACHE"),
+            "pjsub/{name}: -x PJM_LLIO_GFSCACHE"
+        );
+        let m = settings(&s);
+        assert!(m.contains_key("FUGU_BIN"), "pjsub/{name}: FUGU_BIN setting");
+    }
+
+    // train.sh: one rank per CMG, 12 threads each, on every node; boost clock.
+    let s = script("pjsub/train.sh");
+    let job = lint_pjm(&s).unwrap();
+    let m = settings(&s);
+    assert_eq!(job.max_proc_per_node, Some(4));
+    assert_eq!(
+        job.proc,
+        Some(job.nodes * 4),
+        "proc = node x max-proc-per-node"
+    );
+    assert_eq!(job.freq, Some(2200));
+    assert_eq!(
+        m["FUGU_RANKS_PER_NODE"], "4",
+        "FUGU_RANKS_PER_NODE = max-proc-per-node"
+    );
+    let threads: u64 = m["FUGU_THREADS"].parse().unwrap();
+    assert_eq!(
+        threads * job.max_proc_per_node.unwrap(),
+        48,
+        "ranks x threads = 48 cores"
+    );
+    assert!(
+        m.contains_key("FUGU_DEADLINE_MARGIN"),
+        "pjsub/train.sh: FUGU_DEADLINE_MARGIN"
+    );
+    for v in [
+        "FUGU_CONFIG",
+        "FUGU_DATA",
+        "FUGU_STEPS",
+        "FUGU_TP",
+        "FUGU_OUT",
+        "FUGU_ZERO",
+    ] {
+        assert!(m.contains_key(v), "pjsub/train.sh: setting {v}");
+    }
+    for needed in [
+        "llio_transfer",
+        "XOS_MMM_L_PAGING_POLICY=${XOS_MMM_L_PAGING_POLICY:-demand:demand:demand}",
+        "PLE_MPI_STD_EMPTYFILE=${PLE_MPI_STD_EMPTYFILE:-off}",
+        "mpiexec -n",
+    ] {
+        assert!(s.contains(needed), "pjsub/train.sh lacks {needed}");
+    }
+    assert!(read(&jobscripts().join("lib/common.sh")).contains("--resume auto"));
+
+    // bench-gemm.sh: one process on one node.
+    let job = lint_pjm(&script("pjsub/bench-gemm.sh")).unwrap();
+    assert_eq!(
+        (job.nodes, job.proc, job.max_proc_per_node),
+        (1, Some(1), Some(1))
+    );
+}
+
+#[test]
+fn the_pjsub_lint_catches_mistakes() {
+    let base = "#!/bin/bash\n#PJM -L \"node=2\"\n#PJM -L \"elapse=1:00:00\"\n";
+    assert!(lint_pjm(base).is_ok());
+    let bad = [
+        ("#PJM -L \"node=0\"\n", "node"),
+        ("#PJM -L \"elapse=1h\"\n", "elapse"),
+        ("#PJM -L \"freq=2500\"\n", "freq"),
+        ("#PJM -L \"nodes=2\"\n", "unknown"),
+        (
+            "#PJM --mpi \"proc=9,max-proc-per-node=4\"\n",
+            "does not fit",
+        ),
+        ("#PJM --mpi \"max-proc-per-node=64\"\n", "48 cores"),
+        ("#PJM -x 1VAR=x\n", "variable name"),
+        ("#PJM -x NOVALUE\n", "VAR=value"),
+        ("#PJM --walltime 1:00\n", "unknown"),
+        ("#PJM -L \"node=2\n", "quote"),
+        ("#PJM -g\n", "needs a value"),
+        ("echo hi\n#PJM -j\n", "after the first command"),
+        ("#PJM--mpi proc=2\n", "not `#PJM <option>`"),
+    ];
+    for (extra, why) in bad {
+        let e = lint_pjm(&format!("{base}{extra}")).expect_err(extra);
+        assert!(e.contains(why), "`{extra}` gave `{e}`, expected `{why}`");
+    }
+    assert!(lint_pjm("#!/bin/bash\n#PJM -L \"elapse=10\"\n")
+        .unwrap_err()
+        .contains("node"));
+    let shaped =
+        lint_pjm("#PJM -L \"node=2x3x2:torus,elapse=60:00\"\n#PJM --mpi proc=48\n").unwrap();
+    assert_eq!((shaped.nodes, shaped.elapse_s), (12, Some(3600)));
+}
+
+/// `#SBATCH --opt=value` / `#SBATCH --opt value` lines.
+fn sbatch_directives(script: &str) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    for line in script.lines() {
+        if let Some(rest) = line.strip_prefix("#SBATCH") {
+            let rest = rest.trim();
+            let (k, v) = rest
+                .split_once(['=', ' '])
+                .unwrap_or_else(|| panic!("#SBATCH without a value: {line}"));
+            assert!(k.starts_with("--"), "use long options: {line}");
+            m.insert(k.to_string(), v.trim().to_string());
+        }
+    }
+    m
+}
+
+#[test]
+fn slurm_directives_match_the_a64fx_layout() {
+    let s = script("slurm/train.sh");
+    let d = sbatch_directives(&s);
+    assert_eq!(d["--ntasks-per-node"], "4");
+    assert_eq!(d["--cpus-per-task"], "12");
+    let signal = &d["--signal"];
+    assert!(
+        signal.starts_with("B:USR1@"),
+        "the batch shell must get the signal to forward it: {signal}"
+    );
+    assert!(s.contains("trap") || read(&jobscripts().join("lib/common.sh")).contains("trap"));
+    let m = settings(&s);
+    for v in [
+        "FUGU_BIN",
+        "FUGU_CONFIG",
+        "FUGU_DATA",
+        "FUGU_STEPS",
+        "FUGU_TP",
+        "FUGU_OUT",
+        "FUGU_ZERO",
+    ] {
+        assert!(m.contains_key(v), "slurm/train.sh: setting {v}");
+    }
+    let d = sbatch_directives(&script("slurm/bench-gemm.sh"));
+    assert_eq!(
+        (d["--nodes"].as_str(), d["--cpus-per-task"].as_str()),
+        ("1", "48")
+    );
+    for name in ["train.sh", "bench-gemm.sh", "scaling-sweep.sh"] {
+        let s = script(&format!("slurm/{name}"));
+        assert!(
+            sbatch_directives(&s).contains_key("--time"),
+            "slurm/{name}: --time"
+        );
+        assert!(
+            s.contains("set -euo pipefail"),
+            "slurm/{name}: set -euo pipefail"
+        );
+    }
+}
+
+// ------------------------------------------------------------------------ shell helpers
+
+/// Runs `bash -c` with lib/common.sh sourced.
+fn common_sh(code: &str, envs: &[(&str, &str)]) -> Output {
+    Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "set -euo pipefail; . {}; {code}",
+            jobscripts().join("lib/common.sh").display()
+        ))
+        .env_remove("FUGU_ELAPSE")
+        .env_remove("PJM_ELAPSE_LIMIT")
+        .env_remove("PJM_JOBID")
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap()
+}
+
+fn common_sh_ok(code: &str, envs: &[(&str, &str)]) -> String {
+    let out = common_sh(code, envs);
+    assert!(out.status.success(), "{code}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn common_sh_helpers() {
+    for (limit, unit, secs) in [
+        ("1:00:00", "seconds", 3600),
+        ("01:00:00", "seconds", 3600),
+        ("60:00", "seconds", 3600),
+        ("600", "seconds", 600),
+        ("600", "minutes", 36000),
+        ("0001:30:00", "seconds", 5400),
+        ("1-00:00:00", "minutes", 86400),
+        ("2-12", "minutes", 216000),
+    ] {
+        let got = common_sh_ok(&format!("fugu_parse_elapse {limit} {unit}"), &[]);
+        assert_eq!(got, secs.to_string(), "{limit} ({unit})");
+    }
+    for bad in ["1h", "", "1:xx:00"] {
+        assert!(!common_sh(&format!("fugu_parse_elapse '{bad}'"), &[])
+            .status
+            .success());
+    }
+    assert_eq!(common_sh_ok("fugu_rfc3339 0", &[]), "1970-01-01T00:00:00Z");
+
+    // Where the pjsub job's elapse limit comes from, in order.
+    let train = jobscripts().join("pjsub/train.sh");
+    let t = train.display();
+    let code = format!("fugu_pjm_elapse {t}; echo \"$FUGU_ELAPSE_S|$FUGU_ELAPSE_SRC\"");
+    let from_script = common_sh_ok(&code, &[]);
+    assert!(
+        from_script.starts_with("3600|#PJM -L elapse=01:00:00"),
+        "{from_script}"
+    );
+    let from_pjm = common_sh_ok(&code, &[("PJM_ELAPSE_LIMIT", "120")]);
+    assert_eq!(from_pjm, "120|PJM_ELAPSE_LIMIT=120");
+    let from_user = common_sh_ok(
+        &code,
+        &[("FUGU_ELAPSE", "2:00:00"), ("PJM_ELAPSE_LIMIT", "120")],
+    );
+    assert_eq!(from_user, "7200|FUGU_ELAPSE=2:00:00");
+
+    // Errors name the variable.
+    let out = common_sh("FUGU_BIN=/nonexistent/fugu; fugu_require_bin", &[]);
+    assert!(!out.status.success() && text(&out).contains("FUGU_BIN=/nonexistent/fugu"));
+    let out = common_sh("FUGU_TP=two; fugu_require_uint FUGU_TP", &[]);
+    assert!(!out.status.success() && text(&out).contains("FUGU_TP must be"));
+
+    // The settings file of a continuation keeps values with spaces, commas and quotes.
+    let dir = tmp("envfile");
+    let f = dir.join("env.sh");
+    common_sh_ok(
+        &format!(
+            "FUGU_EXTRA_ARGS=\"--lr 1e-3 --set a,b 'q'\" FUGU_BENCH_SETS= fugu_write_env {} FUGU_EXTRA_ARGS FUGU_BENCH_SETS FUGU_UNSET_X",
+            f.display()
+        ),
+        &[],
+    );
+    let back = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            ". {}; echo \"$FUGU_EXTRA_ARGS|${{FUGU_BENCH_SETS-unset}}|${{FUGU_UNSET_X-unset}}\"",
+            f.display()
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&back.stdout).trim(),
+        "--lr 1e-3 --set a,b 'q'||unset"
+    );
+}
+
+#[test]
+fn job_scripts_fail_clearly_without_a_binary() {
+    let dir = tmp("nobin");
+    for (script, envs) in [
+        ("pjsub/train.sh", vec![("PJM_MPI_PROC", "2")]),
+        ("pjsub/bench-gemm.sh", vec![]),
+        (
+            "slurm/train.sh",
+            vec![("SLURM_JOB_ID", "1"), ("SLURM_NTASKS", "2")],
+        ),
+        ("slurm/bench-gemm.sh", vec![("SLURM_JOB_ID", "1")]),
+    ] {
+        let out = Command::new("bash")
+            .arg(jobscripts().join(script))
+            .current_dir(&dir)
+            .env("FUGU_BIN", dir.join("no-such-fugu"))
+            .envs(envs)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{script}: {}", text(&out));
+        assert!(text(&out).contains("FUGU_BIN="), "{script}: {}", text(&out));
+    }
+}
+
+// ------------------------------------------------------------------------ local pjsub
+
+fn local_pjsub(dir: &Path, args: &[&str]) -> Output {
+    Command::new(jobscripts().join("pjsub/local-pjsub.sh"))
+        .args(args)
+        .current_dir(dir)
+        .env("LOCAL_PJSUB_DIR", dir.join("pjm-state"))
+        .envs(OMPI_ENV)
+        .output()
+        .unwrap()
+}
+
+/// The job id from "[INFO] PJM 0000 pjsub Job 1001 submitted."
+fn pjm_job_id(out: &Output) -> String {
+    let s = String::from_utf8_lossy(&out.stdout);
+    s.lines()
+        .find_map(|l| l.split("pjsub Job ").nth(1)?.split(' ').next())
+        .unwrap_or_else(|| panic!("no job id: {}", text(out)))
+        .to_string()
+}
+
+#[test]
+fn local_pjsub_stand_in() {
+    let dir = tmp("pjm");
+    let job = dir.join("job.sh");
+    std::fs::write(
+        &job,
+        "#!/bin/bash\n#PJM -L \"node=2\"\n#PJM -L \"rscgrp=small,elapse=0:30\"\n\
+         #PJM --mpi \"max-proc-per-node=4\"\n#PJM -g grp\n#PJM -x A=1\n#PJM -j\n#PJM -S\n\
+         echo \"proc=$PJM_MPI_PROC node=$PJM_NODE limit=$PJM_ELAPSE_LIMIT a=$A b=${B:-} \
+         home=${FUGU_NOT_PASSED:-none} wd=$PJM_O_WORKDIR\"\necho to-stderr >&2\n\
+         command -v mpiexec llio_transfer pjsub | sed 's|.*/||'\nexit 7\n",
+    )
+    .unwrap();
+    let out = local_pjsub(&dir, &["-x", "B=2", "--mpi", "proc=6", "job.sh"]);
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+    let id = pjm_job_id(&out);
+    let log = read(&dir.join(format!("job.sh.{id}.out")));
+    assert!(
+        log.contains(&format!(
+            "proc=6 node=2 limit=30 a=1 b=2 home=none wd={}",
+            dir.display()
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains("to-stderr") && log.contains("mpiexec\nllio_transfer\npjsub"),
+        "{log}"
+    );
+    let stats = read(&dir.join(format!("job.sh.{id}.stats")));
+    assert!(stats.contains("PJM CODE          : 0") && stats.contains("EXIT CODE         : 7"));
+
+    // Inconsistent resources are refused before anything runs, like pjsub does.
+    let out = local_pjsub(&dir, &["--mpi", "proc=9", "job.sh"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("does not fit"), "{}", text(&out));
+    let out = local_pjsub(&dir, &["--walltime", "5", "job.sh"]);
+    assert!(
+        text(&out).contains("unsupported pjsub option"),
+        "{}",
+        text(&out)
+    );
+
+    // The elapse limit is enforced: PJM code 11.
+    std::fs::write(
+        &job,
+        "#!/bin/bash\n#PJM -L \"node=1,elapse=1\"\n#PJM -s\nsleep 30\n",
+    )
+    .unwrap();
+    let t = Instant::now();
+    let out = local_pjsub(&dir, &["job.sh"]);
+    assert_eq!(out.status.code(), Some(124), "{}", text(&out));
+    assert!(t.elapsed() < Duration::from_secs(20));
+    let stats = read(&dir.join(format!("job.sh.{}.stats", pjm_job_id(&out))));
+    assert!(stats.contains("PJM CODE          : 11"), "{stats}");
+}
+
+/// The pjsub GEMM job: one file per THREADS:CMGS run, each row a benchmark result.
+#[test]
+fn pjsub_bench_gemm_under_local_pjsub() {
+    let dir = tmp("pjm-gemm");
+    let bin = jobs_bin();
+    let home = format!("FUGU_HOME={}", repo().display());
+    let fbin = format!("FUGU_BIN={}", bin.display());
+    let out = local_pjsub(
+        &dir,
+        &[
+            "-x",
+            &home,
+            "-x",
+            &fbin,
+            "-x",
+            "FUGU_OUT=gemm",
+            "-x",
+            "FUGU_BENCH_RUNS=1:1 2:2",
+            "-x",
+            "FUGU_BENCH_SETS=",
+            "-x",
+            "FUGU_BENCH_ARGS=--shape 64x64x64 --shape 32x48x16 --budget 0.02 --no-baseline",
+            "-x",
+            "FUGU_NUMA_NODES=0",
+            &jobscripts()
+                .join("pjsub/bench-gemm.sh")
+                .display()
+                .to_string(),
+        ],
+    );
+    let id = pjm_job_id(&out);
+    let log = read(&dir.join(format!("fugu-bench-gemm.{id}.out")));
+    assert!(out.status.success(), "{}\n{log}", text(&out));
+    assert!(log.contains("llio_transfer"), "{log}");
+    for (threads, cmgs) in [(1, 1), (2, 2)] {
+        let rows = jsonl_rows(&dir.join(format!("gemm/gemm-t{threads}-c{cmgs}.jsonl")));
+        assert_eq!(rows.len(), 2, "two shapes");
+        for r in rows {
+            assert_eq!(r["threads"].as_u64(), Some(threads), "{r}");
+            assert_eq!(r["domains"].as_u64(), Some(cmgs), "{r}");
+            assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+}
+
+/// A 2-rank tiny training as a pjsub job: mpiexec -> mpirun, PJM_* variables, deadline.
+#[test]
+fn pjsub_train_two_ranks_under_local_pjsub() {
+    if !gated("pjsub_train_two_ranks_under_local_pjsub") {
+        return;
+    }
+    let dir = tmp("pjm-train");
+    let mut args: Vec<String> = vec![
+        "-L".into(),
+        "node=1".into(),
+        "--mpi".into(),
+        "proc=2".into(),
+    ];
+    let mut env = tiny_train_env(6);
+    env.push(("FUGU_HOME".into(), repo().display().to_string()));
+    env.push(("FUGU_BIN".into(), jobs_bin().display().to_string()));
+    env.push(("FUGU_DATA".into(), corpus().display().to_string()));
+    env.push(("FUGU_CKPT_EVERY".into(), "3".into()));
+    for (k, v) in env {
+        args.extend(["-x".into(), format!("{k}={v}")]);
+    }
+    args.push(jobscripts().join("pjsub/train.sh").display().to_string());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = local_pjsub(&dir, &args);
+    let id = pjm_job_id(&out);
+    let log = read(&dir.join(format!("fugu-train.{id}.out")));
+    assert!(out.status.success(), "{}\n{log}", text(&out));
+    assert!(
+        log.contains("--deadline") && log.contains("--resume auto"),
+        "{log}"
+    );
+    let run = dir.join("runs/gpt2-tiny-n2-tp1");
+    let m = metrics(&run);
+    assert_world(&m, 2);
+    assert_eq!(steps(&m), (1..=6).collect::<Vec<_>>());
+    assert!(run.join("ckpt-00000006/state.json").exists());
+    assert!(read(&run.join("jobs.log")).contains(&format!("pjsub job {id} exit 0")));
+}
+
+/// pjsub has no pre-timeout signal: the job's deadline (start + elapse - margin) makes the
+/// trainer checkpoint and exit 4, and the continuation it submits resumes from there.
+#[test]
+fn pjsub_deadline_checkpoints_and_the_continuation_resumes() {
+    if !gated("pjsub_deadline_checkpoints_and_the_continuation_resumes") {
+        return;
+    }
+    let dir = tmp("pjm-deadline");
+    let mut args: Vec<String> = ["-L", "node=1,elapse=40", "--mpi", "proc=2"]
+        .map(String::from)
+        .to_vec();
+    let mut env = tiny_train_env(100_000);
+    env.extend(
+        [
+            ("FUGU_HOME", repo().display().to_string()),
+            ("FUGU_BIN", jobs_bin().display().to_string()),
+            ("FUGU_DATA", corpus().display().to_string()),
+            ("FUGU_CKPT_EVERY", "0".into()),
+            ("FUGU_DEADLINE_MARGIN", "32".into()),
+            ("FUGU_AUTO_RESUBMIT", "1".into()),
+            ("FUGU_RESUBMIT_MAX", "1".into()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    for (k, v) in env {
+        args.extend(["-x".into(), format!("{k}={v}")]);
+    }
+    args.push(jobscripts().join("pjsub/train.sh").display().to_string());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = local_pjsub(&dir, &args);
+    let id = pjm_job_id(&out);
+    let log = read(&dir.join(format!("fugu-train.{id}.out")));
+    assert_eq!(out.status.code(), Some(4), "{}\n{log}", text(&out));
+    assert!(log.contains("resubmitted as job"), "{log}");
+    assert_continued(&dir.join("runs/gpt2-tiny-n2-tp1"), 2);
+}
+
+/// The pjsub scaling sweep, submitted from the "login node" through the stand-in's `pjsub`:
+/// one step job of a 2-rank training, the GEMM benchmark and the report, in that order.
+#[test]
+fn pjsub_sweep_under_local_pjsub() {
+    if !gated("pjsub_sweep_under_local_pjsub") {
+        return;
+    }
+    let dir = tmp("pjm-sweep");
+    let state = dir.join("pjm-state");
+    let out = Command::new(jobscripts().join("pjsub/local-pjsub.sh"))
+        .arg("--install-shims")
+        .env("LOCAL_PJSUB_DIR", &state)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let shims = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let path = format!("{shims}:{}", std::env::var("PATH").unwrap_or_default());
+    let mut env = tiny_train_env(4);
+    env.extend(
+        [
+            ("FUGU_HOME", repo().display().to_string()),
+            ("FUGU_BIN", jobs_bin().display().to_string()),
+            ("FUGU_DATA", corpus().display().to_string()),
+            ("FUGU_GROUP", "testgrp".into()),
+            ("FUGU_SWEEP", "1x2".into()),
+            ("FUGU_ELAPSE", "10:00".into()),
+            ("FUGU_SWEEP_DIR", "sweep".into()),
+            ("FUGU_BENCH_RUNS", "1:1".into()),
+            ("FUGU_BENCH_SETS", String::new()),
+            (
+                "FUGU_BENCH_ARGS",
+                "--shape 64x64x64 --budget 0.02 --no-baseline".into(),
+            ),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let out = Command::new(jobscripts().join("pjsub/scaling-sweep.sh"))
+        .current_dir(&dir)
+        .env("PATH", path)
+        .env("LOCAL_PJSUB_DIR", &state)
+        .envs(OMPI_ENV)
+        .envs(env)
+        .output()
+        .unwrap();
+    let logs: String = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "out"))
+        .map(|p| read(&p))
+        .collect::<Vec<_>>()
+        .join("\n-----\n");
+    assert!(
+        out.status.success(),
+        "scaling-sweep.sh: {}\n{logs}",
+        text(&out)
+    );
+    let sweep = dir.join("sweep");
+    let jobs = read(&sweep.join("jobs.txt"));
+    let ids: Vec<&str> = jobs
+        .lines()
+        .map(|l| l.split_whitespace().nth(2).unwrap())
+        .collect();
+    assert_eq!(ids.len(), 3, "{jobs}");
+    // One step job: the same job id, sub-jobs 0, 1, 2.
+    let base = ids[0].split('_').next().unwrap();
+    assert_eq!(
+        ids,
+        [
+            format!("{base}_0"),
+            format!("{base}_1"),
+            format!("{base}_2")
+        ]
+    );
+    assert!(sweep.join("runs/N1-n2/metrics.jsonl").exists(), "{logs}");
+    let m = metrics(&sweep.join("runs/N1-n2"));
+    assert_world(&m, 2);
+    assert_eq!(steps(&m), vec![1, 2, 3, 4]);
+    assert!(
+        !jsonl_rows(&sweep.join("gemm/gemm-t1-c1.jsonl")).is_empty(),
+        "{logs}"
+    );
+    assert!(sweep.join("report/REPORT.md").exists(), "{logs}");
+}
+
+/// A run stopped by its deadline or signal and continued by the next job: the second
+/// header starts at the last checkpoint of the first job, and the steps go on from there.
+fn assert_continued(run: &Path, world: u64) {
+    let m = metrics(run);
+    assert_world(&m, world);
+    let mut part = 0;
+    let mut last_ckpt_of_first = None;
+    let mut first_steps = Vec::new();
+    let mut second_steps = Vec::new();
+    let mut second_start = None;
+    for r in &m {
+        match r {
+            Record::Header(h) => {
+                part += 1;
+                if part == 2 {
+                    second_start = h["start_step"].as_u64();
+                }
+            }
+            Record::Event { kind, data } if kind == "checkpoint" && part == 1 => {
+                last_ckpt_of_first = data["step"].as_u64();
+            }
+            Record::Step(s) if part == 1 => first_steps.push(s.step),
+            Record::Step(s) if part == 2 => second_steps.push(s.step),
+            _ => {}
+        }
+    }
+    assert!(part >= 2, "the continuation wrote no header");
+    let k = last_ckpt_of_first.expect("the first job wrote no checkpoint before stopping");
+    assert!(k >= 1, "checkpoint at step {k}");
+    assert_eq!(second_start, Some(k), "the continuation resumed elsewhere");
+    assert_eq!(
+        second_steps.first(),
+        Some(&(k + 1)),
+        "steps after resuming: {second_steps:?}"
+    );
+    assert!(
+        first_steps.iter().all(|&s| s <= k),
+        "{first_steps:?} vs checkpoint {k}"
+    );
+}
+
+// ------------------------------------------------------------------------------ Slurm
+
+/// Starts (or finds) the local Slurm and returns the environment its clients need.
+fn slurm_env() -> Vec<(String, String)> {
+    static ENV: OnceLock<Vec<(String, String)>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let state = std::env::var("LOCAL_SLURM_DIR").unwrap_or("/tmp/fugu-test-slurm".into());
+        // 2 cores here: 4 CPUs let a 2-rank job and the GEMM job run side by side.
+        let cpus = std::env::var("LOCAL_SLURM_CPUS").unwrap_or("4".into());
+        let out = Command::new(jobscripts().join("local-slurm.sh"))
+            .arg("start")
+            .env("LOCAL_SLURM_DIR", &state)
+            .env("LOCAL_SLURM_CPUS", &cpus)
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "local-slurm.sh start failed");
+        let mut env: Vec<(String, String)> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        env.push(("LOCAL_SLURM_DIR".into(), state));
+        env.push(("LOCAL_SLURM_CPUS".into(), cpus));
+        env
+    })
+    .clone()
+}
+
+fn sbatch(dir: &Path, args: &[&str], env: &[(String, String)]) -> String {
+    let out = Command::new("sbatch")
+        .arg("--parsable")
+        .args(args)
+        .current_dir(dir)
+        .envs(slurm_env())
+        .envs(env.iter().cloned())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "sbatch {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Waits for a job to end; returns (state, exit code).
+fn wait_job(jid: &str, secs: u64) -> (String, i32) {
+    let out = Command::new(jobscripts().join("local-slurm.sh"))
+        .args(["wait", jid, &secs.to_string()])
+        .envs(slurm_env())
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    let f: Vec<&str> = s.split_whitespace().collect();
+    assert!(
+        f.len() == 3 && f[0] == jid,
+        "local-slurm.sh wait {jid}: {}",
+        text(&out)
+    );
+    assert_ne!(f[2], "timeout", "job {jid} still {} after {secs} s", f[1]);
+    let code = f[2].split(':').next().unwrap().parse().unwrap_or(-1);
+    (f[1].to_string(), code)
+}
+
+/// A single-rank training job through sbatch: finds lib/common.sh from Slurm's copy of the
+/// script, stages the bundled corpus itself, trains, and records the job in jobs.log.
+#[test]
+fn slurm_single_rank_train_job() {
+    if !gated("slurm_single_rank_train_job") {
+        return;
+    }
+    let dir = tmp("slurm-one");
+    let mut env = tiny_train_env(4);
+    env.push(("FUGU_BIN".into(), jobs_bin().display().to_string()));
+    let jid = sbatch(
+        &dir,
+        &[
+            "--ntasks=1",
+            "--ntasks-per-node=1",
+            "--cpus-per-task=1",
+            "--output=%x-%j.out",
+            &jobscripts().join("slurm/train.sh").display().to_string(),
+        ],
+        &env,
+    );
+    let (state, code) = wait_job(&jid, 180);
+    let log = read(&dir.join(format!("fugu-train-{jid}.out")));
+    assert_eq!((state.as_str(), code), ("COMPLETED", 0), "{log}");
+    assert!(dir.join("data/shakespeare/manifest.json").exists(), "{log}");
+    let run = dir.join("runs/gpt2-tiny-n1-tp1");
+    assert_eq!(steps(&metrics(&run)), vec![1, 2, 3, 4]);
+    assert!(run.join("ckpt-00000004/state.json").exists());
+    let jobs = read(&run.join("jobs.log"));
+    assert!(jobs.contains(&format!("slurm job {jid} exit 0")), "{jobs}");
+}
+
+/// scaling-sweep.sh: a 2-rank training (srun), a GEMM benchmark and a report job that runs
+/// after both (afterok), all completed with their files.
+#[test]
+fn slurm_sweep_trains_benchmarks_and_reports() {
+    if !gated("slurm_sweep_trains_benchmarks_and_reports") {
+        return;
+    }
+    let dir = tmp("slurm-sweep");
+    let mut env = tiny_train_env(6);
+    env.extend(
+        [
+            ("FUGU_BIN", jobs_bin().display().to_string()),
+            ("FUGU_DATA", corpus().display().to_string()),
+            ("FUGU_SWEEP", "1x2".into()),
+            ("FUGU_TIME", "10".into()),
+            ("FUGU_SWEEP_DIR", "sweep".into()),
+            ("FUGU_BENCH_RUNS", "1:1 2:2".into()),
+            ("FUGU_BENCH_CPUS", "2".into()),
+            ("FUGU_BENCH_SETS", String::new()),
+            (
+                "FUGU_BENCH_ARGS",
+                "--shape 64x64x64 --budget 0.02 --no-baseline".into(),
+            ),
+            ("FUGU_SBATCH_ARGS", "--cpus-per-task=1".into()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let out = Command::new(jobscripts().join("slurm/scaling-sweep.sh"))
+        .current_dir(&dir)
+        .envs(slurm_env())
+        .envs(env)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "scaling-sweep.sh: {}", text(&out));
+    let sweep = dir.join("sweep");
+    let jobs: Vec<(String, String, String)> = read(&sweep.join("jobs.txt"))
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[0].to_string(), f[1].to_string(), f[2].to_string())
+        })
+        .collect();
+    let kinds: Vec<&str> = jobs.iter().map(|j| j.0.as_str()).collect();
+    assert_eq!(kinds, ["train", "gemm", "report"]);
+    for (kind, name, jid) in &jobs {
+        let (state, code) = wait_job(jid, 240);
+        let logs: Vec<String> = std::fs::read_dir(sweep.join("logs"))
+            .unwrap()
+            .map(|e| read(&e.unwrap().path()))
+            .collect();
+        assert_eq!(
+            (state.as_str(), code),
+            ("COMPLETED", 0),
+            "{kind} {name} (job {jid}):\n{}",
+            logs.join("\n-----\n")
+        );
+    }
+    let m = metrics(&sweep.join("runs/N1-n2"));
+    assert_world(&m, 2);
+    assert_eq!(steps(&m), (1..=6).collect::<Vec<_>>());
+    for f in ["gemm-t1-c1.jsonl", "gemm-t2-c2.jsonl"] {
+        assert!(!jsonl_rows(&sweep.join("gemm").join(f)).is_empty(), "{f}");
+    }
+    let report = sweep.join("report");
+    assert!(read(&report.join("REPORT.md")).contains('#'));
+    let svgs = std::fs::read_dir(&report)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "svg")
+        })
+        .count();
+    assert!(svgs >= 1, "no SVG chart in {}", report.display());
+}
+
+/// The pre-timeout path: SIGUSR1 to the batch shell (what `--signal=B:USR1@120` sends) is
+/// forwarded through mpirun to both ranks, which checkpoint and exit 4; the job resubmits
+/// itself and the continuation resumes at the checkpointed step and finishes.
+#[test]
+fn slurm_usr1_checkpoints_exits_4_and_the_resubmitted_job_resumes() {
+    if !gated("slurm_usr1_checkpoints_exits_4_and_the_resubmitted_job_resumes") {
+        return;
+    }
+    let dir = tmp("slurm-usr1");
+    let total = 120;
+    let mut env = tiny_train_env(total);
+    env.extend(
+        [
+            ("FUGU_BIN", jobs_bin().display().to_string()),
+            ("FUGU_DATA", corpus().display().to_string()),
+            ("FUGU_LAUNCHER", "mpirun".into()),
+            ("FUGU_CKPT_EVERY", "0".into()),
+            ("FUGU_AUTO_RESUBMIT", "1".into()),
+            ("FUGU_RESUBMIT_MAX", "1".into()),
+            ("FUGU_OUT", "run".into()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let jid = sbatch(
+        &dir,
+        &[
+            "--ntasks=2",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            "--time=10",
+            "--output=%x-%j.out",
+            &jobscripts().join("slurm/train.sh").display().to_string(),
+        ],
+        &env,
+    );
+    // Signal as soon as training runs.
+    let run = dir.join("run");
+    let t = Instant::now();
+    while read_metrics(run.join("metrics.jsonl"))
+        .map(|m| steps(&m).is_empty())
+        .unwrap_or(true)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = Command::new("scancel")
+        .args(["--batch", "--signal=USR1", &jid])
+        .envs(slurm_env())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "scancel: {}", text(&out));
+    let (state, code) = wait_job(&jid, 120);
+    let log = read(&dir.join(format!("fugu-train-{jid}.out")));
+    assert!(log.contains("got SIGUSR1: forwarding"), "{log}");
+    assert_eq!((state.as_str(), code), ("FAILED", 4), "{log}");
+    let jobs = read(&run.join("jobs.log"));
+    let next = jobs
+        .lines()
+        .find_map(|l| l.split("resubmitted as job ").nth(1))
+        .unwrap_or_else(|| panic!("no resubmission in jobs.log:\n{jobs}\n{log}"))
+        .trim()
+        .to_string();
+    let (state, code) = wait_job(&next, 240);
+    let log2 = read(&dir.join(format!("fugu-train-{next}.out")));
+    assert_eq!((state.as_str(), code), ("COMPLETED", 0), "{log2}");
+    assert!(log2.contains("continuation 1"), "{log2}");
+    assert_continued(&run, 2);
+    assert_eq!(steps(&metrics(&run)).last(), Some(&(total as u64)));
+}
