@@ -104,8 +104,8 @@ pub struct TrainArgs {
     /// resumed checkpoint's). Keeping N fixed keeps the data order when dp changes.
     #[arg(long, value_name = "N")]
     pub data_ranks: Option<usize>,
-    /// Write a checkpoint and stop (exit code 4) before this time: `+DURATION` or a duration
-    /// from now (seconds, MM:SS, HH:MM:SS, D-HH:MM:SS), or a Unix time. Default: the Slurm job's
+    /// Write a checkpoint and stop (exit code 4) before this time: an RFC 3339 time, `+DURATION`
+    /// or a duration from now (seconds, MM:SS, HH:MM:SS, D-HH:MM:SS), or a Unix time. Default: the Slurm job's
     /// end (SLURM_JOB_END_TIME) or PJM_ELAPSE_LIMIT from FUGU_JOB_START. SIGUSR1 and SIGTERM
     /// also stop the run with a checkpoint.
     #[arg(long, value_name = "WHEN")]

@@ -74,14 +74,65 @@ pub struct Deadline {
     pub source: String,
 }
 
-/// The run's deadline: `--deadline` (`+DURATION` from now, a Unix time, or a duration from
-/// now), else `SLURM_JOB_END_TIME` (Unix seconds), else `PJM_ELAPSE_LIMIT` (a duration counted
+/// Parses an RFC 3339 time (`2026-11-21T09:30:00Z`, `2026-11-21T18:30:00+09:00`, fractional
+/// seconds allowed) to Unix seconds.
+pub fn parse_rfc3339(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (date, rest) = s.split_once(['T', 't', ' '])?;
+    let mut d = date.split('-');
+    let (y, mo, da): (i64, i64, i64) = (
+        d.next()?.parse().ok()?,
+        d.next()?.parse().ok()?,
+        d.next()?.parse().ok()?,
+    );
+    if d.next().is_some() || !(1..=12).contains(&mo) || !(1..=31).contains(&da) {
+        return None;
+    }
+    let (clock, offset) = if let Some(c) = rest.strip_suffix(['Z', 'z']) {
+        (c, 0.0)
+    } else {
+        let i = rest.rfind(['+', '-'])?;
+        let (c, off) = rest.split_at(i);
+        let sign = if off.starts_with('-') { -1.0 } else { 1.0 };
+        let (oh, om) = off[1..].split_once(':')?;
+        (
+            c,
+            sign * (oh.parse::<f64>().ok()? * 3600.0 + om.parse::<f64>().ok()? * 60.0),
+        )
+    };
+    let mut c = clock.split(':');
+    let (h, mi, sec): (f64, f64, f64) = (
+        c.next()?.parse().ok()?,
+        c.next()?.parse().ok()?,
+        c.next()?.parse().ok()?,
+    );
+    if c.next().is_some() || h >= 24.0 || mi >= 60.0 || sec >= 61.0 {
+        return None;
+    }
+    // Days from 1970-01-01 in the proleptic Gregorian calendar (Howard Hinnant's algorithm).
+    let (y2, m2) = if mo <= 2 {
+        (y - 1, mo + 9)
+    } else {
+        (y, mo - 3)
+    };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let doy = (153 * m2 + 2) / 5 + da - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days as f64 * 86400.0 + h * 3600.0 + mi * 60.0 + sec - offset)
+}
+
+/// The run's deadline: `--deadline` (an RFC 3339 time, `+DURATION` from now, a Unix time, or a
+/// duration from now), else `SLURM_JOB_END_TIME` (Unix seconds), else `PJM_ELAPSE_LIMIT` (a duration counted
 /// from `FUGU_JOB_START`, Unix seconds, which the job scripts export at the top of the job,
 /// or from now).
 pub fn find_deadline(arg: Option<&str>) -> Result<Option<Deadline>> {
     let now = now_unix();
     if let Some(a) = arg {
-        let at = if let Some(d) = a.strip_prefix('+') {
+        let at = if let Some(t) = parse_rfc3339(a) {
+            t
+        } else if let Some(d) = a.strip_prefix('+') {
             now + parse_duration(d)?
         } else {
             let v = parse_duration(a).map_err(|e| anyhow::anyhow!("--deadline {a}: {e}"))?;
@@ -182,6 +233,22 @@ mod tests {
         assert_eq!(parse_duration("1-00:00:10").unwrap(), 86410.0);
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("-5").is_err());
+    }
+
+    #[test]
+    fn rfc3339() {
+        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0.0));
+        assert_eq!(parse_rfc3339("2026-11-21T09:30:00Z"), Some(1_795_253_400.0));
+        assert_eq!(
+            parse_rfc3339("2026-11-21T18:30:00+09:00"),
+            parse_rfc3339("2026-11-21T09:30:00Z")
+        );
+        assert_eq!(
+            parse_rfc3339("2000-02-29T12:00:00.5-01:30"),
+            Some(951_831_000.5)
+        );
+        assert_eq!(parse_rfc3339("2026-13-01T00:00:00Z"), None);
+        assert_eq!(parse_rfc3339("90"), None);
     }
 
     #[test]
