@@ -254,7 +254,12 @@ fugu_slurm_resubmit() {
   account=$(fugu_slurm_job_field Account)
   case "$account" in '' | '(null)') ;; *) args+=(--account="$account") ;; esac
   stdout=$(fugu_slurm_job_field StdOut)
-  [ -z "$stdout" ] || args+=(--output="${stdout//$SLURM_JOB_ID/%j}")
+  # The log pattern: the job id in the file name becomes %j again (only in the file name: the
+  # directory may contain the same digits).
+  if [ -n "$stdout" ]; then
+    local base=${stdout##*/}
+    args+=(--output="${stdout%/*}/${base//$SLURM_JOB_ID/%j}")
+  fi
   local extra=()
   read -r -a extra <<<"${FUGU_SBATCH_ARGS:-}"
   args+=("${extra[@]}")

@@ -56,7 +56,10 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            let msg = format!("{e:#}");
+            if !msg.is_empty() {
+                eprintln!("error: {msg}");
+            }
             match e.downcast_ref::<crate::train::ExitError>() {
                 Some(x) => ExitCode::from(x.code),
                 None => ExitCode::FAILURE,

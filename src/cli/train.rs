@@ -186,7 +186,16 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let mut dist = Dist::init()?;
     let res = args.options().and_then(|opts| train::run(opts, &mut dist));
     if let Err(e) = &res {
-        if dist.is_parallel() && e.downcast_ref::<ExitError>().is_none() {
+        if let Some(x) = e.downcast_ref::<ExitError>() {
+            // Every rank stops here together; rank 0 alone explains why.
+            if !dist.is_root() {
+                return Err(ExitError {
+                    code: x.code,
+                    message: String::new(),
+                }
+                .into());
+            }
+        } else if dist.is_parallel() {
             eprintln!(
                 "fugu train: error on rank {} of {}: {e:#}\nfugu train: aborting all ranks",
                 dist.grid.world_rank, dist.grid.world_size

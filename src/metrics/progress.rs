@@ -43,6 +43,7 @@ pub struct Progress {
     log_every: u64,
     recent: VecDeque<f64>,
     printed_any: bool,
+    silent: bool,
 }
 
 impl Progress {
@@ -70,7 +71,15 @@ impl Progress {
             log_every: 10,
             recent: VecDeque::with_capacity(ETA_WINDOW),
             printed_any: false,
+            silent: false,
         }
+    }
+
+    /// Prints nothing at all (the ranks other than rank 0 of a parallel job).
+    pub fn silenced(mut self) -> Progress {
+        self.silent = true;
+        self.bar = None;
+        self
     }
 
     /// Prints a plain line every `n` steps (0: only the first and the last).
@@ -111,6 +120,9 @@ impl Progress {
 
     /// Records a finished step: moves the bar, or prints a plain line when due.
     pub fn update(&mut self, line: &StepLine) {
+        if self.silent {
+            return;
+        }
         if let Some(s) = self.plain_line(line) {
             eprintln!("{s}");
         }
@@ -143,6 +155,9 @@ impl Progress {
 
     /// Prints a message line (an eval result, a checkpoint) without breaking the bar.
     pub fn message(&self, msg: &str) {
+        if self.silent {
+            return;
+        }
         match &self.bar {
             Some(bar) => bar.println(msg),
             None => eprintln!("{msg}"),

@@ -400,6 +400,9 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
     }
 
     let mut progress = Progress::new(t.steps as u64, start_step, opts.tty && root);
+    if !root {
+        progress = progress.silenced();
+    }
     progress.set_log_every(opts.log_every.max(1) as u64);
     let mut tokens_seen = start_state.as_ref().map_or(0, |s| s.tokens_seen);
     let mut skipped = start_state.as_ref().map_or(0, |s| s.skipped_nonfinite);
