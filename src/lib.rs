@@ -8,5 +8,6 @@ pub mod config;
 pub mod metrics;
 pub mod model;
 pub mod ops;
+pub mod report;
 pub mod sample;
 pub mod train;
