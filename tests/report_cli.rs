@@ -45,19 +45,47 @@ fn lines(p: &Path) -> Vec<String> {
         .collect()
 }
 
-/// CSV rows (header dropped) split on commas (the fixtures' names have none).
+/// The fields of one CSV line (RFC 4180 quoting; no field spans lines in these files).
+fn csv_fields(line: &str) -> Vec<String> {
+    let mut out = vec![String::new()];
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                chars.next();
+                out.last_mut().unwrap().push('"');
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => out.push(String::new()),
+            c => out.last_mut().unwrap().push(c),
+        }
+    }
+    out
+}
+
+/// CSV rows, header dropped; every row has the header's number of fields.
 fn csv(p: &Path) -> Vec<Vec<String>> {
-    lines(p)
-        .iter()
+    let l = lines(p);
+    let width = csv_fields(&l[0]).len();
+    l.iter()
         .skip(1)
-        .map(|l| l.split(',').map(str::to_owned).collect())
+        .map(|l| {
+            let f = csv_fields(l);
+            assert_eq!(f.len(), width, "{}: {l}", p.display());
+            f
+        })
         .collect()
 }
 
 fn svg(p: &Path) -> String {
     let s = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
     assert!(s.starts_with("<svg"), "{} is not an SVG", p.display());
-    assert!(s.trim_end().ends_with("</svg>"), "{} is cut short", p.display());
+    assert!(
+        s.trim_end().ends_with("</svg>"),
+        "{} is cut short",
+        p.display()
+    );
     assert_eq!(
         s.matches("<text").count(),
         s.matches("</text>").count(),
@@ -99,14 +127,21 @@ fn full_report_from_runs_bench_and_bad_inputs() {
     for n in &run_names {
         assert!(b.contains(n.as_str()), "breakdown.svg lacks run {n}");
     }
-    for c in ["GEMM (linear layers)", "communication (all-reduce)", "optimizer"] {
+    for c in [
+        "GEMM (linear layers)",
+        "communication (all-reduce)",
+        "optimizer",
+    ] {
         assert!(b.contains(c), "breakdown.svg lacks category {c}");
     }
     assert!(b.contains(" ms<") || b.contains(" ms\n"), "bar totals");
     let bp = svg(&out.join("breakdown-pct.svg"));
     assert!(bp.contains("% of step time"));
     let st = svg(&out.join("scaling-throughput.svg"));
-    assert!(st.contains("strong, global batch"), "strong series in the legend");
+    assert!(
+        st.contains("strong, global batch"),
+        "strong series in the legend"
+    );
     assert!(st.contains("MPI ranks") && st.contains("tokens/s"));
     let sp = svg(&out.join("scaling-speedup.svg"));
     assert!(sp.contains("ideal") && sp.contains("strong, global batch"));
@@ -121,13 +156,19 @@ fn full_report_from_runs_bench_and_bad_inputs() {
         .iter()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let mut threads: Vec<u64> = rows.iter().map(|r| r["threads"].as_u64().unwrap()).collect();
+    let mut threads: Vec<u64> = rows
+        .iter()
+        .map(|r| r["threads"].as_u64().unwrap())
+        .collect();
     threads.sort();
     threads.dedup();
     let isa = rows[0]["isa"].as_str().unwrap();
     for t in &threads {
         let g = svg(&out.join(format!("gemm-{t}t.svg")));
-        assert!(g.contains(&format!("{isa}, {t} thread")), "gemm-{t}t.svg series");
+        assert!(
+            g.contains(&format!("{isa}, {t} thread")),
+            "gemm-{t}t.svg series"
+        );
         assert!(g.contains("peak, "), "gemm-{t}t.svg peak line");
         assert!(g.contains("GFLOP/s"));
     }
@@ -158,7 +199,9 @@ fn full_report_from_runs_bench_and_bad_inputs() {
         assert!(timers.iter().any(|r| &r[0] == n), "no timers for {n}");
     }
     assert!(
-        timers.iter().any(|r| r[1].contains("allreduce") && !r[4].is_empty()),
+        timers
+            .iter()
+            .any(|r| r[1].contains("allreduce") && !r[4].is_empty()),
         "min/max across ranks for the all-reduce timers"
     );
     let sc = csv(&out.join("scaling.csv"));
@@ -178,7 +221,10 @@ fn full_report_from_runs_bench_and_bad_inputs() {
 
     // Skipped: the three bad inputs with their reasons.
     let md = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
-    let skipped = md.split("## Skipped inputs").nth(1).expect("a Skipped section");
+    let skipped = md
+        .split("## Skipped inputs")
+        .nth(1)
+        .expect("a Skipped section");
     assert!(skipped.contains("no-metrics") && skipped.contains("no metrics.jsonl"));
     assert!(skipped.contains("no-steps") && skipped.contains("no step records"));
     assert!(skipped.contains("not-json") && skipped.contains("not valid JSON"));
@@ -188,7 +234,10 @@ fn full_report_from_runs_bench_and_bad_inputs() {
     for e in std::fs::read_dir(&out).unwrap() {
         let file = name(&e.unwrap().path());
         if file != "REPORT.md" {
-            assert!(md.contains(&format!("]({file})")), "REPORT.md does not link {file}");
+            assert!(
+                md.contains(&format!("]({file})")),
+                "REPORT.md does not link {file}"
+            );
         }
     }
     assert!(md.contains("warm-up"));
@@ -201,7 +250,12 @@ fn gemm_only_and_runs_only_reports() {
     let f = fixtures();
     let out = tmp("gemm-only");
     let gemm = f.join("bench/bench-gemm.jsonl");
-    let o = fugu(&[&PathBuf::from("--gemm"), &gemm, &PathBuf::from("--out"), &out]);
+    let o = fugu(&[
+        &PathBuf::from("--gemm"),
+        &gemm,
+        &PathBuf::from("--out"),
+        &out,
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.join("gemm-summary.csv").exists());
     assert!(!out.join("runs.csv").exists());
@@ -243,5 +297,8 @@ fn no_usable_input_is_an_error_naming_each() {
         .unwrap();
     assert!(o.status.success());
     let h = String::from_utf8_lossy(&o.stdout);
-    assert!(h.contains("bench-gemm") && h.contains("Skipped inputs"), "{h}");
+    assert!(
+        h.contains("bench-gemm") && h.contains("Skipped inputs"),
+        "{h}"
+    );
 }

@@ -21,7 +21,7 @@ const DESC_PX: u32 = 15;
 const LEGEND_PX: u32 = 14;
 const LEGEND_ROW: i32 = 22;
 /// Generous average glyph width of a sans-serif font, in em (real fonts: about 0.5 to 0.6).
-const EM_WIDTH: f64 = 0.62;
+const EM_WIDTH: f64 = 0.56;
 
 /// A linear f64 axis whose ticks are exactly the given values (log axes are drawn on it in
 /// log units). plotters' own `WithKeyPoints` over f64 has no label formatter.
@@ -121,19 +121,45 @@ pub fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     (first..=last).map(|i| i as f64 * step).collect()
 }
 
-/// Ticks at powers of `base` covering `lo..=hi` (every other power when there are many).
+/// Ticks for a logarithmic axis covering `lo..=hi`. Base 2: powers of two (every other one
+/// when there are many). Base 10: 1, 2 and 5 × 10^k, or every integer multiple of 10^k when
+/// that gives fewer than three, or only powers of ten when that gives more than ten.
 pub fn log_ticks(lo: f64, hi: f64, base: f64) -> Vec<f64> {
-    if !(lo > 0.0 && hi >= lo) {
+    if !(lo > 0.0 && hi >= lo && lo.is_finite() && hi.is_finite()) {
         return vec![1.0];
     }
-    let a = (lo.log(base) - 1e-9).ceil() as i32;
-    let b = (hi.log(base) + 1e-9).floor() as i32;
-    let stride = ((b - a) / 8 + 1).max(1) as usize;
-    let mut t: Vec<f64> = (a..=b).step_by(stride).map(|e| base.powi(e)).collect();
-    if t.is_empty() {
-        t.push(base.powi(a.min(b)));
+    let inside = |v: &f64| *v >= lo * (1.0 - 1e-9) && *v <= hi * (1.0 + 1e-9);
+    if base != 10.0 {
+        let a = (lo.log(base) - 1e-9).ceil() as i32;
+        let b = (hi.log(base) + 1e-9).floor() as i32;
+        let stride = ((b - a) / 8 + 1).max(1) as usize;
+        let t: Vec<f64> = (a..=b).step_by(stride).map(|e| base.powi(e)).collect();
+        return if t.is_empty() {
+            nice_ticks(lo, hi, 3)
+        } else {
+            t
+        };
     }
-    t
+    let (a, b) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    let with = |mult: &[f64]| -> Vec<f64> {
+        (a..=b)
+            .flat_map(|e| mult.iter().map(move |m| m * 10f64.powi(e)))
+            .filter(inside)
+            .collect()
+    };
+    let t = with(&[1.0, 2.0, 5.0]);
+    if t.len() > 10 {
+        with(&[1.0])
+    } else if t.len() < 3 {
+        let t = with(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+        if t.len() < 2 {
+            nice_ticks(lo, hi, 4)
+        } else {
+            t
+        }
+    } else {
+        t
+    }
 }
 
 /// One stacked component of a [`BarChart`] (a legend entry).
@@ -153,6 +179,8 @@ pub struct BarChart {
     pub y_desc: String,
     /// One label per bar.
     pub bars: Vec<String>,
+    /// A second, smaller line under each bar label (empty: none).
+    pub sublabels: Vec<String>,
     pub stacks: Vec<Stack>,
     /// Text above each bar (empty strings for none).
     pub annotations: Vec<String>,
@@ -180,6 +208,7 @@ pub fn bar_chart(c: &BarChart) -> Result<String> {
         .bars
         .iter()
         .chain(c.annotations.iter())
+        .chain(c.sublabels.iter())
         .map(|l| text_width(l, LABEL_PX))
         .max()
         .unwrap_or(0);
@@ -221,10 +250,11 @@ pub fn bar_chart(c: &BarChart) -> Result<String> {
             }
         };
         let y_fmt = |v: &f64| fmt_tick(*v);
+        let has_sub = c.sublabels.iter().any(|l| !l.is_empty());
         let mut chart = ChartBuilder::on(&left)
             .margin(12)
             .margin_top(16)
-            .x_label_area_size(52)
+            .x_label_area_size(if has_sub { 70 } else { 52 })
             .y_label_area_size(y_area)
             .build_cartesian_2d(
                 keyed(-0.5..n as f64 - 0.5, (0..n).map(|i| i as f64).collect()),
@@ -286,6 +316,17 @@ pub fn bar_chart(c: &BarChart) -> Result<String> {
                     }),
             )
             .map_err(err)?;
+        let sub_font = (FONT, LABEL_PX - 1)
+            .into_font()
+            .color(&RGBColor(0x55, 0x55, 0x55))
+            .pos(Pos::new(HPos::Center, VPos::Top));
+        for (i, l) in c.sublabels.iter().enumerate() {
+            if i < n && !l.is_empty() {
+                let (px, py) = chart.backend_coord(&(i as f64, 0.0));
+                root.draw(&Text::new(l.clone(), (px, py + 26), sub_font.clone()))
+                    .map_err(err)?;
+            }
+        }
         draw_legend(&right, &legend_items, &[], 40)?;
         root.present().map_err(err)?;
     }
@@ -371,13 +412,15 @@ impl Axis {
     fn layout(&self, lo: f64, hi: f64) -> (f64, f64, Vec<f64>) {
         match self.log {
             Some(b) => {
-                let ticks = self.ticks.clone().unwrap_or_else(|| log_ticks(lo, hi, b));
-                let tl = ticks.iter().copied().fold(lo, f64::min);
-                let th = ticks.iter().copied().fold(hi, f64::max);
-                let (a, z) = (tl.log(b), th.log(b));
-                let pad = ((z - a) * 0.06).max(0.15);
+                let (a, z) = (lo.log(b), hi.log(b));
+                let pad = ((z - a) * 0.06).max(0.08);
+                let (a, z) = (a - pad, z + pad);
+                let ticks = self
+                    .ticks
+                    .clone()
+                    .unwrap_or_else(|| log_ticks(b.powf(a), b.powf(z), b));
                 let t = ticks.iter().filter_map(|t| self.to_plot(*t)).collect();
-                (a - pad, z + pad, t)
+                (a, z, t)
             }
             None => {
                 let lo = if self.from_zero { lo.min(0.0) } else { lo };
@@ -448,7 +491,7 @@ pub fn line_chart(c: &LineChart) -> Result<String> {
     let plot_w = 620;
     let width = (plot_w + legend_w).max(text_width(&c.title, TITLE_PX) + 40);
     let plot_w = width - legend_w;
-    let rows = legend_items.len() + c.legend_notes.len();
+    let rows = legend_items.iter().filter(|(l, _)| !l.is_empty()).count() + c.legend_notes.len();
     let height = 480.max(rows as i32 * LEGEND_ROW + 120);
 
     let mut svg = String::new();
@@ -512,7 +555,7 @@ pub fn line_chart(c: &LineChart) -> Result<String> {
 }
 
 fn legend_width(items: &[(String, Rgb)]) -> i32 {
-    if items.is_empty() {
+    if items.iter().all(|(l, _)| l.is_empty()) {
         return 0;
     }
     items
@@ -554,7 +597,11 @@ fn draw_legend_impl(
         .color(&BLACK)
         .pos(Pos::new(HPos::Left, VPos::Center));
     let x = 8;
-    for (i, ((label, c), style)) in items.iter().zip(styles).enumerate() {
+    let shown = items
+        .iter()
+        .zip(styles)
+        .filter(|((label, _), _)| !label.is_empty());
+    for (i, ((label, c), style)) in shown.enumerate() {
         let y = top + i as i32 * LEGEND_ROW;
         let col = color(*c);
         match style {
@@ -589,7 +636,8 @@ fn draw_legend_impl(
         .into_font()
         .color(&RGBColor(0x44, 0x44, 0x44))
         .pos(Pos::new(HPos::Left, VPos::Center));
-    let y0 = top + items.len() as i32 * LEGEND_ROW + 8;
+    let rows = items.iter().filter(|(l, _)| !l.is_empty()).count();
+    let y0 = top + rows as i32 * LEGEND_ROW + 8;
     for (i, n) in notes.iter().enumerate() {
         area.draw(&Text::new(
             n.clone(),
@@ -613,6 +661,15 @@ mod tests {
         );
         assert_eq!(log_ticks(1.0, 8.0, 2.0), vec![1.0, 2.0, 4.0, 8.0]);
         assert_eq!(log_ticks(3.0, 5.0, 2.0), vec![4.0]);
+        assert_eq!(
+            log_ticks(1500.0, 7000.0, 10.0),
+            vec![2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 7000.0]
+        );
+        assert_eq!(
+            log_ticks(0.9, 110.0, 10.0),
+            vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
+        );
+        assert_eq!(log_ticks(1.0, 1e9, 10.0).len(), 10);
         assert_eq!(fmt_tick(12345.0), "12.3k");
         assert_eq!(fmt_tick(2.5), "2.5");
         assert_eq!(fmt_tick(4.0), "4");
@@ -627,6 +684,7 @@ mod tests {
             x_desc: "run".into(),
             y_desc: "ms per step".into(),
             bars: vec!["a".into(), "b".into()],
+            sublabels: vec!["2 ranks".into()],
             stacks: vec![
                 Stack {
                     label: "gemm".into(),
@@ -644,7 +702,14 @@ mod tests {
         })
         .unwrap();
         assert!(svg.starts_with("<svg"), "{}", &svg[..40]);
-        for s in ["gemm", "comm", "1.5 ms", "T &amp; &lt;x&gt;", "ms per step"] {
+        for s in [
+            "gemm",
+            "comm",
+            "1.5 ms",
+            "T &amp; &lt;x&gt;",
+            "ms per step",
+            "2 ranks",
+        ] {
             assert!(svg.contains(s), "{s} missing");
         }
         let svg = line_chart(&LineChart {

@@ -71,7 +71,7 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
                 for (line, why) in &r.bad_lines {
                     skipped.push(Skipped::new(
                         format!("{} line {line}", metrics.display()),
-                        format!("{why}; the run's other lines were used"),
+                        format!("{why}: ignored, the run's other lines were used"),
                     ));
                 }
                 all_runs.push(r);

@@ -230,8 +230,8 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
                     }
                 }
             }
-            Ok(_) => bad_lines.push((i + 1, "not a JSON object (ignored)".to_owned())),
-            Err(e) => bad_lines.push((i + 1, format!("cut off or not JSON: {e} (ignored)"))),
+            Ok(_) => bad_lines.push((i + 1, "not a JSON object".to_owned())),
+            Err(e) => bad_lines.push((i + 1, format!("cut off or not JSON ({e})"))),
         }
     }
 

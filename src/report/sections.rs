@@ -74,6 +74,22 @@ fn table(t: Table, caption: &str) -> Item {
     }
 }
 
+/// `4 ranks, 2 nodes` (and `tp 2` when tensor-parallel): the second line of a bar label.
+fn layout_label(r: &Run) -> String {
+    let l = &r.layout;
+    let mut s = format!(
+        "{} rank{}, {} node{}",
+        l.world,
+        if l.world == 1 { "" } else { "s" },
+        l.nodes,
+        if l.nodes == 1 { "" } else { "s" }
+    );
+    if l.tp > 1 {
+        s.push_str(&format!(", tp {}", l.tp));
+    }
+    s
+}
+
 fn opt_u(v: Option<u64>) -> Cell {
     v.map_or(Cell::Empty, Cell::int)
 }
@@ -173,6 +189,7 @@ pub fn breakdown_section(runs: &[Run]) -> Result<Section> {
         .filter(|&i| with.iter().any(|(_, b)| b.by_category[i] > 0.0))
         .collect();
     let bars: Vec<String> = with.iter().map(|(r, _)| r.name.clone()).collect();
+    let sublabels: Vec<String> = with.iter().map(|(r, _)| layout_label(r)).collect();
     let stacks = |pct: bool| -> Vec<Stack> {
         used.iter()
             .map(|&i| Stack {
@@ -197,6 +214,7 @@ pub fn breakdown_section(runs: &[Run]) -> Result<Section> {
         x_desc: "run (ordered by nodes, then ranks)".into(),
         y_desc: "ms per step (mean)".into(),
         bars: bars.clone(),
+        sublabels: sublabels.clone(),
         stacks: stacks(false),
         annotations: with
             .iter()
@@ -217,6 +235,7 @@ pub fn breakdown_section(runs: &[Run]) -> Result<Section> {
         x_desc: "run (ordered by nodes, then ranks)".into(),
         y_desc: "% of step time".into(),
         bars,
+        sublabels,
         stacks: stacks(true),
         annotations: Vec::new(),
         legend: true,
@@ -541,6 +560,7 @@ pub fn efficiency_section(runs: &[Run]) -> Result<Section> {
         x_desc: "run (ordered by nodes, then ranks)".into(),
         y_desc: "TFLOP/s per process (median)".into(),
         bars: runs.iter().map(|r| r.name.clone()).collect(),
+        sublabels: runs.iter().map(layout_label).collect(),
         stacks: vec![Stack {
             label: "TFLOP/s per process".into(),
             color: PALETTE[0],
@@ -740,7 +760,7 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
         items.push(chart(
             &format!("gemm-{t}t.svg"),
             svg,
-            &format!("GEMM GFLOP/s, {t} threads"),
+            &format!("GEMM GFLOP/s, {t} thread{}", if t == 1 { "" } else { "s" }),
             "fugu-gemm GFLOP/s against problem size (cube root of m·n·k, log scale) per ISA; \
              the dashed line is the FP32 peak of those threads, grey points the baseline library \
              on the same shapes. Points close to the dashed line are near peak.",
@@ -817,7 +837,7 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
             Cell::num(median(s.rows.iter().filter_map(|r| r.peak())), 1),
             Cell::opt(best.map(|b| b.gflops), 1),
             Cell::text(best.map_or(String::new(), |b| {
-                if b.name.is_empty() {
+                if b.name.is_empty() || b.name == b.shape() {
                     b.shape()
                 } else {
                     format!("{} ({})", b.name, b.shape())
