@@ -401,7 +401,7 @@ impl Axis {
         }
     }
 
-    fn from_plot(&self, v: f64) -> f64 {
+    fn unplot(&self, v: f64) -> f64 {
         match self.log {
             Some(b) => b.powf(v),
             None => v,
@@ -468,7 +468,7 @@ pub fn line_chart(c: &LineChart) -> Result<String> {
         let lo = all.iter().map(f).fold(f64::INFINITY, f64::min);
         let hi = all.iter().map(f).fold(f64::NEG_INFINITY, f64::max);
         if lo.is_finite() {
-            (axis.from_plot(lo), axis.from_plot(hi))
+            (axis.unplot(lo), axis.unplot(hi))
         } else {
             (1.0, 2.0)
         }
@@ -503,8 +503,8 @@ pub fn line_chart(c: &LineChart) -> Result<String> {
             .titled(&c.title, (FONT, TITLE_PX).into_font())
             .map_err(err)?;
         let (left, right) = body.split_horizontally(plot_w);
-        let x_fmt = |v: &f64| fmt_tick(c.x.from_plot(*v));
-        let y_fmt = |v: &f64| fmt_tick(c.y.from_plot(*v));
+        let x_fmt = |v: &f64| fmt_tick(c.x.unplot(*v));
+        let y_fmt = |v: &f64| fmt_tick(c.y.unplot(*v));
         let mut chart = ChartBuilder::on(&left)
             .margin(12)
             .margin_top(16)

@@ -130,7 +130,7 @@ pub fn parse_gemm(text: &str, source: &str) -> Result<GemmFile> {
             serde_json::from_value::<GemmRow>(v).map_err(|e| format!("not a GEMM row: {e}"))
         });
         match row {
-            Ok(mut r) if r.gflops.is_finite() && r.m * r.n * r.k > 0 => {
+            Ok(mut r) if r.gflops.is_finite() && r.m > 0 && r.n > 0 && r.k > 0 => {
                 r.source = source.to_owned();
                 f.rows.push(r);
             }

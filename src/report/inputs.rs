@@ -178,7 +178,7 @@ mod tests {
                 d.join("missing"),
                 run.join("metrics.jsonl"), // duplicate of `run`
             ],
-            &[odd.clone()],
+            std::slice::from_ref(&odd),
         );
         assert_eq!(
             ins,

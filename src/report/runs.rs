@@ -134,7 +134,7 @@ pub struct Run {
 impl Run {
     /// Sequences per optimizer step over the whole job: `batch_size × dp`.
     pub fn global_batch(&self) -> Option<u64> {
-        self.batch_size.map(|b| b * self.layout.dp)
+        self.batch_size.map(|b| b.saturating_mul(self.layout.dp))
     }
 
     /// Steps used for the medians.
@@ -327,7 +327,7 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
         ranks_per_node: u(&lay["ranks_per_node"]).unwrap_or(world.div_ceil(nodes)),
         zero: u(&lay["zero"]).unwrap_or(0),
     };
-    if layout.tp * layout.dp != layout.world {
+    if layout.tp.saturating_mul(layout.dp) != layout.world {
         notes.push(format!(
             "layout says world {} but tp {} x dp {}",
             layout.world, layout.tp, layout.dp
@@ -731,6 +731,41 @@ mod tests {
         assert_eq!(r.timers.steps, 1);
         assert_eq!(r.timers.mean["forward"], 40.0);
         assert!(!r.timers.mean.contains_key("eval"));
+    }
+
+    #[test]
+    fn timers_fall_back_to_breakdown_json() {
+        let d = std::env::temp_dir().join(format!("fugu-report-bd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let no_timers = |n: u64| {
+            let mut v: Value = serde_json::from_str(&step(n, 100.0, json!({}))).unwrap();
+            v.as_object_mut().unwrap().remove("timers");
+            v.to_string()
+        };
+        let text = lines(&[header(json!({})), no_timers(1), no_timers(2)]);
+        std::fs::write(d.join("metrics.jsonl"), text).unwrap();
+        let mut tot = BTreeMap::new();
+        tot.insert("forward".to_string(), 80.0);
+        tot.insert("eval".to_string(), 500.0);
+        crate::metrics::Breakdown::from_totals(&tot, 200.0, 2)
+            .write_json(d.join("breakdown.json"))
+            .unwrap();
+        let r = read_run(&d.join("metrics.jsonl"), "bd").unwrap();
+        assert_eq!(r.timers.mean["forward"], 40.0);
+        assert!(!r.timers.mean.contains_key("eval"));
+        assert_eq!(r.timers.step_ms, 100.0);
+        assert!(r.timers.source.starts_with("breakdown.json"));
+        // A broken breakdown.json is a note, not an error.
+        std::fs::write(d.join("breakdown.json"), "{").unwrap();
+        let r = read_run(&d.join("metrics.jsonl"), "bd").unwrap();
+        assert!(r.timers.mean.is_empty());
+        assert!(
+            r.notes.iter().any(|n| n.contains("breakdown.json")),
+            "{:?}",
+            r.notes
+        );
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

@@ -694,6 +694,42 @@ fn sorted_points(rows: &[&GemmRow], f: impl Fn(&GemmRow) -> Option<f64>) -> Vec<
     p
 }
 
+/// A series' measurements: square shapes (m = n = k, batch 1) as a line with markers, the
+/// others as points of the same colour (labelled only when there is no line). The flag says
+/// whether both kinds were drawn.
+fn measured_lines(
+    label: &str,
+    color: Rgb,
+    rows: &[&GemmRow],
+    f: impl Fn(&GemmRow) -> Option<f64>,
+) -> (Vec<Line>, bool) {
+    let (sq, other): (Vec<&GemmRow>, Vec<&GemmRow>) = rows
+        .iter()
+        .partition(|r| r.m == r.n && r.n == r.k && r.batch == 1);
+    let mut v = Vec::new();
+    if !sq.is_empty() {
+        v.push(Line {
+            label: label.to_owned(),
+            color,
+            style: LineStyle::Markers,
+            points: sorted_points(&sq, &f),
+        });
+    }
+    if !other.is_empty() {
+        v.push(Line {
+            label: if sq.is_empty() {
+                label.to_owned()
+            } else {
+                String::new()
+            },
+            color,
+            style: LineStyle::Points,
+            points: sorted_points(&other, &f),
+        });
+    }
+    (v, !sq.is_empty() && !other.is_empty())
+}
+
 /// GEMM benchmark charts (GFLOP/s against size per thread count, % of peak for all) and
 /// tables.
 pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
@@ -701,29 +737,20 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
     let series = gemm_series(rows);
     let x_desc = "GEMM size (m·n·k)^(1/3)";
     let threads: BTreeSet<u64> = series.iter().map(|s| s.threads).collect();
+    let mixed_note = "unconnected points: non-square or batched shapes".to_owned();
     for &t in &threads {
         let mut lines = Vec::new();
+        let mut mixed = false;
         for (i, s) in series.iter().enumerate().filter(|(_, s)| s.threads == t) {
-            let square = s
-                .rows
-                .iter()
-                .all(|r| r.m == r.n && r.n == r.k && r.batch == 1);
             let pts = sorted_points(&s.rows, |r| Some(r.gflops));
             let peak = median(s.rows.iter().filter_map(|r| r.peak()));
             let (xlo, xhi) = (
                 pts.first().map_or(1.0, |p| p.0),
                 pts.last().map_or(1.0, |p| p.0),
             );
-            lines.push(Line {
-                label: s.label.clone(),
-                color: pal(i),
-                style: if square {
-                    LineStyle::Markers
-                } else {
-                    LineStyle::Points
-                },
-                points: pts,
-            });
+            let (l, m) = measured_lines(&s.label, pal(i), &s.rows, |r| Some(r.gflops));
+            lines.extend(l);
+            mixed |= m;
             let base = sorted_points(&s.rows, |r| r.baseline_gflops);
             if !base.is_empty() {
                 let name = s
@@ -732,7 +759,11 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
                     .find_map(|r| r.baseline.clone())
                     .unwrap_or_else(|| "baseline".into());
                 lines.push(Line {
-                    label: format!("{name}, {} threads (baseline)", s.threads),
+                    label: format!(
+                        "{name}, {} thread{} (baseline)",
+                        s.threads,
+                        if s.threads == 1 { "" } else { "s" }
+                    ),
                     color: GREY,
                     style: LineStyle::Points,
                     points: base,
@@ -755,7 +786,11 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
             x: Axis::log(x_desc, 2.0),
             y: Axis::linear("GFLOP/s (FP32, median)", true),
             lines,
-            legend_notes: Vec::new(),
+            legend_notes: if mixed {
+                vec![mixed_note.clone()]
+            } else {
+                Vec::new()
+            },
         })?;
         items.push(chart(
             &format!("gemm-{t}t.svg"),
@@ -767,20 +802,13 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
         ));
     }
     if threads.len() > 1 || series.len() > 1 {
-        let mut lines: Vec<Line> = series
-            .iter()
-            .enumerate()
-            .map(|(i, s)| Line {
-                label: s.label.clone(),
-                color: pal(i),
-                style: if s.rows.iter().all(|r| r.m == r.n && r.n == r.k) {
-                    LineStyle::Markers
-                } else {
-                    LineStyle::Points
-                },
-                points: sorted_points(&s.rows, |r| r.pct_of_peak()),
-            })
-            .collect();
+        let mut lines = Vec::new();
+        let mut mixed = false;
+        for (i, s) in series.iter().enumerate() {
+            let (l, m) = measured_lines(&s.label, pal(i), &s.rows, |r| r.pct_of_peak());
+            lines.extend(l);
+            mixed |= m;
+        }
         let all = sorted_points(&rows.iter().collect::<Vec<_>>(), |r| r.pct_of_peak());
         if let (Some(a), Some(b)) = (all.first(), all.last()) {
             lines.push(Line {
@@ -795,7 +823,7 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
             x: Axis::log(x_desc, 2.0),
             y: Axis::linear("% of peak", true),
             lines,
-            legend_notes: Vec::new(),
+            legend_notes: if mixed { vec![mixed_note] } else { Vec::new() },
         })?;
         items.push(chart(
             "gemm-peak-pct.svg",
