@@ -150,7 +150,7 @@ pub fn runs_section(runs: &[Run]) -> Section {
             t,
             "One row per run, ordered by nodes, then ranks. Batches are in sequences; \
              global batch = batch/rank × dp. Step ms, tokens/s (whole job) and comm MB/step \
-             (bytes this rank sent per step) are medians over the steps used.",
+             (bytes one rank communicated per step) are medians over the steps used.",
         )],
     }
 }
@@ -183,6 +183,21 @@ pub fn breakdown_section(runs: &[Run]) -> Result<Section> {
             title: "Per-op breakdown".into(),
             items,
         });
+    }
+    let without: Vec<&str> = runs
+        .iter()
+        .filter(|r| r.timers.mean.is_empty())
+        .map(|r| r.name.as_str())
+        .collect();
+    if !without.is_empty() {
+        items.push(Item::Text(format!(
+            "Without per-op timers (not in the breakdown): {}.",
+            without
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
     }
     // Categories that occur at all, bottom of the bar first.
     let used: Vec<usize> = (0..Category::ALL.len())

@@ -44,10 +44,10 @@ impl Cell {
         matches!(self, Cell::Int(_) | Cell::Num(..))
     }
 
-    /// The Markdown rendering (`|` escaped).
+    /// The Markdown rendering (`|`, `<` and `>` escaped).
     pub fn markdown(&self) -> String {
         match self {
-            Cell::Text(s) => s.replace('|', "\\|").replace('\n', " "),
+            Cell::Text(s) => md_escape(s),
             Cell::Int(v) => v.to_string(),
             Cell::Num(v, d) => format!("{v:.d$}"),
             Cell::Empty => "–".to_owned(),
@@ -63,6 +63,14 @@ impl Cell {
             Cell::Empty => String::new(),
         }
     }
+}
+
+/// Escapes text for a Markdown table cell: `|` would end the cell, `<` could start HTML.
+fn md_escape(s: &str) -> String {
+    s.replace('|', "\\|")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace(['\n', '\r'], " ")
 }
 
 fn csv_quote(s: &str) -> String {
@@ -136,7 +144,7 @@ impl Table {
             "| {} |\n|{}|\n",
             self.columns
                 .iter()
-                .map(|c| c.replace('|', "\\|"))
+                .map(|c| md_escape(c))
                 .collect::<Vec<_>>()
                 .join(" | "),
             numeric
@@ -172,7 +180,11 @@ mod tests {
             Cell::int(2),
             Cell::num(1.23456, 2),
         ]);
-        t.push(vec![Cell::text("c|d"), Cell::Empty, Cell::num(f64::NAN, 1)]);
+        t.push(vec![
+            Cell::text("c|d<e>"),
+            Cell::Empty,
+            Cell::num(f64::NAN, 1),
+        ]);
         t.push(vec![Cell::text("short")]);
         t
     }
@@ -183,7 +195,7 @@ mod tests {
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines[0], "run,ranks,ms");
         assert_eq!(lines[1], "\"a,b \"\"x\"\"\",2,1.23456");
-        assert_eq!(lines[2], "c|d,,");
+        assert_eq!(lines[2], "c|d<e>,,");
         assert_eq!(lines[3], "short,,");
         assert_eq!(lines.len(), 4);
     }
@@ -195,6 +207,6 @@ mod tests {
         assert_eq!(lines[0], "| run | ranks | ms |");
         assert_eq!(lines[1], "|---|---:|---:|");
         assert_eq!(lines[2], "| a,b \"x\" | 2 | 1.23 |");
-        assert_eq!(lines[3], "| c\\|d | – | – |");
+        assert_eq!(lines[3], "| c\\|d&lt;e&gt; | – | – |");
     }
 }
