@@ -336,7 +336,8 @@ pub fn breakdown_section(runs: &[Run]) -> Result<Section> {
         table: t,
         caption: format!(
             "Mean ms per step of every leaf timer, per run{}. `P:(other)` is the part of timer P \
-             not covered by its children; `(other)` is the part of the step no timer covers.",
+             not covered by its children; `(other)` is the part of the step no timer covers. \
+             The CSV has one row per run and timer.",
             if any_minmax {
                 ", with the min–max across ranks in parentheses where the run recorded them"
             } else {
