@@ -9,5 +9,6 @@ pub mod metrics;
 pub mod model;
 pub mod ops;
 pub mod parallel;
+pub mod report;
 pub mod sample;
 pub mod train;

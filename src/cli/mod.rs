@@ -4,6 +4,7 @@ mod bench_gemm;
 pub use bench_gemm::{run as bench_gemm_run, BenchGemmArgs};
 mod bench_io;
 mod prepare;
+mod report;
 mod sample;
 mod train;
 pub use train::TrainArgs;
@@ -33,6 +34,8 @@ enum Command {
     /// Microbenchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// REPORT.md, SVG charts and CSV tables from training runs and GEMM benchmarks.
+    Report(report::ReportArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -52,6 +55,7 @@ pub fn main() -> ExitCode {
         Command::Sample(args) => sample::run(args),
         Command::Bench(BenchCommand::Gemm(args)) => bench_gemm::run(args),
         Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
+        Command::Report(args) => report::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,298 @@
+//! The per-op breakdown of a run: its timer means turned into non-overlapping leaves with
+//! [`Breakdown::from_totals`] (a parent's own time is its `P:(other)` row, so parents and
+//! children are never counted twice, and the step's untimed rest is `(other)`), and the leaves
+//! grouped into a few [`Category`]s for the stacked bars.
+
+use crate::metrics::timers::Breakdown;
+use std::collections::BTreeMap;
+
+/// What a leaf timer's time was spent on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Category {
+    /// Linear layers: `qkv`, `proj`, `mlp:mm`, `lm-head` (forward and backward).
+    Gemm,
+    /// Attention scores, softmax and context (`baddbmm`, `softmax`, `bmm`).
+    Attention,
+    /// LayerNorm, GELU, residual adds, embedding, loss.
+    Elementwise,
+    /// Forward/backward time not covered by a finer timer (`forward:(other)`, ...).
+    OtherCompute,
+    /// All-reduces and other collectives.
+    Communication,
+    Optimizer,
+    /// Batch generation.
+    Data,
+    /// The rest of the step (untimed, or timers the report does not know).
+    Other,
+}
+
+impl Category {
+    /// Every category, bottom of the stacked bar first.
+    pub const ALL: [Category; 8] = [
+        Category::Gemm,
+        Category::Attention,
+        Category::Elementwise,
+        Category::OtherCompute,
+        Category::Communication,
+        Category::Optimizer,
+        Category::Data,
+        Category::Other,
+    ];
+
+    /// Legend label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Category::Gemm => "GEMM (linear layers)",
+            Category::Attention => "attention (scores, softmax, context)",
+            Category::Elementwise => "norms, GELU, residual, embedding, loss",
+            Category::OtherCompute => "other forward/backward",
+            Category::Communication => "communication (all-reduce)",
+            Category::Optimizer => "optimizer",
+            Category::Data => "data (batch generation)",
+            Category::Other => "other (untimed)",
+        }
+    }
+
+    /// CSV column name.
+    pub fn key(self) -> &'static str {
+        match self {
+            Category::Gemm => "gemm_ms",
+            Category::Attention => "attention_ms",
+            Category::Elementwise => "elementwise_ms",
+            Category::OtherCompute => "other_compute_ms",
+            Category::Communication => "communication_ms",
+            Category::Optimizer => "optimizer_ms",
+            Category::Data => "data_ms",
+            Category::Other => "other_ms",
+        }
+    }
+
+    /// Fill colour (Tableau 10), `#rrggbb`.
+    pub fn color(self) -> (u8, u8, u8) {
+        match self {
+            Category::Gemm => (0x4e, 0x79, 0xa7),
+            Category::Attention => (0xf2, 0x8e, 0x2b),
+            Category::Elementwise => (0x59, 0xa1, 0x4f),
+            Category::OtherCompute => (0x76, 0xb7, 0xb2),
+            Category::Communication => (0xe1, 0x57, 0x59),
+            Category::Optimizer => (0xb0, 0x7a, 0xa1),
+            Category::Data => (0xed, 0xc9, 0x48),
+            Category::Other => (0xba, 0xb0, 0xac),
+        }
+    }
+}
+
+/// The last op names of the linear layers (as `metrics::timers` counts GEMM time).
+const GEMM_OPS: &[&str] = &["qkv", "proj", "mm", "lm-head", "fc", "linear"];
+const ATTENTION_OPS: &[&str] = &["baddbmm", "bmm", "softmax"];
+const ELEMENTWISE_OPS: &[&str] = &["layernorm", "gelu", "residual", "embedding", "loss"];
+const COMM_WORDS: &[&str] = &[
+    "allreduce",
+    "all-reduce",
+    "all_reduce",
+    "allgather",
+    "all-gather",
+    "reduce-scatter",
+    "reduce_scatter",
+    "reducescatter",
+    "broadcast",
+    "alltoall",
+    "comm",
+];
+
+/// The category of a leaf of the timer tree (a timer name, or `P:(other)` / `(other)`).
+pub fn categorize(name: &str) -> Category {
+    let lower = name.to_ascii_lowercase();
+    let parts: Vec<&str> = lower.split(':').collect();
+    let last = *parts.last().unwrap_or(&"");
+    let top = parts[0];
+    if parts
+        .iter()
+        .any(|p| COMM_WORDS.iter().any(|w| p.contains(w)))
+    {
+        return Category::Communication;
+    }
+    if parts
+        .iter()
+        .any(|p| *p == "batch-generator" || *p == "data" || *p == "dataloader")
+    {
+        return Category::Data;
+    }
+    if top == "optimizer" {
+        return Category::Optimizer;
+    }
+    if top == "forward" || top == "backward" {
+        if GEMM_OPS.contains(&last) {
+            return Category::Gemm;
+        }
+        if ATTENTION_OPS.contains(&last) || parts.contains(&"attention") {
+            return Category::Attention;
+        }
+        if ELEMENTWISE_OPS.contains(&last) {
+            return Category::Elementwise;
+        }
+        return Category::OtherCompute;
+    }
+    Category::Other
+}
+
+fn hoist(name: &str) -> &str {
+    if name.ends_with(":batch-generator") {
+        "batch-generator"
+    } else {
+        name
+    }
+}
+
+/// One leaf of a run's timer tree.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Leaf {
+    /// Timer name, or `P:(other)` for the part of timer `P` not covered by its children.
+    pub name: String,
+    pub category: Category,
+    /// Mean ms per step.
+    pub ms: f64,
+    /// Mean over steps of the fastest rank's time (timed leaves of multi-rank runs).
+    pub min_ms: Option<f64>,
+    /// Mean over steps of the slowest rank's time.
+    pub max_ms: Option<f64>,
+    pub pct_of_step: f64,
+}
+
+/// A run's step split into leaves and categories.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpBreakdown {
+    /// Mean step time, ms (the height of the stacked bar).
+    pub step_ms: f64,
+    pub leaves: Vec<Leaf>,
+    /// ms per step of each category, in [`Category::ALL`] order.
+    pub by_category: [f64; 8],
+}
+
+impl OpBreakdown {
+    /// Builds the leaves from timer means (`mean`, `min`, `max`: ms per step per name) and
+    /// the mean step time.
+    pub fn new(
+        mean: &BTreeMap<String, f64>,
+        min: &BTreeMap<String, f64>,
+        max: &BTreeMap<String, f64>,
+        step_ms: f64,
+    ) -> OpBreakdown {
+        // The trainer times `forward:batch-generator` before and outside `forward`: make it
+        // top-level so that it is not subtracted from forward's own time.
+        let mut hoisted: BTreeMap<String, f64> = BTreeMap::new();
+        let mut original: BTreeMap<String, String> = BTreeMap::new();
+        for (k, v) in mean {
+            let h = hoist(k);
+            *hoisted.entry(h.to_owned()).or_default() += v;
+            if h != k {
+                original.insert(h.to_owned(), k.clone());
+            }
+        }
+        // from_totals divides by the step count; means are totals over one step.
+        let b = Breakdown::from_totals(&hoisted, step_ms, 1);
+        let mut leaves = Vec::new();
+        for (i, r) in b.rows.iter().enumerate() {
+            let has_children = b.rows.get(i + 1).is_some_and(|n| n.depth > r.depth);
+            if has_children {
+                continue;
+            }
+            let name = original.get(&r.name).unwrap_or(&r.name);
+            leaves.push(Leaf {
+                name: name.clone(),
+                category: categorize(name),
+                ms: r.ms_per_step,
+                min_ms: r.timed.then(|| min.get(name).copied()).flatten(),
+                max_ms: r.timed.then(|| max.get(name).copied()).flatten(),
+                pct_of_step: r.pct_of_step,
+            });
+        }
+        let mut by_category = [0.0; 8];
+        for l in &leaves {
+            let i = Category::ALL
+                .iter()
+                .position(|c| *c == l.category)
+                .unwrap_or(7);
+            by_category[i] += l.ms;
+        }
+        OpBreakdown {
+            step_ms: b.step_ms,
+            leaves,
+            by_category,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn categories() {
+        use Category::*;
+        for (n, c) in [
+            ("forward:attention:qkv", Gemm),
+            ("backward:mlp:mm", Gemm),
+            ("forward:lm-head", Gemm),
+            ("forward:attention:softmax", Attention),
+            ("backward:attention:baddbmm", Attention),
+            ("forward:attention:(other)", Attention),
+            ("forward:layernorm", Elementwise),
+            ("backward:loss", Elementwise),
+            ("forward:(other)", OtherCompute),
+            ("backward:allreduce", Communication),
+            ("forward:attention:allreduce", Communication),
+            ("backward:mlp:allreduce", Communication),
+            ("allreduce-params", Communication),
+            ("optimizer", Optimizer),
+            ("optimizer:clip", Optimizer),
+            ("optimizer:(other)", Optimizer),
+            ("forward:batch-generator", Data),
+            ("(other)", Other),
+            ("something-new", Other),
+        ] {
+            assert_eq!(categorize(n), c, "{n}");
+        }
+    }
+
+    #[test]
+    fn leaves_partition_the_step_without_double_counting() {
+        let m = |v: &[(&str, f64)]| -> BTreeMap<String, f64> {
+            v.iter().map(|(k, x)| (k.to_string(), *x)).collect()
+        };
+        let mean = m(&[
+            ("forward", 40.0),
+            ("forward:attention:qkv", 10.0),
+            ("forward:attention:allreduce", 5.0),
+            ("forward:batch-generator", 2.0),
+            ("backward", 45.0),
+            ("backward:mlp:mm", 30.0),
+            ("allreduce-params", 8.0),
+            ("optimizer", 5.0),
+        ]);
+        let min = m(&[("allreduce-params", 6.0)]);
+        let max = m(&[("allreduce-params", 11.0), ("forward", 44.0)]);
+        let b = OpBreakdown::new(&mean, &min, &max, 100.0);
+        let total: f64 = b.leaves.iter().map(|l| l.ms).sum();
+        assert!((total - 100.0).abs() < 1e-9, "{b:?}");
+        assert!((b.by_category.iter().sum::<f64>() - 100.0).abs() < 1e-9);
+        assert!(
+            !b.leaves.iter().any(|l| l.name == "forward"),
+            "parents are not leaves"
+        );
+        let get = |n: &str| b.leaves.iter().find(|l| l.name == n).unwrap();
+        // batch-generator is timed outside forward: not subtracted from forward's own time.
+        assert_eq!(get("forward:(other)").ms, 25.0);
+        assert_eq!(get("forward:batch-generator").ms, 2.0);
+        assert_eq!(get("(other)").ms, 0.0);
+        assert_eq!(get("allreduce-params").min_ms, Some(6.0));
+        assert_eq!(get("allreduce-params").max_ms, Some(11.0));
+        assert_eq!(get("forward:(other)").max_ms, None);
+        let cat = |c: Category| b.by_category[Category::ALL.iter().position(|x| *x == c).unwrap()];
+        assert_eq!(cat(Category::Gemm), 40.0);
+        assert_eq!(cat(Category::Communication), 13.0);
+        assert_eq!(cat(Category::Data), 2.0);
+        assert_eq!(cat(Category::OtherCompute), 25.0 + 15.0);
+        assert_eq!(cat(Category::Other), 0.0);
+    }
+}

@@ -1,0 +1,304 @@
+//! `fugu report` end to end, through the real binary, on the recorded and synthetic runs and
+//! the GEMM benchmark under `tests/fixtures/report/` (see its README): every chart and table is
+//! written with the right rows, malformed inputs are listed under "Skipped inputs", and no
+//! usable input is an error. Nothing here depends on the numbers in the fixtures.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/report")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fugu-report-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn fugu(args: &[&Path]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .arg("report")
+        .args(args)
+        .output()
+        .expect("running fugu")
+}
+
+/// Run directories under `runs/`, sorted.
+fn run_dirs() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures().join("runs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("metrics.jsonl").is_file())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Non-empty lines of a file.
+fn lines(p: &Path) -> Vec<String> {
+    std::fs::read_to_string(p)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", p.display()))
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The fields of one CSV line (RFC 4180 quoting; no field spans lines in these files).
+fn csv_fields(line: &str) -> Vec<String> {
+    let mut out = vec![String::new()];
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                chars.next();
+                out.last_mut().unwrap().push('"');
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => out.push(String::new()),
+            c => out.last_mut().unwrap().push(c),
+        }
+    }
+    out
+}
+
+/// CSV rows, header dropped; every row has the header's number of fields.
+fn csv(p: &Path) -> Vec<Vec<String>> {
+    let l = lines(p);
+    let width = csv_fields(&l[0]).len();
+    l.iter()
+        .skip(1)
+        .map(|l| {
+            let f = csv_fields(l);
+            assert_eq!(f.len(), width, "{}: {l}", p.display());
+            f
+        })
+        .collect()
+}
+
+fn svg(p: &Path) -> String {
+    let s = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
+    assert!(s.starts_with("<svg"), "{} is not an SVG", p.display());
+    assert!(
+        s.trim_end().ends_with("</svg>"),
+        "{} is cut short",
+        p.display()
+    );
+    assert_eq!(
+        s.matches("<text").count(),
+        s.matches("</text>").count(),
+        "{}",
+        p.display()
+    );
+    s
+}
+
+fn name(p: &Path) -> String {
+    p.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+#[test]
+fn full_report_from_runs_bench_and_bad_inputs() {
+    let f = fixtures();
+    let out = tmp("full");
+    let runs = run_dirs();
+    assert!(runs.len() >= 3, "fixtures: 1, 2 and 4 ranks");
+    let bad = [
+        f.join("bad/no-metrics"),
+        f.join("bad/no-steps"),
+        f.join("bad/not-json"),
+    ];
+    let bench = f.join("bench");
+    let out_flag = PathBuf::from("--out");
+    let mut args: Vec<&Path> = runs.iter().map(PathBuf::as_path).collect();
+    args.push(&bench);
+    args.extend(bad.iter().map(PathBuf::as_path));
+    args.push(&out_flag);
+    args.push(&out);
+    let o = fugu(&args);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "fugu report failed:\n{stderr}");
+
+    // Every chart, with its series names.
+    let run_names: Vec<String> = runs.iter().map(|p| name(p)).collect();
+    let b = svg(&out.join("breakdown.svg"));
+    for n in &run_names {
+        assert!(b.contains(n.as_str()), "breakdown.svg lacks run {n}");
+    }
+    for c in [
+        "GEMM (linear layers)",
+        "communication (all-reduce)",
+        "optimizer",
+    ] {
+        assert!(b.contains(c), "breakdown.svg lacks category {c}");
+    }
+    assert!(b.contains(" ms<") || b.contains(" ms\n"), "bar totals");
+    let bp = svg(&out.join("breakdown-pct.svg"));
+    assert!(bp.contains("% of step time"));
+    let st = svg(&out.join("scaling-throughput.svg"));
+    assert!(
+        st.contains("strong, global batch"),
+        "strong series in the legend"
+    );
+    assert!(st.contains("MPI ranks") && st.contains("tokens/s"));
+    let sp = svg(&out.join("scaling-speedup.svg"));
+    assert!(sp.contains("ideal") && sp.contains("strong, global batch"));
+    let tf = svg(&out.join("tflops.svg"));
+    assert!(tf.contains("% of peak") && tf.contains("TFLOP/s per process"));
+    for n in &run_names {
+        assert!(tf.contains(n.as_str()), "tflops.svg lacks run {n}");
+    }
+
+    // GEMM: one chart per thread count in the benchmark file, plus the % of peak chart.
+    let rows: Vec<serde_json::Value> = lines(&f.join("bench/bench-gemm.jsonl"))
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut threads: Vec<u64> = rows
+        .iter()
+        .map(|r| r["threads"].as_u64().unwrap())
+        .collect();
+    threads.sort();
+    threads.dedup();
+    let isa = rows[0]["isa"].as_str().unwrap();
+    for t in &threads {
+        let g = svg(&out.join(format!("gemm-{t}t.svg")));
+        assert!(
+            g.contains(&format!("{isa}, {t} thread")),
+            "gemm-{t}t.svg series"
+        );
+        assert!(g.contains("peak, "), "gemm-{t}t.svg peak line");
+        assert!(g.contains("GFLOP/s"));
+    }
+    if threads.len() > 1 {
+        assert!(svg(&out.join("gemm-peak-pct.svg")).contains("peak (100%)"));
+    }
+
+    // Every table as CSV, with the right rows.
+    let n = runs.len();
+    assert_eq!(csv(&out.join("runs.csv")).len(), n);
+    assert_eq!(csv(&out.join("efficiency.csv")).len(), n);
+    let bd = csv(&out.join("breakdown.csv"));
+    assert_eq!(bd.len(), n);
+    // Runs are ordered by nodes, then ranks.
+    let order: Vec<(u64, u64)> = bd
+        .iter()
+        .map(|r| (r[2].parse().unwrap(), r[1].parse().unwrap()))
+        .collect();
+    assert!(order.windows(2).all(|w| w[0] <= w[1]), "{order:?}");
+    // The category columns add up to the step.
+    for r in &bd {
+        let step: f64 = r[4].parse().unwrap();
+        let sum: f64 = r[5..].iter().map(|x| x.parse::<f64>().unwrap()).sum();
+        assert!((sum - step).abs() <= 0.01 * step + 1e-6, "{r:?}");
+    }
+    let timers = csv(&out.join("breakdown-timers.csv"));
+    for n in &run_names {
+        assert!(timers.iter().any(|r| &r[0] == n), "no timers for {n}");
+    }
+    assert!(
+        timers
+            .iter()
+            .any(|r| r[1].contains("allreduce") && !r[4].is_empty()),
+        "min/max across ranks for the all-reduce timers"
+    );
+    let sc = csv(&out.join("scaling.csv"));
+    let strong: Vec<u64> = sc
+        .iter()
+        .filter(|r| r[1] == "strong")
+        .map(|r| r[4].parse().unwrap())
+        .collect();
+    for w in [1, 2, 4] {
+        assert!(strong.contains(&w), "strong series at {w} ranks: {sc:?}");
+    }
+    if f.join("runs/n2-dp2-weak").exists() {
+        assert!(sc.iter().any(|r| r[1] == "weak"), "{sc:?}");
+    }
+    assert_eq!(csv(&out.join("gemm.csv")).len(), rows.len());
+    assert!(!csv(&out.join("gemm-summary.csv")).is_empty());
+
+    // Skipped: the three bad inputs with their reasons.
+    let md = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+    let skipped = md
+        .split("## Skipped inputs")
+        .nth(1)
+        .expect("a Skipped section");
+    assert!(skipped.contains("no-metrics") && skipped.contains("no metrics.jsonl"));
+    assert!(skipped.contains("no-steps") && skipped.contains("no step records"));
+    assert!(skipped.contains("not-json") && skipped.contains("not valid JSON"));
+    let sk = csv(&out.join("skipped.csv"));
+    assert!(sk.len() >= 3, "{sk:?}");
+    // REPORT.md links every chart and CSV it was written with.
+    for e in std::fs::read_dir(&out).unwrap() {
+        let file = name(&e.unwrap().path());
+        if file != "REPORT.md" {
+            assert!(
+                md.contains(&format!("]({file})")),
+                "REPORT.md does not link {file}"
+            );
+        }
+    }
+    assert!(md.contains("warm-up"));
+    assert!(stderr.contains("skipped"), "{stderr}");
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn gemm_only_and_runs_only_reports() {
+    let f = fixtures();
+    let out = tmp("gemm-only");
+    let gemm = f.join("bench/bench-gemm.jsonl");
+    let o = fugu(&[
+        &PathBuf::from("--gemm"),
+        &gemm,
+        &PathBuf::from("--out"),
+        &out,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.join("gemm-summary.csv").exists());
+    assert!(!out.join("runs.csv").exists());
+    std::fs::remove_dir_all(&out).unwrap();
+
+    let out = tmp("one-run");
+    let run = &run_dirs()[0];
+    let o = fugu(&[run, &PathBuf::from("-o"), &out]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let md = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+    assert!(md.contains("No scaling series"), "{md}");
+    assert!(md.contains("No GEMM benchmark given"));
+    assert!(out.join("breakdown.svg").exists() && !out.join("scaling.csv").exists());
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn no_usable_input_is_an_error_naming_each() {
+    let f = fixtures();
+    let out = tmp("none");
+    let (a, b) = (f.join("bad/no-steps"), f.join("bad/not-json"));
+    let o = fugu(&[&a, &b, &PathBuf::from("--out"), &out]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("no usable input"), "{e}");
+    assert!(e.contains("no-steps") && e.contains("not-json"), "{e}");
+    assert!(!out.join("REPORT.md").exists());
+
+    let o = Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args(["report", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+
+    let o = Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args(["report", "--help"])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let h = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        h.contains("bench-gemm") && h.contains("Skipped inputs"),
+        "{h}"
+    );
+}
