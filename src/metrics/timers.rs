@@ -290,6 +290,17 @@ impl Timers {
         step
     }
 
+    /// Adds what was recorded since the last call to the run totals without counting a step
+    /// or returning it: for work between steps (evaluation, checkpoints) that must not show
+    /// up in the next step's timers.
+    pub fn fold_into_totals(&self) {
+        let extra = std::mem::take(&mut *self.step.borrow_mut());
+        let mut totals = self.totals.borrow_mut();
+        for (k, v) in extra {
+            *totals.entry(k).or_insert(0.0) += v;
+        }
+    }
+
     /// Steps counted by [`Timers::take_step`] since the start or the last
     /// [`Timers::reset_totals`].
     pub fn steps(&self) -> u64 {

@@ -642,6 +642,8 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
                 &mut watch,
             )?);
         }
+        // Evaluation and checkpoint time count in the run totals, not in the next step.
+        timers.fold_into_totals();
         // Stop early (signal or deadline) when any rank asks to.
         let reason = watch.should_stop();
         let mut flag = [reason.is_some() as u8 as f64];
