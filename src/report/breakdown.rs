@@ -103,7 +103,12 @@ const COMM_WORDS: &[&str] = &[
 /// The category of a leaf of the timer tree (a timer name, or `P:(other)` / `(other)`).
 pub fn categorize(name: &str) -> Category {
     let lower = name.to_ascii_lowercase();
-    let parts: Vec<&str> = lower.split(':').collect();
+    let mut parts: Vec<&str> = lower.split(':').collect();
+    // `P:(other)`, the part of timer P outside its children (e.g. the LM-head GEMM around its
+    // nested TP all-reduce), belongs to P's category.
+    if parts.len() > 2 && parts.last() == Some(&"(other)") {
+        parts.pop();
+    }
     let last = *parts.last().unwrap_or(&"");
     let top = parts[0];
     if parts
@@ -226,6 +231,16 @@ impl OpBreakdown {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn other_part_of_an_op_keeps_the_op_category() {
+        assert_eq!(categorize("forward:lm-head:(other)"), Category::Gemm);
+        assert_eq!(
+            categorize("backward:lm-head:allreduce"),
+            Category::Communication
+        );
+        assert_eq!(categorize("forward:(other)"), Category::OtherCompute);
+    }
 
     #[test]
     fn categories() {

@@ -640,7 +640,7 @@ mod tests {
                 2,
                 100.0,
                 json!({"timers_min": {"forward": 30.0, "backward:mlp:allreduce": null},
-                       "timers_max": {"forward": 50.0}, "comm_bytes": 4.0e6}),
+                       "timers_max": {"forward": 50.0}, "comm_bytes": 4000000}),
             ),
         ]);
         let r = parse_run(&text, "b").unwrap();
