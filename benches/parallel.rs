@@ -6,10 +6,11 @@
 //!   1. one rank × `cores` threads (the baseline),
 //!   2. `cores` ranks × 1 thread, data parallel (B per rank, so `cores`× the tokens per step),
 //!   3. `cores` ranks × 1 thread, tensor parallel (one replica of B),
+//!   4. as 2 with ZeRO-1,
 //! each for `steps` steps. Reads every run's metrics.jsonl and prints the median tokens/s
 //! (first step excluded as warm-up), the ratio to the baseline, the visible
 //! `allreduce-params` time and the TP all-reduce time as a share of the step, and the payload
-//! bytes communicated per step.
+//! bytes communicated per step, and rank 0's peak RSS.
 
 use clap::Parser;
 use fugu::metrics::jsonl::{read_metrics, Record, StepRecord};
@@ -71,14 +72,26 @@ fn main() -> anyhow::Result<()> {
             a.cores,
             vec!["--threads", "1", "--tp", &cores],
         ),
+        (
+            "dp + ZeRO-1",
+            a.cores,
+            vec!["--threads", "1", "--zero", "1"],
+        ),
     ];
     println!(
         "{} B={b} T={t} per replica, {} steps (first excluded), {} cores",
         a.config, a.steps, a.cores
     );
     println!(
-        "{:<22} {:>10} {:>9} {:>8} {:>16} {:>14} {:>12}",
-        "run", "tokens/s", "ms/step", "ratio", "allreduce-params", "TP allreduce", "MB/step"
+        "{:<22} {:>10} {:>9} {:>8} {:>16} {:>14} {:>12} {:>10}",
+        "run",
+        "tokens/s",
+        "ms/step",
+        "ratio",
+        "allreduce-params",
+        "TP allreduce",
+        "MB/step",
+        "RSS MiB"
     );
     let mut base = f64::NAN;
     for (name, np, extra) in runs {
@@ -155,15 +168,24 @@ fn main() -> anyhow::Result<()> {
         if np == 0 {
             base = tps;
         }
+        let rss = read_metrics(out.join("metrics.jsonl"))?
+            .into_iter()
+            .find_map(|r| match r {
+                Record::Event { kind, data } if kind == "end" => data["peak_rss_bytes"].as_f64(),
+                _ => None,
+            })
+            .unwrap_or(f64::NAN)
+            / (1u64 << 20) as f64;
         println!(
-            "{:<22} {:>10.1} {:>9.0} {:>7.2}x {:>15.1}% {:>13.1}% {:>12.0}",
+            "{:<22} {:>10.1} {:>9.0} {:>7.2}x {:>15.1}% {:>13.1}% {:>12.0} {:>10.0}",
             name,
             tps,
             ms,
             tps / base,
             ar,
             tpar,
-            mb
+            mb,
+            rss
         );
         let _ = std::fs::remove_dir_all(&out);
     }
