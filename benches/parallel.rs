@@ -7,6 +7,7 @@
 //!   2. `cores` ranks × 1 thread, data parallel (B per rank, so `cores`× the tokens per step),
 //!   3. `cores` ranks × 1 thread, tensor parallel (one replica of B),
 //!   4. as 2 with ZeRO-1,
+//!
 //! each for `steps` steps. Reads every run's metrics.jsonl and prints the median tokens/s
 //! (first step excluded as warm-up), the ratio to the baseline, the visible
 //! `allreduce-params` time and the TP all-reduce time as a share of the step, and the payload

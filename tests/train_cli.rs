@@ -411,7 +411,7 @@ fn deadline_and_signal_stop_with_a_checkpoint_and_resume_exactly() {
 
     // SIGUSR1 once training is under way.
     let a = with(&["--out", "cut", "--resume", "auto"]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fugu"))
+    let child = Command::new(env!("CARGO_BIN_EXE_fugu"))
         .args(&a)
         .current_dir(&dir)
         .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
