@@ -11,7 +11,8 @@
 //! each for `steps` steps. Reads every run's metrics.jsonl and prints the median tokens/s
 //! (first step excluded as warm-up), the ratio to the baseline, the visible
 //! `allreduce-params` time and the TP all-reduce time as a share of the step, and the payload
-//! bytes communicated per step, and rank 0's peak RSS.
+//! bytes communicated per step, and rank 0's peak RSS (which includes gathering the final
+//! checkpoint on rank 0, so it understates what ZeRO-1 saves during training).
 
 use clap::Parser;
 use fugu::metrics::jsonl::{read_metrics, Record, StepRecord};
