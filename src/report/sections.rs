@@ -278,8 +278,9 @@ pub fn breakdown_section(runs: &[Run]) -> Result<Section> {
     }
     items.push(table(
         t,
-        "Mean ms per step by category (the bars above). Steps that carry evaluation or \
-         checkpoint time (recorded into the next step's timers) are not averaged.",
+        "Mean ms per step by category (the bars above). Steps right after an evaluation or a \
+         checkpoint are not averaged (older runs recorded that time into the next step's \
+         timers).",
     ));
 
     // Per timer: long CSV, pivoted Markdown.
