@@ -50,8 +50,13 @@ eval_every = 0
 ckpt_every = 0
 "#;
 
-fn have_mpirun() -> bool {
-    Command::new("mpirun").arg("--version").output().is_ok()
+/// True (after saying so) when there is no `mpirun` to test with.
+fn mpirun_missing() -> bool {
+    let missing = Command::new("mpirun").arg("--version").output().is_err();
+    if missing {
+        eprintln!("skipped: mpirun not found");
+    }
+    missing
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -191,8 +196,7 @@ fn serial(dir: &Path) -> PathBuf {
 
 #[test]
 fn parallel_layouts_match_the_serial_run() {
-    if !have_mpirun() {
-        eprintln!("skipped: mpirun not found");
+    if mpirun_missing() {
         return;
     }
     let dir = tmp("layouts");
@@ -269,8 +273,7 @@ fn parallel_layouts_match_the_serial_run() {
 
 #[test]
 fn checkpoints_reshard_between_layouts() {
-    if !have_mpirun() {
-        eprintln!("skipped: mpirun not found");
+    if mpirun_missing() {
         return;
     }
     let dir = tmp("reshard");
@@ -324,8 +327,7 @@ fn checkpoints_reshard_between_layouts() {
 
 #[test]
 fn an_error_on_one_rank_ends_the_job() {
-    if !have_mpirun() {
-        eprintln!("skipped: mpirun not found");
+    if mpirun_missing() {
         return;
     }
     let dir = tmp("fail");
@@ -358,8 +360,7 @@ fn an_error_on_one_rank_ends_the_job() {
 
 #[test]
 fn bad_layouts_are_refused_with_the_reason() {
-    if !have_mpirun() {
-        eprintln!("skipped: mpirun not found");
+    if mpirun_missing() {
         return;
     }
     let dir = tmp("badtp");

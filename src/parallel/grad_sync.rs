@@ -54,6 +54,8 @@ pub struct GradSync {
     spare: Vec<Option<(Vec<f32>, Vec<f32>)>>,
     /// Buckets `next..` have been started this step.
     next: usize,
+    /// ZeRO-1 parameter all-gather buffers (send block, gathered bucket), kept between steps.
+    gather_scratch: (Vec<f32>, Vec<f32>),
 }
 
 impl GradSync {
@@ -88,6 +90,7 @@ impl GradSync {
             next: n,
             pending: (0..n).map(|_| None).collect(),
             spare: (0..n).map(|_| None).collect(),
+            gather_scratch: Default::default(),
             buckets,
         }
     }
@@ -219,9 +222,12 @@ impl GradSync {
         }
         let dp = self.comm.size();
         let r = self.comm.rank();
+        let (send, all) = &mut self.gather_scratch;
         for b in &self.buckets {
             let own = b.owned(r);
-            let mut send = vec![0.0f32; b.chunk];
+            // The padding after a short last block is never read back.
+            send.resize(b.chunk, 0.0);
+            all.resize(b.chunk * dp, 0.0);
             be.download(
                 Span {
                     buf: params,
@@ -230,8 +236,7 @@ impl GradSync {
                 },
                 &mut send[..own.len()],
             );
-            let mut all = vec![0.0f32; b.chunk * dp];
-            self.comm.allgather_f32(&send, &mut all);
+            self.comm.allgather_f32(send, all);
             let len = b.range.len();
             be.upload(
                 Span {
@@ -243,9 +248,7 @@ impl GradSync {
             );
         }
     }
-}
 
-impl GradSync {
     /// ZeRO-1: assembles the AdamW moments of the whole (TP-local) table on data-parallel rank
     /// 0 from every rank's packed blocks (`packed` is laid out by [`GradSync::owned`]);
     /// `None` on the other ranks. Without ZeRO, `packed` already is the whole table.

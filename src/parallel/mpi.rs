@@ -8,12 +8,13 @@
 use super::comm::{Comm, Pending, ReduceOp};
 use anyhow::{bail, Result};
 use mpi::collective::SystemOperation;
+use mpi::datatype::Equivalence;
 use mpi::datatype::PartitionMut;
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::os::raw::{c_int, c_void};
 
 /// The MPI environment; finalises MPI when dropped.
@@ -73,6 +74,8 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     bytes: Cell<u64>,
+    scratch_f32: RefCell<Vec<f32>>,
+    scratch_f64: RefCell<Vec<f64>>,
 }
 
 fn system_op(op: ReduceOp) -> SystemOperation {
@@ -94,11 +97,82 @@ impl MpiComm {
             size: comm.size() as usize,
             comm,
             bytes: Cell::new(0),
+            scratch_f32: RefCell::default(),
+            scratch_f64: RefCell::default(),
         }
     }
 
     fn count_bytes(&self, n: usize) {
         self.bytes.set(self.bytes.get() + n as u64);
+    }
+}
+
+/// The non-blocking sum collectives of the gradient buckets.
+#[derive(Clone, Copy)]
+enum NonBlocking {
+    AllReduce,
+    ReduceScatter,
+}
+
+impl MpiComm {
+    /// Starts `kind` on owned buffers (lengths already checked by the caller).
+    fn start(&self, kind: NonBlocking, send: Vec<f32>, mut recv: Vec<f32>) -> Box<dyn Pending> {
+        self.count_bytes(4 * send.len());
+        let (sp, rp) = (
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+        );
+        // SAFETY: RSMPI_REQUEST_NULL is a constant of the MPI shim, read-only. Both buffers are
+        // moved into the returned MpiPending, which is the only owner until MPI_Wait/MPI_Test
+        // reports completion (its Drop waits), so MPI reads `send` and writes `recv` while
+        // nothing else can; the heap storage of a Vec does not move when the Vec is moved. The counts fit the lengths (checked by the callers), and the
+        // communicator outlives the request (the trainer waits every bucket).
+        let req = unsafe {
+            let mut req = ffi::RSMPI_REQUEST_NULL;
+            match kind {
+                NonBlocking::AllReduce => ffi::MPI_Iallreduce(
+                    sp,
+                    rp,
+                    count(send.len()),
+                    ffi::RSMPI_FLOAT,
+                    ffi::RSMPI_SUM,
+                    self.comm.as_raw(),
+                    &mut req,
+                ),
+                NonBlocking::ReduceScatter => ffi::MPI_Ireduce_scatter_block(
+                    sp,
+                    rp,
+                    count(recv.len()),
+                    ffi::RSMPI_FLOAT,
+                    ffi::RSMPI_SUM,
+                    self.comm.as_raw(),
+                    &mut req,
+                ),
+            };
+            req
+        };
+        Box::new(MpiPending {
+            req,
+            send,
+            recv,
+            done: false,
+        })
+    }
+
+    /// In-place blocking all-reduce through a kept scratch copy (MPI_IN_PLACE has no
+    /// portable value in rsmpi), so the TP all-reduces of every block allocate nothing.
+    fn allreduce_in_place<T>(&self, buf: &mut [T], scratch: &RefCell<Vec<T>>, op: ReduceOp)
+    where
+        T: Copy + Default + Equivalence,
+    {
+        if self.size == 1 || buf.is_empty() {
+            return;
+        }
+        self.count_bytes(std::mem::size_of_val(buf));
+        let mut send = scratch.borrow_mut();
+        send.clear();
+        send.extend_from_slice(buf);
+        self.comm.all_reduce_into(&send[..], buf, system_op(op));
     }
 }
 
@@ -112,21 +186,11 @@ impl Comm for MpiComm {
     }
 
     fn allreduce_f32(&self, buf: &mut [f32], op: ReduceOp) {
-        if self.size == 1 || buf.is_empty() {
-            return;
-        }
-        self.count_bytes(4 * buf.len());
-        let send = buf.to_vec();
-        self.comm.all_reduce_into(&send[..], buf, system_op(op));
+        self.allreduce_in_place(buf, &self.scratch_f32, op);
     }
 
     fn allreduce_f64(&self, buf: &mut [f64], op: ReduceOp) {
-        if self.size == 1 || buf.is_empty() {
-            return;
-        }
-        self.count_bytes(8 * buf.len());
-        let send = buf.to_vec();
-        self.comm.all_reduce_into(&send[..], buf, system_op(op));
+        self.allreduce_in_place(buf, &self.scratch_f64, op);
     }
 
     fn allgather_f32(&self, send: &[f32], recv: &mut [f32]) {
@@ -204,62 +268,18 @@ impl Comm for MpiComm {
         self.comm.barrier();
     }
 
-    fn start_allreduce(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Box<dyn Pending> {
+    fn start_allreduce(&self, send: Vec<f32>, recv: Vec<f32>) -> Box<dyn Pending> {
         assert_eq!(send.len(), recv.len(), "start_allreduce: buffer lengths");
-        self.count_bytes(4 * send.len());
-        // SAFETY: both buffers are moved into the returned MpiPending, which is the only owner
-        // until MPI_Wait/MPI_Test reports completion (its Drop waits), so MPI reads `send` and
-        // writes `recv` while nothing else can; the heap storage of a Vec does not move when
-        // the Vec is moved. `count` fits the lengths, and the communicator outlives the call
-        // (collectives on it complete before it is freed: the trainer waits every bucket).
-        let req = unsafe {
-            let mut req = ffi::RSMPI_REQUEST_NULL;
-            ffi::MPI_Iallreduce(
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                count(send.len()),
-                ffi::RSMPI_FLOAT,
-                ffi::RSMPI_SUM,
-                self.comm.as_raw(),
-                &mut req,
-            );
-            req
-        };
-        Box::new(MpiPending {
-            req,
-            send,
-            recv,
-            done: false,
-        })
+        self.start(NonBlocking::AllReduce, send, recv)
     }
 
-    fn start_reduce_scatter(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Box<dyn Pending> {
+    fn start_reduce_scatter(&self, send: Vec<f32>, recv: Vec<f32>) -> Box<dyn Pending> {
         assert_eq!(
             send.len(),
             recv.len() * self.size,
             "start_reduce_scatter: buffer lengths"
         );
-        self.count_bytes(4 * send.len());
-        // SAFETY: as in start_allreduce: MpiPending owns both buffers until completion.
-        let req = unsafe {
-            let mut req = ffi::RSMPI_REQUEST_NULL;
-            ffi::MPI_Ireduce_scatter_block(
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                count(recv.len()),
-                ffi::RSMPI_FLOAT,
-                ffi::RSMPI_SUM,
-                self.comm.as_raw(),
-                &mut req,
-            );
-            req
-        };
-        Box::new(MpiPending {
-            req,
-            send,
-            recv,
-            done: false,
-        })
+        self.start(NonBlocking::ReduceScatter, send, recv)
     }
 
     fn payload_bytes(&self) -> u64 {

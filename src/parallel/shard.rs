@@ -51,7 +51,13 @@ fn segments(
     tp: usize,
     mut f: impl FnMut(usize, usize, usize),
 ) {
-    match split_of(&full.name) {
+    let split = split_of(&full.name);
+    let local_len = match split {
+        Split::Replicated => full.len(),
+        _ => full.len() / tp,
+    };
+    debug_assert_eq!(local.len(), local_len, "shard shape of {}", full.name);
+    match split {
         Split::Replicated => f(0, 0, full.len()),
         Split::Rows => {
             let rows = full.shape[0] / tp;
@@ -74,13 +80,6 @@ fn segments(
             }
         }
     }
-    debug_assert_eq!(
-        local.len() * tp,
-        match split_of(&full.name) {
-            Split::Replicated => full.len() * tp,
-            _ => full.len(),
-        }
-    );
 }
 
 fn check_tables(full: &Table, local: &Table) -> Result<()> {

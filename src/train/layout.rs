@@ -77,8 +77,5 @@ pub fn gather_full<B: Backend>(
         unshard(full_table, &model.table, &shards, &mut full)?;
         out.push(full);
     }
-    Ok(root.then(|| {
-        let mut it = out.into_iter();
-        [it.next().unwrap(), it.next().unwrap(), it.next().unwrap()]
-    }))
+    Ok(root.then(|| out.try_into().expect("params, m and v were gathered")))
 }

@@ -629,18 +629,21 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
                 last_val = Some(v);
             }
         }
-        let want_ckpt = (t.ckpt_every > 0 && done % t.ckpt_every as u64 == 0) || is_last;
-        if want_ckpt {
-            last_ckpt = Some(write_ckpt(
+        let save_now = |metrics: &mut Option<MetricsWriter>, watch: &mut stop::StopWatch| {
+            write_ckpt(
                 &model,
                 &sync,
                 done,
                 source.cursor(),
                 tokens_seen,
                 skipped,
-                &mut metrics,
-                &mut watch,
-            )?);
+                metrics,
+                watch,
+            )
+        };
+        let want_ckpt = (t.ckpt_every > 0 && done % t.ckpt_every as u64 == 0) || is_last;
+        if want_ckpt {
+            last_ckpt = Some(save_now(&mut metrics, &mut watch)?);
         }
         // Evaluation and checkpoint time count in the run totals, not in the next step.
         timers.fold_into_totals();
@@ -650,16 +653,7 @@ pub fn run(opts: TrainOptions, dist: &mut Dist) -> Result<TrainOutcome> {
         dist.world.allreduce_f64(&mut flag, ReduceOp::Max);
         if flag[0] > 0.0 && !is_last {
             if !want_ckpt {
-                last_ckpt = Some(write_ckpt(
-                    &model,
-                    &sync,
-                    done,
-                    source.cursor(),
-                    tokens_seen,
-                    skipped,
-                    &mut metrics,
-                    &mut watch,
-                )?);
+                last_ckpt = Some(save_now(&mut metrics, &mut watch)?);
             }
             progress.finish();
             let why = reason.unwrap_or_else(|| "another rank was told to stop".into());
