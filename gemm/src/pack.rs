@@ -4,6 +4,7 @@
 //! B, which are `nr`-tall panels of Bᵀ. So `pack_panels` takes the source with its stride
 //! along the panel (`s_w`) and along k (`s_k`).
 
+use crate::arch::transpose::transposes;
 use crate::raw::RawMat;
 
 /// Packs the `len × k` block `src` (rows are the panel dimension) into panels of `w` rows:
@@ -36,20 +37,37 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
             out[..rows].copy_from_slice(col);
         }
     } else if s_k == 1 {
-        // Contiguous along k: a transpose. Take the rows eight at a time so each k step
-        // writes eight consecutive floats (one vector store) from eight sequential streams.
+        // Contiguous along k: a transpose, in 8 × 8 and 4 × 4 SIMD blocks (`arch::transpose`),
+        // each walking its rows along k so every row is one sequential stream.
+        let t = transposes();
         let mut r = 0;
-        while r + 8 <= rows {
-            let src: [*const f32; 8] =
-                std::array::from_fn(|i| base.wrapping_add((r0 + r + i) * s_w));
-            for (p, out) in panel.chunks_exact_mut(w).enumerate() {
-                let out: &mut [f32; 8] = (&mut out[r..r + 8]).try_into().expect("8 floats");
-                for i in 0..8 {
-                    // SAFETY: rows r0+r .. r0+r+8 and column p < k are inside the source view.
-                    out[i] = unsafe { *src[i].add(p) };
+        for (size, f) in [(8, t.t8), (4, t.t4)] {
+            while r + size <= rows {
+                let mut p = 0;
+                while p + size <= k {
+                    // SAFETY: rows r0+r .. r0+r+size and columns p .. p+size are inside the
+                    // source view (contiguous along k); the panel holds k runs of w >= r+size
+                    // floats, so runs p .. p+size at offset r are inside it.
+                    unsafe {
+                        f(
+                            base.add((r0 + r) * s_w + p),
+                            s_w,
+                            panel.as_mut_ptr().add(p * w + r),
+                            w,
+                        )
+                    };
+                    p += size;
                 }
+                for i in r..r + size {
+                    // SAFETY: row r0+i, columns p..k are inside the source view.
+                    let tail =
+                        unsafe { std::slice::from_raw_parts(base.add((r0 + i) * s_w + p), k - p) };
+                    for (q, &v) in tail.iter().enumerate() {
+                        panel[(p + q) * w + i] = v;
+                    }
+                }
+                r += size;
             }
-            r += 8;
         }
         for r in r..rows {
             // SAFETY: row r0+r, columns 0..k are inside the source view, contiguous along k.
@@ -63,6 +81,53 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
             for (r, o) in out[..rows].iter_mut().enumerate() {
                 // SAFETY: (r0+r, p) is inside the source view.
                 *o = unsafe { *base.add((r0 + r) * s_w + p * s_k) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every pack path against the definition, on awkward widths, lengths and strides.
+    #[test]
+    fn packs_match_the_definition() {
+        for &(w, k) in &[
+            (12, 37),
+            (32, 9),
+            (8, 8),
+            (16, 1),
+            (4, 5),
+            (13, 20),
+            (48, 17),
+        ] {
+            for rows in [1, 3, 4, 7, 8, w - 1, w] {
+                let rows = rows.min(w);
+                // (row stride, column stride): contiguous along the panel, along k, neither.
+                for (rs, cs) in [(1, rows + 2), (k + 3, 1), (2, 2 * rows + 1)] {
+                    let len = rows * rs + k * cs + 1;
+                    let data: Vec<f32> = (0..len).map(|i| i as f32 + 0.5).collect();
+                    let src = RawMat {
+                        ptr: data.as_ptr(),
+                        rows,
+                        cols: k,
+                        rs,
+                        cs,
+                    };
+                    let mut got = vec![f32::NAN; w * k];
+                    pack_one_panel(&mut got, src, 0, w);
+                    for p in 0..k {
+                        for r in 0..w {
+                            let want = if r < rows { data[r * rs + p * cs] } else { 0.0 };
+                            assert_eq!(
+                                got[p * w + r],
+                                want,
+                                "w={w} k={k} rows={rows} rs={rs} cs={cs} r={r} p={p}"
+                            );
+                        }
+                    }
+                }
             }
         }
     }

@@ -4,7 +4,7 @@
 //! `openblas` feature) on the same operands in the same process, checks that they agree, and
 //! reports median GFLOP/s, % of the machine's FP32 peak and the ratio to the baseline.
 
-use super::stats::{median, time_runs};
+use super::stats::{median, time_interleaved, Contender};
 use anyhow::{bail, Context, Result};
 use fugu_gemm::peak::Peak;
 use fugu_gemm::{BatchMut, BatchRef, MatMut, MatRef, Runtime};
@@ -432,22 +432,53 @@ pub fn run_shape(
         a: fill(s.batch * s.m * s.k, 1),
         b: fill(s.batch * s.k * s.n, 2),
     };
-    let mut c = vec![0.0f32; s.batch * s.m * s.n];
+    let c_len = s.batch * s.m * s.n;
+    let mut c = vec![0.0f32; c_len];
+    let mut cb = vec![0.0f32; c_len];
     let mut err = None;
-    let times = time_runs(
-        || {
-            if let Err(e) = run_fugu(rt, s, &ops, &mut c) {
-                err.get_or_insert(e);
+    // Contenders, timed in interleaved rounds: fugu-gemm first, then the baselines asked for.
+    let mut fs: Vec<Contender> = vec![Box::new(|| {
+        if let Err(e) = run_fugu(rt, s, &ops, &mut c) {
+            err.get_or_insert(e);
+        }
+    })];
+    if opts.baseline {
+        fs.push(Box::new(|| run_matrixmultiply(s, &ops, &mut cb)));
+    }
+    #[cfg(feature = "openblas")]
+    let (openblas_at, split_at) = {
+        let threads = rt.threads();
+        let mut co = vec![0.0f32; c_len];
+        let mut cs = vec![0.0f32; c_len];
+        let (ops, at) = (&ops, fs.len());
+        let mut split_at = None;
+        if opts.openblas {
+            fs.push(Box::new(move || {
+                super::openblas::set_threads(threads);
+                run_openblas_loop(s, ops, &mut co)
+            }));
+            if s.batch > 1 && threads > 1 {
+                split_at = Some(fs.len());
+                fs.push(Box::new(move || {
+                    super::openblas::set_threads(1);
+                    run_openblas_split(s, ops, &mut cs, threads)
+                }));
             }
-        },
-        opts.budget_s,
-        opts.min_reps,
-        opts.max_reps,
-    );
+        }
+        (opts.openblas.then_some(at), split_at)
+    };
+    // Only parallel runs need the pause: single-threaded libraries leave no spinning workers.
+    let settle = if rt.threads() > 1 {
+        std::time::Duration::from_millis(100)
+    } else {
+        std::time::Duration::ZERO
+    };
+    let times = time_interleaved(&mut fs, opts.budget_s, opts.min_reps, opts.max_reps, settle);
+    drop(fs);
     if let Some(e) = err {
         return Err(e).with_context(|| format!("fugu-gemm failed on {}", s.name));
     }
-    let t = median(&times);
+    let t = median(&times[0]);
     let g = gflops(s, t);
     let mut row = BenchRow {
         set: s.set.clone(),
@@ -463,7 +494,7 @@ pub fn run_shape(
         isa: rt.kernel().isa.to_string(),
         gflops: g,
         median_s: t,
-        repeats: times.len(),
+        repeats: times[0].len(),
         peak_gflops: peak.total_gflops(),
         peak_pct: 100.0 * g / peak.total_gflops(),
         peak_source: format!("{:?}", peak.source),
@@ -476,14 +507,7 @@ pub fn run_shape(
         max_rel_diff: None,
     };
     if opts.baseline {
-        let mut cb = vec![0.0f32; c.len()];
-        let bt = median(&time_runs(
-            || run_matrixmultiply(s, &ops, &mut cb),
-            opts.budget_s,
-            opts.min_reps,
-            opts.max_reps,
-        ));
-        let bg = gflops(s, bt);
+        let bg = gflops(s, median(&times[1]));
         row.baseline_gflops = Some(bg);
         row.ratio = Some(g / bg);
         let scale = cb
@@ -504,28 +528,12 @@ pub fn run_shape(
         }
     }
     #[cfg(feature = "openblas")]
-    if opts.openblas {
-        let mut co = vec![0.0f32; c.len()];
+    if let Some(at) = openblas_at {
+        let og = gflops(s, median(&times[at]));
+        row.openblas_gflops = Some(og);
+        row.openblas_ratio = Some(g / og);
+        row.openblas_split_gflops = split_at.map(|i| gflops(s, median(&times[i])));
         super::openblas::set_threads(rt.threads());
-        let ot = median(&time_runs(
-            || run_openblas_loop(s, &ops, &mut co),
-            opts.budget_s,
-            opts.min_reps,
-            opts.max_reps,
-        ));
-        row.openblas_gflops = Some(gflops(s, ot));
-        row.openblas_ratio = Some(g / gflops(s, ot));
-        if s.batch > 1 && rt.threads() > 1 {
-            super::openblas::set_threads(1);
-            let st = median(&time_runs(
-                || run_openblas_split(s, &ops, &mut co, rt.threads()),
-                opts.budget_s,
-                opts.min_reps,
-                opts.max_reps,
-            ));
-            row.openblas_split_gflops = Some(gflops(s, st));
-            super::openblas::set_threads(rt.threads());
-        }
     }
     Ok(row)
 }

@@ -62,6 +62,9 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
         }
         cfg.topology.max_threads = Some(t);
     }
+    // A benchmark owns the machine: pin the pool threads to their cores (FUGU_PIN=0 turns it
+    // off). Unpinned, this VM's scheduler sometimes stacks both workers on one core for a while.
+    cfg.topology.pin.get_or_insert(true);
     let rt = Runtime::new(cfg)?;
     // matrixmultiply reads its thread count once, at its first call (it caps it at 4).
     std::env::set_var("MATMUL_NUM_THREADS", rt.threads().to_string());

@@ -5,6 +5,7 @@ use crate::kernel::KernelF32;
 
 pub mod fma_peak;
 pub mod portable;
+pub mod transpose;
 
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
