@@ -36,6 +36,34 @@ pub enum SplitMode {
 pub(crate) struct Ctx {
     pub kernel: KernelF32,
     pub blk: Blocking,
+    /// L1 data cache and last-level cache of one domain, in bytes (0: unknown / none), for
+    /// [`Ctx::blocking_for`].
+    pub l1d: usize,
+    pub llc: usize,
+    /// `FUGU_GEMM_KC` was given: use `blk.kc` as is.
+    pub kc_fixed: bool,
+}
+
+impl Ctx {
+    /// Block sizes for one m×n×k problem: the cache-derived ones, except that when C is larger
+    /// than the last-level cache and k fits in two kc blocks, k is done in one block (as long
+    /// as a B̃ micro-panel still fits in L1). Each pc pass reads and writes all of C from
+    /// memory, so this halves C's traffic; on Zen 5 it gains about 5% on the LM head's
+    /// weight-gradient GEMM (C is 50304 × 768).
+    pub fn blocking_for(&self, m: usize, n: usize, k: usize) -> Blocking {
+        let mut b = self.blk;
+        let c_bytes = m.saturating_mul(n).saturating_mul(4);
+        if !self.kc_fixed
+            && self.llc > 0
+            && c_bytes > self.llc
+            && k > b.kc
+            && k <= 2 * b.kc
+            && k * self.kernel.nr * 4 <= self.l1d
+        {
+            b.kc = k;
+        }
+        b
+    }
 }
 
 impl Problem {
@@ -189,7 +217,7 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
     };
     let (m, n, k) = (p.m(), p.n(), p.k());
     let KernelF32 { mr, nr, .. } = ctx.kernel;
-    let Blocking { mc, kc, nc } = ctx.blk;
+    let Blocking { mc, kc, nc } = ctx.blocking_for(m, n, k);
     for jc in (0..n).step_by(nc) {
         let ncur = nc.min(n - jc);
         for pc in (0..k).step_by(kc) {
@@ -244,7 +272,7 @@ pub(crate) fn run_parallel(
     };
     let (m, n, k) = (p.m(), p.n(), p.k());
     let KernelF32 { mr, nr, .. } = ctx.kernel;
-    let Blocking { mc, kc, nc } = ctx.blk;
+    let Blocking { mc, kc, nc } = ctx.blocking_for(m, n, k);
     // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
     let n_ic_min = m.div_ceil(mc);
     let n_ic = if n_ic_min >= threads {
@@ -311,7 +339,90 @@ pub(crate) fn run_parallel(
 
 #[cfg(test)]
 mod tests {
-    use super::split_range;
+    use super::*;
+
+    fn ctx(llc: usize, kc_fixed: bool) -> Ctx {
+        Ctx {
+            kernel: crate::arch::portable::kernel(),
+            blk: Blocking {
+                mc: 32,
+                kc: 8,
+                nc: 8,
+            },
+            l1d: 1 << 20,
+            llc,
+            kc_fixed,
+        }
+    }
+
+    #[test]
+    fn one_k_block_only_when_c_outgrows_the_last_level_cache() {
+        let kc = |c: &Ctx, m, n, k| c.blocking_for(m, n, k).kc;
+        // C of 20 × 13 floats is 1040 bytes.
+        assert_eq!(kc(&ctx(512, false), 20, 13, 15), 15);
+        assert_eq!(kc(&ctx(4096, false), 20, 13, 15), 8, "C fits in the cache");
+        assert_eq!(
+            kc(&ctx(512, false), 20, 13, 17),
+            8,
+            "k needs more than two blocks"
+        );
+        assert_eq!(kc(&ctx(512, true), 20, 13, 15), 8, "FUGU_GEMM_KC given");
+        assert_eq!(
+            kc(&ctx(0, false), 20, 13, 15),
+            8,
+            "no last-level cache known"
+        );
+    }
+
+    #[test]
+    fn one_k_block_gives_the_reference_result() {
+        let (m, n, k) = (20, 13, 15);
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 11) as f32 - 5.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.5).collect();
+        for llc in [512, 0] {
+            let mut c = vec![f32::NAN; m * n];
+            let p = Problem {
+                alpha: 1.5,
+                a: RawMat {
+                    ptr: a.as_ptr(),
+                    rows: m,
+                    cols: k,
+                    rs: k,
+                    cs: 1,
+                },
+                b: RawMat {
+                    ptr: b.as_ptr(),
+                    rows: k,
+                    cols: n,
+                    rs: n,
+                    cs: 1,
+                },
+                beta: 0.0,
+                c: RawMatMut {
+                    ptr: c.as_mut_ptr(),
+                    rows: m,
+                    cols: n,
+                    rs: n,
+                    cs: 1,
+                },
+            };
+            run_sequential(&ctx(llc, false), p);
+            let mut want = vec![0.0f32; m * n];
+            crate::reference::gemm_ref(
+                1.5,
+                crate::MatRef::row_major(&a, m, k).unwrap(),
+                crate::MatRef::row_major(&b, k, n).unwrap(),
+                0.0,
+                crate::MatMut::row_major(&mut want, m, n).unwrap(),
+            );
+            for (g, w) in c.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                    "llc={llc}: {g} vs {w}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn ranges_cover() {

@@ -151,7 +151,13 @@ impl Runtime {
             });
         }
         Ok(Runtime {
-            ctx: Ctx { kernel, blk },
+            ctx: Ctx {
+                kernel,
+                blk,
+                l1d: caches.l1d,
+                llc: caches.l3 / caches.l3_shared_by.max(1) * caches.l3_shared_by.min(16),
+                kc_fixed: std::env::var_os("FUGU_GEMM_KC").is_some() || cfg.blocking.is_some(),
+            },
             split,
             topology,
             caches,
