@@ -61,6 +61,12 @@ pub(crate) fn parse_cpulist(s: &str) -> Option<Vec<usize>> {
 }
 
 impl CacheInfo {
+    /// Bytes of L3 one domain's threads can count on: its share of the L3, scaled back up to at
+    /// most 16 sharers (0 when there is no L3).
+    pub fn l3_share(&self) -> usize {
+        self.l3 / self.l3_shared_by.max(1) * self.l3_shared_by.min(16)
+    }
+
     /// Reads `/sys/devices/system/cpu/cpuN/cache/index*/`; missing levels keep their defaults.
     pub fn detect(cpu: usize) -> CacheInfo {
         let mut info = CacheInfo::default();
@@ -112,21 +118,25 @@ pub struct Blocking {
     pub nc: usize,
 }
 
+/// The variable that overrides kc.
+const KC_VAR: &str = "FUGU_GEMM_KC";
+
+/// True when `FUGU_GEMM_KC` is set, so kc must be used as given.
+pub(crate) fn kc_overridden() -> bool {
+    std::env::var_os(KC_VAR).is_some()
+}
+
 fn round_down(x: usize, to: usize) -> usize {
     (x / to).max(1) * to
 }
 
 impl Blocking {
     /// Derives block sizes for an `mr × nr` kernel from the cache sizes.
-    ///
-    /// `threads_sharing_l2` is how many of our threads share one L2 (1 on x86 where L2 is
-    /// private; 12 on an A64FX CMG, whose threads then share one Ã block).
     pub fn derive(c: &CacheInfo, mr: usize, nr: usize) -> Blocking {
         let kc = round_down((c.l1d / 2) / (nr * 4), 16).clamp(64, 1024);
         let mc = round_down((c.l2 / 2) / (kc * 4), mr).min(round_down(4096, mr));
         let nc = if c.l3 > 0 {
-            let share = c.l3 / c.l3_shared_by.max(1) * c.l3_shared_by.min(16);
-            round_down((share / 2) / (kc * 4), nr).clamp(nr * 16, 8192 / nr * nr)
+            round_down((c.l3_share() / 2) / (kc * 4), nr).clamp(nr * 16, 8192 / nr * nr)
         } else {
             round_down(4096, nr)
         };
@@ -137,7 +147,7 @@ impl Blocking {
     pub fn with_env_overrides(mut self, mr: usize, nr: usize) -> Result<Blocking, GemmError> {
         for (var, slot, unit) in [
             ("FUGU_GEMM_MC", &mut self.mc, mr),
-            ("FUGU_GEMM_KC", &mut self.kc, 1),
+            (KC_VAR, &mut self.kc, 1),
             ("FUGU_GEMM_NC", &mut self.nc, nr),
         ] {
             if let Ok(v) = std::env::var(var) {

@@ -41,6 +41,17 @@ fn copy_piece(dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// Transposing pack, scalar part: row `r` of the panel (source row `r0 + r`, contiguous along
+/// k) from column `p0` to the end goes to `panel[p*w + r]`.
+fn scatter_row_tail(panel: &mut [f32], src: RawMat, r0: usize, r: usize, p0: usize, w: usize) {
+    let k = src.cols;
+    // SAFETY: row r0+r, columns p0..k are inside the source view, which is contiguous along k.
+    let tail = unsafe { std::slice::from_raw_parts(src.ptr.add((r0 + r) * src.rs + p0), k - p0) };
+    for (q, &v) in tail.iter().enumerate() {
+        panel[(p0 + q) * w + r] = v;
+    }
+}
+
 /// Packs the single panel of rows `r0 .. r0 + w` (clipped to the block, rest zero).
 pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     let k = src.cols;
@@ -81,22 +92,13 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
                     p += size;
                 }
                 for i in r..r + size {
-                    // SAFETY: row r0+i, columns p..k are inside the source view.
-                    let tail =
-                        unsafe { std::slice::from_raw_parts(base.add((r0 + i) * s_w + p), k - p) };
-                    for (q, &v) in tail.iter().enumerate() {
-                        panel[(p + q) * w + i] = v;
-                    }
+                    scatter_row_tail(panel, src, r0, i, p, w);
                 }
                 r += size;
             }
         }
         for r in r..rows {
-            // SAFETY: row r0+r, columns 0..k are inside the source view, contiguous along k.
-            let row = unsafe { std::slice::from_raw_parts(base.add((r0 + r) * s_w), k) };
-            for (p, &v) in row.iter().enumerate() {
-                panel[p * w + r] = v;
-            }
+            scatter_row_tail(panel, src, r0, r, 0, w);
         }
     } else {
         for (p, out) in panel.chunks_exact_mut(w).enumerate() {
@@ -112,7 +114,41 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
 mod tests {
     use super::*;
 
-    /// Whole blocks of several panels (partial last panel) against the definition.
+    /// Packs the `len × k` source with strides (rs, cs) into `w`-row panels and compares every
+    /// packed element with the definition (zeros past the last row).
+    fn check_pack(w: usize, k: usize, len: usize, rs: usize, cs: usize) {
+        let size = len * rs + k * cs + 1;
+        let data: Vec<f32> = (0..size).map(|i| i as f32 + 0.25).collect();
+        let src = RawMat {
+            ptr: data.as_ptr(),
+            rows: len,
+            cols: k,
+            rs,
+            cs,
+        };
+        let panels = len.div_ceil(w);
+        let mut got = vec![f32::NAN; panels * w * k];
+        pack_panels(&mut got, src, w);
+        for pi in 0..panels {
+            for p in 0..k {
+                for r in 0..w {
+                    let row = pi * w + r;
+                    let want = if row < len {
+                        data[row * rs + p * cs]
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(
+                        got[pi * w * k + p * w + r],
+                        want,
+                        "w={w} k={k} len={len} rs={rs} cs={cs} row={row} p={p}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Whole blocks of several panels (partial last panel), every stride kind.
     #[test]
     fn blocks_match_the_definition() {
         for &(w, k, len) in &[
@@ -123,40 +159,13 @@ mod tests {
             (4, 9, 3),
         ] {
             for (rs, cs) in [(1, len + 3), (k + 1, 1), (3, 3 * len + 2)] {
-                let size = len * rs + k * cs + 1;
-                let data: Vec<f32> = (0..size).map(|i| i as f32 + 0.25).collect();
-                let src = RawMat {
-                    ptr: data.as_ptr(),
-                    rows: len,
-                    cols: k,
-                    rs,
-                    cs,
-                };
-                let panels = len.div_ceil(w);
-                let mut got = vec![f32::NAN; panels * w * k];
-                pack_panels(&mut got, src, w);
-                for pi in 0..panels {
-                    for p in 0..k {
-                        for r in 0..w {
-                            let row = pi * w + r;
-                            let want = if row < len {
-                                data[row * rs + p * cs]
-                            } else {
-                                0.0
-                            };
-                            assert_eq!(
-                                got[pi * w * k + p * w + r],
-                                want,
-                                "w={w} k={k} len={len} rs={rs} cs={cs}"
-                            );
-                        }
-                    }
-                }
+                check_pack(w, k, len, rs, cs);
             }
         }
     }
 
-    /// Every pack path against the definition, on awkward widths, lengths and strides.
+    /// Single panels of every height up to `w` on awkward widths: each pack path (contiguous
+    /// along the panel, along k, neither), including the SIMD transposes' leftovers.
     #[test]
     fn packs_match_the_definition() {
         for &(w, k) in &[
@@ -170,29 +179,8 @@ mod tests {
         ] {
             for rows in [1, 3, 4, 7, 8, w - 1, w] {
                 let rows = rows.min(w);
-                // (row stride, column stride): contiguous along the panel, along k, neither.
                 for (rs, cs) in [(1, rows + 2), (k + 3, 1), (2, 2 * rows + 1)] {
-                    let len = rows * rs + k * cs + 1;
-                    let data: Vec<f32> = (0..len).map(|i| i as f32 + 0.5).collect();
-                    let src = RawMat {
-                        ptr: data.as_ptr(),
-                        rows,
-                        cols: k,
-                        rs,
-                        cs,
-                    };
-                    let mut got = vec![f32::NAN; w * k];
-                    pack_one_panel(&mut got, src, 0, w);
-                    for p in 0..k {
-                        for r in 0..w {
-                            let want = if r < rows { data[r * rs + p * cs] } else { 0.0 };
-                            assert_eq!(
-                                got[p * w + r],
-                                want,
-                                "w={w} k={k} rows={rows} rs={rs} cs={cs} r={r} p={p}"
-                            );
-                        }
-                    }
+                    check_pack(w, k, rows, rs, cs);
                 }
             }
         }

@@ -1,26 +1,8 @@
-//! Timing helpers: repeat a closure, report the median.
+//! Timing helpers: time several implementations in interleaved rounds, report medians.
 
 use std::time::Instant;
 
-/// Runs `f` once to warm up, then enough times to fill about `budget_s` seconds (between
-/// `min_reps` and `max_reps` runs), and returns the sorted run times in seconds.
-pub fn time_runs(mut f: impl FnMut(), budget_s: f64, min_reps: usize, max_reps: usize) -> Vec<f64> {
-    let t = Instant::now();
-    f();
-    let first = t.elapsed().as_secs_f64().max(1e-9);
-    let reps = ((budget_s / first).ceil() as usize).clamp(min_reps, max_reps);
-    let mut times: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times
-}
-
-/// A timed implementation: a name for errors and the closure that runs it once.
+/// A timed implementation: the closure that runs it once.
 pub type Contender<'a> = Box<dyn FnMut() + 'a>;
 
 /// Times several implementations of the same operation in interleaved rounds, so that drift in
