@@ -111,8 +111,14 @@ pub trait Backend {
     fn zero(&mut self, s: Span);
     /// Replaces the token buffer (inputs and targets of a step).
     fn set_tokens(&mut self, tokens: &[u32]);
-    /// Waits for queued work (no-op on the CPU); timers call it at `--timers fine`.
+    /// Waits for queued work (no-op on the CPU).
     fn sync(&self) {}
+    /// A function that waits for the work queued so far, for timers to call before reading
+    /// the clock ([`crate::metrics::timers::Timers::set_sync`]) so that device timings are
+    /// kernel times, not launch times. `None` when ops complete before they return (CPU).
+    fn sync_handle(&self) -> Option<Box<dyn Fn()>> {
+        None
+    }
 
     // --- embedding -----------------------------------------------------------------------
     /// `out (B,T,C) = wte[tokens] (+ wpe[t])`; tokens outside this vocabulary shard give 0.

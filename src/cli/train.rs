@@ -1,5 +1,6 @@
 //! `fugu train`: arguments and their mapping onto [`crate::train::TrainOptions`].
 
+use crate::backend::CpuBackend;
 use crate::config::{LrSchedule, RunConfig};
 use crate::metrics::timers::TimerLevel;
 use crate::train::dist::Dist;
@@ -184,7 +185,9 @@ impl TrainArgs {
 /// once and ends the job normally with its own exit code.
 pub fn run(args: TrainArgs) -> Result<()> {
     let mut dist = Dist::init()?;
-    let res = args.options().and_then(|opts| train::run(opts, &mut dist));
+    let res = args
+        .options()
+        .and_then(|opts| train::run(opts, &mut dist, CpuBackend::new()));
     if let Err(e) = &res {
         if let Some(x) = e.downcast_ref::<ExitError>() {
             // Every rank stops here together; rank 0 alone explains why.

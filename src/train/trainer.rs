@@ -1,0 +1,813 @@
+//! [`Trainer`]: `fugu train` over any [`Backend`], as a short list of named phases.
+//!
+//! ```text
+//! setup ─► for each step: step ─► log ─► evaluate ─► checkpoint ─► stop? ─► finish
+//! ```
+//!
+//! * [`Trainer::setup`]: output folder, resume point, configuration, grid, model on the given
+//!   backend (random init, `--init-from` or a checkpoint), data streams, the metrics header.
+//! * [`Trainer::step`]: one optimizer step (batch, forward, backward with overlapped
+//!   data-parallel buckets, gradient norm, non-finite check, AdamW, ZeRO-1 all-gather).
+//! * [`Trainer::log`]: `metrics.jsonl` and the progress line.
+//! * [`Trainer::evaluate`], [`Trainer::checkpoint`], [`Trainer::stop`]: at their intervals.
+//! * [`Trainer::finish`]: the per-op breakdown and the `end` event.
+//!
+//! The trainer never names a backend: the CLI builds one and hands it to [`Trainer::setup`].
+//! Host access (checkpoints, `--dump-grads`, losses) goes through the backend's
+//! `download`/`upload`, so buffers may live in device memory.
+
+use super::data::{self, BatchSource};
+use super::dist::Dist;
+use super::state::{SavedLayout, TrainState, STATE_FORMAT};
+use super::{
+    broadcast_string, default_out, dump, is_checkpoint_dir, layout, mib, peak_rss_bytes,
+    resume_point, schedule, set_threads, stop, ExitError, TrainOptions, TrainOutcome,
+    EXIT_CHECKPOINTED, EXIT_NONFINITE,
+};
+use crate::backend::Backend;
+use crate::checkpoint;
+use crate::config::RunConfig;
+use crate::metrics::flops::megatron_flops_per_step;
+use crate::metrics::jsonl::{MetricsWriter, StepRecord};
+use crate::metrics::machine::MachineInfo;
+use crate::metrics::progress::{Progress, StepLine};
+use crate::metrics::timers::{Breakdown, TimerLevel, Timers};
+use crate::model::init::init_params;
+use crate::model::table::{gpt2_params, Table};
+use crate::model::{Gpt2, OptimStep, TpRank};
+use crate::parallel::grad_sync::GradSync;
+use crate::parallel::{timer_stats, Comm, ReduceOp};
+use anyhow::{bail, Context, Result};
+use fugu_io::LoaderConfig;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Instant;
+
+/// What one completed optimizer step measured.
+#[derive(Clone, Copy, Debug)]
+pub struct StepResult {
+    /// Steps done after this one (1-based).
+    pub done: u64,
+    /// Loss averaged over data-parallel ranks.
+    pub loss: f32,
+    pub lr: f64,
+    /// Pre-clip global gradient norm.
+    pub grad_norm: f64,
+    pub step_ms: f64,
+    /// Collective payload bytes of this step.
+    pub comm_bytes: u64,
+}
+
+/// Totals kept for the end of the run.
+#[derive(Default)]
+struct RunTotals {
+    tokens_seen: u64,
+    skipped_nonfinite: u64,
+    last_checkpoint: Option<PathBuf>,
+    last_loss: f32,
+    last_val: Option<f64>,
+    step_ms: f64,
+    timed_steps: u64,
+    /// Rank 0: per-step mean, min and max over ranks of every timer, summed over steps.
+    rank_timers: [BTreeMap<String, f64>; 3],
+}
+
+/// Memory accounting for the header and the end-of-run RSS line (bytes per rank).
+#[derive(Clone, Copy)]
+struct Memory {
+    state: f64,
+    activations: f64,
+}
+
+/// One training run of `fugu train` on backend `B`.
+pub struct Trainer<'d, B: Backend> {
+    opts: TrainOptions,
+    dist: &'d Dist,
+    out: PathBuf,
+    cfg: RunConfig,
+    /// Resolved training data (manifest, pattern or `.bin`).
+    data: String,
+    val_data: String,
+    val_loader: LoaderConfig,
+    model: Gpt2<B>,
+    sync: GradSync,
+    /// The logical (tp = 1) parameter table, as in checkpoints.
+    full_table: Table,
+    source: BatchSource,
+    timers: Timers,
+    /// Rank 0 only.
+    metrics: Option<MetricsWriter>,
+    progress: Progress,
+    watch: stop::StopWatch,
+    /// The group the squared gradient norm is summed over.
+    norm_comm: Rc<dyn Comm>,
+    saved_layout: SavedLayout,
+    threads: usize,
+    start_step: u64,
+    tokens_per_step: u64,
+    flops_per_rank: f64,
+    peak_flops: f64,
+    memory: Memory,
+    window: Vec<u32>,
+    totals: RunTotals,
+}
+
+impl<'d, B: Backend> Trainer<'d, B> {
+    /// Everything before the first step: folders, resume point, configuration, grid, the
+    /// model on `backend`, its initial state, data, and the run header.
+    pub fn setup(opts: TrainOptions, dist: &'d mut Dist, backend: B) -> Result<Self> {
+        let threads = set_threads(opts.threads)?;
+        stop::install_handlers();
+        let watch = stop::StopWatch::new(
+            stop::find_deadline(opts.deadline.as_deref())?,
+            std::time::Duration::from_secs_f64(opts.deadline_margin.max(0.0)),
+        );
+        let out = output_dir(&opts, dist)?;
+        let resume_from = resume_point(opts.resume.as_deref(), &out)?;
+        if resume_from.is_none() && checkpoint::latest_checkpoint(&out)?.is_some() {
+            bail!(
+                "{} already holds checkpoints of another run; pass --resume auto to continue it \
+                 or --out to start a new one",
+                out.display()
+            );
+        }
+        // Everyone has looked at `out` before rank 0 changes it.
+        dist.world.barrier();
+        if dist.is_root() {
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            checkpoint::clean_stale_tmp(&out)?;
+        }
+
+        // Configuration: a resumed run keeps its model; run-length and optimiser fields come
+        // from the command line when given there (they are already merged into opts.config).
+        let mut cfg = opts.config.clone();
+        let mut start_state: Option<TrainState> = None;
+        if let Some(ck) = &resume_from {
+            let st: TrainState = checkpoint::read_state(ck)?;
+            if st.format != STATE_FORMAT {
+                bail!(
+                    "{}: state.json format {:?}, expected {STATE_FORMAT:?}",
+                    ck.display(),
+                    st.format
+                );
+            }
+            cfg.model = st.config.model.clone();
+            start_state = Some(st);
+        }
+        cfg.validate()?;
+        let m = cfg.model.clone();
+        let t = cfg.train.clone();
+        if opts.zero > 1 {
+            bail!("--zero {}: only stages 0 and 1 exist", opts.zero);
+        }
+        dist.make_grid(opts.tp, &m)?;
+        let dist: &'d Dist = dist;
+        let grid = dist.grid;
+        // The bundled corpus is tokenised once, by rank 0, before anyone reads it.
+        let data = match &start_state {
+            Some(st) if opts.data.is_none() => st.data.clone(),
+            _ if dist.is_root() => data::resolve_data(opts.data.as_deref(), false)?,
+            _ => String::new(),
+        };
+        let data = broadcast_string(dist, data);
+        let data_ranks = opts
+            .data_ranks
+            .or_else(|| {
+                let saved = start_state.as_ref()?.layout?.data_ranks;
+                saved.is_multiple_of(grid.dp).then_some(saved)
+            })
+            .unwrap_or(grid.dp);
+
+        // Model: this rank's tensor-parallel shard, its gradient buckets and (ZeRO-1) its
+        // block of the AdamW moments.
+        let tp = TpRank {
+            rank: grid.tp_rank,
+            size: grid.tp,
+        };
+        let mut model = Gpt2::new(&m, tp, backend)?;
+        model.set_tp_comm(dist.tp.clone())?;
+        let bucket_floats = ((opts.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
+        let sync = GradSync::new(&model.table, dist.dp.clone(), bucket_floats, opts.zero == 1);
+        model.set_owned(sync.owned(model.table.total()))?;
+        let full_table = gpt2_params(&m, 1)?;
+        let init_desc = initialise(
+            &mut model,
+            &full_table,
+            resume_from.as_deref(),
+            opts.init_from.as_deref(),
+            &cfg,
+        )?;
+
+        // Data: B rows per data-parallel rank.
+        let mut lcfg = LoaderConfig::train(t.batch_size, t.seq_len, 0, 1, t.seed);
+        lcfg.shuffle = opts.shuffle;
+        lcfg.vocab_size = m.vocab_size as u32;
+        let source = BatchSource::open(
+            &data,
+            &lcfg,
+            grid.dp_rank,
+            grid.dp,
+            data_ranks,
+            start_state.as_ref().map(|s| &s.cursor),
+        )?;
+        let val_data = opts.val_data.clone().unwrap_or_else(|| data.clone());
+        let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
+        val_loader.vocab_size = m.vocab_size as u32;
+
+        let machine = MachineInfo::detect(threads)?;
+        let global_batch = t.batch_size * grid.dp;
+        let flops_step =
+            megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
+        let (act_f, gact_f) = model.activation_floats(t.batch_size, t.seq_len);
+        let local_n = model.table.total() as f64;
+        let moment_n: f64 = model.owned().iter().map(|o| o.flat.len() as f64).sum();
+        let memory = Memory {
+            state: 8.0 * local_n + 8.0 * moment_n,
+            activations: 4.0 * (act_f + gact_f) as f64,
+        };
+        let start_step = start_state.as_ref().map_or(0, |s| s.step);
+        let timers = Timers::new(opts.timers);
+        if let Some(f) = model.be.sync_handle() {
+            timers.set_sync(f);
+        }
+        let mut progress = Progress::new(t.steps as u64, start_step, opts.tty && dist.is_root());
+        if !dist.is_root() {
+            progress = progress.silenced();
+        }
+        progress.set_log_every(opts.log_every.max(1) as u64);
+        let norm_comm = if opts.zero == 1 {
+            dist.world.clone()
+        } else {
+            dist.tp.clone()
+        };
+        let totals = RunTotals {
+            tokens_seen: start_state.as_ref().map_or(0, |s| s.tokens_seen),
+            skipped_nonfinite: start_state.as_ref().map_or(0, |s| s.skipped_nonfinite),
+            last_checkpoint: resume_from.clone(),
+            last_loss: f32::NAN,
+            ..Default::default()
+        };
+        let mut trainer = Trainer {
+            dist,
+            out,
+            data,
+            val_data,
+            val_loader,
+            sync,
+            full_table,
+            source,
+            timers,
+            metrics: None,
+            progress,
+            watch,
+            norm_comm,
+            saved_layout: SavedLayout {
+                tp: grid.tp,
+                dp: grid.dp,
+                zero: opts.zero,
+                data_ranks,
+            },
+            threads,
+            start_step,
+            tokens_per_step: (global_batch * t.seq_len) as u64,
+            flops_per_rank: flops_step / grid.world_size as f64,
+            peak_flops: machine.peak_gflops * 1e9,
+            memory,
+            window: Vec::new(),
+            totals,
+            model,
+            cfg,
+            opts,
+        };
+        if trainer.dist.is_root() {
+            trainer.write_header(&machine, &init_desc, flops_step, (act_f, gact_f))?;
+        }
+        Ok(trainer)
+    }
+
+    /// Runs every remaining step, then [`Self::finish`]. An early stop (signal, deadline) or a
+    /// non-finite loss ends with an [`ExitError`].
+    pub fn run(mut self) -> Result<TrainOutcome> {
+        let steps = self.cfg.train.steps as u64;
+        for step in self.start_step..steps {
+            let Some(r) = self.step(step)? else { continue };
+            self.log(&r)?;
+            let is_last = r.done == steps;
+            self.evaluate(r.done, is_last)?;
+            let saved = self.checkpoint(r.done, is_last)?;
+            // Evaluation and checkpoint time count in the run totals, not in the next step.
+            self.timers.fold_into_totals();
+            self.stop(r.done, is_last, saved)?;
+        }
+        self.finish()
+    }
+
+    /// One optimizer step at 0-based `step`. `None` when a non-finite step was skipped
+    /// (`--skip-nonfinite`); an [`ExitError`] when it was not allowed to be.
+    pub fn step(&mut self, step: u64) -> Result<Option<StepResult>> {
+        let t = &self.cfg.train;
+        let timers = &self.timers;
+        let model = &mut self.model;
+        let t0 = Instant::now();
+        let bytes0 = self.dist.payload_bytes();
+        {
+            let _g = timers.scope("forward:batch-generator", TimerLevel::Coarse);
+            self.source
+                .next_into(&mut self.window)
+                .with_context(|| format!("reading training data {} at step {step}", self.data))?;
+        }
+        model.set_batch(&self.window, t.batch_size, t.seq_len)?;
+        model.zero_grad();
+        let local_loss = model.forward(timers, true);
+        self.sync.begin_step();
+        let grads = model.grads;
+        let sync = &mut self.sync;
+        model.backward_with(timers, &mut |be, from| sync.ready(be, grads, from));
+        {
+            let _g = timers.scope("allreduce-params", TimerLevel::Coarse);
+            sync.finish(&mut model.be, model.grads);
+        }
+        let loss = self.dist.dp_mean(local_loss as f64) as f32;
+        if step == self.start_step && self.start_step == 0 {
+            if let Some(path) = &self.opts.dump_grads {
+                if self.dist.is_parallel() {
+                    bail!("--dump-grads works with one process only");
+                }
+                let g = model.download(model.grads);
+                dump::dump_grads(path, &self.cfg.model, &model.table, &g)?;
+                eprintln!("  wrote first-step gradients to {}", path.display());
+            }
+        }
+        let optimizer_timer = timers.scope("optimizer", TimerLevel::Coarse);
+        let mut sq = [model.grad_sq_sum(timers)];
+        self.norm_comm.allreduce_f64(&mut sq, ReduceOp::Sum);
+        let norm = sq[0].sqrt();
+        let lr = schedule::lr_at(t, step as usize);
+        if !loss.is_finite() || !norm.is_finite() {
+            drop(optimizer_timer);
+            return self.nonfinite(step, loss, norm).map(|()| None);
+        }
+        model.apply_optimizer(
+            &OptimStep {
+                lr,
+                beta1: t.beta1,
+                beta2: t.beta2,
+                eps: t.eps,
+                weight_decay: t.weight_decay,
+                grad_clip: t.grad_clip,
+                step: step + 1,
+            },
+            norm,
+        );
+        drop(optimizer_timer);
+        if self.sync.active() && self.opts.zero == 1 {
+            let _g = timers.scope("allgather-params", TimerLevel::Coarse);
+            self.sync.gather_params(&mut model.be, model.params);
+        }
+        self.watch.record_step(t0.elapsed());
+        Ok(Some(StepResult {
+            done: step + 1,
+            loss,
+            lr,
+            grad_norm: norm,
+            step_ms: t0.elapsed().as_secs_f64() * 1e3,
+            comm_bytes: self.dist.payload_bytes() - bytes0,
+        }))
+    }
+
+    /// A step whose loss or gradient norm is not finite: skip it while `--skip-nonfinite`
+    /// allows, else stop with [`EXIT_NONFINITE`]. Loss and norm are reduced over all ranks, so
+    /// every rank decides the same.
+    fn nonfinite(&mut self, step: u64, loss: f32, norm: f64) -> Result<()> {
+        if let Some(w) = self.metrics.as_mut() {
+            w.event(
+                "nonfinite",
+                &json!({"step": step, "loss": loss, "grad_norm": norm}),
+            )?;
+        }
+        let skipped = &mut self.totals.skipped_nonfinite;
+        if *skipped < self.opts.skip_nonfinite {
+            *skipped += 1;
+            self.progress.message(&format!(
+                "step {step}: non-finite loss {loss} / grad norm {norm}: update skipped ({skipped} of at most {})",
+                self.opts.skip_nonfinite
+            ));
+            return Ok(());
+        }
+        self.progress.finish();
+        let keep = match &self.totals.last_checkpoint {
+            Some(c) => format!("the last good checkpoint is {}", c.display()),
+            None => "no checkpoint was written yet".to_string(),
+        };
+        Err(ExitError {
+            code: EXIT_NONFINITE,
+            message: format!(
+                "non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; parameters were not updated and {keep}. \
+                 Lower --lr, check the data, or pass --skip-nonfinite N to skip up to N such steps"
+            ),
+        }
+        .into())
+    }
+
+    /// Records a completed step: run totals, `metrics.jsonl` (rank 0; timers as mean/min/max
+    /// over ranks in parallel runs) and the progress line.
+    pub fn log(&mut self, r: &StepResult) -> Result<()> {
+        self.totals.last_loss = r.loss;
+        self.totals.tokens_seen += self.tokens_per_step;
+        let timer_map = self.timers.take_step();
+        let stats = if self.dist.is_parallel() {
+            timer_stats::gather(&*self.dist.world, &timer_map)
+        } else {
+            None
+        };
+        self.totals.step_ms += r.step_ms;
+        self.totals.timed_steps += 1;
+        let secs = r.step_ms / 1e3;
+        let flops = self.flops_per_rank / secs;
+        let tokens_per_s = self.tokens_per_step as f64 / secs;
+        if let Some(w) = self.metrics.as_mut() {
+            let mut rec = StepRecord {
+                step: r.done,
+                loss: r.loss as f64,
+                lr: r.lr,
+                grad_norm: r.grad_norm,
+                tokens: self.totals.tokens_seen,
+                tokens_per_s,
+                step_ms: r.step_ms,
+                tflops_per_process: flops / 1e12,
+                peak_pct: 100.0 * flops / self.peak_flops,
+                timers: timer_map,
+                ..Default::default()
+            };
+            if let Some(st) = stats {
+                for (tot, m) in self
+                    .totals
+                    .rank_timers
+                    .iter_mut()
+                    .zip([&st.mean, &st.min, &st.max])
+                {
+                    for (k, v) in m {
+                        *tot.entry(k.clone()).or_default() += v;
+                    }
+                }
+                rec.timers = st.mean;
+                rec.timers_min = st.min;
+                rec.timers_max = st.max;
+                rec.comm_bytes = Some(r.comm_bytes);
+            }
+            w.step(&rec)?;
+        }
+        self.progress.update(&StepLine {
+            step: r.done,
+            loss: r.loss as f64,
+            lr: r.lr,
+            tokens_per_s,
+            step_ms: r.step_ms,
+            tflops: flops / 1e12,
+            eta_secs: None,
+        });
+        Ok(())
+    }
+
+    /// The validation loss every `eval_every` steps and at the end, averaged over
+    /// data-parallel ranks.
+    pub fn evaluate(&mut self, done: u64, is_last: bool) -> Result<()> {
+        let t = &self.cfg.train;
+        if t.eval_every == 0 || (!done.is_multiple_of(t.eval_every as u64) && !is_last) {
+            return Ok(());
+        }
+        let _g = self.timers.scope("eval", TimerLevel::Coarse);
+        let (model, timers) = (&mut self.model, &self.timers);
+        let v = data::eval_loss(
+            &self.val_data,
+            &self.val_loader,
+            self.opts.eval_batches,
+            |w| {
+                model.set_batch(w, t.batch_size, t.seq_len)?;
+                Ok(model.forward(timers, false))
+            },
+        )?;
+        if let Some(v) = v {
+            let v = self.dist.dp_mean(v);
+            if let Some(w) = self.metrics.as_mut() {
+                w.eval(done, v)?;
+            }
+            self.progress
+                .message(&format!("step {done}: val_loss {v:.4}"));
+            self.totals.last_val = Some(v);
+        }
+        Ok(())
+    }
+
+    /// Writes a checkpoint every `ckpt_every` steps and at the end. True when it wrote one.
+    pub fn checkpoint(&mut self, done: u64, is_last: bool) -> Result<bool> {
+        let every = self.cfg.train.ckpt_every as u64;
+        if (every > 0 && done.is_multiple_of(every)) || is_last {
+            self.save(done)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Writes `ckpt-DONE` (gathered on rank 0); every rank returns once it is complete.
+    fn save(&mut self, done: u64) -> Result<()> {
+        let t0 = Instant::now();
+        let _g = self.timers.scope("checkpoint", TimerLevel::Coarse);
+        let full = layout::gather_full(&self.model, &self.sync, self.dist, &self.full_table)?;
+        let mut path = None;
+        if let Some([p, mm, vv]) = full {
+            let state = TrainState {
+                format: STATE_FORMAT.into(),
+                step: done,
+                config: self.cfg.clone(),
+                data: self.data.clone(),
+                cursor: self.source.cursor(),
+                tokens_seen: self.totals.tokens_seen,
+                skipped_nonfinite: self.totals.skipped_nonfinite,
+                threads: self.threads,
+                fugu_version: env!("CARGO_PKG_VERSION").into(),
+                layout: Some(self.saved_layout),
+            };
+            let written = checkpoint::write_checkpoint(
+                &self.out,
+                done,
+                &self.cfg.model,
+                &self.full_table,
+                &p,
+                Some((&mm, &vv)),
+                done,
+                &state,
+                self.opts.keep_last,
+            )?;
+            if let Some(w) = self.metrics.as_mut() {
+                w.event("checkpoint", &json!({"step": done, "path": written}))?;
+            }
+            path = Some(written);
+        }
+        // No rank runs ahead of an incomplete checkpoint.
+        self.dist.world.barrier();
+        self.watch.record_checkpoint(t0.elapsed());
+        self.totals.last_checkpoint =
+            Some(path.unwrap_or_else(|| self.out.join(checkpoint::checkpoint_dir_name(done))));
+        Ok(())
+    }
+
+    /// Stops early when any rank was signalled or its deadline is near: writes a checkpoint
+    /// (unless this step already did) and ends with [`EXIT_CHECKPOINTED`].
+    pub fn stop(&mut self, done: u64, is_last: bool, checkpointed: bool) -> Result<()> {
+        let reason = self.watch.should_stop();
+        let mut flag = [reason.is_some() as u8 as f64];
+        self.dist.world.allreduce_f64(&mut flag, ReduceOp::Max);
+        if flag[0] == 0.0 || is_last {
+            return Ok(());
+        }
+        if !checkpointed {
+            self.save(done)?;
+        }
+        self.progress.finish();
+        let why = reason.unwrap_or_else(|| "another rank was told to stop".into());
+        let last = &self.totals.last_checkpoint;
+        if let Some(w) = self.metrics.as_mut() {
+            w.event(
+                "stopped",
+                &json!({"step": done, "reason": why, "checkpoint": last}),
+            )?;
+        }
+        let ck = last
+            .as_ref()
+            .map(|c| c.display().to_string())
+            .unwrap_or_default();
+        Err(ExitError {
+            code: EXIT_CHECKPOINTED,
+            message: format!(
+                "stopped after step {done} of {} ({why}); checkpoint {ck} is complete. \
+                 Resubmit with --resume auto to continue",
+                self.cfg.train.steps
+            ),
+        }
+        .into())
+    }
+
+    /// The end of a completed run: the per-op breakdown (stderr and `breakdown.json`), peak
+    /// RSS and the `end` event.
+    pub fn finish(mut self) -> Result<TrainOutcome> {
+        self.progress.finish();
+        let tot = &self.totals;
+        let root = self.dist.is_root();
+        if tot.timed_steps > 0 && root {
+            let b = if self.dist.is_parallel() {
+                let mut b =
+                    Breakdown::from_totals(&tot.rank_timers[0], tot.step_ms, tot.timed_steps);
+                b.set_rank_spread(&tot.rank_timers[1], &tot.rank_timers[2]);
+                b
+            } else {
+                self.timers.breakdown(tot.step_ms, tot.timed_steps)
+            };
+            let whose = if self.dist.is_parallel() {
+                format!("mean over {} ranks", self.dist.grid.world_size)
+            } else {
+                "one process".into()
+            };
+            eprintln!(
+                "\nper-op breakdown (ms per step, {whose}, {} steps):\n{}",
+                tot.timed_steps,
+                b.to_table()
+            );
+            b.write_json(self.out.join("breakdown.json"))?;
+        }
+        let rss = peak_rss_bytes();
+        if let Some(w) = self.metrics.as_mut() {
+            if let Some(rss) = rss {
+                eprintln!(
+                    "peak RSS {} = {:.2} x (params+grads+AdamW + activations)",
+                    mib(rss as f64),
+                    rss as f64 / (self.memory.state + self.memory.activations)
+                );
+            }
+            w.event(
+                "end",
+                &json!({"steps": self.cfg.train.steps, "last_loss": tot.last_loss,
+                        "val_loss": tot.last_val, "peak_rss_bytes": rss,
+                        "checkpoint": tot.last_checkpoint}),
+            )?;
+            if let Some(c) = &tot.last_checkpoint {
+                eprintln!("checkpoint: {}", c.display());
+            }
+        }
+        Ok(TrainOutcome {
+            out_dir: self.out,
+            steps_done: self.cfg.train.steps as u64,
+            last_loss: tot.last_loss,
+            last_checkpoint: tot.last_checkpoint.clone(),
+            val_loss: tot.last_val,
+        })
+    }
+
+    /// Rank 0: opens `metrics.jsonl` (appending when resuming), writes its header line and
+    /// prints the run summary.
+    fn write_header(
+        &mut self,
+        machine: &MachineInfo,
+        init_desc: &str,
+        flops_step: f64,
+        (act_f, gact_f): (usize, usize),
+    ) -> Result<()> {
+        let (opts, dist, t) = (&self.opts, self.dist, &self.cfg.train);
+        let grid = dist.grid;
+        let metrics_path = self.out.join("metrics.jsonl");
+        let mut w = if self.start_step > 0 {
+            MetricsWriter::append(&metrics_path)?
+        } else {
+            MetricsWriter::create(&metrics_path)?
+        };
+        let local_n = self.model.table.total() as f64;
+        let moment_n: f64 = self.model.owned().iter().map(|o| o.flat.len() as f64).sum();
+        let global_batch = t.batch_size * grid.dp;
+        let params_n = self.full_table.elements();
+        let header = json!({
+            "config": self.cfg,
+            "config_name": opts.config_name,
+            "data": self.data,
+            "init": init_desc,
+            "machine": machine,
+            "layout": {
+                "world": grid.world_size, "tp": grid.tp, "dp": grid.dp, "nodes": dist.nodes,
+                "ranks_per_node": grid.world_size / dist.nodes.max(1), "threads": self.threads,
+                "zero": opts.zero, "data_ranks": self.saved_layout.data_ranks,
+                "global_batch": global_batch, "bucket_mb": opts.bucket_mb,
+                "buckets": self.sync.buckets(),
+            },
+            "backend": self.model.be.name(),
+            "parameters": params_n,
+            "memory": {
+                "per_rank": true,
+                "params_grads_bytes": 8.0 * local_n,
+                "adam_moment_bytes": 8.0 * moment_n,
+                "params_grads_adam_bytes": self.memory.state,
+                "activation_bytes": self.memory.activations,
+            },
+            "flops_per_step": flops_step,
+            "flops_per_step_per_rank": self.flops_per_rank,
+            "start_step": self.start_step,
+            "fugu_version": env!("CARGO_PKG_VERSION"),
+        });
+        w.header(&header)?;
+        self.metrics = Some(w);
+        eprintln!(
+            "fugu train: {} ({:.2}M parameters), B={} per rank x dp {} = {} sequences of T={}, steps={} | {} | out {}",
+            opts.config_name,
+            params_n as f64 / 1e6,
+            t.batch_size,
+            grid.dp,
+            global_batch,
+            t.seq_len,
+            t.steps,
+            init_desc,
+            self.out.display()
+        );
+        if dist.is_parallel() {
+            eprintln!(
+                "  layout: {} ranks on {} node(s) = dp {} x tp {}, ZeRO-{}, {} gradient buckets of {} MiB, {} data streams",
+                grid.world_size, dist.nodes, grid.dp, grid.tp, opts.zero, self.sync.buckets(),
+                opts.bucket_mb, self.saved_layout.data_ranks
+            );
+        }
+        eprintln!(
+            "  machine: {} | {} threads per rank ({}) | peak {:.0} GFLOP/s per rank ({})",
+            machine.cpu_model,
+            self.threads,
+            machine.layout,
+            machine.peak_gflops,
+            machine.peak_source
+        );
+        eprintln!(
+            "  memory per rank: params+grads 8 B x {:.2}M = {}, AdamW moments 8 B x {:.2}M = {}{}, activations {} (forward {} + backward scratch {}), expected total {}",
+            local_n / 1e6,
+            mib(8.0 * local_n),
+            moment_n / 1e6,
+            mib(8.0 * moment_n),
+            if opts.zero == 1 && grid.dp > 1 { format!(" (ZeRO-1: 1/{} of the shard)", grid.dp) } else { String::new() },
+            mib(self.memory.activations),
+            mib(4.0 * act_f as f64),
+            mib(4.0 * gact_f as f64),
+            mib(self.memory.state + self.memory.activations)
+        );
+        if let Some(d) = self.watch.deadline() {
+            eprintln!(
+                "  deadline: {} (in {:.0} s): a checkpoint is written and the run stops (exit code {EXIT_CHECKPOINTED}) before it",
+                d.source,
+                d.at_unix - std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |x| x.as_secs_f64())
+            );
+        }
+        eprintln!(
+            "  data: {} ({} tokens, {:.1} batches/epoch per stream)",
+            self.data,
+            self.source.info().tokens,
+            self.source.info().batches_per_epoch
+        );
+        Ok(())
+    }
+}
+
+/// `--out`, or the run folder implied by `--resume DIR`, or a fresh `runs/CONFIG-TIME`.
+fn output_dir(opts: &TrainOptions, dist: &Dist) -> Result<PathBuf> {
+    Ok(match (&opts.out, &opts.resume) {
+        (Some(o), _) => o.clone(),
+        (None, Some(r)) if r != "auto" => {
+            let p = PathBuf::from(r);
+            if is_checkpoint_dir(&p) {
+                p.parent().map(Path::to_path_buf).unwrap_or_default()
+            } else {
+                p
+            }
+        }
+        _ if dist.is_parallel() => bail!(
+            "--out is required with several MPI ranks (the default folder name contains the \
+             start time, which differs between ranks)"
+        ),
+        _ => default_out(&opts.config_name),
+    })
+}
+
+/// Loads the model's starting point: a checkpoint (parameters and AdamW moments), a Hugging
+/// Face directory (`--init-from`, parameters only) or the seeded random init. Returns how, for
+/// the header.
+fn initialise<B: Backend>(
+    model: &mut Gpt2<B>,
+    full_table: &Table,
+    resume_from: Option<&Path>,
+    init_from: Option<&Path>,
+    cfg: &RunConfig,
+) -> Result<String> {
+    let m = &cfg.model;
+    if let Some(ck) = resume_from {
+        let mut host = vec![0.0f32; full_table.total()];
+        checkpoint::load_hf(ck)?.copy_into(full_table, &mut host)?;
+        let mut mm = vec![0.0f32; full_table.total()];
+        let mut vv = vec![0.0f32; full_table.total()];
+        checkpoint::load_optimizer(ck, full_table, &mut mm, &mut vv)?;
+        layout::load_full(model, full_table, &host, Some((&mm, &vv)))?;
+        return Ok(format!("resumed from {}", ck.display()));
+    }
+    if let Some(dir) = init_from {
+        let hf = checkpoint::load_hf(dir)?;
+        if &hf.config != m {
+            bail!(
+                "--init-from {}: its config.json ({:?}) does not match the run's model ({:?}); \
+                 use a config with the same model section",
+                dir.display(),
+                hf.config,
+                m
+            );
+        }
+        let mut host = vec![0.0f32; full_table.total()];
+        hf.copy_into(full_table, &mut host)?;
+        layout::load_full(model, full_table, &host, None)?;
+        return Ok(format!("initialised from {}", dir.display()));
+    }
+    let host = init_params(m, full_table, cfg.train.seed);
+    layout::load_full(model, full_table, &host, None)?;
+    Ok(format!("random init (seed {})", cfg.train.seed))
+}
