@@ -32,7 +32,7 @@ fn kv_cache_matches_full_forward() {
     model.forward(&Timers::new(TimerLevel::Off), false);
     let full = model.last_logits();
     let vp = padded_vocab(cfg.vocab_size);
-    let mut g = Generator::new(&cfg, params).unwrap();
+    let mut g = Generator::new(&cfg, &params, CpuBackend::new()).unwrap();
     let mut worst = 0.0f32;
     for (pos, &tok) in window[..t].iter().enumerate() {
         let got = g.step(tok).unwrap();
@@ -60,7 +60,7 @@ fn generation_is_deterministic_and_stops_at_the_context() {
         seed: 5,
     };
     let run = || {
-        let mut g = Generator::new(&cfg, params.clone()).unwrap();
+        let mut g = Generator::new(&cfg, &params, CpuBackend::new()).unwrap();
         generate(&mut g, &[1, 2, 3], &o, |_| {}).unwrap()
     };
     let a = run();

@@ -107,6 +107,12 @@ impl Backend for CpuBackend {
         self.host_mut(s).fill(0.0);
     }
 
+    fn copy(&mut self, dst: Span, src: Span) {
+        assert_eq!(dst.len, src.len, "copy: span lengths differ");
+        let ([d], [s]) = views(&mut self.bufs, [dst], [src]);
+        d.copy_from_slice(s);
+    }
+
     fn set_tokens(&mut self, tokens: &[u32]) {
         self.tokens.clear();
         self.tokens.extend_from_slice(tokens);
@@ -290,6 +296,20 @@ impl Backend for CpuBackend {
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let ([dq], [da, q]) = views(&mut self.bufs, [dqkv], [datt, qkv]);
         ops::attention::attention_scores_backward(dq, da, q, d.b, d.t, d.nh, d.hs);
+    }
+
+    fn attention_decode(
+        &mut self,
+        out: Span,
+        q: Span,
+        k_cache: Span,
+        v_cache: Span,
+        len: usize,
+        nh: usize,
+        hs: usize,
+    ) {
+        let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, k_cache, v_cache]);
+        ops::attention::attention_decode(o, q, k, v, len, nh, hs);
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {

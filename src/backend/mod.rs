@@ -109,6 +109,8 @@ pub trait Backend {
     }
     /// Sets a span to zero.
     fn zero(&mut self, s: Span);
+    /// `dst = src` (same length, not overlapping).
+    fn copy(&mut self, dst: Span, src: Span);
     /// Replaces the token buffer (inputs and targets of a step).
     fn set_tokens(&mut self, tokens: &[u32]);
     /// Waits for queued work (no-op on the CPU).
@@ -227,6 +229,20 @@ pub trait Backend {
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims);
     /// The Q and K columns of `dqkv` overwritten.
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims);
+    /// One new token attending over a key/value cache (incremental decoding): `out (nh·hs)`
+    /// overwritten with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head; `k_cache`, `v_cache`
+    /// are (P ≥ len, nh·hs) with the new token's own key and value already at row `len - 1`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_decode(
+        &mut self,
+        out: Span,
+        q: Span,
+        k_cache: Span,
+        v_cache: Span,
+        len: usize,
+        nh: usize,
+        hs: usize,
+    );
 
     // --- pointwise -----------------------------------------------------------------------
     fn gelu_forward(&mut self, out: Span, inp: Span);

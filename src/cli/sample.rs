@@ -1,5 +1,6 @@
 //! `fugu sample`: generate text from a checkpoint.
 
+use crate::backend::CpuBackend;
 use crate::checkpoint;
 use crate::model::table::gpt2_params;
 use crate::sample::{generate, Generator, SampleOptions};
@@ -77,7 +78,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let table = gpt2_params(&hf.config, 1)?;
     let mut params = vec![0.0f32; table.total()];
     hf.copy_into(&table, &mut params)?;
-    let mut g = Generator::new(&hf.config, params)?;
+    let mut g = Generator::new(&hf.config, &params, CpuBackend::new())?;
     let tok = fugu_io::Gpt2Tokenizer::new();
     let prompt = tok.encode(&args.prompt);
     eprintln!(

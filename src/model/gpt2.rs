@@ -13,6 +13,7 @@
 //! to the parameter ranges this rank updates.
 
 use super::acts::{acts_table, grad_acts_table, Acts, GradActs, StepDims};
+use super::kv::KvCache;
 use super::params::ParamSpans;
 use super::table::{gpt2_params, padded_vocab, Table};
 use crate::backend::{AdamWStep, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
@@ -76,6 +77,15 @@ fn tp_allreduce<B: Backend>(
     }
 }
 
+/// Where a forward pass's tokens come from and what attention looks at.
+#[derive(Clone, Copy)]
+enum Pass<'c> {
+    /// The batch of [`Gpt2::set_batch`]: causal attention within each sequence.
+    Batch,
+    /// One token at position `pos` (a batch of 1×1), attending to `cache`.
+    Decode { cache: &'c KvCache, pos: usize },
+}
+
 /// The model on a backend.
 pub struct Gpt2<B: Backend> {
     pub cfg: ModelConfig,
@@ -96,13 +106,25 @@ pub struct Gpt2<B: Backend> {
 
 impl<B: Backend> Gpt2<B> {
     /// Allocates parameters (zeroed), gradients and moments for `cfg` on `be`.
-    pub fn new(cfg: &ModelConfig, tp: TpRank, mut be: B) -> Result<Gpt2<B>> {
+    pub fn new(cfg: &ModelConfig, tp: TpRank, be: B) -> Result<Gpt2<B>> {
+        Self::build(cfg, tp, be, true)
+    }
+
+    /// Parameters only, no gradients or AdamW moments (a quarter of the memory), for
+    /// [`Self::decode`] and evaluation; the training methods ([`Self::backward`],
+    /// [`Self::apply_optimizer`]) must not be called on it.
+    pub fn for_inference(cfg: &ModelConfig, be: B) -> Result<Gpt2<B>> {
+        Self::build(cfg, TpRank::SERIAL, be, false)
+    }
+
+    fn build(cfg: &ModelConfig, tp: TpRank, mut be: B, trainable: bool) -> Result<Gpt2<B>> {
         let table = gpt2_params(cfg, tp.size)?;
         let n = table.total();
         let params = be.alloc(n)?;
-        let grads = be.alloc(n)?;
-        let m = be.alloc(n)?;
-        let v = be.alloc(n)?;
+        let state_n = if trainable { n } else { 0 };
+        let grads = be.alloc(state_n)?;
+        let m = be.alloc(state_n)?;
+        let v = be.alloc(state_n)?;
         let p = ParamSpans::new(&table, params, cfg.n_layer);
         let g = p.on(grads);
         Ok(Gpt2 {
@@ -119,10 +141,18 @@ impl<B: Backend> Gpt2<B> {
             acts: None,
             tp_comm: Rc::new(SerialComm::new()),
             owned: vec![OwnedRange {
-                flat: 0..n,
+                flat: 0..state_n,
                 moment_offset: 0,
             }],
         })
+    }
+
+    /// Panics (a bug in the caller) when the model was built by [`Self::for_inference`].
+    fn assert_trainable(&self) {
+        assert!(
+            self.be.buf_len(self.grads) == self.table.total(),
+            "training method called on a model built for inference"
+        );
     }
 
     /// Uses `comm` (this rank's tensor-parallel group, of size `tp.size`) for the TP
@@ -277,12 +307,98 @@ impl<B: Backend> Gpt2<B> {
     /// `for_backward`, the logits are replaced by the loss gradient (mean over B·T), ready for
     /// [`Self::backward`].
     pub fn forward(&mut self, timers: &Timers, for_backward: bool) -> f32 {
+        let _fwd = timers.scope("forward", Coarse);
+        self.forward_logits(timers, Pass::Batch);
+        let (a, _) = self.acts.as_ref().expect("set_batch before forward");
+        let d = a.dims;
+        let n = d.n();
+        let targets = TokSpan { offset: n, len: n };
+        let vocab_start = self.tp.rank * d.vp;
+        let be = &mut self.be;
+        let comm = &*self.tp_comm;
+        let cd = CeDims {
+            n,
+            vp: d.vp,
+            v_valid: self.cfg.vocab_size.saturating_sub(vocab_start).min(d.vp),
+            vocab_start,
+        };
+        // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
+        let loss_allreduce = "forward:loss:allreduce";
+        let _t = timers.scope("forward:loss", Fine);
+        be.ce_row_max(a.ce_max, a.logits, cd);
+        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_max, ReduceOp::Max);
+        be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
+        be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
+        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_sum, ReduceOp::Sum);
+        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_tl, ReduceOp::Sum);
+        let dloss = for_backward.then_some(1.0 / n as f32);
+        be.ce_finish(
+            a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
+        );
+        let mut losses = vec![0.0f32; n];
+        be.download(a.losses, &mut losses);
+        (losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64) as f32
+    }
+
+    /// Next-token logits (real vocabulary only) after feeding `token` at position `pos`, its
+    /// key and value appended to `cache` (which must hold positions `0..pos` from earlier
+    /// calls). The same forward pass as training ([`Self::forward`]) on a batch of one token,
+    /// with attention over the cache ([`Backend::attention_decode`]).
+    pub fn decode(
+        &mut self,
+        cache: &KvCache,
+        token: u32,
+        pos: usize,
+        timers: &Timers,
+    ) -> Result<Vec<f32>> {
+        if self.tp.size != 1 {
+            bail!("decoding needs the whole model on one rank (tp = 1)");
+        }
+        if pos >= cache.positions() || pos >= self.cfg.n_positions {
+            bail!(
+                "context full: the model accepts at most n_positions = {} tokens",
+                self.cfg.n_positions
+            );
+        }
+        if token as usize >= self.cfg.vocab_size {
+            bail!(
+                "token id {token} is not below vocab_size {}",
+                self.cfg.vocab_size
+            );
+        }
+        self.ensure_acts(1, 1)?;
+        self.be.set_tokens(&[token]);
+        self.forward_logits(timers, Pass::Decode { cache, pos });
+        let logits = self.acts().0.logits.sub(0, self.cfg.vocab_size);
+        let mut out = vec![0.0; logits.len];
+        self.be.download(logits, &mut out);
+        Ok(out)
+    }
+
+    /// A key/value cache for [`Self::decode`] on this model's backend (all positions).
+    pub fn kv_cache(&mut self) -> Result<KvCache> {
+        let d = self.dims(1, 1);
+        KvCache::new(
+            &mut self.be,
+            self.cfg.n_layer,
+            self.cfg.n_positions,
+            d.local_c(),
+        )
+    }
+
+    /// Releases a cache's memory.
+    pub fn free_kv_cache(&mut self, cache: KvCache) {
+        self.be.free(cache.buf());
+    }
+
+    /// The forward pass from tokens to logits (everything but the loss), shared by training
+    /// and decoding; `pass` says where the tokens and attention's keys and values come from.
+    fn forward_logits(&mut self, timers: &Timers, pass: Pass) {
         let (a, _) = self.acts.as_ref().expect("set_batch before forward");
         let d = a.dims;
         let n = d.n();
         let (c, f, lc) = (d.c, d.f, d.local_c());
         let inputs = TokSpan { offset: 0, len: n };
-        let targets = TokSpan { offset: n, len: n };
         let vocab_start = self.tp.rank * d.vp;
         let ad = d.attn();
         let p = &self.p;
@@ -291,7 +407,6 @@ impl<B: Backend> Gpt2<B> {
         // Replicated additions (position embedding, row-parallel biases) happen on one rank,
         // before the all-reduce sums the shards.
         let first = self.tp.rank == 0;
-        let _fwd = timers.scope("forward", Coarse);
         {
             let _t = timers.scope("forward:embedding", Fine);
             // TP: vocabulary-parallel embedding = partial sums, all-reduced; wpe once.
@@ -300,7 +415,10 @@ impl<B: Backend> Gpt2<B> {
                 inputs,
                 p.wte,
                 vocab_start,
-                first.then_some(p.wpe),
+                first.then_some(match pass {
+                    Pass::Batch => p.wpe,
+                    Pass::Decode { pos, .. } => p.wpe.sub(pos * c, c),
+                }),
                 d.b,
                 d.t,
                 c,
@@ -315,7 +433,7 @@ impl<B: Backend> Gpt2<B> {
             );
         }
         let mut resid = a.encoded;
-        for (la, lp) in a.layers.iter().zip(&p.layers) {
+        for (l, (la, lp)) in a.layers.iter().zip(&p.layers).enumerate() {
             {
                 let _t = timers.scope("forward:layernorm", Fine);
                 be.layernorm_forward(
@@ -342,17 +460,26 @@ impl<B: Backend> Gpt2<B> {
                     3 * lc,
                 );
             }
-            {
-                let _t = timers.scope("forward:attention:baddbmm", Fine);
-                be.attention_scores(la.att, la.qkv, ad);
-            }
-            {
-                let _t = timers.scope("forward:attention:softmax", Fine);
-                be.attention_softmax(la.att, ad);
-            }
-            {
-                let _t = timers.scope("forward:attention:bmm", Fine);
-                be.attention_values(la.atty, la.att, la.qkv, ad);
+            match pass {
+                Pass::Batch => {
+                    {
+                        let _t = timers.scope("forward:attention:baddbmm", Fine);
+                        be.attention_scores(la.att, la.qkv, ad);
+                    }
+                    {
+                        let _t = timers.scope("forward:attention:softmax", Fine);
+                        be.attention_softmax(la.att, ad);
+                    }
+                    let _t = timers.scope("forward:attention:bmm", Fine);
+                    be.attention_values(la.atty, la.att, la.qkv, ad);
+                }
+                Pass::Decode { cache, pos } => {
+                    let _t = timers.scope("forward:attention:decode", Fine);
+                    let (k, v) = (cache.k(l), cache.v(l));
+                    be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
+                    be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
+                    be.attention_decode(la.atty, la.qkv.sub(0, lc), k, v, pos + 1, d.nh, d.hs);
+                }
             }
             {
                 let _t = timers.scope("forward:attention:proj", Fine);
@@ -455,32 +582,11 @@ impl<B: Backend> Gpt2<B> {
                 d.vp,
             );
         }
-        let cd = CeDims {
-            n,
-            vp: d.vp,
-            v_valid: self.cfg.vocab_size.saturating_sub(vocab_start).min(d.vp),
-            vocab_start,
-        };
-        // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
-        let loss_allreduce = "forward:loss:allreduce";
-        let _t = timers.scope("forward:loss", Fine);
-        be.ce_row_max(a.ce_max, a.logits, cd);
-        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_max, ReduceOp::Max);
-        be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
-        be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
-        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_sum, ReduceOp::Sum);
-        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_tl, ReduceOp::Sum);
-        let dloss = for_backward.then_some(1.0 / n as f32);
-        be.ce_finish(
-            a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
-        );
-        let mut losses = vec![0.0f32; n];
-        be.download(a.losses, &mut losses);
-        (losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64) as f32
     }
 
     /// Sets every gradient to zero.
     pub fn zero_grad(&mut self) {
+        self.assert_trainable();
         let s = self.be.whole(self.grads);
         self.be.zero(s);
     }
@@ -494,6 +600,7 @@ impl<B: Backend> Gpt2<B> {
     /// offsets `from..` have their final value for this step (after each block, in reverse
     /// order, and with `from = 0` at the end), so their all-reduce can start early.
     pub fn backward_with(&mut self, timers: &Timers, ready: &mut dyn FnMut(&B, usize)) {
+        self.assert_trainable();
         let (a, ga) = self.acts.as_ref().expect("set_batch before backward");
         let d = a.dims;
         let n = d.n();
@@ -717,6 +824,7 @@ impl<B: Backend> Gpt2<B> {
     /// one AdamW step on every tensor; weight decay only on 2-D tensors. `norm` is the pre-clip
     /// global gradient norm from [`Self::grad_norm`].
     pub fn apply_optimizer(&mut self, o: &OptimStep, norm: f64) {
+        self.assert_trainable();
         let mut scale = 1.0f64;
         if o.grad_clip > 0.0 {
             let coef = o.grad_clip / (norm + 1e-6);

@@ -5,6 +5,7 @@
 pub mod acts;
 pub mod gpt2;
 pub mod init;
+pub mod kv;
 pub mod params;
 pub mod table;
 

@@ -342,6 +342,57 @@ pub fn attention_scores_backward<T: Float>(
     }
 }
 
+/// Attention of one new token over a key/value cache (incremental decoding).
+///
+/// * `out`: (nh·hs), **overwritten** with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head.
+/// * `q`: (nh·hs), the new token's queries (the Q part of its qkv row).
+/// * `k_cache`, `v_cache`: (P, nh·hs) with P ≥ `len`; rows `0..len` are the keys and values of
+///   positions `0..len`, the new token's own at row `len - 1` (the caller appends it first).
+///
+/// Same result as the last row of [`attention_scores`] → [`attention_softmax`] →
+/// [`attention_values`] over the `len`-token prefix, up to summation order. Parallel over
+/// heads.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode<T: Float>(
+    out: &mut [T],
+    q: &[T],
+    k_cache: &[T],
+    v_cache: &[T],
+    len: usize,
+    nh: usize,
+    hs: usize,
+) {
+    let c = nh * hs;
+    assert_eq!(out.len(), c, "attention_decode: out length");
+    assert_eq!(q.len(), c, "attention_decode: q length");
+    assert!(len >= 1, "attention_decode: empty cache");
+    assert!(
+        k_cache.len() >= len * c && v_cache.len() >= len * c,
+        "attention_decode: cache shorter than {len} positions"
+    );
+    let alpha = scale::<T>(hs);
+    out.par_chunks_mut(hs)
+        .enumerate()
+        .for_each_init(Vec::new, |w, (h, o)| {
+            let qh = &q[h * hs..(h + 1) * hs];
+            w.clear();
+            w.extend((0..len).map(|s| {
+                let k = &k_cache[s * c + h * hs..s * c + (h + 1) * hs];
+                qh.iter().zip(k).fold(T::ZERO, |acc, (&a, &b)| acc + a * b) * alpha
+            }));
+            let mx = super::crossentropy::row_max(w);
+            let sum = T::sum_exp_row(w, mx);
+            T::exp_scale_row(w, mx, T::from_f64(1.0 / sum));
+            o.fill(T::ZERO);
+            for (s, &p) in w.iter().enumerate() {
+                let v = &v_cache[s * c + h * hs..s * c + (h + 1) * hs];
+                for (x, &vv) in o.iter_mut().zip(v) {
+                    *x += p * vv;
+                }
+            }
+        });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,6 +523,31 @@ mod tests {
         attention_scores_backward(&mut dqkv2, &datt, &qkv, b, t, nh, hs);
         for (i, &x) in dqkv2.iter().enumerate() {
             assert_eq!(x == 7.0, (i % (3 * c)) >= 2 * c, "element {i}");
+        }
+    }
+    /// Decoding token by token over a cache gives every row of the full causal attention.
+    #[test]
+    fn decode_matches_the_full_forward_rows() {
+        let (t, nh, hs) = (7, 3, 5);
+        let c = nh * hs;
+        let qkv: Vec<f64> = (0..t * 3 * c)
+            .map(|i| ((i * 7919) % 97) as f64 / 48.0 - 1.0)
+            .collect();
+        let (_, full) = forward(&qkv, 1, t, nh, hs);
+        let mut kc = vec![f64::NAN; (t + 2) * c];
+        let mut vc = kc.clone();
+        for pos in 0..t {
+            let row = &qkv[pos * 3 * c..(pos + 1) * 3 * c];
+            kc[pos * c..(pos + 1) * c].copy_from_slice(&row[c..2 * c]);
+            vc[pos * c..(pos + 1) * c].copy_from_slice(&row[2 * c..]);
+            let mut out = vec![f64::NAN; c];
+            attention_decode(&mut out, &row[..c], &kc, &vc, pos + 1, nh, hs);
+            assert_close(
+                &format!("decode row {pos}"),
+                &out,
+                &full[pos * c..(pos + 1) * c],
+                1e-12,
+            );
         }
     }
 }
