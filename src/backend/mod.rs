@@ -11,10 +11,14 @@
 //! layer over them. Every op documents which outputs are overwritten and which accumulate.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 
 pub use crate::ops::adamw::AdamWStep;
 pub use crate::ops::linear::WeightLayout;
 pub use cpu::CpuBackend;
+pub use device::{CudaSettings, Device};
 
 /// One buffer owned by a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -113,6 +117,15 @@ pub trait Backend {
     fn copy(&mut self, dst: Span, src: Span);
     /// Replaces the token buffer (inputs and targets of a step).
     fn set_tokens(&mut self, tokens: &[u32]);
+    /// The device in words, for logs and the metrics header.
+    fn describe(&self) -> String {
+        self.name().to_string()
+    }
+    /// The device's FP32 peak in GFLOP/s and where it comes from, for MFU; `None` for the
+    /// host CPU, whose peak [`crate::metrics::machine::MachineInfo`] measures.
+    fn peak_gflops(&self) -> Option<(f64, String)> {
+        None
+    }
     /// Waits for queued work (no-op on the CPU).
     fn sync(&self) {}
     /// A function that waits for the work queued so far, for timers to call before reading

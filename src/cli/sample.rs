@@ -1,6 +1,6 @@
 //! `fugu sample`: generate text from a checkpoint.
 
-use crate::backend::CpuBackend;
+use crate::backend::{Backend, CudaSettings, Device};
 use crate::checkpoint;
 use crate::model::table::gpt2_params;
 use crate::sample::{generate, Generator, SampleOptions};
@@ -31,6 +31,12 @@ pub struct SampleArgs {
     pub seed: u64,
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where to run: cpu, cuda (device 0) or cuda:N (needs a build with --features cuda).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N")]
+    pub device: Device,
+    /// With --device cuda: TF32 tensor cores for the GEMMs (default: strict fp32).
+    #[arg(long)]
+    pub tf32: bool,
 }
 
 /// The newest checkpoint (by modification time) of any run under `runs`.
@@ -78,11 +84,26 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let table = gpt2_params(&hf.config, 1)?;
     let mut params = vec![0.0f32; table.total()];
     hf.copy_into(&table, &mut params)?;
-    let mut g = Generator::new(&hf.config, &params, CpuBackend::new())?;
+    let cuda = CudaSettings { tf32: args.tf32 };
+    crate::with_backend!(args.device, cuda, |be| {
+        sample_on(be, &args, &dir, &hf.config, &params)
+    })
+}
+
+/// Generates on backend `be` and prints the text as it comes.
+fn sample_on<B: Backend>(
+    be: B,
+    args: &SampleArgs,
+    dir: &Path,
+    cfg: &crate::config::ModelConfig,
+    params: &[f32],
+) -> Result<()> {
+    let device = be.describe();
+    let mut g = Generator::new(cfg, params, be)?;
     let tok = fugu_io::Gpt2Tokenizer::new();
     let prompt = tok.encode(&args.prompt);
     eprintln!(
-        "sampling from {} ({} prompt tokens)",
+        "sampling from {} ({} prompt tokens) on {device}",
         dir.display(),
         prompt.len()
     );

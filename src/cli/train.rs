@@ -1,6 +1,6 @@
 //! `fugu train`: arguments and their mapping onto [`crate::train::TrainOptions`].
 
-use crate::backend::CpuBackend;
+use crate::backend::{CudaSettings, Device};
 use crate::config::{LrSchedule, RunConfig};
 use crate::metrics::timers::TimerLevel;
 use crate::train::dist::Dist;
@@ -73,6 +73,14 @@ pub struct TrainArgs {
     /// Validation batches per evaluation.
     #[arg(long, default_value_t = 8)]
     pub eval_batches: usize,
+    /// Where to run: cpu, cuda (device 0) or cuda:N. CUDA needs a build with
+    /// `--features cuda` and, at run time, the NVIDIA driver, cuBLAS and NVRTC (CUDA 13).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N")]
+    pub device: Device,
+    /// With --device cuda: let cuBLAS use TF32 tensor cores for the fp32 GEMMs (default:
+    /// strict fp32).
+    #[arg(long)]
+    pub tf32: bool,
     /// Compute threads (GEMM and the other ops). Default: all CPUs this process may use.
     #[arg(long)]
     pub threads: Option<usize>,
@@ -185,9 +193,10 @@ impl TrainArgs {
 /// once and ends the job normally with its own exit code.
 pub fn run(args: TrainArgs) -> Result<()> {
     let mut dist = Dist::init()?;
-    let res = args
-        .options()
-        .and_then(|opts| train::run(opts, &mut dist, CpuBackend::new()));
+    let cuda = CudaSettings { tf32: args.tf32 };
+    let res = args.options().and_then(|opts| {
+        crate::with_backend!(args.device, cuda, |be| train::run(opts, &mut dist, be))
+    });
     if let Err(e) = &res {
         if let Some(x) = e.downcast_ref::<ExitError>() {
             // Every rank stops here together; rank 0 alone explains why.

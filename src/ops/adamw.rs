@@ -50,6 +50,18 @@ pub fn adamw_update(
     assert_eq!(grads.len(), params.len(), "adamw_update: grads length");
     assert_eq!(m.len(), params.len(), "adamw_update: m length");
     assert_eq!(v.len(), params.len(), "adamw_update: v length");
+    let k = step_scalars(hp);
+    params
+        .par_chunks_mut(ELEM_CHUNK)
+        .zip(grads.par_chunks(ELEM_CHUNK))
+        .zip(m.par_chunks_mut(ELEM_CHUNK))
+        .zip(v.par_chunks_mut(ELEM_CHUNK))
+        .for_each(|(((p, g), m), v)| update_chunk(p, g, m, v, &k));
+}
+
+/// The per-step scalars of [`adamw_update`] (see there), shared with device backends so that
+/// every backend applies the same rounded constants.
+pub fn step_scalars(hp: &AdamWStep) -> StepScalars {
     assert!(hp.step >= 1, "adamw_update: step is 1-based");
     let (lr, b1, b2) = (hp.lr as f64, hp.beta1 as f64, hp.beta2 as f64);
     let bias_correction1 = 1.0 - b1.powf(hp.step as f64);
@@ -60,8 +72,7 @@ pub fn adamw_update(
     let (beta1, beta2, eps, scale) = (hp.beta1, hp.beta2, hp.eps, hp.grad_scale);
     let one_m_b1 = (1.0 - b1) as f32;
     let one_m_b2 = (1.0 - b2) as f32;
-
-    let k = Consts {
+    StepScalars {
         beta1,
         beta2,
         eps,
@@ -71,31 +82,26 @@ pub fn adamw_update(
         neg_step_size,
         bc2_sqrt,
         decay: decay.unwrap_or(1.0),
-    };
-    params
-        .par_chunks_mut(ELEM_CHUNK)
-        .zip(grads.par_chunks(ELEM_CHUNK))
-        .zip(m.par_chunks_mut(ELEM_CHUNK))
-        .zip(v.par_chunks_mut(ELEM_CHUNK))
-        .for_each(|(((p, g), m), v)| update_chunk(p, g, m, v, &k));
+    }
 }
 
 /// Per-step scalars of the update.
-struct Consts {
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    scale: f32,
-    one_m_b1: f32,
-    one_m_b2: f32,
-    neg_step_size: f32,
-    bc2_sqrt: f32,
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepScalars {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub scale: f32,
+    pub one_m_b1: f32,
+    pub one_m_b2: f32,
+    pub neg_step_size: f32,
+    pub bc2_sqrt: f32,
     /// `1 − lr·wd`, or exactly 1 without decay (multiplying by 1.0 is exact).
-    decay: f32,
+    pub decay: f32,
 }
 
 #[inline(always)]
-fn update_body(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &Consts) {
+fn update_body(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &StepScalars) {
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let g = g * k.scale;
         *p *= k.decay;
@@ -108,13 +114,13 @@ fn update_body(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &Const
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn update_avx512(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &Consts) {
+fn update_avx512(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &StepScalars) {
     update_body(p, g, m, v, k)
 }
 
 /// One chunk of the update, with the widest vectors the CPU has (the same arithmetic, no FMA
 /// contraction, so results are identical on every path).
-fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &Consts) {
+fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &StepScalars) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU supports AVX-512F (checked just above).

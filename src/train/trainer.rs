@@ -217,6 +217,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         val_loader.vocab_size = m.vocab_size as u32;
 
         let machine = MachineInfo::detect(threads)?;
+        let peak_gflops = model.be.peak_gflops().map_or(machine.peak_gflops, |p| p.0);
         let global_batch = t.batch_size * grid.dp;
         let flops_step =
             megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
@@ -273,7 +274,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             start_step,
             tokens_per_step: (global_batch * t.seq_len) as u64,
             flops_per_rank: flops_step / grid.world_size as f64,
-            peak_flops: machine.peak_gflops * 1e9,
+            peak_flops: peak_gflops * 1e9,
             memory,
             window: Vec::new(),
             totals,
@@ -680,6 +681,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "buckets": self.sync.buckets(),
             },
             "backend": self.model.be.name(),
+            "device": self.model.be.describe(),
+            "peak_gflops_per_rank": self.peak_flops / 1e9,
             "parameters": params_n,
             "memory": {
                 "per_rank": true,
