@@ -3,7 +3,9 @@
 # (Debian's rustc-web with its arm64 std, gcc-aarch64-linux-gnu), QEMU user mode from
 # bookworm-backports, llvm-14 (llvm-mca, llvm-objdump), python3, Open MPI with its headers and
 # libclang (for the `mpi` feature: rsmpi generates its bindings with bindgen) and shellcheck
-# (job scripts). (Slurm and munge for the job-script tests come from jobscripts/local-slurm.sh.)
+# (job scripts), and NVRTC (CUDA 13, from PyPI's nvidia-cuda-nvrtc wheel, into
+# /opt/fugu-nvrtc) so the `cuda` feature's kernels are compiled by the real NVRTC without a GPU.
+# (Slurm and munge for the job-script tests come from jobscripts/local-slurm.sh.)
 # Run as root (CI) or with sudo. Already-installed packages are not touched, so a second run
 # takes well under a second.
 set -euo pipefail
@@ -16,6 +18,15 @@ for p in rustc-web libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu libc6-dev-arm
 done
 need_qemu=0
 command -v qemu-aarch64 >/dev/null 2>&1 || need_qemu=1
+
+# NVRTC needs no GPU; the wheel is 58 MB. Not fatal: without it the NVRTC test says "skipped".
+nvrtc_dir=/opt/fugu-nvrtc
+if [ ! -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+  if python3 -m pip install -q --no-deps --target "$nvrtc_dir" "nvidia-cuda-nvrtc>=13,<14" 2>&1 | tail -3; then
+    [ -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ] && echo "install-deps: NVRTC in $nvrtc_dir"
+  fi
+  [ -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ] || echo "install-deps: warning: could not install NVRTC from PyPI; the kernel compile test will be skipped"
+fi
 
 if [ ${#need[@]} -eq 0 ] && [ $need_qemu -eq 0 ]; then
   echo "install-deps: everything already installed"

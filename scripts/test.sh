@@ -4,13 +4,16 @@
 #   2. the host test suite (x86-64: portable, AVX2 and AVX-512 kernels, driver, CLI),
 #   2b. the MPI tests (`--features mpi`: dp, tp, tp x dp and ZeRO-1 against one process,
 #       checkpoint resharding, failure on one rank) with Open MPI on this machine,
+#   2c. the CUDA backend (`--features cuda`): build, clippy, its tests; the kernels are compiled
+#       by NVRTC (installed by install-deps.sh, no GPU needed); the tests that need a GPU print
+#       "skipped: no CUDA device" here,
 #   3. fugu-gemm's tests on aarch64 under QEMU at 512 (A64FX), 128, 256 and 2048-bit SVE,
 #   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%),
 #   5. the batch job scripts (jobscripts/, docs/JOBS.md) for real: Slurm jobs submitted to a
 #      local single-node Slurm (jobscripts/local-slurm.sh, needs root) and the pjsub scripts
 #      under jobscripts/pjsub/local-pjsub.sh, with an MPI build of fugu (FUGU_JOBS_FEATURES,
 #      default "mpi"). Not root: skipped with a message.
-# Skip stages with FUGU_TEST_SKIP="fmt host mpi aarch64 mca jobs" (space-separated) for quick loops.
+# Skip stages with FUGU_TEST_SKIP="fmt host mpi cuda aarch64 mca jobs" (space-separated) for quick loops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -37,6 +40,13 @@ if ! skip mpi; then
   # Open MPI refuses to run as root without these; CI runs as root.
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   cargo test --locked -j2 --features mpi --test mpi_cli -- --test-threads 1
+fi
+
+if ! skip cuda; then
+  stage "CUDA backend (--features cuda; GPU tests skip without a GPU)"
+  cargo clippy --locked -j2 --features cuda --all-targets -- -D warnings
+  LD_LIBRARY_PATH="/opt/fugu-nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    cargo test --locked -j2 --features cuda --test cuda
 fi
 
 if ! skip aarch64; then

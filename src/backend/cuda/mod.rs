@@ -458,6 +458,19 @@ impl CudaBackend {
     }
 }
 
+/// True when NVRTC (`libnvrtc.so.13`) can be loaded; it needs no GPU.
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// `kernels.cu` compiled to PTX text for compute capability `major.minor` (what
+/// [`CudaBackend::new`] does, exposed so that the kernels can be checked on a machine with
+/// NVRTC but no GPU). Call only when [`nvrtc_available`].
+pub fn kernels_ptx(major: i32, minor: i32) -> Result<String> {
+    Ok(compile_kernels(major, minor)?.to_src())
+}
+
 /// Compiles `kernels.cu` to PTX for compute capability `major.minor`.
 fn compile_kernels(major: i32, minor: i32) -> Result<cudarc::nvrtc::Ptx> {
     let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();

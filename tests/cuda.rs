@@ -1,0 +1,584 @@
+//! The CUDA backend against the CPU backend: every op on awkward shapes, the whole model (loss
+//! and every gradient), 20 training steps, checkpoints across devices, exact resume on one GPU
+//! and greedy sampling. Each test prints `skipped: ...` and passes where it cannot run: in a
+//! build without `--features cuda`, or with no CUDA driver or device.
+//!
+//! Tolerances: both backends compute in fp32 with no FMA contraction in the kernels; they differ
+//! only in summation order (cuBLAS's and the kernels' reduction trees against fugu-gemm's and
+//! the CPU loops) and in `expf`/`tanhf` (CUDA's are within 2 ulp). Elementwise ops are held to a
+//! few ulp (1e-6 relative); sums of k products of O(1) values differ by about √k·ε per element
+//! (worst case k·ε), so GEMM-based ops, with k ≤ 300 here, are held to 2e-5 relative to the
+//! output's largest magnitude; reductions done in f64 on both sides (sum of squares) to 1e-12.
+
+/// Prints a skip notice on the real stderr (not captured by the test harness).
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_tests() {
+    skipped("built without --features cuda (cargo test --features cuda runs these)");
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use fugu::backend::cuda::{self, CudaBackend};
+    use fugu::backend::{
+        AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Span, TokSpan, WeightLayout,
+    };
+    use fugu::config::{ModelConfig, RunConfig};
+    use fugu::metrics::jsonl::{read_metrics, Record};
+    use fugu::metrics::timers::{TimerLevel, Timers};
+    use fugu::model::init::init_params;
+    use fugu::model::table::gpt2_params;
+    use fugu::model::{Gpt2, OptimStep, TpRank};
+    use fugu::sample::{generate, Generator, SampleOptions};
+    use fugu_io::rng::SplitMix64;
+    use std::path::{Path, PathBuf};
+    use std::process::{Command, Output};
+
+    use super::skipped;
+
+    /// A CUDA backend on device 0, or `None` (after printing why) where there is none.
+    fn gpu() -> Option<CudaBackend> {
+        match CudaBackend::new(0, CudaSettings::default()) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                skipped(&format!("no CUDA device ({e:#})"));
+                None
+            }
+        }
+    }
+
+    /// The kernels compile under NVRTC for every architecture CUDA 13 supports (Turing to Blackwell), and the PTX
+    /// defines every kernel the backend loads. Needs NVRTC only, no GPU (CI installs it).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        if !cuda::nvrtc_available() {
+            skipped("NVRTC (libnvrtc.so.13) not found; scripts/install-deps.sh installs it");
+            return;
+        }
+        for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            let ptx = cuda::kernels_ptx(major, minor)
+                .unwrap_or_else(|e| panic!("sm_{major}{minor}: {e:#}"));
+            for name in cuda::KERNEL_NAMES {
+                assert!(
+                    ptx.contains(&format!(".entry {name}(")),
+                    "sm_{major}{minor}: no kernel {name} in the PTX"
+                );
+            }
+        }
+    }
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = SplitMix64(seed);
+        (0..n)
+            .map(|_| (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            .collect()
+    }
+
+    /// The same buffers on both backends (allocated in the same order, so a span means the
+    /// same thing on each).
+    struct Both {
+        cpu: CpuBackend,
+        gpu: CudaBackend,
+    }
+
+    impl Both {
+        fn new() -> Option<Both> {
+            Some(Both {
+                cpu: CpuBackend::new(),
+                gpu: gpu()?,
+            })
+        }
+
+        fn buf(&mut self, data: &[f32]) -> Span {
+            let a = self.cpu.alloc(data.len()).unwrap();
+            let b = self.gpu.alloc(data.len()).unwrap();
+            assert_eq!(a, b);
+            let s = self.cpu.whole(a);
+            self.cpu.upload(s, data);
+            self.gpu.upload(s, data);
+            s
+        }
+
+        fn rand(&mut self, n: usize, seed: u64) -> Span {
+            self.buf(&random(n, seed))
+        }
+
+        /// A buffer filled with NaN, so an op that forgets to write an element is caught.
+        fn nan(&mut self, n: usize) -> Span {
+            self.buf(&vec![f32::NAN; n])
+        }
+
+        fn tokens(&mut self, t: &[u32]) {
+            self.cpu.set_tokens(t);
+            self.gpu.set_tokens(t);
+        }
+
+        fn run(&mut self, f: impl Fn(&mut dyn Backend)) {
+            f(&mut self.cpu);
+            f(&mut self.gpu);
+        }
+
+        /// Compares `s` on both backends: |gpu − cpu| ≤ tol · max(1, max |cpu|).
+        fn check(&self, what: &str, s: Span, tol: f64) {
+            let (mut a, mut b) = (vec![0.0; s.len], vec![0.0; s.len]);
+            self.cpu.download(s, &mut a);
+            self.gpu.download(s, &mut b);
+            compare(what, &a, &b, tol);
+        }
+    }
+
+    fn compare(what: &str, cpu: &[f32], gpu: &[f32], tol: f64) {
+        assert_eq!(cpu.len(), gpu.len(), "{what}: length");
+        let scale = cpu.iter().fold(1.0f64, |m, &x| m.max((x as f64).abs()));
+        for (i, (&x, &y)) in cpu.iter().zip(gpu).enumerate() {
+            assert!(
+                x.is_finite() == y.is_finite() && x.is_nan() == y.is_nan(),
+                "{what}[{i}]: cpu {x} gpu {y}"
+            );
+            if x.is_finite() {
+                let d = (x as f64 - y as f64).abs();
+                assert!(
+                    d <= tol * scale,
+                    "{what}[{i}]: cpu {x:e} gpu {y:e} (scale {scale:e})"
+                );
+            }
+        }
+    }
+
+    const ELEM: f64 = 1e-6;
+    const GEMM: f64 = 2e-5;
+
+    #[test]
+    fn embedding_and_layernorm() {
+        let Some(mut be) = Both::new() else { return };
+        let (b, t, c) = (3, 5, 7);
+        // A vocabulary shard of 11 rows starting at id 4: some tokens fall outside it.
+        let toks: Vec<u32> = (0..b * t).map(|i| ((i * 7) % 19) as u32).collect();
+        be.tokens(&toks);
+        let tk = TokSpan {
+            offset: 0,
+            len: b * t,
+        };
+        let wte = be.rand(11 * c, 1);
+        let wpe = be.rand(9 * c, 2);
+        for with_wpe in [true, false] {
+            let out = be.nan(b * t * c);
+            let p = with_wpe.then_some(wpe);
+            be.run(|x| x.encoder_forward(out, tk, wte, 4, p, b, t, c));
+            be.check("encoder_forward", out, ELEM);
+            let dwte = be.rand(11 * c, 3);
+            let dwpe = be.rand(9 * c, 4);
+            let dout = be.rand(b * t * c, 5);
+            let dp = with_wpe.then_some(dwpe);
+            be.run(|x| x.encoder_backward(dwte, dp, dout, tk, 4, b, t, c));
+            be.check("encoder_backward dwte", dwte, ELEM);
+            be.check("encoder_backward dwpe", dwpe, ELEM);
+        }
+        // C above one block of threads, and a single row.
+        for (n, c) in [(13, 37), (3, 300), (1, 5)] {
+            let (out, mean, rstd) = (be.nan(n * c), be.nan(n), be.nan(n));
+            let inp = be.rand(n * c, 6);
+            let (w, bias) = (be.rand(c, 7), be.rand(c, 8));
+            be.run(|x| x.layernorm_forward(out, mean, rstd, inp, w, bias, n, c));
+            be.check("layernorm_forward out", out, ELEM * 10.0);
+            be.check("layernorm_forward mean", mean, ELEM);
+            be.check("layernorm_forward rstd", rstd, ELEM);
+            let (dinp, dw, db) = (be.rand(n * c, 9), be.rand(c, 10), be.rand(c, 11));
+            let dout = be.rand(n * c, 12);
+            be.run(|x| x.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, n, c));
+            be.check("layernorm_backward dinp", dinp, ELEM * 10.0);
+            // Column sums over n rows in different orders.
+            be.check("layernorm_backward dw", dw, GEMM);
+            be.check("layernorm_backward dbias", db, GEMM);
+        }
+    }
+
+    #[test]
+    fn linear_layers() {
+        let Some(mut be) = Both::new() else { return };
+        for (n, ic, oc) in [(17, 33, 65), (1, 8, 3), (130, 64, 300)] {
+            for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                for with_bias in [true, false] {
+                    let out = be.nan(n * oc);
+                    let inp = be.rand(n * ic, 1);
+                    let w = be.rand(ic * oc, 2);
+                    let bias = be.rand(oc, 3);
+                    let bo = with_bias.then_some(bias);
+                    be.run(|x| x.linear_forward(out, inp, w, layout, bo, n, ic, oc));
+                    be.check("linear_forward", out, GEMM);
+                    let dinp = be.nan(n * ic);
+                    let dw = be.rand(ic * oc, 4);
+                    let db = be.rand(oc, 5);
+                    let dout = be.rand(n * oc, 6);
+                    let dbo = with_bias.then_some(db);
+                    be.run(|x| {
+                        x.linear_backward(Some(dinp), dw, dbo, dout, inp, w, layout, n, ic, oc)
+                    });
+                    be.check("linear_backward dinp", dinp, GEMM);
+                    be.check("linear_backward dw", dw, GEMM);
+                    be.check("linear_backward dbias", db, GEMM);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attention() {
+        let Some(mut be) = Both::new() else { return };
+        // T = 1, and T = 37 (not a multiple of any block size).
+        for (b, t, nh, hs) in [(2, 1, 3, 8), (2, 37, 3, 8), (1, 300, 2, 4)] {
+            let d = AttnDims { b, t, nh, hs };
+            let c = nh * hs;
+            let qkv = be.rand(b * t * 3 * c, 1);
+            let att = be.nan(b * nh * t * t);
+            let out = be.nan(b * t * c);
+            be.run(|x| x.attention_scores(att, qkv, d));
+            be.check("attention_scores", att, GEMM);
+            be.run(|x| x.attention_softmax(att, d));
+            be.check("attention_softmax", att, ELEM * 10.0);
+            be.run(|x| x.attention_values(out, att, qkv, d));
+            be.check("attention_values", out, GEMM);
+            let dout = be.rand(b * t * c, 2);
+            let datt = be.nan(b * nh * t * t);
+            let dqkv = be.nan(b * t * 3 * c);
+            be.run(|x| x.attention_values_backward(datt, dqkv, dout, att, qkv, d));
+            be.check("attention_values_backward datt", datt, GEMM);
+            be.run(|x| x.attention_softmax_backward(datt, att, d));
+            be.check("attention_softmax_backward", datt, GEMM);
+            be.run(|x| x.attention_scores_backward(dqkv, datt, qkv, d));
+            be.check("attention dqkv", dqkv, GEMM);
+        }
+        // Decoding over a cache of 1..=9 positions.
+        let (nh, hs, p) = (3, 5, 12);
+        let c = nh * hs;
+        let (kc, vc) = (be.rand(p * c, 3), be.rand(p * c, 4));
+        let q = be.rand(c, 5);
+        for len in 1..=9 {
+            let out = be.nan(c);
+            be.run(|x| x.attention_decode(out, q, kc, vc, len, nh, hs));
+            be.check("attention_decode", out, GEMM);
+        }
+    }
+
+    #[test]
+    fn pointwise_loss_and_optimizer() {
+        let Some(mut be) = Both::new() else { return };
+        let n = 1003;
+        let (a, bb) = (be.rand(n, 1), be.rand(n, 2));
+        let out = be.nan(n);
+        be.run(|x| x.gelu_forward(out, a));
+        be.check("gelu_forward", out, ELEM);
+        be.run(|x| x.gelu_backward(out, a, bb));
+        be.check("gelu_backward", out, ELEM);
+        be.run(|x| x.residual_forward(out, a, bb));
+        be.check("residual_forward", out, 0.0);
+        be.run(|x| x.add_inplace(out, a));
+        be.check("add_inplace", out, 0.0);
+        let dst = be.nan(n);
+        be.run(|x| x.copy(dst, a));
+        be.check("copy", dst, 0.0);
+        be.run(|x| x.zero(dst.sub(3, 100)));
+        be.check("zero", dst, 0.0);
+
+        // Cross-entropy phases: padded rows, and a vocabulary shard that misses some targets.
+        let (rows, vp) = (5, 40);
+        for (vocab_start, v_valid) in [(0, 37), (30, 10)] {
+            let d = CeDims {
+                n: rows,
+                vp,
+                v_valid,
+                vocab_start,
+            };
+            let targets: Vec<u32> = (0..rows as u32).map(|i| i * 9 % 37).collect();
+            be.tokens(&targets);
+            let tg = TokSpan {
+                offset: 0,
+                len: rows,
+            };
+            for dloss in [Some(0.2f32), None] {
+                let logits = be.rand(rows * vp, 3);
+                let (mx, sm, tl, lo) = (be.nan(rows), be.nan(rows), be.nan(rows), be.nan(rows));
+                be.run(|x| {
+                    x.ce_row_max(mx, logits, d);
+                    x.ce_row_sumexp(sm, logits, mx, d);
+                    x.ce_target_logit(tl, logits, tg, d);
+                    x.ce_finish(lo, logits, mx, sm, tl, tg, dloss, d);
+                });
+                be.check("ce max", mx, 0.0);
+                be.check("ce sumexp", sm, ELEM);
+                be.check("ce target logit", tl, 0.0);
+                be.check("ce losses", lo, ELEM * 10.0);
+                be.check("ce dlogits", logits, ELEM * 10.0);
+            }
+        }
+
+        let big = be.rand(100_003, 7);
+        let (s_cpu, s_gpu) = (be.cpu.sum_of_squares(big), be.gpu.sum_of_squares(big));
+        assert!(
+            (s_cpu - s_gpu).abs() <= 1e-12 * s_cpu,
+            "sum_of_squares {s_cpu} vs {s_gpu}"
+        );
+        let (p, g, m, v) = (be.rand(n, 8), be.rand(n, 9), be.rand(n, 10), be.rand(n, 11));
+        be.run(|x| x.zero(v));
+        for step in 1..=3 {
+            let hp = AdamWStep {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step,
+                grad_scale: 0.7,
+            };
+            be.run(|x| x.adamw(p, g, m, v, &hp));
+        }
+        be.check("adamw params", p, ELEM);
+        be.check("adamw m", m, ELEM);
+        be.check("adamw v", v, ELEM);
+    }
+
+    fn small_cfg() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 300,
+            n_positions: 24,
+            n_embd: 32,
+            n_head: 4,
+            n_layer: 2,
+        }
+    }
+
+    fn batch(cfg: &ModelConfig, b: usize, t: usize, seed: u64) -> Vec<u32> {
+        let mut r = SplitMix64(seed);
+        (0..b * (t + 1))
+            .map(|_| r.below(cfg.vocab_size as u64) as u32)
+            .collect()
+    }
+
+    fn model<B: Backend>(cfg: &ModelConfig, be: B) -> Gpt2<B> {
+        let table = gpt2_params(cfg, 1).unwrap();
+        let mut m = Gpt2::new(cfg, TpRank::SERIAL, be).unwrap();
+        m.load_params(&init_params(cfg, &table, 11)).unwrap();
+        m
+    }
+
+    #[test]
+    fn whole_model_loss_and_every_gradient() {
+        let Some(g) = gpu() else { return };
+        let tiny = RunConfig::load("gpt2-tiny").unwrap().model;
+        let timers = Timers::new(TimerLevel::Off);
+        let mut g = Some(g);
+        for (cfg, b, t) in [(small_cfg(), 3, 17), (tiny, 2, 64)] {
+            let mut cpu = model(&cfg, CpuBackend::new());
+            let mut gpu = model(&cfg, g.take().or_else(gpu).unwrap());
+            let w = batch(&cfg, b, t, 5);
+            let mut losses = [0.0f32; 2];
+            cpu.set_batch(&w, b, t).unwrap();
+            gpu.set_batch(&w, b, t).unwrap();
+            cpu.zero_grad();
+            gpu.zero_grad();
+            losses[0] = cpu.forward(&timers, true);
+            losses[1] = gpu.forward(&timers, true);
+            cpu.backward(&timers);
+            gpu.backward(&timers);
+            assert!(
+                ((losses[0] - losses[1]) / losses[0]).abs() < 1e-5,
+                "loss {losses:?}"
+            );
+            let (gc, gg) = (cpu.download(cpu.grads), gpu.download(gpu.grads));
+            for spec in cpu.table.specs() {
+                // Gradients are sums over B·T positions of GEMM outputs.
+                compare(&spec.name, &gc[spec.range()], &gg[spec.range()], 1e-4);
+            }
+        }
+    }
+
+    #[test]
+    fn twenty_training_steps_match_the_cpu() {
+        let Some(g) = gpu() else { return };
+        let cfg = small_cfg();
+        let timers = Timers::new(TimerLevel::Off);
+        let mut cpu = model(&cfg, CpuBackend::new());
+        let mut gpu = model(&cfg, g);
+        let (b, t) = (4, 16);
+        for step in 1..=20u64 {
+            let w = batch(&cfg, b, t, step);
+            let l = [
+                train_step(&mut cpu, &w, b, t, step, &timers),
+                train_step(&mut gpu, &w, b, t, step, &timers),
+            ];
+            assert!(
+                ((l[0] - l[1]) / l[0]).abs() <= 1e-4,
+                "step {step}: cpu loss {} gpu loss {}",
+                l[0],
+                l[1]
+            );
+        }
+    }
+
+    fn train_step<B: Backend>(
+        m: &mut Gpt2<B>,
+        w: &[u32],
+        b: usize,
+        t: usize,
+        step: u64,
+        timers: &Timers,
+    ) -> f32 {
+        m.set_batch(w, b, t).unwrap();
+        m.zero_grad();
+        let loss = m.forward(timers, true);
+        m.backward(timers);
+        let norm = m.grad_norm(timers);
+        m.apply_optimizer(
+            &OptimStep {
+                lr: 3e-3,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+                step,
+            },
+            norm,
+        );
+        loss
+    }
+
+    #[test]
+    fn greedy_decoding_matches_the_cpu() {
+        let Some(g) = gpu() else { return };
+        let cfg = small_cfg();
+        let params = init_params(&cfg, &gpt2_params(&cfg, 1).unwrap(), 3);
+        let o = SampleOptions {
+            max_tokens: 15,
+            temperature: 0.0,
+            top_k: 0,
+            seed: 1,
+        };
+        let mut cpu = Generator::new(&cfg, &params, CpuBackend::new()).unwrap();
+        let mut gpu = Generator::new(&cfg, &params, g).unwrap();
+        let a = generate(&mut cpu, &[1, 2, 3], &o, |_| {}).unwrap();
+        let b = generate(&mut gpu, &[1, 2, 3], &o, |_| {}).unwrap();
+        assert_eq!(a, b);
+    }
+
+    // ---- through the binary --------------------------------------------------------------
+
+    fn fugu(args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_fugu"))
+            .args(args)
+            .output()
+            .expect("running fugu")
+    }
+
+    fn ok(out: &Output) -> String {
+        assert!(
+            out.status.success(),
+            "fugu failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("fugu-cuda-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn losses(run: &Path) -> Vec<f64> {
+        read_metrics(run.join("metrics.jsonl"))
+            .unwrap()
+            .into_iter()
+            .filter_map(|r| match r {
+                Record::Step(s) => Some(s.loss),
+                _ => None,
+            })
+            .collect()
+    }
+
+    const RUN: &[&str] = &[
+        "train",
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "0",
+        "--timers",
+        "coarse",
+    ];
+
+    fn train(device: &str, out: &Path, extra: &[&str]) {
+        let mut a: Vec<&str> = RUN.to_vec();
+        a.extend(["--device", device, "--out", out.to_str().unwrap()]);
+        a.extend(extra);
+        ok(&fugu(&a));
+    }
+
+    #[test]
+    fn checkpoints_cross_devices_and_resume_exactly() {
+        if gpu().is_none() {
+            return;
+        }
+        // Straight runs on each device.
+        let (cpu_run, gpu_run) = (tmp("cpu"), tmp("gpu"));
+        train("cpu", &cpu_run, &[]);
+        train("cuda", &gpu_run, &[]);
+        let (lc, lg) = (losses(&cpu_run), losses(&gpu_run));
+        for (a, b) in lc.iter().zip(&lg) {
+            assert!(((a - b) / a).abs() <= 1e-4, "cpu {lc:?} gpu {lg:?}");
+        }
+        // Exact resume on the same GPU: steps 4..6 from ckpt-3 equal the straight run.
+        let resumed = tmp("gpu-resumed");
+        std::fs::create_dir_all(&resumed).unwrap();
+        let ck3 = gpu_run.join("ckpt-3");
+        let mut a: Vec<&str> = RUN.to_vec();
+        a.extend(["--device", "cuda", "--out", resumed.to_str().unwrap()]);
+        a.extend(["--resume", ck3.to_str().unwrap()]);
+        ok(&fugu(&a));
+        assert_eq!(&losses(&resumed)[..], &lg[3..], "GPU resume is not exact");
+        // A GPU checkpoint resumes on the CPU and the other way round.
+        for (from, device, reference) in [(&gpu_run, "cpu", &lc), (&cpu_run, "cuda", &lg)] {
+            let out = tmp(&format!("cross-{device}"));
+            std::fs::create_dir_all(&out).unwrap();
+            let ck = from.join("ckpt-3");
+            let mut a: Vec<&str> = RUN.to_vec();
+            a.extend(["--device", device, "--out", out.to_str().unwrap()]);
+            a.extend(["--resume", ck.to_str().unwrap()]);
+            ok(&fugu(&a));
+            for (x, y) in losses(&out).iter().zip(&reference[3..]) {
+                assert!(((x - y) / y).abs() <= 1e-4, "{device}: {x} vs {y}");
+            }
+        }
+        // Greedy sampling from the GPU checkpoint prints the same text on both devices.
+        let ck = gpu_run.join("ckpt-6");
+        let sample = |device: &str| {
+            ok(&fugu(&[
+                "sample",
+                "--checkpoint",
+                ck.to_str().unwrap(),
+                "--prompt",
+                "ROMEO:",
+                "--max-tokens",
+                "20",
+                "--temperature",
+                "0",
+                "--device",
+                device,
+            ]))
+        };
+        assert_eq!(sample("cpu"), sample("cuda"));
+        for d in [cpu_run, gpu_run, resumed] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
