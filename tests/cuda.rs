@@ -41,7 +41,29 @@ mod gpu {
 
     use super::skipped;
 
-    /// A CUDA backend on device 0, or `None` (after printing why) where there is none.
+    /// The CUDA backend under test: on GPU 0, or where there is none, on the host emulator
+    /// (`kernels.cu` compiled as C++; same host code and kernels, cuBLAS replaced by a loop).
+    fn device() -> Option<CudaBackend> {
+        match CudaBackend::new(0, CudaSettings::default()) {
+            Ok(b) => Some(b),
+            Err(gpu) => match CudaBackend::emulated() {
+                Ok(b) => {
+                    use std::io::Write;
+                    let _ = writeln!(
+                        std::io::stderr().lock(),
+                        "note: no GPU ({gpu:#}); testing the CUDA backend on the host emulator"
+                    );
+                    Some(b)
+                }
+                Err(e) => {
+                    skipped(&format!("no CUDA device ({gpu:#}) and no emulator ({e:#})"));
+                    None
+                }
+            },
+        }
+    }
+
+    /// A CUDA backend on GPU 0, or `None` (after printing why) where there is none.
     fn gpu() -> Option<CudaBackend> {
         match CudaBackend::new(0, CudaSettings::default()) {
             Ok(b) => Some(b),
@@ -90,7 +112,7 @@ mod gpu {
         fn new() -> Option<Both> {
             Some(Both {
                 cpu: CpuBackend::new(),
-                gpu: gpu()?,
+                gpu: device()?,
             })
         }
 
@@ -368,13 +390,13 @@ mod gpu {
 
     #[test]
     fn whole_model_loss_and_every_gradient() {
-        let Some(g) = gpu() else { return };
+        let Some(g) = device() else { return };
         let tiny = RunConfig::load("gpt2-tiny").unwrap().model;
         let timers = Timers::new(TimerLevel::Off);
         let mut g = Some(g);
         for (cfg, b, t) in [(small_cfg(), 3, 17), (tiny, 2, 64)] {
             let mut cpu = model(&cfg, CpuBackend::new());
-            let mut gpu = model(&cfg, g.take().or_else(gpu).unwrap());
+            let mut gpu = model(&cfg, g.take().or_else(device).unwrap());
             let w = batch(&cfg, b, t, 5);
             let mut losses = [0.0f32; 2];
             cpu.set_batch(&w, b, t).unwrap();
@@ -399,7 +421,7 @@ mod gpu {
 
     #[test]
     fn twenty_training_steps_match_the_cpu() {
-        let Some(g) = gpu() else { return };
+        let Some(g) = device() else { return };
         let cfg = small_cfg();
         let timers = Timers::new(TimerLevel::Off);
         let mut cpu = model(&cfg, CpuBackend::new());
@@ -450,7 +472,7 @@ mod gpu {
 
     #[test]
     fn greedy_decoding_matches_the_cpu() {
-        let Some(g) = gpu() else { return };
+        let Some(g) = device() else { return };
         let cfg = small_cfg();
         let params = init_params(&cfg, &gpt2_params(&cfg, 1).unwrap(), 3);
         let o = SampleOptions {

@@ -14,6 +14,11 @@
 // row (a grid-stride loop over rows), elementwise kernels a grid-stride loop over elements.
 
 #define ROW_THREADS 256
+
+// Dynamic shared memory (the host emulator, src/backend/cuda/emu_shim.h, defines its own).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 
 typedef unsigned int u32;
@@ -227,7 +232,7 @@ extern "C" __global__ void attention_softmax_backward(float* datt, const float* 
 extern "C" __global__ void attention_decode(float* out, const float* q, const float* kc,
                                             const float* vc, i64 len, i64 nh, i64 hs,
                                             float scale) {
-    extern __shared__ float w[];
+    DYNAMIC_SHARED(float, w);
     __shared__ double sh[ROW_THREADS];
     __shared__ float shf[ROW_THREADS];
     i64 c = nh * hs;

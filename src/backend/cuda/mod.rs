@@ -22,15 +22,14 @@
 //! NCCL would hand device pointers to the collective instead and save the two PCIe copies per
 //! all-reduce.
 
+mod driver;
+pub mod emu;
+pub mod engine;
+
 use super::WeightLayout;
 use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Span, TokSpan};
-use anyhow::{bail, Context, Result};
-use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
-use cudarc::driver::{
-    result as drv, sys as drv_sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
-    DevicePtr, LaunchConfig, PushKernelArg,
-};
-use std::sync::Arc;
+use anyhow::Result;
+use engine::{Arg, DevAlloc, Engine, GemmCall};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
 pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
@@ -52,23 +51,16 @@ const COLUMN_CHUNK_ROWS: usize = 64;
 
 macro_rules! kernels {
     ($($name:ident),* $(,)?) => {
-        /// The compiled kernels, one field per `extern "C"` kernel of `kernels.cu`.
-        struct Kernels {
-            $($name: CudaFunction,)*
-        }
-
-        impl Kernels {
-            fn load(m: &Arc<CudaModule>) -> Result<Kernels> {
-                Ok(Kernels {
-                    $($name: m.load_function(stringify!($name)).with_context(|| {
-                        format!("kernels.cu has no kernel {}", stringify!($name))
-                    })?,)*
-                })
-            }
-        }
-
-        /// Names of the kernels [`CudaBackend`] loads from `kernels.cu`.
+        /// Names of the `extern "C"` kernels of `kernels.cu` the backend launches, in the
+        /// order of [`K`].
         pub const KERNEL_NAMES: &[&str] = &[$(stringify!($name)),*];
+
+        /// Kernel indices into [`KERNEL_NAMES`].
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Copy, Debug)]
+        enum K {
+            $($name,)*
+        }
     };
 }
 
@@ -96,139 +88,63 @@ kernels!(
     sum_of_squares,
 );
 
-/// One kernel argument (device pointers travel as `u64`, sizes as `i64`, matching the
-/// `float*` / `long long` parameters of `kernels.cu`).
-enum Arg {
-    Ptr(u64),
-    I64(i64),
-    I32(i32),
-    F32(f32),
-}
-
-/// Device memory of one buffer; `None` for zero-length and freed buffers.
+/// Device memory of one buffer (`None` for zero-length and freed buffers) and its length in
+/// floats.
 struct DeviceBuf {
-    /// Owns the allocation that `ptr` points into (freed on drop).
-    _mem: Option<CudaSlice<f32>>,
-    ptr: u64,
+    mem: Option<DevAlloc>,
     len: usize,
 }
 
-/// A device-memory backend on one GPU.
+impl DeviceBuf {
+    fn ptr(&self) -> u64 {
+        self.mem.as_ref().map_or(0, |m| m.ptr)
+    }
+}
+
+/// A growable scratch allocation.
+#[derive(Default)]
+struct Scratch(Option<DevAlloc>);
+
+/// The CUDA backend on one GPU (or on the host emulator, for tests).
 pub struct CudaBackend {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    k: Kernels,
-    _module: Arc<CudaModule>,
+    eng: Box<dyn Engine>,
     bufs: Vec<DeviceBuf>,
     /// Token ids on the device and their host copy (the embedding backward buckets positions
     /// by token on the host).
-    tokens: Option<CudaSlice<u32>>,
+    tokens: Scratch,
     host_tokens: Vec<u32>,
-    /// Scratch: column partial sums (floats), embedding-backward index lists (ints), and the
-    /// sum-of-squares partials (doubles). Grown on demand, never shrunk.
-    partials: Option<CudaSlice<f32>>,
-    indices: Option<CudaSlice<i32>>,
-    sos: CudaSlice<f64>,
-    name: String,
-}
-
-/// Fails with a clear message unless the dynamic library behind `present` can be loaded.
-fn require_lib(present: bool, what: &str) -> Result<()> {
-    if !present {
-        bail!(
-            "{what} not found: install it, or put the folder that holds it on LD_LIBRARY_PATH \
-             (CUDA 13 libraries, e.g. from the nvidia-cublas and nvidia-cuda-nvrtc Python \
-             packages), or run with --device cpu"
-        );
-    }
-    Ok(())
+    /// Column partial sums (floats), embedding-backward index lists (ints), sum-of-squares
+    /// partials (doubles).
+    partials: Scratch,
+    indices: Scratch,
+    sos: Scratch,
 }
 
 impl CudaBackend {
-    /// Opens device `ordinal`, compiles the kernels and creates the cuBLAS handle.
+    /// Opens GPU `ordinal`, compiles the kernels and creates the cuBLAS handle. Without a
+    /// driver, GPU, cuBLAS or NVRTC: an error that names what is missing.
     pub fn new(ordinal: usize, settings: CudaSettings) -> Result<CudaBackend> {
-        // SAFETY: these only try to dlopen the libraries (no CUDA call is made).
-        let (driver, blas, nvrtc) = unsafe {
-            (
-                drv_sys::is_culib_present(),
-                blas_sys::is_culib_present(),
-                cudarc::nvrtc::sys::is_culib_present(),
-            )
-        };
-        if !driver {
-            bail!(
-                "no CUDA driver found (libcuda.so.1): this machine has no NVIDIA driver or GPU; \
-                 run with --device cpu"
-            );
-        }
-        require_lib(blas, "cuBLAS (libcublas.so.13)")?;
-        require_lib(nvrtc, "NVRTC (libnvrtc.so.13)")?;
-        let count = CudaContext::device_count().context("counting CUDA devices")? as usize;
-        if ordinal >= count {
-            bail!("--device cuda:{ordinal}: this machine has {count} CUDA device(s)");
-        }
-        let ctx =
-            CudaContext::new(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
-        // SAFETY: one stream only (the legacy default stream), so cudarc's cross-stream event
-        // tracking has nothing to order.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
-        let (major, minor) = ctx.compute_capability()?;
-        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
-        let ptx = compile_kernels(major, minor)?;
-        let module = ctx
-            .load_module(ptx)
-            .context("loading the compiled kernels")?;
-        let k = Kernels::load(&module)?;
-        let blas = CudaBlas::new(stream.clone()).context("creating the cuBLAS handle")?;
-        let mode = if settings.tf32 {
-            blas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
-        // SAFETY: the handle is live (owned by `blas`).
-        unsafe { blas_sys::cublasSetMathMode(*blas.handle(), mode) }
-            .result()
-            .context("setting the cuBLAS math mode")?;
-        let sos = stream.alloc_zeros::<f64>(SOS_BLOCKS)?;
-        Ok(CudaBackend {
-            ctx,
-            stream,
-            blas,
-            k,
-            _module: module,
-            bufs: Vec::new(),
-            tokens: None,
-            host_tokens: Vec::new(),
-            partials: None,
-            indices: None,
-            sos,
-            name: format!(
-                "{name} (sm_{major}{minor}{})",
-                if settings.tf32 { ", TF32" } else { "" }
-            ),
-        })
+        Ok(Self::on(Box::new(driver::DriverEngine::new(
+            ordinal, settings,
+        )?)))
     }
 
-    /// FP32 CUDA-core peak: SMs × FP32 lanes per SM × 2 (FMA) × clock. TF32 tensor-core
-    /// peaks are not modelled, so `--tf32` runs report MFU against the FP32 peak too.
-    fn fp32_peak_gflops(&self) -> Option<f64> {
-        use drv_sys::CUdevice_attribute::{
-            CU_DEVICE_ATTRIBUTE_CLOCK_RATE, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        };
-        let sms = self
-            .ctx
-            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .ok()? as f64;
-        let khz = self.ctx.attribute(CU_DEVICE_ATTRIBUTE_CLOCK_RATE).ok()? as f64;
-        let (major, minor) = self.ctx.compute_capability().ok()?;
-        // FP32 lanes per SM: 64 on sm_60/70/75/80, 128 on sm_86/89/90 and later.
-        let lanes = match (major, minor) {
-            (8, 0) | (7, _) | (6, _) => 64.0,
-            _ => 128.0,
-        };
-        Some(sms * lanes * 2.0 * khz / 1e6)
+    /// The same backend with `kernels.cu` compiled for the host and run by
+    /// [`emu::Emulator`] (slow; for testing the backend where there is no GPU).
+    pub fn emulated() -> Result<CudaBackend> {
+        Ok(Self::on(Box::new(emu::Emulator::new()?)))
+    }
+
+    fn on(eng: Box<dyn Engine>) -> CudaBackend {
+        CudaBackend {
+            eng,
+            bufs: Vec::new(),
+            tokens: Scratch::default(),
+            host_tokens: Vec::new(),
+            partials: Scratch::default(),
+            indices: Scratch::default(),
+            sos: Scratch::default(),
+        }
     }
 
     /// Device address of a span, after checking that it lies inside its buffer. Panics (a bug
@@ -240,7 +156,7 @@ impl CudaBackend {
             "span {s:?} outside its buffer of {} floats",
             b.len
         );
-        b.ptr + 4 * s.offset as u64
+        b.ptr() + 4 * s.offset as u64
     }
 
     /// Device address of a span of the token buffer.
@@ -250,59 +166,48 @@ impl CudaBackend {
             "token span outside the {} tokens set",
             self.host_tokens.len()
         );
-        let base = self
-            .tokens
-            .as_ref()
-            .map_or(0, |m| m.device_ptr(&self.stream).0);
-        base + 4 * t.offset as u64
+        self.tokens.0.as_ref().map_or(0, |m| m.ptr) + 4 * t.offset as u64
     }
 
     fn fail(&self, what: &str, e: impl std::fmt::Display) -> ! {
-        panic!("CUDA error in {what}: {e}");
+        panic!("CUDA error in {what}: {e:#}");
     }
 
-    /// Launches `f` on `grid` blocks of `block` threads with `args`.
-    fn launch(
-        &self,
-        what: &str,
-        f: &CudaFunction,
-        grid: u64,
-        block: u32,
-        shmem: u32,
-        args: &[Arg],
-    ) {
+    /// Device address of at least `bytes` bytes of `which` scratch (grown on demand).
+    fn scratch(&mut self, which: fn(&mut Self) -> &mut Scratch, bytes: usize) -> u64 {
+        if which(self).0.as_ref().is_none_or(|a| a.bytes < bytes) {
+            which(self).0 = None;
+            let a = self
+                .eng
+                .alloc(bytes)
+                .unwrap_or_else(|e| self.fail("scratch allocation", e));
+            which(self).0 = Some(a);
+        }
+        which(self).0.as_ref().expect("allocated above").ptr
+    }
+
+    fn upload_bytes(&self, dst: u64, src: &[u8]) {
+        if let Err(e) = self.eng.upload(dst, src) {
+            self.fail("upload", e);
+        }
+    }
+
+    /// Launches kernel `k` on `grid` blocks (capped; the kernels loop grid-stride) of
+    /// `block` threads with `args`.
+    fn launch(&self, k: K, grid: u64, block: u32, shmem: u32, args: &[Arg]) {
         if grid == 0 {
             return;
         }
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(x) => b.arg(x),
-                Arg::I64(x) => b.arg(x),
-                Arg::I32(x) => b.arg(x),
-                Arg::F32(x) => b.arg(x),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (grid.min(MAX_BLOCKS) as u32, 1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: shmem,
-        };
-        // SAFETY: every pointer argument comes from `ptr`/`tok_ptr` (checked to lie in a live
-        // buffer for the extent the kernel touches, which `kernels.cu` derives from the same
-        // sizes passed alongside), and the argument list matches the kernel's parameters in
-        // order and type (u64 for pointers, i64 for `long long`, i32 for `int`, f32 for
-        // `float`).
-        if let Err(e) = unsafe { b.launch(cfg) } {
-            self.fail(what, e);
+        let grid = grid.min(MAX_BLOCKS) as u32;
+        if let Err(e) = self.eng.launch(k as usize, grid, block, shmem, args) {
+            self.fail(KERNEL_NAMES[k as usize], e);
         }
     }
 
     /// An elementwise (grid-stride) launch over `n` items.
-    fn launch_elems(&self, what: &str, f: &CudaFunction, n: usize, args: &[Arg]) {
+    fn launch_elems(&self, k: K, n: usize, args: &[Arg]) {
         self.launch(
-            what,
-            f,
+            k,
             (n as u64).div_ceil(ELEM_THREADS as u64),
             ELEM_THREADS,
             0,
@@ -311,8 +216,8 @@ impl CudaBackend {
     }
 
     /// A row launch: one block of [`ROW_THREADS`] per row (grid-stride over `rows`).
-    fn launch_rows(&self, what: &str, f: &CudaFunction, rows: usize, shmem: u32, args: &[Arg]) {
-        self.launch(what, f, rows as u64, ROW_THREADS, shmem, args);
+    fn launch_rows(&self, k: K, rows: usize, shmem: u32, args: &[Arg]) {
+        self.launch(k, rows as u64, ROW_THREADS, shmem, args);
     }
 
     /// Row-major GEMM, batched with strides: `C_i = alpha·op(A_i)·op(B_i) + beta·C_i`, where
@@ -335,42 +240,32 @@ impl CudaBackend {
         if m == 0 || n == 0 || batch == 0 {
             return;
         }
-        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
-        let i = |x: usize| x as i32;
-        // SAFETY: the pointers come from `ptr` on spans whose lengths the callers check cover
-        // the m·n·k extents with these leading dimensions and strides; alpha and beta are host
-        // scalars (cuBLAS's default pointer mode).
-        let r = unsafe {
-            blas_result::sgemm_strided_batched(
-                *self.blas.handle(),
-                op(tb),
-                op(ta),
-                i(n),
-                i(m),
-                i(k),
-                &alpha,
-                b as *const f32,
-                i(ldb),
-                sb as i64,
-                a as *const f32,
-                i(lda),
-                sa as i64,
-                &beta,
-                c as *mut f32,
-                i(ldc),
-                sc as i64,
-                i(batch),
-            )
+        let call = GemmCall {
+            trans_a: tb,
+            trans_b: ta,
+            m: n,
+            n: m,
+            k,
+            alpha,
+            a: b,
+            lda: ldb,
+            stride_a: sb,
+            b: a,
+            ldb: lda,
+            stride_b: sa,
+            beta,
+            c,
+            ldc,
+            stride_c: sc,
+            batch,
         };
-        if let Err(e) = r {
+        if let Err(e) = self.eng.gemm(&call) {
             self.fail(what, e);
         }
     }
 
     /// Adds the column sums of `rows`×`cols` `dout` into `dst` (and, for layernorm, the column
-    /// sums of `dout·x̂` into `dst2`), in two fixed-shape stages.
-    #[allow(clippy::too_many_arguments)]
+    /// sums of `dout·x̂` into the first span of `dst2`), in two fixed-shape stages.
     fn column_sums(
         &mut self,
         dst: Span,
@@ -380,16 +275,14 @@ impl CudaBackend {
         cols: usize,
     ) {
         let chunks = rows.div_ceil(COLUMN_CHUNK_ROWS).max(1);
-        let need = 2 * chunks * cols;
-        let part = self.scratch_f32(need);
+        let part = self.scratch(|b| &mut b.partials, 4 * 2 * chunks * cols);
         let part2 = part + 4 * (chunks * cols) as u64;
         let (inp, mean, rstd, with) = match dst2 {
             Some((_, inp, mean, rstd)) => (self.ptr(inp), self.ptr(mean), self.ptr(rstd), 1),
             None => (0, 0, 0, 0),
         };
         self.launch_elems(
-            "column sums",
-            &self.k.column_partials,
+            K::column_partials,
             chunks * cols,
             &[
                 Arg::Ptr(part),
@@ -407,8 +300,7 @@ impl CudaBackend {
         );
         let finish = |dst: u64, part: u64| {
             self.launch_elems(
-                "column sums",
-                &self.k.column_finish,
+                K::column_finish,
                 cols,
                 &[
                     Arg::Ptr(dst),
@@ -424,38 +316,26 @@ impl CudaBackend {
         }
     }
 
-    /// Device address of at least `n` floats of scratch.
-    fn scratch_f32(&mut self, n: usize) -> u64 {
-        if self.partials.as_ref().is_none_or(|p| p.len() < n) {
-            self.partials = None;
-            let m = self.stream.alloc_zeros::<f32>(n.max(1));
-            self.partials = Some(m.unwrap_or_else(|e| self.fail("scratch allocation", e)));
-        }
-        let p = self.partials.as_ref().expect("allocated above");
-        p.device_ptr(&self.stream).0
-    }
-
     /// Uploads `data` into the index scratch; returns its device address.
     fn upload_indices(&mut self, data: &[i32]) -> u64 {
-        if self.indices.as_ref().is_none_or(|p| p.len() < data.len()) {
-            self.indices = None;
-            let m = self.stream.alloc_zeros::<i32>(data.len().max(1));
-            self.indices = Some(m.unwrap_or_else(|e| self.fail("index allocation", e)));
-        }
-        let p = self
-            .indices
-            .as_ref()
-            .expect("allocated above")
-            .device_ptr(&self.stream)
-            .0;
-        // SAFETY: the scratch holds at least `data.len()` ints (grown just above); a
-        // synchronous copy on the legacy stream is ordered after every kernel that read the
-        // previous contents.
-        if let Err(e) = unsafe { drv::memcpy_htod_sync(p, data) } {
-            self.fail("upload", e);
-        }
+        let p = self.scratch(|b| &mut b.indices, 4 * data.len());
+        self.upload_bytes(p, as_bytes(data));
         p
     }
+}
+
+/// The bytes of a slice of plain numbers.
+fn as_bytes<T: Copy>(x: &[T]) -> &[u8] {
+    // SAFETY: `T` is a plain number type (f32, u32, i32, f64 here): every byte of it is
+    // initialised and any alignment is valid for u8; the length covers exactly the slice.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
+/// The bytes of a mutable slice of plain numbers (any byte pattern is a valid value).
+fn as_bytes_mut<T: Copy>(x: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; additionally every byte pattern is a valid f32/f64, so writes
+    // through the byte view cannot create an invalid value.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut u8, std::mem::size_of_val(x)) }
 }
 
 /// True when NVRTC (`libnvrtc.so.13`) can be loaded; it needs no GPU.
@@ -487,7 +367,7 @@ fn compile_kernels(major: i32, minor: i32) -> Result<cudarc::nvrtc::Ptx> {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Free device memory only after queued work that may use it.
-        let _ = self.stream.synchronize();
+        let _ = self.eng.sync();
     }
 }
 
@@ -496,37 +376,38 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn describe(&self) -> String {
+        self.eng.describe()
+    }
+
+    fn peak_gflops(&self) -> Option<(f64, String)> {
+        self.eng.peak_gflops()
+    }
+
     fn alloc(&mut self, len: usize) -> Result<BufId> {
-        let (mem, ptr) = if len == 0 {
-            (None, 0)
+        let mem = if len == 0 {
+            None
         } else {
-            let m = self.stream.alloc_zeros::<f32>(len).map_err(|e| {
-                let free = self.ctx.mem_get_info().map(|(f, _)| f).unwrap_or(0);
+            let a = self.eng.alloc(4 * len).map_err(|e| {
+                let free = self.eng.free_bytes().map_or(String::new(), |f| {
+                    format!(", {:.1} MiB free", f as f64 / (1 << 20) as f64)
+                });
                 anyhow::anyhow!(
-                    "out of GPU memory allocating {:.1} MiB on {} ({:.1} MiB free): {e}",
+                    "out of GPU memory allocating {:.1} MiB on {}{free}: {e:#}",
                     len as f64 * 4.0 / (1 << 20) as f64,
-                    self.name,
-                    free as f64 / (1 << 20) as f64
+                    self.eng.describe(),
                 )
             })?;
-            let p = m.device_ptr(&self.stream).0;
-            (Some(m), p)
+            Some(a)
         };
-        self.bufs.push(DeviceBuf {
-            _mem: mem,
-            ptr,
-            len,
-        });
+        self.bufs.push(DeviceBuf { mem, len });
         Ok(BufId(self.bufs.len() as u32 - 1))
     }
 
     fn free(&mut self, buf: BufId) {
-        let _ = self.stream.synchronize();
-        self.bufs[buf.0 as usize] = DeviceBuf {
-            _mem: None,
-            ptr: 0,
-            len: 0,
-        };
+        // Queued kernels may still use the memory.
+        self.sync();
+        self.bufs[buf.0 as usize] = DeviceBuf { mem: None, len: 0 };
     }
 
     fn buf_len(&self, buf: BufId) -> usize {
@@ -535,13 +416,8 @@ impl Backend for CudaBackend {
 
     fn upload(&mut self, dst: Span, src: &[f32]) {
         assert_eq!(dst.len, src.len(), "upload: length");
-        if src.is_empty() {
-            return;
-        }
-        let p = self.ptr(dst);
-        // SAFETY: `p` covers `src.len()` floats (checked by `ptr`); the copy is synchronous.
-        if let Err(e) = unsafe { drv::memcpy_htod_sync(p, src) } {
-            self.fail("upload", e);
+        if !src.is_empty() {
+            self.upload_bytes(self.ptr(dst), as_bytes(src));
         }
     }
 
@@ -550,91 +426,46 @@ impl Backend for CudaBackend {
         if dst.is_empty() {
             return;
         }
-        let p = self.ptr(src);
-        // SAFETY: `p` covers `dst.len()` floats (checked by `ptr`); the copy is synchronous
-        // and ordered after all queued work on the legacy stream.
-        if let Err(e) = unsafe { drv::memcpy_dtoh_sync(dst, p) } {
+        if let Err(e) = self.eng.download(as_bytes_mut(dst), self.ptr(src)) {
             self.fail("download", e);
         }
     }
 
     fn zero(&mut self, s: Span) {
-        if s.len == 0 {
-            return;
-        }
-        let p = self.ptr(s);
-        // SAFETY: `p` covers `s.len` floats (checked by `ptr`); all-zero bytes are 0.0f.
-        if let Err(e) = unsafe { drv::memset_d8_async(p, 0, 4 * s.len, self.stream.cu_stream()) } {
-            self.fail("zero", e);
+        if s.len > 0 {
+            if let Err(e) = self.eng.zero(self.ptr(s), 4 * s.len) {
+                self.fail("zero", e);
+            }
         }
     }
 
     fn copy(&mut self, dst: Span, src: Span) {
         assert_eq!(dst.len, src.len, "copy: span lengths differ");
         assert!(!dst.overlaps(src), "copy: spans overlap");
-        if dst.len == 0 {
-            return;
-        }
-        let (d, s) = (self.ptr(dst), self.ptr(src));
-        // SAFETY: both ranges lie in their buffers (checked by `ptr`) and do not overlap.
-        if let Err(e) =
-            unsafe { drv::memcpy_dtod_async(d, s, 4 * dst.len, self.stream.cu_stream()) }
-        {
-            self.fail("copy", e);
+        if dst.len > 0 {
+            if let Err(e) = self.eng.copy(self.ptr(dst), self.ptr(src), 4 * dst.len) {
+                self.fail("copy", e);
+            }
         }
     }
 
     fn set_tokens(&mut self, tokens: &[u32]) {
         self.host_tokens.clear();
         self.host_tokens.extend_from_slice(tokens);
-        if tokens.is_empty() {
-            return;
+        if !tokens.is_empty() {
+            let p = self.scratch(|b| &mut b.tokens, 4 * tokens.len());
+            self.upload_bytes(p, as_bytes(tokens));
         }
-        if self.tokens.as_ref().is_none_or(|t| t.len() < tokens.len()) {
-            self.tokens = None;
-            let m = self.stream.alloc_zeros::<u32>(tokens.len());
-            self.tokens = Some(m.unwrap_or_else(|e| self.fail("token allocation", e)));
-        }
-        let p = self
-            .tokens
-            .as_ref()
-            .expect("allocated above")
-            .device_ptr(&self.stream)
-            .0;
-        // SAFETY: the token buffer holds at least `tokens.len()` ids; synchronous copy.
-        if let Err(e) = unsafe { drv::memcpy_htod_sync(p, tokens) } {
-            self.fail("token upload", e);
-        }
-    }
-
-    fn describe(&self) -> String {
-        self.name.clone()
-    }
-
-    fn peak_gflops(&self) -> Option<(f64, String)> {
-        let p = self.fp32_peak_gflops()?;
-        Some((
-            p,
-            format!(
-                "FP32 CUDA-core peak of {} (SMs x lanes x 2 x clock)",
-                self.name
-            ),
-        ))
     }
 
     fn sync(&self) {
-        if let Err(e) = self.stream.synchronize() {
+        if let Err(e) = self.eng.sync() {
             self.fail("synchronize", e);
         }
     }
 
     fn sync_handle(&self) -> Option<Box<dyn Fn()>> {
-        let s = self.stream.clone();
-        Some(Box::new(move || {
-            if let Err(e) = s.synchronize() {
-                panic!("CUDA error in synchronize: {e}");
-            }
-        }))
+        Some(self.eng.sync_handle())
     }
 
     fn encoder_forward(
@@ -657,8 +488,7 @@ impl Backend for CudaBackend {
             assert!(w.len >= t * c, "encoder_forward: wpe has fewer than T rows");
         }
         self.launch_elems(
-            "encoder_forward",
-            &self.k.encoder_forward,
+            K::encoder_forward,
             n * c,
             &[
                 Arg::Ptr(self.ptr(out)),
@@ -722,8 +552,7 @@ impl Backend for CudaBackend {
         if u > 0 {
             let base = self.upload_indices(&idx);
             self.launch(
-                "encoder_backward",
-                &self.k.encoder_backward_wte,
+                K::encoder_backward_wte,
                 u as u64,
                 ROW_THREADS,
                 0,
@@ -744,8 +573,7 @@ impl Backend for CudaBackend {
                 "encoder_backward: dwpe has fewer than T rows"
             );
             self.launch_elems(
-                "encoder_backward",
-                &self.k.encoder_backward_wpe,
+                K::encoder_backward_wpe,
                 t * c,
                 &[
                     Arg::Ptr(self.ptr(dwpe)),
@@ -775,8 +603,7 @@ impl Backend for CudaBackend {
             "layernorm_forward: parameter length"
         );
         self.launch_rows(
-            "layernorm_forward",
-            &self.k.layernorm_forward,
+            K::layernorm_forward,
             n,
             0,
             &[
@@ -808,8 +635,7 @@ impl Backend for CudaBackend {
         assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
         self.launch_rows(
-            "layernorm_backward",
-            &self.k.layernorm_backward_dinp,
+            K::layernorm_backward_dinp,
             n,
             0,
             &[
@@ -845,8 +671,7 @@ impl Backend for CudaBackend {
             Some(bias) => {
                 assert_eq!(bias.len, oc, "linear_forward: bias length");
                 self.launch_elems(
-                    "linear_forward",
-                    &self.k.broadcast_rows,
+                    K::broadcast_rows,
                     n * oc,
                     &[
                         Arg::Ptr(self.ptr(out)),
@@ -969,8 +794,7 @@ impl Backend for CudaBackend {
         let rows = d.b * d.nh * d.t;
         assert_eq!(att.len, rows * d.t, "attention_softmax: att length");
         self.launch_rows(
-            "attention_softmax",
-            &self.k.attention_softmax,
+            K::attention_softmax,
             rows,
             0,
             &[
@@ -1047,8 +871,7 @@ impl Backend for CudaBackend {
             "attention_softmax_backward"
         );
         self.launch_rows(
-            "attention_softmax_backward",
-            &self.k.attention_softmax_backward,
+            K::attention_softmax_backward,
             rows,
             0,
             &[
@@ -1111,8 +934,7 @@ impl Backend for CudaBackend {
             "attention_decode: cache"
         );
         self.launch(
-            "attention_decode",
-            &self.k.attention_decode,
+            K::attention_decode,
             nh as u64,
             ROW_THREADS,
             (4 * len) as u32,
@@ -1136,7 +958,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(inp)),
             Arg::I64(out.len as i64),
         ];
-        self.launch_elems("gelu_forward", &self.k.gelu_forward, out.len, &args);
+        self.launch_elems(K::gelu_forward, out.len, &args);
     }
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
@@ -1150,7 +972,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(dout)),
             Arg::I64(inp.len as i64),
         ];
-        self.launch_elems("gelu_backward", &self.k.gelu_backward, inp.len, &args);
+        self.launch_elems(K::gelu_backward, inp.len, &args);
     }
 
     fn residual_forward(&mut self, out: Span, a: Span, b: Span) {
@@ -1164,7 +986,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(b)),
             Arg::I64(out.len as i64),
         ];
-        self.launch_elems("residual_forward", &self.k.residual_forward, out.len, &args);
+        self.launch_elems(K::residual_forward, out.len, &args);
     }
 
     fn add_inplace(&mut self, acc: Span, x: Span) {
@@ -1174,7 +996,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(x)),
             Arg::I64(acc.len as i64),
         ];
-        self.launch_elems("add_inplace", &self.k.add_inplace, acc.len, &args);
+        self.launch_elems(K::add_inplace, acc.len, &args);
     }
 
     fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims) {
@@ -1187,7 +1009,7 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_rows("ce_row_max", &self.k.ce_row_max, d.n, 0, &args);
+        self.launch_rows(K::ce_row_max, d.n, 0, &args);
     }
 
     fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims) {
@@ -1204,7 +1026,7 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_rows("ce_row_sumexp", &self.k.ce_row_sumexp, d.n, 0, &args);
+        self.launch_rows(K::ce_row_sumexp, d.n, 0, &args);
     }
 
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims) {
@@ -1222,7 +1044,7 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_elems("ce_target_logit", &self.k.ce_target_logit, d.n, &args);
+        self.launch_elems(K::ce_target_logit, d.n, &args);
     }
 
     fn ce_finish(
@@ -1253,26 +1075,18 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_rows("ce_finish", &self.k.ce_finish, d.n, 0, &args);
+        self.launch_rows(K::ce_finish, d.n, 0, &args);
     }
 
     fn sum_of_squares(&mut self, x: Span) -> f64 {
         if x.len == 0 {
             return 0.0;
         }
-        let sos = self.sos.device_ptr(&self.stream).0;
+        let sos = self.scratch(|b| &mut b.sos, 8 * SOS_BLOCKS);
         let args = [Arg::Ptr(sos), Arg::Ptr(self.ptr(x)), Arg::I64(x.len as i64)];
-        self.launch(
-            "sum_of_squares",
-            &self.k.sum_of_squares,
-            SOS_BLOCKS as u64,
-            ROW_THREADS,
-            0,
-            &args,
-        );
+        self.launch(K::sum_of_squares, SOS_BLOCKS as u64, ROW_THREADS, 0, &args);
         let mut parts = [0.0f64; SOS_BLOCKS];
-        // SAFETY: `sos` holds SOS_BLOCKS doubles; the synchronous copy waits for the kernel.
-        if let Err(e) = unsafe { drv::memcpy_dtoh_sync(&mut parts[..], sos) } {
+        if let Err(e) = self.eng.download(as_bytes_mut(&mut parts[..]), sos) {
             self.fail("sum_of_squares", e);
         }
         parts.iter().sum()
@@ -1297,7 +1111,7 @@ impl Backend for CudaBackend {
             Arg::F32(k.bc2_sqrt),
             Arg::F32(k.decay),
         ];
-        self.launch_elems("adamw", &self.k.adamw, params.len, &args);
+        self.launch_elems(K::adamw, params.len, &args);
     }
 }
 

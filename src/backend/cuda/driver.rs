@@ -1,0 +1,252 @@
+//! The real device: cudarc over the CUDA driver, cuBLAS and NVRTC, all loaded at run time.
+
+use super::engine::{Arg, DevAlloc, Engine, GemmCall};
+use super::{compile_kernels, KERNEL_NAMES};
+use crate::backend::CudaSettings;
+use anyhow::{bail, Context, Result};
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    result as drv, sys as drv_sys, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
+};
+use std::sync::Arc;
+
+/// One GPU: its context, the legacy default stream (so synchronous copies are ordered with
+/// every kernel), the compiled kernels and a cuBLAS handle on that stream.
+pub struct DriverEngine {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Vec<CudaFunction>,
+    _module: Arc<CudaModule>,
+    name: String,
+}
+
+/// Fails with a clear message unless the dynamic library behind `present` can be loaded.
+fn require_lib(present: bool, what: &str) -> Result<()> {
+    if !present {
+        bail!(
+            "{what} not found: install it, or put the folder that holds it on LD_LIBRARY_PATH \
+             (CUDA 13 libraries, e.g. from the nvidia-cublas and nvidia-cuda-nvrtc Python \
+             packages), or run with --device cpu"
+        );
+    }
+    Ok(())
+}
+
+impl DriverEngine {
+    /// Opens device `ordinal`: checks the libraries, compiles the kernels for its compute
+    /// capability, creates the cuBLAS handle with the math mode `settings` ask for.
+    pub fn new(ordinal: usize, settings: CudaSettings) -> Result<DriverEngine> {
+        // SAFETY: these only try to dlopen the libraries (no CUDA call is made).
+        let (driver, blas, nvrtc) = unsafe {
+            (
+                drv_sys::is_culib_present(),
+                blas_sys::is_culib_present(),
+                cudarc::nvrtc::sys::is_culib_present(),
+            )
+        };
+        if !driver {
+            bail!(
+                "no CUDA driver found (libcuda.so.1): this machine has no NVIDIA driver or GPU; \
+                 run with --device cpu"
+            );
+        }
+        require_lib(blas, "cuBLAS (libcublas.so.13)")?;
+        require_lib(nvrtc, "NVRTC (libnvrtc.so.13)")?;
+        let count = CudaContext::device_count().context("counting CUDA devices")? as usize;
+        if ordinal >= count {
+            bail!("--device cuda:{ordinal}: this machine has {count} CUDA device(s)");
+        }
+        let ctx =
+            CudaContext::new(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
+        // SAFETY: one stream only (the legacy default stream), so cudarc's cross-stream event
+        // tracking has nothing to order.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx.compute_capability()?;
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let ptx = compile_kernels(major, minor)?;
+        let module = ctx
+            .load_module(ptx)
+            .context("loading the compiled kernels")?;
+        let kernels = KERNEL_NAMES
+            .iter()
+            .map(|n| {
+                module
+                    .load_function(n)
+                    .with_context(|| format!("kernels.cu has no kernel {n}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let blas = CudaBlas::new(stream.clone()).context("creating the cuBLAS handle")?;
+        let mode = if settings.tf32 {
+            blas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
+        // SAFETY: the handle is live (owned by `blas`).
+        unsafe { blas_sys::cublasSetMathMode(*blas.handle(), mode) }
+            .result()
+            .context("setting the cuBLAS math mode")?;
+        let tf32 = if settings.tf32 { ", TF32" } else { "" };
+        Ok(DriverEngine {
+            ctx,
+            stream,
+            blas,
+            kernels,
+            _module: module,
+            name: format!("{name} (sm_{major}{minor}{tf32})"),
+        })
+    }
+
+    fn cu_stream(&self) -> drv_sys::CUstream {
+        self.stream.cu_stream()
+    }
+}
+
+impl Engine for DriverEngine {
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+
+    /// FP32 CUDA-core peak: SMs × FP32 lanes per SM × 2 (FMA) × clock. TF32 tensor-core
+    /// peaks are not modelled, so `--tf32` runs report MFU against the FP32 peak too.
+    fn peak_gflops(&self) -> Option<(f64, String)> {
+        use drv_sys::CUdevice_attribute::{
+            CU_DEVICE_ATTRIBUTE_CLOCK_RATE, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        };
+        let sms = self
+            .ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .ok()? as f64;
+        let khz = self.ctx.attribute(CU_DEVICE_ATTRIBUTE_CLOCK_RATE).ok()? as f64;
+        let (major, minor) = self.ctx.compute_capability().ok()?;
+        // FP32 lanes per SM: 64 on sm_75 and sm_80, 128 on sm_86/89/90 and later.
+        let lanes = match (major, minor) {
+            (8, 0) | (7, _) => 64.0,
+            _ => 128.0,
+        };
+        let peak = sms * lanes * 2.0 * khz / 1e6;
+        Some((
+            peak,
+            format!(
+                "FP32 CUDA-core peak of {}: SMs x lanes x 2 x clock",
+                self.name
+            ),
+        ))
+    }
+
+    fn free_bytes(&self) -> Option<usize> {
+        self.ctx.mem_get_info().ok().map(|(free, _)| free)
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<DevAlloc> {
+        let m = self.stream.alloc_zeros::<u8>(bytes.max(1))?;
+        let ptr = m.device_ptr(&self.stream).0;
+        Ok(DevAlloc {
+            ptr,
+            bytes,
+            _owner: Box::new(m),
+        })
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: the caller passes a `dst` with room for `src.len()` bytes; the copy is
+        // synchronous and, on the legacy stream, ordered after queued kernels.
+        unsafe { drv::memcpy_htod_sync(dst, src) }?;
+        Ok(())
+    }
+
+    fn download(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        // SAFETY: the caller passes a `src` holding `dst.len()` bytes; synchronous copy,
+        // ordered after every queued kernel on the legacy stream.
+        unsafe { drv::memcpy_dtoh_sync(dst, src) }?;
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller passes non-overlapping ranges of `bytes` inside live allocations.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }?;
+        Ok(())
+    }
+
+    fn zero(&self, dst: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller passes a range of `bytes` inside a live allocation.
+        unsafe { drv::memset_d8_async(dst, 0, bytes, self.cu_stream()) }?;
+        Ok(())
+    }
+
+    fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
+        let mut b = self.stream.launch_builder(&self.kernels[kernel]);
+        for a in args {
+            match a {
+                Arg::Ptr(x) => b.arg(x),
+                Arg::I64(x) => b.arg(x),
+                Arg::I32(x) => b.arg(x),
+                Arg::F32(x) => b.arg(x),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: shmem,
+        };
+        // SAFETY: the backend builds `args` to match the kernel's parameter list in order and
+        // type, and its pointers cover what the kernel touches (see `CudaBackend::ptr`).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    fn gemm(&self, g: &GemmCall) -> Result<()> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        let i = |x: usize| x as i32;
+        // SAFETY: the backend passes pointers whose buffers cover the m·n·k extents with these
+        // leading dimensions and strides; alpha and beta are host scalars (the default
+        // pointer mode).
+        unsafe {
+            blas_result::sgemm_strided_batched(
+                *self.blas.handle(),
+                op(g.trans_a),
+                op(g.trans_b),
+                i(g.m),
+                i(g.n),
+                i(g.k),
+                &g.alpha,
+                g.a as *const f32,
+                i(g.lda),
+                g.stride_a as i64,
+                g.b as *const f32,
+                i(g.ldb),
+                g.stride_b as i64,
+                &g.beta,
+                g.c as *mut f32,
+                i(g.ldc),
+                g.stride_c as i64,
+                i(g.batch),
+            )
+        }?;
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    fn sync_handle(&self) -> Box<dyn Fn()> {
+        let s = self.stream.clone();
+        Box::new(move || {
+            if let Err(e) = s.synchronize() {
+                panic!("CUDA error in synchronize: {e}");
+            }
+        })
+    }
+}
+
+impl Drop for DriverEngine {
+    fn drop(&mut self) {
+        // Queued work may still use memory that is about to be freed.
+        let _ = self.stream.synchronize();
+    }
+}

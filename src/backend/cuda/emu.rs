@@ -1,0 +1,244 @@
+//! A host emulator of the CUDA device, so that [`super::CudaBackend`] (its host code and the
+//! kernels of `kernels.cu`) can be tested on a machine without a GPU.
+//!
+//! `kernels.cu` is compiled as C++ by the system compiler (`$CXX`, else `c++`) with
+//! `emu_shim.h` in front, which turns each block's threads into cooperative fibers (see the
+//! header); the GEMMs are a plain column-major loop with cuBLAS's argument convention. Device
+//! memory is host memory, device pointers are host addresses. Slow (thousands of context
+//! switches per row kernel), so tests use small shapes. What it cannot show: warp scheduling,
+//! real concurrency between threads of a block (a race that only shows under true parallelism
+//! stays hidden), memory coalescing or speed, and cuBLAS itself.
+
+use super::engine::{Arg, DevAlloc, Engine, GemmCall};
+use super::{KERNELS_SOURCE, KERNEL_NAMES};
+use anyhow::{bail, Context, Result};
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+const SHIM: &str = include_str!("emu_shim.h");
+
+/// `int fugu_emu_launch(unsigned kernel, unsigned grid, unsigned block, unsigned shmem,
+/// void** args)`.
+type LaunchFn = unsafe extern "C" fn(u32, u32, u32, u32, *const *mut c_void) -> i32;
+
+/// The compiled kernels, built and loaded once per process.
+struct Compiled {
+    _lib: libloading::Library,
+    launch: LaunchFn,
+}
+
+static COMPILED: OnceLock<Result<Compiled, String>> = OnceLock::new();
+/// The shim's scheduler state is global: one launch at a time in the process.
+static LAUNCH_LOCK: Mutex<()> = Mutex::new(());
+
+/// The C++ source: shim, kernels, and a launch table in [`KERNEL_NAMES`] order.
+fn source() -> String {
+    let table: Vec<String> = KERNEL_NAMES
+        .iter()
+        .map(|k| format!("    &fugu_emu::run<{k}>,"))
+        .collect();
+    format!(
+        "{SHIM}\n#line 1 \"kernels.cu\"\n{KERNELS_SOURCE}\n\
+         static const fugu_emu::launcher fugu_emu_table[] = {{\n{}\n}};\n\
+         extern \"C\" int fugu_emu_launch(unsigned k, unsigned grid, unsigned block, \
+         unsigned shmem, void** args) {{\n\
+         \x20   if (k >= sizeof fugu_emu_table / sizeof fugu_emu_table[0]) return 1;\n\
+         \x20   fugu_emu_table[k](grid, block, shmem, args);\n\
+         \x20   return 0;\n}}\n",
+        table.join("\n")
+    )
+}
+
+fn compile() -> Result<Compiled> {
+    let dir = std::env::temp_dir().join(format!("fugu-cuda-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let src = dir.join("emu.cpp");
+    let lib: PathBuf = dir.join("libfugu_cuda_emu.so");
+    std::fs::write(&src, source())?;
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let out = std::process::Command::new(&cxx)
+        .args([
+            "-std=c++17",
+            "-O1",
+            "-fPIC",
+            "-shared",
+            "-ffp-contract=off",
+            "-w",
+            "-o",
+        ])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .with_context(|| format!("running the C++ compiler {cxx} (set CXX to another)"))?;
+    if !out.status.success() {
+        bail!(
+            "{cxx} could not compile the emulated kernels:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // SAFETY: the library was just built from our own source; loading it runs no
+    // initialisers beyond the C++ statics of the shim.
+    let library = unsafe { libloading::Library::new(&lib) }?;
+    // SAFETY: `fugu_emu_launch` is defined in that source with exactly `LaunchFn`'s signature.
+    let launch: LaunchFn = unsafe { *library.get::<LaunchFn>(b"fugu_emu_launch\0")? };
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Compiled {
+        _lib: library,
+        launch,
+    })
+}
+
+/// The emulated device.
+pub struct Emulator {
+    launch: LaunchFn,
+}
+
+impl Emulator {
+    /// Compiles the kernels for the host (once per process) and returns a device.
+    pub fn new() -> Result<Emulator> {
+        let c = COMPILED.get_or_init(|| compile().map_err(|e| format!("{e:#}")));
+        match c {
+            Ok(c) => Ok(Emulator { launch: c.launch }),
+            Err(e) => bail!("CUDA emulator: {e}"),
+        }
+    }
+}
+
+/// `len` bytes at host address `p`.
+///
+/// # Safety
+/// `p..p + len` must lie inside one live [`DevAlloc`] of this emulator, not borrowed elsewhere.
+unsafe fn bytes<'a>(p: u64, len: usize) -> &'a mut [u8] {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len) }
+}
+
+impl Engine for Emulator {
+    fn describe(&self) -> String {
+        "CUDA emulator on the host (kernels.cu compiled as C++)".into()
+    }
+
+    fn peak_gflops(&self) -> Option<(f64, String)> {
+        None
+    }
+
+    fn free_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<DevAlloc> {
+        // u64 words: 8-byte aligned, zero-filled, like device memory.
+        let mut v: Vec<u64> = Vec::new();
+        v.try_reserve_exact(bytes.div_ceil(8).max(1))?;
+        v.resize(bytes.div_ceil(8).max(1), 0);
+        let ptr = v.as_mut_ptr() as u64;
+        Ok(DevAlloc {
+            ptr,
+            bytes,
+            _owner: Box::new(v),
+        })
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: the backend passes a `dst` inside a live allocation with room for `src`.
+        unsafe { bytes(dst, src.len()) }.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        // SAFETY: the backend passes a `src` inside a live allocation holding `dst.len()`.
+        dst.copy_from_slice(unsafe { bytes(src, dst.len()) });
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<()> {
+        // SAFETY: the backend passes two non-overlapping ranges inside live allocations.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
+        Ok(())
+    }
+
+    fn zero(&self, dst: u64, n: usize) -> Result<()> {
+        // SAFETY: the backend passes a range inside a live allocation.
+        unsafe { bytes(dst, n) }.fill(0);
+        Ok(())
+    }
+
+    fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
+        // Each argument's value, and a pointer to it (what cuLaunchKernel takes).
+        let mut vals: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut v = [0u8; 8];
+                match *a {
+                    Arg::Ptr(x) => v.copy_from_slice(&x.to_ne_bytes()),
+                    Arg::I64(x) => v.copy_from_slice(&x.to_ne_bytes()),
+                    Arg::I32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                    Arg::F32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                }
+                v
+            })
+            .collect();
+        let ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        let _one = LAUNCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: `ptrs` points at one value per kernel parameter, each stored in the first
+        // bytes of an 8-byte cell (the host's little-endian layout of the parameter's type);
+        // the pointer arguments are host addresses inside live allocations, as the backend
+        // checks; the lock keeps the shim's global scheduler to one launch at a time.
+        let rc = unsafe { (self.launch)(kernel as u32, grid, block, shmem, ptrs.as_ptr()) };
+        if rc != 0 {
+            bail!("emulator has no kernel {kernel}");
+        }
+        Ok(())
+    }
+
+    fn gemm(&self, g: &GemmCall) -> Result<()> {
+        let at = |p: u64, i: usize| -> f64 {
+            // SAFETY: the backend passes matrices inside live allocations covering every
+            // index this loop forms from the cuBLAS-style dimensions, strides and ld's.
+            unsafe { *(p as *const f32).add(i) as f64 }
+        };
+        for p in 0..g.batch {
+            let (a, b, c) = (
+                g.a + 4 * (p * g.stride_a) as u64,
+                g.b + 4 * (p * g.stride_b) as u64,
+                g.c + 4 * (p * g.stride_c) as u64,
+            );
+            for j in 0..g.n {
+                for i in 0..g.m {
+                    let mut acc = 0.0f64;
+                    for l in 0..g.k {
+                        let x = if g.trans_a {
+                            at(a, l + i * g.lda)
+                        } else {
+                            at(a, i + l * g.lda)
+                        };
+                        let y = if g.trans_b {
+                            at(b, j + l * g.ldb)
+                        } else {
+                            at(b, l + j * g.ldb)
+                        };
+                        acc += x * y;
+                    }
+                    let idx = i + j * g.ldc;
+                    let old = if g.beta == 0.0 {
+                        0.0
+                    } else {
+                        g.beta as f64 * at(c, idx)
+                    };
+                    // SAFETY: as for `at`.
+                    unsafe { *(c as *mut f32).add(idx) = (g.alpha as f64 * acc + old) as f32 };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn sync_handle(&self) -> Box<dyn Fn()> {
+        Box::new(|| {})
+    }
+}

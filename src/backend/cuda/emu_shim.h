@@ -1,0 +1,105 @@
+// Host emulation of the CUDA features that kernels.cu uses, so that the kernels can run on a
+// CPU in tests (src/backend/cuda/emu.rs compiles kernels.cu with this header in front).
+//
+// A launch runs its blocks one after another. The threads of a block are cooperative fibers
+// (ucontext) on the calling thread: each runs until __syncthreads() and yields, the scheduler
+// resumes them in turn, so a barrier is a round of the scheduler, and __shared__ memory (a
+// static local) is shared by all threads of the block. Kernels must reach every barrier with
+// every thread of the block, as on a GPU. Warp-level intrinsics are not emulated (kernels.cu
+// uses none).
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+struct fugu_dim3 {
+    unsigned x, y, z;
+};
+static fugu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace fugu_emu {
+const size_t STACK = 64 * 1024;
+static ucontext_t sched;
+static std::vector<ucontext_t> fibers;
+static std::vector<char> stacks;
+static std::vector<int> done;
+static unsigned cur;
+static void (*body)(void**);
+static void** body_args;
+static std::vector<double> dyn_shared;
+
+static void fiber_main() {
+    body(body_args);
+    done[cur] = 1;
+}
+
+template <typename... A, size_t... I>
+void invoke_impl(void (*f)(A...), void** a, std::index_sequence<I...>) {
+    f(*static_cast<std::remove_reference_t<A>*>(a[I])...);
+}
+
+template <typename... A>
+void call(void (*f)(A...), void** a) {
+    invoke_impl(f, a, std::index_sequence_for<A...>{});
+}
+
+template <auto F>
+void invoke(void** a) {
+    call(F, a);
+}
+
+// Runs kernel F on `grid` blocks of `block` threads; `args` points at each argument's value.
+template <auto F>
+void run(unsigned grid, unsigned block, unsigned shmem, void** args) {
+    body = &invoke<F>;
+    body_args = args;
+    dyn_shared.assign(shmem / sizeof(double) + 1, 0.0);
+    gridDim = {grid, 1, 1};
+    blockDim = {block, 1, 1};
+    fibers.resize(block);
+    done.assign(block, 0);
+    stacks.resize((size_t)block * STACK);
+    for (unsigned b = 0; b < grid; b++) {
+        blockIdx = {b, 0, 0};
+        for (unsigned i = 0; i < block; i++) {
+            getcontext(&fibers[i]);
+            fibers[i].uc_stack.ss_sp = &stacks[(size_t)i * STACK];
+            fibers[i].uc_stack.ss_size = STACK;
+            fibers[i].uc_link = &sched;
+            makecontext(&fibers[i], fiber_main, 0);
+            done[i] = 0;
+        }
+        unsigned live = block;
+        while (live > 0) {
+            for (unsigned i = 0; i < block; i++) {
+                if (done[i]) continue;
+                cur = i;
+                threadIdx = {i, 0, 0};
+                swapcontext(&sched, &fibers[i]);
+                if (done[i]) live--;
+            }
+        }
+    }
+}
+
+typedef void (*launcher)(unsigned, unsigned, unsigned, void**);
+}  // namespace fugu_emu
+
+static inline void __syncthreads() { swapcontext(&fugu_emu::fibers[fugu_emu::cur], &fugu_emu::sched); }
+
+static inline float __int_as_float(int x) {
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+#define __global__
+#define __device__ static inline
+#define __shared__ static
+#define DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(fugu_emu::dyn_shared.data())

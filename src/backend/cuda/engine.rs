@@ -1,0 +1,75 @@
+//! What [`super::CudaBackend`] needs from a device, as a small trait with two
+//! implementations: [`super::driver::DriverEngine`] (a real GPU through cudarc) and
+//! [`super::emu::Emulator`] (`kernels.cu` compiled for the host and run under a block/thread
+//! emulator, so the backend's host code and kernels can be tested on a machine without a GPU).
+//!
+//! Device memory is addressed by raw `u64` pointers: allocations are zero-filled byte ranges
+//! that stay valid while their [`DevAlloc`] lives.
+
+use anyhow::Result;
+use std::any::Any;
+
+/// One kernel argument: device pointers travel as `u64`, sizes as `i64`, matching the
+/// `float*` / `long long` / `int` / `float` parameters of `kernels.cu`.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(u64),
+    I64(i64),
+    I32(i32),
+    F32(f32),
+}
+
+/// A zero-filled device allocation; the memory lives as long as this value.
+pub struct DevAlloc {
+    pub ptr: u64,
+    pub bytes: usize,
+    /// Whatever owns the memory (a cudarc slice, a host vector).
+    pub _owner: Box<dyn Any>,
+}
+
+/// One column-major strided-batched SGEMM, cuBLAS's `cublasSgemmStridedBatched` arguments:
+/// `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` with `C_i` m×n.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmCall {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
+    pub a: u64,
+    pub lda: usize,
+    pub stride_a: usize,
+    pub b: u64,
+    pub ldb: usize,
+    pub stride_b: usize,
+    pub beta: f32,
+    pub c: u64,
+    pub ldc: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+}
+
+/// A device as the CUDA backend uses it. Work is ordered (one stream); `download` waits for it.
+pub trait Engine {
+    /// The device in words.
+    fn describe(&self) -> String;
+    /// FP32 peak in GFLOP/s and how it was obtained, when known.
+    fn peak_gflops(&self) -> Option<(f64, String)>;
+    /// Free device memory in bytes, when known (for out-of-memory messages).
+    fn free_bytes(&self) -> Option<usize>;
+    fn alloc(&mut self, bytes: usize) -> Result<DevAlloc>;
+    /// Copies host bytes to `dst`; `src` may be reused when this returns.
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()>;
+    /// Copies `src` to host bytes after all queued work.
+    fn download(&self, dst: &mut [u8], src: u64) -> Result<()>;
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+    fn zero(&self, dst: u64, bytes: usize) -> Result<()>;
+    /// Launches kernel `kernel` (an index into [`super::KERNEL_NAMES`]) on `grid` blocks of
+    /// `block` threads with `shmem` bytes of dynamic shared memory.
+    fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()>;
+    fn gemm(&self, g: &GemmCall) -> Result<()>;
+    fn sync(&self) -> Result<()>;
+    /// A function that waits for queued work (for the timers).
+    fn sync_handle(&self) -> Box<dyn Fn()>;
+}
