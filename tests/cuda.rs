@@ -28,6 +28,7 @@ mod gpu {
     use fugu::backend::{
         AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Span, TokSpan, WeightLayout,
     };
+    use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
     use fugu::metrics::jsonl::{read_metrics, Record};
     use fugu::metrics::timers::{TimerLevel, Timers};
@@ -252,8 +253,8 @@ mod gpu {
     #[test]
     fn attention() {
         let Some(mut be) = Both::new() else { return };
-        // T = 1, and T = 37 (not a multiple of any block size).
-        for (b, t, nh, hs) in [(2, 1, 3, 8), (2, 37, 3, 8), (1, 300, 2, 4)] {
+        // T = 1, T = 37 (not a multiple of any block size), T = 260 (rows longer than a block).
+        for (b, t, nh, hs) in [(2, 1, 3, 8), (2, 37, 3, 8), (1, 260, 1, 4)] {
             let d = AttnDims { b, t, nh, hs };
             let c = nh * hs;
             let qkv = be.rand(b * t * 3 * c, 1);
@@ -490,11 +491,14 @@ mod gpu {
 
     // ---- through the binary --------------------------------------------------------------
 
-    fn fugu(args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_fugu"))
-            .args(args)
-            .output()
-            .expect("running fugu")
+    /// Runs the binary; `emulate` turns its `--device cuda` into the host emulator.
+    fn fugu(args: &[&str], emulate: bool) -> Output {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
+        c.args(args);
+        if emulate {
+            c.env(cuda::EMULATE_ENV, "1");
+        }
+        c.output().expect("running fugu")
     }
 
     fn ok(out: &Output) -> String {
@@ -539,52 +543,61 @@ mod gpu {
         "coarse",
     ];
 
-    fn train(device: &str, out: &Path, extra: &[&str]) {
+    fn train(device: &str, out: &Path, resume: Option<&Path>, emulate: bool) -> Vec<f64> {
         let mut a: Vec<&str> = RUN.to_vec();
         a.extend(["--device", device, "--out", out.to_str().unwrap()]);
-        a.extend(extra);
-        ok(&fugu(&a));
+        if let Some(ck) = resume {
+            std::fs::create_dir_all(out).unwrap();
+            a.extend(["--resume", ck.to_str().unwrap()]);
+        }
+        ok(&fugu(&a, emulate));
+        losses(out)
     }
 
     #[test]
     fn checkpoints_cross_devices_and_resume_exactly() {
-        if gpu().is_none() {
-            return;
-        }
+        // The real GPU, else the binary's --device cuda on the host emulator.
+        let emulate = match gpu() {
+            Some(_) => false,
+            None if device().is_some() => true,
+            None => return,
+        };
         // Straight runs on each device.
         let (cpu_run, gpu_run) = (tmp("cpu"), tmp("gpu"));
-        train("cpu", &cpu_run, &[]);
-        train("cuda", &gpu_run, &[]);
-        let (lc, lg) = (losses(&cpu_run), losses(&gpu_run));
+        let lc = train("cpu", &cpu_run, None, emulate);
+        let lg = train("cuda", &gpu_run, None, emulate);
+        assert_eq!(lc.len(), 6);
         for (a, b) in lc.iter().zip(&lg) {
             assert!(((a - b) / a).abs() <= 1e-4, "cpu {lc:?} gpu {lg:?}");
         }
-        // Exact resume on the same GPU: steps 4..6 from ckpt-3 equal the straight run.
+        // Exact resume on the same device: steps 4..6 from ckpt-3 equal the straight run.
         let resumed = tmp("gpu-resumed");
-        std::fs::create_dir_all(&resumed).unwrap();
-        let ck3 = gpu_run.join("ckpt-3");
-        let mut a: Vec<&str> = RUN.to_vec();
-        a.extend(["--device", "cuda", "--out", resumed.to_str().unwrap()]);
-        a.extend(["--resume", ck3.to_str().unwrap()]);
-        ok(&fugu(&a));
-        assert_eq!(&losses(&resumed)[..], &lg[3..], "GPU resume is not exact");
-        // A GPU checkpoint resumes on the CPU and the other way round.
+        let lr = train(
+            "cuda",
+            &resumed,
+            Some(&gpu_run.join(checkpoint_dir_name(3))),
+            emulate,
+        );
+        assert_eq!(&lr[..], &lg[3..], "CUDA resume is not exact");
+        // A CUDA checkpoint resumes on the CPU and the other way round.
         for (from, device, reference) in [(&gpu_run, "cpu", &lc), (&cpu_run, "cuda", &lg)] {
             let out = tmp(&format!("cross-{device}"));
-            std::fs::create_dir_all(&out).unwrap();
-            let ck = from.join("ckpt-3");
-            let mut a: Vec<&str> = RUN.to_vec();
-            a.extend(["--device", device, "--out", out.to_str().unwrap()]);
-            a.extend(["--resume", ck.to_str().unwrap()]);
-            ok(&fugu(&a));
-            for (x, y) in losses(&out).iter().zip(&reference[3..]) {
+            let l = train(
+                device,
+                &out,
+                Some(&from.join(checkpoint_dir_name(3))),
+                emulate,
+            );
+            assert_eq!(l.len(), 3);
+            for (x, y) in l.iter().zip(&reference[3..]) {
                 assert!(((x - y) / y).abs() <= 1e-4, "{device}: {x} vs {y}");
             }
+            let _ = std::fs::remove_dir_all(out);
         }
-        // Greedy sampling from the GPU checkpoint prints the same text on both devices.
-        let ck = gpu_run.join("ckpt-6");
+        // Greedy sampling from the CUDA checkpoint prints the same text on both devices.
+        let ck = gpu_run.join(checkpoint_dir_name(6));
         let sample = |device: &str| {
-            ok(&fugu(&[
+            let a = [
                 "sample",
                 "--checkpoint",
                 ck.to_str().unwrap(),
@@ -596,7 +609,8 @@ mod gpu {
                 "0",
                 "--device",
                 device,
-            ]))
+            ];
+            ok(&fugu(&a, emulate))
         };
         assert_eq!(sample("cpu"), sample("cuda"));
         for d in [cpu_run, gpu_run, resumed] {

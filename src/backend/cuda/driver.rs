@@ -136,6 +136,10 @@ impl Engine for DriverEngine {
         ))
     }
 
+    fn max_blocks(&self) -> u32 {
+        65_535
+    }
+
     fn free_bytes(&self) -> Option<usize> {
         self.ctx.mem_get_info().ok().map(|(free, _)| free)
     }

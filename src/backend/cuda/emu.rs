@@ -123,6 +123,10 @@ impl Engine for Emulator {
         None
     }
 
+    fn max_blocks(&self) -> u32 {
+        32
+    }
+
     fn free_bytes(&self) -> Option<usize> {
         None
     }
@@ -193,38 +197,50 @@ impl Engine for Emulator {
     }
 
     fn gemm(&self, g: &GemmCall) -> Result<()> {
-        let at = |p: u64, i: usize| -> f64 {
+        let at = |p: u64, i: usize| -> f32 {
             // SAFETY: the backend passes matrices inside live allocations covering every
             // index this loop forms from the cuBLAS-style dimensions, strides and ld's.
-            unsafe { *(p as *const f32).add(i) as f64 }
+            unsafe { *(p as *const f32).add(i) }
         };
+        // op(A) as m rows of k and op(B)ᵀ as n rows of k, contiguous, so every C element is
+        // one contiguous dot product (accumulated in f64).
+        let (mut ar, mut bc) = (vec![0.0f32; g.m * g.k], vec![0.0f32; g.n * g.k]);
         for p in 0..g.batch {
             let (a, b, c) = (
                 g.a + 4 * (p * g.stride_a) as u64,
                 g.b + 4 * (p * g.stride_b) as u64,
                 g.c + 4 * (p * g.stride_c) as u64,
             );
+            for i in 0..g.m {
+                for l in 0..g.k {
+                    let idx = if g.trans_a {
+                        l + i * g.lda
+                    } else {
+                        i + l * g.lda
+                    };
+                    ar[i * g.k + l] = at(a, idx);
+                }
+            }
             for j in 0..g.n {
+                for l in 0..g.k {
+                    let idx = if g.trans_b {
+                        j + l * g.ldb
+                    } else {
+                        l + j * g.ldb
+                    };
+                    bc[j * g.k + l] = at(b, idx);
+                }
+            }
+            for j in 0..g.n {
+                let bj = &bc[j * g.k..(j + 1) * g.k];
                 for i in 0..g.m {
-                    let mut acc = 0.0f64;
-                    for l in 0..g.k {
-                        let x = if g.trans_a {
-                            at(a, l + i * g.lda)
-                        } else {
-                            at(a, i + l * g.lda)
-                        };
-                        let y = if g.trans_b {
-                            at(b, j + l * g.ldb)
-                        } else {
-                            at(b, l + j * g.ldb)
-                        };
-                        acc += x * y;
-                    }
+                    let ai = &ar[i * g.k..(i + 1) * g.k];
+                    let acc: f64 = ai.iter().zip(bj).map(|(&x, &y)| x as f64 * y as f64).sum();
                     let idx = i + j * g.ldc;
                     let old = if g.beta == 0.0 {
                         0.0
                     } else {
-                        g.beta as f64 * at(c, idx)
+                        g.beta as f64 * at(c, idx) as f64
                     };
                     // SAFETY: as for `at`.
                     unsafe { *(c as *mut f32).add(idx) = (g.alpha as f64 * acc + old) as f32 };

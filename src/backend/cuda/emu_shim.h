@@ -2,7 +2,7 @@
 // CPU in tests (src/backend/cuda/emu.rs compiles kernels.cu with this header in front).
 //
 // A launch runs its blocks one after another. The threads of a block are cooperative fibers
-// (ucontext) on the calling thread: each runs until __syncthreads() and yields, the scheduler
+// on the calling thread: each runs until __syncthreads() and yields, the scheduler
 // resumes them in turn, so a barrier is a round of the scheduler, and __shared__ memory (a
 // static local) is shared by all threads of the block. Kernels must reach every barrier with
 // every thread of the block, as on a GPU. Warp-level intrinsics are not emulated (kernels.cu
@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <cstddef>
@@ -23,12 +24,21 @@ struct fugu_dim3 {
 };
 static fugu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
+// jmp_buf is an array type; a struct makes it storable in a vector.
+struct jmp_buf_wrapper {
+    jmp_buf jb;
+};
+
 namespace fugu_emu {
 const size_t STACK = 64 * 1024;
-static ucontext_t sched;
+// Fibers start through makecontext/swapcontext (once each) and then switch with
+// _setjmp/_longjmp, which, unlike swapcontext, make no signal-mask system call.
+static ucontext_t sched_uc;
+static jmp_buf sched_jb;
 static std::vector<ucontext_t> fibers;
+static std::vector<jmp_buf_wrapper> fiber_jb;
 static std::vector<char> stacks;
-static std::vector<int> done;
+static std::vector<int> done, started;
 static unsigned cur;
 static void (*body)(void**);
 static void** body_args;
@@ -37,6 +47,12 @@ static std::vector<double> dyn_shared;
 static void fiber_main() {
     body(body_args);
     done[cur] = 1;
+    _longjmp(sched_jb, 1);
+}
+
+// Yields to the scheduler; returns when the scheduler resumes this fiber.
+static inline void yield() {
+    if (!_setjmp(fiber_jb[cur].jb)) _longjmp(sched_jb, 1);
 }
 
 template <typename... A, size_t... I>
@@ -63,25 +79,31 @@ void run(unsigned grid, unsigned block, unsigned shmem, void** args) {
     gridDim = {grid, 1, 1};
     blockDim = {block, 1, 1};
     fibers.resize(block);
-    done.assign(block, 0);
+    fiber_jb.resize(block);
     stacks.resize((size_t)block * STACK);
+    ucontext_t proto;
+    getcontext(&proto);
     for (unsigned b = 0; b < grid; b++) {
         blockIdx = {b, 0, 0};
-        for (unsigned i = 0; i < block; i++) {
-            getcontext(&fibers[i]);
-            fibers[i].uc_stack.ss_sp = &stacks[(size_t)i * STACK];
-            fibers[i].uc_stack.ss_size = STACK;
-            fibers[i].uc_link = &sched;
-            makecontext(&fibers[i], fiber_main, 0);
-            done[i] = 0;
-        }
+        done.assign(block, 0);
+        started.assign(block, 0);
         unsigned live = block;
         while (live > 0) {
             for (unsigned i = 0; i < block; i++) {
                 if (done[i]) continue;
                 cur = i;
                 threadIdx = {i, 0, 0};
-                swapcontext(&sched, &fibers[i]);
+                if (!_setjmp(sched_jb)) {
+                    if (started[i]) _longjmp(fiber_jb[i].jb, 1);
+                    started[i] = 1;
+                    fibers[i] = proto;
+                    fibers[i].uc_stack.ss_sp = &stacks[(size_t)i * STACK];
+                    fibers[i].uc_stack.ss_size = STACK;
+                    fibers[i].uc_link = nullptr;
+                    makecontext(&fibers[i], fiber_main, 0);
+                    swapcontext(&sched_uc, &fibers[i]);
+                }
+                // Back here by _longjmp(sched_jb) from a yield or a finished fiber.
                 if (done[i]) live--;
             }
         }
@@ -91,7 +113,7 @@ void run(unsigned grid, unsigned block, unsigned shmem, void** args) {
 typedef void (*launcher)(unsigned, unsigned, unsigned, void**);
 }  // namespace fugu_emu
 
-static inline void __syncthreads() { swapcontext(&fugu_emu::fibers[fugu_emu::cur], &fugu_emu::sched); }
+static inline void __syncthreads() { fugu_emu::yield(); }
 
 static inline float __int_as_float(int x) {
     float f;

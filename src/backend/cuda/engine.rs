@@ -56,6 +56,9 @@ pub trait Engine {
     fn describe(&self) -> String;
     /// FP32 peak in GFLOP/s and how it was obtained, when known.
     fn peak_gflops(&self) -> Option<(f64, String)>;
+    /// Most blocks per launch (every kernel is grid-stride, so any grid covers its work; the
+    /// emulator keeps grids small because each block costs it 256 fiber starts).
+    fn max_blocks(&self) -> u32;
     /// Free device memory in bytes, when known (for out-of-memory messages).
     fn free_bytes(&self) -> Option<usize>;
     fn alloc(&mut self, bytes: usize) -> Result<DevAlloc>;

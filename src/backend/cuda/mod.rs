@@ -38,13 +38,14 @@ pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
 /// root (NVRTC's defaults, spelled out).
 pub const NVRTC_OPTIONS: &[&str] = &["--fmad=false", "--prec-div=true", "--prec-sqrt=true"];
 
+/// Environment variable that turns `--device cuda` into the host emulator (tests only).
+pub const EMULATE_ENV: &str = "FUGU_CUDA_EMULATE";
+
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels.cu`).
 const ROW_THREADS: u32 = 256;
 /// Threads per block of elementwise kernels.
 const ELEM_THREADS: u32 = 256;
-/// Grid-size cap of the grid-stride kernels.
-const MAX_BLOCKS: u64 = 65_535;
-/// Blocks of the sum-of-squares kernel (fixed, so the partial sums have a fixed shape).
+/// Most blocks of the sum-of-squares kernel (one per 256 elements up to this).
 const SOS_BLOCKS: usize = 512;
 /// Rows per chunk of the two-stage column sums (dbias, layernorm dw/dbias).
 const COLUMN_CHUNK_ROWS: usize = 64;
@@ -123,10 +124,16 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Opens GPU `ordinal`, compiles the kernels and creates the cuBLAS handle. Without a
     /// driver, GPU, cuBLAS or NVRTC: an error that names what is missing.
+    ///
+    /// With `FUGU_CUDA_EMULATE=1` in the environment it returns [`Self::emulated`] instead (a
+    /// test hook: the end-to-end tests run `fugu --device cuda` on machines without a GPU);
+    /// logs and the metrics header then name the emulator as the device.
     pub fn new(ordinal: usize, settings: CudaSettings) -> Result<CudaBackend> {
-        Ok(Self::on(Box::new(driver::DriverEngine::new(
-            ordinal, settings,
-        )?)))
+        if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
+            return Self::emulated();
+        }
+        let engine = driver::DriverEngine::new(ordinal, settings)?;
+        Ok(Self::on(Box::new(engine)))
     }
 
     /// The same backend with `kernels.cu` compiled for the host and run by
@@ -198,7 +205,7 @@ impl CudaBackend {
         if grid == 0 {
             return;
         }
-        let grid = grid.min(MAX_BLOCKS) as u32;
+        let grid = grid.min(self.eng.max_blocks() as u64) as u32;
         if let Err(e) = self.eng.launch(k as usize, grid, block, shmem, args) {
             self.fail(KERNEL_NAMES[k as usize], e);
         }
@@ -1082,10 +1089,13 @@ impl Backend for CudaBackend {
         if x.len == 0 {
             return 0.0;
         }
+        // The grid (so the partial sums' shape) depends only on the length: deterministic.
+        let most = SOS_BLOCKS.min(self.eng.max_blocks() as usize);
+        let blocks = x.len.div_ceil(ROW_THREADS as usize).clamp(1, most);
         let sos = self.scratch(|b| &mut b.sos, 8 * SOS_BLOCKS);
         let args = [Arg::Ptr(sos), Arg::Ptr(self.ptr(x)), Arg::I64(x.len as i64)];
-        self.launch(K::sum_of_squares, SOS_BLOCKS as u64, ROW_THREADS, 0, &args);
-        let mut parts = [0.0f64; SOS_BLOCKS];
+        self.launch(K::sum_of_squares, blocks as u64, ROW_THREADS, 0, &args);
+        let mut parts = vec![0.0f64; blocks];
         if let Err(e) = self.eng.download(as_bytes_mut(&mut parts[..]), sos) {
             self.fail("sum_of_squares", e);
         }
