@@ -1,17 +1,20 @@
-//! `cargo bench --bench train -- [--config gpt2-124m] [--shape 4x64] [--steps 5] [--threads 2]`
+//! `cargo bench --bench train -- [--config gpt2-124m] [--shape 4x64] [--steps 5] [--threads 2]
+//! [--device cpu|cuda|cuda:N] [--tf32] [--breakdown]`
 //!
 //! Times full training steps (forward, backward, clip, AdamW) on random tokens and prints the
-//! median step time, tokens/s, model TFLOP/s (Megatron formula) and MFU against the peak that
-//! `fugu bench gemm` measures, plus the share of non-GEMM ops in the per-op breakdown. The
-//! issue's comparison numbers (llm.c, PyTorch) are not measured here: run
-//! `dev/bench_pytorch.py` for PyTorch side by side.
+//! median step time, tokens/s, model TFLOP/s (Megatron formula) and MFU against the device's
+//! peak (the CPU's as `fugu bench gemm` measures it; a GPU's FP32 CUDA-core peak), plus the
+//! share of non-GEMM ops in the per-op breakdown (`--breakdown` prints the whole table). Timers
+//! are fine-grained, which synchronises a GPU around every op. The comparison (PyTorch) is
+//! not measured here: run `dev/bench_pytorch.py` (with `--device cuda` on a GPU) side by side.
+//! `--device cuda` needs `--features cuda`.
 
 use clap::Parser;
-use fugu::backend::CpuBackend;
-use fugu::config::RunConfig;
+use fugu::backend::{Backend, CudaSettings, Device};
+use fugu::config::{ModelConfig, RunConfig};
 use fugu::metrics::flops::megatron_flops_per_step;
 use fugu::metrics::machine::MachineInfo;
-use fugu::metrics::timers::{TimerLevel, Timers};
+use fugu::metrics::timers::{Breakdown, TimerLevel, Timers};
 use fugu::model::init::init_params;
 use fugu::model::table::gpt2_params;
 use fugu::model::{Gpt2, OptimStep, TpRank};
@@ -30,6 +33,15 @@ struct Args {
     steps: usize,
     #[arg(long)]
     threads: Option<usize>,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// With --device cuda: TF32 tensor cores for the GEMMs.
+    #[arg(long)]
+    tf32: bool,
+    /// Print the per-op breakdown of every shape.
+    #[arg(long)]
+    breakdown: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -52,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     let table = gpt2_params(&cfg, 1)?;
     let params = init_params(&cfg, &table, 1);
     println!(
-        "{:<12} {:>7} {:>10} {:>10} {:>9} {:>7} {:>9}",
+        "{:<12} {:>7} {:>10} {:>10} {:>9} {:>7} {:>9}  device",
         "config", "BxT", "ms/step", "tokens/s", "TFLOP/s", "MFU", "non-GEMM"
     );
     for s in &shapes {
@@ -60,57 +72,85 @@ fn main() -> anyhow::Result<()> {
             .split_once('x')
             .and_then(|(b, t)| Some((b.parse::<usize>().ok()?, t.parse::<usize>().ok()?)))
             .ok_or_else(|| anyhow::anyhow!("--shape {s}: expected BxT, e.g. 4x64"))?;
-        let mut model = Gpt2::new(&cfg, TpRank::SERIAL, CpuBackend::new())?;
-        model.load_params(&params)?;
-        let timers = Timers::new(TimerLevel::Fine);
-        let mut times = Vec::new();
-        let mut rng = fugu_io::rng::SplitMix64(7);
-        for step in 0..=args.steps {
-            let window: Vec<u32> = (0..b * (t + 1))
-                .map(|_| rng.below(cfg.vocab_size as u64) as u32)
-                .collect();
-            let t0 = Instant::now();
-            model.set_batch(&window, b, t)?;
-            model.zero_grad();
-            model.forward(&timers, true);
-            model.backward(&timers);
-            let norm = model.grad_norm(&timers);
-            model.apply_optimizer(
-                &OptimStep {
-                    lr: 1e-4,
-                    beta1: 0.9,
-                    beta2: 0.95,
-                    eps: 1e-8,
-                    weight_decay: 0.1,
-                    grad_clip: 1.0,
-                    step: step as u64 + 1,
-                },
-                norm,
-            );
-            let ms = t0.elapsed().as_secs_f64() * 1e3;
-            timers.take_step();
-            if step == 0 {
-                timers.reset_totals();
-            } else {
-                times.push(ms);
-            }
-        }
+        let cuda = CudaSettings { tf32: args.tf32 };
+        let (times, bd, peak, device) = fugu::with_backend!(args.device, cuda, |be| {
+            time_steps(be, &cfg, &params, b, t, args.steps)
+        })?;
+        let peak = peak.unwrap_or(machine.peak_gflops);
+        let mut times = times;
         times.sort_by(f64::total_cmp);
         let med = times[times.len() / 2];
         let flops = megatron_flops_per_step(b, t, cfg.n_layer, cfg.n_embd, cfg.vocab_size);
         let tflops = flops / (med / 1e3) / 1e12;
-        let total: f64 = times.iter().sum();
-        let bd = timers.breakdown(total, times.len() as u64);
         println!(
-            "{:<12} {:>7} {:>10.1} {:>10.1} {:>9.3} {:>6.1}% {:>8.1}%",
+            "{:<12} {:>7} {:>10.1} {:>10.1} {:>9.3} {:>6.1}% {:>8.1}%  {device}",
             args.config,
             s,
             med,
             (b * t) as f64 / (med / 1e3),
             tflops,
-            100.0 * tflops * 1e3 / machine.peak_gflops,
+            100.0 * tflops * 1e3 / peak,
             bd.non_gemm_pct
         );
+        if args.breakdown {
+            println!("{}", bd.to_table());
+        }
     }
     Ok(())
+}
+
+/// One warm-up step and `steps` timed steps of B×T on `be`: the step times (ms), the per-op
+/// breakdown, the device's peak (GFLOP/s, when it has its own) and its description.
+fn time_steps<B: Backend>(
+    be: B,
+    cfg: &ModelConfig,
+    params: &[f32],
+    b: usize,
+    t: usize,
+    steps: usize,
+) -> anyhow::Result<(Vec<f64>, Breakdown, Option<f64>, String)> {
+    let device = be.describe();
+    let peak = be.peak_gflops().map(|p| p.0);
+    let mut model = Gpt2::new(cfg, TpRank::SERIAL, be)?;
+    model.load_params(params)?;
+    let timers = Timers::new(TimerLevel::Fine);
+    if let Some(f) = model.be.sync_handle() {
+        timers.set_sync(f);
+    }
+    let mut times = Vec::new();
+    let mut rng = fugu_io::rng::SplitMix64(7);
+    for step in 0..=steps {
+        let window: Vec<u32> = (0..b * (t + 1))
+            .map(|_| rng.below(cfg.vocab_size as u64) as u32)
+            .collect();
+        let t0 = Instant::now();
+        model.set_batch(&window, b, t)?;
+        model.zero_grad();
+        model.forward(&timers, true);
+        model.backward(&timers);
+        let norm = model.grad_norm(&timers);
+        model.apply_optimizer(
+            &OptimStep {
+                lr: 1e-4,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+                step: step as u64 + 1,
+            },
+            norm,
+        );
+        model.be.sync();
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        timers.take_step();
+        if step == 0 {
+            timers.reset_totals();
+        } else {
+            times.push(ms);
+        }
+    }
+    let total: f64 = times.iter().sum();
+    let bd = timers.breakdown(total, times.len() as u64);
+    Ok((times, bd, peak, device))
 }

@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
-"""PyTorch CPU eager baseline for fugu's training-step benchmark (`cargo bench --bench train`).
+"""PyTorch eager baseline for fugu's training-step benchmark (`cargo bench --bench train`).
 
     python3 dev/bench_pytorch.py [--threads 2] [--shape 4x64 --shape 4x256] [--steps 5]
+    python3 dev/bench_pytorch.py --device cuda [--tf32] --shape 4x1024 --shape 16x1024
+
+On a GPU (`--device cuda`) the same step runs on CUDA in fp32, with
+`torch.backends.cuda.matmul.allow_tf32` set by `--tf32` (off by default: strict fp32), and each
+step ends with `torch.cuda.synchronize()` before the clock is read. Compare with
+`cargo bench --features cuda --bench train -- --device cuda [--tf32]` on the same GPU.
 
 Builds GPT-2 124M (vocab 50257, n_positions 1024, n_embd 768, 12 heads, 12 layers, tanh-GELU,
 pre-LN, tied token embedding / LM head, no dropout) as a small plain-PyTorch module, in fp32 on
@@ -82,16 +88,28 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shape", action="append", default=None, help="BxT (repeatable)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (GPU)")
     args = ap.parse_args()
     shapes = args.shape or ["4x64", "4x256"]
+    dev = torch.device(args.device)
+    gpu = dev.type == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize(dev)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
-    print(f"torch {torch.__version__} | {torch.get_num_threads()} threads | fp32 eager CPU")
+    where = (f"{torch.cuda.get_device_name(dev)}, {'TF32' if args.tf32 else 'strict fp32'}"
+             if gpu else f"{torch.get_num_threads()} threads, CPU")
+    print(f"torch {torch.__version__} | fp32 eager | {where}")
     print(f"{'config':<12} {'BxT':>7} {'ms/step':>10} {'tokens/s':>10} {'TFLOP/s':>9}")
     for s in shapes:
         b, t = (int(z) for z in s.split("x"))
-        model = GPT2()
+        model = GPT2().to(dev)
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW(
@@ -101,13 +119,15 @@ def main():
         gen = torch.Generator().manual_seed(7)
         times = []
         for step in range(args.steps + 1):
-            window = torch.randint(0, V, (b, t + 1), generator=gen)
+            window = torch.randint(0, V, (b, t + 1), generator=gen).to(dev)
+            sync()
             t0 = time.perf_counter()
             loss = model(window[:, :-1], window[:, 1:])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sync()
             ms = (time.perf_counter() - t0) * 1e3
             if step > 0:
                 times.append(ms)
