@@ -5,7 +5,8 @@
 //! median step time, tokens/s, model TFLOP/s (Megatron formula) and MFU against the device's
 //! peak (the CPU's as `fugu bench gemm` measures it; a GPU's FP32 CUDA-core peak), plus the
 //! share of non-GEMM ops in the per-op breakdown (`--breakdown` prints the whole table). Timers
-//! are fine-grained, which synchronises a GPU around every op. The comparison (PyTorch) is
+//! are fine-grained by default, which synchronises a GPU around every op (`--timers coarse`
+//! for throughput). The comparison (PyTorch) is
 //! not measured here: run `dev/bench_pytorch.py` (with `--device cuda` on a GPU) side by side.
 //! `--device cuda` needs `--features cuda`.
 
@@ -39,6 +40,10 @@ struct Args {
     /// With --device cuda: TF32 tensor cores for the GEMMs.
     #[arg(long)]
     tf32: bool,
+    /// Timer detail: fine times every op (on a GPU it synchronises around each, which costs
+    /// launch overlap: use coarse or off for throughput comparisons).
+    #[arg(long, value_enum, default_value = "fine")]
+    timers: TimerLevel,
     /// Print the per-op breakdown of every shape.
     #[arg(long)]
     breakdown: bool,
@@ -74,7 +79,7 @@ fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("--shape {s}: expected BxT, e.g. 4x64"))?;
         let cuda = CudaSettings { tf32: args.tf32 };
         let (times, bd, peak, device) = fugu::with_backend!(args.device, cuda, |be| {
-            time_steps(be, &cfg, &params, b, t, args.steps)
+            time_steps(be, &cfg, &params, (b, t), args.steps, args.timers)
         })?;
         let peak = peak.unwrap_or(machine.peak_gflops);
         let mut times = times;
@@ -105,15 +110,15 @@ fn time_steps<B: Backend>(
     be: B,
     cfg: &ModelConfig,
     params: &[f32],
-    b: usize,
-    t: usize,
+    (b, t): (usize, usize),
     steps: usize,
+    level: TimerLevel,
 ) -> anyhow::Result<(Vec<f64>, Breakdown, Option<f64>, String)> {
     let device = be.describe();
     let peak = be.peak_gflops().map(|p| p.0);
     let mut model = Gpt2::new(cfg, TpRank::SERIAL, be)?;
     model.load_params(params)?;
-    let timers = Timers::new(TimerLevel::Fine);
+    let timers = Timers::new(level);
     if let Some(f) = model.be.sync_handle() {
         timers.set_sync(f);
     }

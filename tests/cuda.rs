@@ -45,7 +45,7 @@ mod gpu {
     /// The CUDA backend under test: on GPU 0, or where there is none, on the host emulator
     /// (`kernels.cu` compiled as C++; same host code and kernels, cuBLAS replaced by a loop).
     fn device() -> Option<CudaBackend> {
-        match CudaBackend::new(0, CudaSettings::default()) {
+        match CudaBackend::new(Some(0), CudaSettings::default()) {
             Ok(b) => Some(b),
             Err(gpu) => match CudaBackend::emulated() {
                 Ok(b) => {
@@ -66,7 +66,7 @@ mod gpu {
 
     /// A CUDA backend on GPU 0, or `None` (after printing why) where there is none.
     fn gpu() -> Option<CudaBackend> {
-        match CudaBackend::new(0, CudaSettings::default()) {
+        match CudaBackend::new(Some(0), CudaSettings::default()) {
             Ok(b) => Some(b),
             Err(e) => {
                 skipped(&format!("no CUDA device ({e:#})"));

@@ -15,8 +15,9 @@ pub enum Device {
     /// Host memory, fugu-gemm and the rayon kernels of `ops/`.
     #[default]
     Cpu,
-    /// CUDA device with this ordinal (cuBLAS and NVRTC-compiled kernels).
-    Cuda(usize),
+    /// A CUDA device (cuBLAS and NVRTC-compiled kernels): this ordinal, or with `None`
+    /// (`--device cuda`) the node-local MPI rank's GPU ([`local_gpu`]).
+    Cuda(Option<usize>),
 }
 
 impl FromStr for Device {
@@ -26,9 +27,9 @@ impl FromStr for Device {
         let bad = || format!("--device {s:?}: expected cpu, cuda or cuda:N (N = device ordinal)");
         match s.trim().to_ascii_lowercase().as_str() {
             "cpu" => Ok(Device::Cpu),
-            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            "cuda" | "gpu" => Ok(Device::Cuda(None)),
             other => match other.strip_prefix("cuda:") {
-                Some(n) => n.parse().map(Device::Cuda).map_err(|_| bad()),
+                Some(n) => n.parse().map(|n| Device::Cuda(Some(n))).map_err(|_| bad()),
                 None => Err(bad()),
             },
         }
@@ -39,9 +40,28 @@ impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(n) => write!(f, "cuda:{n}"),
+            Device::Cuda(None) => f.write_str("cuda"),
+            Device::Cuda(Some(n)) => write!(f, "cuda:{n}"),
         }
     }
+}
+
+/// Environment variables that MPI launchers set to a process's rank among the ranks of its
+/// node (Open MPI, MPICH and Intel MPI, Slurm's srun).
+const LOCAL_RANK_VARS: &[&str] = &[
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+];
+
+/// The GPU ordinal for `--device cuda` without one: the node-local rank modulo the node's
+/// `gpus`, so that 4 ranks on a 4-GPU node use one GPU each; 0 outside an MPI launch.
+pub fn local_gpu(gpus: usize) -> usize {
+    let local = LOCAL_RANK_VARS
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(0);
+    local % gpus.max(1)
 }
 
 /// Settings of the CUDA backend that a command line can change.
@@ -107,29 +127,31 @@ mod tests {
     #[test]
     fn parses_devices() {
         assert_eq!("cpu".parse(), Ok(Device::Cpu));
-        assert_eq!("cuda".parse(), Ok(Device::Cuda(0)));
-        assert_eq!("CUDA:3".parse(), Ok(Device::Cuda(3)));
+        assert_eq!("cuda".parse(), Ok(Device::Cuda(None)));
+        assert_eq!("CUDA:3".parse(), Ok(Device::Cuda(Some(3))));
         for bad in ["", "cuda:", "cuda:x", "tpu", "cuda:-1"] {
             let e = bad.parse::<Device>().unwrap_err();
             assert!(e.contains("expected cpu, cuda or cuda:N"), "{bad}: {e}");
         }
-        assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
+        assert_eq!(Device::Cuda(Some(2)).to_string(), "cuda:2");
+        assert_eq!(Device::Cuda(None).to_string(), "cuda");
     }
 
     #[test]
     fn tf32_needs_cuda() {
         let e = check_settings(Device::Cpu, CudaSettings { tf32: true }).unwrap_err();
         assert!(e.to_string().contains("--tf32"), "{e}");
-        check_settings(Device::Cuda(0), CudaSettings { tf32: true }).unwrap();
+        check_settings(Device::Cuda(None), CudaSettings { tf32: true }).unwrap();
     }
 
     #[cfg(not(feature = "cuda"))]
     #[test]
     fn cuda_without_the_feature_says_how_to_get_it() {
-        let r: Result<()> = crate::with_backend!(Device::Cuda(0), CudaSettings::default(), |be| {
-            let _ = crate::backend::Backend::name(&be);
-            Ok(())
-        });
+        let r: Result<()> =
+            crate::with_backend!(Device::Cuda(None), CudaSettings::default(), |be| {
+                let _ = crate::backend::Backend::name(&be);
+                Ok(())
+            });
         let e = r.unwrap_err().to_string();
         assert!(e.contains("--features cuda"), "{e}");
     }

@@ -37,7 +37,7 @@ fn require_lib(present: bool, what: &str) -> Result<()> {
 impl DriverEngine {
     /// Opens device `ordinal`: checks the libraries, compiles the kernels for its compute
     /// capability, creates the cuBLAS handle with the math mode `settings` ask for.
-    pub fn new(ordinal: usize, settings: CudaSettings) -> Result<DriverEngine> {
+    pub fn new(ordinal: Option<usize>, settings: CudaSettings) -> Result<DriverEngine> {
         // SAFETY: these only try to dlopen the libraries (no CUDA call is made).
         let (driver, blas, nvrtc) = unsafe {
             (
@@ -55,6 +55,10 @@ impl DriverEngine {
         require_lib(blas, "cuBLAS (libcublas.so.13)")?;
         require_lib(nvrtc, "NVRTC (libnvrtc.so.13)")?;
         let count = CudaContext::device_count().context("counting CUDA devices")? as usize;
+        if count == 0 {
+            bail!("no CUDA device found (the driver is installed but sees no GPU)");
+        }
+        let ordinal = ordinal.unwrap_or_else(|| crate::backend::device::local_gpu(count));
         if ordinal >= count {
             bail!("--device cuda:{ordinal}: this machine has {count} CUDA device(s)");
         }

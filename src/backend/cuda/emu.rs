@@ -203,7 +203,15 @@ impl Engine for Emulator {
             unsafe { *(p as *const f32).add(i) }
         };
         // op(A) as m rows of k and op(B)ᵀ as n rows of k, contiguous, so every C element is
-        // one contiguous dot product (accumulated in f64).
+        // one contiguous dot product (accumulated in f64). Element (r, l) of a column-major
+        // matrix is at `l + r·ld` when its k index runs along memory, else at `r + l·ld`.
+        let pack = |out: &mut [f32], p: u64, rows: usize, k: usize, ld: usize, k_inner: bool| {
+            for r in 0..rows {
+                for l in 0..k {
+                    out[r * k + l] = at(p, if k_inner { l + r * ld } else { r + l * ld });
+                }
+            }
+        };
         let (mut ar, mut bc) = (vec![0.0f32; g.m * g.k], vec![0.0f32; g.n * g.k]);
         for p in 0..g.batch {
             let (a, b, c) = (
@@ -211,26 +219,8 @@ impl Engine for Emulator {
                 g.b + 4 * (p * g.stride_b) as u64,
                 g.c + 4 * (p * g.stride_c) as u64,
             );
-            for i in 0..g.m {
-                for l in 0..g.k {
-                    let idx = if g.trans_a {
-                        l + i * g.lda
-                    } else {
-                        i + l * g.lda
-                    };
-                    ar[i * g.k + l] = at(a, idx);
-                }
-            }
-            for j in 0..g.n {
-                for l in 0..g.k {
-                    let idx = if g.trans_b {
-                        j + l * g.ldb
-                    } else {
-                        l + j * g.ldb
-                    };
-                    bc[j * g.k + l] = at(b, idx);
-                }
-            }
+            pack(&mut ar, a, g.m, g.k, g.lda, g.trans_a);
+            pack(&mut bc, b, g.n, g.k, g.ldb, !g.trans_b);
             for j in 0..g.n {
                 let bj = &bc[j * g.k..(j + 1) * g.k];
                 for i in 0..g.m {

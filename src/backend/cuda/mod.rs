@@ -122,13 +122,14 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`, compiles the kernels and creates the cuBLAS handle. Without a
-    /// driver, GPU, cuBLAS or NVRTC: an error that names what is missing.
+    /// Opens GPU `ordinal` (`None`: the node-local MPI rank's, see
+    /// [`crate::backend::device::local_gpu`]), compiles the kernels and creates the cuBLAS
+    /// handle. Without a driver, GPU, cuBLAS or NVRTC: an error that names what is missing.
     ///
     /// With `FUGU_CUDA_EMULATE=1` in the environment it returns [`Self::emulated`] instead (a
     /// test hook: the end-to-end tests run `fugu --device cuda` on machines without a GPU);
     /// logs and the metrics header then name the emulator as the device.
-    pub fn new(ordinal: usize, settings: CudaSettings) -> Result<CudaBackend> {
+    pub fn new(ordinal: Option<usize>, settings: CudaSettings) -> Result<CudaBackend> {
         if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
             return Self::emulated();
         }
