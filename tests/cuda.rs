@@ -10,11 +10,8 @@
 //! (worst case k·ε), so GEMM-based ops, with k ≤ 300 here, are held to 2e-5 relative to the
 //! output's largest magnitude; reductions done in f64 on both sides (sum of squares) to 1e-12.
 
-/// Prints a skip notice on the real stderr (not captured by the test harness).
-fn skipped(why: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
-}
+mod common;
+use common::skipped;
 
 #[cfg(not(feature = "cuda"))]
 #[test]
@@ -42,27 +39,7 @@ mod gpu {
 
     use super::skipped;
 
-    /// The CUDA backend under test: on GPU 0, or where there is none, on the host emulator
-    /// (`kernels.cu` compiled as C++; same host code and kernels, cuBLAS replaced by a loop).
-    fn device() -> Option<CudaBackend> {
-        match CudaBackend::new(Some(0), CudaSettings::default()) {
-            Ok(b) => Some(b),
-            Err(gpu) => match CudaBackend::emulated() {
-                Ok(b) => {
-                    use std::io::Write;
-                    let _ = writeln!(
-                        std::io::stderr().lock(),
-                        "note: no GPU ({gpu:#}); testing the CUDA backend on the host emulator"
-                    );
-                    Some(b)
-                }
-                Err(e) => {
-                    skipped(&format!("no CUDA device ({gpu:#}) and no emulator ({e:#})"));
-                    None
-                }
-            },
-        }
-    }
+    use super::common::cuda_device as device;
 
     /// A CUDA backend on GPU 0, or `None` (after printing why) where there is none.
     fn gpu() -> Option<CudaBackend> {

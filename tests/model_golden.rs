@@ -10,7 +10,9 @@
 //! reductions), so the bounds below allow about 10x that, and still catch any real bug
 //! (a wrong formula moves these by 1e-3 or more).
 
-use fugu::backend::CpuBackend;
+mod common;
+
+use fugu::backend::{Backend, CpuBackend};
 use fugu::config::{LrSchedule, ModelConfig, TrainConfig};
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
@@ -117,9 +119,9 @@ fn rel_err(a: &[f32], b: &[f64]) -> f64 {
         / scale
 }
 
-/// The model loaded with the golden initial parameters.
-fn model(g: &Golden) -> Gpt2<CpuBackend> {
-    let mut m = Gpt2::new(&g.cfg, TpRank::SERIAL, CpuBackend::new()).unwrap();
+/// The model on `be`, loaded with the golden initial parameters.
+fn model<B: Backend>(g: &Golden, be: B) -> Gpt2<B> {
+    let mut m = Gpt2::new(&g.cfg, TpRank::SERIAL, be).unwrap();
     let mut host = vec![0.0f32; m.table.total()];
     for spec in m.table.specs() {
         let (shape, vals) = &g.tensors[&spec.name];
@@ -138,7 +140,7 @@ fn model(g: &Golden) -> Gpt2<CpuBackend> {
 }
 
 /// A tensor of the model's flat buffer without padding (wte cut to the real vocabulary).
-fn unpadded<'a>(m: &Gpt2<CpuBackend>, buf: &'a [f32], name: &str) -> &'a [f32] {
+fn unpadded<'a, B: Backend>(m: &Gpt2<B>, buf: &'a [f32], name: &str) -> &'a [f32] {
     let s = m.table.get(name).unwrap();
     let x = &buf[s.range()];
     if name == "wte.weight" {
@@ -148,10 +150,12 @@ fn unpadded<'a>(m: &Gpt2<CpuBackend>, buf: &'a [f32], name: &str) -> &'a [f32] {
     }
 }
 
-fn check(name: &str) {
+/// The golden checks on the backend `new_backend` makes (called twice: one model for the
+/// single step, a fresh one for the AdamW steps).
+fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
     let g = load(name);
     let timers = Timers::new(TimerLevel::Fine);
-    let mut m = model(&g);
+    let mut m = model(&g, new_backend());
     let (b, t) = (g.b, g.t);
     m.set_batch(&g.tokens, b, t).unwrap();
 
@@ -201,7 +205,7 @@ fn check(name: &str) {
     );
 
     // Several AdamW steps on the same batch.
-    let mut m = model(&g);
+    let mut m = model(&g, new_backend());
     m.set_batch(&g.tokens, b, t).unwrap();
     for s in 0..g.n_steps {
         m.zero_grad();
@@ -270,10 +274,30 @@ fn check(name: &str) {
 
 #[test]
 fn gpt2_micro_matches_the_reference() {
-    check("gpt2-micro.safetensors");
+    check("gpt2-micro.safetensors", CpuBackend::new);
 }
 
 #[test]
 fn gpt2_one_layer_constant_lr_matches_the_reference() {
-    check("gpt2-l1-constant.safetensors");
+    check("gpt2-l1-constant.safetensors", CpuBackend::new);
+}
+
+/// The CUDA backend (a GPU, else the host emulator) against the float64 reference with the
+/// CPU's bounds: it computes in the same f32 arithmetic in another summation order, and the
+/// bounds already allow about 10x the reference's own f32 error.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_matches_the_reference() {
+    for name in ["gpt2-micro.safetensors", "gpt2-l1-constant.safetensors"] {
+        if common::cuda_device().is_none() {
+            return;
+        }
+        check(name, || common::cuda_device().expect("available above"));
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_matches_the_reference() {
+    common::skipped("built without --features cuda (cargo test --features cuda runs it)");
 }

@@ -17,13 +17,14 @@ impl CpuBackend {
         CpuBackend::default()
     }
 
-    /// Read-only host view of a span (zero-copy; used by checkpoints and collectives).
-    pub fn host(&self, s: Span) -> &[f32] {
+    /// Read-only host view of a span (zero-copy). Private: code above the backend reaches
+    /// memory through `download`/`upload`/`with_host`, which every backend has.
+    fn host(&self, s: Span) -> &[f32] {
         &self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
     }
 
     /// Mutable host view of a span.
-    pub fn host_mut(&mut self, s: Span) -> &mut [f32] {
+    fn host_mut(&mut self, s: Span) -> &mut [f32] {
         &mut self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
     }
 }
