@@ -4,9 +4,10 @@
 #   2. the host test suite (x86-64: portable, AVX2 and AVX-512 kernels, driver, CLI),
 #   2b. the MPI tests (`--features mpi`: dp, tp, tp x dp and ZeRO-1 against one process,
 #       checkpoint resharding, failure on one rank) with Open MPI on this machine,
-#   2c. the CUDA backend (`--features cuda`): build, clippy, its tests; the kernels are compiled
-#       by NVRTC (installed by install-deps.sh, no GPU needed); the tests that need a GPU print
-#       "skipped: no CUDA device" here,
+#   2c. the CUDA backend (`--features cuda`): clippy, then tests/cuda.rs and the float64 golden
+#       test on the CUDA backend: on a GPU when there is one, otherwise on the host emulator of
+#       the device (src/backend/cuda/emu.rs); the kernels are also compiled by the real NVRTC
+#       (installed by install-deps.sh, no GPU needed),
 #   3. fugu-gemm's tests on aarch64 under QEMU at 512 (A64FX), 128, 256 and 2048-bit SVE,
 #   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%),
 #   5. the batch job scripts (jobscripts/, docs/JOBS.md) for real: Slurm jobs submitted to a
@@ -46,7 +47,7 @@ if ! skip cuda; then
   stage "CUDA backend (--features cuda; GPU tests skip without a GPU)"
   cargo clippy --locked -j2 --features cuda --all-targets -- -D warnings
   LD_LIBRARY_PATH="/opt/fugu-nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --locked -j2 --features cuda --test cuda
+    cargo test --locked -j2 --features cuda --test cuda --test model_golden
 fi
 
 if ! skip aarch64; then

@@ -388,8 +388,10 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn sum_of_squares(&mut self, x: Span) -> f64 {
-        ops::adamw::sum_of_squares(self.host(x))
+    fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
+        xs.iter()
+            .map(|&x| ops::adamw::sum_of_squares(self.host(x)))
+            .collect()
     }
 
     fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep) {

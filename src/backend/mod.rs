@@ -285,8 +285,9 @@ pub trait Backend {
     );
 
     // --- optimizer -----------------------------------------------------------------------
-    /// Σ x² in f64, deterministic.
-    fn sum_of_squares(&mut self, x: Span) -> f64;
+    /// Σ x² of each span, in f64, deterministic (all spans in one call, so a device backend
+    /// synchronises once per gradient norm).
+    fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64>;
     /// One AdamW step on a tensor.
     fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep);
 }

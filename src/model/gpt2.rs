@@ -804,20 +804,21 @@ impl<B: Backend> Gpt2<B> {
     /// ranks is the squared norm of the logical model's gradient.
     pub fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
         let _c = timers.scope("optimizer:clip", Fine);
-        let mut sum = 0.0;
+        let mut spans = Vec::new();
         for spec in self.table.specs() {
             if self.tp.rank != 0 && split_of(&spec.name) == Split::Replicated {
                 continue;
             }
             for (r, _) in owned_parts(&self.owned, spec.range()) {
-                sum += self.be.sum_of_squares(Span {
+                spans.push(Span {
                     buf: self.grads,
                     offset: r.start,
                     len: r.len(),
                 });
             }
         }
-        sum
+        // Summed in table order, as before.
+        self.be.sum_of_squares(&spans).iter().sum()
     }
 
     /// Clipping (PyTorch `clip_grad_norm_`: scale by clip/(norm+1e-6) when that is below 1) and

@@ -45,7 +45,7 @@ pub const EMULATE_ENV: &str = "FUGU_CUDA_EMULATE";
 const ROW_THREADS: u32 = 256;
 /// Threads per block of elementwise kernels.
 const ELEM_THREADS: u32 = 256;
-/// Most blocks of the sum-of-squares kernel (one per 256 elements up to this).
+/// Most blocks of the sum-of-squares kernel per span (one per 256 elements up to this).
 const SOS_BLOCKS: usize = 512;
 /// Rows per chunk of the two-stage column sums (dbias, layernorm dw/dbias).
 const COLUMN_CHUNK_ROWS: usize = 64;
@@ -1086,21 +1086,47 @@ impl Backend for CudaBackend {
         self.launch_rows(K::ce_finish, d.n, 0, &args);
     }
 
-    fn sum_of_squares(&mut self, x: Span) -> f64 {
-        if x.len == 0 {
-            return 0.0;
-        }
-        // The grid (so the partial sums' shape) depends only on the length: deterministic.
+    fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
+        // One launch per span into its own slice of the partials, one download for all: a
+        // single host synchronisation per gradient norm. Each grid depends only on the span's
+        // length, so the result is deterministic.
         let most = SOS_BLOCKS.min(self.eng.max_blocks() as usize);
-        let blocks = x.len.div_ceil(ROW_THREADS as usize).clamp(1, most);
-        let sos = self.scratch(|b| &mut b.sos, 8 * SOS_BLOCKS);
-        let args = [Arg::Ptr(sos), Arg::Ptr(self.ptr(x)), Arg::I64(x.len as i64)];
-        self.launch(K::sum_of_squares, blocks as u64, ROW_THREADS, 0, &args);
-        let mut parts = vec![0.0f64; blocks];
-        if let Err(e) = self.eng.download(as_bytes_mut(&mut parts[..]), sos) {
-            self.fail("sum_of_squares", e);
+        let blocks: Vec<usize> = xs
+            .iter()
+            .map(|x| x.len.div_ceil(ROW_THREADS as usize).clamp(1, most))
+            .collect();
+        let total: usize = blocks.iter().sum();
+        let sos = self.scratch(|b| &mut b.sos, 8 * total.max(1));
+        let mut at = 0;
+        for (x, &nb) in xs.iter().zip(&blocks) {
+            let part = sos + 8 * at as u64;
+            if x.len == 0 {
+                self.upload_bytes(part, as_bytes(&[0.0f64]));
+            } else {
+                let args = [
+                    Arg::Ptr(part),
+                    Arg::Ptr(self.ptr(*x)),
+                    Arg::I64(x.len as i64),
+                ];
+                self.launch(K::sum_of_squares, nb as u64, ROW_THREADS, 0, &args);
+            }
+            at += nb;
         }
-        parts.iter().sum()
+        let mut parts = vec![0.0f64; total];
+        if total > 0 {
+            if let Err(e) = self.eng.download(as_bytes_mut(&mut parts[..]), sos) {
+                self.fail("sum_of_squares", e);
+            }
+        }
+        let mut at = 0;
+        blocks
+            .iter()
+            .map(|&nb| {
+                let s = parts[at..at + nb].iter().sum();
+                at += nb;
+                s
+            })
+            .collect()
     }
 
     fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep) {
