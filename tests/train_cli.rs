@@ -240,6 +240,38 @@ fn bad_input_is_a_clear_error() {
         assert!(!out.status.success() && err.contains(want), "{want}: {err}");
     }
 
+    // Devices: an unknown one is a usage error; CUDA without the feature says how to build it,
+    // with the feature but no driver names libcuda, with a GPU names how many there are;
+    // --tf32 on the CPU is refused. None of them creates the output folder.
+    let device_cases: [(&[&str], &[&str]); 3] = [
+        (&["--device", "tpu"], &["expected cpu, cuda or cuda:N"]),
+        (
+            &["--device", "cuda:99"],
+            &[
+                "--features cuda",
+                "no CUDA driver found (libcuda.so.1)",
+                "CUDA device(s)",
+            ],
+        ),
+        (&["--tf32"], &["--tf32 applies to --device cuda only"]),
+    ];
+    for (extra, wants) in device_cases {
+        let mut a = vec!["train", "--steps", "1", "--out", "dev-out"];
+        a.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_fugu"))
+            .args(&a)
+            .current_dir(&dir)
+            .env_remove("FUGU_CUDA_EMULATE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && wants.iter().any(|w| err.contains(w)),
+            "{extra:?}: {err}"
+        );
+        assert!(!dir.join("dev-out").exists(), "{extra:?} created --out");
+    }
+
     // Token ids at or above the vocabulary size in a raw .bin file.
     let ids: Vec<u8> = (0..4000u32)
         .flat_map(|i| (if i == 100 { 60000u16 } else { (i % 500) as u16 }).to_le_bytes())
