@@ -595,4 +595,40 @@ mod gpu {
             let _ = std::fs::remove_dir_all(d);
         }
     }
+
+    #[test]
+    fn bench_gemm_on_the_device_checks_cublas_against_fugu_gemm() {
+        let emulate = if have_gpu() {
+            false
+        } else if device().is_some() {
+            true
+        } else {
+            return;
+        };
+        let a = [
+            "bench",
+            "gemm",
+            "--device",
+            "cuda",
+            "--shape",
+            "33x17x9x3",
+            "--shape",
+            "64x48x40",
+            "--budget",
+            "0.01",
+            "--format",
+            "json",
+        ];
+        let out = ok(&fugu(&a, emulate));
+        let rows: Vec<serde_json::Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 2, "{out}");
+        for r in &rows {
+            assert_eq!(r["isa"], "cublas");
+            assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["max_rel_diff"].as_f64().unwrap() < 1e-5, "{r}");
+        }
+    }
 }

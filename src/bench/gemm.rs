@@ -583,6 +583,82 @@ pub fn format_row(r: &BenchRow) -> String {
     line
 }
 
+/// One shape on a CUDA device: cuBLAS through [`crate::backend::cuda::CudaBackend::time_gemm`],
+/// its result checked against fugu-gemm on the host (max relative difference below 1e-3, or
+/// 1e-2 with TF32, whose inputs keep 10 mantissa bits). `isa` labels the row (`cublas`,
+/// `cublas-tf32`); the peak is the device's FP32 CUDA-core peak.
+#[cfg(feature = "cuda")]
+pub fn run_shape_cuda(
+    be: &mut crate::backend::cuda::CudaBackend,
+    rt: &Runtime,
+    s: &BenchShape,
+    opts: &BenchOptions,
+    isa: &str,
+) -> Result<BenchRow> {
+    use crate::backend::Backend;
+    let ops = Operands {
+        a: fill(s.batch * s.m * s.k, 1),
+        b: fill(s.batch * s.k * s.n, 2),
+    };
+    let (times, c) = be.time_gemm(
+        &ops.a,
+        &ops.b,
+        (s.m, s.n, s.k, s.batch),
+        (s.ta, s.tb),
+        opts.budget_s,
+        (opts.min_reps, opts.max_reps),
+    )?;
+    let mut want = vec![0.0f32; c.len()];
+    run_fugu(rt, s, &ops, &mut want)?;
+    let scale = want
+        .iter()
+        .fold(0.0f32, |m, v| m.max(v.abs()))
+        .max(f32::MIN_POSITIVE);
+    let diff = c
+        .iter()
+        .zip(&want)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    let rel = (diff / scale) as f64;
+    let tol = if isa.contains("tf32") { 1e-2 } else { 1e-3 };
+    if rel.is_nan() || rel >= tol {
+        bail!(
+            "{}: cuBLAS and fugu-gemm disagree (max relative difference {rel:e})",
+            s.name
+        );
+    }
+    let t = median(&times);
+    let g = gflops(s, t);
+    let (peak, source) = be
+        .peak_gflops()
+        .unwrap_or((f64::NAN, "unknown (no device peak)".into()));
+    Ok(BenchRow {
+        set: s.set.clone(),
+        name: s.name.clone(),
+        m: s.m,
+        n: s.n,
+        k: s.k,
+        batch: s.batch,
+        ta: s.ta,
+        tb: s.tb,
+        threads: 1,
+        domains: 1,
+        isa: isa.into(),
+        gflops: g,
+        median_s: t,
+        repeats: times.len(),
+        peak_gflops: peak,
+        peak_pct: 100.0 * g / peak,
+        peak_source: source,
+        baseline: "fugu-gemm on the host (correctness only)".into(),
+        baseline_gflops: None,
+        ratio: None,
+        openblas_gflops: None,
+        openblas_ratio: None,
+        openblas_split_gflops: None,
+        max_rel_diff: Some(rel),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,7 @@
 //! `fugu bench gemm`: fugu-gemm against matrixmultiply (and OpenBLAS with the `openblas`
 //! feature) on named shape sets or custom shapes.
 
+use crate::backend::{CudaSettings, Device};
 use crate::bench::gemm::{
     format_row, parse_shape, run_shape, shape_set, table_header, BenchOptions,
 };
@@ -35,10 +36,21 @@ pub struct BenchGemmArgs {
     /// FP32 peak of one core in GFLOP/s, instead of measuring it.
     #[arg(long)]
     pub peak_per_core: Option<f64>,
+    /// Where the GEMMs run: cpu (fugu-gemm and the baselines), or cuda / cuda:N (cuBLAS,
+    /// checked against fugu-gemm; needs a build with --features cuda).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N")]
+    pub device: Device,
+    /// With --device cuda: TF32 tensor cores (default: strict fp32).
+    #[arg(long)]
+    pub tf32: bool,
 }
 
 /// Runs the benchmark.
 pub fn run(args: BenchGemmArgs) -> Result<()> {
+    crate::backend::device::check_settings(args.device, CudaSettings { tf32: args.tf32 })?;
+    if args.device != Device::Cpu && args.threads.len() > 1 {
+        bail!("--threads with several counts applies to --device cpu only");
+    }
     if args.threads.len() > 1 {
         return run_each_thread_count(&args);
     }
@@ -66,6 +78,14 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     // off). Unpinned, this VM's scheduler sometimes stacks both workers on one core for a while.
     cfg.topology.pin.get_or_insert(true);
     let rt = Runtime::new(cfg)?;
+    let opts = BenchOptions {
+        budget_s: args.budget.max(0.0),
+        baseline: !args.no_baseline,
+        ..Default::default()
+    };
+    if args.device != Device::Cpu {
+        return run_on_device(&args, &shapes, &rt, &opts);
+    }
     // matrixmultiply reads its thread count once, at its first call (it caps it at 4).
     std::env::set_var("MATMUL_NUM_THREADS", rt.threads().to_string());
     // The same peak the trainer divides by (`MachineInfo::for_runtime`).
@@ -82,11 +102,6 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
             ""
         }
     );
-    let opts = BenchOptions {
-        budget_s: args.budget.max(0.0),
-        baseline: !args.no_baseline,
-        ..Default::default()
-    };
     let json = args.format == "json";
     if !json {
         println!("{}", table_header());
@@ -138,4 +153,48 @@ fn run_each_thread_count(args: &BenchGemmArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--device cuda`: cuBLAS on every shape, one row each (same columns and JSON fields as the
+/// CPU rows; `isa` is `cublas` or `cublas-tf32`, no baseline columns).
+#[cfg(feature = "cuda")]
+fn run_on_device(
+    args: &BenchGemmArgs,
+    shapes: &[crate::bench::gemm::BenchShape],
+    rt: &Runtime,
+    opts: &BenchOptions,
+) -> Result<()> {
+    use crate::backend::Backend;
+    let Device::Cuda(ordinal) = args.device else {
+        bail!("run_on_device called for {}", args.device);
+    };
+    let mut be = crate::backend::cuda::CudaBackend::new(ordinal, CudaSettings { tf32: args.tf32 })?;
+    let isa = if args.tf32 { "cublas-tf32" } else { "cublas" };
+    eprintln!("device: {} (cuBLAS, {isa})", be.describe());
+    if let Some((peak, source)) = be.peak_gflops() {
+        eprintln!("peak {peak:.0} GFLOP/s ({source})");
+    }
+    let json = args.format == "json";
+    if !json {
+        println!("{}", table_header());
+    }
+    for s in shapes {
+        let row = crate::bench::gemm::run_shape_cuda(&mut be, rt, s, opts, isa)?;
+        if json {
+            println!("{}", serde_json::to_string(&row)?);
+        } else {
+            println!("{}", format_row(&row));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_on_device(
+    args: &BenchGemmArgs,
+    _: &[crate::bench::gemm::BenchShape],
+    _: &Runtime,
+    _: &BenchOptions,
+) -> Result<()> {
+    Err(crate::backend::device::no_cuda_build(args.device))
 }

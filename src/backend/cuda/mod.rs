@@ -324,6 +324,68 @@ impl CudaBackend {
         }
     }
 
+    /// Times one row-major strided-batched GEMM `C_i (m×n) = A_i·B_i` on this device for
+    /// `fugu bench gemm --device cuda`: `ta`/`tb` store A as k×m and B as n×k (as the GEMM
+    /// benchmark's shapes do). Each call is timed between two synchronisations (so launch
+    /// latency is included; it matters only for tiny shapes) until `budget_s` has passed and
+    /// at least `min_reps` calls ran (at most `max_reps`). Returns the per-call seconds and C.
+    #[allow(clippy::too_many_arguments)]
+    pub fn time_gemm(
+        &mut self,
+        a: &[f32],
+        b: &[f32],
+        (m, n, k, batch): (usize, usize, usize, usize),
+        (ta, tb): (bool, bool),
+        budget_s: f64,
+        (min_reps, max_reps): (usize, usize),
+    ) -> Result<(Vec<f64>, Vec<f32>)> {
+        anyhow::ensure!(
+            a.len() == batch * m * k && b.len() == batch * k * n,
+            "time_gemm: operand lengths"
+        );
+        let (ab, bb, cb) = (
+            self.alloc(a.len())?,
+            self.alloc(b.len())?,
+            self.alloc(batch * m * n)?,
+        );
+        let (sa, sb, sc) = (self.whole(ab), self.whole(bb), self.whole(cb));
+        self.upload(sa, a);
+        self.upload(sb, b);
+        let lda = if ta { m } else { k };
+        let ldb = if tb { k } else { n };
+        let call = |be: &Self| {
+            be.gemm(
+                "bench gemm",
+                (ta, tb),
+                (m, n, k),
+                1.0,
+                (be.ptr(sa), lda, m * k),
+                (be.ptr(sb), ldb, k * n),
+                0.0,
+                (be.ptr(sc), n, m * n),
+                batch,
+            )
+        };
+        call(self);
+        self.sync();
+        let mut times = Vec::new();
+        let start = std::time::Instant::now();
+        while times.len() < max_reps.max(1)
+            && (times.len() < min_reps.max(1) || start.elapsed().as_secs_f64() < budget_s)
+        {
+            let t0 = std::time::Instant::now();
+            call(self);
+            self.sync();
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        let mut c = vec![0.0f32; sc.len];
+        self.download(sc, &mut c);
+        for buf in [ab, bb, cb] {
+            self.free(buf);
+        }
+        Ok((times, c))
+    }
+
     /// Uploads `data` into the index scratch; returns its device address.
     fn upload_indices(&mut self, data: &[i32]) -> u64 {
         let p = self.scratch(|b| &mut b.indices, 4 * data.len());
