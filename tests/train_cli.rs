@@ -272,6 +272,16 @@ fn bad_input_is_a_clear_error() {
         assert!(!dir.join("dev-out").exists(), "{extra:?} created --out");
     }
 
+    // A sampling temperature that is negative or not a number.
+    for t in ["--temperature=-1", "--temperature=NaN", "--temperature=inf"] {
+        let out = fugu(&["sample", t], &dir);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("expected a finite number >= 0"),
+            "{t}: {err}"
+        );
+    }
+
     // Token ids at or above the vocabulary size in a raw .bin file.
     let ids: Vec<u8> = (0..4000u32)
         .flat_map(|i| (if i == 100 { 60000u16 } else { (i % 500) as u16 }).to_le_bytes())
@@ -472,4 +482,70 @@ fn deadline_and_signal_stop_with_a_checkpoint_and_resume_exactly() {
     let mut cut = losses(&dir.join("cut"));
     cut.dedup_by_key(|(s, _)| *s);
     assert_eq!(full, cut);
+}
+
+/// A second run on a folder that a run is using is refused, naming the holder; Ctrl-C (SIGINT)
+/// stops the running one with a complete checkpoint and exit code 4, after which the folder is
+/// free again and the run resumes from it.
+#[test]
+fn a_busy_run_folder_is_refused_and_ctrl_c_checkpoints() {
+    let dir = tmp("lock");
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    let data = corpus();
+    let args = |extra: &[&str]| -> Vec<String> {
+        let base = ["train", "--config", "small.toml", "--data", data.as_str()];
+        let fixed = ["--threads", "1", "--ckpt-every", "0", "--out", "run"];
+        base.iter()
+            .chain(&fixed)
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let child = Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args(args(&["--steps", "100000"]))
+        .current_dir(&dir)
+        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Steps logged so far (0 while the metrics file is missing or being written).
+    let steps_logged = || {
+        read_metrics(dir.join("run/metrics.jsonl")).map_or(0, |r| {
+            r.iter().filter(|x| matches!(x, Record::Step(_))).count()
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while steps_logged() < 2 && t0.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let second = args(&["--resume", "auto"]);
+    let out = fugu(&second.iter().map(String::as_str).collect::<Vec<_>>(), &dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("in use by another fugu run"), "{err}");
+    assert!(err.contains(&format!("pid {}", child.id())), "{err}");
+
+    // SAFETY: plain kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(err.contains("received SIGINT"), "{err}");
+    let ck = fugu::checkpoint::latest_checkpoint(&dir.join("run"))
+        .unwrap()
+        .expect("a checkpoint after SIGINT");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("state.json")).unwrap()).unwrap();
+    let step = state["step"].as_u64().unwrap();
+    // The lock went with the process: the run resumes there and runs one more step.
+    let more = (step + 1).to_string();
+    let resumed = args(&["--resume", "auto", "--steps", &more]);
+    ok(&fugu(
+        &resumed.iter().map(String::as_str).collect::<Vec<_>>(),
+        &dir,
+    ));
+    assert_eq!(losses(&dir.join("run")).last().unwrap().0, step + 1);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -78,6 +78,12 @@ fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
 
 /// Runs `fugu sample`.
 pub fn run(args: SampleArgs) -> Result<()> {
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!(
+            "--temperature {}: expected a finite number >= 0 (0 = greedy)",
+            args.temperature
+        );
+    }
     crate::train::set_threads(args.threads)?;
     let dir = resolve(args.checkpoint.as_deref())?;
     let hf = checkpoint::load_hf(&dir)?;

@@ -4,6 +4,7 @@ pub mod data;
 pub mod dist;
 pub mod dump;
 pub mod layout;
+pub mod lock;
 pub mod schedule;
 pub mod state;
 pub mod stop;

@@ -1,5 +1,6 @@
 //! Stopping before a batch system's time limit: SIGUSR1 / SIGTERM (Slurm's `--signal`,
-//! `scancel --signal`, a forwarded signal) and a wall-clock deadline (`--deadline`,
+//! `scancel --signal`, a forwarded signal), SIGINT (Ctrl-C; a second one exits at once, with
+//! no checkpoint) and a wall-clock deadline (`--deadline`,
 //! `SLURM_JOB_END_TIME`, `PJM_ELAPSE_LIMIT`). The trainer checks [`StopWatch::should_stop`]
 //! after every step; all ranks agree through a max-all-reduce, write one complete checkpoint
 //! and exit with [`super::EXIT_CHECKPOINTED`].
@@ -12,13 +13,16 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn on_signal(sig: libc::c_int) {
-    // Only an atomic store: async-signal-safe.
-    SIGNALLED.store(sig, Ordering::SeqCst);
+    // Only an atomic swap and `_exit`: both async-signal-safe.
+    if SIGNALLED.swap(sig, Ordering::SeqCst) == libc::SIGINT && sig == libc::SIGINT {
+        // SAFETY: `_exit` is async-signal-safe; a second Ctrl-C means "quit now".
+        unsafe { libc::_exit(130) };
+    }
 }
 
-/// Installs the SIGUSR1 and SIGTERM handlers.
+/// Installs the SIGUSR1, SIGTERM and SIGINT handlers.
 pub fn install_handlers() {
-    for sig in [libc::SIGUSR1, libc::SIGTERM] {
+    for sig in [libc::SIGUSR1, libc::SIGTERM, libc::SIGINT] {
         // SAFETY: `on_signal` is an `extern "C"` function that only stores to an atomic, which
         // is async-signal-safe; `signal` is called before any other thread could race on the
         // disposition of these signals.
@@ -31,12 +35,13 @@ pub fn install_handlers() {
     }
 }
 
-/// The signal received so far, if any (`SIGUSR1`, `SIGTERM`).
+/// The signal received so far, if any (`SIGUSR1`, `SIGTERM`, `SIGINT`).
 pub fn signalled() -> Option<&'static str> {
     match SIGNALLED.load(Ordering::SeqCst) {
         0 => None,
         s if s == libc::SIGUSR1 => Some("SIGUSR1"),
         s if s == libc::SIGTERM => Some("SIGTERM"),
+        s if s == libc::SIGINT => Some("SIGINT"),
         _ => Some("a signal"),
     }
 }

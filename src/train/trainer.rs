@@ -4,7 +4,7 @@
 //! setup ─► for each step: step ─► log ─► evaluate ─► checkpoint ─► stop? ─► finish
 //! ```
 //!
-//! * [`Trainer::setup`]: output folder, resume point, configuration, grid, model on the given
+//! * [`Trainer::setup`]: output folder (locked for the run), resume point, configuration, grid, model on the given
 //!   backend (random init, `--init-from` or a checkpoint), data streams, the metrics header.
 //! * [`Trainer::step`]: one optimizer step (batch, forward, backward with overlapped
 //!   data-parallel buckets, gradient norm, non-finite check, AdamW, ZeRO-1 all-gather).
@@ -18,6 +18,7 @@
 
 use super::data::{self, BatchSource};
 use super::dist::Dist;
+use super::lock::RunLock;
 use super::state::{SavedLayout, TrainState, STATE_FORMAT};
 use super::{
     broadcast_string, default_out, dump, is_checkpoint_dir, layout, mib, peak_rss_bytes,
@@ -83,6 +84,8 @@ struct Memory {
 
 /// One training run of `fugu train` on backend `B`.
 pub struct Trainer<'d, B: Backend> {
+    /// Rank 0: the output folder's lock, held until the trainer is dropped.
+    _run_lock: Option<RunLock>,
     opts: TrainOptions,
     dist: &'d Dist,
     out: PathBuf,
@@ -135,8 +138,11 @@ impl<'d, B: Backend> Trainer<'d, B> {
         }
         // Everyone has looked at `out` before rank 0 changes it.
         dist.world.barrier();
+        // Rank 0 holds the folder's lock for the whole run, before it cleans anything there.
+        let mut run_lock = None;
         if dist.is_root() {
             std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            run_lock = Some(RunLock::acquire(&out)?);
             checkpoint::clean_stale_tmp(&out)?;
         }
 
@@ -251,6 +257,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             ..Default::default()
         };
         let mut trainer = Trainer {
+            _run_lock: run_lock,
             dist,
             out,
             data,
