@@ -549,3 +549,77 @@ fn a_busy_run_folder_is_refused_and_ctrl_c_checkpoints() {
     assert_eq!(losses(&dir.join("run")).last().unwrap().0, step + 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A non-finite step is named by its 1-based number in the error, the event and the progress;
+/// skipped steps reach the checkpoint's `state.json`, and the final checkpoint is written even
+/// when the last step was skipped.
+#[test]
+fn nonfinite_steps_are_named_and_counted() {
+    let dir = tmp("nonfinite");
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    let data = corpus();
+    // lr 1e30: the first update makes every weight about 1e30, so the next forward overflows.
+    let base = [
+        "train",
+        "--config",
+        "small.toml",
+        "--data",
+        &data,
+        "--threads",
+        "1",
+        "--lr",
+        "1e30",
+        "--min-lr",
+        "1e30",
+        "--warmup-steps",
+        "0",
+        "--grad-clip",
+        "0",
+        "--steps",
+        "4",
+    ];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let run = |extra: &[&str]| {
+        fugu(
+            &with(extra).iter().map(String::as_str).collect::<Vec<_>>(),
+            &dir,
+        )
+    };
+
+    let out = run(&["--out", "stop"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    let events: Vec<u64> = read_metrics(dir.join("stop/metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Event { kind, data } if kind == "nonfinite" => data["step"].as_u64(),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(events.len(), 1, "{err}");
+    let logged = losses(&dir.join("stop")).len() as u64;
+    // The failing step is the one after the last logged one, named the same in the error.
+    assert_eq!(events[0], logged + 1);
+    assert!(err.contains(&format!("at step {}", events[0])), "{err}");
+
+    ok(&run(&[
+        "--out",
+        "skip",
+        "--skip-nonfinite",
+        "10",
+        "--ckpt-every",
+        "0",
+    ]));
+    let ck = dir
+        .join("skip")
+        .join(fugu::checkpoint::checkpoint_dir_name(4));
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("state.json")).unwrap()).unwrap();
+    let skipped = state["skipped_nonfinite"].as_u64().unwrap();
+    assert!(skipped >= 1, "{state}");
+    assert_eq!(skipped + losses(&dir.join("skip")).len() as u64, 4);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -300,14 +300,18 @@ impl<'d, B: Backend> Trainer<'d, B> {
     pub fn run(mut self) -> Result<TrainOutcome> {
         let steps = self.cfg.train.steps as u64;
         for step in self.start_step..steps {
-            let Some(r) = self.step(step)? else { continue };
-            self.log(&r)?;
-            let is_last = r.done == steps;
-            self.evaluate(r.done, is_last)?;
-            let saved = self.checkpoint(r.done, is_last)?;
+            // A step skipped as non-finite is not logged, but it counts as done: evaluation,
+            // checkpoints (with the skip count) and stop checks happen at it as at any other.
+            let done = step + 1;
+            if let Some(r) = self.step(step)? {
+                self.log(&r)?;
+            }
+            let is_last = done == steps;
+            self.evaluate(done, is_last)?;
+            let saved = self.checkpoint(done, is_last)?;
             // Evaluation and checkpoint time count in the run totals, not in the next step.
             self.timers.fold_into_totals();
-            self.stop(r.done, is_last, saved)?;
+            self.stop(done, is_last, saved)?;
         }
         self.finish()
     }
@@ -389,6 +393,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
     /// allows, else stop with [`EXIT_NONFINITE`]. Loss and norm are reduced over all ranks, so
     /// every rank decides the same.
     fn nonfinite(&mut self, step: u64, loss: f32, norm: f64) -> Result<()> {
+        // Steps are named 1-based everywhere the user sees them (progress, metrics, ckpt-N).
+        let step = step + 1;
         if let Some(w) = self.metrics.as_mut() {
             w.event(
                 "nonfinite",
