@@ -272,6 +272,30 @@ fn bad_input_is_a_clear_error() {
         assert!(!dir.join("dev-out").exists(), "{extra:?} created --out");
     }
 
+    // --val-data that cannot be read is an error at start, not a skipped evaluation.
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    for (val, want) in [
+        ("missing.json", "--val-data missing.json"),
+        ("shards-{000..001}.tar", "no validation split"),
+    ] {
+        let out = fugu(
+            &[
+                "train",
+                "--config",
+                "small.toml",
+                "--data",
+                &data,
+                "--val-data",
+                val,
+                "--out",
+                "v",
+            ],
+            &dir,
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{val}: {err}");
+    }
+
     // A sampling temperature that is negative or not a number.
     for t in ["--temperature=-1", "--temperature=NaN", "--temperature=inf"] {
         let out = fugu(&["sample", t], &dir);

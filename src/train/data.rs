@@ -1,7 +1,7 @@
 //! Training and validation data for `fugu train`: the `--data` argument, or the bundled
 //! Shakespeare corpus prepared on first use.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use fugu_io::{Loader, LoaderConfig};
 use std::path::Path;
 
@@ -43,6 +43,23 @@ pub fn train_loader(
         None => Loader::new(data, cfg),
     };
     loader.with_context(|| format!("opening training data {data}"))
+}
+
+/// Fails unless `data` (an explicit `--val-data`) opens as a validation split with at least
+/// one window, naming the flag and the loader's reason.
+pub fn check_val_data(data: &str, cfg: &LoaderConfig) -> Result<()> {
+    let loader = Loader::new(data, cfg).with_context(|| {
+        format!(
+            "--val-data {data}: cannot be read as validation data (a manifest with a val split)"
+        )
+    })?;
+    if loader.info().windows_per_epoch == 0 {
+        bail!(
+            "--val-data {data}: its validation split holds no window of seq_len + 1 = {} tokens",
+            cfg.seq_len + 1
+        );
+    }
+    Ok(())
 }
 
 /// Mean loss over the first `batches` batches of the validation split, through `loss_of`

@@ -221,6 +221,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let val_data = opts.val_data.clone().unwrap_or_else(|| data.clone());
         let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
         val_loader.vocab_size = m.vocab_size as u32;
+        if let Some(v) = &opts.val_data {
+            // Asked for by name: it must work now, not be skipped in silence at the first eval.
+            data::check_val_data(v, &val_loader)?;
+        }
 
         let machine = MachineInfo::detect(threads)?;
         let peak_gflops = model.be.peak_gflops().map_or(machine.peak_gflops, |p| p.0);
