@@ -41,9 +41,14 @@ mod gpu {
 
     use super::common::cuda_device as device;
 
-    /// True when a real GPU is there (no message either way).
-    fn have_gpu() -> bool {
-        CudaBackend::new(Some(0), CudaSettings::default()).is_ok()
+    /// How the binary's `--device cuda` runs here: `Some(false)` on a real GPU, `Some(true)` on
+    /// the host emulator (`FUGU_CUDA_EMULATE=1`), `None` (after printing why) on neither.
+    fn binary_mode() -> Option<bool> {
+        if CudaBackend::new(Some(0), CudaSettings::default()).is_ok() {
+            Some(false)
+        } else {
+            device().map(|_| true)
+        }
     }
 
     /// The kernels compile under NVRTC for every architecture CUDA 13 supports (Turing to
@@ -533,11 +538,7 @@ mod gpu {
     #[test]
     fn checkpoints_cross_devices_and_resume_exactly() {
         // The real GPU, else the binary's --device cuda on the host emulator.
-        let emulate = if have_gpu() {
-            false
-        } else if device().is_some() {
-            true
-        } else {
+        let Some(emulate) = binary_mode() else {
             return;
         };
         // Straight runs on each device.
@@ -598,11 +599,7 @@ mod gpu {
 
     #[test]
     fn bench_gemm_on_the_device_checks_cublas_against_fugu_gemm() {
-        let emulate = if have_gpu() {
-            false
-        } else if device().is_some() {
-            true
-        } else {
+        let Some(emulate) = binary_mode() else {
             return;
         };
         let a = [

@@ -82,6 +82,29 @@ fn losses(run: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// Starts fugu with `args` in `dir` (stderr piped) and returns once the run folder `run` has
+/// logged `n` steps, or after two minutes.
+fn spawn_until_logged(args: &[String], dir: &Path, run: &str, n: usize) -> std::process::Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args(args)
+        .current_dir(dir)
+        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Steps logged so far (0 while the metrics file is missing or being written).
+    let logged = || {
+        read_metrics(dir.join(run).join("metrics.jsonl")).map_or(0, |r| {
+            r.iter().filter(|x| matches!(x, Record::Step(_))).count()
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while logged() < n && t0.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child
+}
+
 #[test]
 fn resume_is_bit_exact_and_sample_reads_the_checkpoint() {
     let dir = tmp("resume");
@@ -477,17 +500,7 @@ fn deadline_and_signal_stop_with_a_checkpoint_and_resume_exactly() {
 
     // SIGUSR1 once training is under way.
     let a = with(&["--out", "cut", "--resume", "auto"]);
-    let child = Command::new(env!("CARGO_BIN_EXE_fugu"))
-        .args(&a)
-        .current_dir(&dir)
-        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while losses(&dir.join("cut")).len() < 2 && t0.elapsed().as_secs() < 120 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let child = spawn_until_logged(&a, &dir, "cut", 2);
     // SAFETY: plain kill(2) on our own child's pid.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGUSR1);
@@ -525,23 +538,7 @@ fn a_busy_run_folder_is_refused_and_ctrl_c_checkpoints() {
             .map(|s| s.to_string())
             .collect()
     };
-    let child = Command::new(env!("CARGO_BIN_EXE_fugu"))
-        .args(args(&["--steps", "100000"]))
-        .current_dir(&dir)
-        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Steps logged so far (0 while the metrics file is missing or being written).
-    let steps_logged = || {
-        read_metrics(dir.join("run/metrics.jsonl")).map_or(0, |r| {
-            r.iter().filter(|x| matches!(x, Record::Step(_))).count()
-        })
-    };
-    let t0 = std::time::Instant::now();
-    while steps_logged() < 2 && t0.elapsed().as_secs() < 120 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let child = spawn_until_logged(&args(&["--steps", "100000"]), &dir, "run", 2);
     let second = args(&["--resume", "auto"]);
     let out = fugu(&second.iter().map(String::as_str).collect::<Vec<_>>(), &dir);
     let err = String::from_utf8_lossy(&out.stderr);

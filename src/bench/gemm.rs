@@ -421,6 +421,19 @@ fn gflops(s: &BenchShape, secs: f64) -> f64 {
     2.0 * (s.m * s.n * s.k * s.batch) as f64 / secs / 1e9
 }
 
+/// Largest |got − want| relative to the largest |want| (NaN when they disagree on NaNs).
+fn max_rel_diff(got: &[f32], want: &[f32]) -> f64 {
+    let scale = want
+        .iter()
+        .fold(0.0f32, |m, v| m.max(v.abs()))
+        .max(f32::MIN_POSITIVE);
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    (diff / scale) as f64
+}
+
 /// Times one shape on `rt` (and the baselines) and checks that the results agree.
 pub fn run_shape(
     rt: &Runtime,
@@ -510,15 +523,7 @@ pub fn run_shape(
         let bg = gflops(s, median(&times[1]));
         row.baseline_gflops = Some(bg);
         row.ratio = Some(g / bg);
-        let scale = cb
-            .iter()
-            .fold(0.0f32, |m, v| m.max(v.abs()))
-            .max(f32::MIN_POSITIVE);
-        let diff = c
-            .iter()
-            .zip(&cb)
-            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-        let rel = (diff / scale) as f64;
+        let rel = max_rel_diff(&c, &cb);
         row.max_rel_diff = Some(rel);
         if rel.is_nan() || rel >= 1e-3 {
             bail!(
@@ -610,15 +615,7 @@ pub fn run_shape_cuda(
     )?;
     let mut want = vec![0.0f32; c.len()];
     run_fugu(rt, s, &ops, &mut want)?;
-    let scale = want
-        .iter()
-        .fold(0.0f32, |m, v| m.max(v.abs()))
-        .max(f32::MIN_POSITIVE);
-    let diff = c
-        .iter()
-        .zip(&want)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    let rel = (diff / scale) as f64;
+    let rel = max_rel_diff(&c, &want);
     let tol = if isa.contains("tf32") { 1e-2 } else { 1e-3 };
     if rel.is_nan() || rel >= tol {
         bail!(
