@@ -319,6 +319,27 @@ fn bad_input_is_a_clear_error() {
         assert!(!out.status.success() && err.contains(want), "{val}: {err}");
     }
 
+    // A batch that cannot fit is refused before anything that size is allocated.
+    let out = fugu(
+        &[
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            &data,
+            "--batch-size",
+            "100000000",
+            "--out",
+            "huge",
+        ],
+        &dir,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("lower the batch size") && !err.contains("panicked"),
+        "{err}"
+    );
+
     // A sampling temperature that is negative or not a number.
     for t in ["--temperature=-1", "--temperature=NaN", "--temperature=inf"] {
         let out = fugu(&["sample", t], &dir);

@@ -126,6 +126,11 @@ pub trait Backend {
     fn peak_gflops(&self) -> Option<(f64, String)> {
         None
     }
+    /// Bytes this backend can still allocate, if known (checked before large allocations so
+    /// that an impossible batch is refused up front).
+    fn free_memory(&self) -> Option<u64> {
+        None
+    }
     /// Waits for queued work (no-op on the CPU).
     fn sync(&self) {}
     /// A function that waits for the work queued so far, for timers to call before reading

@@ -210,6 +210,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let mut lcfg = LoaderConfig::train(t.batch_size, t.seq_len, 0, 1, t.seed);
         lcfg.shuffle = opts.shuffle;
         lcfg.vocab_size = m.vocab_size as u32;
+        check_memory(&model, &lcfg)?;
         let source = BatchSource::open(
             &data,
             &lcfg,
@@ -769,6 +770,39 @@ impl<'d, B: Backend> Trainer<'d, B> {
         );
         Ok(())
     }
+}
+
+/// Refuses a batch shape whose buffers cannot fit, before anything that size is allocated:
+/// activations and backward scratch against the backend's free memory, the loader's prefetched
+/// batches against the host's (`MemAvailable`). Where a figure is unknown it is not checked.
+fn check_memory<B: Backend>(model: &Gpt2<B>, lcfg: &LoaderConfig) -> Result<()> {
+    let (b, t) = (lcfg.batch_size, lcfg.seq_len);
+    let gib = |x: f64| x / (1u64 << 30) as f64;
+    let (act_f, gact_f) = model.activation_floats(b, t);
+    let act_bytes = 4.0 * (act_f + gact_f) as f64;
+    if let Some(free) = model.be.free_memory() {
+        if act_bytes > free as f64 {
+            bail!(
+                "--batch-size {b} --seq-len {t}: activations need {:.1} GiB per rank on {}, which has {:.1} GiB free; lower the batch size or the sequence length",
+                gib(act_bytes),
+                model.be.describe(),
+                gib(free as f64)
+            );
+        }
+    }
+    // Each prefetched batch holds B·(T+1) u32 tokens; one more is being filled and one in use.
+    let loader_bytes = 4.0 * (b * (t + 1)) as f64 * (lcfg.prefetch + 2) as f64;
+    if let Some(free) = crate::backend::cpu::host_memory_available() {
+        if loader_bytes > free as f64 {
+            bail!(
+                "--batch-size {b} --seq-len {t}: the data loader's {} prefetched batches need {:.1} GiB of host memory, {:.1} GiB is available; lower the batch size",
+                lcfg.prefetch,
+                gib(loader_bytes),
+                gib(free as f64)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `--out`, or the run folder implied by `--resume DIR`, or a fresh `runs/CONFIG-TIME`.

@@ -454,6 +454,10 @@ impl Backend for CudaBackend {
         self.eng.peak_gflops()
     }
 
+    fn free_memory(&self) -> Option<u64> {
+        self.eng.free_bytes().map(|b| b as u64)
+    }
+
     fn alloc(&mut self, len: usize) -> Result<BufId> {
         let mem = if len == 0 {
             None
