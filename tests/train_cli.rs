@@ -340,6 +340,27 @@ fn bad_input_is_a_clear_error() {
         "{err}"
     );
 
+    // More threads than CPUs: capped with a warning, and the run goes on.
+    let out = fugu(
+        &[
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            &data,
+            "--steps",
+            "1",
+            "--threads",
+            "10000",
+            "--out",
+            "thr",
+        ],
+        &dir,
+    );
+    ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--threads 10000 is more than the"), "{err}");
+
     // A sampling temperature that is negative or not a number.
     for t in ["--temperature=-1", "--temperature=NaN", "--temperature=inf"] {
         let out = fugu(&["sample", t], &dir);

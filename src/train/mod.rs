@@ -139,6 +139,18 @@ pub fn set_threads(threads: Option<usize>) -> Result<usize> {
         if n == 0 {
             bail!("--threads 0: expected at least 1");
         }
+        // More compute threads than CPUs only makes every step slower (and a thousand of them
+        // can stall a run past its signals), so the count is capped, with a warning.
+        let avail = std::thread::available_parallelism().map_or(n, |a| a.get());
+        let n = if n > avail {
+            eprintln!(
+                "warning: --threads {n} is more than the {avail} CPUs this process may use; \
+                 using {avail}"
+            );
+            avail
+        } else {
+            n
+        };
         // Set before fugu-gemm's runtime starts (it reads FUGU_NUM_THREADS once).
         std::env::set_var("FUGU_NUM_THREADS", n.to_string());
         rayon::ThreadPoolBuilder::new()
