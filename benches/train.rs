@@ -42,7 +42,7 @@ struct Args {
     tf32: bool,
     /// Timer detail: fine times every op (on a GPU it synchronises around each, which costs
     /// launch overlap: use coarse or off for throughput comparisons).
-    #[arg(long, value_enum, default_value = "fine")]
+    #[arg(long, default_value = "fine", value_name = "off|coarse|fine")]
     timers: TimerLevel,
     /// Print the per-op breakdown of every shape.
     #[arg(long)]

@@ -82,6 +82,38 @@ fn losses(run: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// A test folder holding the `SMALL` config, and `fugu train` runs in it on the bundled corpus
+/// with one thread: `train --config small.toml --data CORPUS --threads 1` then `extra`.
+struct SmallRuns {
+    dir: PathBuf,
+    data: String,
+}
+
+impl SmallRuns {
+    fn new(name: &str) -> SmallRuns {
+        let dir = tmp(name);
+        std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+        SmallRuns {
+            dir,
+            data: corpus(),
+        }
+    }
+
+    fn args(&self, extra: &[&str]) -> Vec<String> {
+        let base = ["train", "--config", "small.toml", "--data", &self.data];
+        base.iter()
+            .chain(&["--threads", "1"])
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    }
+
+    fn run(&self, extra: &[&str]) -> Output {
+        let a = self.args(extra);
+        fugu(&a.iter().map(String::as_str).collect::<Vec<_>>(), &self.dir)
+    }
+}
+
 /// Starts fugu with `args` in `dir` (stderr piped) and returns once the run folder `run` has
 /// logged `n` steps, or after two minutes.
 fn spawn_until_logged(args: &[String], dir: &Path, run: &str, n: usize) -> std::process::Child {
@@ -510,27 +542,10 @@ fn init_from_a_hugging_face_checkpoint() {
 /// run with the same losses as an uninterrupted one.
 #[test]
 fn deadline_and_signal_stop_with_a_checkpoint_and_resume_exactly() {
-    let dir = tmp("stop");
-    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
-    let data = corpus();
-    let base = [
-        "train",
-        "--config",
-        "small.toml",
-        "--data",
-        data.as_str(),
-        "--threads",
-        "1",
-        "--ckpt-every",
-        "0",
-    ];
-    let with = |extra: &[&str]| -> Vec<String> {
-        base.iter().chain(extra).map(|s| s.to_string()).collect()
-    };
-    let run = |extra: &[&str]| {
-        let a = with(extra);
-        fugu(&a.iter().map(String::as_str).collect::<Vec<_>>(), &dir)
-    };
+    let runs = SmallRuns::new("stop");
+    let dir = &runs.dir;
+    let with = |extra: &[&str]| runs.args(&[&["--ckpt-every", "0"], extra].concat());
+    let run = |extra: &[&str]| runs.run(&[&["--ckpt-every", "0"], extra].concat());
     ok(&run(&["--out", "full"]));
 
     // A deadline in the past: stop after the first step.
@@ -542,7 +557,7 @@ fn deadline_and_signal_stop_with_a_checkpoint_and_resume_exactly() {
 
     // SIGUSR1 once training is under way.
     let a = with(&["--out", "cut", "--resume", "auto"]);
-    let child = spawn_until_logged(&a, &dir, "cut", 2);
+    let child = spawn_until_logged(&a, dir, "cut", 2);
     // SAFETY: plain kill(2) on our own child's pid.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGUSR1);
@@ -568,21 +583,12 @@ fn deadline_and_signal_stop_with_a_checkpoint_and_resume_exactly() {
 /// free again and the run resumes from it.
 #[test]
 fn a_busy_run_folder_is_refused_and_ctrl_c_checkpoints() {
-    let dir = tmp("lock");
-    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
-    let data = corpus();
-    let args = |extra: &[&str]| -> Vec<String> {
-        let base = ["train", "--config", "small.toml", "--data", data.as_str()];
-        let fixed = ["--threads", "1", "--ckpt-every", "0", "--out", "run"];
-        base.iter()
-            .chain(&fixed)
-            .chain(extra)
-            .map(|s| s.to_string())
-            .collect()
-    };
-    let child = spawn_until_logged(&args(&["--steps", "100000"]), &dir, "run", 2);
-    let second = args(&["--resume", "auto"]);
-    let out = fugu(&second.iter().map(String::as_str).collect::<Vec<_>>(), &dir);
+    let runs = SmallRuns::new("lock");
+    let dir = &runs.dir;
+    let fixed = ["--ckpt-every", "0", "--out", "run"];
+    let args = |extra: &[&str]| runs.args(&[&fixed[..], extra].concat());
+    let child = spawn_until_logged(&args(&["--steps", "100000"]), dir, "run", 2);
+    let out = runs.run(&[&fixed[..], &["--resume", "auto"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("in use by another fugu run"), "{err}");
@@ -604,13 +610,9 @@ fn a_busy_run_folder_is_refused_and_ctrl_c_checkpoints() {
     let step = state["step"].as_u64().unwrap();
     // The lock went with the process: the run resumes there and runs one more step.
     let more = (step + 1).to_string();
-    let resumed = args(&["--resume", "auto", "--steps", &more]);
-    ok(&fugu(
-        &resumed.iter().map(String::as_str).collect::<Vec<_>>(),
-        &dir,
-    ));
+    ok(&runs.run(&[&fixed[..], &["--resume", "auto", "--steps", &more]].concat()));
     assert_eq!(losses(&dir.join("run")).last().unwrap().0, step + 1);
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A non-finite step is named by its 1-based number in the error, the event and the progress;
@@ -618,18 +620,10 @@ fn a_busy_run_folder_is_refused_and_ctrl_c_checkpoints() {
 /// when the last step was skipped.
 #[test]
 fn nonfinite_steps_are_named_and_counted() {
-    let dir = tmp("nonfinite");
-    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
-    let data = corpus();
+    let runs = SmallRuns::new("nonfinite");
+    let dir = &runs.dir;
     // lr 1e30: the first update makes every weight about 1e30, so the next forward overflows.
-    let base = [
-        "train",
-        "--config",
-        "small.toml",
-        "--data",
-        &data,
-        "--threads",
-        "1",
+    let diverge = [
         "--lr",
         "1e30",
         "--min-lr",
@@ -641,16 +635,7 @@ fn nonfinite_steps_are_named_and_counted() {
         "--steps",
         "4",
     ];
-    let with = |extra: &[&str]| -> Vec<String> {
-        base.iter().chain(extra).map(|s| s.to_string()).collect()
-    };
-    let run = |extra: &[&str]| {
-        fugu(
-            &with(extra).iter().map(String::as_str).collect::<Vec<_>>(),
-            &dir,
-        )
-    };
-
+    let run = |extra: &[&str]| runs.run(&[&diverge[..], extra].concat());
     let out = run(&["--out", "stop"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
@@ -684,5 +669,5 @@ fn nonfinite_steps_are_named_and_counted() {
     let skipped = state["skipped_nonfinite"].as_u64().unwrap();
     assert!(skipped >= 1, "{state}");
     assert_eq!(skipped + losses(&dir.join("skip")).len() as u64, 4);
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -29,14 +29,6 @@ impl CpuBackend {
     }
 }
 
-/// Host memory available to new allocations (Linux `MemAvailable`), if known.
-pub fn host_memory_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 /// Borrows `W` spans mutably and `R` spans immutably from `bufs` at once.
 ///
 /// Panics (an internal bug, never user input) if a span is out of bounds or a written span
@@ -101,7 +93,7 @@ impl Backend for CpuBackend {
     }
 
     fn free_memory(&self) -> Option<u64> {
-        host_memory_available()
+        crate::metrics::machine::host_memory_available()
     }
 
     fn upload(&mut self, dst: Span, src: &[f32]) {

@@ -303,6 +303,49 @@ pub struct BenchRow {
     pub max_rel_diff: Option<f64>,
 }
 
+impl BenchRow {
+    /// The row of one timed implementation of `s`: its sorted run `times` (seconds), the
+    /// `isa` label, `(threads, domains)`, the `(GFLOP/s, source)` peak it is measured against
+    /// and the baseline's name; baseline and OpenBLAS columns empty.
+    fn timed(
+        s: &BenchShape,
+        isa: String,
+        (threads, domains): (usize, usize),
+        times: &[f64],
+        (peak_gflops, peak_source): (f64, String),
+        baseline: &str,
+    ) -> BenchRow {
+        let t = median(times);
+        let g = gflops(s, t);
+        BenchRow {
+            set: s.set.clone(),
+            name: s.name.clone(),
+            m: s.m,
+            n: s.n,
+            k: s.k,
+            batch: s.batch,
+            ta: s.ta,
+            tb: s.tb,
+            threads,
+            domains,
+            isa,
+            gflops: g,
+            median_s: t,
+            repeats: times.len(),
+            peak_gflops,
+            peak_pct: 100.0 * g / peak_gflops,
+            peak_source,
+            baseline: baseline.into(),
+            baseline_gflops: None,
+            ratio: None,
+            openblas_gflops: None,
+            openblas_ratio: None,
+            openblas_split_gflops: None,
+            max_rel_diff: None,
+        }
+    }
+}
+
 struct Operands {
     a: Vec<f32>,
     b: Vec<f32>,
@@ -491,34 +534,15 @@ pub fn run_shape(
     if let Some(e) = err {
         return Err(e).with_context(|| format!("fugu-gemm failed on {}", s.name));
     }
-    let t = median(&times[0]);
-    let g = gflops(s, t);
-    let mut row = BenchRow {
-        set: s.set.clone(),
-        name: s.name.clone(),
-        m: s.m,
-        n: s.n,
-        k: s.k,
-        batch: s.batch,
-        ta: s.ta,
-        tb: s.tb,
-        threads: rt.threads(),
-        domains: rt.topology().domains.len(),
-        isa: rt.kernel().isa.to_string(),
-        gflops: g,
-        median_s: t,
-        repeats: times[0].len(),
-        peak_gflops: peak.total_gflops(),
-        peak_pct: 100.0 * g / peak.total_gflops(),
-        peak_source: format!("{:?}", peak.source),
-        baseline: "matrixmultiply".into(),
-        baseline_gflops: None,
-        ratio: None,
-        openblas_gflops: None,
-        openblas_ratio: None,
-        openblas_split_gflops: None,
-        max_rel_diff: None,
-    };
+    let mut row = BenchRow::timed(
+        s,
+        rt.kernel().isa.to_string(),
+        (rt.threads(), rt.topology().domains.len()),
+        &times[0],
+        (peak.total_gflops(), format!("{:?}", peak.source)),
+        "matrixmultiply",
+    );
+    let g = row.gflops;
     if opts.baseline {
         let bg = gflops(s, median(&times[1]));
         row.baseline_gflops = Some(bg);
@@ -605,14 +629,22 @@ pub fn run_shape_cuda(
         a: fill(s.batch * s.m * s.k, 1),
         b: fill(s.batch * s.k * s.n, 2),
     };
-    let (times, c) = be.time_gemm(
-        &ops.a,
-        &ops.b,
-        (s.m, s.n, s.k, s.batch),
-        (s.ta, s.tb),
+    // Timed by the same interleaved-rounds helper as the CPU contenders; each run ends with a
+    // device synchronisation so that it measures the kernel, not its launch.
+    let g = be.upload_gemm(&ops.a, &ops.b, (s.m, s.n, s.k, s.batch), (s.ta, s.tb))?;
+    let mut fs: Vec<Contender> = vec![Box::new(|| {
+        be.run_gemm(&g);
+        be.sync();
+    })];
+    let times = time_interleaved(
+        &mut fs,
         opts.budget_s,
-        (opts.min_reps, opts.max_reps),
-    )?;
+        opts.min_reps,
+        opts.max_reps,
+        std::time::Duration::ZERO,
+    );
+    drop(fs);
+    let c = be.finish_gemm(g);
     let mut want = vec![0.0f32; c.len()];
     run_fugu(rt, s, &ops, &mut want)?;
     let rel = max_rel_diff(&c, &want);
@@ -623,37 +655,19 @@ pub fn run_shape_cuda(
             s.name
         );
     }
-    let t = median(&times);
-    let g = gflops(s, t);
-    let (peak, source) = be
+    let peak = be
         .peak_gflops()
         .unwrap_or((f64::NAN, "unknown (no device peak)".into()));
-    Ok(BenchRow {
-        set: s.set.clone(),
-        name: s.name.clone(),
-        m: s.m,
-        n: s.n,
-        k: s.k,
-        batch: s.batch,
-        ta: s.ta,
-        tb: s.tb,
-        threads: 1,
-        domains: 1,
-        isa: isa.into(),
-        gflops: g,
-        median_s: t,
-        repeats: times.len(),
-        peak_gflops: peak,
-        peak_pct: 100.0 * g / peak,
-        peak_source: source,
-        baseline: "fugu-gemm on the host (correctness only)".into(),
-        baseline_gflops: None,
-        ratio: None,
-        openblas_gflops: None,
-        openblas_ratio: None,
-        openblas_split_gflops: None,
-        max_rel_diff: Some(rel),
-    })
+    let mut row = BenchRow::timed(
+        s,
+        isa.into(),
+        (1, 1),
+        &times[0],
+        peak,
+        "fugu-gemm on the host (correctness only)",
+    );
+    row.max_rel_diff = Some(rel);
+    Ok(row)
 }
 
 #[cfg(test)]

@@ -85,7 +85,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Per-op timers: off, coarse (forward/backward/optimizer) or fine (every op).
-    #[arg(long, value_enum, default_value = "fine")]
+    #[arg(long, default_value = "fine", value_name = "off|coarse|fine")]
     pub timers: TimerLevel,
     /// Keep only the newest K checkpoints (0 = keep all).
     #[arg(long, default_value_t = 3)]

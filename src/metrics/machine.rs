@@ -214,6 +214,24 @@ fn count_cpulist(s: &str) -> Option<usize> {
     (n > 0).then_some(n)
 }
 
+/// A `Key:   N kB` line of a Linux `/proc` file, in bytes.
+fn proc_kib(path: &str, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Peak resident set size of this process in bytes (`VmHWM`), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_kib("/proc/self/status", "VmHWM:")
+}
+
+/// Host memory available to new allocations (`MemAvailable`), if known.
+pub fn host_memory_available() -> Option<u64> {
+    proc_kib("/proc/meminfo", "MemAvailable:")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

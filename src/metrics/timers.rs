@@ -21,18 +21,7 @@ use std::time::Instant;
 
 /// How much to time (`--timers off|coarse|fine`). Ordered: `Off < Coarse < Fine`.
 #[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    PartialOrd,
-    Ord,
-    Hash,
-    Serialize,
-    Deserialize,
-    clap::ValueEnum,
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum TimerLevel {
@@ -52,6 +41,20 @@ impl std::fmt::Display for TimerLevel {
             TimerLevel::Coarse => "coarse",
             TimerLevel::Fine => "fine",
         })
+    }
+}
+
+impl std::str::FromStr for TimerLevel {
+    type Err = String;
+
+    /// `off`, `coarse` or `fine` (what `--timers` takes; the CLI parses it through this).
+    fn from_str(s: &str) -> Result<TimerLevel, String> {
+        match s {
+            "off" => Ok(TimerLevel::Off),
+            "coarse" => Ok(TimerLevel::Coarse),
+            "fine" => Ok(TimerLevel::Fine),
+            _ => Err(format!("{s:?}: expected off, coarse or fine")),
+        }
     }
 }
 
@@ -652,11 +655,12 @@ mod tests {
     #[test]
     fn levels_order_and_parse() {
         assert!(TimerLevel::Off < TimerLevel::Coarse && TimerLevel::Coarse < TimerLevel::Fine);
-        use clap::ValueEnum;
-        assert_eq!(
-            TimerLevel::from_str("fine", false).unwrap(),
-            TimerLevel::Fine
-        );
+        assert_eq!("fine".parse::<TimerLevel>(), Ok(TimerLevel::Fine));
+        for l in [TimerLevel::Off, TimerLevel::Coarse, TimerLevel::Fine] {
+            assert_eq!(l.to_string().parse::<TimerLevel>(), Ok(l));
+        }
+        let e = "bogus".parse::<TimerLevel>().unwrap_err();
+        assert!(e.contains("expected off, coarse or fine"), "{e}");
         assert_eq!(serde_json::to_string(&TimerLevel::Off).unwrap(), "\"off\"");
         let t: TimerLevel = serde_json::from_str("\"coarse\"").unwrap();
         assert_eq!(t, TimerLevel::Coarse);

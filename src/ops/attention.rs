@@ -17,8 +17,96 @@ fn check(qkv: usize, b: usize, t: usize, nh: usize, hs: usize, op: &str) {
     assert_eq!(qkv, b * t * 3 * nh * hs, "{op}: qkv length");
 }
 
-/// Part `part` (0 = Q, 1 = K, 2 = V) of batch element `bi` of a (B, T, 3C) tensor, as a batch
-/// of `nh` (T, hs) matrices.
+/// Where batch element `bi`'s `heads` matrices (each `rows`×`cols`, unit column stride) lie in
+/// one of attention's tensors: the first element, the row stride `ld`, the stride between
+/// heads, and the batch element's whole range `base .. base + span`. The one statement of these
+/// layouts: the CPU views below and the CUDA backend's strided-batched GEMMs are built from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heads {
+    pub offset: usize,
+    pub ld: usize,
+    pub stride: usize,
+    pub heads: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub base: usize,
+    pub span: usize,
+}
+
+impl Heads {
+    /// Part `part` (0 = Q, 1 = K, 2 = V) of a (B, T, 3C) qkv tensor: `nh` (T, hs) matrices.
+    pub fn qkv(bi: usize, part: usize, t: usize, nh: usize, hs: usize) -> Heads {
+        let c = nh * hs;
+        let base = bi * t * 3 * c;
+        Heads {
+            offset: base + part * c,
+            ld: 3 * c,
+            stride: hs,
+            heads: nh,
+            rows: t,
+            cols: hs,
+            base,
+            span: t * 3 * c,
+        }
+    }
+
+    /// A (B, T, C) tensor: `nh` (T, hs) matrices.
+    pub fn btc(bi: usize, t: usize, nh: usize, hs: usize) -> Heads {
+        let c = nh * hs;
+        Heads {
+            offset: bi * t * c,
+            ld: c,
+            stride: hs,
+            heads: nh,
+            rows: t,
+            cols: hs,
+            base: bi * t * c,
+            span: t * c,
+        }
+    }
+
+    /// A (B, nh, T, T) tensor: `nh` (T, T) matrices.
+    pub fn att(bi: usize, t: usize, nh: usize) -> Heads {
+        Heads {
+            offset: bi * nh * t * t,
+            ld: t,
+            stride: t * t,
+            heads: nh,
+            rows: t,
+            cols: t,
+            base: bi * nh * t * t,
+            span: nh * t * t,
+        }
+    }
+
+    fn view<T>(self, data: &[T]) -> BatchMat<'_, T> {
+        BatchMat {
+            data,
+            offset: self.offset,
+            batch: self.heads,
+            bs: self.stride,
+            rows: self.rows,
+            cols: self.cols,
+            rs: self.ld,
+            cs: 1,
+        }
+    }
+
+    /// Writable, over the batch element's range only.
+    fn view_mut<T>(self, data: &mut [T]) -> BatchMatMut<'_, T> {
+        BatchMatMut {
+            data: &mut data[self.base..self.base + self.span],
+            offset: self.offset - self.base,
+            batch: self.heads,
+            bs: self.stride,
+            rows: self.rows,
+            cols: self.cols,
+            rs: self.ld,
+            cs: 1,
+        }
+    }
+}
+
 fn qkv_part<T>(
     qkv: &[T],
     bi: usize,
@@ -27,20 +115,9 @@ fn qkv_part<T>(
     nh: usize,
     hs: usize,
 ) -> BatchMat<'_, T> {
-    let c = nh * hs;
-    BatchMat {
-        data: qkv,
-        offset: bi * t * 3 * c + part * c,
-        batch: nh,
-        bs: hs,
-        rows: t,
-        cols: hs,
-        rs: 3 * c,
-        cs: 1,
-    }
+    Heads::qkv(bi, part, t, nh, hs).view(qkv)
 }
 
-/// The same, writable (over batch element `bi`'s rows only).
 fn qkv_part_mut<T>(
     dqkv: &mut [T],
     bi: usize,
@@ -49,77 +126,27 @@ fn qkv_part_mut<T>(
     nh: usize,
     hs: usize,
 ) -> BatchMatMut<'_, T> {
-    let c = nh * hs;
-    BatchMatMut {
-        data: &mut dqkv[bi * t * 3 * c..(bi + 1) * t * 3 * c],
-        offset: part * c,
-        batch: nh,
-        bs: hs,
-        rows: t,
-        cols: hs,
-        rs: 3 * c,
-        cs: 1,
-    }
+    Heads::qkv(bi, part, t, nh, hs).view_mut(dqkv)
 }
 
-/// Batch element `bi` of a (B, T, C) tensor as `nh` (T, hs) matrices.
 fn btc<T>(x: &[T], bi: usize, t: usize, nh: usize, hs: usize) -> BatchMat<'_, T> {
-    let c = nh * hs;
-    BatchMat {
-        data: x,
-        offset: bi * t * c,
-        batch: nh,
-        bs: hs,
-        rows: t,
-        cols: hs,
-        rs: c,
-        cs: 1,
-    }
+    Heads::btc(bi, t, nh, hs).view(x)
 }
 
 fn btc_mut<T>(x: &mut [T], bi: usize, t: usize, nh: usize, hs: usize) -> BatchMatMut<'_, T> {
-    let c = nh * hs;
-    BatchMatMut {
-        data: &mut x[bi * t * c..(bi + 1) * t * c],
-        offset: 0,
-        batch: nh,
-        bs: hs,
-        rows: t,
-        cols: hs,
-        rs: c,
-        cs: 1,
-    }
+    Heads::btc(bi, t, nh, hs).view_mut(x)
 }
 
-/// Batch element `bi` of a (B, nh, T, T) tensor as `nh` (T, T) matrices.
 fn att_of<T>(att: &[T], bi: usize, t: usize, nh: usize) -> BatchMat<'_, T> {
-    BatchMat {
-        data: att,
-        offset: bi * nh * t * t,
-        batch: nh,
-        bs: t * t,
-        rows: t,
-        cols: t,
-        rs: t,
-        cs: 1,
-    }
+    Heads::att(bi, t, nh).view(att)
 }
 
 fn att_of_mut<T>(att: &mut [T], bi: usize, t: usize, nh: usize) -> BatchMatMut<'_, T> {
-    BatchMatMut {
-        data: &mut att[bi * nh * t * t..(bi + 1) * nh * t * t],
-        offset: 0,
-        batch: nh,
-        bs: t * t,
-        rows: t,
-        cols: t,
-        rs: t,
-        cs: 1,
-    }
+    Heads::att(bi, t, nh).view_mut(att)
 }
 
-/// `1/sqrt(hs)`, computed in `f64` and rounded once.
-fn scale<T: Float>(hs: usize) -> T {
+/// `1/sqrt(hs)`, computed in `f64` and rounded once (every backend uses this value).
+pub fn scale<T: Float>(hs: usize) -> T {
     T::from_f64(1.0 / (hs as f64).sqrt())
 }
 

@@ -63,6 +63,35 @@ pub fn encoder_forward<T: Float>(
     });
 }
 
+/// The positions of `tokens` grouped by their local row in a vocabulary shard of `rows` rows
+/// starting at `vocab_start` (a stable counting sort): `pos[start[r] .. start[r + 1]]` are the
+/// positions of row `r`, increasing. Tokens outside the shard are left out. The order in which
+/// [`encoder_backward`] sums, shared with device backends so that they sum in the same order.
+pub fn positions_by_row(
+    tokens: &[u32],
+    vocab_start: usize,
+    rows: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut start = vec![0usize; rows + 1];
+    for &tok in tokens {
+        if let Some(r) = local_row(tok, vocab_start, rows) {
+            start[r + 1] += 1;
+        }
+    }
+    for r in 0..rows {
+        start[r + 1] += start[r];
+    }
+    let mut fill = start.clone();
+    let mut pos = vec![0usize; start[rows]];
+    for (i, &tok) in tokens.iter().enumerate() {
+        if let Some(r) = local_row(tok, vocab_start, rows) {
+            pos[fill[r]] = i;
+            fill[r] += 1;
+        }
+    }
+    (start, pos)
+}
+
 /// Backward of [`encoder_forward`].
 ///
 /// * `dwte`: this shard's rows of the token-embedding gradient (same shape as `wte`),
@@ -94,25 +123,7 @@ pub fn encoder_backward<T: Float>(
         "encoder_backward: dwte length is not a multiple of C"
     );
     let rows = dwte.len() / c;
-
-    // Positions grouped by local row: pos[start[r]..start[r+1]], increasing within a row.
-    let mut start = vec![0usize; rows + 1];
-    for &tok in tokens {
-        if let Some(r) = local_row(tok, vocab_start, rows) {
-            start[r + 1] += 1;
-        }
-    }
-    for r in 0..rows {
-        start[r + 1] += start[r];
-    }
-    let mut fill = start.clone();
-    let mut pos = vec![0usize; start[rows]];
-    for (i, &tok) in tokens.iter().enumerate() {
-        if let Some(r) = local_row(tok, vocab_start, rows) {
-            pos[fill[r]] = i;
-            fill[r] += 1;
-        }
-    }
+    let (start, pos) = positions_by_row(tokens, vocab_start, rows);
     dwte.par_chunks_mut(c).enumerate().for_each(|(r, row)| {
         for &i in &pos[start[r]..start[r + 1]] {
             for (d, &g) in row.iter_mut().zip(&dout[i * c..(i + 1) * c]) {

@@ -121,14 +121,6 @@ fn default_out(name: &str) -> PathBuf {
     PathBuf::from("runs").join(format!("{name}-{secs}"))
 }
 
-/// Peak resident set size of this process in bytes (Linux `VmHWM`), if known.
-pub fn peak_rss_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 fn mib(bytes: f64) -> String {
     format!("{:.1} MiB", bytes / (1u64 << 20) as f64)
 }

@@ -21,9 +21,8 @@ use super::dist::Dist;
 use super::lock::RunLock;
 use super::state::{SavedLayout, TrainState, STATE_FORMAT};
 use super::{
-    broadcast_string, default_out, dump, is_checkpoint_dir, layout, mib, peak_rss_bytes,
-    resume_point, schedule, set_threads, stop, ExitError, TrainOptions, TrainOutcome,
-    EXIT_CHECKPOINTED, EXIT_NONFINITE,
+    broadcast_string, default_out, dump, is_checkpoint_dir, layout, mib, resume_point, schedule,
+    set_threads, stop, ExitError, TrainOptions, TrainOutcome, EXIT_CHECKPOINTED, EXIT_NONFINITE,
 };
 use crate::backend::Backend;
 use crate::checkpoint;
@@ -75,11 +74,37 @@ struct RunTotals {
     rank_timers: [BTreeMap<String, f64>; 3],
 }
 
-/// Memory accounting for the header and the end-of-run RSS line (bytes per rank).
+/// Memory accounting for the up-front check, the header and the end-of-run RSS line (bytes
+/// per rank), computed once from the model and the batch shape.
 #[derive(Clone, Copy)]
 struct Memory {
-    state: f64,
-    activations: f64,
+    /// This rank's parameters + gradients, and its AdamW moments (fewer under ZeRO-1).
+    params_grads: f64,
+    moments: f64,
+    /// Forward activations, and the backward pass's gradient scratch.
+    forward: f64,
+    backward: f64,
+}
+
+impl Memory {
+    fn of<B: Backend>(model: &Gpt2<B>, b: usize, t: usize) -> Memory {
+        let (act_f, gact_f) = model.activation_floats(b, t);
+        let moment_n: usize = model.owned().iter().map(|o| o.flat.len()).sum();
+        Memory {
+            params_grads: 8.0 * model.table.total() as f64,
+            moments: 8.0 * moment_n as f64,
+            forward: 4.0 * act_f as f64,
+            backward: 4.0 * gact_f as f64,
+        }
+    }
+
+    fn state(&self) -> f64 {
+        self.params_grads + self.moments
+    }
+
+    fn activations(&self) -> f64 {
+        self.forward + self.backward
+    }
 }
 
 /// One training run of `fugu train` on backend `B`.
@@ -210,7 +235,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let mut lcfg = LoaderConfig::train(t.batch_size, t.seq_len, 0, 1, t.seed);
         lcfg.shuffle = opts.shuffle;
         lcfg.vocab_size = m.vocab_size as u32;
-        check_memory(&model, &lcfg)?;
+        let memory = Memory::of(&model, t.batch_size, t.seq_len);
+        check_memory(&model.be, &memory, &lcfg)?;
         let source = BatchSource::open(
             &data,
             &lcfg,
@@ -232,13 +258,6 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let global_batch = t.batch_size * grid.dp;
         let flops_step =
             megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
-        let (act_f, gact_f) = model.activation_floats(t.batch_size, t.seq_len);
-        let local_n = model.table.total() as f64;
-        let moment_n: f64 = model.owned().iter().map(|o| o.flat.len() as f64).sum();
-        let memory = Memory {
-            state: 8.0 * local_n + 8.0 * moment_n,
-            activations: 4.0 * (act_f + gact_f) as f64,
-        };
         let start_step = start_state.as_ref().map_or(0, |s| s.step);
         let timers = Timers::new(opts.timers);
         if let Some(f) = model.be.sync_handle() {
@@ -295,7 +314,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             opts,
         };
         if trainer.dist.is_root() {
-            trainer.write_header(&machine, &init_desc, flops_step, (act_f, gact_f))?;
+            trainer.write_header(&machine, &init_desc, flops_step)?;
         }
         Ok(trainer)
     }
@@ -636,13 +655,13 @@ impl<'d, B: Backend> Trainer<'d, B> {
             );
             b.write_json(self.out.join("breakdown.json"))?;
         }
-        let rss = peak_rss_bytes();
+        let rss = crate::metrics::machine::peak_rss_bytes();
         if let Some(w) = self.metrics.as_mut() {
             if let Some(rss) = rss {
                 eprintln!(
                     "peak RSS {} = {:.2} x (params+grads+AdamW + activations)",
                     mib(rss as f64),
-                    rss as f64 / (self.memory.state + self.memory.activations)
+                    rss as f64 / (self.memory.state() + self.memory.activations())
                 );
             }
             w.event(
@@ -671,7 +690,6 @@ impl<'d, B: Backend> Trainer<'d, B> {
         machine: &MachineInfo,
         init_desc: &str,
         flops_step: f64,
-        (act_f, gact_f): (usize, usize),
     ) -> Result<()> {
         let (opts, dist, t) = (&self.opts, self.dist, &self.cfg.train);
         let grid = dist.grid;
@@ -681,8 +699,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         } else {
             MetricsWriter::create(&metrics_path)?
         };
-        let local_n = self.model.table.total() as f64;
-        let moment_n: f64 = self.model.owned().iter().map(|o| o.flat.len() as f64).sum();
+        let mem = self.memory;
         let global_batch = t.batch_size * grid.dp;
         let params_n = self.full_table.elements();
         let header = json!({
@@ -704,10 +721,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
             "parameters": params_n,
             "memory": {
                 "per_rank": true,
-                "params_grads_bytes": 8.0 * local_n,
-                "adam_moment_bytes": 8.0 * moment_n,
-                "params_grads_adam_bytes": self.memory.state,
-                "activation_bytes": self.memory.activations,
+                "params_grads_bytes": mem.params_grads,
+                "adam_moment_bytes": mem.moments,
+                "params_grads_adam_bytes": mem.state(),
+                "activation_bytes": mem.activations(),
             },
             "flops_per_step": flops_step,
             "flops_per_step_per_rank": self.flops_per_rank,
@@ -745,15 +762,15 @@ impl<'d, B: Backend> Trainer<'d, B> {
         );
         eprintln!(
             "  memory per rank: params+grads 8 B x {:.2}M = {}, AdamW moments 8 B x {:.2}M = {}{}, activations {} (forward {} + backward scratch {}), expected total {}",
-            local_n / 1e6,
-            mib(8.0 * local_n),
-            moment_n / 1e6,
-            mib(8.0 * moment_n),
+            mem.params_grads / 8e6,
+            mib(mem.params_grads),
+            mem.moments / 8e6,
+            mib(mem.moments),
             if opts.zero == 1 && grid.dp > 1 { format!(" (ZeRO-1: 1/{} of the shard)", grid.dp) } else { String::new() },
-            mib(self.memory.activations),
-            mib(4.0 * act_f as f64),
-            mib(4.0 * gact_f as f64),
-            mib(self.memory.state + self.memory.activations)
+            mib(mem.activations()),
+            mib(mem.forward),
+            mib(mem.backward),
+            mib(mem.state() + mem.activations())
         );
         if let Some(d) = self.watch.deadline() {
             eprintln!(
@@ -775,24 +792,22 @@ impl<'d, B: Backend> Trainer<'d, B> {
 /// Refuses a batch shape whose buffers cannot fit, before anything that size is allocated:
 /// activations and backward scratch against the backend's free memory, the loader's prefetched
 /// batches against the host's (`MemAvailable`). Where a figure is unknown it is not checked.
-fn check_memory<B: Backend>(model: &Gpt2<B>, lcfg: &LoaderConfig) -> Result<()> {
+fn check_memory<B: Backend>(be: &B, mem: &Memory, lcfg: &LoaderConfig) -> Result<()> {
     let (b, t) = (lcfg.batch_size, lcfg.seq_len);
     let gib = |x: f64| x / (1u64 << 30) as f64;
-    let (act_f, gact_f) = model.activation_floats(b, t);
-    let act_bytes = 4.0 * (act_f + gact_f) as f64;
-    if let Some(free) = model.be.free_memory() {
-        if act_bytes > free as f64 {
+    if let Some(free) = be.free_memory() {
+        if mem.activations() > free as f64 {
             bail!(
                 "--batch-size {b} --seq-len {t}: activations need {:.1} GiB per rank on {}, which has {:.1} GiB free; lower the batch size or the sequence length",
-                gib(act_bytes),
-                model.be.describe(),
+                gib(mem.activations()),
+                be.describe(),
                 gib(free as f64)
             );
         }
     }
     // Each prefetched batch holds B·(T+1) u32 tokens; one more is being filled and one in use.
     let loader_bytes = 4.0 * (b * (t + 1)) as f64 * (lcfg.prefetch + 2) as f64;
-    if let Some(free) = crate::backend::cpu::host_memory_available() {
+    if let Some(free) = crate::metrics::machine::host_memory_available() {
         if loader_bytes > free as f64 {
             bail!(
                 "--batch-size {b} --seq-len {t}: the data loader's {} prefetched batches need {:.1} GiB of host memory, {:.1} GiB is available; lower the batch size",

@@ -28,6 +28,7 @@ pub mod engine;
 
 use super::WeightLayout;
 use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Span, TokSpan};
+use crate::ops::attention::Heads;
 use anyhow::Result;
 use engine::{Arg, DevAlloc, Engine, GemmCall};
 
@@ -324,66 +325,65 @@ impl CudaBackend {
         }
     }
 
-    /// Times one row-major strided-batched GEMM `C_i (m×n) = A_i·B_i` on this device for
-    /// `fugu bench gemm --device cuda`: `ta`/`tb` store A as k×m and B as n×k (as the GEMM
-    /// benchmark's shapes do). Each call is timed between two synchronisations (so launch
-    /// latency is included; it matters only for tiny shapes) until `budget_s` has passed and
-    /// at least `min_reps` calls ran (at most `max_reps`). Returns the per-call seconds and C.
-    #[allow(clippy::too_many_arguments)]
-    pub fn time_gemm(
+    /// Uploads a row-major strided-batched GEMM problem `C_i (m×n) = A_i·B_i` for the GEMM
+    /// benchmark (`fugu bench gemm --device cuda`): `ta`/`tb` store A as k×m and B as n×k,
+    /// as the benchmark's shapes do. Run it with [`Self::run_gemm`], read C and free it with
+    /// [`Self::finish_gemm`].
+    pub fn upload_gemm(
         &mut self,
         a: &[f32],
         b: &[f32],
         (m, n, k, batch): (usize, usize, usize, usize),
         (ta, tb): (bool, bool),
-        budget_s: f64,
-        (min_reps, max_reps): (usize, usize),
-    ) -> Result<(Vec<f64>, Vec<f32>)> {
+    ) -> Result<DeviceGemm> {
         anyhow::ensure!(
             a.len() == batch * m * k && b.len() == batch * k * n,
-            "time_gemm: operand lengths"
+            "upload_gemm: operand lengths"
         );
         let (ab, bb, cb) = (
             self.alloc(a.len())?,
             self.alloc(b.len())?,
             self.alloc(batch * m * n)?,
         );
-        let (sa, sb, sc) = (self.whole(ab), self.whole(bb), self.whole(cb));
-        self.upload(sa, a);
-        self.upload(sb, b);
+        let spans = [self.whole(ab), self.whole(bb), self.whole(cb)];
+        self.upload(spans[0], a);
+        self.upload(spans[1], b);
+        Ok(DeviceGemm {
+            spans,
+            dims: (m, n, k, batch),
+            trans: (ta, tb),
+        })
+    }
+
+    /// Queues one run of an uploaded GEMM.
+    pub fn run_gemm(&self, g: &DeviceGemm) {
+        let (m, n, k, batch) = g.dims;
+        let (ta, tb) = g.trans;
+        let [a, b, c] = g.spans;
         let lda = if ta { m } else { k };
         let ldb = if tb { k } else { n };
-        let call = |be: &Self| {
-            be.gemm(
-                "bench gemm",
-                (ta, tb),
-                (m, n, k),
-                1.0,
-                (be.ptr(sa), lda, m * k),
-                (be.ptr(sb), ldb, k * n),
-                0.0,
-                (be.ptr(sc), n, m * n),
-                batch,
-            )
-        };
-        call(self);
-        self.sync();
-        let mut times = Vec::new();
-        let start = std::time::Instant::now();
-        while times.len() < max_reps.max(1)
-            && (times.len() < min_reps.max(1) || start.elapsed().as_secs_f64() < budget_s)
-        {
-            let t0 = std::time::Instant::now();
-            call(self);
-            self.sync();
-            times.push(t0.elapsed().as_secs_f64());
+        self.gemm(
+            "bench gemm",
+            g.trans,
+            (m, n, k),
+            1.0,
+            (self.ptr(a), lda, m * k),
+            (self.ptr(b), ldb, k * n),
+            0.0,
+            (self.ptr(c), n, m * n),
+            batch,
+        );
+    }
+
+    /// C of an uploaded GEMM (after all queued runs), and its buffers freed.
+    pub fn finish_gemm(&mut self, g: DeviceGemm) -> Vec<f32> {
+        let c = g.spans[2];
+        let mut out = vec![0.0f32; c.len];
+        self.download(c, &mut out);
+        for s in g.spans {
+            self.free(s.buf);
         }
-        let mut c = vec![0.0f32; sc.len];
-        self.download(sc, &mut c);
-        for buf in [ab, bb, cb] {
-            self.free(buf);
-        }
-        Ok((times, c))
+        out
     }
 
     /// Uploads `data` into the index scratch; returns its device address.
@@ -392,6 +392,14 @@ impl CudaBackend {
         self.upload_bytes(p, as_bytes(data));
         p
     }
+}
+
+/// A GEMM problem on the device for the GEMM benchmark ([`CudaBackend::upload_gemm`]).
+pub struct DeviceGemm {
+    /// A, B, C.
+    spans: [Span; 3],
+    dims: (usize, usize, usize, usize),
+    trans: (bool, bool),
 }
 
 /// The bytes of a slice of plain numbers.
@@ -595,34 +603,23 @@ impl Backend for CudaBackend {
             dout.len == n * c && tokens.len == n,
             "encoder_backward: shapes"
         );
-        // Bucket positions by local row on the host (a stable counting sort, as the CPU op):
-        // [rows (U) | start (U + 1) | positions].
-        let rows = dwte.len / c;
+        // Positions bucketed by local row on the host, in the CPU op's order; only the rows
+        // that occur are sent: [rows (U) | start (U + 1) | positions].
         let toks = &self.host_tokens[tokens.offset..tokens.offset + tokens.len];
-        let local = |tok: u32| {
-            (tok as usize)
-                .checked_sub(vocab_start)
-                .filter(|&r| r < rows)
-        };
-        let mut order: Vec<(usize, usize)> = toks
-            .iter()
-            .enumerate()
-            .filter_map(|(i, &tok)| local(tok).map(|r| (r, i)))
-            .collect();
-        order.sort_unstable();
+        let (start, pos) = crate::ops::encoder::positions_by_row(toks, vocab_start, dwte.len / c);
         let mut uniq: Vec<i32> = Vec::new();
-        let mut start: Vec<i32> = Vec::new();
-        for (k, &(r, _)) in order.iter().enumerate() {
-            if uniq.last() != Some(&(r as i32)) {
+        let mut starts: Vec<i32> = Vec::new();
+        for r in 0..start.len() - 1 {
+            if start[r + 1] > start[r] {
                 uniq.push(r as i32);
-                start.push(k as i32);
+                starts.push(start[r] as i32);
             }
         }
-        start.push(order.len() as i32);
+        starts.push(pos.len() as i32);
         let u = uniq.len();
         let mut idx = uniq;
-        idx.extend_from_slice(&start);
-        idx.extend(order.iter().map(|&(_, i)| i as i32));
+        idx.extend_from_slice(&starts);
+        idx.extend(pos.iter().map(|&i| i as i32));
         if u > 0 {
             let base = self.upload_indices(&idx);
             self.launch(
@@ -1218,9 +1215,9 @@ impl Backend for CudaBackend {
     }
 }
 
-/// `1/√hs` rounded as the CPU op rounds it.
+/// `1/√hs`, the value the CPU op uses.
 fn attention_scale(hs: usize) -> f32 {
-    (1.0 / (hs as f64).sqrt()) as f32
+    crate::ops::attention::scale::<f32>(hs)
 }
 
 fn check_ce(logits: Span, d: CeDims) {
@@ -1232,12 +1229,18 @@ fn check_ce(logits: Span, d: CeDims) {
 }
 
 /// Strided views of one attention call's tensors for the batched GEMMs: `(ptr, ld, stride)`
-/// triples, one batch of `nh` heads per sequence (the layouts of `ops/attention.rs`).
+/// triples, one batch of `nh` heads per sequence, placed by [`Heads`] (the layouts of
+/// `ops/attention.rs`).
 struct Attn {
     att: u64,
     qkv: u64,
     d: AttnDims,
     scale: f32,
+}
+
+/// A device address plus a [`Heads`] layout, as the GEMM helper takes it.
+fn heads_at(base: u64, h: Heads) -> (u64, usize, usize) {
+    (base + 4 * h.offset as u64, h.ld, h.stride)
 }
 
 impl Attn {
@@ -1253,25 +1256,26 @@ impl Attn {
         }
     }
 
-    /// Part `part` (0 Q, 1 K, 2 V) of sequence `bi`: nh (T, hs) matrices, leading dimension
-    /// 3C, head stride hs.
+    /// Part `part` (0 Q, 1 K, 2 V) of sequence `bi`.
     fn qkv_part(&self, bi: usize, part: usize) -> (u64, usize, usize) {
-        let c = self.d.nh * self.d.hs;
-        let off = bi * self.d.t * 3 * c + part * c;
-        (self.qkv + 4 * off as u64, 3 * c, self.d.hs)
+        let d = self.d;
+        heads_at(self.qkv, Heads::qkv(bi, part, d.t, d.nh, d.hs))
     }
 
-    /// `att[bi]`: nh (T, T) matrices.
+    /// `att[bi]`.
     fn att(&self, bi: usize) -> (u64, usize, usize) {
-        let tt = self.d.t * self.d.t;
-        (self.att + 4 * (bi * self.d.nh * tt) as u64, self.d.t, tt)
+        heads_at(self.att, Heads::att(bi, self.d.t, self.d.nh))
     }
 
-    /// A (B, T, C) tensor as per-sequence batches of nh (T, hs) head matrices.
+    /// A (B, T, C) tensor, per sequence.
     fn btc(&self, be: &CudaBackend, s: Span) -> impl Fn(usize) -> (u64, usize, usize) {
-        let (t, c, hs) = (self.d.t, self.d.nh * self.d.hs, self.d.hs);
-        assert_eq!(s.len, self.d.b * t * c, "attention: (B, T, C) length");
+        let d = self.d;
+        assert_eq!(
+            s.len,
+            d.b * d.t * d.nh * d.hs,
+            "attention: (B, T, C) length"
+        );
         let p = be.ptr(s);
-        move |bi| (p + 4 * (bi * t * c) as u64, c, hs)
+        move |bi| heads_at(p, Heads::btc(bi, d.t, d.nh, d.hs))
     }
 }
