@@ -56,6 +56,112 @@ pub struct TrainConfig {
     pub ckpt_every: usize,
 }
 
+/// Command-line overrides of [`TrainConfig`] fields (`fugu train --batch-size 4 ...`): `None`
+/// keeps the config's value. Field names are [`TrainConfig`]'s, so one serde map relates the two
+/// (no second list of fields): [`TrainOverrides::apply`] and [`TrainOverrides::given`].
+#[derive(Clone, Debug, Default, Serialize, clap::Args)]
+pub struct TrainOverrides {
+    /// Sequences per step on each data-parallel rank.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<usize>,
+    /// Tokens per sequence (at most the model's n_positions).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<usize>,
+    /// Optimizer steps of the whole run (a resumed run may extend it).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    /// Learning rate at the end of the cosine decay.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_lr: Option<f64>,
+    /// Steps of linear warmup from 0 to --lr.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<usize>,
+    /// After warmup: cosine decay to --min-lr at the last step, or constant --lr.
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr_schedule: Option<LrSchedule>,
+    /// AdamW decoupled weight decay (2-D tensors only: matrices and embeddings).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    /// AdamW first-moment decay.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub beta1: Option<f64>,
+    /// AdamW second-moment decay.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub beta2: Option<f64>,
+    /// AdamW epsilon.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f64>,
+    /// Global-norm gradient clipping (0 = off).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_clip: Option<f64>,
+    /// Seed of the random init and of the data order.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Evaluate on the validation data every N steps (0 = never).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_every: Option<usize>,
+    /// Checkpoint every N steps (0 = only at the end).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ckpt_every: Option<usize>,
+}
+
+impl TrainOverrides {
+    /// The given fields, by [`TrainConfig`] field name.
+    pub fn given(&self) -> serde_json::Map<String, serde_json::Value> {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => unreachable!("TrainOverrides serialises to a JSON object"),
+        }
+    }
+
+    /// `t` with every given field replaced.
+    pub fn apply(&self, t: &TrainConfig) -> TrainConfig {
+        with_train_fields(t, self.given())
+    }
+}
+
+/// `t` with the fields in `changes` (values of [`train_fields`]' types) replaced.
+pub fn with_train_fields(
+    t: &TrainConfig,
+    changes: serde_json::Map<String, serde_json::Value>,
+) -> TrainConfig {
+    let mut fields = train_fields(t);
+    fields.extend(changes);
+    serde_json::from_value(serde_json::Value::Object(fields))
+        .expect("changes have TrainConfig's field names and types")
+}
+
+/// `t` as a map from field name to value.
+pub fn train_fields(t: &TrainConfig) -> serde_json::Map<String, serde_json::Value> {
+    match serde_json::to_value(t) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => unreachable!("TrainConfig serialises to a JSON object"),
+    }
+}
+
+/// The command-line flag of a [`TrainConfig`] field (`batch_size` → `--batch-size`).
+pub fn train_flag(field: &str) -> String {
+    format!("--{}", field.replace('_', "-"))
+}
+
 /// A whole config file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

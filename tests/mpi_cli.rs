@@ -296,7 +296,16 @@ fn checkpoints_reshard_between_layouts() {
     ok(&train(
         &dir,
         0,
-        &["--batch-size", "4", "--resume", "auto", "--out", "a"],
+        &[
+            "--batch-size",
+            "4",
+            "--steps",
+            "4",
+            "--resume",
+            "auto",
+            "--out",
+            "a",
+        ],
     ));
     assert_same(&s, &dir.join("a"), 4, "tp2dp2 -> serial");
     // ... and the reverse, with ZeRO-1 on the way back.
@@ -315,6 +324,8 @@ fn checkpoints_reshard_between_layouts() {
             "2",
             "--zero",
             "1",
+            "--steps",
+            "4",
             "--resume",
             "auto",
             "--out",

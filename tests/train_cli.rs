@@ -519,6 +519,46 @@ fn init_from_a_hugging_face_checkpoint() {
         names(&dir.join("r/ckpt-00000002/model.safetensors")),
         names(&fixture.join("model.safetensors"))
     );
+    // Without --config the shape comes from the directory's config.json (and the default
+    // config's sequence length is cut to the model's 16 positions), also when the weights are
+    // sharded with an index, as transformers stores larger models.
+    let sharded = dir.join("sharded");
+    split_into_shards(&fixture, &sharded);
+    let sh = sharded.to_str().unwrap();
+    let out = fugu(
+        &[
+            "train",
+            "--data",
+            "tok.bin",
+            "--no-shuffle",
+            "--out",
+            "auto-shape",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--init-from",
+            sh,
+        ],
+        &dir,
+    );
+    ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--seq-len 16"), "{err}");
+    let first = losses(&dir.join("auto-shape"))[0].1;
+    assert!((first - l[0].1).abs() < 1.0, "{first} vs {l:?}");
+    ok(&fugu(
+        &[
+            "sample",
+            "--checkpoint",
+            sh,
+            "--max-tokens",
+            "3",
+            "--prompt",
+            "a",
+        ],
+        &dir,
+    ));
     // A model section that does not match the checkpoint's config.json is refused.
     std::fs::write(
         dir.join("bad.toml"),
@@ -535,6 +575,154 @@ fn init_from_a_hugging_face_checkpoint() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Copies the Hugging Face directory `from` to `to` with its weights split into two shards and
+/// a `model.safetensors.index.json`, as `save_pretrained(max_shard_size=...)` writes them.
+fn split_into_shards(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    std::fs::copy(from.join("config.json"), to.join("config.json")).unwrap();
+    let bytes = std::fs::read(from.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+    names.sort();
+    let mut map = serde_json::Map::new();
+    let half = names.len() / 2;
+    for (i, part) in [&names[..half], &names[half..]].iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let views: Vec<(String, safetensors::tensor::TensorView)> = part
+            .iter()
+            .map(|n| (n.clone(), st.tensor(n).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, &None, &to.join(&file)).unwrap();
+        for n in part.iter() {
+            map.insert(n.clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": bytes.len()}, "weight_map": map});
+    std::fs::write(
+        to.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index).unwrap(),
+    )
+    .unwrap();
+}
+
+/// A resumed run continues with the settings it was started with: a changed batch size,
+/// another config or `--no-shuffle` is refused by name, `--steps` may extend it; `--resume
+/// auto` passes over a damaged newest checkpoint and says so, and a folder whose checkpoints
+/// are all damaged is an error rather than a fresh start.
+#[test]
+fn resume_keeps_the_runs_settings_and_names_damaged_checkpoints() {
+    let runs = SmallRuns::new("faithful");
+    let dir = &runs.dir;
+    // The same options each time, as a job script resubmits them.
+    let same = ["--out", "r", "--batch-size", "2", "--seq-len", "16"];
+    ok(&runs.run(&[&same[..], &["--steps", "4", "--ckpt-every", "2"]].concat()));
+    let resume = |extra: &[&str]| runs.run(&[&same[..], &["--resume", "auto"], extra].concat());
+    let refused = |extra: &[&str], want: &str| {
+        let out = resume(extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{extra:?}: {err}"
+        );
+    };
+    let out = runs.run(&[
+        "--out",
+        "r",
+        "--resume",
+        "auto",
+        "--batch-size",
+        "3",
+        "--seq-len",
+        "16",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--batch-size 3: the run was started with 2"),
+        "{err}"
+    );
+    refused(
+        &["--steps", "6", "--lr", "0.5"],
+        "--lr 0.5: the run was started with 0.002",
+    );
+    refused(&["--steps", "6", "--no-shuffle"], "--no-shuffle");
+    refused(&["--steps", "2"], "already at step 4");
+    let out = fugu(
+        &[
+            "train",
+            "--config",
+            "gpt2-124m",
+            "--data",
+            &runs.data,
+            "--out",
+            "r",
+            "--resume",
+            "auto",
+        ],
+        dir,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--config gpt2-124m: model."), "{err}");
+    // Without the flag that set it, the file's batch size differs from the run's.
+    let out = runs.run(&["--out", "r", "--resume", "auto", "--steps", "6"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--config small: train.batch_size = 4"),
+        "{err}"
+    );
+
+    // Extending: the batch and sequence length are the run's, not the config file's 4 × 32.
+    let out = resume(&["--steps", "6"]);
+    ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--steps 6 (the run had 4)"), "{err}");
+    let state = |step: u64| -> serde_json::Value {
+        let ck = dir
+            .join("r")
+            .join(fugu::checkpoint::checkpoint_dir_name(step));
+        serde_json::from_str(&std::fs::read_to_string(ck.join("state.json")).unwrap()).unwrap()
+    };
+    let s6 = state(6);
+    assert_eq!(s6["config"]["train"]["batch_size"], 2);
+    assert_eq!(s6["config"]["train"]["seq_len"], 16);
+    assert_eq!(s6["shuffle"], true);
+    assert_eq!(s6["tokens_seen"], 6 * 2 * 16);
+
+    // A damaged newest checkpoint is passed over, by name.
+    let model6 = dir.join("r/ckpt-00000006/model.safetensors");
+    let len = std::fs::metadata(&model6).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&model6)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let out = resume(&["--steps", "7", "--ckpt-every", "0"]);
+    ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("passing over damaged checkpoint ckpt-00000006"),
+        "{err}"
+    );
+    assert!(err.contains("truncated"), "{err}");
+    assert!(err.contains("resuming from"), "{err}");
+    assert_eq!(losses(&dir.join("r")).last().unwrap().0, 7);
+
+    // Only damaged checkpoints: an error naming each, and nothing is written.
+    std::fs::create_dir_all(dir.join("bad")).unwrap();
+    copy_dir(&dir.join("r/ckpt-00000004"), &dir.join("bad/ckpt-00000004"));
+    std::fs::remove_file(dir.join("bad/ckpt-00000004/state.json")).unwrap();
+    let out = runs.run(&["--out", "bad", "--resume", "auto"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("none can be resumed from"), "{err}");
+    assert!(
+        err.contains("ckpt-00000004: ") && err.contains("missing state.json"),
+        "{err}"
+    );
+    assert!(!dir.join("bad/metrics.jsonl").exists());
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The pre-timeout path: a deadline that has already passed, then SIGUSR1 mid-run. Each time

@@ -276,6 +276,17 @@ enum Role {
     Buffer,
 }
 
+/// The index of a sharded Hugging Face checkpoint: `{"weight_map": {tensor: shard file}}`.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// One tensor as stored: its shard, its header entry, and what it is to fugu.
+#[derive(Clone, Debug)]
+struct Stored {
+    shard: usize,
+    entry: Entry,
+    role: Role,
+}
+
 /// A Hugging Face GPT-2 directory as loaded, remembering how it was stored (key prefix, dtype
 /// of each tensor, metadata, tensor order, the original `config.json` text and the ignored
 /// buffers) so that [`HfModel::save`] of unchanged weights writes identical files.
@@ -284,61 +295,159 @@ pub struct HfModel {
     /// The model, from `config.json`.
     pub config: ModelConfig,
     config_text: String,
-    header: Header,
-    roles: Vec<Role>,
+    /// `model.safetensors`, or the index of a sharded checkpoint.
+    source: std::path::PathBuf,
+    /// The headers of `model.safetensors`, or of the index's shards (sorted by file name).
+    shards: Vec<Header>,
+    /// Every stored tensor, shard by shard in data order.
+    tensors: Vec<Stored>,
+    /// Raw bytes of the [`Role::Buffer`] tensors, by index into `tensors`.
     buffers: HashMap<usize, Vec<u8>>,
 }
 
-/// Loads `dir/config.json` and the header of `dir/model.safetensors` (the weights are read by
-/// [`HfModel::copy_into`]). The header and file size are checked here.
+/// Loads `dir/config.json` and the header of `dir/model.safetensors`, or of every shard named
+/// by `dir/model.safetensors.index.json` (the weights are read by [`HfModel::copy_into`]). The
+/// headers, file sizes and the index's agreement with the shards are checked here.
 pub fn load_hf(dir: &Path) -> Result<HfModel> {
     let cpath = dir.join(CONFIG_FILE);
     let config_text =
         fs::read_to_string(&cpath).with_context(|| format!("reading {}", cpath.display()))?;
     let config = parse_hf_config(&config_text, &cpath)?;
-    let mpath = dir.join(MODEL_FILE);
-    if !mpath.exists() && dir.join("model.safetensors.index.json").exists() {
-        bail!(
-            "{}: sharded checkpoints (model.safetensors.index.json) are not supported",
-            dir.display()
-        );
-    }
-    let header = st::read_header(&mpath)?;
-    let mut roles = Vec::with_capacity(header.entries.len());
-    let mut seen: HashMap<&str, &str> = HashMap::new();
-    for e in &header.entries {
-        let name = strip(&e.key);
-        if let Some(other) = seen.insert(name, &e.key) {
-            bail!(
-                "{}: tensor `{name}` is stored twice (as `{other}` and `{}`)",
-                mpath.display(),
-                e.key
-            );
+    let (source, shards) = read_weights(dir)?;
+    let mut tensors = Vec::new();
+    let mut seen: HashMap<&str, &Path> = HashMap::new();
+    for (si, h) in shards.iter().enumerate() {
+        for e in &h.entries {
+            let name = strip(&e.key);
+            if let Some(other) = seen.insert(name, &h.path) {
+                bail!(
+                    "{}: tensor `{name}` is stored twice (also in {})",
+                    h.path.display(),
+                    other.display()
+                );
+            }
+            let role = if name == "lm_head.weight" {
+                Role::Tied
+            } else if is_buffer(name) {
+                Role::Buffer
+            } else {
+                Role::Param(name.to_string())
+            };
+            tensors.push(Stored {
+                shard: si,
+                entry: e.clone(),
+                role,
+            });
         }
-        roles.push(if name == "lm_head.weight" {
-            Role::Tied
-        } else if is_buffer(name) {
-            Role::Buffer
-        } else {
-            Role::Param(name.to_string())
-        });
     }
     let mut buffers = HashMap::new();
-    if roles.contains(&Role::Buffer) {
-        let mut f = File::open(&mpath).with_context(|| format!("opening {}", mpath.display()))?;
-        for (i, e) in header.entries.iter().enumerate() {
-            if roles[i] == Role::Buffer {
-                buffers.insert(i, st::read_raw(&mut f, &header, e)?);
-            }
+    let mut files = ShardFiles::new(&shards);
+    for (i, t) in tensors.iter().enumerate() {
+        if t.role == Role::Buffer {
+            let h = &shards[t.shard];
+            buffers.insert(i, st::read_raw(files.get(t.shard)?, h, &t.entry)?);
         }
     }
     Ok(HfModel {
         config,
         config_text,
-        header,
-        roles,
+        source,
+        shards,
+        tensors,
         buffers,
     })
+}
+
+/// The weight files of `dir`: `model.safetensors`, or (when there is none) the shards of
+/// `model.safetensors.index.json`, with the file describing them.
+fn read_weights(dir: &Path) -> Result<(std::path::PathBuf, Vec<Header>)> {
+    let single = dir.join(MODEL_FILE);
+    let index = dir.join(INDEX_FILE);
+    if single.exists() || !index.exists() {
+        if !single.exists() {
+            bail!(
+                "{}: no {MODEL_FILE} (nor a sharded {INDEX_FILE}): not a Hugging Face model \
+                 directory",
+                dir.display()
+            );
+        }
+        let h = st::read_header(&single)?;
+        return Ok((single, vec![h]));
+    }
+    let p = index.display();
+    let text = fs::read_to_string(&index).with_context(|| format!("reading {p}"))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| anyhow!("{p}: invalid JSON: {e}"))?;
+    let map = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| anyhow!("{p}: no `weight_map` object"))?;
+    let mut wanted: BTreeMap<&str, &str> = BTreeMap::new();
+    for (key, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| anyhow!("{p}: weight_map[{key:?}] = {file}: expected a file name"))?;
+        if file.is_empty() || file.contains(['/', '\\']) || file == ".." || file == "." {
+            bail!("{p}: weight_map[{key:?}] = {file:?}: expected a file in the same folder");
+        }
+        wanted.insert(key, file);
+    }
+    let files: std::collections::BTreeSet<&str> = wanted.values().copied().collect();
+    let shards = files
+        .iter()
+        .map(|f| st::read_header(&dir.join(f)))
+        .collect::<Result<Vec<_>>>()?;
+    for h in &shards {
+        let file = h.path.file_name().and_then(|f| f.to_str()).unwrap_or("");
+        for e in &h.entries {
+            match wanted.get(e.key.as_str()) {
+                Some(f) if *f == file => {}
+                Some(f) => bail!(
+                    "{}: holds tensor `{}`, which {p} places in {f}",
+                    h.path.display(),
+                    e.key
+                ),
+                None => bail!(
+                    "{}: holds tensor `{}`, which {p} does not list",
+                    h.path.display(),
+                    e.key
+                ),
+            }
+        }
+    }
+    for (key, file) in &wanted {
+        let h = &shards[files
+            .iter()
+            .position(|f| f == file)
+            .expect("a shard per file")];
+        if h.find(key).is_none() {
+            bail!("{p}: lists tensor `{key}` in {file}, which does not hold it");
+        }
+    }
+    Ok((index, shards))
+}
+
+/// The shard files of a model, opened on first use.
+struct ShardFiles<'a> {
+    shards: &'a [Header],
+    files: Vec<Option<File>>,
+}
+
+impl<'a> ShardFiles<'a> {
+    fn new(shards: &'a [Header]) -> Self {
+        Self {
+            shards,
+            files: shards.iter().map(|_| None).collect(),
+        }
+    }
+
+    fn get(&mut self, shard: usize) -> Result<&mut File> {
+        let path = &self.shards[shard].path;
+        let slot = &mut self.files[shard];
+        if slot.is_none() {
+            *slot = Some(File::open(path).with_context(|| format!("opening {}", path.display()))?);
+        }
+        Ok(slot.as_mut().expect("opened above"))
+    }
 }
 
 /// [`load_hf`] + [`HfModel::copy_into`]: loads the weights of a Hugging Face GPT-2 directory
@@ -350,68 +459,70 @@ pub fn load_model(dir: &Path, table: &Table, params: &mut [f32]) -> Result<Model
 }
 
 impl HfModel {
-    /// The `model.safetensors` this was loaded from.
+    /// The `model.safetensors` this was loaded from (the index, for a sharded checkpoint).
     pub fn path(&self) -> &Path {
-        &self.header.path
+        &self.source
+    }
+
+    /// Weight files: 1 for `model.safetensors`, else the index's shard count.
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
     }
 
     /// `"transformer."` or `""`: how the file names its tensors.
     pub fn key_prefix(&self) -> &str {
         let wte = self
-            .header
-            .entries
+            .tensors
             .iter()
-            .find(|e| strip(&e.key) == "wte.weight");
+            .find(|t| strip(&t.entry.key) == "wte.weight");
         match wte {
-            Some(e) if e.key.starts_with(KEY_PREFIX) => KEY_PREFIX,
+            Some(t) if t.entry.key.starts_with(KEY_PREFIX) => KEY_PREFIX,
             _ => "",
         }
     }
 
     /// The stored dtype of the table tensor `name` (e.g. `h.0.ln_1.weight`).
     pub fn dtype(&self, name: &str) -> Option<Dtype> {
-        self.entry(name).map(|(_, e)| e.dtype)
+        self.entry(name).map(|(_, t)| t.entry.dtype)
     }
 
-    /// The file's `__metadata__`.
+    /// The `__metadata__` of the (first) weight file.
     pub fn metadata(&self) -> Option<&BTreeMap<String, String>> {
-        self.header.metadata.as_ref()
+        self.shards[0].metadata.as_ref()
     }
 
     /// Keys that are not parameters: causal-mask buffers and a tied `lm_head.weight`.
     pub fn ignored_tensors(&self) -> Vec<&str> {
-        self.header
-            .entries
+        self.tensors
             .iter()
-            .zip(&self.roles)
-            .filter(|(_, r)| !matches!(r, Role::Param(_)))
-            .map(|(e, _)| e.key.as_str())
+            .filter(|t| !matches!(t.role, Role::Param(_)))
+            .map(|t| t.entry.key.as_str())
             .collect()
     }
 
-    fn entry(&self, name: &str) -> Option<(usize, &Entry)> {
-        self.roles
+    fn entry(&self, name: &str) -> Option<(usize, &Stored)> {
+        self.tensors
             .iter()
-            .position(|r| matches!(r, Role::Param(n) if n == name))
-            .map(|i| (i, &self.header.entries[i]))
+            .enumerate()
+            .find(|(_, t)| matches!(&t.role, Role::Param(n) if n == name))
     }
 
-    fn tied(&self) -> Option<&Entry> {
-        self.roles
-            .iter()
-            .position(|r| *r == Role::Tied)
-            .map(|i| &self.header.entries[i])
+    fn tied(&self) -> Option<&Stored> {
+        self.tensors.iter().find(|t| t.role == Role::Tied)
     }
 
-    /// Table tensors paired with their file entries; errors for unknown and missing tensors.
-    fn pair<'a>(&'a self, table: &'a Table) -> Result<Vec<(&'a TensorSpec, &'a Entry)>> {
+    fn header(&self, t: &Stored) -> &Header {
+        &self.shards[t.shard]
+    }
+
+    /// Table tensors paired with their stored tensors; errors for unknown and missing tensors.
+    fn pair<'a>(&'a self, table: &'a Table) -> Result<Vec<(&'a TensorSpec, &'a Stored)>> {
         let p = self.path().display();
         let unknown: Vec<&str> = self
-            .roles
+            .tensors
             .iter()
-            .zip(&self.header.entries)
-            .filter(|(r, _)| matches!(r, Role::Param(n) if table.get(n).is_none()))
-            .map(|(_, e)| e.key.as_str())
+            .filter(|t| matches!(&t.role, Role::Param(n) if table.get(n).is_none()))
+            .map(|t| t.entry.key.as_str())
             .collect();
         if !unknown.is_empty() {
             bail!(
@@ -424,7 +535,7 @@ impl HfModel {
         let mut missing = Vec::new();
         for s in table.specs() {
             match self.entry(&s.name) {
-                Some((_, e)) => pairs.push((s, e)),
+                Some((_, t)) => pairs.push((s, t)),
                 None => missing.push(s.name.as_str()),
             }
         }
@@ -439,8 +550,8 @@ impl HfModel {
     }
 
     /// Copies the weights into `params` (laid out by `table`, which must be the table of
-    /// `self.config`): every table tensor must be in the file with its shape (`wte.weight`
-    /// unpadded), and every file tensor must be a table tensor, a causal-mask buffer or an
+    /// `self.config`): every table tensor must be stored with its shape (`wte.weight`
+    /// unpadded), and every stored tensor must be a table tensor, a causal-mask buffer or an
     /// `lm_head.weight` equal to `wte.weight`. The padding rows of `wte` are zeroed. Shapes
     /// and names are checked before anything is written; a read error midway leaves `params`
     /// partly written.
@@ -449,22 +560,22 @@ impl HfModel {
         let vocab = self.config.vocab_size;
         check_vocab(table, vocab, &self.path().with_file_name(CONFIG_FILE))?;
         let pairs = self.pair(table)?;
-        for (s, e) in &pairs {
-            check_shape(&self.header, e, s, vocab)?;
+        for (s, t) in &pairs {
+            check_shape(self.header(t), &t.entry, s, vocab)?;
         }
         let tied = self.tied();
         let wte = table.get("wte.weight");
         if let (Some(t), Some(w)) = (tied, wte) {
-            check_shape(&self.header, t, w, vocab)?;
+            check_shape(self.header(t), &t.entry, w, vocab)?;
         }
-        let p = self.path();
-        let mut f = File::open(p).with_context(|| format!("opening {}", p.display()))?;
-        for (s, e) in pairs {
-            read_into(&mut f, &self.header, e, s, vocab, params)?;
+        let mut files = ShardFiles::new(&self.shards);
+        for (s, t) in pairs {
+            let f = files.get(t.shard)?;
+            read_into(f, self.header(t), &t.entry, s, vocab, params)?;
         }
         if let (Some(t), Some(w)) = (tied, wte) {
-            let mut head = vec![0f32; t.numel()];
-            st::read_f32(&mut f, &self.header, t, &mut head)?;
+            let mut head = vec![0f32; t.entry.numel()];
+            st::read_f32(files.get(t.shard)?, self.header(t), &t.entry, &mut head)?;
             let emb = &params[w.offset..w.offset + head.len()];
             if head
                 .iter()
@@ -473,8 +584,8 @@ impl HfModel {
             {
                 bail!(
                     "{}: `{}` differs from `wte.weight`, but fugu ties the two (tie_word_embeddings)",
-                    p.display(),
-                    t.key
+                    self.header(t).path.display(),
+                    t.entry.key
                 );
             }
         }
@@ -485,8 +596,9 @@ impl HfModel {
     /// prefix, dtypes, metadata, tensor order, buffers) with the weights from `params`. If the
     /// weights and config are unchanged since loading, both files are byte-identical to the
     /// originals. If `self.config` was changed, `config.json` is the original with the size
-    /// fields replaced; if the tensor shapes changed, the file is laid out afresh (sorted like
-    /// `save_pretrained`, dtypes kept by name, new tensors F32, buffers dropped).
+    /// fields replaced; if the tensor shapes changed or the model was sharded, the file is
+    /// laid out afresh as one `model.safetensors` (sorted like `save_pretrained`, dtypes kept
+    /// by name, new tensors F32, buffers dropped).
     pub fn save(&self, dir: &Path, table: &Table, params: &[f32]) -> Result<()> {
         check_len("parameter", params, table)?;
         let vocab = self.config.vocab_size;
@@ -494,17 +606,20 @@ impl HfModel {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let wte = table.get("wte.weight");
         let wte_data = |n: usize| wte.map(|w| &params[w.offset..w.offset + n]);
-        let same_layout = self.pair(table).is_ok_and(|pairs| {
-            pairs
-                .iter()
-                .all(|(s, e)| check_shape(&self.header, e, s, vocab).is_ok())
-        }) && self
-            .tied()
-            .is_none_or(|t| wte.is_some_and(|w| check_shape(&self.header, t, w, vocab).is_ok()));
+        let same_layout = self.shards.len() == 1
+            && self.pair(table).is_ok_and(|pairs| {
+                pairs
+                    .iter()
+                    .all(|(s, t)| check_shape(self.header(t), &t.entry, s, vocab).is_ok())
+            })
+            && self.tied().is_none_or(|t| {
+                wte.is_some_and(|w| check_shape(self.header(t), &t.entry, w, vocab).is_ok())
+            });
         let (header, tensors) = if same_layout {
-            let mut tensors = Vec::with_capacity(self.roles.len());
-            for (i, (e, r)) in self.header.entries.iter().zip(&self.roles).enumerate() {
-                let data = match r {
+            let mut tensors = Vec::with_capacity(self.tensors.len());
+            for (i, t) in self.tensors.iter().enumerate() {
+                let e = &t.entry;
+                let data = match &t.role {
                     Role::Param(n) => {
                         let s = table.get(n).expect("paired above");
                         Data::F32(&params[s.offset..s.offset + e.numel()])
@@ -519,7 +634,7 @@ impl HfModel {
                     data,
                 });
             }
-            (self.header.raw.clone(), tensors)
+            (self.shards[0].raw.clone(), tensors)
         } else {
             let prefix = self.key_prefix();
             let mut tensors: Vec<OutTensor> = table
@@ -543,8 +658,8 @@ impl HfModel {
                 let shape = file_shape(w, vocab);
                 let n = shape.iter().product();
                 tensors.push(OutTensor {
-                    key: t.key.clone(),
-                    dtype: t.dtype,
+                    key: t.entry.key.clone(),
+                    dtype: t.entry.dtype,
                     shape,
                     data: Data::F32(wte_data(n).expect("wte present")),
                 });

@@ -423,3 +423,127 @@ fn save_model_rejects_a_sharded_table() {
     let e = err(save_model(&d.0, &cfg, &t, &[0f32; 10]));
     assert!(e.contains("parameter buffer holds 10 floats"), "{e}");
 }
+
+/// Splits `dir/model.safetensors` into two shards plus `model.safetensors.index.json`, the
+/// way `save_pretrained(max_shard_size=...)` stores larger models; `edit` may change the index.
+fn shard(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let h = st::read_header(&dir.join(MODEL_FILE)).unwrap();
+    let mut f = File::open(dir.join(MODEL_FILE)).unwrap();
+    let half = h.entries.len() / 2;
+    let mut map = serde_json::Map::new();
+    for (i, part) in [&h.entries[..half], &h.entries[half..]].iter().enumerate() {
+        let name = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let data: Vec<Vec<f32>> = part
+            .iter()
+            .map(|e| {
+                let mut x = vec![0f32; e.numel()];
+                st::read_f32(&mut f, &h, e, &mut x).unwrap();
+                x
+            })
+            .collect();
+        let t: Vec<OutTensor> = part
+            .iter()
+            .zip(&data)
+            .map(|(e, x)| OutTensor {
+                key: e.key.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data: Data::F32(x),
+            })
+            .collect();
+        let hdr = st::build_header(Some(&pt_metadata()), &t);
+        let mut out = File::create(dir.join(&name)).unwrap();
+        st::write_body(&mut out, &hdr, &t).unwrap();
+        for e in part.iter() {
+            map.insert(e.key.clone(), Value::String(name.clone()));
+        }
+    }
+    fs::remove_file(dir.join(MODEL_FILE)).unwrap();
+    let mut index = json!({"metadata": {"total_size": 0}, "weight_map": map});
+    edit(&mut index);
+    fs::write(dir.join(INDEX_FILE), json_text(&index)).unwrap();
+}
+
+#[test]
+fn sharded_checkpoints_load_like_single_files() {
+    let d = TestDir::new("hf-sharded");
+    let (cfg, table, params) = tiny();
+    let a = d.0.join("a");
+    save_model(&a, &cfg, &table, &params).unwrap();
+    shard(&a, |_| {});
+    let m = load_hf(&a).unwrap();
+    assert_eq!((m.shard_count(), m.config.clone()), (2, cfg.clone()));
+    let mut back = vec![f32::NAN; table.total()];
+    m.copy_into(&table, &mut back).unwrap();
+    for s in table.specs() {
+        let n = file_shape(s, cfg.vocab_size).iter().product::<usize>();
+        assert_eq!(
+            back[s.offset..s.offset + n],
+            params[s.offset..s.offset + n],
+            "{}",
+            s.name
+        );
+    }
+    // Saved back as one file, with the same weights.
+    let b = d.0.join("b");
+    m.save(&b, &table, &back).unwrap();
+    let mut again = vec![f32::NAN; table.total()];
+    load_hf(&b).unwrap().copy_into(&table, &mut again).unwrap();
+    assert_eq!(again, back);
+
+    // An index that disagrees with its shards is named.
+    const KEY: &str = "transformer.h.0.ln_1.weight";
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: [(&str, Edit, &str); 4] = [
+        (
+            "unlisted",
+            Box::new(|v| {
+                v["weight_map"].as_object_mut().unwrap().remove(KEY);
+            }),
+            "does not list",
+        ),
+        (
+            "elsewhere",
+            Box::new(|v| {
+                let f = v["weight_map"][KEY]
+                    .as_str()
+                    .unwrap()
+                    .replace("00001-of", "00002-of");
+                let f = if f == v["weight_map"][KEY].as_str().unwrap() {
+                    f.replace("00002-of", "00001-of")
+                } else {
+                    f
+                };
+                v["weight_map"][KEY] = Value::String(f);
+            }),
+            "places in",
+        ),
+        (
+            "escape",
+            Box::new(|v| {
+                v["weight_map"][KEY] = Value::String("../x.safetensors".into());
+            }),
+            "expected a file in the same folder",
+        ),
+        (
+            "no-map",
+            Box::new(|v| {
+                v.as_object_mut().unwrap().remove("weight_map");
+            }),
+            "no `weight_map`",
+        ),
+    ];
+    for (name, edit, want) in cases {
+        let dir = d.0.join(name);
+        save_model(&dir, &cfg, &table, &params).unwrap();
+        shard(&dir, edit);
+        let e = err(load_hf(&dir));
+        assert!(e.contains(want), "{name}: {e}");
+    }
+    // No weights at all.
+    let empty = d.0.join("empty");
+    fs::create_dir_all(&empty).unwrap();
+    fs::write(empty.join(CONFIG_FILE), json_text(&hf_config_json(&cfg))).unwrap();
+    let e = err(load_hf(&empty));
+    assert!(e.contains("no model.safetensors"), "{e}");
+}

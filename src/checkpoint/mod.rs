@@ -60,9 +60,9 @@ pub fn checkpoint_step(path: &Path) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// The complete checkpoints in `out_dir`, by increasing step. A missing `out_dir` has none;
-/// temporary directories and `ckpt-*` entries without config, model and state are skipped.
-pub fn list_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+/// Every `ckpt-STEP` directory in `out_dir`, whole or not, by increasing step. A missing
+/// `out_dir` has none; temporary directories and other names are not listed.
+pub fn checkpoint_entries(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let rd = match fs::read_dir(out_dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -73,14 +73,21 @@ pub fn list_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
         let path = entry
             .with_context(|| format!("listing {}", out_dir.display()))?
             .path();
-        let Some(step) = checkpoint_step(&path) else {
-            continue;
-        };
-        if path.is_dir() && REQUIRED.iter().all(|f| path.join(f).is_file()) {
-            found.push((step, path));
+        if let Some(step) = checkpoint_step(&path) {
+            if path.is_dir() {
+                found.push((step, path));
+            }
         }
     }
     found.sort();
+    Ok(found)
+}
+
+/// The complete checkpoints in `out_dir` (config, model and state present), by increasing
+/// step.
+pub fn list_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut found = checkpoint_entries(out_dir)?;
+    found.retain(|(_, p)| REQUIRED.iter().all(|f| p.join(f).is_file()));
     Ok(found)
 }
 

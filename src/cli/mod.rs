@@ -9,7 +9,7 @@ mod sample;
 mod train;
 pub use train::TrainArgs;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
@@ -48,7 +48,10 @@ enum BenchCommand {
 
 /// Entry point of the `fugu` binary.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command()
+        .mut_subcommand("train", train::with_config_defaults)
+        .get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Prepare(args) => prepare::run(args),
         Command::Train(args) => train::run(*args),

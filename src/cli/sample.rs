@@ -58,13 +58,25 @@ fn newest_under(runs: &Path) -> Result<Option<PathBuf>> {
     Ok(best.map(|(_, p)| p))
 }
 
+/// True for a Hugging Face model directory (single-file or sharded safetensors weights).
+fn is_model_dir(p: &Path) -> bool {
+    p.join(checkpoint::MODEL_FILE).exists() || p.join(checkpoint::hf::INDEX_FILE).exists()
+}
+
 fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
     match ck {
-        Some(p) if p.join(checkpoint::MODEL_FILE).exists() => Ok(p.to_path_buf()),
+        Some(p) if is_model_dir(p) => Ok(p.to_path_buf()),
         Some(p) => checkpoint::latest_checkpoint(p)?.with_context(|| {
+            let bin = if p.join("pytorch_model.bin").exists() {
+                " (it has pytorch_model.bin: fugu reads safetensors only; save it with \
+                 `save_pretrained(dir, safe_serialization=True)`)"
+            } else {
+                ""
+            };
             format!(
-                "{}: no model.safetensors and no ckpt-* checkpoints",
-                p.display()
+                "{}: no model.safetensors, no {} and no ckpt-* checkpoints{bin}",
+                p.display(),
+                checkpoint::hf::INDEX_FILE
             )
         }),
         None => match newest_under(Path::new("runs"))? {

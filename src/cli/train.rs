@@ -1,7 +1,7 @@
 //! `fugu train`: arguments and their mapping onto [`crate::train::TrainOptions`].
 
 use crate::backend::{CudaSettings, Device};
-use crate::config::{LrSchedule, RunConfig};
+use crate::config::{RunConfig, TrainOverrides};
 use crate::metrics::timers::TimerLevel;
 use crate::train::dist::Dist;
 use crate::train::{self, ExitError, TrainOptions};
@@ -10,13 +10,18 @@ use clap::Args;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
+/// The config of a run that names none.
+pub const DEFAULT_CONFIG: &str = "gpt2-tiny";
+
 /// Train a GPT-2. With no arguments: `gpt2-tiny` on the bundled Shakespeare corpus.
 #[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
     /// Config file or built-in name (gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b,
     /// gpt-1.3b).
-    #[arg(long, default_value = "gpt2-tiny")]
-    pub config: String,
+    /// Default: gpt2-tiny, or with --init-from the model of its config.json; with --resume,
+    /// the checkpoint's (a given config must agree with it).
+    #[arg(long)]
+    pub config: Option<String>,
     /// Training data: a shard manifest (or its folder), a brace pattern of .tar shards, or a
     /// raw .bin token file. Default: the bundled Shakespeare corpus.
     #[arg(long)]
@@ -27,49 +32,21 @@ pub struct TrainArgs {
     /// Read the data in file order (a .bin: consecutive windows, wrapping at the end).
     #[arg(long)]
     pub no_shuffle: bool,
-    /// Start from a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors).
+    /// Start from a Hugging Face GPT-2 directory (config.json + model.safetensors, or sharded
+    /// weights with model.safetensors.index.json); without --config its config.json gives the
+    /// model's shape.
     #[arg(long, value_name = "DIR")]
     pub init_from: Option<PathBuf>,
-    /// Continue a run: a checkpoint directory, a run directory, or `auto` (the newest
-    /// checkpoint in --out, or a fresh start when there is none).
+    /// Continue a run: a checkpoint directory, a run directory, or `auto` (the newest whole
+    /// checkpoint in --out, or a fresh start when it holds none). The run keeps its settings;
+    /// only --steps, --eval-every, --ckpt-every and options outside state.json may change.
     #[arg(long, value_name = "DIR|auto")]
     pub resume: Option<String>,
     /// Output directory (metrics.jsonl, breakdown.json, ckpt-*). Default: runs/CONFIG-TIME.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    #[arg(long)]
-    pub batch_size: Option<usize>,
-    #[arg(long)]
-    pub seq_len: Option<usize>,
-    #[arg(long)]
-    pub steps: Option<usize>,
-    #[arg(long)]
-    pub lr: Option<f64>,
-    #[arg(long)]
-    pub min_lr: Option<f64>,
-    #[arg(long)]
-    pub warmup_steps: Option<usize>,
-    #[arg(long, value_enum)]
-    pub lr_schedule: Option<LrSchedule>,
-    #[arg(long)]
-    pub weight_decay: Option<f64>,
-    #[arg(long)]
-    pub beta1: Option<f64>,
-    #[arg(long)]
-    pub beta2: Option<f64>,
-    #[arg(long)]
-    pub eps: Option<f64>,
-    /// Global-norm gradient clipping (0 = off).
-    #[arg(long)]
-    pub grad_clip: Option<f64>,
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Evaluate every N steps (0 = never).
-    #[arg(long)]
-    pub eval_every: Option<usize>,
-    /// Checkpoint every N steps (0 = only at the end).
-    #[arg(long)]
-    pub ckpt_every: Option<usize>,
+    #[command(flatten)]
+    pub overrides: TrainOverrides,
     /// Validation batches per evaluation.
     #[arg(long, default_value_t = 8)]
     pub eval_batches: usize,
@@ -125,35 +102,9 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// The config with every command-line override applied.
-    pub fn run_config(&self) -> Result<RunConfig> {
-        let mut c = RunConfig::load(&self.config)?;
-        let t = &mut c.train;
-        macro_rules! set {
-            ($($f:ident),*) => { $( if let Some(v) = self.$f { t.$f = v; } )* };
-        }
-        set!(
-            batch_size,
-            seq_len,
-            steps,
-            lr,
-            min_lr,
-            warmup_steps,
-            lr_schedule,
-            weight_decay,
-            beta1,
-            beta2,
-            eps,
-            grad_clip,
-            seed,
-            eval_every,
-            ckpt_every
-        );
-        Ok(c)
-    }
-
     fn config_name(&self) -> String {
-        std::path::Path::new(&self.config)
+        let name = self.config.as_deref().unwrap_or(DEFAULT_CONFIG);
+        std::path::Path::new(name)
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "run".into())
@@ -162,8 +113,10 @@ impl TrainArgs {
     /// Converts to the trainer's options.
     pub fn options(&self) -> Result<TrainOptions> {
         Ok(TrainOptions {
-            config: self.run_config()?,
+            config: RunConfig::load(self.config.as_deref().unwrap_or(DEFAULT_CONFIG))?,
             config_name: self.config_name(),
+            config_given: self.config.is_some(),
+            overrides: self.overrides.clone(),
             data: self.data.clone(),
             val_data: self.val_data.clone(),
             shuffle: !self.no_shuffle,
@@ -186,6 +139,26 @@ impl TrainArgs {
             deadline_margin: self.deadline_margin,
         })
     }
+}
+
+/// `fugu train --help` with each config-backed flag's default: the value in the default config
+/// (read from it, so the help cannot drift from the file).
+pub fn with_config_defaults(mut cmd: clap::Command) -> clap::Command {
+    let Ok(cfg) = RunConfig::load(DEFAULT_CONFIG) else {
+        return cmd;
+    };
+    for (field, value) in crate::config::train_fields(&cfg.train) {
+        let value = value
+            .as_str()
+            .map_or_else(|| value.to_string(), str::to_string);
+        cmd = cmd.mut_arg(field.as_str(), |a| {
+            let help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+            a.help(format!(
+                "{help} [default: the config's; {DEFAULT_CONFIG}: {value}]"
+            ))
+        });
+    }
+    cmd
 }
 
 /// Runs `fugu train`. Under MPI, an error on one rank ends the whole job (`MPI_Abort`) after

@@ -5,18 +5,18 @@ pub mod dist;
 pub mod dump;
 pub mod layout;
 pub mod lock;
+pub mod resume;
 pub mod schedule;
 pub mod state;
 pub mod stop;
 pub mod trainer;
 
 use crate::backend::Backend;
-use crate::checkpoint;
-use crate::config::RunConfig;
+use crate::config::{RunConfig, TrainOverrides};
 use crate::metrics::timers::TimerLevel;
 use anyhow::{bail, Result};
 use dist::Dist;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 pub use trainer::Trainer;
 
 /// Exit code of a run stopped because the loss or the gradients were not finite.
@@ -28,10 +28,14 @@ pub const EXIT_CHECKPOINTED: u8 = 4;
 /// Everything `fugu train` was asked to do, after command-line parsing.
 #[derive(Clone, Debug)]
 pub struct TrainOptions {
-    /// The configuration after overrides (ignored for the model when resuming).
+    /// The `--config` file (or built-in), before command-line overrides.
     pub config: RunConfig,
     /// Name of the config (for the default output folder).
     pub config_name: String,
+    /// `--config` was given explicitly (a resumed run then checks it against the checkpoint).
+    pub config_given: bool,
+    /// The training settings given on the command line.
+    pub overrides: TrainOverrides,
     /// `--data`; `None` = the bundled corpus.
     pub data: Option<String>,
     /// `--val-data`; `None` = the validation split of `data` when it has one.
@@ -88,30 +92,6 @@ impl std::fmt::Display for ExitError {
 }
 
 impl std::error::Error for ExitError {}
-
-/// True for a checkpoint directory itself (as opposed to a run directory holding `ckpt-*`).
-fn is_checkpoint_dir(p: &Path) -> bool {
-    p.join(checkpoint::STATE_FILE).exists()
-}
-
-/// Resolves `--resume`: a checkpoint directory, a run directory (its newest checkpoint), or
-/// `auto` (the newest checkpoint in `out`, if any).
-fn resume_point(resume: Option<&str>, out: &Path) -> Result<Option<PathBuf>> {
-    let Some(r) = resume else { return Ok(None) };
-    if r == "auto" {
-        return checkpoint::latest_checkpoint(out);
-    }
-    let p = PathBuf::from(r);
-    if is_checkpoint_dir(&p) {
-        return Ok(Some(p));
-    }
-    match checkpoint::latest_checkpoint(&p)? {
-        Some(c) => Ok(Some(c)),
-        None => bail!(
-            "--resume {r}: not a checkpoint directory (no state.json) and holds no ckpt-* checkpoints"
-        ),
-    }
-}
 
 fn default_out(name: &str) -> PathBuf {
     let secs = std::time::SystemTime::now()

@@ -27,6 +27,9 @@ pub struct TrainState {
     pub threads: usize,
     /// `fugu` version that wrote it.
     pub fugu_version: String,
+    /// Whether the training data is read shuffled (absent in checkpoints of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shuffle: Option<bool>,
     /// The parallel layout that wrote it (absent in single-process checkpoints of older
     /// versions). The model files are layout-free; only the data streams depend on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]

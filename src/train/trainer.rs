@@ -19,10 +19,11 @@
 use super::data::{self, BatchSource};
 use super::dist::Dist;
 use super::lock::RunLock;
+use super::resume::is_checkpoint_dir;
 use super::state::{SavedLayout, TrainState, STATE_FORMAT};
 use super::{
-    broadcast_string, default_out, dump, is_checkpoint_dir, layout, mib, resume_point, schedule,
-    set_threads, stop, ExitError, TrainOptions, TrainOutcome, EXIT_CHECKPOINTED, EXIT_NONFINITE,
+    broadcast_string, default_out, dump, layout, mib, resume, schedule, set_threads, stop,
+    ExitError, TrainOptions, TrainOutcome, EXIT_CHECKPOINTED, EXIT_NONFINITE,
 };
 use crate::backend::Backend;
 use crate::checkpoint;
@@ -145,7 +146,7 @@ pub struct Trainer<'d, B: Backend> {
 impl<'d, B: Backend> Trainer<'d, B> {
     /// Everything before the first step: folders, resume point, configuration, grid, the
     /// model on `backend`, its initial state, data, and the run header.
-    pub fn setup(opts: TrainOptions, dist: &'d mut Dist, backend: B) -> Result<Self> {
+    pub fn setup(mut opts: TrainOptions, dist: &'d mut Dist, backend: B) -> Result<Self> {
         let threads = set_threads(opts.threads)?;
         stop::install_handlers();
         let watch = stop::StopWatch::new(
@@ -153,13 +154,16 @@ impl<'d, B: Backend> Trainer<'d, B> {
             std::time::Duration::from_secs_f64(opts.deadline_margin.max(0.0)),
         );
         let out = output_dir(&opts, dist)?;
-        let resume_from = resume_point(opts.resume.as_deref(), &out)?;
-        if resume_from.is_none() && checkpoint::latest_checkpoint(&out)?.is_some() {
+        let resume = resume::find(opts.resume.as_deref(), &out, dist.is_root())?;
+        if resume.is_none() && !checkpoint::checkpoint_entries(&out)?.is_empty() {
             bail!(
                 "{} already holds checkpoints of another run; pass --resume auto to continue it \
                  or --out to start a new one",
                 out.display()
             );
+        }
+        if resume.is_some() && opts.init_from.is_some() {
+            bail!("--init-from and --resume: a resumed run continues from its checkpoint; drop --init-from");
         }
         // Everyone has looked at `out` before rank 0 changes it.
         dist.world.barrier();
@@ -171,22 +175,56 @@ impl<'d, B: Backend> Trainer<'d, B> {
             checkpoint::clean_stale_tmp(&out)?;
         }
 
-        // Configuration: a resumed run keeps its model; run-length and optimiser fields come
-        // from the command line when given there (they are already merged into opts.config).
-        let mut cfg = opts.config.clone();
-        let mut start_state: Option<TrainState> = None;
-        if let Some(ck) = &resume_from {
-            let st: TrainState = checkpoint::read_state(ck)?;
-            if st.format != STATE_FORMAT {
-                bail!(
-                    "{}: state.json format {:?}, expected {STATE_FORMAT:?}",
-                    ck.display(),
-                    st.format
+        // Configuration: a resumed run continues with the settings it was started with (see
+        // `resume`); a new one takes the config file with the command line's overrides.
+        let (resume_from, start_state) = match resume {
+            Some(r) => (Some(r.dir), Some(r.state)),
+            None => (None, None),
+        };
+        let cfg = match &start_state {
+            Some(st) => {
+                // Data-parallel ranks then and now (the world is split into tp × dp).
+                let dp = (
+                    st.layout.map_or(1, |l| l.dp),
+                    (dist.grid.world_size / opts.tp.max(1)).max(1),
                 );
+                let file = opts
+                    .config_given
+                    .then_some((opts.config_name.as_str(), &opts.config));
+                let cfg = resume::settings(
+                    &st.config,
+                    st.step,
+                    dp,
+                    file,
+                    &opts.overrides,
+                    dist.is_root(),
+                )?;
+                opts.shuffle = resume::shuffle(st.shuffle, opts.shuffle)?;
+                resume::check_threads(st.threads, threads, dist.is_root());
+                cfg
             }
-            cfg.model = st.config.model.clone();
-            start_state = Some(st);
-        }
+            None => {
+                let mut model = opts.config.model.clone();
+                let mut train = opts.overrides.apply(&opts.config.train);
+                if let (Some(dir), false) = (&opts.init_from, opts.config_given) {
+                    // The shape comes from the directory itself; training settings from the
+                    // default config and the flags.
+                    model = checkpoint::read_hf_config(dir)
+                        .with_context(|| format!("--init-from {}", dir.display()))?;
+                    if opts.overrides.seq_len.is_none() && train.seq_len > model.n_positions {
+                        // The default config's sequences may not fit a model it did not describe.
+                        train.seq_len = model.n_positions;
+                        if dist.is_root() {
+                            eprintln!(
+                                "--init-from: using --seq-len {} (the model's n_positions)",
+                                train.seq_len
+                            );
+                        }
+                    }
+                }
+                RunConfig { model, train }
+            }
+        };
         cfg.validate()?;
         let m = cfg.model.clone();
         let t = cfg.train.clone();
@@ -198,9 +236,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let grid = dist.grid;
         // The bundled corpus is tokenised once, by rank 0, before anyone reads it.
         let data = match &start_state {
-            Some(st) if opts.data.is_none() => st.data.clone(),
-            _ if dist.is_root() => data::resolve_data(opts.data.as_deref(), false)?,
-            _ => String::new(),
+            Some(st) => resume::data(&st.data, opts.data.as_deref())?,
+            None if dist.is_root() => data::resolve_data(opts.data.as_deref(), false)?,
+            None => String::new(),
         };
         let data = broadcast_string(dist, data);
         let data_ranks = opts
@@ -566,6 +604,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 skipped_nonfinite: self.totals.skipped_nonfinite,
                 threads: self.threads,
                 fugu_version: env!("CARGO_PKG_VERSION").into(),
+                shuffle: Some(self.opts.shuffle),
                 layout: Some(self.saved_layout),
             };
             let written = checkpoint::write_checkpoint(
