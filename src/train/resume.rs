@@ -245,7 +245,7 @@ fn per_rank_batch(saved: usize, dp: (usize, usize), given: Option<usize>) -> Res
             "--batch-size {b}: the run's global batch is {global} ({saved} per rank × {} \
              data-parallel ranks); over {now} ranks that is --batch-size {}",
             dp.0,
-            if global % now == 0 {
+            if global.is_multiple_of(now) {
                 (global / now).to_string()
             } else {
                 "not a whole number".into()
