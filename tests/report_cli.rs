@@ -213,9 +213,15 @@ fn full_report_from_runs_bench_and_bad_inputs() {
     for w in [1, 2, 4] {
         assert!(strong.contains(&w), "strong series at {w} ranks: {sc:?}");
     }
-    if f.join("runs/n2-dp2-weak").exists() {
-        assert!(sc.iter().any(|r| r[1] == "weak"), "{sc:?}");
-    }
+    // n2-dp2-weak has 8 sequences per rank like n1-gpt2-tiny, but 1 thread per rank against 2:
+    // twice the work per core, so the two do not form a weak-scaling series.
+    assert!(!sc.iter().any(|r| r[1] == "weak"), "{sc:?}");
+    // One rank of 2 threads and two ranks of 1 thread are the same 2 cores: ideal speedup 1.
+    let dp2 = sc
+        .iter()
+        .find(|r| r[3] == "n2-dp2")
+        .expect("n2-dp2 in the strong series");
+    assert_eq!((dp2[5].as_str(), dp2[10].as_str()), ("2", "1"), "{dp2:?}");
     assert_eq!(csv(&out.join("gemm.csv")).len(), rows.len());
     assert!(!csv(&out.join("gemm-summary.csv")).is_empty());
 
@@ -259,6 +265,35 @@ fn gemm_only_and_runs_only_reports() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.join("gemm-summary.csv").exists());
     assert!(!out.join("runs.csv").exists());
+    std::fs::remove_dir_all(&out).unwrap();
+
+    // One GEMM row: the peak line still has length (dash segments drawn at two x positions).
+    let out = tmp("gemm-one-row");
+    std::fs::create_dir_all(&out).unwrap();
+    let one = out.join("one.jsonl");
+    let first = std::fs::read_to_string(&gemm).unwrap();
+    std::fs::write(&one, first.lines().next().unwrap()).unwrap();
+    let o = fugu(&[
+        &PathBuf::from("--gemm"),
+        &one,
+        &PathBuf::from("--out"),
+        &out.join("r"),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let svgs: Vec<_> = std::fs::read_dir(out.join("r"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.to_string_lossy().contains("gemm-") && p.extension().is_some_and(|x| x == "svg")
+        })
+        .collect();
+    assert!(!svgs.is_empty());
+    for p in svgs {
+        let g = svg(&p);
+        // The dashed line is drawn as many short 2-px polylines at one height.
+        let dashes = g.matches("stroke-width=\"2\" points=").count();
+        assert!(dashes >= 5, "{}: peak line not drawn", p.display());
+    }
     std::fs::remove_dir_all(&out).unwrap();
 
     let out = tmp("one-run");

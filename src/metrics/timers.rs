@@ -27,7 +27,9 @@ use std::time::Instant;
 pub enum TimerLevel {
     /// Time nothing.
     Off,
-    /// Whole phases: forward, backward, optimizer, checkpoint, eval, batch generation.
+    /// Whole phases: forward, backward, optimizer, batch generation, communication waits.
+    /// (Evaluation and checkpoints run between steps and are timed apart: see
+    /// [`Timers::pause`].)
     #[default]
     Coarse,
     /// Every op inside the phases (per layer, summed over layers).
@@ -103,8 +105,6 @@ pub mod names {
 
     pub const OPTIMIZER: &str = "optimizer";
     pub const OPTIMIZER_CLIP: &str = "optimizer:clip";
-    pub const CHECKPOINT: &str = "checkpoint";
-    pub const EVAL: &str = "eval";
 
     /// Every name above.
     pub const ALL: &[&str] = &[
@@ -142,8 +142,6 @@ pub mod names {
         BACKWARD_ALLREDUCE,
         OPTIMIZER,
         OPTIMIZER_CLIP,
-        CHECKPOINT,
-        EVAL,
     ];
 }
 
@@ -194,6 +192,19 @@ impl Drop for TimerGuard<'_> {
             let ms = start.elapsed().as_secs_f64() * 1e3;
             self.timers.record(self.name, ms);
         }
+    }
+}
+
+/// Restores the timers' level when dropped (see [`Timers::pause`]).
+#[must_use = "the timers resume when the guard is dropped"]
+pub struct PauseGuard<'a> {
+    timers: &'a Timers,
+    level: TimerLevel,
+}
+
+impl Drop for PauseGuard<'_> {
+    fn drop(&mut self) {
+        self.timers.level.set(self.level);
     }
 }
 
@@ -293,14 +304,14 @@ impl Timers {
         step
     }
 
-    /// Adds what was recorded since the last call to the run totals without counting a step
-    /// or returning it: for work between steps (evaluation, checkpoints) that must not show
-    /// up in the next step's timers.
-    pub fn fold_into_totals(&self) {
-        let extra = std::mem::take(&mut *self.step.borrow_mut());
-        let mut totals = self.totals.borrow_mut();
-        for (k, v) in extra {
-            *totals.entry(k).or_insert(0.0) += v;
+    /// Stops every scope from recording until the returned guard drops: for work between
+    /// steps (evaluation, checkpoints), which runs the same ops but is not part of any step
+    /// and is reported apart ([`Breakdown::outside`]).
+    pub fn pause(&self) -> PauseGuard<'_> {
+        let level = self.level.replace(TimerLevel::Off);
+        PauseGuard {
+            timers: self,
+            level,
         }
     }
 
@@ -372,6 +383,18 @@ pub struct Breakdown {
     /// `mlp:gelu`, `residual`, `embedding`, `loss`, forward and backward, and `optimizer`),
     /// percent. Meaningful at `--timers fine`.
     pub non_gemm_pct: f64,
+    /// Work between steps (evaluation, checkpoints), by name: not part of any step, so not in
+    /// `rows` or `step_ms`.
+    pub outside: BTreeMap<String, OutsideStep>,
+}
+
+/// Time spent between steps on one kind of work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct OutsideStep {
+    /// How many times it ran.
+    pub count: u64,
+    /// Wall time of all of them, ms.
+    pub total_ms: f64,
 }
 
 const OTHER: &str = "(other)";
@@ -516,6 +539,7 @@ impl Breakdown {
             rows,
             gemm_pct: pct(gemm_ms),
             non_gemm_pct: pct(non_gemm_ms),
+            outside: BTreeMap::new(),
         }
     }
 
@@ -586,11 +610,22 @@ impl Breakdown {
                 (100.0 - self.gemm_pct - self.non_gemm_pct).max(0.0)
             ));
         }
+        for (name, o) in &self.outside {
+            if o.count > 0 {
+                s.push_str(&format!(
+                    "outside the steps: {name} {} × {:.1} ms = {:.2} s\n",
+                    o.count,
+                    o.total_ms / o.count as f64,
+                    o.total_ms / 1e3
+                ));
+            }
+        }
         s
     }
 
     /// The JSON written by [`Breakdown::write_json`]:
-    /// `{"steps", "step_ms", "gemm_pct", "non_gemm_pct", "ops": [{"name", "ms_per_step", "pct",
+    /// `{"steps", "step_ms", "gemm_pct", "non_gemm_pct", "outside_step": {name: {"count",
+    /// "total_ms"}}, "ops": [{"name", "ms_per_step", "pct",
     /// "depth", "timed"}]}`, each op with `"min_ms_per_step"` and `"max_ms_per_step"` (over
     /// ranks) when known. Non-finite numbers become `null`.
     pub fn to_json(&self) -> serde_json::Value {
@@ -599,6 +634,7 @@ impl Breakdown {
             "step_ms": self.step_ms,
             "gemm_pct": self.gemm_pct,
             "non_gemm_pct": self.non_gemm_pct,
+            "outside_step": self.outside,
             "ops": self.rows.iter().map(|r| {
                 let mut o = serde_json::json!({
                     "name": r.name,
@@ -689,7 +725,7 @@ mod tests {
         {
             let _a = t.scope(FORWARD, TimerLevel::Coarse);
             let _b = t.scope(FORWARD_LAYERNORM, TimerLevel::Fine);
-            let _c = t.scope(EVAL, TimerLevel::Off);
+            let _c = t.scope(OPTIMIZER, TimerLevel::Off);
         }
         let s = t.take_step();
         assert_eq!(s.keys().collect::<Vec<_>>(), vec![FORWARD]);
@@ -706,11 +742,23 @@ mod tests {
             let _b = t.scope(FORWARD_LAYERNORM, TimerLevel::Fine);
             assert!(_a.start.is_none() && _b.start.is_none());
         }
-        t.add(CHECKPOINT, 5.0);
+        t.add(OPTIMIZER, 5.0);
         assert!(t.take_step().is_empty());
         assert!(t.totals().is_empty());
         assert_eq!(t.steps(), 1);
         assert_eq!(calls.get(), 0);
+    }
+
+    #[test]
+    fn pause_records_nothing_and_restores_the_level() {
+        let t = Timers::new(TimerLevel::Fine);
+        {
+            let _p = t.pause();
+            let _a = t.scope(FORWARD, TimerLevel::Coarse);
+            assert_eq!(t.level(), TimerLevel::Off);
+        }
+        assert_eq!(t.level(), TimerLevel::Fine);
+        assert!(t.take_step().is_empty());
     }
 
     #[test]

@@ -159,6 +159,7 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
         gemm_files,
         if gemm_files == 1 { "" } else { "s" },
     );
+    let preamble = format!("{preamble} {}", measured_on(&all_runs, &gemm_rows));
     let files = markdown::write(&opts.out, "fugu report", &preamble, &sections)?;
     Ok(ReportOutcome {
         runs: all_runs.len(),
@@ -166,4 +167,35 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
         skipped,
         files,
     })
+}
+
+/// Where the inputs were measured (CPU model and ISA of the runs, ISA of the GEMM rows): a
+/// report describes those machines, not the one that generated it.
+fn measured_on(runs: &[runs::Run], gemm: &[gemm::GemmRow]) -> String {
+    let mut m: std::collections::BTreeSet<String> = runs
+        .iter()
+        .map(
+            |r| match (r.machine.cpu_model.as_str(), r.machine.isa.as_str()) {
+                ("", "") => "an unrecorded CPU".to_string(),
+                (c, "") => c.to_string(),
+                ("", i) => format!("a CPU with {i}"),
+                (c, i) => format!("{c} ({i})"),
+            },
+        )
+        .collect();
+    let isas: std::collections::BTreeSet<&str> = gemm.iter().map(|g| g.isa.as_str()).collect();
+    if !isas.is_empty() {
+        m.insert(format!(
+            "GEMM rows on {}",
+            isas.into_iter().collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if m.is_empty() {
+        return String::new();
+    }
+    format!(
+        "Measured on: {} (the machines that recorded the inputs, not necessarily the one that \
+         generated this report).",
+        m.into_iter().collect::<Vec<_>>().join("; ")
+    )
 }

@@ -7,9 +7,12 @@
 //! `batch_size / tp` in general) at two or more rank counts form a *weak* series. A run can
 //! belong to one series of each kind (a one-rank baseline usually does).
 //!
-//! Speedup is throughput (tokens/s) relative to the series' smallest rank count; the ideal is
-//! the rank ratio; parallel efficiency is speedup / ideal. For weak scaling this equals the
-//! ratio of step times, the usual definition.
+//! The scaling axis is **cores** (ranks × compute threads per rank), not ranks: one rank with
+//! 2 threads and two ranks with 1 thread each use the same machine, so the ideal speedup
+//! between them is 1, not 2. Speedup is throughput (tokens/s) relative to the series' best run
+//! at its smallest core count; the ideal is the core ratio; parallel efficiency is speedup /
+//! ideal. For weak scaling (same threads per rank throughout a series) this equals the ratio of
+//! step times, the usual definition.
 
 use std::collections::BTreeMap;
 
@@ -38,9 +41,18 @@ pub struct ScalingInput {
     /// Sequences per step over the job.
     pub global_batch: u64,
     pub world: u64,
+    /// Compute threads per rank.
+    pub threads: u64,
     pub nodes: u64,
     pub tp: u64,
     pub tokens_per_s: f64,
+}
+
+impl ScalingInput {
+    /// Ranks × threads per rank.
+    pub fn cores(&self) -> u64 {
+        self.world * self.threads.max(1)
+    }
 }
 
 /// One run in a series.
@@ -49,11 +61,13 @@ pub struct Point {
     /// Index of the run in the input slice.
     pub run: usize,
     pub world: u64,
+    /// Ranks × threads per rank: the scaling axis.
+    pub cores: u64,
     pub nodes: u64,
     pub tokens_per_s: f64,
     /// Throughput relative to the series' baseline.
     pub speedup: f64,
-    /// Rank ratio to the baseline.
+    /// Core ratio to the baseline.
     pub ideal: f64,
     /// `speedup / ideal`.
     pub efficiency: f64,
@@ -66,7 +80,7 @@ pub struct Series {
     pub model_key: String,
     /// What is held constant, e.g. `global batch 8` or `4 sequences per rank`.
     pub constant: String,
-    /// Ascending rank count (ties: ascending nodes, then tp).
+    /// Ascending core count (ties: ascending ranks, nodes, then tp).
     pub points: Vec<Point>,
 }
 
@@ -76,9 +90,9 @@ impl Series {
         format!("{}, {}", self.kind.name(), self.constant)
     }
 
-    /// Rank count of the baseline.
-    pub fn base_world(&self) -> u64 {
-        self.points.first().map_or(1, |p| p.world)
+    /// Core count of the baseline.
+    pub fn base_cores(&self) -> u64 {
+        self.points.first().map_or(1, |p| p.cores)
     }
 }
 
@@ -114,12 +128,13 @@ pub fn find_series(runs: &[ScalingInput]) -> Vec<Series> {
     let mut out = Vec::new();
     for (model, idx) in by_model {
         let mut strong: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-        let mut weak: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
+        // Weak series also keep the threads per rank, so that the work per core is constant.
+        let mut weak: BTreeMap<(u64, u64, u64), Vec<usize>> = BTreeMap::new();
         for &i in &idx {
             let r = &runs[i];
             strong.entry(r.global_batch).or_default().push(i);
             let g = gcd(r.global_batch, r.world).max(1);
-            weak.entry((r.global_batch / g, r.world / g))
+            weak.entry((r.global_batch / g, r.world / g, r.threads))
                 .or_default()
                 .push(i);
         }
@@ -134,7 +149,7 @@ pub fn find_series(runs: &[ScalingInput]) -> Vec<Series> {
                 out.push(s);
             }
         }
-        for ((num, den), members) in weak {
+        for ((num, den, _), members) in weak {
             let per = fmt_ratio(num, den);
             let unit = if num == den { "sequence" } else { "sequences" };
             if let Some(s) = series(
@@ -158,16 +173,16 @@ fn series(
     constant: String,
     mut members: Vec<usize>,
 ) -> Option<Series> {
-    members.sort_by_key(|&i| (runs[i].world, runs[i].nodes, runs[i].tp, i));
-    let first = runs[members[0]].world;
-    if members.iter().all(|&i| runs[i].world == first) {
+    members.sort_by_key(|&i| (runs[i].cores(), runs[i].world, runs[i].nodes, runs[i].tp, i));
+    let first = runs[members[0]].cores();
+    if members.iter().all(|&i| runs[i].cores() == first) {
         return None;
     }
-    // Baseline: the best throughput at the smallest rank count.
+    // Baseline: the best throughput at the smallest core count.
     let base = members
         .iter()
         .map(|&i| &runs[i])
-        .filter(|r| r.world == first)
+        .filter(|r| r.cores() == first)
         .map(|r| r.tokens_per_s)
         .fold(f64::NEG_INFINITY, f64::max);
     let points = members
@@ -175,10 +190,11 @@ fn series(
         .map(|&i| {
             let r = &runs[i];
             let speedup = r.tokens_per_s / base;
-            let ideal = r.world as f64 / first as f64;
+            let ideal = r.cores() as f64 / first as f64;
             Point {
                 run: i,
                 world: r.world,
+                cores: r.cores(),
                 nodes: r.nodes,
                 tokens_per_s: r.tokens_per_s,
                 speedup,
@@ -204,6 +220,7 @@ mod tests {
             model_key: model.into(),
             global_batch: batch * dp,
             world: tp * dp,
+            threads: 1,
             nodes,
             tp,
             tokens_per_s: tps,
@@ -229,6 +246,24 @@ mod tests {
         assert_eq!(s.points[1].speedup, 1.8);
         assert_eq!(s.points[1].ideal, 2.0);
         assert!((s.points[2].efficiency - 0.75).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_axis_is_cores_so_equal_machines_scale_ideally_at_one() {
+        // One rank × 2 threads, two ranks × 1 thread, four ranks × 1 thread: same global batch.
+        let mut runs = vec![
+            run("m", 8, 1, 1, 1, 1000.0),
+            run("m", 4, 1, 2, 1, 1000.0),
+            run("m", 2, 1, 4, 1, 1800.0),
+        ];
+        runs[0].threads = 2;
+        let s = find_series(&runs);
+        assert_eq!(s.len(), 1, "{s:#?}");
+        let p = &s[0].points;
+        assert_eq!(p.iter().map(|p| p.cores).collect::<Vec<_>>(), [2, 2, 4]);
+        assert_eq!((p[1].ideal, p[1].efficiency), (1.0, 1.0));
+        assert_eq!(p[2].ideal, 2.0);
+        assert!((p[2].efficiency - 0.9).abs() < 1e-12);
     }
 
     #[test]

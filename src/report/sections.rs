@@ -362,6 +362,7 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
                 model_key: r.model_key()?,
                 global_batch: r.global_batch()?,
                 world: r.layout.world,
+                threads: r.layout.threads,
                 nodes: r.layout.nodes,
                 tp: r.layout.tp,
                 tokens_per_s: r.tokens_per_s,
@@ -411,7 +412,7 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
     };
     let worlds: BTreeSet<u64> = series
         .iter()
-        .flat_map(|s| s.points.iter().map(|p| p.world))
+        .flat_map(|s| s.points.iter().map(|p| p.cores))
         .collect();
     let xticks: Vec<f64> = if worlds.len() <= 10 {
         worlds.iter().map(|&w| w as f64).collect()
@@ -422,7 +423,8 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
             2.0,
         )
     };
-    let xaxis = || Axis::log("MPI ranks", 2.0).with_ticks(xticks.clone());
+    let xaxis =
+        || Axis::log("cores (MPI ranks × threads per rank)", 2.0).with_ticks(xticks.clone());
 
     let mut lines = Vec::new();
     for (i, s) in series.iter().enumerate() {
@@ -433,7 +435,7 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
             points: s
                 .points
                 .iter()
-                .map(|p| (p.world as f64, p.tokens_per_s))
+                .map(|p| (p.cores as f64, p.tokens_per_s))
                 .collect(),
         });
         let base = s.points[0].tokens_per_s / s.points[0].speedup;
@@ -444,7 +446,7 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
             points: s
                 .points
                 .iter()
-                .map(|p| (p.world as f64, base * p.ideal))
+                .map(|p| (p.cores as f64, base * p.ideal))
                 .collect(),
         });
     }
@@ -453,13 +455,14 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
         x: xaxis(),
         y: Axis::log("tokens/s (whole job, median)", 10.0),
         lines,
-        legend_notes: vec!["dashed: ideal (baseline × rank ratio)".into()],
+        legend_notes: vec!["dashed: ideal (baseline × core ratio)".into()],
     })?;
     items.push(chart(
         "scaling-throughput.svg",
         svg,
-        "Throughput against ranks",
-        "Tokens per second of the whole job against MPI ranks, both axes logarithmic. Each \
+        "Throughput against cores",
+        "Tokens per second of the whole job against cores (ranks × threads per rank), both axes \
+         logarithmic. Each \
          series' dashed line is perfect scaling from its smallest run; the gap is lost efficiency.",
     ));
 
@@ -472,11 +475,11 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
             points: s
                 .points
                 .iter()
-                .map(|p| (p.world as f64, p.speedup))
+                .map(|p| (p.cores as f64, p.speedup))
                 .collect(),
         });
     }
-    let bases: BTreeSet<u64> = series.iter().map(|s| s.base_world()).collect();
+    let bases: BTreeSet<u64> = series.iter().map(|s| s.base_cores()).collect();
     for b in &bases {
         let pts: Vec<(f64, f64)> = worlds
             .iter()
@@ -487,7 +490,7 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
             label: if bases.len() == 1 {
                 "ideal".into()
             } else {
-                format!("ideal from {b} ranks")
+                format!("ideal from {b} cores")
             },
             color: GREY,
             style: LineStyle::Dashed,
@@ -505,9 +508,10 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
         "scaling-speedup.svg",
         svg,
         "Speedup against ideal",
-        "Throughput relative to each series' smallest run against ranks. On the dashed line, \
-         doubling the ranks doubles the throughput; parallel efficiency is the ratio of the two \
-         (table below).",
+        "Throughput relative to each series' best run at its smallest core count, against cores \
+         (ranks × threads per rank: two ranks of one thread use the machine of one rank with two). \
+         On the dashed line, doubling the cores doubles the throughput; parallel efficiency is \
+         the ratio of the two (table below).",
     ));
 
     let mut t = Table::new(
@@ -518,6 +522,7 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
             "model",
             "run",
             "ranks",
+            "cores",
             "nodes",
             "global batch",
             "tokens/s",
@@ -535,6 +540,7 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
                 Cell::text(&s.model_key),
                 Cell::text(&r.name),
                 Cell::int(p.world),
+                Cell::int(p.cores),
                 Cell::int(p.nodes),
                 opt_u(r.global_batch()),
                 Cell::num(p.tokens_per_s, 0),
@@ -551,10 +557,10 @@ pub fn scaling_section(runs: &[Run]) -> Result<Section> {
             "Parallel efficiency = speedup / ideal. {}",
             [
                 kinds.contains(&Kind::Strong).then_some(
-                    "Strong scaling: the same global batch spread over more ranks (ideal: step time falls with the rank ratio)."
+                    "Strong scaling: the same global batch spread over more cores (ideal: step time falls with the core ratio)."
                 ),
                 kinds.contains(&Kind::Weak).then_some(
-                    "Weak scaling: the same work per rank, so the global batch grows with the ranks (ideal: constant step time)."
+                    "Weak scaling: the same work per rank and threads per rank, so the global batch grows with the ranks (ideal: constant step time)."
                 ),
             ]
             .into_iter()
@@ -747,6 +753,16 @@ fn measured_lines(
     (v, !sq.is_empty() && !other.is_empty())
 }
 
+/// The x range of a horizontal reference line over data from `lo` to `hi` on a log axis: the
+/// data's range, widened when it is a single point (a zero-length line draws nothing).
+fn line_span(lo: f64, hi: f64) -> (f64, f64) {
+    if hi > lo {
+        (lo, hi)
+    } else {
+        (lo / 1.5, hi * 1.5)
+    }
+}
+
 /// GEMM benchmark charts (GFLOP/s against size per thread count, % of peak for all) and
 /// tables.
 pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
@@ -761,7 +777,7 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
         for (i, s) in series.iter().enumerate().filter(|(_, s)| s.threads == t) {
             let pts = sorted_points(&s.rows, |r| Some(r.gflops));
             let peak = median(s.rows.iter().filter_map(|r| r.peak()));
-            let (xlo, xhi) = (
+            let (xlo, xhi) = line_span(
                 pts.first().map_or(1.0, |p| p.0),
                 pts.last().map_or(1.0, |p| p.0),
             );
@@ -828,11 +844,12 @@ pub fn gemm_section(rows: &[GemmRow]) -> Result<Section> {
         }
         let all = sorted_points(&rows.iter().collect::<Vec<_>>(), |r| r.pct_of_peak());
         if let (Some(a), Some(b)) = (all.first(), all.last()) {
+            let (xlo, xhi) = line_span(a.0, b.0);
             lines.push(Line {
                 label: "peak (100%)".into(),
                 color: GREY,
                 style: LineStyle::Dashed,
-                points: vec![(a.0, 100.0), (b.0, 100.0)],
+                points: vec![(xlo, 100.0), (xhi, 100.0)],
             });
         }
         let svg = charts::line_chart(&LineChart {

@@ -32,7 +32,7 @@ use crate::metrics::flops::megatron_flops_per_step;
 use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::MachineInfo;
 use crate::metrics::progress::{Progress, StepLine};
-use crate::metrics::timers::{Breakdown, TimerLevel, Timers};
+use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
 use crate::model::init::init_params;
 use crate::model::table::{gpt2_params, Table};
 use crate::model::{Gpt2, OptimStep, TpRank};
@@ -73,6 +73,16 @@ struct RunTotals {
     timed_steps: u64,
     /// Rank 0: per-step mean, min and max over ranks of every timer, summed over steps.
     rank_timers: [BTreeMap<String, f64>; 3],
+    /// Evaluation and checkpoint time (between steps, reported apart from them).
+    outside: BTreeMap<String, OutsideStep>,
+}
+
+impl RunTotals {
+    fn add_outside(&mut self, name: &str, since: Instant) {
+        let o = self.outside.entry(name.to_owned()).or_default();
+        o.count += 1;
+        o.total_ms += since.elapsed().as_secs_f64() * 1e3;
+    }
 }
 
 /// Memory accounting for the up-front check, the header and the end-of-run RSS line (bytes
@@ -371,8 +381,6 @@ impl<'d, B: Backend> Trainer<'d, B> {
             let is_last = done == steps;
             self.evaluate(done, is_last)?;
             let saved = self.checkpoint(done, is_last)?;
-            // Evaluation and checkpoint time count in the run totals, not in the next step.
-            self.timers.fold_into_totals();
             self.stop(done, is_last, saved)?;
         }
         self.finish()
@@ -554,7 +562,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
         if t.eval_every == 0 || (!done.is_multiple_of(t.eval_every as u64) && !is_last) {
             return Ok(());
         }
-        let _g = self.timers.scope("eval", TimerLevel::Coarse);
+        // Not part of any step: timed apart, with the op timers paused.
+        let t0 = Instant::now();
+        let _paused = self.timers.pause();
         let (model, timers) = (&mut self.model, &self.timers);
         let v = data::eval_loss(
             &self.val_data,
@@ -574,6 +584,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 .message(&format!("step {done}: val_loss {v:.4}"));
             self.totals.last_val = Some(v);
         }
+        self.totals.add_outside("eval", t0);
         Ok(())
     }
 
@@ -590,7 +601,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
     /// Writes `ckpt-DONE` (gathered on rank 0); every rank returns once it is complete.
     fn save(&mut self, done: u64) -> Result<()> {
         let t0 = Instant::now();
-        let _g = self.timers.scope("checkpoint", TimerLevel::Coarse);
+        let _paused = self.timers.pause();
         let full = layout::gather_full(&self.model, &self.sync, self.dist, &self.full_table)?;
         let mut path = None;
         if let Some([p, mm, vv]) = full {
@@ -619,13 +630,18 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 self.opts.keep_last,
             )?;
             if let Some(w) = self.metrics.as_mut() {
-                w.event("checkpoint", &json!({"step": done, "path": written}))?;
+                let ms = t0.elapsed().as_secs_f64() * 1e3;
+                w.event(
+                    "checkpoint",
+                    &json!({"step": done, "path": written, "ms": ms}),
+                )?;
             }
             path = Some(written);
         }
         // No rank runs ahead of an incomplete checkpoint.
         self.dist.world.barrier();
         self.watch.record_checkpoint(t0.elapsed());
+        self.totals.add_outside("checkpoint", t0);
         self.totals.last_checkpoint =
             Some(path.unwrap_or_else(|| self.out.join(checkpoint::checkpoint_dir_name(done))));
         Ok(())
@@ -674,7 +690,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let tot = &self.totals;
         let root = self.dist.is_root();
         if tot.timed_steps > 0 && root {
-            let b = if self.dist.is_parallel() {
+            let mut b = if self.dist.is_parallel() {
                 let mut b =
                     Breakdown::from_totals(&tot.rank_timers[0], tot.step_ms, tot.timed_steps);
                 b.set_rank_spread(&tot.rank_timers[1], &tot.rank_timers[2]);
@@ -682,6 +698,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             } else {
                 self.timers.breakdown(tot.step_ms, tot.timed_steps)
             };
+            b.outside = tot.outside.clone();
             let whose = if self.dist.is_parallel() {
                 format!("mean over {} ranks", self.dist.grid.world_size)
             } else {
