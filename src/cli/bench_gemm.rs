@@ -126,6 +126,13 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
         } else {
             println!("{}", format_row(&row));
         }
+        let what = format!("GEMM {} ({}x{}x{})", s.name, s.m, s.n, s.k);
+        let peak_name = format!("peak of {:.1} GFLOP/s", peak.total_gflops());
+        if let Some(w) =
+            crate::metrics::peak_cache::above_peak_warning(&what, row.peak_pct, &peak_name)
+        {
+            eprintln!("{w}");
+        }
     }
     Ok(())
 }

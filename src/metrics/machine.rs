@@ -43,9 +43,9 @@ pub struct MachineInfo {
 }
 
 /// The FP32 peak for `threads` threads running `isa`: `per_core_gflops` (a command-line
-/// override such as `--peak-per-core`) if given, else `FUGU_PEAK_GFLOPS_PER_CORE`, else
-/// measured with an FMA loop on one core ([`fugu_gemm::peak::machine_peak`]). Shared by
-/// `fugu bench gemm` and the trainer.
+/// override such as `--peak-per-core`) if given, else `FUGU_PEAK_GFLOPS_PER_CORE`, else the
+/// per-machine cached measurement (an FMA loop on one core, measured the first time; see
+/// [`super::peak_cache`]). Shared by `fugu bench gemm` and the trainer.
 pub fn machine_peak(isa: Isa, threads: usize, per_core_gflops: Option<f64>) -> Result<Peak> {
     if let Some(p) = per_core_gflops {
         if !(p > 0.0 && p.is_finite()) {
@@ -57,7 +57,16 @@ pub fn machine_peak(isa: Isa, threads: usize, per_core_gflops: Option<f64>) -> R
             source: PeakSource::Given,
         });
     }
-    Ok(fugu_gemm::peak::machine_peak(isa, threads)?)
+    if std::env::var_os("FUGU_PEAK_GFLOPS_PER_CORE").is_some() {
+        return Ok(fugu_gemm::peak::machine_peak(isa, threads)?);
+    }
+    let cache = super::peak_cache::cache_path();
+    Ok(super::peak_cache::cached_peak(
+        cache.as_deref(),
+        &cpu_model(),
+        isa,
+        threads,
+    ))
 }
 
 /// `DxT`, or `Dx[t0,t1,..]` when the domains have different thread counts.

@@ -1,11 +1,13 @@
 //! Observability for the trainer: per-op timers and the end-of-run breakdown
 //! ([`timers`]), model FLOPs ([`flops`]), the machine and its FP32 peak ([`machine`], the same
-//! figure `fugu bench gemm` reports against), `OUT/metrics.jsonl` ([`jsonl`]) and the step
+//! figure `fugu bench gemm` reports against; measured once per machine and cached by
+//! [`peak_cache`]), `OUT/metrics.jsonl` ([`jsonl`]) and the step
 //! progress display ([`progress`]).
 
 pub mod flops;
 pub mod jsonl;
 pub mod machine;
+pub mod peak_cache;
 pub mod progress;
 pub mod timers;
 

@@ -75,6 +75,8 @@ struct RunTotals {
     rank_timers: [BTreeMap<String, f64>; 3],
     /// Evaluation and checkpoint time (between steps, reported apart from them).
     outside: BTreeMap<String, OutsideStep>,
+    /// A step above the peak was reported (once per run).
+    warned_above_peak: bool,
 }
 
 impl RunTotals {
@@ -510,6 +512,18 @@ impl<'d, B: Backend> Trainer<'d, B> {
         self.totals.timed_steps += 1;
         let secs = r.step_ms / 1e3;
         let flops = self.flops_per_rank / secs;
+        let pct = 100.0 * flops / self.peak_flops;
+        if pct > 100.0 && !self.totals.warned_above_peak && self.dist.is_root() {
+            self.totals.warned_above_peak = true;
+            let peak = format!("peak of {:.1} GFLOP/s per rank", self.peak_flops / 1e9);
+            if let Some(w) = crate::metrics::peak_cache::above_peak_warning(
+                &format!("training step {}", r.done),
+                pct,
+                &peak,
+            ) {
+                self.progress.message(&w);
+            }
+        }
         let tokens_per_s = self.tokens_per_step as f64 / secs;
         if let Some(w) = self.metrics.as_mut() {
             let mut rec = StepRecord {
@@ -521,7 +535,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 tokens_per_s,
                 step_ms: r.step_ms,
                 tflops_per_process: flops / 1e12,
-                peak_pct: 100.0 * flops / self.peak_flops,
+                peak_pct: pct,
                 timers: timer_map,
                 ..Default::default()
             };

@@ -1,0 +1,173 @@
+//! The per-machine cache of the measured FP32 peak.
+//!
+//! Measuring the peak at every start (an FMA loop, ~0.2 s) gives a different figure each time,
+//! and a low one on a busy machine, so "% of peak" could exceed 100%. Instead the first
+//! measurement on a machine is stored, keyed by CPU model and ISA, and every later run and
+//! benchmark divides by that same figure. A measurement above the cached peak (GEMM rows,
+//! training steps) is reported with a warning that names the cache.
+//!
+//! The file is JSON, `{"format": "fugu-peak-cache-v1", "entries": {"CPU|isa": {...}}}`, at
+//! `FUGU_PEAK_CACHE` (a path; `off` disables the cache), else
+//! `$XDG_CACHE_HOME/fugu/peak.json`, else `$HOME/.cache/fugu/peak.json`. It is replaced
+//! atomically (temporary file, rename), so concurrent ranks writing it race harmlessly.
+//! `FUGU_PEAK_REMEASURE=1` measures again and replaces the entry.
+
+use fugu_gemm::peak::{measure_core_gflops, Peak, PeakSource};
+use fugu_gemm::Isa;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+const FORMAT: &str = "fugu-peak-cache-v1";
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct CacheFile {
+    format: String,
+    entries: BTreeMap<String, Entry>,
+}
+
+/// One cached measurement.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Entry {
+    pub per_core_gflops: f64,
+    /// Unix time of the measurement.
+    pub measured_at: u64,
+    pub fugu_version: String,
+}
+
+/// Where the cache lives, or `None` when disabled or no home is known.
+pub fn cache_path() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("FUGU_PEAK_CACHE") {
+        return (p != "off" && !p.is_empty()).then(|| PathBuf::from(p));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("fugu").join("peak.json"))
+}
+
+fn key(cpu: &str, isa: Isa) -> String {
+    format!("{cpu}|{isa}")
+}
+
+fn read(path: &Path) -> CacheFile {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<CacheFile>(&b).ok())
+        .filter(|c| c.format == FORMAT)
+        .unwrap_or_default()
+}
+
+fn write(path: &Path, cache: &CacheFile) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(cache).unwrap_or_default())?;
+    std::fs::rename(&tmp, path)
+}
+
+/// The cached peak of `cpu` running `isa`, if any (and not asked to re-measure).
+pub fn lookup(path: &Path, cpu: &str, isa: Isa) -> Option<Entry> {
+    if std::env::var("FUGU_PEAK_REMEASURE").is_ok_and(|v| v == "1") {
+        return None;
+    }
+    read(path).entries.get(&key(cpu, isa)).cloned()
+}
+
+/// The peak for `threads` threads of `cpu` running `isa`: from the cache at `path` when it has
+/// the entry, else measured now and stored there (a failure to store is a warning). Without a
+/// cache path: measured.
+pub fn cached_peak(path: Option<&Path>, cpu: &str, isa: Isa, threads: usize) -> Peak {
+    if let Some(e) = path.and_then(|p| lookup(p, cpu, isa)) {
+        return Peak {
+            per_core_gflops: e.per_core_gflops,
+            threads,
+            source: PeakSource::Cached { isa },
+        };
+    }
+    let (per_core, used) = match measure_core_gflops(isa) {
+        Some(g) => (g, isa),
+        None => (
+            measure_core_gflops(Isa::Portable).unwrap_or(1.0),
+            Isa::Portable,
+        ),
+    };
+    if let Some(p) = path {
+        let mut cache = read(p);
+        cache.format = FORMAT.into();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        cache.entries.insert(
+            key(cpu, isa),
+            Entry {
+                per_core_gflops: per_core,
+                measured_at: now,
+                fugu_version: env!("CARGO_PKG_VERSION").into(),
+            },
+        );
+        if let Err(e) = write(p, &cache) {
+            eprintln!(
+                "warning: could not store the measured peak in {}: {e} (it will be measured \
+                 again next time)",
+                p.display()
+            );
+        }
+    }
+    Peak {
+        per_core_gflops: per_core,
+        threads,
+        source: PeakSource::Measured { isa: used },
+    }
+}
+
+/// A warning for a measured rate above the peak it is divided by, or `None`. `what` names the
+/// measurement (`GEMM 1024x1024x1024`, `training step 12`).
+pub fn above_peak_warning(what: &str, pct: f64, peak: &str) -> Option<String> {
+    (pct > 100.0).then(|| {
+        let hint = match cache_path() {
+            Some(p) => format!(
+                "the peak was probably measured on a busy machine: measure it again with \
+                 FUGU_PEAK_REMEASURE=1 (cache: {})",
+                p.display()
+            ),
+            None => "the peak was probably measured on a busy machine".into(),
+        };
+        format!("warning: {what} ran at {pct:.1}% of the {peak}: above the peak; {hint}")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measured_once_then_read_back() {
+        let dir = std::env::temp_dir().join(format!("fugu-peak-{}", std::process::id()));
+        let path = dir.join("peak.json");
+        let first = cached_peak(Some(&path), "Test CPU", Isa::Portable, 2);
+        assert!(matches!(first.source, PeakSource::Measured { .. }));
+        assert!(first.per_core_gflops > 0.0);
+        let again = cached_peak(Some(&path), "Test CPU", Isa::Portable, 4);
+        assert_eq!(again.source, PeakSource::Cached { isa: Isa::Portable });
+        assert_eq!(again.per_core_gflops, first.per_core_gflops);
+        assert_eq!(again.threads, 4);
+        // Another CPU model is another entry.
+        assert!(lookup(&path, "Other CPU", Isa::Portable).is_none());
+        // A damaged file is measured over, not an error.
+        std::fs::write(&path, b"{not json").unwrap();
+        let fresh = cached_peak(Some(&path), "Test CPU", Isa::Portable, 1);
+        assert!(matches!(fresh.source, PeakSource::Measured { .. }));
+        assert!(lookup(&path, "Test CPU", Isa::Portable).is_some());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn above_peak_is_named() {
+        assert!(above_peak_warning("x", 99.0, "peak").is_none());
+        let w = above_peak_warning("GEMM 8x8x8", 120.0, "peak of 10 GFLOP/s").unwrap();
+        assert!(w.contains("GEMM 8x8x8") && w.contains("120.0%"), "{w}");
+    }
+}
