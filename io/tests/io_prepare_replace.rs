@@ -259,3 +259,20 @@ fn a_folder_that_is_not_a_dataset_is_refused_and_untouched() {
     prepare(&opts(vec![input], &nested)).unwrap();
     assert!(nested.join("manifest.json").is_file());
 }
+
+#[cfg(unix)]
+#[test]
+fn a_link_to_a_dataset_is_followed_and_kept() {
+    let (d, parent, out) = old_dataset("replace_link");
+    let link = d.join("link");
+    std::os::unix::fs::symlink(&out, &link).unwrap();
+    let s = prepare(&opts(vec![texts(&d, 3, "new")], &link)).unwrap();
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(s.manifest.totals.documents, 3);
+    let (m, _) = fugu_io::Manifest::load(&out).unwrap();
+    assert_eq!(m, s.manifest, "the link's target holds the new dataset");
+    assert_eq!(names(&parent), vec!["out"]);
+}
