@@ -56,6 +56,11 @@ pub enum Error {
     #[error("{path}: {what}")]
     Input { path: PathBuf, what: String },
 
+    /// `prepare` found no document in its inputs; `why` gives the likely
+    /// reason.
+    #[error("no documents found in {inputs}: {why}")]
+    NoDocuments { inputs: String, why: String },
+
     /// A raw `.bin` token file that is invalid.
     #[error("{path}: byte offset {offset}: {what}")]
     BadTokenFile {

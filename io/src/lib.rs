@@ -18,6 +18,7 @@ pub mod error;
 pub mod loader;
 pub mod manifest;
 pub mod prepare;
+mod replace;
 pub mod rng;
 pub mod tar;
 pub mod tokenizer;

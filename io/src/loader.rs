@@ -23,16 +23,18 @@
 //! would have produced.
 
 use crate::error::{Error, Result};
-use crate::manifest::{verify_shard, Manifest};
+use crate::manifest::{check_sha256, verify_shard, Manifest};
 use crate::rng::{Permutation, SplitMix64};
 use crate::tar::{EntryKind, FileSource, TarReader};
 use crate::tokenizer::GPT2_VOCAB;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::SystemTime;
 
 /// Longest piece of a sample held in memory at once (tokens). Longer samples
 /// are streamed as consecutive pieces of this size.
@@ -48,12 +50,23 @@ pub enum Split {
     Val,
 }
 
-/// How much of the data to check against the manifest when opening it.
+/// How much of the data to check against the manifest, and when. Only
+/// manifests carry checksums: shard patterns and `.bin` files are not
+/// checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verify {
-    /// Every shard of the split exists and has the manifest's size (cheap).
+    /// At open, every shard of the split exists and has the manifest's size
+    /// (cheap). Nothing else.
     Size,
-    /// Also the sha256 of every shard of the split (reads all of it).
+    /// As `Size` at open, and each shard's sha256 is checked the first time
+    /// this process reads samples from it, before any of them is returned:
+    /// a corrupted shard never reaches training. The whole file is hashed
+    /// once (it is then in the page cache for the reads that follow); later
+    /// epochs, and later loaders of this process, do not hash it again
+    /// unless its size or modification time changed. A mismatch is an
+    /// error, also with `skip_bad_samples`. The default.
+    FirstRead,
+    /// At open, the sha256 of every shard of the split (reads all of it).
     Full,
 }
 
@@ -80,7 +93,7 @@ pub struct LoaderConfig {
     pub prefetch: usize,
     /// Log, count and skip bad samples instead of failing.
     pub skip_bad_samples: bool,
-    /// Manifest check at open.
+    /// Manifest checks, at open and at the first read of each shard.
     pub verify: Verify,
     /// Split to read (manifests only).
     pub split: Split,
@@ -92,7 +105,8 @@ pub struct LoaderConfig {
 }
 
 impl LoaderConfig {
-    /// Training defaults: shuffled, prefetch 4, split `train`.
+    /// Training defaults: shuffled, prefetch 4, split `train`, sha256 of
+    /// each shard checked when first read ([`Verify::FirstRead`]).
     pub fn train(batch_size: usize, seq_len: usize, rank: usize, world: usize, seed: u64) -> Self {
         LoaderConfig {
             batch_size,
@@ -104,7 +118,7 @@ impl LoaderConfig {
             shuffle_buffer: 256,
             prefetch: 4,
             skip_bad_samples: false,
-            verify: Verify::Size,
+            verify: Verify::FirstRead,
             split: Split::Train,
             vocab_size: GPT2_VOCAB,
             read_buffer: 1 << 20,
@@ -302,6 +316,8 @@ pub fn expand_braces(pattern: &str) -> Result<Vec<String>> {
 struct Shard {
     path: PathBuf,
     tokens: u64,
+    /// The manifest's hex sha256 (none for shard patterns).
+    sha256: Option<String>,
 }
 
 #[derive(Clone)]
@@ -312,6 +328,64 @@ struct ShardSet {
     fingerprint: String,
     /// Whether shard token counts come from a manifest (then checked).
     from_manifest: bool,
+    /// With [`Verify::FirstRead`]: which shards were checked already.
+    first_read: Option<Arc<FirstRead>>,
+}
+
+/// The shards of one loader whose sha256 was checked
+/// ([`Verify::FirstRead`]), indexed like [`ShardSet::shards`]; shared with
+/// the loader's background thread.
+struct FirstRead {
+    checked: Vec<AtomicBool>,
+}
+
+/// A shard file whose sha256 matched in this process: path, expected
+/// sha256 (lower case), size and modification time when hashed.
+type VerifiedKey = (PathBuf, String, u64, Option<SystemTime>);
+
+/// Shard files hashed by any loader of this process, so that a loader
+/// built again (such as the validation loader at each evaluation) does not
+/// hash them again. A file replaced since has another size or mtime.
+static VERIFIED: Mutex<BTreeSet<VerifiedKey>> = Mutex::new(BTreeSet::new());
+
+impl ShardSet {
+    /// With [`Verify::FirstRead`], checks shard `i`'s sha256 unless this
+    /// loader or process already did. Call before returning its samples.
+    fn check_first_read(&self, i: usize) -> Result<()> {
+        let Some(fr) = &self.first_read else {
+            return Ok(());
+        };
+        if fr.checked[i].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let sh = &self.shards[i];
+        if let Some(expected) = &sh.sha256 {
+            check_sha256_once(&sh.path, expected)?;
+        }
+        fr.checked[i].store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// [`check_sha256`], skipped when this process already hashed the same
+/// file (path, size and mtime) and found `expected`.
+fn check_sha256_once(path: &Path, expected: &str) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "stat", e))?;
+    let key: VerifiedKey = (
+        path.to_path_buf(),
+        expected.to_ascii_lowercase(),
+        meta.len(),
+        meta.modified().ok(),
+    );
+    // A poisoned lock only means the cache is not used.
+    if VERIFIED.lock().is_ok_and(|v| v.contains(&key)) {
+        return Ok(());
+    }
+    check_sha256(path, expected)?;
+    if let Ok(mut v) = VERIFIED.lock() {
+        v.insert(key);
+    }
+    Ok(())
 }
 
 fn open_shard_set(spec: &DataSpec, cfg: &LoaderConfig) -> Result<ShardSet> {
@@ -337,12 +411,22 @@ fn open_shard_set(spec: &DataSpec, cfg: &LoaderConfig) -> Result<ShardSet> {
                     .map(|s| Shard {
                         path: dir.join(&s.file),
                         tokens: s.tokens,
+                        sha256: Some(s.sha256.clone()),
                     })
                     .collect(),
                 token_bytes: m.token_bytes() as u64,
                 vocab: m.vocab_size,
                 fingerprint: m.split_fingerprint(split),
                 from_manifest: true,
+                first_read: (cfg.verify == Verify::FirstRead).then(|| {
+                    Arc::new(FirstRead {
+                        checked: split
+                            .shards
+                            .iter()
+                            .map(|_| AtomicBool::new(false))
+                            .collect(),
+                    })
+                }),
             })
         }
         DataSpec::Shards(files) => {
@@ -367,6 +451,7 @@ fn open_shard_set(spec: &DataSpec, cfg: &LoaderConfig) -> Result<ShardSet> {
                 shards.push(Shard {
                     path: f.clone(),
                     tokens,
+                    sha256: None,
                 });
             }
             use sha2::Digest;
@@ -376,6 +461,7 @@ fn open_shard_set(spec: &DataSpec, cfg: &LoaderConfig) -> Result<ShardSet> {
                 vocab: cfg.vocab_size,
                 fingerprint: crate::manifest::hex(&fp.finalize()[..8]),
                 from_manifest: false,
+                first_read: None,
             })
         }
         DataSpec::Bin(_) => unreachable!("bin handled separately"),
@@ -642,6 +728,7 @@ impl ShardStream {
             if p.data.is_some() {
                 continue;
             }
+            self.set.check_first_read(p.shard)?;
             let path = &self.set.shards[p.shard].path;
             let mut f = FileSource::open(path, 1 << 16)?;
             f.seek_to(p.offset)
@@ -789,6 +876,9 @@ impl RangeReader {
                 let tar = self.tar.as_mut().expect("open shard");
                 let nbytes = (b - a) * tb;
                 let data = if load {
+                    // The shard may have been opened by a replay, which
+                    // reads headers only.
+                    set.check_first_read(shard)?;
                     let mut d = spare.pop().unwrap_or_default();
                     d.clear();
                     d.resize(nbytes as usize, 0);
@@ -829,6 +919,9 @@ impl RangeReader {
                 if self.idx >= self.order.len() {
                     self.done = true;
                     return Ok(None);
+                }
+                if load {
+                    set.check_first_read(self.order[self.idx])?;
                 }
                 let sh = &set.shards[self.order[self.idx]];
                 self.tar = Some(TarReader::open(&sh.path, bufsize)?);

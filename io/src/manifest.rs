@@ -272,15 +272,22 @@ pub fn verify_shard(dir: &Path, info: &ShardInfo, manifest_path: &Path, full: bo
         });
     }
     if full {
-        let actual = sha256_file(&path)?;
-        if !actual.eq_ignore_ascii_case(&info.sha256) {
-            return Err(Error::ChecksumMismatch {
-                path,
-                what: "sha256",
-                expected: info.sha256.clone(),
-                actual,
-            });
-        }
+        check_sha256(&path, &info.sha256)?;
     }
     Ok(())
+}
+
+/// Checks that the file's sha256 is `expected` (hex, any case): reads all
+/// of it. A difference is [`Error::ChecksumMismatch`] naming the file.
+pub fn check_sha256(path: &Path, expected: &str) -> Result<()> {
+    let actual = sha256_file(path)?;
+    if actual.eq_ignore_ascii_case(expected) {
+        return Ok(());
+    }
+    Err(Error::ChecksumMismatch {
+        path: path.to_path_buf(),
+        what: "sha256",
+        expected: expected.to_string(),
+        actual,
+    })
 }

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::manifest::{
     hex, Manifest, ShardInfo, SplitInfo, SplitRule, Totals, MANIFEST_FORMAT, MANIFEST_VERSION,
 };
+use crate::replace::Staging;
 use crate::tar::{EntryKind, StreamSource, TarReader, TarSource, TarWriter};
 use crate::tokenizer::{is_safe_cut, tokenizer_by_name, Tokenizer};
 use rayon::prelude::*;
@@ -26,7 +27,8 @@ pub struct PrepareOptions {
     /// Text files, folders, `.tar`/`.tar.gz` archives, `.jsonl` (optionally
     /// `.gz`). Empty: the bundled Shakespeare corpus.
     pub inputs: Vec<PathBuf>,
-    /// Output folder (created if needed).
+    /// Output folder: created, or replaced as a whole once the new dataset
+    /// is complete (see [`prepare`]).
     pub out_dir: PathBuf,
     /// Tokenizer name (`gpt2`).
     pub tokenizer: String,
@@ -79,6 +81,13 @@ pub struct PrepareSummary {
 
 /// Tokenises the inputs into shards. Usable without the CLI (the trainer
 /// calls it to prepare the bundled corpus).
+///
+/// Everything is written into a temporary sibling of `out_dir`
+/// (`.NAME.tmp-PID`), fsynced, and swapped in only at the end, so a failed
+/// or killed run leaves an existing dataset in `out_dir` byte-identical.
+/// Leftovers of a killed earlier run are cleaned up first. An `out_dir` that
+/// exists, is not empty and is not a fugu dataset is refused, and so are
+/// inputs that hold no document ([`Error::NoDocuments`]).
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
     let start = Instant::now();
     if !(0.0..1.0).contains(&opts.val_fraction) {
@@ -93,8 +102,19 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
         ));
     }
     let tok = tokenizer_by_name(&opts.tokenizer)?;
-    std::fs::create_dir_all(&opts.out_dir)
-        .map_err(|e| Error::io(&opts.out_dir, "create output folder", e))?;
+    let staging = Staging::begin(&opts.out_dir)?;
+    let manifest = write_dataset(opts, tok.as_ref(), staging.path())?;
+    staging.commit()?;
+    Ok(PrepareSummary {
+        manifest_path: opts.out_dir.join("manifest.json"),
+        manifest,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Walks the inputs and writes the shards and `manifest.json` into `dir`
+/// (the temporary folder). Fails when the inputs hold no document.
+fn write_dataset(opts: &PrepareOptions, tok: &dyn Tokenizer, dir: &Path) -> Result<Manifest> {
     let val_every = if opts.val_fraction > 0.0 {
         ((1.0 / opts.val_fraction).round() as u64).max(2)
     } else {
@@ -124,14 +144,11 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
     };
 
     let mut state = Writer {
-        tok: tok.as_ref(),
+        tok,
         opts,
         val_every,
         dtype,
-        splits: [
-            SplitWriter::new(&opts.out_dir, "train"),
-            SplitWriter::new(&opts.out_dir, "val"),
-        ],
+        splits: [SplitWriter::new(dir, "train"), SplitWriter::new(dir, "val")],
         totals: Totals::default(),
         doc: None,
         next_doc: 0,
@@ -145,6 +162,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
         opts,
         seq: 0,
         skipped: 0,
+        seen: Seen::default(),
     };
     let mut sink = |c: Chunk| state.push(c);
     if opts.inputs.is_empty() {
@@ -158,6 +176,10 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
     state.totals.skipped_bad_inputs = walker.skipped;
     state.flush_batch()?;
     state.end_doc()?;
+    bar.finish_and_clear();
+    if state.totals.documents == 0 {
+        return Err(no_documents(&opts.inputs, &walker, &state.totals));
+    }
     let Writer {
         splits, mut totals, ..
     } = state;
@@ -172,7 +194,6 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
         .chain(val.shards.iter())
         .map(|s| s.bytes)
         .sum();
-    bar.finish_and_clear();
 
     let manifest = Manifest {
         format: MANIFEST_FORMAT.into(),
@@ -198,33 +219,78 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
         val,
         totals,
     };
-    let manifest_path = opts.out_dir.join("manifest.json");
     let mut text = serde_json::to_string_pretty(&manifest)
         .map_err(|e| Error::Config(format!("serialising manifest: {e}")))?;
     text.push('\n');
-    write_atomic(&manifest_path, text.as_bytes())?;
-    Ok(PrepareSummary {
-        manifest_path,
-        manifest,
-        seconds: start.elapsed().as_secs_f64(),
-    })
+    write_synced(&dir.join("manifest.json"), text.as_bytes())?;
+    Ok(manifest)
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = tmp_name(path);
-    let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, "create", e))?;
+/// Writes a file and fsyncs it.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(|e| Error::io(path, "create", e))?;
     f.write_all(bytes)
         .and_then(|_| f.sync_all())
-        .map_err(|e| Error::io(&tmp, "write", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "rename into place", e))
+        .map_err(|e| Error::io(path, "write", e))
 }
 
-fn tmp_name(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp"))
+/// What the walker passed over without reading, for the message when no
+/// document is found.
+#[derive(Default)]
+struct Seen {
+    /// `.tokens` files or tar members: already prepared token ids.
+    token_files: u64,
+    /// `manifest.json` files found in folders.
+    manifests: u64,
+    /// Files of types prepare does not read.
+    unsupported: u64,
+    /// The first of them.
+    first_unsupported: Option<String>,
+}
+
+/// The error for inputs that hold no document, with the likely reason.
+fn no_documents(inputs: &[PathBuf], walker: &Walker, totals: &Totals) -> Error {
+    let shown: Vec<String> = inputs
+        .iter()
+        .take(5)
+        .map(|p| p.display().to_string())
+        .collect();
+    let mut names = shown.join(", ");
+    if inputs.len() > shown.len() {
+        names.push_str(&format!(" and {} more", inputs.len() - shown.len()));
+    }
+    let seen = &walker.seen;
+    let why = if seen.token_files > 0 || seen.manifests > 0 {
+        let mut found = Vec::new();
+        if seen.token_files > 0 {
+            found.push(format!(
+                "{} `.tokens` file(s) or tar member(s)",
+                seen.token_files
+            ));
+        }
+        if seen.manifests > 0 {
+            found.push(format!("{} manifest.json", seen.manifests));
+        }
+        format!(
+            "found {}: .tar shards of tokens are already prepared data; pass the dataset (its folder or manifest.json) to `fugu train --data`",
+            found.join(" and ")
+        )
+    } else if totals.empty_documents > 0 {
+        format!("every document is empty ({} empty)", totals.empty_documents)
+    } else if walker.skipped > 0 {
+        format!(
+            "every input was bad and skipped ({} skipped)",
+            walker.skipped
+        )
+    } else if let Some(first) = &seen.first_unsupported {
+        format!(
+            "only files of unsupported types ({} skipped, e.g. {first}); prepare reads .txt, .text, .md, extension-less, .jsonl, .jsonl.gz, .gz, .tar, .tar.gz and .tgz files",
+            seen.unsupported
+        )
+    } else {
+        "no input files (empty folders?)".into()
+    };
+    Error::NoDocuments { inputs: names, why }
 }
 
 /// A piece of one document's text.
@@ -240,6 +306,7 @@ struct Walker<'a> {
     opts: &'a PrepareOptions,
     seq: u64,
     skipped: u64,
+    seen: Seen,
 }
 
 type Sink<'s> = dyn FnMut(Chunk) -> Result<()> + 's;
@@ -258,11 +325,15 @@ enum Kind {
     JsonlGz,
     TextGz,
     Text,
+    /// Token ids of an already prepared dataset: never read as text.
+    Tokens,
     Skip,
 }
 
 fn kind_of(name: &str, explicit: bool) -> Kind {
-    if name.ends_with(".tar") {
+    if name.ends_with(".tokens") {
+        Kind::Tokens
+    } else if name.ends_with(".tar") {
         Kind::Tar
     } else if name.ends_with(".tar.gz") || name.ends_with(".tgz") {
         Kind::TarGz
@@ -285,6 +356,23 @@ fn kind_of(name: &str, explicit: bool) -> Kind {
 }
 
 impl Walker<'_> {
+    /// Counts a file or member that is not read (token ids, manifests,
+    /// unsupported types); returns whether it is passed over.
+    fn passed_over(&mut self, kind: &Kind, lower: &str, source: impl Fn() -> String) -> bool {
+        match kind {
+            Kind::Tokens => self.seen.token_files += 1,
+            Kind::Skip if lower == "manifest.json" => self.seen.manifests += 1,
+            Kind::Skip => {
+                self.seen.unsupported += 1;
+                if self.seen.first_unsupported.is_none() {
+                    self.seen.first_unsupported = Some(source());
+                }
+            }
+            _ => return false,
+        }
+        true
+    }
+
     fn bad(&mut self, e: Error) -> Result<()> {
         if self.opts.skip_bad {
             eprintln!("warning: skipping bad input: {e}");
@@ -322,7 +410,7 @@ impl Walker<'_> {
             return Ok(());
         }
         let kind = kind_of(&lower_name(path), explicit);
-        if kind == Kind::Skip {
+        if self.passed_over(&kind, &lower_name(path), || path.display().to_string()) {
             return Ok(());
         }
         let file = match File::open(path) {
@@ -342,7 +430,7 @@ impl Walker<'_> {
             ),
             Kind::TextGz => self.walk_text(flate2::read::GzDecoder::new(r), &source, sink),
             Kind::Text => self.walk_text(r, &source, sink),
-            Kind::Skip => Ok(()),
+            Kind::Tokens | Kind::Skip => Ok(()),
         };
         match res {
             Err(e @ (Error::Input { .. } | Error::Io { .. } | Error::Tar { .. })) => self.bad(e),
@@ -362,7 +450,11 @@ impl Walker<'_> {
                 continue;
             }
             let source = format!("{}:{}", path.display(), entry.name);
-            match kind_of(base, false) {
+            let kind = kind_of(base, false);
+            if self.passed_over(&kind, base, || source.clone()) {
+                continue;
+            }
+            match kind {
                 Kind::Text => self.walk_text(tar.entry_reader(), &source, sink)?,
                 Kind::TextGz => self.walk_text(
                     flate2::read::GzDecoder::new(tar.entry_reader()),
@@ -696,7 +788,8 @@ impl Write for HashWriter {
 
 struct OpenShard {
     tar: TarWriter<HashWriter>,
-    tmp: PathBuf,
+    /// The shard's path in the temporary dataset folder.
+    path: PathBuf,
     file: String,
     samples: u64,
     tokens: u64,
@@ -745,14 +838,13 @@ impl SplitWriter {
         if self.open.is_none() {
             let file = format!("{}-{:06}.tar", self.name, self.shards.len());
             let path = self.dir.join(&file);
-            let tmp = tmp_name(&path);
-            let f = File::create(&tmp).map_err(|e| Error::io(&tmp, "create", e))?;
+            let f = File::create(&path).map_err(|e| Error::io(&path, "create", e))?;
             self.open = Some(OpenShard {
                 tar: TarWriter::new(HashWriter {
                     file: std::io::BufWriter::with_capacity(1 << 20, f),
                     hash: Sha256::new(),
                 }),
-                tmp,
+                path,
                 file,
                 samples: 0,
                 tokens: 0,
@@ -767,7 +859,7 @@ impl SplitWriter {
             }
             Ok::<_, std::io::Error>(())
         })();
-        res.map_err(|e| Error::io(&o.tmp, "write shard", e))?;
+        res.map_err(|e| Error::io(&o.path, "write shard", e))?;
         o.samples += 1;
         o.tokens += ntok;
         self.samples += 1;
@@ -783,17 +875,14 @@ impl SplitWriter {
         let mut hw = o
             .tar
             .finish()
-            .map_err(|e| Error::io(&o.tmp, "write shard", e))?;
+            .map_err(|e| Error::io(&o.path, "write shard", e))?;
         hw.flush()
-            .map_err(|e| Error::io(&o.tmp, "write shard", e))?;
+            .map_err(|e| Error::io(&o.path, "write shard", e))?;
         hw.file
             .get_ref()
             .sync_all()
-            .map_err(|e| Error::io(&o.tmp, "sync shard", e))?;
+            .map_err(|e| Error::io(&o.path, "sync shard", e))?;
         let sha = hex(&hw.hash.finalize());
-        let final_path = self.dir.join(&o.file);
-        std::fs::rename(&o.tmp, &final_path)
-            .map_err(|e| Error::io(&final_path, "rename into place", e))?;
         self.shards.push(ShardInfo {
             file: o.file,
             samples: o.samples,
