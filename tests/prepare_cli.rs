@@ -126,3 +126,75 @@ fn prepare_errors_name_the_input() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.jsonl:1"), "{err}");
 }
+
+/// Every file under `dir` with its bytes, by relative path.
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| {
+            (
+                p.strip_prefix(dir).unwrap().to_path_buf(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// `prepare` killed (SIGKILL) while it writes a new version of a dataset leaves the old one
+/// byte-identical; the next run cleans up what the killed one left and replaces it whole.
+#[test]
+fn prepare_killed_midway_leaves_the_old_dataset_intact() {
+    let d = tmpdir("killed");
+    let out = d.join("shk");
+    run(fugu()
+        .args(["prepare", "--quiet", "--val-fraction", "0.1", "--out"])
+        .arg(&out));
+    let before = snapshot(&out);
+    let mut child = fugu()
+        .args([
+            "prepare",
+            "--quiet",
+            "--shard-size",
+            "64K",
+            "--threads",
+            "1",
+            "--out",
+        ])
+        .arg(&out)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until the new version is being written (a shard in its temporary folder).
+    let started = std::time::Instant::now();
+    let writing = || {
+        std::fs::read_dir(&d).unwrap().any(|e| {
+            let e = e.unwrap();
+            e.file_name().to_string_lossy().starts_with(".shk.tmp-")
+                && std::fs::read_dir(e.path()).is_ok_and(|mut r| r.next().is_some())
+        })
+    };
+    while !writing() && started.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    if status.success() {
+        eprintln!("skipped: prepare finished before it could be killed");
+    } else {
+        assert_eq!(snapshot(&out), before, "the old dataset changed");
+    }
+    // The next run replaces it and leaves nothing else next to it.
+    run(fugu()
+        .args(["prepare", "--quiet", "--shard-size", "256K", "--out"])
+        .arg(&out));
+    let names: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["shk"], "stray entries next to the dataset");
+    assert_ne!(snapshot(&out), before);
+    let m = manifest(&out);
+    assert!(m["train"]["shards"].as_array().unwrap().len() > 1, "{m}");
+    let _ = std::fs::remove_dir_all(&d);
+}

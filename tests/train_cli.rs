@@ -859,3 +859,70 @@ fn nonfinite_steps_are_named_and_counted() {
     assert_eq!(skipped + losses(&dir.join("skip")).len() as u64, 4);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A byte flipped inside a shard's payload (same size, so the size check at open passes) is
+/// caught by the shard's sha256 before any of its samples is trained on: the first time the
+/// shard is read, or at start with `--verify-data`.
+#[test]
+fn a_flipped_byte_in_a_shard_is_caught_by_its_sha256() {
+    let runs = SmallRuns::new("sha");
+    let dir = &runs.dir;
+    let src = Path::new(&runs.data).parent().unwrap().to_path_buf();
+    let data = dir.join("data");
+    copy_dir(&src, &data);
+    let shard = data.join("train-000000.tar");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x20;
+    std::fs::write(&shard, bytes).unwrap();
+    let manifest = data.join("manifest.json");
+    let m = manifest.to_str().unwrap();
+    for (out, extra) in [("first-read", None), ("verify", Some("--verify-data"))] {
+        let mut args = vec![
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            m,
+            "--threads",
+            "1",
+            "--out",
+            out,
+            "--steps",
+            "2",
+        ];
+        args.extend(extra);
+        let o = fugu(&args, dir);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{out}: {err}");
+        assert!(
+            err.contains("sha256") && err.contains("train-000000.tar"),
+            "{out}: {err}"
+        );
+        let metrics = dir.join(out).join("metrics.jsonl");
+        assert!(
+            !metrics.exists() || losses(&dir.join(out)).is_empty(),
+            "{out}: trained on a corrupted shard"
+        );
+    }
+    // --skip-bad-samples does not skip a corrupted shard.
+    let o = fugu(
+        &[
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            m,
+            "--threads",
+            "1",
+            "--out",
+            "skip",
+            "--steps",
+            "2",
+            "--skip-bad-samples",
+        ],
+        dir,
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("sha256"));
+    let _ = std::fs::remove_dir_all(dir);
+}

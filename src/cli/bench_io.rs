@@ -57,6 +57,8 @@ pub fn run(args: BenchIoArgs) -> anyhow::Result<()> {
     let mut cfg = fugu_io::LoaderConfig::train(args.batch, args.seq, 0, 1, 1234);
     cfg.prefetch = args.prefetch;
     cfg.shuffle = !args.no_shuffle;
+    // Loader throughput only: the training default also hashes each shard once (docs/DATA.md).
+    cfg.verify = fugu_io::Verify::Size;
     let tokens_per_batch = (args.batch * (args.seq + 1)) as u64;
     let batches = args.tokens.div_ceil(tokens_per_batch).max(1);
     let mut loader =

@@ -32,6 +32,15 @@ pub struct TrainArgs {
     /// Read the data in file order (a .bin: consecutive windows, wrapping at the end).
     #[arg(long)]
     pub no_shuffle: bool,
+    /// Check the sha256 of every shard of the data before the first step (reads all of it:
+    /// about 1 GB/s). Default: each shard's sha256 the first time it is read, before any of
+    /// its samples is used; sizes always at start.
+    #[arg(long)]
+    pub verify_data: bool,
+    /// Log, count and skip bad samples (undecodable or out-of-vocabulary tokens, damaged tar
+    /// members) instead of stopping. A shard whose sha256 differs is always an error.
+    #[arg(long)]
+    pub skip_bad_samples: bool,
     /// Start from a Hugging Face GPT-2 directory (config.json + model.safetensors, or sharded
     /// weights with model.safetensors.index.json); without --config its config.json gives the
     /// model's shape.
@@ -120,6 +129,8 @@ impl TrainArgs {
             data: self.data.clone(),
             val_data: self.val_data.clone(),
             shuffle: !self.no_shuffle,
+            verify_data: self.verify_data,
+            skip_bad_samples: self.skip_bad_samples,
             init_from: self.init_from.clone(),
             resume: self.resume.clone(),
             out: self.out.clone(),

@@ -152,6 +152,11 @@ impl BatchSource {
         self.loaders[0].cursor()
     }
 
+    /// Bad samples this rank's streams skipped so far (`--skip-bad-samples`).
+    pub fn skipped_bad_samples(&self) -> u64 {
+        self.loaders.iter().map(|l| l.skipped_bad_samples()).sum()
+    }
+
     /// Size of one stream (for the run header).
     pub fn info(&self) -> &fugu_io::LoaderInfo {
         self.loaders[0].info()

@@ -41,6 +41,11 @@ pub struct TrainOptions {
     /// `--val-data`; `None` = the validation split of `data` when it has one.
     pub val_data: Option<String>,
     pub shuffle: bool,
+    /// `--verify-data`: check every shard's sha256 at start (default: each shard's the first
+    /// time it is read).
+    pub verify_data: bool,
+    /// `--skip-bad-samples`: log, count and skip bad samples instead of failing.
+    pub skip_bad_samples: bool,
     pub init_from: Option<PathBuf>,
     /// `--resume DIR|auto`.
     pub resume: Option<String>,

@@ -39,7 +39,7 @@ use crate::model::{Gpt2, OptimStep, TpRank};
 use crate::parallel::grad_sync::GradSync;
 use crate::parallel::{timer_stats, Comm, ReduceOp};
 use anyhow::{bail, Context, Result};
-use fugu_io::LoaderConfig;
+use fugu_io::{LoaderConfig, Verify};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -285,6 +285,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let mut lcfg = LoaderConfig::train(t.batch_size, t.seq_len, 0, 1, t.seed);
         lcfg.shuffle = opts.shuffle;
         lcfg.vocab_size = m.vocab_size as u32;
+        lcfg.skip_bad_samples = opts.skip_bad_samples;
+        if opts.verify_data {
+            lcfg.verify = Verify::Full;
+        }
         let memory = Memory::of(&model, t.batch_size, t.seq_len);
         check_memory(&model.be, &memory, &lcfg)?;
         let source = BatchSource::open(
@@ -298,6 +302,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let val_data = opts.val_data.clone().unwrap_or_else(|| data.clone());
         let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
         val_loader.vocab_size = m.vocab_size as u32;
+        val_loader.verify = lcfg.verify;
         if let Some(v) = &opts.val_data {
             // Asked for by name: it must work now, not be skipped in silence at the first eval.
             data::check_val_data(v, &val_loader)?;
@@ -734,11 +739,18 @@ impl<'d, B: Backend> Trainer<'d, B> {
                     rss as f64 / (self.memory.state() + self.memory.activations())
                 );
             }
+            let skipped_bad = self.source.skipped_bad_samples();
+            if skipped_bad > 0 {
+                eprintln!(
+                    "skipped {skipped_bad} bad samples (--skip-bad-samples; rank 0's streams)"
+                );
+            }
             w.event(
                 "end",
                 &json!({"steps": self.cfg.train.steps, "last_loss": tot.last_loss,
                         "val_loss": tot.last_val, "peak_rss_bytes": rss,
-                        "checkpoint": tot.last_checkpoint}),
+                        "checkpoint": tot.last_checkpoint,
+                        "skipped_bad_samples": skipped_bad}),
             )?;
             if let Some(c) = &tot.last_checkpoint {
                 eprintln!("checkpoint: {}", c.display());
