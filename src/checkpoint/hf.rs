@@ -22,6 +22,8 @@ use std::path::Path;
 pub const MODEL_FILE: &str = "model.safetensors";
 /// The `GPT2Config` file of a Hugging Face model directory.
 pub const CONFIG_FILE: &str = "config.json";
+/// The generation defaults `transformers` reads next to `config.json`.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 /// The key prefix `transformers` gives the body of `GPT2LMHeadModel`.
 pub const KEY_PREFIX: &str = "transformer.";
 
@@ -31,7 +33,7 @@ pub const KEY_PREFIX: &str = "transformer.";
 /// `bos_token_id` / `eos_token_id` are GPT-2's `<|endoftext|>` (50256) when the vocabulary
 /// contains it, else the last token.
 pub fn hf_config_json(cfg: &ModelConfig) -> Value {
-    let eot = 50256.min(cfg.vocab_size.saturating_sub(1));
+    let eot = eot_id(cfg);
     json!({
         "activation_function": "gelu_new",
         "add_cross_attention": false,
@@ -57,6 +59,25 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         "tie_word_embeddings": true,
         "use_cache": true,
         "vocab_size": cfg.vocab_size,
+    })
+}
+
+/// The end-of-text id fugu's `config.json` names as `bos_token_id` / `eos_token_id`: GPT-2's
+/// `<|endoftext|>` (50256) when the vocabulary has it, else the last id (where fugu's trained
+/// tokenizers put `<|endoftext|>`).
+pub fn eot_id(cfg: &ModelConfig) -> usize {
+    50256.min(cfg.vocab_size.saturating_sub(1))
+}
+
+/// `generation_config.json` for `cfg`: the end-of-text token as bos, eos and padding, so that
+/// `generate` and `pipeline("text-generation")` stop at it and do not warn.
+pub fn generation_config_json(cfg: &ModelConfig) -> Value {
+    let eot = eot_id(cfg);
+    json!({
+        "_from_model_config": true,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "pad_token_id": eot,
     })
 }
 
@@ -714,8 +735,8 @@ pub(crate) fn list(names: &[&str]) -> String {
     s
 }
 
-/// Writes `dir/config.json` and `dir/model.safetensors` in the layout `transformers`
-/// `save_pretrained` uses for `GPT2LMHeadModel` (see the module docs). `table` must be the full
+/// Writes `dir/config.json`, `dir/generation_config.json` and `dir/model.safetensors` in the
+/// layout `transformers` `save_pretrained` uses for `GPT2LMHeadModel` (see the module docs). `table` must be the full
 /// table of `cfg`. Each file is written atomically.
 pub fn save_model(dir: &Path, cfg: &ModelConfig, table: &Table, params: &[f32]) -> Result<()> {
     check_full_table(cfg, table)?;
@@ -743,6 +764,10 @@ pub fn save_model(dir: &Path, cfg: &ModelConfig, table: &Table, params: &[f32]) 
     atomic::write_bytes(
         &dir.join(CONFIG_FILE),
         json_text(&hf_config_json(cfg)).as_bytes(),
+    )?;
+    atomic::write_bytes(
+        &dir.join(GENERATION_CONFIG_FILE),
+        json_text(&generation_config_json(cfg)).as_bytes(),
     )
 }
 

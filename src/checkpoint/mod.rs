@@ -147,9 +147,10 @@ pub fn clean_stale_tmp(out_dir: &Path) -> Result<usize> {
     Ok(removed)
 }
 
-/// Writes the checkpoint `out_dir/ckpt-STEP/`: model (`config.json`, `model.safetensors`),
-/// the AdamW moments if `moments` is `Some((m, v))` (with `opt_step` in the metadata), and
-/// `state`. Returns the checkpoint's path.
+/// Writes the checkpoint `out_dir/ckpt-STEP/`: model (`config.json`, `model.safetensors`,
+/// `generation_config.json`), the AdamW moments if `moments` is `Some((m, v))` (with
+/// `opt_step` in the metadata), `state`, and `files` (name, contents: the tokenizer files).
+/// Returns the checkpoint's path.
 ///
 /// Everything is written into `out_dir/.tmp-ckpt-STEP-PID`, fsynced, and renamed to
 /// `ckpt-STEP`; an existing `ckpt-STEP` is replaced atomically and survives any failure
@@ -166,6 +167,7 @@ pub fn write_checkpoint(
     moments: Option<(&[f32], &[f32])>,
     opt_step: u64,
     state: &impl Serialize,
+    files: &[(String, Vec<u8>)],
     keep_last: usize,
 ) -> Result<PathBuf> {
     fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
@@ -185,6 +187,12 @@ pub fn write_checkpoint(
         let mut json = serde_json::to_vec_pretty(state).context("serializing the trainer state")?;
         json.push(b'\n');
         atomic::write_bytes(&tmp.join(STATE_FILE), &json)?;
+        for (name, bytes) in files {
+            if name.contains(['/', '\\']) || REQUIRED.contains(&name.as_str()) {
+                bail!("checkpoint file name {name:?}: expected a plain name of an extra file");
+            }
+            atomic::write_bytes(&tmp.join(name), bytes)?;
+        }
         atomic::sync_dir(&tmp)?;
         let old = out_dir.join(format!("{TMP_PREFIX}old-{name}-{pid}"));
         atomic::replace_dir(&tmp, &dst, &old)
@@ -304,13 +312,21 @@ mod tests {
             Some((&m, &v)),
             100,
             &state(100),
+            &[("tokenizer.json".to_string(), b"{}".to_vec())],
             2,
         )
         .unwrap();
         assert_eq!(p, out.join("ckpt-00000100"));
         assert_eq!(
             names(&p),
-            [CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
+            [
+                CONFIG_FILE,
+                hf::GENERATION_CONFIG_FILE,
+                MODEL_FILE,
+                OPTIMIZER_FILE,
+                STATE_FILE,
+                "tokenizer.json"
+            ]
         );
         assert_eq!(names(&out), ["ckpt-00000100"]);
         // Resume: model, moments, state.
@@ -326,7 +342,7 @@ mod tests {
         fs::create_dir_all(out.join(".tmp-ckpt-00000900-1")).unwrap();
         fs::write(out.join(".tmp-ckpt-00000900-1/state.json"), "{}").unwrap();
         for s in [200, 300] {
-            write_checkpoint(&out, s, &cfg, &table, &params, None, 0, &state(s), 2).unwrap();
+            write_checkpoint(&out, s, &cfg, &table, &params, None, 0, &state(s), &[], 2).unwrap();
         }
         assert_eq!(
             latest_checkpoint(&out).unwrap(),
@@ -340,7 +356,7 @@ mod tests {
         assert_eq!(steps, [200, 300]);
         assert!(!out.join("ckpt-00000300").join(OPTIMIZER_FILE).exists());
         // An older step written later (a restart) is never pruned itself.
-        write_checkpoint(&out, 150, &cfg, &table, &params, None, 0, &state(150), 2).unwrap();
+        write_checkpoint(&out, 150, &cfg, &table, &params, None, 0, &state(150), &[], 2).unwrap();
         let steps: Vec<u64> = list_checkpoints(&out)
             .unwrap()
             .iter()
@@ -348,7 +364,7 @@ mod tests {
             .collect();
         assert_eq!(steps, [150, 300]);
         // Replacing an existing checkpoint.
-        write_checkpoint(&out, 300, &cfg, &table, &params, None, 0, &state(301), 0).unwrap();
+        write_checkpoint(&out, 300, &cfg, &table, &params, None, 0, &state(301), &[], 0).unwrap();
         assert_eq!(
             read_state::<State>(&out.join("ckpt-00000300")).unwrap(),
             state(301)
@@ -363,11 +379,12 @@ mod tests {
             None,
             0,
             &Unserializable,
+            &[],
             0,
         )
         .unwrap_err();
         assert!(format!("{e:#}").contains("injected state failure"), "{e:#}");
-        let e = write_checkpoint(&out, 300, &cfg, &table, &params[..5], None, 0, &state(9), 0)
+        let e = write_checkpoint(&out, 300, &cfg, &table, &params[..5], None, 0, &state(9), &[], 0)
             .unwrap_err();
         assert!(format!("{e:#}").contains("ckpt-00000300"), "{e:#}");
         assert_eq!(
@@ -396,7 +413,7 @@ mod tests {
         let d = TestDir::new("ckpt-restore");
         let out = &d.0;
         let (cfg, table, params) = tiny();
-        write_checkpoint(out, 5, &cfg, &table, &params, None, 0, &state(5), 0).unwrap();
+        write_checkpoint(out, 5, &cfg, &table, &params, None, 0, &state(5), &[], 0).unwrap();
         // A crash between the two renames of the fallback replacement.
         fs::rename(
             out.join("ckpt-00000005"),
@@ -405,7 +422,7 @@ mod tests {
         .unwrap();
         fs::create_dir(out.join(".tmp-ckpt-00000005-42")).unwrap();
         // Another one whose replacement did land.
-        write_checkpoint(out, 6, &cfg, &table, &params, None, 0, &state(6), 0).unwrap();
+        write_checkpoint(out, 6, &cfg, &table, &params, None, 0, &state(6), &[], 0).unwrap();
         fs::create_dir(out.join(".tmp-old-ckpt-00000006-42")).unwrap();
         fs::write(out.join(".tmp-model.safetensors-42"), "x").unwrap();
         assert_eq!(

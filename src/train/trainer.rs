@@ -646,6 +646,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 Some((&mm, &vv)),
                 done,
                 &state,
+                &self.tokenizer_files,
                 self.opts.keep_last,
             )?;
             if let Some(w) = self.metrics.as_mut() {
