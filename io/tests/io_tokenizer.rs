@@ -515,3 +515,35 @@ fn write_python_check_fixture() {
         eprintln!("wrote {}", dir.display());
     }
 }
+
+#[test]
+fn newline_cuts_are_safe_for_gpt2_style_tokenizers() {
+    let docs = corpus_sample();
+    let bpe = train_bpe(&docs, 700).unwrap();
+    assert!(bpe.safe_newline_cuts());
+    assert!(Gpt2Tokenizer::new().safe_newline_cuts());
+    assert!(HfTokenizer::gpt2().unwrap().safe_newline_cuts());
+    // Encoding the parts between safe cuts gives the ids of the whole.
+    let text = &docs[0];
+    let b = text.as_bytes();
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for i in 0..b.len() {
+        if fugu_io::tokenizer::is_safe_cut(b, i) {
+            parts.extend(bpe.encode(&text[start..=i]));
+            start = i + 1;
+        }
+    }
+    parts.extend(bpe.encode(&text[start..]));
+    assert!(start > 0);
+    assert_eq!(parts, bpe.encode(text));
+    // With a prefix space, cuts are not safe.
+    let json = bpe.to_json().replacen(
+        "\"add_prefix_space\": false",
+        "\"add_prefix_space\": true",
+        1,
+    );
+    assert!(!HfTokenizer::from_bytes(json.as_bytes())
+        .unwrap()
+        .safe_newline_cuts());
+}

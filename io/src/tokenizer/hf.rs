@@ -15,7 +15,7 @@ use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::BPE;
 use tokenizers::models::ModelWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::AddedToken;
+use tokenizers::{AddedToken, PreTokenizerWrapper};
 
 use super::export::bytes_to_unicode;
 use super::Tokenizer;
@@ -37,6 +37,8 @@ pub struct HfTokenizer {
     name: String,
     eot: u32,
     vocab_size: u32,
+    /// GPT-2's pre-tokenization exactly (see [`Tokenizer::safe_newline_cuts`]).
+    gpt2_split: bool,
     /// The id of each single-byte token (the lossless fallback encoding).
     byte_ids: Box<[u32; 256]>,
     /// `tokenizer.json`, pretty-printed, as the crate serialises it.
@@ -161,6 +163,15 @@ impl HfTokenizer {
                 )
             })?;
         }
+        // Cutting at newlines is exact only with GPT-2's regex, no prefix
+        // space (it would be added to every part), no normalizer and no
+        // non-special added tokens (specials are plain text in `encode`).
+        let gpt2_split = inner.get_normalizer().is_none()
+            && matches!(
+                inner.get_pre_tokenizer(),
+                Some(PreTokenizerWrapper::ByteLevel(b)) if b.use_regex && !b.add_prefix_space
+            )
+            && inner.get_added_tokens_decoder().values().all(|t| t.special);
         let json = inner
             .to_string(true)
             .map_err(|e| format!("cannot serialise: {e}"))?;
@@ -171,6 +182,7 @@ impl HfTokenizer {
             name: format!("bpe-{vocab_size}"),
             eot,
             vocab_size,
+            gpt2_split,
             byte_ids,
             json,
         })
@@ -243,5 +255,8 @@ impl Tokenizer for HfTokenizer {
     }
     fn hf_tokenizer_json(&self) -> Result<String> {
         Ok(self.json.clone())
+    }
+    fn safe_newline_cuts(&self) -> bool {
+        self.gpt2_split
     }
 }

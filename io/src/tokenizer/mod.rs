@@ -56,6 +56,13 @@ pub trait Tokenizer: Send + Sync {
     fn encode(&self, text: &str) -> Vec<u32>;
     /// Decodes ids to text (invalid UTF-8 is replaced by U+FFFD).
     fn decode(&self, ids: &[u32]) -> Result<String>;
+    /// True when a text may be cut at any newline where [`is_safe_cut`] holds
+    /// and the parts encoded separately, giving the ids of encoding it whole
+    /// (GPT-2's pre-tokenizer regex). The default, `false`, means: encode
+    /// each document whole.
+    fn safe_newline_cuts(&self) -> bool {
+        false
+    }
     /// This tokenizer as a Hugging Face `tokenizer.json` (the input of
     /// [`hf_tokenizer_files`]). The default says the tokenizer cannot be
     /// exported.
@@ -120,6 +127,9 @@ impl Tokenizer for Gpt2Tokenizer {
     fn hf_tokenizer_json(&self) -> Result<String> {
         export::gpt2_tokenizer_json()
     }
+    fn safe_newline_cuts(&self) -> bool {
+        true
+    }
 }
 
 /// Names accepted by [`tokenizer_by_name`] (besides a path to a `tokenizer.json`).
@@ -170,7 +180,7 @@ pub fn vocab_size_of(name: &str) -> Option<u32> {
 /// `ByteLevel` pre-tokenizer of [`train_bpe`]'s tokenizers) never joins a `\n` that has a
 /// non-whitespace character on both sides with its neighbours, so encoding
 /// the two halves separately gives exactly the ids of encoding the whole.
-pub(crate) fn is_safe_cut(text: &[u8], i: usize) -> bool {
+pub fn is_safe_cut(text: &[u8], i: usize) -> bool {
     if i == 0 || i + 1 >= text.len() || text[i] != b'\n' {
         return false;
     }

@@ -9,9 +9,21 @@
 //! (in any order) give a byte-identical `tokenizer.json` (the trainer breaks
 //! count ties by pair ids).
 //!
-//! Training time and tokens per byte against GPT-2's BPE on the bundled
-//! Shakespeare corpus: `cargo test -p fugu-io --release --test io_tokenizer
-//! -- --ignored bpe_training_numbers --nocapture`.
+//! Measured on the bundled Shakespeare corpus (42 documents, 5,057,198
+//! bytes; release build on 2 shared cores), against GPT-2's BPE on the same
+//! text (1,565,959 tokens, 0.3096 tokens/byte):
+//!
+//! | vocab | training time | tokens/byte | tokens vs GPT-2 |
+//! |------:|--------------:|------------:|----------------:|
+//! |  2048 |     1.2-2.3 s |      0.3676 |           1.19x |
+//! |  4096 |     2.2-2.3 s |      0.3266 |           1.05x |
+//! |  8192 |     2.1-2.2 s |      0.2980 |           0.96x |
+//!
+//! Encoding with the `tokenizers` crate runs at ~1.7 MB/s a thread, against
+//! ~7 MB/s for tiktoken's GPT-2. Re-measure with `cargo test -p fugu-io
+//! --release --test io_tokenizer -- --ignored bpe_training_numbers
+//! --nocapture` (it also prints each `tokenizer.json`'s sha256, identical
+//! across runs).
 
 use tokenizers::models::bpe::{BpeTrainer, BPE};
 use tokenizers::models::TrainerWrapper;
