@@ -9,17 +9,23 @@
 //! qualify.
 
 use std::path::Path;
+use std::sync::OnceLock;
 
 use tokenizers as hf;
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::BPE;
 use tokenizers::models::ModelWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, PreTokenizerWrapper};
+use tokenizers::utils::SysRegex;
+use tokenizers::{AddedToken, Model, PreTokenizerWrapper};
 
 use super::export::bytes_to_unicode;
 use super::Tokenizer;
 use crate::error::{Error, Result};
+
+/// GPT-2's pre-tokenizer regex (the `ByteLevel` pre-tokenizer's).
+const GPT2_SPLIT: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 /// The end-of-text token every fugu tokenizer has (GPT-2's).
 pub const EOT_TOKEN: &str = "<|endoftext|>";
@@ -102,13 +108,48 @@ impl HfTokenizer {
         &self.inner
     }
 
-    /// Encodes like [`Tokenizer::encode`], returning the crate's error instead
-    /// of falling back to one id per byte.
+    /// Encodes with the crate's full pipeline (`encode_fast`, no special
+    /// tokens added), returning its error instead of falling back to one id
+    /// per byte. [`Tokenizer::encode`] gives the same ids, faster.
     pub fn try_encode(&self, text: &str) -> Result<Vec<u32>> {
         self.inner
             .encode_fast(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| Error::Tokenizer(format!("{}: cannot encode: {e}", self.name)))
+    }
+
+    /// The GPT-2 pipeline done directly: split with the `ByteLevel`
+    /// pre-tokenizer's regex (same regex engine, same handling of gaps), map
+    /// bytes to symbols, BPE each piece with the model (and its cache). The
+    /// same ids as the crate's `encode` (tested) at several times the speed:
+    /// it skips the offset bookkeeping. `None` when it does not apply.
+    fn encode_gpt2_pipeline(&self, text: &str) -> Option<Vec<u32>> {
+        static RE: OnceLock<Option<SysRegex>> = OnceLock::new();
+        let re = RE.get_or_init(|| SysRegex::new(GPT2_SPLIT).ok()).as_ref()?;
+        let ModelWrapper::BPE(bpe) = self.inner.get_model() else {
+            return None;
+        };
+        let table = bytes_to_unicode();
+        let mut ids = Vec::with_capacity(text.len() / 3 + 1);
+        let mut symbols = String::new();
+        let mut piece = |p: &str| -> Option<()> {
+            symbols.clear();
+            symbols.extend(p.bytes().map(|b| table[b as usize]));
+            ids.extend(bpe.tokenize(&symbols).ok()?.into_iter().map(|t| t.id));
+            Some(())
+        };
+        let mut prev = 0;
+        for (start, end) in re.find_iter(text) {
+            if prev != start {
+                piece(&text[prev..start])?;
+            }
+            piece(&text[start..end])?;
+            prev = end;
+        }
+        if prev != text.len() {
+            piece(&text[prev..])?;
+        }
+        Some(ids)
     }
 
     fn parse(bytes: &[u8]) -> std::result::Result<Self, String> {
@@ -235,6 +276,11 @@ impl Tokenizer for HfTokenizer {
         self.eot
     }
     fn encode(&self, text: &str) -> Vec<u32> {
+        if self.gpt2_split {
+            if let Some(ids) = self.encode_gpt2_pipeline(text) {
+                return ids;
+            }
+        }
         match self.try_encode(text) {
             Ok(ids) => ids,
             // Not expected for a validated byte-level BPE; one id per byte
