@@ -573,3 +573,15 @@ fn fast_encode_matches_the_crates_pipeline() {
         }
     }
 }
+
+#[test]
+fn huge_whitespace_runs_do_not_panic() {
+    // tiktoken-rs panics on this (regex backtracking limit); Gpt2Tokenizer
+    // falls back to the tokenizers-crate GPT-2.
+    let text = " ".repeat(1_000_000) + "x y";
+    let g = Gpt2Tokenizer::new();
+    let ids = g.encode(&text);
+    assert_eq!(g.decode(&ids).unwrap(), text);
+    let hf = HfTokenizer::gpt2().unwrap();
+    assert_eq!(hf.decode(&hf.encode(&text)).unwrap(), text);
+}

@@ -110,7 +110,18 @@ impl Tokenizer for Gpt2Tokenizer {
         GPT2_EOT
     }
     fn encode(&self, text: &str) -> Vec<u32> {
-        self.bpe.encode_ordinary(text)
+        // tiktoken-rs panics when its regex engine hits the backtracking
+        // limit (a whitespace run of ~10^6 characters). Such text is encoded
+        // by the tokenizers-crate GPT-2 instead, whose splitter keeps the
+        // rest of the text as one piece at that point (the ids still decode
+        // to the text). The panic message is still printed by the hook.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.bpe.encode_ordinary(text)
+        }));
+        match r {
+            Ok(ids) => ids,
+            Err(_) => gpt2_fallback_encode(text),
+        }
     }
     fn decode(&self, ids: &[u32]) -> Result<String> {
         if let Some(&bad) = ids.iter().find(|&&t| t >= GPT2_VOCAB) {
@@ -129,6 +140,23 @@ impl Tokenizer for Gpt2Tokenizer {
     }
     fn safe_newline_cuts(&self) -> bool {
         true
+    }
+}
+
+fn gpt2_fallback_encode(text: &str) -> Vec<u32> {
+    static HF: std::sync::OnceLock<Option<HfTokenizer>> = std::sync::OnceLock::new();
+    match HF.get_or_init(|| HfTokenizer::gpt2().ok()) {
+        Some(hf) => hf.encode(text),
+        None => {
+            // One id per byte: GPT-2's first 256 ids are the bytes in the
+            // order of their bytes_to_unicode symbols.
+            let table = bytes_to_unicode();
+            let mut sorted = table;
+            sorted.sort_unstable();
+            text.bytes()
+                .map(|b| sorted.binary_search(&table[b as usize]).unwrap_or(0) as u32)
+                .collect()
+        }
     }
 }
 
