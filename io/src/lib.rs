@@ -29,4 +29,7 @@ pub use loader::{
 };
 pub use manifest::Manifest;
 pub use prepare::{prepare, PrepareOptions, PrepareSummary};
-pub use tokenizer::{tokenizer_by_name, Gpt2Tokenizer, Tokenizer, GPT2_EOT, GPT2_VOCAB};
+pub use tokenizer::{
+    hf_tokenizer_files, tokenizer_by_name, train_bpe, train_bpe_with, write_hf_tokenizer_files,
+    BpeTrainOptions, Gpt2Tokenizer, HfTokenizer, Tokenizer, GPT2_EOT, GPT2_VOCAB,
+};
