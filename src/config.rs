@@ -171,7 +171,8 @@ pub struct RunConfig {
 }
 
 /// Configs shipped with fugu, by name.
-pub const BUILTIN: [(&str, &str); 6] = [
+pub const BUILTIN: [(&str, &str); 7] = [
+    ("gpt2-tiny-4k", include_str!("../configs/gpt2-tiny-4k.toml")),
     ("gpt2-tiny", include_str!("../configs/gpt2-tiny.toml")),
     ("gpt2-124m", include_str!("../configs/gpt2-124m.toml")),
     ("gpt2-350m", include_str!("../configs/gpt2-350m.toml")),

@@ -926,3 +926,121 @@ fn a_flipped_byte_in_a_shard_is_caught_by_its_sha256() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("sha256"));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Checkpoints carry the tokenizer files `transformers` loads: GPT-2's for GPT-2-tokenised
+/// data, and the dataset's own for one prepared with `--train-tokenizer`, which `fugu sample`
+/// then uses. Both load back in Rust and tokenise like the data did.
+#[test]
+fn checkpoints_carry_the_datas_tokenizer() {
+    use fugu_io::Tokenizer as _;
+    let runs = SmallRuns::new("tokenizer");
+    let dir = &runs.dir;
+    ok(&runs.run(&["--out", "gpt2", "--steps", "1"]));
+    let ck = dir.join("gpt2/ckpt-00000001");
+    for f in [
+        "tokenizer.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ] {
+        assert!(ck.join(f).is_file(), "{f} missing from {}", ck.display());
+    }
+    let text = "ROMEO: But, soft! what light through yonder window breaks?\n  It's 2024.";
+    let theirs = fugu_io::tokenizer_by_name(ck.to_str().unwrap()).unwrap();
+    let ours = fugu_io::Gpt2Tokenizer::new();
+    assert_eq!(theirs.encode(text), ours.encode(text));
+    assert_eq!(theirs.decode(&theirs.encode(text)).unwrap(), text);
+    let gen: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("generation_config.json")).unwrap()).unwrap();
+    assert_eq!(gen["eos_token_id"], 50256);
+
+    // A dataset with its own trained BPE (512 ids) and a model of that vocabulary.
+    let text_file = dir.join("verse.txt");
+    let verse =
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n";
+    std::fs::write(&text_file, verse.repeat(200)).unwrap();
+    let o = fugu(
+        &[
+            "prepare",
+            "--quiet",
+            "--train-tokenizer",
+            "--vocab-size",
+            "512",
+            "--val-fraction",
+            "0",
+            "--out",
+            "bpe",
+            "verse.txt",
+        ],
+        dir,
+    );
+    ok(&o);
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("bpe/manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["tokenizer"], "tokenizer.json");
+    let ids = m["vocab_size"].as_u64().unwrap();
+    assert!(ids > 257 && ids <= 512, "{m}");
+    std::fs::write(
+        dir.join("v512.toml"),
+        SMALL.replace("vocab_size = 50257", "vocab_size = 512"),
+    )
+    .unwrap();
+    let o = fugu(
+        &[
+            "train",
+            "--config",
+            "v512.toml",
+            "--data",
+            "bpe",
+            "--threads",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            "own",
+        ],
+        dir,
+    );
+    ok(&o);
+    let ck = dir.join("own/ckpt-00000001");
+    assert_eq!(
+        std::fs::read(ck.join("tokenizer.json")).unwrap(),
+        std::fs::read(dir.join("bpe/tokenizer.json")).unwrap()
+    );
+    let tok = fugu_io::tokenizer_by_name(ck.to_str().unwrap()).unwrap();
+    assert_eq!(tok.decode(&tok.encode(verse)).unwrap(), verse);
+    let o = fugu(
+        &[
+            "sample",
+            "--checkpoint",
+            "own",
+            "--prompt",
+            "Shall I",
+            "--max-tokens",
+            "5",
+        ],
+        dir,
+    );
+    ok(&o);
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("Shall I"));
+    // A 512-id model on GPT-2-tokenised data is refused, naming the tokenizer's size.
+    let o = fugu(
+        &[
+            "train",
+            "--config",
+            "v512.toml",
+            "--data",
+            &runs.data,
+            "--steps",
+            "1",
+            "--out",
+            "mismatch",
+        ],
+        dir,
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("50257 ids"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -13,7 +13,7 @@ use crate::manifest::{
 };
 use crate::replace::Staging;
 use crate::tar::{EntryKind, StreamSource, TarReader, TarSource, TarWriter};
-use crate::tokenizer::{is_safe_cut, tokenizer_by_name, Tokenizer};
+use crate::tokenizer::{is_safe_cut, tokenizer_by_name, train_bpe, Tokenizer};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::fs::File;
@@ -30,8 +30,13 @@ pub struct PrepareOptions {
     /// Output folder: created, or replaced as a whole once the new dataset
     /// is complete (see [`prepare`]).
     pub out_dir: PathBuf,
-    /// Tokenizer name (`gpt2`).
+    /// Tokenizer: `gpt2`, or a Hugging Face `tokenizer.json` (a file, or a folder holding
+    /// one) that is copied into the dataset as [`TOKENIZER_FILE`].
     pub tokenizer: String,
+    /// Train a byte-level BPE of this many ids on the training documents of the inputs and
+    /// shard with it instead of `tokenizer` (stored in the dataset as [`TOKENIZER_FILE`]).
+    /// The training text is held in memory.
+    pub train_tokenizer: Option<u32>,
     /// Target shard size in bytes (a shard holds at least one sample).
     pub shard_bytes: u64,
     /// Fraction of documents held out for validation (0 disables).
@@ -56,6 +61,7 @@ impl Default for PrepareOptions {
             inputs: Vec::new(),
             out_dir: PathBuf::from("data/shakespeare"),
             tokenizer: "gpt2".into(),
+            train_tokenizer: None,
             shard_bytes: 256 << 20,
             val_fraction: 0.05,
             write_text: false,
@@ -101,9 +107,9 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
             "max_sample_tokens must be >= 2 and chunk_bytes >= 16".into(),
         ));
     }
-    let tok = tokenizer_by_name(&opts.tokenizer)?;
     let staging = Staging::begin(&opts.out_dir)?;
-    let manifest = write_dataset(opts, tok.as_ref(), staging.path())?;
+    let (tok, name) = dataset_tokenizer(opts, staging.path())?;
+    let manifest = write_dataset(opts, tok.as_ref(), &name, staging.path())?;
     staging.commit()?;
     Ok(PrepareSummary {
         manifest_path: opts.out_dir.join("manifest.json"),
@@ -112,14 +118,104 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
     })
 }
 
-/// Walks the inputs and writes the shards and `manifest.json` into `dir`
-/// (the temporary folder). Fails when the inputs hold no document.
-fn write_dataset(opts: &PrepareOptions, tok: &dyn Tokenizer, dir: &Path) -> Result<Manifest> {
-    let val_every = if opts.val_fraction > 0.0 {
+/// The tokenizer file a dataset holds when it was not tokenised with GPT-2's (the manifest's
+/// `tokenizer` field then names it, relative to the dataset folder).
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// The tokenizer to shard with and the name the manifest records for it: `gpt2`, or
+/// [`TOKENIZER_FILE`], written into `dir` (trained on the inputs, or copied from the given
+/// file).
+fn dataset_tokenizer(opts: &PrepareOptions, dir: &Path) -> Result<(Box<dyn Tokenizer>, String)> {
+    let tok: Box<dyn Tokenizer> = match opts.train_tokenizer {
+        Some(vocab) => {
+            let docs = training_documents(opts)?;
+            if docs.is_empty() {
+                return Err(Error::Config(
+                    "--train-tokenizer: the inputs hold no training document to learn from".into(),
+                ));
+            }
+            Box::new(train_bpe(docs, vocab)?)
+        }
+        None => {
+            let tok = tokenizer_by_name(&opts.tokenizer)?;
+            if tok.name() == "gpt2" {
+                return Ok((tok, "gpt2".into()));
+            }
+            tok
+        }
+    };
+    if !tok.safe_newline_cuts() {
+        return Err(Error::Config(format!(
+            "tokenizer `{}`: its pre-tokenizer is not GPT-2's, so documents cannot be cut at \
+             newlines for parallel tokenisation; only GPT-2-style byte-level BPE is supported",
+            tok.name()
+        )));
+    }
+    let path = dir.join(TOKENIZER_FILE);
+    std::fs::write(&path, tok.hf_tokenizer_json()?).map_err(|e| Error::io(&path, "write", e))?;
+    Ok((tok, TOKENIZER_FILE.into()))
+}
+
+/// Every input document that falls in the training split, as text (invalid UTF-8 replaced):
+/// what a trained tokenizer learns from (never the validation documents).
+fn training_documents(opts: &PrepareOptions) -> Result<Vec<String>> {
+    let mut docs: Vec<(u64, Vec<u8>)> = Vec::new();
+    let mut walker = Walker {
+        opts,
+        seq: 0,
+        skipped: 0,
+        seen: Seen::default(),
+    };
+    let mut sink = |c: Chunk| -> Result<()> {
+        match docs.last_mut() {
+            Some((seq, text)) if *seq == c.seq => text.extend_from_slice(&c.bytes),
+            _ => docs.push((c.seq, c.bytes)),
+        }
+        Ok(())
+    };
+    walk_inputs(opts, &mut walker, &mut sink)?;
+    let val_every = val_every(opts);
+    Ok(docs
+        .into_iter()
+        .filter(|(_, t)| !t.is_empty())
+        .enumerate()
+        .filter(|(i, _)| val_every == 0 || *i as u64 % val_every != val_every - 1)
+        .map(|(_, (_, t))| String::from_utf8_lossy(&t).into_owned())
+        .collect())
+}
+
+/// Every `val_every`-th document (1-based) goes to the validation split; 0: none.
+fn val_every(opts: &PrepareOptions) -> u64 {
+    if opts.val_fraction > 0.0 {
         ((1.0 / opts.val_fraction).round() as u64).max(2)
     } else {
         0
-    };
+    }
+}
+
+/// Walks the inputs in order (the bundled corpus when there are none) into `sink`.
+fn walk_inputs(opts: &PrepareOptions, walker: &mut Walker, sink: &mut Sink) -> Result<()> {
+    if opts.inputs.is_empty() {
+        let src = StreamSource(flate2::read::GzDecoder::new(bundled::SHAKESPEARE_TAR_GZ));
+        walker.walk_tar(src, Path::new(bundled::SHAKESPEARE_NAME), sink)
+    } else {
+        for input in &opts.inputs {
+            walker.walk_path(input, true, sink)?;
+        }
+        Ok(())
+    }
+}
+
+/// Walks the inputs and writes the shards and `manifest.json` into `dir`
+/// (the temporary folder), recording the tokenizer as `tok_name`. Fails when the inputs hold
+/// no document.
+fn write_dataset(
+    opts: &PrepareOptions,
+    tok: &dyn Tokenizer,
+    tok_name: &str,
+    dir: &Path,
+) -> Result<Manifest> {
+    let val_every = val_every(opts);
     let dtype = if tok.vocab_size() <= 65536 {
         "u16"
     } else {
@@ -165,14 +261,7 @@ fn write_dataset(opts: &PrepareOptions, tok: &dyn Tokenizer, dir: &Path) -> Resu
         seen: Seen::default(),
     };
     let mut sink = |c: Chunk| state.push(c);
-    if opts.inputs.is_empty() {
-        let src = StreamSource(flate2::read::GzDecoder::new(bundled::SHAKESPEARE_TAR_GZ));
-        walker.walk_tar(src, Path::new(bundled::SHAKESPEARE_NAME), &mut sink)?;
-    } else {
-        for input in &opts.inputs {
-            walker.walk_path(input, true, &mut sink)?;
-        }
-    }
+    walk_inputs(opts, &mut walker, &mut sink)?;
     state.totals.skipped_bad_inputs = walker.skipped;
     state.flush_batch()?;
     state.end_doc()?;
@@ -198,7 +287,7 @@ fn write_dataset(opts: &PrepareOptions, tok: &dyn Tokenizer, dir: &Path) -> Resu
     let manifest = Manifest {
         format: MANIFEST_FORMAT.into(),
         version: MANIFEST_VERSION,
-        tokenizer: tok.name().into(),
+        tokenizer: tok_name.into(),
         vocab_size: tok.vocab_size(),
         eot: tok.eot(),
         dtype: dtype.into(),

@@ -254,7 +254,7 @@ fn is_fugu_manifest(path: &Path) -> bool {
         .is_some_and(|v| v.get("format").and_then(|f| f.as_str()) == Some(MANIFEST_FORMAT))
 }
 
-/// Names `prepare` writes into a dataset folder: `manifest.json`,
+/// Names `prepare` writes into a dataset folder: `manifest.json`, `tokenizer.json`,
 /// `train-NNNNNN.tar`, `val-NNNNNN.tar`, and the `.NAME.tmp` files of
 /// earlier versions.
 fn is_dataset_file(name: &str) -> bool {
@@ -262,7 +262,7 @@ fn is_dataset_file(name: &str) -> bool {
         .strip_prefix('.')
         .and_then(|n| n.strip_suffix(".tmp"))
         .unwrap_or(name);
-    if name == "manifest.json" {
+    if name == "manifest.json" || name == crate::prepare::TOKENIZER_FILE {
         return true;
     }
     let Some(num) = name

@@ -356,7 +356,19 @@ mod tests {
         assert_eq!(steps, [200, 300]);
         assert!(!out.join("ckpt-00000300").join(OPTIMIZER_FILE).exists());
         // An older step written later (a restart) is never pruned itself.
-        write_checkpoint(&out, 150, &cfg, &table, &params, None, 0, &state(150), &[], 2).unwrap();
+        write_checkpoint(
+            &out,
+            150,
+            &cfg,
+            &table,
+            &params,
+            None,
+            0,
+            &state(150),
+            &[],
+            2,
+        )
+        .unwrap();
         let steps: Vec<u64> = list_checkpoints(&out)
             .unwrap()
             .iter()
@@ -364,7 +376,19 @@ mod tests {
             .collect();
         assert_eq!(steps, [150, 300]);
         // Replacing an existing checkpoint.
-        write_checkpoint(&out, 300, &cfg, &table, &params, None, 0, &state(301), &[], 0).unwrap();
+        write_checkpoint(
+            &out,
+            300,
+            &cfg,
+            &table,
+            &params,
+            None,
+            0,
+            &state(301),
+            &[],
+            0,
+        )
+        .unwrap();
         assert_eq!(
             read_state::<State>(&out.join("ckpt-00000300")).unwrap(),
             state(301)
@@ -384,8 +408,19 @@ mod tests {
         )
         .unwrap_err();
         assert!(format!("{e:#}").contains("injected state failure"), "{e:#}");
-        let e = write_checkpoint(&out, 300, &cfg, &table, &params[..5], None, 0, &state(9), &[], 0)
-            .unwrap_err();
+        let e = write_checkpoint(
+            &out,
+            300,
+            &cfg,
+            &table,
+            &params[..5],
+            None,
+            0,
+            &state(9),
+            &[],
+            0,
+        )
+        .unwrap_err();
         assert!(format!("{e:#}").contains("ckpt-00000300"), "{e:#}");
         assert_eq!(
             read_state::<State>(&out.join("ckpt-00000300")).unwrap(),

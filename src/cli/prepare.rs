@@ -20,9 +20,17 @@ pub struct PrepareArgs {
     /// Fraction of documents held out for validation (every round(1/f)-th).
     #[arg(long, default_value_t = 0.05)]
     pub val_fraction: f64,
-    /// Tokenizer.
+    /// Tokenizer: gpt2, or a Hugging Face tokenizer.json (file or folder; GPT-2-style
+    /// byte-level BPE), copied into the dataset.
     #[arg(long, default_value = "gpt2")]
     pub tokenizer: String,
+    /// Train a byte-level BPE (Hugging Face tokenizers) on the training documents of the input
+    /// and shard with it; stored in the dataset as tokenizer.json, which train and sample use.
+    #[arg(long, conflicts_with = "tokenizer")]
+    pub train_tokenizer: bool,
+    /// Vocabulary size of --train-tokenizer, including the 256 byte tokens and <|endoftext|>.
+    #[arg(long, default_value_t = 4096, requires = "train_tokenizer")]
+    pub vocab_size: u32,
     /// Also store each sample's text as KEY.txt.
     #[arg(long)]
     pub write_text: bool,
@@ -65,6 +73,7 @@ pub fn run(args: PrepareArgs) -> anyhow::Result<()> {
         inputs: args.inputs,
         out_dir: args.out,
         tokenizer: args.tokenizer,
+        train_tokenizer: args.train_tokenizer.then_some(args.vocab_size),
         shard_bytes: args.shard_size,
         val_fraction: args.val_fraction,
         write_text: args.write_text,
@@ -100,6 +109,7 @@ pub fn run(args: PrepareArgs) -> anyhow::Result<()> {
             t.empty_documents, t.invalid_utf8_documents, t.skipped_bad_inputs
         );
     }
+    println!("tokenizer: {} ({} ids)", m.tokenizer, m.vocab_size);
     println!("manifest: {}", s.manifest_path.display());
     Ok(())
 }

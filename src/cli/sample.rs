@@ -6,7 +6,6 @@ use crate::model::table::gpt2_params;
 use crate::sample::{generate, Generator, SampleOptions};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use fugu_io::Tokenizer;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -108,6 +107,38 @@ pub fn run(args: SampleArgs) -> Result<()> {
     })
 }
 
+/// The tokenizer of a checkpoint: its `tokenizer.json` (every fugu checkpoint has one; so do
+/// most Hugging Face model directories), else GPT-2's for a model with GPT-2's 50257 ids.
+fn checkpoint_tokenizer(
+    dir: &Path,
+    cfg: &crate::config::ModelConfig,
+) -> Result<Box<dyn fugu_io::Tokenizer>> {
+    let file = dir.join("tokenizer.json");
+    if file.is_file() {
+        let tok = fugu_io::tokenizer_by_name(&file.display().to_string())
+            .with_context(|| format!("loading {}", file.display()))?;
+        if tok.vocab_size() as usize > cfg.vocab_size {
+            bail!(
+                "{}: {} ids, more than the model's vocab_size {}",
+                file.display(),
+                tok.vocab_size(),
+                cfg.vocab_size
+            );
+        }
+        return Ok(tok);
+    }
+    if cfg.vocab_size == fugu_io::GPT2_VOCAB as usize {
+        return Ok(Box::new(fugu_io::Gpt2Tokenizer::new()));
+    }
+    bail!(
+        "{}: no tokenizer.json, and the model's vocab_size {} is not GPT-2's {}: cannot tell \
+         which tokenizer it was trained with",
+        dir.display(),
+        cfg.vocab_size,
+        fugu_io::GPT2_VOCAB
+    )
+}
+
 /// Generates on backend `be` and prints the text as it comes.
 fn sample_on<B: Backend>(
     be: B,
@@ -118,7 +149,7 @@ fn sample_on<B: Backend>(
 ) -> Result<()> {
     let device = be.describe();
     let mut g = Generator::new(cfg, params, be)?;
-    let tok = fugu_io::Gpt2Tokenizer::new();
+    let tok = checkpoint_tokenizer(dir, cfg)?;
     let prompt = tok.encode(&args.prompt);
     eprintln!(
         "sampling from {} ({} prompt tokens) on {device}",

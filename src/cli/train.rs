@@ -11,15 +11,15 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 /// The config of a run that names none.
-pub const DEFAULT_CONFIG: &str = "gpt2-tiny";
+pub const DEFAULT_CONFIG: &str = "gpt2-tiny-4k";
 
 /// Train a GPT-2. With no arguments: `gpt2-tiny` on the bundled Shakespeare corpus.
 #[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
-    /// Config file or built-in name (gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b,
-    /// gpt-1.3b).
-    /// Default: gpt2-tiny, or with --init-from the model of its config.json; with --resume,
-    /// the checkpoint's (a given config must agree with it).
+    /// Config file or built-in name (gpt2-tiny-4k, gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m,
+    /// gpt2-1.5b, gpt-1.3b). Default: gpt2-tiny-4k (a 4096-id BPE trained on the bundled
+    /// corpus; gpt2-tiny is the same model with GPT-2's BPE), or with --init-from the model of
+    /// its config.json; with --resume, the checkpoint's (a given config must agree with it).
     #[arg(long)]
     pub config: Option<String>,
     /// Training data: a shard manifest (or its folder), a brace pattern of .tar shards, or a

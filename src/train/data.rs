@@ -2,34 +2,103 @@
 //! Shakespeare corpus prepared on first use.
 
 use anyhow::{bail, Context, Result};
-use fugu_io::{Loader, LoaderConfig};
-use std::path::Path;
+use fugu_io::{
+    tokenizer_by_name, DataSpec, Gpt2Tokenizer, Loader, LoaderConfig, Manifest, Tokenizer,
+    GPT2_VOCAB,
+};
+use std::path::PathBuf;
 
-/// Where `fugu train` prepares the bundled corpus when no `--data` is given.
-pub const BUNDLED_DIR: &str = "data/shakespeare";
+/// Where `fugu train` prepares the bundled corpus when no `--data` is given: tokenised with
+/// GPT-2's BPE for a model with GPT-2's 50257 ids, else with a byte-level BPE of the model's
+/// vocabulary size trained on the corpus (`data/shakespeare-bpeN`).
+pub fn bundled_dir(vocab_size: usize) -> PathBuf {
+    if vocab_size == GPT2_VOCAB as usize {
+        PathBuf::from("data/shakespeare")
+    } else {
+        PathBuf::from(format!("data/shakespeare-bpe{vocab_size}"))
+    }
+}
 
-/// Returns the `--data` string to use: the given one, or the bundled corpus's manifest
-/// (tokenised into `BUNDLED_DIR` once and reused afterwards).
-pub fn resolve_data(data: Option<&str>, quiet: bool) -> Result<String> {
+/// Returns the `--data` string to use: the given one, or the bundled corpus's manifest for a
+/// model of `vocab_size` ids (tokenised into [`bundled_dir`] once and reused afterwards).
+pub fn resolve_data(data: Option<&str>, vocab_size: usize, quiet: bool) -> Result<String> {
     if let Some(d) = data {
         return Ok(d.to_string());
     }
-    let dir = Path::new(BUNDLED_DIR);
+    let dir = bundled_dir(vocab_size);
     let manifest = dir.join("manifest.json");
     if !manifest.exists() {
+        let train_tokenizer = (vocab_size != GPT2_VOCAB as usize).then_some(vocab_size as u32);
         if !quiet {
             eprintln!(
-                "no --data given: tokenising the bundled Shakespeare corpus into {}",
-                dir.display()
+                "no --data given: tokenising the bundled Shakespeare corpus into {}{}",
+                dir.display(),
+                match train_tokenizer {
+                    Some(n) => format!(" with a byte-level BPE of {n} ids trained on it"),
+                    None => " with GPT-2's BPE".into(),
+                }
             );
         }
         let opts = fugu_io::PrepareOptions {
-            out_dir: dir.to_path_buf(),
+            out_dir: dir.clone(),
+            train_tokenizer,
             ..Default::default()
         };
         fugu_io::prepare(&opts).context("preparing the bundled corpus")?;
     }
     Ok(manifest.display().to_string())
+}
+
+/// The tokenizer `data` was made with: its manifest's (`gpt2`, or the `tokenizer.json` that
+/// `fugu prepare` stored in the dataset folder). A `.bin` file or bare shards record none:
+/// GPT-2's is assumed for a model with GPT-2's 50257 ids, else `None`.
+pub fn data_tokenizer(data: &str, vocab_size: usize) -> Result<Option<Box<dyn Tokenizer>>> {
+    let spec = DataSpec::parse(data).with_context(|| format!("--data {data}"))?;
+    match spec {
+        DataSpec::Manifest(p) => {
+            let (m, dir) = Manifest::load(&p).with_context(|| format!("--data {data}"))?;
+            let name = if m.tokenizer == "gpt2" {
+                m.tokenizer.clone()
+            } else {
+                dir.join(&m.tokenizer).display().to_string()
+            };
+            let tok = tokenizer_by_name(&name)
+                .with_context(|| format!("the tokenizer of the dataset {}", dir.display()))?;
+            Ok(Some(tok))
+        }
+        _ if vocab_size == GPT2_VOCAB as usize => Ok(Some(Box::new(Gpt2Tokenizer::new()))),
+        _ => Ok(None),
+    }
+}
+
+/// The Hugging Face tokenizer files every checkpoint of a run on `data` carries (empty, with a
+/// warning, when the data records no tokenizer), after checking that the tokenizer's ids fit
+/// the model's `vocab_size`.
+pub fn checkpoint_tokenizer_files(
+    data: &str,
+    vocab_size: usize,
+    n_positions: usize,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let Some(tok) = data_tokenizer(data, vocab_size)? else {
+        eprintln!(
+            "warning: --data {data} records no tokenizer and the model does not have GPT-2's \
+             {GPT2_VOCAB} ids: checkpoints will carry no tokenizer files"
+        );
+        return Ok(Vec::new());
+    };
+    if tok.vocab_size() as usize > vocab_size {
+        anyhow::bail!(
+            "--data {data} was tokenised with `{}` ({} ids), but the model's vocab_size is \
+             {vocab_size}: use a config whose model.vocab_size is at least {}",
+            tok.name(),
+            tok.vocab_size(),
+            tok.vocab_size()
+        );
+    }
+    Ok(fugu_io::hf_tokenizer_files(
+        tok.as_ref(),
+        Some(n_positions),
+    )?)
 }
 
 /// Opens the training loader at the start, or at a saved cursor.

@@ -130,6 +130,8 @@ pub struct Trainer<'d, B: Backend> {
     cfg: RunConfig,
     /// Resolved training data (manifest, pattern or `.bin`).
     data: String,
+    /// Rank 0: the data's Hugging Face tokenizer files, written into every checkpoint.
+    tokenizer_files: Vec<(String, Vec<u8>)>,
     val_data: String,
     val_loader: LoaderConfig,
     model: Gpt2<B>,
@@ -249,10 +251,19 @@ impl<'d, B: Backend> Trainer<'d, B> {
         // The bundled corpus is tokenised once, by rank 0, before anyone reads it.
         let data = match &start_state {
             Some(st) => resume::data(&st.data, opts.data.as_deref())?,
-            None if dist.is_root() => data::resolve_data(opts.data.as_deref(), false)?,
+            None if dist.is_root() => {
+                data::resolve_data(opts.data.as_deref(), m.vocab_size, false)?
+            }
             None => String::new(),
         };
         let data = broadcast_string(dist, data);
+        // What every checkpoint carries so that `transformers` tokenises like the data (rank
+        // 0 writes the checkpoints).
+        let tokenizer_files = if dist.is_root() {
+            data::checkpoint_tokenizer_files(&data, m.vocab_size, m.n_positions)?
+        } else {
+            Vec::new()
+        };
         let data_ranks = opts
             .data_ranks
             .or_else(|| {
@@ -337,6 +348,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         };
         let mut trainer = Trainer {
             _run_lock: run_lock,
+            tokenizer_files,
             dist,
             out,
             data,
