@@ -359,18 +359,20 @@ if [ "$step" = 1 ]; then
   last=$(cat "$sdir/last" 2>/dev/null || echo -1)
   sn=${sp_sn:-$(( last + 1 ))}
   [ "$sn" -gt "$last" ] || die "--sparam sn=$sn: step numbers must grow (the last one is $last)"
-  echo "$sn" >"$sdir/last"
   jid=${parent}_$sn
-  if [ -f "$sdir/deleted" ]; then
-    deleted="every later sub-job was deleted after $(cat "$sdir/deleted")"
-  elif [ -n "$sp_sd" ]; then
-    # sd=FORM:TYPE[:STEPNO]
+  if [ -n "$sp_sd" ]; then
+    # sd=FORM:TYPE[:STEPNO], checked at submission
     IFS=: read -r form dtype dstep <<<"$sp_sd"
     case "$dtype" in one | after | all) ;; *) die "--sparam sd=$sp_sd: the deletion type must be one, after or all" ;; esac
     [ -n "$dstep" ] || dstep=$last
     is_uint "$dstep" || die "--sparam sd=$sp_sd: '$dstep' is not a step number"
     [[ "$form" =~ ^(ec|pc)(==|!=|<=|>=|<|>)([0-9]+)$ ]] || die "--sparam sd=$sp_sd: expected ec or pc, an operator (== != < > <= >=) and a number"
     what=${BASH_REMATCH[1]} op=${BASH_REMATCH[2]} want=${BASH_REMATCH[3]}
+  fi
+  echo "$sn" >"$sdir/last"
+  if [ -f "$sdir/deleted" ]; then
+    deleted="every later sub-job was deleted after $(cat "$sdir/deleted")"
+  elif [ -n "$sp_sd" ]; then
     [ -f "$sdir/$what.$dstep" ] || die "--sparam sd=$sp_sd: sub-job ${parent}_$dstep has not run in this stand-in"
     got=$(cat "$sdir/$what.$dstep")
     holds=0
