@@ -272,6 +272,44 @@ fn shellcheck_every_job_script() {
     }
 }
 
+/// scripts/build-fugaku.sh cannot build here (no Fujitsu MPI); it is only parsed and checked
+/// for its clear failures: the wrong machine for a native build, a missing MPI wrapper.
+#[test]
+fn build_fugaku_script_fails_clearly_without_its_tools() {
+    let sh = repo().join("scripts/build-fugaku.sh");
+    let out = Command::new("bash").arg("-n").arg(&sh).output().unwrap();
+    assert!(out.status.success(), "bash -n: {}", text(&out));
+    if have("shellcheck") {
+        let out = Command::new("shellcheck").arg(&sh).output().unwrap();
+        assert!(out.status.success(), "shellcheck: {}", text(&out));
+    }
+    let run = |args: &[&str], envs: &[(&str, &str)]| {
+        Command::new("bash")
+            .arg(&sh)
+            .args(args)
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap()
+    };
+    if std::env::consts::ARCH != "aarch64" {
+        let out = run(&[], &[]);
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains("compute node"), "{}", text(&out));
+    }
+    let out = run(
+        &["--cross", "--check"],
+        &[("MPICC", "/nonexistent/mpifccpx")],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("/nonexistent/mpifccpx not found"),
+        "{}",
+        text(&out)
+    );
+    let out = run(&["--bogus"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}
+
 // ------------------------------------------------------------------------- directive lint
 
 /// One `#PJM` option with its argument, as written.
