@@ -272,6 +272,44 @@ fn shellcheck_every_job_script() {
     }
 }
 
+/// scripts/build-fugaku.sh cannot build here (no Fujitsu MPI); it is only parsed and checked
+/// for its clear failures: the wrong machine for a native build, a missing MPI wrapper.
+#[test]
+fn build_fugaku_script_fails_clearly_without_its_tools() {
+    let sh = repo().join("scripts/build-fugaku.sh");
+    let out = Command::new("bash").arg("-n").arg(&sh).output().unwrap();
+    assert!(out.status.success(), "bash -n: {}", text(&out));
+    if have("shellcheck") {
+        let out = Command::new("shellcheck").arg(&sh).output().unwrap();
+        assert!(out.status.success(), "shellcheck: {}", text(&out));
+    }
+    let run = |args: &[&str], envs: &[(&str, &str)]| {
+        Command::new("bash")
+            .arg(&sh)
+            .args(args)
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap()
+    };
+    if std::env::consts::ARCH != "aarch64" {
+        let out = run(&[], &[]);
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains("compute node"), "{}", text(&out));
+    }
+    let out = run(
+        &["--cross", "--check"],
+        &[("MPICC", "/nonexistent/mpifccpx")],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("/nonexistent/mpifccpx not found"),
+        "{}",
+        text(&out)
+    );
+    let out = run(&["--bogus"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}
+
 // ------------------------------------------------------------------------- directive lint
 
 /// One `#PJM` option with its argument, as written.
@@ -378,6 +416,9 @@ struct PjmJob {
     elapse_s: Option<u64>,
     rscgrp: Option<String>,
     freq: Option<u64>,
+    eco_state: Option<u64>,
+    /// `--llio sharedtmp-size=`, in MiB.
+    sharedtmp_mib: Option<u64>,
     group: Option<String>,
     exports: BTreeMap<String, String>,
     merge: bool,
@@ -437,7 +478,17 @@ fn lint_pjm(script: &str) -> Result<PjmJob, String> {
                             }
                             job.freq = Some(f);
                         }
-                        "rscunit" | "eco_state" | "proc-core" | "jobenv" if !v.is_empty() => {}
+                        "eco_state" => {
+                            // R-CCS power control: 0 = eco mode off (both FP pipelines),
+                            // 2 = Fugaku's default (FLA only).
+                            let e = v
+                                .parse::<u64>()
+                                .ok()
+                                .filter(|e| *e <= 2)
+                                .ok_or(format!("-L eco_state={v}: expected 0, 1 or 2"))?;
+                            job.eco_state = Some(e);
+                        }
+                        "rscunit" | "proc-core" | "jobenv" if !v.is_empty() => {}
                         _ => return Err(format!("-L {k}={v}: unknown or empty resource")),
                     }
                 }
@@ -487,7 +538,31 @@ fn lint_pjm(script: &str) -> Result<PjmJob, String> {
                 }
                 job.name = Some(arg);
             }
-            "-o" | "-e" | "--spath" | "--llio" | "-m" | "--mail-list" if !arg.is_empty() => {}
+            "--llio" => {
+                for item in arg.split(',') {
+                    let (k, v) = item
+                        .trim()
+                        .split_once('=')
+                        .ok_or(format!("--llio {arg}: `{item}` is not key=value"))?;
+                    if k == "sharedtmp-size" || k == "localtmp-size" {
+                        let mib = if let Some(g) = v.strip_suffix("Gi") {
+                            g.parse::<u64>().ok().map(|g| g * 1024)
+                        } else if let Some(m) = v.strip_suffix("Mi") {
+                            m.parse::<u64>().ok()
+                        } else {
+                            None
+                        }
+                        .ok_or(format!("--llio {k}={v}: expected a size like 512Mi or 1Gi"))?;
+                        if mib > 87 * 1024 {
+                            return Err(format!("--llio {k}={v}: a node has 87 GiB of LLIO"));
+                        }
+                        if k == "sharedtmp-size" {
+                            job.sharedtmp_mib = Some(mib);
+                        }
+                    }
+                }
+            }
+            "-o" | "-e" | "--spath" | "-m" | "--mail-list" if !arg.is_empty() => {}
             o => return Err(format!("unknown or unsupported pjsub option {o}")),
         }
     }
@@ -567,6 +642,13 @@ fn pjsub_directives_follow_the_documented_syntax() {
         "proc = node x max-proc-per-node"
     );
     assert_eq!(job.freq, Some(2200));
+    assert_eq!(job.eco_state, Some(0), "both FP pipelines (eco_state=0)");
+    assert_eq!(m["FUGU_ECO_STATE"], "0");
+    assert!(
+        job.sharedtmp_mib.unwrap_or(0) >= 256,
+        "--llio sharedtmp-size for llio_transfer"
+    );
+    assert_eq!(m["FUGU_LLIO_SHAREDTMP"], "1Gi");
     assert_eq!(
         m["FUGU_RANKS_PER_NODE"], "4",
         "FUGU_RANKS_PER_NODE = max-proc-per-node"
@@ -601,12 +683,38 @@ fn pjsub_directives_follow_the_documented_syntax() {
     }
     assert!(read(&jobscripts().join("lib/common.sh")).contains("--resume auto"));
 
-    // bench-gemm.sh: one process on one node.
+    // bench-gemm.sh: one process on one node, both FP pipelines.
     let job = lint_pjm(&script("pjsub/bench-gemm.sh")).unwrap();
     assert_eq!(
         (job.nodes, job.proc, job.max_proc_per_node),
         (1, Some(1), Some(1))
     );
+    assert_eq!((job.freq, job.eco_state), (Some(2200), Some(0)));
+    assert!(
+        job.sharedtmp_mib.is_some(),
+        "bench-gemm.sh: --llio sharedtmp-size"
+    );
+
+    // Nothing opens or stats the binary before llio_transfer: in both job scripts the transfer
+    // comes before the first check of FUGU_BIN and the first run of it.
+    for name in ["train.sh", "bench-gemm.sh"] {
+        let s = script(&format!("pjsub/{name}"));
+        let body = &s[s.find("- the job").unwrap()..];
+        let transfer = body.find("fugu_llio_transfer").unwrap();
+        for later in [
+            "fugu_require_bin",
+            "fugu_setup_train",
+            "\"$FUGU_BIN\" ",
+            "fugu_bench_gemm_runs",
+        ] {
+            if let Some(at) = body.find(later) {
+                assert!(
+                    transfer < at,
+                    "pjsub/{name}: {later} before fugu_llio_transfer"
+                );
+            }
+        }
+    }
 }
 
 #[test]
@@ -617,6 +725,9 @@ fn the_pjsub_lint_catches_mistakes() {
         ("#PJM -L \"node=0\"\n", "node"),
         ("#PJM -L \"elapse=1h\"\n", "elapse"),
         ("#PJM -L \"freq=2500\"\n", "freq"),
+        ("#PJM -L \"freq=2200,eco_state=3\"\n", "eco_state"),
+        ("#PJM --llio sharedtmp-size=1G\n", "sharedtmp-size"),
+        ("#PJM --llio sharedtmp-size=100Gi\n", "87 GiB"),
         ("#PJM -L \"nodes=2\"\n", "unknown"),
         (
             "#PJM --mpi \"proc=9,max-proc-per-node=4\"\n",
@@ -725,6 +836,65 @@ fn common_sh_ok(code: &str, envs: &[(&str, &str)]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// The summary table `pjstat` prints above its job list.
+const PJSTAT_SUMMARY: &str =
+    "  ACCEPT QUEUED  STGIN  READY RUNING RUNOUT STGOUT   HOLD  ERROR   TOTAL\n\
+       0      0      0      0      1      0      0      0      0       1\n\
+s      0      0      0      0      1      0      0      0      0       1\n\n";
+
+fn chmod_x(p: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// `pjstat`'s job list, English layout, as recorded in public tools that parse it (the header
+/// names START_DATE once, the rows print it as two fields, or as "-" before the start, or in
+/// parentheses with "<" for an estimated start). The ELAPSE_LIM column is found by name.
+/// The Japanese layout is not covered: no public recording of it was found.
+#[test]
+fn pjstat_elapse_limit_is_read_by_column_name() {
+    let header = "JOB_ID     JOB_NAME   MD ST  USER     START_DATE      ELAPSE_LIM NODE_REQUIRE    VNODE  CORE V_MEM";
+    let rows = [
+        ("43067", "43067      pjsub_test NM RUN goldsack 02/23 20:53:49  0024:00:00 -               1      1    4096 MiB", "0024:00:00"),
+        ("112111", "112111     test.sh    NM RUN test     10/29 18:42:44  0001:00:00 1", "0001:00:00"),
+        ("123", "123    J52df5c2a8 NM RUN a03116   -               0000:05:00 1", "0000:05:00"),
+        ("123431", "123431 a.sh NM RNP q0903102 (03/12 11:05)< 0000:00:15 1 - - -", "0000:00:15"),
+        ("24302383", "24302383   ito.sh     NM RUN p70486a  12/25 18:17:58< 0096:00:00 -               1      36   unlimited", "0096:00:00"),
+        ("64856_1", "64856_1    sub_job1.s NM RUN user01   11/17 09:01:41  0000:30:00 2", "0000:30:00"),
+    ];
+    let mut listing = format!("{PJSTAT_SUMMARY}{header}\n");
+    for (_, row, _) in rows {
+        listing.push_str(row);
+        listing.push('\n');
+    }
+    let dir = tmp("pjstat-layout");
+    let f = dir.join("pjstat.txt");
+    std::fs::write(&f, &listing).unwrap();
+    for (id, _, lim) in rows {
+        let got = common_sh_ok(
+            &format!("fugu_pjstat_column ELAPSE_LIM {id} < {}", f.display()),
+            &[],
+        );
+        assert_eq!(got, lim, "job {id}");
+        // Not the start time of day that a header-position read gives.
+        assert_ne!(got, "20:53:49");
+    }
+    let node = common_sh_ok(
+        &format!("fugu_pjstat_column NODE_REQUIRE 112111 < {}", f.display()),
+        &[],
+    );
+    assert_eq!(node, "1");
+    let none = common_sh_ok(
+        &format!("fugu_pjstat_column ELAPSE_LIM 999 < {}", f.display()),
+        &[],
+    );
+    assert_eq!(none, "", "an unknown job");
+}
+
 #[test]
 fn common_sh_helpers() {
     for (limit, unit, secs) in [
@@ -757,12 +927,128 @@ fn common_sh_helpers() {
         "{from_script}"
     );
     let from_pjm = common_sh_ok(&code, &[("PJM_ELAPSE_LIMIT", "120")]);
-    assert_eq!(from_pjm, "120|PJM_ELAPSE_LIMIT=120");
+    assert_eq!(
+        from_pjm, "120|PJM_ELAPSE_LIMIT=120",
+        "the optional override"
+    );
     let from_user = common_sh_ok(
         &code,
         &[("FUGU_ELAPSE", "2:00:00"), ("PJM_ELAPSE_LIMIT", "120")],
     );
     assert_eq!(from_user, "7200|FUGU_ELAPSE=2:00:00");
+
+    // pjstat in a job: a shorter limit than the #PJM line (given on the pjsub command line)
+    // wins; a longer one does not (only FUGU_ELAPSE may lengthen the deadline).
+    let fake = tmp("fake-pjstat");
+    for (lim, want) in [
+        (
+            "0000:10:00",
+            "600|pjstat ELAPSE_LIM=0000:10:00, shorter than",
+        ),
+        ("0006:00:00", "3600|#PJM -L elapse=01:00:00"),
+    ] {
+        let bin = fake.join(lim.replace(':', "-"));
+        std::fs::create_dir_all(&bin).unwrap();
+        let f = bin.join("pjstat");
+        std::fs::write(
+            &f,
+            format!(
+                "#!/bin/sh\n[ \"$1\" = 4242 ] || exit 1\ncat <<'X'\n{PJSTAT_SUMMARY}\
+                 JOB_ID     JOB_NAME   MD ST  USER     START_DATE      ELAPSE_LIM NODE_REQUIRE    VNODE  CORE V_MEM\n\
+                 4242       fugu-train NM RUN user01   11/17 09:01:41  {lim} 1               -      -    -\nX\n"
+            ),
+        )
+        .unwrap();
+        chmod_x(&f);
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+        let got = common_sh_ok(&code, &[("PJM_JOBID", "4242"), ("PATH", &path)]);
+        assert!(got.starts_with(want), "pjstat {lim}: {got}");
+        let off = common_sh_ok(
+            &code,
+            &[("PJM_JOBID", "4242"), ("PATH", &path), ("FUGU_PJSTAT", "0")],
+        );
+        assert!(off.starts_with("3600|#PJM"), "FUGU_PJSTAT=0: {off}");
+    }
+
+    // pjsub's answers: the id from the INFO line, a step sub-job, and `pjsub -z jid`.
+    for (answer, id) in [
+        ("[INFO] PJM 0000 pjsub Job 64856 submitted.", "64856"),
+        (" [INFO.] PJM 0000 pjsub Job 64856_1 submitted.", "64856_1"),
+        ("71080_0", "71080_0"),
+        ("12345\n", "12345"),
+        ("[ERR.] PJM 0049 pjsub Option argument is invalid.", ""),
+    ] {
+        let got = common_sh_ok(&format!("fugu_pjsub_jid {}", shell_quote(answer)), &[]);
+        assert_eq!(got, id, "{answer}");
+    }
+
+    // The exit status a job reports: 4 when mpiexec lost the ranks' 4 but rank 0 recorded a
+    // checkpointed stop in this job's part of metrics.jsonl.
+    let run = tmp("reconcile");
+    let m = run.join("metrics.jsonl");
+    std::fs::write(&m, "{\"type\":\"event\",\"kind\":\"stopped\",\"step\":2}\n").unwrap();
+    let mark = std::fs::metadata(&m).unwrap().len().to_string();
+    let r = run.display().to_string();
+    let rec = |rc: &str, mark: &str| {
+        common_sh_ok(
+            &format!("fugu_reconcile_exit {rc} {r} {mark} 2>/dev/null"),
+            &[],
+        )
+    };
+    assert_eq!(rec("1", "0"), "4", "a stop written in this job");
+    assert_eq!(rec("1", &mark), "1", "the stop was an earlier job's");
+    assert_eq!(rec("0", "0"), "0");
+    assert_eq!(rec("137", "0"), "4");
+    std::fs::write(
+        &m,
+        "{\"type\":\"event\",\"kind\":\"stopped\"}\n{\"type\":\"event\",\"kind\":\"end\"}\n",
+    )
+    .unwrap();
+    assert_eq!(rec("1", "0"), "1", "an end event after the stop");
+
+    // The power and LLIO options of the login-node scripts.
+    assert_eq!(
+        common_sh_ok(
+            "fugu_pjm_power_args; echo \"${FUGU_PJM_POWER_ARGS[*]}\"",
+            &[]
+        ),
+        "-L freq=2200,eco_state=0"
+    );
+    assert_eq!(
+        common_sh_ok(
+            "FUGU_ECO_STATE=2 fugu_pjm_power_args; echo \"${FUGU_PJM_POWER_ARGS[*]}\"",
+            &[]
+        ),
+        "-L freq=2200,eco_state=2"
+    );
+    assert!(!common_sh("FUGU_ECO_STATE=on fugu_pjm_power_args", &[])
+        .status
+        .success());
+    assert_eq!(
+        common_sh_ok("fugu_pjm_llio_args; echo \"${FUGU_PJM_LLIO_ARGS[*]}\"", &[]),
+        "--llio sharedtmp-size=1Gi"
+    );
+    let big = run.join("big.bin");
+    std::fs::write(&big, vec![0u8; 3 << 20]).unwrap();
+    let out = common_sh(
+        &format!(
+            "FUGU_LLIO_SHAREDTMP=4Mi fugu_check_llio_fits {}",
+            big.display()
+        ),
+        &[],
+    );
+    assert!(
+        !out.status.success() && text(&out).contains("at least 6Mi"),
+        "{}",
+        text(&out)
+    );
+    common_sh_ok(
+        &format!(
+            "FUGU_LLIO_SHAREDTMP=8Mi fugu_check_llio_fits {}",
+            big.display()
+        ),
+        &[],
+    );
 
     // Errors name the variable.
     let out = common_sh("FUGU_BIN=/nonexistent/fugu; fugu_require_bin", &[]);
@@ -847,9 +1133,10 @@ fn local_pjsub_stand_in() {
         &job,
         "#!/bin/bash\n#PJM -L \"node=2\"\n#PJM -L \"rscgrp=small,elapse=0:30\"\n\
          #PJM --mpi \"max-proc-per-node=4\"\n#PJM -g grp\n#PJM -x A=1\n#PJM -j\n#PJM -S\n\
-         echo \"proc=$PJM_MPI_PROC node=$PJM_NODE limit=$PJM_ELAPSE_LIMIT a=$A b=${B:-} \
+         #PJM -L \"freq=2200,eco_state=0\"\n\
+         echo \"proc=$PJM_MPI_PROC node=$PJM_NODE limit=${PJM_ELAPSE_LIMIT:-unset} a=$A b=${B:-} \
          home=${FUGU_NOT_PASSED:-none} wd=$PJM_O_WORKDIR\"\necho to-stderr >&2\n\
-         command -v mpiexec llio_transfer pjsub | sed 's|.*/||'\nexit 7\n",
+         command -v mpiexec llio_transfer pjsub pjstat pjwait | sed 's|.*/||'\npjstat \"$PJM_JOBID\"\nexit 7\n",
     )
     .unwrap();
     let out = local_pjsub(&dir, &["-x", "B=2", "--mpi", "proc=6", "job.sh"]);
@@ -858,17 +1145,30 @@ fn local_pjsub_stand_in() {
     let log = read(&dir.join(format!("job.sh.{id}.out")));
     assert!(
         log.contains(&format!(
-            "proc=6 node=2 limit=30 a=1 b=2 home=none wd={}",
+            "proc=6 node=2 limit=unset a=1 b=2 home=none wd={}",
             dir.display()
         )),
         "{log}"
     );
     assert!(
-        log.contains("to-stderr") && log.contains("mpiexec\nllio_transfer\npjsub"),
+        log.contains("to-stderr") && log.contains("mpiexec\nllio_transfer\npjsub\npjstat\npjwait"),
         "{log}"
     );
+    // The stand-in's pjstat: START_DATE as two fields under one header name.
+    let lim = common_sh_ok(
+        &format!(
+            "fugu_pjstat_column ELAPSE_LIM {id} < {}",
+            dir.join(format!("job.sh.{id}.out")).display()
+        ),
+        &[],
+    );
+    assert_eq!(lim, "0000:00:30", "{log}");
     let stats = read(&dir.join(format!("job.sh.{id}.stats")));
     assert!(stats.contains("PJM CODE          : 0") && stats.contains("EXIT CODE         : 7"));
+    assert!(
+        stats.contains("FREQ              : 2200") && stats.contains("ECO STATE         : 0"),
+        "{stats}"
+    );
 
     // Inconsistent resources are refused before anything runs, like pjsub does.
     let out = local_pjsub(&dir, &["--mpi", "proc=9", "job.sh"]);
@@ -880,6 +1180,16 @@ fn local_pjsub_stand_in() {
         "{}",
         text(&out)
     );
+    for (bad, why) in [
+        (["-L", "eco_state=3"], "eco_state"),
+        (["--llio", "sharedtmp-size=lots"], "sharedtmp-size"),
+        (["-z", "all"], "-z jid"),
+        (["--sparam", "jid=1"], "needs --step"),
+    ] {
+        let out = local_pjsub(&dir, &[bad[0], bad[1], "job.sh"]);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", text(&out));
+        assert!(text(&out).contains(why), "{bad:?}: {}", text(&out));
+    }
 
     // The elapse limit is enforced: PJM code 11.
     std::fs::write(
@@ -893,6 +1203,81 @@ fn local_pjsub_stand_in() {
     assert!(t.elapsed() < Duration::from_secs(20));
     let stats = read(&dir.join(format!("job.sh.{}.stats", pjm_job_id(&out))));
     assert!(stats.contains("PJM CODE          : 11"), "{stats}");
+}
+
+/// Step jobs in the stand-in: `pjsub -z jid` prints only the id; a sub-job whose `sd=`
+/// condition holds on the previous sub-job's exit code is deleted, with every later one for
+/// the deletion type `all`; llio_transfer needs the job's `--llio sharedtmp-size`.
+#[test]
+fn local_pjsub_step_jobs_sd_and_llio() {
+    let dir = tmp("pjm-step");
+    let job = dir.join("j.sh");
+    std::fs::write(
+        &job,
+        "#!/bin/bash\n#PJM -L \"node=1,elapse=0:30\"\n#PJM -S\n\
+         echo \"ran $PJM_JOBID\" >>ran.txt\nexit \"${RC:-0}\"\n",
+    )
+    .unwrap();
+    let first = local_pjsub(&dir, &["-z", "jid", "--step", "-x", "RC=4", "j.sh"]);
+    assert_eq!(first.status.code(), Some(4), "{}", text(&first));
+    let id = String::from_utf8_lossy(&first.stdout).trim().to_string();
+    let base = id
+        .strip_suffix("_0")
+        .unwrap_or_else(|| panic!("-z jid printed `{id}`"));
+    let sub = |sn: u32, rc: &str| {
+        let sparam = format!("jid={base},sn={sn},sd=ec!=4:all:{}", sn - 1);
+        let rcv = format!("RC={rc}");
+        local_pjsub(
+            &dir,
+            &[
+                "-z", "jid", "--step", "--sparam", &sparam, "-x", &rcv, "j.sh",
+            ],
+        )
+    };
+    // 4 -> the next one runs; it exits 0 -> the ones after it are deleted.
+    for (sn, rc) in [(1, "0"), (2, "4"), (3, "4")] {
+        let out = sub(sn, rc);
+        assert!(out.status.success(), "{}", text(&out));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("{base}_{sn}")
+        );
+    }
+    assert_eq!(
+        read(&dir.join("ran.txt")),
+        format!("ran {base}_0\nran {base}_1\n")
+    );
+    let stats = read(&dir.join(format!("j.sh.{base}_2.stats")));
+    assert!(
+        stats.contains("DELETED") && stats.contains("ec of"),
+        "{stats}"
+    );
+    assert!(read(&dir.join(format!("j.sh.{base}_3.stats"))).contains("DELETED"));
+    // A malformed dependency is refused.
+    let out = local_pjsub(
+        &dir,
+        &[
+            "--step",
+            "--sparam",
+            &format!("jid={base},sd=ec=4:all"),
+            "j.sh",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+
+    // llio_transfer: fits in sharedtmp-size x nodes, or LLIO 2450.
+    std::fs::write(dir.join("blob"), vec![0u8; 2 << 20]).unwrap();
+    std::fs::write(
+        &job,
+        "#!/bin/bash\n#PJM -L \"node=1,elapse=0:30\"\nllio_transfer blob\n",
+    )
+    .unwrap();
+    let out = local_pjsub(&dir, &["j.sh"]);
+    assert_eq!(out.status.code(), Some(1), "no sharedtmp: {}", text(&out));
+    let id = pjm_job_id(&out);
+    assert!(read(&dir.join(format!("j.sh.{id}.err"))).contains("LLIO 2450"));
+    let out = local_pjsub(&dir, &["--llio", "sharedtmp-size=4Mi", "j.sh"]);
+    assert!(out.status.success(), "{}", text(&out));
 }
 
 /// The pjsub GEMM job: one file per THREADS:CMGS run, each row a benchmark result.
@@ -1012,6 +1397,9 @@ fn pjsub_deadline_checkpoints_and_the_continuation_resumes() {
     let id = pjm_job_id(&out);
     let log = read(&dir.join(format!("fugu-train.{id}.out")));
     assert_eq!(out.status.code(), Some(4), "{}\n{log}", text(&out));
+    // The elapse was given on the command line only: pjstat's ELAPSE_LIM (shorter than the
+    // script's #PJM line) set the deadline.
+    assert!(log.contains("pjstat ELAPSE_LIM=0000:00:40"), "{log}");
     assert!(log.contains("resubmitted as job"), "{log}");
     assert_continued(&dir.join("runs/gpt2-tiny-n2-tp1"), 2);
 }
@@ -1098,6 +1486,188 @@ fn pjsub_sweep_under_local_pjsub() {
         "{logs}"
     );
     assert!(sweep.join("report/REPORT.md").exists(), "{logs}");
+}
+
+/// The stand-in's shim folder (pjsub, pjstat, pjwait, ...) first in PATH, for login-node scripts.
+fn shim_path(state: &Path) -> String {
+    let out = Command::new(jobscripts().join("pjsub/local-pjsub.sh"))
+        .arg("--install-shims")
+        .env("LOCAL_PJSUB_DIR", state)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let shims = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    format!("{shims}:{}", std::env::var("PATH").unwrap_or_default())
+}
+
+/// A stand-in for `fugu` that exits with the codes listed in LOCAL_PJSUB_FAKE_DIR/codes, one
+/// per run; `stopN` writes a "stopped" event to metrics.jsonl and exits N (a launcher that
+/// loses the ranks' exit code 4).
+fn fake_fugu(dir: &Path, codes: &[&str]) -> PathBuf {
+    std::fs::write(dir.join("codes"), codes.join("\n") + "\n").unwrap();
+    let f = dir.join("fake-fugu");
+    std::fs::write(
+        &f,
+        r#"#!/bin/bash
+d=$LOCAL_PJSUB_FAKE_DIR
+out=; prev=
+for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+n=$(cat "$d/n" 2>/dev/null || echo 0); echo $((n + 1)) >"$d/n"
+code=$(sed -n "$((n + 1))p" "$d/codes")
+echo "run $n job $PJM_JOBID code $code: $*" >>"$d/runs"
+case "$code" in
+  stop*) echo '{"type":"event","kind":"stopped","step":3}' >>"$out/metrics.jsonl"; exit "${code#stop}" ;;
+esac
+exit "${code:-0}"
+"#,
+    )
+    .unwrap();
+    chmod_x(&f);
+    f
+}
+
+fn run_chain(dir: &Path, mode: &str, jobs: u32, env: &[(String, String)]) -> Output {
+    let state = dir.join("pjm-state");
+    Command::new(jobscripts().join("pjsub/chain.sh"))
+        .current_dir(dir)
+        .env("PATH", shim_path(&state))
+        .env("LOCAL_PJSUB_DIR", &state)
+        .env("LOCAL_PJSUB_FAKE_DIR", dir)
+        .envs(OMPI_ENV)
+        .env("FUGU_HOME", repo())
+        .env("FUGU_GROUP", "testgrp")
+        .env("FUGU_CHAIN_MODE", mode)
+        .env("FUGU_CHAIN_JOBS", jobs.to_string())
+        .envs(env.iter().cloned())
+        .output()
+        .unwrap()
+}
+
+/// `jobs.log` lines "pjsub job ID exit RC" -> (ID, RC).
+fn job_exits(run: &Path) -> Vec<(String, String)> {
+    read(&run.join("jobs.log"))
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split("pjsub job ").nth(1)?;
+            let (id, rc) = rest.split_once(" exit ")?;
+            Some((id.to_string(), rc.trim().to_string()))
+        })
+        .collect()
+}
+
+fn fake_chain_env(dir: &Path, codes: &[&str]) -> Vec<(String, String)> {
+    [
+        ("FUGU_BIN", fake_fugu(dir, codes).display().to_string()),
+        ("FUGU_DATA", "data.bin".into()),
+        ("FUGU_CONFIG", "gpt2-tiny".into()),
+        ("FUGU_NODES", "1".into()),
+        ("FUGU_RANKS_PER_NODE", "1".into()),
+        ("FUGU_THREADS", "1".into()),
+        ("FUGU_ELAPSE", "5:00".into()),
+        ("FUGU_OUT", "run".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// chain.sh in step mode: one step job; exit 4 lets the next sub-job run, exit 0 deletes the
+/// rest (PJM's `sd=ec!=4:all:K-1`, as the stand-in models it).
+#[test]
+fn pjsub_chain_step_job_continues_on_4_and_stops_on_0() {
+    if !gated("pjsub_chain_step_job_continues_on_4_and_stops_on_0") {
+        return;
+    }
+    let dir = tmp("pjm-chain-step");
+    let env = fake_chain_env(&dir, &["4", "0", "4", "4"]);
+    let out = run_chain(&dir, "step", 4, &env);
+    assert!(out.status.success(), "chain.sh: {}", text(&out));
+    let run = dir.join("run");
+    let chain = read(&run.join("chain.txt"));
+    let ids: Vec<&str> = chain
+        .lines()
+        .map(|l| l.split_whitespace().nth(2).unwrap())
+        .collect();
+    assert_eq!(ids.len(), 4, "{chain}");
+    let base = ids[0].strip_suffix("_0").unwrap();
+    let exits = job_exits(&run);
+    assert_eq!(
+        exits,
+        [
+            (format!("{base}_0"), "4".to_string()),
+            (format!("{base}_1"), "0".to_string())
+        ],
+        "{}",
+        read(&dir.join("runs"))
+    );
+    for k in [2, 3] {
+        let stats = read(&dir.join(format!("fugu-train.{base}_{k}.stats")));
+        assert!(stats.contains("DELETED"), "{stats}");
+    }
+    let log0 = read(&dir.join(format!("fugu-train.{base}_0.out")));
+    assert!(log0.contains("FUGU_ELAPSE=5:00"), "{log0}");
+    let stats0 = read(&dir.join(format!("fugu-train.{base}_0.stats")));
+    assert!(stats0.contains("ECO STATE         : 0"), "{stats0}");
+}
+
+/// chain.sh in wait mode: pjsub -z jid, pjwait, the exit code from jobs.log; a launcher that
+/// returns 1 after rank 0 recorded a checkpointed stop still continues the chain.
+#[test]
+fn pjsub_chain_wait_mode_reads_exit_codes() {
+    if !gated("pjsub_chain_wait_mode_reads_exit_codes") {
+        return;
+    }
+    let dir = tmp("pjm-chain-wait");
+    let env = fake_chain_env(&dir, &["stop1", "4", "0"]);
+    let out = run_chain(&dir, "wait", 5, &env);
+    assert!(out.status.success(), "chain.sh: {}", text(&out));
+    let exits = job_exits(&dir.join("run"));
+    let codes: Vec<&str> = exits.iter().map(|e| e.1.as_str()).collect();
+    assert_eq!(codes, ["4", "4", "0"], "{exits:?}");
+    assert!(text(&out).contains("chain done"), "{}", text(&out));
+
+    // An error stops the chain with its code.
+    let dir = tmp("pjm-chain-wait-err");
+    let env = fake_chain_env(&dir, &["4", "7", "0"]);
+    let out = run_chain(&dir, "wait", 5, &env);
+    assert_eq!(out.status.code(), Some(7), "chain.sh: {}", text(&out));
+    assert_eq!(job_exits(&dir.join("run")).len(), 2);
+}
+
+/// A real 2-rank training as a step-job chain: the first sub-job stops at its deadline with a
+/// checkpoint (exit 4), the second resumes from it.
+#[test]
+fn pjsub_chain_resumes_a_real_training() {
+    if !gated("pjsub_chain_resumes_a_real_training") {
+        return;
+    }
+    let dir = tmp("pjm-chain-train");
+    let mut env = tiny_train_env(100_000);
+    env.extend(
+        [
+            ("FUGU_BIN", jobs_bin().display().to_string()),
+            ("FUGU_DATA", corpus().display().to_string()),
+            ("FUGU_CKPT_EVERY", "0".into()),
+            ("FUGU_DEADLINE_MARGIN", "32".into()),
+            ("FUGU_ELAPSE", "40".into()),
+            ("FUGU_NODES", "1".into()),
+            ("FUGU_RANKS_PER_NODE", "2".into()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let out = run_chain(&dir, "step", 2, &env);
+    let run = dir.join("runs/gpt2-tiny-n2-tp1");
+    let logs: String = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "out"))
+        .map(|p| read(&p))
+        .collect::<Vec<_>>()
+        .join("\n-----\n");
+    assert!(out.status.success(), "chain.sh: {}\n{logs}", text(&out));
+    let codes: Vec<String> = job_exits(&run).into_iter().map(|e| e.1).collect();
+    assert_eq!(codes, ["4", "4"], "{logs}");
+    assert_continued(&run, 2);
 }
 
 /// A run stopped by its deadline or signal and continued by the next job: the second

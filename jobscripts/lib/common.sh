@@ -380,7 +380,7 @@ FUGU_PJSUB_SETTINGS=(FUGU_HOME FUGU_BIN FUGU_CONFIG FUGU_DATA FUGU_STEPS FUGU_BA
   FUGU_TP FUGU_ZERO FUGU_THREADS FUGU_WORKDIR FUGU_OUT FUGU_CKPT_EVERY FUGU_EVAL_EVERY FUGU_LOG_EVERY
   FUGU_TIMERS FUGU_EXTRA_ARGS FUGU_RANKS_PER_NODE FUGU_ELAPSE FUGU_DEADLINE_MARGIN FUGU_LLIO_TRANSFER
   FUGU_MPIEXEC_ARGS FUGU_GROUP FUGU_RSCGRP FUGU_PJSUB_ARGS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX
-  FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR)
+  FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR FUGU_ECO_STATE FUGU_LLIO_SHAREDTMP FUGU_PJSTAT)
 
 # fugu_write_env FILE VAR...: `export VAR=value` lines (shell-quoted) for the variables that are
 # set (an empty value is kept: FUGU_BENCH_SETS= means "no shape sets").
@@ -403,27 +403,73 @@ fugu_pjm_directive_elapse() {
     sed -n 's/^elapse=//p' | tail -n 1
 }
 
-# fugu_pjm_elapse SCRIPT: sets FUGU_ELAPSE_S (seconds, empty if unknown) and FUGU_ELAPSE_SRC from,
-# in order: FUGU_ELAPSE, PJM_ELAPSE_LIMIT, `pjstat` (ELAPSE_LIM column), SCRIPT's #PJM lines.
-# (An elapse given on the pjsub command line is only seen through the first three: pass
-# `-x FUGU_ELAPSE=...` along with `-L elapse=...`.)
+# fugu_pjstat_column COLUMN JOBID: the value in column COLUMN (a header name of `pjstat`'s job
+# list, e.g. ELAPSE_LIM) of the row of job JOBID, from `pjstat` output on stdin; empty if absent.
+# The header names one column START_DATE, but the rows print the date as two fields
+# ("11/17 09:01:41", "(03/12 11:05)<" for an estimated start, or "-" before the start), so the
+# row is walked field by field: a *_DATE column whose field looks like MM/DD takes two fields.
+# Lines before the header (pjstat's summary table) are ignored.
+fugu_pjstat_column() {
+  awk -v want="$1" -v id="$2" '
+    $1 == "JOB_ID" { n = NF; for (i = 1; i <= NF; i++) h[i] = $i; next }
+    n && $1 == id {
+      j = 1
+      for (i = 1; i <= n; i++) {
+        if (h[i] == want) { print $j; exit }
+        if (h[i] ~ /_DATE$/ && $j ~ /^[(]?[0-9]+[/][0-9]+$/ && $(j + 1) ~ /^[0-9]+:[0-9]+(:[0-9]+)?[)]?<?$/) j += 2
+        else j += 1
+      }
+    }'
+}
+
+# fugu_pjstat_elapse: this job's ELAPSE_LIM from `pjstat $PJM_JOBID` (run with LC_ALL=C, for the
+# English layout), or nothing: not in a PJM job, no pjstat, FUGU_PJSTAT=0, or no H:M:S value.
+fugu_pjstat_elapse() {
+  [ "${FUGU_PJSTAT:-1}" = 1 ] && [ -n "${PJM_JOBID:-}" ] || return 0
+  command -v pjstat >/dev/null 2>&1 || return 0
+  local v
+  v=$(LC_ALL=C LANG=C timeout 30 pjstat "$PJM_JOBID" 2>/dev/null | fugu_pjstat_column ELAPSE_LIM "$PJM_JOBID") || v=
+  case "$v" in
+    *[0-9]:[0-9]*:[0-9]*) fugu_parse_elapse "$v" >/dev/null 2>&1 && printf '%s\n' "$v" ;;
+  esac
+  return 0
+}
+
+# fugu_pjm_elapse SCRIPT: sets FUGU_ELAPSE_S (seconds, empty if unknown) and FUGU_ELAPSE_SRC.
+# In order:
+#   1. FUGU_ELAPSE (the documented way: pass -x FUGU_ELAPSE= with the same value as -L elapse=;
+#      chain.sh and scaling-sweep.sh always do);
+#   2. PJM_ELAPSE_LIMIT, only as an optional override: no public source shows PJM setting it,
+#      but a site or a user may;
+#   3. SCRIPT's own `#PJM -L elapse=` line, checked against `pjstat`'s ELAPSE_LIM for this job:
+#      the smaller one wins (an elapse given on the pjsub command line is only seen by pjstat;
+#      a shorter one must not put the deadline after the kill, a longer one is only used when
+#      passed as FUGU_ELAPSE, since pjstat on a compute node is not confirmed);
+#   4. pjstat alone, when SCRIPT has no elapse line.
 fugu_pjm_elapse() {
-  local script=$1 v=
+  local script=$1 v='' line='' stat='' line_s='' stat_s=''
   FUGU_ELAPSE_S=
   FUGU_ELAPSE_SRC=
   if [ -n "${FUGU_ELAPSE:-}" ]; then
     v=$FUGU_ELAPSE; FUGU_ELAPSE_SRC="FUGU_ELAPSE=$v"
   elif [ -n "${PJM_ELAPSE_LIMIT:-}" ]; then
     v=$PJM_ELAPSE_LIMIT; FUGU_ELAPSE_SRC="PJM_ELAPSE_LIMIT=$v"
-  elif [ -n "${PJM_JOBID:-}" ] && command -v pjstat >/dev/null 2>&1; then
-    v=$(timeout 30 pjstat "$PJM_JOBID" 2>/dev/null | awk -v id="$PJM_JOBID" '
-      /ELAPSE_LIM/ { for (i = 1; i <= NF; i++) if ($i == "ELAPSE_LIM") col = i; next }
-      col && $1 == id { print $col; exit }') || v=
-    [ -z "$v" ] || FUGU_ELAPSE_SRC="pjstat ELAPSE_LIM=$v"
-  fi
-  if [ -z "$v" ]; then
-    v=$(fugu_pjm_directive_elapse "$script")
-    [ -z "$v" ] || FUGU_ELAPSE_SRC="#PJM -L elapse=$v in $script"
+  else
+    line=$(fugu_pjm_directive_elapse "$script")
+    stat=$(fugu_pjstat_elapse)
+    [ -z "$line" ] || line_s=$(fugu_parse_elapse "$line") ||
+      fugu_die "cannot read '#PJM -L elapse=$line' in $script; set FUGU_ELAPSE=H:MM:SS"
+    [ -z "$stat" ] || stat_s=$(fugu_parse_elapse "$stat")
+    if [ -n "$line_s" ] && [ -n "$stat_s" ] && [ "$stat_s" -lt "$line_s" ]; then
+      v=$stat; FUGU_ELAPSE_SRC="pjstat ELAPSE_LIM=$stat, shorter than #PJM -L elapse=$line in $script"
+    elif [ -n "$line_s" ]; then
+      v=$line; FUGU_ELAPSE_SRC="#PJM -L elapse=$line in $script"
+      if [ -n "$stat_s" ] && [ "$stat_s" -gt "$line_s" ]; then
+        fugu_log "pjstat reports a longer elapse limit ($stat) than the script's #PJM line ($line): the deadline uses the shorter; pass -x FUGU_ELAPSE=$stat to use it all"
+      fi
+    elif [ -n "$stat_s" ]; then
+      v=$stat; FUGU_ELAPSE_SRC="pjstat ELAPSE_LIM=$stat"
+    fi
   fi
   [ -n "$v" ] || return 0
   # shellcheck disable=SC2034  # read by the pjsub scripts
@@ -431,14 +477,22 @@ fugu_pjm_elapse() {
 }
 
 # fugu_llio_transfer FILE...: cache read-only files in LLIO for all nodes of the job (Fugaku),
-# so that thousands of ranks do not all read them from the global file system.
+# so that thousands of ranks do not all read them from the global file system. Call it before
+# anything opens or stats FILE (the R-CCS guide's advice); the transfer needs shared temporary
+# space, which the scripts request with `#PJM --llio sharedtmp-size=...` (FUGU_LLIO_SHAREDTMP
+# in chain.sh and scaling-sweep.sh). A failed transfer is not fatal: the nodes then read the
+# files from where they are.
 fugu_llio_transfer() {
   [ "${FUGU_LLIO_TRANSFER:-1}" = 1 ] || return 0
   if ! command -v llio_transfer >/dev/null 2>&1; then
     fugu_log "llio_transfer not found (not on Fugaku?): files are read from where they are"
     return 0
   fi
-  llio_transfer "$@" || fugu_log "llio_transfer $* failed: continuing without the LLIO cache"
+  if llio_transfer "$@"; then
+    fugu_log "llio_transfer: $*"
+  else
+    fugu_log "llio_transfer $* failed: continuing without the LLIO cache (LLIO 2450 'Not enough disk space' means the job's --llio sharedtmp-size is too small for these files)"
+  fi
 }
 
 fugu_llio_purge() {
@@ -446,13 +500,106 @@ fugu_llio_purge() {
   llio_transfer --purge "$@" || true
 }
 
-# fugu_pjsub SUBMIT_ARGS...: runs pjsub and prints the job id ("1234" from "Job 1234 submitted",
-# "1234_0" for a step job).
+# fugu_abs_bin: FUGU_BIN made absolute (against the current directory) without opening or
+# stat'ing the file itself, so that it can be llio_transfer'ed first.
+fugu_abs_bin() {
+  [ -n "${FUGU_BIN:-}" ] || fugu_die "FUGU_BIN is empty: set it to the fugu binary (cargo build --release --features mpi)"
+  case "$FUGU_BIN" in
+    /*) ;;
+    *) FUGU_BIN=$PWD/$FUGU_BIN ;;
+  esac
+}
+
+# fugu_config_is_file CONFIG: whether CONFIG names a file (a .toml or a path) rather than a
+# built-in config, judged by its name only (no stat before llio_transfer).
+fugu_config_is_file() {
+  case "$1" in *.toml | */*) return 0 ;; *) return 1 ;; esac
+}
+
+# fugu_pjsub_jid TEXT: the job id in pjsub's answer: "1234" from "[INFO] PJM 0000 pjsub Job 1234
+# submitted.", "1234_0" for a step job, or the bare id that `pjsub -z jid` prints.
+fugu_pjsub_jid() {
+  local jid
+  jid=$(sed -n 's/.*Job \([0-9][0-9_]*\) submitted.*/\1/p' <<<"$1" | head -n 1)
+  if [ -z "$jid" ]; then
+    jid=$(sed -n 's/^[[:space:]]*\([0-9][0-9]*\(_[0-9][0-9]*\)\{0,1\}\)[[:space:]]*$/\1/p' <<<"$1" | head -n 1)
+  fi
+  printf '%s\n' "$jid"
+}
+
+# fugu_pjsub SUBMIT_ARGS...: runs pjsub and prints the job id (see fugu_pjsub_jid).
 fugu_pjsub() {
   local out jid
   out=$(pjsub "$@") || fugu_die "pjsub $* failed: $out"
   printf '%s\n' "$out" >&2
-  jid=$(sed -n 's/.*Job \([0-9][0-9_]*\) submitted.*/\1/p' <<<"$out" | head -n 1)
+  jid=$(fugu_pjsub_jid "$out")
   [ -n "$jid" ] || fugu_die "no job id in pjsub's answer: $out"
   echo "$jid"
+}
+
+# fugu_pjm_power_args: the pjsub options for the power knobs: boost clock and FUGU_ECO_STATE
+# (0 = both FP pipelines; Fugaku's default, 2, uses only FLA, one of the two).
+fugu_pjm_power_args() {
+  case "${FUGU_ECO_STATE:-0}" in 0 | 1 | 2) ;; *) fugu_die "FUGU_ECO_STATE must be 0, 1 or 2 (got '$FUGU_ECO_STATE')" ;; esac
+  # shellcheck disable=SC2034  # read by the pjsub scripts
+  FUGU_PJM_POWER_ARGS=(-L "freq=2200,eco_state=${FUGU_ECO_STATE:-0}")
+}
+
+# fugu_pjm_llio_args: --llio sharedtmp-size=FUGU_LLIO_SHAREDTMP (per node, e.g. 512Mi, 1Gi).
+fugu_pjm_llio_args() {
+  case "${FUGU_LLIO_SHAREDTMP:-1Gi}" in
+    *[0-9]Mi | *[0-9]Gi) ;;
+    *) fugu_die "FUGU_LLIO_SHAREDTMP must be a size like 512Mi or 1Gi (got '$FUGU_LLIO_SHAREDTMP')" ;;
+  esac
+  # shellcheck disable=SC2034  # read by the pjsub scripts
+  FUGU_PJM_LLIO_ARGS=(--llio "sharedtmp-size=${FUGU_LLIO_SHAREDTMP:-1Gi}")
+}
+
+# fugu_size_mib SIZE: 512Mi -> 512, 2Gi -> 2048.
+fugu_size_mib() {
+  case "$1" in
+    *Gi) echo $(( ${1%Gi} * 1024 )) ;;
+    *Mi) echo "${1%Mi}" ;;
+  esac
+}
+
+# fugu_check_llio_fits FILE...: on the login node, fails when the files to llio_transfer do not
+# fit in FUGU_LLIO_SHAREDTMP (with room to spare: they must take at most half of it).
+fugu_check_llio_fits() {
+  [ "${FUGU_LLIO_TRANSFER:-1}" = 1 ] || return 0
+  local bytes=0 f sz mib
+  for f in "$@"; do
+    [ -f "$f" ] || continue
+    sz=$(stat -c %s -- "$f" 2>/dev/null) || continue
+    bytes=$(( bytes + sz ))
+  done
+  mib=$(fugu_size_mib "${FUGU_LLIO_SHAREDTMP:-1Gi}")
+  if [ $(( bytes * 2 )) -gt $(( mib * 1024 * 1024 )) ]; then
+    fugu_die "FUGU_LLIO_SHAREDTMP=${FUGU_LLIO_SHAREDTMP:-1Gi} is too small for llio_transfer of $(( bytes / 1048576 )) MiB ($*): set it to at least $(( (bytes * 2 + 1048575) / 1048576 ))Mi"
+  fi
+}
+
+# fugu_metrics_mark RUN_DIR: the size of RUN_DIR/metrics.jsonl now (0 if none).
+fugu_metrics_mark() {
+  stat -c %s -- "$1/metrics.jsonl" 2>/dev/null || echo 0
+}
+
+# fugu_reconcile_exit RC RUN_DIR MARK: the exit status to report for a launcher status RC.
+# Whether Fujitsu mpiexec passes a rank's exit code 4 on is not confirmed: when RC is neither 0
+# nor 4 but rank 0 wrote a "stopped" event (a complete checkpoint before the limit) into
+# RUN_DIR/metrics.jsonl after byte MARK (that is, in this job) and no "end" event, the job
+# reports 4, so that chains and step jobs continue.
+fugu_reconcile_exit() {
+  local rc=$1 run=$2 mark=$3 tail_text
+  if [ "$rc" = 0 ] || [ "$rc" = "$FUGU_EXIT_CHECKPOINTED" ] || [ ! -f "$run/metrics.jsonl" ]; then
+    echo "$rc"
+    return 0
+  fi
+  tail_text=$(tail -c +"$(( mark + 1 ))" -- "$run/metrics.jsonl" 2>/dev/null) || tail_text=
+  if grep -q '"kind":"stopped"' <<<"$tail_text" && ! grep -q '"kind":"end"' <<<"$tail_text"; then
+    fugu_log "the launcher returned $rc, but rank 0 recorded a checkpointed stop in $run/metrics.jsonl: reporting exit $FUGU_EXIT_CHECKPOINTED"
+    echo "$FUGU_EXIT_CHECKPOINTED"
+  else
+    echo "$rc"
+  fi
 }

@@ -7,11 +7,13 @@
 # Writes FUGU_OUT/gemm-tTHREADS-cCMGS.jsonl (`fugu bench gemm --format json`), one file per
 # entry of FUGU_BENCH_RUNS; `fugu report --gemm FILE` charts them. A run on 1 CMG is bound to
 # the first CMG (NUMA node 4 on Fugaku) with numactl. Settings: `-x VAR=value` at submission.
+# eco_state=0 keeps both FP pipelines on (Fugaku's default, 2, would halve the measured peak).
 #
 #PJM -L "node=1"
 #PJM -L "rscgrp=small"
 #PJM -L "elapse=01:00:00"
-#PJM -L "freq=2200"
+#PJM -L "freq=2200,eco_state=0"
+#PJM --llio "sharedtmp-size=1Gi"
 #PJM --mpi "proc=1"
 #PJM --mpi "max-proc-per-node=1"
 #PJM -g GROUP
@@ -46,12 +48,14 @@ done
 
 # ----------------------------------------------------------------------------- the job
 : "${FUGU_BIN:=$FUGU_HOME/target/release/fugu}"
+# LLIO first: nothing may open or stat the binary before llio_transfer.
+fugu_abs_bin
+fugu_llio_transfer "$FUGU_BIN"
 fugu_require_bin
 FUGU_OUT=$(fugu_abs "${FUGU_OUT:-bench/gemm-${PJM_JOBID:-local}}")
 mkdir -p "$FUGU_OUT" || fugu_die "cannot create FUGU_OUT=$FUGU_OUT"
 export XOS_MMM_L_PAGING_POLICY=${XOS_MMM_L_PAGING_POLICY:-demand:demand:demand}
 export PLE_MPI_STD_EMPTYFILE=${PLE_MPI_STD_EMPTYFILE:-off}
-fugu_llio_transfer "$FUGU_BIN"
 fugu_log "job ${PJM_JOBID:-?}: GEMM benchmark runs '$FUGU_BENCH_RUNS' -> $FUGU_OUT"
 rc=0
 fugu_bench_gemm_runs || rc=$?

@@ -41,6 +41,8 @@ fi
 : "${FUGU_SWEEP_GEMM:=1}"        # 1: also run bench-gemm.sh and chart its results in the report
 : "${FUGU_BENCH_ELAPSE:=01:00:00}"  # elapse limit of the GEMM benchmark job
 : "${FUGU_SWEEP_STEP:=1}"        # 1: one step job (runs in sequence, report last); 0: independent jobs
+: "${FUGU_ECO_STATE:=0}"         # power knob eco_state of the training and GEMM jobs: 0 = both FP pipelines
+: "${FUGU_LLIO_SHAREDTMP:=1Gi}"  # --llio sharedtmp-size per node, room for llio_transfer of the binary
 : "${FUGU_GROUP:=}"              # -g for every job; empty: the #PJM -g lines of the scripts
 : "${FUGU_RSCGRP:=}"             # -L rscgrp= for the training jobs; empty: small, or large above 384 nodes
 : "${FUGU_PJSUB_ARGS:=}"         # extra pjsub options for every job (split on spaces)
@@ -73,6 +75,9 @@ command -v pjsub >/dev/null || fugu_die "pjsub not found: run this on a Fugaku l
 # The binary is for A64FX and may not run on the (x86) login node: only check that it is there.
 [ -f "$FUGU_BIN" ] || fugu_die "FUGU_BIN=$FUGU_BIN does not exist: build it (docs/JOBS.md) or set FUGU_BIN"
 fugu_require_uint FUGU_RANKS_PER_NODE FUGU_SWEEP_GEMM FUGU_SWEEP_STEP
+fugu_pjm_power_args
+fugu_pjm_llio_args
+fugu_check_llio_fits "$FUGU_BIN"
 FUGU_SWEEP_DIR=$(fugu_abs "${FUGU_SWEEP_DIR:-runs/sweep-$(fugu_sanitize "$FUGU_CONFIG")-$(date +%Y%m%d-%H%M%S)}")
 mkdir -p "$FUGU_SWEEP_DIR/runs" "$FUGU_SWEEP_DIR/env"
 read -r -a common_args <<<"$FUGU_PJSUB_ARGS"
@@ -107,14 +112,15 @@ for entry in $FUGU_SWEEP; do
   FUGU_OUT=$FUGU_SWEEP_DIR/runs/$name FUGU_RANKS_PER_NODE=$rpn FUGU_AUTO_RESUBMIT=0 \
     fugu_write_env "$env_file" "${base_vars[@]}"
   submit train "$name" "$env_file" -L "node=$nodes" -L "rscgrp=$rscgrp" -L "elapse=$FUGU_ELAPSE" \
-    --mpi "proc=$(( nodes * rpn ))" --mpi "max-proc-per-node=$rpn" --name "fugu-$name" \
+    "${FUGU_PJM_POWER_ARGS[@]}" "${FUGU_PJM_LLIO_ARGS[@]}" --mpi "proc=$(( nodes * rpn ))" --mpi "max-proc-per-node=$rpn" --name "fugu-$name" \
     "$FUGU_JOBSCRIPTS/pjsub/train.sh"
 done
 
 if [ "$FUGU_SWEEP_GEMM" = 1 ]; then
   env_file=$FUGU_SWEEP_DIR/env/gemm.sh
   FUGU_OUT=$FUGU_SWEEP_DIR/gemm fugu_write_env "$env_file" "${base_vars[@]}"
-  submit gemm bench "$env_file" -L "elapse=$FUGU_BENCH_ELAPSE" "$FUGU_JOBSCRIPTS/pjsub/bench-gemm.sh"
+  submit gemm bench "$env_file" -L "elapse=$FUGU_BENCH_ELAPSE" "${FUGU_PJM_POWER_ARGS[@]}" \
+    "${FUGU_PJM_LLIO_ARGS[@]}" "$FUGU_JOBSCRIPTS/pjsub/bench-gemm.sh"
 fi
 
 env_file=$FUGU_SWEEP_DIR/env/report.sh

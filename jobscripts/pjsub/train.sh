@@ -14,12 +14,18 @@
 # pjsub sends no signal before the elapse limit, so the job gives the trainer a deadline
 # (--deadline = job start + elapse - FUGU_DEADLINE_MARGIN). There it writes a checkpoint on all
 # ranks and exits with code 4; the next submission (--resume auto, always passed) continues.
-# With -x FUGU_AUTO_RESUBMIT=1 the job submits its own continuation. See docs/JOBS.md.
+# To chain jobs until the run is done, submit with jobscripts/pjsub/chain.sh from the login
+# node (a step job: exit 4 continues, anything else deletes the rest). See docs/JOBS.md.
+#
+# Power knobs: freq=2200 (boost) and eco_state=0, both FP pipelines; Fugaku's default
+# eco_state=2 uses only one of the two and halves the FP peak (-L eco_state=2 to save power).
+# --llio sharedtmp-size: room for llio_transfer of the binary (per node; see FUGU_LLIO_SHAREDTMP).
 #
 #PJM -L "node=1"
 #PJM -L "rscgrp=small"
 #PJM -L "elapse=01:00:00"
-#PJM -L "freq=2200"
+#PJM -L "freq=2200,eco_state=0"
+#PJM --llio "sharedtmp-size=1Gi"
 #PJM --mpi "proc=4"
 #PJM --mpi "max-proc-per-node=4"
 #PJM -g GROUP
@@ -52,12 +58,15 @@ fi
 : "${FUGU_LOG_EVERY:=}"          # progress line every N steps; empty: the trainer's default
 : "${FUGU_TIMERS:=}"             # off | coarse | fine; empty: the trainer's default
 : "${FUGU_EXTRA_ARGS:=}"         # more `fugu train` arguments (split on spaces)
-: "${FUGU_ELAPSE:=}"             # this job's elapse limit; empty: PJM_ELAPSE_LIMIT, pjstat or the #PJM line
+: "${FUGU_ELAPSE:=}"             # this job's elapse limit (pass it with -L elapse=); empty: the #PJM line, or pjstat's if shorter
+: "${FUGU_PJSTAT:=1}"            # 1: check the #PJM elapse line against pjstat's ELAPSE_LIM (0: do not call pjstat)
 : "${FUGU_DEADLINE_MARGIN:=}"    # seconds before the elapse limit for the checkpoint; empty: 300, at most elapse/5
 : "${FUGU_DEADLINE:=}"           # explicit --deadline (seconds or RFC 3339); empty: start + elapse - margin; off: none
 : "${FUGU_LLIO_TRANSFER:=1}"     # 1: llio_transfer the binary (and a config file) to the nodes' cache
+: "${FUGU_LLIO_SHAREDTMP:=1Gi}"  # --llio sharedtmp-size of the continuations this job submits (this job's: #PJM --llio)
+: "${FUGU_ECO_STATE:=0}"         # eco_state of the continuations this job submits (this job's: #PJM -L eco_state)
 : "${FUGU_MPIEXEC_ARGS:=}"       # extra mpiexec options, e.g. "-of-proc out/rank" (split on spaces)
-: "${FUGU_AUTO_RESUBMIT:=0}"     # 1: after exit 4 (checkpointed before the limit) submit the continuation
+: "${FUGU_AUTO_RESUBMIT:=0}"     # 1: after exit 4, call pjsub inside the job for the continuation (unverified on Fugaku; prefer chain.sh)
 : "${FUGU_RESUBMIT_MAX:=20}"     # stop resubmitting after this many continuations
 : "${FUGU_RESUBMIT_COUNT:=0}"    # continuations so far (set by the resubmission itself)
 : "${FUGU_GROUP:=}"              # -g for the resubmission; empty: the #PJM -g line of the script
@@ -85,6 +94,15 @@ fugu_require_uint FUGU_RANKS_PER_NODE
 [ -z "$FUGU_DEADLINE_MARGIN" ] || fugu_require_uint FUGU_DEADLINE_MARGIN
 [ "$FUGU_RANKS_PER_NODE" -ge 1 ] || fugu_die "FUGU_RANKS_PER_NODE must be at least 1"
 nodes=$(( (FUGU_RANKS + FUGU_RANKS_PER_NODE - 1) / FUGU_RANKS_PER_NODE ))
+
+# LLIO first: nothing may open or stat the binary (or a config file) before llio_transfer.
+fugu_abs_bin
+cache=("$FUGU_BIN")
+if fugu_config_is_file "$FUGU_CONFIG"; then
+  FUGU_CONFIG=$(fugu_abs "$FUGU_CONFIG")
+  cache+=("$FUGU_CONFIG")
+fi
+fugu_llio_transfer "${cache[@]}"
 fugu_setup_train
 
 # The trainer's deadline: pjsub has no pre-timeout signal.
@@ -114,17 +132,15 @@ export XOS_MMM_L_PAGING_POLICY=${XOS_MMM_L_PAGING_POLICY:-demand:demand:demand}
 export PLE_MPI_STD_EMPTYFILE=${PLE_MPI_STD_EMPTYFILE:-off}
 export OMP_NUM_THREADS=$FUGU_THREADS
 
-cache=("$FUGU_BIN")
-[ ! -f "$FUGU_CONFIG" ] || cache+=("$FUGU_CONFIG")
-fugu_llio_transfer "${cache[@]}"
 read -r -a mpiexec_args <<<"$FUGU_MPIEXEC_ARGS"
 jobid=${PJM_JOBID:-unknown}
 fugu_log "job $jobid: $FUGU_RANKS rank(s) on $nodes node(s) (at most $FUGU_RANKS_PER_NODE per node) x $FUGU_THREADS thread(s), tp=$FUGU_TP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
 fugu_log "run directory $FUGU_OUT"
 fugu_log "mpiexec -n $FUGU_RANKS ${mpiexec_args[*]} $FUGU_BIN ${FUGU_TRAIN_ARGS[*]}"
 fugu_job_record "pjsub job $jobid start ($FUGU_RANKS rank(s) on $nodes node(s), deadline ${FUGU_DEADLINE:-none})"
+mark=$(fugu_metrics_mark "$FUGU_OUT")
 fugu_run_forwarding mpiexec -n "$FUGU_RANKS" "${mpiexec_args[@]}" "$FUGU_BIN" "${FUGU_TRAIN_ARGS[@]}"
-rc=$FUGU_RC
+rc=$(fugu_reconcile_exit "$FUGU_RC" "$FUGU_OUT" "$mark")
 fugu_job_record "pjsub job $jobid exit $rc"
 fugu_llio_purge "${cache[@]}"
 fugu_explain_exit "$rc"
@@ -137,8 +153,11 @@ if [ "$rc" = "$FUGU_EXIT_CHECKPOINTED" ] && [ "$FUGU_AUTO_RESUBMIT" = 1 ]; then
     [ -n "$FUGU_ELAPSE" ] || FUGU_ELAPSE=${FUGU_ELAPSE_S:-}
     envfile=$FUGU_OUT/job-env/continuation-$FUGU_RESUBMIT_COUNT.sh
     fugu_write_env "$envfile" "${FUGU_PJSUB_SETTINGS[@]}"
+    fugu_log "FUGU_AUTO_RESUBMIT=1: calling pjsub from inside the job (not confirmed to work on Fugaku; jobscripts/pjsub/chain.sh is the supported way)"
+    fugu_pjm_power_args
+    fugu_pjm_llio_args
     sub=(-L "node=$nodes" --mpi "proc=$FUGU_RANKS" --mpi "max-proc-per-node=$FUGU_RANKS_PER_NODE"
-      -x "FUGU_ENV_FILE=$envfile")
+      "${FUGU_PJM_POWER_ARGS[@]}" "${FUGU_PJM_LLIO_ARGS[@]}" -x "FUGU_ENV_FILE=$envfile")
     [ -z "$FUGU_ELAPSE" ] || sub+=(-L "elapse=$FUGU_ELAPSE")
     [ -z "$FUGU_RSCGRP" ] || sub+=(-L "rscgrp=$FUGU_RSCGRP")
     [ -z "$FUGU_GROUP" ] || sub+=(-g "$FUGU_GROUP")
