@@ -108,7 +108,8 @@ pub fn run(args: SampleArgs) -> Result<()> {
 }
 
 /// The tokenizer of a checkpoint: its `tokenizer.json` (every fugu checkpoint has one; so do
-/// most Hugging Face model directories), else GPT-2's for a model with GPT-2's 50257 ids.
+/// most Hugging Face model directories), else GPT-2's (with a warning unless the model has
+/// GPT-2's 50257 ids).
 fn checkpoint_tokenizer(
     dir: &Path,
     cfg: &crate::config::ModelConfig,
@@ -127,16 +128,16 @@ fn checkpoint_tokenizer(
         }
         return Ok(tok);
     }
-    if cfg.vocab_size == fugu_io::GPT2_VOCAB as usize {
-        return Ok(Box::new(fugu_io::Gpt2Tokenizer::new()));
+    if cfg.vocab_size != fugu_io::GPT2_VOCAB as usize {
+        eprintln!(
+            "warning: {}: no tokenizer.json, and the model's vocab_size {} is not GPT-2's {}; \
+             using GPT-2's BPE, which may not be the tokenizer it was trained with",
+            dir.display(),
+            cfg.vocab_size,
+            fugu_io::GPT2_VOCAB
+        );
     }
-    bail!(
-        "{}: no tokenizer.json, and the model's vocab_size {} is not GPT-2's {}: cannot tell \
-         which tokenizer it was trained with",
-        dir.display(),
-        cfg.vocab_size,
-        fugu_io::GPT2_VOCAB
-    )
+    Ok(Box::new(fugu_io::Gpt2Tokenizer::new()))
 }
 
 /// Generates on backend `be` and prints the text as it comes.
@@ -151,6 +152,13 @@ fn sample_on<B: Backend>(
     let mut g = Generator::new(cfg, params, be)?;
     let tok = checkpoint_tokenizer(dir, cfg)?;
     let prompt = tok.encode(&args.prompt);
+    if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= cfg.vocab_size) {
+        bail!(
+            "--prompt {:?}: token id {bad} is outside the model's vocabulary of {} ids",
+            args.prompt,
+            cfg.vocab_size
+        );
+    }
     eprintln!(
         "sampling from {} ({} prompt tokens) on {device}",
         dir.display(),
