@@ -12,8 +12,9 @@ use std::time::Instant;
 pub enum PeakSource {
     /// Measured with an FMA loop of this ISA on one core, times the thread count.
     Measured { isa: Isa },
-    /// Measured like [`PeakSource::Measured`] by an earlier run on this machine and read back
-    /// from a per-machine cache (kept by the `fugu` binary).
+    /// Measured like [`PeakSource::Measured`] by an earlier run on this machine, higher than
+    /// this run's measurement, and read back from a per-machine cache (kept by the `fugu`
+    /// binary).
     Cached { isa: Isa },
     /// Set by the user (`FUGU_PEAK_GFLOPS_PER_CORE` or a flag).
     Given,
@@ -54,7 +55,7 @@ impl Peak {
                 isa
             ),
             PeakSource::Cached { isa } => format!(
-                "peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (cached: {} FMA loop on 1 core, measured once on this machine)",
+                "peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (cached: best {} FMA loop on 1 core measured on this machine)",
                 self.total_gflops(),
                 self.threads,
                 self.per_core_gflops,

@@ -1,16 +1,18 @@
 //! The per-machine cache of the measured FP32 peak.
 //!
-//! Measuring the peak at every start (an FMA loop, ~0.2 s) gives a different figure each time,
-//! and a low one on a busy machine, so "% of peak" could exceed 100%. Instead the first
-//! measurement on a machine is stored, keyed by CPU model and ISA, and every later run and
-//! benchmark divides by that same figure. A measurement above the cached peak (GEMM rows,
-//! training steps) is reported with a warning that names the cache.
+//! Measuring the peak at every start (an FMA loop, ~0.2 s) alone gives a different figure each
+//! time, and a low one on a busy machine, so "% of peak" could exceed 100%. Instead the highest
+//! measurement on a machine is stored, keyed by CPU model and ISA, and every run and benchmark
+//! divides by it ([`cached_peak`]): the figure only moves up, towards the hardware ceiling. A
+//! measurement above the peak (GEMM rows, training steps) is reported with a warning that names
+//! the cache.
 //!
 //! The file is JSON, `{"format": "fugu-peak-cache-v1", "entries": {"CPU|isa": {...}}}`, at
 //! `FUGU_PEAK_CACHE` (a path; `off` disables the cache), else
 //! `$XDG_CACHE_HOME/fugu/peak.json`, else `$HOME/.cache/fugu/peak.json`. It is replaced
 //! atomically (temporary file, rename), so concurrent ranks writing it race harmlessly.
-//! `FUGU_PEAK_REMEASURE=1` measures again and replaces the entry.
+//! `FUGU_PEAK_REMEASURE=1` replaces the entry with the new measurement even when lower (a
+//! machine whose clock or power settings were lowered).
 
 use fugu_gemm::peak::{measure_core_gflops, Peak, PeakSource};
 use fugu_gemm::Isa;
@@ -68,59 +70,65 @@ fn write(path: &Path, cache: &CacheFile) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// The cached peak of `cpu` running `isa`, if any (and not asked to re-measure).
+/// The cached peak of `cpu` running `isa`, if any.
 pub fn lookup(path: &Path, cpu: &str, isa: Isa) -> Option<Entry> {
-    if std::env::var("FUGU_PEAK_REMEASURE").is_ok_and(|v| v == "1") {
-        return None;
-    }
     read(path).entries.get(&key(cpu, isa)).cloned()
 }
 
-/// The peak for `threads` threads of `cpu` running `isa`: from the cache at `path` when it has
-/// the entry, else measured now and stored there (a failure to store is a warning). Without a
-/// cache path: measured.
+/// The peak for `threads` threads of `cpu` running `isa`: measured now (an FMA loop, ~0.2 s)
+/// and compared with the cache at `path`. Interference only ever slows the loop down, so the
+/// higher of the two is the better estimate of the hardware: a higher measurement replaces
+/// the entry, a lower one (a busy machine) is ignored and the cached figure used. So the
+/// peak every run divides by only moves up, towards the ceiling, and is the same for every
+/// run once the machine has been measured idle. `FUGU_PEAK_REMEASURE=1` replaces the entry
+/// with the new measurement whatever it is. Without a cache path: the measurement.
 pub fn cached_peak(path: Option<&Path>, cpu: &str, isa: Isa, threads: usize) -> Peak {
-    if let Some(e) = path.and_then(|p| lookup(p, cpu, isa)) {
-        return Peak {
-            per_core_gflops: e.per_core_gflops,
-            threads,
-            source: PeakSource::Cached { isa },
-        };
-    }
-    let (per_core, used) = match measure_core_gflops(isa) {
+    let (measured, used) = match measure_core_gflops(isa) {
         Some(g) => (g, isa),
         None => (
             measure_core_gflops(Isa::Portable).unwrap_or(1.0),
             Isa::Portable,
         ),
     };
-    if let Some(p) = path {
-        let mut cache = read(p);
-        cache.format = FORMAT.into();
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        cache.entries.insert(
-            key(cpu, isa),
-            Entry {
-                per_core_gflops: per_core,
-                measured_at: now,
-                fugu_version: env!("CARGO_PKG_VERSION").into(),
-            },
-        );
-        if let Err(e) = write(p, &cache) {
-            eprintln!(
-                "warning: could not store the measured peak in {}: {e} (it will be measured \
-                 again next time)",
-                p.display()
-            );
-        }
-    }
-    Peak {
-        per_core_gflops: per_core,
+    let measured_peak = Peak {
+        per_core_gflops: measured,
         threads,
         source: PeakSource::Measured { isa: used },
+    };
+    let Some(p) = path else {
+        return measured_peak;
+    };
+    let remeasure = std::env::var("FUGU_PEAK_REMEASURE").is_ok_and(|v| v == "1");
+    let mut cache = read(p);
+    if let Some(e) = cache.entries.get(&key(cpu, isa)) {
+        if !remeasure && e.per_core_gflops >= measured {
+            return Peak {
+                per_core_gflops: e.per_core_gflops,
+                threads,
+                source: PeakSource::Cached { isa },
+            };
+        }
     }
+    cache.format = FORMAT.into();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    cache.entries.insert(
+        key(cpu, isa),
+        Entry {
+            per_core_gflops: measured,
+            measured_at: now,
+            fugu_version: env!("CARGO_PKG_VERSION").into(),
+        },
+    );
+    if let Err(e) = write(p, &cache) {
+        eprintln!(
+            "warning: could not store the measured peak in {}: {e} (runs may divide by \
+             different peaks)",
+            p.display()
+        );
+    }
+    measured_peak
 }
 
 /// A warning for a measured rate above the peak it is divided by, or `None`. `what` names the
@@ -144,19 +152,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn measured_once_then_read_back() {
+    fn the_highest_measurement_is_kept() {
         let dir = std::env::temp_dir().join(format!("fugu-peak-{}", std::process::id()));
         let path = dir.join("peak.json");
         let first = cached_peak(Some(&path), "Test CPU", Isa::Portable, 2);
         assert!(matches!(first.source, PeakSource::Measured { .. }));
         assert!(first.per_core_gflops > 0.0);
+        let stored = lookup(&path, "Test CPU", Isa::Portable).unwrap();
+        assert_eq!(stored.per_core_gflops, first.per_core_gflops);
+        // A cached figure above anything this machine measures is kept and used.
+        let mut cache = read(&path);
+        cache
+            .entries
+            .get_mut(&key("Test CPU", Isa::Portable))
+            .unwrap()
+            .per_core_gflops = 1e9;
+        write(&path, &cache).unwrap();
         let again = cached_peak(Some(&path), "Test CPU", Isa::Portable, 4);
         assert_eq!(again.source, PeakSource::Cached { isa: Isa::Portable });
-        assert_eq!(again.per_core_gflops, first.per_core_gflops);
-        assert_eq!(again.threads, 4);
-        // Another CPU model is another entry.
+        assert_eq!((again.per_core_gflops, again.threads), (1e9, 4));
+        // A cached figure below the measurement is replaced by it.
+        cache
+            .entries
+            .get_mut(&key("Test CPU", Isa::Portable))
+            .unwrap()
+            .per_core_gflops = 1e-9;
+        write(&path, &cache).unwrap();
+        let up = cached_peak(Some(&path), "Test CPU", Isa::Portable, 1);
+        assert!(matches!(up.source, PeakSource::Measured { .. }));
+        assert!(
+            lookup(&path, "Test CPU", Isa::Portable)
+                .unwrap()
+                .per_core_gflops
+                > 1e-9
+        );
+        // Another CPU model is another entry; a damaged file is measured over, not an error.
         assert!(lookup(&path, "Other CPU", Isa::Portable).is_none());
-        // A damaged file is measured over, not an error.
         std::fs::write(&path, b"{not json").unwrap();
         let fresh = cached_peak(Some(&path), "Test CPU", Isa::Portable, 1);
         assert!(matches!(fresh.source, PeakSource::Measured { .. }));
