@@ -1,0 +1,213 @@
+//! Side-by-side timing of block sizes (and ISAs) on the shapes of issue 14, at 1 thread.
+//!
+//! ```text
+//! cargo run --release -p fugu-gemm --example blocking -- [VARIANT ...] [--reps N] [--isa avx2]
+//! ```
+//!
+//! Each VARIANT is `derived` (the cache-derived blocking, `FUGU_GEMM_MC/KC/NC` still apply) or
+//! `MC,KC,NC` (used as given). Default: `derived 96,672,6240` (the pre-issue-14 Zen 3 blocking).
+//! The variants run round-robin, one repetition each in turn, so that load from other processes
+//! hits all of them alike; the report gives the median and the best of `--reps` repetitions, in
+//! GFLOP/s and in % of the FMA peak measured by `fugu_gemm::peak::measure_core_gflops` before and
+//! after the timings (the larger of the two). `--only SUBSTR` keeps the shapes whose name
+//! contains SUBSTR.
+use fugu_gemm::peak::measure_core_gflops;
+use fugu_gemm::{
+    BatchMut, BatchRef, Blocking, Isa, MatMut, MatRef, Runtime, RuntimeConfig, TopologyRequest,
+};
+use std::time::Instant;
+
+struct Shape {
+    name: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    batch: usize,
+    tb: bool,
+}
+
+const SHAPES: [Shape; 5] = [
+    Shape {
+        name: "2048^3",
+        m: 2048,
+        n: 2048,
+        k: 2048,
+        batch: 1,
+        tb: false,
+    },
+    Shape {
+        name: "lm-head bwd-data",
+        m: 1024,
+        n: 768,
+        k: 50304,
+        batch: 1,
+        tb: false,
+    },
+    Shape {
+        name: "qkv fwd",
+        m: 1024,
+        n: 2304,
+        k: 768,
+        batch: 1,
+        tb: false,
+    },
+    Shape {
+        name: "QK^T T=64 x48",
+        m: 64,
+        n: 64,
+        k: 64,
+        batch: 48,
+        tb: true,
+    },
+    Shape {
+        name: "PV T=64 x48",
+        m: 64,
+        n: 64,
+        k: 64,
+        batch: 48,
+        tb: false,
+    },
+];
+
+fn run(rt: &Runtime, s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
+    if s.batch == 1 {
+        rt.gemm(
+            1.0,
+            MatRef::row_major(a, s.m, s.k).unwrap(),
+            MatRef::row_major(b, s.k, s.n).unwrap(),
+            0.0,
+            MatMut::row_major(c, s.m, s.n).unwrap(),
+        )
+        .unwrap();
+    } else {
+        let bv = if s.tb {
+            BatchRef::row_major(b, s.batch, s.n, s.k).unwrap().t()
+        } else {
+            BatchRef::row_major(b, s.batch, s.k, s.n).unwrap()
+        };
+        rt.gemm_strided_batched(
+            1.0,
+            BatchRef::row_major(a, s.batch, s.m, s.k).unwrap(),
+            bv,
+            0.0,
+            BatchMut::row_major(c, s.batch, s.m, s.n).unwrap(),
+        )
+        .unwrap();
+    }
+}
+
+fn main() {
+    let mut variants: Vec<Option<Blocking>> = Vec::new();
+    let mut reps = 7;
+    let mut isa = None;
+    let mut only: Option<String> = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--reps" => reps = args.next().and_then(|s| s.parse().ok()).expect("--reps N"),
+            "--isa" => isa = Some(Isa::parse(&args.next().expect("--isa NAME")).unwrap()),
+            "--only" => only = args.next(),
+            "derived" => variants.push(None),
+            v => {
+                let n: Vec<usize> = v.split(',').map(|x| x.parse().expect("MC,KC,NC")).collect();
+                assert_eq!(n.len(), 3, "MC,KC,NC");
+                variants.push(Some(Blocking {
+                    mc: n[0],
+                    kc: n[1],
+                    nc: n[2],
+                }));
+            }
+        }
+    }
+    if variants.is_empty() {
+        variants = vec![
+            None,
+            Some(Blocking {
+                mc: 96,
+                kc: 672,
+                nc: 6240,
+            }),
+        ];
+    }
+    let rts: Vec<Runtime> = variants
+        .iter()
+        .map(|&blocking| {
+            Runtime::new(RuntimeConfig {
+                isa,
+                topology: TopologyRequest {
+                    max_threads: Some(1),
+                    ..Default::default()
+                },
+                blocking,
+                split: None,
+            })
+            .unwrap()
+        })
+        .collect();
+    let kisa = rts[0].kernel().isa;
+    let peak0 = measure_core_gflops(kisa).unwrap_or(f64::NAN);
+    for rt in &rts {
+        println!("variant: {}", rt.describe());
+    }
+    println!("caches: {:?}", rts[0].caches());
+    let mut results = Vec::new();
+    for s in SHAPES
+        .iter()
+        .filter(|s| only.as_deref().is_none_or(|o| s.name.contains(o)))
+    {
+        let a: Vec<f32> = (0..s.batch * s.m * s.k)
+            .map(|i| (i % 17) as f32 * 0.1)
+            .collect();
+        let b: Vec<f32> = (0..s.batch * s.k * s.n)
+            .map(|i| (i % 13) as f32 * 0.1)
+            .collect();
+        let mut c = vec![0.0f32; s.batch * s.m * s.n];
+        let flops = 2.0 * (s.batch * s.m * s.n * s.k) as f64;
+        // Repeat small problems so one timing is at least ~20 ms.
+        let inner = ((2e-2 * 50e9 / flops).ceil() as usize).max(1);
+        let mut times = vec![Vec::new(); rts.len()];
+        for rep in 0..=reps {
+            for (v, rt) in rts.iter().enumerate() {
+                let t = Instant::now();
+                for _ in 0..inner {
+                    run(rt, s, &a, &b, &mut c);
+                }
+                if rep > 0 {
+                    times[v].push(t.elapsed().as_secs_f64() / inner as f64);
+                }
+            }
+        }
+        results.push((s, flops, times));
+    }
+    let peak1 = measure_core_gflops(kisa).unwrap_or(f64::NAN);
+    let peak = peak0.max(peak1);
+    println!(
+        "{kisa} FMA peak, 1 core: {peak0:.1} GFLOP/s before, {peak1:.1} after; % below are of {peak:.1}"
+    );
+    println!(
+        "{:<18} {:>8} {:>20} {:>20} {:>14}",
+        "shape", "variant", "median GFLOP/s (%)", "best GFLOP/s (%)", "min-max"
+    );
+    for (s, flops, times) in results {
+        for (v, mut ts) in times.into_iter().enumerate() {
+            ts.sort_by(f64::total_cmp);
+            let g = |t: f64| flops / t / 1e9;
+            let (med, best, worst) = (g(ts[ts.len() / 2]), g(ts[0]), g(ts[ts.len() - 1]));
+            let name = match variants[v] {
+                None => "derived".to_string(),
+                Some(b) => format!("{},{},{}", b.mc, b.kc, b.nc),
+            };
+            println!(
+                "{:<18} {:>8} {:>11.1} ({:>4.1}%) {:>11.1} ({:>4.1}%) {:>6.1}-{:<6.1}",
+                s.name,
+                name,
+                med,
+                100.0 * med / peak,
+                best,
+                100.0 * best / peak,
+                worst,
+                best
+            );
+        }
+    }
+}
