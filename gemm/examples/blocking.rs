@@ -10,7 +10,9 @@
 //! hits all of them alike; the report gives the median and the best of `--reps` repetitions, in
 //! GFLOP/s and in % of the FMA peak measured by `fugu_gemm::peak::measure_core_gflops` before and
 //! after the timings (the larger of the two). `--only SUBSTR` keeps the shapes whose name
-//! contains SUBSTR.
+//! contains SUBSTR; `--threads N` runs fugu-gemm on N threads (the % is still of one core's
+//! peak); `--mm` adds matrixmultiply (single-threaded) to the round-robin. `--kernel-only KC`
+//! instead times the bare micro-kernel on L1-resident panels of depth KC.
 use fugu_gemm::peak::measure_core_gflops;
 use fugu_gemm::{
     BatchMut, BatchRef, Blocking, Isa, MatMut, MatRef, Runtime, RuntimeConfig, TopologyRequest,
@@ -96,17 +98,94 @@ fn run(rt: &Runtime, s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
     }
 }
 
+/// The same problem with matrixmultiply (single-threaded: no `threading` feature here).
+fn run_mm(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let (m, n, k) = (s.m, s.n, s.k);
+    let (rsb, csb) = if s.tb {
+        (1, k as isize)
+    } else {
+        (n as isize, 1)
+    };
+    for i in 0..s.batch {
+        // SAFETY: each matrix i lies inside a, b and c with these strides.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                1.0,
+                a.as_ptr().add(i * m * k),
+                k as isize,
+                1,
+                b.as_ptr().add(i * k * n),
+                rsb,
+                csb,
+                0.0,
+                c.as_mut_ptr().add(i * m * n),
+                n as isize,
+                1,
+            )
+        }
+    }
+}
+
+/// The micro-kernel alone on panels that stay in L1 (one Ã and one B̃ micro-panel of depth
+/// `kc`, C tile in L1): the ceiling the driver can reach.
+fn kernel_only(isa: Option<Isa>, kc: usize) {
+    let k = isa.map_or_else(fugu_gemm::kernel::best_kernel, |i| {
+        fugu_gemm::kernel::kernel_for(i).expect("ISA not available")
+    });
+    let a = vec![0.5f32; kc * k.mr];
+    let b = vec![0.25f32; kc * k.nr];
+    let mut c = vec![0.0f32; k.mr * k.nr];
+    let calls = (2e8 as usize / (kc * k.mr * k.nr)).max(1);
+    let mut rates = Vec::new();
+    for _ in 0..7 {
+        let t = Instant::now();
+        for _ in 0..calls {
+            // SAFETY: a holds kc*mr floats, b kc*nr, c an mr×nr column-major tile (ldc = mr).
+            unsafe { (k.func)(kc, 1.0, a.as_ptr(), b.as_ptr(), 1.0, c.as_mut_ptr(), k.mr) };
+        }
+        rates.push(2.0 * (calls * kc * k.mr * k.nr) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    rates.sort_by(f64::total_cmp);
+    let peak = measure_core_gflops(k.isa).unwrap_or(f64::NAN);
+    println!(
+        "{k:?} kc={kc}, panels in L1: median {:.1} GFLOP/s ({:.1}%), best {:.1} ({:.1}%) of {peak:.1}",
+        rates[3],
+        100.0 * rates[3] / peak,
+        rates[6],
+        100.0 * rates[6] / peak
+    );
+}
+
 fn main() {
     let mut variants: Vec<Option<Blocking>> = Vec::new();
     let mut reps = 7;
     let mut isa = None;
     let mut only: Option<String> = None;
+    let mut threads = 1;
+    let mut with_mm = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--reps" => reps = args.next().and_then(|s| s.parse().ok()).expect("--reps N"),
             "--isa" => isa = Some(Isa::parse(&args.next().expect("--isa NAME")).unwrap()),
             "--only" => only = args.next(),
+            "--threads" => {
+                threads = args
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .expect("--threads N")
+            }
+            "--mm" => with_mm = true,
+            "--kernel-only" => {
+                let kc = args
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .expect("--kernel-only KC");
+                return kernel_only(isa, kc);
+            }
             "derived" => variants.push(None),
             v => {
                 let n: Vec<usize> = v.split(',').map(|x| x.parse().expect("MC,KC,NC")).collect();
@@ -135,7 +214,7 @@ fn main() {
             Runtime::new(RuntimeConfig {
                 isa,
                 topology: TopologyRequest {
-                    max_threads: Some(1),
+                    max_threads: Some(threads),
                     ..Default::default()
                 },
                 blocking,
@@ -165,7 +244,7 @@ fn main() {
         let flops = 2.0 * (s.batch * s.m * s.n * s.k) as f64;
         // Repeat small problems so one timing is at least ~20 ms.
         let inner = ((2e-2 * 50e9 / flops).ceil() as usize).max(1);
-        let mut times = vec![Vec::new(); rts.len()];
+        let mut times = vec![Vec::new(); rts.len() + usize::from(with_mm)];
         for rep in 0..=reps {
             for (v, rt) in rts.iter().enumerate() {
                 let t = Instant::now();
@@ -174,6 +253,15 @@ fn main() {
                 }
                 if rep > 0 {
                     times[v].push(t.elapsed().as_secs_f64() / inner as f64);
+                }
+            }
+            if with_mm {
+                let t = Instant::now();
+                for _ in 0..inner {
+                    run_mm(s, &a, &b, &mut c);
+                }
+                if rep > 0 {
+                    times[rts.len()].push(t.elapsed().as_secs_f64() / inner as f64);
                 }
             }
         }
@@ -193,9 +281,10 @@ fn main() {
             ts.sort_by(f64::total_cmp);
             let g = |t: f64| flops / t / 1e9;
             let (med, best, worst) = (g(ts[ts.len() / 2]), g(ts[0]), g(ts[ts.len() - 1]));
-            let name = match variants[v] {
-                None => "derived".to_string(),
-                Some(b) => format!("{},{},{}", b.mc, b.kc, b.nc),
+            let name = match variants.get(v) {
+                None => "mm".to_string(),
+                Some(None) => "derived".to_string(),
+                Some(Some(b)) => format!("{},{},{}", b.mc, b.kc, b.nc),
             };
             println!(
                 "{:<18} {:>8} {:>11.1} ({:>4.1}%) {:>11.1} ({:>4.1}%) {:>6.1}-{:<6.1}",
