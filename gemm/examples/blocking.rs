@@ -1,7 +1,9 @@
-//! Side-by-side timing of block sizes (and ISAs) on the shapes of issue 14, at 1 thread.
+//! Side-by-side timing of block sizes (and ISAs) on the shapes of issue 14.
 //!
 //! ```text
 //! cargo run --release -p fugu-gemm --example blocking -- [VARIANT ...] [--reps N] [--isa avx2]
+//!     [--only SUBSTR] [--threads N] [--mm]
+//! cargo run --release -p fugu-gemm --example blocking -- --kernel-only KC [--isa avx2]
 //! ```
 //!
 //! Each VARIANT is `derived` (the cache-derived blocking, `FUGU_GEMM_MC/KC/NC` still apply) or
@@ -9,10 +11,12 @@
 //! The variants run round-robin, one repetition each in turn, so that load from other processes
 //! hits all of them alike; the report gives the median and the best of `--reps` repetitions, in
 //! GFLOP/s and in % of the FMA peak measured by `fugu_gemm::peak::measure_core_gflops` before and
-//! after the timings (the larger of the two). `--only SUBSTR` keeps the shapes whose name
-//! contains SUBSTR; `--threads N` runs fugu-gemm on N threads (the % is still of one core's
-//! peak); `--mm` adds matrixmultiply (single-threaded) to the round-robin. `--kernel-only KC`
-//! instead times the bare micro-kernel on L1-resident panels of depth KC.
+//! after the timings (the larger of the two).
+//!
+//! * `--only SUBSTR` keeps the shapes whose name contains SUBSTR;
+//! * `--threads N` runs fugu-gemm on N threads (the % is still of one core's peak);
+//! * `--mm` adds matrixmultiply (on `MATMUL_NUM_THREADS` threads, default 1) to the round-robin;
+//! * `--kernel-only KC` instead times the bare micro-kernel on L1-resident panels of depth KC.
 use fugu_gemm::peak::measure_core_gflops;
 use fugu_gemm::{
     BatchMut, BatchRef, Blocking, Isa, MatMut, MatRef, Runtime, RuntimeConfig, TopologyRequest,
@@ -98,7 +102,7 @@ fn run(rt: &Runtime, s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
     }
 }
 
-/// The same problem with matrixmultiply (single-threaded: no `threading` feature here).
+/// The same problem with matrixmultiply (on `MATMUL_NUM_THREADS` threads, 1 by default).
 fn run_mm(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
     let (m, n, k) = (s.m, s.n, s.k);
     let (rsb, csb) = if s.tb {
@@ -160,6 +164,11 @@ fn kernel_only(isa: Option<Isa>, kc: usize) {
 }
 
 fn main() {
+    // The workspace enables matrixmultiply's `threading` feature; keep it on one thread unless
+    // asked otherwise (it reads this variable on first use).
+    if std::env::var_os("MATMUL_NUM_THREADS").is_none() {
+        std::env::set_var("MATMUL_NUM_THREADS", "1");
+    }
     let mut variants: Vec<Option<Blocking>> = Vec::new();
     let mut reps = 7;
     let mut isa = None;
