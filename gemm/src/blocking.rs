@@ -36,8 +36,38 @@
 //!   bring into a victim L3 such as AMD's, and to C): `nc·kc·4 <= L3_share / 2`, nc in
 //!   `[16·nr, 8192]`. Without an L3 (A64FX: B̃ streams from HBM) nc is 4096.
 //!
-//! Associativity comes from sysfs (`ways_of_associativity`); when it is missing, 8 ways are
-//! assumed. `FUGU_GEMM_MC`, `FUGU_GEMM_KC` and `FUGU_GEMM_NC` override each size.
+//! mc is capped at 4096. Associativity comes from sysfs (`ways_of_associativity`); when it is
+//! missing, 8 ways are assumed. `FUGU_GEMM_MC`, `FUGU_GEMM_KC` and `FUGU_GEMM_NC` override each
+//! size.
+//!
+//! Derived sizes (asserted, with the inequalities, by the unit tests below):
+//!
+//! | machine | L1d / L2 / L3 share | tile | mc | kc | nc | old mc, kc |
+//! |---|---|---|---|---|---|---|
+//! | Zen 3 | 32K 8-way / 512K 8-way / 32M | avx2 16 × 6 | 304 | 320 | 8190 | 96, 672 |
+//! | Zen 4 | 32K 8-way / 1M 8-way / 32M | avx512 32 × 12 | 1216 | 160 | 8184 | 384, 336 |
+//! | Zen 5 | 48K 12-way / 1M 16-way / 32M | avx512 32 × 12 | 896 | 256 | 8184 | 256, 512 |
+//! | Skylake-X (18 cores) | 32K 8-way / 1M 16-way / 11M | avx512 32 × 12 | 1408 | 160 | 8184 | 384, 336 |
+//! | Neoverse V1 (Graviton 3) | 64K 4-way / 1M 8-way / 8M | sve-256 16 × 10 | 768 | 256 | 4090 | 160, 816 |
+//! | A64FX CMG | 64K 4-way / 8M 16-way shared by 12 / none | sve 32 × 10 | 4096 | 256 | 4090 | 1280, 816 |
+//!
+//! The Ã micro-panel of the Zen 4 / Skylake-X AVX-512 tile (32 × 12) is 128 bytes per k step, so
+//! only kc = 160 fits beside B̃ in a 32 KiB 8-way L1.
+//!
+//! Measured, only on the 2-core Zen 3 VM (AMD EPYC family 25 model 1, FMA-loop peak 102.5
+//! GFLOP/s/core), with `cargo run --release -p fugu-gemm --example blocking`, which runs block
+//! sizes round-robin in one process (load average 0.9–3.6 from other work; medians of 7):
+//! at 1 thread every block size tried in kc 208–672 × mc 96–464 is within the ±3% run-to-run
+//! noise on 2048³ (derived 304/320: 84–92 GFLOP/s, old 96/672: 81–91) and qkv fwd
+//! 1024×2304×768; on lm-head bwd-data 1024×768×50304 (k = 50304, so 157 passes over C with
+//! kc = 320 against 75 with kc = 672) the derived sizes are 1–3% slower (e.g. 89.7 against 90.3
+//! and 84.6 against 87.2), and kc = 208 (one B̃ plus two whole Ã micro-panels in L1) is slower
+//! still (83.3). At 2 threads, 2048³ went from 175 / 172 to 182 / 182 GFLOP/s and lm-head
+//! bwd-data from 177 / 177 to 175 / 174 (two paired runs, blocking and the AVX2 kernel changes
+//! together). On this core streaming B̃ from L2 again each call (the old kc) is cheap: the L2
+//! delivers 32 B/cycle and a k step needs 64 + 24 bytes per 6 cycles. AVX-512 and aarch64 hosts:
+//! not measured (no such machine was available); the old sizes are in the table above for a
+//! comparison there.
 
 use crate::error::GemmError;
 use std::fs;
@@ -382,7 +412,14 @@ mod tests {
         // 48 KiB 12-way L1d, 1 MiB 16-way private L2, 32 MiB L3 per CCX.
         let c = caches(48 * K, 12, M, 16, 1, 32 * M, 16);
         let b = check("Zen 5", &c, 32, 12);
-        assert_eq!(b.kc, 256);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 896,
+                kc: 256,
+                nc: 8184
+            }
+        );
     }
 
     #[test]
@@ -390,14 +427,30 @@ mod tests {
         // 32 KiB 8-way L1d, 1 MiB 16-way private L2, 1.375 MiB of L3 per core (18 cores,
         // 36 CPUs share 24.75 MiB).
         let c = caches(32 * K, 8, M, 16, 1, 18 * 1408 * K, 36);
-        check("Skylake-X", &c, 32, 12);
+        let b = check("Skylake-X", &c, 32, 12);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 1408,
+                kc: 160,
+                nc: 8184
+            }
+        );
     }
 
     #[test]
     fn neoverse_v1() {
         // 64 KiB 4-way L1d, 1 MiB 8-way private L2, 32 MiB L3 shared by 64 cores (Graviton 3).
         let c = caches(64 * K, 4, M, 8, 1, 32 * M, 64);
-        check("Neoverse V1 SVE-256", &c, 16, 10);
+        let b = check("Neoverse V1 SVE-256", &c, 16, 10);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 768,
+                kc: 256,
+                nc: 4090
+            }
+        );
         check("Neoverse V1 NEON", &c, 16, 6);
     }
 

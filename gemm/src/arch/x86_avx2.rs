@@ -8,26 +8,40 @@
 //! | 12 ymm | C accumulators: column `j` is `acc[j][0]` (rows 0–7) and `acc[j][1]` (rows 8–15) |
 //! | 2 ymm | the two Ã vectors of the current k step (`vmovups`, 64 bytes = one cache line) |
 //! | 1 ymm | the B̃ broadcast (`vbroadcastss`), reused by the two FMAs of its column |
-//! | 1 ymm | free (LLVM keeps alpha there) |
+//! | 1 ymm | free (the compiled loop uses ymm1–ymm15; ymm0 holds alpha, live across the loop) |
 //!
 //! Throughput: one k step is 12 FMAs, i.e. 6 cycles on the two 256-bit FMA pipes of Haswell to
 //! Zen 3, against 8 loads (2 Ã + 6 broadcasts; Zen 3 does 3 loads a cycle) and 64 bytes of Ã
 //! streamed from L2. 12 independent accumulators cover the FMA latency × pipes (Zen 3: 4 × 2 =
-//! 8; Haswell: 5 × 2 = 10). The compiled loop (checked with `objdump -d`) has no spills.
+//! 8; Haswell: 5 × 2 = 10). The compiled loop (checked with `objdump -d`) has no spills; beta
+//! is stored to the stack once at entry and reloaded for the C update.
 //!
 //! The k loop is unrolled by 4 with software prefetch of Ã `PF_A = 8` steps (512 bytes) ahead,
 //! two lines per two steps, and the six C columns are prefetched at entry (hints only, so C is
 //! still never read when `beta == 0`; a prefetch past the end of Ã cannot fault, contract item
-//! 4 allows hints). Measured on the 2-core AMD EPYC Zen 3 VM (family 25 model 1, FMA loop peak
-//! 102.5 GFLOP/s/core), `cargo run --release -p fugu-gemm --example blocking`, 1 thread,
-//! derived blocking (mc=304 kc=320 nc=8190), load average 3.3–3.7 from other work on the
-//! machine, medians of 5–7 repetitions per run, over 5 paired runs, 2048³: plain loop 85.3,
-//! 85.3, 86.7, 90.3, 88.3 GFLOP/s; unrolled + prefetch 89.0, 86.3, 89.7, 92.1, 91.2 GFLOP/s
-//! (about +3%, 87–90% of the FMA peak; run-to-run spread is ±3%). Prefetch distances 4 and 16
-//! measured the same as 8 within that noise. Other shapes (lm-head bwd-data 1024×768×50304,
-//! qkv fwd 1024×2304×768: 84–91 GFLOP/s; 48 × 64³ batched: 62–66 GFLOP/s) did not change
-//! beyond the noise. Not tried for lack of time: the 8 × 8 or 24 × 4 tiles, a BLIS-style
-//! 6 × 16 tile vectorised along n (it would need a transposing C update).
+//! 4 allows hints).
+//!
+//! Measured on the 2-core AMD EPYC Zen 3 VM (family 25 model 1, FMA-loop peak 102.5
+//! GFLOP/s/core) with `cargo run --release -p fugu-gemm --example blocking -- 304,320,8190`
+//! (1 thread, the derived Zen 3 blocking given explicitly), the previous kernel (plain k loop, no
+//! prefetch) and this one built side by side and run alternately, 4 pairs at load average
+//! 0.6–0.8, medians of 5 (GFLOP/s, previous → this):
+//!
+//! | shape | pair 1 | pair 2 | pair 3 | pair 4 |
+//! |---|---|---|---|---|
+//! | 2048³ | 86.8 → 89.1 | 86.6 → 88.9 | 86.5 → 88.1 | 86.6 → 87.2 |
+//! | lm-head bwd-data 1024×768×50304 | 84.9 → 86.7 | 84.5 → 85.7 | 82.6 → 84.8 | 83.7 → 83.4 |
+//! | qkv fwd 1024×2304×768 | 90.5 → 91.4 | 89.2 → 90.3 | 85.7 → 89.9 | 90.3 → 88.9 |
+//! | QKᵀ 48 × 64³ | 64.1 → 67.3 | 64.1 → 67.4 | 64.5 → 67.1 | 63.1 → 67.0 |
+//! | PV 48 × 64³ | 64.5 → 68.3 | 64.1 → 68.1 | 64.8 → 68.3 | 63.5 → 67.6 |
+//!
+//! About +2% on the large shapes (2048³: 87–89% of the peak) and +5% on the batched 64³ ones,
+//! of which about half comes from the driver's uninitialised edge-tile scratch, committed with
+//! it. Under heavier load (3.3–3.7) prefetch distances of 4, 8 and 16 steps measured the same.
+//! On L1-resident panels (`--kernel-only KC`) the kernel runs at 97% of the peak at kc = 320
+//! (99.3 GFLOP/s) and 89% at kc = 64. Tried and dropped (no gain beyond the noise): prefetching
+//! B̃ ahead as well; 2 MiB huge pages for the packing buffers. Not tried: other tiles (8 × 8,
+//! 24 × 4), a BLIS-style 6 × 16 tile vectorised along n (it needs a transposing C update).
 
 use crate::kernel::{Isa, KernelF32};
 use std::arch::x86_64::*;
