@@ -29,16 +29,20 @@ struct Shape {
     n: usize,
     k: usize,
     batch: usize,
+    /// A is given as its transpose (k × m row-major), as in a weight gradient Xᵀ·dY.
+    ta: bool,
+    /// B is given as its transpose (n × k row-major), as in Q·Kᵀ.
     tb: bool,
 }
 
-const SHAPES: [Shape; 5] = [
+const SHAPES: [Shape; 6] = [
     Shape {
         name: "2048^3",
         m: 2048,
         n: 2048,
         k: 2048,
         batch: 1,
+        ta: false,
         tb: false,
     },
     Shape {
@@ -47,6 +51,7 @@ const SHAPES: [Shape; 5] = [
         n: 768,
         k: 50304,
         batch: 1,
+        ta: false,
         tb: false,
     },
     Shape {
@@ -55,6 +60,16 @@ const SHAPES: [Shape; 5] = [
         n: 2304,
         k: 768,
         batch: 1,
+        ta: false,
+        tb: false,
+    },
+    Shape {
+        name: "lm-head bwd-weight",
+        m: 50304,
+        n: 768,
+        k: 1024,
+        batch: 1,
+        ta: true,
         tb: false,
     },
     Shape {
@@ -63,6 +78,7 @@ const SHAPES: [Shape; 5] = [
         n: 64,
         k: 64,
         batch: 48,
+        ta: false,
         tb: true,
     },
     Shape {
@@ -71,15 +87,21 @@ const SHAPES: [Shape; 5] = [
         n: 64,
         k: 64,
         batch: 48,
+        ta: false,
         tb: false,
     },
 ];
 
 fn run(rt: &Runtime, s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
     if s.batch == 1 {
+        let av = if s.ta {
+            MatRef::row_major(a, s.k, s.m).unwrap().t()
+        } else {
+            MatRef::row_major(a, s.m, s.k).unwrap()
+        };
         rt.gemm(
             1.0,
-            MatRef::row_major(a, s.m, s.k).unwrap(),
+            av,
             MatRef::row_major(b, s.k, s.n).unwrap(),
             0.0,
             MatMut::row_major(c, s.m, s.n).unwrap(),
@@ -105,6 +127,11 @@ fn run(rt: &Runtime, s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
 /// The same problem with matrixmultiply (on `MATMUL_NUM_THREADS` threads, 1 by default).
 fn run_mm(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
     let (m, n, k) = (s.m, s.n, s.k);
+    let (rsa, csa) = if s.ta {
+        (1, m as isize)
+    } else {
+        (k as isize, 1)
+    };
     let (rsb, csb) = if s.tb {
         (1, k as isize)
     } else {
@@ -119,8 +146,8 @@ fn run_mm(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
                 n,
                 1.0,
                 a.as_ptr().add(i * m * k),
-                k as isize,
-                1,
+                rsa,
+                csa,
                 b.as_ptr().add(i * k * n),
                 rsb,
                 csb,
