@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release -p fugu-gemm --example blocking -- [VARIANT ...] [--reps N] [--isa avx2]
 //!     [--only SUBSTR] [--threads N] [--mm]
-//! cargo run --release -p fugu-gemm --example blocking -- --kernel-only KC [--isa avx2]
+//! cargo run --release -p fugu-gemm --example blocking -- [--isa avx2] --kernel-only KC [MC]
 //! ```
 //!
 //! Each VARIANT is `derived` (the cache-derived blocking, `FUGU_GEMM_MC/KC/NC` still apply) or
@@ -16,7 +16,8 @@
 //! * `--only SUBSTR` keeps the shapes whose name contains SUBSTR;
 //! * `--threads N` runs fugu-gemm on N threads (the % is still of one core's peak);
 //! * `--mm` adds matrixmultiply (on `MATMUL_NUM_THREADS` threads, default 1) to the round-robin;
-//! * `--kernel-only KC` instead times the bare micro-kernel on L1-resident panels of depth KC.
+//! * `--kernel-only KC [MC]` instead times the bare micro-kernel: one B̃ micro-panel of depth KC
+//!   against the Ã micro-panels of an MC-row Ã block (default: one micro-panel, all in L1).
 use fugu_gemm::peak::measure_core_gflops;
 use fugu_gemm::{
     BatchMut, BatchRef, Blocking, Isa, MatMut, MatRef, Runtime, RuntimeConfig, TopologyRequest,
@@ -160,29 +161,46 @@ fn run_mm(s: &Shape, a: &[f32], b: &[f32], c: &mut [f32]) {
     }
 }
 
-/// The micro-kernel alone on panels that stay in L1 (one Ã and one B̃ micro-panel of depth
-/// `kc`, C tile in L1): the ceiling the driver can reach.
-fn kernel_only(isa: Option<Isa>, kc: usize) {
+/// The micro-kernel alone, as the macro-kernel calls it: one B̃ micro-panel of depth `kc` against
+/// the `mc / mr` Ã micro-panels of an Ã block (`mc = mr`: everything stays in L1), into a C block
+/// that stays in cache. The ceiling the driver can reach with these block sizes.
+fn kernel_only(isa: Option<Isa>, kc: usize, mc: Option<usize>) {
     let k = isa.map_or_else(fugu_gemm::kernel::best_kernel, |i| {
         fugu_gemm::kernel::kernel_for(i).expect("ISA not available")
     });
-    let a = vec![0.5f32; kc * k.mr];
+    let panels = mc.map_or(1, |mc| mc.div_ceil(k.mr));
+    let a = vec![0.5f32; panels * kc * k.mr];
     let b = vec![0.25f32; kc * k.nr];
-    let mut c = vec![0.0f32; k.mr * k.nr];
-    let calls = (2e8 as usize / (kc * k.mr * k.nr)).max(1);
+    let mut c = vec![0.0f32; panels * k.mr * k.nr];
+    let calls = (2e8 as usize / (kc * k.mr * k.nr * panels)).max(1);
     let mut rates = Vec::new();
     for _ in 0..7 {
         let t = Instant::now();
         for _ in 0..calls {
-            // SAFETY: a holds kc*mr floats, b kc*nr, c an mr×nr column-major tile (ldc = mr).
-            unsafe { (k.func)(kc, 1.0, a.as_ptr(), b.as_ptr(), 1.0, c.as_mut_ptr(), k.mr) };
+            for i in 0..panels {
+                // SAFETY: panel i of a holds kc*mr floats, b kc*nr, and tile i of c is an
+                // mr × nr column-major tile (ldc = mr).
+                unsafe {
+                    (k.func)(
+                        kc,
+                        1.0,
+                        a.as_ptr().add(i * kc * k.mr),
+                        b.as_ptr(),
+                        1.0,
+                        c.as_mut_ptr().add(i * k.mr * k.nr),
+                        k.mr,
+                    )
+                };
+            }
         }
-        rates.push(2.0 * (calls * kc * k.mr * k.nr) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        let flops = 2.0 * (calls * panels * kc * k.mr * k.nr) as f64;
+        rates.push(flops / t.elapsed().as_secs_f64() / 1e9);
     }
     rates.sort_by(f64::total_cmp);
     let peak = measure_core_gflops(k.isa).unwrap_or(f64::NAN);
     println!(
-        "{k:?} kc={kc}, panels in L1: median {:.1} GFLOP/s ({:.1}%), best {:.1} ({:.1}%) of {peak:.1}",
+        "{k:?} kc={kc} mc={}: median {:.1} GFLOP/s ({:.1}%), best {:.1} ({:.1}%) of {peak:.1}",
+        panels * k.mr,
         rates[3],
         100.0 * rates[3] / peak,
         rates[6],
@@ -219,8 +237,9 @@ fn main() {
                 let kc = args
                     .next()
                     .and_then(|s| s.parse().ok())
-                    .expect("--kernel-only KC");
-                return kernel_only(isa, kc);
+                    .expect("--kernel-only KC [MC]");
+                let mc = args.next().and_then(|s| s.parse().ok());
+                return kernel_only(isa, kc, mc);
             }
             "derived" => variants.push(None),
             v => {
