@@ -68,7 +68,7 @@
 //! delivers 32 B/cycle and a k step needs 64 + 24 bytes per 6 cycles. The micro-kernel alone over
 //! one Ã block against one B̃ micro-panel (`--kernel-only KC MC`, load 0.7) runs at 98.0 GFLOP/s
 //! (96% of the peak) with the derived kc = 320, mc = 304, against 99.4 with everything in L1, and
-//! drops to 85.6 with kc = 672, mc = 304 (an 840 KiB Ã block, larger than the L2): the derived
+//! drops to 85.6 with kc = 672, mc = 304 (a 798 KiB Ã block, larger than the L2): the derived
 //! sizes leave the kernel's ceiling intact; the 87–90% the driver reaches on the large shapes is
 //! lost outside it (packing, about 3.5% of the 2048³ time in `perf record`, and C tiles fetched
 //! from L3 or memory on every pc pass). AVX-512 and aarch64 hosts:
