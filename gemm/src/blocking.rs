@@ -1,9 +1,79 @@
 //! Cache-derived block sizes (mc, kc, nc) for the five-loop driver.
 //!
-//! Sizes follow the BLIS analytical model: a B̃ micro-panel (kc × nr) stays in half of L1, an Ã
-//! block (mc × kc) in half of the L2 a thread can use, and the B̃ panel (kc × nc) in half of the
-//! L3 share of one domain (or a fixed large nc on machines without an L3, such as A64FX, where
-//! it streams from HBM). `FUGU_GEMM_MC`, `FUGU_GEMM_KC` and `FUGU_GEMM_NC` override each.
+//! The sizes follow the analytical model of Low, Igual, Smith and Quintana-Ortí, "Analytical
+//! modeling is enough for high-performance BLIS" (ACM TOMS 43(2), 2016), for fugu's loop order
+//! (`docs/KERNELS.md`: jr outside ir, so one B̃ micro-panel (kc × nr) is reused from L1 by every
+//! Ã micro-panel (mr × kc) of the Ã block, and the Ã micro-panels stream through L1 from L2).
+//! A cache of `W` ways of `S/W` bytes each is modelled as set-associative LRU; data packed
+//! contiguously spreads evenly over the sets, so a buffer of `x` bytes takes `ceil(x / (S/W))`
+//! ways of every set.
+//!
+//! * **kc (L1).** Between two uses of the same B̃ line, the kernel touches one whole Ã
+//!   micro-panel and the rest of B̃, so B̃ stays in L1 only if both fit, plus one free way: while
+//!   the next Ã micro-panel comes in, LRU must evict lines of the previous Ã micro-panel, not of
+//!   B̃. With `C_A` ways for Ã and `C_B` for B̃:
+//!
+//!   `ceil(mr·kc·4 / (S1/W1)) + ceil(nr·kc·4 / (S1/W1)) <= W1 − 1`
+//!
+//!   kc is the largest value that satisfies it with the ways split in the ratio mr : nr:
+//!   `C_A = floor((W1 − 1)·mr / (mr + nr))`, `kc = C_A·(S1/W1) / (mr·4)` (then `C_B =
+//!   ceil(C_A·nr/mr) <= W1 − 1 − C_A`). The old rule, "B̃ micro-panel in half of L1", ignored the
+//!   Ã micro-panel: on Zen 3 (AVX2 16 × 6) it gave kc = 672, a 43 KiB Ã micro-panel streaming
+//!   through a 32 KiB L1, which evicts B̃ on every micro-kernel call.
+//! * **mc (L2).** The Ã block (mc × kc) stays in L2 while the current B̃ micro-panel(s) and C
+//!   tiles pass through it, again with one free way:
+//!
+//!   `ceil(mc·kc·4 / (S2/W2)) + ceil(t·nr·kc·4 / (S2/W2)) <= W2 − 1`
+//!
+//!   where `t` is the number of threads whose B̃ micro-panels share that L2. With a private L2
+//!   (x86, Neoverse) `t = 1` and each thread has its own Ã block. With an L2 shared by a domain
+//!   (A64FX CMG: 12 cores, 8 MiB) the default split is `jr` (one Ã block for the domain, see
+//!   [`crate::SplitMode`]), so the Ã block gets the whole L2 and `t` = the sharers; if `ic` split
+//!   is forced there, every thread packs its own Ã block into its share of the L2 (`S2/t` bytes,
+//!   still `W2` ways) with `t = 1`.
+//! * **nc (L3).** The B̃ panel (kc × nc), shared by the threads of a domain, takes at most half of
+//!   the domain's L3 share (the other half is left to the threads' Ã blocks, which L2 victims
+//!   bring into a victim L3 such as AMD's, and to C): `nc·kc·4 <= L3_share / 2`, nc in
+//!   `[16·nr, 8192]`. Without an L3 (A64FX: B̃ streams from HBM) nc is 4096.
+//!
+//! mc is capped at 4096. Associativity comes from sysfs (`ways_of_associativity`); when it is
+//! missing, 8 ways are assumed. `FUGU_GEMM_MC`, `FUGU_GEMM_KC` and `FUGU_GEMM_NC` override each
+//! size.
+//!
+//! Derived sizes (asserted, with the inequalities, by the unit tests below):
+//!
+//! | machine | L1d / L2 / L3 share | tile | mc | kc | nc | old mc, kc |
+//! |---|---|---|---|---|---|---|
+//! | Zen 3 | 32K 8-way / 512K 8-way / 32M | avx2 16 × 6 | 304 | 320 | 8190 | 96, 672 |
+//! | Zen 4 | 32K 8-way / 1M 8-way / 32M | avx512 32 × 12 | 1216 | 160 | 8184 | 384, 336 |
+//! | Zen 5 | 48K 12-way / 1M 16-way / 32M | avx512 32 × 12 | 896 | 256 | 8184 | 256, 512 |
+//! | Skylake-X (18 cores) | 32K 8-way / 1M 16-way / 11M | avx512 32 × 12 | 1408 | 160 | 8184 | 384, 336 |
+//! | Neoverse V1 (Graviton 3) | 64K 4-way / 1M 8-way / 8M | sve-256 16 × 10 | 768 | 256 | 4090 | 160, 816 |
+//! | A64FX CMG | 64K 4-way / 8M 16-way shared by 12 / none | sve 32 × 10 | 4096 | 256 | 4090 | 1280, 816 |
+//!
+//! The Ã micro-panel of the Zen 4 / Skylake-X AVX-512 tile (32 × 12) is 128 bytes per k step, so
+//! only kc = 160 fits beside B̃ in a 32 KiB 8-way L1.
+//!
+//! Measured, only on the 2-core Zen 3 VM (AMD EPYC family 25 model 1, FMA-loop peak 102.5
+//! GFLOP/s/core), with `cargo run --release -p fugu-gemm --example blocking`, which runs block
+//! sizes round-robin in one process (load average 0.9–3.6 from other work; medians of 7):
+//! at 1 thread every block size tried in kc 208–672 × mc 96–464 is within the ±3% run-to-run
+//! noise on 2048³ (derived 304/320: 84–92 GFLOP/s, old 96/672: 81–91) and qkv fwd
+//! 1024×2304×768; on lm-head bwd-data 1024×768×50304 (k = 50304, so 157 passes over C with
+//! kc = 320 against 75 with kc = 672) the derived sizes are 1–3% slower (e.g. 89.7 against 90.3
+//! and 84.6 against 87.2), and kc = 208 (one B̃ plus two whole Ã micro-panels in L1) is slower
+//! still (83.3). At 2 threads, 2048³ went from 175 / 172 to 182 / 182 GFLOP/s and lm-head
+//! bwd-data from 177 / 177 to 175 / 174 (two paired runs, blocking and the AVX2 kernel changes
+//! together). On this core streaming B̃ from L2 again each call (the old kc) is cheap: the L2
+//! delivers 32 B/cycle and a k step needs 64 + 24 bytes per 6 cycles. The micro-kernel alone over
+//! one Ã block against one B̃ micro-panel (`--kernel-only KC MC`, load 0.7) runs at 98.0 GFLOP/s
+//! (96% of the peak) with the derived kc = 320, mc = 304, against 99.4 with everything in L1, and
+//! drops to 85.6 with kc = 672, mc = 304 (a 798 KiB Ã block, larger than the L2): the derived
+//! sizes leave the kernel's ceiling intact; the 87–90% the driver reaches on the large shapes is
+//! lost outside it (packing, about 3.5% of the 2048³ time in `perf record`, and C tiles fetched
+//! from L3 or memory on every pc pass). AVX-512 and aarch64 hosts:
+//! not measured (no such machine was available); the old sizes are in the table above for a
+//! comparison there.
 
 use crate::error::GemmError;
 use std::fs;
@@ -12,7 +82,11 @@ use std::fs;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheInfo {
     pub l1d: usize,
+    /// Ways of associativity of the L1d (0: unknown, 8 assumed).
+    pub l1d_ways: usize,
     pub l2: usize,
+    /// Ways of associativity of the L2 (0: unknown, 8 assumed).
+    pub l2_ways: usize,
     pub l2_shared_by: usize,
     pub l3: usize,
     pub l3_shared_by: usize,
@@ -23,7 +97,9 @@ impl Default for CacheInfo {
     fn default() -> Self {
         CacheInfo {
             l1d: 32 << 10,
+            l1d_ways: 8,
             l2: 512 << 10,
+            l2_ways: 8,
             l2_shared_by: 1,
             l3: 0,
             l3_shared_by: 1,
@@ -85,14 +161,21 @@ impl CacheInfo {
             let Some(size) = parse_size(&size) else {
                 continue;
             };
+            let ways = read("ways_of_associativity")
+                .and_then(|w| w.trim().parse::<usize>().ok())
+                .unwrap_or(0);
             let shared = read("shared_cpu_list")
                 .and_then(|s| parse_cpulist(&s))
                 .map(|v| v.len().max(1))
                 .unwrap_or(1);
             match (level.trim(), kind.trim()) {
-                ("1", "Data") => info.l1d = size,
+                ("1", "Data") => {
+                    info.l1d = size;
+                    info.l1d_ways = ways;
+                }
                 ("2", "Unified") | ("2", "Data") => {
                     info.l2 = size;
+                    info.l2_ways = ways;
                     info.l2_shared_by = shared;
                 }
                 ("3", "Unified") => {
@@ -131,12 +214,39 @@ fn round_down(x: usize, to: usize) -> usize {
 }
 
 impl Blocking {
-    /// Derives block sizes for an `mr × nr` kernel from the cache sizes.
+    /// Derives block sizes for an `mr × nr` kernel from the cache sizes, for the split mode the
+    /// runtime picks by default (`jr`, one Ã block per domain, when the L2 is shared; `ic`, one
+    /// Ã block per thread, otherwise). See the module docs for the model.
     pub fn derive(c: &CacheInfo, mr: usize, nr: usize) -> Blocking {
-        let kc = round_down((c.l1d / 2) / (nr * 4), 16).clamp(64, 1024);
-        let mc = round_down((c.l2 / 2) / (kc * 4), mr).min(round_down(4096, mr));
+        Blocking::derive_for(c, mr, nr, c.l2_shared_by > 1)
+    }
+
+    /// [`Blocking::derive`] for a given split: `a_block_shared` is true when the threads that
+    /// share the L2 share one Ã block (`jr` split), false when each packs its own (`ic`).
+    pub fn derive_for(c: &CacheInfo, mr: usize, nr: usize, a_block_shared: bool) -> Blocking {
+        const F32: usize = 4;
+        let ways = |w: usize| if w == 0 { 8 } else { w.max(2) };
+        // kc: C_A ways of L1 for one Ã micro-panel, C_B for the B̃ micro-panel, one way free.
+        let w1 = ways(c.l1d_ways);
+        let way1 = c.l1d / w1;
+        let c_a = ((w1 - 1) * mr / (mr + nr)).max(1);
+        let kc = round_down(c_a * way1 / (mr * F32), 16).clamp(64, 1024);
+        // mc: the Ã block and `t` B̃ micro-panels in L2, one way free.
+        let w2 = ways(c.l2_ways);
+        let sharers = c.l2_shared_by.max(1);
+        // Ã shared by the domain: the whole L2, with every sharer's B̃ micro-panel in it. Ã per
+        // thread: each thread's share of the L2 (every way of every set split `sharers` ways).
+        let (way2, t) = if a_block_shared {
+            (c.l2 / w2, sharers)
+        } else {
+            (c.l2 / sharers / w2, 1)
+        };
+        let c_b2 = (t * nr * kc * F32).div_ceil(way2);
+        let c_ac = w2.saturating_sub(1 + c_b2).max(1);
+        let mc = round_down(c_ac * way2 / (kc * F32), mr).min(round_down(4096, mr));
+        // nc: the B̃ panel in half of the domain's L3 share.
         let nc = if c.l3 > 0 {
-            round_down((c.l3_share() / 2) / (kc * 4), nr).clamp(nr * 16, 8192 / nr * nr)
+            round_down((c.l3_share() / 2) / (kc * F32), nr).clamp(nr * 16, 8192 / nr * nr)
         } else {
             round_down(4096, nr)
         };
@@ -190,19 +300,187 @@ mod tests {
         assert_eq!(parse_size("12"), Some(12));
     }
 
+    const K: usize = 1 << 10;
+    const M: usize = 1 << 20;
+
+    fn caches(
+        l1d: usize,
+        l1w: usize,
+        l2: usize,
+        l2w: usize,
+        l2_by: usize,
+        l3: usize,
+        l3_by: usize,
+    ) -> CacheInfo {
+        CacheInfo {
+            l1d,
+            l1d_ways: l1w,
+            l2,
+            l2_ways: l2w,
+            l2_shared_by: l2_by,
+            l3,
+            l3_shared_by: l3_by,
+        }
+    }
+
+    /// Checks the inequalities of the module docs (and that each size is the largest that
+    /// satisfies them), for the split `derive` picks and for the other one.
+    fn check(name: &str, c: &CacheInfo, mr: usize, nr: usize) -> Blocking {
+        for a_shared in [c.l2_shared_by > 1, c.l2_shared_by <= 1] {
+            let b = Blocking::derive_for(c, mr, nr, a_shared);
+            let what = format!("{name} {mr}x{nr} a_shared={a_shared}: {b:?}");
+            assert_eq!(b.kc % 16, 0, "{what}");
+            assert_eq!(b.mc % mr, 0, "{what}");
+            assert_eq!(b.nc % nr, 0, "{what}");
+            // L1: one Ã micro-panel + one B̃ micro-panel in W1 - 1 ways.
+            let (w1, way1) = (c.l1d_ways, c.l1d / c.l1d_ways);
+            let ways1 = |kc: usize| (mr * kc * 4).div_ceil(way1) + (nr * kc * 4).div_ceil(way1);
+            assert!(ways1(b.kc) < w1, "{what}: L1 ways {}", ways1(b.kc));
+            assert!((mr + nr) * b.kc * 4 <= c.l1d - way1, "{what}");
+            // ...and kc is the largest multiple of 16 that keeps Ã within its C_A ways.
+            let c_a = (w1 - 1) * mr / (mr + nr);
+            assert!((mr * b.kc * 4).div_ceil(way1) <= c_a, "{what}");
+            assert!(
+                b.kc == 1024 || (mr * (b.kc + 16) * 4).div_ceil(way1) > c_a,
+                "{what}"
+            );
+            // L2: the Ã block + t B̃ micro-panels in W2 - 1 ways of the L2 (or of this
+            // thread's share of it).
+            let w2 = c.l2_ways;
+            let sharers = c.l2_shared_by;
+            let (way2, t) = if a_shared {
+                (c.l2 / w2, sharers)
+            } else {
+                (c.l2 / sharers / w2, 1)
+            };
+            let ways2 =
+                |mc: usize| (mc * b.kc * 4).div_ceil(way2) + (t * nr * b.kc * 4).div_ceil(way2);
+            assert!(ways2(b.mc) < w2, "{what}: L2 ways {}", ways2(b.mc));
+            assert!(
+                b.mc * b.kc * 4 <= c.l2 / if a_shared { 1 } else { sharers },
+                "{what}"
+            );
+            assert!(
+                b.mc >= 4096 / mr * mr || ways2(b.mc + mr) >= w2,
+                "{what}: mc not maximal"
+            );
+            // L3: the B̃ panel in half of the domain's L3 share; no L3: nc = 4096 (to nr).
+            if c.l3 > 0 {
+                assert!(b.nc * b.kc * 4 <= c.l3_share() / 2, "{what}");
+                assert!(
+                    b.nc == 8192 / nr * nr || (b.nc + nr) * b.kc * 4 > c.l3_share() / 2,
+                    "{what}: nc not maximal"
+                );
+            } else {
+                assert_eq!(b.nc, 4096 / nr * nr, "{what}");
+            }
+        }
+        Blocking::derive(c, mr, nr)
+    }
+
+    // Tile sizes: AVX2 16 x 6, AVX-512 32 x 12, NEON 16 x 6, SVE 2·VL x 10 (gemm/src/arch).
+
     #[test]
-    fn a64fx_blocking_is_sane() {
-        let c = CacheInfo {
-            l1d: 64 << 10,
-            l2: 8 << 20,
-            l2_shared_by: 12,
-            l3: 0,
-            l3_shared_by: 1,
-        };
-        let b = Blocking::derive(&c, 32, 10);
-        assert!(b.kc * 10 * 4 <= 32 << 10);
-        assert!(b.mc * b.kc * 4 <= 4 << 20);
-        assert_eq!(b.mc % 32, 0);
-        assert_eq!(b.nc % 10, 0);
+    fn zen3_avx2() {
+        // 32 KiB 8-way L1d, 512 KiB 8-way private L2, 32 MiB L3 per 8-core CCX (16 CPUs).
+        let c = caches(32 * K, 8, 512 * K, 8, 1, 32 * M, 16);
+        let b = check("Zen 3", &c, 16, 6);
+        // C_A = floor(7·16/22) = 5 ways (20 KiB Ã micro-panel), B̃ 7.5 KiB in 2 ways: kc = 320,
+        // where the old half-of-L1 rule gave 672 (a 43 KiB Ã micro-panel).
+        assert_eq!(b.kc, 320);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 304,
+                kc: 320,
+                nc: 8190
+            }
+        );
+    }
+
+    #[test]
+    fn zen4_avx512() {
+        // 32 KiB 8-way L1d, 1 MiB 8-way private L2, 32 MiB L3 per CCX.
+        let c = caches(32 * K, 8, M, 8, 1, 32 * M, 16);
+        let b = check("Zen 4", &c, 32, 12);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 1216,
+                kc: 160,
+                nc: 8184
+            }
+        );
+    }
+
+    #[test]
+    fn zen5_avx512() {
+        // 48 KiB 12-way L1d, 1 MiB 16-way private L2, 32 MiB L3 per CCX.
+        let c = caches(48 * K, 12, M, 16, 1, 32 * M, 16);
+        let b = check("Zen 5", &c, 32, 12);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 896,
+                kc: 256,
+                nc: 8184
+            }
+        );
+    }
+
+    #[test]
+    fn skylake_x_avx512() {
+        // 32 KiB 8-way L1d, 1 MiB 16-way private L2, 1.375 MiB of L3 per core (18 cores,
+        // 36 CPUs share 24.75 MiB).
+        let c = caches(32 * K, 8, M, 16, 1, 18 * 1408 * K, 36);
+        let b = check("Skylake-X", &c, 32, 12);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 1408,
+                kc: 160,
+                nc: 8184
+            }
+        );
+    }
+
+    #[test]
+    fn neoverse_v1() {
+        // 64 KiB 4-way L1d, 1 MiB 8-way private L2, 32 MiB L3 shared by 64 cores (Graviton 3).
+        let c = caches(64 * K, 4, M, 8, 1, 32 * M, 64);
+        let b = check("Neoverse V1 SVE-256", &c, 16, 10);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 768,
+                kc: 256,
+                nc: 4090
+            }
+        );
+        check("Neoverse V1 NEON", &c, 16, 6);
+    }
+
+    #[test]
+    fn a64fx_sve512() {
+        // 64 KiB 4-way L1d, 8 MiB 16-way L2 shared by the 12 cores of a CMG, no L3.
+        let c = caches(64 * K, 4, 8 * M, 16, 12, 0, 1);
+        let b = check("A64FX", &c, 32, 10);
+        // C_A = floor(3·32/42) = 2 of 4 ways: kc = 256; the CMG's Ã block (jr split) then
+        // takes 14 of the 16 L2 ways, capped at mc = 4096.
+        assert_eq!(b.kc, 256);
+        assert_eq!(b.mc, 4096);
+        assert_eq!(b.nc, 4090);
+        // With ic split forced, each of the 12 threads packs its own Ã block in 1/12 of the L2.
+        let ic = Blocking::derive_for(&c, 32, 10, false);
+        assert!(ic.mc * ic.kc * 4 <= 8 * M / 12);
+    }
+
+    #[test]
+    fn unknown_ways_assume_eight() {
+        let mut c = caches(32 * K, 0, 512 * K, 0, 1, 0, 1);
+        let b = Blocking::derive(&c, 16, 6);
+        c.l1d_ways = 8;
+        c.l2_ways = 8;
+        assert_eq!(b, check("unknown ways", &c, 16, 6));
     }
 }

@@ -105,16 +105,16 @@ impl Runtime {
             .copied()
             .unwrap_or(0);
         let caches = CacheInfo::detect(first_cpu);
-        let blk = match cfg.blocking {
-            Some(b) => b,
-            None => Blocking::derive(&caches, kernel.mr, kernel.nr),
-        }
-        .with_env_overrides(kernel.mr, kernel.nr)?;
         let split = cfg.split.unwrap_or(if caches.l2_shared_by > 1 {
             SplitMode::Jr
         } else {
             SplitMode::Ic
         });
+        let blk = match cfg.blocking {
+            Some(b) => b,
+            None => Blocking::derive_for(&caches, kernel.mr, kernel.nr, split == SplitMode::Jr),
+        }
+        .with_env_overrides(kernel.mr, kernel.nr)?;
         let single = topology.domains.len() == 1 && topology.domains[0].threads == 1;
         let mut domains = Vec::new();
         for (di, d) in topology.domains.iter().enumerate() {
