@@ -46,10 +46,14 @@ pub(crate) struct Ctx {
 
 impl Ctx {
     /// Block sizes for one m×n×k problem: the cache-derived ones, except that when C is larger
-    /// than the last-level cache and k fits in two kc blocks, k is done in one block (as long
-    /// as a B̃ micro-panel still fits in L1). Each pc pass reads and writes all of C from
-    /// memory, so this halves C's traffic; on Zen 5 it gains about 5% on the LM head's
-    /// weight-gradient GEMM (C is 50304 × 768).
+    /// than the last-level cache and a B̃ micro-panel of the whole k (k × nr) still fits in L1,
+    /// k is done in one block. Each pc pass reads and writes all of C from memory, so this
+    /// divides C's traffic by the number of passes; on Zen 5 it gained about 5% on the LM
+    /// head's weight-gradient GEMM (C is 50304 × 768). With the analytical kc (320 on Zen 3)
+    /// the old bound "k ≤ 2·kc" left the GPT-2 LM head (k = 768, C of 256 × 50304) at three
+    /// passes: `cargo bench --bench train -- --threads 2` at B=4 T=64 went from 1380 ms/step
+    /// (old kc 672, one pass) to 1528–1557 ms, and back to 1407 ms with this bound (Zen 3 VM,
+    /// single noisy runs).
     pub fn blocking_for(&self, m: usize, n: usize, k: usize) -> Blocking {
         let mut b = self.blk;
         let c_bytes = m.saturating_mul(n).saturating_mul(4);
@@ -57,7 +61,6 @@ impl Ctx {
             && self.llc > 0
             && c_bytes > self.llc
             && k > b.kc
-            && k <= 2 * b.kc
             && k * self.kernel.nr * 4 <= self.l1d
         {
             b.kc = k;
@@ -358,9 +361,19 @@ mod tests {
         assert_eq!(kc(&ctx(4096, false), 20, 13, 15), 8, "C fits in the cache");
         assert_eq!(
             kc(&ctx(512, false), 20, 13, 17),
-            8,
-            "k needs more than two blocks"
+            17,
+            "three blocks become one"
         );
+        let small_l1 = Ctx {
+            l1d: 16 * crate::arch::portable::kernel().nr * 4,
+            ..ctx(512, false)
+        };
+        assert_eq!(
+            kc(&small_l1, 20, 13, 17),
+            8,
+            "a B micro-panel of k = 17 does not fit in L1"
+        );
+        assert_eq!(kc(&small_l1, 20, 13, 15), 15);
         assert_eq!(kc(&ctx(512, true), 20, 13, 15), 8, "FUGU_GEMM_KC given");
         assert_eq!(
             kc(&ctx(0, false), 20, 13, 15),
