@@ -119,12 +119,22 @@ pub fn machine_peak(isa: Isa, threads: usize) -> Result<Peak, crate::GemmError> 
             source: PeakSource::Given,
         });
     }
-    let per_core = measure_core_gflops(isa)
-        .or_else(|| measure_core_gflops(Isa::Portable))
-        .unwrap_or(1.0);
-    Ok(Peak {
+    Ok(measured_peak(isa, threads))
+}
+
+/// The peak for `threads` threads measured now with `isa`'s FMA loop on one core (the
+/// portable loop when `isa`'s is unavailable here, which the source then names).
+pub fn measured_peak(isa: Isa, threads: usize) -> Peak {
+    let (per_core, used) = match measure_core_gflops(isa) {
+        Some(g) => (g, isa),
+        None => (
+            measure_core_gflops(Isa::Portable).unwrap_or(1.0),
+            Isa::Portable,
+        ),
+    };
+    Peak {
         per_core_gflops: per_core,
         threads,
-        source: PeakSource::Measured { isa },
-    })
+        source: PeakSource::Measured { isa: used },
+    }
 }

@@ -14,7 +14,7 @@
 //! `FUGU_PEAK_REMEASURE=1` replaces the entry with the new measurement even when lower (a
 //! machine whose clock or power settings were lowered).
 
-use fugu_gemm::peak::{measure_core_gflops, Peak, PeakSource};
+use fugu_gemm::peak::{measured_peak, Peak, PeakSource};
 use fugu_gemm::Isa;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -83,18 +83,8 @@ pub fn lookup(path: &Path, cpu: &str, isa: Isa) -> Option<Entry> {
 /// run once the machine has been measured idle. `FUGU_PEAK_REMEASURE=1` replaces the entry
 /// with the new measurement whatever it is. Without a cache path: the measurement.
 pub fn cached_peak(path: Option<&Path>, cpu: &str, isa: Isa, threads: usize) -> Peak {
-    let (measured, used) = match measure_core_gflops(isa) {
-        Some(g) => (g, isa),
-        None => (
-            measure_core_gflops(Isa::Portable).unwrap_or(1.0),
-            Isa::Portable,
-        ),
-    };
-    let measured_peak = Peak {
-        per_core_gflops: measured,
-        threads,
-        source: PeakSource::Measured { isa: used },
-    };
+    let measured_peak = measured_peak(isa, threads);
+    let measured = measured_peak.per_core_gflops;
     let Some(p) = path else {
         return measured_peak;
     };
