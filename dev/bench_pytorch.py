@@ -3,11 +3,15 @@
 
     python3 dev/bench_pytorch.py [--threads 2] [--shape 4x64 --shape 4x256] [--steps 5]
     python3 dev/bench_pytorch.py --device cuda [--tf32] --shape 4x1024 --shape 16x1024
+    python3 dev/bench_pytorch.py --device cuda --autocast bf16 --shape 16x1024
 
 On a GPU (`--device cuda`) the same step runs on CUDA in fp32, with
 `torch.backends.cuda.matmul.allow_tf32` set by `--tf32` (off by default: strict fp32), and each
 step ends with `torch.cuda.synchronize()` before the clock is read. Compare with
 `cargo bench --features cuda --bench train -- --device cuda [--tf32]` on the same GPU.
+`--autocast bf16|fp16` wraps the forward and loss in `torch.autocast` (fp32 master weights and
+optimizer, matmuls and activations in the low type; fp16 adds a `GradScaler`), the mixed-precision
+baseline for `--precision bf16|fp16`.
 
 Builds GPT-2 124M (vocab 50257, n_positions 1024, n_embd 768, 12 heads, 12 layers, tanh-GELU,
 pre-LN, tied token embedding / LM head, no dropout) as a small plain-PyTorch module, in fp32 on
@@ -90,6 +94,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (GPU)")
+    ap.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                    help="torch.autocast mixed precision (fp32 weights; fp16 adds a GradScaler)")
     args = ap.parse_args()
     shapes = args.shape or ["4x64", "4x256"]
     dev = torch.device(args.device)
@@ -105,7 +111,9 @@ def main():
     torch.manual_seed(1)
     where = (f"{torch.cuda.get_device_name(dev)}, {'TF32' if args.tf32 else 'strict fp32'}"
              if gpu else f"{torch.get_num_threads()} threads, CPU")
-    print(f"torch {torch.__version__} | fp32 eager | {where}")
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
+    mode = f"eager + autocast {args.autocast}" if amp else "fp32 eager"
+    print(f"torch {torch.__version__} | {mode} | {where}")
     print(f"{'config':<12} {'BxT':>7} {'ms/step':>10} {'tokens/s':>10} {'TFLOP/s':>9}")
     for s in shapes:
         b, t = (int(z) for z in s.split("x"))
@@ -117,15 +125,19 @@ def main():
             lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
         )
         gen = torch.Generator().manual_seed(7)
+        scaler = torch.amp.GradScaler(dev.type, enabled=args.autocast == "fp16")
         times = []
         for step in range(args.steps + 1):
             window = torch.randint(0, V, (b, t + 1), generator=gen).to(dev)
             sync()
             t0 = time.perf_counter()
-            loss = model(window[:, :-1], window[:, 1:])
-            loss.backward()
+            with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
+                loss = model(window[:, :-1], window[:, 1:])
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad(set_to_none=True)
             sync()
             ms = (time.perf_counter() - t0) * 1e3

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod dtype;
 pub mod metrics;
 pub mod model;
 pub mod ops;

@@ -23,7 +23,8 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::{self, CudaBackend};
     use fugu::backend::{
-        AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Span, TokSpan, WeightLayout,
+        AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype, Span, TokSpan,
+        WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
@@ -63,7 +64,7 @@ mod gpu {
         for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
             let ptx = cuda::kernels_ptx(major, minor)
                 .unwrap_or_else(|e| panic!("sm_{major}{minor}: {e:#}"));
-            for name in cuda::KERNEL_NAMES {
+            for name in cuda::kernel_names() {
                 assert!(
                     ptx.contains(&format!(".entry {name}(")),
                     "sm_{major}{minor}: no kernel {name} in the PTX"
@@ -95,8 +96,8 @@ mod gpu {
         }
 
         fn buf(&mut self, data: &[f32]) -> Span {
-            let a = self.cpu.alloc(data.len()).unwrap();
-            let b = self.gpu.alloc(data.len()).unwrap();
+            let a = self.cpu.alloc(data.len(), Dtype::F32).unwrap();
+            let b = self.gpu.alloc(data.len(), Dtype::F32).unwrap();
             assert_eq!(a, b);
             let s = self.cpu.whole(a);
             self.cpu.upload(s, data);

@@ -1,14 +1,19 @@
 //! The CPU backend: buffers are host `Vec<f32>`s, GEMMs go to fugu-gemm, the other ops to the
 //! rayon kernels of [`crate::ops`].
 
-use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
+use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout};
 use crate::ops;
 use anyhow::{bail, Result};
 
 /// Host-memory backend.
 #[derive(Default)]
 pub struct CpuBackend {
+    /// Every buffer is host `f32`s; a buffer allocated as `bf16`/`f16` holds only values of
+    /// that type ([`CpuBackend::stored`] rounds what each op writes), so low-precision runs
+    /// compute in `f32` on exactly the values a device would store: the reference for the
+    /// CUDA backend's low-precision kernels, not a memory saving.
     bufs: Vec<Vec<f32>>,
+    dtypes: Vec<Dtype>,
     tokens: Vec<u32>,
 }
 
@@ -26,6 +31,15 @@ impl CpuBackend {
     /// Mutable host view of a span.
     fn host_mut(&mut self, s: Span) -> &mut [f32] {
         &mut self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
+    }
+
+    /// Rounds what an op wrote to `written` to each span's buffer type (a no-op for `f32`
+    /// buffers). Every op that writes calls it for every span it writes.
+    fn stored(&mut self, written: &[Span]) {
+        for &w in written {
+            let dt = self.dtypes[w.buf.0 as usize];
+            dt.round_slice(self.host_mut(w));
+        }
     }
 }
 
@@ -71,7 +85,7 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn alloc(&mut self, len: usize) -> Result<BufId> {
+    fn alloc(&mut self, len: usize, dtype: Dtype) -> Result<BufId> {
         let mut v = Vec::new();
         if v.try_reserve_exact(len).is_err() {
             bail!(
@@ -81,6 +95,7 @@ impl Backend for CpuBackend {
         }
         v.resize(len, 0.0);
         self.bufs.push(v);
+        self.dtypes.push(dtype);
         Ok(BufId(self.bufs.len() as u32 - 1))
     }
 
@@ -92,12 +107,17 @@ impl Backend for CpuBackend {
         self.bufs[buf.0 as usize].len()
     }
 
+    fn buf_dtype(&self, buf: BufId) -> Dtype {
+        self.dtypes[buf.0 as usize]
+    }
+
     fn free_memory(&self) -> Option<u64> {
         crate::metrics::machine::host_memory_available()
     }
 
     fn upload(&mut self, dst: Span, src: &[f32]) {
         self.host_mut(dst).copy_from_slice(src);
+        self.stored(&[dst]);
     }
 
     fn download(&self, src: Span, dst: &mut [f32]) {
@@ -106,6 +126,7 @@ impl Backend for CpuBackend {
 
     fn with_host(&mut self, s: Span, f: &mut dyn FnMut(&mut [f32])) {
         f(self.host_mut(s));
+        self.stored(&[s]);
     }
 
     fn zero(&mut self, s: Span) {
@@ -116,6 +137,7 @@ impl Backend for CpuBackend {
         assert_eq!(dst.len, src.len, "copy: span lengths differ");
         let ([d], [s]) = views(&mut self.bufs, [dst], [src]);
         d.copy_from_slice(s);
+        self.stored(&[dst]);
     }
 
     fn set_tokens(&mut self, tokens: &[u32]) {
@@ -145,6 +167,7 @@ impl Backend for CpuBackend {
                 ops::encoder::encoder_forward(o, toks, e, vocab_start, None, b, t, c);
             }
         }
+        self.stored(&[out]);
     }
 
     fn encoder_backward(
@@ -169,6 +192,7 @@ impl Backend for CpuBackend {
                 ops::encoder::encoder_backward(de, None, d, toks, vocab_start, b, t, c);
             }
         }
+        self.stored(&[Some(dwte), dwpe].into_iter().flatten().collect::<Vec<_>>());
     }
 
     fn layernorm_forward(
@@ -184,6 +208,7 @@ impl Backend for CpuBackend {
     ) {
         let ([o, m, r], [i, w, bi]) = views(&mut self.bufs, [out, mean, rstd], [inp, w, bias]);
         ops::layernorm::layernorm_forward(o, m, r, i, w, bi, n, c);
+        self.stored(&[out, mean, rstd]);
     }
 
     fn layernorm_backward(
@@ -199,12 +224,11 @@ impl Backend for CpuBackend {
         n: usize,
         c: usize,
     ) {
-        let ([di, dw, db], [d, i, w, m, r]) = views(
-            &mut self.bufs,
-            [dinp, dw, dbias],
-            [dout, inp, w, mean, rstd],
-        );
+        let written = [dinp, dw, dbias];
+        let ([di, dw, db], [d, i, w, m, r]) =
+            views(&mut self.bufs, written, [dout, inp, w, mean, rstd]);
         ops::layernorm::layernorm_backward(di, dw, db, d, i, w, m, r, n, c);
+        self.stored(&written);
     }
 
     fn linear_forward(
@@ -228,6 +252,7 @@ impl Backend for CpuBackend {
                 ops::linear::linear_forward(o, i, w, layout, None, n, ic, oc);
             }
         }
+        self.stored(&[out]);
     }
 
     fn linear_backward(
@@ -263,21 +288,30 @@ impl Backend for CpuBackend {
                 lb(None, dw, None, d, i, w, layout, n, ic, oc);
             }
         }
+        self.stored(
+            &[dinp, Some(dw), dbias]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>(),
+        );
     }
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
         let ([a], [q]) = views(&mut self.bufs, [att], [qkv]);
         ops::attention::attention_scores(a, q, d.b, d.t, d.nh, d.hs);
+        self.stored(&[att]);
     }
 
     fn attention_softmax(&mut self, att: Span, d: AttnDims) {
         let ([a], []) = views(&mut self.bufs, [att], []);
         ops::attention::attention_softmax(a, d.b, d.t, d.nh);
+        self.stored(&[att]);
     }
 
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
         let ([o], [a, q]) = views(&mut self.bufs, [out], [att, qkv]);
         ops::attention::attention_values(o, a, q, d.b, d.t, d.nh, d.hs);
+        self.stored(&[out]);
     }
 
     fn attention_values_backward(
@@ -291,16 +325,19 @@ impl Backend for CpuBackend {
     ) {
         let ([da, dq], [dout, a, q]) = views(&mut self.bufs, [datt, dqkv], [dout, att, qkv]);
         ops::attention::attention_values_backward(da, dq, dout, a, q, d.b, d.t, d.nh, d.hs);
+        self.stored(&[datt, dqkv]);
     }
 
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims) {
         let ([da], [a]) = views(&mut self.bufs, [datt], [att]);
         ops::attention::attention_softmax_backward(da, a, d.b, d.t, d.nh);
+        self.stored(&[datt]);
     }
 
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let ([dq], [da, q]) = views(&mut self.bufs, [dqkv], [datt, qkv]);
         ops::attention::attention_scores_backward(dq, da, q, d.b, d.t, d.nh, d.hs);
+        self.stored(&[dqkv]);
     }
 
     fn attention_decode(
@@ -315,42 +352,50 @@ impl Backend for CpuBackend {
     ) {
         let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, k_cache, v_cache]);
         ops::attention::attention_decode(o, q, k, v, len, nh, hs);
+        self.stored(&[out]);
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {
         let ([o], [i]) = views(&mut self.bufs, [out], [inp]);
         ops::gelu::gelu_forward(o, i);
+        self.stored(&[out]);
     }
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
         let ([di], [i, d]) = views(&mut self.bufs, [dinp], [inp, dout]);
         ops::gelu::gelu_backward(di, i, d);
+        self.stored(&[dinp]);
     }
 
     fn residual_forward(&mut self, out: Span, a: Span, b: Span) {
         let ([o], [a, b]) = views(&mut self.bufs, [out], [a, b]);
         ops::residual::residual_forward(o, a, b);
+        self.stored(&[out]);
     }
 
     fn add_inplace(&mut self, acc: Span, x: Span) {
         let ([a], [x]) = views(&mut self.bufs, [acc], [x]);
         ops::residual::add_inplace(a, x);
+        self.stored(&[acc]);
     }
 
     fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims) {
         let ([m], [l]) = views(&mut self.bufs, [maxes], [logits]);
         ops::crossentropy::ce_row_max(m, l, d.n, d.vp, d.v_valid);
+        self.stored(&[maxes]);
     }
 
     fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims) {
         let ([s], [l, m]) = views(&mut self.bufs, [sums], [logits, maxes]);
         ops::crossentropy::ce_row_sumexp(s, l, m, d.n, d.vp, d.v_valid);
+        self.stored(&[sums]);
     }
 
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims) {
         let tg = &self.tokens[targets.offset..targets.offset + targets.len];
         let ([t], [l]) = views(&mut self.bufs, [tl], [logits]);
         ops::crossentropy::ce_target_logit(t, l, tg, d.vocab_start, d.n, d.vp, d.v_valid);
+        self.stored(&[tl]);
     }
 
     fn ce_finish(
@@ -390,6 +435,7 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        self.stored(&[losses, logits]);
     }
 
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
@@ -399,8 +445,10 @@ impl Backend for CpuBackend {
     }
 
     fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep) {
-        let ([p, m, v], [g]) = views(&mut self.bufs, [params, m, v], [grads]);
+        let written = [params, m, v];
+        let ([p, m, v], [g]) = views(&mut self.bufs, written, [grads]);
         ops::adamw::adamw_update(p, g, m, v, hp);
+        self.stored(&written);
     }
 }
 
@@ -411,7 +459,7 @@ mod tests {
     #[test]
     fn views_are_checked() {
         let mut be = CpuBackend::new();
-        let a = be.alloc(10).unwrap();
+        let a = be.alloc(10, Dtype::F32).unwrap();
         let s = |o, l| Span {
             buf: a,
             offset: o,

@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 
+pub use crate::dtype::Dtype;
 pub use crate::ops::adamw::AdamWStep;
 pub use crate::ops::linear::WeightLayout;
 pub use cpu::CpuBackend;
@@ -24,7 +25,8 @@ pub use device::{CudaSettings, Device};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BufId(pub u32);
 
-/// A contiguous range of `f32`s inside one backend buffer.
+/// A contiguous range of elements inside one backend buffer (offset and length in elements of
+/// the buffer's [`Dtype`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Span {
     pub buf: BufId,
@@ -85,12 +87,14 @@ pub trait Backend {
     /// Short name for logs (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
 
-    /// Allocates a zero-filled buffer of `len` floats.
-    fn alloc(&mut self, len: usize) -> anyhow::Result<BufId>;
+    /// Allocates a zero-filled buffer of `len` elements of type `dtype`.
+    fn alloc(&mut self, len: usize, dtype: Dtype) -> anyhow::Result<BufId>;
     /// Releases a buffer's memory; its id must not be used again.
     fn free(&mut self, buf: BufId);
-    /// Length of a buffer in floats.
+    /// Length of a buffer in elements.
     fn buf_len(&self, buf: BufId) -> usize;
+    /// Element type of a buffer.
+    fn buf_dtype(&self, buf: BufId) -> Dtype;
     /// The whole buffer as a span.
     fn whole(&self, buf: BufId) -> Span {
         Span {
@@ -99,9 +103,9 @@ pub trait Backend {
             len: self.buf_len(buf),
         }
     }
-    /// Copies host data into a span (`src.len() == dst.len`).
+    /// Copies host data into a span (`src.len() == dst.len`), rounded to the span's type.
     fn upload(&mut self, dst: Span, src: &[f32]);
-    /// Copies a span to host memory (`dst.len() == src.len`).
+    /// Copies a span to host memory (`dst.len() == src.len`), widened to `f32` (exact).
     fn download(&self, src: Span, dst: &mut [f32]);
     /// Runs `f` on a host view of `s` that it may read and write (used to hand buffers to
     /// MPI). Host backends lend their memory; the default stages through a host copy.
@@ -113,7 +117,8 @@ pub trait Backend {
     }
     /// Sets a span to zero.
     fn zero(&mut self, s: Span);
-    /// `dst = src` (same length, not overlapping).
+    /// `dst = src` (same length, not overlapping), converted to `dst`'s type when the two
+    /// buffers' types differ (the master → compute-copy refresh of mixed precision).
     fn copy(&mut self, dst: Span, src: Span);
     /// Replaces the token buffer (inputs and targets of a step).
     fn set_tokens(&mut self, tokens: &[u32]);

@@ -16,7 +16,7 @@ use super::acts::{acts_table, grad_acts_table, Acts, GradActs, StepDims};
 use super::kv::KvCache;
 use super::params::ParamSpans;
 use super::table::{gpt2_params, padded_vocab, Table};
-use crate::backend::{AdamWStep, Backend, BufId, CeDims, Span, TokSpan, WeightLayout};
+use crate::backend::{AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout};
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
 use crate::parallel::shard::{split_of, Split};
@@ -120,11 +120,11 @@ impl<B: Backend> Gpt2<B> {
     fn build(cfg: &ModelConfig, tp: TpRank, mut be: B, trainable: bool) -> Result<Gpt2<B>> {
         let table = gpt2_params(cfg, tp.size)?;
         let n = table.total();
-        let params = be.alloc(n)?;
+        let params = be.alloc(n, Dtype::F32)?;
         let state_n = if trainable { n } else { 0 };
-        let grads = be.alloc(state_n)?;
-        let m = be.alloc(state_n)?;
-        let v = be.alloc(state_n)?;
+        let grads = be.alloc(state_n, Dtype::F32)?;
+        let m = be.alloc(state_n, Dtype::F32)?;
+        let v = be.alloc(state_n, Dtype::F32)?;
         let p = ParamSpans::new(&table, params, cfg.n_layer);
         let g = p.on(grads);
         Ok(Gpt2 {
@@ -184,8 +184,8 @@ impl<B: Backend> Gpt2<B> {
         }
         self.be.free(self.m);
         self.be.free(self.v);
-        self.m = self.be.alloc(next)?;
-        self.v = self.be.alloc(next)?;
+        self.m = self.be.alloc(next, Dtype::F32)?;
+        self.v = self.be.alloc(next, Dtype::F32)?;
         self.owned = owned;
         Ok(())
     }
@@ -259,8 +259,8 @@ impl<B: Backend> Gpt2<B> {
             self.be.free(old_a.buf);
             self.be.free(old_g.buf);
         }
-        let ab = self.be.alloc(at.total())?;
-        let gb = self.be.alloc(gt.total())?;
+        let ab = self.be.alloc(at.total(), Dtype::F32)?;
+        let gb = self.be.alloc(gt.total(), Dtype::F32)?;
         self.acts = Some((
             Acts::new(d, self.cfg.n_layer, at, ab),
             GradActs::new(gt, gb),

@@ -2,7 +2,7 @@
 //! layer, the keys and then the values of every position, (P, C) each, row `p` for position
 //! `p` (C = this rank's attention width).
 
-use crate::backend::{Backend, BufId, Span};
+use crate::backend::{Backend, BufId, Dtype, Span};
 use anyhow::Result;
 
 /// Keys and values of `positions` positions for every layer (see the module docs).
@@ -22,7 +22,7 @@ impl KvCache {
         positions: usize,
         width: usize,
     ) -> Result<KvCache> {
-        let buf = be.alloc(2 * layers * positions * width)?;
+        let buf = be.alloc(2 * layers * positions * width, Dtype::F32)?;
         Ok(KvCache {
             buf,
             layers,

@@ -1,8 +1,9 @@
 //! The real device: cudarc over the CUDA driver, cuBLAS and NVRTC, all loaded at run time.
 
 use super::engine::{Arg, DevAlloc, Engine, GemmCall};
-use super::{compile_kernels, KERNEL_NAMES};
+use super::{compile_kernels, kernel_names};
 use crate::backend::CudaSettings;
+use crate::dtype::Dtype;
 use anyhow::{bail, Context, Result};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
@@ -74,7 +75,7 @@ impl DriverEngine {
         let module = ctx
             .load_module(ptx)
             .context("loading the compiled kernels")?;
-        let kernels = KERNEL_NAMES
+        let kernels = kernel_names()
             .iter()
             .map(|n| {
                 module
@@ -209,6 +210,9 @@ impl Engine for DriverEngine {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         let i = |x: usize| x as i32;
+        if [g.a_type, g.b_type, g.c_type] != [Dtype::F32; 3] {
+            return self.gemm_ex(g);
+        }
         // SAFETY: the backend passes pointers whose buffers cover the m·n·k extents with these
         // leading dimensions and strides; alpha and beta are host scalars (the default
         // pointer mode).
@@ -249,6 +253,53 @@ impl Engine for DriverEngine {
                 panic!("CUDA error in synchronize: {e}");
             }
         })
+    }
+}
+
+impl DriverEngine {
+    /// A GEMM with a 16-bit operand or result: `cublasGemmStridedBatchedEx` with f32
+    /// accumulation (`CUBLAS_COMPUTE_32F`), on the tensor cores for bf16/f16 operands.
+    fn gemm_ex(&self, g: &GemmCall) -> Result<()> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        use blas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        let ty = |d: Dtype| match d {
+            Dtype::F32 => CUDA_R_32F,
+            Dtype::Bf16 => CUDA_R_16BF,
+            Dtype::F16 => CUDA_R_16F,
+        };
+        let i = |x: usize| x as i32;
+        // SAFETY: as for the SGEMM: the backend passes pointers whose buffers, of the types
+        // named, cover the m·n·k extents with these leading dimensions and strides; alpha and
+        // beta are f32 host scalars, as CUBLAS_COMPUTE_32F requires.
+        unsafe {
+            blas_result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                op(g.trans_a),
+                op(g.trans_b),
+                i(g.m),
+                i(g.n),
+                i(g.k),
+                (&g.alpha as *const f32).cast(),
+                g.a as *const std::ffi::c_void,
+                ty(g.a_type),
+                i(g.lda),
+                g.stride_a as i64,
+                g.b as *const std::ffi::c_void,
+                ty(g.b_type),
+                i(g.ldb),
+                g.stride_b as i64,
+                (&g.beta as *const f32).cast(),
+                g.c as *mut std::ffi::c_void,
+                ty(g.c_type),
+                i(g.ldc),
+                g.stride_c as i64,
+                i(g.batch),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
     }
 }
 

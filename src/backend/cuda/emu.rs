@@ -10,7 +10,8 @@
 //! stays hidden), memory coalescing or speed, and cuBLAS itself.
 
 use super::engine::{Arg, DevAlloc, Engine, GemmCall};
-use super::{KERNELS_SOURCE, KERNEL_NAMES};
+use super::{kernel_names, KERNELS_SOURCE};
+use crate::dtype::Dtype;
 use anyhow::{bail, Context, Result};
 use std::ffi::c_void;
 use std::path::PathBuf;
@@ -32,9 +33,9 @@ static COMPILED: OnceLock<Result<Compiled, String>> = OnceLock::new();
 /// The shim's scheduler state is global: one launch at a time in the process.
 static LAUNCH_LOCK: Mutex<()> = Mutex::new(());
 
-/// The C++ source: shim, kernels, and a launch table in [`KERNEL_NAMES`] order.
+/// The C++ source: shim, kernels, and a launch table in [`kernel_names`] order.
 fn source() -> String {
-    let table: Vec<String> = KERNEL_NAMES
+    let table: Vec<String> = kernel_names()
         .iter()
         .map(|k| format!("    &fugu_emu::run<{k}>,"))
         .collect();
@@ -197,30 +198,44 @@ impl Engine for Emulator {
     }
 
     fn gemm(&self, g: &GemmCall) -> Result<()> {
-        let at = |p: u64, i: usize| -> f32 {
+        // Element `i` of an operand of type `dt` at `p`, widened to f32 (exact).
+        let at = |p: u64, dt: Dtype, i: usize| -> f32 {
+            let mut x = [0.0f32];
             // SAFETY: the backend passes matrices inside live allocations covering every
             // index this loop forms from the cuBLAS-style dimensions, strides and ld's.
-            unsafe { *(p as *const f32).add(i) }
+            dt.decode(
+                unsafe { bytes(p + (dt.bytes() * i) as u64, dt.bytes()) },
+                &mut x,
+            );
+            x[0]
         };
         // op(A) as m rows of k and op(B)ᵀ as n rows of k, contiguous, so every C element is
         // one contiguous dot product (accumulated in f64). Element (r, l) of a column-major
         // matrix is at `l + r·ld` when its k index runs along memory, else at `r + l·ld`.
-        let pack = |out: &mut [f32], p: u64, rows: usize, k: usize, ld: usize, k_inner: bool| {
+        let pack = |out: &mut [f32],
+                    p: u64,
+                    dt: Dtype,
+                    rows: usize,
+                    k: usize,
+                    ld: usize,
+                    k_inner: bool| {
             for r in 0..rows {
                 for l in 0..k {
-                    out[r * k + l] = at(p, if k_inner { l + r * ld } else { r + l * ld });
+                    out[r * k + l] = at(p, dt, if k_inner { l + r * ld } else { r + l * ld });
                 }
             }
         };
         let (mut ar, mut bc) = (vec![0.0f32; g.m * g.k], vec![0.0f32; g.n * g.k]);
+        let (ab, bb, cb) = (g.a_type.bytes(), g.b_type.bytes(), g.c_type.bytes());
+        let mut out = Vec::new();
         for p in 0..g.batch {
             let (a, b, c) = (
-                g.a + 4 * (p * g.stride_a) as u64,
-                g.b + 4 * (p * g.stride_b) as u64,
-                g.c + 4 * (p * g.stride_c) as u64,
+                g.a + (ab * p * g.stride_a) as u64,
+                g.b + (bb * p * g.stride_b) as u64,
+                g.c + (cb * p * g.stride_c) as u64,
             );
-            pack(&mut ar, a, g.m, g.k, g.lda, g.trans_a);
-            pack(&mut bc, b, g.n, g.k, g.ldb, !g.trans_b);
+            pack(&mut ar, a, g.a_type, g.m, g.k, g.lda, g.trans_a);
+            pack(&mut bc, b, g.b_type, g.n, g.k, g.ldb, !g.trans_b);
             for j in 0..g.n {
                 let bj = &bc[j * g.k..(j + 1) * g.k];
                 for i in 0..g.m {
@@ -230,10 +245,12 @@ impl Engine for Emulator {
                     let old = if g.beta == 0.0 {
                         0.0
                     } else {
-                        g.beta as f64 * at(c, idx) as f64
+                        g.beta as f64 * at(c, g.c_type, idx) as f64
                     };
+                    g.c_type
+                        .encode(&[(g.alpha as f64 * acc + old) as f32], &mut out);
                     // SAFETY: as for `at`.
-                    unsafe { *(c as *mut f32).add(idx) = (g.alpha as f64 * acc + old) as f32 };
+                    unsafe { bytes(c + (cb * idx) as u64, cb) }.copy_from_slice(&out);
                 }
             }
         }

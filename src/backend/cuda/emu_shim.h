@@ -121,6 +121,18 @@ static inline float __int_as_float(int x) {
     return f;
 }
 
+static inline float __uint_as_float(unsigned x) {
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+static inline unsigned __float_as_uint(float f) {
+    unsigned x;
+    memcpy(&x, &f, sizeof x);
+    return x;
+}
+
 #define __global__
 #define __device__ static inline
 #define __shared__ static

@@ -6,6 +6,7 @@
 //! Device memory is addressed by raw `u64` pointers: allocations are zero-filled byte ranges
 //! that stay valid while their [`DevAlloc`] lives.
 
+use crate::dtype::Dtype;
 use anyhow::Result;
 use std::any::Any;
 
@@ -27,10 +28,14 @@ pub struct DevAlloc {
     pub _owner: Box<dyn Any>,
 }
 
-/// One column-major strided-batched SGEMM, cuBLAS's `cublasSgemmStridedBatched` arguments:
-/// `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` with `C_i` m×n.
+/// One column-major strided-batched GEMM, cuBLAS's `cublasGemmStridedBatchedEx` arguments:
+/// `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` with `C_i` m×n, products accumulated in f32
+/// whatever the operand types (`cublasSgemmStridedBatched` when all three are f32).
 #[derive(Clone, Copy, Debug)]
 pub struct GemmCall {
+    pub a_type: Dtype,
+    pub b_type: Dtype,
+    pub c_type: Dtype,
     pub trans_a: bool,
     pub trans_b: bool,
     pub m: usize,
@@ -68,7 +73,7 @@ pub trait Engine {
     fn download(&self, dst: &mut [u8], src: u64) -> Result<()>;
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     fn zero(&self, dst: u64, bytes: usize) -> Result<()>;
-    /// Launches kernel `kernel` (an index into [`super::KERNEL_NAMES`]) on `grid` blocks of
+    /// Launches kernel `kernel` (an index into [`super::kernel_names`]) on `grid` blocks of
     /// `block` threads with `shmem` bytes of dynamic shared memory.
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()>;
     fn gemm(&self, g: &GemmCall) -> Result<()>;

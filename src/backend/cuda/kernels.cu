@@ -24,6 +24,91 @@
 typedef unsigned int u32;
 typedef long long i64;
 
+// ---- storage types ------------------------------------------------------------------------
+//
+// Every kernel is a template over T, the storage type of the tensors it is about (activations,
+// or gradients for the gradient-only kernels), instantiated for float, bf16 and f16 by
+// FOR_TYPES as `<name>_f32`, `<name>_bf16`, `<name>_f16` (the names the host launches).
+// Statistics (layernorm mean/rstd, softmax and cross-entropy maxima, sums and losses) and
+// parameter gradients written by the backward kernels are float whatever T is. All arithmetic
+// is float (double where noted): `ld` widens a stored value exactly, `st` rounds to nearest
+// even, as the CPU backend's low-precision storage does (src/dtype.rs).
+
+struct bf16 {
+    unsigned short bits;
+};
+struct f16 {
+    unsigned short bits;
+};
+
+__device__ float ld(float x) { return x; }
+__device__ void st(float& d, float x) { d = x; }
+
+__device__ float ld(bf16 x) { return __uint_as_float((u32)x.bits << 16); }
+__device__ void st(bf16& d, float x) {
+    u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep the payload's top bits, stay NaN
+        unsigned short h = (unsigned short)(u >> 16);
+        d.bits = (h & 0x7f) ? h : (unsigned short)(h | 0x40);
+        return;
+    }
+    d.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifdef __CUDACC_RTC__
+__device__ float ld(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ void st(f16& d, float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    d.bits = h;
+}
+#else
+// The host emulator: the same conversions in software (src/dtype.rs's, in C).
+__device__ float ld(f16 x) {
+    u32 h = x.bits, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) {
+        float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    if (e == 0x1f) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    return __uint_as_float(sign | ((e + 112) << 23) | (m << 13));
+}
+__device__ void st(f16& d, float x) {
+    u32 b = __float_as_uint(x), sign = (b >> 16) & 0x8000u, man = b & 0x7fffffu;
+    int exp = (int)((b >> 23) & 0xff);
+    if (exp == 0xff) {
+        u32 m = man >> 13;
+        d.bits = (unsigned short)(sign | 0x7c00u | ((man != 0 && m == 0) ? 0x200u : m));
+        return;
+    }
+    int e = exp - 112;
+    if (e >= 0x1f) {
+        d.bits = (unsigned short)(sign | 0x7c00u);
+        return;
+    }
+    if (e <= 0) {
+        if (e < -10) {
+            d.bits = (unsigned short)sign;
+            return;
+        }
+        u32 mm = man | 0x800000u, shift = (u32)(14 - e), v = mm >> shift,
+            rem = mm & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (v & 1))) v++;
+        d.bits = (unsigned short)(sign | v);
+        return;
+    }
+    u32 v = ((u32)e << 10) | (man >> 13), rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (v & 1))) v++;
+    d.bits = (unsigned short)(sign | v);
+}
+#endif
+
+#define FOR_TYPES(X) X(f32, float) X(bf16, bf16) X(f16, f16)
+
 // ---- block reductions (blockDim.x == ROW_THREADS, a power of two) -------------------------
 
 // Sum of `v` over the block in a fixed tree; every thread gets the result. `sh` has
@@ -58,60 +143,85 @@ __device__ float block_max_f(float v, float* sh) {
 // ---- embedding (ops/encoder.rs) ---------------------------------------------------------
 
 // out (N, C) = wte[tok - vocab_start] (0 outside the shard's `rows` rows) + wpe[i % T].
-extern "C" __global__ void encoder_forward(float* out, const u32* tok, const float* wte,
-                                           const float* wpe, int has_wpe, i64 vocab_start,
-                                           i64 rows, i64 T, i64 C, i64 N) {
+template <typename T>
+__device__ void encoder_forward_k(T* out, const u32* tok, const T* wte, const T* wpe,
+                                  int has_wpe, i64 vocab_start, i64 rows, i64 Tn, i64 C,
+                                  i64 N) {
     for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < N * C;
          idx += (i64)gridDim.x * blockDim.x) {
         i64 i = idx / C, c = idx % C;
         i64 r = (i64)tok[i] - vocab_start;
-        float v = (r >= 0 && r < rows) ? wte[r * C + c] : 0.0f;
-        if (has_wpe) v += wpe[(i % T) * C + c];
-        out[idx] = v;
+        float v = (r >= 0 && r < rows) ? ld(wte[r * C + c]) : 0.0f;
+        if (has_wpe) v += ld(wpe[(i % Tn) * C + c]);
+        st(out[idx], v);
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void encoder_forward_##S(T* out, const u32* tok, const T* wte,     \
+                                                   const T* wpe, int has_wpe,               \
+                                                   i64 vocab_start, i64 rows, i64 Tn, i64 C, \
+                                                   i64 N) {                                 \
+        encoder_forward_k(out, tok, wte, wpe, has_wpe, vocab_start, rows, Tn, C, N);        \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-// dwte[row] += dout[p] for the positions p of each row, in increasing p (the host buckets the
-// positions by row: rows[u], positions pos[start[u] .. start[u+1]]). One block per bucket,
-// threads over C.
-extern "C" __global__ void encoder_backward_wte(float* dwte, const float* dout, const int* rows,
-                                                const int* start, const int* pos, int buckets,
-                                                i64 C) {
+// dwte[row] (float) += dout[p] for the positions p of each row, in increasing p (the host
+// buckets the positions by row: rows[u], positions pos[start[u] .. start[u+1]]). One block per
+// bucket, threads over C.
+template <typename T>
+__device__ void encoder_backward_wte_k(float* dwte, const T* dout, const int* rows,
+                                       const int* start, const int* pos, int buckets, i64 C) {
     for (int u = blockIdx.x; u < buckets; u += gridDim.x) {
         i64 r = rows[u];
         for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
             float acc = dwte[r * C + c];
-            for (int k = start[u]; k < start[u + 1]; k++) acc += dout[(i64)pos[k] * C + c];
+            for (int k = start[u]; k < start[u + 1]; k++) acc += ld(dout[(i64)pos[k] * C + c]);
             dwte[r * C + c] = acc;
         }
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void encoder_backward_wte_##S(float* dwte, const T* dout,          \
+                                                        const int* rows, const int* start,  \
+                                                        const int* pos, int buckets, i64 C) { \
+        encoder_backward_wte_k(dwte, dout, rows, start, pos, buckets, C);                   \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-// dwpe[t] += Σ_b dout[b, t], b in order. One thread per (t, c).
-extern "C" __global__ void encoder_backward_wpe(float* dwpe, const float* dout, i64 B, i64 T,
-                                                i64 C) {
-    for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < T * C;
+// dwpe[t] (float) += Σ_b dout[b, t], b in order. One thread per (t, c).
+template <typename T>
+__device__ void encoder_backward_wpe_k(float* dwpe, const T* dout, i64 B, i64 Tn, i64 C) {
+    for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < Tn * C;
          idx += (i64)gridDim.x * blockDim.x) {
         float acc = dwpe[idx];
-        for (i64 b = 0; b < B; b++) acc += dout[b * T * C + idx];
+        for (i64 b = 0; b < B; b++) acc += ld(dout[b * Tn * C + idx]);
         dwpe[idx] = acc;
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void encoder_backward_wpe_##S(float* dwpe, const T* dout, i64 B,   \
+                                                        i64 Tn, i64 C) {                    \
+        encoder_backward_wpe_k(dwpe, dout, B, Tn, C);                                       \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // ---- layernorm (ops/layernorm.rs) -------------------------------------------------------
 
-extern "C" __global__ void layernorm_forward(float* out, float* mean, float* rstd,
-                                             const float* inp, const float* w, const float* b,
-                                             i64 N, i64 C) {
+template <typename T>
+__device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* inp,
+                                    const T* w, const T* b, i64 N, i64 C) {
     __shared__ double sh[ROW_THREADS];
     for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
-        const float* x = inp + row * C;
+        const T* x = inp + row * C;
         double s = 0.0;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) s += (double)x[c];
+        for (i64 c = threadIdx.x; c < C; c += blockDim.x) s += (double)ld(x[c]);
         double mu = block_sum_d(s, sh) / (double)C;
         double ss = 0.0;
         for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
-            double d = (double)x[c] - mu;
+            double d = (double)ld(x[c]) - mu;
             ss += d * d;
         }
         double var = block_sum_d(ss, sh) / (double)C;
@@ -121,128 +231,185 @@ extern "C" __global__ void layernorm_forward(float* out, float* mean, float* rst
             mean[row] = m;
             rstd[row] = rs;
         }
-        float* o = out + row * C;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) o[c] = (x[c] - m) * rs * w[c] + b[c];
+        T* o = out + row * C;
+        for (i64 c = threadIdx.x; c < C; c += blockDim.x)
+            st(o[c], (ld(x[c]) - m) * rs * ld(w[c]) + ld(b[c]));
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void layernorm_forward_##S(T* out, float* mean, float* rstd,       \
+                                                     const T* inp, const T* w, const T* b,  \
+                                                     i64 N, i64 C) {                        \
+        layernorm_forward_k(out, mean, rstd, inp, w, b, N, C);                              \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // dinp += rstd·(g - mean(g) - x̂·mean(g·x̂)) per row, g = dout·w, the row means in double.
-extern "C" __global__ void layernorm_backward_dinp(float* dinp, const float* dout,
-                                                   const float* inp, const float* w,
-                                                   const float* mean, const float* rstd, i64 N,
-                                                   i64 C) {
+template <typename T>
+__device__ void layernorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, const T* w,
+                                          const float* mean, const float* rstd, i64 N, i64 C) {
     __shared__ double sh[ROW_THREADS];
     for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
-        const float* g = dout + row * C;
-        const float* x = inp + row * C;
+        const T* g = dout + row * C;
+        const T* x = inp + row * C;
         float mu = mean[row], rs = rstd[row];
         double s1 = 0.0, s2 = 0.0;
         for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
-            float xhat = (x[c] - mu) * rs;
-            float dn = g[c] * w[c];
+            float xhat = (ld(x[c]) - mu) * rs;
+            float dn = ld(g[c]) * ld(w[c]);
             s1 += (double)dn;
             s2 += (double)(dn * xhat);
         }
         float m1 = (float)(block_sum_d(s1, sh) / (double)C);
         float m2 = (float)(block_sum_d(s2, sh) / (double)C);
-        float* d = dinp + row * C;
+        T* d = dinp + row * C;
         for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
-            float xhat = (x[c] - mu) * rs;
-            d[c] += (g[c] * w[c] - m1 - xhat * m2) * rs;
+            float xhat = (ld(x[c]) - mu) * rs;
+            st(d[c], ld(d[c]) + (ld(g[c]) * ld(w[c]) - m1 - xhat * m2) * rs);
         }
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void layernorm_backward_dinp_##S(T* dinp, const T* dout,           \
+                                                           const T* inp, const T* w,        \
+                                                           const float* mean,               \
+                                                           const float* rstd, i64 N, i64 C) { \
+        layernorm_backward_dinp_k(dinp, dout, inp, w, mean, rstd, N, C);                    \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-// Column sums in two fixed stages. Stage 1: part[k, c] = Σ rows of chunk k (rows k·rpc ..),
-// in row order. With `inp` (layernorm), also part2[k, c] = Σ dout·x̂. One thread per (k, c).
-extern "C" __global__ void column_partials(float* part, float* part2, const float* dout,
-                                           const float* inp, const float* mean,
-                                           const float* rstd, int with_xhat, i64 N, i64 C,
-                                           i64 rpc, i64 chunks) {
+// Column sums in two fixed stages. Stage 1: part[k, c] (float) = Σ rows of chunk k (rows
+// k·rpc ..), in row order. With `inp` (layernorm), also part2[k, c] = Σ dout·x̂. One thread
+// per (k, c). T is the type of dout and inp.
+template <typename T>
+__device__ void column_partials_k(float* part, float* part2, const T* dout, const T* inp,
+                                  const float* mean, const float* rstd, int with_xhat, i64 N,
+                                  i64 C, i64 rpc, i64 chunks) {
     for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < chunks * C;
          idx += (i64)gridDim.x * blockDim.x) {
         i64 k = idx / C, c = idx % C;
         i64 r0 = k * rpc, r1 = r0 + rpc < N ? r0 + rpc : N;
         float s = 0.0f, s2 = 0.0f;
         for (i64 r = r0; r < r1; r++) {
-            float g = dout[r * C + c];
+            float g = ld(dout[r * C + c]);
             s += g;
-            if (with_xhat) s2 += g * ((inp[r * C + c] - mean[r]) * rstd[r]);
+            if (with_xhat) s2 += g * ((ld(inp[r * C + c]) - mean[r]) * rstd[r]);
         }
         part[idx] = s;
         if (with_xhat) part2[idx] = s2;
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void column_partials_##S(float* part, float* part2, const T* dout, \
+                                                   const T* inp, const float* mean,         \
+                                                   const float* rstd, int with_xhat, i64 N, \
+                                                   i64 C, i64 rpc, i64 chunks) {            \
+        column_partials_k(part, part2, dout, inp, mean, rstd, with_xhat, N, C, rpc, chunks); \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-// Stage 2: dst[c] += Σ_k part[k, c], k in order. One thread per column.
-extern "C" __global__ void column_finish(float* dst, const float* part, i64 C, i64 chunks) {
+// Stage 2: dst[c] += Σ_k part[k, c], k in order. One thread per column. T is dst's type.
+template <typename T>
+__device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
     for (i64 c = blockIdx.x * (i64)blockDim.x + threadIdx.x; c < C;
          c += (i64)gridDim.x * blockDim.x) {
         float s = 0.0f;
         for (i64 k = 0; k < chunks; k++) s += part[k * C + c];
-        dst[c] += s;
+        st(dst[c], ld(dst[c]) + s);
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void column_finish_##S(T* dst, const float* part, i64 C,           \
+                                                 i64 chunks) {                              \
+        column_finish_k(dst, part, C, chunks);                                              \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // out[i, j] = bias[j] (the GEMM then adds with beta = 1; ops/linear.rs).
-extern "C" __global__ void broadcast_rows(float* out, const float* bias, i64 N, i64 C) {
+template <typename T>
+__device__ void broadcast_rows_k(T* out, const T* bias, i64 N, i64 C) {
     for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < N * C;
          idx += (i64)gridDim.x * blockDim.x)
         out[idx] = bias[idx % C];
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void broadcast_rows_##S(T* out, const T* bias, i64 N, i64 C) {     \
+        broadcast_rows_k(out, bias, N, C);                                                  \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // ---- attention (ops/attention.rs) -------------------------------------------------------
 
 // Causal softmax in place on rows of T; row r is query i = r % T: columns 0..=i become the
 // softmax (max-subtracted, sum of exponentials in double), columns > i exactly 0.
-extern "C" __global__ void attention_softmax(float* att, i64 rows, i64 T) {
+template <typename T>
+__device__ void attention_softmax_k(T* att, i64 rows, i64 Tn) {
     __shared__ double sh[ROW_THREADS];
     __shared__ float shf[ROW_THREADS];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        float* a = att + r * T;
-        i64 i = r % T;
+        T* a = att + r * Tn;
+        i64 i = r % Tn;
         float mx = NEG_INF;
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, a[j]);
+        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, ld(a[j]));
         mx = block_max_f(mx, shf);
         double s = 0.0;
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) s += (double)expf(a[j] - mx);
+        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) s += (double)expf(ld(a[j]) - mx);
         float scale = (float)(1.0 / block_sum_d(s, sh));
-        for (i64 j = threadIdx.x; j < T; j += blockDim.x)
-            a[j] = j <= i ? expf(a[j] - mx) * scale : 0.0f;
+        for (i64 j = threadIdx.x; j < Tn; j += blockDim.x)
+            st(a[j], j <= i ? expf(ld(a[j]) - mx) * scale : 0.0f);
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void attention_softmax_##S(T* att, i64 rows, i64 Tn) {             \
+        attention_softmax_k(att, rows, Tn);                                                 \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // datt = att·(datt - Σ_{k≤i} datt·att) on columns ≤ i, 0 above; in place, one block per row.
-extern "C" __global__ void attention_softmax_backward(float* datt, const float* att, i64 rows,
-                                                      i64 T) {
+template <typename T>
+__device__ void attention_softmax_backward_k(T* datt, const T* att, i64 rows, i64 Tn) {
     __shared__ double sh[ROW_THREADS];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        float* d = datt + r * T;
-        const float* a = att + r * T;
-        i64 i = r % T;
+        T* d = datt + r * Tn;
+        const T* a = att + r * Tn;
+        i64 i = r % Tn;
         double s = 0.0;
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) s += (double)(d[j] * a[j]);
+        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) s += (double)(ld(d[j]) * ld(a[j]));
         float sf = (float)block_sum_d(s, sh);
-        for (i64 j = threadIdx.x; j < T; j += blockDim.x) d[j] = j <= i ? a[j] * (d[j] - sf) : 0.0f;
+        for (i64 j = threadIdx.x; j < Tn; j += blockDim.x)
+            st(d[j], j <= i ? ld(a[j]) * (ld(d[j]) - sf) : 0.0f);
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void attention_softmax_backward_##S(T* datt, const T* att,         \
+                                                              i64 rows, i64 Tn) {           \
+        attention_softmax_backward_k(datt, att, rows, Tn);                                  \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // One new token over the cache: block h computes head h. Scores go to dynamic shared memory
 // (len floats), then softmax, then each thread one output element of the head.
-extern "C" __global__ void attention_decode(float* out, const float* q, const float* kc,
-                                            const float* vc, i64 len, i64 nh, i64 hs,
-                                            float scale) {
+template <typename T>
+__device__ void attention_decode_k(T* out, const T* q, const T* kc, const T* vc, i64 len,
+                                   i64 nh, i64 hs, float scale) {
     DYNAMIC_SHARED(float, w);
     __shared__ double sh[ROW_THREADS];
     __shared__ float shf[ROW_THREADS];
     i64 c = nh * hs;
     for (i64 h = blockIdx.x; h < nh; h += gridDim.x) {
-        const float* qh = q + h * hs;
+        const T* qh = q + h * hs;
         float mx = NEG_INF;
         for (i64 s = threadIdx.x; s < len; s += blockDim.x) {
-            const float* k = kc + s * c + h * hs;
+            const T* k = kc + s * c + h * hs;
             float acc = 0.0f;
-            for (i64 d = 0; d < hs; d++) acc += qh[d] * k[d];
+            for (i64 d = 0; d < hs; d++) acc += ld(qh[d]) * ld(k[d]);
             w[s] = acc * scale;
             mx = fmaxf(mx, w[s]);
         }
@@ -254,93 +421,167 @@ extern "C" __global__ void attention_decode(float* out, const float* q, const fl
         __syncthreads();
         for (i64 d = threadIdx.x; d < hs; d += blockDim.x) {
             float acc = 0.0f;
-            for (i64 s = 0; s < len; s++) acc += w[s] * vc[s * c + h * hs + d];
-            out[h * hs + d] = acc;
+            for (i64 s = 0; s < len; s++) acc += w[s] * ld(vc[s * c + h * hs + d]);
+            st(out[h * hs + d], acc);
         }
         __syncthreads();
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void attention_decode_##S(T* out, const T* q, const T* kc,         \
+                                                    const T* vc, i64 len, i64 nh, i64 hs,   \
+                                                    float scale) {                          \
+        attention_decode_k(out, q, kc, vc, len, nh, hs, scale);                             \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // ---- pointwise (ops/gelu.rs, ops/residual.rs) -------------------------------------------
 
 #define GELU_K 0.7978845608028654f  // sqrt(2/pi)
 #define GELU_A 0.044715f
 
-extern "C" __global__ void gelu_forward(float* out, const float* inp, i64 n) {
+template <typename T>
+__device__ void gelu_forward_k(T* out, const T* inp, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
-        float x = inp[i];
+        float x = ld(inp[i]);
         float u = GELU_K * (x + GELU_A * x * x * x);
-        out[i] = 0.5f * x * (1.0f + tanhf(u));
+        st(out[i], 0.5f * x * (1.0f + tanhf(u)));
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void gelu_forward_##S(T* out, const T* inp, i64 n) {               \
+        gelu_forward_k(out, inp, n);                                                        \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-extern "C" __global__ void gelu_backward(float* dinp, const float* inp, const float* dout,
-                                         i64 n) {
+template <typename T>
+__device__ void gelu_backward_k(T* dinp, const T* inp, const T* dout, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
-        float x = inp[i];
+        float x = ld(inp[i]);
         float u = GELU_K * (x + GELU_A * x * x * x);
         float th = tanhf(u);
         float sech2 = 1.0f - th * th;
         float du = GELU_K * (1.0f + (3.0f * GELU_A) * x * x);
-        dinp[i] = dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * du);
+        st(dinp[i], ld(dout[i]) * (0.5f * (1.0f + th) + 0.5f * x * sech2 * du));
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void gelu_backward_##S(T* dinp, const T* inp, const T* dout,       \
+                                                 i64 n) {                                   \
+        gelu_backward_k(dinp, inp, dout, n);                                                \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-extern "C" __global__ void residual_forward(float* out, const float* a, const float* b, i64 n) {
+template <typename T>
+__device__ void residual_forward_k(T* out, const T* a, const T* b, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x)
-        out[i] = a[i] + b[i];
+        st(out[i], ld(a[i]) + ld(b[i]));
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void residual_forward_##S(T* out, const T* a, const T* b, i64 n) { \
+        residual_forward_k(out, a, b, n);                                                   \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-extern "C" __global__ void add_inplace(float* acc, const float* x, i64 n) {
+template <typename T>
+__device__ void add_inplace_k(T* acc, const T* x, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x)
-        acc[i] += x[i];
+        st(acc[i], ld(acc[i]) + ld(x[i]));
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void add_inplace_##S(T* acc, const T* x, i64 n) {                  \
+        add_inplace_k(acc, x, n);                                                           \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-// ---- cross-entropy phases (ops/crossentropy.rs) -----------------------------------------
+// dst (T) = src (float), rounded: the master → compute-copy refresh of mixed precision.
+template <typename T>
+__device__ void convert_k(T* dst, const float* src, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x)
+        st(dst[i], src[i]);
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void convert_##S(T* dst, const float* src, i64 n) {                \
+        convert_k(dst, src, n);                                                             \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-extern "C" __global__ void ce_row_max(float* maxes, const float* logits, i64 N, i64 VP,
-                                      i64 V) {
+// ---- cross-entropy phases (ops/crossentropy.rs); T is the logits' type --------------------
+
+template <typename T>
+__device__ void ce_row_max_k(float* maxes, const T* logits, i64 N, i64 VP, i64 V) {
     __shared__ float shf[ROW_THREADS];
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
         float mx = NEG_INF;
-        for (i64 j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, logits[r * VP + j]);
+        for (i64 j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld(logits[r * VP + j]));
         mx = block_max_f(mx, shf);
         if (threadIdx.x == 0) maxes[r] = mx;
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void ce_row_max_##S(float* maxes, const T* logits, i64 N, i64 VP,  \
+                                              i64 V) {                                      \
+        ce_row_max_k(maxes, logits, N, VP, V);                                              \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-extern "C" __global__ void ce_row_sumexp(float* sums, const float* logits, const float* maxes,
-                                         i64 N, i64 VP, i64 V) {
+template <typename T>
+__device__ void ce_row_sumexp_k(float* sums, const T* logits, const float* maxes, i64 N,
+                                i64 VP, i64 V) {
     __shared__ double sh[ROW_THREADS];
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
         float m = maxes[r];
         double s = 0.0;
         for (i64 j = threadIdx.x; j < V; j += blockDim.x)
-            s += (double)expf(logits[r * VP + j] - m);
+            s += (double)expf(ld(logits[r * VP + j]) - m);
         s = block_sum_d(s, sh);
         if (threadIdx.x == 0) sums[r] = (float)s;
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void ce_row_sumexp_##S(float* sums, const T* logits,               \
+                                                 const float* maxes, i64 N, i64 VP, i64 V) { \
+        ce_row_sumexp_k(sums, logits, maxes, N, VP, V);                                     \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-extern "C" __global__ void ce_target_logit(float* tl, const float* logits, const u32* targets,
-                                           i64 vocab_start, i64 N, i64 VP, i64 V) {
+template <typename T>
+__device__ void ce_target_logit_k(float* tl, const T* logits, const u32* targets,
+                                  i64 vocab_start, i64 N, i64 VP, i64 V) {
     for (i64 r = blockIdx.x * (i64)blockDim.x + threadIdx.x; r < N;
          r += (i64)gridDim.x * blockDim.x) {
         i64 j = (i64)targets[r] - vocab_start;
-        tl[r] = (j >= 0 && j < V) ? logits[r * VP + j] : 0.0f;
+        tl[r] = (j >= 0 && j < V) ? ld(logits[r * VP + j]) : 0.0f;
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void ce_target_logit_##S(float* tl, const T* logits,               \
+                                                   const u32* targets, i64 vocab_start,     \
+                                                   i64 N, i64 VP, i64 V) {                  \
+        ce_target_logit_k(tl, logits, targets, vocab_start, N, VP, V);                      \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // Losses; with `has_grad`, the logits overwritten by dloss·(softmax - onehot) (padding 0).
 // Without it, the loss as the CPU backend's evaluation path computes it (in float).
-extern "C" __global__ void ce_finish(float* losses, float* logits, const float* maxes,
-                                     const float* sums, const float* tl, const u32* targets,
-                                     i64 vocab_start, float dloss, int has_grad, i64 N, i64 VP,
-                                     i64 V) {
+template <typename T>
+__device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const float* sums,
+                            const float* tl, const u32* targets, i64 vocab_start, float dloss,
+                            int has_grad, i64 N, i64 VP, i64 V) {
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
         float m = maxes[r], s = sums[r];
         if (threadIdx.x == 0)
@@ -350,30 +591,41 @@ extern "C" __global__ void ce_finish(float* losses, float* logits, const float* 
         float inv = 1.0f / s;
         float k = dloss * inv;
         i64 tj = (i64)targets[r] - vocab_start;
-        float* row = logits + r * VP;
+        T* row = logits + r * VP;
         for (i64 j = threadIdx.x; j < VP; j += blockDim.x) {
             if (j >= V) {
-                row[j] = 0.0f;
+                st(row[j], 0.0f);
             } else if (j == tj) {
-                row[j] = dloss * (expf(row[j] - m) * inv - 1.0f);
+                st(row[j], dloss * (expf(ld(row[j]) - m) * inv - 1.0f));
             } else {
-                row[j] = expf(row[j] - m) * k;
+                st(row[j], expf(ld(row[j]) - m) * k);
             }
         }
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void ce_finish_##S(float* losses, T* logits, const float* maxes,   \
+                                             const float* sums, const float* tl,            \
+                                             const u32* targets, i64 vocab_start,           \
+                                             float dloss, int has_grad, i64 N, i64 VP,      \
+                                             i64 V) {                                       \
+        ce_finish_k(losses, logits, maxes, sums, tl, targets, vocab_start, dloss, has_grad, \
+                    N, VP, V);                                                              \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
-// ---- optimizer (ops/adamw.rs) -----------------------------------------------------------
+// ---- optimizer (ops/adamw.rs); T is the gradients' type ------------------------------------
 
-// One AdamW step in PyTorch's order; the per-step scalars are computed on the host exactly as
-// the CPU op computes them.
-extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, i64 n,
-                                 float beta1, float beta2, float eps, float scale,
-                                 float one_m_b1, float one_m_b2, float neg_step_size,
-                                 float bc2_sqrt, float decay) {
+// One AdamW step in PyTorch's order on float parameters and moments; the per-step scalars are
+// computed on the host exactly as the CPU op computes them.
+template <typename T>
+__device__ void adamw_k(float* p, const T* g, float* m, float* v, i64 n, float beta1,
+                        float beta2, float eps, float scale, float one_m_b1, float one_m_b2,
+                        float neg_step_size, float bc2_sqrt, float decay) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
-        float gi = g[i] * scale;
+        float gi = ld(g[i]) * scale;
         float pi = p[i] * decay;
         float mi = beta1 * m[i] + one_m_b1 * gi;
         float vi = beta2 * v[i] + one_m_b2 * gi * gi;
@@ -383,17 +635,34 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, i
         v[i] = vi;
     }
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void adamw_##S(float* p, const T* g, float* m, float* v, i64 n,    \
+                                         float beta1, float beta2, float eps, float scale,  \
+                                         float one_m_b1, float one_m_b2,                    \
+                                         float neg_step_size, float bc2_sqrt, float decay) { \
+        adamw_k(p, g, m, v, n, beta1, beta2, eps, scale, one_m_b1, one_m_b2, neg_step_size, \
+                bc2_sqrt, decay);                                                           \
+    }
+FOR_TYPES(DEF)
+#undef DEF
 
 // Partial Σ x² in double: block b sums a fixed grid-stride share (the grid size is fixed by
 // the host), partials[b] written; the host adds the partials in order.
-extern "C" __global__ void sum_of_squares(double* partials, const float* x, i64 n) {
+template <typename T>
+__device__ void sum_of_squares_k(double* partials, const T* x, i64 n) {
     __shared__ double sh[ROW_THREADS];
     double s = 0.0;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
-        double d = (double)x[i];
+        double d = (double)ld(x[i]);
         s += d * d;
     }
     s = block_sum_d(s, sh);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void sum_of_squares_##S(double* partials, const T* x, i64 n) {     \
+        sum_of_squares_k(partials, x, n);                                                   \
+    }
+FOR_TYPES(DEF)
+#undef DEF

@@ -27,7 +27,7 @@ pub mod emu;
 pub mod engine;
 
 use super::WeightLayout;
-use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Span, TokSpan};
+use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Dtype, Span, TokSpan};
 use crate::ops::attention::Heads;
 use anyhow::Result;
 use engine::{Arg, DevAlloc, Engine, GemmCall};
@@ -51,19 +51,45 @@ const SOS_BLOCKS: usize = 512;
 /// Rows per chunk of the two-stage column sums (dbias, layernorm dw/dbias).
 const COLUMN_CHUNK_ROWS: usize = 64;
 
+/// The storage types every kernel is instantiated for, in the order of their `_<type>` name
+/// suffixes in [`kernel_names`] (`FOR_TYPES` in `kernels.cu`).
+const KERNEL_TYPES: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
+
 macro_rules! kernels {
     ($($name:ident),* $(,)?) => {
-        /// Names of the `extern "C"` kernels of `kernels.cu` the backend launches, in the
-        /// order of [`K`].
-        pub const KERNEL_NAMES: &[&str] = &[$(stringify!($name)),*];
+        /// The kernel templates of `kernels.cu` the backend launches, in the order of [`K`].
+        const KERNEL_BASES: &[&str] = &[$(stringify!($name)),*];
 
-        /// Kernel indices into [`KERNEL_NAMES`].
+        /// Kernel templates; [`kernel_index`] picks an instantiation.
         #[allow(non_camel_case_types)]
         #[derive(Clone, Copy, Debug)]
         enum K {
             $($name,)*
         }
     };
+}
+
+/// Names of the `extern "C"` kernels of `kernels.cu`: every template of [`K`] once per
+/// storage type (`layernorm_forward_f32`, `layernorm_forward_bf16`, ...), indexed by
+/// [`kernel_index`].
+pub fn kernel_names() -> Vec<String> {
+    KERNEL_BASES
+        .iter()
+        .flat_map(|k| {
+            KERNEL_TYPES
+                .iter()
+                .map(move |t| format!("{k}_{}", t.name()))
+        })
+        .collect()
+}
+
+/// Index into [`kernel_names`] of template `k` instantiated for storage type `dt`.
+fn kernel_index(k: K, dt: Dtype) -> usize {
+    let t = KERNEL_TYPES
+        .iter()
+        .position(|&x| x == dt)
+        .expect("every Dtype has kernels");
+    k as usize * KERNEL_TYPES.len() + t
 }
 
 kernels!(
@@ -78,6 +104,7 @@ kernels!(
     attention_softmax,
     attention_softmax_backward,
     attention_decode,
+    convert,
     gelu_forward,
     gelu_backward,
     residual_forward,
@@ -90,11 +117,12 @@ kernels!(
     sum_of_squares,
 );
 
-/// Device memory of one buffer (`None` for zero-length and freed buffers) and its length in
-/// floats.
+/// Device memory of one buffer (`None` for zero-length and freed buffers), its length in
+/// elements and their type.
 struct DeviceBuf {
     mem: Option<DevAlloc>,
     len: usize,
+    dtype: Dtype,
 }
 
 impl DeviceBuf {
@@ -162,10 +190,15 @@ impl CudaBackend {
         let b = &self.bufs[s.buf.0 as usize];
         assert!(
             s.offset.checked_add(s.len).is_some_and(|end| end <= b.len),
-            "span {s:?} outside its buffer of {} floats",
+            "span {s:?} outside its buffer of {} elements",
             b.len
         );
-        b.ptr() + 4 * s.offset as u64
+        b.ptr() + (b.dtype.bytes() * s.offset) as u64
+    }
+
+    /// Storage type of a span's buffer.
+    fn dt(&self, s: Span) -> Dtype {
+        self.bufs[s.buf.0 as usize].dtype
     }
 
     /// Device address of a span of the token buffer.
@@ -201,22 +234,24 @@ impl CudaBackend {
         }
     }
 
-    /// Launches kernel `k` on `grid` blocks (capped; the kernels loop grid-stride) of
-    /// `block` threads with `args`.
-    fn launch(&self, k: K, grid: u64, block: u32, shmem: u32, args: &[Arg]) {
+    /// Launches kernel `k` for storage type `dt` on `grid` blocks (capped; the kernels loop
+    /// grid-stride) of `block` threads with `args`.
+    fn launch(&self, k: K, dt: Dtype, grid: u64, block: u32, shmem: u32, args: &[Arg]) {
         if grid == 0 {
             return;
         }
         let grid = grid.min(self.eng.max_blocks() as u64) as u32;
-        if let Err(e) = self.eng.launch(k as usize, grid, block, shmem, args) {
-            self.fail(KERNEL_NAMES[k as usize], e);
+        let index = kernel_index(k, dt);
+        if let Err(e) = self.eng.launch(index, grid, block, shmem, args) {
+            self.fail(&kernel_names()[index], e);
         }
     }
 
     /// An elementwise (grid-stride) launch over `n` items.
-    fn launch_elems(&self, k: K, n: usize, args: &[Arg]) {
+    fn launch_elems(&self, k: K, dt: Dtype, n: usize, args: &[Arg]) {
         self.launch(
             k,
+            dt,
             (n as u64).div_ceil(ELEM_THREADS as u64),
             ELEM_THREADS,
             0,
@@ -225,8 +260,13 @@ impl CudaBackend {
     }
 
     /// A row launch: one block of [`ROW_THREADS`] per row (grid-stride over `rows`).
-    fn launch_rows(&self, k: K, rows: usize, shmem: u32, args: &[Arg]) {
-        self.launch(k, rows as u64, ROW_THREADS, shmem, args);
+    fn launch_rows(&self, k: K, dt: Dtype, rows: usize, shmem: u32, args: &[Arg]) {
+        self.launch(k, dt, rows as u64, ROW_THREADS, shmem, args);
+    }
+
+    /// A span as a GEMM operand with leading dimension `ld` (not batched).
+    fn mat(&self, s: Span, ld: usize) -> Mat {
+        (self.ptr(s), ld, 0, self.dt(s))
     }
 
     /// Row-major GEMM, batched with strides: `C_i = alpha·op(A_i)·op(B_i) + beta·C_i`, where
@@ -240,16 +280,19 @@ impl CudaBackend {
         (ta, tb): (bool, bool),
         (m, n, k): (usize, usize, usize),
         alpha: f32,
-        (a, lda, sa): (u64, usize, usize),
-        (b, ldb, sb): (u64, usize, usize),
+        (a, lda, sa, at): Mat,
+        (b, ldb, sb, bt): Mat,
         beta: f32,
-        (c, ldc, sc): (u64, usize, usize),
+        (c, ldc, sc, ct): Mat,
         batch: usize,
     ) {
         if m == 0 || n == 0 || batch == 0 {
             return;
         }
         let call = GemmCall {
+            a_type: bt,
+            b_type: at,
+            c_type: ct,
             trans_a: tb,
             trans_b: ta,
             m: n,
@@ -292,6 +335,7 @@ impl CudaBackend {
         };
         self.launch_elems(
             K::column_partials,
+            self.dt(dout),
             chunks * cols,
             &[
                 Arg::Ptr(part),
@@ -307,9 +351,10 @@ impl CudaBackend {
                 Arg::I64(chunks as i64),
             ],
         );
-        let finish = |dst: u64, part: u64| {
+        let finish = |dst: u64, dt: Dtype, part: u64| {
             self.launch_elems(
                 K::column_finish,
+                dt,
                 cols,
                 &[
                     Arg::Ptr(dst),
@@ -319,9 +364,9 @@ impl CudaBackend {
                 ],
             )
         };
-        finish(self.ptr(dst), part);
+        finish(self.ptr(dst), self.dt(dst), part);
         if let Some((dw, ..)) = dst2 {
-            finish(self.ptr(dw), part2);
+            finish(self.ptr(dw), self.dt(dw), part2);
         }
     }
 
@@ -341,9 +386,9 @@ impl CudaBackend {
             "upload_gemm: operand lengths"
         );
         let (ab, bb, cb) = (
-            self.alloc(a.len())?,
-            self.alloc(b.len())?,
-            self.alloc(batch * m * n)?,
+            self.alloc(a.len(), Dtype::F32)?,
+            self.alloc(b.len(), Dtype::F32)?,
+            self.alloc(batch * m * n, Dtype::F32)?,
         );
         let spans = [self.whole(ab), self.whole(bb), self.whole(cb)];
         self.upload(spans[0], a);
@@ -367,10 +412,10 @@ impl CudaBackend {
             g.trans,
             (m, n, k),
             1.0,
-            (self.ptr(a), lda, m * k),
-            (self.ptr(b), ldb, k * n),
+            (self.ptr(a), lda, m * k, self.dt(a)),
+            (self.ptr(b), ldb, k * n, self.dt(b)),
             0.0,
-            (self.ptr(c), n, m * n),
+            (self.ptr(c), n, m * n, self.dt(c)),
             batch,
         );
     }
@@ -466,40 +511,57 @@ impl Backend for CudaBackend {
         self.eng.free_bytes().map(|b| b as u64)
     }
 
-    fn alloc(&mut self, len: usize) -> Result<BufId> {
+    fn alloc(&mut self, len: usize, dtype: Dtype) -> Result<BufId> {
         let mem = if len == 0 {
             None
         } else {
-            let a = self.eng.alloc(4 * len).map_err(|e| {
+            let a = self.eng.alloc(dtype.bytes() * len).map_err(|e| {
                 let free = self.eng.free_bytes().map_or(String::new(), |f| {
                     format!(", {:.1} MiB free", f as f64 / (1 << 20) as f64)
                 });
                 anyhow::anyhow!(
                     "out of GPU memory allocating {:.1} MiB on {}{free}: {e:#}",
-                    len as f64 * 4.0 / (1 << 20) as f64,
+                    (len * dtype.bytes()) as f64 / (1 << 20) as f64,
                     self.eng.describe(),
                 )
             })?;
             Some(a)
         };
-        self.bufs.push(DeviceBuf { mem, len });
+        self.bufs.push(DeviceBuf { mem, len, dtype });
         Ok(BufId(self.bufs.len() as u32 - 1))
     }
 
     fn free(&mut self, buf: BufId) {
         // Queued kernels may still use the memory.
         self.sync();
-        self.bufs[buf.0 as usize] = DeviceBuf { mem: None, len: 0 };
+        let dtype = self.bufs[buf.0 as usize].dtype;
+        self.bufs[buf.0 as usize] = DeviceBuf {
+            mem: None,
+            len: 0,
+            dtype,
+        };
     }
 
     fn buf_len(&self, buf: BufId) -> usize {
         self.bufs[buf.0 as usize].len
     }
 
+    fn buf_dtype(&self, buf: BufId) -> Dtype {
+        self.bufs[buf.0 as usize].dtype
+    }
+
     fn upload(&mut self, dst: Span, src: &[f32]) {
         assert_eq!(dst.len, src.len(), "upload: length");
-        if !src.is_empty() {
-            self.upload_bytes(self.ptr(dst), as_bytes(src));
+        if src.is_empty() {
+            return;
+        }
+        match self.dt(dst) {
+            Dtype::F32 => self.upload_bytes(self.ptr(dst), as_bytes(src)),
+            dt => {
+                let mut bytes = Vec::new();
+                dt.encode(src, &mut bytes);
+                self.upload_bytes(self.ptr(dst), &bytes);
+            }
         }
     }
 
@@ -508,14 +570,23 @@ impl Backend for CudaBackend {
         if dst.is_empty() {
             return;
         }
-        if let Err(e) = self.eng.download(as_bytes_mut(dst), self.ptr(src)) {
+        let r = match self.dt(src) {
+            Dtype::F32 => self.eng.download(as_bytes_mut(dst), self.ptr(src)),
+            dt => {
+                let mut bytes = vec![0u8; dt.bytes() * dst.len()];
+                let r = self.eng.download(&mut bytes, self.ptr(src));
+                dt.decode(&bytes, dst);
+                r
+            }
+        };
+        if let Err(e) = r {
             self.fail("download", e);
         }
     }
 
     fn zero(&mut self, s: Span) {
         if s.len > 0 {
-            if let Err(e) = self.eng.zero(self.ptr(s), 4 * s.len) {
+            if let Err(e) = self.eng.zero(self.ptr(s), self.dt(s).bytes() * s.len) {
                 self.fail("zero", e);
             }
         }
@@ -524,10 +595,25 @@ impl Backend for CudaBackend {
     fn copy(&mut self, dst: Span, src: Span) {
         assert_eq!(dst.len, src.len, "copy: span lengths differ");
         assert!(!dst.overlaps(src), "copy: spans overlap");
-        if dst.len > 0 {
-            if let Err(e) = self.eng.copy(self.ptr(dst), self.ptr(src), 4 * dst.len) {
+        if dst.len == 0 {
+            return;
+        }
+        let (dt, st) = (self.dt(dst), self.dt(src));
+        if dt == st {
+            if let Err(e) = self
+                .eng
+                .copy(self.ptr(dst), self.ptr(src), dt.bytes() * dst.len)
+            {
                 self.fail("copy", e);
             }
+        } else {
+            assert_eq!(st, Dtype::F32, "copy: converts only from f32");
+            let args = [
+                Arg::Ptr(self.ptr(dst)),
+                Arg::Ptr(self.ptr(src)),
+                Arg::I64(dst.len as i64),
+            ];
+            self.launch_elems(K::convert, dt, dst.len, &args);
         }
     }
 
@@ -571,6 +657,7 @@ impl Backend for CudaBackend {
         }
         self.launch_elems(
             K::encoder_forward,
+            self.dt(out),
             n * c,
             &[
                 Arg::Ptr(self.ptr(out)),
@@ -624,6 +711,7 @@ impl Backend for CudaBackend {
             let base = self.upload_indices(&idx);
             self.launch(
                 K::encoder_backward_wte,
+                self.dt(dout),
                 u as u64,
                 ROW_THREADS,
                 0,
@@ -645,6 +733,7 @@ impl Backend for CudaBackend {
             );
             self.launch_elems(
                 K::encoder_backward_wpe,
+                self.dt(dout),
                 t * c,
                 &[
                     Arg::Ptr(self.ptr(dwpe)),
@@ -675,6 +764,7 @@ impl Backend for CudaBackend {
         );
         self.launch_rows(
             K::layernorm_forward,
+            self.dt(out),
             n,
             0,
             &[
@@ -707,6 +797,7 @@ impl Backend for CudaBackend {
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
         self.launch_rows(
             K::layernorm_backward_dinp,
+            self.dt(dinp),
             n,
             0,
             &[
@@ -743,6 +834,7 @@ impl Backend for CudaBackend {
                 assert_eq!(bias.len, oc, "linear_forward: bias length");
                 self.launch_elems(
                     K::broadcast_rows,
+                    self.dt(out),
                     n * oc,
                     &[
                         Arg::Ptr(self.ptr(out)),
@@ -765,10 +857,10 @@ impl Backend for CudaBackend {
             (false, tw),
             (n, oc, ic),
             1.0,
-            (self.ptr(inp), ic, 0),
-            (self.ptr(w), ldw, 0),
+            self.mat(inp, ic),
+            self.mat(w, ldw),
             beta,
-            (self.ptr(out), oc, 0),
+            self.mat(out, oc),
             1,
         );
     }
@@ -803,14 +895,14 @@ impl Backend for CudaBackend {
                 (false, tw),
                 (n, ic, oc),
                 1.0,
-                (self.ptr(dout), oc, 0),
-                (self.ptr(w), ldw, 0),
+                self.mat(dout, oc),
+                self.mat(w, ldw),
                 0.0,
-                (self.ptr(dinp), ic, 0),
+                self.mat(dinp, ic),
                 1,
             );
         }
-        let (i, d) = ((self.ptr(inp), ic, 0), (self.ptr(dout), oc, 0));
+        let (i, d) = (self.mat(inp, ic), self.mat(dout, oc));
         match layout {
             // dW (IC, OC) += inpᵀ·dout
             WeightLayout::InOut => self.gemm(
@@ -821,7 +913,7 @@ impl Backend for CudaBackend {
                 i,
                 d,
                 1.0,
-                (self.ptr(dw), oc, 0),
+                self.mat(dw, oc),
                 1,
             ),
             // dW (OC, IC) += doutᵀ·inp
@@ -833,7 +925,7 @@ impl Backend for CudaBackend {
                 d,
                 i,
                 1.0,
-                (self.ptr(dw), ic, 0),
+                self.mat(dw, ic),
                 1,
             ),
         }
@@ -866,6 +958,7 @@ impl Backend for CudaBackend {
         assert_eq!(att.len, rows * d.t, "attention_softmax: att length");
         self.launch_rows(
             K::attention_softmax,
+            self.dt(att),
             rows,
             0,
             &[
@@ -943,6 +1036,7 @@ impl Backend for CudaBackend {
         );
         self.launch_rows(
             K::attention_softmax_backward,
+            self.dt(datt),
             rows,
             0,
             &[
@@ -1006,6 +1100,7 @@ impl Backend for CudaBackend {
         );
         self.launch(
             K::attention_decode,
+            self.dt(out),
             nh as u64,
             ROW_THREADS,
             (4 * len) as u32,
@@ -1029,7 +1124,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(inp)),
             Arg::I64(out.len as i64),
         ];
-        self.launch_elems(K::gelu_forward, out.len, &args);
+        self.launch_elems(K::gelu_forward, self.dt(out), out.len, &args);
     }
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
@@ -1043,7 +1138,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(dout)),
             Arg::I64(inp.len as i64),
         ];
-        self.launch_elems(K::gelu_backward, inp.len, &args);
+        self.launch_elems(K::gelu_backward, self.dt(dinp), inp.len, &args);
     }
 
     fn residual_forward(&mut self, out: Span, a: Span, b: Span) {
@@ -1057,7 +1152,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(b)),
             Arg::I64(out.len as i64),
         ];
-        self.launch_elems(K::residual_forward, out.len, &args);
+        self.launch_elems(K::residual_forward, self.dt(out), out.len, &args);
     }
 
     fn add_inplace(&mut self, acc: Span, x: Span) {
@@ -1067,7 +1162,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(x)),
             Arg::I64(acc.len as i64),
         ];
-        self.launch_elems(K::add_inplace, acc.len, &args);
+        self.launch_elems(K::add_inplace, self.dt(acc), acc.len, &args);
     }
 
     fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims) {
@@ -1080,7 +1175,7 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_rows(K::ce_row_max, d.n, 0, &args);
+        self.launch_rows(K::ce_row_max, self.dt(logits), d.n, 0, &args);
     }
 
     fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims) {
@@ -1097,7 +1192,7 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_rows(K::ce_row_sumexp, d.n, 0, &args);
+        self.launch_rows(K::ce_row_sumexp, self.dt(logits), d.n, 0, &args);
     }
 
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims) {
@@ -1115,7 +1210,7 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_elems(K::ce_target_logit, d.n, &args);
+        self.launch_elems(K::ce_target_logit, self.dt(logits), d.n, &args);
     }
 
     fn ce_finish(
@@ -1146,7 +1241,7 @@ impl Backend for CudaBackend {
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_rows(K::ce_finish, d.n, 0, &args);
+        self.launch_rows(K::ce_finish, self.dt(logits), d.n, 0, &args);
     }
 
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
@@ -1171,7 +1266,14 @@ impl Backend for CudaBackend {
                     Arg::Ptr(self.ptr(*x)),
                     Arg::I64(x.len as i64),
                 ];
-                self.launch(K::sum_of_squares, nb as u64, ROW_THREADS, 0, &args);
+                self.launch(
+                    K::sum_of_squares,
+                    self.dt(*x),
+                    nb as u64,
+                    ROW_THREADS,
+                    0,
+                    &args,
+                );
             }
             at += nb;
         }
@@ -1211,7 +1313,7 @@ impl Backend for CudaBackend {
             Arg::F32(k.bc2_sqrt),
             Arg::F32(k.decay),
         ];
-        self.launch_elems(K::adamw, params.len, &args);
+        self.launch_elems(K::adamw, self.dt(grads), params.len, &args);
     }
 }
 
@@ -1234,13 +1336,18 @@ fn check_ce(logits: Span, d: CeDims) {
 struct Attn {
     att: u64,
     qkv: u64,
+    /// Storage type of `att`, `qkv` and every (B, T, C) tensor of the call (one type).
+    dt: Dtype,
     d: AttnDims,
     scale: f32,
 }
 
+/// A GEMM operand: device address, leading dimension, batch stride (elements) and type.
+type Mat = (u64, usize, usize, Dtype);
+
 /// A device address plus a [`Heads`] layout, as the GEMM helper takes it.
-fn heads_at(base: u64, h: Heads) -> (u64, usize, usize) {
-    (base + 4 * h.offset as u64, h.ld, h.stride)
+fn heads_at(base: u64, dt: Dtype, h: Heads) -> Mat {
+    (base + (dt.bytes() * h.offset) as u64, h.ld, h.stride, dt)
 }
 
 impl Attn {
@@ -1248,34 +1355,38 @@ impl Attn {
         let c = d.nh * d.hs;
         assert_eq!(att.len, d.b * d.nh * d.t * d.t, "attention: att length");
         assert_eq!(qkv.len, d.b * d.t * 3 * c, "attention: qkv length");
+        let dt = be.dt(qkv);
+        assert_eq!(be.dt(att), dt, "attention: att and qkv types differ");
         Attn {
             att: be.ptr(att),
             qkv: be.ptr(qkv),
+            dt,
             d,
             scale: attention_scale(d.hs),
         }
     }
 
     /// Part `part` (0 Q, 1 K, 2 V) of sequence `bi`.
-    fn qkv_part(&self, bi: usize, part: usize) -> (u64, usize, usize) {
+    fn qkv_part(&self, bi: usize, part: usize) -> Mat {
         let d = self.d;
-        heads_at(self.qkv, Heads::qkv(bi, part, d.t, d.nh, d.hs))
+        heads_at(self.qkv, self.dt, Heads::qkv(bi, part, d.t, d.nh, d.hs))
     }
 
     /// `att[bi]`.
-    fn att(&self, bi: usize) -> (u64, usize, usize) {
-        heads_at(self.att, Heads::att(bi, self.d.t, self.d.nh))
+    fn att(&self, bi: usize) -> Mat {
+        heads_at(self.att, self.dt, Heads::att(bi, self.d.t, self.d.nh))
     }
 
     /// A (B, T, C) tensor, per sequence.
-    fn btc(&self, be: &CudaBackend, s: Span) -> impl Fn(usize) -> (u64, usize, usize) {
+    fn btc(&self, be: &CudaBackend, s: Span) -> impl Fn(usize) -> Mat {
         let d = self.d;
         assert_eq!(
             s.len,
             d.b * d.t * d.nh * d.hs,
             "attention: (B, T, C) length"
         );
-        let p = be.ptr(s);
-        move |bi| heads_at(p, Heads::btc(bi, d.t, d.nh, d.hs))
+        let (p, dt) = (be.ptr(s), be.dt(s));
+        assert_eq!(dt, self.dt, "attention: (B, T, C) tensor of another type");
+        move |bi| heads_at(p, dt, Heads::btc(bi, d.t, d.nh, d.hs))
     }
 }
