@@ -1,9 +1,10 @@
 //! `cargo bench --bench train -- [--config gpt2-124m] [--shape 4x64] [--steps 5] [--threads 2]
-//! [--device cpu|cuda|cuda:N] [--tf32] [--breakdown]`
+//! [--device cpu|cuda|cuda:N] [--tf32] [--precision fp32|bf16|fp16] [--breakdown]`
 //!
 //! Times full training steps (forward, backward, clip, AdamW) on random tokens and prints the
 //! median step time, tokens/s, model TFLOP/s (Megatron formula) and MFU against the device's
-//! peak (the CPU's as `fugu bench gemm` measures it; a GPU's FP32 CUDA-core peak), plus the
+//! peak for the run's precision (the CPU's as `fugu bench gemm` measures it; on a GPU the
+//! FP32 CUDA-core peak, or the tensor-core peak with `--tf32` or bf16/fp16), plus the
 //! share of non-GEMM ops in the per-op breakdown (`--breakdown` prints the whole table). Timers
 //! are fine-grained by default, which synchronises a GPU around every op (`--timers coarse`
 //! for throughput). The comparison (PyTorch) is
@@ -12,7 +13,7 @@
 
 use clap::Parser;
 use fugu::backend::{Backend, CudaSettings, Device};
-use fugu::config::{ModelConfig, RunConfig};
+use fugu::config::{ModelConfig, Precision, RunConfig};
 use fugu::metrics::flops::megatron_flops_per_step;
 use fugu::metrics::machine::MachineInfo;
 use fugu::metrics::timers::{Breakdown, TimerLevel, Timers};
@@ -40,6 +41,10 @@ struct Args {
     /// With --device cuda: TF32 tensor cores for the GEMMs.
     #[arg(long)]
     tf32: bool,
+    /// Numeric precision of the step (mixed precision keeps f32 master weights and optimizer;
+    /// fp16 runs with a fixed loss scale of 1024 here, the trainer's scaler is not exercised).
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: Precision,
     /// Timer detail: fine times every op (on a GPU it synchronises around each, which costs
     /// launch overlap: use coarse or off for throughput comparisons).
     #[arg(long, default_value = "fine", value_name = "off|coarse|fine")]
@@ -58,8 +63,12 @@ fn main() -> anyhow::Result<()> {
     let cfg = RunConfig::load(&args.config)?.model;
     let machine = MachineInfo::detect(threads)?;
     println!(
-        "{} | {} threads | peak {:.0} GFLOP/s ({})",
-        machine.cpu_model, threads, machine.peak_gflops, machine.peak_description
+        "host: {} | {} threads | CPU peak {:.0} GFLOP/s ({}) | precision {}",
+        machine.cpu_model,
+        threads,
+        machine.peak_gflops,
+        machine.peak_description,
+        args.precision.name()
     );
     let shapes = if args.shape.is_empty() {
         vec!["4x64".to_string(), "4x256".to_string()]
@@ -78,9 +87,14 @@ fn main() -> anyhow::Result<()> {
             .and_then(|(b, t)| Some((b.parse::<usize>().ok()?, t.parse::<usize>().ok()?)))
             .ok_or_else(|| anyhow::anyhow!("--shape {s}: expected BxT, e.g. 4x64"))?;
         let cuda = CudaSettings { tf32: args.tf32 };
+        let run = (args.steps, args.timers, args.precision);
         let (times, bd, peak, device) = fugu::with_backend!(args.device, cuda, |be| {
-            time_steps(be, &cfg, &params, (b, t), args.steps, args.timers)
+            time_steps(be, &cfg, &params, (b, t), run)
         })?;
+        if let Some((_, source)) = &peak {
+            println!("device peak: {source}");
+        }
+        let peak = peak.map(|p| p.0);
         let peak = peak.unwrap_or(machine.peak_gflops);
         let mut times = times;
         times.sort_by(f64::total_cmp);
@@ -111,13 +125,16 @@ fn time_steps<B: Backend>(
     cfg: &ModelConfig,
     params: &[f32],
     (b, t): (usize, usize),
-    steps: usize,
-    level: TimerLevel,
-) -> anyhow::Result<(Vec<f64>, Breakdown, Option<f64>, String)> {
+    (steps, level, precision): (usize, TimerLevel, Precision),
+) -> anyhow::Result<(Vec<f64>, Breakdown, Option<(f64, String)>, String)> {
     let device = be.describe();
-    let peak = be.peak_gflops().map(|p| p.0);
-    let mut model = Gpt2::new(cfg, TpRank::SERIAL, be)?;
+    let dtype = precision.compute_dtype();
+    let peak = be.peak_gflops(dtype);
+    let mut model = Gpt2::new(cfg, TpRank::SERIAL, dtype, be)?;
     model.load_params(params)?;
+    if precision == Precision::Fp16 {
+        model.set_loss_scale(1024.0);
+    }
     let timers = Timers::new(level);
     if let Some(f) = model.be.sync_handle() {
         timers.set_sync(f);

@@ -2,6 +2,7 @@
 //! `--config gpt2-124m` works anywhere), with every field overridable from the command line.
 //! Unknown keys are errors, and validation names the offending field.
 
+use crate::dtype::Dtype;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -32,6 +33,41 @@ pub enum LrSchedule {
     Constant,
 }
 
+/// Numeric precision of a training run (`--precision`): what activations and the parameters
+/// the passes read are stored in. Master weights, gradients, AdamW moments, the optimizer step
+/// and every reduction stay f32 in all three.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything f32.
+    #[default]
+    Fp32,
+    /// bfloat16 activations and GEMM operands (f32 range: no loss scaling).
+    Bf16,
+    /// IEEE half activations and GEMM operands, with dynamic loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    /// Storage type of activations and of the parameters' compute copy.
+    pub fn compute_dtype(self) -> Dtype {
+        match self {
+            Precision::Fp32 => Dtype::F32,
+            Precision::Bf16 => Dtype::Bf16,
+            Precision::Fp16 => Dtype::F16,
+        }
+    }
+
+    /// The name used in configs, flags and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+}
+
 /// Optimisation and run-length settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,6 +90,9 @@ pub struct TrainConfig {
     pub eval_every: usize,
     /// Checkpoint every N steps (0 = only at the end).
     pub ckpt_every: usize,
+    /// Numeric precision (fp32 when absent: configs and checkpoints from before it existed).
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 /// Command-line overrides of [`TrainConfig`] fields (`fugu train --batch-size 4 ...`): `None`
@@ -121,6 +160,11 @@ pub struct TrainOverrides {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ckpt_every: Option<usize>,
+    /// Numeric precision: fp32, or mixed precision with bf16 or fp16 activations and GEMM
+    /// operands (f32 master weights, gradients and optimizer; fp16 adds dynamic loss scaling).
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
 }
 
 impl TrainOverrides {

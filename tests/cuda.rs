@@ -80,24 +80,31 @@ mod gpu {
             .collect()
     }
 
+    /// Every storage type the ops run with: f32, and the 16-bit activation types of mixed
+    /// precision (against the CPU backend's rounded storage of the same type).
+    const ACTS: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
+
     /// The same buffers on both backends (allocated in the same order, so a span means the
-    /// same thing on each).
+    /// same thing on each). `rand`/`nan` buffers have the activation type `act`; `rand32`/
+    /// `nan32` are f32 whatever `act` is (statistics, parameter gradients, optimizer state).
     struct Both {
         cpu: CpuBackend,
         gpu: CudaBackend,
+        act: Dtype,
     }
 
     impl Both {
-        fn new() -> Option<Both> {
+        fn new(act: Dtype) -> Option<Both> {
             Some(Both {
                 cpu: CpuBackend::new(),
                 gpu: device()?,
+                act,
             })
         }
 
-        fn buf(&mut self, data: &[f32]) -> Span {
-            let a = self.cpu.alloc(data.len(), Dtype::F32).unwrap();
-            let b = self.gpu.alloc(data.len(), Dtype::F32).unwrap();
+        fn buf(&mut self, data: &[f32], dt: Dtype) -> Span {
+            let a = self.cpu.alloc(data.len(), dt).unwrap();
+            let b = self.gpu.alloc(data.len(), dt).unwrap();
             assert_eq!(a, b);
             let s = self.cpu.whole(a);
             self.cpu.upload(s, data);
@@ -106,12 +113,32 @@ mod gpu {
         }
 
         fn rand(&mut self, n: usize, seed: u64) -> Span {
-            self.buf(&random(n, seed))
+            self.buf(&random(n, seed), self.act)
         }
 
         /// A buffer filled with NaN, so an op that forgets to write an element is caught.
         fn nan(&mut self, n: usize) -> Span {
-            self.buf(&vec![f32::NAN; n])
+            self.buf(&vec![f32::NAN; n], self.act)
+        }
+
+        fn rand32(&mut self, n: usize, seed: u64) -> Span {
+            self.buf(&random(n, seed), Dtype::F32)
+        }
+
+        fn nan32(&mut self, n: usize) -> Span {
+            self.buf(&vec![f32::NAN; n], Dtype::F32)
+        }
+
+        /// The tolerance of a result: `base` (f32 rounding from different summation orders)
+        /// plus, with 16-bit activations, 4 unit roundoffs of the type: both backends compute
+        /// in f32 and round to the type, so an element whose f32 values straddle a rounding
+        /// boundary differs by one step of the type (2u relative), and an op fed such an
+        /// element by an earlier op can differ by about as much again.
+        fn tol(&self, base: f64) -> f64 {
+            match self.act {
+                Dtype::F32 => base,
+                low => base + 4.0 * low.unit_roundoff(),
+            }
         }
 
         fn tokens(&mut self, t: &[u32]) {
@@ -124,12 +151,13 @@ mod gpu {
             f(&mut self.gpu);
         }
 
-        /// Compares `s` on both backends: |gpu − cpu| ≤ tol · max(1, max |cpu|).
+        /// Compares `s` on both backends: |gpu − cpu| ≤ tol · max(1, max |cpu|), with `tol`
+        /// widened for the activation type by [`Both::tol`].
         fn check(&self, what: &str, s: Span, tol: f64) {
             let (mut a, mut b) = (vec![0.0; s.len], vec![0.0; s.len]);
             self.cpu.download(s, &mut a);
             self.gpu.download(s, &mut b);
-            compare(what, &a, &b, tol);
+            compare(&format!("{what} ({:?})", self.act), &a, &b, self.tol(tol));
         }
     }
 
@@ -156,7 +184,13 @@ mod gpu {
 
     #[test]
     fn embedding_and_layernorm() {
-        let Some(mut be) = Both::new() else { return };
+        for act in ACTS {
+            embedding_and_layernorm_in(act);
+        }
+    }
+
+    fn embedding_and_layernorm_in(act: Dtype) {
+        let Some(mut be) = Both::new(act) else { return };
         let (b, t, c) = (3, 5, 7);
         // A vocabulary shard of 11 rows starting at id 4: some tokens fall outside it.
         let toks: Vec<u32> = (0..b * t).map(|i| ((i * 7) % 19) as u32).collect();
@@ -172,8 +206,8 @@ mod gpu {
             let p = with_wpe.then_some(wpe);
             be.run(|x| x.encoder_forward(out, tk, wte, 4, p, b, t, c));
             be.check("encoder_forward", out, ELEM);
-            let dwte = be.rand(11 * c, 3);
-            let dwpe = be.rand(9 * c, 4);
+            let dwte = be.rand32(11 * c, 3);
+            let dwpe = be.rand32(9 * c, 4);
             let dout = be.rand(b * t * c, 5);
             let dp = with_wpe.then_some(dwpe);
             be.run(|x| x.encoder_backward(dwte, dp, dout, tk, 4, b, t, c));
@@ -182,14 +216,14 @@ mod gpu {
         }
         // C above one block of threads, and a single row.
         for (n, c) in [(13, 37), (3, 300), (1, 5)] {
-            let (out, mean, rstd) = (be.nan(n * c), be.nan(n), be.nan(n));
+            let (out, mean, rstd) = (be.nan(n * c), be.nan32(n), be.nan32(n));
             let inp = be.rand(n * c, 6);
             let (w, bias) = (be.rand(c, 7), be.rand(c, 8));
             be.run(|x| x.layernorm_forward(out, mean, rstd, inp, w, bias, n, c));
             be.check("layernorm_forward out", out, ELEM * 10.0);
             be.check("layernorm_forward mean", mean, ELEM);
             be.check("layernorm_forward rstd", rstd, ELEM);
-            let (dinp, dw, db) = (be.rand(n * c, 9), be.rand(c, 10), be.rand(c, 11));
+            let (dinp, dw, db) = (be.rand(n * c, 9), be.rand32(c, 10), be.rand32(c, 11));
             let dout = be.rand(n * c, 12);
             be.run(|x| x.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, n, c));
             be.check("layernorm_backward dinp", dinp, ELEM * 10.0);
@@ -201,7 +235,13 @@ mod gpu {
 
     #[test]
     fn linear_layers() {
-        let Some(mut be) = Both::new() else { return };
+        for act in ACTS {
+            linear_layers_in(act);
+        }
+    }
+
+    fn linear_layers_in(act: Dtype) {
+        let Some(mut be) = Both::new(act) else { return };
         for (n, ic, oc) in [(17, 33, 65), (1, 8, 3), (130, 64, 300)] {
             for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
                 for with_bias in [true, false] {
@@ -213,8 +253,8 @@ mod gpu {
                     be.run(|x| x.linear_forward(out, inp, w, layout, bo, n, ic, oc));
                     be.check("linear_forward", out, GEMM);
                     let dinp = be.nan(n * ic);
-                    let dw = be.rand(ic * oc, 4);
-                    let db = be.rand(oc, 5);
+                    let dw = be.rand32(ic * oc, 4);
+                    let db = be.rand32(oc, 5);
                     let dout = be.rand(n * oc, 6);
                     let dbo = with_bias.then_some(db);
                     be.run(|x| {
@@ -230,7 +270,13 @@ mod gpu {
 
     #[test]
     fn attention() {
-        let Some(mut be) = Both::new() else { return };
+        for act in ACTS {
+            attention_in(act);
+        }
+    }
+
+    fn attention_in(act: Dtype) {
+        let Some(mut be) = Both::new(act) else { return };
         // T = 1, T = 37 (not a multiple of any block size), T = 260 (rows longer than a block).
         for (b, t, nh, hs) in [(2, 1, 3, 8), (2, 37, 3, 8), (1, 260, 1, 4)] {
             let d = AttnDims { b, t, nh, hs };
@@ -268,7 +314,13 @@ mod gpu {
 
     #[test]
     fn pointwise_loss_and_optimizer() {
-        let Some(mut be) = Both::new() else { return };
+        for act in ACTS {
+            pointwise_loss_and_optimizer_in(act);
+        }
+    }
+
+    fn pointwise_loss_and_optimizer_in(act: Dtype) {
+        let Some(mut be) = Both::new(act) else { return };
         let n = 1003;
         let (a, bb) = (be.rand(n, 1), be.rand(n, 2));
         let out = be.nan(n);
@@ -283,6 +335,18 @@ mod gpu {
         let dst = be.nan(n);
         be.run(|x| x.copy(dst, a));
         be.check("copy", dst, 0.0);
+        // f32 → the activation type (the master → compute-copy refresh): both round to
+        // nearest even, so the results are identical.
+        let src32 = be.buf(
+            &random(n, 12).iter().map(|x| x * 3e4).collect::<Vec<_>>(),
+            Dtype::F32,
+        );
+        let conv = be.nan(n);
+        be.run(|x| x.copy(conv, src32));
+        let (mut c1, mut c2) = (vec![0.0; n], vec![0.0; n]);
+        be.cpu.download(conv, &mut c1);
+        be.gpu.download(conv, &mut c2);
+        compare(&format!("converting copy ({act:?})"), &c1, &c2, 0.0);
         be.run(|x| x.zero(dst.sub(3, 100)));
         be.check("zero", dst, 0.0);
 
@@ -303,7 +367,12 @@ mod gpu {
             };
             for dloss in [Some(0.2f32), None] {
                 let logits = be.rand(rows * vp, 3);
-                let (mx, sm, tl, lo) = (be.nan(rows), be.nan(rows), be.nan(rows), be.nan(rows));
+                let (mx, sm, tl, lo) = (
+                    be.nan32(rows),
+                    be.nan32(rows),
+                    be.nan32(rows),
+                    be.nan32(rows),
+                );
                 be.run(|x| {
                     x.ce_row_max(mx, logits, d);
                     x.ce_row_sumexp(sm, logits, mx, d);
@@ -319,7 +388,7 @@ mod gpu {
         }
 
         // Several spans in one call: long, short, empty.
-        let big = be.rand(100_003, 7);
+        let big = be.rand32(100_003, 7);
         let spans = [big, big.sub(5, 300), big.sub(0, 0), big.sub(1000, 1)];
         let (s_cpu, s_gpu) = (be.cpu.sum_of_squares(&spans), be.gpu.sum_of_squares(&spans));
         for (a, b) in s_cpu.iter().zip(&s_gpu) {
@@ -328,7 +397,12 @@ mod gpu {
                 "sum_of_squares {a} vs {b}"
             );
         }
-        let (p, g, m, v) = (be.rand(n, 8), be.rand(n, 9), be.rand(n, 10), be.rand(n, 11));
+        let (p, g, m, v) = (
+            be.rand32(n, 8),
+            be.rand32(n, 9),
+            be.rand32(n, 10),
+            be.rand32(n, 11),
+        );
         be.run(|x| x.zero(v));
         for step in 1..=3 {
             let hp = AdamWStep {
@@ -365,8 +439,12 @@ mod gpu {
     }
 
     fn model<B: Backend>(cfg: &ModelConfig, be: B) -> Gpt2<B> {
+        model_in(cfg, Dtype::F32, be)
+    }
+
+    fn model_in<B: Backend>(cfg: &ModelConfig, compute: Dtype, be: B) -> Gpt2<B> {
         let table = gpt2_params(cfg, 1).unwrap();
-        let mut m = Gpt2::new(cfg, TpRank::SERIAL, be).unwrap();
+        let mut m = Gpt2::new(cfg, TpRank::SERIAL, compute, be).unwrap();
         m.load_params(&init_params(cfg, &table, 11)).unwrap();
         m
     }
@@ -399,6 +477,70 @@ mod gpu {
                 // Gradients are sums over B·T positions of GEMM outputs.
                 compare(&spec.name, &gc[spec.range()], &gg[spec.range()], 1e-4);
             }
+        }
+    }
+
+    /// Mixed precision: the whole model in bf16 and f16 (with a loss scale) on the device
+    /// against the CPU backend's rounded storage of the same type. Tolerances: both compute
+    /// in f32 and round every stored activation, so they differ where an f32 value straddles
+    /// a rounding boundary (one step of the type, 2u) and where such a difference propagates
+    /// through later layers; the loss, a mean over B·T rows, within 8u, every gradient within
+    /// 64u of its tensor's largest element (measured: well inside both, see the closing
+    /// note of the mixed-precision issue).
+    #[test]
+    fn mixed_precision_model_matches_the_cpu_reference() {
+        let Some(g) = device() else { return };
+        let timers = Timers::new(TimerLevel::Off);
+        let mut g = Some(g);
+        let cfg = small_cfg();
+        let (b, t) = (3, 17);
+        for (dt, scale) in [(Dtype::Bf16, 1.0), (Dtype::F16, 1024.0)] {
+            let u = dt.unit_roundoff();
+            let mut cpu = model_in(&cfg, dt, CpuBackend::new());
+            let mut gpu = model_in(&cfg, dt, g.take().or_else(device).unwrap());
+            let w = batch(&cfg, b, t, 5);
+            let mut losses = [0.0f32; 2];
+            for (i, m) in [&mut cpu as &mut dyn Train, &mut gpu]
+                .into_iter()
+                .enumerate()
+            {
+                losses[i] = m.loss_and_grads(&w, b, t, scale, &timers);
+            }
+            let rel = ((losses[0] - losses[1]) / losses[0]).abs() as f64;
+            assert!(rel <= 8.0 * u, "{dt:?}: loss {losses:?}");
+            let (gc, gg) = (cpu.download(cpu.grads), gpu.download(gpu.grads));
+            for spec in cpu.table.specs() {
+                compare(
+                    &format!("{} ({dt:?})", spec.name),
+                    &gc[spec.range()],
+                    &gg[spec.range()],
+                    64.0 * u,
+                );
+            }
+        }
+    }
+
+    /// One forward and backward pass, for models on either backend.
+    trait Train {
+        fn loss_and_grads(&mut self, w: &[u32], b: usize, t: usize, scale: f32, tm: &Timers)
+            -> f32;
+    }
+
+    impl<B: Backend> Train for Gpt2<B> {
+        fn loss_and_grads(
+            &mut self,
+            w: &[u32],
+            b: usize,
+            t: usize,
+            scale: f32,
+            tm: &Timers,
+        ) -> f32 {
+            self.set_batch(w, b, t).unwrap();
+            self.zero_grad();
+            self.set_loss_scale(scale);
+            let loss = self.forward(tm, true);
+            self.backward(tm);
+            loss
         }
     }
 

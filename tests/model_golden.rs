@@ -66,6 +66,7 @@ fn load(name: &str) -> Golden {
         grad_clip: f("grad_clip"),
         seed: 0,
         eval_every: 0,
+        precision: Default::default(),
         ckpt_every: 0,
     };
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -121,7 +122,7 @@ fn rel_err(a: &[f32], b: &[f64]) -> f64 {
 
 /// The model on `be`, loaded with the golden initial parameters.
 fn model<B: Backend>(g: &Golden, be: B) -> Gpt2<B> {
-    let mut m = Gpt2::new(&g.cfg, TpRank::SERIAL, be).unwrap();
+    let mut m = Gpt2::new(&g.cfg, TpRank::SERIAL, fugu::backend::Dtype::F32, be).unwrap();
     let mut host = vec![0.0f32; m.table.total()];
     for spec in m.table.specs() {
         let (shape, vals) = &g.tensors[&spec.name];

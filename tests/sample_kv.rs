@@ -26,7 +26,13 @@ fn kv_cache_matches_full_forward() {
     let params = init_params(&cfg, &table, 3);
     let t = 17;
     let window: Vec<u32> = (0..=t as u32).map(|i| (i * 37 + 5) % 300).collect();
-    let mut model = Gpt2::new(&cfg, TpRank::SERIAL, CpuBackend::new()).unwrap();
+    let mut model = Gpt2::new(
+        &cfg,
+        TpRank::SERIAL,
+        fugu::backend::Dtype::F32,
+        CpuBackend::new(),
+    )
+    .unwrap();
     model.load_params(&params).unwrap();
     model.set_batch(&window, 1, t).unwrap();
     model.forward(&Timers::new(TimerLevel::Off), false);

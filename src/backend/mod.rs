@@ -126,9 +126,10 @@ pub trait Backend {
     fn describe(&self) -> String {
         self.name().to_string()
     }
-    /// The device's FP32 peak in GFLOP/s and where it comes from, for MFU; `None` for the
-    /// host CPU, whose peak [`crate::metrics::machine::MachineInfo`] measures.
-    fn peak_gflops(&self) -> Option<(f64, String)> {
+    /// The device's peak in GFLOP/s for GEMMs whose operands are stored in `compute` (f32,
+    /// or the 16-bit type of mixed precision), and where it comes from, for MFU; `None` for
+    /// the host CPU, whose peak [`crate::metrics::machine::MachineInfo`] measures.
+    fn peak_gflops(&self, _compute: Dtype) -> Option<(f64, String)> {
         None
     }
     /// Bytes this backend can still allocate, if known (checked before large allocations so

@@ -656,7 +656,7 @@ pub fn run_shape_cuda(
         );
     }
     let peak = be
-        .peak_gflops()
+        .peak_gflops(crate::backend::Dtype::F32)
         .unwrap_or((f64::NAN, "unknown (no device peak)".into()));
     let mut row = BenchRow::timed(
         s,

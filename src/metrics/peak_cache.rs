@@ -151,7 +151,12 @@ mod tests {
         let stored = lookup(&path, "Test CPU", Isa::Portable).unwrap();
         // serde_json parses floats to within an ulp (no `float_roundtrip` feature).
         let rel = (stored.per_core_gflops - first.per_core_gflops).abs() / first.per_core_gflops;
-        assert!(rel < 1e-12, "{} vs {}", stored.per_core_gflops, first.per_core_gflops);
+        assert!(
+            rel < 1e-12,
+            "{} vs {}",
+            stored.per_core_gflops,
+            first.per_core_gflops
+        );
         // A cached figure above anything this machine measures is kept and used.
         let mut cache = read(&path);
         cache

@@ -1,6 +1,8 @@
 //! Activation layout: every tensor the forward pass keeps for the backward pass, and the
 //! per-layer gradient scratch the backward pass reuses, each carved from one allocation by a
-//! [`Table`] (the llm.c `ActivationTensors` idea).
+//! [`Table`] (the llm.c `ActivationTensors` idea). The per-row statistics (layernorm mean and
+//! rstd, cross-entropy maxima, sums, target logits and losses) have a table and buffer of their
+//! own, because they stay f32 when the activations are 16-bit (mixed precision).
 
 use super::table::Table;
 use crate::backend::{AttnDims, BufId, Span};
@@ -68,7 +70,10 @@ pub struct LayerActs {
 pub struct Acts {
     pub dims: StepDims,
     pub table: Table,
+    /// The activations ([`acts_table`], in the compute type).
     pub buf: BufId,
+    /// The f32 statistics ([`stats_table`]).
+    pub stats_buf: BufId,
     pub encoded: Span,
     pub layers: Vec<LayerActs>,
     /// Output of a projection before it joins the residual stream (attention and MLP share it).
@@ -111,7 +116,7 @@ fn span(table: &Table, buf: BufId, name: &str) -> Span {
     }
 }
 
-/// The activation table for `n_layer` blocks.
+/// The activation table for `n_layer` blocks (the compute type's buffer).
 pub fn acts_table(d: &StepDims, n_layer: usize) -> Table {
     let n = d.n();
     let mut t = Table::default();
@@ -119,35 +124,54 @@ pub fn acts_table(d: &StepDims, n_layer: usize) -> Table {
     for l in 0..n_layer {
         let p = |s: &str| format!("h.{l}.{s}");
         t.push(p("ln1"), &[n, d.c]);
-        t.push(p("ln1_mean"), &[n]);
-        t.push(p("ln1_rstd"), &[n]);
         t.push(p("qkv"), &[n, 3 * d.local_c()]);
         t.push(p("att"), &[d.b, d.nh, d.t, d.t]);
         t.push(p("atty"), &[n, d.local_c()]);
         t.push(p("resid2"), &[n, d.c]);
         t.push(p("ln2"), &[n, d.c]);
-        t.push(p("ln2_mean"), &[n]);
-        t.push(p("ln2_rstd"), &[n]);
         t.push(p("fch"), &[n, d.f]);
         t.push(p("fch_gelu"), &[n, d.f]);
         t.push(p("resid3"), &[n, d.c]);
     }
     t.push("proj", &[n, d.c]);
     t.push("lnf", &[n, d.c]);
-    t.push("lnf_mean", &[n]);
-    t.push("lnf_rstd", &[n]);
     t.push("logits", &[n, d.vp]);
-    t.push("losses", &[n]);
-    t.push("ce_max", &[n]);
-    t.push("ce_sum", &[n]);
-    t.push("ce_tl", &[n]);
+    t
+}
+
+/// The per-row statistics of a step (always f32).
+pub fn stats_table(d: &StepDims, n_layer: usize) -> Table {
+    let n = d.n();
+    let mut t = Table::default();
+    for l in 0..n_layer {
+        for s in ["ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd"] {
+            t.push(format!("h.{l}.{s}"), &[n]);
+        }
+    }
+    for s in [
+        "lnf_mean", "lnf_rstd", "losses", "ce_max", "ce_sum", "ce_tl",
+    ] {
+        t.push(s, &[n]);
+    }
     t
 }
 
 impl Acts {
-    /// Resolves the named spans of `table` (from [`acts_table`]) in buffer `buf`.
-    pub fn new(dims: StepDims, n_layer: usize, table: Table, buf: BufId) -> Acts {
-        let s = |name: &str| span(&table, buf, name);
+    /// Resolves the named spans of `table` (from [`acts_table`]) in buffer `buf` and of
+    /// `stats` (from [`stats_table`]) in `stats_buf`.
+    pub fn new(
+        dims: StepDims,
+        n_layer: usize,
+        (table, buf): (Table, BufId),
+        (stats, stats_buf): (Table, BufId),
+    ) -> Acts {
+        let s = |name: &str| {
+            if table.get(name).is_some() {
+                span(&table, buf, name)
+            } else {
+                span(&stats, stats_buf, name)
+            }
+        };
         let layers = (0..n_layer)
             .map(|l| {
                 let p = |x: &str| s(&format!("h.{l}.{x}"));
@@ -183,6 +207,7 @@ impl Acts {
             ce_tl: s("ce_tl"),
             table,
             buf,
+            stats_buf,
         }
     }
 }

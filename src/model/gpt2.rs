@@ -12,7 +12,7 @@
 //! backward goes on), and [`Gpt2::set_owned`] restricts the optimizer (and the AdamW moments)
 //! to the parameter ranges this rank updates.
 
-use super::acts::{acts_table, grad_acts_table, Acts, GradActs, StepDims};
+use super::acts::{acts_table, grad_acts_table, stats_table, Acts, GradActs, StepDims};
 use super::kv::KvCache;
 use super::params::ParamSpans;
 use super::table::{gpt2_params, padded_vocab, Table};
@@ -87,16 +87,30 @@ enum Pass<'c> {
 }
 
 /// The model on a backend.
+///
+/// Mixed precision: `compute` is the storage type of every activation, activation gradient
+/// and of the parameters the forward and backward passes read. With a 16-bit type the model
+/// keeps a second, rounded copy of the parameters in it (`compute_params`, refreshed from the
+/// f32 master after every update); the master, the gradients, the AdamW moments and all
+/// statistics (layernorm mean/rstd, cross-entropy maxima, sums and losses) stay f32.
 pub struct Gpt2<B: Backend> {
     pub cfg: ModelConfig,
     pub tp: TpRank,
     pub be: B,
     /// Parameter table (this rank's shards); also carves gradients and moments.
     pub table: Table,
+    /// The f32 master parameters (what the optimizer updates and checkpoints hold).
     pub params: BufId,
     pub grads: BufId,
     pub m: BufId,
     pub v: BufId,
+    /// Storage type of activations and of the parameters the passes read.
+    compute: Dtype,
+    /// The parameters in `compute` (the same buffer as `params` when that is f32).
+    compute_params: BufId,
+    /// Multiplies the loss gradient (fp16 dynamic loss scaling); the gradient norm and the
+    /// optimizer divide it out again.
+    loss_scale: f32,
     p: ParamSpans,
     g: ParamSpans,
     acts: Option<(Acts, GradActs)>,
@@ -105,27 +119,38 @@ pub struct Gpt2<B: Backend> {
 }
 
 impl<B: Backend> Gpt2<B> {
-    /// Allocates parameters (zeroed), gradients and moments for `cfg` on `be`.
-    pub fn new(cfg: &ModelConfig, tp: TpRank, be: B) -> Result<Gpt2<B>> {
-        Self::build(cfg, tp, be, true)
+    /// Allocates parameters (zeroed), gradients and moments for `cfg` on `be`, with
+    /// activations in `compute` (f32, or bf16/f16 for mixed precision).
+    pub fn new(cfg: &ModelConfig, tp: TpRank, compute: Dtype, be: B) -> Result<Gpt2<B>> {
+        Self::build(cfg, tp, be, true, compute)
     }
 
     /// Parameters only, no gradients or AdamW moments (a quarter of the memory), for
     /// [`Self::decode`] and evaluation; the training methods ([`Self::backward`],
     /// [`Self::apply_optimizer`]) must not be called on it.
     pub fn for_inference(cfg: &ModelConfig, be: B) -> Result<Gpt2<B>> {
-        Self::build(cfg, TpRank::SERIAL, be, false)
+        Self::build(cfg, TpRank::SERIAL, be, false, Dtype::F32)
     }
 
-    fn build(cfg: &ModelConfig, tp: TpRank, mut be: B, trainable: bool) -> Result<Gpt2<B>> {
+    fn build(
+        cfg: &ModelConfig,
+        tp: TpRank,
+        mut be: B,
+        trainable: bool,
+        compute: Dtype,
+    ) -> Result<Gpt2<B>> {
         let table = gpt2_params(cfg, tp.size)?;
         let n = table.total();
         let params = be.alloc(n, Dtype::F32)?;
+        let compute_params = match compute {
+            Dtype::F32 => params,
+            low => be.alloc(n, low)?,
+        };
         let state_n = if trainable { n } else { 0 };
         let grads = be.alloc(state_n, Dtype::F32)?;
         let m = be.alloc(state_n, Dtype::F32)?;
         let v = be.alloc(state_n, Dtype::F32)?;
-        let p = ParamSpans::new(&table, params, cfg.n_layer);
+        let p = ParamSpans::new(&table, compute_params, cfg.n_layer);
         let g = p.on(grads);
         Ok(Gpt2 {
             cfg: cfg.clone(),
@@ -136,6 +161,9 @@ impl<B: Backend> Gpt2<B> {
             grads,
             m,
             v,
+            compute,
+            compute_params,
+            loss_scale: 1.0,
             p,
             g,
             acts: None,
@@ -205,7 +233,41 @@ impl<B: Backend> Gpt2<B> {
         }
         let s = self.be.whole(self.params);
         self.be.upload(s, host);
+        self.refresh_compute_params();
         Ok(())
+    }
+
+    /// Storage type of activations and of the parameters the passes read.
+    pub fn compute_dtype(&self) -> Dtype {
+        self.compute
+    }
+
+    /// Bytes of the low-precision parameter copy (0 when computing in f32).
+    pub fn compute_params_bytes(&self) -> usize {
+        match self.compute {
+            Dtype::F32 => 0,
+            low => low.bytes() * self.table.total(),
+        }
+    }
+
+    /// Rounds the whole f32 master into the compute copy (a no-op in f32). The optimizer
+    /// refreshes what it updates; call this after changing the master any other way (a ZeRO-1
+    /// all-gather of the parameters).
+    pub fn refresh_compute_params(&mut self) {
+        if self.compute_params != self.params {
+            let (dst, src) = (
+                self.be.whole(self.compute_params),
+                self.be.whole(self.params),
+            );
+            self.be.copy(dst, src);
+        }
+    }
+
+    /// Sets the loss scale (fp16 dynamic loss scaling): the next backward pass computes
+    /// `scale ×` the gradients; [`Self::grad_sq_sum`] and [`Self::apply_optimizer`] divide
+    /// it out.
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
     }
 
     /// Parameters, gradients or a moment buffer as a host copy.
@@ -216,12 +278,15 @@ impl<B: Backend> Gpt2<B> {
         out
     }
 
-    /// Floats per step shape of activations and gradient scratch (for the memory report).
-    pub fn activation_floats(&self, b: usize, t: usize) -> (usize, usize) {
+    /// Bytes per step shape of activations (with their f32 statistics) and of the gradient
+    /// scratch (for the memory report).
+    pub fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
         let d = self.dims(b, t);
+        let el = self.compute.bytes();
         (
-            acts_table(&d, self.cfg.n_layer).total(),
-            grad_acts_table(&d).total(),
+            el * acts_table(&d, self.cfg.n_layer).total()
+                + Dtype::F32.bytes() * stats_table(&d, self.cfg.n_layer).total(),
+            el * grad_acts_table(&d).total(),
         )
     }
 
@@ -254,15 +319,18 @@ impl<B: Backend> Gpt2<B> {
         }
         let d = self.dims(b, t);
         let at = acts_table(&d, self.cfg.n_layer);
+        let st = stats_table(&d, self.cfg.n_layer);
         let gt = grad_acts_table(&d);
         if let Some((old_a, old_g)) = self.acts.take() {
             self.be.free(old_a.buf);
+            self.be.free(old_a.stats_buf);
             self.be.free(old_g.buf);
         }
-        let ab = self.be.alloc(at.total(), Dtype::F32)?;
-        let gb = self.be.alloc(gt.total(), Dtype::F32)?;
+        let ab = self.be.alloc(at.total(), self.compute)?;
+        let sb = self.be.alloc(st.total(), Dtype::F32)?;
+        let gb = self.be.alloc(gt.total(), self.compute)?;
         self.acts = Some((
-            Acts::new(d, self.cfg.n_layer, at, ab),
+            Acts::new(d, self.cfg.n_layer, (at, ab), (st, sb)),
             GradActs::new(gt, gb),
         ));
         Ok(())
@@ -331,7 +399,7 @@ impl<B: Backend> Gpt2<B> {
         be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
         tp_allreduce(be, comm, timers, loss_allreduce, a.ce_sum, ReduceOp::Sum);
         tp_allreduce(be, comm, timers, loss_allreduce, a.ce_tl, ReduceOp::Sum);
-        let dloss = for_backward.then_some(1.0 / n as f32);
+        let dloss = for_backward.then_some(self.loss_scale / n as f32);
         be.ce_finish(
             a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
         );
@@ -383,6 +451,7 @@ impl<B: Backend> Gpt2<B> {
             self.cfg.n_layer,
             self.cfg.n_positions,
             d.local_c(),
+            self.compute,
         )
     }
 
@@ -817,13 +886,16 @@ impl<B: Backend> Gpt2<B> {
                 });
             }
         }
-        // Summed in table order, as before.
-        self.be.sum_of_squares(&spans).iter().sum()
+        // Summed in table order, as before; the loss scale divided out.
+        let scale = self.loss_scale as f64;
+        self.be.sum_of_squares(&spans).iter().sum::<f64>() / (scale * scale)
     }
 
     /// Clipping (PyTorch `clip_grad_norm_`: scale by clip/(norm+1e-6) when that is below 1) and
     /// one AdamW step on every tensor; weight decay only on 2-D tensors. `norm` is the pre-clip
-    /// global gradient norm from [`Self::grad_norm`].
+    /// global gradient norm from [`Self::grad_sq_sum`] (loss scale already divided out). The
+    /// gradients are multiplied by the clip factor over the loss scale, and the compute copy
+    /// of every updated range is refreshed.
     pub fn apply_optimizer(&mut self, o: &OptimStep, norm: f64) {
         self.assert_trainable();
         let mut scale = 1.0f64;
@@ -833,6 +905,7 @@ impl<B: Backend> Gpt2<B> {
                 scale = coef;
             }
         }
+        let scale = scale / self.loss_scale as f64;
         for spec in self.table.specs() {
             let hp = AdamWStep {
                 lr: o.lr as f32,
@@ -860,6 +933,12 @@ impl<B: Backend> Gpt2<B> {
                     span(self.v, moment),
                     &hp,
                 );
+                if self.compute_params != self.params {
+                    self.be.copy(
+                        span(self.compute_params, r.start),
+                        span(self.params, r.start),
+                    );
+                }
             }
         }
     }

@@ -15,14 +15,15 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Allocates a zeroed cache on `be`.
+    /// Allocates a zeroed cache on `be`, in the model's compute type `dtype`.
     pub fn new<B: Backend>(
         be: &mut B,
         layers: usize,
         positions: usize,
         width: usize,
+        dtype: Dtype,
     ) -> Result<KvCache> {
-        let buf = be.alloc(2 * layers * positions * width, Dtype::F32)?;
+        let buf = be.alloc(2 * layers * positions * width, dtype)?;
         Ok(KvCache {
             buf,
             layers,

@@ -5,6 +5,7 @@ pub mod dist;
 pub mod dump;
 pub mod layout;
 pub mod lock;
+pub mod loss_scale;
 pub mod resume;
 pub mod schedule;
 pub mod state;

@@ -34,6 +34,9 @@ pub struct TrainState {
     /// versions). The model files are layout-free; only the data streams depend on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<SavedLayout>,
+    /// fp16 runs: the dynamic loss scaler's state (scale, clean-step count, overflows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<super::loss_scale::LossScaler>,
 }
 
 /// The parallel layout of the run that wrote a checkpoint.

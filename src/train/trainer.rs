@@ -19,6 +19,7 @@
 use super::data::{self, BatchSource};
 use super::dist::Dist;
 use super::lock::RunLock;
+use super::loss_scale::{LossScaler, Verdict};
 use super::resume::is_checkpoint_dir;
 use super::state::{SavedLayout, TrainState, STATE_FORMAT};
 use super::{
@@ -27,7 +28,7 @@ use super::{
 };
 use crate::backend::Backend;
 use crate::checkpoint;
-use crate::config::RunConfig;
+use crate::config::{Precision, RunConfig};
 use crate::metrics::flops::megatron_flops_per_step;
 use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::MachineInfo;
@@ -101,13 +102,13 @@ struct Memory {
 
 impl Memory {
     fn of<B: Backend>(model: &Gpt2<B>, b: usize, t: usize) -> Memory {
-        let (act_f, gact_f) = model.activation_floats(b, t);
+        let (act_b, gact_b) = model.activation_bytes(b, t);
         let moment_n: usize = model.owned().iter().map(|o| o.flat.len()).sum();
         Memory {
-            params_grads: 8.0 * model.table.total() as f64,
+            params_grads: (8 * model.table.total() + model.compute_params_bytes()) as f64,
             moments: 8.0 * moment_n as f64,
-            forward: 4.0 * act_f as f64,
-            backward: 4.0 * gact_f as f64,
+            forward: act_b as f64,
+            backward: gact_b as f64,
         }
     }
 
@@ -155,6 +156,8 @@ pub struct Trainer<'d, B: Backend> {
     memory: Memory,
     window: Vec<u32>,
     totals: RunTotals,
+    /// fp16 only: dynamic loss scaling.
+    scaler: Option<LossScaler>,
 }
 
 impl<'d, B: Backend> Trainer<'d, B> {
@@ -278,7 +281,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             rank: grid.tp_rank,
             size: grid.tp,
         };
-        let mut model = Gpt2::new(&m, tp, backend)?;
+        let mut model = Gpt2::new(&m, tp, t.precision.compute_dtype(), backend)?;
         model.set_tp_comm(dist.tp.clone())?;
         let bucket_floats = ((opts.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
         let sync = GradSync::new(&model.table, dist.dp.clone(), bucket_floats, opts.zero == 1);
@@ -320,7 +323,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
         }
 
         let machine = MachineInfo::detect(threads)?;
-        let peak_gflops = model.be.peak_gflops().map_or(machine.peak_gflops, |p| p.0);
+        let peak_gflops = model
+            .be
+            .peak_gflops(t.precision.compute_dtype())
+            .map_or(machine.peak_gflops, |p| p.0);
         let global_batch = t.batch_size * grid.dp;
         let flops_step =
             megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
@@ -339,6 +345,13 @@ impl<'d, B: Backend> Trainer<'d, B> {
         } else {
             dist.tp.clone()
         };
+        // fp16: dynamic loss scaling, continued from the checkpoint when resuming.
+        let scaler = (t.precision == Precision::Fp16).then(|| {
+            start_state
+                .as_ref()
+                .and_then(|s| s.loss_scaler)
+                .unwrap_or_default()
+        });
         let totals = RunTotals {
             tokens_seen: start_state.as_ref().map_or(0, |s| s.tokens_seen),
             skipped_nonfinite: start_state.as_ref().map_or(0, |s| s.skipped_nonfinite),
@@ -376,6 +389,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             memory,
             window: Vec::new(),
             totals,
+            scaler,
             model,
             cfg,
             opts,
@@ -421,6 +435,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
         }
         model.set_batch(&self.window, t.batch_size, t.seq_len)?;
         model.zero_grad();
+        if let Some(sc) = &self.scaler {
+            model.set_loss_scale(sc.scale);
+        }
         let local_loss = model.forward(timers, true);
         self.sync.begin_step();
         let grads = model.grads;
@@ -446,6 +463,12 @@ impl<'d, B: Backend> Trainer<'d, B> {
         self.norm_comm.allreduce_f64(&mut sq, ReduceOp::Sum);
         let norm = sq[0].sqrt();
         let lr = schedule::lr_at(t, step as usize);
+        if let Some(sc) = self.scaler.as_mut() {
+            if sc.update(norm) == Verdict::SkipOverflow {
+                drop(optimizer_timer);
+                return self.overflow(step, norm).map(|()| None);
+            }
+        }
         if !loss.is_finite() || !norm.is_finite() {
             drop(optimizer_timer);
             return self.nonfinite(step, loss, norm).map(|()| None);
@@ -466,6 +489,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         if self.sync.active() && self.opts.zero == 1 {
             let _g = timers.scope("allgather-params", TimerLevel::Coarse);
             self.sync.gather_params(&mut model.be, model.params);
+            model.refresh_compute_params();
         }
         self.watch.record_step(t0.elapsed());
         Ok(Some(StepResult {
@@ -512,6 +536,25 @@ impl<'d, B: Backend> Trainer<'d, B> {
             ),
         }
         .into())
+    }
+
+    /// An fp16 step whose gradients overflowed: skipped, the loss scale already halved.
+    fn overflow(&mut self, step: u64, norm: f64) -> Result<()> {
+        let sc = self.scaler.expect("overflow only with a loss scaler");
+        if let Some(w) = self.metrics.as_mut() {
+            w.event(
+                "overflow",
+                &json!({"step": step + 1, "grad_norm": norm, "loss_scale": sc.scale,
+                        "overflow_steps": sc.overflow_steps}),
+            )?;
+        }
+        self.progress.message(&format!(
+            "step {}: fp16 gradients overflowed: update skipped, loss scale now {} ({} such steps so far)",
+            step + 1,
+            sc.scale,
+            sc.overflow_steps
+        ));
+        Ok(())
     }
 
     /// Records a completed step: run totals, `metrics.jsonl` (rank 0; timers as mean/min/max
@@ -648,6 +691,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 fugu_version: env!("CARGO_PKG_VERSION").into(),
                 shuffle: Some(self.opts.shuffle),
                 layout: Some(self.saved_layout),
+                loss_scaler: self.scaler,
             };
             let written = checkpoint::write_checkpoint(
                 &self.out,
@@ -811,6 +855,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "buckets": self.sync.buckets(),
             },
             "backend": self.model.be.name(),
+            "precision": t.precision.name(),
             "device": self.model.be.describe(),
             "peak_gflops_per_rank": self.peak_flops / 1e9,
             "parameters": params_n,

@@ -15,6 +15,8 @@ use std::sync::Arc;
 /// One GPU: its context, the legacy default stream (so synchronous copies are ordered with
 /// every kernel), the compiled kernels and a cuBLAS handle on that stream.
 pub struct DriverEngine {
+    /// cuBLAS may use TF32 tensor cores for f32 GEMMs (`--tf32`).
+    tf32: bool,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -95,6 +97,7 @@ impl DriverEngine {
             .context("setting the cuBLAS math mode")?;
         let tf32 = if settings.tf32 { ", TF32" } else { "" };
         Ok(DriverEngine {
+            tf32: settings.tf32,
             ctx,
             stream,
             blas,
@@ -114,9 +117,17 @@ impl Engine for DriverEngine {
         self.name.clone()
     }
 
-    /// FP32 CUDA-core peak: SMs × FP32 lanes per SM × 2 (FMA) × clock. TF32 tensor-core
-    /// peaks are not modelled, so `--tf32` runs report MFU against the FP32 peak too.
-    fn peak_gflops(&self) -> Option<(f64, String)> {
+    /// The peak of the units the GEMMs run on, at the SM clock the device reports (its
+    /// maximum; NVIDIA's datasheet figures use the lower boost clock, e.g. 1830 MHz for the
+    /// H100 SXM's 989 TFLOP/s dense bf16, so this peak is the stricter one):
+    /// * f32 without TF32: CUDA cores, SMs × FP32 lanes per SM × 2 (FMA) × clock;
+    /// * bf16/f16: dense tensor cores, SMs × 16-bit tensor FLOP per SM per clock × clock
+    ///   (2048 on sm_80, 4096 on sm_90, 8192 on sm_100: A100, H100, B200);
+    /// * f32 with `--tf32`: half the 16-bit tensor rate.
+    ///
+    /// Where the tensor rate of an architecture is not in that table, the CUDA-core peak is
+    /// returned and its description says MFU may exceed 100%.
+    fn peak_gflops(&self, compute: Dtype) -> Option<(f64, String)> {
         use drv_sys::CUdevice_attribute::{
             CU_DEVICE_ATTRIBUTE_CLOCK_RATE, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         };
@@ -131,14 +142,45 @@ impl Engine for DriverEngine {
             (8, 0) | (7, _) => 64.0,
             _ => 128.0,
         };
-        let peak = sms * lanes * 2.0 * khz / 1e6;
-        Some((
-            peak,
-            format!(
-                "FP32 CUDA-core peak of {}: SMs x lanes x 2 x clock",
-                self.name
-            ),
-        ))
+        let cuda_cores = sms * lanes * 2.0 * khz / 1e6;
+        let tensor16 = match major {
+            8 if minor == 0 => Some(2048.0),
+            9 => Some(4096.0),
+            10 => Some(8192.0),
+            _ => None,
+        };
+        let uses_tensor_cores = compute != Dtype::F32 || self.tf32;
+        match (uses_tensor_cores, tensor16) {
+            (false, _) => Some((
+                cuda_cores,
+                format!(
+                    "FP32 CUDA-core peak of {}: SMs x lanes x 2 x clock",
+                    self.name
+                ),
+            )),
+            (true, Some(per_sm)) => {
+                let (rate, what) = if compute == Dtype::F32 {
+                    (per_sm / 2.0, "TF32")
+                } else {
+                    (per_sm, "16-bit")
+                };
+                Some((
+                    sms * rate * khz / 1e6,
+                    format!(
+                        "dense {what} tensor-core peak of {}: {sms} SMs x {rate} FLOP/clock x {:.0} MHz",
+                        self.name,
+                        khz / 1e3
+                    ),
+                ))
+            }
+            (true, None) => Some((
+                cuda_cores,
+                format!(
+                    "FP32 CUDA-core peak of {} (its tensor-core rate is not known to fugu: MFU may exceed 100%)",
+                    self.name
+                ),
+            )),
+        }
     }
 
     fn max_blocks(&self) -> u32 {

@@ -120,7 +120,7 @@ impl Engine for Emulator {
         "CUDA emulator on the host (kernels.cu compiled as C++)".into()
     }
 
-    fn peak_gflops(&self) -> Option<(f64, String)> {
+    fn peak_gflops(&self, _compute: Dtype) -> Option<(f64, String)> {
         None
     }
 

@@ -59,8 +59,9 @@ pub struct GemmCall {
 pub trait Engine {
     /// The device in words.
     fn describe(&self) -> String;
-    /// FP32 peak in GFLOP/s and how it was obtained, when known.
-    fn peak_gflops(&self) -> Option<(f64, String)>;
+    /// Peak GFLOP/s for GEMM operands stored in `compute`, and how it was obtained, when
+    /// known.
+    fn peak_gflops(&self, compute: Dtype) -> Option<(f64, String)>;
     /// Most blocks per launch (every kernel is grid-stride, so any grid covers its work; the
     /// emulator keeps grids small because each block costs it 256 fiber starts).
     fn max_blocks(&self) -> u32;

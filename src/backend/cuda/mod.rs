@@ -503,8 +503,8 @@ impl Backend for CudaBackend {
         self.eng.describe()
     }
 
-    fn peak_gflops(&self) -> Option<(f64, String)> {
-        self.eng.peak_gflops()
+    fn peak_gflops(&self, compute: Dtype) -> Option<(f64, String)> {
+        self.eng.peak_gflops(compute)
     }
 
     fn free_memory(&self) -> Option<u64> {
