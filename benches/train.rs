@@ -118,6 +118,9 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Step times (ms), the per-op breakdown, the device's peak and its source, the device.
+type Timed = (Vec<f64>, Breakdown, Option<(f64, String)>, String);
+
 /// One warm-up step and `steps` timed steps of B×T on `be`: the step times (ms), the per-op
 /// breakdown, the device's peak (GFLOP/s, when it has its own) and its description.
 fn time_steps<B: Backend>(
@@ -126,7 +129,7 @@ fn time_steps<B: Backend>(
     params: &[f32],
     (b, t): (usize, usize),
     (steps, level, precision): (usize, TimerLevel, Precision),
-) -> anyhow::Result<(Vec<f64>, Breakdown, Option<(f64, String)>, String)> {
+) -> anyhow::Result<Timed> {
     let device = be.describe();
     let dtype = precision.compute_dtype();
     let peak = be.peak_gflops(dtype);

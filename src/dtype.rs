@@ -214,7 +214,7 @@ mod tests {
 
     #[test]
     fn round_and_byte_codecs_agree() {
-        let xs = [1.0f32, -2.5e-3, 3.14159, 7.0e4, -1e-9, 0.0];
+        let xs = [1.0f32, -2.5e-3, 3.1, 7.0e4, -1e-9, 0.0];
         for d in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             let mut bytes = Vec::new();
             d.encode(&xs, &mut bytes);

@@ -1,7 +1,7 @@
 //! `fugu bench gemm`: fugu-gemm against matrixmultiply (and OpenBLAS with the `openblas`
 //! feature) on named shape sets or custom shapes.
 
-use crate::backend::{CudaSettings, Device, Dtype};
+use crate::backend::{CudaSettings, Device};
 use crate::bench::gemm::{
     format_row, parse_shape, run_shape, shape_set, table_header, BenchOptions,
 };
@@ -178,7 +178,7 @@ fn run_on_device(
     let mut be = crate::backend::cuda::CudaBackend::new(ordinal, CudaSettings { tf32: args.tf32 })?;
     let isa = if args.tf32 { "cublas-tf32" } else { "cublas" };
     eprintln!("device: {} (cuBLAS, {isa})", be.describe());
-    if let Some((peak, source)) = be.peak_gflops(Dtype::F32) {
+    if let Some((peak, source)) = be.peak_gflops(crate::backend::Dtype::F32) {
         eprintln!("peak {peak:.0} GFLOP/s ({source})");
     }
     let json = args.format == "json";
