@@ -5,8 +5,10 @@
 // on the calling thread: each runs until __syncthreads() and yields, the scheduler
 // resumes them in turn, so a barrier is a round of the scheduler, and __shared__ memory (a
 // static local) is shared by all threads of the block. Kernels must reach every barrier with
-// every thread of the block, as on a GPU. Warp-level intrinsics are not emulated (kernels.cu
-// uses none).
+// every thread of the block, as on a GPU. __shfl_xor_sync is emulated with two scheduler
+// rounds (all lanes publish, then all read their partner's value): correct for the warp-uniform
+// control flow kernels.cu uses (every lane of a warp reaches each shuffle), with no barrier
+// between warps.
 
 #include <math.h>
 #include <stdint.h>
@@ -114,6 +116,20 @@ typedef void (*launcher)(unsigned, unsigned, unsigned, void**);
 }  // namespace fugu_emu
 
 static inline void __syncthreads() { fugu_emu::yield(); }
+
+namespace fugu_emu {
+static std::vector<double> shfl_slots;
+}
+
+template <typename T>
+static inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+    fugu_emu::shfl_slots.resize(blockDim.x);
+    fugu_emu::shfl_slots[threadIdx.x] = (double)v;  // float and double both convert exactly
+    fugu_emu::yield();
+    T r = (T)fugu_emu::shfl_slots[threadIdx.x ^ (unsigned)lane_mask];
+    fugu_emu::yield();
+    return r;
+}
 
 static inline float __int_as_float(int x) {
     float f;

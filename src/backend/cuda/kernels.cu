@@ -11,7 +11,8 @@
 // cross-entropy sums of exponentials, sum of squares) are accumulated in double here too.
 //
 // Launch shapes are chosen by the host: "row" kernels use one block of ROW_THREADS threads per
-// row (a grid-stride loop over rows), elementwise kernels a grid-stride loop over elements.
+// row (a grid-stride loop over rows), "warp-row" kernels one warp per row (WARPS_PER_BLOCK
+// rows per block), elementwise kernels a grid-stride loop over elements.
 
 #define ROW_THREADS 256
 
@@ -140,6 +141,30 @@ __device__ float block_max_f(float v, float* sh) {
     return r;
 }
 
+// ---- warp reductions (the "warp-row" kernels: one warp of 32 lanes per row) --------------
+//
+// A fixed butterfly (xor 16, 8, 4, 2, 1): every lane ends with the same value, and the order
+// of additions depends only on the lane count, so results are deterministic.
+
+#define WARP 32
+#define WARPS_PER_BLOCK (ROW_THREADS / WARP)
+
+__device__ double warp_sum_d(double v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ float warp_max_f(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The first row of this warp, the lane, and the row stride of the grid (warp-row kernels).
+#define WARP_ROWS(row, rows)                                                                 \
+    int lane = threadIdx.x % WARP;                                                           \
+    for (i64 row = (i64)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP; row < (rows);     \
+         row += (i64)gridDim.x * WARPS_PER_BLOCK)
+
 // ---- embedding (ops/encoder.rs) ---------------------------------------------------------
 
 // out (N, C) = wte[tok - vocab_start] (0 outside the shard's `rows` rows) + wpe[i % T].
@@ -210,29 +235,30 @@ FOR_TYPES(DEF)
 
 // ---- layernorm (ops/layernorm.rs) -------------------------------------------------------
 
+// One warp per row (C is a few hundred to a few thousand: a warp's loads stay coalesced and
+// the reductions need no block barrier); mean and variance accumulated in double.
 template <typename T>
 __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* inp,
                                     const T* w, const T* b, i64 N, i64 C) {
-    __shared__ double sh[ROW_THREADS];
-    for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
+    WARP_ROWS(row, N) {
         const T* x = inp + row * C;
         double s = 0.0;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) s += (double)ld(x[c]);
-        double mu = block_sum_d(s, sh) / (double)C;
+        for (i64 c = lane; c < C; c += WARP) s += (double)ld(x[c]);
+        double mu = warp_sum_d(s) / (double)C;
         double ss = 0.0;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
+        for (i64 c = lane; c < C; c += WARP) {
             double d = (double)ld(x[c]) - mu;
             ss += d * d;
         }
-        double var = block_sum_d(ss, sh) / (double)C;
+        double var = warp_sum_d(ss) / (double)C;
         float m = (float)mu;
         float rs = (float)(1.0 / sqrt(var + 1e-5));
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
             mean[row] = m;
             rstd[row] = rs;
         }
         T* o = out + row * C;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x)
+        for (i64 c = lane; c < C; c += WARP)
             st(o[c], (ld(x[c]) - m) * rs * ld(w[c]) + ld(b[c]));
     }
 }
@@ -245,26 +271,26 @@ __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* i
 FOR_TYPES(DEF)
 #undef DEF
 
-// dinp += rstd·(g - mean(g) - x̂·mean(g·x̂)) per row, g = dout·w, the row means in double.
+// dinp += rstd·(g - mean(g) - x̂·mean(g·x̂)) per row, g = dout·w, the row means in double. One
+// warp per row.
 template <typename T>
 __device__ void layernorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, const T* w,
                                           const float* mean, const float* rstd, i64 N, i64 C) {
-    __shared__ double sh[ROW_THREADS];
-    for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
+    WARP_ROWS(row, N) {
         const T* g = dout + row * C;
         const T* x = inp + row * C;
         float mu = mean[row], rs = rstd[row];
         double s1 = 0.0, s2 = 0.0;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
+        for (i64 c = lane; c < C; c += WARP) {
             float xhat = (ld(x[c]) - mu) * rs;
             float dn = ld(g[c]) * ld(w[c]);
             s1 += (double)dn;
             s2 += (double)(dn * xhat);
         }
-        float m1 = (float)(block_sum_d(s1, sh) / (double)C);
-        float m2 = (float)(block_sum_d(s2, sh) / (double)C);
+        float m1 = (float)(warp_sum_d(s1) / (double)C);
+        float m2 = (float)(warp_sum_d(s2) / (double)C);
         T* d = dinp + row * C;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
+        for (i64 c = lane; c < C; c += WARP) {
             float xhat = (ld(x[c]) - mu) * rs;
             st(d[c], ld(d[c]) + (ld(g[c]) * ld(w[c]) - m1 - xhat * m2) * rs);
         }
@@ -346,21 +372,21 @@ FOR_TYPES(DEF)
 // ---- attention (ops/attention.rs) -------------------------------------------------------
 
 // Causal softmax in place on rows of T; row r is query i = r % T: columns 0..=i become the
-// softmax (max-subtracted, sum of exponentials in double), columns > i exactly 0.
+// softmax (max-subtracted, sum of exponentials in double), columns > i exactly 0. One warp per
+// row: only columns 0..=i are read (the second and third reads hit the cache), every column
+// is written once.
 template <typename T>
 __device__ void attention_softmax_k(T* att, i64 rows, i64 Tn) {
-    __shared__ double sh[ROW_THREADS];
-    __shared__ float shf[ROW_THREADS];
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    WARP_ROWS(r, rows) {
         T* a = att + r * Tn;
         i64 i = r % Tn;
         float mx = NEG_INF;
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, ld(a[j]));
-        mx = block_max_f(mx, shf);
+        for (i64 j = lane; j <= i; j += WARP) mx = fmaxf(mx, ld(a[j]));
+        mx = warp_max_f(mx);
         double s = 0.0;
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) s += (double)expf(ld(a[j]) - mx);
-        float scale = (float)(1.0 / block_sum_d(s, sh));
-        for (i64 j = threadIdx.x; j < Tn; j += blockDim.x)
+        for (i64 j = lane; j <= i; j += WARP) s += (double)expf(ld(a[j]) - mx);
+        float scale = (float)(1.0 / warp_sum_d(s));
+        for (i64 j = lane; j < Tn; j += WARP)
             st(a[j], j <= i ? expf(ld(a[j]) - mx) * scale : 0.0f);
     }
 }
@@ -371,18 +397,17 @@ __device__ void attention_softmax_k(T* att, i64 rows, i64 Tn) {
 FOR_TYPES(DEF)
 #undef DEF
 
-// datt = att·(datt - Σ_{k≤i} datt·att) on columns ≤ i, 0 above; in place, one block per row.
+// datt = att·(datt - Σ_{k≤i} datt·att) on columns ≤ i, 0 above; in place, one warp per row.
 template <typename T>
 __device__ void attention_softmax_backward_k(T* datt, const T* att, i64 rows, i64 Tn) {
-    __shared__ double sh[ROW_THREADS];
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    WARP_ROWS(r, rows) {
         T* d = datt + r * Tn;
         const T* a = att + r * Tn;
         i64 i = r % Tn;
         double s = 0.0;
-        for (i64 j = threadIdx.x; j <= i; j += blockDim.x) s += (double)(ld(d[j]) * ld(a[j]));
-        float sf = (float)block_sum_d(s, sh);
-        for (i64 j = threadIdx.x; j < Tn; j += blockDim.x)
+        for (i64 j = lane; j <= i; j += WARP) s += (double)(ld(d[j]) * ld(a[j]));
+        float sf = (float)warp_sum_d(s);
+        for (i64 j = lane; j < Tn; j += WARP)
             st(d[j], j <= i ? ld(a[j]) * (ld(d[j]) - sf) : 0.0f);
     }
 }

@@ -44,6 +44,8 @@ pub const EMULATE_ENV: &str = "FUGU_CUDA_EMULATE";
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels.cu`).
 const ROW_THREADS: u32 = 256;
+/// Threads per warp (`WARP` in `kernels.cu`).
+const WARP: u32 = 32;
 /// Threads per block of elementwise kernels.
 const ELEM_THREADS: u32 = 256;
 /// Most blocks of the sum-of-squares kernel per span (one per 256 elements up to this).
@@ -262,6 +264,13 @@ impl CudaBackend {
     /// A row launch: one block of [`ROW_THREADS`] per row (grid-stride over `rows`).
     fn launch_rows(&self, k: K, dt: Dtype, rows: usize, shmem: u32, args: &[Arg]) {
         self.launch(k, dt, rows as u64, ROW_THREADS, shmem, args);
+    }
+
+    /// A warp-row launch: one warp per row, [`ROW_THREADS`] / 32 rows per block (grid-stride
+    /// over `rows`), for rows of at most a few thousand elements.
+    fn launch_warp_rows(&self, k: K, dt: Dtype, rows: usize, args: &[Arg]) {
+        let per_block = (ROW_THREADS / WARP) as u64;
+        self.launch(k, dt, (rows as u64).div_ceil(per_block), ROW_THREADS, 0, args);
     }
 
     /// A span as a GEMM operand with leading dimension `ld` (not batched).
@@ -762,11 +771,10 @@ impl Backend for CudaBackend {
             w.len == c && bias.len == c,
             "layernorm_forward: parameter length"
         );
-        self.launch_rows(
+        self.launch_warp_rows(
             K::layernorm_forward,
             self.dt(out),
             n,
-            0,
             &[
                 Arg::Ptr(self.ptr(out)),
                 Arg::Ptr(self.ptr(mean)),
@@ -795,11 +803,10 @@ impl Backend for CudaBackend {
     ) {
         assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
-        self.launch_rows(
+        self.launch_warp_rows(
             K::layernorm_backward_dinp,
             self.dt(dinp),
             n,
-            0,
             &[
                 Arg::Ptr(self.ptr(dinp)),
                 Arg::Ptr(self.ptr(dout)),
@@ -956,11 +963,10 @@ impl Backend for CudaBackend {
     fn attention_softmax(&mut self, att: Span, d: AttnDims) {
         let rows = d.b * d.nh * d.t;
         assert_eq!(att.len, rows * d.t, "attention_softmax: att length");
-        self.launch_rows(
+        self.launch_warp_rows(
             K::attention_softmax,
             self.dt(att),
             rows,
-            0,
             &[
                 Arg::Ptr(self.ptr(att)),
                 Arg::I64(rows as i64),
@@ -1034,11 +1040,10 @@ impl Backend for CudaBackend {
             att.len == rows * d.t && datt.len == rows * d.t,
             "attention_softmax_backward"
         );
-        self.launch_rows(
+        self.launch_warp_rows(
             K::attention_softmax_backward,
             self.dt(datt),
             rows,
-            0,
             &[
                 Arg::Ptr(self.ptr(datt)),
                 Arg::Ptr(self.ptr(att)),
