@@ -270,7 +270,14 @@ impl CudaBackend {
     /// over `rows`), for rows of at most a few thousand elements.
     fn launch_warp_rows(&self, k: K, dt: Dtype, rows: usize, args: &[Arg]) {
         let per_block = (ROW_THREADS / WARP) as u64;
-        self.launch(k, dt, (rows as u64).div_ceil(per_block), ROW_THREADS, 0, args);
+        self.launch(
+            k,
+            dt,
+            (rows as u64).div_ceil(per_block),
+            ROW_THREADS,
+            0,
+            args,
+        );
     }
 
     /// A span as a GEMM operand with leading dimension `ld` (not batched).
@@ -803,10 +810,11 @@ impl Backend for CudaBackend {
     ) {
         assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
-        self.launch_warp_rows(
+        self.launch_rows(
             K::layernorm_backward_dinp,
             self.dt(dinp),
             n,
+            0,
             &[
                 Arg::Ptr(self.ptr(dinp)),
                 Arg::Ptr(self.ptr(dout)),
