@@ -408,7 +408,7 @@ fn mixed_precision_layouts_track_the_serial_run() {
             "tp2",
             2,
             vec!["--tp", "2", "--data-ranks", "2"],
-            4.0 / 256.0,
+            1.0 / 4096.0,
         ),
         (
             "fp16",
