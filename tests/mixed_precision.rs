@@ -180,8 +180,32 @@ fn gpu_bf16_and_fp16_curves_stay_within_two_percent_of_fp32() {
 /// loss scaler's state is in state.json). Resuming with another precision is refused.
 #[test]
 fn mixed_precision_runs_resume_exactly() {
-    let dir = tmp("resume");
-    let common = ["--batch-size", "2", "--seq-len", "32", "--eval-every", "0"];
+    resume_exactly("resume", &[]);
+}
+
+/// The same on a GPU (bit-exact resume holds on one device: the kernels have no atomics).
+#[cfg(feature = "cuda")]
+#[test]
+fn mixed_precision_runs_resume_exactly_on_a_gpu() {
+    use fugu::backend::cuda::CudaBackend;
+    use fugu::backend::CudaSettings;
+    if let Err(e) = CudaBackend::new(Some(0), CudaSettings::default()) {
+        skipped(&format!("no GPU for the mixed-precision resume ({e:#})"));
+        return;
+    }
+    resume_exactly("resume-gpu", &["--device", "cuda"]);
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn mixed_precision_runs_resume_exactly_on_a_gpu() {
+    skipped("the GPU resume needs --features cuda and a GPU");
+}
+
+fn resume_exactly(name: &str, device: &[&'static str]) {
+    let dir = tmp(name);
+    let mut common = vec!["--batch-size", "2", "--seq-len", "32", "--eval-every", "0"];
+    common.extend_from_slice(device);
     for p in ["bf16", "fp16"] {
         let args = |steps: &'static str| {
             let mut a = common.to_vec();
@@ -206,22 +230,21 @@ fn mixed_precision_runs_resume_exactly() {
         // The run's precision is part of what a resume continues: another is refused.
         let other = if p == "bf16" { "fp32" } else { "bf16" };
         let data = corpus();
-        let out = fugu(
-            &[
-                "train",
-                "--data",
-                &data,
-                "--out",
-                split.to_str().unwrap(),
-                "--resume",
-                "auto",
-                "--steps",
-                "8",
-                "--precision",
-                other,
-            ],
-            Path::new("."),
-        );
+        let mut again = vec![
+            "train",
+            "--data",
+            &data,
+            "--out",
+            split.to_str().unwrap(),
+            "--resume",
+            "auto",
+            "--steps",
+            "8",
+            "--precision",
+            other,
+        ];
+        again.extend_from_slice(device);
+        let out = fugu(&again, Path::new("."));
         assert!(!out.status.success(), "{p}: resuming as {other} must fail");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(

@@ -912,6 +912,22 @@ impl<'d, B: Backend> Trainer<'d, B> {
             mib(mem.backward),
             mib(mem.state() + mem.activations())
         );
+        if t.precision != Precision::Fp32 {
+            let scaling = if t.precision == Precision::Fp16 {
+                ", dynamic loss scaling"
+            } else {
+                ""
+            };
+            let cpu_note = if self.model.be.name() == "cpu" {
+                ": on the CPU backend this is the rounding reference (f32 buffers rounded to the type), slower than fp32, not faster"
+            } else {
+                ""
+            };
+            eprintln!(
+                "  precision: {} activations and GEMM operands, f32 master weights, gradients and optimizer{scaling}{cpu_note}",
+                t.precision.name()
+            );
+        }
         if let Some(d) = self.watch.deadline() {
             eprintln!(
                 "  deadline: {} (in {:.0} s): a checkpoint is written and the run stops (exit code {EXIT_CHECKPOINTED}) before it",
