@@ -15,11 +15,10 @@
 use super::acts::{acts_table, grad_acts_table, stats_table, Acts, GradActs, StepDims};
 use super::kv::KvCache;
 use super::params::ParamSpans;
-use super::table::{gpt2_params, padded_vocab, Table};
+use super::table::{gpt2_params, padded_vocab, OwnedRange, Split, Table};
 use crate::backend::{AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout};
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
-use crate::parallel::shard::{split_of, Split};
 use crate::parallel::{Comm, ReduceOp, SerialComm};
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -51,14 +50,6 @@ pub struct OptimStep {
     pub grad_clip: f64,
     /// 1-based step count for the bias corrections.
     pub step: u64,
-}
-
-/// A range of the flat parameter buffer that this rank updates, and where its AdamW moments
-/// start in the (possibly shorter) moment buffers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OwnedRange {
-    pub flat: Range<usize>,
-    pub moment_offset: usize,
 }
 
 /// Runs a tensor-parallel all-reduce of `s` (a no-op without tensor parallelism), timed as
@@ -875,7 +866,7 @@ impl<B: Backend> Gpt2<B> {
         let _c = timers.scope("optimizer:clip", Fine);
         let mut spans = Vec::new();
         for spec in self.table.specs() {
-            if self.tp.rank != 0 && split_of(&spec.name) == Split::Replicated {
+            if self.tp.rank != 0 && spec.split == Split::Replicated {
                 continue;
             }
             for (r, _) in owned_parts(&self.owned, spec.range()) {

@@ -9,4 +9,5 @@ pub mod kv;
 pub mod params;
 pub mod table;
 
-pub use gpt2::{Gpt2, OptimStep, OwnedRange, TpRank};
+pub use gpt2::{Gpt2, OptimStep, TpRank};
+pub use table::OwnedRange;

@@ -2,7 +2,9 @@
 //!
 //! Parameters, gradients and optimizer moments share the parameter table, so a checkpoint, an
 //! all-reduce bucket or a ZeRO shard is a slice of one buffer. Every tensor starts on a
-//! 64-byte boundary.
+//! 64-byte boundary. Each parameter's tensor-parallel [`Split`] is declared where the table is
+//! built ([`gpt2_params`]); the shard shapes, the full ↔ shard copies (`parallel/shard.rs`)
+//! and the gradient-norm rule for replicated tensors all follow from it.
 
 use crate::config::ModelConfig;
 use anyhow::{bail, Result};
@@ -11,17 +13,54 @@ use std::collections::HashMap;
 /// Floats per alignment unit (64 bytes).
 const ALIGN: usize = 16;
 
+/// How one tensor is split across tensor-parallel ranks (Megatron's layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds all of it.
+    Replicated,
+    /// The first dimension is split into `tp` contiguous blocks (row-parallel weights, the
+    /// vocabulary-parallel embedding).
+    Rows,
+    /// The last dimension is `parts` equal blocks (q, k, v for `c_attn`), each split into `tp`
+    /// (column-parallel weights and biases).
+    Cols { parts: usize },
+}
+
+impl Split {
+    /// The shape one of `tp` ranks holds of a tensor of `full` shape.
+    pub fn shard_shape(self, full: &[usize], tp: usize) -> Vec<usize> {
+        let mut s = full.to_vec();
+        match self {
+            Split::Replicated => {}
+            Split::Rows => s[0] /= tp,
+            Split::Cols { .. } => *s.last_mut().expect("a split tensor has a shape") /= tp,
+        }
+        s
+    }
+}
+
+/// A range of the flat parameter buffer that one rank's optimizer updates (ZeRO-1), and where
+/// its AdamW moments start in the (possibly shorter) moment buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedRange {
+    pub flat: std::ops::Range<usize>,
+    pub moment_offset: usize,
+}
+
 /// One tensor of a table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
     /// Hugging Face GPT-2 name (e.g. `h.0.attn.c_attn.weight`).
     pub name: String,
-    /// Shape in the model's own layout (Conv1D weights are (in, out), as in HF files).
+    /// Shape in the model's own layout (Conv1D weights are (in, out), as in HF files): this
+    /// rank's shard in a tensor-parallel table.
     pub shape: Vec<usize>,
     /// Offset of the first element in the flat buffer.
     pub offset: usize,
     /// AdamW weight decay applies (2-D tensors: matrices and embeddings).
     pub decay: bool,
+    /// How the tensor is split across tensor-parallel ranks.
+    pub split: Split,
 }
 
 impl TensorSpec {
@@ -48,15 +87,27 @@ pub struct Table {
 }
 
 impl Table {
-    /// Appends a tensor (aligned to 64 bytes) and returns its index.
+    /// Appends a tensor (aligned to 64 bytes, not split) and returns its index.
     pub fn push(&mut self, name: impl Into<String>, shape: &[usize]) -> usize {
+        self.push_split(name, shape, Split::Replicated, 1)
+    }
+
+    /// Appends rank-local shard of a tensor of `full` shape split by `split` over `tp` ranks.
+    pub fn push_split(
+        &mut self,
+        name: impl Into<String>,
+        full: &[usize],
+        split: Split,
+        tp: usize,
+    ) -> usize {
         let name = name.into();
         let offset = self.total.next_multiple_of(ALIGN);
         let spec = TensorSpec {
-            decay: shape.len() == 2,
+            decay: full.len() == 2,
             name: name.clone(),
-            shape: shape.to_vec(),
+            shape: split.shard_shape(full, tp),
             offset,
+            split,
         };
         self.total = offset + spec.len();
         self.index.insert(name, self.specs.len());
@@ -93,9 +144,12 @@ pub fn padded_vocab(vocab: usize) -> usize {
 
 /// The parameter table of GPT-2 for tensor-parallel degree `tp` (this rank's shards; 1 = all).
 ///
-/// Names follow Hugging Face's `model.safetensors` for `gpt2`. With `tp > 1`, `c_attn` and
-/// `c_fc` are split by columns (heads / MLP units), the two `c_proj` weights by rows, and
-/// `wte` by vocabulary rows; LayerNorms, `wpe` and the row-parallel biases are replicated.
+/// Names follow Hugging Face's `model.safetensors` for `gpt2`. Each tensor's split is declared
+/// here (Megatron's layout; Conv1D weights are stored (in, out)): column-parallel `c_attn` (q,
+/// k and v each split by heads) and `c_fc` (by MLP units), weights and biases; row-parallel
+/// attention and MLP `c_proj` weights (by input rows; their biases are replicated and added
+/// once, after the all-reduce); vocabulary-parallel `wte` (by vocabulary rows; it is also the
+/// tied LM head); `wpe` and the LayerNorms replicated.
 pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
     if tp == 0 || !m.n_head.is_multiple_of(tp) {
         bail!(
@@ -114,22 +168,27 @@ pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
     if !vp.is_multiple_of(tp) {
         bail!("tensor parallel degree {tp} does not divide the padded vocabulary {vp}");
     }
+    let (rows, qkv, units) = (
+        Split::Rows,
+        Split::Cols { parts: 3 },
+        Split::Cols { parts: 1 },
+    );
     let mut t = Table::default();
-    t.push("wte.weight", &[vp / tp, c]);
+    t.push_split("wte.weight", &[vp, c], rows, tp);
     t.push("wpe.weight", &[m.n_positions, c]);
     for l in 0..m.n_layer {
         let p = |s: &str| format!("h.{l}.{s}");
         t.push(p("ln_1.weight"), &[c]);
         t.push(p("ln_1.bias"), &[c]);
-        t.push(p("attn.c_attn.weight"), &[c, 3 * c / tp]);
-        t.push(p("attn.c_attn.bias"), &[3 * c / tp]);
-        t.push(p("attn.c_proj.weight"), &[c / tp, c]);
+        t.push_split(p("attn.c_attn.weight"), &[c, 3 * c], qkv, tp);
+        t.push_split(p("attn.c_attn.bias"), &[3 * c], qkv, tp);
+        t.push_split(p("attn.c_proj.weight"), &[c, c], rows, tp);
         t.push(p("attn.c_proj.bias"), &[c]);
         t.push(p("ln_2.weight"), &[c]);
         t.push(p("ln_2.bias"), &[c]);
-        t.push(p("mlp.c_fc.weight"), &[c, 4 * c / tp]);
-        t.push(p("mlp.c_fc.bias"), &[4 * c / tp]);
-        t.push(p("mlp.c_proj.weight"), &[4 * c / tp, c]);
+        t.push_split(p("mlp.c_fc.weight"), &[c, 4 * c], units, tp);
+        t.push_split(p("mlp.c_fc.bias"), &[4 * c], units, tp);
+        t.push_split(p("mlp.c_proj.weight"), &[4 * c, c], rows, tp);
         t.push(p("mlp.c_proj.bias"), &[c]);
     }
     t.push("ln_f.weight", &[c]);
@@ -172,6 +231,14 @@ mod tests {
             t.get("h.0.mlp.c_proj.weight").unwrap().shape,
             vec![256, 128]
         );
+        // The split is declared with each tensor and gives the shard shape.
+        let split = |n: &str| t.get(n).unwrap().split;
+        assert_eq!(split("wte.weight"), Split::Rows);
+        assert_eq!(split("h.1.attn.c_attn.bias"), Split::Cols { parts: 3 });
+        assert_eq!(split("h.1.mlp.c_fc.weight"), Split::Cols { parts: 1 });
+        assert_eq!(split("h.1.attn.c_proj.bias"), Split::Replicated);
+        assert_eq!(split("ln_f.weight"), Split::Replicated);
+        assert_eq!(t.get("wte.weight").unwrap().shape, vec![50304 / 2, 128]);
         let e = gpt2_params(&m, 3).unwrap_err().to_string();
         assert!(e.contains("n_head = 4"), "{e}");
     }

@@ -1,46 +1,12 @@
-//! Tensor-parallel sharding: how each tensor of the full (tp = 1) parameter table maps onto the
-//! shards of `tp` ranks, and the copies between a full buffer and one rank's buffer.
-//!
-//! Megatron's layout for GPT-2 (Conv1D weights are stored (in, out)):
-//! * column-parallel `c_attn` (q, k and v each split by heads) and `c_fc` (split by MLP units),
-//!   weights and biases;
-//! * row-parallel attention and MLP `c_proj` weights (split by input rows); their biases are
-//!   replicated and added once, after the all-reduce;
-//! * vocabulary-parallel `wte` (split by vocabulary rows; it is also the tied LM head);
-//! * everything else (`wpe`, LayerNorms) replicated.
+//! Tensor-parallel sharding: the copies between a full (tp = 1) buffer and one rank's shard,
+//! following each tensor's [`Split`] as the parameter table declares it
+//! ([`crate::model::table::gpt2_params`]).
 //!
 //! The same mapping shards optimizer moments and gradients, and gathers them back for a
 //! checkpoint, which is what lets a checkpoint move between layouts.
 
-use crate::model::table::{Table, TensorSpec};
+use crate::model::table::{Split, Table, TensorSpec};
 use anyhow::{bail, Result};
-
-/// How one tensor is split across tensor-parallel ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Split {
-    /// Every rank holds all of it.
-    Replicated,
-    /// The first dimension is split into `tp` contiguous blocks.
-    Rows,
-    /// The last dimension is `parts` equal blocks (q, k, v for `c_attn`), each split into `tp`.
-    Cols { parts: usize },
-}
-
-/// The split of the tensor called `name` (Hugging Face GPT-2 names).
-pub fn split_of(name: &str) -> Split {
-    if name == "wte.weight"
-        || name.ends_with("attn.c_proj.weight")
-        || name.ends_with("mlp.c_proj.weight")
-    {
-        Split::Rows
-    } else if name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
-        Split::Cols { parts: 3 }
-    } else if name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
-        Split::Cols { parts: 1 }
-    } else {
-        Split::Replicated
-    }
-}
 
 /// Calls `f(full_offset, local_offset, len)` for every contiguous run of elements that rank
 /// `r` of `tp` holds of tensor `full` (offsets relative to each tensor's start).
@@ -51,7 +17,7 @@ fn segments(
     tp: usize,
     mut f: impl FnMut(usize, usize, usize),
 ) {
-    let split = split_of(&full.name);
+    let split = full.split;
     let local_len = match split {
         Split::Replicated => full.len(),
         _ => full.len() / tp,
@@ -131,7 +97,7 @@ pub fn unshard(
     for (fs, ls) in full_table.specs().iter().zip(local_table.specs()) {
         let dst = &mut out[fs.range()];
         for (r, sh) in shards.iter().enumerate() {
-            if r > 0 && split_of(&fs.name) == Split::Replicated {
+            if r > 0 && fs.split == Split::Replicated {
                 continue;
             }
             let src = &sh[ls.range()];
