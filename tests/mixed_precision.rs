@@ -254,3 +254,76 @@ fn resume_exactly(name: &str, device: &[&'static str]) {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// fp16 overflow, end to end: a first loss scale of 2^40 overflows the f16 activation
+/// gradients, so the first steps are skipped (an `overflow` event each, no update) while the
+/// scale halves, and the run then trains normally; the scaler's state is in the checkpoint.
+#[test]
+fn fp16_overflow_skips_steps_and_backs_off() {
+    let dir = tmp("overflow");
+    let data = corpus();
+    let out = dir.join("run");
+    let o = Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args([
+            "train",
+            "--config",
+            "gpt2-tiny",
+            "--data",
+            &data,
+            "--out",
+            out.to_str().unwrap(),
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--steps",
+            "40",
+            "--eval-every",
+            "0",
+            "--precision",
+            "fp16",
+        ])
+        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .env("FUGU_INITIAL_LOSS_SCALE", "1099511627776")
+        .output()
+        .unwrap();
+    ok(&o);
+    let recs = read_metrics(out.join("metrics.jsonl")).unwrap();
+    let overflows: Vec<(u64, f64)> = recs
+        .iter()
+        .filter_map(|r| match r {
+            Record::Event { kind, data } if kind == "overflow" => Some((
+                data["step"].as_u64().unwrap(),
+                data["loss_scale"].as_f64().unwrap(),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert!(!overflows.is_empty(), "no overflow with a 2^40 loss scale");
+    // Each overflow halves the scale; the steps that overflowed have no step record.
+    for w in overflows.windows(2) {
+        assert!(w[1].1 < w[0].1, "scale did not back off: {overflows:?}");
+    }
+    let steps = step_losses(&recs);
+    assert_eq!(
+        steps.len() + overflows.len(),
+        40,
+        "every step either trained or overflowed"
+    );
+    for (s, _) in &overflows {
+        assert!(
+            steps.iter().all(|(t, _)| t != s),
+            "step {s} both overflowed and trained"
+        );
+    }
+    assert!(steps.iter().all(|(_, l)| l.is_finite()));
+    let state: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(out.join("ckpt-00000040").join("state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        state["loss_scaler"]["overflow_steps"].as_u64(),
+        Some(overflows.len() as u64)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

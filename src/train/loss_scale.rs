@@ -12,6 +12,9 @@ use serde::{Deserialize, Serialize};
 
 /// Scale of the first step (2^16).
 pub const INITIAL_SCALE: f32 = 65536.0;
+/// Environment variable overriding [`INITIAL_SCALE`] for a new run (a power of two; tests and
+/// experiments: a scale far too large makes the first steps overflow on purpose).
+pub const INITIAL_SCALE_ENV: &str = "FUGU_INITIAL_LOSS_SCALE";
 /// Clean steps in a row before the scale doubles.
 pub const GROWTH_INTERVAL: u32 = 2000;
 /// Below this the gradients overflow fp16 even without scaling: the run is diverging, and the
@@ -51,6 +54,23 @@ impl Default for LossScaler {
 }
 
 impl LossScaler {
+    /// The scaler of a new run: [`INITIAL_SCALE`], or the value of [`INITIAL_SCALE_ENV`].
+    pub fn for_new_run() -> anyhow::Result<LossScaler> {
+        let scale = match std::env::var(INITIAL_SCALE_ENV) {
+            Err(_) => INITIAL_SCALE,
+            Ok(v) => match v.parse::<f32>() {
+                Ok(x) if x >= MIN_SCALE && x.is_finite() && x.log2().fract() == 0.0 => x,
+                _ => anyhow::bail!(
+                    "{INITIAL_SCALE_ENV}={v}: expected a power of two of at least {MIN_SCALE}"
+                ),
+            },
+        };
+        Ok(LossScaler {
+            scale,
+            ..Default::default()
+        })
+    }
+
     /// Updates the scale after a step whose (unscaled) gradient norm is `norm`.
     pub fn update(&mut self, norm: f64) -> Verdict {
         if norm.is_finite() {

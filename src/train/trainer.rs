@@ -346,12 +346,14 @@ impl<'d, B: Backend> Trainer<'d, B> {
             dist.tp.clone()
         };
         // fp16: dynamic loss scaling, continued from the checkpoint when resuming.
-        let scaler = (t.precision == Precision::Fp16).then(|| {
-            start_state
-                .as_ref()
-                .and_then(|s| s.loss_scaler)
-                .unwrap_or_default()
-        });
+        let scaler = match (
+            t.precision,
+            start_state.as_ref().and_then(|s| s.loss_scaler),
+        ) {
+            (Precision::Fp16, Some(saved)) => Some(saved),
+            (Precision::Fp16, None) => Some(LossScaler::for_new_run()?),
+            _ => None,
+        };
         let totals = RunTotals {
             tokens_seen: start_state.as_ref().map_or(0, |s| s.tokens_seen),
             skipped_nonfinite: start_state.as_ref().map_or(0, |s| s.skipped_nonfinite),
