@@ -95,6 +95,11 @@ pub struct TrainArgs {
     /// Data-parallel gradient bucket size in MiB (all-reduces start as buckets fill).
     #[arg(long, default_value_t = 16.0)]
     pub bucket_mb: f64,
+    /// Run each rank's --batch-size sequences as N equal micro-batches and accumulate their
+    /// gradients before the optimizer step: the same training, the activation memory of
+    /// batch-size/N sequences. May change when resuming.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub micro_batches: usize,
     /// Read the global batch as N data streams (default: one per data-parallel rank, or the
     /// resumed checkpoint's). Keeping N fixed keeps the data order when dp changes.
     #[arg(long, value_name = "N")]
@@ -145,6 +150,7 @@ impl TrainArgs {
             tp: self.tp,
             zero: self.zero,
             bucket_mb: self.bucket_mb,
+            micro_batches: self.micro_batches,
             data_ranks: self.data_ranks,
             deadline: self.deadline.clone(),
             deadline_margin: self.deadline_margin,

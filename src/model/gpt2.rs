@@ -102,6 +102,9 @@ pub struct Gpt2<B: Backend> {
     /// Multiplies the loss gradient (fp16 dynamic loss scaling); the gradient norm and the
     /// optimizer divide it out again.
     loss_scale: f32,
+    /// Micro-batches per optimizer step (gradient accumulation): each backward pass adds
+    /// 1/accumulation of its micro-batch's mean gradient.
+    accumulation: usize,
     p: ParamSpans,
     g: ParamSpans,
     acts: Option<(Acts, GradActs)>,
@@ -155,6 +158,7 @@ impl<B: Backend> Gpt2<B> {
             compute,
             compute_params,
             loss_scale: 1.0,
+            accumulation: 1,
             p,
             g,
             acts: None,
@@ -259,6 +263,13 @@ impl<B: Backend> Gpt2<B> {
     /// it out.
     pub fn set_loss_scale(&mut self, scale: f32) {
         self.loss_scale = scale;
+    }
+
+    /// Gradient accumulation over `m` micro-batches: each backward pass (after
+    /// `forward(.., true)`) adds 1/m of its micro-batch's mean-loss gradient, so `m` equal
+    /// micro-batches accumulate the gradient of their union's mean loss.
+    pub fn set_accumulation(&mut self, m: usize) {
+        self.accumulation = m.max(1);
     }
 
     /// Parameters, gradients or a moment buffer as a host copy.
@@ -390,7 +401,7 @@ impl<B: Backend> Gpt2<B> {
         be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
         tp_allreduce(be, comm, timers, loss_allreduce, a.ce_sum, ReduceOp::Sum);
         tp_allreduce(be, comm, timers, loss_allreduce, a.ce_tl, ReduceOp::Sum);
-        let dloss = for_backward.then_some(self.loss_scale / n as f32);
+        let dloss = for_backward.then_some(self.loss_scale / (n * self.accumulation) as f32);
         be.ce_finish(
             a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
         );

@@ -66,6 +66,9 @@ pub struct TrainOptions {
     pub zero: u8,
     /// Data-parallel gradient bucket size in MiB.
     pub bucket_mb: f64,
+    /// `--micro-batches`: each rank's batch is run as this many equal micro-batches whose
+    /// gradients accumulate before the optimizer step (activation memory of one micro-batch).
+    pub micro_batches: usize,
     /// `--data-ranks` (default: the data-parallel size, or the checkpoint's).
     pub data_ranks: Option<usize>,
     /// `--deadline`: stop with a checkpoint before this time (see [`stop::find_deadline`]).

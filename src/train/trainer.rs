@@ -248,6 +248,13 @@ impl<'d, B: Backend> Trainer<'d, B> {
         if opts.zero > 1 {
             bail!("--zero {}: only stages 0 and 1 exist", opts.zero);
         }
+        let micro = opts.micro_batches;
+        if micro == 0 || !t.batch_size.is_multiple_of(micro) {
+            bail!(
+                "--micro-batches {micro}: must divide the batch size per rank ({}) into equal micro-batches",
+                t.batch_size
+            );
+        }
         dist.make_grid(opts.tp, &m)?;
         let dist: &'d Dist = dist;
         let grid = dist.grid;
@@ -303,7 +310,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
         if opts.verify_data {
             lcfg.verify = Verify::Full;
         }
-        let memory = Memory::of(&model, t.batch_size, t.seq_len);
+        model.set_accumulation(micro);
+        let memory = Memory::of(&model, t.batch_size / micro, t.seq_len);
         check_memory(&model.be, &memory, &lcfg)?;
         let source = BatchSource::open(
             &data,
@@ -435,12 +443,23 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 .next_into(&mut self.window)
                 .with_context(|| format!("reading training data {} at step {step}", self.data))?;
         }
-        model.set_batch(&self.window, t.batch_size, t.seq_len)?;
         model.zero_grad();
         if let Some(sc) = &self.scaler {
             model.set_loss_scale(sc.scale);
         }
-        let local_loss = model.forward(timers, true);
+        // Gradient accumulation: the window's rows as `micro` equal micro-batches; the
+        // data-parallel buckets start during the last one's backward pass.
+        let micro = self.opts.micro_batches;
+        let rows = t.batch_size / micro;
+        let mut local_loss = 0.0f64;
+        for (i, w) in self.window.chunks(rows * (t.seq_len + 1)).enumerate() {
+            model.set_batch(w, rows, t.seq_len)?;
+            local_loss += model.forward(timers, true) as f64;
+            if i + 1 < micro {
+                model.backward(timers);
+            }
+        }
+        let local_loss = (local_loss / micro as f64) as f32;
         self.sync.begin_step();
         let grads = model.grads;
         let sync = &mut self.sync;
@@ -642,13 +661,21 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let t0 = Instant::now();
         let _paused = self.timers.pause();
         let (model, timers) = (&mut self.model, &self.timers);
+        // In micro-batches too (the activations are sized for one).
+        let rows = t.batch_size / self.opts.micro_batches;
         let v = data::eval_loss(
             &self.val_data,
             &self.val_loader,
             self.opts.eval_batches,
             |w| {
-                model.set_batch(w, t.batch_size, t.seq_len)?;
-                Ok(model.forward(timers, false))
+                let mut sum = 0.0f64;
+                let chunks = w.chunks(rows * (t.seq_len + 1));
+                let n = chunks.len();
+                for c in chunks {
+                    model.set_batch(c, rows, t.seq_len)?;
+                    sum += model.forward(timers, false) as f64;
+                }
+                Ok((sum / n as f64) as f32)
             },
         )?;
         if let Some(v) = v {
@@ -853,6 +880,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "world": grid.world_size, "tp": grid.tp, "dp": grid.dp, "nodes": dist.nodes,
                 "ranks_per_node": grid.world_size / dist.nodes.max(1), "threads": self.threads,
                 "zero": opts.zero, "data_ranks": self.saved_layout.data_ranks,
+                "micro_batches": opts.micro_batches,
                 "global_batch": global_batch, "bucket_mb": opts.bucket_mb,
                 "buckets": self.sync.buckets(),
             },
@@ -914,6 +942,13 @@ impl<'d, B: Backend> Trainer<'d, B> {
             mib(mem.backward),
             mib(mem.state() + mem.activations())
         );
+        if opts.micro_batches > 1 {
+            eprintln!(
+                "  micro-batches: {} of {} sequences per rank, gradients accumulated before each optimizer step",
+                opts.micro_batches,
+                t.batch_size / opts.micro_batches
+            );
+        }
         if t.precision != Precision::Fp32 {
             let scaling = if t.precision == Precision::Fp16 {
                 ", dynamic loss scaling"
