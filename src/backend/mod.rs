@@ -233,13 +233,16 @@ pub trait Backend {
     );
 
     // --- attention -----------------------------------------------------------------------
-    /// `att (B,NH,T,T) = QKᵀ/√hs` (the Megatron `baddbmm`).
+    /// `att (B,NH,T,T) = QKᵀ/√hs` (the Megatron `baddbmm`) on and below the diagonal; entries
+    /// above it (key after query) may be left unwritten: a backend may skip that work.
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims);
-    /// Causal softmax of each row of `att`, in place.
+    /// Causal softmax of each row of `att`, in place: reads only entries on and below the
+    /// diagonal, writes every entry (zeros above it).
     fn attention_softmax(&mut self, att: Span, d: AttnDims);
     /// `out (B,T,NH·hs) = att·V` (the Megatron `bmm`).
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims);
-    /// `datt` overwritten; the V columns of `dqkv` overwritten.
+    /// `datt` overwritten on and below the diagonal (above it may be left unwritten, as in
+    /// [`Self::attention_scores`]); the V columns of `dqkv` overwritten.
     fn attention_values_backward(
         &mut self,
         datt: Span,
@@ -249,7 +252,8 @@ pub trait Backend {
         qkv: Span,
         d: AttnDims,
     );
-    /// Turns d(att) into d(pre-softmax scores), in place.
+    /// Turns d(att) into d(pre-softmax scores), in place: reads entries on and below the
+    /// diagonal, writes every entry (zeros above it).
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims);
     /// The Q and K columns of `dqkv` overwritten.
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims);

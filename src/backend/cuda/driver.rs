@@ -283,6 +283,43 @@ impl Engine for DriverEngine {
         Ok(())
     }
 
+    fn gemm_ptr_arrays(&self, g: &GemmCall, arrays: [u64; 3]) -> Result<()> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        let ty = Self::blas_type;
+        let i = |x: usize| x as i32;
+        // SAFETY: `arrays` hold `g.batch` device pointers each, in device memory that lives
+        // until the queued call has run (the backend keeps them cached); every pointed-to
+        // matrix covers the m·n·k extents with these leading dimensions and types; alpha and
+        // beta are f32 host scalars, as CUBLAS_COMPUTE_32F requires.
+        unsafe {
+            blas_sys::cublasGemmBatchedEx(
+                *self.blas.handle(),
+                op(g.trans_a),
+                op(g.trans_b),
+                i(g.m),
+                i(g.n),
+                i(g.k),
+                (&g.alpha as *const f32).cast(),
+                arrays[0] as *const *const std::ffi::c_void,
+                ty(g.a_type),
+                i(g.lda),
+                arrays[1] as *const *const std::ffi::c_void,
+                ty(g.b_type),
+                i(g.ldb),
+                (&g.beta as *const f32).cast(),
+                arrays[2] as *const *mut std::ffi::c_void,
+                ty(g.c_type),
+                i(g.ldc),
+                i(g.batch),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()?;
+        Ok(())
+    }
+
     fn sync(&self) -> Result<()> {
         self.stream.synchronize()?;
         Ok(())
@@ -299,17 +336,22 @@ impl Engine for DriverEngine {
 }
 
 impl DriverEngine {
+    /// The cuBLAS type of a [`Dtype`].
+    fn blas_type(d: Dtype) -> blas_sys::cudaDataType_t {
+        use blas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+        match d {
+            Dtype::F32 => CUDA_R_32F,
+            Dtype::Bf16 => CUDA_R_16BF,
+            Dtype::F16 => CUDA_R_16F,
+        }
+    }
+
     /// A GEMM with a 16-bit operand or result: `cublasGemmStridedBatchedEx` with f32
     /// accumulation (`CUBLAS_COMPUTE_32F`), on the tensor cores for bf16/f16 operands.
     fn gemm_ex(&self, g: &GemmCall) -> Result<()> {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        use blas_sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
-        let ty = |d: Dtype| match d {
-            Dtype::F32 => CUDA_R_32F,
-            Dtype::Bf16 => CUDA_R_16BF,
-            Dtype::F16 => CUDA_R_16F,
-        };
+        let ty = Self::blas_type;
         let i = |x: usize| x as i32;
         // SAFETY: as for the SGEMM: the backend passes pointers whose buffers, of the types
         // named, cover the m·n·k extents with these leading dimensions and strides; alpha and

@@ -257,6 +257,23 @@ impl Engine for Emulator {
         Ok(())
     }
 
+    fn gemm_ptr_arrays(&self, g: &GemmCall, arrays: [u64; 3]) -> Result<()> {
+        // SAFETY: the backend passes three arrays of `g.batch` pointers in emulated device
+        // memory (host memory here).
+        let ptr = |arr: u64, i: usize| unsafe { *(arr as *const u64).add(i) };
+        for i in 0..g.batch {
+            let one = GemmCall {
+                a: ptr(arrays[0], i),
+                b: ptr(arrays[1], i),
+                c: ptr(arrays[2], i),
+                batch: 1,
+                ..*g
+            };
+            self.gemm(&one)?;
+        }
+        Ok(())
+    }
+
     fn sync(&self) -> Result<()> {
         Ok(())
     }

@@ -78,6 +78,10 @@ pub trait Engine {
     /// `block` threads with `shmem` bytes of dynamic shared memory.
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()>;
     fn gemm(&self, g: &GemmCall) -> Result<()>;
+    /// `g` on `g.batch` matrices given by pointer arrays instead of strides: `arrays` are the
+    /// device addresses of three arrays of `g.batch` device pointers (A, B, C) in device
+    /// memory (`cublasGemmBatchedEx`); `g.a`, `g.b`, `g.c` and the strides are ignored.
+    fn gemm_ptr_arrays(&self, g: &GemmCall, arrays: [u64; 3]) -> Result<()>;
     fn sync(&self) -> Result<()>;
     /// A function that waits for queued work (for the timers).
     fn sync_handle(&self) -> Box<dyn Fn()>;

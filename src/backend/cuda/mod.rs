@@ -50,6 +50,13 @@ const WARP: u32 = 32;
 const ELEM_THREADS: u32 = 256;
 /// Most blocks of the sum-of-squares kernel per span (one per 256 elements up to this).
 const SOS_BLOCKS: usize = 512;
+/// Most cached pointer arrays (a few per attention GEMM and layer) before the cache is reset.
+const MAX_PTR_ARRAYS: usize = 4096;
+/// Causal blocks of the attention GEMMs: query rows in this many blocks, each multiplied only
+/// with the keys up to its last row (5/8 of the full T×T work), for T of at least
+/// [`CAUSAL_MIN_T`].
+const CAUSAL_BLOCKS: usize = 4;
+const CAUSAL_MIN_T: usize = 128;
 /// Rows per chunk of the two-stage column sums (dbias, layernorm dw/dbias).
 const COLUMN_CHUNK_ROWS: usize = 64;
 
@@ -150,6 +157,9 @@ pub struct CudaBackend {
     partials: Scratch,
     indices: Scratch,
     sos: Scratch,
+    /// Device arrays of matrix pointers for the batched attention GEMMs, by content (the
+    /// activation buffers keep their addresses, so after the first step every lookup hits).
+    ptr_arrays: std::collections::HashMap<Vec<u64>, DevAlloc>,
 }
 
 impl CudaBackend {
@@ -183,6 +193,7 @@ impl CudaBackend {
             partials: Scratch::default(),
             indices: Scratch::default(),
             sos: Scratch::default(),
+            ptr_arrays: Default::default(),
         }
     }
 
@@ -328,6 +339,73 @@ impl CudaBackend {
             batch,
         };
         if let Err(e) = self.eng.gemm(&call) {
+            self.fail(what, e);
+        }
+    }
+
+    /// [`Self::gemm`] over matrices given one pointer each (`Ptrs`: pointers, leading
+    /// dimension, type), for batches whose strides are not uniform (the attention heads of
+    /// every sequence at once). The pointer arrays are uploaded once and cached by content.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_ptrs(
+        &mut self,
+        what: &str,
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        (a, lda, at): &Ptrs,
+        (b, ldb, bt): &Ptrs,
+        beta: f32,
+        (c, ldc, ct): &Ptrs,
+    ) {
+        let batch = c.len();
+        assert!(
+            a.len() == batch && b.len() == batch,
+            "{what}: pointer counts"
+        );
+        if m == 0 || n == 0 || batch == 0 {
+            return;
+        }
+        // Column-major: C_iᵀ = op(B_i)ᵀ·op(A_i)ᵀ, as in `gemm`.
+        let key: Vec<u64> = b.iter().chain(a).chain(c).copied().collect();
+        if !self.ptr_arrays.contains_key(&key) {
+            if self.ptr_arrays.len() >= MAX_PTR_ARRAYS {
+                // Queued GEMMs may still read the arrays about to be freed.
+                self.sync();
+                self.ptr_arrays.clear();
+            }
+            let mem = self
+                .eng
+                .alloc(8 * key.len())
+                .unwrap_or_else(|e| self.fail("pointer arrays", e));
+            self.upload_bytes(mem.ptr, as_bytes(&key));
+            self.ptr_arrays.insert(key.clone(), mem);
+        }
+        let base = self.ptr_arrays[&key].ptr;
+        let call = GemmCall {
+            a_type: *bt,
+            b_type: *at,
+            c_type: *ct,
+            trans_a: tb,
+            trans_b: ta,
+            m: n,
+            n: m,
+            k,
+            alpha,
+            a: 0,
+            lda: *ldb,
+            stride_a: 0,
+            b: 0,
+            ldb: *lda,
+            stride_b: 0,
+            beta,
+            c: 0,
+            ldc: *ldc,
+            stride_c: 0,
+            batch,
+        };
+        let arrays = [base, base + 8 * batch as u64, base + 16 * batch as u64];
+        if let Err(e) = self.eng.gemm_ptr_arrays(&call, arrays) {
             self.fail(what, e);
         }
     }
@@ -951,19 +1029,21 @@ impl Backend for CudaBackend {
     }
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
+        // att[b, h][r0..r1, 0..r1] = scale · Q_h[r0..r1] · K_h[0..r1]ᵀ per causal block;
+        // entries right of the block's last row are left unwritten (the softmax ignores them).
         let a = Attn::new(self, att, qkv, d);
-        for bi in 0..d.b {
-            // att[b, h] (T, T) = scale · Q_h · K_hᵀ, one batch of nh heads per sequence.
-            self.gemm(
+        for (r0, r1) in causal_blocks(d.t) {
+            let (q, k, c) = (a.qkv(0, r0), a.qkv(1, 0), a.att_at(r0, 0));
+            let m = (r1 - r0, r1, d.hs);
+            self.gemm_ptrs(
                 "attention_scores",
                 (false, true),
-                (d.t, d.t, d.hs),
+                m,
                 a.scale,
-                a.qkv_part(bi, 0),
-                a.qkv_part(bi, 1),
+                &q,
+                &k,
                 0.0,
-                a.att(bi),
-                d.nh,
+                &c,
             );
         }
     }
@@ -984,21 +1064,13 @@ impl Backend for CudaBackend {
     }
 
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
+        // out[b, r0..r1, h] = att[b, h][r0..r1, 0..r1] · V_h[0..r1] (the rest of the row is 0).
         let a = Attn::new(self, att, qkv, d);
         let o = a.btc(self, out);
-        for bi in 0..d.b {
-            // out[b, :, h] = att[b, h] · V_h
-            self.gemm(
-                "attention_values",
-                (false, false),
-                (d.t, d.hs, d.t),
-                1.0,
-                a.att(bi),
-                a.qkv_part(bi, 2),
-                0.0,
-                o(bi),
-                d.nh,
-            );
+        for (r0, r1) in causal_blocks(d.t) {
+            let (p, v, y) = (a.att_at(r0, 0), a.qkv(2, 0), a.rows_of(&o, r0));
+            let m = (r1 - r0, d.hs, r1);
+            self.gemm_ptrs("attention_values", (false, false), m, 1.0, &p, &v, 0.0, &y);
         }
     }
 
@@ -1014,31 +1086,18 @@ impl Backend for CudaBackend {
         let a = Attn::new(self, att, qkv, d);
         let da = Attn::new(self, datt, dqkv, d);
         let g = a.btc(self, dout);
-        for bi in 0..d.b {
-            // datt[b, h] = dout_h · V_hᵀ
-            self.gemm(
-                "attention_values_backward",
-                (false, true),
-                (d.t, d.t, d.hs),
-                1.0,
-                g(bi),
-                a.qkv_part(bi, 2),
-                0.0,
-                da.att(bi),
-                d.nh,
-            );
-            // dV_h = att[b, h]ᵀ · dout_h
-            self.gemm(
-                "attention_values_backward",
-                (true, false),
-                (d.t, d.hs, d.t),
-                1.0,
-                a.att(bi),
-                g(bi),
-                0.0,
-                da.qkv_part(bi, 2),
-                d.nh,
-            );
+        for (r0, r1) in causal_blocks(d.t) {
+            // datt[b, h][r0..r1, 0..r1] = dout_h[r0..r1] · V_h[0..r1]ᵀ (right of it unwritten:
+            // the softmax backward ignores and zeroes it).
+            let (dy, v, c) = (a.rows_of(&g, r0), a.qkv(2, 0), da.att_at(r0, 0));
+            let m = (r1 - r0, r1, d.hs);
+            let what = "attention_values_backward";
+            self.gemm_ptrs(what, (false, true), m, 1.0, &dy, &v, 0.0, &c);
+            // dV_h[r0..r1] = att[b, h][r0..T, r0..r1]ᵀ · dout_h[r0..T] (att is 0 above the
+            // diagonal, so earlier rows add nothing).
+            let (p, dy, dv) = (a.att_at(r0, r0), a.rows_of(&g, r0), da.qkv(2, r0));
+            let m = (r1 - r0, d.hs, d.t - r0);
+            self.gemm_ptrs(what, (true, false), m, 1.0, &p, &dy, 0.0, &dv);
         }
     }
 
@@ -1064,31 +1123,16 @@ impl Backend for CudaBackend {
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let a = Attn::new(self, datt, qkv, d);
         let da = Attn::new(self, datt, dqkv, d);
-        for bi in 0..d.b {
-            // dQ_h = scale · datt · K_h
-            self.gemm(
-                "attention_scores_backward",
-                (false, false),
-                (d.t, d.hs, d.t),
-                a.scale,
-                a.att(bi),
-                a.qkv_part(bi, 1),
-                0.0,
-                da.qkv_part(bi, 0),
-                d.nh,
-            );
-            // dK_h = scale · dattᵀ · Q_h
-            self.gemm(
-                "attention_scores_backward",
-                (true, false),
-                (d.t, d.hs, d.t),
-                a.scale,
-                a.att(bi),
-                a.qkv_part(bi, 0),
-                0.0,
-                da.qkv_part(bi, 1),
-                d.nh,
-            );
+        let what = "attention_scores_backward";
+        for (r0, r1) in causal_blocks(d.t) {
+            // dQ_h[r0..r1] = scale · datt[r0..r1, 0..r1] · K_h[0..r1]
+            let (ds, k, dq) = (a.att_at(r0, 0), a.qkv(1, 0), da.qkv(0, r0));
+            let m = (r1 - r0, d.hs, r1);
+            self.gemm_ptrs(what, (false, false), m, a.scale, &ds, &k, 0.0, &dq);
+            // dK_h[r0..r1] = scale · datt[r0..T, r0..r1]ᵀ · Q_h[r0..T]
+            let (ds, q, dk) = (a.att_at(r0, r0), a.qkv(0, r0), da.qkv(1, r0));
+            let m = (r1 - r0, d.hs, d.t - r0);
+            self.gemm_ptrs(what, (true, false), m, a.scale, &ds, &q, 0.0, &dk);
         }
     }
 
@@ -1343,9 +1387,25 @@ fn check_ce(logits: Span, d: CeDims) {
     assert_eq!(logits.len, d.n * d.vp, "cross-entropy: logits length");
 }
 
-/// Strided views of one attention call's tensors for the batched GEMMs: `(ptr, ld, stride)`
-/// triples, one batch of `nh` heads per sequence, placed by [`Heads`] (the layouts of
-/// `ops/attention.rs`).
+/// A GEMM operand: device address, leading dimension, batch stride (elements) and type.
+type Mat = (u64, usize, usize, Dtype);
+
+/// GEMM operands given one pointer per matrix: device addresses, leading dimension, type.
+type Ptrs = (Vec<u64>, usize, Dtype);
+
+/// The row blocks `(r0, r1)` of the causal attention GEMMs for sequence length `t`.
+fn causal_blocks(t: usize) -> Vec<(usize, usize)> {
+    let nb = if t >= CAUSAL_MIN_T { CAUSAL_BLOCKS } else { 1 };
+    let rows = t.div_ceil(nb);
+    (0..t)
+        .step_by(rows.max(1))
+        .map(|r0| (r0, (r0 + rows).min(t)))
+        .collect()
+}
+
+/// The matrices of one attention call for the batched GEMMs: every (sequence, head) pair at
+/// once, placed by [`Heads`] (the layouts of `ops/attention.rs`), as [`Ptrs`] starting at a
+/// given row and column.
 struct Attn {
     att: u64,
     qkv: u64,
@@ -1355,10 +1415,8 @@ struct Attn {
     scale: f32,
 }
 
-/// A GEMM operand: device address, leading dimension, batch stride (elements) and type.
-type Mat = (u64, usize, usize, Dtype);
-
-/// A device address plus a [`Heads`] layout, as the GEMM helper takes it.
+/// A sequence's heads as a [`Heads`] layout: the base address, leading dimension and stride
+/// between heads.
 fn heads_at(base: u64, dt: Dtype, h: Heads) -> Mat {
     (base + (dt.bytes() * h.offset) as u64, h.ld, h.stride, dt)
 }
@@ -1379,18 +1437,37 @@ impl Attn {
         }
     }
 
-    /// Part `part` (0 Q, 1 K, 2 V) of sequence `bi`.
-    fn qkv_part(&self, bi: usize, part: usize) -> Mat {
+    /// Element (row0, col0) of every head of every sequence, for per-sequence layouts `m`.
+    fn every_head(&self, m: impl Fn(usize) -> Mat, row0: usize, col0: usize) -> Ptrs {
+        let mut ptrs = Vec::with_capacity(self.d.b * self.d.nh);
+        let mut ld = 0;
+        for bi in 0..self.d.b {
+            let (base, l, stride, dt) = m(bi);
+            ld = l;
+            let at = |h: usize| base + (dt.bytes() * (h * stride + row0 * l + col0)) as u64;
+            ptrs.extend((0..self.d.nh).map(at));
+        }
+        (ptrs, ld, self.dt)
+    }
+
+    /// Part `part` (0 Q, 1 K, 2 V) of every head, from row `row0`.
+    fn qkv(&self, part: usize, row0: usize) -> Ptrs {
         let d = self.d;
-        heads_at(self.qkv, self.dt, Heads::qkv(bi, part, d.t, d.nh, d.hs))
+        let f = |bi| heads_at(self.qkv, self.dt, Heads::qkv(bi, part, d.t, d.nh, d.hs));
+        self.every_head(f, row0, 0)
     }
 
-    /// `att[bi]`.
-    fn att(&self, bi: usize) -> Mat {
-        heads_at(self.att, self.dt, Heads::att(bi, self.d.t, self.d.nh))
+    /// `att` of every head from element (row0, col0).
+    fn att_at(&self, row0: usize, col0: usize) -> Ptrs {
+        let d = self.d;
+        self.every_head(
+            |bi| heads_at(self.att, self.dt, Heads::att(bi, d.t, d.nh)),
+            row0,
+            col0,
+        )
     }
 
-    /// A (B, T, C) tensor, per sequence.
+    /// A (B, T, C) tensor as per-sequence head layouts.
     fn btc(&self, be: &CudaBackend, s: Span) -> impl Fn(usize) -> Mat {
         let d = self.d;
         assert_eq!(
@@ -1401,5 +1478,10 @@ impl Attn {
         let (p, dt) = (be.ptr(s), be.dt(s));
         assert_eq!(dt, self.dt, "attention: (B, T, C) tensor of another type");
         move |bi| heads_at(p, dt, Heads::btc(bi, d.t, d.nh, d.hs))
+    }
+
+    /// Every head of a (B, T, C) tensor ([`Self::btc`]) from row `row0`.
+    fn rows_of(&self, m: &impl Fn(usize) -> Mat, row0: usize) -> Ptrs {
+        self.every_head(m, row0, 0)
     }
 }
