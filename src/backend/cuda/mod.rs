@@ -353,21 +353,42 @@ impl CudaBackend {
         (ta, tb): (bool, bool),
         (m, n, k): (usize, usize, usize),
         alpha: f32,
-        (a, lda, at): &Ptrs,
-        (b, ldb, bt): &Ptrs,
+        a: &Ptrs,
+        b: &Ptrs,
         beta: f32,
-        (c, ldc, ct): &Ptrs,
+        c: &Ptrs,
     ) {
-        let batch = c.len();
+        let batch = c.0.len();
         assert!(
-            a.len() == batch && b.len() == batch,
+            a.0.len() == batch && b.0.len() == batch,
             "{what}: pointer counts"
         );
         if m == 0 || n == 0 || batch == 0 {
             return;
         }
+        // cuBLAS cannot see the alignment of pointers in an array and assumes 16 bytes (a
+        // misaligned one faults). Odd shapes (head sizes or row offsets that are not a
+        // multiple of 16 bytes) run one plain GEMM per matrix instead.
+        let aligned =
+            |(p, ld, dt): &Ptrs| p.iter().all(|x| x % 16 == 0) && (ld * dt.bytes()) % 16 == 0;
+        if ![a, b, c].into_iter().all(aligned) {
+            for i in 0..batch {
+                self.gemm(
+                    what,
+                    (ta, tb),
+                    (m, n, k),
+                    alpha,
+                    (a.0[i], a.1, 0, a.2),
+                    (b.0[i], b.1, 0, b.2),
+                    beta,
+                    (c.0[i], c.1, 0, c.2),
+                    1,
+                );
+            }
+            return;
+        }
         // Column-major: C_iᵀ = op(B_i)ᵀ·op(A_i)ᵀ, as in `gemm`.
-        let key: Vec<u64> = b.iter().chain(a).chain(c).copied().collect();
+        let key: Vec<u64> = b.0.iter().chain(&a.0).chain(&c.0).copied().collect();
         if !self.ptr_arrays.contains_key(&key) {
             if self.ptr_arrays.len() >= MAX_PTR_ARRAYS {
                 // Queued GEMMs may still read the arrays about to be freed.
@@ -383,9 +404,9 @@ impl CudaBackend {
         }
         let base = self.ptr_arrays[&key].ptr;
         let call = GemmCall {
-            a_type: *bt,
-            b_type: *at,
-            c_type: *ct,
+            a_type: b.2,
+            b_type: a.2,
+            c_type: c.2,
             trans_a: tb,
             trans_b: ta,
             m: n,
@@ -393,14 +414,14 @@ impl CudaBackend {
             k,
             alpha,
             a: 0,
-            lda: *ldb,
+            lda: b.1,
             stride_a: 0,
             b: 0,
-            ldb: *lda,
+            ldb: a.1,
             stride_b: 0,
             beta,
             c: 0,
-            ldc: *ldc,
+            ldc: c.1,
             stride_c: 0,
             batch,
         };
@@ -1396,7 +1417,8 @@ type Ptrs = (Vec<u64>, usize, Dtype);
 /// The row blocks `(r0, r1)` of the causal attention GEMMs for sequence length `t`.
 fn causal_blocks(t: usize) -> Vec<(usize, usize)> {
     let nb = if t >= CAUSAL_MIN_T { CAUSAL_BLOCKS } else { 1 };
-    let rows = t.div_ceil(nb);
+    // Blocks of a multiple of 8 rows keep row offsets 16-byte aligned for 16-bit types.
+    let rows = t.div_ceil(nb).next_multiple_of(8);
     (0..t)
         .step_by(rows.max(1))
         .map(|r0| (r0, (r0 + rows).min(t)))
