@@ -17,6 +17,7 @@ use fugu::config::{ModelConfig, Precision, RunConfig};
 use fugu::metrics::flops::megatron_flops_per_step;
 use fugu::metrics::machine::MachineInfo;
 use fugu::metrics::timers::{Breakdown, TimerLevel, Timers};
+use fugu::model::acts::Recompute;
 use fugu::model::init::init_params;
 use fugu::model::table::gpt2_params;
 use fugu::model::{Gpt2, OptimStep, TpRank};
@@ -45,6 +46,10 @@ struct Args {
     /// fp16 runs with a fixed loss scale of 1024 here, the trainer's scaler is not exercised).
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
+    /// Activation recomputation (`attention`: one shared attention-probability buffer,
+    /// recomputed per layer in the backward pass); the activation memory is printed per shape.
+    #[arg(long, value_enum, default_value = "none")]
+    recompute: Recompute,
     /// Timer detail: fine times every op (on a GPU it synchronises around each, which costs
     /// launch overlap: use coarse or off for throughput comparisons).
     #[arg(long, default_value = "fine", value_name = "off|coarse|fine")]
@@ -87,7 +92,7 @@ fn main() -> anyhow::Result<()> {
             .and_then(|(b, t)| Some((b.parse::<usize>().ok()?, t.parse::<usize>().ok()?)))
             .ok_or_else(|| anyhow::anyhow!("--shape {s}: expected BxT, e.g. 4x64"))?;
         let cuda = CudaSettings { tf32: args.tf32 };
-        let run = (args.steps, args.timers, args.precision);
+        let run = (args.steps, args.timers, args.precision, args.recompute);
         let (times, bd, peak, device) = fugu::with_backend!(args.device, cuda, |be| {
             time_steps(be, &cfg, &params, (b, t), run)
         })?;
@@ -128,13 +133,20 @@ fn time_steps<B: Backend>(
     cfg: &ModelConfig,
     params: &[f32],
     (b, t): (usize, usize),
-    (steps, level, precision): (usize, TimerLevel, Precision),
+    (steps, level, precision, recompute): (usize, TimerLevel, Precision, Recompute),
 ) -> anyhow::Result<Timed> {
     let device = be.describe();
     let dtype = precision.compute_dtype();
     let peak = be.peak_gflops(dtype);
     let mut model = Gpt2::new(cfg, TpRank::SERIAL, dtype, be)?;
     model.load_params(params)?;
+    model.set_recompute(recompute);
+    let (fwd, bwd) = model.activation_bytes(b, t);
+    println!(
+        "activations {b}x{t} (--recompute {recompute:?}): {:.1} MiB forward + {:.1} MiB backward scratch",
+        fwd as f64 / (1 << 20) as f64,
+        bwd as f64 / (1 << 20) as f64
+    );
     if precision == Precision::Fp16 {
         model.set_loss_scale(1024.0);
     }

@@ -1084,3 +1084,44 @@ fn micro_batches_accumulate_the_full_batch_gradient() {
     );
     assert!(!r.dir.join("bad").join("metrics.jsonl").exists());
 }
+
+/// `--recompute attention` recomputes each layer's attention probabilities in the backward
+/// pass from the same inputs with the same ops: the losses and parameters are bit-identical to
+/// the run that keeps them, and the header's activation memory is smaller.
+#[test]
+fn recompute_attention_gives_identical_training_in_less_memory() {
+    let r = SmallRuns::new("recompute");
+    ok(&r.run(&["--out", "keep"]));
+    ok(&r.run(&["--out", "recompute", "--recompute", "attention"]));
+    let (a, b) = (
+        losses(&r.dir.join("keep")),
+        losses(&r.dir.join("recompute")),
+    );
+    assert_eq!(a.len(), b.len());
+    for ((s, x), (_, y)) in a.iter().zip(&b) {
+        assert_eq!(x.to_bits(), y.to_bits(), "step {s}: {x} vs {y}");
+    }
+    let file = |run: &str| {
+        std::fs::read(
+            r.dir
+                .join(run)
+                .join("ckpt-00000006")
+                .join("model.safetensors"),
+        )
+        .unwrap()
+    };
+    assert!(file("keep") == file("recompute"), "parameters differ");
+    let act = |run: &str| {
+        let recs = read_metrics(r.dir.join(run).join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.first() else {
+            panic!("no header")
+        };
+        assert_eq!(
+            h["layout"]["recompute"],
+            if run == "keep" { "none" } else { "attention" }
+        );
+        h["memory"]["activation_bytes"].as_f64().unwrap()
+    };
+    let (keep, re) = (act("keep"), act("recompute"));
+    assert!(re < keep, "activations: {re} recomputing vs {keep} keeping");
+}

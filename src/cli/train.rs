@@ -100,6 +100,11 @@ pub struct TrainArgs {
     /// batch-size/N sequences. May change when resuming.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub micro_batches: usize,
+    /// Activation recomputation: `attention` keeps one attention-probability buffer for all
+    /// layers and recomputes each layer's scores and softmax in the backward pass (less
+    /// memory, a little more time, identical gradients). May change when resuming.
+    #[arg(long, value_enum, default_value = "none")]
+    pub recompute: crate::model::acts::Recompute,
     /// Read the global batch as N data streams (default: one per data-parallel rank, or the
     /// resumed checkpoint's). Keeping N fixed keeps the data order when dp changes.
     #[arg(long, value_name = "N")]
@@ -151,6 +156,7 @@ impl TrainArgs {
             zero: self.zero,
             bucket_mb: self.bucket_mb,
             micro_batches: self.micro_batches,
+            recompute: self.recompute,
             data_ranks: self.data_ranks,
             deadline: self.deadline.clone(),
             deadline_margin: self.deadline_margin,

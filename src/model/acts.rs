@@ -7,6 +7,19 @@
 use super::table::Table;
 use crate::backend::{AttnDims, BufId, Span};
 
+/// Which activations the backward pass recomputes instead of keeping from the forward pass
+/// (`--recompute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Recompute {
+    /// Keep every activation.
+    #[default]
+    None,
+    /// Megatron's selective recomputation: the attention probabilities (B, NH, T, T) of every
+    /// layer share one buffer, and the backward pass recomputes a layer's scores and softmax
+    /// from its kept q, k (the largest activation at long sequences, for two cheap ops).
+    Attention,
+}
+
 /// Shapes of one step: `b` sequences of `t` tokens, hidden `c`, and this rank's share of heads,
 /// MLP width and (padded) vocabulary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,7 +64,8 @@ pub struct LayerActs {
     pub ln1_mean: Span,
     pub ln1_rstd: Span,
     pub qkv: Span,
-    /// Attention probabilities (B, NH, T, T), written by the scores GEMM and softmaxed in place.
+    /// Attention probabilities (B, NH, T, T), written by the scores GEMM and softmaxed in place
+    /// (one buffer shared by all layers under [`Recompute::Attention`]).
     pub att: Span,
     /// Attention output before the projection (B, T, C/tp).
     pub atty: Span,
@@ -116,16 +130,22 @@ fn span(table: &Table, buf: BufId, name: &str) -> Span {
     }
 }
 
-/// The activation table for `n_layer` blocks (the compute type's buffer).
-pub fn acts_table(d: &StepDims, n_layer: usize) -> Table {
+/// The activation table for `n_layer` blocks (the compute type's buffer). With
+/// [`Recompute::Attention`] every layer's `att` is the one shared `att`.
+pub fn acts_table(d: &StepDims, n_layer: usize, recompute: Recompute) -> Table {
     let n = d.n();
     let mut t = Table::default();
     t.push("encoded", &[n, d.c]);
+    if recompute == Recompute::Attention {
+        t.push("att", &[d.b, d.nh, d.t, d.t]);
+    }
     for l in 0..n_layer {
         let p = |s: &str| format!("h.{l}.{s}");
         t.push(p("ln1"), &[n, d.c]);
         t.push(p("qkv"), &[n, 3 * d.local_c()]);
-        t.push(p("att"), &[d.b, d.nh, d.t, d.t]);
+        if recompute == Recompute::None {
+            t.push(p("att"), &[d.b, d.nh, d.t, d.t]);
+        }
         t.push(p("atty"), &[n, d.local_c()]);
         t.push(p("resid2"), &[n, d.c]);
         t.push(p("ln2"), &[n, d.c]);
@@ -175,12 +195,16 @@ impl Acts {
         let layers = (0..n_layer)
             .map(|l| {
                 let p = |x: &str| s(&format!("h.{l}.{x}"));
+                let att = match table.get("att") {
+                    Some(_) => s("att"),
+                    None => p("att"),
+                };
                 LayerActs {
                     ln1: p("ln1"),
                     ln1_mean: p("ln1_mean"),
                     ln1_rstd: p("ln1_rstd"),
                     qkv: p("qkv"),
-                    att: p("att"),
+                    att,
                     atty: p("atty"),
                     resid2: p("resid2"),
                     ln2: p("ln2"),

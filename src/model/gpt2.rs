@@ -12,7 +12,7 @@
 //! backward goes on), and [`Gpt2::set_owned`] restricts the optimizer (and the AdamW moments)
 //! to the parameter ranges this rank updates.
 
-use super::acts::{acts_table, grad_acts_table, stats_table, Acts, GradActs, StepDims};
+use super::acts::{acts_table, grad_acts_table, stats_table, Acts, GradActs, Recompute, StepDims};
 use super::kv::KvCache;
 use super::params::ParamSpans;
 use super::table::{gpt2_params, padded_vocab, OwnedRange, Split, Table};
@@ -105,6 +105,8 @@ pub struct Gpt2<B: Backend> {
     /// Micro-batches per optimizer step (gradient accumulation): each backward pass adds
     /// 1/accumulation of its micro-batch's mean gradient.
     accumulation: usize,
+    /// Activations the backward pass recomputes instead of keeping.
+    recompute: Recompute,
     p: ParamSpans,
     g: ParamSpans,
     acts: Option<(Acts, GradActs)>,
@@ -159,6 +161,7 @@ impl<B: Backend> Gpt2<B> {
             compute_params,
             loss_scale: 1.0,
             accumulation: 1,
+            recompute: Recompute::None,
             p,
             g,
             acts: None,
@@ -272,6 +275,19 @@ impl<B: Backend> Gpt2<B> {
         self.accumulation = m.max(1);
     }
 
+    /// Activation recomputation (changes memory and time only: the recomputed activations are
+    /// bit-identical to the kept ones, so are the gradients). Takes effect at the next batch.
+    pub fn set_recompute(&mut self, r: Recompute) {
+        if r != self.recompute {
+            self.recompute = r;
+            if let Some((a, g)) = self.acts.take() {
+                self.be.free(a.buf);
+                self.be.free(a.stats_buf);
+                self.be.free(g.buf);
+            }
+        }
+    }
+
     /// Parameters, gradients or a moment buffer as a host copy.
     pub fn download(&self, buf: BufId) -> Vec<f32> {
         let s = self.be.whole(buf);
@@ -286,7 +302,7 @@ impl<B: Backend> Gpt2<B> {
         let d = self.dims(b, t);
         let el = self.compute.bytes();
         (
-            el * acts_table(&d, self.cfg.n_layer).total()
+            el * acts_table(&d, self.cfg.n_layer, self.recompute).total()
                 + Dtype::F32.bytes() * stats_table(&d, self.cfg.n_layer).total(),
             el * grad_acts_table(&d).total(),
         )
@@ -320,7 +336,7 @@ impl<B: Backend> Gpt2<B> {
             );
         }
         let d = self.dims(b, t);
-        let at = acts_table(&d, self.cfg.n_layer);
+        let at = acts_table(&d, self.cfg.n_layer, self.recompute);
         let st = stats_table(&d, self.cfg.n_layer);
         let gt = grad_acts_table(&d);
         if let Some((old_a, old_g)) = self.acts.take() {
@@ -796,6 +812,12 @@ impl<B: Backend> Gpt2<B> {
                     lc,
                     c,
                 );
+            }
+            if self.recompute == Recompute::Attention {
+                // The probabilities of this layer, as the forward pass computed them.
+                let _t = timers.scope("backward:attention:recompute", Fine);
+                be.attention_scores(la.att, la.qkv, ad);
+                be.attention_softmax(la.att, ad);
             }
             {
                 let _t = timers.scope("backward:attention:bmm", Fine);

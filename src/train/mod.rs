@@ -69,6 +69,8 @@ pub struct TrainOptions {
     /// `--micro-batches`: each rank's batch is run as this many equal micro-batches whose
     /// gradients accumulate before the optimizer step (activation memory of one micro-batch).
     pub micro_batches: usize,
+    /// `--recompute`: activations the backward pass recomputes instead of keeping.
+    pub recompute: crate::model::acts::Recompute,
     /// `--data-ranks` (default: the data-parallel size, or the checkpoint's).
     pub data_ranks: Option<usize>,
     /// `--deadline`: stop with a checkpoint before this time (see [`stop::find_deadline`]).

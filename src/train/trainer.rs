@@ -311,6 +311,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             lcfg.verify = Verify::Full;
         }
         model.set_accumulation(micro);
+        model.set_recompute(opts.recompute);
         let memory = Memory::of(&model, t.batch_size / micro, t.seq_len);
         check_memory(&model.be, &memory, &lcfg)?;
         let source = BatchSource::open(
@@ -881,6 +882,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "ranks_per_node": grid.world_size / dist.nodes.max(1), "threads": self.threads,
                 "zero": opts.zero, "data_ranks": self.saved_layout.data_ranks,
                 "micro_batches": opts.micro_batches,
+                "recompute": format!("{:?}", opts.recompute).to_lowercase(),
                 "global_batch": global_batch, "bucket_mb": opts.bucket_mb,
                 "buckets": self.sync.buckets(),
             },
