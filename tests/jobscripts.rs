@@ -670,6 +670,9 @@ fn pjsub_directives_follow_the_documented_syntax() {
         "FUGU_TP",
         "FUGU_OUT",
         "FUGU_ZERO",
+        "FUGU_PRECISION",
+        "FUGU_MICRO_BATCHES",
+        "FUGU_RECOMPUTE",
     ] {
         assert!(m.contains_key(v), "pjsub/train.sh: setting {v}");
     }
@@ -791,6 +794,9 @@ fn slurm_directives_match_the_a64fx_layout() {
         "FUGU_TP",
         "FUGU_OUT",
         "FUGU_ZERO",
+        "FUGU_PRECISION",
+        "FUGU_MICRO_BATCHES",
+        "FUGU_RECOMPUTE",
     ] {
         assert!(m.contains_key(v), "slurm/train.sh: setting {v}");
     }

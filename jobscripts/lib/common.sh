@@ -105,6 +105,9 @@ fugu_setup_train() {
   [ "$FUGU_RANKS" -ge 1 ] || fugu_die "the job has no MPI ranks (FUGU_RANKS=$FUGU_RANKS)"
   [ $(( FUGU_RANKS % FUGU_TP )) -eq 0 ] || fugu_die "FUGU_TP=$FUGU_TP does not divide the $FUGU_RANKS ranks of this job"
   case "$FUGU_ZERO" in 0 | 1) ;; *) fugu_die "FUGU_ZERO must be 0 or 1 (got $FUGU_ZERO)" ;; esac
+  case "${FUGU_PRECISION:-}" in '' | fp32 | bf16 | fp16) ;; *) fugu_die "FUGU_PRECISION must be fp32, bf16 or fp16 (got $FUGU_PRECISION)" ;; esac
+  case "${FUGU_RECOMPUTE:-}" in '' | none | attention) ;; *) fugu_die "FUGU_RECOMPUTE must be none or attention (got $FUGU_RECOMPUTE)" ;; esac
+  [ -z "${FUGU_MICRO_BATCHES:-}" ] || fugu_require_uint FUGU_MICRO_BATCHES
   # A config given as a file: make it absolute, the ranks may start elsewhere.
   if [ -f "$FUGU_CONFIG" ] || [ -f "$FUGU_WORKDIR/$FUGU_CONFIG" ]; then
     case "$FUGU_CONFIG" in *.toml | */*) FUGU_CONFIG=$(fugu_abs "$FUGU_CONFIG") ;; esac
@@ -158,6 +161,9 @@ fugu_train_args() {
   [ -z "${FUGU_CKPT_EVERY:-}" ] || FUGU_TRAIN_ARGS+=(--ckpt-every "$FUGU_CKPT_EVERY")
   [ -z "${FUGU_EVAL_EVERY:-}" ] || FUGU_TRAIN_ARGS+=(--eval-every "$FUGU_EVAL_EVERY")
   [ -z "${FUGU_LOG_EVERY:-}" ] || FUGU_TRAIN_ARGS+=(--log-every "$FUGU_LOG_EVERY")
+  [ -z "${FUGU_PRECISION:-}" ] || FUGU_TRAIN_ARGS+=(--precision "$FUGU_PRECISION")
+  [ -z "${FUGU_MICRO_BATCHES:-}" ] || FUGU_TRAIN_ARGS+=(--micro-batches "$FUGU_MICRO_BATCHES")
+  [ -z "${FUGU_RECOMPUTE:-}" ] || FUGU_TRAIN_ARGS+=(--recompute "$FUGU_RECOMPUTE")
   [ -z "${FUGU_TIMERS:-}" ] || FUGU_TRAIN_ARGS+=(--timers "$FUGU_TIMERS")
   [ -z "${FUGU_DEADLINE:-}" ] || FUGU_TRAIN_ARGS+=(--deadline "$FUGU_DEADLINE")
   local extra=()
@@ -380,7 +386,8 @@ FUGU_PJSUB_SETTINGS=(FUGU_HOME FUGU_BIN FUGU_CONFIG FUGU_DATA FUGU_STEPS FUGU_BA
   FUGU_TP FUGU_ZERO FUGU_THREADS FUGU_WORKDIR FUGU_OUT FUGU_CKPT_EVERY FUGU_EVAL_EVERY FUGU_LOG_EVERY
   FUGU_TIMERS FUGU_EXTRA_ARGS FUGU_RANKS_PER_NODE FUGU_ELAPSE FUGU_DEADLINE_MARGIN FUGU_LLIO_TRANSFER
   FUGU_MPIEXEC_ARGS FUGU_GROUP FUGU_RSCGRP FUGU_PJSUB_ARGS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX
-  FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR FUGU_ECO_STATE FUGU_LLIO_SHAREDTMP FUGU_PJSTAT)
+  FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR FUGU_ECO_STATE FUGU_LLIO_SHAREDTMP FUGU_PJSTAT
+  FUGU_PRECISION FUGU_MICRO_BATCHES FUGU_RECOMPUTE)
 
 # fugu_write_env FILE VAR...: `export VAR=value` lines (shell-quoted) for the variables that are
 # set (an empty value is kept: FUGU_BENCH_SETS= means "no shape sets").

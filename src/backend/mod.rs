@@ -237,7 +237,9 @@ pub trait Backend {
     /// above it (key after query) may be left unwritten: a backend may skip that work.
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims);
     /// Causal softmax of each row of `att`, in place: reads only entries on and below the
-    /// diagonal, writes every entry (zeros above it).
+    /// diagonal and writes them; above it, writes the zeros its own [`Self::attention_values`]
+    /// and backward GEMMs read (the CPU: the whole row; CUDA: up to the end of its causal
+    /// block; entries beyond are unspecified).
     fn attention_softmax(&mut self, att: Span, d: AttnDims);
     /// `out (B,T,NH·hs) = att·V` (the Megatron `bmm`).
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims);
@@ -253,7 +255,7 @@ pub trait Backend {
         d: AttnDims,
     );
     /// Turns d(att) into d(pre-softmax scores), in place: reads entries on and below the
-    /// diagonal, writes every entry (zeros above it).
+    /// diagonal; above it, zeros as [`Self::attention_softmax`] writes them.
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims);
     /// The Q and K columns of `dqkv` overwritten.
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims);

@@ -374,11 +374,12 @@ FOR_TYPES(DEF)
 // ---- attention (ops/attention.rs) -------------------------------------------------------
 
 // Causal softmax in place on rows of T; row r is query i = r % T: columns 0..=i become the
-// softmax (max-subtracted, sum of exponentials in double), columns > i exactly 0. One warp per
-// row: only columns 0..=i are read (the second and third reads hit the cache), every column
-// is written once.
+// softmax (max-subtracted, sum of exponentials in double), columns i+1 .. the end of the causal
+// block of `blk` rows that holds i exactly 0 (the blocked GEMMs read no further; blk = T zeroes
+// the whole rest of the row). One warp per row: only columns 0..=i are read (the second and
+// third reads hit the cache).
 template <typename T>
-__device__ void attention_softmax_k(T* att, i64 rows, i64 Tn) {
+__device__ void attention_softmax_k(T* att, i64 rows, i64 Tn, i64 blk) {
     WARP_ROWS(r, rows) {
         T* a = att + r * Tn;
         i64 i = r % Tn;
@@ -388,20 +389,23 @@ __device__ void attention_softmax_k(T* att, i64 rows, i64 Tn) {
         double s = 0.0;
         for (i64 j = lane; j <= i; j += WARP) s += (double)expf(ld(a[j]) - mx);
         float scale = (float)(1.0 / warp_sum_d(s));
-        for (i64 j = lane; j < Tn; j += WARP)
+        i64 end = (i / blk + 1) * blk < Tn ? (i / blk + 1) * blk : Tn;
+        for (i64 j = lane; j < end; j += WARP)
             st(a[j], j <= i ? expf(ld(a[j]) - mx) * scale : 0.0f);
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void attention_softmax_##S(T* att, i64 rows, i64 Tn) {             \
-        attention_softmax_k(att, rows, Tn);                                                 \
+    extern "C" __global__ void attention_softmax_##S(T* att, i64 rows, i64 Tn, i64 blk) {    \
+        attention_softmax_k(att, rows, Tn, blk);                                            \
     }
 FOR_TYPES(DEF)
 #undef DEF
 
-// datt = att·(datt - Σ_{k≤i} datt·att) on columns ≤ i, 0 above; in place, one warp per row.
+// datt = att·(datt - Σ_{k≤i} datt·att) on columns ≤ i, 0 above up to the end of the causal
+// block (as in the forward); in place, one warp per row.
 template <typename T>
-__device__ void attention_softmax_backward_k(T* datt, const T* att, i64 rows, i64 Tn) {
+__device__ void attention_softmax_backward_k(T* datt, const T* att, i64 rows, i64 Tn,
+                                             i64 blk) {
     WARP_ROWS(r, rows) {
         T* d = datt + r * Tn;
         const T* a = att + r * Tn;
@@ -409,14 +413,15 @@ __device__ void attention_softmax_backward_k(T* datt, const T* att, i64 rows, i6
         double s = 0.0;
         for (i64 j = lane; j <= i; j += WARP) s += (double)(ld(d[j]) * ld(a[j]));
         float sf = (float)warp_sum_d(s);
-        for (i64 j = lane; j < Tn; j += WARP)
+        i64 end = (i / blk + 1) * blk < Tn ? (i / blk + 1) * blk : Tn;
+        for (i64 j = lane; j < end; j += WARP)
             st(d[j], j <= i ? ld(a[j]) * (ld(d[j]) - sf) : 0.0f);
     }
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void attention_softmax_backward_##S(T* datt, const T* att,         \
-                                                              i64 rows, i64 Tn) {           \
-        attention_softmax_backward_k(datt, att, rows, Tn);                                  \
+                                                              i64 rows, i64 Tn, i64 blk) {  \
+        attention_softmax_backward_k(datt, att, rows, Tn, blk);                             \
     }
 FOR_TYPES(DEF)
 #undef DEF

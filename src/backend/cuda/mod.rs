@@ -1080,6 +1080,7 @@ impl Backend for CudaBackend {
                 Arg::Ptr(self.ptr(att)),
                 Arg::I64(rows as i64),
                 Arg::I64(d.t as i64),
+                Arg::I64(causal_block_rows(d.t) as i64),
             ],
         );
     }
@@ -1137,6 +1138,7 @@ impl Backend for CudaBackend {
                 Arg::Ptr(self.ptr(att)),
                 Arg::I64(rows as i64),
                 Arg::I64(d.t as i64),
+                Arg::I64(causal_block_rows(d.t) as i64),
             ],
         );
     }
@@ -1414,11 +1416,22 @@ type Mat = (u64, usize, usize, Dtype);
 /// GEMM operands given one pointer per matrix: device addresses, leading dimension, type.
 type Ptrs = (Vec<u64>, usize, Dtype);
 
-/// The row blocks `(r0, r1)` of the causal attention GEMMs for sequence length `t`.
+/// Rows per block of the causal attention GEMMs for sequence length `t` (a multiple of 8, which
+/// keeps row offsets 16-byte aligned for 16-bit types; `t` itself when not blocked).
+fn causal_block_rows(t: usize) -> usize {
+    if t >= CAUSAL_MIN_T {
+        t.div_ceil(CAUSAL_BLOCKS).next_multiple_of(8)
+    } else {
+        t.max(1)
+    }
+}
+
+/// The row blocks `(r0, r1)` of the causal attention GEMMs for sequence length `t`: each query
+/// block is multiplied with the keys up to its own last row only, so the probabilities and
+/// their gradients above the diagonal are read (and must be zero) only inside the diagonal
+/// block, which is all the softmax kernels zero.
 fn causal_blocks(t: usize) -> Vec<(usize, usize)> {
-    let nb = if t >= CAUSAL_MIN_T { CAUSAL_BLOCKS } else { 1 };
-    // Blocks of a multiple of 8 rows keep row offsets 16-byte aligned for 16-bit types.
-    let rows = t.div_ceil(nb).next_multiple_of(8);
+    let rows = causal_block_rows(t);
     (0..t)
         .step_by(rows.max(1))
         .map(|r0| (r0, (r0 + rows).min(t)))
