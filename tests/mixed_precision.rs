@@ -6,56 +6,28 @@
 //! The 2% bound is the mixed-precision issue's acceptance criterion for the validation loss
 //! at every evaluation; measured here it is far tighter (about 0.02% for bf16 on the CPU).
 
-#[allow(dead_code)] // the CUDA helpers of the shared module
 mod common;
 
 use common::skipped;
 use fugu::metrics::jsonl::{read_metrics, Record};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn fugu(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fugu"))
-        .args(args)
-        .current_dir(cwd)
-        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
-        .output()
-        .expect("running fugu")
-}
-
-fn ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "fugu failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::{fugu, fugu_with_env, ok};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fugu-mp-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::tmp("mp", name)
 }
 
-/// The bundled corpus, tokenised once per test process.
 fn corpus() -> String {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _held = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("fugu-mp-data-{}", std::process::id()));
-    let manifest = dir.join("manifest.json");
-    if !manifest.exists() {
-        ok(&fugu(
-            &["prepare", "--out", dir.to_str().unwrap()],
-            Path::new("."),
-        ));
-    }
-    manifest.display().to_string()
+    common::corpus("mp")
 }
 
 /// Trains `gpt2-tiny` with `args` into `out`; returns the run's records.
 fn train(out: &Path, args: &[&str]) -> Vec<Record> {
+    train_with_env(out, args, &[])
+}
+
+fn train_with_env(out: &Path, args: &[&str], env: &[(&str, &str)]) -> Vec<Record> {
     let data = corpus();
     let mut all = vec![
         "train",
@@ -69,7 +41,7 @@ fn train(out: &Path, args: &[&str]) -> Vec<Record> {
         "0",
     ];
     all.extend_from_slice(args);
-    ok(&fugu(&all, Path::new(".")));
+    ok(&fugu_with_env(&all, Path::new("."), env));
     read_metrics(out.join("metrics.jsonl")).unwrap()
 }
 
@@ -261,34 +233,21 @@ fn resume_exactly(name: &str, device: &[&'static str]) {
 #[test]
 fn fp16_overflow_skips_steps_and_backs_off() {
     let dir = tmp("overflow");
-    let data = corpus();
     let out = dir.join("run");
-    let o = Command::new(env!("CARGO_BIN_EXE_fugu"))
-        .args([
-            "train",
-            "--config",
-            "gpt2-tiny",
-            "--data",
-            &data,
-            "--out",
-            out.to_str().unwrap(),
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "32",
-            "--steps",
-            "40",
-            "--eval-every",
-            "0",
-            "--precision",
-            "fp16",
-        ])
-        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
-        .env("FUGU_INITIAL_LOSS_SCALE", "1099511627776")
-        .output()
-        .unwrap();
-    ok(&o);
-    let recs = read_metrics(out.join("metrics.jsonl")).unwrap();
+    let args = [
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--steps",
+        "40",
+        "--eval-every",
+        "0",
+        "--precision",
+        "fp16",
+    ];
+    let env = [("FUGU_INITIAL_LOSS_SCALE", "1099511627776")];
+    let recs = train_with_env(&out, &args, &env);
     let overflows: Vec<(u64, f64)> = recs
         .iter()
         .filter_map(|r| match r {

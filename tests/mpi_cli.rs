@@ -16,6 +16,9 @@
 
 #![cfg(feature = "mpi")]
 
+mod common;
+
+use common::ok;
 use fugu::checkpoint;
 use fugu::config::RunConfig;
 use fugu::metrics::jsonl::{read_metrics, Record};
@@ -120,16 +123,6 @@ fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
         .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
         .output()
         .expect("running fugu")
-}
-
-fn ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "fugu failed ({:?}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn losses(run: &Path) -> Vec<f64> {

@@ -6,42 +6,16 @@ use fugu::metrics::jsonl::{read_metrics, Record};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn fugu(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fugu"))
-        .args(args)
-        .current_dir(cwd)
-        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
-        .output()
-        .expect("running fugu")
-}
+mod common;
 
-fn ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "fugu failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::{fugu, ok};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fugu-train-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::tmp("train", name)
 }
 
-/// The bundled corpus, tokenised once per test process into a shared folder.
 fn corpus() -> String {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _held = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("fugu-train-data-{}", std::process::id()));
-    let manifest = dir.join("manifest.json");
-    if !manifest.exists() {
-        let out = fugu(&["prepare", "--out", dir.to_str().unwrap()], Path::new("."));
-        ok(&out);
-    }
-    manifest.display().to_string()
+    common::corpus("train")
 }
 
 /// A small model that still uses the GPT-2 vocabulary (the data is GPT-2 tokens).

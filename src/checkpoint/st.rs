@@ -8,7 +8,6 @@
 //! in data order, padded with spaces to a multiple of 8 bytes), so its files are byte-identical
 //! to what Python's `safetensors` writes for the same tensors.
 
-use crate::dtype::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -76,7 +75,16 @@ impl Dtype {
     }
     /// F32, F16 and BF16: the types that convert to and from `f32` parameters.
     pub fn is_float(self) -> bool {
-        matches!(self, Dtype::F32 | Dtype::F16 | Dtype::Bf16)
+        self.float().is_some()
+    }
+    /// The float element type (as backends store it) of F32, F16 and BF16.
+    pub fn float(self) -> Option<crate::dtype::Dtype> {
+        match self {
+            Dtype::F32 => Some(crate::dtype::Dtype::F32),
+            Dtype::F16 => Some(crate::dtype::Dtype::F16),
+            Dtype::Bf16 => Some(crate::dtype::Dtype::Bf16),
+            _ => None,
+        }
     }
 }
 
@@ -271,47 +279,15 @@ pub fn read_raw(f: &mut File, h: &Header, e: &Entry) -> Result<Vec<u8>> {
 }
 
 fn decode(dtype: Dtype, b: &[u8], out: &mut [f32]) {
-    match dtype {
-        Dtype::F32 => {
-            for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        Dtype::F16 => {
-            for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
-                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
-        Dtype::Bf16 => {
-            for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
-                *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
-        _ => unreachable!("decode of {dtype} (checked by the caller)"),
-    }
+    let float = dtype.float();
+    let float = float.unwrap_or_else(|| unreachable!("decode of {dtype} (checked by the caller)"));
+    float.decode(b, out);
 }
 
 fn encode(dtype: Dtype, x: &[f32], out: &mut Vec<u8>) {
-    out.clear();
-    out.resize(x.len() * dtype.size(), 0);
-    match dtype {
-        Dtype::F32 => {
-            for (c, v) in out.chunks_exact_mut(4).zip(x) {
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        Dtype::F16 => {
-            for (c, &v) in out.chunks_exact_mut(2).zip(x) {
-                c.copy_from_slice(&f32_to_f16(v).to_le_bytes());
-            }
-        }
-        Dtype::Bf16 => {
-            for (c, &v) in out.chunks_exact_mut(2).zip(x) {
-                c.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
-            }
-        }
-        _ => unreachable!("encode to {dtype} (checked by the caller)"),
-    }
+    let float = dtype.float();
+    let float = float.unwrap_or_else(|| unreachable!("encode to {dtype} (checked by the caller)"));
+    float.encode(x, out);
 }
 
 /// Where a tensor's bytes come from when writing.

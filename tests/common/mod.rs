@@ -1,4 +1,59 @@
-//! Helpers shared by the workspace-level integration tests.
+//! Helpers shared by the workspace-level integration tests (each test crate uses some).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Runs the `fugu` binary with `args` in `cwd` (a fixed peak, so runs never measure one).
+pub fn fugu(args: &[&str], cwd: &Path) -> Output {
+    fugu_with_env(args, cwd, &[])
+}
+
+/// [`fugu`] with extra environment variables.
+pub fn fugu_with_env(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args(args)
+        .current_dir(cwd)
+        .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .envs(env.iter().copied())
+        .output()
+        .expect("running fugu")
+}
+
+/// Asserts that a run succeeded, showing its status and output otherwise.
+pub fn ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "fugu failed ({:?}): {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// An empty folder `fugu-GROUP-NAME-PID` in the temporary directory.
+pub fn tmp(group: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fugu-{group}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The bundled corpus, tokenised once per test process (folder `fugu-GROUP-data-PID`); the
+/// manifest's path.
+pub fn corpus(group: &str) -> String {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _held = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("fugu-{group}-data-{}", std::process::id()));
+    let manifest = dir.join("manifest.json");
+    if !manifest.exists() {
+        ok(&fugu(
+            &["prepare", "--out", dir.to_str().unwrap()],
+            Path::new("."),
+        ));
+    }
+    manifest.display().to_string()
+}
 
 /// Prints a skip notice on the real stderr (not captured by the test harness).
 pub fn skipped(why: &str) {
