@@ -111,6 +111,10 @@ pub struct Run {
     pub seq_len: Option<u64>,
     pub parameters: Option<u64>,
     pub backend: String,
+    /// Numeric precision (`fp32` for headers from before `--precision`).
+    pub precision: String,
+    /// Micro-batches per step (1 for headers from before `--micro-batches`).
+    pub micro_batches: u64,
     pub layout: Layout,
     pub machine: Machine,
     /// Headers in the file (more than one: the run was resumed).
@@ -354,6 +358,8 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
         seq_len: u(&cfg["train"]["seq_len"]),
         parameters: u(&h["parameters"]),
         backend: s(&h["backend"]),
+        precision: h["precision"].as_str().unwrap_or("fp32").to_owned(),
+        micro_batches: u(&h["layout"]["micro_batches"]).unwrap_or(1).max(1),
         layout,
         machine,
         headers,
@@ -612,6 +618,15 @@ mod tests {
                 zero: 0
             }
         );
+        // Headers from before --precision and --micro-batches read as fp32, one micro-batch.
+        assert_eq!((r.precision.as_str(), r.micro_batches), ("fp32", 1));
+        let mut h: Value = serde_json::from_str(&header(
+            json!({"world": 1, "tp": 1, "dp": 1, "nodes": 1, "threads": 2, "micro_batches": 4}),
+        ))
+        .unwrap();
+        h["precision"] = json!("bf16");
+        let mixed = parse_run(&lines(&[h.to_string(), step(1, 100.0, json!({}))]), "b").unwrap();
+        assert_eq!((mixed.precision.as_str(), mixed.micro_batches), ("bf16", 4));
         assert_eq!(r.config_name, "gpt2-tiny");
         assert_eq!(r.batch_size, Some(8));
         assert_eq!(r.global_batch(), Some(8));
