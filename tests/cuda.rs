@@ -156,30 +156,27 @@ mod gpu {
         /// need not write, or zero, what its own GEMMs do not read); the final results
         /// (`out`, `dqkv`) are compared whole.
         fn check_causal(&self, what: &str, s: Span, t: usize, tol: f64) {
-            let (mut a, mut b) = (vec![0.0; s.len], vec![0.0; s.len]);
-            self.cpu.download(s, &mut a);
-            self.gpu.download(s, &mut b);
-            let keep = |v: Vec<f32>| -> Vec<f32> {
+            self.check_kept(what, s, tol, |v| {
                 v.chunks(t)
                     .enumerate()
                     .flat_map(|(r, row)| row[..=r % t].to_vec())
                     .collect()
-            };
-            compare(
-                &format!("{what} ({:?})", self.act),
-                &keep(a),
-                &keep(b),
-                self.tol(tol),
-            );
+            });
         }
 
         /// Compares `s` on both backends: |gpu − cpu| ≤ tol · max(1, max |cpu|), with `tol`
         /// widened for the activation type by [`Both::tol`].
         fn check(&self, what: &str, s: Span, tol: f64) {
+            self.check_kept(what, s, tol, |v| v);
+        }
+
+        /// [`Both::check`] on the elements `keep` selects.
+        fn check_kept(&self, what: &str, s: Span, tol: f64, keep: impl Fn(Vec<f32>) -> Vec<f32>) {
             let (mut a, mut b) = (vec![0.0; s.len], vec![0.0; s.len]);
             self.cpu.download(s, &mut a);
             self.gpu.download(s, &mut b);
-            compare(&format!("{what} ({:?})", self.act), &a, &b, self.tol(tol));
+            let what = format!("{what} ({:?})", self.act);
+            compare(&what, &keep(a), &keep(b), self.tol(tol));
         }
     }
 

@@ -252,12 +252,27 @@ impl<B: Backend> Gpt2<B> {
     /// refreshes what it updates; call this after changing the master any other way (a ZeRO-1
     /// all-gather of the parameters).
     pub fn refresh_compute_params(&mut self) {
-        if self.compute_params != self.params {
-            let (dst, src) = (
-                self.be.whole(self.compute_params),
-                self.be.whole(self.params),
-            );
-            self.be.copy(dst, src);
+        self.refresh_compute_range(0..self.table.total());
+    }
+
+    /// Rounds the master's elements `r` into the compute copy (a no-op in f32).
+    fn refresh_compute_range(&mut self, r: Range<usize>) {
+        if self.compute_params != self.params && !r.is_empty() {
+            let span = |buf| Span {
+                buf,
+                offset: r.start,
+                len: r.len(),
+            };
+            self.be.copy(span(self.compute_params), span(self.params));
+        }
+    }
+
+    /// Frees the activation and gradient-scratch buffers (reallocated at the next batch).
+    fn free_acts(&mut self) {
+        if let Some((a, g)) = self.acts.take() {
+            self.be.free(a.buf);
+            self.be.free(a.stats_buf);
+            self.be.free(g.buf);
         }
     }
 
@@ -280,11 +295,7 @@ impl<B: Backend> Gpt2<B> {
     pub fn set_recompute(&mut self, r: Recompute) {
         if r != self.recompute {
             self.recompute = r;
-            if let Some((a, g)) = self.acts.take() {
-                self.be.free(a.buf);
-                self.be.free(a.stats_buf);
-                self.be.free(g.buf);
-            }
+            self.free_acts();
         }
     }
 
@@ -339,11 +350,7 @@ impl<B: Backend> Gpt2<B> {
         let at = acts_table(&d, self.cfg.n_layer, self.recompute);
         let st = stats_table(&d, self.cfg.n_layer);
         let gt = grad_acts_table(&d);
-        if let Some((old_a, old_g)) = self.acts.take() {
-            self.be.free(old_a.buf);
-            self.be.free(old_a.stats_buf);
-            self.be.free(old_g.buf);
-        }
+        self.free_acts();
         let ab = self.be.alloc(at.total(), self.compute)?;
         let sb = self.be.alloc(st.total(), Dtype::F32)?;
         let gb = self.be.alloc(gt.total(), self.compute)?;
@@ -957,13 +964,11 @@ impl<B: Backend> Gpt2<B> {
                     span(self.v, moment),
                     &hp,
                 );
-                if self.compute_params != self.params {
-                    self.be.copy(
-                        span(self.compute_params, r.start),
-                        span(self.params, r.start),
-                    );
-                }
             }
+        }
+        // The compute copy of everything this rank updated.
+        for o in self.owned.clone() {
+            self.refresh_compute_range(o.flat);
         }
     }
 

@@ -316,28 +316,16 @@ impl CudaBackend {
         if m == 0 || n == 0 || batch == 0 {
             return;
         }
-        let call = GemmCall {
-            a_type: bt,
-            b_type: at,
-            c_type: ct,
-            trans_a: tb,
-            trans_b: ta,
-            m: n,
-            n: m,
-            k,
+        let call = column_major(
+            (ta, tb),
+            (m, n, k),
             alpha,
-            a: b,
-            lda: ldb,
-            stride_a: sb,
-            b: a,
-            ldb: lda,
-            stride_b: sa,
+            (a, lda, sa, at),
+            (b, ldb, sb, bt),
             beta,
-            c,
-            ldc,
-            stride_c: sc,
+            (c, ldc, sc, ct),
             batch,
-        };
+        );
         if let Err(e) = self.eng.gemm(&call) {
             self.fail(what, e);
         }
@@ -403,28 +391,17 @@ impl CudaBackend {
             self.ptr_arrays.insert(key.clone(), mem);
         }
         let base = self.ptr_arrays[&key].ptr;
-        let call = GemmCall {
-            a_type: b.2,
-            b_type: a.2,
-            c_type: c.2,
-            trans_a: tb,
-            trans_b: ta,
-            m: n,
-            n: m,
-            k,
+        // The matrices come from the arrays; addresses and strides in the call are unused.
+        let call = column_major(
+            (ta, tb),
+            (m, n, k),
             alpha,
-            a: 0,
-            lda: b.1,
-            stride_a: 0,
-            b: 0,
-            ldb: a.1,
-            stride_b: 0,
+            (0, a.1, 0, a.2),
+            (0, b.1, 0, b.2),
             beta,
-            c: 0,
-            ldc: c.1,
-            stride_c: 0,
+            (0, c.1, 0, c.2),
             batch,
-        };
+        );
         let arrays = [base, base + 8 * batch as u64, base + 16 * batch as u64];
         if let Err(e) = self.eng.gemm_ptr_arrays(&call, arrays) {
             self.fail(what, e);
@@ -1412,6 +1389,44 @@ fn check_ce(logits: Span, d: CeDims) {
 
 /// A GEMM operand: device address, leading dimension, batch stride (elements) and type.
 type Mat = (u64, usize, usize, Dtype);
+
+/// The cuBLAS (column-major) call computing the row-major `C = alpha·op(A)·op(B) + beta·C`
+/// (C m×n, `ta`/`tb`: A stored k×m, B stored n×k): `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so A and B swap
+/// places and m and n swap.
+#[allow(clippy::too_many_arguments)]
+fn column_major(
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    (a, lda, sa, at): Mat,
+    (b, ldb, sb, bt): Mat,
+    beta: f32,
+    (c, ldc, sc, ct): Mat,
+    batch: usize,
+) -> GemmCall {
+    GemmCall {
+        a_type: bt,
+        b_type: at,
+        c_type: ct,
+        trans_a: tb,
+        trans_b: ta,
+        m: n,
+        n: m,
+        k,
+        alpha,
+        a: b,
+        lda: ldb,
+        stride_a: sb,
+        b: a,
+        ldb: lda,
+        stride_b: sa,
+        beta,
+        c,
+        ldc,
+        stride_c: sc,
+        batch,
+    }
+}
 
 /// GEMM operands given one pointer per matrix: device addresses, leading dimension, type.
 type Ptrs = (Vec<u64>, usize, Dtype);
