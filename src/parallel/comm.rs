@@ -12,7 +12,9 @@
 //! actually cross the wire depend on the algorithm MPI picks (a ring all-reduce moves about
 //! 2·(p−1)/p × payload per rank), so the payload is the stable quantity to report.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
 
 /// The reduction of a collective.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,12 +24,13 @@ pub enum ReduceOp {
     Min,
 }
 
-/// A non-blocking collective in flight. It owns its buffers, so nothing can touch them until it
-/// completes; dropping it waits.
+/// A non-blocking collective or point-to-point transfer in flight. It owns its buffers, so
+/// nothing can touch them until it completes; dropping it waits.
 pub trait Pending {
-    /// Makes progress and reports whether the collective has completed.
+    /// Makes progress and reports whether the operation has completed.
     fn test(&mut self) -> bool;
-    /// Waits for completion and returns the result buffer, plus the send buffer back for reuse.
+    /// Waits for completion and returns the result buffer, plus the send buffer back for reuse
+    /// (a send's result buffer and a receive's send buffer are empty).
     fn wait(self: Box<Self>) -> (Vec<f32>, Vec<f32>);
 }
 
@@ -57,7 +60,14 @@ pub trait Comm {
     /// Starts a sum reduce-scatter: `send` (a multiple of `size` long) is summed over the
     /// group and rank `r` receives block `r` (`send.len() / size` elements) in `recv`.
     fn start_reduce_scatter(&self, send: Vec<f32>, recv: Vec<f32>) -> Box<dyn Pending>;
-    /// Payload bytes handed to collectives so far (see the module docs).
+    /// Starts sending `data` to rank `to` of the group with message tag `tag`. Messages from
+    /// one rank to another with the same tag arrive in the order they were sent. Waiting gives
+    /// `data` back (second element) once it may be reused.
+    fn start_send(&self, to: usize, tag: u32, data: Vec<f32>) -> Box<dyn Pending>;
+    /// Starts receiving exactly `buf.len()` floats sent by rank `from` with tag `tag` into
+    /// `buf`; waiting returns the filled buffer (first element).
+    fn start_recv(&self, from: usize, tag: u32, buf: Vec<f32>) -> Box<dyn Pending>;
+    /// Payload bytes handed to collectives and sends so far (see the module docs).
     fn payload_bytes(&self) -> u64;
 }
 
@@ -76,10 +86,61 @@ impl Pending for Done {
     }
 }
 
-/// The group of one process.
-#[derive(Debug, Default)]
+/// Messages a process sent to itself and has not received yet, per tag, oldest first.
+type Mailbox = Rc<RefCell<HashMap<u32, VecDeque<Vec<f32>>>>>;
+
+/// A receive on the group of one process: completes once a send to self with its tag exists.
+struct SelfRecv {
+    mailbox: Mailbox,
+    tag: u32,
+    buf: Vec<f32>,
+}
+
+impl Pending for SelfRecv {
+    fn test(&mut self) -> bool {
+        self.mailbox
+            .borrow()
+            .get(&self.tag)
+            .is_some_and(|q| !q.is_empty())
+    }
+    fn wait(mut self: Box<Self>) -> (Vec<f32>, Vec<f32>) {
+        let msg = self
+            .mailbox
+            .borrow_mut()
+            .get_mut(&self.tag)
+            .and_then(VecDeque::pop_front);
+        // Waiting for a message nobody will send would hang a real group: a bug in the caller.
+        let msg = msg.unwrap_or_else(|| {
+            panic!(
+                "receive with tag {} on a one-process group has no matching send",
+                self.tag
+            )
+        });
+        assert_eq!(
+            msg.len(),
+            self.buf.len(),
+            "message with tag {} has {} floats, the receive expects {}",
+            self.tag,
+            msg.len(),
+            self.buf.len()
+        );
+        self.buf.copy_from_slice(&msg);
+        (std::mem::take(&mut self.buf), Vec::new())
+    }
+}
+
+/// The group of one process. Point-to-point messages go to itself: a send is queued and a
+/// receive with the same tag takes the oldest.
+#[derive(Default)]
 pub struct SerialComm {
     bytes: Cell<u64>,
+    mailbox: Mailbox,
+}
+
+impl std::fmt::Debug for SerialComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SerialComm").finish_non_exhaustive()
+    }
 }
 
 impl SerialComm {
@@ -118,7 +179,55 @@ impl Comm for SerialComm {
         recv.copy_from_slice(&send);
         Box::new(Done { send, recv })
     }
+    fn start_send(&self, to: usize, tag: u32, data: Vec<f32>) -> Box<dyn Pending> {
+        assert_eq!(to, 0, "send to rank {to} of a one-process group");
+        self.bytes.set(self.bytes.get() + 4 * data.len() as u64);
+        self.mailbox
+            .borrow_mut()
+            .entry(tag)
+            .or_default()
+            .push_back(data.clone());
+        Box::new(Done {
+            send: data,
+            recv: Vec::new(),
+        })
+    }
+    fn start_recv(&self, from: usize, tag: u32, buf: Vec<f32>) -> Box<dyn Pending> {
+        assert_eq!(from, 0, "receive from rank {from} of a one-process group");
+        Box::new(SelfRecv {
+            mailbox: self.mailbox.clone(),
+            tag,
+            buf,
+        })
+    }
     fn payload_bytes(&self) -> u64 {
         self.bytes.get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_to_self_arrive_in_order_per_tag() {
+        let c = SerialComm::new();
+        let mut r1 = c.start_recv(0, 1, vec![0.0; 2]);
+        assert!(!r1.test(), "nothing sent yet");
+        let s = c.start_send(0, 1, vec![1.0, 2.0]);
+        c.start_send(0, 2, vec![9.0]).wait();
+        c.start_send(0, 1, vec![3.0, 4.0]).wait();
+        assert_eq!(s.wait().1, vec![1.0, 2.0], "the send buffer comes back");
+        assert!(r1.test());
+        assert_eq!(r1.wait().0, vec![1.0, 2.0]);
+        assert_eq!(c.start_recv(0, 2, vec![0.0]).wait().0, vec![9.0]);
+        assert_eq!(c.start_recv(0, 1, vec![0.0; 2]).wait().0, vec![3.0, 4.0]);
+        assert_eq!(c.payload_bytes(), 4 * 5);
+    }
+
+    #[test]
+    #[should_panic(expected = "no matching send")]
+    fn a_receive_without_a_send_is_a_bug() {
+        SerialComm::new().start_recv(0, 7, vec![0.0]).wait();
     }
 }

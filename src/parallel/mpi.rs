@@ -107,11 +107,22 @@ impl MpiComm {
     }
 }
 
-/// The non-blocking sum collectives of the gradient buckets.
+/// The non-blocking operations: the sum collectives of the gradient buckets and the
+/// point-to-point transfers of pipeline parallelism.
 #[derive(Clone, Copy)]
 enum NonBlocking {
     AllReduce,
     ReduceScatter,
+    Send { to: usize, tag: u32 },
+    Recv { from: usize, tag: u32 },
+}
+
+fn tag(t: u32) -> c_int {
+    c_int::try_from(t).expect("message tags are small (micro-batch indices)")
+}
+
+fn peer(r: usize) -> c_int {
+    r as c_int
 }
 
 impl MpiComm {
@@ -125,8 +136,10 @@ impl MpiComm {
         // SAFETY: RSMPI_REQUEST_NULL is a constant of the MPI shim, read-only. Both buffers are
         // moved into the returned MpiPending, which is the only owner until MPI_Wait/MPI_Test
         // reports completion (its Drop waits), so MPI reads `send` and writes `recv` while
-        // nothing else can; the heap storage of a Vec does not move when the Vec is moved. The counts fit the lengths (checked by the callers), and the
-        // communicator outlives the request (the trainer waits every bucket).
+        // nothing else can; the heap storage of a Vec does not move when the Vec is moved. The
+        // counts fit the lengths (checked by the callers), peers are ranks of this
+        // communicator (checked by the callers), and the communicator outlives the request
+        // (the trainer waits every bucket and transfer).
         let req = unsafe {
             let mut req = ffi::RSMPI_REQUEST_NULL;
             match kind {
@@ -145,6 +158,24 @@ impl MpiComm {
                     count(recv.len()),
                     ffi::RSMPI_FLOAT,
                     ffi::RSMPI_SUM,
+                    self.comm.as_raw(),
+                    &mut req,
+                ),
+                NonBlocking::Send { to, tag: t } => ffi::MPI_Isend(
+                    sp,
+                    count(send.len()),
+                    ffi::RSMPI_FLOAT,
+                    peer(to),
+                    tag(t),
+                    self.comm.as_raw(),
+                    &mut req,
+                ),
+                NonBlocking::Recv { from, tag: t } => ffi::MPI_Irecv(
+                    rp,
+                    count(recv.len()),
+                    ffi::RSMPI_FLOAT,
+                    peer(from),
+                    tag(t),
                     self.comm.as_raw(),
                     &mut req,
                 ),
@@ -280,6 +311,25 @@ impl Comm for MpiComm {
             "start_reduce_scatter: buffer lengths"
         );
         self.start(NonBlocking::ReduceScatter, send, recv)
+    }
+
+    fn start_send(&self, to: usize, tag: u32, data: Vec<f32>) -> Box<dyn Pending> {
+        assert!(
+            to < self.size,
+            "send to rank {to} of a group of {}",
+            self.size
+        );
+        self.start(NonBlocking::Send { to, tag }, data, Vec::new())
+    }
+
+    fn start_recv(&self, from: usize, tag: u32, buf: Vec<f32>) -> Box<dyn Pending> {
+        assert!(
+            from < self.size,
+            "receive from rank {from} of a group of {}",
+            self.size
+        );
+        // Received bytes are counted by the sender.
+        self.start(NonBlocking::Recv { from, tag }, Vec::new(), buf)
     }
 
     fn payload_bytes(&self) -> u64 {
