@@ -1,4 +1,4 @@
-//! MPI data and tensor parallelism end to end (`cargo test --features mpi --test mpi_cli`):
+//! MPI data, tensor and pipeline parallelism end to end (`cargo test --features mpi --test mpi_cli`):
 //! `mpirun -np 2 | 4 --oversubscribe fugu train` against one process on the same global batch.
 //!
 //! Every comparison is between a parallel run and a serial run that reads the same global
@@ -261,6 +261,114 @@ fn parallel_layouts_match_the_serial_run() {
         (mom / pg - 0.5).abs() < 0.01,
         "moments {mom} vs params+grads {pg}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Pipeline parallelism: pp 2 (one block per stage of the 2-block model, the first with the
+/// embeddings, the last with the head), alone and with tp 2 or with dp 2 and ZeRO-1, on the
+/// serial run's global batch. The micro-batches of a pipeline accumulate gradients, which
+/// changes only the order of sums (as gradient accumulation does serially), so the same
+/// tolerances hold. Checkpoints from the pipelined runs hold the whole model (checked by
+/// `assert_same`) and a pp 2 checkpoint resumes on one process.
+#[test]
+fn pipeline_layouts_match_the_serial_run() {
+    if mpirun_missing() {
+        return;
+    }
+    let dir = tmp("pipeline");
+    let s = serial(&dir);
+    for (name, np, extra) in [
+        (
+            "pp2",
+            2,
+            vec!["--pp", "2", "--micro-batches", "4", "--data-ranks", "2"],
+        ),
+        (
+            "pp2tp2",
+            4,
+            vec![
+                "--pp",
+                "2",
+                "--tp",
+                "2",
+                "--micro-batches",
+                "2",
+                "--data-ranks",
+                "2",
+            ],
+        ),
+        (
+            "pp2dp2zero1",
+            4,
+            vec![
+                "--pp",
+                "2",
+                "--batch-size",
+                "2",
+                "--micro-batches",
+                "2",
+                "--zero",
+                "1",
+                "--bucket-mb",
+                "0.05",
+            ],
+        ),
+    ] {
+        let mut args = extra.clone();
+        args.extend(["--out", name]);
+        ok(&train(&dir, np, &args));
+        assert_same(&s, &dir.join(name), 4, name);
+        let recs = read_metrics(dir.join(name).join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.first() else {
+            panic!("no header")
+        };
+        assert_eq!(h["layout"]["pp"], 2, "{name}");
+        let step = recs
+            .iter()
+            .find_map(|r| match r {
+                Record::Step(s) => Some(s.clone()),
+                _ => None,
+            })
+            .unwrap();
+        for m in [
+            "pipeline:send",
+            "pipeline:recv",
+            "pipeline:bubble",
+            "pipeline:tied-wte:allreduce",
+        ] {
+            assert!(step.timers.contains_key(m), "{name}: no {m} timer");
+        }
+    }
+    // A pp 2 run stopped after 2 steps, finished by one process.
+    ok(&train(
+        &dir,
+        2,
+        &[
+            "--pp",
+            "2",
+            "--data-ranks",
+            "2",
+            "--steps",
+            "2",
+            "--out",
+            "resumed",
+        ],
+    ));
+    ok(&train(
+        &dir,
+        0,
+        &[
+            "--data-ranks",
+            "2",
+            "--steps",
+            "4",
+            "--resume",
+            "auto",
+            "--out",
+            "resumed",
+        ],
+    ));
+    assert_same(&s, &dir.join("resumed"), 4, "pp2 -> serial");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

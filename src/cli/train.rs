@@ -89,6 +89,11 @@ pub struct TrainArgs {
     /// ranks (one per CMG on A64FX). Must divide the rank count, n_head and 4*n_embd.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// Pipeline-parallel stages (MPI builds): the model's blocks split into P contiguous
+    /// stages (balanced by compute, the LM head counted), run with the 1F1B schedule over
+    /// --micro-batches. The world is pp x dp x tp. At most n_layer; may change when resuming.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
     /// ZeRO stage: 1 shards the AdamW moments across data-parallel ranks.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
@@ -153,6 +158,7 @@ impl TrainArgs {
             eval_batches: self.eval_batches.max(1),
             tty: std::io::stderr().is_terminal(),
             tp: self.tp,
+            pp: self.pp,
             zero: self.zero,
             bucket_mb: self.bucket_mb,
             micro_batches: self.micro_batches,

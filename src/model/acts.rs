@@ -4,6 +4,7 @@
 //! rstd, cross-entropy maxima, sums, target logits and losses) have a table and buffer of their
 //! own, because they stay f32 when the activations are 16-bit (mixed precision).
 
+use super::stage::Stage;
 use super::table::Table;
 use crate::backend::{AttnDims, BufId, Span};
 
@@ -79,19 +80,9 @@ pub struct LayerActs {
     pub resid3: Span,
 }
 
-/// All activations of a step.
-#[derive(Clone, Debug)]
-pub struct Acts {
-    pub dims: StepDims,
-    pub table: Table,
-    /// The activations ([`acts_table`], in the compute type).
-    pub buf: BufId,
-    /// The f32 statistics ([`stats_table`]).
-    pub stats_buf: BufId,
-    pub encoded: Span,
-    pub layers: Vec<LayerActs>,
-    /// Output of a projection before it joins the residual stream (attention and MLP share it).
-    pub proj: Span,
+/// The last stage's activations: final layernorm, logits and the loss statistics.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadActs {
     pub lnf: Span,
     pub lnf_mean: Span,
     pub lnf_rstd: Span,
@@ -101,6 +92,26 @@ pub struct Acts {
     pub ce_max: Span,
     pub ce_sum: Span,
     pub ce_tl: Span,
+}
+
+/// All activations of one micro-batch on one pipeline stage.
+#[derive(Clone, Debug)]
+pub struct Acts {
+    pub dims: StepDims,
+    pub table: Table,
+    /// The activations ([`acts_table`], in the compute type).
+    pub buf: BufId,
+    /// The f32 statistics ([`stats_table`]).
+    pub stats_buf: BufId,
+    /// The stage's input residual stream: the embeddings on the first stage, the previous
+    /// stage's output elsewhere.
+    pub encoded: Span,
+    /// The stage's blocks.
+    pub layers: Vec<LayerActs>,
+    /// Output of a projection before it joins the residual stream (attention and MLP share it).
+    pub proj: Span,
+    /// On the last stage.
+    pub head: Option<HeadActs>,
 }
 
 /// Gradient scratch reused by every block during the backward pass.
@@ -130,16 +141,16 @@ fn span(table: &Table, buf: BufId, name: &str) -> Span {
     }
 }
 
-/// The activation table for `n_layer` blocks (the compute type's buffer). With
-/// [`Recompute::Attention`] every layer's `att` is the one shared `att`.
-pub fn acts_table(d: &StepDims, n_layer: usize, recompute: Recompute) -> Table {
+/// The activation table of `stage`'s blocks (and, on the last stage, the head) in the compute
+/// type's buffer. With [`Recompute::Attention`] every layer's `att` is the one shared `att`.
+pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute) -> Table {
     let n = d.n();
     let mut t = Table::default();
     t.push("encoded", &[n, d.c]);
     if recompute == Recompute::Attention {
         t.push("att", &[d.b, d.nh, d.t, d.t]);
     }
-    for l in 0..n_layer {
+    for l in 0..stage.layers.len() {
         let p = |s: &str| format!("h.{l}.{s}");
         t.push(p("ln1"), &[n, d.c]);
         t.push(p("qkv"), &[n, 3 * d.local_c()]);
@@ -154,24 +165,28 @@ pub fn acts_table(d: &StepDims, n_layer: usize, recompute: Recompute) -> Table {
         t.push(p("resid3"), &[n, d.c]);
     }
     t.push("proj", &[n, d.c]);
-    t.push("lnf", &[n, d.c]);
-    t.push("logits", &[n, d.vp]);
+    if stage.is_last() {
+        t.push("lnf", &[n, d.c]);
+        t.push("logits", &[n, d.vp]);
+    }
     t
 }
 
-/// The per-row statistics of a step (always f32).
-pub fn stats_table(d: &StepDims, n_layer: usize) -> Table {
+/// The per-row statistics of one micro-batch on `stage` (always f32).
+pub fn stats_table(d: &StepDims, stage: &Stage) -> Table {
     let n = d.n();
     let mut t = Table::default();
-    for l in 0..n_layer {
+    for l in 0..stage.layers.len() {
         for s in ["ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd"] {
             t.push(format!("h.{l}.{s}"), &[n]);
         }
     }
-    for s in [
-        "lnf_mean", "lnf_rstd", "losses", "ce_max", "ce_sum", "ce_tl",
-    ] {
-        t.push(s, &[n]);
+    if stage.is_last() {
+        for s in [
+            "lnf_mean", "lnf_rstd", "losses", "ce_max", "ce_sum", "ce_tl",
+        ] {
+            t.push(s, &[n]);
+        }
     }
     t
 }
@@ -181,7 +196,7 @@ impl Acts {
     /// `stats` (from [`stats_table`]) in `stats_buf`.
     pub fn new(
         dims: StepDims,
-        n_layer: usize,
+        stage: &Stage,
         (table, buf): (Table, BufId),
         (stats, stats_buf): (Table, BufId),
     ) -> Acts {
@@ -192,7 +207,7 @@ impl Acts {
                 span(&stats, stats_buf, name)
             }
         };
-        let layers = (0..n_layer)
+        let layers = (0..stage.layers.len())
             .map(|l| {
                 let p = |x: &str| s(&format!("h.{l}.{x}"));
                 let att = match table.get("att") {
@@ -221,14 +236,16 @@ impl Acts {
             encoded: s("encoded"),
             layers,
             proj: s("proj"),
-            lnf: s("lnf"),
-            lnf_mean: s("lnf_mean"),
-            lnf_rstd: s("lnf_rstd"),
-            logits: s("logits"),
-            losses: s("losses"),
-            ce_max: s("ce_max"),
-            ce_sum: s("ce_sum"),
-            ce_tl: s("ce_tl"),
+            head: stage.is_last().then(|| HeadActs {
+                lnf: s("lnf"),
+                lnf_mean: s("lnf_mean"),
+                lnf_rstd: s("lnf_rstd"),
+                logits: s("logits"),
+                losses: s("losses"),
+                ce_max: s("ce_max"),
+                ce_sum: s("ce_sum"),
+                ce_tl: s("ce_tl"),
+            }),
             table,
             buf,
             stats_buf,

@@ -7,7 +7,17 @@
 //! The Megatron f/g all-reduces go through the tensor-parallel communicator (`TP:` below); with
 //! [`SerialComm`] they are no-ops.
 //!
-//! Data parallelism and ZeRO-1 live outside the model: [`Gpt2::backward_with`] reports when a
+//! Pipeline parallelism: the model is one [`Stage`] (the whole model when there is one): its
+//! parameter table holds the stage's blocks, plus the embeddings on the first stage and the
+//! final layernorm and LM head on the last. A step's micro-batches are loaded together
+//! ([`Gpt2::set_batches`]) and each runs forward and backward by index
+//! ([`Gpt2::forward_micro`], [`Gpt2::backward_micro`]) in whatever order the schedule says,
+//! with up to [`Gpt2::set_in_flight`] micro-batches' activations kept at once. Between stages
+//! the caller moves [`Gpt2::stage_output`] / [`Gpt2::stage_input`] forward and
+//! [`Gpt2::input_grad`] / [`Gpt2::output_grad`] back. The first and the last stage each hold
+//! a copy of the tied `wte`; the caller sums their gradients ([`Gpt2::tied_grad`]).
+//!
+//! Data parallelism and ZeRO-1 live outside the model: [`Gpt2::backward_micro`] reports when a
 //! suffix of the gradient buffer is final (so the trainer can start bucket all-reduces while
 //! backward goes on), and [`Gpt2::set_owned`] restricts the optimizer (and the AdamW moments)
 //! to the parameter ranges this rank updates.
@@ -15,7 +25,8 @@
 use super::acts::{acts_table, grad_acts_table, stats_table, Acts, GradActs, Recompute, StepDims};
 use super::kv::KvCache;
 use super::params::ParamSpans;
-use super::table::{gpt2_params, padded_vocab, OwnedRange, Split, Table};
+use super::stage::Stage;
+use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use crate::backend::{AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout};
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
@@ -71,8 +82,8 @@ fn tp_allreduce<B: Backend>(
 /// Where a forward pass's tokens come from and what attention looks at.
 #[derive(Clone, Copy)]
 enum Pass<'c> {
-    /// The batch of [`Gpt2::set_batch`]: causal attention within each sequence.
-    Batch,
+    /// Micro-batch `micro` of [`Gpt2::set_batches`]: causal attention within each sequence.
+    Batch { micro: usize },
     /// One token at position `pos` (a batch of 1×1), attending to `cache`.
     Decode { cache: &'c KvCache, pos: usize },
 }
@@ -87,6 +98,8 @@ enum Pass<'c> {
 pub struct Gpt2<B: Backend> {
     pub cfg: ModelConfig,
     pub tp: TpRank,
+    /// The pipeline stage this model runs (the whole model with one stage).
+    pub stage: Stage,
     pub be: B,
     /// Parameter table (this rank's shards); also carves gradients and moments.
     pub table: Table,
@@ -107,9 +120,15 @@ pub struct Gpt2<B: Backend> {
     accumulation: usize,
     /// Activations the backward pass recomputes instead of keeping.
     recompute: Recompute,
+    /// Micro-batches whose activations are kept at once (pipeline schedules run several
+    /// forward passes before the first backward pass); micro-batch `j` uses set `j % in_flight`.
+    in_flight: usize,
+    /// Micro-batches loaded by the last [`Self::set_batches`].
+    micro_batches: usize,
     p: ParamSpans,
     g: ParamSpans,
-    acts: Option<(Acts, GradActs)>,
+    /// One activation set per in-flight micro-batch, and the gradient scratch they share.
+    acts: Option<(Vec<Acts>, GradActs)>,
     tp_comm: Rc<dyn Comm>,
     owned: Vec<OwnedRange>,
 }
@@ -118,24 +137,43 @@ impl<B: Backend> Gpt2<B> {
     /// Allocates parameters (zeroed), gradients and moments for `cfg` on `be`, with
     /// activations in `compute` (f32, or bf16/f16 for mixed precision).
     pub fn new(cfg: &ModelConfig, tp: TpRank, compute: Dtype, be: B) -> Result<Gpt2<B>> {
-        Self::build(cfg, tp, be, true, compute)
+        Self::build(cfg, tp, &Stage::whole(cfg.n_layer), be, true, compute)
+    }
+
+    /// [`Self::new`] for one pipeline stage: only the stage's parameters.
+    pub fn new_stage(
+        cfg: &ModelConfig,
+        tp: TpRank,
+        stage: &Stage,
+        compute: Dtype,
+        be: B,
+    ) -> Result<Gpt2<B>> {
+        Self::build(cfg, tp, stage, be, true, compute)
     }
 
     /// Parameters only, no gradients or AdamW moments (a quarter of the memory), for
     /// [`Self::decode`] and evaluation; the training methods ([`Self::backward`],
     /// [`Self::apply_optimizer`]) must not be called on it.
     pub fn for_inference(cfg: &ModelConfig, be: B) -> Result<Gpt2<B>> {
-        Self::build(cfg, TpRank::SERIAL, be, false, Dtype::F32)
+        Self::build(
+            cfg,
+            TpRank::SERIAL,
+            &Stage::whole(cfg.n_layer),
+            be,
+            false,
+            Dtype::F32,
+        )
     }
 
     fn build(
         cfg: &ModelConfig,
         tp: TpRank,
+        stage: &Stage,
         mut be: B,
         trainable: bool,
         compute: Dtype,
     ) -> Result<Gpt2<B>> {
-        let table = gpt2_params(cfg, tp.size)?;
+        let table = gpt2_stage_params(cfg, tp.size, stage)?;
         let n = table.total();
         let params = be.alloc(n, Dtype::F32)?;
         let compute_params = match compute {
@@ -146,11 +184,12 @@ impl<B: Backend> Gpt2<B> {
         let grads = be.alloc(state_n, Dtype::F32)?;
         let m = be.alloc(state_n, Dtype::F32)?;
         let v = be.alloc(state_n, Dtype::F32)?;
-        let p = ParamSpans::new(&table, compute_params, cfg.n_layer);
+        let p = ParamSpans::new(&table, compute_params, stage);
         let g = p.on(grads);
         Ok(Gpt2 {
             cfg: cfg.clone(),
             tp,
+            stage: stage.clone(),
             be,
             table,
             params,
@@ -162,6 +201,8 @@ impl<B: Backend> Gpt2<B> {
             loss_scale: 1.0,
             accumulation: 1,
             recompute: Recompute::None,
+            in_flight: 1,
+            micro_batches: 0,
             p,
             g,
             acts: None,
@@ -195,6 +236,16 @@ impl<B: Backend> Gpt2<B> {
         }
         self.tp_comm = comm;
         Ok(())
+    }
+
+    /// The gradient of `wte` when this stage holds one of its two tied copies (the first and
+    /// the last of several stages): the caller sums it with the other stage's after the
+    /// step's last backward pass. `None` with one stage (one copy) or in a middle stage.
+    pub fn tied_grad(&self) -> Option<Span> {
+        if self.stage.count == 1 {
+            return None;
+        }
+        self.g.embed.map(|e| e.wte).or(self.g.head.map(|h| h.wte))
     }
 
     /// Restricts the optimizer to `owned` parameter ranges (ZeRO-1) and reallocates the AdamW
@@ -269,10 +320,23 @@ impl<B: Backend> Gpt2<B> {
 
     /// Frees the activation and gradient-scratch buffers (reallocated at the next batch).
     fn free_acts(&mut self) {
-        if let Some((a, g)) = self.acts.take() {
-            self.be.free(a.buf);
-            self.be.free(a.stats_buf);
+        if let Some((sets, g)) = self.acts.take() {
+            for a in sets {
+                self.be.free(a.buf);
+                self.be.free(a.stats_buf);
+            }
             self.be.free(g.buf);
+        }
+    }
+
+    /// Keeps the activations of `k` micro-batches at once (at least 1; a pipeline schedule's
+    /// largest number of forward passes awaiting their backward pass). Takes effect at the
+    /// next batch.
+    pub fn set_in_flight(&mut self, k: usize) {
+        let k = k.max(1);
+        if k != self.in_flight {
+            self.in_flight = k;
+            self.free_acts();
         }
     }
 
@@ -307,14 +371,15 @@ impl<B: Backend> Gpt2<B> {
         out
     }
 
-    /// Bytes per step shape of activations (with their f32 statistics) and of the gradient
-    /// scratch (for the memory report).
+    /// Bytes of the activations (with their f32 statistics) of every in-flight micro-batch of
+    /// `b`×`t`, and of the gradient scratch (for the memory report).
     pub fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
         let d = self.dims(b, t);
         let el = self.compute.bytes();
         (
-            el * acts_table(&d, self.cfg.n_layer, self.recompute).total()
-                + Dtype::F32.bytes() * stats_table(&d, self.cfg.n_layer).total(),
+            self.in_flight
+                * (el * acts_table(&d, &self.stage, self.recompute).total()
+                    + Dtype::F32.bytes() * stats_table(&d, &self.stage).total()),
             el * grad_acts_table(&d).total(),
         )
     }
@@ -336,7 +401,7 @@ impl<B: Backend> Gpt2<B> {
         if self
             .acts
             .as_ref()
-            .is_some_and(|(a, _)| a.dims.b == b && a.dims.t == t)
+            .is_some_and(|(a, _)| a[0].dims.b == b && a[0].dims.t == t)
         {
             return Ok(());
         }
@@ -347,26 +412,34 @@ impl<B: Backend> Gpt2<B> {
             );
         }
         let d = self.dims(b, t);
-        let at = acts_table(&d, self.cfg.n_layer, self.recompute);
-        let st = stats_table(&d, self.cfg.n_layer);
-        let gt = grad_acts_table(&d);
         self.free_acts();
-        let ab = self.be.alloc(at.total(), self.compute)?;
-        let sb = self.be.alloc(st.total(), Dtype::F32)?;
+        let mut sets = Vec::with_capacity(self.in_flight);
+        for _ in 0..self.in_flight {
+            let at = acts_table(&d, &self.stage, self.recompute);
+            let st = stats_table(&d, &self.stage);
+            let ab = self.be.alloc(at.total(), self.compute)?;
+            let sb = self.be.alloc(st.total(), Dtype::F32)?;
+            sets.push(Acts::new(d, &self.stage, (at, ab), (st, sb)));
+        }
+        let gt = grad_acts_table(&d);
         let gb = self.be.alloc(gt.total(), self.compute)?;
-        self.acts = Some((
-            Acts::new(d, self.cfg.n_layer, (at, ab), (st, sb)),
-            GradActs::new(gt, gb),
-        ));
+        self.acts = Some((sets, GradActs::new(gt, gb)));
         Ok(())
     }
 
     /// Loads a batch window of `b` rows of `t + 1` tokens (inputs are the first `t`, targets
-    /// the last `t` of each row). Token ids must be below the vocabulary size.
+    /// the last `t` of each row) as micro-batch 0. Token ids must be below the vocabulary size.
     pub fn set_batch(&mut self, window: &[u32], b: usize, t: usize) -> Result<()> {
-        if window.len() != b * (t + 1) {
+        self.set_batches(window, 1, b, t)
+    }
+
+    /// Loads a step's window of `micro × b` rows of `t + 1` tokens as `micro` micro-batches of
+    /// `b` rows (micro-batch `j` is rows `j·b..(j+1)·b`), for [`Self::forward_micro`] and
+    /// [`Self::backward_micro`]. Token ids must be below the vocabulary size.
+    pub fn set_batches(&mut self, window: &[u32], micro: usize, b: usize, t: usize) -> Result<()> {
+        if micro == 0 || window.len() != micro * b * (t + 1) {
             bail!(
-                "batch has {} tokens, expected {b} x ({t} + 1)",
+                "batch has {} tokens, expected {micro} micro-batches of {b} x ({t} + 1)",
                 window.len()
             );
         }
@@ -381,31 +454,101 @@ impl<B: Backend> Gpt2<B> {
             );
         }
         self.ensure_acts(b, t)?;
-        let mut toks = Vec::with_capacity(2 * b * t);
-        for row in window.chunks(t + 1) {
-            toks.extend_from_slice(&row[..t]);
-        }
-        for row in window.chunks(t + 1) {
-            toks.extend_from_slice(&row[1..]);
+        // Per micro-batch: its inputs, then its targets ([`Self::tokens`]).
+        let mut toks = Vec::with_capacity(2 * micro * b * t);
+        for mb in window.chunks(b * (t + 1)) {
+            for row in mb.chunks(t + 1) {
+                toks.extend_from_slice(&row[..t]);
+            }
+            for row in mb.chunks(t + 1) {
+                toks.extend_from_slice(&row[1..]);
+            }
         }
         self.be.set_tokens(&toks);
+        self.micro_batches = micro;
         Ok(())
     }
 
-    fn acts(&self) -> &(Acts, GradActs) {
-        self.acts.as_ref().expect("set_batch before forward")
+    /// Micro-batch `micro`'s input and target tokens (B·T each).
+    fn tokens(&self, micro: usize) -> (TokSpan, TokSpan) {
+        assert!(
+            micro < self.micro_batches,
+            "micro-batch {micro} of {} loaded",
+            self.micro_batches
+        );
+        let n = self.acts_of(micro).dims.n();
+        (
+            TokSpan {
+                offset: 2 * n * micro,
+                len: n,
+            },
+            TokSpan {
+                offset: 2 * n * micro + n,
+                len: n,
+            },
+        )
     }
 
-    /// Forward pass on the batch from [`Self::set_batch`]. Returns the mean loss. With
-    /// `for_backward`, the logits are replaced by the loss gradient (mean over B·T), ready for
-    /// [`Self::backward`].
+    /// The activation set of micro-batch `micro`.
+    fn acts_of(&self, micro: usize) -> &Acts {
+        slot(&self.acts, micro).0
+    }
+
+    fn grad_acts(&self) -> &GradActs {
+        slot(&self.acts, 0).1
+    }
+
+    /// Where micro-batch `micro`'s input residual stream (B·T, C) lies: a stage after the
+    /// first receives the previous stage's [`Self::stage_output`] here before
+    /// [`Self::forward_micro`].
+    pub fn stage_input(&self, micro: usize) -> Span {
+        self.acts_of(micro).encoded
+    }
+
+    /// Micro-batch `micro`'s output residual stream (B·T, C) after [`Self::forward_micro`]: the
+    /// next stage's input.
+    pub fn stage_output(&self, micro: usize) -> Span {
+        let a = self.acts_of(micro);
+        a.layers.last().map_or(a.encoded, |l| l.resid3)
+    }
+
+    /// Where a stage before the last receives the gradient of its [`Self::stage_output`]
+    /// before [`Self::backward_micro`].
+    pub fn output_grad(&self) -> Span {
+        self.grad_acts().dres
+    }
+
+    /// The gradient of the stage's input after [`Self::backward_micro`]: sent to the previous
+    /// stage (its [`Self::output_grad`]).
+    pub fn input_grad(&self) -> Span {
+        self.grad_acts().dres
+    }
+
+    /// Forward pass on micro-batch 0 of the whole model (see [`Self::forward_micro`]).
+    /// Returns the mean loss.
     pub fn forward(&mut self, timers: &Timers, for_backward: bool) -> f32 {
+        self.forward_micro(0, timers, for_backward)
+            .expect("forward on a model without the loss (a pipeline stage before the last)")
+    }
+
+    /// Forward pass of this stage on micro-batch `micro` of [`Self::set_batches`] (after
+    /// [`Self::stage_input`] received it, on a stage after the first). On the last stage,
+    /// returns the micro-batch's mean loss, and with `for_backward` replaces the logits by the
+    /// loss gradient (mean over B·T, divided by the accumulation count and multiplied by the
+    /// loss scale), ready for [`Self::backward_micro`]; `None` on other stages.
+    pub fn forward_micro(
+        &mut self,
+        micro: usize,
+        timers: &Timers,
+        for_backward: bool,
+    ) -> Option<f32> {
         let _fwd = timers.scope("forward", Coarse);
-        self.forward_logits(timers, Pass::Batch);
-        let (a, _) = self.acts.as_ref().expect("set_batch before forward");
+        self.forward_logits(timers, Pass::Batch { micro });
+        let (_, targets) = self.tokens(micro);
+        let a = slot(&self.acts, micro).0;
+        let h = a.head?;
         let d = a.dims;
         let n = d.n();
-        let targets = TokSpan { offset: n, len: n };
         let vocab_start = self.tp.rank * d.vp;
         let be = &mut self.be;
         let comm = &*self.tp_comm;
@@ -418,19 +561,19 @@ impl<B: Backend> Gpt2<B> {
         // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
         let loss_allreduce = "forward:loss:allreduce";
         let _t = timers.scope("forward:loss", Fine);
-        be.ce_row_max(a.ce_max, a.logits, cd);
-        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_max, ReduceOp::Max);
-        be.ce_row_sumexp(a.ce_sum, a.logits, a.ce_max, cd);
-        be.ce_target_logit(a.ce_tl, a.logits, targets, cd);
-        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_sum, ReduceOp::Sum);
-        tp_allreduce(be, comm, timers, loss_allreduce, a.ce_tl, ReduceOp::Sum);
+        be.ce_row_max(h.ce_max, h.logits, cd);
+        tp_allreduce(be, comm, timers, loss_allreduce, h.ce_max, ReduceOp::Max);
+        be.ce_row_sumexp(h.ce_sum, h.logits, h.ce_max, cd);
+        be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
+        tp_allreduce(be, comm, timers, loss_allreduce, h.ce_sum, ReduceOp::Sum);
+        tp_allreduce(be, comm, timers, loss_allreduce, h.ce_tl, ReduceOp::Sum);
         let dloss = for_backward.then_some(self.loss_scale / (n * self.accumulation) as f32);
         be.ce_finish(
-            a.losses, a.logits, a.ce_max, a.ce_sum, a.ce_tl, targets, dloss, cd,
+            h.losses, h.logits, h.ce_max, h.ce_sum, h.ce_tl, targets, dloss, cd,
         );
         let mut losses = vec![0.0f32; n];
-        be.download(a.losses, &mut losses);
-        (losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64) as f32
+        be.download(h.losses, &mut losses);
+        Some((losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64) as f32)
     }
 
     /// Next-token logits (real vocabulary only) after feeding `token` at position `pos`, its
@@ -444,8 +587,8 @@ impl<B: Backend> Gpt2<B> {
         pos: usize,
         timers: &Timers,
     ) -> Result<Vec<f32>> {
-        if self.tp.size != 1 {
-            bail!("decoding needs the whole model on one rank (tp = 1)");
+        if self.tp.size != 1 || self.stage.count != 1 {
+            bail!("decoding needs the whole model on one rank (tp = 1, one pipeline stage)");
         }
         if pos >= cache.positions() || pos >= self.cfg.n_positions {
             bail!(
@@ -462,7 +605,8 @@ impl<B: Backend> Gpt2<B> {
         self.ensure_acts(1, 1)?;
         self.be.set_tokens(&[token]);
         self.forward_logits(timers, Pass::Decode { cache, pos });
-        let logits = self.acts().0.logits.sub(0, self.cfg.vocab_size);
+        let h = self.acts_of(0).head.expect("the whole model has the head");
+        let logits = h.logits.sub(0, self.cfg.vocab_size);
         let mut out = vec![0.0; logits.len];
         self.be.download(logits, &mut out);
         Ok(out)
@@ -485,14 +629,18 @@ impl<B: Backend> Gpt2<B> {
         self.be.free(cache.buf());
     }
 
-    /// The forward pass from tokens to logits (everything but the loss), shared by training
+    /// This stage's forward pass from tokens (first stage) or its input (other stages) to
+    /// its output (the logits on the last stage; everything but the loss), shared by training
     /// and decoding; `pass` says where the tokens and attention's keys and values come from.
     fn forward_logits(&mut self, timers: &Timers, pass: Pass) {
-        let (a, _) = self.acts.as_ref().expect("set_batch before forward");
+        let (inputs, micro) = match pass {
+            Pass::Batch { micro } => (self.tokens(micro).0, micro),
+            Pass::Decode { .. } => (TokSpan { offset: 0, len: 1 }, 0),
+        };
+        let a = slot(&self.acts, micro).0;
         let d = a.dims;
         let n = d.n();
         let (c, f, lc) = (d.c, d.f, d.local_c());
-        let inputs = TokSpan { offset: 0, len: n };
         let vocab_start = self.tp.rank * d.vp;
         let ad = d.attn();
         let p = &self.p;
@@ -501,17 +649,18 @@ impl<B: Backend> Gpt2<B> {
         // Replicated additions (position embedding, row-parallel biases) happen on one rank,
         // before the all-reduce sums the shards.
         let first = self.tp.rank == 0;
-        {
+        // A stage after the first finds its input in `encoded` already.
+        if let Some(e) = p.embed {
             let _t = timers.scope("forward:embedding", Fine);
             // TP: vocabulary-parallel embedding = partial sums, all-reduced; wpe once.
             be.encoder_forward(
                 a.encoded,
                 inputs,
-                p.wte,
+                e.wte,
                 vocab_start,
                 first.then_some(match pass {
-                    Pass::Batch => p.wpe,
-                    Pass::Decode { pos, .. } => p.wpe.sub(pos * c, c),
+                    Pass::Batch { .. } => e.wpe,
+                    Pass::Decode { pos, .. } => e.wpe.sub(pos * c, c),
                 }),
                 d.b,
                 d.t,
@@ -555,7 +704,7 @@ impl<B: Backend> Gpt2<B> {
                 );
             }
             match pass {
-                Pass::Batch => {
+                Pass::Batch { .. } => {
                     {
                         let _t = timers.scope("forward:attention:baddbmm", Fine);
                         be.attention_scores(la.att, la.qkv, ad);
@@ -659,16 +808,21 @@ impl<B: Backend> Gpt2<B> {
             }
             resid = la.resid3;
         }
+        let (Some(h), Some(hp)) = (a.head, p.head) else {
+            return;
+        };
         {
             let _t = timers.scope("forward:layernorm", Fine);
-            be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, resid, p.lnf_w, p.lnf_b, n, c);
+            be.layernorm_forward(
+                h.lnf, h.lnf_mean, h.lnf_rstd, resid, hp.lnf_w, hp.lnf_b, n, c,
+            );
         }
         {
             let _t = timers.scope("forward:lm-head", Fine);
             be.linear_forward(
-                a.logits,
-                a.lnf,
-                p.wte,
+                h.logits,
+                h.lnf,
+                hp.wte,
                 WeightLayout::OutIn,
                 None,
                 n,
@@ -685,58 +839,73 @@ impl<B: Backend> Gpt2<B> {
         self.be.zero(s);
     }
 
-    /// Backward pass after `forward(.., true)`: accumulates into the gradient buffer.
+    /// Backward pass of micro-batch 0 after `forward(.., true)`: accumulates into the
+    /// gradient buffer.
     pub fn backward(&mut self, timers: &Timers) {
-        self.backward_with(timers, &mut |_, _| {});
+        self.backward_micro(0, timers, &mut |_, _| {});
     }
 
-    /// [`Self::backward`], calling `ready(backend, from)` whenever the gradients at flat
-    /// offsets `from..` have their final value for this step (after each block, in reverse
-    /// order, and with `from = 0` at the end), so their all-reduce can start early.
-    pub fn backward_with(&mut self, timers: &Timers, ready: &mut dyn FnMut(&B, usize)) {
+    /// Backward pass of this stage for micro-batch `micro` after
+    /// `forward_micro(micro, .., true)` (and, on a stage before the last, after
+    /// [`Self::output_grad`] received the gradient of its output): accumulates into the
+    /// gradient buffer and leaves the gradient of the stage's input in [`Self::input_grad`].
+    /// Calls `ready(backend, from)` whenever the gradients at flat offsets `from..` have their
+    /// final value for this micro-batch (after each block, in reverse order, and with
+    /// `from = 0` at the end), so that after the step's last micro-batch their all-reduce can
+    /// start early.
+    pub fn backward_micro(
+        &mut self,
+        micro: usize,
+        timers: &Timers,
+        ready: &mut dyn FnMut(&B, usize),
+    ) {
         self.assert_trainable();
-        let (a, ga) = self.acts.as_ref().expect("set_batch before backward");
+        let (inputs, _) = self.tokens(micro);
+        let (a, ga) = slot(&self.acts, micro);
         let d = a.dims;
         let n = d.n();
         let (c, f, lc) = (d.c, d.f, d.local_c());
-        let inputs = TokSpan { offset: 0, len: n };
         let vocab_start = self.tp.rank * d.vp;
         let ad = d.attn();
         let (p, g) = (&self.p, &self.g);
         let be = &mut self.be;
         let comm = &*self.tp_comm;
         let _bwd = timers.scope("backward", Coarse);
-        {
-            let _t = timers.scope("backward:lm-head", Fine);
-            // TP: dlnf is a partial sum over vocabulary shards, all-reduced.
-            be.linear_backward(
-                Some(ga.dln),
-                g.wte,
-                None,
-                a.logits,
-                a.lnf,
-                p.wte,
-                WeightLayout::OutIn,
-                n,
-                c,
-                d.vp,
-            );
-            tp_allreduce(
-                be,
-                comm,
-                timers,
-                "backward:lm-head:allreduce",
-                ga.dln,
-                ReduceOp::Sum,
-            );
-        }
-        let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
-        {
-            let _t = timers.scope("backward:layernorm", Fine);
-            be.zero(ga.dres);
-            be.layernorm_backward(
-                ga.dres, g.lnf_w, g.lnf_b, ga.dln, last, p.lnf_w, a.lnf_mean, a.lnf_rstd, n, c,
-            );
+        // A stage before the last finds the gradient of its output in `dres` already.
+        if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
+            {
+                let _t = timers.scope("backward:lm-head", Fine);
+                // TP: dlnf is a partial sum over vocabulary shards, all-reduced.
+                be.linear_backward(
+                    Some(ga.dln),
+                    hg.wte,
+                    None,
+                    h.logits,
+                    h.lnf,
+                    hp.wte,
+                    WeightLayout::OutIn,
+                    n,
+                    c,
+                    d.vp,
+                );
+                tp_allreduce(
+                    be,
+                    comm,
+                    timers,
+                    "backward:lm-head:allreduce",
+                    ga.dln,
+                    ReduceOp::Sum,
+                );
+            }
+            let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
+            {
+                let _t = timers.scope("backward:layernorm", Fine);
+                be.zero(ga.dres);
+                be.layernorm_backward(
+                    ga.dres, hg.lnf_w, hg.lnf_b, ga.dln, last, hp.lnf_w, h.lnf_mean, h.lnf_rstd, n,
+                    c,
+                );
+            }
         }
         for l in (0..a.layers.len()).rev() {
             let (la, lp, lg) = (&a.layers[l], &p.layers[l], &g.layers[l]);
@@ -879,17 +1048,19 @@ impl<B: Backend> Gpt2<B> {
             }
             ready(be, lp.ln1_w.offset);
         }
-        let _t = timers.scope("backward:embedding", Fine);
-        be.encoder_backward(
-            g.wte,
-            Some(g.wpe),
-            ga.dres,
-            inputs,
-            vocab_start,
-            d.b,
-            d.t,
-            c,
-        );
+        if let Some(e) = g.embed {
+            let _t = timers.scope("backward:embedding", Fine);
+            be.encoder_backward(
+                e.wte,
+                Some(e.wpe),
+                ga.dres,
+                inputs,
+                vocab_start,
+                d.b,
+                d.t,
+                c,
+            );
+        }
         ready(be, 0);
     }
 
@@ -900,13 +1071,19 @@ impl<B: Backend> Gpt2<B> {
     }
 
     /// This rank's share of the squared gradient norm: the owned ranges of every tensor, with
-    /// replicated (not tensor-parallel) tensors counted on TP rank 0 only, so the sum over all
-    /// ranks is the squared norm of the logical model's gradient.
+    /// replicated (not tensor-parallel) tensors counted on TP rank 0 only and the tied `wte`
+    /// on the first pipeline stage only, so the sum over all ranks is the squared norm of the
+    /// logical model's gradient.
     pub fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
         let _c = timers.scope("optimizer:clip", Fine);
         let mut spans = Vec::new();
+        let tied = self.tied_grad();
         for spec in self.table.specs() {
             if self.tp.rank != 0 && spec.split == Split::Replicated {
+                continue;
+            }
+            // The tied `wte` has a copy on the first and on the last stage: counted once.
+            if !self.stage.is_first() && tied.is_some_and(|g| g.offset == spec.offset) {
                 continue;
             }
             for (r, _) in owned_parts(&self.owned, spec.range()) {
@@ -975,11 +1152,22 @@ impl<B: Backend> Gpt2<B> {
     /// Logits of the last forward pass without the loss gradient (host copy, padded columns
     /// included). Only meaningful after `forward(.., false)`.
     pub fn last_logits(&self) -> Vec<f32> {
-        let (a, _) = self.acts();
-        let mut out = vec![0.0; a.logits.len];
-        self.be.download(a.logits, &mut out);
+        let h = self
+            .acts_of(0)
+            .head
+            .expect("logits on the last pipeline stage only");
+        let mut out = vec![0.0; h.logits.len];
+        self.be.download(h.logits, &mut out);
         out
     }
+}
+
+/// The activation set of micro-batch `micro` and the shared gradient scratch.
+fn slot(acts: &Option<(Vec<Acts>, GradActs)>, micro: usize) -> (&Acts, &GradActs) {
+    let (sets, ga) = acts
+        .as_ref()
+        .expect("set_batches before forward or backward");
+    (&sets[micro % sets.len()], ga)
 }
 
 /// The parts of `range` (flat offsets) inside the owned ranges, each with the moment offset of

@@ -7,7 +7,9 @@ pub mod gpt2;
 pub mod init;
 pub mod kv;
 pub mod params;
+pub mod stage;
 pub mod table;
 
 pub use gpt2::{Gpt2, OptimStep, TpRank};
+pub use stage::Stage;
 pub use table::OwnedRange;

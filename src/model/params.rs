@@ -1,6 +1,7 @@
 //! Named spans of the GPT-2 parameter table. The same offsets address parameters, gradients and
 //! both AdamW moments: [`ParamSpans::on`] rebases them onto another buffer.
 
+use super::stage::Stage;
 use super::table::Table;
 use crate::backend::{BufId, Span};
 
@@ -21,14 +22,31 @@ pub struct LayerParams {
     pub fcproj_b: Span,
 }
 
-/// Every parameter tensor as a span of one buffer.
-#[derive(Clone, Debug)]
-pub struct ParamSpans {
+/// The first stage's embeddings.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbedParams {
     pub wte: Span,
     pub wpe: Span,
-    pub layers: Vec<LayerParams>,
+}
+
+/// The last stage's final layernorm and LM head (the tied `wte`).
+#[derive(Clone, Copy, Debug)]
+pub struct HeadParams {
+    pub wte: Span,
     pub lnf_w: Span,
     pub lnf_b: Span,
+}
+
+/// Every parameter tensor of one pipeline stage as a span of one buffer (with one stage, the
+/// embedding's and the head's `wte` are the same span).
+#[derive(Clone, Debug)]
+pub struct ParamSpans {
+    /// On the first stage.
+    pub embed: Option<EmbedParams>,
+    /// The stage's blocks, in order.
+    pub layers: Vec<LayerParams>,
+    /// On the last stage.
+    pub head: Option<HeadParams>,
 }
 
 fn rebase(s: Span, buf: BufId) -> Span {
@@ -36,8 +54,9 @@ fn rebase(s: Span, buf: BufId) -> Span {
 }
 
 impl ParamSpans {
-    /// Resolves the GPT-2 names of `table` (from [`super::table::gpt2_params`]) in `buf`.
-    pub fn new(table: &Table, buf: BufId, n_layer: usize) -> ParamSpans {
+    /// Resolves the GPT-2 names of `table` (from [`super::table::gpt2_stage_params`] for
+    /// `stage`) in `buf`.
+    pub fn new(table: &Table, buf: BufId, stage: &Stage) -> ParamSpans {
         let s = |name: &str| {
             let t = table
                 .get(name)
@@ -48,7 +67,9 @@ impl ParamSpans {
                 len: t.len(),
             }
         };
-        let layers = (0..n_layer)
+        let layers = stage
+            .layers
+            .clone()
             .map(|l| {
                 let p = |x: &str| s(&format!("h.{l}.{x}"));
                 LayerParams {
@@ -68,11 +89,16 @@ impl ParamSpans {
             })
             .collect();
         ParamSpans {
-            wte: s("wte.weight"),
-            wpe: s("wpe.weight"),
+            embed: stage.is_first().then(|| EmbedParams {
+                wte: s("wte.weight"),
+                wpe: s("wpe.weight"),
+            }),
             layers,
-            lnf_w: s("ln_f.weight"),
-            lnf_b: s("ln_f.bias"),
+            head: stage.is_last().then(|| HeadParams {
+                wte: s("wte.weight"),
+                lnf_w: s("ln_f.weight"),
+                lnf_b: s("ln_f.bias"),
+            }),
         }
     }
 
@@ -80,8 +106,10 @@ impl ParamSpans {
     pub fn on(&self, buf: BufId) -> ParamSpans {
         let r = |s: Span| rebase(s, buf);
         ParamSpans {
-            wte: r(self.wte),
-            wpe: r(self.wpe),
+            embed: self.embed.map(|e| EmbedParams {
+                wte: r(e.wte),
+                wpe: r(e.wpe),
+            }),
             layers: self
                 .layers
                 .iter()
@@ -100,8 +128,11 @@ impl ParamSpans {
                     fcproj_b: r(l.fcproj_b),
                 })
                 .collect(),
-            lnf_w: r(self.lnf_w),
-            lnf_b: r(self.lnf_b),
+            head: self.head.map(|h| HeadParams {
+                wte: r(h.wte),
+                lnf_w: r(h.lnf_w),
+                lnf_b: r(h.lnf_b),
+            }),
         }
     }
 }

@@ -6,6 +6,7 @@
 //! built ([`gpt2_params`]); the shard shapes, the full ↔ shard copies (`parallel/shard.rs`)
 //! and the gradient-norm rule for replicated tensors all follow from it.
 
+use super::stage::Stage;
 use crate::config::ModelConfig;
 use anyhow::{bail, Result};
 use std::collections::HashMap;
@@ -142,7 +143,13 @@ pub fn padded_vocab(vocab: usize) -> usize {
     vocab.next_multiple_of(128)
 }
 
-/// The parameter table of GPT-2 for tensor-parallel degree `tp` (this rank's shards; 1 = all).
+/// The parameter table of GPT-2 for tensor-parallel degree `tp` (this rank's shards; 1 = all):
+/// the whole model as one pipeline stage ([`gpt2_stage_params`]).
+pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
+    gpt2_stage_params(m, tp, &Stage::whole(m.n_layer))
+}
+
+/// The parameter table of one pipeline stage of GPT-2 for tensor-parallel degree `tp`.
 ///
 /// Names follow Hugging Face's `model.safetensors` for `gpt2`. Each tensor's split is declared
 /// here (Megatron's layout; Conv1D weights are stored (in, out)): column-parallel `c_attn` (q,
@@ -150,7 +157,13 @@ pub fn padded_vocab(vocab: usize) -> usize {
 /// attention and MLP `c_proj` weights (by input rows; their biases are replicated and added
 /// once, after the all-reduce); vocabulary-parallel `wte` (by vocabulary rows; it is also the
 /// tied LM head); `wpe` and the LayerNorms replicated.
-pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
+///
+/// Which tensors a stage holds is declared here too: the first stage `wte` and `wpe`, its
+/// blocks `h.L.*` for L in `stage.layers`, the last stage `ln_f` and `wte` again (the tied LM
+/// head: the first and the last stage each hold a copy and all-reduce its gradient). `wte`
+/// comes first in every table that has it, so its gradient is the last to be final in the
+/// backward pass.
+pub fn gpt2_stage_params(m: &ModelConfig, tp: usize, stage: &Stage) -> Result<Table> {
     if tp == 0 || !m.n_head.is_multiple_of(tp) {
         bail!(
             "tensor parallel degree {tp} does not divide model.n_head = {}",
@@ -174,9 +187,13 @@ pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
         Split::Cols { parts: 1 },
     );
     let mut t = Table::default();
-    t.push_split("wte.weight", &[vp, c], rows, tp);
-    t.push("wpe.weight", &[m.n_positions, c]);
-    for l in 0..m.n_layer {
+    if stage.is_first() || stage.is_last() {
+        t.push_split("wte.weight", &[vp, c], rows, tp);
+    }
+    if stage.is_first() {
+        t.push("wpe.weight", &[m.n_positions, c]);
+    }
+    for l in stage.layers.clone() {
         let p = |s: &str| format!("h.{l}.{s}");
         t.push(p("ln_1.weight"), &[c]);
         t.push(p("ln_1.bias"), &[c]);
@@ -191,8 +208,10 @@ pub fn gpt2_params(m: &ModelConfig, tp: usize) -> Result<Table> {
         t.push_split(p("mlp.c_proj.weight"), &[4 * c, c], rows, tp);
         t.push(p("mlp.c_proj.bias"), &[c]);
     }
-    t.push("ln_f.weight", &[c]);
-    t.push("ln_f.bias", &[c]);
+    if stage.is_last() {
+        t.push("ln_f.weight", &[c]);
+        t.push("ln_f.bias", &[c]);
+    }
     Ok(t)
 }
 
@@ -241,6 +260,35 @@ mod tests {
         assert_eq!(t.get("wte.weight").unwrap().shape, vec![50304 / 2, 128]);
         let e = gpt2_params(&m, 3).unwrap_err().to_string();
         assert!(e.contains("n_head = 4"), "{e}");
+    }
+
+    #[test]
+    fn a_stage_holds_its_blocks_and_its_ends() {
+        let m = RunConfig::load("gpt2-tiny").unwrap().model; // 4 blocks
+        let names = |index: usize, layers: std::ops::Range<usize>| -> Vec<String> {
+            let st = Stage {
+                index,
+                count: 3,
+                layers,
+            };
+            let t = gpt2_stage_params(&m, 1, &st).unwrap();
+            t.specs().iter().map(|s| s.name.clone()).collect()
+        };
+        let first = names(0, 0..1);
+        assert_eq!(&first[..3], ["wte.weight", "wpe.weight", "h.0.ln_1.weight"]);
+        assert!(!first
+            .iter()
+            .any(|n| n.starts_with("h.1.") || n == "ln_f.weight"));
+        let mid = names(1, 1..3);
+        assert_eq!(mid[0], "h.1.ln_1.weight");
+        assert_eq!(mid.len(), 2 * 12);
+        let last = names(2, 3..4);
+        assert_eq!(&last[..2], ["wte.weight", "h.3.ln_1.weight"]);
+        assert_eq!(last.last().unwrap(), "ln_f.bias");
+        assert!(!last.contains(&"wpe.weight".to_string()));
+        // The whole model is the one stage of a one-stage pipeline.
+        let whole = gpt2_params(&m, 1).unwrap();
+        assert_eq!(whole.specs().len(), 2 + 4 * 12 + 2);
     }
 
     #[test]

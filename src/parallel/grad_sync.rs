@@ -2,7 +2,7 @@
 //!
 //! The parameter table is cut into buckets of about `bucket_floats` each, at tensor boundaries,
 //! from the end of the table (the order backward produces gradients). When
-//! [`crate::model::Gpt2::backward_with`] reports that the gradients from some offset on are
+//! [`crate::model::Gpt2::backward_micro`] reports that the gradients from some offset on are
 //! final, every bucket above that offset is copied out and its collective started
 //! non-blocking; later reports also poll the outstanding ones (Open MPI progresses
 //! non-blocking collectives inside MPI calls). [`GradSync::finish`] starts whatever is left,

@@ -48,24 +48,24 @@ fn segments(
     }
 }
 
-fn check_tables(full: &Table, local: &Table) -> Result<()> {
-    if full.specs().len() != local.specs().len() {
-        bail!(
-            "parameter tables differ: {} tensors in the full model, {} in the shard",
-            full.specs().len(),
-            local.specs().len()
-        );
-    }
-    for (f, l) in full.specs().iter().zip(local.specs()) {
-        if f.name != l.name {
-            bail!("parameter tables differ: {} against {}", f.name, l.name);
-        }
-    }
-    Ok(())
+/// Each tensor of `local` (one stage's shard table) with the tensor of the same name in `full`
+/// (the whole model); an error names a tensor `full` lacks.
+fn pairs<'t>(full: &'t Table, local: &'t Table) -> Result<Vec<(&'t TensorSpec, &'t TensorSpec)>> {
+    local
+        .specs()
+        .iter()
+        .map(|l| match full.get(&l.name) {
+            Some(f) => Ok((f, l)),
+            None => bail!(
+                "parameter tables differ: {} is not in the full model",
+                l.name
+            ),
+        })
+        .collect()
 }
 
 /// Copies rank `r`'s part of a full buffer (laid out by `full_table`) into `out` (laid out by
-/// `local_table`, the table of one of `tp` shards).
+/// `local_table`, the table of one of `tp` shards of the whole model or of a pipeline stage).
 pub fn shard(
     full_table: &Table,
     full: &[f32],
@@ -74,8 +74,7 @@ pub fn shard(
     tp: usize,
     out: &mut [f32],
 ) -> Result<()> {
-    check_tables(full_table, local_table)?;
-    for (fs, ls) in full_table.specs().iter().zip(local_table.specs()) {
+    for (fs, ls) in pairs(full_table, local_table)? {
         let (src, dst) = (&full[fs.range()], &mut out[ls.range()]);
         segments(fs, ls, r, tp, |fo, lo, n| {
             dst[lo..lo + n].copy_from_slice(&src[fo..fo + n])
@@ -84,17 +83,17 @@ pub fn shard(
     Ok(())
 }
 
-/// The inverse of [`shard`]: assembles a full buffer from all `tp` shards (replicated tensors
-/// are taken from shard 0).
+/// The inverse of [`shard`]: assembles the tensors of `local_table` in a full buffer from all
+/// `tp` shards (replicated tensors are taken from shard 0); other tensors of `out` are left
+/// as they are.
 pub fn unshard(
     full_table: &Table,
     local_table: &Table,
     shards: &[&[f32]],
     out: &mut [f32],
 ) -> Result<()> {
-    check_tables(full_table, local_table)?;
     let tp = shards.len();
-    for (fs, ls) in full_table.specs().iter().zip(local_table.specs()) {
+    for (fs, ls) in pairs(full_table, local_table)? {
         let dst = &mut out[fs.range()];
         for (r, sh) in shards.iter().enumerate() {
             if r > 0 && fs.split == Split::Replicated {
@@ -162,5 +161,35 @@ mod tests {
         assert_eq!(lb[0], fb + 64.0);
         assert_eq!(lb[64], fb + 192.0);
         assert_eq!(lb[191], fb + 383.0);
+    }
+
+    #[test]
+    fn stages_shard_and_unshard_by_name() {
+        use crate::model::stage::Stage;
+        use crate::model::table::gpt2_stage_params;
+        let m = RunConfig::load("gpt2-tiny").unwrap().model;
+        let full_t = gpt2_params(&m, 1).unwrap();
+        let full: Vec<f32> = (0..full_t.total()).map(|i| i as f32).collect();
+        let mut back = vec![-1.0f32; full_t.total()];
+        for st in Stage::split(&m, 2).unwrap() {
+            let lt = gpt2_stage_params(&m, 2, &st).unwrap();
+            let shards: Vec<Vec<f32>> = (0..2)
+                .map(|r| {
+                    let mut s = vec![0.0; lt.total()];
+                    shard(&full_t, &full, &lt, r, 2, &mut s).unwrap();
+                    s
+                })
+                .collect();
+            let refs: Vec<&[f32]> = shards.iter().map(|s| &s[..]).collect();
+            unshard(&full_t, &lt, &refs, &mut back).unwrap();
+        }
+        // The stages together hold every tensor (wte twice, identically).
+        for spec in full_t.specs() {
+            assert_eq!(back[spec.range()], full[spec.range()], "{}", spec.name);
+        }
+        let other = RunConfig::load("gpt2-124m").unwrap().model;
+        let big = gpt2_stage_params(&other, 1, &Stage::of(&other, 2, 1).unwrap()).unwrap();
+        let e = shard(&full_t, &full, &big, 0, 1, &mut vec![0.0; big.total()]).unwrap_err();
+        assert!(e.to_string().contains("h.9.ln_1.weight is not in"), "{e}");
     }
 }

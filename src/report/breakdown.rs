@@ -17,8 +17,10 @@ pub enum Category {
     Elementwise,
     /// Forward/backward time not covered by a finer timer (`forward:(other)`, ...).
     OtherCompute,
-    /// All-reduces and other collectives.
+    /// All-reduces and other collectives, pipeline sends and receives.
     Communication,
+    /// Pipeline stages waiting for a neighbour (`pipeline:bubble`).
+    Bubble,
     Optimizer,
     /// Batch generation.
     Data,
@@ -28,12 +30,13 @@ pub enum Category {
 
 impl Category {
     /// Every category, bottom of the stacked bar first.
-    pub const ALL: [Category; 8] = [
+    pub const ALL: [Category; 9] = [
         Category::Gemm,
         Category::Attention,
         Category::Elementwise,
         Category::OtherCompute,
         Category::Communication,
+        Category::Bubble,
         Category::Optimizer,
         Category::Data,
         Category::Other,
@@ -46,7 +49,8 @@ impl Category {
             Category::Attention => "attention (scores, softmax, context)",
             Category::Elementwise => "norms, GELU, residual, embedding, loss",
             Category::OtherCompute => "other forward/backward",
-            Category::Communication => "communication (all-reduce)",
+            Category::Communication => "communication (all-reduce, pipeline send/recv)",
+            Category::Bubble => "pipeline bubble (waiting)",
             Category::Optimizer => "optimizer",
             Category::Data => "data (batch generation)",
             Category::Other => "other (untimed)",
@@ -61,6 +65,7 @@ impl Category {
             Category::Elementwise => "elementwise_ms",
             Category::OtherCompute => "other_compute_ms",
             Category::Communication => "communication_ms",
+            Category::Bubble => "bubble_ms",
             Category::Optimizer => "optimizer_ms",
             Category::Data => "data_ms",
             Category::Other => "other_ms",
@@ -75,6 +80,7 @@ impl Category {
             Category::Elementwise => (0x59, 0xa1, 0x4f),
             Category::OtherCompute => (0x76, 0xb7, 0xb2),
             Category::Communication => (0xe1, 0x57, 0x59),
+            Category::Bubble => (0xff, 0x9d, 0xa7),
             Category::Optimizer => (0xb0, 0x7a, 0xa1),
             Category::Data => (0xed, 0xc9, 0x48),
             Category::Other => (0xba, 0xb0, 0xac),
@@ -111,6 +117,13 @@ pub fn categorize(name: &str) -> Category {
     }
     let last = *parts.last().unwrap_or(&"");
     let top = parts[0];
+    if top == "pipeline" {
+        return if last == "bubble" {
+            Category::Bubble
+        } else {
+            Category::Communication
+        };
+    }
     if parts
         .iter()
         .any(|p| COMM_WORDS.iter().any(|w| p.contains(w)))
@@ -259,6 +272,10 @@ mod tests {
             ("forward:attention:allreduce", Communication),
             ("backward:mlp:allreduce", Communication),
             ("allreduce-params", Communication),
+            ("pipeline:send", Communication),
+            ("pipeline:recv", Communication),
+            ("pipeline:tied-wte:allreduce", Communication),
+            ("pipeline:bubble", Bubble),
             ("optimizer", Optimizer),
             ("optimizer:clip", Optimizer),
             ("optimizer:(other)", Optimizer),

@@ -1,5 +1,5 @@
 //! The processes of a training job: MPI (cargo feature `mpi`, when started by an MPI
-//! launcher) or one process, and the dp × tp grid and communicators over them.
+//! launcher) or one process, and the pp × dp × tp grid and communicators over them.
 
 use crate::config::ModelConfig;
 use crate::parallel::{Comm, Grid, SerialComm};
@@ -28,6 +28,15 @@ pub struct Dist {
     pub world: Rc<dyn Comm>,
     pub tp: Rc<dyn Comm>,
     pub dp: Rc<dyn Comm>,
+    /// The pipeline: the stages with this rank's data- and tensor-parallel index, in stage
+    /// order.
+    pub pp: Rc<dyn Comm>,
+    /// The first and the last stage of this rank's pipeline, which both hold the tied `wte`
+    /// (the pipeline itself with 2 stages; one process with 1, and on middle stages).
+    pub tied: Rc<dyn Comm>,
+    /// Model parallelism: every stage and tensor-parallel rank of this rank's data-parallel
+    /// replica (the tensor-parallel group with one stage).
+    pub mp: Rc<dyn Comm>,
     /// Distinct host names over the job.
     pub nodes: usize,
     #[cfg(feature = "mpi")]
@@ -42,6 +51,9 @@ impl Dist {
             world: Rc::new(SerialComm::new()),
             tp: Rc::new(SerialComm::new()),
             dp: Rc::new(SerialComm::new()),
+            pp: Rc::new(SerialComm::new()),
+            tied: Rc::new(SerialComm::new()),
+            mp: Rc::new(SerialComm::new()),
             nodes: 1,
             #[cfg(feature = "mpi")]
             runtime: None,
@@ -75,13 +87,18 @@ impl Dist {
                 grid: Grid {
                     world_rank: r,
                     world_size: n,
+                    pp: 1,
                     tp: 1,
                     dp: n,
+                    pp_rank: 0,
                     tp_rank: 0,
                     dp_rank: r,
                 },
                 tp: Rc::new(SerialComm::new()),
                 dp: world.clone(),
+                pp: Rc::new(SerialComm::new()),
+                tied: Rc::new(SerialComm::new()),
+                mp: Rc::new(SerialComm::new()),
                 world,
                 nodes,
                 runtime: Some(rt),
@@ -99,10 +116,11 @@ impl Dist {
         }
     }
 
-    /// Builds the dp × tp grid for `tp` (checked against the world size and the model) and
-    /// the tensor- and data-parallel communicators.
-    pub fn make_grid(&mut self, tp: usize, m: &ModelConfig) -> Result<()> {
-        let grid = Grid::new(self.grid.world_rank, self.grid.world_size, tp, m)?;
+    /// Builds the pp × dp × tp grid for `tp` and `pp` (checked against the world size and
+    /// the model) and the tensor-parallel, data-parallel, pipeline, tied-embedding and
+    /// model-parallel communicators.
+    pub fn make_grid(&mut self, tp: usize, pp: usize, m: &ModelConfig) -> Result<()> {
+        let grid = Grid::new(self.grid.world_rank, self.grid.world_size, tp, pp, m)?;
         if grid.world_size == 1 {
             self.grid = grid;
             return Ok(());
@@ -113,9 +131,37 @@ impl Dist {
                 .runtime
                 .as_ref()
                 .expect("a multi-rank Dist has an MPI runtime");
-            // TP groups: same dp index, ordered by tp rank; DP groups: same tp index.
-            self.tp = Rc::new(rt.split(grid.dp_rank, grid.tp_rank)?);
-            self.dp = Rc::new(rt.split(grid.tp_rank, grid.dp_rank)?);
+            // Every split is collective over the world: all ranks make them in this order.
+            // TP groups: same stage and dp index, ordered by tp rank; DP groups: same stage
+            // and tp index, ordered by dp rank; pipelines: same dp and tp index, by stage.
+            let g = grid;
+            let replica = g.dp_rank * g.tp + g.tp_rank;
+            self.tp = Rc::new(rt.split(g.pp_rank * g.dp + g.dp_rank, g.tp_rank)?);
+            self.dp = Rc::new(rt.split(g.pp_rank * g.tp + g.tp_rank, g.dp_rank)?);
+            if g.pp > 1 {
+                let pipeline: Rc<dyn Comm> = Rc::new(rt.split(replica, g.pp_rank)?);
+                self.mp = Rc::new(rt.split(g.dp_rank, g.pp_rank * g.tp + g.tp_rank)?);
+                let end = g.pp_rank == 0 || g.pp_rank + 1 == g.pp;
+                self.tied = if g.pp == 2 {
+                    pipeline.clone()
+                } else {
+                    // Middle stages get a group of their own (unused).
+                    let color = if end {
+                        replica
+                    } else {
+                        g.dp * g.tp + g.world_rank
+                    };
+                    let c = rt.split(color, g.pp_rank)?;
+                    if end {
+                        Rc::new(c)
+                    } else {
+                        Rc::new(SerialComm::new())
+                    }
+                };
+                self.pp = pipeline;
+            } else {
+                self.mp = self.tp.clone();
+            }
             self.grid = grid;
             Ok(())
         }
@@ -135,7 +181,16 @@ impl Dist {
 
     /// Payload bytes handed to collectives by this rank so far, over all communicators.
     pub fn payload_bytes(&self) -> u64 {
-        self.world.payload_bytes() + self.tp.payload_bytes() + self.dp.payload_bytes()
+        let mut bytes = self.world.payload_bytes() + self.tp.payload_bytes();
+        bytes += self.dp.payload_bytes();
+        if self.grid.pp > 1 {
+            // `mp` is `tp` with one stage, and `tied` is `pp` with two: count each group once.
+            bytes += self.pp.payload_bytes() + self.mp.payload_bytes();
+            if self.grid.pp > 2 {
+                bytes += self.tied.payload_bytes();
+            }
+        }
+        bytes
     }
 
     /// Ends the whole job after an error on this rank (`MPI_Abort`), so that no rank waits

@@ -6,6 +6,7 @@ pub mod dump;
 pub mod layout;
 pub mod lock;
 pub mod loss_scale;
+pub mod pipeline;
 pub mod resume;
 pub mod schedule;
 pub mod state;
@@ -62,6 +63,8 @@ pub struct TrainOptions {
     pub tty: bool,
     /// Tensor-parallel degree (`--tp`).
     pub tp: usize,
+    /// Pipeline stages (`--pp`).
+    pub pp: usize,
     /// ZeRO stage (0 or 1).
     pub zero: u8,
     /// Data-parallel gradient bucket size in MiB.

@@ -42,9 +42,16 @@ pub struct TrainState {
 /// The parallel layout of the run that wrote a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SavedLayout {
+    /// Pipeline stages (absent in checkpoints from before pipeline parallelism: 1).
+    #[serde(default = "one")]
+    pub pp: usize,
     pub tp: usize,
     pub dp: usize,
     pub zero: u8,
     /// Data streams the global batch is read as (`--data-ranks`).
     pub data_ranks: usize,
+}
+
+fn one() -> usize {
+    1
 }

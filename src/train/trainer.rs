@@ -20,6 +20,7 @@ use super::data::{self, BatchSource};
 use super::dist::Dist;
 use super::lock::RunLock;
 use super::loss_scale::{LossScaler, Verdict};
+use super::pipeline::{self, Pipeline};
 use super::resume::is_checkpoint_dir;
 use super::state::{SavedLayout, TrainState, STATE_FORMAT};
 use super::{
@@ -36,7 +37,7 @@ use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
 use crate::model::init::init_params;
 use crate::model::table::{gpt2_params, Table};
-use crate::model::{Gpt2, OptimStep, TpRank};
+use crate::model::{Gpt2, OptimStep, Stage, TpRank};
 use crate::parallel::grad_sync::GradSync;
 use crate::parallel::{timer_stats, Comm, ReduceOp};
 use anyhow::{bail, Context, Result};
@@ -136,6 +137,8 @@ pub struct Trainer<'d, B: Backend> {
     val_data: String,
     val_loader: LoaderConfig,
     model: Gpt2<B>,
+    /// This rank's stage of the pipeline (the whole model with `--pp 1`) and its schedule.
+    pipeline: Pipeline,
     sync: GradSync,
     /// The logical (tp = 1) parameter table, as in checkpoints.
     full_table: Table,
@@ -255,7 +258,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 t.batch_size
             );
         }
-        dist.make_grid(opts.tp, &m)?;
+        dist.make_grid(opts.tp, opts.pp, &m)?;
         let dist: &'d Dist = dist;
         let grid = dist.grid;
         // The bundled corpus is tokenised once, by rank 0, before anyone reads it.
@@ -282,14 +285,17 @@ impl<'d, B: Backend> Trainer<'d, B> {
             })
             .unwrap_or(grid.dp);
 
-        // Model: this rank's tensor-parallel shard, its gradient buckets and (ZeRO-1) its
-        // block of the AdamW moments.
+        // Model: this rank's pipeline stage and tensor-parallel shard of it, its gradient
+        // buckets and (ZeRO-1) its block of the AdamW moments.
         let tp = TpRank {
             rank: grid.tp_rank,
             size: grid.tp,
         };
-        let mut model = Gpt2::new(&m, tp, t.precision.compute_dtype(), backend)?;
+        let stage = Stage::of(&m, grid.pp, grid.pp_rank)?;
+        let mut model = Gpt2::new_stage(&m, tp, &stage, t.precision.compute_dtype(), backend)?;
         model.set_tp_comm(dist.tp.clone())?;
+        model.set_in_flight(pipeline::in_flight(stage.index, stage.count, micro));
+        let pipeline = Pipeline::new(dist.pp.clone(), dist.tied.clone(), stage);
         let bucket_floats = ((opts.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
         let sync = GradSync::new(&model.table, dist.dp.clone(), bucket_floats, opts.zero == 1);
         model.set_owned(sync.owned(model.table.total()))?;
@@ -352,7 +358,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let norm_comm = if opts.zero == 1 {
             dist.world.clone()
         } else {
-            dist.tp.clone()
+            dist.mp.clone()
         };
         // fp16: dynamic loss scaling, continued from the checkpoint when resuming.
         let scaler = match (
@@ -386,7 +392,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
             progress,
             watch,
             norm_comm,
+            pipeline,
             saved_layout: SavedLayout {
+                pp: grid.pp,
                 tp: grid.tp,
                 dp: grid.dp,
                 zero: opts.zero,
@@ -448,27 +456,25 @@ impl<'d, B: Backend> Trainer<'d, B> {
         if let Some(sc) = &self.scaler {
             model.set_loss_scale(sc.scale);
         }
-        // Gradient accumulation: the window's rows as `micro` equal micro-batches; the
-        // data-parallel buckets start during the last one's backward pass.
+        // The window's rows as `micro` equal micro-batches through the pipeline schedule
+        // (with one stage: gradient accumulation); the data-parallel buckets start during
+        // the last one's backward pass.
         let micro = self.opts.micro_batches;
         let rows = t.batch_size / micro;
-        let mut local_loss = 0.0f64;
-        for (i, w) in self.window.chunks(rows * (t.seq_len + 1)).enumerate() {
-            model.set_batch(w, rows, t.seq_len)?;
-            local_loss += model.forward(timers, true) as f64;
-            if i + 1 < micro {
-                model.backward(timers);
-            }
-        }
-        let local_loss = (local_loss / micro as f64) as f32;
+        model.set_batches(&self.window, micro, rows, t.seq_len)?;
         self.sync.begin_step();
         let grads = model.grads;
         let sync = &mut self.sync;
-        model.backward_with(timers, &mut |be, from| sync.ready(be, grads, from));
+        let loss_sum = self
+            .pipeline
+            .train_step(model, micro, timers, &mut |be, from| {
+                sync.ready(be, grads, from)
+            });
         {
             let _g = timers.scope("allreduce-params", TimerLevel::Coarse);
             sync.finish(&mut model.be, model.grads);
         }
+        let local_loss = (last_stage_sum(self.dist, loss_sum) / micro as f64) as f32;
         let loss = self.dist.dp_mean(local_loss as f64) as f32;
         if step == self.start_step && self.start_step == 0 {
             if let Some(path) = &self.opts.dump_grads {
@@ -662,21 +668,18 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let t0 = Instant::now();
         let _paused = self.timers.pause();
         let (model, timers) = (&mut self.model, &self.timers);
-        // In micro-batches too (the activations are sized for one).
-        let rows = t.batch_size / self.opts.micro_batches;
+        // In micro-batches too (the activations are sized for one), through the pipeline.
+        let micro = self.opts.micro_batches;
+        let rows = t.batch_size / micro;
+        let (pipeline, dist) = (&mut self.pipeline, self.dist);
         let v = data::eval_loss(
             &self.val_data,
             &self.val_loader,
             self.opts.eval_batches,
             |w| {
-                let mut sum = 0.0f64;
-                let chunks = w.chunks(rows * (t.seq_len + 1));
-                let n = chunks.len();
-                for c in chunks {
-                    model.set_batch(c, rows, t.seq_len)?;
-                    sum += model.forward(timers, false) as f64;
-                }
-                Ok((sum / n as f64) as f32)
+                model.set_batches(w, micro, rows, t.seq_len)?;
+                let sum = pipeline.forward_only(model, micro, timers);
+                Ok((last_stage_sum(dist, sum) / micro as f64) as f32)
             },
         )?;
         if let Some(v) = v {
@@ -862,6 +865,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
     ) -> Result<()> {
         let (opts, dist, t) = (&self.opts, self.dist, &self.cfg.train);
         let grid = dist.grid;
+        let stages = Stage::split(&self.cfg.model, grid.pp)?;
         let metrics_path = self.out.join("metrics.jsonl");
         let mut w = if self.start_step > 0 {
             MetricsWriter::append(&metrics_path)?
@@ -878,7 +882,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
             "init": init_desc,
             "machine": machine,
             "layout": {
-                "world": grid.world_size, "tp": grid.tp, "dp": grid.dp, "nodes": dist.nodes,
+                "world": grid.world_size, "tp": grid.tp, "dp": grid.dp, "pp": grid.pp,
+                "stage_layers": stages.iter().map(|s| [s.layers.start, s.layers.end]).collect::<Vec<_>>(),
+                "nodes": dist.nodes,
                 "ranks_per_node": grid.world_size / dist.nodes.max(1), "threads": self.threads,
                 "zero": opts.zero, "data_ranks": self.saved_layout.data_ranks,
                 "micro_batches": opts.micro_batches,
@@ -919,8 +925,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
         );
         if dist.is_parallel() {
             eprintln!(
-                "  layout: {} ranks on {} node(s) = dp {} x tp {}, ZeRO-{}, {} gradient buckets of {} MiB, {} data streams",
-                grid.world_size, dist.nodes, grid.dp, grid.tp, opts.zero, self.sync.buckets(),
+                "  layout: {} ranks on {} node(s) = pp {} x dp {} x tp {}, ZeRO-{}, {} gradient buckets of {} MiB, {} data streams",
+                grid.world_size, dist.nodes, grid.pp, grid.dp, grid.tp, opts.zero, self.sync.buckets(),
                 opts.bucket_mb, self.saved_layout.data_ranks
             );
         }
@@ -944,6 +950,26 @@ impl<'d, B: Backend> Trainer<'d, B> {
             mib(mem.backward),
             mib(mem.state() + mem.activations())
         );
+        if grid.pp > 1 {
+            let (p, m) = (grid.pp as f64, opts.micro_batches as f64);
+            let ranges: Vec<String> = stages
+                .iter()
+                .map(|s| format!("{}..{}", s.layers.start, s.layers.end))
+                .collect();
+            eprintln!(
+                "  pipeline: {} stages, blocks {} (the first with the embeddings, the last with the LM head), 1F1B over {} micro-batches: ideal bubble (p-1)/(m+p-1) = {:.0}%; memory above is stage 0's",
+                grid.pp,
+                ranges.join(", "),
+                opts.micro_batches,
+                100.0 * (p - 1.0) / (m + p - 1.0)
+            );
+            if opts.micro_batches < grid.pp {
+                eprintln!(
+                    "  warning: --micro-batches {} < --pp {}: stages idle most of each step; use at least {} (4x as many keeps the bubble under 20%)",
+                    opts.micro_batches, grid.pp, grid.pp
+                );
+            }
+        }
         if opts.micro_batches > 1 {
             eprintln!(
                 "  micro-batches: {} of {} sequences per rank, gradients accumulated before each optimizer step",
@@ -1033,6 +1059,17 @@ fn output_dir(opts: &TrainOptions, dist: &Dist) -> Result<PathBuf> {
         ),
         _ => default_out(&opts.config_name),
     })
+}
+
+/// A value only the last pipeline stage computes (the loss), on every stage: summed over the
+/// pipeline, the other stages adding 0. With one stage, `x` itself.
+fn last_stage_sum(dist: &Dist, x: f64) -> f64 {
+    if dist.grid.pp == 1 {
+        return x;
+    }
+    let mut v = [x];
+    dist.pp.allreduce_f64(&mut v, ReduceOp::Sum);
+    v[0]
 }
 
 /// Loads the model's starting point: a checkpoint (parameters and AdamW moments), a Hugging

@@ -1,0 +1,161 @@
+//! Pipeline stages: which contiguous blocks of the model one stage runs.
+//!
+//! The first stage also owns the embeddings (`wte`, `wpe`), the last the final layernorm, the
+//! LM head (the tied `wte`) and the loss. With one stage, that is the whole model. A stage is
+//! declared here and the parameter table ([`super::table::gpt2_stage_params`]) and the
+//! activation table are built from it, so a stage holds only its own tensors.
+//!
+//! The split balances compute, not block counts: the LM head of a GPT-2 costs as much as
+//! several blocks (2·C·V FLOPs per token against 24·C² for a block: 5.5 blocks for GPT-2
+//! 124M), so an even split of blocks would leave the last stage the slowest and every other
+//! stage waiting for it. [`Stage::split`] gives each stage a contiguous run of at least one
+//! block, choosing the run lengths that minimise the largest stage cost (blocks, plus the LM
+//! head on the last stage); ties go to the split that gives earlier stages more blocks.
+
+use crate::config::ModelConfig;
+use crate::model::table::padded_vocab;
+use anyhow::{bail, Result};
+use std::ops::Range;
+
+/// One pipeline stage of a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stage {
+    /// 0-based stage index.
+    pub index: usize,
+    /// Number of stages.
+    pub count: usize,
+    /// The transformer blocks this stage runs (global block indices).
+    pub layers: Range<usize>,
+}
+
+impl Stage {
+    /// The whole model as one stage.
+    pub fn whole(n_layer: usize) -> Stage {
+        Stage {
+            index: 0,
+            count: 1,
+            layers: 0..n_layer,
+        }
+    }
+
+    /// This stage holds the embeddings and reads the tokens.
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+
+    /// This stage holds the final layernorm and LM head and computes the loss.
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+
+    /// The stage of index `index` when `m` is split into `pp` stages ([`Self::split`]).
+    pub fn of(m: &ModelConfig, pp: usize, index: usize) -> Result<Stage> {
+        let mut all = Self::split(m, pp)?;
+        if index >= pp {
+            bail!("pipeline stage {index} of {pp} does not exist");
+        }
+        Ok(all.swap_remove(index))
+    }
+
+    /// `m`'s blocks split into `pp` contiguous stages of at least one block each, balancing
+    /// the compute per stage (module docs).
+    pub fn split(m: &ModelConfig, pp: usize) -> Result<Vec<Stage>> {
+        let n = m.n_layer;
+        if pp == 0 || pp > n {
+            bail!("cannot split model.n_layer = {n} blocks into {pp} pipeline stages (1..={n})");
+        }
+        // Costs in units of multiply-adds per token (the factor 2 and the backward's 2x are
+        // the same for every part).
+        let c = m.n_embd as f64;
+        let block = 12.0 * c * c;
+        let head = c * padded_vocab(m.vocab_size) as f64;
+        // best[s][k]: the smallest possible largest cost when stages s.. run blocks k..n,
+        // and the length of stage s's run that achieves it.
+        let mut best = vec![vec![(f64::INFINITY, 0usize); n + 1]; pp + 1];
+        for (k, cell) in best[pp - 1].iter_mut().enumerate().take(n) {
+            *cell = ((n - k) as f64 * block + head, n - k);
+        }
+        for s in (0..pp - 1).rev() {
+            let later = pp - 1 - s; // stages after s, at least one block each
+            for k in 0..n {
+                let mut cell = (f64::INFINITY, 0);
+                // Longest run first, so that ties give earlier stages more blocks.
+                for len in (1..=n.saturating_sub(k + later)).rev() {
+                    let cost = (len as f64 * block).max(best[s + 1][k + len].0);
+                    if cost < cell.0 {
+                        cell = (cost, len);
+                    }
+                }
+                best[s][k] = cell;
+            }
+        }
+        let mut stages = Vec::with_capacity(pp);
+        let mut k = 0;
+        for (s, row) in best.iter().take(pp).enumerate() {
+            let len = row[k].1;
+            stages.push(Stage {
+                index: s,
+                count: pp,
+                layers: k..k + len,
+            });
+            k += len;
+        }
+        debug_assert_eq!(k, n);
+        Ok(stages)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RunConfig;
+
+    fn layers(name: &str, pp: usize) -> Vec<Range<usize>> {
+        let m = RunConfig::load(name).unwrap().model;
+        Stage::split(&m, pp)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.layers)
+            .collect()
+    }
+
+    #[test]
+    fn one_stage_is_the_whole_model() {
+        let m = RunConfig::load("gpt2-124m").unwrap().model;
+        assert_eq!(Stage::split(&m, 1).unwrap(), vec![Stage::whole(12)]);
+        let w = Stage::whole(12);
+        assert!(w.is_first() && w.is_last());
+    }
+
+    #[test]
+    fn the_split_leaves_room_for_the_lm_head() {
+        // GPT-2 124M: the head is 50304/(12·768) = 5.46 blocks; 9 + 3 blocks gives stage
+        // costs 9 and 8.46 (an even 6 + 6 would give 6 and 11.46).
+        assert_eq!(layers("gpt2-124m", 2), vec![0..9, 9..12]);
+        // gpt2-tiny: the head (50304/(12·128) = 32.75 blocks) outweighs all four blocks, so the
+        // last stage gets the one block it must have.
+        assert_eq!(layers("gpt2-tiny", 2), vec![0..3, 3..4]);
+        assert_eq!(layers("gpt2-tiny", 4), vec![0..1, 1..2, 2..3, 3..4]);
+    }
+
+    #[test]
+    fn stages_partition_the_blocks_and_know_their_ends() {
+        let m = RunConfig::load("gpt2-124m").unwrap().model;
+        for pp in 1..=12 {
+            let st = Stage::split(&m, pp).unwrap();
+            assert_eq!(st.len(), pp);
+            let mut next = 0;
+            for (i, s) in st.iter().enumerate() {
+                assert_eq!(s.layers.start, next);
+                assert!(!s.layers.is_empty(), "pp {pp}: stage {i} has no block");
+                assert_eq!(s.is_first(), i == 0);
+                assert_eq!(s.is_last(), i + 1 == pp);
+                next = s.layers.end;
+            }
+            assert_eq!(next, 12);
+            assert_eq!(Stage::of(&m, pp, pp - 1).unwrap(), st[pp - 1]);
+        }
+        let e = Stage::split(&m, 13).unwrap_err().to_string();
+        assert!(e.contains("n_layer = 12"), "{e}");
+    }
+}
