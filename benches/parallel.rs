@@ -1,5 +1,5 @@
 //! `cargo bench --features mpi --bench parallel -- [--config gpt2-124m] [--shape 8x256]
-//! [--steps 6] [--cores 2]`
+//! [--steps 6] [--cores 2] [--micro 8]`
 //!
 //! The MPI targets of the parallelism issue, as ratios measured in one run on this machine:
 //! `fugu train` (the real binary, the real data path) as
@@ -7,11 +7,14 @@
 //!   2. `cores` ranks × 1 thread, data parallel (B per rank, so `cores`× the tokens per step),
 //!   3. `cores` ranks × 1 thread, tensor parallel (one replica of B),
 //!   4. as 2 with ZeRO-1,
+//!   5. `cores` ranks × 1 thread, pipeline parallel (one replica of B as `micro` micro-batches
+//!      through `cores` stages, 1F1B),
 //!
 //! each for `steps` steps. Reads every run's metrics.jsonl and prints the median tokens/s
 //! (first step excluded as warm-up), the ratio to the baseline, the visible
 //! `allreduce-params` time and the TP all-reduce time as a share of the step, and the payload
-//! bytes communicated per step, and rank 0's peak RSS (which includes gathering the final
+//! bytes communicated per step, the pipeline bubble (`pipeline:bubble`, mean over ranks) as a
+//! share of the step next to the ideal 1F1B bubble (p−1)/(m+p−1), and rank 0's peak RSS (which includes gathering the final
 //! checkpoint on rank 0, so it understates what ZeRO-1 saves during training).
 
 use clap::Parser;
@@ -32,6 +35,9 @@ struct Args {
     /// Cores to use: threads of the baseline, ranks of the parallel runs.
     #[arg(long, default_value_t = 2)]
     cores: usize,
+    /// Micro-batches of the pipeline-parallel run.
+    #[arg(long, default_value_t = 8)]
+    micro: usize,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -66,6 +72,7 @@ fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("fugu-bench-parallel-{}", std::process::id()));
     let cores = a.cores.to_string();
     let steps = a.steps.to_string();
+    let micro = a.micro.to_string();
     let runs: Vec<(&str, usize, Vec<&str>)> = vec![
         ("1 rank x threads", 0, vec!["--threads", &cores]),
         ("dp ranks x 1 thread", a.cores, vec!["--threads", "1"]),
@@ -79,19 +86,27 @@ fn main() -> anyhow::Result<()> {
             a.cores,
             vec!["--threads", "1", "--zero", "1"],
         ),
+        (
+            "pp ranks x 1 thread",
+            a.cores,
+            vec!["--threads", "1", "--pp", &cores, "--micro-batches", &micro],
+        ),
     ];
+    let ideal_bubble =
+        100.0 * (a.cores - 1) as f64 / (a.micro + a.cores - 1) as f64;
     println!(
         "{} B={b} T={t} per replica, {} steps (first excluded), {} cores",
         a.config, a.steps, a.cores
     );
     println!(
-        "{:<22} {:>10} {:>9} {:>8} {:>16} {:>14} {:>12} {:>10}",
+        "{:<22} {:>10} {:>9} {:>8} {:>16} {:>14} {:>20} {:>12} {:>10}",
         "run",
         "tokens/s",
         "ms/step",
         "ratio",
         "allreduce-params",
         "TP allreduce",
+        "bubble (ideal)",
         "MB/step",
         "RSS MiB"
     );
@@ -161,7 +176,13 @@ fn main() -> anyhow::Result<()> {
             ) * 100.0
         };
         let ar = share(&|k| k == "allreduce-params") + 0.0;
-        let tpar = share(&|k| k.ends_with(":allreduce")) + 0.0;
+        let tpar = share(&|k| k.ends_with(":allreduce") && !k.starts_with("pipeline:")) + 0.0;
+        let bubble = share(&|k| k == "pipeline:bubble") + 0.0;
+        let bubble = if extra.contains(&"--pp") {
+            format!("{bubble:.1}% ({ideal_bubble:.1}%)")
+        } else {
+            "-".to_string()
+        };
         let mb = median(
             recs.iter()
                 .map(|r| r.comm_bytes.unwrap_or(0) as f64 / 1e6)
@@ -179,13 +200,14 @@ fn main() -> anyhow::Result<()> {
             .unwrap_or(f64::NAN)
             / (1u64 << 20) as f64;
         println!(
-            "{:<22} {:>10.1} {:>9.0} {:>7.2}x {:>15.1}% {:>13.1}% {:>12.0} {:>10.0}",
+            "{:<22} {:>10.1} {:>9.0} {:>7.2}x {:>15.1}% {:>13.1}% {:>20} {:>12.0} {:>10.0}",
             name,
             tps,
             ms,
             tps / base,
             ar,
             tpar,
+            bubble,
             mb,
             rss
         );

@@ -673,6 +673,7 @@ fn pjsub_directives_follow_the_documented_syntax() {
         "FUGU_PRECISION",
         "FUGU_MICRO_BATCHES",
         "FUGU_RECOMPUTE",
+        "FUGU_PP",
     ] {
         assert!(m.contains_key(v), "pjsub/train.sh: setting {v}");
     }
@@ -797,6 +798,7 @@ fn slurm_directives_match_the_a64fx_layout() {
         "FUGU_PRECISION",
         "FUGU_MICRO_BATCHES",
         "FUGU_RECOMPUTE",
+        "FUGU_PP",
     ] {
         assert!(m.contains_key(v), "slurm/train.sh: setting {v}");
     }
@@ -1061,6 +1063,25 @@ fn common_sh_helpers() {
     assert!(!out.status.success() && text(&out).contains("FUGU_BIN=/nonexistent/fugu"));
     let out = common_sh("FUGU_TP=two; fugu_require_uint FUGU_TP", &[]);
     assert!(!out.status.success() && text(&out).contains("FUGU_TP must be"));
+    // FUGU_PP: passed on as --pp, named in the default run directory, checked against the ranks.
+    let args = common_sh_ok(
+        "FUGU_CONFIG=c FUGU_DATA=d FUGU_OUT=o FUGU_THREADS=1 FUGU_TP=2 FUGU_ZERO=0 FUGU_PP=2; \
+         fugu_train_args; echo \"${FUGU_TRAIN_ARGS[*]}|$(fugu_pp_suffix)\"",
+        &[],
+    );
+    assert!(
+        args.contains("--tp 2 --pp 2") && args.trim_end().ends_with("|-pp2"),
+        "{args}"
+    );
+    let args = common_sh_ok(
+        "FUGU_CONFIG=c FUGU_DATA=d FUGU_OUT=o FUGU_THREADS=1 FUGU_TP=1 FUGU_ZERO=0 FUGU_PP=1; \
+         fugu_train_args; echo \"${FUGU_TRAIN_ARGS[*]}|$(fugu_pp_suffix)\"",
+        &[],
+    );
+    assert!(
+        !args.contains("--pp") && args.trim_end().ends_with('|'),
+        "{args}"
+    );
 
     // The settings file of a continuation keeps values with spaces, commas and quotes.
     let dir = tmp("envfile");

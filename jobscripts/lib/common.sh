@@ -98,12 +98,15 @@ fugu_rfc3339() { date -u -d "@$1" '+%Y-%m-%dT%H:%M:%SZ'; }
 # FUGU_OUT (absolute) and FUGU_DATA (staged). Needs FUGU_RANKS (total MPI ranks).
 fugu_setup_train() {
   fugu_require_bin
-  fugu_require_uint FUGU_TP FUGU_ZERO FUGU_THREADS FUGU_RANKS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX FUGU_RESUBMIT_COUNT
+  : "${FUGU_PP:=1}"
+  fugu_require_uint FUGU_TP FUGU_PP FUGU_ZERO FUGU_THREADS FUGU_RANKS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX FUGU_RESUBMIT_COUNT
   [ -n "$FUGU_CONFIG" ] || fugu_die "FUGU_CONFIG is empty: set it to a built-in config name (gpt2-tiny, gpt2-124m, ...) or a TOML file"
   [ "$FUGU_TP" -ge 1 ] || fugu_die "FUGU_TP must be at least 1"
+  [ "$FUGU_PP" -ge 1 ] || fugu_die "FUGU_PP must be at least 1"
   [ "$FUGU_THREADS" -ge 1 ] || fugu_die "FUGU_THREADS must be at least 1"
   [ "$FUGU_RANKS" -ge 1 ] || fugu_die "the job has no MPI ranks (FUGU_RANKS=$FUGU_RANKS)"
-  [ $(( FUGU_RANKS % FUGU_TP )) -eq 0 ] || fugu_die "FUGU_TP=$FUGU_TP does not divide the $FUGU_RANKS ranks of this job"
+  [ $(( FUGU_RANKS % (FUGU_TP * FUGU_PP) )) -eq 0 ] ||
+    fugu_die "FUGU_TP=$FUGU_TP x FUGU_PP=$FUGU_PP does not divide the $FUGU_RANKS ranks of this job"
   case "$FUGU_ZERO" in 0 | 1) ;; *) fugu_die "FUGU_ZERO must be 0 or 1 (got $FUGU_ZERO)" ;; esac
   case "${FUGU_PRECISION:-}" in '' | fp32 | bf16 | fp16) ;; *) fugu_die "FUGU_PRECISION must be fp32, bf16 or fp16 (got $FUGU_PRECISION)" ;; esac
   case "${FUGU_RECOMPUTE:-}" in '' | none | attention) ;; *) fugu_die "FUGU_RECOMPUTE must be none or attention (got $FUGU_RECOMPUTE)" ;; esac
@@ -113,10 +116,16 @@ fugu_setup_train() {
     case "$FUGU_CONFIG" in *.toml | */*) FUGU_CONFIG=$(fugu_abs "$FUGU_CONFIG") ;; esac
   fi
   # The run directory must not change between a job and its resubmission: no job id in it.
-  FUGU_RUN_NAME=${FUGU_RUN_NAME:-$(fugu_sanitize "$FUGU_CONFIG")-n${FUGU_RANKS}-tp${FUGU_TP}}
+  FUGU_RUN_NAME=${FUGU_RUN_NAME:-$(fugu_sanitize "$FUGU_CONFIG")-n${FUGU_RANKS}-tp${FUGU_TP}$(fugu_pp_suffix)}
   FUGU_OUT=$(fugu_abs "${FUGU_OUT:-runs/$FUGU_RUN_NAME}")
   mkdir -p "$FUGU_OUT" || fugu_die "cannot create FUGU_OUT=$FUGU_OUT"
   fugu_stage_data
+}
+
+# fugu_pp_suffix: "-ppP" in default run directory names when FUGU_PP is above 1 (none
+# otherwise, so the names of runs without pipeline parallelism do not change).
+fugu_pp_suffix() {
+  [ "${FUGU_PP:-1}" = 1 ] || printf -- '-pp%s' "$FUGU_PP"
 }
 
 # fugu_stage_data: with FUGU_DATA empty, tokenise the bundled corpus once, here in the batch
@@ -154,6 +163,7 @@ fugu_train_args() {
   # --tp/--zero only when not the trainer's default, so that a binary without them still runs
   # plain data-parallel jobs.
   [ "$FUGU_TP" = 1 ] || FUGU_TRAIN_ARGS+=(--tp "$FUGU_TP")
+  [ "${FUGU_PP:-1}" = 1 ] || FUGU_TRAIN_ARGS+=(--pp "$FUGU_PP")
   [ "$FUGU_ZERO" = 0 ] || FUGU_TRAIN_ARGS+=(--zero "$FUGU_ZERO")
   [ -z "${FUGU_STEPS:-}" ] || FUGU_TRAIN_ARGS+=(--steps "$FUGU_STEPS")
   [ -z "${FUGU_BATCH_SIZE:-}" ] || FUGU_TRAIN_ARGS+=(--batch-size "$FUGU_BATCH_SIZE")
@@ -387,7 +397,7 @@ FUGU_PJSUB_SETTINGS=(FUGU_HOME FUGU_BIN FUGU_CONFIG FUGU_DATA FUGU_STEPS FUGU_BA
   FUGU_TIMERS FUGU_EXTRA_ARGS FUGU_RANKS_PER_NODE FUGU_ELAPSE FUGU_DEADLINE_MARGIN FUGU_LLIO_TRANSFER
   FUGU_MPIEXEC_ARGS FUGU_GROUP FUGU_RSCGRP FUGU_PJSUB_ARGS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX
   FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR FUGU_ECO_STATE FUGU_LLIO_SHAREDTMP FUGU_PJSTAT
-  FUGU_PRECISION FUGU_MICRO_BATCHES FUGU_RECOMPUTE)
+  FUGU_PRECISION FUGU_MICRO_BATCHES FUGU_RECOMPUTE FUGU_PP)
 
 # fugu_write_env FILE VAR...: `export VAR=value` lines (shell-quoted) for the variables that are
 # set (an empty value is kept: FUGU_BENCH_SETS= means "no shape sets").

@@ -38,6 +38,7 @@ set -euo pipefail
 : "${FUGU_WORKDIR:=$PWD}"        # base of relative paths
 : "${FUGU_OUT:=}"                # run directory; empty: runs/CONFIG-nRANKS-tpTP
 : "${FUGU_TP:=1}"                # tensor-parallel degree (only for the default run directory name here)
+: "${FUGU_PP:=1}"                # pipeline stages (only for the default run directory name here)
 
 # ----------------------------------------------------------------------------- common code
 for d in "${FUGU_HOME:+$FUGU_HOME/jobscripts}" "$(dirname -- "$0")/.." "$PWD/jobscripts"; do
@@ -53,7 +54,7 @@ command -v pjsub >/dev/null || fugu_die "pjsub not found: run this on a Fugaku l
 # The binary is for A64FX and may not run on the (x86) login node: only check that it is there.
 [ -f "$FUGU_BIN" ] || fugu_die "FUGU_BIN=$FUGU_BIN does not exist: build it (docs/JOBS.md, scripts/build-fugaku.sh) or set FUGU_BIN"
 FUGU_BIN=$(cd "$(dirname -- "$FUGU_BIN")" && pwd)/$(basename -- "$FUGU_BIN")
-fugu_require_uint FUGU_NODES FUGU_RANKS_PER_NODE FUGU_CHAIN_JOBS FUGU_TP
+fugu_require_uint FUGU_NODES FUGU_RANKS_PER_NODE FUGU_CHAIN_JOBS FUGU_TP FUGU_PP
 { [ "$FUGU_NODES" -ge 1 ] && [ "$FUGU_RANKS_PER_NODE" -ge 1 ]; } || fugu_die "FUGU_NODES and FUGU_RANKS_PER_NODE must be at least 1"
 [ "$FUGU_CHAIN_JOBS" -ge 1 ] || fugu_die "FUGU_CHAIN_JOBS must be at least 1"
 case "$FUGU_CHAIN_MODE" in step | wait) ;; *) fugu_die "FUGU_CHAIN_MODE must be step or wait (got '$FUGU_CHAIN_MODE')" ;; esac
@@ -68,7 +69,7 @@ fi
 fugu_check_llio_fits "$FUGU_BIN" "${cfgfile[@]}"
 
 ranks=$(( FUGU_NODES * FUGU_RANKS_PER_NODE ))
-FUGU_OUT=$(fugu_abs "${FUGU_OUT:-runs/$(fugu_sanitize "$FUGU_CONFIG")-n$ranks-tp$FUGU_TP}")
+FUGU_OUT=$(fugu_abs "${FUGU_OUT:-runs/$(fugu_sanitize "$FUGU_CONFIG")-n$ranks-tp$FUGU_TP$(fugu_pp_suffix)}")
 mkdir -p "$FUGU_OUT/job-env"
 rscgrp=$FUGU_RSCGRP
 if [ -z "$rscgrp" ]; then

@@ -48,6 +48,7 @@ fi
 : "${FUGU_BATCH_SIZE:=}"         # --batch-size; empty: the config's
 : "${FUGU_SEQ_LEN:=}"            # --seq-len; empty: the config's
 : "${FUGU_TP:=1}"                # tensor-parallel degree (divides the rank count)
+: "${FUGU_PP:=1}"                # pipeline stages (FUGU_TP x FUGU_PP divides the rank count)
 : "${FUGU_ZERO:=0}"              # 1: shard the optimizer state over data-parallel ranks (ZeRO-1)
 : "${FUGU_PRECISION:=}"          # fp32 | bf16 | fp16 (mixed precision); empty: the config's
 : "${FUGU_MICRO_BATCHES:=}"      # --micro-batches (gradient accumulation); empty: 1
@@ -137,7 +138,7 @@ export OMP_NUM_THREADS=$FUGU_THREADS
 
 read -r -a mpiexec_args <<<"$FUGU_MPIEXEC_ARGS"
 jobid=${PJM_JOBID:-unknown}
-fugu_log "job $jobid: $FUGU_RANKS rank(s) on $nodes node(s) (at most $FUGU_RANKS_PER_NODE per node) x $FUGU_THREADS thread(s), tp=$FUGU_TP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
+fugu_log "job $jobid: $FUGU_RANKS rank(s) on $nodes node(s) (at most $FUGU_RANKS_PER_NODE per node) x $FUGU_THREADS thread(s), tp=$FUGU_TP pp=$FUGU_PP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
 fugu_log "run directory $FUGU_OUT"
 fugu_log "mpiexec -n $FUGU_RANKS ${mpiexec_args[*]} $FUGU_BIN ${FUGU_TRAIN_ARGS[*]}"
 fugu_job_record "pjsub job $jobid start ($FUGU_RANKS rank(s) on $nodes node(s), deadline ${FUGU_DEADLINE:-none})"

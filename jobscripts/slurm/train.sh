@@ -28,6 +28,7 @@ set -euo pipefail
 : "${FUGU_BATCH_SIZE:=}"         # --batch-size; empty: the config's
 : "${FUGU_SEQ_LEN:=}"            # --seq-len; empty: the config's
 : "${FUGU_TP:=1}"                # tensor-parallel degree (divides the rank count)
+: "${FUGU_PP:=1}"                # pipeline stages (FUGU_TP x FUGU_PP divides the rank count)
 : "${FUGU_ZERO:=0}"              # 1: shard the optimizer state over data-parallel ranks (ZeRO-1)
 : "${FUGU_PRECISION:=}"          # fp32 | bf16 | fp16 (mixed precision); empty: the config's
 : "${FUGU_MICRO_BATCHES:=}"      # --micro-batches (gradient accumulation); empty: 1
@@ -92,7 +93,7 @@ case "$FUGU_LAUNCHER" in
   *) fugu_die "FUGU_LAUNCHER must be srun or mpirun (got '$FUGU_LAUNCHER')" ;;
 esac
 
-fugu_log "job $SLURM_JOB_ID: $nodes node(s) x $ranks_per_node rank(s) x $FUGU_THREADS thread(s), tp=$FUGU_TP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
+fugu_log "job $SLURM_JOB_ID: $nodes node(s) x $ranks_per_node rank(s) x $FUGU_THREADS thread(s), tp=$FUGU_TP pp=$FUGU_PP zero=$FUGU_ZERO, continuation $FUGU_RESUBMIT_COUNT"
 fugu_log "run directory $FUGU_OUT"
 fugu_log "${launcher[*]} $FUGU_BIN ${FUGU_TRAIN_ARGS[*]}"
 fugu_job_record "slurm job $SLURM_JOB_ID start ($FUGU_RANKS rank(s) on $nodes node(s))"
