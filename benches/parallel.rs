@@ -92,8 +92,7 @@ fn main() -> anyhow::Result<()> {
             vec!["--threads", "1", "--pp", &cores, "--micro-batches", &micro],
         ),
     ];
-    let ideal_bubble =
-        100.0 * (a.cores - 1) as f64 / (a.micro + a.cores - 1) as f64;
+    let ideal_bubble = 100.0 * (a.cores - 1) as f64 / (a.micro + a.cores - 1) as f64;
     println!(
         "{} B={b} T={t} per replica, {} steps (first excluded), {} cores",
         a.config, a.steps, a.cores

@@ -47,7 +47,8 @@ struct Args {
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
     /// Activation recomputation (`attention`: one shared attention-probability buffer,
-    /// recomputed per layer in the backward pass); the activation memory is printed per shape.
+    /// recomputed per layer in the backward pass; `full`: block outputs kept, each block's
+    /// forward pass rerun in the backward pass); the activation memory is printed per shape.
     #[arg(long, value_enum, default_value = "none")]
     recompute: Recompute,
     /// Timer detail: fine times every op (on a GPU it synchronises around each, which costs

@@ -1060,20 +1060,15 @@ fn micro_batches_accumulate_the_full_batch_gradient() {
 }
 
 /// `--recompute attention` recomputes each layer's attention probabilities in the backward
-/// pass from the same inputs with the same ops: the losses and parameters are bit-identical to
-/// the run that keeps them, and the header's activation memory is smaller.
+/// pass, `--recompute full` each block's whole forward pass, from the same inputs with the
+/// same ops: the losses and parameters are bit-identical to the run that keeps them, and the
+/// header's activation memory is smaller (full less than attention).
 #[test]
-fn recompute_attention_gives_identical_training_in_less_memory() {
+fn recompute_gives_identical_training_in_less_memory() {
     let r = SmallRuns::new("recompute");
-    ok(&r.run(&["--out", "keep"]));
-    ok(&r.run(&["--out", "recompute", "--recompute", "attention"]));
-    let (a, b) = (
-        losses(&r.dir.join("keep")),
-        losses(&r.dir.join("recompute")),
-    );
-    assert_eq!(a.len(), b.len());
-    for ((s, x), (_, y)) in a.iter().zip(&b) {
-        assert_eq!(x.to_bits(), y.to_bits(), "step {s}: {x} vs {y}");
+    ok(&r.run(&["--out", "none"]));
+    for mode in ["attention", "full"] {
+        ok(&r.run(&["--out", mode, "--recompute", mode]));
     }
     let file = |run: &str| {
         std::fs::read(
@@ -1084,18 +1079,26 @@ fn recompute_attention_gives_identical_training_in_less_memory() {
         )
         .unwrap()
     };
-    assert!(file("keep") == file("recompute"), "parameters differ");
     let act = |run: &str| {
         let recs = read_metrics(r.dir.join(run).join("metrics.jsonl")).unwrap();
         let Some(Record::Header(h)) = recs.first() else {
             panic!("no header")
         };
-        assert_eq!(
-            h["layout"]["recompute"],
-            if run == "keep" { "none" } else { "attention" }
-        );
+        assert_eq!(h["layout"]["recompute"], run);
         h["memory"]["activation_bytes"].as_f64().unwrap()
     };
-    let (keep, re) = (act("keep"), act("recompute"));
-    assert!(re < keep, "activations: {re} recomputing vs {keep} keeping");
+    let keep = losses(&r.dir.join("none"));
+    for mode in ["attention", "full"] {
+        let re = losses(&r.dir.join(mode));
+        assert_eq!(keep.len(), re.len());
+        for ((s, x), (_, y)) in keep.iter().zip(&re) {
+            assert_eq!(x.to_bits(), y.to_bits(), "{mode}: step {s}: {x} vs {y}");
+        }
+        assert!(file("none") == file(mode), "{mode}: parameters differ");
+    }
+    let (none, attention, full) = (act("none"), act("attention"), act("full"));
+    assert!(
+        full < attention && attention < none,
+        "activations: full {full}, attention {attention}, none {none}"
+    );
 }

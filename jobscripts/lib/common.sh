@@ -109,7 +109,7 @@ fugu_setup_train() {
     fugu_die "FUGU_TP=$FUGU_TP x FUGU_PP=$FUGU_PP does not divide the $FUGU_RANKS ranks of this job"
   case "$FUGU_ZERO" in 0 | 1) ;; *) fugu_die "FUGU_ZERO must be 0 or 1 (got $FUGU_ZERO)" ;; esac
   case "${FUGU_PRECISION:-}" in '' | fp32 | bf16 | fp16) ;; *) fugu_die "FUGU_PRECISION must be fp32, bf16 or fp16 (got $FUGU_PRECISION)" ;; esac
-  case "${FUGU_RECOMPUTE:-}" in '' | none | attention) ;; *) fugu_die "FUGU_RECOMPUTE must be none or attention (got $FUGU_RECOMPUTE)" ;; esac
+  case "${FUGU_RECOMPUTE:-}" in '' | none | attention | full) ;; *) fugu_die "FUGU_RECOMPUTE must be none, attention or full (got $FUGU_RECOMPUTE)" ;; esac
   [ -z "${FUGU_MICRO_BATCHES:-}" ] || fugu_require_uint FUGU_MICRO_BATCHES
   # A config given as a file: make it absolute, the ranks may start elsewhere.
   if [ -f "$FUGU_CONFIG" ] || [ -f "$FUGU_WORKDIR/$FUGU_CONFIG" ]; then

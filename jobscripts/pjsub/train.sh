@@ -52,7 +52,7 @@ fi
 : "${FUGU_ZERO:=0}"              # 1: shard the optimizer state over data-parallel ranks (ZeRO-1)
 : "${FUGU_PRECISION:=}"          # fp32 | bf16 | fp16 (mixed precision); empty: the config's
 : "${FUGU_MICRO_BATCHES:=}"      # --micro-batches (gradient accumulation); empty: 1
-: "${FUGU_RECOMPUTE:=}"          # none | attention (activation recomputation); empty: none
+: "${FUGU_RECOMPUTE:=}"          # none | attention | full (activation recomputation); empty: none
 : "${FUGU_THREADS:=12}"          # compute threads per rank (12 = the cores of one CMG)
 : "${FUGU_RANKS_PER_NODE:=4}"    # ranks per node (keep equal to --mpi max-proc-per-node)
 : "${FUGU_WORKDIR:=${PJM_O_WORKDIR:-$PWD}}"  # base of the relative paths below

@@ -107,7 +107,9 @@ pub struct TrainArgs {
     pub micro_batches: usize,
     /// Activation recomputation: `attention` keeps one attention-probability buffer for all
     /// layers and recomputes each layer's scores and softmax in the backward pass (less
-    /// memory, a little more time, identical gradients). May change when resuming.
+    /// memory, a little more time); `full` keeps only each block's output and reruns each
+    /// block's forward pass in the backward pass (the least memory, about one more forward
+    /// pass of time). Identical gradients either way. May change when resuming.
     #[arg(long, value_enum, default_value = "none")]
     pub recompute: crate::model::acts::Recompute,
     /// Read the global batch as N data streams (default: one per data-parallel rank, or the

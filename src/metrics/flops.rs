@@ -13,8 +13,9 @@
 /// 24·B·s·h² (QKV, projection and the 4h MLP GEMMs) + 4·B·s²·h (the attention score and
 /// context batched GEMMs), the LM head 2·B·s·h·V; backward is twice the forward. The paper's
 /// headline formula, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), adds one more forward pass of the
-/// layers for full activation recomputation; fugu does not recompute, so the factor is
-/// 3 × 24 = 72 and the LM-head term is V/(12·l·h). Only GEMM FLOPs are counted (softmax,
+/// layers for full activation recomputation. These are *model* FLOPs (MFU, as PaLM defines
+/// it): recomputation (`--recompute`) is extra work the hardware does and is not counted, so
+/// the factor is 3 × 24 = 72 and the LM-head term is V/(12·l·h) whatever the recomputation. Only GEMM FLOPs are counted (softmax,
 /// layer norm, GELU and the optimizer are ignored), the same convention as Megatron's reported
 /// TFLOP/s, so comparisons against it are like for like.
 ///

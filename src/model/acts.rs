@@ -19,7 +19,19 @@ pub enum Recompute {
     /// layer share one buffer, and the backward pass recomputes a layer's scores and softmax
     /// from its kept q, k (the largest activation at long sequences, for two cheap ops).
     Attention,
+    /// Full recomputation: only each block's output (the next block's input, B·T·C) is kept
+    /// per layer; every other block activation lives in one set shared by all layers, and the
+    /// backward pass reruns each block's forward pass from its input before its backward pass
+    /// (the stage's last block excepted: its activations are still in the shared set). About
+    /// one more forward pass of the blocks in time, the least activation memory.
+    Full,
 }
+
+/// The per-block activations that [`Recompute::Full`] keeps in one set shared by all layers
+/// (all but `resid3`, the block output).
+const SHARED_UNDER_FULL: [&str; 8] = [
+    "ln1", "qkv", "att", "atty", "resid2", "ln2", "fch", "fch_gelu",
+];
 
 /// Shapes of one step: `b` sequences of `t` tokens, hidden `c`, and this rank's share of heads,
 /// MLP width and (padded) vocabulary.
@@ -142,27 +154,36 @@ fn span(table: &Table, buf: BufId, name: &str) -> Span {
 }
 
 /// The activation table of `stage`'s blocks (and, on the last stage, the head) in the compute
-/// type's buffer. With [`Recompute::Attention`] every layer's `att` is the one shared `att`.
+/// type's buffer. A tensor shared by all layers has no `h.L.` prefix: `att` under
+/// [`Recompute::Attention`], all but `resid3` under [`Recompute::Full`].
 pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute) -> Table {
     let n = d.n();
+    let lc = d.local_c();
+    let block: [(&str, Vec<usize>); 9] = [
+        ("ln1", vec![n, d.c]),
+        ("qkv", vec![n, 3 * lc]),
+        ("att", vec![d.b, d.nh, d.t, d.t]),
+        ("atty", vec![n, lc]),
+        ("resid2", vec![n, d.c]),
+        ("ln2", vec![n, d.c]),
+        ("fch", vec![n, d.f]),
+        ("fch_gelu", vec![n, d.f]),
+        ("resid3", vec![n, d.c]),
+    ];
+    let shared = |name: &str| match recompute {
+        Recompute::None => false,
+        Recompute::Attention => name == "att",
+        Recompute::Full => SHARED_UNDER_FULL.contains(&name),
+    };
     let mut t = Table::default();
     t.push("encoded", &[n, d.c]);
-    if recompute == Recompute::Attention {
-        t.push("att", &[d.b, d.nh, d.t, d.t]);
+    for (name, shape) in block.iter().filter(|(name, _)| shared(name)) {
+        t.push(*name, shape);
     }
     for l in 0..stage.layers.len() {
-        let p = |s: &str| format!("h.{l}.{s}");
-        t.push(p("ln1"), &[n, d.c]);
-        t.push(p("qkv"), &[n, 3 * d.local_c()]);
-        if recompute == Recompute::None {
-            t.push(p("att"), &[d.b, d.nh, d.t, d.t]);
+        for (name, shape) in block.iter().filter(|(name, _)| !shared(name)) {
+            t.push(format!("h.{l}.{name}"), shape);
         }
-        t.push(p("atty"), &[n, d.local_c()]);
-        t.push(p("resid2"), &[n, d.c]);
-        t.push(p("ln2"), &[n, d.c]);
-        t.push(p("fch"), &[n, d.f]);
-        t.push(p("fch_gelu"), &[n, d.f]);
-        t.push(p("resid3"), &[n, d.c]);
     }
     t.push("proj", &[n, d.c]);
     if stage.is_last() {
@@ -209,17 +230,17 @@ impl Acts {
         };
         let layers = (0..stage.layers.len())
             .map(|l| {
-                let p = |x: &str| s(&format!("h.{l}.{x}"));
-                let att = match table.get("att") {
-                    Some(_) => s("att"),
-                    None => p("att"),
+                // A layer's own tensor, or the one all layers share.
+                let p = |x: &str| match table.get(x) {
+                    Some(_) => s(x),
+                    None => s(&format!("h.{l}.{x}")),
                 };
                 LayerActs {
                     ln1: p("ln1"),
                     ln1_mean: p("ln1_mean"),
                     ln1_rstd: p("ln1_rstd"),
                     qkv: p("qkv"),
-                    att,
+                    att: p("att"),
                     atty: p("atty"),
                     resid2: p("resid2"),
                     ln2: p("ln2"),

@@ -22,9 +22,11 @@
 //! backward goes on), and [`Gpt2::set_owned`] restricts the optimizer (and the AdamW moments)
 //! to the parameter ranges this rank updates.
 
-use super::acts::{acts_table, grad_acts_table, stats_table, Acts, GradActs, Recompute, StepDims};
+use super::acts::{
+    acts_table, grad_acts_table, stats_table, Acts, GradActs, LayerActs, Recompute, StepDims,
+};
 use super::kv::KvCache;
-use super::params::ParamSpans;
+use super::params::{LayerParams, ParamSpans};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use crate::backend::{AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout};
@@ -640,9 +642,8 @@ impl<B: Backend> Gpt2<B> {
         let a = slot(&self.acts, micro).0;
         let d = a.dims;
         let n = d.n();
-        let (c, f, lc) = (d.c, d.f, d.local_c());
+        let c = d.c;
         let vocab_start = self.tp.rank * d.vp;
-        let ad = d.attn();
         let p = &self.p;
         let be = &mut self.be;
         let comm = &*self.tp_comm;
@@ -677,135 +678,14 @@ impl<B: Backend> Gpt2<B> {
         }
         let mut resid = a.encoded;
         for (l, (la, lp)) in a.layers.iter().zip(&p.layers).enumerate() {
-            {
-                let _t = timers.scope("forward:layernorm", Fine);
-                be.layernorm_forward(
-                    la.ln1,
-                    la.ln1_mean,
-                    la.ln1_rstd,
-                    resid,
-                    lp.ln1_w,
-                    lp.ln1_b,
-                    n,
-                    c,
-                );
-            }
-            {
-                let _t = timers.scope("forward:attention:qkv", Fine);
-                be.linear_forward(
-                    la.qkv,
-                    la.ln1,
-                    lp.qkv_w,
-                    WeightLayout::InOut,
-                    Some(lp.qkv_b),
-                    n,
-                    c,
-                    3 * lc,
-                );
-            }
-            match pass {
-                Pass::Batch { .. } => {
-                    {
-                        let _t = timers.scope("forward:attention:baddbmm", Fine);
-                        be.attention_scores(la.att, la.qkv, ad);
-                    }
-                    {
-                        let _t = timers.scope("forward:attention:softmax", Fine);
-                        be.attention_softmax(la.att, ad);
-                    }
-                    let _t = timers.scope("forward:attention:bmm", Fine);
-                    be.attention_values(la.atty, la.att, la.qkv, ad);
-                }
-                Pass::Decode { cache, pos } => {
-                    let _t = timers.scope("forward:attention:decode", Fine);
-                    let (k, v) = (cache.k(l), cache.v(l));
-                    be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
-                    be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
-                    be.attention_decode(la.atty, la.qkv.sub(0, lc), k, v, pos + 1, d.nh, d.hs);
-                }
-            }
-            {
-                let _t = timers.scope("forward:attention:proj", Fine);
-                // TP: row-parallel; bias after the all-reduce.
-                be.linear_forward(
-                    a.proj,
-                    la.atty,
-                    lp.attproj_w,
-                    WeightLayout::InOut,
-                    first.then_some(lp.attproj_b),
-                    n,
-                    lc,
-                    c,
-                );
-            }
-            tp_allreduce(
-                be,
-                comm,
-                timers,
-                "forward:attention:allreduce",
-                a.proj,
-                ReduceOp::Sum,
-            );
-            {
-                let _t = timers.scope("forward:residual", Fine);
-                be.residual_forward(la.resid2, resid, a.proj);
-            }
-            {
-                let _t = timers.scope("forward:layernorm", Fine);
-                be.layernorm_forward(
-                    la.ln2,
-                    la.ln2_mean,
-                    la.ln2_rstd,
-                    la.resid2,
-                    lp.ln2_w,
-                    lp.ln2_b,
-                    n,
-                    c,
-                );
-            }
-            {
-                let _t = timers.scope("forward:mlp:mm", Fine);
-                be.linear_forward(
-                    la.fch,
-                    la.ln2,
-                    lp.fc_w,
-                    WeightLayout::InOut,
-                    Some(lp.fc_b),
-                    n,
-                    c,
-                    f,
-                );
-            }
-            {
-                let _t = timers.scope("forward:mlp:gelu", Fine);
-                be.gelu_forward(la.fch_gelu, la.fch);
-            }
-            {
-                let _t = timers.scope("forward:mlp:mm", Fine);
-                // TP: row-parallel; bias after the all-reduce.
-                be.linear_forward(
-                    a.proj,
-                    la.fch_gelu,
-                    lp.fcproj_w,
-                    WeightLayout::InOut,
-                    first.then_some(lp.fcproj_b),
-                    n,
-                    f,
-                    c,
-                );
-            }
-            tp_allreduce(
-                be,
-                comm,
-                timers,
-                "forward:mlp:allreduce",
-                a.proj,
-                ReduceOp::Sum,
-            );
-            {
-                let _t = timers.scope("forward:residual", Fine);
-                be.residual_forward(la.resid3, la.resid2, a.proj);
-            }
+            let bp = BlockPass {
+                d: &d,
+                tp_first: first,
+                pass,
+                layer: l,
+                proj: a.proj,
+            };
+            block_forward(be, comm, timers, la, lp, resid, &bp);
             resid = la.resid3;
         }
         let (Some(h), Some(hp)) = (a.head, p.head) else {
@@ -914,6 +794,21 @@ impl<B: Backend> Gpt2<B> {
             } else {
                 a.layers[l - 1].resid3
             };
+            if self.recompute == Recompute::Full && l + 1 < a.layers.len() {
+                // This block's activations, as the forward pass computed them, into the set
+                // all blocks share (the last block's are still there). Its inner op timers
+                // (and TP all-reduces) count as this one.
+                let _t = timers.scope("backward:recompute", Fine);
+                let _quiet = timers.pause();
+                let bp = BlockPass {
+                    d: &d,
+                    tp_first: self.tp.rank == 0,
+                    pass: Pass::Batch { micro },
+                    layer: l,
+                    proj: a.proj,
+                };
+                block_forward(be, comm, timers, la, lp, resid, &bp);
+            }
             // MLP: dres is the gradient of the block output (= resid2 + fcproj).
             {
                 let _t = timers.scope("backward:mlp:mm", Fine);
@@ -1159,6 +1054,166 @@ impl<B: Backend> Gpt2<B> {
         let mut out = vec![0.0; h.logits.len];
         self.be.download(h.logits, &mut out);
         out
+    }
+}
+
+/// What a block's forward pass needs besides its activations and parameters.
+struct BlockPass<'a, 'c> {
+    d: &'a StepDims,
+    /// Tensor-parallel rank 0 (adds the replicated row-parallel biases).
+    tp_first: bool,
+    pass: Pass<'c>,
+    /// The block's index within the stage (its key/value cache layer when decoding).
+    layer: usize,
+    /// Scratch for a projection's output before it joins the residual stream.
+    proj: Span,
+}
+
+/// One transformer block's forward pass from its input `resid` (the residual stream) into its
+/// activations `la`, ending with its output in `la.resid3`: the one block forward, run by the
+/// forward pass and again by the backward pass under [`Recompute::Full`].
+fn block_forward<B: Backend>(
+    be: &mut B,
+    comm: &dyn Comm,
+    timers: &Timers,
+    la: &LayerActs,
+    lp: &LayerParams,
+    resid: Span,
+    bp: &BlockPass,
+) {
+    let (d, first, pass, l) = (bp.d, bp.tp_first, bp.pass, bp.layer);
+    let proj = bp.proj;
+    let n = d.n();
+    let (c, f, lc) = (d.c, d.f, d.local_c());
+    let ad = d.attn();
+    {
+        let _t = timers.scope("forward:layernorm", Fine);
+        be.layernorm_forward(
+            la.ln1,
+            la.ln1_mean,
+            la.ln1_rstd,
+            resid,
+            lp.ln1_w,
+            lp.ln1_b,
+            n,
+            c,
+        );
+    }
+    {
+        let _t = timers.scope("forward:attention:qkv", Fine);
+        be.linear_forward(
+            la.qkv,
+            la.ln1,
+            lp.qkv_w,
+            WeightLayout::InOut,
+            Some(lp.qkv_b),
+            n,
+            c,
+            3 * lc,
+        );
+    }
+    match pass {
+        Pass::Batch { .. } => {
+            {
+                let _t = timers.scope("forward:attention:baddbmm", Fine);
+                be.attention_scores(la.att, la.qkv, ad);
+            }
+            {
+                let _t = timers.scope("forward:attention:softmax", Fine);
+                be.attention_softmax(la.att, ad);
+            }
+            let _t = timers.scope("forward:attention:bmm", Fine);
+            be.attention_values(la.atty, la.att, la.qkv, ad);
+        }
+        Pass::Decode { cache, pos } => {
+            let _t = timers.scope("forward:attention:decode", Fine);
+            let (k, v) = (cache.k(l), cache.v(l));
+            be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
+            be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
+            be.attention_decode(la.atty, la.qkv.sub(0, lc), k, v, pos + 1, d.nh, d.hs);
+        }
+    }
+    {
+        let _t = timers.scope("forward:attention:proj", Fine);
+        // TP: row-parallel; bias after the all-reduce.
+        be.linear_forward(
+            proj,
+            la.atty,
+            lp.attproj_w,
+            WeightLayout::InOut,
+            first.then_some(lp.attproj_b),
+            n,
+            lc,
+            c,
+        );
+    }
+    tp_allreduce(
+        be,
+        comm,
+        timers,
+        "forward:attention:allreduce",
+        proj,
+        ReduceOp::Sum,
+    );
+    {
+        let _t = timers.scope("forward:residual", Fine);
+        be.residual_forward(la.resid2, resid, proj);
+    }
+    {
+        let _t = timers.scope("forward:layernorm", Fine);
+        be.layernorm_forward(
+            la.ln2,
+            la.ln2_mean,
+            la.ln2_rstd,
+            la.resid2,
+            lp.ln2_w,
+            lp.ln2_b,
+            n,
+            c,
+        );
+    }
+    {
+        let _t = timers.scope("forward:mlp:mm", Fine);
+        be.linear_forward(
+            la.fch,
+            la.ln2,
+            lp.fc_w,
+            WeightLayout::InOut,
+            Some(lp.fc_b),
+            n,
+            c,
+            f,
+        );
+    }
+    {
+        let _t = timers.scope("forward:mlp:gelu", Fine);
+        be.gelu_forward(la.fch_gelu, la.fch);
+    }
+    {
+        let _t = timers.scope("forward:mlp:mm", Fine);
+        // TP: row-parallel; bias after the all-reduce.
+        be.linear_forward(
+            proj,
+            la.fch_gelu,
+            lp.fcproj_w,
+            WeightLayout::InOut,
+            first.then_some(lp.fcproj_b),
+            n,
+            f,
+            c,
+        );
+    }
+    tp_allreduce(
+        be,
+        comm,
+        timers,
+        "forward:mlp:allreduce",
+        proj,
+        ReduceOp::Sum,
+    );
+    {
+        let _t = timers.scope("forward:residual", Fine);
+        be.residual_forward(la.resid3, la.resid2, proj);
     }
 }
 
