@@ -125,15 +125,16 @@ fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
         .expect("running fugu")
 }
 
+/// The loss of every step, the last record of each step where a resume from an older
+/// checkpoint ran it again.
 fn losses(run: &Path) -> Vec<f64> {
-    read_metrics(run.join("metrics.jsonl"))
-        .unwrap()
-        .into_iter()
-        .filter_map(|r| match r {
-            Record::Step(s) => Some(s.loss),
-            _ => None,
-        })
-        .collect()
+    let mut by_step = std::collections::BTreeMap::new();
+    for r in read_metrics(run.join("metrics.jsonl")).unwrap() {
+        if let Record::Step(s) = r {
+            by_step.insert(s.step, s.loss);
+        }
+    }
+    by_step.into_values().collect()
 }
 
 fn params_of(ckpt: &Path) -> (Vec<f32>, Vec<f32>) {
@@ -369,6 +370,146 @@ fn pipeline_layouts_match_the_serial_run() {
         ],
     ));
     assert_same(&s, &dir.join("resumed"), 4, "pp2 -> serial");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Sharded checkpoints: a pp 2 x tp 2 run writes its checkpoint from 4 ranks as 4 model and 4
+/// optimizer shards with Hugging Face style indexes (no single file), and that checkpoint
+/// resumes on one process and on tp 2 x dp 2 to match the uninterrupted serial run. A
+/// checkpoint with a shard missing is passed over by `--resume auto`, as is a temporary folder
+/// left by a writer that was killed.
+#[test]
+fn sharded_checkpoints_resume_under_any_layout() {
+    if mpirun_missing() {
+        return;
+    }
+    let dir = tmp("sharded");
+    let s = serial(&dir);
+    let pp2tp2 = [
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--micro-batches",
+        "2",
+        "--data-ranks",
+        "2",
+    ];
+    let mut first = pp2tp2.to_vec();
+    first.extend(["--steps", "2", "--out", "a"]);
+    ok(&train(&dir, 4, &first));
+    let ck = dir.join("a").join("ckpt-00000002");
+    for kind in ["model", "optimizer"] {
+        for i in 1..=4 {
+            let f = ck.join(format!("{kind}-{i:05}-of-00004.safetensors"));
+            assert!(f.is_file(), "{} missing", f.display());
+        }
+        let index: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(ck.join(format!("{kind}.safetensors.index.json"))).unwrap(),
+        )
+        .unwrap();
+        let map = index["weight_map"].as_object().unwrap();
+        let per_tensor = if kind == "model" { 1 } else { 2 };
+        assert_eq!(map.len(), per_tensor * (2 + 2 * 12 + 2), "{kind} index");
+        assert!(index["metadata"]["total_size"].as_u64().unwrap() > 0);
+    }
+    assert!(!ck.join("model.safetensors").exists());
+    let copy = |to: &str| {
+        let st = Command::new("cp")
+            .args(["-r", "a", to])
+            .current_dir(&dir)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    };
+    copy("b");
+    copy("c");
+    ok(&train(
+        &dir,
+        0,
+        &[
+            "--data-ranks",
+            "2",
+            "--steps",
+            "4",
+            "--resume",
+            "auto",
+            "--out",
+            "a",
+        ],
+    ));
+    assert_same(&s, &dir.join("a"), 4, "pp2tp2 -> serial");
+    ok(&train(
+        &dir,
+        4,
+        &[
+            "--tp",
+            "2",
+            "--batch-size",
+            "2",
+            "--steps",
+            "4",
+            "--resume",
+            "auto",
+            "--out",
+            "b",
+        ],
+    ));
+    assert_same(&s, &dir.join("b"), 4, "pp2tp2 -> tp2dp2");
+    // c: on to step 4 in the same layout, then damage that checkpoint and leave a killed
+    // writer's temporary folder: --resume auto must go back to step 2.
+    let mut more = pp2tp2.to_vec();
+    more.extend(["--steps", "4", "--resume", "auto", "--out", "c"]);
+    ok(&train(&dir, 4, &more));
+    let c = dir.join("c");
+    std::fs::remove_file(
+        c.join("ckpt-00000004")
+            .join("model-00003-of-00004.safetensors"),
+    )
+    .unwrap();
+    let killed = c.join(".tmp-ckpt-00000006-12345");
+    std::fs::create_dir_all(&killed).unwrap();
+    std::fs::copy(
+        c.join("ckpt-00000004")
+            .join("model-00001-of-00004.safetensors"),
+        killed.join("model-00001-of-00004.safetensors"),
+    )
+    .unwrap();
+    let out = train(
+        &dir,
+        0,
+        &[
+            "--data-ranks",
+            "2",
+            "--steps",
+            "4",
+            "--resume",
+            "auto",
+            "--out",
+            "c",
+        ],
+    );
+    ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("passing over damaged checkpoint ckpt-00000004")
+            && err.contains("model-00003-of-00004.safetensors"),
+        "{err}"
+    );
+    assert_same(&s, &c, 4, "damaged pp2tp2 checkpoint passed over");
+    // Every checkpoint event records the peak RSS before and after writing.
+    let recs = read_metrics(dir.join("b").join("metrics.jsonl")).unwrap();
+    let ev = recs
+        .iter()
+        .find_map(|r| match r {
+            Record::Event { kind, data } if kind == "checkpoint" => Some(data.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(
+        ev["peak_rss_after_bytes"].as_f64().unwrap()
+            >= ev["peak_rss_before_bytes"].as_f64().unwrap()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -129,7 +129,7 @@ fn full_report_from_runs_bench_and_bad_inputs() {
     }
     for c in [
         "GEMM (linear layers)",
-        "communication (all-reduce)",
+        "communication (all-reduce, send/recv)",
         "optimizer",
     ] {
         assert!(b.contains(c), "breakdown.svg lacks category {c}");

@@ -98,7 +98,6 @@ fugu_rfc3339() { date -u -d "@$1" '+%Y-%m-%dT%H:%M:%SZ'; }
 # FUGU_OUT (absolute) and FUGU_DATA (staged). Needs FUGU_RANKS (total MPI ranks).
 fugu_setup_train() {
   fugu_require_bin
-  : "${FUGU_PP:=1}"
   fugu_require_uint FUGU_TP FUGU_PP FUGU_ZERO FUGU_THREADS FUGU_RANKS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX FUGU_RESUBMIT_COUNT
   [ -n "$FUGU_CONFIG" ] || fugu_die "FUGU_CONFIG is empty: set it to a built-in config name (gpt2-tiny, gpt2-124m, ...) or a TOML file"
   [ "$FUGU_TP" -ge 1 ] || fugu_die "FUGU_TP must be at least 1"

@@ -382,14 +382,33 @@ pub fn load_hf(dir: &Path) -> Result<HfModel> {
 /// The weight files of `dir`: `model.safetensors`, or (when there is none) the shards of
 /// `model.safetensors.index.json`, with the file describing them.
 fn read_weights(dir: &Path) -> Result<(std::path::PathBuf, Vec<Header>)> {
-    let single = dir.join(MODEL_FILE);
-    let index = dir.join(INDEX_FILE);
+    read_tensor_files(
+        dir,
+        MODEL_FILE,
+        INDEX_FILE,
+        "a Hugging Face model directory",
+    )
+}
+
+/// The headers of `dir/single`, or (when there is none) of the shards named by `dir/index`
+/// (`{"weight_map": {key: file}}`, files in `dir`), sorted by file name, with the file
+/// describing them. Every shard's tensors must be the index's, and in the file it names.
+/// `what` names the folder in the error when neither exists.
+pub(crate) fn read_tensor_files(
+    dir: &Path,
+    single: &str,
+    index: &str,
+    what: &str,
+) -> Result<(std::path::PathBuf, Vec<Header>)> {
+    let single = dir.join(single);
+    let index = dir.join(index);
     if single.exists() || !index.exists() {
         if !single.exists() {
             bail!(
-                "{}: no {MODEL_FILE} (nor a sharded {INDEX_FILE}): not a Hugging Face model \
-                 directory",
-                dir.display()
+                "{}: no {} (nor a sharded {}): not {what}",
+                dir.display(),
+                path_file(&single),
+                path_file(&index)
             );
         }
         let h = st::read_header(&single)?;
@@ -447,21 +466,26 @@ fn read_weights(dir: &Path) -> Result<(std::path::PathBuf, Vec<Header>)> {
     Ok((index, shards))
 }
 
+fn path_file(p: &Path) -> String {
+    p.file_name()
+        .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into())
+}
+
 /// The shard files of a model, opened on first use.
-struct ShardFiles<'a> {
+pub(crate) struct ShardFiles<'a> {
     shards: &'a [Header],
     files: Vec<Option<File>>,
 }
 
 impl<'a> ShardFiles<'a> {
-    fn new(shards: &'a [Header]) -> Self {
+    pub(crate) fn new(shards: &'a [Header]) -> Self {
         Self {
             shards,
             files: shards.iter().map(|_| None).collect(),
         }
     }
 
-    fn get(&mut self, shard: usize) -> Result<&mut File> {
+    pub(crate) fn get(&mut self, shard: usize) -> Result<&mut File> {
         let path = &self.shards[shard].path;
         let slot = &mut self.files[shard];
         if slot.is_none() {
@@ -761,6 +785,12 @@ pub fn save_model(dir: &Path, cfg: &ModelConfig, table: &Table, params: &[f32]) 
     atomic::write_file(&dir.join(MODEL_FILE), |w| {
         st::write_body(w, &header, &tensors)
     })?;
+    write_model_config(dir, cfg)
+}
+
+/// Writes `dir/config.json` and `dir/generation_config.json` for `cfg` (atomically), as
+/// [`save_model`] does beside the weights.
+pub fn write_model_config(dir: &Path, cfg: &ModelConfig) -> Result<()> {
     atomic::write_bytes(
         &dir.join(CONFIG_FILE),
         json_text(&hf_config_json(cfg)).as_bytes(),

@@ -20,13 +20,14 @@
 pub mod atomic;
 pub mod hf;
 pub mod optim;
+pub mod sharded;
 pub mod st;
 #[cfg(test)]
 mod testutil;
 
 pub use hf::{
-    hf_config_json, load_hf, load_model, read_hf_config, save_model, HfModel, CONFIG_FILE,
-    MODEL_FILE,
+    hf_config_json, load_hf, load_model, read_hf_config, save_model, write_model_config, HfModel,
+    CONFIG_FILE, MODEL_FILE,
 };
 pub use optim::{load_optimizer, save_optimizer, save_table_tensors, OPTIMIZER_FILE};
 pub use st::Dtype;
@@ -43,8 +44,23 @@ use std::path::{Path, PathBuf};
 /// The trainer-state file of a checkpoint.
 pub const STATE_FILE: &str = "state.json";
 
-/// Files a `ckpt-*` directory must hold to count as a checkpoint.
-const REQUIRED: [&str; 3] = [CONFIG_FILE, MODEL_FILE, STATE_FILE];
+/// Files a `ckpt-*` directory must hold to count as a checkpoint (and the weights: one
+/// `model.safetensors` or a sharded model's index, see [`has_weights`]).
+const REQUIRED: [&str; 2] = [CONFIG_FILE, STATE_FILE];
+
+/// Names reserved for the checkpoint's own files (not allowed as extra files).
+const RESERVED: [&str; 5] = [
+    CONFIG_FILE,
+    STATE_FILE,
+    MODEL_FILE,
+    sharded::MODEL_INDEX_FILE,
+    sharded::OPTIMIZER_INDEX_FILE,
+];
+
+/// `dir` holds model weights: `model.safetensors` or a sharded model's index.
+pub fn has_weights(dir: &Path) -> bool {
+    dir.join(MODEL_FILE).is_file() || dir.join(sharded::MODEL_INDEX_FILE).is_file()
+}
 
 /// `ckpt-00000100` for step 100.
 pub fn checkpoint_dir_name(step: u64) -> String {
@@ -87,7 +103,7 @@ pub fn checkpoint_entries(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
 /// step.
 pub fn list_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut found = checkpoint_entries(out_dir)?;
-    found.retain(|(_, p)| REQUIRED.iter().all(|f| p.join(f).is_file()));
+    found.retain(|(_, p)| REQUIRED.iter().all(|f| p.join(f).is_file()) && has_weights(p));
     Ok(found)
 }
 
@@ -150,13 +166,9 @@ pub fn clean_stale_tmp(out_dir: &Path) -> Result<usize> {
 /// Writes the checkpoint `out_dir/ckpt-STEP/`: model (`config.json`, `model.safetensors`,
 /// `generation_config.json`), the AdamW moments if `moments` is `Some((m, v))` (with
 /// `opt_step` in the metadata), `state`, and `files` (name, contents: the tokenizer files).
-/// Returns the checkpoint's path.
-///
-/// Everything is written into `out_dir/.tmp-ckpt-STEP-PID`, fsynced, and renamed to
-/// `ckpt-STEP`; an existing `ckpt-STEP` is replaced atomically and survives any failure
-/// before that rename. Then `out_dir` is fsynced, and if `keep_last > 0` the oldest complete
-/// checkpoints are deleted until `keep_last` remain (the new one always stays). On error the
-/// temporary directory is removed if possible, else [`clean_stale_tmp`] removes it later.
+/// Returns the checkpoint's path. One process writes everything ([`begin_checkpoint`], the
+/// weights, [`finish_checkpoint`]); a parallel run writes its shards from many ranks between
+/// the same two calls.
 #[allow(clippy::too_many_arguments)]
 pub fn write_checkpoint(
     out_dir: &Path,
@@ -170,35 +182,68 @@ pub fn write_checkpoint(
     files: &[(String, Vec<u8>)],
     keep_last: usize,
 ) -> Result<PathBuf> {
-    fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let name = checkpoint_dir_name(step);
-    let pid = std::process::id();
-    let tmp = out_dir.join(format!("{TMP_PREFIX}{name}-{pid}"));
-    let dst = out_dir.join(&name);
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
-    }
-    let written = (|| {
-        fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let tmp = begin_checkpoint(out_dir, step)?;
+    let weights = (|| -> Result<()> {
         save_model(&tmp, cfg, table, params)?;
         if let Some((m, v)) = moments {
             save_optimizer(&tmp, cfg, table, m, v, opt_step)?;
         }
+        Ok(())
+    })();
+    if let Err(e) = weights {
+        let _ = fs::remove_dir_all(&tmp);
+        let dst = out_dir.join(checkpoint_dir_name(step));
+        return Err(e).with_context(|| format!("writing checkpoint {}", dst.display()));
+    }
+    finish_checkpoint(out_dir, &tmp, step, state, files, keep_last)
+}
+
+/// Creates the empty temporary directory `out_dir/.tmp-ckpt-STEP-PID` that checkpoint `step`
+/// is written into (removing a leftover of the same name) and returns it. Until
+/// [`finish_checkpoint`] renames it, no reader takes it for a checkpoint.
+pub fn begin_checkpoint(out_dir: &Path, step: u64) -> Result<PathBuf> {
+    fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let name = checkpoint_dir_name(step);
+    let tmp = out_dir.join(format!("{TMP_PREFIX}{name}-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
+    }
+    fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    Ok(tmp)
+}
+
+/// Completes checkpoint `step` whose weights are in `tmp` (from [`begin_checkpoint`]): writes
+/// `state` and `files` (name, contents: the tokenizer files), fsyncs, and renames `tmp` to
+/// `ckpt-STEP` (an existing `ckpt-STEP` is replaced atomically and survives any failure before
+/// that rename). Then `out_dir` is fsynced, and if `keep_last > 0` the oldest complete
+/// checkpoints are deleted until `keep_last` remain (the new one always stays). On error the
+/// temporary directory is removed if possible, else [`clean_stale_tmp`] removes it later.
+pub fn finish_checkpoint(
+    out_dir: &Path,
+    tmp: &Path,
+    step: u64,
+    state: &impl Serialize,
+    files: &[(String, Vec<u8>)],
+    keep_last: usize,
+) -> Result<PathBuf> {
+    let name = checkpoint_dir_name(step);
+    let dst = out_dir.join(&name);
+    let written = (|| {
         let mut json = serde_json::to_vec_pretty(state).context("serializing the trainer state")?;
         json.push(b'\n');
         atomic::write_bytes(&tmp.join(STATE_FILE), &json)?;
         for (name, bytes) in files {
-            if name.contains(['/', '\\']) || REQUIRED.contains(&name.as_str()) {
+            if name.contains(['/', '\\']) || RESERVED.contains(&name.as_str()) {
                 bail!("checkpoint file name {name:?}: expected a plain name of an extra file");
             }
             atomic::write_bytes(&tmp.join(name), bytes)?;
         }
-        atomic::sync_dir(&tmp)?;
-        let old = out_dir.join(format!("{TMP_PREFIX}old-{name}-{pid}"));
-        atomic::replace_dir(&tmp, &dst, &old)
+        atomic::sync_dir(tmp)?;
+        let old = out_dir.join(format!("{TMP_PREFIX}old-{name}-{}", std::process::id()));
+        atomic::replace_dir(tmp, &dst, &old)
     })();
     if let Err(e) = written {
-        let _ = fs::remove_dir_all(&tmp);
+        let _ = fs::remove_dir_all(tmp);
         return Err(e).with_context(|| format!("writing checkpoint {}", dst.display()));
     }
     if keep_last > 0 {

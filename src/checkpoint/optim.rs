@@ -10,13 +10,13 @@ use crate::config::ModelConfig;
 use crate::model::table::{padded_vocab, Table};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File};
+use std::fs;
 use std::path::Path;
 
 /// The optimizer-state file of a checkpoint.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
-const MOMENTS: [&str; 2] = ["exp_avg.", "exp_avg_sq."];
+use super::sharded::{MOMENT_PREFIXES as MOMENTS, OPTIMIZER_INDEX_FILE};
 
 /// Writes `dir/optimizer.safetensors` (atomically) with the first (`m`) and second (`v`)
 /// moments laid out by `table`, which must be the full table of `cfg`.
@@ -76,41 +76,57 @@ pub fn save_table_tensors(
     atomic::write_file(path, |w| st::write_body(w, &header, &tensors))
 }
 
-/// Reads `dir/optimizer.safetensors` into `m` and `v` (laid out by `table`) and returns the
-/// optimizer step from its metadata. The vocabulary size is `dir/config.json`'s where that
-/// exists, else the stored `wte` row count (which must pad to the table's). Every table tensor
-/// must be present with its shape, and nothing else; keys with or without `transformer.` are
-/// accepted. The padding rows of `wte` are zeroed.
+/// Reads `dir/optimizer.safetensors`, or the shards named by
+/// `dir/optimizer.safetensors.index.json`, into `m` and `v` (laid out by `table`) and returns
+/// the optimizer step from the metadata (every shard must carry the same). The vocabulary size
+/// is `dir/config.json`'s where that exists, else the stored `wte` row count (which must pad
+/// to the table's). Every table tensor must be present with its shape, and nothing else; keys
+/// with or without `transformer.` are accepted. The padding rows of `wte` are zeroed.
 pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -> Result<u64> {
     check_len("first-moment (m)", m, table)?;
     check_len("second-moment (v)", v, table)?;
-    let path = dir.join(OPTIMIZER_FILE);
-    let p = path.display();
-    let h = st::read_header(&path)?;
-    let step = h
-        .metadata
-        .as_ref()
-        .and_then(|md| md.get("step"))
-        .ok_or_else(|| anyhow!("{p}: no `step` in the safetensors metadata"))?;
-    let step: u64 = step
-        .parse()
-        .map_err(|_| anyhow!("{p}: metadata `step` = {step:?} is not an integer"))?;
-    // (moment index, table name) for each key.
-    let mut index: HashMap<(usize, &str), usize> = HashMap::new();
+    let (source, shards) = hf::read_tensor_files(
+        dir,
+        OPTIMIZER_FILE,
+        OPTIMIZER_INDEX_FILE,
+        "a checkpoint with optimizer state",
+    )?;
+    let p = source.display();
+    let mut step = None;
+    for h in &shards {
+        let hp = h.path.display();
+        let s = h
+            .metadata
+            .as_ref()
+            .and_then(|md| md.get("step"))
+            .ok_or_else(|| anyhow!("{hp}: no `step` in the safetensors metadata"))?;
+        let s: u64 = s
+            .parse()
+            .map_err(|_| anyhow!("{hp}: metadata `step` = {s:?} is not an integer"))?;
+        if step.is_some_and(|x| x != s) {
+            bail!("{p}: the shards disagree on the optimizer step ({hp} says {s})");
+        }
+        step = Some(s);
+    }
+    let step = step.ok_or_else(|| anyhow!("{p}: no optimizer shards"))?;
+    // (moment index, table name) for each key: (shard, entry).
+    let mut index: HashMap<(usize, &str), (usize, usize)> = HashMap::new();
     let mut unknown = Vec::new();
-    for (i, e) in h.entries.iter().enumerate() {
-        let found = MOMENTS.iter().enumerate().find_map(|(k, pre)| {
-            let name = e.key.strip_prefix(pre)?;
-            let name = name.strip_prefix(KEY_PREFIX).unwrap_or(name);
-            table.get(name).map(|s| (k, s.name.as_str()))
-        });
-        match found {
-            Some(id) => {
-                if index.insert(id, i).is_some() {
-                    bail!("{p}: the moment `{}` is stored twice", e.key);
+    for (si, h) in shards.iter().enumerate() {
+        for (i, e) in h.entries.iter().enumerate() {
+            let found = MOMENTS.iter().enumerate().find_map(|(k, pre)| {
+                let name = e.key.strip_prefix(pre)?;
+                let name = name.strip_prefix(KEY_PREFIX).unwrap_or(name);
+                table.get(name).map(|s| (k, s.name.as_str()))
+            });
+            match found {
+                Some(id) => {
+                    if index.insert(id, (si, i)).is_some() {
+                        bail!("{p}: the moment `{}` is stored twice", e.key);
+                    }
                 }
+                None => unknown.push(e.key.as_str()),
             }
-            None => unknown.push(e.key.as_str()),
         }
     }
     if !unknown.is_empty() {
@@ -121,9 +137,8 @@ pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -
         );
     }
     let mut missing = Vec::new();
-    for pre in MOMENTS.iter() {
+    for (k, pre) in MOMENTS.iter().enumerate() {
         for s in table.specs() {
-            let k = MOMENTS.iter().position(|x| x == pre).unwrap();
             if !index.contains_key(&(k, s.name.as_str())) {
                 missing.push(format!("{pre}{KEY_PREFIX}{}", s.name));
             }
@@ -133,6 +148,7 @@ pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -
         let names: Vec<&str> = missing.iter().map(String::as_str).collect();
         bail!("{p}: {} tensor(s) missing: {}", names.len(), list(&names));
     }
+    let entry = |id: &(usize, usize)| (&shards[id.0], &shards[id.0].entries[id.1]);
     let vocab = match table.get("wte.weight") {
         None => 0,
         Some(w) => {
@@ -141,7 +157,7 @@ pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -
                 hf::check_vocab(table, vocab, &dir.join(hf::CONFIG_FILE))?;
                 vocab
             } else {
-                let e = &h.entries[index[&(0, "wte.weight")]];
+                let (_, e) = entry(&index[&(0, "wte.weight")]);
                 let rows = e.shape.first().copied().unwrap_or(0);
                 if padded_vocab(rows) != w.shape[0] {
                     bail!(
@@ -156,21 +172,16 @@ pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -
             }
         }
     };
-    for ((k, name), &i) in &index {
-        hf::check_shape(&h, &h.entries[i], table.get(name).unwrap(), vocab)
+    for ((k, name), id) in &index {
+        let (h, e) = entry(id);
+        hf::check_shape(h, e, table.get(name).unwrap(), vocab)
             .with_context(|| format!("moment {k} of {name}"))?;
     }
-    let mut f = File::open(&path).with_context(|| format!("opening {p}"))?;
-    for ((k, name), &i) in &index {
+    let mut files = hf::ShardFiles::new(&shards);
+    for ((k, name), id) in &index {
         let out = if *k == 0 { &mut *m } else { &mut *v };
-        hf::read_into(
-            &mut f,
-            &h,
-            &h.entries[i],
-            table.get(name).unwrap(),
-            vocab,
-            out,
-        )?;
+        let (h, e) = entry(id);
+        hf::read_into(files.get(id.0)?, h, e, table.get(name).unwrap(), vocab, out)?;
     }
     Ok(step)
 }

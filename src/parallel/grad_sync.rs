@@ -248,41 +248,6 @@ impl GradSync {
             );
         }
     }
-
-    /// ZeRO-1: assembles the AdamW moments of the whole (TP-local) table on data-parallel rank
-    /// 0 from every rank's packed blocks (`packed` is laid out by [`GradSync::owned`]);
-    /// `None` on the other ranks. Without ZeRO, `packed` already is the whole table.
-    pub fn gather_moments(&self, packed: &[f32], total: usize) -> Option<Vec<f32>> {
-        if !self.zero || !self.active() {
-            return (self.comm.rank() == 0).then(|| packed.to_vec());
-        }
-        let (dp, r) = (self.comm.size(), self.comm.rank());
-        let per_rank: usize = self.buckets.iter().map(|b| b.chunk).sum();
-        let mut send = vec![0.0f32; per_rank];
-        let (mut at, mut from) = (0, 0);
-        for b in &self.buckets {
-            let n = b.owned(r).len();
-            send[at..at + n].copy_from_slice(&packed[from..from + n]);
-            at += b.chunk;
-            from += n;
-        }
-        if r != 0 {
-            self.comm.gather_f32(&send, None);
-            return None;
-        }
-        let mut all = vec![0.0f32; per_rank * dp];
-        self.comm.gather_f32(&send, Some(&mut all));
-        let mut full = vec![0.0f32; total];
-        for q in 0..dp {
-            let mut at = q * per_rank;
-            for b in &self.buckets {
-                let o = b.owned(q);
-                full[o.clone()].copy_from_slice(&all[at..at + o.len()]);
-                at += b.chunk;
-            }
-        }
-        Some(full)
-    }
 }
 
 /// Packs the parts of a whole-table buffer that `owned` selects (the inverse of placing a

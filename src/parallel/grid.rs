@@ -59,6 +59,9 @@ impl Grid {
             bail!("--pp 0: expected at least 1");
         }
         if !world_size.is_multiple_of(tp * pp) {
+            if pp == 1 {
+                bail!("--tp {tp} does not divide the number of MPI ranks ({world_size})");
+            }
             bail!(
                 "--tp {tp} x --pp {pp} = {} does not divide the number of MPI ranks ({world_size})",
                 tp * pp

@@ -92,20 +92,25 @@ pub fn unshard(
     shards: &[&[f32]],
     out: &mut [f32],
 ) -> Result<()> {
-    let tp = shards.len();
     for (fs, ls) in pairs(full_table, local_table)? {
-        let dst = &mut out[fs.range()];
-        for (r, sh) in shards.iter().enumerate() {
-            if r > 0 && fs.split == Split::Replicated {
-                continue;
-            }
-            let src = &sh[ls.range()];
-            segments(fs, ls, r, tp, |fo, lo, n| {
-                dst[fo..fo + n].copy_from_slice(&src[lo..lo + n])
-            });
-        }
+        let parts: Vec<&[f32]> = shards.iter().map(|sh| &sh[ls.range()]).collect();
+        unshard_tensor(fs, ls, &parts, &mut out[fs.range()]);
     }
     Ok(())
+}
+
+/// One tensor of [`unshard`]: the full tensor `full` (`out`, its elements) from every rank's
+/// shard of it (`shards[r]`, the elements of `local` on rank `r`).
+pub fn unshard_tensor(full: &TensorSpec, local: &TensorSpec, shards: &[&[f32]], out: &mut [f32]) {
+    let tp = shards.len();
+    for (r, src) in shards.iter().enumerate() {
+        if r > 0 && full.split == Split::Replicated {
+            continue;
+        }
+        segments(full, local, r, tp, |fo, lo, n| {
+            out[fo..fo + n].copy_from_slice(&src[lo..lo + n])
+        });
+    }
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ impl Category {
             Category::Attention => "attention (scores, softmax, context)",
             Category::Elementwise => "norms, GELU, residual, embedding, loss",
             Category::OtherCompute => "other forward/backward",
-            Category::Communication => "communication (all-reduce, pipeline send/recv)",
+            Category::Communication => "communication (all-reduce, send/recv)",
             Category::Bubble => "pipeline bubble (waiting)",
             Category::Optimizer => "optimizer",
             Category::Data => "data (batch generation)",
@@ -184,7 +184,7 @@ pub struct OpBreakdown {
     pub step_ms: f64,
     pub leaves: Vec<Leaf>,
     /// ms per step of each category, in [`Category::ALL`] order.
-    pub by_category: [f64; 8],
+    pub by_category: [f64; Category::ALL.len()],
 }
 
 impl OpBreakdown {
@@ -225,12 +225,12 @@ impl OpBreakdown {
                 pct_of_step: r.pct_of_step,
             });
         }
-        let mut by_category = [0.0; 8];
+        let mut by_category = [0.0; Category::ALL.len()];
         for l in &leaves {
             let i = Category::ALL
                 .iter()
                 .position(|c| *c == l.category)
-                .unwrap_or(7);
+                .unwrap_or(Category::ALL.len() - 1);
             by_category[i] += l.ms;
         }
         OpBreakdown {

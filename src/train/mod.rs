@@ -8,6 +8,7 @@ pub mod lock;
 pub mod loss_scale;
 pub mod pipeline;
 pub mod resume;
+pub mod save;
 pub mod schedule;
 pub mod state;
 pub mod stop;

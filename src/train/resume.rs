@@ -14,7 +14,8 @@
 //! checkpoints are all damaged is an error, never a silent fresh start.
 
 use super::state::{TrainState, STATE_FORMAT};
-use crate::checkpoint::{self, st, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE};
+use crate::checkpoint::hf::read_tensor_files;
+use crate::checkpoint::{self, sharded, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE};
 use crate::config::{
     train_fields, train_flag, with_train_fields, LrSchedule, RunConfig, TrainOverrides,
 };
@@ -101,10 +102,11 @@ fn path_name(p: &Path) -> String {
 }
 
 /// Checks that `dir` is a whole checkpoint (every file present; `state.json` and `config.json`
-/// parse and agree; both safetensors headers parse and match the files' lengths) and returns
-/// its state. Tensor contents are read later, by the load itself.
+/// parse and agree; the safetensors headers of the model and the optimizer state, single files
+/// or every shard an index names, parse, match the files' lengths and agree with the indexes)
+/// and returns its state. Tensor contents are read later, by the load itself.
 pub fn open_checkpoint(dir: &Path) -> Result<TrainState> {
-    for f in [CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE] {
+    for f in [CONFIG_FILE, STATE_FILE] {
         if !dir.join(f).is_file() {
             bail!("{}: missing {f}", dir.display());
         }
@@ -125,8 +127,20 @@ pub fn open_checkpoint(dir: &Path) -> Result<TrainState> {
             state.config.model
         );
     }
-    st::read_header(&dir.join(MODEL_FILE))?;
-    st::read_header(&dir.join(OPTIMIZER_FILE))?;
+    for (single, index, what) in [
+        (
+            MODEL_FILE,
+            sharded::MODEL_INDEX_FILE,
+            "a checkpoint with model weights",
+        ),
+        (
+            OPTIMIZER_FILE,
+            sharded::OPTIMIZER_INDEX_FILE,
+            "a checkpoint with optimizer state",
+        ),
+    ] {
+        read_tensor_files(dir, single, index, what)?;
+    }
     Ok(state)
 }
 

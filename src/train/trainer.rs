@@ -22,6 +22,7 @@ use super::lock::RunLock;
 use super::loss_scale::{LossScaler, Verdict};
 use super::pipeline::{self, Pipeline};
 use super::resume::is_checkpoint_dir;
+use super::save;
 use super::state::{SavedLayout, TrainState, STATE_FORMAT};
 use super::{
     broadcast_string, default_out, dump, layout, mib, resume, schedule, set_threads, stop,
@@ -29,10 +30,11 @@ use super::{
 };
 use crate::backend::Backend;
 use crate::checkpoint;
+use crate::checkpoint::sharded::{self, Kind};
 use crate::config::{Precision, RunConfig};
 use crate::metrics::flops::megatron_flops_per_step;
 use crate::metrics::jsonl::{MetricsWriter, StepRecord};
-use crate::metrics::machine::MachineInfo;
+use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
 use crate::model::init::init_params;
@@ -705,13 +707,27 @@ impl<'d, B: Backend> Trainer<'d, B> {
         Ok(false)
     }
 
-    /// Writes `ckpt-DONE` (gathered on rank 0); every rank returns once it is complete.
+    /// Writes `ckpt-DONE` from every rank (sharded files, [`save::write_shards`]); every rank
+    /// returns once it is complete. The checkpoint event records the largest peak RSS over
+    /// ranks before and after writing, and the largest growth of one rank's peak.
     fn save(&mut self, done: u64) -> Result<()> {
         let t0 = Instant::now();
         let _paused = self.timers.pause();
-        let full = layout::gather_full(&self.model, &self.sync, self.dist, &self.full_table)?;
+        let dist = self.dist;
+        let rss_before = peak_rss_bytes().unwrap_or(0);
+        // Rank 0 makes the temporary folder; every rank writes its shards into it.
+        let mut tmp = Vec::new();
+        if dist.is_root() {
+            let dir = checkpoint::begin_checkpoint(&self.out, done)?;
+            tmp = dir.to_string_lossy().into_owned().into_bytes();
+        }
+        dist.world.broadcast_bytes(&mut tmp);
+        let tmp = PathBuf::from(String::from_utf8(tmp).context("checkpoint folder name")?);
+        save::write_shards(&self.model, dist, &tmp, done)?;
+        // Every shard is complete and fsynced before rank 0 completes the checkpoint.
+        dist.world.barrier();
         let mut path = None;
-        if let Some([p, mm, vv]) = full {
+        if dist.is_root() {
             let state = TrainState {
                 format: STATE_FORMAT.into(),
                 step: done,
@@ -726,29 +742,47 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 layout: Some(self.saved_layout),
                 loss_scaler: self.scaler,
             };
-            let written = checkpoint::write_checkpoint(
+            let m = &self.cfg.model;
+            checkpoint::write_model_config(&tmp, m)?;
+            let g = dist.grid;
+            let plan = sharded::plan(m, g.pp, g.tp)?;
+            for (kind, name) in [
+                (Kind::Model, sharded::MODEL_INDEX_FILE),
+                (Kind::Optimizer, sharded::OPTIMIZER_INDEX_FILE),
+            ] {
+                if let Some(json) = sharded::index_json(kind, &plan, g.pp * g.tp) {
+                    checkpoint::atomic::write_bytes(&tmp.join(name), json.as_bytes())?;
+                }
+            }
+            let written = checkpoint::finish_checkpoint(
                 &self.out,
-                done,
-                &self.cfg.model,
-                &self.full_table,
-                &p,
-                Some((&mm, &vv)),
+                &tmp,
                 done,
                 &state,
                 &self.tokenizer_files,
                 self.opts.keep_last,
             )?;
-            if let Some(w) = self.metrics.as_mut() {
-                let ms = t0.elapsed().as_secs_f64() * 1e3;
-                w.event(
-                    "checkpoint",
-                    &json!({"step": done, "path": written, "ms": ms}),
-                )?;
-            }
             path = Some(written);
         }
         // No rank runs ahead of an incomplete checkpoint.
-        self.dist.world.barrier();
+        dist.world.barrier();
+        // Max over ranks of: peak before, peak after, and each rank's after/before ratio.
+        let after = peak_rss_bytes().unwrap_or(0) as f64;
+        let mut rss = [
+            rss_before as f64,
+            after,
+            after / (rss_before as f64).max(1.0),
+        ];
+        dist.world.allreduce_f64(&mut rss, ReduceOp::Max);
+        if let (Some(w), Some(p)) = (self.metrics.as_mut(), &path) {
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            w.event(
+                "checkpoint",
+                &json!({"step": done, "path": p, "ms": ms,
+                        "peak_rss_before_bytes": rss[0], "peak_rss_after_bytes": rss[1],
+                        "peak_rss_growth": rss[2]}),
+            )?;
+        }
         self.watch.record_checkpoint(t0.elapsed());
         self.totals.add_outside("checkpoint", t0);
         self.totals.last_checkpoint =
