@@ -414,6 +414,13 @@ fn sharded_checkpoints_resume_under_any_layout() {
         assert!(index["metadata"]["total_size"].as_u64().unwrap() > 0);
     }
     assert!(!ck.join("model.safetensors").exists());
+    // Its weights (a sharded Hugging Face directory) also start a new run.
+    let ck_arg = ck.to_string_lossy().into_owned();
+    ok(&train(
+        &dir,
+        0,
+        &["--init-from", &ck_arg, "--steps", "1", "--out", "init"],
+    ));
     let copy = |to: &str| {
         let st = Command::new("cp")
             .args(["-r", "a", to])

@@ -595,36 +595,64 @@ impl HfModel {
     }
 
     /// Copies the weights into `params` (laid out by `table`, which must be the table of
-    /// `self.config`): every table tensor must be stored with its shape (`wte.weight`
-    /// unpadded), and every stored tensor must be a table tensor, a causal-mask buffer or an
-    /// `lm_head.weight` equal to `wte.weight`. The padding rows of `wte` are zeroed. Shapes
-    /// and names are checked before anything is written; a read error midway leaves `params`
-    /// partly written.
+    /// `self.config`): [`Self::check`], then [`Self::read_tensor`] for every table tensor. A
+    /// read error midway leaves `params` partly written.
     pub fn copy_into(&self, table: &Table, params: &mut [f32]) -> Result<()> {
         check_len("parameter", params, table)?;
+        self.check(table)?;
+        for s in table.specs() {
+            self.read_tensor(table, &s.name, &mut params[s.range()])?;
+        }
+        Ok(())
+    }
+
+    /// Checks the stored tensors against `table` (the table of `self.config`) before anything
+    /// is read: every table tensor must be stored with its shape (`wte.weight` unpadded), and
+    /// every stored tensor must be a table tensor, a causal-mask buffer or an
+    /// `lm_head.weight` of `wte`'s shape.
+    pub fn check(&self, table: &Table) -> Result<()> {
         let vocab = self.config.vocab_size;
         check_vocab(table, vocab, &self.path().with_file_name(CONFIG_FILE))?;
         let pairs = self.pair(table)?;
         for (s, t) in &pairs {
             check_shape(self.header(t), &t.entry, s, vocab)?;
         }
-        let tied = self.tied();
-        let wte = table.get("wte.weight");
-        if let (Some(t), Some(w)) = (tied, wte) {
+        if let (Some(t), Some(w)) = (self.tied(), table.get("wte.weight")) {
             check_shape(self.header(t), &t.entry, w, vocab)?;
         }
+        Ok(())
+    }
+
+    /// Reads the table tensor `name` into `out` (its length in `table`; after
+    /// [`Self::check`]): only that tensor's bytes are read. The padding rows of `wte` are
+    /// zeroed, and a stored `lm_head.weight` must equal `wte.weight` (fugu ties the two).
+    pub fn read_tensor(&self, table: &Table, name: &str, out: &mut [f32]) -> Result<()> {
+        let spec = table
+            .get(name)
+            .ok_or_else(|| anyhow!("internal: {name} is not a table tensor"))?;
+        let (_, t) = self
+            .entry(name)
+            .ok_or_else(|| anyhow!("{}: tensor `{name}` missing", self.path().display()))?;
+        let at_zero = TensorSpec {
+            offset: 0,
+            ..spec.clone()
+        };
+        let vocab = self.config.vocab_size;
         let mut files = ShardFiles::new(&self.shards);
-        for (s, t) in pairs {
-            let f = files.get(t.shard)?;
-            read_into(f, self.header(t), &t.entry, s, vocab, params)?;
-        }
-        if let (Some(t), Some(w)) = (tied, wte) {
+        read_into(
+            files.get(t.shard)?,
+            self.header(t),
+            &t.entry,
+            &at_zero,
+            vocab,
+            out,
+        )?;
+        if let (Some(t), "wte.weight") = (self.tied(), name) {
             let mut head = vec![0f32; t.entry.numel()];
             st::read_f32(files.get(t.shard)?, self.header(t), &t.entry, &mut head)?;
-            let emb = &params[w.offset..w.offset + head.len()];
             if head
                 .iter()
-                .zip(emb)
+                .zip(out.iter())
                 .any(|(a, b)| a.to_bits() != b.to_bits())
             {
                 bail!(

@@ -85,105 +85,151 @@ pub fn save_table_tensors(
 pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -> Result<u64> {
     check_len("first-moment (m)", m, table)?;
     check_len("second-moment (v)", v, table)?;
-    let (source, shards) = hf::read_tensor_files(
-        dir,
-        OPTIMIZER_FILE,
-        OPTIMIZER_INDEX_FILE,
-        "a checkpoint with optimizer state",
-    )?;
-    let p = source.display();
-    let mut step = None;
-    for h in &shards {
-        let hp = h.path.display();
-        let s = h
-            .metadata
-            .as_ref()
-            .and_then(|md| md.get("step"))
-            .ok_or_else(|| anyhow!("{hp}: no `step` in the safetensors metadata"))?;
-        let s: u64 = s
-            .parse()
-            .map_err(|_| anyhow!("{hp}: metadata `step` = {s:?} is not an integer"))?;
-        if step.is_some_and(|x| x != s) {
-            bail!("{p}: the shards disagree on the optimizer step ({hp} says {s})");
-        }
-        step = Some(s);
+    let files = OptimizerFiles::open(dir, table)?;
+    for s in table.specs() {
+        files.read(table, 0, &s.name, &mut m[s.range()])?;
+        files.read(table, 1, &s.name, &mut v[s.range()])?;
     }
-    let step = step.ok_or_else(|| anyhow!("{p}: no optimizer shards"))?;
-    // (moment index, table name) for each key: (shard, entry).
-    let mut index: HashMap<(usize, &str), (usize, usize)> = HashMap::new();
-    let mut unknown = Vec::new();
-    for (si, h) in shards.iter().enumerate() {
-        for (i, e) in h.entries.iter().enumerate() {
-            let found = MOMENTS.iter().enumerate().find_map(|(k, pre)| {
-                let name = e.key.strip_prefix(pre)?;
-                let name = name.strip_prefix(KEY_PREFIX).unwrap_or(name);
-                table.get(name).map(|s| (k, s.name.as_str()))
-            });
-            match found {
-                Some(id) => {
-                    if index.insert(id, (si, i)).is_some() {
-                        bail!("{p}: the moment `{}` is stored twice", e.key);
+    Ok(files.step)
+}
+
+/// The AdamW moments of a checkpoint (one file or shards), checked against a parameter table
+/// when opened ([`load_optimizer`]'s rules), then read tensor by tensor.
+pub struct OptimizerFiles {
+    /// The optimizer step from the metadata.
+    pub step: u64,
+    shards: Vec<st::Header>,
+    /// (moment, table name) → (shard, entry).
+    index: HashMap<(usize, String), (usize, usize)>,
+    vocab: usize,
+}
+
+impl OptimizerFiles {
+    /// Opens and checks the optimizer state of checkpoint `dir` against `table`.
+    pub fn open(dir: &Path, table: &Table) -> Result<OptimizerFiles> {
+        let (source, shards) = hf::read_tensor_files(
+            dir,
+            OPTIMIZER_FILE,
+            OPTIMIZER_INDEX_FILE,
+            "a checkpoint with optimizer state",
+        )?;
+        let p = source.display();
+        let mut step = None;
+        for h in &shards {
+            let hp = h.path.display();
+            let s = h
+                .metadata
+                .as_ref()
+                .and_then(|md| md.get("step"))
+                .ok_or_else(|| anyhow!("{hp}: no `step` in the safetensors metadata"))?;
+            let s: u64 = s
+                .parse()
+                .map_err(|_| anyhow!("{hp}: metadata `step` = {s:?} is not an integer"))?;
+            if step.is_some_and(|x| x != s) {
+                bail!("{p}: the shards disagree on the optimizer step ({hp} says {s})");
+            }
+            step = Some(s);
+        }
+        let step = step.ok_or_else(|| anyhow!("{p}: no optimizer shards"))?;
+        // (moment index, table name) for each key: (shard, entry).
+        let mut index: HashMap<(usize, &str), (usize, usize)> = HashMap::new();
+        let mut unknown = Vec::new();
+        for (si, h) in shards.iter().enumerate() {
+            for (i, e) in h.entries.iter().enumerate() {
+                let found = MOMENTS.iter().enumerate().find_map(|(k, pre)| {
+                    let name = e.key.strip_prefix(pre)?;
+                    let name = name.strip_prefix(KEY_PREFIX).unwrap_or(name);
+                    table.get(name).map(|s| (k, s.name.as_str()))
+                });
+                match found {
+                    Some(id) => {
+                        if index.insert(id, (si, i)).is_some() {
+                            bail!("{p}: the moment `{}` is stored twice", e.key);
+                        }
                     }
+                    None => unknown.push(e.key.as_str()),
                 }
-                None => unknown.push(e.key.as_str()),
             }
         }
-    }
-    if !unknown.is_empty() {
-        bail!(
-            "{p}: {} tensor(s) that are not AdamW moments of the model's parameters: {}",
-            unknown.len(),
-            list(&unknown)
-        );
-    }
-    let mut missing = Vec::new();
-    for (k, pre) in MOMENTS.iter().enumerate() {
-        for s in table.specs() {
-            if !index.contains_key(&(k, s.name.as_str())) {
-                missing.push(format!("{pre}{KEY_PREFIX}{}", s.name));
-            }
+        if !unknown.is_empty() {
+            bail!(
+                "{p}: {} tensor(s) that are not AdamW moments of the model's parameters: {}",
+                unknown.len(),
+                list(&unknown)
+            );
         }
-    }
-    if !missing.is_empty() {
-        let names: Vec<&str> = missing.iter().map(String::as_str).collect();
-        bail!("{p}: {} tensor(s) missing: {}", names.len(), list(&names));
-    }
-    let entry = |id: &(usize, usize)| (&shards[id.0], &shards[id.0].entries[id.1]);
-    let vocab = match table.get("wte.weight") {
-        None => 0,
-        Some(w) => {
-            if dir.join(hf::CONFIG_FILE).exists() {
-                let vocab = read_hf_config(dir)?.vocab_size;
-                hf::check_vocab(table, vocab, &dir.join(hf::CONFIG_FILE))?;
-                vocab
-            } else {
-                let (_, e) = entry(&index[&(0, "wte.weight")]);
-                let rows = e.shape.first().copied().unwrap_or(0);
-                if padded_vocab(rows) != w.shape[0] {
-                    bail!(
-                        "{p}: tensor `{}` has shape {:?}, expected {} rows padding to {}",
-                        e.key,
-                        e.shape,
-                        w.shape[0],
-                        w.shape[0]
-                    );
+        let mut missing = Vec::new();
+        for (k, pre) in MOMENTS.iter().enumerate() {
+            for s in table.specs() {
+                if !index.contains_key(&(k, s.name.as_str())) {
+                    missing.push(format!("{pre}{KEY_PREFIX}{}", s.name));
                 }
-                rows
             }
         }
-    };
-    for ((k, name), id) in &index {
-        let (h, e) = entry(id);
-        hf::check_shape(h, e, table.get(name).unwrap(), vocab)
-            .with_context(|| format!("moment {k} of {name}"))?;
+        if !missing.is_empty() {
+            let names: Vec<&str> = missing.iter().map(String::as_str).collect();
+            bail!("{p}: {} tensor(s) missing: {}", names.len(), list(&names));
+        }
+        let entry = |id: &(usize, usize)| (&shards[id.0], &shards[id.0].entries[id.1]);
+        let vocab = match table.get("wte.weight") {
+            None => 0,
+            Some(w) => {
+                if dir.join(hf::CONFIG_FILE).exists() {
+                    let vocab = read_hf_config(dir)?.vocab_size;
+                    hf::check_vocab(table, vocab, &dir.join(hf::CONFIG_FILE))?;
+                    vocab
+                } else {
+                    let (_, e) = entry(&index[&(0, "wte.weight")]);
+                    let rows = e.shape.first().copied().unwrap_or(0);
+                    if padded_vocab(rows) != w.shape[0] {
+                        bail!(
+                            "{p}: tensor `{}` has shape {:?}, expected {} rows padding to {}",
+                            e.key,
+                            e.shape,
+                            w.shape[0],
+                            w.shape[0]
+                        );
+                    }
+                    rows
+                }
+            }
+        };
+        for ((k, name), id) in &index {
+            let (h, e) = entry(id);
+            hf::check_shape(h, e, table.get(name).unwrap(), vocab)
+                .with_context(|| format!("moment {k} of {name}"))?;
+        }
+        let index = index
+            .into_iter()
+            .map(|((k, name), id)| ((k, name.to_string()), id))
+            .collect();
+        Ok(OptimizerFiles {
+            step,
+            shards,
+            index,
+            vocab,
+        })
     }
-    let mut files = hf::ShardFiles::new(&shards);
-    for ((k, name), id) in &index {
-        let out = if *k == 0 { &mut *m } else { &mut *v };
-        let (h, e) = entry(id);
-        hf::read_into(files.get(id.0)?, h, e, table.get(name).unwrap(), vocab, out)?;
+
+    /// Reads moment `k` (0: `exp_avg`, 1: `exp_avg_sq`) of the table tensor `name` into `out`
+    /// (its length in the table); only that tensor's bytes are read. The padding rows of `wte`
+    /// are zeroed.
+    pub fn read(&self, table: &Table, k: usize, name: &str, out: &mut [f32]) -> Result<()> {
+        let spec = table
+            .get(name)
+            .ok_or_else(|| anyhow!("internal: {name} is not a table tensor"))?;
+        let &(si, ei) = self
+            .index
+            .get(&(k, name.to_string()))
+            .ok_or_else(|| anyhow!("internal: moment {k} of {name} was not indexed"))?;
+        let h = &self.shards[si];
+        let at_zero = crate::model::table::TensorSpec {
+            offset: 0,
+            ..spec.clone()
+        };
+        let mut files = hf::ShardFiles::new(&self.shards);
+        hf::read_into(files.get(si)?, h, &h.entries[ei], &at_zero, self.vocab, out)
     }
-    Ok(step)
 }
 
 #[cfg(test)]

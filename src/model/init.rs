@@ -37,32 +37,37 @@ fn fill_normal(out: &mut [f32], rng: &mut SplitMix64, std: f64) {
 /// Initialises the full (tp = 1) parameter buffer described by `table`.
 pub fn init_params(cfg: &ModelConfig, table: &Table, seed: u64) -> Vec<f32> {
     let mut buf = vec![0.0f32; table.total()];
-    let proj_std = INIT_STD / ((2 * cfg.n_layer) as f64).sqrt();
     for spec in table.specs() {
-        let dst = &mut buf[spec.range()];
-        let name = spec.name.as_str();
-        if name.ends_with(".bias") {
-            continue;
-        }
-        if name.starts_with("ln_") || name.contains(".ln_") {
-            dst.fill(1.0);
-            continue;
-        }
-        let std = if name.ends_with("c_proj.weight") {
-            proj_std
-        } else {
-            INIT_STD
-        };
-        let mut rng = SplitMix64::from_parts(&[seed, name_key(name)]);
-        if name == "wte.weight" {
-            // Only the real vocabulary rows; padded rows stay zero.
-            let real = cfg.vocab_size * cfg.n_embd;
-            fill_normal(&mut dst[..real], &mut rng, std);
-        } else {
-            fill_normal(dst, &mut rng, std);
-        }
+        init_tensor(cfg, &spec.name, seed, &mut buf[spec.range()]);
     }
     buf
+}
+
+/// The initial value of the full (tp = 1) tensor `name` into `dst` (its elements, zeroed):
+/// [`init_params`] one tensor at a time.
+pub fn init_tensor(cfg: &ModelConfig, name: &str, seed: u64, dst: &mut [f32]) {
+    if name.ends_with(".bias") {
+        dst.fill(0.0);
+        return;
+    }
+    if name.starts_with("ln_") || name.contains(".ln_") {
+        dst.fill(1.0);
+        return;
+    }
+    let std = if name.ends_with("c_proj.weight") {
+        INIT_STD / ((2 * cfg.n_layer) as f64).sqrt()
+    } else {
+        INIT_STD
+    };
+    let mut rng = SplitMix64::from_parts(&[seed, name_key(name)]);
+    if name == "wte.weight" {
+        // Only the real vocabulary rows; padded rows stay zero.
+        let real = cfg.vocab_size * cfg.n_embd;
+        fill_normal(&mut dst[..real], &mut rng, std);
+        dst[real..].fill(0.0);
+    } else {
+        fill_normal(dst, &mut rng, std);
+    }
 }
 
 #[cfg(test)]

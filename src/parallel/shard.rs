@@ -75,12 +75,24 @@ pub fn shard(
     out: &mut [f32],
 ) -> Result<()> {
     for (fs, ls) in pairs(full_table, local_table)? {
-        let (src, dst) = (&full[fs.range()], &mut out[ls.range()]);
-        segments(fs, ls, r, tp, |fo, lo, n| {
-            dst[lo..lo + n].copy_from_slice(&src[fo..fo + n])
-        });
+        shard_tensor(fs, ls, r, tp, &full[fs.range()], &mut out[ls.range()]);
     }
     Ok(())
+}
+
+/// One tensor of [`shard`]: rank `r`'s part (`dst`, the elements of `local`) of the full
+/// tensor `full` (`src`, its elements).
+pub fn shard_tensor(
+    full: &TensorSpec,
+    local: &TensorSpec,
+    r: usize,
+    tp: usize,
+    src: &[f32],
+    dst: &mut [f32],
+) {
+    segments(full, local, r, tp, |fo, lo, n| {
+        dst[lo..lo + n].copy_from_slice(&src[fo..fo + n])
+    });
 }
 
 /// The inverse of [`shard`]: assembles the tensors of `local_table` in a full buffer from all

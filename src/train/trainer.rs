@@ -30,6 +30,7 @@ use super::{
 };
 use crate::backend::Backend;
 use crate::checkpoint;
+use crate::checkpoint::optim::OptimizerFiles;
 use crate::checkpoint::sharded::{self, Kind};
 use crate::config::{Precision, RunConfig};
 use crate::metrics::flops::megatron_flops_per_step;
@@ -37,8 +38,8 @@ use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
-use crate::model::init::init_params;
-use crate::model::table::{gpt2_params, Table};
+use crate::model::init::init_tensor;
+use crate::model::table::{gpt2_params, Table, TensorSpec};
 use crate::model::{Gpt2, OptimStep, Stage, TpRank};
 use crate::parallel::grad_sync::GradSync;
 use crate::parallel::{timer_stats, Comm, ReduceOp};
@@ -1117,13 +1118,21 @@ fn initialise<B: Backend>(
     cfg: &RunConfig,
 ) -> Result<String> {
     let m = &cfg.model;
+    // Every source is read one full tensor at a time, only this rank's stage's tensors.
     if let Some(ck) = resume_from {
-        let mut host = vec![0.0f32; full_table.total()];
-        checkpoint::load_hf(ck)?.copy_into(full_table, &mut host)?;
-        let mut mm = vec![0.0f32; full_table.total()];
-        let mut vv = vec![0.0f32; full_table.total()];
-        checkpoint::load_optimizer(ck, full_table, &mut mm, &mut vv)?;
-        layout::load_full(model, full_table, &host, Some((&mm, &vv)))?;
+        let hf = checkpoint::load_hf(ck)?;
+        hf.check(full_table)?;
+        let opt = OptimizerFiles::open(ck, full_table)?;
+        let [mut m, mut v] = [0, 1].map(|k| {
+            let opt = &opt;
+            move |s: &TensorSpec, out: &mut [f32]| opt.read(full_table, k, &s.name, out)
+        });
+        layout::load_tensors(
+            model,
+            full_table,
+            &mut |s, out| hf.read_tensor(full_table, &s.name, out),
+            Some([&mut m, &mut v]),
+        )?;
         return Ok(format!("resumed from {}", ck.display()));
     }
     if let Some(dir) = init_from {
@@ -1137,12 +1146,24 @@ fn initialise<B: Backend>(
                 m
             );
         }
-        let mut host = vec![0.0f32; full_table.total()];
-        hf.copy_into(full_table, &mut host)?;
-        layout::load_full(model, full_table, &host, None)?;
+        hf.check(full_table)?;
+        layout::load_tensors(
+            model,
+            full_table,
+            &mut |s, out| hf.read_tensor(full_table, &s.name, out),
+            None,
+        )?;
         return Ok(format!("initialised from {}", dir.display()));
     }
-    let host = init_params(m, full_table, cfg.train.seed);
-    layout::load_full(model, full_table, &host, None)?;
+    let seed = cfg.train.seed;
+    layout::load_tensors(
+        model,
+        full_table,
+        &mut |s, out| {
+            init_tensor(m, &s.name, seed, out);
+            Ok(())
+        },
+        None,
+    )?;
     Ok(format!("random init (seed {})", cfg.train.seed))
 }
