@@ -83,15 +83,16 @@ impl Planned {
     }
 }
 
-/// Which shard holds each tensor of `cfg` under `pp` stages and `tp`-way tensor parallelism
-/// (module docs), stage by stage in each stage's table order. `pp · tp` shards.
-pub fn plan(cfg: &ModelConfig, pp: usize, tp: usize) -> Result<Vec<Planned>> {
+/// Which shard holds each tensor of `cfg` under pipeline `stages` and `tp`-way tensor
+/// parallelism (module docs), stage by stage in each stage's table order.
+/// `stages.len() · tp` shards.
+pub fn plan(cfg: &ModelConfig, stages: &[Stage], tp: usize) -> Result<Vec<Planned>> {
     if tp == 0 {
         bail!("tensor-parallel degree 0");
     }
     let mut out = Vec::new();
-    for stage in Stage::split(cfg, pp)? {
-        let table = gpt2_stage_params(cfg, 1, &stage)?;
+    for stage in stages {
+        let table = gpt2_stage_params(cfg, 1, stage)?;
         let specs: Vec<_> = table
             .specs()
             .iter()
@@ -251,7 +252,7 @@ mod tests {
         let m = RunConfig::load("gpt2-124m").unwrap().model;
         let full = gpt2_params(&m, 1).unwrap();
         for (pp, tp) in [(1, 1), (1, 2), (2, 2), (4, 1), (3, 4)] {
-            let p = plan(&m, pp, tp).unwrap();
+            let p = plan(&m, &Stage::split(&m, pp).unwrap(), tp).unwrap();
             let mut names: Vec<&str> = p.iter().map(|x| x.name.as_str()).collect();
             names.sort();
             let mut want: Vec<&str> = full.specs().iter().map(|s| s.name.as_str()).collect();

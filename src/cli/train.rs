@@ -94,6 +94,10 @@ pub struct TrainArgs {
     /// --micro-batches. The world is pp x dp x tp. At most n_layer; may change when resuming.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Blocks per pipeline stage, comma-separated (e.g. 8,4 for --pp 2 of a 12-block model),
+    /// instead of the split that balances estimated compute. May change when resuming.
+    #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
+    pub pp_layers: Option<Vec<usize>>,
     /// ZeRO stage: 1 shards the AdamW moments across data-parallel ranks.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
@@ -161,6 +165,7 @@ impl TrainArgs {
             tty: std::io::stderr().is_terminal(),
             tp: self.tp,
             pp: self.pp,
+            pp_layers: self.pp_layers.clone(),
             zero: self.zero,
             bucket_mb: self.bucket_mb,
             micro_batches: self.micro_batches,

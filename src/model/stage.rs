@@ -11,6 +11,9 @@
 //! stage waiting for it. [`Stage::split`] gives each stage a contiguous run of at least one
 //! block, choosing the run lengths that minimise the largest stage cost (blocks, plus the LM
 //! head on the last stage); ties go to the split that gives earlier stages more blocks.
+//! FLOPs are only an estimate of time (the LM head's large GEMMs run closer to peak than a
+//! block's, whose non-GEMM ops the count leaves out): `--pp-layers` sets the blocks per stage
+//! explicitly ([`Stage::layout`]).
 
 use crate::config::ModelConfig;
 use crate::model::table::padded_vocab;
@@ -48,13 +51,41 @@ impl Stage {
         self.index + 1 == self.count
     }
 
-    /// The stage of index `index` when `m` is split into `pp` stages ([`Self::split`]).
-    pub fn of(m: &ModelConfig, pp: usize, index: usize) -> Result<Stage> {
-        let mut all = Self::split(m, pp)?;
-        if index >= pp {
-            bail!("pipeline stage {index} of {pp} does not exist");
+    /// The stages of a run: `counts[s]` blocks on stage `s` when given (`--pp-layers`: one
+    /// count of at least 1 per stage, summing to `n_layer`), else [`Self::split`].
+    pub fn layout(m: &ModelConfig, pp: usize, counts: Option<&[usize]>) -> Result<Vec<Stage>> {
+        let Some(counts) = counts else {
+            return Self::split(m, pp);
+        };
+        if counts.len() != pp {
+            bail!(
+                "--pp-layers gives {} stage(s), --pp is {pp}: give one block count per stage",
+                counts.len()
+            );
         }
-        Ok(all.swap_remove(index))
+        if counts.contains(&0) {
+            bail!("--pp-layers {counts:?}: every stage needs at least one block");
+        }
+        let total: usize = counts.iter().sum();
+        if total != m.n_layer {
+            bail!(
+                "--pp-layers {counts:?} sums to {total} blocks, the model has n_layer = {}",
+                m.n_layer
+            );
+        }
+        let mut start = 0;
+        Ok(counts
+            .iter()
+            .enumerate()
+            .map(|(index, &n)| {
+                start += n;
+                Stage {
+                    index,
+                    count: pp,
+                    layers: start - n..start,
+                }
+            })
+            .collect())
     }
 
     /// `m`'s blocks split into `pp` contiguous stages of at least one block each, balancing
@@ -153,9 +184,27 @@ mod tests {
                 next = s.layers.end;
             }
             assert_eq!(next, 12);
-            assert_eq!(Stage::of(&m, pp, pp - 1).unwrap(), st[pp - 1]);
         }
         let e = Stage::split(&m, 13).unwrap_err().to_string();
         assert!(e.contains("n_layer = 12"), "{e}");
+    }
+
+    #[test]
+    fn explicit_block_counts() {
+        let m = RunConfig::load("gpt2-124m").unwrap().model;
+        let st = Stage::layout(&m, 2, Some(&[8, 4])).unwrap();
+        assert_eq!((st[0].layers.clone(), st[1].layers.clone()), (0..8, 8..12));
+        assert_eq!(
+            Stage::layout(&m, 2, None).unwrap(),
+            Stage::split(&m, 2).unwrap()
+        );
+        for (pp, counts, want) in [
+            (3, &[8, 4, 0][..], "at least one block"),
+            (2, &[8, 3], "sums to 11"),
+            (2, &[12], "one block count per stage"),
+        ] {
+            let e = Stage::layout(&m, pp, Some(counts)).unwrap_err().to_string();
+            assert!(e.contains(want), "{counts:?}: {e}");
+        }
     }
 }

@@ -205,7 +205,7 @@ mod tests {
             assert_eq!(back[spec.range()], full[spec.range()], "{}", spec.name);
         }
         let other = RunConfig::load("gpt2-124m").unwrap().model;
-        let big = gpt2_stage_params(&other, 1, &Stage::of(&other, 2, 1).unwrap()).unwrap();
+        let big = gpt2_stage_params(&other, 1, &Stage::split(&other, 2).unwrap()[1]).unwrap();
         let e = shard(&full_t, &full, &big, 0, 1, &mut vec![0.0; big.total()]).unwrap_err();
         assert!(e.to_string().contains("h.9.ln_1.weight is not in"), "{e}");
     }

@@ -66,6 +66,8 @@ pub struct TrainOptions {
     pub tp: usize,
     /// Pipeline stages (`--pp`).
     pub pp: usize,
+    /// Blocks per stage (`--pp-layers`); `None`: the balanced split.
+    pub pp_layers: Option<Vec<usize>>,
     /// ZeRO stage (0 or 1).
     pub zero: u8,
     /// Data-parallel gradient bucket size in MiB.

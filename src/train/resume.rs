@@ -6,7 +6,7 @@
 //! saved one is refused with a message naming the field, except the fields in [`MAY_CHANGE`]
 //! (`--steps` to extend a run, `--eval-every`, `--ckpt-every`). Options that are not part of the
 //! run's state may change freely: `--keep-last`, `--eval-batches`, `--val-data`, `--log-every`,
-//! `--timers`, the deadline, the parallel layout (`--tp`, `--pp`, `--zero`, `--bucket-mb`; the
+//! `--timers`, the deadline, the parallel layout (`--tp`, `--pp`, `--pp-layers`, `--zero`, `--bucket-mb`; the
 //! checkpoint is layout-free) and `--threads` (warned: a bit-exact resume needs the same count).
 //!
 //! Which checkpoint: `--resume auto` (or a run folder) takes the newest one that is whole

@@ -20,23 +20,25 @@ use super::dist::Dist;
 use crate::backend::{Backend, BufId, Span};
 use crate::checkpoint::sharded::{self, Kind, Planned, ShardWriter};
 use crate::model::table::{gpt2_params, Split, TensorSpec};
-use crate::model::Gpt2;
+use crate::model::{Gpt2, Stage};
 use crate::parallel::shard::unshard_tensor;
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Writes this rank's part of the sharded weights and optimizer state of `model` into `dir`
-/// (every rank calls it, with the same `dir`). The optimizer files carry `opt_step`.
+/// Writes this rank's part of the sharded weights and optimizer state of `model` (its stage of
+/// `stages`) into `dir` (every rank calls it, with the same `dir`). The optimizer files carry
+/// `opt_step`.
 pub fn write_shards<B: Backend>(
     model: &Gpt2<B>,
+    stages: &[Stage],
     dist: &Dist,
     dir: &Path,
     opt_step: u64,
 ) -> Result<()> {
     let g = dist.grid;
     let cfg = &model.cfg;
-    let plan = sharded::plan(cfg, g.pp, g.tp)?;
+    let plan = sharded::plan(cfg, stages, g.tp)?;
     let n = g.pp * g.tp;
     let mine: Vec<&Planned> = plan
         .iter()

@@ -142,6 +142,8 @@ pub struct Trainer<'d, B: Backend> {
     model: Gpt2<B>,
     /// This rank's stage of the pipeline (the whole model with `--pp 1`) and its schedule.
     pipeline: Pipeline,
+    /// Every stage of the pipeline (one with `--pp 1`).
+    stages: Vec<Stage>,
     sync: GradSync,
     /// The logical (tp = 1) parameter table, as in checkpoints.
     full_table: Table,
@@ -294,7 +296,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
             rank: grid.tp_rank,
             size: grid.tp,
         };
-        let stage = Stage::of(&m, grid.pp, grid.pp_rank)?;
+        let stages = Stage::layout(&m, grid.pp, opts.pp_layers.as_deref())?;
+        let stage = stages[grid.pp_rank].clone();
         let mut model = Gpt2::new_stage(&m, tp, &stage, t.precision.compute_dtype(), backend)?;
         model.set_tp_comm(dist.tp.clone())?;
         model.set_in_flight(pipeline::in_flight(stage.index, stage.count, micro));
@@ -396,6 +399,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             watch,
             norm_comm,
             pipeline,
+            stages,
             saved_layout: SavedLayout {
                 pp: grid.pp,
                 tp: grid.tp,
@@ -724,7 +728,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         }
         dist.world.broadcast_bytes(&mut tmp);
         let tmp = PathBuf::from(String::from_utf8(tmp).context("checkpoint folder name")?);
-        save::write_shards(&self.model, dist, &tmp, done)?;
+        save::write_shards(&self.model, &self.stages, dist, &tmp, done)?;
         // Every shard is complete and fsynced before rank 0 completes the checkpoint.
         dist.world.barrier();
         let mut path = None;
@@ -746,7 +750,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             let m = &self.cfg.model;
             checkpoint::write_model_config(&tmp, m)?;
             let g = dist.grid;
-            let plan = sharded::plan(m, g.pp, g.tp)?;
+            let plan = sharded::plan(m, &self.stages, g.tp)?;
             for (kind, name) in [
                 (Kind::Model, sharded::MODEL_INDEX_FILE),
                 (Kind::Optimizer, sharded::OPTIMIZER_INDEX_FILE),
@@ -900,7 +904,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
     ) -> Result<()> {
         let (opts, dist, t) = (&self.opts, self.dist, &self.cfg.train);
         let grid = dist.grid;
-        let stages = Stage::split(&self.cfg.model, grid.pp)?;
+        let stages = &self.stages;
         let metrics_path = self.out.join("metrics.jsonl");
         let mut w = if self.start_step > 0 {
             MetricsWriter::append(&metrics_path)?
