@@ -79,7 +79,8 @@ fn tmp(name: &str) -> PathBuf {
     d
 }
 
-/// Runs `fugu train` in `dir` with `np` ranks (0 = no mpirun) and the common flags.
+/// Runs `fugu train` in `dir` with `np` ranks (0 = no mpirun) and the common flags (the
+/// test model and data unless `extra` names a `--config`).
 fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
     let exe = env!("CARGO_BIN_EXE_fugu");
     let mut args: Vec<String> = vec![];
@@ -99,21 +100,11 @@ fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
         );
         Command::new("mpirun")
     };
-    args.extend(
-        [
-            "train",
-            "--config",
-            "m.toml",
-            "--data",
-            "tok.bin",
-            "--no-shuffle",
-            "--threads",
-            "1",
-            "--timers",
-            "coarse",
-        ]
-        .map(String::from),
-    );
+    args.push("train".into());
+    if !extra.contains(&"--config") {
+        args.extend(["--config", "m.toml", "--data", "tok.bin"].map(String::from));
+    }
+    args.extend(["--no-shuffle", "--threads", "1", "--timers", "coarse"].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
     cmd.args(&args)
         .current_dir(dir)
@@ -266,8 +257,8 @@ fn parallel_layouts_match_the_serial_run() {
 }
 
 /// Pipeline parallelism: pp 2 (one block per stage of the 2-block model, the first with the
-/// embeddings, the last with the head), alone and with tp 2 or with dp 2 and ZeRO-1, on the
-/// serial run's global batch. The micro-batches of a pipeline accumulate gradients, which
+/// embeddings, the last with the head), alone, with tp 2 (and full recomputation) or with
+/// dp 2 and ZeRO-1, on the serial run's global batch; evaluation through the pipeline. The micro-batches of a pipeline accumulate gradients, which
 /// changes only the order of sums (as gradient accumulation does serially), so the same
 /// tolerances hold. Checkpoints from the pipelined runs hold the whole model (checked by
 /// `assert_same`) and a pp 2 checkpoint resumes on one process.
@@ -296,6 +287,8 @@ fn pipeline_layouts_match_the_serial_run() {
                 "2",
                 "--data-ranks",
                 "2",
+                "--recompute",
+                "full",
             ],
         ),
         (
@@ -339,6 +332,40 @@ fn pipeline_layouts_match_the_serial_run() {
         ] {
             assert!(step.timers.contains_key(m), "{name}: no {m} timer");
         }
+    }
+    // Evaluation runs through the pipeline too (forward passes only): the validation loss
+    // equals the serial run's.
+    let val = |name: &str, np: usize, extra: &[&str]| -> Vec<f64> {
+        let mut args = extra.to_vec();
+        // gpt2-tiny (4 blocks) on the bundled corpus, which has a validation split.
+        args.extend([
+            "--config",
+            "gpt2-tiny",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "32",
+        ]);
+        args.extend(["--steps", "4", "--eval-every", "2", "--eval-batches", "2"]);
+        args.extend(["--out", name]);
+        ok(&train(&dir, np, &args));
+        read_metrics(dir.join(name).join("metrics.jsonl"))
+            .unwrap()
+            .into_iter()
+            .filter_map(|r| match r {
+                Record::Eval(e) => Some(e.val_loss),
+                _ => None,
+            })
+            .collect()
+    };
+    let (a, b) = (
+        val("serial-eval", 0, &[]),
+        val("pp2-eval", 2, &["--pp", "2", "--micro-batches", "4"]),
+    );
+    assert_eq!(a.len(), 2, "evaluations at steps 2 and 4");
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!(((x - y) / x).abs() <= 1e-5, "val loss {x} vs {y}");
     }
     // A pp 2 run stopped after 2 steps, finished by one process.
     ok(&train(
