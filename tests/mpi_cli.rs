@@ -179,6 +179,17 @@ fn serial(dir: &Path) -> PathBuf {
     out
 }
 
+/// Continues run `out` (in `dir`) to step 4 from its newest checkpoint with `np` ranks in
+/// the layout `layout`, and checks it against the serial run `s`.
+fn resume_to_4(dir: &Path, s: &Path, np: usize, out: &str, layout: &[&str], what: &str) -> Output {
+    let mut args = layout.to_vec();
+    args.extend(["--steps", "4", "--resume", "auto", "--out", out]);
+    let o = train(dir, np, &args);
+    ok(&o);
+    assert_same(s, &dir.join(out), 4, what);
+    o
+}
+
 #[test]
 fn parallel_layouts_match_the_serial_run() {
     if mpirun_missing() {
@@ -382,21 +393,14 @@ fn pipeline_layouts_match_the_serial_run() {
             "resumed",
         ],
     ));
-    ok(&train(
+    resume_to_4(
         &dir,
+        &s,
         0,
-        &[
-            "--data-ranks",
-            "2",
-            "--steps",
-            "4",
-            "--resume",
-            "auto",
-            "--out",
-            "resumed",
-        ],
-    ));
-    assert_same(&s, &dir.join("resumed"), 4, "pp2 -> serial");
+        "resumed",
+        &["--data-ranks", "2"],
+        "pp2 -> serial",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -458,79 +462,39 @@ fn sharded_checkpoints_resume_under_any_layout() {
     };
     copy("b");
     copy("c");
-    ok(&train(
+    resume_to_4(&dir, &s, 0, "a", &["--data-ranks", "2"], "pp2tp2 -> serial");
+    resume_to_4(
         &dir,
-        0,
-        &[
-            "--data-ranks",
-            "2",
-            "--steps",
-            "4",
-            "--resume",
-            "auto",
-            "--out",
-            "a",
-        ],
-    ));
-    assert_same(&s, &dir.join("a"), 4, "pp2tp2 -> serial");
-    ok(&train(
-        &dir,
+        &s,
         4,
-        &[
-            "--tp",
-            "2",
-            "--batch-size",
-            "2",
-            "--steps",
-            "4",
-            "--resume",
-            "auto",
-            "--out",
-            "b",
-        ],
-    ));
-    assert_same(&s, &dir.join("b"), 4, "pp2tp2 -> tp2dp2");
+        "b",
+        &["--tp", "2", "--batch-size", "2"],
+        "pp2tp2 -> tp2dp2",
+    );
     // c: on to step 4 in the same layout, then damage that checkpoint and leave a killed
     // writer's temporary folder: --resume auto must go back to step 2.
-    let mut more = pp2tp2.to_vec();
-    more.extend(["--steps", "4", "--resume", "auto", "--out", "c"]);
-    ok(&train(&dir, 4, &more));
+    resume_to_4(&dir, &s, 4, "c", &pp2tp2, "pp2tp2 resumed");
     let c = dir.join("c");
-    std::fs::remove_file(
-        c.join("ckpt-00000004")
-            .join("model-00003-of-00004.safetensors"),
-    )
-    .unwrap();
+    let ck4 = c.join("ckpt-00000004");
+    std::fs::remove_file(ck4.join("model-00003-of-00004.safetensors")).unwrap();
     let killed = c.join(".tmp-ckpt-00000006-12345");
     std::fs::create_dir_all(&killed).unwrap();
-    std::fs::copy(
-        c.join("ckpt-00000004")
-            .join("model-00001-of-00004.safetensors"),
-        killed.join("model-00001-of-00004.safetensors"),
-    )
-    .unwrap();
-    let out = train(
+    let shard1 = "model-00001-of-00004.safetensors";
+    std::fs::copy(ck4.join(shard1), killed.join(shard1)).unwrap();
+    let out = resume_to_4(
         &dir,
+        &s,
         0,
-        &[
-            "--data-ranks",
-            "2",
-            "--steps",
-            "4",
-            "--resume",
-            "auto",
-            "--out",
-            "c",
-        ],
+        "c",
+        &["--data-ranks", "2"],
+        "damaged passed over",
     );
-    ok(&out);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("passing over damaged checkpoint ckpt-00000004")
             && err.contains("model-00003-of-00004.safetensors"),
         "{err}"
     );
-    assert_same(&s, &c, 4, "damaged pp2tp2 checkpoint passed over");
     // Every checkpoint event records the peak RSS before and after writing.
     let recs = read_metrics(dir.join("b").join("metrics.jsonl")).unwrap();
     let ev = recs
@@ -569,46 +533,21 @@ fn checkpoints_reshard_between_layouts() {
             "a",
         ],
     ));
-    ok(&train(
-        &dir,
-        0,
-        &[
-            "--batch-size",
-            "4",
-            "--steps",
-            "4",
-            "--resume",
-            "auto",
-            "--out",
-            "a",
-        ],
-    ));
-    assert_same(&s, &dir.join("a"), 4, "tp2dp2 -> serial");
+    resume_to_4(&dir, &s, 0, "a", &["--batch-size", "4"], "tp2dp2 -> serial");
     // ... and the reverse, with ZeRO-1 on the way back.
     ok(&train(
         &dir,
         0,
         &["--data-ranks", "2", "--steps", "2", "--out", "b"],
     ));
-    ok(&train(
+    resume_to_4(
         &dir,
+        &s,
         4,
-        &[
-            "--tp",
-            "2",
-            "--batch-size",
-            "2",
-            "--zero",
-            "1",
-            "--steps",
-            "4",
-            "--resume",
-            "auto",
-            "--out",
-            "b",
-        ],
-    ));
-    assert_same(&s, &dir.join("b"), 4, "serial -> tp2dp2 zero1");
+        "b",
+        &["--tp", "2", "--batch-size", "2", "--zero", "1"],
+        "serial -> tp2dp2 zero1",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

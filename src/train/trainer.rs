@@ -208,10 +208,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
         };
         let cfg = match &start_state {
             Some(st) => {
-                // Data-parallel ranks then and now (the world is split into tp × dp).
+                // Data-parallel ranks then and now (the world is split into pp × dp × tp).
                 let dp = (
                     st.layout.map_or(1, |l| l.dp),
-                    (dist.grid.world_size / opts.tp.max(1)).max(1),
+                    (dist.grid.world_size / (opts.tp.max(1) * opts.pp.max(1))).max(1),
                 );
                 let file = opts
                     .config_given
