@@ -1,5 +1,5 @@
 //! `cargo bench --features mpi --bench parallel -- [--config gpt2-124m] [--shape 8x256]
-//! [--steps 6] [--cores 2] [--micro 8]`
+//! [--steps 6] [--cores 2] [--micro 8] [--pp-layers N,N]`
 //!
 //! The MPI targets of the parallelism issue, as ratios measured in one run on this machine:
 //! `fugu train` (the real binary, the real data path) as
@@ -38,6 +38,10 @@ struct Args {
     /// Micro-batches of the pipeline-parallel run.
     #[arg(long, default_value_t = 8)]
     micro: usize,
+    /// Blocks per stage of the pipeline-parallel run (`fugu train --pp-layers`); default: the
+    /// trainer's balanced split.
+    #[arg(long)]
+    pp_layers: Option<String>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -89,7 +93,13 @@ fn main() -> anyhow::Result<()> {
         (
             "pp ranks x 1 thread",
             a.cores,
-            vec!["--threads", "1", "--pp", &cores, "--micro-batches", &micro],
+            [
+                vec!["--threads", "1", "--pp", &cores, "--micro-batches", &micro],
+                a.pp_layers
+                    .as_deref()
+                    .map_or(vec![], |l| vec!["--pp-layers", l]),
+            ]
+            .concat(),
         ),
     ];
     let ideal_bubble = 100.0 * (a.cores - 1) as f64 / (a.micro + a.cores - 1) as f64;
