@@ -252,7 +252,7 @@ mod tests {
         let m = RunConfig::load("gpt2-124m").unwrap().model;
         let full = gpt2_params(&m, 1).unwrap();
         for (pp, tp) in [(1, 1), (1, 2), (2, 2), (4, 1), (3, 4)] {
-            let p = plan(&m, &Stage::split(&m, pp).unwrap(), tp).unwrap();
+            let p = plan(&m, &Stage::split(&m, pp, 1024).unwrap(), tp).unwrap();
             let mut names: Vec<&str> = p.iter().map(|x| x.name.as_str()).collect();
             names.sort();
             let mut want: Vec<&str> = full.specs().iter().map(|s| s.name.as_str()).collect();

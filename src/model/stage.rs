@@ -6,9 +6,10 @@
 //! activation table are built from it, so a stage holds only its own tensors.
 //!
 //! The split balances compute, not block counts: the LM head of a GPT-2 costs as much as
-//! several blocks (2·C·V FLOPs per token against 24·C² for a block: 5.5 blocks for GPT-2
-//! 124M), so an even split of blocks would leave the last stage the slowest and every other
-//! stage waiting for it. [`Stage::split`] gives each stage a contiguous run of at least one
+//! several blocks (2·C·V FLOPs per token against 24·C² + 4·T·C for a block, the second term
+//! the attention scores and context at sequence length T: 5.2 blocks for GPT-2 124M at
+//! T = 256, 4.5 at T = 1024), so an even split of blocks would leave the last stage the
+//! slowest and every other stage waiting for it. [`Stage::split`] gives each stage a contiguous run of at least one
 //! block, choosing the run lengths that minimise the largest stage cost (blocks, plus the LM
 //! head on the last stage); ties go to the split that gives earlier stages more blocks.
 //! FLOPs are only an estimate of time (the LM head's large GEMMs run closer to peak than a
@@ -51,11 +52,17 @@ impl Stage {
         self.index + 1 == self.count
     }
 
-    /// The stages of a run: `counts[s]` blocks on stage `s` when given (`--pp-layers`: one
-    /// count of at least 1 per stage, summing to `n_layer`), else [`Self::split`].
-    pub fn layout(m: &ModelConfig, pp: usize, counts: Option<&[usize]>) -> Result<Vec<Stage>> {
+    /// The stages of a run with sequences of `seq_len` tokens: `counts[s]` blocks on stage `s`
+    /// when given (`--pp-layers`: one count of at least 1 per stage, summing to `n_layer`),
+    /// else [`Self::split`].
+    pub fn layout(
+        m: &ModelConfig,
+        pp: usize,
+        seq_len: usize,
+        counts: Option<&[usize]>,
+    ) -> Result<Vec<Stage>> {
         let Some(counts) = counts else {
-            return Self::split(m, pp);
+            return Self::split(m, pp, seq_len);
         };
         if counts.len() != pp {
             bail!(
@@ -89,16 +96,17 @@ impl Stage {
     }
 
     /// `m`'s blocks split into `pp` contiguous stages of at least one block each, balancing
-    /// the compute per stage (module docs).
-    pub fn split(m: &ModelConfig, pp: usize) -> Result<Vec<Stage>> {
+    /// the compute per stage at sequence length `seq_len` (module docs).
+    pub fn split(m: &ModelConfig, pp: usize, seq_len: usize) -> Result<Vec<Stage>> {
         let n = m.n_layer;
         if pp == 0 || pp > n {
             bail!("cannot split model.n_layer = {n} blocks into {pp} pipeline stages (1..={n})");
         }
         // Costs in units of multiply-adds per token (the factor 2 and the backward's 2x are
-        // the same for every part).
+        // the same for every part): a block's four linear layers, plus QKᵀ and PV (T·C each,
+        // counted in full as Megatron's formula does).
         let c = m.n_embd as f64;
-        let block = 12.0 * c * c;
+        let block = 12.0 * c * c + 2.0 * seq_len as f64 * c;
         let head = c * padded_vocab(m.vocab_size) as f64;
         // best[s][k]: the smallest possible largest cost when stages s.. run blocks k..n,
         // and the length of stage s's run that achieves it.
@@ -141,9 +149,9 @@ mod tests {
     use super::*;
     use crate::config::RunConfig;
 
-    fn layers(name: &str, pp: usize) -> Vec<Range<usize>> {
+    fn layers(name: &str, pp: usize, t: usize) -> Vec<Range<usize>> {
         let m = RunConfig::load(name).unwrap().model;
-        Stage::split(&m, pp)
+        Stage::split(&m, pp, t)
             .unwrap()
             .into_iter()
             .map(|s| s.layers)
@@ -153,27 +161,30 @@ mod tests {
     #[test]
     fn one_stage_is_the_whole_model() {
         let m = RunConfig::load("gpt2-124m").unwrap().model;
-        assert_eq!(Stage::split(&m, 1).unwrap(), vec![Stage::whole(12)]);
+        assert_eq!(Stage::split(&m, 1, 1024).unwrap(), vec![Stage::whole(12)]);
         let w = Stage::whole(12);
         assert!(w.is_first() && w.is_last());
     }
 
     #[test]
     fn the_split_leaves_room_for_the_lm_head() {
-        // GPT-2 124M: the head is 50304/(12·768) = 5.46 blocks; 9 + 3 blocks gives stage
-        // costs 9 and 8.46 (an even 6 + 6 would give 6 and 11.46).
-        assert_eq!(layers("gpt2-124m", 2), vec![0..9, 9..12]);
-        // gpt2-tiny: the head (50304/(12·128) = 32.75 blocks) outweighs all four blocks, so the
-        // last stage gets the one block it must have.
-        assert_eq!(layers("gpt2-tiny", 2), vec![0..3, 3..4]);
-        assert_eq!(layers("gpt2-tiny", 4), vec![0..1, 1..2, 2..3, 3..4]);
+        // GPT-2 124M at T = 256: the head is 50304·768 / (12·768² + 2·256·768) = 5.17 blocks;
+        // 9 + 3 blocks gives stage costs 9 and 8.17 (an even 6 + 6: 6 and 11.17).
+        assert_eq!(layers("gpt2-124m", 2, 256), vec![0..9, 9..12]);
+        // At T = 1024 attention makes a block dearer (head = 4.47 blocks): 8 + 4 (8 and 8.47)
+        // beats 9 + 3 (9 and 7.47).
+        assert_eq!(layers("gpt2-124m", 2, 1024), vec![0..8, 8..12]);
+        // gpt2-tiny: the head (about 30 blocks) outweighs all four blocks, so the last stage
+        // gets the one block it must have.
+        assert_eq!(layers("gpt2-tiny", 2, 64), vec![0..3, 3..4]);
+        assert_eq!(layers("gpt2-tiny", 4, 64), vec![0..1, 1..2, 2..3, 3..4]);
     }
 
     #[test]
     fn stages_partition_the_blocks_and_know_their_ends() {
         let m = RunConfig::load("gpt2-124m").unwrap().model;
         for pp in 1..=12 {
-            let st = Stage::split(&m, pp).unwrap();
+            let st = Stage::split(&m, pp, 1024).unwrap();
             assert_eq!(st.len(), pp);
             let mut next = 0;
             for (i, s) in st.iter().enumerate() {
@@ -185,25 +196,27 @@ mod tests {
             }
             assert_eq!(next, 12);
         }
-        let e = Stage::split(&m, 13).unwrap_err().to_string();
+        let e = Stage::split(&m, 13, 1024).unwrap_err().to_string();
         assert!(e.contains("n_layer = 12"), "{e}");
     }
 
     #[test]
     fn explicit_block_counts() {
         let m = RunConfig::load("gpt2-124m").unwrap().model;
-        let st = Stage::layout(&m, 2, Some(&[8, 4])).unwrap();
+        let st = Stage::layout(&m, 2, 256, Some(&[8, 4])).unwrap();
         assert_eq!((st[0].layers.clone(), st[1].layers.clone()), (0..8, 8..12));
         assert_eq!(
-            Stage::layout(&m, 2, None).unwrap(),
-            Stage::split(&m, 2).unwrap()
+            Stage::layout(&m, 2, 256, None).unwrap(),
+            Stage::split(&m, 2, 256).unwrap()
         );
         for (pp, counts, want) in [
             (3, &[8, 4, 0][..], "at least one block"),
             (2, &[8, 3], "sums to 11"),
             (2, &[12], "one block count per stage"),
         ] {
-            let e = Stage::layout(&m, pp, Some(counts)).unwrap_err().to_string();
+            let e = Stage::layout(&m, pp, 256, Some(counts))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(want), "{counts:?}: {e}");
         }
     }

@@ -188,7 +188,7 @@ mod tests {
         let full_t = gpt2_params(&m, 1).unwrap();
         let full: Vec<f32> = (0..full_t.total()).map(|i| i as f32).collect();
         let mut back = vec![-1.0f32; full_t.total()];
-        for st in Stage::split(&m, 2).unwrap() {
+        for st in Stage::split(&m, 2, 64).unwrap() {
             let lt = gpt2_stage_params(&m, 2, &st).unwrap();
             let shards: Vec<Vec<f32>> = (0..2)
                 .map(|r| {
@@ -205,7 +205,7 @@ mod tests {
             assert_eq!(back[spec.range()], full[spec.range()], "{}", spec.name);
         }
         let other = RunConfig::load("gpt2-124m").unwrap().model;
-        let big = gpt2_stage_params(&other, 1, &Stage::split(&other, 2).unwrap()[1]).unwrap();
+        let big = gpt2_stage_params(&other, 1, &Stage::split(&other, 2, 256).unwrap()[1]).unwrap();
         let e = shard(&full_t, &full, &big, 0, 1, &mut vec![0.0; big.total()]).unwrap_err();
         assert!(e.to_string().contains("h.9.ln_1.weight is not in"), "{e}");
     }

@@ -296,7 +296,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             rank: grid.tp_rank,
             size: grid.tp,
         };
-        let stages = Stage::layout(&m, grid.pp, opts.pp_layers.as_deref())?;
+        let stages = Stage::layout(&m, grid.pp, t.seq_len, opts.pp_layers.as_deref())?;
         let stage = stages[grid.pp_rank].clone();
         let mut model = Gpt2::new_stage(&m, tp, &stage, t.precision.compute_dtype(), backend)?;
         model.set_tp_comm(dist.tp.clone())?;
