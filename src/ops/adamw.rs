@@ -1,6 +1,9 @@
 //! The AdamW optimizer step (PyTorch `torch.optim.AdamW`, single-tensor path) and the sum of
 //! squares behind gradient-norm clipping. `f32` only: these run on the master parameters.
 
+use super::row_isa::row_isa;
+#[cfg(target_arch = "x86_64")]
+use super::row_isa::RowIsa;
 use super::ELEM_CHUNK;
 use rayon::prelude::*;
 
@@ -121,12 +124,12 @@ fn update_avx512(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &Ste
 /// One chunk of the update, with the widest vectors the CPU has (the same arithmetic, no FMA
 /// contraction, so results are identical on every path).
 fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &StepScalars) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU supports AVX-512F (checked just above).
-        return unsafe { update_avx512(p, g, m, v, k) };
+    match row_isa() {
+        // SAFETY: row_isa() returns Avx512 only on a CPU with AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        RowIsa::Avx512 => unsafe { update_avx512(p, g, m, v, k) },
+        _ => update_body(p, g, m, v, k),
     }
-    update_body(p, g, m, v, k)
 }
 
 /// Elements per partial sum of [`sum_of_squares`].

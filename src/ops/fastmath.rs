@@ -9,6 +9,10 @@
 //! softmax sums); NaN propagates. Accuracy: within 2 ulp of the correctly rounded result
 //! (tested below against f64).
 
+use super::row_isa::row_isa;
+#[cfg(target_arch = "x86_64")]
+use super::row_isa::RowIsa;
+
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
@@ -144,39 +148,31 @@ mod x86 {
     }
 }
 
-/// `Σ exp(x − max)` over a row, using the widest vectors the CPU has.
+/// `Σ exp(x − max)` over a row, using the widest vectors the CPU has ([`row_isa`]).
 pub fn sum_exp_f32(row: &[f32], max: f32) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above), the only requirement of
-            // this safe-bodied function compiled with that feature enabled.
-            return unsafe { x86::sum_exp_avx512(row, max) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: AVX2 and FMA are present (checked just above).
-            return unsafe { x86::sum_exp_avx2(row, max) };
-        }
+    match row_isa() {
+        // SAFETY: row_isa() returns Avx512 only on a CPU with AVX-512F, the only requirement
+        // of this safe-bodied function compiled with that feature enabled.
+        #[cfg(target_arch = "x86_64")]
+        RowIsa::Avx512 => unsafe { x86::sum_exp_avx512(row, max) },
+        // SAFETY: row_isa() returns Avx2Fma only on a CPU with AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        RowIsa::Avx2Fma => unsafe { x86::sum_exp_avx2(row, max) },
+        _ => sum_exp_body(row, max),
     }
-    sum_exp_body(row, max)
 }
 
-/// `row[j] = scale · exp(row[j] − max)`, using the widest vectors the CPU has.
+/// `row[j] = scale · exp(row[j] − max)`, using the widest vectors the CPU has ([`row_isa`]).
 pub fn exp_scale_f32(row: &mut [f32], max: f32, scale: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above).
-            return unsafe { x86::exp_scale_avx512(row, max, scale) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: AVX2 and FMA are present (checked just above).
-            return unsafe { x86::exp_scale_avx2(row, max, scale) };
-        }
+    match row_isa() {
+        // SAFETY: row_isa() returns Avx512 only on a CPU with AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        RowIsa::Avx512 => unsafe { x86::exp_scale_avx512(row, max, scale) },
+        // SAFETY: row_isa() returns Avx2Fma only on a CPU with AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        RowIsa::Avx2Fma => unsafe { x86::exp_scale_avx2(row, max, scale) },
+        _ => exp_scale_body(row, max, scale),
     }
-    exp_scale_body(row, max, scale)
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@
 //! | `residual.rs` | residual add |
 //! | `crossentropy.rs` | fused softmax + cross-entropy in phases (vocabulary-parallel ready) |
 //! | `adamw.rs` | PyTorch AdamW step, sum of squares for gradient clipping |
+//! | `row_isa.rs` | [`row_isa::row_isa`]: the instruction set of the vectorised row kernels (`fastmath.rs`, `adamw.rs`), chosen once |
 
 pub mod adamw;
 pub mod attention;
@@ -36,6 +37,7 @@ pub mod gelu;
 pub mod layernorm;
 pub mod linear;
 pub mod residual;
+pub mod row_isa;
 #[cfg(test)]
 pub(crate) mod testutil;
 
