@@ -229,18 +229,17 @@ pub(crate) fn check_len(what: &str, buf: &[f32], table: &Table) -> Result<()> {
     Ok(())
 }
 
-/// Reads the file tensor `e` into the table tensor `spec` of `out`: checks the shape against
-/// [`file_shape`] and zeroes the padding rows.
+/// Reads the file tensor `e` into `dst`, the elements of the table tensor `spec`: checks the
+/// shape against [`file_shape`] and zeroes the padding rows.
 pub(crate) fn read_into(
     f: &mut File,
     h: &Header,
     e: &Entry,
     spec: &TensorSpec,
     vocab: usize,
-    out: &mut [f32],
+    dst: &mut [f32],
 ) -> Result<()> {
     check_shape(h, e, spec, vocab)?;
-    let dst = &mut out[spec.range()];
     let n = e.numel();
     st::read_f32(f, h, e, &mut dst[..n])?;
     dst[n..].fill(0.0);
@@ -633,17 +632,13 @@ impl HfModel {
         let (_, t) = self
             .entry(name)
             .ok_or_else(|| anyhow!("{}: tensor `{name}` missing", self.path().display()))?;
-        let at_zero = TensorSpec {
-            offset: 0,
-            ..spec.clone()
-        };
         let vocab = self.config.vocab_size;
         let mut files = ShardFiles::new(&self.shards);
         read_into(
             files.get(t.shard)?,
             self.header(t),
             &t.entry,
-            &at_zero,
+            spec,
             vocab,
             out,
         )?;

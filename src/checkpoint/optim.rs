@@ -223,12 +223,8 @@ impl OptimizerFiles {
             .get(&(k, name.to_string()))
             .ok_or_else(|| anyhow!("internal: moment {k} of {name} was not indexed"))?;
         let h = &self.shards[si];
-        let at_zero = crate::model::table::TensorSpec {
-            offset: 0,
-            ..spec.clone()
-        };
         let mut files = hf::ShardFiles::new(&self.shards);
-        hf::read_into(files.get(si)?, h, &h.entries[ei], &at_zero, self.vocab, out)
+        hf::read_into(files.get(si)?, h, &h.entries[ei], spec, self.vocab, out)
     }
 }
 

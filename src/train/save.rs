@@ -20,25 +20,25 @@ use super::dist::Dist;
 use crate::backend::{Backend, BufId, Span};
 use crate::checkpoint::sharded::{self, Kind, Planned, ShardWriter};
 use crate::model::table::{gpt2_params, Split, TensorSpec};
-use crate::model::{Gpt2, Stage};
+use crate::model::Gpt2;
 use crate::parallel::shard::unshard_tensor;
 use anyhow::{Context, Result};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Writes this rank's part of the sharded weights and optimizer state of `model` (its stage of
-/// `stages`) into `dir` (every rank calls it, with the same `dir`). The optimizer files carry
-/// `opt_step`.
+/// Writes this rank's part of the sharded weights and optimizer state of `model` into `dir`
+/// following `plan` ([`sharded::plan`] of the run's stages; every rank calls it, with the same
+/// `dir`). The optimizer files carry `opt_step`.
 pub fn write_shards<B: Backend>(
     model: &Gpt2<B>,
-    stages: &[Stage],
+    plan: &[Planned],
     dist: &Dist,
     dir: &Path,
     opt_step: u64,
 ) -> Result<()> {
     let g = dist.grid;
     let cfg = &model.cfg;
-    let plan = sharded::plan(cfg, stages, g.tp)?;
     let n = g.pp * g.tp;
     let mine: Vec<&Planned> = plan
         .iter()
@@ -47,7 +47,7 @@ pub fn write_shards<B: Backend>(
     let shard = g.pp_rank * g.tp + g.tp_rank;
     let writing = g.dp_rank == 0;
     let mut writers = if writing {
-        Some(open_writers(&plan, shard, n, dir, opt_step)?)
+        Some(open_writers(plan, shard, n, dir, opt_step)?)
     } else {
         None
     };
@@ -60,11 +60,8 @@ pub fn write_shards<B: Backend>(
         let full = full_table
             .get(&p.name)
             .expect("planned tensors are the model's");
-        let keys = [
-            sharded::keys(Kind::Model, p).remove(0),
-            sharded::keys(Kind::Optimizer, p).remove(0),
-            sharded::keys(Kind::Optimizer, p).remove(1),
-        ];
+        let mut keys = sharded::keys(Kind::Model, p);
+        keys.extend(sharded::keys(Kind::Optimizer, p));
         for (k, key) in keys.iter().enumerate() {
             let values = match k {
                 0 => writing.then(|| download(model, model.params, local.offset, local.len())),
@@ -80,12 +77,13 @@ pub fn write_shards<B: Backend>(
                 continue;
             }
             let file = if k == 0 { &mut w.0 } else { &mut w.1 };
-            // The other ranks' shards one at a time, in rank order.
-            let shard_of = |r: usize, own: &[f32]| -> Vec<f32> {
+            // Every rank's shard in rank order: the writer's own, the others received one at
+            // a time.
+            let shard_of = |r: usize| -> Cow<[f32]> {
                 if r == writer {
-                    own.to_vec()
+                    Cow::Borrowed(&values)
                 } else {
-                    dist.tp.start_recv(r, 0, vec![0.0; own.len()]).wait().0
+                    Cow::Owned(dist.tp.start_recv(r, 0, vec![0.0; values.len()]).wait().0)
                 }
             };
             if local.split == Split::Rows || g.tp == 1 {
@@ -93,14 +91,14 @@ pub fn write_shards<B: Backend>(
                 // (the padding rows of `wte` at the end are left out).
                 let mut left = p.numel();
                 for r in 0..g.tp {
-                    let part = shard_of(r, &values);
+                    let part = shard_of(r);
                     let n = part.len().min(left);
                     file.append(key, &part[..n])?;
                     left -= n;
                 }
             } else {
                 // Column-split or replicated: small tensors, assembled whole.
-                let parts: Vec<Vec<f32>> = (0..g.tp).map(|r| shard_of(r, &values)).collect();
+                let parts: Vec<Cow<[f32]>> = (0..g.tp).map(shard_of).collect();
                 let refs: Vec<&[f32]> = parts.iter().map(|x| &x[..]).collect();
                 let mut whole = vec![0.0f32; full.len()];
                 unshard_tensor(full, local, &refs, &mut whole);

@@ -728,7 +728,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
         }
         dist.world.broadcast_bytes(&mut tmp);
         let tmp = PathBuf::from(String::from_utf8(tmp).context("checkpoint folder name")?);
-        save::write_shards(&self.model, &self.stages, dist, &tmp, done)?;
+        let g = dist.grid;
+        let plan = sharded::plan(&self.cfg.model, &self.stages, g.tp)?;
+        save::write_shards(&self.model, &plan, dist, &tmp, done)?;
         // Every shard is complete and fsynced before rank 0 completes the checkpoint.
         dist.world.barrier();
         let mut path = None;
@@ -747,10 +749,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 layout: Some(self.saved_layout),
                 loss_scaler: self.scaler,
             };
-            let m = &self.cfg.model;
-            checkpoint::write_model_config(&tmp, m)?;
-            let g = dist.grid;
-            let plan = sharded::plan(m, &self.stages, g.tp)?;
+            checkpoint::write_model_config(&tmp, &self.cfg.model)?;
             for (kind, name) in [
                 (Kind::Model, sharded::MODEL_INDEX_FILE),
                 (Kind::Optimizer, sharded::OPTIMIZER_INDEX_FILE),

@@ -307,25 +307,16 @@ impl CudaBackend {
         (ta, tb): (bool, bool),
         (m, n, k): (usize, usize, usize),
         alpha: f32,
-        (a, lda, sa, at): Mat,
-        (b, ldb, sb, bt): Mat,
+        a: Mat,
+        b: Mat,
         beta: f32,
-        (c, ldc, sc, ct): Mat,
+        c: Mat,
         batch: usize,
     ) {
         if m == 0 || n == 0 || batch == 0 {
             return;
         }
-        let call = column_major(
-            (ta, tb),
-            (m, n, k),
-            alpha,
-            (a, lda, sa, at),
-            (b, ldb, sb, bt),
-            beta,
-            (c, ldc, sc, ct),
-            batch,
-        );
+        let call = column_major((ta, tb), (m, n, k), alpha, a, b, beta, c, batch);
         if let Err(e) = self.eng.gemm(&call) {
             self.fail(what, e);
         }
