@@ -3,8 +3,9 @@
 
 use crate::blocking::Blocking;
 use crate::buffer::{with_thread_a, with_thread_b, AlignedBuf};
-use crate::kernel::KernelF32;
-use crate::pack::{pack_one_panel, pack_panels};
+use crate::kernel::Kernel;
+use crate::pack::{pack_one_panel, pack_panels, PanelFormat};
+use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
 use rayon::prelude::*;
 
@@ -31,21 +32,33 @@ pub enum SplitMode {
     Jr,
 }
 
-/// Kernel and block sizes the driver runs with.
+/// Kernel, precision and block sizes the driver runs with.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ctx {
-    pub kernel: KernelF32,
+    pub kernel: Kernel,
+    /// What the operands are rounded to when packed (see [`Precision`]).
+    pub prec: Precision,
+    /// Block sizes in packed words (a word is one `f32` or one bf16 pair along k).
     pub blk: Blocking,
     /// L1 data cache and last-level cache of one domain, in bytes (0: unknown / none), for
     /// [`Ctx::blocking_for`].
     pub l1d: usize,
     pub llc: usize,
-    /// `FUGU_GEMM_KC` was given: use `blk.kc` as is.
+    /// `FUGU_GEMM_KC` was given: use `blk.kc` as is, in elements.
     pub kc_fixed: bool,
 }
 
 impl Ctx {
-    /// Block sizes for one m×n×k problem: the cache-derived ones, except that when C is larger
+    /// How this context's panels are packed.
+    pub fn format(&self) -> PanelFormat {
+        PanelFormat {
+            operand: self.kernel.operand,
+            prec: self.prec,
+        }
+    }
+
+    /// Block sizes for one m×n×k problem, kc in elements of k: the cache-derived ones (kc
+    /// counts words, so a bf16-pair kernel's kc covers twice the elements), except that when C is larger
     /// than the last-level cache and a B̃ micro-panel of the whole k (k × nr) still fits in L1,
     /// k is done in one block. Each pc pass reads and writes all of C from memory, so this
     /// divides C's traffic by the number of passes; on Zen 5 it gained about 5% on the LM
@@ -56,12 +69,15 @@ impl Ctx {
     /// single noisy runs).
     pub fn blocking_for(&self, m: usize, n: usize, k: usize) -> Blocking {
         let mut b = self.blk;
+        if self.kc_fixed {
+            return b;
+        }
+        b.kc *= self.kernel.operand.k_per_word();
         let c_bytes = m.saturating_mul(n).saturating_mul(4);
-        if !self.kc_fixed
-            && self.llc > 0
+        if self.llc > 0
             && c_bytes > self.llc
             && k > b.kc
-            && k * self.kernel.nr * 4 <= self.l1d
+            && self.kernel.operand.words(k) * self.kernel.nr * 4 <= self.l1d
         {
             b.kc = k;
         }
@@ -146,7 +162,8 @@ pub(crate) fn scale_c(c: RawMatMut, beta: f32) {
     }
 }
 
-/// Runs the micro-kernel over the `mc × nc` block of C at `c`, for `B̃` panels `j0..j1`.
+/// Runs the micro-kernel over the `mc × nc` block of C at `c`, for `B̃` panels `j0..j1`, whose
+/// panels are `kw` packed words deep.
 #[allow(clippy::too_many_arguments)]
 fn macro_kernel(
     ctx: &Ctx,
@@ -154,13 +171,13 @@ fn macro_kernel(
     bp: &[f32],
     mcur: usize,
     ncur: usize,
-    kcur: usize,
+    kw: usize,
     panels: std::ops::Range<usize>,
     alpha: f32,
     beta: f32,
     c: RawMatMut,
 ) {
-    let KernelF32 { mr, nr, func, .. } = ctx.kernel;
+    let Kernel { mr, nr, func, .. } = ctx.kernel;
     let direct_ok = c.rs == 1 && c.cs >= mr;
     // Scratch for edge tiles, left uninitialised: zeroing 8 KiB per call measured about 2% of
     // a 64³ problem. The kernel writes all mr × nr floats before any is read (beta = 0).
@@ -168,18 +185,18 @@ fn macro_kernel(
     let tile = tile.as_mut_ptr() as *mut f32;
     for jp in panels {
         let nj = nr.min(ncur - jp * nr);
-        let bpanel = &bp[jp * kcur * nr..(jp + 1) * kcur * nr];
+        let bpanel = &bp[jp * kw * nr..(jp + 1) * kw * nr];
         for ip in 0..mcur.div_ceil(mr) {
             let mi = mr.min(mcur - ip * mr);
-            let apanel = &ap[ip * kcur * mr..(ip + 1) * kcur * mr];
+            let apanel = &ap[ip * kw * mr..(ip + 1) * kw * mr];
             let cblk = c.block(ip * mr, jp * nr, mi, nj);
             if direct_ok && mi == mr && nj == nr {
-                // SAFETY: the panels hold kcur*mr and kcur*nr floats; the full mr×nr tile of
+                // SAFETY: the panels hold kw*mr and kw*nr packed words; the full mr×nr tile of
                 // C is inside the view, unit-stride along m with ldc = c.cs >= mr, and this
                 // thread is the only writer of this tile.
                 unsafe {
                     func(
-                        kcur,
+                        kw,
                         alpha,
                         apanel.as_ptr(),
                         bpanel.as_ptr(),
@@ -190,7 +207,7 @@ fn macro_kernel(
                 };
             } else {
                 // SAFETY: the scratch tile holds mr*nr <= MAX_TILE floats with ldc = mr.
-                unsafe { func(kcur, 1.0, apanel.as_ptr(), bpanel.as_ptr(), 0.0, tile, mr) };
+                unsafe { func(kw, 1.0, apanel.as_ptr(), bpanel.as_ptr(), 0.0, tile, mr) };
                 for j in 0..nj {
                     for r in 0..mi {
                         // SAFETY: r + j*mr < mr*nr, written by the kernel just above (contract:
@@ -214,19 +231,21 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
         return;
     };
     let (m, n, k) = (p.m(), p.n(), p.k());
-    let KernelF32 { mr, nr, .. } = ctx.kernel;
+    let Kernel { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc } = ctx.blocking_for(m, n, k);
+    let fmt = ctx.format();
     for jc in (0..n).step_by(nc) {
         let ncur = nc.min(n - jc);
         for pc in (0..k).step_by(kc) {
             let kcur = kc.min(k - pc);
+            let kw = fmt.operand.words(kcur);
             let beta = if pc == 0 { p.beta } else { 1.0 };
-            with_thread_b(kcur * ncur.next_multiple_of(nr), |bp| {
-                pack_panels(bp, p.b.block(pc, jc, kcur, ncur).t(), nr);
+            with_thread_b(kw * ncur.next_multiple_of(nr), |bp| {
+                pack_panels(fmt, bp, p.b.block(pc, jc, kcur, ncur).t(), nr);
                 for ic in (0..m).step_by(mc) {
                     let mcur = mc.min(m - ic);
-                    with_thread_a(kcur * mcur.next_multiple_of(mr), |ap| {
-                        pack_panels(ap, p.a.block(ic, pc, mcur, kcur), mr);
+                    with_thread_a(kw * mcur.next_multiple_of(mr), |ap| {
+                        pack_panels(fmt, ap, p.a.block(ic, pc, mcur, kcur), mr);
                         let c = p.c.block(ic, jc, mcur, ncur);
                         macro_kernel(
                             ctx,
@@ -234,7 +253,7 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
                             bp,
                             mcur,
                             ncur,
-                            kcur,
+                            kw,
                             0..ncur.div_ceil(nr),
                             p.alpha,
                             beta,
@@ -269,8 +288,9 @@ pub(crate) fn run_parallel(
         return;
     };
     let (m, n, k) = (p.m(), p.n(), p.k());
-    let KernelF32 { mr, nr, .. } = ctx.kernel;
+    let Kernel { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc } = ctx.blocking_for(m, n, k);
+    let fmt = ctx.format();
     // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
     let n_ic_min = m.div_ceil(mc);
     let n_ic = if n_ic_min >= threads {
@@ -286,12 +306,13 @@ pub(crate) fn run_parallel(
             let npanels = ncur.div_ceil(nr);
             for pc in (0..k).step_by(kc) {
                 let kcur = kc.min(k - pc);
+                let kw = fmt.operand.words(kcur);
                 let beta = if pc == 0 { p.beta } else { 1.0 };
-                let bp = bbuf.get(kcur * npanels * nr);
+                let bp = bbuf.get(kw * npanels * nr);
                 let bsrc = p.b.block(pc, jc, kcur, ncur).t();
-                bp.par_chunks_mut(kcur * nr)
+                bp.par_chunks_mut(kw * nr)
                     .enumerate()
-                    .for_each(|(j, panel)| pack_one_panel(panel, bsrc, j * nr, nr));
+                    .for_each(|(j, panel)| pack_one_panel(fmt, panel, bsrc, j * nr, nr));
                 let bp: &[f32] = bp;
                 match split {
                     SplitMode::Ic => {
@@ -300,32 +321,30 @@ pub(crate) fn run_parallel(
                             let (ib, jb) = (t / jchunks, t % jchunks);
                             let ic = ib * mc_eff;
                             let mcur = mc_eff.min(m - ic);
-                            with_thread_a(kcur * mcur.next_multiple_of(mr), |ap| {
-                                pack_panels(ap, p.a.block(ic, pc, mcur, kcur), mr);
+                            with_thread_a(kw * mcur.next_multiple_of(mr), |ap| {
+                                pack_panels(fmt, ap, p.a.block(ic, pc, mcur, kcur), mr);
                                 let c = p.c.block(ic, jc, mcur, ncur);
                                 let panels = split_range(npanels, jchunks, jb);
-                                macro_kernel(
-                                    ctx, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
-                                );
+                                macro_kernel(ctx, ap, bp, mcur, ncur, kw, panels, p.alpha, beta, c);
                             })
                         });
                     }
                     SplitMode::Jr => {
                         for ic in (0..m).step_by(mc) {
                             let mcur = mc.min(m - ic);
-                            let ap = abuf.get(kcur * mcur.next_multiple_of(mr));
+                            let ap = abuf.get(kw * mcur.next_multiple_of(mr));
                             let asrc = p.a.block(ic, pc, mcur, kcur);
-                            ap.par_chunks_mut(kcur * mr)
+                            ap.par_chunks_mut(kw * mr)
                                 .enumerate()
-                                .for_each(|(i, panel)| pack_one_panel(panel, asrc, i * mr, mr));
+                                .for_each(|(i, panel)| {
+                                    pack_one_panel(fmt, panel, asrc, i * mr, mr)
+                                });
                             let ap: &[f32] = ap;
                             let c = p.c.block(ic, jc, mcur, ncur);
                             let jchunks = threads.min(npanels);
                             (0..jchunks).into_par_iter().for_each(|jb| {
                                 let panels = split_range(npanels, jchunks, jb);
-                                macro_kernel(
-                                    ctx, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
-                                );
+                                macro_kernel(ctx, ap, bp, mcur, ncur, kw, panels, p.alpha, beta, c);
                             });
                         }
                     }
@@ -342,6 +361,7 @@ mod tests {
     fn ctx(llc: usize, kc_fixed: bool) -> Ctx {
         Ctx {
             kernel: crate::arch::portable::kernel(),
+            prec: Precision::F32,
             blk: Blocking {
                 mc: 32,
                 kc: 8,

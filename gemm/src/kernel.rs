@@ -4,12 +4,40 @@
 
 use crate::arch;
 use crate::error::GemmError;
+use crate::precision::Precision;
 use std::fmt;
 
-/// Signature of an f32 micro-kernel (see `docs/KERNELS.md`).
+/// Signature of a micro-kernel (see `docs/KERNELS.md`).
 ///
-/// `k, alpha, a (k*mr packed), b (k*nr packed), beta, c (column-major mr×nr tile), ldc`.
-pub type KernelFnF32 = unsafe fn(usize, f32, *const f32, *const f32, f32, *mut f32, usize);
+/// `k, alpha, a (k*mr packed words), b (k*nr packed words), beta, c (column-major mr×nr f32
+/// tile), ldc`. A packed word is 32 bits: one `f32`, or a pair of `bf16` for an
+/// [`Operand::Bf16Pairs`] kernel, whose `k` then counts pairs.
+pub type KernelFn = unsafe fn(usize, f32, *const f32, *const f32, f32, *mut f32, usize);
+
+/// What one 32-bit word of a kernel's packed panels holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Operand {
+    /// One `f32` element (the layouts of `docs/KERNELS.md`).
+    F32,
+    /// Two `bf16` elements adjacent along k: word `(q, r)` of Ã holds `A(r, 2q)` in its low
+    /// half and `A(r, 2q + 1)` in its high half (B̃ likewise), an odd k padded with a zero.
+    Bf16Pairs,
+}
+
+impl Operand {
+    /// Elements along k per packed word.
+    pub fn k_per_word(self) -> usize {
+        match self {
+            Operand::F32 => 1,
+            Operand::Bf16Pairs => 2,
+        }
+    }
+
+    /// Packed words along k for `k` elements.
+    pub fn words(self, k: usize) -> usize {
+        k.div_ceil(self.k_per_word())
+    }
+}
 
 /// Instruction sets fugu-gemm has micro-kernels for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -73,9 +101,11 @@ impl fmt::Display for Isa {
     }
 }
 
-/// A micro-kernel together with its register-tile shape.
+/// A micro-kernel together with its register-tile shape and packed operand format.
 #[derive(Clone, Copy)]
-pub struct KernelF32 {
+pub struct Kernel {
+    /// What the packed panels hold.
+    pub operand: Operand,
     /// The instruction set the kernel uses.
     pub isa: Isa,
     /// Rows of the C tile (the vectorised dimension).
@@ -83,17 +113,21 @@ pub struct KernelF32 {
     /// Columns of the C tile.
     pub nr: usize,
     /// The kernel itself. Callable only under the contract in `docs/KERNELS.md`.
-    pub func: KernelFnF32,
+    pub func: KernelFn,
 }
 
-impl fmt::Debug for KernelF32 {
+impl fmt::Debug for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "KernelF32({} {}x{})", self.isa, self.mr, self.nr)
+        write!(
+            f,
+            "Kernel({} {}x{} {:?})",
+            self.isa, self.mr, self.nr, self.operand
+        )
     }
 }
 
 /// The kernel for `isa`, or `None` when this CPU cannot run it.
-pub fn kernel_for(isa: Isa) -> Option<KernelF32> {
+pub fn kernel_for(isa: Isa) -> Option<Kernel> {
     match isa {
         Isa::Portable => Some(arch::portable::kernel()),
         Isa::Avx2 => arch::avx2_kernel(),
@@ -101,6 +135,18 @@ pub fn kernel_for(isa: Isa) -> Option<KernelF32> {
         Isa::Neon => arch::neon_kernel(),
         Isa::Sve => arch::sve_kernel(),
     }
+}
+
+/// The kernel that runs `isa`'s GEMMs at `prec`: a native 16-bit kernel where this CPU has
+/// one (`vdpbf16ps` for bf16 on AVX-512 BF16), otherwise `isa`'s `f32` kernel, fed operands that
+/// the packing rounds to `prec` (the same products, see [`Precision`]). `None` when this CPU
+/// cannot run `isa`.
+pub fn kernel_for_precision(isa: Isa, prec: Precision) -> Option<Kernel> {
+    let native = match (isa, prec) {
+        (Isa::Avx512, Precision::Bf16) => arch::avx512_bf16_kernel(),
+        _ => None,
+    };
+    native.or_else(|| kernel_for(isa))
 }
 
 /// Every ISA this CPU can run, in order of preference (best last).
@@ -113,7 +159,7 @@ pub fn available_isas() -> Vec<Isa> {
 }
 
 /// The best kernel this CPU can run.
-pub fn best_kernel() -> KernelF32 {
+pub fn best_kernel() -> Kernel {
     for isa in [Isa::Sve, Isa::Avx512, Isa::Avx2, Isa::Neon] {
         if let Some(k) = kernel_for(isa) {
             return k;
@@ -123,7 +169,7 @@ pub fn best_kernel() -> KernelF32 {
 }
 
 /// The kernel for a forced ISA, with an error naming the ISA when this CPU cannot run it.
-pub fn forced_kernel(isa: Isa) -> Result<KernelF32, GemmError> {
+pub fn forced_kernel(isa: Isa) -> Result<Kernel, GemmError> {
     kernel_for(isa).ok_or_else(|| GemmError::Config {
         what: "ISA".into(),
         value: isa.name().into(),

@@ -33,10 +33,12 @@
 pub mod arch;
 mod error;
 pub mod kernel;
+pub mod precision;
 mod view;
 
 pub use error::GemmError;
-pub use kernel::{Isa, KernelF32};
+pub use kernel::{Isa, Kernel, Operand};
+pub use precision::Precision;
 pub use view::{BatchMut, BatchRef, MatMut, MatRef};
 mod blocking;
 mod buffer;
@@ -50,7 +52,7 @@ pub mod topology;
 
 pub use blocking::{Blocking, CacheInfo};
 pub use driver::SplitMode;
-pub use runtime::{Runtime, RuntimeConfig};
+pub use runtime::{PrecisionGemm, Runtime, RuntimeConfig};
 pub use topology::{Topology, TopologyRequest};
 
 /// `C := alpha·A·B + beta·C` on the process-wide runtime ([`Runtime::global`]).

@@ -5,21 +5,97 @@
 //! along the panel (`s_w`) and along k (`s_k`).
 
 use crate::arch::transpose::transposes;
+use crate::kernel::Operand;
+use crate::precision::{f32_to_bf16, Precision};
 use crate::raw::RawMat;
+use std::cell::RefCell;
+
+/// What a kernel's panels hold: its packed word format, and the precision the operands are
+/// rounded to on the way in (a no-op for `f32`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PanelFormat {
+    pub operand: Operand,
+    pub prec: Precision,
+}
+
+impl PanelFormat {
+    /// Packed words of one `w`-row panel over `k` elements.
+    pub fn panel_words(self, k: usize, w: usize) -> usize {
+        self.operand.words(k) * w
+    }
+}
 
 /// Packs the `len × k` block `src` (rows are the panel dimension) into panels of `w` rows:
-/// `dst[panel*k*w + p*w + r] = src(panel*w + r, p)`, zero-padding the last panel.
-/// `dst` must hold `ceil(len / w) * w * k` floats.
+/// `dst[panel*k*w + p*w + r] = src(panel*w + r, p)` for `f32` words (rounded to `fmt.prec`),
+/// zero-padding the last panel; bf16 pairs halve k (see [`Operand::Bf16Pairs`]).
+/// `dst` must hold `ceil(len / w) * fmt.panel_words(k, w)` words.
 ///
 /// Panels are packed one after the other. (Walking k outermost across many panels, to read a
 /// source that is contiguous along the panel in longer pieces, measured slower on Zen 5: the
 /// panel-by-panel walk writes sequentially and its reads of neighbouring panels hit in cache.)
-pub(crate) fn pack_panels(dst: &mut [f32], src: RawMat, w: usize) {
+pub(crate) fn pack_panels(fmt: PanelFormat, dst: &mut [f32], src: RawMat, w: usize) {
     let (len, k) = (src.rows, src.cols);
     let panels = len.div_ceil(w);
-    debug_assert!(dst.len() >= panels * w * k);
-    for (pi, panel) in dst.chunks_exact_mut(w * k).take(panels).enumerate() {
-        pack_one_panel(panel, src, pi * w, w);
+    let words = fmt.panel_words(k, w);
+    debug_assert!(dst.len() >= panels * words);
+    for (pi, panel) in dst.chunks_exact_mut(words).take(panels).enumerate() {
+        pack_one_panel(fmt, panel, src, pi * w, w);
+    }
+}
+
+/// Packs the single panel of rows `r0 .. r0 + w` (clipped to the block, rest zero) in `fmt`.
+pub(crate) fn pack_one_panel(
+    fmt: PanelFormat,
+    panel: &mut [f32],
+    src: RawMat,
+    r0: usize,
+    w: usize,
+) {
+    match fmt.operand {
+        Operand::F32 => {
+            pack_f32_panel(panel, src, r0, w);
+            fmt.prec.round_slice(panel);
+        }
+        Operand::Bf16Pairs => {
+            debug_assert_eq!(fmt.prec, Precision::Bf16);
+            thread_local! {
+                static F32_PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+            }
+            F32_PANEL.with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                let need = src.cols * w;
+                if scratch.len() < need {
+                    scratch.resize(need, 0.0);
+                }
+                pack_f32_panel(&mut scratch[..need], src, r0, w);
+                pair_words(panel, &scratch[..need], w);
+            })
+        }
+    }
+}
+
+/// Interleaves an `f32` panel (`k` runs of `w`) into bf16-pair words: word `(q, r)` holds
+/// run `2q`'s element `r` (rounded to bf16) in its low half and run `2q + 1`'s in its high half,
+/// zero past the last run. Plain loops over whole runs, which the compiler vectorises.
+fn pair_words(dst: &mut [f32], f32_panel: &[f32], w: usize) {
+    let word = |lo: f32, hi: f32| {
+        f32::from_bits(u32::from(f32_to_bf16(lo)) | (u32::from(f32_to_bf16(hi)) << 16))
+    };
+    let mut runs = f32_panel.chunks_exact(w);
+    for out in dst.chunks_exact_mut(w) {
+        match (runs.next(), runs.next()) {
+            (Some(lo), Some(hi)) => {
+                for ((o, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
+                    *o = word(l, h);
+                }
+            }
+            (Some(lo), None) => {
+                for (o, &l) in out.iter_mut().zip(lo) {
+                    *o = word(l, 0.0);
+                }
+            }
+            _ => unreachable!("dst has ceil(k/2) runs"),
+        }
     }
 }
 
@@ -52,8 +128,8 @@ fn scatter_row_tail(panel: &mut [f32], src: RawMat, r0: usize, r: usize, p0: usi
     }
 }
 
-/// Packs the single panel of rows `r0 .. r0 + w` (clipped to the block, rest zero).
-pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
+/// Packs the single panel of rows `r0 .. r0 + w` (clipped to the block, rest zero) as `f32`.
+fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     let k = src.cols;
     let rows = w.min(src.rows - r0);
     let (s_w, s_k) = (src.rs, src.cs);
@@ -113,6 +189,12 @@ pub(crate) fn pack_one_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::precision::bf16_to_f32;
+
+    const F32_WORDS: PanelFormat = PanelFormat {
+        operand: Operand::F32,
+        prec: Precision::F32,
+    };
 
     /// Packs the `len × k` source with strides (rs, cs) into `w`-row panels and compares every
     /// packed element with the definition (zeros past the last row).
@@ -128,7 +210,7 @@ mod tests {
         };
         let panels = len.div_ceil(w);
         let mut got = vec![f32::NAN; panels * w * k];
-        pack_panels(&mut got, src, w);
+        pack_panels(F32_WORDS, &mut got, src, w);
         for pi in 0..panels {
             for p in 0..k {
                 for r in 0..w {
@@ -181,6 +263,64 @@ mod tests {
                 let rows = rows.min(w);
                 for (rs, cs) in [(1, rows + 2), (k + 3, 1), (2, 2 * rows + 1)] {
                     check_pack(w, k, rows, rs, cs);
+                }
+            }
+        }
+    }
+
+    /// Rounding packs give the f32 pack rounded element by element, and bf16 pairs hold the
+    /// rounded elements 2q (low half) and 2q + 1 (high half), zero past an odd k.
+    #[test]
+    fn rounding_and_pair_packs_match_the_f32_pack() {
+        let (w, len) = (8, 11);
+        for k in [1, 2, 5, 16] {
+            for (rs, cs) in [(1, len + 1), (k + 2, 1)] {
+                let data: Vec<f32> = (0..len * rs + k * cs + 1)
+                    .map(|i| 1.0 + i as f32 * 1.001e-3)
+                    .collect();
+                let src = RawMat {
+                    ptr: data.as_ptr(),
+                    rows: len,
+                    cols: k,
+                    rs,
+                    cs,
+                };
+                let panels = len.div_ceil(w);
+                let mut plain = vec![0.0; panels * w * k];
+                pack_panels(F32_WORDS, &mut plain, src, w);
+                for prec in [Precision::Bf16, Precision::F16] {
+                    let fmt = PanelFormat {
+                        operand: Operand::F32,
+                        prec,
+                    };
+                    let mut got = vec![f32::NAN; panels * w * k];
+                    pack_panels(fmt, &mut got, src, w);
+                    for (g, p) in got.iter().zip(&plain) {
+                        assert_eq!(g.to_bits(), prec.round(*p).to_bits());
+                    }
+                }
+                let fmt = PanelFormat {
+                    operand: Operand::Bf16Pairs,
+                    prec: Precision::Bf16,
+                };
+                let kw = k.div_ceil(2);
+                let mut got = vec![f32::NAN; panels * kw * w];
+                pack_panels(fmt, &mut got, src, w);
+                for pi in 0..panels {
+                    for q in 0..kw {
+                        for r in 0..w {
+                            let bits = got[pi * kw * w + q * w + r].to_bits();
+                            let at = |p: usize| {
+                                if p < k {
+                                    Precision::Bf16.round(plain[pi * k * w + p * w + r])
+                                } else {
+                                    0.0
+                                }
+                            };
+                            assert_eq!(bf16_to_f32(bits as u16), at(2 * q), "k={k} q={q} r={r}");
+                            assert_eq!(bf16_to_f32((bits >> 16) as u16), at(2 * q + 1));
+                        }
+                    }
                 }
             }
         }

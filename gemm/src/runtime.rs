@@ -5,7 +5,8 @@ use crate::blocking::{Blocking, CacheInfo};
 use crate::buffer::AlignedBuf;
 use crate::driver::{run_parallel, run_sequential, Ctx, Problem, SplitMode, MAX_TILE};
 use crate::error::GemmError;
-use crate::kernel::{best_kernel, forced_kernel, Isa, KernelF32};
+use crate::kernel::{best_kernel, forced_kernel, kernel_for_precision, Isa, Kernel};
+use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
 use crate::topology::{pin_current_thread, Topology, TopologyRequest};
 use crate::view::{BatchMut, BatchRef, MatMut, MatRef};
@@ -70,7 +71,8 @@ struct Domain {
 /// Most code uses the process-wide runtime behind [`crate::gemm`] (configured from the
 /// environment). Build your own with [`Runtime::new`] to choose threads or layout in code.
 pub struct Runtime {
-    ctx: Ctx,
+    /// One context per [`Precision`], in the order of [`Precision::ALL`].
+    ctxs: [Ctx; 3],
     split: SplitMode,
     topology: Topology,
     caches: CacheInfo,
@@ -110,11 +112,29 @@ impl Runtime {
         } else {
             SplitMode::Ic
         });
-        let blk = match cfg.blocking {
-            Some(b) => b,
-            None => Blocking::derive_for(&caches, kernel.mr, kernel.nr, split == SplitMode::Jr),
-        }
-        .with_env_overrides(kernel.mr, kernel.nr)?;
+        let kc_fixed = crate::blocking::kc_overridden() || cfg.blocking.is_some();
+        let ctx_for = |prec: Precision| -> Result<Ctx, GemmError> {
+            let kernel = kernel_for_precision(kernel.isa, prec).unwrap_or(kernel);
+            let blk = match cfg.blocking {
+                Some(b) => b,
+                None => Blocking::derive_for(&caches, kernel.mr, kernel.nr, split == SplitMode::Jr),
+            }
+            .with_env_overrides(kernel.mr, kernel.nr)?;
+            Ok(Ctx {
+                kernel,
+                prec,
+                blk,
+                l1d: caches.l1d,
+                llc: caches.l3_share(),
+                kc_fixed,
+            })
+        };
+        let ctxs = [
+            ctx_for(Precision::F32)?,
+            ctx_for(Precision::Bf16)?,
+            ctx_for(Precision::F16)?,
+        ];
+        debug_assert!(Precision::ALL.iter().zip(&ctxs).all(|(&p, c)| c.prec == p));
         let single = topology.domains.len() == 1 && topology.domains[0].threads == 1;
         let mut domains = Vec::new();
         for (di, d) in topology.domains.iter().enumerate() {
@@ -151,13 +171,7 @@ impl Runtime {
             });
         }
         Ok(Runtime {
-            ctx: Ctx {
-                kernel,
-                blk,
-                l1d: caches.l1d,
-                llc: caches.l3_share(),
-                kc_fixed: crate::blocking::kc_overridden() || cfg.blocking.is_some(),
-            },
+            ctxs,
             split,
             topology,
             caches,
@@ -179,13 +193,31 @@ impl Runtime {
             .map_err(Clone::clone)
     }
 
-    /// The micro-kernel in use.
-    pub fn kernel(&self) -> KernelF32 {
-        self.ctx.kernel
+    fn ctx(&self, prec: Precision) -> &Ctx {
+        &self.ctxs[prec as usize]
     }
-    /// The block sizes in use.
+
+    /// The `f32` micro-kernel in use.
+    pub fn kernel(&self) -> Kernel {
+        self.ctx(Precision::F32).kernel
+    }
+    /// The micro-kernel that runs GEMMs at `prec` (the `f32` one when this CPU has no native
+    /// kernel for `prec`; see [`kernel_for_precision`]).
+    pub fn kernel_at(&self, prec: Precision) -> Kernel {
+        self.ctx(prec).kernel
+    }
+    /// The block sizes of the `f32` kernel.
     pub fn blocking(&self) -> Blocking {
-        self.ctx.blk
+        self.ctx(Precision::F32).blk
+    }
+
+    /// This runtime's GEMMs at `prec`: operands rounded to `prec`, products accumulated in
+    /// `f32` (see [`Precision`]).
+    pub fn at(&self, prec: Precision) -> PrecisionGemm<'_> {
+        PrecisionGemm {
+            rt: self,
+            ctx: self.ctx(prec),
+        }
     }
     /// The domains and threads.
     pub fn topology(&self) -> &Topology {
@@ -206,8 +238,8 @@ impl Runtime {
 
     /// One line for logs: kernel, tile, blocks, domains.
     pub fn describe(&self) -> String {
-        let k = self.ctx.kernel;
-        let b = self.ctx.blk;
+        let k = self.kernel();
+        let b = self.blocking();
         format!(
             "isa={} tile={}x{} mc={} kc={} nc={} split={:?} {}",
             k.isa,
@@ -221,6 +253,183 @@ impl Runtime {
         )
     }
 
+    /// `C := alpha·A·B + beta·C` in `f32` (see [`PrecisionGemm::gemm`]).
+    pub fn gemm(
+        &self,
+        alpha: f32,
+        a: MatRef<'_, f32>,
+        b: MatRef<'_, f32>,
+        beta: f32,
+        c: MatMut<'_, f32>,
+    ) -> Result<(), GemmError> {
+        self.at(Precision::F32).gemm(alpha, a, b, beta, c)
+    }
+
+    /// Strided batched GEMM in `f32` (see [`PrecisionGemm::gemm_strided_batched`]).
+    pub fn gemm_strided_batched(
+        &self,
+        alpha: f32,
+        a: BatchRef<'_, f32>,
+        b: BatchRef<'_, f32>,
+        beta: f32,
+        c: BatchMut<'_, f32>,
+    ) -> Result<(), GemmError> {
+        self.at(Precision::F32)
+            .gemm_strided_batched(alpha, a, b, beta, c)
+    }
+
+    /// Pointer-array batched GEMM in `f32` (see [`PrecisionGemm::gemm_batched`]).
+    pub fn gemm_batched(
+        &self,
+        alpha: f32,
+        a: &[MatRef<'_, f32>],
+        b: &[MatRef<'_, f32>],
+        beta: f32,
+        c: &mut [MatMut<'_, f32>],
+    ) -> Result<(), GemmError> {
+        self.at(Precision::F32).gemm_batched(alpha, a, b, beta, c)
+    }
+
+    /// Runs one problem on all domains: rows of C are split over domains in proportion to
+    /// their threads, each domain packing its own panels.
+    fn run_one(&self, ctx: &Ctx, p: Problem) {
+        let Some(p) = p.needs_kernel() else {
+            return;
+        };
+        if self.threads() == 1 {
+            return run_sequential(ctx, p);
+        }
+        let mr = ctx.kernel.mr;
+        let nd = self.domains.len();
+        if nd == 1 || p.m() < nd * mr * 4 {
+            return self.run_on_domain(ctx, 0, p);
+        }
+        let total = self.threads();
+        let mut parts = Vec::with_capacity(nd);
+        let (mut start, mut cum) = (0, 0);
+        for d in &self.domains {
+            cum += d.threads;
+            let end = if cum == total {
+                p.m()
+            } else {
+                (p.m() * cum / total).next_multiple_of(mr).min(p.m())
+            };
+            parts.push((start, end.max(start) - start));
+            start = end.max(start);
+        }
+        std::thread::scope(|s| {
+            for (di, &(r0, rows)) in parts.iter().enumerate().skip(1) {
+                if rows > 0 {
+                    let sub = p.rows(r0, rows);
+                    s.spawn(move || self.run_on_domain(ctx, di, sub));
+                }
+            }
+            let (r0, rows) = parts[0];
+            if rows > 0 {
+                self.run_on_domain(ctx, 0, p.rows(r0, rows));
+            }
+        });
+    }
+
+    fn run_on_domain(&self, ctx: &Ctx, di: usize, p: Problem) {
+        let d = &self.domains[di];
+        let Some(pool) = d.pool.as_ref().filter(|_| d.threads > 1) else {
+            return match d.pool.as_ref() {
+                Some(pool) => pool.install(|| run_sequential(ctx, p)),
+                None => run_sequential(ctx, p),
+            };
+        };
+        let (mut bbuf, mut abuf) = d
+            .bufs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or((AlignedBuf::empty(), AlignedBuf::empty()));
+        run_parallel(ctx, p, pool, d.threads, self.split, &mut bbuf, &mut abuf);
+        d.bufs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((bbuf, abuf));
+    }
+
+    /// Schedules a batch: whole problems go to domains and threads by cost when that balances
+    /// well (many small GEMMs: attention); otherwise each problem uses every thread in turn.
+    fn run_batch(&self, ctx: &Ctx, problems: Vec<Problem>) {
+        // Empty and scale-only problems are finished here; the rest need the kernel.
+        let mut work: Vec<Problem> = problems
+            .into_iter()
+            .filter_map(Problem::needs_kernel)
+            .collect();
+        let threads = self.threads();
+        if threads == 1 {
+            return work.into_iter().for_each(|p| run_sequential(ctx, p));
+        }
+        if work.is_empty() {
+            return;
+        }
+        // Longest-processing-time-first over all threads predicts the balance.
+        work.sort_by_key(|p| std::cmp::Reverse(p.cost()));
+        let mut loads = vec![0u128; threads];
+        for p in &work {
+            let min = loads.iter_mut().min().expect("threads >= 1");
+            *min += p.cost();
+        }
+        let total: u128 = loads.iter().sum();
+        let makespan = *loads.iter().max().expect("threads >= 1");
+        let efficiency = total as f64 / (threads as f64 * makespan as f64);
+        if efficiency < 0.8 {
+            return work.into_iter().for_each(|p| self.run_one(ctx, p));
+        }
+        // Whole problems to domains, by cost relative to each domain's thread count.
+        let nd = self.domains.len();
+        let mut per_domain: Vec<Vec<Problem>> = vec![Vec::new(); nd];
+        let mut dload = vec![0f64; nd];
+        for p in work {
+            let di = (0..nd)
+                .min_by(|&x, &y| {
+                    let lx = (dload[x] + p.cost() as f64) / self.domains[x].threads as f64;
+                    let ly = (dload[y] + p.cost() as f64) / self.domains[y].threads as f64;
+                    lx.total_cmp(&ly)
+                })
+                .expect("at least one domain");
+            dload[di] += p.cost() as f64;
+            per_domain[di].push(p);
+        }
+        let run_domain = |di: usize, ps: Vec<Problem>| {
+            let d = &self.domains[di];
+            match d.pool.as_ref() {
+                Some(pool) => pool.install(|| {
+                    ps.into_par_iter()
+                        .with_max_len(1)
+                        .for_each(|p| run_sequential(ctx, p))
+                }),
+                None => ps.into_iter().for_each(|p| run_sequential(ctx, p)),
+            }
+        };
+        let mut per_domain = per_domain.into_iter().enumerate();
+        let first = per_domain.next();
+        std::thread::scope(|s| {
+            for (di, ps) in per_domain {
+                if !ps.is_empty() {
+                    s.spawn(move || run_domain(di, ps));
+                }
+            }
+            if let Some((di, ps)) = first {
+                run_domain(di, ps);
+            }
+        });
+    }
+}
+
+/// A [`Runtime`]'s GEMMs at one [`Precision`] ([`Runtime::at`]): A and B are rounded to the
+/// precision as they are packed, C is `f32` and the products accumulate in `f32`.
+#[derive(Clone, Copy)]
+pub struct PrecisionGemm<'a> {
+    rt: &'a Runtime,
+    ctx: &'a Ctx,
+}
+
+impl PrecisionGemm<'_> {
     /// `C := alpha·A·B + beta·C`.
     ///
     /// A is m×k, B is k×n and C is m×n; any strides. When `beta == 0`, C is not read (NaN in C
@@ -235,7 +444,7 @@ impl Runtime {
     ) -> Result<(), GemmError> {
         check_shapes(&a, &b, c.rows(), c.cols(), "")?;
         let p = problem(alpha, &a, &b, beta, &mut c);
-        self.run_one(p);
+        self.rt.run_one(self.ctx, p);
         Ok(())
     }
 
@@ -269,7 +478,7 @@ impl Runtime {
             check_shapes(&ai, &bi, ci.rows(), ci.cols(), "")?;
             problems.push(problem(alpha, &ai, &bi, beta, ci));
         }
-        self.run_batch(problems);
+        self.rt.run_batch(self.ctx, problems);
         Ok(())
     }
 
@@ -304,141 +513,8 @@ impl Runtime {
             )?;
             problems.push(problem(alpha, &a[i], &b[i], beta, ci));
         }
-        self.run_batch(problems);
+        self.rt.run_batch(self.ctx, problems);
         Ok(())
-    }
-
-    /// Runs one problem on all domains: rows of C are split over domains in proportion to
-    /// their threads, each domain packing its own panels.
-    fn run_one(&self, p: Problem) {
-        let Some(p) = p.needs_kernel() else {
-            return;
-        };
-        if self.threads() == 1 {
-            return run_sequential(&self.ctx, p);
-        }
-        let mr = self.ctx.kernel.mr;
-        let nd = self.domains.len();
-        if nd == 1 || p.m() < nd * mr * 4 {
-            return self.run_on_domain(0, p);
-        }
-        let total = self.threads();
-        let mut parts = Vec::with_capacity(nd);
-        let (mut start, mut cum) = (0, 0);
-        for d in &self.domains {
-            cum += d.threads;
-            let end = if cum == total {
-                p.m()
-            } else {
-                (p.m() * cum / total).next_multiple_of(mr).min(p.m())
-            };
-            parts.push((start, end.max(start) - start));
-            start = end.max(start);
-        }
-        std::thread::scope(|s| {
-            for (di, &(r0, rows)) in parts.iter().enumerate().skip(1) {
-                if rows > 0 {
-                    let sub = p.rows(r0, rows);
-                    s.spawn(move || self.run_on_domain(di, sub));
-                }
-            }
-            let (r0, rows) = parts[0];
-            if rows > 0 {
-                self.run_on_domain(0, p.rows(r0, rows));
-            }
-        });
-    }
-
-    fn run_on_domain(&self, di: usize, p: Problem) {
-        let d = &self.domains[di];
-        let Some(pool) = d.pool.as_ref().filter(|_| d.threads > 1) else {
-            return match d.pool.as_ref() {
-                Some(pool) => pool.install(|| run_sequential(&self.ctx, p)),
-                None => run_sequential(&self.ctx, p),
-            };
-        };
-        let (mut bbuf, mut abuf) = d
-            .bufs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or((AlignedBuf::empty(), AlignedBuf::empty()));
-        run_parallel(
-            &self.ctx, p, pool, d.threads, self.split, &mut bbuf, &mut abuf,
-        );
-        d.bufs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((bbuf, abuf));
-    }
-
-    /// Schedules a batch: whole problems go to domains and threads by cost when that balances
-    /// well (many small GEMMs: attention); otherwise each problem uses every thread in turn.
-    fn run_batch(&self, problems: Vec<Problem>) {
-        // Empty and scale-only problems are finished here; the rest need the kernel.
-        let mut work: Vec<Problem> = problems
-            .into_iter()
-            .filter_map(Problem::needs_kernel)
-            .collect();
-        let threads = self.threads();
-        if threads == 1 {
-            return work.into_iter().for_each(|p| run_sequential(&self.ctx, p));
-        }
-        if work.is_empty() {
-            return;
-        }
-        // Longest-processing-time-first over all threads predicts the balance.
-        work.sort_by_key(|p| std::cmp::Reverse(p.cost()));
-        let mut loads = vec![0u128; threads];
-        for p in &work {
-            let min = loads.iter_mut().min().expect("threads >= 1");
-            *min += p.cost();
-        }
-        let total: u128 = loads.iter().sum();
-        let makespan = *loads.iter().max().expect("threads >= 1");
-        let efficiency = total as f64 / (threads as f64 * makespan as f64);
-        if efficiency < 0.8 {
-            return work.into_iter().for_each(|p| self.run_one(p));
-        }
-        // Whole problems to domains, by cost relative to each domain's thread count.
-        let nd = self.domains.len();
-        let mut per_domain: Vec<Vec<Problem>> = vec![Vec::new(); nd];
-        let mut dload = vec![0f64; nd];
-        for p in work {
-            let di = (0..nd)
-                .min_by(|&x, &y| {
-                    let lx = (dload[x] + p.cost() as f64) / self.domains[x].threads as f64;
-                    let ly = (dload[y] + p.cost() as f64) / self.domains[y].threads as f64;
-                    lx.total_cmp(&ly)
-                })
-                .expect("at least one domain");
-            dload[di] += p.cost() as f64;
-            per_domain[di].push(p);
-        }
-        let ctx = &self.ctx;
-        let run_domain = |di: usize, ps: Vec<Problem>| {
-            let d = &self.domains[di];
-            match d.pool.as_ref() {
-                Some(pool) => pool.install(|| {
-                    ps.into_par_iter()
-                        .with_max_len(1)
-                        .for_each(|p| run_sequential(ctx, p))
-                }),
-                None => ps.into_iter().for_each(|p| run_sequential(ctx, p)),
-            }
-        };
-        let mut per_domain = per_domain.into_iter().enumerate();
-        let first = per_domain.next();
-        std::thread::scope(|s| {
-            for (di, ps) in per_domain {
-                if !ps.is_empty() {
-                    s.spawn(move || run_domain(di, ps));
-                }
-            }
-            if let Some((di, ps)) = first {
-                run_domain(di, ps);
-            }
-        });
     }
 }
 

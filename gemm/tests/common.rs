@@ -3,7 +3,9 @@
 #![allow(dead_code)]
 
 use fugu_gemm::reference::gemm_ref;
-use fugu_gemm::{Blocking, Isa, MatMut, MatRef, Runtime, RuntimeConfig, TopologyRequest};
+use fugu_gemm::{
+    Blocking, Isa, MatMut, MatRef, Precision, Runtime, RuntimeConfig, TopologyRequest,
+};
 
 /// A small xorshift RNG so the tests need no dependencies and are reproducible.
 pub struct Rng(u64);
@@ -121,6 +123,26 @@ pub fn check_gemm(
     alpha: f32,
     beta: f32,
 ) -> Result<(), String> {
+    check_gemm_at(rt, Precision::F32, rng, m, n, k, la, lb, lc, alpha, beta)
+}
+
+/// [`check_gemm`] at `prec`: the reference multiplies A and B rounded to `prec`. A product of
+/// two 16-bit values is exact in f32, so the f32 tolerance holds for every precision; an
+/// unrounded operand would miss it by about the type's unit roundoff (2^-8 or 2^-11).
+#[allow(clippy::too_many_arguments)]
+pub fn check_gemm_at(
+    rt: &Runtime,
+    prec: Precision,
+    rng: &mut Rng,
+    m: usize,
+    n: usize,
+    k: usize,
+    la: Layout,
+    lb: Layout,
+    lc: Layout,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), String> {
     let (alen, aoff, ars, acs) = geometry(la, m, k);
     let (blen, boff, brs, bcs) = geometry(lb, k, n);
     let (clen, coff, crs, ccs) = geometry(lc, m, n);
@@ -139,28 +161,32 @@ pub fn check_gemm(
     let mut want = c.clone();
     let av = MatRef::with_offset(&a, aoff, m, k, ars, acs).unwrap();
     let bv = MatRef::with_offset(&b, boff, k, n, brs, bcs).unwrap();
+    let (mut ar, mut br) = (a.clone(), b.clone());
+    prec.round_slice(&mut ar);
+    prec.round_slice(&mut br);
     gemm_ref(
         alpha,
-        av,
-        bv,
+        MatRef::with_offset(&ar, aoff, m, k, ars, acs).unwrap(),
+        MatRef::with_offset(&br, boff, k, n, brs, bcs).unwrap(),
         beta,
         MatMut::with_offset(&mut want, coff, m, n, crs, ccs).unwrap(),
     );
-    rt.gemm(
-        alpha,
-        av,
-        bv,
-        beta,
-        MatMut::with_offset(&mut c, coff, m, n, crs, ccs).unwrap(),
-    )
-    .map_err(|e| e.to_string())?;
+    rt.at(prec)
+        .gemm(
+            alpha,
+            av,
+            bv,
+            beta,
+            MatMut::with_offset(&mut c, coff, m, n, crs, ccs).unwrap(),
+        )
+        .map_err(|e| e.to_string())?;
     let tol = tolerance(k);
     for (idx, (&got, &exp)) in c.iter().zip(&want).enumerate() {
         let scale = 1.0 + exp.abs();
         if !(got.is_finite() == exp.is_finite() && ((got - exp).abs() <= tol * scale || got == exp))
         {
             return Err(format!(
-                "m={m} n={n} k={k} A={la:?} B={lb:?} C={lc:?} alpha={alpha} beta={beta}: element {idx} is {got}, want {exp} (tol {tol})"
+                "{prec}: m={m} n={n} k={k} A={la:?} B={lb:?} C={lc:?} alpha={alpha} beta={beta}: element {idx} is {got}, want {exp} (tol {tol})"
             ));
         }
     }

@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use fugu_gemm::{GemmError, MatMut, MatRef};
+use fugu_gemm::{GemmError, MatMut, MatRef, Precision};
 
 const DIMS: [usize; 7] = [0, 1, 2, 7, 13, 33, 67];
 
@@ -49,6 +49,55 @@ fn gemm_matches_reference_all_isas_layouts_and_shapes() {
     assert!(checked > 1000);
 }
 
+/// bf16 and f16 GEMMs (a native kernel where this CPU has one, else the f32 kernel after a
+/// rounding pack) against the reference on rounded operands: small blocks, so odd k blocks
+/// (a bf16 pair padded with zero) and edge tiles occur, every layout on a subset.
+#[test]
+fn low_precision_gemm_matches_reference_on_rounded_operands() {
+    let mut rng = Rng::new(3);
+    let mut checked = 0;
+    for isa in runnable_isas() {
+        for (lname, layout) in layouts() {
+            let rt = small_block_runtime(isa, layout);
+            for prec in [Precision::Bf16, Precision::F16] {
+                for (m, n, k) in [
+                    (1, 1, 1),
+                    (7, 13, 5),
+                    (33, 29, 17),
+                    (67, 7, 40),
+                    (40, 70, 33),
+                ] {
+                    for la in LAYOUTS {
+                        for lc in [Layout::RowMajor, Layout::ColMajor] {
+                            for (alpha, beta) in [(1.0, 0.0), (-0.75, 0.5)] {
+                                check_gemm_at(
+                                    &rt,
+                                    prec,
+                                    &mut rng,
+                                    m,
+                                    n,
+                                    k,
+                                    la,
+                                    Layout::ColMajor,
+                                    lc,
+                                    alpha,
+                                    beta,
+                                )
+                                .unwrap_or_else(|e| {
+                                    panic!("isa {isa} ({:?}), {lname}: {e}", rt.kernel_at(prec))
+                                });
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("checked {checked} low-precision GEMMs");
+    assert!(checked >= 240);
+}
+
 #[test]
 fn large_gemm_with_default_blocks_spans_domains() {
     // Default (cache-derived) block sizes, a simulated 2-domain layout, and shapes large
@@ -67,8 +116,22 @@ fn large_gemm_with_default_blocks_spans_domains() {
                     (Layout::RowMajor, Layout::RowMajor),
                     (Layout::ColMajor, Layout::ColMajor),
                 ] {
-                    check_gemm(&rt, &mut rng, m, n, k, la, Layout::RowMajor, lc, 1.0, 0.5)
+                    for prec in Precision::ALL {
+                        check_gemm_at(
+                            &rt,
+                            prec,
+                            &mut rng,
+                            m,
+                            n,
+                            k,
+                            la,
+                            Layout::RowMajor,
+                            lc,
+                            1.0,
+                            0.5,
+                        )
                         .unwrap_or_else(|e| panic!("isa {isa}, {lname}: {e}"));
+                    }
                 }
             }
         }

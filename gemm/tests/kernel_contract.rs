@@ -7,11 +7,14 @@
 //! * `beta == 0` with C pre-filled with NaN: no NaN may leak (C must not be read);
 //! * `ldc == mr` and `ldc == mr + 3`; every float around and between the tile's columns holds a
 //!   sentinel that must survive bit-for-bit (nothing written outside the tile);
+//! * native 16-bit kernels (bf16 pairs: `k` counts pairs) get bf16 operands, and the same bound:
+//!   a product of two bf16 values is exact in f32;
 //! * Ã and B̃ placed so that they end exactly at a `PROT_NONE` guard page (any read past
 //!   `k*mr` / `k*nr` floats faults), and placed at addresses that are only 4-byte aligned.
 
-use fugu_gemm::kernel::kernel_for;
-use fugu_gemm::{Isa, KernelF32};
+use fugu_gemm::kernel::{kernel_for, kernel_for_precision};
+use fugu_gemm::precision::{bf16_to_f32, f32_to_bf16};
+use fugu_gemm::{Isa, Kernel, Operand, Precision};
 
 const KS: [usize; 11] = [0, 1, 2, 3, 4, 5, 7, 8, 13, 64, 257];
 const ALPHAS: [f32; 3] = [1.0, 0.5, -2.0];
@@ -164,7 +167,7 @@ struct Case {
 
 /// Runs one kernel call and checks every float of C, returning a description of the first
 /// violation.
-fn check_case(kern: &KernelF32, case: &Case, rng: &mut Lcg) -> Result<(), String> {
+fn check_case(kern: &Kernel, case: &Case, rng: &mut Lcg) -> Result<(), String> {
     let (mr, nr) = (kern.mr, kern.nr);
     let Case {
         k,
@@ -173,10 +176,23 @@ fn check_case(kern: &KernelF32, case: &Case, rng: &mut Lcg) -> Result<(), String
         ldc,
         placement,
     } = *case;
-    let a = rng.vec(k * mr);
-    let b = rng.vec(k * nr);
-    let pa = Panel::new(&a, placement);
-    let pb = Panel::new(&b, placement);
+    // `a`/`b`: the elements, `k·per` deep, in the f32 layout (p*mr + r); `pa`/`pb`: the packed
+    // words the kernel reads.
+    let per = kern.operand.k_per_word();
+    let (a, b) = (rng.vec(k * per * mr), rng.vec(k * per * nr));
+    let (a, b, wa, wb) = match kern.operand {
+        Operand::F32 => (a.clone(), b.clone(), a, b),
+        Operand::Bf16Pairs => {
+            let (a, b) = (
+                a.iter().map(|&x| Precision::Bf16.round(x)).collect::<Vec<_>>(),
+                b.iter().map(|&x| Precision::Bf16.round(x)).collect::<Vec<_>>(),
+            );
+            let (wa, wb) = (bf16_pairs(&a, mr), bf16_pairs(&b, nr));
+            (a, b, wa, wb)
+        }
+    };
+    let pa = Panel::new(&wa, placement);
+    let pb = Panel::new(&wb, placement);
 
     let sentinel = f32::from_bits(SENTINEL_BITS);
     let clen = C_PRE + ldc * nr + C_POST;
@@ -222,7 +238,7 @@ fn check_case(kern: &KernelF32, case: &Case, rng: &mut Lcg) -> Result<(), String
             Some((r, j)) => {
                 let mut dot = 0.0f64;
                 let mut mag = 0.0f64;
-                for p in 0..k {
+                for p in 0..k * per {
                     let prod = f64::from(a[p * mr + r]) * f64::from(b[p * nr + j]);
                     dot += prod;
                     mag += prod.abs();
@@ -251,8 +267,23 @@ fn check_case(kern: &KernelF32, case: &Case, rng: &mut Lcg) -> Result<(), String
     Ok(())
 }
 
+/// Packs `k × w` elements (p*w + r) as bf16-pair words: word (q, r) holds element (2q, r) in its
+/// low half and (2q + 1, r) in its high half.
+fn bf16_pairs(x: &[f32], w: usize) -> Vec<f32> {
+    let k = x.len() / w;
+    (0..k / 2 * w)
+        .map(|i| {
+            let (q, r) = (i / w, i % w);
+            let lo = f32_to_bf16(x[2 * q * w + r]);
+            let hi = f32_to_bf16(x[(2 * q + 1) * w + r]);
+            assert_eq!(bf16_to_f32(lo), x[2 * q * w + r], "operands are bf16 values");
+            f32::from_bits(u32::from(lo) | u32::from(hi) << 16)
+        })
+        .collect()
+}
+
 /// Every case of the grid for one kernel; panics naming the kernel and the case that failed.
-fn check_kernel(kern: &KernelF32, seed: u64) -> usize {
+fn check_kernel(kern: &Kernel, seed: u64) -> usize {
     let mut rng = Lcg::new(seed);
     let mut cases = 0;
     for &k in &KS {
@@ -282,13 +313,20 @@ fn check_kernel(kern: &KernelF32, seed: u64) -> usize {
     cases
 }
 
-/// The kernels this CPU can run; prints the skipped ones.
-fn runnable_kernels() -> Vec<(Isa, KernelF32)> {
+/// The kernels this CPU can run, the f32 one of each ISA and its native 16-bit ones; prints the
+/// skipped ones.
+fn runnable_kernels() -> Vec<(Isa, Kernel)> {
     let mut out = Vec::new();
     for isa in Isa::ALL {
         match kernel_for(isa) {
             Some(kern) => out.push((isa, kern)),
             None => eprintln!("skipped: {isa} not supported on this CPU"),
+        }
+        for prec in [Precision::Bf16, Precision::F16] {
+            match kernel_for_precision(isa, prec) {
+                Some(kern) if kern.operand != Operand::F32 => out.push((isa, kern)),
+                _ => eprintln!("skipped: no native {prec} kernel for {isa} on this CPU"),
+            }
         }
     }
     out
@@ -303,7 +341,7 @@ fn every_kernel_meets_the_contract() {
     );
     for (isa, kern) in &kernels {
         let cases = check_kernel(kern, 0x5EED ^ *isa as u64);
-        eprintln!("{isa}: {}x{} passed {cases} cases", kern.mr, kern.nr);
+        eprintln!("{kern:?} passed {cases} cases");
         assert_eq!(cases, KS.len() * ALPHAS.len() * BETAS.len() * 2 * 2);
     }
 }

@@ -26,15 +26,16 @@
 //! `scripts/predict-a64fx.sh` finds [`fugu_sve_sgemm_2vx10`] in the release build and checks its
 //! inner loop with `llvm-mca -mcpu=a64fx`.
 
-use crate::kernel::{Isa, KernelF32};
+use crate::kernel::{Isa, Kernel, Operand};
 
 /// Columns of the C tile.
 const NR: usize = 10;
 
 /// The SVE kernel descriptor, or `None` when the CPU has no SVE.
-pub fn kernel() -> Option<KernelF32> {
+pub fn kernel() -> Option<Kernel> {
     let lanes = f32_lanes()?;
-    Some(KernelF32 {
+    Some(Kernel {
+        operand: Operand::F32,
         isa: Isa::Sve,
         mr: 2 * lanes,
         nr: NR,

@@ -1,7 +1,7 @@
 //! Micro-kernels, one file per ISA. Each file exposes a constructor that returns `None` when the
 //! running CPU lacks the instructions. All `unsafe` SIMD code of the crate lives here.
 
-use crate::kernel::KernelF32;
+use crate::kernel::Kernel;
 
 pub mod fma_peak;
 pub mod portable;
@@ -18,7 +18,7 @@ mod aarch64_neon;
 mod aarch64_sve;
 
 /// AVX2+FMA kernel, if the CPU has it.
-pub fn avx2_kernel() -> Option<KernelF32> {
+pub fn avx2_kernel() -> Option<Kernel> {
     #[cfg(target_arch = "x86_64")]
     {
         x86_avx2::kernel()
@@ -30,7 +30,7 @@ pub fn avx2_kernel() -> Option<KernelF32> {
 }
 
 /// AVX-512F kernel, if the CPU has it.
-pub fn avx512_kernel() -> Option<KernelF32> {
+pub fn avx512_kernel() -> Option<Kernel> {
     #[cfg(target_arch = "x86_64")]
     {
         x86_avx512::kernel()
@@ -41,8 +41,20 @@ pub fn avx512_kernel() -> Option<KernelF32> {
     }
 }
 
+/// AVX-512 BF16 kernel (`vdpbf16ps`, bf16 pairs), if the CPU has AVX-512F and AVX512_BF16.
+pub fn avx512_bf16_kernel() -> Option<Kernel> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86_avx512::bf16_kernel()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
 /// NEON kernel, if the CPU has it.
-pub fn neon_kernel() -> Option<KernelF32> {
+pub fn neon_kernel() -> Option<Kernel> {
     #[cfg(target_arch = "aarch64")]
     {
         aarch64_neon::kernel()
@@ -54,7 +66,7 @@ pub fn neon_kernel() -> Option<KernelF32> {
 }
 
 /// SVE kernel, if the CPU has it.
-pub fn sve_kernel() -> Option<KernelF32> {
+pub fn sve_kernel() -> Option<Kernel> {
     #[cfg(target_arch = "aarch64")]
     {
         aarch64_sve::kernel()

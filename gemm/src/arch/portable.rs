@@ -1,14 +1,15 @@
 //! Portable micro-kernel: plain Rust over fixed-size arrays, which the compiler auto-vectorises
 //! for whatever baseline the target has. Always available; also the fallback for unknown CPUs.
 
-use crate::kernel::{Isa, KernelF32};
+use crate::kernel::{Isa, Kernel, Operand};
 
 const MR: usize = 16;
 const NR: usize = 4;
 
 /// The portable kernel descriptor.
-pub fn kernel() -> KernelF32 {
-    KernelF32 {
+pub fn kernel() -> Kernel {
+    Kernel {
+        operand: Operand::F32,
         isa: Isa::Portable,
         mr: MR,
         nr: NR,

@@ -43,15 +43,16 @@
 //! B̃ ahead as well; 2 MiB huge pages for the packing buffers. Not tried: other tiles (8 × 8,
 //! 24 × 4), a BLIS-style 6 × 16 tile vectorised along n (it needs a transposing C update).
 
-use crate::kernel::{Isa, KernelF32};
+use crate::kernel::{Isa, Kernel, Operand};
 use std::arch::x86_64::*;
 
 const MR: usize = 16;
 const NR: usize = 6;
 
 /// The AVX2 kernel, if this CPU has AVX2 and FMA.
-pub fn kernel() -> Option<KernelF32> {
-    (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(KernelF32 {
+pub fn kernel() -> Option<Kernel> {
+    (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(Kernel {
+        operand: Operand::F32,
         isa: Isa::Avx2,
         mr: MR,
         nr: NR,

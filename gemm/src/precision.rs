@@ -1,0 +1,226 @@
+//! The arithmetic of a GEMM's products ([`Precision`]) and the exact conversions between `f32`
+//! and the two 16-bit float formats (IEEE binary16 and bfloat16), bit by bit, shared with the
+//! `fugu` crate (checkpoints, the CPU backend's low-precision storage, CUDA uploads).
+
+use crate::error::GemmError;
+use std::fmt;
+
+/// The arithmetic of a GEMM's products: A and B are rounded to this type (to nearest even) as
+/// they are packed, and the products are accumulated in `f32`. A product of two 16-bit values
+/// is exact in `f32` (8 + 8 or 11 + 11 significant bits, at most 24), so a 16-bit GEMM equals the
+/// `f32` GEMM of the rounded operands up to the order of the sums, whichever kernel runs it:
+/// a native one (`vdpbf16ps` on AVX-512 BF16) or the `f32` kernel after a rounding pack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Precision {
+    /// `f32` operands.
+    #[default]
+    F32,
+    /// bfloat16 operands (8 significant bits, the range of `f32`).
+    Bf16,
+    /// IEEE binary16 operands (11 significant bits; beyond ±65504 an operand becomes ±inf).
+    F16,
+}
+
+impl Precision {
+    /// Every precision.
+    pub const ALL: [Precision; 3] = [Precision::F32, Precision::Bf16, Precision::F16];
+
+    /// The lower-case name (`f32`, `bf16`, `f16`) used by `--dtype`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        }
+    }
+
+    /// Parses a name as printed by [`Precision::name`].
+    pub fn parse(s: &str) -> Result<Precision, GemmError> {
+        let t = s.trim().to_ascii_lowercase();
+        Precision::ALL
+            .iter()
+            .copied()
+            .find(|p| p.name() == t)
+            .ok_or_else(|| GemmError::Config {
+                what: "precision".into(),
+                value: s.to_string(),
+                expected: "one of f32, bf16, f16".into(),
+            })
+    }
+
+    /// Unit roundoff (half the distance from 1 to the next representable value): the relative
+    /// error of one rounding to nearest, for normal numbers.
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            Precision::F32 => f64::powi(2.0, -24),
+            Precision::Bf16 => f64::powi(2.0, -8),
+            Precision::F16 => f64::powi(2.0, -11),
+        }
+    }
+
+    /// `x` rounded to this type (nearest even; overflow to ±inf in `f16`).
+    #[inline(always)]
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Precision::F32 => x,
+            Precision::Bf16 => bf16_to_f32(f32_to_bf16(x)),
+            Precision::F16 => f16_to_f32(f32_to_f16(x)),
+        }
+    }
+
+    /// Rounds every element of `xs` to this type in place (nothing to do for `f32`).
+    pub fn round_slice(self, xs: &mut [f32]) {
+        match self {
+            Precision::F32 => {}
+            Precision::Bf16 => xs.iter_mut().for_each(|x| *x = Precision::Bf16.round(*x)),
+            Precision::F16 => xs.iter_mut().for_each(|x| *x = Precision::F16.round(*x)),
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `f16` bits to `f32` (exact).
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = match exp {
+        0 if man == 0 => sign,
+        // Subnormal: man * 2^-24, exact in f32.
+        0 => sign | (man as f32 * (1.0 / 16_777_216.0)).to_bits(),
+        0x1f => sign | 0x7f80_0000 | (man << 13),
+        _ => sign | ((exp + 112) << 23) | (man << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// `f32` to `f16` bits, rounding to nearest even; overflow gives ±inf, NaN payloads are kept
+/// (so `f16 → f32 → f16` is the identity for every bit pattern).
+pub fn f32_to_f16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xff) as i32;
+    let man = b & 0x7f_ffff;
+    if exp == 0xff {
+        let m = (man >> 13) as u16;
+        return sign | 0x7c00 | if man != 0 && m == 0 { 0x200 } else { m };
+    }
+    let e = exp - 112; // f16 biased exponent
+    if e >= 0x1f {
+        return sign | 0x7c00;
+    }
+    let round = |v: u32, shift: u32, rem: u32| {
+        let half = 1u32 << (shift - 1);
+        if rem > half || (rem == half && v & 1 == 1) {
+            v + 1
+        } else {
+            v
+        }
+    };
+    if e <= 0 {
+        if e < -10 {
+            return sign; // below half the smallest subnormal
+        }
+        let m = man | 0x80_0000;
+        let shift = (14 - e) as u32;
+        let v = round(m >> shift, shift, m & ((1 << shift) - 1));
+        return sign | v as u16; // a carry into 0x400 is the smallest normal, as it should be
+    }
+    let v = round(((e as u32) << 10) | (man >> 13), 13, man & 0x1fff);
+    sign | v as u16 // a carry into exponent 0x1f is inf, as it should be
+}
+
+/// `bf16` bits to `f32` (exact).
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// `f32` to `bf16` bits, rounding to nearest even; NaN payloads are kept where they fit.
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        let h = (b >> 16) as u16;
+        return if h & 0x7f != 0 { h } else { h | 0x40 };
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_round_matches_the_bit_converters() {
+        for p in Precision::ALL {
+            assert_eq!(Precision::parse(&p.name().to_uppercase()).unwrap(), p);
+        }
+        assert!(Precision::parse("fp8").is_err());
+        let xs = [1.0f32 + f32::EPSILON, -3.3e-3, 7.0e4, 1e-9, f32::NAN];
+        let mut r = xs;
+        Precision::Bf16.round_slice(&mut r);
+        for (x, r) in xs.iter().zip(r) {
+            assert_eq!(r.to_bits(), bf16_to_f32(f32_to_bf16(*x)).to_bits());
+        }
+        let mut r = xs;
+        Precision::F16.round_slice(&mut r);
+        assert_eq!(r[2], f32::INFINITY, "f16 overflows past 65504");
+        assert_eq!(r[1], f16_to_f32(f32_to_f16(-3.3e-3)));
+        let mut r = xs;
+        Precision::F32.round_slice(&mut r);
+        assert_eq!(r[0], xs[0]);
+    }
+
+    #[test]
+    fn f16_round_trips_every_bit_pattern_and_rounds_to_even() {
+        for h in 0..=u16::MAX {
+            assert_eq!(f32_to_f16(f16_to_f32(h)), h, "{h:#06x}");
+        }
+        // Midpoints between neighbours (positive finite, and the overflow midpoint 65520)
+        // round to the even one; anything off the midpoint goes to the nearer one.
+        for h in 0..0x7c00u16 {
+            let a = f16_to_f32(h) as f64;
+            // Past the largest finite value (0x7bff), the next step would be 65536.
+            let b = if h == 0x7bff {
+                65536.0
+            } else {
+                f16_to_f32(h + 1) as f64
+            };
+            let mid = ((a + b) / 2.0) as f32; // exact: needs 12 significant bits
+            let even = if h & 1 == 0 { h } else { h + 1 };
+            assert_eq!(f32_to_f16(mid), even, "midpoint after {h:#06x}");
+            assert_eq!(f32_to_f16(-mid), even | 0x8000);
+            let below = f32::from_bits(mid.to_bits() - 1);
+            let above = f32::from_bits(mid.to_bits() + 1);
+            assert_eq!(f32_to_f16(below), h, "below the midpoint after {h:#06x}");
+            assert_eq!(
+                f32_to_f16(above),
+                h + 1,
+                "above the midpoint after {h:#06x}"
+            );
+        }
+        assert_eq!(f32_to_f16(1.0), 0x3c00);
+        assert_eq!(f32_to_f16(65504.0), 0x7bff);
+        assert_eq!(f32_to_f16(1e6), 0x7c00);
+        assert_eq!(f32_to_f16(f32::NEG_INFINITY), 0xfc00);
+        assert_eq!(f32_to_f16(1e-9), 0);
+        assert!(f16_to_f32(f32_to_f16(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn bf16_round_trips_and_rounds_to_even() {
+        for h in 0..=u16::MAX {
+            let x = bf16_to_f32(h);
+            assert_eq!(f32_to_bf16(x), h, "{h:#06x}");
+        }
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie, even below
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie, even above
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(f32_to_bf16(f32::MAX), 0x7f80); // rounds up to inf
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+    }
+}
