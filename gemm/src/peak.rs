@@ -3,8 +3,9 @@
 //! `FUGU_PEAK_GFLOPS_PER_CORE`. Benchmarks and the trainer's
 //! `peak_pct` both come from here.
 
-use crate::arch::fma_peak::fma_loop;
+use crate::arch::fma_peak::{fma_loop, native_loop};
 use crate::kernel::Isa;
+use crate::precision::Precision;
 use std::time::Instant;
 
 /// How a peak figure was obtained.
@@ -16,6 +17,9 @@ pub enum PeakSource {
     /// this run's measurement, and read back from a per-machine cache (kept by the `fugu`
     /// binary).
     Cached { isa: Isa },
+    /// Measured like [`PeakSource::Measured`] with the loop of a native `prec` kernel
+    /// (`vdpbf16ps` for bf16 on AVX-512 BF16).
+    MeasuredNative { isa: Isa, prec: Precision },
     /// Set by the user (`FUGU_PEAK_GFLOPS_PER_CORE` or a flag).
     Given,
 }
@@ -61,6 +65,12 @@ impl Peak {
                 self.per_core_gflops,
                 isa
             ),
+            PeakSource::MeasuredNative { isa, prec } => format!(
+                "{prec} peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (measured: {isa} native {prec} dot-product loop on 1 core, best of 5)",
+                self.total_gflops(),
+                self.threads,
+                self.per_core_gflops,
+            ),
             PeakSource::Given => format!(
                 "peak {:.1} GFLOP/s = {} cores x {:.1} GFLOP/s/core (given by FUGU_PEAK_GFLOPS_PER_CORE or --peak-per-core)",
                 self.total_gflops(),
@@ -74,12 +84,23 @@ impl Peak {
 /// Measures one core's FP32 FMA throughput (GFLOP/s) with `isa`'s widest FMA, on the calling
 /// thread: the best of five ~20 ms runs after a warm-up (which also lets the clock settle).
 pub fn measure_core_gflops(isa: Isa) -> Option<f64> {
-    let _ = fma_loop(isa, 1 << 16)?;
+    best_rate(|iters| fma_loop(isa, iters))
+}
+
+/// Like [`measure_core_gflops`], with the loop of `isa`'s native kernel at `prec`; `None` when
+/// there is none (then `prec` runs on the f32 FMAs, whose peak is the one to use).
+pub fn measure_native_core_gflops(isa: Isa, prec: Precision) -> Option<f64> {
+    best_rate(|iters| native_loop(isa, prec, iters))
+}
+
+/// The best of five ~20 ms runs of `run(iters)` (which returns its FLOPs), in GFLOP/s.
+fn best_rate(run: impl Fn(u64) -> Option<f64>) -> Option<f64> {
+    let _ = run(1 << 16)?;
     // Calibrate the iteration count to about 20 ms.
     let mut iters: u64 = 1 << 16;
     loop {
         let t = Instant::now();
-        fma_loop(isa, iters)?;
+        run(iters)?;
         if t.elapsed().as_secs_f64() > 0.005 || iters > 1 << 34 {
             break;
         }
@@ -89,7 +110,7 @@ pub fn measure_core_gflops(isa: Isa) -> Option<f64> {
     let mut rates: Vec<f64> = (0..5)
         .map(|_| {
             let t = Instant::now();
-            let flops = fma_loop(isa, iters).unwrap_or(0.0);
+            let flops = run(iters).unwrap_or(0.0);
             flops / t.elapsed().as_secs_f64() / 1e9
         })
         .collect();
@@ -97,6 +118,16 @@ pub fn measure_core_gflops(isa: Isa) -> Option<f64> {
     // the closest to the hardware ceiling.
     rates.sort_by(f64::total_cmp);
     Some(rates[4])
+}
+
+/// The peak of `threads` threads running `isa`'s native kernel at `prec`, measured now, or
+/// `None` when `isa` has no native `prec` kernel on this CPU.
+pub fn measured_native_peak(isa: Isa, prec: Precision, threads: usize) -> Option<Peak> {
+    Some(Peak {
+        per_core_gflops: measure_native_core_gflops(isa, prec)?,
+        threads,
+        source: PeakSource::MeasuredNative { isa, prec },
+    })
 }
 
 /// The peak for `threads` threads running `isa`: `FUGU_PEAK_GFLOPS_PER_CORE` × threads
@@ -136,5 +167,35 @@ pub fn measured_peak(isa: Isa, threads: usize) -> Peak {
         per_core_gflops: per_core,
         threads,
         source: PeakSource::Measured { isa: used },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::{kernel_for_precision, Operand};
+
+    /// A native peak exists exactly where a native kernel does, and is positive; where the
+    /// CPU has none it says so (the precision then runs on the f32 FMAs).
+    #[test]
+    fn native_peak_exists_where_a_native_kernel_does() {
+        for isa in Isa::ALL {
+            for prec in [Precision::Bf16, Precision::F16] {
+                let native =
+                    kernel_for_precision(isa, prec).is_some_and(|k| k.operand != Operand::F32);
+                let peak = measured_native_peak(isa, prec, 2);
+                assert_eq!(peak.is_some(), native, "{isa} {prec}");
+                match peak {
+                    Some(p) => {
+                        assert!(p.per_core_gflops > 0.0 && p.total_gflops() > p.per_core_gflops);
+                        assert!(p.describe().contains("native"), "{}", p.describe());
+                    }
+                    None if isa == Isa::Avx512 && prec == Precision::Bf16 => {
+                        eprintln!("skipped: this CPU has no AVX512_BF16 (no native bf16 peak)")
+                    }
+                    None => {}
+                }
+            }
+        }
     }
 }

@@ -184,8 +184,12 @@ fn check_case(kern: &Kernel, case: &Case, rng: &mut Lcg) -> Result<(), String> {
         Operand::F32 => (a.clone(), b.clone(), a, b),
         Operand::Bf16Pairs => {
             let (a, b) = (
-                a.iter().map(|&x| Precision::Bf16.round(x)).collect::<Vec<_>>(),
-                b.iter().map(|&x| Precision::Bf16.round(x)).collect::<Vec<_>>(),
+                a.iter()
+                    .map(|&x| Precision::Bf16.round(x))
+                    .collect::<Vec<_>>(),
+                b.iter()
+                    .map(|&x| Precision::Bf16.round(x))
+                    .collect::<Vec<_>>(),
             );
             let (wa, wb) = (bf16_pairs(&a, mr), bf16_pairs(&b, nr));
             (a, b, wa, wb)
@@ -276,7 +280,11 @@ fn bf16_pairs(x: &[f32], w: usize) -> Vec<f32> {
             let (q, r) = (i / w, i % w);
             let lo = f32_to_bf16(x[2 * q * w + r]);
             let hi = f32_to_bf16(x[(2 * q + 1) * w + r]);
-            assert_eq!(bf16_to_f32(lo), x[2 * q * w + r], "operands are bf16 values");
+            assert_eq!(
+                bf16_to_f32(lo),
+                x[2 * q * w + r],
+                "operands are bf16 values"
+            );
             f32::from_bits(u32::from(lo) | u32::from(hi) << 16)
         })
         .collect()

@@ -7,7 +7,7 @@
 use super::stats::{median, time_interleaved, Contender};
 use anyhow::{bail, Context, Result};
 use fugu_gemm::peak::Peak;
-use fugu_gemm::{BatchMut, BatchRef, MatMut, MatRef, Runtime};
+use fugu_gemm::{BatchMut, BatchRef, MatMut, MatRef, Precision, Runtime};
 use serde::Serialize;
 
 /// One benchmark problem: `batch` GEMMs of C (m×n) = A (m×k) · B (k×n), row-major, with A
@@ -258,6 +258,10 @@ pub struct BenchOptions {
     pub baseline: bool,
     /// Time the system OpenBLAS too (only with the `openblas` feature).
     pub openblas: bool,
+    /// The precision of fugu-gemm's GEMMs; below f32, the operands are rounded to it (so
+    /// that every contender multiplies the same numbers) and fugu-gemm's f32 GEMM is timed
+    /// side by side.
+    pub prec: Precision,
 }
 
 impl Default for BenchOptions {
@@ -268,6 +272,7 @@ impl Default for BenchOptions {
             max_reps: 50,
             baseline: true,
             openblas: cfg!(feature = "openblas"),
+            prec: Precision::F32,
         }
     }
 }
@@ -286,6 +291,8 @@ pub struct BenchRow {
     pub threads: usize,
     pub domains: usize,
     pub isa: String,
+    /// The precision of fugu-gemm's GEMM (`f32`, `bf16`, `f16`).
+    pub dtype: String,
     pub gflops: f64,
     pub median_s: f64,
     pub repeats: usize,
@@ -301,6 +308,9 @@ pub struct BenchRow {
     pub openblas_split_gflops: Option<f64>,
     /// Largest |fugu − baseline| relative to the largest |C|.
     pub max_rel_diff: Option<f64>,
+    /// Below f32: fugu-gemm's f32 GEMM on the same (rounded) operands, and fugu / that.
+    pub f32_gflops: Option<f64>,
+    pub f32_ratio: Option<f64>,
 }
 
 impl BenchRow {
@@ -329,6 +339,7 @@ impl BenchRow {
             threads,
             domains,
             isa,
+            dtype: Precision::F32.name().into(),
             gflops: g,
             median_s: t,
             repeats: times.len(),
@@ -342,6 +353,8 @@ impl BenchRow {
             openblas_ratio: None,
             openblas_split_gflops: None,
             max_rel_diff: None,
+            f32_gflops: None,
+            f32_ratio: None,
         }
     }
 }
@@ -370,8 +383,15 @@ fn strides(s: &BenchShape) -> ((usize, usize), (usize, usize)) {
     (a, b)
 }
 
-fn run_fugu(rt: &Runtime, s: &BenchShape, ops: &Operands, c: &mut [f32]) -> Result<()> {
+fn run_fugu(
+    rt: &Runtime,
+    prec: Precision,
+    s: &BenchShape,
+    ops: &Operands,
+    c: &mut [f32],
+) -> Result<()> {
     let ((ars, acs), (brs, bcs)) = strides(s);
+    let rt = rt.at(prec);
     if s.batch == 1 {
         rt.gemm(
             1.0,
@@ -484,20 +504,34 @@ pub fn run_shape(
     s: &BenchShape,
     opts: &BenchOptions,
 ) -> Result<BenchRow> {
-    let ops = Operands {
+    let prec = opts.prec;
+    let mut ops = Operands {
         a: fill(s.batch * s.m * s.k, 1),
         b: fill(s.batch * s.k * s.n, 2),
     };
+    prec.round_slice(&mut ops.a);
+    prec.round_slice(&mut ops.b);
     let c_len = s.batch * s.m * s.n;
     let mut c = vec![0.0f32; c_len];
     let mut cb = vec![0.0f32; c_len];
-    let mut err = None;
-    // Contenders, timed in interleaved rounds: fugu-gemm first, then the baselines asked for.
+    let mut c32 = vec![0.0f32; c_len];
+    let (mut err, mut err32) = (None, None);
+    // Contenders, timed in interleaved rounds: fugu-gemm first (then its f32 GEMM when the
+    // precision is lower), then the baselines asked for.
     let mut fs: Vec<Contender> = vec![Box::new(|| {
-        if let Err(e) = run_fugu(rt, s, &ops, &mut c) {
+        if let Err(e) = run_fugu(rt, prec, s, &ops, &mut c) {
             err.get_or_insert(e);
         }
     })];
+    let f32_at = (prec != Precision::F32).then(|| {
+        fs.push(Box::new(|| {
+            if let Err(e) = run_fugu(rt, Precision::F32, s, &ops, &mut c32) {
+                err32.get_or_insert(e);
+            }
+        }));
+        fs.len() - 1
+    });
+    let baseline_at = fs.len();
     if opts.baseline {
         fs.push(Box::new(|| run_matrixmultiply(s, &ops, &mut cb)));
     }
@@ -531,20 +565,33 @@ pub fn run_shape(
     };
     let times = time_interleaved(&mut fs, opts.budget_s, opts.min_reps, opts.max_reps, settle);
     drop(fs);
-    if let Some(e) = err {
+    if let Some(e) = err.or(err32) {
         return Err(e).with_context(|| format!("fugu-gemm failed on {}", s.name));
     }
     let mut row = BenchRow::timed(
         s,
-        rt.kernel().isa.to_string(),
+        rt.kernel_at(prec).isa.to_string(),
         (rt.threads(), rt.topology().domains.len()),
         &times[0],
         (peak.total_gflops(), format!("{:?}", peak.source)),
         "matrixmultiply",
     );
+    row.dtype = prec.name().into();
     let g = row.gflops;
+    if let Some(at) = f32_at {
+        let fg = gflops(s, median(&times[at]));
+        row.f32_gflops = Some(fg);
+        row.f32_ratio = Some(g / fg);
+        let rel = max_rel_diff(&c, &c32);
+        if rel.is_nan() || rel >= 1e-3 {
+            bail!(
+                "{}: fugu-gemm at {prec} and at f32 disagree on the same operands (max relative difference {rel:e})",
+                s.name
+            );
+        }
+    }
     if opts.baseline {
-        let bg = gflops(s, median(&times[1]));
+        let bg = gflops(s, median(&times[baseline_at]));
         row.baseline_gflops = Some(bg);
         row.ratio = Some(g / bg);
         let rel = max_rel_diff(&c, &cb);
@@ -567,17 +614,30 @@ pub fn run_shape(
     Ok(row)
 }
 
-/// The table header matching [`format_row`].
-pub fn table_header() -> String {
+/// The table header matching [`format_row`] for GEMMs at `prec`.
+pub fn table_header(prec: Precision) -> String {
     let mut h = format!(
-        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:>8} {:>6} {:>9} {:>6}",
-        "set", "name", "MxNxK", "batch", "thr", "isa", "GFLOP/s", "%peak", "mm GF/s", "ratio"
+        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:<5} {:>8} {:>6} {:>9} {:>6}",
+        "set",
+        "name",
+        "MxNxK",
+        "batch",
+        "thr",
+        "isa",
+        "dtype",
+        "GFLOP/s",
+        "%peak",
+        "mm GF/s",
+        "ratio"
     );
     if cfg!(feature = "openblas") {
         h.push_str(&format!(
             " {:>9} {:>6} {:>9}",
             "oblas GF", "ratio", "oblas-spl"
         ));
+    }
+    if prec != Precision::F32 {
+        h.push_str(&format!(" {:>9} {:>6}", "f32 GF/s", "x f32"));
     }
     h
 }
@@ -589,13 +649,14 @@ fn opt(v: Option<f64>, prec: usize) -> String {
 /// One human-readable table line.
 pub fn format_row(r: &BenchRow) -> String {
     let mut line = format!(
-        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:>8.1} {:>5.1}% {:>9} {:>6}",
+        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:<5} {:>8.1} {:>5.1}% {:>9} {:>6}",
         r.set,
         r.name,
         format!("{}x{}x{}", r.m, r.n, r.k),
         r.batch,
         r.threads,
         r.isa,
+        r.dtype,
         r.gflops,
         r.peak_pct,
         opt(r.baseline_gflops, 1),
@@ -607,6 +668,13 @@ pub fn format_row(r: &BenchRow) -> String {
             opt(r.openblas_gflops, 1),
             opt(r.openblas_ratio, 2),
             opt(r.openblas_split_gflops, 1)
+        ));
+    }
+    if r.f32_gflops.is_some() {
+        line.push_str(&format!(
+            " {:>9} {:>6}",
+            opt(r.f32_gflops, 1),
+            opt(r.f32_ratio, 2)
         ));
     }
     line
@@ -721,19 +789,30 @@ mod tests {
             threads: 1,
             source: fugu_gemm::peak::PeakSource::Given,
         };
-        let opts = BenchOptions {
-            budget_s: 0.0,
-            min_reps: 1,
-            max_reps: 1,
-            ..Default::default()
-        };
-        for s in [
-            parse_shape("33x17x9x3").unwrap(),
-            shape("t", "t", 20, 30, 40, 1, true, true),
-        ] {
-            let r = run_shape(&rt, &peak, &s, &opts).unwrap();
-            assert!(r.gflops > 0.0 && r.baseline_gflops.unwrap() > 0.0);
-            assert!(r.max_rel_diff.unwrap() < 1e-5, "{:?}", r.max_rel_diff);
+        for prec in Precision::ALL {
+            let opts = BenchOptions {
+                budget_s: 0.0,
+                min_reps: 1,
+                max_reps: 1,
+                prec,
+                ..Default::default()
+            };
+            for s in [
+                parse_shape("33x17x9x3").unwrap(),
+                shape("t", "t", 20, 30, 40, 1, true, true),
+            ] {
+                let r = run_shape(&rt, &peak, &s, &opts).unwrap();
+                assert!(r.gflops > 0.0 && r.baseline_gflops.unwrap() > 0.0);
+                // Every contender multiplies the same (rounded) operands: only the order of
+                // the f32 sums differs.
+                assert!(
+                    r.max_rel_diff.unwrap() < 1e-5,
+                    "{prec}: {:?}",
+                    r.max_rel_diff
+                );
+                assert_eq!(r.dtype, prec.name());
+                assert_eq!(r.f32_ratio.is_some(), prec != Precision::F32);
+            }
         }
     }
 }

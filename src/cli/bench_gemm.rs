@@ -6,7 +6,7 @@ use crate::bench::gemm::{
     format_row, parse_shape, run_shape, shape_set, table_header, BenchOptions,
 };
 use anyhow::{bail, Context, Result};
-use fugu_gemm::{Isa, Runtime, RuntimeConfig};
+use fugu_gemm::{Isa, Precision, Runtime, RuntimeConfig};
 
 /// Arguments of `fugu bench gemm`.
 #[derive(clap::Args, Debug, Clone)]
@@ -24,6 +24,11 @@ pub struct BenchGemmArgs {
     /// Force a micro-kernel: portable, avx2, avx512, neon, sve.
     #[arg(long)]
     pub isa: Option<String>,
+    /// Precision of fugu-gemm's GEMMs: f32, bf16 (the AVX-512 BF16 kernel where the CPU has
+    /// one) or f16. Below f32 every contender gets the same rounded operands, fugu-gemm's f32
+    /// GEMM is timed beside it, and % of peak is of that type's peak.
+    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    pub dtype: Precision,
     /// Output format.
     #[arg(long, default_value = "table", value_parser = ["table", "json"])]
     pub format: String,
@@ -45,9 +50,16 @@ pub struct BenchGemmArgs {
     pub tf32: bool,
 }
 
+fn parse_precision(s: &str) -> Result<Precision, String> {
+    Precision::parse(s).map_err(|e| e.to_string())
+}
+
 /// Runs the benchmark.
 pub fn run(args: BenchGemmArgs) -> Result<()> {
     crate::backend::device::check_settings(args.device, CudaSettings { tf32: args.tf32 })?;
+    if args.device != Device::Cpu && args.dtype != Precision::F32 {
+        bail!("--dtype {} applies to --device cpu only", args.dtype);
+    }
     if args.device != Device::Cpu && args.threads.len() > 1 {
         bail!("--threads with several counts applies to --device cpu only");
     }
@@ -81,6 +93,7 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     let opts = BenchOptions {
         budget_s: args.budget.max(0.0),
         baseline: !args.no_baseline,
+        prec: args.dtype,
         ..Default::default()
     };
     if args.device != Device::Cpu {
@@ -88,10 +101,23 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     }
     // matrixmultiply reads its thread count once, at its first call (it caps it at 4).
     std::env::set_var("MATMUL_NUM_THREADS", rt.threads().to_string());
-    // The same peak the trainer divides by (`MachineInfo::for_runtime`).
-    let peak =
-        crate::metrics::machine::machine_peak(rt.kernel().isa, rt.threads(), args.peak_per_core)?;
+    // The same peak the trainer divides by (`MachineInfo::for_runtime`), or the native
+    // kernel's at a lower precision.
+    let kernel = rt.kernel_at(args.dtype);
+    let native_peak = match args.peak_per_core {
+        None => fugu_gemm::peak::measured_native_peak(kernel.isa, args.dtype, rt.threads()),
+        Some(_) => None,
+    };
+    let peak = match native_peak {
+        Some(p) => p,
+        None => {
+            crate::metrics::machine::machine_peak(kernel.isa, rt.threads(), args.peak_per_core)?
+        }
+    };
     eprintln!("fugu-gemm: {}", rt.describe());
+    if args.dtype != Precision::F32 {
+        eprintln!("{} GEMMs: {kernel:?}", args.dtype);
+    }
     eprintln!("{}", peak.describe());
     eprintln!(
         "baseline: matrixmultiply 0.3 with {} thread(s){}",
@@ -104,7 +130,7 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     );
     let json = args.format == "json";
     if !json {
-        println!("{}", table_header());
+        println!("{}", table_header(args.dtype));
     }
     let total = shapes.len();
     for (i, s) in shapes.iter().enumerate() {
@@ -183,7 +209,7 @@ fn run_on_device(
     }
     let json = args.format == "json";
     if !json {
-        println!("{}", table_header());
+        println!("{}", table_header(args.dtype));
     }
     for s in shapes {
         let row = crate::bench::gemm::run_shape_cuda(&mut be, rt, s, opts, isa)?;

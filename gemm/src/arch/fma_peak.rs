@@ -4,6 +4,23 @@
 //! it executed.
 
 use crate::kernel::Isa;
+use crate::precision::Precision;
+
+/// Runs `iters` iterations of the loop of `isa`'s native kernel at `prec` and returns the
+/// FLOPs executed (a multiply and an add per product): the bf16 dot-product loop where this
+/// CPU has AVX512_BF16, otherwise `None` (the precision runs on the f32 FMAs: [`fma_loop`]).
+pub fn native_loop(isa: Isa, prec: Precision, iters: u64) -> Option<f64> {
+    match (isa, prec) {
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, Precision::Bf16)
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") =>
+        {
+            // SAFETY: both features checked just above.
+            Some(unsafe { x86::avx512_bf16(iters) })
+        }
+        _ => None,
+    }
+}
 
 /// Runs `iters` iterations of the FMA loop for `isa` and returns the FLOPs executed, or `None`
 /// when this CPU cannot run `isa`.
@@ -61,6 +78,23 @@ mod x86 {
         }
         std::hint::black_box(acc);
         iters as f64 * 16.0 * 16.0 * 2.0
+    }
+
+    /// 16 independent `vdpbf16ps` chains: each adds 16 lanes × 2 products per instruction.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn avx512_bf16(iters: u64) -> f64 {
+        let mut acc = [_mm512_set1_ps(1.0); 16];
+        let x = _mm512_cvtne2ps_pbh(
+            _mm512_set1_ps(std::hint::black_box(0.5)),
+            _mm512_set1_ps(std::hint::black_box(-0.5)),
+        );
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm512_dpbf16_ps(*a, x, x);
+            }
+        }
+        std::hint::black_box(acc);
+        iters as f64 * 16.0 * 16.0 * 4.0
     }
 
     #[target_feature(enable = "avx2,fma")]
