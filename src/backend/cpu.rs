@@ -33,6 +33,19 @@ impl CpuBackend {
         &mut self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
     }
 
+    /// The arithmetic of a GEMM on these operand spans: their 16-bit type when they all share
+    /// one (the operands are then values of that type, so fugu-gemm's bf16 kernel runs them
+    /// exactly as a tensor core would: exact products, f32 sums), otherwise f32.
+    fn gemm_precision(&self, operands: &[Span]) -> ops::Precision {
+        let mut dts = operands.iter().map(|s| self.dtypes[s.buf.0 as usize]);
+        let first = dts.next().unwrap_or(Dtype::F32);
+        if dts.all(|d| d == first) {
+            first.precision()
+        } else {
+            ops::Precision::F32
+        }
+    }
+
     /// Rounds what an op wrote to `written` to each span's buffer type (a no-op for `f32`
     /// buffers). Every op that writes calls it for every span it writes.
     fn stored(&mut self, written: &[Span]) {
@@ -83,6 +96,17 @@ fn views<const W: usize, const R: usize>(
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    /// The peak of fugu-gemm's native kernel for `compute` (the AVX-512 BF16 kernel does two
+    /// multiply-adds per lane and instruction), measured now; `None` where GEMMs of that type
+    /// run on the f32 FMAs, whose peak the caller already has.
+    fn peak_gflops(&self, compute: Dtype) -> Option<(f64, String)> {
+        let rt = fugu_gemm::Runtime::global().ok()?;
+        let prec = compute.precision();
+        let peak =
+            fugu_gemm::peak::measured_native_peak(rt.kernel_at(prec).isa, prec, rt.threads())?;
+        Some((peak.total_gflops(), peak.describe()))
     }
 
     fn alloc(&mut self, len: usize, dtype: Dtype) -> Result<BufId> {
@@ -242,14 +266,15 @@ impl Backend for CpuBackend {
         ic: usize,
         oc: usize,
     ) {
+        let prec = self.gemm_precision(&[inp, w]);
         match bias {
             Some(bias) => {
                 let ([o], [i, w, bi]) = views(&mut self.bufs, [out], [inp, w, bias]);
-                ops::linear::linear_forward(o, i, w, layout, Some(bi), n, ic, oc);
+                ops::linear::linear_forward(prec, o, i, w, layout, Some(bi), n, ic, oc);
             }
             None => {
                 let ([o], [i, w]) = views(&mut self.bufs, [out], [inp, w]);
-                ops::linear::linear_forward(o, i, w, layout, None, n, ic, oc);
+                ops::linear::linear_forward(prec, o, i, w, layout, None, n, ic, oc);
             }
         }
         self.stored(&[out]);
@@ -270,22 +295,23 @@ impl Backend for CpuBackend {
     ) {
         use ops::linear::linear_backward as lb;
         let r = [dout, inp, w];
+        let prec = self.gemm_precision(&r);
         match (dinp, dbias) {
             (Some(di), Some(db)) => {
                 let ([di, dw, db], [d, i, w]) = views(&mut self.bufs, [di, dw, db], r);
-                lb(Some(di), dw, Some(db), d, i, w, layout, n, ic, oc);
+                lb(prec, Some(di), dw, Some(db), d, i, w, layout, n, ic, oc);
             }
             (Some(di), None) => {
                 let ([di, dw], [d, i, w]) = views(&mut self.bufs, [di, dw], r);
-                lb(Some(di), dw, None, d, i, w, layout, n, ic, oc);
+                lb(prec, Some(di), dw, None, d, i, w, layout, n, ic, oc);
             }
             (None, Some(db)) => {
                 let ([dw, db], [d, i, w]) = views(&mut self.bufs, [dw, db], r);
-                lb(None, dw, Some(db), d, i, w, layout, n, ic, oc);
+                lb(prec, None, dw, Some(db), d, i, w, layout, n, ic, oc);
             }
             (None, None) => {
                 let ([dw], [d, i, w]) = views(&mut self.bufs, [dw], r);
-                lb(None, dw, None, d, i, w, layout, n, ic, oc);
+                lb(prec, None, dw, None, d, i, w, layout, n, ic, oc);
             }
         }
         self.stored(
@@ -297,8 +323,9 @@ impl Backend for CpuBackend {
     }
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
+        let prec = self.gemm_precision(&[qkv]);
         let ([a], [q]) = views(&mut self.bufs, [att], [qkv]);
-        ops::attention::attention_scores(a, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_scores(prec, a, q, d.b, d.t, d.nh, d.hs);
         self.stored(&[att]);
     }
 
@@ -309,8 +336,9 @@ impl Backend for CpuBackend {
     }
 
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
+        let prec = self.gemm_precision(&[att, qkv]);
         let ([o], [a, q]) = views(&mut self.bufs, [out], [att, qkv]);
-        ops::attention::attention_values(o, a, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_values(prec, o, a, q, d.b, d.t, d.nh, d.hs);
         self.stored(&[out]);
     }
 
@@ -323,8 +351,9 @@ impl Backend for CpuBackend {
         qkv: Span,
         d: AttnDims,
     ) {
+        let prec = self.gemm_precision(&[dout, att, qkv]);
         let ([da, dq], [dout, a, q]) = views(&mut self.bufs, [datt, dqkv], [dout, att, qkv]);
-        ops::attention::attention_values_backward(da, dq, dout, a, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_values_backward(prec, da, dq, dout, a, q, d.b, d.t, d.nh, d.hs);
         self.stored(&[datt, dqkv]);
     }
 
@@ -335,8 +364,9 @@ impl Backend for CpuBackend {
     }
 
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
+        let prec = self.gemm_precision(&[datt, qkv]);
         let ([dq], [da, q]) = views(&mut self.bufs, [dqkv], [datt, qkv]);
-        ops::attention::attention_scores_backward(dq, da, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_scores_backward(prec, dq, da, q, d.b, d.t, d.nh, d.hs);
         self.stored(&[dqkv]);
     }
 
@@ -455,6 +485,66 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GEMM operands that all hold one 16-bit type run at that precision (exact products,
+    /// f32 sums, as on a tensor core); any mix runs in f32. And a bf16 linear layer equals the
+    /// f32 one on the same (bf16) values up to the order of the f32 sums.
+    #[test]
+    fn gemms_run_at_the_operands_common_precision() {
+        let mut be = CpuBackend::new();
+        let span = |buf, len| Span {
+            buf,
+            offset: 0,
+            len,
+        };
+        let (n, ic, oc) = (5, 37, 9);
+        let mut bufs = Vec::new();
+        for dt in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            bufs.push((
+                dt,
+                be.alloc(n * ic, dt).unwrap(),
+                be.alloc(ic * oc, dt).unwrap(),
+            ));
+        }
+        let p = |be: &CpuBackend, x: &[Span]| be.gemm_precision(x);
+        let (x32, w32) = (span(bufs[0].1, n * ic), span(bufs[0].2, ic * oc));
+        let (xb, wb) = (span(bufs[1].1, n * ic), span(bufs[1].2, ic * oc));
+        let xh = span(bufs[2].1, n * ic);
+        assert_eq!(p(&be, &[x32, w32]), ops::Precision::F32);
+        assert_eq!(p(&be, &[xb, wb]), ops::Precision::Bf16);
+        assert_eq!(p(&be, &[xh]), ops::Precision::F16);
+        assert_eq!(p(&be, &[xb, w32]), ops::Precision::F32);
+        assert_eq!(p(&be, &[xb, xh]), ops::Precision::F32);
+
+        let x: Vec<f32> = (0..n * ic)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 31.0)
+            .collect();
+        let w: Vec<f32> = (0..ic * oc)
+            .map(|i| ((i * 13 % 89) as f32 - 44.0) / 57.0)
+            .collect();
+        let get = |be: &CpuBackend, s: Span| {
+            let mut v = vec![0.0; s.len];
+            be.download(s, &mut v);
+            v
+        };
+        be.upload(xb, &x);
+        be.upload(wb, &w);
+        let (xr, wr) = (get(&be, xb), get(&be, wb));
+        assert_ne!(xr, x, "the bf16 buffer holds rounded values");
+        be.upload(x32, &xr);
+        be.upload(w32, &wr);
+        let out32 = be.alloc(n * oc, Dtype::F32).unwrap();
+        let outb = be.alloc(n * oc, Dtype::F32).unwrap();
+        let (o32, ob) = (span(out32, n * oc), span(outb, n * oc));
+        be.linear_forward(o32, x32, w32, WeightLayout::InOut, None, n, ic, oc);
+        be.linear_forward(ob, xb, wb, WeightLayout::InOut, None, n, ic, oc);
+        let (y32, yb) = (get(&be, o32), get(&be, ob));
+        for (a, b) in y32.iter().zip(&yb) {
+            // |error| of a k-term f32 sum <= k·u·Σ|products|; Σ|products| < k·1.7·0.8 here.
+            let tol = ic as f32 * f32::EPSILON * ic as f32 * 2.0;
+            assert!((a - b).abs() <= tol, "{a} vs {b}");
+        }
+    }
 
     #[test]
     fn views_are_checked() {

@@ -714,7 +714,7 @@ pub fn run_shape_cuda(
     drop(fs);
     let c = be.finish_gemm(g);
     let mut want = vec![0.0f32; c.len()];
-    run_fugu(rt, s, &ops, &mut want)?;
+    run_fugu(rt, Precision::F32, s, &ops, &mut want)?;
     let rel = max_rel_diff(&c, &want);
     let tol = if isa.contains("tf32") { 1e-2 } else { 1e-3 };
     if rel.is_nan() || rel >= tol {

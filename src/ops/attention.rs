@@ -10,7 +10,7 @@
 //! stride `hs` inside a qkv or output row, `T·T` in `att`), reading and writing the fused
 //! layouts in place through strides: no head split or merge copies.
 
-use super::{BatchMat, BatchMatMut, Float};
+use super::{BatchMat, BatchMatMut, Float, Precision};
 use rayon::prelude::*;
 
 fn check(qkv: usize, b: usize, t: usize, nh: usize, hs: usize, op: &str) {
@@ -158,6 +158,7 @@ pub fn scale<T: Float>(hs: usize) -> T {
 ///
 /// One strided batched GEMM (batch = nh) per batch element.
 pub fn attention_scores<T: Float>(
+    prec: Precision,
     att: &mut [T],
     qkv: &[T],
     b: usize,
@@ -170,6 +171,7 @@ pub fn attention_scores<T: Float>(
     let alpha = scale::<T>(hs);
     for bi in 0..b {
         T::gemm_strided_batched(
+            prec,
             alpha,
             qkv_part(qkv, bi, 0, t, nh, hs),
             qkv_part(qkv, bi, 1, t, nh, hs).t(),
@@ -207,7 +209,9 @@ pub fn attention_softmax<T: Float>(att: &mut [T], b: usize, t: usize, nh: usize)
 ///
 /// * `out`: (B, T, nh·hs), **overwritten**, written in place through strides.
 /// * `att`: (B, nh, T, T) after [`attention_softmax`] (zero above the diagonal); `qkv` as above.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_values<T: Float>(
+    prec: Precision,
     out: &mut [T],
     att: &[T],
     qkv: &[T],
@@ -221,6 +225,7 @@ pub fn attention_values<T: Float>(
     assert_eq!(out.len(), b * t * nh * hs, "attention_values: out length");
     for bi in 0..b {
         T::gemm_strided_batched(
+            prec,
             T::ONE,
             att_of(att, bi, t, nh),
             qkv_part(qkv, bi, 2, t, nh, hs),
@@ -239,6 +244,7 @@ pub fn attention_values<T: Float>(
 /// * `dout`: (B, T, C); `att`, `qkv` from the forward pass.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_values_backward<T: Float>(
+    prec: Precision,
     datt: &mut [T],
     dqkv: &mut [T],
     dout: &[T],
@@ -268,6 +274,7 @@ pub fn attention_values_backward<T: Float>(
     );
     for bi in 0..b {
         T::gemm_strided_batched(
+            prec,
             T::ONE,
             btc(dout, bi, t, nh, hs),
             qkv_part(qkv, bi, 2, t, nh, hs).t(),
@@ -275,6 +282,7 @@ pub fn attention_values_backward<T: Float>(
             att_of_mut(datt, bi, t, nh),
         );
         T::gemm_strided_batched(
+            prec,
             T::ONE,
             att_of(att, bi, t, nh).t(),
             btc(dout, bi, t, nh, hs),
@@ -334,7 +342,9 @@ pub fn attention_softmax_backward<T: Float>(
 ///   columns with `scale·dpreᵀ·Q`; V columns are untouched.
 /// * `datt`: (B, nh, T, T), the score gradient from [`attention_softmax_backward`] (zero above
 ///   the diagonal); `qkv` from the forward pass.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_scores_backward<T: Float>(
+    prec: Precision,
     dqkv: &mut [T],
     datt: &[T],
     qkv: &[T],
@@ -353,6 +363,7 @@ pub fn attention_scores_backward<T: Float>(
     let alpha = scale::<T>(hs);
     for bi in 0..b {
         T::gemm_strided_batched(
+            prec,
             alpha,
             att_of(datt, bi, t, nh),
             qkv_part(qkv, bi, 1, t, nh, hs),
@@ -360,6 +371,7 @@ pub fn attention_scores_backward<T: Float>(
             qkv_part_mut(dqkv, bi, 0, t, nh, hs),
         );
         T::gemm_strided_batched(
+            prec,
             alpha,
             att_of(datt, bi, t, nh).t(),
             qkv_part(qkv, bi, 0, t, nh, hs),
@@ -429,9 +441,9 @@ mod tests {
     fn forward<T: Float>(qkv: &[T], b: usize, t: usize, nh: usize, hs: usize) -> (Vec<T>, Vec<T>) {
         let mut att = vec![T::from_f64(f64::NAN); b * nh * t * t];
         let mut out = vec![T::from_f64(f64::NAN); b * t * nh * hs];
-        attention_scores(&mut att, qkv, b, t, nh, hs);
+        attention_scores(Precision::F32, &mut att, qkv, b, t, nh, hs);
         attention_softmax(&mut att, b, t, nh);
-        attention_values(&mut out, &att, qkv, b, t, nh, hs);
+        attention_values(Precision::F32, &mut out, &att, qkv, b, t, nh, hs);
         (att, out)
     }
 
@@ -448,9 +460,20 @@ mod tests {
     ) -> Vec<T> {
         let mut datt = vec![T::from_f64(f64::NAN); b * nh * t * t];
         let mut dqkv = vec![T::from_f64(f64::NAN); qkv.len()];
-        attention_values_backward(&mut datt, &mut dqkv, dout, att, qkv, b, t, nh, hs);
+        attention_values_backward(
+            Precision::F32,
+            &mut datt,
+            &mut dqkv,
+            dout,
+            att,
+            qkv,
+            b,
+            t,
+            nh,
+            hs,
+        );
         attention_softmax_backward(&mut datt, att, b, t, nh);
-        attention_scores_backward(&mut dqkv, &datt, qkv, b, t, nh, hs);
+        attention_scores_backward(Precision::F32, &mut dqkv, &datt, qkv, b, t, nh, hs);
         dqkv
     }
 
@@ -541,13 +564,24 @@ mod tests {
         let (att, _) = forward(&qkv, b, t, nh, hs);
         let mut datt = vec![0.0; b * nh * t * t];
         let mut dqkv = vec![7.0; qkv.len()];
-        attention_values_backward(&mut datt, &mut dqkv, &dout, &att, &qkv, b, t, nh, hs);
+        attention_values_backward(
+            Precision::F32,
+            &mut datt,
+            &mut dqkv,
+            &dout,
+            &att,
+            &qkv,
+            b,
+            t,
+            nh,
+            hs,
+        );
         for (i, &x) in dqkv.iter().enumerate() {
             assert_eq!(x == 7.0, (i % (3 * c)) < 2 * c, "element {i}");
         }
         let mut dqkv2 = vec![7.0; qkv.len()];
         attention_softmax_backward(&mut datt, &att, b, t, nh);
-        attention_scores_backward(&mut dqkv2, &datt, &qkv, b, t, nh, hs);
+        attention_scores_backward(Precision::F32, &mut dqkv2, &datt, &qkv, b, t, nh, hs);
         for (i, &x) in dqkv2.iter().enumerate() {
             assert_eq!(x == 7.0, (i % (3 * c)) >= 2 * c, "element {i}");
         }

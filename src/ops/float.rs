@@ -12,6 +12,7 @@
 //! every access. A failed check is a bug in an op (the ops assert their slice lengths first), so
 //! it panics with fugu-gemm's error message.
 
+pub use fugu_gemm::Precision;
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
@@ -244,11 +245,21 @@ pub trait Float:
     fn is_finite(self) -> bool;
 
     /// `C := alpha·A·B + beta·C` with A m×k, B k×n, C m×n. When `beta == 0`, C is not read
-    /// (NaN or garbage in C does not propagate).
+    /// (NaN or garbage in C does not propagate). `prec` is the arithmetic of the products
+    /// (fugu-gemm's [`Precision`]: operands rounded to it, f32 accumulation); the f64 reference
+    /// multiplies the operands as given, which is the same when they already hold values of
+    /// that type (as a low-precision backend buffer does).
     ///
     /// # Panics
     /// On mismatched shapes or views that do not fit their slices (a bug in the caller).
-    fn gemm(alpha: Self, a: Mat<'_, Self>, b: Mat<'_, Self>, beta: Self, c: MatMutT<'_, Self>);
+    fn gemm(
+        prec: Precision,
+        alpha: Self,
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        beta: Self,
+        c: MatMutT<'_, Self>,
+    );
 
     /// Strided batched GEMM, `C[p] := alpha·A[p]·B[p] + beta·C[p]` for every `p < batch`
     /// (PyTorch `baddbmm`; `bmm` with `beta = 0`). C is not read when `beta == 0`.
@@ -256,6 +267,7 @@ pub trait Float:
     /// # Panics
     /// As [`Float::gemm`], and when the batch sizes differ.
     fn gemm_strided_batched(
+        prec: Precision,
         alpha: Self,
         a: BatchMat<'_, Self>,
         b: BatchMat<'_, Self>,
@@ -375,7 +387,14 @@ impl Float for f32 {
         super::fastmath::tanh_f32(self)
     }
 
-    fn gemm(alpha: f32, a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f32, c: MatMutT<'_, f32>) {
+    fn gemm(
+        prec: Precision,
+        alpha: f32,
+        a: Mat<'_, f32>,
+        b: Mat<'_, f32>,
+        beta: f32,
+        c: MatMutT<'_, f32>,
+    ) {
         use fugu_gemm::{MatMut, MatRef};
         let av = MatRef::with_offset(a.data, a.offset, a.rows, a.cols, a.rs, a.cs)
             .unwrap_or_else(|e| gemm_failed(e));
@@ -383,10 +402,13 @@ impl Float for f32 {
             .unwrap_or_else(|e| gemm_failed(e));
         let cv = MatMut::with_offset(c.data, c.offset, c.rows, c.cols, c.rs, c.cs)
             .unwrap_or_else(|e| gemm_failed(e));
-        fugu_gemm::gemm(alpha, av, bv, beta, cv).unwrap_or_else(|e| gemm_failed(e));
+        fugu_gemm::Runtime::global()
+            .and_then(|rt| rt.at(prec).gemm(alpha, av, bv, beta, cv))
+            .unwrap_or_else(|e| gemm_failed(e));
     }
 
     fn gemm_strided_batched(
+        prec: Precision,
         alpha: f32,
         a: BatchMat<'_, f32>,
         b: BatchMat<'_, f32>,
@@ -424,7 +446,9 @@ impl Float for f32 {
             c.bs,
         )
         .unwrap_or_else(|e| gemm_failed(e));
-        fugu_gemm::gemm_strided_batched(alpha, av, bv, beta, cv).unwrap_or_else(|e| gemm_failed(e));
+        fugu_gemm::Runtime::global()
+            .and_then(|rt| rt.at(prec).gemm_strided_batched(alpha, av, bv, beta, cv))
+            .unwrap_or_else(|e| gemm_failed(e));
     }
 }
 
@@ -440,12 +464,20 @@ impl Float for f64 {
         f64::tanh(self)
     }
 
-    fn gemm(alpha: f64, a: Mat<'_, f64>, b: Mat<'_, f64>, beta: f64, c: MatMutT<'_, f64>) {
+    fn gemm(
+        _prec: Precision,
+        alpha: f64,
+        a: Mat<'_, f64>,
+        b: Mat<'_, f64>,
+        beta: f64,
+        c: MatMutT<'_, f64>,
+    ) {
         check_shapes(a.rows, a.cols, b.rows, b.cols, c.rows, c.cols);
         gemm_naive(alpha, &a, &b, beta, c.data, c.offset, c.rs, c.cs);
     }
 
     fn gemm_strided_batched(
+        _prec: Precision,
         alpha: f64,
         a: BatchMat<'_, f64>,
         b: BatchMat<'_, f64>,
@@ -496,6 +528,7 @@ mod tests {
         let mut c32: Vec<f32> = c0.iter().map(|&x| x as f32).collect();
         // C: (m, n) with column stride 2 at offset 2.
         f64::gemm(
+            Precision::F32,
             0.5,
             Mat::new(&a64, 5, k, m, m + 3, 1).t(),
             Mat::row_major(&b64, n, k).t(),
@@ -503,6 +536,7 @@ mod tests {
             MatMutT::new(&mut c64, 2, m, n, 2 * n, 2),
         );
         f32::gemm(
+            Precision::F32,
             0.5,
             Mat::new(&a32, 5, k, m, m + 3, 1).t(),
             Mat::row_major(&b32, n, k).t(),
@@ -536,6 +570,7 @@ mod tests {
             cs: 1,
         };
         f64::gemm_strided_batched(
+            Precision::F32,
             1.0,
             xa(&x),
             BatchMat {
@@ -562,6 +597,7 @@ mod tests {
             },
         );
         f32::gemm_strided_batched(
+            Precision::F32,
             1.0,
             BatchMat {
                 data: &x32,
@@ -614,6 +650,7 @@ mod tests {
         let a = vec![0.0f64; 6];
         let mut c = vec![0.0f64; 4];
         f64::gemm(
+            Precision::F32,
             1.0,
             Mat::row_major(&a, 2, 3),
             Mat::row_major(&a, 2, 3),
@@ -628,6 +665,7 @@ mod tests {
         let a = vec![0.0f32; 6];
         let mut c = vec![0.0f32; 3];
         f32::gemm(
+            Precision::F32,
             1.0,
             Mat::row_major(&a, 2, 3),
             Mat::row_major(&a, 3, 2),

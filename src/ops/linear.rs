@@ -1,6 +1,6 @@
 //! Fully connected layer `y = x·W + bias` on the GEMM hooks.
 
-use super::{add_column_sums, Float, Mat, MatMutT};
+use super::{add_column_sums, Float, Mat, MatMutT, Precision};
 use rayon::prelude::*;
 
 /// How a weight matrix is stored.
@@ -28,6 +28,7 @@ fn w_view<T>(w: &[T], layout: WeightLayout, ic: usize, oc: usize) -> Mat<'_, T> 
 /// With a bias, the rows of `out` are first set to it and the GEMM adds with `beta = 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_forward<T: Float>(
+    prec: Precision,
     out: &mut [T],
     inp: &[T],
     w: &[T],
@@ -52,6 +53,7 @@ pub fn linear_forward<T: Float>(
         None => T::ZERO,
     };
     T::gemm(
+        prec,
         T::ONE,
         Mat::row_major(inp, n, ic),
         w_view(w, layout, ic, oc),
@@ -71,6 +73,7 @@ pub fn linear_forward<T: Float>(
 /// * `dout`: (N, OC); `inp`: (N, IC); `w` as in the forward pass.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward<T: Float>(
+    prec: Precision,
     dinp: Option<&mut [T]>,
     dw: &mut [T],
     dbias: Option<&mut [T]>,
@@ -89,6 +92,7 @@ pub fn linear_backward<T: Float>(
     if let Some(dinp) = dinp {
         assert_eq!(dinp.len(), n * ic, "linear_backward: dinp length");
         T::gemm(
+            prec,
             T::ONE,
             Mat::row_major(dout, n, oc),
             w_view(w, layout, ic, oc).t(),
@@ -98,6 +102,7 @@ pub fn linear_backward<T: Float>(
     }
     match layout {
         WeightLayout::InOut => T::gemm(
+            prec,
             T::ONE,
             Mat::row_major(inp, n, ic).t(),
             Mat::row_major(dout, n, oc),
@@ -105,6 +110,7 @@ pub fn linear_backward<T: Float>(
             MatMutT::row_major(dw, ic, oc),
         ),
         WeightLayout::OutIn => T::gemm(
+            prec,
             T::ONE,
             Mat::row_major(dout, n, oc).t(),
             Mat::row_major(inp, n, ic),
@@ -135,7 +141,7 @@ mod tests {
         oc: usize,
     ) -> Vec<f64> {
         let mut out = vec![f64::NAN; n * oc];
-        linear_forward(&mut out, x, w, l, b, n, ic, oc);
+        linear_forward(Precision::F32, &mut out, x, w, l, b, n, ic, oc);
         out
     }
 
@@ -163,6 +169,7 @@ mod tests {
             let mut dx = vec![f64::NAN; n * ic]; // overwritten: NaN must not leak
             let (mut dw, mut db) = (vec![0.0; ic * oc], vec![0.0; oc]);
             linear_backward(
+                Precision::F32,
                 Some(&mut dx),
                 &mut dw,
                 Some(&mut db),
@@ -191,6 +198,7 @@ mod tests {
             // Second call: dinp overwritten (same), dw and dbias doubled.
             let (x1, w1, b1) = (dx.clone(), dw.clone(), db.clone());
             linear_backward(
+                Precision::F32,
                 Some(&mut dx),
                 &mut dw,
                 Some(&mut db),
@@ -206,7 +214,19 @@ mod tests {
             assert!(dw.iter().zip(&w1).all(|(a, b)| (a - 2.0 * b).abs() < 1e-12));
             assert!(db.iter().zip(&b1).all(|(a, b)| (a - 2.0 * b).abs() < 1e-12));
             // Without dinp/dbias only dw moves.
-            linear_backward(None, &mut dw, None, &dout, &x, &w, layout, n, ic, oc);
+            linear_backward(
+                Precision::F32,
+                None,
+                &mut dw,
+                None,
+                &dout,
+                &x,
+                &w,
+                layout,
+                n,
+                ic,
+                oc,
+            );
             assert!(dw.iter().zip(&w1).all(|(a, b)| (a - 3.0 * b).abs() < 1e-12));
         }
     }
@@ -228,6 +248,7 @@ mod tests {
             let out64 = forward(&x, &w, Some(&b), layout, n, ic, oc);
             let mut out32 = vec![f32::NAN; n * oc];
             linear_forward(
+                Precision::F32,
                 &mut out32,
                 &to_f32(&x),
                 &to_f32(&w),
@@ -241,6 +262,7 @@ mod tests {
 
             let (mut dx64, mut dw64, mut db64) = (vec![f64::NAN; n * ic], dw0.clone(), db0.clone());
             linear_backward(
+                Precision::F32,
                 Some(&mut dx64),
                 &mut dw64,
                 Some(&mut db64),
@@ -256,6 +278,7 @@ mod tests {
                 (vec![f32::NAN; n * ic], to_f32(&dw0), to_f32(&db0));
             let (x32, w32, d32) = (to_f32(&x), to_f32(&w), to_f32(&dout));
             linear_backward(
+                Precision::F32,
                 Some(&mut dx32),
                 &mut dw32,
                 Some(&mut db32),
