@@ -273,6 +273,7 @@ fn main() {
                     ..Default::default()
                 },
                 blocking,
+                f16_chunked: None,
                 split: None,
             })
             .unwrap()

@@ -101,11 +101,31 @@ impl fmt::Display for Isa {
     }
 }
 
+/// Products summed per f16 chunk by kernels that accumulate in f16 ([`Accumulation::F16Chunks`]):
+/// A64FX has no widening f16 -> f32 FMA, so its 2x-f32 rate needs f16 accumulators; every
+/// `F16_CHUNK` products they are added into f32 and restarted. A chunk of c products sums in f16
+/// with a relative error of at most about c·2^-11 of the sum of their magnitudes (c·u,
+/// u = 2^-11, for the worst case; about sqrt(c)·u for random signs), so 64 keeps a chunk's error
+/// within 3% worst case, 0.4% typical, while the fold into f32 costs a few percent of the chunk's
+/// FMAs (`docs/KERNELS.md`).
+pub const F16_CHUNK: usize = 64;
+
+/// How a kernel sums its products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Accumulation {
+    /// In f32 registers.
+    F32,
+    /// In f16, folded into f32 every `n` products (see [`F16_CHUNK`]).
+    F16Chunks(usize),
+}
+
 /// A micro-kernel together with its register-tile shape and packed operand format.
 #[derive(Clone, Copy)]
 pub struct Kernel {
     /// What the packed panels hold.
     pub operand: Operand,
+    /// How the products are summed.
+    pub accumulation: Accumulation,
     /// The instruction set the kernel uses.
     pub isa: Isa,
     /// Rows of the C tile (the vectorised dimension).

@@ -5,7 +5,7 @@ use crate::blocking::{Blocking, CacheInfo};
 use crate::buffer::AlignedBuf;
 use crate::driver::{run_parallel, run_sequential, Ctx, Problem, SplitMode, MAX_TILE};
 use crate::error::GemmError;
-use crate::kernel::{best_kernel, forced_kernel, kernel_for_precision, Isa, Kernel};
+use crate::kernel::{best_kernel, forced_kernel, kernel_for_precision, Accumulation, Isa, Kernel};
 use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
 use crate::topology::{pin_current_thread, Topology, TopologyRequest};
@@ -23,6 +23,12 @@ pub struct RuntimeConfig {
     pub topology: TopologyRequest,
     /// Block sizes instead of the cache-derived ones (`FUGU_GEMM_MC/KC/NC` override fields).
     pub blocking: Option<Blocking>,
+    /// How f16 GEMMs sum their products (`FUGU_GEMM_F16=chunked|f32`): `Some(true)` in f16
+    /// chunks folded into f32 ([`crate::kernel::F16_CHUNK`]; the native SVE kernel, or its
+    /// portable emulation on other CPUs, to reproduce A64FX numbers anywhere), `Some(false)`
+    /// in f32 (the f32 kernel after an f16 rounding pack). `None`: chunks where a native f16
+    /// kernel exists, f32 elsewhere.
+    pub f16_chunked: Option<bool>,
     /// How a domain's threads share one GEMM (`FUGU_GEMM_SPLIT=ic|jr`).
     pub split: Option<SplitMode>,
 }
@@ -49,10 +55,25 @@ impl RuntimeConfig {
             }),
             Err(_) => None,
         };
+        let f16_chunked = match std::env::var("FUGU_GEMM_F16") {
+            Ok(v) => Some(match v.trim() {
+                "chunked" => true,
+                "f32" => false,
+                _ => {
+                    return Err(GemmError::Config {
+                        what: "FUGU_GEMM_F16".into(),
+                        value: v,
+                        expected: "chunked (f16 accumulation in chunks, as on A64FX) or f32".into(),
+                    })
+                }
+            }),
+            Err(_) => None,
+        };
         Ok(RuntimeConfig {
             isa,
             topology: TopologyRequest::from_env()?,
             blocking: None,
+            f16_chunked,
             split,
         })
     }
@@ -114,7 +135,14 @@ impl Runtime {
         });
         let kc_fixed = crate::blocking::kc_overridden() || cfg.blocking.is_some();
         let ctx_for = |prec: Precision| -> Result<Ctx, GemmError> {
-            let kernel = kernel_for_precision(kernel.isa, prec).unwrap_or(kernel);
+            let native = kernel_for_precision(kernel.isa, prec).unwrap_or(kernel);
+            let kernel = match (prec, cfg.f16_chunked) {
+                (Precision::F16, Some(false)) => kernel,
+                (Precision::F16, Some(true)) if native.accumulation == Accumulation::F32 => {
+                    crate::arch::portable::f16_chunked_kernel()
+                }
+                _ => native,
+            };
             let blk = match cfg.blocking {
                 Some(b) => b,
                 None => Blocking::derive_for(&caches, kernel.mr, kernel.nr, split == SplitMode::Jr),

@@ -59,6 +59,7 @@ pub fn small_block_runtime(isa: Isa, topology: TopologyRequest) -> Runtime {
             kc: 16,
             nc: 3 * k.nr,
         }),
+        f16_chunked: None,
         split: None,
     })
     .expect("runtime")

@@ -160,3 +160,116 @@ fn mismatched_shapes_are_errors_not_panics() {
     let err = MatMut::new(&mut c, 2, 4, 1, 1).unwrap_err();
     assert!(matches!(err, GemmError::OverlappingOutput { .. }), "{err}");
 }
+
+/// A runtime whose f16 GEMMs sum in f16 chunks (`FUGU_GEMM_F16=chunked`: the SVE kernel on
+/// SVE CPUs, its portable emulation elsewhere), with `kc` large enough for one k block.
+fn f16_chunked_runtime(kc: usize) -> fugu_gemm::Runtime {
+    fugu_gemm::Runtime::new(fugu_gemm::RuntimeConfig {
+        topology: fugu_gemm::TopologyRequest {
+            layout: Some((1, 1)),
+            ..Default::default()
+        },
+        blocking: Some(fugu_gemm::Blocking { mc: 64, kc, nc: 64 }),
+        f16_chunked: Some(true),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// The chunked f16 arithmetic, exactly: a row of 1 followed by 2^-12's. In f16, 1 + 2^-12 rounds
+/// back to 1 (half an ulp of 1 is 2^-11), so the first chunk of `F16_CHUNK` products sums to 1
+/// whatever follows; the second chunk, all 2^-12, sums exactly to F16_CHUNK·2^-12 and is added
+/// in f32. An f32 accumulation would give 1 + (2·F16_CHUNK - 1)·2^-12.
+#[test]
+fn f16_chunks_sum_in_f16_and_fold_into_f32() {
+    use fugu_gemm::kernel::{Accumulation, F16_CHUNK};
+    let k = 2 * F16_CHUNK;
+    let rt = f16_chunked_runtime(k);
+    assert_eq!(
+        rt.kernel_at(Precision::F16).accumulation,
+        Accumulation::F16Chunks(F16_CHUNK),
+        "{:?}",
+        rt.kernel_at(Precision::F16)
+    );
+    let tiny = (2.0f32).powi(-12);
+    let (m, n) = (37, 11); // edge tiles on every kernel
+    let a: Vec<f32> = (0..m * k)
+        .map(|i| if i % k == 0 { 1.0 } else { tiny })
+        .collect();
+    let b = vec![1.0f32; k * n];
+    let mut c = vec![f32::NAN; m * n];
+    rt.at(Precision::F16)
+        .gemm(
+            1.0,
+            MatRef::row_major(&a, m, k).unwrap(),
+            MatRef::row_major(&b, k, n).unwrap(),
+            0.0,
+            MatMut::row_major(&mut c, m, n).unwrap(),
+        )
+        .unwrap();
+    let want = 1.0 + F16_CHUNK as f32 * tiny;
+    for (i, &got) in c.iter().enumerate() {
+        assert_eq!(got, want, "element {i}");
+    }
+}
+
+/// Random GEMMs with f16 chunks against the f64 reference on f16-rounded operands, within the
+/// bound the chunk length gives: each f16 addition of a chunk rounds with relative error
+/// u = 2^-11 of a partial sum no larger than the chunk's sum of |products|, so the error is at
+/// most about F16_CHUNK·u·Σ|a·b| (plus f16's subnormal step, 2^-25 per addition, and the f32
+/// folds). Also checks that the f16 rounding shows: a worst relative error above 1e-5, where
+/// an f32 accumulation stays near 1e-7.
+#[test]
+fn f16_chunked_gemm_stays_within_the_chunk_error_bound() {
+    use fugu_gemm::kernel::F16_CHUNK;
+    let u = (2.0f64).powi(-11);
+    let mut rng = Rng::new(11);
+    for (m, n, k) in [(33, 10, 200), (64, 21, 64), (5, 3, 1000), (70, 13, 7)] {
+        for kc in [16, 1024] {
+            let rt = f16_chunked_runtime(kc);
+            let mut a = rng.vec(m * k);
+            let mut b = rng.vec(k * n);
+            Precision::F16.round_slice(&mut a);
+            Precision::F16.round_slice(&mut b);
+            let mut c = vec![0.0f32; m * n];
+            rt.at(Precision::F16)
+                .gemm(
+                    1.0,
+                    MatRef::row_major(&a, m, k).unwrap(),
+                    MatRef::row_major(&b, k, n).unwrap(),
+                    0.0,
+                    MatMut::row_major(&mut c, m, n).unwrap(),
+                )
+                .unwrap();
+            let mut worst: f64 = 0.0;
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut dot, mut mag) = (0.0f64, 0.0f64);
+                    for p in 0..k {
+                        let x = a[i * k + p] as f64 * b[p * n + j] as f64;
+                        dot += x;
+                        mag += x.abs();
+                    }
+                    let chunk = F16_CHUNK.min(kc).min(k) as f64;
+                    let tol = chunk * u * mag
+                        + k as f64 * (2.0f64).powi(-25)
+                        + (k as f64 + 4.0) * f32::EPSILON as f64 * mag;
+                    let err = (c[i * n + j] as f64 - dot).abs();
+                    assert!(
+                        err <= tol,
+                        "{m}x{n}x{k} kc {kc}: C({i},{j}) = {} vs {dot} (error {err:e} > {tol:e})",
+                        c[i * n + j]
+                    );
+                    worst = worst.max(err / mag.max(1e-30));
+                }
+            }
+            // f32 accumulation would be ~1e-7 relative: the chunks must show f16's rounding.
+            if k >= 64 {
+                assert!(
+                    worst > 1e-5,
+                    "{m}x{n}x{k}: no f16 rounding visible ({worst:e})"
+                );
+            }
+        }
+    }
+}

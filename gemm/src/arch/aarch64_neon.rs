@@ -9,7 +9,7 @@
 //! On the A64FX this kernel caps near a quarter of the SVE peak; there it is only a forced
 //! fallback (`FUGU_GEMM_ISA=neon`).
 
-use crate::kernel::{Isa, Kernel, Operand};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand};
 use std::arch::aarch64::{
     float32x4_t, vdupq_n_f32, vfmaq_f32, vfmaq_lane_f32, vfmaq_laneq_f32, vld1_f32, vld1q_f32,
     vmulq_f32, vst1q_f32,
@@ -23,6 +23,7 @@ pub fn kernel() -> Option<Kernel> {
     if std::arch::is_aarch64_feature_detected!("neon") {
         Some(Kernel {
             operand: Operand::F32,
+            accumulation: Accumulation::F32,
             isa: Isa::Neon,
             mr: MR,
             nr: NR,

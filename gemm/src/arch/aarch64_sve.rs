@@ -26,7 +26,7 @@
 //! `scripts/predict-a64fx.sh` finds [`fugu_sve_sgemm_2vx10`] in the release build and checks its
 //! inner loop with `llvm-mca -mcpu=a64fx`.
 
-use crate::kernel::{Isa, Kernel, Operand};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand};
 
 /// Columns of the C tile.
 const NR: usize = 10;
@@ -36,6 +36,7 @@ pub fn kernel() -> Option<Kernel> {
     let lanes = f32_lanes()?;
     Some(Kernel {
         operand: Operand::F32,
+        accumulation: Accumulation::F32,
         isa: Isa::Sve,
         mr: 2 * lanes,
         nr: NR,

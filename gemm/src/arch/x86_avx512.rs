@@ -14,7 +14,7 @@
 //! denormal inputs and outputs to zero and ignores MXCSR (Intel SDM); nothing in a GPT's
 //! operands lives in bf16's denormal range (below 1.2e-38).
 
-use crate::kernel::{Isa, Kernel, Operand};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand};
 use std::arch::x86_64::*;
 
 const MR: usize = 32;
@@ -24,6 +24,7 @@ const NR: usize = 12;
 pub fn kernel() -> Option<Kernel> {
     is_x86_feature_detected!("avx512f").then_some(Kernel {
         operand: Operand::F32,
+        accumulation: Accumulation::F32,
         isa: Isa::Avx512,
         mr: MR,
         nr: NR,
@@ -36,6 +37,7 @@ pub fn bf16_kernel() -> Option<Kernel> {
     (is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")).then_some(
         Kernel {
             operand: Operand::Bf16Pairs,
+            accumulation: Accumulation::F32,
             isa: Isa::Avx512,
             mr: MR,
             nr: NR,
