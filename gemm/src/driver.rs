@@ -3,7 +3,7 @@
 
 use crate::blocking::Blocking;
 use crate::buffer::{with_thread_a, with_thread_b, AlignedBuf};
-use crate::kernel::Kernel;
+use crate::kernel::{Kernel, Side};
 use crate::pack::{pack_one_panel, pack_panels, PanelFormat};
 use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
@@ -77,7 +77,7 @@ impl Ctx {
         if self.llc > 0
             && c_bytes > self.llc
             && k > b.kc
-            && self.kernel.operand.words(k) * self.kernel.nr * 4 <= self.l1d
+            && self.kernel.operand.panel_words(Side::B, k, self.kernel.nr) * 4 <= self.l1d
         {
             b.kc = k;
         }
@@ -162,8 +162,8 @@ pub(crate) fn scale_c(c: RawMatMut, beta: f32) {
     }
 }
 
-/// Runs the micro-kernel over the `mc × nc` block of C at `c`, for `B̃` panels `j0..j1`, whose
-/// panels are `kw` packed words deep.
+/// Runs the micro-kernel over the `mc × nc` block of C at `c`, for `B̃` panels `j0..j1`, the
+/// packed panels holding `kcur` elements along k.
 #[allow(clippy::too_many_arguments)]
 fn macro_kernel(
     ctx: &Ctx,
@@ -171,13 +171,24 @@ fn macro_kernel(
     bp: &[f32],
     mcur: usize,
     ncur: usize,
-    kw: usize,
+    kcur: usize,
     panels: std::ops::Range<usize>,
     alpha: f32,
     beta: f32,
     c: RawMatMut,
 ) {
-    let Kernel { mr, nr, func, .. } = ctx.kernel;
+    let Kernel {
+        mr,
+        nr,
+        func,
+        operand,
+        ..
+    } = ctx.kernel;
+    let (aw, bw) = (
+        operand.panel_words(Side::A, kcur, mr),
+        operand.panel_words(Side::B, kcur, nr),
+    );
+    let kw = operand.k_steps(kcur);
     let direct_ok = c.rs == 1 && c.cs >= mr;
     // Scratch for edge tiles, left uninitialised: zeroing 8 KiB per call measured about 2% of
     // a 64³ problem. The kernel writes all mr × nr floats before any is read (beta = 0).
@@ -185,13 +196,13 @@ fn macro_kernel(
     let tile = tile.as_mut_ptr() as *mut f32;
     for jp in panels {
         let nj = nr.min(ncur - jp * nr);
-        let bpanel = &bp[jp * kw * nr..(jp + 1) * kw * nr];
+        let bpanel = &bp[jp * bw..(jp + 1) * bw];
         for ip in 0..mcur.div_ceil(mr) {
             let mi = mr.min(mcur - ip * mr);
-            let apanel = &ap[ip * kw * mr..(ip + 1) * kw * mr];
+            let apanel = &ap[ip * aw..(ip + 1) * aw];
             let cblk = c.block(ip * mr, jp * nr, mi, nj);
             if direct_ok && mi == mr && nj == nr {
-                // SAFETY: the panels hold kw*mr and kw*nr packed words; the full mr×nr tile of
+                // SAFETY: the panels hold what a kernel call of kw steps reads (aw, bw words); the full mr×nr tile of
                 // C is inside the view, unit-stride along m with ldc = c.cs >= mr, and this
                 // thread is the only writer of this tile.
                 unsafe {
@@ -238,14 +249,17 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
         let ncur = nc.min(n - jc);
         for pc in (0..k).step_by(kc) {
             let kcur = kc.min(k - pc);
-            let kw = fmt.operand.words(kcur);
+            let (aw, bw) = (
+                fmt.operand.panel_words(Side::A, kcur, mr),
+                fmt.operand.panel_words(Side::B, kcur, nr),
+            );
             let beta = if pc == 0 { p.beta } else { 1.0 };
-            with_thread_b(kw * ncur.next_multiple_of(nr), |bp| {
-                pack_panels(fmt, bp, p.b.block(pc, jc, kcur, ncur).t(), nr);
+            with_thread_b(bw * ncur.div_ceil(nr), |bp| {
+                pack_panels(fmt, Side::B, bp, p.b.block(pc, jc, kcur, ncur).t(), nr);
                 for ic in (0..m).step_by(mc) {
                     let mcur = mc.min(m - ic);
-                    with_thread_a(kw * mcur.next_multiple_of(mr), |ap| {
-                        pack_panels(fmt, ap, p.a.block(ic, pc, mcur, kcur), mr);
+                    with_thread_a(aw * mcur.div_ceil(mr), |ap| {
+                        pack_panels(fmt, Side::A, ap, p.a.block(ic, pc, mcur, kcur), mr);
                         let c = p.c.block(ic, jc, mcur, ncur);
                         macro_kernel(
                             ctx,
@@ -253,7 +267,7 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
                             bp,
                             mcur,
                             ncur,
-                            kw,
+                            kcur,
                             0..ncur.div_ceil(nr),
                             p.alpha,
                             beta,
@@ -306,13 +320,16 @@ pub(crate) fn run_parallel(
             let npanels = ncur.div_ceil(nr);
             for pc in (0..k).step_by(kc) {
                 let kcur = kc.min(k - pc);
-                let kw = fmt.operand.words(kcur);
+                let (aw, bw) = (
+                    fmt.operand.panel_words(Side::A, kcur, mr),
+                    fmt.operand.panel_words(Side::B, kcur, nr),
+                );
                 let beta = if pc == 0 { p.beta } else { 1.0 };
-                let bp = bbuf.get(kw * npanels * nr);
+                let bp = bbuf.get(bw * npanels);
                 let bsrc = p.b.block(pc, jc, kcur, ncur).t();
-                bp.par_chunks_mut(kw * nr)
+                bp.par_chunks_mut(bw)
                     .enumerate()
-                    .for_each(|(j, panel)| pack_one_panel(fmt, panel, bsrc, j * nr, nr));
+                    .for_each(|(j, panel)| pack_one_panel(fmt, Side::B, panel, bsrc, j * nr, nr));
                 let bp: &[f32] = bp;
                 match split {
                     SplitMode::Ic => {
@@ -321,30 +338,32 @@ pub(crate) fn run_parallel(
                             let (ib, jb) = (t / jchunks, t % jchunks);
                             let ic = ib * mc_eff;
                             let mcur = mc_eff.min(m - ic);
-                            with_thread_a(kw * mcur.next_multiple_of(mr), |ap| {
-                                pack_panels(fmt, ap, p.a.block(ic, pc, mcur, kcur), mr);
+                            with_thread_a(aw * mcur.div_ceil(mr), |ap| {
+                                pack_panels(fmt, Side::A, ap, p.a.block(ic, pc, mcur, kcur), mr);
                                 let c = p.c.block(ic, jc, mcur, ncur);
                                 let panels = split_range(npanels, jchunks, jb);
-                                macro_kernel(ctx, ap, bp, mcur, ncur, kw, panels, p.alpha, beta, c);
+                                macro_kernel(
+                                    ctx, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
+                                );
                             })
                         });
                     }
                     SplitMode::Jr => {
                         for ic in (0..m).step_by(mc) {
                             let mcur = mc.min(m - ic);
-                            let ap = abuf.get(kw * mcur.next_multiple_of(mr));
+                            let ap = abuf.get(aw * mcur.div_ceil(mr));
                             let asrc = p.a.block(ic, pc, mcur, kcur);
-                            ap.par_chunks_mut(kw * mr)
-                                .enumerate()
-                                .for_each(|(i, panel)| {
-                                    pack_one_panel(fmt, panel, asrc, i * mr, mr)
-                                });
+                            ap.par_chunks_mut(aw).enumerate().for_each(|(i, panel)| {
+                                pack_one_panel(fmt, Side::A, panel, asrc, i * mr, mr)
+                            });
                             let ap: &[f32] = ap;
                             let c = p.c.block(ic, jc, mcur, ncur);
                             let jchunks = threads.min(npanels);
                             (0..jchunks).into_par_iter().for_each(|jb| {
                                 let panels = split_range(npanels, jchunks, jb);
-                                macro_kernel(ctx, ap, bp, mcur, ncur, kw, panels, p.alpha, beta, c);
+                                macro_kernel(
+                                    ctx, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
+                                );
                             });
                         }
                     }

@@ -22,20 +22,47 @@ pub enum Operand {
     /// Two `bf16` elements adjacent along k: word `(q, r)` of Ã holds `A(r, 2q)` in its low
     /// half and `A(r, 2q + 1)` in its high half (B̃ likewise), an odd k padded with a zero.
     Bf16Pairs,
+    /// f16 elements. Ã is dense: element `(p, r)` is half-word `p·mr + r` (two rows per word,
+    /// `mr` even). B̃ has one element per word, in both halves, so that a 32-bit broadcast
+    /// (`ld1rw`) fills every f16 lane with it: word `(p, j)` at `p·nr + j`.
+    F16,
+}
+
+/// Which of the two packed operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// Ã, panels `mr` rows tall.
+    A,
+    /// B̃, panels `nr` columns wide.
+    B,
 }
 
 impl Operand {
-    /// Elements along k per packed word.
-    pub fn k_per_word(self) -> usize {
+    /// The micro-kernel's `k` argument for `k` elements along k (bf16 pairs count pairs).
+    pub fn k_steps(self, k: usize) -> usize {
         match self {
-            Operand::F32 => 1,
-            Operand::Bf16Pairs => 2,
+            Operand::Bf16Pairs => k.div_ceil(2),
+            Operand::F32 | Operand::F16 => k,
         }
     }
 
-    /// Packed words along k for `k` elements.
-    pub fn words(self, k: usize) -> usize {
-        k.div_ceil(self.k_per_word())
+    /// Packed words of one `w`-wide panel over `k` elements.
+    pub fn panel_words(self, side: Side, k: usize, w: usize) -> usize {
+        match (self, side) {
+            (Operand::F32, _) | (Operand::F16, Side::B) => k * w,
+            (Operand::Bf16Pairs, _) => k.div_ceil(2) * w,
+            (Operand::F16, Side::A) => k * w.div_ceil(2),
+        }
+    }
+
+    /// Elements along k that take the L1 space one f32 element does in the panels (the block
+    /// sizes are derived for f32 words): 2 for bf16 pairs; 1 for f16, whose Ã micro-panels
+    /// are twice as tall (`mr` counts f16 lanes) and B̃ keeps a word per element.
+    pub fn k_per_word(self) -> usize {
+        match self {
+            Operand::Bf16Pairs => 2,
+            Operand::F32 | Operand::F16 => 1,
+        }
     }
 }
 

@@ -5,8 +5,8 @@
 //! along the panel (`s_w`) and along k (`s_k`).
 
 use crate::arch::transpose::transposes;
-use crate::kernel::Operand;
-use crate::precision::{f32_to_bf16, Precision};
+use crate::kernel::{Operand, Side};
+use crate::precision::{f16_bits_of, f32_to_bf16, Precision};
 use crate::raw::RawMat;
 use std::cell::RefCell;
 
@@ -18,59 +18,82 @@ pub(crate) struct PanelFormat {
     pub prec: Precision,
 }
 
-impl PanelFormat {
-    /// Packed words of one `w`-row panel over `k` elements.
-    pub fn panel_words(self, k: usize, w: usize) -> usize {
-        self.operand.words(k) * w
-    }
-}
-
 /// Packs the `len × k` block `src` (rows are the panel dimension) into panels of `w` rows:
 /// `dst[panel*k*w + p*w + r] = src(panel*w + r, p)` for `f32` words (rounded to `fmt.prec`),
-/// zero-padding the last panel; bf16 pairs halve k (see [`Operand::Bf16Pairs`]).
-/// `dst` must hold `ceil(len / w) * fmt.panel_words(k, w)` words.
+/// zero-padding the last panel; 16-bit operands pack their words as [`Operand`] says.
+/// `dst` must hold `ceil(len / w) * fmt.operand.panel_words(side, k, w)` words.
 ///
 /// Panels are packed one after the other. (Walking k outermost across many panels, to read a
 /// source that is contiguous along the panel in longer pieces, measured slower on Zen 5: the
 /// panel-by-panel walk writes sequentially and its reads of neighbouring panels hit in cache.)
-pub(crate) fn pack_panels(fmt: PanelFormat, dst: &mut [f32], src: RawMat, w: usize) {
+pub(crate) fn pack_panels(fmt: PanelFormat, side: Side, dst: &mut [f32], src: RawMat, w: usize) {
     let (len, k) = (src.rows, src.cols);
     let panels = len.div_ceil(w);
-    let words = fmt.panel_words(k, w);
+    let words = fmt.operand.panel_words(side, k, w);
     debug_assert!(dst.len() >= panels * words);
     for (pi, panel) in dst.chunks_exact_mut(words).take(panels).enumerate() {
-        pack_one_panel(fmt, panel, src, pi * w, w);
+        pack_one_panel(fmt, side, panel, src, pi * w, w);
     }
 }
 
 /// Packs the single panel of rows `r0 .. r0 + w` (clipped to the block, rest zero) in `fmt`.
 pub(crate) fn pack_one_panel(
     fmt: PanelFormat,
+    side: Side,
     panel: &mut [f32],
     src: RawMat,
     r0: usize,
     w: usize,
 ) {
-    match fmt.operand {
-        Operand::F32 => {
-            pack_f32_panel(panel, src, r0, w);
-            fmt.prec.round_slice(panel);
+    if fmt.operand == Operand::F32 {
+        pack_f32_panel(panel, src, r0, w);
+        fmt.prec.round_slice(panel);
+        return;
+    }
+    // 16-bit words: pack as f32 into a scratch panel, then convert it.
+    thread_local! {
+        static F32_PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    F32_PANEL.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        let need = src.cols * w;
+        if scratch.len() < need {
+            scratch.resize(need, 0.0);
         }
-        Operand::Bf16Pairs => {
-            debug_assert_eq!(fmt.prec, Precision::Bf16);
-            thread_local! {
-                static F32_PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        let f32_panel = &mut scratch[..need];
+        pack_f32_panel(f32_panel, src, r0, w);
+        match (fmt.operand, side) {
+            (Operand::Bf16Pairs, _) => {
+                debug_assert_eq!(fmt.prec, Precision::Bf16);
+                pair_words(panel, f32_panel, w)
             }
-            F32_PANEL.with(|scratch| {
-                let mut scratch = scratch.borrow_mut();
-                let need = src.cols * w;
-                if scratch.len() < need {
-                    scratch.resize(need, 0.0);
-                }
-                pack_f32_panel(&mut scratch[..need], src, r0, w);
-                pair_words(panel, &scratch[..need], w);
-            })
+            (Operand::F16, Side::A) => {
+                debug_assert_eq!(fmt.prec, Precision::F16);
+                dense_f16_words(panel, f32_panel)
+            }
+            (Operand::F16, Side::B) => {
+                debug_assert_eq!(fmt.prec, Precision::F16);
+                broadcast_f16_words(panel, f32_panel)
+            }
+            (Operand::F32, _) => unreachable!("handled above"),
         }
+    })
+}
+
+/// f16 elements two to a word, in order (element `2i` in the low half of word `i`): Ã's
+/// layout for [`Operand::F16`] (`w` even, so a k step's run of `w` ends on a word).
+fn dense_f16_words(dst: &mut [f32], f32_panel: &[f32]) {
+    for (o, pair) in dst.iter_mut().zip(f32_panel.chunks_exact(2)) {
+        let (lo, hi) = (f16_bits_of(pair[0]), f16_bits_of(pair[1]));
+        *o = f32::from_bits(u32::from(lo) | (u32::from(hi) << 16));
+    }
+}
+
+/// One f16 element per word, in both halves: B̃'s layout for [`Operand::F16`].
+fn broadcast_f16_words(dst: &mut [f32], f32_panel: &[f32]) {
+    for (o, &x) in dst.iter_mut().zip(f32_panel) {
+        let h = u32::from(f16_bits_of(x));
+        *o = f32::from_bits(h | (h << 16));
     }
 }
 
@@ -210,7 +233,7 @@ mod tests {
         };
         let panels = len.div_ceil(w);
         let mut got = vec![f32::NAN; panels * w * k];
-        pack_panels(F32_WORDS, &mut got, src, w);
+        pack_panels(F32_WORDS, Side::A, &mut got, src, w);
         for pi in 0..panels {
             for p in 0..k {
                 for r in 0..w {
@@ -287,17 +310,32 @@ mod tests {
                 };
                 let panels = len.div_ceil(w);
                 let mut plain = vec![0.0; panels * w * k];
-                pack_panels(F32_WORDS, &mut plain, src, w);
+                pack_panels(F32_WORDS, Side::A, &mut plain, src, w);
                 for prec in [Precision::Bf16, Precision::F16] {
                     let fmt = PanelFormat {
                         operand: Operand::F32,
                         prec,
                     };
                     let mut got = vec![f32::NAN; panels * w * k];
-                    pack_panels(fmt, &mut got, src, w);
+                    pack_panels(fmt, Side::A, &mut got, src, w);
                     for (g, p) in got.iter().zip(&plain) {
                         assert_eq!(g.to_bits(), prec.round(*p).to_bits());
                     }
+                }
+                let fmt = PanelFormat {
+                    operand: Operand::F16,
+                    prec: Precision::F16,
+                };
+                let mut dense = vec![f32::NAN; panels * k * w / 2];
+                pack_panels(fmt, Side::A, &mut dense, src, w);
+                let mut bcast = vec![f32::NAN; panels * k * w];
+                pack_panels(fmt, Side::B, &mut bcast, src, w);
+                for (i, p) in plain.iter().enumerate() {
+                    let h = f16_bits_of(*p);
+                    let word = dense[i / 2].to_bits();
+                    assert_eq!((word >> (16 * (i % 2))) as u16, h, "k={k} element {i}");
+                    assert_eq!(bcast[i].to_bits(), u32::from(h) * 0x1_0001);
+                    assert_eq!(crate::precision::f16_to_f32(h), Precision::F16.round(*p));
                 }
                 let fmt = PanelFormat {
                     operand: Operand::Bf16Pairs,
@@ -305,7 +343,7 @@ mod tests {
                 };
                 let kw = k.div_ceil(2);
                 let mut got = vec![f32::NAN; panels * kw * w];
-                pack_panels(fmt, &mut got, src, w);
+                pack_panels(fmt, Side::A, &mut got, src, w);
                 for pi in 0..panels {
                     for q in 0..kw {
                         for r in 0..w {

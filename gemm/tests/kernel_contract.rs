@@ -12,8 +12,9 @@
 //! * Ã and B̃ placed so that they end exactly at a `PROT_NONE` guard page (any read past
 //!   `k*mr` / `k*nr` floats faults), and placed at addresses that are only 4-byte aligned.
 
+use fugu_gemm::kernel::Accumulation;
 use fugu_gemm::kernel::{kernel_for, kernel_for_precision};
-use fugu_gemm::precision::{bf16_to_f32, f32_to_bf16};
+use fugu_gemm::precision::{bf16_to_f32, f32_to_bf16, f32_to_f16};
 use fugu_gemm::{Isa, Kernel, Operand, Precision};
 
 const KS: [usize; 11] = [0, 1, 2, 3, 4, 5, 7, 8, 13, 64, 257];
@@ -181,6 +182,12 @@ fn check_case(kern: &Kernel, case: &Case, rng: &mut Lcg) -> Result<(), String> {
     let per = kern.operand.k_per_word();
     let (a, b) = (rng.vec(k * per * mr), rng.vec(k * per * nr));
     let (a, b, wa, wb) = match kern.operand {
+        // The f16 emulation reads f32 words holding f16 values.
+        Operand::F32 if kern.accumulation != Accumulation::F32 => {
+            let round = |v: Vec<f32>| v.into_iter().map(|x| Precision::F16.round(x)).collect();
+            let (a, b): (Vec<f32>, Vec<f32>) = (round(a), round(b));
+            (a.clone(), b.clone(), a, b)
+        }
         Operand::F32 => (a.clone(), b.clone(), a, b),
         Operand::Bf16Pairs => {
             let (a, b) = (
@@ -192,6 +199,28 @@ fn check_case(kern: &Kernel, case: &Case, rng: &mut Lcg) -> Result<(), String> {
                     .collect::<Vec<_>>(),
             );
             let (wa, wb) = (bf16_pairs(&a, mr), bf16_pairs(&b, nr));
+            (a, b, wa, wb)
+        }
+        Operand::F16 => {
+            let (a, b) = (
+                a.iter()
+                    .map(|&x| Precision::F16.round(x))
+                    .collect::<Vec<_>>(),
+                b.iter()
+                    .map(|&x| Precision::F16.round(x))
+                    .collect::<Vec<_>>(),
+            );
+            // Ã dense (two elements per word, in order), B̃ one element per word in both halves.
+            let wa = a
+                .chunks_exact(2)
+                .map(|p| {
+                    f32::from_bits(u32::from(f32_to_f16(p[0])) | u32::from(f32_to_f16(p[1])) << 16)
+                })
+                .collect();
+            let wb = b
+                .iter()
+                .map(|&x| f32::from_bits(u32::from(f32_to_f16(x)) * 0x1_0001))
+                .collect();
             (a, b, wa, wb)
         }
     };
@@ -258,7 +287,13 @@ fn check_case(kern: &Kernel, case: &Case, rng: &mut Lcg) -> Result<(), String> {
                     )
                 };
                 // Any summation order in f32: |error| <= (k + 2)·u·scale, u = eps/2; allow 2x.
-                let tol = (k as f64 + 4.0) * f64::from(f32::EPSILON) * scale;
+                // Sums in f16 chunks of c add at most c·2^-11 of a chunk's magnitude (and f16's
+                // subnormal step, 2^-25 per addition).
+                let mut tol = (k as f64 + 4.0) * f64::from(f32::EPSILON) * scale;
+                if let Accumulation::F16Chunks(c) = kern.accumulation {
+                    tol += (c.min(k) as f64 * scale + k as f64 * f64::from(alpha).abs())
+                        * f64::powi(2.0, -11);
+                }
                 let err = (f64::from(got) - want).abs();
                 if !got.is_finite() || err > tol {
                     return Err(format!(
@@ -321,10 +356,13 @@ fn check_kernel(kern: &Kernel, seed: u64) -> usize {
     cases
 }
 
-/// The kernels this CPU can run, the f32 one of each ISA and its native 16-bit ones; prints the
-/// skipped ones.
+/// The kernels this CPU can run, the f32 one of each ISA and its native 16-bit ones, and the
+/// portable emulation of f16 chunks; prints the skipped ones.
 fn runnable_kernels() -> Vec<(Isa, Kernel)> {
-    let mut out = Vec::new();
+    let mut out = vec![(
+        Isa::Portable,
+        fugu_gemm::arch::portable::f16_chunked_kernel(),
+    )];
     for isa in Isa::ALL {
         match kernel_for(isa) {
             Some(kern) => out.push((isa, kern)),
