@@ -9,8 +9,8 @@ use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
 use rayon::prelude::*;
 
-/// Largest `mr × nr` tile any kernel may use (SVE at 2048 bits: 128 × 10).
-pub(crate) const MAX_TILE: usize = 128 * 16;
+/// Largest `mr × nr` tile any kernel may use (the SVE f16 kernel at 2048 bits: 256 × 10).
+pub(crate) const MAX_TILE: usize = 256 * 16;
 
 /// One validated GEMM: `C := alpha·A·B + beta·C` with A m×k, B k×n, C m×n.
 #[derive(Clone, Copy, Debug)]

@@ -131,11 +131,12 @@ impl fmt::Display for Isa {
 /// Products summed per f16 chunk by kernels that accumulate in f16 ([`Accumulation::F16Chunks`]):
 /// A64FX has no widening f16 -> f32 FMA, so its 2x-f32 rate needs f16 accumulators; every
 /// `F16_CHUNK` products they are added into f32 and restarted. A chunk of c products sums in f16
-/// with a relative error of at most about c·2^-11 of the sum of their magnitudes (c·u,
-/// u = 2^-11, for the worst case; about sqrt(c)·u for random signs), so 64 keeps a chunk's error
-/// within 3% worst case, 0.4% typical, while the fold into f32 costs a few percent of the chunk's
-/// FMAs (`docs/KERNELS.md`).
-pub const F16_CHUNK: usize = 64;
+/// with an error of at most about c·u of the sum of their magnitudes (u = 2^-11; about
+/// sqrt(c)·u for random signs). The fold costs a fixed ~120 cycles per chunk on A64FX
+/// (`scripts/predict-a64fx.sh` with `FUGU_MCA_CHUNK`): 64 gives 84% FMA-pipe utilisation over a
+/// chunk, 128 gives 91% (the k loop alone: 99.9%), at a worst-case chunk error of 6%, 0.5%
+/// typical. The trade-off and the training curves it gives are in `docs/KERNELS.md`.
+pub const F16_CHUNK: usize = 128;
 
 /// How a kernel sums its products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -185,12 +186,13 @@ pub fn kernel_for(isa: Isa) -> Option<Kernel> {
 }
 
 /// The kernel that runs `isa`'s GEMMs at `prec`: a native 16-bit kernel where this CPU has
-/// one (`vdpbf16ps` for bf16 on AVX-512 BF16), otherwise `isa`'s `f32` kernel, fed operands that
+/// one (`vdpbf16ps` for bf16 on AVX-512 BF16; f16 chunks on SVE), otherwise `isa`'s `f32` kernel, fed operands that
 /// the packing rounds to `prec` (the same products, see [`Precision`]). `None` when this CPU
 /// cannot run `isa`.
 pub fn kernel_for_precision(isa: Isa, prec: Precision) -> Option<Kernel> {
     let native = match (isa, prec) {
         (Isa::Avx512, Precision::Bf16) => arch::avx512_bf16_kernel(),
+        (Isa::Sve, Precision::F16) => arch::sve_f16_kernel(),
         _ => None,
     };
     native.or_else(|| kernel_for(isa))

@@ -405,7 +405,13 @@ fn kernel_shapes_are_consistent() {
         );
         if isa == Isa::Sve {
             // Vector-length agnostic: two vectors of whatever length the CPU has.
-            assert_eq!(kern.mr, 2 * lanes, "{kern:?}: SVE mr must be 2·VL");
+            // Two vectors of its element: f32 lanes, or twice as many f16 lanes.
+            let per_vector = if kern.operand == Operand::F16 {
+                2 * lanes
+            } else {
+                lanes
+            };
+            assert_eq!(kern.mr, 2 * per_vector, "{kern:?}: SVE mr must be 2·VL");
             assert!(lanes.is_power_of_two() && (4..=64).contains(&lanes));
         }
     }

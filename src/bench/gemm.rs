@@ -583,7 +583,14 @@ pub fn run_shape(
         row.f32_gflops = Some(fg);
         row.f32_ratio = Some(g / fg);
         let rel = max_rel_diff(&c, &c32);
-        if rel.is_nan() || rel >= 1e-3 {
+        // f32 accumulation differs from fugu's f32 GEMM only in the order of the sums; f16
+        // chunks round every addition to 11 bits (their bound is tested in fugu-gemm; here a
+        // loose check that catches a wrong result, not rounding).
+        let tol = match rt.kernel_at(prec).accumulation {
+            fugu_gemm::kernel::Accumulation::F32 => 1e-3,
+            fugu_gemm::kernel::Accumulation::F16Chunks(_) => 5e-2,
+        };
+        if rel.is_nan() || rel >= tol {
             bail!(
                 "{}: fugu-gemm at {prec} and at f32 disagree on the same operands (max relative difference {rel:e})",
                 s.name

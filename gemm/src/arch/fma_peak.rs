@@ -8,7 +8,7 @@ use crate::precision::Precision;
 
 /// Runs `iters` iterations of the loop of `isa`'s native kernel at `prec` and returns the
 /// FLOPs executed (a multiply and an add per product): the bf16 dot-product loop where this
-/// CPU has AVX512_BF16, otherwise `None` (the precision runs on the f32 FMAs: [`fma_loop`]).
+/// CPU has AVX512_BF16, the f16 FMLA loop on SVE, otherwise `None` (the precision runs on the f32 FMAs: [`fma_loop`]).
 pub fn native_loop(isa: Isa, prec: Precision, iters: u64) -> Option<f64> {
     match (isa, prec) {
         #[cfg(target_arch = "x86_64")]
@@ -18,7 +18,15 @@ pub fn native_loop(isa: Isa, prec: Precision, iters: u64) -> Option<f64> {
             // SAFETY: both features checked just above.
             Some(unsafe { x86::avx512_bf16(iters) })
         }
-        _ => None,
+        #[cfg(target_arch = "aarch64")]
+        (Isa::Sve, Precision::F16) if std::arch::is_aarch64_feature_detected!("sve") => {
+            // SAFETY: sve checked just above.
+            Some(unsafe { aarch64::sve_f16(iters) })
+        }
+        _ => {
+            let _ = iters;
+            None
+        }
     }
 }
 
@@ -132,45 +140,75 @@ mod aarch64 {
         iters as f64 * 16.0 * 4.0 * 2.0
     }
 
-    #[target_feature(enable = "sve")]
-    pub unsafe fn sve(iters: u64) -> f64 {
-        let lanes: u64;
-        // SAFETY: cntw only reads the vector length; the loop touches only the listed z/p
-        // registers and the counter, and runs `iters` (>= 1) times.
-        unsafe {
-            std::arch::asm!("cntw {l}", l = out(reg) lanes, options(nomem, nostack, pure));
-            let n = iters.max(1);
+    /// 20 independent `fmla` chains on elements `$t` (`"s"` or `"h"`), `$n` (>= 1) iterations.
+    macro_rules! sve_fmla_loop {
+        ($t:literal, $n:expr) => {
             std::arch::asm!(
-                "ptrue p0.s",
-                "fmov z30.s, #1.0",
-                "fmov z31.s, #0.5",
+                "ptrue p0.b",
+                concat!("fmov z30.", $t, ", #1.0"),
+                concat!("fmov z31.", $t, ", #0.5"),
                 "mov z0.d, z30.d", "mov z1.d, z30.d", "mov z2.d, z30.d", "mov z3.d, z30.d",
                 "mov z4.d, z30.d", "mov z5.d, z30.d", "mov z6.d, z30.d", "mov z7.d, z30.d",
                 "mov z8.d, z30.d", "mov z9.d, z30.d", "mov z10.d, z30.d", "mov z11.d, z30.d",
                 "mov z12.d, z30.d", "mov z13.d, z30.d", "mov z14.d, z30.d", "mov z15.d, z30.d",
                 "mov z16.d, z30.d", "mov z17.d, z30.d", "mov z18.d, z30.d", "mov z19.d, z30.d",
                 "2:",
-                "fmla z0.s, p0/m, z30.s, z31.s", "fmla z1.s, p0/m, z30.s, z31.s",
-                "fmla z2.s, p0/m, z30.s, z31.s", "fmla z3.s, p0/m, z30.s, z31.s",
-                "fmla z4.s, p0/m, z30.s, z31.s", "fmla z5.s, p0/m, z30.s, z31.s",
-                "fmla z6.s, p0/m, z30.s, z31.s", "fmla z7.s, p0/m, z30.s, z31.s",
-                "fmla z8.s, p0/m, z30.s, z31.s", "fmla z9.s, p0/m, z30.s, z31.s",
-                "fmla z10.s, p0/m, z30.s, z31.s", "fmla z11.s, p0/m, z30.s, z31.s",
-                "fmla z12.s, p0/m, z30.s, z31.s", "fmla z13.s, p0/m, z30.s, z31.s",
-                "fmla z14.s, p0/m, z30.s, z31.s", "fmla z15.s, p0/m, z30.s, z31.s",
-                "fmla z16.s, p0/m, z30.s, z31.s", "fmla z17.s, p0/m, z30.s, z31.s",
-                "fmla z18.s, p0/m, z30.s, z31.s", "fmla z19.s, p0/m, z30.s, z31.s",
+                concat!("fmla z0.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z1.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z2.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z3.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z4.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z5.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z6.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z7.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z8.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z9.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z10.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z11.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z12.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z13.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z14.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z15.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z16.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z17.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z18.", $t, ", p0/m, z30.", $t, ", z31.", $t),
+                concat!("fmla z19.", $t, ", p0/m, z30.", $t, ", z31.", $t),
                 "subs {n}, {n}, #1",
                 "b.ne 2b",
-                n = inout(reg) n => _,
+                n = inout(reg) $n => _,
                 out("v0") _, out("v1") _, out("v2") _, out("v3") _, out("v4") _,
                 out("v5") _, out("v6") _, out("v7") _, out("v8") _, out("v9") _,
                 out("v10") _, out("v11") _, out("v12") _, out("v13") _, out("v14") _,
                 out("v15") _, out("v16") _, out("v17") _, out("v18") _, out("v19") _,
                 out("v30") _, out("v31") _, out("p0") _,
                 options(nomem, nostack),
-            );
-        }
-        iters.max(1) as f64 * 20.0 * lanes as f64 * 2.0
+            )
+        };
+    }
+
+    /// f32 lanes of one vector.
+    #[target_feature(enable = "sve")]
+    unsafe fn cntw() -> u64 {
+        let lanes: u64;
+        // SAFETY: cntw only reads the vector length.
+        unsafe { std::arch::asm!("cntw {l}", l = out(reg) lanes, options(nomem, nostack, pure)) };
+        lanes
+    }
+
+    #[target_feature(enable = "sve")]
+    pub unsafe fn sve(iters: u64) -> f64 {
+        // SAFETY: the loop touches only the listed z/p registers and the counter.
+        unsafe { sve_fmla_loop!("s", iters.max(1)) };
+        // SAFETY: SVE is enabled for this function.
+        iters.max(1) as f64 * 20.0 * unsafe { cntw() } as f64 * 2.0
+    }
+
+    /// The f16 FMLA loop: twice the lanes of [`sve`] per instruction.
+    #[target_feature(enable = "sve")]
+    pub unsafe fn sve_f16(iters: u64) -> f64 {
+        // SAFETY: the loop touches only the listed z/p registers and the counter.
+        unsafe { sve_fmla_loop!("h", iters.max(1)) };
+        // SAFETY: SVE is enabled for this function.
+        iters.max(1) as f64 * 20.0 * 2.0 * unsafe { cntw() } as f64 * 2.0
     }
 }

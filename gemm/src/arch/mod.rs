@@ -77,6 +77,18 @@ pub fn sve_kernel() -> Option<Kernel> {
     }
 }
 
+/// SVE f16 kernel (f16 chunks folded into f32), if the CPU has SVE.
+pub fn sve_f16_kernel() -> Option<Kernel> {
+    #[cfg(target_arch = "aarch64")]
+    {
+        aarch64_sve::f16_kernel()
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        None
+    }
+}
+
 /// Number of f32 lanes in one SVE vector, if the CPU has SVE.
 pub fn sve_f32_lanes() -> Option<usize> {
     #[cfg(target_arch = "aarch64")]

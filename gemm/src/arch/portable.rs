@@ -54,14 +54,36 @@ unsafe fn kernel_f16_chunked_16x4(
             std::slice::from_raw_parts(b, k * NR),
         )
     };
+    let acc = f16_chunks(a, b);
+    // SAFETY: forwarded contract (the C tile).
+    unsafe { store_tile(&acc, alpha, beta, c, ldc) }
+}
+
+/// The chunked f16 sums of the tile, compiled for the widest vectors this CPU has (the same
+/// code either way; the emulation is only usable for training runs when it vectorises).
+fn f16_chunks(a: &[f32], b: &[f32]) -> [[f32; MR]; NR] {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        #[target_feature(enable = "avx512f")]
+        fn wide(a: &[f32], b: &[f32]) -> [[f32; MR]; NR] {
+            f16_chunks_body(a, b)
+        }
+        // SAFETY: avx512f checked just above.
+        return unsafe { wide(a, b) };
+    }
+    f16_chunks_body(a, b)
+}
+
+#[inline(always)]
+fn f16_chunks_body(a: &[f32], b: &[f32]) -> [[f32; MR]; NR] {
     let mut acc = [[0.0f32; MR]; NR];
     for (ac, bc) in a.chunks(MR * F16_CHUNK).zip(b.chunks(NR * F16_CHUNK)) {
         let mut part = [[0.0f32; MR]; NR];
         for (ap, bp) in ac.chunks_exact(MR).zip(bc.chunks_exact(NR)) {
-            for j in 0..NR {
-                let bj = bp[j];
-                for r in 0..MR {
-                    part[j][r] = round_f16(part[j][r] + ap[r] * bj);
+            let ap: &[f32; MR] = ap.try_into().expect("MR floats");
+            for (partj, &bj) in part.iter_mut().zip(bp) {
+                for (x, &ar) in partj.iter_mut().zip(ap) {
+                    *x = round_f16(*x + ar * bj);
                 }
             }
         }
@@ -71,8 +93,7 @@ unsafe fn kernel_f16_chunked_16x4(
             }
         }
     }
-    // SAFETY: forwarded contract (the C tile).
-    unsafe { store_tile(&acc, alpha, beta, c, ldc) }
+    acc
 }
 
 /// # Safety
