@@ -64,46 +64,57 @@ fn step_losses(recs: &[Record]) -> Vec<(u64, f64)> {
 }
 
 /// Every evaluation of each low-precision run within 2% of the fp32 run's; returns the largest
-/// relative deviation per precision.
-fn curves_within_two_percent(name: &str, args: &[&str]) -> Vec<(String, f64)> {
+/// relative deviation per run. `runs`: (label, precision, environment) of each low-precision
+/// run.
+fn curves_within_two_percent(
+    name: &str,
+    args: &[&str],
+    runs: &[(&str, &str, &[(&str, &str)])],
+) -> Vec<(String, f64)> {
     let dir = tmp(name);
-    let base: Vec<&str> = args.to_vec();
-    let run = |p: &str| {
-        let mut a = base.clone();
+    let run = |label: &str, p: &str, env: &[(&str, &str)]| {
+        let mut a = args.to_vec();
         a.extend_from_slice(&["--precision", p]);
-        evals(&train(&dir.join(p), &a))
+        evals(&train_with_env(&dir.join(label.replace(' ', "-")), &a, env))
     };
-    let fp32 = run("fp32");
+    let fp32 = run("fp32", "fp32", &[]);
     assert!(fp32.len() >= 2, "expected several evaluations: {fp32:?}");
     let mut worst = Vec::new();
-    for p in ["bf16", "fp16"] {
-        let low = run(p);
-        assert_eq!(low.len(), fp32.len(), "{p}: evaluations");
+    for &(label, p, env) in runs {
+        let low = run(label, p, env);
+        assert_eq!(low.len(), fp32.len(), "{label}: evaluations");
         let mut w: f64 = 0.0;
         for (&(s32, l32), &(s, l)) in fp32.iter().zip(&low) {
             assert_eq!(s32, s);
             let rel = ((l - l32) / l32).abs();
             assert!(
                 rel <= 0.02,
-                "{p}: step {s} validation loss {l} vs fp32 {l32} ({:.2}%)",
+                "{label}: step {s} validation loss {l} vs fp32 {l32} ({:.2}%)",
                 100.0 * rel
             );
             w = w.max(rel);
         }
         eprintln!(
-            "{name}: {p} within {:.4}% of fp32 at every evaluation",
+            "{name}: {label} within {:.4}% of fp32 at every evaluation",
             100.0 * w
         );
-        worst.push((p.to_string(), w));
+        worst.push((label.to_string(), w));
     }
     let _ = std::fs::remove_dir_all(&dir);
     worst
 }
 
-/// CPU backend: bf16/f16 storage with f32 compute (the reference the GPU kernels are tested
-/// against), 40 steps of gpt2-tiny at B=4 T=64 with an evaluation every 20.
+/// The low-precision runs of every curve test: bf16 and fp16 with the backend's own GEMMs.
+const LOW: &[(&str, &str, &[(&str, &str)])] = &[("bf16", "bf16", &[]), ("fp16", "fp16", &[])];
+
+/// CPU backend: bf16/f16 storage, the GEMMs on fugu-gemm's bf16 path (the AVX-512 BF16
+/// kernel where the CPU has one) and f16 path (f32 accumulation), and fp16 once more with f16
+/// sums in chunks (`FUGU_GEMM_F16=chunked`: the portable emulation of the A64FX f16 kernel),
+/// 40 steps of gpt2-tiny at B=4 T=64 with an evaluation every 20.
 #[test]
 fn cpu_bf16_and_fp16_curves_stay_within_two_percent_of_fp32() {
+    let chunked: &[(&str, &str)] = &[("FUGU_GEMM_F16", "chunked")];
+    let runs = [LOW, &[("fp16 f16-chunks", "fp16", chunked)]].concat();
     curves_within_two_percent(
         "cpu",
         &[
@@ -118,6 +129,7 @@ fn cpu_bf16_and_fp16_curves_stay_within_two_percent_of_fp32() {
             "--eval-batches",
             "2",
         ],
+        &runs,
     );
 }
 
@@ -138,6 +150,7 @@ fn gpu_bf16_and_fp16_curves_stay_within_two_percent_of_fp32() {
     curves_within_two_percent(
         "gpu",
         &["--device", "cuda", "--steps", "200", "--eval-every", "25"],
+        LOW,
     );
 }
 

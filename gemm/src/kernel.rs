@@ -198,6 +198,40 @@ pub fn kernel_for_precision(isa: Isa, prec: Precision) -> Option<Kernel> {
     native.or_else(|| kernel_for(isa))
 }
 
+/// The kernel of a runtime whose f32 kernel is `f32_kernel` for GEMMs at `prec`, with the f16
+/// accumulation `f16_chunked` asks for ([`crate::RuntimeConfig::f16_chunked`]): the native
+/// kernel of `prec` where there is one, the portable f16-chunk emulation when chunks are asked
+/// for and there is no native f16 kernel, the f32 kernel when f32 accumulation is asked for.
+pub fn kernel_at(f32_kernel: Kernel, prec: Precision, f16_chunked: Option<bool>) -> Kernel {
+    let native = kernel_for_precision(f32_kernel.isa, prec).unwrap_or(f32_kernel);
+    match (prec, f16_chunked) {
+        (Precision::F16, Some(false)) => f32_kernel,
+        (Precision::F16, Some(true)) if native.accumulation == Accumulation::F32 => {
+            arch::portable::f16_chunked_kernel()
+        }
+        _ => native,
+    }
+}
+
+/// One line naming the kernel of each precision: `bf16 avx512 32x12 bf16-pairs, f16 ...`.
+pub fn describe_kernels(f32_kernel: Kernel, f16_chunked: Option<bool>) -> String {
+    Precision::ALL
+        .iter()
+        .map(|&p| {
+            let k = kernel_at(f32_kernel, p, f16_chunked);
+            let acc = match k.accumulation {
+                Accumulation::F32 => String::new(),
+                Accumulation::F16Chunks(c) => format!(", f16 sums in chunks of {c}"),
+            };
+            format!(
+                "{p}: {} {}x{} {:?} words{acc}",
+                k.isa, k.mr, k.nr, k.operand
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Every ISA this CPU can run, in order of preference (best last).
 pub fn available_isas() -> Vec<Isa> {
     Isa::ALL

@@ -5,7 +5,7 @@ use crate::blocking::{Blocking, CacheInfo};
 use crate::buffer::AlignedBuf;
 use crate::driver::{run_parallel, run_sequential, Ctx, Problem, SplitMode, MAX_TILE};
 use crate::error::GemmError;
-use crate::kernel::{best_kernel, forced_kernel, kernel_for_precision, Accumulation, Isa, Kernel};
+use crate::kernel::{best_kernel, forced_kernel, Isa, Kernel};
 use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
 use crate::topology::{pin_current_thread, Topology, TopologyRequest};
@@ -94,6 +94,8 @@ struct Domain {
 pub struct Runtime {
     /// One context per [`Precision`], in the order of [`Precision::ALL`].
     ctxs: [Ctx; 3],
+    /// [`RuntimeConfig::f16_chunked`] as given.
+    f16_chunked: Option<bool>,
     split: SplitMode,
     topology: Topology,
     caches: CacheInfo,
@@ -135,14 +137,7 @@ impl Runtime {
         });
         let kc_fixed = crate::blocking::kc_overridden() || cfg.blocking.is_some();
         let ctx_for = |prec: Precision| -> Result<Ctx, GemmError> {
-            let native = kernel_for_precision(kernel.isa, prec).unwrap_or(kernel);
-            let kernel = match (prec, cfg.f16_chunked) {
-                (Precision::F16, Some(false)) => kernel,
-                (Precision::F16, Some(true)) if native.accumulation == Accumulation::F32 => {
-                    crate::arch::portable::f16_chunked_kernel()
-                }
-                _ => native,
-            };
+            let kernel = crate::kernel::kernel_at(kernel, prec, cfg.f16_chunked);
             let blk = match cfg.blocking {
                 Some(b) => b,
                 None => Blocking::derive_for(&caches, kernel.mr, kernel.nr, split == SplitMode::Jr),
@@ -200,6 +195,7 @@ impl Runtime {
         }
         Ok(Runtime {
             ctxs,
+            f16_chunked: cfg.f16_chunked,
             split,
             topology,
             caches,
@@ -279,6 +275,11 @@ impl Runtime {
             self.split,
             self.topology.describe()
         )
+    }
+
+    /// The kernel of each precision, one line ([`describe_kernels`]).
+    pub fn describe_kernels(&self) -> String {
+        crate::kernel::describe_kernels(self.kernel(), self.f16_chunked)
     }
 
     /// `C := alpha·A·B + beta·C` in `f32` (see [`PrecisionGemm::gemm`]).

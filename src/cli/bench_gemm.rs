@@ -115,9 +115,7 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
         }
     };
     eprintln!("fugu-gemm: {}", rt.describe());
-    if args.dtype != Precision::F32 {
-        eprintln!("{} GEMMs: {kernel:?}", args.dtype);
-    }
+    eprintln!("kernels: {}", rt.describe_kernels());
     eprintln!("{}", peak.describe());
     eprintln!(
         "baseline: matrixmultiply 0.3 with {} thread(s){}",

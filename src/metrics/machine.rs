@@ -40,6 +40,10 @@ pub struct MachineInfo {
     pub peak_source: String,
     /// The sentence `fugu bench gemm` prints (`peak 96.0 GFLOP/s = 2 cores x ...`).
     pub peak_description: String,
+    /// The GEMM kernel of each precision (`FUGU_GEMM_F16` changes f16's), as
+    /// [`fugu_gemm::kernel::describe_kernels`] writes it; empty in headers from before.
+    #[serde(default)]
+    pub gemm_kernels: String,
 }
 
 /// The FP32 peak for `threads` threads running `isa`: `per_core_gflops` (a command-line
@@ -88,7 +92,12 @@ pub fn layout_string(topology: &Topology) -> String {
 impl MachineInfo {
     /// Describes a run of `isa` over `topology` with `peak` (no measuring, no system calls
     /// other than host and CPU names).
-    pub fn from_parts(isa: Isa, topology: &Topology, peak: &Peak) -> MachineInfo {
+    pub fn from_parts(
+        isa: Isa,
+        topology: &Topology,
+        peak: &Peak,
+        gemm_kernels: String,
+    ) -> MachineInfo {
         MachineInfo {
             hostname: hostname(),
             cpu_model: cpu_model(),
@@ -105,6 +114,7 @@ impl MachineInfo {
             peak_gflops: peak.total_gflops(),
             peak_source: format!("{:?}", peak.source),
             peak_description: peak.describe(),
+            gemm_kernels,
         }
     }
 
@@ -114,7 +124,12 @@ impl MachineInfo {
     pub fn for_runtime(rt: &Runtime, per_core_gflops: Option<f64>) -> Result<MachineInfo> {
         let isa = rt.kernel().isa;
         let peak = machine_peak(isa, rt.threads(), per_core_gflops)?;
-        Ok(MachineInfo::from_parts(isa, rt.topology(), &peak))
+        Ok(MachineInfo::from_parts(
+            isa,
+            rt.topology(),
+            &peak,
+            rt.describe_kernels(),
+        ))
     }
 
     /// The machine as a fugu-gemm runtime configured from the environment (`FUGU_GEMM_ISA`,
@@ -133,7 +148,10 @@ impl MachineInfo {
         };
         let topology = Topology::build(&cfg.topology);
         let peak = machine_peak(kernel.isa, topology.threads(), None)?;
-        Ok(MachineInfo::from_parts(kernel.isa, &topology, &peak))
+        let kernels = fugu_gemm::kernel::describe_kernels(kernel, cfg.f16_chunked);
+        Ok(MachineInfo::from_parts(
+            kernel.isa, &topology, &peak, kernels,
+        ))
     }
 }
 
@@ -254,7 +272,7 @@ mod tests {
         });
         let peak = machine_peak(Isa::Portable, topo.threads(), Some(12.5)).unwrap();
         assert_eq!(peak.source, PeakSource::Given);
-        let m = MachineInfo::from_parts(Isa::Portable, &topo, &peak);
+        let m = MachineInfo::from_parts(Isa::Portable, &topo, &peak, "k".into());
         assert_eq!(m.threads, 6);
         assert_eq!(m.domains, 2);
         assert_eq!(m.layout, "2x3");

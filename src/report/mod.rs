@@ -128,6 +128,7 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
     let mut sections = Vec::new();
     if !all_runs.is_empty() {
         sections.push(sections::runs_section(&all_runs));
+        sections.extend(sections::loss_section(&all_runs)?);
         sections.push(sections::breakdown_section(&all_runs)?);
         sections.push(sections::scaling_section(&all_runs)?);
         sections.push(sections::efficiency_section(&all_runs)?);

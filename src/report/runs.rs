@@ -121,6 +121,8 @@ pub struct Run {
     pub headers: usize,
     /// Steps by step number (the last record of each step wins), warm-up marked.
     pub steps: Vec<Step>,
+    /// Validation losses `(step, loss)` by step (the last record of each step wins).
+    pub evals: Vec<(u64, f64)>,
     /// Medians over the measured (non-warm-up) steps.
     pub step_ms: f64,
     pub tokens_per_s: f64,
@@ -242,6 +244,7 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
     let mut header = Value::Null;
     let mut headers = 0;
     let mut steps: BTreeMap<u64, Step> = BTreeMap::new();
+    let mut evals: BTreeMap<u64, f64> = BTreeMap::new();
     let mut after_resume = false;
     for r in records {
         match r {
@@ -268,6 +271,9 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
                     },
                 );
                 after_resume = false;
+            }
+            Record::Eval(e) => {
+                evals.insert(e.step, e.val_loss);
             }
             _ => {}
         }
@@ -370,6 +376,7 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
         comm_bytes: (!comm.is_empty()).then(|| median(comm.into_iter())),
         timers,
         steps,
+        evals: evals.into_iter().collect(),
         bad_lines,
         notes,
     })

@@ -159,6 +159,88 @@ pub fn runs_section(runs: &[Run]) -> Section {
     }
 }
 
+/// Validation loss against step for every run that evaluated, and each run's largest relative
+/// deviation from a reference run with the same evaluation steps (the first fp32 run, else the
+/// first run): how precision, parallel layout or kernel changes move the curve. `None` when no
+/// run has evaluations.
+pub fn loss_section(runs: &[Run]) -> Result<Option<Section>> {
+    let with: Vec<&Run> = runs.iter().filter(|r| !r.evals.is_empty()).collect();
+    if with.is_empty() {
+        return Ok(None);
+    }
+    let steps_of = |r: &Run| r.evals.iter().map(|e| e.0).collect::<Vec<_>>();
+    let reference = with
+        .iter()
+        .find(|r| r.precision == "fp32")
+        .unwrap_or(&with[0]);
+    let lines = with
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Line {
+            label: format!("{} ({})", r.name, r.precision),
+            color: pal(i),
+            style: LineStyle::Markers,
+            points: r.evals.iter().map(|&(s, l)| (s as f64, l)).collect(),
+        })
+        .collect();
+    let svg = charts::line_chart(&LineChart {
+        title: "Validation loss".into(),
+        x: Axis::linear("step", true),
+        y: Axis::linear("validation loss", false),
+        lines,
+        legend_notes: vec![],
+    })?;
+    let mut t = Table::new(
+        "loss",
+        &[
+            "run",
+            "precision",
+            "evaluations",
+            "first val loss",
+            "last val loss",
+            "max |Δ| vs reference (%)",
+        ],
+    );
+    for r in &with {
+        let dev = (steps_of(r) == steps_of(reference)).then(|| {
+            r.evals
+                .iter()
+                .zip(&reference.evals)
+                .map(|(a, b)| 100.0 * ((a.1 - b.1) / b.1).abs())
+                .fold(0.0f64, f64::max)
+        });
+        t.push(vec![
+            Cell::text(&r.name),
+            Cell::text(&r.precision),
+            Cell::int(r.evals.len()),
+            Cell::num(r.evals[0].1, 4),
+            Cell::num(r.evals[r.evals.len() - 1].1, 4),
+            Cell::opt(dev, 3),
+        ]);
+    }
+    Ok(Some(Section {
+        title: "Loss curves".into(),
+        items: vec![
+            chart(
+                "loss.svg",
+                svg,
+                "validation loss against step, one line per run",
+                "One line per run that evaluated (`eval_every`); lower is better. Runs of the \
+                 same model and data should overlay; a gap is what a change of precision or \
+                 layout costs.",
+            ),
+            table(
+                t,
+                &format!(
+                    "Reference: {} ({}). The deviation is the largest relative difference of \
+                     validation loss at the same step; empty when a run evaluated at other steps.",
+                    reference.name, reference.precision
+                ),
+            ),
+        ],
+    }))
+}
+
 /// Per-op breakdown: stacked bars of ms per step by category, the same as % of the step, a
 /// category table and a per-timer table with min/max across ranks.
 pub fn breakdown_section(runs: &[Run]) -> Result<Section> {
