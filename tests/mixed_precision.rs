@@ -63,14 +63,13 @@ fn step_losses(recs: &[Record]) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// One low-precision run of a curve test: label, `--precision`, extra environment.
+type LowRun<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+
 /// Every evaluation of each low-precision run within 2% of the fp32 run's; returns the largest
 /// relative deviation per run. `runs`: (label, precision, environment) of each low-precision
 /// run.
-fn curves_within_two_percent(
-    name: &str,
-    args: &[&str],
-    runs: &[(&str, &str, &[(&str, &str)])],
-) -> Vec<(String, f64)> {
+fn curves_within_two_percent(name: &str, args: &[&str], runs: &[LowRun]) -> Vec<(String, f64)> {
     let dir = tmp(name);
     let run = |label: &str, p: &str, env: &[(&str, &str)]| {
         let mut a = args.to_vec();
@@ -105,7 +104,7 @@ fn curves_within_two_percent(
 }
 
 /// The low-precision runs of every curve test: bf16 and fp16 with the backend's own GEMMs.
-const LOW: &[(&str, &str, &[(&str, &str)])] = &[("bf16", "bf16", &[]), ("fp16", "fp16", &[])];
+const LOW: &[LowRun] = &[("bf16", "bf16", &[]), ("fp16", "fp16", &[])];
 
 /// CPU backend: bf16/f16 storage, the GEMMs on fugu-gemm's bf16 path (the AVX-512 BF16
 /// kernel where the CPU has one) and f16 path (f32 accumulation), and fp16 once more with f16
