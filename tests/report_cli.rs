@@ -337,3 +337,53 @@ fn no_usable_input_is_an_error_naming_each() {
         "{h}"
     );
 }
+
+/// Runs with evaluations get a loss chart and table: the fp32 run is the reference, the other
+/// run's largest relative deviation at the same steps is reported; runs without evaluations
+/// (the fixtures above) get no loss section.
+#[test]
+fn loss_curves_of_runs_that_evaluated() {
+    let src = fixtures().join("runs/n1-gpt2-tiny/metrics.jsonl");
+    let text = std::fs::read_to_string(&src).unwrap();
+    let dir = tmp("loss");
+    let mut runs = Vec::new();
+    for (name, precision, losses) in [
+        ("low", "bf16", [6.0, 5.05, 4.2]),
+        ("ref", "fp32", [6.0, 5.0, 4.0]),
+    ] {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let header_end = text.find('\n').unwrap();
+        let header = text[..header_end].replacen(
+            "\"type\":\"header\",",
+            &format!("\"type\":\"header\",\"precision\":\"{precision}\","),
+            1,
+        );
+        let mut m = format!("{header}{}", &text[header_end..]);
+        for (i, l) in losses.iter().enumerate() {
+            m.push_str(&format!(
+                "{{\"type\":\"eval\",\"step\":{},\"val_loss\":{l}}}\n",
+                2 * (i + 1)
+            ));
+        }
+        std::fs::write(d.join("metrics.jsonl"), m).unwrap();
+        runs.push(d);
+    }
+    let out = dir.join("report");
+    let out_flag = PathBuf::from("--out");
+    let o = fugu(&[&runs[0], &runs[1], &out_flag, &out]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let chart = svg(&out.join("loss.svg"));
+    assert!(chart.contains("low (bf16)") && chart.contains("ref (fp32)"));
+    let rows = csv(&out.join("loss.csv"));
+    let low = rows.iter().find(|r| r[0] == "low").expect("a row for low");
+    assert_eq!(low[2], "3", "{low:?}");
+    // |4.2 - 4.0| / 4.0 = 5%, the largest of 0%, 1%, 5%.
+    assert!(
+        (low[5].parse::<f64>().unwrap() - 5.0).abs() < 1e-9,
+        "{low:?}"
+    );
+    let md = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+    assert!(md.contains("Reference: ref (fp32)"), "{md}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,9 +1,6 @@
 //! The AdamW optimizer step (PyTorch `torch.optim.AdamW`, single-tensor path) and the sum of
 //! squares behind gradient-norm clipping. `f32` only: these run on the master parameters.
 
-use super::row_isa::row_isa;
-#[cfg(target_arch = "x86_64")]
-use super::row_isa::RowIsa;
 use super::ELEM_CHUNK;
 use rayon::prelude::*;
 
@@ -115,21 +112,16 @@ fn update_body(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &StepS
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn update_avx512(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &StepScalars) {
-    update_body(p, g, m, v, k)
-}
-
-/// One chunk of the update, with the widest vectors the CPU has (the same arithmetic, no FMA
-/// contraction, so results are identical on every path).
-fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &StepScalars) {
-    match row_isa() {
-        // SAFETY: row_isa() returns Avx512 only on a CPU with AVX-512F.
-        #[cfg(target_arch = "x86_64")]
-        RowIsa::Avx512 => unsafe { update_avx512(p, g, m, v, k) },
-        _ => update_body(p, g, m, v, k),
-    }
+super::row_isa::dispatch_rows! {
+    /// One chunk of the update, with the widest vectors the CPU has (the same arithmetic, no
+    /// FMA contraction, so results are identical on every path).
+    fn update_chunk(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        k: &StepScalars,
+    ) = update_body;
 }
 
 /// Elements per partial sum of [`sum_of_squares`].
@@ -142,8 +134,14 @@ pub fn sum_of_squares(x: &[f32]) -> f64 {
     parts.iter().sum()
 }
 
+super::row_isa::dispatch_rows! {
+    /// Σ x² of one chunk, with the widest vectors the CPU has.
+    fn chunk_sum_of_squares(c: &[f32]) -> f64 = sum_of_squares_body;
+}
+
 /// Σ x² of one chunk in eight f64 lanes (vectorisable), lanes added in order.
-fn chunk_sum_of_squares(c: &[f32]) -> f64 {
+#[inline(always)]
+fn sum_of_squares_body(c: &[f32]) -> f64 {
     const LANES: usize = 8;
     let mut acc = [0.0f64; LANES];
     let mut it = c.chunks_exact(LANES);
@@ -163,6 +161,41 @@ fn chunk_sum_of_squares(c: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The dispatched chunk kernels (AVX-512/AVX2 where the CPU has them) give the portable
+    /// bodies' results bit for bit.
+    #[test]
+    fn dispatched_chunks_match_the_portable_bodies() {
+        let n = 1237;
+        let mk = |s: u32| -> Vec<f32> {
+            (0..n as u32)
+                .map(|i| ((i.wrapping_mul(2_654_435_761) ^ s) % 2000) as f32 * 1e-3 - 1.0)
+                .collect()
+        };
+        let (g, p0, m0) = (mk(1), mk(2), mk(3));
+        let v0: Vec<f32> = mk(4).iter().map(|x| x.abs()).collect();
+        let k = step_scalars(&AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 7,
+            grad_scale: 0.5,
+        });
+        let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
+        let (mut p2, mut m2, mut v2) = (p0, m0, v0);
+        update_chunk(&mut p1, &g, &mut m1, &mut v1, &k);
+        update_body(&mut p2, &g, &mut m2, &mut v2, &k);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&p1), bits(&p2));
+        assert_eq!(bits(&m1), bits(&m2));
+        assert_eq!(bits(&v1), bits(&v2));
+        assert_eq!(
+            chunk_sum_of_squares(&g).to_bits(),
+            sum_of_squares_body(&g).to_bits()
+        );
+    }
     use crate::ops::testutil::*;
 
     /// Straightforward scalar f64 AdamW (the same formula as dev/gpt2_ref.py).

@@ -9,9 +9,8 @@
 //! softmax sums); NaN propagates. Accuracy: within 2 ulp of the correctly rounded result
 //! (tested below against f64).
 
+#[cfg(doc)]
 use super::row_isa::row_isa;
-#[cfg(target_arch = "x86_64")]
-use super::row_isa::RowIsa;
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
@@ -128,51 +127,14 @@ fn exp_scale_body(row: &mut [f32], max: f32, scale: f32) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn sum_exp_avx512(row: &[f32], max: f32) -> f64 {
-        super::sum_exp_body(row, max)
-    }
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn sum_exp_avx2(row: &[f32], max: f32) -> f64 {
-        super::sum_exp_body(row, max)
-    }
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn exp_scale_avx512(row: &mut [f32], max: f32, scale: f32) {
-        super::exp_scale_body(row, max, scale)
-    }
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn exp_scale_avx2(row: &mut [f32], max: f32, scale: f32) {
-        super::exp_scale_body(row, max, scale)
-    }
+super::row_isa::dispatch_rows! {
+    /// `Σ exp(x − max)` over a row, using the widest vectors the CPU has ([`row_isa`]).
+    pub fn sum_exp_f32(row: &[f32], max: f32) -> f64 = sum_exp_body;
 }
 
-/// `Σ exp(x − max)` over a row, using the widest vectors the CPU has ([`row_isa`]).
-pub fn sum_exp_f32(row: &[f32], max: f32) -> f64 {
-    match row_isa() {
-        // SAFETY: row_isa() returns Avx512 only on a CPU with AVX-512F, the only requirement
-        // of this safe-bodied function compiled with that feature enabled.
-        #[cfg(target_arch = "x86_64")]
-        RowIsa::Avx512 => unsafe { x86::sum_exp_avx512(row, max) },
-        // SAFETY: row_isa() returns Avx2Fma only on a CPU with AVX2 and FMA.
-        #[cfg(target_arch = "x86_64")]
-        RowIsa::Avx2Fma => unsafe { x86::sum_exp_avx2(row, max) },
-        _ => sum_exp_body(row, max),
-    }
-}
-
-/// `row[j] = scale · exp(row[j] − max)`, using the widest vectors the CPU has ([`row_isa`]).
-pub fn exp_scale_f32(row: &mut [f32], max: f32, scale: f32) {
-    match row_isa() {
-        // SAFETY: row_isa() returns Avx512 only on a CPU with AVX-512F.
-        #[cfg(target_arch = "x86_64")]
-        RowIsa::Avx512 => unsafe { x86::exp_scale_avx512(row, max, scale) },
-        // SAFETY: row_isa() returns Avx2Fma only on a CPU with AVX2 and FMA.
-        #[cfg(target_arch = "x86_64")]
-        RowIsa::Avx2Fma => unsafe { x86::exp_scale_avx2(row, max, scale) },
-        _ => exp_scale_body(row, max, scale),
-    }
+super::row_isa::dispatch_rows! {
+    /// `row[j] = scale · exp(row[j] − max)`, using the widest vectors the CPU has ([`row_isa`]).
+    pub fn exp_scale_f32(row: &mut [f32], max: f32, scale: f32) = exp_scale_body;
 }
 
 #[cfg(test)]

@@ -244,6 +244,16 @@ pub trait Float:
     fn max(self, other: Self) -> Self;
     fn is_finite(self) -> bool;
 
+    /// `out = gelu(inp)` over one chunk ([`super::gelu::gelu_forward`]'s loop).
+    fn gelu_rows(out: &mut [Self], inp: &[Self]) {
+        super::gelu::gelu_rows(out, inp)
+    }
+
+    /// `dinp = dout · gelu'(inp)` over one chunk ([`super::gelu::gelu_backward`]'s loop).
+    fn gelu_backward_rows(dinp: &mut [Self], inp: &[Self], dout: &[Self]) {
+        super::gelu::gelu_backward_rows(dinp, inp, dout)
+    }
+
     /// `C := alpha·A·B + beta·C` with A m×k, B k×n, C m×n. When `beta == 0`, C is not read
     /// (NaN or garbage in C does not propagate). `prec` is the arithmetic of the products
     /// (fugu-gemm's [`Precision`]: operands rounded to it, f32 accumulation); the f64 reference
@@ -377,6 +387,12 @@ impl Float for f32 {
     }
     fn exp_scale_row(row: &mut [f32], max: f32, scale: f32) {
         super::fastmath::exp_scale_f32(row, max, scale)
+    }
+    fn gelu_rows(out: &mut [f32], inp: &[f32]) {
+        super::gelu::gelu_rows_f32(out, inp)
+    }
+    fn gelu_backward_rows(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+        super::gelu::gelu_backward_rows_f32(dinp, inp, dout)
     }
     #[inline(always)]
     fn exp(self) -> Self {

@@ -1,8 +1,14 @@
 //! The one place that chooses the vector instruction set of the row kernels in `ops/`
-//! (`fastmath.rs`, `adamw.rs`), detected once per process, as fugu-gemm chooses its
+//! (`fastmath.rs`, `adamw.rs`, `gelu.rs`), detected once per process, as fugu-gemm chooses its
 //! micro-kernel: the kernels match on [`row_isa`] instead of each asking the CPU on every
 //! call. Every variant runs the same arithmetic (the portable bodies compiled with wider
 //! vectors), so results do not depend on it.
+//!
+//! On aarch64 there is no run-time variant: a generic build's bodies are NEON, and an SVE
+//! variant under `#[target_feature(enable = "sve")]` stays NEON too (LLVM's generic tuning
+//! keeps fixed 128-bit vectors for these loops; measured on the exp-based rows: no SVE
+//! instruction). The A64FX build (`scripts/build-fugaku.sh`, `-C target-cpu=a64fx`) compiles
+//! the same bodies to 512-bit SVE; `scripts/predict-a64fx.sh` reports both per element.
 
 use std::sync::OnceLock;
 
@@ -38,6 +44,40 @@ fn detect() -> RowIsa {
     }
     RowIsa::Portable
 }
+
+/// Defines `fn $name(args) -> ret` running `$body(args)` compiled for the widest [`RowIsa`] of
+/// this CPU: the same body (an `#[inline(always)]` function of plain loops) under
+/// `#[target_feature]`, so the compiler vectorises it for AVX-512 or AVX2. Rust never
+/// contracts `a·b + c` into an FMA, so every variant computes the same numbers; a body that
+/// reduces keeps its own fixed lane structure (the order of its sums) on every ISA.
+macro_rules! dispatch_rows {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            fn avx512($($arg: $ty),*) $(-> $ret)? {
+                $body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) $(-> $ret)? {
+                $body($($arg),*)
+            }
+            match $crate::ops::row_isa::row_isa() {
+                // SAFETY: row_isa() returns Avx512 only on a CPU with AVX-512F, the only
+                // requirement of this safe-bodied function compiled with that feature.
+                #[cfg(target_arch = "x86_64")]
+                $crate::ops::row_isa::RowIsa::Avx512 => unsafe { avx512($($arg),*) },
+                // SAFETY: row_isa() returns Avx2Fma only on a CPU with AVX2 and FMA.
+                #[cfg(target_arch = "x86_64")]
+                $crate::ops::row_isa::RowIsa::Avx2Fma => unsafe { avx2($($arg),*) },
+                _ => $body($($arg),*),
+            }
+        }
+    };
+}
+pub(crate) use dispatch_rows;
 
 #[cfg(test)]
 mod tests {
