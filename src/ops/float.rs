@@ -244,6 +244,24 @@ pub trait Float:
     fn max(self, other: Self) -> Self;
     fn is_finite(self) -> bool;
 
+    /// One row of layer normalisation ([`super::layernorm::layernorm_forward`]'s loop): writes
+    /// `out`, returns `(mean, rstd)`.
+    fn layernorm_row(out: &mut [Self], x: &[Self], w: &[Self], bias: &[Self]) -> (Self, Self) {
+        super::layernorm::layernorm_row(out, x, w, bias)
+    }
+
+    /// One row of the layer-norm input gradient ([`super::layernorm::layernorm_backward`]).
+    fn layernorm_backward_row(
+        dinp: &mut [Self],
+        dout: &[Self],
+        x: &[Self],
+        w: &[Self],
+        mu: Self,
+        rs: Self,
+    ) {
+        super::layernorm::layernorm_backward_row(dinp, dout, x, w, mu, rs)
+    }
+
     /// `out = gelu(inp)` over one chunk ([`super::gelu::gelu_forward`]'s loop).
     fn gelu_rows(out: &mut [Self], inp: &[Self]) {
         super::gelu::gelu_rows(out, inp)
@@ -387,6 +405,19 @@ impl Float for f32 {
     }
     fn exp_scale_row(row: &mut [f32], max: f32, scale: f32) {
         super::fastmath::exp_scale_f32(row, max, scale)
+    }
+    fn layernorm_row(out: &mut [f32], x: &[f32], w: &[f32], bias: &[f32]) -> (f32, f32) {
+        super::layernorm::layernorm_row_f32(out, x, w, bias)
+    }
+    fn layernorm_backward_row(
+        dinp: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        mu: f32,
+        rs: f32,
+    ) {
+        super::layernorm::layernorm_backward_row_f32(dinp, dout, x, w, mu, rs)
     }
     fn gelu_rows(out: &mut [f32], inp: &[f32]) {
         super::gelu::gelu_rows_f32(out, inp)

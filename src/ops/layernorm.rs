@@ -11,8 +11,8 @@ pub const LN_EPS: f64 = 1e-5;
 /// * `out`: (N, C), **overwritten**; `mean`, `rstd`: (N), **overwritten** (kept for the
 ///   backward pass); `inp`: (N, C); `w`, `bias`: (C).
 ///
-/// Mean and (biased) variance are accumulated in `f64` with two passes over the row, then
-/// rounded to `T`; the normalisation itself uses the rounded `mean`/`rstd`, so the backward pass
+/// Mean and (biased) variance are accumulated in `f64` with two passes over the row (in
+/// [`SUM_LANES`] fixed lanes, so they vectorise), then rounded to `T`; the normalisation itself uses the rounded `mean`/`rstd`, so the backward pass
 /// sees exactly what the forward used. Parallel over rows.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_forward<T: Float>(
@@ -32,31 +32,113 @@ pub fn layernorm_forward<T: Float>(
     assert_eq!(rstd.len(), n, "layernorm_forward: rstd length");
     assert_eq!(w.len(), c, "layernorm_forward: weight length");
     assert_eq!(bias.len(), c, "layernorm_forward: bias length");
-    let inv_c = 1.0 / c as f64;
     out.par_chunks_mut(c)
         .zip(mean.par_iter_mut())
         .zip(rstd.par_iter_mut())
         .zip(inp.par_chunks(c))
-        .for_each(|(((o, m), r), x)| {
-            let mut s = 0.0f64;
-            for &v in x {
-                s += v.to_f64();
-            }
-            let mu = s * inv_c;
-            let mut ss = 0.0f64;
-            for &v in x {
-                let d = v.to_f64() - mu;
-                ss += d * d;
-            }
-            let var = ss * inv_c;
-            let mu_t = T::from_f64(mu);
-            let rs_t = T::from_f64(1.0 / (var + LN_EPS).sqrt());
-            *m = mu_t;
-            *r = rs_t;
-            for (((o, &v), &wj), &bj) in o.iter_mut().zip(x).zip(w).zip(bias) {
-                *o = (v - mu_t) * rs_t * wj + bj;
-            }
-        });
+        .for_each(|(((o, m), r), x)| (*m, *r) = T::layernorm_row(o, x, w, bias));
+}
+
+/// Lanes of the row sums: element `j` goes to lane `j % SUM_LANES`, the lanes are added in
+/// order at the end (and the tail after them), a fixed order the compiler can vectorise.
+const SUM_LANES: usize = 8;
+
+/// `Σ f(v)` over `x` in f64, in [`SUM_LANES`] lanes.
+#[inline(always)]
+fn lane_sum<T: Copy>(x: &[T], f: impl Fn(T) -> f64) -> f64 {
+    let mut acc = [0.0f64; SUM_LANES];
+    let mut it = x.chunks_exact(SUM_LANES);
+    for chunk in &mut it {
+        for (a, &v) in acc.iter_mut().zip(chunk) {
+            *a += f(v);
+        }
+    }
+    let tail: f64 = it.remainder().iter().map(|&v| f(v)).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+/// One row of [`layernorm_forward`]: writes `out`, returns `(mean, rstd)` rounded to `T`
+/// (`Float::layernorm_row` runs it, vectorised for the CPU).
+#[inline(always)]
+pub(crate) fn layernorm_row<T: Float>(out: &mut [T], x: &[T], w: &[T], bias: &[T]) -> (T, T) {
+    let inv_c = 1.0 / x.len() as f64;
+    let mu = lane_sum(x, |v| v.to_f64()) * inv_c;
+    let var = lane_sum(x, |v| {
+        let d = v.to_f64() - mu;
+        d * d
+    }) * inv_c;
+    let mu_t = T::from_f64(mu);
+    let rs_t = T::from_f64(1.0 / (var + LN_EPS).sqrt());
+    for (((o, &v), &wj), &bj) in out.iter_mut().zip(x).zip(w).zip(bias) {
+        *o = (v - mu_t) * rs_t * wj + bj;
+    }
+    (mu_t, rs_t)
+}
+
+/// One row of [`layernorm_backward`]'s input gradient (`Float::layernorm_backward_row`):
+/// `dinp += rstd·(g - mean(g) - x̂·mean(g·x̂))` with `g = dout·w`, the means in f64 lanes.
+#[inline(always)]
+pub(crate) fn layernorm_backward_row<T: Float>(
+    dinp: &mut [T],
+    dout: &[T],
+    x: &[T],
+    w: &[T],
+    mu: T,
+    rs: T,
+) {
+    let inv_c = 1.0 / x.len() as f64;
+    let (mut a1, mut a2) = ([0.0f64; SUM_LANES], [0.0f64; SUM_LANES]);
+    let terms = |gj: T, xj: T, wj: T| {
+        let dn = gj * wj;
+        (dn.to_f64(), (dn * ((xj - mu) * rs)).to_f64())
+    };
+    let (mut gi, mut xi, mut wi) = (
+        dout.chunks_exact(SUM_LANES),
+        x.chunks_exact(SUM_LANES),
+        w.chunks_exact(SUM_LANES),
+    );
+    for ((g8, x8), w8) in (&mut gi).zip(&mut xi).zip(&mut wi) {
+        for l in 0..SUM_LANES {
+            let (t1, t2) = terms(g8[l], x8[l], w8[l]);
+            a1[l] += t1;
+            a2[l] += t2;
+        }
+    }
+    let (mut s1, mut s2) = (a1.iter().sum::<f64>(), a2.iter().sum::<f64>());
+    for ((&gj, &xj), &wj) in gi
+        .remainder()
+        .iter()
+        .zip(xi.remainder())
+        .zip(wi.remainder())
+    {
+        let (t1, t2) = terms(gj, xj, wj);
+        s1 += t1;
+        s2 += t2;
+    }
+    let m1 = T::from_f64(s1 * inv_c);
+    let m2 = T::from_f64(s2 * inv_c);
+    for (((d, &gj), &xj), &wj) in dinp.iter_mut().zip(dout).zip(x).zip(w) {
+        let xhat = (xj - mu) * rs;
+        *d += (gj * wj - m1 - xhat * m2) * rs;
+    }
+}
+
+super::row_isa::dispatch_rows! {
+    /// [`layernorm_row`] in f32 with the widest vectors the CPU has.
+    pub(crate) fn layernorm_row_f32(out: &mut [f32], x: &[f32], w: &[f32], bias: &[f32]) -> (f32, f32) =
+        layernorm_row::<f32>;
+}
+
+super::row_isa::dispatch_rows! {
+    /// [`layernorm_backward_row`] in f32 with the widest vectors the CPU has.
+    pub(crate) fn layernorm_backward_row_f32(
+        dinp: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        mu: f32,
+        rs: f32,
+    ) = layernorm_backward_row::<f32>;
 }
 
 /// Backward of [`layernorm_forward`].
@@ -66,7 +148,7 @@ pub fn layernorm_forward<T: Float>(
 /// * `dout`, `inp`: (N, C); `w`: (C); `mean`, `rstd`: (N) from the forward pass.
 ///
 /// Per row, with `x̂ = (inp - mean)·rstd` and `g = dout·w`:
-/// `dinp += rstd·(g - mean(g) - x̂·mean(g·x̂))`, the two row means accumulated in `f64`.
+/// `dinp += rstd·(g - mean(g) - x̂·mean(g·x̂))`, the two row means accumulated in `f64` lanes.
 /// `dinp` is parallel over rows; `dw`/`dbias` are parallel over blocks of columns, each element
 /// summed over rows in order (in `T`), so the result is independent of the thread count.
 #[allow(clippy::too_many_arguments)]
@@ -91,28 +173,11 @@ pub fn layernorm_backward<T: Float>(
     assert_eq!(dbias.len(), c, "layernorm_backward: dbias length");
     assert_eq!(mean.len(), n, "layernorm_backward: mean length");
     assert_eq!(rstd.len(), n, "layernorm_backward: rstd length");
-    let inv_c = 1.0 / c as f64;
-
     dinp.par_chunks_mut(c)
         .zip(dout.par_chunks(c))
         .zip(inp.par_chunks(c))
         .zip(mean.par_iter().zip(rstd.par_iter()))
-        .for_each(|(((di, g), x), (&mu, &rs))| {
-            let mut s1 = 0.0f64;
-            let mut s2 = 0.0f64;
-            for ((&gj, &xj), &wj) in g.iter().zip(x).zip(w) {
-                let xhat = (xj - mu) * rs;
-                let dn = gj * wj;
-                s1 += dn.to_f64();
-                s2 += (dn * xhat).to_f64();
-            }
-            let m1 = T::from_f64(s1 * inv_c);
-            let m2 = T::from_f64(s2 * inv_c);
-            for (((d, &gj), &xj), &wj) in di.iter_mut().zip(g).zip(x).zip(w) {
-                let xhat = (xj - mu) * rs;
-                *d += (gj * wj - m1 - xhat * m2) * rs;
-            }
-        });
+        .for_each(|(((di, g), x), (&mu, &rs))| T::layernorm_backward_row(di, g, x, w, mu, rs));
 
     // Parameter gradients: columns split across tasks, rows summed in order.
     const CW: usize = super::COL_CHUNK;
@@ -138,6 +203,25 @@ pub fn layernorm_backward<T: Float>(
 mod tests {
     use super::*;
     use crate::ops::testutil::*;
+
+    /// The dispatched f32 rows give the portable rows' results bit for bit (C = 771: lanes
+    /// and a tail).
+    #[test]
+    fn dispatched_rows_match_the_portable_rows() {
+        let c = 771;
+        let f = |s: usize| -> Vec<f32> {
+            (0..c).map(|i| ((i * s) % 97) as f32 * 0.021 - 1.0).collect()
+        };
+        let (x, w, b, g) = (f(7), f(11), f(13), f(17));
+        let (mut o1, mut o2) = (vec![0.0f32; c], vec![0.0f32; c]);
+        let r1 = layernorm_row_f32(&mut o1, &x, &w, &b);
+        let r2 = layernorm_row::<f32>(&mut o2, &x, &w, &b);
+        assert_eq!((r1, &o1), (r2, &o2));
+        let (mut d1, mut d2) = (f(19), f(19));
+        layernorm_backward_row_f32(&mut d1, &g, &x, &w, r1.0, r1.1);
+        layernorm_backward_row::<f32>(&mut d2, &g, &x, &w, r1.0, r1.1);
+        assert_eq!(d1, d2);
+    }
 
     fn forward(inp: &[f64], w: &[f64], b: &[f64], n: usize, c: usize) -> Vec<f64> {
         let mut out = vec![f64::NAN; n * c];

@@ -53,6 +53,9 @@ fn detect() -> RowIsa {
 macro_rules! dispatch_rows {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;) => {
         $(#[$meta])*
+        // Never inlined: called once per row or chunk, and `scripts/predict-a64fx-rows.sh`
+        // finds each kernel's loop under its own symbol.
+        #[inline(never)]
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
