@@ -210,7 +210,9 @@ mod tests {
     fn dispatched_rows_match_the_portable_rows() {
         let c = 771;
         let f = |s: usize| -> Vec<f32> {
-            (0..c).map(|i| ((i * s) % 97) as f32 * 0.021 - 1.0).collect()
+            (0..c)
+                .map(|i| ((i * s) % 97) as f32 * 0.021 - 1.0)
+                .collect()
         };
         let (x, w, b, g) = (f(7), f(11), f(13), f(17));
         let (mut o1, mut o2) = (vec![0.0f32; c], vec![0.0f32; c]);
