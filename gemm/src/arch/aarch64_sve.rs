@@ -300,6 +300,70 @@ macro_rules! step3_last {
     };
 }
 
+/// Zeroes the 20 accumulators `z0`–`z19` as elements `$t` (`"s"` or `"h"`).
+macro_rules! zero_acc {
+    ($t:literal) => {
+        concat!(
+            "dup z0.", $t, ", #0\n", "dup z1.", $t, ", #0\n", "dup z2.", $t, ", #0\n", "dup z3.",
+            $t, ", #0\n", "dup z4.", $t, ", #0\n", "dup z5.", $t, ", #0\n", "dup z6.", $t,
+            ", #0\n", "dup z7.", $t, ", #0\n", "dup z8.", $t, ", #0\n", "dup z9.", $t, ", #0\n",
+            "dup z10.", $t, ", #0\n", "dup z11.", $t, ", #0\n", "dup z12.", $t, ", #0\n",
+            "dup z13.", $t, ", #0\n", "dup z14.", $t, ", #0\n", "dup z15.", $t, ", #0\n",
+            "dup z16.", $t, ", #0\n", "dup z17.", $t, ", #0\n", "dup z18.", $t, ", #0\n",
+            "dup z19.", $t, ", #0\n",
+        )
+    };
+}
+
+/// The whole k loop over `{blocks}` 4-step blocks and `{rem}` (1..=4) tail steps, for A loads
+/// `ld1$w` and FMLAs on elements `$t`, ending at label `8:` with the 20 accumulators summed.
+/// Prologue: A of step 0 and the first 8 broadcasts; main loop: 4 steps with look-ahead; tail:
+/// `rem` steps, the last one without look-ahead.
+macro_rules! k_loop {
+    ($w:literal, $t:literal) => {
+        concat!(
+            load_a!($w, $t, 20, 21, 0, 1),
+            "ld1rw {{z24.s}}, p0/z, [{b}, #0]\n",
+            "ld1rw {{z25.s}}, p0/z, [{b}, #4]\n",
+            "ld1rw {{z26.s}}, p0/z, [{b}, #8]\n",
+            "ld1rw {{z27.s}}, p0/z, [{b}, #12]\n",
+            "ld1rw {{z28.s}}, p0/z, [{b}, #16]\n",
+            "ld1rw {{z29.s}}, p0/z, [{b}, #20]\n",
+            "ld1rw {{z30.s}}, p0/z, [{b}, #24]\n",
+            "ld1rw {{z31.s}}, p0/z, [{b}, #28]\n",
+            "cbz {blocks}, 3f\n",
+            "2:\n",
+            step0_la!($w, $t),
+            step1_la!($w, $t),
+            step2_la!($w, $t),
+            step3_la!($w, $t),
+            "subs {blocks}, {blocks}, #1\n",
+            "b.ne 2b\n",
+            "3:\n",
+            "cmp {rem}, #1\n",
+            "b.eq 4f\n",
+            step0_la!($w, $t),
+            "cmp {rem}, #2\n",
+            "b.eq 5f\n",
+            step1_la!($w, $t),
+            "cmp {rem}, #3\n",
+            "b.eq 6f\n",
+            step2_la!($w, $t),
+            step3_last!($w, $t),
+            "b 8f\n",
+            "4:\n",
+            step0_last!($w, $t),
+            "b 8f\n",
+            "5:\n",
+            step1_last!($w, $t),
+            "b 8f\n",
+            "6:\n",
+            step2_last!($w, $t),
+            "8:\n",
+        )
+    };
+}
+
 /// C column `j` (accumulators `z$c0`, `z$c1`) := alpha·acc (`z20` = alpha); C is not read.
 macro_rules! store_beta0 {
     ($c0:literal, $c1:literal) => {
@@ -389,54 +453,10 @@ unsafe fn fugu_sve_sgemm_2vx10(
         core::arch::asm!(
             "ptrue p0.s",
             // Zero the 20 accumulators.
-            "dup z0.s, #0", "dup z1.s, #0", "dup z2.s, #0", "dup z3.s, #0",
-            "dup z4.s, #0", "dup z5.s, #0", "dup z6.s, #0", "dup z7.s, #0",
-            "dup z8.s, #0", "dup z9.s, #0", "dup z10.s, #0", "dup z11.s, #0",
-            "dup z12.s, #0", "dup z13.s, #0", "dup z14.s, #0", "dup z15.s, #0",
-            "dup z16.s, #0", "dup z17.s, #0", "dup z18.s, #0", "dup z19.s, #0",
+            zero_acc!("s"),
             "cbz {rem}, 8f",
-            // Prologue: A of step 0 and the first 8 broadcasts.
-            load_a!("w", "s", 20, 21, 0, 1),
-            "ld1rw {{z24.s}}, p0/z, [{b}, #0]",
-            "ld1rw {{z25.s}}, p0/z, [{b}, #4]",
-            "ld1rw {{z26.s}}, p0/z, [{b}, #8]",
-            "ld1rw {{z27.s}}, p0/z, [{b}, #12]",
-            "ld1rw {{z28.s}}, p0/z, [{b}, #16]",
-            "ld1rw {{z29.s}}, p0/z, [{b}, #20]",
-            "ld1rw {{z30.s}}, p0/z, [{b}, #24]",
-            "ld1rw {{z31.s}}, p0/z, [{b}, #28]",
-            "cbz {blocks}, 3f",
-            // Main loop: 4 steps with look-ahead.
-            "2:",
-            step0_la!("w", "s"),
-            step1_la!("w", "s"),
-            step2_la!("w", "s"),
-            step3_la!("w", "s"),
-            "subs {blocks}, {blocks}, #1",
-            "b.ne 2b",
-            // Tail: `rem` (1..=4) steps, the last one without look-ahead.
-            "3:",
-            "cmp {rem}, #1",
-            "b.eq 4f",
-            step0_la!("w", "s"),
-            "cmp {rem}, #2",
-            "b.eq 5f",
-            step1_la!("w", "s"),
-            "cmp {rem}, #3",
-            "b.eq 6f",
-            step2_la!("w", "s"),
-            step3_last!("w", "s"),
-            "b 8f",
-            "4:",
-            step0_last!("w", "s"),
-            "b 8f",
-            "5:",
-            step1_last!("w", "s"),
-            "b 8f",
-            "6:",
-            step2_last!("w", "s"),
+            k_loop!("w", "s"),
             // Write the tile.
-            "8:",
             "dup z20.s, {alpha:w}",
             "dup z21.s, {beta:w}",
             "cbnz {beta_nonzero}, 9f",
@@ -611,49 +631,8 @@ unsafe fn hgemm_chunk(kk: usize, a: *const u8, b: *const u8, s: *mut f32) {
     unsafe {
         core::arch::asm!(
             "ptrue p0.b",
-            "dup z0.h, #0", "dup z1.h, #0", "dup z2.h, #0", "dup z3.h, #0",
-            "dup z4.h, #0", "dup z5.h, #0", "dup z6.h, #0", "dup z7.h, #0",
-            "dup z8.h, #0", "dup z9.h, #0", "dup z10.h, #0", "dup z11.h, #0",
-            "dup z12.h, #0", "dup z13.h, #0", "dup z14.h, #0", "dup z15.h, #0",
-            "dup z16.h, #0", "dup z17.h, #0", "dup z18.h, #0", "dup z19.h, #0",
-            load_a!("h", "h", 20, 21, 0, 1),
-            "ld1rw {{z24.s}}, p0/z, [{b}, #0]",
-            "ld1rw {{z25.s}}, p0/z, [{b}, #4]",
-            "ld1rw {{z26.s}}, p0/z, [{b}, #8]",
-            "ld1rw {{z27.s}}, p0/z, [{b}, #12]",
-            "ld1rw {{z28.s}}, p0/z, [{b}, #16]",
-            "ld1rw {{z29.s}}, p0/z, [{b}, #20]",
-            "ld1rw {{z30.s}}, p0/z, [{b}, #24]",
-            "ld1rw {{z31.s}}, p0/z, [{b}, #28]",
-            "cbz {blocks}, 3f",
-            "2:",
-            step0_la!("h", "h"),
-            step1_la!("h", "h"),
-            step2_la!("h", "h"),
-            step3_la!("h", "h"),
-            "subs {blocks}, {blocks}, #1",
-            "b.ne 2b",
-            "3:",
-            "cmp {rem}, #1",
-            "b.eq 4f",
-            step0_la!("h", "h"),
-            "cmp {rem}, #2",
-            "b.eq 5f",
-            step1_la!("h", "h"),
-            "cmp {rem}, #3",
-            "b.eq 6f",
-            step2_la!("h", "h"),
-            step3_last!("h", "h"),
-            "b 8f",
-            "4:",
-            step0_last!("h", "h"),
-            "b 8f",
-            "5:",
-            step1_last!("h", "h"),
-            "b 8f",
-            "6:",
-            step2_last!("h", "h"),
-            "8:",
+            zero_acc!("h"),
+            k_loop!("h", "h"),
             fold_col!(0, 1),
             fold_col!(2, 3),
             fold_col!(4, 5),

@@ -47,13 +47,8 @@ unsafe fn kernel_f16_chunked_16x4(
     c: *mut f32,
     ldc: usize,
 ) {
-    // SAFETY: the contract guarantees `a` holds k*MR floats and `b` holds k*NR floats.
-    let (a, b) = unsafe {
-        (
-            std::slice::from_raw_parts(a, k * MR),
-            std::slice::from_raw_parts(b, k * NR),
-        )
-    };
+    // SAFETY: forwarded contract (k*MR floats at `a`, k*NR at `b`).
+    let (a, b) = unsafe { panels(k, a, b) };
     let acc = f16_chunks(a, b);
     // SAFETY: forwarded contract (the C tile).
     unsafe { store_tile(&acc, alpha, beta, c, ldc) }
@@ -107,13 +102,8 @@ unsafe fn kernel_16x4(
     c: *mut f32,
     ldc: usize,
 ) {
-    // SAFETY: the contract guarantees `a` holds k*MR floats and `b` holds k*NR floats.
-    let (a, b) = unsafe {
-        (
-            std::slice::from_raw_parts(a, k * MR),
-            std::slice::from_raw_parts(b, k * NR),
-        )
-    };
+    // SAFETY: forwarded contract (k*MR floats at `a`, k*NR at `b`).
+    let (a, b) = unsafe { panels(k, a, b) };
     let mut acc = [[0.0f32; MR]; NR];
     for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
         for j in 0..NR {
@@ -125,6 +115,20 @@ unsafe fn kernel_16x4(
     }
     // SAFETY: forwarded contract (the C tile).
     unsafe { store_tile(&acc, alpha, beta, c, ldc) }
+}
+
+/// The packed panels as slices.
+///
+/// # Safety
+/// The contract of `docs/KERNELS.md`: `a` holds `k*MR` floats and `b` holds `k*NR` floats.
+unsafe fn panels<'a>(k: usize, a: *const f32, b: *const f32) -> (&'a [f32], &'a [f32]) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        (
+            std::slice::from_raw_parts(a, k * MR),
+            std::slice::from_raw_parts(b, k * NR),
+        )
+    }
 }
 
 /// `C := alpha·acc + beta·C` over the 16 × 4 tile (C not read when `beta == 0`).

@@ -74,14 +74,7 @@ unsafe fn inner(
     ldc: usize,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; NR];
-    // Warm the C tile while the k loop runs; it is read or written at the end.
-    for j in 0..NR {
-        // SAFETY: prefetch is a hint and never faults; the address is inside the C tile.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(c.add(j * ldc) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(c.add(j * ldc + 16) as *const i8);
-        }
-    }
+    prefetch_tile(c, ldc);
     let (mut ap, mut bp) = (a, b);
     for _ in 0..k {
         // SAFETY: the contract guarantees k*MR floats at `a` and k*NR floats at `b`; each
@@ -131,13 +124,7 @@ unsafe fn inner_bf16(
     ldc: usize,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; NR];
-    for j in 0..NR {
-        // SAFETY: prefetch is a hint and never faults; the address is inside the C tile.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(c.add(j * ldc) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(c.add(j * ldc + 16) as *const i8);
-        }
-    }
+    prefetch_tile(c, ldc);
     let (mut ap, mut bp) = (a, b);
     for _ in 0..kp {
         // SAFETY: the contract guarantees kp*MR words at `a` and kp*NR words at `b`; each
@@ -159,6 +146,19 @@ unsafe fn inner_bf16(
     }
     // SAFETY: forwarded contract (the C tile).
     unsafe { store_tile(&acc, alpha, beta, c, ldc) }
+}
+
+/// Warms the C tile while the k loop runs; it is read or written at the end.
+#[inline(always)]
+fn prefetch_tile(c: *mut f32, ldc: usize) {
+    for j in 0..NR {
+        let col = c.wrapping_add(j * ldc);
+        // SAFETY: prefetch is a hint and never faults, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(col as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(col.wrapping_add(16) as *const i8);
+        }
+    }
 }
 
 /// The shared epilogue: `C := alpha·acc + beta·C` over the 32 × 12 tile (C not read when
