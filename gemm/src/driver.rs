@@ -58,9 +58,9 @@ impl Ctx {
     }
 
     /// Block sizes for one m×n×k problem, kc in elements of k: the cache-derived ones (kc
-    /// counts words, so a bf16-pair kernel's kc covers twice the elements), except that when C is larger
-    /// than the last-level cache and a B̃ micro-panel of the whole k (k × nr) still fits in L1,
-    /// k is done in one block. Each pc pass reads and writes all of C from memory, so this
+    /// counts words, so a bf16-pair kernel's kc covers twice the elements), except that when C
+    /// is larger than the last-level cache and a B̃ micro-panel of the whole k (k × nr) still
+    /// fits in L1, k is done in one block. Each pc pass reads and writes all of C from memory, so this
     /// divides C's traffic by the number of passes; on Zen 5 it gained about 5% on the LM
     /// head's weight-gradient GEMM (C is 50304 × 768). With the analytical kc (320 on Zen 3)
     /// the old bound "k ≤ 2·kc" left the GPT-2 LM head (k = 768, C of 256 × 50304) at three
@@ -202,9 +202,9 @@ fn macro_kernel(
             let apanel = &ap[ip * aw..(ip + 1) * aw];
             let cblk = c.block(ip * mr, jp * nr, mi, nj);
             if direct_ok && mi == mr && nj == nr {
-                // SAFETY: the panels hold what a kernel call of kw steps reads (aw, bw words); the full mr×nr tile of
-                // C is inside the view, unit-stride along m with ldc = c.cs >= mr, and this
-                // thread is the only writer of this tile.
+                // SAFETY: the panels hold what a kernel call of kw steps reads (aw, bw words);
+                // the full mr×nr tile of C is inside the view, unit-stride along m with
+                // ldc = c.cs >= mr, and this thread is the only writer of this tile.
                 unsafe {
                     func(
                         kw,

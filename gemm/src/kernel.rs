@@ -186,9 +186,9 @@ pub fn kernel_for(isa: Isa) -> Option<Kernel> {
 }
 
 /// The kernel that runs `isa`'s GEMMs at `prec`: a native 16-bit kernel where this CPU has
-/// one (`vdpbf16ps` for bf16 on AVX-512 BF16; f16 chunks on SVE), otherwise `isa`'s `f32` kernel, fed operands that
-/// the packing rounds to `prec` (the same products, see [`Precision`]). `None` when this CPU
-/// cannot run `isa`.
+/// one (`vdpbf16ps` for bf16 on AVX-512 BF16; f16 chunks on SVE), otherwise `isa`'s `f32`
+/// kernel, fed operands that the packing rounds to `prec` (the same products, see
+/// [`Precision`]). `None` when this CPU cannot run `isa`.
 pub fn kernel_for_precision(isa: Isa, prec: Precision) -> Option<Kernel> {
     let native = match (isa, prec) {
         (Isa::Avx512, Precision::Bf16) => arch::avx512_bf16_kernel(),
