@@ -4,7 +4,7 @@
 //! `peak_pct` both come from here.
 
 use crate::arch::fma_peak::{fma_loop, native_loop};
-use crate::kernel::Isa;
+use crate::kernel::{Isa, Kernel, Operand};
 use crate::precision::Precision;
 use std::time::Instant;
 
@@ -120,9 +120,14 @@ fn best_rate(run: impl Fn(u64) -> Option<f64>) -> Option<f64> {
     Some(rates[4])
 }
 
-/// The peak of `threads` threads running `isa`'s native kernel at `prec`, measured now, or
-/// `None` when `isa` has no native `prec` kernel on this CPU.
-pub fn measured_native_peak(isa: Isa, prec: Precision, threads: usize) -> Option<Peak> {
+/// The peak of `threads` threads running `kernel`, the kernel of a GEMM at `prec`, measured
+/// now with the loop of its instructions; `None` when `kernel` reads f32 words (an f32 kernel,
+/// or the f16 emulation: they run on the f32 FMAs, whose peak [`machine_peak`] gives).
+pub fn measured_native_peak(kernel: &Kernel, prec: Precision, threads: usize) -> Option<Peak> {
+    if kernel.operand == Operand::F32 {
+        return None;
+    }
+    let isa = kernel.isa;
     Some(Peak {
         per_core_gflops: measure_native_core_gflops(isa, prec)?,
         threads,
@@ -173,7 +178,7 @@ pub fn measured_peak(isa: Isa, threads: usize) -> Peak {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernel::{kernel_for_precision, Operand};
+    use crate::kernel::kernel_for_precision;
 
     /// A native peak exists exactly where a native kernel does, and is positive; where the
     /// CPU has none it says so (the precision then runs on the f32 FMAs).
@@ -181,9 +186,11 @@ mod tests {
     fn native_peak_exists_where_a_native_kernel_does() {
         for isa in Isa::ALL {
             for prec in [Precision::Bf16, Precision::F16] {
-                let native =
-                    kernel_for_precision(isa, prec).is_some_and(|k| k.operand != Operand::F32);
-                let peak = measured_native_peak(isa, prec, 2);
+                let Some(kernel) = kernel_for_precision(isa, prec) else {
+                    continue;
+                };
+                let native = kernel.operand != Operand::F32;
+                let peak = measured_native_peak(&kernel, prec, 2);
                 assert_eq!(peak.is_some(), native, "{isa} {prec}");
                 match peak {
                     Some(p) => {

@@ -104,8 +104,7 @@ impl Backend for CpuBackend {
     fn peak_gflops(&self, compute: Dtype) -> Option<(f64, String)> {
         let rt = fugu_gemm::Runtime::global().ok()?;
         let prec = compute.precision();
-        let peak =
-            fugu_gemm::peak::measured_native_peak(rt.kernel_at(prec).isa, prec, rt.threads())?;
+        let peak = fugu_gemm::peak::measured_native_peak(&rt.kernel_at(prec), prec, rt.threads())?;
         Some((peak.total_gflops(), peak.describe()))
     }
 

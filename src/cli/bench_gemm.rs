@@ -105,7 +105,7 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
     // kernel's at a lower precision.
     let kernel = rt.kernel_at(args.dtype);
     let native_peak = match args.peak_per_core {
-        None => fugu_gemm::peak::measured_native_peak(kernel.isa, args.dtype, rt.threads()),
+        None => fugu_gemm::peak::measured_native_peak(&kernel, args.dtype, rt.threads()),
         Some(_) => None,
     };
     let peak = match native_peak {
