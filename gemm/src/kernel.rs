@@ -40,18 +40,14 @@ pub enum Side {
 impl Operand {
     /// The micro-kernel's `k` argument for `k` elements along k (bf16 pairs count pairs).
     pub fn k_steps(self, k: usize) -> usize {
-        match self {
-            Operand::Bf16Pairs => k.div_ceil(2),
-            Operand::F32 | Operand::F16 => k,
-        }
+        k.div_ceil(self.k_per_word())
     }
 
     /// Packed words of one `w`-wide panel over `k` elements.
     pub fn panel_words(self, side: Side, k: usize, w: usize) -> usize {
         match (self, side) {
-            (Operand::F32, _) | (Operand::F16, Side::B) => k * w,
-            (Operand::Bf16Pairs, _) => k.div_ceil(2) * w,
             (Operand::F16, Side::A) => k * w.div_ceil(2),
+            _ => self.k_steps(k) * w,
         }
     }
 
@@ -213,12 +209,18 @@ pub fn kernel_at(f32_kernel: Kernel, prec: Precision, f16_chunked: Option<bool>)
     }
 }
 
-/// One line naming the kernel of each precision: `bf16 avx512 32x12 bf16-pairs, f16 ...`.
-pub fn describe_kernels(f32_kernel: Kernel, f16_chunked: Option<bool>) -> String {
+/// The kernel of each precision, in the order of [`Precision::ALL`] ([`kernel_at`]).
+pub fn kernels_at(f32_kernel: Kernel, f16_chunked: Option<bool>) -> [Kernel; 3] {
+    Precision::ALL.map(|p| kernel_at(f32_kernel, p, f16_chunked))
+}
+
+/// One line naming the kernel of each precision (`kernels` in the order of
+/// [`Precision::ALL`]): `f32: avx512 32x12 F32 words; bf16: ...`.
+pub fn describe_kernels(kernels: &[Kernel; 3]) -> String {
     Precision::ALL
         .iter()
-        .map(|&p| {
-            let k = kernel_at(f32_kernel, p, f16_chunked);
+        .zip(kernels)
+        .map(|(p, k)| {
             let acc = match k.accumulation {
                 Accumulation::F32 => String::new(),
                 Accumulation::F16Chunks(c) => format!(", f16 sums in chunks of {c}"),

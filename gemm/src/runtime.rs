@@ -94,8 +94,6 @@ struct Domain {
 pub struct Runtime {
     /// One context per [`Precision`], in the order of [`Precision::ALL`].
     ctxs: [Ctx; 3],
-    /// [`RuntimeConfig::f16_chunked`] as given.
-    f16_chunked: Option<bool>,
     split: SplitMode,
     topology: Topology,
     caches: CacheInfo,
@@ -195,7 +193,6 @@ impl Runtime {
         }
         Ok(Runtime {
             ctxs,
-            f16_chunked: cfg.f16_chunked,
             split,
             topology,
             caches,
@@ -279,7 +276,7 @@ impl Runtime {
 
     /// The kernel of each precision, one line ([`describe_kernels`]).
     pub fn describe_kernels(&self) -> String {
-        crate::kernel::describe_kernels(self.kernel(), self.f16_chunked)
+        crate::kernel::describe_kernels(&self.ctxs.map(|c| c.kernel))
     }
 
     /// `C := alpha·A·B + beta·C` in `f32` (see [`PrecisionGemm::gemm`]).

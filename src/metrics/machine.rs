@@ -148,7 +148,10 @@ impl MachineInfo {
         };
         let topology = Topology::build(&cfg.topology);
         let peak = machine_peak(kernel.isa, topology.threads(), None)?;
-        let kernels = fugu_gemm::kernel::describe_kernels(kernel, cfg.f16_chunked);
+        let kernels = fugu_gemm::kernel::describe_kernels(&fugu_gemm::kernel::kernels_at(
+            kernel,
+            cfg.f16_chunked,
+        ));
         Ok(MachineInfo::from_parts(
             kernel.isa, &topology, &peak, kernels,
         ))
