@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds fugu-gemm's tests for aarch64 and runs them under QEMU at several SVE vector lengths.
+# Builds the tests of fugu-gemm (GEMM kernels) and fugu-rows (SVE row kernels) for aarch64 and
+# runs them under QEMU at several SVE vector lengths.
 #
 #   scripts/test-aarch64.sh [extra cargo test args, e.g. `--test kernel_contract`]
 #
@@ -52,9 +53,9 @@ export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 export FUGU_NUM_THREADS=2
 export RUST_BACKTRACE=1
 
-CARGO_ARGS=(test -p fugu-gemm --target "$TARGET" "$@")
+CARGO_ARGS=(test -p fugu-gemm -p fugu-rows --target "$TARGET" "$@")
 
-echo "== building fugu-gemm tests for $TARGET (rustc: $(/usr/bin/rustc --version))"
+echo "== building fugu-gemm and fugu-rows tests for $TARGET (rustc: $(/usr/bin/rustc --version))"
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu a64fx" \
     cargo "${CARGO_ARGS[@]}" --no-run
 

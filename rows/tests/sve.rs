@@ -1,0 +1,301 @@
+//! The SVE row kernels against f64 references, on lengths around the vector length, with the
+//! output inside a NaN-filled buffer (nothing outside the slice may change). Runs where the CPU
+//! has SVE: under QEMU at 128–2048 bits (`scripts/test-aarch64.sh`); elsewhere each test prints
+//! `skipped: <reason>`.
+
+#[cfg(not(target_arch = "aarch64"))]
+#[test]
+fn sve_row_kernels() {
+    println!("skipped: the SVE row kernels exist on aarch64 only (scripts/test-aarch64.sh runs them under QEMU)");
+}
+
+#[cfg(target_arch = "aarch64")]
+mod sve {
+    use fugu_rows::sve::{AdamWScalars, Sve};
+
+    /// f32 unit roundoff.
+    const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+    fn sve() -> Option<Sve> {
+        let s = Sve::detect();
+        if s.is_none() {
+            println!("skipped: this CPU has no SVE");
+        }
+        s
+    }
+
+    /// Row lengths around the vector length (and 0, and a long row).
+    fn lengths(s: &Sve) -> Vec<usize> {
+        let vl = s.f32_lanes();
+        let mut v = vec![0, 1, 2, vl - 1, vl, vl + 1, 2 * vl - 1, 2 * vl, 2 * vl + 1, 4 * vl + 3, 1237];
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Deterministic values in `[lo, hi)`.
+    fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                lo + (hi - lo) * ((x >> 40) as f32 / (1u64 << 24) as f32)
+            })
+            .collect()
+    }
+
+    /// A buffer with `data` at offset 3 and NaN guards around it; `check` asserts the guards.
+    struct Guarded {
+        buf: Vec<f32>,
+        n: usize,
+    }
+    const GUARD: usize = 3;
+    const TAIL: usize = 67;
+    impl Guarded {
+        fn new(data: &[f32]) -> Guarded {
+            let mut buf = vec![f32::from_bits(0x7FC0_1234); GUARD + data.len() + TAIL];
+            buf[GUARD..GUARD + data.len()].copy_from_slice(data);
+            Guarded { buf, n: data.len() }
+        }
+        fn slice(&mut self) -> &mut [f32] {
+            &mut self.buf[GUARD..GUARD + self.n]
+        }
+        fn data(&self) -> &[f32] {
+            &self.buf[GUARD..GUARD + self.n]
+        }
+        fn check(&self, what: &str) {
+            let outside = self.buf[..GUARD].iter().chain(&self.buf[GUARD + self.n..]);
+            assert!(
+                outside.into_iter().all(|v| v.to_bits() == 0x7FC0_1234),
+                "{what}: wrote outside its slice (n = {})",
+                self.n
+            );
+        }
+    }
+
+    fn ulps(a: f32, b: f64) -> f64 {
+        let bf = b as f32;
+        let ulp = (f32::from_bits(bf.abs().to_bits() + 1) - bf.abs()) as f64;
+        (a as f64 - b).abs() / ulp
+    }
+
+    #[test]
+    fn exp_is_within_2_ulp_over_its_range() {
+        let Some(s) = sve() else { return };
+        let xs: Vec<f32> = (0..)
+            .map(|i| -87.0 + 0.000_731 * i as f32)
+            .take_while(|&x| x < 88.5)
+            .collect();
+        let mut row = xs.clone();
+        s.exp_scale(&mut row, 0.0, 1.0);
+        let worst = xs
+            .iter()
+            .zip(&row)
+            .map(|(&x, &e)| ulps(e, (x as f64).exp()))
+            .fold(0.0, f64::max);
+        println!("exp: worst {worst:.2} ulp over {} points", xs.len());
+        assert!(worst <= 2.0, "exp worst {worst} ulp");
+        let mut special = [0.0, f32::NAN, -1e30, 1e30, f32::INFINITY, f32::NEG_INFINITY];
+        s.exp_scale(&mut special, 0.0, 1.0);
+        assert_eq!(special[0], 1.0);
+        assert!(special[1].is_nan());
+        assert!(special[2] >= 0.0 && special[2] < 1e-37);
+        assert!(special[3].is_finite() && special[3] > 1e38);
+        assert!(special[4].is_finite() && special[5] >= 0.0);
+    }
+
+    #[test]
+    fn exp_scale_and_sum_exp_on_awkward_lengths() {
+        let Some(s) = sve() else { return };
+        for n in lengths(&s).into_iter().chain([511, 512, 513, 1500]) {
+            let x = values(n, n as u64, -12.0, 3.0);
+            let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut g = Guarded::new(&x);
+            s.exp_scale(g.slice(), max, 0.25);
+            g.check("exp_scale");
+            for (&xi, &yi) in x.iter().zip(g.data()) {
+                let want = 0.25 * ((xi - max) as f64).exp();
+                assert!(ulps(yi, want) <= 2.0, "exp_scale n={n}: {yi} vs {want}");
+            }
+            // Each term within 2 ulp, blocks summed in f32 (512 terms: ≤ 512·u relative).
+            let want: f64 = x.iter().map(|&xi| ((xi - max) as f64).exp()).sum();
+            let got = s.sum_exp(&x, max);
+            let tol = (2.0 + 512.0) * U * want + f64::MIN_POSITIVE;
+            assert!((got - want).abs() <= tol, "sum_exp n={n}: {got} vs {want}");
+        }
+    }
+
+    /// f64 GELU (tanh form) and its derivative, through `(1 + tanh u)/2 = σ(2u)`: the tanh
+    /// form itself cancels in f64 for x < −6 (tanh u rounds to −1).
+    fn gelu64(x: f64) -> (f64, f64) {
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let a = 0.044715;
+        let s = 1.0 / (1.0 + (-2.0 * k * (x + a * x * x * x)).exp());
+        let du = 2.0 * k * (1.0 + 3.0 * a * x * x);
+        (x * s, s + x * s * (1.0 - s) * du)
+    }
+
+    #[test]
+    fn gelu_forward_and_backward_match_f64() {
+        let Some(s) = sve() else { return };
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let (mut worst_f, mut worst_b) = (0.0f64, 0.0f64);
+        for n in lengths(&s).into_iter().chain([3001]) {
+            let x = values(n, 7 + n as u64, -8.0, 8.0);
+            let g = values(n, 11 + n as u64, -1.0, 1.0);
+            let mut out = Guarded::new(&vec![0.0; n]);
+            s.gelu(out.slice(), &x);
+            out.check("gelu");
+            let mut din = Guarded::new(&vec![0.0; n]);
+            s.gelu_backward(din.slice(), &x, &g);
+            din.check("gelu_backward");
+            for i in 0..n {
+                let xi = x[i] as f64;
+                let (y, dy) = gelu64(xi);
+                // σ(2u) = 1/(1 + e^v), v = −2u computed in f32 with 3 roundings (relative
+                // error 3u, amplified by exp's condition number |v|), exp within 2 ulp, 1 + e,
+                // the reciprocal (≈1 ulp), one product: (6 + 3|v|)·u relative to |y|.
+                let v = 2.0 * k * (xi + 0.044715 * xi.powi(3));
+                let rel = (6.0 + 3.0 * v.abs()) * U;
+                let ef = (out.data()[i] as f64 - y).abs() / (rel * y.abs() + 1e-37);
+                worst_f = worst_f.max(ef);
+                assert!(ef <= 1.0, "gelu({xi}) = {} vs {y}", out.data()[i]);
+                // dy = s + x·s(1−s)·du cancels near x ≈ −0.75: bound by the terms' sizes
+                // (s within `rel`, 1 − s absolute ~2u, the rest a few roundings: 2·rel).
+                let sig = 1.0 / (1.0 + (-2.0 * k * (xi + 0.044715 * xi.powi(3))).exp());
+                let du = 2.0 * k * (1.0 + 3.0 * 0.044715 * xi * xi);
+                let terms = sig + xi.abs() * sig * du;
+                let want = g[i] as f64 * dy;
+                let eb = (din.data()[i] as f64 - want).abs()
+                    / (2.0 * rel * terms * (g[i] as f64).abs() + 1e-37);
+                worst_b = worst_b.max(eb);
+                assert!(eb <= 1.0, "gelu'({xi})·{} = {} vs {want}", g[i], din.data()[i]);
+            }
+        }
+        println!("gelu: worst error / bound: forward {worst_f:.3}, backward {worst_b:.3}");
+        let special = [f32::NAN, 1e30, -1e30, 0.0];
+        let mut y = [0.0f32; 4];
+        s.gelu(&mut y, &special);
+        assert!(y[0].is_nan());
+        assert_eq!((y[1], y[2], y[3]), (1e30, 0.0, 0.0));
+        let mut dy = [0.0f32; 4];
+        s.gelu_backward(&mut dy, &special, &[1.0; 4]);
+        assert!(dy[0].is_nan());
+        assert_eq!(dy[3], 0.5);
+    }
+
+    #[test]
+    fn f64_sums_match_exact_sums() {
+        let Some(s) = sve() else { return };
+        for n in lengths(&s).into_iter().chain([16384 + 5]) {
+            let x = values(n, 3 + n as u64, -2.0, 5.0);
+            let exact: f64 = x.iter().map(|&v| v as f64).sum();
+            let c = exact / n.max(1) as f64;
+            let sq: f64 = x.iter().map(|&v| (v as f64 - c).powi(2)).sum();
+            let sum_abs: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
+            // f64 sums of n terms: n·2^-53 relative to Σ|terms| (the orders differ).
+            let tol = |t: f64| (n as f64 + 4.0) * f64::EPSILON * t + f64::MIN_POSITIVE;
+            assert!((s.sum_f64(&x) - exact).abs() <= tol(sum_abs), "sum n={n}");
+            assert!((s.sum_sq_dev_f64(&x, c) - sq).abs() <= tol(sq), "sum_sq_dev n={n}");
+        }
+    }
+
+    #[test]
+    fn layernorm_rows_match_f64() {
+        let Some(s) = sve() else { return };
+        let eps = 1e-5;
+        for c in lengths(&s).into_iter().filter(|&c| c > 0).chain([768]) {
+            let x = values(c, 5 + c as u64, -3.0, 4.0);
+            let w = values(c, 6 + c as u64, 0.5, 1.5);
+            let b = values(c, 7 + c as u64, -0.2, 0.2);
+            let dout = values(c, 8 + c as u64, -1.0, 1.0);
+            let mu = x.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
+            let var = x.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / c as f64;
+            let rs = 1.0 / (var + eps).sqrt();
+            let mut out = Guarded::new(&vec![0.0; c]);
+            let (m32, r32) = s.layernorm_row(out.slice(), &x, &w, &b, eps);
+            out.check("layernorm_row");
+            // The f64 statistics round to the same f32 (or a neighbour, if the sums' order
+            // moves a value across a rounding boundary).
+            assert!(ulps(m32, mu) <= 1.0 && ulps(r32, rs) <= 1.0, "stats c={c}");
+            for j in 0..c {
+                let xhat = (x[j] as f64 - m32 as f64) * r32 as f64;
+                let want = xhat * w[j] as f64 + b[j] as f64;
+                // (x − mean) exact-ish, two products and a fused add: 4 ulp of the terms.
+                let tol = 4.0 * U * (xhat.abs() * w[j] as f64 + (b[j] as f64).abs());
+                assert!((out.data()[j] as f64 - want).abs() <= tol, "layernorm c={c} j={j}");
+            }
+            // Backward: dinp += rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dout·w.
+            let init = values(c, 9 + c as u64, -0.1, 0.1);
+            let mut dinp = Guarded::new(&init);
+            s.layernorm_backward_row(dinp.slice(), &dout, &x, &w, m32, r32);
+            dinp.check("layernorm_backward_row");
+            let (m, r) = (m32 as f64, r32 as f64);
+            let gw: Vec<f64> = (0..c).map(|j| dout[j] as f64 * w[j] as f64).collect();
+            let xh: Vec<f64> = (0..c).map(|j| (x[j] as f64 - m) * r).collect();
+            let m1 = gw.iter().sum::<f64>() / c as f64;
+            let m2 = gw.iter().zip(&xh).map(|(g, x)| g * x).sum::<f64>() / c as f64;
+            for j in 0..c {
+                let terms = gw[j].abs() + m1.abs() + (xh[j] * m2).abs();
+                let want = init[j] as f64 + r * (gw[j] - m1 - xh[j] * m2);
+                let tol = 8.0 * U * (r * terms + (init[j] as f64).abs());
+                let got = dinp.data()[j] as f64;
+                assert!((got - want).abs() <= tol, "layernorm backward c={c} j={j}: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn adamw_matches_f64() {
+        let Some(s) = sve() else { return };
+        let k = AdamWScalars {
+            scale: 0.5,
+            decay: 0.999,
+            beta1: 0.9,
+            one_m_b1: 0.1,
+            beta2: 0.95,
+            one_m_b2: 0.05,
+            neg_step_size: -3e-4,
+            bc2_sqrt: 0.3,
+            eps: 1e-8,
+        };
+        for n in lengths(&s) {
+            let p0 = values(n, 21 + n as u64, -1.0, 1.0);
+            let mut g = values(n, 22 + n as u64, -2.0, 2.0);
+            let m0 = values(n, 23 + n as u64, -0.1, 0.1);
+            let mut v0 = values(n, 24 + n as u64, 0.0, 0.01);
+            if n > 2 {
+                // v = 0 with g = 0 (a parameter that never had a gradient).
+                g[1] = 0.0;
+                v0[1] = 0.0;
+            }
+            let (mut p, mut m, mut v) = (Guarded::new(&p0), Guarded::new(&m0), Guarded::new(&v0));
+            s.adamw(p.slice(), &g, m.slice(), v.slice(), &k);
+            p.check("adamw p");
+            m.check("adamw m");
+            v.check("adamw v");
+            for i in 0..n {
+                let gi = g[i] as f64 * k.scale as f64;
+                let mi = k.beta1 as f64 * m0[i] as f64 + k.one_m_b1 as f64 * gi;
+                let vi = k.beta2 as f64 * v0[i] as f64 + k.one_m_b2 as f64 * gi * gi;
+                let step = k.neg_step_size as f64 * mi / (vi.sqrt() / k.bc2_sqrt as f64 + k.eps as f64);
+                let pi = p0[i] as f64 * k.decay as f64 + step;
+                // m, v: two products and a fused add (3 ulp of the terms); the step: m, √v
+                // (estimate + 2 Newton steps), the reciprocal, three products: 10 ulp.
+                let mt = (k.beta1 as f64 * m0[i] as f64).abs() + (k.one_m_b1 as f64 * gi).abs();
+                assert!((m.data()[i] as f64 - mi).abs() <= 3.0 * U * mt, "adamw m[{i}]");
+                assert!((v.data()[i] as f64 - vi).abs() <= 3.0 * U * vi, "adamw v[{i}]");
+                let tol = 2.0 * U * pi.abs() + 10.0 * U * step.abs();
+                assert!((p.data()[i] as f64 - pi).abs() <= tol, "adamw p[{i}]: {} vs {pi}", p.data()[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn report_vector_length() {
+        let Some(s) = sve() else { return };
+        println!("sve row kernels: {} f32 lanes ({} bits)", s.f32_lanes(), 32 * s.f32_lanes());
+    }
+}
