@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Predicts A64FX cycles per element of the non-GEMM row kernels with llvm-mca, for the fugu
-# library built two ways for aarch64:
-#   a64fx:   -C target-cpu=a64fx (the Fugaku build, scripts/build-fugaku.sh): 512-bit SVE
-#   generic: the default aarch64 target: 128-bit NEON, the plain-Rust fallback a build that is
-#            not tuned for A64FX runs
+# Predicts A64FX cycles per element of the non-GEMM row kernels with llvm-mca, three ways:
+#   a64fx:   fugu's portable loops compiled with -C target-cpu=a64fx (512-bit SVE)
+#   generic: the same loops for the default aarch64 target (128-bit NEON)
+#   sve-asm: the hand-written SVE kernels of fugu-rows (rows/src/sve.rs), which fugu runs on
+#            every CPU with SVE whatever the build (ops::row_isa)
 #
 #   scripts/predict-a64fx-rows.sh
 #
 # For each kernel (the `dispatch_rows!` functions of src/ops: the softmax/cross-entropy
-# exponentials, GELU forward and backward, the layernorm rows, the AdamW update, the sum of
-# squares of the gradient norm) the script disassembles the release rlib, takes the innermost
+# exponentials, the attention softmax backward, GELU forward and backward, the layernorm rows,
+# the AdamW update, the sum of squares of the gradient norm) the script disassembles the
+# release rlibs, takes the innermost
 # loops with vector floating-point instructions, runs each through
 #   llvm-mca-14 -march=aarch64 -mcpu=a64fx -mattr=+sve -iterations=300 loop.s
 # and adds up cycles per iteration / elements per iteration (vector loads per streamed array x
-# lanes: 16 f32 per SVE z register on A64FX, 4 per NEON q register; `ldp q` counts two).
+# lanes: 16 f32 per SVE z register on A64FX, 8 where f32 are loaded into 64-bit lanes, 4 per
+# NEON q register; `ldp q` counts two).
 # Compute only: HBM bandwidth (256 GB/s per CMG) is not in llvm-mca's model. Output: a table,
 # and target/aarch64-rows/rows.tsv.
 # Release builds for aarch64 with Debian's rustc as in scripts/test-aarch64.sh (two target
@@ -53,6 +55,11 @@ build() { # name target-dir rustflags
 }
 build a64fx target/aarch64-a64fx "-C target-feature=+crt-static -C target-cpu=a64fx"
 build generic target/aarch64 "-C target-feature=+crt-static"
+# A dependency's rlib stays in deps/ (the newest one is this build's).
+rows_rlib=$(ls -t target/aarch64/$TARGET/release/deps/libfugu_rows-*.rlib 2>/dev/null | head -1)
+[[ -n "$rows_rlib" ]] || die "no libfugu_rows rlib in target/aarch64/$TARGET/release/deps after the build"
+"$OBJDUMP" -d --no-show-raw-insn --mattr=+sve --demangle "$rows_rlib" >"$OUT/sve-asm.dis" 2>/dev/null || true
+[[ -s "$OUT/sve-asm.dis" ]] || die "$OBJDUMP produced no disassembly of $rows_rlib"
 
 python3 - "$OUT" "$MCA" <<'PY'
 import os
@@ -61,16 +68,22 @@ import subprocess
 import sys
 
 out, mca = sys.argv[1], sys.argv[2]
-# kernel symbol (module::function), passes over the data, what it is.
+# kernel symbol (module::function), passes over the data, what it is, and the fugu-rows
+# kernels (one loop each) that do the same on SVE.
 KERNELS = [
-    ("fastmath::sum_exp_f32", 1, "softmax / cross-entropy: sum of exp(x - max)"),
-    ("fastmath::exp_scale_f32", 1, "softmax: scale·exp(x - max), in place"),
-    ("gelu::gelu_rows_f32", 1, "GELU forward (tanh form)"),
-    ("gelu::gelu_backward_rows_f32", 1, "GELU backward"),
-    ("layernorm::layernorm_row_f32", 3, "layernorm forward row (mean, variance, normalise)"),
-    ("layernorm::layernorm_backward_row_f32", 2, "layernorm backward row (two means, dinp)"),
-    ("adamw::update_chunk", 1, "AdamW update (p, g, m, v)"),
-    ("adamw::chunk_sum_of_squares", 1, "sum of squares (gradient norm), f64 lanes"),
+    ("fastmath::sum_exp_f32", 1, "softmax / cross-entropy: sum of exp(x - max)", ["sve::sum_exp"]),
+    ("fastmath::exp_scale_f32", 1, "softmax: scale·exp(x - max), in place", ["sve::exp_scale"]),
+    ("attention::softmax_backward_row_f32", 2, "attention softmax backward row (sum, update)",
+     ["sve::dot", "sve::softmax_backward_update"]),
+    ("gelu::gelu_rows_f32", 1, "GELU forward (tanh form)", ["sve::gelu"]),
+    ("gelu::gelu_backward_rows_f32", 1, "GELU backward", ["sve::gelu_backward"]),
+    ("layernorm::layernorm_row_f32", 3, "layernorm forward row (mean, variance, normalise)",
+     ["sve::sum_f64", "sve::sum_sq_dev_f64", "sve::normalise"]),
+    ("layernorm::layernorm_backward_row_f32", 2, "layernorm backward row (two means, dinp)",
+     ["sve::ln_backward_sums", "sve::ln_backward_update"]),
+    ("adamw::update_chunk", 1, "AdamW update (p, g, m, v)", ["sve::adamw"]),
+    ("adamw::chunk_sum_of_squares", 1, "sum of squares (gradient norm), f64 lanes",
+     ["sve::sum_sq_dev_f64"]),
 ]
 header = re.compile(r"^[0-9a-f]+ <(.*)>:$")
 insn = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
@@ -97,10 +110,13 @@ def is_vector_fp(op, ops):
 
 
 def vector_loads(op, ops):
+    """Vector loads, in full vectors of f32 (a load of f32 into 64-bit lanes is half)."""
     if op == "ldp" and re.match(r"q\d+, q\d+", ops):
         return 2
     if op in ("ldr", "ldur") and re.match(r"[qz]\d+,", ops):
         return 1
+    if op == "ld1w" and re.search(r"\{\s*z\d+\.d", ops):
+        return 0.5
     if op.startswith("ld1") and re.search(r"\{\s*[zv]\d+", ops):
         return 1
     return 0
@@ -167,15 +183,36 @@ rows = []
 # lanes). The compiler emits copies of a loop (versioned for aliasing, unrolled remainders):
 # loops with the same instruction sequence count once, and the `passes` loops with the most
 # vector FP instructions are taken.
+def find(funcs, sym):
+    pat = r"(^|::)" + re.escape(sym) + r"(::h[0-9a-f]+)?( \(\.llvm\.\d+\))?$"
+    names = [n for n in funcs if re.search(pat, n)]
+    return max((funcs[n] for n in names), key=len) if names else None
+
+
+def timed(loops, build, sym):
+    """Cycles per element summed over `loops`, the vector kinds, and a note per loop."""
+    cpe, kinds, notes = 0.0, set(), []
+    for i, (fp, loop) in enumerate(loops):
+        sve = any(re.search(r"\bz\d+\.", x[2]) for x in loop)
+        kinds.add("sve" if sve else "neon")
+        loads = sum(vector_loads(x[1], x[2]) for x in loop)
+        elems = loads / streams(loop) * (16 if sve else 4)
+        c = cycles(loop, os.path.join(out, f"{build}-{sym.replace('::', '-')}-{i}.s"))
+        if c is None or elems == 0:
+            notes.append("a loop llvm-mca could not time or without loads")
+            continue
+        cpe += c / elems
+        notes.append(f"{elems:.0f} el/{c:.1f} cyc")
+    return cpe, "+".join(sorted(kinds)), "; ".join(notes)
+
+
 for build in ("a64fx", "generic"):
     funcs = functions(os.path.join(out, f"{build}.dis"))
-    for sym, passes, what in KERNELS:
-        pat = r"(^|::)" + re.escape(sym) + r"(::h[0-9a-f]+)?( \(\.llvm\.\d+\))?$"
-        names = [n for n in funcs if re.search(pat, n)]
-        if not names:
+    for sym, passes, what, _ in KERNELS:
+        body = find(funcs, sym)
+        if body is None:
             rows.append((sym, build, None, None, None, "symbol not found"))
             continue
-        body = max((funcs[n] for n in names), key=len)
         loops = vector_loops(body)
         if not loops:
             rows.append((sym, build, None, None, None, "no vector loop"))
@@ -184,19 +221,23 @@ for build in ("a64fx", "generic"):
         for fp, l in loops:
             distinct.setdefault(tuple(x[1] for x in l), (fp, l))
         loops = sorted(distinct.values(), key=lambda t: -t[0])[:passes]
-        cpe, kinds, notes = 0.0, set(), []
-        for i, (fp, loop) in enumerate(loops):
-            sve = any(re.search(r"\bz\d+\.", x[2]) for x in loop)
-            kinds.add("sve" if sve else "neon")
-            loads = sum(vector_loads(x[1], x[2]) for x in loop)
-            elems = loads / streams(loop) * (16 if sve else 4)
-            c = cycles(loop, os.path.join(out, f"{build}-{sym.replace('::', '-')}-{i}.s"))
-            if c is None or elems == 0:
-                notes.append("a loop llvm-mca could not time or without loads")
-                continue
-            cpe += c / elems
-            notes.append(f"{elems:.0f} el/{c:.1f} cyc")
-        rows.append((sym, build, "+".join(sorted(kinds)), len(loops), cpe, "; ".join(notes)))
+        cpe, kinds, note = timed(loops, build, sym)
+        rows.append((sym, build, kinds, len(loops), cpe, note))
+
+funcs = functions(os.path.join(out, "sve-asm.dis"))
+for sym, _, what, hand in KERNELS:
+    loops, missing = [], []
+    for h in hand:
+        body = find(funcs, h)
+        found = vector_loops(body) if body else []
+        if not found:
+            missing.append(h)
+        loops += found[:1]
+    if missing:
+        rows.append((sym, "sve-asm", None, None, None, "no loop in " + ", ".join(missing)))
+        continue
+    cpe, kinds, note = timed(loops, "sve-asm", sym)
+    rows.append((sym, "sve-asm", kinds, len(loops), cpe, note))
 
 with open(os.path.join(out, "rows.tsv"), "w") as f:
     f.write("kernel\tbuild\tvectors\tloops\tcycles_per_element\n")
@@ -210,8 +251,9 @@ for sym, build, vec, nloops, cpe, note in rows:
         print(f"{sym:<38} {build:<8} {vec:<5} {nloops:>5} {cpe:>9.3f}  {note}")
 by = {(r[0], r[1]): r for r in rows}
 print()
-for sym, _, what in KERNELS:
-    a, g = by.get((sym, "a64fx")), by.get((sym, "generic"))
-    if a and g and a[4] and g[4]:
-        print(f"{what}: SVE {a[4]:.3f} vs NEON {g[4]:.3f} cycles/element ({g[4] / a[4]:.1f}x)")
+for sym, _, what, _ in KERNELS:
+    a, g, h = (by.get((sym, b)) for b in ("a64fx", "generic", "sve-asm"))
+    if a and g and h and a[4] and g[4] and h[4]:
+        print(f"{what}: hand-written SVE {h[4]:.3f}, compiler SVE {a[4]:.3f} ({a[4] / h[4]:.1f}x), "
+              f"compiler NEON {g[4]:.3f} ({g[4] / h[4]:.1f}x) cycles/element")
 PY

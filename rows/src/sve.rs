@@ -95,6 +95,17 @@ impl Sve {
             .sum()
     }
 
+    /// Softmax backward of one row, in place: `d = a·(d − Σ d·a)` with `a` the softmax output
+    /// and `d` its gradient (the sum in f32, two vectors of lanes, then `faddv`).
+    pub fn softmax_backward(&self, d: &mut [f32], a: &[f32]) {
+        assert_eq!(d.len(), a.len(), "softmax_backward: lengths differ");
+        let n = d.len();
+        // SAFETY: `self` proves SVE; reads `d`, `a[..n]`.
+        let s = unsafe { dot(d.as_ptr(), a.as_ptr(), n) };
+        // SAFETY: `self` proves SVE; reads `a[..n]`, reads and writes `d[..n]`.
+        unsafe { softmax_backward_update(d.as_mut_ptr(), a.as_ptr(), n, &s) }
+    }
+
     /// GELU, tanh form, written as `x·σ(2u)` with `u = √(2/π)·(x + 0.044715·x³)` (the same
     /// function: `(1 + tanh u)/2 = σ(2u)`); `out` is overwritten.
     pub fn gelu(&self, out: &mut [f32], inp: &[f32]) {
@@ -394,16 +405,32 @@ macro_rules! loop2_tail {
 macro_rules! ld2 {
     ($r1:literal, $r2:literal, $ptr:literal) => {
         concat!(
-            "ld1w {{z", $r1, ".s}}, p1/z, [{", $ptr, "}, {i}, lsl #2]\n",
-            "ld1w {{z", $r2, ".s}}, p2/z, [{", $ptr, "}, {j}, lsl #2]\n",
+            "ld1w {{z",
+            $r1,
+            ".s}}, p1/z, [{",
+            $ptr,
+            "}, {i}, lsl #2]\n",
+            "ld1w {{z",
+            $r2,
+            ".s}}, p2/z, [{",
+            $ptr,
+            "}, {j}, lsl #2]\n",
         )
     };
 }
 macro_rules! st2 {
     ($r1:literal, $r2:literal, $ptr:literal) => {
         concat!(
-            "st1w {{z", $r1, ".s}}, p1, [{", $ptr, "}, {i}, lsl #2]\n",
-            "st1w {{z", $r2, ".s}}, p2, [{", $ptr, "}, {j}, lsl #2]\n",
+            "st1w {{z",
+            $r1,
+            ".s}}, p1, [{",
+            $ptr,
+            "}, {i}, lsl #2]\n",
+            "st1w {{z",
+            $r2,
+            ".s}}, p2, [{",
+            $ptr,
+            "}, {j}, lsl #2]\n",
         )
     };
 }
@@ -499,6 +526,75 @@ unsafe fn sum_exp(x: *const f32, n: usize, k: *const f32) -> f32 {
     f32::from_bits(bits)
 }
 
+/// `Σ x·y` in f32 (two chains of lanes, then `faddv`).
+///
+/// # Safety
+/// SVE; `x`, `y[..n]` readable.
+#[inline(never)]
+#[target_feature(enable = "sve")]
+unsafe fn dot(x: *const f32, y: *const f32, n: usize) -> f32 {
+    let bits: u32;
+    // SAFETY: loads predicated on index < n. Registers clobbered.
+    unsafe {
+        sve_asm!(
+            "ptrue p0.s",
+            "cntw {vl}",
+            "dup z30.s, #0",
+            "dup z31.s, #0",
+            loop2_head!("s"),
+            ld2!(0, 8, "x"),
+            ld2!(1, 9, "y"),
+            "fmla z30.s, p1/m, z0.s, z1.s",
+            "fmla z31.s, p2/m, z8.s, z9.s",
+            loop2_tail!(),
+            "fadd z30.s, z30.s, z31.s",
+            "faddv s0, p0, z30.s",
+            "fmov {r:w}, s0",
+            x = in(reg) x,
+            y = in(reg) y,
+            n = in(reg) n,
+            r = out(reg) bits,
+            i = out(reg) _,
+            j = out(reg) _,
+            vl = out(reg) _,
+        );
+    }
+    f32::from_bits(bits)
+}
+
+/// `d = a·(d − s)`.
+///
+/// # Safety
+/// SVE; `a[..n]` readable, `d[..n]` readable and writable; `k` points to `s`.
+#[inline(never)]
+#[target_feature(enable = "sve")]
+unsafe fn softmax_backward_update(d: *mut f32, a: *const f32, n: usize, k: *const f32) {
+    // SAFETY: loads and stores predicated on index < n; the constant from k[0].
+    unsafe {
+        sve_asm!(
+            "ptrue p0.s",
+            "cntw {vl}",
+            load_consts!(24 @ 0),
+            loop2_head!("s"),
+            ld2!(0, 8, "d"),
+            ld2!(1, 9, "a"),
+            "fsub z0.s, z0.s, z24.s",
+            "fsub z8.s, z8.s, z24.s",
+            "fmul z0.s, z0.s, z1.s",
+            "fmul z8.s, z8.s, z9.s",
+            st2!(0, 8, "d"),
+            loop2_tail!(),
+            d = in(reg) d,
+            a = in(reg) a,
+            n = in(reg) n,
+            k = in(reg) k,
+            i = out(reg) _,
+            j = out(reg) _,
+            vl = out(reg) _,
+        );
+    }
+}
+
 /// Per chain: x in z0, x² in z1, `e^{−2u}` then `1 + e^{−2u}` in z2, `s = σ(2u)` in z3.
 macro_rules! gelu_sigmoid {
     () => {
@@ -568,7 +664,13 @@ unsafe fn gelu(out: *mut f32, inp: *const f32, n: usize, k: *const f32) {
 /// SVE; `inp`, `dout[..n]` readable, `dinp[..n]` writable; `k[..14]` as for [`gelu`].
 #[inline(never)]
 #[target_feature(enable = "sve")]
-unsafe fn gelu_backward(dinp: *mut f32, inp: *const f32, dout: *const f32, n: usize, k: *const f32) {
+unsafe fn gelu_backward(
+    dinp: *mut f32,
+    inp: *const f32,
+    dout: *const f32,
+    n: usize,
+    k: *const f32,
+) {
     // SAFETY: loads and stores predicated on index < n; constants from k[..14].
     unsafe {
         sve_asm!(
@@ -742,7 +844,14 @@ unsafe fn sum_sq_dev_f64(x: *const f32, n: usize, c: *const f64) -> f64 {
 /// SVE; `x`, `w`, `bias[..n]` readable, `out[..n]` writable; `k[..2]`: mean, rstd.
 #[inline(never)]
 #[target_feature(enable = "sve")]
-unsafe fn normalise(out: *mut f32, x: *const f32, w: *const f32, b: *const f32, n: usize, k: *const f32) {
+unsafe fn normalise(
+    out: *mut f32,
+    x: *const f32,
+    w: *const f32,
+    b: *const f32,
+    n: usize,
+    k: *const f32,
+) {
     // SAFETY: loads and stores predicated on index < n; constants from k[..2].
     unsafe {
         sve_asm!(

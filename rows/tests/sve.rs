@@ -27,7 +27,19 @@ mod sve {
     /// Row lengths around the vector length (and 0, and a long row).
     fn lengths(s: &Sve) -> Vec<usize> {
         let vl = s.f32_lanes();
-        let mut v = vec![0, 1, 2, vl - 1, vl, vl + 1, 2 * vl - 1, 2 * vl, 2 * vl + 1, 4 * vl + 3, 1237];
+        let mut v = vec![
+            0,
+            1,
+            2,
+            vl - 1,
+            vl,
+            vl + 1,
+            2 * vl - 1,
+            2 * vl,
+            2 * vl + 1,
+            4 * vl + 3,
+            1237,
+        ];
         v.sort();
         v.dedup();
         v
@@ -171,7 +183,12 @@ mod sve {
                 let eb = (din.data()[i] as f64 - want).abs()
                     / (2.0 * rel * terms * (g[i] as f64).abs() + 1e-37);
                 worst_b = worst_b.max(eb);
-                assert!(eb <= 1.0, "gelu'({xi})·{} = {} vs {want}", g[i], din.data()[i]);
+                assert!(
+                    eb <= 1.0,
+                    "gelu'({xi})·{} = {} vs {want}",
+                    g[i],
+                    din.data()[i]
+                );
             }
         }
         println!("gelu: worst error / bound: forward {worst_f:.3}, backward {worst_b:.3}");
@@ -187,6 +204,39 @@ mod sve {
     }
 
     #[test]
+    fn softmax_backward_matches_f64() {
+        let Some(s) = sve() else { return };
+        for n in lengths(&s).into_iter().chain([1024]) {
+            let mut a = values(n, 31 + n as u64, 0.0, 1.0);
+            let total: f32 = a.iter().sum();
+            a.iter_mut().for_each(|v| *v /= total.max(1e-30));
+            let d = values(n, 32 + n as u64, -1.0, 1.0);
+            let mut got = Guarded::new(&d);
+            s.softmax_backward(got.slice(), &a);
+            got.check("softmax_backward");
+            let dot: f64 = d.iter().zip(&a).map(|(&x, &y)| x as f64 * y as f64).sum();
+            let dot_abs: f64 = d
+                .iter()
+                .zip(&a)
+                .map(|(&x, &y)| (x as f64 * y as f64).abs())
+                .sum();
+            for i in 0..n {
+                let want = a[i] as f64 * (d[i] as f64 - dot);
+                // The f32 sum: (n/(2·VL) + log2(2·VL) + 2)·u of Σ|d·a| (each lane's chain,
+                // then the tree); the difference and product: 2 more roundings.
+                let lanes = 2 * s.f32_lanes();
+                let sum_err = ((n / lanes) as f64 + (lanes as f64).log2() + 2.0) * U * dot_abs;
+                let tol = (a[i] as f64) * (sum_err + 2.0 * U * (d[i] as f64 - dot).abs());
+                let g = got.data()[i] as f64;
+                assert!(
+                    (g - want).abs() <= tol + 1e-37,
+                    "softmax_backward n={n} i={i}: {g} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn f64_sums_match_exact_sums() {
         let Some(s) = sve() else { return };
         for n in lengths(&s).into_iter().chain([16384 + 5]) {
@@ -198,7 +248,10 @@ mod sve {
             // f64 sums of n terms: n·2^-53 relative to Σ|terms| (the orders differ).
             let tol = |t: f64| (n as f64 + 4.0) * f64::EPSILON * t + f64::MIN_POSITIVE;
             assert!((s.sum_f64(&x) - exact).abs() <= tol(sum_abs), "sum n={n}");
-            assert!((s.sum_sq_dev_f64(&x, c) - sq).abs() <= tol(sq), "sum_sq_dev n={n}");
+            assert!(
+                (s.sum_sq_dev_f64(&x, c) - sq).abs() <= tol(sq),
+                "sum_sq_dev n={n}"
+            );
         }
     }
 
@@ -225,7 +278,10 @@ mod sve {
                 let want = xhat * w[j] as f64 + b[j] as f64;
                 // (x − mean) exact-ish, two products and a fused add: 4 ulp of the terms.
                 let tol = 4.0 * U * (xhat.abs() * w[j] as f64 + (b[j] as f64).abs());
-                assert!((out.data()[j] as f64 - want).abs() <= tol, "layernorm c={c} j={j}");
+                assert!(
+                    (out.data()[j] as f64 - want).abs() <= tol,
+                    "layernorm c={c} j={j}"
+                );
             }
             // Backward: dinp += rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dout·w.
             let init = values(c, 9 + c as u64, -0.1, 0.1);
@@ -242,7 +298,10 @@ mod sve {
                 let want = init[j] as f64 + r * (gw[j] - m1 - xh[j] * m2);
                 let tol = 8.0 * U * (r * terms + (init[j] as f64).abs());
                 let got = dinp.data()[j] as f64;
-                assert!((got - want).abs() <= tol, "layernorm backward c={c} j={j}: {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= tol,
+                    "layernorm backward c={c} j={j}: {got} vs {want}"
+                );
             }
         }
     }
@@ -280,15 +339,26 @@ mod sve {
                 let gi = g[i] as f64 * k.scale as f64;
                 let mi = k.beta1 as f64 * m0[i] as f64 + k.one_m_b1 as f64 * gi;
                 let vi = k.beta2 as f64 * v0[i] as f64 + k.one_m_b2 as f64 * gi * gi;
-                let step = k.neg_step_size as f64 * mi / (vi.sqrt() / k.bc2_sqrt as f64 + k.eps as f64);
+                let step =
+                    k.neg_step_size as f64 * mi / (vi.sqrt() / k.bc2_sqrt as f64 + k.eps as f64);
                 let pi = p0[i] as f64 * k.decay as f64 + step;
                 // m, v: two products and a fused add (3 ulp of the terms); the step: m, √v
                 // (estimate + 2 Newton steps), the reciprocal, three products: 10 ulp.
                 let mt = (k.beta1 as f64 * m0[i] as f64).abs() + (k.one_m_b1 as f64 * gi).abs();
-                assert!((m.data()[i] as f64 - mi).abs() <= 3.0 * U * mt, "adamw m[{i}]");
-                assert!((v.data()[i] as f64 - vi).abs() <= 3.0 * U * vi, "adamw v[{i}]");
+                assert!(
+                    (m.data()[i] as f64 - mi).abs() <= 3.0 * U * mt,
+                    "adamw m[{i}]"
+                );
+                assert!(
+                    (v.data()[i] as f64 - vi).abs() <= 3.0 * U * vi,
+                    "adamw v[{i}]"
+                );
                 let tol = 2.0 * U * pi.abs() + 10.0 * U * step.abs();
-                assert!((p.data()[i] as f64 - pi).abs() <= tol, "adamw p[{i}]: {} vs {pi}", p.data()[i]);
+                assert!(
+                    (p.data()[i] as f64 - pi).abs() <= tol,
+                    "adamw p[{i}]: {} vs {pi}",
+                    p.data()[i]
+                );
             }
         }
     }
@@ -296,6 +366,10 @@ mod sve {
     #[test]
     fn report_vector_length() {
         let Some(s) = sve() else { return };
-        println!("sve row kernels: {} f32 lanes ({} bits)", s.f32_lanes(), 32 * s.f32_lanes());
+        println!(
+            "sve row kernels: {} f32 lanes ({} bits)",
+            s.f32_lanes(),
+            32 * s.f32_lanes()
+        );
     }
 }

@@ -122,6 +122,31 @@ super::row_isa::dispatch_rows! {
         v: &mut [f32],
         k: &StepScalars,
     ) = update_body;
+    sve = sve_update;
+}
+
+/// [`update_body`] on SVE (`fugu-rows`, the same per-step scalars).
+#[cfg(target_arch = "aarch64")]
+fn sve_update(
+    sve: &fugu_rows::sve::Sve,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &StepScalars,
+) {
+    let k = fugu_rows::sve::AdamWScalars {
+        scale: k.scale,
+        decay: k.decay,
+        beta1: k.beta1,
+        one_m_b1: k.one_m_b1,
+        beta2: k.beta2,
+        one_m_b2: k.one_m_b2,
+        neg_step_size: k.neg_step_size,
+        bc2_sqrt: k.bc2_sqrt,
+        eps: k.eps,
+    };
+    sve.adamw(p, g, m, v, &k)
 }
 
 /// Elements per partial sum of [`sum_of_squares`].
@@ -137,6 +162,13 @@ pub fn sum_of_squares(x: &[f32]) -> f64 {
 super::row_isa::dispatch_rows! {
     /// Σ x² of one chunk, with the widest vectors the CPU has.
     fn chunk_sum_of_squares(c: &[f32]) -> f64 = sum_of_squares_body;
+    sve = sve_sum_of_squares;
+}
+
+/// [`sum_of_squares_body`] on SVE (`fugu-rows`: Σ (x − 0)² in f64 lanes).
+#[cfg(target_arch = "aarch64")]
+fn sve_sum_of_squares(sve: &fugu_rows::sve::Sve, c: &[f32]) -> f64 {
+    sve.sum_sq_dev_f64(c, 0.0)
 }
 
 /// Σ x² of one chunk in eight f64 lanes (vectorisable), lanes added in order.
@@ -162,10 +194,11 @@ fn sum_of_squares_body(c: &[f32]) -> f64 {
 mod tests {
     use super::*;
 
-    /// The dispatched chunk kernels (AVX-512/AVX2 where the CPU has them) give the portable
-    /// bodies' results bit for bit.
+    /// The dispatched chunk kernels (AVX-512/AVX2 where the CPU has them, SVE) give the
+    /// portable bodies' results (bit for bit except on SVE).
     #[test]
     fn dispatched_chunks_match_the_portable_bodies() {
+        use crate::ops::testutil::assert_rows_match;
         let n = 1237;
         let mk = |s: u32| -> Vec<f32> {
             (0..n as u32)
@@ -187,14 +220,10 @@ mod tests {
         let (mut p2, mut m2, mut v2) = (p0, m0, v0);
         update_chunk(&mut p1, &g, &mut m1, &mut v1, &k);
         update_body(&mut p2, &g, &mut m2, &mut v2, &k);
-        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&p1), bits(&p2));
-        assert_eq!(bits(&m1), bits(&m2));
-        assert_eq!(bits(&v1), bits(&v2));
-        assert_eq!(
-            chunk_sum_of_squares(&g).to_bits(),
-            sum_of_squares_body(&g).to_bits()
-        );
+        assert_rows_match(&p1, &p2);
+        assert_rows_match(&m1, &m2);
+        assert_rows_match(&v1, &v2);
+        assert_rows_match(&[chunk_sum_of_squares(&g)], &[sum_of_squares_body(&g)]);
     }
     use crate::ops::testutil::*;
 

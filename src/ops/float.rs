@@ -262,6 +262,12 @@ pub trait Float:
         super::layernorm::layernorm_backward_row(dinp, dout, x, w, mu, rs)
     }
 
+    /// One row of the attention softmax backward, in place: `d = a·(d − Σ d·a)`
+    /// ([`super::attention::attention_softmax_backward`]'s loop).
+    fn softmax_backward_row(d: &mut [Self], a: &[Self]) {
+        super::attention::softmax_backward_row(d, a)
+    }
+
     /// `out = gelu(inp)` over one chunk ([`super::gelu::gelu_forward`]'s loop).
     fn gelu_rows(out: &mut [Self], inp: &[Self]) {
         super::gelu::gelu_rows(out, inp)
@@ -421,6 +427,9 @@ impl Float for f32 {
     }
     fn gelu_rows(out: &mut [f32], inp: &[f32]) {
         super::gelu::gelu_rows_f32(out, inp)
+    }
+    fn softmax_backward_row(d: &mut [f32], a: &[f32]) {
+        super::attention::softmax_backward_row_f32(d, a)
     }
     fn gelu_backward_rows(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
         super::gelu::gelu_backward_rows_f32(dinp, inp, dout)

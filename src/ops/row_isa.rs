@@ -4,11 +4,15 @@
 //! call. Every variant runs the same arithmetic (the portable bodies compiled with wider
 //! vectors), so results do not depend on it.
 //!
-//! On aarch64 there is no run-time variant: a generic build's bodies are NEON, and an SVE
-//! variant under `#[target_feature(enable = "sve")]` stays NEON too (LLVM's generic tuning
-//! keeps fixed 128-bit vectors for these loops; measured on the exp-based rows: no SVE
-//! instruction). The A64FX build (`scripts/build-fugaku.sh`, `-C target-cpu=a64fx`) compiles
-//! the same bodies to 512-bit SVE; `scripts/predict-a64fx.sh` reports both per element.
+//! On aarch64 the compiler cannot produce the SVE variant (under LLVM's generic tuning a
+//! function with `#[target_feature(enable = "sve")]` keeps 128-bit NEON vectors, and the A64FX
+//! build leaves the exponential a single dependency chain), so a CPU with SVE runs the
+//! hand-written kernels of the `fugu-rows` crate instead ([`RowIsa::Sve`]): the same
+//! functions, computed with SVE's own instructions (`fexpa`, FMAs, reciprocal estimates), so
+//! they agree with the portable bodies to a few ulp rather than bit for bit (each kernel's
+//! bound is tested against f64 in `rows/tests/sve.rs`, under QEMU at 128–2048 bits).
+//! `scripts/predict-a64fx-rows.sh` compares all three on A64FX: the compiler's SVE, its NEON
+//! and the hand-written kernels.
 
 use std::sync::OnceLock;
 
@@ -21,6 +25,21 @@ pub enum RowIsa {
     Avx2Fma,
     /// x86-64 AVX-512F.
     Avx512,
+    /// aarch64 SVE: `fugu-rows`' hand-written kernels (the token proves the CPU has SVE).
+    #[cfg(target_arch = "aarch64")]
+    Sve(fugu_rows::sve::Sve),
+}
+
+impl RowIsa {
+    /// Whether the kernels compute exactly what the portable bodies compute (the compiled
+    /// variants do; the hand-written SVE kernels agree to a few ulp).
+    pub fn bit_identical_to_portable(self) -> bool {
+        match self {
+            #[cfg(target_arch = "aarch64")]
+            RowIsa::Sve(_) => false,
+            _ => true,
+        }
+    }
 }
 
 /// The widest instruction set of [`RowIsa`] this CPU has (detected on first use). A variant
@@ -32,6 +51,10 @@ pub fn row_isa() -> RowIsa {
 }
 
 fn detect() -> RowIsa {
+    #[cfg(target_arch = "aarch64")]
+    if let Some(sve) = fugu_rows::sve::Sve::detect() {
+        return RowIsa::Sve(sve);
+    }
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
@@ -49,9 +72,11 @@ fn detect() -> RowIsa {
 /// this CPU: the same body (an `#[inline(always)]` function of plain loops) under
 /// `#[target_feature]`, so the compiler vectorises it for AVX-512 or AVX2. Rust never
 /// contracts `a·b + c` into an FMA, so every variant computes the same numbers; a body that
-/// reduces keeps its own fixed lane structure (the order of its sums) on every ISA.
+/// reduces keeps its own fixed lane structure (the order of its sums) on every ISA. On a CPU
+/// with SVE it calls `$sve(sve, args)`, the hand-written kernel of the same function.
 macro_rules! dispatch_rows {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;) => {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;
+     sve = $sve:path;) => {
         $(#[$meta])*
         // Never inlined: called once per row or chunk, and `scripts/predict-a64fx-rows.sh`
         // finds each kernel's loop under its own symbol.
@@ -75,6 +100,8 @@ macro_rules! dispatch_rows {
                 // SAFETY: row_isa() returns Avx2Fma only on a CPU with AVX2 and FMA.
                 #[cfg(target_arch = "x86_64")]
                 $crate::ops::row_isa::RowIsa::Avx2Fma => unsafe { avx2($($arg),*) },
+                #[cfg(target_arch = "aarch64")]
+                $crate::ops::row_isa::RowIsa::Sve(sve) => $sve(&sve, $($arg),*),
                 _ => $body($($arg),*),
             }
         }
@@ -96,7 +123,12 @@ mod tests {
             RowIsa::Avx2Fma => assert!(std::arch::is_x86_feature_detected!("fma")),
             RowIsa::Portable => {}
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        assert_eq!(
+            matches!(isa, RowIsa::Sve(_)),
+            std::arch::is_aarch64_feature_detected!("sve")
+        );
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         assert_eq!(isa, RowIsa::Portable);
     }
 }

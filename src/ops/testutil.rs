@@ -113,3 +113,24 @@ pub fn with_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R 
         .unwrap()
         .install(f)
 }
+
+/// The dispatched row kernels' results against the portable bodies': bit for bit where the
+/// kernels are the portable bodies compiled for wider vectors, within 2·10⁻⁶ relative (of the
+/// row's largest magnitude) where they are fugu-rows' hand-written SVE kernels, whose own
+/// tighter bounds against f64 are tested there (`rows/tests/sve.rs`); here it checks that the
+/// dispatch calls the kernel of the same function.
+pub fn assert_rows_match<T: Copy + Into<f64> + PartialEq + std::fmt::Debug>(got: &[T], want: &[T]) {
+    assert_eq!(got.len(), want.len());
+    if crate::ops::row_isa::row_isa().bit_identical_to_portable() {
+        assert_eq!(got, want);
+        return;
+    }
+    let scale = want
+        .iter()
+        .map(|&w| w.into().abs())
+        .fold(f64::MIN_POSITIVE, f64::max);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.into(), w.into());
+        assert!((g - w).abs() <= 2e-6 * scale, "element {i}: {g} vs {w}");
+    }
+}
