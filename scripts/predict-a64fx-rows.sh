@@ -17,7 +17,8 @@
 # lanes: 16 f32 per SVE z register on A64FX, 8 where f32 are loaded into 64-bit lanes, 4 per
 # NEON q register; `ldp q` counts two).
 # Compute only: HBM bandwidth (256 GB/s per CMG) is not in llvm-mca's model. Output: a table,
-# and target/aarch64-rows/rows.tsv.
+# target/aarch64-rows/rows.tsv, and the predicted non-GEMM share of a GPT-2 124M step on one
+# A64FX CMG for each of the three (each op the larger of its compute and its HBM time).
 # Release builds for aarch64 with Debian's rustc as in scripts/test-aarch64.sh (two target
 # directories, several minutes each the first time).
 set -euo pipefail
@@ -256,4 +257,51 @@ for sym, _, what, _ in KERNELS:
     if a and g and h and a[4] and g[4] and h[4]:
         print(f"{what}: hand-written SVE {h[4]:.3f}, compiler SVE {a[4]:.3f} ({a[4] / h[4]:.1f}x), "
               f"compiler NEON {g[4]:.3f} ({g[4] / h[4]:.1f}x) cycles/element")
+
+# The non-GEMM share of one GPT-2 124M training step (B = 1, T = 1024) on one A64FX CMG: 12
+# cores at 2.2 GHz, 256 GB/s of HBM. Each op costs the larger of its compute time (elements x
+# cycles/element above, over 12 cores) and its HBM time (bytes it reads and writes); the GEMMs
+# run at 85% of the CMG's f32 peak (12 x 2.2 GHz x 64 FLOP/cycle).
+L, C, H, V, T = 12, 768, 12, 50257, 1024
+params = 124_439_808
+causal = L * H * T * (T + 1) // 2                      # attention scores at or below the diagonal
+gemm_flop = 6 * (12 * C * C * L + V * C) * T + 3 * 4 * T * T * C * L
+cmg_hz, hbm = 12 * 2.2e9, 256e9
+gemm_s = gemm_flop / (0.85 * cmg_hz * 64)
+OPS = [  # (op, kernel, elements, bytes per element through HBM)
+    ("attention softmax: sum of exp", "fastmath::sum_exp_f32", causal, 4),
+    ("attention softmax: scale·exp", "fastmath::exp_scale_f32", causal, 8),
+    ("attention softmax backward", "attention::softmax_backward_row_f32", causal, 12),
+    ("cross-entropy: sum of exp", "fastmath::sum_exp_f32", T * V, 4),
+    ("cross-entropy: probabilities", "fastmath::exp_scale_f32", T * V, 8),
+    ("GELU forward", "gelu::gelu_rows_f32", L * T * 4 * C, 8),
+    ("GELU backward", "gelu::gelu_backward_rows_f32", L * T * 4 * C, 12),
+    ("layernorm forward", "layernorm::layernorm_row_f32", (2 * L + 1) * T * C, 8),
+    ("layernorm backward", "layernorm::layernorm_backward_row_f32", (2 * L + 1) * T * C, 16),
+    ("AdamW", "adamw::update_chunk", params, 28),
+    ("gradient norm: sum of squares", "adamw::chunk_sum_of_squares", params, 4),
+]
+print()
+print(f"GPT-2 124M step, B=1 T=1024, one A64FX CMG: GEMMs {gemm_flop / 1e12:.3f} TFLOP in "
+      f"{gemm_s * 1e3:.0f} ms; non-GEMM ops, ms (each the larger of compute and HBM time):")
+print(f"{'op':<32} {'HBM':>6} " + " ".join(f"{b:>9}" for b in ("sve-asm", "a64fx", "generic")))
+total = {b: 0.0 for b in ("sve-asm", "a64fx", "generic")}
+for op, sym, n, nbytes in OPS:
+    mem = n * nbytes / hbm
+    cells = []
+    for b in total:
+        r = by.get((sym, b))
+        t = max(mem, n * r[4] / cmg_hz) if r and r[4] else None
+        if t is None:
+            total[b] = None if total[b] is None else float("nan")
+        elif total[b] is not None:
+            total[b] += t
+        cells.append(f"{t * 1e3:>9.1f}" if t is not None else f"{'-':>9}")
+    print(f"{op:<32} {mem * 1e3:>6.1f} " + " ".join(cells))
+print(f"{'total':<32} {'':>6} " + " ".join(
+    f"{t * 1e3:>9.1f}" if t is not None else f"{'-':>9}" for t in total.values()))
+for b, t in total.items():
+    if t is not None and t == t:
+        print(f"{b}: non-GEMM {t * 1e3:.0f} ms = {100 * t / (t + gemm_s):.1f}% of a "
+              f"{(t + gemm_s) * 1e3:.0f} ms step")
 PY

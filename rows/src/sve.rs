@@ -118,7 +118,8 @@ impl Sve {
     }
 
     /// `dinp = dout · gelu'(inp)` with `gelu' = s + x·s(1−s)·(2k + 6k·0.044715·x²)`,
-    /// `s = σ(2u)`; `dinp` is overwritten.
+    /// `s = σ(2u) = 1/(1 + e)`, `e = e^{−2u}`, and `1 − s = e·s` (not `1 − s`, which cancels
+    /// for large x); `dinp` is overwritten.
     pub fn gelu_backward(&self, dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
         assert_eq!(dinp.len(), inp.len(), "gelu_backward: dinp length");
         assert_eq!(dout.len(), inp.len(), "gelu_backward: dout length");
@@ -597,7 +598,7 @@ unsafe fn softmax_backward_update(d: *mut f32, a: *const f32, n: usize, k: *cons
     }
 }
 
-/// Per chain: x in z0, x² in z1, `e^{−2u}` then `1 + e^{−2u}` in z2, `s = σ(2u)` in z3.
+/// Per chain: x in z0, x² in z1, `e = e^{−2u}` in z5, `1 + e` in z2, `s = σ(2u)` in z3.
 macro_rules! gelu_sigmoid {
     () => {
         concat!(
@@ -684,9 +685,9 @@ unsafe fn gelu_backward(
             ld2!(0, 8, "x"),
             ld2!(7, 15, "g"),
             gelu_sigmoid!(),
-            // s(1 − s)·x
-            "fsub z4.s, z24.s, z3.s",
-            "fsub z12.s, z24.s, z11.s",
+            // s(1 − s)·x, with 1 − s = e·s (no cancellation where s is near 1)
+            "fmul z4.s, z5.s, z3.s",
+            "fmul z12.s, z13.s, z11.s",
             "fmul z4.s, z4.s, z3.s",
             "fmul z12.s, z12.s, z11.s",
             "fmul z4.s, z4.s, z0.s",

@@ -174,11 +174,11 @@ mod sve {
                 let ef = (out.data()[i] as f64 - y).abs() / (rel * y.abs() + 1e-37);
                 worst_f = worst_f.max(ef);
                 assert!(ef <= 1.0, "gelu({xi}) = {} vs {y}", out.data()[i]);
-                // dy = s + x·s(1−s)·du cancels near x ≈ −0.75: bound by the terms' sizes
-                // (s within `rel`, 1 − s absolute ~2u, the rest a few roundings: 2·rel).
+                // dy = s + x·s(1−s)·du cancels near x ≈ −0.75: bound by the terms' sizes,
+                // each within 2·rel (s, and 1 − s = e·s, within rel; a few more roundings).
                 let sig = 1.0 / (1.0 + (-2.0 * k * (xi + 0.044715 * xi.powi(3))).exp());
                 let du = 2.0 * k * (1.0 + 3.0 * 0.044715 * xi * xi);
-                let terms = sig + xi.abs() * sig * du;
+                let terms = sig + xi.abs() * sig * (1.0 - sig) * du;
                 let want = g[i] as f64 * dy;
                 let eb = (din.data()[i] as f64 - want).abs()
                     / (2.0 * rel * terms * (g[i] as f64).abs() + 1e-37);
