@@ -18,6 +18,8 @@
 # that default (64 bytes = 512 bits), not at the largest enabled length, so `sve2048=on` alone
 # runs at 512 bits. Each run checks the vector length the kernels actually see.
 #   qemu-aarch64 -cpu a64fx            with FUGU_GEMM_ISA=neon (the NEON kernel through the driver)
+# Then fugu's own unit tests (`cargo test -p fugu --lib`: the ops with the SVE row kernels
+# dispatched, the model, the checkpoints) at 512 and 128 bits (the a64fx and sve128 runs).
 #
 # Env: FUGU_QEMU_RUNS="a64fx sve128 ..." limits the runs (names: a64fx sve128 sve256 sve2048 neon);
 #      CARGO_BUILD_JOBS as usual (default 2 here).
@@ -92,6 +94,23 @@ for run in $RUNS; do
     else
         echo "!! run '$run': FAILED" >&2
         failed+=("$run")
+    fi
+done
+
+for run in a64fx sve128; do
+    [[ " $RUNS " == *" $run "* ]] || continue
+    case "$run" in
+        a64fx) cpu="a64fx" ;;
+        sve128) cpu="max,sve128=on,sve-default-vector-length=16" ;;
+    esac
+    echo
+    echo "== fugu unit tests, run '$run': qemu-aarch64 -cpu $cpu"
+    if CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu $cpu" \
+        cargo test -q -p fugu --lib --target "$TARGET" -- --test-threads 2; then
+        echo "== fugu unit tests, run '$run': passed"
+    else
+        echo "!! fugu unit tests, run '$run': FAILED" >&2
+        failed+=("fugu-$run")
     fi
 done
 

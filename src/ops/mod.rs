@@ -25,7 +25,7 @@
 //! | `residual.rs` | residual add |
 //! | `crossentropy.rs` | fused softmax + cross-entropy in phases (vocabulary-parallel ready) |
 //! | `adamw.rs` | PyTorch AdamW step, sum of squares for gradient clipping |
-//! | `row_isa.rs` | [`row_isa::row_isa`]: the instruction set of the vectorised row kernels (`fastmath.rs`, `adamw.rs`), chosen once |
+//! | `row_isa.rs` | [`row_isa::row_isa`]: the instruction set of the row kernels (exp, GELU, layernorm rows, softmax backward, AdamW), chosen once: AVX-512/AVX2 compilations of the portable bodies, or fugu-rows' SVE kernels |
 
 pub mod adamw;
 pub mod attention;
