@@ -583,14 +583,7 @@ pub fn run_shape(
         row.f32_gflops = Some(fg);
         row.f32_ratio = Some(g / fg);
         let rel = max_rel_diff(&c, &c32);
-        // f32 accumulation differs from fugu's f32 GEMM only in the order of the sums; f16
-        // chunks round every addition to 11 bits (their bound is tested in fugu-gemm; here a
-        // loose check that catches a wrong result, not rounding).
-        let tol = match rt.kernel_at(prec).accumulation {
-            fugu_gemm::kernel::Accumulation::F32 => 1e-3,
-            fugu_gemm::kernel::Accumulation::F16Chunks(_) => 5e-2,
-        };
-        if rel.is_nan() || rel >= tol {
+        if rel.is_nan() || rel >= agreement_tolerance(rt, prec) {
             bail!(
                 "{}: fugu-gemm at {prec} and at f32 disagree on the same operands (max relative difference {rel:e})",
                 s.name
@@ -603,7 +596,7 @@ pub fn run_shape(
         row.ratio = Some(g / bg);
         let rel = max_rel_diff(&c, &cb);
         row.max_rel_diff = Some(rel);
-        if rel.is_nan() || rel >= 1e-3 {
+        if rel.is_nan() || rel >= agreement_tolerance(rt, prec) {
             bail!(
                 "{}: fugu-gemm and matrixmultiply disagree (max relative difference {rel:e})",
                 s.name
@@ -619,6 +612,17 @@ pub fn run_shape(
         super::openblas::set_threads(rt.threads());
     }
     Ok(row)
+}
+
+/// How far fugu-gemm at `prec` may be from another GEMM of the same (rounded) operands: f32
+/// accumulation differs only in the order of the sums; f16 chunks round every addition to 11
+/// bits (their bound is tested in fugu-gemm; here a loose check that catches a wrong result,
+/// not rounding).
+fn agreement_tolerance(rt: &Runtime, prec: Precision) -> f64 {
+    match rt.kernel_at(prec).accumulation {
+        fugu_gemm::kernel::Accumulation::F32 => 1e-3,
+        fugu_gemm::kernel::Accumulation::F16Chunks(_) => 5e-2,
+    }
 }
 
 /// The table header matching [`format_row`] for GEMMs at `prec`.
