@@ -430,20 +430,8 @@ mod tests {
             let mut c = vec![f32::NAN; m * n];
             let p = Problem {
                 alpha: 1.5,
-                a: RawMat {
-                    ptr: a.as_ptr(),
-                    rows: m,
-                    cols: k,
-                    rs: k,
-                    cs: 1,
-                },
-                b: RawMat {
-                    ptr: b.as_ptr(),
-                    rows: k,
-                    cols: n,
-                    rs: n,
-                    cs: 1,
-                },
+                a: RawMat::f32(a.as_ptr(), m, k, k, 1),
+                b: RawMat::f32(b.as_ptr(), k, n, n, 1),
                 beta: 0.0,
                 c: RawMatMut {
                     ptr: c.as_mut_ptr(),

@@ -10,6 +10,10 @@
 //!   should not.
 //! * One micro-kernel per ISA (SVE, NEON, AVX-512, AVX2+FMA, portable Rust), chosen once at run
 //!   time; `FUGU_GEMM_ISA` forces one. The kernel contract is in `docs/KERNELS.md`.
+//! * Low precision ([`Runtime::at`], [`Precision`]): bf16 and f16 GEMMs with f32 C, on
+//!   `f32` views or on `half::f16`/`half::bf16` views ([`Element`]); native kernels where the
+//!   CPU has them (AVX-512 BF16, SVE f16 with f16 chunks), the f32 kernel on rounded operands
+//!   elsewhere.
 //! * Threads are grouped by NUMA domain (one pinned rayon pool per domain, from sysfs, or
 //!   simulated with `FUGU_CMGS=4x12`). Large GEMMs split across domains; batched GEMMs hand
 //!   whole problems to domains and threads by cost.
@@ -37,8 +41,9 @@ pub mod precision;
 mod view;
 
 pub use error::GemmError;
+pub use half;
 pub use kernel::{Isa, Kernel, Operand};
-pub use precision::Precision;
+pub use precision::{Element, Precision};
 pub use view::{BatchMut, BatchRef, MatMut, MatRef};
 mod blocking;
 mod buffer;

@@ -6,7 +6,7 @@
 
 use crate::arch::transpose::transposes;
 use crate::kernel::{Operand, Side};
-use crate::precision::{f16_bits_of, f32_to_bf16, Precision};
+use crate::precision::{bf16_to_f32, f16_bits_of, f16_to_f32, f32_to_bf16, Precision, Storage};
 use crate::raw::RawMat;
 use std::cell::RefCell;
 
@@ -46,7 +46,7 @@ pub(crate) fn pack_one_panel(
     w: usize,
 ) {
     if fmt.operand == Operand::F32 {
-        pack_f32_panel(panel, src, r0, w);
+        pack_source_panel(panel, src, r0, w);
         fmt.prec.round_slice(panel);
         return;
     }
@@ -61,7 +61,7 @@ pub(crate) fn pack_one_panel(
             scratch.resize(need, 0.0);
         }
         let f32_panel = &mut scratch[..need];
-        pack_f32_panel(f32_panel, src, r0, w);
+        pack_source_panel(f32_panel, src, r0, w);
         match (fmt.operand, side) {
             (Operand::Bf16Pairs, _) => {
                 debug_assert_eq!(fmt.prec, Precision::Bf16);
@@ -145,18 +145,50 @@ fn copy_piece(dst: &mut [f32], src: &[f32]) {
 fn scatter_row_tail(panel: &mut [f32], src: RawMat, r0: usize, r: usize, p0: usize, w: usize) {
     let k = src.cols;
     // SAFETY: row r0+r, columns p0..k are inside the source view, which is contiguous along k.
-    let tail = unsafe { std::slice::from_raw_parts(src.ptr.add((r0 + r) * src.rs + p0), k - p0) };
+    let tail =
+        unsafe { std::slice::from_raw_parts(src.f32_ptr().add((r0 + r) * src.rs + p0), k - p0) };
     for (q, &v) in tail.iter().enumerate() {
         panel[(p0 + q) * w + r] = v;
     }
 }
 
 /// Packs the single panel of rows `r0 .. r0 + w` (clipped to the block, rest zero) as `f32`.
+/// Packs rows `r0 .. r0 + w` of `src` (clipped, rest zero) into an `f32` panel, converting
+/// 16-bit sources exactly.
+fn pack_source_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
+    match src.storage {
+        Storage::F32 => pack_f32_panel(panel, src, r0, w),
+        Storage::F16 => pack_converted_panel(panel, src, r0, w, f16_to_f32),
+        Storage::Bf16 => pack_converted_panel(panel, src, r0, w, bf16_to_f32),
+    }
+}
+
+/// [`pack_source_panel`] for 16-bit sources: element by element, `to_f32` of each one's bits.
+fn pack_converted_panel(
+    panel: &mut [f32],
+    src: RawMat,
+    r0: usize,
+    w: usize,
+    to_f32: fn(u16) -> f32,
+) {
+    let rows = w.min(src.rows - r0);
+    let base = src.u16_ptr();
+    if rows < w {
+        panel.fill(0.0);
+    }
+    for (p, out) in panel.chunks_exact_mut(w).enumerate() {
+        for (r, o) in out[..rows].iter_mut().enumerate() {
+            // SAFETY: (r0+r, p) is inside the source view, whose elements are 16 bits.
+            *o = to_f32(unsafe { *base.add((r0 + r) * src.rs + p * src.cs) });
+        }
+    }
+}
+
 fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     let k = src.cols;
     let rows = w.min(src.rows - r0);
     let (s_w, s_k) = (src.rs, src.cs);
-    let base = src.ptr;
+    let base = src.f32_ptr();
     if rows < w {
         panel.fill(0.0);
     }
@@ -224,13 +256,7 @@ mod tests {
     fn check_pack(w: usize, k: usize, len: usize, rs: usize, cs: usize) {
         let size = len * rs + k * cs + 1;
         let data: Vec<f32> = (0..size).map(|i| i as f32 + 0.25).collect();
-        let src = RawMat {
-            ptr: data.as_ptr(),
-            rows: len,
-            cols: k,
-            rs,
-            cs,
-        };
+        let src = RawMat::f32(data.as_ptr(), len, k, rs, cs);
         let panels = len.div_ceil(w);
         let mut got = vec![f32::NAN; panels * w * k];
         pack_panels(F32_WORDS, Side::A, &mut got, src, w);
@@ -301,13 +327,7 @@ mod tests {
                 let data: Vec<f32> = (0..len * rs + k * cs + 1)
                     .map(|i| 1.0 + i as f32 * 1.001e-3)
                     .collect();
-                let src = RawMat {
-                    ptr: data.as_ptr(),
-                    rows: len,
-                    cols: k,
-                    rs,
-                    cs,
-                };
+                let src = RawMat::f32(data.as_ptr(), len, k, rs, cs);
                 let panels = len.div_ceil(w);
                 let mut plain = vec![0.0; panels * w * k];
                 pack_panels(F32_WORDS, Side::A, &mut plain, src, w);

@@ -78,6 +78,53 @@ impl Precision {
     }
 }
 
+/// How the elements of an input matrix are stored: `f32`, or the bits of a 16-bit float
+/// ([`half::f16`], [`half::bf16`]), converted exactly to `f32` as the matrix is packed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Storage {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Storage {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Storage::F32 => 4,
+            Storage::F16 | Storage::Bf16 => 2,
+        }
+    }
+}
+
+/// An element type A and B may be given in: `f32`, [`half::f16`] or [`half::bf16`]. The GEMM's
+/// [`Precision`] is separate: an `f16` matrix multiplied at `Precision::F16` is packed without
+/// rounding; at `Precision::F32` its exact `f32` values are used; at `Precision::Bf16` they
+/// are rounded to bfloat16.
+pub trait Element: Copy + Send + Sync + sealed::Sealed + 'static {
+    /// How this type is stored.
+    const STORAGE: Storage;
+}
+
+impl Element for f32 {
+    const STORAGE: Storage = Storage::F32;
+}
+
+impl Element for half::f16 {
+    const STORAGE: Storage = Storage::F16;
+}
+
+impl Element for half::bf16 {
+    const STORAGE: Storage = Storage::Bf16;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
 impl fmt::Display for Precision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

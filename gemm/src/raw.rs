@@ -1,9 +1,13 @@
 //! Raw strided matrices used inside the driver, after the safe views have been validated.
 
-/// A validated read-only strided block: `ptr` points at element (0, 0).
+use crate::precision::Storage;
+
+/// A validated read-only strided block: `ptr` points at element (0, 0), whose elements are
+/// stored as `storage` says; strides count elements.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RawMat {
-    pub ptr: *const f32,
+    pub ptr: *const u8,
+    pub storage: Storage,
     pub rows: usize,
     pub cols: usize,
     pub rs: usize,
@@ -31,6 +35,31 @@ unsafe impl Send for RawMatMut {}
 unsafe impl Sync for RawMatMut {}
 
 impl RawMat {
+    /// An `f32` block (the tests build their sources with it).
+    #[cfg(test)]
+    pub fn f32(ptr: *const f32, rows: usize, cols: usize, rs: usize, cs: usize) -> Self {
+        RawMat {
+            ptr: ptr.cast(),
+            storage: Storage::F32,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
+    }
+
+    /// The pointer to element (0, 0) of an `f32` block.
+    pub fn f32_ptr(self) -> *const f32 {
+        debug_assert_eq!(self.storage, Storage::F32);
+        self.ptr.cast()
+    }
+
+    /// The pointer to element (0, 0) of a 16-bit block (`f16` or `bf16` bits).
+    pub fn u16_ptr(self) -> *const u16 {
+        debug_assert_ne!(self.storage, Storage::F32);
+        self.ptr.cast()
+    }
+
     /// The transpose.
     pub fn t(self) -> Self {
         RawMat {
@@ -46,7 +75,9 @@ impl RawMat {
     pub fn block(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Self {
         debug_assert!(r0 + rows <= self.rows && c0 + cols <= self.cols);
         RawMat {
-            ptr: self.ptr.wrapping_add(r0 * self.rs + c0 * self.cs),
+            ptr: self
+                .ptr
+                .wrapping_add((r0 * self.rs + c0 * self.cs) * self.storage.bytes()),
             rows,
             cols,
             ..self

@@ -6,7 +6,7 @@ use crate::buffer::AlignedBuf;
 use crate::driver::{run_parallel, run_sequential, Ctx, Problem, SplitMode, MAX_TILE};
 use crate::error::GemmError;
 use crate::kernel::{best_kernel, forced_kernel, Isa, Kernel};
-use crate::precision::Precision;
+use crate::precision::{Element, Precision};
 use crate::raw::{RawMat, RawMatMut};
 use crate::topology::{pin_current_thread, Topology, TopologyRequest};
 use crate::view::{BatchMut, BatchRef, MatMut, MatRef};
@@ -223,7 +223,7 @@ impl Runtime {
         self.ctx(Precision::F32).kernel
     }
     /// The micro-kernel that runs GEMMs at `prec` (the `f32` one when this CPU has no native
-    /// kernel for `prec`; see [`kernel_for_precision`]).
+    /// kernel for `prec`; see [`kernel_for_precision`](crate::kernel::kernel_for_precision)).
     pub fn kernel_at(&self, prec: Precision) -> Kernel {
         self.ctx(prec).kernel
     }
@@ -274,7 +274,7 @@ impl Runtime {
         )
     }
 
-    /// The kernel of each precision, one line ([`describe_kernels`]).
+    /// The kernel of each precision, one line ([`describe_kernels`](crate::kernel::describe_kernels)).
     pub fn describe_kernels(&self) -> String {
         crate::kernel::describe_kernels(&self.ctxs.map(|c| c.kernel))
     }
@@ -458,13 +458,15 @@ pub struct PrecisionGemm<'a> {
 impl PrecisionGemm<'_> {
     /// `C := alpha·A·B + beta·C`.
     ///
-    /// A is m×k, B is k×n and C is m×n; any strides. When `beta == 0`, C is not read (NaN in C
-    /// does not propagate). Mismatched shapes return [`GemmError::ShapeMismatch`].
-    pub fn gemm(
+    /// A is m×k, B is k×n and C is m×n; any strides. A and B may be `f32`, [`half::f16`] or
+    /// [`half::bf16`] views ([`Element`]), converted exactly as they are packed and then
+    /// rounded to this precision; C is `f32`. When `beta == 0`, C is not read (NaN in C does
+    /// not propagate). Mismatched shapes return [`GemmError::ShapeMismatch`].
+    pub fn gemm<TA: Element, TB: Element>(
         &self,
         alpha: f32,
-        a: MatRef<'_, f32>,
-        b: MatRef<'_, f32>,
+        a: MatRef<'_, TA>,
+        b: MatRef<'_, TB>,
         beta: f32,
         mut c: MatMut<'_, f32>,
     ) -> Result<(), GemmError> {
@@ -476,11 +478,11 @@ impl PrecisionGemm<'_> {
 
     /// Strided batched GEMM: `C[i] := alpha·A[i]·B[i] + beta·C[i]` for every `i` of the batch
     /// (PyTorch's `baddbmm`; `bmm` is `beta = 0`).
-    pub fn gemm_strided_batched(
+    pub fn gemm_strided_batched<TA: Element, TB: Element>(
         &self,
         alpha: f32,
-        a: BatchRef<'_, f32>,
-        b: BatchRef<'_, f32>,
+        a: BatchRef<'_, TA>,
+        b: BatchRef<'_, TB>,
         beta: f32,
         mut c: BatchMut<'_, f32>,
     ) -> Result<(), GemmError> {
@@ -510,11 +512,11 @@ impl PrecisionGemm<'_> {
 
     /// Pointer-array batched GEMM: `C[i] := alpha·A[i]·B[i] + beta·C[i]`. Problems may have
     /// different shapes; they are scheduled by cost (m·n·k).
-    pub fn gemm_batched(
+    pub fn gemm_batched<TA: Element, TB: Element>(
         &self,
         alpha: f32,
-        a: &[MatRef<'_, f32>],
-        b: &[MatRef<'_, f32>],
+        a: &[MatRef<'_, TA>],
+        b: &[MatRef<'_, TB>],
         beta: f32,
         c: &mut [MatMut<'_, f32>],
     ) -> Result<(), GemmError> {
@@ -544,9 +546,9 @@ impl PrecisionGemm<'_> {
     }
 }
 
-fn check_shapes(
-    a: &MatRef<'_, f32>,
-    b: &MatRef<'_, f32>,
+fn check_shapes<TA, TB>(
+    a: &MatRef<'_, TA>,
+    b: &MatRef<'_, TB>,
     m: usize,
     n: usize,
     ctx: &str,
@@ -568,10 +570,15 @@ fn check_shapes(
     Ok(())
 }
 
-fn raw(v: &MatRef<'_, f32>) -> RawMat {
+fn raw<T: Element>(v: &MatRef<'_, T>) -> RawMat {
     let empty = v.rows() == 0 || v.cols() == 0;
     RawMat {
-        ptr: if empty { std::ptr::null() } else { v.ptr() },
+        ptr: if empty {
+            std::ptr::null()
+        } else {
+            v.ptr().cast()
+        },
+        storage: T::STORAGE,
         rows: v.rows(),
         cols: v.cols(),
         rs: v.row_stride(),
@@ -579,10 +586,10 @@ fn raw(v: &MatRef<'_, f32>) -> RawMat {
     }
 }
 
-fn problem(
+fn problem<TA: Element, TB: Element>(
     alpha: f32,
-    a: &MatRef<'_, f32>,
-    b: &MatRef<'_, f32>,
+    a: &MatRef<'_, TA>,
+    b: &MatRef<'_, TB>,
     beta: f32,
     c: &mut MatMut<'_, f32>,
 ) -> Problem {

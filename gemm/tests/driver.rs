@@ -273,3 +273,122 @@ fn f16_chunked_gemm_stays_within_the_chunk_error_bound() {
         }
     }
 }
+
+/// A and B given as `half::f16` / `half::bf16` views give the same C, bit for bit, as `f32`
+/// views of the same values (the pack converts 16-bit elements exactly, so the kernels see the
+/// same panels), at every precision, on every ISA and layout, for every operand layout, through
+/// `gemm`, `gemm_strided_batched` and `gemm_batched`.
+#[test]
+fn half_views_give_the_f32_views_results() {
+    use fugu_gemm::half::{bf16, f16};
+    use fugu_gemm::{BatchMut, BatchRef};
+    let mut rng = Rng::new(11);
+    let mut checked = 0;
+    for isa in runnable_isas() {
+        for (lname, layout) in layouts() {
+            let rt = small_block_runtime(isa, layout);
+            for prec in Precision::ALL {
+                for (m, n, k) in [(1, 1, 1), (7, 13, 5), (33, 29, 17), (40, 70, 33)] {
+                    for la in LAYOUTS {
+                        for lb in LAYOUTS {
+                            let (alen, aoff, ars, acs) = geometry(la, m, k);
+                            let (blen, boff, brs, bcs) = geometry(lb, k, n);
+                            // A in f16, B in bf16, and their exact f32 values.
+                            let ah: Vec<f16> =
+                                rng.vec(alen).into_iter().map(f16::from_f32).collect();
+                            let bh: Vec<bf16> =
+                                rng.vec(blen).into_iter().map(bf16::from_f32).collect();
+                            let af: Vec<f32> = ah.iter().map(|v| v.to_f32()).collect();
+                            let bf: Vec<f32> = bh.iter().map(|v| v.to_f32()).collect();
+                            let c0 = rng.vec(m * n);
+                            let (mut want, mut got) = (c0.clone(), c0.clone());
+                            let g = rt.at(prec);
+                            g.gemm(
+                                -0.75,
+                                MatRef::with_offset(&af, aoff, m, k, ars, acs).unwrap(),
+                                MatRef::with_offset(&bf, boff, k, n, brs, bcs).unwrap(),
+                                0.5,
+                                MatMut::row_major(&mut want, m, n).unwrap(),
+                            )
+                            .unwrap();
+                            g.gemm(
+                                -0.75,
+                                MatRef::with_offset(&ah, aoff, m, k, ars, acs).unwrap(),
+                                MatRef::with_offset(&bh, boff, k, n, brs, bcs).unwrap(),
+                                0.5,
+                                MatMut::row_major(&mut got, m, n).unwrap(),
+                            )
+                            .unwrap();
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "isa {isa}, {lname}, {prec}, {m}x{n}x{k}, {la:?}/{lb:?}"
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+                // Batches: three 9×11×6 problems, strided and pointer-array.
+                let (m, n, k, batch) = (9, 11, 6, 3);
+                let ah: Vec<f16> = rng
+                    .vec(batch * m * k)
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect();
+                let bh: Vec<f16> = rng
+                    .vec(batch * k * n)
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect();
+                let af: Vec<f32> = ah.iter().map(|v| v.to_f32()).collect();
+                let bf: Vec<f32> = bh.iter().map(|v| v.to_f32()).collect();
+                let (mut want, mut got) =
+                    (vec![0.0f32; batch * m * n], vec![0.0f32; batch * m * n]);
+                let g = rt.at(prec);
+                g.gemm_strided_batched(
+                    1.0,
+                    BatchRef::row_major(&af, batch, m, k).unwrap(),
+                    BatchRef::row_major(&bf, batch, k, n).unwrap(),
+                    0.0,
+                    BatchMut::row_major(&mut want, batch, m, n).unwrap(),
+                )
+                .unwrap();
+                g.gemm_strided_batched(
+                    1.0,
+                    BatchRef::row_major(&ah, batch, m, k).unwrap(),
+                    BatchRef::row_major(&bh, batch, k, n).unwrap(),
+                    0.0,
+                    BatchMut::row_major(&mut got, batch, m, n).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(got, want, "isa {isa}, {lname}, {prec}: strided batch");
+                let views_h: Vec<_> = (0..batch)
+                    .map(|i| {
+                        (
+                            MatRef::with_offset(&ah, i * m * k, m, k, k, 1).unwrap(),
+                            MatRef::with_offset(&bh, i * k * n, k, n, n, 1).unwrap(),
+                        )
+                    })
+                    .collect();
+                let mut got2 = vec![0.0f32; batch * m * n];
+                let mut cs: Vec<MatMut<'_, f32>> = got2
+                    .chunks_mut(m * n)
+                    .map(|c| MatMut::row_major(c, m, n).unwrap())
+                    .collect();
+                let (a_views, b_views): (Vec<_>, Vec<_>) = views_h.into_iter().unzip();
+                g.gemm_batched(1.0, &a_views, &b_views, 0.0, &mut cs)
+                    .unwrap();
+                drop(cs);
+                assert_eq!(
+                    got2, want,
+                    "isa {isa}, {lname}, {prec}: pointer-array batch"
+                );
+                checked += 2;
+            }
+        }
+    }
+    eprintln!("checked {checked} GEMMs on 16-bit views");
+    assert!(checked >= 300);
+}
