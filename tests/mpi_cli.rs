@@ -659,3 +659,78 @@ fn mixed_precision_layouts_track_the_serial_run() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `fugu bench comm` on 2 and 3 ranks (3: blocks that do not divide the size): every operation
+/// at every size, each result checked by the benchmark itself (a wrong transfer is an error,
+/// not a number), positive times, bandwidths derived from them with nccl-tests' bus factors,
+/// one JSON document from rank 0 only.
+#[test]
+fn bench_comm_reports_every_operation_and_size() {
+    if mpirun_missing() {
+        return;
+    }
+    let exe = env!("CARGO_BIN_EXE_fugu");
+    for np in [2usize, 3] {
+        let out = Command::new("mpirun")
+            .args([
+                "-np",
+                &np.to_string(),
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                exe,
+            ])
+            .args(["bench", "comm", "--max-size", "64KiB", "--repeats", "2"])
+            .args(["--format", "json"])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+            .output()
+            .expect("running mpirun");
+        ok(&out);
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("np {np}: stdout is not one JSON document: {e}"));
+        assert_eq!(doc["benchmark"], "comm");
+        assert_eq!(doc["ranks"], np);
+        let rows = doc["rows"].as_array().unwrap();
+        let n = np as f64;
+        for (op, factor) in [
+            ("allreduce", 2.0 * (n - 1.0) / n),
+            ("reduce-scatter", (n - 1.0) / n),
+            ("allgather", (n - 1.0) / n),
+            ("broadcast", 1.0),
+            ("sendrecv", 1.0),
+        ] {
+            let mine: Vec<_> = rows.iter().filter(|r| r["op"] == op).collect();
+            // 4 B .. 64 KiB is 15 sizes; the block collectives merge the sizes below one
+            // block per rank (np = 3: 4 and 8 B both become 12 B).
+            assert!(mine.len() >= 13, "np {np} {op}: {} rows", mine.len());
+            let mut last = 0;
+            for r in mine {
+                let bytes = r["bytes"].as_u64().unwrap();
+                let t = r["time_us"].as_f64().unwrap();
+                let (alg, bus) = (
+                    r["algbw_gbs"].as_f64().unwrap(),
+                    r["busbw_gbs"].as_f64().unwrap(),
+                );
+                assert!(
+                    bytes > last && bytes <= 65_536,
+                    "np {np} {op}: sizes {last} then {bytes}"
+                );
+                assert!(
+                    t > 0.0 && r["min_time_us"].as_f64().unwrap() <= t,
+                    "np {np} {op}: {r}"
+                );
+                assert!(
+                    (alg - bytes as f64 / t / 1e3).abs() <= 1e-9 * alg,
+                    "np {np} {op}: {r}"
+                );
+                assert!(
+                    (bus - alg * factor).abs() <= 1e-9 * alg,
+                    "np {np} {op}: {r}"
+                );
+                last = bytes;
+            }
+        }
+    }
+}

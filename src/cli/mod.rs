@@ -1,5 +1,6 @@
 //! The `fugu` command line: one module per subcommand.
 
+mod bench_comm;
 mod bench_gemm;
 pub use bench_gemm::{run as bench_gemm_run, BenchGemmArgs};
 mod bench_io;
@@ -44,6 +45,9 @@ enum BenchCommand {
     Gemm(bench_gemm::BenchGemmArgs),
     /// Data-loader throughput from the page cache.
     Io(bench_io::BenchIoArgs),
+    /// Collectives and send/recv over message sizes: latency, algorithm and bus bandwidth
+    /// (run it under an MPI launcher, at least 2 ranks).
+    Comm(bench_comm::BenchCommArgs),
 }
 
 /// Entry point of the `fugu` binary.
@@ -58,6 +62,7 @@ pub fn main() -> ExitCode {
         Command::Sample(args) => sample::run(args),
         Command::Bench(BenchCommand::Gemm(args)) => bench_gemm::run(args),
         Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
+        Command::Bench(BenchCommand::Comm(args)) => bench_comm::run(args),
         Command::Report(args) => report::run(args),
     };
     match result {

@@ -53,6 +53,9 @@ pub trait Comm {
     fn gather_bytes(&self, send: &[u8]) -> Option<Vec<Vec<u8>>>;
     /// Rank 0's bytes on every rank (`buf` is replaced elsewhere).
     fn broadcast_bytes(&self, buf: &mut Vec<u8>);
+    /// Rank 0's `buf` on every rank; every rank passes the same length (one broadcast, no
+    /// length message).
+    fn broadcast_f32(&self, buf: &mut [f32]);
     /// Waits until every rank has arrived.
     fn barrier(&self);
     /// Starts a sum all-reduce of `send` into a result of the same length.
@@ -170,6 +173,7 @@ impl Comm for SerialComm {
         Some(vec![send.to_vec()])
     }
     fn broadcast_bytes(&self, _buf: &mut Vec<u8>) {}
+    fn broadcast_f32(&self, _buf: &mut [f32]) {}
     fn barrier(&self) {}
     fn start_allreduce(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Box<dyn Pending> {
         recv.copy_from_slice(&send);

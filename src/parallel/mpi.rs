@@ -62,9 +62,14 @@ impl MpiRuntime {
         self.world.abort(code)
     }
 
-    /// The MPI library's version string.
+    /// The MPI library's version string (Open MPI's ends in a NUL and a space: trimmed).
     pub fn library_version() -> String {
-        mpi::environment::library_version().unwrap_or_else(|_| "unknown MPI".into())
+        mpi::environment::library_version()
+            .map(|v| {
+                v.trim_matches(|c: char| c == '\0' || c.is_whitespace())
+                    .to_string()
+            })
+            .unwrap_or_else(|_| "unknown MPI".into())
     }
 }
 
@@ -293,6 +298,14 @@ impl Comm for MpiComm {
         root.broadcast_into(&mut len);
         buf.resize(len as usize, 0);
         root.broadcast_into(&mut buf[..]);
+    }
+
+    fn broadcast_f32(&self, buf: &mut [f32]) {
+        if self.size == 1 {
+            return;
+        }
+        self.count_bytes(std::mem::size_of_val(buf));
+        self.comm.process_at_rank(0).broadcast_into(buf);
     }
 
     fn barrier(&self) {
