@@ -387,3 +387,60 @@ fn loss_curves_of_runs_that_evaluated() {
     assert!(md.contains("Reference: ref (fp32)"), "{md}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `fugu bench comm` output (a real 2-rank run, 4 B .. 1 KiB): charts per operation, the
+/// summary table, and a malformed `--comm` file listed as skipped with the reason.
+#[test]
+fn comm_benchmark_files_are_charted_and_tabled() {
+    let out = tmp("comm");
+    let bad = tmp("comm-bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    let bad_file = bad.join("net.json");
+    std::fs::write(
+        &bad_file,
+        r#"{"benchmark":"comm","ranks":2,"nodes":1,"rows":[]}"#,
+    )
+    .unwrap();
+    let o = fugu(&[
+        &fixtures().join("comm"),
+        Path::new("--comm"),
+        &bad_file,
+        Path::new("--out"),
+        &out,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let md = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+    assert!(md.contains("## Communication benchmarks"), "{md}");
+    assert!(md.contains("net.json") && md.contains("no rows"), "{md}");
+    let rows = csv(&out.join("comm.csv"));
+    let ops: Vec<&str> = rows.iter().map(|r| r[3].as_str()).collect();
+    assert_eq!(
+        ops,
+        [
+            "allreduce",
+            "reduce-scatter",
+            "allgather",
+            "broadcast",
+            "sendrecv"
+        ]
+    );
+    for r in &rows {
+        // The smallest message: one f32, one per rank for the block collectives.
+        let smallest = if r[3].contains("scatter") || r[3].contains("gather") {
+            "8"
+        } else {
+            "4"
+        };
+        assert_eq!(
+            (r[0].as_str(), r[1].as_str(), r[4].as_str()),
+            ("comm-1n2r.json", "2", smallest)
+        );
+        assert!(r[5].parse::<f64>().unwrap() > 0.0 && r[8].parse::<f64>().unwrap() > 0.0);
+    }
+    for op in ops {
+        for kind in ["time", "busbw"] {
+            let s = svg(&out.join(format!("comm-{op}-{kind}.svg")));
+            assert!(s.contains("2 ranks on 1 node"), "comm-{op}-{kind}.svg");
+        }
+    }
+}

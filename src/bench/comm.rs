@@ -21,7 +21,7 @@
 use crate::bench::stats::median;
 use crate::parallel::comm::{Comm, ReduceOp};
 use anyhow::{bail, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 /// The operations of [`CommOp::ALL`].
@@ -114,8 +114,8 @@ impl Default for CommOptions {
     }
 }
 
-/// One operation at one size.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+/// One operation at one size (a row of `--format json`, read back by `fugu report`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CommRow {
     pub op: String,
     /// Bytes as the module table defines them (after rounding to whole f32 blocks).

@@ -12,8 +12,11 @@ INPUTS:
                                      step records carry no timers)
   metrics.jsonl, or a .json/.jsonl   a run, when its lines are metrics records
   file whose lines are metrics
+  A .json file with                  `fugu bench comm --format json` output
+  \"benchmark\": \"comm\"
   Any other .json/.jsonl file        `fugu bench gemm --format json` output
-  A directory with bench-gemm*.jsonl every such file in it (a run directory may hold them too)
+  A directory with bench-gemm*.jsonl every such file in it (a run directory may hold them too),
+  or comm-*.json                     and every comm-*.json / bench-comm*.json
 
 OUTPUTS (in --out):
   REPORT.md                          every table and chart with a line on how to read it
@@ -22,6 +25,8 @@ OUTPUTS (in --out):
   scaling-speedup.svg
   tflops.svg                         model TFLOP/s per process and % of peak
   gemm-<T>t.svg, gemm-peak-pct.svg   GEMM GFLOP/s against size per ISA and thread count
+  comm-<OP>-time.svg,                communication time and bus bandwidth against message
+  comm-<OP>-busbw.svg                size per operation, one line per benchmark file
   *.csv                              one per table
 
 Inputs that cannot be used (missing or malformed metrics, no step records) are listed in
@@ -39,6 +44,10 @@ pub struct ReportArgs {
     /// bench-gemm*.jsonl (repeatable).
     #[arg(long, value_name = "FILE")]
     pub gemm: Vec<PathBuf>,
+    /// A `fugu bench comm --format json` output file whatever its name, or a directory of
+    /// comm-*.json (repeatable).
+    #[arg(long, value_name = "FILE")]
+    pub comm: Vec<PathBuf>,
     /// Output directory for REPORT.md, the SVG charts and the CSV tables (created if missing;
     /// files of the same names are replaced).
     #[arg(long, short, value_name = "DIR")]
@@ -47,12 +56,13 @@ pub struct ReportArgs {
 
 /// Runs `fugu report`.
 pub fn run(args: ReportArgs) -> Result<()> {
-    if args.inputs.is_empty() && args.gemm.is_empty() {
-        anyhow::bail!("nothing to report on: give run directories and/or GEMM benchmark files");
+    if args.inputs.is_empty() && args.gemm.is_empty() && args.comm.is_empty() {
+        anyhow::bail!("nothing to report on: give run directories and/or benchmark files");
     }
     let o = generate(&ReportOptions {
         inputs: args.inputs,
         gemm: args.gemm,
+        comm: args.comm,
         out: args.out,
     })?;
     for s in &o.skipped {

@@ -1,6 +1,8 @@
-//! Sorting the command line's paths into run metrics files and GEMM benchmark files, and the
-//! list of inputs (or parts of inputs) that could not be used.
+//! Sorting the command line's paths into run metrics files, GEMM benchmark files and
+//! communication benchmark files, and the list of inputs (or parts of inputs) that could not be
+//! used.
 
+use super::comm::looks_like_comm;
 use super::gemm::looks_like_metrics;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -12,6 +14,8 @@ pub enum Input {
     Run { metrics: PathBuf, given: PathBuf },
     /// A `fugu bench gemm --format json` output file.
     Gemm(PathBuf),
+    /// A `fugu bench comm --format json` document.
+    Comm(PathBuf),
 }
 
 /// An input, or a part of one, that the report does not use, and why.
@@ -31,22 +35,31 @@ impl Skipped {
     }
 }
 
-/// `bench-gemm*.jsonl` files directly in `dir`, sorted by name.
-fn bench_files(dir: &Path) -> Vec<PathBuf> {
+/// Files directly in `dir` whose names pass `keep`, sorted by name.
+fn files_named(dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| {
-            p.is_file()
-                && p.file_name()
-                    .and_then(|f| f.to_str())
-                    .is_some_and(|f| f.starts_with("bench-gemm") && f.ends_with(".jsonl"))
-        })
+        .filter(|p| p.is_file() && p.file_name().and_then(|f| f.to_str()).is_some_and(&keep))
         .collect();
     v.sort();
     v
+}
+
+/// `bench-gemm*.jsonl` files directly in `dir`.
+fn bench_files(dir: &Path) -> Vec<PathBuf> {
+    files_named(dir, |f| {
+        f.starts_with("bench-gemm") && f.ends_with(".jsonl")
+    })
+}
+
+/// `comm-*.json` (the job scripts' names) and `bench-comm*.json` files directly in `dir`.
+fn comm_files(dir: &Path) -> Vec<PathBuf> {
+    files_named(dir, |f| {
+        (f.starts_with("comm-") || f.starts_with("bench-comm")) && f.ends_with(".json")
+    })
 }
 
 fn has_json_ext(p: &Path) -> bool {
@@ -55,16 +68,20 @@ fn has_json_ext(p: &Path) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("json") || e.eq_ignore_ascii_case("jsonl"))
 }
 
-/// Classifies the positional inputs and the `--gemm` files (see `fugu report --help`).
-/// The same file given twice is used once.
-pub fn classify(positional: &[PathBuf], gemm: &[PathBuf]) -> (Vec<Input>, Vec<Skipped>) {
+/// Classifies the positional inputs, the `--gemm` and the `--comm` files (see `fugu report
+/// --help`). The same file given twice is used once.
+pub fn classify(
+    positional: &[PathBuf],
+    gemm: &[PathBuf],
+    comm: &[PathBuf],
+) -> (Vec<Input>, Vec<Skipped>) {
     let mut out = Vec::new();
     let mut skipped = Vec::new();
     let mut seen = BTreeSet::new();
     let mut push = |i: Input, out: &mut Vec<Input>| {
         let key = match &i {
             Input::Run { metrics, .. } => metrics.clone(),
-            Input::Gemm(p) => p.clone(),
+            Input::Gemm(p) | Input::Comm(p) => p.clone(),
         };
         let key = std::fs::canonicalize(&key).unwrap_or(key);
         if seen.insert(key) {
@@ -78,6 +95,7 @@ pub fn classify(positional: &[PathBuf], gemm: &[PathBuf]) -> (Vec<Input>, Vec<Sk
         } else if p.is_dir() {
             let metrics = p.join("metrics.jsonl");
             let bench = bench_files(p);
+            let comms = comm_files(p);
             if metrics.is_file() {
                 push(
                     Input::Run {
@@ -87,14 +105,17 @@ pub fn classify(positional: &[PathBuf], gemm: &[PathBuf]) -> (Vec<Input>, Vec<Sk
                     &mut out,
                 );
             }
-            let none = !p.join("metrics.jsonl").is_file() && bench.is_empty();
+            let none = !p.join("metrics.jsonl").is_file() && bench.is_empty() && comms.is_empty();
             for b in bench {
                 push(Input::Gemm(b), &mut out);
+            }
+            for c in comms {
+                push(Input::Comm(c), &mut out);
             }
             if none {
                 skipped.push(Skipped::new(
                     shown,
-                    "no metrics.jsonl (not a finished or running `fugu train` directory) and no bench-gemm*.jsonl",
+                    "no metrics.jsonl (not a finished or running `fugu train` directory), no bench-gemm*.jsonl and no comm-*.json",
                 ));
             }
         } else if p.file_name().is_some_and(|f| f == "metrics.jsonl") {
@@ -107,6 +128,9 @@ pub fn classify(positional: &[PathBuf], gemm: &[PathBuf]) -> (Vec<Input>, Vec<Sk
             );
         } else if has_json_ext(p) {
             match std::fs::read(p) {
+                Ok(b) if looks_like_comm(&String::from_utf8_lossy(&b)) => {
+                    push(Input::Comm(p.clone()), &mut out)
+                }
                 Ok(b) if looks_like_metrics(&String::from_utf8_lossy(&b)) => push(
                     Input::Run {
                         metrics: p.clone(),
@@ -140,6 +164,25 @@ pub fn classify(positional: &[PathBuf], gemm: &[PathBuf]) -> (Vec<Input>, Vec<Sk
             skipped.push(Skipped::new(shown, "does not exist"));
         }
     }
+    for p in comm {
+        let shown = p.display().to_string();
+        if p.is_dir() {
+            let files = comm_files(p);
+            if files.is_empty() {
+                skipped.push(Skipped::new(
+                    shown,
+                    "no comm-*.json or bench-comm*.json files in it",
+                ));
+            }
+            for c in files {
+                push(Input::Comm(c), &mut out);
+            }
+        } else if p.is_file() {
+            push(Input::Comm(p.clone()), &mut out);
+        } else {
+            skipped.push(Skipped::new(shown, "does not exist"));
+        }
+    }
     (out, skipped)
 }
 
@@ -166,6 +209,9 @@ mod tests {
         std::fs::write(&renamed, "{\"type\":\"step\"}\n").unwrap();
         let odd = d.join("x.txt");
         std::fs::write(&odd, "").unwrap();
+        let comm = d.join("net.json");
+        std::fs::write(&comm, "{\"benchmark\": \"comm\", \"rows\": []}").unwrap();
+        std::fs::write(bench.join("comm-2n8r.json"), "{}").unwrap();
 
         let (ins, skipped) = classify(
             &[
@@ -177,8 +223,10 @@ mod tests {
                 odd.clone(),
                 d.join("missing"),
                 run.join("metrics.jsonl"), // duplicate of `run`
+                comm.clone(),
             ],
             std::slice::from_ref(&odd),
+            &[bench.clone()],
         );
         assert_eq!(
             ins,
@@ -188,11 +236,13 @@ mod tests {
                     given: run.clone()
                 },
                 Input::Gemm(bench.join("bench-gemm-1.jsonl")),
+                Input::Comm(bench.join("comm-2n8r.json")),
                 Input::Gemm(loose.clone()),
                 Input::Run {
                     metrics: renamed.clone(),
                     given: d.join("r")
                 },
+                Input::Comm(comm.clone()),
                 Input::Gemm(odd.clone()),
             ]
         );

@@ -9,6 +9,7 @@
 
 pub mod breakdown;
 pub mod charts;
+pub mod comm;
 pub mod gemm;
 pub mod inputs;
 pub mod markdown;
@@ -29,6 +30,8 @@ pub struct ReportOptions {
     /// Files (or directories of `bench-gemm*.jsonl`) to read as GEMM benchmark output whatever
     /// their names.
     pub gemm: Vec<PathBuf>,
+    /// Files (or directories of `comm-*.json`) to read as `fugu bench comm` output.
+    pub comm: Vec<PathBuf>,
     /// Output directory.
     pub out: PathBuf,
 }
@@ -40,6 +43,8 @@ pub struct ReportOutcome {
     pub runs: usize,
     /// GEMM benchmark rows reported.
     pub gemm_rows: usize,
+    /// Communication benchmark files reported.
+    pub comm_files: usize,
     /// Inputs or parts of inputs not used.
     pub skipped: Vec<Skipped>,
     /// Files written, `REPORT.md` first.
@@ -49,13 +54,13 @@ pub struct ReportOutcome {
 /// Reads the inputs and writes the report. Fails only when no input is usable (naming each
 /// input and why) or when the output cannot be written.
 pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
-    let (found, mut skipped) = inputs::classify(&opts.inputs, &opts.gemm);
+    let (found, mut skipped) = inputs::classify(&opts.inputs, &opts.gemm, &opts.comm);
 
     let run_inputs: Vec<(&PathBuf, &PathBuf)> = found
         .iter()
         .filter_map(|i| match i {
             Input::Run { metrics, given } => Some((metrics, given)),
-            Input::Gemm(_) => None,
+            Input::Gemm(_) | Input::Comm(_) => None,
         })
         .collect();
     let names = runs::unique_names(
@@ -114,13 +119,22 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
         }
     }
 
-    if all_runs.is_empty() && gemm_rows.is_empty() {
+    let mut comm_files = Vec::new();
+    for i in &found {
+        let Input::Comm(p) = i else { continue };
+        match comm::read_comm(p) {
+            Ok(f) => comm_files.push(f),
+            Err(e) => skipped.push(Skipped::new(p.display().to_string(), format!("{e:#}"))),
+        }
+    }
+
+    if all_runs.is_empty() && gemm_rows.is_empty() && comm_files.is_empty() {
         let why: Vec<String> = skipped
             .iter()
             .map(|s| format!("  {}: {}", s.input, s.reason))
             .collect();
         if why.is_empty() {
-            bail!("no inputs given: pass run directories and/or GEMM benchmark files");
+            bail!("no inputs given: pass run directories and/or benchmark files");
         }
         bail!("no usable input:\n{}", why.join("\n"));
     }
@@ -145,6 +159,9 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
             )],
         });
     }
+    if !comm_files.is_empty() {
+        sections.push(comm::comm_section(&comm_files)?);
+    }
     sections.extend(sections::notes_section(&all_runs));
     sections.push(sections::skipped_section(&skipped));
 
@@ -160,11 +177,21 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
         gemm_files,
         if gemm_files == 1 { "" } else { "s" },
     );
+    let preamble = if comm_files.is_empty() {
+        preamble
+    } else {
+        format!(
+            "{preamble} Communication: {} `fugu bench comm` file{}.",
+            comm_files.len(),
+            if comm_files.len() == 1 { "" } else { "s" }
+        )
+    };
     let preamble = format!("{preamble} {}", measured_on(&all_runs, &gemm_rows));
     let files = markdown::write(&opts.out, "fugu report", &preamble, &sections)?;
     Ok(ReportOutcome {
         runs: all_runs.len(),
         gemm_rows: gemm_rows.len(),
+        comm_files: comm_files.len(),
         skipped,
         files,
     })

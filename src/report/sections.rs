@@ -53,11 +53,11 @@ pub const PALETTE: [Rgb; 9] = [
 ];
 const GREY: Rgb = (0x77, 0x77, 0x77);
 
-fn pal(i: usize) -> Rgb {
+pub(crate) fn pal(i: usize) -> Rgb {
     PALETTE[i % PALETTE.len()]
 }
 
-fn chart(file: &str, svg: String, alt: &str, how: &str) -> Item {
+pub(crate) fn chart(file: &str, svg: String, alt: &str, how: &str) -> Item {
     Item::Chart {
         file: file.to_owned(),
         svg,
@@ -66,7 +66,7 @@ fn chart(file: &str, svg: String, alt: &str, how: &str) -> Item {
     }
 }
 
-fn table(t: Table, caption: &str) -> Item {
+pub(crate) fn table(t: Table, caption: &str) -> Item {
     Item::Table {
         table: t,
         caption: caption.to_owned(),
