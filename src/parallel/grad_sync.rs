@@ -58,29 +58,38 @@ pub struct GradSync {
     gather_scratch: (Vec<f32>, Vec<f32>),
 }
 
+/// The buckets' ranges of the flat gradient buffer, in offset order: cut at tensor boundaries,
+/// from the end (the gradients that become final first), each at least `bucket_floats` except
+/// the first. `fugu predict` models the overlap with the same cuts.
+pub fn bucket_ranges(table: &Table, bucket_floats: usize) -> Vec<std::ops::Range<usize>> {
+    let total = table.total();
+    let mut cuts = vec![total];
+    let mut hi = total;
+    for spec in table.specs().iter().rev() {
+        if hi - spec.offset >= bucket_floats.max(1) {
+            cuts.push(spec.offset);
+            hi = spec.offset;
+        }
+    }
+    if *cuts.last().unwrap() != 0 {
+        cuts.push(0);
+    }
+    cuts.reverse();
+    cuts.windows(2)
+        .filter(|w| w[1] > w[0])
+        .map(|w| w[0]..w[1])
+        .collect()
+}
+
 impl GradSync {
     /// Buckets of about `bucket_floats` over `table` for the data-parallel group `comm`.
     pub fn new(table: &Table, comm: Rc<dyn Comm>, bucket_floats: usize, zero: bool) -> GradSync {
         let dp = comm.size();
-        let total = table.total();
-        let mut cuts = vec![total];
-        let mut hi = total;
-        for spec in table.specs().iter().rev() {
-            if hi - spec.offset >= bucket_floats.max(1) {
-                cuts.push(spec.offset);
-                hi = spec.offset;
-            }
-        }
-        if *cuts.last().unwrap() != 0 {
-            cuts.push(0);
-        }
-        cuts.reverse();
-        let buckets: Vec<Bucket> = cuts
-            .windows(2)
-            .filter(|w| w[1] > w[0])
-            .map(|w| Bucket {
-                range: w[0]..w[1],
-                chunk: (w[1] - w[0]).div_ceil(dp),
+        let buckets: Vec<Bucket> = bucket_ranges(table, bucket_floats)
+            .into_iter()
+            .map(|range| Bucket {
+                chunk: range.len().div_ceil(dp),
+                range,
             })
             .collect();
         let n = buckets.len();
