@@ -3,14 +3,16 @@
 //! * always: shellcheck on every script, the `#PJM` / `#SBATCH` directives linted against the
 //!   documented pjsub syntax and against each other (node, proc, max-proc-per-node, threads),
 //!   the shell helpers of `lib/common.sh`, the `local-pjsub.sh` stand-in itself, and the pjsub
-//!   GEMM benchmark job under it;
+//!   GEMM benchmark job under it (and its communication benchmark with 2 ranks, where mpirun
+//!   and an MPI build of fugu are at hand);
 //! * with `FUGU_SLURM_TESTS=1` as root (scripts/test.sh sets it; root because the local Slurm
 //!   runs its daemons as root and Open MPI must be told that root is fine): the Slurm scripts
 //!   submitted to a single-node Slurm started here by `jobscripts/local-slurm.sh` (a 1-rank
 //!   job; a 2-rank training, a GEMM benchmark and a report job that depends on both, through
 //!   `scaling-sweep.sh`; the pre-timeout signal: USR1 -> checkpoint -> exit 4 -> resubmitted
-//!   job resumes at the right step), and the pjsub training under `local-pjsub.sh` with 2
-//!   ranks, including its own deadline.
+//!   job resumes at the right step; the communication benchmark with 2 ranks through srun and
+//!   mpirun), and the pjsub training under `local-pjsub.sh` with 2 ranks, including its own
+//!   deadline.
 //!
 //! The MPI jobs need a binary built with `--features mpi`: set `FUGU_JOBS_BIN` (scripts/test.sh
 //! builds `target/release/fugu` for it); otherwise the test build of `fugu` is used.
@@ -611,7 +613,12 @@ fn script(path: &str) -> String {
 
 #[test]
 fn pjsub_directives_follow_the_documented_syntax() {
-    for name in ["train.sh", "bench-gemm.sh", "scaling-sweep.sh"] {
+    for name in [
+        "train.sh",
+        "bench-gemm.sh",
+        "bench-comm.sh",
+        "scaling-sweep.sh",
+    ] {
         let s = script(&format!("pjsub/{name}"));
         let job = lint_pjm(&s).unwrap_or_else(|e| panic!("pjsub/{name}: {e}"));
         assert!(
@@ -699,9 +706,46 @@ fn pjsub_directives_follow_the_documented_syntax() {
         "bench-gemm.sh: --llio sharedtmp-size"
     );
 
-    // Nothing opens or stats the binary before llio_transfer: in both job scripts the transfer
+    // bench-comm.sh: like train.sh, one rank per CMG on every node (two nodes, so that the
+    // numbers include the network); rank 0's stdout collected by mpiexec -ofout.
+    let s = script("pjsub/bench-comm.sh");
+    let job = lint_pjm(&s).unwrap();
+    let m = settings(&s);
+    assert_eq!(
+        (job.nodes, job.proc, job.max_proc_per_node),
+        (2, Some(8), Some(4)),
+        "bench-comm.sh: 2 nodes x 4 ranks"
+    );
+    assert_eq!((job.freq, job.eco_state), (Some(2200), Some(0)));
+    assert!(
+        job.sharedtmp_mib.unwrap_or(0) >= 256,
+        "bench-comm.sh: --llio sharedtmp-size for llio_transfer"
+    );
+    assert_eq!(
+        m["FUGU_RANKS_PER_NODE"], "4",
+        "FUGU_RANKS_PER_NODE = max-proc-per-node"
+    );
+    for v in [
+        "FUGU_COMM_ARGS",
+        "FUGU_MPIEXEC_ARGS",
+        "FUGU_OUT",
+        "FUGU_WORKDIR",
+    ] {
+        assert!(m.contains_key(v), "pjsub/bench-comm.sh: setting {v}");
+    }
+    for needed in [
+        "XOS_MMM_L_PAGING_POLICY=${XOS_MMM_L_PAGING_POLICY:-demand:demand:demand}",
+        "PLE_MPI_STD_EMPTYFILE=${PLE_MPI_STD_EMPTYFILE:-off}",
+        "mpiexec -n \"$ranks\" -ofout \"$tmp\"",
+        "fugu_llio_purge \"$FUGU_BIN\"",
+        "fugu_comm_publish",
+    ] {
+        assert!(s.contains(needed), "pjsub/bench-comm.sh lacks {needed}");
+    }
+
+    // Nothing opens or stats the binary before llio_transfer: in the job scripts the transfer
     // comes before the first check of FUGU_BIN and the first run of it.
-    for name in ["train.sh", "bench-gemm.sh"] {
+    for name in ["train.sh", "bench-gemm.sh", "bench-comm.sh"] {
         let s = script(&format!("pjsub/{name}"));
         let body = &s[s.find("- the job").unwrap()..];
         let transfer = body.find("fugu_llio_transfer").unwrap();
@@ -807,7 +851,39 @@ fn slurm_directives_match_the_a64fx_layout() {
         (d["--nodes"].as_str(), d["--cpus-per-task"].as_str()),
         ("1", "48")
     );
-    for name in ["train.sh", "bench-gemm.sh", "scaling-sweep.sh"] {
+    // bench-comm.sh: 2 nodes x 4 ranks x 12 CPUs, given per node (no --ntasks), so that
+    // `sbatch --nodes=N` scales the ranks with the nodes.
+    let s = script("slurm/bench-comm.sh");
+    let d = sbatch_directives(&s);
+    assert_eq!(
+        (
+            d["--nodes"].as_str(),
+            d["--ntasks-per-node"].as_str(),
+            d["--cpus-per-task"].as_str()
+        ),
+        ("2", "4", "12"),
+        "slurm/bench-comm.sh: 2 nodes x one rank per CMG"
+    );
+    assert!(!d.contains_key("--ntasks"), "slurm/bench-comm.sh: --ntasks");
+    let m = settings(&s);
+    for v in [
+        "FUGU_BIN",
+        "FUGU_COMM_ARGS",
+        "FUGU_LAUNCHER",
+        "FUGU_SRUN_ARGS",
+        "FUGU_MPIRUN_ARGS",
+        "FUGU_WORKDIR",
+        "FUGU_OUT",
+    ] {
+        assert!(m.contains_key(v), "slurm/bench-comm.sh: setting {v}");
+    }
+    assert!(s.contains("fugu_comm_publish"), "slurm/bench-comm.sh");
+    for name in [
+        "train.sh",
+        "bench-gemm.sh",
+        "bench-comm.sh",
+        "scaling-sweep.sh",
+    ] {
         let s = script(&format!("slurm/{name}"));
         assert!(
             sbatch_directives(&s).contains_key("--time"),
@@ -1083,6 +1159,38 @@ fn common_sh_helpers() {
         "{args}"
     );
 
+    // The comm benchmark's result is renamed into place only when it is one complete document;
+    // anything else leaves neither the temporary file nor a result.
+    let comm = tmp("comm-publish");
+    let doc = "{\n  \"benchmark\": \"comm\",\n  \"ranks\": 2,\n  \"rows\": []\n}\n";
+    for (name, body, ok) in [
+        ("whole", doc, true),
+        ("empty", "", false),
+        ("cut", &doc[..doc.len() - 2], false),
+        ("gemm", "{\n  \"benchmark\": \"gemm\"\n}\n", false),
+        ("table", "# fugu bench comm: 2 ranks\nop bytes\n", false),
+    ] {
+        let t = comm.join(format!("{name}.tmp"));
+        let f = comm.join(format!("{name}.json"));
+        std::fs::write(&t, body).unwrap();
+        let out = common_sh(
+            &format!(
+                "fugu_comm_publish {} {}",
+                shell_quote(&t.display().to_string()),
+                shell_quote(&f.display().to_string())
+            ),
+            &[],
+        );
+        assert_eq!(out.status.success(), ok, "{name}: {}", text(&out));
+        assert!(!t.exists(), "{name}: the temporary file is left");
+        assert_eq!(f.exists(), ok, "{name}");
+        if ok {
+            assert_eq!(read(&f), doc);
+        } else {
+            assert!(text(&out).contains("rank 0"), "{name}: {}", text(&out));
+        }
+    }
+
     // The settings file of a continuation keeps values with spaces, commas and quotes.
     let dir = tmp("envfile");
     let f = dir.join("env.sh");
@@ -1118,6 +1226,11 @@ fn job_scripts_fail_clearly_without_a_binary() {
             vec![("SLURM_JOB_ID", "1"), ("SLURM_NTASKS", "2")],
         ),
         ("slurm/bench-gemm.sh", vec![("SLURM_JOB_ID", "1")]),
+        ("pjsub/bench-comm.sh", vec![("PJM_MPI_PROC", "2")]),
+        (
+            "slurm/bench-comm.sh",
+            vec![("SLURM_JOB_ID", "1"), ("SLURM_NTASKS", "2")],
+        ),
     ] {
         let out = Command::new("bash")
             .arg(jobscripts().join(script))
@@ -1128,6 +1241,30 @@ fn job_scripts_fail_clearly_without_a_binary() {
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{script}: {}", text(&out));
         assert!(text(&out).contains("FUGU_BIN="), "{script}: {}", text(&out));
+    }
+    // The communication benchmark needs 2 ranks: a 1-rank job stops before launching anything.
+    for (script, envs) in [
+        ("pjsub/bench-comm.sh", vec![("PJM_MPI_PROC", "1")]),
+        (
+            "slurm/bench-comm.sh",
+            vec![("SLURM_JOB_ID", "1"), ("SLURM_NTASKS", "1")],
+        ),
+    ] {
+        let out = Command::new("bash")
+            .arg(jobscripts().join(script))
+            .current_dir(&dir)
+            .env("FUGU_BIN", "/bin/true")
+            .env("FUGU_LLIO_TRANSFER", "0")
+            .envs(envs)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{script}: {}", text(&out));
+        assert!(
+            text(&out).contains("this job has 1"),
+            "{script}: {}",
+            text(&out)
+        );
+        assert!(!dir.join("bench").exists(), "{script}: made an output dir");
     }
 }
 
@@ -1350,6 +1487,112 @@ fn pjsub_bench_gemm_under_local_pjsub() {
             assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
         }
     }
+}
+
+/// The five operations of `fugu bench comm`.
+const COMM_OPS: [&str; 5] = [
+    "allreduce",
+    "reduce-scatter",
+    "allgather",
+    "broadcast",
+    "sendrecv",
+];
+
+/// The `fugu bench comm` arguments of the test jobs: a few small sizes, one sample each.
+const COMM_TEST_ARGS: &str = "--max-size 4KiB --repeats 1";
+
+/// A comm benchmark result: one JSON document of `ranks` ranks on one node, with rows for every
+/// operation.
+fn assert_comm_result(p: &Path, ranks: u64) {
+    let doc: Value = serde_json::from_str(&read(p))
+        .unwrap_or_else(|e| panic!("{}: not one JSON document: {e}", p.display()));
+    assert_eq!(doc["benchmark"], "comm", "{doc}");
+    assert_eq!(doc["ranks"].as_u64(), Some(ranks), "{}", p.display());
+    assert_eq!(doc["nodes"].as_u64(), Some(1), "{}", p.display());
+    let rows = doc["rows"].as_array().expect("rows");
+    for op in COMM_OPS {
+        let mine: Vec<&Value> = rows.iter().filter(|r| r["op"] == op).collect();
+        assert!(!mine.is_empty(), "no {op} rows in {}", p.display());
+        for r in mine {
+            assert_eq!(r["ranks"].as_u64(), Some(ranks), "{r}");
+            assert!(r["bytes"].as_u64().unwrap() <= 4096, "{r}");
+            assert!(r["time_us"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+    // Only the result in the folder: no temporary file left behind.
+    let dir = p.parent().unwrap();
+    let names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 1, "{}: {names:?}", dir.display());
+}
+
+/// Whether 2-rank MPI jobs can run here: mpirun, and a fugu built with MPI (this test build
+/// with `--features mpi`, or FUGU_JOBS_BIN, which scripts/test.sh builds with it).
+fn mpi_jobs(test: &str) -> bool {
+    if !have("mpirun") {
+        skipped(&format!("{test} (mpirun not installed)"));
+        return false;
+    }
+    if !cfg!(feature = "mpi") && std::env::var_os("FUGU_JOBS_BIN").is_none() {
+        skipped(&format!(
+            "{test} (this fugu is built without MPI: run with --features mpi or set FUGU_JOBS_BIN)"
+        ));
+        return false;
+    }
+    true
+}
+
+/// The pjsub communication benchmark with 2 ranks: mpiexec -ofout collects rank 0's JSON, which
+/// lands in bench/comm-JOBID/comm-1n2r.json.
+#[test]
+fn pjsub_bench_comm_under_local_pjsub() {
+    if !mpi_jobs("pjsub_bench_comm_under_local_pjsub") {
+        return;
+    }
+    let dir = tmp("pjm-comm");
+    let home = format!("FUGU_HOME={}", repo().display());
+    let fbin = format!("FUGU_BIN={}", jobs_bin().display());
+    // FUGU_COMM_ARGS through a settings file, as docs/JOBS.md says (-x cannot carry spaces).
+    let envfile = dir.join("comm.env");
+    std::fs::write(
+        &envfile,
+        format!("export FUGU_COMM_ARGS={}\n", shell_quote(COMM_TEST_ARGS)),
+    )
+    .unwrap();
+    let cargs = format!("FUGU_ENV_FILE={}", envfile.display());
+    let out = local_pjsub(
+        &dir,
+        &[
+            "-L",
+            "node=1",
+            "--mpi",
+            "proc=2",
+            "-x",
+            &home,
+            "-x",
+            &fbin,
+            "-x",
+            &cargs,
+            &jobscripts()
+                .join("pjsub/bench-comm.sh")
+                .display()
+                .to_string(),
+        ],
+    );
+    let id = pjm_job_id(&out);
+    let log = read(&dir.join(format!("fugu-bench-comm.{id}.out")));
+    assert!(out.status.success(), "{}\n{log}", text(&out));
+    assert!(
+        log.contains("llio_transfer")
+            && log.contains("mpiexec -n 2 -ofout")
+            && log.contains(COMM_TEST_ARGS),
+        "{log}"
+    );
+    let file = dir.join(format!("bench/comm-{id}/comm-1n2r.json"));
+    assert!(log.contains(&format!("wrote {}", file.display())), "{log}");
+    assert_comm_result(&file, 2);
 }
 
 /// A 2-rank tiny training as a pjsub job: mpiexec -> mpirun, PJM_* variables, deadline.
@@ -1834,6 +2077,50 @@ fn slurm_single_rank_train_job() {
     assert!(run.join("ckpt-00000004/state.json").exists());
     let jobs = read(&run.join("jobs.log"));
     assert!(jobs.contains(&format!("slurm job {jid} exit 0")), "{jobs}");
+}
+
+/// bench-comm.sh with 2 ranks on the one node, through srun (the default) and mpirun: each job
+/// writes FUGU_OUT/comm-1n2r.json, one JSON document with rows for every operation.
+#[test]
+fn slurm_bench_comm_job() {
+    if !gated("slurm_bench_comm_job") {
+        return;
+    }
+    let dir = tmp("slurm-comm");
+    for launcher in ["srun", "mpirun"] {
+        let env: Vec<(String, String)> = [
+            ("FUGU_BIN", jobs_bin().display().to_string()),
+            ("FUGU_COMM_ARGS", COMM_TEST_ARGS.to_string()),
+            ("FUGU_LAUNCHER", launcher.to_string()),
+            ("FUGU_OUT", format!("comm-{launcher}")),
+        ]
+        .map(|(k, v)| (k.to_string(), v))
+        .into();
+        let jid = sbatch(
+            &dir,
+            &[
+                "--nodes=1",
+                "--ntasks-per-node=2",
+                "--cpus-per-task=1",
+                "--time=5",
+                "--output=%x-%j.out",
+                &jobscripts()
+                    .join("slurm/bench-comm.sh")
+                    .display()
+                    .to_string(),
+            ],
+            &env,
+        );
+        let (state, code) = wait_job(&jid, 180);
+        let log = read(&dir.join(format!("fugu-bench-comm-{jid}.out")));
+        assert_eq!(
+            (state.as_str(), code),
+            ("COMPLETED", 0),
+            "{launcher}: {log}"
+        );
+        assert!(log.contains(&format!("{launcher} -")), "{launcher}: {log}");
+        assert_comm_result(&dir.join(format!("comm-{launcher}/comm-1n2r.json")), 2);
+    }
 }
 
 /// scaling-sweep.sh: a 2-rank training (srun), a GEMM benchmark and a report job that runs

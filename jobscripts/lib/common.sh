@@ -367,6 +367,25 @@ fugu_bench_gemm_runs() {
   return "$failed"
 }
 
+# ------------------------------------------------------------------------------ comm benchmark
+
+# fugu_comm_publish TMP FILE: renames TMP, rank 0's `fugu bench comm --format json` output, to
+# FILE when it holds one complete comm document (first line "{", last line "}", a "benchmark":
+# "comm" field), so that FILE is never half-written; otherwise removes TMP, logs why, and fails.
+fugu_comm_publish() {
+  local tmp=$1 file=$2
+  if [ ! -s "$tmp" ]; then
+    fugu_log "no output from rank 0 (nothing on its stdout: an output option in FUGU_MPIEXEC_ARGS or FUGU_SRUN_ARGS?)"
+  elif [ "$(head -n 1 -- "$tmp")" != '{' ] || [ "$(tail -n 1 -- "$tmp")" != '}' ] ||
+    ! grep -q '^ *"benchmark": *"comm"' -- "$tmp"; then
+    fugu_log "rank 0's output is not one fugu bench comm JSON document; it begins: $(head -c 300 -- "$tmp" | tr '\n' ' ')"
+  elif mv -f -- "$tmp" "$file"; then
+    return 0
+  fi
+  rm -f -- "$tmp"
+  return 1
+}
+
 # ------------------------------------------------------------------------------ sweep report
 
 # fugu_sweep_report DIR: `fugu report` over DIR/runs/* and DIR/gemm/*.jsonl into DIR/report.

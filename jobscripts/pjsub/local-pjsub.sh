@@ -27,11 +27,12 @@
 #     -x variables (everything with -X), and PJM_JOBID, PJM_JOBNAME, PJM_O_WORKDIR, PJM_MPI_PROC,
 #     PJM_NODE, PJM_PROC_BY_NODE, PJM_RSCGRP, PJM_LOCALTMP and PJM_SHAREDTMP. PJM_ELAPSE_LIMIT
 #     is not set (no public source shows PJM setting it) unless LOCAL_PJSUB_ELAPSE_VAR=1;
-#   * puts a shim folder first in PATH: `mpiexec` (-> `mpirun -np N`, dropping Fugaku-only
-#     output options such as -of/-std-proc), `llio_transfer` (checks the files exist and fit
-#     in the job's --llio sharedtmp-size x nodes, else fails with "LLIO 2450 Not enough disk
-#     space"; caches nothing), `pjstat` (the English job list, START_DATE in two fields, for the
-#     running jobs), `pjwait` (returns at once: the job has already ended) and `pjsub` (this
+#   * puts a shim folder first in PATH: `mpiexec` (-> `mpirun -np N`; -ofout/-stdout FILE puts
+#     the ranks' stdout in FILE, other Fugaku-only output options such as -of/-std-proc are
+#     dropped), `llio_transfer` (checks the files exist and fit in the job's --llio
+#     sharedtmp-size x nodes, else fails with "LLIO 2450 Not enough disk space"; caches
+#     nothing), `pjstat` (the English job list, START_DATE in two fields, for the running
+#     jobs), `pjwait` (returns at once: the job has already ended) and `pjsub` (this
 #     script, for jobs and login-node scripts that submit jobs);
 #   * writes stdout to NAME.ID.out (stderr to NAME.ID.err unless -j) and, with -s/-S, a small
 #     NAME.ID.stats with the PJM code (0, or 11 when the elapse limit was exceeded), the exit
@@ -76,11 +77,14 @@ make_shims() {  # the shim folder put first in the job's PATH
 # local-pjsub shim: Fujitsu mpiexec -> Open MPI mpirun
 set -euo pipefail
 np=${PJM_MPI_PROC:-1}
+out=
 while [ $# -gt 0 ]; do
   case "$1" in
     -n | -np) np=$2; shift 2 ;;
-    -of | -of-proc | -std | -std-proc | -stdout | -stdout-proc | -stderr | -stderr-proc | \
-    -ofout | -ofout-proc | -oferr | -oferr-proc | -stdin | -vcoordfile | -mca)
+    # -ofout FILE: the standard output of all ranks in FILE, as Fujitsu mpiexec does
+    -ofout | -stdout) out=$2; shift 2 ;;
+    -of | -of-proc | -std | -std-proc | -stdout-proc | -stderr | -stderr-proc | \
+    -ofout-proc | -oferr | -oferr-proc | -stdin | -vcoordfile | -mca)
       echo "[local-pjsub mpiexec] dropping Fugaku option $1 $2" >&2; shift 2 ;;
     --) shift; break ;;
     -*) echo "[local-pjsub mpiexec] unknown mpiexec option $1" >&2; exit 2 ;;
@@ -88,6 +92,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 read -r -a extra <<<"${LOCAL_PJSUB_MPIRUN_ARGS---oversubscribe}"
+if [ -n "$out" ]; then exec mpirun -np "$np" "${extra[@]}" "$@" >"$out"; fi
 exec mpirun -np "$np" "${extra[@]}" "$@"
 EOF
   cat >"$shim/llio_transfer" <<'EOF'
