@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod model;
 pub mod ops;
 pub mod parallel;
+pub mod predict;
 pub mod report;
 pub mod sample;
 pub mod train;

@@ -4,6 +4,7 @@ mod bench_comm;
 mod bench_gemm;
 pub use bench_gemm::{run as bench_gemm_run, BenchGemmArgs};
 mod bench_io;
+mod predict;
 mod prepare;
 mod report;
 mod sample;
@@ -37,6 +38,9 @@ enum Command {
     Bench(BenchCommand),
     /// REPORT.md, SVG charts and CSV tables from training runs and GEMM benchmarks.
     Report(report::ReportArgs),
+    /// Predict step time, throughput, breakdown and memory at any node count from a machine
+    /// profile (`fugu predict profile` builds one from a run and `fugu bench comm`).
+    Predict(predict::PredictArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -64,6 +68,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
         Command::Bench(BenchCommand::Comm(args)) => bench_comm::run(args),
         Command::Report(args) => report::run(args),
+        Command::Predict(args) => predict::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,263 @@
+//! `fugu predict`: predicted step time, throughput, breakdown and memory of a model at several
+//! node counts on a machine profile; `fugu predict profile` builds a profile from measurements.
+
+use crate::config::RunConfig;
+use crate::predict::profile::{measure, Profile};
+use crate::predict::step::{predict, Layout, Prediction, Workload};
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// Arguments of `fugu predict`.
+#[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct PredictArgs {
+    #[command(subcommand)]
+    pub command: Option<PredictCommand>,
+    /// Machine profile (TOML; see docs/PREDICT.md and profiles/).
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+    /// Model config: a built-in name or a TOML file (its model and sequence length).
+    #[arg(long, default_value = "gpt2-124m")]
+    pub config: String,
+    /// Node counts (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub nodes: Vec<usize>,
+    /// Ranks per node (default: the profile's).
+    #[arg(long)]
+    pub ranks_per_node: Option<usize>,
+    /// Compute threads per rank (default: the profile's).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Tensor-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Data-parallel degree: `auto` (the ranks left over by tp and pp) or a number, which must
+    /// be that.
+    #[arg(long, default_value = "auto")]
+    pub dp: String,
+    /// ZeRO stage: 0 or 1.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Global batch in sequences per step (default: the config's batch size at one node's dp,
+    /// kept fixed over the node counts: strong scaling).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Sequence length (default: the config's).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Micro-batches per step per data-parallel replica.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// Output format.
+    #[arg(long, default_value = "table", value_parser = ["table", "json"])]
+    pub format: String,
+}
+
+/// `fugu predict profile`.
+#[derive(clap::Subcommand, Debug)]
+pub enum PredictCommand {
+    /// Build a machine profile from a one-process reference run and `fugu bench comm` output.
+    Profile(ProfileArgs),
+}
+
+/// Arguments of `fugu predict profile`.
+#[derive(clap::Args, Debug)]
+pub struct ProfileArgs {
+    /// The reference run: a one-process `fugu train` directory (or its metrics.jsonl) whose
+    /// per-op timers the model scales.
+    #[arg(long, value_name = "DIR")]
+    pub run: PathBuf,
+    /// `fugu bench comm --format json` files: one node (the intra-node link) and optionally
+    /// several nodes (the inter-node link).
+    #[arg(long, value_name = "FILE", required = true)]
+    pub comm: Vec<PathBuf>,
+    /// Profile name.
+    #[arg(long, default_value = "measured")]
+    pub name: String,
+    /// Cores of one node.
+    #[arg(long)]
+    pub cores_per_node: usize,
+    /// Memory of one node, GiB.
+    #[arg(long)]
+    pub memory_gib: f64,
+    /// Where to write the profile (TOML).
+    #[arg(long, short, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+#[derive(Serialize)]
+struct Output<'a> {
+    profile: &'a str,
+    estimate: bool,
+    config: &'a str,
+    seq_len: usize,
+    global_batch: usize,
+    predictions: &'a [Prediction],
+}
+
+/// Runs `fugu predict`.
+pub fn run(args: PredictArgs) -> Result<()> {
+    if let Some(PredictCommand::Profile(p)) = args.command {
+        return run_profile(p);
+    }
+    let path = args
+        .profile
+        .as_ref()
+        .context("--profile FILE is needed (a machine profile: see profiles/ and docs/PREDICT.md)")?;
+    let profile = Profile::load(path)?;
+    let machine = profile.machine();
+    let cfg = RunConfig::load(&args.config)?;
+    let rpn = args.ranks_per_node.unwrap_or(profile.machine.ranks_per_node);
+    let threads = args.threads.unwrap_or(profile.machine.threads_per_rank);
+    if rpn == 0 || threads == 0 {
+        bail!("--ranks-per-node and --threads must be at least 1");
+    }
+    if args.zero > 1 {
+        bail!("--zero {}: fugu has ZeRO stages 0 and 1", args.zero);
+    }
+    if args.nodes.is_empty() || args.nodes.contains(&0) {
+        bail!("--nodes: give node counts of at least 1");
+    }
+    let seq_len = args.seq_len.unwrap_or(cfg.train.seq_len);
+    let dp_of = |nodes: usize| -> Result<usize> {
+        let world = nodes * rpn;
+        if !world.is_multiple_of(args.tp * args.pp) || args.tp * args.pp == 0 {
+            bail!(
+                "{nodes} node(s) x {rpn} ranks = {world} ranks is not a multiple of tp {} x pp {}",
+                args.tp,
+                args.pp
+            );
+        }
+        let auto = world / (args.tp * args.pp);
+        if args.dp == "auto" {
+            return Ok(auto);
+        }
+        let dp: usize = args
+            .dp
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--dp '{}': expected auto or a number", args.dp))?;
+        if dp != auto {
+            bail!("--dp {dp}: {world} ranks with tp {} and pp {} leave dp = {auto}", args.tp, args.pp);
+        }
+        Ok(dp)
+    };
+    let global_batch = match args.batch {
+        Some(b) => b,
+        None => cfg.train.batch_size * dp_of(args.nodes[0])?,
+    };
+    let w = Workload {
+        model: cfg.model.clone(),
+        seq_len,
+        global_batch,
+    };
+    let mut out = Vec::new();
+    for &nodes in &args.nodes {
+        let l = Layout {
+            nodes,
+            ranks_per_node: rpn,
+            threads_per_rank: threads,
+            tp: args.tp,
+            pp: args.pp,
+            dp: dp_of(nodes)?,
+            zero: args.zero == 1,
+            micro_batches: args.micro_batches,
+        };
+        out.push(predict(&w, &l, &machine).with_context(|| format!("at {nodes} node(s)"))?);
+    }
+    if args.format == "json" {
+        let o = Output {
+            profile: &profile.machine.name,
+            estimate: profile.machine.estimate,
+            config: &args.config,
+            seq_len,
+            global_batch,
+            predictions: &out,
+        };
+        println!("{}", serde_json::to_string_pretty(&o)?);
+        return Ok(());
+    }
+    println!(
+        "# fugu predict: {} (T = {seq_len}, global batch {global_batch}) on profile '{}'{}",
+        args.config,
+        profile.machine.name,
+        if profile.machine.estimate {
+            " (estimates from published figures)"
+        } else {
+            ""
+        }
+    );
+    print!("{}", format_table(&out));
+    Ok(())
+}
+
+/// The prediction table: one line per node count, the step's parts in ms.
+pub fn format_table(rows: &[Prediction]) -> String {
+    let mut s = format!(
+        "{:>6} {:>6} {:>9} {:>10} {:>10} {:>8} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>4}\n",
+        "nodes",
+        "ranks",
+        "tp/pp/dp",
+        "step ms",
+        "tokens/s",
+        "TF/node",
+        "%peak",
+        "compute",
+        "tp comm",
+        "dp comm",
+        "pp",
+        "optim",
+        "GiB/rank",
+        "fits"
+    );
+    for p in rows {
+        let t = |k: &str| p.timers_ms.get(k).copied().unwrap_or(0.0);
+        let tp_comm: f64 = p
+            .timers_ms
+            .iter()
+            .filter(|(k, _)| k.ends_with(":allreduce") && !k.starts_with("pipeline:"))
+            .map(|(_, v)| v)
+            .sum();
+        let dp = t("allreduce-params") + t("allgather-params");
+        let pp = t("pipeline:bubble") + t("pipeline:recv") + t("pipeline:tied-wte:allreduce");
+        let compute = t("forward") + t("backward") - tp_comm;
+        let l = &p.layout;
+        s += &format!(
+            "{:>6} {:>6} {:>9} {:>10.1} {:>10.0} {:>8.3} {:>6.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>4}\n",
+            l.nodes,
+            l.world(),
+            format!("{}/{}/{}", l.tp, l.pp, l.dp),
+            p.step_ms,
+            p.tokens_per_s,
+            p.tflops_per_node,
+            p.peak_pct,
+            compute,
+            tp_comm,
+            dp,
+            pp,
+            t("optimizer"),
+            p.memory_gib_per_rank,
+            if p.fits { "yes" } else { "NO" }
+        );
+    }
+    s
+}
+
+fn run_profile(a: ProfileArgs) -> Result<()> {
+    let m = measure(&a.name, &a.run, &a.comm, a.cores_per_node, a.memory_gib)?;
+    for n in &m.notes {
+        eprintln!("{n}");
+    }
+    let text = toml::to_string(&m.profile)?;
+    let header = "# fugu machine profile, written by `fugu predict profile` (docs/PREDICT.md)\n";
+    crate::checkpoint::atomic::write_file(&a.out, |w| {
+        w.write_all(format!("{header}{text}").as_bytes())?;
+        Ok(())
+    })
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! Machine profiles: what `fugu predict` knows about a machine, in a small TOML file
+//! (`docs/PREDICT.md` documents every field; `profiles/` ships examples).
+//!
+//! ```toml
+//! [machine]
+//! name = "fugaku"
+//! estimate = true                # from published figures, not measured by fugu
+//! cores_per_node = 48
+//! peak_gflops_per_core = 140.8   # FP32
+//! memory_gib_per_node = 32
+//! ranks_per_node = 4             # the defaults of `fugu predict`
+//! threads_per_rank = 12
+//! sources = ["..."]
+//!
+//! [compute]                      # one of:
+//! model_tflops_per_node = 1.09   #   a rate for the model FLOPs, or
+//! [compute.reference]            #   a reference run's per-op times (`fugu predict profile`)
+//!
+//! [network]
+//! intra = { alpha_us = 0.5, beta_gbs = 10.0 }
+//! inter = { alpha_us = 1.0, beta_gbs = 6.8 }
+//! ```
+
+use super::network::{fit_link, Link, Network};
+use super::step::{Compute, Machine, Reference};
+use crate::config::ModelConfig;
+use crate::report::comm::read_comm;
+use crate::report::runs::read_run;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// A machine profile file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    pub machine: MachineSection,
+    pub compute: ComputeSection,
+    pub network: Network,
+}
+
+/// `[machine]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineSection {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// True when the numbers are estimates from published figures rather than measurements.
+    #[serde(default)]
+    pub estimate: bool,
+    pub cores_per_node: usize,
+    pub peak_gflops_per_core: f64,
+    pub memory_gib_per_node: f64,
+    pub ranks_per_node: usize,
+    pub threads_per_rank: usize,
+    #[serde(default)]
+    pub sources: Vec<String>,
+}
+
+/// `[compute]`: exactly one of the two.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeSection {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_tflops_per_node: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<Reference>,
+}
+
+impl Profile {
+    /// Reads and checks a profile, naming the file and the field in errors.
+    pub fn load(path: &Path) -> Result<Profile> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the machine profile {}", path.display()))?;
+        let p: Profile = toml::from_str(&text)
+            .with_context(|| format!("in the machine profile {}", path.display()))?;
+        p.validate()
+            .with_context(|| format!("in the machine profile {}", path.display()))?;
+        Ok(p)
+    }
+
+    /// Checks the numbers.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.machine;
+        for (what, v) in [
+            ("machine.cores_per_node", m.cores_per_node),
+            ("machine.ranks_per_node", m.ranks_per_node),
+            ("machine.threads_per_rank", m.threads_per_rank),
+        ] {
+            if v == 0 {
+                bail!("{what} = 0: expected at least 1");
+            }
+        }
+        for (what, v) in [
+            ("machine.peak_gflops_per_core", m.peak_gflops_per_core),
+            ("machine.memory_gib_per_node", m.memory_gib_per_node),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                bail!("{what} = {v}: expected a positive number");
+            }
+        }
+        self.network.intra.validate("network.intra")?;
+        self.network.inter.validate("network.inter")?;
+        match (&self.compute.model_tflops_per_node, &self.compute.reference) {
+            (Some(r), None) if *r > 0.0 && r.is_finite() => Ok(()),
+            (Some(r), None) => bail!("compute.model_tflops_per_node = {r}: expected a positive number"),
+            (None, Some(r)) => {
+                if r.ops_ms.is_empty() || r.batch_per_rank == 0 || r.threads_per_rank == 0 {
+                    bail!("compute.reference: needs ops_ms, batch_per_rank ≥ 1 and threads_per_rank ≥ 1");
+                }
+                Ok(())
+            }
+            (Some(_), Some(_)) => bail!("[compute]: give model_tflops_per_node or [compute.reference], not both"),
+            (None, None) => bail!("[compute]: give model_tflops_per_node or [compute.reference]"),
+        }
+    }
+
+    /// The model's view of the machine.
+    pub fn machine(&self) -> Machine {
+        let m = &self.machine;
+        Machine {
+            compute: match (&self.compute.model_tflops_per_node, &self.compute.reference) {
+                (_, Some(r)) => Compute::Reference(r.clone()),
+                (Some(r), None) => Compute::Rate {
+                    model_tflops_per_node: *r,
+                },
+                (None, None) => unreachable!("validated"),
+            },
+            network: self.network,
+            cores_per_node: m.cores_per_node,
+            peak_gflops_per_core: m.peak_gflops_per_core,
+            memory_gib_per_rank: m.memory_gib_per_node / m.ranks_per_node as f64,
+        }
+    }
+}
+
+/// What [`measure`] fitted, for the user to see.
+#[derive(Clone, Debug)]
+pub struct Measured {
+    pub profile: Profile,
+    pub notes: Vec<String>,
+}
+
+/// Builds a profile from a one-node reference run (a `fugu train` directory: its header and
+/// per-op timers), `fugu bench comm` files (one node: the intra-node link; several nodes: the
+/// inter-node link) and the node's size.
+pub fn measure(
+    name: &str,
+    run_dir: &Path,
+    comm: &[std::path::PathBuf],
+    cores_per_node: usize,
+    memory_gib_per_node: f64,
+) -> Result<Measured> {
+    let metrics = if run_dir.is_dir() {
+        run_dir.join("metrics.jsonl")
+    } else {
+        run_dir.to_path_buf()
+    };
+    let run = read_run(&metrics, name)?;
+    let mut notes = Vec::new();
+    let dims = run
+        .model
+        .as_ref()
+        .with_context(|| format!("{}: the header has no model", metrics.display()))?;
+    let (Some(batch), Some(seq)) = (run.batch_size, run.seq_len) else {
+        bail!("{}: the header has no batch size or sequence length", metrics.display());
+    };
+    if run.layout.world != 1 {
+        bail!(
+            "{}: the reference must be a one-process run (it has {} ranks): its per-op times \
+             are scaled to other layouts",
+            metrics.display(),
+            run.layout.world
+        );
+    }
+    if run.timers.mean.is_empty() {
+        bail!("{}: the run recorded no per-op timers (run it with --timers fine or coarse)", metrics.display());
+    }
+    let peak_core = run
+        .machine
+        .peak_gflops
+        .map(|p| p / run.layout.threads.max(1) as f64)
+        .unwrap_or(0.0);
+    let reference = Reference {
+        model: ModelConfig {
+            vocab_size: dims.vocab_size as usize,
+            n_positions: seq as usize,
+            n_embd: dims.n_embd as usize,
+            n_head: dims.n_head as usize,
+            n_layer: dims.n_layer as usize,
+        },
+        seq_len: seq as usize,
+        batch_per_rank: batch as usize,
+        micro_batches: run.micro_batches.max(1) as usize,
+        threads_per_rank: run.layout.threads.max(1) as usize,
+        ops_ms: run.timers.mean.clone(),
+        step_ms: run.timers.step_ms,
+        source: format!(
+            "{} ({} measured steps, {} on {})",
+            metrics.display(),
+            run.timers.steps,
+            run.config_name,
+            run.machine.cpu_model
+        ),
+    };
+    let mut intra = None;
+    let mut inter = None;
+    for p in comm {
+        let f = read_comm(p)?;
+        let fit = fit_link(&f.rows).with_context(|| format!("fitting {}", p.display()))?;
+        notes.push(format!(
+            "{}: {} link α = {:.2} µs, β = {:.2} GB/s ({} sendrecv rows, worst fit error {:.0}%)",
+            p.display(),
+            if f.nodes > 1 { "inter-node" } else { "intra-node" },
+            fit.link.alpha_us,
+            fit.link.beta_gbs,
+            fit.rows,
+            100.0 * fit.max_rel_err
+        ));
+        if f.nodes > 1 {
+            inter = Some(fit.link);
+        } else {
+            intra = Some(fit.link);
+        }
+    }
+    let intra: Link = intra.context("no one-node `fugu bench comm` file given (--comm): the intra-node link is needed")?;
+    let inter = inter.unwrap_or_else(|| {
+        notes.push("no multi-node benchmark: the inter-node link is taken to be the intra-node one".into());
+        intra
+    });
+    let profile = Profile {
+        machine: MachineSection {
+            name: name.to_string(),
+            description: format!("measured by fugu on {}", run.machine.cpu_model),
+            estimate: false,
+            cores_per_node,
+            peak_gflops_per_core: peak_core,
+            memory_gib_per_node,
+            ranks_per_node: 1,
+            threads_per_rank: run.layout.threads.max(1) as usize,
+            sources: vec![reference.source.clone()],
+        },
+        compute: ComputeSection {
+            model_tflops_per_node: None,
+            reference: Some(reference),
+        },
+        network: Network { intra, inter },
+    };
+    profile.validate()?;
+    Ok(Measured { profile, notes })
+}

@@ -1,0 +1,468 @@
+//! One training step of a layout, predicted op by op under the same timer names as a real run.
+//!
+//! **Compute.** Either a reference run's per-op times, each scaled by the op's work in the new
+//! layout ([`op_work`]: FLOPs for the GEMMs, elements for the rest, per rank and per step), or
+//! one effective rate for the model's FLOPs ([`Compute::Rate`], for machines known only by a
+//! published figure). **Communication** comes from the [`Network`] model with the group
+//! placement of fugu's grid (TP innermost, then DP, then PP: `parallel/grid.rs`):
+//!
+//! * tensor parallelism: per block and micro-batch, the all-reduces after the attention and
+//!   MLP outputs (forward) and of their input gradients (backward), B·T·C floats each; the
+//!   vocabulary-parallel embedding, LM head and loss add theirs on the first and last stage;
+//! * pipeline: 1F1B, each micro-batch's activation and its gradient once per stage boundary,
+//!   and the bubble `(p − 1)·(f + b)` of the slowest stage;
+//! * data parallelism: fugu's gradient buckets ([`bucket_ranges`]), each started when the last
+//!   micro-batch's backward pass has made its gradients final (offsets are final in reverse
+//!   order, linearly in time) and run one after another; `allreduce-params` is what is left
+//!   after the backward pass. ZeRO-1 reduce-scatters instead and all-gathers the parameters
+//!   after the optimizer (`allgather-params`, not overlapped).
+
+use super::network::{Group, Network};
+use crate::config::ModelConfig;
+use crate::metrics::flops::megatron_flops_per_step;
+use crate::model::acts::{acts_table, grad_acts_table, stats_table, Recompute, StepDims};
+use crate::model::stage::Stage;
+use crate::model::table::{gpt2_stage_params, padded_vocab};
+use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
+use crate::parallel::grid::Grid;
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What is trained: the model, the sequence length and the global batch (sequences per step).
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub model: ModelConfig,
+    pub seq_len: usize,
+    pub global_batch: usize,
+}
+
+/// A parallel layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+    pub threads_per_rank: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub zero: bool,
+    /// Micro-batches per step per data-parallel replica.
+    pub micro_batches: usize,
+}
+
+impl Layout {
+    /// Ranks in the job.
+    pub fn world(&self) -> usize {
+        self.nodes * self.ranks_per_node
+    }
+}
+
+/// A reference run: one layout's measured per-op times (ms per step).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Reference {
+    pub model: ModelConfig,
+    pub seq_len: usize,
+    /// Sequences per rank per step, and micro-batches they were split into.
+    pub batch_per_rank: usize,
+    #[serde(default = "one")]
+    pub micro_batches: usize,
+    pub threads_per_rank: usize,
+    /// Mean ms per step of each timer of the run (leaf ops and their parents).
+    pub ops_ms: BTreeMap<String, f64>,
+    /// The run's mean step time, ms (for the record; the prediction sums the ops).
+    pub step_ms: f64,
+    /// Where it was measured (run directory, command).
+    #[serde(default)]
+    pub source: String,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// How compute time is predicted.
+#[derive(Clone, Debug)]
+pub enum Compute {
+    Reference(Reference),
+    /// The model FLOPs (Megatron's formula) at this rate per node, optimizer included.
+    Rate { model_tflops_per_node: f64 },
+}
+
+/// The machine: compute, network, node size.
+#[derive(Clone, Debug)]
+pub struct Machine {
+    pub compute: Compute,
+    pub network: Network,
+    pub cores_per_node: usize,
+    pub peak_gflops_per_core: f64,
+    /// Memory one rank may use (GiB), for the fits check.
+    pub memory_gib_per_rank: f64,
+}
+
+/// A predicted step.
+#[derive(Clone, Debug, Serialize)]
+pub struct Prediction {
+    pub layout: Layout,
+    pub step_ms: f64,
+    pub tokens_per_s: f64,
+    pub tflops_per_node: f64,
+    pub peak_pct: f64,
+    /// Per-timer ms per step, the same names a run records (parents are the sums of their
+    /// children), for the slowest pipeline stage.
+    pub timers_ms: BTreeMap<String, f64>,
+    pub memory_gib_per_rank: f64,
+    pub fits: bool,
+}
+
+/// The compute ops whose work [`op_work`] knows (under `forward:` and `backward:`).
+pub const COMPUTE_OPS: [&str; 13] = [
+    "attention:qkv",
+    "attention:proj",
+    "attention:bmm",
+    "attention:baddbmm",
+    "attention:softmax",
+    "mlp:mm",
+    "mlp:gelu",
+    "layernorm",
+    "residual",
+    "embedding",
+    "lm-head",
+    "loss",
+    "batch-generator",
+];
+
+/// The shapes one rank works on per micro-batch.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    /// Sequences per micro-batch.
+    mb: f64,
+    t: f64,
+    c: f64,
+    /// Local heads, head size, MLP width, padded vocabulary rows.
+    nh: f64,
+    hs: f64,
+    f: f64,
+    vp: f64,
+    tp: f64,
+    layers: f64,
+    first: bool,
+    last: bool,
+}
+
+impl Shape {
+    fn new(m: &ModelConfig, seq_len: usize, mb: usize, tp: usize, stage: &Stage) -> Shape {
+        Shape {
+            mb: mb as f64,
+            t: seq_len as f64,
+            c: m.n_embd as f64,
+            nh: (m.n_head / tp) as f64,
+            hs: (m.n_embd / m.n_head) as f64,
+            f: (4 * m.n_embd / tp) as f64,
+            vp: (padded_vocab(m.vocab_size) / tp) as f64,
+            tp: tp as f64,
+            layers: stage.layers.len() as f64,
+            first: stage.is_first(),
+            last: stage.is_last(),
+        }
+    }
+}
+
+/// The work of one compute op (a [`COMPUTE_OPS`] name) per micro-batch on one rank: FLOPs for
+/// the GEMMs, elements for the rest; only ratios of it are used.
+fn op_work(op: &str, s: &Shape) -> Option<f64> {
+    let n = s.mb * s.t;
+    let l = s.layers;
+    let on = |b: bool| if b { 1.0 } else { 0.0 };
+    Some(match op {
+        "attention:qkv" => 2.0 * n * s.c * 3.0 * s.c / s.tp * l,
+        "attention:proj" => 2.0 * n * s.c * s.c / s.tp * l,
+        "attention:bmm" | "attention:baddbmm" => 2.0 * s.mb * s.nh * s.t * s.t * s.hs * l,
+        "attention:softmax" => s.mb * s.nh * s.t * s.t * l,
+        "mlp:mm" => 4.0 * n * s.c * s.f * l,
+        "mlp:gelu" => n * s.f * l,
+        "layernorm" => n * s.c * (2.0 * l + on(s.last)),
+        "residual" => 2.0 * n * s.c * l,
+        "embedding" => n * s.c * on(s.first),
+        "lm-head" => 2.0 * n * s.c * s.vp * on(s.last),
+        "loss" => n * s.vp * on(s.last),
+        "batch-generator" => n * on(s.first),
+        _ => return None,
+    })
+}
+
+/// The layout checked against the workload and the grid's rules.
+pub fn check_layout(w: &Workload, l: &Layout) -> Result<()> {
+    Grid::new(0, l.world(), l.tp, l.pp, &w.model)?;
+    if l.tp * l.pp * l.dp != l.world() {
+        bail!(
+            "tp {} x pp {} x dp {} = {} but {} nodes x {} ranks = {} ranks",
+            l.tp,
+            l.pp,
+            l.dp,
+            l.tp * l.pp * l.dp,
+            l.nodes,
+            l.ranks_per_node,
+            l.world()
+        );
+    }
+    if l.micro_batches == 0 || !w.global_batch.is_multiple_of(l.dp * l.micro_batches) {
+        bail!(
+            "the global batch of {} sequences does not split into dp {} x {} micro-batch(es)",
+            w.global_batch,
+            l.dp,
+            l.micro_batches
+        );
+    }
+    Ok(())
+}
+
+/// Whether two ranks `stride` apart sit on different nodes (block placement).
+fn across(stride: usize, ranks_per_node: usize) -> bool {
+    stride >= ranks_per_node
+}
+
+/// The nodes a group of `ranks` members `stride` apart spans.
+fn nodes_of(ranks: usize, stride: usize, ranks_per_node: usize) -> usize {
+    ((ranks * stride).div_ceil(ranks_per_node)).min(ranks).max(1)
+}
+
+/// Predicts one step of `w` on `l` on machine `m`.
+pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
+    check_layout(w, l)?;
+    let cfg = &w.model;
+    let stages = Stage::split(cfg, l.pp, w.seq_len)?;
+    let per_rank = w.global_batch / l.dp;
+    let mb = per_rank / l.micro_batches;
+    let mbf = l.micro_batches as f64;
+    let net = &m.network;
+    let rpn = l.ranks_per_node;
+    let tp_group = Group {
+        ranks: l.tp,
+        nodes: nodes_of(l.tp, 1, rpn),
+    };
+    let dp_group = Group {
+        ranks: l.dp,
+        nodes: nodes_of(l.dp, l.tp, rpn),
+    };
+    // Cores per rank: fewer than asked when the node is oversubscribed.
+    let oversub = ((rpn * l.threads_per_rank) as f64 / m.cores_per_node as f64).max(1.0);
+
+    let mut best: Option<(f64, BTreeMap<String, f64>, f64)> = None;
+    for stage in &stages {
+        let s = Shape::new(cfg, w.seq_len, mb, l.tp, stage);
+        let params = gpt2_stage_params(cfg, l.tp, stage)?.total();
+        let owned = if l.zero {
+            params.div_ceil(l.dp)
+        } else {
+            params
+        };
+        let mut t: BTreeMap<String, f64> = BTreeMap::new();
+        // Compute per step (all micro-batches) on this stage.
+        match &m.compute {
+            Compute::Reference(r) => {
+                let rs = Shape::new(
+                    &r.model,
+                    r.seq_len,
+                    r.batch_per_rank / r.micro_batches.max(1),
+                    1,
+                    &Stage::whole(r.model.n_layer),
+                );
+                let rmb = r.micro_batches.max(1) as f64;
+                let thread_scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
+                for dir in ["forward", "backward"] {
+                    let mut known = 0.0;
+                    for op in COMPUTE_OPS {
+                        let name = format!("{dir}:{op}");
+                        let Some(&ms) = r.ops_ms.get(&name) else {
+                            continue;
+                        };
+                        known += ms;
+                        let (wn, wr) = (op_work(op, &s).unwrap(), op_work(op, &rs).unwrap());
+                        if wr > 0.0 && wn > 0.0 {
+                            *t.entry(name).or_default() += ms * (wn * mbf) / (wr * rmb) * thread_scale;
+                        }
+                    }
+                    // What the named ops leave of the parent: scaled by tokens per step.
+                    let rest = r.ops_ms.get(dir).copied().unwrap_or(0.0) - known;
+                    if rest > 0.0 {
+                        let tokens = (mb * l.micro_batches) as f64 / r.batch_per_rank as f64;
+                        let frac = s.layers / r.model.n_layer as f64;
+                        t.insert(format!("{dir}:other"), rest * tokens * frac * thread_scale);
+                    }
+                }
+                let rparams = gpt2_stage_params(&r.model, 1, &Stage::whole(r.model.n_layer))?.total() as f64;
+                let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
+                let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
+                t.insert(
+                    "optimizer:clip".into(),
+                    clip * params as f64 / rparams * thread_scale,
+                );
+                t.insert(
+                    "optimizer:update".into(),
+                    update.max(0.0) * owned as f64 / rparams * thread_scale,
+                );
+            }
+            Compute::Rate {
+                model_tflops_per_node,
+            } => {
+                // This stage's share of the model FLOPs of its ranks' sequences.
+                let flops = megatron_flops_per_step(
+                    per_rank,
+                    w.seq_len,
+                    stage.layers.len(),
+                    cfg.n_embd,
+                    if stage.is_last() { cfg.vocab_size } else { 0 },
+                ) / l.tp as f64;
+                let rate = model_tflops_per_node * 1e12 / rpn as f64;
+                let ms = flops / rate * 1e3 * oversub;
+                t.insert("forward:compute".into(), ms / 3.0);
+                t.insert("backward:compute".into(), ms * 2.0 / 3.0);
+            }
+        }
+        // Tensor-parallel all-reduces (B·T·C floats per micro-batch each).
+        if l.tp > 1 {
+            let act = 4.0 * s.mb * s.t * s.c;
+            let ar = net.allreduce(tp_group, act) * 1e3 * mbf;
+            let blocks = s.layers;
+            for (name, count) in [
+                ("forward:attention:allreduce", blocks),
+                ("forward:mlp:allreduce", blocks),
+                ("backward:attention:allreduce", blocks),
+                ("backward:mlp:allreduce", blocks),
+                ("forward:embedding:allreduce", if s.first { 1.0 } else { 0.0 }),
+                ("backward:lm-head:allreduce", if s.last { 1.0 } else { 0.0 }),
+            ] {
+                if count > 0.0 {
+                    t.insert(name.into(), ar * count);
+                }
+            }
+            if s.last {
+                // Vocabulary-parallel cross-entropy: row maxima, sums and target logits.
+                let small = net.allreduce(tp_group, 4.0 * s.mb * s.t) * 1e3 * mbf;
+                t.insert("forward:loss:allreduce".into(), 3.0 * small);
+            }
+        }
+        let fwd: f64 = sum_prefix(&t, "forward:");
+        let bwd: f64 = sum_prefix(&t, "backward:");
+        // Pipeline: activations and their gradients across each boundary, and the bubble.
+        if l.pp > 1 {
+            let msg = net.sendrecv(across(l.dp * l.tp, rpn), 4.0 * s.mb * s.t * s.c) * 1e3;
+            let boundaries = (!s.first) as usize + (!s.last) as usize;
+            t.insert("pipeline:recv".into(), msg * mbf * boundaries as f64);
+        }
+        // Data-parallel gradient synchronisation, overlapped with the last backward pass.
+        let table = gpt2_stage_params(cfg, l.tp, stage)?;
+        if l.dp > 1 {
+            let buckets = bucket_ranges(&table, DEFAULT_BUCKET_FLOATS);
+            let total = table.total() as f64;
+            let last_bwd = bwd / mbf;
+            let mut finish = 0.0f64; // ms after the last backward pass started
+            for b in buckets.iter().rev() {
+                let ready = last_bwd * (1.0 - b.start as f64 / total);
+                let bytes = 4.0 * b.len() as f64;
+                let cost = if l.zero {
+                    net.reduce_scatter(dp_group, bytes)
+                } else {
+                    net.allreduce(dp_group, bytes)
+                } * 1e3;
+                finish = finish.max(ready) + cost;
+            }
+            t.insert("allreduce-params".into(), (finish - last_bwd).max(0.0));
+            if l.zero {
+                let gather: f64 = buckets
+                    .iter()
+                    .map(|b| net.reduce_scatter(dp_group, 4.0 * b.len() as f64) * 1e3)
+                    .sum();
+                t.insert("allgather-params".into(), gather);
+            }
+        }
+        if l.pp > 1 && cfg_has_tied(stage) && (stage.is_first() || stage.is_last()) {
+            let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
+            let g = Group {
+                ranks: 2,
+                nodes: if across(l.dp * l.tp * (l.pp - 1), rpn) { 2 } else { 1 },
+            };
+            t.insert("pipeline:tied-wte:allreduce".into(), net.allreduce(g, wte) * 1e3);
+        }
+        // Parents: forward, backward, optimizer; then the bubble of this stage.
+        t.insert("forward".into(), fwd);
+        t.insert("backward".into(), bwd);
+        let opt = sum_prefix(&t, "optimizer:");
+        t.insert("optimizer".into(), opt);
+        if l.pp > 1 {
+            t.insert("pipeline:bubble".into(), (l.pp - 1) as f64 * (fwd + bwd) / mbf);
+        }
+        let step: f64 = t
+            .iter()
+            .filter(|(k, _)| !k.contains(':') || k.starts_with("pipeline:"))
+            .map(|(_, v)| v)
+            .sum();
+        let mem = memory_gib(cfg, w.seq_len, mb, l, stage, params, owned);
+        if best.as_ref().is_none_or(|b| step > b.0) {
+            best = Some((step, t, mem));
+        }
+    }
+    let (step_ms, timers_ms, mem) = best.expect("at least one stage");
+    let flops = megatron_flops_per_step(
+        w.global_batch,
+        w.seq_len,
+        cfg.n_layer,
+        cfg.n_embd,
+        cfg.vocab_size,
+    );
+    let tflops_per_node = flops / (step_ms * 1e-3) / l.nodes as f64 / 1e12;
+    let peak_node = m.peak_gflops_per_core * m.cores_per_node as f64 / 1e3;
+    Ok(Prediction {
+        layout: *l,
+        step_ms,
+        tokens_per_s: (w.global_batch * w.seq_len) as f64 / (step_ms * 1e-3),
+        tflops_per_node,
+        peak_pct: 100.0 * tflops_per_node / peak_node,
+        timers_ms,
+        memory_gib_per_rank: mem,
+        fits: mem <= m.memory_gib_per_rank,
+    })
+}
+
+/// The tied `wte` lives on the first and the last stage (both hold a copy with pp > 1).
+fn cfg_has_tied(stage: &Stage) -> bool {
+    stage.count > 1
+}
+
+fn sum_prefix(t: &BTreeMap<String, f64>, prefix: &str) -> f64 {
+    t.iter()
+        .filter(|(k, _)| k.starts_with(prefix))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// Memory per rank (GiB), the run header's accounting: parameters and gradients (f32), AdamW
+/// moments (the owned share under ZeRO-1), the in-flight micro-batches' activations and
+/// statistics, and the backward scratch.
+fn memory_gib(
+    cfg: &ModelConfig,
+    seq_len: usize,
+    mb: usize,
+    l: &Layout,
+    stage: &Stage,
+    params: usize,
+    owned: usize,
+) -> f64 {
+    let d = StepDims {
+        b: mb,
+        t: seq_len,
+        c: cfg.n_embd,
+        nh: cfg.n_head / l.tp,
+        hs: cfg.n_embd / cfg.n_head,
+        f: 4 * cfg.n_embd / l.tp,
+        vp: padded_vocab(cfg.vocab_size) / l.tp,
+    };
+    let in_flight = (stage.count - stage.index).min(l.micro_batches);
+    let acts = in_flight
+        * 4
+        * (acts_table(&d, stage, Recompute::None).total() + stats_table(&d, stage).total());
+    let bytes = 8 * params + 8 * owned + acts + 4 * grad_acts_table(&d).total();
+    bytes as f64 / (1u64 << 30) as f64
+}
