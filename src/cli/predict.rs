@@ -50,8 +50,16 @@ pub struct PredictArgs {
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// Micro-batches per step per data-parallel replica.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, conflicts_with = "micro_batch_size")]
     pub micro_batches: usize,
+    /// Sequences per micro-batch instead (Megatron's micro-batch size): the micro-batches per
+    /// step follow from the global batch and dp at each node count.
+    #[arg(long)]
+    pub micro_batch_size: Option<usize>,
+    /// Calibrate compute on a one-node measurement of this model: its model TFLOP/s per node
+    /// (Megatron's FLOPs formula), replacing the profile's compute section.
+    #[arg(long, value_name = "TFLOPS")]
+    pub tflops_per_node: Option<f64>,
     /// Output format.
     #[arg(long, default_value = "table", value_parser = ["table", "json"])]
     pub format: String,
@@ -104,14 +112,23 @@ pub fn run(args: PredictArgs) -> Result<()> {
     if let Some(PredictCommand::Profile(p)) = args.command {
         return run_profile(p);
     }
-    let path = args
-        .profile
-        .as_ref()
-        .context("--profile FILE is needed (a machine profile: see profiles/ and docs/PREDICT.md)")?;
+    let path = args.profile.as_ref().context(
+        "--profile FILE is needed (a machine profile: see profiles/ and docs/PREDICT.md)",
+    )?;
     let profile = Profile::load(path)?;
-    let machine = profile.machine();
+    let mut machine = profile.machine();
+    if let Some(r) = args.tflops_per_node {
+        if !(r > 0.0 && r.is_finite()) {
+            bail!("--tflops-per-node {r}: expected a positive number");
+        }
+        machine.compute = crate::predict::step::Compute::Rate {
+            model_tflops_per_node: r,
+        };
+    }
     let cfg = RunConfig::load(&args.config)?;
-    let rpn = args.ranks_per_node.unwrap_or(profile.machine.ranks_per_node);
+    let rpn = args
+        .ranks_per_node
+        .unwrap_or(profile.machine.ranks_per_node);
     let threads = args.threads.unwrap_or(profile.machine.threads_per_rank);
     if rpn == 0 || threads == 0 {
         bail!("--ranks-per-node and --threads must be at least 1");
@@ -141,7 +158,11 @@ pub fn run(args: PredictArgs) -> Result<()> {
             .parse()
             .map_err(|_| anyhow::anyhow!("--dp '{}': expected auto or a number", args.dp))?;
         if dp != auto {
-            bail!("--dp {dp}: {world} ranks with tp {} and pp {} leave dp = {auto}", args.tp, args.pp);
+            bail!(
+                "--dp {dp}: {world} ranks with tp {} and pp {} leave dp = {auto}",
+                args.tp,
+                args.pp
+            );
         }
         Ok(dp)
     };
@@ -156,15 +177,24 @@ pub fn run(args: PredictArgs) -> Result<()> {
     };
     let mut out = Vec::new();
     for &nodes in &args.nodes {
+        let dp = dp_of(nodes)?;
+        let micro_batches = match args.micro_batch_size {
+            None => args.micro_batches,
+            Some(0) => bail!("--micro-batch-size 0: expected at least 1"),
+            Some(mbs) if !global_batch.is_multiple_of(dp * mbs) => bail!(
+                "at {nodes} node(s): the global batch {global_batch} is not a multiple of dp {dp} x micro-batch size {mbs}"
+            ),
+            Some(mbs) => global_batch / (dp * mbs),
+        };
         let l = Layout {
             nodes,
             ranks_per_node: rpn,
             threads_per_rank: threads,
             tp: args.tp,
             pp: args.pp,
-            dp: dp_of(nodes)?,
+            dp,
             zero: args.zero == 1,
-            micro_batches: args.micro_batches,
+            micro_batches,
         };
         out.push(predict(&w, &l, &machine).with_context(|| format!("at {nodes} node(s)"))?);
     }
@@ -219,8 +249,7 @@ pub fn format_table(rows: &[Prediction]) -> String {
             .timers_ms
             .iter()
             .filter(|(k, _)| k.ends_with(":allreduce") && !k.starts_with("pipeline:"))
-            .map(|(_, v)| v)
-            .sum();
+            .fold(0.0, |a, (_, v)| a + v);
         let dp = t("allreduce-params") + t("allgather-params");
         let pp = t("pipeline:bubble") + t("pipeline:recv") + t("pipeline:tied-wte:allreduce");
         let compute = t("forward") + t("backward") - tp_comm;

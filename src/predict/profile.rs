@@ -21,7 +21,7 @@
 //! inter = { alpha_us = 1.0, beta_gbs = 6.8 }
 //! ```
 
-use super::network::{fit_link, Link, Network};
+use super::network::{fit_link, fit_reduce, Group, Link, Network};
 use super::step::{Compute, Machine, Reference};
 use crate::config::ModelConfig;
 use crate::report::comm::read_comm;
@@ -104,14 +104,18 @@ impl Profile {
         self.network.inter.validate("network.inter")?;
         match (&self.compute.model_tflops_per_node, &self.compute.reference) {
             (Some(r), None) if *r > 0.0 && r.is_finite() => Ok(()),
-            (Some(r), None) => bail!("compute.model_tflops_per_node = {r}: expected a positive number"),
+            (Some(r), None) => {
+                bail!("compute.model_tflops_per_node = {r}: expected a positive number")
+            }
             (None, Some(r)) => {
                 if r.ops_ms.is_empty() || r.batch_per_rank == 0 || r.threads_per_rank == 0 {
                     bail!("compute.reference: needs ops_ms, batch_per_rank ≥ 1 and threads_per_rank ≥ 1");
                 }
                 Ok(())
             }
-            (Some(_), Some(_)) => bail!("[compute]: give model_tflops_per_node or [compute.reference], not both"),
+            (Some(_), Some(_)) => {
+                bail!("[compute]: give model_tflops_per_node or [compute.reference], not both")
+            }
             (None, None) => bail!("[compute]: give model_tflops_per_node or [compute.reference]"),
         }
     }
@@ -164,7 +168,10 @@ pub fn measure(
         .as_ref()
         .with_context(|| format!("{}: the header has no model", metrics.display()))?;
     let (Some(batch), Some(seq)) = (run.batch_size, run.seq_len) else {
-        bail!("{}: the header has no batch size or sequence length", metrics.display());
+        bail!(
+            "{}: the header has no batch size or sequence length",
+            metrics.display()
+        );
     };
     if run.layout.world != 1 {
         bail!(
@@ -175,7 +182,10 @@ pub fn measure(
         );
     }
     if run.timers.mean.is_empty() {
-        bail!("{}: the run recorded no per-op timers (run it with --timers fine or coarse)", metrics.display());
+        bail!(
+            "{}: the run recorded no per-op timers (run it with --timers fine or coarse)",
+            metrics.display()
+        );
     }
     let peak_core = run
         .machine
@@ -206,13 +216,18 @@ pub fn measure(
     };
     let mut intra = None;
     let mut inter = None;
+    let mut files = Vec::new();
     for p in comm {
         let f = read_comm(p)?;
         let fit = fit_link(&f.rows).with_context(|| format!("fitting {}", p.display()))?;
         notes.push(format!(
             "{}: {} link α = {:.2} µs, β = {:.2} GB/s ({} sendrecv rows, worst fit error {:.0}%)",
             p.display(),
-            if f.nodes > 1 { "inter-node" } else { "intra-node" },
+            if f.nodes > 1 {
+                "inter-node"
+            } else {
+                "intra-node"
+            },
             fit.link.alpha_us,
             fit.link.beta_gbs,
             fit.rows,
@@ -223,13 +238,18 @@ pub fn measure(
         } else {
             intra = Some(fit.link);
         }
+        files.push((p.clone(), f));
     }
-    let intra: Link = intra.context("no one-node `fugu bench comm` file given (--comm): the intra-node link is needed")?;
+    let intra: Link = intra.context(
+        "no one-node `fugu bench comm` file given (--comm): the intra-node link is needed",
+    )?;
     let inter = inter.unwrap_or_else(|| {
-        notes.push("no multi-node benchmark: the inter-node link is taken to be the intra-node one".into());
+        notes.push(
+            "no multi-node benchmark: the inter-node link is taken to be the intra-node one".into(),
+        );
         intra
     });
-    let profile = Profile {
+    let mut profile = Profile {
         machine: MachineSection {
             name: name.to_string(),
             description: format!("measured by fugu on {}", run.machine.cpu_model),
@@ -245,8 +265,30 @@ pub fn measure(
             model_tflops_per_node: None,
             reference: Some(reference),
         },
-        network: Network { intra, inter },
+        network: Network {
+            intra,
+            inter,
+            reduce_gbs: None,
+        },
     };
+    // The reduction rate, from the one-node all-reduce rows (the α–β part known).
+    if let Some((p, f)) = files.iter().find(|(_, f)| f.nodes == 1) {
+        let g = Group {
+            ranks: f.ranks,
+            nodes: 1,
+        };
+        profile.network.reduce_gbs = fit_reduce(&profile.network, g, &f.rows);
+        match profile.network.reduce_gbs {
+            Some(r) => notes.push(format!(
+                "{}: reduction rate γ = {r:.2} GB/s (all-reduce rows ≥ 64 KiB)",
+                p.display()
+            )),
+            None => notes.push(format!(
+                "{}: all-reduce rows leave no reduction cost to fit",
+                p.display()
+            )),
+        }
+    }
     profile.validate()?;
     Ok(Measured { profile, notes })
 }

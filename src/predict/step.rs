@@ -87,7 +87,9 @@ fn one() -> usize {
 pub enum Compute {
     Reference(Reference),
     /// The model FLOPs (Megatron's formula) at this rate per node, optimizer included.
-    Rate { model_tflops_per_node: f64 },
+    Rate {
+        model_tflops_per_node: f64,
+    },
 }
 
 /// The machine: compute, network, node size.
@@ -225,7 +227,9 @@ fn across(stride: usize, ranks_per_node: usize) -> bool {
 
 /// The nodes a group of `ranks` members `stride` apart spans.
 fn nodes_of(ranks: usize, stride: usize, ranks_per_node: usize) -> usize {
-    ((ranks * stride).div_ceil(ranks_per_node)).min(ranks).max(1)
+    ((ranks * stride).div_ceil(ranks_per_node))
+        .min(ranks)
+        .max(1)
 }
 
 /// Predicts one step of `w` on `l` on machine `m`.
@@ -236,8 +240,11 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     let per_rank = w.global_batch / l.dp;
     let mb = per_rank / l.micro_batches;
     let mbf = l.micro_batches as f64;
-    let net = &m.network;
     let rpn = l.ranks_per_node;
+    // Cores per rank: fewer than asked when the node is oversubscribed (compute and the
+    // shared-memory transfers slow down alike).
+    let oversub = ((rpn * l.threads_per_rank) as f64 / m.cores_per_node as f64).max(1.0);
+    let net = &m.network.oversubscribed(oversub);
     let tp_group = Group {
         ranks: l.tp,
         nodes: nodes_of(l.tp, 1, rpn),
@@ -246,8 +253,6 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         ranks: l.dp,
         nodes: nodes_of(l.dp, l.tp, rpn),
     };
-    // Cores per rank: fewer than asked when the node is oversubscribed.
-    let oversub = ((rpn * l.threads_per_rank) as f64 / m.cores_per_node as f64).max(1.0);
 
     let mut best: Option<(f64, BTreeMap<String, f64>, f64)> = None;
     for stage in &stages {
@@ -281,7 +286,8 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
                         known += ms;
                         let (wn, wr) = (op_work(op, &s).unwrap(), op_work(op, &rs).unwrap());
                         if wr > 0.0 && wn > 0.0 {
-                            *t.entry(name).or_default() += ms * (wn * mbf) / (wr * rmb) * thread_scale;
+                            *t.entry(name).or_default() +=
+                                ms * (wn * mbf) / (wr * rmb) * thread_scale;
                         }
                     }
                     // What the named ops leave of the parent: scaled by tokens per step.
@@ -292,7 +298,8 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
                         t.insert(format!("{dir}:other"), rest * tokens * frac * thread_scale);
                     }
                 }
-                let rparams = gpt2_stage_params(&r.model, 1, &Stage::whole(r.model.n_layer))?.total() as f64;
+                let rparams =
+                    gpt2_stage_params(&r.model, 1, &Stage::whole(r.model.n_layer))?.total() as f64;
                 let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
                 let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
                 t.insert(
@@ -331,7 +338,10 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
                 ("forward:mlp:allreduce", blocks),
                 ("backward:attention:allreduce", blocks),
                 ("backward:mlp:allreduce", blocks),
-                ("forward:embedding:allreduce", if s.first { 1.0 } else { 0.0 }),
+                (
+                    "forward:embedding:allreduce",
+                    if s.first { 1.0 } else { 0.0 },
+                ),
                 ("backward:lm-head:allreduce", if s.last { 1.0 } else { 0.0 }),
             ] {
                 if count > 0.0 {
@@ -373,7 +383,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
             if l.zero {
                 let gather: f64 = buckets
                     .iter()
-                    .map(|b| net.reduce_scatter(dp_group, 4.0 * b.len() as f64) * 1e3)
+                    .map(|b| net.allgather(dp_group, 4.0 * b.len() as f64) * 1e3)
                     .sum();
                 t.insert("allgather-params".into(), gather);
             }
@@ -382,9 +392,16 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
             let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
             let g = Group {
                 ranks: 2,
-                nodes: if across(l.dp * l.tp * (l.pp - 1), rpn) { 2 } else { 1 },
+                nodes: if across(l.dp * l.tp * (l.pp - 1), rpn) {
+                    2
+                } else {
+                    1
+                },
             };
-            t.insert("pipeline:tied-wte:allreduce".into(), net.allreduce(g, wte) * 1e3);
+            t.insert(
+                "pipeline:tied-wte:allreduce".into(),
+                net.allreduce(g, wte) * 1e3,
+            );
         }
         // Parents: forward, backward, optimizer; then the bubble of this stage.
         t.insert("forward".into(), fwd);
@@ -392,7 +409,10 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         let opt = sum_prefix(&t, "optimizer:");
         t.insert("optimizer".into(), opt);
         if l.pp > 1 {
-            t.insert("pipeline:bubble".into(), (l.pp - 1) as f64 * (fwd + bwd) / mbf);
+            t.insert(
+                "pipeline:bubble".into(),
+                (l.pp - 1) as f64 * (fwd + bwd) / mbf,
+            );
         }
         let step: f64 = t
             .iter()
@@ -434,8 +454,7 @@ fn cfg_has_tied(stage: &Stage) -> bool {
 fn sum_prefix(t: &BTreeMap<String, f64>, prefix: &str) -> f64 {
     t.iter()
         .filter(|(k, _)| k.starts_with(prefix))
-        .map(|(_, v)| v)
-        .sum()
+        .fold(0.0, |a, (_, v)| a + v)
 }
 
 /// Memory per rank (GiB), the run header's accounting: parameters and gradients (f32), AdamW

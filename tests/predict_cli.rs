@@ -1,0 +1,287 @@
+//! `fugu predict` against measurements.
+//!
+//! * This machine: a profile built from a one-process reference run and a `fugu bench comm`
+//!   run, then the step time of six 2- and 4-rank layouts (dp, tp, ZeRO-1, tp x dp) predicted
+//!   and compared with the measured runs (`tests/fixtures/predict/vm-zen4`, recorded by
+//!   `scripts/validate-predict.sh` on a 2-core AMD EPYC Zen 4). Target: within 15%.
+//! * Fugaku: the shipped estimate profile, calibrated on the published one-node figures only,
+//!   against the published multi-node points (`docs/PREDICT.md` discusses the misses).
+
+use fugu::report::runs::read_run;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fugu(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fugu"))
+        .args(args)
+        .output()
+        .expect("running fugu")
+}
+
+fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "fugu failed: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/predict/vm-zen4")
+}
+
+fn repo(p: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(p)
+        .display()
+        .to_string()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fugu-predict-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The predictions of `fugu predict ... --format json`.
+fn predictions(args: &[&str]) -> Vec<Value> {
+    let mut a = vec!["predict"];
+    a.extend_from_slice(args);
+    a.extend_from_slice(&["--format", "json"]);
+    let v: Value = serde_json::from_str(&ok(&fugu(&a))).expect("JSON output");
+    v["predictions"].as_array().unwrap().clone()
+}
+
+#[test]
+fn layouts_measured_here_are_predicted_within_15_percent() {
+    let d = fixtures();
+    let out = tmp("vm");
+    let profile = out.join("vm.toml");
+    ok(&fugu(&[
+        "predict",
+        "profile",
+        "--run",
+        &d.join("ref").display().to_string(),
+        "--comm",
+        &d.join("comm-1n2r.json").display().to_string(),
+        "--name",
+        "vm-zen4",
+        "--cores-per-node",
+        "2",
+        "--memory-gib",
+        "24",
+        "--out",
+        &profile.display().to_string(),
+    ]));
+    let p = profile.display().to_string();
+    let mut worst = 0.0f64;
+    println!("layout   ranks  measured ms  predicted ms  error");
+    for (run, rpn, extra) in [
+        ("dp2", "2", vec![]),
+        ("tp2", "2", vec!["--tp", "2"]),
+        ("dp2z", "2", vec!["--zero", "1"]),
+        ("dp4", "4", vec![]),
+        ("tp2dp2", "4", vec!["--tp", "2"]),
+        ("tp4", "4", vec!["--tp", "4"]),
+    ] {
+        let measured = read_run(&d.join(run).join("metrics.jsonl"), run)
+            .unwrap()
+            .step_ms;
+        let mut args = vec![
+            "--profile",
+            &p,
+            "--config",
+            "gpt2-tiny",
+            "--seq-len",
+            "128",
+            "--batch",
+            "8",
+            "--nodes",
+            "1",
+            "--ranks-per-node",
+            rpn,
+            "--threads",
+            "1",
+        ];
+        args.extend(extra);
+        let pred = predictions(&args)[0]["step_ms"].as_f64().unwrap();
+        let err = (pred - measured) / measured;
+        println!(
+            "{run:<8} {rpn:>5} {measured:>12.1} {pred:>13.1} {:>+6.1}%",
+            100.0 * err
+        );
+        worst = worst.max(err.abs());
+    }
+    println!("worst |error| {:.1}%", 100.0 * worst);
+    assert!(
+        worst <= 0.15,
+        "a prediction is off by {:.1}%",
+        100.0 * worst
+    );
+}
+
+#[test]
+fn fugaku_points_calibrated_on_one_node() {
+    let fugaku = repo("profiles/fugaku.toml");
+    // (model, tp, calibration TF/node at 1 node, published points (nodes, TF/node)); the
+    // published runs had one process per node (48 threads), global batch 1024, micro-batch
+    // 1 (shared docs/A64FX.md).
+    let curves = [
+        (
+            "gpt2-124m",
+            "1",
+            "1.09",
+            vec![(1usize, 1.09f64), (512, 0.16)],
+        ),
+        ("gpt-1.3b", "4", "0.99", vec![(4, 0.86), (4096, 0.41)]),
+    ];
+    println!("model      tp  nodes  published  predicted  error");
+    let mut errors = Vec::new();
+    for (cfg, tp, calib, points) in curves {
+        let nodes: Vec<String> = points.iter().map(|p| p.0.to_string()).collect();
+        let nodes = nodes.join(",");
+        let preds = predictions(&[
+            "--profile",
+            &fugaku,
+            "--config",
+            cfg,
+            "--tp",
+            tp,
+            "--batch",
+            "1024",
+            "--micro-batch-size",
+            "1",
+            "--ranks-per-node",
+            "1",
+            "--threads",
+            "48",
+            "--tflops-per-node",
+            calib,
+            "--nodes",
+            &nodes,
+        ]);
+        for ((n, published), p) in points.iter().zip(&preds) {
+            let got = p["tflops_per_node"].as_f64().unwrap();
+            let err = (got - published) / published;
+            println!(
+                "{cfg:<10} {tp:>2} {n:>6} {published:>10.2} {got:>10.3} {:>+7.0}%",
+                100.0 * err
+            );
+            assert!(
+                p["fits"].as_bool().unwrap(),
+                "{cfg} at {n} nodes does not fit"
+            );
+            errors.push((cfg, *n, err));
+        }
+    }
+    // The calibration point reproduces itself, and the 1.3B TP 4 run over 4 nodes (inter-node
+    // tensor parallelism, no data parallelism) is within the 20% target.
+    let err = |c: &str, n: usize| errors.iter().find(|e| e.0 == c && e.1 == n).unwrap().2;
+    assert!(err("gpt2-124m", 1).abs() < 0.01);
+    assert!(
+        err("gpt-1.3b", 4).abs() <= 0.20,
+        "1.3B at 4 nodes: {:.0}%",
+        100.0 * err("gpt-1.3b", 4)
+    );
+    // At 512 and 4096 nodes the model is far more optimistic than the published runs (see
+    // docs/PREDICT.md: their data-parallel all-reduce ran at a small fraction of Tofu-D's
+    // bandwidth): the 20% target is not met there, and this records by how much.
+    for (c, n) in [("gpt2-124m", 512), ("gpt-1.3b", 4096)] {
+        println!(
+            "{c} at {n} nodes: the model is {:.1}x the published TF/node",
+            1.0 + err(c, n)
+        );
+        assert!(err(c, n) > 0.0);
+    }
+}
+
+#[test]
+fn ten_node_counts_and_bad_inputs() {
+    let fugaku = repo("profiles/fugaku.toml");
+    let preds = predictions(&[
+        "--profile",
+        &fugaku,
+        "--config",
+        "gpt2-124m",
+        "--batch",
+        "4096",
+        "--nodes",
+        "1,2,4,8,16,32,64,128,256,512",
+        "--micro-batch-size",
+        "1",
+    ]);
+    assert_eq!(preds.len(), 10);
+    // More nodes: never slower per step in this strong-scaling series, never more TF/node.
+    for w in preds.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        assert!(b["step_ms"].as_f64() <= a["step_ms"].as_f64());
+        assert!(b["tflops_per_node"].as_f64() <= a["tflops_per_node"].as_f64());
+    }
+    // Same timer names as real runs.
+    let t = preds[5]["timers_ms"].as_object().unwrap();
+    assert!(
+        t.contains_key("forward") && t.contains_key("allreduce-params"),
+        "{t:?}"
+    );
+
+    let bad = tmp("bad");
+    let missing = bad.join("nope.toml").display().to_string();
+    let broken = bad.join("broken.toml");
+    std::fs::write(
+        &broken,
+        std::fs::read_to_string(&fugaku)
+            .unwrap()
+            .replace("beta_gbs = 6.8", "beta_gbs = -1"),
+    )
+    .unwrap();
+    let broken = broken.display().to_string();
+    for (args, want) in [
+        (vec!["predict"], "--profile FILE is needed"),
+        (
+            vec!["predict", "--profile", &missing],
+            "reading the machine profile",
+        ),
+        (
+            vec!["predict", "--profile", &broken],
+            "network.inter: beta_gbs = -1",
+        ),
+        (
+            vec![
+                "predict",
+                "--profile",
+                &fugaku,
+                "--tp",
+                "5",
+                "--nodes",
+                "5",
+                "--ranks-per-node",
+                "1",
+            ],
+            "--tp 5 does not divide model.n_head",
+        ),
+        (
+            vec![
+                "predict",
+                "--profile",
+                &fugaku,
+                "--nodes",
+                "3",
+                "--batch",
+                "8",
+            ],
+            "does not split into dp 12",
+        ),
+        (
+            vec!["predict", "--profile", &fugaku, "--dp", "7"],
+            "leave dp = 4",
+        ),
+    ] {
+        let o = fugu(&args);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && e.contains(want), "{args:?}: {e}");
+    }
+}
