@@ -285,3 +285,58 @@ fn ten_node_counts_and_bad_inputs() {
         assert!(!o.status.success() && e.contains(want), "{args:?}: {e}");
     }
 }
+
+/// `fugu report --predict`: the prediction charts and table, with measured runs overlaid, and
+/// a positional prediction file recognised by its content.
+#[test]
+fn predictions_are_charted_by_fugu_report() {
+    let out = tmp("report");
+    let pred = out.join("p.json");
+    let o = fugu(&[
+        "predict",
+        "--profile",
+        &repo("profiles/fugaku.toml"),
+        "--config",
+        "gpt2-124m",
+        "--batch",
+        "1024",
+        "--micro-batch-size",
+        "1",
+        "--nodes",
+        "1,16,256",
+        "--format",
+        "json",
+    ]);
+    std::fs::write(&pred, ok(&o)).unwrap();
+    let rep = out.join("rep");
+    let run = fixtures().join("dp2").display().to_string();
+    for how in [
+        vec!["--predict", pred.to_str().unwrap()],
+        vec![pred.to_str().unwrap()],
+    ] {
+        let _ = std::fs::remove_dir_all(&rep);
+        let mut args = vec!["report", &run];
+        args.extend(how);
+        args.extend(["--out", rep.to_str().unwrap()]);
+        ok(&fugu(&args));
+        let md = std::fs::read_to_string(rep.join("REPORT.md")).unwrap();
+        assert!(md.contains("## Predictions"), "{md}");
+        for svg in [
+            "predict-tflops.svg",
+            "predict-step.svg",
+            "predict-breakdown.svg",
+        ] {
+            let s = std::fs::read_to_string(rep.join(svg)).unwrap();
+            assert!(
+                s.starts_with("<svg") && s.contains("measured runs")
+                    || svg == "predict-breakdown.svg"
+            );
+        }
+        let csv = std::fs::read_to_string(rep.join("predict.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 4, "{csv}");
+        assert!(
+            csv.lines().nth(3).unwrap().contains(",256,1024,1,1,1024,"),
+            "{csv}"
+        );
+    }
+}

@@ -27,6 +27,8 @@ OUTPUTS (in --out):
   gemm-<T>t.svg, gemm-peak-pct.svg   GEMM GFLOP/s against size per ISA and thread count
   comm-<OP>-time.svg,                communication time and bus bandwidth against message
   comm-<OP>-busbw.svg                size per operation, one line per benchmark file
+  predict-tflops.svg, predict-step.svg,  `fugu predict` output against nodes, measured runs
+  predict-breakdown.svg              overlaid; the predicted per-op breakdown
   *.csv                              one per table
 
 Inputs that cannot be used (missing or malformed metrics, no step records) are listed in
@@ -48,6 +50,10 @@ pub struct ReportArgs {
     /// comm-*.json (repeatable).
     #[arg(long, value_name = "FILE")]
     pub comm: Vec<PathBuf>,
+    /// A `fugu predict --format json` output file whatever its name (repeatable): predicted
+    /// TFLOP/s, step time and breakdown against nodes, the measured runs overlaid.
+    #[arg(long, value_name = "FILE")]
+    pub predict: Vec<PathBuf>,
     /// Output directory for REPORT.md, the SVG charts and the CSV tables (created if missing;
     /// files of the same names are replaced).
     #[arg(long, short, value_name = "DIR")]
@@ -56,13 +62,18 @@ pub struct ReportArgs {
 
 /// Runs `fugu report`.
 pub fn run(args: ReportArgs) -> Result<()> {
-    if args.inputs.is_empty() && args.gemm.is_empty() && args.comm.is_empty() {
+    if args.inputs.is_empty()
+        && args.gemm.is_empty()
+        && args.comm.is_empty()
+        && args.predict.is_empty()
+    {
         anyhow::bail!("nothing to report on: give run directories and/or benchmark files");
     }
     let o = generate(&ReportOptions {
         inputs: args.inputs,
         gemm: args.gemm,
         comm: args.comm,
+        predict: args.predict,
         out: args.out,
     })?;
     for s in &o.skipped {

@@ -4,6 +4,7 @@
 
 use super::comm::looks_like_comm;
 use super::gemm::looks_like_metrics;
+use super::prediction::looks_like_prediction;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -16,6 +17,8 @@ pub enum Input {
     Gemm(PathBuf),
     /// A `fugu bench comm --format json` document.
     Comm(PathBuf),
+    /// A `fugu predict --format json` document.
+    Prediction(PathBuf),
 }
 
 /// An input, or a part of one, that the report does not use, and why.
@@ -68,12 +71,13 @@ fn has_json_ext(p: &Path) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("json") || e.eq_ignore_ascii_case("jsonl"))
 }
 
-/// Classifies the positional inputs, the `--gemm` and the `--comm` files (see `fugu report
-/// --help`). The same file given twice is used once.
+/// Classifies the positional inputs, the `--gemm`, `--comm` and `--predict` files (see `fugu
+/// report --help`). The same file given twice is used once.
 pub fn classify(
     positional: &[PathBuf],
     gemm: &[PathBuf],
     comm: &[PathBuf],
+    predict: &[PathBuf],
 ) -> (Vec<Input>, Vec<Skipped>) {
     let mut out = Vec::new();
     let mut skipped = Vec::new();
@@ -81,7 +85,7 @@ pub fn classify(
     let mut push = |i: Input, out: &mut Vec<Input>| {
         let key = match &i {
             Input::Run { metrics, .. } => metrics.clone(),
-            Input::Gemm(p) | Input::Comm(p) => p.clone(),
+            Input::Gemm(p) | Input::Comm(p) | Input::Prediction(p) => p.clone(),
         };
         let key = std::fs::canonicalize(&key).unwrap_or(key);
         if seen.insert(key) {
@@ -131,6 +135,9 @@ pub fn classify(
                 Ok(b) if looks_like_comm(&String::from_utf8_lossy(&b)) => {
                     push(Input::Comm(p.clone()), &mut out)
                 }
+                Ok(b) if looks_like_prediction(&String::from_utf8_lossy(&b)) => {
+                    push(Input::Prediction(p.clone()), &mut out)
+                }
                 Ok(b) if looks_like_metrics(&String::from_utf8_lossy(&b)) => push(
                     Input::Run {
                         metrics: p.clone(),
@@ -162,6 +169,16 @@ pub fn classify(
             push(Input::Gemm(p.clone()), &mut out);
         } else {
             skipped.push(Skipped::new(shown, "does not exist"));
+        }
+    }
+    for p in predict {
+        if p.is_file() {
+            push(Input::Prediction(p.clone()), &mut out);
+        } else {
+            skipped.push(Skipped::new(
+                p.display().to_string(),
+                "does not exist (or is not a file)",
+            ));
         }
     }
     for p in comm {
@@ -227,6 +244,7 @@ mod tests {
             ],
             std::slice::from_ref(&odd),
             &[bench.clone()],
+            &[],
         );
         assert_eq!(
             ins,

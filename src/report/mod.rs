@@ -13,6 +13,7 @@ pub mod comm;
 pub mod gemm;
 pub mod inputs;
 pub mod markdown;
+pub mod prediction;
 pub mod runs;
 pub mod scaling;
 pub mod sections;
@@ -32,6 +33,8 @@ pub struct ReportOptions {
     pub gemm: Vec<PathBuf>,
     /// Files (or directories of `comm-*.json`) to read as `fugu bench comm` output.
     pub comm: Vec<PathBuf>,
+    /// `fugu predict --format json` files.
+    pub predict: Vec<PathBuf>,
     /// Output directory.
     pub out: PathBuf,
 }
@@ -54,13 +57,14 @@ pub struct ReportOutcome {
 /// Reads the inputs and writes the report. Fails only when no input is usable (naming each
 /// input and why) or when the output cannot be written.
 pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
-    let (found, mut skipped) = inputs::classify(&opts.inputs, &opts.gemm, &opts.comm);
+    let (found, mut skipped) =
+        inputs::classify(&opts.inputs, &opts.gemm, &opts.comm, &opts.predict);
 
     let run_inputs: Vec<(&PathBuf, &PathBuf)> = found
         .iter()
         .filter_map(|i| match i {
             Input::Run { metrics, given } => Some((metrics, given)),
-            Input::Gemm(_) | Input::Comm(_) => None,
+            Input::Gemm(_) | Input::Comm(_) | Input::Prediction(_) => None,
         })
         .collect();
     let names = runs::unique_names(
@@ -128,7 +132,20 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
         }
     }
 
-    if all_runs.is_empty() && gemm_rows.is_empty() && comm_files.is_empty() {
+    let mut predictions = Vec::new();
+    for i in &found {
+        let Input::Prediction(p) = i else { continue };
+        match prediction::read_prediction(p) {
+            Ok(f) => predictions.push(f),
+            Err(e) => skipped.push(Skipped::new(p.display().to_string(), format!("{e:#}"))),
+        }
+    }
+
+    if all_runs.is_empty()
+        && gemm_rows.is_empty()
+        && comm_files.is_empty()
+        && predictions.is_empty()
+    {
         let why: Vec<String> = skipped
             .iter()
             .map(|s| format!("  {}: {}", s.input, s.reason))
@@ -161,6 +178,9 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
     }
     if !comm_files.is_empty() {
         sections.push(comm::comm_section(&comm_files)?);
+    }
+    if !predictions.is_empty() {
+        sections.push(prediction::prediction_section(&predictions, &all_runs)?);
     }
     sections.extend(sections::notes_section(&all_runs));
     sections.push(sections::skipped_section(&skipped));
