@@ -243,7 +243,7 @@ mod tests {
                 comm.clone(),
             ],
             std::slice::from_ref(&odd),
-            &[bench.clone()],
+            std::slice::from_ref(&bench),
             &[],
         );
         assert_eq!(
