@@ -438,11 +438,15 @@ macro_rules! st2 {
     };
 }
 
-/// The `asm!` operands every kernel clobbers: all z registers (as v0–v31), p0–p4.
+/// `asm!` with what every kernel has: the loop registers `{i}`, `{j}` (element indices) and
+/// `{vl}` (lanes per vector), and all z registers (as v0–v31) and p0–p4 clobbered.
 macro_rules! sve_asm {
     ($($t:tt)*) => {
         asm!(
             $($t)*
+            i = out(reg) _,
+            j = out(reg) _,
+            vl = out(reg) _,
             out("v0") _, out("v1") _, out("v2") _, out("v3") _,
             out("v4") _, out("v5") _, out("v6") _, out("v7") _,
             out("v8") _, out("v9") _, out("v10") _, out("v11") _,
@@ -482,9 +486,6 @@ unsafe fn exp_scale(row: *mut f32, n: usize, k: *const f32) {
             x = in(reg) row,
             n = in(reg) n,
             k = in(reg) k,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }
@@ -521,9 +522,6 @@ unsafe fn sum_exp(x: *const f32, n: usize, k: *const f32) -> f32 {
             n = in(reg) n,
             k = in(reg) k,
             r = out(reg) bits,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
     f32::from_bits(bits)
@@ -557,9 +555,6 @@ unsafe fn dot(x: *const f32, y: *const f32, n: usize) -> f32 {
             y = in(reg) y,
             n = in(reg) n,
             r = out(reg) bits,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
     f32::from_bits(bits)
@@ -591,9 +586,6 @@ unsafe fn softmax_backward_update(d: *mut f32, a: *const f32, n: usize, k: *cons
             a = in(reg) a,
             n = in(reg) n,
             k = in(reg) k,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }
@@ -656,9 +648,6 @@ unsafe fn gelu(out: *mut f32, inp: *const f32, n: usize, k: *const f32) {
             y = in(reg) out,
             n = in(reg) n,
             k = in(reg) k,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }
@@ -712,9 +701,6 @@ unsafe fn gelu_backward(
             y = in(reg) dinp,
             n = in(reg) n,
             k = in(reg) k,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }
@@ -796,11 +782,8 @@ unsafe fn sum_f64(x: *const f32, n: usize) -> f64 {
             x = in(reg) x,
             n = in(reg) n,
             r = out(reg) bits,
-            i = out(reg) _,
-            j = out(reg) _,
             j2 = out(reg) _,
             j3 = out(reg) _,
-            vl = out(reg) _,
         );
     }
     f64::from_bits(bits)
@@ -831,11 +814,8 @@ unsafe fn sum_sq_dev_f64(x: *const f32, n: usize, c: *const f64) -> f64 {
             n = in(reg) n,
             k = in(reg) c,
             r = out(reg) bits,
-            i = out(reg) _,
-            j = out(reg) _,
             j2 = out(reg) _,
             j3 = out(reg) _,
-            vl = out(reg) _,
         );
     }
     f64::from_bits(bits)
@@ -879,9 +859,6 @@ unsafe fn normalise(
             y = in(reg) out,
             n = in(reg) n,
             k = in(reg) k,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }
@@ -956,9 +933,6 @@ unsafe fn ln_backward_sums(
             n = in(reg) n,
             k = in(reg) k,
             s = in(reg) sums,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }
@@ -1009,9 +983,6 @@ unsafe fn ln_backward_update(
             y = in(reg) dinp,
             n = in(reg) n,
             k = in(reg) k,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }
@@ -1096,9 +1067,6 @@ unsafe fn adamw(p: *mut f32, g: *const f32, m: *mut f32, v: *mut f32, n: usize, 
             n = in(reg) n,
             k = in(reg) k,
             t = out(reg) _,
-            i = out(reg) _,
-            j = out(reg) _,
-            vl = out(reg) _,
         );
     }
 }

@@ -38,7 +38,7 @@ pub struct Workload {
 }
 
 /// A parallel layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Layout {
     pub nodes: usize,
     pub ranks_per_node: usize,
@@ -103,8 +103,8 @@ pub struct Machine {
     pub memory_gib_per_rank: f64,
 }
 
-/// A predicted step.
-#[derive(Clone, Debug, Serialize)]
+/// A predicted step (also read back by `fugu report --predict`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Prediction {
     pub layout: Layout,
     pub step_ms: f64,

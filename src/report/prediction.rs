@@ -7,6 +7,7 @@ use super::charts::{self, Axis, BarChart, Line, LineChart, LineStyle, Stack};
 use super::runs::Run;
 use super::sections::{chart, pal, table, Section};
 use super::table::{Cell, Table};
+use crate::predict::step::Prediction;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
@@ -21,32 +22,9 @@ pub struct PredictionFile {
     pub config: String,
     pub seq_len: usize,
     pub global_batch: usize,
-    pub predictions: Vec<PredictedStep>,
+    pub predictions: Vec<Prediction>,
     #[serde(skip)]
     pub source: String,
-}
-
-/// One node count of a prediction.
-#[derive(Clone, Debug, Deserialize)]
-pub struct PredictedStep {
-    pub layout: PredictedLayout,
-    pub step_ms: f64,
-    pub tokens_per_s: f64,
-    pub tflops_per_node: f64,
-    pub peak_pct: f64,
-    pub timers_ms: BTreeMap<String, f64>,
-    pub memory_gib_per_rank: f64,
-    pub fits: bool,
-}
-
-/// The layout fields the report uses.
-#[derive(Clone, Debug, Deserialize)]
-pub struct PredictedLayout {
-    pub nodes: usize,
-    pub ranks_per_node: usize,
-    pub tp: usize,
-    pub pp: usize,
-    pub dp: usize,
 }
 
 impl PredictionFile {
@@ -103,14 +81,14 @@ pub fn prediction_section(files: &[PredictionFile], runs: &[Run]) -> Result<Sect
             "model TFLOP/s per node",
             "predict-tflops.svg",
             "Predicted TFLOP/s per node",
-            (|p: &PredictedStep| p.tflops_per_node) as fn(&PredictedStep) -> f64,
+            (|p: &Prediction| p.tflops_per_node) as fn(&Prediction) -> f64,
             run_tflops_per_node as fn(&Run) -> f64,
         ),
         (
             "ms per step",
             "predict-step.svg",
             "Predicted step time",
-            |p: &PredictedStep| p.step_ms,
+            |p: &Prediction| p.step_ms,
             |r: &Run| r.step_ms,
         ),
     ] {
