@@ -10,7 +10,8 @@
 #   ref/      one process: the reference run whose per-op times the model scales
 #   comm-1n2r.json  `fugu bench comm` on 2 ranks (4 B .. 64 MiB): the intra-node link
 #   dp2 tp2 dp2z   2 ranks: data parallel, tensor parallel, data parallel with ZeRO-1
-#   dp4 tp2dp2 tp4 4 ranks (oversubscribed on a 2-core machine)
+#   pp2            2 ranks: two pipeline stages, 4 micro-batches
+#   dp4 tp2dp2 tp4 pp2dp2  4 ranks (oversubscribed on a 2-core machine)
 # Each run's metrics.jsonl keeps its header and step lines (per-rank min/max maps dropped).
 # Takes about a minute on 2 cores. Needs mpirun (scripts/install-deps.sh).
 set -euo pipefail
@@ -44,14 +45,16 @@ mpirun -np 2 --oversubscribe --bind-to none "$fugu" bench comm --max-size 64MiB 
 run dp2 2 --batch-size 4
 run tp2 2 --tp 2 --batch-size 8
 run dp2z 2 --zero 1 --batch-size 4
+run pp2 2 --pp 2 --micro-batches 4 --batch-size 8
 run dp4 4 --batch-size 2
 run tp2dp2 4 --tp 2 --batch-size 4
 run tp4 4 --tp 4 --batch-size 8
+run pp2dp2 4 --pp 2 --micro-batches 2 --batch-size 4
 
 rm -rf "$out"
 mkdir -p "$out"
 cp "$work/comm-1n2r.json" "$out/"
-for r in ref dp2 tp2 dp2z dp4 tp2dp2 tp4; do
+for r in ref dp2 tp2 dp2z pp2 dp4 tp2dp2 tp4 pp2dp2; do
   mkdir -p "$out/$r"
   python3 - "$work/$r/metrics.jsonl" "$out/$r/metrics.jsonl" <<'PY'
 import json, sys

@@ -241,10 +241,6 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     let mb = per_rank / l.micro_batches;
     let mbf = l.micro_batches as f64;
     let rpn = l.ranks_per_node;
-    // Cores per rank: fewer than asked when the node is oversubscribed (compute and the
-    // shared-memory transfers slow down alike).
-    let oversub = ((rpn * l.threads_per_rank) as f64 / m.cores_per_node as f64).max(1.0);
-    let net = &m.network.oversubscribed(oversub);
     let tp_group = Group {
         ranks: l.tp,
         nodes: nodes_of(l.tp, 1, rpn),
@@ -254,172 +250,205 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         nodes: nodes_of(l.dp, l.tp, rpn),
     };
 
-    let mut best: Option<(f64, BTreeMap<String, f64>, f64)> = None;
-    for stage in &stages {
-        let s = Shape::new(cfg, w.seq_len, mb, l.tp, stage);
-        let params = gpt2_stage_params(cfg, l.tp, stage)?.total();
-        let owned = if l.zero {
-            params.div_ceil(l.dp)
-        } else {
-            params
-        };
-        let mut t: BTreeMap<String, f64> = BTreeMap::new();
-        // Compute per step (all micro-batches) on this stage.
-        match &m.compute {
-            Compute::Reference(r) => {
-                let rs = Shape::new(
-                    &r.model,
-                    r.seq_len,
-                    r.batch_per_rank / r.micro_batches.max(1),
-                    1,
-                    &Stage::whole(r.model.n_layer),
-                );
-                let rmb = r.micro_batches.max(1) as f64;
-                let thread_scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
-                for dir in ["forward", "backward"] {
-                    let mut known = 0.0;
-                    for op in COMPUTE_OPS {
-                        let name = format!("{dir}:{op}");
-                        let Some(&ms) = r.ops_ms.get(&name) else {
-                            continue;
-                        };
-                        known += ms;
-                        let (wn, wr) = (op_work(op, &s).unwrap(), op_work(op, &rs).unwrap());
-                        if wr > 0.0 && wn > 0.0 {
-                            *t.entry(name).or_default() +=
-                                ms * (wn * mbf) / (wr * rmb) * thread_scale;
+    // Each stage's timers (without its bubble) and memory, every rank getting 1/oversub of
+    // the cores it asks for (compute and the shared-memory transfers slow down alike).
+    let pass = |oversub: f64| -> Result<Vec<(BTreeMap<String, f64>, f64)>> {
+        let net = &m.network.oversubscribed(oversub);
+        let mut per_stage: Vec<(BTreeMap<String, f64>, f64)> = Vec::new();
+        for stage in &stages {
+            let s = Shape::new(cfg, w.seq_len, mb, l.tp, stage);
+            let params = gpt2_stage_params(cfg, l.tp, stage)?.total();
+            let owned = if l.zero {
+                params.div_ceil(l.dp)
+            } else {
+                params
+            };
+            let mut t: BTreeMap<String, f64> = BTreeMap::new();
+            // Compute per step (all micro-batches) on this stage.
+            match &m.compute {
+                Compute::Reference(r) => {
+                    let rs = Shape::new(
+                        &r.model,
+                        r.seq_len,
+                        r.batch_per_rank / r.micro_batches.max(1),
+                        1,
+                        &Stage::whole(r.model.n_layer),
+                    );
+                    let rmb = r.micro_batches.max(1) as f64;
+                    let thread_scale =
+                        r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
+                    for dir in ["forward", "backward"] {
+                        let mut known = 0.0;
+                        for op in COMPUTE_OPS {
+                            let name = format!("{dir}:{op}");
+                            let Some(&ms) = r.ops_ms.get(&name) else {
+                                continue;
+                            };
+                            known += ms;
+                            let (wn, wr) = (op_work(op, &s).unwrap(), op_work(op, &rs).unwrap());
+                            if wr > 0.0 && wn > 0.0 {
+                                *t.entry(name).or_default() +=
+                                    ms * (wn * mbf) / (wr * rmb) * thread_scale;
+                            }
+                        }
+                        // What the named ops leave of the parent: scaled by tokens per step.
+                        let rest = r.ops_ms.get(dir).copied().unwrap_or(0.0) - known;
+                        if rest > 0.0 {
+                            let tokens = (mb * l.micro_batches) as f64 / r.batch_per_rank as f64;
+                            let frac = s.layers / r.model.n_layer as f64;
+                            t.insert(format!("{dir}:other"), rest * tokens * frac * thread_scale);
                         }
                     }
-                    // What the named ops leave of the parent: scaled by tokens per step.
-                    let rest = r.ops_ms.get(dir).copied().unwrap_or(0.0) - known;
-                    if rest > 0.0 {
-                        let tokens = (mb * l.micro_batches) as f64 / r.batch_per_rank as f64;
-                        let frac = s.layers / r.model.n_layer as f64;
-                        t.insert(format!("{dir}:other"), rest * tokens * frac * thread_scale);
+                    let rparams = gpt2_stage_params(&r.model, 1, &Stage::whole(r.model.n_layer))?
+                        .total() as f64;
+                    let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
+                    let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
+                    t.insert(
+                        "optimizer:clip".into(),
+                        clip * params as f64 / rparams * thread_scale,
+                    );
+                    t.insert(
+                        "optimizer:update".into(),
+                        update.max(0.0) * owned as f64 / rparams * thread_scale,
+                    );
+                }
+                Compute::Rate {
+                    model_tflops_per_node,
+                } => {
+                    // This stage's share of the model FLOPs of its ranks' sequences.
+                    let flops = megatron_flops_per_step(
+                        per_rank,
+                        w.seq_len,
+                        stage.layers.len(),
+                        cfg.n_embd,
+                        if stage.is_last() { cfg.vocab_size } else { 0 },
+                    ) / l.tp as f64;
+                    let rate = model_tflops_per_node * 1e12 / rpn as f64;
+                    let ms = flops / rate * 1e3 * oversub;
+                    t.insert("forward:compute".into(), ms / 3.0);
+                    t.insert("backward:compute".into(), ms * 2.0 / 3.0);
+                }
+            }
+            // Tensor-parallel all-reduces (B·T·C floats per micro-batch each).
+            if l.tp > 1 {
+                let act = 4.0 * s.mb * s.t * s.c;
+                let ar = net.allreduce(tp_group, act) * 1e3 * mbf;
+                let blocks = s.layers;
+                for (name, count) in [
+                    ("forward:attention:allreduce", blocks),
+                    ("forward:mlp:allreduce", blocks),
+                    ("backward:attention:allreduce", blocks),
+                    ("backward:mlp:allreduce", blocks),
+                    (
+                        "forward:embedding:allreduce",
+                        if s.first { 1.0 } else { 0.0 },
+                    ),
+                    ("backward:lm-head:allreduce", if s.last { 1.0 } else { 0.0 }),
+                ] {
+                    if count > 0.0 {
+                        t.insert(name.into(), ar * count);
                     }
                 }
-                let rparams =
-                    gpt2_stage_params(&r.model, 1, &Stage::whole(r.model.n_layer))?.total() as f64;
-                let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
-                let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
-                t.insert(
-                    "optimizer:clip".into(),
-                    clip * params as f64 / rparams * thread_scale,
-                );
-                t.insert(
-                    "optimizer:update".into(),
-                    update.max(0.0) * owned as f64 / rparams * thread_scale,
-                );
-            }
-            Compute::Rate {
-                model_tflops_per_node,
-            } => {
-                // This stage's share of the model FLOPs of its ranks' sequences.
-                let flops = megatron_flops_per_step(
-                    per_rank,
-                    w.seq_len,
-                    stage.layers.len(),
-                    cfg.n_embd,
-                    if stage.is_last() { cfg.vocab_size } else { 0 },
-                ) / l.tp as f64;
-                let rate = model_tflops_per_node * 1e12 / rpn as f64;
-                let ms = flops / rate * 1e3 * oversub;
-                t.insert("forward:compute".into(), ms / 3.0);
-                t.insert("backward:compute".into(), ms * 2.0 / 3.0);
-            }
-        }
-        // Tensor-parallel all-reduces (B·T·C floats per micro-batch each).
-        if l.tp > 1 {
-            let act = 4.0 * s.mb * s.t * s.c;
-            let ar = net.allreduce(tp_group, act) * 1e3 * mbf;
-            let blocks = s.layers;
-            for (name, count) in [
-                ("forward:attention:allreduce", blocks),
-                ("forward:mlp:allreduce", blocks),
-                ("backward:attention:allreduce", blocks),
-                ("backward:mlp:allreduce", blocks),
-                (
-                    "forward:embedding:allreduce",
-                    if s.first { 1.0 } else { 0.0 },
-                ),
-                ("backward:lm-head:allreduce", if s.last { 1.0 } else { 0.0 }),
-            ] {
-                if count > 0.0 {
-                    t.insert(name.into(), ar * count);
+                if s.last {
+                    // Vocabulary-parallel cross-entropy: row maxima, sums and target logits.
+                    let small = net.allreduce(tp_group, 4.0 * s.mb * s.t) * 1e3 * mbf;
+                    t.insert("forward:loss:allreduce".into(), 3.0 * small);
                 }
             }
-            if s.last {
-                // Vocabulary-parallel cross-entropy: row maxima, sums and target logits.
-                let small = net.allreduce(tp_group, 4.0 * s.mb * s.t) * 1e3 * mbf;
-                t.insert("forward:loss:allreduce".into(), 3.0 * small);
+            let fwd: f64 = sum_prefix(&t, "forward:");
+            let bwd: f64 = sum_prefix(&t, "backward:");
+            // Pipeline: activations and their gradients across each boundary, and the bubble.
+            if l.pp > 1 {
+                let msg = net.sendrecv(across(l.dp * l.tp, rpn), 4.0 * s.mb * s.t * s.c) * 1e3;
+                let boundaries = (!s.first) as usize + (!s.last) as usize;
+                t.insert("pipeline:recv".into(), msg * mbf * boundaries as f64);
             }
+            // Data-parallel gradient synchronisation, overlapped with the last backward pass.
+            let table = gpt2_stage_params(cfg, l.tp, stage)?;
+            if l.dp > 1 {
+                let buckets = bucket_ranges(&table, DEFAULT_BUCKET_FLOATS);
+                let total = table.total() as f64;
+                let last_bwd = bwd / mbf;
+                let mut finish = 0.0f64; // ms after the last backward pass started
+                for b in buckets.iter().rev() {
+                    let ready = last_bwd * (1.0 - b.start as f64 / total);
+                    let bytes = 4.0 * b.len() as f64;
+                    let cost = if l.zero {
+                        net.reduce_scatter(dp_group, bytes)
+                    } else {
+                        net.allreduce(dp_group, bytes)
+                    } * 1e3;
+                    finish = finish.max(ready) + cost;
+                }
+                t.insert("allreduce-params".into(), (finish - last_bwd).max(0.0));
+                if l.zero {
+                    let gather: f64 = buckets
+                        .iter()
+                        .map(|b| net.allgather(dp_group, 4.0 * b.len() as f64) * 1e3)
+                        .sum();
+                    t.insert("allgather-params".into(), gather);
+                }
+            }
+            if l.pp > 1 && cfg_has_tied(stage) && (stage.is_first() || stage.is_last()) {
+                let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
+                let g = Group {
+                    ranks: 2,
+                    nodes: if across(l.dp * l.tp * (l.pp - 1), rpn) {
+                        2
+                    } else {
+                        1
+                    },
+                };
+                t.insert(
+                    "pipeline:tied-wte:allreduce".into(),
+                    net.allreduce(g, wte) * 1e3,
+                );
+            }
+            // Parents: forward, backward, optimizer.
+            t.insert("forward".into(), fwd);
+            t.insert("backward".into(), bwd);
+            let opt = sum_prefix(&t, "optimizer:");
+            t.insert("optimizer".into(), opt);
+            let mem = memory_gib(cfg, w.seq_len, mb, l, stage, params, owned);
+            per_stage.push((t, mem));
         }
-        let fwd: f64 = sum_prefix(&t, "forward:");
-        let bwd: f64 = sum_prefix(&t, "backward:");
-        // Pipeline: activations and their gradients across each boundary, and the bubble.
+        Ok(per_stage)
+    };
+    // A node's ranks × threads over its cores, weighted by how busy each rank is: pipeline
+    // stages that wait leave their cores to the others (equal stages: the plain ratio).
+    let nominal = (rpn * l.threads_per_rank) as f64 / m.cores_per_node as f64;
+    let oversub = if nominal <= 1.0 {
+        1.0
+    } else {
+        let compute: Vec<f64> = pass(1.0)?.iter().map(|(t, _)| compute_ms(t)).collect();
+        let max = compute.iter().cloned().fold(0.0, f64::max).max(1e-30);
+        let mean = compute.iter().sum::<f64>() / compute.len() as f64;
+        (nominal * mean / max).max(1.0)
+    };
+    let per_stage = pass(oversub)?;
+    // 1F1B: a stage waits while the other stages fill and drain the pipeline, one
+    // micro-batch's forward and backward pass each ((p − 1)·(f + b) for equal stages). The
+    // slowest stage's step is the step.
+    let per_micro: Vec<f64> = per_stage
+        .iter()
+        .map(|(t, _)| (t["forward"] + t["backward"]) / mbf)
+        .collect();
+    let mut best: Option<(f64, BTreeMap<String, f64>, f64)> = None;
+    for (i, (mut t, mem)) in per_stage.into_iter().enumerate() {
         if l.pp > 1 {
-            let msg = net.sendrecv(across(l.dp * l.tp, rpn), 4.0 * s.mb * s.t * s.c) * 1e3;
-            let boundaries = (!s.first) as usize + (!s.last) as usize;
-            t.insert("pipeline:recv".into(), msg * mbf * boundaries as f64);
-        }
-        // Data-parallel gradient synchronisation, overlapped with the last backward pass.
-        let table = gpt2_stage_params(cfg, l.tp, stage)?;
-        if l.dp > 1 {
-            let buckets = bucket_ranges(&table, DEFAULT_BUCKET_FLOATS);
-            let total = table.total() as f64;
-            let last_bwd = bwd / mbf;
-            let mut finish = 0.0f64; // ms after the last backward pass started
-            for b in buckets.iter().rev() {
-                let ready = last_bwd * (1.0 - b.start as f64 / total);
-                let bytes = 4.0 * b.len() as f64;
-                let cost = if l.zero {
-                    net.reduce_scatter(dp_group, bytes)
-                } else {
-                    net.allreduce(dp_group, bytes)
-                } * 1e3;
-                finish = finish.max(ready) + cost;
-            }
-            t.insert("allreduce-params".into(), (finish - last_bwd).max(0.0));
-            if l.zero {
-                let gather: f64 = buckets
-                    .iter()
-                    .map(|b| net.allgather(dp_group, 4.0 * b.len() as f64) * 1e3)
-                    .sum();
-                t.insert("allgather-params".into(), gather);
-            }
-        }
-        if l.pp > 1 && cfg_has_tied(stage) && (stage.is_first() || stage.is_last()) {
-            let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
-            let g = Group {
-                ranks: 2,
-                nodes: if across(l.dp * l.tp * (l.pp - 1), rpn) {
-                    2
-                } else {
-                    1
-                },
-            };
-            t.insert(
-                "pipeline:tied-wte:allreduce".into(),
-                net.allreduce(g, wte) * 1e3,
-            );
-        }
-        // Parents: forward, backward, optimizer; then the bubble of this stage.
-        t.insert("forward".into(), fwd);
-        t.insert("backward".into(), bwd);
-        let opt = sum_prefix(&t, "optimizer:");
-        t.insert("optimizer".into(), opt);
-        if l.pp > 1 {
-            t.insert(
-                "pipeline:bubble".into(),
-                (l.pp - 1) as f64 * (fwd + bwd) / mbf,
-            );
+            let others: f64 = per_micro
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .map(|(_, v)| v)
+                .sum();
+            t.insert("pipeline:bubble".into(), others);
         }
         let step: f64 = t
             .iter()
             .filter(|(k, _)| !k.contains(':') || k.starts_with("pipeline:"))
             .map(|(_, v)| v)
             .sum();
-        let mem = memory_gib(cfg, w.seq_len, mb, l, stage, params, owned);
         if best.as_ref().is_none_or(|b| step > b.0) {
             best = Some((step, t, mem));
         }
@@ -449,6 +478,16 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
 /// The tied `wte` lives on the first and the last stage (both hold a copy with pp > 1).
 fn cfg_has_tied(stage: &Stage) -> bool {
     stage.count > 1
+}
+
+/// A stage's compute (forward, backward and optimizer ops, no communication), ms.
+fn compute_ms(t: &BTreeMap<String, f64>) -> f64 {
+    t.iter()
+        .filter(|(k, _)| {
+            (k.starts_with("forward:") || k.starts_with("backward:") || k.starts_with("optimizer:"))
+                && !k.ends_with(":allreduce")
+        })
+        .fold(0.0, |a, (_, v)| a + v)
 }
 
 fn sum_prefix(t: &BTreeMap<String, f64>, prefix: &str) -> f64 {
