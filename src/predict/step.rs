@@ -232,187 +232,258 @@ fn nodes_of(ranks: usize, stride: usize, ranks_per_node: usize) -> usize {
         .max(1)
 }
 
+/// What every stage's prediction shares: the workload, the layout, the machine, the
+/// micro-batch shape and the TP and DP groups' placement.
+struct StepCtx<'a> {
+    w: &'a Workload,
+    l: &'a Layout,
+    m: &'a Machine,
+    /// Sequences per rank per step, and per micro-batch.
+    per_rank: usize,
+    mb: usize,
+    tp_group: Group,
+    dp_group: Group,
+}
+
+impl StepCtx<'_> {
+    fn mbf(&self) -> f64 {
+        self.l.micro_batches as f64
+    }
+
+    /// One stage's timers (ms per step, without its bubble) and memory per rank, every rank
+    /// getting `1/oversub` of the cores it asks for (compute and the shared-memory transfers
+    /// slow down alike).
+    fn stage(&self, stage: &Stage, oversub: f64) -> Result<(BTreeMap<String, f64>, f64)> {
+        let (w, l) = (self.w, self.l);
+        let s = Shape::new(&w.model, w.seq_len, self.mb, l.tp, stage);
+        let table = gpt2_stage_params(&w.model, l.tp, stage)?;
+        let params = table.total();
+        let owned = if l.zero {
+            params.div_ceil(l.dp)
+        } else {
+            params
+        };
+        let net = self.m.network.oversubscribed(oversub);
+        let mut t: BTreeMap<String, f64> = BTreeMap::new();
+        match &self.m.compute {
+            Compute::Reference(r) => {
+                self.scaled_reference(r, &s, params, owned, oversub, &mut t)?
+            }
+            Compute::Rate {
+                model_tflops_per_node,
+            } => self.at_rate(*model_tflops_per_node, stage, oversub, &mut t),
+        }
+        if l.tp > 1 {
+            self.tp_allreduces(&net, &s, &mut t);
+        }
+        let fwd = sum_prefix(&t, "forward:");
+        let bwd = sum_prefix(&t, "backward:");
+        if l.pp > 1 {
+            self.pipeline_transfers(&net, &s, stage, &mut t);
+        }
+        if l.dp > 1 {
+            self.gradient_sync(&net, &table, bwd / self.mbf(), &mut t);
+        }
+        t.insert("forward".into(), fwd);
+        t.insert("backward".into(), bwd);
+        let opt = sum_prefix(&t, "optimizer:");
+        t.insert("optimizer".into(), opt);
+        let mem = memory_gib(&w.model, w.seq_len, self.mb, l, stage, params, owned);
+        Ok((t, mem))
+    }
+
+    /// The reference run's per-op times, each scaled by the op's work here over there.
+    fn scaled_reference(
+        &self,
+        r: &Reference,
+        s: &Shape,
+        params: usize,
+        owned: usize,
+        oversub: f64,
+        t: &mut BTreeMap<String, f64>,
+    ) -> Result<()> {
+        let l = self.l;
+        let whole = Stage::whole(r.model.n_layer);
+        let rs = Shape::new(
+            &r.model,
+            r.seq_len,
+            r.batch_per_rank / r.micro_batches.max(1),
+            1,
+            &whole,
+        );
+        let rmb = r.micro_batches.max(1) as f64;
+        let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
+        for dir in ["forward", "backward"] {
+            let mut known = 0.0;
+            for op in COMPUTE_OPS {
+                let name = format!("{dir}:{op}");
+                let Some(&ms) = r.ops_ms.get(&name) else {
+                    continue;
+                };
+                known += ms;
+                let (wn, wr) = (op_work(op, s).unwrap(), op_work(op, &rs).unwrap());
+                if wr > 0.0 && wn > 0.0 {
+                    *t.entry(name).or_default() += ms * (wn * self.mbf()) / (wr * rmb) * scale;
+                }
+            }
+            // What the named ops leave of the parent: scaled by tokens per step.
+            let rest = r.ops_ms.get(dir).copied().unwrap_or(0.0) - known;
+            if rest > 0.0 {
+                let tokens = self.per_rank as f64 / r.batch_per_rank as f64;
+                let frac = s.layers / r.model.n_layer as f64;
+                t.insert(format!("{dir}:other"), rest * tokens * frac * scale);
+            }
+        }
+        let rparams = gpt2_stage_params(&r.model, 1, &whole)?.total() as f64;
+        let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
+        let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
+        t.insert(
+            "optimizer:clip".into(),
+            clip * params as f64 / rparams * scale,
+        );
+        t.insert(
+            "optimizer:update".into(),
+            update.max(0.0) * owned as f64 / rparams * scale,
+        );
+        Ok(())
+    }
+
+    /// The stage's share of the model FLOPs of its ranks' sequences at `rate` per node.
+    fn at_rate(&self, rate: f64, stage: &Stage, oversub: f64, t: &mut BTreeMap<String, f64>) {
+        let (w, l) = (self.w, self.l);
+        let vocab = if stage.is_last() {
+            w.model.vocab_size
+        } else {
+            0
+        };
+        let flops = megatron_flops_per_step(
+            self.per_rank,
+            w.seq_len,
+            stage.layers.len(),
+            w.model.n_embd,
+            vocab,
+        ) / l.tp as f64;
+        let per_rank = rate * 1e12 / l.ranks_per_node as f64;
+        let ms = flops / per_rank * 1e3 * oversub;
+        t.insert("forward:compute".into(), ms / 3.0);
+        t.insert("backward:compute".into(), ms * 2.0 / 3.0);
+    }
+
+    /// Tensor-parallel all-reduces: B·T·C floats per block and micro-batch each, and the
+    /// vocabulary-parallel embedding, LM head and loss.
+    fn tp_allreduces(&self, net: &Network, s: &Shape, t: &mut BTreeMap<String, f64>) {
+        let g = self.tp_group;
+        let ar = net.allreduce(g, 4.0 * s.mb * s.t * s.c) * 1e3 * self.mbf();
+        let (first, last) = (
+            if s.first { 1.0 } else { 0.0 },
+            if s.last { 1.0 } else { 0.0 },
+        );
+        for (name, count) in [
+            ("forward:attention:allreduce", s.layers),
+            ("forward:mlp:allreduce", s.layers),
+            ("backward:attention:allreduce", s.layers),
+            ("backward:mlp:allreduce", s.layers),
+            ("forward:embedding:allreduce", first),
+            ("backward:lm-head:allreduce", last),
+        ] {
+            if count > 0.0 {
+                t.insert(name.into(), ar * count);
+            }
+        }
+        if s.last {
+            // Vocabulary-parallel cross-entropy: row maxima, sums and target logits.
+            let small = net.allreduce(g, 4.0 * s.mb * s.t) * 1e3 * self.mbf();
+            t.insert("forward:loss:allreduce".into(), 3.0 * small);
+        }
+    }
+
+    /// Pipeline: each micro-batch's activation and gradient across the stage's boundaries,
+    /// and the tied `wte` gradient between the first and last stage.
+    fn pipeline_transfers(
+        &self,
+        net: &Network,
+        s: &Shape,
+        stage: &Stage,
+        t: &mut BTreeMap<String, f64>,
+    ) {
+        let (l, cfg) = (self.l, &self.w.model);
+        let rpn = l.ranks_per_node;
+        let msg = net.sendrecv(across(l.dp * l.tp, rpn), 4.0 * s.mb * s.t * s.c) * 1e3;
+        let boundaries = (!s.first) as usize + (!s.last) as usize;
+        t.insert("pipeline:recv".into(), msg * self.mbf() * boundaries as f64);
+        if stage.is_first() || stage.is_last() {
+            let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
+            let far = across(l.dp * l.tp * (l.pp - 1), rpn);
+            let g = Group {
+                ranks: 2,
+                nodes: if far { 2 } else { 1 },
+            };
+            t.insert(
+                "pipeline:tied-wte:allreduce".into(),
+                net.allreduce(g, wte) * 1e3,
+            );
+        }
+    }
+
+    /// Data-parallel gradient synchronisation of the stage's `table` in fugu's buckets, each
+    /// started when the last backward pass (`last_bwd` ms) has made it final, run one after
+    /// another; what is left after that pass is `allreduce-params`. ZeRO-1 reduce-scatters and
+    /// all-gathers the parameters after the optimizer (`allgather-params`).
+    fn gradient_sync(
+        &self,
+        net: &Network,
+        table: &crate::model::table::Table,
+        last_bwd: f64,
+        t: &mut BTreeMap<String, f64>,
+    ) {
+        let (g, zero) = (self.dp_group, self.l.zero);
+        let buckets = bucket_ranges(table, DEFAULT_BUCKET_FLOATS);
+        let total = table.total() as f64;
+        let mut finish = 0.0f64; // ms after the last backward pass started
+        for b in buckets.iter().rev() {
+            let ready = last_bwd * (1.0 - b.start as f64 / total);
+            let bytes = 4.0 * b.len() as f64;
+            let cost = if zero {
+                net.reduce_scatter(g, bytes)
+            } else {
+                net.allreduce(g, bytes)
+            } * 1e3;
+            finish = finish.max(ready) + cost;
+        }
+        t.insert("allreduce-params".into(), (finish - last_bwd).max(0.0));
+        if zero {
+            let gather = buckets
+                .iter()
+                .fold(0.0, |a, b| a + net.allgather(g, 4.0 * b.len() as f64) * 1e3);
+            t.insert("allgather-params".into(), gather);
+        }
+    }
+}
+
 /// Predicts one step of `w` on `l` on machine `m`.
 pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     check_layout(w, l)?;
     let cfg = &w.model;
     let stages = Stage::split(cfg, l.pp, w.seq_len)?;
     let per_rank = w.global_batch / l.dp;
-    let mb = per_rank / l.micro_batches;
-    let mbf = l.micro_batches as f64;
     let rpn = l.ranks_per_node;
-    let tp_group = Group {
-        ranks: l.tp,
-        nodes: nodes_of(l.tp, 1, rpn),
+    let ctx = StepCtx {
+        w,
+        l,
+        m,
+        per_rank,
+        mb: per_rank / l.micro_batches,
+        tp_group: Group {
+            ranks: l.tp,
+            nodes: nodes_of(l.tp, 1, rpn),
+        },
+        dp_group: Group {
+            ranks: l.dp,
+            nodes: nodes_of(l.dp, l.tp, rpn),
+        },
     };
-    let dp_group = Group {
-        ranks: l.dp,
-        nodes: nodes_of(l.dp, l.tp, rpn),
-    };
-
-    // Each stage's timers (without its bubble) and memory, every rank getting 1/oversub of
-    // the cores it asks for (compute and the shared-memory transfers slow down alike).
     let pass = |oversub: f64| -> Result<Vec<(BTreeMap<String, f64>, f64)>> {
-        let net = &m.network.oversubscribed(oversub);
-        let mut per_stage: Vec<(BTreeMap<String, f64>, f64)> = Vec::new();
-        for stage in &stages {
-            let s = Shape::new(cfg, w.seq_len, mb, l.tp, stage);
-            let params = gpt2_stage_params(cfg, l.tp, stage)?.total();
-            let owned = if l.zero {
-                params.div_ceil(l.dp)
-            } else {
-                params
-            };
-            let mut t: BTreeMap<String, f64> = BTreeMap::new();
-            // Compute per step (all micro-batches) on this stage.
-            match &m.compute {
-                Compute::Reference(r) => {
-                    let rs = Shape::new(
-                        &r.model,
-                        r.seq_len,
-                        r.batch_per_rank / r.micro_batches.max(1),
-                        1,
-                        &Stage::whole(r.model.n_layer),
-                    );
-                    let rmb = r.micro_batches.max(1) as f64;
-                    let thread_scale =
-                        r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
-                    for dir in ["forward", "backward"] {
-                        let mut known = 0.0;
-                        for op in COMPUTE_OPS {
-                            let name = format!("{dir}:{op}");
-                            let Some(&ms) = r.ops_ms.get(&name) else {
-                                continue;
-                            };
-                            known += ms;
-                            let (wn, wr) = (op_work(op, &s).unwrap(), op_work(op, &rs).unwrap());
-                            if wr > 0.0 && wn > 0.0 {
-                                *t.entry(name).or_default() +=
-                                    ms * (wn * mbf) / (wr * rmb) * thread_scale;
-                            }
-                        }
-                        // What the named ops leave of the parent: scaled by tokens per step.
-                        let rest = r.ops_ms.get(dir).copied().unwrap_or(0.0) - known;
-                        if rest > 0.0 {
-                            let tokens = (mb * l.micro_batches) as f64 / r.batch_per_rank as f64;
-                            let frac = s.layers / r.model.n_layer as f64;
-                            t.insert(format!("{dir}:other"), rest * tokens * frac * thread_scale);
-                        }
-                    }
-                    let rparams = gpt2_stage_params(&r.model, 1, &Stage::whole(r.model.n_layer))?
-                        .total() as f64;
-                    let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
-                    let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
-                    t.insert(
-                        "optimizer:clip".into(),
-                        clip * params as f64 / rparams * thread_scale,
-                    );
-                    t.insert(
-                        "optimizer:update".into(),
-                        update.max(0.0) * owned as f64 / rparams * thread_scale,
-                    );
-                }
-                Compute::Rate {
-                    model_tflops_per_node,
-                } => {
-                    // This stage's share of the model FLOPs of its ranks' sequences.
-                    let flops = megatron_flops_per_step(
-                        per_rank,
-                        w.seq_len,
-                        stage.layers.len(),
-                        cfg.n_embd,
-                        if stage.is_last() { cfg.vocab_size } else { 0 },
-                    ) / l.tp as f64;
-                    let rate = model_tflops_per_node * 1e12 / rpn as f64;
-                    let ms = flops / rate * 1e3 * oversub;
-                    t.insert("forward:compute".into(), ms / 3.0);
-                    t.insert("backward:compute".into(), ms * 2.0 / 3.0);
-                }
-            }
-            // Tensor-parallel all-reduces (B·T·C floats per micro-batch each).
-            if l.tp > 1 {
-                let act = 4.0 * s.mb * s.t * s.c;
-                let ar = net.allreduce(tp_group, act) * 1e3 * mbf;
-                let blocks = s.layers;
-                for (name, count) in [
-                    ("forward:attention:allreduce", blocks),
-                    ("forward:mlp:allreduce", blocks),
-                    ("backward:attention:allreduce", blocks),
-                    ("backward:mlp:allreduce", blocks),
-                    (
-                        "forward:embedding:allreduce",
-                        if s.first { 1.0 } else { 0.0 },
-                    ),
-                    ("backward:lm-head:allreduce", if s.last { 1.0 } else { 0.0 }),
-                ] {
-                    if count > 0.0 {
-                        t.insert(name.into(), ar * count);
-                    }
-                }
-                if s.last {
-                    // Vocabulary-parallel cross-entropy: row maxima, sums and target logits.
-                    let small = net.allreduce(tp_group, 4.0 * s.mb * s.t) * 1e3 * mbf;
-                    t.insert("forward:loss:allreduce".into(), 3.0 * small);
-                }
-            }
-            let fwd: f64 = sum_prefix(&t, "forward:");
-            let bwd: f64 = sum_prefix(&t, "backward:");
-            // Pipeline: activations and their gradients across each boundary, and the bubble.
-            if l.pp > 1 {
-                let msg = net.sendrecv(across(l.dp * l.tp, rpn), 4.0 * s.mb * s.t * s.c) * 1e3;
-                let boundaries = (!s.first) as usize + (!s.last) as usize;
-                t.insert("pipeline:recv".into(), msg * mbf * boundaries as f64);
-            }
-            // Data-parallel gradient synchronisation, overlapped with the last backward pass.
-            let table = gpt2_stage_params(cfg, l.tp, stage)?;
-            if l.dp > 1 {
-                let buckets = bucket_ranges(&table, DEFAULT_BUCKET_FLOATS);
-                let total = table.total() as f64;
-                let last_bwd = bwd / mbf;
-                let mut finish = 0.0f64; // ms after the last backward pass started
-                for b in buckets.iter().rev() {
-                    let ready = last_bwd * (1.0 - b.start as f64 / total);
-                    let bytes = 4.0 * b.len() as f64;
-                    let cost = if l.zero {
-                        net.reduce_scatter(dp_group, bytes)
-                    } else {
-                        net.allreduce(dp_group, bytes)
-                    } * 1e3;
-                    finish = finish.max(ready) + cost;
-                }
-                t.insert("allreduce-params".into(), (finish - last_bwd).max(0.0));
-                if l.zero {
-                    let gather: f64 = buckets
-                        .iter()
-                        .map(|b| net.allgather(dp_group, 4.0 * b.len() as f64) * 1e3)
-                        .sum();
-                    t.insert("allgather-params".into(), gather);
-                }
-            }
-            if l.pp > 1 && cfg_has_tied(stage) && (stage.is_first() || stage.is_last()) {
-                let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
-                let g = Group {
-                    ranks: 2,
-                    nodes: if across(l.dp * l.tp * (l.pp - 1), rpn) {
-                        2
-                    } else {
-                        1
-                    },
-                };
-                t.insert(
-                    "pipeline:tied-wte:allreduce".into(),
-                    net.allreduce(g, wte) * 1e3,
-                );
-            }
-            // Parents: forward, backward, optimizer.
-            t.insert("forward".into(), fwd);
-            t.insert("backward".into(), bwd);
-            let opt = sum_prefix(&t, "optimizer:");
-            t.insert("optimizer".into(), opt);
-            let mem = memory_gib(cfg, w.seq_len, mb, l, stage, params, owned);
-            per_stage.push((t, mem));
-        }
-        Ok(per_stage)
+        stages.iter().map(|s| ctx.stage(s, oversub)).collect()
     };
     // A node's ranks × threads over its cores, weighted by how busy each rank is: pipeline
     // stages that wait leave their cores to the others (equal stages: the plain ratio).
@@ -429,6 +500,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     // 1F1B: a stage waits while the other stages fill and drain the pipeline, one
     // micro-batch's forward and backward pass each ((p − 1)·(f + b) for equal stages). The
     // slowest stage's step is the step.
+    let mbf = ctx.mbf();
     let per_micro: Vec<f64> = per_stage
         .iter()
         .map(|(t, _)| (t["forward"] + t["backward"]) / mbf)
@@ -436,19 +508,17 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     let mut best: Option<(f64, BTreeMap<String, f64>, f64)> = None;
     for (i, (mut t, mem)) in per_stage.into_iter().enumerate() {
         if l.pp > 1 {
-            let others: f64 = per_micro
+            let others = per_micro
                 .iter()
                 .enumerate()
                 .filter(|&(j, _)| j != i)
-                .map(|(_, v)| v)
-                .sum();
+                .fold(0.0, |a, (_, v)| a + v);
             t.insert("pipeline:bubble".into(), others);
         }
-        let step: f64 = t
+        let step = t
             .iter()
             .filter(|(k, _)| !k.contains(':') || k.starts_with("pipeline:"))
-            .map(|(_, v)| v)
-            .sum();
+            .fold(0.0, |a, (_, v)| a + v);
         if best.as_ref().is_none_or(|b| step > b.0) {
             best = Some((step, t, mem));
         }
@@ -473,11 +543,6 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         memory_gib_per_rank: mem,
         fits: mem <= m.memory_gib_per_rank,
     })
-}
-
-/// The tied `wte` lives on the first and the last stage (both hold a copy with pp > 1).
-fn cfg_has_tied(stage: &Stage) -> bool {
-    stage.count > 1
 }
 
 /// A stage's compute (forward, backward and optimizer ops, no communication), ms.
