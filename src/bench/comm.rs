@@ -335,11 +335,8 @@ fn check(op: CommOp, bufs: &Buffers, n: usize, rank: usize) -> Result<()> {
             "{} of {} B on {n} ranks returned {} at element {i} on rank {rank}, expected {}: the \
              transfer is wrong, not just slow",
             op.name(),
-            4 * if op == CommOp::AllGather || op == CommOp::SendRecv {
-                bufs.b.len()
-            } else {
-                bufs.a.len()
-            },
+            // The message of the module table: the larger buffer (n blocks or the whole).
+            4 * bufs.a.len().max(bufs.b.len()),
             got[i],
             want(i)
         );

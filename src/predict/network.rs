@@ -13,8 +13,6 @@
 //! | all-reduce | Rabenseifner (halving + doubling) | 2⌈log₂n⌉·α + 2(n−1)/n · m/β |
 //! | reduce-scatter, all-gather | ring | (n−1)·α + (n−1)/n · m/β |
 //! | reduce-scatter, all-gather | recursive halving / doubling | ⌈log₂n⌉·α + (n−1)/n · m/β |
-//! | broadcast | binomial tree | ⌈log₂n⌉·(α + m/β) |
-//! | broadcast | scatter + all-gather | (⌈log₂n⌉ + n − 1)·α + 2(n−1)/n · m/β |
 //! | send/recv | | α + m/β |
 //!
 //! Reductions also cost `γ` per byte reduced (Thakur et al.'s third term: the sum itself,
@@ -187,19 +185,6 @@ impl Network {
         scatter_gather_flat(self.link(g), f64::INFINITY, g.ranks, m)
     }
 
-    /// Broadcast of `m` bytes.
-    pub fn broadcast(&self, g: Group, m: f64) -> f64 {
-        let n = g.ranks;
-        if n <= 1 {
-            return 0.0;
-        }
-        let l = self.link(g);
-        let (a, b, nf) = (l.alpha(), l.beta(), n as f64);
-        let tree = log2_ceil(n) * (a + m / b);
-        let scatter_allgather = (log2_ceil(n) + nf - 1.0) * a + 2.0 * (nf - 1.0) / nf * m / b;
-        tree.min(scatter_allgather)
-    }
-
     /// One message of `m` bytes between two ranks on the same node or on two nodes.
     pub fn sendrecv(&self, across_nodes: bool, m: f64) -> f64 {
         if across_nodes {
@@ -207,18 +192,6 @@ impl Network {
         } else {
             self.intra.time(m)
         }
-    }
-
-    /// The model's time for a `fugu bench comm` row measured on `g`.
-    pub fn time_of(&self, op: &str, g: Group, bytes: f64) -> Option<f64> {
-        Some(match op {
-            "allreduce" => self.allreduce(g, bytes),
-            "reduce-scatter" => self.reduce_scatter(g, bytes),
-            "allgather" => self.allgather(g, bytes),
-            "broadcast" => self.broadcast(g, bytes),
-            "sendrecv" => self.sendrecv(g.nodes > 1, bytes),
-            _ => return None,
-        })
     }
 }
 

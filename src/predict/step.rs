@@ -194,9 +194,10 @@ fn op_work(op: &str, s: &Shape) -> Option<f64> {
     })
 }
 
-/// The layout checked against the workload and the grid's rules.
-pub fn check_layout(w: &Workload, l: &Layout) -> Result<()> {
-    Grid::new(0, l.world(), l.tp, l.pp, &w.model)?;
+/// The layout checked against the workload and the grid's rules; the grid of rank 0, whose
+/// `world_rank_of` places every group.
+pub fn check_layout(w: &Workload, l: &Layout) -> Result<Grid> {
+    let grid = Grid::new(0, l.world(), l.tp, l.pp, &w.model)?;
     if l.tp * l.pp * l.dp != l.world() {
         bail!(
             "tp {} x pp {} x dp {} = {} but {} nodes x {} ranks = {} ranks",
@@ -217,19 +218,15 @@ pub fn check_layout(w: &Workload, l: &Layout) -> Result<()> {
             l.micro_batches
         );
     }
-    Ok(())
+    Ok(grid)
 }
 
-/// Whether two ranks `stride` apart sit on different nodes (block placement).
-fn across(stride: usize, ranks_per_node: usize) -> bool {
-    stride >= ranks_per_node
-}
-
-/// The nodes a group of `ranks` members `stride` apart spans.
-fn nodes_of(ranks: usize, stride: usize, ranks_per_node: usize) -> usize {
-    ((ranks * stride).div_ceil(ranks_per_node))
-        .min(ranks)
-        .max(1)
+/// The nodes world ranks `ranks` sit on (block placement: rank r on node r / ranks_per_node).
+fn nodes_spanned(ranks: impl Iterator<Item = usize>, ranks_per_node: usize) -> usize {
+    ranks
+        .map(|r| r / ranks_per_node)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
 }
 
 /// What every stage's prediction shares: the workload, the layout, the machine, the
@@ -241,8 +238,12 @@ struct StepCtx<'a> {
     /// Sequences per rank per step, and per micro-batch.
     per_rank: usize,
     mb: usize,
+    /// The tensor- and data-parallel groups of rank 0, placed by the grid.
     tp_group: Group,
     dp_group: Group,
+    /// Whether the next pipeline stage, and the last one, are on another node than stage 0.
+    next_stage_across: bool,
+    last_stage_across: bool,
 }
 
 impl StepCtx<'_> {
@@ -407,16 +408,14 @@ impl StepCtx<'_> {
         t: &mut BTreeMap<String, f64>,
     ) {
         let (l, cfg) = (self.l, &self.w.model);
-        let rpn = l.ranks_per_node;
-        let msg = net.sendrecv(across(l.dp * l.tp, rpn), 4.0 * s.mb * s.t * s.c) * 1e3;
+        let msg = net.sendrecv(self.next_stage_across, 4.0 * s.mb * s.t * s.c) * 1e3;
         let boundaries = (!s.first) as usize + (!s.last) as usize;
         t.insert("pipeline:recv".into(), msg * self.mbf() * boundaries as f64);
         if stage.is_first() || stage.is_last() {
             let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
-            let far = across(l.dp * l.tp * (l.pp - 1), rpn);
             let g = Group {
                 ranks: 2,
-                nodes: if far { 2 } else { 1 },
+                nodes: if self.last_stage_across { 2 } else { 1 },
             };
             t.insert(
                 "pipeline:tied-wte:allreduce".into(),
@@ -462,7 +461,7 @@ impl StepCtx<'_> {
 
 /// Predicts one step of `w` on `l` on machine `m`.
 pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
-    check_layout(w, l)?;
+    let grid = check_layout(w, l)?;
     let cfg = &w.model;
     let stages = Stage::split(cfg, l.pp, w.seq_len)?;
     let per_rank = w.global_batch / l.dp;
@@ -475,12 +474,14 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         mb: per_rank / l.micro_batches,
         tp_group: Group {
             ranks: l.tp,
-            nodes: nodes_of(l.tp, 1, rpn),
+            nodes: nodes_spanned((0..l.tp).map(|t| grid.world_rank_of(0, 0, t)), rpn),
         },
         dp_group: Group {
             ranks: l.dp,
-            nodes: nodes_of(l.dp, l.tp, rpn),
+            nodes: nodes_spanned((0..l.dp).map(|d| grid.world_rank_of(0, d, 0)), rpn),
         },
+        next_stage_across: l.pp > 1 && grid.world_rank_of(1, 0, 0) / rpn != 0,
+        last_stage_across: grid.world_rank_of(l.pp - 1, 0, 0) / rpn != 0,
     };
     let pass = |oversub: f64| -> Result<Vec<(BTreeMap<String, f64>, f64)>> {
         stages.iter().map(|s| ctx.stage(s, oversub)).collect()
