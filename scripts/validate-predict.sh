@@ -9,6 +9,7 @@
 # 16 steps, one thread per rank, fine timers, no evaluation or checkpoints):
 #   ref/      one process: the reference run whose per-op times the model scales
 #   comm-1n2r.json  `fugu bench comm` on 2 ranks (4 B .. 64 MiB): the intra-node link
+#   gemm-1t.json    `fugu bench gemm` of every GEMM shape the layouts make, 1 thread
 #   dp2 tp2 dp2z   2 ranks: data parallel, tensor parallel, data parallel with ZeRO-1
 #   pp2            2 ranks: two pipeline stages, 4 micro-batches
 #   dp4 tp2dp2 tp4 pp2dp2  4 ranks (oversubscribed on a 2-core machine)
@@ -42,6 +43,11 @@ run ref 1 --batch-size 8
 echo "== fugu bench comm (2 ranks)" >&2
 mpirun -np 2 --oversubscribe --bind-to none "$fugu" bench comm --max-size 64MiB --repeats 3 --format json \
   >"$work/comm-1n2r.json"
+echo "== fugu bench gemm (the layouts' GEMM shapes, 1 thread)" >&2
+# shellcheck disable=SC2046 # one --shape argument per word
+"$fugu" bench gemm $("$fugu" predict gemm-shapes --config gpt2-tiny --seq-len 128 \
+  --micro-batch-size 2,4,8 --tp 1,2,4 --pp 1,2) --threads 1 --no-baseline --format json \
+  >"$work/gemm-1t.json"
 run dp2 2 --batch-size 4
 run tp2 2 --tp 2 --batch-size 8
 run dp2z 2 --zero 1 --batch-size 4
@@ -53,7 +59,7 @@ run pp2dp2 4 --pp 2 --micro-batches 2 --batch-size 4
 
 rm -rf "$out"
 mkdir -p "$out"
-cp "$work/comm-1n2r.json" "$out/"
+cp "$work/comm-1n2r.json" "$work/gemm-1t.json" "$out/"
 for r in ref dp2 tp2 dp2z pp2 dp4 tp2dp2 tp4 pp2dp2; do
   mkdir -p "$out/$r"
   python3 - "$work/$r/metrics.jsonl" "$out/$r/metrics.jsonl" <<'PY'

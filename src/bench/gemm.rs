@@ -224,18 +224,29 @@ pub fn shape_set(name: &str) -> Result<Vec<BenchShape>> {
 
 /// Parses `MxNxK` or `MxNxKxBATCH`.
 pub fn parse_shape(s: &str) -> Result<BenchShape> {
-    let parts: Vec<&str> = s.split(['x', 'X']).collect();
-    let nums: Vec<usize> = parts
-        .iter()
+    let mut parts = s.split(':');
+    let dims = parts.next().unwrap_or_default();
+    let (mut ta, mut tb) = (false, false);
+    for flag in parts {
+        match flag.trim() {
+            "ta" if !ta => ta = true,
+            "tb" if !tb => tb = true,
+            other => bail!(
+                "bad --shape {s:?}: unknown or repeated suffix {other:?} (expected :ta, A stored transposed, and/or :tb, B stored transposed)"
+            ),
+        }
+    }
+    let nums: Vec<usize> = dims
+        .split(['x', 'X'])
         .map(|p| p.trim().parse::<usize>())
         .collect::<Result<_, _>>()
         .with_context(|| {
-            format!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH with integers")
+            format!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH with integers, then optional :ta/:tb")
         })?;
     let (m, n, k, batch) = match nums[..] {
         [m, n, k] => (m, n, k, 1),
         [m, n, k, b] => (m, n, k, b),
-        _ => bail!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH"),
+        _ => bail!("bad --shape {s:?}: expected MxNxK or MxNxKxBATCH, then optional :ta/:tb"),
     };
     if m == 0 || n == 0 || k == 0 || batch == 0 {
         bail!("bad --shape {s:?}: every dimension must be at least 1");
@@ -244,7 +255,7 @@ pub fn parse_shape(s: &str) -> Result<BenchShape> {
     if elems > 2_000_000_000 {
         bail!("--shape {s:?} needs {elems} floats per operand copy; too large");
     }
-    Ok(shape("custom", s, m, n, k, batch, false, false))
+    Ok(shape("custom", s, m, n, k, batch, ta, tb))
 }
 
 /// What to compare against, and how long to time each row.
@@ -783,6 +794,12 @@ mod tests {
         assert!(parse_shape("7x5").is_err());
         assert!(parse_shape("7x0x3").is_err());
         assert!(parse_shape("axbxc").is_err());
+        let t = parse_shape("7x5x3:tb").unwrap();
+        assert_eq!((t.ta, t.tb, t.batch), (false, true, 1));
+        let t = parse_shape("7x5x3x4:ta:tb").unwrap();
+        assert_eq!((t.ta, t.tb, t.batch), (true, true, 4));
+        assert!(parse_shape("7x5x3:tc").is_err());
+        assert!(parse_shape("7x5x3:ta:ta").is_err());
     }
 
     #[test]

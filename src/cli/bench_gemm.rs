@@ -14,7 +14,9 @@ pub struct BenchGemmArgs {
     /// Shape sets: square, gpt2, attention, fugaku, all (comma-separated or repeated).
     #[arg(long = "set", value_delimiter = ',', default_value = "gpt2")]
     pub sets: Vec<String>,
-    /// Custom shape MxNxK or MxNxKxBATCH (repeatable); replaces the sets unless --set is given.
+    /// Custom shape MxNxK or MxNxKxBATCH, with `:ta` / `:tb` when A / B is stored transposed
+    /// (repeatable; `fugu predict gemm-shapes` prints a model's); replaces the sets unless --set
+    /// is given.
     #[arg(long = "shape")]
     pub shapes: Vec<String>,
     /// Thread counts (comma-separated); each runs in its own process so that the baseline

@@ -40,7 +40,7 @@ enum Command {
     Report(report::ReportArgs),
     /// Predict step time, throughput, breakdown and memory at any node count from a machine
     /// profile (`fugu predict profile` builds one from a run and `fugu bench comm`).
-    Predict(predict::PredictArgs),
+    Predict(Box<predict::PredictArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -68,7 +68,7 @@ pub fn main() -> ExitCode {
         Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
         Command::Bench(BenchCommand::Comm(args)) => bench_comm::run(args),
         Command::Report(args) => report::run(args),
-        Command::Predict(args) => predict::run(args),
+        Command::Predict(args) => predict::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

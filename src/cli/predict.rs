@@ -3,7 +3,7 @@
 
 use crate::config::RunConfig;
 use crate::predict::profile::{measure, Profile};
-use crate::predict::step::{predict, Layout, Prediction, Workload};
+use crate::predict::step::{layout_gemms, predict, unmeasured_gemms, Layout, Prediction, Workload};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -65,11 +65,37 @@ pub struct PredictArgs {
     pub format: String,
 }
 
-/// `fugu predict profile`.
+/// `fugu predict profile`, `fugu predict gemm-shapes`.
 #[derive(clap::Subcommand, Debug)]
 pub enum PredictCommand {
-    /// Build a machine profile from a one-process reference run and `fugu bench comm` output.
+    /// Build a machine profile from a one-process reference run and `fugu bench comm` (and
+    /// optionally `fugu bench gemm`) output.
     Profile(ProfileArgs),
+    /// Print the GEMM shapes a model makes per micro-batch at some tensor-parallel degrees, as
+    /// `fugu bench gemm --shape` arguments (to measure the rates a profile's [[compute.gemm]]
+    /// holds).
+    GemmShapes(GemmShapesArgs),
+}
+
+/// Arguments of `fugu predict gemm-shapes`.
+#[derive(clap::Args, Debug)]
+pub struct GemmShapesArgs {
+    /// Model config: a built-in name or a TOML file.
+    #[arg(long, default_value = "gpt2-124m")]
+    pub config: String,
+    /// Sequence length (default: the config's).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Sequences per micro-batch (comma-separated for several).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub micro_batch_size: Vec<usize>,
+    /// Tensor-parallel degrees (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub tp: Vec<usize>,
+    /// Pipeline stages (comma-separated): the first and last stages add the embedding and LM
+    /// head.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub pp: Vec<usize>,
 }
 
 /// Arguments of `fugu predict profile`.
@@ -83,6 +109,10 @@ pub struct ProfileArgs {
     /// several nodes (the inter-node link).
     #[arg(long, value_name = "FILE", required = true)]
     pub comm: Vec<PathBuf>,
+    /// `fugu bench gemm --format json` files measured on the same machine (e.g. of the shapes
+    /// `fugu predict gemm-shapes` prints): GEMM ops then scale by their measured rates.
+    #[arg(long, value_name = "FILE")]
+    pub gemm: Vec<PathBuf>,
     /// Profile name.
     #[arg(long, default_value = "measured")]
     pub name: String,
@@ -109,8 +139,10 @@ struct Output<'a> {
 
 /// Runs `fugu predict`.
 pub fn run(args: PredictArgs) -> Result<()> {
-    if let Some(PredictCommand::Profile(p)) = args.command {
-        return run_profile(p);
+    match args.command {
+        Some(PredictCommand::Profile(p)) => return run_profile(p),
+        Some(PredictCommand::GemmShapes(g)) => return run_gemm_shapes(g),
+        None => {}
     }
     let path = args.profile.as_ref().context(
         "--profile FILE is needed (a machine profile: see profiles/ and docs/PREDICT.md)",
@@ -176,6 +208,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
         global_batch,
     };
     let mut out = Vec::new();
+    let mut unmeasured = std::collections::BTreeSet::new();
     for &nodes in &args.nodes {
         let dp = dp_of(nodes)?;
         let micro_batches = match args.micro_batch_size {
@@ -197,6 +230,18 @@ pub fn run(args: PredictArgs) -> Result<()> {
             micro_batches,
         };
         out.push(predict(&w, &l, &machine).with_context(|| format!("at {nodes} node(s)"))?);
+        unmeasured.extend(unmeasured_gemms(&w, &l, &machine)?);
+    }
+    if !unmeasured.is_empty() {
+        eprintln!(
+            "note: {} GEMM shape(s) have no rate measured at their thread count in the profile; the \
+             nearest measured shape stands in. To measure them: fugu bench gemm --format json{}",
+            unmeasured.len(),
+            unmeasured
+                .iter()
+                .map(|s| format!(" --shape {s}"))
+                .collect::<String>()
+        );
     }
     if args.format == "json" {
         let o = Output {
@@ -276,7 +321,14 @@ pub fn format_table(rows: &[Prediction]) -> String {
 }
 
 fn run_profile(a: ProfileArgs) -> Result<()> {
-    let m = measure(&a.name, &a.run, &a.comm, a.cores_per_node, a.memory_gib)?;
+    let m = measure(
+        &a.name,
+        &a.run,
+        &a.comm,
+        &a.gemm,
+        a.cores_per_node,
+        a.memory_gib,
+    )?;
     for n in &m.notes {
         eprintln!("{n}");
     }
@@ -288,5 +340,41 @@ fn run_profile(a: ProfileArgs) -> Result<()> {
     })
     .with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+fn run_gemm_shapes(a: GemmShapesArgs) -> Result<()> {
+    let cfg = RunConfig::load(&a.config)?;
+    let seq_len = a.seq_len.unwrap_or(cfg.train.seq_len);
+    let mut shapes = std::collections::BTreeSet::new();
+    for &mbs in &a.micro_batch_size {
+        for &tp in &a.tp {
+            for &pp in &a.pp {
+                if mbs == 0 || tp == 0 || pp == 0 {
+                    bail!("--micro-batch-size, --tp and --pp must be at least 1");
+                }
+                let w = Workload {
+                    model: cfg.model.clone(),
+                    seq_len,
+                    global_batch: mbs,
+                };
+                let l = Layout {
+                    nodes: 1,
+                    ranks_per_node: tp * pp,
+                    threads_per_rank: 1,
+                    tp,
+                    pp,
+                    dp: 1,
+                    zero: false,
+                    micro_batches: 1,
+                };
+                let calls = layout_gemms(&w, &l)
+                    .with_context(|| format!("tp {tp}, pp {pp}, micro-batch size {mbs}"))?;
+                shapes.extend(calls.iter().map(|c| c.bench_arg()));
+            }
+        }
+    }
+    let args: Vec<String> = shapes.iter().map(|s| format!("--shape {s}")).collect();
+    println!("{}", args.join(" "));
     Ok(())
 }

@@ -3,6 +3,7 @@
 //!
 //! * [`network`]: α–β links (intra-node, inter-node) and the collective algorithms, fitted to
 //!   `fugu bench comm` output;
+//! * [`gemm`]: the GEMM shapes each op makes and measured GEMM rates (`fugu bench gemm`);
 //! * [`step`]: the step model: compute scaled from a reference run per op (or one rate),
 //!   tensor-, pipeline- and data-parallel communication with fugu's placement and overlap,
 //!   memory per rank with the trainer's own activation and parameter tables;
@@ -11,6 +12,7 @@
 //! It is a model, not a simulation: a prediction for 10 node counts takes milliseconds.
 //! `docs/PREDICT.md` states the assumptions and the validation against measured runs.
 
+pub mod gemm;
 pub mod network;
 pub mod profile;
 pub mod step;

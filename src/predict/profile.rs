@@ -14,13 +14,15 @@
 //!
 //! [compute]                      # one of:
 //! model_tflops_per_node = 1.09   #   a rate for the model FLOPs, or
-//! [compute.reference]            #   a reference run's per-op times (`fugu predict profile`)
+//! [compute.reference]            #   a reference run's per-op times (`fugu predict profile`),
+//! [[compute.gemm]]               #   with optional measured GEMM rates (`fugu bench gemm`)
 //!
 //! [network]
 //! intra = { alpha_us = 0.5, beta_gbs = 10.0 }
 //! inter = { alpha_us = 1.0, beta_gbs = 6.8 }
 //! ```
 
+use super::gemm::{read_bench_gemm, GemmRate, GemmRates};
 use super::network::{fit_link, fit_reduce, Group, Link, Network};
 use super::step::{Compute, Machine, Reference};
 use crate::config::ModelConfig;
@@ -66,6 +68,10 @@ pub struct ComputeSection {
     pub model_tflops_per_node: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<Reference>,
+    /// Measured GEMM rates (with a reference only): the GEMM ops then scale by their
+    /// predicted time at each shape instead of their FLOPs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gemm: Vec<GemmRate>,
 }
 
 impl Profile {
@@ -102,6 +108,10 @@ impl Profile {
         }
         self.network.intra.validate("network.intra")?;
         self.network.inter.validate("network.inter")?;
+        GemmRates(self.compute.gemm.clone()).validate()?;
+        if !self.compute.gemm.is_empty() && self.compute.reference.is_none() {
+            bail!("[[compute.gemm]] rates scale a reference run's GEMM times: they need [compute.reference]");
+        }
         match (&self.compute.model_tflops_per_node, &self.compute.reference) {
             (Some(r), None) if *r > 0.0 && r.is_finite() => Ok(()),
             (Some(r), None) => {
@@ -125,7 +135,10 @@ impl Profile {
         let m = &self.machine;
         Machine {
             compute: match (&self.compute.model_tflops_per_node, &self.compute.reference) {
-                (_, Some(r)) => Compute::Reference(r.clone()),
+                (_, Some(r)) => Compute::Reference {
+                    run: r.clone(),
+                    gemm: GemmRates(self.compute.gemm.clone()),
+                },
                 (Some(r), None) => Compute::Rate {
                     model_tflops_per_node: *r,
                 },
@@ -148,11 +161,12 @@ pub struct Measured {
 
 /// Builds a profile from a one-node reference run (a `fugu train` directory: its header and
 /// per-op timers), `fugu bench comm` files (one node: the intra-node link; several nodes: the
-/// inter-node link) and the node's size.
+/// inter-node link), optional `fugu bench gemm --format json` files and the node's size.
 pub fn measure(
     name: &str,
     run_dir: &Path,
     comm: &[std::path::PathBuf],
+    gemm: &[std::path::PathBuf],
     cores_per_node: usize,
     memory_gib_per_node: f64,
 ) -> Result<Measured> {
@@ -264,6 +278,7 @@ pub fn measure(
         compute: ComputeSection {
             model_tflops_per_node: None,
             reference: Some(reference),
+            gemm: Vec::new(),
         },
         network: Network {
             intra,
@@ -288,6 +303,11 @@ pub fn measure(
                 p.display()
             )),
         }
+    }
+    for p in gemm {
+        let rows = read_bench_gemm(p)?;
+        notes.push(format!("{}: {} GEMM rates", p.display(), rows.len()));
+        profile.compute.gemm.extend(rows);
     }
     profile.validate()?;
     Ok(Measured { profile, notes })

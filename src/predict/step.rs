@@ -1,9 +1,10 @@
 //! One training step of a layout, predicted op by op under the same timer names as a real run.
 //!
 //! **Compute.** Either a reference run's per-op times, each scaled by the op's work in the new
-//! layout ([`op_work`]: FLOPs for the GEMMs, elements for the rest, per rank and per step), or
-//! one effective rate for the model's FLOPs ([`Compute::Rate`], for machines known only by a
-//! published figure). **Communication** comes from the [`Network`] model with the group
+//! layout ([`op_work`]: FLOPs for the GEMMs, elements for the rest, per rank and per step;
+//! with measured GEMM rates, the GEMMs' predicted time: [`super::gemm`]), or one effective
+//! rate for the model's FLOPs ([`Compute::Rate`], for machines known only by a published
+//! figure). **Communication** comes from the [`Network`] model with the group
 //! placement of fugu's grid (TP innermost, then DP, then PP: `parallel/grid.rs`):
 //!
 //! * tensor parallelism: per block and micro-batch, the all-reduces after the attention and
@@ -17,6 +18,7 @@
 //!   after the backward pass. ZeRO-1 reduce-scatters instead and all-gathers the parameters
 //!   after the optimizer (`allgather-params`, not overlapped).
 
+use super::gemm::{op_gemms, GemmCall, GemmRates, Pass};
 use super::network::{Group, Network};
 use crate::config::ModelConfig;
 use crate::metrics::flops::megatron_flops_per_step;
@@ -27,7 +29,7 @@ use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
 use crate::parallel::grid::Grid;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// What is trained: the model, the sequence length and the global batch (sequences per step).
 #[derive(Clone, Debug)]
@@ -85,11 +87,11 @@ fn one() -> usize {
 /// How compute time is predicted.
 #[derive(Clone, Debug)]
 pub enum Compute {
-    Reference(Reference),
+    /// A reference run's per-op times, and the machine's measured GEMM rates (maybe none:
+    /// then GEMM time scales with FLOPs).
+    Reference { run: Reference, gemm: GemmRates },
     /// The model FLOPs (Megatron's formula) at this rate per node, optimizer included.
-    Rate {
-        model_tflops_per_node: f64,
-    },
+    Rate { model_tflops_per_node: f64 },
 }
 
 /// The machine: compute, network, node size.
@@ -137,24 +139,30 @@ pub const COMPUTE_OPS: [&str; 13] = [
 
 /// The shapes one rank works on per micro-batch.
 #[derive(Clone, Copy, Debug)]
-struct Shape {
+pub(super) struct Shape {
     /// Sequences per micro-batch.
-    mb: f64,
-    t: f64,
-    c: f64,
+    pub(super) mb: f64,
+    pub(super) t: f64,
+    pub(super) c: f64,
     /// Local heads, head size, MLP width, padded vocabulary rows.
-    nh: f64,
-    hs: f64,
-    f: f64,
-    vp: f64,
-    tp: f64,
-    layers: f64,
-    first: bool,
-    last: bool,
+    pub(super) nh: f64,
+    pub(super) hs: f64,
+    pub(super) f: f64,
+    pub(super) vp: f64,
+    pub(super) tp: f64,
+    pub(super) layers: f64,
+    pub(super) first: bool,
+    pub(super) last: bool,
 }
 
 impl Shape {
-    fn new(m: &ModelConfig, seq_len: usize, mb: usize, tp: usize, stage: &Stage) -> Shape {
+    pub(super) fn new(
+        m: &ModelConfig,
+        seq_len: usize,
+        mb: usize,
+        tp: usize,
+        stage: &Stage,
+    ) -> Shape {
         Shape {
             mb: mb as f64,
             t: seq_len as f64,
@@ -171,27 +179,79 @@ impl Shape {
     }
 }
 
-/// The work of one compute op (a [`COMPUTE_OPS`] name) per micro-batch on one rank: FLOPs for
-/// the GEMMs, elements for the rest; only ratios of it are used.
-fn op_work(op: &str, s: &Shape) -> Option<f64> {
+/// The work of one compute op (a [`COMPUTE_OPS`] name) in one pass of a micro-batch on one
+/// rank: for the GEMMs their FLOPs ([`op_gemms`]), or their seconds at the measured rates on
+/// the given threads when `gemm` has rates; elements for the rest. Only ratios of it are used.
+fn op_work(op: &str, pass: Pass, s: &Shape, gemm: Option<(&GemmRates, usize)>) -> Option<f64> {
+    if let Some(calls) = op_gemms(op, pass, s) {
+        return match gemm {
+            Some((rates, threads)) => rates.seconds(&calls, threads),
+            None => Some(calls.iter().map(|c| c.flops()).sum()),
+        };
+    }
     let n = s.mb * s.t;
     let l = s.layers;
     let on = |b: bool| if b { 1.0 } else { 0.0 };
     Some(match op {
-        "attention:qkv" => 2.0 * n * s.c * 3.0 * s.c / s.tp * l,
-        "attention:proj" => 2.0 * n * s.c * s.c / s.tp * l,
-        "attention:bmm" | "attention:baddbmm" => 2.0 * s.mb * s.nh * s.t * s.t * s.hs * l,
         "attention:softmax" => s.mb * s.nh * s.t * s.t * l,
-        "mlp:mm" => 4.0 * n * s.c * s.f * l,
         "mlp:gelu" => n * s.f * l,
         "layernorm" => n * s.c * (2.0 * l + on(s.last)),
         "residual" => 2.0 * n * s.c * l,
         "embedding" => n * s.c * on(s.first),
-        "lm-head" => 2.0 * n * s.c * s.vp * on(s.last),
         "loss" => n * s.vp * on(s.last),
         "batch-generator" => n * on(s.first),
         _ => return None,
     })
+}
+
+/// Every GEMM call one rank of each pipeline stage makes per micro-batch, forward and
+/// backward (duplicates merged), for `fugu predict gemm-shapes` and the rate check.
+pub fn layout_gemms(w: &Workload, l: &Layout) -> Result<Vec<GemmCall>> {
+    check_layout(w, l)?;
+    let mb = w.global_batch / l.dp / l.micro_batches;
+    let mut calls = BTreeSet::new();
+    for stage in Stage::split(&w.model, l.pp, w.seq_len)? {
+        calls.extend(shape_gemms(&Shape::new(
+            &w.model, w.seq_len, mb, l.tp, &stage,
+        )));
+    }
+    Ok(calls.into_iter().collect())
+}
+
+/// The GEMM shapes of the layout and of the reference run that the machine's rates do not
+/// cover exactly (at their thread counts), in `fugu bench gemm --shape` syntax; empty when the
+/// machine has no GEMM rates (GEMM time then scales with FLOPs).
+pub fn unmeasured_gemms(w: &Workload, l: &Layout, m: &Machine) -> Result<BTreeSet<String>> {
+    let Compute::Reference { run, gemm } = &m.compute else {
+        return Ok(BTreeSet::new());
+    };
+    if gemm.0.is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    let mut missing = gemm.missing(&layout_gemms(w, l)?, l.threads_per_rank);
+    missing.extend(gemm.missing(&reference_gemms(run), run.threads_per_rank));
+    Ok(missing)
+}
+
+/// The GEMM calls of a reference run (one process, the whole model).
+pub fn reference_gemms(r: &Reference) -> Vec<GemmCall> {
+    let mb = r.batch_per_rank / r.micro_batches.max(1);
+    let s = Shape::new(&r.model, r.seq_len, mb, 1, &Stage::whole(r.model.n_layer));
+    shape_gemms(&s).into_iter().collect()
+}
+
+/// The distinct GEMM shapes of every op and pass at one micro-batch shape (call counts
+/// dropped: only the shapes matter for rates).
+fn shape_gemms(s: &Shape) -> BTreeSet<GemmCall> {
+    let mut calls = BTreeSet::new();
+    for op in COMPUTE_OPS {
+        for pass in [Pass::Forward, Pass::Backward] {
+            for c in op_gemms(op, pass, s).unwrap_or_default() {
+                calls.insert(GemmCall { count: 1, ..c });
+            }
+        }
+    }
+    calls
 }
 
 /// The layout checked against the workload and the grid's rules; the grid of rank 0, whose
@@ -267,8 +327,8 @@ impl StepCtx<'_> {
         let net = self.m.network.oversubscribed(oversub);
         let mut t: BTreeMap<String, f64> = BTreeMap::new();
         match &self.m.compute {
-            Compute::Reference(r) => {
-                self.scaled_reference(r, &s, params, owned, oversub, &mut t)?
+            Compute::Reference { run, gemm } => {
+                self.scaled_reference(run, gemm, &s, params, owned, oversub, &mut t)?
             }
             Compute::Rate {
                 model_tflops_per_node,
@@ -293,10 +353,14 @@ impl StepCtx<'_> {
         Ok((t, mem))
     }
 
-    /// The reference run's per-op times, each scaled by the op's work here over there.
+    /// The reference run's per-op times, each scaled by the op's work here over there (for the
+    /// GEMMs with measured rates, their predicted time at each side's thread count, so only
+    /// the oversubscription is applied on top).
+    #[allow(clippy::too_many_arguments)]
     fn scaled_reference(
         &self,
         r: &Reference,
+        gemm: &GemmRates,
         s: &Shape,
         params: usize,
         owned: usize,
@@ -314,7 +378,7 @@ impl StepCtx<'_> {
         );
         let rmb = r.micro_batches.max(1) as f64;
         let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
-        for dir in ["forward", "backward"] {
+        for (dir, pass) in [("forward", Pass::Forward), ("backward", Pass::Backward)] {
             let mut known = 0.0;
             for op in COMPUTE_OPS {
                 let name = format!("{dir}:{op}");
@@ -322,9 +386,16 @@ impl StepCtx<'_> {
                     continue;
                 };
                 known += ms;
-                let (wn, wr) = (op_work(op, s).unwrap(), op_work(op, &rs).unwrap());
+                // With measured rates a GEMM op's work is its time on each side's threads.
+                let rates = (!gemm.0.is_empty() && op_gemms(op, pass, s).is_some()).then_some(gemm);
+                let (wn, wr) = (
+                    op_work(op, pass, s, rates.map(|g| (g, l.threads_per_rank))),
+                    op_work(op, pass, &rs, rates.map(|g| (g, r.threads_per_rank))),
+                );
+                let by = if rates.is_some() { oversub } else { scale };
+                let (wn, wr) = (wn.unwrap_or(0.0), wr.unwrap_or(0.0));
                 if wr > 0.0 && wn > 0.0 {
-                    *t.entry(name).or_default() += ms * (wn * self.mbf()) / (wr * rmb) * scale;
+                    *t.entry(name).or_default() += ms * (wn * self.mbf()) / (wr * rmb) * by;
                 }
             }
             // What the named ops leave of the parent: scaled by tokens per step.
