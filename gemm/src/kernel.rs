@@ -186,32 +186,64 @@ pub fn kernel_for(isa: Isa) -> Option<Kernel> {
 /// kernel, fed operands that the packing rounds to `prec` (the same products, see
 /// [`Precision`]). `None` when this CPU cannot run `isa`.
 pub fn kernel_for_precision(isa: Isa, prec: Precision) -> Option<Kernel> {
-    let native = match (isa, prec) {
+    native_16bit_kernel(isa, prec).or_else(|| kernel_for(isa))
+}
+
+/// The native 16-bit kernel of `isa` at `prec` on this CPU (`vdpbf16ps` for bf16 on AVX-512
+/// BF16; f16 chunks on SVE), if there is one.
+fn native_16bit_kernel(isa: Isa, prec: Precision) -> Option<Kernel> {
+    match (isa, prec) {
         (Isa::Avx512, Precision::Bf16) => arch::avx512_bf16_kernel(),
         (Isa::Sve, Precision::F16) => arch::sve_f16_kernel(),
         _ => None,
-    };
-    native.or_else(|| kernel_for(isa))
-}
-
-/// The kernel of a runtime whose f32 kernel is `f32_kernel` for GEMMs at `prec`, with the f16
-/// accumulation `f16_chunked` asks for ([`crate::RuntimeConfig::f16_chunked`]): the native
-/// kernel of `prec` where there is one, the portable f16-chunk emulation when chunks are asked
-/// for and there is no native f16 kernel, the f32 kernel when f32 accumulation is asked for.
-pub fn kernel_at(f32_kernel: Kernel, prec: Precision, f16_chunked: Option<bool>) -> Kernel {
-    let native = kernel_for_precision(f32_kernel.isa, prec).unwrap_or(f32_kernel);
-    match (prec, f16_chunked) {
-        (Precision::F16, Some(false)) => f32_kernel,
-        (Precision::F16, Some(true)) if native.accumulation == Accumulation::F32 => {
-            arch::portable::f16_chunked_kernel()
-        }
-        _ => native,
     }
 }
 
-/// The kernel of each precision, in the order of [`Precision::ALL`] ([`kernel_at`]).
-pub fn kernels_at(f32_kernel: Kernel, f16_chunked: Option<bool>) -> [Kernel; 3] {
-    Precision::ALL.map(|p| kernel_at(f32_kernel, p, f16_chunked))
+/// The kernels a runtime uses: its f32 kernel, and the ISA whose native 16-bit kernels it may
+/// use for bf16/f16 GEMMs (not always the f32 kernel's: on Zen 4 the f32 kernel is AVX2 while
+/// bf16 still has AVX-512 BF16's `vdpbf16ps`, see [`best_kernel`]).
+#[derive(Clone, Copy, Debug)]
+pub struct KernelChoice {
+    pub f32: Kernel,
+    pub native_isa: Isa,
+}
+
+impl KernelChoice {
+    /// `forced`: that ISA's kernels for every precision (an error naming it when this CPU
+    /// cannot run it); otherwise [`best_kernel`] for f32 and the widest ISA's native 16-bit
+    /// kernels.
+    pub fn new(forced: Option<Isa>) -> Result<KernelChoice, GemmError> {
+        Ok(match forced {
+            Some(isa) => KernelChoice {
+                f32: forced_kernel(isa)?,
+                native_isa: isa,
+            },
+            None => KernelChoice {
+                f32: best_kernel(),
+                native_isa: widest_kernel().isa,
+            },
+        })
+    }
+
+    /// The kernel for GEMMs at `prec`, with the f16 accumulation `f16_chunked` asks for
+    /// ([`crate::RuntimeConfig::f16_chunked`]): the native kernel of `prec` where there is
+    /// one, the portable f16-chunk emulation when chunks are asked for and there is no native
+    /// f16 kernel, the f32 kernel (fed operands that the packing rounds to `prec`) otherwise.
+    pub fn at(&self, prec: Precision, f16_chunked: Option<bool>) -> Kernel {
+        let native = native_16bit_kernel(self.native_isa, prec).unwrap_or(self.f32);
+        match (prec, f16_chunked) {
+            (Precision::F16, Some(false)) => self.f32,
+            (Precision::F16, Some(true)) if native.accumulation == Accumulation::F32 => {
+                arch::portable::f16_chunked_kernel()
+            }
+            _ => native,
+        }
+    }
+
+    /// The kernel of each precision, in the order of [`Precision::ALL`] ([`Self::at`]).
+    pub fn all(&self, f16_chunked: Option<bool>) -> [Kernel; 3] {
+        Precision::ALL.map(|p| self.at(p, f16_chunked))
+    }
 }
 
 /// One line naming the kernel of each precision (`kernels` in the order of
@@ -243,14 +275,62 @@ pub fn available_isas() -> Vec<Isa> {
         .collect()
 }
 
-/// The best kernel this CPU can run.
-pub fn best_kernel() -> Kernel {
+/// The f32 kernel of the widest vector ISA this CPU can run.
+fn widest_kernel() -> Kernel {
     for isa in [Isa::Sve, Isa::Avx512, Isa::Avx2, Isa::Neon] {
         if let Some(k) = kernel_for(isa) {
             return k;
         }
     }
     arch::portable::kernel()
+}
+
+/// The best f32 kernel for this CPU: the widest ISA's, except on a CPU whose 512-bit FMAs do
+/// no more FLOPs than its 256-bit ones ([`avx512_doubles_flops`]), where the AVX2 16 × 6
+/// kernel is faster: on Zen 4 it measured 0–7% faster than the AVX-512 32 × 12 one on one
+/// core and up to 30% on two (`examples/blocking`), and the GPT-2 124M training step 3–9%
+/// faster (`docs/KERNELS.md`, "AVX2 against AVX-512 on Zen 4").
+pub fn best_kernel() -> Kernel {
+    let widest = widest_kernel();
+    if widest.isa == Isa::Avx512 && !avx512_doubles_flops() {
+        if let Some(k) = kernel_for(Isa::Avx2) {
+            return k;
+        }
+    }
+    widest
+}
+
+/// The x86 family of a CPUID leaf-1 `eax` (base family, plus the extended family when the
+/// base is 0xF).
+pub fn x86_family(eax: u32) -> u32 {
+    let base = (eax >> 8) & 0xF;
+    if base == 0xF {
+        base + ((eax >> 20) & 0xFF)
+    } else {
+        base
+    }
+}
+
+/// Whether this CPU's AVX-512 FMAs do twice the FLOPs of its AVX2 ones. Not so on AMD family
+/// 19h (Zen 4, the only family-19h parts with AVX-512): each 512-bit operation runs as two
+/// 256-bit halves on the same two FMA pipes, so the FMA-loop peak is the same for both ISAs
+/// (117.6 and 117.8 GFLOP/s per core measured on one). Intel's AVX-512 parts and Zen 5
+/// (family 1Ah, a full 512-bit datapath) do double it.
+pub fn avx512_doubles_flops() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        let v = __cpuid(0);
+        let vendor: Vec<u8> = [v.ebx, v.edx, v.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        !(vendor == b"AuthenticAMD" && x86_family(__cpuid(1).eax) == 0x19)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        true
+    }
 }
 
 /// The kernel for a forced ISA, with an error naming the ISA when this CPU cannot run it.
@@ -267,4 +347,45 @@ pub fn forced_kernel(isa: Isa) -> Result<Kernel, GemmError> {
                 .join(", ")
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn x86_families_of_known_cpuid_signatures() {
+        assert_eq!(x86_family(0x00A0_0F11), 0x19); // Zen 3 (EPYC 7003)
+        assert_eq!(x86_family(0x00A1_0F11), 0x19); // Zen 4 (EPYC 9004)
+        assert_eq!(x86_family(0x00B0_0F21), 0x1A); // Zen 5 (EPYC 9005)
+        assert_eq!(x86_family(0x0005_0654), 6); // Skylake-SP
+    }
+
+    /// The f32 kernel is AVX2 exactly where AVX-512 would be chosen but buys no FLOPs, and
+    /// the native 16-bit kernels still come from the widest ISA unless one is forced.
+    #[test]
+    fn the_choice_keeps_native_16bit_kernels() {
+        let widest = widest_kernel();
+        let choice = KernelChoice::new(None).unwrap();
+        let want_f32 = if widest.isa == Isa::Avx512 && !avx512_doubles_flops() {
+            Isa::Avx2
+        } else {
+            widest.isa
+        };
+        assert_eq!(choice.f32.isa, want_f32);
+        assert_eq!(choice.native_isa, widest.isa);
+        let bf16 = choice.at(Precision::Bf16, None);
+        match native_16bit_kernel(widest.isa, Precision::Bf16) {
+            Some(k) => assert_eq!((bf16.isa, bf16.operand), (k.isa, k.operand)),
+            None => assert_eq!(bf16.isa, choice.f32.isa),
+        }
+        for isa in available_isas() {
+            let forced = KernelChoice::new(Some(isa)).unwrap();
+            assert!(forced
+                .all(None)
+                .iter()
+                .all(|k| k.isa == isa
+                    || (k.isa == Isa::Portable && k.accumulation != Accumulation::F32)));
+        }
+    }
 }

@@ -5,7 +5,7 @@ use crate::blocking::{Blocking, CacheInfo};
 use crate::buffer::AlignedBuf;
 use crate::driver::{run_parallel, run_sequential, Ctx, Problem, SplitMode, MAX_TILE};
 use crate::error::GemmError;
-use crate::kernel::{best_kernel, forced_kernel, Isa, Kernel};
+use crate::kernel::{Isa, Kernel, KernelChoice};
 use crate::precision::{Element, Precision};
 use crate::raw::{RawMat, RawMatMut};
 use crate::topology::{pin_current_thread, Topology, TopologyRequest};
@@ -111,10 +111,8 @@ static GLOBAL: OnceLock<Result<Runtime, GemmError>> = OnceLock::new();
 impl Runtime {
     /// Builds a runtime: picks the kernel, derives block sizes and starts the domain pools.
     pub fn new(cfg: RuntimeConfig) -> Result<Runtime, GemmError> {
-        let kernel = match cfg.isa {
-            Some(isa) => forced_kernel(isa)?,
-            None => best_kernel(),
-        };
+        let choice = KernelChoice::new(cfg.isa)?;
+        let kernel = choice.f32;
         assert!(
             kernel.mr * kernel.nr <= MAX_TILE,
             "kernel tile exceeds MAX_TILE"
@@ -135,7 +133,7 @@ impl Runtime {
         });
         let kc_fixed = crate::blocking::kc_overridden() || cfg.blocking.is_some();
         let ctx_for = |prec: Precision| -> Result<Ctx, GemmError> {
-            let kernel = crate::kernel::kernel_at(kernel, prec, cfg.f16_chunked);
+            let kernel = choice.at(prec, cfg.f16_chunked);
             let blk = match cfg.blocking {
                 Some(b) => b,
                 None => Blocking::derive_for(&caches, kernel.mr, kernel.nr, split == SplitMode::Jr),

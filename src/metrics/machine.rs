@@ -3,7 +3,7 @@
 //! uses too, so the trainer's "% of peak" and the benchmark's are the same figure.
 
 use anyhow::{bail, Context, Result};
-use fugu_gemm::kernel::{best_kernel, forced_kernel};
+use fugu_gemm::kernel::KernelChoice;
 use fugu_gemm::peak::{Peak, PeakSource};
 use fugu_gemm::{Isa, Runtime, RuntimeConfig, Topology};
 use serde::{Deserialize, Serialize};
@@ -142,16 +142,11 @@ impl MachineInfo {
         if threads > 0 {
             cfg.topology.max_threads = Some(threads);
         }
-        let kernel = match cfg.isa {
-            Some(isa) => forced_kernel(isa)?,
-            None => best_kernel(),
-        };
+        let choice = KernelChoice::new(cfg.isa)?;
+        let kernel = choice.f32;
         let topology = Topology::build(&cfg.topology);
         let peak = machine_peak(kernel.isa, topology.threads(), None)?;
-        let kernels = fugu_gemm::kernel::describe_kernels(&fugu_gemm::kernel::kernels_at(
-            kernel,
-            cfg.f16_chunked,
-        ));
+        let kernels = fugu_gemm::kernel::describe_kernels(&choice.all(cfg.f16_chunked));
         Ok(MachineInfo::from_parts(
             kernel.isa, &topology, &peak, kernels,
         ))
