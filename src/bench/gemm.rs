@@ -8,21 +8,57 @@ use super::stats::{median, time_interleaved, Contender};
 use anyhow::{bail, Context, Result};
 use fugu_gemm::peak::Peak;
 use fugu_gemm::{BatchMut, BatchRef, MatMut, MatRef, Precision, Runtime};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-/// One benchmark problem: `batch` GEMMs of C (m×n) = A (m×k) · B (k×n), row-major, with A
-/// stored transposed when `ta` and B stored transposed when `tb` (as the trainer's backward
-/// pass uses them).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct BenchShape {
-    pub set: String,
-    pub name: String,
+/// `batch` GEMMs of C (m×n) = A (m×k) · B (k×n), row-major, with A stored transposed when
+/// `ta` and B stored transposed when `tb` (as the trainer's backward pass uses them). Written
+/// `MxNxK[xBATCH][:ta][:tb]` on the command line ([`parse_shape`], [`GemmShape::arg`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GemmShape {
     pub m: usize,
     pub n: usize,
     pub k: usize,
     pub batch: usize,
     pub ta: bool,
     pub tb: bool,
+}
+
+impl GemmShape {
+    /// FLOPs of the whole batch.
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.m * self.n * self.k * self.batch) as f64
+    }
+
+    /// The shape in `--shape` syntax (what [`parse_shape`] reads back).
+    pub fn arg(&self) -> String {
+        let mut s = format!("{}x{}x{}", self.m, self.n, self.k);
+        if self.batch > 1 {
+            s += &format!("x{}", self.batch);
+        }
+        if self.ta {
+            s += ":ta";
+        }
+        if self.tb {
+            s += ":tb";
+        }
+        s
+    }
+}
+
+/// One benchmark problem: a named [`GemmShape`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BenchShape {
+    pub set: String,
+    pub name: String,
+    #[serde(flatten)]
+    pub shape: GemmShape,
+}
+
+impl std::ops::Deref for BenchShape {
+    type Target = GemmShape;
+    fn deref(&self) -> &GemmShape {
+        &self.shape
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -39,12 +75,14 @@ fn shape(
     BenchShape {
         set: set.into(),
         name: name.into(),
-        m,
-        n,
-        k,
-        batch,
-        ta,
-        tb,
+        shape: GemmShape {
+            m,
+            n,
+            k,
+            batch,
+            ta,
+            tb,
+        },
     }
 }
 
@@ -293,12 +331,8 @@ impl Default for BenchOptions {
 pub struct BenchRow {
     pub set: String,
     pub name: String,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub batch: usize,
-    pub ta: bool,
-    pub tb: bool,
+    #[serde(flatten)]
+    pub shape: GemmShape,
     pub threads: usize,
     pub domains: usize,
     pub isa: String,
@@ -341,12 +375,7 @@ impl BenchRow {
         BenchRow {
             set: s.set.clone(),
             name: s.name.clone(),
-            m: s.m,
-            n: s.n,
-            k: s.k,
-            batch: s.batch,
-            ta: s.ta,
-            tb: s.tb,
+            shape: s.shape,
             threads,
             domains,
             isa,
@@ -674,8 +703,8 @@ pub fn format_row(r: &BenchRow) -> String {
         "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:<5} {:>8.1} {:>5.1}% {:>9} {:>6}",
         r.set,
         r.name,
-        format!("{}x{}x{}", r.m, r.n, r.k),
-        r.batch,
+        format!("{}x{}x{}", r.shape.m, r.shape.n, r.shape.k),
+        r.shape.batch,
         r.threads,
         r.isa,
         r.dtype,

@@ -370,7 +370,7 @@ fn run_gemm_shapes(a: GemmShapesArgs) -> Result<()> {
                 };
                 let calls = layout_gemms(&w, &l)
                     .with_context(|| format!("tp {tp}, pp {pp}, micro-batch size {mbs}"))?;
-                shapes.extend(calls.iter().map(|c| c.bench_arg()));
+                shapes.extend(calls.iter().map(|c| c.shape.arg()));
             }
         }
     }

@@ -24,6 +24,7 @@
 //! a set of layouts makes, so that they can all be measured exactly.
 
 use super::step::Shape;
+use crate::bench::gemm::GemmShape;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -39,34 +40,14 @@ pub enum Pass {
 /// One GEMM shape, called `count` times per micro-batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct GemmCall {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub batch: usize,
-    pub ta: bool,
-    pub tb: bool,
+    pub shape: GemmShape,
     pub count: usize,
 }
 
 impl GemmCall {
     /// FLOPs of all `count` calls.
     pub fn flops(&self) -> f64 {
-        2.0 * (self.m * self.n * self.k * self.batch * self.count) as f64
-    }
-
-    /// The shape in `fugu bench gemm --shape` syntax.
-    pub fn bench_arg(&self) -> String {
-        let mut s = format!("{}x{}x{}", self.m, self.n, self.k);
-        if self.batch > 1 {
-            s += &format!("x{}", self.batch);
-        }
-        if self.ta {
-            s += ":ta";
-        }
-        if self.tb {
-            s += ":tb";
-        }
-        s
+        self.shape.flops() * self.count as f64
     }
 }
 
@@ -81,12 +62,14 @@ enum Weight {
 
 fn call(m: usize, n: usize, k: usize, batch: usize, ta: bool, tb: bool, count: usize) -> GemmCall {
     GemmCall {
-        m,
-        n,
-        k,
-        batch,
-        ta,
-        tb,
+        shape: GemmShape {
+            m,
+            n,
+            k,
+            batch,
+            ta,
+            tb,
+        },
         count,
     }
 }
@@ -140,25 +123,14 @@ pub(super) fn op_gemms(op: &str, pass: Pass, s: &Shape) -> Option<Vec<GemmCall>>
 }
 
 /// One measured GEMM rate: a `fugu bench gemm --format json` row, reduced to what the model
-/// reads (`[[compute.gemm]]` in a profile).
+/// reads (`[[compute.gemm]]` in a profile: `m`, `n`, `k`, `batch`, `ta`, `tb`, `threads`,
+/// `gflops`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct GemmRate {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    #[serde(default = "one")]
-    pub batch: usize,
-    #[serde(default)]
-    pub ta: bool,
-    #[serde(default)]
-    pub tb: bool,
+    #[serde(flatten)]
+    pub shape: GemmShape,
     pub threads: usize,
     pub gflops: f64,
-}
-
-fn one() -> usize {
-    1
 }
 
 /// The measured rates of one machine.
@@ -168,20 +140,21 @@ pub struct GemmRates(pub Vec<GemmRate>);
 impl GemmRates {
     /// GFLOP/s of `c` on `threads` threads, and whether a row measured exactly that; `None`
     /// without rows.
-    pub fn rate(&self, c: &GemmCall, threads: usize) -> Option<(f64, bool)> {
+    pub fn rate(&self, c: &GemmShape, threads: usize) -> Option<(f64, bool)> {
         let ln = |x: usize| (x.max(1) as f64).ln();
         let near_threads = self
             .0
             .iter()
             .map(|r| r.threads)
             .min_by_key(|&t| (t.abs_diff(threads), t))?;
-        let dist = |r: &GemmRate| {
+        let dist = |r: &GemmShape| {
             (ln(r.m) - ln(c.m)).abs()
                 + (ln(r.n) - ln(c.n)).abs()
                 + (ln(r.k) - ln(c.k)).abs()
                 + (ln(r.batch) - ln(c.batch)).abs()
                 + f64::from(u8::from(r.ta != c.ta) + u8::from(r.tb != c.tb))
         };
+        let dist = |r: &GemmRate| dist(&r.shape);
         let best = self
             .0
             .iter()
@@ -194,7 +167,7 @@ impl GemmRates {
     /// Seconds of the calls on `threads` threads; `None` without rows.
     pub fn seconds(&self, calls: &[GemmCall], threads: usize) -> Option<f64> {
         calls.iter().try_fold(0.0, |acc, c| {
-            self.rate(c, threads)
+            self.rate(&c.shape, threads)
                 .map(|(g, _)| acc + c.flops() / (g * 1e9))
         })
     }
@@ -204,15 +177,16 @@ impl GemmRates {
     pub fn missing(&self, calls: &[GemmCall], threads: usize) -> BTreeSet<String> {
         calls
             .iter()
-            .filter(|c| !matches!(self.rate(c, threads), Some((_, true))))
-            .map(GemmCall::bench_arg)
+            .filter(|c| !matches!(self.rate(&c.shape, threads), Some((_, true))))
+            .map(|c| c.shape.arg())
             .collect()
     }
 
     /// Checks the rows.
     pub fn validate(&self) -> Result<()> {
         for (i, r) in self.0.iter().enumerate() {
-            if r.m == 0 || r.n == 0 || r.k == 0 || r.batch == 0 || r.threads == 0 {
+            let d = &r.shape;
+            if d.m == 0 || d.n == 0 || d.k == 0 || d.batch == 0 || r.threads == 0 {
                 bail!("compute.gemm[{i}]: m, n, k, batch and threads must be at least 1");
             }
             if !(r.gflops > 0.0 && r.gflops.is_finite()) {
@@ -231,12 +205,8 @@ impl GemmRates {
 pub fn read_bench_gemm(path: &Path) -> Result<Vec<GemmRate>> {
     #[derive(Deserialize)]
     struct Row {
-        m: usize,
-        n: usize,
-        k: usize,
-        batch: usize,
-        ta: bool,
-        tb: bool,
+        #[serde(flatten)]
+        shape: GemmShape,
         threads: usize,
         dtype: String,
         gflops: f64,
@@ -257,12 +227,7 @@ pub fn read_bench_gemm(path: &Path) -> Result<Vec<GemmRate>> {
         })?;
         if r.dtype == "f32" {
             rows.push(GemmRate {
-                m: r.m,
-                n: r.n,
-                k: r.k,
-                batch: r.batch,
-                ta: r.ta,
-                tb: r.tb,
+                shape: r.shape,
                 threads: r.threads,
                 gflops: r.gflops,
             });
@@ -287,12 +252,7 @@ mod tests {
 
     fn rate(m: usize, n: usize, k: usize, threads: usize, gflops: f64) -> GemmRate {
         GemmRate {
-            m,
-            n,
-            k,
-            batch: 1,
-            ta: false,
-            tb: false,
+            shape: call(m, n, k, 1, false, false, 1).shape,
             threads,
             gflops,
         }
@@ -306,23 +266,23 @@ mod tests {
             rate(1024, 384, 128, 2, 90.0),
         ]);
         let c = call(1024, 384, 128, 1, false, false, 4);
-        assert_eq!(r.rate(&c, 1), Some((50.0, true)));
-        assert_eq!(r.rate(&c, 2), Some((90.0, true)));
+        assert_eq!(r.rate(&c.shape, 1), Some((50.0, true)));
+        assert_eq!(r.rate(&c.shape, 2), Some((90.0, true)));
         // Nearest shape: n = 100 is closer to 96 than to 384.
         let near = call(1024, 100, 128, 1, false, false, 1);
-        assert_eq!(r.rate(&near, 1), Some((20.0, false)));
+        assert_eq!(r.rate(&near.shape, 1), Some((20.0, false)));
         // A transpose flag counts as a distance of 1: still the same shape's row.
         let tb = call(1024, 384, 128, 1, false, true, 1);
-        assert_eq!(r.rate(&tb, 1), Some((50.0, false)));
+        assert_eq!(r.rate(&tb.shape, 1), Some((50.0, false)));
         // No 4-thread rows: the 2-thread ones, scaled by 4/2.
-        assert_eq!(r.rate(&c, 4), Some((180.0, false)));
+        assert_eq!(r.rate(&c.shape, 4), Some((180.0, false)));
         let secs = r.seconds(&[c], 1).unwrap();
         assert!((secs - c.flops() / 50e9).abs() < 1e-15);
         assert_eq!(
             r.missing(&[c, near], 1).into_iter().collect::<Vec<_>>(),
             vec!["1024x100x128".to_string()]
         );
-        assert!(GemmRates::default().rate(&c, 1).is_none());
+        assert!(GemmRates::default().rate(&c.shape, 1).is_none());
     }
 
     /// The calls of every op, forward and backward, add up to Megatron's FLOPs formula (every
@@ -362,9 +322,18 @@ mod tests {
     }
 
     #[test]
-    fn bench_args() {
-        assert_eq!(call(8, 4, 2, 1, false, true, 1).bench_arg(), "8x4x2:tb");
-        assert_eq!(call(8, 4, 2, 3, true, true, 1).bench_arg(), "8x4x2x3:ta:tb");
+    fn bench_args_read_back() {
+        for c in [
+            call(8, 4, 2, 1, false, true, 1),
+            call(8, 4, 2, 3, true, true, 1),
+        ] {
+            let arg = c.shape.arg();
+            assert_eq!(
+                crate::bench::gemm::parse_shape(&arg).unwrap().shape,
+                c.shape
+            );
+        }
+        assert_eq!(call(8, 4, 2, 3, true, true, 1).shape.arg(), "8x4x2x3:ta:tb");
     }
 
     #[test]
