@@ -201,17 +201,18 @@ fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
             copy_piece(&mut out[..rows], col);
         }
     } else if s_k == 1 {
-        // Contiguous along k: a transpose, in 8 × 8 and 4 × 4 SIMD blocks (`arch::transpose`),
-        // each walking its rows along k so every row is one sequential stream.
+        // Contiguous along k: a transpose, in 8 × 8, 4 × 4 and 2 × 4 SIMD blocks of rows ×
+        // k steps (`arch::transpose`), each walking its rows along k so every row is one
+        // sequential stream.
         let t = transposes();
         let mut r = 0;
-        for (size, f) in [(8, t.t8), (4, t.t4)] {
+        for (size, steps, f) in [(8, 8, t.t8), (4, 4, t.t4), (2, 4, t.t2x4)] {
             while r + size <= rows {
                 let mut p = 0;
-                while p + size <= k {
-                    // SAFETY: rows r0+r .. r0+r+size and columns p .. p+size are inside the
+                while p + steps <= k {
+                    // SAFETY: rows r0+r .. r0+r+size and columns p .. p+steps are inside the
                     // source view (contiguous along k); the panel holds k runs of w >= r+size
-                    // floats, so runs p .. p+size at offset r are inside it.
+                    // floats, so runs p .. p+steps at offset r are inside it.
                     unsafe {
                         f(
                             base.add((r0 + r) * s_w + p),
@@ -220,7 +221,7 @@ fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
                             w,
                         )
                     };
-                    p += size;
+                    p += steps;
                 }
                 for i in r..r + size {
                     scatter_row_tail(panel, src, r0, i, p, w);
@@ -307,8 +308,10 @@ mod tests {
             (4, 5),
             (13, 20),
             (48, 17),
+            (6, 10),
+            (10, 7),
         ] {
-            for rows in [1, 3, 4, 7, 8, w - 1, w] {
+            for rows in [1, 2, 3, 4, 6, 7, 8, w - 1, w] {
                 let rows = rows.min(w);
                 for (rs, cs) in [(1, rows + 2), (k + 3, 1), (2, 2 * rows + 1)] {
                     check_pack(w, k, rows, rs, cs);

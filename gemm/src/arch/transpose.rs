@@ -1,23 +1,27 @@
 //! Small SIMD transposes for the transposing pack (`pack.rs`): a source block that is contiguous
 //! along k (a row-major A, or the Bᵀ of a row-major B) must be written k-major into a micro-panel.
 //!
-//! A block transpose reads `S` rows of `S` consecutive floats (row `r` starts at `src + r·s_w`)
-//! and writes them as `S` runs of `S` floats (run `q` starts at `dst + q·w`), so that
-//! `dst[q·w + r] = src[r·s_w + q]`. x86-64 uses AVX for 8 × 8 and SSE for 4 × 4; aarch64 uses
-//! NEON for 4 × 4 (8 × 8 is two 4 × 4 pairs). Other targets fall back to plain loops.
+//! A block transpose reads `R` rows of `Q` consecutive floats (row `r` starts at `src + r·s_w`)
+//! and writes them as `Q` runs of `R` floats (run `q` starts at `dst + q·w`), so that
+//! `dst[q·w + r] = src[r·s_w + q]`, for R × Q = 8 × 8, 4 × 4 and 2 × 4 (the last two rows of a
+//! 6- or 10-wide micro-panel: the AVX2 and NEON kernels' nr = 6, SVE's 10). x86-64 uses AVX for
+//! 8 × 8 and SSE for the others; aarch64 uses NEON (8 × 8 is four 4 × 4 blocks). Other targets
+//! fall back to plain loops.
 
 /// A block transpose: `(src, s_w, dst, w)`.
 ///
 /// # Safety
-/// `src + r·s_w + q` must be readable and `dst + q·w + r` writable for all `r, q < S`, where `S`
-/// is the block size of the function.
+/// `src + r·s_w + q` must be readable and `dst + q·w + r` writable for all `r < R`, `q < Q`,
+/// where R × Q is the block of the function.
 pub type TransposeFn = unsafe fn(*const f32, usize, *mut f32, usize);
 
-/// The 8 × 8 and 4 × 4 block transposes this CPU runs best, chosen once.
+/// The 8 × 8, 4 × 4 and 2 × 4 block transposes this CPU runs best, chosen once.
 #[derive(Clone, Copy)]
 pub struct Transposes {
     pub t8: TransposeFn,
     pub t4: TransposeFn,
+    /// 2 rows of 4 floats into 4 runs of 2.
+    pub t2x4: TransposeFn,
 }
 
 /// The transposes for this CPU (detected on first use).
@@ -32,33 +36,43 @@ fn detect() -> Transposes {
         return Transposes {
             t8: x86::t8_avx,
             t4: x86::t4_sse,
+            t2x4: x86::t2x4_sse,
         };
     }
     #[cfg(target_arch = "x86_64")]
     return Transposes {
-        t8: scalar::<8>,
+        t8: scalar::<8, 8>,
         t4: x86::t4_sse,
+        t2x4: x86::t2x4_sse,
     };
     #[cfg(target_arch = "aarch64")]
     return Transposes {
         t8: neon::t8,
         t4: neon::t4,
+        t2x4: neon::t2x4,
     };
     #[allow(unreachable_code)]
     Transposes {
-        t8: scalar::<8>,
-        t4: scalar::<4>,
+        t8: scalar::<8, 8>,
+        t4: scalar::<4, 4>,
+        t2x4: scalar::<2, 4>,
     }
 }
 
-/// The plain-loop transpose, also the reference the SIMD versions are tested against.
+/// The plain-loop transpose of R rows × Q floats, also the reference the SIMD versions are
+/// tested against.
 ///
 /// # Safety
-/// As for [`TransposeFn`] with block size `S`.
-pub unsafe fn scalar<const S: usize>(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
-    for r in 0..S {
-        for q in 0..S {
-            // SAFETY: r, q < S; the caller guarantees both addresses are valid.
+/// As for [`TransposeFn`] with block R × Q.
+pub unsafe fn scalar<const R: usize, const Q: usize>(
+    src: *const f32,
+    s_w: usize,
+    dst: *mut f32,
+    w: usize,
+) {
+    for r in 0..R {
+        for q in 0..Q {
+            // SAFETY: r < R, q < Q; the caller guarantees both addresses are valid.
             unsafe { *dst.add(q * w + r) = *src.add(r * s_w + q) };
         }
     }
@@ -135,6 +149,22 @@ mod x86 {
             unsafe { _mm_storeu_ps(dst.add(q * w), v) };
         }
     }
+
+    /// 2 × 4 with SSE: interleave the two rows, store 64-bit halves.
+    ///
+    /// # Safety
+    /// [`super::TransposeFn`] with R × Q = 2 × 4.
+    pub unsafe fn t2x4_sse(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
+        // SAFETY: rows r < 2 hold 4 readable floats at src + r·s_w (caller's contract).
+        let (a, b) = unsafe { (_mm_loadu_ps(src), _mm_loadu_ps(src.add(s_w))) };
+        let (lo, hi) = (_mm_unpacklo_ps(a, b), _mm_unpackhi_ps(a, b));
+        let out = [lo, _mm_movehl_ps(lo, lo), hi, _mm_movehl_ps(hi, hi)];
+        for (q, v) in out.into_iter().enumerate() {
+            // SAFETY: run q < 4 holds 2 writable floats at dst + q·w (caller's contract);
+            // `_mm_storeu_si64` writes the low 8 bytes, with no alignment requirement.
+            unsafe { _mm_storeu_si64(dst.add(q * w) as *mut u8, _mm_castps_si128(v)) };
+        }
+    }
 }
 
 #[cfg(target_arch = "aarch64")]
@@ -164,6 +194,26 @@ mod neon {
         }
     }
 
+    /// 2 × 4 with NEON: ZIP1/ZIP2 of the two rows, stored as 64-bit halves.
+    ///
+    /// # Safety
+    /// [`super::TransposeFn`] with R × Q = 2 × 4.
+    pub unsafe fn t2x4(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
+        // SAFETY: rows r < 2 hold 4 readable floats at src + r·s_w (caller's contract).
+        let (a, b) = unsafe { (vld1q_f32(src), vld1q_f32(src.add(s_w))) };
+        let (lo, hi) = (vzip1q_f32(a, b), vzip2q_f32(a, b));
+        let out = [
+            vget_low_f32(lo),
+            vget_high_f32(lo),
+            vget_low_f32(hi),
+            vget_high_f32(hi),
+        ];
+        for (q, v) in out.into_iter().enumerate() {
+            // SAFETY: run q < 4 holds 2 writable floats at dst + q·w (caller's contract).
+            unsafe { vst1_f32(dst.add(q * w), v) };
+        }
+    }
+
     /// 8 × 8 as four 4 × 4 blocks.
     ///
     /// # Safety
@@ -180,29 +230,31 @@ mod neon {
 mod tests {
     use super::*;
 
-    fn check(f: TransposeFn, s: usize) {
-        let (s_w, w) = (s + 3, s + 5);
-        let src: Vec<f32> = (0..s * s_w).map(|i| i as f32).collect();
-        let mut got = vec![-1.0f32; s * w];
+    /// `f` on an R × Q block with padded strides; every float outside the block untouched.
+    fn check(f: TransposeFn, rows: usize, q_len: usize) {
+        let (s_w, w) = (q_len + 3, rows + 5);
+        let src: Vec<f32> = (0..rows * s_w).map(|i| i as f32).collect();
+        let mut got = vec![-1.0f32; q_len * w];
         let mut want = got.clone();
-        // SAFETY: src holds s rows of s_w >= s floats; dst holds s runs of w >= s floats.
-        unsafe {
-            f(src.as_ptr(), s_w, got.as_mut_ptr(), w);
-            for r in 0..s {
-                for q in 0..s {
-                    want[q * w + r] = src[r * s_w + q];
-                }
+        // SAFETY: src holds `rows` rows of s_w >= q_len floats; dst holds q_len runs of
+        // w >= rows floats.
+        unsafe { f(src.as_ptr(), s_w, got.as_mut_ptr(), w) };
+        for r in 0..rows {
+            for q in 0..q_len {
+                want[q * w + r] = src[r * s_w + q];
             }
         }
-        assert_eq!(got, want, "block size {s}");
+        assert_eq!(got, want, "block {rows} x {q_len}");
     }
 
     #[test]
     fn simd_transposes_match_the_definition() {
         let t = transposes();
-        check(t.t8, 8);
-        check(t.t4, 4);
-        check(scalar::<8>, 8);
-        check(scalar::<4>, 4);
+        check(t.t8, 8, 8);
+        check(t.t4, 4, 4);
+        check(t.t2x4, 2, 4);
+        check(scalar::<8, 8>, 8, 8);
+        check(scalar::<4, 4>, 4, 4);
+        check(scalar::<2, 4>, 2, 4);
     }
 }
