@@ -58,6 +58,12 @@ impl Layout {
     pub fn world(&self) -> usize {
         self.nodes * self.ranks_per_node
     }
+
+    /// Sequences per micro-batch: the global batch over dp replicas and micro-batches
+    /// ([`check_layout`] checks that it divides).
+    pub fn micro_batch_size(&self, w: &Workload) -> usize {
+        w.global_batch / self.dp / self.micro_batches
+    }
 }
 
 /// A reference run: one layout's measured per-op times (ms per step).
@@ -208,7 +214,7 @@ fn op_work(op: &str, pass: Pass, s: &Shape, gemm: Option<(&GemmRates, usize)>) -
 /// backward (duplicates merged), for `fugu predict gemm-shapes` and the rate check.
 pub fn layout_gemms(w: &Workload, l: &Layout) -> Result<Vec<GemmCall>> {
     check_layout(w, l)?;
-    let mb = w.global_batch / l.dp / l.micro_batches;
+    let mb = l.micro_batch_size(w);
     let mut calls = BTreeSet::new();
     for stage in Stage::split(&w.model, l.pp, w.seq_len)? {
         calls.extend(shape_gemms(&Shape::new(
@@ -233,11 +239,15 @@ pub fn unmeasured_gemms(w: &Workload, l: &Layout, m: &Machine) -> Result<BTreeSe
     Ok(missing)
 }
 
-/// The GEMM calls of a reference run (one process, the whole model).
-pub fn reference_gemms(r: &Reference) -> Vec<GemmCall> {
+/// The micro-batch shape of a reference run (one process, the whole model).
+fn reference_shape(r: &Reference) -> Shape {
     let mb = r.batch_per_rank / r.micro_batches.max(1);
-    let s = Shape::new(&r.model, r.seq_len, mb, 1, &Stage::whole(r.model.n_layer));
-    shape_gemms(&s).into_iter().collect()
+    Shape::new(&r.model, r.seq_len, mb, 1, &Stage::whole(r.model.n_layer))
+}
+
+/// The GEMM calls of a reference run.
+pub fn reference_gemms(r: &Reference) -> Vec<GemmCall> {
+    shape_gemms(&reference_shape(r)).into_iter().collect()
 }
 
 /// The distinct GEMM shapes of every op and pass at one micro-batch shape (call counts
@@ -369,13 +379,7 @@ impl StepCtx<'_> {
     ) -> Result<()> {
         let l = self.l;
         let whole = Stage::whole(r.model.n_layer);
-        let rs = Shape::new(
-            &r.model,
-            r.seq_len,
-            r.batch_per_rank / r.micro_batches.max(1),
-            1,
-            &whole,
-        );
+        let rs = reference_shape(r);
         let rmb = r.micro_batches.max(1) as f64;
         let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
         for (dir, pass) in [("forward", Pass::Forward), ("backward", Pass::Backward)] {
@@ -542,7 +546,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         l,
         m,
         per_rank,
-        mb: per_rank / l.micro_batches,
+        mb: l.micro_batch_size(w),
         tp_group: Group {
             ranks: l.tp,
             nodes: nodes_spanned((0..l.tp).map(|t| grid.world_rank_of(0, 0, t)), rpn),
