@@ -202,6 +202,27 @@ fn gemm_shapes_are_listed_and_missing_rates_named() {
         err.contains("no rate measured") && err.contains("--shape 64x64x32x4:tb"),
         "{err}"
     );
+    // A misspelt field in a rate row is named, not ignored.
+    let typo = tmp("vm-typo").join("typo.toml");
+    std::fs::write(
+        &typo,
+        std::fs::read_to_string(&p)
+            .unwrap()
+            .replacen("gflops = ", "gfloops = 1.0\ngflops = ", 1),
+    )
+    .unwrap();
+    let o = fugu(&[
+        "predict",
+        "--profile",
+        &typo.display().to_string(),
+        "--config",
+        "gpt2-tiny",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("compute.gemm[0]: unknown field `gfloops`"),
+        "{err}"
+    );
 }
 
 #[test]

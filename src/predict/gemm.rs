@@ -133,6 +133,10 @@ pub struct GemmRate {
     pub gflops: f64,
 }
 
+/// The fields of a [`GemmRate`] (its shape is flattened into it, which serde cannot combine
+/// with `deny_unknown_fields`: [`super::profile::Profile::load`] checks them with this list).
+pub const GEMM_RATE_FIELDS: [&str; 8] = ["m", "n", "k", "batch", "ta", "tb", "threads", "gflops"];
+
 /// The measured rates of one machine.
 #[derive(Clone, Debug, Default)]
 pub struct GemmRates(pub Vec<GemmRate>);

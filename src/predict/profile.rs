@@ -22,7 +22,7 @@
 //! inter = { alpha_us = 1.0, beta_gbs = 6.8 }
 //! ```
 
-use super::gemm::{read_bench_gemm, GemmRate, GemmRates};
+use super::gemm::{read_bench_gemm, GemmRate, GemmRates, GEMM_RATE_FIELDS};
 use super::network::{fit_link, fit_reduce, Group, Link, Network};
 use super::step::{Compute, Machine, Reference};
 use crate::config::ModelConfig;
@@ -80,6 +80,8 @@ impl Profile {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the machine profile {}", path.display()))?;
         let p: Profile = toml::from_str(&text)
+            .with_context(|| format!("in the machine profile {}", path.display()))?;
+        check_gemm_fields(&text)
             .with_context(|| format!("in the machine profile {}", path.display()))?;
         p.validate()
             .with_context(|| format!("in the machine profile {}", path.display()))?;
@@ -150,6 +152,27 @@ impl Profile {
             memory_gib_per_rank: m.memory_gib_per_node / m.ranks_per_node as f64,
         }
     }
+}
+
+/// Every `[[compute.gemm]]` row has only [`GEMM_RATE_FIELDS`] (a misspelt field is an
+/// error, not a silent default).
+fn check_gemm_fields(text: &str) -> Result<()> {
+    let raw: toml::Value = toml::from_str(text)?;
+    let rows = raw
+        .get("compute")
+        .and_then(|c| c.get("gemm"))
+        .and_then(|g| g.as_array());
+    for (i, row) in rows.into_iter().flatten().enumerate() {
+        for key in row.as_table().into_iter().flat_map(|t| t.keys()) {
+            if !GEMM_RATE_FIELDS.contains(&key.as_str()) {
+                bail!(
+                    "compute.gemm[{i}]: unknown field `{key}` (expected {})",
+                    GEMM_RATE_FIELDS.join(", ")
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What [`measure`] fitted, for the user to see.
