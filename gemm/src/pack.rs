@@ -4,6 +4,7 @@
 //! B, which are `nr`-tall panels of Bᵀ. So `pack_panels` takes the source with its stride
 //! along the panel (`s_w`) and along k (`s_k`).
 
+use crate::arch::prefetch::prefetch_read;
 use crate::arch::transpose::transposes;
 use crate::kernel::{Operand, Side};
 use crate::precision::{bf16_to_f32, f16_bits_of, f16_to_f32, f32_to_bf16, Precision, Storage};
@@ -184,6 +185,11 @@ fn pack_converted_panel(
     }
 }
 
+/// How many k steps ahead the strided copy in [`pack_f32_panel`] prefetches its source (16
+/// lines, about 50 ns of copying: enough to cover an L3 hit on Zen 4; 64 and 160 steps measured
+/// the same).
+const COPY_AHEAD: usize = 16;
+
 fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     let k = src.cols;
     let rows = w.min(src.rows - r0);
@@ -193,8 +199,13 @@ fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
         panel.fill(0.0);
     }
     if s_w == 1 {
-        // Contiguous along the panel: copy `rows` floats per k step.
+        // Contiguous along the panel: copy `rows` floats per k step. Each step reads another
+        // row of the source; with a row stride of a page or more no hardware prefetcher
+        // follows, so the piece COPY_AHEAD steps on is asked for now.
         for (p, out) in panel.chunks_exact_mut(w).enumerate() {
+            let ahead = base.wrapping_add(r0 + (p + COPY_AHEAD) * s_k);
+            prefetch_read(ahead);
+            prefetch_read(ahead.wrapping_add(rows - 1));
             // SAFETY: rows r0..r0+rows and column p are inside the source view, which is
             // contiguous along rows here.
             let col = unsafe { std::slice::from_raw_parts(base.add(r0 + p * s_k), rows) };
@@ -203,13 +214,21 @@ fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     } else if s_k == 1 {
         // Contiguous along k: a transpose, in 8 × 8, 4 × 4 and 2 × 4 SIMD blocks of rows ×
         // k steps (`arch::transpose`), each walking its rows along k so every row is one
-        // sequential stream.
+        // sequential stream. Those streams are short (kc floats) and every panel starts `w`
+        // new ones, too few lines each for the hardware prefetchers to pick up; so each
+        // block also asks for the same columns of the next panel's rows, one cache line
+        // (16 floats) per row at a time: they arrive while this panel is packed.
         let t = transposes();
         let mut r = 0;
         for (size, steps, f) in [(8, 8, t.t8), (4, 4, t.t4), (2, 4, t.t2x4)] {
             while r + size <= rows {
                 let mut p = 0;
                 while p + steps <= k {
+                    if p % 16 == 0 {
+                        for i in r..r + size {
+                            prefetch_read(base.wrapping_add((r0 + w + i) * s_w + p));
+                        }
+                    }
                     // SAFETY: rows r0+r .. r0+r+size and columns p .. p+steps are inside the
                     // source view (contiguous along k); the panel holds k runs of w >= r+size
                     // floats, so runs p .. p+steps at offset r are inside it.

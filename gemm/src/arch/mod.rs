@@ -5,6 +5,7 @@ use crate::kernel::Kernel;
 
 pub mod fma_peak;
 pub mod portable;
+pub mod prefetch;
 pub mod transpose;
 
 #[cfg(target_arch = "x86_64")]
