@@ -14,7 +14,7 @@
 # medians and the sample shares move with bursts of load from other tenants of a shared VM
 # (the kernel-to-kernel share by ±5% between runs there), so compare several runs.
 #
-# Needs perf (Debian: linux-perf) and builds `fugu` with --features openblas (libopenblas-dev).
+# Needs perf (Debian: linux-perf) and python3, and builds `fugu` with --features openblas (libopenblas-dev).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,16 +42,19 @@ printf '%-22s %8s %8s %6s | %7s %7s %7s | %7s %7s %7s\n' shape fugu_GF oblas_GF 
     f.kern f.pack f.other o.kern o.pack o.other
 for s in "${shapes[@]}"; do
     perf record -q -F 4000 -o "$work/perf.data" -- "$fugu" bench gemm --shape "$s" \
-        --threads "$threads" --budget "$budget" --no-baseline "${isa[@]}" >"$work/bench.txt" 2>&1 ||
-        { cat "$work/bench.txt" >&2; exit 1; }
-    # The bench's row: ... GFLOP/s %peak mm mm-ratio oblas-GF oblas-ratio split
-    row=$(grep -E '^custom ' "$work/bench.txt" | awk '{print $(NF-6), $(NF-2), $(NF-1)}')
+        --threads "$threads" --budget "$budget" --no-baseline --format json "${isa[@]}" \
+        >"$work/bench.json" 2>"$work/bench.err" ||
+        { cat "$work/bench.err" >&2; exit 1; }
+    # The bench's own JSON row (the fields `fugu bench gemm --format json` documents).
+    row=$(python3 -c 'import json, sys
+r = json.loads(sys.stdin.readline())
+print("%.1f %.1f %.2f" % (r["gflops"], r["openblas_gflops"], r["openblas_ratio"]))' <"$work/bench.json")
     perf report -i "$work/perf.data" --no-children --sort symbol 2>/dev/null |
         awk -v shape="$s" -v row="$row" '
             /^#/ || NF < 3 { next }
             { pct = $1 + 0; sym = $0 }
-            sym ~ /fugu_gemm::arch::.*::(inner|kernel)/ && sym !~ /fma_peak/ { fk += pct; next }
             sym ~ /fugu_gemm::(pack::|arch::transpose::)/ { fp += pct; next }
+            sym ~ /fugu_gemm::arch::|fugu_(neon|sve)_/ && sym !~ /fma_peak/ { fk += pct; next }
             sym ~ /fugu_gemm::(driver|runtime|buffer)::/ { fo += pct; next }
             sym ~ /sgemm_kernel_/ { ok += pct; next }
             sym ~ /sgemm_.*copy_/ { op += pct; next }
