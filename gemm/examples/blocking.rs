@@ -6,8 +6,9 @@
 //! cargo run --release -p fugu-gemm --example blocking -- [--isa avx2] --kernel-only KC [MC]
 //! ```
 //!
-//! Each VARIANT is `derived` (the cache-derived blocking, `FUGU_GEMM_MC/KC/NC` still apply) or
-//! `MC,KC,NC` (used as given). Default: `derived 96,672,6240` (the pre-issue-14 Zen 3 blocking).
+//! Each VARIANT is `derived` (the cache-derived blocking, `FUGU_GEMM_MC/KC/NC/NB` still apply) or
+//! `MC,KC,NC[,NB]` (used as given; NB defaults to the kernel's nr: one B̃ micro-panel under the
+//! whole Ã block). Default: `derived 96,672,6240` (the pre-issue-14 Zen 3 blocking).
 //! The variants run round-robin, one repetition each in turn, so that load from other processes
 //! hits all of them alike; the report gives the median and the best of `--reps` repetitions, in
 //! GFLOP/s and in % of the FMA peak measured by `fugu_gemm::peak::measure_core_gflops` before and
@@ -243,12 +244,17 @@ fn main() {
             }
             "derived" => variants.push(None),
             v => {
-                let n: Vec<usize> = v.split(',').map(|x| x.parse().expect("MC,KC,NC")).collect();
-                assert_eq!(n.len(), 3, "MC,KC,NC");
+                let n: Vec<usize> = v
+                    .split(',')
+                    .map(|x| x.parse().expect("MC,KC,NC[,NB]"))
+                    .collect();
+                assert!(matches!(n.len(), 3 | 4), "MC,KC,NC[,NB]");
                 variants.push(Some(Blocking {
                     mc: n[0],
                     kc: n[1],
                     nc: n[2],
+                    // 0: the kernel's nr, filled in below.
+                    nb: n.get(3).copied().unwrap_or(0),
                 }));
             }
         }
@@ -260,8 +266,19 @@ fn main() {
                 mc: 96,
                 kc: 672,
                 nc: 6240,
+                nb: 0,
             }),
         ];
+    }
+    let nr = isa
+        .map_or_else(fugu_gemm::kernel::best_kernel, |i| {
+            fugu_gemm::kernel::kernel_for(i).expect("ISA not available")
+        })
+        .nr;
+    for b in variants.iter_mut().flatten() {
+        if b.nb == 0 {
+            b.nb = nr;
+        }
     }
     let rts: Vec<Runtime> = variants
         .iter()
@@ -340,7 +357,7 @@ fn main() {
             let name = match variants.get(v) {
                 None => "mm".to_string(),
                 Some(None) => "derived".to_string(),
-                Some(Some(b)) => format!("{},{},{}", b.mc, b.kc, b.nc),
+                Some(Some(b)) => format!("{},{},{},{}", b.mc, b.kc, b.nc, b.nb),
             };
             println!(
                 "{:<18} {:>8} {:>11.1} ({:>4.1}%) {:>11.1} ({:>4.1}%) {:>6.1}-{:<6.1}",

@@ -76,6 +76,7 @@
 //! comparison there.
 
 use crate::error::GemmError;
+use crate::kernel::Side;
 use std::fs;
 
 /// Cache sizes in bytes and how many CPUs share each level.
@@ -193,13 +194,23 @@ impl CacheInfo {
     }
 }
 
-/// Block sizes of the five loops, in elements.
+/// Block sizes of the loops, in elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Blocking {
     pub mc: usize,
     pub kc: usize,
     pub nc: usize,
+    /// Columns of B̃ the ir loop sweeps under one Ã micro-panel (a multiple of nr): the
+    /// macro-kernel runs `for each nb columns { for each Ã micro-panel { for each B̃
+    /// micro-panel of them } }`. `nb = nr` is the order with jr outside ir, one B̃ micro-panel
+    /// in L1 for the whole Ã block (a kernel whose [`Kernel::l1_panel`](crate::Kernel) is
+    /// [`Side::B`]); a kernel that keeps Ã in L1 ([`Side::A`]) gets nb from L2.
+    pub nb: usize,
 }
+
+/// B̃ micro-panels an `nb` block holds at least, for a kernel that keeps Ã in L1: each Ã
+/// micro-panel is brought into L1 once per nb block, so 16 kernel calls share that fill.
+const NB_PANELS: usize = 16;
 
 /// The variable that overrides kc.
 const KC_VAR: &str = "FUGU_GEMM_KC";
@@ -214,16 +225,22 @@ fn round_down(x: usize, to: usize) -> usize {
 }
 
 impl Blocking {
-    /// Derives block sizes for an `mr × nr` kernel from the cache sizes, for the split mode the
-    /// runtime picks by default (`jr`, one Ã block per domain, when the L2 is shared; `ic`, one
-    /// Ã block per thread, otherwise). See the module docs for the model.
-    pub fn derive(c: &CacheInfo, mr: usize, nr: usize) -> Blocking {
-        Blocking::derive_for(c, mr, nr, c.l2_shared_by > 1)
+    /// Derives block sizes for an `mr × nr` kernel that keeps `l1_panel` in L1, from the cache
+    /// sizes, for the split mode the runtime picks by default (`jr`, one Ã block per domain,
+    /// when the L2 is shared; `ic`, one Ã block per thread, otherwise). See the module docs.
+    pub fn derive(c: &CacheInfo, mr: usize, nr: usize, l1_panel: Side) -> Blocking {
+        Blocking::derive_for(c, mr, nr, l1_panel, c.l2_shared_by > 1)
     }
 
     /// [`Blocking::derive`] for a given split: `a_block_shared` is true when the threads that
     /// share the L2 share one Ã block (`jr` split), false when each packs its own (`ic`).
-    pub fn derive_for(c: &CacheInfo, mr: usize, nr: usize, a_block_shared: bool) -> Blocking {
+    pub fn derive_for(
+        c: &CacheInfo,
+        mr: usize,
+        nr: usize,
+        l1_panel: Side,
+        a_block_shared: bool,
+    ) -> Blocking {
         const F32: usize = 4;
         let ways = |w: usize| if w == 0 { 8 } else { w.max(2) };
         // kc: C_A ways of L1 for one Ã micro-panel, C_B for the B̃ micro-panel, one way free.
@@ -231,34 +248,43 @@ impl Blocking {
         let way1 = c.l1d / w1;
         let c_a = ((w1 - 1) * mr / (mr + nr)).max(1);
         let kc = round_down(c_a * way1 / (mr * F32), 16).clamp(64, 1024);
-        // mc: the Ã block and `t` B̃ micro-panels in L2, one way free.
+        // mc and nb: the Ã block and `t` B̃ blocks of nb columns in L2, one way free.
         let w2 = ways(c.l2_ways);
         let sharers = c.l2_shared_by.max(1);
-        // Ã shared by the domain: the whole L2, with every sharer's B̃ micro-panel in it. Ã per
+        // Ã shared by the domain: the whole L2, with every sharer's B̃ block in it. Ã per
         // thread: each thread's share of the L2 (every way of every set split `sharers` ways).
         let (way2, t) = if a_block_shared {
             (c.l2 / w2, sharers)
         } else {
             (c.l2 / sharers / w2, 1)
         };
-        let c_b2 = (t * nr * kc * F32).div_ceil(way2);
+        let nb_panels = match l1_panel {
+            Side::B => 1,
+            Side::A => NB_PANELS,
+        };
+        let c_b2 = (t * nb_panels * nr * kc * F32).div_ceil(way2);
         let c_ac = w2.saturating_sub(1 + c_b2).max(1);
         let mc = round_down(c_ac * way2 / (kc * F32), mr).min(round_down(4096, mr));
+        let nb = match l1_panel {
+            Side::B => nr,
+            Side::A => round_down(c_b2 * way2 / (t * kc * F32), nr),
+        };
         // nc: the B̃ panel in half of the domain's L3 share.
         let nc = if c.l3 > 0 {
             round_down((c.l3_share() / 2) / (kc * F32), nr).clamp(nr * 16, 8192 / nr * nr)
         } else {
             round_down(4096, nr)
         };
-        Blocking { mc, kc, nc }
+        Blocking { mc, kc, nc, nb }
     }
 
-    /// Applies `FUGU_GEMM_MC/KC/NC` overrides, rounding mc to mr and nc to nr.
+    /// Applies `FUGU_GEMM_MC/KC/NC/NB` overrides, rounding mc to mr and nc, nb to nr.
     pub fn with_env_overrides(mut self, mr: usize, nr: usize) -> Result<Blocking, GemmError> {
         for (var, slot, unit) in [
             ("FUGU_GEMM_MC", &mut self.mc, mr),
             (KC_VAR, &mut self.kc, 1),
             ("FUGU_GEMM_NC", &mut self.nc, nr),
+            ("FUGU_GEMM_NB", &mut self.nb, nr),
         ] {
             if let Ok(v) = std::env::var(var) {
                 let n: usize =
@@ -325,13 +351,14 @@ mod tests {
 
     /// Checks the inequalities of the module docs (and that each size is the largest that
     /// satisfies them), for the split `derive` picks and for the other one.
-    fn check(name: &str, c: &CacheInfo, mr: usize, nr: usize) -> Blocking {
+    fn check(name: &str, c: &CacheInfo, mr: usize, nr: usize, l1_panel: Side) -> Blocking {
         for a_shared in [c.l2_shared_by > 1, c.l2_shared_by <= 1] {
-            let b = Blocking::derive_for(c, mr, nr, a_shared);
-            let what = format!("{name} {mr}x{nr} a_shared={a_shared}: {b:?}");
+            let b = Blocking::derive_for(c, mr, nr, l1_panel, a_shared);
+            let what = format!("{name} {mr}x{nr} {l1_panel:?} a_shared={a_shared}: {b:?}");
             assert_eq!(b.kc % 16, 0, "{what}");
             assert_eq!(b.mc % mr, 0, "{what}");
             assert_eq!(b.nc % nr, 0, "{what}");
+            assert_eq!(b.nb % nr, 0, "{what}");
             // L1: one Ã micro-panel + one B̃ micro-panel in W1 - 1 ways.
             let (w1, way1) = (c.l1d_ways, c.l1d / c.l1d_ways);
             let ways1 = |kc: usize| (mr * kc * 4).div_ceil(way1) + (nr * kc * 4).div_ceil(way1);
@@ -344,7 +371,7 @@ mod tests {
                 b.kc == 1024 || (mr * (b.kc + 16) * 4).div_ceil(way1) > c_a,
                 "{what}"
             );
-            // L2: the Ã block + t B̃ micro-panels in W2 - 1 ways of the L2 (or of this
+            // L2: the Ã block + t B̃ blocks of nb columns in W2 - 1 ways of the L2 (or of this
             // thread's share of it).
             let w2 = c.l2_ways;
             let sharers = c.l2_shared_by;
@@ -353,17 +380,35 @@ mod tests {
             } else {
                 (c.l2 / sharers / w2, 1)
             };
-            let ways2 =
-                |mc: usize| (mc * b.kc * 4).div_ceil(way2) + (t * nr * b.kc * 4).div_ceil(way2);
-            assert!(ways2(b.mc) < w2, "{what}: L2 ways {}", ways2(b.mc));
+            let ways2 = |mc: usize, nb: usize| {
+                (mc * b.kc * 4).div_ceil(way2) + (t * nb * b.kc * 4).div_ceil(way2)
+            };
+            assert!(
+                ways2(b.mc, b.nb) < w2,
+                "{what}: L2 ways {}",
+                ways2(b.mc, b.nb)
+            );
             assert!(
                 b.mc * b.kc * 4 <= c.l2 / if a_shared { 1 } else { sharers },
                 "{what}"
             );
             assert!(
-                b.mc >= 4096 / mr * mr || ways2(b.mc + mr) >= w2,
+                b.mc >= 4096 / mr * mr || ways2(b.mc + mr, b.nb) >= w2,
                 "{what}: mc not maximal"
             );
+            match l1_panel {
+                // One B̃ micro-panel under the whole Ã block.
+                Side::B => assert_eq!(b.nb, nr, "{what}"),
+                // At least NB_PANELS micro-panels, and as many as their ways hold.
+                Side::A => {
+                    assert!(b.nb >= NB_PANELS * nr, "{what}");
+                    assert_eq!(ways2(0, b.nb), ways2(0, NB_PANELS * nr), "{what}");
+                    assert!(
+                        ways2(0, b.nb + nr) > ways2(0, b.nb),
+                        "{what}: nb not maximal"
+                    );
+                }
+            }
             // L3: the B̃ panel in half of the domain's L3 share; no L3: nc = 4096 (to nr).
             if c.l3 > 0 {
                 assert!(b.nc * b.kc * 4 <= c.l3_share() / 2, "{what}");
@@ -375,7 +420,7 @@ mod tests {
                 assert_eq!(b.nc, 4096 / nr * nr, "{what}");
             }
         }
-        Blocking::derive(c, mr, nr)
+        Blocking::derive(c, mr, nr, l1_panel)
     }
 
     // Tile sizes: AVX2 16 x 6, AVX-512 32 x 12, NEON 16 x 6, SVE 2·VL x 10 (gemm/src/arch).
@@ -384,16 +429,38 @@ mod tests {
     fn zen3_avx2() {
         // 32 KiB 8-way L1d, 512 KiB 8-way private L2, 32 MiB L3 per 8-core CCX (16 CPUs).
         let c = caches(32 * K, 8, 512 * K, 8, 1, 32 * M, 16);
-        let b = check("Zen 3", &c, 16, 6);
+        let b = check("Zen 3", &c, 16, 6, Side::A);
         // C_A = floor(7·16/22) = 5 ways (20 KiB Ã micro-panel), B̃ 7.5 KiB in 2 ways: kc = 320,
-        // where the old half-of-L1 rule gave 672 (a 43 KiB Ã micro-panel).
+        // where the old half-of-L1 rule gave 672 (a 43 KiB Ã micro-panel). In L2, 16 B̃
+        // micro-panels (120 KiB) take 2 of the 8 64-KiB ways, which hold nb = 102 columns
+        // (17 micro-panels); the Ã block gets 5 ways.
         assert_eq!(b.kc, 320);
         assert_eq!(
             b,
             Blocking {
-                mc: 304,
+                mc: 256,
                 kc: 320,
-                nc: 8190
+                nc: 8190,
+                nb: 102
+            }
+        );
+        // With B̃ in L1 (the order before), the Ã block took 6 ways.
+        assert_eq!(check("Zen 3 B̃ in L1", &c, 16, 6, Side::B).mc, 304);
+    }
+
+    #[test]
+    fn zen4_avx2() {
+        // Zen 4's default f32 kernel (see `best_kernel`): 16 B̃ micro-panels fit one 128-KiB
+        // way of the 1 MiB L2, which holds 17; the Ã block keeps 6 ways, as with B̃ in L1.
+        let c = caches(32 * K, 8, M, 8, 1, 32 * M, 16);
+        let b = check("Zen 4 AVX2", &c, 16, 6, Side::A);
+        assert_eq!(
+            b,
+            Blocking {
+                mc: 608,
+                kc: 320,
+                nc: 8190,
+                nb: 102
             }
         );
     }
@@ -402,13 +469,14 @@ mod tests {
     fn zen4_avx512() {
         // 32 KiB 8-way L1d, 1 MiB 8-way private L2, 32 MiB L3 per CCX.
         let c = caches(32 * K, 8, M, 8, 1, 32 * M, 16);
-        let b = check("Zen 4", &c, 32, 12);
+        let b = check("Zen 4", &c, 32, 12, Side::B);
         assert_eq!(
             b,
             Blocking {
                 mc: 1216,
                 kc: 160,
-                nc: 8184
+                nc: 8184,
+                nb: 12
             }
         );
     }
@@ -417,13 +485,14 @@ mod tests {
     fn zen5_avx512() {
         // 48 KiB 12-way L1d, 1 MiB 16-way private L2, 32 MiB L3 per CCX.
         let c = caches(48 * K, 12, M, 16, 1, 32 * M, 16);
-        let b = check("Zen 5", &c, 32, 12);
+        let b = check("Zen 5", &c, 32, 12, Side::B);
         assert_eq!(
             b,
             Blocking {
                 mc: 896,
                 kc: 256,
-                nc: 8184
+                nc: 8184,
+                nb: 12
             }
         );
     }
@@ -433,13 +502,14 @@ mod tests {
         // 32 KiB 8-way L1d, 1 MiB 16-way private L2, 1.375 MiB of L3 per core (18 cores,
         // 36 CPUs share 24.75 MiB).
         let c = caches(32 * K, 8, M, 16, 1, 18 * 1408 * K, 36);
-        let b = check("Skylake-X", &c, 32, 12);
+        let b = check("Skylake-X", &c, 32, 12, Side::B);
         assert_eq!(
             b,
             Blocking {
                 mc: 1408,
                 kc: 160,
-                nc: 8184
+                nc: 8184,
+                nb: 12
             }
         );
     }
@@ -448,39 +518,44 @@ mod tests {
     fn neoverse_v1() {
         // 64 KiB 4-way L1d, 1 MiB 8-way private L2, 32 MiB L3 shared by 64 cores (Graviton 3).
         let c = caches(64 * K, 4, M, 8, 1, 32 * M, 64);
-        let b = check("Neoverse V1 SVE-256", &c, 16, 10);
+        let b = check("Neoverse V1 SVE-256", &c, 16, 10, Side::B);
         assert_eq!(
             b,
             Blocking {
                 mc: 768,
                 kc: 256,
-                nc: 4090
+                nc: 4090,
+                nb: 10
             }
         );
-        check("Neoverse V1 NEON", &c, 16, 6);
+        check("Neoverse V1 NEON", &c, 16, 6, Side::B);
     }
 
     #[test]
     fn a64fx_sve512() {
         // 64 KiB 4-way L1d, 8 MiB 16-way L2 shared by the 12 cores of a CMG, no L3.
         let c = caches(64 * K, 4, 8 * M, 16, 12, 0, 1);
-        let b = check("A64FX", &c, 32, 10);
+        let b = check("A64FX", &c, 32, 10, Side::B);
         // C_A = floor(3·32/42) = 2 of 4 ways: kc = 256; the CMG's Ã block (jr split) then
         // takes 14 of the 16 L2 ways, capped at mc = 4096.
         assert_eq!(b.kc, 256);
         assert_eq!(b.mc, 4096);
         assert_eq!(b.nc, 4090);
         // With ic split forced, each of the 12 threads packs its own Ã block in 1/12 of the L2.
-        let ic = Blocking::derive_for(&c, 32, 10, false);
+        let ic = Blocking::derive_for(&c, 32, 10, Side::B, false);
         assert!(ic.mc * ic.kc * 4 <= 8 * M / 12);
+        // A kernel that kept Ã in L1 here (none does yet): each of the 12 threads of the jr
+        // split sweeps its own nb block, 12 × 16 micro-panels in 4 of the 16 ways.
+        let a = check("A64FX Ã in L1", &c, 32, 10, Side::A);
+        assert_eq!((a.mc, a.nb), (4096, 170));
     }
 
     #[test]
     fn unknown_ways_assume_eight() {
         let mut c = caches(32 * K, 0, 512 * K, 0, 1, 0, 1);
-        let b = Blocking::derive(&c, 16, 6);
+        let b = Blocking::derive(&c, 16, 6, Side::A);
         c.l1d_ways = 8;
         c.l2_ways = 8;
-        assert_eq!(b, check("unknown ways", &c, 16, 6));
+        assert_eq!(b, check("unknown ways", &c, 16, 6, Side::A));
     }
 }

@@ -66,7 +66,10 @@ impl Ctx {
     /// the old bound "k ≤ 2·kc" left the GPT-2 LM head (k = 768, C of 256 × 50304) at three
     /// passes: `cargo bench --bench train -- --threads 2` at B=4 T=64 went from 1380 ms/step
     /// (old kc 672, one pass) to 1528–1557 ms, and back to 1407 ms with this bound (Zen 3 VM,
-    /// single noisy runs).
+    /// single noisy runs). That one block relies on B̃ staying in L1 (an Ã micro-panel of the
+    /// whole k does not fit), so it also runs with `nb = nr`, one B̃ micro-panel under the whole
+    /// Ã block, whatever the kernel's [`Kernel::l1_panel`]: on Zen 4 (AVX2, k = 1024) that
+    /// measured 2.5–3.5% faster than kc = 320 with Ã in L1 (`examples/blocking`, two runs).
     pub fn blocking_for(&self, m: usize, n: usize, k: usize) -> Blocking {
         let mut b = self.blk;
         if self.kc_fixed {
@@ -80,6 +83,7 @@ impl Ctx {
             && self.kernel.operand.panel_words(Side::B, k, self.kernel.nr) * 4 <= self.l1d
         {
             b.kc = k;
+            b.nb = self.kernel.nr;
         }
         b
     }
@@ -163,10 +167,13 @@ pub(crate) fn scale_c(c: RawMatMut, beta: f32) {
 }
 
 /// Runs the micro-kernel over the `mc × nc` block of C at `c`, for `B̃` panels `j0..j1`, the
-/// packed panels holding `kcur` elements along k.
+/// packed panels holding `kcur` elements along k. The B̃ panels are taken `nb / nr` at a time,
+/// each group swept by every Ã micro-panel in turn ([`Blocking::nb`]; `nb = nr`: jr outside
+/// ir).
 #[allow(clippy::too_many_arguments)]
 fn macro_kernel(
     ctx: &Ctx,
+    nb: usize,
     ap: &[f32],
     bp: &[f32],
     mcur: usize,
@@ -194,45 +201,51 @@ fn macro_kernel(
     // a 64³ problem. The kernel writes all mr × nr floats before any is read (beta = 0).
     let mut tile = std::mem::MaybeUninit::<[f32; MAX_TILE]>::uninit();
     let tile = tile.as_mut_ptr() as *mut f32;
-    for jp in panels {
-        let nj = nr.min(ncur - jp * nr);
-        let bpanel = &bp[jp * bw..(jp + 1) * bw];
+    let group = (nb / nr).max(1);
+    let mut g0 = panels.start;
+    while g0 < panels.end {
+        let g1 = (g0 + group).min(panels.end);
         for ip in 0..mcur.div_ceil(mr) {
             let mi = mr.min(mcur - ip * mr);
             let apanel = &ap[ip * aw..(ip + 1) * aw];
-            let cblk = c.block(ip * mr, jp * nr, mi, nj);
-            if direct_ok && mi == mr && nj == nr {
-                // SAFETY: the panels hold what a kernel call of kw steps reads (aw, bw words);
-                // the full mr×nr tile of C is inside the view, unit-stride along m with
-                // ldc = c.cs >= mr, and this thread is the only writer of this tile.
-                unsafe {
-                    func(
-                        kw,
-                        alpha,
-                        apanel.as_ptr(),
-                        bpanel.as_ptr(),
-                        beta,
-                        cblk.ptr,
-                        c.cs,
-                    )
-                };
-            } else {
-                // SAFETY: the scratch tile holds mr*nr <= MAX_TILE floats with ldc = mr.
-                unsafe { func(kw, 1.0, apanel.as_ptr(), bpanel.as_ptr(), 0.0, tile, mr) };
-                for j in 0..nj {
-                    for r in 0..mi {
-                        // SAFETY: r + j*mr < mr*nr, written by the kernel just above (contract:
-                        // with beta = 0 it writes every float of the tile).
-                        let v = alpha * unsafe { *tile.add(r + j * mr) };
-                        // SAFETY: (r, j) is inside the mi×nj block of the validated C view.
-                        unsafe {
-                            let p = cblk.ptr.add(r * c.rs + j * c.cs);
-                            *p = if beta == 0.0 { v } else { v + beta * *p };
+            for jp in g0..g1 {
+                let nj = nr.min(ncur - jp * nr);
+                let bpanel = &bp[jp * bw..(jp + 1) * bw];
+                let cblk = c.block(ip * mr, jp * nr, mi, nj);
+                if direct_ok && mi == mr && nj == nr {
+                    // SAFETY: the panels hold what a kernel call of kw steps reads (aw, bw
+                    // words); the full mr×nr tile of C is inside the view, unit-stride along m
+                    // with ldc = c.cs >= mr, and this thread is the only writer of this tile.
+                    unsafe {
+                        func(
+                            kw,
+                            alpha,
+                            apanel.as_ptr(),
+                            bpanel.as_ptr(),
+                            beta,
+                            cblk.ptr,
+                            c.cs,
+                        )
+                    };
+                } else {
+                    // SAFETY: the scratch tile holds mr*nr <= MAX_TILE floats with ldc = mr.
+                    unsafe { func(kw, 1.0, apanel.as_ptr(), bpanel.as_ptr(), 0.0, tile, mr) };
+                    for j in 0..nj {
+                        for r in 0..mi {
+                            // SAFETY: r + j*mr < mr*nr, written by the kernel just above
+                            // (contract: with beta = 0 it writes every float of the tile).
+                            let v = alpha * unsafe { *tile.add(r + j * mr) };
+                            // SAFETY: (r, j) is inside the mi×nj block of the validated C view.
+                            unsafe {
+                                let p = cblk.ptr.add(r * c.rs + j * c.cs);
+                                *p = if beta == 0.0 { v } else { v + beta * *p };
+                            }
                         }
                     }
                 }
             }
         }
+        g0 = g1;
     }
 }
 
@@ -243,7 +256,7 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
     };
     let (m, n, k) = (p.m(), p.n(), p.k());
     let Kernel { mr, nr, .. } = ctx.kernel;
-    let Blocking { mc, kc, nc } = ctx.blocking_for(m, n, k);
+    let Blocking { mc, kc, nc, nb } = ctx.blocking_for(m, n, k);
     let fmt = ctx.format();
     for jc in (0..n).step_by(nc) {
         let ncur = nc.min(n - jc);
@@ -263,6 +276,7 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
                         let c = p.c.block(ic, jc, mcur, ncur);
                         macro_kernel(
                             ctx,
+                            nb,
                             ap,
                             bp,
                             mcur,
@@ -303,7 +317,7 @@ pub(crate) fn run_parallel(
     };
     let (m, n, k) = (p.m(), p.n(), p.k());
     let Kernel { mr, nr, .. } = ctx.kernel;
-    let Blocking { mc, kc, nc } = ctx.blocking_for(m, n, k);
+    let Blocking { mc, kc, nc, nb } = ctx.blocking_for(m, n, k);
     let fmt = ctx.format();
     // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
     let n_ic_min = m.div_ceil(mc);
@@ -343,7 +357,7 @@ pub(crate) fn run_parallel(
                                 let c = p.c.block(ic, jc, mcur, ncur);
                                 let panels = split_range(npanels, jchunks, jb);
                                 macro_kernel(
-                                    ctx, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
+                                    ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
                                 );
                             })
                         });
@@ -362,7 +376,7 @@ pub(crate) fn run_parallel(
                             (0..jchunks).into_par_iter().for_each(|jb| {
                                 let panels = split_range(npanels, jchunks, jb);
                                 macro_kernel(
-                                    ctx, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
+                                    ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
                                 );
                             });
                         }
@@ -385,6 +399,7 @@ mod tests {
                 mc: 32,
                 kc: 8,
                 nc: 8,
+                nb: 8,
             },
             l1d: 1 << 20,
             llc,

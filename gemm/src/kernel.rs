@@ -156,6 +156,13 @@ pub struct Kernel {
     pub mr: usize,
     /// Columns of the C tile.
     pub nr: usize,
+    /// The packed micro-panel the macro-kernel keeps in L1 from one call of this kernel to the
+    /// next, while the other one streams through L1 from an L2-resident block
+    /// ([`crate::Blocking::nb`], `docs/KERNELS.md`): [`Side::B`] walks the whole Ã block
+    /// under one B̃ micro-panel; [`Side::A`] walks `nb` columns of B̃ under one Ã micro-panel
+    /// (BLIS's order: the vector-loaded panel stays, the broadcast one, `nr` words per k step
+    /// against `mr`, streams). Chosen per kernel, where it was measured (the kernel's module docs).
+    pub l1_panel: Side,
     /// The kernel itself. Callable only under the contract in `docs/KERNELS.md`.
     pub func: KernelFn,
 }

@@ -136,7 +136,13 @@ impl Runtime {
             let kernel = choice.at(prec, cfg.f16_chunked);
             let blk = match cfg.blocking {
                 Some(b) => b,
-                None => Blocking::derive_for(&caches, kernel.mr, kernel.nr, split == SplitMode::Jr),
+                None => Blocking::derive_for(
+                    &caches,
+                    kernel.mr,
+                    kernel.nr,
+                    kernel.l1_panel,
+                    split == SplitMode::Jr,
+                ),
             }
             .with_env_overrides(kernel.mr, kernel.nr)?;
             Ok(Ctx {
@@ -260,13 +266,14 @@ impl Runtime {
         let k = self.kernel();
         let b = self.blocking();
         format!(
-            "isa={} tile={}x{} mc={} kc={} nc={} split={:?} {}",
+            "isa={} tile={}x{} mc={} kc={} nc={} nb={} split={:?} {}",
             k.isa,
             k.mr,
             k.nr,
             b.mc,
             b.kc,
             b.nc,
+            b.nb,
             self.split,
             self.topology.describe()
         )

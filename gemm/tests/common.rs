@@ -59,6 +59,8 @@ pub fn small_block_runtime(isa: Isa, topology: TopologyRequest) -> Runtime {
             mc: 2 * k.mr,
             kc: 16,
             nc: 3 * k.nr,
+            // Groups of two B̃ micro-panels under each Ã micro-panel, the last one short.
+            nb: 2 * k.nr,
         }),
         f16_chunked: None,
         split: None,

@@ -169,7 +169,12 @@ fn f16_chunked_runtime(kc: usize) -> fugu_gemm::Runtime {
             layout: Some((1, 1)),
             ..Default::default()
         },
-        blocking: Some(fugu_gemm::Blocking { mc: 64, kc, nc: 64 }),
+        blocking: Some(fugu_gemm::Blocking {
+            mc: 64,
+            kc,
+            nc: 64,
+            nb: 64,
+        }),
         f16_chunked: Some(true),
         ..Default::default()
     })

@@ -9,7 +9,7 @@
 //! On the A64FX this kernel caps near a quarter of the SVE peak; there it is only a forced
 //! fallback (`FUGU_GEMM_ISA=neon`).
 
-use crate::kernel::{Accumulation, Isa, Kernel, Operand};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand, Side};
 use std::arch::aarch64::{
     float32x4_t, vdupq_n_f32, vfmaq_f32, vfmaq_lane_f32, vfmaq_laneq_f32, vld1_f32, vld1q_f32,
     vmulq_f32, vst1q_f32,
@@ -27,6 +27,7 @@ pub fn kernel() -> Option<Kernel> {
             isa: Isa::Neon,
             mr: MR,
             nr: NR,
+            l1_panel: Side::B,
             func: fugu_neon_sgemm_16x6,
         })
     } else {

@@ -26,7 +26,7 @@
 //! `scripts/predict-a64fx.sh` finds [`fugu_sve_sgemm_2vx10`] in the release build and checks its
 //! inner loop with `llvm-mca -mcpu=a64fx`.
 
-use crate::kernel::{Accumulation, Isa, Kernel, Operand, F16_CHUNK};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand, Side, F16_CHUNK};
 
 /// Columns of the C tile.
 const NR: usize = 10;
@@ -40,6 +40,7 @@ pub fn kernel() -> Option<Kernel> {
         isa: Isa::Sve,
         mr: 2 * lanes,
         nr: NR,
+        l1_panel: Side::B,
         func: fugu_sve_sgemm_2vx10,
     })
 }
@@ -54,6 +55,7 @@ pub fn f16_kernel() -> Option<Kernel> {
         isa: Isa::Sve,
         mr: 4 * lanes,
         nr: NR,
+        l1_panel: Side::B,
         func: fugu_sve_hgemm_2vx10,
     })
 }

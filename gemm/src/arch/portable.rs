@@ -1,7 +1,7 @@
 //! Portable micro-kernel: plain Rust over fixed-size arrays, which the compiler auto-vectorises
 //! for whatever baseline the target has. Always available; also the fallback for unknown CPUs.
 
-use crate::kernel::{Accumulation, Isa, Kernel, Operand, F16_CHUNK};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand, Side, F16_CHUNK};
 use crate::precision::round_f16;
 
 const MR: usize = 16;
@@ -15,6 +15,7 @@ pub fn kernel() -> Kernel {
         isa: Isa::Portable,
         mr: MR,
         nr: NR,
+        l1_panel: Side::B,
         func: kernel_16x4,
     }
 }
@@ -32,6 +33,7 @@ pub fn f16_chunked_kernel() -> Kernel {
         isa: Isa::Portable,
         mr: MR,
         nr: NR,
+        l1_panel: Side::B,
         func: kernel_f16_chunked_16x4,
     }
 }

@@ -54,7 +54,7 @@
 //! On Zen 4 this is also the default f32 kernel of an AVX-512 CPU ([`crate::kernel::best_kernel`]):
 //! Zen 4 runs 512-bit FMAs as two 256-bit halves, and this tile beat the AVX-512 32 × 12 one.
 
-use crate::kernel::{Accumulation, Isa, Kernel, Operand};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand, Side};
 use std::arch::x86_64::*;
 
 const MR: usize = 16;
@@ -68,6 +68,7 @@ pub fn kernel() -> Option<Kernel> {
         isa: Isa::Avx2,
         mr: MR,
         nr: NR,
+        l1_panel: Side::A,
         func: kernel_16x6,
     })
 }

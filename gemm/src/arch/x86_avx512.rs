@@ -14,7 +14,7 @@
 //! denormal inputs and outputs to zero and ignores MXCSR (Intel SDM); nothing in a GPT's
 //! operands lives in bf16's denormal range (below 1.2e-38).
 
-use crate::kernel::{Accumulation, Isa, Kernel, Operand};
+use crate::kernel::{Accumulation, Isa, Kernel, Operand, Side};
 use std::arch::x86_64::*;
 
 const MR: usize = 32;
@@ -28,6 +28,7 @@ pub fn kernel() -> Option<Kernel> {
         isa: Isa::Avx512,
         mr: MR,
         nr: NR,
+        l1_panel: Side::B,
         func: kernel_32x12,
     })
 }
@@ -41,6 +42,7 @@ pub fn bf16_kernel() -> Option<Kernel> {
             isa: Isa::Avx512,
             mr: MR,
             nr: NR,
+            l1_panel: Side::B,
             func: kernel_bf16_32x12,
         },
     )
