@@ -1,9 +1,12 @@
-//! Cache-derived block sizes (mc, kc, nc) for the five-loop driver.
+//! Cache-derived block sizes (mc, kc, nc, nb) for the BLIS-loop driver.
 //!
 //! The sizes follow the analytical model of Low, Igual, Smith and Quintana-Ortí, "Analytical
-//! modeling is enough for high-performance BLIS" (ACM TOMS 43(2), 2016), for fugu's loop order
-//! (`docs/KERNELS.md`: jr outside ir, so one B̃ micro-panel (kc × nr) is reused from L1 by every
-//! Ã micro-panel (mr × kc) of the Ã block, and the Ã micro-panels stream through L1 from L2).
+//! modeling is enough for high-performance BLIS" (ACM TOMS 43(2), 2016), for the two loop orders
+//! of `docs/KERNELS.md`, chosen by the kernel's [`Kernel::l1_panel`](crate::Kernel):
+//! [`Side::B`], jr outside ir, so one B̃ micro-panel (kc × nr) is reused from L1 by every Ã
+//! micro-panel (mr × kc) of the Ã block, and the Ã micro-panels stream through L1 from L2; or
+//! [`Side::A`], BLIS's order, where one Ã micro-panel stays in L1 while a B̃ block of nb columns
+//! streams through L1 from L2 under it.
 //! A cache of `W` ways of `S/W` bytes each is modelled as set-associative LRU; data packed
 //! contiguously spreads evenly over the sets, so a buffer of `x` bytes takes `ceil(x / (S/W))`
 //! ways of every set.
@@ -19,13 +22,18 @@
 //!   `C_A = floor((W1 − 1)·mr / (mr + nr))`, `kc = C_A·(S1/W1) / (mr·4)` (then `C_B =
 //!   ceil(C_A·nr/mr) <= W1 − 1 − C_A`). The old rule, "B̃ micro-panel in half of L1", ignored the
 //!   Ã micro-panel: on Zen 3 (AVX2 16 × 6) it gave kc = 672, a 43 KiB Ã micro-panel streaming
-//!   through a 32 KiB L1, which evicts B̃ on every micro-kernel call.
-//! * **mc (L2).** The Ã block (mc × kc) stays in L2 while the current B̃ micro-panel(s) and C
-//!   tiles pass through it, again with one free way:
+//!   through a 32 KiB L1, which evicts B̃ on every micro-kernel call. The same inequality holds
+//!   with the roles swapped (Ã kept, B̃ streaming), so both orders get the same kc.
+//! * **mc and nb (L2).** The Ã block (mc × kc) stays in L2 while the current B̃ block(s) of nb
+//!   columns and C tiles pass through it, again with one free way:
 //!
-//!   `ceil(mc·kc·4 / (S2/W2)) + ceil(t·nr·kc·4 / (S2/W2)) <= W2 − 1`
+//!   `ceil(mc·kc·4 / (S2/W2)) + ceil(t·nb·kc·4 / (S2/W2)) <= W2 − 1`
 //!
-//!   where `t` is the number of threads whose B̃ micro-panels share that L2. With a private L2
+//!   With B̃ in L1 the B̃ block is one micro-panel, `nb = nr`. With Ã in L1 it must hold at
+//!   least `NB_PANELS` = 16 micro-panels, so that 16 kernel calls share each fill of L1 with
+//!   an Ã micro-panel: `C_N = ceil(t·16·nr·kc·4 / (S2/W2))` ways, nb the most columns (a
+//!   multiple of nr) those ways hold, and mc the most rows the other `W2 − 1 − C_N` hold.
+//!   `t` is the number of threads whose B̃ blocks share that L2. With a private L2
 //!   (x86, Neoverse) `t = 1` and each thread has its own Ã block. With an L2 shared by a domain
 //!   (A64FX CMG: 12 cores, 8 MiB) the default split is `jr` (one Ã block for the domain, see
 //!   [`crate::SplitMode`]), so the Ã block gets the whole L2 and `t` = the sharers; if `ic` split
@@ -37,19 +45,24 @@
 //!   `[16·nr, 8192]`. Without an L3 (A64FX: B̃ streams from HBM) nc is 4096.
 //!
 //! mc is capped at 4096. Associativity comes from sysfs (`ways_of_associativity`); when it is
-//! missing, 8 ways are assumed. `FUGU_GEMM_MC`, `FUGU_GEMM_KC` and `FUGU_GEMM_NC` override each
-//! size.
+//! missing, 8 ways are assumed. `FUGU_GEMM_MC`, `FUGU_GEMM_KC`, `FUGU_GEMM_NC` and
+//! `FUGU_GEMM_NB` override each size.
 //!
 //! Derived sizes (asserted, with the inequalities, by the unit tests below):
 //!
-//! | machine | L1d / L2 / L3 share | tile | mc | kc | nc | old mc, kc |
-//! |---|---|---|---|---|---|---|
-//! | Zen 3 | 32K 8-way / 512K 8-way / 32M | avx2 16 × 6 | 304 | 320 | 8190 | 96, 672 |
-//! | Zen 4 | 32K 8-way / 1M 8-way / 32M | avx512 32 × 12 | 1216 | 160 | 8184 | 384, 336 |
-//! | Zen 5 | 48K 12-way / 1M 16-way / 32M | avx512 32 × 12 | 896 | 256 | 8184 | 256, 512 |
-//! | Skylake-X (18 cores) | 32K 8-way / 1M 16-way / 11M | avx512 32 × 12 | 1408 | 160 | 8184 | 384, 336 |
-//! | Neoverse V1 (Graviton 3) | 64K 4-way / 1M 8-way / 8M | sve-256 16 × 10 | 768 | 256 | 4090 | 160, 816 |
-//! | A64FX CMG | 64K 4-way / 8M 16-way shared by 12 / none | sve 32 × 10 | 4096 | 256 | 4090 | 1280, 816 |
+//! | machine | L1d / L2 / L3 share | tile (L1 panel) | mc | kc | nc | nb | old mc, kc |
+//! |---|---|---|---|---|---|---|---|
+//! | Zen 3 | 32K 8-way / 512K 8-way / 32M | avx2 16 × 6 (Ã) | 256 | 320 | 8190 | 102 | 96, 672 |
+//! | Zen 4 | 32K 8-way / 1M 8-way / 32M | avx2 16 × 6 (Ã) | 608 | 320 | 8190 | 102 | 96, 672 |
+//! | Zen 4 | 32K 8-way / 1M 8-way / 32M | avx512 32 × 12 (B̃) | 1216 | 160 | 8184 | 12 | 384, 336 |
+//! | Zen 5 | 48K 12-way / 1M 16-way / 32M | avx512 32 × 12 (B̃) | 896 | 256 | 8184 | 12 | 256, 512 |
+//! | Skylake-X (18 cores) | 32K 8-way / 1M 16-way / 11M | avx512 32 × 12 (B̃) | 1408 | 160 | 8184 | 12 | 384, 336 |
+//! | Neoverse V1 (Graviton 3) | 64K 4-way / 1M 8-way / 8M | sve-256 16 × 10 (B̃) | 768 | 256 | 4090 | 10 | 160, 816 |
+//! | A64FX CMG | 64K 4-way / 8M 16-way shared by 12 / none | sve 32 × 10 (B̃) | 4096 | 256 | 4090 | 10 | 1280, 816 |
+//!
+//! (On Zen 4 the AVX2 kernel is the default f32 kernel, see [`crate::kernel::best_kernel`].) With
+//! B̃ in L1 the AVX2 kernel's Ã block took 304 rows on Zen 3 (6 of the 8 L2 ways); keeping Ã in
+//! L1 gives 2 ways to the B̃ block and leaves 5 to the Ã block.
 //!
 //! The Ã micro-panel of the Zen 4 / Skylake-X AVX-512 tile (32 × 12) is 128 bytes per k step, so
 //! only kc = 160 fits beside B̃ in a 32 KiB 8-way L1.

@@ -11,8 +11,9 @@
 //! | 1 ymm | free (the compiled loop uses ymm1–ymm15; ymm0 holds alpha, live across the loop) |
 //!
 //! Throughput: one k step is 12 FMAs, i.e. 6 cycles on the two 256-bit FMA pipes of Haswell to
-//! Zen 3, against 8 loads (2 Ã + 6 broadcasts; Zen 3 does 3 loads a cycle) and 64 bytes of Ã
-//! streamed from L2. 12 independent accumulators cover the FMA latency × pipes (Zen 3: 4 × 2 =
+//! Zen 3, against 8 loads (2 Ã + 6 broadcasts; Zen 3 does 3 loads a cycle). The macro-kernel
+//! keeps this kernel's Ã micro-panel in L1 (`l1_panel: Side::A`) and streams B̃ from L2, 24
+//! bytes per k step, where the other order streams 64 bytes of Ã. 12 independent accumulators cover the FMA latency × pipes (Zen 3: 4 × 2 =
 //! 8; Haswell: 5 × 2 = 10). The compiled loop (checked with `objdump -d`) has no spills; beta
 //! is stored to the stack once at entry and reloaded for the C update.
 //!
@@ -50,6 +51,19 @@
 //! loads per 12 FMAs) at 84.8% and 32 × 3 at 52% (17 live registers: spills); on the full
 //! shapes 24 × 4 ran 3–20% below 16 × 6. Moving the C prefetch from the entry to 8–128 steps
 //! before the end measured the same (±1%).
+//!
+//! Ã in L1 (BLIS's order for its 6 × 16 Haswell tile, whose vector-loaded operand is B̃),
+//! measured on that Zen 4 with `examples/blocking --isa avx2 --reps 11 608,320,8190,6
+//! 608,320,8190,102 608,320,8190,48` (the derived blocking with nb = nr, i.e. B̃ in L1, against
+//! Ã in L1 under 17 and 8 B̃ micro-panels; round robin in one process, medians of 11, two runs,
+//! GFLOP/s): 2048³ 93.2 / 95.2 / 96.1 and 94.1 / 101.0 / 98.7; lm-head bwd-data 95.4 / 94.8 /
+//! 98.1 and 99.3 / 100.9 / 99.4; qkv fwd 97.2 / 101.8 / 102.0 and 98.9 / 100.3 / 102.7; QKᵀ 48
+//! × 64³ 76.7 / 77.0 / 78.4 and 76.5 / 77.7 / 77.6; PV 75.8 / 78.2 / 77.1 and 76.5 / 77.4 /
+//! 77.4. Ã in L1 won 11 of the 12 pairs at nb = 102, by 0.4–7% (about 2% typical). The
+//! prefetch of Ã ahead (above) now mostly hits L1; it is kept, as it costs one load slot in
+//! nine. The AVX-512 32 × 12 kernel, tried the same way on the same host (one run), ran 3–10%
+//! slower on the four large shapes with Ã in L1 (nb = 96 or 192 against 12) and within 1% on
+//! the 64³ ones, so it keeps B̃ in L1.
 //!
 //! On Zen 4 this is also the default f32 kernel of an AVX-512 CPU ([`crate::kernel::best_kernel`]):
 //! Zen 4 runs 512-bit FMAs as two 256-bit halves, and this tile beat the AVX-512 32 × 12 one.
