@@ -70,6 +70,7 @@ impl Ctx {
     /// whole k does not fit), so it also runs with `nb = nr`, one B̃ micro-panel under the whole
     /// Ã block, whatever the kernel's [`Kernel::l1_panel`]: on Zen 4 (AVX2, k = 1024) that
     /// measured 2.5–3.5% faster than kc = 320 with Ã in L1 (`examples/blocking`, two runs).
+    /// Last, each of kc, mc and nc is [`balanced`] over its dimension.
     pub fn blocking_for(&self, m: usize, n: usize, k: usize) -> Blocking {
         let mut b = self.blk;
         if self.kc_fixed {
@@ -85,8 +86,24 @@ impl Ctx {
             b.kc = k;
             b.nb = self.kernel.nr;
         }
+        b.kc = balanced(k, b.kc, 8);
+        b.mc = balanced(m, b.mc, self.kernel.mr);
+        b.nc = balanced(n, b.nc, self.kernel.nr);
         b
     }
+}
+
+/// The block size that cuts `len` into as many blocks as `block` does, but of nearly equal
+/// sizes (rounded up to `unit`, never above `block`): with the cache-derived kc = 320 a k of
+/// 1024 (every GPT-2 weight gradient at B·T = 1024) ran as 320 + 320 + 320 + 64, a fourth pass
+/// over C for a sixteenth of the work; balanced it is 4 × 256. OpenBLAS and BLIS split their
+/// remainders likewise.
+fn balanced(len: usize, block: usize, unit: usize) -> usize {
+    if len <= block || block == 0 {
+        return block;
+    }
+    let blocks = len.div_ceil(block);
+    len.div_ceil(blocks).next_multiple_of(unit).min(block)
 }
 
 impl Problem {
@@ -436,39 +453,85 @@ mod tests {
         );
     }
 
-    #[test]
-    fn one_k_block_gives_the_reference_result() {
-        let (m, n, k) = (20, 13, 15);
+    /// Runs `ctx` sequentially on an m×n×k problem and compares C with the reference.
+    fn check_against_reference(ctx: &Ctx, m: usize, n: usize, k: usize) {
         let a: Vec<f32> = (0..m * k).map(|i| (i % 11) as f32 - 5.0).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.5).collect();
-        for llc in [512, 0] {
-            let mut c = vec![f32::NAN; m * n];
-            let p = Problem {
-                alpha: 1.5,
-                a: RawMat::f32(a.as_ptr(), m, k, k, 1),
-                b: RawMat::f32(b.as_ptr(), k, n, n, 1),
-                beta: 0.0,
-                c: RawMatMut {
-                    ptr: c.as_mut_ptr(),
-                    rows: m,
-                    cols: n,
-                    rs: n,
-                    cs: 1,
-                },
-            };
-            run_sequential(&ctx(llc, false), p);
-            let mut want = vec![0.0f32; m * n];
-            crate::reference::gemm_ref(
-                1.5,
-                crate::MatRef::row_major(&a, m, k).unwrap(),
-                crate::MatRef::row_major(&b, k, n).unwrap(),
-                0.0,
-                crate::MatMut::row_major(&mut want, m, n).unwrap(),
+        let mut c = vec![f32::NAN; m * n];
+        let p = Problem {
+            alpha: 1.5,
+            a: RawMat::f32(a.as_ptr(), m, k, k, 1),
+            b: RawMat::f32(b.as_ptr(), k, n, n, 1),
+            beta: 0.0,
+            c: RawMatMut {
+                ptr: c.as_mut_ptr(),
+                rows: m,
+                cols: n,
+                rs: n,
+                cs: 1,
+            },
+        };
+        run_sequential(ctx, p);
+        let mut want = vec![0.0f32; m * n];
+        crate::reference::gemm_ref(
+            1.5,
+            crate::MatRef::row_major(&a, m, k).unwrap(),
+            crate::MatRef::row_major(&b, k, n).unwrap(),
+            0.0,
+            crate::MatMut::row_major(&mut want, m, n).unwrap(),
+        );
+        for (g, w) in c.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                "{:?} {m}x{n}x{k}: {g} vs {w}",
+                ctx.blk
             );
-            for (g, w) in c.iter().zip(&want) {
-                assert!(
-                    (g - w).abs() <= 1e-4 * w.abs().max(1.0),
-                    "llc={llc}: {g} vs {w}"
+        }
+    }
+
+    #[test]
+    fn one_k_block_gives_the_reference_result() {
+        for llc in [512, 0] {
+            check_against_reference(&ctx(llc, false), 20, 13, 15);
+        }
+    }
+
+    #[test]
+    fn balanced_blocks_give_the_reference_result() {
+        // Transposed (C is row-major), the kernel's m is 45 and n is 130. kc 40 over k = 50
+        // becomes 32 + 18; mc 32 over 45 and nc 20 over 130 come back unchanged from the
+        // rounding to mr = 16 and nr = 4 (32 + 13, 7 × 20 with a 10 tail); nb 8: two B̃
+        // micro-panels per group.
+        let c = Ctx {
+            blk: Blocking {
+                mc: 32,
+                kc: 40,
+                nc: 20,
+                nb: 8,
+            },
+            ..ctx(0, false)
+        };
+        assert_eq!(c.blocking_for(45, 130, 50).kc, 32);
+        check_against_reference(&c, 130, 45, 50);
+    }
+
+    #[test]
+    fn balanced_blocks_keep_the_count_and_even_out_the_tail() {
+        assert_eq!(balanced(1024, 320, 8), 256);
+        assert_eq!(balanced(768, 320, 8), 256);
+        assert_eq!(balanced(2048, 320, 8), 296, "7 blocks: 6 × 296 + 272");
+        assert_eq!(balanced(768, 608, 16), 384);
+        assert_eq!(balanced(300, 320, 8), 320, "one block: unchanged");
+        assert_eq!(balanced(321, 320, 8), 168);
+        assert_eq!(balanced(1000, 333, 1000), 333, "never above the block");
+        for len in 1..700 {
+            for (block, unit) in [(64, 8), (320, 8), (100, 16), (7, 1)] {
+                let b = balanced(len, block, unit);
+                assert!(b <= block.max(1));
+                assert_eq!(
+                    len.div_ceil(b),
+                    len.div_ceil(block),
+                    "len {len} block {block}"
                 );
             }
         }
