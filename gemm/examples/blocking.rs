@@ -37,7 +37,7 @@ struct Shape {
     tb: bool,
 }
 
-const SHAPES: [Shape; 6] = [
+const SHAPES: [Shape; 8] = [
     Shape {
         name: "2048^3",
         m: 2048,
@@ -90,6 +90,24 @@ const SHAPES: [Shape; 6] = [
         k: 64,
         batch: 48,
         ta: false,
+        tb: false,
+    },
+    Shape {
+        name: "1024^3",
+        m: 1024,
+        n: 1024,
+        k: 1024,
+        batch: 1,
+        ta: false,
+        tb: false,
+    },
+    Shape {
+        name: "fc bwd-weight",
+        m: 768,
+        n: 3072,
+        k: 1024,
+        batch: 1,
+        ta: true,
         tb: false,
     },
 ];
