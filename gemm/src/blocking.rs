@@ -462,35 +462,29 @@ mod tests {
     }
 
     #[test]
-    fn zen4_avx2() {
-        // Zen 4's default f32 kernel (see `best_kernel`): 16 B̃ micro-panels fit one 128-KiB
-        // way of the 1 MiB L2, which holds 17; the Ã block keeps 6 ways, as with B̃ in L1.
+    fn zen4_avx2_and_avx512() {
+        // 32 KiB 8-way L1d, 1 MiB 8-way private L2, 32 MiB L3 per CCX. AVX2 is Zen 4's default
+        // f32 kernel (see `best_kernel`): 16 B̃ micro-panels fit one 128-KiB way of the L2,
+        // which holds 17; its Ã block keeps 6 ways, as with B̃ in L1. AVX-512 keeps B̃ in L1.
         let c = caches(32 * K, 8, M, 8, 1, 32 * M, 16);
-        let b = check("Zen 4 AVX2", &c, 16, 6, Side::A);
+        let avx2 = check("Zen 4 AVX2", &c, 16, 6, Side::A);
+        let avx512 = check("Zen 4 AVX-512", &c, 32, 12, Side::B);
         assert_eq!(
-            b,
-            Blocking {
-                mc: 608,
-                kc: 320,
-                nc: 8190,
-                nb: 102
-            }
-        );
-    }
-
-    #[test]
-    fn zen4_avx512() {
-        // 32 KiB 8-way L1d, 1 MiB 8-way private L2, 32 MiB L3 per CCX.
-        let c = caches(32 * K, 8, M, 8, 1, 32 * M, 16);
-        let b = check("Zen 4", &c, 32, 12, Side::B);
-        assert_eq!(
-            b,
-            Blocking {
-                mc: 1216,
-                kc: 160,
-                nc: 8184,
-                nb: 12
-            }
+            [avx2, avx512],
+            [
+                Blocking {
+                    mc: 608,
+                    kc: 320,
+                    nc: 8190,
+                    nb: 102
+                },
+                Blocking {
+                    mc: 1216,
+                    kc: 160,
+                    nc: 8184,
+                    nb: 12
+                }
+            ]
         );
     }
 
