@@ -21,7 +21,7 @@ pub struct RuntimeConfig {
     pub isa: Option<Isa>,
     /// Domains, thread cap and pinning (`FUGU_CMGS`, `FUGU_NUM_THREADS`, `FUGU_PIN`).
     pub topology: TopologyRequest,
-    /// Block sizes instead of the cache-derived ones (`FUGU_GEMM_MC/KC/NC` override fields).
+    /// Block sizes instead of the cache-derived ones (`FUGU_GEMM_MC/KC/NC/NB` override fields).
     pub blocking: Option<Blocking>,
     /// How f16 GEMMs sum their products (`FUGU_GEMM_F16=chunked|f32`): `Some(true)` in f16
     /// chunks folded into f32 ([`crate::kernel::F16_CHUNK`]; the native SVE kernel, or its
@@ -35,7 +35,7 @@ pub struct RuntimeConfig {
 
 impl RuntimeConfig {
     /// Reads `FUGU_GEMM_ISA`, `FUGU_CMGS`, `FUGU_NUM_THREADS`, `FUGU_PIN` and
-    /// `FUGU_GEMM_SPLIT`. (`FUGU_GEMM_MC/KC/NC` are applied in [`Runtime::new`].)
+    /// `FUGU_GEMM_SPLIT`. (`FUGU_GEMM_MC/KC/NC/NB` are applied in [`Runtime::new`].)
     pub fn from_env() -> Result<RuntimeConfig, GemmError> {
         let isa = match std::env::var("FUGU_GEMM_ISA") {
             Ok(v) if !v.trim().is_empty() => Some(Isa::parse(&v)?),
