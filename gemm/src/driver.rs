@@ -95,9 +95,9 @@ impl Ctx {
 
 /// The block size that cuts `len` into as many blocks as `block` does, but of nearly equal
 /// sizes (rounded up to `unit`, never above `block`): with the cache-derived kc = 320 a k of
-/// 1024 (every GPT-2 weight gradient at B·T = 1024) ran as 320 + 320 + 320 + 64, a fourth pass
-/// over C for a sixteenth of the work; balanced it is 4 × 256. OpenBLAS and BLIS split their
-/// remainders likewise.
+/// 1024 (every GPT-2 weight gradient at B·T = 1024) ran as 320 + 320 + 320 + 64, the last pass
+/// over C at kc = 64; balanced it is 4 × 256. OpenBLAS and BLIS split their remainders
+/// likewise. Measured neutral within 1% on Zen 4 (`docs/KERNELS.md`, "Balanced blocks").
 fn balanced(len: usize, block: usize, unit: usize) -> usize {
     if len <= block || block == 0 {
         return block;
