@@ -271,17 +271,18 @@ impl Blocking {
         } else {
             (c.l2 / sharers / w2, 1)
         };
-        let nb_panels = match l1_panel {
-            Side::B => 1,
-            Side::A => NB_PANELS,
+        // C_B2 ways for the B̃ block(s): one micro-panel each with B̃ in L1; with Ã in L1,
+        // NB_PANELS micro-panels each, nb then the most columns those ways hold.
+        let panels_bytes = t * nr * kc * F32;
+        let (c_b2, nb) = match l1_panel {
+            Side::B => (panels_bytes.div_ceil(way2), nr),
+            Side::A => {
+                let c_b2 = (NB_PANELS * panels_bytes).div_ceil(way2);
+                (c_b2, round_down(c_b2 * way2 / (t * kc * F32), nr))
+            }
         };
-        let c_b2 = (t * nb_panels * nr * kc * F32).div_ceil(way2);
         let c_ac = w2.saturating_sub(1 + c_b2).max(1);
         let mc = round_down(c_ac * way2 / (kc * F32), mr).min(round_down(4096, mr));
-        let nb = match l1_panel {
-            Side::B => nr,
-            Side::A => round_down(c_b2 * way2 / (t * kc * F32), nr),
-        };
         // nc: the B̃ panel in half of the domain's L3 share.
         let nc = if c.l3 > 0 {
             round_down((c.l3_share() / 2) / (kc * F32), nr).clamp(nr * 16, 8192 / nr * nr)

@@ -102,8 +102,12 @@ fn balanced(len: usize, block: usize, unit: usize) -> usize {
     if len <= block || block == 0 {
         return block;
     }
-    let blocks = len.div_ceil(block);
-    len.div_ceil(blocks).next_multiple_of(unit).min(block)
+    even_block(len, len.div_ceil(block), unit, block)
+}
+
+/// The size of `blocks` nearly equal blocks covering `len`, rounded up to `unit`, at most `cap`.
+fn even_block(len: usize, blocks: usize, unit: usize, cap: usize) -> usize {
+    len.div_ceil(blocks).next_multiple_of(unit).min(cap)
 }
 
 impl Problem {
@@ -343,7 +347,7 @@ pub(crate) fn run_parallel(
     } else {
         n_ic_min
     };
-    let mc_eff = m.div_ceil(n_ic).next_multiple_of(mr).min(mc.max(mr));
+    let mc_eff = even_block(m, n_ic, mr, mc.max(mr));
     let n_ic = m.div_ceil(mc_eff);
     pool.install(|| {
         for jc in (0..n).step_by(nc) {
