@@ -23,8 +23,8 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::{self, CudaBackend};
     use fugu::backend::{
-        AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype, Span, TokSpan,
-        WeightLayout,
+        AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype, FusedAttention,
+        Span, TokSpan, WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
@@ -329,6 +329,58 @@ mod gpu {
             let out = be.nan(c);
             be.run(|x| x.attention_decode(out, q, kc, vc, len, nh, hs));
             be.check("attention_decode", out, GEMM);
+        }
+    }
+
+    /// Fused (flash) attention in the 16-bit types against the CPU's reference loops, on head
+    /// sizes that take every path of the kernels: 8 (one 16-wide k chunk, half used), 24
+    /// (16-byte rows, a partial chunk), 64 (the whole tile), 5 (element-wise tile loads), and
+    /// T = 1, 37, 150 (partial 64-row blocks, several key blocks).
+    ///
+    /// Tolerances: `out` is a convex combination of v rows; the device rounds the
+    /// probabilities to the type for its tensor-core product (the reference keeps f32), which
+    /// moves it by at most u·max|v| ≤ u, inside [`Both::tol`]'s 4u. The gradients' products
+    /// also take dS = P∘(dP − Δ) rounded to the type: each term moves by u relative, so sums
+    /// of them by up to u·Σ|term|, a few times u of the largest result; 4u more is allowed.
+    /// `lse` is f32 on both sides (sums of exponentials in different orders).
+    #[test]
+    fn fused_attention() {
+        for act in [Dtype::Bf16, Dtype::F16] {
+            fused_attention_in(act);
+        }
+    }
+
+    fn fused_attention_in(act: Dtype) {
+        let Some(mut be) = Both::new(act) else { return };
+        for (b, t, nh, hs) in [
+            (2, 1, 3, 8),
+            (2, 37, 3, 8),
+            (1, 150, 2, 64),
+            (1, 70, 2, 24),
+            (1, 40, 2, 5),
+        ] {
+            if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
+                skipped(&format!(
+                    "no fused attention on this device for hs = {hs} in {act:?}"
+                ));
+                return;
+            }
+            let d = AttnDims { b, t, nh, hs };
+            let c = nh * hs;
+            let qkv = be.rand(b * t * 3 * c, 1);
+            let out = be.nan(b * t * c);
+            let lse = be.nan32(b * nh * t);
+            be.run(|x| x.attention_forward(out, lse, qkv, d));
+            be.check("fused attention out", out, GEMM);
+            be.check("fused attention lse", lse, GEMM);
+            let dout = be.rand(b * t * c, 2);
+            let dqkv = be.nan(b * t * 3 * c);
+            be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
+            be.check(
+                "fused attention dqkv",
+                dqkv,
+                GEMM + 4.0 * act.unit_roundoff(),
+            );
         }
     }
 

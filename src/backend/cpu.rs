@@ -1,7 +1,9 @@
 //! The CPU backend: buffers are host `Vec<f32>`s, GEMMs go to fugu-gemm, the other ops to the
 //! rayon kernels of [`crate::ops`].
 
-use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout};
+use super::{
+    AdamWStep, AttnDims, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan, WeightLayout,
+};
 use crate::ops;
 use anyhow::{bail, Result};
 
@@ -366,6 +368,31 @@ impl Backend for CpuBackend {
         let prec = self.gemm_precision(&[datt, qkv]);
         let ([dq], [da, q]) = views(&mut self.bufs, [dqkv], [datt, qkv]);
         ops::attention::attention_scores_backward(prec, dq, da, q, d.b, d.t, d.nh, d.hs);
+        self.stored(&[dqkv]);
+    }
+
+    fn fused_attention(&self, _hs: usize, _dt: Dtype) -> FusedAttention {
+        // A plain-loop reference: the batched GEMMs of the three-step path are faster here.
+        FusedAttention::Available
+    }
+
+    fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims) {
+        let ([o, l], [q]) = views(&mut self.bufs, [out, lse], [qkv]);
+        ops::attention::attention_forward_fused(o, l, q, d.b, d.t, d.nh, d.hs);
+        self.stored(&[out, lse]);
+    }
+
+    fn attention_backward(
+        &mut self,
+        dqkv: Span,
+        dout: Span,
+        out: Span,
+        lse: Span,
+        qkv: Span,
+        d: AttnDims,
+    ) {
+        let ([dq], [dy, y, l, q]) = views(&mut self.bufs, [dqkv], [dout, out, lse, qkv]);
+        ops::attention::attention_backward_fused(dq, dy, y, l, q, d.b, d.t, d.nh, d.hs);
         self.stored(&[dqkv]);
     }
 

@@ -71,6 +71,18 @@ pub struct AttnDims {
     pub hs: usize,
 }
 
+/// Whether a backend runs training attention fused ([`Backend::fused_attention`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusedAttention {
+    /// No fused kernels for this head size and type: the three-step path only.
+    Unsupported,
+    /// Fused attention works (a reference, or slower here): used when asked for
+    /// (`FUGU_ATTENTION=fused`).
+    Available,
+    /// Fused attention is this backend's fast path: used unless `FUGU_ATTENTION=materialized`.
+    Preferred,
+}
+
 /// Dimensions of one cross-entropy call: `n` rows of `vp` logits (in memory) of which the
 /// first `v_valid` are real vocabulary, this shard starting at vocabulary id `vocab_start`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,6 +271,28 @@ pub trait Backend {
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims);
     /// The Q and K columns of `dqkv` overwritten.
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims);
+    /// Whether (and how willingly) this backend runs causal attention fused for heads of size
+    /// `hs` stored as `dt`: [`Self::attention_forward`] and [`Self::attention_backward`], which
+    /// keep a log-sum-exp per row instead of the (B, NH, T, T) probabilities.
+    fn fused_attention(&self, hs: usize, dt: Dtype) -> FusedAttention;
+    /// Fused causal attention (FlashAttention): `out (B,T,NH·hs) = softmax(QKᵀ/√hs)·V`
+    /// overwritten, as [`Self::attention_scores`], [`Self::attention_softmax`] and
+    /// [`Self::attention_values`] compute it, and `lse (B,NH,T)` (f32) overwritten with each
+    /// row's `log Σ_{j≤i} exp(s_ij)` of the scaled scores `s`. Only where
+    /// [`Self::fused_attention`] is not `Unsupported`.
+    fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims);
+    /// Backward of [`Self::attention_forward`] from its `out` and `lse`: the Q, K and V columns
+    /// of `dqkv` overwritten (the probabilities recomputed as `exp(s_ij − lse_i)`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &mut self,
+        dqkv: Span,
+        dout: Span,
+        out: Span,
+        lse: Span,
+        qkv: Span,
+        d: AttnDims,
+    );
     /// One new token attending over a key/value cache (incremental decoding): `out (nh·hs)`
     /// overwritten with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head; `k_cache`, `v_cache`
     /// are (P ≥ len, nh·hs) with the new token's own key and value already at row `len - 1`.

@@ -27,6 +27,19 @@ pub enum Recompute {
     Full,
 }
 
+/// What the forward pass keeps of attention for the backward pass (chosen per backend and
+/// compute type by [`super::gpt2::Gpt2`], `FUGU_ATTENTION` overriding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKeep {
+    /// The probabilities (B, NH, T, T) in the compute type: the three-step path (scores GEMM,
+    /// softmax, values GEMM) and its three backward steps.
+    Probabilities,
+    /// The log-sum-exp of each row of scaled scores (B, NH, T) in f32: the fused path
+    /// ([`crate::backend::Backend::attention_forward`]); the backward pass recomputes the
+    /// probabilities tile by tile, and no (T, T) tensor exists.
+    LogSumExp,
+}
+
 /// The per-block activations that [`Recompute::Full`] keeps in one set shared by all layers
 /// (all but `resid3`, the block output).
 const SHARED_UNDER_FULL: [&str; 8] = [
@@ -77,9 +90,8 @@ pub struct LayerActs {
     pub ln1_mean: Span,
     pub ln1_rstd: Span,
     pub qkv: Span,
-    /// Attention probabilities (B, NH, T, T), written by the scores GEMM and softmaxed in place
-    /// (one buffer shared by all layers under [`Recompute::Attention`]).
-    pub att: Span,
+    /// What the backward pass needs of the attention step besides q, k, v and its output.
+    pub att: AttnKept,
     /// Attention output before the projection (B, T, C/tp).
     pub atty: Span,
     pub resid2: Span,
@@ -90,6 +102,16 @@ pub struct LayerActs {
     pub fch_gelu: Span,
     /// Block output (residual stream after the MLP).
     pub resid3: Span,
+}
+
+/// [`AttnKeep`]'s tensor of one block.
+#[derive(Clone, Copy, Debug)]
+pub enum AttnKept {
+    /// Attention probabilities (B, NH, T, T), written by the scores GEMM and softmaxed in
+    /// place (one buffer shared by all layers under [`Recompute::Attention`]).
+    Probabilities(Span),
+    /// Log-sum-exp of each row of scaled scores (B, NH, T), f32.
+    LogSumExp(Span),
 }
 
 /// The last stage's activations: final layernorm, logits and the loss statistics.
@@ -136,7 +158,8 @@ pub struct GradActs {
     /// Gradient with respect to a LayerNorm output (ln_1, ln_2 or ln_f).
     pub dln: Span,
     pub dqkv: Span,
-    pub datt: Span,
+    /// Gradient of the attention probabilities ([`AttnKeep::Probabilities`] only).
+    pub datt: Option<Span>,
     pub datty: Span,
     pub dfch: Span,
     pub dfch_gelu: Span,
@@ -155,8 +178,9 @@ fn span(table: &Table, buf: BufId, name: &str) -> Span {
 
 /// The activation table of `stage`'s blocks (and, on the last stage, the head) in the compute
 /// type's buffer. A tensor shared by all layers has no `h.L.` prefix: `att` under
-/// [`Recompute::Attention`], all but `resid3` under [`Recompute::Full`].
-pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute) -> Table {
+/// [`Recompute::Attention`], all but `resid3` under [`Recompute::Full`]. `att` exists only
+/// under [`AttnKeep::Probabilities`].
+pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute, keep: AttnKeep) -> Table {
     let n = d.n();
     let lc = d.local_c();
     let block: [(&str, Vec<usize>); 9] = [
@@ -177,6 +201,8 @@ pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute) -> Table {
     };
     let mut t = Table::default();
     t.push("encoded", &[n, d.c]);
+    let kept = |name: &str| name != "att" || keep == AttnKeep::Probabilities;
+    let block: Vec<_> = block.into_iter().filter(|(name, _)| kept(name)).collect();
     for (name, shape) in block.iter().filter(|(name, _)| shared(name)) {
         t.push(*name, shape);
     }
@@ -193,13 +219,17 @@ pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute) -> Table {
     t
 }
 
-/// The per-row statistics of one micro-batch on `stage` (always f32).
-pub fn stats_table(d: &StepDims, stage: &Stage) -> Table {
+/// The per-row statistics of one micro-batch on `stage` (always f32), with each block's
+/// attention log-sum-exp under [`AttnKeep::LogSumExp`].
+pub fn stats_table(d: &StepDims, stage: &Stage, keep: AttnKeep) -> Table {
     let n = d.n();
     let mut t = Table::default();
     for l in 0..stage.layers.len() {
         for s in ["ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd"] {
             t.push(format!("h.{l}.{s}"), &[n]);
+        }
+        if keep == AttnKeep::LogSumExp {
+            t.push(format!("h.{l}.att_lse"), &[d.b, d.nh, d.t]);
         }
     }
     if stage.is_last() {
@@ -240,7 +270,10 @@ impl Acts {
                     ln1_mean: p("ln1_mean"),
                     ln1_rstd: p("ln1_rstd"),
                     qkv: p("qkv"),
-                    att: p("att"),
+                    att: match stats.get(&format!("h.{l}.att_lse")) {
+                        Some(_) => AttnKept::LogSumExp(p("att_lse")),
+                        None => AttnKept::Probabilities(p("att")),
+                    },
                     atty: p("atty"),
                     resid2: p("resid2"),
                     ln2: p("ln2"),
@@ -274,15 +307,17 @@ impl Acts {
     }
 }
 
-/// The gradient-scratch table.
-pub fn grad_acts_table(d: &StepDims) -> Table {
+/// The gradient-scratch table (`datt` only under [`AttnKeep::Probabilities`]).
+pub fn grad_acts_table(d: &StepDims, keep: AttnKeep) -> Table {
     let n = d.n();
     let local_c = d.local_c();
     let mut t = Table::default();
     t.push("dres", &[n, d.c]);
     t.push("dln", &[n, d.c]);
     t.push("dqkv", &[n, 3 * local_c]);
-    t.push("datt", &[d.b, d.nh, d.t, d.t]);
+    if keep == AttnKeep::Probabilities {
+        t.push("datt", &[d.b, d.nh, d.t, d.t]);
+    }
     t.push("datty", &[n, local_c]);
     t.push("dfch", &[n, d.f]);
     t.push("dfch_gelu", &[n, d.f]);
@@ -296,7 +331,7 @@ impl GradActs {
             dres: s("dres"),
             dln: s("dln"),
             dqkv: s("dqkv"),
-            datt: s("datt"),
+            datt: table.get("datt").map(|_| s("datt")),
             datty: s("datty"),
             dfch: s("dfch"),
             dfch_gelu: s("dfch_gelu"),

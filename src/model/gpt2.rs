@@ -23,13 +23,16 @@
 //! to the parameter ranges this rank updates.
 
 use super::acts::{
-    acts_table, grad_acts_table, stats_table, Acts, GradActs, LayerActs, Recompute, StepDims,
+    acts_table, grad_acts_table, stats_table, Acts, AttnKeep, AttnKept, GradActs, LayerActs,
+    Recompute, StepDims,
 };
 use super::kv::KvCache;
 use super::params::{LayerParams, ParamSpans};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
-use crate::backend::{AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout};
+use crate::backend::{
+    AdamWStep, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan, WeightLayout,
+};
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
 use crate::parallel::{Comm, ReduceOp, SerialComm};
@@ -122,6 +125,8 @@ pub struct Gpt2<B: Backend> {
     accumulation: usize,
     /// Activations the backward pass recomputes instead of keeping.
     recompute: Recompute,
+    /// Three-step or fused attention ([`attention_path`]).
+    attn_keep: AttnKeep,
     /// Micro-batches whose activations are kept at once (pipeline schedules run several
     /// forward passes before the first backward pass); micro-batch `j` uses set `j % in_flight`.
     in_flight: usize,
@@ -188,6 +193,7 @@ impl<B: Backend> Gpt2<B> {
         let v = be.alloc(state_n, Dtype::F32)?;
         let p = ParamSpans::new(&table, compute_params, stage);
         let g = p.on(grads);
+        let attn_keep = attention_path(&be, cfg.n_embd / cfg.n_head, compute)?;
         Ok(Gpt2 {
             cfg: cfg.clone(),
             tp,
@@ -203,6 +209,7 @@ impl<B: Backend> Gpt2<B> {
             loss_scale: 1.0,
             accumulation: 1,
             recompute: Recompute::None,
+            attn_keep,
             in_flight: 1,
             micro_batches: 0,
             p,
@@ -380,9 +387,9 @@ impl<B: Backend> Gpt2<B> {
         let el = self.compute.bytes();
         (
             self.in_flight
-                * (el * acts_table(&d, &self.stage, self.recompute).total()
-                    + Dtype::F32.bytes() * stats_table(&d, &self.stage).total()),
-            el * grad_acts_table(&d).total(),
+                * (el * acts_table(&d, &self.stage, self.recompute, self.attn_keep).total()
+                    + Dtype::F32.bytes() * stats_table(&d, &self.stage, self.attn_keep).total()),
+            el * grad_acts_table(&d, self.attn_keep).total(),
         )
     }
 
@@ -417,13 +424,13 @@ impl<B: Backend> Gpt2<B> {
         self.free_acts();
         let mut sets = Vec::with_capacity(self.in_flight);
         for _ in 0..self.in_flight {
-            let at = acts_table(&d, &self.stage, self.recompute);
-            let st = stats_table(&d, &self.stage);
+            let at = acts_table(&d, &self.stage, self.recompute, self.attn_keep);
+            let st = stats_table(&d, &self.stage, self.attn_keep);
             let ab = self.be.alloc(at.total(), self.compute)?;
             let sb = self.be.alloc(st.total(), Dtype::F32)?;
             sets.push(Acts::new(d, &self.stage, (at, ab), (st, sb)));
         }
-        let gt = grad_acts_table(&d);
+        let gt = grad_acts_table(&d, self.attn_keep);
         let gb = self.be.alloc(gt.total(), self.compute)?;
         self.acts = Some((sets, GradActs::new(gt, gb)));
         Ok(())
@@ -884,23 +891,30 @@ impl<B: Backend> Gpt2<B> {
                     c,
                 );
             }
-            if self.recompute == Recompute::Attention {
-                // The probabilities of this layer, as the forward pass computed them.
-                let _t = timers.scope("backward:attention:recompute", Fine);
-                be.attention_scores(la.att, la.qkv, ad);
-                be.attention_softmax(la.att, ad);
-            }
-            {
-                let _t = timers.scope("backward:attention:bmm", Fine);
-                be.attention_values_backward(ga.datt, ga.dqkv, ga.datty, la.att, la.qkv, ad);
-            }
-            {
-                let _t = timers.scope("backward:attention:softmax", Fine);
-                be.attention_softmax_backward(ga.datt, la.att, ad);
-            }
-            {
-                let _t = timers.scope("backward:attention:baddbmm", Fine);
-                be.attention_scores_backward(ga.dqkv, ga.datt, la.qkv, ad);
+            match la.att {
+                AttnKept::Probabilities(att) => {
+                    let datt = ga.datt.expect("datt exists with kept probabilities");
+                    if self.recompute == Recompute::Attention {
+                        // The probabilities of this layer, as the forward pass computed them.
+                        let _t = timers.scope("backward:attention:recompute", Fine);
+                        be.attention_scores(att, la.qkv, ad);
+                        be.attention_softmax(att, ad);
+                    }
+                    {
+                        let _t = timers.scope("backward:attention:bmm", Fine);
+                        be.attention_values_backward(datt, ga.dqkv, ga.datty, att, la.qkv, ad);
+                    }
+                    {
+                        let _t = timers.scope("backward:attention:softmax", Fine);
+                        be.attention_softmax_backward(datt, att, ad);
+                    }
+                    let _t = timers.scope("backward:attention:baddbmm", Fine);
+                    be.attention_scores_backward(ga.dqkv, datt, la.qkv, ad);
+                }
+                AttnKept::LogSumExp(lse) => {
+                    let _t = timers.scope("backward:attention:fused", Fine);
+                    be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
+                }
             }
             {
                 let _t = timers.scope("backward:attention:qkv", Fine);
@@ -1072,6 +1086,30 @@ struct BlockPass<'a, 'c> {
 /// One transformer block's forward pass from its input `resid` (the residual stream) into its
 /// activations `la`, ending with its output in `la.resid3`: the one block forward, run by the
 /// forward pass and again by the backward pass under [`Recompute::Full`].
+/// Environment variable that overrides the backend's attention path: `fused` or
+/// `materialized` (benchmarks and tests; default `auto`).
+pub const ATTENTION_ENV: &str = "FUGU_ATTENTION";
+
+/// Whether a model with heads of size `hs` stored as `compute` keeps attention probabilities
+/// (the three-step path) or log-sum-exps (fused): the backend's preference, unless
+/// [`ATTENTION_ENV`] says otherwise.
+fn attention_path(be: &impl Backend, hs: usize, compute: Dtype) -> Result<AttnKeep> {
+    let support = be.fused_attention(hs, compute);
+    let asked = std::env::var(ATTENTION_ENV).unwrap_or_default();
+    Ok(match (asked.as_str(), support) {
+        ("" | "auto", FusedAttention::Preferred)
+        | ("fused", FusedAttention::Available | FusedAttention::Preferred) => AttnKeep::LogSumExp,
+        ("" | "auto" | "materialized", _) => AttnKeep::Probabilities,
+        ("fused", FusedAttention::Unsupported) => bail!(
+            "{ATTENTION_ENV}=fused: the {} backend has no fused attention for heads of size \
+             {hs} stored as {}",
+            be.name(),
+            compute.name()
+        ),
+        (other, _) => bail!("{ATTENTION_ENV}={other}: expected auto, fused or materialized"),
+    })
+}
+
 fn block_forward<B: Backend>(
     be: &mut B,
     comm: &dyn Comm,
@@ -1113,18 +1151,24 @@ fn block_forward<B: Backend>(
         );
     }
     match pass {
-        Pass::Batch { .. } => {
-            {
-                let _t = timers.scope("forward:attention:baddbmm", Fine);
-                be.attention_scores(la.att, la.qkv, ad);
+        Pass::Batch { .. } => match la.att {
+            AttnKept::Probabilities(att) => {
+                {
+                    let _t = timers.scope("forward:attention:baddbmm", Fine);
+                    be.attention_scores(att, la.qkv, ad);
+                }
+                {
+                    let _t = timers.scope("forward:attention:softmax", Fine);
+                    be.attention_softmax(att, ad);
+                }
+                let _t = timers.scope("forward:attention:bmm", Fine);
+                be.attention_values(la.atty, att, la.qkv, ad);
             }
-            {
-                let _t = timers.scope("forward:attention:softmax", Fine);
-                be.attention_softmax(la.att, ad);
+            AttnKept::LogSumExp(lse) => {
+                let _t = timers.scope("forward:attention:fused", Fine);
+                be.attention_forward(la.atty, lse, la.qkv, ad);
             }
-            let _t = timers.scope("forward:attention:bmm", Fine);
-            be.attention_values(la.atty, la.att, la.qkv, ad);
-        }
+        },
         Pass::Decode { cache, pos } => {
             let _t = timers.scope("forward:attention:decode", Fine);
             let (k, v) = (cache.k(l), cache.v(l));

@@ -459,6 +459,117 @@ pub fn attention_decode<T: Float>(
         });
 }
 
+/// Fused causal attention (the reference for FlashAttention kernels): what
+/// [`attention_scores`], [`attention_softmax`] and [`attention_values`] compute, without a
+/// (T, T) tensor, plus each row's log-sum-exp for [`attention_backward_fused`].
+///
+/// * `out`: (B, T, C), **overwritten**; `lse`: (B, nh, T), **overwritten** with
+///   `ln Σ_{j≤i} exp(s_ij)` of the scaled scores `s_ij = q_i·k_j/√hs`.
+/// * Per query row: the scores, their maximum, `Σ exp` in f64 and the probabilities as
+///   [`attention_softmax`] forms them, then `out_i = Σ_j p_ij v_j`.
+pub fn attention_forward_fused<T: Float>(
+    out: &mut [T],
+    lse: &mut [T],
+    qkv: &[T],
+    b: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) {
+    check(qkv.len(), b, t, nh, hs, "attention_forward_fused");
+    let c = nh * hs;
+    assert_eq!(out.len(), b * t * c, "attention_forward_fused: out length");
+    assert_eq!(lse.len(), b * nh * t, "attention_forward_fused: lse length");
+    let alpha = scale::<T>(hs);
+    out.par_chunks_mut(t * c)
+        .zip(lse.par_chunks_mut(nh * t))
+        .zip(qkv.par_chunks(t * 3 * c))
+        .for_each(|((out, lse), qkv)| {
+            let mut w = Vec::with_capacity(t);
+            for h in 0..nh {
+                let part = |row: usize, p: usize| &qkv[row * 3 * c + p * c + h * hs..][..hs];
+                for i in 0..t {
+                    w.clear();
+                    w.extend((0..=i).map(|j| head_dot(part(i, 0), part(j, 1)) * alpha));
+                    let mx = super::crossentropy::row_max(&w);
+                    let sum = T::sum_exp_row(&w, mx);
+                    lse[h * t + i] = T::from_f64(mx.to_f64() + sum.ln());
+                    T::exp_scale_row(&mut w, mx, T::from_f64(1.0 / sum));
+                    let o = &mut out[i * c + h * hs..][..hs];
+                    o.fill(T::ZERO);
+                    for (j, &p) in w.iter().enumerate() {
+                        for (x, &v) in o.iter_mut().zip(part(j, 2)) {
+                            *x += p * v;
+                        }
+                    }
+                }
+            }
+        });
+}
+
+/// Backward of [`attention_forward_fused`] from its `out` and `lse`: with
+/// `p_ij = exp(s_ij − lse_i)`, `dp_ij = dout_i·v_j`, `Δ_i = dout_i·out_i` and
+/// `ds_ij = p_ij (dp_ij − Δ_i)`: `dq_i = Σ_j ds_ij k_j/√hs`, `dk_j = Σ_i ds_ij q_i/√hs`,
+/// `dv_j = Σ_i p_ij dout_i` (j ≤ i).
+///
+/// * `dqkv`: (B, T, 3C), **overwritten** (all three parts).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_fused<T: Float>(
+    dqkv: &mut [T],
+    dout: &[T],
+    out: &[T],
+    lse: &[T],
+    qkv: &[T],
+    b: usize,
+    t: usize,
+    nh: usize,
+    hs: usize,
+) {
+    check(qkv.len(), b, t, nh, hs, "attention_backward_fused");
+    check(dqkv.len(), b, t, nh, hs, "attention_backward_fused (dqkv)");
+    let c = nh * hs;
+    assert!(
+        dout.len() == b * t * c && out.len() == b * t * c,
+        "attention_backward_fused: dout/out length"
+    );
+    assert_eq!(
+        lse.len(),
+        b * nh * t,
+        "attention_backward_fused: lse length"
+    );
+    let alpha = scale::<T>(hs);
+    dqkv.par_chunks_mut(t * 3 * c)
+        .zip(dout.par_chunks(t * c))
+        .zip(out.par_chunks(t * c))
+        .zip(lse.par_chunks(nh * t))
+        .zip(qkv.par_chunks(t * 3 * c))
+        .for_each(|((((dqkv, dout), out), lse), qkv)| {
+            dqkv.fill(T::ZERO);
+            for h in 0..nh {
+                let head = |row: usize| h * hs + row * c..h * hs + row * c + hs;
+                let part = |row: usize, p: usize| &qkv[row * 3 * c + p * c + h * hs..][..hs];
+                for i in 0..t {
+                    let (dy, y) = (&dout[head(i)], &out[head(i)]);
+                    let delta = head_dot(dy, y);
+                    for j in 0..=i {
+                        let p = (head_dot(part(i, 0), part(j, 1)) * alpha - lse[h * t + i]).exp();
+                        let ds = p * (head_dot(dy, part(j, 2)) - delta) * alpha;
+                        let at = |row: usize, p: usize| row * 3 * c + p * c + h * hs;
+                        for d in 0..hs {
+                            dqkv[at(i, 0) + d] += ds * qkv[at(j, 1) + d];
+                            dqkv[at(j, 1) + d] += ds * qkv[at(i, 0) + d];
+                            dqkv[at(j, 2) + d] += p * dy[d];
+                        }
+                    }
+                }
+            }
+        });
+}
+
+fn head_dot<T: Float>(a: &[T], b: &[T]) -> T {
+    a.iter().zip(b).fold(T::ZERO, |acc, (&x, &y)| acc + x * y)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -579,6 +690,49 @@ mod tests {
         check_grad("dqkv", &qkv, &dqkv, |x| {
             dot(&dout, &forward(x, b, t, nh, hs).1)
         });
+    }
+
+    /// The fused reference is the three-step path without the (T, T) tensor: in f64 both
+    /// agree to rounding (T = 1, 9 and 33 rows; hs = 5), and the log-sum-exp is that of the
+    /// three-step scores. Its gradients also match finite differences through
+    /// [`attention_forward_fused`] itself.
+    #[test]
+    fn fused_matches_the_three_steps() {
+        for (b, t, nh, hs) in [(1, 1, 2, 5), (2, 9, 3, 5), (1, 33, 2, 5)] {
+            let mut rng = Rng::new(42);
+            let qkv: Vec<f64> = rng
+                .vec(b * t * 3 * nh * hs)
+                .iter()
+                .map(|x| 2.0 * x)
+                .collect();
+            let dout = rng.vec(b * t * nh * hs);
+            let (att, out) = forward(&qkv, b, t, nh, hs);
+            let mut fout = vec![f64::NAN; out.len()];
+            let mut lse = vec![f64::NAN; b * nh * t];
+            attention_forward_fused(&mut fout, &mut lse, &qkv, b, t, nh, hs);
+            assert_close("fused out", &fout, &out, 1e-13);
+            let mut scores = vec![0.0; att.len()];
+            attention_scores(Precision::F32, &mut scores, &qkv, b, t, nh, hs);
+            for (r, &l) in lse.iter().enumerate() {
+                let row = &scores[r * t..][..=r % t];
+                let want = row.iter().map(|s| s.exp()).sum::<f64>().ln();
+                assert!((l - want).abs() < 1e-12, "lse[{r}] {l} vs {want}");
+            }
+            let mut fdqkv = vec![f64::NAN; qkv.len()];
+            attention_backward_fused(&mut fdqkv, &dout, &fout, &lse, &qkv, b, t, nh, hs);
+            assert_close(
+                "fused dqkv",
+                &fdqkv,
+                &backward(&dout, &att, &qkv, b, t, nh, hs),
+                1e-12,
+            );
+            check_grad("fused dqkv", &qkv, &fdqkv, |x| {
+                let mut o = vec![0.0; out.len()];
+                let mut l = vec![0.0; lse.len()];
+                attention_forward_fused(&mut o, &mut l, x, b, t, nh, hs);
+                dot(&dout, &o)
+            });
+        }
     }
 
     /// The f32 path (fugu-gemm strided batches over the fused layouts) against the f64 loop.

@@ -22,7 +22,7 @@ use super::gemm::{op_gemms, GemmCall, GemmRates, Pass};
 use super::network::{Group, Network};
 use crate::config::ModelConfig;
 use crate::metrics::flops::megatron_flops_per_step;
-use crate::model::acts::{acts_table, grad_acts_table, stats_table, Recompute, StepDims};
+use crate::model::acts::{acts_table, grad_acts_table, stats_table, AttnKeep, Recompute, StepDims};
 use crate::model::stage::Stage;
 use crate::model::table::{gpt2_stage_params, padded_vocab};
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
@@ -639,7 +639,7 @@ fn sum_prefix(t: &BTreeMap<String, f64>, prefix: &str) -> f64 {
 
 /// Memory per rank (GiB), the run header's accounting: parameters and gradients (f32), AdamW
 /// moments (the owned share under ZeRO-1), the in-flight micro-batches' activations and
-/// statistics, and the backward scratch.
+/// statistics, and the backward scratch (the CPU's three-step attention keeps probabilities).
 fn memory_gib(
     cfg: &ModelConfig,
     seq_len: usize,
@@ -661,7 +661,9 @@ fn memory_gib(
     let in_flight = (stage.count - stage.index).min(l.micro_batches);
     let acts = in_flight
         * 4
-        * (acts_table(&d, stage, Recompute::None).total() + stats_table(&d, stage).total());
-    let bytes = 8 * params + 8 * owned + acts + 4 * grad_acts_table(&d).total();
+        * (acts_table(&d, stage, Recompute::None, AttnKeep::Probabilities).total()
+            + stats_table(&d, stage, AttnKeep::Probabilities).total());
+    let bytes =
+        8 * params + 8 * owned + acts + 4 * grad_acts_table(&d, AttnKeep::Probabilities).total();
     bytes as f64 / (1u64 << 30) as f64
 }

@@ -17,6 +17,8 @@ use std::sync::Arc;
 pub struct DriverEngine {
     /// cuBLAS may use TF32 tensor cores for f32 GEMMs (`--tf32`).
     tf32: bool,
+    /// Compute capability major version.
+    major: i32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -98,6 +100,7 @@ impl DriverEngine {
         let tf32 = if settings.tf32 { ", TF32" } else { "" };
         Ok(DriverEngine {
             tf32: settings.tf32,
+            major,
             ctx,
             stream,
             blas,
@@ -185,6 +188,10 @@ impl Engine for DriverEngine {
 
     fn max_blocks(&self) -> u32 {
         65_535
+    }
+
+    fn mma_16bit(&self) -> bool {
+        self.major >= 8
     }
 
     fn free_bytes(&self) -> Option<usize> {

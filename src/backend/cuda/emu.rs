@@ -132,6 +132,10 @@ impl Engine for Emulator {
         32
     }
 
+    fn mma_16bit(&self) -> bool {
+        true
+    }
+
     fn free_bytes(&self) -> Option<usize> {
         None
     }

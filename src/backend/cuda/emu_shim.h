@@ -131,6 +131,23 @@ static inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
     return r;
 }
 
+// Warp-collective helpers for kernels.cu's emulated mma: every lane of a warp publishes up to
+// FUGU_EMU_WARP_WORDS words, waits one scheduler round (the whole warp has published), reads
+// the warp's 32 × FUGU_EMU_WARP_WORDS words, and releases them with a second round, as
+// __shfl_xor_sync does.
+#define FUGU_EMU_WARP_WORDS 8
+namespace fugu_emu {
+static std::vector<unsigned> warp_words;
+}
+static inline const unsigned* fugu_emu_warp_publish(const unsigned* w, int n) {
+    fugu_emu::warp_words.resize((size_t)blockDim.x * FUGU_EMU_WARP_WORDS);
+    memcpy(&fugu_emu::warp_words[(size_t)threadIdx.x * FUGU_EMU_WARP_WORDS], w,
+           (size_t)n * sizeof *w);
+    fugu_emu::yield();
+    return &fugu_emu::warp_words[(size_t)(threadIdx.x & ~31u) * FUGU_EMU_WARP_WORDS];
+}
+static inline void fugu_emu_warp_release() { fugu_emu::yield(); }
+
 static inline float __int_as_float(int x) {
     float f;
     memcpy(&f, &x, sizeof f);

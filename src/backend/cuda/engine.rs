@@ -65,6 +65,9 @@ pub trait Engine {
     /// Most blocks per launch (every kernel is grid-stride, so any grid covers its work; the
     /// emulator keeps grids small because each block costs it 256 fiber starts).
     fn max_blocks(&self) -> u32;
+    /// Whether the device runs `mma.m16n8k16` on bf16/f16 operands (sm_80 and newer; the
+    /// emulator emulates it): the fused attention kernels need it.
+    fn mma_16bit(&self) -> bool;
     /// Free device memory in bytes, when known (for out-of-memory messages).
     fn free_bytes(&self) -> Option<usize>;
     fn alloc(&mut self, bytes: usize) -> Result<DevAlloc>;

@@ -468,6 +468,458 @@ __device__ void attention_decode_k(T* out, const T* q, const T* kc, const T* vc,
 FOR_TYPES(DEF)
 #undef DEF
 
+// ---- fused (flash) attention (ops/attention.rs, attention_forward_fused / _backward_fused) ---
+//
+// FlashAttention-2 on the tensor cores, for the 16-bit storage types only (FOR_HALF_TYPES; the
+// host never selects it for f32, or on a GPU older than sm_80): the (T, T) probabilities are
+// never stored. A block of FA_THREADS threads (4 warps) owns 64 query rows (forward, dQ) or 64
+// keys (dK, dV) of one (sequence, head); each warp 16 of them. Tiles of 64 rows × hs (hs ≤ 64,
+// zero-padded to 64 columns) go through shared memory, row-major and, where a product needs
+// it, transposed (row stride FA_LDS = 72 elements: the fragment loads of a warp hit 32
+// different banks). Products are mma.m16n8k16 (16-bit operands, f32 accumulation): the
+// accumulator layout of S = Q·Kᵀ is the A-operand layout of P·V, so probabilities go from
+// registers to the next product without shared memory. P and dS are rounded to T for their
+// products (as the materialized path stores them). Softmax statistics are f32.
+//
+// Backward: no atomics (the rest of this file is deterministic, and so is this). One kernel
+// computes dQ (and Δ = rowsum(dO ∘ O)) per query block, looping over keys; a second computes
+// dK and dV per key block, looping over queries. S and dP are computed in both: seven
+// 64×64×hs products per tile pair instead of FlashAttention-2's five, for bit-reproducibility.
+// Every warp of a block runs the same loop (masking is done on values), which the host
+// emulator's warp-collective mma needs.
+
+#define FA_ROWS 64
+#define FA_D 64
+#define FA_LDS 72
+#define FA_THREADS 128
+#define POS_INF __int_as_float(0x7f800000)
+#define FOR_HALF_TYPES(X) X(bf16, bf16) X(f16, f16)
+
+#ifdef __CUDACC_RTC__
+template <typename T>
+__device__ u32 ld32(const T* p) {
+    return *reinterpret_cast<const u32*>(p);
+}
+// 16 bytes (8 elements) at a 16-byte-aligned address.
+template <typename T>
+__device__ void ld128(u32* w, const T* p) {
+    uint4 x = *reinterpret_cast<const uint4*>(p);
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+}
+template <typename T>
+__device__ void st128(T* p, const u32* w) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+// c (16×8, f32) += a (16×16) · b (16×8), the PTX fragment layouts: lane = 4·g + t holds
+// a{0,1,2,3} = A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]; b{0,1} = B[2t..][g],
+// B[2t+8..][g]; c{0,1,2,3} = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1] (pairs: low half
+// first).
+__device__ void mma16816(float* c, const u32* a, const u32* b, bf16) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // never launched below sm_80 (CudaBackend::fused_attention)
+#endif
+}
+__device__ void mma16816(float* c, const u32* a, const u32* b, f16) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+#else
+// The host emulator: the same fragment layouts, products of the widened values summed in f32
+// in k order (a GPU's summation order inside the instruction is unspecified).
+template <typename T>
+__device__ u32 ld32(const T* p) {
+    u32 w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+template <typename T>
+__device__ void ld128(u32* w, const T* p) {
+    memcpy(w, p, 16);
+}
+template <typename T>
+__device__ void st128(T* p, const u32* w) {
+    memcpy(p, w, 16);
+}
+template <typename T>
+__device__ float half_of(u32 w, int k) {
+    T x;
+    x.bits = (unsigned short)((k & 1) ? w >> 16 : w & 0xffffu);
+    return ld(x);
+}
+template <typename T>
+__device__ void mma16816(float* c, const u32* a, const u32* b, T) {
+    u32 mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    const u32* all = fugu_emu_warp_publish(mine, 6);
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    for (int e = 0; e < 4; e++) {
+        int row = g + (e >> 1) * 8, col = 2 * t + (e & 1);
+        float acc = 0.0f;
+        for (int k = 0; k < 16; k++) {
+            int la = (row & 7) * 4 + ((k & 7) >> 1), ra = (row >> 3) + 2 * (k >> 3);
+            int lb = col * 4 + ((k & 7) >> 1), rb = k >> 3;
+            acc += half_of<T>(all[la * FUGU_EMU_WARP_WORDS + ra], k) *
+                   half_of<T>(all[lb * FUGU_EMU_WARP_WORDS + 4 + rb], k);
+        }
+        c[e] += acc;
+    }
+    fugu_emu_warp_release();
+}
+#endif
+
+// Two values rounded to T, packed low first (an mma operand register).
+template <typename T>
+__device__ u32 pack2(float lo, float hi) {
+    T a, b;
+    st(a, lo);
+    st(b, hi);
+    return (u32)a.bits | ((u32)b.bits << 16);
+}
+
+// Whether a tile's rows can be copied 8 elements (16 bytes) at a time.
+template <typename T>
+__device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
+    return (hs % 8) == 0 && (ldq % 8) == 0 && ((unsigned long long)base % 16) == 0;
+}
+
+// Rows row0 .. row0+64 (columns 0 .. hs) of a row-major matrix with row stride `ldq` into a
+// 64 × FA_D tile `s` (row stride FA_LDS) and/or its transpose `sT` (FA_D × 64), zero beyond
+// row Tn and column hs. `s` or `sT` may be null.
+template <typename T>
+__device__ void fa_load(T* s, T* sT, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
+    T z;
+    z.bits = 0;
+    if (vec) {
+        for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
+            int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
+            u32 w[4] = {0, 0, 0, 0};
+            if (row0 + r < Tn && c < hs) ld128(w, src + (row0 + r) * ldq + c);
+            if (s) st128(s + r * FA_LDS + c, w);
+            if (sT)
+                for (int j = 0; j < 8; j++)
+                    sT[(c + j) * FA_LDS + r].bits = (unsigned short)(w[j / 2] >> (16 * (j % 2)));
+        }
+    } else {
+        for (int i = threadIdx.x; i < FA_ROWS * FA_D; i += blockDim.x) {
+            int r = i / FA_D, c = i % FA_D;
+            T v = (row0 + r < Tn && c < hs) ? src[(row0 + r) * ldq + c] : z;
+            if (s) s[r * FA_LDS + c] = v;
+            if (sT) sT[c * FA_LDS + r] = v;
+        }
+    }
+}
+
+// The A fragments (16 rows from `row`, the head dimension in chunks of 16) of a tile.
+template <typename T>
+__device__ void fa_a_frags(u32 (*a)[4], const T* s, int row, int kchunks) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kd = 0; kd < FA_D / 16; kd++) {
+        if (kd >= kchunks) {
+            a[kd][0] = a[kd][1] = a[kd][2] = a[kd][3] = 0;
+            continue;
+        }
+        const T* p = s + (row + g) * FA_LDS + kd * 16 + 2 * t;
+        a[kd][0] = ld32(p);
+        a[kd][1] = ld32(p + 8 * FA_LDS);
+        a[kd][2] = ld32(p + 8);
+        a[kd][3] = ld32(p + 8 * FA_LDS + 8);
+    }
+}
+
+// acc (16 × 64) = A (16 × hs, fragments) · Bᵀ, B the 64 rows of tile `s` (64 × hs).
+template <typename T>
+__device__ void fa_mma_abt(float (*acc)[4], u32 (*a)[4], const T* s, int kchunks) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < FA_ROWS / 8; n++) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+        for (int kd = 0; kd < FA_D / 16; kd++) {
+            if (kd >= kchunks) continue;
+            const T* p = s + (n * 8 + g) * FA_LDS + kd * 16 + 2 * t;
+            u32 b[2] = {ld32(p), ld32(p + 8)};
+            mma16816(acc[n], a[kd], b, T());
+        }
+    }
+}
+
+// acc (16 × hs) += P (16 × 64, accumulator layout, rounded to T) · B, B (64 × hs) given by
+// its transpose `sT` (hs × 64).
+template <typename T>
+__device__ void fa_mma_pb(float (*acc)[4], float (*p)[4], const T* sT, int nchunks) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < FA_ROWS / 16; kk++) {
+        u32 a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                    pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                    pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int nd = 0; nd < FA_D / 8; nd++) {
+            if (nd >= nchunks) continue;
+            const T* q = sT + (nd * 8 + g) * FA_LDS + kk * 16 + 2 * t;
+            u32 b[2] = {ld32(q), ld32(q + 8)};
+            mma16816(acc[nd], a, b, T());
+        }
+    }
+}
+
+__device__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Stores a warp's 16 × hs accumulator tile times `mul` at rows row0.. of a row-major matrix
+// (row stride ldq; rows from Tn on and columns from hs on are dropped); `div` (two per lane,
+// its rows g and g + 8) divides.
+template <typename T>
+__device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int hs, float mul,
+                         const float* div) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    for (int nd = 0; nd < FA_D / 8; nd++)
+        for (int e = 0; e < 4; e++) {
+            i64 row = row0 + g + (e >> 1) * 8;
+            int c = nd * 8 + 2 * t + (e & 1);
+            if (row < Tn && c < hs) st(dst[row * ldq + c], acc[nd][e] * mul / div[e >> 1]);
+        }
+}
+
+// Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
+// Item = (query block, sequence, head), the longest query blocks first.
+template <typename T>
+__device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
+                                i64 hs_, float scale) {
+    __shared__ T sK[FA_ROWS * FA_LDS];
+    __shared__ T sVt[FA_D * FA_LDS];
+    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
+        t = lane & 3;
+    int kch = (hs + 15) / 16, nch = (hs + 7) / 8;
+    i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    bool vec = fa_vec_ok(qkv, hs, ldq);
+    for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
+        i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
+        i64 q0 = qb * FA_ROWS, r0 = q0 + warp * 16 + g;
+        const T* base = qkv + b * Tn * ldq + h * hs;
+        __syncthreads();
+        fa_load(sK, (T*)0, base, q0, Tn, ldq, hs, vec);
+        __syncthreads();
+        u32 qa[FA_D / 16][4];
+        fa_a_frags(qa, sK, warp * 16, kch);
+        float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+        float o[FA_D / 8][4];
+        for (int nd = 0; nd < FA_D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+        for (i64 kb = 0; kb <= qb; kb++) {
+            __syncthreads();
+            fa_load(sK, (T*)0, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            fa_load((T*)0, sVt, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            __syncthreads();
+            float s[FA_ROWS / 8][4];
+            fa_mma_abt(s, qa, sK, kch);
+            float mx[2] = {m[0], m[1]};
+            for (int n = 0; n < FA_ROWS / 8; n++)
+                for (int e = 0; e < 4; e++) {
+                    i64 col = kb * FA_ROWS + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
+                    s[n][e] = col <= row ? s[n][e] * scale : NEG_INF;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                }
+            for (int r = 0; r < 2; r++) {
+                // Column 0 is in every row's first key block: m is finite from then on.
+                mx[r] = quad_max(mx[r]);
+                float corr = expf(m[r] - mx[r]);
+                m[r] = mx[r];
+                l[r] *= corr;
+                for (int nd = 0; nd < FA_D / 8; nd++) {
+                    o[nd][2 * r] *= corr;
+                    o[nd][2 * r + 1] *= corr;
+                }
+            }
+            for (int n = 0; n < FA_ROWS / 8; n++)
+                for (int e = 0; e < 4; e++) {
+                    s[n][e] = expf(s[n][e] - m[e >> 1]);
+                    l[e >> 1] += s[n][e];
+                }
+            fa_mma_pb(o, s, sVt, nch);
+        }
+        l[0] = quad_sum(l[0]);
+        l[1] = quad_sum(l[1]);
+        fa_store(out + b * Tn * C + h * hs, o, q0 + warp * 16, Tn, C, hs, 1.0f, l);
+        for (int r = 0; r < 2; r++)
+            if (t == 0 && r0 + 8 * r < Tn) lse[bh * Tn + r0 + 8 * r] = m[r] + logf(l[r]);
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void flash_forward_##S(T* out, float* lse, const T* qkv, i64 B,   \
+                                                 i64 Tn, i64 nh, i64 hs, float scale) {      \
+        flash_forward_k(out, lse, qkv, B, Tn, nh, hs, scale);                               \
+    }
+FOR_HALF_TYPES(DEF)
+#undef DEF
+
+// Backward, part 1: the Q columns of dqkv, and delta (B, nh, T) = rowsum(dout ∘ out), which
+// part 2 reads. Item = (query block, sequence, head), the longest first.
+template <typename T>
+__device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
+                                    const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
+                                    i64 hs_, float scale) {
+    __shared__ T sK[FA_ROWS * FA_LDS];
+    __shared__ T sKt[FA_D * FA_LDS];
+    __shared__ T sV[FA_ROWS * FA_LDS];
+    __shared__ float sL[FA_ROWS], sD[FA_ROWS];
+    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
+        t = lane & 3;
+    int kch = (hs + 15) / 16, nch = (hs + 7) / 8;
+    i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
+    for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
+        i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
+        i64 q0 = qb * FA_ROWS, r0 = q0 + warp * 16 + g;
+        const T* base = qkv + b * Tn * ldq + h * hs;
+        const T* dob = dout + b * Tn * C + h * hs;
+        const T* ob = out + b * Tn * C + h * hs;
+        __syncthreads();
+        fa_load(sK, (T*)0, base, q0, Tn, ldq, hs, vec);
+        fa_load(sV, (T*)0, dob, q0, Tn, C, hs, vec_o);
+        __syncthreads();
+        u32 qa[FA_D / 16][4], da[FA_D / 16][4];
+        fa_a_frags(qa, sK, warp * 16, kch);
+        fa_a_frags(da, sV, warp * 16, kch);
+        if (threadIdx.x < FA_ROWS) {
+            i64 row = q0 + threadIdx.x;
+            float dsum = 0.0f, lv = POS_INF;  // rows past T: probabilities 0
+            if (row < Tn) {
+                for (int c = 0; c < hs; c++)
+                    dsum += ld(sV[threadIdx.x * FA_LDS + c]) * ld(ob[row * C + c]);
+                delta[bh * Tn + row] = dsum;
+                lv = lse[bh * Tn + row];
+            }
+            sD[threadIdx.x] = dsum;
+            sL[threadIdx.x] = lv;
+        }
+        __syncthreads();
+        float lr[2] = {sL[warp * 16 + g], sL[warp * 16 + g + 8]};
+        float dr[2] = {sD[warp * 16 + g], sD[warp * 16 + g + 8]};
+        float dq[FA_D / 8][4];
+        for (int nd = 0; nd < FA_D / 8; nd++)
+            dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.0f;
+        for (i64 kb = 0; kb <= qb; kb++) {
+            __syncthreads();
+            fa_load(sK, sKt, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            fa_load(sV, (T*)0, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            __syncthreads();
+            float s[FA_ROWS / 8][4], dp[FA_ROWS / 8][4];
+            fa_mma_abt(s, qa, sK, kch);
+            fa_mma_abt(dp, da, sV, kch);
+            for (int n = 0; n < FA_ROWS / 8; n++)
+                for (int e = 0; e < 4; e++) {
+                    i64 col = kb * FA_ROWS + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
+                    float p = col <= row ? expf(s[n][e] * scale - lr[e >> 1]) : 0.0f;
+                    s[n][e] = p * (dp[n][e] - dr[e >> 1]);
+                }
+            fa_mma_pb(dq, s, sKt, nch);
+        }
+        float one[2] = {1.0f, 1.0f};
+        fa_store(dqkv + b * Tn * ldq + h * hs, dq, q0 + warp * 16, Tn, ldq, hs, scale, one);
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void flash_backward_dq_##S(T* dqkv, float* delta, const T* dout,  \
+                                                     const T* out, const float* lse,         \
+                                                     const T* qkv, i64 B, i64 Tn, i64 nh,    \
+                                                     i64 hs, float scale) {                  \
+        flash_backward_dq_k(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, hs, scale);        \
+    }
+FOR_HALF_TYPES(DEF)
+#undef DEF
+
+// Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, head), the
+// longest (first key blocks) first; each block runs over the query blocks from its own on.
+template <typename T>
+__device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
+                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
+                                     i64 hs_, float scale) {
+    __shared__ T sQ[FA_ROWS * FA_LDS];
+    __shared__ T sQt[FA_D * FA_LDS];
+    __shared__ T sO[FA_ROWS * FA_LDS];
+    __shared__ T sOt[FA_D * FA_LDS];
+    __shared__ float sL[FA_ROWS], sD[FA_ROWS];
+    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
+        t = lane & 3;
+    int kch = (hs + 15) / 16, nch = (hs + 7) / 8;
+    i64 C = nh * hs, ldq = 3 * C, nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
+    for (i64 item = blockIdx.x; item < B * nh * nkb; item += gridDim.x) {
+        i64 kb = item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
+        i64 k0 = kb * FA_ROWS, key0 = k0 + warp * 16 + g;
+        const T* base = qkv + b * Tn * ldq + h * hs;
+        const T* dob = dout + b * Tn * C + h * hs;
+        __syncthreads();
+        fa_load(sQ, (T*)0, base + C, k0, Tn, ldq, hs, vec);
+        fa_load(sO, (T*)0, base + 2 * C, k0, Tn, ldq, hs, vec);
+        __syncthreads();
+        u32 ka[FA_D / 16][4], va[FA_D / 16][4];
+        fa_a_frags(ka, sQ, warp * 16, kch);
+        fa_a_frags(va, sO, warp * 16, kch);
+        float dk[FA_D / 8][4], dv[FA_D / 8][4];
+        for (int nd = 0; nd < FA_D / 8; nd++)
+            for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.0f;
+        for (i64 qb = kb; qb < nkb; qb++) {
+            i64 q0 = qb * FA_ROWS;
+            __syncthreads();
+            fa_load(sQ, sQt, base, q0, Tn, ldq, hs, vec);
+            fa_load(sO, sOt, dob, q0, Tn, C, hs, vec_o);
+            if (threadIdx.x < FA_ROWS) {
+                i64 row = q0 + threadIdx.x;
+                sL[threadIdx.x] = row < Tn ? lse[bh * Tn + row] : POS_INF;
+                sD[threadIdx.x] = row < Tn ? delta[bh * Tn + row] : 0.0f;
+            }
+            __syncthreads();
+            // Transposed scores: rows are this warp's keys, columns the block's queries.
+            float p[FA_ROWS / 8][4], ds[FA_ROWS / 8][4];
+            fa_mma_abt(p, ka, sQ, kch);
+            fa_mma_abt(ds, va, sO, kch);
+            for (int n = 0; n < FA_ROWS / 8; n++)
+                for (int e = 0; e < 4; e++) {
+                    int qi = n * 8 + 2 * t + (e & 1);
+                    i64 key = key0 + (e >> 1) * 8;
+                    float pv = q0 + qi >= key ? expf(p[n][e] * scale - sL[qi]) : 0.0f;
+                    p[n][e] = pv;
+                    ds[n][e] = pv * (ds[n][e] - sD[qi]);
+                }
+            fa_mma_pb(dv, p, sOt, nch);
+            fa_mma_pb(dk, ds, sQt, nch);
+        }
+        float one[2] = {1.0f, 1.0f};
+        T* dst = dqkv + b * Tn * ldq + h * hs;
+        fa_store(dst + C, dk, k0 + warp * 16, Tn, ldq, hs, scale, one);
+        fa_store(dst + 2 * C, dv, k0 + warp * 16, Tn, ldq, hs, 1.0f, one);
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void flash_backward_dkv_##S(T* dqkv, const float* delta,           \
+                                                      const T* dout, const float* lse,       \
+                                                      const T* qkv, i64 B, i64 Tn, i64 nh,   \
+                                                      i64 hs, float scale) {                 \
+        flash_backward_dkv_k(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale);            \
+    }
+FOR_HALF_TYPES(DEF)
+#undef DEF
+
 // ---- pointwise (ops/gelu.rs, ops/residual.rs) -------------------------------------------
 
 #define GELU_K 0.7978845608028654f  // sqrt(2/pi)

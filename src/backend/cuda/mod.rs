@@ -27,7 +27,9 @@ pub mod emu;
 pub mod engine;
 
 use super::WeightLayout;
-use super::{AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Dtype, Span, TokSpan};
+use super::{
+    AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Dtype, FusedAttention, Span, TokSpan,
+};
 use crate::ops::attention::Heads;
 use anyhow::Result;
 use engine::{Arg, DevAlloc, Engine, GemmCall};
@@ -63,42 +65,56 @@ const COLUMN_CHUNK_ROWS: usize = 64;
 /// The storage types every kernel is instantiated for, in the order of their `_<type>` name
 /// suffixes in [`kernel_names`] (`FOR_TYPES` in `kernels.cu`).
 const KERNEL_TYPES: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
+/// The storage types of the tensor-core kernels (`FOR_HALF_TYPES`).
+const HALF_KERNEL_TYPES: [Dtype; 2] = [Dtype::Bf16, Dtype::F16];
 
 macro_rules! kernels {
-    ($($name:ident),* $(,)?) => {
-        /// The kernel templates of `kernels.cu` the backend launches, in the order of [`K`].
+    ($($name:ident),* $(,)?; half: $($half:ident),* $(,)?) => {
+        /// The kernel templates of `kernels.cu` the backend launches, in the order of [`K`]:
+        /// those instantiated for every type, then those for the 16-bit types only.
         const KERNEL_BASES: &[&str] = &[$(stringify!($name)),*];
+        const HALF_KERNEL_BASES: &[&str] = &[$(stringify!($half)),*];
 
         /// Kernel templates; [`kernel_index`] picks an instantiation.
         #[allow(non_camel_case_types)]
         #[derive(Clone, Copy, Debug)]
         enum K {
             $($name,)*
+            $($half,)*
         }
     };
 }
 
 /// Names of the `extern "C"` kernels of `kernels.cu`: every template of [`K`] once per
-/// storage type (`layernorm_forward_f32`, `layernorm_forward_bf16`, ...), indexed by
-/// [`kernel_index`].
+/// storage type it is instantiated for (`layernorm_forward_f32`, `layernorm_forward_bf16`,
+/// ..., `flash_forward_bf16`, `flash_forward_f16`), indexed by [`kernel_index`].
 pub fn kernel_names() -> Vec<String> {
-    KERNEL_BASES
-        .iter()
-        .flat_map(|k| {
-            KERNEL_TYPES
-                .iter()
-                .map(move |t| format!("{k}_{}", t.name()))
-        })
+    let each = |bases: &'static [&str], types: &'static [Dtype]| {
+        bases
+            .iter()
+            .flat_map(move |k| types.iter().map(move |t| format!("{k}_{}", t.name())))
+    };
+    each(KERNEL_BASES, &KERNEL_TYPES)
+        .chain(each(HALF_KERNEL_BASES, &HALF_KERNEL_TYPES))
         .collect()
 }
 
 /// Index into [`kernel_names`] of template `k` instantiated for storage type `dt`.
 fn kernel_index(k: K, dt: Dtype) -> usize {
-    let t = KERNEL_TYPES
+    let (k, types, first): (usize, &[Dtype], usize) =
+        match (k as usize).checked_sub(KERNEL_BASES.len()) {
+            None => (k as usize, &KERNEL_TYPES, 0),
+            Some(h) => (
+                h,
+                &HALF_KERNEL_TYPES,
+                KERNEL_BASES.len() * KERNEL_TYPES.len(),
+            ),
+        };
+    let t = types
         .iter()
         .position(|&x| x == dt)
-        .expect("every Dtype has kernels");
-    k as usize * KERNEL_TYPES.len() + t
+        .unwrap_or_else(|| panic!("kernel {k} has no {} instantiation", dt.name()));
+    first + k * types.len() + t
 }
 
 kernels!(
@@ -123,7 +139,11 @@ kernels!(
     ce_target_logit,
     ce_finish,
     adamw,
-    sum_of_squares,
+    sum_of_squares;
+    half:
+    flash_forward,
+    flash_backward_dq,
+    flash_backward_dkv,
 );
 
 /// Device memory of one buffer (`None` for zero-length and freed buffers), its length in
@@ -157,6 +177,9 @@ pub struct CudaBackend {
     partials: Scratch,
     indices: Scratch,
     sos: Scratch,
+    /// Fused attention's row sums Δ = rowsum(dout ∘ out) (floats), between its two backward
+    /// kernels.
+    attn_delta: Scratch,
     /// Device arrays of matrix pointers for the batched attention GEMMs, by content (the
     /// activation buffers keep their addresses, so after the first step every lookup hits).
     ptr_arrays: std::collections::HashMap<Vec<u64>, DevAlloc>,
@@ -193,6 +216,7 @@ impl CudaBackend {
             partials: Scratch::default(),
             indices: Scratch::default(),
             sos: Scratch::default(),
+            attn_delta: Scratch::default(),
             ptr_arrays: Default::default(),
         }
     }
@@ -1127,6 +1151,61 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn fused_attention(&self, hs: usize, dt: Dtype) -> FusedAttention {
+        // The kernels hold a head in 64 columns of 16-bit values and multiply on the tensor
+        // cores (flash_* in kernels.cu).
+        if dt != Dtype::F32 && hs <= FLASH_MAX_HEAD && self.eng.mma_16bit() {
+            FusedAttention::Preferred
+        } else {
+            FusedAttention::Unsupported
+        }
+    }
+
+    fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims) {
+        let dt = self.fused_dtype(d, &[out, qkv], "attention_forward");
+        assert!(
+            out.len == d.b * d.t * d.nh * d.hs && lse.len == d.b * d.nh * d.t,
+            "attention_forward: out/lse length"
+        );
+        assert_eq!(self.dt(lse), Dtype::F32, "attention_forward: lse is f32");
+        let mut args = vec![Arg::Ptr(self.ptr(out)), Arg::Ptr(self.ptr(lse))];
+        args.extend(self.flash_args(qkv, d));
+        self.launch(
+            K::flash_forward,
+            dt,
+            self.flash_grid(d),
+            FLASH_THREADS,
+            0,
+            &args,
+        );
+    }
+
+    fn attention_backward(
+        &mut self,
+        dqkv: Span,
+        dout: Span,
+        out: Span,
+        lse: Span,
+        qkv: Span,
+        d: AttnDims,
+    ) {
+        let dt = self.fused_dtype(d, &[dqkv, dout, out, qkv], "attention_backward");
+        assert!(
+            dqkv.len == qkv.len && dout.len == out.len && lse.len == d.b * d.nh * d.t,
+            "attention_backward: lengths"
+        );
+        let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
+        let (grid, tail) = (self.flash_grid(d), self.flash_args(qkv, d));
+        let (dq, dy, y, l) = (self.ptr(dqkv), self.ptr(dout), self.ptr(out), self.ptr(lse));
+        let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(y)];
+        args.push(Arg::Ptr(l));
+        args.extend(tail.iter().copied());
+        self.launch(K::flash_backward_dq, dt, grid, FLASH_THREADS, 0, &args);
+        let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
+        args.extend(tail);
+        self.launch(K::flash_backward_dkv, dt, grid, FLASH_THREADS, 0, &args);
+    }
+
     fn attention_decode(
         &mut self,
         out: Span,
@@ -1366,6 +1445,51 @@ impl Backend for CudaBackend {
 }
 
 /// `1/√hs`, the value the CPU op uses.
+/// Threads per block of the fused attention kernels (`FA_THREADS`) and the largest head they
+/// hold (`FA_D`); a block owns `FLASH_ROWS` query rows or keys (`FA_ROWS`).
+const FLASH_THREADS: u32 = 128;
+const FLASH_MAX_HEAD: usize = 64;
+const FLASH_ROWS: usize = 64;
+
+impl CudaBackend {
+    /// The common storage type of the fused attention's tensors, checked.
+    fn fused_dtype(&self, d: AttnDims, spans: &[Span], what: &str) -> Dtype {
+        let dt = self.dt(spans[0]);
+        assert!(
+            spans.iter().all(|&s| self.dt(s) == dt)
+                && self.fused_attention(d.hs, dt) != FusedAttention::Unsupported,
+            "{what}: no fused attention for head size {} in {}",
+            d.hs,
+            dt.name()
+        );
+        dt
+    }
+
+    /// One block per (64-row block, sequence, head), up to the engine's grid limit (the
+    /// kernels loop over the rest).
+    fn flash_grid(&self, d: AttnDims) -> u64 {
+        let items = d.t.div_ceil(FLASH_ROWS) * d.b * d.nh;
+        (items as u64).min(self.eng.max_blocks() as u64)
+    }
+
+    /// The fused kernels' trailing arguments: qkv, B, T, nh, hs, scale.
+    fn flash_args(&self, qkv: Span, d: AttnDims) -> [Arg; 6] {
+        assert_eq!(
+            qkv.len,
+            d.b * d.t * 3 * d.nh * d.hs,
+            "fused attention: qkv length"
+        );
+        [
+            Arg::Ptr(self.ptr(qkv)),
+            Arg::I64(d.b as i64),
+            Arg::I64(d.t as i64),
+            Arg::I64(d.nh as i64),
+            Arg::I64(d.hs as i64),
+            Arg::F32(attention_scale(d.hs)),
+        ]
+    }
+}
+
 fn attention_scale(hs: usize) -> f32 {
     crate::ops::attention::scale::<f32>(hs)
 }
