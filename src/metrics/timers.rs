@@ -73,6 +73,8 @@ pub mod names {
     pub const FORWARD_ATTENTION_BADDBMM: &str = "forward:attention:baddbmm";
     pub const FORWARD_ATTENTION_SOFTMAX: &str = "forward:attention:softmax";
     pub const FORWARD_ATTENTION_BMM: &str = "forward:attention:bmm";
+    /// Fused attention (scores, softmax and values in one kernel).
+    pub const FORWARD_ATTENTION_FUSED: &str = "forward:attention:fused";
     pub const FORWARD_ATTENTION_PROJ: &str = "forward:attention:proj";
     /// Optional parent of the `forward:mlp:*` ops (synthesised if not timed).
     pub const FORWARD_MLP: &str = "forward:mlp";
@@ -91,6 +93,7 @@ pub mod names {
     pub const BACKWARD_ATTENTION_BADDBMM: &str = "backward:attention:baddbmm";
     pub const BACKWARD_ATTENTION_SOFTMAX: &str = "backward:attention:softmax";
     pub const BACKWARD_ATTENTION_BMM: &str = "backward:attention:bmm";
+    pub const BACKWARD_ATTENTION_FUSED: &str = "backward:attention:fused";
     pub const BACKWARD_ATTENTION_PROJ: &str = "backward:attention:proj";
     /// Optional parent of the `backward:mlp:*` ops (synthesised if not timed).
     pub const BACKWARD_MLP: &str = "backward:mlp";
@@ -376,7 +379,7 @@ pub struct Breakdown {
     /// Mean step time, ms.
     pub step_ms: f64,
     pub rows: Vec<BreakdownRow>,
-    /// Share of the step in GEMM-bound ops (`attention:qkv|baddbmm|bmm|proj`, `mlp:mm`,
+    /// Share of the step in GEMM-bound ops (`attention:qkv|baddbmm|bmm|fused|proj`, `mlp:mm`,
     /// `lm-head`, forward and backward), percent. Meaningful at `--timers fine`.
     pub gemm_pct: f64,
     /// Share of the step in the other compute ops (`attention:softmax`, `layernorm`,
@@ -398,7 +401,7 @@ pub struct OutsideStep {
 }
 
 const OTHER: &str = "(other)";
-const GEMM_OPS: &[&str] = &["qkv", "baddbmm", "bmm", "proj", "mm", "lm-head"];
+const GEMM_OPS: &[&str] = &["qkv", "baddbmm", "bmm", "fused", "proj", "mm", "lm-head"];
 const NON_GEMM_OPS: &[&str] = &[
     "softmax",
     "layernorm",

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 pub enum Category {
     /// Linear layers: `qkv`, `proj`, `mlp:mm`, `lm-head` (forward and backward).
     Gemm,
-    /// Attention scores, softmax and context (`baddbmm`, `softmax`, `bmm`).
+    /// Attention scores, softmax and context (`baddbmm`, `softmax`, `bmm`, or `fused`).
     Attention,
     /// LayerNorm, GELU, residual adds, embedding, loss.
     Elementwise,
@@ -90,7 +90,7 @@ impl Category {
 
 /// The last op names of the linear layers (as `metrics::timers` counts GEMM time).
 const GEMM_OPS: &[&str] = &["qkv", "proj", "mm", "lm-head", "fc", "linear"];
-const ATTENTION_OPS: &[&str] = &["baddbmm", "bmm", "softmax"];
+const ATTENTION_OPS: &[&str] = &["baddbmm", "bmm", "softmax", "fused"];
 const ELEMENTWISE_OPS: &[&str] = &["layernorm", "gelu", "residual", "embedding", "loss"];
 const COMM_WORDS: &[&str] = &[
     "allreduce",
@@ -264,6 +264,7 @@ mod tests {
             ("forward:lm-head", Gemm),
             ("forward:attention:softmax", Attention),
             ("backward:attention:baddbmm", Attention),
+            ("backward:attention:fused", Attention),
             ("forward:attention:(other)", Attention),
             ("forward:layernorm", Elementwise),
             ("backward:loss", Elementwise),

@@ -474,25 +474,29 @@ FOR_TYPES(DEF)
 // host never selects it for f32, or on a GPU older than sm_80): the (T, T) probabilities are
 // never stored. A block of FA_THREADS threads (4 warps) owns 64 query rows (forward, dQ) or 64
 // keys (dK, dV) of one (sequence, head); each warp 16 of them. Tiles of 64 rows × hs (hs ≤ 64,
-// zero-padded to 64 columns) go through shared memory, row-major and, where a product needs
-// it, transposed (row stride FA_LDS = 72 elements: the fragment loads of a warp hit 32
-// different banks). Products are mma.m16n8k16 (16-bit operands, f32 accumulation): the
-// accumulator layout of S = Q·Kᵀ is the A-operand layout of P·V, so probabilities go from
-// registers to the next product without shared memory. P and dS are rounded to T for their
-// products (as the materialized path stores them). Softmax statistics are f32.
+// zero-padded to 64 columns) go through shared memory row-major (row stride FA_LDS = 72
+// elements: 16-byte rows land in different banks). Products are mma.m16n8k16 (16-bit operands,
+// f32 accumulation). The accumulator layout of S = Q·Kᵀ is the A-operand layout of P·V, so
+// probabilities go from registers to the next product without shared memory; operands needed
+// transposed (V in P·V, K in dS·K, Q and dO in the dK/dV products) are read with
+// ldmatrix.trans. P and dS are rounded to T for their products (as the materialized path
+// stores them). Softmax statistics are f32; exponentials are exp2 of log2-scaled scores
+// (ex2.approx: relative error ~2^-22, far below the 16-bit rounding that follows). Masks apply
+// on the diagonal tile only.
 //
 // Backward: no atomics (the rest of this file is deterministic, and so is this). One kernel
 // computes dQ (and Δ = rowsum(dO ∘ O)) per query block, looping over keys; a second computes
 // dK and dV per key block, looping over queries. S and dP are computed in both: seven
 // 64×64×hs products per tile pair instead of FlashAttention-2's five, for bit-reproducibility.
 // Every warp of a block runs the same loop (masking is done on values), which the host
-// emulator's warp-collective mma needs.
+// emulator's warp-collective mma and ldmatrix need.
 
 #define FA_ROWS 64
 #define FA_D 64
 #define FA_LDS 72
 #define FA_THREADS 128
 #define POS_INF __int_as_float(0x7f800000)
+#define LOG2E 1.4426950408889634f
 #define FOR_HALF_TYPES(X) X(bf16, bf16) X(f16, f16)
 
 #ifdef __CUDACC_RTC__
@@ -509,6 +513,11 @@ __device__ void ld128(u32* w, const T* p) {
 template <typename T>
 __device__ void st128(T* p, const u32* w) {
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 // c (16×8, f32) += a (16×16) · b (16×8), the PTX fragment layouts: lane = 4·g + t holds
 // a{0,1,2,3} = A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]; b{0,1} = B[2t..][g],
@@ -536,6 +545,17 @@ __device__ void mma16816(float* c, const u32* a, const u32* b, f16) {
     __trap();
 #endif
 }
+// Four 8×8 matrices of 16-bit elements from shared memory, transposed: lane 8j + i gives the
+// address of row i of matrix j; lane 4g + t receives r[j] = {M_j[2t][g], M_j[2t+1][g]} (the
+// B-operand layout of a row-major k × n tile).
+template <typename T>
+__device__ void ldsm_x4_trans(u32* r, const T* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)a));
+}
 #else
 // The host emulator: the same fragment layouts, products of the widened values summed in f32
 // in k order (a GPU's summation order inside the instruction is unspecified).
@@ -553,6 +573,7 @@ template <typename T>
 __device__ void st128(T* p, const u32* w) {
     memcpy(p, w, 16);
 }
+__device__ float fast_exp2(float x) { return exp2f(x); }
 template <typename T>
 __device__ float half_of(u32 w, int k) {
     T x;
@@ -577,9 +598,40 @@ __device__ void mma16816(float* c, const u32* a, const u32* b, T) {
     }
     fugu_emu_warp_release();
 }
+template <typename T>
+__device__ void ldsm_x4_trans(u32* r, const T* p) {
+    u32 mine[2];
+    memcpy(mine, &p, sizeof p);
+    const u32* all = fugu_emu_warp_publish(mine, 2);
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 4; j++) {
+        const T* rows[2];
+        for (int h = 0; h < 2; h++)
+            memcpy(&rows[h], &all[(8 * j + 2 * t + h) * FUGU_EMU_WARP_WORDS], sizeof rows[h]);
+        r[j] = (u32)rows[0][g].bits | ((u32)rows[1][g].bits << 16);
+    }
+    fugu_emu_warp_release();
+}
 #endif
 
-// Two values rounded to T, packed low first (an mma operand register).
+// Two values rounded to T, packed low first (an mma operand register). On the GPU one
+// cvt.rn (round to nearest even, as st) converts both.
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 800
+template <typename T>
+__device__ u32 pack2(float lo, float hi);
+template <>
+__device__ u32 pack2<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <>
+__device__ u32 pack2<f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#else
 template <typename T>
 __device__ u32 pack2(float lo, float hi) {
     T a, b;
@@ -587,6 +639,7 @@ __device__ u32 pack2(float lo, float hi) {
     st(b, hi);
     return (u32)a.bits | ((u32)b.bits << 16);
 }
+#endif
 
 // Whether a tile's rows can be copied 8 elements (16 bytes) at a time.
 template <typename T>
@@ -595,28 +648,22 @@ __device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
 }
 
 // Rows row0 .. row0+64 (columns 0 .. hs) of a row-major matrix with row stride `ldq` into a
-// 64 × FA_D tile `s` (row stride FA_LDS) and/or its transpose `sT` (FA_D × 64), zero beyond
-// row Tn and column hs. `s` or `sT` may be null.
+// 64 × FA_D tile `s` (row stride FA_LDS), zero beyond row Tn and column hs.
 template <typename T>
-__device__ void fa_load(T* s, T* sT, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
-    T z;
-    z.bits = 0;
+__device__ void fa_load(T* s, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
     if (vec) {
         for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
             int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
             u32 w[4] = {0, 0, 0, 0};
             if (row0 + r < Tn && c < hs) ld128(w, src + (row0 + r) * ldq + c);
-            if (s) st128(s + r * FA_LDS + c, w);
-            if (sT)
-                for (int j = 0; j < 8; j++)
-                    sT[(c + j) * FA_LDS + r].bits = (unsigned short)(w[j / 2] >> (16 * (j % 2)));
+            st128(s + r * FA_LDS + c, w);
         }
     } else {
+        T z;
+        z.bits = 0;
         for (int i = threadIdx.x; i < FA_ROWS * FA_D; i += blockDim.x) {
             int r = i / FA_D, c = i % FA_D;
-            T v = (row0 + r < Tn && c < hs) ? src[(row0 + r) * ldq + c] : z;
-            if (s) s[r * FA_LDS + c] = v;
-            if (sT) sT[c * FA_LDS + r] = v;
+            s[r * FA_LDS + c] = (row0 + r < Tn && c < hs) ? src[(row0 + r) * ldq + c] : z;
         }
     }
 }
@@ -656,22 +703,24 @@ __device__ void fa_mma_abt(float (*acc)[4], u32 (*a)[4], const T* s, int kchunks
     }
 }
 
-// acc (16 × hs) += P (16 × 64, accumulator layout, rounded to T) · B, B (64 × hs) given by
-// its transpose `sT` (hs × 64).
+// acc (16 × hs) += P (16 × 64, accumulator layout, rounded to T) · B, B the row-major tile
+// `s` (64 × hs), read transposed by ldmatrix (16 columns per ldmatrix.x4).
 template <typename T>
-__device__ void fa_mma_pb(float (*acc)[4], float (*p)[4], const T* sT, int nchunks) {
-    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+__device__ void fa_mma_pb(float (*acc)[4], float (*p)[4], const T* s, int kchunks) {
+    int lane = threadIdx.x % WARP;
+    const T* lp = s + ((lane & 8) + (lane & 7)) * FA_LDS + (lane >> 4) * 8;
 #pragma unroll
     for (int kk = 0; kk < FA_ROWS / 16; kk++) {
         u32 a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
                     pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
                     pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
-        for (int nd = 0; nd < FA_D / 8; nd++) {
-            if (nd >= nchunks) continue;
-            const T* q = sT + (nd * 8 + g) * FA_LDS + kk * 16 + 2 * t;
-            u32 b[2] = {ld32(q), ld32(q + 8)};
-            mma16816(acc[nd], a, b, T());
+        for (int nd = 0; nd < FA_D / 16; nd++) {
+            if (nd >= kchunks) continue;
+            u32 b[4];
+            ldsm_x4_trans(b, lp + kk * 16 * FA_LDS + nd * 16);
+            mma16816(acc[2 * nd], a, b, T());
+            mma16816(acc[2 * nd + 1], a, b + 2, T());
         }
     }
 }
@@ -685,19 +734,32 @@ __device__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Stores a warp's 16 × hs accumulator tile times `mul` at rows row0.. of a row-major matrix
-// (row stride ldq; rows from Tn on and columns from hs on are dropped); `div` (two per lane,
-// its rows g and g + 8) divides.
+// Stores a warp's 16 × hs accumulator tile at rows row0.. of a row-major matrix (row stride
+// ldq; rows from Tn on and columns from hs on are dropped), times mul[0] (rows g) and mul[1]
+// (rows g + 8).
 template <typename T>
-__device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int hs, float mul,
-                         const float* div) {
+__device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int hs,
+                         const float* mul) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
     for (int nd = 0; nd < FA_D / 8; nd++)
+#pragma unroll
         for (int e = 0; e < 4; e++) {
             i64 row = row0 + g + (e >> 1) * 8;
             int c = nd * 8 + 2 * t + (e & 1);
-            if (row < Tn && c < hs) st(dst[row * ldq + c], acc[nd][e] * mul / div[e >> 1]);
+            if (row < Tn && c < hs) st(dst[row * ldq + c], acc[nd][e] * mul[e >> 1]);
         }
+}
+
+// Sets the entries of a diagonal tile's accumulators above the diagonal (local column after
+// local row; rows of this warp from `row`) to `v`.
+__device__ void fa_mask_above(float (*acc)[4], int row, float v) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (n * 8 + 2 * t + (e & 1) > row + g + (e >> 1) * 8) acc[n][e] = v;
 }
 
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
@@ -706,10 +768,11 @@ template <typename T>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 hs_, float scale) {
     __shared__ T sK[FA_ROWS * FA_LDS];
-    __shared__ T sVt[FA_D * FA_LDS];
+    __shared__ T sV[FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3;
-    int kch = (hs + 15) / 16, nch = (hs + 7) / 8;
+    int kch = (hs + 15) / 16;
+    float sl2 = scale * LOG2E;  // raw scores to log2 units
     i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
@@ -717,50 +780,60 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         i64 q0 = qb * FA_ROWS, r0 = q0 + warp * 16 + g;
         const T* base = qkv + b * Tn * ldq + h * hs;
         __syncthreads();
-        fa_load(sK, (T*)0, base, q0, Tn, ldq, hs, vec);
+        fa_load(sK, base, q0, Tn, ldq, hs, vec);
         __syncthreads();
         u32 qa[FA_D / 16][4];
         fa_a_frags(qa, sK, warp * 16, kch);
+        // m: running maximum of the raw scores; l: this lane's part of the running sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
         float o[FA_D / 8][4];
+#pragma unroll
         for (int nd = 0; nd < FA_D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
         for (i64 kb = 0; kb <= qb; kb++) {
             __syncthreads();
-            fa_load(sK, (T*)0, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
-            fa_load((T*)0, sVt, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            fa_load(sK, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            fa_load(sV, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
             __syncthreads();
             float s[FA_ROWS / 8][4];
             fa_mma_abt(s, qa, sK, kch);
+            if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
             float mx[2] = {m[0], m[1]};
+#pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
-                for (int e = 0; e < 4; e++) {
-                    i64 col = kb * FA_ROWS + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
-                    s[n][e] = col <= row ? s[n][e] * scale : NEG_INF;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            float neg[2];
+#pragma unroll
             for (int r = 0; r < 2; r++) {
                 // Column 0 is in every row's first key block: m is finite from then on.
                 mx[r] = quad_max(mx[r]);
-                float corr = expf(m[r] - mx[r]);
+                float corr = fast_exp2((m[r] - mx[r]) * sl2);
                 m[r] = mx[r];
+                neg[r] = -mx[r] * sl2;
                 l[r] *= corr;
+#pragma unroll
                 for (int nd = 0; nd < FA_D / 8; nd++) {
                     o[nd][2 * r] *= corr;
                     o[nd][2 * r + 1] *= corr;
                 }
             }
+#pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    s[n][e] = expf(s[n][e] - m[e >> 1]);
+                    s[n][e] = fast_exp2(fmaf(s[n][e], sl2, neg[e >> 1]));
                     l[e >> 1] += s[n][e];
                 }
-            fa_mma_pb(o, s, sVt, nch);
+            fa_mma_pb(o, s, sV, kch);
         }
-        l[0] = quad_sum(l[0]);
-        l[1] = quad_sum(l[1]);
-        fa_store(out + b * Tn * C + h * hs, o, q0 + warp * 16, Tn, C, hs, 1.0f, l);
-        for (int r = 0; r < 2; r++)
-            if (t == 0 && r0 + 8 * r < Tn) lse[bh * Tn + r0 + 8 * r] = m[r] + logf(l[r]);
+        float inv[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[r] = quad_sum(l[r]);
+            inv[r] = 1.0f / l[r];
+            if (t == 0 && r0 + 8 * r < Tn) lse[bh * Tn + r0 + 8 * r] = m[r] * scale + logf(l[r]);
+        }
+        fa_store(out + b * Tn * C + h * hs, o, q0 + warp * 16, Tn, C, hs, inv);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -778,63 +851,65 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                     i64 hs_, float scale) {
     __shared__ T sK[FA_ROWS * FA_LDS];
-    __shared__ T sKt[FA_D * FA_LDS];
     __shared__ T sV[FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
-    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
-        t = lane & 3;
-    int kch = (hs + 15) / 16, nch = (hs + 7) / 8;
+    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2;
+    int kch = (hs + 15) / 16;
+    float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
-        i64 q0 = qb * FA_ROWS, r0 = q0 + warp * 16 + g;
+        i64 q0 = qb * FA_ROWS;
         const T* base = qkv + b * Tn * ldq + h * hs;
         const T* dob = dout + b * Tn * C + h * hs;
         const T* ob = out + b * Tn * C + h * hs;
         __syncthreads();
-        fa_load(sK, (T*)0, base, q0, Tn, ldq, hs, vec);
-        fa_load(sV, (T*)0, dob, q0, Tn, C, hs, vec_o);
+        fa_load(sK, base, q0, Tn, ldq, hs, vec);
+        fa_load(sV, dob, q0, Tn, C, hs, vec_o);
         __syncthreads();
         u32 qa[FA_D / 16][4], da[FA_D / 16][4];
         fa_a_frags(qa, sK, warp * 16, kch);
         fa_a_frags(da, sV, warp * 16, kch);
         if (threadIdx.x < FA_ROWS) {
             i64 row = q0 + threadIdx.x;
-            float dsum = 0.0f, lv = POS_INF;  // rows past T: probabilities 0
+            float dsum = 0.0f, l2 = POS_INF;  // rows past T: probabilities 0
             if (row < Tn) {
                 for (int c = 0; c < hs; c++)
                     dsum += ld(sV[threadIdx.x * FA_LDS + c]) * ld(ob[row * C + c]);
                 delta[bh * Tn + row] = dsum;
-                lv = lse[bh * Tn + row];
+                l2 = lse[bh * Tn + row] * LOG2E;
             }
             sD[threadIdx.x] = dsum;
-            sL[threadIdx.x] = lv;
+            sL[threadIdx.x] = l2;
         }
         __syncthreads();
-        float lr[2] = {sL[warp * 16 + g], sL[warp * 16 + g + 8]};
+        float nl[2] = {-sL[warp * 16 + g], -sL[warp * 16 + g + 8]};
         float dr[2] = {sD[warp * 16 + g], sD[warp * 16 + g + 8]};
         float dq[FA_D / 8][4];
+#pragma unroll
         for (int nd = 0; nd < FA_D / 8; nd++)
             dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.0f;
         for (i64 kb = 0; kb <= qb; kb++) {
             __syncthreads();
-            fa_load(sK, sKt, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
-            fa_load(sV, (T*)0, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            fa_load(sK, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            fa_load(sV, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
             __syncthreads();
             float s[FA_ROWS / 8][4], dp[FA_ROWS / 8][4];
             fa_mma_abt(s, qa, sK, kch);
             fa_mma_abt(dp, da, sV, kch);
+            if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
+#pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    i64 col = kb * FA_ROWS + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
-                    float p = col <= row ? expf(s[n][e] * scale - lr[e >> 1]) : 0.0f;
+                    float p = fast_exp2(fmaf(s[n][e], sl2, nl[e >> 1]));
                     s[n][e] = p * (dp[n][e] - dr[e >> 1]);
                 }
-            fa_mma_pb(dq, s, sKt, nch);
+            fa_mma_pb(dq, s, sK, kch);
         }
-        float one[2] = {1.0f, 1.0f};
-        fa_store(dqkv + b * Tn * ldq + h * hs, dq, q0 + warp * 16, Tn, ldq, hs, scale, one);
+        float mul[2] = {scale, scale};
+        fa_store(dqkv + b * Tn * ldq + h * hs, dq, q0 + warp * 16, Tn, ldq, hs, mul);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -854,60 +929,73 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                      i64 hs_, float scale) {
     __shared__ T sQ[FA_ROWS * FA_LDS];
-    __shared__ T sQt[FA_D * FA_LDS];
     __shared__ T sO[FA_ROWS * FA_LDS];
-    __shared__ T sOt[FA_D * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
-    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
-        t = lane & 3;
-    int kch = (hs + 15) / 16, nch = (hs + 7) / 8;
+    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, t = lane & 3;
+    int kch = (hs + 15) / 16;
+    float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
     for (i64 item = blockIdx.x; item < B * nh * nkb; item += gridDim.x) {
         i64 kb = item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
-        i64 k0 = kb * FA_ROWS, key0 = k0 + warp * 16 + g;
+        i64 k0 = kb * FA_ROWS;
         const T* base = qkv + b * Tn * ldq + h * hs;
         const T* dob = dout + b * Tn * C + h * hs;
         __syncthreads();
-        fa_load(sQ, (T*)0, base + C, k0, Tn, ldq, hs, vec);
-        fa_load(sO, (T*)0, base + 2 * C, k0, Tn, ldq, hs, vec);
+        fa_load(sQ, base + C, k0, Tn, ldq, hs, vec);
+        fa_load(sO, base + 2 * C, k0, Tn, ldq, hs, vec);
         __syncthreads();
         u32 ka[FA_D / 16][4], va[FA_D / 16][4];
         fa_a_frags(ka, sQ, warp * 16, kch);
         fa_a_frags(va, sO, warp * 16, kch);
         float dk[FA_D / 8][4], dv[FA_D / 8][4];
+#pragma unroll
         for (int nd = 0; nd < FA_D / 8; nd++)
+#pragma unroll
             for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.0f;
         for (i64 qb = kb; qb < nkb; qb++) {
             i64 q0 = qb * FA_ROWS;
             __syncthreads();
-            fa_load(sQ, sQt, base, q0, Tn, ldq, hs, vec);
-            fa_load(sO, sOt, dob, q0, Tn, C, hs, vec_o);
+            fa_load(sQ, base, q0, Tn, ldq, hs, vec);
+            fa_load(sO, dob, q0, Tn, C, hs, vec_o);
             if (threadIdx.x < FA_ROWS) {
                 i64 row = q0 + threadIdx.x;
-                sL[threadIdx.x] = row < Tn ? lse[bh * Tn + row] : POS_INF;
+                sL[threadIdx.x] = row < Tn ? -lse[bh * Tn + row] * LOG2E : NEG_INF;
                 sD[threadIdx.x] = row < Tn ? delta[bh * Tn + row] : 0.0f;
             }
             __syncthreads();
-            // Transposed scores: rows are this warp's keys, columns the block's queries.
+            // Transposed scores: rows are this warp's keys, columns the block's queries; on
+            // the diagonal tile, queries before a key are masked (key after query).
             float p[FA_ROWS / 8][4], ds[FA_ROWS / 8][4];
             fa_mma_abt(p, ka, sQ, kch);
             fa_mma_abt(ds, va, sO, kch);
+#pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int qi = n * 8 + 2 * t + (e & 1);
-                    i64 key = key0 + (e >> 1) * 8;
-                    float pv = q0 + qi >= key ? expf(p[n][e] * scale - sL[qi]) : 0.0f;
+                    float pv = fast_exp2(fmaf(p[n][e], sl2, sL[qi]));
                     p[n][e] = pv;
                     ds[n][e] = pv * (ds[n][e] - sD[qi]);
                 }
-            fa_mma_pb(dv, p, sOt, nch);
-            fa_mma_pb(dk, ds, sQt, nch);
+            if (qb == kb) {
+                // Transposed, "above the diagonal" is query before key: mask with the roles
+                // swapped (column < row).
+                int g = lane >> 2;
+#pragma unroll
+                for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (n * 8 + 2 * t + (e & 1) < warp * 16 + g + (e >> 1) * 8)
+                            p[n][e] = ds[n][e] = 0.0f;
+            }
+            fa_mma_pb(dv, p, sO, kch);
+            fa_mma_pb(dk, ds, sQ, kch);
         }
-        float one[2] = {1.0f, 1.0f};
+        float one[2] = {1.0f, 1.0f}, mul[2] = {scale, scale};
         T* dst = dqkv + b * Tn * ldq + h * hs;
-        fa_store(dst + C, dk, k0 + warp * 16, Tn, ldq, hs, scale, one);
-        fa_store(dst + 2 * C, dv, k0 + warp * 16, Tn, ldq, hs, 1.0f, one);
+        fa_store(dst + C, dk, k0 + warp * 16, Tn, ldq, hs, mul);
+        fa_store(dst + 2 * C, dv, k0 + warp * 16, Tn, ldq, hs, one);
     }
 }
 #define DEF(S, T)                                                                            \
