@@ -504,16 +504,6 @@ template <typename T>
 __device__ u32 ld32(const T* p) {
     return *reinterpret_cast<const u32*>(p);
 }
-// 16 bytes (8 elements) at a 16-byte-aligned address.
-template <typename T>
-__device__ void ld128(u32* w, const T* p) {
-    uint4 x = *reinterpret_cast<const uint4*>(p);
-    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
-}
-template <typename T>
-__device__ void st128(T* p, const u32* w) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-}
 __device__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -545,6 +535,30 @@ __device__ void mma16816(float* c, const u32* a, const u32* b, f16) {
     __trap();
 #endif
 }
+// 16 bytes from global to shared memory without passing through registers (zeros when
+// `valid` is false; `src` must then still be a mapped address), in the current group.
+template <typename T>
+__device__ void cp_async16(T* dst, const T* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned long long d;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)d), "l"(src),
+                 "r"(valid ? 16 : 0));
+#else
+    __trap();
+#endif
+}
+// Closes the current group of copies; waits until at most one group is still in flight.
+__device__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+__device__ void cp_async_wait_prior() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 1;");
+#endif
+}
 // Four 8×8 matrices of 16-bit elements from shared memory, transposed: lane 8j + i gives the
 // address of row i of matrix j; lane 4g + t receives r[j] = {M_j[2t][g], M_j[2t+1][g]} (the
 // B-operand layout of a row-major k × n tile).
@@ -565,15 +579,17 @@ __device__ u32 ld32(const T* p) {
     memcpy(&w, p, sizeof w);
     return w;
 }
-template <typename T>
-__device__ void ld128(u32* w, const T* p) {
-    memcpy(w, p, 16);
-}
-template <typename T>
-__device__ void st128(T* p, const u32* w) {
-    memcpy(p, w, 16);
-}
 __device__ float fast_exp2(float x) { return exp2f(x); }
+// Copies complete at once here.
+template <typename T>
+__device__ void cp_async16(T* dst, const T* src, bool valid) {
+    if (valid)
+        memcpy(dst, src, 16);
+    else
+        memset(dst, 0, 16);
+}
+__device__ void cp_async_commit() {}
+__device__ void cp_async_wait_prior() {}
 template <typename T>
 __device__ float half_of(u32 w, int k) {
     T x;
@@ -648,15 +664,17 @@ __device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
 }
 
 // Rows row0 .. row0+64 (columns 0 .. hs) of a row-major matrix with row stride `ldq` into a
-// 64 × FA_D tile `s` (row stride FA_LDS), zero beyond row Tn and column hs.
+// 64 × FA_D tile `s` (row stride FA_LDS), zero beyond row Tn and column hs: with `vec`, as
+// asynchronous 16-byte copies in the current group (complete after cp_async_wait_prior of a
+// later group, or of this one's successor, and a barrier), else element by element (complete
+// after the next barrier).
 template <typename T>
 __device__ void fa_load(T* s, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
     if (vec) {
         for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
             int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
-            u32 w[4] = {0, 0, 0, 0};
-            if (row0 + r < Tn && c < hs) ld128(w, src + (row0 + r) * ldq + c);
-            st128(s + r * FA_LDS + c, w);
+            bool valid = row0 + r < Tn && c < hs;
+            cp_async16(s + r * FA_LDS + c, valid ? src + (row0 + r) * ldq + c : src, valid);
         }
     } else {
         T z;
@@ -763,12 +781,13 @@ __device__ void fa_mask_above(float (*acc)[4], int row, float v) {
 }
 
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
-// Item = (query block, sequence, head), the longest query blocks first.
+// Item = (query block, sequence, head), the longest query blocks first. K and V tiles are
+// double-buffered: the copies of key block kb + 1 run while block kb is multiplied.
 template <typename T>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 hs_, float scale) {
-    __shared__ T sK[FA_ROWS * FA_LDS];
-    __shared__ T sV[FA_ROWS * FA_LDS];
+    __shared__ T sK[2][FA_ROWS * FA_LDS];
+    __shared__ T sV[2][FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3;
     int kch = (hs + 15) / 16;
@@ -779,23 +798,33 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
         i64 q0 = qb * FA_ROWS, r0 = q0 + warp * 16 + g;
         const T* base = qkv + b * Tn * ldq + h * hs;
-        __syncthreads();
-        fa_load(sK, base, q0, Tn, ldq, hs, vec);
+        __syncthreads();  // the previous item's reads are done
+        fa_load(sK[1], base, q0, Tn, ldq, hs, vec);  // Q, in the buffer block 1 will use
+        fa_load(sK[0], base + C, 0, Tn, ldq, hs, vec);
+        fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
+        cp_async_commit();
+        cp_async_commit();
+        cp_async_wait_prior();
         __syncthreads();
         u32 qa[FA_D / 16][4];
-        fa_a_frags(qa, sK, warp * 16, kch);
+        fa_a_frags(qa, sK[1], warp * 16, kch);
         // m: running maximum of the raw scores; l: this lane's part of the running sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
         float o[FA_D / 8][4];
 #pragma unroll
         for (int nd = 0; nd < FA_D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
         for (i64 kb = 0; kb <= qb; kb++) {
-            __syncthreads();
-            fa_load(sK, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
-            fa_load(sV, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            int cur = (int)(kb & 1);
+            __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
+            if (kb < qb) {
+                fa_load(sK[cur ^ 1], base + C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sV[cur ^ 1], base + 2 * C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+            }
+            cp_async_commit();
+            cp_async_wait_prior();  // block kb's tiles have landed
             __syncthreads();
             float s[FA_ROWS / 8][4];
-            fa_mma_abt(s, qa, sK, kch);
+            fa_mma_abt(s, qa, sK[cur], kch);
             if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
             float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -824,7 +853,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                     s[n][e] = fast_exp2(fmaf(s[n][e], sl2, neg[e >> 1]));
                     l[e >> 1] += s[n][e];
                 }
-            fa_mma_pb(o, s, sV, kch);
+            fa_mma_pb(o, s, sV[cur], kch);
         }
         float inv[2];
 #pragma unroll
@@ -845,13 +874,14 @@ FOR_HALF_TYPES(DEF)
 #undef DEF
 
 // Backward, part 1: the Q columns of dqkv, and delta (B, nh, T) = rowsum(dout ∘ out), which
-// part 2 reads. Item = (query block, sequence, head), the longest first.
+// part 2 reads. Item = (query block, sequence, head), the longest first; K and V tiles
+// double-buffered as in the forward kernel.
 template <typename T>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                     i64 hs_, float scale) {
-    __shared__ T sK[FA_ROWS * FA_LDS];
-    __shared__ T sV[FA_ROWS * FA_LDS];
+    __shared__ T sK[2][FA_ROWS * FA_LDS];
+    __shared__ T sV[2][FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2;
     int kch = (hs + 15) / 16;
@@ -865,18 +895,23 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         const T* dob = dout + b * Tn * C + h * hs;
         const T* ob = out + b * Tn * C + h * hs;
         __syncthreads();
-        fa_load(sK, base, q0, Tn, ldq, hs, vec);
-        fa_load(sV, dob, q0, Tn, C, hs, vec_o);
+        fa_load(sK[1], base, q0, Tn, ldq, hs, vec);  // Q and dO in the buffers block 1 uses
+        fa_load(sV[1], dob, q0, Tn, C, hs, vec_o);
+        fa_load(sK[0], base + C, 0, Tn, ldq, hs, vec);
+        fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
+        cp_async_commit();
+        cp_async_commit();
+        cp_async_wait_prior();
         __syncthreads();
         u32 qa[FA_D / 16][4], da[FA_D / 16][4];
-        fa_a_frags(qa, sK, warp * 16, kch);
-        fa_a_frags(da, sV, warp * 16, kch);
+        fa_a_frags(qa, sK[1], warp * 16, kch);
+        fa_a_frags(da, sV[1], warp * 16, kch);
         if (threadIdx.x < FA_ROWS) {
             i64 row = q0 + threadIdx.x;
             float dsum = 0.0f, l2 = POS_INF;  // rows past T: probabilities 0
             if (row < Tn) {
                 for (int c = 0; c < hs; c++)
-                    dsum += ld(sV[threadIdx.x * FA_LDS + c]) * ld(ob[row * C + c]);
+                    dsum += ld(sV[1][threadIdx.x * FA_LDS + c]) * ld(ob[row * C + c]);
                 delta[bh * Tn + row] = dsum;
                 l2 = lse[bh * Tn + row] * LOG2E;
             }
@@ -891,13 +926,18 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         for (int nd = 0; nd < FA_D / 8; nd++)
             dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.0f;
         for (i64 kb = 0; kb <= qb; kb++) {
+            int cur = (int)(kb & 1);
             __syncthreads();
-            fa_load(sK, base + C, kb * FA_ROWS, Tn, ldq, hs, vec);
-            fa_load(sV, base + 2 * C, kb * FA_ROWS, Tn, ldq, hs, vec);
+            if (kb < qb) {
+                fa_load(sK[cur ^ 1], base + C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sV[cur ^ 1], base + 2 * C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+            }
+            cp_async_commit();
+            cp_async_wait_prior();
             __syncthreads();
             float s[FA_ROWS / 8][4], dp[FA_ROWS / 8][4];
-            fa_mma_abt(s, qa, sK, kch);
-            fa_mma_abt(dp, da, sV, kch);
+            fa_mma_abt(s, qa, sK[cur], kch);
+            fa_mma_abt(dp, da, sV[cur], kch);
             if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
 #pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
@@ -906,7 +946,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
                     float p = fast_exp2(fmaf(s[n][e], sl2, nl[e >> 1]));
                     s[n][e] = p * (dp[n][e] - dr[e >> 1]);
                 }
-            fa_mma_pb(dq, s, sK, kch);
+            fa_mma_pb(dq, s, sK[cur], kch);
         }
         float mul[2] = {scale, scale};
         fa_store(dqkv + b * Tn * ldq + h * hs, dq, q0 + warp * 16, Tn, ldq, hs, mul);
@@ -922,16 +962,29 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
 FOR_HALF_TYPES(DEF)
 #undef DEF
 
+// The per-row statistics of query rows row0.. for the dK/dV kernel: −lse·log2(e) (−∞ past T:
+// probabilities 0) and delta (0 past T).
+__device__ void fa_load_stats(float* sl, float* sd, const float* lse, const float* delta,
+                              i64 row0, i64 Tn) {
+    if (threadIdx.x < FA_ROWS) {
+        i64 row = row0 + threadIdx.x;
+        sl[threadIdx.x] = row < Tn ? -lse[row] * LOG2E : NEG_INF;
+        sd[threadIdx.x] = row < Tn ? delta[row] : 0.0f;
+    }
+}
+
 // Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, head), the
-// longest (first key blocks) first; each block runs over the query blocks from its own on.
+// longest (first key blocks) first; each block runs over the query blocks from its own on, Q
+// and dO tiles (and their statistics) double-buffered.
 template <typename T>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                      i64 hs_, float scale) {
-    __shared__ T sQ[FA_ROWS * FA_LDS];
-    __shared__ T sO[FA_ROWS * FA_LDS];
-    __shared__ float sL[FA_ROWS], sD[FA_ROWS];
-    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, t = lane & 3;
+    __shared__ T sQ[2][FA_ROWS * FA_LDS];
+    __shared__ T sO[2][FA_ROWS * FA_LDS];
+    __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
+    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
+        t = lane & 3;
     int kch = (hs + 15) / 16;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
@@ -941,47 +994,55 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         i64 k0 = kb * FA_ROWS;
         const T* base = qkv + b * Tn * ldq + h * hs;
         const T* dob = dout + b * Tn * C + h * hs;
+        const float* lse_h = lse + bh * Tn;
+        const float* delta_h = delta + bh * Tn;
         __syncthreads();
-        fa_load(sQ, base + C, k0, Tn, ldq, hs, vec);
-        fa_load(sO, base + 2 * C, k0, Tn, ldq, hs, vec);
+        fa_load(sQ[1], base + C, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
+        fa_load(sO[1], base + 2 * C, k0, Tn, ldq, hs, vec);
+        fa_load(sQ[0], base, k0, Tn, ldq, hs, vec);  // the first query block (= kb)
+        fa_load(sO[0], dob, k0, Tn, C, hs, vec_o);
+        fa_load_stats(sL[0], sD[0], lse_h, delta_h, k0, Tn);
+        cp_async_commit();
+        cp_async_commit();
+        cp_async_wait_prior();
         __syncthreads();
         u32 ka[FA_D / 16][4], va[FA_D / 16][4];
-        fa_a_frags(ka, sQ, warp * 16, kch);
-        fa_a_frags(va, sO, warp * 16, kch);
+        fa_a_frags(ka, sQ[1], warp * 16, kch);
+        fa_a_frags(va, sO[1], warp * 16, kch);
         float dk[FA_D / 8][4], dv[FA_D / 8][4];
 #pragma unroll
         for (int nd = 0; nd < FA_D / 8; nd++)
 #pragma unroll
             for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.0f;
         for (i64 qb = kb; qb < nkb; qb++) {
-            i64 q0 = qb * FA_ROWS;
+            int cur = (int)((qb - kb) & 1);
             __syncthreads();
-            fa_load(sQ, base, q0, Tn, ldq, hs, vec);
-            fa_load(sO, dob, q0, Tn, C, hs, vec_o);
-            if (threadIdx.x < FA_ROWS) {
-                i64 row = q0 + threadIdx.x;
-                sL[threadIdx.x] = row < Tn ? -lse[bh * Tn + row] * LOG2E : NEG_INF;
-                sD[threadIdx.x] = row < Tn ? delta[bh * Tn + row] : 0.0f;
+            if (qb + 1 < nkb) {
+                i64 q1 = (qb + 1) * FA_ROWS;
+                fa_load(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
+                fa_load(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
+                fa_load_stats(sL[cur ^ 1], sD[cur ^ 1], lse_h, delta_h, q1, Tn);
             }
+            cp_async_commit();
+            cp_async_wait_prior();
             __syncthreads();
-            // Transposed scores: rows are this warp's keys, columns the block's queries; on
-            // the diagonal tile, queries before a key are masked (key after query).
+            // Transposed scores: rows are this warp's keys, columns the block's queries.
             float p[FA_ROWS / 8][4], ds[FA_ROWS / 8][4];
-            fa_mma_abt(p, ka, sQ, kch);
-            fa_mma_abt(ds, va, sO, kch);
+            fa_mma_abt(p, ka, sQ[cur], kch);
+            fa_mma_abt(ds, va, sO[cur], kch);
+            const float *sl = sL[cur], *sd = sD[cur];
 #pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int qi = n * 8 + 2 * t + (e & 1);
-                    float pv = fast_exp2(fmaf(p[n][e], sl2, sL[qi]));
+                    float pv = fast_exp2(fmaf(p[n][e], sl2, sl[qi]));
                     p[n][e] = pv;
-                    ds[n][e] = pv * (ds[n][e] - sD[qi]);
+                    ds[n][e] = pv * (ds[n][e] - sd[qi]);
                 }
             if (qb == kb) {
-                // Transposed, "above the diagonal" is query before key: mask with the roles
-                // swapped (column < row).
-                int g = lane >> 2;
+                // On the diagonal tile a query before the key is masked: transposed, column
+                // before row.
 #pragma unroll
                 for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
@@ -989,8 +1050,8 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                         if (n * 8 + 2 * t + (e & 1) < warp * 16 + g + (e >> 1) * 8)
                             p[n][e] = ds[n][e] = 0.0f;
             }
-            fa_mma_pb(dv, p, sO, kch);
-            fa_mma_pb(dk, ds, sQ, kch);
+            fa_mma_pb(dv, p, sO[cur], kch);
+            fa_mma_pb(dk, ds, sQ[cur], kch);
         }
         float one[2] = {1.0f, 1.0f}, mul[2] = {scale, scale};
         T* dst = dqkv + b * Tn * ldq + h * hs;
