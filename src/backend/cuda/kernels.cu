@@ -535,14 +535,20 @@ __device__ void mma16816(float* c, const u32* a, const u32* b, f16) {
     __trap();
 #endif
 }
+// A shared-memory address (a byte offset into the block's shared window), computed once per
+// tile; ldmatrix and cp.async take it with constant byte offsets added.
+typedef u32 smem_t;
+template <typename T>
+__device__ smem_t smem(T* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (smem_t)a;
+}
 // 16 bytes from global to shared memory without passing through registers (zeros when
 // `valid` is false; `src` must then still be a mapped address), in the current group.
-template <typename T>
-__device__ void cp_async16(T* dst, const T* src, bool valid) {
+__device__ void cp_async16(smem_t dst, const void* src, bool valid) {
 #if __CUDA_ARCH__ >= 800
-    unsigned long long d;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(d) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)d), "l"(src),
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                  "r"(valid ? 16 : 0));
 #else
     __trap();
@@ -559,16 +565,20 @@ __device__ void cp_async_wait_prior() {
     asm volatile("cp.async.wait_group 1;");
 #endif
 }
-// Four 8×8 matrices of 16-bit elements from shared memory, transposed: lane 8j + i gives the
-// address of row i of matrix j; lane 4g + t receives r[j] = {M_j[2t][g], M_j[2t+1][g]} (the
-// B-operand layout of a row-major k × n tile).
-template <typename T>
-__device__ void ldsm_x4_trans(u32* r, const T* p) {
-    unsigned long long a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+// Four 8×8 matrices of 16-bit elements from shared memory: lane 8j + i gives the address of
+// row i of matrix j; lane 4g + t receives r[j] = {M_j[g][2t], M_j[g][2t+1]} (the B-operand
+// layout of an n × k tile stored row-major, i.e. of Bᵀ).
+__device__ void ldsm_x4(u32* r, smem_t a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// The same, transposed: lane 4g + t receives r[j] = {M_j[2t][g], M_j[2t+1][g]} (the B-operand
+// layout of a k × n tile stored row-major).
+__device__ void ldsm_x4_trans(u32* r, smem_t a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"((unsigned)a));
+                 : "r"(a));
 }
 #else
 // The host emulator: the same fragment layouts, products of the widened values summed in f32
@@ -580,9 +590,13 @@ __device__ u32 ld32(const T* p) {
     return w;
 }
 __device__ float fast_exp2(float x) { return exp2f(x); }
-// Copies complete at once here.
+typedef char* smem_t;
 template <typename T>
-__device__ void cp_async16(T* dst, const T* src, bool valid) {
+__device__ smem_t smem(T* p) {
+    return reinterpret_cast<char*>(p);
+}
+// Copies complete at once here.
+__device__ void cp_async16(smem_t dst, const void* src, bool valid) {
     if (valid)
         memcpy(dst, src, 16);
     else
@@ -614,20 +628,30 @@ __device__ void mma16816(float* c, const u32* a, const u32* b, T) {
     }
     fugu_emu_warp_release();
 }
-template <typename T>
-__device__ void ldsm_x4_trans(u32* r, const T* p) {
+// ldmatrix: every lane publishes its row address; lane 4g + t then reads, per matrix j, two
+// 16-bit elements: row g at columns 2t, 2t+1, or (transposed) rows 2t, 2t+1 at column g.
+__device__ void ldsm_emulated(u32* r, smem_t a, bool trans) {
     u32 mine[2];
-    memcpy(mine, &p, sizeof p);
+    memcpy(mine, &a, sizeof a);
     const u32* all = fugu_emu_warp_publish(mine, 2);
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
     for (int j = 0; j < 4; j++) {
-        const T* rows[2];
-        for (int h = 0; h < 2; h++)
-            memcpy(&rows[h], &all[(8 * j + 2 * t + h) * FUGU_EMU_WARP_WORDS], sizeof rows[h]);
-        r[j] = (u32)rows[0][g].bits | ((u32)rows[1][g].bits << 16);
+        for (int h = 0; h < 2; h++) {
+            int row = trans ? 2 * t + h : g, col = trans ? g : 2 * t + h;
+            smem_t p;
+            memcpy(&p, &all[(8 * j + row) * FUGU_EMU_WARP_WORDS], sizeof p);
+            unsigned short v;
+            memcpy(&v, p + 2 * col, sizeof v);
+            if (h == 0)
+                r[j] = v;
+            else
+                r[j] |= (u32)v << 16;
+        }
     }
     fugu_emu_warp_release();
 }
+__device__ void ldsm_x4(u32* r, smem_t a) { ldsm_emulated(r, a, false); }
+__device__ void ldsm_x4_trans(u32* r, smem_t a) { ldsm_emulated(r, a, true); }
 #endif
 
 // Two values rounded to T, packed low first (an mma operand register). On the GPU one
@@ -671,10 +695,11 @@ __device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
 template <typename T>
 __device__ void fa_load(T* s, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
     if (vec) {
+        smem_t sb = smem(s);
         for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
             int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
             bool valid = row0 + r < Tn && c < hs;
-            cp_async16(s + r * FA_LDS + c, valid ? src + (row0 + r) * ldq + c : src, valid);
+            cp_async16(sb + 2 * (r * FA_LDS + c), valid ? src + (row0 + r) * ldq + c : src, valid);
         }
     } else {
         T z;
@@ -686,16 +711,13 @@ __device__ void fa_load(T* s, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, b
     }
 }
 
-// The A fragments (16 rows from `row`, the head dimension in chunks of 16) of a tile.
+// The A fragments (16 rows from `row`, the head dimension in chunks of 16) of a tile. Heads
+// narrower than FA_D are zero-padded, so every chunk is multiplied.
 template <typename T>
-__device__ void fa_a_frags(u32 (*a)[4], const T* s, int row, int kchunks) {
+__device__ void fa_a_frags(u32 (*a)[4], const T* s, int row) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int kd = 0; kd < FA_D / 16; kd++) {
-        if (kd >= kchunks) {
-            a[kd][0] = a[kd][1] = a[kd][2] = a[kd][3] = 0;
-            continue;
-        }
         const T* p = s + (row + g) * FA_LDS + kd * 16 + 2 * t;
         a[kd][0] = ld32(p);
         a[kd][1] = ld32(p + 8 * FA_LDS);
@@ -704,43 +726,61 @@ __device__ void fa_a_frags(u32 (*a)[4], const T* s, int row, int kchunks) {
     }
 }
 
-// acc (16 × 64) = A (16 × hs, fragments) · Bᵀ, B the 64 rows of tile `s` (64 × hs).
+// acc (16 × 64) = A (16 × FA_D, fragments) · Bᵀ, B the 64 rows of tile `s` (64 × FA_D), read
+// by ldmatrix (32 columns per ldmatrix.x4).
 template <typename T>
-__device__ void fa_mma_abt(float (*acc)[4], u32 (*a)[4], const T* s, int kchunks) {
-    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+__device__ void fa_mma_abt(float (*acc)[4], u32 (*a)[4], T* s) {
+    int lane = threadIdx.x % WARP;
+    smem_t lp = smem(s) + 2 * ((lane & 7) * FA_LDS + (lane >> 3) * 8);
 #pragma unroll
     for (int n = 0; n < FA_ROWS / 8; n++) {
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 #pragma unroll
-        for (int kd = 0; kd < FA_D / 16; kd++) {
-            if (kd >= kchunks) continue;
-            const T* p = s + (n * 8 + g) * FA_LDS + kd * 16 + 2 * t;
-            u32 b[2] = {ld32(p), ld32(p + 8)};
+        for (int kd = 0; kd < FA_D / 16; kd += 2) {
+            u32 b[4];
+            ldsm_x4(b, lp + 2 * (n * 8 * FA_LDS + kd * 16));
             mma16816(acc[n], a[kd], b, T());
+            mma16816(acc[n], a[kd + 1], b + 2, T());
         }
     }
 }
 
-// acc (16 × hs) += P (16 × 64, accumulator layout, rounded to T) · B, B the row-major tile
-// `s` (64 × hs), read transposed by ldmatrix (16 columns per ldmatrix.x4).
+// P (16 × 64, accumulator layout) rounded to T as A fragments (16 keys per fragment).
 template <typename T>
-__device__ void fa_mma_pb(float (*acc)[4], float (*p)[4], const T* s, int kchunks) {
-    int lane = threadIdx.x % WARP;
-    const T* lp = s + ((lane & 8) + (lane & 7)) * FA_LDS + (lane >> 4) * 8;
+__device__ void fa_pack(u32 (*pa)[4], float (*p)[4]) {
 #pragma unroll
     for (int kk = 0; kk < FA_ROWS / 16; kk++) {
-        u32 a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                    pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                    pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        pa[kk][0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
+        pa[kk][1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
+        pa[kk][2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        pa[kk][3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+}
+
+// Element e (the accumulator layout's index) of n-chunk n of packed fragments `pa`, widened.
+template <typename T>
+__device__ float fa_unpack(u32 (*pa)[4], int n, int e) {
+    T x;
+    u32 w = pa[n / 2][(n & 1) * 2 + (e >> 1)];
+    x.bits = (unsigned short)((e & 1) ? w >> 16 : w & 0xffffu);
+    return ld(x);
+}
+
+// acc (16 × FA_D) += P (16 × 64, packed A fragments) · B, B the row-major tile `s`
+// (64 × FA_D), read transposed by ldmatrix (16 columns per ldmatrix.x4).
+template <typename T>
+__device__ void fa_mma_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
+    int lane = threadIdx.x % WARP;
+    smem_t lp = smem(s) + 2 * (((lane & 8) + (lane & 7)) * FA_LDS + (lane >> 4) * 8);
+#pragma unroll
+    for (int kk = 0; kk < FA_ROWS / 16; kk++)
 #pragma unroll
         for (int nd = 0; nd < FA_D / 16; nd++) {
-            if (nd >= kchunks) continue;
             u32 b[4];
-            ldsm_x4_trans(b, lp + kk * 16 * FA_LDS + nd * 16);
-            mma16816(acc[2 * nd], a, b, T());
-            mma16816(acc[2 * nd + 1], a, b + 2, T());
+            ldsm_x4_trans(b, lp + 2 * (kk * 16 * FA_LDS + nd * 16));
+            mma16816(acc[2 * nd], pa[kk], b, T());
+            mma16816(acc[2 * nd + 1], pa[kk], b + 2, T());
         }
-    }
 }
 
 __device__ float quad_max(float v) {
@@ -770,7 +810,7 @@ __device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int
 }
 
 // Sets the entries of a diagonal tile's accumulators above the diagonal (local column after
-// local row; rows of this warp from `row`) to `v`.
+// local row; rows of this warp from `row`) to `v`; fa_mask_below those below it.
 __device__ void fa_mask_above(float (*acc)[4], int row, float v) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -778,6 +818,14 @@ __device__ void fa_mask_above(float (*acc)[4], int row, float v) {
 #pragma unroll
         for (int e = 0; e < 4; e++)
             if (n * 8 + 2 * t + (e & 1) > row + g + (e >> 1) * 8) acc[n][e] = v;
+}
+__device__ void fa_mask_below(float (*acc)[4], int row, float v) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (n * 8 + 2 * t + (e & 1) < row + g + (e >> 1) * 8) acc[n][e] = v;
 }
 
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
@@ -790,7 +838,6 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     __shared__ T sV[2][FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3;
-    int kch = (hs + 15) / 16;
     float sl2 = scale * LOG2E;  // raw scores to log2 units
     i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq);
@@ -807,7 +854,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         cp_async_wait_prior();
         __syncthreads();
         u32 qa[FA_D / 16][4];
-        fa_a_frags(qa, sK[1], warp * 16, kch);
+        fa_a_frags(qa, sK[1], warp * 16);
         // m: running maximum of the raw scores; l: this lane's part of the running sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
         float o[FA_D / 8][4];
@@ -824,7 +871,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             cp_async_wait_prior();  // block kb's tiles have landed
             __syncthreads();
             float s[FA_ROWS / 8][4];
-            fa_mma_abt(s, qa, sK[cur], kch);
+            fa_mma_abt(s, qa, sK[cur]);
             if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
             float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -853,7 +900,9 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                     s[n][e] = fast_exp2(fmaf(s[n][e], sl2, neg[e >> 1]));
                     l[e >> 1] += s[n][e];
                 }
-            fa_mma_pb(o, s, sV[cur], kch);
+            u32 pa[FA_ROWS / 16][4];
+            fa_pack<T>(pa, s);
+            fa_mma_pb(o, pa, sV[cur]);
         }
         float inv[2];
 #pragma unroll
@@ -884,7 +933,6 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
     __shared__ T sV[2][FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2;
-    int kch = (hs + 15) / 16;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
@@ -904,8 +952,8 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         cp_async_wait_prior();
         __syncthreads();
         u32 qa[FA_D / 16][4], da[FA_D / 16][4];
-        fa_a_frags(qa, sK[1], warp * 16, kch);
-        fa_a_frags(da, sV[1], warp * 16, kch);
+        fa_a_frags(qa, sK[1], warp * 16);
+        fa_a_frags(da, sV[1], warp * 16);
         if (threadIdx.x < FA_ROWS) {
             i64 row = q0 + threadIdx.x;
             float dsum = 0.0f, l2 = POS_INF;  // rows past T: probabilities 0
@@ -935,18 +983,27 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             cp_async_commit();
             cp_async_wait_prior();
             __syncthreads();
-            float s[FA_ROWS / 8][4], dp[FA_ROWS / 8][4];
-            fa_mma_abt(s, qa, sK[cur], kch);
-            fa_mma_abt(dp, da, sV[cur], kch);
-            if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
+            // P rounded to T (as the three-step path stores it), then dS = P ∘ (dP − Δ).
+            u32 pa[FA_ROWS / 16][4];
+            {
+                float s[FA_ROWS / 8][4];
+                fa_mma_abt(s, qa, sK[cur]);
+                if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
+#pragma unroll
+                for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[n][e] = fast_exp2(fmaf(s[n][e], sl2, nl[e >> 1]));
+                fa_pack<T>(pa, s);
+            }
+            float dp[FA_ROWS / 8][4];
+            fa_mma_abt(dp, da, sV[cur]);
 #pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float p = fast_exp2(fmaf(s[n][e], sl2, nl[e >> 1]));
-                    s[n][e] = p * (dp[n][e] - dr[e >> 1]);
-                }
-            fa_mma_pb(dq, s, sK[cur], kch);
+                for (int e = 0; e < 4; e++)
+                    dp[n][e] = fa_unpack<T>(pa, n, e) * (dp[n][e] - dr[e >> 1]);
+            fa_pack<T>(pa, dp);
+            fa_mma_pb(dq, pa, sK[cur]);
         }
         float mul[2] = {scale, scale};
         fa_store(dqkv + b * Tn * ldq + h * hs, dq, q0 + warp * 16, Tn, ldq, hs, mul);
@@ -983,9 +1040,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     __shared__ T sQ[2][FA_ROWS * FA_LDS];
     __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
-    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
-        t = lane & 3;
-    int kch = (hs + 15) / 16;
+    int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
@@ -1007,8 +1062,8 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         cp_async_wait_prior();
         __syncthreads();
         u32 ka[FA_D / 16][4], va[FA_D / 16][4];
-        fa_a_frags(ka, sQ[1], warp * 16, kch);
-        fa_a_frags(va, sO[1], warp * 16, kch);
+        fa_a_frags(ka, sQ[1], warp * 16);
+        fa_a_frags(va, sO[1], warp * 16);
         float dk[FA_D / 8][4], dv[FA_D / 8][4];
 #pragma unroll
         for (int nd = 0; nd < FA_D / 8; nd++)
@@ -1026,32 +1081,33 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             cp_async_commit();
             cp_async_wait_prior();
             __syncthreads();
-            // Transposed scores: rows are this warp's keys, columns the block's queries.
-            float p[FA_ROWS / 8][4], ds[FA_ROWS / 8][4];
-            fa_mma_abt(p, ka, sQ[cur], kch);
-            fa_mma_abt(ds, va, sO[cur], kch);
+            // Transposed scores: rows are this warp's keys, columns the block's queries. P is
+            // rounded to T (as the three-step path stores it) and feeds both dV and dS.
             const float *sl = sL[cur], *sd = sD[cur];
-#pragma unroll
-            for (int n = 0; n < FA_ROWS / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int qi = n * 8 + 2 * t + (e & 1);
-                    float pv = fast_exp2(fmaf(p[n][e], sl2, sl[qi]));
-                    p[n][e] = pv;
-                    ds[n][e] = pv * (ds[n][e] - sd[qi]);
-                }
-            if (qb == kb) {
-                // On the diagonal tile a query before the key is masked: transposed, column
-                // before row.
+            u32 pa[FA_ROWS / 16][4];
+            {
+                float p[FA_ROWS / 8][4];
+                fa_mma_abt(p, ka, sQ[cur]);
 #pragma unroll
                 for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++)
-                        if (n * 8 + 2 * t + (e & 1) < warp * 16 + g + (e >> 1) * 8)
-                            p[n][e] = ds[n][e] = 0.0f;
+                        p[n][e] = fast_exp2(fmaf(p[n][e], sl2, sl[n * 8 + 2 * t + (e & 1)]));
+                // On the diagonal tile a query before the key is masked: transposed, column
+                // before row.
+                if (qb == kb) fa_mask_below(p, warp * 16, 0.0f);
+                fa_pack<T>(pa, p);
             }
-            fa_mma_pb(dv, p, sO[cur], kch);
-            fa_mma_pb(dk, ds, sQ[cur], kch);
+            fa_mma_pb(dv, pa, sO[cur]);
+            float ds[FA_ROWS / 8][4];
+            fa_mma_abt(ds, va, sO[cur]);
+#pragma unroll
+            for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    ds[n][e] = fa_unpack<T>(pa, n, e) * (ds[n][e] - sd[n * 8 + 2 * t + (e & 1)]);
+            fa_pack<T>(pa, ds);
+            fa_mma_pb(dk, pa, sQ[cur]);
         }
         float one[2] = {1.0f, 1.0f}, mul[2] = {scale, scale};
         T* dst = dqkv + b * Tn * ldq + h * hs;
