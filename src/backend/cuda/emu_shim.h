@@ -167,6 +167,7 @@ static inline unsigned __float_as_uint(float f) {
 }
 
 #define __global__
+#define __launch_bounds__(...)
 #define __device__ static inline
 #define __shared__ static
 #define DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(fugu_emu::dyn_shared.data())
