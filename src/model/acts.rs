@@ -40,6 +40,16 @@ pub enum AttnKeep {
     LogSumExp,
 }
 
+impl AttnKeep {
+    /// The name in the run header (`"attention"`) and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnKeep::Probabilities => "three-step",
+            AttnKeep::LogSumExp => "fused",
+        }
+    }
+}
+
 /// The per-block activations that [`Recompute::Full`] keeps in one set shared by all layers
 /// (all but `resid3`, the block output).
 const SHARED_UNDER_FULL: [&str; 8] = [

@@ -295,6 +295,11 @@ impl<B: Backend> Gpt2<B> {
         Ok(())
     }
 
+    /// Whether attention runs in three steps (probabilities kept) or fused.
+    pub fn attention(&self) -> AttnKeep {
+        self.attn_keep
+    }
+
     /// Storage type of activations and of the parameters the passes read.
     pub fn compute_dtype(&self) -> Dtype {
         self.compute

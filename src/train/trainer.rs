@@ -38,6 +38,7 @@ use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
+use crate::model::acts::{AttnKeep, Recompute};
 use crate::model::init::init_tensor;
 use crate::model::table::{gpt2_params, Table, TensorSpec};
 use crate::model::{Gpt2, OptimStep, Stage, TpRank};
@@ -932,6 +933,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             },
             "backend": self.model.be.name(),
             "precision": t.precision.name(),
+            "attention": self.model.attention().name(),
             "device": self.model.be.describe(),
             "peak_gflops_per_rank": self.peak_flops / 1e9,
             "parameters": params_n,
@@ -1029,6 +1031,16 @@ impl<'d, B: Backend> Trainer<'d, B> {
             eprintln!(
                 "  precision: {} activations and GEMM operands, f32 master weights, gradients and optimizer{scaling}{cpu_note}",
                 t.precision.name()
+            );
+        }
+        if self.model.attention() == AttnKeep::LogSumExp {
+            let recompute = if opts.recompute == Recompute::Attention {
+                " (--recompute attention has nothing to recompute)"
+            } else {
+                ""
+            };
+            eprintln!(
+                "  attention: fused (FlashAttention: one log-sum-exp per row kept, no T x T probabilities){recompute}"
             );
         }
         if let Some(d) = self.watch.deadline() {
