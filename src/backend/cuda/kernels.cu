@@ -1,4 +1,6 @@
-// fugu's CUDA kernels: every Backend op that is not a GEMM (the GEMMs go to cuBLAS).
+// fugu's CUDA kernels: every Backend op that is not a GEMM (the GEMMs go to cuBLAS), and fused
+// causal attention on the tensor cores for the 16-bit types (the "fused (flash) attention"
+// section).
 //
 // Compiled at run time by NVRTC (src/backend/cuda/mod.rs), with --fmad=false so that no
 // multiply-add is contracted into an FMA the CPU reference does not use. The semantics of each
