@@ -663,16 +663,28 @@ mod tests {
         out
     }
 
+    /// Random qkv (scaled by `scale`) and dout for the f64 tests.
+    fn inputs(
+        seed: u64,
+        scale: f64,
+        b: usize,
+        t: usize,
+        nh: usize,
+        hs: usize,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let mut rng = Rng::new(seed);
+        let qkv = rng
+            .vec(b * t * 3 * nh * hs)
+            .iter()
+            .map(|x| scale * x)
+            .collect();
+        (qkv, rng.vec(b * t * nh * hs))
+    }
+
     #[test]
     fn gradients_match_finite_differences() {
         let (b, t, nh, hs) = (2, 5, 2, 3);
-        let mut rng = Rng::new(40);
-        let qkv: Vec<f64> = rng
-            .vec(b * t * 3 * nh * hs)
-            .iter()
-            .map(|x| 1.5 * x)
-            .collect();
-        let dout = rng.vec(b * t * nh * hs);
+        let (qkv, dout) = inputs(40, 1.5, b, t, nh, hs);
         let (att, out) = forward(&qkv, b, t, nh, hs);
         assert_close(
             "out vs reference",
@@ -699,13 +711,7 @@ mod tests {
     #[test]
     fn fused_matches_the_three_steps() {
         for (b, t, nh, hs) in [(1, 1, 2, 5), (2, 9, 3, 5), (1, 33, 2, 5)] {
-            let mut rng = Rng::new(42);
-            let qkv: Vec<f64> = rng
-                .vec(b * t * 3 * nh * hs)
-                .iter()
-                .map(|x| 2.0 * x)
-                .collect();
-            let dout = rng.vec(b * t * nh * hs);
+            let (qkv, dout) = inputs(42, 2.0, b, t, nh, hs);
             let (att, out) = forward(&qkv, b, t, nh, hs);
             let mut fout = vec![f64::NAN; out.len()];
             let mut lse = vec![f64::NAN; b * nh * t];

@@ -521,28 +521,23 @@ __device__ float fast_exp2(float x) {
 // a{0,1,2,3} = A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]; b{0,1} = B[2t..][g],
 // B[2t+8..][g]; c{0,1,2,3} = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1] (pairs: low half
 // first).
-__device__ void mma16816(float* c, const u32* a, const u32* b, bf16) {
+// Below sm_80 the instruction does not exist: the host never launches these kernels there
+// (CudaBackend::fused_attention), and the body traps.
 #if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#define MMA16816(T, PTX)                                                                     \
+    __device__ void mma16816(float* c, const u32* a, const u32* b, T) {                      \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX                    \
+                     ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"            \
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                        \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));    \
+    }
 #else
-    __trap();  // never launched below sm_80 (CudaBackend::fused_attention)
+#define MMA16816(T, PTX) \
+    __device__ void mma16816(float*, const u32*, const u32*, T) { __trap(); }
 #endif
-}
-__device__ void mma16816(float* c, const u32* a, const u32* b, f16) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    __trap();
-#endif
-}
+MMA16816(bf16, "bf16")
+MMA16816(f16, "f16")
+#undef MMA16816
 // A shared-memory address (a byte offset into the block's shared window), computed once per
 // tile; ldmatrix and cp.async take it with constant byte offsets added.
 typedef u32 smem_t;
@@ -573,21 +568,26 @@ __device__ void cp_async_wait_prior() {
     asm volatile("cp.async.wait_group 1;");
 #endif
 }
+// Waits for every copy issued so far (committed or not).
+__device__ void cp_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;");
+#endif
+}
 // Four 8×8 matrices of 16-bit elements from shared memory: lane 8j + i gives the address of
 // row i of matrix j; lane 4g + t receives r[j] = {M_j[g][2t], M_j[g][2t+1]} (the B-operand
 // layout of an n × k tile stored row-major, i.e. of Bᵀ).
-__device__ void ldsm_x4(u32* r, smem_t a) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-// The same, transposed: lane 4g + t receives r[j] = {M_j[2t][g], M_j[2t+1][g]} (the B-operand
-// layout of a k × n tile stored row-major).
-__device__ void ldsm_x4_trans(u32* r, smem_t a) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
+// ldsm_x4_trans, the same transposed: lane 4g + t receives r[j] = {M_j[2t][g], M_j[2t+1][g]}
+// (the B-operand layout of a k × n tile stored row-major).
+#define LDSM_X4(NAME, PTX)                                                                   \
+    __device__ void NAME(u32* r, smem_t a) {                                                 \
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4" PTX ".shared.b16 {%0,%1,%2,%3}, [%4];"  \
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                        \
+                     : "r"(a));                                                              \
+    }
+LDSM_X4(ldsm_x4, "")
+LDSM_X4(ldsm_x4_trans, ".trans")
+#undef LDSM_X4
 #else
 // The host emulator: the same fragment layouts, products of the widened values summed in f32
 // in k order (a GPU's summation order inside the instruction is unspecified).
@@ -612,6 +612,7 @@ __device__ void cp_async16(smem_t dst, const void* src, bool valid) {
 }
 __device__ void cp_async_commit() {}
 __device__ void cp_async_wait_prior() {}
+__device__ void cp_async_wait_all() {}
 template <typename T>
 __device__ float half_of(u32 w, int k) {
     T x;
@@ -667,18 +668,16 @@ __device__ void ldsm_x4_trans(u32* r, smem_t a) { ldsm_emulated(r, a, true); }
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 800
 template <typename T>
 __device__ u32 pack2(float lo, float hi);
-template <>
-__device__ u32 pack2<bf16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-template <>
-__device__ u32 pack2<f16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+#define PACK2(T, PTX)                                                                        \
+    template <>                                                                              \
+    __device__ u32 pack2<T>(float lo, float hi) {                                            \
+        u32 r;                                                                               \
+        asm("cvt.rn." PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                \
+        return r;                                                                            \
+    }
+PACK2(bf16, "bf16")
+PACK2(f16, "f16")
+#undef PACK2
 #else
 template <typename T>
 __device__ u32 pack2(float lo, float hi) {
@@ -818,22 +817,16 @@ __device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int
 }
 
 // Sets the entries of a diagonal tile's accumulators above the diagonal (local column after
-// local row; rows of this warp from `row`) to `v`; fa_mask_below those below it.
-__device__ void fa_mask_above(float (*acc)[4], int row, float v) {
+// local row; rows of this warp from `row`), or with `below` those below it, to `v`.
+__device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            if (n * 8 + 2 * t + (e & 1) > row + g + (e >> 1) * 8) acc[n][e] = v;
-}
-__device__ void fa_mask_below(float (*acc)[4], int row, float v) {
-    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int n = 0; n < FA_ROWS / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            if (n * 8 + 2 * t + (e & 1) < row + g + (e >> 1) * 8) acc[n][e] = v;
+        for (int e = 0; e < 4; e++) {
+            int col = n * 8 + 2 * t + (e & 1), r = row + g + (e >> 1) * 8;
+            if (below ? col < r : col > r) acc[n][e] = v;
+        }
 }
 
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
@@ -857,9 +850,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         fa_load(sK[1], base, q0, Tn, ldq, hs, vec);  // Q, in the buffer block 1 will use
         fa_load(sK[0], base + C, 0, Tn, ldq, hs, vec);
         fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
-        cp_async_commit();
-        cp_async_commit();
-        cp_async_wait_prior();
+        cp_async_wait_all();
         __syncthreads();
         u32 qa[FA_D / 16][4];
         fa_a_frags(qa, sK[1], warp * 16);
@@ -880,7 +871,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             __syncthreads();
             float s[FA_ROWS / 8][4];
             fa_mma_abt(s, qa, sK[cur]);
-            if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
+            if (kb == qb) fa_mask(s, warp * 16, NEG_INF, false);
             float mx[2] = {m[0], m[1]};
 #pragma unroll
             for (int n = 0; n < FA_ROWS / 8; n++)
@@ -955,9 +946,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         fa_load(sV[1], dob, q0, Tn, C, hs, vec_o);
         fa_load(sK[0], base + C, 0, Tn, ldq, hs, vec);
         fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
-        cp_async_commit();
-        cp_async_commit();
-        cp_async_wait_prior();
+        cp_async_wait_all();
         __syncthreads();
         u32 qa[FA_D / 16][4], da[FA_D / 16][4];
         fa_a_frags(qa, sK[1], warp * 16);
@@ -996,7 +985,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             {
                 float s[FA_ROWS / 8][4];
                 fa_mma_abt(s, qa, sK[cur]);
-                if (kb == qb) fa_mask_above(s, warp * 16, NEG_INF);
+                if (kb == qb) fa_mask(s, warp * 16, NEG_INF, false);
 #pragma unroll
                 for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
@@ -1065,9 +1054,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         fa_load(sQ[0], base, k0, Tn, ldq, hs, vec);  // the first query block (= kb)
         fa_load(sO[0], dob, k0, Tn, C, hs, vec_o);
         fa_load_stats(sL[0], sD[0], lse_h, delta_h, k0, Tn);
-        cp_async_commit();
-        cp_async_commit();
-        cp_async_wait_prior();
+        cp_async_wait_all();
         __syncthreads();
         u32 ka[FA_D / 16][4], va[FA_D / 16][4];
         fa_a_frags(ka, sQ[1], warp * 16);
@@ -1103,7 +1090,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                         p[n][e] = fast_exp2(fmaf(p[n][e], sl2, sl[n * 8 + 2 * t + (e & 1)]));
                 // On the diagonal tile a query before the key is masked: transposed, column
                 // before row.
-                if (qb == kb) fa_mask_below(p, warp * 16, 0.0f);
+                if (qb == kb) fa_mask(p, warp * 16, 0.0f, true);
                 fa_pack<T>(pa, p);
             }
             fa_mma_pb(dv, pa, sO[cur]);
