@@ -1088,9 +1088,6 @@ struct BlockPass<'a, 'c> {
     proj: Span,
 }
 
-/// One transformer block's forward pass from its input `resid` (the residual stream) into its
-/// activations `la`, ending with its output in `la.resid3`: the one block forward, run by the
-/// forward pass and again by the backward pass under [`Recompute::Full`].
 /// Environment variable that overrides the backend's attention path: `fused` or
 /// `materialized` (benchmarks and tests; default `auto`).
 pub const ATTENTION_ENV: &str = "FUGU_ATTENTION";
@@ -1115,6 +1112,9 @@ fn attention_path(be: &impl Backend, hs: usize, compute: Dtype) -> Result<AttnKe
     })
 }
 
+/// One transformer block's forward pass from its input `resid` (the residual stream) into its
+/// activations `la`, ending with its output in `la.resid3`: the one block forward, run by the
+/// forward pass and again by the backward pass under [`Recompute::Full`].
 fn block_forward<B: Backend>(
     be: &mut B,
     comm: &dyn Comm,

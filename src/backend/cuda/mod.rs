@@ -101,7 +101,7 @@ pub fn kernel_names() -> Vec<String> {
 
 /// Index into [`kernel_names`] of template `k` instantiated for storage type `dt`.
 fn kernel_index(k: K, dt: Dtype) -> usize {
-    let (k, types, first): (usize, &[Dtype], usize) =
+    let (i, types, first): (usize, &[Dtype], usize) =
         match (k as usize).checked_sub(KERNEL_BASES.len()) {
             None => (k as usize, &KERNEL_TYPES, 0),
             Some(h) => (
@@ -113,8 +113,8 @@ fn kernel_index(k: K, dt: Dtype) -> usize {
     let t = types
         .iter()
         .position(|&x| x == dt)
-        .unwrap_or_else(|| panic!("kernel {k} has no {} instantiation", dt.name()));
-    first + k * types.len() + t
+        .unwrap_or_else(|| panic!("kernel {k:?} has no {} instantiation", dt.name()));
+    first + i * types.len() + t
 }
 
 kernels!(
@@ -1173,7 +1173,7 @@ impl Backend for CudaBackend {
         self.launch(
             K::flash_forward,
             dt,
-            self.flash_grid(d),
+            Self::flash_grid(d),
             FLASH_THREADS,
             0,
             &args,
@@ -1195,10 +1195,15 @@ impl Backend for CudaBackend {
             "attention_backward: lengths"
         );
         let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
-        let (grid, tail) = (self.flash_grid(d), self.flash_args(qkv, d));
+        let (grid, tail) = (Self::flash_grid(d), self.flash_args(qkv, d));
         let (dq, dy, y, l) = (self.ptr(dqkv), self.ptr(dout), self.ptr(out), self.ptr(lse));
-        let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(y)];
-        args.push(Arg::Ptr(l));
+        let mut args = vec![
+            Arg::Ptr(dq),
+            Arg::Ptr(delta),
+            Arg::Ptr(dy),
+            Arg::Ptr(y),
+            Arg::Ptr(l),
+        ];
         args.extend(tail.iter().copied());
         self.launch(K::flash_backward_dq, dt, grid, FLASH_THREADS, 0, &args);
         let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
@@ -1465,11 +1470,10 @@ impl CudaBackend {
         dt
     }
 
-    /// One block per (64-row block, sequence, head), up to the engine's grid limit (the
-    /// kernels loop over the rest).
-    fn flash_grid(&self, d: AttnDims) -> u64 {
-        let items = d.t.div_ceil(FLASH_ROWS) * d.b * d.nh;
-        (items as u64).min(self.eng.max_blocks() as u64)
+    /// One block per (64-row block, sequence, head); [`Self::launch`] caps the grid at the
+    /// engine's limit and the kernels loop over the rest.
+    fn flash_grid(d: AttnDims) -> u64 {
+        (d.t.div_ceil(FLASH_ROWS) * d.b * d.nh) as u64
     }
 
     /// The fused kernels' trailing arguments: qkv, B, T, nh, hs, scale.
