@@ -217,10 +217,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 .into());
             }
         } else if dist.is_parallel() {
-            eprintln!(
-                "fugu train: error on rank {} of {}: {e:#}\nfugu train: aborting all ranks",
+            // One write of the whole message: stderr is unbuffered, so a formatted eprintln!
+            // goes out piece by piece, and the other ranks' output could land in between.
+            let message = format!(
+                "fugu train: error on rank {} of {}: {e:#}\nfugu train: aborting all ranks\n",
                 dist.grid.world_rank, dist.grid.world_size
             );
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), message.as_bytes());
             dist.abort_job(1);
         }
     }
