@@ -141,10 +141,12 @@ impl Engine for Emulator {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevAlloc> {
-        // u64 words: 8-byte aligned, zero-filled, like device memory.
-        let mut v: Vec<u64> = Vec::new();
-        v.try_reserve_exact(bytes.div_ceil(8).max(1))?;
-        v.resize(bytes.div_ceil(8).max(1), 0);
+        // u128 words: 16-byte aligned (the fused attention kernels copy 16-byte rows where the
+        // tensor allows it, as on a GPU, whose allocations are 256-byte aligned), zero-filled,
+        // like device memory.
+        let mut v: Vec<u128> = Vec::new();
+        v.try_reserve_exact(bytes.div_ceil(16).max(1))?;
+        v.resize(bytes.div_ceil(16).max(1), 0);
         let ptr = v.as_mut_ptr() as u64;
         Ok(DevAlloc {
             ptr,
