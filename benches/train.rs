@@ -1,5 +1,6 @@
 //! `cargo bench --bench train -- [--config gpt2-124m] [--shape 4x64] [--steps 5] [--threads 2]
 //! [--device cpu|cuda|cuda:N] [--tf32] [--precision fp32|bf16|fp16] [--breakdown]`
+//! (`FUGU_ATTENTION=materialized|fused` picks the attention path; the activations line names it)
 //!
 //! Times full training steps (forward, backward, clip, AdamW) on random tokens and prints the
 //! median step time, tokens/s, model TFLOP/s (Megatron formula) and MFU against the device's
@@ -144,7 +145,8 @@ fn time_steps<B: Backend>(
     model.set_recompute(recompute);
     let (fwd, bwd) = model.activation_bytes(b, t);
     println!(
-        "activations {b}x{t} (--recompute {recompute:?}): {:.1} MiB forward + {:.1} MiB backward scratch",
+        "activations {b}x{t} (--recompute {recompute:?}, {} attention): {:.1} MiB forward + {:.1} MiB backward scratch",
+        model.attention().name(),
         fwd as f64 / (1 << 20) as f64,
         bwd as f64 / (1 << 20) as f64
     );
