@@ -79,6 +79,12 @@ impl Heads {
         }
     }
 
+    /// The range of row `row` of head `head`'s matrix.
+    pub fn row(&self, head: usize, row: usize) -> std::ops::Range<usize> {
+        let start = self.offset + row * self.ld + head * self.stride;
+        start..start + self.cols
+    }
+
     fn view<T>(self, data: &[T]) -> BatchMat<'_, T> {
         BatchMat {
             data,
@@ -485,20 +491,23 @@ pub fn attention_forward_fused<T: Float>(
         .zip(lse.par_chunks_mut(nh * t))
         .zip(qkv.par_chunks(t * 3 * c))
         .for_each(|((out, lse), qkv)| {
+            // One sequence's chunks: its heads as batch element 0.
+            let [q, k, v] = [0, 1, 2].map(|part| Heads::qkv(0, part, t, nh, hs));
+            let y = Heads::btc(0, t, nh, hs);
             let mut w = Vec::with_capacity(t);
             for h in 0..nh {
-                let part = |row: usize, p: usize| &qkv[row * 3 * c + p * c + h * hs..][..hs];
                 for i in 0..t {
+                    let qi = &qkv[q.row(h, i)];
                     w.clear();
-                    w.extend((0..=i).map(|j| head_dot(part(i, 0), part(j, 1)) * alpha));
+                    w.extend((0..=i).map(|j| head_dot(qi, &qkv[k.row(h, j)]) * alpha));
                     let mx = super::crossentropy::row_max(&w);
                     let sum = T::sum_exp_row(&w, mx);
                     lse[h * t + i] = T::from_f64(mx.to_f64() + sum.ln());
                     T::exp_scale_row(&mut w, mx, T::from_f64(1.0 / sum));
-                    let o = &mut out[i * c + h * hs..][..hs];
+                    let o = &mut out[y.row(h, i)];
                     o.fill(T::ZERO);
                     for (j, &p) in w.iter().enumerate() {
-                        for (x, &v) in o.iter_mut().zip(part(j, 2)) {
+                        for (x, &v) in o.iter_mut().zip(&qkv[v.row(h, j)]) {
                             *x += p * v;
                         }
                     }
@@ -544,21 +553,22 @@ pub fn attention_backward_fused<T: Float>(
         .zip(lse.par_chunks(nh * t))
         .zip(qkv.par_chunks(t * 3 * c))
         .for_each(|((((dqkv, dout), out), lse), qkv)| {
+            // One sequence's chunks: its heads as batch element 0.
+            let [q, k, v] = [0, 1, 2].map(|part| Heads::qkv(0, part, t, nh, hs));
+            let y = Heads::btc(0, t, nh, hs);
             dqkv.fill(T::ZERO);
             for h in 0..nh {
-                let head = |row: usize| h * hs + row * c..h * hs + row * c + hs;
-                let part = |row: usize, p: usize| &qkv[row * 3 * c + p * c + h * hs..][..hs];
                 for i in 0..t {
-                    let (dy, y) = (&dout[head(i)], &out[head(i)]);
-                    let delta = head_dot(dy, y);
+                    let (dy, qi) = (&dout[y.row(h, i)], &qkv[q.row(h, i)]);
+                    let delta = head_dot(dy, &out[y.row(h, i)]);
                     for j in 0..=i {
-                        let p = (head_dot(part(i, 0), part(j, 1)) * alpha - lse[h * t + i]).exp();
-                        let ds = p * (head_dot(dy, part(j, 2)) - delta) * alpha;
-                        let at = |row: usize, p: usize| row * 3 * c + p * c + h * hs;
+                        let kj = &qkv[k.row(h, j)];
+                        let p = (head_dot(qi, kj) * alpha - lse[h * t + i]).exp();
+                        let ds = p * (head_dot(dy, &qkv[v.row(h, j)]) - delta) * alpha;
                         for d in 0..hs {
-                            dqkv[at(i, 0) + d] += ds * qkv[at(j, 1) + d];
-                            dqkv[at(j, 1) + d] += ds * qkv[at(i, 0) + d];
-                            dqkv[at(j, 2) + d] += p * dy[d];
+                            dqkv[q.row(h, i).start + d] += ds * kj[d];
+                            dqkv[k.row(h, j).start + d] += ds * qi[d];
+                            dqkv[v.row(h, j).start + d] += p * dy[d];
                         }
                     }
                 }
