@@ -37,7 +37,25 @@ struct Shape {
     tb: bool,
 }
 
-const SHAPES: [Shape; 8] = [
+const SHAPES: [Shape; 10] = [
+    Shape {
+        name: "256^3",
+        m: 256,
+        n: 256,
+        k: 256,
+        batch: 1,
+        ta: false,
+        tb: false,
+    },
+    Shape {
+        name: "512^3",
+        m: 512,
+        n: 512,
+        k: 512,
+        batch: 1,
+        ta: false,
+        tb: false,
+    },
     Shape {
         name: "2048^3",
         m: 2048,

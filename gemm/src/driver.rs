@@ -151,6 +151,15 @@ impl Problem {
         }
     }
 
+    /// The sub-problem of C columns `c0 .. c0 + cols`.
+    pub fn cols(self, c0: usize, cols: usize) -> Problem {
+        Problem {
+            b: self.b.block(0, c0, self.k(), cols),
+            c: self.c.block(0, c0, self.m(), cols),
+            ..self
+        }
+    }
+
     /// Orients the problem and finishes the cases that need no kernel (empty C; `k == 0` or
     /// `alpha == 0`, which only scale C). Returns the problem when the kernel has work.
     pub fn needs_kernel(self) -> Option<Problem> {
@@ -322,6 +331,26 @@ fn split_range(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
     start..start + q + usize::from(i < r)
 }
 
+/// Runs a problem whose rows fit one Ã block (m ≤ mc) on `pool` as `threads` independent
+/// sequential GEMMs on column blocks of C (whole B̃ micro-panels each). Each thread packs the
+/// whole Ã (private L2: [`SplitMode::Ic`]) and only the B̃ panels it uses, into its own
+/// buffers, so the threads meet once per call instead of at a barrier after a shared B̃ pack
+/// in every k block. Measured on Zen 4 (AVX2, 2 threads, `examples/blocking`): see
+/// `docs/KERNELS.md`, "Small problems on two threads".
+fn run_column_blocks(ctx: &Ctx, p: Problem, pool: &rayon::ThreadPool, threads: usize) {
+    let nr = ctx.kernel.nr;
+    let npanels = p.n().div_ceil(nr);
+    let parts = threads.min(npanels);
+    pool.install(|| {
+        (0..parts).into_par_iter().for_each(|i| {
+            let panels = split_range(npanels, parts, i);
+            let c0 = panels.start * nr;
+            let cols = (panels.end * nr).min(p.n()) - c0;
+            run_sequential(ctx, p.cols(c0, cols));
+        })
+    });
+}
+
 /// Runs one problem on `pool` with `threads` threads, packing B̃ into `bbuf` (the domain's
 /// buffer, first touched by the domain's threads) and Ã per thread or per domain.
 pub(crate) fn run_parallel(
@@ -340,8 +369,11 @@ pub(crate) fn run_parallel(
     let Kernel { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc, nb } = ctx.blocking_for(m, n, k);
     let fmt = ctx.format();
-    // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
     let n_ic_min = m.div_ceil(mc);
+    if split == SplitMode::Ic && n_ic_min == 1 {
+        return run_column_blocks(ctx, p, pool, threads);
+    }
+    // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
     let n_ic = if n_ic_min >= threads {
         n_ic_min.next_multiple_of(threads)
     } else {
