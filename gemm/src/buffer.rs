@@ -75,3 +75,57 @@ pub(crate) fn with_thread_a<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R
 pub(crate) fn with_thread_b<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     PACK_B.with(|b| f(b.borrow_mut().get(len)))
 }
+
+/// A packed buffer that the members of one team job fill in disjoint panels and then all
+/// read, the two separated by a barrier ([`crate::team::Member::barrier`]): the raw view that
+/// lets several threads write one buffer without a lock.
+pub(crate) struct SharedPanels<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _buf: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: SharedPanels is a borrowed `&mut [f32]`; the access rules of its unsafe methods are
+// what make concurrent use sound.
+unsafe impl Send for SharedPanels<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for SharedPanels<'_> {}
+
+impl<'a> SharedPanels<'a> {
+    pub(crate) fn new(buf: &'a mut [f32]) -> Self {
+        SharedPanels {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _buf: std::marker::PhantomData,
+        }
+    }
+
+    /// Words `r` to write.
+    ///
+    /// # Safety
+    /// No other reference to any word of `r` may be live while the slice is (each member
+    /// writes its own panels, and nobody reads them before the next barrier).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice_mut(&self, r: std::ops::Range<usize>) -> &mut [f32] {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "panel outside the buffer"
+        );
+        // SAFETY: in bounds (checked); exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+    }
+
+    /// Words `r` to read.
+    ///
+    /// # Safety
+    /// No member may write any word of `r` while the slice is live (the writes happened before
+    /// a barrier this member has passed, and the next ones come after a later barrier).
+    pub(crate) unsafe fn slice(&self, r: std::ops::Range<usize>) -> &[f32] {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "panel outside the buffer"
+        );
+        // SAFETY: in bounds (checked); no concurrent writer is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
+    }
+}

@@ -1,13 +1,13 @@
 //! The BLIS five-loop driver (jc, pc, ic, jr, ir) for one GEMM, sequential or on one domain's
-//! thread pool. See `docs/KERNELS.md` for the loop structure and packed layouts.
+//! worker team (`team.rs`). See `docs/KERNELS.md` for the loop structure and packed layouts.
 
 use crate::blocking::Blocking;
-use crate::buffer::{with_thread_a, with_thread_b, AlignedBuf};
+use crate::buffer::{with_thread_a, with_thread_b, AlignedBuf, SharedPanels};
 use crate::kernel::{Kernel, Side};
 use crate::pack::{pack_one_panel, pack_panels, PanelFormat};
 use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
-use rayon::prelude::*;
+use crate::team::{split_range, Team};
 
 /// Largest `mr × nr` tile any kernel may use (the SVE f16 kernel at 2048 bits: 256 × 10).
 pub(crate) const MAX_TILE: usize = 256 * 16;
@@ -324,40 +324,34 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
     }
 }
 
-/// Splits `0..len` into `parts` nearly equal ranges.
-fn split_range(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
-    let (q, r) = (len / parts, len % parts);
-    let start = i * q + i.min(r);
-    start..start + q + usize::from(i < r)
-}
-
-/// Runs a problem whose rows fit one Ã block (m ≤ mc) on `pool` as `threads` independent
-/// sequential GEMMs on column blocks of C (whole B̃ micro-panels each). Each thread packs the
-/// whole Ã (private L2: [`SplitMode::Ic`]) and only the B̃ panels it uses, into its own
-/// buffers, so the threads meet once per call instead of at a barrier after a shared B̃ pack
-/// in every k block. Measured on Zen 4 (AVX2, 2 threads, `examples/blocking`): see
+/// Runs a problem whose rows fit one Ã block (m ≤ mc) on `team` as independent sequential
+/// GEMMs on column blocks of C (whole B̃ micro-panels each), one per member. Each member packs
+/// the whole Ã (private L2: [`SplitMode::Ic`]) and only the B̃ panels it uses, into its own
+/// buffers, so the members meet once per call instead of at barriers around a shared B̃ pack in
+/// every k block. Measured on Zen 4 (AVX2, 2 threads, `examples/blocking`): see
 /// `docs/KERNELS.md`, "Small problems on two threads".
-fn run_column_blocks(ctx: &Ctx, p: Problem, pool: &rayon::ThreadPool, threads: usize) {
+fn run_column_blocks(ctx: &Ctx, p: Problem, team: &Team) {
     let nr = ctx.kernel.nr;
     let npanels = p.n().div_ceil(nr);
-    let parts = threads.min(npanels);
-    pool.install(|| {
-        (0..parts).into_par_iter().for_each(|i| {
-            let panels = split_range(npanels, parts, i);
+    let parts = team.size().min(npanels);
+    team.run(|me| {
+        if me.id < parts {
+            let panels = split_range(npanels, parts, me.id);
             let c0 = panels.start * nr;
             let cols = (panels.end * nr).min(p.n()) - c0;
             run_sequential(ctx, p.cols(c0, cols));
-        })
+        }
     });
 }
 
-/// Runs one problem on `pool` with `threads` threads, packing B̃ into `bbuf` (the domain's
-/// buffer, first touched by the domain's threads) and Ã per thread or per domain.
+/// Runs one problem on `team` (the calling thread may be one of its members), packing B̃ into `bbuf` (the domain's buffer, first touched by the members that pack it) and
+/// Ã per member ([`SplitMode::Ic`]) or per domain into `abuf` ([`SplitMode::Jr`]). Every member
+/// walks the jc and pc loops; each packs its share of the shared panels, and barriers separate
+/// packing from reading and reading from the next packing.
 pub(crate) fn run_parallel(
     ctx: &Ctx,
     p: Problem,
-    pool: &rayon::ThreadPool,
-    threads: usize,
+    team: &Team,
     split: SplitMode,
     bbuf: &mut AlignedBuf,
     abuf: &mut AlignedBuf,
@@ -365,13 +359,14 @@ pub(crate) fn run_parallel(
     let Some(p) = p.needs_kernel() else {
         return;
     };
+    let threads = team.size();
     let (m, n, k) = (p.m(), p.n(), p.k());
     let Kernel { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc, nb } = ctx.blocking_for(m, n, k);
     let fmt = ctx.format();
     let n_ic_min = m.div_ceil(mc);
     if split == SplitMode::Ic && n_ic_min == 1 {
-        return run_column_blocks(ctx, p, pool, threads);
+        return run_column_blocks(ctx, p, team);
     }
     // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
     let n_ic = if n_ic_min >= threads {
@@ -381,7 +376,15 @@ pub(crate) fn run_parallel(
     };
     let mc_eff = even_block(m, n_ic, mr, mc.max(mr));
     let n_ic = m.div_ceil(mc_eff);
-    pool.install(|| {
+    // The shared buffers, sized for the largest block.
+    let (kmax, nmax, mmax) = (kc.min(k), nc.min(n), mc.min(m));
+    let bshared =
+        SharedPanels::new(bbuf.get(fmt.operand.panel_words(Side::B, kmax, nr) * nmax.div_ceil(nr)));
+    let ashared = SharedPanels::new(match split {
+        SplitMode::Jr => abuf.get(fmt.operand.panel_words(Side::A, kmax, mr) * mmax.div_ceil(mr)),
+        SplitMode::Ic => abuf.get(0),
+    });
+    team.run(|me| {
         for jc in (0..n).step_by(nc) {
             let ncur = nc.min(n - jc);
             let npanels = ncur.div_ceil(nr);
@@ -392,16 +395,21 @@ pub(crate) fn run_parallel(
                     fmt.operand.panel_words(Side::B, kcur, nr),
                 );
                 let beta = if pc == 0 { p.beta } else { 1.0 };
-                let bp = bbuf.get(bw * npanels);
                 let bsrc = p.b.block(pc, jc, kcur, ncur).t();
-                bp.par_chunks_mut(bw)
-                    .enumerate()
-                    .for_each(|(j, panel)| pack_one_panel(fmt, Side::B, panel, bsrc, j * nr, nr));
-                let bp: &[f32] = bp;
+                for j in me.share(npanels) {
+                    // SAFETY: panel j is this member's alone (`share` ranges are disjoint), and
+                    // nobody reads B̃ before the barrier below.
+                    let panel = unsafe { bshared.slice_mut(j * bw..(j + 1) * bw) };
+                    pack_one_panel(fmt, Side::B, panel, bsrc, j * nr, nr);
+                }
+                me.barrier();
+                // SAFETY: B̃ was written before the barrier above and is written again only
+                // after the barrier that ends this pc step.
+                let bp = unsafe { bshared.slice(0..bw * npanels) };
                 match split {
                     SplitMode::Ic => {
                         let jchunks = threads.div_ceil(n_ic).min(npanels).max(1);
-                        (0..n_ic * jchunks).into_par_iter().for_each(|t| {
+                        for t in (me.id..n_ic * jchunks).step_by(me.size) {
                             let (ib, jb) = (t / jchunks, t % jchunks);
                             let ic = ib * mc_eff;
                             let mcur = mc_eff.min(m - ic);
@@ -413,28 +421,34 @@ pub(crate) fn run_parallel(
                                     ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
                                 );
                             })
-                        });
+                        }
                     }
                     SplitMode::Jr => {
                         for ic in (0..m).step_by(mc) {
                             let mcur = mc.min(m - ic);
-                            let ap = abuf.get(aw * mcur.div_ceil(mr));
+                            let apanels = mcur.div_ceil(mr);
                             let asrc = p.a.block(ic, pc, mcur, kcur);
-                            ap.par_chunks_mut(aw).enumerate().for_each(|(i, panel)| {
-                                pack_one_panel(fmt, Side::A, panel, asrc, i * mr, mr)
-                            });
-                            let ap: &[f32] = ap;
-                            let c = p.c.block(ic, jc, mcur, ncur);
+                            for i in me.share(apanels) {
+                                // SAFETY: as for B̃: disjoint shares, read after the barrier.
+                                let panel = unsafe { ashared.slice_mut(i * aw..(i + 1) * aw) };
+                                pack_one_panel(fmt, Side::A, panel, asrc, i * mr, mr);
+                            }
+                            me.barrier();
+                            // SAFETY: Ã is complete and rewritten only after the next barrier.
+                            let ap = unsafe { ashared.slice(0..aw * apanels) };
                             let jchunks = threads.min(npanels);
-                            (0..jchunks).into_par_iter().for_each(|jb| {
-                                let panels = split_range(npanels, jchunks, jb);
+                            if me.id < jchunks {
+                                let c = p.c.block(ic, jc, mcur, ncur);
+                                let panels = split_range(npanels, jchunks, me.id);
                                 macro_kernel(
                                     ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
                                 );
-                            });
+                            }
+                            me.barrier();
                         }
                     }
                 }
+                me.barrier();
             }
         }
     });
@@ -569,21 +583,6 @@ mod tests {
                     len.div_ceil(block),
                     "len {len} block {block}"
                 );
-            }
-        }
-    }
-
-    #[test]
-    fn ranges_cover() {
-        for len in 0..20 {
-            for parts in 1..6 {
-                let mut next = 0;
-                for i in 0..parts {
-                    let r = split_range(len, parts, i);
-                    assert_eq!(r.start, next);
-                    next = r.end;
-                }
-                assert_eq!(next, len);
             }
         }
     }

@@ -14,7 +14,7 @@
 //!   `f32` views or on `half::f16`/`half::bf16` views ([`Element`]); native kernels where the
 //!   CPU has them (AVX-512 BF16, SVE f16 with f16 chunks), the f32 kernel on rounded operands
 //!   elsewhere.
-//! * Threads are grouped by NUMA domain (one pinned rayon pool per domain, from sysfs, or
+//! * Threads are grouped by NUMA domain (one team of pinned workers per domain, from sysfs, or
 //!   simulated with `FUGU_CMGS=4x12`). Large GEMMs split across domains; batched GEMMs hand
 //!   whole problems to domains and threads by cost.
 //!
@@ -53,6 +53,7 @@ pub mod peak;
 mod raw;
 pub mod reference;
 mod runtime;
+mod team;
 pub mod topology;
 
 pub use blocking::{Blocking, CacheInfo};

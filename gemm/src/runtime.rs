@@ -1,4 +1,4 @@
-//! The runtime: the chosen kernel, block sizes and one thread pool per NUMA domain; and the GEMM
+//! The runtime: the chosen kernel, block sizes and one worker team per NUMA domain; and the GEMM
 //! entry points that validate views and dispatch to the driver.
 
 use crate::blocking::{Blocking, CacheInfo};
@@ -8,9 +8,9 @@ use crate::error::GemmError;
 use crate::kernel::{Isa, Kernel, KernelChoice};
 use crate::precision::{Element, Precision};
 use crate::raw::{RawMat, RawMatMut};
+use crate::team::Team;
 use crate::topology::{pin_current_thread, Topology, TopologyRequest};
 use crate::view::{BatchMut, BatchRef, MatMut, MatRef};
-use rayon::prelude::*;
 use std::sync::{Mutex, OnceLock};
 
 /// Everything that can be chosen when building a [`Runtime`]. `Default` means "detect";
@@ -80,14 +80,15 @@ impl RuntimeConfig {
 }
 
 struct Domain {
-    /// `None` for a single-threaded runtime, which runs on the calling thread.
-    pool: Option<rayon::ThreadPool>,
+    /// The domain's pinned workers; `None` for a single-threaded runtime, which runs on the
+    /// calling thread.
+    team: Option<Team>,
     threads: usize,
     /// Packing buffers owned by this domain (B̃ panel, shared Ã block), reused across calls.
     bufs: Mutex<Vec<(AlignedBuf, AlignedBuf)>>,
 }
 
-/// A configured GEMM engine: kernel, block sizes and per-domain thread pools.
+/// A configured GEMM engine: kernel, block sizes and per-domain worker teams.
 ///
 /// Most code uses the process-wide runtime behind [`crate::gemm`] (configured from the
 /// environment). Build your own with [`Runtime::new`] to choose threads or layout in code.
@@ -109,7 +110,7 @@ impl std::fmt::Debug for Runtime {
 static GLOBAL: OnceLock<Result<Runtime, GemmError>> = OnceLock::new();
 
 impl Runtime {
-    /// Builds a runtime: picks the kernel, derives block sizes and starts the domain pools.
+    /// Builds a runtime: picks the kernel, derives block sizes and starts the domain teams.
     pub fn new(cfg: RuntimeConfig) -> Result<Runtime, GemmError> {
         let choice = KernelChoice::new(cfg.isa)?;
         let kernel = choice.f32;
@@ -163,16 +164,16 @@ impl Runtime {
         let single = topology.domains.len() == 1 && topology.domains[0].threads == 1;
         let mut domains = Vec::new();
         for (di, d) in topology.domains.iter().enumerate() {
-            let pool = if single {
+            let team = if single {
                 None
             } else {
                 let cpus = d.cpus.clone();
                 let pin = topology.pin;
                 let threads = d.threads;
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(d.threads)
-                    .thread_name(move |i| format!("fugu-gemm-d{di}-t{i}"))
-                    .start_handler(move |i| {
+                let team = Team::new(
+                    d.threads,
+                    |i| format!("fugu-gemm-d{di}-t{i}"),
+                    move |i| {
                         if pin && !cpus.is_empty() {
                             if threads <= cpus.len() {
                                 pin_current_thread(&cpus[i % cpus.len()..=i % cpus.len()]);
@@ -180,17 +181,17 @@ impl Runtime {
                                 pin_current_thread(&cpus);
                             }
                         }
-                    })
-                    .build()
-                    .map_err(|e| GemmError::Config {
-                        what: "thread pool".into(),
-                        value: format!("{} threads", d.threads),
-                        expected: format!("a pool the OS can start ({e})"),
-                    })?;
-                Some(pool)
+                    },
+                )
+                .map_err(|e| GemmError::Config {
+                    what: "worker threads".into(),
+                    value: format!("{} threads", d.threads),
+                    expected: format!("threads the OS can start ({e})"),
+                })?;
+                Some(team)
             };
             domains.push(Domain {
-                pool,
+                team,
                 threads: d.threads,
                 bufs: Mutex::new(Vec::new()),
             });
@@ -364,9 +365,9 @@ impl Runtime {
 
     fn run_on_domain(&self, ctx: &Ctx, di: usize, p: Problem) {
         let d = &self.domains[di];
-        let Some(pool) = d.pool.as_ref().filter(|_| d.threads > 1) else {
-            return match d.pool.as_ref() {
-                Some(pool) => pool.install(|| run_sequential(ctx, p)),
+        let Some(team) = d.team.as_ref().filter(|_| d.threads > 1) else {
+            return match d.team.as_ref() {
+                Some(team) => team.run(|_| run_sequential(ctx, p)),
                 None => run_sequential(ctx, p),
             };
         };
@@ -376,7 +377,7 @@ impl Runtime {
             .unwrap_or_else(|e| e.into_inner())
             .pop()
             .unwrap_or((AlignedBuf::empty(), AlignedBuf::empty()));
-        run_parallel(ctx, p, pool, d.threads, self.split, &mut bbuf, &mut abuf);
+        run_parallel(ctx, p, team, self.split, &mut bbuf, &mut abuf);
         d.bufs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -426,16 +427,9 @@ impl Runtime {
             dload[di] += p.cost() as f64;
             per_domain[di].push(p);
         }
-        let run_domain = |di: usize, ps: Vec<Problem>| {
-            let d = &self.domains[di];
-            match d.pool.as_ref() {
-                Some(pool) => pool.install(|| {
-                    ps.into_par_iter()
-                        .with_max_len(1)
-                        .for_each(|p| run_sequential(ctx, p))
-                }),
-                None => ps.into_iter().for_each(|p| run_sequential(ctx, p)),
-            }
+        let run_domain = |di: usize, ps: Vec<Problem>| match self.domains[di].team.as_ref() {
+            Some(team) => team.for_each(ps, |p| run_sequential(ctx, p)),
+            None => ps.into_iter().for_each(|p| run_sequential(ctx, p)),
         };
         let mut per_domain = per_domain.into_iter().enumerate();
         let first = per_domain.next();

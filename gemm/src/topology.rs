@@ -21,7 +21,7 @@ pub struct DomainSpec {
     pub node: Option<usize>,
     /// CPUs of this domain that the process may use (empty when simulated).
     pub cpus: Vec<usize>,
-    /// Number of threads of this domain's pool.
+    /// Number of threads (team workers) of this domain.
     pub threads: usize,
 }
 
@@ -41,7 +41,7 @@ pub enum TopologySource {
 pub struct Topology {
     pub domains: Vec<DomainSpec>,
     pub source: TopologySource,
-    /// Whether pool threads are pinned to their domain's CPUs.
+    /// Whether team workers are pinned to their domain's CPUs.
     pub pin: bool,
 }
 
