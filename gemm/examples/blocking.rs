@@ -37,7 +37,34 @@ struct Shape {
     tb: bool,
 }
 
-const SHAPES: [Shape; 10] = [
+const SHAPES: [Shape; 13] = [
+    Shape {
+        name: "256x252x256",
+        m: 256,
+        n: 252,
+        k: 256,
+        batch: 1,
+        ta: false,
+        tb: false,
+    },
+    Shape {
+        name: "256x264x256",
+        m: 256,
+        n: 264,
+        k: 256,
+        batch: 1,
+        ta: false,
+        tb: false,
+    },
+    Shape {
+        name: "512x510x512",
+        m: 512,
+        n: 510,
+        k: 512,
+        batch: 1,
+        ta: false,
+        tb: false,
+    },
     Shape {
         name: "256^3",
         m: 256,

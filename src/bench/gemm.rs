@@ -318,7 +318,11 @@ impl Default for BenchOptions {
         BenchOptions {
             budget_s: 0.5,
             min_reps: 3,
-            max_reps: 50,
+            // High enough that small shapes spend the budget too: with 50, a 256³ row was
+            // timed for 15 ms of its 1.5 s, ten calls per block, and its ratio to OpenBLAS
+            // moved by ±2% between runs (0.947–0.967 in four runs, 87–93 GFLOP/s); with the
+            // budget spent, 0.958–0.959 (105 GFLOP/s, the steady state; docs/KERNELS.md).
+            max_reps: 10_000,
             baseline: true,
             openblas: cfg!(feature = "openblas"),
             prec: Precision::F32,
