@@ -88,7 +88,7 @@ pub fn run(args: BenchGemmArgs) -> Result<()> {
         }
         cfg.topology.max_threads = Some(t);
     }
-    // A benchmark owns the machine: pin the pool threads to their cores (FUGU_PIN=0 turns it
+    // A benchmark owns the machine: pin the worker threads to their cores (FUGU_PIN=0 turns it
     // off). Unpinned, this VM's scheduler sometimes stacks both workers on one core for a while.
     cfg.topology.pin.get_or_insert(true);
     let rt = Runtime::new(cfg)?;
