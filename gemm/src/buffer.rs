@@ -100,6 +100,13 @@ impl<'a> SharedPanels<'a> {
         }
     }
 
+    fn check(&self, r: &std::ops::Range<usize>) {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "panel outside the buffer"
+        );
+    }
+
     /// Words `r` to write.
     ///
     /// # Safety
@@ -107,10 +114,7 @@ impl<'a> SharedPanels<'a> {
     /// writes its own panels, and nobody reads them before the next barrier).
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn slice_mut(&self, r: std::ops::Range<usize>) -> &mut [f32] {
-        assert!(
-            r.start <= r.end && r.end <= self.len,
-            "panel outside the buffer"
-        );
+        self.check(&r);
         // SAFETY: in bounds (checked); exclusivity is the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
     }
@@ -121,10 +125,7 @@ impl<'a> SharedPanels<'a> {
     /// No member may write any word of `r` while the slice is live (the writes happened before
     /// a barrier this member has passed, and the next ones come after a later barrier).
     pub(crate) unsafe fn slice(&self, r: std::ops::Range<usize>) -> &[f32] {
-        assert!(
-            r.start <= r.end && r.end <= self.len,
-            "panel outside the buffer"
-        );
+        self.check(&r);
         // SAFETY: in bounds (checked); no concurrent writer is the caller's promise.
         unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
     }

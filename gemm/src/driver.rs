@@ -7,7 +7,7 @@ use crate::kernel::{Kernel, Side};
 use crate::pack::{pack_one_panel, pack_panels, PanelFormat};
 use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
-use crate::team::{split_range, Team};
+use crate::team::{split_range, Member, Team};
 
 /// Largest `mr × nr` tile any kernel may use (the SVE f16 kernel at 2048 bits: 256 × 10).
 pub(crate) const MAX_TILE: usize = 256 * 16;
@@ -344,10 +344,41 @@ fn run_column_blocks(ctx: &Ctx, p: Problem, team: &Team) {
     });
 }
 
-/// Runs one problem on `team` (the calling thread may be one of its members), packing B̃ into `bbuf` (the domain's buffer, first touched by the members that pack it) and
-/// Ã per member ([`SplitMode::Ic`]) or per domain into `abuf` ([`SplitMode::Jr`]). Every member
-/// walks the jc and pc loops; each packs its share of the shared panels, and barriers separate
-/// packing from reading and reading from the next packing.
+/// Packs, on member `me`, its share of the `w`-row panels of `src` (`words` per panel) into the
+/// team's `shared` block, waits at a barrier for the other members' shares, and returns the
+/// whole packed block.
+///
+/// # Safety
+/// Every member of the job calls this together with the same arguments, and passes a barrier
+/// after its last read of the returned block before any member packs into `shared` again.
+unsafe fn pack_together<'s>(
+    me: &Member<'_>,
+    shared: &'s SharedPanels<'_>,
+    fmt: PanelFormat,
+    side: Side,
+    src: RawMat,
+    w: usize,
+    words: usize,
+) -> &'s [f32] {
+    let panels = src.rows.div_ceil(w);
+    for j in me.share(panels) {
+        // SAFETY: panel j is this member's alone (`share` ranges are disjoint), and nobody
+        // reads the block before the barrier below nor packs into it again before the
+        // caller's closing barrier.
+        let panel = unsafe { shared.slice_mut(j * words..(j + 1) * words) };
+        pack_one_panel(fmt, side, panel, src, j * w, w);
+    }
+    me.barrier();
+    // SAFETY: every panel was written before the barrier above, and none is written again
+    // before the caller's closing barrier (this function's contract).
+    unsafe { shared.slice(0..panels * words) }
+}
+
+/// Runs one problem on `team` while the caller waits, packing B̃ into `bbuf` (the domain's
+/// buffer, first touched by the members that pack it) and Ã per member ([`SplitMode::Ic`]) or
+/// per domain into `abuf` ([`SplitMode::Jr`]). Every member walks the jc and pc loops; the
+/// shared blocks are packed by [`pack_together`], and a barrier separates reading a block from
+/// packing the next.
 pub(crate) fn run_parallel(
     ctx: &Ctx,
     p: Problem,
@@ -396,16 +427,9 @@ pub(crate) fn run_parallel(
                 );
                 let beta = if pc == 0 { p.beta } else { 1.0 };
                 let bsrc = p.b.block(pc, jc, kcur, ncur).t();
-                for j in me.share(npanels) {
-                    // SAFETY: panel j is this member's alone (`share` ranges are disjoint), and
-                    // nobody reads B̃ before the barrier below.
-                    let panel = unsafe { bshared.slice_mut(j * bw..(j + 1) * bw) };
-                    pack_one_panel(fmt, Side::B, panel, bsrc, j * nr, nr);
-                }
-                me.barrier();
-                // SAFETY: B̃ was written before the barrier above and is written again only
-                // after the barrier that ends this pc step.
-                let bp = unsafe { bshared.slice(0..bw * npanels) };
+                // SAFETY: every member packs here with the same arguments, and all pass the
+                // barrier that ends this pc step before B̃ is packed again.
+                let bp = unsafe { pack_together(&me, &bshared, fmt, Side::B, bsrc, nr, bw) };
                 match split {
                     SplitMode::Ic => {
                         let jchunks = threads.div_ceil(n_ic).min(npanels).max(1);
@@ -426,16 +450,11 @@ pub(crate) fn run_parallel(
                     SplitMode::Jr => {
                         for ic in (0..m).step_by(mc) {
                             let mcur = mc.min(m - ic);
-                            let apanels = mcur.div_ceil(mr);
                             let asrc = p.a.block(ic, pc, mcur, kcur);
-                            for i in me.share(apanels) {
-                                // SAFETY: as for B̃: disjoint shares, read after the barrier.
-                                let panel = unsafe { ashared.slice_mut(i * aw..(i + 1) * aw) };
-                                pack_one_panel(fmt, Side::A, panel, asrc, i * mr, mr);
-                            }
-                            me.barrier();
-                            // SAFETY: Ã is complete and rewritten only after the next barrier.
-                            let ap = unsafe { ashared.slice(0..aw * apanels) };
+                            // SAFETY: every member packs here with the same arguments, and all
+                            // pass the barrier after the macro-kernels before Ã is packed again.
+                            let ap =
+                                unsafe { pack_together(&me, &ashared, fmt, Side::A, asrc, mr, aw) };
                             let jchunks = threads.min(npanels);
                             if me.id < jchunks {
                                 let c = p.c.block(ic, jc, mcur, ncur);

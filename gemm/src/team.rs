@@ -1,7 +1,7 @@
 //! A domain's worker team: persistent threads, pinned in their domain, that run the whole of one
 //! GEMM call together while the calling thread waits.
 //!
-//! Why not a rayon pool: a GEMM of 256³ takes about 200 µs on two Zen 4 cores, and handing it
+//! Why not a rayon pool: a GEMM of 256³ takes about 230 µs on two Zen 4 cores, and handing it
 //! to a rayon pool from outside costs 11–34 µs on the VMs this is developed on (the caller
 //! parks on a latch, workers that went to sleep are woken through the kernel, again for each
 //! parallel loop inside the call). A team's idle workers spin for [`SPIN`] before they park,
