@@ -5,7 +5,7 @@
 use fugu_gemm::kernel::Accumulation;
 use fugu_gemm::reference::gemm_ref;
 use fugu_gemm::{
-    Blocking, Isa, MatMut, MatRef, Precision, Runtime, RuntimeConfig, TopologyRequest,
+    Blocking, Isa, MatMut, MatRef, Precision, Runtime, RuntimeConfig, SplitMode, TopologyRequest,
 };
 
 /// A small xorshift RNG so the tests need no dependencies and are reproducible.
@@ -51,6 +51,15 @@ pub fn layouts() -> Vec<(&'static str, TopologyRequest)> {
 /// A runtime for `isa` and `layout`, with tiny blocks so that small matrices still run
 /// several iterations of every loop (jc, pc, ic) and exercise every edge.
 pub fn small_block_runtime(isa: Isa, topology: TopologyRequest) -> Runtime {
+    small_block_runtime_split(isa, topology, None)
+}
+
+/// [`small_block_runtime`] with the threads' split forced (`None`: the one the caches pick).
+pub fn small_block_runtime_split(
+    isa: Isa,
+    topology: TopologyRequest,
+    split: Option<SplitMode>,
+) -> Runtime {
     let k = fugu_gemm::kernel::kernel_for(isa).expect("caller checked the ISA");
     Runtime::new(RuntimeConfig {
         isa: Some(isa),
@@ -63,7 +72,7 @@ pub fn small_block_runtime(isa: Isa, topology: TopologyRequest) -> Runtime {
             nb: 2 * k.nr,
         }),
         f16_chunked: None,
-        split: None,
+        split,
     })
     .expect("runtime")
 }

@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use fugu_gemm::{GemmError, MatMut, MatRef, Precision};
+use fugu_gemm::{GemmError, MatMut, MatRef, Precision, SplitMode};
 
 const DIMS: [usize; 7] = [0, 1, 2, 7, 13, 33, 67];
 
@@ -47,6 +47,52 @@ fn gemm_matches_reference_all_isas_layouts_and_shapes() {
     }
     eprintln!("checked {checked} GEMMs");
     assert!(checked > 1000);
+}
+
+/// Both ways of sharing a domain's GEMM between its threads, forced whatever this host's
+/// caches would pick (the jr split, A64FX's, is chosen only where the L2 is shared): awkward
+/// shapes on every multi-threaded layout, so shared Ã and B̃ blocks are packed by several
+/// members, the ic split's column blocks (m ≤ mc) and its shared-B̃ path both run.
+#[test]
+fn both_thread_splits_match_reference() {
+    let mut rng = Rng::new(11);
+    let mut checked = 0;
+    for isa in runnable_isas() {
+        for (lname, layout) in layouts() {
+            for split in [SplitMode::Ic, SplitMode::Jr] {
+                let rt = small_block_runtime_split(isa, layout.clone(), Some(split));
+                if rt.threads() == 1 {
+                    continue;
+                }
+                for &(m, n, k) in &[
+                    (7, 13, 5),
+                    (33, 29, 17),
+                    (67, 7, 40),
+                    (67, 67, 40),
+                    (130, 45, 50),
+                ] {
+                    for (alpha, beta) in [(1.0, 0.0), (-0.75, 0.5)] {
+                        check_gemm(
+                            &rt,
+                            &mut rng,
+                            m,
+                            n,
+                            k,
+                            Layout::RowMajor,
+                            Layout::ColMajor,
+                            Layout::RowMajor,
+                            alpha,
+                            beta,
+                        )
+                        .unwrap_or_else(|e| panic!("isa {isa}, {lname}, {split:?}: {e}"));
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("checked {checked} GEMMs");
+    assert!(checked >= 60);
 }
 
 /// bf16 and f16 GEMMs (a native kernel where this CPU has one, else the f32 kernel after a
