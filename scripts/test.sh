@@ -19,6 +19,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 
+# Disk: with full debuginfo and incremental state, one run left about 10 GB under target/
+# (debug 6.8 GB of it: each test binary 90-240 MB) and CI failed once with "No space left on
+# device" while linking. Line tables keep file:line in panics and backtraces; incremental state
+# only pays off across edits, which a CI run never makes.
+export CARGO_INCREMENTAL=0
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only
+df -h . | awk 'NR == 2 { print "disk: " $4 " free on " $6 " before the build" }'
+
 skip() { case " ${FUGU_TEST_SKIP:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage() { printf '\n=== %s ===\n' "$*"; }
 start=$(date +%s)
