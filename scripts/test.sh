@@ -22,7 +22,8 @@ export PATH="$HOME/.cargo/bin:$PATH"
 # Disk: with full debuginfo and incremental state, one run left about 10 GB under target/
 # (debug 6.8 GB of it: each test binary 90-240 MB) and CI failed once with "No space left on
 # device" while linking. Line tables keep file:line in panics and backtraces; incremental state
-# only pays off across edits, which a CI run never makes.
+# only pays off across edits, which a CI run never makes. With both, a fresh clone's run peaked
+# at 4.4 GB (debug 2.3, aarch64 1.3, release 0.8) and took 1359 s instead of about 1500.
 export CARGO_INCREMENTAL=0
 export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 df -h . | awk 'NR == 2 { print "disk: " $4 " free on " $6 " before the build" }'
