@@ -5,7 +5,7 @@
 //! along the panel (`s_w`) and along k (`s_k`).
 
 use crate::arch::prefetch::prefetch_read;
-use crate::arch::transpose::transposes;
+use crate::arch::transpose::{transposes, TransposeFn, Transposes};
 use crate::kernel::{Operand, Side};
 use crate::precision::{bf16_to_f32, f16_bits_of, f16_to_f32, f32_to_bf16, Precision, Storage};
 use crate::raw::RawMat;
@@ -123,27 +123,64 @@ fn pair_words(dst: &mut [f32], f32_panel: &[f32], w: usize) {
     }
 }
 
-/// `dst.copy_from_slice(src)`, inlined as fixed-size moves for the kernels' panel widths (a
-/// `memcpy` call per 48-byte piece costs more than the copy). Widths 4, 6 and 10 are the B̃
-/// micro-panels of the portable, AVX2/NEON and SVE kernels: giving AVX2's 6 its own move (it
-/// went to `memcpy` before) measured +3% on PV 48 × 64³ and +1–2% on the LM head's weight
-/// gradient (Zen 4, `examples/blocking`, in one process, two runs), the rest unchanged.
+/// The strided copy of one panel (source contiguous along the panel): `rows` floats per k step
+/// from `base + r0 + p·s_k` to `panel[p·w ..]`, with the source prefetched [`COPY_AHEAD`] steps
+/// ahead. The kernels' panel widths (16 and 32: Ã of AVX2 and AVX-512; 4, 6, 8, 10, 12: B̃ of the
+/// portable, AVX2/NEON, SVE and AVX-512 kernels) get a copy of a fixed size chosen once per
+/// panel, so each k step is a few vector moves; other widths copy `rows` floats as a slice.
+/// (A `memcpy` call per 24-byte piece cost more than the copy: giving AVX2's 6 its own move
+/// measured +3% on PV 48 × 64³ and +1–2% on the LM head's weight gradient, Zen 4.)
+///
+/// # Safety
+/// Rows `r0 .. r0 + rows` of columns `0 .. panel.len() / w` are inside the source view at
+/// `base`, which is contiguous along rows; `rows <= w`.
 #[inline(always)]
-fn copy_piece(dst: &mut [f32], src: &[f32]) {
-    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
-        let s: &[f32; N] = src.try_into().expect("piece of N floats");
-        let d: &mut [f32; N] = dst.try_into().expect("piece of N floats");
-        *d = *s;
+unsafe fn copy_strip(
+    panel: &mut [f32],
+    base: *const f32,
+    r0: usize,
+    s_k: usize,
+    rows: usize,
+    w: usize,
+) {
+    #[inline(always)]
+    unsafe fn strip<const N: usize>(
+        panel: &mut [f32],
+        base: *const f32,
+        r0: usize,
+        s_k: usize,
+        w: usize,
+    ) {
+        for (p, out) in panel.chunks_exact_mut(w).enumerate() {
+            let ahead = base.wrapping_add(r0 + (p + COPY_AHEAD) * s_k);
+            prefetch_read(ahead);
+            prefetch_read(ahead.wrapping_add(N - 1));
+            // SAFETY: rows r0..r0+N of column p are inside the source (caller's contract).
+            let piece = unsafe { &*(base.add(r0 + p * s_k) as *const [f32; N]) };
+            let out: &mut [f32; N] = (&mut out[..N]).try_into().expect("w >= N");
+            *out = *piece;
+        }
     }
-    match src.len() {
-        4 => fixed::<4>(dst, src),
-        6 => fixed::<6>(dst, src),
-        8 => fixed::<8>(dst, src),
-        10 => fixed::<10>(dst, src),
-        12 => fixed::<12>(dst, src),
-        16 => fixed::<16>(dst, src),
-        32 => fixed::<32>(dst, src),
-        _ => dst.copy_from_slice(src),
+    // SAFETY (all arms): forwarded contract, with N = rows.
+    unsafe {
+        match rows {
+            4 => strip::<4>(panel, base, r0, s_k, w),
+            6 => strip::<6>(panel, base, r0, s_k, w),
+            8 => strip::<8>(panel, base, r0, s_k, w),
+            10 => strip::<10>(panel, base, r0, s_k, w),
+            12 => strip::<12>(panel, base, r0, s_k, w),
+            16 => strip::<16>(panel, base, r0, s_k, w),
+            32 => strip::<32>(panel, base, r0, s_k, w),
+            _ => {
+                for (p, out) in panel.chunks_exact_mut(w).enumerate() {
+                    let ahead = base.wrapping_add(r0 + (p + COPY_AHEAD) * s_k);
+                    prefetch_read(ahead);
+                    prefetch_read(ahead.wrapping_add(rows - 1));
+                    let col = std::slice::from_raw_parts(base.add(r0 + p * s_k), rows);
+                    out[..rows].copy_from_slice(col);
+                }
+            }
+        }
     }
 }
 
@@ -159,7 +196,53 @@ fn scatter_row_tail(panel: &mut [f32], src: RawMat, r0: usize, r: usize, p0: usi
     }
 }
 
-/// Packs the single panel of rows `r0 .. r0 + w` (clipped to the block, rest zero) as `f32`.
+/// Transposing pack, block part: from panel row `r` on, as many `size`-row strips as fit in
+/// the panel's `rows` rows, each along k in `size × steps` blocks of `f` (then the strip's tail
+/// past the last whole block, scalar); returns the first row not packed.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn transpose_rows(
+    f: TransposeFn,
+    size: usize,
+    steps: usize,
+    mut r: usize,
+    panel: &mut [f32],
+    src: RawMat,
+    r0: usize,
+    w: usize,
+) -> usize {
+    let (k, s_w) = (src.cols, src.rs);
+    let rows = w.min(src.rows - r0);
+    let base = src.f32_ptr();
+    while r + size <= rows {
+        let mut p = 0;
+        while p + steps <= k {
+            if p % 16 == 0 {
+                for i in r..r + size {
+                    prefetch_read(base.wrapping_add((r0 + w + i) * s_w + p));
+                }
+            }
+            // SAFETY: rows r0+r .. r0+r+size and columns p .. p+steps are inside the source
+            // view (contiguous along k); the panel holds k runs of w >= r+size floats, so runs
+            // p .. p+steps at offset r are inside it.
+            unsafe {
+                f(
+                    base.add((r0 + r) * s_w + p),
+                    s_w,
+                    panel.as_mut_ptr().add(p * w + r),
+                    w,
+                )
+            };
+            p += steps;
+        }
+        for i in r..r + size {
+            scatter_row_tail(panel, src, r0, i, p, w);
+        }
+        r += size;
+    }
+    r
+}
+
 /// Packs rows `r0 .. r0 + w` of `src` (clipped, rest zero) into an `f32` panel, converting
 /// 16-bit sources exactly.
 fn pack_source_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
@@ -196,7 +279,35 @@ fn pack_converted_panel(
 /// the same).
 const COPY_AHEAD: usize = 16;
 
+/// Packs rows `r0 .. r0 + w` of an `f32` source (clipped, rest zero) into `panel`. On x86-64
+/// with AVX the whole pack is compiled for AVX, with the block transposes called directly (and
+/// inlined): in the baseline build every 16-float piece was four SSE moves behind a jump on its
+/// length, and every 4 × 4 block an indirect call (`docs/KERNELS.md`, "Packing compiled for
+/// AVX"). On aarch64 (NEON is baseline) the transposes are called directly too.
 fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: the CPU has AVX (checked just above).
+        return unsafe { pack_f32_panel_avx(panel, src, r0, w) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    return pack_f32_panel_with(crate::arch::transpose::AARCH64_NEON, panel, src, r0, w);
+    #[allow(unreachable_code)]
+    pack_f32_panel_with(transposes(), panel, src, r0, w)
+}
+
+/// [`pack_f32_panel`] compiled for AVX.
+///
+/// # Safety
+/// The CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn pack_f32_panel_avx(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
+    pack_f32_panel_with(crate::arch::transpose::X86_AVX, panel, src, r0, w)
+}
+
+#[inline(always)]
+fn pack_f32_panel_with(t: Transposes, panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     let k = src.cols;
     let rows = w.min(src.rows - r0);
     let (s_w, s_k) = (src.rs, src.cs);
@@ -208,15 +319,9 @@ fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
         // Contiguous along the panel: copy `rows` floats per k step. Each step reads another
         // row of the source; with a row stride of a page or more no hardware prefetcher
         // follows, so the piece COPY_AHEAD steps on is asked for now.
-        for (p, out) in panel.chunks_exact_mut(w).enumerate() {
-            let ahead = base.wrapping_add(r0 + (p + COPY_AHEAD) * s_k);
-            prefetch_read(ahead);
-            prefetch_read(ahead.wrapping_add(rows - 1));
-            // SAFETY: rows r0..r0+rows and column p are inside the source view, which is
-            // contiguous along rows here.
-            let col = unsafe { std::slice::from_raw_parts(base.add(r0 + p * s_k), rows) };
-            copy_piece(&mut out[..rows], col);
-        }
+        // SAFETY: rows r0..r0+rows of every column are inside the source view, which is
+        // contiguous along rows here; rows <= w.
+        unsafe { copy_strip(&mut panel[..k * w], base, r0, s_k, rows, w) };
     } else if s_k == 1 {
         // Contiguous along k: a transpose, in 8 × 8, 4 × 4 and 2 × 4 SIMD blocks of rows ×
         // k steps (`arch::transpose`), each walking its rows along k so every row is one
@@ -224,36 +329,12 @@ fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
         // new ones, too few lines each for the hardware prefetchers to pick up; so each
         // block also asks for the same columns of the next panel's rows, one cache line
         // (16 floats) per row at a time: they arrive while this panel is packed.
-        let t = transposes();
+        // One call per block size (not a loop over the three), so that where `t` is a
+        // constant the block transposes are called directly and inlined.
         let mut r = 0;
-        for (size, steps, f) in [(8, 8, t.t8), (4, 4, t.t4), (2, 4, t.t2x4)] {
-            while r + size <= rows {
-                let mut p = 0;
-                while p + steps <= k {
-                    if p % 16 == 0 {
-                        for i in r..r + size {
-                            prefetch_read(base.wrapping_add((r0 + w + i) * s_w + p));
-                        }
-                    }
-                    // SAFETY: rows r0+r .. r0+r+size and columns p .. p+steps are inside the
-                    // source view (contiguous along k); the panel holds k runs of w >= r+size
-                    // floats, so runs p .. p+steps at offset r are inside it.
-                    unsafe {
-                        f(
-                            base.add((r0 + r) * s_w + p),
-                            s_w,
-                            panel.as_mut_ptr().add(p * w + r),
-                            w,
-                        )
-                    };
-                    p += steps;
-                }
-                for i in r..r + size {
-                    scatter_row_tail(panel, src, r0, i, p, w);
-                }
-                r += size;
-            }
-        }
+        r = transpose_rows(t.t8, 8, 8, r, panel, src, r0, w);
+        r = transpose_rows(t.t4, 4, 4, r, panel, src, r0, w);
+        r = transpose_rows(t.t2x4, 2, 4, r, panel, src, r0, w);
         for r in r..rows {
             scatter_row_tail(panel, src, r0, r, 0, w);
         }

@@ -24,6 +24,22 @@ pub struct Transposes {
     pub t2x4: TransposeFn,
 }
 
+/// The x86-64 transposes with AVX, for code compiled for AVX (which calls them directly).
+#[cfg(target_arch = "x86_64")]
+pub const X86_AVX: Transposes = Transposes {
+    t8: x86::t8_avx,
+    t4: x86::t4_sse,
+    t2x4: x86::t2x4_sse,
+};
+
+/// The aarch64 transposes (NEON is part of the baseline), for direct calls.
+#[cfg(target_arch = "aarch64")]
+pub const AARCH64_NEON: Transposes = Transposes {
+    t8: neon::t8,
+    t4: neon::t4,
+    t2x4: neon::t2x4,
+};
+
 /// The transposes for this CPU (detected on first use).
 pub fn transposes() -> Transposes {
     static T: std::sync::OnceLock<Transposes> = std::sync::OnceLock::new();
@@ -33,11 +49,7 @@ pub fn transposes() -> Transposes {
 fn detect() -> Transposes {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx") {
-        return Transposes {
-            t8: x86::t8_avx,
-            t4: x86::t4_sse,
-            t2x4: x86::t2x4_sse,
-        };
+        return X86_AVX;
     }
     #[cfg(target_arch = "x86_64")]
     return Transposes {
@@ -46,11 +58,7 @@ fn detect() -> Transposes {
         t2x4: x86::t2x4_sse,
     };
     #[cfg(target_arch = "aarch64")]
-    return Transposes {
-        t8: neon::t8,
-        t4: neon::t4,
-        t2x4: neon::t2x4,
-    };
+    return AARCH64_NEON;
     #[allow(unreachable_code)]
     Transposes {
         t8: scalar::<8, 8>,
@@ -86,12 +94,14 @@ mod x86 {
     ///
     /// # Safety
     /// [`super::TransposeFn`] with `S = 8`, and the CPU has AVX (checked by `detect`).
+    #[inline]
     pub unsafe fn t8_avx(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
         // SAFETY: forwarded contract.
         unsafe { t8_avx_inner(src, s_w, dst, w) }
     }
 
     #[target_feature(enable = "avx")]
+    #[inline]
     unsafe fn t8_avx_inner(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
         // SAFETY: rows r < 8 hold 8 readable floats at src + r·s_w (caller's contract).
         let r: [__m256; 8] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(src.add(i * s_w)) });
@@ -132,6 +142,7 @@ mod x86 {
     ///
     /// # Safety
     /// [`super::TransposeFn`] with `S = 4`.
+    #[inline]
     pub unsafe fn t4_sse(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
         // SAFETY: rows r < 4 hold 4 readable floats at src + r·s_w (caller's contract).
         let [a, b, c, d]: [__m128; 4] =
@@ -154,6 +165,7 @@ mod x86 {
     ///
     /// # Safety
     /// [`super::TransposeFn`] with R × Q = 2 × 4.
+    #[inline]
     pub unsafe fn t2x4_sse(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
         // SAFETY: rows r < 2 hold 4 readable floats at src + r·s_w (caller's contract).
         let (a, b) = unsafe { (_mm_loadu_ps(src), _mm_loadu_ps(src.add(s_w))) };
@@ -175,6 +187,7 @@ mod neon {
     ///
     /// # Safety
     /// [`super::TransposeFn`] with `S = 4`.
+    #[inline]
     pub unsafe fn t4(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
         // SAFETY: rows r < 4 hold 4 readable floats at src + r·s_w (caller's contract).
         let [a, b, c, d]: [float32x4_t; 4] =
@@ -198,6 +211,7 @@ mod neon {
     ///
     /// # Safety
     /// [`super::TransposeFn`] with R × Q = 2 × 4.
+    #[inline]
     pub unsafe fn t2x4(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
         // SAFETY: rows r < 2 hold 4 readable floats at src + r·s_w (caller's contract).
         let (a, b) = unsafe { (vld1q_f32(src), vld1q_f32(src.add(s_w))) };
@@ -218,6 +232,7 @@ mod neon {
     ///
     /// # Safety
     /// [`super::TransposeFn`] with `S = 8`.
+    #[inline]
     pub unsafe fn t8(src: *const f32, s_w: usize, dst: *mut f32, w: usize) {
         for (br, bq) in [(0, 0), (0, 4), (4, 0), (4, 4)] {
             // SAFETY: the 4 × 4 block at rows br.., columns bq.. lies inside the 8 × 8 block.
