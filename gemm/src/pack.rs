@@ -66,6 +66,11 @@ pub(crate) fn pack_one_panel(
         match (fmt.operand, side) {
             (Operand::Bf16Pairs, _) => {
                 debug_assert_eq!(fmt.prec, Precision::Bf16);
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2 (checked just above).
+                    return unsafe { pair_words_avx2(panel, f32_panel, w) };
+                }
                 pair_words(panel, f32_panel, w)
             }
             (Operand::F16, Side::A) => {
@@ -98,9 +103,21 @@ fn broadcast_f16_words(dst: &mut [f32], f32_panel: &[f32]) {
     }
 }
 
+/// [`pair_words`] compiled for AVX2: eight words per instruction instead of SSE2's four (the
+/// bf16 GEMMs run on AVX-512 BF16 CPUs, which all have AVX2).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pair_words_avx2(dst: &mut [f32], f32_panel: &[f32], w: usize) {
+    pair_words(dst, f32_panel, w)
+}
+
 /// Interleaves an `f32` panel (`k` runs of `w`) into bf16-pair words: word `(q, r)` holds
 /// run `2q`'s element `r` (rounded to bf16) in its low half and run `2q + 1`'s in its high half,
 /// zero past the last run. Plain loops over whole runs, which the compiler vectorises.
+#[inline(always)]
 fn pair_words(dst: &mut [f32], f32_panel: &[f32], w: usize) {
     let word = |lo: f32, hi: f32| {
         f32::from_bits(u32::from(f32_to_bf16(lo)) | (u32::from(f32_to_bf16(hi)) << 16))

@@ -236,6 +236,7 @@ pub fn bf16_to_f32(h: u16) -> f32 {
 }
 
 /// `f32` to `bf16` bits, rounding to nearest even; NaN payloads are kept where they fit.
+#[inline]
 pub fn f32_to_bf16(x: f32) -> u16 {
     let b = x.to_bits();
     if x.is_nan() {
