@@ -299,7 +299,7 @@ const COPY_AHEAD: usize = 16;
 /// Packs rows `r0 .. r0 + w` of an `f32` source (clipped, rest zero) into `panel`. On x86-64
 /// with AVX the whole pack is compiled for AVX, with the block transposes called directly (and
 /// inlined): in the baseline build every 16-float piece was four SSE moves behind a jump on its
-/// length, and every 4 × 4 block an indirect call (`docs/KERNELS.md`, "Packing compiled for
+/// length, and every 4 × 4 block an indirect call (`docs/KERNELS.md`, "... packing compiled for
 /// AVX"). On aarch64 (NEON is baseline) the transposes are called directly too.
 fn pack_f32_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     #[cfg(target_arch = "x86_64")]
