@@ -160,6 +160,25 @@ unsafe fn copy_strip(
     rows: usize,
     w: usize,
 ) {
+    /// The loop every width shares: per k step, prefetch the piece COPY_AHEAD steps on, then
+    /// `copy` the `n` floats at `from` into the step's run of the panel.
+    #[inline(always)]
+    fn each_step(
+        panel: &mut [f32],
+        base: *const f32,
+        r0: usize,
+        s_k: usize,
+        n: usize,
+        w: usize,
+        copy: impl Fn(&mut [f32], *const f32),
+    ) {
+        for (p, out) in panel.chunks_exact_mut(w).enumerate() {
+            let ahead = base.wrapping_add(r0 + (p + COPY_AHEAD) * s_k);
+            prefetch_read(ahead);
+            prefetch_read(ahead.wrapping_add(n - 1));
+            copy(out, base.wrapping_add(r0 + p * s_k));
+        }
+    }
     #[inline(always)]
     unsafe fn strip<const N: usize>(
         panel: &mut [f32],
@@ -168,14 +187,13 @@ unsafe fn copy_strip(
         s_k: usize,
         w: usize,
     ) {
-        for (p, out) in panel.chunks_exact_mut(w).enumerate() {
-            let ahead = base.wrapping_add(r0 + (p + COPY_AHEAD) * s_k);
-            prefetch_read(ahead);
-            prefetch_read(ahead.wrapping_add(N - 1));
-            // SAFETY: rows r0..r0+N of column p are inside the source (caller's contract).
-            let piece = unsafe { &*(base.add(r0 + p * s_k) as *const [f32; N]) };
-            let out: &mut [f32; N] = (&mut out[..N]).try_into().expect("w >= N");
-            *out = *piece;
+        // SAFETY (closure): rows r0..r0+N of each column are inside the source (caller's
+        // contract), so `from` points at N readable floats.
+        unsafe {
+            each_step(panel, base, r0, s_k, N, w, |out, from| {
+                let out: &mut [f32; N] = (&mut out[..N]).try_into().expect("w >= N");
+                *out = *(from as *const [f32; N]);
+            })
         }
     }
     // SAFETY (all arms): forwarded contract, with N = rows.
@@ -188,15 +206,9 @@ unsafe fn copy_strip(
             12 => strip::<12>(panel, base, r0, s_k, w),
             16 => strip::<16>(panel, base, r0, s_k, w),
             32 => strip::<32>(panel, base, r0, s_k, w),
-            _ => {
-                for (p, out) in panel.chunks_exact_mut(w).enumerate() {
-                    let ahead = base.wrapping_add(r0 + (p + COPY_AHEAD) * s_k);
-                    prefetch_read(ahead);
-                    prefetch_read(ahead.wrapping_add(rows - 1));
-                    let col = std::slice::from_raw_parts(base.add(r0 + p * s_k), rows);
-                    out[..rows].copy_from_slice(col);
-                }
-            }
+            _ => each_step(panel, base, r0, s_k, rows, w, |out, from| {
+                out[..rows].copy_from_slice(std::slice::from_raw_parts(from, rows))
+            }),
         }
     }
 }
