@@ -261,7 +261,8 @@ mod gpu {
 
     fn linear_layers_in(act: Dtype) {
         let Some(mut be) = Both::new(act) else { return };
-        for (n, ic, oc) in [(17, 33, 65), (1, 8, 3), (130, 64, 300)] {
+        // oc = 24 and 300: bias rows in 16-byte packs for every type (24) or for f32 only.
+        for (n, ic, oc) in [(17, 33, 65), (1, 8, 3), (130, 64, 300), (9, 16, 24)] {
             for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
                 for with_bias in [true, false] {
                     let out = be.nan(n * oc);
@@ -393,38 +394,50 @@ mod gpu {
 
     fn pointwise_loss_and_optimizer_in(act: Dtype) {
         let Some(mut be) = Both::new(act) else { return };
-        let n = 1003;
-        let (a, bb) = (be.rand(n, 1), be.rand(n, 2));
-        let out = be.nan(n);
-        be.run(|x| x.gelu_forward(out, a));
-        be.check("gelu_forward", out, ELEM);
-        be.run(|x| x.gelu_backward(out, a, bb));
-        be.check("gelu_backward", out, ELEM);
-        be.run(|x| x.residual_forward(out, a, bb));
-        be.check("residual_forward", out, 0.0);
-        be.run(|x| x.add_inplace(out, a));
-        be.check("add_inplace", out, 0.0);
-        let dst = be.nan(n);
-        be.run(|x| x.copy(dst, a));
-        be.check("copy", dst, 0.0);
-        // f32 → the activation type (the master → compute-copy refresh): both round to
-        // nearest even, so the results are identical.
-        let src32 = be.buf(
-            &random(n, 12).iter().map(|x| x * 3e4).collect::<Vec<_>>(),
-            Dtype::F32,
-        );
-        let conv = be.nan(n);
-        be.run(|x| x.copy(conv, src32));
-        let (mut c1, mut c2) = (vec![0.0; n], vec![0.0; n]);
-        be.cpu.download(conv, &mut c1);
-        be.gpu.download(conv, &mut c2);
-        compare(&format!("converting copy ({act:?})"), &c1, &c2, 0.0);
+        // The elementwise kernels work in 16-byte packs where every span of the call starts
+        // 16-byte aligned, element by element otherwise and past the last whole pack: spans
+        // that start 0, 3, 4 (aligned for f32 only) and 8 elements into their buffers, beside
+        // others that start at 0, with lengths that leave tails of every size.
+        for (off, n) in [(0, 1003), (3, 61), (4, 37), (8, 17), (8, 1)] {
+            let (a, bb) = (be.rand(off + n, 1).sub(off, n), be.rand(n, 2));
+            let out = be.nan(off + n).sub(off, n);
+            be.run(|x| x.gelu_forward(out, a));
+            be.check("gelu_forward", out, ELEM);
+            be.run(|x| x.gelu_backward(out, a, bb));
+            be.check("gelu_backward", out, ELEM);
+            be.run(|x| x.residual_forward(out, a, bb));
+            be.check("residual_forward", out, 0.0);
+            be.run(|x| x.add_inplace(out, a));
+            be.check("add_inplace", out, 0.0);
+            be.run(|x| x.add_inplace(bb, out));
+            be.check("add_inplace", bb, 0.0);
+            let dst = be.nan(n);
+            be.run(|x| x.copy(dst, a));
+            be.check("copy", dst, 0.0);
+            // f32 → the activation type (the master → compute-copy refresh): both round to
+            // nearest even, so the results are identical.
+            let src32 = be.buf(
+                &random(off + n, 12)
+                    .iter()
+                    .map(|x| x * 3e4)
+                    .collect::<Vec<_>>(),
+                Dtype::F32,
+            );
+            let conv = be.nan(n);
+            be.run(|x| x.copy(conv, src32.sub(off, n)));
+            let (mut c1, mut c2) = (vec![0.0; n], vec![0.0; n]);
+            be.cpu.download(conv, &mut c1);
+            be.gpu.download(conv, &mut c2);
+            compare(&format!("converting copy ({act:?})"), &c1, &c2, 0.0);
+        }
+        let dst = be.rand(1003, 13);
         be.run(|x| x.zero(dst.sub(3, 100)));
         be.check("zero", dst, 0.0);
 
-        // Cross-entropy phases: padded rows, and a vocabulary shard that misses some targets.
-        let (rows, vp) = (5, 40);
-        for (vocab_start, v_valid) in [(0, 37), (30, 10)] {
+        // Cross-entropy phases: padded rows, and a vocabulary shard that misses some targets;
+        // rows of 40 are 16-byte aligned for every type (packs), rows of 42 for none.
+        let rows = 5;
+        for (vp, vocab_start, v_valid) in [(40, 0, 37), (40, 30, 10), (42, 0, 41)] {
             let d = CeDims {
                 n: rows,
                 vp,
@@ -469,6 +482,7 @@ mod gpu {
                 "sum_of_squares {a} vs {b}"
             );
         }
+        let n = 1003;
         let (p, g, m, v) = (
             be.rand32(n, 8),
             be.rand32(n, 9),

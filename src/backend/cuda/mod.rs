@@ -296,6 +296,21 @@ impl CudaBackend {
         );
     }
 
+    /// An elementwise launch of a kernel that works in 16-byte packs (`Pack` in `kernels.cu`):
+    /// one thread per pack of `n` items of type `dt` (the kernels fall back to one item per
+    /// step, grid-stride, where their pointers are not 16-byte aligned).
+    fn launch_packs(&self, k: K, dt: Dtype, n: usize, args: &[Arg]) {
+        let per_pack = (16 / dt.bytes()) as u64;
+        self.launch(
+            k,
+            dt,
+            (n as u64).div_ceil(per_pack * ELEM_THREADS as u64),
+            ELEM_THREADS,
+            0,
+            args,
+        );
+    }
+
     /// A row launch: one block of [`ROW_THREADS`] per row (grid-stride over `rows`).
     fn launch_rows(&self, k: K, dt: Dtype, rows: usize, shmem: u32, args: &[Arg]) {
         self.launch(k, dt, rows as u64, ROW_THREADS, shmem, args);
@@ -720,7 +735,7 @@ impl Backend for CudaBackend {
                 Arg::Ptr(self.ptr(src)),
                 Arg::I64(dst.len as i64),
             ];
-            self.launch_elems(K::convert, dt, dst.len, &args);
+            self.launch_packs(K::convert, dt, dst.len, &args);
         }
     }
 
@@ -938,7 +953,7 @@ impl Backend for CudaBackend {
         let beta = match bias {
             Some(bias) => {
                 assert_eq!(bias.len, oc, "linear_forward: bias length");
-                self.launch_elems(
+                self.launch_packs(
                     K::broadcast_rows,
                     self.dt(out),
                     n * oc,
@@ -1256,7 +1271,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(inp)),
             Arg::I64(out.len as i64),
         ];
-        self.launch_elems(K::gelu_forward, self.dt(out), out.len, &args);
+        self.launch_packs(K::gelu_forward, self.dt(out), out.len, &args);
     }
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
@@ -1270,7 +1285,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(dout)),
             Arg::I64(inp.len as i64),
         ];
-        self.launch_elems(K::gelu_backward, self.dt(dinp), inp.len, &args);
+        self.launch_packs(K::gelu_backward, self.dt(dinp), inp.len, &args);
     }
 
     fn residual_forward(&mut self, out: Span, a: Span, b: Span) {
@@ -1284,7 +1299,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(b)),
             Arg::I64(out.len as i64),
         ];
-        self.launch_elems(K::residual_forward, self.dt(out), out.len, &args);
+        self.launch_packs(K::residual_forward, self.dt(out), out.len, &args);
     }
 
     fn add_inplace(&mut self, acc: Span, x: Span) {
@@ -1294,7 +1309,7 @@ impl Backend for CudaBackend {
             Arg::Ptr(self.ptr(x)),
             Arg::I64(acc.len as i64),
         ];
-        self.launch_elems(K::add_inplace, self.dt(acc), acc.len, &args);
+        self.launch_packs(K::add_inplace, self.dt(acc), acc.len, &args);
     }
 
     fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims) {
