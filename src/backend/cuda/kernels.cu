@@ -112,7 +112,7 @@ __device__ void st(f16& d, float x) {
 
 #define FOR_TYPES(X) X(f32, float) X(bf16, bf16) X(f16, f16)
 
-// ---- 16-byte packs (the memory access of the elementwise and cross-entropy kernels) --------
+// ---- 16-byte packs (the memory access of the elementwise, cross-entropy, layernorm kernels) -
 //
 // A Pack<T> is 16 bytes of T (4 floats or 8 16-bit values), moved as one 128-bit access: a
 // warp then moves 512 bytes per load instruction instead of 64 (16-bit T) or 128 (float).
@@ -140,70 +140,67 @@ __device__ void st_pack(T* p, const Pack<T>& x) {
 }
 __device__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
 
+// Whether every pointer is 16-byte aligned.
+template <typename... Ptrs>
+__device__ bool all_aligned16(const Ptrs*... ps) {
+    return (aligned16(ps) && ...);
+}
+
 // How many whole packs of T the first n elements hold when `vec` (0 otherwise).
 template <typename T>
 __device__ i64 whole_packs(i64 n, bool vec) {
     return vec ? n / PACK(T) : 0;
 }
 
+// The two loops every packed kernel is made of. Index c in 0 .. n of one or more arrays of T
+// (`ins`) is visited by the thread whose `first` (its lane, thread or grid index) equals c's
+// pack index k = c / P modulo `step` (the warp, block or grid size), P elements per visit,
+// where `vec`; the same split by element otherwise and past the last whole pack.
+//
+// f(c, ld(v[0].v[j]), ld(v[1].v[j]), ...): element j of each loaded pack, in order.
+template <int... I>
+struct Seq {};
+template <int N, int... I>
+struct MakeSeq : MakeSeq<N - 1, N - 1, I...> {};
+template <int... I>
+struct MakeSeq<0, I...> {
+    typedef Seq<I...> type;
+};
+template <typename T, int N, typename F, int... I>
+__device__ decltype(auto) apply_at(F& f, i64 c, const Pack<T> (&v)[N], int j, Seq<I...>) {
+    return f(c, ld(v[I].v[j])...);
+}
+
+// for_each_elem: f(c, ins[c]...), values widened by `ld`.
+template <typename T, typename F, typename... In>
+__device__ void for_each_elem(i64 n, bool vec, i64 first, i64 step, F f, const In*... ins) {
+    const int P = PACK(T);
+    i64 packs = whole_packs<T>(n, vec);
+    for (i64 k = first; k < packs; k += step) {
+        Pack<T> v[] = {ld_pack(ins + k * P)...};
+        for (int j = 0; j < P; j++)
+            apply_at<T>(f, k * P + j, v, j, typename MakeSeq<sizeof...(In)>::type());
+    }
+    for (i64 c = packs * P + first; c < n; c += step) f(c, ld(ins[c])...);
+}
+
+// map_elems: out[c] = f(c, ins[c]...), rounded by `st` (`out` may be one of `ins`).
+template <typename T, typename F, typename... In>
+__device__ void map_elems(T* out, i64 n, bool vec, i64 first, i64 step, F f, const In*... ins) {
+    const int P = PACK(T);
+    i64 packs = whole_packs<T>(n, vec);
+    for (i64 k = first; k < packs; k += step) {
+        Pack<T> v[] = {ld_pack(ins + k * P)...}, o;
+        for (int j = 0; j < P; j++)
+            st(o.v[j], apply_at<T>(f, k * P + j, v, j, typename MakeSeq<sizeof...(In)>::type()));
+        st_pack(out + k * P, o);
+    }
+    for (i64 c = packs * P + first; c < n; c += step) st(out[c], f(c, ld(ins[c])...));
+}
+
 // The grid-stride index of this thread and the grid's stride (elementwise kernels).
 #define GRID_STRIDE(i, stride)                                                               \
     i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x
-
-// out[i] = f(a[i]) for i < n, in packs where out and a are aligned.
-template <typename T, typename F>
-__device__ void map1(T* out, const T* a, i64 n, F f) {
-    const int P = PACK(T);
-    i64 packs = whole_packs<T>(n, aligned16(out) && aligned16(a));
-    GRID_STRIDE(t, stride);
-    for (i64 k = t; k < packs; k += stride) {
-        Pack<T> x = ld_pack(a + k * P), o;
-        for (int j = 0; j < P; j++) st(o.v[j], f(ld(x.v[j])));
-        st_pack(out + k * P, o);
-    }
-    for (i64 i = packs * P + t; i < n; i += stride) st(out[i], f(ld(a[i])));
-}
-
-// out[i] = f(a[i], b[i]) for i < n, in packs where out, a and b are aligned (out may be a).
-template <typename T, typename F>
-__device__ void map2(T* out, const T* a, const T* b, i64 n, F f) {
-    const int P = PACK(T);
-    i64 packs = whole_packs<T>(n, aligned16(out) && aligned16(a) && aligned16(b));
-    GRID_STRIDE(t, stride);
-    for (i64 k = t; k < packs; k += stride) {
-        Pack<T> x = ld_pack(a + k * P), y = ld_pack(b + k * P), o;
-        for (int j = 0; j < P; j++) st(o.v[j], f(ld(x.v[j]), ld(y.v[j])));
-        st_pack(out + k * P, o);
-    }
-    for (i64 i = packs * P + t; i < n; i += stride) st(out[i], f(ld(a[i]), ld(b[i])));
-}
-
-// f(j, x) for the elements j < n of one row, x = ld(row[j]), by the block's threads: pack k
-// (elements k·P ..) to thread k mod blockDim.x where `vec`, element j to thread j mod
-// blockDim.x otherwise and in the tail.
-template <typename T, typename F>
-__device__ void for_row(const T* row, i64 n, bool vec, F f) {
-    const int P = PACK(T);
-    i64 packs = whole_packs<T>(n, vec);
-    for (i64 k = threadIdx.x; k < packs; k += blockDim.x) {
-        Pack<T> x = ld_pack(row + k * P);
-        for (int j = 0; j < P; j++) f(k * P + j, ld(x.v[j]));
-    }
-    for (i64 j = packs * P + threadIdx.x; j < n; j += blockDim.x) f(j, ld(row[j]));
-}
-
-// row[j] = f(j, row[j]) for j < n, split as in for_row.
-template <typename T, typename F>
-__device__ void update_row(T* row, i64 n, bool vec, F f) {
-    const int P = PACK(T);
-    i64 packs = whole_packs<T>(n, vec);
-    for (i64 k = threadIdx.x; k < packs; k += blockDim.x) {
-        Pack<T> x = ld_pack(row + k * P);
-        for (int j = 0; j < P; j++) st(x.v[j], f(k * P + j, ld(x.v[j])));
-        st_pack(row + k * P, x);
-    }
-    for (i64 j = packs * P + threadIdx.x; j < n; j += blockDim.x) st(row[j], f(j, ld(row[j])));
-}
 
 // Whether rows of `stride` elements of T starting at `base` are all 16-byte aligned.
 template <typename T>
@@ -341,16 +338,17 @@ FOR_TYPES(DEF)
 template <typename T>
 __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* inp,
                                     const T* w, const T* b, i64 N, i64 C) {
+    bool vec = rows_aligned(inp, C) && rows_aligned(out, C) && all_aligned16(w, b);
     WARP_ROWS(row, N) {
         const T* x = inp + row * C;
         double s = 0.0;
-        for (i64 c = lane; c < C; c += WARP) s += (double)ld(x[c]);
+        for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) { s += (double)v; }, x);
         double mu = warp_sum_d(s) / (double)C;
         double ss = 0.0;
-        for (i64 c = lane; c < C; c += WARP) {
-            double d = (double)ld(x[c]) - mu;
+        for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) {
+            double d = (double)v - mu;
             ss += d * d;
-        }
+        }, x);
         double var = warp_sum_d(ss) / (double)C;
         float m = (float)mu;
         float rs = (float)(1.0 / sqrt(var + 1e-5));
@@ -358,9 +356,9 @@ __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* i
             mean[row] = m;
             rstd[row] = rs;
         }
-        T* o = out + row * C;
-        for (i64 c = lane; c < C; c += WARP)
-            st(o[c], (ld(x[c]) - m) * rs * ld(w[c]) + ld(b[c]));
+        map_elems(out + row * C, C, vec, lane, WARP,
+                  [&](i64, float v, float wc, float bc) { return (v - m) * rs * wc + bc; }, x, w,
+                  b);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -379,24 +377,28 @@ template <typename T>
 __device__ void layernorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, const T* w,
                                           const float* mean, const float* rstd, i64 N, i64 C) {
     __shared__ double sh[ROW_THREADS];
+    bool vec = rows_aligned(dinp, C) && rows_aligned(dout, C) && rows_aligned(inp, C) &&
+               aligned16(w);
     for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
         const T* g = dout + row * C;
         const T* x = inp + row * C;
         float mu = mean[row], rs = rstd[row];
         double s1 = 0.0, s2 = 0.0;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
-            float xhat = (ld(x[c]) - mu) * rs;
-            float dn = ld(g[c]) * ld(w[c]);
+        for_each_elem<T>(C, vec, threadIdx.x, blockDim.x, [&](i64, float gc, float wc, float xc) {
+            float xhat = (xc - mu) * rs;
+            float dn = gc * wc;
             s1 += (double)dn;
             s2 += (double)(dn * xhat);
-        }
+        }, g, w, x);
         float m1 = (float)(block_sum_d(s1, sh) / (double)C);
         float m2 = (float)(block_sum_d(s2, sh) / (double)C);
         T* d = dinp + row * C;
-        for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
-            float xhat = (ld(x[c]) - mu) * rs;
-            st(d[c], ld(d[c]) + (ld(g[c]) * ld(w[c]) - m1 - xhat * m2) * rs);
-        }
+        map_elems(d, C, vec, threadIdx.x, blockDim.x,
+                  [&](i64, float dc, float gc, float wc, float xc) {
+                      float xhat = (xc - mu) * rs;
+                      return dc + (gc * wc - m1 - xhat * m2) * rs;
+                  },
+                  d, g, w, x);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -1246,7 +1248,9 @@ __device__ float gelu_grad(float x, float d) {
 
 template <typename T>
 __device__ void gelu_forward_k(T* out, const T* inp, i64 n) {
-    map1(out, inp, n, [](float x) { return gelu(x); });
+    GRID_STRIDE(t, stride);
+    map_elems(out, n, all_aligned16(out, inp), t, stride, [](i64, float x) { return gelu(x); },
+              inp);
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void gelu_forward_##S(T* out, const T* inp, i64 n) {               \
@@ -1257,7 +1261,9 @@ FOR_TYPES(DEF)
 
 template <typename T>
 __device__ void gelu_backward_k(T* dinp, const T* inp, const T* dout, i64 n) {
-    map2(dinp, inp, dout, n, [](float x, float d) { return gelu_grad(x, d); });
+    GRID_STRIDE(t, stride);
+    map_elems(dinp, n, all_aligned16(dinp, inp, dout), t, stride,
+              [](i64, float x, float d) { return gelu_grad(x, d); }, inp, dout);
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void gelu_backward_##S(T* dinp, const T* inp, const T* dout,       \
@@ -1269,7 +1275,9 @@ FOR_TYPES(DEF)
 
 template <typename T>
 __device__ void residual_forward_k(T* out, const T* a, const T* b, i64 n) {
-    map2(out, a, b, n, [](float x, float y) { return x + y; });
+    GRID_STRIDE(t, stride);
+    map_elems(out, n, all_aligned16(out, a, b), t, stride,
+              [](i64, float x, float y) { return x + y; }, a, b);
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void residual_forward_##S(T* out, const T* a, const T* b, i64 n) { \
@@ -1280,7 +1288,9 @@ FOR_TYPES(DEF)
 
 template <typename T>
 __device__ void add_inplace_k(T* acc, const T* x, i64 n) {
-    map2(acc, acc, x, n, [](float s, float y) { return s + y; });
+    GRID_STRIDE(t, stride);
+    map_elems(acc, n, all_aligned16(acc, x), t, stride,
+              [](i64, float s, float y) { return s + y; }, acc, x);
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void add_inplace_##S(T* acc, const T* x, i64 n) {                  \
@@ -1319,8 +1329,8 @@ __device__ void ce_row_max_k(float* maxes, const T* logits, i64 N, i64 VP, i64 V
     __shared__ float shf[ROW_THREADS];
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
         float mx = NEG_INF;
-        for_row(logits + r * VP, V, rows_aligned(logits, VP),
-                [&](i64, float x) { mx = fmaxf(mx, x); });
+        for_each_elem<T>(V, rows_aligned(logits, VP), threadIdx.x, blockDim.x,
+                         [&](i64, float x) { mx = fmaxf(mx, x); }, logits + r * VP);
         mx = block_max_f(mx, shf);
         if (threadIdx.x == 0) maxes[r] = mx;
     }
@@ -1340,8 +1350,8 @@ __device__ void ce_row_sumexp_k(float* sums, const T* logits, const float* maxes
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
         float m = maxes[r];
         double s = 0.0;
-        for_row(logits + r * VP, V, rows_aligned(logits, VP),
-                [&](i64, float x) { s += (double)expf(x - m); });
+        for_each_elem<T>(V, rows_aligned(logits, VP), threadIdx.x, blockDim.x,
+                         [&](i64, float x) { s += (double)expf(x - m); }, logits + r * VP);
         s = block_sum_d(s, sh);
         if (threadIdx.x == 0) sums[r] = (float)s;
     }
@@ -1387,11 +1397,13 @@ __device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const 
         float inv = 1.0f / s;
         float k = dloss * inv;
         i64 tj = (i64)targets[r] - vocab_start;
-        update_row(logits + r * VP, VP, rows_aligned(logits, VP), [&](i64 j, float x) {
+        T* row = logits + r * VP;
+        auto grad = [&](i64 j, float x) {
             if (j >= V) return 0.0f;
             if (j == tj) return dloss * (expf(x - m) * inv - 1.0f);
             return expf(x - m) * k;
-        });
+        };
+        map_elems(row, VP, rows_aligned(logits, VP), threadIdx.x, blockDim.x, grad, row);
     }
 }
 #define DEF(S, T)                                                                            \
