@@ -1,11 +1,12 @@
-//! The CPU backend: buffers are host `Vec<f32>`s, GEMMs go to fugu-gemm, the other ops to the
-//! rayon kernels of [`crate::ops`].
+//! The CPU backend: buffers are host `f32`s on cache-line boundaries ([`HostBuf`]), GEMMs go
+//! to fugu-gemm, the other ops to the rayon kernels of [`crate::ops`].
 
+use super::host_buf::HostBuf;
 use super::{
     AdamWStep, AttnDims, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan, WeightLayout,
 };
 use crate::ops;
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 /// Host-memory backend.
 #[derive(Default)]
@@ -14,7 +15,7 @@ pub struct CpuBackend {
     /// that type ([`CpuBackend::stored`] rounds what each op writes), so low-precision runs
     /// compute in `f32` on exactly the values a device would store: the reference for the
     /// CUDA backend's low-precision kernels, not a memory saving.
-    bufs: Vec<Vec<f32>>,
+    bufs: Vec<HostBuf>,
     dtypes: Vec<Dtype>,
     tokens: Vec<u32>,
 }
@@ -27,12 +28,12 @@ impl CpuBackend {
     /// Read-only host view of a span (zero-copy). Private: code above the backend reaches
     /// memory through `download`/`upload`/`with_host`, which every backend has.
     fn host(&self, s: Span) -> &[f32] {
-        &self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
+        &self.bufs[s.buf.0 as usize].as_slice()[s.offset..s.offset + s.len]
     }
 
     /// Mutable host view of a span.
     fn host_mut(&mut self, s: Span) -> &mut [f32] {
-        &mut self.bufs[s.buf.0 as usize][s.offset..s.offset + s.len]
+        &mut self.bufs[s.buf.0 as usize].as_mut_slice()[s.offset..s.offset + s.len]
     }
 
     /// The arithmetic of a GEMM on these operand spans: their 16-bit type when they all share
@@ -63,12 +64,12 @@ impl CpuBackend {
 /// Panics (an internal bug, never user input) if a span is out of bounds or a written span
 /// overlaps any other span of the call.
 fn views<const W: usize, const R: usize>(
-    bufs: &mut [Vec<f32>],
+    bufs: &mut [HostBuf],
     w: [Span; W],
     r: [Span; R],
 ) -> ([&mut [f32]; W], [&[f32]; R]) {
     for s in w.iter().chain(r.iter()) {
-        let len = bufs.get(s.buf.0 as usize).map_or(0, Vec::len);
+        let len = bufs.get(s.buf.0 as usize).map_or(0, HostBuf::len);
         assert!(
             s.offset.checked_add(s.len).is_some_and(|end| end <= len),
             "span {s:?} outside its buffer of {len} floats"
@@ -79,7 +80,10 @@ fn views<const W: usize, const R: usize>(
             assert!(!a.overlaps(*b), "written span {a:?} overlaps {b:?}");
         }
     }
-    let ptrs: Vec<*mut f32> = bufs.iter_mut().map(|v| v.as_mut_ptr()).collect();
+    let ptrs: Vec<*mut f32> = bufs
+        .iter_mut()
+        .map(|v| v.as_mut_slice().as_mut_ptr())
+        .collect();
     // SAFETY: every span was checked above to lie inside its buffer, and no written span
     // overlaps another span of this call, so the mutable slices are disjoint from each other
     // and from the shared ones. Shared spans may overlap each other (both are reads). The
@@ -111,21 +115,13 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&mut self, len: usize, dtype: Dtype) -> Result<BufId> {
-        let mut v = Vec::new();
-        if v.try_reserve_exact(len).is_err() {
-            bail!(
-                "out of memory allocating {:.1} MiB",
-                len as f64 * 4.0 / (1 << 20) as f64
-            );
-        }
-        v.resize(len, 0.0);
-        self.bufs.push(v);
+        self.bufs.push(HostBuf::zeroed(len)?);
         self.dtypes.push(dtype);
         Ok(BufId(self.bufs.len() as u32 - 1))
     }
 
     fn free(&mut self, buf: BufId) {
-        self.bufs[buf.0 as usize] = Vec::new();
+        self.bufs[buf.0 as usize] = HostBuf::default();
     }
 
     fn buf_len(&self, buf: BufId) -> usize {

@@ -14,6 +14,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+mod host_buf;
 
 pub use crate::dtype::Dtype;
 pub use crate::ops::adamw::AdamWStep;
