@@ -34,7 +34,7 @@ impl HostBuf {
             );
         }
         store.resize(len + slack, 0.0);
-        // A f32 pointer is 4-byte aligned, so the distance to the next boundary is a whole
+        // An f32 pointer is 4-byte aligned, so the distance to the next boundary is a whole
         // number of floats, at most `slack - 1`.
         let misalign = store.as_ptr() as usize % HOST_ALIGN;
         let start = (HOST_ALIGN - misalign) % HOST_ALIGN / std::mem::size_of::<f32>();

@@ -300,15 +300,7 @@ impl CudaBackend {
     /// one thread per pack of `n` items of type `dt` (the kernels fall back to one item per
     /// step, grid-stride, where their pointers are not 16-byte aligned).
     fn launch_packs(&self, k: K, dt: Dtype, n: usize, args: &[Arg]) {
-        let per_pack = (16 / dt.bytes()) as u64;
-        self.launch(
-            k,
-            dt,
-            (n as u64).div_ceil(per_pack * ELEM_THREADS as u64),
-            ELEM_THREADS,
-            0,
-            args,
-        );
+        self.launch_elems(k, dt, n.div_ceil(16 / dt.bytes()), args);
     }
 
     /// A row launch: one block of [`ROW_THREADS`] per row (grid-stride over `rows`).
