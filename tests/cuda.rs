@@ -235,8 +235,9 @@ mod gpu {
         }
         // C above one block of threads, and a single row. Rows of 40 and 2064 go in 16-byte
         // packs for every type (2064: more packs than a block has threads), 300 for f32 only,
-        // 37 and 5 element by element.
-        for (n, c) in [(13, 37), (3, 300), (1, 5), (7, 40), (2, 2064)] {
+        // 37 and 5 element by element. 300 rows of 40: more chunks of rows (32 each, the
+        // last partial) than the column sums' second stage has warps.
+        for (n, c) in [(13, 37), (3, 300), (1, 5), (7, 40), (2, 2064), (300, 40)] {
             let (out, mean, rstd) = (be.nan(n * c), be.nan32(n), be.nan32(n));
             let inp = be.rand(n * c, 6);
             let (w, bias) = (be.rand(c, 7), be.rand(c, 8));

@@ -411,25 +411,59 @@ __device__ void layernorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, 
 FOR_TYPES(DEF)
 #undef DEF
 
-// Column sums in two fixed stages. Stage 1: part[k, c] (float) = Σ rows of chunk k (rows
-// k·rpc ..), in row order. With `inp` (layernorm), also part2[k, c] = Σ dout·x̂. One thread
-// per (k, c). T is the type of dout and inp.
+// Column sums in two fixed stages (bias and layernorm weight gradients; docs/TRAINING.md).
+//
+// Stage 1: part[k, c] (float) = Σ dout[r, c] over the rows r of chunk k (rows k·rpc ..), in
+// row order; with `with_xhat` (layernorm) also part2[k, c] = Σ dout·x̂. One thread per (chunk,
+// group of columns): a 16-byte pack of columns where the rows of dout (and inp) are 16-byte
+// aligned, so a warp reads 512 contiguous bytes of a row per load; one column otherwise. Each
+// column's sum is the same whatever the grouping. T is the type of dout and inp.
+template <int W, typename T>
+__device__ void column_group(float* part, float* part2, const T* dout, const T* inp,
+                             const float* mean, const float* rstd, bool with_xhat, i64 r0,
+                             i64 r1, i64 C, i64 c0, i64 at) {
+    float s[W], s2[W];
+    for (int j = 0; j < W; j++) s[j] = s2[j] = 0.0f;
+    for (i64 r = r0; r < r1; r++) {
+        Pack<T> g, x;  // the first W elements used
+        if constexpr (W == PACK(T)) {
+            g = ld_pack(dout + r * C + c0);
+            if (with_xhat) x = ld_pack(inp + r * C + c0);
+        } else {
+            for (int j = 0; j < W; j++) {
+                g.v[j] = dout[r * C + c0 + j];
+                if (with_xhat) x.v[j] = inp[r * C + c0 + j];
+            }
+        }
+        float m = with_xhat ? mean[r] : 0.0f, rs = with_xhat ? rstd[r] : 0.0f;
+        for (int j = 0; j < W; j++) {
+            float gj = ld(g.v[j]);
+            s[j] += gj;
+            if (with_xhat) s2[j] += gj * ((ld(x.v[j]) - m) * rs);
+        }
+    }
+    for (int j = 0; j < W; j++) {
+        part[at + j] = s[j];
+        if (with_xhat) part2[at + j] = s2[j];
+    }
+}
 template <typename T>
 __device__ void column_partials_k(float* part, float* part2, const T* dout, const T* inp,
                                   const float* mean, const float* rstd, int with_xhat, i64 N,
                                   i64 C, i64 rpc, i64 chunks) {
-    for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < chunks * C;
-         idx += (i64)gridDim.x * blockDim.x) {
-        i64 k = idx / C, c = idx % C;
+    // Aligned rows hold whole packs (C·sizeof(T) is a multiple of 16).
+    bool vec = rows_aligned(dout, C) && (!with_xhat || rows_aligned(inp, C));
+    i64 width = vec ? PACK(T) : 1, groups = C / width;
+    GRID_STRIDE(t, stride);
+    for (i64 idx = t; idx < chunks * groups; idx += stride) {
+        i64 k = idx / groups, c0 = (idx % groups) * width;
         i64 r0 = k * rpc, r1 = r0 + rpc < N ? r0 + rpc : N;
-        float s = 0.0f, s2 = 0.0f;
-        for (i64 r = r0; r < r1; r++) {
-            float g = ld(dout[r * C + c]);
-            s += g;
-            if (with_xhat) s2 += g * ((ld(inp[r * C + c]) - mean[r]) * rstd[r]);
-        }
-        part[idx] = s;
-        if (with_xhat) part2[idx] = s2;
+        if (vec)
+            column_group<PACK(T)>(part, part2, dout, inp, mean, rstd, with_xhat, r0, r1, C, c0,
+                                  k * C + c0);
+        else
+            column_group<1>(part, part2, dout, inp, mean, rstd, with_xhat, r0, r1, C, c0,
+                            k * C + c0);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -442,14 +476,27 @@ __device__ void column_partials_k(float* part, float* part2, const T* dout, cons
 FOR_TYPES(DEF)
 #undef DEF
 
-// Stage 2: dst[c] += Σ_k part[k, c], k in order. One thread per column. T is dst's type.
+// Stage 2: dst[c] += Σ_k part[k, c]. A block (ROW_THREADS) per WARP columns, a row launch
+// over column groups: lane l takes column c0 + l, warp w the chunks k ≡ w (mod warps), in
+// order (each load a contiguous 128 bytes); then the warps' sums are added in warp order.
+// T is dst's type.
 template <typename T>
 __device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
-    for (i64 c = blockIdx.x * (i64)blockDim.x + threadIdx.x; c < C;
-         c += (i64)gridDim.x * blockDim.x) {
+    __shared__ float sh[ROW_THREADS];
+    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
+    for (i64 c0 = blockIdx.x * (i64)WARP; c0 < C; c0 += (i64)gridDim.x * WARP) {
+        i64 c = c0 + lane;
         float s = 0.0f;
-        for (i64 k = 0; k < chunks; k++) s += part[k * C + c];
-        st(dst[c], ld(dst[c]) + s);
+        if (c < C)
+            for (i64 k = w; k < chunks; k += WARPS_PER_BLOCK) s += part[k * C + c];
+        sh[threadIdx.x] = s;
+        __syncthreads();
+        if (w == 0 && c < C) {
+            float total = sh[lane];
+            for (int j = 1; j < WARPS_PER_BLOCK; j++) total += sh[j * WARP + lane];
+            st(dst[c], ld(dst[c]) + total);
+        }
+        __syncthreads();  // sh is reused by the next column group
     }
 }
 #define DEF(S, T)                                                                            \
