@@ -1,6 +1,7 @@
 //! The real device: cudarc over the CUDA driver, cuBLAS and NVRTC, all loaded at run time.
 
 use super::engine::{Arg, DevAlloc, Engine, GemmCall};
+use super::lt::Lt;
 use super::{compile_kernels, kernel_names};
 use crate::backend::CudaSettings;
 use crate::dtype::Dtype;
@@ -22,6 +23,8 @@ pub struct DriverEngine {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// For the GEMMs with a bias epilogue.
+    lt: Lt,
     kernels: Vec<CudaFunction>,
     _module: Arc<CudaModule>,
     name: String,
@@ -58,6 +61,11 @@ impl DriverEngine {
             );
         }
         require_lib(blas, "cuBLAS (libcublas.so.13)")?;
+        // SAFETY: as above, a dlopen only.
+        require_lib(
+            unsafe { cudarc::cublaslt::sys::is_culib_present() },
+            "cuBLASLt (libcublasLt.so.13)",
+        )?;
         require_lib(nvrtc, "NVRTC (libnvrtc.so.13)")?;
         let count = CudaContext::device_count().context("counting CUDA devices")? as usize;
         if count == 0 {
@@ -97,6 +105,7 @@ impl DriverEngine {
         unsafe { blas_sys::cublasSetMathMode(*blas.handle(), mode) }
             .result()
             .context("setting the cuBLAS math mode")?;
+        let lt = Lt::new(stream.clone(), major, settings.tf32)?;
         let tf32 = if settings.tf32 { ", TF32" } else { "" };
         Ok(DriverEngine {
             tf32: settings.tf32,
@@ -104,6 +113,7 @@ impl DriverEngine {
             ctx,
             stream,
             blas,
+            lt,
             kernels,
             _module: module,
             name: format!("{name} (sm_{major}{minor}{tf32})"),
@@ -259,6 +269,9 @@ impl Engine for DriverEngine {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         let i = |x: usize| x as i32;
+        if g.bias != 0 {
+            return self.lt.gemm_bias(g);
+        }
         if [g.a_type, g.b_type, g.c_type] != [Dtype::F32; 3] {
             return self.gemm_ex(g);
         }

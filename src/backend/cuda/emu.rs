@@ -208,6 +208,9 @@ impl Engine for Emulator {
     }
 
     fn gemm(&self, g: &GemmCall) -> Result<()> {
+        if g.bias != 0 {
+            g.check_bias()?;
+        }
         // Element `i` of an operand of type `dt` at `p`, widened to f32 (exact).
         let at = |p: u64, dt: Dtype, i: usize| -> f32 {
             let mut x = [0.0f32];
@@ -252,11 +255,14 @@ impl Engine for Emulator {
                     let ai = &ar[i * g.k..(i + 1) * g.k];
                     let acc: f64 = ai.iter().zip(bj).map(|(&x, &y)| x as f64 * y as f64).sum();
                     let idx = i + j * g.ldc;
-                    let old = if g.beta == 0.0 {
+                    let mut old = if g.beta == 0.0 {
                         0.0
                     } else {
                         g.beta as f64 * at(c, g.c_type, idx) as f64
                     };
+                    if g.bias != 0 {
+                        old += at(g.bias, g.c_type, i) as f64;
+                    }
                     g.c_type
                         .encode(&[(g.alpha as f64 * acc + old) as f32], &mut out);
                     // SAFETY: as for `at`.

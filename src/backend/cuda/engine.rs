@@ -30,7 +30,10 @@ pub struct DevAlloc {
 
 /// One column-major strided-batched GEMM, cuBLAS's `cublasGemmStridedBatchedEx` arguments:
 /// `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` with `C_i` m×n, products accumulated in f32
-/// whatever the operand types (`cublasSgemmStridedBatched` when all three are f32).
+/// whatever the operand types (`cublasSgemmStridedBatched` when all three are f32). With a
+/// `bias` (one matrix, beta 0, the bias [`BIAS_ALIGN`]-aligned: [`GemmCall::check_bias`]),
+/// `C = alpha·op(A)·op(B) + bias`, the bias's m values (of C's type) added along C's columns before rounding
+/// (cuBLASLt's bias epilogue).
 #[derive(Clone, Copy, Debug)]
 pub struct GemmCall {
     pub a_type: Dtype,
@@ -53,6 +56,28 @@ pub struct GemmCall {
     pub ldc: usize,
     pub stride_c: usize,
     pub batch: usize,
+    /// Device address of the bias, or 0 for none.
+    pub bias: u64,
+}
+
+/// The alignment a GEMM's bias needs. cuBLASLt has no preference attribute for it (the other
+/// operands' alignments are passed to its heuristic); Marian's cuBLASLt code found bias
+/// vectors below 16 bytes failing on an A100.
+pub const BIAS_ALIGN: u64 = 16;
+
+impl GemmCall {
+    /// Fails unless a call with a bias is one that cuBLASLt's bias epilogue takes.
+    pub fn check_bias(&self) -> Result<()> {
+        anyhow::ensure!(
+            self.batch == 1 && self.beta == 0.0 && self.bias.is_multiple_of(BIAS_ALIGN),
+            "a GEMM with a bias needs one matrix, beta 0 and a {BIAS_ALIGN}-byte aligned \
+             bias (got batch {}, beta {}, bias at {:#x})",
+            self.batch,
+            self.beta,
+            self.bias
+        );
+        Ok(())
+    }
 }
 
 /// A device as the CUDA backend uses it. Work is ordered (one stream); `download` waits for it.

@@ -507,18 +507,11 @@ __device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
 FOR_TYPES(DEF)
 #undef DEF
 
-// out[i, j] = bias[j] (the GEMM then adds with beta = 1; ops/linear.rs). In packs (one
-// 64-bit division per pack instead of per element) where the rows and the bias are aligned.
+// out[i, j] = bias[j] (the GEMM then adds with beta = 1), for a bias the GEMM's epilogue
+// cannot take (not 16-byte aligned; CudaBackend::linear_forward).
 template <typename T>
 __device__ void broadcast_rows_k(T* out, const T* bias, i64 N, i64 C) {
-    const int P = PACK(T);
-    i64 row_packs = whole_packs<T>(C, rows_aligned(out, C) && aligned16(bias));
     GRID_STRIDE(t, stride);
-    if (row_packs > 0) {
-        for (i64 k = t; k < N * row_packs; k += stride)
-            st_pack(out + k * P, ld_pack(bias + (k % row_packs) * P));
-        return;
-    }
     for (i64 idx = t; idx < N * C; idx += stride) out[idx] = bias[idx % C];
 }
 #define DEF(S, T)                                                                            \

@@ -25,6 +25,7 @@
 mod driver;
 pub mod emu;
 pub mod engine;
+mod lt;
 
 use super::WeightLayout;
 use super::{
@@ -32,7 +33,7 @@ use super::{
 };
 use crate::ops::attention::Heads;
 use anyhow::Result;
-use engine::{Arg, DevAlloc, Engine, GemmCall};
+use engine::{Arg, DevAlloc, Engine, GemmCall, BIAS_ALIGN};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
 pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
@@ -346,11 +347,16 @@ impl CudaBackend {
         c: Mat,
         batch: usize,
     ) {
-        if m == 0 || n == 0 || batch == 0 {
+        let call = column_major((ta, tb), (m, n, k), alpha, a, b, beta, c, batch);
+        self.queue_gemm(what, &call);
+    }
+
+    /// Queues `call` (nothing for an empty product).
+    fn queue_gemm(&self, what: &str, call: &GemmCall) {
+        if call.m == 0 || call.n == 0 || call.batch == 0 {
             return;
         }
-        let call = column_major((ta, tb), (m, n, k), alpha, a, b, beta, c, batch);
-        if let Err(e) = self.eng.gemm(&call) {
+        if let Err(e) = self.eng.gemm(call) {
             self.fail(what, e);
         }
     }
@@ -947,21 +953,31 @@ impl Backend for CudaBackend {
             out.len == n * oc && inp.len == n * ic && w.len == ic * oc,
             "linear_forward"
         );
+        // The bias goes in the GEMM's epilogue (cuBLASLt) where it is aligned as that needs
+        // (every bias of a model whose widths are multiples of 8); otherwise a kernel writes
+        // it into every row of `out` first and the GEMM adds to it (beta = 1).
+        let mut epilogue = 0;
         let beta = match bias {
             Some(bias) => {
                 assert_eq!(bias.len, oc, "linear_forward: bias length");
-                self.launch_packs(
-                    K::broadcast_rows,
-                    self.dt(out),
-                    n * oc,
-                    &[
-                        Arg::Ptr(self.ptr(out)),
-                        Arg::Ptr(self.ptr(bias)),
-                        Arg::I64(n as i64),
-                        Arg::I64(oc as i64),
-                    ],
-                );
-                1.0
+                let at = self.ptr(bias);
+                if at.is_multiple_of(BIAS_ALIGN) {
+                    epilogue = at;
+                    0.0
+                } else {
+                    self.launch_elems(
+                        K::broadcast_rows,
+                        self.dt(out),
+                        n * oc,
+                        &[
+                            Arg::Ptr(self.ptr(out)),
+                            Arg::Ptr(at),
+                            Arg::I64(n as i64),
+                            Arg::I64(oc as i64),
+                        ],
+                    );
+                    1.0
+                }
             }
             None => 0.0,
         };
@@ -970,8 +986,7 @@ impl Backend for CudaBackend {
             WeightLayout::InOut => (false, oc),
             WeightLayout::OutIn => (true, ic),
         };
-        self.gemm(
-            "linear_forward",
+        let call = column_major(
             (false, tw),
             (n, oc, ic),
             1.0,
@@ -980,6 +995,13 @@ impl Backend for CudaBackend {
             beta,
             self.mat(out, oc),
             1,
+        );
+        self.queue_gemm(
+            "linear_forward",
+            &GemmCall {
+                bias: epilogue,
+                ..call
+            },
         );
     }
 
@@ -1556,6 +1578,7 @@ fn column_major(
         ldc,
         stride_c: sc,
         batch,
+        bias: 0,
     }
 }
 
