@@ -983,8 +983,8 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 template <typename T>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 hs_, float scale) {
-    __shared__ T sK[2][FA_ROWS * FA_LDS];
-    __shared__ T sV[2][FA_ROWS * FA_LDS];
+    alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
+    alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3;
     float sl2 = scale * LOG2E;  // raw scores to log2 units
@@ -1069,6 +1069,49 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
 FOR_HALF_TYPES(DEF)
 #undef DEF
 
+// Δ = rowsum(dO ∘ O) of query rows row0 .. row0+64 (dO in the shared tile `sdo`, O the rows of
+// `ob` with row stride C) into `delta` (global, rows before Tn) and `sd`, and −lse·log2(e)
+// into `sl` (+∞ past Tn: probabilities 0), for the dQ kernel. With `vec` (O's rows in 16-byte
+// packs), 8 lanes per row each take one pack of the row's 64 (zero-padded) columns, O read
+// coalesced (a row's 128 bytes by 8 neighbouring lanes), and add theirs in a butterfly;
+// otherwise a thread per row runs along it.
+template <typename T>
+__device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, const T* sdo,
+                         const T* ob, i64 row0, i64 Tn, i64 C, int hs, bool vec) {
+    if (vec) {
+        for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += FA_THREADS) {
+            int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
+            i64 row = row0 + r;
+            float s = 0.0f;
+            if (row < Tn && c < hs) {
+                Pack<T> o = ld_pack(ob + row * C + c), d = ld_pack(sdo + r * FA_LDS + c);
+                for (int j = 0; j < 8; j++) s += ld(d.v[j]) * ld(o.v[j]);
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            s += __shfl_xor_sync(0xffffffffu, s, 4);
+            if (c == 0) {
+                if (row < Tn) delta[row] = s;
+                sd[r] = s;
+                sl[r] = row < Tn ? lse[row] * LOG2E : POS_INF;
+            }
+        }
+        return;
+    }
+    if (threadIdx.x < FA_ROWS) {
+        i64 row = row0 + threadIdx.x;
+        float s = 0.0f, l2 = POS_INF;
+        if (row < Tn) {
+            for (int c = 0; c < hs; c++)
+                s += ld(sdo[threadIdx.x * FA_LDS + c]) * ld(ob[row * C + c]);
+            delta[row] = s;
+            l2 = lse[row] * LOG2E;
+        }
+        sd[threadIdx.x] = s;
+        sl[threadIdx.x] = l2;
+    }
+}
+
 // Backward, part 1: the Q columns of dqkv, and delta (B, nh, T) = rowsum(dout ∘ out), which
 // part 2 reads. Item = (query block, sequence, head), the longest first; K and V tiles
 // double-buffered as in the forward kernel.
@@ -1076,13 +1119,14 @@ template <typename T>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                     i64 hs_, float scale) {
-    __shared__ T sK[2][FA_ROWS * FA_LDS];
-    __shared__ T sV[2][FA_ROWS * FA_LDS];
+    alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
+    alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
-    bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
+    bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C),
+         vec_delta = vec_o && fa_vec_ok(out, hs, C);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
         i64 q0 = qb * FA_ROWS;
@@ -1099,18 +1143,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         u32 qa[FA_D / 16][4], da[FA_D / 16][4];
         fa_a_frags(qa, sK[1], warp * 16);
         fa_a_frags(da, sV[1], warp * 16);
-        if (threadIdx.x < FA_ROWS) {
-            i64 row = q0 + threadIdx.x;
-            float dsum = 0.0f, l2 = POS_INF;  // rows past T: probabilities 0
-            if (row < Tn) {
-                for (int c = 0; c < hs; c++)
-                    dsum += ld(sV[1][threadIdx.x * FA_LDS + c]) * ld(ob[row * C + c]);
-                delta[bh * Tn + row] = dsum;
-                l2 = lse[bh * Tn + row] * LOG2E;
-            }
-            sD[threadIdx.x] = dsum;
-            sL[threadIdx.x] = l2;
-        }
+        fa_delta(sD, sL, delta + bh * Tn, lse + bh * Tn, sV[1], ob, q0, Tn, C, hs, vec_delta);
         __syncthreads();
         float nl[2] = {-sL[warp * 16 + g], -sL[warp * 16 + g + 8]};
         float dr[2] = {sD[warp * 16 + g], sD[warp * 16 + g + 8]};
@@ -1182,8 +1215,8 @@ template <typename T>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                      i64 hs_, float scale) {
-    __shared__ T sQ[2][FA_ROWS * FA_LDS];
-    __shared__ T sO[2][FA_ROWS * FA_LDS];
+    alignas(16) __shared__ T sQ[2][FA_ROWS * FA_LDS];
+    alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3;
     float sl2 = scale * LOG2E;
