@@ -463,8 +463,7 @@ mod gpu {
                     be.nan32(rows),
                 );
                 be.run(|x| {
-                    x.ce_row_max(mx, logits, d);
-                    x.ce_row_sumexp(sm, logits, mx, d);
+                    x.ce_row_stats(mx, sm, logits, d);
                     x.ce_target_logit(tl, logits, tg, d);
                     x.ce_finish(lo, logits, mx, sm, tl, tg, dloss, d);
                 });
@@ -475,6 +474,25 @@ mod gpu {
                 be.check("ce dlogits", logits, ELEM * 10.0);
             }
         }
+        // A shard without real columns (maximum −∞, sum 0), and sums moved to larger maxima as
+        // after the all-reduce of a vocabulary-parallel head (unchanged where equal).
+        let logits = be.rand(rows * 40, 4);
+        let (mx, sm) = (be.nan32(rows), be.nan32(rows));
+        let empty = CeDims {
+            n: rows,
+            vp: 40,
+            v_valid: 0,
+            vocab_start: 0,
+        };
+        be.run(|x| x.ce_row_stats(mx, sm, logits, empty));
+        be.check("ce max of no columns", mx, 0.0);
+        be.check("ce sumexp of no columns", sm, 0.0);
+        let inf = f32::NEG_INFINITY;
+        let sums = be.buf(&[2.0, 3.0, 0.0, 5.0, 7.0], Dtype::F32);
+        let local = be.buf(&[1.0, 0.5, inf, 2.0, -3.0], Dtype::F32);
+        let global = be.buf(&[1.0, 1.5, 2.0, 2.0, 4.0], Dtype::F32);
+        be.run(|x| x.ce_rescale_sums(sums, local, global));
+        be.check("ce rescaled sums", sums, ELEM);
 
         // Several spans in one call: long, short, empty.
         let big = be.rand32(100_003, 7);

@@ -431,15 +431,15 @@ impl Backend for CpuBackend {
         self.stored(&[acc]);
     }
 
-    fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims) {
-        let ([m], [l]) = views(&mut self.bufs, [maxes], [logits]);
-        ops::crossentropy::ce_row_max(m, l, d.n, d.vp, d.v_valid);
-        self.stored(&[maxes]);
+    fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims) {
+        let ([m, s], [l]) = views(&mut self.bufs, [maxes, sums], [logits]);
+        ops::crossentropy::ce_row_stats(m, s, l, d.n, d.vp, d.v_valid);
+        self.stored(&[maxes, sums]);
     }
 
-    fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims) {
-        let ([s], [l, m]) = views(&mut self.bufs, [sums], [logits, maxes]);
-        ops::crossentropy::ce_row_sumexp(s, l, m, d.n, d.vp, d.v_valid);
+    fn ce_rescale_sums(&mut self, sums: Span, local_maxes: Span, maxes: Span) {
+        let ([s], [l, m]) = views(&mut self.bufs, [sums], [local_maxes, maxes]);
+        ops::crossentropy::ce_rescale_sums(s, l, m);
         self.stored(&[sums]);
     }
 

@@ -319,8 +319,10 @@ pub trait Backend {
     fn add_inplace(&mut self, acc: Span, x: Span);
 
     // --- fused softmax cross-entropy, in phases (vocabulary-parallel TP all-reduces between) ---
-    fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims);
-    fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims);
+    /// This shard's row maxima and sums of exponentials relative to them (one pass on a GPU).
+    fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims);
+    /// `sums` from this shard's `local_maxes` to the all-reduced `maxes` (N each).
+    fn ce_rescale_sums(&mut self, sums: Span, local_maxes: Span, maxes: Span);
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims);
     /// Per-row losses, and (when `dloss` is `Some`) the logits overwritten by their gradient.
     #[allow(clippy::too_many_arguments)]

@@ -133,6 +133,9 @@ pub struct HeadActs {
     /// Logits (B·T, Vp/tp); the cross-entropy overwrites them with their gradient.
     pub logits: Span,
     pub losses: Span,
+    /// Cross-entropy row statistics (ops/crossentropy.rs): this shard's maxima, the
+    /// all-reduced maxima, the sums of exponentials and the target logits.
+    pub ce_local_max: Span,
     pub ce_max: Span,
     pub ce_sum: Span,
     pub ce_tl: Span,
@@ -244,7 +247,13 @@ pub fn stats_table(d: &StepDims, stage: &Stage, keep: AttnKeep) -> Table {
     }
     if stage.is_last() {
         for s in [
-            "lnf_mean", "lnf_rstd", "losses", "ce_max", "ce_sum", "ce_tl",
+            "lnf_mean",
+            "lnf_rstd",
+            "losses",
+            "ce_local_max",
+            "ce_max",
+            "ce_sum",
+            "ce_tl",
         ] {
             t.push(s, &[n]);
         }
@@ -306,6 +315,7 @@ impl Acts {
                 lnf_rstd: s("lnf_rstd"),
                 logits: s("logits"),
                 losses: s("losses"),
+                ce_local_max: s("ce_local_max"),
                 ce_max: s("ce_max"),
                 ce_sum: s("ce_sum"),
                 ce_tl: s("ce_tl"),

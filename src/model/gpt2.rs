@@ -575,9 +575,10 @@ impl<B: Backend> Gpt2<B> {
         // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
         let loss_allreduce = "forward:loss:allreduce";
         let _t = timers.scope("forward:loss", Fine);
-        be.ce_row_max(h.ce_max, h.logits, cd);
+        be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
+        be.copy(h.ce_max, h.ce_local_max);
         tp_allreduce(be, comm, timers, loss_allreduce, h.ce_max, ReduceOp::Max);
-        be.ce_row_sumexp(h.ce_sum, h.logits, h.ce_max, cd);
+        be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
         be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
         tp_allreduce(be, comm, timers, loss_allreduce, h.ce_sum, ReduceOp::Sum);
         tp_allreduce(be, comm, timers, loss_allreduce, h.ce_tl, ReduceOp::Sum);

@@ -7,8 +7,10 @@
 //! The work is split into phases so that a vocabulary-parallel (tensor-parallel) LM head can
 //! all-reduce between them; each rank holds columns `vocab_start ..` of the vocabulary:
 //!
-//! 1. [`ce_row_max`] → all-reduce **max** over ranks;
-//! 2. [`ce_row_sumexp`] with the global max → all-reduce **sum**;
+//! 1. [`ce_row_stats`]: this rank's row maxima and sums of exponentials relative to them, in one
+//!    pass over the logits (a GPU reads the vocabulary-sized tensor once here, not twice) →
+//!    all-reduce the maxima (**max**, kept apart from the local ones);
+//! 2. [`ce_rescale_sums`] to the global maxima → all-reduce **sum**;
 //! 3. [`ce_target_logit`] (0 on ranks without the target) → all-reduce **sum**;
 //! 4. [`ce_finish`]: per-row losses (identical on every rank) and this rank's dlogits.
 //!
@@ -25,17 +27,55 @@ fn check_logits(len: usize, n: usize, vp: usize, v_valid: usize, op: &str) {
     assert_eq!(len, n * vp, "{op}: logits length");
 }
 
-/// Phase 1: `maxes[i] = max_{j < v_valid} logits[i, j]` (−∞ when `v_valid == 0`).
-/// `maxes`: (N), **overwritten**.
-pub fn ce_row_max<T: Float>(maxes: &mut [T], logits: &[T], n: usize, vp: usize, v_valid: usize) {
-    check_logits(logits.len(), n, vp, v_valid, "ce_row_max");
-    assert_eq!(maxes.len(), n, "ce_row_max: maxes length");
+/// Phase 1: `maxes[i] = max_{j < v_valid} logits[i, j]` (−∞ when `v_valid == 0`) and
+/// `sums[i] = Σ_{j < v_valid} exp(logits[i, j] - maxes[i])` (accumulated in `f64`; 0 when
+/// `v_valid == 0`). `maxes`, `sums`: (N), **overwritten**. (Here two passes over each row,
+/// which stays in cache; the CUDA kernel keeps a running maximum and rescales its sum.)
+pub fn ce_row_stats<T: Float>(
+    maxes: &mut [T],
+    sums: &mut [T],
+    logits: &[T],
+    n: usize,
+    vp: usize,
+    v_valid: usize,
+) {
+    check_logits(logits.len(), n, vp, v_valid, "ce_row_stats");
+    assert_eq!(maxes.len(), n, "ce_row_stats: maxes length");
+    assert_eq!(sums.len(), n, "ce_row_stats: sums length");
     maxes
         .par_iter_mut()
+        .zip(sums.par_iter_mut())
         .zip(logits.par_chunks(vp))
-        .for_each(|(m, row)| {
-            *m = row_max(&row[..v_valid]);
+        .for_each(|((m, s), row)| {
+            let row = &row[..v_valid];
+            *m = row_max(row);
+            *s = T::from_f64(sum_exp(row, *m));
         });
+}
+
+/// Phase 2: `sums[i]`, relative to this rank's `local_maxes[i]`, made relative to the
+/// all-reduced `maxes[i]`: times `exp(local - global)`, unchanged where the two agree (every
+/// row of a run without vocabulary shards), 0 for a shard without real columns (local −∞).
+/// `sums`: (N), **updated**.
+pub fn ce_rescale_sums<T: Float>(sums: &mut [T], local_maxes: &[T], maxes: &[T]) {
+    assert!(
+        local_maxes.len() == sums.len() && maxes.len() == sums.len(),
+        "ce_rescale_sums: lengths"
+    );
+    for ((s, &l), &m) in sums.iter_mut().zip(local_maxes).zip(maxes) {
+        *s = rescaled(*s, l, m);
+    }
+}
+
+/// A sum of `exp(x - local)` as a sum of `exp(x - global)` (`global ≥ local`).
+pub(crate) fn rescaled<T: Float>(sum: T, local: T, global: T) -> T {
+    if local == global {
+        sum
+    } else if local == T::NEG_INFINITY {
+        T::ZERO
+    } else {
+        sum * (local - global).exp()
+    }
 }
 
 pub(crate) fn row_max<T: Float>(row: &[T]) -> T {
@@ -58,25 +98,6 @@ pub(crate) fn row_max<T: Float>(row: &[T]) -> T {
 /// `Σ exp(x - max)` accumulated in `f64`.
 fn sum_exp<T: Float>(row: &[T], max: T) -> f64 {
     T::sum_exp_row(row, max)
-}
-
-/// Phase 2: `sums[i] = Σ_{j < v_valid} exp(logits[i, j] - maxes[i])` with the (global) row
-/// maxima. `sums`: (N), **overwritten**.
-pub fn ce_row_sumexp<T: Float>(
-    sums: &mut [T],
-    logits: &[T],
-    maxes: &[T],
-    n: usize,
-    vp: usize,
-    v_valid: usize,
-) {
-    check_logits(logits.len(), n, vp, v_valid, "ce_row_sumexp");
-    assert_eq!(sums.len(), n, "ce_row_sumexp: sums length");
-    assert_eq!(maxes.len(), n, "ce_row_sumexp: maxes length");
-    sums.par_iter_mut()
-        .zip(logits.par_chunks(vp))
-        .zip(maxes.par_iter())
-        .for_each(|((s, row), &m)| *s = T::from_f64(sum_exp(&row[..v_valid], m)));
 }
 
 /// Local column of target `tgt` in a shard holding vocabulary `vocab_start .. + v_valid`.
@@ -167,7 +188,8 @@ fn check_targets(targets: &[u32], v_valid: usize, op: &str) {
     }
 }
 
-/// Serial fused forward + backward (all four phases with `vocab_start = 0`).
+/// Serial fused forward + backward (the phases with `vocab_start = 0`; no rescaling, the
+/// maxima being global already).
 ///
 /// * `losses`: (N), **overwritten** with the per-row losses.
 /// * `logits`: (N, VP), **overwritten** with `dloss · (softmax - onehot)` (padding 0).
@@ -193,8 +215,7 @@ pub fn crossentropy_forward_backward<T: Float>(
     let mut maxes = vec![T::ZERO; n];
     let mut sums = vec![T::ZERO; n];
     let mut tl = vec![T::ZERO; n];
-    ce_row_max(&mut maxes, logits, n, vp, v_valid);
-    ce_row_sumexp(&mut sums, logits, &maxes, n, vp, v_valid);
+    ce_row_stats(&mut maxes, &mut sums, logits, n, vp, v_valid);
     ce_target_logit(&mut tl, logits, targets, 0, n, vp, v_valid);
     ce_finish(
         losses, logits, &maxes, &sums, &tl, targets, 0, dloss, n, vp, v_valid,
@@ -316,16 +337,21 @@ mod tests {
         let mut sums = vec![0.0; N];
         let mut tl = vec![0.0; N];
         let mut part = vec![0.0; N];
-        for (_, vv, cols) in &shards {
-            ce_row_max(&mut part, cols, N, w, *vv);
-            maxes
-                .iter_mut()
-                .zip(&part)
-                .for_each(|(m, p)| *m = m.max(*p));
+        let stats: Vec<(Vec<f64>, Vec<f64>)> = shards
+            .iter()
+            .map(|(_, vv, cols)| {
+                let (mut m, mut s) = (vec![f64::NAN; N], vec![f64::NAN; N]);
+                ce_row_stats(&mut m, &mut s, cols, N, w, *vv);
+                (m, s)
+            })
+            .collect();
+        for (m, _) in &stats {
+            maxes.iter_mut().zip(m).for_each(|(g, l)| *g = g.max(*l));
         }
-        for (start, vv, cols) in &shards {
-            ce_row_sumexp(&mut part, cols, &maxes, N, w, *vv);
-            sums.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+        for ((start, vv, cols), (m, s)) in shards.iter().zip(&stats) {
+            let mut s = s.clone();
+            ce_rescale_sums(&mut s, m, &maxes);
+            sums.iter_mut().zip(&s).for_each(|(g, p)| *g += p);
             ce_target_logit(&mut part, cols, &targets, *start, N, w, *vv);
             tl.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
         }
@@ -342,6 +368,20 @@ mod tests {
                 .collect();
             assert_close("shard dlogits", &dl, &want, 1e-13);
         }
+    }
+
+    /// Sums move to the global maximum; a shard without real columns (maximum −∞, sum 0)
+    /// contributes 0, not NaN.
+    #[test]
+    fn rescaled_sums_and_empty_shards() {
+        let (mut m, mut s) = (vec![f64::NAN; 2], vec![f64::NAN; 2]);
+        ce_row_stats(&mut m, &mut s, &[1.0, 2.0, 3.0, 4.0], 2, 2, 0);
+        assert_eq!((m[0], s[0]), (f64::NEG_INFINITY, 0.0));
+        let mut sums = vec![2.0, 3.0, s[1]];
+        ce_rescale_sums(&mut sums, &[1.0, 0.5, m[1]], &[1.0, 1.5, 2.0]);
+        assert_eq!(sums[0], 2.0);
+        assert!((sums[1] - 3.0 * (-1.0f64).exp()).abs() < 1e-15);
+        assert_eq!(sums[2], 0.0);
     }
 
     #[test]

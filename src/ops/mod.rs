@@ -47,7 +47,7 @@ pub use attention::{
     attention_values, attention_values_backward,
 };
 pub use crossentropy::{
-    ce_finish, ce_row_max, ce_row_sumexp, ce_target_logit, crossentropy_forward,
+    ce_finish, ce_rescale_sums, ce_row_stats, ce_target_logit, crossentropy_forward,
     crossentropy_forward_backward,
 };
 pub use encoder::{encoder_backward, encoder_forward};

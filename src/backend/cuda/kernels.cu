@@ -1397,42 +1397,55 @@ FOR_TYPES(DEF)
 
 // ---- cross-entropy phases (ops/crossentropy.rs); T is the logits' type --------------------
 
+// This shard's row statistics in one pass: maxes[r] and sums[r] = Σ exp(x - maxes[r]) (the sum
+// in double). Each thread keeps a running maximum m and its sum relative to m, scaled down
+// when m grows (rarely, after the first elements); the block then takes the maximum M of the
+// threads' and adds their sums scaled by exp(m - M), in a fixed tree.
 template <typename T>
-__device__ void ce_row_max_k(float* maxes, const T* logits, i64 N, i64 VP, i64 V) {
+__device__ void ce_row_stats_k(float* maxes, float* sums, const T* logits, i64 N, i64 VP,
+                               i64 V) {
     __shared__ float shf[ROW_THREADS];
+    __shared__ double sh[ROW_THREADS];
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
-        float mx = NEG_INF;
+        float m = NEG_INF;
+        double s = 0.0;
         for_each_elem<T>(V, rows_aligned(logits, VP), threadIdx.x, blockDim.x,
-                         [&](i64, float x) { mx = fmaxf(mx, x); }, logits + r * VP);
-        mx = block_max_f(mx, shf);
-        if (threadIdx.x == 0) maxes[r] = mx;
+                         [&](i64, float x) {
+                             if (x > m) {
+                                 s *= (double)expf(m - x);  // 0 · 0 from m = −∞
+                                 m = x;
+                             }
+                             if (m != NEG_INF) s += (double)expf(x - m);
+                         },
+                         logits + r * VP);
+        float mx = block_max_f(m, shf);
+        s = block_sum_d(m == NEG_INF ? 0.0 : s * (double)expf(m - mx), sh);
+        if (threadIdx.x == 0) {
+            maxes[r] = mx;
+            sums[r] = (float)s;
+        }
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void ce_row_max_##S(float* maxes, const T* logits, i64 N, i64 VP,  \
-                                              i64 V) {                                      \
-        ce_row_max_k(maxes, logits, N, VP, V);                                              \
+    extern "C" __global__ void ce_row_stats_##S(float* maxes, float* sums, const T* logits,  \
+                                                i64 N, i64 VP, i64 V) {                     \
+        ce_row_stats_k(maxes, sums, logits, N, VP, V);                                      \
     }
 FOR_TYPES(DEF)
 #undef DEF
 
-template <typename T>
-__device__ void ce_row_sumexp_k(float* sums, const T* logits, const float* maxes, i64 N,
-                                i64 VP, i64 V) {
-    __shared__ double sh[ROW_THREADS];
-    for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
-        float m = maxes[r];
-        double s = 0.0;
-        for_each_elem<T>(V, rows_aligned(logits, VP), threadIdx.x, blockDim.x,
-                         [&](i64, float x) { s += (double)expf(x - m); }, logits + r * VP);
-        s = block_sum_d(s, sh);
-        if (threadIdx.x == 0) sums[r] = (float)s;
+// sums[i] from the local maxima to the all-reduced ones (ops/crossentropy.rs, rescaled).
+__device__ void ce_rescale_sums_k(float* sums, const float* local, const float* maxes, i64 n) {
+    GRID_STRIDE(i, stride);
+    for (; i < n; i += stride) {
+        float l = local[i], m = maxes[i];
+        if (l != m) sums[i] = l == NEG_INF ? 0.0f : sums[i] * expf(l - m);
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void ce_row_sumexp_##S(float* sums, const T* logits,               \
-                                                 const float* maxes, i64 N, i64 VP, i64 V) { \
-        ce_row_sumexp_k(sums, logits, maxes, N, VP, V);                                     \
+    extern "C" __global__ void ce_rescale_sums_##S(float* sums, const float* local,          \
+                                                   const float* maxes, i64 n) {             \
+        ce_rescale_sums_k(sums, local, maxes, n);                                           \
     }
 FOR_TYPES(DEF)
 #undef DEF

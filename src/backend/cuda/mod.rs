@@ -137,8 +137,8 @@ kernels!(
     gelu_backward,
     residual_forward,
     add_inplace,
-    ce_row_max,
-    ce_row_sumexp,
+    ce_row_stats,
+    ce_rescale_sums,
     ce_target_logit,
     ce_finish,
     adamw,
@@ -1331,34 +1331,32 @@ impl Backend for CudaBackend {
         self.launch_packs(K::add_inplace, self.dt(acc), acc.len, &args);
     }
 
-    fn ce_row_max(&mut self, maxes: Span, logits: Span, d: CeDims) {
+    fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims) {
         check_ce(logits, d);
-        assert_eq!(maxes.len, d.n, "ce_row_max: maxes length");
+        assert!(maxes.len == d.n && sums.len == d.n, "ce_row_stats: lengths");
         let args = [
             Arg::Ptr(self.ptr(maxes)),
+            Arg::Ptr(self.ptr(sums)),
             Arg::Ptr(self.ptr(logits)),
             Arg::I64(d.n as i64),
             Arg::I64(d.vp as i64),
             Arg::I64(d.v_valid as i64),
         ];
-        self.launch_rows(K::ce_row_max, self.dt(logits), d.n, 0, &args);
+        self.launch_rows(K::ce_row_stats, self.dt(logits), d.n, 0, &args);
     }
 
-    fn ce_row_sumexp(&mut self, sums: Span, logits: Span, maxes: Span, d: CeDims) {
-        check_ce(logits, d);
+    fn ce_rescale_sums(&mut self, sums: Span, local_maxes: Span, maxes: Span) {
         assert!(
-            sums.len == d.n && maxes.len == d.n,
-            "ce_row_sumexp: lengths"
+            local_maxes.len == sums.len && maxes.len == sums.len,
+            "ce_rescale_sums: lengths"
         );
         let args = [
             Arg::Ptr(self.ptr(sums)),
-            Arg::Ptr(self.ptr(logits)),
+            Arg::Ptr(self.ptr(local_maxes)),
             Arg::Ptr(self.ptr(maxes)),
-            Arg::I64(d.n as i64),
-            Arg::I64(d.vp as i64),
-            Arg::I64(d.v_valid as i64),
+            Arg::I64(sums.len as i64),
         ];
-        self.launch_rows(K::ce_row_sumexp, self.dt(logits), d.n, 0, &args);
+        self.launch_elems(K::ce_rescale_sums, self.dt(sums), sums.len, &args);
     }
 
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims) {
