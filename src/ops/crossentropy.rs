@@ -46,11 +46,13 @@ pub fn ce_row_stats<T: Float>(
         .par_iter_mut()
         .zip(sums.par_iter_mut())
         .zip(logits.par_chunks(vp))
-        .for_each(|((m, s), row)| {
-            let row = &row[..v_valid];
-            *m = row_max(row);
-            *s = T::from_f64(sum_exp(row, *m));
-        });
+        .for_each(|((m, s), row)| (*m, *s) = row_stats(&row[..v_valid]));
+}
+
+/// A row's maximum and its sum of exponentials relative to it.
+fn row_stats<T: Float>(row: &[T]) -> (T, T) {
+    let m = row_max(row);
+    (m, T::from_f64(sum_exp(row, m)))
 }
 
 /// Phase 2: `sums[i]`, relative to this rank's `local_maxes[i]`, made relative to the
@@ -244,8 +246,7 @@ pub fn crossentropy_forward<T: Float>(
         .zip(targets.par_iter())
         .for_each(|((loss, row), &tgt)| {
             let row = &row[..v_valid];
-            let m = row_max(row);
-            let s = T::from_f64(sum_exp(row, m));
+            let (m, s) = row_stats(row);
             *loss = T::from_f64(s.to_f64().ln() + m.to_f64() - row[tgt as usize].to_f64());
         });
     T::from_f64(losses.iter().map(|l| l.to_f64()).sum())
