@@ -953,13 +953,14 @@ impl Backend for CudaBackend {
             out.len == n * oc && inp.len == n * ic && w.len == ic * oc,
             "linear_forward"
         );
-        // The bias goes in the GEMM's epilogue (cuBLASLt) where it is aligned as that needs
-        // (every bias of a model whose widths are multiples of 8); otherwise a kernel writes
-        // it into every row of `out` first and the GEMM adds to it (beta = 1).
+        // The bias goes in the GEMM's epilogue (cuBLASLt) where it is 16-byte aligned, as
+        // that needs; otherwise a kernel writes it into every row of `out` first and the GEMM
+        // adds to it (beta = 1).
         let mut epilogue = 0;
         let beta = match bias {
             Some(bias) => {
                 assert_eq!(bias.len, oc, "linear_forward: bias length");
+                assert_eq!(self.dt(bias), self.dt(out), "linear_forward: bias type");
                 let at = self.ptr(bias);
                 if at.is_multiple_of(BIAS_ALIGN) {
                     epilogue = at;
