@@ -168,6 +168,8 @@ fn time_steps<B: Backend>(
         model.zero_grad();
         model.forward(&timers, true);
         model.backward(&timers);
+        // As `fugu train` times it: the gradient norm and the update under "optimizer".
+        let optimizer = timers.scope("optimizer", TimerLevel::Coarse);
         let norm = model.grad_norm(&timers);
         model.apply_optimizer(
             &OptimStep {
@@ -181,6 +183,7 @@ fn time_steps<B: Backend>(
             },
             norm,
         );
+        drop(optimizer);
         model.be.sync();
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         timers.take_step();
