@@ -70,7 +70,7 @@ pub fn ce_rescale_sums<T: Float>(sums: &mut [T], local_maxes: &[T], maxes: &[T])
 }
 
 /// A sum of `exp(x - local)` as a sum of `exp(x - global)` (`global ≥ local`).
-pub(crate) fn rescaled<T: Float>(sum: T, local: T, global: T) -> T {
+fn rescaled<T: Float>(sum: T, local: T, global: T) -> T {
     if local == global {
         sum
     } else if local == T::NEG_INFINITY {

@@ -32,8 +32,8 @@ pub struct DevAlloc {
 /// `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` with `C_i` m×n, products accumulated in f32
 /// whatever the operand types (`cublasSgemmStridedBatched` when all three are f32). With a
 /// `bias` (one matrix, beta 0, the bias [`BIAS_ALIGN`]-aligned: [`GemmCall::check_bias`]),
-/// `C = alpha·op(A)·op(B) + bias`, the bias's m values (of C's type) added along C's columns before rounding
-/// (cuBLASLt's bias epilogue).
+/// `C = alpha·op(A)·op(B) + bias`, the bias's m values (of C's type) added along C's columns
+/// before rounding (cuBLASLt's bias epilogue).
 #[derive(Clone, Copy, Debug)]
 pub struct GemmCall {
     pub a_type: Dtype,
