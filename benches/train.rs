@@ -24,6 +24,9 @@ use fugu::model::table::gpt2_params;
 use fugu::model::{Gpt2, OptimStep, TpRank};
 use std::time::Instant;
 
+#[path = "train/host_only.rs"]
+mod host_only;
+
 #[derive(Parser)]
 struct Args {
     /// Configs to time (built-in names or files).
@@ -59,6 +62,12 @@ struct Args {
     /// Print the per-op breakdown of every shape.
     #[arg(long)]
     breakdown: bool,
+    /// With `--device cuda`: run the CUDA backend's host code on an engine that executes
+    /// nothing (no GPU needed), and report what one step queues (kernel launches, GEMMs,
+    /// copies) and the host time it takes to queue them. The time excludes the CUDA driver's
+    /// and cuBLAS's own host work.
+    #[arg(long)]
+    host_only: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -95,6 +104,10 @@ fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("--shape {s}: expected BxT, e.g. 4x64"))?;
         let cuda = CudaSettings { tf32: args.tf32 };
         let run = (args.steps, args.timers, args.precision, args.recompute);
+        if args.host_only {
+            host_only::report(&args, &cfg, &params, (b, t), run)?;
+            continue;
+        }
         let (times, bd, peak, device) = fugu::with_backend!(args.device, cuda, |be| {
             time_steps(be, &cfg, &params, (b, t), run)
         })?;
@@ -128,6 +141,9 @@ fn main() -> anyhow::Result<()> {
 /// Step times (ms), the per-op breakdown, the device's peak and its source, the device.
 type Timed = (Vec<f64>, Breakdown, Option<(f64, String)>, String);
 
+/// Timed steps, timer detail, precision, recomputation.
+type Run = (usize, TimerLevel, Precision, Recompute);
+
 /// One warm-up step and `steps` timed steps of B×T on `be`: the step times (ms), the per-op
 /// breakdown, the device's peak (GFLOP/s, when it has its own) and its description.
 fn time_steps<B: Backend>(
@@ -135,7 +151,7 @@ fn time_steps<B: Backend>(
     cfg: &ModelConfig,
     params: &[f32],
     (b, t): (usize, usize),
-    (steps, level, precision, recompute): (usize, TimerLevel, Precision, Recompute),
+    (steps, level, precision, recompute): Run,
 ) -> anyhow::Result<Timed> {
     let device = be.describe();
     let dtype = precision.compute_dtype();

@@ -201,16 +201,18 @@ impl CudaBackend {
             return Self::emulated();
         }
         let engine = driver::DriverEngine::new(ordinal, settings)?;
-        Ok(Self::on(Box::new(engine)))
+        Ok(Self::with_engine(Box::new(engine)))
     }
 
     /// The same backend with `kernels.cu` compiled for the host and run by
     /// [`emu::Emulator`] (slow; for testing the backend where there is no GPU).
     pub fn emulated() -> Result<CudaBackend> {
-        Ok(Self::on(Box::new(emu::Emulator::new()?)))
+        Ok(Self::with_engine(Box::new(emu::Emulator::new()?)))
     }
 
-    fn on(eng: Box<dyn Engine>) -> CudaBackend {
+    /// The backend on a caller's [`Engine`] (benches: `cargo bench --bench train --
+    /// --host-only` counts and times what a step queues on an engine that runs nothing).
+    pub fn with_engine(eng: Box<dyn Engine>) -> CudaBackend {
         CudaBackend {
             eng,
             bufs: Vec::new(),
