@@ -23,8 +23,8 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::{self, CudaBackend};
     use fugu::backend::{
-        AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype, FusedAttention,
-        Span, TokSpan, WeightLayout,
+        AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype,
+        FusedAttention, Span, TokSpan, WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
@@ -494,8 +494,9 @@ mod gpu {
         be.run(|x| x.ce_rescale_sums(sums, local, global));
         be.check("ce rescaled sums", sums, ELEM);
 
-        // Several spans in one call: long, short, empty.
-        let big = be.rand32(100_003, 7);
+        // Several spans in one call: long (more than 512 blocks of 256, so each block
+        // strides), short, empty.
+        let big = be.rand32(140_003, 7);
         let spans = [big, big.sub(5, 300), big.sub(0, 0), big.sub(1000, 1)];
         let (s_cpu, s_gpu) = (be.cpu.sum_of_squares(&spans), be.gpu.sum_of_squares(&spans));
         for (a, b) in s_cpu.iter().zip(&s_gpu) {
@@ -504,7 +505,10 @@ mod gpu {
                 "sum_of_squares {a} vs {b}"
             );
         }
-        let n = 1003;
+        // Parts of one flat buffer, as the model passes them: decayed and not, more than
+        // one ADAMW_CHUNK (4096) of elements, one element, none. More virtual blocks than
+        // the emulator's grid (32 blocks), so blocks loop.
+        let n = 3 * 4096 + 1003 + 700 + 1;
         let (p, g, m, v) = (
             be.rand32(n, 8),
             be.rand32(n, 9),
@@ -512,6 +516,19 @@ mod gpu {
             be.rand32(n, 11),
         );
         be.run(|x| x.zero(v));
+        let ranges = [(0, 3 * 4096 + 1003, true), (3 * 4096 + 1003, 700, false)];
+        let ranges = ranges
+            .into_iter()
+            .chain([(n - 1, 1, true), (n - 1, 0, false)]);
+        let parts: Vec<AdamWPart> = ranges
+            .map(|(at, len, decay)| AdamWPart {
+                params: p.sub(at, len),
+                grads: g.sub(at, len),
+                m: m.sub(at, len),
+                v: v.sub(at, len),
+                decay,
+            })
+            .collect();
         for step in 1..=3 {
             let hp = AdamWStep {
                 lr: 1e-2,
@@ -522,7 +539,7 @@ mod gpu {
                 step,
                 grad_scale: 0.7,
             };
-            be.run(|x| x.adamw(p, g, m, v, &hp));
+            be.run(|x| x.adamw(&parts, &hp));
         }
         be.check("adamw params", p, ELEM);
         be.check("adamw m", m, ELEM);

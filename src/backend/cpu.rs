@@ -3,7 +3,8 @@
 
 use super::host_buf::HostBuf;
 use super::{
-    AdamWStep, AttnDims, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan, WeightLayout,
+    AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan,
+    WeightLayout,
 };
 use crate::ops;
 use anyhow::Result;
@@ -496,11 +497,13 @@ impl Backend for CpuBackend {
             .collect()
     }
 
-    fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep) {
-        let written = [params, m, v];
-        let ([p, m, v], [g]) = views(&mut self.bufs, written, [grads]);
-        ops::adamw::adamw_update(p, g, m, v, hp);
-        self.stored(&written);
+    fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep) {
+        for part in parts {
+            let written = [part.params, part.m, part.v];
+            let ([p, m, v], [g]) = views(&mut self.bufs, written, [part.grads]);
+            ops::adamw::adamw_update(p, g, m, v, &part.step(hp));
+            self.stored(&written);
+        }
     }
 }
 

@@ -56,6 +56,28 @@ impl Span {
     }
 }
 
+/// One tensor (or this rank's range of one) of an AdamW step: its parameters, gradients and
+/// both moments, all of one length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdamWPart {
+    pub params: Span,
+    pub grads: Span,
+    pub m: Span,
+    pub v: Span,
+    /// Whether the step's weight decay applies (2-D tensors; not biases or layernorms).
+    pub decay: bool,
+}
+
+impl AdamWPart {
+    /// The step's hyperparameters for this part: `hp` without weight decay unless `decay`.
+    pub fn step(&self, hp: &AdamWStep) -> AdamWStep {
+        AdamWStep {
+            weight_decay: if self.decay { hp.weight_decay } else { 0.0 },
+            ..*hp
+        }
+    }
+}
+
 /// A range of the backend's token buffer (`u32` token ids).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TokSpan {
@@ -342,6 +364,7 @@ pub trait Backend {
     /// Σ x² of each span, in f64, deterministic (all spans in one call, so a device backend
     /// synchronises once per gradient norm).
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64>;
-    /// One AdamW step on a tensor.
-    fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep);
+    /// One AdamW step on every part (a device backend updates them all in one launch);
+    /// `hp.weight_decay` applies to the parts marked `decay`.
+    fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep);
 }

@@ -31,7 +31,8 @@ use super::params::{LayerParams, ParamSpans};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use crate::backend::{
-    AdamWStep, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan, WeightLayout,
+    AdamWPart, AdamWStep, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan,
+    WeightLayout,
 };
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
@@ -1029,35 +1030,33 @@ impl<B: Backend> Gpt2<B> {
             }
         }
         let scale = scale / self.loss_scale as f64;
+        let hp = AdamWStep {
+            lr: o.lr as f32,
+            beta1: o.beta1 as f32,
+            beta2: o.beta2 as f32,
+            eps: o.eps as f32,
+            weight_decay: o.weight_decay as f32,
+            step: o.step,
+            grad_scale: scale as f32,
+        };
+        let mut parts = Vec::new();
         for spec in self.table.specs() {
-            let hp = AdamWStep {
-                lr: o.lr as f32,
-                beta1: o.beta1 as f32,
-                beta2: o.beta2 as f32,
-                eps: o.eps as f32,
-                weight_decay: if spec.decay {
-                    o.weight_decay as f32
-                } else {
-                    0.0
-                },
-                step: o.step,
-                grad_scale: scale as f32,
-            };
             for (r, moment) in owned_parts(&self.owned, spec.range()) {
                 let span = |buf, offset| Span {
                     buf,
                     offset,
                     len: r.len(),
                 };
-                self.be.adamw(
-                    span(self.params, r.start),
-                    span(self.grads, r.start),
-                    span(self.m, moment),
-                    span(self.v, moment),
-                    &hp,
-                );
+                parts.push(AdamWPart {
+                    params: span(self.params, r.start),
+                    grads: span(self.grads, r.start),
+                    m: span(self.m, moment),
+                    v: span(self.v, moment),
+                    decay: spec.decay,
+                });
             }
         }
+        self.be.adamw(&parts, &hp);
         // The compute copy of everything this rank updated.
         for o in self.owned.clone() {
             self.refresh_compute_range(o.flat);

@@ -1505,53 +1505,95 @@ FOR_TYPES(DEF)
 #undef DEF
 
 // ---- optimizer (ops/adamw.rs); T is the gradients' type ------------------------------------
+//
+// Both kernels work on many tensors in one launch (a GPT-2 step has one per parameter tensor:
+// 148 for the 124M model, most of them a few thousand elements). The host describes the
+// tensors in a table of `words` i64s per part, the part's first virtual block in its last
+// word; virtual blocks are numbered across the parts, and each block of the grid runs the
+// virtual blocks blockIdx.x, blockIdx.x + gridDim.x, ... (the launch's grid is capped).
+
+// The part that virtual block `vb` belongs to: the last whose first virtual block is at most
+// `vb` (parts without virtual blocks share their successor's first and are never chosen).
+__device__ const i64* part_of(const i64* table, int words, int parts, i64 vb) {
+    int lo = 0, hi = parts - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (table[mid * words + words - 1] <= vb) lo = mid;
+        else hi = mid - 1;
+    }
+    return table + lo * words;
+}
+
+// Elements per virtual block of the AdamW kernel (ADAMW_CHUNK in mod.rs): contiguous, so a
+// block reads coalesced runs, and long enough that finding the part costs nothing.
+#define ADAMW_CHUNK 4096
+#define ADAMW_WORDS 7
 
 // One AdamW step in PyTorch's order on float parameters and moments; the per-step scalars are
-// computed on the host exactly as the CPU op computes them.
+// computed on the host exactly as the CPU op computes them. Table row per part: params,
+// grads, m, v (addresses), n, whether decayed (1: p *= decay, 0: p unchanged), first virtual
+// block (ADAMW_CHUNK elements each).
 template <typename T>
-__device__ void adamw_k(float* p, const T* g, float* m, float* v, i64 n, float beta1,
-                        float beta2, float eps, float scale, float one_m_b1, float one_m_b2,
+__device__ void adamw_k(const i64* table, int parts, i64 vblocks, float beta1, float beta2,
+                        float eps, float scale, float one_m_b1, float one_m_b2,
                         float neg_step_size, float bc2_sqrt, float decay) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
-         i += (i64)gridDim.x * blockDim.x) {
-        float gi = ld(g[i]) * scale;
-        float pi = p[i] * decay;
-        float mi = beta1 * m[i] + one_m_b1 * gi;
-        float vi = beta2 * v[i] + one_m_b2 * gi * gi;
-        float denom = sqrtf(vi) / bc2_sqrt + eps;
-        p[i] = pi + neg_step_size * mi / denom;
-        m[i] = mi;
-        v[i] = vi;
+    for (i64 vb = blockIdx.x; vb < vblocks; vb += gridDim.x) {
+        const i64* row = part_of(table, ADAMW_WORDS, parts, vb);
+        float* p = (float*)row[0];
+        const T* g = (const T*)row[1];
+        float *m = (float*)row[2], *v = (float*)row[3];
+        i64 n = row[4], start = (vb - row[6]) * ADAMW_CHUNK;
+        i64 end = n < start + ADAMW_CHUNK ? n : start + ADAMW_CHUNK;
+        float dec = row[5] ? decay : 1.0f;
+        for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+            float gi = ld(g[i]) * scale;
+            float pi = p[i] * dec;
+            float mi = beta1 * m[i] + one_m_b1 * gi;
+            float vi = beta2 * v[i] + one_m_b2 * gi * gi;
+            float denom = sqrtf(vi) / bc2_sqrt + eps;
+            p[i] = pi + neg_step_size * mi / denom;
+            m[i] = mi;
+            v[i] = vi;
+        }
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void adamw_##S(float* p, const T* g, float* m, float* v, i64 n,    \
+    extern "C" __global__ void adamw_##S(const i64* table, int parts, i64 vblocks,           \
                                          float beta1, float beta2, float eps, float scale,  \
                                          float one_m_b1, float one_m_b2,                    \
                                          float neg_step_size, float bc2_sqrt, float decay) { \
-        adamw_k(p, g, m, v, n, beta1, beta2, eps, scale, one_m_b1, one_m_b2, neg_step_size, \
-                bc2_sqrt, decay);                                                           \
+        adamw_k<T>(table, parts, vblocks, beta1, beta2, eps, scale, one_m_b1, one_m_b2,     \
+                   neg_step_size, bc2_sqrt, decay);                                         \
     }
 FOR_TYPES(DEF)
 #undef DEF
 
-// Partial Σ x² in double: block b sums a fixed grid-stride share (the grid size is fixed by
-// the host), partials[b] written; the host adds the partials in order.
+#define SOS_WORDS 4
+
+// Partial Σ x² in double. Table row per span: x (address), n, the span's number of virtual
+// blocks nb (fixed by the host from n alone), its first virtual block. Virtual block j of a
+// span sums the grid-stride share j, j + nb, ... (in units of blockDim elements) into
+// partials[its number]; the host adds each span's partials in order.
 template <typename T>
-__device__ void sum_of_squares_k(double* partials, const T* x, i64 n) {
+__device__ void sum_of_squares_k(double* partials, const i64* table, int spans, i64 vblocks) {
     __shared__ double sh[ROW_THREADS];
-    double s = 0.0;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
-         i += (i64)gridDim.x * blockDim.x) {
-        double d = (double)ld(x[i]);
-        s += d * d;
+    for (i64 vb = blockIdx.x; vb < vblocks; vb += gridDim.x) {
+        const i64* row = part_of(table, SOS_WORDS, spans, vb);
+        const T* x = (const T*)row[0];
+        i64 n = row[1], nb = row[2];
+        double s = 0.0;
+        for (i64 i = (vb - row[3]) * blockDim.x + threadIdx.x; i < n; i += nb * blockDim.x) {
+            double d = (double)ld(x[i]);
+            s += d * d;
+        }
+        s = block_sum_d(s, sh);
+        if (threadIdx.x == 0) partials[vb] = s;
     }
-    s = block_sum_d(s, sh);
-    if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void sum_of_squares_##S(double* partials, const T* x, i64 n) {     \
-        sum_of_squares_k(partials, x, n);                                                   \
+    extern "C" __global__ void sum_of_squares_##S(double* partials, const i64* table,        \
+                                                  int spans, i64 vblocks) {                 \
+        sum_of_squares_k<T>(partials, table, spans, vblocks);                               \
     }
 FOR_TYPES(DEF)
 #undef DEF

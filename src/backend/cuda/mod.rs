@@ -29,7 +29,8 @@ mod lt;
 
 use super::WeightLayout;
 use super::{
-    AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Dtype, FusedAttention, Span, TokSpan,
+    AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Dtype, FusedAttention,
+    Span, TokSpan,
 };
 use crate::ops::attention::Heads;
 use anyhow::Result;
@@ -53,8 +54,10 @@ const WARP: u32 = 32;
 const ELEM_THREADS: u32 = 256;
 /// Most blocks of the sum-of-squares kernel per span (one per 256 elements up to this).
 const SOS_BLOCKS: usize = 512;
-/// Most cached pointer arrays (a few per attention GEMM and layer) before the cache is reset.
-const MAX_PTR_ARRAYS: usize = 4096;
+/// Most cached device tables (a few per attention GEMM and layer) before the cache is reset.
+const MAX_TABLES: usize = 4096;
+/// Elements per virtual block of the AdamW kernel (`ADAMW_CHUNK` in `kernels.cu`).
+const ADAMW_CHUNK: usize = 4096;
 /// Causal blocks of the attention GEMMs: query rows in this many blocks, each multiplied only
 /// with the keys up to its last row (5/8 of the full T×T work), for T of at least
 /// [`CAUSAL_MIN_T`].
@@ -183,9 +186,10 @@ pub struct CudaBackend {
     /// Fused attention's row sums Δ = rowsum(dout ∘ out) (floats), between its two backward
     /// kernels.
     attn_delta: Scratch,
-    /// Device arrays of matrix pointers for the batched attention GEMMs, by content (the
-    /// activation buffers keep their addresses, so after the first step every lookup hits).
-    ptr_arrays: std::collections::HashMap<Vec<u64>, DevAlloc>,
+    /// Small device arrays of 64-bit words, by content: the matrix pointers of the batched
+    /// attention GEMMs and the tensor tables of the optimizer kernels (buffers keep their
+    /// addresses, so after the first step every lookup hits).
+    tables: std::collections::HashMap<Vec<u64>, DevAlloc>,
 }
 
 impl CudaBackend {
@@ -222,7 +226,7 @@ impl CudaBackend {
             indices: Scratch::default(),
             sos: Scratch::default(),
             attn_delta: Scratch::default(),
-            ptr_arrays: Default::default(),
+            tables: Default::default(),
         }
     }
 
@@ -268,6 +272,26 @@ impl CudaBackend {
             which(self).0 = Some(a);
         }
         which(self).0.as_ref().expect("allocated above").ptr
+    }
+
+    /// Device address of an array holding `words` (uploaded once, then found by content).
+    fn table(&mut self, words: Vec<u64>, what: &str) -> u64 {
+        if let Some(t) = self.tables.get(&words) {
+            return t.ptr;
+        }
+        if self.tables.len() >= MAX_TABLES {
+            // Queued work may still read the tables about to be freed.
+            self.sync();
+            self.tables.clear();
+        }
+        let mem = self
+            .eng
+            .alloc(8 * words.len().max(1))
+            .unwrap_or_else(|e| self.fail(what, e));
+        self.upload_bytes(mem.ptr, as_bytes(&words));
+        let ptr = mem.ptr;
+        self.tables.insert(words, mem);
+        ptr
     }
 
     fn upload_bytes(&self, dst: u64, src: &[u8]) {
@@ -409,20 +433,7 @@ impl CudaBackend {
         }
         // Column-major: C_iᵀ = op(B_i)ᵀ·op(A_i)ᵀ, as in `gemm`.
         let key: Vec<u64> = b.0.iter().chain(&a.0).chain(&c.0).copied().collect();
-        if !self.ptr_arrays.contains_key(&key) {
-            if self.ptr_arrays.len() >= MAX_PTR_ARRAYS {
-                // Queued GEMMs may still read the arrays about to be freed.
-                self.sync();
-                self.ptr_arrays.clear();
-            }
-            let mem = self
-                .eng
-                .alloc(8 * key.len())
-                .unwrap_or_else(|e| self.fail("pointer arrays", e));
-            self.upload_bytes(mem.ptr, as_bytes(&key));
-            self.ptr_arrays.insert(key.clone(), mem);
-        }
-        let base = self.ptr_arrays[&key].ptr;
+        let base = self.table(key, "pointer arrays");
         // The matrices come from the arrays; addresses and strides in the call are unused.
         let call = column_major(
             (ta, tb),
@@ -1412,43 +1423,40 @@ impl Backend for CudaBackend {
     }
 
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
-        // One launch per span into its own slice of the partials, one download for all: a
-        // single host synchronisation per gradient norm. Each grid depends only on the span's
-        // length, so the result is deterministic.
-        let most = SOS_BLOCKS.min(self.eng.max_blocks() as usize);
+        // One launch for all spans, one download of the partials: a single host
+        // synchronisation per gradient norm. A span's virtual blocks (each a partial) depend
+        // only on its length, so the result is deterministic.
+        if xs.is_empty() {
+            return Vec::new();
+        }
+        let dt = self.dt(xs[0]);
+        assert!(
+            xs.iter().all(|&x| self.dt(x) == dt),
+            "sum_of_squares: spans of one type"
+        );
         let blocks: Vec<usize> = xs
             .iter()
-            .map(|x| x.len.div_ceil(ROW_THREADS as usize).clamp(1, most))
+            .map(|x| x.len.div_ceil(ROW_THREADS as usize).clamp(1, SOS_BLOCKS))
             .collect();
         let total: usize = blocks.iter().sum();
-        let sos = self.scratch(|b| &mut b.sos, 8 * total.max(1));
-        let mut at = 0;
+        let mut words = Vec::with_capacity(4 * xs.len());
+        let mut first = 0;
         for (x, &nb) in xs.iter().zip(&blocks) {
-            let part = sos + 8 * at as u64;
-            if x.len == 0 {
-                self.upload_bytes(part, as_bytes(&[0.0f64]));
-            } else {
-                let args = [
-                    Arg::Ptr(part),
-                    Arg::Ptr(self.ptr(*x)),
-                    Arg::I64(x.len as i64),
-                ];
-                self.launch(
-                    K::sum_of_squares,
-                    self.dt(*x),
-                    nb as u64,
-                    ROW_THREADS,
-                    0,
-                    &args,
-                );
-            }
-            at += nb;
+            words.extend([self.ptr(*x), x.len as u64, nb as u64, first as u64]);
+            first += nb;
         }
+        let table = self.table(words, "sum_of_squares table");
+        let sos = self.scratch(|b| &mut b.sos, 8 * total);
+        let args = [
+            Arg::Ptr(sos),
+            Arg::Ptr(table),
+            Arg::I32(xs.len() as i32),
+            Arg::I64(total as i64),
+        ];
+        self.launch(K::sum_of_squares, dt, total as u64, ROW_THREADS, 0, &args);
         let mut parts = vec![0.0f64; total];
-        if total > 0 {
-            if let Err(e) = self.eng.download(as_bytes_mut(&mut parts[..]), sos) {
-                self.fail("sum_of_squares", e);
-            }
+        if let Err(e) = self.eng.download(as_bytes_mut(&mut parts[..]), sos) {
+            self.fail("sum_of_squares", e);
         }
         let mut at = 0;
         blocks
@@ -1461,15 +1469,42 @@ impl Backend for CudaBackend {
             .collect()
     }
 
-    fn adamw(&mut self, params: Span, grads: Span, m: Span, v: Span, hp: &AdamWStep) {
-        assert!(grads.len == params.len && m.len == params.len && v.len == params.len);
+    fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep) {
+        // One launch for all parts: a table row per part (addresses, length, whether decayed,
+        // first virtual block of ADAMW_CHUNK elements). The table's content does not change
+        // between steps (the learning rate and decay factor travel as arguments).
+        let Some(first_part) = parts.first() else {
+            return;
+        };
+        let dt = self.dt(first_part.grads);
+        let mut words = Vec::with_capacity(7 * parts.len());
+        let mut first = 0;
+        for p in parts {
+            let n = p.params.len;
+            assert!(
+                p.grads.len == n && p.m.len == n && p.v.len == n && self.dt(p.grads) == dt,
+                "adamw: a part's spans differ in length or gradient type: {p:?}"
+            );
+            words.extend([
+                self.ptr(p.params),
+                self.ptr(p.grads),
+                self.ptr(p.m),
+                self.ptr(p.v),
+                n as u64,
+                u64::from(p.decay),
+                first as u64,
+            ]);
+            first += n.div_ceil(ADAMW_CHUNK);
+        }
+        if first == 0 {
+            return;
+        }
+        let table = self.table(words, "adamw table");
         let k = crate::ops::adamw::step_scalars(hp);
         let args = [
-            Arg::Ptr(self.ptr(params)),
-            Arg::Ptr(self.ptr(grads)),
-            Arg::Ptr(self.ptr(m)),
-            Arg::Ptr(self.ptr(v)),
-            Arg::I64(params.len as i64),
+            Arg::Ptr(table),
+            Arg::I32(parts.len() as i32),
+            Arg::I64(first as i64),
             Arg::F32(k.beta1),
             Arg::F32(k.beta2),
             Arg::F32(k.eps),
@@ -1480,7 +1515,7 @@ impl Backend for CudaBackend {
             Arg::F32(k.bc2_sqrt),
             Arg::F32(k.decay),
         ];
-        self.launch_elems(K::adamw, self.dt(grads), params.len, &args);
+        self.launch(K::adamw, dt, first as u64, ELEM_THREADS, 0, &args);
     }
 }
 
