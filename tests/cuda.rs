@@ -266,9 +266,33 @@ mod gpu {
         let Some(mut be) = Both::new(act) else { return };
         // A bias at the start of its buffer goes in the GEMM's epilogue; one element in, it is
         // not 16-byte aligned and a kernel writes it into the output first.
+        linear_cases(&mut be, &[Some(0), Some(1), None]);
+    }
+
+    /// Where the engine has no bias epilogue for a shape (cuBLASLt's heuristic finds no
+    /// algorithm), the backend adds an aligned bias with the kernel instead, and keeps doing
+    /// so for that shape. Runs on the emulator told to refuse every bias epilogue.
+    #[test]
+    fn linear_bias_without_an_epilogue() {
+        for act in ACTS {
+            let emulator = match cuda::emu::Emulator::new() {
+                Ok(e) => e.refusing_bias_epilogue(),
+                Err(e) => return skipped(&format!("no CUDA emulator ({e:#})")),
+            };
+            let mut be = Both {
+                cpu: CpuBackend::new(),
+                gpu: CudaBackend::with_engine(Box::new(emulator)),
+                act,
+            };
+            // Twice: the second pass finds the shapes already marked.
+            linear_cases(&mut be, &[Some(0), Some(0)]);
+        }
+    }
+
+    fn linear_cases(be: &mut Both, biases: &[Option<usize>]) {
         for (n, ic, oc) in [(17, 33, 65), (1, 8, 3), (130, 64, 300), (9, 16, 24)] {
             for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
-                for bias_at in [Some(0), Some(1), None] {
+                for &bias_at in biases {
                     let out = be.nan(n * oc);
                     let inp = be.rand(n * ic, 1);
                     let w = be.rand(ic * oc, 2);

@@ -9,7 +9,7 @@
 //! real concurrency between threads of a block (a race that only shows under true parallelism
 //! stays hidden), memory coalescing or speed, and cuBLAS itself.
 
-use super::engine::{Arg, DevAlloc, Engine, GemmCall};
+use super::engine::{Arg, DevAlloc, Engine, GemmCall, NoBiasEpilogue};
 use super::{kernel_names, KERNELS_SOURCE};
 use crate::dtype::Dtype;
 use anyhow::{bail, Context, Result};
@@ -97,6 +97,9 @@ fn compile() -> Result<Compiled> {
 /// The emulated device.
 pub struct Emulator {
     launch: LaunchFn,
+    /// Answer every GEMM with a bias with [`NoBiasEpilogue`], as cuBLASLt does for a shape
+    /// it has no algorithm for (tests of the backend's fallback).
+    refuse_bias_epilogue: bool,
 }
 
 impl Emulator {
@@ -104,8 +107,19 @@ impl Emulator {
     pub fn new() -> Result<Emulator> {
         let c = COMPILED.get_or_init(|| compile().map_err(|e| format!("{e:#}")));
         match c {
-            Ok(c) => Ok(Emulator { launch: c.launch }),
+            Ok(c) => Ok(Emulator {
+                launch: c.launch,
+                refuse_bias_epilogue: false,
+            }),
             Err(e) => bail!("CUDA emulator: {e}"),
+        }
+    }
+
+    /// This emulator, answering every GEMM with a bias with [`NoBiasEpilogue`].
+    pub fn refusing_bias_epilogue(self) -> Emulator {
+        Emulator {
+            refuse_bias_epilogue: true,
+            ..self
         }
     }
 }
@@ -210,6 +224,9 @@ impl Engine for Emulator {
     fn gemm(&self, g: &GemmCall) -> Result<()> {
         if g.bias != 0 {
             g.check_bias()?;
+            if self.refuse_bias_epilogue {
+                return Err(NoBiasEpilogue("refused by the emulator".into()).into());
+            }
         }
         // Element `i` of an operand of type `dt` at `p`, widened to f32 (exact).
         let at = |p: u64, dt: Dtype, i: usize| -> f32 {

@@ -66,6 +66,11 @@ pub struct GemmCall {
 pub const BIAS_ALIGN: u64 = 16;
 
 impl GemmCall {
+    /// Whether the product has no elements (nothing to queue).
+    pub fn is_empty(&self) -> bool {
+        self.m == 0 || self.n == 0 || self.batch == 0
+    }
+
     /// Fails unless a call with a bias is one that cuBLASLt's bias epilogue takes.
     pub fn check_bias(&self) -> Result<()> {
         anyhow::ensure!(
@@ -79,6 +84,20 @@ impl GemmCall {
         Ok(())
     }
 }
+
+/// What [`Engine::gemm`] fails with when it cannot add a call's bias in the GEMM's epilogue
+/// (cuBLASLt has no algorithm for that shape and those types): the backend then adds the bias
+/// with a kernel, as for an unaligned bias. Any other error is fatal.
+#[derive(Debug)]
+pub struct NoBiasEpilogue(pub String);
+
+impl std::fmt::Display for NoBiasEpilogue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "no bias epilogue: {}", self.0)
+    }
+}
+
+impl std::error::Error for NoBiasEpilogue {}
 
 /// A device as the CUDA backend uses it. Work is ordered (one stream); `download` waits for it.
 pub trait Engine {
@@ -105,6 +124,7 @@ pub trait Engine {
     /// Launches kernel `kernel` (an index into [`super::kernel_names`]) on `grid` blocks of
     /// `block` threads with `shmem` bytes of dynamic shared memory.
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()>;
+    /// Queues `g`; a call with a bias may fail with [`NoBiasEpilogue`].
     fn gemm(&self, g: &GemmCall) -> Result<()>;
     /// `g` on `g.batch` matrices given by pointer arrays instead of strides: `arrays` are the
     /// device addresses of three arrays of `g.batch` device pointers (A, B, C) in device

@@ -9,7 +9,7 @@
 //! work), as PyTorch's `gemm_and_bias` does; the heuristic is told each pointer's alignment,
 //! so it never picks an algorithm that needs more.
 
-use super::engine::GemmCall;
+use super::engine::{GemmCall, NoBiasEpilogue};
 use crate::dtype::Dtype;
 use anyhow::{Context, Result};
 use cudarc::cublaslt::{result as lt, sys};
@@ -98,7 +98,7 @@ impl Lt {
         unsafe {
             let heur =
                 lt::get_matmul_algo_heuristic(self.handle, desc.0, a.0, b.0, c.0, c.0, pref.0)
-                    .with_context(|| format!("cuBLASLt has no bias GEMM algorithm for {g:?}"))?;
+                    .map_err(|e| NoBiasEpilogue(format!("cuBLASLt's heuristic: {e}")))?;
             let (w, _) = self.workspace.device_ptr(&self.stream);
             lt::matmul(
                 self.handle,

@@ -34,7 +34,7 @@ use super::{
 };
 use crate::ops::attention::Heads;
 use anyhow::Result;
-use engine::{Arg, DevAlloc, Engine, GemmCall, BIAS_ALIGN};
+use engine::{Arg, DevAlloc, Engine, GemmCall, NoBiasEpilogue, BIAS_ALIGN};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
 pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
@@ -170,6 +170,9 @@ impl DeviceBuf {
 #[derive(Default)]
 struct Scratch(Option<DevAlloc>);
 
+/// A linear layer's GEMM: (m, n, k, B transposed) and (input, output types).
+type LinearShape = ((usize, usize, usize, bool), (Dtype, Dtype));
+
 /// The CUDA backend on one GPU (or on the host emulator, for tests).
 pub struct CudaBackend {
     eng: Box<dyn Engine>,
@@ -190,6 +193,10 @@ pub struct CudaBackend {
     /// attention GEMMs and the tensor tables of the optimizer kernels (buffers keep their
     /// addresses, so after the first step every lookup hits).
     tables: std::collections::HashMap<Vec<u64>, DevAlloc>,
+    /// Linear-layer GEMMs ((m, n, k, B transposed), (input, output types)) whose bias the
+    /// engine could not put in the epilogue ([`NoBiasEpilogue`]): added by a kernel from then
+    /// on.
+    no_bias_epilogue: std::collections::HashSet<LinearShape>,
 }
 
 impl CudaBackend {
@@ -227,6 +234,7 @@ impl CudaBackend {
             sos: Scratch::default(),
             attn_delta: Scratch::default(),
             tables: Default::default(),
+            no_bias_epilogue: Default::default(),
         }
     }
 
@@ -379,7 +387,7 @@ impl CudaBackend {
 
     /// Queues `call` (nothing for an empty product).
     fn queue_gemm(&self, what: &str, call: &GemmCall) {
-        if call.m == 0 || call.n == 0 || call.batch == 0 {
+        if call.is_empty() {
             return;
         }
         if let Err(e) = self.eng.gemm(call) {
@@ -966,57 +974,60 @@ impl Backend for CudaBackend {
             out.len == n * oc && inp.len == n * ic && w.len == ic * oc,
             "linear_forward"
         );
-        // The bias goes in the GEMM's epilogue (cuBLASLt) where it is 16-byte aligned, as
-        // that needs; otherwise a kernel writes it into every row of `out` first and the GEMM
-        // adds to it (beta = 1).
-        let mut epilogue = 0;
-        let beta = match bias {
-            Some(bias) => {
-                assert_eq!(bias.len, oc, "linear_forward: bias length");
-                assert_eq!(self.dt(bias), self.dt(out), "linear_forward: bias type");
-                let at = self.ptr(bias);
-                if at.is_multiple_of(BIAS_ALIGN) {
-                    epilogue = at;
-                    0.0
-                } else {
-                    self.launch_elems(
-                        K::broadcast_rows,
-                        self.dt(out),
-                        n * oc,
-                        &[
-                            Arg::Ptr(self.ptr(out)),
-                            Arg::Ptr(at),
-                            Arg::I64(n as i64),
-                            Arg::I64(oc as i64),
-                        ],
-                    );
-                    1.0
-                }
-            }
-            None => 0.0,
-        };
         // W as the (IC, OC) matrix of y = x·W: stored so (InOut) or transposed (OutIn).
         let (tw, ldw) = match layout {
             WeightLayout::InOut => (false, oc),
             WeightLayout::OutIn => (true, ic),
         };
-        let call = column_major(
-            (false, tw),
-            (n, oc, ic),
-            1.0,
-            self.mat(inp, ic),
-            self.mat(w, ldw),
-            beta,
-            self.mat(out, oc),
-            1,
+        let (a, b, c) = (self.mat(inp, ic), self.mat(w, ldw), self.mat(out, oc));
+        let call = |beta| column_major((false, tw), (n, oc, ic), 1.0, a, b, beta, c, 1);
+        let Some(bias) = bias else {
+            return self.queue_gemm("linear_forward", &call(0.0));
+        };
+        assert_eq!(bias.len, oc, "linear_forward: bias length");
+        assert_eq!(self.dt(bias), self.dt(out), "linear_forward: bias type");
+        // The bias goes in the GEMM's epilogue (cuBLASLt) where it is 16-byte aligned, as
+        // that needs, and cuBLASLt has an algorithm for the shape; otherwise a kernel writes
+        // it into every row of `out` first and the GEMM adds to it (beta = 1).
+        let at = self.ptr(bias);
+        let with_bias = GemmCall {
+            bias: at,
+            ..call(0.0)
+        };
+        let shape = (
+            (with_bias.m, with_bias.n, with_bias.k, with_bias.trans_b),
+            (self.dt(inp), self.dt(out)),
         );
-        self.queue_gemm(
-            "linear_forward",
-            &GemmCall {
-                bias: epilogue,
-                ..call
-            },
+        if at.is_multiple_of(BIAS_ALIGN)
+            && !self.no_bias_epilogue.contains(&shape)
+            && !with_bias.is_empty()
+        {
+            match self.eng.gemm(&with_bias) {
+                Ok(()) => return,
+                Err(e) if e.is::<NoBiasEpilogue>() => {
+                    eprintln!(
+                        "note: linear layer of {n} rows, {ic} → {oc} features ({} → {}): {e:#}; \
+                         its bias is added by a kernel instead",
+                        self.dt(inp).name(),
+                        self.dt(out).name()
+                    );
+                    self.no_bias_epilogue.insert(shape);
+                }
+                Err(e) => self.fail("linear_forward", e),
+            }
+        }
+        self.launch_elems(
+            K::broadcast_rows,
+            self.dt(out),
+            n * oc,
+            &[
+                Arg::Ptr(self.ptr(out)),
+                Arg::Ptr(at),
+                Arg::I64(n as i64),
+                Arg::I64(oc as i64),
+            ],
         );
+        self.queue_gemm("linear_forward", &call(1.0));
     }
 
     fn linear_backward(
