@@ -45,6 +45,15 @@ impl Dtype {
         }
     }
 
+    /// The storage type of GEMM operands of precision `p`.
+    pub fn of_precision(p: fugu_gemm::Precision) -> Dtype {
+        match p {
+            fugu_gemm::Precision::F32 => Dtype::F32,
+            fugu_gemm::Precision::Bf16 => Dtype::Bf16,
+            fugu_gemm::Precision::F16 => Dtype::F16,
+        }
+    }
+
     /// Unit roundoff (half the distance from 1 to the next representable value): the relative
     /// error bound of one rounding to nearest, for normal numbers.
     pub fn unit_roundoff(self) -> f64 {

@@ -908,16 +908,42 @@ mod gpu {
             "--format",
             "json",
         ];
-        let out = ok(&fugu(&a, emulate));
-        let rows: Vec<serde_json::Value> = out
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(rows.len(), 2, "{out}");
-        for r in &rows {
-            assert_eq!(r["isa"], "cublas");
-            assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
-            assert!(r["max_rel_diff"].as_f64().unwrap() < 1e-5, "{r}");
+        // Operands and C in f32; 16-bit operands with C of their type (the forward and
+        // input-gradient GEMMs of mixed precision) and with C in f32 (the weight gradients'):
+        // the bench checks each against fugu-gemm's f32 product of the same rounded operands
+        // (to within two roundings of C); here the f32 case must agree to summation order.
+        for (extra, dtype, out_dtype, tol) in [
+            (&[][..], "f32", "f32", 1e-5),
+            (
+                &["--dtype", "bf16"][..],
+                "bf16",
+                "bf16",
+                2.0 * 2f64.powi(-8),
+            ),
+            (
+                &["--dtype", "bf16", "--out-dtype", "f32"][..],
+                "bf16",
+                "f32",
+                1e-5,
+            ),
+            (&["--dtype", "f16"][..], "f16", "f16", 2.0 * 2f64.powi(-11)),
+        ] {
+            let args: Vec<&str> = a.iter().chain(extra).copied().collect();
+            let out = ok(&fugu(&args, emulate));
+            let rows: Vec<serde_json::Value> = out
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            assert_eq!(rows.len(), 2, "{out}");
+            for r in &rows {
+                assert_eq!(r["isa"], "cublas");
+                assert_eq!(
+                    (&r["dtype"], &r["out_dtype"]),
+                    (&dtype.into(), &out_dtype.into())
+                );
+                assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
+                assert!(r["max_rel_diff"].as_f64().unwrap() < tol, "{r}");
+            }
         }
     }
 }

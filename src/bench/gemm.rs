@@ -360,6 +360,8 @@ pub struct BenchRow {
     /// Below f32: fugu-gemm's f32 GEMM on the same (rounded) operands, and fugu / that.
     pub f32_gflops: Option<f64>,
     pub f32_ratio: Option<f64>,
+    /// On a device: the type of C (`--out-dtype`; by default the operands' `dtype`).
+    pub out_dtype: Option<String>,
 }
 
 impl BenchRow {
@@ -399,6 +401,7 @@ impl BenchRow {
             max_rel_diff: None,
             f32_gflops: None,
             f32_ratio: None,
+            out_dtype: None,
         }
     }
 }
@@ -711,7 +714,10 @@ pub fn format_row(r: &BenchRow) -> String {
         r.shape.batch,
         r.threads,
         r.isa,
-        r.dtype,
+        match &r.out_dtype {
+            Some(out) if *out != r.dtype => format!("{}>{out}", r.dtype),
+            _ => r.dtype.clone(),
+        },
         r.gflops,
         r.peak_pct,
         opt(r.baseline_gflops, 1),
@@ -735,10 +741,13 @@ pub fn format_row(r: &BenchRow) -> String {
     line
 }
 
-/// One shape on a CUDA device: cuBLAS through [`crate::backend::cuda::CudaBackend::time_gemm`],
-/// its result checked against fugu-gemm on the host (max relative difference below 1e-3, or
-/// 1e-2 with TF32, whose inputs keep 10 mantissa bits). `isa` labels the row (`cublas`,
-/// `cublas-tf32`); the peak is the device's FP32 CUDA-core peak.
+/// One shape on a CUDA device: cuBLAS on operands of `opts.prec` (rounded to it on the host),
+/// accumulating in f32, writing C as `out`; checked against fugu-gemm's f32 GEMM of the same
+/// rounded operands on the host. The tolerance (largest difference relative to the largest
+/// |C|) is 1e-3 for the summation order (1e-2 with TF32, whose inputs keep 10 mantissa bits),
+/// or two roundings of C to `out` where that is larger. `isa` labels the row (`cublas`,
+/// `cublas-tf32`); the peak is the device's for the operands' type (FP32 CUDA cores, or the
+/// 16-bit tensor cores).
 #[cfg(feature = "cuda")]
 pub fn run_shape_cuda(
     be: &mut crate::backend::cuda::CudaBackend,
@@ -746,15 +755,26 @@ pub fn run_shape_cuda(
     s: &BenchShape,
     opts: &BenchOptions,
     isa: &str,
+    out: crate::backend::Dtype,
 ) -> Result<BenchRow> {
-    use crate::backend::Backend;
-    let ops = Operands {
+    use crate::backend::{Backend, Dtype};
+    let prec = opts.prec;
+    let mut ops = Operands {
         a: fill(s.batch * s.m * s.k, 1),
         b: fill(s.batch * s.k * s.n, 2),
     };
+    prec.round_slice(&mut ops.a);
+    prec.round_slice(&mut ops.b);
+    let types = (Dtype::of_precision(prec), out);
     // Timed by the same interleaved-rounds helper as the CPU contenders; each run ends with a
     // device synchronisation so that it measures the kernel, not its launch.
-    let g = be.upload_gemm(&ops.a, &ops.b, (s.m, s.n, s.k, s.batch), (s.ta, s.tb))?;
+    let g = be.upload_gemm(
+        &ops.a,
+        &ops.b,
+        (s.m, s.n, s.k, s.batch),
+        (s.ta, s.tb),
+        types,
+    )?;
     let mut fs: Vec<Contender> = vec![Box::new(|| {
         be.run_gemm(&g);
         be.sync();
@@ -771,15 +791,16 @@ pub fn run_shape_cuda(
     let mut want = vec![0.0f32; c.len()];
     run_fugu(rt, Precision::F32, s, &ops, &mut want)?;
     let rel = max_rel_diff(&c, &want);
-    let tol = if isa.contains("tf32") { 1e-2 } else { 1e-3 };
+    let order: f64 = if isa.contains("tf32") { 1e-2 } else { 1e-3 };
+    let tol = order.max(2.0 * out.unit_roundoff());
     if rel.is_nan() || rel >= tol {
         bail!(
-            "{}: cuBLAS and fugu-gemm disagree (max relative difference {rel:e})",
+            "{}: cuBLAS and fugu-gemm disagree (max relative difference {rel:e}, tolerance {tol:e})",
             s.name
         );
     }
     let peak = be
-        .peak_gflops(crate::backend::Dtype::F32)
+        .peak_gflops(types.0)
         .unwrap_or((f64::NAN, "unknown (no device peak)".into()));
     let mut row = BenchRow::timed(
         s,
@@ -789,6 +810,8 @@ pub fn run_shape_cuda(
         peak,
         "fugu-gemm on the host (correctness only)",
     );
+    row.dtype = prec.name().into();
+    row.out_dtype = Some(out.name().into());
     row.max_rel_diff = Some(rel);
     Ok(row)
 }

@@ -26,11 +26,16 @@ pub struct BenchGemmArgs {
     /// Force a micro-kernel: portable, avx2, avx512, neon, sve.
     #[arg(long)]
     pub isa: Option<String>,
-    /// Precision of fugu-gemm's GEMMs: f32, bf16 (the AVX-512 BF16 kernel where the CPU has
-    /// one) or f16. Below f32 every contender gets the same rounded operands, fugu-gemm's f32
-    /// GEMM is timed beside it, and % of peak is of that type's peak.
+    /// Precision of the GEMMs' operands: f32, bf16 (on a CPU, the AVX-512 BF16 kernel where
+    /// it has one) or f16. Below f32 every contender gets the same rounded operands, and % of
+    /// peak is of that type's peak; on a CPU fugu-gemm's f32 GEMM is timed beside it, on a
+    /// device cuBLAS accumulates in f32 (the tensor cores for 16-bit operands).
     #[arg(long, default_value = "f32", value_parser = parse_precision)]
     pub dtype: Precision,
+    /// With --device cuda: the type cuBLAS writes C in (default: the operands'; f32 with
+    /// 16-bit operands is what mixed-precision training's weight-gradient GEMMs do).
+    #[arg(long, value_parser = parse_precision)]
+    pub out_dtype: Option<Precision>,
     /// Output format.
     #[arg(long, default_value = "table", value_parser = ["table", "json"])]
     pub format: String,
@@ -59,8 +64,11 @@ fn parse_precision(s: &str) -> Result<Precision, String> {
 /// Runs the benchmark.
 pub fn run(args: BenchGemmArgs) -> Result<()> {
     crate::backend::device::check_settings(args.device, CudaSettings { tf32: args.tf32 })?;
-    if args.device != Device::Cpu && args.dtype != Precision::F32 {
-        bail!("--dtype {} applies to --device cpu only", args.dtype);
+    if args.device == Device::Cpu && args.out_dtype.is_some() {
+        bail!("--out-dtype applies to --device cuda only (fugu-gemm writes f32)");
+    }
+    if args.tf32 && args.dtype != Precision::F32 {
+        bail!("--tf32 applies to f32 operands, not --dtype {}", args.dtype);
     }
     if args.device != Device::Cpu && args.threads.len() > 1 {
         bail!("--threads with several counts applies to --device cpu only");
@@ -204,15 +212,18 @@ fn run_on_device(
     let mut be = crate::backend::cuda::CudaBackend::new(ordinal, CudaSettings { tf32: args.tf32 })?;
     let isa = if args.tf32 { "cublas-tf32" } else { "cublas" };
     eprintln!("device: {} (cuBLAS, {isa})", be.describe());
-    if let Some((peak, source)) = be.peak_gflops(crate::backend::Dtype::F32) {
+    let operands = crate::backend::Dtype::of_precision(args.dtype);
+    let out = crate::backend::Dtype::of_precision(args.out_dtype.unwrap_or(args.dtype));
+    if let Some((peak, source)) = be.peak_gflops(operands) {
         eprintln!("peak {peak:.0} GFLOP/s ({source})");
     }
     let json = args.format == "json";
     if !json {
-        println!("{}", table_header(args.dtype));
+        // Device rows have no fugu-gemm f32 columns.
+        println!("{}", table_header(Precision::F32));
     }
     for s in shapes {
-        let row = crate::bench::gemm::run_shape_cuda(&mut be, rt, s, opts, isa)?;
+        let row = crate::bench::gemm::run_shape_cuda(&mut be, rt, s, opts, isa, out)?;
         if json {
             println!("{}", serde_json::to_string(&row)?);
         } else {

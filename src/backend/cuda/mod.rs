@@ -518,23 +518,24 @@ impl CudaBackend {
 
     /// Uploads a row-major strided-batched GEMM problem `C_i (m×n) = A_i·B_i` for the GEMM
     /// benchmark (`fugu bench gemm --device cuda`): `ta`/`tb` store A as k×m and B as n×k,
-    /// as the benchmark's shapes do. Run it with [`Self::run_gemm`], read C and free it with
-    /// [`Self::finish_gemm`].
+    /// as the benchmark's shapes do; A and B are stored as `operands` (rounded to it), C as
+    /// `out`. Run it with [`Self::run_gemm`], read C and free it with [`Self::finish_gemm`].
     pub fn upload_gemm(
         &mut self,
         a: &[f32],
         b: &[f32],
         (m, n, k, batch): (usize, usize, usize, usize),
         (ta, tb): (bool, bool),
+        (operands, out): (Dtype, Dtype),
     ) -> Result<DeviceGemm> {
         anyhow::ensure!(
             a.len() == batch * m * k && b.len() == batch * k * n,
             "upload_gemm: operand lengths"
         );
         let (ab, bb, cb) = (
-            self.alloc(a.len(), Dtype::F32)?,
-            self.alloc(b.len(), Dtype::F32)?,
-            self.alloc(batch * m * n, Dtype::F32)?,
+            self.alloc(a.len(), operands)?,
+            self.alloc(b.len(), operands)?,
+            self.alloc(batch * m * n, out)?,
         );
         let spans = [self.whole(ab), self.whole(bb), self.whole(cb)];
         self.upload(spans[0], a);
