@@ -7,9 +7,9 @@
 //! peak for the run's precision (the CPU's as `fugu bench gemm` measures it; on a GPU the
 //! FP32 CUDA-core peak, or the tensor-core peak with `--tf32` or bf16/fp16), plus the
 //! share of non-GEMM ops in the per-op breakdown (`--breakdown` prints the whole table). Timers
-//! are fine-grained by default, which synchronises a GPU around every op (`--timers coarse`
-//! for throughput). The comparison (PyTorch) is
-//! not measured here: run `dev/bench_pytorch.py` (with `--device cuda` on a GPU) side by side.
+//! are fine-grained by default (on a GPU, CUDA events around every op, read after each step;
+//! `--timers coarse` for throughput comparisons). The comparison (PyTorch) is not measured
+//! here: run `dev/bench_pytorch.py` (with `--device cuda` on a GPU) side by side.
 //! `--device cuda` needs `--features cuda`.
 
 use clap::Parser;
@@ -55,8 +55,9 @@ struct Args {
     /// forward pass rerun in the backward pass); the activation memory is printed per shape.
     #[arg(long, value_enum, default_value = "none")]
     recompute: Recompute,
-    /// Timer detail: fine times every op (on a GPU it synchronises around each, which costs
-    /// launch overlap: use coarse or off for throughput comparisons).
+    /// Timer detail: fine times every op (on a GPU with CUDA events, read after each step;
+    /// recording them costs a little host time: use coarse or off for throughput
+    /// comparisons).
     #[arg(long, default_value = "fine", value_name = "off|coarse|fine")]
     timers: TimerLevel,
     /// Print the per-op breakdown of every shape.
@@ -170,8 +171,8 @@ fn time_steps<B: Backend>(
         model.set_loss_scale(1024.0);
     }
     let timers = Timers::new(level);
-    if let Some(f) = model.be.sync_handle() {
-        timers.set_sync(f);
+    if let Some(clock) = model.be.device_clock() {
+        timers.set_device_clock(clock);
     }
     let mut times = Vec::new();
     let mut rng = fugu_io::rng::SplitMix64(7);

@@ -716,6 +716,45 @@ mod gpu {
         }
     }
 
+    /// Fine timers on the device's clock (events on a GPU, host instants on the emulator):
+    /// every op of a step is timed, nothing is read until the step is taken, and a scope's
+    /// time contains its children's (their marks lie inside its own on the device's timeline).
+    #[test]
+    fn fine_timers_read_the_device_clock() {
+        let Some(g) = device() else { return };
+        let cfg = small_cfg();
+        let timers = Timers::new(TimerLevel::Fine);
+        let mut gpu = model(&cfg, g);
+        timers.set_device_clock(gpu.be.device_clock().expect("a CUDA backend has a clock"));
+        let (b, t) = (2, 16);
+        for step in 1..=2u64 {
+            let w = batch(&cfg, b, t, step);
+            let _step = timers.scope("step", TimerLevel::Coarse);
+            train_step(&mut gpu, &w, b, t, step, &timers);
+        }
+        let s = timers.take_step();
+        for name in [
+            "step",
+            "forward",
+            "forward:layernorm",
+            "forward:attention:qkv",
+            "backward",
+        ] {
+            assert!(s.get(name).is_some_and(|&ms| ms > 0.0), "{name}: {s:?}");
+        }
+        for (name, &ms) in &s {
+            let children: f64 = s
+                .iter()
+                .filter(|(c, _)| c.rsplit_once(':').is_some_and(|(p, _)| p == name))
+                .map(|(_, v)| v)
+                .sum();
+            assert!(
+                ms >= children * (1.0 - 1e-6),
+                "{name} {ms} ms < its children's {children}"
+            );
+        }
+    }
+
     fn train_step<B: Backend>(
         m: &mut Gpt2<B>,
         w: &[u32],

@@ -27,6 +27,7 @@ mod imp {
     use fugu::backend::cuda::engine::{Arg, DevAlloc, Engine, GemmCall};
     use fugu::backend::cuda::{kernel_names, CudaBackend};
     use fugu::dtype::Dtype;
+    use fugu::metrics::timers::{DeviceClock, DeviceMark};
     use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex};
 
@@ -125,8 +126,8 @@ mod imp {
         fn sync(&self) -> anyhow::Result<()> {
             Ok(())
         }
-        fn sync_handle(&self) -> Box<dyn Fn()> {
-            Box::new(|| {})
+        fn clock(&self) -> Box<dyn DeviceClock> {
+            Box::new(NoTime)
         }
     }
 
@@ -146,6 +147,18 @@ mod imp {
         let (times, _, _, _) = time_steps(be, cfg, params, shape, run)?;
         let counts = counts.lock().expect("counts lock").clone();
         Ok((times, counts))
+    }
+
+    /// A device that takes no time.
+    struct NoTime;
+
+    impl DeviceClock for NoTime {
+        fn mark(&self) -> DeviceMark {
+            DeviceMark(0)
+        }
+        fn take_interval(&self, _: DeviceMark, _: DeviceMark) -> f64 {
+            0.0
+        }
     }
 
     /// Times `run`'s steps of B×T with the backend on a [`NullEngine`] and prints the host

@@ -174,10 +174,10 @@ pub trait Backend {
     }
     /// Waits for queued work (no-op on the CPU).
     fn sync(&self) {}
-    /// A function that waits for the work queued so far, for timers to call before reading
-    /// the clock ([`crate::metrics::timers::Timers::set_sync`]) so that device timings are
-    /// kernel times, not launch times. `None` when ops complete before they return (CPU).
-    fn sync_handle(&self) -> Option<Box<dyn Fn()>> {
+    /// The device's clock, for fine timers to time ops on the device's timeline instead of
+    /// the host's ([`crate::metrics::timers::Timers::set_device_clock`]): kernel times, not
+    /// launch times. `None` when ops complete before they return (CPU).
+    fn device_clock(&self) -> Option<Box<dyn crate::metrics::timers::DeviceClock>> {
         None
     }
 

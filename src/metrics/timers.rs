@@ -8,9 +8,14 @@
 //!
 //! Levels: a scope opened at [`TimerLevel::Coarse`] records when the timers run at `Coarse` or
 //! `Fine`; one opened at [`TimerLevel::Fine`] only at `Fine`. With the timers [`TimerLevel::Off`]
-//! nothing records and a scope costs one `Cell` read (no clock read). At `Fine`, the function
-//! given to [`Timers::set_sync`] runs before every clock reading (a GPU backend would
-//! synchronise its stream there; the CPU backend needs none).
+//! nothing records and a scope costs one `Cell` read (no clock read).
+//!
+//! Devices: a backend whose ops return before their work is done (a GPU) gives the timers a
+//! [`DeviceClock`] ([`Timers::set_device_clock`]). At `Fine`, every scope then reads that clock
+//! instead of the host's: a mark queued between the device's work at its start and at its end
+//! (CUDA events), with no synchronisation, so the work keeps overlapping the host as it does
+//! untimed; [`Timers::take_step`] waits for the marks and records each scope's time on the
+//! device's timeline. At `Coarse`, scopes read the host clock (what the host waited for).
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -148,10 +153,32 @@ pub mod names {
     ];
 }
 
+/// A mark queued on a device's timeline ([`DeviceClock::mark`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMark(pub usize);
+
+/// A device's clock: marks queued between its work, read once the device has passed them.
+pub trait DeviceClock {
+    /// Queues a mark after the work queued so far.
+    fn mark(&self) -> DeviceMark;
+    /// Milliseconds on the device from `start` to `end` (waiting until it has passed `end`);
+    /// both marks are free for reuse afterwards.
+    fn take_interval(&self, start: DeviceMark, end: DeviceMark) -> f64;
+}
+
+/// Where a recording scope started.
+#[derive(Clone, Copy, Debug)]
+enum Start {
+    Host(Instant),
+    Device(DeviceMark),
+}
+
 /// Wall-clock timers for one training loop (main thread only; see the module docs).
 pub struct Timers {
     level: Cell<TimerLevel>,
-    sync: RefCell<Option<Box<dyn Fn()>>>,
+    clock: RefCell<Option<Box<dyn DeviceClock>>>,
+    /// Scopes timed on the device clock that have ended, not yet read.
+    pending: RefCell<Vec<(&'static str, DeviceMark, DeviceMark)>>,
     /// Milliseconds per name since the last `take_step`.
     step: RefCell<BTreeMap<String, f64>>,
     /// Milliseconds per name summed over every `take_step` (since the last `reset_totals`).
@@ -180,7 +207,7 @@ pub struct TimerGuard<'a> {
     timers: &'a Timers,
     name: &'static str,
     /// `None` when this scope does not record.
-    start: Option<Instant>,
+    start: Option<Start>,
 }
 
 impl TimerGuard<'_> {
@@ -190,10 +217,20 @@ impl TimerGuard<'_> {
 
 impl Drop for TimerGuard<'_> {
     fn drop(&mut self) {
-        if let Some(start) = self.start {
-            self.timers.sync_if_fine();
-            let ms = start.elapsed().as_secs_f64() * 1e3;
-            self.timers.record(self.name, ms);
+        match self.start {
+            None => {}
+            Some(Start::Host(start)) => {
+                let ms = start.elapsed().as_secs_f64() * 1e3;
+                self.timers.record(self.name, ms);
+            }
+            Some(Start::Device(start)) => {
+                let clock = self.timers.clock.borrow();
+                let end = clock.as_ref().expect("a device scope has a clock").mark();
+                self.timers
+                    .pending
+                    .borrow_mut()
+                    .push((self.name, start, end));
+            }
         }
     }
 }
@@ -215,7 +252,8 @@ impl Timers {
     pub fn new(level: TimerLevel) -> Timers {
         Timers {
             level: Cell::new(level),
-            sync: RefCell::new(None),
+            clock: RefCell::new(None),
+            pending: RefCell::new(Vec::new()),
             step: RefCell::new(BTreeMap::new()),
             totals: RefCell::new(BTreeMap::new()),
             steps: Cell::new(0),
@@ -238,18 +276,10 @@ impl Timers {
         level != TimerLevel::Off && level <= self.level.get()
     }
 
-    /// Sets the function run before every clock reading at [`TimerLevel::Fine`] (a device
-    /// synchronisation; the CPU backend sets none).
-    pub fn set_sync(&self, f: Box<dyn Fn()>) {
-        *self.sync.borrow_mut() = Some(f);
-    }
-
-    fn sync_if_fine(&self) {
-        if self.level.get() == TimerLevel::Fine {
-            if let Some(f) = self.sync.borrow().as_ref() {
-                f();
-            }
-        }
+    /// Times [`TimerLevel::Fine`] runs on a device's clock (see the module docs; the CPU
+    /// backend has none). Set it before the first scope.
+    pub fn set_device_clock(&self, clock: Box<dyn DeviceClock>) {
+        *self.clock.borrow_mut() = Some(clock);
     }
 
     /// Starts timing `name` until the guard drops, if `level` is enabled (see
@@ -258,11 +288,15 @@ impl Timers {
     /// at once and records nothing useful.
     #[inline]
     pub fn scope(&self, name: &'static str, level: TimerLevel) -> TimerGuard<'_> {
-        let start = if self.enabled(level) {
-            self.sync_if_fine();
-            Some(Instant::now())
-        } else {
+        let start = if !self.enabled(level) {
             None
+        } else {
+            match self.clock.borrow().as_ref() {
+                Some(clock) if self.level.get() == TimerLevel::Fine => {
+                    Some(Start::Device(clock.mark()))
+                }
+                _ => Some(Start::Host(Instant::now())),
+            }
         };
         TimerGuard {
             timers: self,
@@ -295,9 +329,18 @@ impl Timers {
         }
     }
 
-    /// Milliseconds per name recorded since the last call; resets the step's map, adds it to
-    /// the run totals and counts one step (also when nothing was recorded).
+    /// Milliseconds per name recorded since the last call (scopes timed on the device clock
+    /// read first, which waits for the device); resets the step's map, adds it to the run
+    /// totals and counts one step (also when nothing was recorded).
     pub fn take_step(&self) -> BTreeMap<String, f64> {
+        let pending = std::mem::take(&mut *self.pending.borrow_mut());
+        if !pending.is_empty() {
+            let clock = self.clock.borrow();
+            let clock = clock.as_ref().expect("device scopes have a clock");
+            for (name, start, end) in pending {
+                self.record(name, clock.take_interval(start, end));
+            }
+        }
         let step = std::mem::take(&mut *self.step.borrow_mut());
         let mut totals = self.totals.borrow_mut();
         for (k, v) in &step {
@@ -734,12 +777,30 @@ mod tests {
         assert_eq!(s.keys().collect::<Vec<_>>(), vec![FORWARD]);
     }
 
+    /// A device clock whose time advances by 1 ms per mark, counting its marks and the
+    /// intervals read.
+    #[derive(Clone, Default)]
+    struct TickClock {
+        marks: Rc<Cell<usize>>,
+        taken: Rc<Cell<usize>>,
+    }
+
+    impl DeviceClock for TickClock {
+        fn mark(&self) -> DeviceMark {
+            self.marks.set(self.marks.get() + 1);
+            DeviceMark(self.marks.get())
+        }
+        fn take_interval(&self, start: DeviceMark, end: DeviceMark) -> f64 {
+            self.taken.set(self.taken.get() + 1);
+            (end.0 - start.0) as f64
+        }
+    }
+
     #[test]
-    fn off_records_nothing_and_skips_sync() {
-        let calls = Rc::new(Cell::new(0));
+    fn off_records_nothing_and_reads_no_clock() {
+        let clock = TickClock::default();
         let t = Timers::new(TimerLevel::Off);
-        let c = calls.clone();
-        t.set_sync(Box::new(move || c.set(c.get() + 1)));
+        t.set_device_clock(Box::new(clock.clone()));
         {
             let _a = t.scope(FORWARD, TimerLevel::Coarse);
             let _b = t.scope(FORWARD_LAYERNORM, TimerLevel::Fine);
@@ -749,7 +810,7 @@ mod tests {
         assert!(t.take_step().is_empty());
         assert!(t.totals().is_empty());
         assert_eq!(t.steps(), 1);
-        assert_eq!(calls.get(), 0);
+        assert_eq!(clock.marks.get(), 0);
     }
 
     #[test]
@@ -765,21 +826,33 @@ mod tests {
     }
 
     #[test]
-    fn sync_runs_only_at_fine() {
-        let calls = Rc::new(Cell::new(0));
+    fn the_device_clock_times_fine_runs_only() {
+        let clock = TickClock::default();
         let t = Timers::new(TimerLevel::Coarse);
-        let c = calls.clone();
-        t.set_sync(Box::new(move || c.set(c.get() + 1)));
+        t.set_device_clock(Box::new(clock.clone()));
+        // Coarse: the host clock.
         t.time(FORWARD, TimerLevel::Coarse, || {});
-        assert_eq!(calls.get(), 0);
+        assert_eq!(clock.marks.get(), 0);
+        assert!(t.take_step()[FORWARD] < 1.0);
+        // Fine: a mark at the start and one at the end of every scope, nested ones inside
+        // their parent's; nothing read until the step is taken.
         t.set_level(TimerLevel::Fine);
-        t.time(FORWARD, TimerLevel::Coarse, || {});
-        // Before the start reading and before the end reading.
-        assert_eq!(calls.get(), 2);
-        // A scope that does not record does not sync either.
-        t.set_level(TimerLevel::Coarse);
-        t.time(FORWARD_MLP_GELU, TimerLevel::Fine, || {});
-        assert_eq!(calls.get(), 2);
+        {
+            let _f = t.scope(FORWARD, TimerLevel::Coarse);
+            for _ in 0..2 {
+                let _l = t.scope(FORWARD_LAYERNORM, TimerLevel::Fine);
+            }
+        }
+        assert_eq!((clock.marks.get(), clock.taken.get()), (6, 0));
+        let s = t.take_step();
+        assert_eq!(clock.taken.get(), 3);
+        // Marks 1..6: forward 1→6, the layernorms 2→3 and 4→5.
+        assert_eq!(s[FORWARD], 5.0);
+        assert_eq!(s[FORWARD_LAYERNORM], 2.0);
+        // A scope that does not record reads no clock.
+        t.time(FORWARD_MLP_GELU, TimerLevel::Off, || {});
+        assert_eq!(clock.marks.get(), 6);
+        assert!(t.take_step().is_empty());
     }
 
     #[test]

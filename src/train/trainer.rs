@@ -354,8 +354,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
             megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
         let start_step = start_state.as_ref().map_or(0, |s| s.step);
         let timers = Timers::new(opts.timers);
-        if let Some(f) = model.be.sync_handle() {
-            timers.set_sync(f);
+        if let Some(clock) = model.be.device_clock() {
+            timers.set_device_clock(clock);
         }
         let mut progress = Progress::new(t.steps as u64, start_step, opts.tty && dist.is_root());
         if !dist.is_root() {

@@ -1,15 +1,16 @@
 //! The real device: cudarc over the CUDA driver, cuBLAS and NVRTC, all loaded at run time.
 
-use super::engine::{Arg, DevAlloc, Engine, GemmCall};
+use super::engine::{Arg, DevAlloc, Engine, GemmCall, MarkSlots};
 use super::lt::Lt;
 use super::{compile_kernels, kernel_names};
 use crate::backend::CudaSettings;
 use crate::dtype::Dtype;
+use crate::metrics::timers::{DeviceClock, DeviceMark};
 use anyhow::{bail, Context, Result};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    result as drv, sys as drv_sys, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr,
-    LaunchConfig, PushKernelArg,
+    result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream,
+    DevicePtr, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -345,13 +346,44 @@ impl Engine for DriverEngine {
         Ok(())
     }
 
-    fn sync_handle(&self) -> Box<dyn Fn()> {
-        let s = self.stream.clone();
-        Box::new(move || {
-            if let Err(e) = s.synchronize() {
-                panic!("CUDA error in synchronize: {e}");
-            }
+    fn clock(&self) -> Box<dyn DeviceClock> {
+        Box::new(EventClock {
+            ctx: self.ctx.clone(),
+            stream: self.stream.clone(),
+            events: Default::default(),
         })
+    }
+}
+
+/// CUDA events recorded on the stream (created with timing, reused once read).
+struct EventClock {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    events: std::cell::RefCell<MarkSlots<CudaEvent>>,
+}
+
+impl DeviceClock for EventClock {
+    fn mark(&self) -> DeviceMark {
+        let mut events = self.events.borrow_mut();
+        let timed = Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let marked = events
+            .acquire(|| Ok(self.ctx.new_event(timed)?))
+            .and_then(|(i, e)| Ok((i, e.record(&self.stream)?)));
+        match marked {
+            Ok((i, ())) => DeviceMark(i),
+            Err(e) => panic!("CUDA error in recording a timer event: {e:#}"),
+        }
+    }
+
+    fn take_interval(&self, start: DeviceMark, end: DeviceMark) -> f64 {
+        let mut events = self.events.borrow_mut();
+        let ms = events
+            .get(start.0)
+            .elapsed_ms(events.get(end.0))
+            .unwrap_or_else(|e| panic!("CUDA error in reading timer events: {e}"));
+        events.release(start.0);
+        events.release(end.0);
+        ms as f64
     }
 }
 

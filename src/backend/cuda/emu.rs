@@ -9,9 +9,10 @@
 //! real concurrency between threads of a block (a race that only shows under true parallelism
 //! stays hidden), memory coalescing or speed, and cuBLAS itself.
 
-use super::engine::{Arg, DevAlloc, Engine, GemmCall, NoBiasEpilogue};
+use super::engine::{Arg, DevAlloc, Engine, GemmCall, MarkSlots, NoBiasEpilogue};
 use super::{kernel_names, KERNELS_SOURCE};
 use crate::dtype::Dtype;
+use crate::metrics::timers::{DeviceClock, DeviceMark};
 use anyhow::{bail, Context, Result};
 use std::ffi::c_void;
 use std::path::PathBuf;
@@ -311,7 +312,35 @@ impl Engine for Emulator {
         Ok(())
     }
 
-    fn sync_handle(&self) -> Box<dyn Fn()> {
-        Box::new(|| {})
+    fn clock(&self) -> Box<dyn DeviceClock> {
+        Box::new(HostClock::default())
+    }
+}
+
+/// The emulator's clock: work is done when it returns, so a mark is the host's time.
+#[derive(Default)]
+struct HostClock {
+    marks: std::cell::RefCell<MarkSlots<std::time::Instant>>,
+}
+
+impl DeviceClock for HostClock {
+    fn mark(&self) -> DeviceMark {
+        let now = std::time::Instant::now();
+        let mut marks = self.marks.borrow_mut();
+        let (i, slot) = marks.acquire(|| Ok(now)).expect("a host mark");
+        *slot = now;
+        DeviceMark(i)
+    }
+
+    fn take_interval(&self, start: DeviceMark, end: DeviceMark) -> f64 {
+        let mut marks = self.marks.borrow_mut();
+        let ms = marks
+            .get(end.0)
+            .duration_since(*marks.get(start.0))
+            .as_secs_f64()
+            * 1e3;
+        marks.release(start.0);
+        marks.release(end.0);
+        ms
     }
 }

@@ -7,6 +7,7 @@
 //! that stay valid while their [`DevAlloc`] lives.
 
 use crate::dtype::Dtype;
+use crate::metrics::timers::DeviceClock;
 use anyhow::Result;
 use std::any::Any;
 
@@ -131,6 +132,45 @@ pub trait Engine {
     /// memory (`cublasGemmBatchedEx`); `g.a`, `g.b`, `g.c` and the strides are ignored.
     fn gemm_ptr_arrays(&self, g: &GemmCall, arrays: [u64; 3]) -> Result<()>;
     fn sync(&self) -> Result<()>;
-    /// A function that waits for queued work (for the timers).
-    fn sync_handle(&self) -> Box<dyn Fn()>;
+    /// The device's clock, for the timers (marks between the queued work).
+    fn clock(&self) -> Box<dyn DeviceClock>;
+}
+
+/// The live marks of a device clock, one slot each; freed slots are reused (a GPU's events are
+/// created once and recorded again).
+pub struct MarkSlots<T> {
+    items: Vec<T>,
+    free: Vec<usize>,
+}
+
+impl<T> Default for MarkSlots<T> {
+    fn default() -> Self {
+        MarkSlots {
+            items: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<T> MarkSlots<T> {
+    /// A free slot (made by `new` when none is) and its index.
+    pub fn acquire(&mut self, new: impl FnOnce() -> Result<T>) -> Result<(usize, &mut T)> {
+        let i = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.items.push(new()?);
+                self.items.len() - 1
+            }
+        };
+        Ok((i, &mut self.items[i]))
+    }
+
+    pub fn get(&self, i: usize) -> &T {
+        &self.items[i]
+    }
+
+    pub fn release(&mut self, i: usize) {
+        debug_assert!(!self.free.contains(&i), "mark {i} released twice");
+        self.free.push(i);
+    }
 }

@@ -779,8 +779,8 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn sync_handle(&self) -> Option<Box<dyn Fn()>> {
-        Some(self.eng.sync_handle())
+    fn device_clock(&self) -> Option<Box<dyn crate::metrics::timers::DeviceClock>> {
+        Some(self.eng.clock())
     }
 
     fn encoder_forward(
