@@ -302,6 +302,24 @@ impl CudaBackend {
         ptr
     }
 
+    /// The table of a kernel over many parts (`part_of` in `kernels.cu`): per part its
+    /// words, then the number of its first virtual block (the parts' blocks numbered in
+    /// order). Returns the table's device address and the total of virtual blocks.
+    fn part_table<const W: usize>(
+        &mut self,
+        parts: impl IntoIterator<Item = ([u64; W], usize)>,
+        what: &str,
+    ) -> (u64, usize) {
+        let mut words = Vec::new();
+        let mut first = 0;
+        for (row, blocks) in parts {
+            words.extend(row);
+            words.push(first as u64);
+            first += blocks;
+        }
+        (self.table(words, what), first)
+    }
+
     fn upload_bytes(&self, dst: u64, src: &[u8]) {
         if let Err(e) = self.eng.upload(dst, src) {
             self.fail("upload", e);
@@ -1450,14 +1468,12 @@ impl Backend for CudaBackend {
             .iter()
             .map(|x| x.len.div_ceil(ROW_THREADS as usize).clamp(1, SOS_BLOCKS))
             .collect();
-        let total: usize = blocks.iter().sum();
-        let mut words = Vec::with_capacity(4 * xs.len());
-        let mut first = 0;
-        for (x, &nb) in xs.iter().zip(&blocks) {
-            words.extend([self.ptr(*x), x.len as u64, nb as u64, first as u64]);
-            first += nb;
-        }
-        let table = self.table(words, "sum_of_squares table");
+        let rows: Vec<_> = xs
+            .iter()
+            .zip(&blocks)
+            .map(|(x, &nb)| ([self.ptr(*x), x.len as u64, nb as u64], nb))
+            .collect();
+        let (table, total) = self.part_table(rows, "sum_of_squares table");
         let sos = self.scratch(|b| &mut b.sos, 8 * total);
         let args = [
             Arg::Ptr(sos),
@@ -1489,29 +1505,29 @@ impl Backend for CudaBackend {
             return;
         };
         let dt = self.dt(first_part.grads);
-        let mut words = Vec::with_capacity(7 * parts.len());
-        let mut first = 0;
-        for p in parts {
-            let n = p.params.len;
-            assert!(
-                p.grads.len == n && p.m.len == n && p.v.len == n && self.dt(p.grads) == dt,
-                "adamw: a part's spans differ in length or gradient type: {p:?}"
-            );
-            words.extend([
-                self.ptr(p.params),
-                self.ptr(p.grads),
-                self.ptr(p.m),
-                self.ptr(p.v),
-                n as u64,
-                u64::from(p.decay),
-                first as u64,
-            ]);
-            first += n.div_ceil(ADAMW_CHUNK);
-        }
+        let rows: Vec<_> = parts
+            .iter()
+            .map(|p| {
+                let n = p.params.len;
+                assert!(
+                    p.grads.len == n && p.m.len == n && p.v.len == n && self.dt(p.grads) == dt,
+                    "adamw: a part's spans differ in length or gradient type: {p:?}"
+                );
+                let row = [
+                    self.ptr(p.params),
+                    self.ptr(p.grads),
+                    self.ptr(p.m),
+                    self.ptr(p.v),
+                    n as u64,
+                    u64::from(p.decay),
+                ];
+                (row, n.div_ceil(ADAMW_CHUNK))
+            })
+            .collect();
+        let (table, first) = self.part_table(rows, "adamw table");
         if first == 0 {
             return;
         }
-        let table = self.table(words, "adamw table");
         let k = crate::ops::adamw::step_scalars(hp);
         let args = [
             Arg::Ptr(table),
