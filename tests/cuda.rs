@@ -30,6 +30,7 @@ mod gpu {
     use fugu::config::{ModelConfig, RunConfig};
     use fugu::metrics::jsonl::{read_metrics, Record};
     use fugu::metrics::timers::{TimerLevel, Timers};
+    use fugu::model::gpt2::MlpGelu;
     use fugu::model::init::init_params;
     use fugu::model::table::gpt2_params;
     use fugu::model::{Gpt2, OptimStep, TpRank};
@@ -37,6 +38,8 @@ mod gpu {
     use fugu_io::rng::SplitMix64;
     use std::path::{Path, PathBuf};
     use std::process::{Command, Output};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
 
     use super::skipped;
 
@@ -269,14 +272,15 @@ mod gpu {
         linear_cases(&mut be, &[Some(0), Some(1), None]);
     }
 
-    /// Where the engine has no bias epilogue for a shape (cuBLASLt's heuristic finds no
-    /// algorithm), the backend adds an aligned bias with the kernel instead, and keeps doing
-    /// so for that shape. Runs on the emulator told to refuse every bias epilogue.
+    /// Where the engine has no epilogue for a shape (cuBLASLt's heuristic finds no
+    /// algorithm), the backend adds an aligned bias with the kernel, and runs the MLP's GELU
+    /// with its own kernels, instead; and keeps doing so for that shape. Runs on the emulator
+    /// told to refuse every epilogue.
     #[test]
-    fn linear_bias_without_an_epilogue() {
+    fn linear_layers_without_epilogues() {
         for act in ACTS {
             let emulator = match cuda::emu::Emulator::new() {
-                Ok(e) => e.refusing_bias_epilogue(),
+                Ok(e) => e.refusing_epilogues(),
                 Err(e) => return skipped(&format!("no CUDA emulator ({e:#})")),
             };
             let mut be = Both {
@@ -286,6 +290,104 @@ mod gpu {
             };
             // Twice: the second pass finds the shapes already marked.
             linear_cases(&mut be, &[Some(0), Some(0)]);
+            for _ in 0..2 {
+                linear_gelu_cases(&mut be, false, None);
+            }
+        }
+    }
+
+    /// A linear layer with the GELU after it, and its backward pass through the GELU
+    /// (`linear_gelu_forward`, `gelu_linear_backward`): on a GPU with 16-bit activations in
+    /// cuBLASLt's GELU epilogues where the matrices allow them, elsewhere as two ops.
+    /// Tolerance: the epilogue applies GELU (derivative) to the f32 sum where the CPU applies
+    /// it to the sum rounded to the type, |gelu'| ≤ 1.13, so the two differ by at most about
+    /// 1.2 unit roundoffs of the result before it is rounded once more (up to 2u if the two
+    /// values straddle a rounding boundary): inside the 4u of [`Both::tol`].
+    #[test]
+    fn linear_gelu_layers() {
+        for act in ACTS {
+            // On the device (a GPU where there is one).
+            let Some(mut be) = Both::new(act) else { return };
+            let epilogues = be.gpu.gelu_epilogue(act);
+            assert_eq!(epilogues, act != Dtype::F32, "GELU epilogues for {act:?}");
+            linear_gelu_cases(&mut be, epilogues, None);
+            // On the emulator, which counts the GELU epilogues it runs.
+            let emulator = cuda::emu::Emulator::new().expect("the emulator compiled above");
+            let count = emulator.gelu_epilogue_count();
+            let mut be = Both {
+                cpu: CpuBackend::new(),
+                gpu: CudaBackend::with_engine(Box::new(emulator)),
+                act,
+            };
+            linear_gelu_cases(&mut be, epilogues, Some(count));
+        }
+    }
+
+    /// `epilogues`: whether the GPU side runs the GELU epilogues where a case's matrices meet
+    /// their alignment (checked: the backward pass then leaves `scratch` unwritten, and
+    /// `count`, where given, goes up by one in each pass).
+    fn linear_gelu_cases(be: &mut Both, epilogues: bool, count: Option<Arc<AtomicU64>>) {
+        let ran = || count.as_ref().map(|c| c.load(Ordering::Relaxed));
+        // (n, ic, oc, pre's offset): 16-byte aligned rows of 16-bit values (ic and oc
+        // multiples of 8) take the epilogues; 33 and 65 features, or a `pre` one element
+        // into its buffer, do not.
+        for (n, ic, oc, at) in [
+            (17, 32, 64, 0),
+            (9, 16, 24, 0),
+            (1, 8, 8, 0),
+            (5, 33, 65, 0),
+            (7, 16, 24, 1),
+            (6, 64, 16, 0),
+        ] {
+            let aligned = ic % 8 == 0 && oc % 8 == 0 && at == 0;
+            for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                let (out, pre) = (be.nan(n * oc), be.nan(n * oc + 1).sub(at, n * oc));
+                let inp = be.rand(n * ic, 1);
+                let w = be.rand(ic * oc, 2);
+                let bias = be.rand(oc, 3);
+                let before = ran();
+                be.run(|x| x.linear_gelu_forward(out, pre, inp, w, layout, Some(bias), n, ic, oc));
+                be.check("linear_gelu_forward pre", pre, GEMM);
+                be.check("linear_gelu_forward out", out, GEMM);
+                let fused = epilogues && aligned;
+                let what = format!("{n}x{ic}->{oc} at {at} ({:?})", be.act);
+                if let (Some(a), Some(b)) = (before, ran()) {
+                    assert_eq!(b - a, u64::from(fused), "forward GELU epilogues, {what}");
+                }
+                // Backward of a layer whose input is gelu(pre): here the roles turn, its
+                // input has `oc` features (gelu(pre) = out) and its output `ic`.
+                let (dpre, scratch) = (be.nan(n * oc + 1).sub(at, n * oc), be.nan(n * oc));
+                let dw = be.rand32(ic * oc, 4);
+                let db = be.rand32(ic, 5);
+                let dout = be.rand(n * ic, 6);
+                let before = ran();
+                be.run(|x| {
+                    x.gelu_linear_backward(
+                        dpre,
+                        scratch,
+                        dw,
+                        Some(db),
+                        dout,
+                        out,
+                        pre,
+                        w,
+                        layout,
+                        n,
+                        oc,
+                        ic,
+                    )
+                });
+                be.check("gelu_linear_backward dpre", dpre, GEMM);
+                be.check("gelu_linear_backward dw", dw, GEMM);
+                be.check("gelu_linear_backward dbias", db, GEMM);
+                if let (Some(a), Some(b)) = (before, ran()) {
+                    assert_eq!(b - a, u64::from(fused), "backward GELU epilogues, {what}");
+                }
+                let mut s = vec![0.0; n * oc];
+                be.gpu.download(scratch, &mut s);
+                let untouched = s.iter().all(|x| x.is_nan());
+                assert_eq!(untouched, fused, "backward {what}: scratch left unwritten");
+            }
         }
     }
 
@@ -647,6 +749,8 @@ mod gpu {
             let u = dt.unit_roundoff();
             let mut cpu = model_in(&cfg, dt, CpuBackend::new());
             let mut gpu = model_in(&cfg, dt, g.take().or_else(device).unwrap());
+            // 16-bit activations take the GELU epilogues (128 MLP features: aligned rows).
+            assert_eq!(gpu.mlp_gelu(), MlpGelu::Epilogue, "{dt:?}");
             let w = batch(&cfg, b, t, 5);
             let mut losses = [0.0f32; 2];
             for (i, m) in [&mut cpu as &mut dyn Train, &mut gpu]

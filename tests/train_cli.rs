@@ -1122,6 +1122,41 @@ fn fused_attention_trains_like_the_three_steps() {
     assert!(!r.dir.join("bad").join("metrics.jsonl").exists());
 }
 
+/// `FUGU_MLP_GELU` picks where the MLP's GELU runs: the header records it (`separate` on the
+/// CPU, which has no GEMM epilogues, and the default there), asking the CPU for `epilogue`
+/// and a misspelt value are refused by name before anything is written. (The epilogue path
+/// itself is tested against the CPU in `tests/cuda.rs`.)
+#[test]
+fn mlp_gelu_setting_is_checked_and_recorded() {
+    let r = SmallRuns::new("mlp-gelu");
+    let run = |name: &str, mode: &str| {
+        let a = r.args(&["--out", name, "--steps", "1"]);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        fugu_with_env(&a, &r.dir, &[("FUGU_MLP_GELU", mode)])
+    };
+    for (name, mode) in [("default", ""), ("separate", "separate")] {
+        ok(&run(name, mode));
+        let recs = read_metrics(r.dir.join(name).join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.into_iter().next() else {
+            panic!("{name}: no header")
+        };
+        assert_eq!(h["mlp_gelu"], "separate", "{name}");
+    }
+    for (name, mode, says) in [
+        ("epilogue", "epilogue", "the cpu backend has no GELU epilogue"),
+        ("typo", "fused", "expected auto, epilogue or separate"),
+    ] {
+        let out = run(name, mode);
+        assert!(!out.status.success(), "{name}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("FUGU_MLP_GELU={mode}")) && err.contains(says),
+            "{err}"
+        );
+        assert!(!r.dir.join(name).join("metrics.jsonl").exists());
+    }
+}
+
 #[test]
 fn recompute_gives_identical_training_in_less_memory() {
     let r = SmallRuns::new("recompute");

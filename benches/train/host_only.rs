@@ -24,7 +24,7 @@ pub use imp::report;
 mod imp {
     use super::super::time_steps;
     use super::{Args, ModelConfig, Run};
-    use fugu::backend::cuda::engine::{Arg, DevAlloc, Engine, GemmCall};
+    use fugu::backend::cuda::engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall};
     use fugu::backend::cuda::{kernel_names, CudaBackend};
     use fugu::dtype::Dtype;
     use fugu::metrics::timers::{DeviceClock, DeviceMark};
@@ -36,7 +36,7 @@ mod imp {
     struct Counts {
         launches: BTreeMap<usize, u64>,
         gemms: u64,
-        bias_gemms: u64,
+        epilogue_gemms: u64,
         ptr_array_gemms: u64,
         copies: u64,
         zeros: u64,
@@ -110,12 +110,13 @@ mod imp {
             Ok(())
         }
         fn gemm(&self, g: &GemmCall) -> anyhow::Result<()> {
-            if g.bias != 0 {
-                g.check_bias()?;
+            let epilogue = g.epilogue != Epilogue::None;
+            if epilogue {
+                g.check_epilogue()?;
             }
             self.count(|c| {
                 c.gemms += 1;
-                c.bias_gemms += u64::from(g.bias != 0);
+                c.epilogue_gemms += u64::from(epilogue);
             });
             Ok(())
         }
@@ -191,9 +192,9 @@ mod imp {
         );
         println!(
             "host only {b}x{t}: {med:.2} ms/step of host work queueing {launches:.0} kernel \
-             launches, {gemms:.0} GEMM calls ({:.0} with a bias epilogue, {:.0} pointer-array \
+             launches, {gemms:.0} GEMM calls ({:.0} with an epilogue, {:.0} pointer-array \
              batched), {:.0} copies, {:.0} memsets, {:.0} uploads, {:.0} downloads per step",
-            per(all.bias_gemms, warm.bias_gemms),
+            per(all.epilogue_gemms, warm.epilogue_gemms),
             per(all.ptr_array_gemms, warm.ptr_array_gemms),
             per(all.copies, warm.copies),
             per(all.zeros, warm.zeros),

@@ -267,6 +267,60 @@ pub trait Backend {
         oc: usize,
     );
 
+    /// Whether this backend computes the MLP's GELU inside its GEMMs for activations stored
+    /// as `dt` (cuBLASLt's epilogues): [`Self::linear_gelu_forward`] and
+    /// [`Self::gelu_linear_backward`] then each cost one GEMM's pass over the activations,
+    /// and the model times them as the GEMM they are.
+    fn gelu_epilogue(&self, _dt: Dtype) -> bool {
+        false
+    }
+    /// A linear layer and the GELU after it (the MLP's first half): `pre (N, OC) = inp·W
+    /// (+ bias)` and `out = gelu(pre)`, both overwritten. By default the two ops
+    /// ([`linear_then_gelu`]); in a GELU epilogue ([`Self::gelu_epilogue`]) GELU reads the f32
+    /// sum before it is rounded into `pre`, so a 16-bit `out` may differ from the two ops'
+    /// by a step of its type.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_gelu_forward(
+        &mut self,
+        out: Span,
+        pre: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        linear_then_gelu(self, out, pre, inp, w, layout, bias, n, ic, oc);
+    }
+    /// [`Self::linear_backward`] of a layer whose input is `inp = gelu(pre)` (N, IC), carried
+    /// back through the GELU: `dpre = (dout·Wᵀ) ⊙ gelu'(pre)` overwritten, `dw` and `dbias`
+    /// accumulate. `scratch` (N·IC of the activation type) may be overwritten: by default the
+    /// gradient at GELU's output goes there between the two ops
+    /// ([`linear_then_gelu_backward`]); a GELU epilogue never stores it (and rounds `dpre`
+    /// once instead of twice).
+    #[allow(clippy::too_many_arguments)]
+    fn gelu_linear_backward(
+        &mut self,
+        dpre: Span,
+        scratch: Span,
+        dw: Span,
+        dbias: Option<Span>,
+        dout: Span,
+        inp: Span,
+        pre: Span,
+        w: Span,
+        layout: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        linear_then_gelu_backward(
+            self, dpre, scratch, dw, dbias, dout, inp, pre, w, layout, n, ic, oc,
+        );
+    }
+
     // --- attention -----------------------------------------------------------------------
     /// `att (B,NH,T,T) = QKᵀ/√hs` (the Megatron `baddbmm`) on and below the diagonal; entries
     /// above it (key after query) may be left unwritten: a backend may skip that work.
@@ -367,4 +421,45 @@ pub trait Backend {
     /// One AdamW step on every part (a device backend updates them all in one launch);
     /// `hp.weight_decay` applies to the parts marked `decay`.
     fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep);
+}
+
+/// [`Backend::linear_gelu_forward`] as two ops: [`Backend::linear_forward`] into `pre`, then
+/// [`Backend::gelu_forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn linear_then_gelu<B: Backend + ?Sized>(
+    be: &mut B,
+    out: Span,
+    pre: Span,
+    inp: Span,
+    w: Span,
+    layout: WeightLayout,
+    bias: Option<Span>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    be.linear_forward(pre, inp, w, layout, bias, n, ic, oc);
+    be.gelu_forward(out, pre);
+}
+
+/// [`Backend::gelu_linear_backward`] as two ops: [`Backend::linear_backward`] with the input
+/// gradient into `scratch`, then [`Backend::gelu_backward`] from it into `dpre`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_then_gelu_backward<B: Backend + ?Sized>(
+    be: &mut B,
+    dpre: Span,
+    scratch: Span,
+    dw: Span,
+    dbias: Option<Span>,
+    dout: Span,
+    inp: Span,
+    pre: Span,
+    w: Span,
+    layout: WeightLayout,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    be.linear_backward(Some(scratch), dw, dbias, dout, inp, w, layout, n, ic, oc);
+    be.gelu_backward(dpre, pre, scratch);
 }

@@ -128,6 +128,8 @@ pub struct Gpt2<B: Backend> {
     recompute: Recompute,
     /// Three-step or fused attention ([`attention_path`]).
     attn_keep: AttnKeep,
+    /// Where the MLP's GELU runs ([`mlp_gelu_path`]).
+    mlp_gelu: MlpGelu,
     /// Micro-batches whose activations are kept at once (pipeline schedules run several
     /// forward passes before the first backward pass); micro-batch `j` uses set `j % in_flight`.
     in_flight: usize,
@@ -195,6 +197,7 @@ impl<B: Backend> Gpt2<B> {
         let p = ParamSpans::new(&table, compute_params, stage);
         let g = p.on(grads);
         let attn_keep = attention_path(&be, cfg.n_embd / cfg.n_head, compute)?;
+        let mlp_gelu = mlp_gelu_path(&be, compute)?;
         Ok(Gpt2 {
             cfg: cfg.clone(),
             tp,
@@ -211,6 +214,7 @@ impl<B: Backend> Gpt2<B> {
             accumulation: 1,
             recompute: Recompute::None,
             attn_keep,
+            mlp_gelu,
             in_flight: 1,
             micro_batches: 0,
             p,
@@ -299,6 +303,11 @@ impl<B: Backend> Gpt2<B> {
     /// Whether attention runs in three steps (probabilities kept) or fused.
     pub fn attention(&self) -> AttnKeep {
         self.attn_keep
+    }
+
+    /// Whether the MLP's GELU runs on its own or in the GEMMs' epilogues.
+    pub fn mlp_gelu(&self) -> MlpGelu {
+        self.mlp_gelu
     }
 
     /// Storage type of activations and of the parameters the passes read.
@@ -695,6 +704,7 @@ impl<B: Backend> Gpt2<B> {
             let bp = BlockPass {
                 d: &d,
                 tp_first: first,
+                gelu: self.mlp_gelu,
                 pass,
                 layer: l,
                 proj: a.proj,
@@ -817,6 +827,7 @@ impl<B: Backend> Gpt2<B> {
                 let bp = BlockPass {
                     d: &d,
                     tp_first: self.tp.rank == 0,
+                    gelu: self.mlp_gelu,
                     pass: Pass::Batch { micro },
                     layer: l,
                     proj: a.proj,
@@ -824,24 +835,43 @@ impl<B: Backend> Gpt2<B> {
                 block_forward(be, comm, timers, la, lp, resid, &bp);
             }
             // MLP: dres is the gradient of the block output (= resid2 + fcproj).
-            {
-                let _t = timers.scope("backward:mlp:mm", Fine);
-                be.linear_backward(
-                    Some(ga.dfch_gelu),
-                    lg.fcproj_w,
-                    Some(lg.fcproj_b),
-                    ga.dres,
-                    la.fch_gelu,
-                    lp.fcproj_w,
-                    WeightLayout::InOut,
-                    n,
-                    f,
-                    c,
-                );
-            }
-            {
-                let _t = timers.scope("backward:mlp:gelu", Fine);
-                be.gelu_backward(ga.dfch, la.fch, ga.dfch_gelu);
+            match self.mlp_gelu {
+                MlpGelu::Separate => {
+                    {
+                        let _t = timers.scope("backward:mlp:mm", Fine);
+                        be.linear_backward(
+                            Some(ga.dfch_gelu),
+                            lg.fcproj_w,
+                            Some(lg.fcproj_b),
+                            ga.dres,
+                            la.fch_gelu,
+                            lp.fcproj_w,
+                            WeightLayout::InOut,
+                            n,
+                            f,
+                            c,
+                        );
+                    }
+                    let _t = timers.scope("backward:mlp:gelu", Fine);
+                    be.gelu_backward(ga.dfch, la.fch, ga.dfch_gelu);
+                }
+                MlpGelu::Epilogue => {
+                    let _t = timers.scope("backward:mlp:mm", Fine);
+                    be.gelu_linear_backward(
+                        ga.dfch,
+                        ga.dfch_gelu,
+                        lg.fcproj_w,
+                        Some(lg.fcproj_b),
+                        ga.dres,
+                        la.fch_gelu,
+                        la.fch,
+                        lp.fcproj_w,
+                        WeightLayout::InOut,
+                        n,
+                        f,
+                        c,
+                    );
+                }
             }
             {
                 let _t = timers.scope("backward:mlp:mm", Fine);
@@ -1081,6 +1111,7 @@ struct BlockPass<'a, 'c> {
     d: &'a StepDims,
     /// Tensor-parallel rank 0 (adds the replicated row-parallel biases).
     tp_first: bool,
+    gelu: MlpGelu,
     pass: Pass<'c>,
     /// The block's index within the stage (its key/value cache layer when decoding).
     layer: usize,
@@ -1109,6 +1140,50 @@ fn attention_path(be: &impl Backend, hs: usize, compute: Dtype) -> Result<AttnKe
             compute.name()
         ),
         (other, _) => bail!("{ATTENTION_ENV}={other}: expected auto, fused or materialized"),
+    })
+}
+
+/// Where the MLP's GELU runs (chosen per backend and compute type by [`mlp_gelu_path`],
+/// [`MLP_GELU_ENV`] overriding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpGelu {
+    /// Its own op between the two GEMMs, forward and backward (timed as `mlp:gelu`).
+    Separate,
+    /// In the GEMMs' epilogues ([`Backend::gelu_epilogue`]): the fc GEMM writes its output
+    /// and GELU of it, the fc-projection's input-gradient GEMM multiplies by GELU's
+    /// derivative (timed as the `mlp:mm` they are part of).
+    Epilogue,
+}
+
+impl MlpGelu {
+    /// The name in the run header (`"mlp_gelu"`) and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            MlpGelu::Separate => "separate",
+            MlpGelu::Epilogue => "epilogue",
+        }
+    }
+}
+
+/// Environment variable that overrides where the MLP's GELU runs: `epilogue` or `separate`
+/// (benchmarks and tests; default `auto`: in the epilogues where the backend has them).
+pub const MLP_GELU_ENV: &str = "FUGU_MLP_GELU";
+
+/// Where a model whose activations are stored as `compute` runs the MLP's GELU: in the GEMMs'
+/// epilogues where the backend has them, unless [`MLP_GELU_ENV`] says otherwise.
+fn mlp_gelu_path(be: &impl Backend, compute: Dtype) -> Result<MlpGelu> {
+    let has = be.gelu_epilogue(compute);
+    let asked = std::env::var(MLP_GELU_ENV).unwrap_or_default();
+    Ok(match (asked.as_str(), has) {
+        ("" | "auto" | "epilogue", true) => MlpGelu::Epilogue,
+        ("" | "auto" | "separate", _) => MlpGelu::Separate,
+        ("epilogue", false) => bail!(
+            "{MLP_GELU_ENV}=epilogue: the {} backend has no GELU epilogue for activations \
+             stored as {}",
+            be.name(),
+            compute.name()
+        ),
+        (other, _) => bail!("{MLP_GELU_ENV}={other}: expected auto, epilogue or separate"),
     })
 }
 
@@ -1221,22 +1296,38 @@ fn block_forward<B: Backend>(
             c,
         );
     }
-    {
-        let _t = timers.scope("forward:mlp:mm", Fine);
-        be.linear_forward(
-            la.fch,
-            la.ln2,
-            lp.fc_w,
-            WeightLayout::InOut,
-            Some(lp.fc_b),
-            n,
-            c,
-            f,
-        );
-    }
-    {
-        let _t = timers.scope("forward:mlp:gelu", Fine);
-        be.gelu_forward(la.fch_gelu, la.fch);
+    match bp.gelu {
+        MlpGelu::Separate => {
+            {
+                let _t = timers.scope("forward:mlp:mm", Fine);
+                be.linear_forward(
+                    la.fch,
+                    la.ln2,
+                    lp.fc_w,
+                    WeightLayout::InOut,
+                    Some(lp.fc_b),
+                    n,
+                    c,
+                    f,
+                );
+            }
+            let _t = timers.scope("forward:mlp:gelu", Fine);
+            be.gelu_forward(la.fch_gelu, la.fch);
+        }
+        MlpGelu::Epilogue => {
+            let _t = timers.scope("forward:mlp:mm", Fine);
+            be.linear_gelu_forward(
+                la.fch_gelu,
+                la.fch,
+                la.ln2,
+                lp.fc_w,
+                WeightLayout::InOut,
+                Some(lp.fc_b),
+                n,
+                c,
+                f,
+            );
+        }
     }
     {
         let _t = timers.scope("forward:mlp:mm", Fine);

@@ -39,6 +39,7 @@ use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
 use crate::model::acts::{AttnKeep, Recompute};
+use crate::model::gpt2::MlpGelu;
 use crate::model::init::init_tensor;
 use crate::model::table::{gpt2_params, Table, TensorSpec};
 use crate::model::{Gpt2, OptimStep, Stage, TpRank};
@@ -934,6 +935,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             "backend": self.model.be.name(),
             "precision": t.precision.name(),
             "attention": self.model.attention().name(),
+            "mlp_gelu": self.model.mlp_gelu().name(),
             "device": self.model.be.describe(),
             "peak_gflops_per_rank": self.peak_flops / 1e9,
             "parameters": params_n,
@@ -1042,6 +1044,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
             eprintln!(
                 "  attention: fused (FlashAttention: one log-sum-exp per row kept, no T x T probabilities){recompute}"
             );
+        }
+        if self.model.mlp_gelu() == MlpGelu::Epilogue {
+            eprintln!("  MLP: GELU in the fc GEMM's epilogue, its derivative in the fc projection's input-gradient GEMM's");
         }
         if let Some(d) = self.watch.deadline() {
             eprintln!(

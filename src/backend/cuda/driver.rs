@@ -1,6 +1,6 @@
 //! The real device: cudarc over the CUDA driver, cuBLAS and NVRTC, all loaded at run time.
 
-use super::engine::{Arg, DevAlloc, Engine, GemmCall, MarkSlots};
+use super::engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, MarkSlots};
 use super::lt::Lt;
 use super::{compile_kernels, kernel_names};
 use crate::backend::CudaSettings;
@@ -270,8 +270,8 @@ impl Engine for DriverEngine {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         let i = |x: usize| x as i32;
-        if g.bias != 0 {
-            return self.lt.gemm_bias(g);
+        if g.epilogue != Epilogue::None {
+            return self.lt.gemm_epilogue(g);
         }
         if [g.a_type, g.b_type, g.c_type] != [Dtype::F32; 3] {
             return self.gemm_ex(g);

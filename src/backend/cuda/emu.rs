@@ -9,14 +9,16 @@
 //! real concurrency between threads of a block (a race that only shows under true parallelism
 //! stays hidden), memory coalescing or speed, and cuBLAS itself.
 
-use super::engine::{Arg, DevAlloc, Engine, GemmCall, MarkSlots, NoBiasEpilogue};
+use super::engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, MarkSlots, NoEpilogue};
 use super::{kernel_names, KERNELS_SOURCE};
 use crate::dtype::Dtype;
 use crate::metrics::timers::{DeviceClock, DeviceMark};
+use crate::ops::gelu::{gelu_backward_rows, gelu_rows};
 use anyhow::{bail, Context, Result};
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 const SHIM: &str = include_str!("emu_shim.h");
 
@@ -98,9 +100,11 @@ fn compile() -> Result<Compiled> {
 /// The emulated device.
 pub struct Emulator {
     launch: LaunchFn,
-    /// Answer every GEMM with a bias with [`NoBiasEpilogue`], as cuBLASLt does for a shape
-    /// it has no algorithm for (tests of the backend's fallback).
-    refuse_bias_epilogue: bool,
+    /// Answer every GEMM with an epilogue with [`NoEpilogue`], as cuBLASLt does for a shape
+    /// it has no algorithm for (tests of the backend's fallbacks).
+    refuse_epilogues: bool,
+    /// GEMMs run with a GELU epilogue (tests: which path a linear layer took).
+    gelu_epilogues: Arc<AtomicU64>,
 }
 
 impl Emulator {
@@ -110,16 +114,22 @@ impl Emulator {
         match c {
             Ok(c) => Ok(Emulator {
                 launch: c.launch,
-                refuse_bias_epilogue: false,
+                refuse_epilogues: false,
+                gelu_epilogues: Default::default(),
             }),
             Err(e) => bail!("CUDA emulator: {e}"),
         }
     }
 
-    /// This emulator, answering every GEMM with a bias with [`NoBiasEpilogue`].
-    pub fn refusing_bias_epilogue(self) -> Emulator {
+    /// A counter of the GEMMs this emulator runs with a GELU epilogue (forward or gradient).
+    pub fn gelu_epilogue_count(&self) -> Arc<AtomicU64> {
+        self.gelu_epilogues.clone()
+    }
+
+    /// This emulator, answering every GEMM with an epilogue with [`NoEpilogue`].
+    pub fn refusing_epilogues(self) -> Emulator {
         Emulator {
-            refuse_bias_epilogue: true,
+            refuse_epilogues: true,
             ..self
         }
     }
@@ -223,10 +233,13 @@ impl Engine for Emulator {
     }
 
     fn gemm(&self, g: &GemmCall) -> Result<()> {
-        if g.bias != 0 {
-            g.check_bias()?;
-            if self.refuse_bias_epilogue {
-                return Err(NoBiasEpilogue("refused by the emulator".into()).into());
+        if g.epilogue != Epilogue::None {
+            g.check_epilogue()?;
+            if self.refuse_epilogues {
+                return Err(NoEpilogue("refused by the emulator".into()).into());
+            }
+            if g.epilogue.aux().is_some() {
+                self.gelu_epilogues.fetch_add(1, Ordering::Relaxed);
             }
         }
         // Element `i` of an operand of type `dt` at `p`, widened to f32 (exact).
@@ -273,16 +286,34 @@ impl Engine for Emulator {
                     let ai = &ar[i * g.k..(i + 1) * g.k];
                     let acc: f64 = ai.iter().zip(bj).map(|(&x, &y)| x as f64 * y as f64).sum();
                     let idx = i + j * g.ldc;
-                    let mut old = if g.beta == 0.0 {
-                        0.0
-                    } else {
-                        g.beta as f64 * at(c, g.c_type, idx) as f64
-                    };
-                    if g.bias != 0 {
-                        old += at(g.bias, g.c_type, i) as f64;
+                    let mut v = g.alpha as f64 * acc;
+                    if g.beta != 0.0 {
+                        v += g.beta as f64 * at(c, g.c_type, idx) as f64;
                     }
-                    g.c_type
-                        .encode(&[(g.alpha as f64 * acc + old) as f32], &mut out);
+                    let bias = g.epilogue.bias();
+                    if bias != 0 {
+                        v += at(bias, g.c_type, i) as f64;
+                    }
+                    // The epilogue works on the f32 value, as cuBLASLt's does.
+                    let (v, mut y) = (v as f32, [0.0f32]);
+                    let aux = g
+                        .epilogue
+                        .aux()
+                        .map(|(p, ld)| p + (cb * (i + j * ld)) as u64);
+                    match (g.epilogue, aux) {
+                        (Epilogue::GeluAux { .. }, Some(aux)) => {
+                            g.c_type.encode(&[v], &mut out);
+                            // SAFETY: as for `at` (the aux matrix is m×n with its ld).
+                            unsafe { bytes(aux, cb) }.copy_from_slice(&out);
+                            gelu_rows(&mut y, &[v]);
+                        }
+                        (Epilogue::GeluGrad { .. }, Some(aux)) => {
+                            let x = at(aux, g.c_type, 0);
+                            gelu_backward_rows(&mut y, &[x], &[v]);
+                        }
+                        _ => y[0] = v,
+                    }
+                    g.c_type.encode(&y, &mut out);
                     // SAFETY: as for `at`.
                     unsafe { bytes(c + (cb * idx) as u64, cb) }.copy_from_slice(&out);
                 }

@@ -31,10 +31,8 @@ pub struct DevAlloc {
 
 /// One column-major strided-batched GEMM, cuBLAS's `cublasGemmStridedBatchedEx` arguments:
 /// `C_i = alpha·op(A_i)·op(B_i) + beta·C_i` with `C_i` m×n, products accumulated in f32
-/// whatever the operand types (`cublasSgemmStridedBatched` when all three are f32). With a
-/// `bias` (one matrix, beta 0, the bias [`BIAS_ALIGN`]-aligned: [`GemmCall::check_bias`]),
-/// `C = alpha·op(A)·op(B) + bias`, the bias's m values (of C's type) added along C's columns
-/// before rounding (cuBLASLt's bias epilogue).
+/// whatever the operand types (`cublasSgemmStridedBatched` when all three are f32), then the
+/// call's [`Epilogue`] (cuBLASLt's) before C is rounded to its type.
 #[derive(Clone, Copy, Debug)]
 pub struct GemmCall {
     pub a_type: Dtype,
@@ -57,14 +55,64 @@ pub struct GemmCall {
     pub ldc: usize,
     pub stride_c: usize,
     pub batch: usize,
-    /// Device address of the bias, or 0 for none.
-    pub bias: u64,
+    pub epilogue: Epilogue,
 }
 
-/// The alignment a GEMM's bias needs. cuBLASLt has no preference attribute for it (the other
+/// What a GEMM does to its f32 result `v = alpha·op(A)·op(B)` before rounding it into C
+/// (cuBLASLt's epilogues; one matrix and beta 0 only, [`GemmCall::check_epilogue`]). Device
+/// addresses; a `bias` is C's m values of C's type, added along C's columns (one per row of
+/// column-major C: one per output feature of a linear layer), 0 for none. `aux` is an m×n
+/// column-major matrix of C's type with leading dimension `ld_aux`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// C = v.
+    None,
+    /// C = v + bias (`CUBLASLT_EPILOGUE_BIAS`).
+    Bias { bias: u64 },
+    /// aux = v + bias, C = gelu(v + bias), GELU's tanh form from the f32 value
+    /// (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, or `_GELU_AUX` without a bias): a linear layer
+    /// and the activation after it, keeping the activation's input for the backward pass.
+    GeluAux { bias: u64, aux: u64, ld_aux: usize },
+    /// C = v · gelu'(aux) (`CUBLASLT_EPILOGUE_DGELU`): an input gradient carried back
+    /// through the GELU whose input `aux` is.
+    GeluGrad { aux: u64, ld_aux: usize },
+}
+
+impl Epilogue {
+    /// The epilogue in words (messages).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Epilogue::None => "none",
+            Epilogue::Bias { .. } => "bias",
+            Epilogue::GeluAux { .. } => "bias and GELU",
+            Epilogue::GeluGrad { .. } => "GELU gradient",
+        }
+    }
+
+    /// The bias's address, or 0 for none.
+    pub fn bias(&self) -> u64 {
+        match *self {
+            Epilogue::Bias { bias } | Epilogue::GeluAux { bias, .. } => bias,
+            _ => 0,
+        }
+    }
+
+    /// The auxiliary matrix and its leading dimension, if the epilogue has one.
+    pub fn aux(&self) -> Option<(u64, usize)> {
+        match *self {
+            Epilogue::GeluAux { aux, ld_aux, .. } | Epilogue::GeluGrad { aux, ld_aux } => {
+                Some((aux, ld_aux))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The alignment a GEMM's bias and auxiliary matrix need (its address, and the auxiliary
+/// matrix's column stride in bytes). cuBLASLt has no preference attribute for them (the other
 /// operands' alignments are passed to its heuristic); Marian's cuBLASLt code found bias
 /// vectors below 16 bytes failing on an A100.
-pub const BIAS_ALIGN: u64 = 16;
+pub const EPILOGUE_ALIGN: u64 = 16;
 
 impl GemmCall {
     /// Whether the product has no elements (nothing to queue).
@@ -72,33 +120,44 @@ impl GemmCall {
         self.m == 0 || self.n == 0 || self.batch == 0
     }
 
-    /// Fails unless a call with a bias is one that cuBLASLt's bias epilogue takes.
-    pub fn check_bias(&self) -> Result<()> {
+    /// Fails unless a call with an epilogue is one that cuBLASLt's epilogues take: one
+    /// matrix, beta 0, and the bias and auxiliary matrix [`EPILOGUE_ALIGN`]-aligned, the
+    /// latter with a leading dimension of at least m.
+    pub fn check_epilogue(&self) -> Result<()> {
+        let aligned = |p: u64| p.is_multiple_of(EPILOGUE_ALIGN);
+        let aux_ok = self.epilogue.aux().is_none_or(|(aux, ld)| {
+            aligned(aux)
+                && ld >= self.m
+                && ((ld * self.c_type.bytes()) as u64).is_multiple_of(EPILOGUE_ALIGN)
+        });
         anyhow::ensure!(
-            self.batch == 1 && self.beta == 0.0 && self.bias.is_multiple_of(BIAS_ALIGN),
-            "a GEMM with a bias needs one matrix, beta 0 and a {BIAS_ALIGN}-byte aligned \
-             bias (got batch {}, beta {}, bias at {:#x})",
+            self.batch == 1 && self.beta == 0.0 && aligned(self.epilogue.bias()) && aux_ok,
+            "a GEMM with a {} epilogue needs one matrix, beta 0, a {EPILOGUE_ALIGN}-byte \
+             aligned bias and auxiliary matrix (columns too) of at least m rows (got batch {}, \
+             beta {}, m {}, {:?})",
+            self.epilogue.name(),
             self.batch,
             self.beta,
-            self.bias
+            self.m,
+            self.epilogue
         );
         Ok(())
     }
 }
 
-/// What [`Engine::gemm`] fails with when it cannot add a call's bias in the GEMM's epilogue
-/// (cuBLASLt has no algorithm for that shape and those types): the backend then adds the bias
-/// with a kernel, as for an unaligned bias. Any other error is fatal.
+/// What [`Engine::gemm`] fails with when it cannot run a call's [`Epilogue`] (cuBLASLt has no
+/// algorithm for that epilogue, shape and types): the backend then does the epilogue's work
+/// with its kernels, for that shape from then on. Any other error is fatal.
 #[derive(Debug)]
-pub struct NoBiasEpilogue(pub String);
+pub struct NoEpilogue(pub String);
 
-impl std::fmt::Display for NoBiasEpilogue {
+impl std::fmt::Display for NoEpilogue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "no bias epilogue: {}", self.0)
+        write!(f, "no such epilogue: {}", self.0)
     }
 }
 
-impl std::error::Error for NoBiasEpilogue {}
+impl std::error::Error for NoEpilogue {}
 
 /// A device as the CUDA backend uses it. Work is ordered (one stream); `download` waits for it.
 pub trait Engine {
@@ -125,7 +184,7 @@ pub trait Engine {
     /// Launches kernel `kernel` (an index into [`super::kernel_names`]) on `grid` blocks of
     /// `block` threads with `shmem` bytes of dynamic shared memory.
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()>;
-    /// Queues `g`; a call with a bias may fail with [`NoBiasEpilogue`].
+    /// Queues `g`; a call with an epilogue may fail with [`NoEpilogue`].
     fn gemm(&self, g: &GemmCall) -> Result<()>;
     /// `g` on `g.batch` matrices given by pointer arrays instead of strides: `arrays` are the
     /// device addresses of three arrays of `g.batch` device pointers (A, B, C) in device

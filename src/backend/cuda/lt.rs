@@ -1,15 +1,24 @@
-//! cuBLASLt, for the GEMMs whose result gets a bias (a linear layer's forward pass): the bias
-//! is added in the GEMM's epilogue (`CUBLASLT_EPILOGUE_BIAS`), in f32 before D is rounded to
-//! its type, instead of a kernel first writing the bias into every row of D and the GEMM
-//! reading it back with beta = 1 (two extra passes over the output: 5.4 GB per GPT-2 124M
-//! B=16 T=1024 step). The numbers are the same: either way the bias value (of D's type) is
-//! added to the f32 accumulator and the sum rounded once.
+//! cuBLASLt, for the GEMMs with an [`Epilogue`]: work on the f32 result before D is rounded
+//! to its type, done as the GEMM writes D instead of by kernels passing over D again.
+//!
+//! - A linear layer's bias (`CUBLASLT_EPILOGUE_BIAS`), instead of a kernel first writing the
+//!   bias into every row of D and the GEMM reading it back with beta = 1 (two extra passes
+//!   over the output: 5.4 GB per GPT-2 124M B=16 T=1024 step). The numbers are the same:
+//!   either way the bias value (of D's type) is added to the f32 accumulator and the sum
+//!   rounded once.
+//! - The MLP's GELU (`_GELU_AUX_BIAS`: D = gelu(v + bias), the aux matrix = v + bias, GELU's
+//!   input for the backward pass) and its gradient (`_DGELU`: D = v · gelu'(aux)), each
+//!   saving a kernel's pass over the (B·T, 4C) activations and one store of them. cuBLASLt's
+//!   GELU is the tanh form GPT-2 uses (within 2e-4 in f32, fp64 within 1e-5, per a public
+//!   test of these epilogues on an RTX 3060 with cuBLASLt 13.0); the backend uses it for
+//!   16-bit activations only, where that is far below the type's rounding. The aux matrix
+//!   must have D's type.
 //!
 //! Descriptors are made per call (microseconds of host time, hidden behind the queued GPU
 //! work), as PyTorch's `gemm_and_bias` does; the heuristic is told each pointer's alignment,
 //! so it never picks an algorithm that needs more.
 
-use super::engine::{GemmCall, NoBiasEpilogue};
+use super::engine::{Epilogue, GemmCall, NoEpilogue};
 use crate::dtype::Dtype;
 use anyhow::{Context, Result};
 use cudarc::cublaslt::{result as lt, sys};
@@ -44,10 +53,9 @@ impl Lt {
         })
     }
 
-    /// `g` with its bias (see [`GemmCall`]): D = alpha·op(A)·op(B) + bias broadcast along D's
-    /// columns (`g.m` values, one per row of column-major D), D at `g.c`.
-    pub fn gemm_bias(&self, g: &GemmCall) -> Result<()> {
-        g.check_bias()?;
+    /// `g` with its epilogue (see [`Epilogue`]), D at `g.c`.
+    pub fn gemm_epilogue(&self, g: &GemmCall) -> Result<()> {
+        g.check_epilogue()?;
         let compute = if g.a_type == Dtype::F32 && g.b_type == Dtype::F32 && self.tf32 {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
         } else {
@@ -56,13 +64,29 @@ impl Lt {
         let desc = Desc::new(compute)?;
         use sys::cublasLtMatmulDescAttributes_t as D;
         let (ta, tb) = (g.trans_a as i32, g.trans_b as i32);
-        let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-        let bias_type = cuda_type(g.c_type);
+        use sys::cublasLtEpilogue_t as E;
+        let bias = g.epilogue.bias();
+        let epilogue = match g.epilogue {
+            Epilogue::None => E::CUBLASLT_EPILOGUE_DEFAULT,
+            Epilogue::Bias { .. } => E::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::GeluAux { bias: 0, .. } => E::CUBLASLT_EPILOGUE_GELU_AUX,
+            Epilogue::GeluAux { .. } => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            Epilogue::GeluGrad { .. } => E::CUBLASLT_EPILOGUE_DGELU,
+        };
         desc.set(D::CUBLASLT_MATMUL_DESC_TRANSA, &ta)?;
         desc.set(D::CUBLASLT_MATMUL_DESC_TRANSB, &tb)?;
         desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-        desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias)?;
-        desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type)?;
+        if bias != 0 {
+            let bias_type = cuda_type(g.c_type);
+            desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+            desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type)?;
+        }
+        if let Some((aux, ld)) = g.epilogue.aux() {
+            // The aux matrix has D's type (cuBLASLt's default; it refuses another for 16-bit D).
+            let ld = ld as i64;
+            desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
+            desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
+        }
         // Stored shapes: op(A) is m×k, so A is k×m when transposed; likewise B.
         let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
         let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
@@ -91,14 +115,15 @@ impl Lt {
         )?;
         // SAFETY: every descriptor is live (dropped at the end of this function) and
         // describes the matrices the backend passes: pointers inside live allocations covering
-        // the m·n·k extents with these leading dimensions and types, and a bias of m values
-        // of D's type (checked by the backend); alpha and beta are f32 host scalars, as
+        // the m·n·k extents with these leading dimensions and types, a bias of m values of
+        // D's type and an aux matrix of D's type, m×n with its leading dimension (checked by
+        // the backend); alpha and beta are f32 host scalars, as
         // CUBLAS_COMPUTE_32F(_FAST_TF32) requires; the workspace lives as long as `self`, and
         // the stream orders its reuse.
         unsafe {
             let heur =
                 lt::get_matmul_algo_heuristic(self.handle, desc.0, a.0, b.0, c.0, c.0, pref.0)
-                    .map_err(|e| NoBiasEpilogue(format!("cuBLASLt's heuristic: {e}")))?;
+                    .map_err(|e| NoEpilogue(format!("cuBLASLt's heuristic: {e}")))?;
             let (w, _) = self.workspace.device_ptr(&self.stream);
             lt::matmul(
                 self.handle,
@@ -157,8 +182,9 @@ impl Desc {
 
     fn set<V>(&self, attr: sys::cublasLtMatmulDescAttributes_t, v: &V) -> Result<()> {
         // SAFETY: the descriptor is live; `v` is the attribute's documented type (i32 for the
-        // transposes and the bias type, u32 for the epilogue, a device pointer for the bias)
-        // and cuBLASLt copies `size_of_val(v)` bytes from it.
+        // transposes and the bias type, u32 for the epilogue, a device pointer for the bias
+        // and the aux matrix, i64 for the aux's leading dimension) and cuBLASLt copies
+        // `size_of_val(v)` bytes from it.
         unsafe {
             lt::set_matmul_desc_attribute(self.0, attr, (v as *const V).cast(), size_of_val(v))
         }?;

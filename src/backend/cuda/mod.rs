@@ -34,7 +34,7 @@ use super::{
 };
 use crate::ops::attention::Heads;
 use anyhow::Result;
-use engine::{Arg, DevAlloc, Engine, GemmCall, NoBiasEpilogue, BIAS_ALIGN};
+use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, NoEpilogue};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
 pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
@@ -170,8 +170,9 @@ impl DeviceBuf {
 #[derive(Default)]
 struct Scratch(Option<DevAlloc>);
 
-/// A linear layer's GEMM: (m, n, k, B transposed) and (input, output types).
-type LinearShape = ((usize, usize, usize, bool), (Dtype, Dtype));
+/// A linear layer's GEMM with an epilogue: the epilogue's name, (m, n, k, B transposed) and
+/// (input, output types).
+type EpilogueShape = (&'static str, (usize, usize, usize, bool), (Dtype, Dtype));
 
 /// The CUDA backend on one GPU (or on the host emulator, for tests).
 pub struct CudaBackend {
@@ -193,10 +194,9 @@ pub struct CudaBackend {
     /// attention GEMMs and the tensor tables of the optimizer kernels (buffers keep their
     /// addresses, so after the first step every lookup hits).
     tables: std::collections::HashMap<Vec<u64>, DevAlloc>,
-    /// Linear-layer GEMMs ((m, n, k, B transposed), (input, output types)) whose bias the
-    /// engine could not put in the epilogue ([`NoBiasEpilogue`]): added by a kernel from then
-    /// on.
-    no_bias_epilogue: std::collections::HashSet<LinearShape>,
+    /// Linear-layer GEMMs whose epilogue the engine could not run ([`NoEpilogue`]): their
+    /// bias or GELU is done by kernels from then on.
+    no_epilogue: std::collections::HashSet<EpilogueShape>,
 }
 
 impl CudaBackend {
@@ -234,7 +234,7 @@ impl CudaBackend {
             sos: Scratch::default(),
             attn_delta: Scratch::default(),
             tables: Default::default(),
-            no_bias_epilogue: Default::default(),
+            no_epilogue: Default::default(),
         }
     }
 
@@ -401,6 +401,143 @@ impl CudaBackend {
     ) {
         let call = column_major((ta, tb), (m, n, k), alpha, a, b, beta, c, batch);
         self.queue_gemm(what, &call);
+    }
+
+    /// A linear layer's forward GEMM: `out (N, OC) = inp·W`, W the (IC, OC) matrix of
+    /// y = x·W stored so (InOut) or transposed (OutIn).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_call(
+        &self,
+        out: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> GemmCall {
+        assert!(
+            out.len == n * oc && inp.len == n * ic && w.len == ic * oc,
+            "linear_forward"
+        );
+        let (tw, ldw) = match layout {
+            WeightLayout::InOut => (false, oc),
+            WeightLayout::OutIn => (true, ic),
+        };
+        let (a, b, c) = (self.mat(inp, ic), self.mat(w, ldw), self.mat(out, oc));
+        column_major((false, tw), (n, oc, ic), 1.0, a, b, 0.0, c, 1)
+    }
+
+    /// A linear layer's input-gradient GEMM: `dinp (N, IC) = dout·Wᵀ`; Wᵀ (OC, IC) is W
+    /// stored InOut read transposed, or OutIn as is.
+    #[allow(clippy::too_many_arguments)]
+    fn input_grad_call(
+        &self,
+        dinp: Span,
+        dout: Span,
+        w: Span,
+        layout: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> GemmCall {
+        assert!(
+            dinp.len == n * ic && dout.len == n * oc && w.len == ic * oc,
+            "linear_backward: dinp"
+        );
+        let (tw, ldw) = match layout {
+            WeightLayout::InOut => (true, oc),
+            WeightLayout::OutIn => (false, ic),
+        };
+        let (a, b, c) = (self.mat(dout, oc), self.mat(w, ldw), self.mat(dinp, ic));
+        column_major((false, tw), (n, ic, oc), 1.0, a, b, 0.0, c, 1)
+    }
+
+    /// A linear layer's parameter gradients: `dw += inpᵀ·dout` (in W's layout) and `dbias +=`
+    /// the column sums of `dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_param_grads(
+        &mut self,
+        dw: Span,
+        dbias: Option<Span>,
+        dout: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        assert!(
+            dout.len == n * oc && inp.len == n * ic && w.len == ic * oc,
+            "linear_backward"
+        );
+        assert_eq!(dw.len, ic * oc, "linear_backward: dw length");
+        let (i, d) = (self.mat(inp, ic), self.mat(dout, oc));
+        match layout {
+            // dW (IC, OC) += inpᵀ·dout
+            WeightLayout::InOut => self.gemm(
+                "linear_backward",
+                (true, false),
+                (ic, oc, n),
+                1.0,
+                i,
+                d,
+                1.0,
+                self.mat(dw, oc),
+                1,
+            ),
+            // dW (OC, IC) += doutᵀ·inp
+            WeightLayout::OutIn => self.gemm(
+                "linear_backward",
+                (true, false),
+                (oc, ic, n),
+                1.0,
+                d,
+                i,
+                1.0,
+                self.mat(dw, ic),
+                1,
+            ),
+        }
+        if let Some(dbias) = dbias {
+            assert_eq!(dbias.len, oc, "linear_backward: dbias length");
+            self.column_sums(dbias, None, dout, n, oc);
+        }
+    }
+
+    /// Queues `call` with `epilogue` if the engine runs it: false (nothing queued) where the
+    /// call does not meet the epilogue's alignment ([`GemmCall::check_epilogue`]), the
+    /// product is empty, or the engine has no such epilogue for the shape (noted on stderr
+    /// once, and remembered: the caller does the epilogue's work with kernels).
+    fn try_epilogue(&mut self, call: &GemmCall, epilogue: Epilogue) -> bool {
+        let call = GemmCall { epilogue, ..*call };
+        let shape = (
+            epilogue.name(),
+            (call.m, call.n, call.k, call.trans_b),
+            (call.a_type, call.c_type),
+        );
+        if call.is_empty() || call.check_epilogue().is_err() || self.no_epilogue.contains(&shape) {
+            return false;
+        }
+        match self.eng.gemm(&call) {
+            Ok(()) => true,
+            Err(e) if e.is::<NoEpilogue>() => {
+                eprintln!(
+                    "note: linear layer GEMM {} x {} x {} ({} → {}): {e:#}; its {} epilogue is \
+                     done by kernels instead",
+                    call.n,
+                    call.m,
+                    call.k,
+                    call.a_type.name(),
+                    call.c_type.name(),
+                    epilogue.name()
+                );
+                self.no_epilogue.insert(shape);
+                false
+            }
+            Err(e) => self.fail("linear layer", e),
+        }
     }
 
     /// Queues `call` (nothing for an empty product).
@@ -989,51 +1126,17 @@ impl Backend for CudaBackend {
         ic: usize,
         oc: usize,
     ) {
-        assert!(
-            out.len == n * oc && inp.len == n * ic && w.len == ic * oc,
-            "linear_forward"
-        );
-        // W as the (IC, OC) matrix of y = x·W: stored so (InOut) or transposed (OutIn).
-        let (tw, ldw) = match layout {
-            WeightLayout::InOut => (false, oc),
-            WeightLayout::OutIn => (true, ic),
-        };
-        let (a, b, c) = (self.mat(inp, ic), self.mat(w, ldw), self.mat(out, oc));
-        let call = |beta| column_major((false, tw), (n, oc, ic), 1.0, a, b, beta, c, 1);
+        let call = self.linear_call(out, inp, w, layout, n, ic, oc);
         let Some(bias) = bias else {
-            return self.queue_gemm("linear_forward", &call(0.0));
+            return self.queue_gemm("linear_forward", &call);
         };
         assert_eq!(bias.len, oc, "linear_forward: bias length");
         assert_eq!(self.dt(bias), self.dt(out), "linear_forward: bias type");
-        // The bias goes in the GEMM's epilogue (cuBLASLt) where it is 16-byte aligned, as
-        // that needs, and cuBLASLt has an algorithm for the shape; otherwise a kernel writes
-        // it into every row of `out` first and the GEMM adds to it (beta = 1).
+        // The bias goes in the GEMM's epilogue where the engine has one for it; otherwise a
+        // kernel writes it into every row of `out` first and the GEMM adds to it (beta = 1).
         let at = self.ptr(bias);
-        let with_bias = GemmCall {
-            bias: at,
-            ..call(0.0)
-        };
-        let shape = (
-            (with_bias.m, with_bias.n, with_bias.k, with_bias.trans_b),
-            (self.dt(inp), self.dt(out)),
-        );
-        if at.is_multiple_of(BIAS_ALIGN)
-            && !self.no_bias_epilogue.contains(&shape)
-            && !with_bias.is_empty()
-        {
-            match self.eng.gemm(&with_bias) {
-                Ok(()) => return,
-                Err(e) if e.is::<NoBiasEpilogue>() => {
-                    eprintln!(
-                        "note: linear layer of {n} rows, {ic} → {oc} features ({} → {}): {e:#}; \
-                         its bias is added by a kernel instead",
-                        self.dt(inp).name(),
-                        self.dt(out).name()
-                    );
-                    self.no_bias_epilogue.insert(shape);
-                }
-                Err(e) => self.fail("linear_forward", e),
-            }
+        if self.try_epilogue(&call, Epilogue::Bias { bias: at }) {
+            return;
         }
         self.launch_elems(
             K::broadcast_rows,
@@ -1046,7 +1149,7 @@ impl Backend for CudaBackend {
                 Arg::I64(oc as i64),
             ],
         );
-        self.queue_gemm("linear_forward", &call(1.0));
+        self.queue_gemm("linear_forward", &GemmCall { beta: 1.0, ..call });
     }
 
     fn linear_backward(
@@ -1062,61 +1165,87 @@ impl Backend for CudaBackend {
         ic: usize,
         oc: usize,
     ) {
-        assert!(
-            dout.len == n * oc && inp.len == n * ic && w.len == ic * oc,
-            "linear_backward"
-        );
-        assert_eq!(dw.len, ic * oc, "linear_backward: dw length");
         if let Some(dinp) = dinp {
-            assert_eq!(dinp.len, n * ic, "linear_backward: dinp length");
-            // dinp = dout·Wᵀ; Wᵀ (OC, IC) is W stored InOut read transposed, or OutIn as is.
-            let (tw, ldw) = match layout {
-                WeightLayout::InOut => (true, oc),
-                WeightLayout::OutIn => (false, ic),
-            };
-            self.gemm(
-                "linear_backward",
-                (false, tw),
-                (n, ic, oc),
-                1.0,
-                self.mat(dout, oc),
-                self.mat(w, ldw),
-                0.0,
-                self.mat(dinp, ic),
-                1,
+            let call = self.input_grad_call(dinp, dout, w, layout, n, ic, oc);
+            self.queue_gemm("linear_backward", &call);
+        }
+        self.linear_param_grads(dw, dbias, dout, inp, w, layout, n, ic, oc);
+    }
+
+    fn gelu_epilogue(&self, dt: Dtype) -> bool {
+        // cuBLASLt's GELU is the tanh form within 2e-4 in f32 (lt.rs): far below a 16-bit
+        // type's rounding, not below f32's, whose runs are the references.
+        dt != Dtype::F32
+    }
+
+    fn linear_gelu_forward(
+        &mut self,
+        out: Span,
+        pre: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        assert!(
+            pre.len == n * oc && self.dt(pre) == self.dt(out),
+            "linear_gelu_forward: pre"
+        );
+        if let Some(b) = bias {
+            assert!(
+                b.len == oc && self.dt(b) == self.dt(out),
+                "linear_gelu_forward: bias"
             );
         }
-        let (i, d) = (self.mat(inp, ic), self.mat(dout, oc));
-        match layout {
-            // dW (IC, OC) += inpᵀ·dout
-            WeightLayout::InOut => self.gemm(
-                "linear_backward",
-                (true, false),
-                (ic, oc, n),
-                1.0,
-                i,
-                d,
-                1.0,
-                self.mat(dw, oc),
-                1,
-            ),
-            // dW (OC, IC) += doutᵀ·inp
-            WeightLayout::OutIn => self.gemm(
-                "linear_backward",
-                (true, false),
-                (oc, ic, n),
-                1.0,
-                d,
-                i,
-                1.0,
-                self.mat(dw, ic),
-                1,
-            ),
+        if self.gelu_epilogue(self.dt(out)) {
+            let call = self.linear_call(out, inp, w, layout, n, ic, oc);
+            let epilogue = Epilogue::GeluAux {
+                bias: bias.map_or(0, |b| self.ptr(b)),
+                aux: self.ptr(pre),
+                ld_aux: oc,
+            };
+            if self.try_epilogue(&call, epilogue) {
+                return;
+            }
         }
-        if let Some(dbias) = dbias {
-            assert_eq!(dbias.len, oc, "linear_backward: dbias length");
-            self.column_sums(dbias, None, dout, n, oc);
+        crate::backend::linear_then_gelu(self, out, pre, inp, w, layout, bias, n, ic, oc);
+    }
+
+    fn gelu_linear_backward(
+        &mut self,
+        dpre: Span,
+        scratch: Span,
+        dw: Span,
+        dbias: Option<Span>,
+        dout: Span,
+        inp: Span,
+        pre: Span,
+        w: Span,
+        layout: WeightLayout,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        assert!(
+            pre.len == n * ic && self.dt(pre) == self.dt(dpre),
+            "gelu_linear_backward: pre"
+        );
+        if self.gelu_epilogue(self.dt(dpre)) {
+            let call = self.input_grad_call(dpre, dout, w, layout, n, ic, oc);
+            let epilogue = Epilogue::GeluGrad {
+                aux: self.ptr(pre),
+                ld_aux: ic,
+            };
+            if self.try_epilogue(&call, epilogue) {
+                return self.linear_param_grads(dw, dbias, dout, inp, w, layout, n, ic, oc);
+            }
         }
+        crate::backend::linear_then_gelu_backward(
+            self, dpre, scratch, dw, dbias, dout, inp, pre, w, layout, n, ic, oc,
+        );
     }
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
@@ -1642,7 +1771,7 @@ fn column_major(
         ldc,
         stride_c: sc,
         batch,
-        bias: 0,
+        epilogue: Epilogue::None,
     }
 }
 
