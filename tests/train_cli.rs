@@ -1143,7 +1143,11 @@ fn mlp_gelu_setting_is_checked_and_recorded() {
         assert_eq!(h["mlp_gelu"], "separate", "{name}");
     }
     for (name, mode, says) in [
-        ("epilogue", "epilogue", "the cpu backend has no GELU epilogue"),
+        (
+            "epilogue",
+            "epilogue",
+            "the cpu backend has no GELU epilogue",
+        ),
         ("typo", "fused", "expected auto, epilogue or separate"),
     ] {
         let out = run(name, mode);

@@ -170,9 +170,14 @@ impl DeviceBuf {
 #[derive(Default)]
 struct Scratch(Option<DevAlloc>);
 
-/// A linear layer's GEMM with an epilogue: the epilogue's name, (m, n, k, B transposed) and
-/// (input, output types).
-type EpilogueShape = (&'static str, (usize, usize, usize, bool), (Dtype, Dtype));
+/// A linear layer's GEMM with an epilogue: the epilogue's name, (m, n, k), (A, B transposed)
+/// and (operand, output types).
+type EpilogueShape = (
+    &'static str,
+    (usize, usize, usize),
+    (bool, bool),
+    (Dtype, Dtype),
+);
 
 /// The CUDA backend on one GPU (or on the host emulator, for tests).
 pub struct CudaBackend {
@@ -514,7 +519,8 @@ impl CudaBackend {
         let call = GemmCall { epilogue, ..*call };
         let shape = (
             epilogue.name(),
-            (call.m, call.n, call.k, call.trans_b),
+            (call.m, call.n, call.k),
+            (call.trans_a, call.trans_b),
             (call.a_type, call.c_type),
         );
         if call.is_empty() || call.check_epilogue().is_err() || self.no_epilogue.contains(&shape) {
@@ -524,10 +530,10 @@ impl CudaBackend {
             Ok(()) => true,
             Err(e) if e.is::<NoEpilogue>() => {
                 eprintln!(
-                    "note: linear layer GEMM {} x {} x {} ({} → {}): {e:#}; its {} epilogue is \
-                     done by kernels instead",
-                    call.n,
+                    "note: a linear layer's GEMM (cuBLAS m {}, n {}, k {}, {} → {}): {e:#}; its \
+                     {} epilogue is done by kernels instead",
                     call.m,
+                    call.n,
                     call.k,
                     call.a_type.name(),
                     call.c_type.name(),
