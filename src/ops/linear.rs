@@ -12,6 +12,17 @@ pub enum WeightLayout {
     OutIn,
 }
 
+impl WeightLayout {
+    /// The same storage read as the transposed weight (OC, IC): the layout of `Wᵀ` in
+    /// `dx = dy·Wᵀ`, a linear layer's input gradient.
+    pub fn transposed(self) -> WeightLayout {
+        match self {
+            WeightLayout::InOut => WeightLayout::OutIn,
+            WeightLayout::OutIn => WeightLayout::InOut,
+        }
+    }
+}
+
 /// `W` as the (IC, OC) matrix of `y = x·W`, whatever its storage.
 fn w_view<T>(w: &[T], layout: WeightLayout, ic: usize, oc: usize) -> Mat<'_, T> {
     match layout {

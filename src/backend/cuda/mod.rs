@@ -433,8 +433,8 @@ impl CudaBackend {
         column_major((false, tw), (n, oc, ic), 1.0, a, b, 0.0, c, 1)
     }
 
-    /// A linear layer's input-gradient GEMM: `dinp (N, IC) = dout·Wᵀ`; Wᵀ (OC, IC) is W
-    /// stored InOut read transposed, or OutIn as is.
+    /// A linear layer's input-gradient GEMM: `dinp (N, IC) = dout·Wᵀ`, the forward GEMM of
+    /// a layer whose weight is W read transposed.
     #[allow(clippy::too_many_arguments)]
     fn input_grad_call(
         &self,
@@ -446,16 +446,7 @@ impl CudaBackend {
         ic: usize,
         oc: usize,
     ) -> GemmCall {
-        assert!(
-            dinp.len == n * ic && dout.len == n * oc && w.len == ic * oc,
-            "linear_backward: dinp"
-        );
-        let (tw, ldw) = match layout {
-            WeightLayout::InOut => (true, oc),
-            WeightLayout::OutIn => (false, ic),
-        };
-        let (a, b, c) = (self.mat(dout, oc), self.mat(w, ldw), self.mat(dinp, ic));
-        column_major((false, tw), (n, ic, oc), 1.0, a, b, 0.0, c, 1)
+        self.linear_call(dinp, dout, w, layout.transposed(), n, oc, ic)
     }
 
     /// A linear layer's parameter gradients: `dw += inpᵀ·dout` (in W's layout) and `dbias +=`
