@@ -707,7 +707,7 @@ fn opt(v: Option<f64>, prec: usize) -> String {
 /// One human-readable table line.
 pub fn format_row(r: &BenchRow) -> String {
     let mut line = format!(
-        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:<5} {:>8.1} {:>5.1}% {:>9} {:>6}",
+        "{:<10} {:<20} {:>17} {:>5} {:>3} {:<8} {:<5} {:>8.1} {:>6} {:>9} {:>6}",
         r.set,
         r.name,
         format!("{}x{}x{}", r.shape.m, r.shape.n, r.shape.k),
@@ -719,7 +719,12 @@ pub fn format_row(r: &BenchRow) -> String {
             _ => r.dtype.clone(),
         },
         r.gflops,
-        r.peak_pct,
+        // A device without a known peak (the emulator) has none to compare with.
+        if r.peak_pct.is_finite() {
+            format!("{:.1}%", r.peak_pct)
+        } else {
+            "-".into()
+        },
         opt(r.baseline_gflops, 1),
         opt(r.ratio, 2),
     );
