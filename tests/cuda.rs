@@ -504,6 +504,19 @@ mod gpu {
             be.run(|x| x.attention_forward(out, lse, qkv, d));
             be.check("fused attention out", out, GEMM);
             be.check("fused attention lse", lse, GEMM);
+            // The forward kernel with 32 query rows per warp does each row's arithmetic in the
+            // same order as with 16: the same bits.
+            let (out32, lse32) = (be.nan(b * t * c), be.nan32(b * nh * t));
+            be.gpu.set_flash_warp_rows(32);
+            be.gpu.attention_forward(out32, lse32, qkv, d);
+            be.gpu.set_flash_warp_rows(16);
+            for (what, x, y) in [("out", out, out32), ("lse", lse, lse32)] {
+                let (mut u, mut v) = (vec![0.0; x.len], vec![0.0; y.len]);
+                be.gpu.download(x, &mut u);
+                be.gpu.download(y, &mut v);
+                let bits = |w: &[f32]| w.iter().map(|z| z.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&u), bits(&v), "{what}, 32 rows per warp, {d:?} ({act:?})");
+            }
             let dout = be.rand(b * t * c, 2);
             let dqkv = be.nan(b * t * 3 * c);
             be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));

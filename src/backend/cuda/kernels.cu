@@ -652,6 +652,11 @@ FOR_TYPES(DEF)
 // on an H200 (GPT-2 124M, B=16, T=1024, bf16), 4 / 4 / 3 gave the fastest step (50.3 ms
 // against 51.8 uncapped: the forward kernel 2.64 → 2.13 ms, the backward 8.15 → 7.00 ms).
 #define FA_MINB_FWD 4
+// The forward kernel with 32 query rows per warp (flash_forward_wide, 64 threads), not yet
+// measured on a GPU: ptxas (CUDA 13.5, sm_90) gives it 246 registers and no spills at 4 blocks
+// of 2 warps per SM (8 warps, FlashAttention-2's occupancy); capped for 6 blocks it spills 148
+// bytes, for 8 (the same 128-register cap as flash_forward) 736.
+#define FA_MINB_FWD_WIDE 4
 #define FA_MINB_DQ 4
 #define FA_MINB_DKV 3
 
@@ -881,23 +886,34 @@ __device__ void fa_a_frags(u32 (*a)[4], const T* s, int row) {
     }
 }
 
-// acc (16 × 64) = A (16 × FA_D, fragments) · Bᵀ, B the 64 rows of tile `s` (64 × FA_D), read
-// by ldmatrix (32 columns per ldmatrix.x4).
-template <typename T>
-__device__ void fa_mma_abt(float (*acc)[4], u32 (*a)[4], T* s) {
+// acc[i] (16 × 64) = A[i] (16 × FA_D, fragments) · Bᵀ for each of a warp's M row groups, B
+// the 64 rows of tile `s` (64 × FA_D), read by ldmatrix (32 columns per ldmatrix.x4): each B
+// fragment loaded from shared memory serves M products.
+template <typename T, int M>
+__device__ void fa_mma_abt_m(float (*acc)[FA_ROWS / 8][4], u32 (*a)[FA_D / 16][4], T* s) {
     int lane = threadIdx.x % WARP;
     smem_t lp = smem(s) + 2 * ((lane & 7) * FA_LDS + (lane >> 3) * 8);
 #pragma unroll
     for (int n = 0; n < FA_ROWS / 8; n++) {
-        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < M; i++) acc[i][n][0] = acc[i][n][1] = acc[i][n][2] = acc[i][n][3] = 0.0f;
 #pragma unroll
         for (int kd = 0; kd < FA_D / 16; kd += 2) {
             u32 b[4];
             ldsm_x4(b, lp + 2 * (n * 8 * FA_LDS + kd * 16));
-            mma16816(acc[n], a[kd], b, T());
-            mma16816(acc[n], a[kd + 1], b + 2, T());
+#pragma unroll
+            for (int i = 0; i < M; i++) {
+                mma16816(acc[i][n], a[i][kd], b, T());
+                mma16816(acc[i][n], a[i][kd + 1], b + 2, T());
+            }
         }
     }
+}
+// The same for one row group.
+template <typename T>
+__device__ void fa_mma_abt(float (*acc)[4], u32 (*a)[4], T* s) {
+    fa_mma_abt_m<T, 1>(reinterpret_cast<float (*)[FA_ROWS / 8][4]>(acc),
+                       reinterpret_cast<u32 (*)[FA_D / 16][4]>(a), s);
 }
 
 // P (16 × 64, accumulator layout) rounded to T as A fragments (16 keys per fragment).
@@ -921,10 +937,11 @@ __device__ float fa_unpack(u32 (*pa)[4], int n, int e) {
     return ld(x);
 }
 
-// acc (16 × FA_D) += P (16 × 64, packed A fragments) · B, B the row-major tile `s`
-// (64 × FA_D), read transposed by ldmatrix (16 columns per ldmatrix.x4).
-template <typename T>
-__device__ void fa_mma_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
+// acc[i] (16 × FA_D) += P[i] (16 × 64, packed A fragments) · B for each of a warp's M row
+// groups, B the row-major tile `s` (64 × FA_D), read transposed by ldmatrix (16 columns per
+// ldmatrix.x4): each B fragment serves M products.
+template <typename T, int M>
+__device__ void fa_mma_pb_m(float (*acc)[FA_D / 8][4], u32 (*pa)[FA_ROWS / 16][4], T* s) {
     int lane = threadIdx.x % WARP;
     smem_t lp = smem(s) + 2 * (((lane & 8) + (lane & 7)) * FA_LDS + (lane >> 4) * 8);
 #pragma unroll
@@ -933,9 +950,18 @@ __device__ void fa_mma_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
         for (int nd = 0; nd < FA_D / 16; nd++) {
             u32 b[4];
             ldsm_x4_trans(b, lp + 2 * (kk * 16 * FA_LDS + nd * 16));
-            mma16816(acc[2 * nd], pa[kk], b, T());
-            mma16816(acc[2 * nd + 1], pa[kk], b + 2, T());
+#pragma unroll
+            for (int i = 0; i < M; i++) {
+                mma16816(acc[i][2 * nd], pa[i][kk], b, T());
+                mma16816(acc[i][2 * nd + 1], pa[i][kk], b + 2, T());
+            }
         }
+}
+// The same for one row group.
+template <typename T>
+__device__ void fa_mma_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
+    fa_mma_pb_m<T, 1>(reinterpret_cast<float (*)[FA_D / 8][4]>(acc),
+                      reinterpret_cast<u32 (*)[FA_ROWS / 16][4]>(pa), s);
 }
 
 __device__ float quad_max(float v) {
@@ -979,20 +1005,23 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
 // Item = (query block, sequence, head), the longest query blocks first. K and V tiles are
-// double-buffered: the copies of key block kb + 1 run while block kb is multiplied.
-template <typename T>
+// double-buffered: the copies of key block kb + 1 run while block kb is multiplied. Each of
+// the block's FA_ROWS / (16·M) warps owns M groups of 16 query rows (FLASH_WARP_ROWS = 16·M
+// on the host): with M = 2 every K and V fragment a warp loads from shared memory feeds two
+// products instead of one (FlashAttention-2 gives a warp 32 rows), for twice the registers.
+template <typename T, int M>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 hs_, float scale) {
     alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
-        t = lane & 3;
+        t = lane & 3, w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;  // raw scores to log2 units
     i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
-        i64 q0 = qb * FA_ROWS, r0 = q0 + warp * 16 + g;
+        i64 q0 = qb * FA_ROWS;
         const T* base = qkv + b * Tn * ldq + h * hs;
         __syncthreads();  // the previous item's reads are done
         fa_load(sK[1], base, q0, Tn, ldq, hs, vec);  // Q, in the buffer block 1 will use
@@ -1000,13 +1029,20 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
-        u32 qa[FA_D / 16][4];
-        fa_a_frags(qa, sK[1], warp * 16);
-        // m: running maximum of the raw scores; l: this lane's part of the running sum.
-        float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-        float o[FA_D / 8][4];
+        u32 qa[M][FA_D / 16][4];
 #pragma unroll
-        for (int nd = 0; nd < FA_D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+        for (int i = 0; i < M; i++) fa_a_frags(qa[i], sK[1], w0 + 16 * i);
+        // m: running maximum of the raw scores; l: this lane's part of the running sum (per
+        // row group, rows g and g + 8).
+        float m[M][2], l[M][2], o[M][FA_D / 8][4];
+#pragma unroll
+        for (int i = 0; i < M; i++) {
+            m[i][0] = m[i][1] = NEG_INF;
+            l[i][0] = l[i][1] = 0.0f;
+#pragma unroll
+            for (int nd = 0; nd < FA_D / 8; nd++)
+                o[i][nd][0] = o[i][nd][1] = o[i][nd][2] = o[i][nd][3] = 0.0f;
+        }
         for (i64 kb = 0; kb <= qb; kb++) {
             int cur = (int)(kb & 1);
             __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
@@ -1017,54 +1053,68 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             cp_async_commit();
             cp_async_wait_prior();  // block kb's tiles have landed
             __syncthreads();
-            float s[FA_ROWS / 8][4];
-            fa_mma_abt(s, qa, sK[cur]);
-            if (kb == qb) fa_mask(s, warp * 16, NEG_INF, false);
-            float mx[2] = {m[0], m[1]};
+            float s[M][FA_ROWS / 8][4];
+            fa_mma_abt_m<T, M>(s, qa, sK[cur]);
+            u32 pa[M][FA_ROWS / 16][4];
 #pragma unroll
-            for (int n = 0; n < FA_ROWS / 8; n++)
+            for (int i = 0; i < M; i++) {
+                if (kb == qb) fa_mask(s[i], w0 + 16 * i, NEG_INF, false);
+                float mx[2] = {m[i][0], m[i][1]};
 #pragma unroll
-                for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-            float neg[2];
+                for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[i][n][e]);
+                float neg[2];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    // Column 0 is in every row's first key block: m is finite from then on.
+                    mx[r] = quad_max(mx[r]);
+                    float corr = fast_exp2((m[i][r] - mx[r]) * sl2);
+                    m[i][r] = mx[r];
+                    neg[r] = -mx[r] * sl2;
+                    l[i][r] *= corr;
+#pragma unroll
+                    for (int nd = 0; nd < FA_D / 8; nd++) {
+                        o[i][nd][2 * r] *= corr;
+                        o[i][nd][2 * r + 1] *= corr;
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        s[i][n][e] = fast_exp2(fmaf(s[i][n][e], sl2, neg[e >> 1]));
+                        l[i][e >> 1] += s[i][n][e];
+                    }
+                fa_pack<T>(pa[i], s[i]);
+            }
+            fa_mma_pb_m<T, M>(o, pa, sV[cur]);
+        }
+#pragma unroll
+        for (int i = 0; i < M; i++) {
+            i64 r0 = q0 + w0 + 16 * i + g;
+            float inv[2];
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                // Column 0 is in every row's first key block: m is finite from then on.
-                mx[r] = quad_max(mx[r]);
-                float corr = fast_exp2((m[r] - mx[r]) * sl2);
-                m[r] = mx[r];
-                neg[r] = -mx[r] * sl2;
-                l[r] *= corr;
-#pragma unroll
-                for (int nd = 0; nd < FA_D / 8; nd++) {
-                    o[nd][2 * r] *= corr;
-                    o[nd][2 * r + 1] *= corr;
-                }
+                l[i][r] = quad_sum(l[i][r]);
+                inv[r] = 1.0f / l[i][r];
+                if (t == 0 && r0 + 8 * r < Tn)
+                    lse[bh * Tn + r0 + 8 * r] = m[i][r] * scale + logf(l[i][r]);
             }
-#pragma unroll
-            for (int n = 0; n < FA_ROWS / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    s[n][e] = fast_exp2(fmaf(s[n][e], sl2, neg[e >> 1]));
-                    l[e >> 1] += s[n][e];
-                }
-            u32 pa[FA_ROWS / 16][4];
-            fa_pack<T>(pa, s);
-            fa_mma_pb(o, pa, sV[cur]);
+            fa_store(out + b * Tn * C + h * hs, o[i], q0 + w0 + 16 * i, Tn, C, hs, inv);
         }
-        float inv[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            l[r] = quad_sum(l[r]);
-            inv[r] = 1.0f / l[r];
-            if (t == 0 && r0 + 8 * r < Tn) lse[bh * Tn + r0 + 8 * r] = m[r] * scale + logf(l[r]);
-        }
-        fa_store(out + b * Tn * C + h * hs, o, q0 + warp * 16, Tn, C, hs, inv);
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD) flash_forward_##S(T* out, float* lse, const T* qkv, i64 B,   \
-                                                 i64 Tn, i64 nh, i64 hs, float scale) {      \
-        flash_forward_k(out, lse, qkv, B, Tn, nh, hs, scale);                               \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD)                    \
+        flash_forward_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 hs,  \
+                          float scale) {                                                    \
+        flash_forward_k<T, 1>(out, lse, qkv, B, Tn, nh, hs, scale);                         \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_FWD_WIDE)           \
+        flash_forward_wide_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
+                               i64 hs, float scale) {                                       \
+        flash_forward_k<T, 2>(out, lse, qkv, B, Tn, nh, hs, scale);                         \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF

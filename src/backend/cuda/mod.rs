@@ -33,7 +33,7 @@ use super::{
     Span, TokSpan,
 };
 use crate::ops::attention::Heads;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, NoEpilogue};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
@@ -45,6 +45,11 @@ pub const NVRTC_OPTIONS: &[&str] = &["--fmad=false", "--prec-div=true", "--prec-
 
 /// Environment variable that turns `--device cuda` into the host emulator (tests only).
 pub const EMULATE_ENV: &str = "FUGU_CUDA_EMULATE";
+
+/// Environment variable: query rows per warp of the fused attention's forward kernel, `16`
+/// (the default, measured) or `32` (`flash_forward_wide`: each K and V fragment loaded from
+/// shared memory feeds two products; unmeasured, for A/B runs on a GPU).
+pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels.cu`).
 const ROW_THREADS: u32 = 256;
@@ -148,6 +153,7 @@ kernels!(
     sum_of_squares;
     half:
     flash_forward,
+    flash_forward_wide,
     flash_backward_dq,
     flash_backward_dkv,
 );
@@ -202,6 +208,8 @@ pub struct CudaBackend {
     /// Linear-layer GEMMs whose epilogue the engine could not run ([`NoEpilogue`]): their
     /// bias or GELU is done by kernels from then on.
     no_epilogue: std::collections::HashSet<EpilogueShape>,
+    /// Query rows per warp of the fused attention's forward kernel (16 or 32).
+    flash_warp_rows: usize,
 }
 
 impl CudaBackend {
@@ -213,11 +221,25 @@ impl CudaBackend {
     /// test hook: the end-to-end tests run `fugu --device cuda` on machines without a GPU);
     /// logs and the metrics header then name the emulator as the device.
     pub fn new(ordinal: Option<usize>, settings: CudaSettings) -> Result<CudaBackend> {
-        if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
-            return Self::emulated();
-        }
-        let engine = driver::DriverEngine::new(ordinal, settings)?;
-        Ok(Self::with_engine(Box::new(engine)))
+        let rows = match std::env::var(FLASH_WARP_ROWS_ENV).as_deref() {
+            Err(_) | Ok("" | "16") => 16,
+            Ok("32") => 32,
+            Ok(other) => bail!("{FLASH_WARP_ROWS_ENV}={other}: expected 16 or 32"),
+        };
+        let mut be = if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
+            Self::emulated()?
+        } else {
+            Self::with_engine(Box::new(driver::DriverEngine::new(ordinal, settings)?))
+        };
+        be.set_flash_warp_rows(rows);
+        Ok(be)
+    }
+
+    /// Query rows per warp of the fused attention's forward kernel: 16 (the default) or 32
+    /// ([`FLASH_WARP_ROWS_ENV`]).
+    pub fn set_flash_warp_rows(&mut self, rows: usize) {
+        assert!(rows == 16 || rows == 32, "flash warp rows: 16 or 32, not {rows}");
+        self.flash_warp_rows = rows;
     }
 
     /// The same backend with `kernels.cu` compiled for the host and run by
@@ -240,6 +262,7 @@ impl CudaBackend {
             attn_delta: Scratch::default(),
             tables: Default::default(),
             no_epilogue: Default::default(),
+            flash_warp_rows: 16,
         }
     }
 
@@ -1374,14 +1397,12 @@ impl Backend for CudaBackend {
         assert_eq!(self.dt(lse), Dtype::F32, "attention_forward: lse is f32");
         let mut args = vec![Arg::Ptr(self.ptr(out)), Arg::Ptr(self.ptr(lse))];
         args.extend(self.flash_args(qkv, d));
-        self.launch(
-            K::flash_forward,
-            dt,
-            Self::flash_grid(d),
-            FLASH_THREADS,
-            0,
-            &args,
-        );
+        // Four warps of 16 query rows, or two of 32, per block of FLASH_ROWS rows.
+        let (kernel, threads) = match self.flash_warp_rows {
+            32 => (K::flash_forward_wide, FLASH_THREADS / 2),
+            _ => (K::flash_forward, FLASH_THREADS),
+        };
+        self.launch(kernel, dt, Self::flash_grid(d), threads, 0, &args);
     }
 
     fn attention_backward(
