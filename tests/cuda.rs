@@ -515,7 +515,11 @@ mod gpu {
                 be.gpu.download(x, &mut u);
                 be.gpu.download(y, &mut v);
                 let bits = |w: &[f32]| w.iter().map(|z| z.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&u), bits(&v), "{what}, 32 rows per warp, {d:?} ({act:?})");
+                assert_eq!(
+                    bits(&u),
+                    bits(&v),
+                    "{what}, 32 rows per warp, {d:?} ({act:?})"
+                );
             }
             let dout = be.rand(b * t * c, 2);
             let dqkv = be.nan(b * t * 3 * c);
@@ -981,6 +985,28 @@ mod gpu {
         }
         ok(&fugu(&a, emulate));
         losses(out)
+    }
+
+    /// A `FUGU_FLASH_WARP_ROWS` that is neither 16 nor 32 is refused by name when the CUDA
+    /// backend starts.
+    #[test]
+    fn flash_warp_rows_setting_is_checked() {
+        let Some(emulate) = binary_mode() else {
+            return;
+        };
+        let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
+        c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
+        c.env(cuda::FLASH_WARP_ROWS_ENV, "8");
+        if emulate {
+            c.env(cuda::EMULATE_ENV, "1");
+        }
+        let out = c.output().expect("running fugu");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(
+            err.contains("FUGU_FLASH_WARP_ROWS=8: expected 16 or 32"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -238,7 +238,10 @@ impl CudaBackend {
     /// Query rows per warp of the fused attention's forward kernel: 16 (the default) or 32
     /// ([`FLASH_WARP_ROWS_ENV`]).
     pub fn set_flash_warp_rows(&mut self, rows: usize) {
-        assert!(rows == 16 || rows == 32, "flash warp rows: 16 or 32, not {rows}");
+        assert!(
+            rows == 16 || rows == 32,
+            "flash warp rows: 16 or 32, not {rows}"
+        );
         self.flash_warp_rows = rows;
     }
 
