@@ -21,7 +21,7 @@ fn cuda_tests() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use fugu::backend::cuda::{self, CudaBackend};
+    use fugu::backend::cuda::{self, CudaBackend, FlashWarpRows};
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype,
         FusedAttention, Span, TokSpan, WeightLayout,
@@ -481,6 +481,42 @@ mod gpu {
         }
     }
 
+    /// Every fused attention kernel with 32 rows per warp.
+    const WIDE: FlashWarpRows = FlashWarpRows {
+        forward: 32,
+        dq: 32,
+        dkv: 32,
+    };
+
+    /// `x` and `y` hold the same bits on `be`.
+    fn same_bits(be: &CudaBackend, what: &str, x: Span, y: Span, d: AttnDims) {
+        let (mut u, mut v) = (vec![0.0; x.len], vec![0.0; y.len]);
+        be.download(x, &mut u);
+        be.download(y, &mut v);
+        let bits = |w: &[f32]| w.iter().map(|z| z.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&u), bits(&v), "{what}, {d:?}");
+    }
+
+    /// `FUGU_FLASH_WARP_ROWS`: one value for every kernel, or one each.
+    #[test]
+    fn flash_warp_rows_parse() {
+        let rows = |f, q, kv| FlashWarpRows {
+            forward: f,
+            dq: q,
+            dkv: kv,
+        };
+        assert_eq!(FlashWarpRows::parse("").unwrap(), rows(16, 16, 16));
+        assert_eq!(FlashWarpRows::parse("32").unwrap(), rows(32, 32, 32));
+        assert_eq!(FlashWarpRows::parse("32,16, 32").unwrap(), rows(32, 16, 32));
+        for bad in ["8", "16,32", "32,16,16,16", "x"] {
+            let e = FlashWarpRows::parse(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("FUGU_FLASH_WARP_ROWS={bad}: expected 16 or 32")),
+                "{e}"
+            );
+        }
+    }
+
     fn fused_attention_in(act: Dtype) {
         let Some(mut be) = Both::new(act) else { return };
         for (b, t, nh, hs) in [
@@ -504,26 +540,22 @@ mod gpu {
             be.run(|x| x.attention_forward(out, lse, qkv, d));
             be.check("fused attention out", out, GEMM);
             be.check("fused attention lse", lse, GEMM);
-            // The forward kernel with 32 query rows per warp does each row's arithmetic in the
-            // same order as with 16: the same bits.
+            // The kernels with 32 rows per warp do each row's arithmetic in the same order as
+            // with 16: the same bits.
             let (out32, lse32) = (be.nan(b * t * c), be.nan32(b * nh * t));
-            be.gpu.set_flash_warp_rows(32);
+            be.gpu.set_flash_warp_rows(WIDE);
             be.gpu.attention_forward(out32, lse32, qkv, d);
-            be.gpu.set_flash_warp_rows(16);
-            for (what, x, y) in [("out", out, out32), ("lse", lse, lse32)] {
-                let (mut u, mut v) = (vec![0.0; x.len], vec![0.0; y.len]);
-                be.gpu.download(x, &mut u);
-                be.gpu.download(y, &mut v);
-                let bits = |w: &[f32]| w.iter().map(|z| z.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&u),
-                    bits(&v),
-                    "{what}, 32 rows per warp, {d:?} ({act:?})"
-                );
-            }
+            be.gpu.set_flash_warp_rows(FlashWarpRows::default());
+            same_bits(&be.gpu, "out, 32 rows per warp", out, out32, d);
+            same_bits(&be.gpu, "lse, 32 rows per warp", lse, lse32, d);
             let dout = be.rand(b * t * c, 2);
             let dqkv = be.nan(b * t * 3 * c);
             be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
+            let dqkv32 = be.nan(b * t * 3 * c);
+            be.gpu.set_flash_warp_rows(WIDE);
+            be.gpu.attention_backward(dqkv32, dout, out, lse, qkv, d);
+            be.gpu.set_flash_warp_rows(FlashWarpRows::default());
+            same_bits(&be.gpu, "dqkv, 32 rows per warp", dqkv, dqkv32, d);
             be.check(
                 "fused attention dqkv",
                 dqkv,

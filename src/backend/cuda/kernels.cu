@@ -659,6 +659,14 @@ FOR_TYPES(DEF)
 #define FA_MINB_FWD_WIDE 4
 #define FA_MINB_DQ 4
 #define FA_MINB_DKV 3
+// The backward kernels with 32 rows per warp, also unmeasured: at 4 blocks of 2 warps, ptxas
+// gives both the 255-register maximum, the dQ kernel spilling 96 bytes (the 16-row one spills
+// 76 at its cap) and the dK/dV kernel about 400 (its two row groups' dK and dV accumulators
+// alone take 128 registers). Reading its K and V fragments from shared memory on each query
+// block instead would end the spills but needs K and V kept there, beside the two Q and dO
+// buffers: more than the 48 KB of static shared memory.
+#define FA_MINB_DQ_WIDE 4
+#define FA_MINB_DKV_WIDE 4
 
 #ifdef __CUDACC_RTC__
 template <typename T>
@@ -1129,7 +1137,7 @@ template <typename T>
 __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, const T* sdo,
                          const T* ob, i64 row0, i64 Tn, i64 C, int hs, bool vec) {
     if (vec) {
-        for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += FA_THREADS) {
+        for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
             int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
             i64 row = row0 + r;
             float s = 0.0f;
@@ -1164,15 +1172,16 @@ __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, c
 
 // Backward, part 1: the Q columns of dqkv, and delta (B, nh, T) = rowsum(dout ∘ out), which
 // part 2 reads. Item = (query block, sequence, head), the longest first; K and V tiles
-// double-buffered as in the forward kernel.
-template <typename T>
+// double-buffered as in the forward kernel; M groups of 16 query rows per warp, as there.
+template <typename T, int M>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                     i64 hs_, float scale) {
     alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
-    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2;
+    int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
+        w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C),
@@ -1190,17 +1199,26 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
-        u32 qa[FA_D / 16][4], da[FA_D / 16][4];
-        fa_a_frags(qa, sK[1], warp * 16);
-        fa_a_frags(da, sV[1], warp * 16);
+        u32 qa[M][FA_D / 16][4], da[M][FA_D / 16][4];
+#pragma unroll
+        for (int i = 0; i < M; i++) {
+            fa_a_frags(qa[i], sK[1], w0 + 16 * i);
+            fa_a_frags(da[i], sV[1], w0 + 16 * i);
+        }
         fa_delta(sD, sL, delta + bh * Tn, lse + bh * Tn, sV[1], ob, q0, Tn, C, hs, vec_delta);
         __syncthreads();
-        float nl[2] = {-sL[warp * 16 + g], -sL[warp * 16 + g + 8]};
-        float dr[2] = {sD[warp * 16 + g], sD[warp * 16 + g + 8]};
-        float dq[FA_D / 8][4];
+        float nl[M][2], dr[M][2], dq[M][FA_D / 8][4];
 #pragma unroll
-        for (int nd = 0; nd < FA_D / 8; nd++)
-            dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.0f;
+        for (int i = 0; i < M; i++) {
+            int r = w0 + 16 * i + g;
+            nl[i][0] = -sL[r];
+            nl[i][1] = -sL[r + 8];
+            dr[i][0] = sD[r];
+            dr[i][1] = sD[r + 8];
+#pragma unroll
+            for (int nd = 0; nd < FA_D / 8; nd++)
+                dq[i][nd][0] = dq[i][nd][1] = dq[i][nd][2] = dq[i][nd][3] = 0.0f;
+        }
         for (i64 kb = 0; kb <= qb; kb++) {
             int cur = (int)(kb & 1);
             __syncthreads();
@@ -1212,37 +1230,52 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             cp_async_wait_prior();
             __syncthreads();
             // P rounded to T (as the three-step path stores it), then dS = P ∘ (dP − Δ).
-            u32 pa[FA_ROWS / 16][4];
+            u32 pa[M][FA_ROWS / 16][4];
             {
-                float s[FA_ROWS / 8][4];
-                fa_mma_abt(s, qa, sK[cur]);
-                if (kb == qb) fa_mask(s, warp * 16, NEG_INF, false);
+                float s[M][FA_ROWS / 8][4];
+                fa_mma_abt_m<T, M>(s, qa, sK[cur]);
+#pragma unroll
+                for (int i = 0; i < M; i++) {
+                    if (kb == qb) fa_mask(s[i], w0 + 16 * i, NEG_INF, false);
+#pragma unroll
+                    for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            s[i][n][e] = fast_exp2(fmaf(s[i][n][e], sl2, nl[i][e >> 1]));
+                    fa_pack<T>(pa[i], s[i]);
+                }
+            }
+            float dp[M][FA_ROWS / 8][4];
+            fa_mma_abt_m<T, M>(dp, da, sV[cur]);
+#pragma unroll
+            for (int i = 0; i < M; i++) {
 #pragma unroll
                 for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) s[n][e] = fast_exp2(fmaf(s[n][e], sl2, nl[e >> 1]));
-                fa_pack<T>(pa, s);
+                    for (int e = 0; e < 4; e++)
+                        dp[i][n][e] = fa_unpack<T>(pa[i], n, e) * (dp[i][n][e] - dr[i][e >> 1]);
+                fa_pack<T>(pa[i], dp[i]);
             }
-            float dp[FA_ROWS / 8][4];
-            fa_mma_abt(dp, da, sV[cur]);
-#pragma unroll
-            for (int n = 0; n < FA_ROWS / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    dp[n][e] = fa_unpack<T>(pa, n, e) * (dp[n][e] - dr[e >> 1]);
-            fa_pack<T>(pa, dp);
-            fa_mma_pb(dq, pa, sK[cur]);
+            fa_mma_pb_m<T, M>(dq, pa, sK[cur]);
         }
         float mul[2] = {scale, scale};
-        fa_store(dqkv + b * Tn * ldq + h * hs, dq, q0 + warp * 16, Tn, ldq, hs, mul);
+#pragma unroll
+        for (int i = 0; i < M; i++)
+            fa_store(dqkv + b * Tn * ldq + h * hs, dq[i], q0 + w0 + 16 * i, Tn, ldq, hs, mul);
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DQ) flash_backward_dq_##S(T* dqkv, float* delta, const T* dout,  \
-                                                     const T* out, const float* lse,         \
-                                                     const T* qkv, i64 B, i64 Tn, i64 nh,    \
-                                                     i64 hs, float scale) {                  \
-        flash_backward_dq_k(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, hs, scale);        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DQ)                     \
+        flash_backward_dq_##S(T* dqkv, float* delta, const T* dout, const T* out,           \
+                              const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 hs, \
+                              float scale) {                                                 \
+        flash_backward_dq_k<T, 1>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, hs, scale);  \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DQ_WIDE)            \
+        flash_backward_dq_wide_##S(T* dqkv, float* delta, const T* dout, const T* out,      \
+                                   const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,   \
+                                   i64 hs, float scale) {                                   \
+        flash_backward_dq_k<T, 2>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, hs, scale);  \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF
@@ -1260,15 +1293,17 @@ __device__ void fa_load_stats(float* sl, float* sd, const float* lse, const floa
 
 // Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, head), the
 // longest (first key blocks) first; each block runs over the query blocks from its own on, Q
-// and dO tiles (and their statistics) double-buffered.
-template <typename T>
+// and dO tiles (and their statistics) double-buffered; M groups of 16 keys per warp (each Q
+// and dO fragment loaded from shared memory feeds M products).
+template <typename T, int M>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                      i64 hs_, float scale) {
     alignas(16) __shared__ T sQ[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
-    int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3;
+    int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3,
+        w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
@@ -1287,14 +1322,17 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         fa_load_stats(sL[0], sD[0], lse_h, delta_h, k0, Tn);
         cp_async_wait_all();
         __syncthreads();
-        u32 ka[FA_D / 16][4], va[FA_D / 16][4];
-        fa_a_frags(ka, sQ[1], warp * 16);
-        fa_a_frags(va, sO[1], warp * 16);
-        float dk[FA_D / 8][4], dv[FA_D / 8][4];
+        u32 ka[M][FA_D / 16][4], va[M][FA_D / 16][4];
+        float dk[M][FA_D / 8][4], dv[M][FA_D / 8][4];
 #pragma unroll
-        for (int nd = 0; nd < FA_D / 8; nd++)
+        for (int i = 0; i < M; i++) {
+            fa_a_frags(ka[i], sQ[1], w0 + 16 * i);
+            fa_a_frags(va[i], sO[1], w0 + 16 * i);
 #pragma unroll
-            for (int e = 0; e < 4; e++) dk[nd][e] = dv[nd][e] = 0.0f;
+            for (int nd = 0; nd < FA_D / 8; nd++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dk[i][nd][e] = dv[i][nd][e] = 0.0f;
+        }
         for (i64 qb = kb; qb < nkb; qb++) {
             int cur = (int)((qb - kb) & 1);
             __syncthreads();
@@ -1310,43 +1348,59 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             // Transposed scores: rows are this warp's keys, columns the block's queries. P is
             // rounded to T (as the three-step path stores it) and feeds both dV and dS.
             const float *sl = sL[cur], *sd = sD[cur];
-            u32 pa[FA_ROWS / 16][4];
+            u32 pa[M][FA_ROWS / 16][4];
             {
-                float p[FA_ROWS / 8][4];
-                fa_mma_abt(p, ka, sQ[cur]);
+                float p[M][FA_ROWS / 8][4];
+                fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
+#pragma unroll
+                for (int i = 0; i < M; i++) {
+#pragma unroll
+                    for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            p[i][n][e] =
+                                fast_exp2(fmaf(p[i][n][e], sl2, sl[n * 8 + 2 * t + (e & 1)]));
+                    // On the diagonal tile a query before the key is masked: transposed,
+                    // column before row.
+                    if (qb == kb) fa_mask(p[i], w0 + 16 * i, 0.0f, true);
+                    fa_pack<T>(pa[i], p[i]);
+                }
+            }
+            fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
+            float ds[M][FA_ROWS / 8][4];
+            fa_mma_abt_m<T, M>(ds, va, sO[cur]);
+#pragma unroll
+            for (int i = 0; i < M; i++) {
 #pragma unroll
                 for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++)
-                        p[n][e] = fast_exp2(fmaf(p[n][e], sl2, sl[n * 8 + 2 * t + (e & 1)]));
-                // On the diagonal tile a query before the key is masked: transposed, column
-                // before row.
-                if (qb == kb) fa_mask(p, warp * 16, 0.0f, true);
-                fa_pack<T>(pa, p);
+                        ds[i][n][e] = fa_unpack<T>(pa[i], n, e) *
+                                      (ds[i][n][e] - sd[n * 8 + 2 * t + (e & 1)]);
+                fa_pack<T>(pa[i], ds[i]);
             }
-            fa_mma_pb(dv, pa, sO[cur]);
-            float ds[FA_ROWS / 8][4];
-            fa_mma_abt(ds, va, sO[cur]);
-#pragma unroll
-            for (int n = 0; n < FA_ROWS / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    ds[n][e] = fa_unpack<T>(pa, n, e) * (ds[n][e] - sd[n * 8 + 2 * t + (e & 1)]);
-            fa_pack<T>(pa, ds);
-            fa_mma_pb(dk, pa, sQ[cur]);
+            fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
         }
         float one[2] = {1.0f, 1.0f}, mul[2] = {scale, scale};
         T* dst = dqkv + b * Tn * ldq + h * hs;
-        fa_store(dst + C, dk, k0 + warp * 16, Tn, ldq, hs, mul);
-        fa_store(dst + 2 * C, dv, k0 + warp * 16, Tn, ldq, hs, one);
+#pragma unroll
+        for (int i = 0; i < M; i++) {
+            fa_store(dst + C, dk[i], k0 + w0 + 16 * i, Tn, ldq, hs, mul);
+            fa_store(dst + 2 * C, dv[i], k0 + w0 + 16 * i, Tn, ldq, hs, one);
+        }
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV) flash_backward_dkv_##S(T* dqkv, const float* delta,           \
-                                                      const T* dout, const float* lse,       \
-                                                      const T* qkv, i64 B, i64 Tn, i64 nh,   \
-                                                      i64 hs, float scale) {                 \
-        flash_backward_dkv_k(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale);            \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV)                    \
+        flash_backward_dkv_##S(T* dqkv, const float* delta, const T* dout, const float* lse, \
+                               const T* qkv, i64 B, i64 Tn, i64 nh, i64 hs, float scale) {  \
+        flash_backward_dkv_k<T, 1>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale);      \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DKV_WIDE)           \
+        flash_backward_dkv_wide_##S(T* dqkv, const float* delta, const T* dout,             \
+                                    const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,  \
+                                    i64 hs, float scale) {                                  \
+        flash_backward_dkv_k<T, 2>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale);      \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF

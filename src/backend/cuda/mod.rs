@@ -33,7 +33,7 @@ use super::{
     Span, TokSpan,
 };
 use crate::ops::attention::Heads;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, NoEpilogue};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
@@ -46,10 +46,72 @@ pub const NVRTC_OPTIONS: &[&str] = &["--fmad=false", "--prec-div=true", "--prec-
 /// Environment variable that turns `--device cuda` into the host emulator (tests only).
 pub const EMULATE_ENV: &str = "FUGU_CUDA_EMULATE";
 
-/// Environment variable: query rows per warp of the fused attention's forward kernel, `16`
-/// (the default, measured) or `32` (`flash_forward_wide`: each K and V fragment loaded from
-/// shared memory feeds two products; unmeasured, for A/B runs on a GPU).
+/// Environment variable: rows per warp of the fused attention kernels, `16` (the default,
+/// measured) or `32` (the `_wide` kernels: each fragment a warp loads from shared memory feeds
+/// two products; unmeasured, for A/B runs on a GPU), for all three kernels or as `F,Q,KV`
+/// for the forward, dQ and dK/dV kernels ([`FlashWarpRows`]).
 pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
+
+/// Rows per warp (16 or 32) of each fused attention kernel: query rows for the forward and dQ
+/// kernels, keys for the dK/dV kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashWarpRows {
+    pub forward: usize,
+    pub dq: usize,
+    pub dkv: usize,
+}
+
+impl Default for FlashWarpRows {
+    fn default() -> Self {
+        FlashWarpRows {
+            forward: 16,
+            dq: 16,
+            dkv: 16,
+        }
+    }
+}
+
+impl FlashWarpRows {
+    /// [`FLASH_WARP_ROWS_ENV`]'s value: empty (the default), `R`, or `F,Q,KV`.
+    pub fn parse(v: &str) -> Result<FlashWarpRows> {
+        let bad = || {
+            anyhow::anyhow!(
+                "{FLASH_WARP_ROWS_ENV}={v}: expected 16 or 32, or three of them separated by \
+                 commas (forward, dQ, dK/dV kernels)"
+            )
+        };
+        if v.is_empty() {
+            return Ok(Self::default());
+        }
+        let rows: Vec<usize> = v
+            .split(',')
+            .map(|x| match x.trim() {
+                "16" => Ok(16),
+                "32" => Ok(32),
+                _ => Err(bad()),
+            })
+            .collect::<Result<_>>()?;
+        match rows[..] {
+            [r] => Ok(FlashWarpRows {
+                forward: r,
+                dq: r,
+                dkv: r,
+            }),
+            [forward, dq, dkv] => Ok(FlashWarpRows { forward, dq, dkv }),
+            _ => Err(bad()),
+        }
+    }
+
+    /// A kernel's narrow (16 rows per warp, [`FLASH_THREADS`]) or wide (32 rows, half the
+    /// threads) form.
+    fn pick(rows: usize, narrow: K, wide: K) -> (K, u32) {
+        if rows == 32 {
+            (wide, FLASH_THREADS / 2)
+        } else {
+            (narrow, FLASH_THREADS)
+        }
+    }
+}
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels.cu`).
 const ROW_THREADS: u32 = 256;
@@ -155,7 +217,9 @@ kernels!(
     flash_forward,
     flash_forward_wide,
     flash_backward_dq,
+    flash_backward_dq_wide,
     flash_backward_dkv,
+    flash_backward_dkv_wide,
 );
 
 /// Device memory of one buffer (`None` for zero-length and freed buffers), its length in
@@ -208,8 +272,8 @@ pub struct CudaBackend {
     /// Linear-layer GEMMs whose epilogue the engine could not run ([`NoEpilogue`]): their
     /// bias or GELU is done by kernels from then on.
     no_epilogue: std::collections::HashSet<EpilogueShape>,
-    /// Query rows per warp of the fused attention's forward kernel (16 or 32).
-    flash_warp_rows: usize,
+    /// Rows per warp of the fused attention kernels.
+    flash_warp_rows: FlashWarpRows,
 }
 
 impl CudaBackend {
@@ -221,11 +285,7 @@ impl CudaBackend {
     /// test hook: the end-to-end tests run `fugu --device cuda` on machines without a GPU);
     /// logs and the metrics header then name the emulator as the device.
     pub fn new(ordinal: Option<usize>, settings: CudaSettings) -> Result<CudaBackend> {
-        let rows = match std::env::var(FLASH_WARP_ROWS_ENV).as_deref() {
-            Err(_) | Ok("" | "16") => 16,
-            Ok("32") => 32,
-            Ok(other) => bail!("{FLASH_WARP_ROWS_ENV}={other}: expected 16 or 32"),
-        };
+        let rows = FlashWarpRows::parse(&std::env::var(FLASH_WARP_ROWS_ENV).unwrap_or_default())?;
         let mut be = if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
             Self::emulated()?
         } else {
@@ -235,13 +295,11 @@ impl CudaBackend {
         Ok(be)
     }
 
-    /// Query rows per warp of the fused attention's forward kernel: 16 (the default) or 32
-    /// ([`FLASH_WARP_ROWS_ENV`]).
-    pub fn set_flash_warp_rows(&mut self, rows: usize) {
-        assert!(
-            rows == 16 || rows == 32,
-            "flash warp rows: 16 or 32, not {rows}"
-        );
+    /// Rows per warp of the fused attention kernels ([`FLASH_WARP_ROWS_ENV`]).
+    pub fn set_flash_warp_rows(&mut self, rows: FlashWarpRows) {
+        for r in [rows.forward, rows.dq, rows.dkv] {
+            assert!(r == 16 || r == 32, "flash warp rows: 16 or 32, not {r}");
+        }
         self.flash_warp_rows = rows;
     }
 
@@ -265,7 +323,7 @@ impl CudaBackend {
             attn_delta: Scratch::default(),
             tables: Default::default(),
             no_epilogue: Default::default(),
-            flash_warp_rows: 16,
+            flash_warp_rows: FlashWarpRows::default(),
         }
     }
 
@@ -1401,10 +1459,11 @@ impl Backend for CudaBackend {
         let mut args = vec![Arg::Ptr(self.ptr(out)), Arg::Ptr(self.ptr(lse))];
         args.extend(self.flash_args(qkv, d));
         // Four warps of 16 query rows, or two of 32, per block of FLASH_ROWS rows.
-        let (kernel, threads) = match self.flash_warp_rows {
-            32 => (K::flash_forward_wide, FLASH_THREADS / 2),
-            _ => (K::flash_forward, FLASH_THREADS),
-        };
+        let (kernel, threads) = FlashWarpRows::pick(
+            self.flash_warp_rows.forward,
+            K::flash_forward,
+            K::flash_forward_wide,
+        );
         self.launch(kernel, dt, Self::flash_grid(d), threads, 0, &args);
     }
 
@@ -1433,10 +1492,15 @@ impl Backend for CudaBackend {
             Arg::Ptr(l),
         ];
         args.extend(tail.iter().copied());
-        self.launch(K::flash_backward_dq, dt, grid, FLASH_THREADS, 0, &args);
+        let rows = self.flash_warp_rows;
+        let (k, threads) =
+            FlashWarpRows::pick(rows.dq, K::flash_backward_dq, K::flash_backward_dq_wide);
+        self.launch(k, dt, grid, threads, 0, &args);
         let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
         args.extend(tail);
-        self.launch(K::flash_backward_dkv, dt, grid, FLASH_THREADS, 0, &args);
+        let (k, threads) =
+            FlashWarpRows::pick(rows.dkv, K::flash_backward_dkv, K::flash_backward_dkv_wide);
+        self.launch(k, dt, grid, threads, 0, &args);
     }
 
     fn attention_decode(
