@@ -142,7 +142,15 @@ impl Lt {
                 w as *mut c_void,
                 self.workspace.len(),
                 self.stream.cu_stream() as sys::cudaStream_t,
-            )?;
+            )
+            .map_err(|e| -> anyhow::Error {
+                // Refused before anything was queued: the backend does the work with kernels.
+                if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED {
+                    NoEpilogue(format!("cuBLASLt's matmul: {e}")).into()
+                } else {
+                    e.into()
+                }
+            })?;
         }
         Ok(())
     }
