@@ -27,6 +27,9 @@ pub struct DriverEngine {
     /// For the GEMMs with a bias epilogue.
     lt: Lt,
     kernels: Vec<CudaFunction>,
+    /// The dynamic shared memory each kernel may use, as set on it so far (bytes; above the
+    /// default 48 KB of a block, less its static memory, a kernel has to opt in).
+    dynamic_shmem: std::sync::Mutex<Vec<u32>>,
     _module: Arc<CudaModule>,
     name: String,
 }
@@ -115,6 +118,7 @@ impl DriverEngine {
             stream,
             blas,
             lt,
+            dynamic_shmem: std::sync::Mutex::new(vec![0; kernels.len()]),
             kernels,
             _module: module,
             name: format!("{name} (sm_{major}{minor}{tf32})"),
@@ -246,7 +250,21 @@ impl Engine for DriverEngine {
     }
 
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
-        let mut b = self.stream.launch_builder(&self.kernels[kernel]);
+        let f = &self.kernels[kernel];
+        {
+            let mut set = self.dynamic_shmem.lock().unwrap_or_else(|e| e.into_inner());
+            if shmem > set[kernel] {
+                f.set_attribute(
+                    drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shmem as i32,
+                )
+                .with_context(|| {
+                    format!("allowing kernel {kernel} {shmem} bytes of dynamic shared memory")
+                })?;
+                set[kernel] = shmem;
+            }
+        }
+        let mut b = self.stream.launch_builder(f);
         for a in args {
             match a {
                 Arg::Ptr(x) => b.arg(x),

@@ -661,10 +661,9 @@ FOR_TYPES(DEF)
 #define FA_MINB_DKV 3
 // The backward kernels with 32 rows per warp, also unmeasured: at 4 blocks of 2 warps, ptxas
 // gives both the 255-register maximum, the dQ kernel spilling 96 bytes (the 16-row one spills
-// 76 at its cap) and the dK/dV kernel about 400 (its two row groups' dK and dV accumulators
-// alone take 128 registers). Reading its K and V fragments from shared memory on each query
-// block instead would end the spills but needs K and V kept there, beside the two Q and dO
-// buffers: more than the 48 KB of static shared memory.
+// 76 at its cap); the dK/dV kernel spills 40, reading its K and V fragments from dynamic
+// shared memory for each query block (FA_KV_SHMEM, the host's FLASH_KV_SHMEM: 56 KB per block
+// in all, 4 blocks in an H100's 228 KB) where keeping them in registers spilled about 400.
 #define FA_MINB_DQ_WIDE 4
 #define FA_MINB_DKV_WIDE 4
 
@@ -1294,7 +1293,12 @@ __device__ void fa_load_stats(float* sl, float* sd, const float* lse, const floa
 // Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, head), the
 // longest (first key blocks) first; each block runs over the query blocks from its own on, Q
 // and dO tiles (and their statistics) double-buffered; M groups of 16 keys per warp (each Q
-// and dO fragment loaded from shared memory feeds M products).
+// and dO fragment loaded from shared memory feeds M products). With one group the block's K
+// and V wait in the second Q and dO buffers until each warp holds its fragments in registers;
+// with two, those registers go to the two groups' dK and dV accumulators (ptxas: about 400
+// bytes of spills otherwise), so K and V stay in dynamic shared memory (FA_KV_SHMEM bytes,
+// beyond the 48 KB of static memory) and each warp reads its fragments again for every query
+// block.
 template <typename T, int M>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
@@ -1302,6 +1306,9 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     alignas(16) __shared__ T sQ[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
+    DYNAMIC_SHARED(Pack<float>, fa_kv);
+    T* sK = M > 1 ? reinterpret_cast<T*>(fa_kv) : sQ[1];
+    T* sV = M > 1 ? sK + FA_ROWS * FA_LDS : sO[1];
     int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
@@ -1315,8 +1322,8 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         const float* lse_h = lse + bh * Tn;
         const float* delta_h = delta + bh * Tn;
         __syncthreads();
-        fa_load(sQ[1], base + C, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
-        fa_load(sO[1], base + 2 * C, k0, Tn, ldq, hs, vec);
+        fa_load(sK, base + C, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
+        fa_load(sV, base + 2 * C, k0, Tn, ldq, hs, vec);
         fa_load(sQ[0], base, k0, Tn, ldq, hs, vec);  // the first query block (= kb)
         fa_load(sO[0], dob, k0, Tn, C, hs, vec_o);
         fa_load_stats(sL[0], sD[0], lse_h, delta_h, k0, Tn);
@@ -1326,12 +1333,14 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         float dk[M][FA_D / 8][4], dv[M][FA_D / 8][4];
 #pragma unroll
         for (int i = 0; i < M; i++) {
-            fa_a_frags(ka[i], sQ[1], w0 + 16 * i);
-            fa_a_frags(va[i], sO[1], w0 + 16 * i);
 #pragma unroll
             for (int nd = 0; nd < FA_D / 8; nd++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) dk[i][nd][e] = dv[i][nd][e] = 0.0f;
+        }
+        if constexpr (M == 1) {
+            fa_a_frags(ka[0], sK, w0);
+            fa_a_frags(va[0], sV, w0);
         }
         for (i64 qb = kb; qb < nkb; qb++) {
             int cur = (int)((qb - kb) & 1);
@@ -1349,6 +1358,10 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             // rounded to T (as the three-step path stores it) and feeds both dV and dS.
             const float *sl = sL[cur], *sd = sD[cur];
             u32 pa[M][FA_ROWS / 16][4];
+            if constexpr (M > 1) {
+#pragma unroll
+                for (int i = 0; i < M; i++) fa_a_frags(ka[i], sK, w0 + 16 * i);
+            }
             {
                 float p[M][FA_ROWS / 8][4];
                 fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
@@ -1368,6 +1381,10 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             }
             fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
             float ds[M][FA_ROWS / 8][4];
+            if constexpr (M > 1) {
+#pragma unroll
+                for (int i = 0; i < M; i++) fa_a_frags(va[i], sV, w0 + 16 * i);
+            }
             fa_mma_abt_m<T, M>(ds, va, sO[cur]);
 #pragma unroll
             for (int i = 0; i < M; i++) {

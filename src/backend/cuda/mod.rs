@@ -1500,7 +1500,9 @@ impl Backend for CudaBackend {
         args.extend(tail);
         let (k, threads) =
             FlashWarpRows::pick(rows.dkv, K::flash_backward_dkv, K::flash_backward_dkv_wide);
-        self.launch(k, dt, grid, threads, 0, &args);
+        // The wide kernel keeps the block's K and V tiles in dynamic shared memory.
+        let shmem = if rows.dkv == 32 { FLASH_KV_SHMEM } else { 0 };
+        self.launch(k, dt, grid, threads, shmem, &args);
     }
 
     fn attention_decode(
@@ -1765,6 +1767,9 @@ impl Backend for CudaBackend {
 /// Threads per block of the fused attention kernels (`FA_THREADS`) and the largest head they
 /// hold (`FA_D`); a block owns `FLASH_ROWS` query rows or keys (`FA_ROWS`).
 const FLASH_THREADS: u32 = 128;
+/// Dynamic shared memory of `flash_backward_dkv_wide`: its K and V tiles (64 rows of
+/// `FA_LDS` = 72 16-bit elements each).
+const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * 72 * 2;
 const FLASH_MAX_HEAD: usize = 64;
 const FLASH_ROWS: usize = 64;
 
