@@ -660,10 +660,10 @@ FOR_TYPES(DEF)
 #define FA_MINB_DQ 4
 #define FA_MINB_DKV 3
 // The backward kernels with 32 rows per warp, also unmeasured: at 4 blocks of 2 warps, ptxas
-// gives both the 255-register maximum, the dQ kernel spilling 96 bytes (the 16-row one spills
-// 76 at its cap); the dK/dV kernel spills 40, reading its K and V fragments from dynamic
-// shared memory for each query block (FA_KV_SHMEM, the host's FLASH_KV_SHMEM: 56 KB per block
-// in all, 4 blocks in an H100's 228 KB) where keeping them in registers spilled about 400.
+// gives both the 255-register maximum; they read their own tiles' fragments (Q and dO, K and
+// V) from dynamic shared memory on every loop step (the host's FLASH_KV_SHMEM: 56 KB per block
+// in all, 4 blocks in an H100's 228 KB) and spill 12 and 40 bytes, where holding them in
+// registers spilled 96 and about 400 (the 16-row kernels spill 76 and 32 at their caps).
 #define FA_MINB_DQ_WIDE 4
 #define FA_MINB_DKV_WIDE 4
 
@@ -1172,6 +1172,9 @@ __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, c
 // Backward, part 1: the Q columns of dqkv, and delta (B, nh, T) = rowsum(dout ∘ out), which
 // part 2 reads. Item = (query block, sequence, head), the longest first; K and V tiles
 // double-buffered as in the forward kernel; M groups of 16 query rows per warp, as there.
+// With two groups the Q and dO fragments are read again from shared memory for every key
+// block (the registers go to the accumulators), so Q and dO stay in dynamic shared memory
+// (FLASH_KV_SHMEM bytes) instead of the buffers key block 1 then fills.
 template <typename T, int M>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
@@ -1179,6 +1182,9 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
     alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
+    DYNAMIC_SHARED(Pack<float>, fa_qdo);
+    T* sQ = M > 1 ? reinterpret_cast<T*>(fa_qdo) : sK[1];
+    T* sDO = M > 1 ? sQ + FA_ROWS * FA_LDS : sV[1];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
@@ -1192,19 +1198,18 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         const T* dob = dout + b * Tn * C + h * hs;
         const T* ob = out + b * Tn * C + h * hs;
         __syncthreads();
-        fa_load(sK[1], base, q0, Tn, ldq, hs, vec);  // Q and dO in the buffers block 1 uses
-        fa_load(sV[1], dob, q0, Tn, C, hs, vec_o);
+        fa_load(sQ, base, q0, Tn, ldq, hs, vec);  // Q and dO (M = 1: in block 1's buffers)
+        fa_load(sDO, dob, q0, Tn, C, hs, vec_o);
         fa_load(sK[0], base + C, 0, Tn, ldq, hs, vec);
         fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
         u32 qa[M][FA_D / 16][4], da[M][FA_D / 16][4];
-#pragma unroll
-        for (int i = 0; i < M; i++) {
-            fa_a_frags(qa[i], sK[1], w0 + 16 * i);
-            fa_a_frags(da[i], sV[1], w0 + 16 * i);
+        if constexpr (M == 1) {
+            fa_a_frags(qa[0], sQ, w0);
+            fa_a_frags(da[0], sDO, w0);
         }
-        fa_delta(sD, sL, delta + bh * Tn, lse + bh * Tn, sV[1], ob, q0, Tn, C, hs, vec_delta);
+        fa_delta(sD, sL, delta + bh * Tn, lse + bh * Tn, sDO, ob, q0, Tn, C, hs, vec_delta);
         __syncthreads();
         float nl[M][2], dr[M][2], dq[M][FA_D / 8][4];
 #pragma unroll
@@ -1230,6 +1235,10 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             __syncthreads();
             // P rounded to T (as the three-step path stores it), then dS = P ∘ (dP − Δ).
             u32 pa[M][FA_ROWS / 16][4];
+            if constexpr (M > 1) {
+#pragma unroll
+                for (int i = 0; i < M; i++) fa_a_frags(qa[i], sQ, w0 + 16 * i);
+            }
             {
                 float s[M][FA_ROWS / 8][4];
                 fa_mma_abt_m<T, M>(s, qa, sK[cur]);
@@ -1245,6 +1254,10 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
                 }
             }
             float dp[M][FA_ROWS / 8][4];
+            if constexpr (M > 1) {
+#pragma unroll
+                for (int i = 0; i < M; i++) fa_a_frags(da[i], sDO, w0 + 16 * i);
+            }
             fa_mma_abt_m<T, M>(dp, da, sV[cur]);
 #pragma unroll
             for (int i = 0; i < M; i++) {
@@ -1296,7 +1309,7 @@ __device__ void fa_load_stats(float* sl, float* sd, const float* lse, const floa
 // and dO fragment loaded from shared memory feeds M products). With one group the block's K
 // and V wait in the second Q and dO buffers until each warp holds its fragments in registers;
 // with two, those registers go to the two groups' dK and dV accumulators (ptxas: about 400
-// bytes of spills otherwise), so K and V stay in dynamic shared memory (FA_KV_SHMEM bytes,
+// bytes of spills otherwise), so K and V stay in dynamic shared memory (FLASH_KV_SHMEM bytes,
 // beyond the 48 KB of static memory) and each warp reads its fragments again for every query
 // block.
 template <typename T, int M>

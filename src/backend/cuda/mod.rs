@@ -1492,17 +1492,18 @@ impl Backend for CudaBackend {
             Arg::Ptr(l),
         ];
         args.extend(tail.iter().copied());
+        // The wide kernels keep two 64-row tiles (Q and dO, or K and V) in dynamic shared
+        // memory.
         let rows = self.flash_warp_rows;
+        let shmem = |r: usize| if r == 32 { FLASH_KV_SHMEM } else { 0 };
         let (k, threads) =
             FlashWarpRows::pick(rows.dq, K::flash_backward_dq, K::flash_backward_dq_wide);
-        self.launch(k, dt, grid, threads, 0, &args);
+        self.launch(k, dt, grid, threads, shmem(rows.dq), &args);
         let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
         args.extend(tail);
         let (k, threads) =
             FlashWarpRows::pick(rows.dkv, K::flash_backward_dkv, K::flash_backward_dkv_wide);
-        // The wide kernel keeps the block's K and V tiles in dynamic shared memory.
-        let shmem = if rows.dkv == 32 { FLASH_KV_SHMEM } else { 0 };
-        self.launch(k, dt, grid, threads, shmem, &args);
+        self.launch(k, dt, grid, threads, shmem(rows.dkv), &args);
     }
 
     fn attention_decode(
@@ -1767,8 +1768,8 @@ impl Backend for CudaBackend {
 /// Threads per block of the fused attention kernels (`FA_THREADS`) and the largest head they
 /// hold (`FA_D`); a block owns `FLASH_ROWS` query rows or keys (`FA_ROWS`).
 const FLASH_THREADS: u32 = 128;
-/// Dynamic shared memory of `flash_backward_dkv_wide`: its K and V tiles (64 rows of
-/// `FA_LDS` = 72 16-bit elements each).
+/// Dynamic shared memory of the wide backward attention kernels: two tiles (Q and dO, or K
+/// and V) of 64 rows of `FA_LDS` = 72 16-bit elements.
 const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * 72 * 2;
 const FLASH_MAX_HEAD: usize = 64;
 const FLASH_ROWS: usize = 64;
