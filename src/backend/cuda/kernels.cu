@@ -893,6 +893,19 @@ __device__ void fa_a_frags(u32 (*a)[4], const T* s, int row) {
     }
 }
 
+// The A fragments of a warp's M row groups (16 rows each, from `row0`) of a tile.
+template <typename T, int M>
+__device__ void fa_a_frags_m(u32 (*a)[FA_D / 16][4], const T* s, int row0) {
+#pragma unroll
+    for (int i = 0; i < M; i++) fa_a_frags(a[i], s, row0 + 16 * i);
+}
+
+// Whether a backward kernel with M row groups per warp reads its own tile's A fragments (Q
+// and dO, or K and V) again on every loop step, from dynamic shared memory where the tile
+// stays, instead of holding them in registers from before the loop: with two groups the
+// registers go to the doubled accumulators.
+#define FA_REREAD(M) ((M) > 1)
+
 // acc[i] (16 × 64) = A[i] (16 × FA_D, fragments) · Bᵀ for each of a warp's M row groups, B
 // the 64 rows of tile `s` (64 × FA_D), read by ldmatrix (32 columns per ldmatrix.x4): each B
 // fragment loaded from shared memory serves M products.
@@ -1037,8 +1050,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         cp_async_wait_all();
         __syncthreads();
         u32 qa[M][FA_D / 16][4];
-#pragma unroll
-        for (int i = 0; i < M; i++) fa_a_frags(qa[i], sK[1], w0 + 16 * i);
+        fa_a_frags_m<T, M>(qa, sK[1], w0);
         // m: running maximum of the raw scores; l: this lane's part of the running sum (per
         // row group, rows g and g + 8).
         float m[M][2], l[M][2], o[M][FA_D / 8][4];
@@ -1183,8 +1195,8 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
     alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
     DYNAMIC_SHARED(Pack<float>, fa_qdo);
-    T* sQ = M > 1 ? reinterpret_cast<T*>(fa_qdo) : sK[1];
-    T* sDO = M > 1 ? sQ + FA_ROWS * FA_LDS : sV[1];
+    T* sQ = FA_REREAD(M) ? reinterpret_cast<T*>(fa_qdo) : sK[1];
+    T* sDO = FA_REREAD(M) ? sQ + FA_ROWS * FA_LDS : sV[1];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
@@ -1205,9 +1217,9 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         cp_async_wait_all();
         __syncthreads();
         u32 qa[M][FA_D / 16][4], da[M][FA_D / 16][4];
-        if constexpr (M == 1) {
-            fa_a_frags(qa[0], sQ, w0);
-            fa_a_frags(da[0], sDO, w0);
+        if constexpr (!FA_REREAD(M)) {
+            fa_a_frags_m<T, M>(qa, sQ, w0);
+            fa_a_frags_m<T, M>(da, sDO, w0);
         }
         fa_delta(sD, sL, delta + bh * Tn, lse + bh * Tn, sDO, ob, q0, Tn, C, hs, vec_delta);
         __syncthreads();
@@ -1235,10 +1247,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             __syncthreads();
             // P rounded to T (as the three-step path stores it), then dS = P ∘ (dP − Δ).
             u32 pa[M][FA_ROWS / 16][4];
-            if constexpr (M > 1) {
-#pragma unroll
-                for (int i = 0; i < M; i++) fa_a_frags(qa[i], sQ, w0 + 16 * i);
-            }
+            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(qa, sQ, w0);
             {
                 float s[M][FA_ROWS / 8][4];
                 fa_mma_abt_m<T, M>(s, qa, sK[cur]);
@@ -1254,10 +1263,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
                 }
             }
             float dp[M][FA_ROWS / 8][4];
-            if constexpr (M > 1) {
-#pragma unroll
-                for (int i = 0; i < M; i++) fa_a_frags(da[i], sDO, w0 + 16 * i);
-            }
+            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(da, sDO, w0);
             fa_mma_abt_m<T, M>(dp, da, sV[cur]);
 #pragma unroll
             for (int i = 0; i < M; i++) {
@@ -1320,8 +1326,8 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
     DYNAMIC_SHARED(Pack<float>, fa_kv);
-    T* sK = M > 1 ? reinterpret_cast<T*>(fa_kv) : sQ[1];
-    T* sV = M > 1 ? sK + FA_ROWS * FA_LDS : sO[1];
+    T* sK = FA_REREAD(M) ? reinterpret_cast<T*>(fa_kv) : sQ[1];
+    T* sV = FA_REREAD(M) ? sK + FA_ROWS * FA_LDS : sO[1];
     int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
@@ -1351,9 +1357,9 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
 #pragma unroll
                 for (int e = 0; e < 4; e++) dk[i][nd][e] = dv[i][nd][e] = 0.0f;
         }
-        if constexpr (M == 1) {
-            fa_a_frags(ka[0], sK, w0);
-            fa_a_frags(va[0], sV, w0);
+        if constexpr (!FA_REREAD(M)) {
+            fa_a_frags_m<T, M>(ka, sK, w0);
+            fa_a_frags_m<T, M>(va, sV, w0);
         }
         for (i64 qb = kb; qb < nkb; qb++) {
             int cur = (int)((qb - kb) & 1);
@@ -1371,10 +1377,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             // rounded to T (as the three-step path stores it) and feeds both dV and dS.
             const float *sl = sL[cur], *sd = sD[cur];
             u32 pa[M][FA_ROWS / 16][4];
-            if constexpr (M > 1) {
-#pragma unroll
-                for (int i = 0; i < M; i++) fa_a_frags(ka[i], sK, w0 + 16 * i);
-            }
+            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(ka, sK, w0);
             {
                 float p[M][FA_ROWS / 8][4];
                 fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
@@ -1394,10 +1397,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             }
             fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
             float ds[M][FA_ROWS / 8][4];
-            if constexpr (M > 1) {
-#pragma unroll
-                for (int i = 0; i < M; i++) fa_a_frags(va[i], sV, w0 + 16 * i);
-            }
+            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(va, sV, w0);
             fa_mma_abt_m<T, M>(ds, va, sO[cur]);
 #pragma unroll
             for (int i = 0; i < M; i++) {

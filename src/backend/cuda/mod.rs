@@ -1768,9 +1768,11 @@ impl Backend for CudaBackend {
 /// Threads per block of the fused attention kernels (`FA_THREADS`) and the largest head they
 /// hold (`FA_D`); a block owns `FLASH_ROWS` query rows or keys (`FA_ROWS`).
 const FLASH_THREADS: u32 = 128;
-/// Dynamic shared memory of the wide backward attention kernels: two tiles (Q and dO, or K
-/// and V) of 64 rows of `FA_LDS` = 72 16-bit elements.
-const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * 72 * 2;
+/// Row stride of the fused kernels' shared-memory tiles, in elements (`FA_LDS`).
+const FLASH_LDS: u32 = 72;
+/// Dynamic shared memory of the wide backward attention kernels (`FA_REREAD`): two tiles (Q
+/// and dO, or K and V) of `FLASH_ROWS` rows of 16-bit elements.
+const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * FLASH_LDS * 2;
 const FLASH_MAX_HEAD: usize = 64;
 const FLASH_ROWS: usize = 64;
 
