@@ -80,6 +80,17 @@ pub fn cuda_device() -> Option<fugu::backend::cuda::CudaBackend> {
                 Some(b)
             }
             Err(e) => {
+                // With a C++ compiler at hand, an emulator that does not build is a broken
+                // kernel source, which must fail the tests rather than skip them all.
+                let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+                let has_cxx = std::process::Command::new(&cxx)
+                    .arg("--version")
+                    .output()
+                    .is_ok_and(|o| o.status.success());
+                assert!(
+                    !has_cxx,
+                    "the CUDA emulator does not build with {cxx}: {e:#}"
+                );
                 skipped(&format!("no CUDA device ({gpu:#}) and no emulator ({e:#})"));
                 None
             }
