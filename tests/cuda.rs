@@ -21,7 +21,7 @@ fn cuda_tests() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use fugu::backend::cuda::{self, CudaBackend, FlashWarpRows};
+    use fugu::backend::cuda::{self, CudaBackend, FlashWarpRows, LayernormBackward};
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype,
         FusedAttention, Span, TokSpan, WeightLayout,
@@ -239,8 +239,19 @@ mod gpu {
         // C above one block of threads, and a single row. Rows of 40 and 2064 go in 16-byte
         // packs for every type (2064: more packs than a block has threads), 300 for f32 only,
         // 37 and 5 element by element. 300 rows of 40: more chunks of rows (32 each, the
-        // last partial) than the column sums' second stage has warps.
-        for (n, c) in [(13, 37), (3, 300), (1, 5), (7, 40), (2, 2064), (300, 40)] {
+        // last partial) than the column sums' second stage has warps. The fused backward
+        // runs 8 warps per chunk (the chunk of 12 rows: some warps with an empty second row;
+        // 3 rows: warps with none), 2 for C = 2064, and 6150 is too wide for it (the split
+        // form runs).
+        for (n, c) in [
+            (13, 37),
+            (3, 300),
+            (1, 5),
+            (7, 40),
+            (2, 2064),
+            (300, 40),
+            (2, 6150),
+        ] {
             let (out, mean, rstd) = (be.nan(n * c), be.nan32(n), be.nan32(n));
             let inp = be.rand(n * c, 6);
             let (w, bias) = (be.rand(c, 7), be.rand(c, 8));
@@ -248,13 +259,17 @@ mod gpu {
             be.check("layernorm_forward out", out, ELEM * 10.0);
             be.check("layernorm_forward mean", mean, ELEM);
             be.check("layernorm_forward rstd", rstd, ELEM);
-            let (dinp, dw, db) = (be.rand(n * c, 9), be.rand32(c, 10), be.rand32(c, 11));
             let dout = be.rand(n * c, 12);
-            be.run(|x| x.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, n, c));
-            be.check("layernorm_backward dinp", dinp, ELEM * 10.0);
-            // Column sums over n rows in different orders.
-            be.check("layernorm_backward dw", dw, GEMM);
-            be.check("layernorm_backward dbias", db, GEMM);
+            for form in [LayernormBackward::Split, LayernormBackward::Fused] {
+                be.gpu.set_layernorm_backward(form);
+                let (dinp, dw, db) = (be.rand(n * c, 9), be.rand32(c, 10), be.rand32(c, 11));
+                be.run(|x| x.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, n, c));
+                be.check("layernorm_backward dinp", dinp, ELEM * 10.0);
+                // Column sums over n rows in different orders.
+                be.check("layernorm_backward dw", dw, GEMM);
+                be.check("layernorm_backward dbias", db, GEMM);
+            }
+            be.gpu.set_layernorm_backward(LayernormBackward::default());
         }
     }
 
@@ -498,6 +513,27 @@ mod gpu {
     }
 
     /// `FUGU_FLASH_WARP_ROWS`: one value for every kernel, or one each.
+    #[test]
+    fn layernorm_backward_parse() {
+        assert_eq!(
+            LayernormBackward::parse("").unwrap(),
+            LayernormBackward::Split
+        );
+        assert_eq!(
+            LayernormBackward::parse("split").unwrap(),
+            LayernormBackward::Split
+        );
+        assert_eq!(
+            LayernormBackward::parse("fused").unwrap(),
+            LayernormBackward::Fused
+        );
+        let e = LayernormBackward::parse("Fused").unwrap_err().to_string();
+        assert!(
+            e.contains("FUGU_LAYERNORM_BACKWARD=Fused: expected split or fused"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn flash_warp_rows_parse() {
         let rows = |f, q, kv| FlashWarpRows {

@@ -371,8 +371,25 @@ FOR_TYPES(DEF)
 #undef DEF
 
 // dinp += rstd·(g - mean(g) - x̂·mean(g·x̂)) per row, g = dout·w, the row means in double.
-// One block per row: the warp-per-row form of the forward kernel measured 3.5x slower here
-// on an H100 (GPT-2 124M, C = 768), for reasons not yet profiled.
+// Both backward forms below share these two statements of the arithmetic.
+//
+// One element's terms of the row sums: g·w and g·w·x̂ (x̂ = (x - mean)·rstd).
+struct LnRowSums {
+    double s1 = 0.0, s2 = 0.0;
+};
+__device__ void ln_row_add(LnRowSums& s, float gc, float wc, float xhat) {
+    float dn = gc * wc;
+    s.s1 += (double)dn;
+    s.s2 += (double)(dn * xhat);
+}
+// One element of dinp from the row means m1 = mean(g·w), m2 = mean(g·w·x̂).
+__device__ float ln_dinp(float dc, float gc, float wc, float xhat, float rs, float m1, float m2) {
+    return dc + (gc * wc - m1 - xhat * m2) * rs;
+}
+
+// The input gradient alone (the weight gradients are column sums, `column_partials`): one
+// block per row. The warp-per-row form of the forward kernel measured 3.5x slower here on an
+// H100 (GPT-2 124M, C = 768), with 2-byte loads (before the 16-byte packs).
 template <typename T>
 __device__ void layernorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, const T* w,
                                           const float* mean, const float* rstd, i64 N, i64 C) {
@@ -383,20 +400,16 @@ __device__ void layernorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, 
         const T* g = dout + row * C;
         const T* x = inp + row * C;
         float mu = mean[row], rs = rstd[row];
-        double s1 = 0.0, s2 = 0.0;
+        LnRowSums s;
         for_each_elem<T>(C, vec, threadIdx.x, blockDim.x, [&](i64, float gc, float wc, float xc) {
-            float xhat = (xc - mu) * rs;
-            float dn = gc * wc;
-            s1 += (double)dn;
-            s2 += (double)(dn * xhat);
+            ln_row_add(s, gc, wc, (xc - mu) * rs);
         }, g, w, x);
-        float m1 = (float)(block_sum_d(s1, sh) / (double)C);
-        float m2 = (float)(block_sum_d(s2, sh) / (double)C);
+        float m1 = (float)(block_sum_d(s.s1, sh) / (double)C);
+        float m2 = (float)(block_sum_d(s.s2, sh) / (double)C);
         T* d = dinp + row * C;
         map_elems(d, C, vec, threadIdx.x, blockDim.x,
                   [&](i64, float dc, float gc, float wc, float xc) {
-                      float xhat = (xc - mu) * rs;
-                      return dc + (gc * wc - m1 - xhat * m2) * rs;
+                      return ln_dinp(dc, gc, wc, (xc - mu) * rs, rs, m1, m2);
                   },
                   d, g, w, x);
     }
@@ -407,6 +420,83 @@ __device__ void layernorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, 
                                                            const float* mean,               \
                                                            const float* rstd, i64 N, i64 C) { \
         layernorm_backward_dinp_k(dinp, dout, inp, w, mean, rstd, N, C);                    \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
+// The input gradient and the weight gradients' stage-1 column sums in one pass over dout and
+// inp (FUGU_LAYERNORM_BACKWARD=fused; the split form reads both again for the column sums).
+// A block per chunk k of `rpc` rows, blockDim.x / WARP warps, one warp per row (rows r0 + w,
+// r0 + w + warps, ... for warp w). Each warp adds its rows' dout and dout·x̂ into its own 2·C
+// floats of dynamic shared memory (each column always by the same lane, so no two lanes touch
+// a word); then the block writes part[k, c] = Σ_w (warp w's sum), part2 likewise, and
+// `column_finish` adds the chunks as for the split form. Shared words are laid out by
+// ln_acc_index so that the 32 lanes touching element j of their packs hit 32 banks.
+// Every warp runs the same number of row steps (rows past the chunk are empty), so the
+// block's warps reach each shuffle and barrier together.
+__device__ i64 ln_acc_index(i64 c, i64 packs, int P) {
+    return c < packs * P ? (c % P) * packs + c / P : c;
+}
+template <typename T>
+__device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T* dout,
+                                     const T* inp, const T* w, const float* mean,
+                                     const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {
+    DYNAMIC_SHARED(float, acc);  // [warps][2][C]
+    const int P = PACK(T);
+    int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    bool vec = rows_aligned(dinp, C) && rows_aligned(dout, C) && rows_aligned(inp, C) &&
+               aligned16(w);
+    i64 packs = whole_packs<T>(C, vec);
+    float* db = acc + (i64)wi * 2 * C;
+    float* dw = db + C;
+    for (i64 k = blockIdx.x; k < chunks; k += gridDim.x) {
+        for (i64 i = threadIdx.x; i < (i64)warps * 2 * C; i += blockDim.x) acc[i] = 0.0f;
+        __syncthreads();
+        i64 r0 = k * rpc, r1 = r0 + rpc < N ? r0 + rpc : N;
+        i64 steps = (r1 - r0 + warps - 1) / warps;
+        for (i64 step = 0; step < steps; step++) {
+            i64 row = r0 + step * warps + wi;
+            i64 n = row < r1 ? C : 0;  // an empty row past the chunk
+            if (!n) row = r0;          // (its pointers stay inside the arrays)
+            const T* g = dout + row * C;
+            const T* x = inp + row * C;
+            float mu = mean[row], rs = rstd[row];
+            LnRowSums s;
+            for_each_elem<T>(n, vec, lane, WARP, [&](i64 c, float gc, float wc, float xc) {
+                float xhat = (xc - mu) * rs;
+                ln_row_add(s, gc, wc, xhat);
+                i64 a = ln_acc_index(c, packs, P);
+                db[a] += gc;
+                dw[a] += gc * xhat;
+            }, g, w, x);
+            float m1 = (float)(warp_sum_d(s.s1) / (double)C);
+            float m2 = (float)(warp_sum_d(s.s2) / (double)C);
+            T* d = dinp + row * C;
+            map_elems(d, n, vec, lane, WARP,
+                      [&](i64, float dc, float gc, float wc, float xc) {
+                          return ln_dinp(dc, gc, wc, (xc - mu) * rs, rs, m1, m2);
+                      },
+                      d, g, w, x);
+        }
+        __syncthreads();
+        for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
+            i64 a = ln_acc_index(c, packs, P);
+            float sb = 0.0f, sw = 0.0f;
+            for (int j = 0; j < warps; j++) {
+                sb += acc[(i64)j * 2 * C + a];
+                sw += acc[(i64)j * 2 * C + C + a];
+            }
+            part[k * C + c] = sb;
+            part2[k * C + c] = sw;
+        }
+        __syncthreads();  // acc is zeroed for the next chunk
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void layernorm_backward_##S(                                       \
+        T* dinp, float* part, float* part2, const T* dout, const T* inp, const T* w,        \
+        const float* mean, const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {          \
+        layernorm_backward_k(dinp, part, part2, dout, inp, w, mean, rstd, N, C, rpc, chunks); \
     }
 FOR_TYPES(DEF)
 #undef DEF

@@ -33,7 +33,7 @@ use super::{
     Span, TokSpan,
 };
 use crate::ops::attention::Heads;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, NoEpilogue};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
@@ -112,6 +112,41 @@ impl FlashWarpRows {
         }
     }
 }
+
+/// Environment variable: how the layernorm backward pass runs, `split` (the default,
+/// measured: the input gradient, then the weight gradients' column sums, which read dout and
+/// the input a second time) or `fused` (both in one pass; unmeasured, for A/B runs on a GPU)
+/// ([`LayernormBackward`]).
+pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
+
+/// The form of the layernorm backward kernels ([`LAYERNORM_BACKWARD_ENV`]). Both give the same
+/// numbers up to the order of the row and column sums.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LayernormBackward {
+    /// `layernorm_backward_dinp`, then `column_partials` and `column_finish`.
+    #[default]
+    Split,
+    /// `layernorm_backward` (input gradient and the column sums' first stage), then
+    /// `column_finish`; the split form where C is too wide for its shared memory
+    /// ([`LN_FUSED_SHMEM`]).
+    Fused,
+}
+
+impl LayernormBackward {
+    /// [`LAYERNORM_BACKWARD_ENV`]'s value: empty (the default), `split` or `fused`.
+    pub fn parse(v: &str) -> Result<LayernormBackward> {
+        match v {
+            "" | "split" => Ok(LayernormBackward::Split),
+            "fused" => Ok(LayernormBackward::Fused),
+            _ => bail!("{LAYERNORM_BACKWARD_ENV}={v}: expected split or fused"),
+        }
+    }
+}
+
+/// Dynamic shared memory per block of the fused layernorm backward: 2·C floats per warp, so
+/// 8 warps up to C = 768, fewer above and the split form past C = 6144. 48 KiB is what every
+/// GPU allows a block without opting in.
+const LN_FUSED_SHMEM: usize = 48 << 10;
 
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels.cu`).
 const ROW_THREADS: u32 = 256;
@@ -196,6 +231,7 @@ kernels!(
     encoder_backward_wpe,
     layernorm_forward,
     layernorm_backward_dinp,
+    layernorm_backward,
     column_partials,
     column_finish,
     broadcast_rows,
@@ -274,6 +310,8 @@ pub struct CudaBackend {
     no_epilogue: std::collections::HashSet<EpilogueShape>,
     /// Rows per warp of the fused attention kernels.
     flash_warp_rows: FlashWarpRows,
+    /// The form of the layernorm backward kernels.
+    layernorm_backward: LayernormBackward,
 }
 
 impl CudaBackend {
@@ -286,12 +324,15 @@ impl CudaBackend {
     /// logs and the metrics header then name the emulator as the device.
     pub fn new(ordinal: Option<usize>, settings: CudaSettings) -> Result<CudaBackend> {
         let rows = FlashWarpRows::parse(&std::env::var(FLASH_WARP_ROWS_ENV).unwrap_or_default())?;
+        let ln =
+            LayernormBackward::parse(&std::env::var(LAYERNORM_BACKWARD_ENV).unwrap_or_default())?;
         let mut be = if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
             Self::emulated()?
         } else {
             Self::with_engine(Box::new(driver::DriverEngine::new(ordinal, settings)?))
         };
         be.set_flash_warp_rows(rows);
+        be.set_layernorm_backward(ln);
         Ok(be)
     }
 
@@ -301,6 +342,11 @@ impl CudaBackend {
             assert!(r == 16 || r == 32, "flash warp rows: 16 or 32, not {r}");
         }
         self.flash_warp_rows = rows;
+    }
+
+    /// The form of the layernorm backward kernels ([`LAYERNORM_BACKWARD_ENV`]).
+    pub fn set_layernorm_backward(&mut self, form: LayernormBackward) {
+        self.layernorm_backward = form;
     }
 
     /// The same backend with `kernels.cu` compiled for the host and run by
@@ -324,6 +370,7 @@ impl CudaBackend {
             tables: Default::default(),
             no_epilogue: Default::default(),
             flash_warp_rows: FlashWarpRows::default(),
+            layernorm_backward: LayernormBackward::default(),
         }
     }
 
@@ -708,8 +755,7 @@ impl CudaBackend {
         cols: usize,
     ) {
         let chunks = rows.div_ceil(COLUMN_CHUNK_ROWS).max(1);
-        let part = self.scratch(|b| &mut b.partials, 4 * 2 * chunks * cols);
-        let part2 = part + 4 * (chunks * cols) as u64;
+        let (part, part2) = self.column_partial_sums(chunks, cols);
         let (inp, mean, rstd, with) = match dst2 {
             Some((_, inp, mean, rstd)) => (self.ptr(inp), self.ptr(mean), self.ptr(rstd), 1),
             None => (0, 0, 0, 0),
@@ -732,24 +778,33 @@ impl CudaBackend {
                 Arg::I64(chunks as i64),
             ],
         );
-        let finish = |dst: u64, dt: Dtype, part: u64| {
-            self.launch_rows(
-                K::column_finish,
-                dt,
-                cols.div_ceil(WARP as usize),
-                0,
-                &[
-                    Arg::Ptr(dst),
-                    Arg::Ptr(part),
-                    Arg::I64(cols as i64),
-                    Arg::I64(chunks as i64),
-                ],
-            )
-        };
-        finish(self.ptr(dst), self.dt(dst), part);
+        self.column_finish(dst, part, cols, chunks);
         if let Some((dw, ..)) = dst2 {
-            finish(self.ptr(dw), self.dt(dw), part2);
+            self.column_finish(dw, part2, cols, chunks);
         }
+    }
+
+    /// Scratch for the first stage of two column sums over `chunks` chunks of rows: two arrays
+    /// of `chunks`×`cols` floats.
+    fn column_partial_sums(&mut self, chunks: usize, cols: usize) -> (u64, u64) {
+        let part = self.scratch(|b| &mut b.partials, 4 * 2 * chunks * cols);
+        (part, part + 4 * (chunks * cols) as u64)
+    }
+
+    /// The second stage of a column sum: `dst[c] += Σ_k part[k, c]` over `chunks` chunks.
+    fn column_finish(&self, dst: Span, part: u64, cols: usize, chunks: usize) {
+        self.launch_rows(
+            K::column_finish,
+            self.dt(dst),
+            cols.div_ceil(WARP as usize),
+            0,
+            &[
+                Arg::Ptr(self.ptr(dst)),
+                Arg::Ptr(part),
+                Arg::I64(cols as i64),
+                Arg::I64(chunks as i64),
+            ],
+        )
     }
 
     /// Uploads a row-major strided-batched GEMM problem `C_i (m×n) = A_i·B_i` for the GEMM
@@ -1177,6 +1232,35 @@ impl Backend for CudaBackend {
     ) {
         assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
+        let fused_warps = (LN_FUSED_SHMEM / (2 * 4 * c.max(1))).min((ROW_THREADS / WARP) as usize);
+        if self.layernorm_backward == LayernormBackward::Fused && fused_warps > 0 {
+            let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
+            let (part, part2) = self.column_partial_sums(chunks, c);
+            self.launch(
+                K::layernorm_backward,
+                self.dt(dinp),
+                chunks as u64,
+                fused_warps as u32 * WARP,
+                (fused_warps * 2 * 4 * c) as u32,
+                &[
+                    Arg::Ptr(self.ptr(dinp)),
+                    Arg::Ptr(part),
+                    Arg::Ptr(part2),
+                    Arg::Ptr(self.ptr(dout)),
+                    Arg::Ptr(self.ptr(inp)),
+                    Arg::Ptr(self.ptr(w)),
+                    Arg::Ptr(self.ptr(mean)),
+                    Arg::Ptr(self.ptr(rstd)),
+                    Arg::I64(n as i64),
+                    Arg::I64(c as i64),
+                    Arg::I64(COLUMN_CHUNK_ROWS as i64),
+                    Arg::I64(chunks as i64),
+                ],
+            );
+            self.column_finish(dbias, part, c, chunks);
+            self.column_finish(dw, part2, c, chunks);
+            return;
+        }
         self.launch_rows(
             K::layernorm_backward_dinp,
             self.dt(dinp),
