@@ -1055,26 +1055,37 @@ mod gpu {
         losses(out)
     }
 
-    /// A `FUGU_FLASH_WARP_ROWS` that is neither 16 nor 32 is refused by name when the CUDA
+    /// A kernel setting with a value it does not take (`FUGU_FLASH_WARP_ROWS` neither 16 nor
+    /// 32, `FUGU_LAYERNORM_BACKWARD` neither split nor fused) is refused by name when the CUDA
     /// backend starts.
     #[test]
-    fn flash_warp_rows_setting_is_checked() {
+    fn kernel_settings_are_checked() {
         let Some(emulate) = binary_mode() else {
             return;
         };
-        let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
-        c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
-        c.env(cuda::FLASH_WARP_ROWS_ENV, "8");
-        if emulate {
-            c.env(cuda::EMULATE_ENV, "1");
+        for (var, value, says) in [
+            (
+                cuda::FLASH_WARP_ROWS_ENV,
+                "8",
+                "FUGU_FLASH_WARP_ROWS=8: expected 16 or 32",
+            ),
+            (
+                cuda::LAYERNORM_BACKWARD_ENV,
+                "one-pass",
+                "FUGU_LAYERNORM_BACKWARD=one-pass: expected split or fused",
+            ),
+        ] {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
+            c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
+            c.env(var, value);
+            if emulate {
+                c.env(cuda::EMULATE_ENV, "1");
+            }
+            let out = c.output().expect("running fugu");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{err}");
+            assert!(err.contains(says), "{err}");
         }
-        let out = c.output().expect("running fugu");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{err}");
-        assert!(
-            err.contains("FUGU_FLASH_WARP_ROWS=8: expected 16 or 32"),
-            "{err}"
-        );
     }
 
     #[test]
@@ -1088,6 +1099,13 @@ mod gpu {
         let lc = train("cpu", &cpu_run, None, emulate);
         let lg = train("cuda", &gpu_run, None, emulate);
         assert_eq!(lc.len(), 6);
+        // The header records the kernel settings the CUDA run used (the defaults here).
+        let recs = read_metrics(gpu_run.join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.into_iter().next() else {
+            panic!("no header in the CUDA run's metrics")
+        };
+        assert_eq!(h["kernels"][cuda::FLASH_WARP_ROWS_ENV], "16,16,16", "{h}");
+        assert_eq!(h["kernels"][cuda::LAYERNORM_BACKWARD_ENV], "split", "{h}");
         for (a, b) in lc.iter().zip(&lg) {
             assert!(((a - b) / a).abs() <= 1e-4, "cpu {lc:?} gpu {lg:?}");
         }

@@ -161,6 +161,11 @@ pub trait Backend {
     fn describe(&self) -> String {
         self.name().to_string()
     }
+    /// Settings that pick between kernels for the same op (name, value), for the metrics
+    /// header (`"kernels"`): a run records which ran, since the forms may differ by rounding.
+    fn kernel_settings(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
     /// The device's peak in GFLOP/s for GEMMs whose operands are stored in `compute` (f32,
     /// or the 16-bit type of mixed precision), and where it comes from, for MFU; `None` for
     /// the host CPU, whose peak [`crate::metrics::machine::MachineInfo`] measures.

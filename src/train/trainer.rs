@@ -936,6 +936,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             "precision": t.precision.name(),
             "attention": self.model.attention().name(),
             "mlp_gelu": self.model.mlp_gelu().name(),
+            "kernels": self.model.be.kernel_settings().into_iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "device": self.model.be.describe(),
             "peak_gflops_per_rank": self.peak_flops / 1e9,
             "parameters": params_n,

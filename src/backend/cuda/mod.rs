@@ -941,6 +941,21 @@ impl Backend for CudaBackend {
         self.eng.describe()
     }
 
+    fn kernel_settings(&self) -> Vec<(&'static str, String)> {
+        let r = self.flash_warp_rows;
+        let ln = match self.layernorm_backward {
+            LayernormBackward::Split => "split",
+            LayernormBackward::Fused => "fused",
+        };
+        vec![
+            (
+                FLASH_WARP_ROWS_ENV,
+                format!("{},{},{}", r.forward, r.dq, r.dkv),
+            ),
+            (LAYERNORM_BACKWARD_ENV, ln.to_string()),
+        ]
+    }
+
     fn peak_gflops(&self, compute: Dtype) -> Option<(f64, String)> {
         self.eng.peak_gflops(compute)
     }
