@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# One call of the device tool, prepared by scripts/gpu-pack.sh: the GPU checks no CPU can do,
+# then speed, most valuable first, inside a time budget (a session gets about 15 minutes of
+# device time in all, the machine's start included):
+#
+#   run(command="bash scripts/gpu-check.sh", carry=["gpu"], timeout_s=570), then give_back
+#
+#   1. the CUDA tests (tests/cuda.rs on the GPU: every kernel against the CPU, cuBLASLt's
+#      epilogues, the fused attention kernels, training against the CPU),
+#   2. the train benchmark (GPT-2 124M, B=16 T=1024, bf16, `--timers coarse`) in two
+#      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
+#      and HEAD under each setting of FUGU_GPU_VARIANTS (default below),
+#   3. HEAD's per-op breakdown (fine timers), 4. PyTorch eager + autocast bf16 on the same
+#      shape (dev/bench_pytorch.py), 5. the GPU mixed-precision tests (200-step bf16 and fp16
+#      curves against fp32, exact resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs.
+#
+# Each stage runs under `timeout` within what is left of FUGU_GPU_BUDGET (seconds, default
+# 540), so a hang costs its own stage only. Everything goes to $OUT/check.log; the benchmark
+# rows are printed again as one table at the end (the device tool returns the output's tail).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit
+OUT="${OUT:-/tmp/fugu-gpu-check}"
+mkdir -p "$OUT"
+LOG="$OUT/check.log"
+ROWS="$OUT/bench-rows.txt"
+: > "$LOG"
+: > "$ROWS"
+BUDGET="${FUGU_GPU_BUDGET:-540}"
+SHAPE="${FUGU_GPU_SHAPE:-16x1024}"
+STEPS="${FUGU_GPU_STEPS:-10}"
+# HEAD's speed settings to compare (environment assignments, space-separated per variant).
+VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32,16,16;FUGU_FLASH_WARP_ROWS=16,16,32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused}"
+
+left() { echo $((BUDGET - SECONDS)); }
+say() { printf '%s\n' "$*" | tee -a "$LOG"; }
+stage() { say ""; say "=== $* ($(left) s left) ==="; }
+# limited SECONDS CMD...: CMD under `timeout`, at most SECONDS and what is left of the budget.
+limited() {
+    local lim=$1 l
+    shift
+    l=$(($(left) - 10))
+    [ "$lim" -gt "$l" ] && lim=$l
+    if [ "$lim" -le 5 ]; then
+        say "skipped: out of time budget for: $*"
+        return 124
+    fi
+    timeout -k 5 "$lim" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 124 ] && say "timed out after ${lim} s: $*"
+    return "$rc"
+}
+
+[ -f gpu/MANIFEST ] || { say "no gpu/MANIFEST: run scripts/gpu-pack.sh here first and carry gpu"; exit 2; }
+tee -a "$LOG" < gpu/MANIFEST
+
+# CUDA 13 libraries from the Python wheels (cuBLAS, cuBLASLt, NVRTC), else wherever they are.
+lib=$(python3 -c '
+import glob, os, nvidia
+for p in nvidia.__path__:
+    d = os.path.join(p, "cu13", "lib")
+    if glob.glob(os.path.join(d, "libcublasLt.so.13*")):
+        print(d)
+        break' 2>/dev/null)
+[ -n "$lib" ] || lib=$(find / -name 'libcublasLt.so.13*' -printf '%h\n' 2>/dev/null | head -1)
+if [ -n "$lib" ]; then
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    say "CUDA libraries: $lib"
+else
+    say "CUDA libraries: libcublasLt.so.13 not found; the runs below will say what is missing"
+fi
+
+# The test binaries run `fugu` and read data by the paths they were built at (gpu-pack.sh).
+built_at=$(sed -n 's/^root: //p' gpu/MANIFEST)
+if [ -n "$built_at" ] && [ "$built_at" != "$(pwd)" ] && [ ! -e "$built_at" ]; then
+    mkdir -p "$(dirname "$built_at")" && ln -s "$(pwd)" "$built_at"
+fi
+mkdir -p target/release && cp gpu/head/fugu target/release/fugu
+
+stage "device"
+limited 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+    --format=csv
+
+stage "1. CUDA tests on the GPU"
+limited 180 gpu/head/cuda-tests --skip kernels_compile
+say "cuda tests: exit $?"
+
+# bench LABEL BINARY [ENV...]: one run of the train benchmark; its result row goes to $ROWS.
+bench() {
+    local label=$1 bin=$2
+    shift 2
+    say "--- $label"
+    limited 90 env "$@" "$bin" --device cuda --precision "${PRECISION:-bf16}" --shape "$SHAPE" \
+        --steps "$STEPS" --timers coarse > "$OUT/run.txt"
+    local row
+    row=$(grep -E "^gpt2-124m +$SHAPE " "$OUT/run.txt" | head -1)
+    cat "$OUT/run.txt"
+    printf '%-44s %s\n' "$label" "${row:-(no result)}" >> "$ROWS"
+}
+
+stage "2. train benchmark, bf16 $SHAPE, two rounds"
+for round in 1 2; do
+    for base in gpu/base-*; do
+        [ -x "$base/bench-train" ] && bench "$(basename "$base") r$round" "$base/bench-train"
+    done
+    bench "head r$round" gpu/head/bench-train
+    IFS=';' read -ra vs <<< "$VARIANTS"
+    for v in "${vs[@]}"; do
+        # shellcheck disable=SC2086 # a variant is a list of assignments
+        bench "head $v r$round" gpu/head/bench-train $v
+    done
+done
+
+stage "3. HEAD's per-op breakdown (fine timers)"
+limited 90 gpu/head/bench-train --device cuda --precision bf16 --shape "$SHAPE" \
+    --steps "$STEPS" --breakdown
+
+stage "4. PyTorch eager, autocast bf16"
+PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_pytorch.py --device cuda --shape "$SHAPE" \
+    --steps "$STEPS" --autocast bf16
+
+stage "5. mixed-precision tests on the GPU (200-step curves, exact resume)"
+limited 150 gpu/head/mp-tests gpu --test-threads 1
+say "mixed-precision tests: exit $?"
+
+stage "6. fp16"
+PRECISION=fp16 bench "head fp16" gpu/head/bench-train
+
+stage "7. cuBLAS alone on GPT-2's GEMMs, bf16"
+limited 90 target/release/fugu bench gemm --device cuda --set gpt2 --dtype bf16
+
+stage "summary (median ms/step of $STEPS steps; config BxT ms/step tokens/s TFLOP/s MFU non-GEMM)"
+tee -a "$LOG" < "$ROWS"
+say "log: $LOG; $SECONDS s"
