@@ -10,9 +10,11 @@
 #   2. the train benchmark (GPT-2 124M, B=16 T=1024, bf16, `--timers coarse`) in two
 #      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
 #      and HEAD under each setting of FUGU_GPU_VARIANTS (default below),
-#   3. HEAD's per-op breakdown (fine timers), 4. PyTorch eager + autocast bf16 on the same
-#      shape (dev/bench_pytorch.py), 5. the GPU mixed-precision tests (200-step bf16 and fp16
-#      curves against fp32, exact resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs.
+#   3. per-op breakdowns (fine timers) with 16- and 32-row attention kernels,
+#   4. PyTorch eager + autocast bf16 on the same shape (dev/bench_pytorch.py),
+#   5. the GPU mixed-precision tests (200-step bf16 and fp16 curves against fp32, exact
+#      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
+#   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works).
 #
 # Each stage runs under `timeout` within what is left of FUGU_GPU_BUDGET (seconds, default
 # 540), so a hang costs its own stage only. Everything goes to $OUT/check.log; the benchmark
@@ -29,7 +31,7 @@ BUDGET="${FUGU_GPU_BUDGET:-540}"
 SHAPE="${FUGU_GPU_SHAPE:-16x1024}"
 STEPS="${FUGU_GPU_STEPS:-10}"
 # HEAD's speed settings to compare (environment assignments, space-separated per variant).
-VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32,16,16;FUGU_FLASH_WARP_ROWS=16,16,32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused}"
+VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused}"
 
 left() { echo $((BUDGET - SECONDS)); }
 say() { printf '%s\n' "$*" | tee -a "$LOG"; }
@@ -110,9 +112,12 @@ for round in 1 2; do
     done
 done
 
-stage "3. HEAD's per-op breakdown (fine timers)"
+stage "3. per-op breakdowns (fine timers): HEAD, and HEAD with 32-row attention kernels"
+# (the attention timers show which of the three kernels gains or loses with 32 rows)
 limited 90 gpu/head/bench-train --device cuda --precision bf16 --shape "$SHAPE" \
     --steps "$STEPS" --breakdown
+FUGU_FLASH_WARP_ROWS=32 limited 90 gpu/head/bench-train --device cuda --precision bf16 \
+    --shape "$SHAPE" --steps "$STEPS" --breakdown
 
 stage "4. PyTorch eager, autocast bf16"
 PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_pytorch.py --device cuda --shape "$SHAPE" \
@@ -127,6 +132,17 @@ PRECISION=fp16 bench "head fp16" gpu/head/bench-train
 
 stage "7. cuBLAS alone on GPT-2's GEMMs, bf16"
 limited 90 target/release/fugu bench gemm --device cuda --set gpt2 --dtype bf16
+
+stage "8. Nsight Compute on the row and attention kernels of one step (where ncu works)"
+# Speed of light per kernel (duration, DRAM and SM throughput as % of peak), averaged over the
+# launches it profiles; the first matching launches (the warm-up step) are skipped.
+limited 120 ncu --clock-control none --section SpeedOfLight --print-summary per-kernel \
+    --kernel-name "regex:layernorm|column|ce_|gelu|residual|add_inplace|flash|adamw|sum_of" \
+    --launch-skip 100 --launch-count 120 \
+    gpu/head/bench-train --device cuda --precision bf16 --shape "$SHAPE" --steps 2 \
+    --timers off > "$OUT/ncu.txt"
+grep -E "^  [a-z_0-9]+|Duration|DRAM Throughput|Compute \(SM\) Throughput" "$OUT/ncu.txt" |
+    head -150 | tee -a "$LOG"
 
 stage "summary (median ms/step of $STEPS steps; config BxT ms/step tokens/s TFLOP/s MFU non-GEMM)"
 tee -a "$LOG" < "$ROWS"
