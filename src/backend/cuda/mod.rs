@@ -1247,7 +1247,9 @@ impl Backend for CudaBackend {
     ) {
         assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
-        let fused_warps = (LN_FUSED_SHMEM / (2 * 4 * c.max(1))).min((ROW_THREADS / WARP) as usize);
+        // The one-pass kernel's shared memory: each warp's column sums of dout and dout·x̂.
+        let warp_bytes = 2 * std::mem::size_of::<f32>() * c.max(1);
+        let fused_warps = (LN_FUSED_SHMEM / warp_bytes).min((ROW_THREADS / WARP) as usize);
         if self.layernorm_backward == LayernormBackward::Fused && fused_warps > 0 {
             let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
             let (part, part2) = self.column_partial_sums(chunks, c);
@@ -1256,7 +1258,7 @@ impl Backend for CudaBackend {
                 self.dt(dinp),
                 chunks as u64,
                 fused_warps as u32 * WARP,
-                (fused_warps * 2 * 4 * c) as u32,
+                (fused_warps * warp_bytes) as u32,
                 &[
                     Arg::Ptr(self.ptr(dinp)),
                     Arg::Ptr(part),
