@@ -168,6 +168,11 @@ fn time_steps<B: Backend>(
         fwd as f64 / (1 << 20) as f64,
         bwd as f64 / (1 << 20) as f64
     );
+    let kernels = model.be.kernel_settings();
+    if !kernels.is_empty() {
+        let kv: Vec<String> = kernels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("kernels: {}", kv.join(" "));
+    }
     if precision == Precision::Fp16 {
         model.set_loss_scale(1024.0);
     }

@@ -569,7 +569,10 @@ FOR_TYPES(DEF)
 // Stage 2: dst[c] += Σ_k part[k, c]. A block (ROW_THREADS) per WARP columns, a row launch
 // over column groups: lane l takes column c0 + l, warp w the chunks k ≡ w (mod warps), in
 // order (each load a contiguous 128 bytes); then the warps' sums are added in warp order.
-// T is dst's type.
+// The loads go out FINISH_BATCH at a time ahead of the additions (the launch is a few dozen
+// blocks, so it is bound by how many L2 reads each warp has in flight); the additions keep
+// their order. T is dst's type.
+#define FINISH_BATCH 16
 template <typename T>
 __device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
     __shared__ float sh[ROW_THREADS];
@@ -578,7 +581,17 @@ __device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
         i64 c = c0 + lane;
         float s = 0.0f;
         if (c < C)
-            for (i64 k = w; k < chunks; k += WARPS_PER_BLOCK) s += part[k * C + c];
+            for (i64 k0 = w; k0 < chunks; k0 += FINISH_BATCH * WARPS_PER_BLOCK) {
+                float v[FINISH_BATCH];
+#pragma unroll
+                for (int j = 0; j < FINISH_BATCH; j++) {
+                    i64 k = k0 + j * WARPS_PER_BLOCK;
+                    v[j] = k < chunks ? part[k * C + c] : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < FINISH_BATCH; j++)
+                    if (k0 + j * WARPS_PER_BLOCK < chunks) s += v[j];
+            }
         sh[threadIdx.x] = s;
         __syncthreads();
         if (w == 0 && c < C) {

@@ -323,17 +323,22 @@ impl CudaBackend {
     /// test hook: the end-to-end tests run `fugu --device cuda` on machines without a GPU);
     /// logs and the metrics header then name the emulator as the device.
     pub fn new(ordinal: Option<usize>, settings: CudaSettings) -> Result<CudaBackend> {
-        let rows = FlashWarpRows::parse(&std::env::var(FLASH_WARP_ROWS_ENV).unwrap_or_default())?;
-        let ln =
-            LayernormBackward::parse(&std::env::var(LAYERNORM_BACKWARD_ENV).unwrap_or_default())?;
-        let mut be = if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
+        let be = if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
             Self::emulated()?
         } else {
             Self::with_engine(Box::new(driver::DriverEngine::new(ordinal, settings)?))
         };
-        be.set_flash_warp_rows(rows);
-        be.set_layernorm_backward(ln);
-        Ok(be)
+        be.with_env_settings()
+    }
+
+    /// This backend with the kernel settings the environment asks for
+    /// ([`FLASH_WARP_ROWS_ENV`], [`LAYERNORM_BACKWARD_ENV`]; [`Self::new`] applies them, and
+    /// the host-only benchmark); a value a setting does not take is an error naming it.
+    pub fn with_env_settings(mut self) -> Result<CudaBackend> {
+        let var = |name| std::env::var(name).unwrap_or_default();
+        self.set_flash_warp_rows(FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?);
+        self.set_layernorm_backward(LayernormBackward::parse(&var(LAYERNORM_BACKWARD_ENV))?);
+        Ok(self)
     }
 
     /// Rows per warp of the fused attention kernels ([`FLASH_WARP_ROWS_ENV`]).
