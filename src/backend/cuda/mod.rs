@@ -33,7 +33,7 @@ use super::{
     Span, TokSpan,
 };
 use crate::ops::attention::Heads;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, NoEpilogue};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
@@ -133,13 +133,23 @@ pub enum LayernormBackward {
 }
 
 impl LayernormBackward {
+    /// The setting's value for this form (what [`Self::parse`] reads and the run header shows).
+    pub fn name(self) -> &'static str {
+        match self {
+            LayernormBackward::Split => "split",
+            LayernormBackward::Fused => "fused",
+        }
+    }
+
     /// [`LAYERNORM_BACKWARD_ENV`]'s value: empty (the default), `split` or `fused`.
     pub fn parse(v: &str) -> Result<LayernormBackward> {
-        match v {
-            "" | "split" => Ok(LayernormBackward::Split),
-            "fused" => Ok(LayernormBackward::Fused),
-            _ => bail!("{LAYERNORM_BACKWARD_ENV}={v}: expected split or fused"),
+        if v.is_empty() {
+            return Ok(Self::default());
         }
+        [LayernormBackward::Split, LayernormBackward::Fused]
+            .into_iter()
+            .find(|f| f.name() == v)
+            .ok_or_else(|| anyhow::anyhow!("{LAYERNORM_BACKWARD_ENV}={v}: expected split or fused"))
     }
 }
 
@@ -948,16 +958,15 @@ impl Backend for CudaBackend {
 
     fn kernel_settings(&self) -> Vec<(&'static str, String)> {
         let r = self.flash_warp_rows;
-        let ln = match self.layernorm_backward {
-            LayernormBackward::Split => "split",
-            LayernormBackward::Fused => "fused",
-        };
         vec![
             (
                 FLASH_WARP_ROWS_ENV,
                 format!("{},{},{}", r.forward, r.dq, r.dkv),
             ),
-            (LAYERNORM_BACKWARD_ENV, ln.to_string()),
+            (
+                LAYERNORM_BACKWARD_ENV,
+                self.layernorm_backward.name().to_string(),
+            ),
         ]
     }
 
