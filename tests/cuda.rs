@@ -30,8 +30,8 @@ mod gpu {
     use fugu::config::{ModelConfig, RunConfig};
     use fugu::metrics::jsonl::{read_metrics, Record};
     use fugu::metrics::timers::{TimerLevel, Timers};
-    use fugu::model::gpt2::MlpGelu;
     use fugu::model::init::init_params;
+    use fugu::model::paths::MlpGelu;
     use fugu::model::table::gpt2_params;
     use fugu::model::{Gpt2, OptimStep, TpRank};
     use fugu::sample::{generate, Generator, SampleOptions};

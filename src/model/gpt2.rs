@@ -28,11 +28,11 @@ use super::acts::{
 };
 use super::kv::KvCache;
 use super::params::{LayerParams, ParamSpans};
+use super::paths::{attention_path, mlp_gelu_path, MlpGelu};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use crate::backend::{
-    AdamWPart, AdamWStep, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan,
-    WeightLayout,
+    AdamWPart, AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout,
 };
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
@@ -1117,74 +1117,6 @@ struct BlockPass<'a, 'c> {
     layer: usize,
     /// Scratch for a projection's output before it joins the residual stream.
     proj: Span,
-}
-
-/// Environment variable that overrides the backend's attention path: `fused` or
-/// `materialized` (benchmarks and tests; default `auto`).
-pub const ATTENTION_ENV: &str = "FUGU_ATTENTION";
-
-/// Whether a model with heads of size `hs` stored as `compute` keeps attention probabilities
-/// (the three-step path) or log-sum-exps (fused): the backend's preference, unless
-/// [`ATTENTION_ENV`] says otherwise.
-fn attention_path(be: &impl Backend, hs: usize, compute: Dtype) -> Result<AttnKeep> {
-    let support = be.fused_attention(hs, compute);
-    let asked = std::env::var(ATTENTION_ENV).unwrap_or_default();
-    Ok(match (asked.as_str(), support) {
-        ("" | "auto", FusedAttention::Preferred)
-        | ("fused", FusedAttention::Available | FusedAttention::Preferred) => AttnKeep::LogSumExp,
-        ("" | "auto" | "materialized", _) => AttnKeep::Probabilities,
-        ("fused", FusedAttention::Unsupported) => bail!(
-            "{ATTENTION_ENV}=fused: the {} backend has no fused attention for heads of size \
-             {hs} stored as {}",
-            be.name(),
-            compute.name()
-        ),
-        (other, _) => bail!("{ATTENTION_ENV}={other}: expected auto, fused or materialized"),
-    })
-}
-
-/// Where the MLP's GELU runs (chosen per backend and compute type by [`mlp_gelu_path`],
-/// [`MLP_GELU_ENV`] overriding).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MlpGelu {
-    /// Its own op between the two GEMMs, forward and backward (timed as `mlp:gelu`).
-    Separate,
-    /// In the GEMMs' epilogues ([`Backend::gelu_epilogue`]): the fc GEMM writes its output
-    /// and GELU of it, the fc-projection's input-gradient GEMM multiplies by GELU's
-    /// derivative (timed as the `mlp:mm` they are part of).
-    Epilogue,
-}
-
-impl MlpGelu {
-    /// The name in the run header (`"mlp_gelu"`) and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            MlpGelu::Separate => "separate",
-            MlpGelu::Epilogue => "epilogue",
-        }
-    }
-}
-
-/// Environment variable that overrides where the MLP's GELU runs: `epilogue` or `separate`
-/// (benchmarks and tests; default `auto`: in the epilogues where the backend has them).
-pub const MLP_GELU_ENV: &str = "FUGU_MLP_GELU";
-
-/// Where a model whose activations are stored as `compute` runs the MLP's GELU: in the GEMMs'
-/// epilogues where the backend has them, unless [`MLP_GELU_ENV`] says otherwise.
-fn mlp_gelu_path(be: &impl Backend, compute: Dtype) -> Result<MlpGelu> {
-    let has = be.gelu_epilogue(compute);
-    let asked = std::env::var(MLP_GELU_ENV).unwrap_or_default();
-    Ok(match (asked.as_str(), has) {
-        ("" | "auto" | "epilogue", true) => MlpGelu::Epilogue,
-        ("" | "auto" | "separate", _) => MlpGelu::Separate,
-        ("epilogue", false) => bail!(
-            "{MLP_GELU_ENV}=epilogue: the {} backend has no GELU epilogue for activations \
-             stored as {}",
-            be.name(),
-            compute.name()
-        ),
-        (other, _) => bail!("{MLP_GELU_ENV}={other}: expected auto, epilogue or separate"),
-    })
 }
 
 /// One transformer block's forward pass from its input `resid` (the residual stream) into its

@@ -7,6 +7,7 @@ pub mod gpt2;
 pub mod init;
 pub mod kv;
 pub mod params;
+pub mod paths;
 pub mod stage;
 pub mod table;
 
