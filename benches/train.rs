@@ -162,9 +162,10 @@ fn time_steps<B: Backend>(
     model.set_recompute(recompute);
     let (fwd, bwd) = model.activation_bytes(b, t);
     println!(
-        "activations {b}x{t} (--recompute {recompute:?}, {} attention, GELU {}): {:.1} MiB forward + {:.1} MiB backward scratch",
+        "activations {b}x{t} (--recompute {recompute:?}, {} attention, GELU {}, residual {}): {:.1} MiB forward + {:.1} MiB backward scratch",
         model.attention().name(),
         model.mlp_gelu().name(),
+        model.residual().name(),
         fwd as f64 / (1 << 20) as f64,
         bwd as f64 / (1 << 20) as f64
     );

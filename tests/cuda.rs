@@ -21,6 +21,7 @@ fn cuda_tests() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
+    use fugu::backend::cuda::emu::EpilogueCounts;
     use fugu::backend::cuda::{self, CudaBackend, FlashWarpRows, LayernormBackward};
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype,
@@ -31,14 +32,14 @@ mod gpu {
     use fugu::metrics::jsonl::{read_metrics, Record};
     use fugu::metrics::timers::{TimerLevel, Timers};
     use fugu::model::init::init_params;
-    use fugu::model::paths::MlpGelu;
+    use fugu::model::paths::{MlpGelu, Residual};
     use fugu::model::table::gpt2_params;
     use fugu::model::{Gpt2, OptimStep, TpRank};
     use fugu::sample::{generate, Generator, SampleOptions};
     use fugu_io::rng::SplitMix64;
     use std::path::{Path, PathBuf};
     use std::process::{Command, Output};
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
     use super::skipped;
@@ -328,7 +329,7 @@ mod gpu {
             linear_gelu_cases(&mut be, epilogues, None);
             // On the emulator, which counts the GELU epilogues it runs.
             let emulator = cuda::emu::Emulator::new().expect("the emulator compiled above");
-            let count = emulator.gelu_epilogue_count();
+            let count = emulator.epilogue_counts();
             let mut be = Both {
                 cpu: CpuBackend::new(),
                 gpu: CudaBackend::with_engine(Box::new(emulator)),
@@ -341,8 +342,8 @@ mod gpu {
     /// `epilogues`: whether the GPU side runs the GELU epilogues where a case's matrices meet
     /// their alignment (checked: the backward pass then leaves `scratch` unwritten, and
     /// `count`, where given, goes up by one in each pass).
-    fn linear_gelu_cases(be: &mut Both, epilogues: bool, count: Option<Arc<AtomicU64>>) {
-        let ran = || count.as_ref().map(|c| c.load(Ordering::Relaxed));
+    fn linear_gelu_cases(be: &mut Both, epilogues: bool, count: Option<Arc<EpilogueCounts>>) {
+        let ran = || count.as_ref().map(|c| c.gelu.load(Ordering::Relaxed));
         // (n, ic, oc, pre's offset): 16-byte aligned rows of 16-bit values (ic and oc
         // multiples of 8) take the epilogues; 33 and 65 features, or a `pre` one element
         // into its buffer, do not.
@@ -402,6 +403,71 @@ mod gpu {
                 be.gpu.download(scratch, &mut s);
                 let untouched = s.iter().all(|x| x.is_nan());
                 assert_eq!(untouched, fused, "backward {what}: scratch left unwritten");
+            }
+        }
+    }
+
+    /// A projection whose output joins the residual stream (`linear_residual_forward`): on a
+    /// GPU in the GEMM (the stream read as cuBLASLt's C) where the bias is 16-byte aligned or
+    /// absent, elsewhere as two ops through the scratch; on the emulator, counted, and on an
+    /// emulator refusing every epilogue, the two ops. Tolerance: the epilogue rounds the sum
+    /// once where the CPU rounds the product (plus bias) first, a difference of at most one
+    /// step of the type at the product's magnitude (≤ the compared scale): inside [`Both::tol`].
+    #[test]
+    fn linear_residual_layers() {
+        for act in ACTS {
+            let Some(mut be) = Both::new(act) else { return };
+            assert!(be.gpu.residual_epilogue(act), "{act:?}");
+            linear_residual_cases(&mut be, true, None);
+            for refusing in [false, true] {
+                let emulator = cuda::emu::Emulator::new().expect("the emulator compiled above");
+                let emulator = if refusing {
+                    emulator.refusing_epilogues()
+                } else {
+                    emulator
+                };
+                let count = emulator.epilogue_counts();
+                let mut be = Both {
+                    cpu: CpuBackend::new(),
+                    gpu: CudaBackend::with_engine(Box::new(emulator)),
+                    act,
+                };
+                linear_residual_cases(&mut be, !refusing, Some(count));
+            }
+        }
+    }
+
+    /// `epilogues`: whether the GPU side runs the residual epilogue where a case's bias is
+    /// aligned (checked: `scratch` is then left unwritten, and `count`, where given, goes up
+    /// by one).
+    fn linear_residual_cases(be: &mut Both, epilogues: bool, count: Option<Arc<EpilogueCounts>>) {
+        let ran = || count.as_ref().map(|c| c.residual.load(Ordering::Relaxed));
+        for (n, ic, oc) in [(17, 33, 65), (9, 16, 24), (1, 8, 8), (130, 64, 300)] {
+            for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                // No bias, an aligned one, one a element into its buffer (not 16-byte aligned).
+                for bias_at in [None, Some(0), Some(1)] {
+                    let (out, scratch) = (be.nan(n * oc), be.nan(n * oc));
+                    let resid = be.rand(n * oc, 7);
+                    let inp = be.rand(n * ic, 1);
+                    let w = be.rand(ic * oc, 2);
+                    let bias = bias_at.map(|at| be.rand(oc + 1, 3).sub(at, oc));
+                    let before = ran();
+                    be.run(|x| {
+                        x.linear_residual_forward(
+                            out, resid, scratch, inp, w, layout, bias, n, ic, oc,
+                        )
+                    });
+                    be.check("linear_residual_forward", out, GEMM);
+                    let fused = epilogues && bias_at != Some(1);
+                    let what = format!("{n}x{ic}->{oc}, bias at {bias_at:?} ({:?})", be.act);
+                    if let (Some(a), Some(b)) = (before, ran()) {
+                        assert_eq!(b - a, u64::from(fused), "residual epilogues, {what}");
+                    }
+                    let mut s = vec![0.0; n * oc];
+                    be.gpu.download(scratch, &mut s);
+                    let untouched = s.iter().all(|x| x.is_nan());
+                    assert_eq!(untouched, fused, "{what}: scratch left unwritten");
+                }
             }
         }
     }
@@ -841,6 +907,11 @@ mod gpu {
             let mut gpu = model_in(&cfg, dt, dev);
             // 16-bit activations take the GELU epilogues (128 MLP features: aligned rows).
             assert_eq!(gpu.mlp_gelu(), MlpGelu::Epilogue, "{dt:?}");
+            // The bf16 model adds its projections to the residual stream in their GEMMs (the
+            // CPU reference: its own ops).
+            if dt == Dtype::Bf16 {
+                gpu.set_residual(Residual::Epilogue).unwrap();
+            }
             let w = batch(&cfg, b, t, 5);
             let mut losses = [0.0f32; 2];
             for (i, m) in [&mut cpu as &mut dyn Train, &mut gpu]

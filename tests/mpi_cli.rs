@@ -82,6 +82,11 @@ fn tmp(name: &str) -> PathBuf {
 /// Runs `fugu train` in `dir` with `np` ranks (0 = no mpirun) and the common flags (the
 /// test model and data unless `extra` names a `--config`).
 fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
+    train_env(dir, np, extra, &[])
+}
+
+/// [`train`] with environment variables `env` set for every rank.
+fn train_env(dir: &Path, np: usize, extra: &[&str], env: &[(&str, &str)]) -> Output {
     let exe = env!("CARGO_BIN_EXE_fugu");
     let mut args: Vec<String> = vec![];
     let mut cmd = if np == 0 {
@@ -112,6 +117,7 @@ fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .envs(env.iter().copied())
         .output()
         .expect("running fugu")
 }
@@ -198,20 +204,27 @@ fn parallel_layouts_match_the_serial_run() {
     let dir = tmp("layouts");
     let s = serial(&dir);
     // dp = 2 (B = 2 per rank), tp = 2 (one replica of B = 4), tp = 2 x dp = 2, ZeRO-1 dp = 2
-    // with small buckets so that blocks cross tensor boundaries.
-    for (name, np, extra) in [
-        ("dp2", 2, vec!["--batch-size", "2"]),
-        ("tp2", 2, vec!["--tp", "2", "--data-ranks", "2"]),
-        ("tp2dp2", 4, vec!["--tp", "2", "--batch-size", "2"]),
+    // with small buckets so that blocks cross tensor boundaries; tp = 2 with the projections
+    // adding onto the residual stream in their GEMMs (the first rank adds the stream, the
+    // all-reduce sums it with the other rank's partial product: a different order of f32
+    // sums, inside the same tolerances).
+    let tp2 = vec!["--tp", "2", "--data-ranks", "2"];
+    let epilogue = [("FUGU_RESIDUAL", "epilogue")];
+    for (name, np, extra, env) in [
+        ("dp2", 2, vec!["--batch-size", "2"], &[][..]),
+        ("tp2", 2, tp2.clone(), &[]),
+        ("tp2-residual", 2, tp2, &epilogue),
+        ("tp2dp2", 4, vec!["--tp", "2", "--batch-size", "2"], &[]),
         (
             "zero1",
             2,
             vec!["--batch-size", "2", "--zero", "1", "--bucket-mb", "0.05"],
+            &[],
         ),
     ] {
         let mut args = extra.clone();
         args.extend(["--out", name]);
-        let out = train(&dir, np, &args);
+        let out = train_env(&dir, np, &args, env);
         ok(&out);
         assert_same(&s, &dir.join(name), 4, name);
         // The header records the layout and the per-step records the cross-rank timers.
@@ -220,6 +233,12 @@ fn parallel_layouts_match_the_serial_run() {
             panic!("no header")
         };
         assert_eq!(h["layout"]["world"], np, "{name}");
+        let residual = if env.is_empty() {
+            "separate"
+        } else {
+            "epilogue"
+        };
+        assert_eq!(h["residual"], residual, "{name}");
         let step = recs
             .iter()
             .find_map(|r| match r {
@@ -239,7 +258,7 @@ fn parallel_layouts_match_the_serial_run() {
             );
         }
         let must: &[&str] = match name {
-            "tp2" | "tp2dp2" => &[
+            "tp2" | "tp2-residual" | "tp2dp2" => &[
                 "forward:attention:allreduce",
                 "forward:mlp:allreduce",
                 "backward:attention:allreduce",

@@ -278,6 +278,38 @@ impl Backend for CpuBackend {
         self.stored(&[out]);
     }
 
+    fn residual_epilogue(&self, _dt: Dtype) -> bool {
+        true
+    }
+
+    fn linear_residual_forward(
+        &mut self,
+        out: Span,
+        resid: Span,
+        _scratch: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        let prec = self.gemm_precision(&[inp, w]);
+        use ops::linear::linear_residual_forward as lr;
+        match bias {
+            Some(bias) => {
+                let ([o], [r, i, w, bi]) = views(&mut self.bufs, [out], [resid, inp, w, bias]);
+                lr(prec, o, r, i, w, layout, Some(bi), n, ic, oc);
+            }
+            None => {
+                let ([o], [r, i, w]) = views(&mut self.bufs, [out], [resid, inp, w]);
+                lr(prec, o, r, i, w, layout, None, n, ic, oc);
+            }
+        }
+        self.stored(&[out]);
+    }
+
     fn linear_backward(
         &mut self,
         dinp: Option<Span>,

@@ -272,6 +272,34 @@ pub trait Backend {
         oc: usize,
     );
 
+    /// Whether this backend can add a linear layer's output to the residual stream inside
+    /// its GEMM for activations stored as `dt` (cuBLASLt reading the stream as its C matrix):
+    /// [`Self::linear_residual_forward`] then costs the GEMM's pass alone.
+    fn residual_epilogue(&self, _dt: Dtype) -> bool {
+        false
+    }
+    /// A linear layer whose output joins the residual stream: `out (N, OC) = resid + inp·W
+    /// (+ bias)`, overwritten (`out` and `resid` apart). By default two ops through `scratch`
+    /// (N·OC of the activation type, overwritten: [`linear_then_residual`]); in a residual
+    /// epilogue ([`Self::residual_epilogue`]) the f32 sum is rounded once, so a 16-bit `out`
+    /// may differ from the two ops' by a step of its type.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_residual_forward(
+        &mut self,
+        out: Span,
+        resid: Span,
+        scratch: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        linear_then_residual(self, out, resid, scratch, inp, w, layout, bias, n, ic, oc);
+    }
+
     /// Whether this backend computes the MLP's GELU inside its GEMMs for activations stored
     /// as `dt` (cuBLASLt's epilogues): [`Self::linear_gelu_forward`] and
     /// [`Self::gelu_linear_backward`] then each cost one GEMM's pass over the activations,
@@ -426,6 +454,26 @@ pub trait Backend {
     /// One AdamW step on every part (a device backend updates them all in one launch);
     /// `hp.weight_decay` applies to the parts marked `decay`.
     fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep);
+}
+
+/// [`Backend::linear_residual_forward`] as two ops: [`Backend::linear_forward`] into
+/// `scratch`, then [`Backend::residual_forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn linear_then_residual<B: Backend + ?Sized>(
+    be: &mut B,
+    out: Span,
+    resid: Span,
+    scratch: Span,
+    inp: Span,
+    w: Span,
+    layout: WeightLayout,
+    bias: Option<Span>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    be.linear_forward(scratch, inp, w, layout, bias, n, ic, oc);
+    be.residual_forward(out, resid, scratch);
 }
 
 /// [`Backend::linear_gelu_forward`] as two ops: [`Backend::linear_forward`] into `pre`, then

@@ -28,7 +28,7 @@ use super::acts::{
 };
 use super::kv::KvCache;
 use super::params::{LayerParams, ParamSpans};
-use super::paths::{attention_path, mlp_gelu_path, MlpGelu};
+use super::paths::{attention_path, mlp_gelu_path, residual_path, MlpGelu, Residual};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use crate::backend::{
@@ -130,6 +130,8 @@ pub struct Gpt2<B: Backend> {
     attn_keep: AttnKeep,
     /// Where the MLP's GELU runs ([`mlp_gelu_path`]).
     mlp_gelu: MlpGelu,
+    /// How the projections join the residual stream ([`residual_path`]).
+    residual: Residual,
     /// Micro-batches whose activations are kept at once (pipeline schedules run several
     /// forward passes before the first backward pass); micro-batch `j` uses set `j % in_flight`.
     in_flight: usize,
@@ -198,6 +200,7 @@ impl<B: Backend> Gpt2<B> {
         let g = p.on(grads);
         let attn_keep = attention_path(&be, cfg.n_embd / cfg.n_head, compute)?;
         let mlp_gelu = mlp_gelu_path(&be, compute)?;
+        let residual = residual_path(&be, compute)?;
         Ok(Gpt2 {
             cfg: cfg.clone(),
             tp,
@@ -215,6 +218,7 @@ impl<B: Backend> Gpt2<B> {
             recompute: Recompute::None,
             attn_keep,
             mlp_gelu,
+            residual,
             in_flight: 1,
             micro_batches: 0,
             p,
@@ -308,6 +312,26 @@ impl<B: Backend> Gpt2<B> {
     /// Whether the MLP's GELU runs on its own or in the GEMMs' epilogues.
     pub fn mlp_gelu(&self) -> MlpGelu {
         self.mlp_gelu
+    }
+
+    /// Whether the projections join the residual stream in their GEMMs or by their own op.
+    pub fn residual(&self) -> Residual {
+        self.residual
+    }
+
+    /// Sets how the projections join the residual stream (tests; runs choose by
+    /// [`residual_path`] when the model is built). Fails if the backend has no residual
+    /// epilogue for the model's activations.
+    pub fn set_residual(&mut self, r: Residual) -> Result<()> {
+        if r == Residual::Epilogue && !self.be.residual_epilogue(self.compute) {
+            bail!(
+                "the {} backend has no residual epilogue for activations stored as {}",
+                self.be.name(),
+                self.compute.name()
+            );
+        }
+        self.residual = r;
+        Ok(())
     }
 
     /// Storage type of activations and of the parameters the passes read.
@@ -705,6 +729,7 @@ impl<B: Backend> Gpt2<B> {
                 d: &d,
                 tp_first: first,
                 gelu: self.mlp_gelu,
+                residual: self.residual,
                 pass,
                 layer: l,
                 proj: a.proj,
@@ -828,6 +853,7 @@ impl<B: Backend> Gpt2<B> {
                     d: &d,
                     tp_first: self.tp.rank == 0,
                     gelu: self.mlp_gelu,
+                    residual: self.residual,
                     pass: Pass::Batch { micro },
                     layer: l,
                     proj: a.proj,
@@ -1112,6 +1138,7 @@ struct BlockPass<'a, 'c> {
     /// Tensor-parallel rank 0 (adds the replicated row-parallel biases).
     tp_first: bool,
     gelu: MlpGelu,
+    residual: Residual,
     pass: Pass<'c>,
     /// The block's index within the stage (its key/value cache layer when decoding).
     layer: usize,
@@ -1131,8 +1158,7 @@ fn block_forward<B: Backend>(
     resid: Span,
     bp: &BlockPass,
 ) {
-    let (d, first, pass, l) = (bp.d, bp.tp_first, bp.pass, bp.layer);
-    let proj = bp.proj;
+    let (d, pass, l) = (bp.d, bp.pass, bp.layer);
     let n = d.n();
     let (c, f, lc) = (d.c, d.f, d.local_c());
     let ad = d.attn();
@@ -1189,32 +1215,19 @@ fn block_forward<B: Backend>(
             be.attention_decode(la.atty, la.qkv.sub(0, lc), k, v, pos + 1, d.nh, d.hs);
         }
     }
-    {
-        let _t = timers.scope("forward:attention:proj", Fine);
-        // TP: row-parallel; bias after the all-reduce.
-        be.linear_forward(
-            proj,
-            la.atty,
-            lp.attproj_w,
-            WeightLayout::InOut,
-            first.then_some(lp.attproj_b),
-            n,
-            lc,
-            c,
-        );
-    }
-    tp_allreduce(
+    project_into_residual(
         be,
         comm,
         timers,
-        "forward:attention:allreduce",
-        proj,
-        ReduceOp::Sum,
+        bp,
+        ("forward:attention:proj", "forward:attention:allreduce"),
+        la.resid2,
+        resid,
+        la.atty,
+        lp.attproj_w,
+        lp.attproj_b,
+        lc,
     );
-    {
-        let _t = timers.scope("forward:residual", Fine);
-        be.residual_forward(la.resid2, resid, proj);
-    }
     {
         let _t = timers.scope("forward:layernorm", Fine);
         be.layernorm_forward(
@@ -1261,31 +1274,64 @@ fn block_forward<B: Backend>(
             );
         }
     }
-    {
-        let _t = timers.scope("forward:mlp:mm", Fine);
-        // TP: row-parallel; bias after the all-reduce.
-        be.linear_forward(
-            proj,
-            la.fch_gelu,
-            lp.fcproj_w,
-            WeightLayout::InOut,
-            first.then_some(lp.fcproj_b),
-            n,
-            f,
-            c,
-        );
-    }
-    tp_allreduce(
+    project_into_residual(
         be,
         comm,
         timers,
-        "forward:mlp:allreduce",
-        proj,
-        ReduceOp::Sum,
+        bp,
+        ("forward:mlp:mm", "forward:mlp:allreduce"),
+        la.resid3,
+        la.resid2,
+        la.fch_gelu,
+        lp.fcproj_w,
+        lp.fcproj_b,
+        f,
     );
-    {
-        let _t = timers.scope("forward:residual", Fine);
-        be.residual_forward(la.resid3, la.resid2, proj);
+}
+
+/// A block's row-parallel projection (`inp` (N, k) by `w` (k, C), bias `b`) whose output
+/// joins the residual stream: `out = resid + inp·w + b`, in the projection's GEMM or by its
+/// own op as `bp.residual` says, the GEMM timed as `names.0`. TP: each rank's product is a
+/// partial sum over its share of `k`; the first rank adds the bias (and, in the epilogue,
+/// the stream), the all-reduce (timed as `names.1`) sums them.
+#[allow(clippy::too_many_arguments)]
+fn project_into_residual<B: Backend>(
+    be: &mut B,
+    comm: &dyn Comm,
+    timers: &Timers,
+    bp: &BlockPass,
+    names: (&'static str, &'static str),
+    out: Span,
+    resid: Span,
+    inp: Span,
+    w: Span,
+    b: Span,
+    k: usize,
+) {
+    let (n, c, first) = (bp.d.n(), bp.d.c, bp.tp_first);
+    let bias = first.then_some(b);
+    let layout = WeightLayout::InOut;
+    match bp.residual {
+        Residual::Separate => {
+            {
+                let _t = timers.scope(names.0, Fine);
+                be.linear_forward(bp.proj, inp, w, layout, bias, n, k, c);
+            }
+            tp_allreduce(be, comm, timers, names.1, bp.proj, ReduceOp::Sum);
+            let _t = timers.scope("forward:residual", Fine);
+            be.residual_forward(out, resid, bp.proj);
+        }
+        Residual::Epilogue => {
+            {
+                let _t = timers.scope(names.0, Fine);
+                if first {
+                    be.linear_residual_forward(out, resid, bp.proj, inp, w, layout, bias, n, k, c);
+                } else {
+                    be.linear_forward(out, inp, w, layout, None, n, k, c);
+                }
+            }
+            tp_allreduce(be, comm, timers, names.1, out, ReduceOp::Sum);
+        }
     }
 }
 

@@ -61,16 +61,73 @@ pub const MLP_GELU_ENV: &str = "FUGU_MLP_GELU";
 /// epilogues where the backend has them, unless [`MLP_GELU_ENV`] says otherwise.
 pub(super) fn mlp_gelu_path(be: &impl Backend, compute: Dtype) -> Result<MlpGelu> {
     let has = be.gelu_epilogue(compute);
-    let asked = std::env::var(MLP_GELU_ENV).unwrap_or_default();
+    let epilogue = in_epilogue(MLP_GELU_ENV, "GELU", has, true, be, compute)?;
+    Ok(if epilogue {
+        MlpGelu::Epilogue
+    } else {
+        MlpGelu::Separate
+    })
+}
+
+/// How a linear layer's output joins the residual stream (chosen per backend and compute type
+/// by [`residual_path`], [`RESIDUAL_ENV`] overriding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residual {
+    /// The projection into a scratch buffer, then its own op adding it to the stream (timed
+    /// as `residual`).
+    Separate,
+    /// In the projection's GEMM ([`Backend::residual_epilogue`]): it reads the stream and
+    /// writes the new one (timed as the projection it is part of).
+    Epilogue,
+}
+
+impl Residual {
+    /// The name in the run header (`"residual"`) and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Residual::Separate => "separate",
+            Residual::Epilogue => "epilogue",
+        }
+    }
+}
+
+/// Environment variable that picks how projections join the residual stream: `epilogue` or
+/// `separate` (default `auto`: separate until a GPU has measured the epilogue against it).
+pub const RESIDUAL_ENV: &str = "FUGU_RESIDUAL";
+
+/// How a model whose activations are stored as `compute` adds its projections to the
+/// residual stream: in the GEMM where asked for and the backend has it, else as its own op.
+pub(super) fn residual_path(be: &impl Backend, compute: Dtype) -> Result<Residual> {
+    let has = be.residual_epilogue(compute);
+    let epilogue = in_epilogue(RESIDUAL_ENV, "residual", has, false, be, compute)?;
+    Ok(if epilogue {
+        Residual::Epilogue
+    } else {
+        Residual::Separate
+    })
+}
+
+/// Whether an op (`what`) runs in a GEMM's epilogue, as environment variable `env` says:
+/// `epilogue` where the backend `has` one (refused by name where it has not), `separate`
+/// never, `auto` or unset where it has one and `auto_takes` it.
+fn in_epilogue(
+    env: &str,
+    what: &str,
+    has: bool,
+    auto_takes: bool,
+    be: &impl Backend,
+    compute: Dtype,
+) -> Result<bool> {
+    let asked = std::env::var(env).unwrap_or_default();
     Ok(match (asked.as_str(), has) {
-        ("" | "auto" | "epilogue", true) => MlpGelu::Epilogue,
-        ("" | "auto" | "separate", _) => MlpGelu::Separate,
+        ("" | "auto", true) => auto_takes,
+        ("epilogue", true) => true,
+        ("" | "auto" | "separate", _) => false,
         ("epilogue", false) => bail!(
-            "{MLP_GELU_ENV}=epilogue: the {} backend has no GELU epilogue for activations \
-             stored as {}",
+            "{env}=epilogue: the {} backend has no {what} epilogue for activations stored as {}",
             be.name(),
             compute.name()
         ),
-        (other, _) => bail!("{MLP_GELU_ENV}={other}: expected auto, epilogue or separate"),
+        (other, _) => bail!("{env}={other}: expected auto, epilogue or separate"),
     })
 }

@@ -49,19 +49,73 @@ pub fn linear_forward<T: Float>(
     ic: usize,
     oc: usize,
 ) {
+    linear_onto(prec, out, None, inp, w, layout, bias, n, ic, oc);
+}
+
+/// `out = resid + inp·W + bias`: a linear layer whose output joins the residual stream.
+///
+/// * `out`: (N, OC), **overwritten**; `resid`: (N, OC); the rest as in [`linear_forward`].
+///
+/// The rows of `out` are first set to `resid` (plus the bias) and the GEMM adds with
+/// `beta = 1`: one pass over the output instead of the two of [`linear_forward`] then
+/// [`crate::ops::residual::residual_forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn linear_residual_forward<T: Float>(
+    prec: Precision,
+    out: &mut [T],
+    resid: &[T],
+    inp: &[T],
+    w: &[T],
+    layout: WeightLayout,
+    bias: Option<&[T]>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    assert_eq!(resid.len(), n * oc, "linear_residual_forward: resid length");
+    linear_onto(prec, out, Some(resid), inp, w, layout, bias, n, ic, oc);
+}
+
+/// `out = start + inp·W`, where `start` is `resid` plus `bias` (each optional, zero when
+/// both are absent): the rows of `out` are set to it and the GEMM adds with `beta = 1`.
+#[allow(clippy::too_many_arguments)]
+fn linear_onto<T: Float>(
+    prec: Precision,
+    out: &mut [T],
+    resid: Option<&[T]>,
+    inp: &[T],
+    w: &[T],
+    layout: WeightLayout,
+    bias: Option<&[T]>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
     assert_eq!(out.len(), n * oc, "linear_forward: out length");
     assert_eq!(inp.len(), n * ic, "linear_forward: inp length");
     assert_eq!(w.len(), ic * oc, "linear_forward: weight length");
-    let beta = match bias {
-        Some(bias) => {
-            assert_eq!(bias.len(), oc, "linear_forward: bias length");
-            if oc > 0 {
-                out.par_chunks_mut(oc)
-                    .for_each(|row| row.copy_from_slice(bias));
-            }
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), oc, "linear_forward: bias length");
+    }
+    let beta = match (resid, bias) {
+        (None, None) => T::ZERO,
+        _ if oc == 0 => T::ONE,
+        (Some(resid), _) => {
+            out.par_chunks_mut(oc)
+                .zip(resid.par_chunks(oc))
+                .for_each(|(row, r)| {
+                    row.copy_from_slice(r);
+                    if let Some(bias) = bias {
+                        row.iter_mut().zip(bias).for_each(|(o, &b)| *o += b);
+                    }
+                });
             T::ONE
         }
-        None => T::ZERO,
+        (None, Some(bias)) => {
+            out.par_chunks_mut(oc)
+                .for_each(|row| row.copy_from_slice(bias));
+            T::ONE
+        }
     };
     T::gemm(
         prec,
@@ -154,6 +208,42 @@ mod tests {
         let mut out = vec![f64::NAN; n * oc];
         linear_forward(Precision::F32, &mut out, x, w, l, b, n, ic, oc);
         out
+    }
+
+    /// `linear_residual_forward` is the stream plus `linear_forward` (f64: equal to
+    /// rounding), with and without a bias, on shapes with one row or one output feature.
+    #[test]
+    fn residual_form_adds_the_stream() {
+        for (n, ic, oc) in [(7, 5, 6), (1, 3, 9), (4, 6, 1)] {
+            for layout in [InOut, OutIn] {
+                let mut rng = Rng::new(31);
+                let (x, w, b, r) = (
+                    rng.vec(n * ic),
+                    rng.vec(ic * oc),
+                    rng.vec(oc),
+                    rng.vec(n * oc),
+                );
+                for bias in [None, Some(&b[..])] {
+                    let plain = forward(&x, &w, bias, layout, n, ic, oc);
+                    let mut out = vec![f64::NAN; n * oc];
+                    linear_residual_forward(
+                        Precision::F32,
+                        &mut out,
+                        &r,
+                        &x,
+                        &w,
+                        layout,
+                        bias,
+                        n,
+                        ic,
+                        oc,
+                    );
+                    for ((o, p), r) in out.iter().zip(&plain).zip(&r) {
+                        assert!((o - (p + r)).abs() < 1e-12, "{o} vs {p} + {r}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

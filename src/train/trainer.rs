@@ -40,7 +40,7 @@ use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
 use crate::model::acts::{AttnKeep, Recompute};
 use crate::model::init::init_tensor;
-use crate::model::paths::MlpGelu;
+use crate::model::paths::{MlpGelu, Residual};
 use crate::model::table::{gpt2_params, Table, TensorSpec};
 use crate::model::{Gpt2, OptimStep, Stage, TpRank};
 use crate::parallel::grad_sync::GradSync;
@@ -936,6 +936,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             "precision": t.precision.name(),
             "attention": self.model.attention().name(),
             "mlp_gelu": self.model.mlp_gelu().name(),
+            "residual": self.model.residual().name(),
             "kernels": self.model.be.kernel_settings().into_iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "device": self.model.be.describe(),
             "peak_gflops_per_rank": self.peak_flops / 1e9,
@@ -1048,6 +1049,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
         }
         if self.model.mlp_gelu() == MlpGelu::Epilogue {
             eprintln!("  MLP: GELU in the fc GEMM's epilogue, its derivative in the fc projection's input-gradient GEMM's");
+        }
+        if self.model.residual() == Residual::Epilogue {
+            eprintln!("  residual: the projections' GEMMs read the residual stream and write the next one");
         }
         if let Some(d) = self.watch.deadline() {
             eprintln!(

@@ -103,8 +103,17 @@ pub struct Emulator {
     /// Answer every GEMM with an epilogue with [`NoEpilogue`], as cuBLASLt does for a shape
     /// it has no algorithm for (tests of the backend's fallbacks).
     refuse_epilogues: bool,
-    /// GEMMs run with a GELU epilogue (tests: which path a linear layer took).
-    gelu_epilogues: Arc<AtomicU64>,
+    /// The GEMMs run with each kind of epilogue (tests: which path a linear layer took).
+    epilogues: Arc<EpilogueCounts>,
+}
+
+/// How many GEMMs an [`Emulator`] has run with these epilogues.
+#[derive(Debug, Default)]
+pub struct EpilogueCounts {
+    /// GELU, forward or gradient.
+    pub gelu: AtomicU64,
+    /// A residual read as C.
+    pub residual: AtomicU64,
 }
 
 impl Emulator {
@@ -115,15 +124,15 @@ impl Emulator {
             Ok(c) => Ok(Emulator {
                 launch: c.launch,
                 refuse_epilogues: false,
-                gelu_epilogues: Default::default(),
+                epilogues: Default::default(),
             }),
             Err(e) => bail!("CUDA emulator: {e}"),
         }
     }
 
-    /// A counter of the GEMMs this emulator runs with a GELU epilogue (forward or gradient).
-    pub fn gelu_epilogue_count(&self) -> Arc<AtomicU64> {
-        self.gelu_epilogues.clone()
+    /// The counts of the GEMMs this emulator runs with epilogues, as they go up.
+    pub fn epilogue_counts(&self) -> Arc<EpilogueCounts> {
+        self.epilogues.clone()
     }
 
     /// This emulator, answering every GEMM with an epilogue with [`NoEpilogue`].
@@ -239,7 +248,10 @@ impl Engine for Emulator {
                 return Err(NoEpilogue("refused by the emulator".into()).into());
             }
             if g.epilogue.aux().is_some() {
-                self.gelu_epilogues.fetch_add(1, Ordering::Relaxed);
+                self.epilogues.gelu.fetch_add(1, Ordering::Relaxed);
+            }
+            if g.epilogue.residual().is_some() {
+                self.epilogues.residual.fetch_add(1, Ordering::Relaxed);
             }
         }
         // Element `i` of an operand of type `dt` at `p`, widened to f32 (exact).
@@ -293,6 +305,9 @@ impl Engine for Emulator {
                     let bias = g.epilogue.bias();
                     if bias != 0 {
                         v += at(bias, g.c_type, i) as f64;
+                    }
+                    if let Some(resid) = g.epilogue.residual() {
+                        v += at(resid, g.c_type, idx) as f64;
                     }
                     // The epilogue works on the f32 value, as cuBLASLt's does.
                     let (v, mut y) = (v as f32, [0.0f32]);

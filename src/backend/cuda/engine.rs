@@ -76,6 +76,11 @@ pub enum Epilogue {
     /// C = v · gelu'(aux) (`CUBLASLT_EPILOGUE_DGELU`): an input gradient carried back
     /// through the GELU whose input `aux` is.
     GeluGrad { aux: u64, ld_aux: usize },
+    /// C = v + bias + resid (bias 0 for none), `resid` an m×n matrix of C's type with C's
+    /// leading dimension, read where C is written: a linear layer whose output joins the
+    /// residual stream (cuBLASLt's own C operand with beta = 1 and D apart from it, plus
+    /// `CUBLASLT_EPILOGUE_BIAS` with a bias). `resid` may not overlap C.
+    Residual { bias: u64, resid: u64 },
 }
 
 impl Epilogue {
@@ -86,14 +91,25 @@ impl Epilogue {
             Epilogue::Bias { .. } => "bias",
             Epilogue::GeluAux { .. } => "bias and GELU",
             Epilogue::GeluGrad { .. } => "GELU gradient",
+            Epilogue::Residual { .. } => "residual",
         }
     }
 
     /// The bias's address, or 0 for none.
     pub fn bias(&self) -> u64 {
         match *self {
-            Epilogue::Bias { bias } | Epilogue::GeluAux { bias, .. } => bias,
+            Epilogue::Bias { bias }
+            | Epilogue::GeluAux { bias, .. }
+            | Epilogue::Residual { bias, .. } => bias,
             _ => 0,
+        }
+    }
+
+    /// The residual matrix's address (C's leading dimension), if the epilogue has one.
+    pub fn residual(&self) -> Option<u64> {
+        match *self {
+            Epilogue::Residual { resid, .. } => Some(resid),
+            _ => None,
         }
     }
 
@@ -122,7 +138,7 @@ impl GemmCall {
 
     /// Fails unless a call with an epilogue is one that cuBLASLt's epilogues take: one
     /// matrix, beta 0, and the bias and auxiliary matrix [`EPILOGUE_ALIGN`]-aligned, the
-    /// latter with a leading dimension of at least m.
+    /// latter with a leading dimension of at least m; a residual matrix must not overlap C.
     pub fn check_epilogue(&self) -> Result<()> {
         let aligned = |p: u64| p.is_multiple_of(EPILOGUE_ALIGN);
         let aux_ok = self.epilogue.aux().is_none_or(|(aux, ld)| {
@@ -130,11 +146,21 @@ impl GemmCall {
                 && ld >= self.m
                 && ((ld * self.c_type.bytes()) as u64).is_multiple_of(EPILOGUE_ALIGN)
         });
+        // The residual is read where C is written: the two must be apart.
+        let extent = (((self.n.max(1) - 1) * self.ldc + self.m) * self.c_type.bytes()) as u64;
+        let resid_ok = self
+            .epilogue
+            .residual()
+            .is_none_or(|r| r.abs_diff(self.c) >= extent);
         anyhow::ensure!(
-            self.batch == 1 && self.beta == 0.0 && aligned(self.epilogue.bias()) && aux_ok,
+            self.batch == 1
+                && self.beta == 0.0
+                && aligned(self.epilogue.bias())
+                && aux_ok
+                && resid_ok,
             "a GEMM with a {} epilogue needs one matrix, beta 0, a {EPILOGUE_ALIGN}-byte \
-             aligned bias and auxiliary matrix (columns too) of at least m rows (got batch {}, \
-             beta {}, m {}, {:?})",
+             aligned bias and auxiliary matrix (columns too) of at least m rows, and a \
+             residual apart from C (got batch {}, beta {}, m {}, {:?})",
             self.epilogue.name(),
             self.batch,
             self.beta,

@@ -1368,6 +1368,49 @@ impl Backend for CudaBackend {
         self.linear_param_grads(dw, dbias, dout, inp, w, layout, n, ic, oc);
     }
 
+    fn residual_epilogue(&self, _dt: Dtype) -> bool {
+        true
+    }
+
+    fn linear_residual_forward(
+        &mut self,
+        out: Span,
+        resid: Span,
+        scratch: Span,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        assert!(
+            resid.len == out.len && self.dt(resid) == self.dt(out) && !resid.overlaps(out),
+            "linear_residual_forward: resid"
+        );
+        if let Some(b) = bias {
+            assert!(
+                b.len == oc && self.dt(b) == self.dt(out),
+                "linear_residual_forward: bias"
+            );
+        }
+        // The GEMM reads the stream as its C (beta = 1) and writes the new one, the bias in
+        // its epilogue; where cuBLASLt has no algorithm for that (or the matrices are not
+        // apart), the two ops.
+        let call = self.linear_call(out, inp, w, layout, n, ic, oc);
+        let epilogue = Epilogue::Residual {
+            bias: bias.map_or(0, |b| self.ptr(b)),
+            resid: self.ptr(resid),
+        };
+        if self.try_epilogue(&call, epilogue) {
+            return;
+        }
+        crate::backend::linear_then_residual(
+            self, out, resid, scratch, inp, w, layout, bias, n, ic, oc,
+        );
+    }
+
     fn gelu_epilogue(&self, dt: Dtype) -> bool {
         // cuBLASLt's GELU is the tanh form within 2e-4 in f32 (lt.rs): far below a 16-bit
         // type's rounding, not below f32's, whose runs are the references.
