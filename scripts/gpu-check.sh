@@ -31,7 +31,8 @@ BUDGET="${FUGU_GPU_BUDGET:-540}"
 SHAPE="${FUGU_GPU_SHAPE:-16x1024}"
 STEPS="${FUGU_GPU_STEPS:-10}"
 # HEAD's speed settings to compare (environment assignments, space-separated per variant).
-VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused}"
+# Each opt-in alone, then all three together; GELU as separate kernels checks its default.
+VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_RESIDUAL=epilogue;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused FUGU_RESIDUAL=epilogue}"
 
 left() { echo $((BUDGET - SECONDS)); }
 say() { printf '%s\n' "$*" | tee -a "$LOG"; }
