@@ -14,3 +14,4 @@ pub mod predict;
 pub mod report;
 pub mod sample;
 pub mod train;
+pub mod user_cache;

@@ -39,14 +39,7 @@ pub struct Entry {
 
 /// Where the cache lives, or `None` when disabled or no home is known.
 pub fn cache_path() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("FUGU_PEAK_CACHE") {
-        return (p != "off" && !p.is_empty()).then(|| PathBuf::from(p));
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("fugu").join("peak.json"))
+    crate::user_cache::cache_path("FUGU_PEAK_CACHE", "peak.json")
 }
 
 fn key(cpu: &str, isa: Isa) -> String {
