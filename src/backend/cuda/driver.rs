@@ -2,7 +2,7 @@
 
 use super::engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, MarkSlots};
 use super::lt::Lt;
-use super::{compile_kernels, kernel_names};
+use super::{kernel_names, ptx_cache};
 use crate::backend::CudaSettings;
 use crate::dtype::Dtype;
 use crate::metrics::timers::{DeviceClock, DeviceMark};
@@ -87,9 +87,10 @@ impl DriverEngine {
         let stream = ctx.default_stream();
         let (major, minor) = ctx.compute_capability()?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
-        let ptx = compile_kernels(major, minor)?;
+        let dir = ptx_cache::cache_dir();
+        let (ptx, _) = ptx_cache::kernels_ptx(dir.as_deref(), major, minor)?;
         let module = ctx
-            .load_module(ptx)
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .context("loading the compiled kernels")?;
         let kernels = kernel_names()
             .iter()

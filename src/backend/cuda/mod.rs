@@ -26,6 +26,7 @@ mod driver;
 pub mod emu;
 pub mod engine;
 mod lt;
+pub mod ptx_cache;
 
 use super::WeightLayout;
 use super::{
