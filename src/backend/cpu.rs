@@ -50,6 +50,34 @@ impl CpuBackend {
         }
     }
 
+    /// `out = resid + inp·W + bias`, `resid` and `bias` each optional: the linear layers
+    /// ([`ops::linear::linear_forward`], or its residual form). An absent span goes to
+    /// `views` as an empty one.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_onto(
+        &mut self,
+        out: Span,
+        resid: Option<Span>,
+        inp: Span,
+        w: Span,
+        layout: WeightLayout,
+        bias: Option<Span>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) {
+        let prec = self.gemm_precision(&[inp, w]);
+        let none = out.sub(0, 0);
+        let read = [resid.unwrap_or(none), inp, w, bias.unwrap_or(none)];
+        let ([o], [r, i, w, b]) = views(&mut self.bufs, [out], read);
+        let b = bias.map(|_| b);
+        match resid {
+            Some(_) => ops::linear::linear_residual_forward(prec, o, r, i, w, layout, b, n, ic, oc),
+            None => ops::linear::linear_forward(prec, o, i, w, layout, b, n, ic, oc),
+        }
+        self.stored(&[out]);
+    }
+
     /// Rounds what an op wrote to `written` to each span's buffer type (a no-op for `f32`
     /// buffers). Every op that writes calls it for every span it writes.
     fn stored(&mut self, written: &[Span]) {
@@ -264,18 +292,7 @@ impl Backend for CpuBackend {
         ic: usize,
         oc: usize,
     ) {
-        let prec = self.gemm_precision(&[inp, w]);
-        match bias {
-            Some(bias) => {
-                let ([o], [i, w, bi]) = views(&mut self.bufs, [out], [inp, w, bias]);
-                ops::linear::linear_forward(prec, o, i, w, layout, Some(bi), n, ic, oc);
-            }
-            None => {
-                let ([o], [i, w]) = views(&mut self.bufs, [out], [inp, w]);
-                ops::linear::linear_forward(prec, o, i, w, layout, None, n, ic, oc);
-            }
-        }
-        self.stored(&[out]);
+        self.linear_onto(out, None, inp, w, layout, bias, n, ic, oc);
     }
 
     fn residual_epilogue(&self, _dt: Dtype) -> bool {
@@ -295,19 +312,7 @@ impl Backend for CpuBackend {
         ic: usize,
         oc: usize,
     ) {
-        let prec = self.gemm_precision(&[inp, w]);
-        use ops::linear::linear_residual_forward as lr;
-        match bias {
-            Some(bias) => {
-                let ([o], [r, i, w, bi]) = views(&mut self.bufs, [out], [resid, inp, w, bias]);
-                lr(prec, o, r, i, w, layout, Some(bi), n, ic, oc);
-            }
-            None => {
-                let ([o], [r, i, w]) = views(&mut self.bufs, [out], [resid, inp, w]);
-                lr(prec, o, r, i, w, layout, None, n, ic, oc);
-            }
-        }
-        self.stored(&[out]);
+        self.linear_onto(out, Some(resid), inp, w, layout, bias, n, ic, oc);
     }
 
     fn linear_backward(

@@ -580,6 +580,19 @@ impl CudaBackend {
         column_major((false, tw), (n, oc, ic), 1.0, a, b, 0.0, c, 1)
     }
 
+    /// Panics (a bug in the model) unless `bias`, where given, has `oc` values of `out`'s type.
+    fn check_bias(&self, what: &str, bias: Option<Span>, out: Span, oc: usize) {
+        if let Some(b) = bias {
+            assert!(
+                b.len == oc && self.dt(b) == self.dt(out),
+                "{what}: bias of {} {:?} values for {oc} outputs of {:?}",
+                b.len,
+                self.dt(b),
+                self.dt(out)
+            );
+        }
+    }
+
     /// A linear layer's input-gradient GEMM: `dinp (N, IC) = dout·Wᵀ`, the forward GEMM of
     /// a layer whose weight is W read transposed.
     #[allow(clippy::too_many_arguments)]
@@ -1327,8 +1340,7 @@ impl Backend for CudaBackend {
         let Some(bias) = bias else {
             return self.queue_gemm("linear_forward", &call);
         };
-        assert_eq!(bias.len, oc, "linear_forward: bias length");
-        assert_eq!(self.dt(bias), self.dt(out), "linear_forward: bias type");
+        self.check_bias("linear_forward", Some(bias), out, oc);
         // The bias goes in the GEMM's epilogue where the engine has one for it; otherwise a
         // kernel writes it into every row of `out` first and the GEMM adds to it (beta = 1).
         let at = self.ptr(bias);
@@ -1390,12 +1402,7 @@ impl Backend for CudaBackend {
             resid.len == out.len && self.dt(resid) == self.dt(out) && !resid.overlaps(out),
             "linear_residual_forward: resid"
         );
-        if let Some(b) = bias {
-            assert!(
-                b.len == oc && self.dt(b) == self.dt(out),
-                "linear_residual_forward: bias"
-            );
-        }
+        self.check_bias("linear_residual_forward", bias, out, oc);
         // The GEMM reads the stream as its C (beta = 1) and writes the new one, the bias in
         // its epilogue; where cuBLASLt has no algorithm for that (or the matrices are not
         // apart), the two ops.
@@ -1434,12 +1441,7 @@ impl Backend for CudaBackend {
             pre.len == n * oc && self.dt(pre) == self.dt(out),
             "linear_gelu_forward: pre"
         );
-        if let Some(b) = bias {
-            assert!(
-                b.len == oc && self.dt(b) == self.dt(out),
-                "linear_gelu_forward: bias"
-            );
-        }
+        self.check_bias("linear_gelu_forward", bias, out, oc);
         if self.gelu_epilogue(self.dt(out)) {
             let call = self.linear_call(out, inp, w, layout, n, ic, oc);
             let epilogue = Epilogue::GeluAux {
