@@ -79,6 +79,12 @@ fn verified(text: &str) -> Option<&str> {
     (hex(&Sha256::digest(ptx.as_bytes())) == want).then_some(ptx)
 }
 
+/// The PTX in cache file `file`, if it is there and whole.
+fn read_whole(file: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(file).ok()?;
+    verified(&text).map(str::to_string)
+}
+
 /// `kernels.cu` as PTX for compute capability `major.minor`: from the cache in `dir` when it
 /// holds a whole file for this source, architecture and NVRTC, else compiled by NVRTC (and
 /// stored there; a note on stderr says so, and whether storing failed). `dir: None`
@@ -88,12 +94,8 @@ pub fn kernels_ptx(dir: Option<&Path>, major: i32, minor: i32) -> Result<(String
         return Ok((compile_kernels(major, minor)?.to_src(), PtxFrom::Compiled));
     };
     let file = cache_file(dir, major, minor);
-    if let Some(ptx) = std::fs::read_to_string(&file)
-        .ok()
-        .as_deref()
-        .and_then(verified)
-    {
-        return Ok((ptx.to_string(), PtxFrom::Cache));
+    if let Some(ptx) = read_whole(&file) {
+        return Ok((ptx, PtxFrom::Cache));
     }
     eprintln!(
         "note: compiling the CUDA kernels for sm_{major}{minor} with NVRTC (seconds; kept in {} \
@@ -101,6 +103,10 @@ pub fn kernels_ptx(dir: Option<&Path>, major: i32, minor: i32) -> Result<(String
         dir.display()
     );
     let ptx = compile_kernels(major, minor)?.to_src();
+    if read_whole(&file).is_some() {
+        // Another process (a rank of the same job) stored it while this one compiled.
+        return Ok((ptx, PtxFrom::Compiled));
+    }
     let body = format!("{HEADER}{}\n{ptx}", hex(&Sha256::digest(ptx.as_bytes())));
     let stored = std::fs::create_dir_all(dir)
         .map_err(anyhow::Error::from)
