@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Registers, spills and shared memory of every CUDA kernel as ptxas assembles it: a static
 # check of the kernels on a machine without a GPU (the A64FX kernels have llvm-mca, these have
-# ptxas). The PTX is what the backend compiles at start-up (NVRTC, `examples/kernels_ptx.rs`).
+# ptxas). The PTX is NVRTC's, as the backend compiles it at start-up (`examples/kernels_ptx.rs`;
+# the backend then has NVRTC assemble it into the cubin it loads).
 #
 #   scripts/ptxas-report.sh             # sm_90 (H100, H200), every kernel
 #   scripts/ptxas-report.sh 8 0 flash   # sm_80, kernels whose name contains "flash"

@@ -77,41 +77,34 @@ mod gpu {
         }
     }
 
-    /// The PTX cache (`ptx_cache.rs`): a miss compiles and stores, a hit returns the same
-    /// text without compiling, a damaged file (cut short) is compiled again and replaced, and
-    /// each architecture has its own file. Needs NVRTC only (two compiles, about 20 s).
+    /// The kernel cache (`kernel_cache.rs`): a miss compiles a cubin (an ELF file) and stores
+    /// it, a hit returns the same bytes without compiling, a damaged file (cut short) is
+    /// compiled again and replaced, and each architecture has its own file. Needs NVRTC only
+    /// (two compiles to machine code, about 30 s).
     #[test]
     fn compiled_kernels_are_cached() {
-        use cuda::ptx_cache::{cache_file, kernels_ptx, PtxFrom};
+        use cuda::kernel_cache::{cache_file, kernels, Compiled};
         if !cuda::nvrtc_available() {
             skipped("NVRTC (libnvrtc.so.13) not found; scripts/install-deps.sh installs it");
             return;
         }
-        let dir = tmp("ptx-cache").join("kernels");
-        let file = cache_file(&dir, 9, 0);
-        assert_ne!(file, cache_file(&dir, 8, 0));
-        let (ptx, from) = kernels_ptx(Some(&dir), 9, 0).unwrap();
-        assert_eq!(from, PtxFrom::Compiled);
-        assert!(
-            ptx.contains(".target sm_90") && file.exists(),
-            "{}",
-            file.display()
-        );
-        assert_eq!(
-            kernels_ptx(Some(&dir), 9, 0).unwrap(),
-            (ptx.clone(), PtxFrom::Cache)
-        );
+        let dir = tmp("kernel-cache").join("kernels");
+        let file = cache_file(&dir, 9, 0).unwrap();
+        assert_ne!(file, cache_file(&dir, 8, 0).unwrap());
+        let (cubin, from) = kernels(Some(&dir), 9, 0).unwrap();
+        assert_eq!(from, Compiled::Now);
+        assert!(cubin.starts_with(b"\x7fELF"), "not an ELF file");
+        assert!(file.exists(), "{}", file.display());
+        let hit = (cubin.clone(), Compiled::Cached);
+        assert_eq!(kernels(Some(&dir), 9, 0).unwrap(), hit);
         let whole = std::fs::read(&file).unwrap();
         std::fs::write(&file, &whole[..whole.len() - 100]).unwrap();
         assert_eq!(
-            kernels_ptx(Some(&dir), 9, 0).unwrap(),
-            (ptx.clone(), PtxFrom::Compiled)
+            kernels(Some(&dir), 9, 0).unwrap(),
+            (cubin.clone(), Compiled::Now)
         );
         assert_eq!(std::fs::read(&file).unwrap(), whole);
-        assert_eq!(
-            kernels_ptx(Some(&dir), 9, 0).unwrap(),
-            (ptx, PtxFrom::Cache)
-        );
+        assert_eq!(kernels(Some(&dir), 9, 0).unwrap(), hit);
         let _ = std::fs::remove_dir_all(dir.parent().unwrap());
     }
 

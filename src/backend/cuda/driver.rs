@@ -2,7 +2,7 @@
 
 use super::engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, MarkSlots};
 use super::lt::Lt;
-use super::{kernel_names, ptx_cache};
+use super::{kernel_cache, kernel_names};
 use crate::backend::CudaSettings;
 use crate::dtype::Dtype;
 use crate::metrics::timers::{DeviceClock, DeviceMark};
@@ -12,6 +12,7 @@ use cudarc::driver::{
     result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream,
     DevicePtr, LaunchConfig, PushKernelArg,
 };
+use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
 /// One GPU: its context, the legacy default stream (so synchronous copies are ordered with
@@ -87,11 +88,21 @@ impl DriverEngine {
         let stream = ctx.default_stream();
         let (major, minor) = ctx.compute_capability()?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
-        let dir = ptx_cache::cache_dir();
-        let (ptx, _) = ptx_cache::kernels_ptx(dir.as_deref(), major, minor)?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .context("loading the compiled kernels")?;
+        let dir = kernel_cache::cache_dir();
+        let (cubin, _) = kernel_cache::kernels(dir.as_deref(), major, minor)?;
+        let module = match ctx.load_module(Ptx::from_binary(cubin)) {
+            Ok(m) => m,
+            Err(e) => {
+                // Not expected (NVRTC assembled the cubin for this GPU's architecture); PTX
+                // is what the backend loaded before, compiled by the driver.
+                eprintln!(
+                    "note: the GPU did not load the kernels' machine code for sm_{major}{minor}                      ({e}); loading their PTX instead"
+                );
+                let ptx = super::kernels_ptx(major, minor)?;
+                ctx.load_module(Ptx::from_src(ptx))
+                    .context("loading the compiled kernels")?
+            }
+        };
         let kernels = kernel_names()
             .iter()
             .map(|n| {

@@ -25,8 +25,9 @@
 mod driver;
 pub mod emu;
 pub mod engine;
+pub mod kernel_cache;
 mod lt;
-pub mod ptx_cache;
+mod nvrtc;
 
 use super::WeightLayout;
 use super::{
@@ -34,7 +35,7 @@ use super::{
     Span, TokSpan,
 };
 use crate::ops::attention::Heads;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, NoEpilogue};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
@@ -934,24 +935,27 @@ pub fn nvrtc_available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// `kernels.cu` compiled to PTX text for compute capability `major.minor` (what
-/// [`CudaBackend::new`] does, exposed so that the kernels can be checked on a machine with
-/// NVRTC but no GPU). Call only when [`nvrtc_available`].
+/// `kernels.cu` compiled to PTX text for compute capability `major.minor`, exposed so that
+/// the kernels can be checked on a machine with NVRTC but no GPU (the backend itself loads
+/// [`kernels_cubin`]). Call only when [`nvrtc_available`].
 pub fn kernels_ptx(major: i32, minor: i32) -> Result<String> {
-    Ok(compile_kernels(major, minor)?.to_src())
+    let ptx = compile_kernels(&format!("compute_{major}{minor}"), nvrtc::Output::Ptx)?;
+    Ok(String::from_utf8_lossy(&ptx).into_owned())
 }
 
-/// Compiles `kernels.cu` to PTX for compute capability `major.minor`.
-fn compile_kernels(major: i32, minor: i32) -> Result<cudarc::nvrtc::Ptx> {
+/// `kernels.cu` compiled to machine code (a cubin) for compute capability `major.minor`:
+/// what [`CudaBackend::new`] loads, through the on-disk cache ([`kernel_cache`]). Call only
+/// when [`nvrtc_available`].
+pub fn kernels_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
+    compile_kernels(&format!("sm_{major}{minor}"), nvrtc::Output::Cubin)
+}
+
+/// Compiles `kernels.cu` for architecture `arch` (`compute_XY` or `sm_XY`) into `out`.
+fn compile_kernels(arch: &str, out: nvrtc::Output) -> Result<Vec<u8>> {
     let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
-    options.push(format!("--gpu-architecture=compute_{major}{minor}"));
-    let opts = cudarc::nvrtc::CompileOptions {
-        options,
-        name: Some("kernels.cu".into()),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(KERNELS_SOURCE, opts)
-        .map_err(|e| anyhow::anyhow!("NVRTC could not compile src/backend/cuda/kernels.cu: {e:?}"))
+    options.push(format!("--gpu-architecture={arch}"));
+    nvrtc::compile(KERNELS_SOURCE, "kernels.cu", &options, out)
+        .context("compiling src/backend/cuda/kernels.cu")
 }
 
 impl Drop for CudaBackend {
