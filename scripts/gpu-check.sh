@@ -84,7 +84,8 @@ limited 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clo
     --format=csv
 
 stage "1. CUDA tests on the GPU"
-limited 180 gpu/head/cuda-tests --skip kernels_compile
+# (the compile and kernel-cache tests need NVRTC alone, no GPU: CI runs them)
+limited 180 gpu/head/cuda-tests --skip kernels_compile --skip compiled_kernels_are_cached
 say "cuda tests: exit $?"
 
 # bench LABEL BINARY [ENV...]: one run of the train benchmark; its result row goes to $ROWS.

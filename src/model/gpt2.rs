@@ -1135,7 +1135,8 @@ impl<B: Backend> Gpt2<B> {
 /// What a block's forward pass needs besides its activations and parameters.
 struct BlockPass<'a, 'c> {
     d: &'a StepDims,
-    /// Tensor-parallel rank 0 (adds the replicated row-parallel biases).
+    /// Tensor-parallel rank 0 (adds the replicated row-parallel biases, and in the residual
+    /// epilogue the stream).
     tp_first: bool,
     gelu: MlpGelu,
     residual: Residual,
