@@ -96,7 +96,8 @@ impl DriverEngine {
                 // Not expected (NVRTC assembled the cubin for this GPU's architecture); PTX
                 // is what the backend loaded before, compiled by the driver.
                 eprintln!(
-                    "note: the GPU did not load the kernels' machine code for sm_{major}{minor}                      ({e}); loading their PTX instead"
+                    "note: the GPU did not load the kernels' machine code for sm_{major}{minor} \
+                     ({e}); loading their PTX instead"
                 );
                 let ptx = super::kernels_ptx(major, minor)?;
                 ctx.load_module(Ptx::from_src(ptx))
