@@ -31,27 +31,32 @@ pub(super) fn attention_path(be: &impl Backend, hs: usize, compute: Dtype) -> Re
     })
 }
 
-/// Where the MLP's GELU runs (chosen per backend and compute type by [`mlp_gelu_path`],
-/// [`MLP_GELU_ENV`] overriding).
+/// Whether an op runs on its own or inside a GEMM's epilogue (the MLP's GELU: [`MlpGelu`]; a
+/// projection's residual add: [`Residual`]), chosen per backend and compute type when the
+/// model is built, an environment variable overriding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MlpGelu {
-    /// Its own op between the two GEMMs, forward and backward (timed as `mlp:gelu`).
+pub enum InGemm {
+    /// Its own op, timed under its own name.
     Separate,
-    /// In the GEMMs' epilogues ([`Backend::gelu_epilogue`]): the fc GEMM writes its output
-    /// and GELU of it, the fc-projection's input-gradient GEMM multiplies by GELU's
-    /// derivative (timed as the `mlp:mm` they are part of).
+    /// In a GEMM's epilogue, timed as the GEMM it is part of.
     Epilogue,
 }
 
-impl MlpGelu {
-    /// The name in the run header (`"mlp_gelu"`) and logs.
+impl InGemm {
+    /// The name in the run header (`"mlp_gelu"`, `"residual"`) and logs.
     pub fn name(self) -> &'static str {
         match self {
-            MlpGelu::Separate => "separate",
-            MlpGelu::Epilogue => "epilogue",
+            InGemm::Separate => "separate",
+            InGemm::Epilogue => "epilogue",
         }
     }
 }
+
+/// Where the MLP's GELU runs ([`mlp_gelu_path`]): `Separate`, its own op between the two
+/// GEMMs, forward and backward (timed as `mlp:gelu`); `Epilogue`, in the GEMMs' epilogues
+/// ([`Backend::gelu_epilogue`]): the fc GEMM writes its output and GELU of it, the
+/// fc-projection's input-gradient GEMM multiplies by GELU's derivative (timed as `mlp:mm`).
+pub type MlpGelu = InGemm;
 
 /// Environment variable that overrides where the MLP's GELU runs: `epilogue` or `separate`
 /// (benchmarks and tests; default `auto`: in the epilogues where the backend has them).
@@ -61,35 +66,14 @@ pub const MLP_GELU_ENV: &str = "FUGU_MLP_GELU";
 /// epilogues where the backend has them, unless [`MLP_GELU_ENV`] says otherwise.
 pub(super) fn mlp_gelu_path(be: &impl Backend, compute: Dtype) -> Result<MlpGelu> {
     let has = be.gelu_epilogue(compute);
-    let epilogue = in_epilogue(MLP_GELU_ENV, "GELU", has, true, be, compute)?;
-    Ok(if epilogue {
-        MlpGelu::Epilogue
-    } else {
-        MlpGelu::Separate
-    })
+    in_gemm(MLP_GELU_ENV, "GELU", has, true, be, compute)
 }
 
-/// How a linear layer's output joins the residual stream (chosen per backend and compute type
-/// by [`residual_path`], [`RESIDUAL_ENV`] overriding).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Residual {
-    /// The projection into a scratch buffer, then its own op adding it to the stream (timed
-    /// as `residual`).
-    Separate,
-    /// In the projection's GEMM ([`Backend::residual_epilogue`]): it reads the stream and
-    /// writes the new one (timed as the projection it is part of).
-    Epilogue,
-}
-
-impl Residual {
-    /// The name in the run header (`"residual"`) and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Residual::Separate => "separate",
-            Residual::Epilogue => "epilogue",
-        }
-    }
-}
+/// How a projection's output joins the residual stream ([`residual_path`]): `Separate`, the
+/// projection into a scratch buffer, then its own op adding it to the stream (timed as
+/// `residual`); `Epilogue`, in the projection's GEMM ([`Backend::residual_epilogue`]), which
+/// reads the stream and writes the new one (timed as the projection).
+pub type Residual = InGemm;
 
 /// Environment variable that picks how projections join the residual stream: `epilogue` or
 /// `separate` (default `auto`: separate until a GPU has measured the epilogue against it).
@@ -99,30 +83,25 @@ pub const RESIDUAL_ENV: &str = "FUGU_RESIDUAL";
 /// residual stream: in the GEMM where asked for and the backend has it, else as its own op.
 pub(super) fn residual_path(be: &impl Backend, compute: Dtype) -> Result<Residual> {
     let has = be.residual_epilogue(compute);
-    let epilogue = in_epilogue(RESIDUAL_ENV, "residual", has, false, be, compute)?;
-    Ok(if epilogue {
-        Residual::Epilogue
-    } else {
-        Residual::Separate
-    })
+    in_gemm(RESIDUAL_ENV, "residual", has, false, be, compute)
 }
 
 /// Whether an op (`what`) runs in a GEMM's epilogue, as environment variable `env` says:
 /// `epilogue` where the backend `has` one (refused by name where it has not), `separate`
 /// never, `auto` or unset where it has one and `auto_takes` it.
-fn in_epilogue(
+fn in_gemm(
     env: &str,
     what: &str,
     has: bool,
     auto_takes: bool,
     be: &impl Backend,
     compute: Dtype,
-) -> Result<bool> {
+) -> Result<InGemm> {
     let asked = std::env::var(env).unwrap_or_default();
     Ok(match (asked.as_str(), has) {
-        ("" | "auto", true) => auto_takes,
-        ("epilogue", true) => true,
-        ("" | "auto" | "separate", _) => false,
+        ("" | "auto", true) if auto_takes => InGemm::Epilogue,
+        ("epilogue", true) => InGemm::Epilogue,
+        ("" | "auto" | "separate", _) => InGemm::Separate,
         ("epilogue", false) => bail!(
             "{env}=epilogue: the {} backend has no {what} epilogue for activations stored as {}",
             be.name(),

@@ -16,6 +16,7 @@
 
 use super::{kernels_cubin, nvrtc, KERNELS_SOURCE, NVRTC_OPTIONS};
 use anyhow::Result;
+use fugu_io::manifest::hex;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
@@ -38,10 +39,6 @@ pub enum Compiled {
 /// disabled or no home is known.
 pub fn cache_dir() -> Option<PathBuf> {
     crate::user_cache::cache_path(KERNEL_CACHE_ENV, "kernels")
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The cache file of `kernels.cu` compiled for compute capability `major.minor` by this

@@ -1408,8 +1408,8 @@ impl Backend for CudaBackend {
         );
         self.check_bias("linear_residual_forward", bias, out, oc);
         // The GEMM reads the stream as its C (beta = 1) and writes the new one, the bias in
-        // its epilogue; where cuBLASLt has no algorithm for that (or the matrices are not
-        // apart), the two ops.
+        // its epilogue; where cuBLASLt has no algorithm for that (or the bias is not 16-byte
+        // aligned), the two ops.
         let call = self.linear_call(out, inp, w, layout, n, ic, oc);
         let epilogue = Epilogue::Residual {
             bias: bias.map_or(0, |b| self.ptr(b)),
