@@ -10,8 +10,8 @@
 #   2. the train benchmark (GPT-2 124M, B=16 T=1024, bf16, `--timers coarse`) in two
 #      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
 #      and HEAD under each setting of FUGU_GPU_VARIANTS (default below),
-#   3. per-op breakdowns (fine timers) with 16- and 32-row attention kernels,
-#   4. PyTorch eager + autocast bf16 on the same shape (dev/bench_pytorch.py),
+#   3. PyTorch eager + autocast bf16 on the same shape (dev/bench_pytorch.py),
+#   4. per-op breakdowns (fine timers) with 16- and 32-row attention kernels,
 #   5. the GPU mixed-precision tests (200-step bf16 and fp16 curves against fp32, exact
 #      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
 #   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works).
@@ -31,8 +31,8 @@ BUDGET="${FUGU_GPU_BUDGET:-540}"
 SHAPE="${FUGU_GPU_SHAPE:-16x1024}"
 STEPS="${FUGU_GPU_STEPS:-10}"
 # HEAD's speed settings to compare (environment assignments, space-separated per variant).
-# Each opt-in alone, then all three together; GELU as separate kernels checks its default.
-VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_RESIDUAL=epilogue;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused FUGU_RESIDUAL=epilogue}"
+# Each opt-in alone, then all four together; GELU as separate kernels checks its default.
+VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_RESIDUAL=epilogue;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused FUGU_RESIDUAL=epilogue FUGU_BIAS_GRAD=epilogue}"
 
 left() { echo $((BUDGET - SECONDS)); }
 say() { printf '%s\n' "$*" | tee -a "$LOG"; }
@@ -114,16 +114,16 @@ for round in 1 2; do
     done
 done
 
-stage "3. per-op breakdowns (fine timers): HEAD, and HEAD with 32-row attention kernels"
+stage "3. PyTorch eager, autocast bf16"
+PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_pytorch.py --device cuda --shape "$SHAPE" \
+    --steps "$STEPS" --autocast bf16
+
+stage "4. per-op breakdowns (fine timers): HEAD, and HEAD with 32-row attention kernels"
 # (the attention timers show which of the three kernels gains or loses with 32 rows)
 limited 90 gpu/head/bench-train --device cuda --precision bf16 --shape "$SHAPE" \
     --steps "$STEPS" --breakdown
 FUGU_FLASH_WARP_ROWS=32 limited 90 gpu/head/bench-train --device cuda --precision bf16 \
     --shape "$SHAPE" --steps "$STEPS" --breakdown
-
-stage "4. PyTorch eager, autocast bf16"
-PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_pytorch.py --device cuda --shape "$SHAPE" \
-    --steps "$STEPS" --autocast bf16
 
 stage "5. mixed-precision tests on the GPU (200-step curves, exact resume)"
 limited 150 gpu/head/mp-tests gpu --test-threads 1

@@ -22,7 +22,7 @@ fn cuda_tests() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use fugu::backend::cuda::emu::EpilogueCounts;
-    use fugu::backend::cuda::{self, CudaBackend, FlashWarpRows, LayernormBackward};
+    use fugu::backend::cuda::{self, BiasGrad, CudaBackend, FlashWarpRows, LayernormBackward};
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype,
         FusedAttention, Span, TokSpan, WeightLayout,
@@ -341,6 +341,53 @@ mod gpu {
                 linear_gelu_cases(&mut be, false, None);
             }
         }
+    }
+
+    /// A linear layer's bias gradient computed by its weight-gradient GEMM
+    /// (`FUGU_BIAS_GRAD=epilogue`), against the CPU's column sums (the gradient starts
+    /// non-zero: the sums are added to it): on the device (a GPU, or the emulator), on an
+    /// emulator counting the epilogues (one per case with a bias, aligned or not: the GEMM
+    /// writes a scratch vector of the backend's), and on one refusing them (the column-sum
+    /// kernels instead). Tolerance: the same f32 sums in another order, as for the column sums
+    /// of layernorm's weights.
+    #[test]
+    fn linear_bias_gradients_in_the_gemm() {
+        for act in ACTS {
+            let Some(mut be) = Both::new(act) else { return };
+            be.gpu.set_bias_grad(BiasGrad::Epilogue);
+            linear_cases(&mut be, &[Some(0), Some(1), None]);
+            for refusing in [false, true] {
+                let emulator = cuda::emu::Emulator::new().expect("the emulator compiled above");
+                let emulator = if refusing {
+                    emulator.refusing_epilogues()
+                } else {
+                    emulator
+                };
+                let count = emulator.epilogue_counts();
+                let mut be = Both {
+                    cpu: CpuBackend::new(),
+                    gpu: CudaBackend::with_engine(Box::new(emulator)),
+                    act,
+                };
+                be.gpu.set_bias_grad(BiasGrad::Epilogue);
+                linear_cases(&mut be, &[Some(0), Some(1), None]);
+                // 4 shapes × 2 layouts × 2 cases with a bias.
+                let ran = count.bias_grad.load(Ordering::Relaxed);
+                assert_eq!(ran, if refusing { 0 } else { 16 }, "{act:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn bias_grad_parse() {
+        assert_eq!(BiasGrad::parse("").unwrap(), BiasGrad::Columns);
+        assert_eq!(BiasGrad::parse("columns").unwrap(), BiasGrad::Columns);
+        assert_eq!(BiasGrad::parse("epilogue").unwrap(), BiasGrad::Epilogue);
+        let e = BiasGrad::parse("gemm").unwrap_err().to_string();
+        assert!(
+            e.contains("FUGU_BIAS_GRAD=gemm: expected columns or epilogue"),
+            "{e}"
+        );
     }
 
     /// A linear layer with the GELU after it, and its backward pass through the GELU
@@ -931,9 +978,12 @@ mod gpu {
             let u = dt.unit_roundoff();
             let mut cpu = model_in(&cfg, dt, CpuBackend::new());
             let mut dev = g.take().or_else(device).unwrap();
-            // The fp16 model runs the one-pass layernorm backward (bf16: the split form).
+            // The fp16 model runs the one-pass layernorm backward (bf16: the split form), the
+            // bf16 model its bias gradients in the weight-gradient GEMMs.
             if dt == Dtype::F16 {
                 dev.set_layernorm_backward(LayernormBackward::Fused);
+            } else {
+                dev.set_bias_grad(BiasGrad::Epilogue);
             }
             let mut gpu = model_in(&cfg, dt, dev);
             // 16-bit activations take the GELU epilogues (128 MLP features: aligned rows).
@@ -1181,6 +1231,11 @@ mod gpu {
                 "one-pass",
                 "FUGU_LAYERNORM_BACKWARD=one-pass: expected split or fused",
             ),
+            (
+                cuda::BIAS_GRAD_ENV,
+                "gemm",
+                "FUGU_BIAS_GRAD=gemm: expected columns or epilogue",
+            ),
         ] {
             let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
             c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
@@ -1213,6 +1268,7 @@ mod gpu {
         };
         assert_eq!(h["kernels"][cuda::FLASH_WARP_ROWS_ENV], "16,16,16", "{h}");
         assert_eq!(h["kernels"][cuda::LAYERNORM_BACKWARD_ENV], "split", "{h}");
+        assert_eq!(h["kernels"][cuda::BIAS_GRAD_ENV], "columns", "{h}");
         for (a, b) in lc.iter().zip(&lg) {
             assert!(((a - b) / a).abs() <= 1e-4, "cpu {lc:?} gpu {lg:?}");
         }

@@ -114,6 +114,8 @@ pub struct EpilogueCounts {
     pub gelu: AtomicU64,
     /// A residual read as C.
     pub residual: AtomicU64,
+    /// A bias gradient.
+    pub bias_grad: AtomicU64,
 }
 
 impl Emulator {
@@ -253,6 +255,9 @@ impl Engine for Emulator {
             if g.epilogue.residual().is_some() {
                 self.epilogues.residual.fetch_add(1, Ordering::Relaxed);
             }
+            if g.epilogue.bias_grad().is_some() {
+                self.epilogues.bias_grad.fetch_add(1, Ordering::Relaxed);
+            }
         }
         // Element `i` of an operand of type `dt` at `p`, widened to f32 (exact).
         let at = |p: u64, dt: Dtype, i: usize| -> f32 {
@@ -292,6 +297,19 @@ impl Engine for Emulator {
             );
             pack(&mut ar, a, g.a_type, g.m, g.k, g.lda, g.trans_a);
             pack(&mut bc, b, g.b_type, g.n, g.k, g.ldb, !g.trans_b);
+            if let Some((grad, of_a)) = g.epilogue.bias_grad() {
+                // The sums over k of op(A)'s rows or op(B)'s columns (rows of `ar`, `bc`).
+                let (rows, len) = if of_a { (&ar, g.m) } else { (&bc, g.n) };
+                let sums: Vec<f32> = (0..len)
+                    .map(|r| {
+                        let row = &rows[r * g.k..(r + 1) * g.k];
+                        row.iter().map(|&x| x as f64).sum::<f64>() as f32
+                    })
+                    .collect();
+                g.c_type.encode(&sums, &mut out);
+                // SAFETY: the backend passes a bias gradient of `len` values of C's type.
+                unsafe { bytes(grad, out.len()) }.copy_from_slice(&out);
+            }
             for j in 0..g.n {
                 let bj = &bc[j * g.k..(j + 1) * g.k];
                 for i in 0..g.m {

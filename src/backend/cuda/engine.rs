@@ -59,10 +59,11 @@ pub struct GemmCall {
 }
 
 /// What a GEMM does to its f32 result `v = alpha·op(A)·op(B)` before rounding it into C
-/// (cuBLASLt's epilogues; one matrix and beta 0 only, [`GemmCall::check_epilogue`]). Device
-/// addresses; a `bias` is C's m values of C's type, added along C's columns (one per row of
-/// column-major C: one per output feature of a linear layer), 0 for none. `aux` is an m×n
-/// column-major matrix of C's type with leading dimension `ld_aux`.
+/// (cuBLASLt's epilogues; one matrix, and beta 0 except for a bias gradient,
+/// [`GemmCall::check_epilogue`]). Device addresses; a `bias` is C's m values of C's type,
+/// added along C's columns (one per row of column-major C: one per output feature of a linear
+/// layer), 0 for none. `aux` is an m×n column-major matrix of C's type with leading dimension
+/// `ld_aux`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Epilogue {
     /// C = v.
@@ -81,6 +82,12 @@ pub enum Epilogue {
     /// residual stream (cuBLASLt's own C operand with beta = 1 and D apart from it, plus
     /// `CUBLASLT_EPILOGUE_BIAS` with a bias). `resid` may not overlap C.
     Residual { bias: u64, resid: u64 },
+    /// C = v (beta as the call says), and `grad` = the sums of op(A)'s rows over k (m values,
+    /// `of_a`: `CUBLASLT_EPILOGUE_BGRADA`) or of op(B)'s columns over k (n values,
+    /// `CUBLASLT_EPILOGUE_BGRADB`), f32 sums stored as C's type, overwriting `grad`: a
+    /// weight-gradient GEMM computing its layer's bias gradient from the output gradient it
+    /// reads anyway.
+    BiasGrad { grad: u64, of_a: bool },
 }
 
 impl Epilogue {
@@ -92,6 +99,7 @@ impl Epilogue {
             Epilogue::GeluAux { .. } => "bias and GELU",
             Epilogue::GeluGrad { .. } => "GELU gradient",
             Epilogue::Residual { .. } => "residual",
+            Epilogue::BiasGrad { .. } => "bias gradient",
         }
     }
 
@@ -109,6 +117,15 @@ impl Epilogue {
     pub fn residual(&self) -> Option<u64> {
         match *self {
             Epilogue::Residual { resid, .. } => Some(resid),
+            _ => None,
+        }
+    }
+
+    /// The bias gradient's address and whether it sums op(A) (else op(B)), if the epilogue
+    /// has one.
+    pub fn bias_grad(&self) -> Option<(u64, bool)> {
+        match *self {
+            Epilogue::BiasGrad { grad, of_a } => Some((grad, of_a)),
             _ => None,
         }
     }
@@ -137,10 +154,13 @@ impl GemmCall {
     }
 
     /// Fails unless a call with an epilogue is one that cuBLASLt's epilogues take: one
-    /// matrix, beta 0, and the bias and auxiliary matrix [`EPILOGUE_ALIGN`]-aligned, the
-    /// latter with a leading dimension of at least m; a residual matrix must not overlap C.
+    /// matrix, beta 0 (any beta for a bias gradient, which does not touch C's values), and
+    /// the bias, bias gradient and auxiliary matrix [`EPILOGUE_ALIGN`]-aligned, the latter
+    /// with a leading dimension of at least m; a residual matrix must not overlap C.
     pub fn check_epilogue(&self) -> Result<()> {
         let aligned = |p: u64| p.is_multiple_of(EPILOGUE_ALIGN);
+        let grad_ok = self.epilogue.bias_grad().is_none_or(|(g, _)| aligned(g));
+        let beta_ok = self.beta == 0.0 || self.epilogue.bias_grad().is_some();
         let aux_ok = self.epilogue.aux().is_none_or(|(aux, ld)| {
             aligned(aux)
                 && ld >= self.m
@@ -154,13 +174,15 @@ impl GemmCall {
             .is_none_or(|r| r.abs_diff(self.c) >= extent);
         anyhow::ensure!(
             self.batch == 1
-                && self.beta == 0.0
+                && beta_ok
                 && aligned(self.epilogue.bias())
+                && grad_ok
                 && aux_ok
                 && resid_ok,
-            "a GEMM with a {} epilogue needs one matrix, beta 0, a {EPILOGUE_ALIGN}-byte \
-             aligned bias and auxiliary matrix (columns too) of at least m rows, and a \
-             residual apart from C (got batch {}, beta {}, m {}, {:?})",
+            "a GEMM with a {} epilogue needs one matrix, beta 0 (unless it computes a bias \
+             gradient), a {EPILOGUE_ALIGN}-byte aligned bias, bias gradient and auxiliary \
+             matrix (columns too) of at least m rows, and a residual apart from C (got batch \
+             {}, beta {}, m {}, {:?})",
             self.epilogue.name(),
             self.batch,
             self.beta,

@@ -18,6 +18,12 @@
 //!   test of these epilogues on an RTX 3060 with cuBLASLt 13.0); the backend uses it for
 //!   16-bit activations only, where that is far below the type's rounding. The aux matrix
 //!   must have D's type.
+//! - A linear layer's bias gradient (`FUGU_BIAS_GRAD=epilogue`; `_BGRADA`/`_BGRADB`: the
+//!   sums over k of the output gradient, the operand the weight-gradient GEMM reads anyway),
+//!   instead of the column-sum kernels reading it again (2.7 GB per GPT-2 124M B=16 T=1024
+//!   bf16 step). cuBLASLt overwrites the vector, so the backend has it write a scratch vector
+//!   and adds that to the gradient (parameter gradients accumulate). With beta = 1: the
+//!   weight gradient accumulates as without the epilogue.
 //!
 //! Descriptors are made per call (microseconds of host time, hidden behind the queued GPU
 //! work), as PyTorch's `gemm_and_bias` does; the heuristic is told each pointer's alignment,
@@ -80,13 +86,17 @@ impl Lt {
             Epilogue::GeluAux { bias: 0, .. } => E::CUBLASLT_EPILOGUE_GELU_AUX,
             Epilogue::GeluAux { .. } => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             Epilogue::GeluGrad { .. } => E::CUBLASLT_EPILOGUE_DGELU,
+            Epilogue::BiasGrad { of_a: true, .. } => E::CUBLASLT_EPILOGUE_BGRADA,
+            Epilogue::BiasGrad { of_a: false, .. } => E::CUBLASLT_EPILOGUE_BGRADB,
         };
         desc.set(D::CUBLASLT_MATMUL_DESC_TRANSA, &ta)?;
         desc.set(D::CUBLASLT_MATMUL_DESC_TRANSB, &tb)?;
         desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-        if bias != 0 {
+        // A bias, or the bias gradient the epilogue writes: C's type.
+        let bias_ptr = g.epilogue.bias_grad().map_or(bias, |(grad, _)| grad);
+        if bias_ptr != 0 {
             let bias_type = cuda_type(g.c_type);
-            desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+            desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
             desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type)?;
         }
         if let Some((aux, ld)) = g.epilogue.aux() {
@@ -128,10 +138,10 @@ impl Lt {
         )?;
         // SAFETY: every descriptor is live (dropped at the end of this function) and
         // describes the matrices the backend passes: pointers inside live allocations covering
-        // the m·n·k extents with these leading dimensions and types, a bias of m values of
-        // D's type, an aux matrix of D's type, m×n with its leading dimension, and a residual
-        // C of D's type and layout apart from D (checked by the backend and
-        // `check_epilogue`); alpha and beta are f32 host scalars, as
+        // the m·n·k extents with these leading dimensions and types, a bias or bias gradient
+        // of m values (n for BGRADB) of D's type, an aux matrix of D's type, m×n with its
+        // leading dimension, and a residual C of D's type and layout apart from D (checked by
+        // the backend and `check_epilogue`); alpha and beta are f32 host scalars, as
         // CUBLAS_COMPUTE_32F(_FAST_TF32) requires; the workspace lives as long as `self`, and
         // the stream orders its reuse.
         unsafe {

@@ -145,14 +145,69 @@ impl LayernormBackward {
 
     /// [`LAYERNORM_BACKWARD_ENV`]'s value: empty (the default), `split` or `fused`.
     pub fn parse(v: &str) -> Result<LayernormBackward> {
-        if v.is_empty() {
-            return Ok(Self::default());
-        }
-        [LayernormBackward::Split, LayernormBackward::Fused]
-            .into_iter()
-            .find(|f| f.name() == v)
-            .ok_or_else(|| anyhow::anyhow!("{LAYERNORM_BACKWARD_ENV}={v}: expected split or fused"))
+        let forms = [LayernormBackward::Split, LayernormBackward::Fused];
+        parse_form(LAYERNORM_BACKWARD_ENV, v, &forms, Self::name)
     }
+}
+
+/// Environment variable: how a linear layer's bias gradient is computed, `columns` (the
+/// default, measured: column-sum kernels reading the output gradient again after the
+/// weight-gradient GEMM) or `epilogue` (by that GEMM, from the output gradient it reads
+/// anyway; unmeasured, for A/B runs on a GPU) ([`BiasGrad`]).
+pub const BIAS_GRAD_ENV: &str = "FUGU_BIAS_GRAD";
+
+/// How a linear layer's bias gradient is computed ([`BIAS_GRAD_ENV`]). Both give the sums of
+/// the same values in f32, in different orders.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BiasGrad {
+    /// `column_partials` and `column_finish` over the output gradient.
+    #[default]
+    Columns,
+    /// The weight-gradient GEMM's epilogue (cuBLASLt's `BGRADA`/`BGRADB`,
+    /// [`Epilogue::BiasGrad`]) into a scratch vector, added to the gradient; the column sums
+    /// where the engine has no such epilogue for the shape.
+    Epilogue,
+}
+
+impl BiasGrad {
+    /// The setting's value for this form (what [`Self::parse`] reads and the run header shows).
+    pub fn name(self) -> &'static str {
+        match self {
+            BiasGrad::Columns => "columns",
+            BiasGrad::Epilogue => "epilogue",
+        }
+    }
+
+    /// [`BIAS_GRAD_ENV`]'s value: empty (the default), `columns` or `epilogue`.
+    pub fn parse(v: &str) -> Result<BiasGrad> {
+        parse_form(
+            BIAS_GRAD_ENV,
+            v,
+            &[BiasGrad::Columns, BiasGrad::Epilogue],
+            Self::name,
+        )
+    }
+}
+
+/// `v`, the value of kernel setting `env`, as the one of `forms` that `name` calls so (empty:
+/// the default); an error naming the setting and the values it takes otherwise.
+fn parse_form<F: Copy + Default>(
+    env: &str,
+    v: &str,
+    forms: &[F],
+    name: fn(F) -> &'static str,
+) -> Result<F> {
+    if v.is_empty() {
+        return Ok(F::default());
+    }
+    forms
+        .iter()
+        .copied()
+        .find(|&f| name(f) == v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = forms.iter().map(|&f| name(f)).collect();
+            anyhow::anyhow!("{env}={v}: expected {}", names.join(" or "))
+        })
 }
 
 /// Dynamic shared memory per block of the fused layernorm backward: 2·C floats per warp, so
@@ -324,6 +379,10 @@ pub struct CudaBackend {
     flash_warp_rows: FlashWarpRows,
     /// The form of the layernorm backward kernels.
     layernorm_backward: LayernormBackward,
+    /// How linear layers' bias gradients are computed, and the vector cuBLASLt writes one to
+    /// ([`BiasGrad::Epilogue`]).
+    bias_grad: BiasGrad,
+    bias_grad_sums: Scratch,
 }
 
 impl CudaBackend {
@@ -344,12 +403,14 @@ impl CudaBackend {
     }
 
     /// This backend with the kernel settings the environment asks for
-    /// ([`FLASH_WARP_ROWS_ENV`], [`LAYERNORM_BACKWARD_ENV`]; [`Self::new`] applies them, and
-    /// the host-only benchmark); a value a setting does not take is an error naming it.
+    /// ([`FLASH_WARP_ROWS_ENV`], [`LAYERNORM_BACKWARD_ENV`], [`BIAS_GRAD_ENV`]; [`Self::new`]
+    /// applies them, and the host-only benchmark); a value a setting does not take is an error
+    /// naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let var = |name| std::env::var(name).unwrap_or_default();
         self.set_flash_warp_rows(FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?);
         self.set_layernorm_backward(LayernormBackward::parse(&var(LAYERNORM_BACKWARD_ENV))?);
+        self.set_bias_grad(BiasGrad::parse(&var(BIAS_GRAD_ENV))?);
         Ok(self)
     }
 
@@ -364,6 +425,11 @@ impl CudaBackend {
     /// The form of the layernorm backward kernels ([`LAYERNORM_BACKWARD_ENV`]).
     pub fn set_layernorm_backward(&mut self, form: LayernormBackward) {
         self.layernorm_backward = form;
+    }
+
+    /// How linear layers' bias gradients are computed ([`BIAS_GRAD_ENV`]).
+    pub fn set_bias_grad(&mut self, form: BiasGrad) {
+        self.bias_grad = form;
     }
 
     /// The same backend with `kernels.cu` compiled for the host and run by
@@ -388,6 +454,8 @@ impl CudaBackend {
             no_epilogue: Default::default(),
             flash_warp_rows: FlashWarpRows::default(),
             layernorm_backward: LayernormBackward::default(),
+            bias_grad: BiasGrad::default(),
+            bias_grad_sums: Scratch::default(),
         }
     }
 
@@ -631,10 +699,9 @@ impl CudaBackend {
         );
         assert_eq!(dw.len, ic * oc, "linear_backward: dw length");
         let (i, d) = (self.mat(inp, ic), self.mat(dout, oc));
-        match layout {
+        let call = match layout {
             // dW (IC, OC) += inpᵀ·dout
-            WeightLayout::InOut => self.gemm(
-                "linear_backward",
+            WeightLayout::InOut => column_major(
                 (true, false),
                 (ic, oc, n),
                 1.0,
@@ -645,8 +712,7 @@ impl CudaBackend {
                 1,
             ),
             // dW (OC, IC) += doutᵀ·inp
-            WeightLayout::OutIn => self.gemm(
-                "linear_backward",
+            WeightLayout::OutIn => column_major(
                 (true, false),
                 (oc, ic, n),
                 1.0,
@@ -656,11 +722,35 @@ impl CudaBackend {
                 self.mat(dw, ic),
                 1,
             ),
+        };
+        let Some(dbias) = dbias else {
+            return self.queue_gemm("linear_backward", &call);
+        };
+        assert!(
+            dbias.len == oc && self.dt(dbias) == self.dt(dw),
+            "linear_backward: dbias of {} {:?} values for {oc} outputs of {:?}",
+            dbias.len,
+            self.dt(dbias),
+            self.dt(dw)
+        );
+        if self.bias_grad == BiasGrad::Epilogue {
+            // The bias gradient (the sums of dout over its rows) into a scratch vector by the
+            // GEMM, which reads dout as cuBLAS's A (its rows the output features) for InOut and
+            // as B for OutIn ([`column_major`] swaps the operands); then added, as gradients
+            // accumulate.
+            let sums = self.scratch(|s| &mut s.bias_grad_sums, self.dt(dbias).bytes() * oc);
+            let of_a = layout == WeightLayout::InOut;
+            if self.try_epilogue(&call, Epilogue::BiasGrad { grad: sums, of_a }) {
+                let args = [
+                    Arg::Ptr(self.ptr(dbias)),
+                    Arg::Ptr(sums),
+                    Arg::I64(oc as i64),
+                ];
+                return self.launch_packs(K::add_inplace, self.dt(dbias), oc, &args);
+            }
         }
-        if let Some(dbias) = dbias {
-            assert_eq!(dbias.len, oc, "linear_backward: dbias length");
-            self.column_sums(dbias, None, dout, n, oc);
-        }
+        self.queue_gemm("linear_backward", &call);
+        self.column_sums(dbias, None, dout, n, oc);
     }
 
     /// Queues `call` with `epilogue` if the engine runs it: false (nothing queued) where the
@@ -985,6 +1075,7 @@ impl Backend for CudaBackend {
                 LAYERNORM_BACKWARD_ENV,
                 self.layernorm_backward.name().to_string(),
             ),
+            (BIAS_GRAD_ENV, self.bias_grad.name().to_string()),
         ]
     }
 
