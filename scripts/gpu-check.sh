@@ -11,7 +11,8 @@
 #      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
 #      and HEAD under each setting of FUGU_GPU_VARIANTS (default below),
 #   3. PyTorch eager + autocast bf16 on the same shape (dev/bench_pytorch.py),
-#   4. per-op breakdowns (fine timers) with 16- and 32-row attention kernels,
+#   4. per-op breakdowns (fine timers) with 16- and 32-row attention kernels and the
+#      one-kernel attention backward,
 #   5. the GPU mixed-precision tests (200-step bf16 and fp16 curves against fp32, exact
 #      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
 #   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works).
@@ -31,8 +32,8 @@ BUDGET="${FUGU_GPU_BUDGET:-540}"
 SHAPE="${FUGU_GPU_SHAPE:-16x1024}"
 STEPS="${FUGU_GPU_STEPS:-10}"
 # HEAD's speed settings to compare (environment assignments, space-separated per variant).
-# Each opt-in alone, then all four together; GELU as separate kernels checks its default.
-VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_RESIDUAL=epilogue;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_LAYERNORM_BACKWARD=fused FUGU_RESIDUAL=epilogue FUGU_BIAS_GRAD=epilogue}"
+# Each opt-in alone, then all five together; GELU as separate kernels checks its default.
+VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_RESIDUAL=epilogue;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_BACKWARD=fused;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_FLASH_BACKWARD=fused FUGU_LAYERNORM_BACKWARD=fused FUGU_RESIDUAL=epilogue FUGU_BIAS_GRAD=epilogue}"
 
 left() { echo $((BUDGET - SECONDS)); }
 say() { printf '%s\n' "$*" | tee -a "$LOG"; }
@@ -85,8 +86,13 @@ limited 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clo
 
 stage "1. CUDA tests on the GPU"
 # (the compile and kernel-cache tests need NVRTC alone, no GPU: CI runs them)
-limited 180 gpu/head/cuda-tests --skip kernels_compile --skip compiled_kernels_are_cached
+limited 180 gpu/head/cuda-tests --skip kernels_compile --skip compiled_kernels_are_cached \
+    --skip fused_attention_one_kernel_backward
 say "cuda tests: exit $?"
+# The one-kernel attention backward in its own process: its blocks wait for each other's
+# turns, and a kernel that traps takes its process's CUDA context with it.
+limited 60 gpu/head/cuda-tests fused_attention_one_kernel_backward
+say "one-kernel attention backward test: exit $?"
 
 # bench LABEL BINARY [ENV...]: one run of the train benchmark; its result row goes to $ROWS.
 bench() {
@@ -118,11 +124,14 @@ stage "3. PyTorch eager, autocast bf16"
 PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_pytorch.py --device cuda --shape "$SHAPE" \
     --steps "$STEPS" --autocast bf16
 
-stage "4. per-op breakdowns (fine timers): HEAD, and HEAD with 32-row attention kernels"
-# (the attention timers show which of the three kernels gains or loses with 32 rows)
+stage "4. per-op breakdowns (fine timers): HEAD, with 32-row attention kernels, one-kernel backward"
+# (the attention timers show which of the three kernels gains or loses with 32 rows, and what
+# the one-kernel backward takes against the two)
 limited 90 gpu/head/bench-train --device cuda --precision bf16 --shape "$SHAPE" \
     --steps "$STEPS" --breakdown
 FUGU_FLASH_WARP_ROWS=32 limited 90 gpu/head/bench-train --device cuda --precision bf16 \
+    --shape "$SHAPE" --steps "$STEPS" --breakdown
+FUGU_FLASH_BACKWARD=fused limited 90 gpu/head/bench-train --device cuda --precision bf16 \
     --shape "$SHAPE" --steps "$STEPS" --breakdown
 
 stage "5. mixed-precision tests on the GPU (200-step curves, exact resume)"

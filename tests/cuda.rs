@@ -22,7 +22,9 @@ fn cuda_tests() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use fugu::backend::cuda::emu::EpilogueCounts;
-    use fugu::backend::cuda::{self, BiasGrad, CudaBackend, FlashWarpRows, LayernormBackward};
+    use fugu::backend::cuda::{
+        self, BiasGrad, CudaBackend, FlashBackward, FlashWarpRows, LayernormBackward,
+    };
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype,
         FusedAttention, Span, TokSpan, WeightLayout,
@@ -656,7 +658,6 @@ mod gpu {
         assert_eq!(bits(&u), bits(&v), "{what}, {d:?}");
     }
 
-    /// `FUGU_FLASH_WARP_ROWS`: one value for every kernel, or one each.
     #[test]
     fn layernorm_backward_parse() {
         assert_eq!(
@@ -679,6 +680,18 @@ mod gpu {
     }
 
     #[test]
+    fn flash_backward_parse() {
+        assert_eq!(FlashBackward::parse("").unwrap(), FlashBackward::Split);
+        assert_eq!(FlashBackward::parse("fused").unwrap(), FlashBackward::Fused);
+        let e = FlashBackward::parse("one").unwrap_err().to_string();
+        assert!(
+            e.contains("FUGU_FLASH_BACKWARD=one: expected split or fused"),
+            "{e}"
+        );
+    }
+
+    /// `FUGU_FLASH_WARP_ROWS`: one value for every kernel, or one each.
+    #[test]
     fn flash_warp_rows_parse() {
         let rows = |f, q, kv| FlashWarpRows {
             forward: f,
@@ -699,13 +712,7 @@ mod gpu {
 
     fn fused_attention_in(act: Dtype) {
         let Some(mut be) = Both::new(act) else { return };
-        for (b, t, nh, hs) in [
-            (2, 1, 3, 8),
-            (2, 37, 3, 8),
-            (1, 150, 2, 64),
-            (1, 70, 2, 24),
-            (1, 40, 2, 5),
-        ] {
+        for (b, t, nh, hs) in FUSED_SHAPES {
             if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
                 skipped(&format!(
                     "no fused attention on this device for hs = {hs} in {act:?}"
@@ -739,8 +746,60 @@ mod gpu {
             be.check(
                 "fused attention dqkv",
                 dqkv,
-                GEMM + 4.0 * act.unit_roundoff(),
+                GEMM + FUSED_DQKV_TOL * act.unit_roundoff(),
             );
+        }
+    }
+
+    /// The fused attention kernels' shapes: T = 1; T = 37, 70 and 150 (one to three key
+    /// blocks of 64, the last partial); head sizes 8, 64, 24 and 5 (padded to 64 columns;
+    /// 5 is not a multiple of 8: element-wise loads).
+    const FUSED_SHAPES: [(usize, usize, usize, usize); 5] = [
+        (2, 1, 3, 8),
+        (2, 37, 3, 8),
+        (1, 150, 2, 64),
+        (1, 70, 2, 24),
+        (1, 40, 2, 5),
+    ];
+
+    /// The fused backward's dqkv against the CPU: the GEMM tolerance, plus four roundings of
+    /// the type (P and dS are rounded to it for their products, as the three steps store
+    /// them), in units of its unit roundoff over GEMM.
+    const FUSED_DQKV_TOL: f64 = 4.0;
+
+    /// The fused attention's one-kernel backward (`FUGU_FLASH_BACKWARD=fused`): the products
+    /// of the two kernels, with dQ's shares added across key blocks in turn (another order
+    /// of f32 sums), against the CPU as the two kernels are; its 16- and 32-row forms give
+    /// the same bits. Its own test, so that on a GPU (scripts/gpu-check.sh runs it in its own
+    /// process) a kernel that traps waiting for its turn does not take the other tests'
+    /// context with it.
+    #[test]
+    fn fused_attention_one_kernel_backward() {
+        for act in [Dtype::Bf16, Dtype::F16] {
+            let Some(mut be) = Both::new(act) else { return };
+            for (b, t, nh, hs) in FUSED_SHAPES {
+                if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
+                    return skipped(&format!(
+                        "no fused attention on this device for hs = {hs} in {act:?}"
+                    ));
+                }
+                let d = AttnDims { b, t, nh, hs };
+                let c = nh * hs;
+                let qkv = be.rand(b * t * 3 * c, 1);
+                let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
+                be.run(|x| x.attention_forward(out, lse, qkv, d));
+                let dout = be.rand(b * t * c, 2);
+                let (dqkv, wide) = (be.nan(b * t * 3 * c), be.nan(b * t * 3 * c));
+                be.gpu.set_flash_backward(FlashBackward::Fused);
+                be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
+                let tol = GEMM + FUSED_DQKV_TOL * act.unit_roundoff();
+                be.check("fused attention dqkv, one kernel", dqkv, tol);
+                be.gpu.set_flash_warp_rows(WIDE);
+                be.gpu.attention_backward(wide, dout, out, lse, qkv, d);
+                be.gpu.set_flash_warp_rows(FlashWarpRows::default());
+                be.gpu.set_flash_backward(FlashBackward::Split);
+                same_bits(&be.gpu, "dqkv, one kernel, 32 rows per warp", dqkv, wide, d);
+            }
         }
     }
 
@@ -1236,6 +1295,11 @@ mod gpu {
                 "gemm",
                 "FUGU_BIAS_GRAD=gemm: expected columns or epilogue",
             ),
+            (
+                cuda::FLASH_BACKWARD_ENV,
+                "one",
+                "FUGU_FLASH_BACKWARD=one: expected split or fused",
+            ),
         ] {
             let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
             c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
@@ -1269,6 +1333,7 @@ mod gpu {
         assert_eq!(h["kernels"][cuda::FLASH_WARP_ROWS_ENV], "16,16,16", "{h}");
         assert_eq!(h["kernels"][cuda::LAYERNORM_BACKWARD_ENV], "split", "{h}");
         assert_eq!(h["kernels"][cuda::BIAS_GRAD_ENV], "columns", "{h}");
+        assert_eq!(h["kernels"][cuda::FLASH_BACKWARD_ENV], "split", "{h}");
         for (a, b) in lc.iter().zip(&lg) {
             assert!(((a - b) / a).abs() <= 1e-4, "cpu {lc:?} gpu {lg:?}");
         }

@@ -12,6 +12,8 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <setjmp.h>
 #include <ucontext.h>
@@ -165,6 +167,17 @@ static inline unsigned __float_as_uint(float f) {
     memcpy(&x, &f, sizeof x);
     return x;
 }
+
+// Global-memory access and ordering between blocks. Blocks run one after another here, so a
+// fence orders nothing and an atomic is a plain read-modify-write.
+static inline void __threadfence() {}
+static inline int atomicAdd(int* p, int v) {
+    int old = *p;
+    *p = old + v;
+    return old;
+}
+static inline float __ldcg(const float* p) { return *p; }
+static inline void __stcg(float* p, float v) { *p = v; }
 
 #define __global__
 #define __launch_bounds__(...)

@@ -7,8 +7,10 @@
 // kernel are those of the CPU op it names in src/ops/ (shapes, overwrite vs +=); the comments
 // here say only how the work is split.
 //
-// Determinism: no atomics. Every reduction has a fixed shape (fixed block size, fixed tree,
-// fixed chunking of rows), so a run is bit-reproducible on the same GPU. Statistics that the
+// Determinism: no floating-point atomics. Every reduction has a fixed shape (fixed block size,
+// fixed tree, fixed chunking of rows), so a run is bit-reproducible on the same GPU. (The one
+// atomic, in the fused attention's one-kernel backward, hands out work items; which block takes
+// an item does not change what it computes.) Statistics that the
 // CPU accumulates in f64 (layernorm mean/variance and its backward row sums, softmax and
 // cross-entropy sums of exponentials, sum of squares) are accumulated in double here too.
 //
@@ -737,10 +739,13 @@ FOR_TYPES(DEF)
 // (ex2.approx: relative error ~2^-22, far below the 16-bit rounding that follows). Masks apply
 // on the diagonal tile only.
 //
-// Backward: no atomics (the rest of this file is deterministic, and so is this). One kernel
-// computes dQ (and Δ = rowsum(dO ∘ O)) per query block, looping over keys; a second computes
-// dK and dV per key block, looping over queries. S and dP are computed in both: seven
-// 64×64×hs products per tile pair instead of FlashAttention-2's five, for bit-reproducibility.
+// Backward: deterministic, as the rest of this file. By default one kernel computes dQ (and
+// Δ = rowsum(dO ∘ O)) per query block, looping over keys; a second computes dK and dV per key
+// block, looping over queries. S and dP are computed in both: seven 64×64×hs products per tile
+// pair instead of FlashAttention-2's five, which adds dQ's shares with floating-point atomics
+// (an order that changes from run to run). FUGU_FLASH_BACKWARD=fused runs five: the dK/dV
+// kernel also multiplies each tile's dS by K and adds the shares of a query block's dQ in turn,
+// key block 0 first (flash_backward_dkv_k with DQ, after flash_backward_prep computes Δ).
 // Every warp of a block runs the same loop (masking is done on values), which the host
 // emulator's warp-collective mma and ldmatrix need.
 
@@ -769,11 +774,33 @@ FOR_TYPES(DEF)
 // registers spilled 96 and about 400 (the 16-row kernels spill 76 and 32 at their caps).
 #define FA_MINB_DQ_WIDE 4
 #define FA_MINB_DKV_WIDE 4
+// The one-kernel backward (FUGU_FLASH_BACKWARD=fused), unmeasured: 65 KB of shared memory per
+// block (the dK/dV kernel's, plus K, V and dS kept for dQ), so 3 blocks per SM whatever the
+// rows per warp.
+#define FA_MINB_FUSED 3
 
 #ifdef __CUDACC_RTC__
 template <typename T>
 __device__ u32 ld32(const T* p) {
     return *reinterpret_cast<const u32*>(p);
+}
+template <typename T>
+__device__ void st32(T* p, u32 w) {
+    *reinterpret_cast<u32*>(p) = w;
+}
+// Waits (thread 0 of a block) until `*turn` is `want`, then orders this block's later reads
+// after the writes of the block that passed the turn (fa_pass_turn). The block owning the
+// turn has asked for its work item earlier (fa_next_item), so it is running: the wait ends
+// within a few tiles' time. Past about a second (a bug) the kernel traps: an error, not a hang.
+__device__ void fa_wait_turn(const int* turn, int want) {
+    long long start = clock64();
+    while (*(const volatile int*)turn != want) {
+#if __CUDA_ARCH__ >= 700
+        __nanosleep(64);
+#endif
+        if (clock64() - start > (1LL << 31)) __trap();
+    }
+    __threadfence();
 }
 __device__ float fast_exp2(float x) {
     float y;
@@ -859,6 +886,19 @@ __device__ u32 ld32(const T* p) {
     u32 w;
     memcpy(&w, p, sizeof w);
     return w;
+}
+template <typename T>
+__device__ void st32(T* p, u32 w) {
+    memcpy(p, &w, sizeof w);
+}
+// Blocks run in order here, each item of the one-kernel backward after the items it waits for:
+// a turn not yet come is a bug.
+__device__ void fa_wait_turn(const int* turn, int want) {
+    if (*turn != want) {
+        fprintf(stderr, "fa_wait_turn: turn %d, waiting for %d (a block waits for a later one)\n",
+                *turn, want);
+        abort();
+    }
 }
 __device__ float fast_exp2(float x) { return exp2f(x); }
 typedef char* smem_t;
@@ -1001,6 +1041,37 @@ template <typename T, int M>
 __device__ void fa_a_frags_m(u32 (*a)[FA_D / 16][4], const T* s, int row0) {
 #pragma unroll
     for (int i = 0; i < M; i++) fa_a_frags(a[i], s, row0 + 16 * i);
+}
+
+// Stores a warp's M groups of A fragments (16 rows × 64 columns each, from row0; as fa_pack
+// leaves them) into tile `s`: the inverse of fa_a_frags_m.
+template <typename T, int M>
+__device__ void fa_put_frags_m(T* s, u32 (*a)[FA_ROWS / 16][4], int row0) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < M; i++)
+#pragma unroll
+        for (int kk = 0; kk < FA_ROWS / 16; kk++) {
+            T* p = s + (row0 + 16 * i + g) * FA_LDS + kk * 16 + 2 * t;
+            st32(p, a[i][kk][0]);
+            st32(p + 8 * FA_LDS, a[i][kk][1]);
+            st32(p + 8, a[i][kk][2]);
+            st32(p + 8 * FA_LDS + 8, a[i][kk][3]);
+        }
+}
+
+// The A fragments of the transpose of tile `s` (64 × 64): rows row0.. of sᵀ (columns of s), k
+// along s's rows, in M groups of 16 rows; by ldmatrix.trans, matrix j of each x4 the 8 × 8
+// block at s's rows 16·kk + 8·(j / 2), columns row0 + 8·(j % 2).
+template <typename T, int M>
+__device__ void fa_a_frags_trans_m(u32 (*a)[FA_ROWS / 16][4], T* s, int row0) {
+    int lane = threadIdx.x % WARP, j = lane >> 3, r = lane & 7;
+    smem_t lp = smem(s) + 2 * ((r + 8 * (j >> 1)) * FA_LDS + 8 * (j & 1) + row0);
+#pragma unroll
+    for (int i = 0; i < M; i++)
+#pragma unroll
+        for (int kk = 0; kk < FA_ROWS / 16; kk++)
+            ldsm_x4_trans(a[i][kk], lp + 2 * (kk * 16 * FA_LDS + 16 * i));
 }
 
 // Whether a backward kernel with M row groups per warp reads its own tile's A fragments (Q
@@ -1412,6 +1483,95 @@ __device__ void fa_load_stats(float* sl, float* sd, const float* lse, const floa
     }
 }
 
+// The next work item of a block of the fused attention kernels after `prev` (-1: its first),
+// the same for every thread: blockIdx.x, then strides of gridDim.x; or (Ticket, the one-kernel
+// backward) the next value of the counter sync[0], in the order blocks ask.
+template <bool Ticket>
+__device__ i64 fa_next_item(i64 prev, int* sync, i64* s_item) {
+    if constexpr (Ticket) {
+        __syncthreads();  // every thread has read the previous item
+        if (threadIdx.x == 0) *s_item = atomicAdd(sync, 1);
+        __syncthreads();
+        return *s_item;
+    } else {
+        return prev < 0 ? (i64)blockIdx.x : prev + gridDim.x;
+    }
+}
+
+// Adds key block kb's share `dq` of query block qb's dQ (this warp's M groups of 16 rows from
+// w0), in turn: waits until key block kb − 1 has added its share (*turn == kb); the first share
+// (kb = 0) is stored, later ones are added to what is stored, and the last (the diagonal tile,
+// kb = qb) writes dQ = scale · sum into `dst` (the (sequence, head)'s Q columns, row stride
+// ldq); then passes the turn on. `acc` is the query block's 64 × 64 f32 tile laid out as the
+// accumulators are held (row group of 16, element of a lane's FA_D / 2, lane): a warp's
+// accesses are 128 contiguous bytes.
+template <typename T, int M>
+__device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[FA_D / 8][4], i64 kb, i64 qb,
+                                T* dst, i64 Tn, i64 ldq, int hs, float scale, int w0) {
+    if (threadIdx.x == 0) fa_wait_turn(turn, (int)kb);
+    __syncthreads();
+    int lane = threadIdx.x % WARP;
+    float mul[2] = {scale, scale};
+#pragma unroll
+    for (int i = 0; i < M; i++) {
+        float* a = acc + (w0 / 16 + i) * (FA_D / 2) * WARP + lane;
+#pragma unroll
+        for (int nd = 0; nd < FA_D / 8; nd++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float* p = a + (nd * 4 + e) * WARP;
+                float v = dq[i][nd][e];
+                if (kb > 0) v = __ldcg(p) + v;  // the earlier shares' sum, then this one
+                if (kb < qb) __stcg(p, v);
+                dq[i][nd][e] = v;
+            }
+        if (kb == qb) fa_store(dst, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq, hs, mul);
+    }
+    __threadfence();  // the shares stored are visible before the turn is passed
+    __syncthreads();
+    if (threadIdx.x == 0) *(volatile int*)turn = (int)kb + 1;
+}
+
+// Before the one-kernel backward (flash_backward_fused): delta (B, nh, T) = rowsum(dout ∘ out),
+// 8 lanes per row each over 8 of its (at most 64) columns, added in a butterfly; and the
+// kernel's `nsync` counters zeroed (the item counter and every query block's turn).
+template <typename T>
+__device__ void flash_backward_prep_k(float* delta, int* sync, i64 nsync, const T* dout,
+                                      const T* out, i64 B, i64 Tn, i64 nh, i64 hs) {
+    GRID_STRIDE(i, stride);
+    for (i64 k = i; k < nsync; k += stride) sync[k] = 0;
+    i64 C = nh * hs, rows = B * nh * Tn;
+    bool vec = fa_vec_ok(dout, (int)hs, C) && fa_vec_ok(out, (int)hs, C);
+    int lane = threadIdx.x % WARP, c = (lane % 8) * 8;
+    // Whole warps run the loop (the butterfly needs every lane); stride is a multiple of 32.
+    for (i64 w = i - lane; w < rows * 8; w += stride) {
+        i64 row = (w + lane) / 8;
+        float s = 0.0f;
+        if (row < rows && c < hs) {
+            i64 bh = row / Tn, tt = row % Tn, b = bh / nh, h = bh % nh;
+            i64 at = (b * Tn + tt) * C + h * hs + c;
+            if (vec) {
+                Pack<T> d = ld_pack(dout + at), o = ld_pack(out + at);
+                for (int j = 0; j < 8; j++) s += ld(d.v[j]) * ld(o.v[j]);
+            } else {
+                for (int j = 0; j < 8 && c + j < hs; j++) s += ld(dout[at + j]) * ld(out[at + j]);
+            }
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        if (row < rows && c == 0) delta[row] = s;
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void flash_backward_prep_##S(float* delta, int* sync, i64 nsync,   \
+                                                       const T* dout, const T* out, i64 B,  \
+                                                       i64 Tn, i64 nh, i64 hs) {            \
+        flash_backward_prep_k(delta, sync, nsync, dout, out, B, Tn, nh, hs);                 \
+    }
+FOR_HALF_TYPES(DEF)
+#undef DEF
+
 // Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, head), the
 // longest (first key blocks) first; each block runs over the query blocks from its own on, Q
 // and dO tiles (and their statistics) double-buffered; M groups of 16 keys per warp (each Q
@@ -1421,34 +1581,54 @@ __device__ void fa_load_stats(float* sl, float* sd, const float* lse, const floa
 // bytes of spills otherwise), so K and V stay in dynamic shared memory (FLASH_KV_SHMEM bytes,
 // beyond the 48 KB of static memory) and each warp reads its fragments again for every query
 // block.
-template <typename T, int M>
+//
+// With DQ (the one-kernel backward, flash_backward_fused: FlashAttention-2's five products per
+// tile instead of seven) the kernel also computes dQ: each tile's dS goes to shared memory
+// (keys × queries, FLASH_FUSED_SHMEM: K and V stay in dynamic shared memory for the product)
+// and the block's warps multiply it by K for the tile's query rows. The key blocks' shares of
+// one query block's dQ are added in a fixed order, key block 0 first, through an f32
+// accumulator in global memory (`dq_acc`, a 64 × 64 tile per query block of each (sequence,
+// head), in the accumulators' register layout), each block waiting for its turn (`sync`) as
+// FlashAttention-3's deterministic backward does; the last share (the diagonal tile) writes dQ
+// itself. So that the shares of a query block come from the key blocks at about the same
+// time, a block runs over the query blocks from the last down to its own. Items are handed out
+// by a counter in the order blocks ask (sync[0]), so the item a block waits for has been taken
+// by a running block (no wait on a block the GPU has not started, whatever its scheduling).
+template <typename T, int M, bool DQ>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
-                                     i64 hs_, float scale) {
+                                     i64 hs_, float scale, float* dq_acc, int* sync) {
     alignas(16) __shared__ T sQ[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
+    __shared__ i64 s_item;
     DYNAMIC_SHARED(Pack<float>, fa_kv);
-    T* sK = FA_REREAD(M) ? reinterpret_cast<T*>(fa_kv) : sQ[1];
-    T* sV = FA_REREAD(M) ? sK + FA_ROWS * FA_LDS : sO[1];
+    constexpr bool kv_shared = FA_REREAD(M) || DQ;
+    T* sK = kv_shared ? reinterpret_cast<T*>(fa_kv) : sQ[1];
+    T* sV = kv_shared ? sK + FA_ROWS * FA_LDS : sO[1];
+    T* sdS = sV + FA_ROWS * FA_LDS;  // DQ: dS of the tile, keys × queries
     int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = 3 * C, nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
-    for (i64 item = blockIdx.x; item < B * nh * nkb; item += gridDim.x) {
+    for (i64 item = fa_next_item<DQ>(-1, sync, &s_item); item < B * nh * nkb;
+         item = fa_next_item<DQ>(item, sync, &s_item)) {
         i64 kb = item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
         i64 k0 = kb * FA_ROWS;
+        // The query blocks: from this key block up, or (DQ) from the last down to it.
+        const i64 q_step = DQ ? -1 : 1, q_begin = DQ ? nkb - 1 : kb, q_end = DQ ? kb - 1 : nkb;
         const T* base = qkv + b * Tn * ldq + h * hs;
         const T* dob = dout + b * Tn * C + h * hs;
         const float* lse_h = lse + bh * Tn;
         const float* delta_h = delta + bh * Tn;
+        i64 q_first = q_begin * FA_ROWS;
         __syncthreads();
         fa_load(sK, base + C, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
         fa_load(sV, base + 2 * C, k0, Tn, ldq, hs, vec);
-        fa_load(sQ[0], base, k0, Tn, ldq, hs, vec);  // the first query block (= kb)
-        fa_load(sO[0], dob, k0, Tn, C, hs, vec_o);
-        fa_load_stats(sL[0], sD[0], lse_h, delta_h, k0, Tn);
+        fa_load(sQ[0], base, q_first, Tn, ldq, hs, vec);  // the first query block
+        fa_load(sO[0], dob, q_first, Tn, C, hs, vec_o);
+        fa_load_stats(sL[0], sD[0], lse_h, delta_h, q_first, Tn);
         cp_async_wait_all();
         __syncthreads();
         u32 ka[M][FA_D / 16][4], va[M][FA_D / 16][4];
@@ -1464,11 +1644,11 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             fa_a_frags_m<T, M>(ka, sK, w0);
             fa_a_frags_m<T, M>(va, sV, w0);
         }
-        for (i64 qb = kb; qb < nkb; qb++) {
-            int cur = (int)((qb - kb) & 1);
+        for (i64 qb = q_begin; qb != q_end; qb += q_step) {
+            int cur = (int)((qb - q_begin) * q_step & 1);
             __syncthreads();
-            if (qb + 1 < nkb) {
-                i64 q1 = (qb + 1) * FA_ROWS;
+            if (qb + q_step != q_end) {
+                i64 q1 = (qb + q_step) * FA_ROWS;
                 fa_load(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
                 fa_load(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
                 fa_load_stats(sL[cur ^ 1], sD[cur ^ 1], lse_h, delta_h, q1, Tn);
@@ -1513,6 +1693,24 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 fa_pack<T>(pa[i], ds[i]);
             }
             fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
+            if constexpr (DQ) {
+                // dQ's share of this key block: dS (queries × keys) · K, the tile's query rows
+                // w0.. by this warp, over every key of the block.
+                fa_put_frags_m<T, M>(sdS, pa, w0);
+                __syncthreads();
+                fa_a_frags_trans_m<T, M>(pa, sdS, w0);
+                float dq[M][FA_D / 8][4];
+#pragma unroll
+                for (int i = 0; i < M; i++)
+#pragma unroll
+                    for (int nd = 0; nd < FA_D / 8; nd++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) dq[i][nd][e] = 0.0f;
+                fa_mma_pb_m<T, M>(dq, pa, sK);
+                float* acc = dq_acc + (bh * nkb + qb) * FA_ROWS * FA_D;
+                fa_add_dq_share<T, M>(acc, sync + 1 + bh * nkb + qb, dq, kb, qb,
+                                      dqkv + b * Tn * ldq + h * hs, Tn, ldq, hs, scale, w0);
+            }
         }
         float one[2] = {1.0f, 1.0f}, mul[2] = {scale, scale};
         T* dst = dqkv + b * Tn * ldq + h * hs;
@@ -1527,13 +1725,30 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV)                    \
         flash_backward_dkv_##S(T* dqkv, const float* delta, const T* dout, const float* lse, \
                                const T* qkv, i64 B, i64 Tn, i64 nh, i64 hs, float scale) {  \
-        flash_backward_dkv_k<T, 1>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale);      \
+        flash_backward_dkv_k<T, 1, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale, \
+                                          nullptr, nullptr);                                 \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DKV_WIDE)           \
         flash_backward_dkv_wide_##S(T* dqkv, const float* delta, const T* dout,             \
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,  \
                                     i64 hs, float scale) {                                  \
-        flash_backward_dkv_k<T, 2>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale);      \
+        flash_backward_dkv_k<T, 2, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale, \
+                                          nullptr, nullptr);                                 \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FUSED)                  \
+        flash_backward_fused_##S(T* dqkv, const float* delta, const T* dout,                \
+                                 const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
+                                 i64 hs, float scale, float* dq_acc, int* sync) {           \
+        flash_backward_dkv_k<T, 1, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale,  \
+                                         dq_acc, sync);                                      \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_FUSED)              \
+        flash_backward_fused_wide_##S(T* dqkv, const float* delta, const T* dout,           \
+                                      const float* lse, const T* qkv, i64 B, i64 Tn,        \
+                                      i64 nh, i64 hs, float scale, float* dq_acc,           \
+                                      int* sync) {                                          \
+        flash_backward_dkv_k<T, 2, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale,  \
+                                         dq_acc, sync);                                      \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF

@@ -150,6 +150,40 @@ impl LayernormBackward {
     }
 }
 
+/// Environment variable: how the fused attention's backward pass runs, `split` (the default,
+/// measured: a kernel for dQ, then one for dK and dV, seven tensor-core products per tile) or
+/// `fused` (one kernel, five products, dQ added across key blocks in a fixed order; unmeasured,
+/// for A/B runs on a GPU) ([`FlashBackward`]).
+pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
+
+/// How the fused attention's backward pass runs ([`FLASH_BACKWARD_ENV`]). Both compute the same
+/// products of the same rounded values; dQ's f32 sums are taken in another order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashBackward {
+    /// `flash_backward_dq` (which also computes Δ = rowsum(dO ∘ O)), then `flash_backward_dkv`.
+    #[default]
+    Split,
+    /// `flash_backward_prep` (Δ), then `flash_backward_fused`: dK and dV as the dK/dV kernel,
+    /// and each tile's share of dQ from the dS it computes anyway.
+    Fused,
+}
+
+impl FlashBackward {
+    /// The setting's value for this form (what [`Self::parse`] reads and the run header shows).
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashBackward::Split => "split",
+            FlashBackward::Fused => "fused",
+        }
+    }
+
+    /// [`FLASH_BACKWARD_ENV`]'s value: empty (the default), `split` or `fused`.
+    pub fn parse(v: &str) -> Result<FlashBackward> {
+        let forms = [FlashBackward::Split, FlashBackward::Fused];
+        parse_form(FLASH_BACKWARD_ENV, v, &forms, Self::name)
+    }
+}
+
 /// Environment variable: how a linear layer's bias gradient is computed, `columns` (the
 /// default, measured: column-sum kernels reading the output gradient again after the
 /// weight-gradient GEMM) or `epilogue` (by that GEMM, from the output gradient it reads
@@ -323,6 +357,9 @@ kernels!(
     flash_backward_dq_wide,
     flash_backward_dkv,
     flash_backward_dkv_wide,
+    flash_backward_prep,
+    flash_backward_fused,
+    flash_backward_fused_wide,
 );
 
 /// Device memory of one buffer (`None` for zero-length and freed buffers), its length in
@@ -375,8 +412,12 @@ pub struct CudaBackend {
     /// Linear-layer GEMMs whose epilogue the engine could not run ([`NoEpilogue`]): their
     /// bias or GELU is done by kernels from then on.
     no_epilogue: std::collections::HashSet<EpilogueShape>,
-    /// Rows per warp of the fused attention kernels.
+    /// Rows per warp of the fused attention kernels, and the form of their backward pass.
     flash_warp_rows: FlashWarpRows,
+    flash_backward: FlashBackward,
+    /// The one-kernel attention backward's dQ accumulators and counters
+    /// ([`FlashBackward::Fused`]).
+    attn_dq: Scratch,
     /// The form of the layernorm backward kernels.
     layernorm_backward: LayernormBackward,
     /// How linear layers' bias gradients are computed, and the vector cuBLASLt writes one to
@@ -403,12 +444,13 @@ impl CudaBackend {
     }
 
     /// This backend with the kernel settings the environment asks for
-    /// ([`FLASH_WARP_ROWS_ENV`], [`LAYERNORM_BACKWARD_ENV`], [`BIAS_GRAD_ENV`]; [`Self::new`]
-    /// applies them, and the host-only benchmark); a value a setting does not take is an error
-    /// naming it.
+    /// ([`FLASH_WARP_ROWS_ENV`], [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`],
+    /// [`BIAS_GRAD_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
+    /// setting does not take is an error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let var = |name| std::env::var(name).unwrap_or_default();
         self.set_flash_warp_rows(FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?);
+        self.set_flash_backward(FlashBackward::parse(&var(FLASH_BACKWARD_ENV))?);
         self.set_layernorm_backward(LayernormBackward::parse(&var(LAYERNORM_BACKWARD_ENV))?);
         self.set_bias_grad(BiasGrad::parse(&var(BIAS_GRAD_ENV))?);
         Ok(self)
@@ -420,6 +462,11 @@ impl CudaBackend {
             assert!(r == 16 || r == 32, "flash warp rows: 16 or 32, not {r}");
         }
         self.flash_warp_rows = rows;
+    }
+
+    /// The form of the fused attention's backward pass ([`FLASH_BACKWARD_ENV`]).
+    pub fn set_flash_backward(&mut self, form: FlashBackward) {
+        self.flash_backward = form;
     }
 
     /// The form of the layernorm backward kernels ([`LAYERNORM_BACKWARD_ENV`]).
@@ -453,6 +500,8 @@ impl CudaBackend {
             tables: Default::default(),
             no_epilogue: Default::default(),
             flash_warp_rows: FlashWarpRows::default(),
+            flash_backward: FlashBackward::default(),
+            attn_dq: Scratch::default(),
             layernorm_backward: LayernormBackward::default(),
             bias_grad: BiasGrad::default(),
             bias_grad_sums: Scratch::default(),
@@ -1075,6 +1124,7 @@ impl Backend for CudaBackend {
                 LAYERNORM_BACKWARD_ENV,
                 self.layernorm_backward.name().to_string(),
             ),
+            (FLASH_BACKWARD_ENV, self.flash_backward.name().to_string()),
             (BIAS_GRAD_ENV, self.bias_grad.name().to_string()),
         ]
     }
@@ -1738,6 +1788,9 @@ impl Backend for CudaBackend {
             "attention_backward: lengths"
         );
         let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
+        if self.flash_backward == FlashBackward::Fused {
+            return self.attention_backward_one_kernel(dt, delta, dqkv, dout, out, lse, qkv, d);
+        }
         let (grid, tail) = (Self::flash_grid(d), self.flash_args(qkv, d));
         let (dq, dy, y, l) = (self.ptr(dqkv), self.ptr(dout), self.ptr(out), self.ptr(lse));
         let mut args = vec![
@@ -2029,6 +2082,8 @@ const FLASH_LDS: u32 = 72;
 /// Dynamic shared memory of the wide backward attention kernels (`FA_REREAD`): two tiles (Q
 /// and dO, or K and V) of `FLASH_ROWS` rows of 16-bit elements.
 const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * FLASH_LDS * 2;
+/// Dynamic shared memory of the one-kernel attention backward: K, V and dS.
+const FLASH_FUSED_SHMEM: u32 = 3 * FLASH_ROWS as u32 * FLASH_LDS * 2;
 const FLASH_MAX_HEAD: usize = 64;
 const FLASH_ROWS: usize = 64;
 
@@ -2044,6 +2099,62 @@ impl CudaBackend {
             dt.name()
         );
         dt
+    }
+
+    /// The fused attention's backward pass as one kernel ([`FlashBackward::Fused`]): Δ and
+    /// the kernel's counters zeroed by `flash_backward_prep`, then `flash_backward_fused` with
+    /// an f32 accumulator tile per query block (64 × 64: 16 KB, 50 MB for GPT-2 124M B=16).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_one_kernel(
+        &mut self,
+        dt: Dtype,
+        delta: u64,
+        dqkv: Span,
+        dout: Span,
+        out: Span,
+        lse: Span,
+        qkv: Span,
+        d: AttnDims,
+    ) {
+        let tiles = d.b * d.nh * d.t.div_ceil(FLASH_ROWS);
+        // The kernel's item counter and turns are ints.
+        assert!(
+            tiles < i32::MAX as usize,
+            "attention_backward: {tiles} tiles"
+        );
+        let acc_bytes = tiles * FLASH_ROWS * FLASH_MAX_HEAD * 4;
+        let acc = self.scratch(|s| &mut s.attn_dq, acc_bytes + 4 * (1 + tiles));
+        let sync = acc + acc_bytes as u64;
+        let (dy, y) = (self.ptr(dout), self.ptr(out));
+        let args = [
+            Arg::Ptr(delta),
+            Arg::Ptr(sync),
+            Arg::I64(1 + tiles as i64),
+            Arg::Ptr(dy),
+            Arg::Ptr(y),
+            Arg::I64(d.b as i64),
+            Arg::I64(d.t as i64),
+            Arg::I64(d.nh as i64),
+            Arg::I64(d.hs as i64),
+        ];
+        // 8 threads per row.
+        let grid = (8 * lse.len).div_ceil(ELEM_THREADS as usize) as u64;
+        self.launch(K::flash_backward_prep, dt, grid, ELEM_THREADS, 0, &args);
+        let mut args = vec![
+            Arg::Ptr(self.ptr(dqkv)),
+            Arg::Ptr(delta),
+            Arg::Ptr(dy),
+            Arg::Ptr(self.ptr(lse)),
+        ];
+        args.extend(self.flash_args(qkv, d));
+        args.extend([Arg::Ptr(acc), Arg::Ptr(sync)]);
+        let (k, threads) = FlashWarpRows::pick(
+            self.flash_warp_rows.dkv,
+            K::flash_backward_fused,
+            K::flash_backward_fused_wide,
+        );
+        let grid = Self::flash_grid(d);
+        self.launch(k, dt, grid, threads, FLASH_FUSED_SHMEM, &args);
     }
 
     /// One block per (64-row block, sequence, head); [`Self::launch`] caps the grid at the
