@@ -1271,6 +1271,63 @@ mod gpu {
         losses(out)
     }
 
+    /// `fugu train --precision bf16` with the one-kernel attention backward
+    /// (`FUGU_FLASH_BACKWARD=fused`) trains as with the two kernels: sequences of 130 tokens
+    /// (three key blocks of 64, so dQ's shares are added across blocks in turn), the first
+    /// loss the same bits (the same forward pass), the second, after a step on the gradients
+    /// of each, within 1e-4 relative. The two add dQ's f32 shares in different orders; only
+    /// where a sum then rounds to the other neighbouring bf16 value does a gradient differ, by
+    /// one step of the type in one element, which moves the next loss by far less than this
+    /// (on the emulator the losses came out identical). Runs `fugu` as a child process, on the
+    /// GPU where there is one (a kernel that traps waiting for its turn fails the run, not the
+    /// tests' process).
+    #[test]
+    fn one_kernel_attention_backward_trains_as_the_two_kernels() {
+        let Some(emulate) = binary_mode() else {
+            return;
+        };
+        let run = |form: &str| {
+            let out = tmp(&format!("flash-backward-{form}"));
+            let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
+            c.args([
+                "train",
+                "--device",
+                "cuda",
+                "--precision",
+                "bf16",
+                "--steps",
+                "2",
+            ]);
+            c.args(["--batch-size", "2", "--seq-len", "130", "--eval-every", "0"]);
+            c.args(["--out", out.to_str().unwrap()]);
+            c.env(cuda::FLASH_BACKWARD_ENV, form);
+            if emulate {
+                c.env(cuda::EMULATE_ENV, "1");
+            }
+            ok(&c.output().expect("running fugu"));
+            let recs = read_metrics(out.join("metrics.jsonl")).unwrap();
+            let Some(Record::Header(h)) = recs.first() else {
+                panic!("no header in {}", out.display())
+            };
+            assert_eq!(h["attention"], "fused", "{h}");
+            assert_eq!(h["kernels"][cuda::FLASH_BACKWARD_ENV], form, "{h}");
+            losses(&out)
+        };
+        let (split, fused) = (run("split"), run("fused"));
+        assert_eq!(split.len(), 2);
+        assert_eq!(
+            split[0].to_bits(),
+            fused[0].to_bits(),
+            "{split:?} {fused:?}"
+        );
+        for (a, b) in split.iter().zip(&fused) {
+            assert!(
+                ((a - b) / a).abs() <= 1e-4,
+                "split {split:?} fused {fused:?}"
+            );
+        }
+    }
+
     /// A kernel setting with a value it does not take (`FUGU_FLASH_WARP_ROWS` neither 16 nor
     /// 32, `FUGU_LAYERNORM_BACKWARD` neither split nor fused) is refused by name when the CUDA
     /// backend starts.
