@@ -382,12 +382,13 @@ mod gpu {
 
     #[test]
     fn bias_grad_parse() {
-        assert_eq!(BiasGrad::parse("").unwrap(), BiasGrad::Columns);
-        assert_eq!(BiasGrad::parse("columns").unwrap(), BiasGrad::Columns);
-        assert_eq!(BiasGrad::parse("epilogue").unwrap(), BiasGrad::Epilogue);
-        let e = BiasGrad::parse("gemm").unwrap_err().to_string();
+        let parse = |v| cuda::parse_in_gemm(cuda::BIAS_GRAD_ENV, v);
+        assert_eq!(parse("").unwrap(), BiasGrad::Separate);
+        assert_eq!(parse("separate").unwrap(), BiasGrad::Separate);
+        assert_eq!(parse("epilogue").unwrap(), BiasGrad::Epilogue);
+        let e = parse("gemm").unwrap_err().to_string();
         assert!(
-            e.contains("FUGU_BIAS_GRAD=gemm: expected columns or epilogue"),
+            e.contains("FUGU_BIAS_GRAD=gemm: expected separate or epilogue"),
             "{e}"
         );
     }
@@ -660,19 +661,11 @@ mod gpu {
 
     #[test]
     fn layernorm_backward_parse() {
-        assert_eq!(
-            LayernormBackward::parse("").unwrap(),
-            LayernormBackward::Split
-        );
-        assert_eq!(
-            LayernormBackward::parse("split").unwrap(),
-            LayernormBackward::Split
-        );
-        assert_eq!(
-            LayernormBackward::parse("fused").unwrap(),
-            LayernormBackward::Fused
-        );
-        let e = LayernormBackward::parse("Fused").unwrap_err().to_string();
+        let parse = |v| LayernormBackward::parse(cuda::LAYERNORM_BACKWARD_ENV, v);
+        assert_eq!(parse("").unwrap(), LayernormBackward::Split);
+        assert_eq!(parse("split").unwrap(), LayernormBackward::Split);
+        assert_eq!(parse("fused").unwrap(), LayernormBackward::Fused);
+        let e = parse("Fused").unwrap_err().to_string();
         assert!(
             e.contains("FUGU_LAYERNORM_BACKWARD=Fused: expected split or fused"),
             "{e}"
@@ -681,9 +674,10 @@ mod gpu {
 
     #[test]
     fn flash_backward_parse() {
-        assert_eq!(FlashBackward::parse("").unwrap(), FlashBackward::Split);
-        assert_eq!(FlashBackward::parse("fused").unwrap(), FlashBackward::Fused);
-        let e = FlashBackward::parse("one").unwrap_err().to_string();
+        let parse = |v| FlashBackward::parse(cuda::FLASH_BACKWARD_ENV, v);
+        assert_eq!(parse("").unwrap(), FlashBackward::Split);
+        assert_eq!(parse("fused").unwrap(), FlashBackward::Fused);
+        let e = parse("one").unwrap_err().to_string();
         assert!(
             e.contains("FUGU_FLASH_BACKWARD=one: expected split or fused"),
             "{e}"
@@ -1350,7 +1344,7 @@ mod gpu {
             (
                 cuda::BIAS_GRAD_ENV,
                 "gemm",
-                "FUGU_BIAS_GRAD=gemm: expected columns or epilogue",
+                "FUGU_BIAS_GRAD=gemm: expected separate or epilogue",
             ),
             (
                 cuda::FLASH_BACKWARD_ENV,
@@ -1389,7 +1383,7 @@ mod gpu {
         };
         assert_eq!(h["kernels"][cuda::FLASH_WARP_ROWS_ENV], "16,16,16", "{h}");
         assert_eq!(h["kernels"][cuda::LAYERNORM_BACKWARD_ENV], "split", "{h}");
-        assert_eq!(h["kernels"][cuda::BIAS_GRAD_ENV], "columns", "{h}");
+        assert_eq!(h["kernels"][cuda::BIAS_GRAD_ENV], "separate", "{h}");
         assert_eq!(h["kernels"][cuda::FLASH_BACKWARD_ENV], "split", "{h}");
         for (a, b) in lc.iter().zip(&lg) {
             assert!(((a - b) / a).abs() <= 1e-4, "cpu {lc:?} gpu {lg:?}");

@@ -31,26 +31,7 @@ pub(super) fn attention_path(be: &impl Backend, hs: usize, compute: Dtype) -> Re
     })
 }
 
-/// Whether an op runs on its own or inside a GEMM's epilogue (the MLP's GELU: [`MlpGelu`]; a
-/// projection's residual add: [`Residual`]), chosen per backend and compute type when the
-/// model is built, an environment variable overriding.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum InGemm {
-    /// Its own op, timed under its own name.
-    Separate,
-    /// In a GEMM's epilogue, timed as the GEMM it is part of.
-    Epilogue,
-}
-
-impl InGemm {
-    /// The name in the run header (`"mlp_gelu"`, `"residual"`) and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            InGemm::Separate => "separate",
-            InGemm::Epilogue => "epilogue",
-        }
-    }
-}
+pub use crate::backend::InGemm;
 
 /// Where the MLP's GELU runs ([`mlp_gelu_path`]): `Separate`, its own op between the two
 /// GEMMs, forward and backward (timed as `mlp:gelu`); `Epilogue`, in the GEMMs' epilogues

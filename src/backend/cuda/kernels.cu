@@ -9,10 +9,10 @@
 //
 // Determinism: no floating-point atomics. Every reduction has a fixed shape (fixed block size,
 // fixed tree, fixed chunking of rows), so a run is bit-reproducible on the same GPU. (The one
-// atomic, in the fused attention's one-kernel backward, hands out work items; which block takes
-// an item does not change what it computes.) Statistics that the
-// CPU accumulates in f64 (layernorm mean/variance and its backward row sums, softmax and
-// cross-entropy sums of exponentials, sum of squares) are accumulated in double here too.
+// atomic, in the fused attention's one-kernel backward, hands out work items; which block
+// takes an item does not change what it computes.) Statistics that the CPU accumulates in f64
+// (layernorm mean/variance and its backward row sums, softmax and cross-entropy sums of
+// exponentials, sum of squares) are accumulated in double here too.
 //
 // Launch shapes are chosen by the host: "row" kernels use one block of ROW_THREADS threads per
 // row (a grid-stride loop over rows), "warp-row" kernels one warp per row (WARPS_PER_BLOCK
@@ -789,9 +789,10 @@ __device__ void st32(T* p, u32 w) {
     *reinterpret_cast<u32*>(p) = w;
 }
 // Waits (thread 0 of a block) until `*turn` is `want`, then orders this block's later reads
-// after the writes of the block that passed the turn (fa_pass_turn). The block owning the
-// turn has asked for its work item earlier (fa_next_item), so it is running: the wait ends
-// within a few tiles' time. Past about a second (a bug) the kernel traps: an error, not a hang.
+// after the writes of the block that passed the turn (fa_add_dq_share). The block owning the
+// turn took its work item earlier (fa_next_item), so it is running: the wait ends within a
+// few tiles' time. Past 2^31 cycles (about a second; a bug) the kernel traps: an error, not a
+// hang.
 __device__ void fa_wait_turn(const int* turn, int want) {
     long long start = clock64();
     while (*(const volatile int*)turn != want) {

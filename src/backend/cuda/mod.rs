@@ -32,7 +32,7 @@ mod nvrtc;
 use super::WeightLayout;
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Dtype, FusedAttention,
-    Span, TokSpan,
+    InGemm, Span, TokSpan,
 };
 use crate::ops::attention::Heads;
 use anyhow::{Context, Result};
@@ -121,34 +121,37 @@ impl FlashWarpRows {
 /// ([`LayernormBackward`]).
 pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
 
-/// The form of the layernorm backward kernels ([`LAYERNORM_BACKWARD_ENV`]). Both give the same
-/// numbers up to the order of the row and column sums.
+/// A kernel setting's two forms: the work in more kernels or passes (the default, measured)
+/// or fused into fewer (unmeasured, for A/B runs on a GPU). For each op: [`LayernormBackward`],
+/// [`FlashBackward`]. Both forms compute the same values up to the order of f32 sums.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum LayernormBackward {
-    /// `layernorm_backward_dinp`, then `column_partials` and `column_finish`.
+pub enum KernelForm {
     #[default]
     Split,
-    /// `layernorm_backward` (input gradient and the column sums' first stage), then
-    /// `column_finish`; the split form where C is too wide for its shared memory
-    /// ([`LN_FUSED_SHMEM`]).
     Fused,
 }
 
-impl LayernormBackward {
+impl KernelForm {
     /// The setting's value for this form (what [`Self::parse`] reads and the run header shows).
     pub fn name(self) -> &'static str {
         match self {
-            LayernormBackward::Split => "split",
-            LayernormBackward::Fused => "fused",
+            KernelForm::Split => "split",
+            KernelForm::Fused => "fused",
         }
     }
 
-    /// [`LAYERNORM_BACKWARD_ENV`]'s value: empty (the default), `split` or `fused`.
-    pub fn parse(v: &str) -> Result<LayernormBackward> {
-        let forms = [LayernormBackward::Split, LayernormBackward::Fused];
-        parse_form(LAYERNORM_BACKWARD_ENV, v, &forms, Self::name)
+    /// The value `v` of setting `env`: empty (the default), `split` or `fused`.
+    pub fn parse(env: &str, v: &str) -> Result<KernelForm> {
+        parse_form(env, v, &[KernelForm::Split, KernelForm::Fused], Self::name)
     }
 }
+
+/// The form of the layernorm backward kernels ([`LAYERNORM_BACKWARD_ENV`]): `Split`,
+/// `layernorm_backward_dinp`, then `column_partials` and `column_finish`; `Fused`,
+/// `layernorm_backward` (input gradient and the column sums' first stage), then
+/// `column_finish` (the split form where C is too wide for its shared memory,
+/// [`LN_FUSED_SHMEM`]).
+pub type LayernormBackward = KernelForm;
 
 /// Environment variable: how the fused attention's backward pass runs, `split` (the default,
 /// measured: a kernel for dQ, then one for dK and dV, seven tensor-core products per tile) or
@@ -156,71 +159,30 @@ impl LayernormBackward {
 /// for A/B runs on a GPU) ([`FlashBackward`]).
 pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
 
-/// How the fused attention's backward pass runs ([`FLASH_BACKWARD_ENV`]). Both compute the same
-/// products of the same rounded values; dQ's f32 sums are taken in another order.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum FlashBackward {
-    /// `flash_backward_dq` (which also computes Δ = rowsum(dO ∘ O)), then `flash_backward_dkv`.
-    #[default]
-    Split,
-    /// `flash_backward_prep` (Δ), then `flash_backward_fused`: dK and dV as the dK/dV kernel,
-    /// and each tile's share of dQ from the dS it computes anyway.
-    Fused,
-}
+/// How the fused attention's backward pass runs ([`FLASH_BACKWARD_ENV`]): `Split`,
+/// `flash_backward_dq` (which also computes Δ = rowsum(dO ∘ O)), then `flash_backward_dkv`;
+/// `Fused`, `flash_backward_prep` (Δ), then `flash_backward_fused`: dK and dV as the dK/dV
+/// kernel computes them, and each tile's share of dQ from the dS it computes anyway (dQ's f32
+/// shares added in another order).
+pub type FlashBackward = KernelForm;
 
-impl FlashBackward {
-    /// The setting's value for this form (what [`Self::parse`] reads and the run header shows).
-    pub fn name(self) -> &'static str {
-        match self {
-            FlashBackward::Split => "split",
-            FlashBackward::Fused => "fused",
-        }
-    }
-
-    /// [`FLASH_BACKWARD_ENV`]'s value: empty (the default), `split` or `fused`.
-    pub fn parse(v: &str) -> Result<FlashBackward> {
-        let forms = [FlashBackward::Split, FlashBackward::Fused];
-        parse_form(FLASH_BACKWARD_ENV, v, &forms, Self::name)
-    }
-}
-
-/// Environment variable: how a linear layer's bias gradient is computed, `columns` (the
+/// Environment variable: how a linear layer's bias gradient is computed, `separate` (the
 /// default, measured: column-sum kernels reading the output gradient again after the
 /// weight-gradient GEMM) or `epilogue` (by that GEMM, from the output gradient it reads
 /// anyway; unmeasured, for A/B runs on a GPU) ([`BiasGrad`]).
 pub const BIAS_GRAD_ENV: &str = "FUGU_BIAS_GRAD";
 
-/// How a linear layer's bias gradient is computed ([`BIAS_GRAD_ENV`]). Both give the sums of
-/// the same values in f32, in different orders.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum BiasGrad {
-    /// `column_partials` and `column_finish` over the output gradient.
-    #[default]
-    Columns,
-    /// The weight-gradient GEMM's epilogue (cuBLASLt's `BGRADA`/`BGRADB`,
-    /// [`Epilogue::BiasGrad`]) into a scratch vector, added to the gradient; the column sums
-    /// where the engine has no such epilogue for the shape.
-    Epilogue,
-}
+/// How a linear layer's bias gradient is computed ([`BIAS_GRAD_ENV`]): `Separate`,
+/// `column_partials` and `column_finish` over the output gradient; `Epilogue`, the
+/// weight-gradient GEMM's epilogue (cuBLASLt's `BGRADA`/`BGRADB`, [`Epilogue::BiasGrad`]) into
+/// a scratch vector, added to the gradient (the column sums where the engine has no such
+/// epilogue for the shape). Both sum the same values in f32, in different orders.
+pub type BiasGrad = InGemm;
 
-impl BiasGrad {
-    /// The setting's value for this form (what [`Self::parse`] reads and the run header shows).
-    pub fn name(self) -> &'static str {
-        match self {
-            BiasGrad::Columns => "columns",
-            BiasGrad::Epilogue => "epilogue",
-        }
-    }
-
-    /// [`BIAS_GRAD_ENV`]'s value: empty (the default), `columns` or `epilogue`.
-    pub fn parse(v: &str) -> Result<BiasGrad> {
-        parse_form(
-            BIAS_GRAD_ENV,
-            v,
-            &[BiasGrad::Columns, BiasGrad::Epilogue],
-            Self::name,
-        )
-    }
+/// The value `v` of setting `env` that says whether an op runs in a GEMM's epilogue: empty
+/// (the default: separate), `separate` or `epilogue`.
+pub fn parse_in_gemm(env: &str, v: &str) -> Result<InGemm> {
+    parse_form(env, v, &[InGemm::Separate, InGemm::Epilogue], InGemm::name)
 }
 
 /// `v`, the value of kernel setting `env`, as the one of `forms` that `name` calls so (empty:
@@ -449,10 +411,11 @@ impl CudaBackend {
     /// setting does not take is an error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let var = |name| std::env::var(name).unwrap_or_default();
+        let form = |env| KernelForm::parse(env, &var(env));
         self.set_flash_warp_rows(FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?);
-        self.set_flash_backward(FlashBackward::parse(&var(FLASH_BACKWARD_ENV))?);
-        self.set_layernorm_backward(LayernormBackward::parse(&var(LAYERNORM_BACKWARD_ENV))?);
-        self.set_bias_grad(BiasGrad::parse(&var(BIAS_GRAD_ENV))?);
+        self.set_flash_backward(form(FLASH_BACKWARD_ENV)?);
+        self.set_layernorm_backward(form(LAYERNORM_BACKWARD_ENV)?);
+        self.set_bias_grad(parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?);
         Ok(self)
     }
 
