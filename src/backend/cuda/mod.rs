@@ -661,7 +661,8 @@ impl CudaBackend {
         column_major((false, tw), (n, oc, ic), 1.0, a, b, 0.0, c, 1)
     }
 
-    /// Panics (a bug in the model) unless `bias`, where given, has `oc` values of `out`'s type.
+    /// Panics (a bug in the model) unless `bias`, where given, has `oc` values of `out`'s type
+    /// (or a bias gradient, of the weight gradient's).
     fn check_bias(&self, what: &str, bias: Option<Span>, out: Span, oc: usize) {
         if let Some(b) = bias {
             assert!(
@@ -738,13 +739,7 @@ impl CudaBackend {
         let Some(dbias) = dbias else {
             return self.queue_gemm("linear_backward", &call);
         };
-        assert!(
-            dbias.len == oc && self.dt(dbias) == self.dt(dw),
-            "linear_backward: dbias of {} {:?} values for {oc} outputs of {:?}",
-            dbias.len,
-            self.dt(dbias),
-            self.dt(dw)
-        );
+        self.check_bias("linear_backward", Some(dbias), dw, oc);
         if self.bias_grad == BiasGrad::Epilogue {
             // The bias gradient (the sums of dout over its rows) into a scratch vector by the
             // GEMM, which reads dout as cuBLAS's A (its rows the output features) for InOut and
