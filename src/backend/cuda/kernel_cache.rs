@@ -7,8 +7,15 @@
 //! the architecture and NVRTC's version), so a changed source or compiler is a miss, never a
 //! stale hit. The file's first line holds the SHA-256 of the cubin after it: a damaged file
 //! is compiled again and replaced. Files are written atomically (temporary name, fsync,
-//! rename); ranks of one job that start together may each compile, and one that finds the
-//! file stored meanwhile does not write it again.
+//! rename).
+//!
+//! Ranks of one job start together and share the cache directory (a shared home): the first to
+//! find the file missing takes a lock file beside it (`<file>.lock`, created exclusively),
+//! compiles and stores; the others wait for the file instead of each compiling (seconds of a
+//! core each) and each writing the same 1-2 MB to a shared file system. A waiter compiles
+//! after all when the lock goes without a file appearing (the holder failed) or after
+//! [`LockTiming::wait`]; a lock older than [`LockTiming::stale`] (left by a killed process) is
+//! taken over.
 //!
 //! Where: `FUGU_KERNEL_CACHE` (a directory; `off` disables), else
 //! `$XDG_CACHE_HOME/fugu/kernels`, else `$HOME/.cache/fugu/kernels`. A cache that cannot be
@@ -19,6 +26,7 @@ use anyhow::Result;
 use fugu_io::manifest::hex;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 /// Environment variable: the kernel cache's directory, or `off`.
 pub const KERNEL_CACHE_ENV: &str = "FUGU_KERNEL_CACHE";
@@ -33,6 +41,32 @@ pub enum Compiled {
     Now,
     /// A cache file.
     Cached,
+    /// A cache file that another process (holding the lock) compiled and stored while this
+    /// one waited.
+    Waited,
+}
+
+/// How long a process waits for another's compile, and when a lock is left over.
+#[derive(Clone, Copy, Debug)]
+pub struct LockTiming {
+    /// Longest wait for the lock holder's file before compiling after all.
+    pub wait: Duration,
+    /// Age past which a lock file is taken to be left by a process that died.
+    pub stale: Duration,
+    /// How often a waiter looks for the file.
+    pub poll: Duration,
+}
+
+impl Default for LockTiming {
+    /// A compile takes seconds to a minute (a slow or busy node): wait 3 minutes, take over a
+    /// lock of 10.
+    fn default() -> Self {
+        LockTiming {
+            wait: Duration::from_secs(180),
+            stale: Duration::from_secs(600),
+            poll: Duration::from_millis(250),
+        }
+    }
 }
 
 /// The kernel cache's directory as the environment says ([`KERNEL_CACHE_ENV`]), `None` when
@@ -74,38 +108,250 @@ fn read_whole(file: &Path) -> Option<Vec<u8>> {
 /// `kernels.cu` as machine code for compute capability `major.minor` ([`kernels_cubin`]):
 /// from the cache in `dir` when it holds a whole file for this source, architecture and
 /// NVRTC, else compiled by NVRTC (and stored there; a note on stderr says so, and whether
-/// storing failed). `dir: None` compiles every time. Call only when NVRTC is available.
+/// storing failed), or waited for where another process is compiling it. `dir: None` compiles
+/// every time. Call only when NVRTC is available.
 pub fn kernels(dir: Option<&Path>, major: i32, minor: i32) -> Result<(Vec<u8>, Compiled)> {
     let Some(dir) = dir else {
         return Ok((kernels_cubin(major, minor)?, Compiled::Now));
     };
     let file = cache_file(dir, major, minor)?;
-    if let Some(cubin) = read_whole(&file) {
+    cached_or_compiled(&file, LockTiming::default(), || {
+        eprintln!(
+            "note: compiling the CUDA kernels for sm_{major}{minor} with NVRTC (seconds; kept \
+             in {} for the next runs)",
+            dir.display()
+        );
+        kernels_cubin(major, minor)
+    })
+}
+
+/// The cubin in cache file `file` when it is whole; else, where another process holds the
+/// file's lock, the file it stores (waiting as `timing` says); else `compile`'s, stored in
+/// `file` (under the lock, unless the wait ran out or the holder failed).
+pub fn cached_or_compiled(
+    file: &Path,
+    timing: LockTiming,
+    compile: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<(Vec<u8>, Compiled)> {
+    if let Some(cubin) = read_whole(file) {
         return Ok((cubin, Compiled::Cached));
     }
-    eprintln!(
-        "note: compiling the CUDA kernels for sm_{major}{minor} with NVRTC (seconds; kept in {} \
-         for the next runs)",
-        dir.display()
-    );
-    let cubin = kernels_cubin(major, minor)?;
-    if read_whole(&file).is_some() {
-        // Another process (a rank of the same job) stored it while this one compiled.
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let _ = std::fs::create_dir_all(dir);
+    let lock = Lock::take(file, timing.stale);
+    if lock.is_none() {
+        if let Some(cubin) = wait_for(file, timing) {
+            return Ok((cubin, Compiled::Waited));
+        }
+    }
+    let cubin = compile()?;
+    if read_whole(file).is_some() {
+        // Another process stored it while this one compiled (this one waited and gave up).
         return Ok((cubin, Compiled::Now));
     }
-    let mut body = HEADER.to_vec();
-    body.extend_from_slice(hex(&Sha256::digest(&cubin)).as_bytes());
-    body.push(b'\n');
-    body.extend_from_slice(&cubin);
-    let stored = std::fs::create_dir_all(dir)
-        .map_err(anyhow::Error::from)
-        .and_then(|()| crate::checkpoint::atomic::write_bytes(&file, &body));
-    if let Err(e) = stored {
+    if let Err(e) = store(file, &cubin) {
         eprintln!(
             "note: could not keep the compiled kernels in {}: {e:#} (the next run compiles \
              them again; {KERNEL_CACHE_ENV}=DIR puts the cache elsewhere)",
             file.display()
         );
     }
+    drop(lock);
     Ok((cubin, Compiled::Now))
+}
+
+/// Writes `cubin` to cache file `file` atomically, after its header line.
+fn store(file: &Path, cubin: &[u8]) -> Result<()> {
+    let mut body = HEADER.to_vec();
+    body.extend_from_slice(hex(&Sha256::digest(cubin)).as_bytes());
+    body.push(b'\n');
+    body.extend_from_slice(cubin);
+    crate::checkpoint::atomic::write_bytes(file, &body)
+}
+
+/// The lock file of cache file `file`, held by this process while it compiles (removed on
+/// drop).
+struct Lock(PathBuf);
+
+impl Lock {
+    /// The lock, or `None` where another process holds it. A lock older than `stale` is
+    /// removed and taken; one that cannot be created for another reason (a read-only cache)
+    /// is not needed: this process compiles, and its store fails with a note.
+    fn take(file: &Path, stale: Duration) -> Option<Lock> {
+        let path = lock_path(file);
+        for _ in 0..2 {
+            match std::fs::File::create_new(&path) {
+                Ok(_) => return Some(Lock(path)),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let age = std::fs::metadata(&path)
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|t| t.elapsed().ok());
+                    if age.is_none_or(|a| a < stale) {
+                        return None;
+                    }
+                    eprintln!(
+                        "note: taking over {} (older than {} s: left by a process that \
+                         stopped)",
+                        path.display(),
+                        stale.as_secs()
+                    );
+                    let _ = std::fs::remove_file(&path);
+                }
+                Err(_) => return Some(Lock(PathBuf::new())),
+            }
+        }
+        None
+    }
+}
+
+impl Drop for Lock {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+fn lock_path(file: &Path) -> PathBuf {
+    let mut name = file.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Waits for the holder of `file`'s lock to store it: the cubin once the file is whole;
+/// `None` when the lock goes without a whole file (the holder failed) or the wait runs out.
+fn wait_for(file: &Path, timing: LockTiming) -> Option<Vec<u8>> {
+    eprintln!(
+        "note: waiting for another process compiling the CUDA kernels ({} exists; up to {} s)",
+        lock_path(file).display(),
+        timing.wait.as_secs()
+    );
+    let start = Instant::now();
+    loop {
+        if let Some(cubin) = read_whole(file) {
+            return Some(cubin);
+        }
+        if !lock_path(file).exists() {
+            // Stored just before the lock went, or never.
+            return read_whole(file);
+        }
+        if start.elapsed() >= timing.wait {
+            eprintln!("note: gave up waiting; compiling the kernels in this process");
+            return None;
+        }
+        std::thread::sleep(timing.poll);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A fresh cache directory and the file of its kernels.
+    fn cache(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("fugu-kcache-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join("kernels-sm90-test.cubin")
+    }
+
+    const FAST: LockTiming = LockTiming {
+        wait: Duration::from_secs(20),
+        stale: Duration::from_secs(600),
+        poll: Duration::from_millis(10),
+    };
+
+    /// A compile that counts its calls and returns `bytes`.
+    fn compiler<'a>(
+        calls: &'a AtomicUsize,
+        bytes: &'a [u8],
+    ) -> impl FnOnce() -> Result<Vec<u8>> + 'a {
+        move || {
+            calls.fetch_add(1, Ordering::Relaxed);
+            Ok(bytes.to_vec())
+        }
+    }
+
+    #[test]
+    fn a_miss_compiles_and_stores_then_hits_and_leaves_no_lock() {
+        let file = cache("miss");
+        let calls = AtomicUsize::new(0);
+        let got = cached_or_compiled(&file, FAST, compiler(&calls, b"cubin")).unwrap();
+        assert_eq!(got, (b"cubin".to_vec(), Compiled::Now));
+        assert!(!lock_path(&file).exists());
+        let got = cached_or_compiled(&file, FAST, compiler(&calls, b"other")).unwrap();
+        assert_eq!(got, (b"cubin".to_vec(), Compiled::Cached));
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+    }
+
+    /// Where another process holds the lock, the file it stores is used: nothing compiled.
+    #[test]
+    fn a_held_lock_is_waited_for() {
+        let file = cache("held");
+        std::fs::File::create(lock_path(&file)).unwrap();
+        let holder = {
+            let file = file.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                store(&file, b"theirs").unwrap();
+                std::fs::remove_file(lock_path(&file)).unwrap();
+            })
+        };
+        let calls = AtomicUsize::new(0);
+        let got = cached_or_compiled(&file, FAST, compiler(&calls, b"mine")).unwrap();
+        holder.join().unwrap();
+        assert_eq!(got, (b"theirs".to_vec(), Compiled::Waited));
+        assert_eq!(calls.load(Ordering::Relaxed), 0);
+    }
+
+    /// A holder that goes without storing, a wait that runs out: this process compiles (and,
+    /// holding no lock, leaves the other's in place).
+    #[test]
+    fn a_failed_or_slow_holder_means_compiling_here() {
+        let file = cache("failed");
+        std::fs::File::create(lock_path(&file)).unwrap();
+        let holder = {
+            let file = file.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                std::fs::remove_file(lock_path(&file)).unwrap();
+            })
+        };
+        let calls = AtomicUsize::new(0);
+        let got = cached_or_compiled(&file, FAST, compiler(&calls, b"mine")).unwrap();
+        holder.join().unwrap();
+        assert_eq!(got, (b"mine".to_vec(), Compiled::Now));
+        assert_eq!(read_whole(&file), Some(b"mine".to_vec()));
+
+        let file = cache("slow");
+        std::fs::File::create(lock_path(&file)).unwrap();
+        let short = LockTiming {
+            wait: Duration::from_millis(100),
+            ..FAST
+        };
+        let got = cached_or_compiled(&file, short, compiler(&calls, b"mine")).unwrap();
+        assert_eq!(got, (b"mine".to_vec(), Compiled::Now));
+        assert!(
+            lock_path(&file).exists(),
+            "the holder's lock is the holder's"
+        );
+        assert_eq!(calls.load(Ordering::Relaxed), 2);
+    }
+
+    /// A lock older than `stale` is taken over at once (and removed when done).
+    #[test]
+    fn a_stale_lock_is_taken_over() {
+        let file = cache("stale");
+        let lock = std::fs::File::create(lock_path(&file)).unwrap();
+        let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+        lock.set_modified(old).unwrap();
+        let calls = AtomicUsize::new(0);
+        let start = Instant::now();
+        let got = cached_or_compiled(&file, FAST, compiler(&calls, b"mine")).unwrap();
+        assert_eq!(got, (b"mine".to_vec(), Compiled::Now));
+        assert!(start.elapsed() < FAST.wait, "waited for a stale lock");
+        assert!(!lock_path(&file).exists());
+    }
 }
