@@ -157,4 +157,17 @@ grep -E "^  [a-z_0-9]+|Duration|DRAM Throughput|Compute \(SM\) Throughput" "$OUT
 
 stage "summary (median ms/step of $STEPS steps; config BxT ms/step tokens/s TFLOP/s MFU non-GEMM)"
 tee -a "$LOG" < "$ROWS"
+say ""
+say "mean of the rounds per build and setting, against HEAD's:"
+# A row: LABEL (ending in " rN" for a round), then the benchmark's "gpt2-124m BxT ms/step ...".
+awk '
+    { i = index($0, "gpt2-124m "); if (!i) next
+      label = substr($0, 1, i - 1); sub(/ +$/, "", label); sub(/ r[0-9]+$/, "", label)
+      split(substr($0, i), f, " "); ms[label] += f[3]; n[label]++
+      if (!(label in ms_seen)) { ms_seen[label] = 1; order[++k] = label } }
+    END { base = ("head" in ms) ? ms["head"] / n["head"] : 0
+      for (j = 1; j <= k; j++) {
+          l = order[j]; m = ms[l] / n[l]
+          d = base ? sprintf("  %+6.1f%% vs head", (m / base - 1) * 100) : ""
+          printf "%-44s %8.2f ms/step (%d runs)%s\n", l, m, n[l], d } }' "$ROWS" | tee -a "$LOG"
 say "log: $LOG; $SECONDS s"
