@@ -17,7 +17,7 @@
 
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -200,7 +200,11 @@ impl Team {
             s.epoch.store(e, SeqCst);
         }
         // A worker counts itself in `parked` before its last look at `epoch` (both SeqCst), so
-        // either it sees the new epoch or this load sees it parked.
+        // either it sees the new epoch or this load sees it parked. The fence keeps the epoch's
+        // store before this load where SeqCst accesses alone do not: QEMU's user-mode AArch64
+        // on an x86 host lets the load pass the store-release (a lost wake-up: every thread
+        // parked, seen as a hung test under QEMU); on hardware it costs one barrier per job.
+        fence(SeqCst);
         if s.parked.load(SeqCst) > 0 {
             let _g = lock(&s.park);
             s.wake.notify_all();
@@ -214,6 +218,9 @@ impl Team {
         if !spin_until(SPIN, all_done) {
             let mut g = lock(&s.done);
             s.caller_parked.store(true, SeqCst);
+            // The same store-then-load as in `start`, against a worker's decrement of
+            // `remaining` and its look at `caller_parked`.
+            fence(SeqCst);
             while !all_done() {
                 g = s.done_cv.wait(g).unwrap_or_else(|e| e.into_inner());
             }
