@@ -2074,7 +2074,8 @@ impl CudaBackend {
         qkv: Span,
         d: AttnDims,
     ) {
-        let tiles = d.b * d.nh * d.t.div_ceil(FLASH_ROWS);
+        // One query block (and one work item) per tile of the grid.
+        let tiles = Self::flash_grid(d) as usize;
         // The kernel's item counter and turns are ints.
         assert!(
             tiles < i32::MAX as usize,
@@ -2111,8 +2112,7 @@ impl CudaBackend {
             K::flash_backward_fused,
             K::flash_backward_fused_wide,
         );
-        let grid = Self::flash_grid(d);
-        self.launch(k, dt, grid, threads, FLASH_FUSED_SHMEM, &args);
+        self.launch(k, dt, tiles as u64, threads, FLASH_FUSED_SHMEM, &args);
     }
 
     /// One block per (64-row block, sequence, head); [`Self::launch`] caps the grid at the
