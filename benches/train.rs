@@ -6,7 +6,9 @@
 //! median step time, tokens/s, model TFLOP/s (Megatron formula) and MFU against the device's
 //! peak for the run's precision (the CPU's as `fugu bench gemm` measures it; on a GPU the
 //! FP32 CUDA-core peak, or the tensor-core peak with `--tf32` or bf16/fp16), plus the
-//! share of non-GEMM ops in the per-op breakdown (`--breakdown` prints the whole table). Timers
+//! share of non-GEMM ops in the per-op breakdown (`--breakdown` prints the whole table, each
+//! op's GFLOP/s and GB/s beside its time, from the work the model declares for it:
+//! `model/work.rs`; on a GPU the device's memory peak is printed above it). Timers
 //! are fine-grained by default (on a GPU, CUDA events around every op, read after each step;
 //! `--timers coarse` for throughput comparisons). The comparison (PyTorch) is not measured
 //! here: run `dev/bench_pytorch.py` (with `--device cuda` on a GPU) side by side.
@@ -157,6 +159,9 @@ fn time_steps<B: Backend>(
     let device = be.describe();
     let dtype = precision.compute_dtype();
     let peak = be.peak_gflops(dtype);
+    if let Some((gbs, source)) = be.peak_gbs() {
+        println!("device memory: {gbs:.0} GB/s ({source})");
+    }
     let mut model = Gpt2::new(cfg, TpRank::SERIAL, dtype, be)?;
     model.load_params(params)?;
     model.set_recompute(recompute);
@@ -206,6 +211,7 @@ fn time_steps<B: Backend>(
                 step: step as u64 + 1,
             },
             norm,
+            &timers,
         );
         drop(optimizer);
         model.be.sync();

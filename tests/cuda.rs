@@ -1170,6 +1170,7 @@ mod gpu {
                 step,
             },
             norm,
+            timers,
         );
         loss
     }

@@ -242,6 +242,7 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
                 step: s as u64 + 1,
             },
             norm,
+            &timers,
         );
     }
     let params = m.download(m.params);

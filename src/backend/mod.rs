@@ -195,6 +195,11 @@ pub trait Backend {
     fn peak_gflops(&self, _compute: Dtype) -> Option<(f64, String)> {
         None
     }
+    /// The device's peak memory bandwidth in GB/s and where it comes from, beside the
+    /// breakdown's per-op GB/s; `None` for the host CPU.
+    fn peak_gbs(&self) -> Option<(f64, String)> {
+        None
+    }
     /// Bytes this backend can still allocate, if known (checked before large allocations so
     /// that an impossible batch is refused up front).
     fn free_memory(&self) -> Option<u64> {

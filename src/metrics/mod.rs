@@ -15,4 +15,4 @@ pub use flops::megatron_flops_per_step;
 pub use jsonl::{read_metrics, EvalRecord, MetricsWriter, Record, StepRecord};
 pub use machine::MachineInfo;
 pub use progress::{stderr_is_tty, Progress, StepLine};
-pub use timers::{names, Breakdown, BreakdownRow, TimerGuard, TimerLevel, Timers};
+pub use timers::{names, Breakdown, BreakdownRow, TimerGuard, TimerLevel, Timers, Work};

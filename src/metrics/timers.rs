@@ -16,6 +16,10 @@
 //! (CUDA events), with no synchronisation, so the work keeps overlapping the host as it does
 //! untimed; [`Timers::take_step`] waits for the marks and records each scope's time on the
 //! device's timeline. At `Coarse`, scopes read the host clock (what the host waited for).
+//!
+//! Work: a scope may say what its op computes and moves ([`TimerGuard::with_work`], a
+//! [`Work`]), declared where the op is called; the breakdown divides it by the scope's time
+//! and prints the op's rates (GFLOP/s, GB/s) beside its time.
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -113,6 +117,8 @@ pub mod names {
 
     pub const OPTIMIZER: &str = "optimizer";
     pub const OPTIMIZER_CLIP: &str = "optimizer:clip";
+    /// The AdamW update and the refresh of the 16-bit compute copy of the weights.
+    pub const OPTIMIZER_ADAMW: &str = "optimizer:adamw";
 
     /// Every name above.
     pub const ALL: &[&str] = &[
@@ -150,7 +156,37 @@ pub mod names {
         BACKWARD_ALLREDUCE,
         OPTIMIZER,
         OPTIMIZER_CLIP,
+        OPTIMIZER_ADAMW,
     ];
+}
+
+/// What an op computes and moves, for the breakdown's rates: `flops`, its floating-point
+/// operations (a multiply-add is two; 0 for ops whose cost is their memory traffic), and
+/// `bytes`, its compulsory traffic: every tensor it takes read once and every tensor it makes
+/// written once, at their storage types, one it adds into both read and written. What its
+/// kernels actually move may be more (a second pass over an input) or less (a tensor still in
+/// cache), so the GB/s of an op is against what it could not avoid moving.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Work {
+    pub flops: f64,
+    pub bytes: f64,
+}
+
+impl std::ops::AddAssign for Work {
+    fn add_assign(&mut self, o: Work) {
+        self.flops += o.flops;
+        self.bytes += o.bytes;
+    }
+}
+
+impl std::ops::Div<f64> for Work {
+    type Output = Work;
+    fn div(self, n: f64) -> Work {
+        Work {
+            flops: self.flops / n,
+            bytes: self.bytes / n,
+        }
+    }
 }
 
 /// A mark queued on a device's timeline ([`DeviceClock::mark`]).
@@ -183,6 +219,10 @@ pub struct Timers {
     step: RefCell<BTreeMap<String, f64>>,
     /// Milliseconds per name summed over every `take_step` (since the last `reset_totals`).
     totals: RefCell<BTreeMap<String, f64>>,
+    /// The work of the scopes that said theirs ([`TimerGuard::with_work`]), per name, since
+    /// the last `take_step`, and summed as `totals` is.
+    step_work: RefCell<BTreeMap<&'static str, Work>>,
+    work_totals: RefCell<BTreeMap<String, Work>>,
     steps: Cell<u64>,
 }
 
@@ -208,15 +248,35 @@ pub struct TimerGuard<'a> {
     name: &'static str,
     /// `None` when this scope does not record.
     start: Option<Start>,
+    /// What the op timed computes and moves, when it said ([`TimerGuard::with_work`]).
+    work: Option<Work>,
 }
 
 impl TimerGuard<'_> {
     /// Stops the timer now (same as dropping the guard).
     pub fn stop(self) {}
+
+    /// Says what the op this scope times computes and moves ([`Work`]), for the breakdown's
+    /// rates: `work` runs only when the scope records, and its result is added to the name's
+    /// work for the step when the scope ends.
+    pub fn with_work(mut self, work: impl FnOnce() -> Work) -> Self {
+        if self.start.is_some() {
+            self.work = Some(work());
+        }
+        self
+    }
 }
 
 impl Drop for TimerGuard<'_> {
     fn drop(&mut self) {
+        if let Some(w) = self.work {
+            *self
+                .timers
+                .step_work
+                .borrow_mut()
+                .entry(self.name)
+                .or_default() += w;
+        }
         match self.start {
             None => {}
             Some(Start::Host(start)) => {
@@ -256,6 +316,8 @@ impl Timers {
             pending: RefCell::new(Vec::new()),
             step: RefCell::new(BTreeMap::new()),
             totals: RefCell::new(BTreeMap::new()),
+            step_work: RefCell::new(BTreeMap::new()),
+            work_totals: RefCell::new(BTreeMap::new()),
             steps: Cell::new(0),
         }
     }
@@ -302,6 +364,7 @@ impl Timers {
             timers: self,
             name,
             start,
+            work: None,
         }
     }
 
@@ -346,6 +409,10 @@ impl Timers {
         for (k, v) in &step {
             *totals.entry(k.clone()).or_insert(0.0) += v;
         }
+        let mut work = self.work_totals.borrow_mut();
+        for (k, w) in std::mem::take(&mut *self.step_work.borrow_mut()) {
+            *work.entry(k.to_owned()).or_default() += w;
+        }
         self.steps.set(self.steps.get() + 1);
         step
     }
@@ -372,10 +439,17 @@ impl Timers {
         self.totals.borrow().clone()
     }
 
+    /// Run totals of the work the scopes said ([`TimerGuard::with_work`]) per name, over the
+    /// same steps as [`Timers::totals`].
+    pub fn work_totals(&self) -> BTreeMap<String, Work> {
+        self.work_totals.borrow().clone()
+    }
+
     /// Forgets the run totals and the step count (e.g. after warm-up steps); the current step's
     /// times are kept.
     pub fn reset_totals(&self) {
         self.totals.borrow_mut().clear();
+        self.work_totals.borrow_mut().clear();
         self.steps.set(0);
     }
 
@@ -384,7 +458,9 @@ impl Timers {
     /// [`Timers::steps`] and `total_step_ms` the summed step times of the same steps. Times of
     /// the step in progress (not yet taken) are not included.
     pub fn breakdown(&self, total_step_ms: f64, steps: u64) -> Breakdown {
-        Breakdown::from_totals(&self.totals.borrow(), total_step_ms, steps)
+        let mut b = Breakdown::from_totals(&self.totals.borrow(), total_step_ms, steps);
+        b.set_work(&self.work_totals.borrow());
+        b
     }
 }
 
@@ -405,12 +481,30 @@ pub struct BreakdownRow {
     /// With several ranks: the smallest and largest per-rank ms/step of this timer
     /// ([`Breakdown::set_rank_spread`]); `ms_per_step` is then the mean over ranks.
     pub min_max: Option<(f64, f64)>,
+    /// The op's work per step, when its scope said it ([`Breakdown::set_work`]).
+    pub work: Option<Work>,
 }
 
 impl BreakdownRow {
     /// The last component of the name (what the table prints, indented by depth).
     pub fn label(&self) -> &str {
         self.name.rsplit(':').next().unwrap_or(&self.name)
+    }
+
+    /// GFLOP/s: the op's floating-point operations over its time (`None` without work,
+    /// FLOPs or time).
+    pub fn gflops(&self) -> Option<f64> {
+        self.rate(|w| w.flops)
+    }
+
+    /// GB/s: the op's compulsory traffic over its time (`None` without work or time).
+    pub fn gbs(&self) -> Option<f64> {
+        self.rate(|w| w.bytes)
+    }
+
+    fn rate(&self, of: impl Fn(&Work) -> f64) -> Option<f64> {
+        let x = self.work.as_ref().map(of)?;
+        (x > 0.0 && self.ms_per_step > 0.0).then(|| x / (self.ms_per_step * 1e6))
     }
 }
 
@@ -492,6 +586,7 @@ impl<'a> Tree<'a, '_> {
                 depth,
                 timed: self.timed.contains_key(k),
                 min_max: None,
+                work: None,
             });
             self.visit(Some(k), self.timed.get(k).copied(), depth + 1, rows);
         }
@@ -507,6 +602,7 @@ impl<'a> Tree<'a, '_> {
                 depth,
                 timed: false,
                 min_max: None,
+                work: None,
             });
         }
     }
@@ -605,8 +701,20 @@ impl Breakdown {
         }
     }
 
+    /// Adds each timed row's work per step from run totals over `steps` steps of the work
+    /// its scope said ([`Timers::work_totals`]); rows whose scope said none keep `None`.
+    pub fn set_work(&mut self, work_totals: &BTreeMap<String, Work>) {
+        let n = self.steps.max(1) as f64;
+        for r in &mut self.rows {
+            if let Some(&w) = work_totals.get(&r.name) {
+                r.work = Some(w / n);
+            }
+        }
+    }
+
     /// An aligned text table: name indented by depth, ms/step and % of the step (and the
-    /// min/max over ranks when known), then the step total and the GEMM / non-GEMM summary.
+    /// min/max over ranks when known; GFLOP/s and GB/s where an op said its work), then the
+    /// step total and the GEMM / non-GEMM summary.
     pub fn to_table(&self) -> String {
         let label = |r: &BreakdownRow| format!("{}{}", "  ".repeat(r.depth), r.label());
         let width = self
@@ -623,14 +731,20 @@ impl Breakdown {
             self.step_ms
         );
         let spread = self.rows.iter().any(|r| r.min_max.is_some());
+        let rates = self.rows.iter().any(|r| r.work.is_some());
+        let mut head = format!("{:<width$} {:>10} {:>7}", "op", "ms/step", "%");
         if spread {
-            s.push_str(&format!(
-                "{:<width$} {:>10} {:>7} {:>10} {:>10}\n",
-                "op", "ms/step", "%", "min rank", "max rank"
-            ));
-        } else {
-            s.push_str(&format!("{:<width$} {:>10} {:>7}\n", "op", "ms/step", "%"));
+            head.push_str(&format!(" {:>10} {:>10}", "min rank", "max rank"));
         }
+        if rates {
+            head.push_str(&format!(" {:>10} {:>8}", "GFLOP/s", "GB/s"));
+        }
+        s.push_str(head.trim_end());
+        s.push('\n');
+        let cell = |x: Option<f64>, w: usize, prec: usize| match x {
+            Some(x) => format!(" {x:>w$.prec$}"),
+            None => format!(" {:>w$}", ""),
+        };
         for r in &self.rows {
             let mut line = format!(
                 "{:<width$} {:>10.2} {:>6.1}%",
@@ -638,11 +752,16 @@ impl Breakdown {
                 r.ms_per_step,
                 r.pct_of_step
             );
-            if let Some((lo, hi)) = r.min_max {
-                line.push_str(&format!(" {lo:>10.2} {hi:>10.2}"));
+            if spread {
+                line.push_str(&cell(r.min_max.map(|m| m.0), 10, 2));
+                line.push_str(&cell(r.min_max.map(|m| m.1), 10, 2));
             }
-            line.push('\n');
-            s.push_str(&line);
+            if rates {
+                line.push_str(&cell(r.gflops(), 10, 1));
+                line.push_str(&cell(r.gbs(), 8, 1));
+            }
+            s.push_str(line.trim_end());
+            s.push('\n');
         }
         s.push_str(&format!(
             "{:<width$} {:>10.2} {:>6.1}%\n",
@@ -673,7 +792,9 @@ impl Breakdown {
     /// `{"steps", "step_ms", "gemm_pct", "non_gemm_pct", "outside_step": {name: {"count",
     /// "total_ms"}}, "ops": [{"name", "ms_per_step", "pct",
     /// "depth", "timed"}]}`, each op with `"min_ms_per_step"` and `"max_ms_per_step"` (over
-    /// ranks) when known. Non-finite numbers become `null`.
+    /// ranks) when known, and `"gflop_per_step"`, `"gbyte_per_step"` (its [`Work`]) with the
+    /// rates `"gflops"`, `"gbs"` where its scope said its work. Non-finite numbers become
+    /// `null`.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "steps": self.steps,
@@ -692,6 +813,12 @@ impl Breakdown {
                 if let Some((lo, hi)) = r.min_max {
                     o["min_ms_per_step"] = lo.into();
                     o["max_ms_per_step"] = hi.into();
+                }
+                if let Some(w) = r.work {
+                    o["gflop_per_step"] = (w.flops / 1e9).into();
+                    o["gbyte_per_step"] = (w.bytes / 1e9).into();
+                    o["gflops"] = r.gflops().into();
+                    o["gbs"] = r.gbs().into();
                 }
                 o
             }).collect::<Vec<_>>(),
@@ -952,6 +1079,70 @@ mod tests {
         assert!(e.rows.is_empty());
         assert_eq!(e.step_ms, 0.0);
         assert!(e.to_table().contains("step"));
+    }
+
+    #[test]
+    fn scopes_work_becomes_rates_in_the_table_and_json() {
+        let clock = TickClock::default();
+        let t = Timers::new(TimerLevel::Fine);
+        t.set_device_clock(Box::new(clock.clone()));
+        let work = Work {
+            flops: 2e9,
+            bytes: 1e9,
+        };
+        // A warm-up step, forgotten with its work.
+        drop(
+            t.scope(FORWARD_ATTENTION_QKV, TimerLevel::Fine)
+                .with_work(|| work),
+        );
+        t.take_step();
+        t.reset_totals();
+        assert!(t.work_totals().is_empty());
+        for _ in 0..2 {
+            // Each scope 1 ms on the tick clock; the work of both adds up.
+            drop(
+                t.scope(FORWARD_ATTENTION_QKV, TimerLevel::Fine)
+                    .with_work(|| work),
+            );
+            drop(t.scope(FORWARD_LAYERNORM, TimerLevel::Fine));
+            // Not recording: the work is not even computed.
+            let _p = t.pause();
+            drop(
+                t.scope(FORWARD_MLP_MM, TimerLevel::Fine)
+                    .with_work(|| unreachable!()),
+            );
+        }
+        t.take_step();
+        assert_eq!(t.work_totals()[FORWARD_ATTENTION_QKV], work / 0.5);
+        let b = t.breakdown(10.0, 1);
+        let qkv = b
+            .rows
+            .iter()
+            .find(|r| r.name == FORWARD_ATTENTION_QKV)
+            .unwrap();
+        assert_eq!(qkv.ms_per_step, 2.0);
+        assert_eq!((qkv.gflops(), qkv.gbs()), (Some(2000.0), Some(1000.0)));
+        let ln = b.rows.iter().find(|r| r.name == FORWARD_LAYERNORM).unwrap();
+        assert_eq!((ln.work, ln.gflops()), (None, None));
+        let table = b.to_table();
+        assert!(table.contains("GFLOP/s     GB/s"), "{table}");
+        let row = table.lines().find(|l| l.contains("qkv")).unwrap();
+        assert!(row.ends_with("2000.0   1000.0"), "{table}");
+        let v = b.to_json();
+        let op = |name: &str| {
+            v["ops"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|o| o["name"] == name)
+                .cloned()
+        };
+        let qkv = op(FORWARD_ATTENTION_QKV).unwrap();
+        assert_eq!(
+            (qkv["gflops"].as_f64(), qkv["gbyte_per_step"].as_f64()),
+            (Some(2000.0), Some(2.0))
+        );
+        assert!(op(FORWARD_LAYERNORM).unwrap().get("gflops").is_none());
     }
 
     #[test]

@@ -31,11 +31,12 @@ use super::params::{LayerParams, ParamSpans};
 use super::paths::{attention_path, mlp_gelu_path, residual_path, MlpGelu, Residual};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
+use super::work;
 use crate::backend::{
     AdamWPart, AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout,
 };
 use crate::config::ModelConfig;
-use crate::metrics::timers::{TimerLevel, Timers};
+use crate::metrics::timers::{TimerLevel, Timers, Work};
 use crate::parallel::{Comm, ReduceOp, SerialComm};
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -608,7 +609,11 @@ impl<B: Backend> Gpt2<B> {
         };
         // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
         let loss_allreduce = "forward:loss:allreduce";
-        let _t = timers.scope("forward:loss", Fine);
+        let _t = timers.scope("forward:loss", Fine).with_work(|| {
+            let dlogits = for_backward.then_some(h.logits);
+            let written: Vec<Span> = [h.losses].into_iter().chain(dlogits).collect();
+            work::traffic(&*be, &[h.logits], &written, &[])
+        });
         be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
         be.copy(h.ce_max, h.ce_local_max);
         tp_allreduce(be, comm, timers, loss_allreduce, h.ce_max, ReduceOp::Max);
@@ -699,7 +704,16 @@ impl<B: Backend> Gpt2<B> {
         let first = self.tp.rank == 0;
         // A stage after the first finds its input in `encoded` already.
         if let Some(e) = p.embed {
-            let _t = timers.scope("forward:embedding", Fine);
+            let _t = timers.scope("forward:embedding", Fine).with_work(|| {
+                // The rows of the tokens (an upper bound: a repeated token's row is counted
+                // again) and the positions' rows.
+                let rows = Span {
+                    len: n * c,
+                    ..e.wte
+                };
+                let wpe = e.wpe.sub(0, d.t * c);
+                work::traffic(&*be, &[rows, wpe], &[a.encoded], &[])
+            });
             // TP: vocabulary-parallel embedding = partial sums, all-reduced; wpe once.
             be.encoder_forward(
                 a.encoded,
@@ -741,13 +755,22 @@ impl<B: Backend> Gpt2<B> {
             return;
         };
         {
-            let _t = timers.scope("forward:layernorm", Fine);
+            let _t = timers.scope("forward:layernorm", Fine).with_work(|| {
+                work::traffic(
+                    &*be,
+                    &[resid, hp.lnf_w, hp.lnf_b],
+                    &[h.lnf, h.lnf_mean, h.lnf_rstd],
+                    &[],
+                )
+            });
             be.layernorm_forward(
                 h.lnf, h.lnf_mean, h.lnf_rstd, resid, hp.lnf_w, hp.lnf_b, n, c,
             );
         }
         {
-            let _t = timers.scope("forward:lm-head", Fine);
+            let _t = timers.scope("forward:lm-head", Fine).with_work(|| {
+                work::linear_forward(&*be, (n, c, d.vp), &[h.lnf, hp.wte], &[h.logits])
+            });
             be.linear_forward(
                 h.logits,
                 h.lnf,
@@ -803,7 +826,10 @@ impl<B: Backend> Gpt2<B> {
         // A stage before the last finds the gradient of its output in `dres` already.
         if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
             {
-                let _t = timers.scope("backward:lm-head", Fine);
+                let _t = timers.scope("backward:lm-head", Fine).with_work(|| {
+                    let read = [h.logits, h.lnf, hp.wte];
+                    work::linear_backward(&*be, (n, c, d.vp), Some(ga.dln), hg.wte, None, &read)
+                });
                 // TP: dlnf is a partial sum over vocabulary shards, all-reduced.
                 be.linear_backward(
                     Some(ga.dln),
@@ -828,7 +854,11 @@ impl<B: Backend> Gpt2<B> {
             }
             let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
             {
-                let _t = timers.scope("backward:layernorm", Fine);
+                let _t = timers.scope("backward:layernorm", Fine).with_work(|| {
+                    // The input gradient starts as zeros here: written, not added into.
+                    let read = [ga.dln, last, hp.lnf_w, h.lnf_mean, h.lnf_rstd];
+                    work::traffic(&*be, &read, &[ga.dres], &[hg.lnf_w, hg.lnf_b])
+                });
                 be.zero(ga.dres);
                 be.layernorm_backward(
                     ga.dres, hg.lnf_w, hg.lnf_b, ga.dln, last, hp.lnf_w, h.lnf_mean, h.lnf_rstd, n,
@@ -864,7 +894,12 @@ impl<B: Backend> Gpt2<B> {
             match self.mlp_gelu {
                 MlpGelu::Separate => {
                     {
-                        let _t = timers.scope("backward:mlp:mm", Fine);
+                        let _t = timers.scope("backward:mlp:mm", Fine).with_work(|| {
+                            let (dw, db) = (lg.fcproj_w, Some(lg.fcproj_b));
+                            let read = [ga.dres, la.fch_gelu, lp.fcproj_w];
+                            let dinp = Some(ga.dfch_gelu);
+                            work::linear_backward(&*be, (n, f, c), dinp, dw, db, &read)
+                        });
                         be.linear_backward(
                             Some(ga.dfch_gelu),
                             lg.fcproj_w,
@@ -878,11 +913,17 @@ impl<B: Backend> Gpt2<B> {
                             c,
                         );
                     }
-                    let _t = timers.scope("backward:mlp:gelu", Fine);
+                    let _t = timers.scope("backward:mlp:gelu", Fine).with_work(|| {
+                        work::traffic(&*be, &[la.fch, ga.dfch_gelu], &[ga.dfch], &[])
+                    });
                     be.gelu_backward(ga.dfch, la.fch, ga.dfch_gelu);
                 }
                 MlpGelu::Epilogue => {
-                    let _t = timers.scope("backward:mlp:mm", Fine);
+                    let _t = timers.scope("backward:mlp:mm", Fine).with_work(|| {
+                        let (dw, db) = (lg.fcproj_w, Some(lg.fcproj_b));
+                        let read = [ga.dres, la.fch_gelu, la.fch, lp.fcproj_w];
+                        work::linear_backward(&*be, (n, f, c), Some(ga.dfch), dw, db, &read)
+                    });
                     be.gelu_linear_backward(
                         ga.dfch,
                         ga.dfch_gelu,
@@ -900,7 +941,11 @@ impl<B: Backend> Gpt2<B> {
                 }
             }
             {
-                let _t = timers.scope("backward:mlp:mm", Fine);
+                let _t = timers.scope("backward:mlp:mm", Fine).with_work(|| {
+                    let (dw, db) = (lg.fc_w, Some(lg.fc_b));
+                    let read = [ga.dfch, la.ln2, lp.fc_w];
+                    work::linear_backward(&*be, (n, c, f), Some(ga.dln), dw, db, &read)
+                });
                 // TP: column-parallel; dln2 all-reduced.
                 be.linear_backward(
                     Some(ga.dln),
@@ -924,7 +969,10 @@ impl<B: Backend> Gpt2<B> {
                 ReduceOp::Sum,
             );
             {
-                let _t = timers.scope("backward:layernorm", Fine);
+                let _t = timers.scope("backward:layernorm", Fine).with_work(|| {
+                    let read = [ga.dln, la.resid2, lp.ln2_w, la.ln2_mean, la.ln2_rstd];
+                    work::traffic(&*be, &read, &[], &[ga.dres, lg.ln2_w, lg.ln2_b])
+                });
                 be.layernorm_backward(
                     ga.dres,
                     lg.ln2_w,
@@ -940,7 +988,11 @@ impl<B: Backend> Gpt2<B> {
             }
             // Attention: dres is now the gradient of resid2 (= resid + attproj).
             {
-                let _t = timers.scope("backward:attention:proj", Fine);
+                let _t = timers.scope("backward:attention:proj", Fine).with_work(|| {
+                    let (dw, db) = (lg.attproj_w, Some(lg.attproj_b));
+                    let read = [ga.dres, la.atty, lp.attproj_w];
+                    work::linear_backward(&*be, (n, lc, c), Some(ga.datty), dw, db, &read)
+                });
                 be.linear_backward(
                     Some(ga.datty),
                     lg.attproj_w,
@@ -963,24 +1015,41 @@ impl<B: Backend> Gpt2<B> {
                         be.attention_scores(att, la.qkv, ad);
                         be.attention_softmax(att, ad);
                     }
+                    let (q, k, v) = work::qkv_parts(la.qkv);
+                    let (dq, dk, dv) = work::qkv_parts(ga.dqkv);
                     {
-                        let _t = timers.scope("backward:attention:bmm", Fine);
+                        let _t = timers.scope("backward:attention:bmm", Fine).with_work(|| {
+                            work::attention(&*be, ad, 2, &[ga.datty, att, v], &[datt, dv])
+                        });
                         be.attention_values_backward(datt, ga.dqkv, ga.datty, att, la.qkv, ad);
                     }
                     {
-                        let _t = timers.scope("backward:attention:softmax", Fine);
+                        let _t = timers
+                            .scope("backward:attention:softmax", Fine)
+                            .with_work(|| work::traffic(&*be, &[att], &[], &[datt]));
                         be.attention_softmax_backward(datt, att, ad);
                     }
-                    let _t = timers.scope("backward:attention:baddbmm", Fine);
+                    let _t = timers
+                        .scope("backward:attention:baddbmm", Fine)
+                        .with_work(|| work::attention(&*be, ad, 2, &[datt, q, k], &[dq, dk]));
                     be.attention_scores_backward(ga.dqkv, datt, la.qkv, ad);
                 }
                 AttnKept::LogSumExp(lse) => {
-                    let _t = timers.scope("backward:attention:fused", Fine);
+                    let _t = timers
+                        .scope("backward:attention:fused", Fine)
+                        .with_work(|| {
+                            let read = [ga.datty, la.atty, lse, la.qkv];
+                            work::attention(&*be, ad, 4, &read, &[ga.dqkv])
+                        });
                     be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
                 }
             }
             {
-                let _t = timers.scope("backward:attention:qkv", Fine);
+                let _t = timers.scope("backward:attention:qkv", Fine).with_work(|| {
+                    let (dw, db) = (lg.qkv_w, Some(lg.qkv_b));
+                    let read = [ga.dqkv, la.ln1, lp.qkv_w];
+                    work::linear_backward(&*be, (n, c, 3 * lc), Some(ga.dln), dw, db, &read)
+                });
                 // TP: column-parallel; dln1 all-reduced.
                 be.linear_backward(
                     Some(ga.dln),
@@ -1004,7 +1073,10 @@ impl<B: Backend> Gpt2<B> {
                 ReduceOp::Sum,
             );
             {
-                let _t = timers.scope("backward:layernorm", Fine);
+                let _t = timers.scope("backward:layernorm", Fine).with_work(|| {
+                    let read = [ga.dln, resid, lp.ln1_w, la.ln1_mean, la.ln1_rstd];
+                    work::traffic(&*be, &read, &[], &[ga.dres, lg.ln1_w, lg.ln1_b])
+                });
                 be.layernorm_backward(
                     ga.dres,
                     lg.ln1_w,
@@ -1021,7 +1093,16 @@ impl<B: Backend> Gpt2<B> {
             ready(be, lp.ln1_w.offset);
         }
         if let Some(e) = g.embed {
-            let _t = timers.scope("backward:embedding", Fine);
+            let _t = timers.scope("backward:embedding", Fine).with_work(|| {
+                // Added into: the rows of the tokens (an upper bound, as in the forward pass)
+                // and the positions' rows.
+                let rows = Span {
+                    len: n * c,
+                    ..e.wte
+                };
+                let wpe = e.wpe.sub(0, d.t * c);
+                work::traffic(&*be, &[ga.dres], &[], &[rows, wpe])
+            });
             be.encoder_backward(
                 e.wte,
                 Some(e.wpe),
@@ -1047,7 +1128,6 @@ impl<B: Backend> Gpt2<B> {
     /// on the first pipeline stage only, so the sum over all ranks is the squared norm of the
     /// logical model's gradient.
     pub fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
-        let _c = timers.scope("optimizer:clip", Fine);
         let mut spans = Vec::new();
         let tied = self.tied_grad();
         for spec in self.table.specs() {
@@ -1066,6 +1146,9 @@ impl<B: Backend> Gpt2<B> {
                 });
             }
         }
+        let _c = timers
+            .scope("optimizer:clip", Fine)
+            .with_work(|| work::traffic(&self.be, &spans, &[], &[]));
         // Summed in table order, as before; the loss scale divided out.
         let scale = self.loss_scale as f64;
         self.be.sum_of_squares(&spans).iter().sum::<f64>() / (scale * scale)
@@ -1076,7 +1159,7 @@ impl<B: Backend> Gpt2<B> {
     /// global gradient norm from [`Self::grad_sq_sum`] (loss scale already divided out). The
     /// gradients are multiplied by the clip factor over the loss scale, and the compute copy
     /// of every updated range is refreshed.
-    pub fn apply_optimizer(&mut self, o: &OptimStep, norm: f64) {
+    pub fn apply_optimizer(&mut self, o: &OptimStep, norm: f64, timers: &Timers) {
         self.assert_trainable();
         let mut scale = 1.0f64;
         if o.grad_clip > 0.0 {
@@ -1112,6 +1195,23 @@ impl<B: Backend> Gpt2<B> {
                 });
             }
         }
+        let _t = timers.scope("optimizer:adamw", Fine).with_work(|| {
+            let mut w = Work::default();
+            for p in &parts {
+                w += work::traffic(&self.be, &[p.grads], &[], &[p.params, p.m, p.v]);
+            }
+            if self.compute_params != self.params {
+                for o in &self.owned {
+                    let copy = Span {
+                        buf: self.compute_params,
+                        offset: o.flat.start,
+                        len: o.flat.len(),
+                    };
+                    w += work::traffic(&self.be, &[], &[copy], &[]);
+                }
+            }
+            w
+        });
         self.be.adamw(&parts, &hp);
         // The compute copy of everything this rank updated.
         for o in self.owned.clone() {
@@ -1164,7 +1264,10 @@ fn block_forward<B: Backend>(
     let (c, f, lc) = (d.c, d.f, d.local_c());
     let ad = d.attn();
     {
-        let _t = timers.scope("forward:layernorm", Fine);
+        let _t = timers.scope("forward:layernorm", Fine).with_work(|| {
+            let read = [resid, lp.ln1_w, lp.ln1_b];
+            work::traffic(&*be, &read, &[la.ln1, la.ln1_mean, la.ln1_rstd], &[])
+        });
         be.layernorm_forward(
             la.ln1,
             la.ln1_mean,
@@ -1177,7 +1280,10 @@ fn block_forward<B: Backend>(
         );
     }
     {
-        let _t = timers.scope("forward:attention:qkv", Fine);
+        let _t = timers.scope("forward:attention:qkv", Fine).with_work(|| {
+            let read = [la.ln1, lp.qkv_w, lp.qkv_b];
+            work::linear_forward(&*be, (n, c, 3 * lc), &read, &[la.qkv])
+        });
         be.linear_forward(
             la.qkv,
             la.ln1,
@@ -1192,19 +1298,28 @@ fn block_forward<B: Backend>(
     match pass {
         Pass::Batch { .. } => match la.att {
             AttnKept::Probabilities(att) => {
+                let (q, k, v) = work::qkv_parts(la.qkv);
                 {
-                    let _t = timers.scope("forward:attention:baddbmm", Fine);
+                    let _t = timers
+                        .scope("forward:attention:baddbmm", Fine)
+                        .with_work(|| work::attention(&*be, ad, 1, &[q, k], &[att]));
                     be.attention_scores(att, la.qkv, ad);
                 }
                 {
-                    let _t = timers.scope("forward:attention:softmax", Fine);
+                    let _t = timers
+                        .scope("forward:attention:softmax", Fine)
+                        .with_work(|| work::traffic(&*be, &[], &[], &[att]));
                     be.attention_softmax(att, ad);
                 }
-                let _t = timers.scope("forward:attention:bmm", Fine);
+                let _t = timers
+                    .scope("forward:attention:bmm", Fine)
+                    .with_work(|| work::attention(&*be, ad, 1, &[att, v], &[la.atty]));
                 be.attention_values(la.atty, att, la.qkv, ad);
             }
             AttnKept::LogSumExp(lse) => {
-                let _t = timers.scope("forward:attention:fused", Fine);
+                let _t = timers
+                    .scope("forward:attention:fused", Fine)
+                    .with_work(|| work::attention(&*be, ad, 2, &[la.qkv], &[la.atty, lse]));
                 be.attention_forward(la.atty, lse, la.qkv, ad);
             }
         },
@@ -1230,7 +1345,10 @@ fn block_forward<B: Backend>(
         lc,
     );
     {
-        let _t = timers.scope("forward:layernorm", Fine);
+        let _t = timers.scope("forward:layernorm", Fine).with_work(|| {
+            let read = [la.resid2, lp.ln2_w, lp.ln2_b];
+            work::traffic(&*be, &read, &[la.ln2, la.ln2_mean, la.ln2_rstd], &[])
+        });
         be.layernorm_forward(
             la.ln2,
             la.ln2_mean,
@@ -1245,7 +1363,10 @@ fn block_forward<B: Backend>(
     match bp.gelu {
         MlpGelu::Separate => {
             {
-                let _t = timers.scope("forward:mlp:mm", Fine);
+                let _t = timers.scope("forward:mlp:mm", Fine).with_work(|| {
+                    let read = [la.ln2, lp.fc_w, lp.fc_b];
+                    work::linear_forward(&*be, (n, c, f), &read, &[la.fch])
+                });
                 be.linear_forward(
                     la.fch,
                     la.ln2,
@@ -1257,11 +1378,16 @@ fn block_forward<B: Backend>(
                     f,
                 );
             }
-            let _t = timers.scope("forward:mlp:gelu", Fine);
+            let _t = timers
+                .scope("forward:mlp:gelu", Fine)
+                .with_work(|| work::traffic(&*be, &[la.fch], &[la.fch_gelu], &[]));
             be.gelu_forward(la.fch_gelu, la.fch);
         }
         MlpGelu::Epilogue => {
-            let _t = timers.scope("forward:mlp:mm", Fine);
+            let _t = timers.scope("forward:mlp:mm", Fine).with_work(|| {
+                let read = [la.ln2, lp.fc_w, lp.fc_b];
+                work::linear_forward(&*be, (n, c, f), &read, &[la.fch, la.fch_gelu])
+            });
             be.linear_gelu_forward(
                 la.fch_gelu,
                 la.fch,
@@ -1312,19 +1438,32 @@ fn project_into_residual<B: Backend>(
     let (n, c, first) = (bp.d.n(), bp.d.c, bp.tp_first);
     let bias = first.then_some(b);
     let layout = WeightLayout::InOut;
+    let read = |stream: Option<Span>| -> Vec<Span> {
+        [Some(inp), Some(w), bias, stream]
+            .into_iter()
+            .flatten()
+            .collect()
+    };
     match bp.residual {
         Residual::Separate => {
             {
-                let _t = timers.scope(names.0, Fine);
+                let _t = timers
+                    .scope(names.0, Fine)
+                    .with_work(|| work::linear_forward(&*be, (n, k, c), &read(None), &[bp.proj]));
                 be.linear_forward(bp.proj, inp, w, layout, bias, n, k, c);
             }
             tp_allreduce(be, comm, timers, names.1, bp.proj, ReduceOp::Sum);
-            let _t = timers.scope("forward:residual", Fine);
+            let _t = timers
+                .scope("forward:residual", Fine)
+                .with_work(|| work::traffic(&*be, &[resid, bp.proj], &[out], &[]));
             be.residual_forward(out, resid, bp.proj);
         }
         Residual::Epilogue => {
             {
-                let _t = timers.scope(names.0, Fine);
+                let stream = first.then_some(resid);
+                let _t = timers
+                    .scope(names.0, Fine)
+                    .with_work(|| work::linear_forward(&*be, (n, k, c), &read(stream), &[out]));
                 if first {
                     be.linear_residual_forward(out, resid, bp.proj, inp, w, layout, bias, n, k, c);
                 } else {

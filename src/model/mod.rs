@@ -10,6 +10,7 @@ pub mod params;
 pub mod paths;
 pub mod stage;
 pub mod table;
+pub mod work;
 
 pub use gpt2::{Gpt2, OptimStep, TpRank};
 pub use stage::Stage;

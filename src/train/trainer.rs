@@ -521,6 +521,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 step: step + 1,
             },
             norm,
+            timers,
         );
         drop(optimizer_timer);
         if self.sync.active() && self.opts.zero == 1 {
@@ -843,6 +844,11 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 let mut b =
                     Breakdown::from_totals(&tot.rank_timers[0], tot.step_ms, tot.timed_steps);
                 b.set_rank_spread(&tot.rank_timers[1], &tot.rank_timers[2]);
+                // Every rank runs the same ops (tensor-parallel ones on its shard) unless
+                // pipeline stages differ: this rank's work over the mean time is a rank's rate.
+                if self.dist.grid.pp == 1 {
+                    b.set_work(&self.timers.work_totals());
+                }
                 b
             } else {
                 self.timers.breakdown(tot.step_ms, tot.timed_steps)

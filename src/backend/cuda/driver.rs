@@ -148,6 +148,31 @@ impl Engine for DriverEngine {
         self.name.clone()
     }
 
+    /// Memory clock × bus width × 2 (double data rate), as the driver reports them (3.35 TB/s
+    /// on an H100 SXM, 4.8 on an H200).
+    fn peak_gbs(&self) -> Option<(f64, String)> {
+        use drv_sys::CUdevice_attribute::{
+            CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+        };
+        let khz = self
+            .ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+            .ok()? as f64;
+        let bits = self
+            .ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+            .ok()? as f64;
+        let gbs = 2.0 * khz * 1e3 * bits / 8.0 / 1e9;
+        (gbs > 0.0).then(|| {
+            let what = format!(
+                "memory peak of {}: {:.0} MHz x {bits:.0} bits x 2",
+                self.name,
+                khz / 1e3
+            );
+            (gbs, what)
+        })
+    }
+
     /// The peak of the units the GEMMs run on, at the SM clock the device reports (its
     /// maximum; NVIDIA's datasheet figures use the lower boost clock, e.g. 1830 MHz for the
     /// H100 SXM's 989 TFLOP/s dense bf16, so this peak is the stricter one):

@@ -214,6 +214,10 @@ pub trait Engine {
     /// Peak GFLOP/s for GEMM operands stored in `compute`, and how it was obtained, when
     /// known.
     fn peak_gflops(&self, compute: Dtype) -> Option<(f64, String)>;
+    /// Peak memory bandwidth in GB/s, and how it was obtained, when known.
+    fn peak_gbs(&self) -> Option<(f64, String)> {
+        None
+    }
     /// Most blocks per launch (every kernel is grid-stride, so any grid covers its work; the
     /// emulator keeps grids small because each block costs it 256 fiber starts).
     fn max_blocks(&self) -> u32;

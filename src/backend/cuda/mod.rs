@@ -1091,6 +1091,10 @@ impl Backend for CudaBackend {
         self.eng.peak_gflops(compute)
     }
 
+    fn peak_gbs(&self) -> Option<(f64, String)> {
+        self.eng.peak_gbs()
+    }
+
     fn free_memory(&self) -> Option<u64> {
         self.eng.free_bytes().map(|b| b as u64)
     }

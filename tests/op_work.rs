@@ -1,0 +1,96 @@
+//! The work the model's ops declare for the breakdown's rates (`model/work.rs`): over one
+//! training step the declared FLOPs add up to the model FLOPs that MFU divides by (Megatron's
+//! formula with causal attention's pairs), every op timer that runs says its work, and one op's
+//! bytes are its tensors' sizes. On the CPU, for the three-step and the fused attention and
+//! both residual forms; one test, since the forms are picked by environment variables.
+
+use fugu::backend::CpuBackend;
+use fugu::config::ModelConfig;
+use fugu::dtype::Dtype;
+use fugu::metrics::megatron_flops_per_step;
+use fugu::metrics::timers::{TimerLevel, Timers};
+use fugu::model::table::padded_vocab;
+use fugu::model::{Gpt2, OptimStep, TpRank};
+
+fn step_work(cfg: &ModelConfig, (b, t): (usize, usize)) -> Timers {
+    let mut m = Gpt2::new(cfg, TpRank::SERIAL, Dtype::F32, CpuBackend::new()).unwrap();
+    let window: Vec<u32> = (0..b * (t + 1)).map(|i| (i * 7 % 50) as u32).collect();
+    let timers = Timers::new(TimerLevel::Fine);
+    m.set_batch(&window, b, t).unwrap();
+    m.zero_grad();
+    m.forward(&timers, true);
+    m.backward(&timers);
+    let norm = m.grad_norm(&timers);
+    let hp = OptimStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        step: 1,
+    };
+    m.apply_optimizer(&hp, norm, &timers);
+    timers.take_step();
+    timers
+}
+
+#[test]
+fn declared_work_adds_up_to_the_model_flops_on_every_path() {
+    let cfg = ModelConfig {
+        vocab_size: 50,
+        n_positions: 16,
+        n_embd: 32,
+        n_head: 4,
+        n_layer: 2,
+    };
+    let (b, t) = (2, 12);
+    let (h, l, vp) = (cfg.n_embd, cfg.n_layer, padded_vocab(cfg.vocab_size));
+    // Megatron's attention term counts all s² (query, key) pairs; the ops count the causal
+    // s(s+1)/2 they compute.
+    let full = megatron_flops_per_step(b, t, l, h, vp);
+    let attention = |pairs: usize| 12.0 * (b * l * h * pairs) as f64;
+    let want = full - attention(t * t) + attention(t * (t + 1) / 2);
+    for (attn, residual) in [
+        ("materialized", "separate"),
+        ("fused", "separate"),
+        ("materialized", "epilogue"),
+    ] {
+        std::env::set_var("FUGU_ATTENTION", attn);
+        std::env::set_var("FUGU_RESIDUAL", residual);
+        let timers = step_work(&cfg, (b, t));
+        let work = timers.work_totals();
+        let flops: f64 = work.values().map(|w| w.flops).sum();
+        assert_eq!(
+            flops, want,
+            "{attn} attention, residual {residual}: {work:?}"
+        );
+        // Every op timed said its work; the phases, all-reduces (none here) and
+        // recomputation (its ops not timed) do not.
+        for name in timers.totals().keys() {
+            let phase = ["forward", "backward", "optimizer"].contains(&name.as_str());
+            if !phase && !name.contains("allreduce") && !name.contains("recompute") {
+                let w = work.get(name);
+                assert!(w.is_some_and(|w| w.bytes > 0.0), "{name}: no work ({attn})");
+            }
+        }
+        assert_eq!(
+            work.contains_key("forward:residual"),
+            residual == "separate"
+        );
+        assert_eq!(
+            work.contains_key("forward:attention:fused"),
+            attn == "fused"
+        );
+        // The qkv GEMM of each layer: reads its input (n, h), weight (h, 3h) and bias, and
+        // writes (n, 3h), all f32.
+        let n = b * t;
+        let qkv = (n * h + h * 3 * h + 3 * h + n * 3 * h) * 4 * l;
+        assert_eq!(work["forward:attention:qkv"].bytes, qkv as f64);
+        // AdamW: parameters, m and v read and written, gradients read (f32, no compute copy).
+        let params = work["optimizer:clip"].bytes / 4.0;
+        assert_eq!(work["optimizer:adamw"].bytes, 28.0 * params);
+    }
+    std::env::remove_var("FUGU_ATTENTION");
+    std::env::remove_var("FUGU_RESIDUAL");
+}
