@@ -32,10 +32,11 @@ mod gpu {
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
     use fugu::metrics::jsonl::{read_metrics, Record};
+    use fugu::metrics::megatron_flops_per_step;
     use fugu::metrics::timers::{TimerLevel, Timers};
     use fugu::model::init::init_params;
     use fugu::model::paths::{MlpGelu, Residual};
-    use fugu::model::table::gpt2_params;
+    use fugu::model::table::{gpt2_params, padded_vocab};
     use fugu::model::{Gpt2, OptimStep, TpRank};
     use fugu::sample::{generate, Generator, SampleOptions};
     use fugu_io::rng::SplitMix64;
@@ -1144,6 +1145,41 @@ mod gpu {
                 "{name} {ms} ms < its children's {children}"
             );
         }
+    }
+
+    /// The work the ops declare (the breakdown's rates) on the paths only a device takes in
+    /// bf16, fused attention and the GELU in the GEMMs' epilogues: their FLOPs add up to the
+    /// model FLOPs with causal attention (as `tests/op_work.rs` checks on the CPU's paths), and
+    /// the fc GEMM's bytes include both outputs it writes.
+    #[test]
+    fn declared_work_adds_up_in_mixed_precision() {
+        let Some(g) = device() else { return };
+        let cfg = small_cfg();
+        let timers = Timers::new(TimerLevel::Fine);
+        let mut gpu = model_in(&cfg, Dtype::Bf16, g);
+        timers.set_device_clock(gpu.be.device_clock().expect("a CUDA backend has a clock"));
+        let (b, t) = (2, 16);
+        train_step(&mut gpu, &batch(&cfg, b, t, 1), b, t, 1, &timers);
+        timers.take_step();
+        let work = timers.work_totals();
+        // The forms a bf16 run takes on a device by default (FUGU_* may choose others).
+        let gelu_in_gemm = gpu.mlp_gelu() == MlpGelu::Epilogue;
+        let stream_in_gemm = gpu.residual() == Residual::Epilogue;
+        assert_eq!(work.contains_key("forward:mlp:gelu"), !gelu_in_gemm);
+        let (h, l, vp) = (cfg.n_embd, cfg.n_layer, padded_vocab(cfg.vocab_size));
+        let attention = |pairs: usize| 12.0 * (b * l * h * pairs) as f64;
+        let want =
+            megatron_flops_per_step(b, t, l, h, vp) - attention(t * t) + attention(t * (t + 1) / 2);
+        let flops: f64 = work.values().map(|w| w.flops).sum();
+        assert_eq!(flops, want, "{work:?}");
+        // fc (n, h) -> (n, 4h) and fcproj (n, 4h) -> (n, h), bf16 with bf16 biases: the fc
+        // GEMM writing GELU of its output too in the epilogue, fcproj reading the residual
+        // stream in its.
+        let n = b * t;
+        let fc = n * h + 4 * h * h + 4 * h + (1 + gelu_in_gemm as usize) * n * 4 * h;
+        let fcproj = n * 4 * h + 4 * h * h + h + (1 + stream_in_gemm as usize) * n * h;
+        let (fc, fcproj) = (2 * l * fc, 2 * l * fcproj);
+        assert_eq!(work["forward:mlp:mm"].bytes, (fc + fcproj) as f64);
     }
 
     fn train_step<B: Backend>(
