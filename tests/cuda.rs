@@ -917,6 +917,9 @@ mod gpu {
             be.rand32(n, 11),
         );
         be.run(|x| x.zero(v));
+        // With 16-bit activations, the parameters' compute copy of that type (NaN until the
+        // update writes it).
+        let copy = (act != Dtype::F32).then(|| be.nan(n));
         let ranges = [(0, 3 * 4096 + 1003, true), (3 * 4096 + 1003, 700, false)];
         let ranges = ranges
             .into_iter()
@@ -927,6 +930,7 @@ mod gpu {
                 grads: g.sub(at, len),
                 m: m.sub(at, len),
                 v: v.sub(at, len),
+                compute: copy.map(|c| c.sub(at, len)),
                 decay,
             })
             .collect();
@@ -945,6 +949,16 @@ mod gpu {
         be.check("adamw params", p, ELEM);
         be.check("adamw m", m, ELEM);
         be.check("adamw v", v, ELEM);
+        if let Some(c) = copy {
+            be.check("adamw compute copy", c, ELEM);
+            // The copy is the updated parameters rounded, as `copy` rounds them.
+            let fresh = be.nan(n);
+            be.run(|x| x.copy(fresh, p));
+            let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
+            be.gpu.download(c, &mut a);
+            be.gpu.download(fresh, &mut b);
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        }
     }
 
     fn small_cfg() -> ModelConfig {

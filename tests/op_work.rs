@@ -2,7 +2,7 @@
 //! training step the declared FLOPs add up to the model FLOPs that MFU divides by (Megatron's
 //! formula with causal attention's pairs), every op timer that runs says its work, and one op's
 //! bytes are its tensors' sizes. On the CPU, for the three-step and the fused attention and
-//! both residual forms; one test, since the forms are picked by environment variables.
+//! both residual forms, in f32 and bf16; one test, since the forms are picked by environment variables.
 
 use fugu::backend::CpuBackend;
 use fugu::config::ModelConfig;
@@ -12,8 +12,8 @@ use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
 use fugu::model::{Gpt2, OptimStep, TpRank};
 
-fn step_work(cfg: &ModelConfig, (b, t): (usize, usize)) -> Timers {
-    let mut m = Gpt2::new(cfg, TpRank::SERIAL, Dtype::F32, CpuBackend::new()).unwrap();
+fn step_work(cfg: &ModelConfig, (b, t): (usize, usize), compute: Dtype) -> Timers {
+    let mut m = Gpt2::new(cfg, TpRank::SERIAL, compute, CpuBackend::new()).unwrap();
     let window: Vec<u32> = (0..b * (t + 1)).map(|i| (i * 7 % 50) as u32).collect();
     let timers = Timers::new(TimerLevel::Fine);
     m.set_batch(&window, b, t).unwrap();
@@ -51,14 +51,15 @@ fn declared_work_adds_up_to_the_model_flops_on_every_path() {
     let full = megatron_flops_per_step(b, t, l, h, vp);
     let attention = |pairs: usize| 12.0 * (b * l * h * pairs) as f64;
     let want = full - attention(t * t) + attention(t * (t + 1) / 2);
-    for (attn, residual) in [
-        ("materialized", "separate"),
-        ("fused", "separate"),
-        ("materialized", "epilogue"),
+    for (attn, residual, compute) in [
+        ("materialized", "separate", Dtype::F32),
+        ("fused", "separate", Dtype::F32),
+        ("materialized", "epilogue", Dtype::F32),
+        ("materialized", "separate", Dtype::Bf16),
     ] {
         std::env::set_var("FUGU_ATTENTION", attn);
         std::env::set_var("FUGU_RESIDUAL", residual);
-        let timers = step_work(&cfg, (b, t));
+        let timers = step_work(&cfg, (b, t), compute);
         let work = timers.work_totals();
         let flops: f64 = work.values().map(|w| w.flops).sum();
         assert_eq!(
@@ -83,13 +84,15 @@ fn declared_work_adds_up_to_the_model_flops_on_every_path() {
             attn == "fused"
         );
         // The qkv GEMM of each layer: reads its input (n, h), weight (h, 3h) and bias, and
-        // writes (n, 3h), all f32.
+        // writes (n, 3h), all of the compute type.
         let n = b * t;
-        let qkv = (n * h + h * 3 * h + 3 * h + n * 3 * h) * 4 * l;
+        let qkv = (n * h + h * 3 * h + 3 * h + n * 3 * h) * compute.bytes() * l;
         assert_eq!(work["forward:attention:qkv"].bytes, qkv as f64);
-        // AdamW: parameters, m and v read and written, gradients read (f32, no compute copy).
+        // AdamW: f32 parameters, m and v read and written, gradients read, and the 16-bit
+        // compute copy written.
         let params = work["optimizer:clip"].bytes / 4.0;
-        assert_eq!(work["optimizer:adamw"].bytes, 28.0 * params);
+        let copy = if compute == Dtype::F32 { 0 } else { 2 };
+        assert_eq!(work["optimizer:adamw"].bytes, (28 + copy) as f64 * params);
     }
     std::env::remove_var("FUGU_ATTENTION");
     std::env::remove_var("FUGU_RESIDUAL");

@@ -540,6 +540,9 @@ impl Backend for CpuBackend {
             let ([p, m, v], [g]) = views(&mut self.bufs, written, [part.grads]);
             ops::adamw::adamw_update(p, g, m, v, &part.step(hp));
             self.stored(&written);
+            if let Some(c) = part.compute {
+                self.copy(c, part.params);
+            }
         }
     }
 }

@@ -87,6 +87,10 @@ pub struct AdamWPart {
     pub grads: Span,
     pub m: Span,
     pub v: Span,
+    /// The parameters' 16-bit compute copy (mixed precision), overwritten with the updated
+    /// parameters rounded to its type, as [`Backend::copy`] would: the update writes it
+    /// instead of a second pass reading the parameters again. `None` in f32 runs.
+    pub compute: Option<Span>,
     /// Whether the step's weight decay applies (2-D tensors; not biases or layernorms).
     pub decay: bool,
 }
@@ -479,8 +483,9 @@ pub trait Backend {
     /// Σ x² of each span, in f64, deterministic (all spans in one call, so a device backend
     /// synchronises once per gradient norm).
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64>;
-    /// One AdamW step on every part (a device backend updates them all in one launch);
-    /// `hp.weight_decay` applies to the parts marked `decay`.
+    /// One AdamW step on every part (a device backend updates them all in one launch), each
+    /// part's compute copy refreshed; `hp.weight_decay` applies to the parts marked `decay`.
+    /// Parameters, gradients and moments are f32.
     fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep);
 }
 

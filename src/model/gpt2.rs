@@ -352,18 +352,12 @@ impl<B: Backend> Gpt2<B> {
     /// refreshes what it updates; call this after changing the master any other way (a ZeRO-1
     /// all-gather of the parameters).
     pub fn refresh_compute_params(&mut self) {
-        self.refresh_compute_range(0..self.table.total());
-    }
-
-    /// Rounds the master's elements `r` into the compute copy (a no-op in f32).
-    fn refresh_compute_range(&mut self, r: Range<usize>) {
-        if self.compute_params != self.params && !r.is_empty() {
-            let span = |buf| Span {
-                buf,
-                offset: r.start,
-                len: r.len(),
-            };
-            self.be.copy(span(self.compute_params), span(self.params));
+        if self.compute_params != self.params {
+            let (dst, src) = (
+                self.be.whole(self.compute_params),
+                self.be.whole(self.params),
+            );
+            self.be.copy(dst, src);
         }
     }
 
@@ -1157,8 +1151,8 @@ impl<B: Backend> Gpt2<B> {
     /// Clipping (PyTorch `clip_grad_norm_`: scale by clip/(norm+1e-6) when that is below 1) and
     /// one AdamW step on every tensor; weight decay only on 2-D tensors. `norm` is the pre-clip
     /// global gradient norm from [`Self::grad_sq_sum`] (loss scale already divided out). The
-    /// gradients are multiplied by the clip factor over the loss scale, and the compute copy
-    /// of every updated range is refreshed.
+    /// gradients are multiplied by the clip factor over the loss scale, and the update rewrites
+    /// the compute copy of every range it updates (`AdamWPart::compute`).
     pub fn apply_optimizer(&mut self, o: &OptimStep, norm: f64, timers: &Timers) {
         self.assert_trainable();
         let mut scale = 1.0f64;
@@ -1191,6 +1185,8 @@ impl<B: Backend> Gpt2<B> {
                     grads: span(self.grads, r.start),
                     m: span(self.m, moment),
                     v: span(self.v, moment),
+                    compute: (self.compute_params != self.params)
+                        .then(|| span(self.compute_params, r.start)),
                     decay: spec.decay,
                 });
             }
@@ -1198,25 +1194,12 @@ impl<B: Backend> Gpt2<B> {
         let _t = timers.scope("optimizer:adamw", Fine).with_work(|| {
             let mut w = Work::default();
             for p in &parts {
-                w += work::traffic(&self.be, &[p.grads], &[], &[p.params, p.m, p.v]);
-            }
-            if self.compute_params != self.params {
-                for o in &self.owned {
-                    let copy = Span {
-                        buf: self.compute_params,
-                        offset: o.flat.start,
-                        len: o.flat.len(),
-                    };
-                    w += work::traffic(&self.be, &[], &[copy], &[]);
-                }
+                let copy: Vec<Span> = p.compute.into_iter().collect();
+                w += work::traffic(&self.be, &[p.grads], &copy, &[p.params, p.m, p.v]);
             }
             w
         });
         self.be.adamw(&parts, &hp);
-        // The compute copy of everything this rank updated.
-        for o in self.owned.clone() {
-            self.refresh_compute_range(o.flat);
-        }
     }
 
     /// Logits of the last forward pass without the loss gradient (host copy, padded columns

@@ -1957,7 +1957,7 @@ __device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const 
 FOR_TYPES(DEF)
 #undef DEF
 
-// ---- optimizer (ops/adamw.rs); T is the gradients' type ------------------------------------
+// ---- optimizer (ops/adamw.rs) ---------------------------------------------------------------
 //
 // Both kernels work on many tensors in one launch (a GPT-2 step has one per parameter tensor:
 // 148 for the 124M model, most of them a few thousand elements). The host describes the
@@ -1980,22 +1980,26 @@ __device__ const i64* part_of(const i64* table, int words, int parts, i64 vb) {
 // Elements per virtual block of the AdamW kernel (ADAMW_CHUNK in mod.rs): contiguous, so a
 // block reads coalesced runs, and long enough that finding the part costs nothing.
 #define ADAMW_CHUNK 4096
-#define ADAMW_WORDS 7
+#define ADAMW_WORDS 8
 
-// One AdamW step in PyTorch's order on float parameters and moments; the per-step scalars are
-// computed on the host exactly as the CPU op computes them. Table row per part: params,
-// grads, m, v (addresses), n, whether decayed (1: p *= decay, 0: p unchanged), first virtual
-// block (ADAMW_CHUNK elements each).
+// One AdamW step in PyTorch's order on float parameters, gradients and moments; the per-step
+// scalars are computed on the host exactly as the CPU op computes them. With T bf16 or f16,
+// each updated parameter is also rounded into the compute copy (what `convert` would write,
+// without reading the parameters again). Table row per part: params, grads, m, v (addresses),
+// n, whether decayed (1: p *= decay, 0: p unchanged), the compute copy (address; unused for
+// f32), first virtual block (ADAMW_CHUNK elements each).
 template <typename T>
 __device__ void adamw_k(const i64* table, int parts, i64 vblocks, float beta1, float beta2,
                         float eps, float scale, float one_m_b1, float one_m_b2,
                         float neg_step_size, float bc2_sqrt, float decay) {
+    constexpr bool copy = sizeof(T) == 2;
     for (i64 vb = blockIdx.x; vb < vblocks; vb += gridDim.x) {
         const i64* row = part_of(table, ADAMW_WORDS, parts, vb);
         float* p = (float*)row[0];
-        const T* g = (const T*)row[1];
+        const float* g = (const float*)row[1];
         float *m = (float*)row[2], *v = (float*)row[3];
-        i64 n = row[4], start = (vb - row[6]) * ADAMW_CHUNK;
+        T* c = (T*)row[6];
+        i64 n = row[4], start = (vb - row[7]) * ADAMW_CHUNK;
         i64 end = n < start + ADAMW_CHUNK ? n : start + ADAMW_CHUNK;
         float dec = row[5] ? decay : 1.0f;
         for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
@@ -2004,9 +2008,11 @@ __device__ void adamw_k(const i64* table, int parts, i64 vblocks, float beta1, f
             float mi = beta1 * m[i] + one_m_b1 * gi;
             float vi = beta2 * v[i] + one_m_b2 * gi * gi;
             float denom = sqrtf(vi) / bc2_sqrt + eps;
-            p[i] = pi + neg_step_size * mi / denom;
+            float updated = pi + neg_step_size * mi / denom;
+            p[i] = updated;
             m[i] = mi;
             v[i] = vi;
+            if constexpr (copy) st(c[i], updated);
         }
     }
 }

@@ -1987,19 +1987,26 @@ impl Backend for CudaBackend {
 
     fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep) {
         // One launch for all parts: a table row per part (addresses, length, whether decayed,
-        // first virtual block of ADAMW_CHUNK elements). The table's content does not change
-        // between steps (the learning rate and decay factor travel as arguments).
+        // the compute copy, first virtual block of ADAMW_CHUNK elements). The table's content
+        // does not change between steps (the learning rate and decay factor travel as
+        // arguments). The kernel's type is the compute copy's (f32: none).
         let Some(first_part) = parts.first() else {
             return;
         };
-        let dt = self.dt(first_part.grads);
+        let dt = first_part.compute.map_or(Dtype::F32, |c| self.dt(c));
         let rows: Vec<_> = parts
             .iter()
             .map(|p| {
                 let n = p.params.len;
+                let f32s = [p.params, p.grads, p.m, p.v].map(|s| self.dt(s) == Dtype::F32);
+                let copy = p.compute.map_or(Dtype::F32, |c| self.dt(c));
                 assert!(
-                    p.grads.len == n && p.m.len == n && p.v.len == n && self.dt(p.grads) == dt,
-                    "adamw: a part's spans differ in length or gradient type: {p:?}"
+                    [p.grads, p.m, p.v].iter().all(|s| s.len == n)
+                        && f32s.iter().all(|&f| f)
+                        && p.compute.is_none_or(|c| c.len == n && copy != Dtype::F32)
+                        && copy == dt,
+                    "adamw: a part's spans differ in length or type (f32 and one 16-bit \
+                     compute copy type for all parts, or none): {p:?}"
                 );
                 let row = [
                     self.ptr(p.params),
@@ -2008,6 +2015,7 @@ impl Backend for CudaBackend {
                     self.ptr(p.v),
                     n as u64,
                     u64::from(p.decay),
+                    p.compute.map_or(0, |c| self.ptr(c)),
                 ];
                 (row, n.div_ceil(ADAMW_CHUNK))
             })
