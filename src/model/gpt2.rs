@@ -700,13 +700,14 @@ impl<B: Backend> Gpt2<B> {
         if let Some(e) = p.embed {
             let _t = timers.scope("forward:embedding", Fine).with_work(|| {
                 // The rows of the tokens (an upper bound: a repeated token's row is counted
-                // again) and the positions' rows.
+                // again) and the positions' rows (on the first TP rank).
                 let rows = Span {
                     len: n * c,
                     ..e.wte
                 };
-                let wpe = e.wpe.sub(0, d.t * c);
-                work::traffic(&*be, &[rows, wpe], &[a.encoded], &[])
+                let wpe = first.then(|| e.wpe.sub(0, d.t * c));
+                let read: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
+                work::traffic(&*be, &read, &[a.encoded], &[])
             });
             // TP: vocabulary-parallel embedding = partial sums, all-reduced; wpe once.
             be.encoder_forward(
