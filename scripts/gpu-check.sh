@@ -11,8 +11,8 @@
 #      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
 #      and HEAD under each setting of FUGU_GPU_VARIANTS (default below),
 #   3. PyTorch eager + autocast bf16 on the same shape (dev/bench_pytorch.py),
-#   4. per-op breakdowns (fine timers) with 16- and 32-row attention kernels and the
-#      one-kernel attention backward,
+#   4. per-op breakdowns (fine timers: each op's ms, TFLOP/s and TB/s) of HEAD, with 32-row
+#      attention kernels, the one-kernel attention backward, and all the opt-ins together,
 #   5. the GPU mixed-precision tests (200-step bf16 and fp16 curves against fp32, exact
 #      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
 #   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works).
@@ -33,7 +33,8 @@ SHAPE="${FUGU_GPU_SHAPE:-16x1024}"
 STEPS="${FUGU_GPU_STEPS:-10}"
 # HEAD's speed settings to compare (environment assignments, space-separated per variant).
 # Each opt-in alone, then all five together; GELU as separate kernels checks its default.
-VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_RESIDUAL=epilogue;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_BACKWARD=fused;FUGU_FLASH_WARP_ROWS=32;FUGU_FLASH_WARP_ROWS=32 FUGU_FLASH_BACKWARD=fused FUGU_LAYERNORM_BACKWARD=fused FUGU_RESIDUAL=epilogue FUGU_BIAS_GRAD=epilogue}"
+ALL_OPT_INS="FUGU_FLASH_WARP_ROWS=32 FUGU_FLASH_BACKWARD=fused FUGU_LAYERNORM_BACKWARD=fused FUGU_RESIDUAL=epilogue FUGU_BIAS_GRAD=epilogue"
+VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=fused;FUGU_RESIDUAL=epilogue;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_BACKWARD=fused;FUGU_FLASH_WARP_ROWS=32;$ALL_OPT_INS}"
 
 left() { echo $((BUDGET - SECONDS)); }
 say() { printf '%s\n' "$*" | tee -a "$LOG"; }
@@ -124,14 +125,18 @@ stage "3. PyTorch eager, autocast bf16"
 PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_pytorch.py --device cuda --shape "$SHAPE" \
     --steps "$STEPS" --autocast bf16
 
-stage "4. per-op breakdowns (fine timers): HEAD, with 32-row attention kernels, one-kernel backward"
+stage "4. per-op breakdowns (fine timers): HEAD, 32-row attention kernels, one-kernel backward, all opt-ins"
 # (the attention timers show which of the three kernels gains or loses with 32 rows, and what
-# the one-kernel backward takes against the two)
+# the one-kernel backward takes against the two; each op's GFLOP/s and GB/s against the
+# device's memory peak printed above the table show which is furthest from its limit)
 limited 90 gpu/head/bench-train --device cuda --precision bf16 --shape "$SHAPE" \
     --steps "$STEPS" --breakdown
 FUGU_FLASH_WARP_ROWS=32 limited 90 gpu/head/bench-train --device cuda --precision bf16 \
     --shape "$SHAPE" --steps "$STEPS" --breakdown
 FUGU_FLASH_BACKWARD=fused limited 90 gpu/head/bench-train --device cuda --precision bf16 \
+    --shape "$SHAPE" --steps "$STEPS" --breakdown
+# shellcheck disable=SC2086 # a list of assignments
+limited 90 env $ALL_OPT_INS gpu/head/bench-train --device cuda --precision bf16 \
     --shape "$SHAPE" --steps "$STEPS" --breakdown
 
 stage "5. mixed-precision tests on the GPU (200-step curves, exact resume)"
