@@ -32,7 +32,6 @@ mod gpu {
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
     use fugu::metrics::jsonl::{read_metrics, Record};
-    use fugu::metrics::megatron_flops_per_step;
     use fugu::metrics::timers::{TimerLevel, Timers};
     use fugu::model::init::init_params;
     use fugu::model::paths::{MlpGelu, Residual};
@@ -1181,9 +1180,7 @@ mod gpu {
         let stream_in_gemm = gpu.residual() == Residual::Epilogue;
         assert_eq!(work.contains_key("forward:mlp:gelu"), !gelu_in_gemm);
         let (h, l, vp) = (cfg.n_embd, cfg.n_layer, padded_vocab(cfg.vocab_size));
-        let attention = |pairs: usize| 12.0 * (b * l * h * pairs) as f64;
-        let want =
-            megatron_flops_per_step(b, t, l, h, vp) - attention(t * t) + attention(t * (t + 1) / 2);
+        let want = super::common::causal_model_flops(b, t, l, h, vp);
         let flops: f64 = work.values().map(|w| w.flops).sum();
         assert_eq!(flops, want, "{work:?}");
         // fc (n, h) -> (n, 4h) and fcproj (n, 4h) -> (n, h), bf16 with bf16 biases: the fc

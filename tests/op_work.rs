@@ -4,10 +4,11 @@
 //! bytes are its tensors' sizes. On the CPU, for the three-step and the fused attention and
 //! both residual forms, in f32 and bf16; one test, since the forms are picked by environment variables.
 
+mod common;
+
 use fugu::backend::CpuBackend;
 use fugu::config::ModelConfig;
 use fugu::dtype::Dtype;
-use fugu::metrics::megatron_flops_per_step;
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
 use fugu::model::{Gpt2, OptimStep, TpRank};
@@ -46,11 +47,7 @@ fn declared_work_adds_up_to_the_model_flops_on_every_path() {
     };
     let (b, t) = (2, 12);
     let (h, l, vp) = (cfg.n_embd, cfg.n_layer, padded_vocab(cfg.vocab_size));
-    // Megatron's attention term counts all s² (query, key) pairs; the ops count the causal
-    // s(s+1)/2 they compute.
-    let full = megatron_flops_per_step(b, t, l, h, vp);
-    let attention = |pairs: usize| 12.0 * (b * l * h * pairs) as f64;
-    let want = full - attention(t * t) + attention(t * (t + 1) / 2);
+    let want = common::causal_model_flops(b, t, l, h, vp);
     for (attn, residual, compute) in [
         ("materialized", "separate", Dtype::F32),
         ("fused", "separate", Dtype::F32),

@@ -97,3 +97,12 @@ pub fn cuda_device() -> Option<fugu::backend::cuda::CudaBackend> {
         },
     }
 }
+
+/// The model FLOPs of a training step as the ops declare them (`src/model/work.rs`):
+/// Megatron's formula ([`fugu::metrics::megatron_flops_per_step`]), whose attention term counts
+/// all s² (query, key) pairs, with the causal s(s+1)/2 the ops compute instead.
+pub fn causal_model_flops(b: usize, s: usize, l: usize, h: usize, vp: usize) -> f64 {
+    let attention = |pairs: usize| 12.0 * (b * l * h * pairs) as f64;
+    fugu::metrics::megatron_flops_per_step(b, s, l, h, vp) - attention(s * s)
+        + attention(s * (s + 1) / 2)
+}
