@@ -8,7 +8,8 @@
 //! FP32 CUDA-core peak, or the tensor-core peak with `--tf32` or bf16/fp16), plus the
 //! share of non-GEMM ops in the per-op breakdown (`--breakdown` prints the whole table, each
 //! op's GFLOP/s and GB/s beside its time, from the work the model declares for it:
-//! `model/work.rs`; on a GPU the device's memory peak is printed above it). Timers
+//! `model/work.rs`, and its `roof%` against the peak and the memory bandwidth: the driver's on
+//! a GPU, an in-place triad on a CPU, measured before the first step and cached). Timers
 //! are fine-grained by default (on a GPU, CUDA events around every op, read after each step;
 //! `--timers coarse` for throughput comparisons). The comparison (PyTorch) is not measured
 //! here: run `dev/bench_pytorch.py` (with `--device cuda` on a GPU) side by side.
@@ -19,7 +20,7 @@ use fugu::backend::{Backend, CudaSettings, Device};
 use fugu::config::{ModelConfig, Precision, RunConfig};
 use fugu::metrics::flops::megatron_flops_per_step;
 use fugu::metrics::machine::MachineInfo;
-use fugu::metrics::timers::{Breakdown, TimerLevel, Timers};
+use fugu::metrics::timers::{Breakdown, Roofs, TimerLevel, Timers};
 use fugu::model::acts::Recompute;
 use fugu::model::init::init_params;
 use fugu::model::table::gpt2_params;
@@ -119,6 +120,11 @@ fn main() -> anyhow::Result<()> {
         }
         let peak = peak.map(|p| p.0);
         let peak = peak.unwrap_or(machine.peak_gflops);
+        let mut bd = bd;
+        bd.set_roofs(Roofs {
+            gflops: Some(peak),
+            ..bd.roofs
+        });
         let mut times = times;
         times.sort_by(f64::total_cmp);
         let med = times[times.len() / 2];
@@ -159,8 +165,11 @@ fn time_steps<B: Backend>(
     let device = be.describe();
     let dtype = precision.compute_dtype();
     let peak = be.peak_gflops(dtype);
-    if let Some((gbs, source)) = be.peak_gbs() {
-        println!("device memory: {gbs:.0} GB/s ({source})");
+    // The memory roof of the fine breakdown's rates (on a CPU a triad measured now, before
+    // the model takes its memory).
+    let memory = (level == TimerLevel::Fine).then(|| be.peak_gbs()).flatten();
+    if let Some((gbs, source)) = &memory {
+        println!("memory: {gbs:.1} GB/s ({source})");
     }
     let mut model = Gpt2::new(cfg, TpRank::SERIAL, dtype, be)?;
     model.load_params(params)?;
@@ -224,6 +233,10 @@ fn time_steps<B: Backend>(
         }
     }
     let total: f64 = times.iter().sum();
-    let bd = timers.breakdown(total, times.len() as u64);
+    let mut bd = timers.breakdown(total, times.len() as u64);
+    bd.set_roofs(Roofs {
+        gflops: None,
+        gbs: memory.map(|m| m.0),
+    });
     Ok((times, bd, peak, device))
 }

@@ -166,6 +166,7 @@ fn tiny_train_env(steps: u32) -> Vec<(String, String)> {
         ("FUGU_EVAL_EVERY", "0".into()),
         ("FUGU_LOG_EVERY", "1".into()),
         ("FUGU_PEAK_GFLOPS_PER_CORE", "100".into()),
+        ("FUGU_PEAK_GBS", "50".into()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))

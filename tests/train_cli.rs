@@ -95,6 +95,7 @@ fn spawn_until_logged(args: &[String], dir: &Path, run: &str, n: usize) -> std::
         .args(args)
         .current_dir(dir)
         .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .env("FUGU_PEAK_GBS", "50")
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -132,7 +133,26 @@ fn resume_is_bit_exact_and_sample_reads_the_checkpoint() {
     assert_eq!(full.len(), 6);
     assert!(dir.join("a/ckpt-00000003/model.safetensors").exists());
     assert!(dir.join("a/ckpt-00000006/optimizer.safetensors").exists());
-    assert!(dir.join("a/breakdown.json").exists());
+    // The fine breakdown sets each op's rates against the roofs: 2 threads x 100 GFLOP/s
+    // and the 50 GB/s of FUGU_PEAK_GBS (tests/common), the larger ratio.
+    let bd: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("a/breakdown.json")).unwrap()).unwrap();
+    assert_eq!(
+        (bd["roofs"]["gflops"].as_f64(), bd["roofs"]["gbs"].as_f64()),
+        (Some(200.0), Some(50.0)),
+        "{bd}"
+    );
+    let mut with_roof = 0;
+    for op in bd["ops"].as_array().unwrap() {
+        let Some(pct) = op["roof_pct"].as_f64() else {
+            continue;
+        };
+        let f = op["gflops"].as_f64().unwrap_or(0.0) / 200.0;
+        let b = op["gbs"].as_f64().unwrap_or(0.0) / 50.0;
+        assert!((pct - 100.0 * f.max(b)).abs() <= 1e-9 * pct, "{op}");
+        with_roof += 1;
+    }
+    assert!(with_roof >= 10, "{bd}");
 
     // Interrupted after step 3: a copy of the run as it was then, resumed.
     std::fs::create_dir_all(dir.join("b")).unwrap();
@@ -323,6 +343,25 @@ fn bad_input_is_a_clear_error() {
         );
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(want), "{val}: {err}");
+    }
+
+    // A malformed peak or memory bandwidth is refused at start, naming the variable and its
+    // value, before the run's folder exists.
+    for (var, want) in [
+        ("FUGU_PEAK_GBS", "FUGU_PEAK_GBS=fast"),
+        ("FUGU_PEAK_GFLOPS_PER_CORE", "FUGU_PEAK_GFLOPS_PER_CORE"),
+    ] {
+        let out = fugu_with_env(
+            &["train", "--steps", "1", "--out", "peak-out"],
+            &dir,
+            &[(var, "fast")],
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want) && !err.contains("panicked"),
+            "{var}: {err}"
+        );
+        assert!(!dir.join("peak-out").exists(), "{var}=fast created --out");
     }
 
     // A batch that cannot fit is refused before anything that size is allocated.

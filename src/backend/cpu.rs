@@ -143,6 +143,11 @@ impl Backend for CpuBackend {
         Some((peak.total_gflops(), peak.describe()))
     }
 
+    /// The in-place triad bandwidth of the threads the ops run on, cached per machine.
+    fn peak_gbs(&self) -> Option<(f64, String)> {
+        crate::metrics::machine::memory_bandwidth()
+    }
+
     fn alloc(&mut self, len: usize, dtype: Dtype) -> Result<BufId> {
         self.bufs.push(HostBuf::zeroed(len)?);
         self.dtypes.push(dtype);

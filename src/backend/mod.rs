@@ -199,8 +199,9 @@ pub trait Backend {
     fn peak_gflops(&self, _compute: Dtype) -> Option<(f64, String)> {
         None
     }
-    /// The device's peak memory bandwidth in GB/s and where it comes from, beside the
-    /// breakdown's per-op GB/s; `None` for the host CPU.
+    /// The device's peak memory bandwidth in GB/s and where it comes from, the breakdown's
+    /// roof for its per-op GB/s (the CPU's is measured: may take half a second); `None` when
+    /// unknown.
     fn peak_gbs(&self) -> Option<(f64, String)> {
         None
     }

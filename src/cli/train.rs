@@ -142,6 +142,7 @@ impl TrainArgs {
 
     /// Converts to the trainer's options.
     pub fn options(&self) -> Result<TrainOptions> {
+        crate::metrics::machine::check_peak_settings()?;
         Ok(TrainOptions {
             config: RunConfig::load(self.config.as_deref().unwrap_or(DEFAULT_CONFIG))?,
             config_name: self.config_name(),

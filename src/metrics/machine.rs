@@ -73,6 +73,66 @@ pub fn machine_peak(isa: Isa, threads: usize, per_core_gflops: Option<f64>) -> R
     ))
 }
 
+/// The memory bandwidth of rayon's pool (the threads the CPU ops run on) in GB/s, and where
+/// it comes from: `FUGU_PEAK_GBS` when set (all the threads' GB/s, e.g. a STREAM figure for the
+/// node), else an in-place triad ([`super::bandwidth`], about 0.5 s) kept or replaced by the
+/// per-machine cache ([`super::peak_cache::cached_bandwidth`]) like the FMA peak. `None` when
+/// the arrays cannot be allocated. (A malformed `FUGU_PEAK_GBS` is an error at
+/// [`MachineInfo::detect`]; here it costs a warning and a measurement.)
+pub fn memory_bandwidth() -> Option<(f64, String)> {
+    match bandwidth_override() {
+        Ok(Some(gbs)) => return Some((gbs, "given by FUGU_PEAK_GBS".into())),
+        Ok(None) => {}
+        Err(e) => eprintln!("warning: {e:#}; measuring the bandwidth instead"),
+    }
+    let threads = rayon::current_num_threads();
+    let caches = fugu_gemm::Runtime::global()
+        .map(|r| r.caches())
+        .unwrap_or_default();
+    let bytes = super::bandwidth::array_bytes(&caches, threads);
+    let measured = super::bandwidth::triad_gbs(bytes / 4)?;
+    let cache = super::peak_cache::cache_path();
+    let (gbs, cached) =
+        super::peak_cache::cached_bandwidth(cache.as_deref(), &cpu_model(), threads, measured);
+    let how = if cached {
+        "cached: best measured on this machine"
+    } else {
+        "measured now"
+    };
+    Some((
+        gbs,
+        format!(
+            "a += s*b over 2 x {} MiB, {threads} threads, best of {} ({how})",
+            bytes >> 20,
+            super::bandwidth::TIMED_PASSES
+        ),
+    ))
+}
+
+/// Checks the peak settings of the environment (`FUGU_PEAK_GFLOPS_PER_CORE`, `FUGU_PEAK_GBS`)
+/// without measuring anything: a malformed one is an error naming it, before a run creates
+/// anything.
+pub fn check_peak_settings() -> Result<()> {
+    if std::env::var_os("FUGU_PEAK_GFLOPS_PER_CORE").is_some() {
+        fugu_gemm::peak::machine_peak(Isa::Portable, 1)?;
+    }
+    bandwidth_override()?;
+    Ok(())
+}
+
+/// `FUGU_PEAK_GBS`, the memory bandwidth a run's breakdown sets its ops' GB/s against, if set:
+/// a positive number of GB/s, or an error naming the variable and the value.
+pub fn bandwidth_override() -> Result<Option<f64>> {
+    let Some(v) = std::env::var_os("FUGU_PEAK_GBS") else {
+        return Ok(None);
+    };
+    let v = v.to_string_lossy();
+    match v.trim().parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(Some(x)),
+        _ => bail!("FUGU_PEAK_GBS={v}: expected a positive number of GB/s (the memory bandwidth of a process's threads)"),
+    }
+}
+
 /// `DxT`, or `Dx[t0,t1,..]` when the domains have different thread counts.
 pub fn layout_string(topology: &Topology) -> String {
     let t: Vec<usize> = topology.domains.iter().map(|d| d.threads).collect();
@@ -146,6 +206,7 @@ impl MachineInfo {
         let kernel = choice.f32;
         let topology = Topology::build(&cfg.topology);
         let peak = machine_peak(kernel.isa, topology.threads(), None)?;
+        bandwidth_override()?;
         let kernels = fugu_gemm::kernel::describe_kernels(&choice.all(cfg.f16_chunked));
         Ok(MachineInfo::from_parts(
             kernel.isa, &topology, &peak, kernels,

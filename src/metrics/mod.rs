@@ -1,9 +1,10 @@
 //! Observability for the trainer: per-op timers and the end-of-run breakdown
 //! ([`timers`]), model FLOPs ([`flops`]), the machine and its FP32 peak ([`machine`], the same
 //! figure `fugu bench gemm` reports against; measured once per machine and cached by
-//! [`peak_cache`]), `OUT/metrics.jsonl` ([`jsonl`]) and the step
+//! [`peak_cache`]), its memory bandwidth ([`bandwidth`], cached the same way), `OUT/metrics.jsonl` ([`jsonl`]) and the step
 //! progress display ([`progress`]).
 
+pub mod bandwidth;
 pub mod flops;
 pub mod jsonl;
 pub mod machine;
@@ -15,4 +16,4 @@ pub use flops::megatron_flops_per_step;
 pub use jsonl::{read_metrics, EvalRecord, MetricsWriter, Record, StepRecord};
 pub use machine::MachineInfo;
 pub use progress::{stderr_is_tty, Progress, StepLine};
-pub use timers::{names, Breakdown, BreakdownRow, TimerGuard, TimerLevel, Timers, Work};
+pub use timers::{names, Breakdown, BreakdownRow, Roofs, TimerGuard, TimerLevel, Timers, Work};

@@ -13,6 +13,9 @@
 //! atomically (temporary file, rename), so concurrent ranks writing it race harmlessly.
 //! `FUGU_PEAK_REMEASURE=1` replaces the entry with the new measurement even when lower (a
 //! machine whose clock or power settings were lowered).
+//!
+//! The memory bandwidth ([`super::bandwidth`], an in-place triad) is kept the same way, keyed by
+//! CPU model and thread count (`"bandwidth"` in the file; absent from files written before it).
 
 use fugu_gemm::peak::{measured_peak, Peak, PeakSource};
 use fugu_gemm::Isa;
@@ -26,12 +29,24 @@ const FORMAT: &str = "fugu-peak-cache-v1";
 struct CacheFile {
     format: String,
     entries: BTreeMap<String, Entry>,
+    #[serde(default)]
+    bandwidth: BTreeMap<String, BandwidthEntry>,
 }
 
 /// One cached measurement.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Entry {
     pub per_core_gflops: f64,
+    /// Unix time of the measurement.
+    pub measured_at: u64,
+    pub fugu_version: String,
+}
+
+/// One cached memory bandwidth.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BandwidthEntry {
+    /// GB/s of the in-place triad over all the threads of the key.
+    pub gbs: f64,
     /// Unix time of the measurement.
     pub measured_at: u64,
     pub fugu_version: String,
@@ -77,41 +92,97 @@ pub fn lookup(path: &Path, cpu: &str, isa: Isa) -> Option<Entry> {
 /// with the new measurement whatever it is. Without a cache path: the measurement.
 pub fn cached_peak(path: Option<&Path>, cpu: &str, isa: Isa, threads: usize) -> Peak {
     let measured_peak = measured_peak(isa, threads);
-    let measured = measured_peak.per_core_gflops;
-    let Some(p) = path else {
-        return measured_peak;
-    };
+    let k = key(cpu, isa);
+    let kept = path.and_then(|p| {
+        keep_highest(
+            p,
+            measured_peak.per_core_gflops,
+            |c| c.entries.get(&k).map(|e| e.per_core_gflops),
+            |c, per_core_gflops, measured_at, fugu_version| {
+                c.entries.insert(
+                    k.clone(),
+                    Entry {
+                        per_core_gflops,
+                        measured_at,
+                        fugu_version,
+                    },
+                );
+            },
+        )
+    });
+    match kept {
+        Some(per_core_gflops) => Peak {
+            per_core_gflops,
+            threads,
+            source: PeakSource::Cached { isa },
+        },
+        None => measured_peak,
+    }
+}
+
+/// The memory bandwidth of `threads` threads of `cpu` in GB/s and whether it came from the
+/// cache: `measured` (a [`super::bandwidth::triad_gbs`] run) kept or replaced by the rule of
+/// [`cached_peak`]. Without a cache path: the measurement.
+pub fn cached_bandwidth(
+    path: Option<&Path>,
+    cpu: &str,
+    threads: usize,
+    measured: f64,
+) -> (f64, bool) {
+    let k = format!("{cpu}|{threads} threads|in-place triad");
+    let kept = path.and_then(|p| {
+        keep_highest(
+            p,
+            measured,
+            |c| c.bandwidth.get(&k).map(|e| e.gbs),
+            |c, gbs, measured_at, fugu_version| {
+                c.bandwidth.insert(
+                    k.clone(),
+                    BandwidthEntry {
+                        gbs,
+                        measured_at,
+                        fugu_version,
+                    },
+                );
+            },
+        )
+    });
+    match kept {
+        Some(gbs) => (gbs, true),
+        None => (measured, false),
+    }
+}
+
+/// The cached figure `stored` reads from the cache at `path` when it is at least `measured`
+/// (and `FUGU_PEAK_REMEASURE` is not `1`); otherwise `None`, after `store(cache, measured,
+/// unix time, version)` wrote the measurement into the file. A file that cannot be written
+/// costs a warning, not the run.
+fn keep_highest(
+    path: &Path,
+    measured: f64,
+    stored: impl FnOnce(&CacheFile) -> Option<f64>,
+    store: impl FnOnce(&mut CacheFile, f64, u64, String),
+) -> Option<f64> {
     let remeasure = std::env::var("FUGU_PEAK_REMEASURE").is_ok_and(|v| v == "1");
-    let mut cache = read(p);
-    if let Some(e) = cache.entries.get(&key(cpu, isa)) {
-        if !remeasure && e.per_core_gflops >= measured {
-            return Peak {
-                per_core_gflops: e.per_core_gflops,
-                threads,
-                source: PeakSource::Cached { isa },
-            };
+    let mut cache = read(path);
+    if let Some(cached) = stored(&cache) {
+        if !remeasure && cached >= measured {
+            return Some(cached);
         }
     }
     cache.format = FORMAT.into();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    cache.entries.insert(
-        key(cpu, isa),
-        Entry {
-            per_core_gflops: measured,
-            measured_at: now,
-            fugu_version: env!("CARGO_PKG_VERSION").into(),
-        },
-    );
-    if let Err(e) = write(p, &cache) {
+    store(&mut cache, measured, now, env!("CARGO_PKG_VERSION").into());
+    if let Err(e) = write(path, &cache) {
         eprintln!(
             "warning: could not store the measured peak in {}: {e} (runs may divide by \
              different peaks)",
-            p.display()
+            path.display()
         );
     }
-    measured_peak
+    None
 }
 
 /// A warning for a measured rate above the peak it is divided by, or `None`. `what` names the
@@ -182,6 +253,47 @@ mod tests {
         let fresh = cached_peak(Some(&path), "Test CPU", Isa::Portable, 1);
         assert!(matches!(fresh.source, PeakSource::Measured { .. }));
         assert!(lookup(&path, "Test CPU", Isa::Portable).is_some());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_highest_bandwidth_is_kept_beside_the_peak() {
+        let dir = std::env::temp_dir().join(format!("fugu-bw-{}", std::process::id()));
+        let path = dir.join("peak.json");
+        let peak = cached_peak(Some(&path), "Test CPU", Isa::Portable, 1);
+        assert_eq!(
+            cached_bandwidth(Some(&path), "Test CPU", 2, 10.0),
+            (10.0, false)
+        );
+        // A busy machine's lower figure: the cached one is used, and stays.
+        assert_eq!(
+            cached_bandwidth(Some(&path), "Test CPU", 2, 5.0),
+            (10.0, true)
+        );
+        assert_eq!(
+            cached_bandwidth(Some(&path), "Test CPU", 2, 20.0),
+            (20.0, false)
+        );
+        assert_eq!(
+            cached_bandwidth(Some(&path), "Test CPU", 2, 15.0),
+            (20.0, true)
+        );
+        // Another thread count is another entry; the FMA peak is untouched by all of it.
+        assert_eq!(
+            cached_bandwidth(Some(&path), "Test CPU", 4, 1.0),
+            (1.0, false)
+        );
+        let entry = lookup(&path, "Test CPU", Isa::Portable).unwrap();
+        assert!(
+            (entry.per_core_gflops - peak.per_core_gflops).abs() <= 1e-9 * entry.per_core_gflops
+        );
+        // A cache written before the bandwidth existed reads as having none.
+        std::fs::write(&path, br#"{"format": "fugu-peak-cache-v1", "entries": {}}"#).unwrap();
+        assert_eq!(
+            cached_bandwidth(Some(&path), "Test CPU", 2, 3.0),
+            (3.0, false)
+        );
+        assert_eq!(cached_bandwidth(None, "Test CPU", 2, 2.0), (2.0, false));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

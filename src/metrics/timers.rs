@@ -189,6 +189,16 @@ impl std::ops::Div<f64> for Work {
     }
 }
 
+/// What the machine can do at most, the roofs an op's rates are set against
+/// ([`Breakdown::set_roofs`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Roofs {
+    /// GFLOP/s of the GEMMs' compute type: the peak MFU divides by.
+    pub gflops: Option<f64>,
+    /// GB/s of memory: measured (an in-place triad) on a CPU, the driver's figure on a GPU.
+    pub gbs: Option<f64>,
+}
+
 /// A mark queued on a device's timeline ([`DeviceClock::mark`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceMark(pub usize);
@@ -506,6 +516,20 @@ impl BreakdownRow {
         let x = self.work.as_ref().map(of)?;
         (x > 0.0 && self.ms_per_step > 0.0).then(|| x / (self.ms_per_step * 1e6))
     }
+
+    /// Percent of its roofline the op runs at: its rate over the best rate a machine with
+    /// `roofs` allows at its arithmetic intensity I = FLOPs / bytes, min(peak, I × bandwidth).
+    /// That is the larger of GFLOP/s over the peak and GB/s over the bandwidth, so a
+    /// memory-bound op is measured against the memory and a GEMM against the peak; a roof
+    /// that is not known drops its term. `None` without work, time or roofs.
+    pub fn roof_pct(&self, roofs: &Roofs) -> Option<f64> {
+        let of =
+            |rate: Option<f64>, roof: Option<f64>| Some(100.0 * rate? / roof.filter(|r| *r > 0.0)?);
+        match (of(self.gflops(), roofs.gflops), of(self.gbs(), roofs.gbs)) {
+            (Some(f), Some(b)) => Some(f.max(b)),
+            (f, b) => f.or(b),
+        }
+    }
 }
 
 /// Where the time of a step went, as a tree (parents before children, children by decreasing
@@ -526,6 +550,9 @@ pub struct Breakdown {
     /// Work between steps (evaluation, checkpoints), by name: not part of any step, so not in
     /// `rows` or `step_ms`.
     pub outside: BTreeMap<String, OutsideStep>,
+    /// The machine's peak and memory bandwidth, for each op's `roof %`
+    /// ([`BreakdownRow::roof_pct`]); none until [`Breakdown::set_roofs`].
+    pub roofs: Roofs,
 }
 
 /// Time spent between steps on one kind of work.
@@ -682,7 +709,13 @@ impl Breakdown {
             gemm_pct: pct(gemm_ms),
             non_gemm_pct: pct(non_gemm_ms),
             outside: BTreeMap::new(),
+            roofs: Roofs::default(),
         }
+    }
+
+    /// Sets the roofs the table's `roof%` column and the JSON's `"roof_pct"` divide by.
+    pub fn set_roofs(&mut self, roofs: Roofs) {
+        self.roofs = roofs;
     }
 
     /// Adds the per-rank spread of every timed row from run totals over `steps` steps of the
@@ -732,12 +765,26 @@ impl Breakdown {
         );
         let spread = self.rows.iter().any(|r| r.min_max.is_some());
         let rates = self.rows.iter().any(|r| r.work.is_some());
+        let roofs = rates && (self.roofs.gflops.is_some() || self.roofs.gbs.is_some());
+        if roofs {
+            let roof = |x: Option<f64>, unit: &str| {
+                x.map_or("unknown".into(), |x| format!("{x:.1} {unit}"))
+            };
+            s.push_str(&format!(
+                "roofs: peak {}, memory {} (roof% = the larger of GFLOP/s / peak and GB/s / memory)\n",
+                roof(self.roofs.gflops, "GFLOP/s"),
+                roof(self.roofs.gbs, "GB/s")
+            ));
+        }
         let mut head = format!("{:<width$} {:>10} {:>7}", "op", "ms/step", "%");
         if spread {
             head.push_str(&format!(" {:>10} {:>10}", "min rank", "max rank"));
         }
         if rates {
             head.push_str(&format!(" {:>10} {:>8}", "GFLOP/s", "GB/s"));
+        }
+        if roofs {
+            head.push_str(&format!(" {:>6}", "roof%"));
         }
         s.push_str(head.trim_end());
         s.push('\n');
@@ -759,6 +806,9 @@ impl Breakdown {
             if rates {
                 line.push_str(&cell(r.gflops(), 10, 1));
                 line.push_str(&cell(r.gbs(), 8, 1));
+            }
+            if roofs {
+                line.push_str(&cell(r.roof_pct(&self.roofs), 6, 1));
             }
             s.push_str(line.trim_end());
             s.push('\n');
@@ -793,7 +843,8 @@ impl Breakdown {
     /// "total_ms"}}, "ops": [{"name", "ms_per_step", "pct",
     /// "depth", "timed"}]}`, each op with `"min_ms_per_step"` and `"max_ms_per_step"` (over
     /// ranks) when known, and `"gflop_per_step"`, `"gbyte_per_step"` (its [`Work`]) with the
-    /// rates `"gflops"`, `"gbs"` where its scope said its work. Non-finite numbers become
+    /// rates `"gflops"`, `"gbs"` and `"roof_pct"` (null without roofs) where its scope said
+    /// its work; `"roofs": {"gflops", "gbs"}` (null where unknown). Non-finite numbers become
     /// `null`.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
@@ -802,6 +853,7 @@ impl Breakdown {
             "gemm_pct": self.gemm_pct,
             "non_gemm_pct": self.non_gemm_pct,
             "outside_step": self.outside,
+            "roofs": self.roofs,
             "ops": self.rows.iter().map(|r| {
                 let mut o = serde_json::json!({
                     "name": r.name,
@@ -819,6 +871,7 @@ impl Breakdown {
                     o["gbyte_per_step"] = (w.bytes / 1e9).into();
                     o["gflops"] = r.gflops().into();
                     o["gbs"] = r.gbs().into();
+                    o["roof_pct"] = r.roof_pct(&self.roofs).into();
                 }
                 o
             }).collect::<Vec<_>>(),
@@ -1143,6 +1196,80 @@ mod tests {
             (Some(2000.0), Some(2.0))
         );
         assert!(op(FORWARD_LAYERNORM).unwrap().get("gflops").is_none());
+        assert!(qkv["roof_pct"].is_null(), "no roofs set: {qkv}");
+        assert!(!table.contains("roof"), "{table}");
+    }
+
+    #[test]
+    fn roof_percent_is_against_the_nearer_roof() {
+        let row = |flops: f64, bytes: f64| BreakdownRow {
+            name: "x".into(),
+            ms_per_step: 1.0,
+            pct_of_step: 0.0,
+            depth: 0,
+            timed: true,
+            min_max: None,
+            work: Some(Work { flops, bytes }),
+        };
+        let roofs = Roofs {
+            gflops: Some(1000.0),
+            gbs: Some(100.0),
+        };
+        // Ridge point at 10 FLOP/byte. A GEMM at 20 FLOP/byte running 500 GFLOP/s (25 GB/s):
+        // the roofline allows min(1000, 20 x 100) = 1000, so 50%.
+        assert_eq!(row(0.5e9, 0.025e9).roof_pct(&roofs), Some(50.0));
+        // A row op at 0.25 FLOP/byte moving 80 GB/s: min(1000, 25) = 25 GFLOP/s allowed, it
+        // does 20, 80%; with no FLOPs it is the bandwidth alone.
+        assert_eq!(row(0.02e9, 0.08e9).roof_pct(&roofs), Some(80.0));
+        assert_eq!(row(0.0, 0.08e9).roof_pct(&roofs), Some(80.0));
+        // An unknown roof drops its term; no roofs or no work, no percent.
+        let bw_only = Roofs {
+            gflops: None,
+            gbs: Some(100.0),
+        };
+        assert_eq!(row(0.5e9, 0.025e9).roof_pct(&bw_only), Some(25.0));
+        assert_eq!(row(0.5e9, 0.025e9).roof_pct(&Roofs::default()), None);
+        let mut untimed = row(1.0, 1.0);
+        untimed.work = None;
+        assert_eq!(untimed.roof_pct(&roofs), None);
+
+        // The table says the roofs and adds the column; the JSON carries both.
+        let clock = TickClock::default();
+        let t = Timers::new(TimerLevel::Fine);
+        t.set_device_clock(Box::new(clock));
+        drop(
+            t.scope(FORWARD_LAYERNORM, TimerLevel::Fine)
+                .with_work(|| Work {
+                    flops: 0.0,
+                    bytes: 0.05e9,
+                }),
+        );
+        drop(t.scope(FORWARD_MLP_MM, TimerLevel::Fine));
+        t.take_step();
+        let mut b = t.breakdown(10.0, 1);
+        b.set_roofs(roofs);
+        let table = b.to_table();
+        assert!(
+            table.contains("roofs: peak 1000.0 GFLOP/s, memory 100.0 GB/s"),
+            "{table}"
+        );
+        assert!(table.contains("GB/s  roof%"), "{table}");
+        let ln = table.lines().find(|l| l.contains("layernorm")).unwrap();
+        assert!(ln.ends_with("50.0   50.0"), "{table}");
+        let mm = table
+            .lines()
+            .find(|l| l.trim_start().starts_with("mm"))
+            .unwrap();
+        assert!(mm.trim_end().ends_with('%'), "no rates, no roof: {table}");
+        let v = b.to_json();
+        assert_eq!(v["roofs"]["gbs"].as_f64(), Some(100.0));
+        let op = v["ops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["name"] == FORWARD_LAYERNORM)
+            .unwrap();
+        assert_eq!(op["roof_pct"].as_f64(), Some(50.0));
     }
 
     #[test]

@@ -37,7 +37,7 @@ use crate::metrics::flops::megatron_flops_per_step;
 use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::progress::{Progress, StepLine};
-use crate::metrics::timers::{Breakdown, OutsideStep, TimerLevel, Timers};
+use crate::metrics::timers::{Breakdown, OutsideStep, Roofs, TimerLevel, Timers};
 use crate::model::acts::{AttnKeep, Recompute};
 use crate::model::init::init_tensor;
 use crate::model::paths::{MlpGelu, Residual};
@@ -854,6 +854,15 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 self.timers.breakdown(tot.step_ms, tot.timed_steps)
             };
             b.outside = tot.outside.clone();
+            // Roofs for the rates (fine timers): the MFU peak and this rank's memory
+            // bandwidth (on a CPU a triad measured now by this rank alone, the others
+            // waiting: on a node shared by several ranks, more than each gets while all run).
+            if b.rows.iter().any(|r| r.work.is_some()) {
+                b.set_roofs(Roofs {
+                    gflops: Some(self.peak_flops / 1e9),
+                    gbs: self.model.be.peak_gbs().map(|m| m.0),
+                });
+            }
             let whose = if self.dist.is_parallel() {
                 format!("mean over {} ranks", self.dist.grid.world_size)
             } else {

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// Runs the `fugu` binary with `args` in `cwd` (a fixed peak, so runs never measure one).
+/// Runs the `fugu` binary with `args` in `cwd` (a fixed peak and memory bandwidth, so runs
+/// never measure them).
 pub fn fugu(args: &[&str], cwd: &Path) -> Output {
     fugu_with_env(args, cwd, &[])
 }
@@ -15,6 +16,7 @@ pub fn fugu_with_env(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output 
         .args(args)
         .current_dir(cwd)
         .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+        .env("FUGU_PEAK_GBS", "50")
         .envs(env.iter().copied())
         .output()
         .expect("running fugu")
