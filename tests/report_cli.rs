@@ -222,6 +222,26 @@ fn full_report_from_runs_bench_and_bad_inputs() {
         .find(|r| r[3] == "n2-dp2")
         .expect("n2-dp2 in the strong series");
     assert_eq!((dp2[5].as_str(), dp2[10].as_str()), ("2", "1"), "{dp2:?}");
+    // Per-op rates: n1-gpt2-tiny's breakdown.json, every op that declared work, largest
+    // headroom (ms/step x (1 - roof%/100)) first.
+    let roof = csv(&out.join("roofline.csv"));
+    let n1: Vec<&Vec<String>> = roof.iter().filter(|r| r[0] == "n1-gpt2-tiny").collect();
+    assert!(n1.len() >= 20, "{roof:?}");
+    assert!(
+        roof.iter().all(|r| r[0] == "n1-gpt2-tiny"),
+        "only n1 has rates"
+    );
+    let num = |x: &str| x.parse::<f64>().unwrap();
+    let headroom: Vec<f64> = n1.iter().map(|r| num(&r[7])).collect();
+    assert!(headroom.windows(2).all(|w| w[0] >= w[1]), "{headroom:?}");
+    for r in &n1 {
+        let (ms, pct) = (num(&r[2]), num(&r[6]));
+        let want = (ms * (1.0 - pct / 100.0)).max(0.0);
+        assert!((num(&r[7]) - want).abs() <= 1e-3 + 1e-3 * ms, "{r:?}");
+    }
+    assert!(n1
+        .iter()
+        .any(|r| r[1] == "backward:layernorm" && r[4].is_empty() && !r[5].is_empty()));
     assert_eq!(csv(&out.join("gemm.csv")).len(), rows.len());
     assert!(!csv(&out.join("gemm-summary.csv")).is_empty());
 

@@ -161,6 +161,7 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
         sections.push(sections::runs_section(&all_runs));
         sections.extend(sections::loss_section(&all_runs)?);
         sections.push(sections::breakdown_section(&all_runs)?);
+        sections.push(sections::roofline_section(&all_runs));
         sections.push(sections::scaling_section(&all_runs)?);
         sections.push(sections::efficiency_section(&all_runs)?);
     }

@@ -97,6 +97,41 @@ pub struct TimerMeans {
     pub source: String,
 }
 
+/// One op's rates from a `breakdown.json` written with fine timers
+/// ([`crate::metrics::Breakdown::to_json`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpRate {
+    /// Full timer name (`backward:layernorm`).
+    pub name: String,
+    pub ms_per_step: f64,
+    /// Share of the mean step, percent.
+    pub pct_of_step: f64,
+    pub gflops: Option<f64>,
+    pub gbs: Option<f64>,
+    /// Percent of the op's roofline (`None` where the run recorded no roofs).
+    pub roof_pct: Option<f64>,
+}
+
+impl OpRate {
+    /// Milliseconds per step the op would save at its roofline: its time × (1 − roof% / 100),
+    /// never below zero (an op above its roof ran from the caches).
+    pub fn headroom_ms(&self) -> Option<f64> {
+        self.roof_pct
+            .map(|p| (self.ms_per_step * (1.0 - p / 100.0)).max(0.0))
+    }
+}
+
+/// The ops of a run that declared their work, and the roofs their rates were set against
+/// (empty for runs without fine timers or from before the rates).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OpRates {
+    pub ops: Vec<OpRate>,
+    /// The peak GFLOP/s of the run's compute type, per process.
+    pub peak_gflops: Option<f64>,
+    /// The memory bandwidth, GB/s per process.
+    pub peak_gbs: Option<f64>,
+}
+
 /// A usable run.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Run {
@@ -130,6 +165,8 @@ pub struct Run {
     pub peak_pct: f64,
     pub comm_bytes: Option<f64>,
     pub timers: TimerMeans,
+    /// Each op's rates and roofline share, from `breakdown.json`.
+    pub rates: OpRates,
     /// Lines of the file that were not used (cut off, or not JSON before a resume header),
     /// as (1-based line number, why).
     pub bad_lines: Vec<(usize, String)>,
@@ -200,19 +237,58 @@ pub fn read_run(metrics: &Path, name: &str) -> Result<Run> {
     }
     let mut run = parse_run(&text, name).with_context(|| format!("in {}", metrics.display()))?;
     run.path = metrics.to_owned();
-    if run.timers.mean.is_empty() {
-        // Timers may only be in the end-of-run breakdown (or nowhere, with --timers off).
-        if let Some(dir) = metrics.parent() {
-            let bd = dir.join("breakdown.json");
-            if bd.exists() {
-                match read_breakdown_json(&bd) {
-                    Ok(t) => run.timers = t,
-                    Err(e) => run.notes.push(format!("{e:#}")),
+    // The end-of-run breakdown: each op's rates, and the timers where the steps carried none
+    // (or nowhere, with --timers off).
+    let bd = metrics.parent().map(|d| d.join("breakdown.json"));
+    if let Some(bd) = bd.filter(|p| p.exists()) {
+        match read_json(&bd) {
+            Ok(v) => {
+                if run.timers.mean.is_empty() {
+                    match breakdown_timers(&v, &bd) {
+                        Ok(t) => run.timers = t,
+                        Err(e) => run.notes.push(format!("{e:#}")),
+                    }
                 }
+                run.rates = breakdown_rates(&v);
             }
+            Err(e) => run.notes.push(format!("{e:#}")),
         }
     }
     Ok(run)
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
+}
+
+/// The rates of the ops of a `breakdown.json` that said their work (`gflops` or `gbs`), in
+/// the file's order, and its `roofs`; files without them give none.
+pub fn breakdown_rates(v: &Value) -> OpRates {
+    let positive = |x: &Value| x.as_f64().filter(|x| x.is_finite() && *x > 0.0);
+    let ops = v["ops"].as_array().map_or(&[][..], |a| a.as_slice());
+    OpRates {
+        ops: ops
+            .iter()
+            .filter_map(|op| {
+                let (gflops, gbs) = (positive(&op["gflops"]), positive(&op["gbs"]));
+                if gflops.is_none() && gbs.is_none() {
+                    return None;
+                }
+                Some(OpRate {
+                    name: op["name"].as_str()?.to_owned(),
+                    ms_per_step: op["ms_per_step"].as_f64()?,
+                    pct_of_step: op["pct"].as_f64().unwrap_or(f64::NAN),
+                    gflops,
+                    gbs,
+                    roof_pct: positive(&op["roof_pct"]),
+                })
+            })
+            .collect(),
+        peak_gflops: positive(&v["roofs"]["gflops"]),
+        peak_gbs: positive(&v["roofs"]["gbs"]),
+    }
 }
 
 /// Parses the text of a `metrics.jsonl` (see [`read_run`]).
@@ -375,6 +451,7 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
         peak_pct: med(&|s| s.rec.peak_pct),
         comm_bytes: (!comm.is_empty()).then(|| median(comm.into_iter())),
         timers,
+        rates: OpRates::default(),
         steps,
         evals: evals.into_iter().collect(),
         bad_lines,
@@ -482,13 +559,9 @@ fn timer_means(measured: &[&Step]) -> TimerMeans {
     }
 }
 
-/// Timer means from a `breakdown.json` ([`crate::metrics::Breakdown::write_json`]): the timed
-/// rows, over all of the run's steps.
-pub fn read_breakdown_json(path: &Path) -> Result<TimerMeans> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let v: Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+/// Timer means from a parsed `breakdown.json` ([`crate::metrics::Breakdown::write_json`]) at
+/// `path`: the timed rows, over all of the run's steps.
+fn breakdown_timers(v: &Value, path: &Path) -> Result<TimerMeans> {
     let ops = v["ops"]
         .as_array()
         .ok_or_else(|| anyhow!("{} has no \"ops\" list", path.display()))?;
@@ -578,6 +651,33 @@ fn dups(names: &[String]) -> BTreeSet<String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn rates_are_the_ops_that_declared_work() {
+        let v = json!({
+            "roofs": {"gflops": 200.0, "gbs": null},
+            "ops": [
+                {"name": "forward", "ms_per_step": 10.0, "pct": 50.0, "timed": true},
+                {"name": "forward:mlp:mm", "ms_per_step": 4.0, "pct": 20.0,
+                 "gflops": 150.0, "gbs": 1.5, "roof_pct": 75.0},
+                {"name": "forward:loss", "ms_per_step": 2.0, "pct": 10.0,
+                 "gflops": null, "gbs": 5.0, "roof_pct": null},
+                {"name": "forward:softmax", "ms_per_step": 1.0, "pct": 5.0,
+                 "gbs": 30.0, "roof_pct": 120.0},
+            ]
+        });
+        let r = breakdown_rates(&v);
+        assert_eq!((r.peak_gflops, r.peak_gbs), (Some(200.0), None));
+        let names: Vec<&str> = r.ops.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["forward:mlp:mm", "forward:loss", "forward:softmax"]);
+        assert_eq!(r.ops[0].headroom_ms(), Some(1.0));
+        assert_eq!((r.ops[1].gflops, r.ops[1].headroom_ms()), (None, None));
+        // Above its roof (from the caches): no time to win, not a negative one.
+        assert_eq!(r.ops[2].headroom_ms(), Some(0.0));
+        // A breakdown from before the rates has none.
+        let old = json!({"ops": [{"name": "forward", "ms_per_step": 1.0, "timed": true}]});
+        assert_eq!(breakdown_rates(&old), OpRates::default());
+    }
 
     fn header(layout: Value) -> String {
         json!({"type": "header", "config_name": "gpt2-tiny",

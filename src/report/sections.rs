@@ -734,6 +734,90 @@ pub fn efficiency_section(runs: &[Run]) -> Result<Section> {
     })
 }
 
+/// Ops per run in the Markdown view of the roofline table (the CSV has them all).
+const ROOFLINE_TOP: usize = 10;
+
+/// Each op's rates against its roofline, per run with fine timers: where a step's time could
+/// still go, the largest headroom (time above the roof) first.
+pub fn roofline_section(runs: &[Run]) -> Section {
+    let title = "Per-op rates and rooflines".to_string();
+    let with: Vec<&Run> = runs.iter().filter(|r| !r.rates.ops.is_empty()).collect();
+    if with.is_empty() {
+        return Section {
+            title,
+            items: vec![Item::Text(
+                "No run recorded per-op rates (`breakdown.json` of a run with `--timers fine`, \
+                 the default; runs from before the rates have none)."
+                    .into(),
+            )],
+        };
+    }
+    let columns = [
+        "run",
+        "op",
+        "ms/step",
+        "% of step",
+        "GFLOP/s",
+        "GB/s",
+        "roof %",
+        "headroom ms/step",
+    ];
+    let mut all = Table::new("roofline", &columns);
+    let mut top = Table::new("roofline", &columns);
+    let mut roofs = Vec::new();
+    for r in &with {
+        let mut ops: Vec<_> = r.rates.ops.iter().collect();
+        // Largest headroom first; ops without a roof after, by time.
+        ops.sort_by(|a, b| {
+            let key = |o: &super::runs::OpRate| (o.headroom_ms().unwrap_or(-1.0), o.ms_per_step);
+            key(b)
+                .partial_cmp(&key(a))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+        for (i, o) in ops.iter().enumerate() {
+            let row = vec![
+                Cell::text(&r.name),
+                Cell::text(&o.name),
+                Cell::num(o.ms_per_step, 3),
+                Cell::num(o.pct_of_step, 1),
+                Cell::opt(o.gflops, 1),
+                Cell::opt(o.gbs, 1),
+                Cell::opt(o.roof_pct, 1),
+                Cell::opt(o.headroom_ms(), 3),
+            ];
+            if i < ROOFLINE_TOP {
+                top.push(row.clone());
+            }
+            all.push(row);
+        }
+        let roof =
+            |x: Option<f64>, unit: &str| x.map_or("unknown".into(), |x| format!("{x:.1} {unit}"));
+        roofs.push(format!(
+            "`{}`: peak {}, memory {}",
+            r.name,
+            roof(r.rates.peak_gflops, "GFLOP/s"),
+            roof(r.rates.peak_gbs, "GB/s")
+        ));
+    }
+    let caption = format!(
+        "Each op that declared its work (FLOPs and compulsory bytes, `src/model/work.rs`): its \
+         rates over the run's steps and its roof %, the larger of GFLOP/s over the peak and GB/s \
+         over the memory bandwidth (its rate over the most its FLOPs per byte allow). Headroom \
+         is the time per step it would save at its roof, ms/step × (1 − roof %/100): the ops \
+         worth working on first. Above 100%, an op ran from the caches. The {ROOFLINE_TOP} \
+         largest per run are shown; the CSV has every op. Roofs per process: {}.",
+        roofs.join("; ")
+    );
+    Section {
+        title,
+        items: vec![Item::Table {
+            markdown: Some(top.to_markdown()),
+            table: all,
+            caption,
+        }],
+    }
+}
+
 /// A GEMM series: one ISA (and domain count, and file when needed) at one thread count.
 struct GemmSeries<'a> {
     label: String,
