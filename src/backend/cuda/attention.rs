@@ -1,0 +1,234 @@
+//! Attention on the CUDA backend: the three-step path's batched GEMMs over every (sequence,
+//! head) pair ([`Attn`], causal row blocks), and the fused (flash) kernels' launch geometry and
+//! arguments.
+
+use super::engine::Arg;
+use super::gemm::{Mat, Ptrs};
+use super::{
+    AttnDims, Backend, CudaBackend, Dtype, FlashWarpRows, FusedAttention, Span, ELEM_THREADS, K,
+};
+use crate::ops::attention::Heads;
+
+/// Causal blocks of the attention GEMMs: query rows in this many blocks, each multiplied only
+/// with the keys up to its last row (5/8 of the full T×T work), for T of at least
+/// [`CAUSAL_MIN_T`].
+pub(super) const CAUSAL_BLOCKS: usize = 4;
+pub(super) const CAUSAL_MIN_T: usize = 128;
+
+/// Threads per block of the fused attention kernels (`FA_THREADS`) and the largest head they
+/// hold (`FA_D`); a block owns `FLASH_ROWS` query rows or keys (`FA_ROWS`).
+pub(super) const FLASH_THREADS: u32 = 128;
+/// Row stride of the fused kernels' shared-memory tiles, in elements (`FA_LDS`).
+pub(super) const FLASH_LDS: u32 = 72;
+/// Dynamic shared memory of the wide backward attention kernels (`FA_REREAD`): two tiles (Q
+/// and dO, or K and V) of `FLASH_ROWS` rows of 16-bit elements.
+pub(super) const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * FLASH_LDS * 2;
+/// Dynamic shared memory of the one-kernel attention backward: K, V and dS.
+pub(super) const FLASH_FUSED_SHMEM: u32 = 3 * FLASH_ROWS as u32 * FLASH_LDS * 2;
+pub(super) const FLASH_MAX_HEAD: usize = 64;
+pub(super) const FLASH_ROWS: usize = 64;
+
+impl CudaBackend {
+    /// The common storage type of the fused attention's tensors, checked.
+    pub(super) fn fused_dtype(&self, d: AttnDims, spans: &[Span], what: &str) -> Dtype {
+        let dt = self.dt(spans[0]);
+        assert!(
+            spans.iter().all(|&s| self.dt(s) == dt)
+                && self.fused_attention(d.hs, dt) != FusedAttention::Unsupported,
+            "{what}: no fused attention for head size {} in {}",
+            d.hs,
+            dt.name()
+        );
+        dt
+    }
+
+    /// The fused attention's backward pass as one kernel ([`FlashBackward::Fused`]): Δ and
+    /// the kernel's counters zeroed by `flash_backward_prep`, then `flash_backward_fused` with
+    /// an f32 accumulator tile per query block (64 × 64: 16 KB, 50 MB for GPT-2 124M B=16).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_backward_one_kernel(
+        &mut self,
+        dt: Dtype,
+        delta: u64,
+        dqkv: Span,
+        dout: Span,
+        out: Span,
+        lse: Span,
+        qkv: Span,
+        d: AttnDims,
+    ) {
+        // One query block (and one work item) per tile of the grid.
+        let tiles = Self::flash_grid(d) as usize;
+        // The kernel's item counter and turns are ints.
+        assert!(
+            tiles < i32::MAX as usize,
+            "attention_backward: {tiles} tiles"
+        );
+        let acc_bytes = tiles * FLASH_ROWS * FLASH_MAX_HEAD * 4;
+        let acc = self.scratch(|s| &mut s.attn_dq, acc_bytes + 4 * (1 + tiles));
+        let sync = acc + acc_bytes as u64;
+        let (dy, y) = (self.ptr(dout), self.ptr(out));
+        let args = [
+            Arg::Ptr(delta),
+            Arg::Ptr(sync),
+            Arg::I64(1 + tiles as i64),
+            Arg::Ptr(dy),
+            Arg::Ptr(y),
+            Arg::I64(d.b as i64),
+            Arg::I64(d.t as i64),
+            Arg::I64(d.nh as i64),
+            Arg::I64(d.hs as i64),
+        ];
+        // 8 threads per row.
+        let grid = (8 * lse.len).div_ceil(ELEM_THREADS as usize) as u64;
+        self.launch(K::flash_backward_prep, dt, grid, ELEM_THREADS, 0, &args);
+        let mut args = vec![
+            Arg::Ptr(self.ptr(dqkv)),
+            Arg::Ptr(delta),
+            Arg::Ptr(dy),
+            Arg::Ptr(self.ptr(lse)),
+        ];
+        args.extend(self.flash_args(qkv, d));
+        args.extend([Arg::Ptr(acc), Arg::Ptr(sync)]);
+        let (k, threads) = FlashWarpRows::pick(
+            self.flash_warp_rows.dkv,
+            K::flash_backward_fused,
+            K::flash_backward_fused_wide,
+        );
+        self.launch(k, dt, tiles as u64, threads, FLASH_FUSED_SHMEM, &args);
+    }
+
+    /// One block per (64-row block, sequence, head); [`Self::launch`] caps the grid at the
+    /// engine's limit and the kernels loop over the rest.
+    pub(super) fn flash_grid(d: AttnDims) -> u64 {
+        (d.t.div_ceil(FLASH_ROWS) * d.b * d.nh) as u64
+    }
+
+    /// The fused kernels' trailing arguments: qkv, B, T, nh, hs, scale.
+    pub(super) fn flash_args(&self, qkv: Span, d: AttnDims) -> [Arg; 6] {
+        assert_eq!(
+            qkv.len,
+            d.b * d.t * 3 * d.nh * d.hs,
+            "fused attention: qkv length"
+        );
+        [
+            Arg::Ptr(self.ptr(qkv)),
+            Arg::I64(d.b as i64),
+            Arg::I64(d.t as i64),
+            Arg::I64(d.nh as i64),
+            Arg::I64(d.hs as i64),
+            Arg::F32(attention_scale(d.hs)),
+        ]
+    }
+}
+
+/// `1/√hs`, the value the CPU op uses.
+pub(super) fn attention_scale(hs: usize) -> f32 {
+    crate::ops::attention::scale::<f32>(hs)
+}
+
+/// Rows per block of the causal attention GEMMs for sequence length `t` (a multiple of 8, which
+/// keeps row offsets 16-byte aligned for 16-bit types; `t` itself when not blocked).
+pub(super) fn causal_block_rows(t: usize) -> usize {
+    if t >= CAUSAL_MIN_T {
+        t.div_ceil(CAUSAL_BLOCKS).next_multiple_of(8)
+    } else {
+        t.max(1)
+    }
+}
+
+/// The row blocks `(r0, r1)` of the causal attention GEMMs for sequence length `t`: each query
+/// block is multiplied with the keys up to its own last row only, so the probabilities and
+/// their gradients above the diagonal are read (and must be zero) only inside the diagonal
+/// block, which is all the softmax kernels zero.
+pub(super) fn causal_blocks(t: usize) -> Vec<(usize, usize)> {
+    let rows = causal_block_rows(t);
+    (0..t)
+        .step_by(rows.max(1))
+        .map(|r0| (r0, (r0 + rows).min(t)))
+        .collect()
+}
+
+/// The matrices of one attention call for the batched GEMMs: every (sequence, head) pair at
+/// once, placed by [`Heads`] (the layouts of `ops/attention.rs`), as [`Ptrs`] starting at a
+/// given row and column.
+pub(super) struct Attn {
+    att: u64,
+    qkv: u64,
+    /// Storage type of `att`, `qkv` and every (B, T, C) tensor of the call (one type).
+    dt: Dtype,
+    d: AttnDims,
+    /// `1/√hs`, the scores' scale.
+    pub(super) scale: f32,
+}
+
+/// A sequence's heads as a [`Heads`] layout: the base address, leading dimension and stride
+/// between heads.
+fn heads_at(base: u64, dt: Dtype, h: Heads) -> Mat {
+    (base + (dt.bytes() * h.offset) as u64, h.ld, h.stride, dt)
+}
+
+impl Attn {
+    pub(super) fn new(be: &CudaBackend, att: Span, qkv: Span, d: AttnDims) -> Attn {
+        let c = d.nh * d.hs;
+        assert_eq!(att.len, d.b * d.nh * d.t * d.t, "attention: att length");
+        assert_eq!(qkv.len, d.b * d.t * 3 * c, "attention: qkv length");
+        let dt = be.dt(qkv);
+        assert_eq!(be.dt(att), dt, "attention: att and qkv types differ");
+        Attn {
+            att: be.ptr(att),
+            qkv: be.ptr(qkv),
+            dt,
+            d,
+            scale: attention_scale(d.hs),
+        }
+    }
+
+    /// Element (row0, col0) of every head of every sequence, for per-sequence layouts `m`.
+    pub(super) fn every_head(&self, m: impl Fn(usize) -> Mat, row0: usize, col0: usize) -> Ptrs {
+        let mut ptrs = Vec::with_capacity(self.d.b * self.d.nh);
+        let mut ld = 0;
+        for bi in 0..self.d.b {
+            let (base, l, stride, dt) = m(bi);
+            ld = l;
+            let at = |h: usize| base + (dt.bytes() * (h * stride + row0 * l + col0)) as u64;
+            ptrs.extend((0..self.d.nh).map(at));
+        }
+        (ptrs, ld, self.dt)
+    }
+
+    /// Part `part` (0 Q, 1 K, 2 V) of every head, from row `row0`.
+    pub(super) fn qkv(&self, part: usize, row0: usize) -> Ptrs {
+        let d = self.d;
+        let f = |bi| heads_at(self.qkv, self.dt, Heads::qkv(bi, part, d.t, d.nh, d.hs));
+        self.every_head(f, row0, 0)
+    }
+
+    /// `att` of every head from element (row0, col0).
+    pub(super) fn att_at(&self, row0: usize, col0: usize) -> Ptrs {
+        let d = self.d;
+        self.every_head(
+            |bi| heads_at(self.att, self.dt, Heads::att(bi, d.t, d.nh)),
+            row0,
+            col0,
+        )
+    }
+
+    /// A (B, T, C) tensor as per-sequence head layouts.
+    pub(super) fn btc(&self, be: &CudaBackend, s: Span) -> impl Fn(usize) -> Mat {
+        let d = self.d;
+        assert_eq!(
+            s.len,
+            d.b * d.t * d.nh * d.hs,
+            "attention: (B, T, C) length"
+        );
+        let (p, dt) = (be.ptr(s), be.dt(s));
+        assert_eq!(dt, self.dt, "attention: (B, T, C) tensor of another type");
+        move |bi| heads_at(p, dt, Heads::btc(bi, d.t, d.nh, d.hs))
+    }
+
+    /// Every head of a (B, T, C) tensor ([`Self::btc`]) from row `row0`.
+    pub(super) fn rows_of(&self, m: &impl Fn(usize) -> Mat, row0: usize) -> Ptrs {
+        self.every_head(m, row0, 0)
+    }
+}
