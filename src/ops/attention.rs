@@ -9,9 +9,44 @@
 //! Every matrix product is a strided batched GEMM over the heads of one batch element (batch
 //! stride `hs` inside a qkv or output row, `T·T` in `att`), reading and writing the fused
 //! layouts in place through strides: no head split or merge copies.
+//!
+//! Causal blocks ([`causal_blocks`], the rule every backend follows): from T = 128 the query
+//! rows go in four blocks, and each block's products use the keys up to its own last row only
+//! (the scores, the values and their gradients), 5/8 of the T×T work. Entries of `att` and
+//! `datt` right of a row's block are then never written or read; the softmax and its
+//! backward zero the rest of each row, so the products see exact zeros above the diagonal.
 
 use super::{BatchMat, BatchMatMut, Float, Precision};
 use rayon::prelude::*;
+
+/// Causal blocks of the attention GEMMs: query rows in this many blocks, each multiplied only
+/// with the keys up to its last row (5/8 of the full T×T work), for T of at least
+/// [`CAUSAL_MIN_T`].
+pub const CAUSAL_BLOCKS: usize = 4;
+/// The shortest sequence whose attention GEMMs run in causal blocks.
+pub const CAUSAL_MIN_T: usize = 128;
+
+/// Rows per block of the causal attention GEMMs for sequence length `t` (a multiple of 8, which
+/// keeps row offsets 16-byte aligned for 16-bit types; `t` itself when not blocked).
+pub fn causal_block_rows(t: usize) -> usize {
+    if t >= CAUSAL_MIN_T {
+        t.div_ceil(CAUSAL_BLOCKS).next_multiple_of(8)
+    } else {
+        t.max(1)
+    }
+}
+
+/// The row blocks `(r0, r1)` of the causal attention GEMMs for sequence length `t`: each query
+/// block is multiplied with the keys up to its own last row only, so the probabilities and
+/// their gradients above the diagonal are read (and must be zero) only inside the diagonal
+/// block.
+pub fn causal_blocks(t: usize) -> Vec<(usize, usize)> {
+    let rows = causal_block_rows(t);
+    (0..t)
+        .step_by(rows.max(1))
+        .map(|r0| (r0, (r0 + rows).min(t)))
+        .collect()
+}
 
 fn check(qkv: usize, b: usize, t: usize, nh: usize, hs: usize, op: &str) {
     assert_eq!(qkv, b * t * 3 * nh * hs, "{op}: qkv length");
@@ -79,6 +114,22 @@ impl Heads {
         }
     }
 
+    /// Rows `r0..r1` and columns `c0..c1` of every head's matrix.
+    pub fn block(self, (r0, r1): (usize, usize), (c0, c1): (usize, usize)) -> Heads {
+        assert!(
+            r0 <= r1 && r1 <= self.rows && c0 <= c1 && c1 <= self.cols,
+            "Heads::block: rows {r0}..{r1} of {}, columns {c0}..{c1} of {}",
+            self.rows,
+            self.cols
+        );
+        Heads {
+            offset: self.offset + r0 * self.ld + c0,
+            rows: r1 - r0,
+            cols: c1 - c0,
+            ..self
+        }
+    }
+
     /// The range of row `row` of head `head`'s matrix.
     pub fn row(&self, head: usize, row: usize) -> std::ops::Range<usize> {
         let start = self.offset + row * self.ld + head * self.stride;
@@ -113,44 +164,6 @@ impl Heads {
     }
 }
 
-fn qkv_part<T>(
-    qkv: &[T],
-    bi: usize,
-    part: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
-) -> BatchMat<'_, T> {
-    Heads::qkv(bi, part, t, nh, hs).view(qkv)
-}
-
-fn qkv_part_mut<T>(
-    dqkv: &mut [T],
-    bi: usize,
-    part: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
-) -> BatchMatMut<'_, T> {
-    Heads::qkv(bi, part, t, nh, hs).view_mut(dqkv)
-}
-
-fn btc<T>(x: &[T], bi: usize, t: usize, nh: usize, hs: usize) -> BatchMat<'_, T> {
-    Heads::btc(bi, t, nh, hs).view(x)
-}
-
-fn btc_mut<T>(x: &mut [T], bi: usize, t: usize, nh: usize, hs: usize) -> BatchMatMut<'_, T> {
-    Heads::btc(bi, t, nh, hs).view_mut(x)
-}
-
-fn att_of<T>(att: &[T], bi: usize, t: usize, nh: usize) -> BatchMat<'_, T> {
-    Heads::att(bi, t, nh).view(att)
-}
-
-fn att_of_mut<T>(att: &mut [T], bi: usize, t: usize, nh: usize) -> BatchMatMut<'_, T> {
-    Heads::att(bi, t, nh).view_mut(att)
-}
-
 /// `1/sqrt(hs)`, computed in `f64` and rounded once (every backend uses this value).
 pub fn scale<T: Float>(hs: usize) -> T {
     T::from_f64(1.0 / (hs as f64).sqrt())
@@ -158,11 +171,12 @@ pub fn scale<T: Float>(hs: usize) -> T {
 
 /// Attention scores: `att[b, h] = Q[b, h]·K[b, h]ᵀ / sqrt(hs)` (the pre-softmax logits).
 ///
-/// * `att`: (B, nh, T, T), **overwritten** (every entry; those above the diagonal are computed
-///   too and are meaningless until [`attention_softmax`]).
+/// * `att`: (B, nh, T, T), **overwritten** up to the end of each row's causal block (entries
+///   above the diagonal inside it are meaningless until [`attention_softmax`]; those right of
+///   it are not written).
 /// * `qkv`: (B, T, 3·nh·hs).
 ///
-/// One strided batched GEMM (batch = nh) per batch element.
+/// One strided batched GEMM (batch = nh) per batch element and causal block.
 pub fn attention_scores<T: Float>(
     prec: Precision,
     att: &mut [T],
@@ -176,14 +190,22 @@ pub fn attention_scores<T: Float>(
     assert_eq!(att.len(), b * nh * t * t, "attention_scores: att length");
     let alpha = scale::<T>(hs);
     for bi in 0..b {
-        T::gemm_strided_batched(
-            prec,
-            alpha,
-            qkv_part(qkv, bi, 0, t, nh, hs),
-            qkv_part(qkv, bi, 1, t, nh, hs).t(),
-            T::ZERO,
-            att_of_mut(att, bi, t, nh),
+        let (q, k, a) = (
+            Heads::qkv(bi, 0, t, nh, hs),
+            Heads::qkv(bi, 1, t, nh, hs),
+            Heads::att(bi, t, nh),
         );
+        for (r0, r1) in causal_blocks(t) {
+            // att[r0..r1, 0..r1] = α·Q[r0..r1]·K[0..r1]ᵀ
+            T::gemm_strided_batched(
+                prec,
+                alpha,
+                q.block((r0, r1), (0, hs)).view(qkv),
+                k.block((0, r1), (0, hs)).view(qkv).t(),
+                T::ZERO,
+                a.block((r0, r1), (0, r1)).view_mut(att),
+            );
+        }
     }
 }
 
@@ -230,21 +252,30 @@ pub fn attention_values<T: Float>(
     assert_eq!(att.len(), b * nh * t * t, "attention_values: att length");
     assert_eq!(out.len(), b * t * nh * hs, "attention_values: out length");
     for bi in 0..b {
-        T::gemm_strided_batched(
-            prec,
-            T::ONE,
-            att_of(att, bi, t, nh),
-            qkv_part(qkv, bi, 2, t, nh, hs),
-            T::ZERO,
-            btc_mut(out, bi, t, nh, hs),
+        let (a, v, o) = (
+            Heads::att(bi, t, nh),
+            Heads::qkv(bi, 2, t, nh, hs),
+            Heads::btc(bi, t, nh, hs),
         );
+        for (r0, r1) in causal_blocks(t) {
+            // out[r0..r1] = att[r0..r1, 0..r1]·V[0..r1]
+            T::gemm_strided_batched(
+                prec,
+                T::ONE,
+                a.block((r0, r1), (0, r1)).view(att),
+                v.block((0, r1), (0, hs)).view(qkv),
+                T::ZERO,
+                o.block((r0, r1), (0, hs)).view_mut(out),
+            );
+        }
     }
 }
 
 /// Backward of [`attention_values`].
 ///
-/// * `datt`: (B, nh, T, T), **overwritten** with `dout·Vᵀ` per head (entries above the
-///   diagonal are computed and later zeroed by [`attention_softmax_backward`]).
+/// * `datt`: (B, nh, T, T), **overwritten** with `dout·Vᵀ` per head up to the end of each
+///   row's causal block (entries above the diagonal inside it are zeroed later by
+///   [`attention_softmax_backward`]; those right of it are not written).
 /// * `dqkv`: (B, T, 3C); its V columns are **overwritten** with `attᵀ·dout`; Q and K columns
 ///   are untouched.
 /// * `dout`: (B, T, C); `att`, `qkv` from the forward pass.
@@ -279,22 +310,32 @@ pub fn attention_values_backward<T: Float>(
         "attention_values_backward: dout length"
     );
     for bi in 0..b {
-        T::gemm_strided_batched(
-            prec,
-            T::ONE,
-            btc(dout, bi, t, nh, hs),
-            qkv_part(qkv, bi, 2, t, nh, hs).t(),
-            T::ZERO,
-            att_of_mut(datt, bi, t, nh),
+        let (a, v, g) = (
+            Heads::att(bi, t, nh),
+            Heads::qkv(bi, 2, t, nh, hs),
+            Heads::btc(bi, t, nh, hs),
         );
-        T::gemm_strided_batched(
-            prec,
-            T::ONE,
-            att_of(att, bi, t, nh).t(),
-            btc(dout, bi, t, nh, hs),
-            T::ZERO,
-            qkv_part_mut(dqkv, bi, 2, t, nh, hs),
-        );
+        for (r0, r1) in causal_blocks(t) {
+            // datt[r0..r1, 0..r1] = dout[r0..r1]·V[0..r1]ᵀ
+            T::gemm_strided_batched(
+                prec,
+                T::ONE,
+                g.block((r0, r1), (0, hs)).view(dout),
+                v.block((0, r1), (0, hs)).view(qkv).t(),
+                T::ZERO,
+                a.block((r0, r1), (0, r1)).view_mut(datt),
+            );
+            // dV[r0..r1] = att[r0..T, r0..r1]ᵀ·dout[r0..T] (att is 0 above the diagonal, so
+            // earlier query rows add nothing).
+            T::gemm_strided_batched(
+                prec,
+                T::ONE,
+                a.block((r0, t), (r0, r1)).view(att).t(),
+                g.block((r0, t), (0, hs)).view(dout),
+                T::ZERO,
+                v.block((r0, r1), (0, hs)).view_mut(dqkv),
+            );
+        }
     }
 }
 
@@ -395,22 +436,31 @@ pub fn attention_scores_backward<T: Float>(
     );
     let alpha = scale::<T>(hs);
     for bi in 0..b {
-        T::gemm_strided_batched(
-            prec,
-            alpha,
-            att_of(datt, bi, t, nh),
-            qkv_part(qkv, bi, 1, t, nh, hs),
-            T::ZERO,
-            qkv_part_mut(dqkv, bi, 0, t, nh, hs),
+        let (a, q, k) = (
+            Heads::att(bi, t, nh),
+            Heads::qkv(bi, 0, t, nh, hs),
+            Heads::qkv(bi, 1, t, nh, hs),
         );
-        T::gemm_strided_batched(
-            prec,
-            alpha,
-            att_of(datt, bi, t, nh).t(),
-            qkv_part(qkv, bi, 0, t, nh, hs),
-            T::ZERO,
-            qkv_part_mut(dqkv, bi, 1, t, nh, hs),
-        );
+        for (r0, r1) in causal_blocks(t) {
+            // dQ[r0..r1] = α·datt[r0..r1, 0..r1]·K[0..r1]
+            T::gemm_strided_batched(
+                prec,
+                alpha,
+                a.block((r0, r1), (0, r1)).view(datt),
+                k.block((0, r1), (0, hs)).view(qkv),
+                T::ZERO,
+                q.block((r0, r1), (0, hs)).view_mut(dqkv),
+            );
+            // dK[r0..r1] = α·datt[r0..T, r0..r1]ᵀ·Q[r0..T]
+            T::gemm_strided_batched(
+                prec,
+                alpha,
+                a.block((r0, t), (r0, r1)).view(datt).t(),
+                q.block((r0, t), (0, hs)).view(qkv),
+                T::ZERO,
+                k.block((r0, r1), (0, hs)).view_mut(dqkv),
+            );
+        }
     }
 }
 
@@ -691,27 +741,34 @@ mod tests {
         (qkv, rng.vec(b * t * nh * hs))
     }
 
+    /// Against the per-head loop and finite differences, at T = 5 (one block) and T = 131
+    /// (four causal blocks of 40 rows, the last ragged: [`causal_blocks`]).
     #[test]
     fn gradients_match_finite_differences() {
-        let (b, t, nh, hs) = (2, 5, 2, 3);
-        let (qkv, dout) = inputs(40, 1.5, b, t, nh, hs);
-        let (att, out) = forward(&qkv, b, t, nh, hs);
-        assert_close(
-            "out vs reference",
-            &out,
-            &reference(&qkv, b, t, nh, hs),
-            1e-13,
+        assert_eq!(
+            causal_blocks(131),
+            [(0, 40), (40, 80), (80, 120), (120, 131)]
         );
-        // Causal structure: zeros above the diagonal, rows sum to 1.
-        for (r, row) in att.chunks(t).enumerate() {
-            let i = r % t;
-            assert!(row[i + 1..].iter().all(|&x| x == 0.0));
-            assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-14);
+        for (b, t, nh, hs) in [(2, 5, 2, 3), (1, 131, 2, 2)] {
+            let (qkv, dout) = inputs(40, 1.5, b, t, nh, hs);
+            let (att, out) = forward(&qkv, b, t, nh, hs);
+            assert_close(
+                "out vs reference",
+                &out,
+                &reference(&qkv, b, t, nh, hs),
+                1e-13,
+            );
+            // Causal structure: zeros above the diagonal, rows sum to 1.
+            for (r, row) in att.chunks(t).enumerate() {
+                let i = r % t;
+                assert!(row[i + 1..].iter().all(|&x| x == 0.0));
+                assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-14);
+            }
+            let dqkv = backward(&dout, &att, &qkv, b, t, nh, hs);
+            check_grad("dqkv", &qkv, &dqkv, |x| {
+                dot(&dout, &forward(x, b, t, nh, hs).1)
+            });
         }
-        let dqkv = backward(&dout, &att, &qkv, b, t, nh, hs);
-        check_grad("dqkv", &qkv, &dqkv, |x| {
-            dot(&dout, &forward(x, b, t, nh, hs).1)
-        });
     }
 
     /// The fused reference is the three-step path without the (T, T) tensor: in f64 both
@@ -754,17 +811,19 @@ mod tests {
     /// The f32 path (fugu-gemm strided batches over the fused layouts) against the f64 loop.
     #[test]
     fn f32_matches_f64() {
-        let (b, t, nh, hs) = (2, 67, 2, 20);
-        let mut rng = Rng::new(41);
-        let qkv = round_f32(&rng.vec(b * t * 3 * nh * hs));
-        let dout = round_f32(&rng.vec(b * t * nh * hs));
-        let (att64, out64) = forward(&qkv, b, t, nh, hs);
-        let (att32, out32) = forward(&to_f32(&qkv), b, t, nh, hs);
-        assert_close_f32("att", &att32, &att64, 1e-5);
-        assert_close_f32("out", &out32, &out64, 1e-5);
-        let d64 = backward(&dout, &att64, &qkv, b, t, nh, hs);
-        let d32 = backward(&to_f32(&dout), &att32, &to_f32(&qkv), b, t, nh, hs);
-        assert_close_f32("dqkv", &d32, &d64, 1e-5);
+        // T = 67: one block; T = 150: four causal blocks of 40 rows, the last 30.
+        for (b, t, nh, hs) in [(2, 67, 2, 20), (1, 150, 3, 16)] {
+            let mut rng = Rng::new(41);
+            let qkv = round_f32(&rng.vec(b * t * 3 * nh * hs));
+            let dout = round_f32(&rng.vec(b * t * nh * hs));
+            let (att64, out64) = forward(&qkv, b, t, nh, hs);
+            let (att32, out32) = forward(&to_f32(&qkv), b, t, nh, hs);
+            assert_close_f32("att", &att32, &att64, 1e-5);
+            assert_close_f32("out", &out32, &out64, 1e-5);
+            let d64 = backward(&dout, &att64, &qkv, b, t, nh, hs);
+            let d32 = backward(&to_f32(&dout), &att32, &to_f32(&qkv), b, t, nh, hs);
+            assert_close_f32("dqkv", &d32, &d64, 1e-5);
+        }
     }
 
     /// Each backward step overwrites only its own columns of dqkv.

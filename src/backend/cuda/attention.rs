@@ -1,5 +1,5 @@
 //! Attention on the CUDA backend: the three-step path's batched GEMMs over every (sequence,
-//! head) pair ([`Attn`], causal row blocks), and the fused (flash) kernels' launch geometry and
+//! head) pair ([`Attn`]; the causal row blocks are `ops/attention.rs`'s), and the fused (flash) kernels' launch geometry and
 //! arguments.
 
 use super::engine::Arg;
@@ -8,12 +8,7 @@ use super::{
     AttnDims, Backend, CudaBackend, Dtype, FlashWarpRows, FusedAttention, Span, ELEM_THREADS, K,
 };
 use crate::ops::attention::Heads;
-
-/// Causal blocks of the attention GEMMs: query rows in this many blocks, each multiplied only
-/// with the keys up to its last row (5/8 of the full T×T work), for T of at least
-/// [`CAUSAL_MIN_T`].
-pub(super) const CAUSAL_BLOCKS: usize = 4;
-pub(super) const CAUSAL_MIN_T: usize = 128;
+pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
 
 /// Threads per block of the fused attention kernels (`FA_THREADS`) and the largest head they
 /// hold (`FA_D`); a block owns `FLASH_ROWS` query rows or keys (`FA_ROWS`).
@@ -125,28 +120,6 @@ impl CudaBackend {
 /// `1/√hs`, the value the CPU op uses.
 pub(super) fn attention_scale(hs: usize) -> f32 {
     crate::ops::attention::scale::<f32>(hs)
-}
-
-/// Rows per block of the causal attention GEMMs for sequence length `t` (a multiple of 8, which
-/// keeps row offsets 16-byte aligned for 16-bit types; `t` itself when not blocked).
-pub(super) fn causal_block_rows(t: usize) -> usize {
-    if t >= CAUSAL_MIN_T {
-        t.div_ceil(CAUSAL_BLOCKS).next_multiple_of(8)
-    } else {
-        t.max(1)
-    }
-}
-
-/// The row blocks `(r0, r1)` of the causal attention GEMMs for sequence length `t`: each query
-/// block is multiplied with the keys up to its own last row only, so the probabilities and
-/// their gradients above the diagonal are read (and must be zero) only inside the diagonal
-/// block, which is all the softmax kernels zero.
-pub(super) fn causal_blocks(t: usize) -> Vec<(usize, usize)> {
-    let rows = causal_block_rows(t);
-    (0..t)
-        .step_by(rows.max(1))
-        .map(|r0| (r0, (r0 + rows).min(t)))
-        .collect()
 }
 
 /// The matrices of one attention call for the batched GEMMs: every (sequence, head) pair at
