@@ -112,7 +112,7 @@ fn main() -> anyhow::Result<()> {
             host_only::report(&args, &cfg, &params, (b, t), run)?;
             continue;
         }
-        let (times, bd, peak, device) = fugu::with_backend!(args.device, cuda, |be| {
+        let (times, bd, peak, memory, device) = fugu::with_backend!(args.device, cuda, |be| {
             time_steps(be, &cfg, &params, (b, t), run)
         })?;
         if let Some((_, source)) = &peak {
@@ -123,7 +123,7 @@ fn main() -> anyhow::Result<()> {
         let mut bd = bd;
         bd.set_roofs(Roofs {
             gflops: Some(peak),
-            ..bd.roofs
+            gbs: memory,
         });
         let mut times = times;
         times.sort_by(f64::total_cmp);
@@ -147,14 +147,22 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Step times (ms), the per-op breakdown, the device's peak and its source, the device.
-type Timed = (Vec<f64>, Breakdown, Option<(f64, String)>, String);
+/// Step times (ms), the per-op breakdown, the device's peak and its source, its memory
+/// bandwidth (GB/s, measured or known at fine timers), the device.
+type Timed = (
+    Vec<f64>,
+    Breakdown,
+    Option<(f64, String)>,
+    Option<f64>,
+    String,
+);
 
 /// Timed steps, timer detail, precision, recomputation.
 type Run = (usize, TimerLevel, Precision, Recompute);
 
 /// One warm-up step and `steps` timed steps of B×T on `be`: the step times (ms), the per-op
-/// breakdown, the device's peak (GFLOP/s, when it has its own) and its description.
+/// breakdown, the device's peak (GFLOP/s, when it has its own), its memory bandwidth (at fine
+/// timers) and its description.
 fn time_steps<B: Backend>(
     be: B,
     cfg: &ModelConfig,
@@ -233,10 +241,6 @@ fn time_steps<B: Backend>(
         }
     }
     let total: f64 = times.iter().sum();
-    let mut bd = timers.breakdown(total, times.len() as u64);
-    bd.set_roofs(Roofs {
-        gflops: None,
-        gbs: memory.map(|m| m.0),
-    });
-    Ok((times, bd, peak, device))
+    let bd = timers.breakdown(total, times.len() as u64);
+    Ok((times, bd, peak, memory.map(|m| m.0), device))
 }
