@@ -145,7 +145,7 @@ mod imp {
             next: 1 << 40,
         };
         let be = CudaBackend::with_engine(Box::new(engine)).with_env_settings()?;
-        let (times, _, _, _) = time_steps(be, cfg, params, shape, run)?;
+        let (times, ..) = time_steps(be, cfg, params, shape, run)?;
         let counts = counts.lock().expect("counts lock").clone();
         Ok((times, counts))
     }
