@@ -163,8 +163,9 @@ super::row_isa::dispatch_rows! {
 ///
 /// Per row, with `x̂ = (inp - mean)·rstd` and `g = dout·w`:
 /// `dinp += rstd·(g - mean(g) - x̂·mean(g·x̂))`, the two row means accumulated in `f64` lanes.
-/// `dinp` is parallel over rows; `dw`/`dbias` are parallel over blocks of columns, each element
-/// summed over rows in order (in `T`), so the result is independent of the thread count.
+/// Parallel over blocks of rows; `dw`/`dbias` are summed over each block's rows in order, then
+/// over the blocks in order (in `T`, `ops::ROW_BLOCK`), so the result is independent of the
+/// thread count.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward<T: Float>(
     dinp: &mut [T],
@@ -187,30 +188,35 @@ pub fn layernorm_backward<T: Float>(
     assert_eq!(dbias.len(), c, "layernorm_backward: dbias length");
     assert_eq!(mean.len(), n, "layernorm_backward: mean length");
     assert_eq!(rstd.len(), n, "layernorm_backward: rstd length");
-    dinp.par_chunks_mut(c)
-        .zip(dout.par_chunks(c))
-        .zip(inp.par_chunks(c))
-        .zip(mean.par_iter().zip(rstd.par_iter()))
-        .for_each(|(((di, g), x), (&mu, &rs))| T::layernorm_backward_row(di, g, x, w, mu, rs));
-
-    // Parameter gradients: columns split across tasks, rows summed in order.
-    const CW: usize = super::COL_CHUNK;
-    dw.par_chunks_mut(CW)
-        .zip(dbias.par_chunks_mut(CW))
-        .enumerate()
-        .for_each(|(blk, (dwc, dbc))| {
-            let j0 = blk * CW;
-            let j1 = j0 + dwc.len();
-            for i in 0..n {
-                let (mu, rs) = (mean[i], rstd[i]);
-                let g = &dout[i * c + j0..i * c + j1];
-                let x = &inp[i * c + j0..i * c + j1];
-                for (((dwj, dbj), &gj), &xj) in dwc.iter_mut().zip(dbc.iter_mut()).zip(g).zip(x) {
-                    *dwj += gj * ((xj - mu) * rs);
-                    *dbj += gj;
+    // One pass over each block of rows: the input gradient row by row, and the rows' shares of
+    // the parameter gradients into the block's partials `[dw (C) | dbias (C)]` while the rows
+    // are in cache; then the blocks' partials in order (`ops::ROW_BLOCK`).
+    let rows = super::ROW_BLOCK;
+    let mut partials = super::block_partials::<T>(n, 2 * c);
+    partials
+        .par_chunks_mut(2 * c)
+        .zip(dinp.par_chunks_mut(rows * c))
+        .zip(dout.par_chunks(rows * c))
+        .zip(inp.par_chunks(rows * c))
+        .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
+        .for_each(|((((p, di), g), x), (mu, rs))| {
+            let (pw, pb) = p.split_at_mut(c);
+            for ((((di, g), x), &mu), &rs) in di
+                .chunks_exact_mut(c)
+                .zip(g.chunks_exact(c))
+                .zip(x.chunks_exact(c))
+                .zip(mu)
+                .zip(rs)
+            {
+                T::layernorm_backward_row(di, g, x, w, mu, rs);
+                for (((pwj, pbj), &gj), &xj) in pw.iter_mut().zip(pb.iter_mut()).zip(g).zip(x) {
+                    *pwj += gj * ((xj - mu) * rs);
+                    *pbj += gj;
                 }
             }
         });
+    super::add_block_partials(dw, &partials, 2 * c, 0);
+    super::add_block_partials(dbias, &partials, 2 * c, c);
 }
 
 #[cfg(test)]

@@ -133,8 +133,8 @@ fn linear_onto<T: Float>(
 ///   (e.g. the first layer's input needs no gradient).
 /// * `dw`: same layout and size as `w`, **accumulated** (`beta = 1`): `+= inpᵀ·dout` for
 ///   `InOut`, `+= doutᵀ·inp` for `OutIn`.
-/// * `dbias`: (OC), **accumulated** with the column sums of `dout` (rows summed in order,
-///   parallel over column blocks).
+/// * `dbias`: (OC), **accumulated** with the column sums of `dout` (fixed blocks of rows summed
+///   in order, then the blocks in order: `ops::add_column_sums`).
 /// * `dout`: (N, OC); `inp`: (N, IC); `w` as in the forward pass.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward<T: Float>(

@@ -8,8 +8,9 @@
 //!   views, so transposes, heads and the fused qkv layout cost no copies.
 //! * Everything else is parallel over rows (`B*T`, or `(b, head, row)`) with rayon; each row's
 //!   arithmetic is sequential, so results never depend on the number of threads. Reductions
-//!   over rows into parameter gradients (layernorm `dw`/`db`, bias gradients, `dwte`/`dwpe`)
-//!   give every output element to one task that sums in a fixed row order.
+//!   over rows into parameter gradients (layernorm `dw`/`db`, bias gradients) sum fixed blocks
+//!   of rows into partial vectors, then the partials in block order ([`ROW_BLOCK`]); `dwte`/
+//!   `dwpe` give every output element to one task that sums in a fixed row order.
 //! * Each function documents which outputs it overwrites and which it accumulates (`+=`).
 //!   Slice lengths are asserted on entry; these are internal APIs and callers validate user
 //!   input. No `unsafe`.
@@ -63,27 +64,125 @@ use rayon::prelude::*;
 /// thread count; elementwise results would not anyway).
 pub(crate) const ELEM_CHUNK: usize = 8192;
 
-/// Columns per task in the column-split reductions (one 64-byte line of `f32`).
-pub(crate) const COL_CHUNK: usize = 16;
+/// Rows per block of the reductions over rows into column vectors (bias and layernorm
+/// parameter gradients, [`add_column_sums`]): each block's rows are summed in order into the
+/// block's own partial vector, reading whole rows (contiguous), then the blocks' partials are
+/// added in block order. Fixed, so the grouping, and with it every bit of the result, never
+/// depends on the number of threads.
+pub(crate) const ROW_BLOCK: usize = 64;
 
-/// `dst[j] += Σ_i src[i*width + j]` over rows `i = 0..n` in increasing order, for every column
-/// `j < width` (`dst.len() == width`). Parallel over blocks of columns, so each element is
-/// summed in the same fixed order whatever the number of threads.
+/// Columns per task when the blocks' partials are added ([`add_block_partials`]).
+const PARTIAL_COLUMNS: usize = 1024;
+
+/// Zeroed partial vectors, `per_block` elements for each [`ROW_BLOCK`]-row block of `n` rows.
+pub(crate) fn block_partials<T: Float>(n: usize, per_block: usize) -> Vec<T> {
+    vec![T::ZERO; n.div_ceil(ROW_BLOCK) * per_block]
+}
+
+/// `dst[j] += Σ_b partials[b·stride + offset + j]`, the blocks `b` added in increasing order
+/// (after the sum of the blocks' own rows, see [`ROW_BLOCK`]). Parallel over columns.
+pub(crate) fn add_block_partials<T: Float>(
+    dst: &mut [T],
+    partials: &[T],
+    stride: usize,
+    offset: usize,
+) {
+    assert!(
+        offset + dst.len() <= stride && partials.len() % stride.max(1) == 0,
+        "add_block_partials: {} columns at {offset} of {stride}-wide partials",
+        dst.len()
+    );
+    if dst.is_empty() {
+        return;
+    }
+    dst.par_chunks_mut(PARTIAL_COLUMNS)
+        .enumerate()
+        .for_each(|(blk, d)| {
+            let j0 = offset + blk * PARTIAL_COLUMNS;
+            let mut sum = vec![T::ZERO; d.len()];
+            for p in partials.chunks_exact(stride) {
+                for (s, &v) in sum.iter_mut().zip(&p[j0..j0 + d.len()]) {
+                    *s += v;
+                }
+            }
+            for (x, s) in d.iter_mut().zip(sum) {
+                *x += s;
+            }
+        });
+}
+
+/// `dst[j] += Σ_i src[i*width + j]` over rows `i = 0..n` for every column `j < width`
+/// (`dst.len() == width`): the rows in [`ROW_BLOCK`]-row blocks, each summed in row order,
+/// then the blocks in order, so the result is the same whatever the number of threads.
 pub(crate) fn add_column_sums<T: Float>(dst: &mut [T], src: &[T], n: usize) {
     let width = dst.len();
     assert_eq!(src.len(), n * width, "add_column_sums: src length");
     if width == 0 {
         return;
     }
-    dst.par_chunks_mut(COL_CHUNK)
-        .enumerate()
-        .for_each(|(blk, d)| {
-            let j0 = blk * COL_CHUNK;
-            for i in 0..n {
-                let row = &src[i * width + j0..i * width + j0 + d.len()];
-                for (x, &y) in d.iter_mut().zip(row) {
+    let mut partials = block_partials::<T>(n, width);
+    partials
+        .par_chunks_mut(width)
+        .zip(src.par_chunks(ROW_BLOCK * width))
+        .for_each(|(p, rows)| {
+            for row in rows.chunks_exact(width) {
+                for (x, &y) in p.iter_mut().zip(row) {
                     *x += y;
                 }
             }
         });
+    add_block_partials(dst, &partials, width, 0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::*;
+    use super::*;
+
+    /// Column sums against a plain f64 sum on row counts around the block size and widths
+    /// around the partials' column chunk, accumulated into what `dst` held, and the same bits
+    /// whatever the number of threads.
+    #[test]
+    fn column_sums_add_every_row_whatever_the_threads() {
+        let mut rng = Rng::new(31);
+        for (n, width) in [
+            (0, 5),
+            (1, 1),
+            (63, 17),
+            (64, 3),
+            (65, 17),
+            (130, 1030),
+            (200, 1),
+        ] {
+            let src = round_f32(&rng.vec(n * width));
+            let start = round_f32(&rng.vec(width));
+            let want: Vec<f64> = (0..width)
+                .map(|j| start[j] + (0..n).map(|i| src[i * width + j]).sum::<f64>())
+                .collect();
+            let run = |threads| {
+                with_threads(threads, || {
+                    let mut dst = to_f32(&start);
+                    add_column_sums(&mut dst, &to_f32(&src), n);
+                    dst
+                })
+            };
+            let got = run(1);
+            // f32 sums of up to 200 terms of magnitude <= 1: well inside 1e-4.
+            assert_close_f32(&format!("{n}x{width}"), &got, &want, 1e-4);
+            assert_eq!(got, run(2), "{n}x{width}: threads change the bits");
+        }
+    }
+
+    /// The partials of the blocks are added in order at the requested offset of each block's
+    /// vector, and nothing else is read.
+    #[test]
+    fn block_partials_add_the_requested_columns() {
+        // Three blocks of 5-wide partials; columns 2..4 of each.
+        let partials: Vec<f32> = (0..15).map(|v| v as f32).collect();
+        let mut dst = vec![100.0f32, 200.0];
+        add_block_partials(&mut dst, &partials, 5, 2);
+        assert_eq!(dst, [100.0 + 2.0 + 7.0 + 12.0, 200.0 + 3.0 + 8.0 + 13.0]);
+        assert_eq!(block_partials::<f32>(129, 3).len(), 3 * 3);
+        assert!(block_partials::<f32>(0, 3).is_empty());
+    }
 }
