@@ -88,7 +88,7 @@ pub(crate) fn add_block_partials<T: Float>(
     offset: usize,
 ) {
     assert!(
-        offset + dst.len() <= stride && partials.len() % stride.max(1) == 0,
+        offset + dst.len() <= stride && partials.len().is_multiple_of(stride.max(1)),
         "add_block_partials: {} columns at {offset} of {stride}-wide partials",
         dst.len()
     );
