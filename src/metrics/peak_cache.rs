@@ -95,6 +95,7 @@ pub fn cached_peak(path: Option<&Path>, cpu: &str, isa: Isa, threads: usize) -> 
     let k = key(cpu, isa);
     let kept = path.and_then(|p| {
         keep_highest(
+            "peak",
             p,
             measured_peak.per_core_gflops,
             |c| c.entries.get(&k).map(|e| e.per_core_gflops),
@@ -132,6 +133,7 @@ pub fn cached_bandwidth(
     let k = format!("{cpu}|{threads} threads|in-place triad");
     let kept = path.and_then(|p| {
         keep_highest(
+            "memory bandwidth",
             p,
             measured,
             |c| c.bandwidth.get(&k).map(|e| e.gbs),
@@ -156,8 +158,9 @@ pub fn cached_bandwidth(
 /// The cached figure `stored` reads from the cache at `path` when it is at least `measured`
 /// (and `FUGU_PEAK_REMEASURE` is not `1`); otherwise `None`, after `store(cache, measured,
 /// unix time, version)` wrote the measurement into the file. A file that cannot be written
-/// costs a warning, not the run.
+/// costs a warning naming `what` was measured, not the run.
 fn keep_highest(
+    what: &str,
     path: &Path,
     measured: f64,
     stored: impl FnOnce(&CacheFile) -> Option<f64>,
@@ -177,8 +180,8 @@ fn keep_highest(
     store(&mut cache, measured, now, env!("CARGO_PKG_VERSION").into());
     if let Err(e) = write(path, &cache) {
         eprintln!(
-            "warning: could not store the measured peak in {}: {e} (runs may divide by \
-             different peaks)",
+            "warning: could not store the measured {what} in {}: {e} (runs may divide by \
+             different figures)",
             path.display()
         );
     }

@@ -199,6 +199,19 @@ pub struct Roofs {
     pub gbs: Option<f64>,
 }
 
+impl Roofs {
+    /// `peak X GFLOP/s, memory Y GB/s`, `unknown` for a roof not known.
+    pub fn describe(&self) -> String {
+        let roof =
+            |x: Option<f64>, unit: &str| x.map_or("unknown".into(), |x| format!("{x:.1} {unit}"));
+        format!(
+            "peak {}, memory {}",
+            roof(self.gflops, "GFLOP/s"),
+            roof(self.gbs, "GB/s")
+        )
+    }
+}
+
 /// A mark queued on a device's timeline ([`DeviceClock::mark`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceMark(pub usize);
@@ -767,13 +780,9 @@ impl Breakdown {
         let rates = self.rows.iter().any(|r| r.work.is_some());
         let roofs = rates && (self.roofs.gflops.is_some() || self.roofs.gbs.is_some());
         if roofs {
-            let roof = |x: Option<f64>, unit: &str| {
-                x.map_or("unknown".into(), |x| format!("{x:.1} {unit}"))
-            };
             s.push_str(&format!(
-                "roofs: peak {}, memory {} (roof% = the larger of GFLOP/s / peak and GB/s / memory)\n",
-                roof(self.roofs.gflops, "GFLOP/s"),
-                roof(self.roofs.gbs, "GB/s")
+                "roofs: {} (roof% = the larger of GFLOP/s / peak and GB/s / memory)\n",
+                self.roofs.describe()
             ));
         }
         let mut head = format!("{:<width$} {:>10} {:>7}", "op", "ms/step", "%");

@@ -9,6 +9,7 @@
 //! file.
 
 use crate::metrics::jsonl::{parse_metrics, Record, StepRecord};
+use crate::metrics::Roofs;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
@@ -126,10 +127,8 @@ impl OpRate {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct OpRates {
     pub ops: Vec<OpRate>,
-    /// The peak GFLOP/s of the run's compute type, per process.
-    pub peak_gflops: Option<f64>,
-    /// The memory bandwidth, GB/s per process.
-    pub peak_gbs: Option<f64>,
+    /// The peak GFLOP/s of the run's compute type and the memory bandwidth, per process.
+    pub roofs: Roofs,
 }
 
 /// A usable run.
@@ -286,8 +285,10 @@ pub fn breakdown_rates(v: &Value) -> OpRates {
                 })
             })
             .collect(),
-        peak_gflops: positive(&v["roofs"]["gflops"]),
-        peak_gbs: positive(&v["roofs"]["gbs"]),
+        roofs: Roofs {
+            gflops: positive(&v["roofs"]["gflops"]),
+            gbs: positive(&v["roofs"]["gbs"]),
+        },
     }
 }
 
@@ -667,7 +668,13 @@ mod tests {
             ]
         });
         let r = breakdown_rates(&v);
-        assert_eq!((r.peak_gflops, r.peak_gbs), (Some(200.0), None));
+        assert_eq!(
+            r.roofs,
+            Roofs {
+                gflops: Some(200.0),
+                gbs: None
+            }
+        );
         let names: Vec<&str> = r.ops.iter().map(|o| o.name.as_str()).collect();
         assert_eq!(names, ["forward:mlp:mm", "forward:loss", "forward:softmax"]);
         assert_eq!(r.ops[0].headroom_ms(), Some(1.0));

@@ -790,14 +790,7 @@ pub fn roofline_section(runs: &[Run]) -> Section {
             }
             all.push(row);
         }
-        let roof =
-            |x: Option<f64>, unit: &str| x.map_or("unknown".into(), |x| format!("{x:.1} {unit}"));
-        roofs.push(format!(
-            "`{}`: peak {}, memory {}",
-            r.name,
-            roof(r.rates.peak_gflops, "GFLOP/s"),
-            roof(r.rates.peak_gbs, "GB/s")
-        ));
+        roofs.push(format!("`{}`: {}", r.name, r.rates.roofs.describe()));
     }
     let caption = format!(
         "Each op that declared its work (FLOPs and compulsory bytes, `src/model/work.rs`): its \
