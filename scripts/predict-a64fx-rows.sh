@@ -7,8 +7,9 @@
 #
 #   scripts/predict-a64fx-rows.sh
 #
-# For each kernel (the `dispatch_rows!` functions of src/ops: the softmax/cross-entropy
-# exponentials, the attention softmax backward, GELU forward and backward, the layernorm rows,
+# For each kernel (the `dispatch_rows!` functions of src/ops: the cross-entropy's
+# exponentials, the softmax's one-pass exp-and-sum and its scale, the attention softmax
+# backward, GELU forward and backward, the layernorm rows,
 # the AdamW update, the sum of squares of the gradient norm) the script disassembles the
 # release rlibs, takes the innermost
 # loops with vector floating-point instructions, runs each through
@@ -72,8 +73,10 @@ out, mca = sys.argv[1], sys.argv[2]
 # kernel symbol (module::function), passes over the data, what it is, and the fugu-rows
 # kernels (one loop each) that do the same on SVE.
 KERNELS = [
-    ("fastmath::sum_exp_f32", 1, "softmax / cross-entropy: sum of exp(x - max)", ["sve::sum_exp"]),
-    ("fastmath::exp_scale_f32", 1, "softmax: scale·exp(x - max), in place", ["sve::exp_scale"]),
+    ("fastmath::sum_exp_f32", 1, "cross-entropy: sum of exp(x - max)", ["sve::sum_exp"]),
+    ("fastmath::exp_scale_f32", 1, "cross-entropy: scale·exp(x - max), in place", ["sve::exp_scale"]),
+    ("fastmath::exp_sum_f32", 1, "softmax: exp(x - max) in place, and their sum", ["sve::exp_sum"]),
+    ("fastmath::scale_f32", 1, "softmax: row·scale, in place", ["sve::scale_row"]),
     ("attention::softmax_backward_row_f32", 2, "attention softmax backward row (sum, update)",
      ["sve::dot", "sve::softmax_backward_update"]),
     ("gelu::gelu_rows_f32", 1, "GELU forward (tanh form)", ["sve::gelu"]),
@@ -269,8 +272,10 @@ gemm_flop = 6 * (12 * C * C * L + V * C) * T + 3 * 4 * T * T * C * L
 cmg_hz, hbm = 12 * 2.2e9, 256e9
 gemm_s = gemm_flop / (0.85 * cmg_hz * 64)
 OPS = [  # (op, kernel, elements, bytes per element through HBM)
-    ("attention softmax: sum of exp", "fastmath::sum_exp_f32", causal, 4),
-    ("attention softmax: scale·exp", "fastmath::exp_scale_f32", causal, 8),
+    # One exponential per element: exp(x - max) stored with its sum, then the row (in L1 at
+    # this T) scaled; the row is read from and written to HBM once between the two passes.
+    ("attention softmax: exp and sum", "fastmath::exp_sum_f32", causal, 4),
+    ("attention softmax: scale", "fastmath::scale_f32", causal, 4),
     ("attention softmax backward", "attention::softmax_backward_row_f32", causal, 12),
     ("cross-entropy: sum of exp", "fastmath::sum_exp_f32", T * V, 4),
     ("cross-entropy: probabilities", "fastmath::exp_scale_f32", T * V, 8),

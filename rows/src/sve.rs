@@ -97,6 +97,23 @@ impl Sve {
             .sum()
     }
 
+    /// `row[j] = exp(row[j] − max)` in place, returning their sum: the same exponentials as
+    /// [`Sve::exp_scale`] with scale 1 and the same sum as [`Sve::sum_exp`], in one pass (a
+    /// softmax then needs one exponential per element and [`Sve::scale`]).
+    pub fn exp_sum(&self, row: &mut [f32], max: f32) -> f64 {
+        let k = with_exp_consts(&[max]);
+        row.chunks_mut(SUM_EXP_BLOCK)
+            // SAFETY: `self` proves SVE; the kernel reads and writes `block[..len]` only.
+            .map(|block| unsafe { exp_sum(block.as_mut_ptr(), block.len(), k.as_ptr()) } as f64)
+            .sum()
+    }
+
+    /// `row[j] *= scale` in place.
+    pub fn scale(&self, row: &mut [f32], scale: f32) {
+        // SAFETY: `self` proves SVE; the kernel reads and writes `row[..len]` only.
+        unsafe { scale_row(row.as_mut_ptr(), row.len(), &scale) }
+    }
+
     /// Softmax backward of one row, in place: `d = a·(d − Σ d·a)` with `a` the softmax output
     /// and `d` its gradient (the sum in f32, two vectors of lanes, then `faddv`).
     pub fn softmax_backward(&self, d: &mut [f32], a: &[f32]) {
@@ -525,6 +542,73 @@ unsafe fn sum_exp(x: *const f32, n: usize, k: *const f32) -> f32 {
         );
     }
     f32::from_bits(bits)
+}
+
+/// `x[j] = exp(x[j] − max)` over `x[..n]`, returning `Σ x[j]` in f32: [`sum_exp`]'s loop
+/// with the exponentials stored (the lanes and order of the sum are the same).
+///
+/// # Safety
+/// SVE; `x[..n]` readable and writable; `k[..9]`: [`EXP_CONSTS`], max.
+#[inline(never)]
+#[target_feature(enable = "sve")]
+unsafe fn exp_sum(x: *mut f32, n: usize, k: *const f32) -> f32 {
+    let bits: u32;
+    // SAFETY: loads and stores are predicated on index < n; constants from k[..9]. Registers
+    // clobbered.
+    unsafe {
+        sve_asm!(
+            "ptrue p0.s",
+            "cntw {vl}",
+            load_consts!(exp),
+            load_consts!(24 @ 32),
+            "dup z30.s, #0",
+            "dup z31.s, #0",
+            loop2_head!("s"),
+            ld2!(0, 8, "x"),
+            "fsub z0.s, z0.s, z24.s",
+            "fsub z8.s, z8.s, z24.s",
+            exp_vecs!((0, 1, 2, 3), (8, 9, 10, 11)),
+            st2!(3, 11, "x"),
+            "fadd z30.s, p1/m, z30.s, z3.s",
+            "fadd z31.s, p2/m, z31.s, z11.s",
+            loop2_tail!(),
+            "fadd z30.s, z30.s, z31.s",
+            "faddv s0, p0, z30.s",
+            "fmov {r:w}, s0",
+            x = in(reg) x,
+            n = in(reg) n,
+            k = in(reg) k,
+            r = out(reg) bits,
+        );
+    }
+    f32::from_bits(bits)
+}
+
+/// `x[j] *= s` over `x[..n]`.
+///
+/// # Safety
+/// SVE; `x[..n]` readable and writable; `k` points to `s`.
+#[inline(never)]
+#[target_feature(enable = "sve")]
+unsafe fn scale_row(x: *mut f32, n: usize, k: *const f32) {
+    // SAFETY: loads and stores are predicated on index < n; the scale is read from k[0].
+    // Registers clobbered.
+    unsafe {
+        sve_asm!(
+            "ptrue p0.s",
+            "cntw {vl}",
+            load_consts!(24 @ 0),
+            loop2_head!("s"),
+            ld2!(0, 8, "x"),
+            "fmul z0.s, z0.s, z24.s",
+            "fmul z8.s, z8.s, z24.s",
+            st2!(0, 8, "x"),
+            loop2_tail!(),
+            x = in(reg) x,
+            n = in(reg) n,
+            k = in(reg) k,
+        );
+    }
 }
 
 /// `Σ x·y` in f32 (two chains of lanes, then `faddv`).

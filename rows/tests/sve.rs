@@ -139,6 +139,35 @@ mod sve {
         }
     }
 
+    /// `exp_sum` stores exactly `exp_scale`'s exponentials at scale 1 and returns exactly
+    /// `sum_exp`'s sum (same lanes, same order); `scale` multiplies in place, and neither
+    /// writes outside its slice.
+    #[test]
+    fn exp_sum_and_scale_are_the_two_pass_kernels_in_one() {
+        let Some(s) = sve() else { return };
+        for n in lengths(&s).into_iter().chain([511, 512, 513, 1500]) {
+            let x = values(n, 3 + n as u64, -12.0, 3.0);
+            let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut e = Guarded::new(&x);
+            let sum = s.exp_sum(e.slice(), max);
+            e.check("exp_sum");
+            let mut want = x.clone();
+            s.exp_scale(&mut want, max, 1.0);
+            assert_eq!(e.data(), &want[..], "exp_sum n={n}: exponentials");
+            assert_eq!(
+                sum.to_bits(),
+                s.sum_exp(&x, max).to_bits(),
+                "exp_sum n={n}: sum"
+            );
+            let mut g = Guarded::new(&x);
+            s.scale(g.slice(), 0.375);
+            g.check("scale");
+            for (&xi, &yi) in x.iter().zip(g.data()) {
+                assert_eq!(yi, xi * 0.375, "scale n={n}");
+            }
+        }
+    }
+
     /// f64 GELU (tanh form) and its derivative, through `(1 + tanh u)/2 = σ(2u)`: the tanh
     /// form itself cancels in f64 for x < −6 (tanh u rounds to −1).
     fn gelu64(x: f64) -> (f64, f64) {

@@ -224,13 +224,19 @@ pub fn attention_softmax<T: Float>(att: &mut [T], b: usize, t: usize, nh: usize)
         .for_each(|(r, row)| {
             let i = r % t;
             let (live, masked) = row.split_at_mut(i + 1);
-            // Vectorised row kernels: the sum of exponentials is taken first (in f64), then
-            // the row is overwritten with the normalised exponentials.
-            let mx = super::crossentropy::row_max(live);
-            let sum = T::sum_exp_row(live, mx);
-            T::exp_scale_row(live, mx, T::from_f64(1.0 / sum));
+            softmax_row(live);
             masked.fill(T::ZERO);
         });
+}
+
+/// One row's softmax in place: the maximum subtracted, each exponential taken once and stored
+/// with their sum (in f64), then the row scaled by its reciprocal (vectorised row kernels).
+/// Returns the maximum and the sum (the fused path's log-sum-exp).
+fn softmax_row<T: Float>(row: &mut [T]) -> (T, f64) {
+    let mx = super::crossentropy::row_max(row);
+    let sum = T::exp_sum_row(row, mx);
+    T::scale_row(row, T::from_f64(1.0 / sum));
+    (mx, sum)
 }
 
 /// Attention output: `out[b, :, h] = att[b, h]·V[b, h]`.
@@ -502,9 +508,7 @@ pub fn attention_decode<T: Float>(
                 let k = &k_cache[s * c + h * hs..s * c + (h + 1) * hs];
                 qh.iter().zip(k).fold(T::ZERO, |acc, (&a, &b)| acc + a * b) * alpha
             }));
-            let mx = super::crossentropy::row_max(w);
-            let sum = T::sum_exp_row(w, mx);
-            T::exp_scale_row(w, mx, T::from_f64(1.0 / sum));
+            softmax_row(w);
             o.fill(T::ZERO);
             for (s, &p) in w.iter().enumerate() {
                 let v = &v_cache[s * c + h * hs..s * c + (h + 1) * hs];
@@ -550,10 +554,8 @@ pub fn attention_forward_fused<T: Float>(
                     let qi = &qkv[q.row(h, i)];
                     w.clear();
                     w.extend((0..=i).map(|j| head_dot(qi, &qkv[k.row(h, j)]) * alpha));
-                    let mx = super::crossentropy::row_max(&w);
-                    let sum = T::sum_exp_row(&w, mx);
+                    let (mx, sum) = softmax_row(&mut w);
                     lse[h * t + i] = T::from_f64(mx.to_f64() + sum.ln());
-                    T::exp_scale_row(&mut w, mx, T::from_f64(1.0 / sum));
                     let o = &mut out[y.row(h, i)];
                     o.fill(T::ZERO);
                     for (j, &p) in w.iter().enumerate() {

@@ -119,6 +119,38 @@ fn sum_exp_body(row: &[f32], max: f32) -> f64 {
     total
 }
 
+/// `row[j] = exp(row[j] − max)` in place, returning their sum: [`sum_exp_body`]'s lanes and
+/// order (the same bits), with each exponential stored.
+#[inline(always)]
+fn exp_sum_body(row: &mut [f32], max: f32) -> f64 {
+    const LANES: usize = 16;
+    let mut total = 0.0f64;
+    for block in row.chunks_mut(512) {
+        let mut acc = [0.0f32; LANES];
+        let mut it = block.chunks_exact_mut(LANES);
+        for c in &mut it {
+            for l in 0..LANES {
+                c[l] = exp_f32(c[l] - max);
+                acc[l] += c[l];
+            }
+        }
+        for (l, x) in it.into_remainder().iter_mut().enumerate() {
+            *x = exp_f32(*x - max);
+            acc[l] += *x;
+        }
+        total += acc.iter().map(|&a| a as f64).sum::<f64>();
+    }
+    total
+}
+
+/// `row[j] *= scale` in place.
+#[inline(always)]
+fn scale_body(row: &mut [f32], scale: f32) {
+    for x in row.iter_mut() {
+        *x *= scale;
+    }
+}
+
 /// `row[j] = scale · exp(row[j] − max)` in place.
 #[inline(always)]
 fn exp_scale_body(row: &mut [f32], max: f32, scale: f32) {
@@ -139,6 +171,19 @@ super::row_isa::dispatch_rows! {
     sve = fugu_rows::sve::Sve::exp_scale;
 }
 
+super::row_isa::dispatch_rows! {
+    /// `row[j] = exp(row[j] − max)`, returning their sum ([`sum_exp_f32`]'s), using the widest
+    /// vectors the CPU has ([`row_isa`]).
+    pub fn exp_sum_f32(row: &mut [f32], max: f32) -> f64 = exp_sum_body;
+    sve = fugu_rows::sve::Sve::exp_sum;
+}
+
+super::row_isa::dispatch_rows! {
+    /// `row[j] *= scale`, using the widest vectors the CPU has ([`row_isa`]).
+    pub fn scale_f32(row: &mut [f32], scale: f32) = scale_body;
+    sve = fugu_rows::sve::Sve::scale;
+}
+
 #[cfg(test)]
 mod row_tests {
     use super::*;
@@ -157,5 +202,19 @@ mod row_tests {
         exp_scale_f32(&mut a, m, 0.5);
         exp_scale_body(&mut b, m, 0.5);
         assert_rows_match(&a, &b);
+        // One pass: the same exponentials (scale 1) and the same sum as the two kernels.
+        let (mut e, mut want) = (row.clone(), row.clone());
+        let sum = exp_sum_f32(&mut e, m);
+        exp_scale_f32(&mut want, m, 1.0);
+        assert_rows_match(&e, &want);
+        assert_rows_match(&[sum], &[sum_exp_f32(&row, m)]);
+        let mut e2 = row.clone();
+        assert_rows_match(&[exp_sum_body(&mut e2, m)], &[sum]);
+        assert_rows_match(&e2, &e);
+        // Scaling the exponentials is the two-pass kernel's product, bit for bit.
+        scale_f32(&mut e, 0.5);
+        scale_body(&mut e2, 0.5);
+        assert_rows_match(&e, &a);
+        assert_rows_match(&e2, &a);
     }
 }

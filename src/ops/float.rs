@@ -236,6 +236,20 @@ pub trait Float:
             *x = scale * (*x - max).exp();
         }
     }
+    /// `row[j] = exp(row[j] − max)` in place, returning [`Float::sum_exp_row`]'s sum of them:
+    /// a softmax's one exponential per element (then [`Float::scale_row`]). By default the two
+    /// row kernels (two exponentials; f64, the tests' type); f32 has a one-pass kernel.
+    fn exp_sum_row(row: &mut [Self], max: Self) -> f64 {
+        let sum = Self::sum_exp_row(row, max);
+        Self::exp_scale_row(row, max, Self::ONE);
+        sum
+    }
+    /// `row[j] *= scale` in place.
+    fn scale_row(row: &mut [Self], scale: Self) {
+        for x in row.iter_mut() {
+            *x *= scale;
+        }
+    }
     fn ln(self) -> Self;
     fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
@@ -411,6 +425,12 @@ impl Float for f32 {
     }
     fn exp_scale_row(row: &mut [f32], max: f32, scale: f32) {
         super::fastmath::exp_scale_f32(row, max, scale)
+    }
+    fn exp_sum_row(row: &mut [f32], max: f32) -> f64 {
+        super::fastmath::exp_sum_f32(row, max)
+    }
+    fn scale_row(row: &mut [f32], scale: f32) {
+        super::fastmath::scale_f32(row, scale)
     }
     fn layernorm_row(out: &mut [f32], x: &[f32], w: &[f32], bias: &[f32]) -> (f32, f32) {
         super::layernorm::layernorm_row_f32(out, x, w, bias)
