@@ -79,7 +79,7 @@ KERNELS = [
     ("fastmath::scale_f32", 1, "softmax: row·scale, in place", ["sve::scale_row"]),
     ("attention::softmax_backward_row_f32", 2, "attention softmax backward row (sum, update)",
      ["sve::dot", "sve::softmax_backward_update"]),
-    ("gelu::gelu_rows_f32", 1, "GELU forward (tanh form)", ["sve::gelu"]),
+    ("gelu::gelu_rows_f32", 1, "GELU forward", ["sve::gelu"]),
     ("gelu::gelu_backward_rows_f32", 1, "GELU backward", ["sve::gelu_backward"]),
     ("layernorm::layernorm_row_f32", 3, "layernorm forward row (mean, variance, normalise)",
      ["sve::sum_f64", "sve::sum_sq_dev_f64", "sve::normalise"]),
