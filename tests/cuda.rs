@@ -320,7 +320,8 @@ mod gpu {
                 be.check("layernorm_backward dw", dw, GEMM);
                 be.check("layernorm_backward dbias", db, GEMM);
             }
-            be.gpu.set_layernorm_backward(LayernormBackward::default());
+            be.gpu
+                .set_layernorm_backward(cuda::LAYERNORM_BACKWARD_DEFAULT);
         }
     }
 
@@ -650,8 +651,14 @@ mod gpu {
 
     #[test]
     fn layernorm_backward_parse() {
-        let parse = |v| LayernormBackward::parse(cuda::LAYERNORM_BACKWARD_ENV, v);
-        assert_eq!(parse("").unwrap(), LayernormBackward::Split);
+        let parse = |v| {
+            LayernormBackward::parse(
+                cuda::LAYERNORM_BACKWARD_ENV,
+                v,
+                cuda::LAYERNORM_BACKWARD_DEFAULT,
+            )
+        };
+        assert_eq!(parse("").unwrap(), LayernormBackward::Fused);
         assert_eq!(parse("split").unwrap(), LayernormBackward::Split);
         assert_eq!(parse("fused").unwrap(), LayernormBackward::Fused);
         let e = parse("Fused").unwrap_err().to_string();
@@ -663,7 +670,8 @@ mod gpu {
 
     #[test]
     fn flash_backward_parse() {
-        let parse = |v| FlashBackward::parse(cuda::FLASH_BACKWARD_ENV, v);
+        let parse =
+            |v| FlashBackward::parse(cuda::FLASH_BACKWARD_ENV, v, cuda::FLASH_BACKWARD_DEFAULT);
         assert_eq!(parse("").unwrap(), FlashBackward::Split);
         assert_eq!(parse("fused").unwrap(), FlashBackward::Fused);
         let e = parse("one").unwrap_err().to_string();
@@ -1422,7 +1430,7 @@ mod gpu {
             panic!("no header in the CUDA run's metrics")
         };
         assert_eq!(h["kernels"][cuda::FLASH_WARP_ROWS_ENV], "16,16,16", "{h}");
-        assert_eq!(h["kernels"][cuda::LAYERNORM_BACKWARD_ENV], "split", "{h}");
+        assert_eq!(h["kernels"][cuda::LAYERNORM_BACKWARD_ENV], "fused", "{h}");
         assert_eq!(h["kernels"][cuda::BIAS_GRAD_ENV], "separate", "{h}");
         assert_eq!(h["kernels"][cuda::FLASH_BACKWARD_ENV], "split", "{h}");
         for (a, b) in lc.iter().zip(&lg) {

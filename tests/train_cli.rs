@@ -1162,7 +1162,8 @@ fn fused_attention_trains_like_the_three_steps() {
 }
 
 /// `FUGU_MLP_GELU` and `FUGU_RESIDUAL` pick whether an op runs in a GEMM's epilogue: the
-/// header records the choice (`separate` by default on the CPU), a misspelt value is refused
+/// header records the choice (`separate` by default in f32; the residual in the GEMM with
+/// 16-bit activations), a misspelt value is refused
 /// by name before anything is written. The CPU has no GELU epilogue (asking is refused); it
 /// adds a projection onto the residual stream in its GEMM when asked, training within 1e-5
 /// of the separate op (f32: the same sums in another order). (Both epilogues are tested
@@ -1223,6 +1224,23 @@ fn epilogue_settings_are_checked_and_recorded() {
             "expected auto, epilogue or separate",
         );
     }
+    // With 16-bit activations the residual joins the stream in the GEMM by default (one
+    // rounding of the f32 sum; `model::paths::residual_path`).
+    let a = r.args(&[
+        "--out",
+        "residual-bf16",
+        "--steps",
+        "2",
+        "--precision",
+        "bf16",
+    ]);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    ok(&fugu_with_env(&a, &r.dir, &[]));
+    let recs = read_metrics(r.dir.join("residual-bf16").join("metrics.jsonl")).unwrap();
+    let Some(Record::Header(h)) = recs.into_iter().next() else {
+        panic!("residual-bf16: no header")
+    };
+    assert_eq!(h["residual"], "epilogue", "{h}");
 }
 
 #[test]

@@ -35,7 +35,8 @@ mod nvrtc;
 
 pub use forms::{
     parse_in_gemm, BiasGrad, FlashBackward, FlashWarpRows, KernelForm, LayernormBackward,
-    BIAS_GRAD_ENV, FLASH_BACKWARD_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
+    BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_WARP_ROWS_ENV,
+    LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
 };
 pub use gemm::DeviceGemm;
 
@@ -258,10 +259,10 @@ impl CudaBackend {
     /// setting does not take is an error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let var = |name| std::env::var(name).unwrap_or_default();
-        let form = |env| KernelForm::parse(env, &var(env));
+        let form = |env, default| KernelForm::parse(env, &var(env), default);
         self.set_flash_warp_rows(FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?);
-        self.set_flash_backward(form(FLASH_BACKWARD_ENV)?);
-        self.set_layernorm_backward(form(LAYERNORM_BACKWARD_ENV)?);
+        self.set_flash_backward(form(FLASH_BACKWARD_ENV, FLASH_BACKWARD_DEFAULT)?);
+        self.set_layernorm_backward(form(LAYERNORM_BACKWARD_ENV, LAYERNORM_BACKWARD_DEFAULT)?);
         self.set_bias_grad(parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?);
         Ok(self)
     }
@@ -310,9 +311,9 @@ impl CudaBackend {
             tables: Default::default(),
             no_epilogue: Default::default(),
             flash_warp_rows: FlashWarpRows::default(),
-            flash_backward: FlashBackward::default(),
+            flash_backward: FLASH_BACKWARD_DEFAULT,
             attn_dq: Scratch::default(),
-            layernorm_backward: LayernormBackward::default(),
+            layernorm_backward: LAYERNORM_BACKWARD_DEFAULT,
             bias_grad: BiasGrad::default(),
             bias_grad_sums: Scratch::default(),
         }
