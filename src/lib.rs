@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod dtype;
+pub mod make_once;
 pub mod metrics;
 pub mod model;
 pub mod ops;

@@ -205,6 +205,52 @@ fn resume_is_bit_exact_and_sample_reads_the_checkpoint() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two runs started together without `--data` prepare the bundled corpus once: one tokenises
+/// it while the other waits for it (a lock file beside the folder, `make_once`), and both
+/// train. (They raced: the second's clean-up of leftovers removed the first's temporary
+/// folder, and the first failed; seen with the CUDA tests on a GPU.)
+#[test]
+fn runs_started_together_prepare_the_bundled_corpus_once() {
+    let dir = tmp("bundled-together");
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    let spawn = |out: &str| {
+        Command::new(env!("CARGO_BIN_EXE_fugu"))
+            .args([
+                "train",
+                "--config",
+                "small.toml",
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+            ])
+            .args(["--ckpt-every", "0", "--out", out])
+            .current_dir(&dir)
+            .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+            .env("FUGU_PEAK_GBS", "50")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn("a"), spawn("b"));
+    let runs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+    for out in &runs {
+        ok(out);
+    }
+    let tokenised = runs
+        .iter()
+        .filter(|o| String::from_utf8_lossy(&o.stderr).contains("tokenising the bundled"))
+        .count();
+    assert_eq!(tokenised, 1, "the corpus was prepared {tokenised} times");
+    assert!(dir.join("data/shakespeare/manifest.json").is_file());
+    assert!(
+        !dir.join("data/shakespeare.lock").exists(),
+        "the lock stayed"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {

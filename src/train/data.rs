@@ -1,6 +1,7 @@
 //! Training and validation data for `fugu train`: the `--data` argument, or the bundled
 //! Shakespeare corpus prepared on first use.
 
+use crate::make_once::{found_or_made, LockTiming};
 use anyhow::{bail, Context, Result};
 use fugu_io::{
     tokenizer_by_name, DataSpec, Gpt2Tokenizer, Loader, LoaderConfig, Manifest, Tokenizer,
@@ -20,14 +21,19 @@ pub fn bundled_dir(vocab_size: usize) -> PathBuf {
 }
 
 /// Returns the `--data` string to use: the given one, or the bundled corpus's manifest for a
-/// model of `vocab_size` ids (tokenised into [`bundled_dir`] once and reused afterwards).
+/// model of `vocab_size` ids (tokenised into [`bundled_dir`] once and reused afterwards; a run
+/// that finds another preparing it waits for that one, [`crate::make_once`]).
 pub fn resolve_data(data: Option<&str>, vocab_size: usize, quiet: bool) -> Result<String> {
     if let Some(d) = data {
         return Ok(d.to_string());
     }
     let dir = bundled_dir(vocab_size);
     let manifest = dir.join("manifest.json");
-    if !manifest.exists() {
+    // Runs started together (the ranks of a job, a batch of jobs) prepare it once: the others
+    // wait for the first (a lock file beside the folder).
+    let what = "preparing the bundled corpus";
+    let prepared = || manifest.exists().then_some(());
+    found_or_made(&dir, what, LockTiming::default(), prepared, || {
         let train_tokenizer = (vocab_size != GPT2_VOCAB as usize).then_some(vocab_size as u32);
         if !quiet {
             eprintln!(
@@ -45,7 +51,8 @@ pub fn resolve_data(data: Option<&str>, vocab_size: usize, quiet: bool) -> Resul
             ..Default::default()
         };
         fugu_io::prepare(&opts).context("preparing the bundled corpus")?;
-    }
+        Ok(())
+    })?;
     Ok(manifest.display().to_string())
 }
 

@@ -10,23 +10,21 @@
 //! rename).
 //!
 //! Ranks of one job start together and share the cache directory (a shared home): the first to
-//! find the file missing takes a lock file beside it (`<file>.lock`, created exclusively),
-//! compiles and stores; the others wait for the file instead of each compiling (seconds of a
-//! core each) and each writing the same 1-2 MB to a shared file system. A waiter compiles
-//! after all when the lock goes without a file appearing (the holder failed) or after
-//! [`LockTiming::wait`]; a lock older than [`LockTiming::stale`] (left by a killed process) is
-//! taken over.
+//! find the file missing compiles and stores it while the others wait for the file
+//! ([`crate::make_once`]: a lock file beside it), instead of each compiling (seconds of a core
+//! each) and each writing the same 1-2 MB to a shared file system.
 //!
 //! Where: `FUGU_KERNEL_CACHE` (a directory; `off` disables), else
 //! `$XDG_CACHE_HOME/fugu/kernels`, else `$HOME/.cache/fugu/kernels`. A cache that cannot be
 //! written costs a note on stderr, not the run.
 
 use super::{kernels_cubin, nvrtc, KERNELS_SOURCE, NVRTC_OPTIONS};
+pub use crate::make_once::LockTiming;
+use crate::make_once::{found_or_made, Made};
 use anyhow::Result;
 use fugu_io::manifest::hex;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 /// Environment variable: the kernel cache's directory, or `off`.
 pub const KERNEL_CACHE_ENV: &str = "FUGU_KERNEL_CACHE";
@@ -34,40 +32,9 @@ pub const KERNEL_CACHE_ENV: &str = "FUGU_KERNEL_CACHE";
 /// The first line of a cache file, before the cubin's hash.
 const HEADER: &[u8] = b"fugu kernels.cu cubin, sha256 ";
 
-/// Where the kernels came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compiled {
-    /// NVRTC compiled them now.
-    Now,
-    /// A cache file.
-    Cached,
-    /// A cache file that another process (holding the lock) compiled and stored while this
-    /// one waited.
-    Waited,
-}
-
-/// How long a process waits for another's compile, and when a lock is left over.
-#[derive(Clone, Copy, Debug)]
-pub struct LockTiming {
-    /// Longest wait for the lock holder's file before compiling after all.
-    pub wait: Duration,
-    /// Age past which a lock file is taken to be left by a process that died.
-    pub stale: Duration,
-    /// How often a waiter looks for the file.
-    pub poll: Duration,
-}
-
-impl Default for LockTiming {
-    /// A compile takes seconds to a minute (a slow or busy node): wait 3 minutes, take over a
-    /// lock of 10.
-    fn default() -> Self {
-        LockTiming {
-            wait: Duration::from_secs(180),
-            stale: Duration::from_secs(600),
-            poll: Duration::from_millis(250),
-        }
-    }
-}
+/// Where the kernels came from: compiled now, a cache file, or a cache file that another
+/// process (holding the lock) compiled and stored while this one waited.
+pub type Compiled = Made;
 
 /// The kernel cache's directory as the environment says ([`KERNEL_CACHE_ENV`]), `None` when
 /// disabled or no home is known.
@@ -133,31 +100,28 @@ pub fn cached_or_compiled(
     timing: LockTiming,
     compile: impl FnOnce() -> Result<Vec<u8>>,
 ) -> Result<(Vec<u8>, Compiled)> {
-    if let Some(cubin) = read_whole(file) {
-        return Ok((cubin, Compiled::Cached));
-    }
-    let dir = file.parent().unwrap_or(Path::new("."));
-    let _ = std::fs::create_dir_all(dir);
-    let lock = Lock::take(file, timing.stale);
-    if lock.is_none() {
-        if let Some(cubin) = wait_for(file, timing) {
-            return Ok((cubin, Compiled::Waited));
-        }
-    }
-    let cubin = compile()?;
-    if read_whole(file).is_some() {
-        // Another process stored it while this one compiled (this one waited and gave up).
-        return Ok((cubin, Compiled::Now));
-    }
-    if let Err(e) = store(file, &cubin) {
-        eprintln!(
-            "note: could not keep the compiled kernels in {}: {e:#} (the next run compiles \
-             them again; {KERNEL_CACHE_ENV}=DIR puts the cache elsewhere)",
-            file.display()
-        );
-    }
-    drop(lock);
-    Ok((cubin, Compiled::Now))
+    let what = "compiling the CUDA kernels";
+    found_or_made(
+        file,
+        what,
+        timing,
+        || read_whole(file),
+        || {
+            let cubin = compile()?;
+            if read_whole(file).is_some() {
+                // Another process stored it while this one compiled (this one waited and gave up).
+                return Ok(cubin);
+            }
+            if let Err(e) = store(file, &cubin) {
+                eprintln!(
+                "note: could not keep the compiled kernels in {}: {e:#} (the next run compiles \
+                 them again; {KERNEL_CACHE_ENV}=DIR puts the cache elsewhere)",
+                file.display()
+            );
+            }
+            Ok(cubin)
+        },
+    )
 }
 
 /// Writes `cubin` to cache file `file` atomically, after its header line.
@@ -169,85 +133,12 @@ fn store(file: &Path, cubin: &[u8]) -> Result<()> {
     crate::checkpoint::atomic::write_bytes(file, &body)
 }
 
-/// The lock file of cache file `file`, held by this process while it compiles (removed on
-/// drop).
-struct Lock(PathBuf);
-
-impl Lock {
-    /// The lock, or `None` where another process holds it. A lock older than `stale` is
-    /// removed and taken; one that cannot be created for another reason (a read-only cache)
-    /// is not needed: this process compiles, and its store fails with a note.
-    fn take(file: &Path, stale: Duration) -> Option<Lock> {
-        let path = lock_path(file);
-        for _ in 0..2 {
-            match std::fs::File::create_new(&path) {
-                Ok(_) => return Some(Lock(path)),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let age = std::fs::metadata(&path)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|t| t.elapsed().ok());
-                    if age.is_none_or(|a| a < stale) {
-                        return None;
-                    }
-                    eprintln!(
-                        "note: taking over {} (older than {} s: left by a process that \
-                         stopped)",
-                        path.display(),
-                        stale.as_secs()
-                    );
-                    let _ = std::fs::remove_file(&path);
-                }
-                Err(_) => return Some(Lock(PathBuf::new())),
-            }
-        }
-        None
-    }
-}
-
-impl Drop for Lock {
-    fn drop(&mut self) {
-        if !self.0.as_os_str().is_empty() {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-}
-
-fn lock_path(file: &Path) -> PathBuf {
-    let mut name = file.as_os_str().to_owned();
-    name.push(".lock");
-    PathBuf::from(name)
-}
-
-/// Waits for the holder of `file`'s lock to store it: the cubin once the file is whole;
-/// `None` when the lock goes without a whole file (the holder failed) or the wait runs out.
-fn wait_for(file: &Path, timing: LockTiming) -> Option<Vec<u8>> {
-    eprintln!(
-        "note: waiting for another process compiling the CUDA kernels ({} exists; up to {} s)",
-        lock_path(file).display(),
-        timing.wait.as_secs()
-    );
-    let start = Instant::now();
-    loop {
-        if let Some(cubin) = read_whole(file) {
-            return Some(cubin);
-        }
-        if !lock_path(file).exists() {
-            // Stored just before the lock went, or never.
-            return read_whole(file);
-        }
-        if start.elapsed() >= timing.wait {
-            eprintln!("note: gave up waiting; compiling the kernels in this process");
-            return None;
-        }
-        std::thread::sleep(timing.poll);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::make_once::lock_path;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
 
     /// A fresh cache directory and the file of its kernels.
     fn cache(name: &str) -> PathBuf {
