@@ -293,7 +293,9 @@ mod gpu {
         // last partial) than the column sums' second stage has warps. The fused backward
         // runs 8 warps per chunk (the chunk of 12 rows: some warps with an empty second row;
         // 3 rows: warps with none), 2 for C = 2064, and 6150 is too wide for it (the split
-        // form runs).
+        // form runs). The warp-row kernels hold rows of up to 4 packs per lane in registers
+        // (LN_LANE_PACKS): 300 in f32 (3 per lane), 768 (GPT-2's, 3 per lane) and 1024 (4,
+        // the widest) in the 16-bit types; 768 and 1024 in f32 and 2064 go by the loops.
         for (n, c) in [
             (13, 37),
             (3, 300),
@@ -302,6 +304,8 @@ mod gpu {
             (2, 2064),
             (300, 40),
             (2, 6150),
+            (5, 768),
+            (3, 1024),
         ] {
             let (out, mean, rstd) = (be.nan(n * c), be.nan32(n), be.nan32(n));
             let inp = be.rand(n * c, 6);

@@ -265,6 +265,49 @@ __device__ float warp_max_f(float v) {
     for (i64 row = (i64)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP; row < (rows);     \
          row += (i64)gridDim.x * WARPS_PER_BLOCK)
 
+// ---- a row in a warp's registers (the warp-row layernorm kernels) -------------------------
+//
+// A lane's whole packs of a row (k = lane, lane + WARP, ... below `packs`), at most R of
+// them, loaded by one call: the loads of the row go out together instead of one per step of
+// a loop whose next load waits for the sums of the last, and the row is read from memory
+// once for all the passes over it. `lane_row_each` visits the elements in for_each_elem's order (a
+// lane's packs in order, each pack's elements in order), so a sum over them adds the same
+// terms in the same order; the elements past the last whole pack (the tail) are the
+// caller's, as for_each_elem's second loop. Kernels use it where the row fits
+// (lane_row_fits) and its pointers are 16-byte aligned, the loops above otherwise.
+// Packs per lane a warp-row layernorm kernel holds in registers: rows of up to 1024 16-bit
+// or 512 f32 elements (GPT-2 124M's 768 in bf16 and fp16: 3 packs per lane).
+#define LN_LANE_PACKS 4
+
+template <typename T, int R>
+struct LaneRow {
+    Pack<T> p[R];
+};
+// Whether rows of `packs` whole packs fit R packs per lane.
+template <int R>
+__device__ bool lane_row_fits(i64 packs) {
+    return packs <= (i64)R * WARP;
+}
+template <typename T, int R>
+__device__ void lane_row_load(LaneRow<T, R>& r, const T* row, i64 packs, int lane) {
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        i64 k = lane + (i64)i * WARP;
+        if (k < packs) r.p[i] = ld_pack(row + k * PACK(T));
+    }
+}
+// f(c, x) for element c of value x, for each element r holds.
+template <typename T, int R, typename F>
+__device__ void lane_row_each(const LaneRow<T, R>& r, i64 packs, int lane, F f) {
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        i64 k = lane + (i64)i * WARP;
+        if (k < packs)
+#pragma unroll
+            for (int j = 0; j < PACK(T); j++) f(k * PACK(T) + j, ld(r.p[i].v[j]));
+    }
+}
+
 // ---- embedding (ops/encoder.rs) ---------------------------------------------------------
 
 // out (N, C) = wte[tok - vocab_start] (0 outside the shard's `rows` rows) + wpe[i % T].
@@ -337,37 +380,79 @@ FOR_TYPES(DEF)
 
 // One warp per row (C is a few hundred to a few thousand: a warp's loads stay coalesced and
 // the reductions need no block barrier); mean and variance accumulated in double.
-template <typename T>
+// Mean and rstd of a row in double (two passes, as the CPU's layernorm_row), then the
+// normalised row. Pack<T> rows: `row(f)` calls f(c, x) for every element of the row in a
+// fixed order (each lane its own elements); both forms below visit them as for_each_elem.
+template <typename T, typename Row>
+__device__ void ln_forward_stats(float& m, float& rs, i64 C, Row row) {
+    double s = 0.0;
+    row([&](i64, float v) { s += (double)v; });
+    double mu = warp_sum_d(s) / (double)C;
+    double ss = 0.0;
+    row([&](i64, float v) {
+        double d = (double)v - mu;
+        ss += d * d;
+    });
+    double var = warp_sum_d(ss) / (double)C;
+    m = (float)mu;
+    rs = (float)(1.0 / sqrt(var + 1e-5));
+}
+__device__ float ln_forward_elem(float v, float m, float rs, float wc, float bc) {
+    return (v - m) * rs * wc + bc;
+}
+
+// A warp per row; rows of up to R packs per lane from registers (LaneRow), wider or unaligned
+// rows by the packed loops (read three times, from cache after the first).
+template <typename T, int R>
 __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* inp,
                                     const T* w, const T* b, i64 N, i64 C) {
+    const int P = PACK(T);
     bool vec = rows_aligned(inp, C) && rows_aligned(out, C) && all_aligned16(w, b);
+    i64 packs = whole_packs<T>(C, vec);
+    bool cached = vec && lane_row_fits<R>(packs);
     WARP_ROWS(row, N) {
         const T* x = inp + row * C;
-        double s = 0.0;
-        for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) { s += (double)v; }, x);
-        double mu = warp_sum_d(s) / (double)C;
-        double ss = 0.0;
-        for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) {
-            double d = (double)v - mu;
-            ss += d * d;
-        }, x);
-        double var = warp_sum_d(ss) / (double)C;
-        float m = (float)mu;
-        float rs = (float)(1.0 / sqrt(var + 1e-5));
+        T* o = out + row * C;
+        float m, rs;
+        if (cached) {
+            LaneRow<T, R> xr;
+            lane_row_load(xr, x, packs, lane);
+            ln_forward_stats<T>(m, rs, C, [&](auto f) {
+                lane_row_each(xr, packs, lane, f);
+                for (i64 c = packs * P + lane; c < C; c += WARP) f(c, ld(x[c]));
+            });
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                i64 k = lane + (i64)i * WARP;
+                if (k >= packs) continue;
+                Pack<T> wp = ld_pack(w + k * P), bp = ld_pack(b + k * P), op;
+#pragma unroll
+                for (int j = 0; j < P; j++)
+                    st(op.v[j], ln_forward_elem(ld(xr.p[i].v[j]), m, rs, ld(wp.v[j]),
+                                                ld(bp.v[j])));
+                st_pack(o + k * P, op);
+            }
+            for (i64 c = packs * P + lane; c < C; c += WARP)
+                st(o[c], ln_forward_elem(ld(x[c]), m, rs, ld(w[c]), ld(b[c])));
+        } else {
+            ln_forward_stats<T>(m, rs, C, [&](auto f) { for_each_elem<T>(C, vec, lane, WARP, f, x); });
+            map_elems(o, C, vec, lane, WARP,
+                      [&](i64, float v, float wc, float bc) {
+                          return ln_forward_elem(v, m, rs, wc, bc);
+                      },
+                      x, w, b);
+        }
         if (lane == 0) {
             mean[row] = m;
             rstd[row] = rs;
         }
-        map_elems(out + row * C, C, vec, lane, WARP,
-                  [&](i64, float v, float wc, float bc) { return (v - m) * rs * wc + bc; }, x, w,
-                  b);
     }
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void layernorm_forward_##S(T* out, float* mean, float* rstd,       \
                                                      const T* inp, const T* w, const T* b,  \
                                                      i64 N, i64 C) {                        \
-        layernorm_forward_k(out, mean, rstd, inp, w, b, N, C);                              \
+        layernorm_forward_k<T, LN_LANE_PACKS>(out, mean, rstd, inp, w, b, N, C);            \
     }
 FOR_TYPES(DEF)
 #undef DEF
@@ -435,11 +520,13 @@ FOR_TYPES(DEF)
 // `column_finish` adds the chunks as for the split form. Shared words are laid out by
 // ln_acc_index so that the 32 lanes touching element j of their packs hit 32 banks.
 // Every warp runs the same number of row steps (rows past the chunk are empty), so the
-// block's warps reach each shuffle and barrier together.
+// block's warps reach each shuffle and barrier together. Rows of up to R packs per lane are
+// read once, into registers (LaneRow: dout and inp together; w and dinp, pack by pack, as
+// they are used), in the packed loops' order of terms; wider or unaligned rows by the loops.
 __device__ i64 ln_acc_index(i64 c, i64 packs, int P) {
     return c < packs * P ? (c % P) * packs + c / P : c;
 }
-template <typename T>
+template <typename T, int R>
 __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T* dout,
                                      const T* inp, const T* w, const float* mean,
                                      const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {
@@ -449,6 +536,7 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
     bool vec = rows_aligned(dinp, C) && rows_aligned(dout, C) && rows_aligned(inp, C) &&
                aligned16(w);
     i64 packs = whole_packs<T>(C, vec);
+    bool cached = vec && lane_row_fits<R>(packs);
     float* db = acc + (i64)wi * 2 * C;
     float* dw = db + C;
     for (i64 k = blockIdx.x; k < chunks; k += gridDim.x) {
@@ -462,18 +550,57 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
             if (!n) row = r0;          // (its pointers stay inside the arrays)
             const T* g = dout + row * C;
             const T* x = inp + row * C;
+            T* d = dinp + row * C;
             float mu = mean[row], rs = rstd[row];
             LnRowSums s;
-            for_each_elem<T>(n, vec, lane, WARP, [&](i64 c, float gc, float wc, float xc) {
+            // One element's terms: the row sums and this warp's column sums.
+            auto add = [&](i64 c, float gc, float wc, float xc) {
                 float xhat = (xc - mu) * rs;
                 ln_row_add(s, gc, wc, xhat);
                 i64 a = ln_acc_index(c, packs, P);
                 db[a] += gc;
                 dw[a] += gc * xhat;
-            }, g, w, x);
+            };
+            if (cached) {
+                LaneRow<T, R> gr, xr;
+                if (n) {
+                    lane_row_load(gr, g, packs, lane);
+                    lane_row_load(xr, x, packs, lane);
+                }
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    i64 kp = lane + (i64)i * WARP;
+                    if (!n || kp >= packs) continue;
+                    Pack<T> wp = ld_pack(w + kp * P);
+#pragma unroll
+                    for (int j = 0; j < P; j++)
+                        add(kp * P + j, ld(gr.p[i].v[j]), ld(wp.v[j]), ld(xr.p[i].v[j]));
+                }
+                for (i64 c = packs * P + lane; c < n; c += WARP)
+                    add(c, ld(g[c]), ld(w[c]), ld(x[c]));
+                float m1 = (float)(warp_sum_d(s.s1) / (double)C);
+                float m2 = (float)(warp_sum_d(s.s2) / (double)C);
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    i64 kp = lane + (i64)i * WARP;
+                    if (!n || kp >= packs) continue;
+                    Pack<T> dp = ld_pack(d + kp * P), wp = ld_pack(w + kp * P);
+#pragma unroll
+                    for (int j = 0; j < P; j++) {
+                        float xhat = (ld(xr.p[i].v[j]) - mu) * rs;
+                        st(dp.v[j], ln_dinp(ld(dp.v[j]), ld(gr.p[i].v[j]), ld(wp.v[j]), xhat,
+                                            rs, m1, m2));
+                    }
+                    st_pack(d + kp * P, dp);
+                }
+                for (i64 c = packs * P + lane; c < n; c += WARP)
+                    st(d[c], ln_dinp(ld(d[c]), ld(g[c]), ld(w[c]), (ld(x[c]) - mu) * rs, rs, m1,
+                                     m2));
+                continue;
+            }
+            for_each_elem<T>(n, vec, lane, WARP, add, g, w, x);
             float m1 = (float)(warp_sum_d(s.s1) / (double)C);
             float m2 = (float)(warp_sum_d(s.s2) / (double)C);
-            T* d = dinp + row * C;
             map_elems(d, n, vec, lane, WARP,
                       [&](i64, float dc, float gc, float wc, float xc) {
                           return ln_dinp(dc, gc, wc, (xc - mu) * rs, rs, m1, m2);
@@ -494,11 +621,17 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
         __syncthreads();  // acc is zeroed for the next chunk
     }
 }
+// Blocks of 8 warps per SM the registers leave room for (C = 768: 48 KB of shared memory per
+// block, four fit): three for 16-bit rows (at most 85 registers; ptxas took 86 unbounded,
+// which fits two, and spills 8 bytes under the bound), two for f32 (it takes 120).
+#define LN_BACKWARD_MIN_BLOCKS(T) (sizeof(T) == 2 ? 3 : 2)
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void layernorm_backward_##S(                                       \
+    extern "C" __global__ void __launch_bounds__(ROW_THREADS, LN_BACKWARD_MIN_BLOCKS(T))     \
+        layernorm_backward_##S(                                                              \
         T* dinp, float* part, float* part2, const T* dout, const T* inp, const T* w,        \
         const float* mean, const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {          \
-        layernorm_backward_k(dinp, part, part2, dout, inp, w, mean, rstd, N, C, rpc, chunks); \
+        layernorm_backward_k<T, LN_LANE_PACKS>(dinp, part, part2, dout, inp, w, mean, rstd, N, \
+                                               C, rpc, chunks);                             \
     }
 FOR_TYPES(DEF)
 #undef DEF
