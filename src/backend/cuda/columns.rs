@@ -46,10 +46,8 @@ impl CudaBackend {
                 Arg::I64(chunks as i64),
             ],
         );
-        self.column_finish(dst, part, cols, chunks);
-        if let Some((dw, ..)) = dst2 {
-            self.column_finish(dw, part2, cols, chunks);
-        }
+        let second = dst2.map(|(dw, ..)| (dw, part2));
+        self.column_finish(dst, part, second, cols, chunks);
     }
 
     /// Scratch for the first stage of two column sums over `chunks` chunks of rows: two arrays
@@ -59,16 +57,39 @@ impl CudaBackend {
         (part, part + 4 * (chunks * cols) as u64)
     }
 
-    /// The second stage of a column sum: `dst[c] += Σ_k part[k, c]` over `chunks` chunks.
-    pub(super) fn column_finish(&self, dst: Span, part: u64, cols: usize, chunks: usize) {
+    /// The second stage of a column sum: `dst[c] += Σ_k part[k, c]` over `chunks` chunks, and
+    /// for `second = Some((dst2, part2))` the same of `part2` into `dst2`, in the same launch
+    /// (the layernorm's dbias and dw: one launch instead of two, each a few µs of latency).
+    pub(super) fn column_finish(
+        &self,
+        dst: Span,
+        part: u64,
+        second: Option<(Span, u64)>,
+        cols: usize,
+        chunks: usize,
+    ) {
+        let groups = cols.div_ceil(WARP as usize);
+        let (dst2, part2) = match second {
+            Some((d2, p2)) => {
+                assert_eq!(
+                    self.dt(d2),
+                    self.dt(dst),
+                    "column_finish: the two sums' types"
+                );
+                (self.ptr(d2), p2)
+            }
+            None => (0, 0),
+        };
         self.launch_rows(
             K::column_finish,
             self.dt(dst),
-            cols.div_ceil(WARP as usize),
+            groups * if second.is_some() { 2 } else { 1 },
             0,
             &[
                 Arg::Ptr(self.ptr(dst)),
+                Arg::Ptr(dst2),
                 Arg::Ptr(part),
+                Arg::Ptr(part2),
                 Arg::I64(cols as i64),
                 Arg::I64(chunks as i64),
             ],

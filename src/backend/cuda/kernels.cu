@@ -173,15 +173,42 @@ __device__ decltype(auto) apply_at(F& f, i64 c, const Pack<T> (&v)[N], int j, Se
     return f(c, ld(v[I].v[j])...);
 }
 
+// Packs of each array a thread loads before using the first, per step of the two loops: the
+// loads of a row kernel's thread (dozens of steps per row) go out U at a time instead of one
+// behind the work on the last, about 64 bytes in flight per thread whatever the number of
+// arrays. The visits keep their order (pack k, k + step, ...), so sums add the same terms in
+// the same order. (Elementwise launches give a thread one pack: U changes nothing there.)
+template <int N>
+__device__ constexpr int packs_ahead() {
+    return N >= 4 ? 1 : 4 / N;
+}
+template <typename T, int N, typename... In>
+__device__ void load_packs(Pack<T> (&v)[N], i64 at, const In*... ins) {
+    Pack<T> t[] = {ld_pack(ins + at)...};
+#pragma unroll
+    for (int i = 0; i < N; i++) v[i] = t[i];
+}
+
 // for_each_elem: f(c, ins[c]...), values widened by `ld`.
 template <typename T, typename F, typename... In>
 __device__ void for_each_elem(i64 n, bool vec, i64 first, i64 step, F f, const In*... ins) {
     const int P = PACK(T);
+    constexpr int N = sizeof...(In), U = packs_ahead<N>();
     i64 packs = whole_packs<T>(n, vec);
-    for (i64 k = first; k < packs; k += step) {
+    i64 k = first;
+    for (; k + (U - 1) * step < packs; k += U * step) {
+        Pack<T> v[U][N];
+#pragma unroll
+        for (int u = 0; u < U; u++) load_packs(v[u], (k + u * step) * P, ins...);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            for (int j = 0; j < P; j++)
+                apply_at<T>(f, (k + u * step) * P + j, v[u], j, typename MakeSeq<N>::type());
+    }
+    for (; k < packs; k += step) {
         Pack<T> v[] = {ld_pack(ins + k * P)...};
         for (int j = 0; j < P; j++)
-            apply_at<T>(f, k * P + j, v, j, typename MakeSeq<sizeof...(In)>::type());
+            apply_at<T>(f, k * P + j, v, j, typename MakeSeq<N>::type());
     }
     for (i64 c = packs * P + first; c < n; c += step) f(c, ld(ins[c])...);
 }
@@ -190,11 +217,26 @@ __device__ void for_each_elem(i64 n, bool vec, i64 first, i64 step, F f, const I
 template <typename T, typename F, typename... In>
 __device__ void map_elems(T* out, i64 n, bool vec, i64 first, i64 step, F f, const In*... ins) {
     const int P = PACK(T);
+    constexpr int N = sizeof...(In), U = packs_ahead<N>();
     i64 packs = whole_packs<T>(n, vec);
-    for (i64 k = first; k < packs; k += step) {
+    i64 k = first;
+    for (; k + (U - 1) * step < packs; k += U * step) {
+        Pack<T> v[U][N];
+#pragma unroll
+        for (int u = 0; u < U; u++) load_packs(v[u], (k + u * step) * P, ins...);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            Pack<T> o;
+            for (int j = 0; j < P; j++)
+                st(o.v[j], apply_at<T>(f, (k + u * step) * P + j, v[u], j,
+                                       typename MakeSeq<N>::type()));
+            st_pack(out + (k + u * step) * P, o);
+        }
+    }
+    for (; k < packs; k += step) {
         Pack<T> v[] = {ld_pack(ins + k * P)...}, o;
         for (int j = 0; j < P; j++)
-            st(o.v[j], apply_at<T>(f, k * P + j, v, j, typename MakeSeq<sizeof...(In)>::type()));
+            st(o.v[j], apply_at<T>(f, k * P + j, v, j, typename MakeSeq<N>::type()));
         st_pack(out + k * P, o);
     }
     for (i64 c = packs * P + first; c < n; c += step) st(out[c], f(c, ld(ins[c])...));
@@ -701,19 +743,25 @@ __device__ void column_partials_k(float* part, float* part2, const T* dout, cons
 FOR_TYPES(DEF)
 #undef DEF
 
-// Stage 2: dst[c] += Σ_k part[k, c]. A block (ROW_THREADS) per WARP columns, a row launch
-// over column groups: lane l takes column c0 + l, warp w the chunks k ≡ w (mod warps), in
-// order (each load a contiguous 128 bytes); then the warps' sums are added in warp order.
-// The loads go out FINISH_BATCH at a time ahead of the additions (the launch is a few dozen
-// blocks, so it is bound by how many L2 reads each warp has in flight); the additions keep
-// their order. T is dst's type.
+// Stage 2: dst[c] += Σ_k part[k, c], and with dst2 (not null) dst2[c] += Σ_k part2[k, c] in
+// the same launch (the layernorm's two weight gradients). A block (ROW_THREADS) per WARP
+// columns of one sum, a row launch over the column groups of both: lane l takes column
+// c0 + l, warp w the chunks k ≡ w (mod warps), in order (each load a contiguous 128 bytes);
+// then the warps' sums are added in warp order. The loads go out FINISH_BATCH at a time ahead
+// of the additions (the launch is a few dozen blocks, so it is bound by how many L2 reads each
+// warp has in flight); the additions keep their order. T is dst's (and dst2's) type.
 #define FINISH_BATCH 16
 template <typename T>
-__device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
+__device__ void column_finish_k(T* dst, T* dst2, const float* part, const float* part2, i64 C,
+                                i64 chunks) {
     __shared__ float sh[ROW_THREADS];
     int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
-    for (i64 c0 = blockIdx.x * (i64)WARP; c0 < C; c0 += (i64)gridDim.x * WARP) {
-        i64 c = c0 + lane;
+    i64 groups = (C + WARP - 1) / WARP, all = dst2 ? 2 * groups : groups;
+    for (i64 gi = blockIdx.x; gi < all; gi += gridDim.x) {
+        bool second = gi >= groups;
+        T* d = second ? dst2 : dst;
+        const float* pt = second ? part2 : part;
+        i64 c = (second ? gi - groups : gi) * WARP + lane;
         float s = 0.0f;
         if (c < C)
             for (i64 k0 = w; k0 < chunks; k0 += FINISH_BATCH * WARPS_PER_BLOCK) {
@@ -721,7 +769,7 @@ __device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
 #pragma unroll
                 for (int j = 0; j < FINISH_BATCH; j++) {
                     i64 k = k0 + j * WARPS_PER_BLOCK;
-                    v[j] = k < chunks ? part[k * C + c] : 0.0f;
+                    v[j] = k < chunks ? pt[k * C + c] : 0.0f;
                 }
 #pragma unroll
                 for (int j = 0; j < FINISH_BATCH; j++)
@@ -732,15 +780,15 @@ __device__ void column_finish_k(T* dst, const float* part, i64 C, i64 chunks) {
         if (w == 0 && c < C) {
             float total = sh[lane];
             for (int j = 1; j < WARPS_PER_BLOCK; j++) total += sh[j * WARP + lane];
-            st(dst[c], ld(dst[c]) + total);
+            st(d[c], ld(d[c]) + total);
         }
         __syncthreads();  // sh is reused by the next column group
     }
 }
 #define DEF(S, T)                                                                            \
-    extern "C" __global__ void column_finish_##S(T* dst, const float* part, i64 C,           \
-                                                 i64 chunks) {                              \
-        column_finish_k(dst, part, C, chunks);                                              \
+    extern "C" __global__ void column_finish_##S(T* dst, T* dst2, const float* part,         \
+                                                 const float* part2, i64 C, i64 chunks) {   \
+        column_finish_k(dst, dst2, part, part2, C, chunks);                                 \
     }
 FOR_TYPES(DEF)
 #undef DEF
@@ -1986,24 +2034,37 @@ FOR_TYPES(DEF)
 // This shard's row statistics in one pass: maxes[r] and sums[r] = Σ exp(x - maxes[r]) (the sum
 // in double). Each thread keeps a running maximum m and its sum relative to m, scaled down
 // when m grows (rarely, after the first elements); the block then takes the maximum M of the
-// threads' and adds their sums scaled by exp(m - M), in a fixed tree.
+// threads' and adds their sums scaled by exp(m - M), in a fixed tree. A thread adds its
+// exponentials in float, PACK(T) at a time (at most 8 terms of at most 1 each: within 8
+// float roundings), and each group's sum into its double: one conversion to double per group
+// instead of per element (conversions to double run at a quarter of the exponential's rate
+// or less; 824M logits per GPT-2 124M B=16 step).
 template <typename T>
 __device__ void ce_row_stats_k(float* maxes, float* sums, const T* logits, i64 N, i64 VP,
                                i64 V) {
     __shared__ float shf[ROW_THREADS];
     __shared__ double sh[ROW_THREADS];
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
-        float m = NEG_INF;
+        float m = NEG_INF, g = 0.0f;  // g: the group's sum, relative to m
         double s = 0.0;
+        int terms = 0;
         for_each_elem<T>(V, rows_aligned(logits, VP), threadIdx.x, blockDim.x,
                          [&](i64, float x) {
                              if (x > m) {
-                                 s *= (double)expf(m - x);  // 0 · 0 from m = −∞
+                                 float scale = expf(m - x);  // 0 · 0 from m = −∞
+                                 s *= (double)scale;
+                                 g *= scale;
                                  m = x;
                              }
-                             if (m != NEG_INF) s += (double)expf(x - m);
+                             if (m != NEG_INF) g += expf(x - m);
+                             if (++terms == PACK(T)) {
+                                 s += (double)g;
+                                 g = 0.0f;
+                                 terms = 0;
+                             }
                          },
                          logits + r * VP);
+        s += (double)g;
         float mx = block_max_f(m, shf);
         s = block_sum_d(m == NEG_INF ? 0.0 : s * (double)expf(m - mx), sh);
         if (threadIdx.x == 0) {

@@ -863,8 +863,7 @@ impl Backend for CudaBackend {
                     Arg::I64(chunks as i64),
                 ],
             );
-            self.column_finish(dbias, part, c, chunks);
-            self.column_finish(dw, part2, c, chunks);
+            self.column_finish(dbias, part, Some((dw, part2)), c, chunks);
             return;
         }
         self.launch_rows(
