@@ -422,20 +422,10 @@ FOR_TYPES(DEF)
 
 // One warp per row (C is a few hundred to a few thousand: a warp's loads stay coalesced and
 // the reductions need no block barrier); mean and variance accumulated in double.
-// Mean and rstd of a row in double (two passes, as the CPU's layernorm_row), then the
-// normalised row. Pack<T> rows: `row(f)` calls f(c, x) for every element of the row in a
-// fixed order (each lane its own elements); both forms below visit them as for_each_elem.
-template <typename T, typename Row>
-__device__ void ln_forward_stats(float& m, float& rs, i64 C, Row row) {
-    double s = 0.0;
-    row([&](i64, float v) { s += (double)v; });
-    double mu = warp_sum_d(s) / (double)C;
-    double ss = 0.0;
-    row([&](i64, float v) {
-        double d = (double)v - mu;
-        ss += d * d;
-    });
-    double var = warp_sum_d(ss) / (double)C;
+// Mean and rstd of a row from its sum and its sum of squared deviations from the mean, both
+// in double (the two passes of the CPU's layernorm_row).
+__device__ void ln_forward_stats(float& m, float& rs, double mu, double squares, i64 C) {
+    double var = warp_sum_d(squares) / (double)C;
     m = (float)mu;
     rs = (float)(1.0 / sqrt(var + 1e-5));
 }
@@ -443,8 +433,9 @@ __device__ float ln_forward_elem(float v, float m, float rs, float wc, float bc)
     return (v - m) * rs * wc + bc;
 }
 
-// A warp per row; rows of up to R packs per lane from registers (LaneRow), wider or unaligned
-// rows by the packed loops (read three times, from cache after the first).
+// A warp per row; rows of up to R packs per lane from registers (LaneRow; aligned rows hold
+// whole packs, so there is no tail), wider or unaligned rows by the packed loops (read three
+// times, from cache after the first). Both add the same terms in the same order.
 template <typename T, int R>
 __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* inp,
                                     const T* w, const T* b, i64 N, i64 C) {
@@ -456,13 +447,17 @@ __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* i
         const T* x = inp + row * C;
         T* o = out + row * C;
         float m, rs;
+        double s = 0.0, ss = 0.0;
         if (cached) {
             LaneRow<T, R> xr;
             lane_row_load(xr, x, packs, lane);
-            ln_forward_stats<T>(m, rs, C, [&](auto f) {
-                lane_row_each(xr, packs, lane, f);
-                for (i64 c = packs * P + lane; c < C; c += WARP) f(c, ld(x[c]));
+            lane_row_each(xr, packs, lane, [&](i64, float v) { s += (double)v; });
+            double mu = warp_sum_d(s) / (double)C;
+            lane_row_each(xr, packs, lane, [&](i64, float v) {
+                double d = (double)v - mu;
+                ss += d * d;
             });
+            ln_forward_stats(m, rs, mu, ss, C);
 #pragma unroll
             for (int i = 0; i < R; i++) {
                 i64 k = lane + (i64)i * WARP;
@@ -474,10 +469,14 @@ __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* i
                                                 ld(bp.v[j])));
                 st_pack(o + k * P, op);
             }
-            for (i64 c = packs * P + lane; c < C; c += WARP)
-                st(o[c], ln_forward_elem(ld(x[c]), m, rs, ld(w[c]), ld(b[c])));
         } else {
-            ln_forward_stats<T>(m, rs, C, [&](auto f) { for_each_elem<T>(C, vec, lane, WARP, f, x); });
+            for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) { s += (double)v; }, x);
+            double mu = warp_sum_d(s) / (double)C;
+            for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) {
+                double d = (double)v - mu;
+                ss += d * d;
+            }, x);
+            ln_forward_stats(m, rs, mu, ss, C);
             map_elems(o, C, vec, lane, WARP,
                       [&](i64, float v, float wc, float bc) {
                           return ln_forward_elem(v, m, rs, wc, bc);
