@@ -26,8 +26,8 @@ mod gpu {
         self, BiasGrad, CudaBackend, FlashBackward, FlashWarpRows, LayernormBackward,
     };
     use fugu::backend::{
-        AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, CudaSettings, Dtype,
-        FusedAttention, Span, TokSpan, WeightLayout,
+        AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, Dtype, FusedAttention, Span,
+        TokSpan, WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
@@ -51,7 +51,7 @@ mod gpu {
     /// How the binary's `--device cuda` runs here: `Some(false)` on a real GPU, `Some(true)` on
     /// the host emulator (`FUGU_CUDA_EMULATE=1`), `None` (after printing why) on neither.
     fn binary_mode() -> Option<bool> {
-        if CudaBackend::new(Some(0), CudaSettings::default()).is_ok() {
+        if super::common::cuda_gpu().is_ok() {
             Some(false)
         } else {
             device().map(|_| true)

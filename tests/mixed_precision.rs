@@ -138,9 +138,7 @@ fn cpu_bf16_and_fp16_curves_stay_within_two_percent_of_fp32() {
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_bf16_and_fp16_curves_stay_within_two_percent_of_fp32() {
-    use fugu::backend::cuda::CudaBackend;
-    use fugu::backend::CudaSettings;
-    if let Err(e) = CudaBackend::new(Some(0), CudaSettings::default()) {
+    if let Err(e) = common::cuda_gpu() {
         skipped(&format!(
             "no GPU for the 200-step mixed-precision curves ({e:#})"
         ));
@@ -171,9 +169,7 @@ fn mixed_precision_runs_resume_exactly() {
 #[cfg(feature = "cuda")]
 #[test]
 fn mixed_precision_runs_resume_exactly_on_a_gpu() {
-    use fugu::backend::cuda::CudaBackend;
-    use fugu::backend::CudaSettings;
-    if let Err(e) = CudaBackend::new(Some(0), CudaSettings::default()) {
+    if let Err(e) = common::cuda_gpu() {
         skipped(&format!("no GPU for the mixed-precision resume ({e:#})"));
         return;
     }

@@ -63,14 +63,30 @@ pub fn skipped(why: &str) {
     let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
 }
 
+/// The CUDA backend on GPU 0; `None` where this machine has no GPU. A GPU the backend fails
+/// to start on (kernels its NVRTC refuses, a missing library) fails the test instead of
+/// letting it fall back or skip: that is what a GPU run is for.
+#[cfg(feature = "cuda")]
+pub fn cuda_gpu() -> Result<fugu::backend::cuda::CudaBackend, anyhow::Error> {
+    use fugu::backend::cuda::{gpu_present, CudaBackend};
+    use fugu::backend::CudaSettings;
+    let started = CudaBackend::new(Some(0), CudaSettings::default());
+    if let Err(e) = &started {
+        assert!(
+            !gpu_present(),
+            "this machine has a GPU, but the CUDA backend did not start on it: {e:#}"
+        );
+    }
+    started
+}
+
 /// The CUDA backend under test: on GPU 0, or where there is none, on the host emulator
 /// (`kernels.cu` compiled as C++; the same host code and kernels, cuBLAS replaced by a loop).
 /// `None`, after printing why, when neither can be had.
 #[cfg(feature = "cuda")]
 pub fn cuda_device() -> Option<fugu::backend::cuda::CudaBackend> {
     use fugu::backend::cuda::CudaBackend;
-    use fugu::backend::CudaSettings;
-    match CudaBackend::new(Some(0), CudaSettings::default()) {
+    match cuda_gpu() {
         Ok(b) => Some(b),
         Err(gpu) => match CudaBackend::emulated() {
             Ok(b) => {

@@ -47,6 +47,17 @@ fn require_lib(present: bool, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Whether this machine has a CUDA driver that sees a GPU (a dlopen and a device count; no
+/// context is made). The tests tell "no GPU here" (skipped) from "a GPU the backend failed to
+/// start on" (a failure: a kernel source this GPU's NVRTC refuses, say) by it.
+pub fn gpu_present() -> bool {
+    // SAFETY: a dlopen only (no CUDA call is made).
+    if !unsafe { drv_sys::is_culib_present() } {
+        return false;
+    }
+    CudaContext::device_count().is_ok_and(|n| n > 0)
+}
+
 impl DriverEngine {
     /// Opens device `ordinal`: checks the libraries, compiles the kernels for its compute
     /// capability, creates the cuBLAS handle with the math mode `settings` ask for.

@@ -33,6 +33,7 @@ pub mod kernel_cache;
 mod lt;
 mod nvrtc;
 
+pub use driver::gpu_present;
 pub use forms::{
     parse_in_gemm, BiasGrad, FlashBackward, FlashWarpRows, KernelForm, LayernormBackward,
     BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_WARP_ROWS_ENV,
