@@ -20,13 +20,20 @@ need_qemu=0
 command -v qemu-aarch64 >/dev/null 2>&1 || need_qemu=1
 
 # NVRTC needs no GPU; the wheel is 58 MB. Not fatal: without it the NVRTC test says "skipped".
-nvrtc_dir=/opt/fugu-nvrtc
-if [ ! -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
-  if python3 -m pip install -q --no-deps --target "$nvrtc_dir" "nvidia-cuda-nvrtc>=13,<14" 2>&1 | tail -3; then
-    [ -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ] && echo "install-deps: NVRTC in $nvrtc_dir"
+# Two of them: the newest CUDA 13 (/opt/fugu-nvrtc) and the oldest (13.0, /opt/fugu-nvrtc-13.0),
+# which a GPU machine's CUDA 13 image may carry and which refuses source the newer one takes
+# (a generic lambda inside a kernel compiled with 13.5 and failed on an H200's NVRTC).
+install_nvrtc() {  # DIR SPEC
+  local dir=$1 spec=$2
+  if [ ! -e "$dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+    if python3 -m pip install -q --no-deps --target "$dir" "$spec" 2>&1 | tail -3; then
+      [ -e "$dir/nvidia/cu13/lib/libnvrtc.so.13" ] && echo "install-deps: NVRTC ($spec) in $dir"
+    fi
+    [ -e "$dir/nvidia/cu13/lib/libnvrtc.so.13" ] || echo "install-deps: warning: could not install NVRTC ($spec) from PyPI; the kernel compile test with it will be skipped"
   fi
-  [ -e "$nvrtc_dir/nvidia/cu13/lib/libnvrtc.so.13" ] || echo "install-deps: warning: could not install NVRTC from PyPI; the kernel compile test will be skipped"
-fi
+}
+install_nvrtc /opt/fugu-nvrtc "nvidia-cuda-nvrtc>=13,<14"
+install_nvrtc /opt/fugu-nvrtc-13.0 "nvidia-cuda-nvrtc==13.0.88"
 
 if [ ${#need[@]} -eq 0 ] && [ $need_qemu -eq 0 ]; then
   echo "install-deps: everything already installed"

@@ -57,6 +57,9 @@ if ! skip cuda; then
   cargo clippy --locked -j2 --features cuda --all-targets -- -D warnings
   LD_LIBRARY_PATH="/opt/fugu-nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --locked -j2 --features cuda --test cuda --test model_golden
+  # The kernels also under the oldest CUDA 13 NVRTC (13.0), as a GPU machine may have it.
+  LD_LIBRARY_PATH="/opt/fugu-nvrtc-13.0/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    cargo test --locked -j2 --features cuda --test cuda -- kernels_compile_with_nvrtc
 fi
 
 if ! skip aarch64; then
