@@ -940,21 +940,23 @@ FOR_TYPES(DEF)
 // on an H200 (GPT-2 124M, B=16, T=1024, bf16), 4 / 4 / 3 gave the fastest step (50.3 ms
 // against 51.8 uncapped: the forward kernel 2.64 → 2.13 ms, the backward 8.15 → 7.00 ms).
 #define FA_MINB_FWD 4
-// The forward kernel with 32 query rows per warp (flash_forward_wide, 64 threads), not yet
-// measured on a GPU: ptxas (CUDA 13.5, sm_90) gives it 246 registers and no spills at 4 blocks
+// The forward kernel with 32 query rows per warp (flash_forward_wide, 64 threads; opt-in,
+// 2.26 ms per GPT-2 124M step against 2.03 for flash_forward on an H200): ptxas (CUDA 13.5, sm_90) gives it 246 registers and no spills at 4 blocks
 // of 2 warps per SM (8 warps, FlashAttention-2's occupancy); capped for 6 blocks it spills 148
 // bytes, for 8 (the same 128-register cap as flash_forward) 736.
 #define FA_MINB_FWD_WIDE 4
 #define FA_MINB_DQ 4
 #define FA_MINB_DKV 3
-// The backward kernels with 32 rows per warp, also unmeasured: at 4 blocks of 2 warps, ptxas
+// The backward kernels with 32 rows per warp (opt-in; with all three wide, 1.8% slower per
+// GPT-2 124M step on an H200, docs/TRAINING.md): at 4 blocks of 2 warps, ptxas
 // gives both the 255-register maximum; they read their own tiles' fragments (Q and dO, K and
 // V) from dynamic shared memory on every loop step (the host's FLASH_KV_SHMEM: 56 KB per block
 // in all, 4 blocks in an H100's 228 KB) and spill 12 and 40 bytes, where holding them in
 // registers spilled 96 and about 400 (the 16-row kernels spill 76 and 32 at their caps).
 #define FA_MINB_DQ_WIDE 4
 #define FA_MINB_DKV_WIDE 4
-// The one-kernel backward (FUGU_FLASH_BACKWARD=fused), unmeasured: 65 KB of shared memory per
+// The one-kernel backward (FUGU_FLASH_BACKWARD=fused; measured 14.2 ms per GPT-2 124M step on
+// an H200 against 6.5 for the two kernels, opt-in): 65 KB of shared memory per
 // block (the dK/dV kernel's, plus K, V and dS kept for dQ), so 3 blocks per SM whatever the
 // rows per warp.
 #define FA_MINB_FUSED 3
