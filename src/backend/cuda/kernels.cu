@@ -189,9 +189,11 @@ __device__ void load_packs(Pack<T> (&v)[N], i64 at, const In*... ins) {
     for (int i = 0; i < N; i++) v[i] = t[i];
 }
 
-// for_each_elem: f(c, ins[c]...), values widened by `ld`.
-template <typename T, typename F, typename... In>
-__device__ void for_each_elem(i64 n, bool vec, i64 first, i64 step, F f, const In*... ins) {
+// The packed loop of both: g(k, v) for each whole pack k this thread visits (v: pack k of each
+// array), the packs loaded U at a time ahead of their use; returns the count of whole packs
+// (the callers visit the elements past them one by one).
+template <typename T, typename G, typename... In>
+__device__ i64 each_pack(i64 n, bool vec, i64 first, i64 step, G g, const In*... ins) {
     const int P = PACK(T);
     constexpr int N = sizeof...(In), U = packs_ahead<N>();
     i64 packs = whole_packs<T>(n, vec);
@@ -201,15 +203,25 @@ __device__ void for_each_elem(i64 n, bool vec, i64 first, i64 step, F f, const I
 #pragma unroll
         for (int u = 0; u < U; u++) load_packs(v[u], (k + u * step) * P, ins...);
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            for (int j = 0; j < P; j++)
-                apply_at<T>(f, (k + u * step) * P + j, v[u], j, typename MakeSeq<N>::type());
+        for (int u = 0; u < U; u++) g(k + u * step, v[u]);
     }
     for (; k < packs; k += step) {
-        Pack<T> v[] = {ld_pack(ins + k * P)...};
+        Pack<T> v[N];
+        load_packs(v, k * P, ins...);
+        g(k, v);
+    }
+    return packs;
+}
+
+// for_each_elem: f(c, ins[c]...), values widened by `ld`.
+template <typename T, typename F, typename... In>
+__device__ void for_each_elem(i64 n, bool vec, i64 first, i64 step, F f, const In*... ins) {
+    const int P = PACK(T);
+    constexpr int N = sizeof...(In);
+    i64 packs = each_pack<T>(n, vec, first, step, [&](i64 k, const Pack<T> (&v)[N]) {
         for (int j = 0; j < P; j++)
             apply_at<T>(f, k * P + j, v, j, typename MakeSeq<N>::type());
-    }
+    }, ins...);
     for (i64 c = packs * P + first; c < n; c += step) f(c, ld(ins[c])...);
 }
 
@@ -217,28 +229,13 @@ __device__ void for_each_elem(i64 n, bool vec, i64 first, i64 step, F f, const I
 template <typename T, typename F, typename... In>
 __device__ void map_elems(T* out, i64 n, bool vec, i64 first, i64 step, F f, const In*... ins) {
     const int P = PACK(T);
-    constexpr int N = sizeof...(In), U = packs_ahead<N>();
-    i64 packs = whole_packs<T>(n, vec);
-    i64 k = first;
-    for (; k + (U - 1) * step < packs; k += U * step) {
-        Pack<T> v[U][N];
-#pragma unroll
-        for (int u = 0; u < U; u++) load_packs(v[u], (k + u * step) * P, ins...);
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            Pack<T> o;
-            for (int j = 0; j < P; j++)
-                st(o.v[j], apply_at<T>(f, (k + u * step) * P + j, v[u], j,
-                                       typename MakeSeq<N>::type()));
-            st_pack(out + (k + u * step) * P, o);
-        }
-    }
-    for (; k < packs; k += step) {
-        Pack<T> v[] = {ld_pack(ins + k * P)...}, o;
+    constexpr int N = sizeof...(In);
+    i64 packs = each_pack<T>(n, vec, first, step, [&](i64 k, const Pack<T> (&v)[N]) {
+        Pack<T> o;
         for (int j = 0; j < P; j++)
             st(o.v[j], apply_at<T>(f, k * P + j, v, j, typename MakeSeq<N>::type()));
         st_pack(out + k * P, o);
-    }
+    }, ins...);
     for (i64 c = packs * P + first; c < n; c += step) st(out[c], f(c, ld(ins[c])...));
 }
 
