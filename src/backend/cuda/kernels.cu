@@ -309,11 +309,12 @@ __device__ float warp_max_f(float v) {
 // A lane's whole packs of a row (k = lane, lane + WARP, ... below `packs`), at most R of
 // them, loaded by one call: the loads of the row go out together instead of one per step of
 // a loop whose next load waits for the sums of the last, and the row is read from memory
-// once for all the passes over it. `lane_row_each` visits the elements in for_each_elem's order (a
-// lane's packs in order, each pack's elements in order), so a sum over them adds the same
-// terms in the same order; the elements past the last whole pack (the tail) are the
-// caller's, as for_each_elem's second loop. Kernels use it where the row fits
-// (lane_row_fits) and its pointers are 16-byte aligned, the loops above otherwise.
+// once for all the passes over it. `lane_row_each` visits the elements in for_each_elem's
+// order (a lane's packs in order, each pack's elements in order), so a sum over them adds the
+// same terms in the same order. Kernels use it where the row's pointers are 16-byte aligned
+// (so the row is whole packs, with no tail) and it fits (lane_row_fits), the loops above
+// otherwise.
+
 // Packs per lane a warp-row layernorm kernel holds in registers: rows of up to 1024 16-bit
 // or 512 f32 elements (GPT-2 124M's 768 in bf16 and fp16: 3 packs per lane).
 #define LN_LANE_PACKS 4
@@ -417,8 +418,6 @@ FOR_TYPES(DEF)
 
 // ---- layernorm (ops/layernorm.rs) -------------------------------------------------------
 
-// One warp per row (C is a few hundred to a few thousand: a warp's loads stay coalesced and
-// the reductions need no block barrier); mean and variance accumulated in double.
 // Mean and rstd of a row from its sum and its sum of squared deviations from the mean, both
 // in double (the two passes of the CPU's layernorm_row).
 __device__ void ln_forward_stats(float& m, float& rs, double mu, double squares, i64 C) {
@@ -430,9 +429,10 @@ __device__ float ln_forward_elem(float v, float m, float rs, float wc, float bc)
     return (v - m) * rs * wc + bc;
 }
 
-// A warp per row; rows of up to R packs per lane from registers (LaneRow; aligned rows hold
-// whole packs, so there is no tail), wider or unaligned rows by the packed loops (read three
-// times, from cache after the first). Both add the same terms in the same order.
+// One warp per row (C is a few hundred to a few thousand: a warp's loads stay coalesced and
+// the reductions need no block barrier); mean and variance accumulated in double. Rows of up
+// to R packs per lane from registers (LaneRow), wider or unaligned rows by the packed loops
+// (read three times, from cache after the first). Both add the same terms in the same order.
 template <typename T, int R>
 __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* inp,
                                     const T* w, const T* b, i64 N, i64 C) {
@@ -614,8 +614,6 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
                     for (int j = 0; j < P; j++)
                         add(kp * P + j, ld(gr.p[i].v[j]), ld(wp.v[j]), ld(xr.p[i].v[j]));
                 }
-                for (i64 c = packs * P + lane; c < n; c += WARP)
-                    add(c, ld(g[c]), ld(w[c]), ld(x[c]));
                 float m1 = (float)(warp_sum_d(s.s1) / (double)C);
                 float m2 = (float)(warp_sum_d(s.s2) / (double)C);
 #pragma unroll
@@ -631,9 +629,6 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
                     }
                     st_pack(d + kp * P, dp);
                 }
-                for (i64 c = packs * P + lane; c < n; c += WARP)
-                    st(d[c], ln_dinp(ld(d[c]), ld(g[c]), ld(w[c]), (ld(x[c]) - mu) * rs, rs, m1,
-                                     m2));
                 continue;
             }
             for_each_elem<T>(n, vec, lane, WARP, add, g, w, x);
@@ -938,15 +933,16 @@ FOR_TYPES(DEF)
 // against 51.8 uncapped: the forward kernel 2.64 → 2.13 ms, the backward 8.15 → 7.00 ms).
 #define FA_MINB_FWD 4
 // The forward kernel with 32 query rows per warp (flash_forward_wide, 64 threads; opt-in,
-// 2.26 ms per GPT-2 124M step against 2.03 for flash_forward on an H200): ptxas (CUDA 13.5, sm_90) gives it 246 registers and no spills at 4 blocks
-// of 2 warps per SM (8 warps, FlashAttention-2's occupancy); capped for 6 blocks it spills 148
-// bytes, for 8 (the same 128-register cap as flash_forward) 736.
+// 2.26 ms per GPT-2 124M step against 2.03 for flash_forward on an H200): ptxas (CUDA 13.5,
+// sm_90) gives it 246 registers and no spills at 4 blocks of 2 warps per SM (8 warps,
+// FlashAttention-2's occupancy); capped for 6 blocks it spills 148 bytes, for 8 (the same
+// 128-register cap as flash_forward) 736.
 #define FA_MINB_FWD_WIDE 4
 #define FA_MINB_DQ 4
 #define FA_MINB_DKV 3
 // The backward kernels with 32 rows per warp (opt-in; with all three wide, 1.8% slower per
-// GPT-2 124M step on an H200, docs/TRAINING.md): at 4 blocks of 2 warps, ptxas
-// gives both the 255-register maximum; they read their own tiles' fragments (Q and dO, K and
+// GPT-2 124M step on an H200, docs/TRAINING.md): at 4 blocks of 2 warps, ptxas gives both the
+// 255-register maximum; they read their own tiles' fragments (Q and dO, K and
 // V) from dynamic shared memory on every loop step (the host's FLASH_KV_SHMEM: 56 KB per block
 // in all, 4 blocks in an H100's 228 KB) and spill 12 and 40 bytes, where holding them in
 // registers spilled 96 and about 400 (the 16-row kernels spill 76 and 32 at their caps).
