@@ -63,8 +63,8 @@ pub const RESIDUAL_ENV: &str = "FUGU_RESIDUAL";
 /// How a model whose activations are stored as `compute` adds its projections to the
 /// residual stream: in the GEMM where the backend has it and the activations are 16-bit (one
 /// rounding of the f32 sum instead of two; measured on one H200, GPT-2 124M B=16 T=1024 bf16,
-/// 2026-11-28: 36.2 ms/step against 36.55 alone, 35.6 against 35.9 with the fused layernorm
-/// backward, two rounds each; on 2 Zen 3 cores, GPT-2 124M 1×512 bf16, it drops the residual
+/// 2026-11-28: 36.2 ms/step against 36.55 alone, 35.65 against 36.0 with the fused
+/// layernorm backward, two rounds each; on 2 Zen 3 cores, GPT-2 124M 1×512 bf16, it drops the residual
 /// op's 12-13 ms of a 3.9 s step, the projections' time unchanged within the runs' noise),
 /// unless [`RESIDUAL_ENV`] says otherwise. f32 runs, the references, keep the separate op.
 pub(super) fn residual_path(be: &impl Backend, compute: Dtype) -> Result<Residual> {
