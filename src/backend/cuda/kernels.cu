@@ -429,6 +429,17 @@ __device__ float ln_forward_elem(float v, float m, float rs, float wc, float bc)
     return (v - m) * rs * wc + bc;
 }
 
+// f(c, x) for each element of row x this lane visits: from the registers xr holds (`cached`)
+// or by the packed loop over x, in the same order either way.
+template <typename T, int R, typename F>
+__device__ void ln_row_each(bool cached, const LaneRow<T, R>& xr, const T* x, i64 C, bool vec,
+                            i64 packs, int lane, F f) {
+    if (cached)
+        lane_row_each(xr, packs, lane, f);
+    else
+        for_each_elem<T>(C, vec, lane, WARP, f, x);
+}
+
 // One warp per row (C is a few hundred to a few thousand: a warp's loads stay coalesced and
 // the reductions need no block barrier); mean and variance accumulated in double. Rows of up
 // to R packs per lane from registers (LaneRow), wider or unaligned rows by the packed loops
@@ -443,18 +454,18 @@ __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* i
     WARP_ROWS(row, N) {
         const T* x = inp + row * C;
         T* o = out + row * C;
-        float m, rs;
+        LaneRow<T, R> xr;
+        if (cached) lane_row_load(xr, x, packs, lane);
         double s = 0.0, ss = 0.0;
+        ln_row_each(cached, xr, x, C, vec, packs, lane, [&](i64, float v) { s += (double)v; });
+        double mu = warp_sum_d(s) / (double)C;
+        ln_row_each(cached, xr, x, C, vec, packs, lane, [&](i64, float v) {
+            double d = (double)v - mu;
+            ss += d * d;
+        });
+        float m, rs;
+        ln_forward_stats(m, rs, mu, ss, C);
         if (cached) {
-            LaneRow<T, R> xr;
-            lane_row_load(xr, x, packs, lane);
-            lane_row_each(xr, packs, lane, [&](i64, float v) { s += (double)v; });
-            double mu = warp_sum_d(s) / (double)C;
-            lane_row_each(xr, packs, lane, [&](i64, float v) {
-                double d = (double)v - mu;
-                ss += d * d;
-            });
-            ln_forward_stats(m, rs, mu, ss, C);
 #pragma unroll
             for (int i = 0; i < R; i++) {
                 i64 k = lane + (i64)i * WARP;
@@ -467,13 +478,6 @@ __device__ void layernorm_forward_k(T* out, float* mean, float* rstd, const T* i
                 st_pack(o + k * P, op);
             }
         } else {
-            for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) { s += (double)v; }, x);
-            double mu = warp_sum_d(s) / (double)C;
-            for_each_elem<T>(C, vec, lane, WARP, [&](i64, float v) {
-                double d = (double)v - mu;
-                ss += d * d;
-            }, x);
-            ln_forward_stats(m, rs, mu, ss, C);
             map_elems(o, C, vec, lane, WARP,
                       [&](i64, float v, float wc, float bc) {
                           return ln_forward_elem(v, m, rs, wc, bc);
