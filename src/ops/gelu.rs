@@ -36,12 +36,9 @@ pub fn gelu_backward<T: Float>(dinp: &mut [T], inp: &[T], dout: &[T]) {
 fn sigma_2u<T: Float>(x: T) -> (T, T) {
     let z = T::from_f64(-2.0) * sqrt_2_over_pi::<T>() * (x + T::from_f64(GELU_COEFF) * x * x * x);
     let cap = T::from_f64(80.0);
-    let e = (if z > cap { cap } else { z }).exp();
-    let s = if z > cap {
-        T::ZERO
-    } else {
-        T::ONE / (T::ONE + e)
-    };
+    let past = z > cap;
+    let e = (if past { cap } else { z }).exp();
+    let s = if past { T::ZERO } else { T::ONE / (T::ONE + e) };
     (s, e * s)
 }
 
