@@ -29,8 +29,25 @@ export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 df -h . | awk 'NR == 2 { print "disk: " $4 " free on " $6 " before the build" }'
 
 skip() { case " ${FUGU_TEST_SKIP:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-stage() { printf '\n=== %s ===\n' "$*"; }
+# Each stage's wall time, printed when it ends and again as a table at the end (CI must stay
+# well under its 90-minute limit: see which stage to trim).
 start=$(date +%s)
+stage_name=""
+stage_start=$start
+stage_times=()
+end_stage() {
+  [ -n "$stage_name" ] || return 0
+  local took=$(( $(date +%s) - stage_start ))
+  printf '=== %s: %d s ===\n' "$stage_name" "$took"
+  stage_times+=("$(printf '%6d s  %s' "$took" "$stage_name")")
+  stage_name=""
+}
+stage() {
+  end_stage
+  stage_name="$*"
+  stage_start=$(date +%s)
+  printf '\n=== %s ===\n' "$*"
+}
 
 stage "dependencies"
 scripts/install-deps.sh
@@ -91,4 +108,7 @@ if ! skip jobs; then
   fi
 fi
 
-stage "all tests passed in $(( $(date +%s) - start )) s"
+end_stage
+printf '\n=== stage times ===\n'
+printf '%s\n' "${stage_times[@]}"
+printf '\n=== all tests passed in %d s ===\n' "$(( $(date +%s) - start ))"

@@ -7,10 +7,47 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// GPT-2 architecture.
+/// A model family (`arch` in `[model]`): which model `crate::model::registry` builds from
+/// a [`ModelConfig`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2: pre-LN, tanh-GELU MLP, learned positions, tied embeddings, biases.
+    #[default]
+    Gpt2,
+}
+
+impl Arch {
+    /// Every architecture fugu builds.
+    pub const ALL: [Arch; 1] = [Arch::Gpt2];
+
+    /// The name in configs (`arch = "gpt2"`) and in Hugging Face's `model_type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Gpt2 => "gpt2",
+        }
+    }
+
+    /// The architecture whose name (or Hugging Face `model_type`) is `name`.
+    pub fn from_name(name: &str) -> Option<Arch> {
+        Arch::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// GPT-2 is the default and is left out of serialised configs, so that every config,
+    /// `state.json` and checkpoint written before `arch` existed reads the same and a GPT-2
+    /// run writes the same bytes as before.
+    fn is_default(&self) -> bool {
+        *self == Arch::default()
+    }
+}
+
+/// A model's shape: the architecture and its dimensions.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
+    /// The model family (default GPT-2).
+    #[serde(default, skip_serializing_if = "Arch::is_default")]
+    pub arch: Arch,
     /// Vocabulary size as stored in files (padded to a multiple of 128 inside the model).
     pub vocab_size: usize,
     /// Maximum sequence length (rows of the position embedding).
@@ -21,6 +58,15 @@ pub struct ModelConfig {
     pub n_head: usize,
     /// Transformer blocks.
     pub n_layer: usize,
+}
+
+impl ModelConfig {
+    /// The end-of-text id a checkpoint's `config.json` names as `bos_token_id` /
+    /// `eos_token_id`: GPT-2's `<|endoftext|>` (50256) when the vocabulary has it, else the
+    /// last id (where fugu's trained tokenizers put `<|endoftext|>`).
+    pub fn eot_id(&self) -> usize {
+        50256.min(self.vocab_size.saturating_sub(1))
+    }
 }
 
 /// Learning-rate schedule.

@@ -1,9 +1,11 @@
 //! fugu: a CPU-first GPT trainer for A64FX-class supercomputers.
 
+pub mod atomic_write;
 pub mod backend;
 pub mod bench;
 pub mod checkpoint;
 pub mod cli;
+pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod make_once;

@@ -1,7 +1,7 @@
 //! `fugu sample`: text generation from a checkpoint with a KV cache.
 //!
 //! Generation runs one token at a time through the model's own forward pass
-//! ([`Gpt2::decode`]): each new token's keys and values are appended to a per-layer cache in
+//! ([`Model::decode`]): each new token's keys and values are appended to a per-layer cache in
 //! backend memory, so a step costs O(position) attention work instead of re-running the whole
 //! prefix. Only the logits come back to the host, where [`pick`] chooses the next token.
 
@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
 use crate::model::kv::KvCache;
-use crate::model::Gpt2;
+use crate::model::{registry, Model};
 use anyhow::{bail, Result};
 use fugu_io::rng::SplitMix64;
 
@@ -24,9 +24,9 @@ pub struct SampleOptions {
     pub seed: u64,
 }
 
-/// A model ready for incremental decoding: an inference-only [`Gpt2`] and its cache.
+/// A model ready for incremental decoding: an inference-only model and its cache.
 pub struct Generator<B: Backend> {
-    model: Gpt2<B>,
+    model: Box<dyn Model<B>>,
     cache: Option<KvCache>,
     pos: usize,
     timers: Timers,
@@ -35,7 +35,7 @@ pub struct Generator<B: Backend> {
 impl<B: Backend> Generator<B> {
     /// Loads a full (tp = 1) parameter buffer onto `be` and allocates the cache.
     pub fn new(cfg: &ModelConfig, params: &[f32], be: B) -> Result<Generator<B>> {
-        let mut model = Gpt2::for_inference(cfg, be)?;
+        let mut model = registry::build_for_inference(cfg, be)?;
         model.load_params(params)?;
         let cache = Some(model.kv_cache()?);
         Ok(Generator {
@@ -48,7 +48,7 @@ impl<B: Backend> Generator<B> {
 
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
-        &self.model.cfg
+        self.model.config()
     }
 
     /// Positions consumed so far.

@@ -974,6 +974,7 @@ mod gpu {
 
     fn small_cfg() -> ModelConfig {
         ModelConfig {
+            arch: fugu::config::Arch::Gpt2,
             vocab_size: 300,
             n_positions: 24,
             n_embd: 32,

@@ -42,6 +42,7 @@ fn load(name: &str) -> Golden {
     let u = |v: &Value, k: &str| v[k].as_u64().unwrap() as usize;
     let f = |k: &str| tr[k].as_f64().unwrap();
     let cfg = ModelConfig {
+        arch: fugu::config::Arch::Gpt2,
         vocab_size: u(&c, "vocab_size"),
         n_positions: u(&c, "n_positions"),
         n_embd: u(&c, "n_embd"),

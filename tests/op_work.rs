@@ -39,6 +39,7 @@ fn step_work(cfg: &ModelConfig, (b, t): (usize, usize), compute: Dtype) -> Timer
 #[test]
 fn declared_work_adds_up_to_the_model_flops_on_every_path() {
     let cfg = ModelConfig {
+        arch: fugu::config::Arch::Gpt2,
         vocab_size: 50,
         n_positions: 16,
         n_embd: 32,

@@ -11,6 +11,7 @@ use fugu::sample::{generate, pick, Generator, SampleOptions};
 
 fn cfg() -> ModelConfig {
     ModelConfig {
+        arch: fugu::config::Arch::Gpt2,
         vocab_size: 300,
         n_positions: 24,
         n_embd: 32,

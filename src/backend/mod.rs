@@ -145,7 +145,7 @@ pub struct CeDims {
 
 /// The operations a GPT-2 training step needs. Shapes are row-major; see [`crate::ops`] for the
 /// exact semantics of each op, which every backend must reproduce.
-pub trait Backend {
+pub trait Backend: 'static {
     /// Short name for logs (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
 

@@ -19,7 +19,7 @@
 //! | `sendrecv` | one message | 1 | `start_send`/`start_recv` + `wait`, ping-pong between rank 0 and the last rank; the time is half a round trip (pipeline stages) |
 
 use crate::bench::stats::median;
-use crate::parallel::comm::{Comm, ReduceOp};
+use crate::comm::{Comm, ReduceOp};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -362,7 +362,7 @@ pub fn format_table(rows: &[CommRow]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::parallel::comm::SerialComm;
+    use crate::comm::SerialComm;
 
     #[test]
     fn sizes_are_powers_of_two_between_the_bounds() {

@@ -8,10 +8,11 @@
 //! files (whose `h.N.attn.bias` / `h.N.attn.masked_bias` causal-mask buffers are ignored), and
 //! F16/BF16 tensors.
 
-use super::atomic;
 use super::st::{self, Data, Dtype, Entry, Header, OutTensor};
-use crate::config::ModelConfig;
-use crate::model::table::{gpt2_params, padded_vocab, Table, TensorSpec};
+use crate::atomic_write as atomic;
+use crate::config::{Arch, ModelConfig};
+use crate::model::registry;
+use crate::model::table::{padded_vocab, Table, TensorSpec};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -27,46 +28,17 @@ pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 /// The key prefix `transformers` gives the body of `GPT2LMHeadModel`.
 pub const KEY_PREFIX: &str = "transformer.";
 
-/// The `config.json` of a `GPT2LMHeadModel` for `cfg`, as fugu trains it (no dropout, tied
-/// embeddings, tanh GELU). Keys are sorted, like `save_pretrained` writes them.
-///
-/// `bos_token_id` / `eos_token_id` are GPT-2's `<|endoftext|>` (50256) when the vocabulary
-/// contains it, else the last token.
+/// The Hugging Face `config.json` of the model `cfg` names, as fugu trains it (its
+/// architecture writes it: [`crate::model::registry::hf_config_json`]). Keys are sorted, like
+/// `save_pretrained` writes them.
 pub fn hf_config_json(cfg: &ModelConfig) -> Value {
-    let eot = eot_id(cfg);
-    json!({
-        "activation_function": "gelu_new",
-        "add_cross_attention": false,
-        "architectures": ["GPT2LMHeadModel"],
-        "attn_pdrop": 0.0,
-        "bos_token_id": eot,
-        "dtype": "float32",
-        "embd_pdrop": 0.0,
-        "eos_token_id": eot,
-        "initializer_range": 0.02,
-        "layer_norm_epsilon": 1e-5,
-        "model_type": "gpt2",
-        "n_ctx": cfg.n_positions,
-        "n_embd": cfg.n_embd,
-        "n_head": cfg.n_head,
-        "n_inner": null,
-        "n_layer": cfg.n_layer,
-        "n_positions": cfg.n_positions,
-        "reorder_and_upcast_attn": false,
-        "resid_pdrop": 0.0,
-        "scale_attn_by_inverse_layer_idx": false,
-        "scale_attn_weights": true,
-        "tie_word_embeddings": true,
-        "use_cache": true,
-        "vocab_size": cfg.vocab_size,
-    })
+    registry::hf_config_json(cfg)
 }
 
-/// The end-of-text id fugu's `config.json` names as `bos_token_id` / `eos_token_id`: GPT-2's
-/// `<|endoftext|>` (50256) when the vocabulary has it, else the last id (where fugu's trained
-/// tokenizers put `<|endoftext|>`).
+/// The end-of-text id fugu's `config.json` names as `bos_token_id` / `eos_token_id`
+/// ([`ModelConfig::eot_id`]).
 pub fn eot_id(cfg: &ModelConfig) -> usize {
-    50256.min(cfg.vocab_size.saturating_sub(1))
+    cfg.eot_id()
 }
 
 /// `generation_config.json` for `cfg`: the end-of-text token as bos, eos and padding, so that
@@ -101,76 +73,26 @@ fn parse_hf_config(text: &str, path: &Path) -> Result<ModelConfig> {
     let obj = v
         .as_object()
         .ok_or_else(|| anyhow!("{p}: expected a JSON object"))?;
-    let field = |k: &str| obj.get(k);
-    let int = |k: &str, default: usize| -> Result<usize> {
-        match field(k) {
-            None => Ok(default),
-            Some(x) => match x.as_u64() {
-                Some(n) if n > 0 && n <= u32::MAX as u64 => Ok(n as usize),
-                _ => bail!("{p}: field `{k}` = {x}: expected a positive integer"),
-            },
-        }
+    // transformers' own default for a config.json without `model_type` is GPT-2's.
+    let arch = match obj.get("model_type") {
+        None => Arch::default(),
+        Some(t) => t.as_str().and_then(Arch::from_name).ok_or_else(|| {
+            anyhow!(
+                "{p}: field `model_type` = {t}: only {} is supported",
+                supported_archs()
+            )
+        })?,
     };
-    let flag = |k: &str, default: bool, supported: bool| -> Result<()> {
-        let b = match field(k) {
-            None => default,
-            Some(x) => x
-                .as_bool()
-                .ok_or_else(|| anyhow!("{p}: field `{k}` = {x}: expected true or false"))?,
-        };
-        if b != supported {
-            bail!("{p}: field `{k}` = {b} is not supported by fugu (only {supported})");
-        }
-        Ok(())
-    };
-    if let Some(t) = field("model_type") {
-        if t.as_str() != Some("gpt2") {
-            bail!("{p}: field `model_type` = {t}: only \"gpt2\" is supported");
-        }
-    }
-    let cfg = ModelConfig {
-        vocab_size: int("vocab_size", 50257)?,
-        n_positions: int("n_positions", 1024)?,
-        n_embd: int("n_embd", 768)?,
-        n_head: int("n_head", 12)?,
-        n_layer: int("n_layer", 12)?,
-    };
-    if !cfg.n_embd.is_multiple_of(cfg.n_head) {
-        bail!(
-            "{p}: field `n_embd` = {} is not divisible by `n_head` = {}",
-            cfg.n_embd,
-            cfg.n_head
-        );
-    }
-    match field("activation_function") {
-        None => {}
-        Some(Value::String(s)) if s == "gelu_new" || s == "gelu_pytorch_tanh" => {}
-        Some(x) => bail!(
-            "{p}: field `activation_function` = {x} is not supported by fugu (only \"gelu_new\" or \"gelu_pytorch_tanh\")"
-        ),
-    }
-    match field("n_inner") {
-        None | Some(Value::Null) => {}
-        Some(x) if x.as_u64() == Some(4 * cfg.n_embd as u64) => {}
-        Some(x) => bail!(
-            "{p}: field `n_inner` = {x} is not supported by fugu (only null or 4 * n_embd = {})",
-            4 * cfg.n_embd
-        ),
-    }
-    if let Some(x) = field("layer_norm_epsilon") {
-        match x.as_f64() {
-            Some(e) if (e - 1e-5).abs() <= 1e-12 => {}
-            _ => {
-                bail!("{p}: field `layer_norm_epsilon` = {x} is not supported by fugu (only 1e-5)")
-            }
-        }
-    }
-    flag("scale_attn_weights", true, true)?;
-    flag("scale_attn_by_inverse_layer_idx", false, false)?;
-    flag("reorder_and_upcast_attn", false, false)?;
-    flag("tie_word_embeddings", true, true)?;
-    flag("add_cross_attention", false, false)?;
-    Ok(cfg)
+    registry::parse_hf_config(arch, obj, &p.to_string())
+}
+
+/// The architectures fugu reads, quoted, for messages.
+fn supported_archs() -> String {
+    let names: Vec<String> = Arch::ALL
+        .iter()
+        .map(|a| format!("\"{}\"", a.name()))
+        .collect();
+    names.join(" or ")
 }
 
 /// The shape a table tensor has in files: the table's shape, except `wte.weight`, which has
@@ -185,9 +107,9 @@ pub(crate) fn file_shape(spec: &TensorSpec, vocab: usize) -> Vec<usize> {
     }
 }
 
-/// Checks that `table` is the whole (tensor-parallel degree 1) GPT-2 table of `cfg`.
+/// Checks that `table` is the whole (tensor-parallel degree 1) table of `cfg`.
 pub(crate) fn check_full_table(cfg: &ModelConfig, table: &Table) -> Result<()> {
-    let want = gpt2_params(cfg, 1)?;
+    let want = registry::full_params(cfg)?;
     let same = want.specs().len() == table.specs().len()
         && want
             .specs()

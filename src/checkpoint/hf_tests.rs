@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::checkpoint::testutil::{tiny, TestDir};
+use crate::model::table::gpt2_params;
 use std::path::PathBuf;
 
 type TensorList = Vec<(String, Vec<usize>)>;
@@ -147,6 +148,7 @@ fn changed_config_and_layout() {
     let mut m3 = m.clone();
     m3.config.vocab_size = 200;
     let cfg3 = ModelConfig {
+        arch: crate::config::Arch::Gpt2,
         vocab_size: 200,
         ..cfg
     };
@@ -297,6 +299,7 @@ fn missing_unknown_and_misshapen_tensors_are_named() {
         .unwrap();
     let other = gpt2_params(
         &ModelConfig {
+            arch: crate::config::Arch::Gpt2,
             vocab_size: 300,
             n_positions: 16,
             n_embd: 32,

@@ -17,7 +17,6 @@
 //! `ckpt-STEP`), so a `ckpt-*` directory is always complete. Leftover `.tmp-*` entries from a
 //! crash are removed by [`clean_stale_tmp`], which the (single) writer calls at start-up.
 
-pub mod atomic;
 pub mod hf;
 pub mod optim;
 pub mod sharded;
@@ -32,10 +31,10 @@ pub use hf::{
 pub use optim::{load_optimizer, save_optimizer, save_table_tensors, OPTIMIZER_FILE};
 pub use st::Dtype;
 
+use crate::atomic_write::{self as atomic, TMP_PREFIX};
 use crate::config::ModelConfig;
 use crate::model::table::Table;
 use anyhow::{bail, Context, Result};
-use atomic::TMP_PREFIX;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::fs;

@@ -3,9 +3,9 @@
 //! (`transformer.h.0.attn.c_attn.weight`), in the same unpadded shapes. Metadata:
 //! `{"format": "pt", "optimizer": "adamw", "step": "<optimizer step>"}`.
 
-use super::atomic;
 use super::hf::{self, check_full_table, check_len, file_shape, list, read_hf_config, KEY_PREFIX};
 use super::st::{self, Data, Dtype, OutTensor};
+use crate::atomic_write as atomic;
 use crate::config::ModelConfig;
 use crate::model::table::{padded_vocab, Table};
 use anyhow::{anyhow, bail, Context, Result};

@@ -21,8 +21,8 @@
 use super::hf::{file_shape, KEY_PREFIX};
 use super::st::{self, Data, Dtype, OutTensor};
 use crate::config::ModelConfig;
+use crate::model::registry;
 use crate::model::stage::Stage;
-use crate::model::table::gpt2_stage_params;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use std::collections::{BTreeMap, VecDeque};
@@ -92,7 +92,7 @@ pub fn plan(cfg: &ModelConfig, stages: &[Stage], tp: usize) -> Result<Vec<Planne
     }
     let mut out = Vec::new();
     for stage in stages {
-        let table = gpt2_stage_params(cfg, 1, stage)?;
+        let table = registry::stage_params(cfg, 1, stage)?;
         let specs: Vec<_> = table
             .specs()
             .iter()

@@ -27,6 +27,7 @@ impl Drop for TestDir {
 /// A tiny config (vocabulary 101 → 128 rows) and deterministic non-zero parameters.
 pub(crate) fn tiny() -> (ModelConfig, Table, Vec<f32>) {
     let cfg = ModelConfig {
+        arch: crate::config::Arch::Gpt2,
         vocab_size: 101,
         n_positions: 16,
         n_embd: 32,

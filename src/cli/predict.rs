@@ -334,7 +334,7 @@ fn run_profile(a: ProfileArgs) -> Result<()> {
     }
     let text = toml::to_string(&m.profile)?;
     let header = "# fugu machine profile, written by `fugu predict profile` (docs/PREDICT.md)\n";
-    crate::checkpoint::atomic::write_file(&a.out, |w| {
+    crate::atomic_write::write_file(&a.out, |w| {
         w.write_all(format!("{header}{text}").as_bytes())?;
         Ok(())
     })

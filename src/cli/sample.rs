@@ -2,7 +2,7 @@
 
 use crate::backend::{Backend, CudaSettings, Device};
 use crate::checkpoint;
-use crate::model::table::gpt2_params;
+use crate::model::registry;
 use crate::sample::{generate, Generator, SampleOptions};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -98,7 +98,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     crate::train::set_threads(args.threads)?;
     let dir = resolve(args.checkpoint.as_deref())?;
     let hf = checkpoint::load_hf(&dir)?;
-    let table = gpt2_params(&hf.config, 1)?;
+    let table = registry::full_params(&hf.config)?;
     let mut params = vec![0.0f32; table.total()];
     hf.copy_into(&table, &mut params)?;
     let cuda = CudaSettings { tf32: args.tf32 };

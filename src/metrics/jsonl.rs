@@ -68,7 +68,7 @@ pub struct StepRecord {
     )]
     pub timers_max: BTreeMap<String, f64>,
     /// Payload bytes this rank handed to collectives in this step (see
-    /// [`crate::parallel::comm`]); absent for one process.
+    /// [`crate::comm`]); absent for one process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_bytes: Option<u64>,
 }

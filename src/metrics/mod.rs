@@ -9,6 +9,7 @@ pub mod flops;
 pub mod jsonl;
 pub mod machine;
 pub mod peak_cache;
+pub mod prediction;
 pub mod progress;
 pub mod timers;
 

@@ -26,6 +26,7 @@ use super::acts::{
     acts_table, grad_acts_table, stats_table, Acts, AttnKeep, AttnKept, GradActs, LayerActs,
     Recompute, StepDims,
 };
+use super::contract::{GradsReady, Model, ModelBuffers, OpForm, OptimStep, TpRank};
 use super::kv::KvCache;
 use super::params::{LayerParams, ParamSpans};
 use super::paths::{attention_path, mlp_gelu_path, residual_path, MlpGelu, Residual};
@@ -35,40 +36,14 @@ use super::work;
 use crate::backend::{
     AdamWPart, AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout,
 };
+use crate::comm::{Comm, ReduceOp, SerialComm};
 use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers, Work};
-use crate::parallel::{Comm, ReduceOp, SerialComm};
 use anyhow::{bail, Result};
 use std::ops::Range;
 use std::rc::Rc;
 
 use TimerLevel::{Coarse, Fine};
-
-/// This rank's place in the tensor-parallel group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TpRank {
-    pub rank: usize,
-    pub size: usize,
-}
-
-impl TpRank {
-    /// No tensor parallelism.
-    pub const SERIAL: TpRank = TpRank { rank: 0, size: 1 };
-}
-
-/// AdamW and clipping settings of one optimizer step.
-#[derive(Clone, Copy, Debug)]
-pub struct OptimStep {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    /// Global-norm clipping threshold (0 = off).
-    pub grad_clip: f64,
-    /// 1-based step count for the bias corrections.
-    pub step: u64,
-}
 
 /// Runs a tensor-parallel all-reduce of `s` (a no-op without tensor parallelism), timed as
 /// `name`.
@@ -800,12 +775,7 @@ impl<B: Backend> Gpt2<B> {
     /// final value for this micro-batch (after each block, in reverse order, and with
     /// `from = 0` at the end), so that after the step's last micro-batch their all-reduce can
     /// start early.
-    pub fn backward_micro(
-        &mut self,
-        micro: usize,
-        timers: &Timers,
-        ready: &mut dyn FnMut(&B, usize),
-    ) {
+    pub fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
         self.assert_trainable();
         let (inputs, _) = self.tokens(micro);
         let (a, ga) = slot(&self.acts, micro);
@@ -1213,6 +1183,186 @@ impl<B: Backend> Gpt2<B> {
         let mut out = vec![0.0; h.logits.len];
         self.be.download(h.logits, &mut out);
         out
+    }
+}
+
+impl<B: Backend> Model<B> for Gpt2<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn tp(&self) -> TpRank {
+        self.tp
+    }
+
+    fn stage(&self) -> &Stage {
+        &self.stage
+    }
+
+    fn table(&self) -> &Table {
+        &self.table
+    }
+
+    fn buffers(&self) -> ModelBuffers {
+        ModelBuffers {
+            params: self.params,
+            grads: self.grads,
+            m: self.m,
+            v: self.v,
+        }
+    }
+
+    fn backend(&self) -> &B {
+        &self.be
+    }
+
+    fn backend_mut(&mut self) -> &mut B {
+        &mut self.be
+    }
+
+    fn forms(&self) -> Vec<OpForm> {
+        let attention_note = (self.attn_keep == AttnKeep::LogSumExp).then(|| {
+            let recompute = if self.recompute == Recompute::Attention {
+                " (--recompute attention has nothing to recompute)"
+            } else {
+                ""
+            };
+            format!("attention: fused (FlashAttention: one log-sum-exp per row kept, no T x T probabilities){recompute}")
+        });
+        let mlp_note = (self.mlp_gelu == MlpGelu::Epilogue).then(|| {
+            "MLP: GELU in the fc GEMM's epilogue, its derivative in the fc projection's input-gradient GEMM's".to_string()
+        });
+        let residual_note = (self.residual == Residual::Epilogue).then(|| {
+            "residual: the projections' GEMMs read the residual stream and write the next one"
+                .to_string()
+        });
+        vec![
+            OpForm {
+                key: "attention",
+                form: self.attn_keep.name(),
+                note: attention_note,
+            },
+            OpForm {
+                key: "mlp_gelu",
+                form: self.mlp_gelu.name(),
+                note: mlp_note,
+            },
+            OpForm {
+                key: "residual",
+                form: self.residual.name(),
+                note: residual_note,
+            },
+        ]
+    }
+
+    fn set_tp_comm(&mut self, comm: Rc<dyn Comm>) -> Result<()> {
+        Gpt2::set_tp_comm(self, comm)
+    }
+
+    fn set_owned(&mut self, owned: Vec<OwnedRange>) -> Result<()> {
+        Gpt2::set_owned(self, owned)
+    }
+
+    fn owned(&self) -> &[OwnedRange] {
+        Gpt2::owned(self)
+    }
+
+    fn set_in_flight(&mut self, k: usize) {
+        Gpt2::set_in_flight(self, k)
+    }
+
+    fn set_accumulation(&mut self, m: usize) {
+        Gpt2::set_accumulation(self, m)
+    }
+
+    fn set_recompute(&mut self, r: Recompute) {
+        Gpt2::set_recompute(self, r)
+    }
+
+    fn set_loss_scale(&mut self, scale: f32) {
+        Gpt2::set_loss_scale(self, scale)
+    }
+
+    fn load_params(&mut self, host: &[f32]) -> Result<()> {
+        Gpt2::load_params(self, host)
+    }
+
+    fn refresh_compute_params(&mut self) {
+        Gpt2::refresh_compute_params(self)
+    }
+
+    fn compute_params_bytes(&self) -> usize {
+        Gpt2::compute_params_bytes(self)
+    }
+
+    fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
+        Gpt2::activation_bytes(self, b, t)
+    }
+
+    fn download(&self, buf: BufId) -> Vec<f32> {
+        Gpt2::download(self, buf)
+    }
+
+    fn set_batches(&mut self, window: &[u32], micro: usize, b: usize, t: usize) -> Result<()> {
+        Gpt2::set_batches(self, window, micro, b, t)
+    }
+
+    fn stage_input(&self, micro: usize) -> Span {
+        Gpt2::stage_input(self, micro)
+    }
+
+    fn stage_output(&self, micro: usize) -> Span {
+        Gpt2::stage_output(self, micro)
+    }
+
+    fn output_grad(&self) -> Span {
+        Gpt2::output_grad(self)
+    }
+
+    fn input_grad(&self) -> Span {
+        Gpt2::input_grad(self)
+    }
+
+    fn tied_grad(&self) -> Option<Span> {
+        Gpt2::tied_grad(self)
+    }
+
+    fn zero_grad(&mut self) {
+        Gpt2::zero_grad(self)
+    }
+
+    fn forward_micro(&mut self, micro: usize, timers: &Timers, for_backward: bool) -> Option<f32> {
+        Gpt2::forward_micro(self, micro, timers, for_backward)
+    }
+
+    fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
+        Gpt2::backward_micro(self, micro, timers, ready)
+    }
+
+    fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
+        Gpt2::grad_sq_sum(self, timers)
+    }
+
+    fn apply_optimizer(&mut self, o: &OptimStep, norm: f64, timers: &Timers) {
+        Gpt2::apply_optimizer(self, o, norm, timers)
+    }
+
+    fn kv_cache(&mut self) -> Result<KvCache> {
+        Gpt2::kv_cache(self)
+    }
+
+    fn free_kv_cache(&mut self, cache: KvCache) {
+        Gpt2::free_kv_cache(self, cache)
+    }
+
+    fn decode(
+        &mut self,
+        cache: &KvCache,
+        token: u32,
+        pos: usize,
+        timers: &Timers,
+    ) -> Result<Vec<f32>> {
+        Gpt2::decode(self, cache, token, pos, timers)
     }
 }
 

@@ -1,17 +1,23 @@
-//! The GPT-2 model: tensor tables that carve parameters, gradients and activations out of one
+//! The models (GPT-2 today; [`registry`] maps a config's `arch` to one) behind one contract
+//! ([`contract::Model`]): tensor tables that carve parameters, gradients and activations out of one
 //! allocation each (the llm.c way), deterministic initialisation, and the forward/backward
 //! passes over a [`crate::backend::Backend`].
 
 pub mod acts;
+pub mod contract;
 pub mod gpt2;
+pub mod gpt2_hf;
+pub mod hf_fields;
 pub mod init;
 pub mod kv;
 pub mod params;
 pub mod paths;
+pub mod registry;
 pub mod stage;
 pub mod table;
 pub mod work;
 
-pub use gpt2::{Gpt2, OptimStep, TpRank};
+pub use contract::{Model, ModelBuffers, OpForm, OptimStep, TpRank};
+pub use gpt2::Gpt2;
 pub use stage::Stage;
 pub use table::OwnedRange;

@@ -2,7 +2,7 @@
 //!
 //! The parameter table is cut into buckets of about `bucket_floats` each, at tensor boundaries,
 //! from the end of the table (the order backward produces gradients). When
-//! [`crate::model::Gpt2::backward_micro`] reports that the gradients from some offset on are
+//! [`crate::model::Model::backward_micro`] reports that the gradients from some offset on are
 //! final, every bucket above that offset is copied out and its collective started
 //! non-blocking; later reports also poll the outstanding ones (Open MPI progresses
 //! non-blocking collectives inside MPI calls). [`GradSync::finish`] starts whatever is left,
@@ -17,8 +17,8 @@
 //!
 //! With one data-parallel rank everything here is a no-op.
 
-use super::comm::{Comm, Pending};
 use crate::backend::{Backend, BufId, Span};
+use crate::comm::{Comm, Pending};
 use crate::model::table::Table;
 use crate::model::OwnedRange;
 use std::ops::Range;

@@ -1,10 +1,9 @@
-//! Parallelism: the communicator interface, the dp × tp process grid, tensor-parallel
+//! Parallelism (over the communicator interface, [`crate::comm`]): the dp × tp process grid, tensor-parallel
 //! sharding, the data-parallel gradient synchronisation and cross-rank timer statistics.
 //!
-//! Everything here works with [`comm::SerialComm`] (one process), so the default build has
+//! Everything here works with [`SerialComm`] (one process), so the default build has
 //! no MPI dependency; the `mpi` cargo feature adds [`mpi::MpiRuntime`].
 
-pub mod comm;
 pub mod grad_sync;
 pub mod grid;
 #[cfg(feature = "mpi")]
@@ -12,5 +11,5 @@ pub mod mpi;
 pub mod shard;
 pub mod timer_stats;
 
-pub use comm::{Comm, Pending, ReduceOp, SerialComm};
+pub use crate::comm::{Comm, Pending, ReduceOp, SerialComm};
 pub use grid::Grid;

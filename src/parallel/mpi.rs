@@ -5,7 +5,7 @@
 //! [`MpiPending`] that owns the request also owns both buffers, so they cannot be touched or
 //! freed while MPI may still read or write them, and dropping it waits for completion.
 
-use super::comm::{Comm, Pending, ReduceOp};
+use crate::comm::{Comm, Pending, ReduceOp};
 use anyhow::{bail, Result};
 use mpi::collective::SystemOperation;
 use mpi::datatype::Equivalence;

@@ -2,7 +2,7 @@
 //! reduced to mean, min and max per name on rank 0 (all-reduces when every rank has the same
 //! names, a gather otherwise). A timer a rank did not run counts as 0 ms there.
 
-use super::comm::{Comm, ReduceOp};
+use crate::comm::{Comm, ReduceOp};
 use std::collections::BTreeMap;
 
 /// Per-name statistics over ranks, in milliseconds.

@@ -299,6 +299,7 @@ mod tests {
         use crate::model::table::padded_vocab;
         use crate::predict::step::COMPUTE_OPS;
         let m = ModelConfig {
+            arch: crate::config::Arch::Gpt2,
             vocab_size: 1000,
             n_positions: 64,
             n_embd: 96,

@@ -22,9 +22,11 @@ use super::gemm::{op_gemms, GemmCall, GemmRates, Pass};
 use super::network::{Group, Network};
 use crate::config::ModelConfig;
 use crate::metrics::flops::megatron_flops_per_step;
+pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{acts_table, grad_acts_table, stats_table, AttnKeep, Recompute, StepDims};
+use crate::model::registry;
 use crate::model::stage::Stage;
-use crate::model::table::{gpt2_stage_params, padded_vocab};
+use crate::model::table::padded_vocab;
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
 use crate::parallel::grid::Grid;
 use anyhow::{bail, Result};
@@ -37,20 +39,6 @@ pub struct Workload {
     pub model: ModelConfig,
     pub seq_len: usize,
     pub global_batch: usize,
-}
-
-/// A parallel layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Layout {
-    pub nodes: usize,
-    pub ranks_per_node: usize,
-    pub threads_per_rank: usize,
-    pub tp: usize,
-    pub pp: usize,
-    pub dp: usize,
-    pub zero: bool,
-    /// Micro-batches per step per data-parallel replica.
-    pub micro_batches: usize,
 }
 
 impl Layout {
@@ -109,21 +97,6 @@ pub struct Machine {
     pub peak_gflops_per_core: f64,
     /// Memory one rank may use (GiB), for the fits check.
     pub memory_gib_per_rank: f64,
-}
-
-/// A predicted step (also read back by `fugu report --predict`).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Prediction {
-    pub layout: Layout,
-    pub step_ms: f64,
-    pub tokens_per_s: f64,
-    pub tflops_per_node: f64,
-    pub peak_pct: f64,
-    /// Per-timer ms per step, the same names a run records (parents are the sums of their
-    /// children), for the slowest pipeline stage.
-    pub timers_ms: BTreeMap<String, f64>,
-    pub memory_gib_per_rank: f64,
-    pub fits: bool,
 }
 
 /// The compute ops whose work [`op_work`] knows (under `forward:` and `backward:`).
@@ -327,7 +300,7 @@ impl StepCtx<'_> {
     fn stage(&self, stage: &Stage, oversub: f64) -> Result<(BTreeMap<String, f64>, f64)> {
         let (w, l) = (self.w, self.l);
         let s = Shape::new(&w.model, w.seq_len, self.mb, l.tp, stage);
-        let table = gpt2_stage_params(&w.model, l.tp, stage)?;
+        let table = registry::stage_params(&w.model, l.tp, stage)?;
         let params = table.total();
         let owned = if l.zero {
             params.div_ceil(l.dp)
@@ -410,7 +383,7 @@ impl StepCtx<'_> {
                 t.insert(format!("{dir}:other"), rest * tokens * frac * scale);
             }
         }
-        let rparams = gpt2_stage_params(&r.model, 1, &whole)?.total() as f64;
+        let rparams = registry::stage_params(&r.model, 1, &whole)?.total() as f64;
         let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
         let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
         t.insert(

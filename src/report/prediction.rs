@@ -7,7 +7,7 @@ use super::charts::{self, Axis, BarChart, Line, LineChart, LineStyle, Stack};
 use super::runs::Run;
 use super::sections::{chart, pal, table, Section};
 use super::table::{Cell, Table};
-use crate::predict::step::Prediction;
+use crate::metrics::prediction::Prediction;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;

@@ -6,7 +6,7 @@
 
 use crate::backend::Backend;
 use crate::model::table::{Table, TensorSpec};
-use crate::model::Gpt2;
+use crate::model::Model;
 use crate::parallel::grad_sync::pack_owned;
 use crate::parallel::shard::shard_tensor;
 use anyhow::{Context, Result};
@@ -18,7 +18,7 @@ pub type ReadTensor<'a> = dyn FnMut(&TensorSpec, &mut [f32]) -> Result<()> + 'a;
 /// (resuming) its AdamW moments from full tensors supplied by `moments[0]` (m) and `[1]` (v).
 /// Only the tensors of this rank's stage are asked for, each once.
 pub fn load_tensors<B: Backend>(
-    model: &mut Gpt2<B>,
+    model: &mut dyn Model<B>,
     full_table: &Table,
     params: &mut ReadTensor,
     moments: Option<[&mut ReadTensor; 2]>,
@@ -26,11 +26,12 @@ pub fn load_tensors<B: Backend>(
     let local = local_of(model, full_table, params)?;
     model.load_params(&local)?;
     if let Some(moments) = moments {
-        let bufs = [model.m, model.v];
+        let bufs = [model.buffers().m, model.buffers().v];
         for (read, buf) in moments.into_iter().zip(bufs) {
             let packed = pack_owned(&local_of(model, full_table, read)?, model.owned());
-            let s = model.be.whole(buf);
-            model.be.upload(s, &packed);
+            let be = model.backend_mut();
+            let s = be.whole(buf);
+            be.upload(s, &packed);
         }
     }
     Ok(())
@@ -39,20 +40,20 @@ pub fn load_tensors<B: Backend>(
 /// This rank's share of a buffer laid out by the model's (stage, shard) table, from full
 /// tensors read one at a time.
 fn local_of<B: Backend>(
-    model: &Gpt2<B>,
+    model: &dyn Model<B>,
     full_table: &Table,
     read: &mut ReadTensor,
 ) -> Result<Vec<f32>> {
-    let mut local = vec![0.0f32; model.table.total()];
+    let mut local = vec![0.0f32; model.table().total()];
     let mut full = Vec::new();
-    for ls in model.table.specs() {
+    for ls in model.table().specs() {
         let fs = full_table
             .get(&ls.name)
             .with_context(|| format!("internal: {} is not in the full model", ls.name))?;
         full.clear();
         full.resize(fs.len(), 0.0);
         read(fs, &mut full)?;
-        let (r, tp) = (model.tp.rank, model.tp.size);
+        let (r, tp) = (model.tp().rank, model.tp().size);
         shard_tensor(fs, ls, r, tp, &full, &mut local[ls.range()]);
     }
     Ok(local)

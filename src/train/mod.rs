@@ -10,6 +10,7 @@ pub mod pipeline;
 pub mod resume;
 pub mod save;
 pub mod schedule;
+mod setup;
 pub mod state;
 pub mod stop;
 pub mod trainer;

@@ -27,7 +27,7 @@
 
 use crate::backend::{Backend, Span};
 use crate::metrics::timers::{TimerLevel, Timers};
-use crate::model::{Gpt2, Stage};
+use crate::model::{Model, Stage};
 use crate::parallel::{Comm, Pending, ReduceOp};
 use std::rc::Rc;
 
@@ -95,13 +95,13 @@ impl Pipeline {
     }
 
     /// The forward and backward passes of one training step over the `micro` micro-batches
-    /// loaded in `model` ([`Gpt2::set_batches`]), in 1F1B order. `ready` is called as the
+    /// loaded in `model` ([`Model::set_batches`]), in 1F1B order. `ready` is called as the
     /// step's gradients become final (during the last micro-batch's backward pass, and with
-    /// `from = 0` once the tied `wte` gradient is summed), as in [`Gpt2::backward_micro`].
+    /// `from = 0` once the tied `wte` gradient is summed), as in [`Model::backward_micro`].
     /// Returns the sum of the micro-batch mean losses on the last stage, 0 elsewhere.
     pub fn train_step<B: Backend>(
         &mut self,
-        model: &mut Gpt2<B>,
+        model: &mut dyn Model<B>,
         micro: usize,
         timers: &Timers,
         ready: &mut dyn FnMut(&B, usize),
@@ -125,7 +125,7 @@ impl Pipeline {
     /// Returns the sum of their mean losses on the last stage, 0 elsewhere.
     pub fn forward_only<B: Backend>(
         &mut self,
-        model: &mut Gpt2<B>,
+        model: &mut dyn Model<B>,
         micro: usize,
         timers: &Timers,
     ) -> f64 {
@@ -141,7 +141,7 @@ impl Pipeline {
 
     fn forward<B: Backend>(
         &mut self,
-        model: &mut Gpt2<B>,
+        model: &mut dyn Model<B>,
         j: usize,
         timers: &Timers,
         for_backward: bool,
@@ -160,7 +160,7 @@ impl Pipeline {
 
     fn backward<B: Backend>(
         &mut self,
-        model: &mut Gpt2<B>,
+        model: &mut dyn Model<B>,
         j: usize,
         micro: usize,
         timers: &Timers,
@@ -192,17 +192,17 @@ impl Pipeline {
                 let _t = timers.scope("pipeline:tied-wte:allreduce", TimerLevel::Coarse);
                 let tied = &*self.tied;
                 model
-                    .be
+                    .backend_mut()
                     .with_host(g, &mut |x| tied.allreduce_f32(x, ReduceOp::Sum));
             }
-            ready(&model.be, 0);
+            ready(model.backend(), 0);
         }
     }
 
     /// Receives message `tag` from stage `from` into `into` on the backend.
     fn recv<B: Backend>(
         &mut self,
-        model: &mut Gpt2<B>,
+        model: &mut dyn Model<B>,
         into: Span,
         from: usize,
         tag: u32,
@@ -215,14 +215,14 @@ impl Pipeline {
             pending.wait()
         };
         let _t = timers.scope("pipeline:recv", TimerLevel::Coarse);
-        model.be.upload(into, &msg);
+        model.backend_mut().upload(into, &msg);
         self.spare.push(msg);
     }
 
     /// Starts sending `span` of the backend to stage `to` as message `tag`.
     fn send<B: Backend>(
         &mut self,
-        model: &mut Gpt2<B>,
+        model: &mut dyn Model<B>,
         span: Span,
         to: usize,
         tag: u32,
@@ -231,7 +231,7 @@ impl Pipeline {
         let _t = timers.scope("pipeline:send", TimerLevel::Coarse);
         self.reclaim();
         let mut buf = self.buffer(span.len);
-        model.be.download(span, &mut buf);
+        model.backend().download(span, &mut buf);
         self.sends.push(self.comm.start_send(to, tag, buf));
     }
 

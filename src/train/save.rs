@@ -19,8 +19,9 @@
 use super::dist::Dist;
 use crate::backend::{Backend, BufId, Span};
 use crate::checkpoint::sharded::{self, Kind, Planned, ShardWriter};
-use crate::model::table::{gpt2_params, Split, TensorSpec};
-use crate::model::Gpt2;
+use crate::model::registry;
+use crate::model::table::{Split, TensorSpec};
+use crate::model::Model;
 use crate::parallel::shard::unshard_tensor;
 use anyhow::{Context, Result};
 use std::borrow::Cow;
@@ -31,14 +32,14 @@ use std::path::Path;
 /// following `plan` ([`sharded::plan`] of the run's stages; every rank calls it, with the same
 /// `dir`). The optimizer files carry `opt_step`.
 pub fn write_shards<B: Backend>(
-    model: &Gpt2<B>,
+    model: &dyn Model<B>,
     plan: &[Planned],
     dist: &Dist,
     dir: &Path,
     opt_step: u64,
 ) -> Result<()> {
     let g = dist.grid;
-    let cfg = &model.cfg;
+    let cfg = model.config();
     let n = g.pp * g.tp;
     let mine: Vec<&Planned> = plan
         .iter()
@@ -51,10 +52,11 @@ pub fn write_shards<B: Backend>(
     } else {
         None
     };
-    let full_table = gpt2_params(cfg, 1)?;
+    let full_table = registry::full_params(cfg)?;
+    let bufs = model.buffers();
     for p in mine {
         let local = model
-            .table
+            .table()
             .get(&p.name)
             .with_context(|| format!("internal: {} is not in this stage's table", p.name))?;
         let full = full_table
@@ -64,8 +66,8 @@ pub fn write_shards<B: Backend>(
         keys.extend(sharded::keys(Kind::Optimizer, p));
         for (k, key) in keys.iter().enumerate() {
             let values = match k {
-                0 => writing.then(|| download(model, model.params, local.offset, local.len())),
-                _ => moment(model, dist, if k == 1 { model.m } else { model.v }, local),
+                0 => writing.then(|| download(model, bufs.params, local.offset, local.len())),
+                _ => moment(model, dist, if k == 1 { bufs.m } else { bufs.v }, local),
             };
             // Tensor-parallel group of data-parallel replica 0 only.
             let (Some(values), Some(w)) = (values, writers.as_mut()) else {
@@ -142,9 +144,11 @@ fn open_writers(
     ))
 }
 
-fn download<B: Backend>(model: &Gpt2<B>, buf: BufId, offset: usize, len: usize) -> Vec<f32> {
+fn download<B: Backend>(model: &dyn Model<B>, buf: BufId, offset: usize, len: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; len];
-    model.be.download(Span { buf, offset, len }, &mut out);
+    model
+        .backend()
+        .download(Span { buf, offset, len }, &mut out);
     out
 }
 
@@ -152,14 +156,14 @@ fn download<B: Backend>(model: &Gpt2<B>, buf: BufId, offset: usize, len: usize) 
 /// elsewhere). Under ZeRO-1 the data-parallel ranks each own parts of it (their owned
 /// ranges), gathered here; without it every rank holds it all and rank 0 reads its own.
 fn moment<B: Backend>(
-    model: &Gpt2<B>,
+    model: &dyn Model<B>,
     dist: &Dist,
     buf: BufId,
     spec: &TensorSpec,
 ) -> Option<Vec<f32>> {
     let range = spec.range();
     let owned = model.owned();
-    let everything = owned.len() == 1 && owned[0].flat == (0..model.table.total());
+    let everything = owned.len() == 1 && owned[0].flat == (0..model.table().total());
     if everything {
         let o = &owned[0];
         return (dist.grid.dp_rank == 0)

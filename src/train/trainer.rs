@@ -20,17 +20,16 @@ use super::data::{self, BatchSource};
 use super::dist::Dist;
 use super::lock::RunLock;
 use super::loss_scale::{LossScaler, Verdict};
-use super::pipeline::{self, Pipeline};
-use super::resume::is_checkpoint_dir;
+use super::pipeline::Pipeline;
 use super::save;
+use super::setup::{self, Memory};
 use super::state::{SavedLayout, TrainState, STATE_FORMAT};
 use super::{
-    broadcast_string, default_out, dump, layout, mib, resume, schedule, set_threads, stop,
-    ExitError, TrainOptions, TrainOutcome, EXIT_CHECKPOINTED, EXIT_NONFINITE,
+    dump, mib, schedule, set_threads, stop, ExitError, TrainOptions, TrainOutcome,
+    EXIT_CHECKPOINTED, EXIT_NONFINITE,
 };
 use crate::backend::Backend;
 use crate::checkpoint;
-use crate::checkpoint::optim::OptimizerFiles;
 use crate::checkpoint::sharded::{self, Kind};
 use crate::config::{Precision, RunConfig};
 use crate::metrics::flops::megatron_flops_per_step;
@@ -38,18 +37,15 @@ use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, Roofs, TimerLevel, Timers};
-use crate::model::acts::{AttnKeep, Recompute};
-use crate::model::init::init_tensor;
-use crate::model::paths::{MlpGelu, Residual};
-use crate::model::table::{gpt2_params, Table, TensorSpec};
-use crate::model::{Gpt2, OptimStep, Stage, TpRank};
+use crate::model::table::Table;
+use crate::model::{Model, OptimStep, Stage};
 use crate::parallel::grad_sync::GradSync;
 use crate::parallel::{timer_stats, Comm, ReduceOp};
 use anyhow::{bail, Context, Result};
-use fugu_io::{LoaderConfig, Verify};
+use fugu_io::LoaderConfig;
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -94,39 +90,6 @@ impl RunTotals {
     }
 }
 
-/// Memory accounting for the up-front check, the header and the end-of-run RSS line (bytes
-/// per rank), computed once from the model and the batch shape.
-#[derive(Clone, Copy)]
-struct Memory {
-    /// This rank's parameters + gradients, and its AdamW moments (fewer under ZeRO-1).
-    params_grads: f64,
-    moments: f64,
-    /// Forward activations, and the backward pass's gradient scratch.
-    forward: f64,
-    backward: f64,
-}
-
-impl Memory {
-    fn of<B: Backend>(model: &Gpt2<B>, b: usize, t: usize) -> Memory {
-        let (act_b, gact_b) = model.activation_bytes(b, t);
-        let moment_n: usize = model.owned().iter().map(|o| o.flat.len()).sum();
-        Memory {
-            params_grads: (8 * model.table.total() + model.compute_params_bytes()) as f64,
-            moments: 8.0 * moment_n as f64,
-            forward: act_b as f64,
-            backward: gact_b as f64,
-        }
-    }
-
-    fn state(&self) -> f64 {
-        self.params_grads + self.moments
-    }
-
-    fn activations(&self) -> f64 {
-        self.forward + self.backward
-    }
-}
-
 /// One training run of `fugu train` on backend `B`.
 pub struct Trainer<'d, B: Backend> {
     /// Rank 0: the output folder's lock, held until the trainer is dropped.
@@ -141,7 +104,7 @@ pub struct Trainer<'d, B: Backend> {
     tokenizer_files: Vec<(String, Vec<u8>)>,
     val_data: String,
     val_loader: LoaderConfig,
-    model: Gpt2<B>,
+    model: Box<dyn Model<B>>,
     /// This rank's stage of the pipeline (the whole model with `--pp 1`) and its schedule.
     pipeline: Pipeline,
     /// Every stage of the pipeline (one with `--pp 1`).
@@ -180,182 +143,30 @@ impl<'d, B: Backend> Trainer<'d, B> {
             stop::find_deadline(opts.deadline.as_deref())?,
             std::time::Duration::from_secs_f64(opts.deadline_margin.max(0.0)),
         );
-        let out = output_dir(&opts, dist)?;
-        let resume = resume::find(opts.resume.as_deref(), &out, dist.is_root())?;
-        if resume.is_none() && !checkpoint::checkpoint_entries(&out)?.is_empty() {
-            bail!(
-                "{} already holds checkpoints of another run; pass --resume auto to continue it \
-                 or --out to start a new one",
-                out.display()
-            );
-        }
-        if resume.is_some() && opts.init_from.is_some() {
-            bail!("--init-from and --resume: a resumed run continues from its checkpoint; drop --init-from");
-        }
-        // Everyone has looked at `out` before rank 0 changes it.
-        dist.world.barrier();
-        // Rank 0 holds the folder's lock for the whole run, before it cleans anything there.
-        let mut run_lock = None;
-        if dist.is_root() {
-            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            run_lock = Some(RunLock::acquire(&out)?);
-            checkpoint::clean_stale_tmp(&out)?;
-        }
-
-        // Configuration: a resumed run continues with the settings it was started with (see
-        // `resume`); a new one takes the config file with the command line's overrides.
-        let (resume_from, start_state) = match resume {
-            Some(r) => (Some(r.dir), Some(r.state)),
-            None => (None, None),
-        };
-        let cfg = match &start_state {
-            Some(st) => {
-                // Data-parallel ranks then and now (the world is split into pp × dp × tp).
-                let dp = (
-                    st.layout.map_or(1, |l| l.dp),
-                    (dist.grid.world_size / (opts.tp.max(1) * opts.pp.max(1))).max(1),
-                );
-                let file = opts
-                    .config_given
-                    .then_some((opts.config_name.as_str(), &opts.config));
-                let cfg = resume::settings(
-                    &st.config,
-                    st.step,
-                    dp,
-                    file,
-                    &opts.overrides,
-                    dist.is_root(),
-                )?;
-                opts.shuffle = resume::shuffle(st.shuffle, opts.shuffle)?;
-                resume::check_threads(st.threads, threads, dist.is_root());
-                cfg
-            }
-            None => {
-                let mut model = opts.config.model.clone();
-                let mut train = opts.overrides.apply(&opts.config.train);
-                if let (Some(dir), false) = (&opts.init_from, opts.config_given) {
-                    // The shape comes from the directory itself; training settings from the
-                    // default config and the flags.
-                    model = checkpoint::read_hf_config(dir)
-                        .with_context(|| format!("--init-from {}", dir.display()))?;
-                    if opts.overrides.seq_len.is_none() && train.seq_len > model.n_positions {
-                        // The default config's sequences may not fit a model it did not describe.
-                        train.seq_len = model.n_positions;
-                        if dist.is_root() {
-                            eprintln!(
-                                "--init-from: using --seq-len {} (the model's n_positions)",
-                                train.seq_len
-                            );
-                        }
-                    }
-                }
-                RunConfig { model, train }
-            }
-        };
-        cfg.validate()?;
-        let m = cfg.model.clone();
-        let t = cfg.train.clone();
-        if opts.zero > 1 {
-            bail!("--zero {}: only stages 0 and 1 exist", opts.zero);
-        }
-        let micro = opts.micro_batches;
-        if micro == 0 || !t.batch_size.is_multiple_of(micro) {
-            bail!(
-                "--micro-batches {micro}: must divide the batch size per rank ({}) into equal micro-batches",
-                t.batch_size
-            );
-        }
-        dist.make_grid(opts.tp, opts.pp, &m)?;
+        let output = setup::output(&opts, dist)?;
+        let start_state = output.start_state.as_ref();
+        let cfg = setup::run_config(&mut opts, dist, start_state, threads)?;
+        setup::check_step_options(&opts, &cfg.train)?;
+        dist.make_grid(opts.tp, opts.pp, &cfg.model)?;
         let dist: &'d Dist = dist;
-        let grid = dist.grid;
-        // The bundled corpus is tokenised once, by rank 0, before anyone reads it.
-        let data = match &start_state {
-            Some(st) => resume::data(&st.data, opts.data.as_deref())?,
-            None if dist.is_root() => {
-                data::resolve_data(opts.data.as_deref(), m.vocab_size, false)?
-            }
-            None => String::new(),
-        };
-        let data = broadcast_string(dist, data);
-        // What every checkpoint carries so that `transformers` tokenises like the data (rank
-        // 0 writes the checkpoints).
-        let tokenizer_files = if dist.is_root() {
-            data::checkpoint_tokenizer_files(&data, m.vocab_size, m.n_positions)?
-        } else {
-            Vec::new()
-        };
-        let data_ranks = opts
-            .data_ranks
-            .or_else(|| {
-                let saved = start_state.as_ref()?.layout?.data_ranks;
-                saved.is_multiple_of(grid.dp).then_some(saved)
-            })
-            .unwrap_or(grid.dp);
-
-        // Model: this rank's pipeline stage and tensor-parallel shard of it, its gradient
-        // buckets and (ZeRO-1) its block of the AdamW moments.
-        let tp = TpRank {
-            rank: grid.tp_rank,
-            size: grid.tp,
-        };
-        let stages = Stage::layout(&m, grid.pp, t.seq_len, opts.pp_layers.as_deref())?;
-        let stage = stages[grid.pp_rank].clone();
-        let mut model = Gpt2::new_stage(&m, tp, &stage, t.precision.compute_dtype(), backend)?;
-        model.set_tp_comm(dist.tp.clone())?;
-        model.set_in_flight(pipeline::in_flight(stage.index, stage.count, micro));
-        let pipeline = Pipeline::new(dist.pp.clone(), dist.tied.clone(), stage);
-        let bucket_floats = ((opts.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
-        let sync = GradSync::new(&model.table, dist.dp.clone(), bucket_floats, opts.zero == 1);
-        model.set_owned(sync.owned(model.table.total()))?;
-        let full_table = gpt2_params(&m, 1)?;
-        let init_desc = initialise(
-            &mut model,
-            &full_table,
-            resume_from.as_deref(),
-            opts.init_from.as_deref(),
-            &cfg,
-        )?;
-
-        // Data: B rows per data-parallel rank.
-        let mut lcfg = LoaderConfig::train(t.batch_size, t.seq_len, 0, 1, t.seed);
-        lcfg.shuffle = opts.shuffle;
-        lcfg.vocab_size = m.vocab_size as u32;
-        lcfg.skip_bad_samples = opts.skip_bad_samples;
-        if opts.verify_data {
-            lcfg.verify = Verify::Full;
-        }
-        model.set_accumulation(micro);
-        model.set_recompute(opts.recompute);
-        let memory = Memory::of(&model, t.batch_size / micro, t.seq_len);
-        check_memory(&model.be, &memory, &lcfg)?;
-        let source = BatchSource::open(
-            &data,
-            &lcfg,
-            grid.dp_rank,
-            grid.dp,
-            data_ranks,
-            start_state.as_ref().map(|s| &s.cursor),
-        )?;
-        let val_data = opts.val_data.clone().unwrap_or_else(|| data.clone());
-        let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
-        val_loader.vocab_size = m.vocab_size as u32;
-        val_loader.verify = lcfg.verify;
-        if let Some(v) = &opts.val_data {
-            // Asked for by name: it must work now, not be skipped in silence at the first eval.
-            data::check_val_data(v, &val_loader)?;
-        }
+        let (grid, t) = (dist.grid, cfg.train.clone());
+        let data = setup::data(&opts, dist, start_state, &cfg.model)?;
+        let parts = setup::model(&opts, dist, &cfg, backend, output.resume_from.as_deref())?;
+        let loaders = setup::loaders(&opts, dist, &cfg, &*parts.model, &data, start_state)?;
 
         let machine = MachineInfo::detect(threads)?;
-        let peak_gflops = model
-            .be
+        let peak_gflops = parts
+            .model
+            .backend()
             .peak_gflops(t.precision.compute_dtype())
             .map_or(machine.peak_gflops, |p| p.0);
         let global_batch = t.batch_size * grid.dp;
+        let m = &cfg.model;
         let flops_step =
             megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
-        let start_step = start_state.as_ref().map_or(0, |s| s.step);
+        let start_step = start_state.map_or(0, |s| s.step);
         let timers = Timers::new(opts.timers);
-        if let Some(clock) = model.be.device_clock() {
+        if let Some(clock) = parts.model.backend().device_clock() {
             timers.set_device_clock(clock);
         }
         let mut progress = Progress::new(t.steps as u64, start_step, opts.tty && dist.is_root());
@@ -369,61 +180,58 @@ impl<'d, B: Backend> Trainer<'d, B> {
             dist.mp.clone()
         };
         // fp16: dynamic loss scaling, continued from the checkpoint when resuming.
-        let scaler = match (
-            t.precision,
-            start_state.as_ref().and_then(|s| s.loss_scaler),
-        ) {
+        let scaler = match (t.precision, start_state.and_then(|s| s.loss_scaler)) {
             (Precision::Fp16, Some(saved)) => Some(saved),
             (Precision::Fp16, None) => Some(LossScaler::for_new_run()?),
             _ => None,
         };
         let totals = RunTotals {
-            tokens_seen: start_state.as_ref().map_or(0, |s| s.tokens_seen),
-            skipped_nonfinite: start_state.as_ref().map_or(0, |s| s.skipped_nonfinite),
-            last_checkpoint: resume_from.clone(),
+            tokens_seen: start_state.map_or(0, |s| s.tokens_seen),
+            skipped_nonfinite: start_state.map_or(0, |s| s.skipped_nonfinite),
+            last_checkpoint: output.resume_from.clone(),
             last_loss: f32::NAN,
             ..Default::default()
         };
         let mut trainer = Trainer {
-            _run_lock: run_lock,
-            tokenizer_files,
+            _run_lock: output.run_lock,
+            tokenizer_files: data.tokenizer_files,
             dist,
-            out,
-            data,
-            val_data,
-            val_loader,
-            sync,
-            full_table,
-            source,
+            out: output.out,
+            data: data.path,
+            val_data: loaders.val_data,
+            val_loader: loaders.val_loader,
+            sync: parts.sync,
+            full_table: parts.full_table,
+            source: loaders.source,
             timers,
             metrics: None,
             progress,
             watch,
             norm_comm,
-            pipeline,
-            stages,
+            pipeline: parts.pipeline,
+            stages: parts.stages,
             saved_layout: SavedLayout {
                 pp: grid.pp,
                 tp: grid.tp,
                 dp: grid.dp,
                 zero: opts.zero,
-                data_ranks,
+                data_ranks: data.ranks,
             },
             threads,
             start_step,
             tokens_per_step: (global_batch * t.seq_len) as u64,
             flops_per_rank: flops_step / grid.world_size as f64,
             peak_flops: peak_gflops * 1e9,
-            memory,
+            memory: loaders.memory,
             window: Vec::new(),
             totals,
             scaler,
-            model,
+            model: parts.model,
             cfg,
             opts,
         };
         if trainer.dist.is_root() {
-            trainer.write_header(&machine, &init_desc, flops_step)?;
+            trainer.write_header(&machine, &parts.init_desc, flops_step)?;
         }
         Ok(trainer)
     }
@@ -452,7 +260,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
     pub fn step(&mut self, step: u64) -> Result<Option<StepResult>> {
         let t = &self.cfg.train;
         let timers = &self.timers;
-        let model = &mut self.model;
+        let model = &mut *self.model;
         let t0 = Instant::now();
         let bytes0 = self.dist.payload_bytes();
         {
@@ -472,7 +280,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let rows = t.batch_size / micro;
         model.set_batches(&self.window, micro, rows, t.seq_len)?;
         self.sync.begin_step();
-        let grads = model.grads;
+        let grads = model.buffers().grads;
         let sync = &mut self.sync;
         let loss_sum = self
             .pipeline
@@ -481,7 +289,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             });
         {
             let _g = timers.scope("allreduce-params", TimerLevel::Coarse);
-            sync.finish(&mut model.be, model.grads);
+            sync.finish(model.backend_mut(), grads);
         }
         let local_loss = (last_stage_sum(self.dist, loss_sum) / micro as f64) as f32;
         let loss = self.dist.dp_mean(local_loss as f64) as f32;
@@ -490,8 +298,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 if self.dist.is_parallel() {
                     bail!("--dump-grads works with one process only");
                 }
-                let g = model.download(model.grads);
-                dump::dump_grads(path, &self.cfg.model, &model.table, &g)?;
+                let g = model.download(grads);
+                dump::dump_grads(path, &self.cfg.model, model.table(), &g)?;
                 eprintln!("  wrote first-step gradients to {}", path.display());
             }
         }
@@ -526,7 +334,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
         drop(optimizer_timer);
         if self.sync.active() && self.opts.zero == 1 {
             let _g = timers.scope("allgather-params", TimerLevel::Coarse);
-            self.sync.gather_params(&mut model.be, model.params);
+            let params = model.buffers().params;
+            self.sync.gather_params(model.backend_mut(), params);
             model.refresh_compute_params();
         }
         self.watch.record_step(t0.elapsed());
@@ -677,7 +486,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         // Not part of any step: timed apart, with the op timers paused.
         let t0 = Instant::now();
         let _paused = self.timers.pause();
-        let (model, timers) = (&mut self.model, &self.timers);
+        let (model, timers) = (&mut *self.model, &self.timers);
         // In micro-batches too (the activations are sized for one), through the pipeline.
         let micro = self.opts.micro_batches;
         let rows = t.batch_size / micro;
@@ -733,7 +542,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let tmp = PathBuf::from(String::from_utf8(tmp).context("checkpoint folder name")?);
         let g = dist.grid;
         let plan = sharded::plan(&self.cfg.model, &self.stages, g.tp)?;
-        save::write_shards(&self.model, &plan, dist, &tmp, done)?;
+        save::write_shards(&*self.model, &plan, dist, &tmp, done)?;
         // Every shard is complete and fsynced before rank 0 completes the checkpoint.
         dist.world.barrier();
         let mut path = None;
@@ -758,7 +567,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 (Kind::Optimizer, sharded::OPTIMIZER_INDEX_FILE),
             ] {
                 if let Some(json) = sharded::index_json(kind, &plan, g.pp * g.tp) {
-                    checkpoint::atomic::write_bytes(&tmp.join(name), json.as_bytes())?;
+                    crate::atomic_write::write_bytes(&tmp.join(name), json.as_bytes())?;
                 }
             }
             let written = checkpoint::finish_checkpoint(
@@ -860,7 +669,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             if b.rows.iter().any(|r| r.work.is_some()) {
                 b.set_roofs(Roofs {
                     gflops: Some(self.peak_flops / 1e9),
-                    gbs: self.model.be.peak_gbs().map(|m| m.0),
+                    gbs: self.model.backend().peak_gbs().map(|m| m.0),
                 });
             }
             let whose = if self.dist.is_parallel() {
@@ -930,7 +739,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let mem = self.memory;
         let global_batch = t.batch_size * grid.dp;
         let params_n = self.full_table.elements();
-        let header = json!({
+        let mut header = json!({
             "config": self.cfg,
             "config_name": opts.config_name,
             "data": self.data,
@@ -947,13 +756,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "global_batch": global_batch, "bucket_mb": opts.bucket_mb,
                 "buckets": self.sync.buckets(),
             },
-            "backend": self.model.be.name(),
+            "backend": self.model.backend().name(),
             "precision": t.precision.name(),
-            "attention": self.model.attention().name(),
-            "mlp_gelu": self.model.mlp_gelu().name(),
-            "residual": self.model.residual().name(),
-            "kernels": self.model.be.kernel_settings().into_iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "device": self.model.be.describe(),
+            "kernels": self.model.backend().kernel_settings().into_iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "device": self.model.backend().describe(),
             "peak_gflops_per_rank": self.peak_flops / 1e9,
             "parameters": params_n,
             "memory": {
@@ -968,6 +774,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
             "start_step": self.start_step,
             "fugu_version": env!("CARGO_PKG_VERSION"),
         });
+        for f in self.model.forms() {
+            header[f.key] = json!(f.form);
+        }
         w.header(&header)?;
         self.metrics = Some(w);
         eprintln!(
@@ -1042,7 +851,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             } else {
                 ""
             };
-            let cpu_note = if self.model.be.name() == "cpu" {
+            let cpu_note = if self.model.backend().name() == "cpu" {
                 ": on the CPU backend this is the rounding reference (f32 buffers rounded to the type), slower than fp32, not faster"
             } else {
                 ""
@@ -1052,21 +861,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 t.precision.name()
             );
         }
-        if self.model.attention() == AttnKeep::LogSumExp {
-            let recompute = if opts.recompute == Recompute::Attention {
-                " (--recompute attention has nothing to recompute)"
-            } else {
-                ""
-            };
-            eprintln!(
-                "  attention: fused (FlashAttention: one log-sum-exp per row kept, no T x T probabilities){recompute}"
-            );
-        }
-        if self.model.mlp_gelu() == MlpGelu::Epilogue {
-            eprintln!("  MLP: GELU in the fc GEMM's epilogue, its derivative in the fc projection's input-gradient GEMM's");
-        }
-        if self.model.residual() == Residual::Epilogue {
-            eprintln!("  residual: the projections' GEMMs read the residual stream and write the next one");
+        for note in self.model.forms().into_iter().filter_map(|f| f.note) {
+            eprintln!("  {note}");
         }
         if let Some(d) = self.watch.deadline() {
             eprintln!(
@@ -1085,57 +881,6 @@ impl<'d, B: Backend> Trainer<'d, B> {
     }
 }
 
-/// Refuses a batch shape whose buffers cannot fit, before anything that size is allocated:
-/// activations and backward scratch against the backend's free memory, the loader's prefetched
-/// batches against the host's (`MemAvailable`). Where a figure is unknown it is not checked.
-fn check_memory<B: Backend>(be: &B, mem: &Memory, lcfg: &LoaderConfig) -> Result<()> {
-    let (b, t) = (lcfg.batch_size, lcfg.seq_len);
-    let gib = |x: f64| x / (1u64 << 30) as f64;
-    if let Some(free) = be.free_memory() {
-        if mem.activations() > free as f64 {
-            bail!(
-                "--batch-size {b} --seq-len {t}: activations need {:.1} GiB per rank on {}, which has {:.1} GiB free; lower the batch size or the sequence length",
-                gib(mem.activations()),
-                be.describe(),
-                gib(free as f64)
-            );
-        }
-    }
-    // Each prefetched batch holds B·(T+1) u32 tokens; one more is being filled and one in use.
-    let loader_bytes = 4.0 * (b * (t + 1)) as f64 * (lcfg.prefetch + 2) as f64;
-    if let Some(free) = crate::metrics::machine::host_memory_available() {
-        if loader_bytes > free as f64 {
-            bail!(
-                "--batch-size {b} --seq-len {t}: the data loader's {} prefetched batches need {:.1} GiB of host memory, {:.1} GiB is available; lower the batch size",
-                lcfg.prefetch,
-                gib(loader_bytes),
-                gib(free as f64)
-            );
-        }
-    }
-    Ok(())
-}
-
-/// `--out`, or the run folder implied by `--resume DIR`, or a fresh `runs/CONFIG-TIME`.
-fn output_dir(opts: &TrainOptions, dist: &Dist) -> Result<PathBuf> {
-    Ok(match (&opts.out, &opts.resume) {
-        (Some(o), _) => o.clone(),
-        (None, Some(r)) if r != "auto" => {
-            let p = PathBuf::from(r);
-            if is_checkpoint_dir(&p) {
-                p.parent().map(Path::to_path_buf).unwrap_or_default()
-            } else {
-                p
-            }
-        }
-        _ if dist.is_parallel() => bail!(
-            "--out is required with several MPI ranks (the default folder name contains the \
-             start time, which differs between ranks)"
-        ),
-        _ => default_out(&opts.config_name),
-    })
-}
-
 /// A value only the last pipeline stage computes (the loss), on every stage: summed over the
 /// pipeline, the other stages adding 0. With one stage, `x` itself.
 fn last_stage_sum(dist: &Dist, x: f64) -> f64 {
@@ -1145,65 +890,4 @@ fn last_stage_sum(dist: &Dist, x: f64) -> f64 {
     let mut v = [x];
     dist.pp.allreduce_f64(&mut v, ReduceOp::Sum);
     v[0]
-}
-
-/// Loads the model's starting point: a checkpoint (parameters and AdamW moments), a Hugging
-/// Face directory (`--init-from`, parameters only) or the seeded random init. Returns how, for
-/// the header.
-fn initialise<B: Backend>(
-    model: &mut Gpt2<B>,
-    full_table: &Table,
-    resume_from: Option<&Path>,
-    init_from: Option<&Path>,
-    cfg: &RunConfig,
-) -> Result<String> {
-    let m = &cfg.model;
-    // Every source is read one full tensor at a time, only this rank's stage's tensors.
-    if let Some(ck) = resume_from {
-        let hf = checkpoint::load_hf(ck)?;
-        hf.check(full_table)?;
-        let opt = OptimizerFiles::open(ck, full_table)?;
-        let [mut m, mut v] = [0, 1].map(|k| {
-            let opt = &opt;
-            move |s: &TensorSpec, out: &mut [f32]| opt.read(full_table, k, &s.name, out)
-        });
-        layout::load_tensors(
-            model,
-            full_table,
-            &mut |s, out| hf.read_tensor(full_table, &s.name, out),
-            Some([&mut m, &mut v]),
-        )?;
-        return Ok(format!("resumed from {}", ck.display()));
-    }
-    if let Some(dir) = init_from {
-        let hf = checkpoint::load_hf(dir)?;
-        if &hf.config != m {
-            bail!(
-                "--init-from {}: its config.json ({:?}) does not match the run's model ({:?}); \
-                 use a config with the same model section",
-                dir.display(),
-                hf.config,
-                m
-            );
-        }
-        hf.check(full_table)?;
-        layout::load_tensors(
-            model,
-            full_table,
-            &mut |s, out| hf.read_tensor(full_table, &s.name, out),
-            None,
-        )?;
-        return Ok(format!("initialised from {}", dir.display()));
-    }
-    let seed = cfg.train.seed;
-    layout::load_tensors(
-        model,
-        full_table,
-        &mut |s, out| {
-            init_tensor(m, &s.name, seed, out);
-            Ok(())
-        },
-        None,
-    )?;
-    Ok(format!("random init (seed {})", cfg.train.seed))
 }

@@ -130,7 +130,7 @@ fn store(file: &Path, cubin: &[u8]) -> Result<()> {
     body.extend_from_slice(hex(&Sha256::digest(cubin)).as_bytes());
     body.push(b'\n');
     body.extend_from_slice(cubin);
-    crate::checkpoint::atomic::write_bytes(file, &body)
+    crate::atomic_write::write_bytes(file, &body)
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! [`Comm`] is a group of processes (the whole job, one tensor-parallel group or one
 //! data-parallel group). [`SerialComm`] is the group of one process: every collective is the
 //! identity, so serial runs go through exactly the same code as parallel ones. The MPI
-//! implementation lives in [`super::mpi`] (cargo feature `mpi`).
+//! implementation lives in `parallel::mpi` (cargo feature `mpi`).
 //!
 //! Only the main thread calls a `Comm` (MPI is initialised with `MPI_THREAD_FUNNELED`).
 //!

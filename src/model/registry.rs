@@ -1,0 +1,73 @@
+//! The one place that maps a model family ([`Arch`], `arch` in `[model]`) to its code: the
+//! model on a backend, its full parameter table and its initialisation. Adding an
+//! architecture adds one arm to each `match` here.
+
+use super::contract::{Model, TpRank};
+use super::gpt2::Gpt2;
+use super::gpt2_hf;
+use super::hf_fields::HfFields;
+use super::stage::Stage;
+use super::table::Table;
+use crate::backend::{Backend, Dtype};
+use crate::config::{Arch, ModelConfig};
+use anyhow::Result;
+use serde_json::{Map, Value};
+
+/// This rank's share (`tp`, `stage`) of the model `cfg` names, on `be`, with parameters
+/// zeroed, gradients, AdamW moments and activations in `compute`.
+pub fn build<B: Backend>(
+    cfg: &ModelConfig,
+    tp: TpRank,
+    stage: &Stage,
+    compute: Dtype,
+    be: B,
+) -> Result<Box<dyn Model<B>>> {
+    Ok(match cfg.arch {
+        Arch::Gpt2 => Box::new(Gpt2::new_stage(cfg, tp, stage, compute, be)?),
+    })
+}
+
+/// The whole model with parameters only (no gradients or moments), for decoding.
+pub fn build_for_inference<B: Backend>(cfg: &ModelConfig, be: B) -> Result<Box<dyn Model<B>>> {
+    Ok(match cfg.arch {
+        Arch::Gpt2 => Box::new(Gpt2::for_inference(cfg, be)?),
+    })
+}
+
+/// The whole model's parameter table (one stage, no tensor parallelism): the logical form
+/// checkpoints hold.
+pub fn full_params(cfg: &ModelConfig) -> Result<Table> {
+    match cfg.arch {
+        Arch::Gpt2 => super::table::gpt2_params(cfg, 1),
+    }
+}
+
+/// The parameter table of one tensor-parallel shard (of `tp_size`) of one pipeline stage.
+pub fn stage_params(cfg: &ModelConfig, tp_size: usize, stage: &Stage) -> Result<Table> {
+    match cfg.arch {
+        Arch::Gpt2 => super::table::gpt2_stage_params(cfg, tp_size, stage),
+    }
+}
+
+/// Fills `dst` with the seeded initial value of the full tensor `name`.
+pub fn init_tensor(cfg: &ModelConfig, name: &str, seed: u64, dst: &mut [f32]) {
+    match cfg.arch {
+        Arch::Gpt2 => super::init::init_tensor(cfg, name, seed, dst),
+    }
+}
+
+/// The Hugging Face `config.json` of `cfg` (keys sorted, as `save_pretrained` writes them).
+pub fn hf_config_json(cfg: &ModelConfig) -> Value {
+    match cfg.arch {
+        Arch::Gpt2 => gpt2_hf::config_json(cfg),
+    }
+}
+
+/// The config of architecture `arch` (from the file's `model_type`) in the `config.json`
+/// object `obj` read from `path`, or an error naming the field fugu does not run.
+pub fn parse_hf_config(arch: Arch, obj: &Map<String, Value>, path: &str) -> Result<ModelConfig> {
+    let f = HfFields { obj, path };
+    match arch {
+        Arch::Gpt2 => gpt2_hf::parse_config(&f),
+    }
+}
