@@ -26,7 +26,8 @@ mod gpu {
         self, BiasGrad, CudaBackend, FlashBackward, FlashWarpRows, LayernormBackward,
     };
     use fugu::backend::{
-        AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CpuBackend, Dtype, FusedAttention, Span,
+        AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CeRows, CpuBackend, Dtype, Embedding,
+        FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, Span,
         TokSpan, WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
@@ -277,13 +278,21 @@ mod gpu {
         for with_wpe in [true, false] {
             let out = be.nan(b * t * c);
             let p = with_wpe.then_some(wpe);
-            be.run(|x| x.encoder_forward(out, tk, wte, 4, p, b, t, c));
+            let e = |wte, wpe| Embedding {
+                wte,
+                wpe,
+                vocab_start: 4,
+                b,
+                t,
+                c,
+            };
+            be.run(|x| x.encoder_forward(&e(wte, p), out, tk));
             be.check("encoder_forward", out, ELEM);
             let dwte = be.rand32(11 * c, 3);
             let dwpe = be.rand32(9 * c, 4);
             let dout = be.rand(b * t * c, 5);
             let dp = with_wpe.then_some(dwpe);
-            be.run(|x| x.encoder_backward(dwte, dp, dout, tk, 4, b, t, c));
+            be.run(|x| x.encoder_backward(&e(dwte, dp), dout, tk));
             be.check("encoder_backward dwte", dwte, ELEM);
             be.check("encoder_backward dwpe", dwpe, ELEM);
         }
@@ -310,7 +319,8 @@ mod gpu {
             let (out, mean, rstd) = (be.nan(n * c), be.nan32(n), be.nan32(n));
             let inp = be.rand(n * c, 6);
             let (w, bias) = (be.rand(c, 7), be.rand(c, 8));
-            be.run(|x| x.layernorm_forward(out, mean, rstd, inp, w, bias, n, c));
+            let (ln, stats) = (LayerNorm { w, bias, n, c }, NormStats { mean, rstd });
+            be.run(|x| x.layernorm_forward(&ln, out, stats, inp));
             be.check("layernorm_forward out", out, ELEM * 10.0);
             be.check("layernorm_forward mean", mean, ELEM);
             be.check("layernorm_forward rstd", rstd, ELEM);
@@ -318,7 +328,12 @@ mod gpu {
             for form in [LayernormBackward::Split, LayernormBackward::Fused] {
                 be.gpu.set_layernorm_backward(form);
                 let (dinp, dw, db) = (be.rand(n * c, 9), be.rand32(c, 10), be.rand32(c, 11));
-                be.run(|x| x.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, n, c));
+                let g = LayerNormGrads {
+                    dinp,
+                    dw,
+                    dbias: db,
+                };
+                be.run(|x| x.layernorm_backward(&ln, &g, dout, inp, stats));
                 be.check("layernorm_backward dinp", dinp, ELEM * 10.0);
                 // Column sums over n rows in different orders.
                 be.check("layernorm_backward dw", dw, GEMM);
@@ -446,7 +461,15 @@ mod gpu {
                 let w = be.rand(ic * oc, 2);
                 let bias = be.rand(oc, 3);
                 let before = ran();
-                be.run(|x| x.linear_gelu_forward(out, pre, inp, w, layout, Some(bias), n, ic, oc));
+                let l = Linear {
+                    w,
+                    layout,
+                    bias: Some(bias),
+                    n,
+                    ic,
+                    oc,
+                };
+                be.run(|x| x.linear_gelu_forward(&l, out, pre, inp));
                 be.check("linear_gelu_forward pre", pre, GEMM);
                 be.check("linear_gelu_forward out", out, GEMM);
                 let fused = epilogues && aligned;
@@ -461,22 +484,20 @@ mod gpu {
                 let db = be.rand32(ic, 5);
                 let dout = be.rand(n * ic, 6);
                 let before = ran();
-                be.run(|x| {
-                    x.gelu_linear_backward(
-                        dpre,
-                        scratch,
-                        dw,
-                        Some(db),
-                        dout,
-                        out,
-                        pre,
-                        w,
-                        layout,
-                        n,
-                        oc,
-                        ic,
-                    )
-                });
+                let back = Linear {
+                    w,
+                    layout,
+                    bias: None,
+                    n,
+                    ic: oc,
+                    oc: ic,
+                };
+                let g = LinearGrads {
+                    dinp: Some(dpre),
+                    dw,
+                    dbias: Some(db),
+                };
+                be.run(|x| x.gelu_linear_backward(&back, &g, scratch, dout, out, pre));
                 be.check("gelu_linear_backward dpre", dpre, GEMM);
                 be.check("gelu_linear_backward dw", dw, GEMM);
                 be.check("gelu_linear_backward dbias", db, GEMM);
@@ -527,11 +548,15 @@ mod gpu {
                     let w = be.rand(ic * oc, 2);
                     let bias = bias_at.map(|at| be.rand(oc + 1, 3).sub(at, oc));
                     let before = ran();
-                    be.run(|x| {
-                        x.linear_residual_forward(
-                            out, resid, scratch, inp, w, layout, bias, n, ic, oc,
-                        )
-                    });
+                    let l = Linear {
+                        w,
+                        layout,
+                        bias,
+                        n,
+                        ic,
+                        oc,
+                    };
+                    be.run(|x| x.linear_residual_forward(&l, out, resid, scratch, inp));
                     be.check("linear_residual_forward", out, GEMM);
                     let fused = epilogues && bias_at != Some(1);
                     let what = format!("{n}x{ic}->{oc}, bias at {bias_at:?} ({:?})", be.act);
@@ -556,16 +581,27 @@ mod gpu {
                     let w = be.rand(ic * oc, 2);
                     let bias = be.rand(oc + 1, 3).sub(bias_at.unwrap_or(0), oc);
                     let bo = bias_at.map(|_| bias);
-                    be.run(|x| x.linear_forward(out, inp, w, layout, bo, n, ic, oc));
+                    let l = Linear {
+                        w,
+                        layout,
+                        bias: bo,
+                        n,
+                        ic,
+                        oc,
+                    };
+                    be.run(|x| x.linear_forward(&l, out, inp));
                     be.check("linear_forward", out, GEMM);
                     let dinp = be.nan(n * ic);
                     let dw = be.rand32(ic * oc, 4);
                     let db = be.rand32(oc, 5);
                     let dout = be.rand(n * oc, 6);
                     let dbo = bias_at.map(|_| db);
-                    be.run(|x| {
-                        x.linear_backward(Some(dinp), dw, dbo, dout, inp, w, layout, n, ic, oc)
-                    });
+                    let g = LinearGrads {
+                        dinp: Some(dinp),
+                        dw,
+                        dbias: dbo,
+                    };
+                    be.run(|x| x.linear_backward(&l, &g, dout, inp));
                     be.check("linear_backward dinp", dinp, GEMM);
                     be.check("linear_backward dw", dw, GEMM);
                     be.check("linear_backward dbias", db, GEMM);
@@ -614,7 +650,8 @@ mod gpu {
         let q = be.rand(c, 5);
         for len in 1..=9 {
             let out = be.nan(c);
-            be.run(|x| x.attention_decode(out, q, kc, vc, len, nh, hs));
+            let kv = KvRows { k: kc, v: vc, len };
+            be.run(|x| x.attention_decode(out, q, kv, nh, hs));
             be.check("attention_decode", out, GEMM);
         }
     }
@@ -877,7 +914,12 @@ mod gpu {
                 be.run(|x| {
                     x.ce_row_stats(mx, sm, logits, d);
                     x.ce_target_logit(tl, logits, tg, d);
-                    x.ce_finish(lo, logits, mx, sm, tl, tg, dloss, d);
+                    let rows = CeRows {
+                        maxes: mx,
+                        sums: sm,
+                        tl,
+                    };
+                    x.ce_finish(lo, logits, rows, tg, dloss, d);
                 });
                 be.check("ce max", mx, 0.0);
                 be.check("ce sumexp", sm, ELEM);

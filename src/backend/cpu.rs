@@ -3,8 +3,9 @@
 
 use super::host_buf::HostBuf;
 use super::{
-    AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, Dtype, FusedAttention, Span, TokSpan,
-    WeightLayout,
+    AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
+    FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, Span,
+    TokSpan,
 };
 use crate::ops;
 use anyhow::Result;
@@ -53,19 +54,15 @@ impl CpuBackend {
     /// `out = resid + inp·W + bias`, `resid` and `bias` each optional: the linear layers
     /// ([`ops::linear::linear_forward`], or its residual form). An absent span goes to
     /// `views` as an empty one.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_onto(
-        &mut self,
-        out: Span,
-        resid: Option<Span>,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) {
+    fn linear_onto(&mut self, l: &Linear, out: Span, resid: Option<Span>, inp: Span) {
+        let Linear {
+            w,
+            layout,
+            bias,
+            n,
+            ic,
+            oc,
+        } = *l;
         let prec = self.gemm_precision(&[inp, w]);
         let none = out.sub(0, 0);
         let read = [resid.unwrap_or(none), inp, w, bias.unwrap_or(none)];
@@ -200,17 +197,15 @@ impl Backend for CpuBackend {
         self.tokens.extend_from_slice(tokens);
     }
 
-    fn encoder_forward(
-        &mut self,
-        out: Span,
-        tokens: TokSpan,
-        wte: Span,
-        vocab_start: usize,
-        wpe: Option<Span>,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
+    fn encoder_forward(&mut self, e: &Embedding, out: Span, tokens: TokSpan) {
+        let Embedding {
+            wte,
+            wpe,
+            vocab_start,
+            b,
+            t,
+            c,
+        } = *e;
         let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
         match wpe {
             Some(wpe) => {
@@ -225,17 +220,15 @@ impl Backend for CpuBackend {
         self.stored(&[out]);
     }
 
-    fn encoder_backward(
-        &mut self,
-        dwte: Span,
-        dwpe: Option<Span>,
-        dout: Span,
-        tokens: TokSpan,
-        vocab_start: usize,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
+    fn encoder_backward(&mut self, de: &Embedding, dout: Span, tokens: TokSpan) {
+        let Embedding {
+            wte: dwte,
+            wpe: dwpe,
+            vocab_start,
+            b,
+            t,
+            c,
+        } = *de;
         let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
         match dwpe {
             Some(dwpe) => {
@@ -250,17 +243,9 @@ impl Backend for CpuBackend {
         self.stored(&[Some(dwte), dwpe].into_iter().flatten().collect::<Vec<_>>());
     }
 
-    fn layernorm_forward(
-        &mut self,
-        out: Span,
-        mean: Span,
-        rstd: Span,
-        inp: Span,
-        w: Span,
-        bias: Span,
-        n: usize,
-        c: usize,
-    ) {
+    fn layernorm_forward(&mut self, ln: &LayerNorm, out: Span, stats: NormStats, inp: Span) {
+        let LayerNorm { w, bias, n, c } = *ln;
+        let NormStats { mean, rstd } = stats;
         let ([o, m, r], [i, w, bi]) = views(&mut self.bufs, [out, mean, rstd], [inp, w, bias]);
         ops::layernorm::layernorm_forward(o, m, r, i, w, bi, n, c);
         self.stored(&[out, mean, rstd]);
@@ -268,17 +253,15 @@ impl Backend for CpuBackend {
 
     fn layernorm_backward(
         &mut self,
-        dinp: Span,
-        dw: Span,
-        dbias: Span,
+        ln: &LayerNorm,
+        g: &LayerNormGrads,
         dout: Span,
         inp: Span,
-        w: Span,
-        mean: Span,
-        rstd: Span,
-        n: usize,
-        c: usize,
+        stats: NormStats,
     ) {
+        let LayerNorm { w, n, c, .. } = *ln;
+        let LayerNormGrads { dinp, dw, dbias } = *g;
+        let NormStats { mean, rstd } = stats;
         let written = [dinp, dw, dbias];
         let ([di, dw, db], [d, i, w, m, r]) =
             views(&mut self.bufs, written, [dout, inp, w, mean, rstd]);
@@ -286,18 +269,8 @@ impl Backend for CpuBackend {
         self.stored(&written);
     }
 
-    fn linear_forward(
-        &mut self,
-        out: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) {
-        self.linear_onto(out, None, inp, w, layout, bias, n, ic, oc);
+    fn linear_forward(&mut self, l: &Linear, out: Span, inp: Span) {
+        self.linear_onto(l, out, None, inp);
     }
 
     fn residual_epilogue(&self, _dt: Dtype) -> bool {
@@ -306,33 +279,25 @@ impl Backend for CpuBackend {
 
     fn linear_residual_forward(
         &mut self,
+        l: &Linear,
         out: Span,
         resid: Span,
         _scratch: Span,
         inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
     ) {
-        self.linear_onto(out, Some(resid), inp, w, layout, bias, n, ic, oc);
+        self.linear_onto(l, out, Some(resid), inp);
     }
 
-    fn linear_backward(
-        &mut self,
-        dinp: Option<Span>,
-        dw: Span,
-        dbias: Option<Span>,
-        dout: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) {
+    fn linear_backward(&mut self, l: &Linear, g: &LinearGrads, dout: Span, inp: Span) {
+        let Linear {
+            w,
+            layout,
+            n,
+            ic,
+            oc,
+            ..
+        } = *l;
+        let LinearGrads { dinp, dw, dbias } = *g;
         use ops::linear::linear_backward as lb;
         let r = [dout, inp, w];
         let prec = self.gemm_precision(&r);
@@ -435,18 +400,9 @@ impl Backend for CpuBackend {
         self.stored(&[dqkv]);
     }
 
-    fn attention_decode(
-        &mut self,
-        out: Span,
-        q: Span,
-        k_cache: Span,
-        v_cache: Span,
-        len: usize,
-        nh: usize,
-        hs: usize,
-    ) {
-        let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, k_cache, v_cache]);
-        ops::attention::attention_decode(o, q, k, v, len, nh, hs);
+    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize) {
+        let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, kv.k, kv.v]);
+        ops::attention::attention_decode(o, q, k, v, kv.len, nh, hs);
         self.stored(&[out]);
     }
 
@@ -497,13 +453,12 @@ impl Backend for CpuBackend {
         &mut self,
         losses: Span,
         logits: Span,
-        maxes: Span,
-        sums: Span,
-        tl: Span,
+        rows: CeRows,
         targets: TokSpan,
         dloss: Option<f32>,
         d: CeDims,
     ) {
+        let CeRows { maxes, sums, tl } = rows;
         let tg = &self.tokens[targets.offset..targets.offset + targets.len];
         match dloss {
             Some(dl) => {
@@ -606,8 +561,16 @@ mod tests {
         let out32 = be.alloc(n * oc, Dtype::F32).unwrap();
         let outb = be.alloc(n * oc, Dtype::F32).unwrap();
         let (o32, ob) = (span(out32, n * oc), span(outb, n * oc));
-        be.linear_forward(o32, x32, w32, WeightLayout::InOut, None, n, ic, oc);
-        be.linear_forward(ob, xb, wb, WeightLayout::InOut, None, n, ic, oc);
+        let linear = |w| Linear {
+            w,
+            layout: crate::backend::WeightLayout::InOut,
+            bias: None,
+            n,
+            ic,
+            oc,
+        };
+        be.linear_forward(&linear(w32), o32, x32);
+        be.linear_forward(&linear(wb), ob, xb);
         let (y32, yb) = (get(&be, o32), get(&be, ob));
         for (a, b) in y32.iter().zip(&yb) {
             // |error| of a k-term f32 sum <= k·u·Σ|products|; Σ|products| < k·1.7·0.8 here.

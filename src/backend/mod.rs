@@ -143,6 +143,84 @@ pub struct CeDims {
     pub vocab_start: usize,
 }
 
+/// A linear layer as the backend runs it: `out (N, OC) = inp (N, IC) · W (+ bias)`, `W` laid
+/// out as `layout` says (this rank's shard: the model passes local widths).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Linear {
+    pub w: Span,
+    pub layout: WeightLayout,
+    pub bias: Option<Span>,
+    pub n: usize,
+    pub ic: usize,
+    pub oc: usize,
+}
+
+/// What a linear layer's backward pass writes: `dinp` (N, IC) overwritten (`None`: not
+/// needed), `dw` and `dbias` accumulated (`dbias` only for a layer with a bias).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearGrads {
+    pub dinp: Option<Span>,
+    pub dw: Span,
+    pub dbias: Option<Span>,
+}
+
+/// A layernorm over `n` rows of `c`: its weight and bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerNorm {
+    pub w: Span,
+    pub bias: Span,
+    pub n: usize,
+    pub c: usize,
+}
+
+/// A layernorm's per-row statistics (f32, `n` each), written by the forward pass and read by
+/// the backward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NormStats {
+    pub mean: Span,
+    pub rstd: Span,
+}
+
+/// What a layernorm's backward pass accumulates: the input, weight and bias gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerNormGrads {
+    pub dinp: Span,
+    pub dw: Span,
+    pub dbias: Span,
+}
+
+/// The embedding of `b` sequences of `t` tokens into width `c`: the token table `wte` (this
+/// rank's vocabulary rows from `vocab_start`) and the position table `wpe` (on one rank of a
+/// tensor-parallel group; `None` on the others). The backward pass takes the gradients'
+/// spans in the same places.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Embedding {
+    pub wte: Span,
+    pub wpe: Option<Span>,
+    pub vocab_start: usize,
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+}
+
+/// The per-row statistics of the cross-entropy (f32, N each): the all-reduced row maxima, the
+/// sums of exponentials relative to them, and the target logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CeRows {
+    pub maxes: Span,
+    pub sums: Span,
+    pub tl: Span,
+}
+
+/// A key/value cache as one decoding step reads it: (P ≥ len, nh·hs) keys and values, the new
+/// token's own at row `len - 1`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvRows {
+    pub k: Span,
+    pub v: Span,
+    pub len: usize,
+}
+
 /// The operations a GPT-2 training step needs. Shapes are row-major; see [`crate::ops`] for the
 /// exact semantics of each op, which every backend must reproduce.
 pub trait Backend: 'static {
@@ -221,89 +299,28 @@ pub trait Backend: 'static {
 
     // --- embedding -----------------------------------------------------------------------
     /// `out (B,T,C) = wte[tokens] (+ wpe[t])`; tokens outside this vocabulary shard give 0.
-    #[allow(clippy::too_many_arguments)]
-    fn encoder_forward(
-        &mut self,
-        out: Span,
-        tokens: TokSpan,
-        wte: Span,
-        vocab_start: usize,
-        wpe: Option<Span>,
-        b: usize,
-        t: usize,
-        c: usize,
-    );
-    /// Accumulates embedding gradients.
-    #[allow(clippy::too_many_arguments)]
-    fn encoder_backward(
-        &mut self,
-        dwte: Span,
-        dwpe: Option<Span>,
-        dout: Span,
-        tokens: TokSpan,
-        vocab_start: usize,
-        b: usize,
-        t: usize,
-        c: usize,
-    );
+    fn encoder_forward(&mut self, e: &Embedding, out: Span, tokens: TokSpan);
+    /// Accumulates embedding gradients into `de`'s tables (the gradients' spans).
+    fn encoder_backward(&mut self, de: &Embedding, dout: Span, tokens: TokSpan);
 
     // --- layernorm -----------------------------------------------------------------------
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm_forward(
-        &mut self,
-        out: Span,
-        mean: Span,
-        rstd: Span,
-        inp: Span,
-        w: Span,
-        bias: Span,
-        n: usize,
-        c: usize,
-    );
-    /// `dinp`, `dw`, `dbias` accumulate.
-    #[allow(clippy::too_many_arguments)]
+    /// `out` and `stats` overwritten.
+    fn layernorm_forward(&mut self, ln: &LayerNorm, out: Span, stats: NormStats, inp: Span);
+    /// `g.dinp`, `g.dw`, `g.dbias` accumulate.
     fn layernorm_backward(
         &mut self,
-        dinp: Span,
-        dw: Span,
-        dbias: Span,
+        ln: &LayerNorm,
+        g: &LayerNormGrads,
         dout: Span,
         inp: Span,
-        w: Span,
-        mean: Span,
-        rstd: Span,
-        n: usize,
-        c: usize,
+        stats: NormStats,
     );
 
     // --- linear --------------------------------------------------------------------------
-    #[allow(clippy::too_many_arguments)]
-    fn linear_forward(
-        &mut self,
-        out: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    );
-    /// `dinp` is overwritten; `dw` and `dbias` accumulate.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_backward(
-        &mut self,
-        dinp: Option<Span>,
-        dw: Span,
-        dbias: Option<Span>,
-        dout: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    );
+    /// `out` overwritten.
+    fn linear_forward(&mut self, l: &Linear, out: Span, inp: Span);
+    /// `g.dinp` is overwritten; `g.dw` and `g.dbias` accumulate.
+    fn linear_backward(&mut self, l: &Linear, g: &LinearGrads, dout: Span, inp: Span);
 
     /// Whether this backend can add a linear layer's output to the residual stream inside
     /// its GEMM for activations stored as `dt` (cuBLASLt reading the stream as its C matrix):
@@ -316,21 +333,15 @@ pub trait Backend: 'static {
     /// (N·OC of the activation type, overwritten: [`linear_then_residual`]); in a residual
     /// epilogue ([`Self::residual_epilogue`]) the f32 sum is rounded once, so a 16-bit `out`
     /// may differ from the two ops' by a step of its type.
-    #[allow(clippy::too_many_arguments)]
     fn linear_residual_forward(
         &mut self,
+        l: &Linear,
         out: Span,
         resid: Span,
         scratch: Span,
         inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
     ) {
-        linear_then_residual(self, out, resid, scratch, inp, w, layout, bias, n, ic, oc);
+        linear_then_residual(self, l, out, resid, scratch, inp);
     }
 
     /// Whether this backend computes the MLP's GELU inside its GEMMs for activations stored
@@ -345,46 +356,25 @@ pub trait Backend: 'static {
     /// ([`linear_then_gelu`]); in a GELU epilogue ([`Self::gelu_epilogue`]) GELU reads the f32
     /// sum before it is rounded into `pre`, so a 16-bit `out` may differ from the two ops'
     /// by a step of its type.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_gelu_forward(
-        &mut self,
-        out: Span,
-        pre: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) {
-        linear_then_gelu(self, out, pre, inp, w, layout, bias, n, ic, oc);
+    fn linear_gelu_forward(&mut self, l: &Linear, out: Span, pre: Span, inp: Span) {
+        linear_then_gelu(self, l, out, pre, inp);
     }
     /// [`Self::linear_backward`] of a layer whose input is `inp = gelu(pre)` (N, IC), carried
-    /// back through the GELU: `dpre = (dout·Wᵀ) ⊙ gelu'(pre)` overwritten, `dw` and `dbias`
-    /// accumulate. `scratch` (N·IC of the activation type) may be overwritten: by default the
+    /// back through the GELU: `dpre = (dout·Wᵀ) ⊙ gelu'(pre)` overwritten (`g.dinp`, which
+    /// must be given), `g.dw` and `g.dbias` accumulate. `scratch` (N·IC of the activation type) may be overwritten: by default the
     /// gradient at GELU's output goes there between the two ops
     /// ([`linear_then_gelu_backward`]); a GELU epilogue never stores it (and rounds `dpre`
     /// once instead of twice).
-    #[allow(clippy::too_many_arguments)]
     fn gelu_linear_backward(
         &mut self,
-        dpre: Span,
+        l: &Linear,
+        g: &LinearGrads,
         scratch: Span,
-        dw: Span,
-        dbias: Option<Span>,
         dout: Span,
         inp: Span,
         pre: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
     ) {
-        linear_then_gelu_backward(
-            self, dpre, scratch, dw, dbias, dout, inp, pre, w, layout, n, ic, oc,
-        );
+        linear_then_gelu_backward(self, l, g, scratch, dout, inp, pre);
     }
 
     // --- attention -----------------------------------------------------------------------
@@ -426,7 +416,6 @@ pub trait Backend: 'static {
     fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims);
     /// Backward of [`Self::attention_forward`] from its `out` and `lse`: the Q, K and V columns
     /// of `dqkv` overwritten (the probabilities recomputed as `exp(s_ij − lse_i)`).
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &mut self,
         dqkv: Span,
@@ -437,19 +426,9 @@ pub trait Backend: 'static {
         d: AttnDims,
     );
     /// One new token attending over a key/value cache (incremental decoding): `out (nh·hs)`
-    /// overwritten with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head; `k_cache`, `v_cache`
-    /// are (P ≥ len, nh·hs) with the new token's own key and value already at row `len - 1`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_decode(
-        &mut self,
-        out: Span,
-        q: Span,
-        k_cache: Span,
-        v_cache: Span,
-        len: usize,
-        nh: usize,
-        hs: usize,
-    );
+    /// overwritten with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head ([`KvRows`]: the
+    /// new token's own key and value already at row `len - 1`).
+    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize);
 
     // --- pointwise -----------------------------------------------------------------------
     fn gelu_forward(&mut self, out: Span, inp: Span);
@@ -467,14 +446,11 @@ pub trait Backend: 'static {
     fn ce_rescale_sums(&mut self, sums: Span, local_maxes: Span, maxes: Span);
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims);
     /// Per-row losses, and (when `dloss` is `Some`) the logits overwritten by their gradient.
-    #[allow(clippy::too_many_arguments)]
     fn ce_finish(
         &mut self,
         losses: Span,
         logits: Span,
-        maxes: Span,
-        sums: Span,
-        tl: Span,
+        rows: CeRows,
         targets: TokSpan,
         dloss: Option<f32>,
         d: CeDims,
@@ -492,61 +468,49 @@ pub trait Backend: 'static {
 
 /// [`Backend::linear_residual_forward`] as two ops: [`Backend::linear_forward`] into
 /// `scratch`, then [`Backend::residual_forward`].
-#[allow(clippy::too_many_arguments)]
 pub fn linear_then_residual<B: Backend + ?Sized>(
     be: &mut B,
+    l: &Linear,
     out: Span,
     resid: Span,
     scratch: Span,
     inp: Span,
-    w: Span,
-    layout: WeightLayout,
-    bias: Option<Span>,
-    n: usize,
-    ic: usize,
-    oc: usize,
 ) {
-    be.linear_forward(scratch, inp, w, layout, bias, n, ic, oc);
+    be.linear_forward(l, scratch, inp);
     be.residual_forward(out, resid, scratch);
 }
 
 /// [`Backend::linear_gelu_forward`] as two ops: [`Backend::linear_forward`] into `pre`, then
 /// [`Backend::gelu_forward`].
-#[allow(clippy::too_many_arguments)]
 pub fn linear_then_gelu<B: Backend + ?Sized>(
     be: &mut B,
+    l: &Linear,
     out: Span,
     pre: Span,
     inp: Span,
-    w: Span,
-    layout: WeightLayout,
-    bias: Option<Span>,
-    n: usize,
-    ic: usize,
-    oc: usize,
 ) {
-    be.linear_forward(pre, inp, w, layout, bias, n, ic, oc);
+    be.linear_forward(l, pre, inp);
     be.gelu_forward(out, pre);
 }
 
 /// [`Backend::gelu_linear_backward`] as two ops: [`Backend::linear_backward`] with the input
-/// gradient into `scratch`, then [`Backend::gelu_backward`] from it into `dpre`.
-#[allow(clippy::too_many_arguments)]
+/// gradient into `scratch`, then [`Backend::gelu_backward`] from it into `g.dinp`.
 pub fn linear_then_gelu_backward<B: Backend + ?Sized>(
     be: &mut B,
-    dpre: Span,
+    l: &Linear,
+    g: &LinearGrads,
     scratch: Span,
-    dw: Span,
-    dbias: Option<Span>,
     dout: Span,
     inp: Span,
     pre: Span,
-    w: Span,
-    layout: WeightLayout,
-    n: usize,
-    ic: usize,
-    oc: usize,
 ) {
-    be.linear_backward(Some(scratch), dw, dbias, dout, inp, w, layout, n, ic, oc);
+    let dpre = g
+        .dinp
+        .expect("gelu_linear_backward writes the GELU's input gradient");
+    let to_scratch = LinearGrads {
+        dinp: Some(scratch),
+        ..*g
+    };
+    be.linear_backward(l, &to_scratch, dout, inp);
     be.gelu_backward(dpre, pre, scratch);
 }

@@ -23,18 +23,20 @@
 //! to the parameter ranges this rank updates.
 
 use super::acts::{
-    acts_table, grad_acts_table, stats_table, Acts, AttnKeep, AttnKept, GradActs, LayerActs,
-    Recompute, StepDims,
+    acts_table, grad_acts_table, stats_table, Acts, AttnKeep, AttnKept, GradActs, HeadActs,
+    LayerActs, Recompute, StepDims,
 };
 use super::contract::{GradsReady, Model, ModelBuffers, OpForm, OptimStep, TpRank};
 use super::kv::KvCache;
-use super::params::{LayerParams, ParamSpans};
+use super::layers::Layers;
+use super::params::{HeadParams, LayerParams, ParamSpans};
 use super::paths::{attention_path, mlp_gelu_path, residual_path, MlpGelu, Residual};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use super::work;
 use crate::backend::{
-    AdamWPart, AdamWStep, Backend, BufId, CeDims, Dtype, Span, TokSpan, WeightLayout,
+    AdamWPart, AdamWStep, Backend, BufId, CeDims, CeRows, Dtype, Embedding, KvRows, LayerNorm,
+    LayerNormGrads, Linear, LinearGrads, NormStats, Span, TokSpan, WeightLayout,
 };
 use crate::comm::{Comm, ReduceOp, SerialComm};
 use crate::config::ModelConfig;
@@ -44,22 +46,6 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use TimerLevel::{Coarse, Fine};
-
-/// Runs a tensor-parallel all-reduce of `s` (a no-op without tensor parallelism), timed as
-/// `name`.
-fn tp_allreduce<B: Backend>(
-    be: &mut B,
-    comm: &dyn Comm,
-    timers: &Timers,
-    name: &'static str,
-    s: Span,
-    op: ReduceOp,
-) {
-    if comm.size() > 1 {
-        let _t = timers.scope(name, Coarse);
-        be.with_host(s, &mut |x| comm.allreduce_f32(x, op));
-    }
-}
 
 /// Where a forward pass's tokens come from and what attention looks at.
 #[derive(Clone, Copy)]
@@ -568,32 +554,20 @@ impl<B: Backend> Gpt2<B> {
         let d = a.dims;
         let n = d.n();
         let vocab_start = self.tp.rank * d.vp;
-        let be = &mut self.be;
-        let comm = &*self.tp_comm;
         let cd = CeDims {
             n,
             vp: d.vp,
             v_valid: self.cfg.vocab_size.saturating_sub(vocab_start).min(d.vp),
             vocab_start,
         };
-        // TP: max, sum-of-exp and target logit are all-reduced across vocabulary shards.
-        let loss_allreduce = "forward:loss:allreduce";
-        let _t = timers.scope("forward:loss", Fine).with_work(|| {
-            let dlogits = for_backward.then_some(h.logits);
-            let written: Vec<Span> = [h.losses].into_iter().chain(dlogits).collect();
-            work::traffic(&*be, &[h.logits], &written, &[])
-        });
-        be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
-        be.copy(h.ce_max, h.ce_local_max);
-        tp_allreduce(be, comm, timers, loss_allreduce, h.ce_max, ReduceOp::Max);
-        be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
-        be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
-        tp_allreduce(be, comm, timers, loss_allreduce, h.ce_sum, ReduceOp::Sum);
-        tp_allreduce(be, comm, timers, loss_allreduce, h.ce_tl, ReduceOp::Sum);
         let dloss = for_backward.then_some(self.loss_scale / (n * self.accumulation) as f32);
-        be.ce_finish(
-            h.losses, h.logits, h.ce_max, h.ce_sum, h.ce_tl, targets, dloss, cd,
-        );
+        let x = &mut Layers {
+            be: &mut self.be,
+            comm: &*self.tp_comm,
+            timers,
+        };
+        loss_forward(x, &h, targets, cd, dloss);
+        let be = &mut self.be;
         let mut losses = vec![0.0f32; n];
         be.download(h.losses, &mut losses);
         Some((losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64) as f32)
@@ -662,50 +636,23 @@ impl<B: Backend> Gpt2<B> {
         };
         let a = slot(&self.acts, micro).0;
         let d = a.dims;
-        let n = d.n();
-        let c = d.c;
-        let vocab_start = self.tp.rank * d.vp;
         let p = &self.p;
-        let be = &mut self.be;
-        let comm = &*self.tp_comm;
+        let x = &mut Layers {
+            be: &mut self.be,
+            comm: &*self.tp_comm,
+            timers,
+        };
         // Replicated additions (position embedding, row-parallel biases) happen on one rank,
         // before the all-reduce sums the shards.
         let first = self.tp.rank == 0;
         // A stage after the first finds its input in `encoded` already.
         if let Some(e) = p.embed {
-            let _t = timers.scope("forward:embedding", Fine).with_work(|| {
-                // The rows of the tokens (an upper bound: a repeated token's row is counted
-                // again) and the positions' rows (on the first TP rank).
-                let rows = Span {
-                    len: n * c,
-                    ..e.wte
-                };
-                let wpe = first.then(|| e.wpe.sub(0, d.t * c));
-                let read: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
-                work::traffic(&*be, &read, &[a.encoded], &[])
+            let wpe = first.then_some(match pass {
+                Pass::Batch { .. } => e.wpe,
+                Pass::Decode { pos, .. } => e.wpe.sub(pos * d.c, d.c),
             });
-            // TP: vocabulary-parallel embedding = partial sums, all-reduced; wpe once.
-            be.encoder_forward(
-                a.encoded,
-                inputs,
-                e.wte,
-                vocab_start,
-                first.then_some(match pass {
-                    Pass::Batch { .. } => e.wpe,
-                    Pass::Decode { pos, .. } => e.wpe.sub(pos * c, c),
-                }),
-                d.b,
-                d.t,
-                c,
-            );
-            tp_allreduce(
-                be,
-                comm,
-                timers,
-                "forward:embedding:allreduce",
-                a.encoded,
-                ReduceOp::Sum,
-            );
+            let emb = embedding(e.wte, wpe, self.tp.rank, &d);
+            embedding_forward(x, &emb, a.encoded, inputs);
         }
         let mut resid = a.encoded;
         for (l, (la, lp)) in a.layers.iter().zip(&p.layers).enumerate() {
@@ -718,40 +665,19 @@ impl<B: Backend> Gpt2<B> {
                 layer: l,
                 proj: a.proj,
             };
-            block_forward(be, comm, timers, la, lp, resid, &bp);
+            block_forward(x, la, lp, resid, &bp);
             resid = la.resid3;
         }
         let (Some(h), Some(hp)) = (a.head, p.head) else {
             return;
         };
-        {
-            let _t = timers.scope("forward:layernorm", Fine).with_work(|| {
-                work::traffic(
-                    &*be,
-                    &[resid, hp.lnf_w, hp.lnf_b],
-                    &[h.lnf, h.lnf_mean, h.lnf_rstd],
-                    &[],
-                )
-            });
-            be.layernorm_forward(
-                h.lnf, h.lnf_mean, h.lnf_rstd, resid, hp.lnf_w, hp.lnf_b, n, c,
-            );
-        }
-        {
-            let _t = timers.scope("forward:lm-head", Fine).with_work(|| {
-                work::linear_forward(&*be, (n, c, d.vp), &[h.lnf, hp.wte], &[h.logits])
-            });
-            be.linear_forward(
-                h.logits,
-                h.lnf,
-                hp.wte,
-                WeightLayout::OutIn,
-                None,
-                n,
-                c,
-                d.vp,
-            );
-        }
+        let (lnf, lm_head) = head_layers(&hp, &d);
+        let stats = NormStats {
+            mean: h.lnf_mean,
+            rstd: h.lnf_rstd,
+        };
+        x.layernorm("forward:layernorm", &lnf, h.lnf, stats, resid);
+        x.linear("forward:lm-head", &lm_head, h.logits, h.lnf);
     }
 
     /// Sets every gradient to zero.
@@ -780,63 +706,33 @@ impl<B: Backend> Gpt2<B> {
         let (inputs, _) = self.tokens(micro);
         let (a, ga) = slot(&self.acts, micro);
         let d = a.dims;
-        let n = d.n();
-        let (c, f, lc) = (d.c, d.f, d.local_c());
-        let vocab_start = self.tp.rank * d.vp;
-        let ad = d.attn();
         let (p, g) = (&self.p, &self.g);
-        let be = &mut self.be;
-        let comm = &*self.tp_comm;
+        let x = &mut Layers {
+            be: &mut self.be,
+            comm: &*self.tp_comm,
+            timers,
+        };
         let _bwd = timers.scope("backward", Coarse);
         // A stage before the last finds the gradient of its output in `dres` already.
         if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
-            {
-                let _t = timers.scope("backward:lm-head", Fine).with_work(|| {
-                    let read = [h.logits, h.lnf, hp.wte];
-                    work::linear_backward(&*be, (n, c, d.vp), Some(ga.dln), hg.wte, None, &read)
-                });
-                // TP: dlnf is a partial sum over vocabulary shards, all-reduced.
-                be.linear_backward(
-                    Some(ga.dln),
-                    hg.wte,
-                    None,
-                    h.logits,
-                    h.lnf,
-                    hp.wte,
-                    WeightLayout::OutIn,
-                    n,
-                    c,
-                    d.vp,
-                );
-                tp_allreduce(
-                    be,
-                    comm,
-                    timers,
-                    "backward:lm-head:allreduce",
-                    ga.dln,
-                    ReduceOp::Sum,
-                );
-            }
             let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
-            {
-                let _t = timers.scope("backward:layernorm", Fine).with_work(|| {
-                    // The input gradient starts as zeros here: written, not added into.
-                    let read = [ga.dln, last, hp.lnf_w, h.lnf_mean, h.lnf_rstd];
-                    work::traffic(&*be, &read, &[ga.dres], &[hg.lnf_w, hg.lnf_b])
-                });
-                be.zero(ga.dres);
-                be.layernorm_backward(
-                    ga.dres, hg.lnf_w, hg.lnf_b, ga.dln, last, hp.lnf_w, h.lnf_mean, h.lnf_rstd, n,
-                    c,
-                );
-            }
+            head_backward(x, &d, (&h, &hp, &hg), ga, last);
         }
         for l in (0..a.layers.len()).rev() {
-            let (la, lp, lg) = (&a.layers[l], &p.layers[l], &g.layers[l]);
+            let (la, lp) = (&a.layers[l], &p.layers[l]);
             let resid = if l == 0 {
                 a.encoded
             } else {
                 a.layers[l - 1].resid3
+            };
+            let bp = BlockPass {
+                d: &d,
+                tp_first: self.tp.rank == 0,
+                gelu: self.mlp_gelu,
+                residual: self.residual,
+                pass: Pass::Batch { micro },
+                layer: l,
+                proj: a.proj,
             };
             if self.recompute == Recompute::Full && l + 1 < a.layers.len() {
                 // This block's activations, as the forward pass computed them, into the set
@@ -844,242 +740,24 @@ impl<B: Backend> Gpt2<B> {
                 // (and TP all-reduces) count as this one.
                 let _t = timers.scope("backward:recompute", Fine);
                 let _quiet = timers.pause();
-                let bp = BlockPass {
-                    d: &d,
-                    tp_first: self.tp.rank == 0,
-                    gelu: self.mlp_gelu,
-                    residual: self.residual,
-                    pass: Pass::Batch { micro },
-                    layer: l,
-                    proj: a.proj,
-                };
-                block_forward(be, comm, timers, la, lp, resid, &bp);
+                block_forward(x, la, lp, resid, &bp);
             }
-            // MLP: dres is the gradient of the block output (= resid2 + fcproj).
-            match self.mlp_gelu {
-                MlpGelu::Separate => {
-                    {
-                        let _t = timers.scope("backward:mlp:mm", Fine).with_work(|| {
-                            let (dw, db) = (lg.fcproj_w, Some(lg.fcproj_b));
-                            let read = [ga.dres, la.fch_gelu, lp.fcproj_w];
-                            let dinp = Some(ga.dfch_gelu);
-                            work::linear_backward(&*be, (n, f, c), dinp, dw, db, &read)
-                        });
-                        be.linear_backward(
-                            Some(ga.dfch_gelu),
-                            lg.fcproj_w,
-                            Some(lg.fcproj_b),
-                            ga.dres,
-                            la.fch_gelu,
-                            lp.fcproj_w,
-                            WeightLayout::InOut,
-                            n,
-                            f,
-                            c,
-                        );
-                    }
-                    let _t = timers.scope("backward:mlp:gelu", Fine).with_work(|| {
-                        work::traffic(&*be, &[la.fch, ga.dfch_gelu], &[ga.dfch], &[])
-                    });
-                    be.gelu_backward(ga.dfch, la.fch, ga.dfch_gelu);
-                }
-                MlpGelu::Epilogue => {
-                    let _t = timers.scope("backward:mlp:mm", Fine).with_work(|| {
-                        let (dw, db) = (lg.fcproj_w, Some(lg.fcproj_b));
-                        let read = [ga.dres, la.fch_gelu, la.fch, lp.fcproj_w];
-                        work::linear_backward(&*be, (n, f, c), Some(ga.dfch), dw, db, &read)
-                    });
-                    be.gelu_linear_backward(
-                        ga.dfch,
-                        ga.dfch_gelu,
-                        lg.fcproj_w,
-                        Some(lg.fcproj_b),
-                        ga.dres,
-                        la.fch_gelu,
-                        la.fch,
-                        lp.fcproj_w,
-                        WeightLayout::InOut,
-                        n,
-                        f,
-                        c,
-                    );
-                }
-            }
-            {
-                let _t = timers.scope("backward:mlp:mm", Fine).with_work(|| {
-                    let (dw, db) = (lg.fc_w, Some(lg.fc_b));
-                    let read = [ga.dfch, la.ln2, lp.fc_w];
-                    work::linear_backward(&*be, (n, c, f), Some(ga.dln), dw, db, &read)
-                });
-                // TP: column-parallel; dln2 all-reduced.
-                be.linear_backward(
-                    Some(ga.dln),
-                    lg.fc_w,
-                    Some(lg.fc_b),
-                    ga.dfch,
-                    la.ln2,
-                    lp.fc_w,
-                    WeightLayout::InOut,
-                    n,
-                    c,
-                    f,
-                );
-            }
-            tp_allreduce(
-                be,
-                comm,
-                timers,
-                "backward:mlp:allreduce",
-                ga.dln,
-                ReduceOp::Sum,
+            let recompute_attention = self.recompute == Recompute::Attention;
+            block_backward(
+                x,
+                &bp,
+                (la, lp, &g.layers[l]),
+                ga,
+                resid,
+                recompute_attention,
             );
-            {
-                let _t = timers.scope("backward:layernorm", Fine).with_work(|| {
-                    let read = [ga.dln, la.resid2, lp.ln2_w, la.ln2_mean, la.ln2_rstd];
-                    work::traffic(&*be, &read, &[], &[ga.dres, lg.ln2_w, lg.ln2_b])
-                });
-                be.layernorm_backward(
-                    ga.dres,
-                    lg.ln2_w,
-                    lg.ln2_b,
-                    ga.dln,
-                    la.resid2,
-                    lp.ln2_w,
-                    la.ln2_mean,
-                    la.ln2_rstd,
-                    n,
-                    c,
-                );
-            }
-            // Attention: dres is now the gradient of resid2 (= resid + attproj).
-            {
-                let _t = timers.scope("backward:attention:proj", Fine).with_work(|| {
-                    let (dw, db) = (lg.attproj_w, Some(lg.attproj_b));
-                    let read = [ga.dres, la.atty, lp.attproj_w];
-                    work::linear_backward(&*be, (n, lc, c), Some(ga.datty), dw, db, &read)
-                });
-                be.linear_backward(
-                    Some(ga.datty),
-                    lg.attproj_w,
-                    Some(lg.attproj_b),
-                    ga.dres,
-                    la.atty,
-                    lp.attproj_w,
-                    WeightLayout::InOut,
-                    n,
-                    lc,
-                    c,
-                );
-            }
-            match la.att {
-                AttnKept::Probabilities(att) => {
-                    let datt = ga.datt.expect("datt exists with kept probabilities");
-                    if self.recompute == Recompute::Attention {
-                        // The probabilities of this layer, as the forward pass computed them.
-                        let _t = timers.scope("backward:attention:recompute", Fine);
-                        be.attention_scores(att, la.qkv, ad);
-                        be.attention_softmax(att, ad);
-                    }
-                    let (q, k, v) = work::qkv_parts(la.qkv);
-                    let (dq, dk, dv) = work::qkv_parts(ga.dqkv);
-                    {
-                        let _t = timers.scope("backward:attention:bmm", Fine).with_work(|| {
-                            work::attention(&*be, ad, 2, &[ga.datty, att, v], &[datt, dv])
-                        });
-                        be.attention_values_backward(datt, ga.dqkv, ga.datty, att, la.qkv, ad);
-                    }
-                    {
-                        let _t = timers
-                            .scope("backward:attention:softmax", Fine)
-                            .with_work(|| work::traffic(&*be, &[att], &[], &[datt]));
-                        be.attention_softmax_backward(datt, att, ad);
-                    }
-                    let _t = timers
-                        .scope("backward:attention:baddbmm", Fine)
-                        .with_work(|| work::attention(&*be, ad, 2, &[datt, q, k], &[dq, dk]));
-                    be.attention_scores_backward(ga.dqkv, datt, la.qkv, ad);
-                }
-                AttnKept::LogSumExp(lse) => {
-                    let _t = timers
-                        .scope("backward:attention:fused", Fine)
-                        .with_work(|| {
-                            let read = [ga.datty, la.atty, lse, la.qkv];
-                            work::attention(&*be, ad, 4, &read, &[ga.dqkv])
-                        });
-                    be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
-                }
-            }
-            {
-                let _t = timers.scope("backward:attention:qkv", Fine).with_work(|| {
-                    let (dw, db) = (lg.qkv_w, Some(lg.qkv_b));
-                    let read = [ga.dqkv, la.ln1, lp.qkv_w];
-                    work::linear_backward(&*be, (n, c, 3 * lc), Some(ga.dln), dw, db, &read)
-                });
-                // TP: column-parallel; dln1 all-reduced.
-                be.linear_backward(
-                    Some(ga.dln),
-                    lg.qkv_w,
-                    Some(lg.qkv_b),
-                    ga.dqkv,
-                    la.ln1,
-                    lp.qkv_w,
-                    WeightLayout::InOut,
-                    n,
-                    c,
-                    3 * lc,
-                );
-            }
-            tp_allreduce(
-                be,
-                comm,
-                timers,
-                "backward:attention:allreduce",
-                ga.dln,
-                ReduceOp::Sum,
-            );
-            {
-                let _t = timers.scope("backward:layernorm", Fine).with_work(|| {
-                    let read = [ga.dln, resid, lp.ln1_w, la.ln1_mean, la.ln1_rstd];
-                    work::traffic(&*be, &read, &[], &[ga.dres, lg.ln1_w, lg.ln1_b])
-                });
-                be.layernorm_backward(
-                    ga.dres,
-                    lg.ln1_w,
-                    lg.ln1_b,
-                    ga.dln,
-                    resid,
-                    lp.ln1_w,
-                    la.ln1_mean,
-                    la.ln1_rstd,
-                    n,
-                    c,
-                );
-            }
-            ready(be, lp.ln1_w.offset);
+            ready(x.be, lp.ln1_w.offset);
         }
         if let Some(e) = g.embed {
-            let _t = timers.scope("backward:embedding", Fine).with_work(|| {
-                // Added into: the rows of the tokens (an upper bound, as in the forward pass)
-                // and the positions' rows.
-                let rows = Span {
-                    len: n * c,
-                    ..e.wte
-                };
-                let wpe = e.wpe.sub(0, d.t * c);
-                work::traffic(&*be, &[ga.dres], &[], &[rows, wpe])
-            });
-            be.encoder_backward(
-                e.wte,
-                Some(e.wpe),
-                ga.dres,
-                inputs,
-                vocab_start,
-                d.b,
-                d.t,
-                c,
-            );
+            let de = embedding(e.wte, Some(e.wpe), self.tp.rank, &d);
+            embedding_backward(x, &de, ga.dres, inputs);
         }
-        ready(be, 0);
+        ready(x.be, 0);
     }
 
     /// Global L2 norm of the gradients (one process; parallel runs all-reduce
@@ -1381,55 +1059,153 @@ struct BlockPass<'a, 'c> {
     proj: Span,
 }
 
+/// A block's layers at a step's dims: its parameters' spans (or, built from the gradient
+/// table, its gradients' spans at the same places) with their shapes. The row-parallel
+/// projections' biases are added on the first tensor-parallel rank only (`tp_first`).
+struct BlockLayers {
+    ln1: LayerNorm,
+    qkv: Linear,
+    attproj: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    fcproj: Linear,
+}
+
+impl BlockLayers {
+    fn new(lp: &LayerParams, d: &StepDims, tp_first: bool) -> BlockLayers {
+        let (n, c, f, lc) = (d.n(), d.c, d.f, d.local_c());
+        let ln = |w, bias| LayerNorm { w, bias, n, c };
+        let lin = |w, bias, ic, oc| Linear {
+            w,
+            layout: WeightLayout::InOut,
+            bias,
+            n,
+            ic,
+            oc,
+        };
+        BlockLayers {
+            ln1: ln(lp.ln1_w, lp.ln1_b),
+            qkv: lin(lp.qkv_w, Some(lp.qkv_b), c, 3 * lc),
+            attproj: lin(lp.attproj_w, tp_first.then_some(lp.attproj_b), lc, c),
+            ln2: ln(lp.ln2_w, lp.ln2_b),
+            fc: lin(lp.fc_w, Some(lp.fc_b), c, f),
+            fcproj: lin(lp.fcproj_w, tp_first.then_some(lp.fcproj_b), f, c),
+        }
+    }
+}
+
+/// The embedding of a step (this rank's vocabulary rows; `wpe` where this rank adds it), or
+/// with the gradients' spans, its backward pass's outputs.
+fn embedding(wte: Span, wpe: Option<Span>, tp_rank: usize, d: &StepDims) -> Embedding {
+    Embedding {
+        wte,
+        wpe,
+        vocab_start: tp_rank * d.vp,
+        b: d.b,
+        t: d.t,
+        c: d.c,
+    }
+}
+
+/// The final layernorm and the LM head (the tied `wte`, vocabulary-parallel under TP).
+fn head_layers(hp: &HeadParams, d: &StepDims) -> (LayerNorm, Linear) {
+    let (n, c) = (d.n(), d.c);
+    let lnf = LayerNorm {
+        w: hp.lnf_w,
+        bias: hp.lnf_b,
+        n,
+        c,
+    };
+    let lm_head = Linear {
+        w: hp.wte,
+        layout: WeightLayout::OutIn,
+        bias: None,
+        n,
+        ic: c,
+        oc: d.vp,
+    };
+    (lnf, lm_head)
+}
+
+/// The token (and position) embedding into `out`. TP: vocabulary-parallel, so each rank's
+/// rows are partial sums, all-reduced (the positions added on one rank).
+fn embedding_forward<B: Backend>(x: &mut Layers<B>, e: &Embedding, out: Span, tokens: TokSpan) {
+    // The all-reduce is timed inside the embedding's scope (its timer is the embedding's
+    // child).
+    let timers = x.timers;
+    let _t = {
+        let be = &*x.be;
+        timers.scope("forward:embedding", Fine).with_work(|| {
+            // The rows of the tokens (an upper bound: a repeated token's row is counted
+            // again) and the positions' rows (on the first TP rank).
+            let rows = Span {
+                len: e.b * e.t * e.c,
+                ..e.wte
+            };
+            let wpe = e.wpe.map(|w| w.sub(0, e.t * e.c));
+            let read: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
+            work::traffic(be, &read, &[out], &[])
+        })
+    };
+    x.be.encoder_forward(e, out, tokens);
+    x.allreduce("forward:embedding:allreduce", out, ReduceOp::Sum);
+}
+
 /// One transformer block's forward pass from its input `resid` (the residual stream) into its
 /// activations `la`, ending with its output in `la.resid3`: the one block forward, run by the
 /// forward pass and again by the backward pass under [`Recompute::Full`].
 fn block_forward<B: Backend>(
-    be: &mut B,
-    comm: &dyn Comm,
-    timers: &Timers,
+    x: &mut Layers<B>,
     la: &LayerActs,
     lp: &LayerParams,
     resid: Span,
     bp: &BlockPass,
 ) {
-    let (d, pass, l) = (bp.d, bp.pass, bp.layer);
-    let n = d.n();
-    let (c, f, lc) = (d.c, d.f, d.local_c());
+    let ly = BlockLayers::new(lp, bp.d, bp.tp_first);
+    let stats1 = NormStats {
+        mean: la.ln1_mean,
+        rstd: la.ln1_rstd,
+    };
+    x.layernorm("forward:layernorm", &ly.ln1, la.ln1, stats1, resid);
+    x.linear("forward:attention:qkv", &ly.qkv, la.qkv, la.ln1);
+    attention_forward(x, la, bp);
+    let names = ("forward:attention:proj", "forward:attention:allreduce");
+    project_into_residual(x, bp, names, &ly.attproj, (la.resid2, resid, la.atty));
+    let stats2 = NormStats {
+        mean: la.ln2_mean,
+        rstd: la.ln2_rstd,
+    };
+    x.layernorm("forward:layernorm", &ly.ln2, la.ln2, stats2, la.resid2);
+    match bp.gelu {
+        MlpGelu::Separate => {
+            x.linear("forward:mlp:mm", &ly.fc, la.fch, la.ln2);
+            let be = &mut *x.be;
+            let _t = x
+                .timers
+                .scope("forward:mlp:gelu", Fine)
+                .with_work(|| work::traffic(&*be, &[la.fch], &[la.fch_gelu], &[]));
+            be.gelu_forward(la.fch_gelu, la.fch);
+        }
+        MlpGelu::Epilogue => x.linear_gelu("forward:mlp:mm", &ly.fc, la.fch_gelu, la.fch, la.ln2),
+    }
+    let names = ("forward:mlp:mm", "forward:mlp:allreduce");
+    project_into_residual(
+        x,
+        bp,
+        names,
+        &ly.fcproj,
+        (la.resid3, la.resid2, la.fch_gelu),
+    );
+}
+
+/// A block's attention from its `qkv` into `atty`: in three steps (probabilities kept), fused,
+/// or for one token over the key/value cache.
+fn attention_forward<B: Backend>(x: &mut Layers<B>, la: &LayerActs, bp: &BlockPass) {
+    let (d, timers) = (bp.d, x.timers);
+    let lc = d.local_c();
     let ad = d.attn();
-    {
-        let _t = timers.scope("forward:layernorm", Fine).with_work(|| {
-            let read = [resid, lp.ln1_w, lp.ln1_b];
-            work::traffic(&*be, &read, &[la.ln1, la.ln1_mean, la.ln1_rstd], &[])
-        });
-        be.layernorm_forward(
-            la.ln1,
-            la.ln1_mean,
-            la.ln1_rstd,
-            resid,
-            lp.ln1_w,
-            lp.ln1_b,
-            n,
-            c,
-        );
-    }
-    {
-        let _t = timers.scope("forward:attention:qkv", Fine).with_work(|| {
-            let read = [la.ln1, lp.qkv_w, lp.qkv_b];
-            work::linear_forward(&*be, (n, c, 3 * lc), &read, &[la.qkv])
-        });
-        be.linear_forward(
-            la.qkv,
-            la.ln1,
-            lp.qkv_w,
-            WeightLayout::InOut,
-            Some(lp.qkv_b),
-            n,
-            c,
-            3 * lc,
-        );
-    }
-    match pass {
+    let be = &mut *x.be;
+    match bp.pass {
         Pass::Batch { .. } => match la.att {
             AttnKept::Probabilities(att) => {
                 let (q, k, v) = work::qkv_parts(la.qkv);
@@ -1459,154 +1235,271 @@ fn block_forward<B: Backend>(
         },
         Pass::Decode { cache, pos } => {
             let _t = timers.scope("forward:attention:decode", Fine);
-            let (k, v) = (cache.k(l), cache.v(l));
+            let (k, v) = (cache.k(bp.layer), cache.v(bp.layer));
             be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
             be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
-            be.attention_decode(la.atty, la.qkv.sub(0, lc), k, v, pos + 1, d.nh, d.hs);
+            let kv = KvRows { k, v, len: pos + 1 };
+            be.attention_decode(la.atty, la.qkv.sub(0, lc), kv, d.nh, d.hs);
         }
     }
-    project_into_residual(
-        be,
-        comm,
-        timers,
-        bp,
-        ("forward:attention:proj", "forward:attention:allreduce"),
-        la.resid2,
-        resid,
-        la.atty,
-        lp.attproj_w,
-        lp.attproj_b,
-        lc,
-    );
-    {
-        let _t = timers.scope("forward:layernorm", Fine).with_work(|| {
-            let read = [la.resid2, lp.ln2_w, lp.ln2_b];
-            work::traffic(&*be, &read, &[la.ln2, la.ln2_mean, la.ln2_rstd], &[])
-        });
-        be.layernorm_forward(
-            la.ln2,
-            la.ln2_mean,
-            la.ln2_rstd,
-            la.resid2,
-            lp.ln2_w,
-            lp.ln2_b,
-            n,
-            c,
-        );
-    }
-    match bp.gelu {
-        MlpGelu::Separate => {
-            {
-                let _t = timers.scope("forward:mlp:mm", Fine).with_work(|| {
-                    let read = [la.ln2, lp.fc_w, lp.fc_b];
-                    work::linear_forward(&*be, (n, c, f), &read, &[la.fch])
-                });
-                be.linear_forward(
-                    la.fch,
-                    la.ln2,
-                    lp.fc_w,
-                    WeightLayout::InOut,
-                    Some(lp.fc_b),
-                    n,
-                    c,
-                    f,
-                );
-            }
-            let _t = timers
-                .scope("forward:mlp:gelu", Fine)
-                .with_work(|| work::traffic(&*be, &[la.fch], &[la.fch_gelu], &[]));
-            be.gelu_forward(la.fch_gelu, la.fch);
-        }
-        MlpGelu::Epilogue => {
-            let _t = timers.scope("forward:mlp:mm", Fine).with_work(|| {
-                let read = [la.ln2, lp.fc_w, lp.fc_b];
-                work::linear_forward(&*be, (n, c, f), &read, &[la.fch, la.fch_gelu])
-            });
-            be.linear_gelu_forward(
-                la.fch_gelu,
-                la.fch,
-                la.ln2,
-                lp.fc_w,
-                WeightLayout::InOut,
-                Some(lp.fc_b),
-                n,
-                c,
-                f,
-            );
-        }
-    }
-    project_into_residual(
-        be,
-        comm,
-        timers,
-        bp,
-        ("forward:mlp:mm", "forward:mlp:allreduce"),
-        la.resid3,
-        la.resid2,
-        la.fch_gelu,
-        lp.fcproj_w,
-        lp.fcproj_b,
-        f,
-    );
 }
 
-/// A block's row-parallel projection (`inp` (N, k) by `w` (k, C), bias `b`) whose output
-/// joins the residual stream: `out = resid + inp·w + b`, in the projection's GEMM or by its
-/// own op as `bp.residual` says, the GEMM timed as `names.0`. TP: each rank's product is a
-/// partial sum over its share of `k`; the first rank adds the bias (and, in the epilogue,
-/// the stream), the all-reduce (timed as `names.1`) sums them.
-#[allow(clippy::too_many_arguments)]
+/// A block's row-parallel projection `l` whose output joins the residual stream: `out =
+/// resid + inp·W + b`, in the projection's GEMM or by its own op as `bp.residual` says, the
+/// GEMM timed as `names.0`. TP: each rank's product is a partial sum over its share of the
+/// input width; the first rank adds the bias (`l.bias` is `None` on the others) and, in the
+/// epilogue, the stream; the all-reduce (timed as `names.1`) sums them.
 fn project_into_residual<B: Backend>(
-    be: &mut B,
-    comm: &dyn Comm,
-    timers: &Timers,
+    x: &mut Layers<B>,
     bp: &BlockPass,
     names: (&'static str, &'static str),
-    out: Span,
-    resid: Span,
-    inp: Span,
-    w: Span,
-    b: Span,
-    k: usize,
+    l: &Linear,
+    (out, resid, inp): (Span, Span, Span),
 ) {
-    let (n, c, first) = (bp.d.n(), bp.d.c, bp.tp_first);
-    let bias = first.then_some(b);
-    let layout = WeightLayout::InOut;
-    let read = |stream: Option<Span>| -> Vec<Span> {
-        [Some(inp), Some(w), bias, stream]
-            .into_iter()
-            .flatten()
-            .collect()
-    };
     match bp.residual {
         Residual::Separate => {
-            {
-                let _t = timers
-                    .scope(names.0, Fine)
-                    .with_work(|| work::linear_forward(&*be, (n, k, c), &read(None), &[bp.proj]));
-                be.linear_forward(bp.proj, inp, w, layout, bias, n, k, c);
-            }
-            tp_allreduce(be, comm, timers, names.1, bp.proj, ReduceOp::Sum);
-            let _t = timers
+            x.linear(names.0, l, bp.proj, inp);
+            x.allreduce(names.1, bp.proj, ReduceOp::Sum);
+            let be = &mut *x.be;
+            let _t = x
+                .timers
                 .scope("forward:residual", Fine)
                 .with_work(|| work::traffic(&*be, &[resid, bp.proj], &[out], &[]));
             be.residual_forward(out, resid, bp.proj);
         }
         Residual::Epilogue => {
-            {
-                let stream = first.then_some(resid);
-                let _t = timers
-                    .scope(names.0, Fine)
-                    .with_work(|| work::linear_forward(&*be, (n, k, c), &read(stream), &[out]));
-                if first {
-                    be.linear_residual_forward(out, resid, bp.proj, inp, w, layout, bias, n, k, c);
-                } else {
-                    be.linear_forward(out, inp, w, layout, None, n, k, c);
-                }
+            if bp.tp_first {
+                x.linear_residual(names.0, l, out, resid, bp.proj, inp);
+            } else {
+                x.linear(names.0, l, out, inp);
             }
-            tp_allreduce(be, comm, timers, names.1, out, ReduceOp::Sum);
+            x.allreduce(names.1, out, ReduceOp::Sum);
         }
     }
+}
+
+/// The per-row cross-entropy of the logits against `targets` into `h.losses` and, with
+/// `dloss`, the logits replaced by their gradient (times `dloss`). TP: the logits are
+/// vocabulary-parallel; the row maxima, sums of exponentials and target logits are
+/// all-reduced across the shards.
+fn loss_forward<B: Backend>(
+    x: &mut Layers<B>,
+    h: &HeadActs,
+    targets: TokSpan,
+    cd: CeDims,
+    dloss: Option<f32>,
+) {
+    let ar = "forward:loss:allreduce";
+    let timers = x.timers;
+    let _t = {
+        let be = &*x.be;
+        timers.scope("forward:loss", Fine).with_work(|| {
+            let dlogits = dloss.map(|_| h.logits);
+            let written: Vec<Span> = [h.losses].into_iter().chain(dlogits).collect();
+            work::traffic(be, &[h.logits], &written, &[])
+        })
+    };
+    x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
+    x.be.copy(h.ce_max, h.ce_local_max);
+    x.allreduce(ar, h.ce_max, ReduceOp::Max);
+    x.be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
+    x.be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
+    x.allreduce(ar, h.ce_sum, ReduceOp::Sum);
+    x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
+    let rows = CeRows {
+        maxes: h.ce_max,
+        sums: h.ce_sum,
+        tl: h.ce_tl,
+    };
+    x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
+}
+
+/// The last stage's backward pass from the loss gradient (in the logits) to the gradient of
+/// its last block's output (`ga.dres`): the LM head (TP: vocabulary-parallel, its input
+/// gradient all-reduced), then the final layernorm.
+fn head_backward<B: Backend>(
+    x: &mut Layers<B>,
+    d: &StepDims,
+    (h, hp, hg): (&HeadActs, &HeadParams, &HeadParams),
+    ga: &GradActs,
+    last: Span,
+) {
+    let (lnf, lm_head) = head_layers(hp, d);
+    let names = ("backward:lm-head", Some("backward:lm-head:allreduce"));
+    let grads = LinearGrads {
+        dinp: Some(ga.dln),
+        dw: hg.wte,
+        dbias: None,
+    };
+    x.linear_backward(names, &lm_head, &grads, h.logits, h.lnf);
+    let grads = LayerNormGrads {
+        dinp: ga.dres,
+        dw: hg.lnf_w,
+        dbias: hg.lnf_b,
+    };
+    let stats = NormStats {
+        mean: h.lnf_mean,
+        rstd: h.lnf_rstd,
+    };
+    x.layernorm_backward(
+        "backward:layernorm",
+        &lnf,
+        &grads,
+        (ga.dln, last, stats),
+        true,
+    );
+}
+
+/// One block's backward pass: `ga.dres` holds the gradient of its output on entry and of its
+/// input `resid` on return; its parameter gradients (`lg`) accumulate. TP: the column-parallel
+/// layers' input gradients are all-reduced.
+fn block_backward<B: Backend>(
+    x: &mut Layers<B>,
+    bp: &BlockPass,
+    (la, lp, lg): (&LayerActs, &LayerParams, &LayerParams),
+    ga: &GradActs,
+    resid: Span,
+    recompute_attention: bool,
+) {
+    let ly = BlockLayers::new(lp, bp.d, bp.tp_first);
+    let grads = |dinp, dw, dbias| LinearGrads {
+        dinp: Some(dinp),
+        dw,
+        dbias: Some(dbias),
+    };
+    // MLP: dres is the gradient of the block output (= resid2 + fcproj).
+    let fcproj_g = |dinp| grads(dinp, lg.fcproj_w, lg.fcproj_b);
+    match bp.gelu {
+        MlpGelu::Separate => {
+            let names = ("backward:mlp:mm", None);
+            x.linear_backward(
+                names,
+                &ly.fcproj,
+                &fcproj_g(ga.dfch_gelu),
+                ga.dres,
+                la.fch_gelu,
+            );
+            let be = &mut *x.be;
+            let _t = x
+                .timers
+                .scope("backward:mlp:gelu", Fine)
+                .with_work(|| work::traffic(&*be, &[la.fch, ga.dfch_gelu], &[ga.dfch], &[]));
+            be.gelu_backward(ga.dfch, la.fch, ga.dfch_gelu);
+        }
+        MlpGelu::Epilogue => {
+            let spans = (ga.dfch_gelu, ga.dres, la.fch_gelu, la.fch);
+            x.gelu_linear_backward("backward:mlp:mm", &ly.fcproj, &fcproj_g(ga.dfch), spans);
+        }
+    }
+    let names = ("backward:mlp:mm", Some("backward:mlp:allreduce"));
+    let fc_g = grads(ga.dln, lg.fc_w, lg.fc_b);
+    x.linear_backward(names, &ly.fc, &fc_g, ga.dfch, la.ln2);
+    let ln2_g = LayerNormGrads {
+        dinp: ga.dres,
+        dw: lg.ln2_w,
+        dbias: lg.ln2_b,
+    };
+    let stats2 = NormStats {
+        mean: la.ln2_mean,
+        rstd: la.ln2_rstd,
+    };
+    let ln2_in = (ga.dln, la.resid2, stats2);
+    x.layernorm_backward("backward:layernorm", &ly.ln2, &ln2_g, ln2_in, false);
+    // Attention: dres is now the gradient of resid2 (= resid + attproj).
+    let names = ("backward:attention:proj", None);
+    let attproj_g = grads(ga.datty, lg.attproj_w, lg.attproj_b);
+    x.linear_backward(names, &ly.attproj, &attproj_g, ga.dres, la.atty);
+    attention_backward(x, bp.d, la, ga, recompute_attention);
+    let names = (
+        "backward:attention:qkv",
+        Some("backward:attention:allreduce"),
+    );
+    let qkv_g = grads(ga.dln, lg.qkv_w, lg.qkv_b);
+    x.linear_backward(names, &ly.qkv, &qkv_g, ga.dqkv, la.ln1);
+    let ln1_g = LayerNormGrads {
+        dinp: ga.dres,
+        dw: lg.ln1_w,
+        dbias: lg.ln1_b,
+    };
+    let stats1 = NormStats {
+        mean: la.ln1_mean,
+        rstd: la.ln1_rstd,
+    };
+    x.layernorm_backward(
+        "backward:layernorm",
+        &ly.ln1,
+        &ln1_g,
+        (ga.dln, resid, stats1),
+        false,
+    );
+}
+
+/// A block's attention backward from `ga.datty` into `ga.dqkv`: three steps over the kept
+/// (or, with `recompute`, recomputed) probabilities, or fused from the log-sum-exp.
+fn attention_backward<B: Backend>(
+    x: &mut Layers<B>,
+    d: &StepDims,
+    la: &LayerActs,
+    ga: &GradActs,
+    recompute: bool,
+) {
+    let (timers, ad) = (x.timers, d.attn());
+    let be = &mut *x.be;
+    match la.att {
+        AttnKept::Probabilities(att) => {
+            let datt = ga.datt.expect("datt exists with kept probabilities");
+            if recompute {
+                // The probabilities of this layer, as the forward pass computed them.
+                let _t = timers.scope("backward:attention:recompute", Fine);
+                be.attention_scores(att, la.qkv, ad);
+                be.attention_softmax(att, ad);
+            }
+            let (q, k, v) = work::qkv_parts(la.qkv);
+            let (dq, dk, dv) = work::qkv_parts(ga.dqkv);
+            {
+                let _t = timers
+                    .scope("backward:attention:bmm", Fine)
+                    .with_work(|| work::attention(&*be, ad, 2, &[ga.datty, att, v], &[datt, dv]));
+                be.attention_values_backward(datt, ga.dqkv, ga.datty, att, la.qkv, ad);
+            }
+            {
+                let _t = timers
+                    .scope("backward:attention:softmax", Fine)
+                    .with_work(|| work::traffic(&*be, &[att], &[], &[datt]));
+                be.attention_softmax_backward(datt, att, ad);
+            }
+            let _t = timers
+                .scope("backward:attention:baddbmm", Fine)
+                .with_work(|| work::attention(&*be, ad, 2, &[datt, q, k], &[dq, dk]));
+            be.attention_scores_backward(ga.dqkv, datt, la.qkv, ad);
+        }
+        AttnKept::LogSumExp(lse) => {
+            let _t = timers
+                .scope("backward:attention:fused", Fine)
+                .with_work(|| {
+                    let read = [ga.datty, la.atty, lse, la.qkv];
+                    work::attention(&*be, ad, 4, &read, &[ga.dqkv])
+                });
+            be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
+        }
+    }
+}
+
+/// The embedding's backward pass: its gradients (`de`'s tables) accumulate from `dout`.
+fn embedding_backward<B: Backend>(x: &mut Layers<B>, de: &Embedding, dout: Span, tokens: TokSpan) {
+    let be = &mut *x.be;
+    let _t = x.timers.scope("backward:embedding", Fine).with_work(|| {
+        // Added into: the rows of the tokens (an upper bound, as in the forward pass) and the
+        // positions' rows.
+        let rows = Span {
+            len: de.b * de.t * de.c,
+            ..de.wte
+        };
+        let wpe = de.wpe.map(|w| w.sub(0, de.t * de.c));
+        let added: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
+        work::traffic(&*be, &[dout], &[], &added)
+    });
+    be.encoder_backward(de, dout, tokens);
 }
 
 /// The activation set of micro-batch `micro` and the shared gradient scratch.

@@ -10,6 +10,7 @@ pub mod gpt2_hf;
 pub mod hf_fields;
 pub mod init;
 pub mod kv;
+pub mod layers;
 pub mod params;
 pub mod paths;
 pub mod registry;

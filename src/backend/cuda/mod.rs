@@ -48,8 +48,9 @@ use columns::COLUMN_CHUNK_ROWS;
 
 use super::WeightLayout;
 use super::{
-    AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CudaSettings, Dtype, FusedAttention,
-    InGemm, Span, TokSpan,
+    AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, CudaSettings, Dtype, Embedding,
+    FusedAttention, InGemm, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats,
+    Span, TokSpan,
 };
 use anyhow::{Context, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall};
@@ -679,17 +680,15 @@ impl Backend for CudaBackend {
         Some(self.eng.clock())
     }
 
-    fn encoder_forward(
-        &mut self,
-        out: Span,
-        tokens: TokSpan,
-        wte: Span,
-        vocab_start: usize,
-        wpe: Option<Span>,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
+    fn encoder_forward(&mut self, e: &Embedding, out: Span, tokens: TokSpan) {
+        let Embedding {
+            wte,
+            wpe,
+            vocab_start,
+            b,
+            t,
+            c,
+        } = *e;
         let n = b * t;
         assert!(
             out.len == n * c && tokens.len == n,
@@ -717,17 +716,15 @@ impl Backend for CudaBackend {
         );
     }
 
-    fn encoder_backward(
-        &mut self,
-        dwte: Span,
-        dwpe: Option<Span>,
-        dout: Span,
-        tokens: TokSpan,
-        vocab_start: usize,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
+    fn encoder_backward(&mut self, de: &Embedding, dout: Span, tokens: TokSpan) {
+        let Embedding {
+            wte: dwte,
+            wpe: dwpe,
+            vocab_start,
+            b,
+            t,
+            c,
+        } = *de;
         let n = b * t;
         assert!(
             dout.len == n * c && tokens.len == n,
@@ -789,17 +786,9 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn layernorm_forward(
-        &mut self,
-        out: Span,
-        mean: Span,
-        rstd: Span,
-        inp: Span,
-        w: Span,
-        bias: Span,
-        n: usize,
-        c: usize,
-    ) {
+    fn layernorm_forward(&mut self, ln: &LayerNorm, out: Span, stats: NormStats, inp: Span) {
+        let LayerNorm { w, bias, n, c } = *ln;
+        let NormStats { mean, rstd } = stats;
         assert!(out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
         assert!(
             w.len == c && bias.len == c,
@@ -824,17 +813,15 @@ impl Backend for CudaBackend {
 
     fn layernorm_backward(
         &mut self,
-        dinp: Span,
-        dw: Span,
-        dbias: Span,
+        ln: &LayerNorm,
+        g: &LayerNormGrads,
         dout: Span,
         inp: Span,
-        w: Span,
-        mean: Span,
-        rstd: Span,
-        n: usize,
-        c: usize,
+        stats: NormStats,
     ) {
+        let LayerNorm { w, n, c, .. } = *ln;
+        let LayerNormGrads { dinp, dw, dbias } = *g;
+        let NormStats { mean, rstd } = stats;
         assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
         // The one-pass kernel's shared memory: each warp's column sums of dout and dout·x̂.
@@ -886,17 +873,15 @@ impl Backend for CudaBackend {
         self.column_sums(dbias, Some((dw, inp, mean, rstd)), dout, n, c);
     }
 
-    fn linear_forward(
-        &mut self,
-        out: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) {
+    fn linear_forward(&mut self, l: &Linear, out: Span, inp: Span) {
+        let Linear {
+            w,
+            layout,
+            bias,
+            n,
+            ic,
+            oc,
+        } = *l;
         let call = self.linear_call(out, inp, w, layout, n, ic, oc);
         let Some(bias) = bias else {
             return self.queue_gemm("linear_forward", &call);
@@ -922,19 +907,16 @@ impl Backend for CudaBackend {
         self.queue_gemm("linear_forward", &GemmCall { beta: 1.0, ..call });
     }
 
-    fn linear_backward(
-        &mut self,
-        dinp: Option<Span>,
-        dw: Span,
-        dbias: Option<Span>,
-        dout: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) {
+    fn linear_backward(&mut self, l: &Linear, g: &LinearGrads, dout: Span, inp: Span) {
+        let Linear {
+            w,
+            layout,
+            n,
+            ic,
+            oc,
+            ..
+        } = *l;
+        let LinearGrads { dinp, dw, dbias } = *g;
         if let Some(dinp) = dinp {
             let call = self.input_grad_call(dinp, dout, w, layout, n, ic, oc);
             self.queue_gemm("linear_backward", &call);
@@ -948,17 +930,20 @@ impl Backend for CudaBackend {
 
     fn linear_residual_forward(
         &mut self,
+        l: &Linear,
         out: Span,
         resid: Span,
         scratch: Span,
         inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
     ) {
+        let Linear {
+            w,
+            layout,
+            bias,
+            n,
+            ic,
+            oc,
+        } = *l;
         assert!(
             resid.len == out.len && self.dt(resid) == self.dt(out) && !resid.overlaps(out),
             "linear_residual_forward: resid"
@@ -975,9 +960,7 @@ impl Backend for CudaBackend {
         if self.try_epilogue(&call, epilogue) {
             return;
         }
-        crate::backend::linear_then_residual(
-            self, out, resid, scratch, inp, w, layout, bias, n, ic, oc,
-        );
+        crate::backend::linear_then_residual(self, l, out, resid, scratch, inp);
     }
 
     fn gelu_epilogue(&self, dt: Dtype) -> bool {
@@ -986,18 +969,15 @@ impl Backend for CudaBackend {
         dt != Dtype::F32
     }
 
-    fn linear_gelu_forward(
-        &mut self,
-        out: Span,
-        pre: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        bias: Option<Span>,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) {
+    fn linear_gelu_forward(&mut self, l: &Linear, out: Span, pre: Span, inp: Span) {
+        let Linear {
+            w,
+            layout,
+            bias,
+            n,
+            ic,
+            oc,
+        } = *l;
         assert!(
             pre.len == n * oc && self.dt(pre) == self.dt(out),
             "linear_gelu_forward: pre"
@@ -1014,24 +994,30 @@ impl Backend for CudaBackend {
                 return;
             }
         }
-        crate::backend::linear_then_gelu(self, out, pre, inp, w, layout, bias, n, ic, oc);
+        crate::backend::linear_then_gelu(self, l, out, pre, inp);
     }
 
     fn gelu_linear_backward(
         &mut self,
-        dpre: Span,
+        l: &Linear,
+        g: &LinearGrads,
         scratch: Span,
-        dw: Span,
-        dbias: Option<Span>,
         dout: Span,
         inp: Span,
         pre: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
     ) {
+        let Linear {
+            w,
+            layout,
+            n,
+            ic,
+            oc,
+            ..
+        } = *l;
+        let (dw, dbias) = (g.dw, g.dbias);
+        let dpre = g
+            .dinp
+            .expect("gelu_linear_backward writes the GELU's input gradient");
         assert!(
             pre.len == n * ic && self.dt(pre) == self.dt(dpre),
             "gelu_linear_backward: pre"
@@ -1046,9 +1032,7 @@ impl Backend for CudaBackend {
                 return self.linear_param_grads(dw, dbias, dout, inp, w, layout, n, ic, oc);
             }
         }
-        crate::backend::linear_then_gelu_backward(
-            self, dpre, scratch, dw, dbias, dout, inp, pre, w, layout, n, ic, oc,
-        );
+        crate::backend::linear_then_gelu_backward(self, l, g, scratch, dout, inp, pre);
     }
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
@@ -1231,16 +1215,12 @@ impl Backend for CudaBackend {
         self.launch(k, dt, grid, threads, shmem(rows.dkv), &args);
     }
 
-    fn attention_decode(
-        &mut self,
-        out: Span,
-        q: Span,
-        k_cache: Span,
-        v_cache: Span,
-        len: usize,
-        nh: usize,
-        hs: usize,
-    ) {
+    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize) {
+        let KvRows {
+            k: k_cache,
+            v: v_cache,
+            len,
+        } = kv;
         let c = nh * hs;
         assert!(
             out.len == c && q.len == c && len >= 1,
@@ -1367,13 +1347,12 @@ impl Backend for CudaBackend {
         &mut self,
         losses: Span,
         logits: Span,
-        maxes: Span,
-        sums: Span,
-        tl: Span,
+        rows: CeRows,
         targets: TokSpan,
         dloss: Option<f32>,
         d: CeDims,
     ) {
+        let CeRows { maxes, sums, tl } = rows;
         check_ce(logits, d);
         assert!(losses.len == d.n && maxes.len == d.n && sums.len == d.n && tl.len == d.n);
         assert_eq!(targets.len, d.n, "ce_finish: targets length");

@@ -1,0 +1,171 @@
+//! The layer calls a model's passes are lists of, as llm.c's `gpt2_forward` is a list of op
+//! calls: each call times itself under the timer name it is given, declares its work (model
+//! FLOPs and compulsory bytes, [`super::work`]) for the breakdown's rates, and runs on the
+//! backend; a tensor-parallel layer does its own all-reduce (Megatron's `f`/`g`).
+
+use super::work;
+use crate::backend::{Backend, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, Span};
+use crate::comm::{Comm, ReduceOp};
+use crate::metrics::timers::{TimerLevel, Timers};
+
+/// What every layer call needs: the backend, this rank's tensor-parallel group and the timers.
+pub struct Layers<'a, B: Backend> {
+    pub be: &'a mut B,
+    pub comm: &'a dyn Comm,
+    pub timers: &'a Timers,
+}
+
+impl<B: Backend> Layers<'_, B> {
+    /// A tensor-parallel all-reduce of `s` (a no-op without tensor parallelism), timed as
+    /// `name`.
+    pub fn allreduce(&mut self, name: &'static str, s: Span, op: ReduceOp) {
+        let comm = self.comm;
+        if comm.size() > 1 {
+            let _t = self.timers.scope(name, TimerLevel::Coarse);
+            self.be.with_host(s, &mut |x| comm.allreduce_f32(x, op));
+        }
+    }
+
+    /// `out = inp·W (+ bias)`, timed as `name`.
+    pub fn linear(&mut self, name: &'static str, l: &Linear, out: Span, inp: Span) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            let read = linear_reads(l, inp, None);
+            work::linear_forward(&*be, (l.n, l.ic, l.oc), &read, &[out])
+        });
+        be.linear_forward(l, out, inp);
+    }
+
+    /// `pre = inp·W + bias`, `out = gelu(pre)` in one call (the backend's epilogue or two
+    /// ops), timed as `name`.
+    pub fn linear_gelu(&mut self, name: &'static str, l: &Linear, out: Span, pre: Span, inp: Span) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            let read = linear_reads(l, inp, None);
+            work::linear_forward(&*be, (l.n, l.ic, l.oc), &read, &[pre, out])
+        });
+        be.linear_gelu_forward(l, out, pre, inp);
+    }
+
+    /// `out = resid + inp·W (+ bias)` in the GEMM (the residual epilogue), timed as `name`;
+    /// `scratch` as [`Backend::linear_residual_forward`] takes it.
+    pub fn linear_residual(
+        &mut self,
+        name: &'static str,
+        l: &Linear,
+        out: Span,
+        resid: Span,
+        scratch: Span,
+        inp: Span,
+    ) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            let read = linear_reads(l, inp, Some(resid));
+            work::linear_forward(&*be, (l.n, l.ic, l.oc), &read, &[out])
+        });
+        be.linear_residual_forward(l, out, resid, scratch, inp);
+    }
+
+    /// A linear layer's backward pass, timed as `name`; with `allreduce`, the layer is
+    /// column-parallel (or vocabulary-parallel) and its input gradient, a partial sum over
+    /// the shards, is all-reduced under that name.
+    pub fn linear_backward(
+        &mut self,
+        (name, allreduce): (&'static str, Option<&'static str>),
+        l: &Linear,
+        g: &LinearGrads,
+        dout: Span,
+        inp: Span,
+    ) {
+        let timers = self.timers;
+        let t = {
+            let be = &*self.be;
+            timers.scope(name, TimerLevel::Fine).with_work(|| {
+                let read = [dout, inp, l.w];
+                work::linear_backward(be, (l.n, l.ic, l.oc), g.dinp, g.dw, g.dbias, &read)
+            })
+        };
+        self.be.linear_backward(l, g, dout, inp);
+        // An all-reduce whose timer is the layer's child runs inside the layer's scope.
+        if !allreduce.is_some_and(|ar| is_child(ar, name)) {
+            drop(t);
+        }
+        if let (Some(ar), Some(dinp)) = (allreduce, g.dinp) {
+            self.allreduce(ar, dinp, ReduceOp::Sum);
+        }
+    }
+
+    /// The backward pass of a linear layer whose input is `gelu(pre)`, carried back through
+    /// the GELU into `g.dinp` (one call: the backend's epilogue or two ops), timed as `name`.
+    pub fn gelu_linear_backward(
+        &mut self,
+        name: &'static str,
+        l: &Linear,
+        g: &LinearGrads,
+        (scratch, dout, inp, pre): (Span, Span, Span, Span),
+    ) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            let read = [dout, inp, pre, l.w];
+            work::linear_backward(&*be, (l.n, l.ic, l.oc), g.dinp, g.dw, g.dbias, &read)
+        });
+        be.gelu_linear_backward(l, g, scratch, dout, inp, pre);
+    }
+
+    /// A layernorm's forward pass, timed as `name`.
+    pub fn layernorm(
+        &mut self,
+        name: &'static str,
+        ln: &LayerNorm,
+        out: Span,
+        stats: NormStats,
+        inp: Span,
+    ) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            let read = [inp, ln.w, ln.bias];
+            work::traffic(&*be, &read, &[out, stats.mean, stats.rstd], &[])
+        });
+        be.layernorm_forward(ln, out, stats, inp);
+    }
+
+    /// A layernorm's backward pass, timed as `name`: the parameter gradients accumulate; the
+    /// input gradient too, unless `fresh` (then it is zeroed first: written, not added into).
+    pub fn layernorm_backward(
+        &mut self,
+        name: &'static str,
+        ln: &LayerNorm,
+        g: &LayerNormGrads,
+        (dout, inp, stats): (Span, Span, NormStats),
+        fresh: bool,
+    ) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            let read = [dout, inp, ln.w, stats.mean, stats.rstd];
+            if fresh {
+                work::traffic(&*be, &read, &[g.dinp], &[g.dw, g.dbias])
+            } else {
+                work::traffic(&*be, &read, &[], &[g.dinp, g.dw, g.dbias])
+            }
+        });
+        if fresh {
+            be.zero(g.dinp);
+        }
+        be.layernorm_backward(ln, g, dout, inp, stats);
+    }
+}
+
+/// What a linear layer's forward pass reads: its input, weight, bias and (in a residual
+/// epilogue) the stream.
+fn linear_reads(l: &Linear, inp: Span, stream: Option<Span>) -> Vec<Span> {
+    [Some(inp), Some(l.w), l.bias, stream]
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// Whether timer `name` is a child of timer `parent` (`parent:...`).
+fn is_child(name: &str, parent: &str) -> bool {
+    name.strip_prefix(parent)
+        .is_some_and(|rest| rest.starts_with(':'))
+}
