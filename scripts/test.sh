@@ -2,9 +2,9 @@
 # The project's test command (README, CI): installs what it needs, then runs
 #   1. formatting check,
 #   2. the host test suite (x86-64: portable, AVX2 and AVX-512 kernels, driver, CLI),
-#   2b. the MPI tests (`--features mpi`: dp, tp, tp x dp and ZeRO-1 against one process,
-#       checkpoint resharding, failure on one rank) with Open MPI on this machine,
-#   2c. the CUDA backend (`--features cuda`): clippy, then tests/cuda.rs and the float64 golden
+#   2b. the MPI tests (`--features "mpi cuda"`, one build shared with 2c: dp, tp, tp x dp and
+#       ZeRO-1 against one process, checkpoint resharding, failure on one rank) with Open MPI,
+#   2c. the CUDA backend (same features): clippy, then tests/cuda.rs and the float64 golden
 #       test on the CUDA backend: on a GPU when there is one, otherwise on the host emulator of
 #       the device (src/backend/cuda/emu.rs); the kernels are also compiled by the real NVRTC
 #       (installed by install-deps.sh, no GPU needed),
@@ -62,21 +62,25 @@ if ! skip host; then
   cargo test --workspace --locked -j2
 fi
 
+# The MPI and CUDA stages build fugu once, with both features (a second feature set would
+# rebuild the crate, its binary and test harnesses: minutes on two cores).
+parallel_features="mpi cuda"
+
 if ! skip mpi; then
   stage "MPI tests (mpirun -np 2 and 4 --oversubscribe)"
   # Open MPI refuses to run as root without these; CI runs as root.
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  cargo test --locked -j2 --features mpi --test mpi_cli -- --test-threads 1
+  cargo test --locked -j2 --features "$parallel_features" --test mpi_cli -- --test-threads 1
 fi
 
 if ! skip cuda; then
   stage "CUDA backend (--features cuda; GPU tests skip without a GPU)"
-  cargo clippy --locked -j2 --features cuda --all-targets -- -D warnings
+  cargo clippy --locked -j2 --features "$parallel_features" --all-targets -- -D warnings
   LD_LIBRARY_PATH="/opt/fugu-nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --locked -j2 --features cuda --test cuda --test model_golden
+    cargo test --locked -j2 --features "$parallel_features" --test cuda --test model_golden
   # The kernels also under the oldest CUDA 13 NVRTC (13.0), as a GPU machine may have it.
   LD_LIBRARY_PATH="/opt/fugu-nvrtc-13.0/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --locked -j2 --features cuda --test cuda -- kernels_compile_with_nvrtc
+    cargo test --locked -j2 --features "$parallel_features" --test cuda -- kernels_compile_with_nvrtc
 fi
 
 if ! skip aarch64; then

@@ -43,7 +43,7 @@ use crate::parallel::grad_sync::GradSync;
 use crate::parallel::{timer_stats, Comm, ReduceOp};
 use anyhow::{bail, Context, Result};
 use fugu_io::LoaderConfig;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -727,15 +727,25 @@ impl<'d, B: Backend> Trainer<'d, B> {
         init_desc: &str,
         flops_step: f64,
     ) -> Result<()> {
-        let (opts, dist, t) = (&self.opts, self.dist, &self.cfg.train);
-        let grid = dist.grid;
-        let stages = &self.stages;
         let metrics_path = self.out.join("metrics.jsonl");
         let mut w = if self.start_step > 0 {
             MetricsWriter::append(&metrics_path)?
         } else {
             MetricsWriter::create(&metrics_path)?
         };
+        w.header(&self.header_json(machine, init_desc, flops_step))?;
+        self.metrics = Some(w);
+        self.print_summary(machine, init_desc);
+        self.print_notes();
+        Ok(())
+    }
+
+    /// The header line of `metrics.jsonl`: the configuration, layout, machine, the model's op
+    /// forms and the memory and FLOP accounting.
+    fn header_json(&self, machine: &MachineInfo, init_desc: &str, flops_step: f64) -> Value {
+        let (opts, dist, t) = (&self.opts, self.dist, &self.cfg.train);
+        let grid = dist.grid;
+        let stages = &self.stages;
         let mem = self.memory;
         let global_batch = t.batch_size * grid.dp;
         let params_n = self.full_table.elements();
@@ -777,8 +787,16 @@ impl<'d, B: Backend> Trainer<'d, B> {
         for f in self.model.forms() {
             header[f.key] = json!(f.form);
         }
-        w.header(&header)?;
-        self.metrics = Some(w);
+        header
+    }
+
+    /// The run summary's first lines: model and batch, layout, machine, memory.
+    fn print_summary(&self, machine: &MachineInfo, init_desc: &str) {
+        let (opts, dist, t) = (&self.opts, self.dist, &self.cfg.train);
+        let grid = dist.grid;
+        let mem = self.memory;
+        let global_batch = t.batch_size * grid.dp;
+        let params_n = self.full_table.elements();
         eprintln!(
             "fugu train: {} ({:.2}M parameters), B={} per rank x dp {} = {} sequences of T={}, steps={} | {} | out {}",
             opts.config_name,
@@ -818,6 +836,13 @@ impl<'d, B: Backend> Trainer<'d, B> {
             mib(mem.backward),
             mib(mem.state() + mem.activations())
         );
+    }
+
+    /// The summary's notes on what this run does differently: pipeline stages, micro-batches,
+    /// precision, the model's op forms, a deadline; then the data.
+    fn print_notes(&self) {
+        let (opts, grid, t) = (&self.opts, self.dist.grid, &self.cfg.train);
+        let stages = &self.stages;
         if grid.pp > 1 {
             let (p, m) = (grid.pp as f64, opts.micro_batches as f64);
             let ranges: Vec<String> = stages
@@ -877,7 +902,6 @@ impl<'d, B: Backend> Trainer<'d, B> {
             self.source.info().tokens,
             self.source.info().batches_per_epoch
         );
-        Ok(())
     }
 }
 

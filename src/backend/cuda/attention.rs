@@ -40,16 +40,11 @@ impl CudaBackend {
     /// The fused attention's backward pass as one kernel ([`FlashBackward::Fused`]): Δ and
     /// the kernel's counters zeroed by `flash_backward_prep`, then `flash_backward_fused` with
     /// an f32 accumulator tile per query block (64 × 64: 16 KB, 50 MB for GPT-2 124M B=16).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_backward_one_kernel(
         &mut self,
-        dt: Dtype,
-        delta: u64,
-        dqkv: Span,
-        dout: Span,
-        out: Span,
-        lse: Span,
-        qkv: Span,
+        (dt, delta): (Dtype, u64),
+        (dqkv, dout): (Span, Span),
+        (out, lse, qkv): (Span, Span, Span),
         d: AttnDims,
     ) {
         // One query block (and one work item) per tile of the grid.

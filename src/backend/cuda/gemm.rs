@@ -5,7 +5,7 @@
 //! `fugu bench gemm --device cuda`.
 
 use super::engine::{Arg, Epilogue, GemmCall, NoEpilogue};
-use super::{Backend, BiasGrad, CudaBackend, Dtype, Span, WeightLayout, K};
+use super::{Backend, BiasGrad, CudaBackend, Dtype, Linear, Span, WeightLayout, K};
 use anyhow::Result;
 
 /// A GEMM operand: device address, leading dimension, batch stride (elements) and type.
@@ -14,17 +14,19 @@ pub(super) type Mat = (u64, usize, usize, Dtype);
 /// The cuBLAS (column-major) call computing the row-major `C = alpha·op(A)·op(B) + beta·C`
 /// (C m×n, `ta`/`tb`: A stored k×m, B stored n×k): `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so A and B swap
 /// places and m and n swap.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn column_major(
-    (ta, tb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
-    alpha: f32,
+    p: Problem,
     (a, lda, sa, at): Mat,
     (b, ldb, sb, bt): Mat,
-    beta: f32,
     (c, ldc, sc, ct): Mat,
     batch: usize,
 ) -> GemmCall {
+    let Problem {
+        trans: (ta, tb),
+        mnk: (m, n, k),
+        alpha,
+        beta,
+    } = p;
     GemmCall {
         a_type: bt,
         b_type: at,
@@ -50,6 +52,31 @@ pub(super) fn column_major(
     }
 }
 
+/// A row-major GEMM's shape and scalars: `C = alpha·op(A)·op(B) + beta·C` with C m×n and
+/// `op(A)` m×k; `trans` says that A/B are stored transposed (A as k×m, B as n×k).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Problem {
+    pub(super) trans: (bool, bool),
+    pub(super) mnk: (usize, usize, usize),
+    pub(super) alpha: f32,
+    pub(super) beta: f32,
+}
+
+/// [`Problem`] from its parts, in the order of the formula.
+pub(super) fn problem(
+    trans: (bool, bool),
+    mnk: (usize, usize, usize),
+    alpha: f32,
+    beta: f32,
+) -> Problem {
+    Problem {
+        trans,
+        mnk,
+        alpha,
+        beta,
+    }
+}
+
 /// GEMM operands given one pointer per matrix: device addresses, leading dimension, type.
 pub(super) type Ptrs = (Vec<u64>, usize, Dtype);
 
@@ -63,36 +90,22 @@ impl CudaBackend {
     /// `C_i` is m×n (leading dimension `ldc`), `op(A_i)` m×k and `op(B_i)` k×n; `ta`/`tb` say
     /// that A/B are stored transposed (A as k×m, B as n×k, row-major). cuBLAS is column-major,
     /// so this computes `C_iᵀ = op(B_i)ᵀ·op(A_i)ᵀ`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm(
-        &self,
-        what: &str,
-        (ta, tb): (bool, bool),
-        (m, n, k): (usize, usize, usize),
-        alpha: f32,
-        a: Mat,
-        b: Mat,
-        beta: f32,
-        c: Mat,
-        batch: usize,
-    ) {
-        let call = column_major((ta, tb), (m, n, k), alpha, a, b, beta, c, batch);
+    pub(super) fn gemm(&self, what: &str, p: Problem, a: Mat, b: Mat, c: Mat, batch: usize) {
+        let call = column_major(p, a, b, c, batch);
         self.queue_gemm(what, &call);
     }
 
     /// A linear layer's forward GEMM: `out (N, OC) = inp·W`, W the (IC, OC) matrix of
     /// y = x·W stored so (InOut) or transposed (OutIn).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn linear_call(
-        &self,
-        out: Span,
-        inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) -> GemmCall {
+    pub(super) fn linear_call(&self, l: &Linear, out: Span, inp: Span) -> GemmCall {
+        let Linear {
+            w,
+            layout,
+            n,
+            ic,
+            oc,
+            ..
+        } = *l;
         assert!(
             out.len == n * oc && inp.len == n * ic && w.len == ic * oc,
             "linear_forward"
@@ -102,7 +115,7 @@ impl CudaBackend {
             WeightLayout::OutIn => (true, ic),
         };
         let (a, b, c) = (self.mat(inp, ic), self.mat(w, ldw), self.mat(out, oc));
-        column_major((false, tw), (n, oc, ic), 1.0, a, b, 0.0, c, 1)
+        column_major(problem((false, tw), (n, oc, ic), 1.0, 0.0), a, b, c, 1)
     }
 
     /// Panics (a bug in the model) unless `bias`, where given, has `oc` values of `out`'s type
@@ -121,35 +134,34 @@ impl CudaBackend {
 
     /// A linear layer's input-gradient GEMM: `dinp (N, IC) = dout·Wᵀ`, the forward GEMM of
     /// a layer whose weight is W read transposed.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn input_grad_call(
-        &self,
-        dinp: Span,
-        dout: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) -> GemmCall {
-        self.linear_call(dinp, dout, w, layout.transposed(), n, oc, ic)
+    pub(super) fn input_grad_call(&self, l: &Linear, dinp: Span, dout: Span) -> GemmCall {
+        let back = Linear {
+            layout: l.layout.transposed(),
+            bias: None,
+            ic: l.oc,
+            oc: l.ic,
+            ..*l
+        };
+        self.linear_call(&back, dinp, dout)
     }
 
     /// A linear layer's parameter gradients: `dw += inpᵀ·dout` (in W's layout) and `dbias +=`
     /// the column sums of `dout`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn linear_param_grads(
         &mut self,
-        dw: Span,
-        dbias: Option<Span>,
+        l: &Linear,
+        (dw, dbias): (Span, Option<Span>),
         dout: Span,
         inp: Span,
-        w: Span,
-        layout: WeightLayout,
-        n: usize,
-        ic: usize,
-        oc: usize,
     ) {
+        let Linear {
+            w,
+            layout,
+            n,
+            ic,
+            oc,
+            ..
+        } = *l;
         assert!(
             dout.len == n * oc && inp.len == n * ic && w.len == ic * oc,
             "linear_backward"
@@ -159,23 +171,17 @@ impl CudaBackend {
         let call = match layout {
             // dW (IC, OC) += inpᵀ·dout
             WeightLayout::InOut => column_major(
-                (true, false),
-                (ic, oc, n),
-                1.0,
+                problem((true, false), (ic, oc, n), 1.0, 1.0),
                 i,
                 d,
-                1.0,
                 self.mat(dw, oc),
                 1,
             ),
             // dW (OC, IC) += doutᵀ·inp
             WeightLayout::OutIn => column_major(
-                (true, false),
-                (oc, ic, n),
-                1.0,
+                problem((true, false), (oc, ic, n), 1.0, 1.0),
                 d,
                 i,
-                1.0,
                 self.mat(dw, ic),
                 1,
             ),
@@ -252,18 +258,8 @@ impl CudaBackend {
     /// [`Self::gemm`] over matrices given one pointer each (`Ptrs`: pointers, leading
     /// dimension, type), for batches whose strides are not uniform (the attention heads of
     /// every sequence at once). The pointer arrays are uploaded once and cached by content.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm_ptrs(
-        &mut self,
-        what: &str,
-        (ta, tb): (bool, bool),
-        (m, n, k): (usize, usize, usize),
-        alpha: f32,
-        a: &Ptrs,
-        b: &Ptrs,
-        beta: f32,
-        c: &Ptrs,
-    ) {
+    pub(super) fn gemm_ptrs(&mut self, what: &str, p: Problem, a: &Ptrs, b: &Ptrs, c: &Ptrs) {
+        let (m, n) = (p.mnk.0, p.mnk.1);
         let batch = c.0.len();
         assert!(
             a.0.len() == batch && b.0.len() == batch,
@@ -281,12 +277,9 @@ impl CudaBackend {
             for i in 0..batch {
                 self.gemm(
                     what,
-                    (ta, tb),
-                    (m, n, k),
-                    alpha,
+                    p,
                     (a.0[i], a.1, 0, a.2),
                     (b.0[i], b.1, 0, b.2),
-                    beta,
                     (c.0[i], c.1, 0, c.2),
                     1,
                 );
@@ -298,12 +291,9 @@ impl CudaBackend {
         let base = self.table(key, "pointer arrays");
         // The matrices come from the arrays; addresses and strides in the call are unused.
         let call = column_major(
-            (ta, tb),
-            (m, n, k),
-            alpha,
+            p,
             (0, a.1, 0, a.2),
             (0, b.1, 0, b.2),
-            beta,
             (0, c.1, 0, c.2),
             batch,
         );
@@ -353,12 +343,9 @@ impl CudaBackend {
         let ldb = if tb { k } else { n };
         self.gemm(
             "bench gemm",
-            g.trans,
-            (m, n, k),
-            1.0,
+            problem(g.trans, (m, n, k), 1.0, 0.0),
             (self.ptr(a), lda, m * k, self.dt(a)),
             (self.ptr(b), ldb, k * n, self.dt(b)),
-            0.0,
             (self.ptr(c), n, m * n, self.dt(c)),
             batch,
         );

@@ -39,6 +39,7 @@ pub use forms::{
     BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_WARP_ROWS_ENV,
     LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
 };
+use gemm::problem;
 pub use gemm::DeviceGemm;
 
 use attention::{
@@ -874,15 +875,8 @@ impl Backend for CudaBackend {
     }
 
     fn linear_forward(&mut self, l: &Linear, out: Span, inp: Span) {
-        let Linear {
-            w,
-            layout,
-            bias,
-            n,
-            ic,
-            oc,
-        } = *l;
-        let call = self.linear_call(out, inp, w, layout, n, ic, oc);
+        let Linear { bias, n, oc, .. } = *l;
+        let call = self.linear_call(l, out, inp);
         let Some(bias) = bias else {
             return self.queue_gemm("linear_forward", &call);
         };
@@ -908,20 +902,12 @@ impl Backend for CudaBackend {
     }
 
     fn linear_backward(&mut self, l: &Linear, g: &LinearGrads, dout: Span, inp: Span) {
-        let Linear {
-            w,
-            layout,
-            n,
-            ic,
-            oc,
-            ..
-        } = *l;
         let LinearGrads { dinp, dw, dbias } = *g;
         if let Some(dinp) = dinp {
-            let call = self.input_grad_call(dinp, dout, w, layout, n, ic, oc);
+            let call = self.input_grad_call(l, dinp, dout);
             self.queue_gemm("linear_backward", &call);
         }
-        self.linear_param_grads(dw, dbias, dout, inp, w, layout, n, ic, oc);
+        self.linear_param_grads(l, (dw, dbias), dout, inp);
     }
 
     fn residual_epilogue(&self, _dt: Dtype) -> bool {
@@ -936,14 +922,7 @@ impl Backend for CudaBackend {
         scratch: Span,
         inp: Span,
     ) {
-        let Linear {
-            w,
-            layout,
-            bias,
-            n,
-            ic,
-            oc,
-        } = *l;
+        let Linear { bias, oc, .. } = *l;
         assert!(
             resid.len == out.len && self.dt(resid) == self.dt(out) && !resid.overlaps(out),
             "linear_residual_forward: resid"
@@ -952,7 +931,7 @@ impl Backend for CudaBackend {
         // The GEMM reads the stream as its C (beta = 1) and writes the new one, the bias in
         // its epilogue; where cuBLASLt has no algorithm for that (or the bias is not 16-byte
         // aligned), the two ops.
-        let call = self.linear_call(out, inp, w, layout, n, ic, oc);
+        let call = self.linear_call(l, out, inp);
         let epilogue = Epilogue::Residual {
             bias: bias.map_or(0, |b| self.ptr(b)),
             resid: self.ptr(resid),
@@ -970,21 +949,14 @@ impl Backend for CudaBackend {
     }
 
     fn linear_gelu_forward(&mut self, l: &Linear, out: Span, pre: Span, inp: Span) {
-        let Linear {
-            w,
-            layout,
-            bias,
-            n,
-            ic,
-            oc,
-        } = *l;
+        let Linear { bias, n, oc, .. } = *l;
         assert!(
             pre.len == n * oc && self.dt(pre) == self.dt(out),
             "linear_gelu_forward: pre"
         );
         self.check_bias("linear_gelu_forward", bias, out, oc);
         if self.gelu_epilogue(self.dt(out)) {
-            let call = self.linear_call(out, inp, w, layout, n, ic, oc);
+            let call = self.linear_call(l, out, inp);
             let epilogue = Epilogue::GeluAux {
                 bias: bias.map_or(0, |b| self.ptr(b)),
                 aux: self.ptr(pre),
@@ -1006,14 +978,7 @@ impl Backend for CudaBackend {
         inp: Span,
         pre: Span,
     ) {
-        let Linear {
-            w,
-            layout,
-            n,
-            ic,
-            oc,
-            ..
-        } = *l;
+        let Linear { n, ic, .. } = *l;
         let (dw, dbias) = (g.dw, g.dbias);
         let dpre = g
             .dinp
@@ -1023,13 +988,13 @@ impl Backend for CudaBackend {
             "gelu_linear_backward: pre"
         );
         if self.gelu_epilogue(self.dt(dpre)) {
-            let call = self.input_grad_call(dpre, dout, w, layout, n, ic, oc);
+            let call = self.input_grad_call(l, dpre, dout);
             let epilogue = Epilogue::GeluGrad {
                 aux: self.ptr(pre),
                 ld_aux: ic,
             };
             if self.try_epilogue(&call, epilogue) {
-                return self.linear_param_grads(dw, dbias, dout, inp, w, layout, n, ic, oc);
+                return self.linear_param_grads(l, (dw, dbias), dout, inp);
             }
         }
         crate::backend::linear_then_gelu_backward(self, l, g, scratch, dout, inp, pre);
@@ -1044,12 +1009,9 @@ impl Backend for CudaBackend {
             let m = (r1 - r0, r1, d.hs);
             self.gemm_ptrs(
                 "attention_scores",
-                (false, true),
-                m,
-                a.scale,
+                problem((false, true), m, a.scale, 0.0),
                 &q,
                 &k,
-                0.0,
                 &c,
             );
         }
@@ -1078,7 +1040,13 @@ impl Backend for CudaBackend {
         for (r0, r1) in causal_blocks(d.t) {
             let (p, v, y) = (a.att_at(r0, 0), a.qkv(2, 0), a.rows_of(&o, r0));
             let m = (r1 - r0, d.hs, r1);
-            self.gemm_ptrs("attention_values", (false, false), m, 1.0, &p, &v, 0.0, &y);
+            self.gemm_ptrs(
+                "attention_values",
+                problem((false, false), m, 1.0, 0.0),
+                &p,
+                &v,
+                &y,
+            );
         }
     }
 
@@ -1100,12 +1068,12 @@ impl Backend for CudaBackend {
             let (dy, v, c) = (a.rows_of(&g, r0), a.qkv(2, 0), da.att_at(r0, 0));
             let m = (r1 - r0, r1, d.hs);
             let what = "attention_values_backward";
-            self.gemm_ptrs(what, (false, true), m, 1.0, &dy, &v, 0.0, &c);
+            self.gemm_ptrs(what, problem((false, true), m, 1.0, 0.0), &dy, &v, &c);
             // dV_h[r0..r1] = att[b, h][r0..T, r0..r1]ᵀ · dout_h[r0..T] (att is 0 above the
             // diagonal, so earlier rows add nothing).
             let (p, dy, dv) = (a.att_at(r0, r0), a.rows_of(&g, r0), da.qkv(2, r0));
             let m = (r1 - r0, d.hs, d.t - r0);
-            self.gemm_ptrs(what, (true, false), m, 1.0, &p, &dy, 0.0, &dv);
+            self.gemm_ptrs(what, problem((true, false), m, 1.0, 0.0), &p, &dy, &dv);
         }
     }
 
@@ -1137,11 +1105,11 @@ impl Backend for CudaBackend {
             // dQ_h[r0..r1] = scale · datt[r0..r1, 0..r1] · K_h[0..r1]
             let (ds, k, dq) = (a.att_at(r0, 0), a.qkv(1, 0), da.qkv(0, r0));
             let m = (r1 - r0, d.hs, r1);
-            self.gemm_ptrs(what, (false, false), m, a.scale, &ds, &k, 0.0, &dq);
+            self.gemm_ptrs(what, problem((false, false), m, a.scale, 0.0), &ds, &k, &dq);
             // dK_h[r0..r1] = scale · datt[r0..T, r0..r1]ᵀ · Q_h[r0..T]
             let (ds, q, dk) = (a.att_at(r0, r0), a.qkv(0, r0), da.qkv(1, r0));
             let m = (r1 - r0, d.hs, d.t - r0);
-            self.gemm_ptrs(what, (true, false), m, a.scale, &ds, &q, 0.0, &dk);
+            self.gemm_ptrs(what, problem((true, false), m, a.scale, 0.0), &ds, &q, &dk);
         }
     }
 
@@ -1189,7 +1157,12 @@ impl Backend for CudaBackend {
         );
         let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
         if self.flash_backward == FlashBackward::Fused {
-            return self.attention_backward_one_kernel(dt, delta, dqkv, dout, out, lse, qkv, d);
+            return self.attention_backward_one_kernel(
+                (dt, delta),
+                (dqkv, dout),
+                (out, lse, qkv),
+                d,
+            );
         }
         let (grid, tail) = (Self::flash_grid(d), self.flash_args(qkv, d));
         let (dq, dy, y, l) = (self.ptr(dqkv), self.ptr(dout), self.ptr(out), self.ptr(lse));
