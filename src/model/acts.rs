@@ -6,7 +6,7 @@
 
 use super::stage::Stage;
 use super::table::Table;
-use crate::backend::{AttnDims, BufId, Span};
+use crate::backend::{AttnDims, BufId, NormStats, Span};
 
 /// Which activations the backward pass recomputes instead of keeping from the forward pass
 /// (`--recompute`).
@@ -114,6 +114,24 @@ pub struct LayerActs {
     pub resid3: Span,
 }
 
+impl LayerActs {
+    /// The first layernorm's row statistics.
+    pub fn ln1_stats(&self) -> NormStats {
+        NormStats {
+            mean: self.ln1_mean,
+            rstd: self.ln1_rstd,
+        }
+    }
+
+    /// The second layernorm's row statistics.
+    pub fn ln2_stats(&self) -> NormStats {
+        NormStats {
+            mean: self.ln2_mean,
+            rstd: self.ln2_rstd,
+        }
+    }
+}
+
 /// [`AttnKeep`]'s tensor of one block.
 #[derive(Clone, Copy, Debug)]
 pub enum AttnKept {
@@ -139,6 +157,16 @@ pub struct HeadActs {
     pub ce_max: Span,
     pub ce_sum: Span,
     pub ce_tl: Span,
+}
+
+impl HeadActs {
+    /// The final layernorm's row statistics.
+    pub fn lnf_stats(&self) -> NormStats {
+        NormStats {
+            mean: self.lnf_mean,
+            rstd: self.lnf_rstd,
+        }
+    }
 }
 
 /// All activations of one micro-batch on one pipeline stage.

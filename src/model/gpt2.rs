@@ -36,7 +36,7 @@ use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use super::work;
 use crate::backend::{
     AdamWPart, AdamWStep, Backend, BufId, CeDims, CeRows, Dtype, Embedding, KvRows, LayerNorm,
-    LayerNormGrads, Linear, LinearGrads, NormStats, Span, TokSpan, WeightLayout,
+    LayerNormGrads, Linear, LinearGrads, Span, TokSpan, WeightLayout,
 };
 use crate::comm::{Comm, ReduceOp, SerialComm};
 use crate::config::ModelConfig;
@@ -672,10 +672,7 @@ impl<B: Backend> Gpt2<B> {
             return;
         };
         let (lnf, lm_head) = head_layers(&hp, &d);
-        let stats = NormStats {
-            mean: h.lnf_mean,
-            rstd: h.lnf_rstd,
-        };
+        let stats = h.lnf_stats();
         x.layernorm("forward:layernorm", &lnf, h.lnf, stats, resid);
         x.linear("forward:lm-head", &lm_head, h.logits, h.lnf);
     }
@@ -1162,19 +1159,13 @@ fn block_forward<B: Backend>(
     bp: &BlockPass,
 ) {
     let ly = BlockLayers::new(lp, bp.d, bp.tp_first);
-    let stats1 = NormStats {
-        mean: la.ln1_mean,
-        rstd: la.ln1_rstd,
-    };
+    let stats1 = la.ln1_stats();
     x.layernorm("forward:layernorm", &ly.ln1, la.ln1, stats1, resid);
     x.linear("forward:attention:qkv", &ly.qkv, la.qkv, la.ln1);
     attention_forward(x, la, bp);
     let names = ("forward:attention:proj", "forward:attention:allreduce");
     project_into_residual(x, bp, names, &ly.attproj, (la.resid2, resid, la.atty));
-    let stats2 = NormStats {
-        mean: la.ln2_mean,
-        rstd: la.ln2_rstd,
-    };
+    let stats2 = la.ln2_stats();
     x.layernorm("forward:layernorm", &ly.ln2, la.ln2, stats2, la.resid2);
     match bp.gelu {
         MlpGelu::Separate => {
@@ -1337,10 +1328,7 @@ fn head_backward<B: Backend>(
         dw: hg.lnf_w,
         dbias: hg.lnf_b,
     };
-    let stats = NormStats {
-        mean: h.lnf_mean,
-        rstd: h.lnf_rstd,
-    };
+    let stats = h.lnf_stats();
     x.layernorm_backward(
         "backward:layernorm",
         &lnf,
@@ -1399,10 +1387,7 @@ fn block_backward<B: Backend>(
         dw: lg.ln2_w,
         dbias: lg.ln2_b,
     };
-    let stats2 = NormStats {
-        mean: la.ln2_mean,
-        rstd: la.ln2_rstd,
-    };
+    let stats2 = la.ln2_stats();
     let ln2_in = (ga.dln, la.resid2, stats2);
     x.layernorm_backward("backward:layernorm", &ly.ln2, &ln2_g, ln2_in, false);
     // Attention: dres is now the gradient of resid2 (= resid + attproj).
@@ -1421,10 +1406,7 @@ fn block_backward<B: Backend>(
         dw: lg.ln1_w,
         dbias: lg.ln1_b,
     };
-    let stats1 = NormStats {
-        mean: la.ln1_mean,
-        rstd: la.ln1_rstd,
-    };
+    let stats1 = la.ln1_stats();
     x.layernorm_backward(
         "backward:layernorm",
         &ly.ln1,
