@@ -77,12 +77,28 @@ pub fn small_block_runtime_split(
     .expect("runtime")
 }
 
-/// ISAs this CPU can run; prints the skipped ones.
+/// ISAs this CPU can run, narrowed to those `FUGU_TEST_ISAS` names (comma-separated, e.g.
+/// `sve`) when it is set: `scripts/test-aarch64.sh` re-runs the tests under QEMU at several
+/// SVE vector lengths and there re-tests only the kernels that depend on it. Prints the
+/// skipped ones.
 pub fn runnable_isas() -> Vec<Isa> {
+    let only = std::env::var("FUGU_TEST_ISAS").ok().filter(|v| !v.is_empty());
+    for name in only.iter().flat_map(|v| v.split(',')) {
+        // A misspelt name would skip every kernel and leave the tests vacuous.
+        if let Err(e) = Isa::parse(name) {
+            panic!("FUGU_TEST_ISAS: {e}");
+        }
+    }
     Isa::ALL
         .iter()
         .copied()
         .filter(|&isa| {
+            if let Some(only) = &only {
+                if !only.split(',').any(|name| name.trim() == isa.name()) {
+                    eprintln!("skipped: {isa} (FUGU_TEST_ISAS={only})");
+                    return false;
+                }
+            }
             let ok = fugu_gemm::kernel::kernel_for(isa).is_some();
             if !ok {
                 eprintln!("skipped: {isa} not supported on this CPU");
