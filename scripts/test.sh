@@ -74,7 +74,7 @@ if ! skip mpi; then
 fi
 
 if ! skip cuda; then
-  stage "CUDA backend (--features cuda; GPU tests skip without a GPU)"
+  stage "CUDA backend (--features \"$parallel_features\"; GPU tests skip without a GPU)"
   cargo clippy --locked -j2 --features "$parallel_features" --all-targets -- -D warnings
   LD_LIBRARY_PATH="/opt/fugu-nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --locked -j2 --features "$parallel_features" --test cuda --test model_golden

@@ -82,7 +82,9 @@ pub fn small_block_runtime_split(
 /// SVE vector lengths and there re-tests only the kernels that depend on it. Prints the
 /// skipped ones.
 pub fn runnable_isas() -> Vec<Isa> {
-    let only = std::env::var("FUGU_TEST_ISAS").ok().filter(|v| !v.is_empty());
+    let only = std::env::var("FUGU_TEST_ISAS")
+        .ok()
+        .filter(|v| !v.is_empty());
     for name in only.iter().flat_map(|v| v.split(',')) {
         // A misspelt name would skip every kernel and leave the tests vacuous.
         if let Err(e) = Isa::parse(name) {
