@@ -566,11 +566,7 @@ impl<B: Backend> Gpt2<B> {
             comm: &*self.tp_comm,
             timers,
         };
-        loss_forward(x, &h, targets, cd, dloss);
-        let be = &mut self.be;
-        let mut losses = vec![0.0f32; n];
-        be.download(h.losses, &mut losses);
-        Some((losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64) as f32)
+        Some(loss_forward(x, &h, targets, cd, dloss))
     }
 
     /// Next-token logits (real vocabulary only) after feeding `token` at position `pos`, its
@@ -1270,16 +1266,16 @@ fn project_into_residual<B: Backend>(
 }
 
 /// The per-row cross-entropy of the logits against `targets` into `h.losses` and, with
-/// `dloss`, the logits replaced by their gradient (times `dloss`). TP: the logits are
-/// vocabulary-parallel; the row maxima, sums of exponentials and target logits are
-/// all-reduced across the shards.
+/// `dloss`, the logits replaced by their gradient (times `dloss`); returns the mean loss. TP:
+/// the logits are vocabulary-parallel; the row maxima, sums of exponentials and target
+/// logits are all-reduced across the shards.
 fn loss_forward<B: Backend>(
     x: &mut Layers<B>,
     h: &HeadActs,
     targets: TokSpan,
     cd: CeDims,
     dloss: Option<f32>,
-) {
+) -> f32 {
     let ar = "forward:loss:allreduce";
     let timers = x.timers;
     let _t = {
@@ -1303,6 +1299,9 @@ fn loss_forward<B: Backend>(
         tl: h.ce_tl,
     };
     x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
+    let mut losses = vec![0.0f32; cd.n];
+    x.be.download(h.losses, &mut losses);
+    (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32
 }
 
 /// The last stage's backward pass from the loss gradient (in the logits) to the gradient of
