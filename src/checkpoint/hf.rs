@@ -35,16 +35,10 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     registry::hf_config_json(cfg)
 }
 
-/// The end-of-text id fugu's `config.json` names as `bos_token_id` / `eos_token_id`
-/// ([`ModelConfig::eot_id`]).
-pub fn eot_id(cfg: &ModelConfig) -> usize {
-    cfg.eot_id()
-}
-
 /// `generation_config.json` for `cfg`: the end-of-text token as bos, eos and padding, so that
 /// `generate` and `pipeline("text-generation")` stop at it and do not warn.
 pub fn generation_config_json(cfg: &ModelConfig) -> Value {
-    let eot = eot_id(cfg);
+    let eot = cfg.eot_id();
     json!({
         "_from_model_config": true,
         "bos_token_id": eot,

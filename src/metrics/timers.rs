@@ -588,7 +588,8 @@ const NON_GEMM_OPS: &[&str] = &[
     "loss",
 ];
 
-fn parent_of(name: &str) -> Option<&str> {
+/// The timer a name is the child of (the part before its last `:`), if any.
+pub fn parent_of(name: &str) -> Option<&str> {
     name.rfind(':').map(|i| &name[..i])
 }
 

@@ -6,7 +6,7 @@
 use super::work;
 use crate::backend::{Backend, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, Span};
 use crate::comm::{Comm, ReduceOp};
-use crate::metrics::timers::{TimerLevel, Timers};
+use crate::metrics::timers::{parent_of, TimerLevel, Timers};
 
 /// What every layer call needs: the backend, this rank's tensor-parallel group and the timers.
 pub struct Layers<'a, B: Backend> {
@@ -87,7 +87,8 @@ impl<B: Backend> Layers<'_, B> {
         };
         self.be.linear_backward(l, g, dout, inp);
         // An all-reduce whose timer is the layer's child runs inside the layer's scope.
-        if !allreduce.is_some_and(|ar| is_child(ar, name)) {
+        let nested = allreduce.is_some_and(|ar| parent_of(ar) == Some(name));
+        if !nested {
             drop(t);
         }
         if let (Some(ar), Some(dinp)) = (allreduce, g.dinp) {
@@ -162,10 +163,4 @@ fn linear_reads(l: &Linear, inp: Span, stream: Option<Span>) -> Vec<Span> {
         .into_iter()
         .flatten()
         .collect()
-}
-
-/// Whether timer `name` is a child of timer `parent` (`parent:...`).
-fn is_child(name: &str, parent: &str) -> bool {
-    name.strip_prefix(parent)
-        .is_some_and(|rest| rest.starts_with(':'))
 }
