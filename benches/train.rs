@@ -17,14 +17,15 @@
 
 use clap::Parser;
 use fugu::backend::{Backend, CudaSettings, Device};
-use fugu::config::{ModelConfig, Precision, RunConfig};
+use fugu::config::{Arch, ModelConfig, Precision, RunConfig};
+use fugu::metrics::ops::trainer;
 use fugu::metrics::flops::megatron_flops_per_step;
 use fugu::metrics::machine::MachineInfo;
 use fugu::metrics::timers::{Breakdown, Roofs, TimerLevel, Timers};
 use fugu::model::acts::Recompute;
 use fugu::model::init::init_params;
 use fugu::model::table::gpt2_params;
-use fugu::model::{Gpt2, OptimStep, TpRank};
+use fugu::model::{registry, Gpt2, OptimStep, TpRank};
 use std::time::Instant;
 
 #[path = "train/host_only.rs"]
@@ -241,6 +242,7 @@ fn time_steps<B: Backend>(
         }
     }
     let total: f64 = times.iter().sum();
-    let bd = timers.breakdown(total, times.len() as u64);
+    let ops = [registry::ops(Arch::Gpt2), &trainer::OPS];
+    let bd = timers.breakdown(total, times.len() as u64, &ops);
     Ok((times, bd, peak, memory.map(|m| m.0), device))
 }

@@ -21,6 +21,7 @@
 //! [`Work`]), declared where the op is called; the breakdown divides it by the scope's time
 //! and prints the op's rates (GFLOP/s, GB/s) beside its time.
 
+use super::ops::{class_of, OpCatalogue, OpClass, Share};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::cell::{Cell, RefCell};
@@ -67,97 +68,6 @@ impl std::str::FromStr for TimerLevel {
             _ => Err(format!("{s:?}: expected off, coarse or fine")),
         }
     }
-}
-
-/// Timer names. Hierarchy is spelled with `:`; a name's parent is the part before its last `:`.
-/// Use these constants so that a typo is a compile error.
-pub mod names {
-    pub const FORWARD: &str = "forward";
-    pub const FORWARD_BATCH_GENERATOR: &str = "forward:batch-generator";
-    pub const FORWARD_EMBEDDING: &str = "forward:embedding";
-    pub const FORWARD_LAYERNORM: &str = "forward:layernorm";
-    /// Optional parent of the `forward:attention:*` ops (synthesised if not timed).
-    pub const FORWARD_ATTENTION: &str = "forward:attention";
-    pub const FORWARD_ATTENTION_QKV: &str = "forward:attention:qkv";
-    pub const FORWARD_ATTENTION_BADDBMM: &str = "forward:attention:baddbmm";
-    pub const FORWARD_ATTENTION_SOFTMAX: &str = "forward:attention:softmax";
-    pub const FORWARD_ATTENTION_BMM: &str = "forward:attention:bmm";
-    /// Fused attention (scores, softmax and values in one kernel).
-    pub const FORWARD_ATTENTION_FUSED: &str = "forward:attention:fused";
-    pub const FORWARD_ATTENTION_PROJ: &str = "forward:attention:proj";
-    /// Optional parent of the `forward:mlp:*` ops (synthesised if not timed).
-    pub const FORWARD_MLP: &str = "forward:mlp";
-    pub const FORWARD_MLP_MM: &str = "forward:mlp:mm";
-    pub const FORWARD_MLP_GELU: &str = "forward:mlp:gelu";
-    pub const FORWARD_RESIDUAL: &str = "forward:residual";
-    pub const FORWARD_LM_HEAD: &str = "forward:lm-head";
-    pub const FORWARD_LOSS: &str = "forward:loss";
-
-    pub const BACKWARD: &str = "backward";
-    pub const BACKWARD_EMBEDDING: &str = "backward:embedding";
-    pub const BACKWARD_LAYERNORM: &str = "backward:layernorm";
-    /// Optional parent of the `backward:attention:*` ops (synthesised if not timed).
-    pub const BACKWARD_ATTENTION: &str = "backward:attention";
-    pub const BACKWARD_ATTENTION_QKV: &str = "backward:attention:qkv";
-    pub const BACKWARD_ATTENTION_BADDBMM: &str = "backward:attention:baddbmm";
-    pub const BACKWARD_ATTENTION_SOFTMAX: &str = "backward:attention:softmax";
-    pub const BACKWARD_ATTENTION_BMM: &str = "backward:attention:bmm";
-    pub const BACKWARD_ATTENTION_FUSED: &str = "backward:attention:fused";
-    pub const BACKWARD_ATTENTION_PROJ: &str = "backward:attention:proj";
-    /// Optional parent of the `backward:mlp:*` ops (synthesised if not timed).
-    pub const BACKWARD_MLP: &str = "backward:mlp";
-    pub const BACKWARD_MLP_MM: &str = "backward:mlp:mm";
-    pub const BACKWARD_MLP_GELU: &str = "backward:mlp:gelu";
-    pub const BACKWARD_RESIDUAL: &str = "backward:residual";
-    pub const BACKWARD_LM_HEAD: &str = "backward:lm-head";
-    pub const BACKWARD_LOSS: &str = "backward:loss";
-    /// Data-parallel gradient all-reduce (not in the original list; Megatron's
-    /// `backward-params-all-reduce`).
-    pub const BACKWARD_ALLREDUCE: &str = "backward:allreduce";
-
-    pub const OPTIMIZER: &str = "optimizer";
-    pub const OPTIMIZER_CLIP: &str = "optimizer:clip";
-    /// The AdamW update and the refresh of the 16-bit compute copy of the weights.
-    pub const OPTIMIZER_ADAMW: &str = "optimizer:adamw";
-
-    /// Every name above.
-    pub const ALL: &[&str] = &[
-        FORWARD,
-        FORWARD_BATCH_GENERATOR,
-        FORWARD_EMBEDDING,
-        FORWARD_LAYERNORM,
-        FORWARD_ATTENTION,
-        FORWARD_ATTENTION_QKV,
-        FORWARD_ATTENTION_BADDBMM,
-        FORWARD_ATTENTION_SOFTMAX,
-        FORWARD_ATTENTION_BMM,
-        FORWARD_ATTENTION_PROJ,
-        FORWARD_MLP,
-        FORWARD_MLP_MM,
-        FORWARD_MLP_GELU,
-        FORWARD_RESIDUAL,
-        FORWARD_LM_HEAD,
-        FORWARD_LOSS,
-        BACKWARD,
-        BACKWARD_EMBEDDING,
-        BACKWARD_LAYERNORM,
-        BACKWARD_ATTENTION,
-        BACKWARD_ATTENTION_QKV,
-        BACKWARD_ATTENTION_BADDBMM,
-        BACKWARD_ATTENTION_SOFTMAX,
-        BACKWARD_ATTENTION_BMM,
-        BACKWARD_ATTENTION_PROJ,
-        BACKWARD_MLP,
-        BACKWARD_MLP_MM,
-        BACKWARD_MLP_GELU,
-        BACKWARD_RESIDUAL,
-        BACKWARD_LM_HEAD,
-        BACKWARD_LOSS,
-        BACKWARD_ALLREDUCE,
-        OPTIMIZER,
-        OPTIMIZER_CLIP,
-        OPTIMIZER_ADAMW,
-    ];
 }
 
 /// What an op computes and moves, for the breakdown's rates: `flops`, its floating-point
@@ -479,9 +389,9 @@ impl Timers {
     /// The breakdown of the run totals over `steps` steps whose wall times sum to
     /// `total_step_ms` (so the mean step is `total_step_ms / steps`). Normally `steps` is
     /// [`Timers::steps`] and `total_step_ms` the summed step times of the same steps. Times of
-    /// the step in progress (not yet taken) are not included.
-    pub fn breakdown(&self, total_step_ms: f64, steps: u64) -> Breakdown {
-        let mut b = Breakdown::from_totals(&self.totals.borrow(), total_step_ms, steps);
+    /// the step in progress (not yet taken) are not included. `ops` declare the timers.
+    pub fn breakdown(&self, total_step_ms: f64, steps: u64, ops: &[&OpCatalogue]) -> Breakdown {
+        let mut b = Breakdown::from_totals(&self.totals.borrow(), total_step_ms, steps, ops);
         b.set_work(&self.work_totals.borrow());
         b
     }
@@ -578,16 +488,6 @@ pub struct OutsideStep {
 }
 
 const OTHER: &str = "(other)";
-const GEMM_OPS: &[&str] = &["qkv", "baddbmm", "bmm", "fused", "proj", "mm", "lm-head"];
-const NON_GEMM_OPS: &[&str] = &[
-    "softmax",
-    "layernorm",
-    "gelu",
-    "residual",
-    "embedding",
-    "loss",
-];
-
 /// The timer a name is the child of (the part before its last `:`), if any.
 pub fn parent_of(name: &str) -> Option<&str> {
     name.rfind(':').map(|i| &name[..i])
@@ -650,8 +550,14 @@ impl<'a> Tree<'a, '_> {
 }
 
 impl Breakdown {
-    /// Builds the tree from run totals (ms per name summed over `steps` steps).
-    pub fn from_totals(totals: &BTreeMap<String, f64>, total_step_ms: f64, steps: u64) -> Self {
+    /// Builds the tree from run totals (ms per name summed over `steps` steps); `ops` declare
+    /// the timers' classes, for the GEMM and non-GEMM shares.
+    pub fn from_totals(
+        totals: &BTreeMap<String, f64>,
+        total_step_ms: f64,
+        steps: u64,
+        ops: &[&OpCatalogue],
+    ) -> Self {
         let n = steps.max(1) as f64;
         let step_ms = total_step_ms / n;
         let pct = |ms: f64| {
@@ -701,19 +607,19 @@ impl Breakdown {
         let root_ms = (!totals.is_empty()).then_some(step_ms);
         tree.visit(None, root_ms, 0, &mut rows);
 
+        // Each share sums its outermost timers (`optimizer`, not also `optimizer:clip`).
+        let share = |name: &str| class_of(ops, name).and_then(OpClass::share);
         let mut gemm_ms = 0.0;
         let mut non_gemm_ms = 0.0;
         for (&name, &ms) in &timed {
-            let last = name.rsplit(':').next().unwrap_or(name);
-            let phase = name.split(':').next().unwrap_or(name);
-            if name == names::OPTIMIZER {
-                non_gemm_ms += ms;
-            } else if phase == names::FORWARD || phase == names::BACKWARD {
-                if name.contains(':') && GEMM_OPS.contains(&last) {
-                    gemm_ms += ms;
-                } else if name.contains(':') && NON_GEMM_OPS.contains(&last) {
-                    non_gemm_ms += ms;
-                }
+            let mut ancestors = std::iter::successors(parent_of(name), |p| parent_of(p));
+            if ancestors.any(|p| share(p).is_some()) {
+                continue;
+            }
+            match share(name) {
+                Some(Share::Gemm) => gemm_ms += ms,
+                Some(Share::NonGemm) => non_gemm_ms += ms,
+                None => {}
             }
         }
         Breakdown {
@@ -902,26 +808,31 @@ impl Breakdown {
 
 #[cfg(test)]
 mod tests {
-    use super::names::*;
     use super::*;
+    use test_ops::n::*;
+
+    mod test_ops {
+        crate::metrics::ops::op_catalogue! {
+            "test";
+            n {
+                FORWARD = "forward" => Scope;
+                BACKWARD = "backward" => Scope;
+                OPTIMIZER = "optimizer" => Optimizer;
+                FORWARD_ATTENTION_QKV = "forward:attention:qkv" => Gemm;
+                FORWARD_ATTENTION_SOFTMAX = "forward:attention:softmax" => AttentionSoftmax;
+                FORWARD_LAYERNORM = "forward:layernorm" => Norm;
+                FORWARD_MLP_MM = "forward:mlp:mm" => Gemm;
+                FORWARD_MLP_GELU = "forward:mlp:gelu" => Activation;
+                BACKWARD_MLP_MM = "backward:mlp:mm" => Gemm;
+            }
+        }
+    }
+    const OPS: &[&OpCatalogue] = &[&test_ops::OPS];
     use std::rc::Rc;
     use std::time::Duration;
 
     fn sleep_ms(ms: u64) {
         std::thread::sleep(Duration::from_millis(ms));
-    }
-
-    #[test]
-    fn names_are_unique_and_parents_exist() {
-        let mut seen = std::collections::BTreeSet::new();
-        for n in ALL {
-            assert!(seen.insert(*n), "duplicate {n}");
-        }
-        for n in ALL {
-            if let Some(p) = parent_of(n) {
-                assert!(seen.contains(p), "{n} has no parent constant {p}");
-            }
-        }
     }
 
     #[test]
@@ -1083,7 +994,7 @@ mod tests {
             t.add(OPTIMIZER, 5.0);
             t.take_step();
         }
-        t.breakdown(200.0, t.steps())
+        t.breakdown(200.0, t.steps(), OPS)
     }
 
     #[test]
@@ -1135,10 +1046,10 @@ mod tests {
         let mut tot = BTreeMap::new();
         tot.insert("forward".to_string(), 10.0);
         tot.insert("forward:loss".to_string(), 11.0); // clock noise: child > parent
-        let b = Breakdown::from_totals(&tot, 10.0, 1);
+        let b = Breakdown::from_totals(&tot, 10.0, 1, OPS);
         let other = b.rows.iter().find(|r| r.name == "forward:(other)").unwrap();
         assert_eq!(other.ms_per_step, 0.0);
-        let e = Breakdown::from_totals(&BTreeMap::new(), 0.0, 0);
+        let e = Breakdown::from_totals(&BTreeMap::new(), 0.0, 0, OPS);
         assert!(e.rows.is_empty());
         assert_eq!(e.step_ms, 0.0);
         assert!(e.to_table().contains("step"));
@@ -1177,7 +1088,7 @@ mod tests {
         }
         t.take_step();
         assert_eq!(t.work_totals()[FORWARD_ATTENTION_QKV], work / 0.5);
-        let b = t.breakdown(10.0, 1);
+        let b = t.breakdown(10.0, 1, OPS);
         let qkv = b
             .rows
             .iter()
@@ -1256,7 +1167,7 @@ mod tests {
         );
         drop(t.scope(FORWARD_MLP_MM, TimerLevel::Fine));
         t.take_step();
-        let mut b = t.breakdown(10.0, 1);
+        let mut b = t.breakdown(10.0, 1, OPS);
         b.set_roofs(roofs);
         let table = b.to_table();
         assert!(

@@ -27,6 +27,7 @@ use super::acts::{
     LayerActs, Recompute, StepDims,
 };
 use super::contract::{GradsReady, Model, ModelBuffers, OpForm, OptimStep, TpRank};
+use super::gpt2_ops::{backward as bwd, forward as fwd};
 use super::kv::KvCache;
 use super::layers::Layers;
 use super::params::{HeadParams, LayerParams, ParamSpans};
@@ -40,6 +41,7 @@ use crate::backend::{
 };
 use crate::comm::{Comm, ReduceOp, SerialComm};
 use crate::config::ModelConfig;
+use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers, Work};
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -546,7 +548,7 @@ impl<B: Backend> Gpt2<B> {
         timers: &Timers,
         for_backward: bool,
     ) -> Option<f32> {
-        let _fwd = timers.scope("forward", Coarse);
+        let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
         self.forward_logits(timers, Pass::Batch { micro });
         let (_, targets) = self.tokens(micro);
         let a = slot(&self.acts, micro).0;
@@ -669,8 +671,8 @@ impl<B: Backend> Gpt2<B> {
         };
         let (lnf, lm_head) = head_layers(&hp, &d);
         let stats = h.lnf_stats();
-        x.layernorm("forward:layernorm", &lnf, h.lnf, stats, resid);
-        x.linear("forward:lm-head", &lm_head, h.logits, h.lnf);
+        x.layernorm(fwd::LAYERNORM, &lnf, h.lnf, stats, resid);
+        x.linear(fwd::LM_HEAD, &lm_head, h.logits, h.lnf);
     }
 
     /// Sets every gradient to zero.
@@ -705,7 +707,7 @@ impl<B: Backend> Gpt2<B> {
             comm: &*self.tp_comm,
             timers,
         };
-        let _bwd = timers.scope("backward", Coarse);
+        let _bwd = timers.scope(trainer::phase::BACKWARD, Coarse);
         // A stage before the last finds the gradient of its output in `dres` already.
         if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
             let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
@@ -731,7 +733,7 @@ impl<B: Backend> Gpt2<B> {
                 // This block's activations, as the forward pass computed them, into the set
                 // all blocks share (the last block's are still there). Its inner op timers
                 // (and TP all-reduces) count as this one.
-                let _t = timers.scope("backward:recompute", Fine);
+                let _t = timers.scope(bwd::RECOMPUTE, Fine);
                 let _quiet = timers.pause();
                 block_forward(x, la, lp, resid, &bp);
             }
@@ -783,7 +785,7 @@ impl<B: Backend> Gpt2<B> {
             }
         }
         let _c = timers
-            .scope("optimizer:clip", Fine)
+            .scope(trainer::optimizer::CLIP, Fine)
             .with_work(|| work::traffic(&self.be, &spans, &[], &[]));
         // Summed in table order, as before; the loss scale divided out.
         let scale = self.loss_scale as f64;
@@ -833,7 +835,7 @@ impl<B: Backend> Gpt2<B> {
                 });
             }
         }
-        let _t = timers.scope("optimizer:adamw", Fine).with_work(|| {
+        let _t = timers.scope(trainer::optimizer::ADAMW, Fine).with_work(|| {
             let mut w = Work::default();
             for p in &parts {
                 let copy: Vec<Span> = p.compute.into_iter().collect();
@@ -1128,7 +1130,7 @@ fn embedding_forward<B: Backend>(x: &mut Layers<B>, e: &Embedding, out: Span, to
     let timers = x.timers;
     let _t = {
         let be = &*x.be;
-        timers.scope("forward:embedding", Fine).with_work(|| {
+        timers.scope(fwd::EMBEDDING, Fine).with_work(|| {
             // The rows of the tokens (an upper bound: a repeated token's row is counted
             // again) and the positions' rows (on the first TP rank).
             let rows = Span {
@@ -1141,7 +1143,7 @@ fn embedding_forward<B: Backend>(x: &mut Layers<B>, e: &Embedding, out: Span, to
         })
     };
     x.be.encoder_forward(e, out, tokens);
-    x.allreduce("forward:embedding:allreduce", out, ReduceOp::Sum);
+    x.allreduce(fwd::EMBEDDING_ALLREDUCE, out, ReduceOp::Sum);
 }
 
 /// One transformer block's forward pass from its input `resid` (the residual stream) into its
@@ -1156,26 +1158,26 @@ fn block_forward<B: Backend>(
 ) {
     let ly = BlockLayers::new(lp, bp.d, bp.tp_first);
     let stats1 = la.ln1_stats();
-    x.layernorm("forward:layernorm", &ly.ln1, la.ln1, stats1, resid);
-    x.linear("forward:attention:qkv", &ly.qkv, la.qkv, la.ln1);
+    x.layernorm(fwd::LAYERNORM, &ly.ln1, la.ln1, stats1, resid);
+    x.linear(fwd::QKV, &ly.qkv, la.qkv, la.ln1);
     attention_forward(x, la, bp);
-    let names = ("forward:attention:proj", "forward:attention:allreduce");
+    let names = (fwd::PROJ, fwd::ATTENTION_ALLREDUCE);
     project_into_residual(x, bp, names, &ly.attproj, (la.resid2, resid, la.atty));
     let stats2 = la.ln2_stats();
-    x.layernorm("forward:layernorm", &ly.ln2, la.ln2, stats2, la.resid2);
+    x.layernorm(fwd::LAYERNORM, &ly.ln2, la.ln2, stats2, la.resid2);
     match bp.gelu {
         MlpGelu::Separate => {
-            x.linear("forward:mlp:mm", &ly.fc, la.fch, la.ln2);
+            x.linear(fwd::MLP_MM, &ly.fc, la.fch, la.ln2);
             let be = &mut *x.be;
             let _t = x
                 .timers
-                .scope("forward:mlp:gelu", Fine)
+                .scope(fwd::GELU, Fine)
                 .with_work(|| work::traffic(&*be, &[la.fch], &[la.fch_gelu], &[]));
             be.gelu_forward(la.fch_gelu, la.fch);
         }
-        MlpGelu::Epilogue => x.linear_gelu("forward:mlp:mm", &ly.fc, la.fch_gelu, la.fch, la.ln2),
+        MlpGelu::Epilogue => x.linear_gelu(fwd::MLP_MM, &ly.fc, la.fch_gelu, la.fch, la.ln2),
     }
-    let names = ("forward:mlp:mm", "forward:mlp:allreduce");
+    let names = (fwd::MLP_MM, fwd::MLP_ALLREDUCE);
     project_into_residual(
         x,
         bp,
@@ -1198,30 +1200,30 @@ fn attention_forward<B: Backend>(x: &mut Layers<B>, la: &LayerActs, bp: &BlockPa
                 let (q, k, v) = work::qkv_parts(la.qkv);
                 {
                     let _t = timers
-                        .scope("forward:attention:baddbmm", Fine)
+                        .scope(fwd::BADDBMM, Fine)
                         .with_work(|| work::attention(&*be, ad, 1, &[q, k], &[att]));
                     be.attention_scores(att, la.qkv, ad);
                 }
                 {
                     let _t = timers
-                        .scope("forward:attention:softmax", Fine)
+                        .scope(fwd::SOFTMAX, Fine)
                         .with_work(|| work::traffic(&*be, &[], &[], &[att]));
                     be.attention_softmax(att, ad);
                 }
                 let _t = timers
-                    .scope("forward:attention:bmm", Fine)
+                    .scope(fwd::BMM, Fine)
                     .with_work(|| work::attention(&*be, ad, 1, &[att, v], &[la.atty]));
                 be.attention_values(la.atty, att, la.qkv, ad);
             }
             AttnKept::LogSumExp(lse) => {
                 let _t = timers
-                    .scope("forward:attention:fused", Fine)
+                    .scope(fwd::FUSED, Fine)
                     .with_work(|| work::attention(&*be, ad, 2, &[la.qkv], &[la.atty, lse]));
                 be.attention_forward(la.atty, lse, la.qkv, ad);
             }
         },
         Pass::Decode { cache, pos } => {
-            let _t = timers.scope("forward:attention:decode", Fine);
+            let _t = timers.scope(fwd::DECODE, Fine);
             let (k, v) = (cache.k(bp.layer), cache.v(bp.layer));
             be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
             be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
@@ -1250,7 +1252,7 @@ fn project_into_residual<B: Backend>(
             let be = &mut *x.be;
             let _t = x
                 .timers
-                .scope("forward:residual", Fine)
+                .scope(fwd::RESIDUAL, Fine)
                 .with_work(|| work::traffic(&*be, &[resid, bp.proj], &[out], &[]));
             be.residual_forward(out, resid, bp.proj);
         }
@@ -1276,11 +1278,11 @@ fn loss_forward<B: Backend>(
     cd: CeDims,
     dloss: Option<f32>,
 ) -> f32 {
-    let ar = "forward:loss:allreduce";
+    let ar = fwd::LOSS_ALLREDUCE;
     let timers = x.timers;
     let _t = {
         let be = &*x.be;
-        timers.scope("forward:loss", Fine).with_work(|| {
+        timers.scope(fwd::LOSS, Fine).with_work(|| {
             let dlogits = dloss.map(|_| h.logits);
             let written: Vec<Span> = [h.losses].into_iter().chain(dlogits).collect();
             work::traffic(be, &[h.logits], &written, &[])
@@ -1315,7 +1317,7 @@ fn head_backward<B: Backend>(
     last: Span,
 ) {
     let (lnf, lm_head) = head_layers(hp, d);
-    let names = ("backward:lm-head", Some("backward:lm-head:allreduce"));
+    let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
     let grads = LinearGrads {
         dinp: Some(ga.dln),
         dw: hg.wte,
@@ -1328,13 +1330,7 @@ fn head_backward<B: Backend>(
         dbias: hg.lnf_b,
     };
     let stats = h.lnf_stats();
-    x.layernorm_backward(
-        "backward:layernorm",
-        &lnf,
-        &grads,
-        (ga.dln, last, stats),
-        true,
-    );
+    x.layernorm_backward(bwd::LAYERNORM, &lnf, &grads, (ga.dln, last, stats), true);
 }
 
 /// One block's backward pass: `ga.dres` holds the gradient of its output on entry and of its
@@ -1358,7 +1354,7 @@ fn block_backward<B: Backend>(
     let fcproj_g = |dinp| grads(dinp, lg.fcproj_w, lg.fcproj_b);
     match bp.gelu {
         MlpGelu::Separate => {
-            let names = ("backward:mlp:mm", None);
+            let names = (bwd::MLP_MM, None);
             x.linear_backward(
                 names,
                 &ly.fcproj,
@@ -1369,16 +1365,16 @@ fn block_backward<B: Backend>(
             let be = &mut *x.be;
             let _t = x
                 .timers
-                .scope("backward:mlp:gelu", Fine)
+                .scope(bwd::GELU, Fine)
                 .with_work(|| work::traffic(&*be, &[la.fch, ga.dfch_gelu], &[ga.dfch], &[]));
             be.gelu_backward(ga.dfch, la.fch, ga.dfch_gelu);
         }
         MlpGelu::Epilogue => {
             let spans = (ga.dfch_gelu, ga.dres, la.fch_gelu, la.fch);
-            x.gelu_linear_backward("backward:mlp:mm", &ly.fcproj, &fcproj_g(ga.dfch), spans);
+            x.gelu_linear_backward(bwd::MLP_MM, &ly.fcproj, &fcproj_g(ga.dfch), spans);
         }
     }
-    let names = ("backward:mlp:mm", Some("backward:mlp:allreduce"));
+    let names = (bwd::MLP_MM, Some(bwd::MLP_ALLREDUCE));
     let fc_g = grads(ga.dln, lg.fc_w, lg.fc_b);
     x.linear_backward(names, &ly.fc, &fc_g, ga.dfch, la.ln2);
     let ln2_g = LayerNormGrads {
@@ -1388,16 +1384,13 @@ fn block_backward<B: Backend>(
     };
     let stats2 = la.ln2_stats();
     let ln2_in = (ga.dln, la.resid2, stats2);
-    x.layernorm_backward("backward:layernorm", &ly.ln2, &ln2_g, ln2_in, false);
+    x.layernorm_backward(bwd::LAYERNORM, &ly.ln2, &ln2_g, ln2_in, false);
     // Attention: dres is now the gradient of resid2 (= resid + attproj).
-    let names = ("backward:attention:proj", None);
+    let names = (bwd::PROJ, None);
     let attproj_g = grads(ga.datty, lg.attproj_w, lg.attproj_b);
     x.linear_backward(names, &ly.attproj, &attproj_g, ga.dres, la.atty);
     attention_backward(x, bp.d, la, ga, recompute_attention);
-    let names = (
-        "backward:attention:qkv",
-        Some("backward:attention:allreduce"),
-    );
+    let names = (bwd::QKV, Some(bwd::ATTENTION_ALLREDUCE));
     let qkv_g = grads(ga.dln, lg.qkv_w, lg.qkv_b);
     x.linear_backward(names, &ly.qkv, &qkv_g, ga.dqkv, la.ln1);
     let ln1_g = LayerNormGrads {
@@ -1407,7 +1400,7 @@ fn block_backward<B: Backend>(
     };
     let stats1 = la.ln1_stats();
     x.layernorm_backward(
-        "backward:layernorm",
+        bwd::LAYERNORM,
         &ly.ln1,
         &ln1_g,
         (ga.dln, resid, stats1),
@@ -1431,7 +1424,7 @@ fn attention_backward<B: Backend>(
             let datt = ga.datt.expect("datt exists with kept probabilities");
             if recompute {
                 // The probabilities of this layer, as the forward pass computed them.
-                let _t = timers.scope("backward:attention:recompute", Fine);
+                let _t = timers.scope(bwd::ATTENTION_RECOMPUTE, Fine);
                 be.attention_scores(att, la.qkv, ad);
                 be.attention_softmax(att, ad);
             }
@@ -1439,28 +1432,26 @@ fn attention_backward<B: Backend>(
             let (dq, dk, dv) = work::qkv_parts(ga.dqkv);
             {
                 let _t = timers
-                    .scope("backward:attention:bmm", Fine)
+                    .scope(bwd::BMM, Fine)
                     .with_work(|| work::attention(&*be, ad, 2, &[ga.datty, att, v], &[datt, dv]));
                 be.attention_values_backward(datt, ga.dqkv, ga.datty, att, la.qkv, ad);
             }
             {
                 let _t = timers
-                    .scope("backward:attention:softmax", Fine)
+                    .scope(bwd::SOFTMAX, Fine)
                     .with_work(|| work::traffic(&*be, &[att], &[], &[datt]));
                 be.attention_softmax_backward(datt, att, ad);
             }
             let _t = timers
-                .scope("backward:attention:baddbmm", Fine)
+                .scope(bwd::BADDBMM, Fine)
                 .with_work(|| work::attention(&*be, ad, 2, &[datt, q, k], &[dq, dk]));
             be.attention_scores_backward(ga.dqkv, datt, la.qkv, ad);
         }
         AttnKept::LogSumExp(lse) => {
-            let _t = timers
-                .scope("backward:attention:fused", Fine)
-                .with_work(|| {
-                    let read = [ga.datty, la.atty, lse, la.qkv];
-                    work::attention(&*be, ad, 4, &read, &[ga.dqkv])
-                });
+            let _t = timers.scope(bwd::FUSED, Fine).with_work(|| {
+                let read = [ga.datty, la.atty, lse, la.qkv];
+                work::attention(&*be, ad, 4, &read, &[ga.dqkv])
+            });
             be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
         }
     }
@@ -1469,7 +1460,7 @@ fn attention_backward<B: Backend>(
 /// The embedding's backward pass: its gradients (`de`'s tables) accumulate from `dout`.
 fn embedding_backward<B: Backend>(x: &mut Layers<B>, de: &Embedding, dout: Span, tokens: TokSpan) {
     let be = &mut *x.be;
-    let _t = x.timers.scope("backward:embedding", Fine).with_work(|| {
+    let _t = x.timers.scope(bwd::EMBEDDING, Fine).with_work(|| {
         // Added into: the rows of the tokens (an upper bound, as in the forward pass) and the
         // positions' rows.
         let rows = Span {

@@ -10,6 +10,7 @@ use super::stage::Stage;
 use super::table::Table;
 use crate::backend::{Backend, Dtype};
 use crate::config::{Arch, ModelConfig};
+use crate::metrics::ops::{trainer, OpCatalogue};
 use anyhow::Result;
 use serde_json::{Map, Value};
 
@@ -61,6 +62,21 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     match cfg.arch {
         Arch::Gpt2 => gpt2_hf::config_json(cfg),
     }
+}
+
+/// The op catalogue of architecture `arch`: its timer names and their classes.
+pub fn ops(arch: Arch) -> &'static OpCatalogue {
+    match arch {
+        Arch::Gpt2 => &super::gpt2_ops::OPS,
+    }
+}
+
+/// Every timer name a run can write, whatever its architecture: the trainer's, then each
+/// architecture's (`fugu report` reads runs of any).
+pub fn all_ops() -> Vec<&'static OpCatalogue> {
+    std::iter::once(&trainer::OPS)
+        .chain(Arch::ALL.iter().map(|&a| ops(a)))
+        .collect()
 }
 
 /// The config of architecture `arch` (from the file's `model_type`) in the `config.json`

@@ -877,7 +877,7 @@ mod tests {
         let mut tot = BTreeMap::new();
         tot.insert("forward".to_string(), 80.0);
         tot.insert("eval".to_string(), 500.0);
-        crate::metrics::Breakdown::from_totals(&tot, 200.0, 2)
+        crate::metrics::Breakdown::from_totals(&tot, 200.0, 2, &crate::model::registry::all_ops())
             .write_json(d.join("breakdown.json"))
             .unwrap();
         let r = read_run(&d.join("metrics.jsonl"), "bd").unwrap();

@@ -26,6 +26,7 @@
 //! message off the backend, posts it, and at the end of the step waits for the posted sends.
 
 use crate::backend::{Backend, Span};
+use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
 use crate::model::{Model, Stage};
 use crate::parallel::{Comm, Pending, ReduceOp};
@@ -189,7 +190,7 @@ impl Pipeline {
             if let Some(g) = model.tied_grad() {
                 // After the send above: the first stage needs it to finish its own last
                 // backward pass before it can join this all-reduce.
-                let _t = timers.scope("pipeline:tied-wte:allreduce", TimerLevel::Coarse);
+                let _t = timers.scope(trainer::pipeline::TIED_ALLREDUCE, TimerLevel::Coarse);
                 let tied = &*self.tied;
                 model
                     .backend_mut()
@@ -211,10 +212,10 @@ impl Pipeline {
         let buf = self.buffer(into.len);
         let pending = self.comm.start_recv(from, tag, buf);
         let (msg, _) = {
-            let _t = timers.scope("pipeline:bubble", TimerLevel::Coarse);
+            let _t = timers.scope(trainer::pipeline::BUBBLE, TimerLevel::Coarse);
             pending.wait()
         };
-        let _t = timers.scope("pipeline:recv", TimerLevel::Coarse);
+        let _t = timers.scope(trainer::pipeline::RECV, TimerLevel::Coarse);
         model.backend_mut().upload(into, &msg);
         self.spare.push(msg);
     }
@@ -228,7 +229,7 @@ impl Pipeline {
         tag: u32,
         timers: &Timers,
     ) {
-        let _t = timers.scope("pipeline:send", TimerLevel::Coarse);
+        let _t = timers.scope(trainer::pipeline::SEND, TimerLevel::Coarse);
         self.reclaim();
         let mut buf = self.buffer(span.len);
         model.backend().download(span, &mut buf);
@@ -260,7 +261,7 @@ impl Pipeline {
         if self.sends.is_empty() {
             return;
         }
-        let _t = timers.scope("pipeline:send", TimerLevel::Coarse);
+        let _t = timers.scope(trainer::pipeline::SEND, TimerLevel::Coarse);
         for s in self.sends.drain(..) {
             let (_, buf) = s.wait();
             self.spare.push(buf);

@@ -35,10 +35,11 @@ use crate::config::{Precision, RunConfig};
 use crate::metrics::flops::megatron_flops_per_step;
 use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
+use crate::metrics::ops::trainer;
 use crate::metrics::progress::{Progress, StepLine};
 use crate::metrics::timers::{Breakdown, OutsideStep, Roofs, TimerLevel, Timers};
 use crate::model::table::Table;
-use crate::model::{Model, OptimStep, Stage};
+use crate::model::{registry, Model, OptimStep, Stage};
 use crate::parallel::grad_sync::GradSync;
 use crate::parallel::{timer_stats, Comm, ReduceOp};
 use anyhow::{bail, Context, Result};
@@ -264,7 +265,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let t0 = Instant::now();
         let bytes0 = self.dist.payload_bytes();
         {
-            let _g = timers.scope("forward:batch-generator", TimerLevel::Coarse);
+            let _g = timers.scope(trainer::data::BATCH_GENERATOR, TimerLevel::Coarse);
             self.source
                 .next_into(&mut self.window)
                 .with_context(|| format!("reading training data {} at step {step}", self.data))?;
@@ -288,7 +289,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 sync.ready(be, grads, from)
             });
         {
-            let _g = timers.scope("allreduce-params", TimerLevel::Coarse);
+            let _g = timers.scope(trainer::grads::ALLREDUCE_PARAMS, TimerLevel::Coarse);
             sync.finish(model.backend_mut(), grads);
         }
         let local_loss = (last_stage_sum(self.dist, loss_sum) / micro as f64) as f32;
@@ -303,7 +304,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 eprintln!("  wrote first-step gradients to {}", path.display());
             }
         }
-        let optimizer_timer = timers.scope("optimizer", TimerLevel::Coarse);
+        let optimizer_timer = timers.scope(trainer::phase::OPTIMIZER, TimerLevel::Coarse);
         let mut sq = [model.grad_sq_sum(timers)];
         self.norm_comm.allreduce_f64(&mut sq, ReduceOp::Sum);
         let norm = sq[0].sqrt();
@@ -333,7 +334,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         );
         drop(optimizer_timer);
         if self.sync.active() && self.opts.zero == 1 {
-            let _g = timers.scope("allgather-params", TimerLevel::Coarse);
+            let _g = timers.scope(trainer::grads::ALLGATHER_PARAMS, TimerLevel::Coarse);
             let params = model.buffers().params;
             self.sync.gather_params(model.backend_mut(), params);
             model.refresh_compute_params();
@@ -649,9 +650,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let tot = &self.totals;
         let root = self.dist.is_root();
         if tot.timed_steps > 0 && root {
+            let ops = [registry::ops(self.model.config().arch), &trainer::OPS];
             let mut b = if self.dist.is_parallel() {
                 let mut b =
-                    Breakdown::from_totals(&tot.rank_timers[0], tot.step_ms, tot.timed_steps);
+                    Breakdown::from_totals(&tot.rank_timers[0], tot.step_ms, tot.timed_steps, &ops);
                 b.set_rank_spread(&tot.rank_timers[1], &tot.rank_timers[2]);
                 // Every rank runs the same ops (tensor-parallel ones on its shard) unless
                 // pipeline stages differ: this rank's work over the mean time is a rank's rate.
@@ -660,7 +662,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 }
                 b
             } else {
-                self.timers.breakdown(tot.step_ms, tot.timed_steps)
+                self.timers.breakdown(tot.step_ms, tot.timed_steps, &ops)
             };
             b.outside = tot.outside.clone();
             // Roofs for the rates (fine timers): the MFU peak and this rank's memory

@@ -1,0 +1,114 @@
+//! GPT-2's op catalogue: the timer name and class of every op its passes run
+//! ([`crate::metrics::ops`]). `gpt2.rs` names its timers through these constants; the
+//! breakdown and the report classify them from [`OPS`].
+
+crate::metrics::ops::op_catalogue! {
+    "gpt2";
+    forward {
+        EMBEDDING = "forward:embedding" => Embedding;
+        /// Vocabulary-parallel embedding: the partial lookups summed over the TP group.
+        EMBEDDING_ALLREDUCE = "forward:embedding:allreduce" => Communication;
+        LAYERNORM = "forward:layernorm" => Norm;
+        ATTENTION = "forward:attention" => Scope;
+        QKV = "forward:attention:qkv" => Gemm;
+        BADDBMM = "forward:attention:baddbmm" => AttentionMatmul;
+        SOFTMAX = "forward:attention:softmax" => AttentionSoftmax;
+        BMM = "forward:attention:bmm" => AttentionMatmul;
+        /// Scores, softmax and context in one kernel.
+        FUSED = "forward:attention:fused" => AttentionMatmul;
+        /// One token against the KV cache (sampling).
+        DECODE = "forward:attention:decode" => AttentionMatmul;
+        PROJ = "forward:attention:proj" => Gemm;
+        ATTENTION_ALLREDUCE = "forward:attention:allreduce" => Communication;
+        MLP = "forward:mlp" => Scope;
+        MLP_MM = "forward:mlp:mm" => Gemm;
+        GELU = "forward:mlp:gelu" => Activation;
+        MLP_ALLREDUCE = "forward:mlp:allreduce" => Communication;
+        RESIDUAL = "forward:residual" => Activation;
+        LM_HEAD = "forward:lm-head" => Gemm;
+        LOSS = "forward:loss" => Loss;
+        /// Vocabulary-parallel cross-entropy: row maxima and sums over the TP group.
+        LOSS_ALLREDUCE = "forward:loss:allreduce" => Communication;
+    }
+    backward {
+        EMBEDDING = "backward:embedding" => Embedding;
+        LAYERNORM = "backward:layernorm" => Norm;
+        /// `--recompute full`: a block's forward pass again, its inner timers paused.
+        RECOMPUTE = "backward:recompute" => Recompute;
+        ATTENTION = "backward:attention" => Scope;
+        QKV = "backward:attention:qkv" => Gemm;
+        BADDBMM = "backward:attention:baddbmm" => AttentionMatmul;
+        SOFTMAX = "backward:attention:softmax" => AttentionSoftmax;
+        BMM = "backward:attention:bmm" => AttentionMatmul;
+        FUSED = "backward:attention:fused" => AttentionMatmul;
+        /// `--recompute attention`: the layer's probabilities again.
+        ATTENTION_RECOMPUTE = "backward:attention:recompute" => AttentionRecompute;
+        PROJ = "backward:attention:proj" => Gemm;
+        ATTENTION_ALLREDUCE = "backward:attention:allreduce" => Communication;
+        MLP = "backward:mlp" => Scope;
+        MLP_MM = "backward:mlp:mm" => Gemm;
+        GELU = "backward:mlp:gelu" => Activation;
+        MLP_ALLREDUCE = "backward:mlp:allreduce" => Communication;
+        RESIDUAL = "backward:residual" => Activation;
+        LM_HEAD = "backward:lm-head" => Gemm;
+        LM_HEAD_ALLREDUCE = "backward:lm-head:allreduce" => Communication;
+        LOSS = "backward:loss" => Loss;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::ops::{trainer, Share};
+    use crate::metrics::timers::parent_of;
+
+    #[test]
+    fn names_are_unique_and_every_parent_is_declared() {
+        let mut names: Vec<_> = OPS.ops.iter().map(|o| o.name).collect();
+        names.sort();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "a name declared twice");
+        for op in OPS.ops {
+            if let Some(p) = parent_of(op.name) {
+                let declared = OPS.class_of(p).or(trainer::OPS.class_of(p));
+                assert!(
+                    declared.is_some(),
+                    "{}: parent {p} is not declared",
+                    op.name
+                );
+            }
+            assert!(
+                trainer::OPS.class_of(op.name).is_none(),
+                "{} is the trainer's",
+                op.name
+            );
+        }
+    }
+
+    #[test]
+    fn each_op_counts_in_the_share_its_last_word_gave_it() {
+        // The words the breakdown's GEMM and non-GEMM shares went by before the catalogue (a
+        // decode step was in neither; `:allreduce` children are communication).
+        const GEMM: &[&str] = &["qkv", "baddbmm", "bmm", "fused", "proj", "mm", "lm-head"];
+        const NON_GEMM: &[&str] = &[
+            "softmax",
+            "layernorm",
+            "gelu",
+            "residual",
+            "embedding",
+            "loss",
+        ];
+        for op in OPS.ops.iter().filter(|op| op.name != forward::DECODE) {
+            let last = op.name.rsplit(':').next().unwrap();
+            let want = if GEMM.contains(&last) {
+                Some(Share::Gemm)
+            } else if NON_GEMM.contains(&last) {
+                Some(Share::NonGemm)
+            } else {
+                None
+            };
+            assert_eq!(op.class.share(), want, "{}", op.name);
+        }
+    }
+}
