@@ -2,6 +2,7 @@
 //! node counts on a machine profile; `fugu predict profile` builds a profile from measurements.
 
 use crate::config::RunConfig;
+use crate::metrics::ops::trainer::grads;
 use crate::predict::profile::{measure, Profile};
 use crate::predict::step::{layout_gemms, predict, unmeasured_gemms, Layout, Prediction, Workload};
 use anyhow::{bail, Context, Result};
@@ -295,7 +296,7 @@ pub fn format_table(rows: &[Prediction]) -> String {
             .iter()
             .filter(|(k, _)| k.ends_with(":allreduce") && !k.starts_with("pipeline:"))
             .fold(0.0, |a, (_, v)| a + v);
-        let dp = t("allreduce-params") + t("allgather-params");
+        let dp = t(grads::ALLREDUCE_PARAMS) + t(grads::ALLGATHER_PARAMS);
         let pp = t("pipeline:bubble") + t("pipeline:recv") + t("pipeline:tied-wte:allreduce");
         let compute = t("forward") + t("backward") - tp_comm;
         let l = &p.layout;

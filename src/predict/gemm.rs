@@ -25,6 +25,7 @@
 
 use super::step::Shape;
 use crate::bench::gemm::GemmShape;
+use crate::model::gpt2_ops::forward as fwd;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -90,31 +91,31 @@ fn linear(pass: Pass, n: usize, ic: usize, oc: usize, w: Weight, count: usize) -
     }
 }
 
-/// The GEMMs of a compute op (a `COMPUTE_OPS` name) in one pass of one micro-batch on one
+/// The GEMMs of a compute op (a `COMPUTE_OPS` entry, by its forward timer name) in one pass of one micro-batch on one
 /// rank; `None` for the ops that are not GEMMs.
 pub(super) fn op_gemms(op: &str, pass: Pass, s: &Shape) -> Option<Vec<GemmCall>> {
     let u = |x: f64| x as usize;
     let (n, c, t, hs, nh, layers) = (u(s.mb * s.t), u(s.c), u(s.t), u(s.hs), u(s.nh), u(s.layers));
     let ctp = u(s.c / s.tp);
     let per_seq = u(s.mb) * layers;
-    let fwd = pass == Pass::Forward;
+    let forward = pass == Pass::Forward;
     Some(match op {
-        "attention:qkv" => linear(pass, n, c, 3 * ctp, Weight::InOut, layers),
-        "attention:proj" => linear(pass, n, ctp, c, Weight::InOut, layers),
-        "mlp:mm" => {
+        fwd::QKV => linear(pass, n, c, 3 * ctp, Weight::InOut, layers),
+        fwd::PROJ => linear(pass, n, ctp, c, Weight::InOut, layers),
+        fwd::MLP_MM => {
             let mut v = linear(pass, n, c, u(s.f), Weight::InOut, layers);
             v.extend(linear(pass, n, u(s.f), c, Weight::InOut, layers));
             v
         }
-        "lm-head" if s.last => linear(pass, n, c, u(s.vp), Weight::OutIn, 1),
-        "lm-head" => Vec::new(),
-        "attention:baddbmm" if fwd => vec![call(t, t, hs, nh, false, true, per_seq)],
-        "attention:baddbmm" => vec![
+        fwd::LM_HEAD if s.last => linear(pass, n, c, u(s.vp), Weight::OutIn, 1),
+        fwd::LM_HEAD => Vec::new(),
+        fwd::BADDBMM if forward => vec![call(t, t, hs, nh, false, true, per_seq)],
+        fwd::BADDBMM => vec![
             call(t, hs, t, nh, false, false, per_seq),
             call(t, hs, t, nh, true, false, per_seq),
         ],
-        "attention:bmm" if fwd => vec![call(t, hs, t, nh, false, false, per_seq)],
-        "attention:bmm" => vec![
+        fwd::BMM if forward => vec![call(t, hs, t, nh, false, false, per_seq)],
+        fwd::BMM => vec![
             call(t, t, hs, nh, false, true, per_seq),
             call(t, hs, t, nh, true, false, per_seq),
         ],
@@ -312,7 +313,7 @@ mod tests {
             let mut flops = 0.0;
             for op in COMPUTE_OPS {
                 for pass in [Pass::Forward, Pass::Backward] {
-                    let calls = op_gemms(op, pass, &s).unwrap_or_default();
+                    let calls = op_gemms(op.forward, pass, &s).unwrap_or_default();
                     flops += calls.iter().map(GemmCall::flops).sum::<f64>();
                 }
             }

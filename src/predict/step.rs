@@ -22,8 +22,10 @@ use super::gemm::{op_gemms, GemmCall, GemmRates, Pass};
 use super::network::{Group, Network};
 use crate::config::ModelConfig;
 use crate::metrics::flops::megatron_flops_per_step;
+use crate::metrics::ops::trainer::{self, grads, optimizer, phase};
 pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{acts_table, grad_acts_table, stats_table, AttnKeep, Recompute, StepDims};
+use crate::model::gpt2_ops::{backward as bwd, forward as fwd};
 use crate::model::registry;
 use crate::model::stage::Stage;
 use crate::model::table::padded_vocab;
@@ -99,22 +101,50 @@ pub struct Machine {
     pub memory_gib_per_rank: f64,
 }
 
-/// The compute ops whose work [`op_work`] knows (under `forward:` and `backward:`).
-pub const COMPUTE_OPS: [&str; 13] = [
-    "attention:qkv",
-    "attention:proj",
-    "attention:bmm",
-    "attention:baddbmm",
-    "attention:softmax",
-    "mlp:mm",
-    "mlp:gelu",
-    "layernorm",
-    "residual",
-    "embedding",
-    "lm-head",
-    "loss",
-    "batch-generator",
+/// The compute ops whose work [`op_work`] knows, by their timer names.
+pub const COMPUTE_OPS: [ComputeOp; 13] = [
+    ComputeOp::both(fwd::QKV, bwd::QKV),
+    ComputeOp::both(fwd::PROJ, bwd::PROJ),
+    ComputeOp::both(fwd::BMM, bwd::BMM),
+    ComputeOp::both(fwd::BADDBMM, bwd::BADDBMM),
+    ComputeOp::both(fwd::SOFTMAX, bwd::SOFTMAX),
+    ComputeOp::both(fwd::MLP_MM, bwd::MLP_MM),
+    ComputeOp::both(fwd::GELU, bwd::GELU),
+    ComputeOp::both(fwd::LAYERNORM, bwd::LAYERNORM),
+    ComputeOp::both(fwd::RESIDUAL, bwd::RESIDUAL),
+    ComputeOp::both(fwd::EMBEDDING, bwd::EMBEDDING),
+    ComputeOp::both(fwd::LM_HEAD, bwd::LM_HEAD),
+    ComputeOp::both(fwd::LOSS, bwd::LOSS),
+    ComputeOp {
+        forward: trainer::data::BATCH_GENERATOR,
+        backward: None,
+    },
 ];
+
+/// A compute op by its timer names (the model's op catalogue); its forward name identifies it
+/// to [`op_work`] and [`op_gemms`].
+#[derive(Clone, Copy, Debug)]
+pub struct ComputeOp {
+    pub forward: &'static str,
+    pub backward: Option<&'static str>,
+}
+
+impl ComputeOp {
+    const fn both(forward: &'static str, backward: &'static str) -> ComputeOp {
+        ComputeOp {
+            forward,
+            backward: Some(backward),
+        }
+    }
+
+    /// Its timer name in `pass`, if it runs there.
+    pub fn name(self, pass: Pass) -> Option<&'static str> {
+        match pass {
+            Pass::Forward => Some(self.forward),
+            Pass::Backward => self.backward,
+        }
+    }
+}
 
 /// The shapes one rank works on per micro-batch.
 #[derive(Clone, Copy, Debug)]
@@ -172,13 +202,13 @@ fn op_work(op: &str, pass: Pass, s: &Shape, gemm: Option<(&GemmRates, usize)>) -
     let l = s.layers;
     let on = |b: bool| if b { 1.0 } else { 0.0 };
     Some(match op {
-        "attention:softmax" => s.mb * s.nh * s.t * s.t * l,
-        "mlp:gelu" => n * s.f * l,
-        "layernorm" => n * s.c * (2.0 * l + on(s.last)),
-        "residual" => 2.0 * n * s.c * l,
-        "embedding" => n * s.c * on(s.first),
-        "loss" => n * s.vp * on(s.last),
-        "batch-generator" => n * on(s.first),
+        fwd::SOFTMAX => s.mb * s.nh * s.t * s.t * l,
+        fwd::GELU => n * s.f * l,
+        fwd::LAYERNORM => n * s.c * (2.0 * l + on(s.last)),
+        fwd::RESIDUAL => 2.0 * n * s.c * l,
+        fwd::EMBEDDING => n * s.c * on(s.first),
+        fwd::LOSS => n * s.vp * on(s.last),
+        trainer::data::BATCH_GENERATOR => n * on(s.first),
         _ => return None,
     })
 }
@@ -229,7 +259,7 @@ fn shape_gemms(s: &Shape) -> BTreeSet<GemmCall> {
     let mut calls = BTreeSet::new();
     for op in COMPUTE_OPS {
         for pass in [Pass::Forward, Pass::Backward] {
-            for c in op_gemms(op, pass, s).unwrap_or_default() {
+            for c in op_gemms(op.forward, pass, s).unwrap_or_default() {
                 calls.insert(GemmCall { count: 1, ..c });
             }
         }
@@ -328,10 +358,10 @@ impl StepCtx<'_> {
         if l.dp > 1 {
             self.gradient_sync(&net, &table, bwd / self.mbf(), &mut t);
         }
-        t.insert("forward".into(), fwd);
-        t.insert("backward".into(), bwd);
+        t.insert(phase::FORWARD.into(), fwd);
+        t.insert(phase::BACKWARD.into(), bwd);
         let opt = sum_prefix(&t, "optimizer:");
-        t.insert("optimizer".into(), opt);
+        t.insert(phase::OPTIMIZER.into(), opt);
         let mem = memory_gib(&w.model, w.seq_len, self.mb, l, stage, params, owned);
         Ok((t, mem))
     }
@@ -355,15 +385,21 @@ impl StepCtx<'_> {
         let rs = reference_shape(r);
         let rmb = r.micro_batches.max(1) as f64;
         let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
-        for (dir, pass) in [("forward", Pass::Forward), ("backward", Pass::Backward)] {
+        for (dir, pass) in [
+            (phase::FORWARD, Pass::Forward),
+            (phase::BACKWARD, Pass::Backward),
+        ] {
             let mut known = 0.0;
             for op in COMPUTE_OPS {
-                let name = format!("{dir}:{op}");
-                let Some(&ms) = r.ops_ms.get(&name) else {
+                let Some(name) = op.name(pass) else {
+                    continue;
+                };
+                let Some(&ms) = r.ops_ms.get(name) else {
                     continue;
                 };
                 known += ms;
                 // With measured rates a GEMM op's work is its time on each side's threads.
+                let op = op.forward;
                 let rates = (!gemm.0.is_empty() && op_gemms(op, pass, s).is_some()).then_some(gemm);
                 let (wn, wr) = (
                     op_work(op, pass, s, rates.map(|g| (g, l.threads_per_rank))),
@@ -372,7 +408,8 @@ impl StepCtx<'_> {
                 let by = if rates.is_some() { oversub } else { scale };
                 let (wn, wr) = (wn.unwrap_or(0.0), wr.unwrap_or(0.0));
                 if wr > 0.0 && wn > 0.0 {
-                    *t.entry(name).or_default() += ms * (wn * self.mbf()) / (wr * rmb) * by;
+                    *t.entry(name.to_owned()).or_default() +=
+                        ms * (wn * self.mbf()) / (wr * rmb) * by;
                 }
             }
             // What the named ops leave of the parent: scaled by tokens per step.
@@ -384,10 +421,10 @@ impl StepCtx<'_> {
             }
         }
         let rparams = registry::stage_params(&r.model, 1, &whole)?.total() as f64;
-        let clip = r.ops_ms.get("optimizer:clip").copied().unwrap_or(0.0);
-        let update = r.ops_ms.get("optimizer").copied().unwrap_or(0.0) - clip;
+        let clip = r.ops_ms.get(optimizer::CLIP).copied().unwrap_or(0.0);
+        let update = r.ops_ms.get(phase::OPTIMIZER).copied().unwrap_or(0.0) - clip;
         t.insert(
-            "optimizer:clip".into(),
+            optimizer::CLIP.into(),
             clip * params as f64 / rparams * scale,
         );
         t.insert(
@@ -428,12 +465,12 @@ impl StepCtx<'_> {
             if s.last { 1.0 } else { 0.0 },
         );
         for (name, count) in [
-            ("forward:attention:allreduce", s.layers),
-            ("forward:mlp:allreduce", s.layers),
-            ("backward:attention:allreduce", s.layers),
-            ("backward:mlp:allreduce", s.layers),
-            ("forward:embedding:allreduce", first),
-            ("backward:lm-head:allreduce", last),
+            (fwd::ATTENTION_ALLREDUCE, s.layers),
+            (fwd::MLP_ALLREDUCE, s.layers),
+            (bwd::ATTENTION_ALLREDUCE, s.layers),
+            (bwd::MLP_ALLREDUCE, s.layers),
+            (fwd::EMBEDDING_ALLREDUCE, first),
+            (bwd::LM_HEAD_ALLREDUCE, last),
         ] {
             if count > 0.0 {
                 t.insert(name.into(), ar * count);
@@ -442,7 +479,7 @@ impl StepCtx<'_> {
         if s.last {
             // Vocabulary-parallel cross-entropy: row maxima, sums and target logits.
             let small = net.allreduce(g, 4.0 * s.mb * s.t) * 1e3 * self.mbf();
-            t.insert("forward:loss:allreduce".into(), 3.0 * small);
+            t.insert(fwd::LOSS_ALLREDUCE.into(), 3.0 * small);
         }
     }
 
@@ -497,12 +534,12 @@ impl StepCtx<'_> {
             } * 1e3;
             finish = finish.max(ready) + cost;
         }
-        t.insert("allreduce-params".into(), (finish - last_bwd).max(0.0));
+        t.insert(grads::ALLREDUCE_PARAMS.into(), (finish - last_bwd).max(0.0));
         if zero {
             let gather = buckets
                 .iter()
                 .fold(0.0, |a, b| a + net.allgather(g, 4.0 * b.len() as f64) * 1e3);
-            t.insert("allgather-params".into(), gather);
+            t.insert(grads::ALLGATHER_PARAMS.into(), gather);
         }
     }
 }
