@@ -18,9 +18,9 @@
 use clap::Parser;
 use fugu::backend::{Backend, CudaSettings, Device};
 use fugu::config::{Arch, ModelConfig, Precision, RunConfig};
-use fugu::metrics::ops::trainer;
 use fugu::metrics::flops::megatron_flops_per_step;
 use fugu::metrics::machine::MachineInfo;
+use fugu::metrics::ops::trainer;
 use fugu::metrics::timers::{Breakdown, Roofs, TimerLevel, Timers};
 use fugu::model::acts::Recompute;
 use fugu::model::init::init_params;

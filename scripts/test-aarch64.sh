@@ -10,19 +10,27 @@
 # apart. Packages: scripts/install-deps.sh.
 #
 # Runs (each must pass):
-#   qemu-aarch64 -cpu a64fx            512-bit SVE (the A64FX)
-#   qemu-aarch64 -cpu max,sve128=on    128-bit
-#   qemu-aarch64 -cpu max,sve256=on    256-bit
-#   qemu-aarch64 -cpu max,sve2048=on   2048-bit
-# Each `max` run also sets sve-default-vector-length (in bytes): qemu-user starts a process at
-# that default (64 bytes = 512 bits), not at the largest enabled length, so `sve2048=on` alone
-# runs at 512 bits. Each run checks the vector length the kernels actually see.
-#   qemu-aarch64 -cpu a64fx            with FUGU_GEMM_ISA=neon (the NEON kernel through the driver)
+#   qemu-aarch64 -cpu a64fx            the A64FX's own instruction set (SVE without SVE2, ...):
+#                                      every kernel's contract (fugu-gemm tests/kernel_contract.rs),
+#                                      fugu-gemm's unit tests (packing, peak loops) and the fugu-rows
+#                                      tests, so an instruction the A64FX lacks fails here
+#   qemu-aarch64 -cpu max,sve512=on    512-bit: every test, portable and SVE kernels
+#   qemu-aarch64 -cpu max,sve128=on    128-bit: every test, SVE kernels
+#   qemu-aarch64 -cpu max,sve256=on    256-bit: every test, SVE kernels
+#   qemu-aarch64 -cpu max,sve2048=on   2048-bit: every test, SVE kernels
+#   qemu-aarch64 -cpu max,sve512=on    with FUGU_GEMM_ISA=neon: every test, the NEON kernel (also
+#                                      as the default runtime)
+# The kernels pick their code by the `sve` and `neon` features alone, so `max` runs the code
+# the A64FX runs; QEMU emulates the a64fx CPU model 2.5-5x slower (fugu's unit tests: 261 s
+# against 52 s at 128 bits on `max`, on 2 Sapphire Rapids cores), so only the instruction-set
+# check runs on it. Each `max` run also sets sve-default-vector-length (in bytes): qemu-user
+# starts a process at that default (64 bytes = 512 bits), not at the largest enabled length, so
+# `sve2048=on` alone runs at 512 bits. Each run checks the vector length the kernels see.
 # Then fugu's own unit tests (`cargo test -p fugu --lib`: the ops with the SVE row kernels
-# dispatched, the model, the checkpoints) at 512 and 128 bits (the a64fx and sve128 runs).
+# dispatched, the model, the checkpoints) at 512 and 128 bits (the sve512 and sve128 runs).
 #
-# Env: FUGU_QEMU_RUNS="a64fx sve128 ..." limits the runs (names: a64fx sve128 sve256 sve2048 neon);
-#      CARGO_BUILD_JOBS as usual (default 2 here).
+# Env: FUGU_QEMU_RUNS="a64fx sve512 ..." limits the runs (names: a64fx sve512 sve128 sve256
+#      sve2048 neon); CARGO_BUILD_JOBS as usual (default 2 here). Each run prints its time.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -55,26 +63,29 @@ export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 export FUGU_NUM_THREADS=2
 export RUST_BACKTRACE=1
 
-CARGO_ARGS=(test -p fugu-gemm -p fugu-rows --target "$TARGET" "$@")
-
 echo "== building fugu-gemm and fugu-rows tests for $TARGET (rustc: $(/usr/bin/rustc --version))"
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu a64fx" \
-    cargo "${CARGO_ARGS[@]}" --no-run
+    cargo test -p fugu-gemm -p fugu-rows --target "$TARGET" "$@" --no-run
 
-RUNS="${FUGU_QEMU_RUNS:-a64fx sve128 sve256 sve2048 neon}"
+RUNS="${FUGU_QEMU_RUNS:-a64fx sve512 sve128 sve256 sve2048 neon}"
+max512="max,sve512=on,sve-default-vector-length=64"
 failed=()
 for run in $RUNS; do
+    run_start=$SECONDS
     isa_env=()
+    # What the run tests (cargo test arguments, one suite per entry, split on spaces).
+    suites=("-p fugu-gemm -p fugu-rows")
     case "$run" in
-        # The a64fx run tests every kernel; the others re-test only what they change (the
-        # SVE kernels at another vector length; the default runtime on NEON): the portable
-        # and NEON kernels do not depend on the vector length, and each run of all of them
-        # under QEMU costs minutes.
-        a64fx) cpu="a64fx" bits=512 ;;
+        # Each kernel runs on the A64FX CPU model in its contract test; the max runs test the
+        # rest, each kernel once at 512 bits (portable and SVE; NEON in the neon run), the SVE
+        # kernels again at the other vector lengths: the portable and NEON kernels do not
+        # depend on it, and each run of all of them under QEMU costs minutes.
+        a64fx) cpu="a64fx" bits=512 suites=("-p fugu-gemm --lib --test kernel_contract" "-p fugu-rows") ;;
+        sve512) cpu="$max512" bits=512 isa_env=("FUGU_TEST_ISAS=portable,sve") ;;
         sve128) cpu="max,sve128=on,sve-default-vector-length=16" bits=128 isa_env=(FUGU_TEST_ISAS=sve) ;;
         sve256) cpu="max,sve256=on,sve-default-vector-length=32" bits=256 isa_env=(FUGU_TEST_ISAS=sve) ;;
         sve2048) cpu="max,sve2048=on,sve-default-vector-length=256" bits=2048 isa_env=(FUGU_TEST_ISAS=sve) ;;
-        neon) cpu="a64fx" bits=512 isa_env=(FUGU_GEMM_ISA=neon FUGU_TEST_ISAS=neon) ;;
+        neon) cpu="$max512" bits=512 isa_env=(FUGU_GEMM_ISA=neon FUGU_TEST_ISAS=neon) ;;
         *) die "unknown run '$run' in FUGU_QEMU_RUNS" ;;
     esac
     runner="qemu-aarch64 -cpu $cpu"
@@ -93,25 +104,31 @@ for run in $RUNS; do
         echo "!! run '$run': expected an SVE kernel with a $bits-bit vector length" >&2
         failed+=("$run(vector length)")
     fi
-    if env "${isa_env[@]}" cargo "${CARGO_ARGS[@]}"; then
-        echo "== run '$run': passed"
+    ok=1
+    for suite in "${suites[@]}"; do
+        # shellcheck disable=SC2086 # a suite is several arguments
+        env "${isa_env[@]}" cargo test $suite --target "$TARGET" "$@" || ok=0
+    done
+    if ((ok)); then
+        echo "== run '$run': passed in $((SECONDS - run_start)) s"
     else
         echo "!! run '$run': FAILED" >&2
         failed+=("$run")
     fi
 done
 
-for run in a64fx sve128; do
+for run in sve512 sve128; do
     [[ " $RUNS " == *" $run "* ]] || continue
     case "$run" in
-        a64fx) cpu="a64fx" ;;
+        sve512) cpu="$max512" ;;
         sve128) cpu="max,sve128=on,sve-default-vector-length=16" ;;
     esac
+    run_start=$SECONDS
     echo
     echo "== fugu unit tests, run '$run': qemu-aarch64 -cpu $cpu"
     if CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu $cpu" \
         cargo test -q -p fugu --lib --target "$TARGET" -- --test-threads 2; then
-        echo "== fugu unit tests, run '$run': passed"
+        echo "== fugu unit tests, run '$run': passed in $((SECONDS - run_start)) s"
     else
         echo "!! fugu unit tests, run '$run': FAILED" >&2
         failed+=("fugu-$run")

@@ -8,7 +8,8 @@
 #       test on the CUDA backend: on a GPU when there is one, otherwise on the host emulator of
 #       the device (src/backend/cuda/emu.rs); the kernels are also compiled by the real NVRTC
 #       (installed by install-deps.sh, no GPU needed),
-#   3. fugu-gemm's tests on aarch64 under QEMU at 512 (A64FX), 128, 256 and 2048-bit SVE,
+#   3. fugu-gemm and fugu-rows tests on aarch64 under QEMU (the kernels on the A64FX CPU model;
+#      every test at 512, 128, 256 and 2048-bit SVE) and fugu's unit tests at 512 and 128,
 #   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%),
 #   5. the batch job scripts (jobscripts/, docs/JOBS.md) for real: Slurm jobs submitted to a
 #      local single-node Slurm (jobscripts/local-slurm.sh, needs root) and the pjsub scripts

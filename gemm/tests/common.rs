@@ -154,17 +154,16 @@ pub fn check_gemm(
     alpha: f32,
     beta: f32,
 ) -> Result<(), String> {
-    check_gemm_at(rt, Precision::F32, rng, m, n, k, la, lb, lc, alpha, beta)
+    GemmCase::new(Precision::F32, rng, m, n, k, la, lb, lc, alpha, beta).check(rt)
 }
 
-/// [`check_gemm`] at `prec`: the reference multiplies A and B rounded to `prec`. A product of
-/// two 16-bit values is exact in f32, so the f32 tolerance holds for every precision; an
-/// unrounded operand would miss it by about the type's unit roundoff (2^-8 or 2^-11).
-#[allow(clippy::too_many_arguments)]
-pub fn check_gemm_at(
-    rt: &Runtime,
+/// One GEMM problem with its reference result, built once and checked against any number of
+/// runtimes (the reference costs as much as the GEMM, and under QEMU it dominates). The
+/// reference multiplies A and B rounded to the case's precision: a product of two 16-bit
+/// values is exact in f32, so the f32 tolerance holds for every precision; an unrounded operand
+/// would miss it by about the type's unit roundoff (2^-8 or 2^-11).
+pub struct GemmCase {
     prec: Precision,
-    rng: &mut Rng,
     m: usize,
     n: usize,
     k: usize,
@@ -173,72 +172,159 @@ pub fn check_gemm_at(
     lc: Layout,
     alpha: f32,
     beta: f32,
-) -> Result<(), String> {
-    let (alen, aoff, ars, acs) = geometry(la, m, k);
-    let (blen, boff, brs, bcs) = geometry(lb, k, n);
-    let (clen, coff, crs, ccs) = geometry(lc, m, n);
-    let a = rng.vec(alen);
-    let b = rng.vec(blen);
-    let mut c = rng.vec(clen);
-    if beta == 0.0 {
-        // NaN must not leak from C when beta is 0. Mark the elements of the view only, so the
-        // padding check below still sees the original values.
-        for i in 0..m {
-            for j in 0..n {
-                c[coff + i * crs + j * ccs] = f32::NAN;
+    a: Vec<f32>,
+    b: Vec<f32>,
+    /// C before the call.
+    c: Vec<f32>,
+    /// C after the call, computed from A and B rounded to `prec`.
+    want: Vec<f32>,
+    /// |alpha|·|A|·|B| per element of C (0 outside the view), for the f16-chunk error bound;
+    /// computed the first time a kernel that sums in f16 chunks is checked.
+    magnitude: std::cell::OnceCell<Vec<f32>>,
+}
+
+impl GemmCase {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        prec: Precision,
+        rng: &mut Rng,
+        m: usize,
+        n: usize,
+        k: usize,
+        la: Layout,
+        lb: Layout,
+        lc: Layout,
+        alpha: f32,
+        beta: f32,
+    ) -> GemmCase {
+        let (alen, aoff, ars, acs) = geometry(la, m, k);
+        let (blen, boff, brs, bcs) = geometry(lb, k, n);
+        let (clen, coff, crs, ccs) = geometry(lc, m, n);
+        let a = rng.vec(alen);
+        let b = rng.vec(blen);
+        let mut c = rng.vec(clen);
+        if beta == 0.0 {
+            // NaN must not leak from C when beta is 0. Mark the elements of the view only, so
+            // the padding check still sees the original values.
+            for i in 0..m {
+                for j in 0..n {
+                    c[coff + i * crs + j * ccs] = f32::NAN;
+                }
             }
         }
-    }
-    let mut want = c.clone();
-    let av = MatRef::with_offset(&a, aoff, m, k, ars, acs).unwrap();
-    let bv = MatRef::with_offset(&b, boff, k, n, brs, bcs).unwrap();
-    let (mut ar, mut br) = (a.clone(), b.clone());
-    prec.round_slice(&mut ar);
-    prec.round_slice(&mut br);
-    gemm_ref(
-        alpha,
-        MatRef::with_offset(&ar, aoff, m, k, ars, acs).unwrap(),
-        MatRef::with_offset(&br, boff, k, n, brs, bcs).unwrap(),
-        beta,
-        MatMut::with_offset(&mut want, coff, m, n, crs, ccs).unwrap(),
-    );
-    rt.at(prec)
-        .gemm(
-            alpha,
-            av,
-            bv,
-            beta,
-            MatMut::with_offset(&mut c, coff, m, n, crs, ccs).unwrap(),
-        )
-        .map_err(|e| e.to_string())?;
-    // Kernels that sum in f16 chunks of c (the SVE f16 kernel, the emulation) add up to
-    // c·2^-11 of Σ|alpha·a·b| (each f16 addition, the first included, rounds), plus f16's
-    // subnormal step per addition: bounded per element from |alpha|·|A|·|B|.
-    let mut mag = vec![0.0f32; clen];
-    if let Accumulation::F16Chunks(chunk) = rt.kernel_at(prec).accumulation {
-        let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<_>>();
-        let (aa, ba) = (abs(&ar), abs(&br));
+        let mut want = c.clone();
+        let (ar, br) = (rounded(prec, &a), rounded(prec, &b));
         gemm_ref(
-            alpha.abs(),
-            MatRef::with_offset(&aa, aoff, m, k, ars, acs).unwrap(),
-            MatRef::with_offset(&ba, boff, k, n, brs, bcs).unwrap(),
-            0.0,
-            MatMut::with_offset(&mut mag, coff, m, n, crs, ccs).unwrap(),
+            alpha,
+            MatRef::with_offset(&ar, aoff, m, k, ars, acs).unwrap(),
+            MatRef::with_offset(&br, boff, k, n, brs, bcs).unwrap(),
+            beta,
+            MatMut::with_offset(&mut want, coff, m, n, crs, ccs).unwrap(),
         );
-        let u = (2.0f32).powi(-11);
-        for x in &mut mag {
-            *x = chunk.min(k) as f32 * u * *x + k as f32 * alpha.abs() * (2.0f32).powi(-25);
+        GemmCase {
+            prec,
+            m,
+            n,
+            k,
+            la,
+            lb,
+            lc,
+            alpha,
+            beta,
+            a,
+            b,
+            c,
+            want,
+            magnitude: std::cell::OnceCell::new(),
         }
     }
-    let tol = tolerance(k);
-    for (idx, ((&got, &exp), &chunks)) in c.iter().zip(&want).zip(&mag).enumerate() {
-        let scale = 1.0 + exp.abs();
-        let ok = (got - exp).abs() <= tol * scale + chunks || got == exp;
-        if !(got.is_finite() == exp.is_finite() && ok) {
-            return Err(format!(
-                "{prec}: m={m} n={n} k={k} A={la:?} B={lb:?} C={lc:?} alpha={alpha} beta={beta}: element {idx} is {got}, want {exp} (tol {tol})"
-            ));
-        }
+
+    fn magnitude(&self) -> &[f32] {
+        self.magnitude.get_or_init(|| {
+            let (m, n, k) = (self.m, self.n, self.k);
+            let (_, aoff, ars, acs) = geometry(self.la, m, k);
+            let (_, boff, brs, bcs) = geometry(self.lb, k, n);
+            let (_, coff, crs, ccs) = geometry(self.lc, m, n);
+            let abs = |v: &[f32]| {
+                rounded(self.prec, v)
+                    .iter()
+                    .map(|x| x.abs())
+                    .collect::<Vec<_>>()
+            };
+            let (aa, ba) = (abs(&self.a), abs(&self.b));
+            let mut mag = vec![0.0f32; self.c.len()];
+            gemm_ref(
+                self.alpha.abs(),
+                MatRef::with_offset(&aa, aoff, m, k, ars, acs).unwrap(),
+                MatRef::with_offset(&ba, boff, k, n, brs, bcs).unwrap(),
+                0.0,
+                MatMut::with_offset(&mut mag, coff, m, n, crs, ccs).unwrap(),
+            );
+            mag
+        })
     }
-    Ok(())
+
+    /// Runs `rt`'s GEMM at the case's precision and compares every element (and the untouched
+    /// padding) against the reference. Returns a description of the first mismatch.
+    pub fn check(&self, rt: &Runtime) -> Result<(), String> {
+        let GemmCase {
+            prec,
+            m,
+            n,
+            k,
+            la,
+            lb,
+            lc,
+            alpha,
+            beta,
+            ..
+        } = *self;
+        let (_, aoff, ars, acs) = geometry(la, m, k);
+        let (_, boff, brs, bcs) = geometry(lb, k, n);
+        let (_, coff, crs, ccs) = geometry(lc, m, n);
+        let mut c = self.c.clone();
+        rt.at(prec)
+            .gemm(
+                alpha,
+                MatRef::with_offset(&self.a, aoff, m, k, ars, acs).unwrap(),
+                MatRef::with_offset(&self.b, boff, k, n, brs, bcs).unwrap(),
+                beta,
+                MatMut::with_offset(&mut c, coff, m, n, crs, ccs).unwrap(),
+            )
+            .map_err(|e| e.to_string())?;
+        // Kernels that sum in f16 chunks of c (the SVE f16 kernel, the emulation) add up to
+        // c·2^-11 of Σ|alpha·a·b| (each f16 addition, the first included, rounds), plus f16's
+        // subnormal step per addition: bounded per element from |alpha|·|A|·|B|.
+        let chunk_error: Vec<f32> = match rt.kernel_at(prec).accumulation {
+            Accumulation::F16Chunks(chunk) => {
+                let u = (2.0f32).powi(-11);
+                self.magnitude()
+                    .iter()
+                    .map(|x| {
+                        chunk.min(k) as f32 * u * x + k as f32 * alpha.abs() * (2.0f32).powi(-25)
+                    })
+                    .collect()
+            }
+            _ => vec![0.0; c.len()],
+        };
+        let tol = tolerance(k);
+        for (idx, ((&got, &exp), &chunks)) in c.iter().zip(&self.want).zip(&chunk_error).enumerate()
+        {
+            let scale = 1.0 + exp.abs();
+            let ok = (got - exp).abs() <= tol * scale + chunks || got == exp;
+            if !(got.is_finite() == exp.is_finite() && ok) {
+                return Err(format!(
+                    "{prec}: m={m} n={n} k={k} A={la:?} B={lb:?} C={lc:?} alpha={alpha} beta={beta}: element {idx} is {got}, want {exp} (tol {tol})"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `v` rounded to `prec` (as the kernels see it).
+fn rounded(prec: Precision, v: &[f32]) -> Vec<f32> {
+    let mut r = v.to_vec();
+    prec.round_slice(&mut r);
+    r
 }

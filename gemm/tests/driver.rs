@@ -116,8 +116,7 @@ fn low_precision_gemm_matches_reference_on_rounded_operands() {
                     for la in LAYOUTS {
                         for lc in [Layout::RowMajor, Layout::ColMajor] {
                             for (alpha, beta) in [(1.0, 0.0), (-0.75, 0.5)] {
-                                check_gemm_at(
-                                    &rt,
+                                GemmCase::new(
                                     prec,
                                     &mut rng,
                                     m,
@@ -129,6 +128,7 @@ fn low_precision_gemm_matches_reference_on_rounded_operands() {
                                     alpha,
                                     beta,
                                 )
+                                .check(&rt)
                                 .unwrap_or_else(|e| {
                                     panic!("isa {isa} ({:?}), {lname}: {e}", rt.kernel_at(prec))
                                 });
@@ -147,8 +147,31 @@ fn low_precision_gemm_matches_reference_on_rounded_operands() {
 #[test]
 fn large_gemm_with_default_blocks_spans_domains() {
     // Default (cache-derived) block sizes, a simulated 2-domain layout, and shapes large
-    // enough that the rows are split over domains and threads.
+    // enough that the rows are split over domains and threads. Each problem and its reference
+    // are built once for every runtime (the operand layouts' packing is covered edge by edge,
+    // with tiny blocks, above; here one layout per shape).
     let mut rng = Rng::new(7);
+    let cases: Vec<GemmCase> = [
+        ((301, 257, 129), Layout::RowMajor),
+        ((520, 64, 300), Layout::ColMajor),
+    ]
+    .into_iter()
+    .flat_map(|((m, n, k), layout)| Precision::ALL.map(|prec| (prec, m, n, k, layout)))
+    .map(|(prec, m, n, k, layout)| {
+        GemmCase::new(
+            prec,
+            &mut rng,
+            m,
+            n,
+            k,
+            layout,
+            Layout::RowMajor,
+            layout,
+            1.0,
+            0.5,
+        )
+    })
+    .collect();
     for isa in runnable_isas() {
         for (lname, layout) in layouts() {
             let rt = fugu_gemm::Runtime::new(fugu_gemm::RuntimeConfig {
@@ -157,28 +180,9 @@ fn large_gemm_with_default_blocks_spans_domains() {
                 ..Default::default()
             })
             .unwrap();
-            for (m, n, k) in [(301, 257, 129), (520, 64, 300)] {
-                for (la, lc) in [
-                    (Layout::RowMajor, Layout::RowMajor),
-                    (Layout::ColMajor, Layout::ColMajor),
-                ] {
-                    for prec in Precision::ALL {
-                        check_gemm_at(
-                            &rt,
-                            prec,
-                            &mut rng,
-                            m,
-                            n,
-                            k,
-                            la,
-                            Layout::RowMajor,
-                            lc,
-                            1.0,
-                            0.5,
-                        )
-                        .unwrap_or_else(|e| panic!("isa {isa}, {lname}: {e}"));
-                    }
-                }
+            for case in &cases {
+                case.check(&rt)
+                    .unwrap_or_else(|e| panic!("isa {isa}, {lname}: {e}"));
             }
         }
     }
