@@ -63,6 +63,13 @@ export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 export FUGU_NUM_THREADS=2
 export RUST_BACKTRACE=1
 
+# The max runs stand in for the A64FX because the code chooses its kernels by the sve and neon
+# features alone: code that detects another feature would run other code on max than on the
+# A64FX, so it is refused here until its paths are tested on -cpu a64fx.
+others=$(grep -rhoE 'is_aarch64_feature_detected!\("[a-z0-9_]+"\)' gemm/src rows/src src |
+    grep -vE '"(sve|neon)"' | sort -u || true)
+[[ -z "$others" ]] || die "the code detects CPU features other than sve and neon (${others//$'\n'/ }): the -cpu max runs would not run the A64FX's code paths; test them on -cpu a64fx"
+
 echo "== building fugu-gemm and fugu-rows tests for $TARGET (rustc: $(/usr/bin/rustc --version))"
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu a64fx" \
     cargo test -p fugu-gemm -p fugu-rows --target "$TARGET" "$@" --no-run
