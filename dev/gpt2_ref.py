@@ -381,17 +381,19 @@ class AdamW:
             p -= step_size * (m / denom)
 
 
-def train(params, cfg, window, n_steps, hp):
+def train(params, cfg, window, n_steps, hp, model=None):
     """Runs n_steps optimizer steps on the same batch. Mutates params.
 
     hp keys: lr, min_lr, warmup_steps, steps, schedule, beta1, beta2, eps,
-    weight_decay, grad_clip.  Returns (losses, grad_norms, lrs).
+    weight_decay, grad_clip.  Returns (losses, grad_norms, lrs).  `model`: the module whose
+    `loss_and_grads` is trained (default this one, GPT-2; `llama_ref` passes itself).
     """
+    model = model or sys.modules[__name__]
     names = list(params.keys())
     opt = AdamW(params, hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"])
     losses, norms, lrs = [], [], []
     for step in range(n_steps):
-        loss, _, grads = loss_and_grads(params, cfg, window)
+        loss, _, grads = model.loss_and_grads(params, cfg, window)
         norm = clip_grads(grads, names, hp["grad_clip"])
         lr = lr_at(step, hp["lr"], hp["min_lr"], hp["warmup_steps"], hp["steps"], hp["schedule"])
         opt.step(params, grads, lr)
@@ -405,11 +407,8 @@ def train(params, cfg, window, n_steps, hp):
 # self-test: finite differences
 # --------------------------------------------------------------------------
 
-def _loss_only(params, cfg, inputs, targets):
-    return forward(params, cfg, inputs, targets)[0]
-
-
-def fd_check(cfg, params, window, rng, per_tensor=4, h=1e-3, tol=1e-6, floor=1e-6, label=""):
+def fd_check(cfg, params, window, rng, per_tensor=4, h=1e-3, tol=1e-6, floor=1e-6, label="",
+             model=None):
     """Compares analytic gradients with 4th-order central differences
     g ~ (-f(x+2h) + 8 f(x+h) - 8 f(x-h) + f(x-2h)) / (12 h)   (error O(h^4)).
 
@@ -418,13 +417,19 @@ def fd_check(cfg, params, window, rng, per_tensor=4, h=1e-3, tol=1e-6, floor=1e-
     rounding noise of the differences (~eps * loss / h ~ 1e-13) but far below any real
     gradient.  Some gradients are exactly 0: the key part of c_attn.bias (softmax is
     invariant to adding a constant to a row of scores) and wpe rows >= T.
+
+    `model`: the module whose `param_shapes`, `forward` and `loss_and_grads` are checked
+    (default this one, GPT-2; `llama_ref` passes itself).
     """
+    model = model or sys.modules[__name__]
     inputs, targets = split_batch(window)
-    loss, _, grads = loss_and_grads(params, cfg, window)
+    loss, _, grads = model.loss_and_grads(params, cfg, window)
     print(f"[{label}] config {cfg.to_dict()} B={inputs.shape[0]} T={inputs.shape[1]} loss={loss:.12f}")
     worst = 0.0
     ok = True
-    for name, shape in param_shapes(cfg):
+    shapes = model.param_shapes(cfg)
+    width = max(len(name) for name, _ in shapes)
+    for name, shape in shapes:
         p = params[name]
         flat = p.reshape(-1)
         if per_tensor is None:  # every element
@@ -437,7 +442,7 @@ def fd_check(cfg, params, window, rng, per_tensor=4, h=1e-3, tol=1e-6, floor=1e-
             vals = []
             for d in (2, 1, -1, -2):
                 flat[j] = orig + d * h
-                vals.append(_loss_only(params, cfg, inputs, targets))
+                vals.append(model.forward(params, cfg, inputs, targets)[0])
             flat[j] = orig
             num = ((vals[3] - vals[0]) + 8 * (vals[1] - vals[2])) / (12 * h)
             ana = grads[name].reshape(-1)[j]
@@ -449,7 +454,7 @@ def fd_check(cfg, params, window, rng, per_tensor=4, h=1e-3, tol=1e-6, floor=1e-
         ok &= maxrel < tol
         _, j, a, n = max(errs)
         detail = f"worst [{j}] analytic {a:+.10e} numeric {n:+.10e}"
-        print(f"  {status:4s} {name:26s} {str(shape):10s} n={len(idxs):4d} max rel err {maxrel:.2e}  {detail}")
+        print(f"  {status:4s} {name:{width}s} {str(shape):10s} n={len(idxs):4d} max rel err {maxrel:.2e}  {detail}")
     print(f"[{label}] worst relative error {worst:.2e} (tolerance {tol:g}): {'PASS' if ok else 'FAIL'}")
     return ok
 

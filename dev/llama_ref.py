@@ -30,7 +30,8 @@ from dataclasses import dataclass, asdict
 
 import numpy as np
 
-from gpt2_ref import AdamW, clip_grads, crossentropy_backward, crossentropy_forward, lr_at, split_batch
+import gpt2_ref
+from gpt2_ref import crossentropy_backward, crossentropy_forward, split_batch
 
 
 @dataclass(frozen=True)
@@ -310,59 +311,15 @@ def loss_and_grads(params, cfg, window):
     return loss, logits, backward(params, cfg, cache)
 
 
-def train(params, cfg, window, n_steps, hp):
-    """n_steps optimizer steps on one batch (mutates params); hp as in gpt2_ref.train.
-    Returns (losses, grad_norms, lrs)."""
-    names = [n for n, _ in param_shapes(cfg)]
-    opt = AdamW(params, hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"])
-    losses, norms, lrs = [], [], []
-    for step in range(n_steps):
-        loss, _, grads = loss_and_grads(params, cfg, window)
-        norm = clip_grads(grads, names, hp["grad_clip"])
-        lr = lr_at(step, hp["lr"], hp["min_lr"], hp["warmup_steps"], hp["steps"], hp["schedule"])
-        opt.step(params, grads, lr)
-        losses.append(loss)
-        norms.append(norm)
-        lrs.append(lr)
-    return losses, norms, lrs
-
-
 # --------------------------------------------------------------------------
 # self-test: finite differences
 # --------------------------------------------------------------------------
 
-def fd_check(cfg, params, window, rng, per_tensor=None, h=3e-4, tol=1e-6, floor=1e-6, label=""):
-    """Analytic gradients against 4th-order central differences (error O(h^4)), relative error
-    |a - n| / max(|a|, |n|, floor) as in gpt2_ref.fd_check; `per_tensor` None: every element.
-    h = 3e-4, not gpt2_ref's 1e-3: at 10x the usual init the GQA model's truncation error at
-    1e-3 reaches 9e-6 on a few elements (it falls as h^4: 4e-9 at 3e-4), while the rounding
-    noise of the differences stays near eps * loss / h ~ 1e-12."""
-    inputs, targets = split_batch(window)
-    loss, _, grads = loss_and_grads(params, cfg, window)
-    print(f"[{label}] {cfg.to_dict()} B={inputs.shape[0]} T={inputs.shape[1]} loss={loss:.12f}")
-    ok, worst = True, 0.0
-    for name, shape in param_shapes(cfg):
-        flat = params[name].reshape(-1)
-        idxs = np.arange(flat.size) if per_tensor is None else rng.choice(
-            flat.size, size=min(per_tensor, flat.size), replace=False)
-        errs = []
-        for j in idxs:
-            orig = flat[j]
-            vals = []
-            for d in (2, 1, -1, -2):
-                flat[j] = orig + d * h
-                vals.append(forward(params, cfg, inputs, targets)[0])
-            flat[j] = orig
-            num = ((vals[3] - vals[0]) + 8 * (vals[1] - vals[2])) / (12 * h)
-            ana = grads[name].reshape(-1)[j]
-            errs.append((abs(ana - num) / max(abs(ana), abs(num), floor), j, ana, num))
-        rel, j, a, n = max(errs)
-        worst = max(worst, rel)
-        ok &= rel < tol
-        print(f"  {'ok' if rel < tol else 'FAIL':4s} {name:44s} {str(shape):10s} n={len(idxs):4d} "
-              f"max rel err {rel:.2e}  worst [{j}] analytic {a:+.10e} numeric {n:+.10e}")
-    print(f"[{label}] worst relative error {worst:.2e} (tolerance {tol:g}): {'PASS' if ok else 'FAIL'}")
-    return ok
+# The finite-difference step of the whole-model checks: 3e-4, not gpt2_ref's 1e-3. At 10x the
+# usual init the GQA model's truncation error at 1e-3 reaches 9e-6 on a few elements (it falls
+# as h^4: 4e-9 at 3e-4), while the rounding noise of the differences stays near
+# eps * loss / h ~ 1e-12.
+FD_STEP = 3e-4
 
 
 def check_ops(rng):
@@ -428,16 +385,18 @@ def tiny_configs():
 
 
 def selftest():
+    this = sys.modules[__name__]
     rng = np.random.default_rng(0)
     ok = check_ops(rng)
     for label, cfg in tiny_configs().items():
         # 10x the usual std, so that attention, SwiGLU and the norms are clearly nonlinear.
         params = init_params(cfg, rng, std=0.2, norm_jitter=0.3)
         window = rng.integers(0, cfg.vocab_size, size=(2, 7))
-        ok &= fd_check(cfg, params, window, rng, label=label)
+        ok &= gpt2_ref.fd_check(cfg, params, window, rng, per_tensor=None, h=FD_STEP, label=label,
+                                model=this)
         hp = dict(lr=1e-2, min_lr=1e-3, warmup_steps=1, steps=3, schedule="cosine", beta1=0.9,
                   beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
-        losses, _, _ = train(params, cfg, window, 3, hp)
+        losses, _, _ = gpt2_ref.train(params, cfg, window, 3, hp, model=this)
         fell = losses[-1] < losses[0]
         ok &= fell
         print(f"[{label}] 3 AdamW steps: losses {[f'{x:.6f}' for x in losses]}: {'ok' if fell else 'FAIL'}")
