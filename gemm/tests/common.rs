@@ -139,24 +139,6 @@ pub fn tolerance(k: usize) -> f32 {
     1e-6 * (k as f32 + 8.0) * 4.0
 }
 
-/// Runs `rt.gemm` on one configuration and compares every element (and the untouched
-/// padding) against the reference. Returns a description of the first mismatch.
-#[allow(clippy::too_many_arguments)]
-pub fn check_gemm(
-    rt: &Runtime,
-    rng: &mut Rng,
-    m: usize,
-    n: usize,
-    k: usize,
-    la: Layout,
-    lb: Layout,
-    lc: Layout,
-    alpha: f32,
-    beta: f32,
-) -> Result<(), String> {
-    GemmCase::new(Precision::F32, rng, m, n, k, la, lb, lc, alpha, beta).check(rt)
-}
-
 /// One GEMM problem with its reference result, built once and checked against any number of
 /// runtimes (the reference costs as much as the GEMM, and under QEMU it dominates). The
 /// reference multiplies A and B rounded to the case's precision: a product of two 16-bit
@@ -164,12 +146,7 @@ pub fn check_gemm(
 /// would miss it by about the type's unit roundoff (2^-8 or 2^-11).
 pub struct GemmCase {
     prec: Precision,
-    m: usize,
-    n: usize,
-    k: usize,
-    la: Layout,
-    lb: Layout,
-    lc: Layout,
+    dims: Dims,
     alpha: f32,
     beta: f32,
     a: Vec<f32>,
@@ -181,6 +158,34 @@ pub struct GemmCase {
     /// |alpha|·|A|·|B| per element of C (0 outside the view), for the f16-chunk error bound;
     /// computed the first time a kernel that sums in f16 chunks is checked.
     magnitude: std::cell::OnceCell<Vec<f32>>,
+}
+
+/// A case's shape and operand layouts: the views of its A, B and C buffers ([`geometry`]).
+#[derive(Clone, Copy)]
+struct Dims {
+    m: usize,
+    n: usize,
+    k: usize,
+    la: Layout,
+    lb: Layout,
+    lc: Layout,
+}
+
+impl Dims {
+    fn a<'d>(&self, d: &'d [f32]) -> MatRef<'d, f32> {
+        let (_, off, rs, cs) = geometry(self.la, self.m, self.k);
+        MatRef::with_offset(d, off, self.m, self.k, rs, cs).unwrap()
+    }
+
+    fn b<'d>(&self, d: &'d [f32]) -> MatRef<'d, f32> {
+        let (_, off, rs, cs) = geometry(self.lb, self.k, self.n);
+        MatRef::with_offset(d, off, self.k, self.n, rs, cs).unwrap()
+    }
+
+    fn c<'d>(&self, d: &'d mut [f32]) -> MatMut<'d, f32> {
+        let (_, off, rs, cs) = geometry(self.lc, self.m, self.n);
+        MatMut::with_offset(d, off, self.m, self.n, rs, cs).unwrap()
+    }
 }
 
 impl GemmCase {
@@ -197,11 +202,17 @@ impl GemmCase {
         alpha: f32,
         beta: f32,
     ) -> GemmCase {
-        let (alen, aoff, ars, acs) = geometry(la, m, k);
-        let (blen, boff, brs, bcs) = geometry(lb, k, n);
+        let dims = Dims {
+            m,
+            n,
+            k,
+            la,
+            lb,
+            lc,
+        };
+        let a = rng.vec(geometry(la, m, k).0);
+        let b = rng.vec(geometry(lb, k, n).0);
         let (clen, coff, crs, ccs) = geometry(lc, m, n);
-        let a = rng.vec(alen);
-        let b = rng.vec(blen);
         let mut c = rng.vec(clen);
         if beta == 0.0 {
             // NaN must not leak from C when beta is 0. Mark the elements of the view only, so
@@ -214,21 +225,10 @@ impl GemmCase {
         }
         let mut want = c.clone();
         let (ar, br) = (rounded(prec, &a), rounded(prec, &b));
-        gemm_ref(
-            alpha,
-            MatRef::with_offset(&ar, aoff, m, k, ars, acs).unwrap(),
-            MatRef::with_offset(&br, boff, k, n, brs, bcs).unwrap(),
-            beta,
-            MatMut::with_offset(&mut want, coff, m, n, crs, ccs).unwrap(),
-        );
+        gemm_ref(alpha, dims.a(&ar), dims.b(&br), beta, dims.c(&mut want));
         GemmCase {
             prec,
-            m,
-            n,
-            k,
-            la,
-            lb,
-            lc,
+            dims,
             alpha,
             beta,
             a,
@@ -241,10 +241,6 @@ impl GemmCase {
 
     fn magnitude(&self) -> &[f32] {
         self.magnitude.get_or_init(|| {
-            let (m, n, k) = (self.m, self.n, self.k);
-            let (_, aoff, ars, acs) = geometry(self.la, m, k);
-            let (_, boff, brs, bcs) = geometry(self.lb, k, n);
-            let (_, coff, crs, ccs) = geometry(self.lc, m, n);
             let abs = |v: &[f32]| {
                 rounded(self.prec, v)
                     .iter()
@@ -253,13 +249,8 @@ impl GemmCase {
             };
             let (aa, ba) = (abs(&self.a), abs(&self.b));
             let mut mag = vec![0.0f32; self.c.len()];
-            gemm_ref(
-                self.alpha.abs(),
-                MatRef::with_offset(&aa, aoff, m, k, ars, acs).unwrap(),
-                MatRef::with_offset(&ba, boff, k, n, brs, bcs).unwrap(),
-                0.0,
-                MatMut::with_offset(&mut mag, coff, m, n, crs, ccs).unwrap(),
-            );
+            let d = self.dims;
+            gemm_ref(self.alpha.abs(), d.a(&aa), d.b(&ba), 0.0, d.c(&mut mag));
             mag
         })
     }
@@ -268,50 +259,36 @@ impl GemmCase {
     /// padding) against the reference. Returns a description of the first mismatch.
     pub fn check(&self, rt: &Runtime) -> Result<(), String> {
         let GemmCase {
-            prec,
+            prec, alpha, beta, ..
+        } = *self;
+        let d = self.dims;
+        let Dims {
             m,
             n,
             k,
             la,
             lb,
             lc,
-            alpha,
-            beta,
-            ..
-        } = *self;
-        let (_, aoff, ars, acs) = geometry(la, m, k);
-        let (_, boff, brs, bcs) = geometry(lb, k, n);
-        let (_, coff, crs, ccs) = geometry(lc, m, n);
+        } = d;
         let mut c = self.c.clone();
         rt.at(prec)
-            .gemm(
-                alpha,
-                MatRef::with_offset(&self.a, aoff, m, k, ars, acs).unwrap(),
-                MatRef::with_offset(&self.b, boff, k, n, brs, bcs).unwrap(),
-                beta,
-                MatMut::with_offset(&mut c, coff, m, n, crs, ccs).unwrap(),
-            )
+            .gemm(alpha, d.a(&self.a), d.b(&self.b), beta, d.c(&mut c))
             .map_err(|e| e.to_string())?;
         // Kernels that sum in f16 chunks of c (the SVE f16 kernel, the emulation) add up to
         // c·2^-11 of Σ|alpha·a·b| (each f16 addition, the first included, rounds), plus f16's
         // subnormal step per addition: bounded per element from |alpha|·|A|·|B|.
-        let chunk_error: Vec<f32> = match rt.kernel_at(prec).accumulation {
+        let chunk_error = |idx: usize| match rt.kernel_at(prec).accumulation {
             Accumulation::F16Chunks(chunk) => {
                 let u = (2.0f32).powi(-11);
-                self.magnitude()
-                    .iter()
-                    .map(|x| {
-                        chunk.min(k) as f32 * u * x + k as f32 * alpha.abs() * (2.0f32).powi(-25)
-                    })
-                    .collect()
+                chunk.min(k) as f32 * u * self.magnitude()[idx]
+                    + k as f32 * alpha.abs() * (2.0f32).powi(-25)
             }
-            _ => vec![0.0; c.len()],
+            _ => 0.0,
         };
         let tol = tolerance(k);
-        for (idx, ((&got, &exp), &chunks)) in c.iter().zip(&self.want).zip(&chunk_error).enumerate()
-        {
+        for (idx, (&got, &exp)) in c.iter().zip(&self.want).enumerate() {
             let scale = 1.0 + exp.abs();
-            let ok = (got - exp).abs() <= tol * scale + chunks || got == exp;
+            let ok = (got - exp).abs() <= tol * scale + chunk_error(idx) || got == exp;
             if !(got.is_finite() == exp.is_finite() && ok) {
                 return Err(format!(
                     "{prec}: m={m} n={n} k={k} A={la:?} B={lb:?} C={lc:?} alpha={alpha} beta={beta}: element {idx} is {got}, want {exp} (tol {tol})"

@@ -30,9 +30,19 @@ fn gemm_matches_reference_all_isas_layouts_and_shapes() {
                                         continue;
                                     }
                                     for (alpha, beta) in [(1.0, 0.0), (1.0, 1.0), (-0.75, 0.5)] {
-                                        if let Err(e) = check_gemm(
-                                            &rt, &mut rng, m, n, k, la, lb, lc, alpha, beta,
-                                        ) {
+                                        let case = GemmCase::new(
+                                            Precision::F32,
+                                            &mut rng,
+                                            m,
+                                            n,
+                                            k,
+                                            la,
+                                            lb,
+                                            lc,
+                                            alpha,
+                                            beta,
+                                        );
+                                        if let Err(e) = case.check(&rt) {
                                             panic!("isa {isa}, {lname}: {e}");
                                         }
                                         checked += 1;
@@ -72,8 +82,8 @@ fn both_thread_splits_match_reference() {
                     (130, 45, 50),
                 ] {
                     for (alpha, beta) in [(1.0, 0.0), (-0.75, 0.5)] {
-                        check_gemm(
-                            &rt,
+                        GemmCase::new(
+                            Precision::F32,
                             &mut rng,
                             m,
                             n,
@@ -84,6 +94,7 @@ fn both_thread_splits_match_reference() {
                             alpha,
                             beta,
                         )
+                        .check(&rt)
                         .unwrap_or_else(|e| panic!("isa {isa}, {lname}, {split:?}: {e}"));
                         checked += 1;
                     }

@@ -813,7 +813,6 @@ mod tests {
 
     mod test_ops {
         crate::metrics::ops::op_catalogue! {
-            "test";
             n {
                 FORWARD = "forward" => Scope;
                 BACKWARD = "backward" => Scope;

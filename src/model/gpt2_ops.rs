@@ -3,7 +3,6 @@
 //! breakdown and the report classify them from [`OPS`].
 
 crate::metrics::ops::op_catalogue! {
-    "gpt2";
     forward {
         EMBEDDING = "forward:embedding" => Embedding;
         /// Vocabulary-parallel embedding: the partial lookups summed over the TP group.
@@ -59,32 +58,7 @@ crate::metrics::ops::op_catalogue! {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::ops::{trainer, Share};
-    use crate::metrics::timers::parent_of;
-
-    #[test]
-    fn names_are_unique_and_every_parent_is_declared() {
-        let mut names: Vec<_> = OPS.ops.iter().map(|o| o.name).collect();
-        names.sort();
-        let n = names.len();
-        names.dedup();
-        assert_eq!(names.len(), n, "a name declared twice");
-        for op in OPS.ops {
-            if let Some(p) = parent_of(op.name) {
-                let declared = OPS.class_of(p).or(trainer::OPS.class_of(p));
-                assert!(
-                    declared.is_some(),
-                    "{}: parent {p} is not declared",
-                    op.name
-                );
-            }
-            assert!(
-                trainer::OPS.class_of(op.name).is_none(),
-                "{} is the trainer's",
-                op.name
-            );
-        }
-    }
+    use crate::metrics::ops::Share;
 
     #[test]
     fn each_op_counts_in_the_share_its_last_word_gave_it() {

@@ -87,3 +87,35 @@ pub fn parse_hf_config(arch: Arch, obj: &Map<String, Value>, path: &str) -> Resu
         Arch::Gpt2 => gpt2_hf::parse_config(&f),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::timers::parent_of;
+
+    /// Each architecture's timer names with the trainer's: none declared twice, and every
+    /// parent of the architecture's declared (a run's breakdown classifies its names from these
+    /// two catalogues; the trainer's `pipeline:*` hang under a `pipeline` nobody times).
+    #[test]
+    fn op_names_are_unique_and_every_parent_is_declared() {
+        for arch in Arch::ALL {
+            let cats = [&trainer::OPS, ops(arch)];
+            let mut names: Vec<_> = cats.iter().flat_map(|c| c.ops).map(|o| o.name).collect();
+            names.sort();
+            let n = names.len();
+            names.dedup();
+            assert_eq!(names.len(), n, "{}: a name declared twice", arch.name());
+            for op in ops(arch).ops {
+                if let Some(p) = parent_of(op.name) {
+                    let declared = cats.iter().any(|c| c.class_of(p).is_some());
+                    assert!(
+                        declared,
+                        "{}: parent {p} of {} is not declared",
+                        arch.name(),
+                        op.name
+                    );
+                }
+            }
+        }
+    }
+}
