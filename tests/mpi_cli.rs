@@ -22,6 +22,7 @@ use common::ok;
 use fugu::checkpoint;
 use fugu::config::RunConfig;
 use fugu::metrics::jsonl::{read_metrics, Record};
+use fugu::model::registry;
 use fugu::model::table::gpt2_params;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -145,7 +146,7 @@ fn params_of(ckpt: &Path) -> (Vec<f32>, Vec<f32>) {
         .copy_into(&t, &mut p)
         .unwrap();
     let (mut mm, mut vv) = (vec![0.0; t.total()], vec![0.0; t.total()]);
-    checkpoint::load_optimizer(ckpt, &t, &mut mm, &mut vv).unwrap();
+    checkpoint::load_optimizer(ckpt, &registry::hf_layout(&m), &t, &mut mm, &mut vv).unwrap();
     (p, mm)
 }
 

@@ -1,16 +1,19 @@
-//! Hugging Face GPT-2 directories: `config.json` (a `GPT2Config`) and `model.safetensors`.
+//! Hugging Face model directories: `config.json` and `model.safetensors` (or shards with an
+//! index).
 //!
-//! fugu writes what `transformers` `save_pretrained` writes for a `GPT2LMHeadModel`: keys
-//! `transformer.<name>` with `<name>` the table's name (`transformer.h.0.attn.c_attn.weight`),
-//! F32, Conv1D weights as (in, out), `wte.weight` with `vocab_size` rows (the model's padding
-//! rows are not stored), no `lm_head.weight` (tied to `wte`), metadata `{"format": "pt"}`,
-//! tensors ordered by name. It reads that, the unprefixed layout of the original hub `gpt2`
-//! files (whose `h.N.attn.bias` / `h.N.attn.masked_bias` causal-mask buffers are ignored), and
+//! fugu writes what `transformers` `save_pretrained` writes for the architecture's
+//! `...ForCausalLM`: each table tensor under its file key (the architecture's
+//! [`HfLayout`]: for GPT-2 `transformer.<name>`, `transformer.h.0.attn.c_attn.weight`), F32,
+//! in the table's layout (GPT-2's Conv1D weights as (in, out)), the vocabulary tensors with
+//! `vocab_size` rows (the model's padding rows are not stored), no tied head, metadata
+//! `{"format": "pt"}`, tensors ordered by name. It reads that, files without the key prefix
+//! (the original hub `gpt2` files), the buffers old files carry (ignored, written back), and
 //! F16/BF16 tensors.
 
 use super::st::{self, Data, Dtype, Entry, Header, OutTensor};
 use crate::atomic_write as atomic;
 use crate::config::{Arch, ModelConfig};
+use crate::model::hf_layout::HfLayout;
 use crate::model::registry;
 use crate::model::table::{padded_vocab, Table, TensorSpec};
 use anyhow::{anyhow, bail, Context, Result};
@@ -25,9 +28,6 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
 /// The generation defaults `transformers` reads next to `config.json`.
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
-/// The key prefix `transformers` gives the body of `GPT2LMHeadModel`.
-pub const KEY_PREFIX: &str = "transformer.";
-
 /// The Hugging Face `config.json` of the model `cfg` names, as fugu trains it (its
 /// architecture writes it: [`crate::model::registry::hf_config_json`]). Keys are sorted, like
 /// `save_pretrained` writes them.
@@ -89,18 +89,6 @@ fn supported_archs() -> String {
     names.join(" or ")
 }
 
-/// The shape a table tensor has in files: the table's shape, except `wte.weight`, which has
-/// `vocab` rows (the padding rows are not stored).
-pub(crate) fn file_shape(spec: &TensorSpec, vocab: usize) -> Vec<usize> {
-    if spec.name == "wte.weight" {
-        let mut s = spec.shape.clone();
-        s[0] = vocab;
-        s
-    } else {
-        spec.shape.clone()
-    }
-}
-
 /// Checks that `table` is the whole (tensor-parallel degree 1) table of `cfg`.
 pub(crate) fn check_full_table(cfg: &ModelConfig, table: &Table) -> Result<()> {
     let want = registry::full_params(cfg)?;
@@ -112,21 +100,29 @@ pub(crate) fn check_full_table(cfg: &ModelConfig, table: &Table) -> Result<()> {
             .all(|(a, b)| a.name == b.name && a.shape == b.shape);
     if !same {
         bail!(
-            "the parameter table is not the full GPT-2 table of the model config {cfg:?} \
-             (a tensor-parallel shard or another model's table?)"
+            "the parameter table is not the full {} table of the model config {cfg:?} \
+             (a tensor-parallel shard or another model's table?)",
+            registry::hf_layout(cfg).title
         );
     }
     Ok(())
 }
 
-/// Checks that the table's `wte.weight` is the padded vocabulary of `vocab`.
-pub(crate) fn check_vocab(table: &Table, vocab: usize, origin: &Path) -> Result<()> {
-    if let Some(w) = table.get("wte.weight") {
+/// Checks that the table's vocabulary tensors (`wte.weight`) have the padded vocabulary of
+/// `vocab` as rows.
+pub(crate) fn check_vocab(
+    layout: &HfLayout,
+    table: &Table,
+    vocab: usize,
+    origin: &Path,
+) -> Result<()> {
+    for w in layout.vocab_rows.iter().filter_map(|n| table.get(n)) {
         if w.shape.first() != Some(&padded_vocab(vocab)) {
             bail!(
-                "{}: vocab_size {vocab} pads to {} rows, but the table's wte.weight has shape {:?}",
+                "{}: vocab_size {vocab} pads to {} rows, but the table's {} has shape {:?}",
                 origin.display(),
                 padded_vocab(vocab),
+                w.name,
                 w.shape
             );
         }
@@ -145,25 +141,24 @@ pub(crate) fn check_len(what: &str, buf: &[f32], table: &Table) -> Result<()> {
     Ok(())
 }
 
-/// Reads the file tensor `e` into `dst`, the elements of the table tensor `spec`: checks the
-/// shape against [`file_shape`] and zeroes the padding rows.
+/// Reads the file tensor `e` into `dst`, the elements of a table tensor whose file shape is
+/// `want` ([`HfLayout::file_shape`]): checks the shape and zeroes the padding rows.
 pub(crate) fn read_into(
     f: &mut File,
     h: &Header,
     e: &Entry,
-    spec: &TensorSpec,
-    vocab: usize,
+    want: Vec<usize>,
     dst: &mut [f32],
 ) -> Result<()> {
-    check_shape(h, e, spec, vocab)?;
+    check_shape(h, e, want)?;
     let n = e.numel();
     st::read_f32(f, h, e, &mut dst[..n])?;
     dst[n..].fill(0.0);
     Ok(())
 }
 
-pub(crate) fn check_shape(h: &Header, e: &Entry, spec: &TensorSpec, vocab: usize) -> Result<()> {
-    let want = file_shape(spec, vocab);
+/// Checks that the file tensor `e` is a float tensor of shape `want`.
+pub(crate) fn check_shape(h: &Header, e: &Entry, want: Vec<usize>) -> Result<()> {
     if e.shape != want {
         bail!(
             "{}: tensor `{}` has shape {:?}, expected {:?}",
@@ -184,31 +179,14 @@ pub(crate) fn check_shape(h: &Header, e: &Entry, spec: &TensorSpec, vocab: usize
     Ok(())
 }
 
-/// A file key without the `transformer.` prefix.
-fn strip(key: &str) -> &str {
-    key.strip_prefix(KEY_PREFIX).unwrap_or(key)
-}
-
-/// `h.N.attn.bias` / `h.N.attn.masked_bias`: causal-mask buffers of old GPT-2 files.
-fn is_buffer(name: &str) -> bool {
-    let Some(rest) = name.strip_prefix("h.") else {
-        return false;
-    };
-    let Some((layer, tail)) = rest.split_once('.') else {
-        return false;
-    };
-    !layer.is_empty()
-        && layer.bytes().all(|b| b.is_ascii_digit())
-        && (tail == "attn.bias" || tail == "attn.masked_bias")
-}
-
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Role {
     /// A parameter, by table name.
     Param(String),
-    /// `lm_head.weight`: must equal `wte.weight` (tied); rewritten from it.
+    /// A tied head (GPT-2's `lm_head.weight`): must equal the tensor it is tied to
+    /// (`wte.weight`); rewritten from it.
     Tied,
-    /// An attention-mask buffer: ignored, written back as it was.
+    /// A buffer (GPT-2's attention masks): ignored, written back as it was.
     Buffer,
 }
 
@@ -223,7 +201,7 @@ struct Stored {
     role: Role,
 }
 
-/// A Hugging Face GPT-2 directory as loaded, remembering how it was stored (key prefix, dtype
+/// A Hugging Face model directory as loaded, remembering how it was stored (key prefix, dtype
 /// of each tensor, metadata, tensor order, the original `config.json` text and the ignored
 /// buffers) so that [`HfModel::save`] of unchanged weights writes identical files.
 #[derive(Clone, Debug)]
@@ -231,6 +209,8 @@ pub struct HfModel {
     /// The model, from `config.json`.
     pub config: ModelConfig,
     config_text: String,
+    /// How the architecture names its tensors in files.
+    layout: HfLayout,
     /// `model.safetensors`, or the index of a sharded checkpoint.
     source: std::path::PathBuf,
     /// The headers of `model.safetensors`, or of the index's shards (sorted by file name).
@@ -249,12 +229,13 @@ pub fn load_hf(dir: &Path) -> Result<HfModel> {
     let config_text =
         fs::read_to_string(&cpath).with_context(|| format!("reading {}", cpath.display()))?;
     let config = parse_hf_config(&config_text, &cpath)?;
+    let layout = registry::hf_layout(&config);
     let (source, shards) = read_weights(dir)?;
     let mut tensors = Vec::new();
     let mut seen: HashMap<&str, &Path> = HashMap::new();
     for (si, h) in shards.iter().enumerate() {
         for e in &h.entries {
-            let name = strip(&e.key);
+            let name = layout.strip(&e.key);
             if let Some(other) = seen.insert(name, &h.path) {
                 bail!(
                     "{}: tensor `{name}` is stored twice (also in {})",
@@ -262,9 +243,9 @@ pub fn load_hf(dir: &Path) -> Result<HfModel> {
                     other.display()
                 );
             }
-            let role = if name == "lm_head.weight" {
+            let role = if layout.tied_head.is_some_and(|t| t.file_name == name) {
                 Role::Tied
-            } else if is_buffer(name) {
+            } else if (layout.is_buffer)(name) {
                 Role::Buffer
             } else {
                 Role::Param(name.to_string())
@@ -287,6 +268,7 @@ pub fn load_hf(dir: &Path) -> Result<HfModel> {
     Ok(HfModel {
         config,
         config_text,
+        layout,
         source,
         shards,
         tensors,
@@ -410,7 +392,7 @@ impl<'a> ShardFiles<'a> {
     }
 }
 
-/// [`load_hf`] + [`HfModel::copy_into`]: loads the weights of a Hugging Face GPT-2 directory
+/// [`load_hf`] + [`HfModel::copy_into`]: loads the weights of a Hugging Face model directory
 /// into `params` (laid out by `table`) and returns its config.
 pub fn load_model(dir: &Path, table: &Table, params: &mut [f32]) -> Result<ModelConfig> {
     let m = load_hf(dir)?;
@@ -429,14 +411,16 @@ impl HfModel {
         self.shards.len()
     }
 
-    /// `"transformer."` or `""`: how the file names its tensors.
-    pub fn key_prefix(&self) -> &str {
-        let wte = self
+    /// The architecture's key prefix (GPT-2's `"transformer."`) or `""`: how the file names
+    /// its tensors (as it names the token embedding).
+    pub fn key_prefix(&self) -> &'static str {
+        let l = &self.layout;
+        let embedding = self
             .tensors
             .iter()
-            .find(|t| strip(&t.entry.key) == "wte.weight");
-        match wte {
-            Some(t) if t.entry.key.starts_with(KEY_PREFIX) => KEY_PREFIX,
+            .find(|t| l.strip(&t.entry.key) == l.embedding());
+        match embedding {
+            Some(t) if t.entry.key.starts_with(l.key_prefix) => l.key_prefix,
             _ => "",
         }
     }
@@ -451,7 +435,7 @@ impl HfModel {
         self.shards[0].metadata.as_ref()
     }
 
-    /// Keys that are not parameters: causal-mask buffers and a tied `lm_head.weight`.
+    /// Keys that are not parameters: buffers and a tied head.
     pub fn ignored_tensors(&self) -> Vec<&str> {
         self.tensors
             .iter()
@@ -486,8 +470,9 @@ impl HfModel {
             .collect();
         if !unknown.is_empty() {
             bail!(
-                "{p}: {} tensor(s) that fugu's GPT-2 model does not have: {}",
+                "{p}: {} tensor(s) that fugu's {} model does not have: {}",
                 unknown.len(),
+                self.layout.title,
                 list(&unknown)
             );
         }
@@ -500,8 +485,14 @@ impl HfModel {
             }
         }
         if !missing.is_empty() {
+            let prefix = self.layout.key_prefix;
+            let looked = if prefix.is_empty() {
+                String::new()
+            } else {
+                format!(" (looked for names with and without `{prefix}`)")
+            };
             bail!(
-                "{p}: {} tensor(s) missing: {} (looked for names with and without `{KEY_PREFIX}`)",
+                "{p}: {} tensor(s) missing: {}{looked}",
                 missing.len(),
                 list(&missing)
             );
@@ -522,25 +513,33 @@ impl HfModel {
     }
 
     /// Checks the stored tensors against `table` (the table of `self.config`) before anything
-    /// is read: every table tensor must be stored with its shape (`wte.weight` unpadded), and
-    /// every stored tensor must be a table tensor, a causal-mask buffer or an
-    /// `lm_head.weight` of `wte`'s shape.
+    /// is read: every table tensor must be stored with its shape (the vocabulary tensors
+    /// unpadded), and every stored tensor must be a table tensor, a buffer or a tied head of
+    /// its source's shape.
     pub fn check(&self, table: &Table) -> Result<()> {
         let vocab = self.config.vocab_size;
-        check_vocab(table, vocab, &self.path().with_file_name(CONFIG_FILE))?;
+        let l = &self.layout;
+        check_vocab(l, table, vocab, &self.path().with_file_name(CONFIG_FILE))?;
         let pairs = self.pair(table)?;
         for (s, t) in &pairs {
-            check_shape(self.header(t), &t.entry, s, vocab)?;
+            check_shape(self.header(t), &t.entry, l.file_shape(s, vocab))?;
         }
-        if let (Some(t), Some(w)) = (self.tied(), table.get("wte.weight")) {
-            check_shape(self.header(t), &t.entry, w, vocab)?;
+        if let (Some(t), Some(w)) = (self.tied(), l.tied_source(table)) {
+            check_shape(self.header(t), &t.entry, l.file_shape(w, vocab))?;
         }
         Ok(())
     }
 
+    /// True when the stored tensor `t` has the file shape of table tensor `spec`.
+    fn same_shape(&self, t: &Stored, spec: &TensorSpec) -> bool {
+        let want = self.layout.file_shape(spec, self.config.vocab_size);
+        check_shape(self.header(t), &t.entry, want).is_ok()
+    }
+
     /// Reads the table tensor `name` into `out` (its length in `table`; after
-    /// [`Self::check`]): only that tensor's bytes are read. The padding rows of `wte` are
-    /// zeroed, and a stored `lm_head.weight` must equal `wte.weight` (fugu ties the two).
+    /// [`Self::check`]): only that tensor's bytes are read. The padding rows of the vocabulary
+    /// tensors are zeroed, and a stored tied head (`lm_head.weight`) must equal its source
+    /// (`wte.weight`).
     pub fn read_tensor(&self, table: &Table, name: &str, out: &mut [f32]) -> Result<()> {
         let spec = table
             .get(name)
@@ -554,11 +553,11 @@ impl HfModel {
             files.get(t.shard)?,
             self.header(t),
             &t.entry,
-            spec,
-            vocab,
+            self.layout.file_shape(spec, vocab),
             out,
         )?;
-        if let (Some(t), "wte.weight") = (self.tied(), name) {
+        let tied_to = self.layout.tied_head.map(|h| h.table_name);
+        if let (Some(t), true) = (self.tied(), tied_to == Some(name)) {
             let mut head = vec![0f32; t.entry.numel()];
             st::read_f32(files.get(t.shard)?, self.header(t), &t.entry, &mut head)?;
             if head
@@ -567,7 +566,7 @@ impl HfModel {
                 .any(|(a, b)| a.to_bits() != b.to_bits())
             {
                 bail!(
-                    "{}: `{}` differs from `wte.weight`, but fugu ties the two (tie_word_embeddings)",
+                    "{}: `{}` differs from `{name}`, but fugu ties the two (tie_word_embeddings)",
                     self.header(t).path.display(),
                     t.entry.key
                 );
@@ -586,19 +585,18 @@ impl HfModel {
     pub fn save(&self, dir: &Path, table: &Table, params: &[f32]) -> Result<()> {
         check_len("parameter", params, table)?;
         let vocab = self.config.vocab_size;
-        check_vocab(table, vocab, &dir.join(CONFIG_FILE))?;
+        let l = &self.layout;
+        check_vocab(l, table, vocab, &dir.join(CONFIG_FILE))?;
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let wte = table.get("wte.weight");
-        let wte_data = |n: usize| wte.map(|w| &params[w.offset..w.offset + n]);
+        let tied_source = l.tied_source(table);
+        let tied_data = |n: usize| tied_source.map(|w| &params[w.offset..w.offset + n]);
         let same_layout = self.shards.len() == 1
-            && self.pair(table).is_ok_and(|pairs| {
-                pairs
-                    .iter()
-                    .all(|(s, t)| check_shape(self.header(t), &t.entry, s, vocab).is_ok())
-            })
-            && self.tied().is_none_or(|t| {
-                wte.is_some_and(|w| check_shape(self.header(t), &t.entry, w, vocab).is_ok())
-            });
+            && self
+                .pair(table)
+                .is_ok_and(|pairs| pairs.iter().all(|(s, t)| self.same_shape(t, s)))
+            && self
+                .tied()
+                .is_none_or(|t| tied_source.is_some_and(|w| self.same_shape(t, w)));
         let (header, tensors) = if same_layout {
             let mut tensors = Vec::with_capacity(self.tensors.len());
             for (i, t) in self.tensors.iter().enumerate() {
@@ -608,7 +606,7 @@ impl HfModel {
                         let s = table.get(n).expect("paired above");
                         Data::F32(&params[s.offset..s.offset + e.numel()])
                     }
-                    Role::Tied => Data::F32(wte_data(e.numel()).expect("checked above")),
+                    Role::Tied => Data::F32(tied_data(e.numel()).expect("checked above")),
                     Role::Buffer => Data::Raw(&self.buffers[&i]),
                 };
                 tensors.push(OutTensor {
@@ -625,7 +623,7 @@ impl HfModel {
                 .specs()
                 .iter()
                 .map(|s| {
-                    let shape = file_shape(s, vocab);
+                    let shape = l.file_shape(s, vocab);
                     let n = shape.iter().product::<usize>();
                     OutTensor {
                         key: format!("{prefix}{}", s.name),
@@ -638,14 +636,14 @@ impl HfModel {
                     }
                 })
                 .collect();
-            if let (Some(t), Some(w)) = (self.tied(), wte) {
-                let shape = file_shape(w, vocab);
+            if let (Some(t), Some(w)) = (self.tied(), tied_source) {
+                let shape = l.file_shape(w, vocab);
                 let n = shape.iter().product();
                 tensors.push(OutTensor {
                     key: t.entry.key.clone(),
                     dtype: t.entry.dtype,
                     shape,
-                    data: Data::F32(wte_data(n).expect("wte present")),
+                    data: Data::F32(tied_data(n).expect("tied source present")),
                 });
             }
             st::sort_tensors(&mut tensors);
@@ -660,20 +658,8 @@ impl HfModel {
             self.config_text.clone()
         } else {
             let mut v: Value = serde_json::from_str(&self.config_text)?;
-            let c = &self.config;
             let obj = v.as_object_mut().expect("checked when loaded");
-            for (k, x) in [
-                ("vocab_size", c.vocab_size),
-                ("n_positions", c.n_positions),
-                ("n_embd", c.n_embd),
-                ("n_head", c.n_head),
-                ("n_layer", c.n_layer),
-            ] {
-                obj.insert(k.into(), x.into());
-            }
-            if obj.contains_key("n_ctx") {
-                obj.insert("n_ctx".into(), c.n_positions.into());
-            }
+            registry::update_hf_config(obj, &self.config);
             json_text(&v)
         };
         atomic::write_bytes(&dir.join(CONFIG_FILE), text.as_bytes())
@@ -699,20 +685,21 @@ pub(crate) fn list(names: &[&str]) -> String {
 }
 
 /// Writes `dir/config.json`, `dir/generation_config.json` and `dir/model.safetensors` in the
-/// layout `transformers` `save_pretrained` uses for `GPT2LMHeadModel` (see the module docs). `table` must be the full
-/// table of `cfg`. Each file is written atomically.
+/// layout `transformers` `save_pretrained` uses for the architecture (see the module docs).
+/// `table` must be the full table of `cfg`. Each file is written atomically.
 pub fn save_model(dir: &Path, cfg: &ModelConfig, table: &Table, params: &[f32]) -> Result<()> {
     check_full_table(cfg, table)?;
     check_len("parameter", params, table)?;
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let layout = registry::hf_layout(cfg);
     let mut tensors: Vec<OutTensor> = table
         .specs()
         .iter()
         .map(|s| {
-            let shape = file_shape(s, cfg.vocab_size);
+            let shape = layout.file_shape(s, cfg.vocab_size);
             let n = shape.iter().product::<usize>();
             OutTensor {
-                key: format!("{KEY_PREFIX}{}", s.name),
+                key: layout.key(&s.name),
                 dtype: Dtype::F32,
                 shape,
                 data: Data::F32(&params[s.offset..s.offset + n]),

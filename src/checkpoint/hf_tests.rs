@@ -2,8 +2,16 @@
 
 use super::*;
 use crate::checkpoint::testutil::{tiny, TestDir};
+use crate::model::gpt2_hf::LAYOUT;
 use crate::model::table::gpt2_params;
 use std::path::PathBuf;
+
+/// GPT-2's key prefix and file shapes, which these tests spell out.
+const KEY_PREFIX: &str = LAYOUT.key_prefix;
+
+fn file_shape(spec: &TensorSpec, vocab: usize) -> Vec<usize> {
+    LAYOUT.file_shape(spec, vocab)
+}
 
 type TensorList = Vec<(String, Vec<usize>)>;
 

@@ -284,6 +284,7 @@ fn prune(out_dir: &Path, keep_this: &Path, keep: usize) -> Result<()> {
 mod tests {
     use super::testutil::{tiny, TestDir};
     use super::*;
+    use crate::model::gpt2_hf;
     use serde::{Deserialize, Serializer};
 
     #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -377,7 +378,10 @@ mod tests {
         let mut p2 = vec![0f32; table.total()];
         assert_eq!(load_model(&p, &table, &mut p2).unwrap(), cfg);
         let (mut m2, mut v2) = (vec![0f32; table.total()], vec![0f32; table.total()]);
-        assert_eq!(load_optimizer(&p, &table, &mut m2, &mut v2).unwrap(), 100);
+        assert_eq!(
+            load_optimizer(&p, &gpt2_hf::LAYOUT, &table, &mut m2, &mut v2).unwrap(),
+            100
+        );
         assert_eq!((&p2, &m2, &v2), (&params, &m, &v));
         assert_eq!(read_state::<State>(&p).unwrap(), state(100));
         // Junk and a crashed write do not count; keep_last = 2 keeps the newest two.

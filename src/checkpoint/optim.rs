@@ -3,10 +3,12 @@
 //! (`transformer.h.0.attn.c_attn.weight`), in the same unpadded shapes. Metadata:
 //! `{"format": "pt", "optimizer": "adamw", "step": "<optimizer step>"}`.
 
-use super::hf::{self, check_full_table, check_len, file_shape, list, read_hf_config, KEY_PREFIX};
+use super::hf::{self, check_full_table, check_len, list, read_hf_config};
 use super::st::{self, Data, Dtype, OutTensor};
 use crate::atomic_write as atomic;
 use crate::config::ModelConfig;
+use crate::model::hf_layout::HfLayout;
+use crate::model::registry;
 use crate::model::table::{padded_vocab, Table};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
@@ -31,7 +33,7 @@ pub fn save_optimizer(
     check_len("first-moment (m)", m, table)?;
     check_len("second-moment (v)", v, table)?;
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let prefixes = MOMENTS.map(|m| format!("{m}{KEY_PREFIX}"));
+    let prefixes = MOMENTS.map(|m| format!("{m}{}", registry::hf_layout(cfg).key_prefix));
     let meta = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
         ("optimizer".to_string(), "adamw".to_string()),
@@ -47,8 +49,9 @@ pub fn save_optimizer(
 }
 
 /// Writes buffers laid out by the full `table` of `cfg` as one safetensors file (atomically):
-/// each tensor of each buffer as F32 under `prefix + name`, in its file shape (`wte` without
-/// the padding rows). Used for the optimizer state and for `fugu train --dump-grads`.
+/// each tensor of each buffer as F32 under `prefix + name`, in its file shape (the vocabulary
+/// tensors without the padding rows). Used for the optimizer state and for
+/// `fugu train --dump-grads`.
 pub fn save_table_tensors(
     path: &Path,
     cfg: &ModelConfig,
@@ -57,11 +60,12 @@ pub fn save_table_tensors(
     meta: &BTreeMap<String, String>,
 ) -> Result<()> {
     check_full_table(cfg, table)?;
+    let layout = registry::hf_layout(cfg);
     let mut tensors = Vec::with_capacity(buffers.len() * table.specs().len());
     for (prefix, buf) in buffers {
         check_len(&format!("buffer for keys {prefix:?}"), buf, table)?;
         for s in table.specs() {
-            let shape = file_shape(s, cfg.vocab_size);
+            let shape = layout.file_shape(s, cfg.vocab_size);
             let n = shape.iter().product::<usize>();
             tensors.push(OutTensor {
                 key: format!("{prefix}{}", s.name),
@@ -78,14 +82,21 @@ pub fn save_table_tensors(
 
 /// Reads `dir/optimizer.safetensors`, or the shards named by
 /// `dir/optimizer.safetensors.index.json`, into `m` and `v` (laid out by `table`) and returns
-/// the optimizer step from the metadata (every shard must carry the same). The vocabulary size
-/// is `dir/config.json`'s where that exists, else the stored `wte` row count (which must pad
-/// to the table's). Every table tensor must be present with its shape, and nothing else; keys
-/// with or without `transformer.` are accepted. The padding rows of `wte` are zeroed.
-pub fn load_optimizer(dir: &Path, table: &Table, m: &mut [f32], v: &mut [f32]) -> Result<u64> {
+/// the optimizer step from the metadata (every shard must carry the same). `layout` is the
+/// architecture's. The vocabulary size is `dir/config.json`'s where that exists, else the
+/// stored embedding's row count (which must pad to the table's). Every table tensor must be
+/// present with its shape, and nothing else; keys with or without the layout's prefix
+/// (`transformer.`) are accepted. The padding rows of the vocabulary tensors are zeroed.
+pub fn load_optimizer(
+    dir: &Path,
+    layout: &HfLayout,
+    table: &Table,
+    m: &mut [f32],
+    v: &mut [f32],
+) -> Result<u64> {
     check_len("first-moment (m)", m, table)?;
     check_len("second-moment (v)", v, table)?;
-    let files = OptimizerFiles::open(dir, table)?;
+    let files = OptimizerFiles::open(dir, layout, table)?;
     for s in table.specs() {
         files.read(table, 0, &s.name, &mut m[s.range()])?;
         files.read(table, 1, &s.name, &mut v[s.range()])?;
@@ -102,11 +113,13 @@ pub struct OptimizerFiles {
     /// (moment, table name) → (shard, entry).
     index: HashMap<(usize, String), (usize, usize)>,
     vocab: usize,
+    layout: HfLayout,
 }
 
 impl OptimizerFiles {
-    /// Opens and checks the optimizer state of checkpoint `dir` against `table`.
-    pub fn open(dir: &Path, table: &Table) -> Result<OptimizerFiles> {
+    /// Opens and checks the optimizer state of checkpoint `dir` against `table`, whose
+    /// architecture names its tensors by `layout`.
+    pub fn open(dir: &Path, layout: &HfLayout, table: &Table) -> Result<OptimizerFiles> {
         let (source, shards) = hf::read_tensor_files(
             dir,
             OPTIMIZER_FILE,
@@ -138,7 +151,7 @@ impl OptimizerFiles {
             for (i, e) in h.entries.iter().enumerate() {
                 let found = MOMENTS.iter().enumerate().find_map(|(k, pre)| {
                     let name = e.key.strip_prefix(pre)?;
-                    let name = name.strip_prefix(KEY_PREFIX).unwrap_or(name);
+                    let name = layout.strip(name);
                     table.get(name).map(|s| (k, s.name.as_str()))
                 });
                 match found {
@@ -162,7 +175,7 @@ impl OptimizerFiles {
         for (k, pre) in MOMENTS.iter().enumerate() {
             for s in table.specs() {
                 if !index.contains_key(&(k, s.name.as_str())) {
-                    missing.push(format!("{pre}{KEY_PREFIX}{}", s.name));
+                    missing.push(format!("{pre}{}", layout.key(&s.name)));
                 }
             }
         }
@@ -171,15 +184,15 @@ impl OptimizerFiles {
             bail!("{p}: {} tensor(s) missing: {}", names.len(), list(&names));
         }
         let entry = |id: &(usize, usize)| (&shards[id.0], &shards[id.0].entries[id.1]);
-        let vocab = match table.get("wte.weight") {
+        let vocab = match table.get(layout.embedding()) {
             None => 0,
             Some(w) => {
                 if dir.join(hf::CONFIG_FILE).exists() {
                     let vocab = read_hf_config(dir)?.vocab_size;
-                    hf::check_vocab(table, vocab, &dir.join(hf::CONFIG_FILE))?;
+                    hf::check_vocab(layout, table, vocab, &dir.join(hf::CONFIG_FILE))?;
                     vocab
                 } else {
-                    let (_, e) = entry(&index[&(0, "wte.weight")]);
+                    let (_, e) = entry(&index[&(0, layout.embedding())]);
                     let rows = e.shape.first().copied().unwrap_or(0);
                     if padded_vocab(rows) != w.shape[0] {
                         bail!(
@@ -196,7 +209,7 @@ impl OptimizerFiles {
         };
         for ((k, name), id) in &index {
             let (h, e) = entry(id);
-            hf::check_shape(h, e, table.get(name).unwrap(), vocab)
+            hf::check_shape(h, e, layout.file_shape(table.get(name).unwrap(), vocab))
                 .with_context(|| format!("moment {k} of {name}"))?;
         }
         let index = index
@@ -208,12 +221,13 @@ impl OptimizerFiles {
             shards,
             index,
             vocab,
+            layout: *layout,
         })
     }
 
     /// Reads moment `k` (0: `exp_avg`, 1: `exp_avg_sq`) of the table tensor `name` into `out`
-    /// (its length in the table); only that tensor's bytes are read. The padding rows of `wte`
-    /// are zeroed.
+    /// (its length in the table); only that tensor's bytes are read. The padding rows of the
+    /// vocabulary tensors are zeroed.
     pub fn read(&self, table: &Table, k: usize, name: &str, out: &mut [f32]) -> Result<()> {
         let spec = table
             .get(name)
@@ -224,7 +238,8 @@ impl OptimizerFiles {
             .ok_or_else(|| anyhow!("internal: moment {k} of {name} was not indexed"))?;
         let h = &self.shards[si];
         let mut files = hf::ShardFiles::new(&self.shards);
-        hf::read_into(files.get(si)?, h, &h.entries[ei], spec, self.vocab, out)
+        let want = self.layout.file_shape(spec, self.vocab);
+        hf::read_into(files.get(si)?, h, &h.entries[ei], want, out)
     }
 }
 
@@ -233,6 +248,7 @@ mod tests {
     use super::*;
     use crate::checkpoint::hf::save_model;
     use crate::checkpoint::testutil::{tiny, TestDir};
+    use crate::model::gpt2_hf::LAYOUT;
 
     #[test]
     fn moments_round_trip_and_errors() {
@@ -256,7 +272,7 @@ mod tests {
             let mut m2 = vec![f32::NAN; table.total()];
             let mut v2 = vec![f32::NAN; table.total()];
             assert_eq!(
-                load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap(),
+                load_optimizer(&d.0, &LAYOUT, &table, &mut m2, &mut v2).unwrap(),
                 1234
             );
             for s in table.specs() {
@@ -269,7 +285,7 @@ mod tests {
         let (mut m2, mut v2) = (vec![0f32; table.total()], vec![0f32; table.total()]);
         let e = format!(
             "{:#}",
-            load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap_err()
+            load_optimizer(&d.0, &LAYOUT, &table, &mut m2, &mut v2).unwrap_err()
         );
         assert!(e.contains("no `step`"), "{e}");
         // Wrong shape: a different model's moments.
@@ -282,7 +298,7 @@ mod tests {
         save_optimizer(&d.0, &cfg2, &t2, &z, &z, 1).unwrap();
         let e = format!(
             "{:#}",
-            load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap_err()
+            load_optimizer(&d.0, &LAYOUT, &table, &mut m2, &mut v2).unwrap_err()
         );
         assert!(
             e.contains("`exp_avg.transformer.wpe.weight` has shape [8, 32], expected [16, 32]")
@@ -301,7 +317,7 @@ mod tests {
         save_optimizer(&d.0, &cfg1, &t1, &z1, &z1, 1).unwrap();
         let e = format!(
             "{:#}",
-            load_optimizer(&d.0, &table, &mut m2, &mut v2).unwrap_err()
+            load_optimizer(&d.0, &LAYOUT, &table, &mut m2, &mut v2).unwrap_err()
         );
         assert!(
             e.contains("24 tensor(s) missing") && e.contains("exp_avg.transformer.h.1."),
@@ -311,7 +327,7 @@ mod tests {
         let (mut a, mut b) = (z1.clone(), z1.clone());
         let e = format!(
             "{:#}",
-            load_optimizer(&d.0, &t1, &mut a, &mut b).unwrap_err()
+            load_optimizer(&d.0, &LAYOUT, &t1, &mut a, &mut b).unwrap_err()
         );
         assert!(
             e.contains("24 tensor(s) that are not AdamW moments") && e.contains("h.1."),

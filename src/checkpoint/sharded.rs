@@ -9,8 +9,8 @@
 //!
 //! [`plan`] decides which shard holds each tensor: shard `s·tp + w` belongs to tensor-parallel
 //! rank `w` of data-parallel replica 0 of pipeline stage `s`; a stage's tensors are spread over
-//! its `tp` shards by size (largest first, each to the least-filled shard), and the tied `wte`
-//! is written by the first stage. Every rank can compute the whole plan from the model and the
+//! its `tp` shards by size (largest first, each to the least-filled shard), and a tensor two
+//! stages hold (GPT-2's tied `wte`) is written by the first. Every rank can compute the whole plan from the model and the
 //! layout, so rank 0 writes the indexes without hearing from the writers.
 //!
 //! [`ShardWriter`] writes one file as the tensors arrive: the header (every tensor's name,
@@ -18,14 +18,13 @@
 //! parts, if the caller likes), so a writer holds at most one tensor at a time, never its
 //! whole shard.
 
-use super::hf::{file_shape, KEY_PREFIX};
 use super::st::{self, Data, Dtype, OutTensor};
 use crate::config::ModelConfig;
 use crate::model::registry;
 use crate::model::stage::Stage;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -70,6 +69,8 @@ pub fn shard_file(kind: Kind, i: usize, n: usize) -> String {
 pub struct Planned {
     /// The model's name (`h.0.attn.c_attn.weight`).
     pub name: String,
+    /// The key in model files (`transformer.h.0.attn.c_attn.weight`).
+    pub key: String,
     /// The shape in the files (`wte` without the vocabulary padding).
     pub shape: Vec<usize>,
     /// The shard that holds it.
@@ -90,13 +91,15 @@ pub fn plan(cfg: &ModelConfig, stages: &[Stage], tp: usize) -> Result<Vec<Planne
     if tp == 0 {
         bail!("tensor-parallel degree 0");
     }
+    let layout = registry::hf_layout(cfg);
     let mut out = Vec::new();
+    let mut planned = HashSet::new();
     for stage in stages {
         let table = registry::stage_params(cfg, 1, stage)?;
         let specs: Vec<_> = table
             .specs()
             .iter()
-            .filter(|s| stage.is_first() || s.name != "wte.weight")
+            .filter(|s| planned.insert(s.name.clone()))
             .collect();
         let mut order: Vec<usize> = (0..specs.len()).collect();
         // Largest first (ties by table order), each to the least-filled shard (ties: lowest).
@@ -111,7 +114,8 @@ pub fn plan(cfg: &ModelConfig, stages: &[Stage], tp: usize) -> Result<Vec<Planne
         for (s, shard) in specs.iter().zip(shard_of) {
             out.push(Planned {
                 name: s.name.clone(),
-                shape: file_shape(s, cfg.vocab_size),
+                key: layout.key(&s.name),
+                shape: layout.file_shape(s, cfg.vocab_size),
                 shard,
             });
         }
@@ -119,14 +123,14 @@ pub fn plan(cfg: &ModelConfig, stages: &[Stage], tp: usize) -> Result<Vec<Planne
     Ok(out)
 }
 
-/// The keys of `p` in a file of `kind`: `transformer.NAME` in the model, each moment's prefix
-/// before that in the optimizer.
+/// The keys of `p` in a file of `kind`: its key (`transformer.NAME`) in the model, each
+/// moment's prefix before that in the optimizer.
 pub fn keys(kind: Kind, p: &Planned) -> Vec<String> {
     match kind {
-        Kind::Model => vec![format!("{KEY_PREFIX}{}", p.name)],
+        Kind::Model => vec![p.key.clone()],
         Kind::Optimizer => MOMENT_PREFIXES
             .iter()
-            .map(|m| format!("{m}{KEY_PREFIX}{}", p.name))
+            .map(|m| format!("{m}{}", p.key))
             .collect(),
     }
 }

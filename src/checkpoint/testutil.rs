@@ -1,7 +1,7 @@
 //! Helpers for the checkpoint tests.
 
-use super::hf::file_shape;
 use crate::config::ModelConfig;
+use crate::model::gpt2_hf::LAYOUT;
 use crate::model::table::{gpt2_params, Table};
 use std::fs;
 use std::path::PathBuf;
@@ -37,7 +37,10 @@ pub(crate) fn tiny() -> (ModelConfig, Table, Vec<f32>) {
     let table = gpt2_params(&cfg, 1).unwrap();
     let mut params = vec![0f32; table.total()];
     for s in table.specs() {
-        let n = file_shape(s, cfg.vocab_size).iter().product::<usize>();
+        let n = LAYOUT
+            .file_shape(s, cfg.vocab_size)
+            .iter()
+            .product::<usize>();
         for (i, x) in params[s.offset..s.offset + n].iter_mut().enumerate() {
             *x = ((s.offset + i) as f32 * 0.618).sin() * 0.1;
         }

@@ -1,9 +1,55 @@
-//! GPT-2's Hugging Face `config.json` (a `GPT2Config`), written and read.
+//! GPT-2's Hugging Face files: `config.json` (a `GPT2Config`), written and read, and how
+//! `GPT2LMHeadModel` names its tensors.
 
 use super::hf_fields::HfFields;
+use super::hf_layout::{HfLayout, TiedHead};
 use crate::config::{Arch, ModelConfig};
 use anyhow::{bail, Result};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+
+/// `GPT2LMHeadModel`'s tensors: the body under `transformer.` (the original hub files have no
+/// prefix), `wte.weight` with `vocab_size` rows, `lm_head.weight` tied to it, and the
+/// `h.N.attn.bias` / `h.N.attn.masked_bias` causal-mask buffers of old files.
+pub const LAYOUT: HfLayout = HfLayout {
+    title: "GPT-2",
+    key_prefix: "transformer.",
+    vocab_rows: &["wte.weight"],
+    tied_head: Some(TiedHead {
+        file_name: "lm_head.weight",
+        table_name: "wte.weight",
+    }),
+    is_buffer,
+};
+
+/// `h.N.attn.bias` / `h.N.attn.masked_bias`: causal-mask buffers of old GPT-2 files.
+fn is_buffer(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("h.") else {
+        return false;
+    };
+    let Some((layer, tail)) = rest.split_once('.') else {
+        return false;
+    };
+    !layer.is_empty()
+        && layer.bytes().all(|b| b.is_ascii_digit())
+        && (tail == "attn.bias" || tail == "attn.masked_bias")
+}
+
+/// Writes `cfg`'s sizes into a `config.json` object read from a file (its other fields kept):
+/// `n_ctx` too where the file has it.
+pub fn update_config(obj: &mut Map<String, Value>, cfg: &ModelConfig) {
+    for (k, x) in [
+        ("vocab_size", cfg.vocab_size),
+        ("n_positions", cfg.n_positions),
+        ("n_embd", cfg.n_embd),
+        ("n_head", cfg.n_head),
+        ("n_layer", cfg.n_layer),
+    ] {
+        obj.insert(k.into(), x.into());
+    }
+    if obj.contains_key("n_ctx") {
+        obj.insert("n_ctx".into(), cfg.n_positions.into());
+    }
+}
 
 /// The `config.json` of a `GPT2LMHeadModel` for `cfg`, as fugu trains it (no dropout, tied
 /// embeddings, tanh GELU). Keys are sorted, like `save_pretrained` writes them.

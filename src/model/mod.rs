@@ -9,6 +9,7 @@ pub mod gpt2;
 pub mod gpt2_hf;
 pub mod gpt2_ops;
 pub mod hf_fields;
+pub mod hf_layout;
 pub mod init;
 pub mod kv;
 pub mod layers;

@@ -6,6 +6,7 @@ use super::contract::{Model, TpRank};
 use super::gpt2::Gpt2;
 use super::gpt2_hf;
 use super::hf_fields::HfFields;
+use super::hf_layout::HfLayout;
 use super::stage::Stage;
 use super::table::Table;
 use crate::backend::{Backend, Dtype};
@@ -61,6 +62,21 @@ pub fn init_tensor(cfg: &ModelConfig, name: &str, seed: u64, dst: &mut [f32]) {
 pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     match cfg.arch {
         Arch::Gpt2 => gpt2_hf::config_json(cfg),
+    }
+}
+
+/// How the model `cfg` names and shapes its tensors in Hugging Face files.
+pub fn hf_layout(cfg: &ModelConfig) -> HfLayout {
+    match cfg.arch {
+        Arch::Gpt2 => gpt2_hf::LAYOUT,
+    }
+}
+
+/// Writes `cfg`'s sizes into a `config.json` object of its architecture read from a file,
+/// keeping the file's other fields.
+pub fn update_hf_config(obj: &mut Map<String, Value>, cfg: &ModelConfig) {
+    match cfg.arch {
+        Arch::Gpt2 => gpt2_hf::update_config(obj, cfg),
     }
 }
 

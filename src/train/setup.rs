@@ -401,7 +401,7 @@ fn initialise<B: Backend>(
     if let Some(ck) = resume_from {
         let hf = checkpoint::load_hf(ck)?;
         hf.check(full_table)?;
-        let opt = OptimizerFiles::open(ck, full_table)?;
+        let opt = OptimizerFiles::open(ck, &registry::hf_layout(m), full_table)?;
         let [mut m, mut v] = [0, 1].map(|k| {
             let opt = &opt;
             move |s: &TensorSpec, out: &mut [f32]| opt.read(full_table, k, &s.name, out)
