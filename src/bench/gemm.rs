@@ -8,42 +8,9 @@ use super::stats::{median, time_interleaved, Contender};
 use anyhow::{bail, Context, Result};
 use fugu_gemm::peak::Peak;
 use fugu_gemm::{BatchMut, BatchRef, MatMut, MatRef, Precision, Runtime};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-/// `batch` GEMMs of C (m×n) = A (m×k) · B (k×n), row-major, with A stored transposed when
-/// `ta` and B stored transposed when `tb` (as the trainer's backward pass uses them). Written
-/// `MxNxK[xBATCH][:ta][:tb]` on the command line ([`parse_shape`], [`GemmShape::arg`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct GemmShape {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub batch: usize,
-    pub ta: bool,
-    pub tb: bool,
-}
-
-impl GemmShape {
-    /// FLOPs of the whole batch.
-    pub fn flops(&self) -> f64 {
-        2.0 * (self.m * self.n * self.k * self.batch) as f64
-    }
-
-    /// The shape in `--shape` syntax (what [`parse_shape`] reads back).
-    pub fn arg(&self) -> String {
-        let mut s = format!("{}x{}x{}", self.m, self.n, self.k);
-        if self.batch > 1 {
-            s += &format!("x{}", self.batch);
-        }
-        if self.ta {
-            s += ":ta";
-        }
-        if self.tb {
-            s += ":tb";
-        }
-        s
-    }
-}
+pub use crate::metrics::cost::GemmShape;
 
 /// One benchmark problem: a named [`GemmShape`].
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -1,10 +1,12 @@
 //! Observability for the trainer: per-op timers and the end-of-run breakdown
-//! ([`timers`]), model FLOPs ([`flops`]), the machine and its FP32 peak ([`machine`], the same
+//! ([`timers`]), what ops cost ([`cost`], declared by each model), Megatron's FLOPs formula
+//! ([`flops`]), the machine and its FP32 peak ([`machine`], the same
 //! figure `fugu bench gemm` reports against; measured once per machine and cached by
 //! [`peak_cache`]), its memory bandwidth ([`bandwidth`], cached the same way), `OUT/metrics.jsonl` ([`jsonl`]) and the step
 //! progress display ([`progress`]).
 
 pub mod bandwidth;
+pub mod cost;
 pub mod flops;
 pub mod jsonl;
 pub mod machine;

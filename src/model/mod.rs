@@ -6,6 +6,7 @@
 pub mod acts;
 pub mod contract;
 pub mod gpt2;
+pub mod gpt2_cost;
 pub mod gpt2_hf;
 pub mod gpt2_ops;
 pub mod hf_fields;

@@ -11,6 +11,7 @@ use super::stage::Stage;
 use super::table::Table;
 use crate::backend::{Backend, Dtype};
 use crate::config::{Arch, ModelConfig};
+use crate::metrics::cost::CostModel;
 use crate::metrics::ops::{trainer, OpCatalogue};
 use anyhow::Result;
 use serde_json::{Map, Value};
@@ -84,6 +85,14 @@ pub fn update_hf_config(obj: &mut Map<String, Value>, cfg: &ModelConfig) {
 pub fn ops(arch: Arch) -> &'static OpCatalogue {
     match arch {
         Arch::Gpt2 => &super::gpt2_ops::OPS,
+    }
+}
+
+/// What the compute ops of architecture `arch` cost (for predictions, stage balancing and
+/// model FLOPs).
+pub fn cost(arch: Arch) -> &'static CostModel {
+    match arch {
+        Arch::Gpt2 => &super::gpt2_cost::COST,
     }
 }
 

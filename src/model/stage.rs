@@ -9,7 +9,8 @@
 //! several blocks (2·C·V FLOPs per token against 24·C² + 4·T·C for a block, the second term
 //! the attention scores and context at sequence length T: 5.2 blocks for GPT-2 124M at
 //! T = 256, 4.5 at T = 1024), so an even split of blocks would leave the last stage the
-//! slowest and every other stage waiting for it. [`Stage::split`] gives each stage a contiguous run of at least one
+//! slowest and every other stage waiting for it. The costs are the forward GEMM FLOPs the
+//! architecture declares ([`super::registry::cost`]). [`Stage::split`] gives each stage a contiguous run of at least one
 //! block, choosing the run lengths that minimise the largest stage cost (blocks, plus the LM
 //! head on the last stage); ties go to the split that gives earlier stages more blocks.
 //! FLOPs are only an estimate of time (the LM head's large GEMMs run closer to peak than a
@@ -17,6 +18,8 @@
 //! explicitly ([`Stage::layout`]).
 
 use crate::config::ModelConfig;
+use crate::metrics::cost::{Pass, Slice};
+use crate::model::registry;
 use crate::model::table::padded_vocab;
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -50,6 +53,21 @@ impl Stage {
     /// This stage holds the final layernorm and LM head and computes the loss.
     pub fn is_last(&self) -> bool {
         self.index + 1 == self.count
+    }
+
+    /// What one rank of this stage works on per micro-batch of `mb` sequences of `seq_len`
+    /// tokens under `tp`-way tensor parallelism (the LM head over the padded vocabulary).
+    pub fn slice<'a>(&self, m: &'a ModelConfig, seq_len: usize, mb: usize, tp: usize) -> Slice<'a> {
+        Slice {
+            model: m,
+            seq_len,
+            mb,
+            tp,
+            layers: self.layers.len(),
+            first: self.is_first(),
+            last: self.is_last(),
+            vocab: padded_vocab(m.vocab_size),
+        }
     }
 
     /// The stages of a run with sequences of `seq_len` tokens: `counts[s]` blocks on stage `s`
@@ -102,12 +120,18 @@ impl Stage {
         if pp == 0 || pp > n {
             bail!("cannot split model.n_layer = {n} blocks into {pp} pipeline stages (1..={n})");
         }
-        // Costs in units of multiply-adds per token (the factor 2 and the backward's 2x are
-        // the same for every part): a block's four linear layers, plus QKᵀ and PV (T·C each,
-        // counted in full as Megatron's formula does).
-        let c = m.n_embd as f64;
-        let block = 12.0 * c * c + 2.0 * seq_len as f64 * c;
-        let head = c * padded_vocab(m.vocab_size) as f64;
+        // Costs in forward FLOPs of one sequence (the backward's 2x is the same for every
+        // part): one block, and the LM head.
+        let model_cost = registry::cost(m.arch);
+        let one = |layers: usize, last: bool| {
+            let s = Slice {
+                first: false,
+                last,
+                ..Stage::whole(layers).slice(m, seq_len, 1, 1)
+            };
+            model_cost.gemm_flops(Pass::Forward, &s)
+        };
+        let (block, head) = (one(1, false), one(0, true));
         // best[s][k]: the smallest possible largest cost when stages s.. run blocks k..n,
         // and the length of stage s's run that achieves it.
         let mut best = vec![vec![(f64::INFINITY, 0usize); n + 1]; pp + 1];

@@ -1,21 +1,5 @@
-//! The GEMMs one rank makes per micro-batch, per compute op and pass, and the measured GEMM
-//! rates (`fugu bench gemm --format json`) that turn them into time.
-//!
-//! **The calls** ([`op_gemms`]) are those of the ops, in `fugu bench gemm`'s terms (C = A·B,
-//! row-major, `ta`/`tb` when A/B is stored transposed):
-//!
-//! * a linear layer of `n` tokens, `ic → oc` (`ops/linear.rs`): forward `n × oc × ic`;
-//!   backward data `n × ic × oc` (`tb` for the `InOut` weights of the blocks, none for the
-//!   `OutIn` LM head, which is `tb` forward), backward weight `ic × oc × n` (`OutIn`:
-//!   `oc × ic × n`), both with `ta`;
-//! * attention (`ops/attention.rs`), per sequence a batch of `nh` heads: scores Q·Kᵀ
-//!   (`attention:baddbmm`, `T × T × hs`, `tb`) and values P·V (`attention:bmm`, `T × hs × T`);
-//!   backward, dP = dO·Vᵀ (`T × T × hs`, `tb`) and dV = Pᵀ·dO (`T × hs × T`, `ta`) under
-//!   `attention:bmm`, dQ = dS·K and dK = dSᵀ·Q (`T × hs × T`, plain and `ta`) under
-//!   `attention:baddbmm`.
-//!
-//! The real attention operands are strided views into the fused QKV buffer; the benchmark's
-//! are contiguous, so their rates are an approximation there.
+//! The measured GEMM rates (`fugu bench gemm --format json`) that turn the GEMM calls a model
+//! declares per op ([`crate::metrics::cost`]; GPT-2's in `model/gpt2_cost.rs`) into time.
 //!
 //! **The rates** ([`GemmRates`]): a row measured at the same shape, transposes and thread count
 //! is used as is. Otherwise the nearest row in shape (the sum of |ln x − ln x'| over m, n, k
@@ -23,105 +7,12 @@
 //! its rate scaled by the ratio of thread counts. `fugu predict gemm-shapes` prints the shapes
 //! a set of layouts makes, so that they can all be measured exactly.
 
-use super::step::Shape;
 use crate::bench::gemm::GemmShape;
-use crate::model::gpt2_ops::forward as fwd;
+pub use crate::metrics::cost::{GemmCall, Pass};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::Path;
-
-/// A forward or backward pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pass {
-    Forward,
-    Backward,
-}
-
-/// One GEMM shape, called `count` times per micro-batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct GemmCall {
-    pub shape: GemmShape,
-    pub count: usize,
-}
-
-impl GemmCall {
-    /// FLOPs of all `count` calls.
-    pub fn flops(&self) -> f64 {
-        self.shape.flops() * self.count as f64
-    }
-}
-
-/// How a linear layer stores its weight (`ops/linear.rs`).
-#[derive(Clone, Copy)]
-enum Weight {
-    /// (in, out): the blocks' Conv1D weights.
-    InOut,
-    /// (out, in): the tied `wte` as the LM head.
-    OutIn,
-}
-
-fn call(m: usize, n: usize, k: usize, batch: usize, ta: bool, tb: bool, count: usize) -> GemmCall {
-    GemmCall {
-        shape: GemmShape {
-            m,
-            n,
-            k,
-            batch,
-            ta,
-            tb,
-        },
-        count,
-    }
-}
-
-/// The GEMMs of `count` linear layers of `n` tokens, `ic → oc`, in one pass.
-fn linear(pass: Pass, n: usize, ic: usize, oc: usize, w: Weight, count: usize) -> Vec<GemmCall> {
-    match (pass, w) {
-        (Pass::Forward, Weight::InOut) => vec![call(n, oc, ic, 1, false, false, count)],
-        (Pass::Forward, Weight::OutIn) => vec![call(n, oc, ic, 1, false, true, count)],
-        (Pass::Backward, Weight::InOut) => vec![
-            call(n, ic, oc, 1, false, true, count),
-            call(ic, oc, n, 1, true, false, count),
-        ],
-        (Pass::Backward, Weight::OutIn) => vec![
-            call(n, ic, oc, 1, false, false, count),
-            call(oc, ic, n, 1, true, false, count),
-        ],
-    }
-}
-
-/// The GEMMs of a compute op (a `COMPUTE_OPS` entry, by its forward timer name) in one pass of one micro-batch on one
-/// rank; `None` for the ops that are not GEMMs.
-pub(super) fn op_gemms(op: &str, pass: Pass, s: &Shape) -> Option<Vec<GemmCall>> {
-    let u = |x: f64| x as usize;
-    let (n, c, t, hs, nh, layers) = (u(s.mb * s.t), u(s.c), u(s.t), u(s.hs), u(s.nh), u(s.layers));
-    let ctp = u(s.c / s.tp);
-    let per_seq = u(s.mb) * layers;
-    let forward = pass == Pass::Forward;
-    Some(match op {
-        fwd::QKV => linear(pass, n, c, 3 * ctp, Weight::InOut, layers),
-        fwd::PROJ => linear(pass, n, ctp, c, Weight::InOut, layers),
-        fwd::MLP_MM => {
-            let mut v = linear(pass, n, c, u(s.f), Weight::InOut, layers);
-            v.extend(linear(pass, n, u(s.f), c, Weight::InOut, layers));
-            v
-        }
-        fwd::LM_HEAD if s.last => linear(pass, n, c, u(s.vp), Weight::OutIn, 1),
-        fwd::LM_HEAD => Vec::new(),
-        fwd::BADDBMM if forward => vec![call(t, t, hs, nh, false, true, per_seq)],
-        fwd::BADDBMM => vec![
-            call(t, hs, t, nh, false, false, per_seq),
-            call(t, hs, t, nh, true, false, per_seq),
-        ],
-        fwd::BMM if forward => vec![call(t, hs, t, nh, false, false, per_seq)],
-        fwd::BMM => vec![
-            call(t, t, hs, nh, false, true, per_seq),
-            call(t, hs, t, nh, true, false, per_seq),
-        ],
-        _ => return None,
-    })
-}
 
 /// One measured GEMM rate: a `fugu bench gemm --format json` row, reduced to what the model
 /// reads (`[[compute.gemm]]` in a profile: `m`, `n`, `k`, `batch`, `ta`, `tb`, `threads`,
@@ -255,6 +146,18 @@ pub fn read_bench_gemm(path: &Path) -> Result<Vec<GemmRate>> {
 mod tests {
     use super::*;
 
+    fn call(
+        m: usize,
+        n: usize,
+        k: usize,
+        batch: usize,
+        ta: bool,
+        tb: bool,
+        count: usize,
+    ) -> GemmCall {
+        GemmCall::new([m, n, k], batch, (ta, tb), count)
+    }
+
     fn rate(m: usize, n: usize, k: usize, threads: usize, gflops: f64) -> GemmRate {
         GemmRate {
             shape: call(m, n, k, 1, false, false, 1).shape,
@@ -288,43 +191,6 @@ mod tests {
             vec!["1024x100x128".to_string()]
         );
         assert!(GemmRates::default().rate(&c.shape, 1).is_none());
-    }
-
-    /// The calls of every op, forward and backward, add up to Megatron's FLOPs formula (every
-    /// GEMM of the model, the LM head's padded vocabulary included), at tp 1 and per TP rank.
-    #[test]
-    fn calls_add_up_to_the_model_flops() {
-        use crate::config::ModelConfig;
-        use crate::metrics::flops::megatron_flops_per_step;
-        use crate::model::stage::Stage;
-        use crate::model::table::padded_vocab;
-        use crate::predict::step::COMPUTE_OPS;
-        let m = ModelConfig {
-            arch: crate::config::Arch::Gpt2,
-            vocab_size: 1000,
-            n_positions: 64,
-            n_embd: 96,
-            n_head: 4,
-            n_layer: 3,
-        };
-        let (t, mb) = (64, 3);
-        for tp in [1, 2, 4] {
-            let s = Shape::new(&m, t, mb, tp, &Stage::whole(m.n_layer));
-            let mut flops = 0.0;
-            for op in COMPUTE_OPS {
-                for pass in [Pass::Forward, Pass::Backward] {
-                    let calls = op_gemms(op.forward, pass, &s).unwrap_or_default();
-                    flops += calls.iter().map(GemmCall::flops).sum::<f64>();
-                }
-            }
-            let want =
-                megatron_flops_per_step(mb, t, m.n_layer, m.n_embd, padded_vocab(m.vocab_size))
-                    / tp as f64;
-            assert!(
-                (flops - want).abs() <= 1e-9 * want,
-                "tp {tp}: {flops} vs {want}"
-            );
-        }
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! One training step of a layout, predicted op by op under the same timer names as a real run.
 //!
 //! **Compute.** Either a reference run's per-op times, each scaled by the op's work in the new
-//! layout ([`op_work`]: FLOPs for the GEMMs, elements for the rest, per rank and per step;
-//! with measured GEMM rates, the GEMMs' predicted time: [`super::gemm`]), or one effective
+//! layout ([`op_work`]: the model's declared cost, [`crate::metrics::cost`]: FLOPs for the
+//! GEMMs, elements for the rest, per rank and per step; with measured GEMM rates, the GEMMs'
+//! predicted time: [`super::gemm`]), or one effective
 //! rate for the model's FLOPs ([`Compute::Rate`], for machines known only by a published
 //! figure). **Communication** comes from the [`Network`] model with the group
 //! placement of fugu's grid (TP innermost, then DP, then PP: `parallel/grid.rs`):
@@ -18,11 +19,11 @@
 //!   after the backward pass. ZeRO-1 reduce-scatters instead and all-gathers the parameters
 //!   after the optimizer (`allgather-params`, not overlapped).
 
-use super::gemm::{op_gemms, GemmCall, GemmRates, Pass};
+use super::gemm::{GemmCall, GemmRates, Pass};
 use super::network::{Group, Network};
 use crate::config::ModelConfig;
-use crate::metrics::flops::megatron_flops_per_step;
-use crate::metrics::ops::trainer::{self, grads, optimizer, phase};
+use crate::metrics::cost::{CostModel, OpWork, Slice};
+use crate::metrics::ops::trainer::{grads, optimizer, phase};
 pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{acts_table, grad_acts_table, stats_table, AttnKeep, Recompute, StepDims};
 use crate::model::gpt2_ops::{backward as bwd, forward as fwd};
@@ -101,86 +102,33 @@ pub struct Machine {
     pub memory_gib_per_rank: f64,
 }
 
-/// The compute ops whose work [`op_work`] knows, by their timer names.
-pub const COMPUTE_OPS: [ComputeOp; 13] = [
-    ComputeOp::both(fwd::QKV, bwd::QKV),
-    ComputeOp::both(fwd::PROJ, bwd::PROJ),
-    ComputeOp::both(fwd::BMM, bwd::BMM),
-    ComputeOp::both(fwd::BADDBMM, bwd::BADDBMM),
-    ComputeOp::both(fwd::SOFTMAX, bwd::SOFTMAX),
-    ComputeOp::both(fwd::MLP_MM, bwd::MLP_MM),
-    ComputeOp::both(fwd::GELU, bwd::GELU),
-    ComputeOp::both(fwd::LAYERNORM, bwd::LAYERNORM),
-    ComputeOp::both(fwd::RESIDUAL, bwd::RESIDUAL),
-    ComputeOp::both(fwd::EMBEDDING, bwd::EMBEDDING),
-    ComputeOp::both(fwd::LM_HEAD, bwd::LM_HEAD),
-    ComputeOp::both(fwd::LOSS, bwd::LOSS),
-    ComputeOp {
-        forward: trainer::data::BATCH_GENERATOR,
-        backward: None,
-    },
-];
-
-/// A compute op by its timer names (the model's op catalogue); its forward name identifies it
-/// to [`op_work`] and [`op_gemms`].
+/// The shapes one rank works on per micro-batch: the model's [`Slice`] (what its cost model
+/// reads), and the sizes the communication model reads, as floats.
 #[derive(Clone, Copy, Debug)]
-pub struct ComputeOp {
-    pub forward: &'static str,
-    pub backward: Option<&'static str>,
-}
-
-impl ComputeOp {
-    const fn both(forward: &'static str, backward: &'static str) -> ComputeOp {
-        ComputeOp {
-            forward,
-            backward: Some(backward),
-        }
-    }
-
-    /// Its timer name in `pass`, if it runs there.
-    pub fn name(self, pass: Pass) -> Option<&'static str> {
-        match pass {
-            Pass::Forward => Some(self.forward),
-            Pass::Backward => self.backward,
-        }
-    }
-}
-
-/// The shapes one rank works on per micro-batch.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Shape {
-    /// Sequences per micro-batch.
+pub(super) struct Shape<'a> {
+    pub(super) slice: Slice<'a>,
+    /// Sequences per micro-batch, sequence length, hidden size, blocks.
     pub(super) mb: f64,
     pub(super) t: f64,
     pub(super) c: f64,
-    /// Local heads, head size, MLP width, padded vocabulary rows.
-    pub(super) nh: f64,
-    pub(super) hs: f64,
-    pub(super) f: f64,
-    pub(super) vp: f64,
-    pub(super) tp: f64,
     pub(super) layers: f64,
     pub(super) first: bool,
     pub(super) last: bool,
 }
 
-impl Shape {
+impl<'a> Shape<'a> {
     pub(super) fn new(
-        m: &ModelConfig,
+        m: &'a ModelConfig,
         seq_len: usize,
         mb: usize,
         tp: usize,
         stage: &Stage,
-    ) -> Shape {
+    ) -> Shape<'a> {
         Shape {
+            slice: stage.slice(m, seq_len, mb, tp),
             mb: mb as f64,
             t: seq_len as f64,
             c: m.n_embd as f64,
-            nh: (m.n_head / tp) as f64,
-            hs: (m.n_embd / m.n_head) as f64,
-            f: (4 * m.n_embd / tp) as f64,
-            vp: (padded_vocab(m.vocab_size) / tp) as f64,
-            tp: tp as f64,
             layers: stage.layers.len() as f64,
             first: stage.is_first(),
             last: stage.is_last(),
@@ -188,28 +136,22 @@ impl Shape {
     }
 }
 
-/// The work of one compute op (a [`COMPUTE_OPS`] name) in one pass of a micro-batch on one
-/// rank: for the GEMMs their FLOPs ([`op_gemms`]), or their seconds at the measured rates on
-/// the given threads when `gemm` has rates; elements for the rest. Only ratios of it are used.
-fn op_work(op: &str, pass: Pass, s: &Shape, gemm: Option<(&GemmRates, usize)>) -> Option<f64> {
-    if let Some(calls) = op_gemms(op, pass, s) {
-        return match gemm {
-            Some((rates, threads)) => rates.seconds(&calls, threads),
-            None => Some(calls.iter().map(|c| c.flops()).sum()),
-        };
-    }
-    let n = s.mb * s.t;
-    let l = s.layers;
-    let on = |b: bool| if b { 1.0 } else { 0.0 };
-    Some(match op {
-        fwd::SOFTMAX => s.mb * s.nh * s.t * s.t * l,
-        fwd::GELU => n * s.f * l,
-        fwd::LAYERNORM => n * s.c * (2.0 * l + on(s.last)),
-        fwd::RESIDUAL => 2.0 * n * s.c * l,
-        fwd::EMBEDDING => n * s.c * on(s.first),
-        fwd::LOSS => n * s.vp * on(s.last),
-        trainer::data::BATCH_GENERATOR => n * on(s.first),
-        _ => return None,
+/// The work of one compute op (by its forward timer name) in one pass of a micro-batch on one
+/// rank, as `cost` declares it: for the GEMMs their FLOPs, or their seconds at the measured
+/// rates on the given threads when `gemm` has rates; elements for the rest. Only ratios of it
+/// are used.
+fn op_work(
+    cost: &CostModel,
+    (op, pass): (&str, Pass),
+    s: &Slice,
+    gemm: Option<(&GemmRates, usize)>,
+) -> Option<f64> {
+    Some(match (cost.work)(op, pass, s)? {
+        OpWork::Gemms(calls) => match gemm {
+            Some((rates, threads)) => return rates.seconds(&calls, threads),
+            None => calls.iter().map(|c| c.flops()).sum(),
+        },
+        OpWork::Elements(n) => n,
     })
 }
 
@@ -243,7 +185,7 @@ pub fn unmeasured_gemms(w: &Workload, l: &Layout, m: &Machine) -> Result<BTreeSe
 }
 
 /// The micro-batch shape of a reference run (one process, the whole model).
-fn reference_shape(r: &Reference) -> Shape {
+fn reference_shape(r: &Reference) -> Shape<'_> {
     let mb = r.batch_per_rank / r.micro_batches.max(1);
     Shape::new(&r.model, r.seq_len, mb, 1, &Stage::whole(r.model.n_layer))
 }
@@ -256,10 +198,11 @@ pub fn reference_gemms(r: &Reference) -> Vec<GemmCall> {
 /// The distinct GEMM shapes of every op and pass at one micro-batch shape (call counts
 /// dropped: only the shapes matter for rates).
 fn shape_gemms(s: &Shape) -> BTreeSet<GemmCall> {
+    let cost = registry::cost(s.slice.model.arch);
     let mut calls = BTreeSet::new();
-    for op in COMPUTE_OPS {
+    for op in cost.ops {
         for pass in [Pass::Forward, Pass::Backward] {
-            for c in op_gemms(op.forward, pass, s).unwrap_or_default() {
+            for c in cost.gemms(op.forward, pass, &s.slice).unwrap_or_default() {
                 calls.insert(GemmCall { count: 1, ..c });
             }
         }
@@ -385,12 +328,16 @@ impl StepCtx<'_> {
         let rs = reference_shape(r);
         let rmb = r.micro_batches.max(1) as f64;
         let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
+        let (cost, rcost) = (
+            registry::cost(s.slice.model.arch),
+            registry::cost(r.model.arch),
+        );
         for (dir, pass) in [
             (phase::FORWARD, Pass::Forward),
             (phase::BACKWARD, Pass::Backward),
         ] {
             let mut known = 0.0;
-            for op in COMPUTE_OPS {
+            for op in cost.ops {
                 let Some(name) = op.name(pass) else {
                     continue;
                 };
@@ -400,10 +347,21 @@ impl StepCtx<'_> {
                 known += ms;
                 // With measured rates a GEMM op's work is its time on each side's threads.
                 let op = op.forward;
-                let rates = (!gemm.0.is_empty() && op_gemms(op, pass, s).is_some()).then_some(gemm);
+                let is_gemm = cost.gemms(op, pass, &s.slice).is_some();
+                let rates = (!gemm.0.is_empty() && is_gemm).then_some(gemm);
                 let (wn, wr) = (
-                    op_work(op, pass, s, rates.map(|g| (g, l.threads_per_rank))),
-                    op_work(op, pass, &rs, rates.map(|g| (g, r.threads_per_rank))),
+                    op_work(
+                        cost,
+                        (op, pass),
+                        &s.slice,
+                        rates.map(|g| (g, l.threads_per_rank)),
+                    ),
+                    op_work(
+                        rcost,
+                        (op, pass),
+                        &rs.slice,
+                        rates.map(|g| (g, r.threads_per_rank)),
+                    ),
                 );
                 let by = if rates.is_some() { oversub } else { scale };
                 let (wn, wr) = (wn.unwrap_or(0.0), wr.unwrap_or(0.0));
@@ -437,18 +395,12 @@ impl StepCtx<'_> {
     /// The stage's share of the model FLOPs of its ranks' sequences at `rate` per node.
     fn at_rate(&self, rate: f64, stage: &Stage, oversub: f64, t: &mut BTreeMap<String, f64>) {
         let (w, l) = (self.w, self.l);
-        let vocab = if stage.is_last() {
-            w.model.vocab_size
-        } else {
-            0
+        let slice = Slice {
+            mb: self.per_rank,
+            vocab: w.model.vocab_size,
+            ..stage.slice(&w.model, w.seq_len, self.per_rank, 1)
         };
-        let flops = megatron_flops_per_step(
-            self.per_rank,
-            w.seq_len,
-            stage.layers.len(),
-            w.model.n_embd,
-            vocab,
-        ) / l.tp as f64;
+        let flops = registry::cost(w.model.arch).model_flops(&slice) / l.tp as f64;
         let per_rank = rate * 1e12 / l.ranks_per_node as f64;
         let ms = flops / per_rank * 1e3 * oversub;
         t.insert("forward:compute".into(), ms / 3.0);
@@ -610,13 +562,11 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         }
     }
     let (step_ms, timers_ms, mem) = best.expect("at least one stage");
-    let flops = megatron_flops_per_step(
-        w.global_batch,
-        w.seq_len,
-        cfg.n_layer,
-        cfg.n_embd,
-        cfg.vocab_size,
-    );
+    let whole = Slice {
+        vocab: cfg.vocab_size,
+        ..Stage::whole(cfg.n_layer).slice(cfg, w.seq_len, w.global_batch, 1)
+    };
+    let flops = registry::cost(cfg.arch).model_flops(&whole);
     let tflops_per_node = flops / (step_ms * 1e-3) / l.nodes as f64 / 1e12;
     let peak_node = m.peak_gflops_per_core * m.cores_per_node as f64 / 1e3;
     Ok(Prediction {

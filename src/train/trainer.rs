@@ -32,7 +32,7 @@ use crate::backend::Backend;
 use crate::checkpoint;
 use crate::checkpoint::sharded::{self, Kind};
 use crate::config::{Precision, RunConfig};
-use crate::metrics::flops::megatron_flops_per_step;
+use crate::metrics::cost::Slice;
 use crate::metrics::jsonl::{MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::ops::trainer;
@@ -163,8 +163,11 @@ impl<'d, B: Backend> Trainer<'d, B> {
             .map_or(machine.peak_gflops, |p| p.0);
         let global_batch = t.batch_size * grid.dp;
         let m = &cfg.model;
-        let flops_step =
-            megatron_flops_per_step(global_batch, t.seq_len, m.n_layer, m.n_embd, m.vocab_size);
+        let whole = Slice {
+            vocab: m.vocab_size,
+            ..Stage::whole(m.n_layer).slice(m, t.seq_len, global_batch, 1)
+        };
+        let flops_step = registry::cost(m.arch).model_flops(&whole);
         let start_step = start_state.map_or(0, |s| s.step);
         let timers = Timers::new(opts.timers);
         if let Some(clock) = parts.model.backend().device_clock() {
