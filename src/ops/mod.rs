@@ -20,6 +20,9 @@
 //! | `float.rs` | [`Float`], GEMM views [`Mat`], [`MatMutT`], [`BatchMat`], [`BatchMatMut`] |
 //! | `encoder.rs` | token + position embedding (vocabulary-sharded `wte`) |
 //! | `layernorm.rs` | layer norm (eps [`LN_EPS`], biased variance) |
+//! | `rmsnorm.rs` | RMS norm (Llama; no mean, no bias) |
+//! | `rope.rs` | rotary position embeddings, `rotate_half` convention, in place on the q/k heads |
+//! | `swiglu.rs` | SwiGLU gate `silu(gate)·up` on fused `[gate | up]` rows |
 //! | `linear.rs` | `y = x·W + b`, W in Conv1D (in, out) or (out, in) layout |
 //! | `attention.rs` | causal attention on fused qkv: scores, softmax, values (+ backward) |
 //! | `gelu.rs` | GELU, tanh approximation |
@@ -38,7 +41,10 @@ pub mod gelu;
 pub mod layernorm;
 pub mod linear;
 pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
 pub mod row_isa;
+pub mod swiglu;
 #[cfg(test)]
 pub(crate) mod testutil;
 
@@ -57,6 +63,9 @@ pub use gelu::{gelu_backward, gelu_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward, LN_EPS};
 pub use linear::{linear_backward, linear_forward, WeightLayout};
 pub use residual::{add_inplace, residual_backward, residual_forward};
+pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub use rope::{rope_backward, rope_forward, RopeTable};
+pub use swiglu::{swiglu_backward, swiglu_forward};
 
 use rayon::prelude::*;
 
