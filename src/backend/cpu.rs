@@ -330,7 +330,7 @@ impl Backend for CpuBackend {
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[qkv]);
         let ([a], [q]) = views(&mut self.bufs, [att], [qkv]);
-        ops::attention::attention_scores(prec, a, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_scores(prec, a, q, d.shape());
         self.stored(&[att]);
     }
 
@@ -343,7 +343,7 @@ impl Backend for CpuBackend {
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[att, qkv]);
         let ([o], [a, q]) = views(&mut self.bufs, [out], [att, qkv]);
-        ops::attention::attention_values(prec, o, a, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_values(prec, o, a, q, d.shape());
         self.stored(&[out]);
     }
 
@@ -358,7 +358,7 @@ impl Backend for CpuBackend {
     ) {
         let prec = self.gemm_precision(&[dout, att, qkv]);
         let ([da, dq], [dout, a, q]) = views(&mut self.bufs, [datt, dqkv], [dout, att, qkv]);
-        ops::attention::attention_values_backward(prec, da, dq, dout, a, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_values_backward(prec, da, dq, dout, a, q, d.shape());
         self.stored(&[datt, dqkv]);
     }
 
@@ -371,7 +371,7 @@ impl Backend for CpuBackend {
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[datt, qkv]);
         let ([dq], [da, q]) = views(&mut self.bufs, [dqkv], [datt, qkv]);
-        ops::attention::attention_scores_backward(prec, dq, da, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_scores_backward(prec, dq, da, q, d.shape());
         self.stored(&[dqkv]);
     }
 
@@ -382,7 +382,7 @@ impl Backend for CpuBackend {
 
     fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims) {
         let ([o, l], [q]) = views(&mut self.bufs, [out, lse], [qkv]);
-        ops::attention::attention_forward_fused(o, l, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_forward_fused(o, l, q, d.shape());
         self.stored(&[out, lse]);
     }
 
@@ -396,13 +396,13 @@ impl Backend for CpuBackend {
         d: AttnDims,
     ) {
         let ([dq], [dy, y, l, q]) = views(&mut self.bufs, [dqkv], [dout, out, lse, qkv]);
-        ops::attention::attention_backward_fused(dq, dy, y, l, q, d.b, d.t, d.nh, d.hs);
+        ops::attention::attention_backward_fused(dq, dy, y, l, q, d.shape());
         self.stored(&[dqkv]);
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize) {
         let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, kv.k, kv.v]);
-        ops::attention::attention_decode(o, q, k, v, kv.len, nh, hs);
+        ops::attention::attention_decode(o, q, k, v, kv.len, (nh, nh), hs);
         self.stored(&[out]);
     }
 

@@ -121,6 +121,14 @@ pub struct AttnDims {
     pub hs: usize,
 }
 
+impl AttnDims {
+    /// The ops' shape of these dimensions (multi-head attention: a key/value head per query
+    /// head).
+    pub fn shape(self) -> crate::ops::attention::AttnShape {
+        crate::ops::attention::AttnShape::mha(self.b, self.t, self.nh, self.hs)
+    }
+}
+
 /// Whether a backend runs training attention fused ([`Backend::fused_attention`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FusedAttention {

@@ -1,14 +1,19 @@
 //! Causal multi-head self-attention on a fused qkv tensor, as three timed steps (Megatron's
-//! baddbmm / softmax / bmm) and their backward counterparts.
+//! baddbmm / softmax / bmm) and their backward counterparts, with grouped-query attention.
 //!
-//! Layout: `qkv` is (B, T, 3C) with each row `[q (C) | k (C) | v (C)]`, head `h` at columns
-//! `h*hs .. (h+1)*hs` of each part; `C = nh*hs` is the *local* width (with tensor parallelism
-//! each rank sees only its `nh` heads). `att` is (B, nh, T, T). The attention output and its
-//! gradient are (B, T, C) with the same head layout.
+//! Layout ([`AttnShape`]): `qkv` is (B, T, (nh + 2·kv)·hs) with each row
+//! `[q (nh·hs) | k (kv·hs) | v (kv·hs)]`, head `h` at columns `h*hs .. (h+1)*hs` of its part;
+//! query head `h` attends with key/value head `h / (nh/kv)` (grouped-query attention, as
+//! `transformers`' `repeat_kv`; `kv = nh` is multi-head attention, each row `[q | k | v]` of
+//! `C = nh·hs` each). The widths are the *local* ones (with tensor parallelism each rank sees
+//! only its heads). `att` is (B, nh, T, T). The attention output and its gradient are
+//! (B, T, C) with the query heads' layout.
 //!
 //! Every matrix product is a strided batched GEMM over the heads of one batch element (batch
 //! stride `hs` inside a qkv or output row, `T·T` in `att`), reading and writing the fused
-//! layouts in place through strides: no head split or merge copies.
+//! layouts in place through strides: no head split or merge copies. Under grouped-query
+//! attention one batch covers the `i`-th query head of every group ([`Heads::every`]), one
+//! call per group member; the key/value gradients add the members' shares in member order.
 //!
 //! Causal blocks ([`causal_blocks`], the rule every backend follows): from T = 128 the query
 //! rows go in four blocks, and each block's products use the keys up to its own last row only
@@ -48,8 +53,54 @@ pub fn causal_blocks(t: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-fn check(qkv: usize, b: usize, t: usize, nh: usize, hs: usize, op: &str) {
-    assert_eq!(qkv, b * t * 3 * nh * hs, "{op}: qkv length");
+/// The shape of one attention call: `b` sequences of `t` tokens, `nh` query heads sharing `kv`
+/// key/value heads (`kv` divides `nh`; `kv = nh` is multi-head attention), heads of `hs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    pub b: usize,
+    pub t: usize,
+    pub nh: usize,
+    pub kv: usize,
+    pub hs: usize,
+}
+
+impl AttnShape {
+    /// Multi-head attention: as many key/value heads as query heads.
+    pub fn mha(b: usize, t: usize, nh: usize, hs: usize) -> AttnShape {
+        AttnShape {
+            b,
+            t,
+            nh,
+            kv: nh,
+            hs,
+        }
+    }
+
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.nh / self.kv
+    }
+
+    /// Elements of one qkv row: `(nh + 2·kv)·hs`.
+    pub fn qkv_width(&self) -> usize {
+        (self.nh + 2 * self.kv) * self.hs
+    }
+
+    /// Elements of one output row: `nh·hs`.
+    pub fn out_width(&self) -> usize {
+        self.nh * self.hs
+    }
+
+    /// Asserts the qkv length and that `kv` divides `nh`.
+    fn check(&self, qkv: usize, op: &str) {
+        assert!(
+            self.kv > 0 && self.nh.is_multiple_of(self.kv),
+            "{op}: {} key/value heads do not divide {} query heads",
+            self.kv,
+            self.nh
+        );
+        assert_eq!(qkv, self.b * self.t * self.qkv_width(), "{op}: qkv length");
+    }
 }
 
 /// Where batch element `bi`'s `heads` matrices (each `rows`×`cols`, unit column stride) lie in
@@ -71,17 +122,42 @@ pub struct Heads {
 impl Heads {
     /// Part `part` (0 = Q, 1 = K, 2 = V) of a (B, T, 3C) qkv tensor: `nh` (T, hs) matrices.
     pub fn qkv(bi: usize, part: usize, t: usize, nh: usize, hs: usize) -> Heads {
-        let c = nh * hs;
-        let base = bi * t * 3 * c;
+        Heads::qkv_grouped(bi, part, &AttnShape::mha(bi + 1, t, nh, hs))
+    }
+
+    /// Part `part` (0 = Q: `nh` matrices; 1 = K, 2 = V: `kv` each) of a qkv tensor of shape `d`.
+    pub fn qkv_grouped(bi: usize, part: usize, d: &AttnShape) -> Heads {
+        let (w, hs) = (d.qkv_width(), d.hs);
+        let base = bi * d.t * w;
+        let (start, heads) = match part {
+            0 => (0, d.nh),
+            1 => (d.nh * hs, d.kv),
+            _ => ((d.nh + d.kv) * hs, d.kv),
+        };
         Heads {
-            offset: base + part * c,
-            ld: 3 * c,
+            offset: base + start,
+            ld: w,
             stride: hs,
-            heads: nh,
-            rows: t,
+            heads,
+            rows: d.t,
             cols: hs,
             base,
-            span: t * 3 * c,
+            span: d.t * w,
+        }
+    }
+
+    /// Heads `i, i + g, i + 2g, …`: member `i` of every group of `g` consecutive heads.
+    pub fn every(self, g: usize, i: usize) -> Heads {
+        assert!(
+            i < g && self.heads.is_multiple_of(g),
+            "Heads::every: member {i} of groups of {g} among {} heads",
+            self.heads
+        );
+        Heads {
+            offset: self.offset + i * self.stride,
+            stride: self.stride * g,
+            heads: self.heads / g,
+            ..self
         }
     }
 
@@ -174,37 +250,32 @@ pub fn scale<T: Float>(hs: usize) -> T {
 /// * `att`: (B, nh, T, T), **overwritten** up to the end of each row's causal block (entries
 ///   above the diagonal inside it are meaningless until [`attention_softmax`]; those right of
 ///   it are not written).
-/// * `qkv`: (B, T, 3·nh·hs).
+/// * `qkv`: (B, T, (nh + 2·kv)·hs).
 ///
-/// One strided batched GEMM (batch = nh) per batch element and causal block.
-pub fn attention_scores<T: Float>(
-    prec: Precision,
-    att: &mut [T],
-    qkv: &[T],
-    b: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
-) {
-    check(qkv.len(), b, t, nh, hs, "attention_scores");
+/// One strided batched GEMM (batch = kv) per batch element, causal block and group member.
+pub fn attention_scores<T: Float>(prec: Precision, att: &mut [T], qkv: &[T], d: AttnShape) {
+    let AttnShape { b, t, nh, hs, .. } = d;
+    d.check(qkv.len(), "attention_scores");
     assert_eq!(att.len(), b * nh * t * t, "attention_scores: att length");
-    let alpha = scale::<T>(hs);
+    let (alpha, g) = (scale::<T>(hs), d.group());
     for bi in 0..b {
         let (q, k, a) = (
-            Heads::qkv(bi, 0, t, nh, hs),
-            Heads::qkv(bi, 1, t, nh, hs),
+            Heads::qkv_grouped(bi, 0, &d),
+            Heads::qkv_grouped(bi, 1, &d),
             Heads::att(bi, t, nh),
         );
         for (r0, r1) in causal_blocks(t) {
-            // att[r0..r1, 0..r1] = α·Q[r0..r1]·K[0..r1]ᵀ
-            T::gemm_strided_batched(
-                prec,
-                alpha,
-                q.block((r0, r1), (0, hs)).view(qkv),
-                k.block((0, r1), (0, hs)).view(qkv).t(),
-                T::ZERO,
-                a.block((r0, r1), (0, r1)).view_mut(att),
-            );
+            for i in 0..g {
+                // att[r0..r1, 0..r1] = α·Q[r0..r1]·K[0..r1]ᵀ
+                T::gemm_strided_batched(
+                    prec,
+                    alpha,
+                    q.every(g, i).block((r0, r1), (0, hs)).view(qkv),
+                    k.block((0, r1), (0, hs)).view(qkv).t(),
+                    T::ZERO,
+                    a.every(g, i).block((r0, r1), (0, r1)).view_mut(att),
+                );
+            }
         }
     }
 }
@@ -243,36 +314,36 @@ fn softmax_row<T: Float>(row: &mut [T]) -> (T, f64) {
 ///
 /// * `out`: (B, T, nh·hs), **overwritten**, written in place through strides.
 /// * `att`: (B, nh, T, T) after [`attention_softmax`] (zero above the diagonal); `qkv` as above.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_values<T: Float>(
     prec: Precision,
     out: &mut [T],
     att: &[T],
     qkv: &[T],
-    b: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
+    d: AttnShape,
 ) {
-    check(qkv.len(), b, t, nh, hs, "attention_values");
+    let AttnShape { b, t, nh, hs, .. } = d;
+    d.check(qkv.len(), "attention_values");
     assert_eq!(att.len(), b * nh * t * t, "attention_values: att length");
     assert_eq!(out.len(), b * t * nh * hs, "attention_values: out length");
+    let g = d.group();
     for bi in 0..b {
         let (a, v, o) = (
             Heads::att(bi, t, nh),
-            Heads::qkv(bi, 2, t, nh, hs),
+            Heads::qkv_grouped(bi, 2, &d),
             Heads::btc(bi, t, nh, hs),
         );
         for (r0, r1) in causal_blocks(t) {
-            // out[r0..r1] = att[r0..r1, 0..r1]·V[0..r1]
-            T::gemm_strided_batched(
-                prec,
-                T::ONE,
-                a.block((r0, r1), (0, r1)).view(att),
-                v.block((0, r1), (0, hs)).view(qkv),
-                T::ZERO,
-                o.block((r0, r1), (0, hs)).view_mut(out),
-            );
+            for i in 0..g {
+                // out[r0..r1] = att[r0..r1, 0..r1]·V[0..r1]
+                T::gemm_strided_batched(
+                    prec,
+                    T::ONE,
+                    a.every(g, i).block((r0, r1), (0, r1)).view(att),
+                    v.block((0, r1), (0, hs)).view(qkv),
+                    T::ZERO,
+                    o.every(g, i).block((r0, r1), (0, hs)).view_mut(out),
+                );
+            }
         }
     }
 }
@@ -282,10 +353,9 @@ pub fn attention_values<T: Float>(
 /// * `datt`: (B, nh, T, T), **overwritten** with `dout·Vᵀ` per head up to the end of each
 ///   row's causal block (entries above the diagonal inside it are zeroed later by
 ///   [`attention_softmax_backward`]; those right of it are not written).
-/// * `dqkv`: (B, T, 3C); its V columns are **overwritten** with `attᵀ·dout`; Q and K columns
-///   are untouched.
-/// * `dout`: (B, T, C); `att`, `qkv` from the forward pass.
-#[allow(clippy::too_many_arguments)]
+/// * `dqkv`: like `qkv`; its V columns are **overwritten** with `attᵀ·dout` (each key/value
+///   head the sum over its group's query heads); Q and K columns are untouched.
+/// * `dout`: (B, T, nh·hs); `att`, `qkv` from the forward pass.
 pub fn attention_values_backward<T: Float>(
     prec: Precision,
     datt: &mut [T],
@@ -293,13 +363,11 @@ pub fn attention_values_backward<T: Float>(
     dout: &[T],
     att: &[T],
     qkv: &[T],
-    b: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
+    d: AttnShape,
 ) {
-    check(qkv.len(), b, t, nh, hs, "attention_values_backward");
-    check(dqkv.len(), b, t, nh, hs, "attention_values_backward (dqkv)");
+    let AttnShape { b, t, nh, hs, .. } = d;
+    d.check(qkv.len(), "attention_values_backward");
+    d.check(dqkv.len(), "attention_values_backward (dqkv)");
     assert_eq!(
         att.len(),
         b * nh * t * t,
@@ -315,32 +383,36 @@ pub fn attention_values_backward<T: Float>(
         b * t * nh * hs,
         "attention_values_backward: dout length"
     );
+    let g = d.group();
     for bi in 0..b {
-        let (a, v, g) = (
+        let (a, v, y) = (
             Heads::att(bi, t, nh),
-            Heads::qkv(bi, 2, t, nh, hs),
+            Heads::qkv_grouped(bi, 2, &d),
             Heads::btc(bi, t, nh, hs),
         );
         for (r0, r1) in causal_blocks(t) {
-            // datt[r0..r1, 0..r1] = dout[r0..r1]·V[0..r1]ᵀ
-            T::gemm_strided_batched(
-                prec,
-                T::ONE,
-                g.block((r0, r1), (0, hs)).view(dout),
-                v.block((0, r1), (0, hs)).view(qkv).t(),
-                T::ZERO,
-                a.block((r0, r1), (0, r1)).view_mut(datt),
-            );
-            // dV[r0..r1] = att[r0..T, r0..r1]ᵀ·dout[r0..T] (att is 0 above the diagonal, so
-            // earlier query rows add nothing).
-            T::gemm_strided_batched(
-                prec,
-                T::ONE,
-                a.block((r0, t), (r0, r1)).view(att).t(),
-                g.block((r0, t), (0, hs)).view(dout),
-                T::ZERO,
-                v.block((r0, r1), (0, hs)).view_mut(dqkv),
-            );
+            for i in 0..g {
+                let (a, y) = (a.every(g, i), y.every(g, i));
+                // datt[r0..r1, 0..r1] = dout[r0..r1]·V[0..r1]ᵀ
+                T::gemm_strided_batched(
+                    prec,
+                    T::ONE,
+                    y.block((r0, r1), (0, hs)).view(dout),
+                    v.block((0, r1), (0, hs)).view(qkv).t(),
+                    T::ZERO,
+                    a.block((r0, r1), (0, r1)).view_mut(datt),
+                );
+                // dV[r0..r1] (+)= att[r0..T, r0..r1]ᵀ·dout[r0..T] (att is 0 above the diagonal,
+                // so earlier query rows add nothing).
+                T::gemm_strided_batched(
+                    prec,
+                    T::ONE,
+                    a.block((r0, t), (r0, r1)).view(att).t(),
+                    y.block((r0, t), (0, hs)).view(dout),
+                    if i == 0 { T::ZERO } else { T::ONE },
+                    v.block((r0, r1), (0, hs)).view_mut(dqkv),
+                );
+            }
         }
     }
 }
@@ -418,54 +490,55 @@ super::row_isa::dispatch_rows! {
 
 /// Backward of [`attention_scores`].
 ///
-/// * `dqkv`: (B, T, 3C); its Q columns are **overwritten** with `scale·dpre·K` and its K
-///   columns with `scale·dpreᵀ·Q`; V columns are untouched.
+/// * `dqkv`: like `qkv`; its Q columns are **overwritten** with `scale·dpre·K` and its K
+///   columns with `scale·dpreᵀ·Q` (each key head the sum over its group's query heads); V
+///   columns are untouched.
 /// * `datt`: (B, nh, T, T), the score gradient from [`attention_softmax_backward`] (zero above
 ///   the diagonal); `qkv` from the forward pass.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_scores_backward<T: Float>(
     prec: Precision,
     dqkv: &mut [T],
     datt: &[T],
     qkv: &[T],
-    b: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
+    d: AttnShape,
 ) {
-    check(qkv.len(), b, t, nh, hs, "attention_scores_backward");
-    check(dqkv.len(), b, t, nh, hs, "attention_scores_backward (dqkv)");
+    let AttnShape { b, t, nh, hs, .. } = d;
+    d.check(qkv.len(), "attention_scores_backward");
+    d.check(dqkv.len(), "attention_scores_backward (dqkv)");
     assert_eq!(
         datt.len(),
         b * nh * t * t,
         "attention_scores_backward: datt length"
     );
-    let alpha = scale::<T>(hs);
+    let (alpha, g) = (scale::<T>(hs), d.group());
     for bi in 0..b {
         let (a, q, k) = (
             Heads::att(bi, t, nh),
-            Heads::qkv(bi, 0, t, nh, hs),
-            Heads::qkv(bi, 1, t, nh, hs),
+            Heads::qkv_grouped(bi, 0, &d),
+            Heads::qkv_grouped(bi, 1, &d),
         );
         for (r0, r1) in causal_blocks(t) {
-            // dQ[r0..r1] = α·datt[r0..r1, 0..r1]·K[0..r1]
-            T::gemm_strided_batched(
-                prec,
-                alpha,
-                a.block((r0, r1), (0, r1)).view(datt),
-                k.block((0, r1), (0, hs)).view(qkv),
-                T::ZERO,
-                q.block((r0, r1), (0, hs)).view_mut(dqkv),
-            );
-            // dK[r0..r1] = α·datt[r0..T, r0..r1]ᵀ·Q[r0..T]
-            T::gemm_strided_batched(
-                prec,
-                alpha,
-                a.block((r0, t), (r0, r1)).view(datt).t(),
-                q.block((r0, t), (0, hs)).view(qkv),
-                T::ZERO,
-                k.block((r0, r1), (0, hs)).view_mut(dqkv),
-            );
+            for i in 0..g {
+                let (a, q) = (a.every(g, i), q.every(g, i));
+                // dQ[r0..r1] = α·datt[r0..r1, 0..r1]·K[0..r1]
+                T::gemm_strided_batched(
+                    prec,
+                    alpha,
+                    a.block((r0, r1), (0, r1)).view(datt),
+                    k.block((0, r1), (0, hs)).view(qkv),
+                    T::ZERO,
+                    q.block((r0, r1), (0, hs)).view_mut(dqkv),
+                );
+                // dK[r0..r1] (+)= α·datt[r0..T, r0..r1]ᵀ·Q[r0..T]
+                T::gemm_strided_batched(
+                    prec,
+                    alpha,
+                    a.block((r0, t), (r0, r1)).view(datt).t(),
+                    q.block((r0, t), (0, hs)).view(qkv),
+                    if i == 0 { T::ZERO } else { T::ONE },
+                    k.block((r0, r1), (0, hs)).view_mut(dqkv),
+                );
+            }
         }
     }
 }
@@ -474,8 +547,9 @@ pub fn attention_scores_backward<T: Float>(
 ///
 /// * `out`: (nh·hs), **overwritten** with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head.
 /// * `q`: (nh·hs), the new token's queries (the Q part of its qkv row).
-/// * `k_cache`, `v_cache`: (P, nh·hs) with P ≥ `len`; rows `0..len` are the keys and values of
+/// * `k_cache`, `v_cache`: (P, kv·hs) with P ≥ `len`; rows `0..len` are the keys and values of
 ///   positions `0..len`, the new token's own at row `len - 1` (the caller appends it first).
+///   Query head `h` reads key/value head `h / (nh/kv)`.
 ///
 /// Same result as the last row of [`attention_scores`] → [`attention_softmax`] →
 /// [`attention_values`] over the `len`-token prefix, up to summation order. Parallel over
@@ -487,31 +561,37 @@ pub fn attention_decode<T: Float>(
     k_cache: &[T],
     v_cache: &[T],
     len: usize,
-    nh: usize,
+    (nh, kv): (usize, usize),
     hs: usize,
 ) {
     let c = nh * hs;
+    let ckv = kv * hs;
+    assert!(
+        kv > 0 && nh.is_multiple_of(kv),
+        "attention_decode: {kv} key/value heads do not divide {nh} query heads"
+    );
     assert_eq!(out.len(), c, "attention_decode: out length");
     assert_eq!(q.len(), c, "attention_decode: q length");
     assert!(len >= 1, "attention_decode: empty cache");
     assert!(
-        k_cache.len() >= len * c && v_cache.len() >= len * c,
+        k_cache.len() >= len * ckv && v_cache.len() >= len * ckv,
         "attention_decode: cache shorter than {len} positions"
     );
-    let alpha = scale::<T>(hs);
+    let (alpha, g) = (scale::<T>(hs), nh / kv);
     out.par_chunks_mut(hs)
         .enumerate()
         .for_each_init(Vec::new, |w, (h, o)| {
             let qh = &q[h * hs..(h + 1) * hs];
+            let j = h / g;
             w.clear();
             w.extend((0..len).map(|s| {
-                let k = &k_cache[s * c + h * hs..s * c + (h + 1) * hs];
+                let k = &k_cache[s * ckv + j * hs..s * ckv + (j + 1) * hs];
                 qh.iter().zip(k).fold(T::ZERO, |acc, (&a, &b)| acc + a * b) * alpha
             }));
             softmax_row(w);
             o.fill(T::ZERO);
             for (s, &p) in w.iter().enumerate() {
-                let v = &v_cache[s * c + h * hs..s * c + (h + 1) * hs];
+                let v = &v_cache[s * ckv + j * hs..s * ckv + (j + 1) * hs];
                 for (x, &vv) in o.iter_mut().zip(v) {
                     *x += p * vv;
                 }
@@ -527,39 +607,33 @@ pub fn attention_decode<T: Float>(
 ///   `ln Σ_{j≤i} exp(s_ij)` of the scaled scores `s_ij = q_i·k_j/√hs`.
 /// * Per query row: the scores, their maximum, `Σ exp` in f64 and the probabilities as
 ///   [`attention_softmax`] forms them, then `out_i = Σ_j p_ij v_j`.
-pub fn attention_forward_fused<T: Float>(
-    out: &mut [T],
-    lse: &mut [T],
-    qkv: &[T],
-    b: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
-) {
-    check(qkv.len(), b, t, nh, hs, "attention_forward_fused");
-    let c = nh * hs;
+pub fn attention_forward_fused<T: Float>(out: &mut [T], lse: &mut [T], qkv: &[T], d: AttnShape) {
+    let AttnShape { b, t, nh, hs, .. } = d;
+    d.check(qkv.len(), "attention_forward_fused");
+    let c = d.out_width();
     assert_eq!(out.len(), b * t * c, "attention_forward_fused: out length");
     assert_eq!(lse.len(), b * nh * t, "attention_forward_fused: lse length");
-    let alpha = scale::<T>(hs);
+    let (alpha, g) = (scale::<T>(hs), d.group());
     out.par_chunks_mut(t * c)
         .zip(lse.par_chunks_mut(nh * t))
-        .zip(qkv.par_chunks(t * 3 * c))
+        .zip(qkv.par_chunks(t * d.qkv_width()))
         .for_each(|((out, lse), qkv)| {
             // One sequence's chunks: its heads as batch element 0.
-            let [q, k, v] = [0, 1, 2].map(|part| Heads::qkv(0, part, t, nh, hs));
+            let [q, k, v] = [0, 1, 2].map(|part| Heads::qkv_grouped(0, part, &d));
             let y = Heads::btc(0, t, nh, hs);
             let mut w = Vec::with_capacity(t);
             for h in 0..nh {
+                let kh = h / g;
                 for i in 0..t {
                     let qi = &qkv[q.row(h, i)];
                     w.clear();
-                    w.extend((0..=i).map(|j| head_dot(qi, &qkv[k.row(h, j)]) * alpha));
+                    w.extend((0..=i).map(|j| head_dot(qi, &qkv[k.row(kh, j)]) * alpha));
                     let (mx, sum) = softmax_row(&mut w);
                     lse[h * t + i] = T::from_f64(mx.to_f64() + sum.ln());
                     let o = &mut out[y.row(h, i)];
                     o.fill(T::ZERO);
                     for (j, &p) in w.iter().enumerate() {
-                        for (x, &v) in o.iter_mut().zip(&qkv[v.row(h, j)]) {
+                        for (x, &v) in o.iter_mut().zip(&qkv[v.row(kh, j)]) {
                             *x += p * v;
                         }
                     }
@@ -573,22 +647,20 @@ pub fn attention_forward_fused<T: Float>(
 /// `ds_ij = p_ij (dp_ij − Δ_i)`: `dq_i = Σ_j ds_ij k_j/√hs`, `dk_j = Σ_i ds_ij q_i/√hs`,
 /// `dv_j = Σ_i p_ij dout_i` (j ≤ i).
 ///
-/// * `dqkv`: (B, T, 3C), **overwritten** (all three parts).
-#[allow(clippy::too_many_arguments)]
+/// * `dqkv`: like `qkv`, **overwritten** (all three parts; each key/value head the sum over
+///   its group's query heads).
 pub fn attention_backward_fused<T: Float>(
     dqkv: &mut [T],
     dout: &[T],
     out: &[T],
     lse: &[T],
     qkv: &[T],
-    b: usize,
-    t: usize,
-    nh: usize,
-    hs: usize,
+    d: AttnShape,
 ) {
-    check(qkv.len(), b, t, nh, hs, "attention_backward_fused");
-    check(dqkv.len(), b, t, nh, hs, "attention_backward_fused (dqkv)");
-    let c = nh * hs;
+    let AttnShape { b, t, nh, hs, .. } = d;
+    d.check(qkv.len(), "attention_backward_fused");
+    d.check(dqkv.len(), "attention_backward_fused (dqkv)");
+    let c = d.out_width();
     assert!(
         dout.len() == b * t * c && out.len() == b * t * c,
         "attention_backward_fused: dout/out length"
@@ -598,29 +670,30 @@ pub fn attention_backward_fused<T: Float>(
         b * nh * t,
         "attention_backward_fused: lse length"
     );
-    let alpha = scale::<T>(hs);
-    dqkv.par_chunks_mut(t * 3 * c)
+    let (alpha, g, w) = (scale::<T>(hs), d.group(), d.qkv_width());
+    dqkv.par_chunks_mut(t * w)
         .zip(dout.par_chunks(t * c))
         .zip(out.par_chunks(t * c))
         .zip(lse.par_chunks(nh * t))
-        .zip(qkv.par_chunks(t * 3 * c))
+        .zip(qkv.par_chunks(t * w))
         .for_each(|((((dqkv, dout), out), lse), qkv)| {
             // One sequence's chunks: its heads as batch element 0.
-            let [q, k, v] = [0, 1, 2].map(|part| Heads::qkv(0, part, t, nh, hs));
+            let [q, k, v] = [0, 1, 2].map(|part| Heads::qkv_grouped(0, part, &d));
             let y = Heads::btc(0, t, nh, hs);
             dqkv.fill(T::ZERO);
             for h in 0..nh {
+                let kh = h / g;
                 for i in 0..t {
                     let (dy, qi) = (&dout[y.row(h, i)], &qkv[q.row(h, i)]);
                     let delta = head_dot(dy, &out[y.row(h, i)]);
                     for j in 0..=i {
-                        let kj = &qkv[k.row(h, j)];
+                        let kj = &qkv[k.row(kh, j)];
                         let p = (head_dot(qi, kj) * alpha - lse[h * t + i]).exp();
-                        let ds = p * (head_dot(dy, &qkv[v.row(h, j)]) - delta) * alpha;
-                        for d in 0..hs {
-                            dqkv[q.row(h, i).start + d] += ds * kj[d];
-                            dqkv[k.row(h, j).start + d] += ds * qi[d];
-                            dqkv[v.row(h, j).start + d] += p * dy[d];
+                        let ds = p * (head_dot(dy, &qkv[v.row(kh, j)]) - delta) * alpha;
+                        for e in 0..hs {
+                            dqkv[q.row(h, i).start + e] += ds * kj[e];
+                            dqkv[k.row(kh, j).start + e] += ds * qi[e];
+                            dqkv[v.row(kh, j).start + e] += p * dy[e];
                         }
                     }
                 }
@@ -655,16 +728,31 @@ mod tests {
     use crate::ops::testutil::*;
 
     /// The three forward steps; returns (att, out).
-    fn forward<T: Float>(qkv: &[T], b: usize, t: usize, nh: usize, hs: usize) -> (Vec<T>, Vec<T>) {
+    fn forward_grouped<T: Float>(qkv: &[T], d: AttnShape) -> (Vec<T>, Vec<T>) {
+        let AttnShape { b, t, nh, hs, .. } = d;
         let mut att = vec![T::from_f64(f64::NAN); b * nh * t * t];
         let mut out = vec![T::from_f64(f64::NAN); b * t * nh * hs];
-        attention_scores(Precision::F32, &mut att, qkv, b, t, nh, hs);
+        attention_scores(Precision::F32, &mut att, qkv, d);
         attention_softmax(&mut att, b, t, nh);
-        attention_values(Precision::F32, &mut out, &att, qkv, b, t, nh, hs);
+        attention_values(Precision::F32, &mut out, &att, qkv, d);
         (att, out)
     }
 
+    fn forward<T: Float>(qkv: &[T], b: usize, t: usize, nh: usize, hs: usize) -> (Vec<T>, Vec<T>) {
+        forward_grouped(qkv, AttnShape::mha(b, t, nh, hs))
+    }
+
     /// The three backward steps; returns dqkv (every column overwritten).
+    fn backward_grouped<T: Float>(dout: &[T], att: &[T], qkv: &[T], d: AttnShape) -> Vec<T> {
+        let AttnShape { b, t, nh, .. } = d;
+        let mut datt = vec![T::from_f64(f64::NAN); b * nh * t * t];
+        let mut dqkv = vec![T::from_f64(f64::NAN); qkv.len()];
+        attention_values_backward(Precision::F32, &mut datt, &mut dqkv, dout, att, qkv, d);
+        attention_softmax_backward(&mut datt, att, b, t, nh);
+        attention_scores_backward(Precision::F32, &mut dqkv, &datt, qkv, d);
+        dqkv
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn backward<T: Float>(
         dout: &[T],
@@ -675,23 +763,7 @@ mod tests {
         nh: usize,
         hs: usize,
     ) -> Vec<T> {
-        let mut datt = vec![T::from_f64(f64::NAN); b * nh * t * t];
-        let mut dqkv = vec![T::from_f64(f64::NAN); qkv.len()];
-        attention_values_backward(
-            Precision::F32,
-            &mut datt,
-            &mut dqkv,
-            dout,
-            att,
-            qkv,
-            b,
-            t,
-            nh,
-            hs,
-        );
-        attention_softmax_backward(&mut datt, att, b, t, nh);
-        attention_scores_backward(Precision::F32, &mut dqkv, &datt, qkv, b, t, nh, hs);
-        dqkv
+        backward_grouped(dout, att, qkv, AttnShape::mha(b, t, nh, hs))
     }
 
     /// Straightforward per-head reference (like dev/gpt2_ref.py).
@@ -784,17 +856,18 @@ mod tests {
             let (att, out) = forward(&qkv, b, t, nh, hs);
             let mut fout = vec![f64::NAN; out.len()];
             let mut lse = vec![f64::NAN; b * nh * t];
-            attention_forward_fused(&mut fout, &mut lse, &qkv, b, t, nh, hs);
+            let d = AttnShape::mha(b, t, nh, hs);
+            attention_forward_fused(&mut fout, &mut lse, &qkv, d);
             assert_close("fused out", &fout, &out, 1e-13);
             let mut scores = vec![0.0; att.len()];
-            attention_scores(Precision::F32, &mut scores, &qkv, b, t, nh, hs);
+            attention_scores(Precision::F32, &mut scores, &qkv, d);
             for (r, &l) in lse.iter().enumerate() {
                 let row = &scores[r * t..][..=r % t];
                 let want = row.iter().map(|s| s.exp()).sum::<f64>().ln();
                 assert!((l - want).abs() < 1e-12, "lse[{r}] {l} vs {want}");
             }
             let mut fdqkv = vec![f64::NAN; qkv.len()];
-            attention_backward_fused(&mut fdqkv, &dout, &fout, &lse, &qkv, b, t, nh, hs);
+            attention_backward_fused(&mut fdqkv, &dout, &fout, &lse, &qkv, d);
             assert_close(
                 "fused dqkv",
                 &fdqkv,
@@ -804,7 +877,7 @@ mod tests {
             check_grad("fused dqkv", &qkv, &fdqkv, |x| {
                 let mut o = vec![0.0; out.len()];
                 let mut l = vec![0.0; lse.len()];
-                attention_forward_fused(&mut o, &mut l, x, b, t, nh, hs);
+                attention_forward_fused(&mut o, &mut l, x, d);
                 dot(&dout, &o)
             });
         }
@@ -839,24 +912,14 @@ mod tests {
         let (att, _) = forward(&qkv, b, t, nh, hs);
         let mut datt = vec![0.0; b * nh * t * t];
         let mut dqkv = vec![7.0; qkv.len()];
-        attention_values_backward(
-            Precision::F32,
-            &mut datt,
-            &mut dqkv,
-            &dout,
-            &att,
-            &qkv,
-            b,
-            t,
-            nh,
-            hs,
-        );
+        let d = AttnShape::mha(b, t, nh, hs);
+        attention_values_backward(Precision::F32, &mut datt, &mut dqkv, &dout, &att, &qkv, d);
         for (i, &x) in dqkv.iter().enumerate() {
             assert_eq!(x == 7.0, (i % (3 * c)) < 2 * c, "element {i}");
         }
         let mut dqkv2 = vec![7.0; qkv.len()];
         attention_softmax_backward(&mut datt, &att, b, t, nh);
-        attention_scores_backward(Precision::F32, &mut dqkv2, &datt, &qkv, b, t, nh, hs);
+        attention_scores_backward(Precision::F32, &mut dqkv2, &datt, &qkv, d);
         for (i, &x) in dqkv2.iter().enumerate() {
             assert_eq!(x == 7.0, (i % (3 * c)) >= 2 * c, "element {i}");
         }
@@ -877,7 +940,124 @@ mod tests {
             kc[pos * c..(pos + 1) * c].copy_from_slice(&row[c..2 * c]);
             vc[pos * c..(pos + 1) * c].copy_from_slice(&row[2 * c..]);
             let mut out = vec![f64::NAN; c];
-            attention_decode(&mut out, &row[..c], &kc, &vc, pos + 1, nh, hs);
+            attention_decode(&mut out, &row[..c], &kc, &vc, pos + 1, (nh, nh), hs);
+            assert_close(
+                &format!("decode row {pos}"),
+                &out,
+                &full[pos * c..(pos + 1) * c],
+                1e-12,
+            );
+        }
+    }
+
+    /// Grouped-query attention is multi-head attention over the key/value heads repeated
+    /// (`transformers`' `repeat_kv`): the same output, and each key/value head's gradient the
+    /// sum of its copies'. Three-step and fused, at 4 query heads over 2 and over 1 key/value
+    /// heads, T = 5 (one block) and 131 (four causal blocks); and against finite differences.
+    #[test]
+    fn grouped_heads_are_repeated_key_value_heads() {
+        for (b, t, nh, kv, hs) in [(2, 5, 4, 2, 3), (1, 131, 4, 1, 2), (1, 9, 6, 3, 2)] {
+            let d = AttnShape { b, t, nh, kv, hs };
+            let (g, w, c) = (nh / kv, d.qkv_width(), nh * hs);
+            let mut rng = Rng::new(70 + kv as u64);
+            let qkv: Vec<f64> = rng.vec(b * t * w).iter().map(|x| 1.5 * x).collect();
+            let dout = rng.vec(b * t * c);
+            // The same tensor with every key/value head repeated for its group's query heads.
+            let rep = |x: &[f64]| -> Vec<f64> {
+                let mut m = Vec::with_capacity(b * t * 3 * c);
+                for row in x.chunks(w) {
+                    m.extend_from_slice(&row[..c]);
+                    for part in [c, c + kv * hs] {
+                        for h in 0..nh {
+                            let j = h / g;
+                            m.extend_from_slice(&row[part + j * hs..part + (j + 1) * hs]);
+                        }
+                    }
+                }
+                m
+            };
+            let (att, out) = forward_grouped(&qkv, d);
+            let (matt, mout) = forward(&rep(&qkv), b, t, nh, hs);
+            assert_close("out", &out, &mout, 1e-14);
+            assert_close("att", &att, &matt, 1e-14);
+            let dqkv = backward_grouped(&dout, &att, &qkv, d);
+            let mdqkv = backward(&dout, &matt, &rep(&qkv), b, t, nh, hs);
+            // Sum the repeated heads' gradients back onto their key/value heads.
+            let mut want = vec![0.0; qkv.len()];
+            for (row, mrow) in want.chunks_mut(w).zip(mdqkv.chunks(3 * c)) {
+                row[..c].copy_from_slice(&mrow[..c]);
+                for (part, mpart) in [(c, c), (c + kv * hs, 2 * c)] {
+                    for h in 0..nh {
+                        let j = h / g;
+                        for e in 0..hs {
+                            row[part + j * hs + e] += mrow[mpart + h * hs + e];
+                        }
+                    }
+                }
+            }
+            assert_close("dqkv", &dqkv, &want, 1e-13);
+            let mut fout = vec![f64::NAN; out.len()];
+            let mut lse = vec![f64::NAN; b * nh * t];
+            attention_forward_fused(&mut fout, &mut lse, &qkv, d);
+            assert_close("fused out", &fout, &out, 1e-13);
+            let mut fdqkv = vec![f64::NAN; qkv.len()];
+            attention_backward_fused(&mut fdqkv, &dout, &fout, &lse, &qkv, d);
+            assert_close("fused dqkv", &fdqkv, &want, 1e-12);
+            if t < 100 {
+                check_grad("dqkv", &qkv, &dqkv, |x| {
+                    dot(&dout, &forward_grouped(x, d).1)
+                });
+            }
+        }
+    }
+
+    /// The f32 path with grouped heads (strided batches over every group member) against f64,
+    /// over four causal blocks.
+    #[test]
+    fn grouped_f32_matches_f64() {
+        let d = AttnShape {
+            b: 2,
+            t: 150,
+            nh: 4,
+            kv: 2,
+            hs: 16,
+        };
+        let mut rng = Rng::new(72);
+        let qkv = round_f32(&rng.vec(d.b * d.t * d.qkv_width()));
+        let dout = round_f32(&rng.vec(d.b * d.t * d.out_width()));
+        let (att64, out64) = forward_grouped(&qkv, d);
+        let (att32, out32) = forward_grouped(&to_f32(&qkv), d);
+        assert_close_f32("att", &att32, &att64, 1e-5);
+        assert_close_f32("out", &out32, &out64, 1e-5);
+        let d64 = backward_grouped(&dout, &att64, &qkv, d);
+        let d32 = backward_grouped(&to_f32(&dout), &att32, &to_f32(&qkv), d);
+        assert_close_f32("dqkv", &d32, &d64, 1e-5);
+    }
+
+    /// Decoding with grouped heads over a cache of key/value heads gives the full forward's
+    /// rows.
+    #[test]
+    fn grouped_decode_matches_the_full_forward_rows() {
+        let d = AttnShape {
+            b: 1,
+            t: 6,
+            nh: 6,
+            kv: 2,
+            hs: 3,
+        };
+        let (w, c, ckv) = (d.qkv_width(), d.out_width(), d.kv * d.hs);
+        let qkv: Vec<f64> = (0..d.t * w)
+            .map(|i| ((i * 7919) % 97) as f64 / 48.0 - 1.0)
+            .collect();
+        let (_, full) = forward_grouped(&qkv, d);
+        let mut kc = vec![f64::NAN; (d.t + 1) * ckv];
+        let mut vc = kc.clone();
+        for pos in 0..d.t {
+            let row = &qkv[pos * w..(pos + 1) * w];
+            kc[pos * ckv..(pos + 1) * ckv].copy_from_slice(&row[c..c + ckv]);
+            vc[pos * ckv..(pos + 1) * ckv].copy_from_slice(&row[c + ckv..]);
+            let mut out = vec![f64::NAN; c];
+            attention_decode(&mut out, &row[..c], &kc, &vc, pos + 1, (d.nh, d.kv), d.hs);
             assert_close(
                 &format!("decode row {pos}"),
                 &out,
