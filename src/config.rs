@@ -9,7 +9,9 @@ use std::path::Path;
 
 /// A model family (`arch` in `[model]`): which model `crate::model::registry` builds from
 /// a [`ModelConfig`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
     /// GPT-2: pre-LN, tanh-GELU MLP, learned positions, tied embeddings, biases.

@@ -15,35 +15,14 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 mod host_buf;
+pub mod knobs;
 
 pub use crate::dtype::Dtype;
 pub use crate::ops::adamw::AdamWStep;
 pub use crate::ops::linear::WeightLayout;
 pub use cpu::CpuBackend;
 pub use device::{CudaSettings, Device};
-
-/// Whether an op runs on its own or inside a GEMM's epilogue: the model's choices for the
-/// MLP's GELU and a projection's residual add (`model::paths`), a backend's for a linear
-/// layer's bias gradient (the CUDA backend's `FUGU_BIAS_GRAD`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum InGemm {
-    /// Its own op, timed under its own name.
-    #[default]
-    Separate,
-    /// In a GEMM's epilogue, timed as the GEMM it is part of.
-    Epilogue,
-}
-
-impl InGemm {
-    /// The name in the run header (`"mlp_gelu"`, `"residual"`, `"kernels"`) and logs, and
-    /// the settings' value.
-    pub fn name(self) -> &'static str {
-        match self {
-            InGemm::Separate => "separate",
-            InGemm::Epilogue => "epilogue",
-        }
-    }
-}
+pub use knobs::InGemm;
 
 /// One buffer owned by a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

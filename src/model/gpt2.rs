@@ -31,7 +31,7 @@ use super::gpt2_ops::{backward as bwd, forward as fwd};
 use super::kv::KvCache;
 use super::layers::Layers;
 use super::params::{HeadParams, LayerParams, ParamSpans};
-use super::paths::{attention_path, mlp_gelu_path, residual_path, MlpGelu, Residual};
+use super::paths::{attention_path, mlp_gelu_path, residual_path, Knobs, MlpGelu, Residual};
 use super::stage::Stage;
 use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
 use super::work;
@@ -162,9 +162,10 @@ impl<B: Backend> Gpt2<B> {
         let v = be.alloc(state_n, Dtype::F32)?;
         let p = ParamSpans::new(&table, compute_params, stage);
         let g = p.on(grads);
-        let attn_keep = attention_path(&be, cfg.n_embd / cfg.n_head, compute)?;
-        let mlp_gelu = mlp_gelu_path(&be, compute)?;
-        let residual = residual_path(&be, compute)?;
+        let knobs = Knobs::from_env()?;
+        let attn_keep = attention_path(&be, cfg.n_embd / cfg.n_head, compute, knobs.attention)?;
+        let mlp_gelu = mlp_gelu_path(&be, compute, knobs.mlp_gelu)?;
+        let residual = residual_path(&be, compute, knobs.residual)?;
         Ok(Gpt2 {
             cfg: cfg.clone(),
             tp,

@@ -1,33 +1,37 @@
 //! Which form of an op a model runs where a backend has more than one (a fused kernel, work
-//! in a GEMM's epilogue): the backend says what it has for the run's compute type, an
-//! environment variable may override it (benchmarks and tests), and the choice is made once,
-//! when the model is built, and recorded in the run header.
+//! in a GEMM's epilogue): the backend says what it has for the run's compute type, a setting
+//! may override it (benchmarks and tests; [`Knobs`], read from the environment by
+//! `backend/knobs.rs`), and the choice is made once, when the model is built, and recorded in
+//! the run header.
 
 use super::acts::AttnKeep;
+use crate::backend::knobs::AttentionAsk;
+pub use crate::backend::knobs::{Knobs, ATTENTION_ENV, MLP_GELU_ENV, RESIDUAL_ENV};
 use crate::backend::{Backend, Dtype, FusedAttention};
 use anyhow::{bail, Result};
 
-/// Environment variable that overrides the backend's attention path: `fused` or
-/// `materialized` (benchmarks and tests; default `auto`).
-pub const ATTENTION_ENV: &str = "FUGU_ATTENTION";
-
 /// Whether a model with heads of size `hs` stored as `compute` keeps attention probabilities
-/// (the three-step path) or log-sum-exps (fused): the backend's preference, unless
-/// [`ATTENTION_ENV`] says otherwise.
-pub(super) fn attention_path(be: &impl Backend, hs: usize, compute: Dtype) -> Result<AttnKeep> {
+/// (the three-step path) or log-sum-exps (fused): the backend's preference, unless `ask`
+/// ([`ATTENTION_ENV`]) says otherwise.
+pub(super) fn attention_path(
+    be: &impl Backend,
+    hs: usize,
+    compute: Dtype,
+    ask: AttentionAsk,
+) -> Result<AttnKeep> {
     let support = be.fused_attention(hs, compute);
-    let asked = std::env::var(ATTENTION_ENV).unwrap_or_default();
-    Ok(match (asked.as_str(), support) {
-        ("" | "auto", FusedAttention::Preferred)
-        | ("fused", FusedAttention::Available | FusedAttention::Preferred) => AttnKeep::LogSumExp,
-        ("" | "auto" | "materialized", _) => AttnKeep::Probabilities,
-        ("fused", FusedAttention::Unsupported) => bail!(
+    Ok(match (ask, support) {
+        (AttentionAsk::Auto, FusedAttention::Preferred)
+        | (AttentionAsk::Fused, FusedAttention::Available | FusedAttention::Preferred) => {
+            AttnKeep::LogSumExp
+        }
+        (AttentionAsk::Auto | AttentionAsk::Materialized, _) => AttnKeep::Probabilities,
+        (AttentionAsk::Fused, FusedAttention::Unsupported) => bail!(
             "{ATTENTION_ENV}=fused: the {} backend has no fused attention for heads of size \
              {hs} stored as {}",
             be.name(),
             compute.name()
         ),
-        (other, _) => bail!("{ATTENTION_ENV}={other}: expected auto, fused or materialized"),
     })
 }
 
@@ -39,15 +43,15 @@ pub use crate::backend::InGemm;
 /// fc-projection's input-gradient GEMM multiplies by GELU's derivative (timed as `mlp:mm`).
 pub type MlpGelu = InGemm;
 
-/// Environment variable that overrides where the MLP's GELU runs: `epilogue` or `separate`
-/// (benchmarks and tests; default `auto`: in the epilogues where the backend has them).
-pub const MLP_GELU_ENV: &str = "FUGU_MLP_GELU";
-
 /// Where a model whose activations are stored as `compute` runs the MLP's GELU: in the GEMMs'
-/// epilogues where the backend has them, unless [`MLP_GELU_ENV`] says otherwise.
-pub(super) fn mlp_gelu_path(be: &impl Backend, compute: Dtype) -> Result<MlpGelu> {
+/// epilogues where the backend has them, unless `ask` ([`MLP_GELU_ENV`]) says otherwise.
+pub(super) fn mlp_gelu_path(
+    be: &impl Backend,
+    compute: Dtype,
+    ask: Option<InGemm>,
+) -> Result<MlpGelu> {
     let has = be.gelu_epilogue(compute);
-    in_gemm(MLP_GELU_ENV, "GELU", has, true, be, compute)
+    in_gemm((MLP_GELU_ENV, ask), "GELU", has, true, be, compute)
 }
 
 /// How a projection's output joins the residual stream ([`residual_path`]): `Separate`, the
@@ -56,21 +60,22 @@ pub(super) fn mlp_gelu_path(be: &impl Backend, compute: Dtype) -> Result<MlpGelu
 /// reads the stream and writes the new one (timed as the projection).
 pub type Residual = InGemm;
 
-/// Environment variable that picks how projections join the residual stream: `epilogue` or
-/// `separate` (default `auto`: in the GEMM for 16-bit activations where the backend has it).
-pub const RESIDUAL_ENV: &str = "FUGU_RESIDUAL";
-
 /// How a model whose activations are stored as `compute` adds its projections to the
 /// residual stream: in the GEMM where the backend has it and the activations are 16-bit (one
 /// rounding of the f32 sum instead of two; measured on one H200, GPT-2 124M B=16 T=1024 bf16,
 /// 2026-11-28: 36.2 ms/step against 36.55 alone, 35.65 against 36.0 with the fused
 /// layernorm backward, two rounds each; on 2 Zen 3 cores, GPT-2 124M 1×512 bf16, it drops the residual
 /// op's 12-13 ms of a 3.9 s step, the projections' time unchanged within the runs' noise),
-/// unless [`RESIDUAL_ENV`] says otherwise. f32 runs, the references, keep the separate op.
-pub(super) fn residual_path(be: &impl Backend, compute: Dtype) -> Result<Residual> {
+/// unless `ask` ([`RESIDUAL_ENV`]) says otherwise. f32 runs, the references, keep the
+/// separate op.
+pub(super) fn residual_path(
+    be: &impl Backend,
+    compute: Dtype,
+    ask: Option<InGemm>,
+) -> Result<Residual> {
     let has = be.residual_epilogue(compute);
     in_gemm(
-        RESIDUAL_ENV,
+        (RESIDUAL_ENV, ask),
         "residual",
         has,
         compute != Dtype::F32,
@@ -79,27 +84,25 @@ pub(super) fn residual_path(be: &impl Backend, compute: Dtype) -> Result<Residua
     )
 }
 
-/// Whether an op (`what`) runs in a GEMM's epilogue, as environment variable `env` says:
+/// Whether an op (`what`) runs in a GEMM's epilogue, as setting `env` asks (`None`: auto):
 /// `epilogue` where the backend `has` one (refused by name where it has not), `separate`
-/// never, `auto` or unset where it has one and `auto_takes` it.
+/// never, `auto` where it has one and `auto_takes` it.
 fn in_gemm(
-    env: &str,
+    (env, ask): (&str, Option<InGemm>),
     what: &str,
     has: bool,
     auto_takes: bool,
     be: &impl Backend,
     compute: Dtype,
 ) -> Result<InGemm> {
-    let asked = std::env::var(env).unwrap_or_default();
-    Ok(match (asked.as_str(), has) {
-        ("" | "auto", true) if auto_takes => InGemm::Epilogue,
-        ("epilogue", true) => InGemm::Epilogue,
-        ("" | "auto" | "separate", _) => InGemm::Separate,
-        ("epilogue", false) => bail!(
+    Ok(match (ask, has) {
+        (None, true) if auto_takes => InGemm::Epilogue,
+        (Some(InGemm::Epilogue), true) => InGemm::Epilogue,
+        (None | Some(InGemm::Separate), _) => InGemm::Separate,
+        (Some(InGemm::Epilogue), false) => bail!(
             "{env}=epilogue: the {} backend has no {what} epilogue for activations stored as {}",
             be.name(),
             compute.name()
         ),
-        (other, _) => bail!("{env}={other}: expected auto, epilogue or separate"),
     })
 }

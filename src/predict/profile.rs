@@ -231,7 +231,7 @@ pub fn measure(
         .unwrap_or(0.0);
     let reference = Reference {
         model: ModelConfig {
-            arch: crate::config::Arch::Gpt2,
+            arch: dims.arch,
             vocab_size: dims.vocab_size as usize,
             n_positions: seq as usize,
             n_embd: dims.n_embd as usize,

@@ -8,6 +8,7 @@
 //! malformed line in the middle, no step records), which it reports as an error naming the
 //! file.
 
+use crate::config::Arch;
 use crate::metrics::jsonl::{parse_metrics, Record, StepRecord};
 use crate::metrics::Roofs;
 use anyhow::{anyhow, bail, Context, Result};
@@ -49,6 +50,8 @@ impl Default for Layout {
 /// model" for scaling).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ModelDims {
+    /// The architecture (`arch` in the header's model config; GPT-2 where absent).
+    pub arch: Arch,
     pub n_layer: u64,
     pub n_embd: u64,
     pub n_head: u64,
@@ -386,18 +389,27 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
 
     let h = &header;
     let cfg = &h["config"];
+    // An architecture this fugu does not know leaves the model unknown.
+    let arch = match &cfg["model"]["arch"] {
+        Value::Null => Some(Arch::default()),
+        a => a.as_str().and_then(Arch::from_name),
+    };
     let model = match (
+        arch,
         u(&cfg["model"]["n_layer"]),
         u(&cfg["model"]["n_embd"]),
         u(&cfg["model"]["n_head"]),
         u(&cfg["model"]["vocab_size"]),
     ) {
-        (Some(n_layer), Some(n_embd), Some(n_head), Some(vocab_size)) => Some(ModelDims {
-            n_layer,
-            n_embd,
-            n_head,
-            vocab_size,
-        }),
+        (Some(arch), Some(n_layer), Some(n_embd), Some(n_head), Some(vocab_size)) => {
+            Some(ModelDims {
+                arch,
+                n_layer,
+                n_embd,
+                n_head,
+                vocab_size,
+            })
+        }
         _ => None,
     };
     let lay = &h["layout"];

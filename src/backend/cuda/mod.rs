@@ -33,6 +33,7 @@ pub mod kernel_cache;
 mod lt;
 mod nvrtc;
 
+use crate::backend::knobs::Knobs;
 pub use driver::gpu_present;
 pub use forms::{
     parse_in_gemm, BiasGrad, FlashBackward, FlashWarpRows, KernelForm, LayernormBackward,
@@ -256,17 +257,16 @@ impl CudaBackend {
         be.with_env_settings()
     }
 
-    /// This backend with the kernel settings the environment asks for
-    /// ([`FLASH_WARP_ROWS_ENV`], [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`],
+    /// This backend with the kernel settings the environment asks for ([`Knobs`]:
+    /// [`FLASH_WARP_ROWS_ENV`], [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`],
     /// [`BIAS_GRAD_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
     /// setting does not take is an error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
-        let var = |name| std::env::var(name).unwrap_or_default();
-        let form = |env, default| KernelForm::parse(env, &var(env), default);
-        self.set_flash_warp_rows(FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?);
-        self.set_flash_backward(form(FLASH_BACKWARD_ENV, FLASH_BACKWARD_DEFAULT)?);
-        self.set_layernorm_backward(form(LAYERNORM_BACKWARD_ENV, LAYERNORM_BACKWARD_DEFAULT)?);
-        self.set_bias_grad(parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?);
+        let k = Knobs::from_env()?;
+        self.set_flash_warp_rows(k.flash_warp_rows);
+        self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
+        self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
+        self.set_bias_grad(k.bias_grad);
         Ok(self)
     }
 

@@ -1,0 +1,317 @@
+//! The `FUGU_*` environment settings that choose among equivalent forms of an op (for
+//! benchmarks, A/B runs and tests; every one has a default measured or reasoned where it is
+//! used): read here and nowhere else, into one typed [`Knobs`], when a model or a backend is
+//! built. A value a setting does not take is an error naming the setting and its values. The
+//! forms that ran are recorded in the run header (`attention`, `mlp_gelu`, `residual`; the
+//! backend's `kernels`).
+//!
+//! | setting | values | who reads it |
+//! |---|---|---|
+//! | `FUGU_ATTENTION` | `auto`, `fused`, `materialized` | the model (`model/paths.rs`) |
+//! | `FUGU_MLP_GELU` | `auto`, `epilogue`, `separate` | the model |
+//! | `FUGU_RESIDUAL` | `auto`, `epilogue`, `separate` | the model |
+//! | `FUGU_FLASH_WARP_ROWS` | `16`, `32`, or `F,Q,KV` | the CUDA backend (`backend/cuda/forms.rs`) |
+//! | `FUGU_LAYERNORM_BACKWARD` | `split`, `fused` | the CUDA backend |
+//! | `FUGU_FLASH_BACKWARD` | `split`, `fused` | the CUDA backend |
+//! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
+
+use anyhow::{anyhow, Result};
+
+/// Whether an op runs on its own or inside a GEMM's epilogue: the model's choices for the
+/// MLP's GELU and a projection's residual add (`model::paths`), a backend's for a linear
+/// layer's bias gradient (the CUDA backend's `FUGU_BIAS_GRAD`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InGemm {
+    /// Its own op, timed under its own name.
+    #[default]
+    Separate,
+    /// In a GEMM's epilogue, timed as the GEMM it is part of.
+    Epilogue,
+}
+
+impl InGemm {
+    /// The name in the run header (`"mlp_gelu"`, `"residual"`, `"kernels"`) and logs, and
+    /// the settings' value.
+    pub fn name(self) -> &'static str {
+        match self {
+            InGemm::Separate => "separate",
+            InGemm::Epilogue => "epilogue",
+        }
+    }
+}
+
+/// A kernel setting's two forms: the work in more kernels or passes, or fused into fewer.
+/// Each setting declares its measured default beside it (`backend/cuda/forms.rs`). Both forms
+/// compute the same values up to the order of f32 sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelForm {
+    Split,
+    Fused,
+}
+
+impl KernelForm {
+    /// The setting's value for this form (what [`Self::parse`] reads and the run header shows).
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelForm::Split => "split",
+            KernelForm::Fused => "fused",
+        }
+    }
+
+    /// The value `v` of setting `env`: empty (the setting's `default`), `split` or `fused`.
+    pub fn parse(env: &str, v: &str, default: KernelForm) -> Result<KernelForm> {
+        parse_form(
+            env,
+            v,
+            default,
+            &[KernelForm::Split, KernelForm::Fused],
+            Self::name,
+        )
+    }
+}
+
+/// Rows per warp (16 or 32) of each fused attention kernel: query rows for the forward and dQ
+/// kernels, keys for the dK/dV kernel (`FUGU_FLASH_WARP_ROWS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashWarpRows {
+    pub forward: usize,
+    pub dq: usize,
+    pub dkv: usize,
+}
+
+impl Default for FlashWarpRows {
+    fn default() -> Self {
+        FlashWarpRows {
+            forward: 16,
+            dq: 16,
+            dkv: 16,
+        }
+    }
+}
+
+impl FlashWarpRows {
+    /// [`FLASH_WARP_ROWS_ENV`]'s value: empty (the default), `R`, or `F,Q,KV`.
+    pub fn parse(v: &str) -> Result<FlashWarpRows> {
+        let bad = || {
+            anyhow!(
+                "{FLASH_WARP_ROWS_ENV}={v}: expected 16 or 32, or three of them separated by \
+                 commas (forward, dQ, dK/dV kernels)"
+            )
+        };
+        if v.is_empty() {
+            return Ok(Self::default());
+        }
+        let rows: Vec<usize> = v
+            .split(',')
+            .map(|x| match x.trim() {
+                "16" => Ok(16),
+                "32" => Ok(32),
+                _ => Err(bad()),
+            })
+            .collect::<Result<_>>()?;
+        match rows[..] {
+            [r] => Ok(FlashWarpRows {
+                forward: r,
+                dq: r,
+                dkv: r,
+            }),
+            [forward, dq, dkv] => Ok(FlashWarpRows { forward, dq, dkv }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// The attention path asked for (`FUGU_ATTENTION`); the backend's support decides `Auto`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionAsk {
+    #[default]
+    Auto,
+    Fused,
+    Materialized,
+}
+
+/// Environment variable that overrides the backend's attention path: `fused` or
+/// `materialized` (default `auto`).
+pub const ATTENTION_ENV: &str = "FUGU_ATTENTION";
+/// Environment variable that overrides where the MLP's GELU runs: `epilogue` or `separate`
+/// (default `auto`: in the epilogues where the backend has them).
+pub const MLP_GELU_ENV: &str = "FUGU_MLP_GELU";
+/// Environment variable that picks how projections join the residual stream: `epilogue` or
+/// `separate` (default `auto`: in the GEMM for 16-bit activations where the backend has it).
+pub const RESIDUAL_ENV: &str = "FUGU_RESIDUAL";
+/// Environment variable: rows per warp of the fused attention kernels ([`FlashWarpRows`]).
+pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
+/// Environment variable: the layernorm backward's form, `fused` or `split`.
+pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
+/// Environment variable: the fused attention backward's form, `split` or `fused`.
+pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
+/// Environment variable: a linear layer's bias gradient, `separate` or `epilogue`.
+pub const BIAS_GRAD_ENV: &str = "FUGU_BIAS_GRAD";
+
+/// Every op-form setting, as asked (module docs): `None` / `Auto` where unset, for the code
+/// that builds the model or backend to decide.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Knobs {
+    pub attention: AttentionAsk,
+    /// `None`: `auto`.
+    pub mlp_gelu: Option<InGemm>,
+    /// `None`: `auto`.
+    pub residual: Option<InGemm>,
+    pub flash_warp_rows: FlashWarpRows,
+    /// `None`: the backend's measured default.
+    pub layernorm_backward: Option<KernelForm>,
+    /// `None`: the backend's measured default.
+    pub flash_backward: Option<KernelForm>,
+    pub bias_grad: InGemm,
+}
+
+impl Knobs {
+    /// The settings in this process's environment.
+    pub fn from_env() -> Result<Knobs> {
+        Knobs::read(|k| std::env::var(k).ok())
+    }
+
+    /// The settings `get` gives (an unset or empty setting is its default).
+    pub fn read(get: impl Fn(&str) -> Option<String>) -> Result<Knobs> {
+        let var = |k: &str| get(k).unwrap_or_default();
+        let form = |k: &str| -> Result<Option<KernelForm>> {
+            let v = var(k);
+            (!v.is_empty())
+                .then(|| KernelForm::parse(k, &v, KernelForm::Split))
+                .transpose()
+        };
+        Ok(Knobs {
+            attention: parse_attention(&var(ATTENTION_ENV))?,
+            mlp_gelu: parse_in_gemm_auto(MLP_GELU_ENV, &var(MLP_GELU_ENV))?,
+            residual: parse_in_gemm_auto(RESIDUAL_ENV, &var(RESIDUAL_ENV))?,
+            flash_warp_rows: FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?,
+            layernorm_backward: form(LAYERNORM_BACKWARD_ENV)?,
+            flash_backward: form(FLASH_BACKWARD_ENV)?,
+            bias_grad: parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?,
+        })
+    }
+}
+
+fn parse_attention(v: &str) -> Result<AttentionAsk> {
+    Ok(match v {
+        "" | "auto" => AttentionAsk::Auto,
+        "fused" => AttentionAsk::Fused,
+        "materialized" => AttentionAsk::Materialized,
+        other => {
+            return Err(anyhow!(
+                "{ATTENTION_ENV}={other}: expected auto, fused or materialized"
+            ))
+        }
+    })
+}
+
+/// `auto` (or empty: `None`), `epilogue` or `separate`.
+fn parse_in_gemm_auto(env: &str, v: &str) -> Result<Option<InGemm>> {
+    match v {
+        "" | "auto" => Ok(None),
+        "epilogue" => Ok(Some(InGemm::Epilogue)),
+        "separate" => Ok(Some(InGemm::Separate)),
+        other => Err(anyhow!(
+            "{env}={other}: expected auto, epilogue or separate"
+        )),
+    }
+}
+
+/// The value `v` of setting `env` that says whether an op runs in a GEMM's epilogue: empty
+/// (the default: separate), `separate` or `epilogue`.
+pub fn parse_in_gemm(env: &str, v: &str) -> Result<InGemm> {
+    parse_form(
+        env,
+        v,
+        InGemm::Separate,
+        &[InGemm::Separate, InGemm::Epilogue],
+        InGemm::name,
+    )
+}
+
+/// `v`, the value of setting `env`, as the one of `forms` that `name` calls so (empty:
+/// `default`); an error naming the setting and the values it takes otherwise.
+fn parse_form<F: Copy>(
+    env: &str,
+    v: &str,
+    default: F,
+    forms: &[F],
+    name: fn(F) -> &'static str,
+) -> Result<F> {
+    if v.is_empty() {
+        return Ok(default);
+    }
+    forms
+        .iter()
+        .copied()
+        .find(|&f| name(f) == v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = forms.iter().map(|&f| name(f)).collect();
+            anyhow!("{env}={v}: expected {}", names.join(" or "))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn read(pairs: &[(&str, &str)]) -> Result<Knobs> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Knobs::read(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn unset_is_every_default_and_values_are_typed() {
+        assert_eq!(read(&[]).unwrap(), Knobs::default());
+        let k = read(&[
+            (ATTENTION_ENV, "fused"),
+            (MLP_GELU_ENV, "separate"),
+            (RESIDUAL_ENV, "auto"),
+            (FLASH_WARP_ROWS_ENV, "32,16,32"),
+            (LAYERNORM_BACKWARD_ENV, "split"),
+            (FLASH_BACKWARD_ENV, "fused"),
+            (BIAS_GRAD_ENV, "epilogue"),
+        ])
+        .unwrap();
+        assert_eq!(k.attention, AttentionAsk::Fused);
+        assert_eq!(k.mlp_gelu, Some(InGemm::Separate));
+        assert_eq!(k.residual, None);
+        assert_eq!(k.flash_warp_rows.dq, 16);
+        assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
+        assert_eq!(k.flash_backward, Some(KernelForm::Fused));
+        assert_eq!(k.bias_grad, InGemm::Epilogue);
+    }
+
+    #[test]
+    fn a_bad_value_names_the_setting_and_its_values() {
+        for (k, v, want) in [
+            (
+                ATTENTION_ENV,
+                "flash",
+                "FUGU_ATTENTION=flash: expected auto, fused or materialized",
+            ),
+            (
+                RESIDUAL_ENV,
+                "yes",
+                "FUGU_RESIDUAL=yes: expected auto, epilogue or separate",
+            ),
+            (
+                FLASH_BACKWARD_ENV,
+                "one",
+                "FUGU_FLASH_BACKWARD=one: expected split or fused",
+            ),
+            (
+                BIAS_GRAD_ENV,
+                "auto",
+                "FUGU_BIAS_GRAD=auto: expected separate or epilogue",
+            ),
+        ] {
+            let e = read(&[(k, v)]).unwrap_err().to_string();
+            assert_eq!(e, want);
+        }
+    }
+}
