@@ -137,13 +137,28 @@ impl ComputeOp {
     }
 }
 
-/// An architecture's compute ops and what each costs (module docs).
+/// A collective one rank makes per micro-batch: its timer name, bytes per call, calls.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Collective {
+    pub name: &'static str,
+    pub bytes: f64,
+    pub calls: f64,
+}
+
+/// An architecture's compute ops and what each costs (module docs), and the communication its
+/// layout implies.
 pub struct CostModel {
     /// The compute ops, by timer name.
     pub ops: &'static [ComputeOp],
     /// The work of the op whose forward timer is `op`, in `pass`, on a slice; `None` for a name
     /// that is not one of [`Self::ops`].
     pub work: fn(op: &str, pass: Pass, s: &Slice) -> Option<OpWork>,
+    /// The tensor-parallel all-reduces one rank of a slice makes per micro-batch (with
+    /// `s.tp > 1`), forward and backward.
+    pub tp_allreduces: fn(s: &Slice) -> Vec<Collective>,
+    /// Bytes of the tensor the first and last pipeline stages share and all-reduce once per
+    /// step (a tied embedding), per tensor-parallel rank; `None` when there is none.
+    pub tied_bytes: fn(s: &Slice) -> Option<f64>,
 }
 
 impl CostModel {

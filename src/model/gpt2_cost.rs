@@ -16,11 +16,16 @@
 //! are contiguous, so their rates are an approximation there.
 
 use super::gpt2_ops::{backward as bwd, forward as fwd};
-use crate::metrics::cost::{ComputeOp, CostModel, GemmCall, OpWork, Pass, Slice};
+use crate::metrics::cost::{Collective, ComputeOp, CostModel, GemmCall, OpWork, Pass, Slice};
 use crate::metrics::ops::trainer;
 
 /// GPT-2's compute ops and their cost (module docs).
-pub static COST: CostModel = CostModel { ops: &OPS, work };
+pub static COST: CostModel = CostModel {
+    ops: &OPS,
+    work,
+    tp_allreduces,
+    tied_bytes,
+};
 
 const OPS: [ComputeOp; 13] = [
     ComputeOp::both(fwd::QKV, bwd::QKV),
@@ -122,6 +127,43 @@ fn elements(op: &str, s: &Slice) -> Option<f64> {
         trainer::data::BATCH_GENERATOR => n * on(s.first),
         _ => return None,
     })
+}
+
+/// Megatron's tensor-parallel all-reduces (`model/layers.rs`): per block and micro-batch, the
+/// attention and MLP outputs (forward) and their input gradients (backward), B·T·C floats
+/// each; the vocabulary-parallel embedding (first stage) and LM head (last) theirs; the
+/// vocabulary-parallel cross-entropy's row maxima, sums and target logits (B·T floats each).
+fn tp_allreduces(s: &Slice) -> Vec<Collective> {
+    let (mb, t, c) = (s.mb as f64, s.seq_len as f64, s.model.n_embd as f64);
+    let stream = 4.0 * mb * t * c;
+    let on = |b: bool| if b { 1.0 } else { 0.0 };
+    let layers = s.layers as f64;
+    let mut v: Vec<Collective> = [
+        (fwd::ATTENTION_ALLREDUCE, layers),
+        (fwd::MLP_ALLREDUCE, layers),
+        (bwd::ATTENTION_ALLREDUCE, layers),
+        (bwd::MLP_ALLREDUCE, layers),
+        (fwd::EMBEDDING_ALLREDUCE, on(s.first)),
+        (bwd::LM_HEAD_ALLREDUCE, on(s.last)),
+    ]
+    .into_iter()
+    .map(|(name, calls)| Collective {
+        name,
+        bytes: stream,
+        calls,
+    })
+    .collect();
+    v.push(Collective {
+        name: fwd::LOSS_ALLREDUCE,
+        bytes: 4.0 * mb * t,
+        calls: 3.0 * on(s.last),
+    });
+    v
+}
+
+/// The tied `wte` (this rank's vocabulary rows), all-reduced between the first and last stage.
+fn tied_bytes(s: &Slice) -> Option<f64> {
+    Some(4.0 * (s.vocab / s.tp * s.model.n_embd) as f64)
 }
 
 #[cfg(test)]

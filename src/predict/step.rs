@@ -23,10 +23,9 @@ use super::gemm::{GemmCall, GemmRates, Pass};
 use super::network::{Group, Network};
 use crate::config::ModelConfig;
 use crate::metrics::cost::{CostModel, OpWork, Slice};
-use crate::metrics::ops::trainer::{grads, optimizer, phase};
+use crate::metrics::ops::trainer::{grads, optimizer, phase, pipeline};
 pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{acts_table, grad_acts_table, stats_table, AttnKeep, Recompute, StepDims};
-use crate::model::gpt2_ops::{backward as bwd, forward as fwd};
 use crate::model::registry;
 use crate::model::stage::Stage;
 use crate::model::table::padded_vocab;
@@ -407,36 +406,19 @@ impl StepCtx<'_> {
         t.insert("backward:compute".into(), ms * 2.0 / 3.0);
     }
 
-    /// Tensor-parallel all-reduces: B·T·C floats per block and micro-batch each, and the
-    /// vocabulary-parallel embedding, LM head and loss.
+    /// Tensor-parallel all-reduces, as the architecture declares them.
     fn tp_allreduces(&self, net: &Network, s: &Shape, t: &mut BTreeMap<String, f64>) {
-        let g = self.tp_group;
-        let ar = net.allreduce(g, 4.0 * s.mb * s.t * s.c) * 1e3 * self.mbf();
-        let (first, last) = (
-            if s.first { 1.0 } else { 0.0 },
-            if s.last { 1.0 } else { 0.0 },
-        );
-        for (name, count) in [
-            (fwd::ATTENTION_ALLREDUCE, s.layers),
-            (fwd::MLP_ALLREDUCE, s.layers),
-            (bwd::ATTENTION_ALLREDUCE, s.layers),
-            (bwd::MLP_ALLREDUCE, s.layers),
-            (fwd::EMBEDDING_ALLREDUCE, first),
-            (bwd::LM_HEAD_ALLREDUCE, last),
-        ] {
-            if count > 0.0 {
-                t.insert(name.into(), ar * count);
+        let cost = registry::cost(s.slice.model.arch);
+        for c in (cost.tp_allreduces)(&s.slice) {
+            if c.calls > 0.0 {
+                let one = net.allreduce(self.tp_group, c.bytes) * 1e3 * self.mbf();
+                t.insert(c.name.into(), one * c.calls);
             }
-        }
-        if s.last {
-            // Vocabulary-parallel cross-entropy: row maxima, sums and target logits.
-            let small = net.allreduce(g, 4.0 * s.mb * s.t) * 1e3 * self.mbf();
-            t.insert(fwd::LOSS_ALLREDUCE.into(), 3.0 * small);
         }
     }
 
     /// Pipeline: each micro-batch's activation and gradient across the stage's boundaries,
-    /// and the tied `wte` gradient between the first and last stage.
+    /// and the tied embedding's gradient (GPT-2's `wte`) between the first and last stage.
     fn pipeline_transfers(
         &self,
         net: &Network,
@@ -444,19 +426,18 @@ impl StepCtx<'_> {
         stage: &Stage,
         t: &mut BTreeMap<String, f64>,
     ) {
-        let (l, cfg) = (self.l, &self.w.model);
         let msg = net.sendrecv(self.next_stage_across, 4.0 * s.mb * s.t * s.c) * 1e3;
         let boundaries = (!s.first) as usize + (!s.last) as usize;
-        t.insert("pipeline:recv".into(), msg * self.mbf() * boundaries as f64);
-        if stage.is_first() || stage.is_last() {
-            let wte = 4.0 * (padded_vocab(cfg.vocab_size) / l.tp * cfg.n_embd) as f64;
+        t.insert(pipeline::RECV.into(), msg * self.mbf() * boundaries as f64);
+        let tied = (registry::cost(s.slice.model.arch).tied_bytes)(&s.slice);
+        if let (Some(bytes), true) = (tied, stage.is_first() || stage.is_last()) {
             let g = Group {
                 ranks: 2,
                 nodes: if self.last_stage_across { 2 } else { 1 },
             };
             t.insert(
-                "pipeline:tied-wte:allreduce".into(),
-                net.allreduce(g, wte) * 1e3,
+                pipeline::TIED_ALLREDUCE.into(),
+                net.allreduce(g, bytes) * 1e3,
             );
         }
     }
@@ -551,7 +532,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
                 .enumerate()
                 .filter(|&(j, _)| j != i)
                 .fold(0.0, |a, (_, v)| a + v);
-            t.insert("pipeline:bubble".into(), others);
+            t.insert(pipeline::BUBBLE.into(), others);
         }
         let step = t
             .iter()
