@@ -27,8 +27,8 @@ mod gpu {
     };
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CeRows, CpuBackend, Dtype, Embedding,
-        FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, Span,
-        TokSpan, WeightLayout,
+        FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
+        RmsNormGrads, Rope, Span, TokSpan, WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
@@ -38,6 +38,7 @@ mod gpu {
     use fugu::model::paths::{MlpGelu, Residual};
     use fugu::model::table::{gpt2_params, padded_vocab};
     use fugu::model::{Gpt2, OptimStep, TpRank};
+    use fugu::ops::RopeTable;
     use fugu::sample::{generate, Generator, SampleOptions};
     use fugu_io::rng::SplitMix64;
     use std::path::{Path, PathBuf};
@@ -341,6 +342,71 @@ mod gpu {
             }
             be.gpu
                 .set_layernorm_backward(cuda::LAYERNORM_BACKWARD_DEFAULT);
+        }
+    }
+
+    /// The Llama family's row ops (RMS norm, rotary embeddings, SwiGLU) on the device against
+    /// the CPU backend, in every storage type; rows of odd widths, one row, and more rows than
+    /// a chunk of the weight gradient's column sums.
+    #[test]
+    fn llama_row_ops() {
+        for act in ACTS {
+            llama_row_ops_in(act);
+        }
+    }
+
+    fn llama_row_ops_in(act: Dtype) {
+        let Some(mut be) = Both::new(act) else { return };
+        for (n, c) in [(13, 37), (1, 5), (70, 64), (3, 768)] {
+            let (out, rstd) = (be.nan(n * c), be.nan32(n));
+            let (inp, w) = (be.rand(n * c, 21), be.rand(c, 22));
+            let r = RmsNorm { w, n, c, eps: 1e-5 };
+            be.run(|x| x.rmsnorm_forward(&r, out, rstd, inp));
+            be.check("rmsnorm_forward out", out, ELEM * 10.0);
+            be.check("rmsnorm_forward rstd", rstd, ELEM);
+            let dout = be.rand(n * c, 23);
+            let g = RmsNormGrads {
+                dinp: be.rand(n * c, 24),
+                dw: be.rand32(c, 25),
+            };
+            be.run(|x| x.rmsnorm_backward(&r, &g, dout, inp, rstd));
+            be.check("rmsnorm_backward dinp", g.dinp, ELEM * 10.0);
+            // Column sums over n rows in different orders.
+            be.check("rmsnorm_backward dw", g.dw, GEMM);
+        }
+        // Two sequences of 6 positions, rows of 3 rotated heads of 8 and 2 of 8 left alone
+        // (the V part of a GQA qkv row), a table of 9 positions.
+        let (t, hs, heads, width) = (6, 8, 3, 5 * 8);
+        let n = 2 * t;
+        let tab = RopeTable::<f32>::new(hs, 9, 10_000.0);
+        let table = be.buf(&[tab.cos.clone(), tab.sin.clone()].concat(), Dtype::F32);
+        let r = Rope {
+            table,
+            n,
+            width,
+            heads,
+            half: hs / 2,
+            t,
+        };
+        let x = be.rand(n * width, 26);
+        be.run(|b| b.rope_forward(&r, x));
+        be.check("rope_forward", x, ELEM);
+        be.run(|b| b.rope_backward(&r, x));
+        be.check("rope_backward", x, ELEM);
+        for (n, f) in [(7, 13), (1, 1), (4, 256)] {
+            let out = be.nan(n * f);
+            let inp = be.buf(
+                &random(n * 2 * f, 27)
+                    .iter()
+                    .map(|v| 8.0 * v)
+                    .collect::<Vec<_>>(),
+                act,
+            );
+            be.run(|x| x.swiglu_forward(out, inp, f));
+            be.check("swiglu_forward", out, ELEM * 10.0);
+            let (dout, dinp) = (be.rand(n * f, 28), be.nan(n * 2 * f));
+            be.run(|x| x.swiglu_backward(dinp, dout, inp, f));
+            be.check("swiglu_backward", dinp, ELEM * 10.0);
         }
     }
 

@@ -4,8 +4,8 @@
 use super::host_buf::HostBuf;
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
-    FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, Span,
-    TokSpan,
+    FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
+    RmsNormGrads, Rope, Span, TokSpan,
 };
 use crate::ops;
 use anyhow::Result;
@@ -82,6 +82,24 @@ impl CpuBackend {
             let dt = self.dtypes[w.buf.0 as usize];
             dt.round_slice(self.host_mut(w));
         }
+    }
+
+    /// [`Backend::rope_forward`] (`forward`) or its backward, in place on `x`.
+    fn rope(&mut self, r: &Rope, x: Span, forward: bool) {
+        r.check(x, "rope");
+        let ([x_], [table]) = views(&mut self.bufs, [x], [r.table]);
+        let (cos, sin) = table.split_at(table.len() / 2);
+        let view = ops::RopeView {
+            half: r.half,
+            cos,
+            sin,
+        };
+        if forward {
+            ops::rope_forward(x_, r.width, r.heads, r.t, view);
+        } else {
+            ops::rope_backward(x_, r.width, r.heads, r.t, view);
+        }
+        self.stored(&[x]);
     }
 }
 
@@ -404,6 +422,50 @@ impl Backend for CpuBackend {
         let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, kv.k, kv.v]);
         ops::attention::attention_decode(o, q, k, v, kv.len, (nh, nh), hs);
         self.stored(&[out]);
+    }
+
+    fn rmsnorm_forward(&mut self, r: &RmsNorm, out: Span, rstd: Span, inp: Span) {
+        assert!(out.len == r.n * r.c && inp.len == r.n * r.c && rstd.len == r.n && r.w.len == r.c);
+        let ([o, rs], [i, w]) = views(&mut self.bufs, [out, rstd], [inp, r.w]);
+        ops::rmsnorm::rmsnorm_forward(o, rs, i, w, r.eps);
+        self.stored(&[out, rstd]);
+    }
+
+    fn rmsnorm_backward(
+        &mut self,
+        r: &RmsNorm,
+        g: &RmsNormGrads,
+        dout: Span,
+        inp: Span,
+        rstd: Span,
+    ) {
+        let (n, c) = (r.n, r.c);
+        assert!(g.dinp.len == n * c && dout.len == n * c && inp.len == n * c);
+        assert!(g.dw.len == c && r.w.len == c && rstd.len == n);
+        let written = [g.dinp, g.dw];
+        let ([di, dw], [d, i, w, rs]) = views(&mut self.bufs, written, [dout, inp, r.w, rstd]);
+        ops::rmsnorm::rmsnorm_backward(di, dw, d, i, w, rs);
+        self.stored(&written);
+    }
+
+    fn rope_forward(&mut self, r: &Rope, x: Span) {
+        self.rope(r, x, true);
+    }
+
+    fn rope_backward(&mut self, r: &Rope, dx: Span) {
+        self.rope(r, dx, false);
+    }
+
+    fn swiglu_forward(&mut self, out: Span, inp: Span, f: usize) {
+        let ([o], [i]) = views(&mut self.bufs, [out], [inp]);
+        ops::swiglu::swiglu_forward(o, i, f);
+        self.stored(&[out]);
+    }
+
+    fn swiglu_backward(&mut self, dinp: Span, dout: Span, inp: Span, f: usize) {
+        let ([di], [d, i]) = views(&mut self.bufs, [dinp], [dout, inp]);
+        ops::swiglu::swiglu_backward(di, d, i, f);
+        self.stored(&[dinp]);
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {

@@ -176,6 +176,55 @@ pub struct LayerNormGrads {
     pub dbias: Span,
 }
 
+/// An RMS norm (the Llama family's): `n` rows of `c`, weight `w` (`c`), `eps` added to the
+/// mean square.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RmsNorm {
+    pub w: Span,
+    pub n: usize,
+    pub c: usize,
+    pub eps: f64,
+}
+
+/// What an RMS norm's backward pass accumulates: the input and weight gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RmsNormGrads {
+    pub dinp: Span,
+    pub dw: Span,
+}
+
+/// Rotary embeddings (`rotate_half`, `ops/rope.rs`) of the first `heads` heads (of size
+/// `2·half`) of each of `n` rows of `width` elements, row `r` at position `r % t`, by the angles
+/// of `table` (f32: the cosines (positions, half), then the sines).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rope {
+    pub table: Span,
+    pub n: usize,
+    pub width: usize,
+    pub heads: usize,
+    pub half: usize,
+    pub t: usize,
+}
+
+impl Rope {
+    /// Positions the table covers.
+    pub fn positions(&self) -> usize {
+        self.table.len / (2 * self.half.max(1))
+    }
+
+    /// Panics unless the shapes agree: the heads fit the rows, the table covers `t`.
+    pub fn check(&self, x: Span, op: &str) {
+        assert!(
+            x.len == self.n * self.width
+                && self.heads * 2 * self.half <= self.width
+                && self.t <= self.positions()
+                && self.table.len == 2 * self.positions() * self.half,
+            "{op}: {self:?} does not fit x of {} elements",
+            x.len
+        );
+    }
+}
+
 /// The embedding of `b` sequences of `t` tokens into width `c`: the token table `wte` (this
 /// rank's vocabulary rows from `vocab_start`) and the position table `wpe` (on one rank of a
 /// tensor-parallel group; `None` on the others). The backward pass takes the gradients'
@@ -416,6 +465,27 @@ pub trait Backend: 'static {
     /// overwritten with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head ([`KvRows`]: the
     /// new token's own key and value already at row `len - 1`).
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize);
+
+    // --- the Llama family: RMS norm, rotary embeddings, SwiGLU ----------------------------
+    /// `out` (n, c) and `rstd` (n, f32) overwritten (`ops/rmsnorm.rs`).
+    fn rmsnorm_forward(&mut self, r: &RmsNorm, out: Span, rstd: Span, inp: Span);
+    /// `g.dinp` and `g.dw` accumulate.
+    fn rmsnorm_backward(
+        &mut self,
+        r: &RmsNorm,
+        g: &RmsNormGrads,
+        dout: Span,
+        inp: Span,
+        rstd: Span,
+    );
+    /// Rotates `x`'s heads in place (`ops/rope.rs`).
+    fn rope_forward(&mut self, r: &Rope, x: Span);
+    /// Rotates the gradient `dx` of rotated heads back in place.
+    fn rope_backward(&mut self, r: &Rope, dx: Span);
+    /// `out (n, f) = silu(gate)·up` of `inp (n, 2f)` rows `[gate | up]`, overwritten.
+    fn swiglu_forward(&mut self, out: Span, inp: Span, f: usize);
+    /// `dinp (n, 2f)` overwritten with `[dgate | dup]`.
+    fn swiglu_backward(&mut self, dinp: Span, dout: Span, inp: Span, f: usize);
 
     // --- pointwise -----------------------------------------------------------------------
     fn gelu_forward(&mut self, out: Span, inp: Span);

@@ -46,6 +46,26 @@ impl<T: Float> RopeTable<T> {
         RopeTable { half, cos, sin }
     }
 
+    /// The table as slices.
+    pub fn view(&self) -> RopeView<'_, T> {
+        RopeView {
+            half: self.half,
+            cos: &self.cos,
+            sin: &self.sin,
+        }
+    }
+}
+
+/// A [`RopeTable`] as slices: `cos` and `sin` (positions, `half`) each (a backend's table is
+/// one buffer, the cosines then the sines).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeView<'a, T> {
+    pub half: usize,
+    pub cos: &'a [T],
+    pub sin: &'a [T],
+}
+
+impl<T> RopeView<'_, T> {
     /// Positions the table covers.
     pub fn positions(&self) -> usize {
         self.cos.len() / self.half
@@ -60,7 +80,7 @@ fn rotate<T: Float>(
     width: usize,
     heads: usize,
     t: usize,
-    table: &RopeTable<T>,
+    table: RopeView<T>,
     direction: T,
 ) {
     let half = table.half;
@@ -75,6 +95,7 @@ fn rotate<T: Float>(
         table.positions()
     );
     assert!(x.len().is_multiple_of(width.max(1)), "rope: x length");
+    assert_eq!(table.cos.len(), table.sin.len(), "rope: table lengths");
     let rows_per_task = (ELEM_CHUNK / width.max(1)).max(1);
     x.par_chunks_mut(rows_per_task * width)
         .enumerate()
@@ -105,7 +126,7 @@ pub fn rope_forward<T: Float>(
     width: usize,
     heads: usize,
     t: usize,
-    table: &RopeTable<T>,
+    table: RopeView<T>,
 ) {
     rotate(x, width, heads, t, table, T::ONE);
 }
@@ -117,7 +138,7 @@ pub fn rope_backward<T: Float>(
     width: usize,
     heads: usize,
     t: usize,
-    table: &RopeTable<T>,
+    table: RopeView<T>,
 ) {
     rotate(dx, width, heads, t, table, -T::ONE);
 }
@@ -138,7 +159,7 @@ mod tests {
         let mut rng = Rng::new(50);
         let x = rng.vec(b * t * width);
         let mut y = x.clone();
-        rope_forward(&mut y, width, heads, t, &table);
+        rope_forward(&mut y, width, heads, t, table.view());
         for r in 0..b * t {
             let p = (r % t) as f64;
             for h in 0..heads {
@@ -163,10 +184,10 @@ mod tests {
         }
         let dout = rng.vec(b * t * width);
         let mut dx = dout.clone();
-        rope_backward(&mut dx, width, heads, t, &table);
+        rope_backward(&mut dx, width, heads, t, table.view());
         check_grad("dx", &x, &dx, |x| {
             let mut y = x.to_vec();
-            rope_forward(&mut y, width, heads, t, &table);
+            rope_forward(&mut y, width, heads, t, table.view());
             dot(&dout, &y)
         });
     }
@@ -182,11 +203,11 @@ mod tests {
         let mut rng = Rng::new(51);
         let x = round_f32(&rng.vec(2 * t * width));
         let mut y = x.clone();
-        rope_forward(&mut y, width, heads, t, &t64);
+        rope_forward(&mut y, width, heads, t, t64.view());
         let run = |threads| {
             with_threads(threads, || {
                 let mut y = to_f32(&x);
-                rope_forward(&mut y, width, heads, t, &t32);
+                rope_forward(&mut y, width, heads, t, t32.view());
                 y
             })
         };

@@ -1933,6 +1933,162 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
 FOR_HALF_TYPES(DEF)
 #undef DEF
 
+// ---- the Llama family (ops/rmsnorm.rs, ops/rope.rs, ops/swiglu.rs) -----------------------
+
+// RMS norm forward: a block per row, the mean square in double; out = w·(x·rstd).
+template <typename T>
+__device__ void rmsnorm_forward_k(T* out, float* rstd, const T* inp, const T* w, i64 N, i64 C,
+                                  float eps) {
+    __shared__ double sh[ROW_THREADS];
+    for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
+        const T* x = inp + row * C;
+        T* o = out + row * C;
+        double ss = 0.0;
+        for (i64 j = threadIdx.x; j < C; j += blockDim.x) {
+            double v = (double)ld(x[j]);
+            ss += v * v;
+        }
+        double ms = block_sum_d(ss, sh) / (double)C;
+        float rs = (float)(1.0 / sqrt(ms + (double)eps));
+        for (i64 j = threadIdx.x; j < C; j += blockDim.x) st(o[j], ld(w[j]) * (ld(x[j]) * rs));
+        if (threadIdx.x == 0) rstd[row] = rs;
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void rmsnorm_forward_##S(T* out, float* rstd, const T* inp,        \
+                                                   const T* w, i64 N, i64 C, float eps) {   \
+        rmsnorm_forward_k(out, rstd, inp, w, N, C, eps);                                    \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
+// RMS norm backward, the input gradient: a block per row, dinp += rstd·(g·w − x̂·mean(g·w·x̂)),
+// x̂ = x·rstd, the mean in double.
+template <typename T>
+__device__ void rmsnorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, const T* w,
+                                        const float* rstd, i64 N, i64 C) {
+    __shared__ double sh[ROW_THREADS];
+    for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
+        const T* g = dout + row * C;
+        const T* x = inp + row * C;
+        T* d = dinp + row * C;
+        float rs = rstd[row];
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < C; j += blockDim.x)
+            s += (double)(ld(g[j]) * ld(w[j]) * (ld(x[j]) * rs));
+        float m = (float)(block_sum_d(s, sh) / (double)C);
+        for (i64 j = threadIdx.x; j < C; j += blockDim.x) {
+            float xhat = ld(x[j]) * rs;
+            st(d[j], ld(d[j]) + (ld(g[j]) * ld(w[j]) - xhat * m) * rs);
+        }
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void rmsnorm_backward_dinp_##S(T* dinp, const T* dout,             \
+                                                         const T* inp, const T* w,          \
+                                                         const float* rstd, i64 N, i64 C) { \
+        rmsnorm_backward_dinp_k(dinp, dout, inp, w, rstd, N, C);                            \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
+// RMS norm backward, stage 1 of the weight gradient's column sums (stage 2: column_finish):
+// part[k, c] = Σ over chunk k's rows of dout·x·rstd, a thread per (chunk, column), rows in
+// order.
+template <typename T>
+__device__ void rmsnorm_dw_partials_k(float* part, const T* dout, const T* inp,
+                                      const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {
+    GRID_STRIDE(t, stride);
+    for (i64 idx = t; idx < chunks * C; idx += stride) {
+        i64 k = idx / C, c = idx % C;
+        i64 r0 = k * rpc, r1 = r0 + rpc < N ? r0 + rpc : N;
+        float s = 0.0f;
+        for (i64 r = r0; r < r1; r++) s += ld(dout[r * C + c]) * (ld(inp[r * C + c]) * rstd[r]);
+        part[idx] = s;
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void rmsnorm_dw_partials_##S(float* part, const T* dout,           \
+                                                       const T* inp, const float* rstd,     \
+                                                       i64 N, i64 C, i64 rpc, i64 chunks) { \
+        rmsnorm_dw_partials_k(part, dout, inp, rstd, N, C, rpc, chunks);                    \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
+// Rotary embeddings in place (rotate_half): a thread per (row, head, i < half) pair; `dir`
+// +1 rotates, −1 rotates back (the backward). table: cos (P, half), then sin (P, half).
+template <typename T>
+__device__ void rope_k(T* x, const float* table, i64 N, i64 width, i64 heads, i64 half, i64 Tn,
+                       i64 P, float dir) {
+    GRID_STRIDE(t, stride);
+    for (i64 idx = t; idx < N * heads * half; idx += stride) {
+        i64 i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
+        i64 p = row % Tn;
+        float c = table[p * half + i], sn = dir * table[P * half + p * half + i];
+        T* a = x + row * width + h * 2 * half + i;
+        T* b = a + half;
+        float x0 = ld(*a), x1 = ld(*b);
+        st(*a, x0 * c - x1 * sn);
+        st(*b, x1 * c + x0 * sn);
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void rope_##S(T* x, const float* table, i64 N, i64 width,          \
+                                        i64 heads, i64 half, i64 Tn, i64 P, float dir) {    \
+        rope_k(x, table, N, width, heads, half, Tn, P, dir);                                \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
+// SwiGLU: σ(x) and e^{−x}·σ(x) (1 − σ without the cancellation), the exponent capped at 80 as
+// ops/swiglu.rs does.
+__device__ void swiglu_sigmoid(float x, float& s, float& one_minus_s) {
+    float z = -x;
+    bool past = z > 80.0f;
+    float e = expf(past ? 80.0f : z);
+    s = past ? 0.0f : 1.0f / (1.0f + e);
+    one_minus_s = e * s;
+}
+// out (N, F) = silu(gate)·up of inp rows [gate | up] (2F): a thread per output element.
+template <typename T>
+__device__ void swiglu_forward_k(T* out, const T* inp, i64 N, i64 F) {
+    GRID_STRIDE(t, stride);
+    for (i64 idx = t; idx < N * F; idx += stride) {
+        i64 r = idx / F, j = idx % F;
+        float g = ld(inp[r * 2 * F + j]), u = ld(inp[r * 2 * F + F + j]), s, oms;
+        swiglu_sigmoid(g, s, oms);
+        st(out[idx], g * s * u);
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void swiglu_forward_##S(T* out, const T* inp, i64 N, i64 F) {      \
+        swiglu_forward_k(out, inp, N, F);                                                   \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
+// dinp (N, 2F) = [dout·up·silu'(gate) | dout·silu(gate)], silu' = σ·(1 + x·(1 − σ)).
+template <typename T>
+__device__ void swiglu_backward_k(T* dinp, const T* dout, const T* inp, i64 N, i64 F) {
+    GRID_STRIDE(t, stride);
+    for (i64 idx = t; idx < N * F; idx += stride) {
+        i64 r = idx / F, j = idx % F;
+        float g = ld(inp[r * 2 * F + j]), u = ld(inp[r * 2 * F + F + j]), d = ld(dout[idx]), s,
+              oms;
+        swiglu_sigmoid(g, s, oms);
+        st(dinp[r * 2 * F + j], d * u * (s * (1.0f + g * oms)));
+        st(dinp[r * 2 * F + F + j], d * (g * s));
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void swiglu_backward_##S(T* dinp, const T* dout, const T* inp,     \
+                                                   i64 N, i64 F) {                          \
+        swiglu_backward_k(dinp, dout, inp, N, F);                                           \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
 // ---- pointwise (ops/gelu.rs, ops/residual.rs) -------------------------------------------
 
 #define GELU_K 0.7978845608028654f  // sqrt(2/pi)

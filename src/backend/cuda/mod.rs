@@ -52,7 +52,7 @@ use super::WeightLayout;
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, CudaSettings, Dtype, Embedding,
     FusedAttention, InGemm, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats,
-    Span, TokSpan,
+    RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
 };
 use anyhow::{Context, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall};
@@ -156,6 +156,12 @@ kernels!(
     convert,
     gelu_forward,
     gelu_backward,
+    rmsnorm_forward,
+    rmsnorm_backward_dinp,
+    rmsnorm_dw_partials,
+    rope,
+    swiglu_forward,
+    swiglu_backward,
     residual_forward,
     add_inplace,
     ce_row_stats,
@@ -459,6 +465,24 @@ impl CudaBackend {
             0,
             args,
         );
+    }
+
+    /// Rotary embeddings in place on `x`, `dir` +1 (forward) or −1 (backward).
+    fn rope(&self, r: &Rope, x: Span, dir: f32) {
+        r.check(x, "rope");
+        assert_eq!(self.dt(r.table), Dtype::F32, "rope: the table is f32");
+        let args = [
+            Arg::Ptr(self.ptr(x)),
+            Arg::Ptr(self.ptr(r.table)),
+            Arg::I64(r.n as i64),
+            Arg::I64(r.width as i64),
+            Arg::I64(r.heads as i64),
+            Arg::I64(r.half as i64),
+            Arg::I64(r.t as i64),
+            Arg::I64(r.positions() as i64),
+            Arg::F32(dir),
+        ];
+        self.launch_elems(K::rope, self.dt(x), r.n * r.heads * r.half, &args);
     }
 
     /// Uploads `data` into the index scratch; returns its device address.
@@ -1220,6 +1244,106 @@ impl Backend for CudaBackend {
                 Arg::F32(attention_scale(hs)),
             ],
         );
+    }
+
+    fn rmsnorm_forward(&mut self, r: &RmsNorm, out: Span, rstd: Span, inp: Span) {
+        let (n, c) = (r.n, r.c);
+        assert!(out.len == n * c && inp.len == n * c && rstd.len == n && r.w.len == c);
+        self.launch_rows(
+            K::rmsnorm_forward,
+            self.dt(out),
+            n,
+            0,
+            &[
+                Arg::Ptr(self.ptr(out)),
+                Arg::Ptr(self.ptr(rstd)),
+                Arg::Ptr(self.ptr(inp)),
+                Arg::Ptr(self.ptr(r.w)),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+                Arg::F32(r.eps as f32),
+            ],
+        );
+    }
+
+    fn rmsnorm_backward(
+        &mut self,
+        r: &RmsNorm,
+        g: &RmsNormGrads,
+        dout: Span,
+        inp: Span,
+        rstd: Span,
+    ) {
+        let (n, c) = (r.n, r.c);
+        assert!(g.dinp.len == n * c && dout.len == n * c && inp.len == n * c);
+        assert!(g.dw.len == c && r.w.len == c && rstd.len == n);
+        self.launch_rows(
+            K::rmsnorm_backward_dinp,
+            self.dt(g.dinp),
+            n,
+            0,
+            &[
+                Arg::Ptr(self.ptr(g.dinp)),
+                Arg::Ptr(self.ptr(dout)),
+                Arg::Ptr(self.ptr(inp)),
+                Arg::Ptr(self.ptr(r.w)),
+                Arg::Ptr(self.ptr(rstd)),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+            ],
+        );
+        let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
+        let (part, _) = self.column_partial_sums(chunks, c);
+        self.launch_elems(
+            K::rmsnorm_dw_partials,
+            self.dt(dout),
+            chunks * c,
+            &[
+                Arg::Ptr(part),
+                Arg::Ptr(self.ptr(dout)),
+                Arg::Ptr(self.ptr(inp)),
+                Arg::Ptr(self.ptr(rstd)),
+                Arg::I64(n as i64),
+                Arg::I64(c as i64),
+                Arg::I64(COLUMN_CHUNK_ROWS as i64),
+                Arg::I64(chunks as i64),
+            ],
+        );
+        self.column_finish(g.dw, part, None, c, chunks);
+    }
+
+    fn rope_forward(&mut self, r: &Rope, x: Span) {
+        self.rope(r, x, 1.0);
+    }
+
+    fn rope_backward(&mut self, r: &Rope, dx: Span) {
+        self.rope(r, dx, -1.0);
+    }
+
+    fn swiglu_forward(&mut self, out: Span, inp: Span, f: usize) {
+        assert!(f > 0 && inp.len == 2 * out.len && out.len.is_multiple_of(f));
+        let n = out.len / f;
+        let args = [
+            Arg::Ptr(self.ptr(out)),
+            Arg::Ptr(self.ptr(inp)),
+            Arg::I64(n as i64),
+            Arg::I64(f as i64),
+        ];
+        self.launch_elems(K::swiglu_forward, self.dt(out), out.len, &args);
+    }
+
+    fn swiglu_backward(&mut self, dinp: Span, dout: Span, inp: Span, f: usize) {
+        assert!(f > 0 && inp.len == 2 * dout.len && dinp.len == inp.len);
+        assert!(dout.len.is_multiple_of(f));
+        let n = dout.len / f;
+        let args = [
+            Arg::Ptr(self.ptr(dinp)),
+            Arg::Ptr(self.ptr(dout)),
+            Arg::Ptr(self.ptr(inp)),
+            Arg::I64(n as i64),
+            Arg::I64(f as i64),
+        ];
+        self.launch_elems(K::swiglu_backward, self.dt(dinp), dout.len, &args);
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {
