@@ -40,12 +40,13 @@ pub fn layernorm_forward<T: Float>(
 }
 
 /// Lanes of the row sums: element `j` goes to lane `j % SUM_LANES`, the lanes are added in
-/// order at the end (and the tail after them), a fixed order the compiler can vectorise.
-const SUM_LANES: usize = 8;
+/// order at the end (and the tail after them), a fixed order the compiler can vectorise (also
+/// the RMS norm's, `rmsnorm.rs`).
+pub(crate) const SUM_LANES: usize = 8;
 
 /// `Σ f(v)` over `x` in f64, in [`SUM_LANES`] lanes.
 #[inline(always)]
-fn lane_sum<T: Copy>(x: &[T], f: impl Fn(T) -> f64) -> f64 {
+pub(crate) fn lane_sum<T: Copy>(x: &[T], f: impl Fn(T) -> f64) -> f64 {
     let mut acc = [0.0f64; SUM_LANES];
     let mut it = x.chunks_exact(SUM_LANES);
     for chunk in &mut it {

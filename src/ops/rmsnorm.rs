@@ -1,26 +1,9 @@
 //! Root-mean-square normalisation over the last dimension (Llama's `LlamaRMSNorm`):
 //! `out = w · (x · rstd)`, `rstd = 1/sqrt(mean(x²) + eps)`, no mean subtracted, no bias.
 
+use super::layernorm::{lane_sum, SUM_LANES};
 use super::Float;
 use rayon::prelude::*;
-
-/// Lanes of the row sums, as in `layernorm.rs`: element `j` goes to lane `j % SUM_LANES`, the
-/// lanes are added in order at the end (and the tail after them).
-const SUM_LANES: usize = 8;
-
-/// `Σ f(v)` over `x` in f64, in [`SUM_LANES`] lanes.
-#[inline(always)]
-fn lane_sum<T: Copy>(x: &[T], f: impl Fn(T) -> f64) -> f64 {
-    let mut acc = [0.0f64; SUM_LANES];
-    let mut it = x.chunks_exact(SUM_LANES);
-    for chunk in &mut it {
-        for (a, &v) in acc.iter_mut().zip(chunk) {
-            *a += f(v);
-        }
-    }
-    let tail: f64 = it.remainder().iter().map(|&v| f(v)).sum();
-    acc.iter().sum::<f64>() + tail
-}
 
 /// `out = w · (inp · rstd)` per row.
 ///
