@@ -18,14 +18,14 @@
 use clap::Parser;
 use fugu::backend::{Backend, CudaSettings, Device};
 use fugu::config::{Arch, ModelConfig, Precision, RunConfig};
-use fugu::metrics::flops::megatron_flops_per_step;
+use fugu::metrics::cost::Slice;
 use fugu::metrics::machine::MachineInfo;
 use fugu::metrics::ops::trainer;
 use fugu::metrics::timers::{Breakdown, Roofs, TimerLevel, Timers};
 use fugu::model::acts::Recompute;
 use fugu::model::init::init_params;
 use fugu::model::table::gpt2_params;
-use fugu::model::{registry, Gpt2, OptimStep, TpRank};
+use fugu::model::{registry, Gpt2, OptimStep, Stage, TpRank};
 use std::time::Instant;
 
 #[path = "train/host_only.rs"]
@@ -129,7 +129,11 @@ fn main() -> anyhow::Result<()> {
         let mut times = times;
         times.sort_by(f64::total_cmp);
         let med = times[times.len() / 2];
-        let flops = megatron_flops_per_step(b, t, cfg.n_layer, cfg.n_embd, cfg.vocab_size);
+        let whole = Slice {
+            vocab: cfg.vocab_size,
+            ..Stage::whole(cfg.n_layer).slice(&cfg, t, b, 1)
+        };
+        let flops = registry::cost(cfg.arch).model_flops(&whole);
         let tflops = flops / (med / 1e3) / 1e12;
         println!(
             "{:<12} {:>7} {:>10.1} {:>10.1} {:>9.3} {:>6.1}% {:>8.1}%  {device}",
