@@ -101,40 +101,6 @@ pub struct Machine {
     pub memory_gib_per_rank: f64,
 }
 
-/// The shapes one rank works on per micro-batch: the model's [`Slice`] (what its cost model
-/// reads), and the sizes the communication model reads, as floats.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Shape<'a> {
-    pub(super) slice: Slice<'a>,
-    /// Sequences per micro-batch, sequence length, hidden size, blocks.
-    pub(super) mb: f64,
-    pub(super) t: f64,
-    pub(super) c: f64,
-    pub(super) layers: f64,
-    pub(super) first: bool,
-    pub(super) last: bool,
-}
-
-impl<'a> Shape<'a> {
-    pub(super) fn new(
-        m: &'a ModelConfig,
-        seq_len: usize,
-        mb: usize,
-        tp: usize,
-        stage: &Stage,
-    ) -> Shape<'a> {
-        Shape {
-            slice: stage.slice(m, seq_len, mb, tp),
-            mb: mb as f64,
-            t: seq_len as f64,
-            c: m.n_embd as f64,
-            layers: stage.layers.len() as f64,
-            first: stage.is_first(),
-            last: stage.is_last(),
-        }
-    }
-}
-
 /// The work of one compute op (by its forward timer name) in one pass of a micro-batch on one
 /// rank, as `cost` declares it: for the GEMMs their FLOPs, or their seconds at the measured
 /// rates on the given threads when `gemm` has rates; elements for the rest. Only ratios of it
@@ -161,9 +127,7 @@ pub fn layout_gemms(w: &Workload, l: &Layout) -> Result<Vec<GemmCall>> {
     let mb = l.micro_batch_size(w);
     let mut calls = BTreeSet::new();
     for stage in Stage::split(&w.model, l.pp, w.seq_len)? {
-        calls.extend(shape_gemms(&Shape::new(
-            &w.model, w.seq_len, mb, l.tp, &stage,
-        )));
+        calls.extend(shape_gemms(&stage.slice(&w.model, w.seq_len, mb, l.tp)));
     }
     Ok(calls.into_iter().collect())
 }
@@ -184,9 +148,9 @@ pub fn unmeasured_gemms(w: &Workload, l: &Layout, m: &Machine) -> Result<BTreeSe
 }
 
 /// The micro-batch shape of a reference run (one process, the whole model).
-fn reference_shape(r: &Reference) -> Shape<'_> {
+fn reference_shape(r: &Reference) -> Slice<'_> {
     let mb = r.batch_per_rank / r.micro_batches.max(1);
-    Shape::new(&r.model, r.seq_len, mb, 1, &Stage::whole(r.model.n_layer))
+    Stage::whole(r.model.n_layer).slice(&r.model, r.seq_len, mb, 1)
 }
 
 /// The GEMM calls of a reference run.
@@ -196,12 +160,12 @@ pub fn reference_gemms(r: &Reference) -> Vec<GemmCall> {
 
 /// The distinct GEMM shapes of every op and pass at one micro-batch shape (call counts
 /// dropped: only the shapes matter for rates).
-fn shape_gemms(s: &Shape) -> BTreeSet<GemmCall> {
-    let cost = registry::cost(s.slice.model.arch);
+fn shape_gemms(s: &Slice) -> BTreeSet<GemmCall> {
+    let cost = registry::cost(s.model.arch);
     let mut calls = BTreeSet::new();
     for op in cost.ops {
         for pass in [Pass::Forward, Pass::Backward] {
-            for c in cost.gemms(op.forward, pass, &s.slice).unwrap_or_default() {
+            for c in cost.gemms(op.forward, pass, s).unwrap_or_default() {
                 calls.insert(GemmCall { count: 1, ..c });
             }
         }
@@ -271,7 +235,7 @@ impl StepCtx<'_> {
     /// slow down alike).
     fn stage(&self, stage: &Stage, oversub: f64) -> Result<(BTreeMap<String, f64>, f64)> {
         let (w, l) = (self.w, self.l);
-        let s = Shape::new(&w.model, w.seq_len, self.mb, l.tp, stage);
+        let s = stage.slice(&w.model, w.seq_len, self.mb, l.tp);
         let table = registry::stage_params(&w.model, l.tp, stage)?;
         let params = table.total();
         let owned = if l.zero {
@@ -316,7 +280,7 @@ impl StepCtx<'_> {
         &self,
         r: &Reference,
         gemm: &GemmRates,
-        s: &Shape,
+        s: &Slice,
         params: usize,
         owned: usize,
         oversub: f64,
@@ -327,10 +291,7 @@ impl StepCtx<'_> {
         let rs = reference_shape(r);
         let rmb = r.micro_batches.max(1) as f64;
         let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
-        let (cost, rcost) = (
-            registry::cost(s.slice.model.arch),
-            registry::cost(r.model.arch),
-        );
+        let (cost, rcost) = (registry::cost(s.model.arch), registry::cost(r.model.arch));
         for (dir, pass) in [
             (phase::FORWARD, Pass::Forward),
             (phase::BACKWARD, Pass::Backward),
@@ -346,19 +307,14 @@ impl StepCtx<'_> {
                 known += ms;
                 // With measured rates a GEMM op's work is its time on each side's threads.
                 let op = op.forward;
-                let is_gemm = cost.gemms(op, pass, &s.slice).is_some();
+                let is_gemm = cost.gemms(op, pass, s).is_some();
                 let rates = (!gemm.0.is_empty() && is_gemm).then_some(gemm);
                 let (wn, wr) = (
-                    op_work(
-                        cost,
-                        (op, pass),
-                        &s.slice,
-                        rates.map(|g| (g, l.threads_per_rank)),
-                    ),
+                    op_work(cost, (op, pass), s, rates.map(|g| (g, l.threads_per_rank))),
                     op_work(
                         rcost,
                         (op, pass),
-                        &rs.slice,
+                        &rs,
                         rates.map(|g| (g, r.threads_per_rank)),
                     ),
                 );
@@ -373,7 +329,7 @@ impl StepCtx<'_> {
             let rest = r.ops_ms.get(dir).copied().unwrap_or(0.0) - known;
             if rest > 0.0 {
                 let tokens = self.per_rank as f64 / r.batch_per_rank as f64;
-                let frac = s.layers / r.model.n_layer as f64;
+                let frac = s.layers as f64 / r.model.n_layer as f64;
                 t.insert(format!("{dir}:other"), rest * tokens * frac * scale);
             }
         }
@@ -407,9 +363,9 @@ impl StepCtx<'_> {
     }
 
     /// Tensor-parallel all-reduces, as the architecture declares them.
-    fn tp_allreduces(&self, net: &Network, s: &Shape, t: &mut BTreeMap<String, f64>) {
-        let cost = registry::cost(s.slice.model.arch);
-        for c in (cost.tp_allreduces)(&s.slice) {
+    fn tp_allreduces(&self, net: &Network, s: &Slice, t: &mut BTreeMap<String, f64>) {
+        let cost = registry::cost(s.model.arch);
+        for c in (cost.tp_allreduces)(s) {
             if c.calls > 0.0 {
                 let one = net.allreduce(self.tp_group, c.bytes) * 1e3 * self.mbf();
                 t.insert(c.name.into(), one * c.calls);
@@ -422,14 +378,15 @@ impl StepCtx<'_> {
     fn pipeline_transfers(
         &self,
         net: &Network,
-        s: &Shape,
+        s: &Slice,
         stage: &Stage,
         t: &mut BTreeMap<String, f64>,
     ) {
-        let msg = net.sendrecv(self.next_stage_across, 4.0 * s.mb * s.t * s.c) * 1e3;
+        let (mb, seq, c) = (s.mb as f64, s.seq_len as f64, s.model.n_embd as f64);
+        let msg = net.sendrecv(self.next_stage_across, 4.0 * mb * seq * c) * 1e3;
         let boundaries = (!s.first) as usize + (!s.last) as usize;
         t.insert(pipeline::RECV.into(), msg * self.mbf() * boundaries as f64);
-        let tied = (registry::cost(s.slice.model.arch).tied_bytes)(&s.slice);
+        let tied = (registry::cost(s.model.arch).tied_bytes)(s);
         if let (Some(bytes), true) = (tied, stage.is_first() || stage.is_last()) {
             let g = Group {
                 ranks: 2,
