@@ -25,7 +25,7 @@ use fugu::metrics::timers::{Breakdown, Roofs, TimerLevel, Timers};
 use fugu::model::acts::Recompute;
 use fugu::model::init::init_params;
 use fugu::model::table::gpt2_params;
-use fugu::model::{registry, Gpt2, OptimStep, Stage, TpRank};
+use fugu::model::{registry, Gpt2, Model, OptimStep, Stage, TpRank};
 use std::time::Instant;
 
 #[path = "train/host_only.rs"]
@@ -196,7 +196,7 @@ fn time_steps<B: Backend>(
         fwd as f64 / (1 << 20) as f64,
         bwd as f64 / (1 << 20) as f64
     );
-    let kernels = model.be.kernel_settings();
+    let kernels = model.core.be.kernel_settings();
     if !kernels.is_empty() {
         let kv: Vec<String> = kernels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!("kernels: {}", kv.join(" "));
@@ -205,7 +205,7 @@ fn time_steps<B: Backend>(
         model.set_loss_scale(1024.0);
     }
     let timers = Timers::new(level);
-    if let Some(clock) = model.be.device_clock() {
+    if let Some(clock) = model.core.be.device_clock() {
         timers.set_device_clock(clock);
     }
     let mut times = Vec::new();
@@ -236,7 +236,7 @@ fn time_steps<B: Backend>(
             &timers,
         );
         drop(optimizer);
-        model.be.sync();
+        model.core.be.sync();
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         timers.take_step();
         if step == 0 {

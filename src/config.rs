@@ -44,7 +44,11 @@ impl Arch {
 }
 
 /// A model's shape: the architecture and its dimensions.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// The fields after `n_layer` are the Llama family's (absent for GPT-2, whose files then read
+/// and write the same bytes as before they existed); read them through the accessors
+/// ([`ModelConfig::kv_heads`], ...), which give the architecture's defaults.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The model family (default GPT-2).
@@ -60,7 +64,36 @@ pub struct ModelConfig {
     pub n_head: usize,
     /// Transformer blocks.
     pub n_layer: usize,
+    /// Key/value heads (grouped-query attention; default `n_head`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_kv_head: Option<usize>,
+    /// Size of one attention head (default `n_embd / n_head`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// Width of the MLP's hidden layer (GPT-2: `4 * n_embd`; Llama: required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intermediate_size: Option<usize>,
+    /// Base of the rotary embeddings' frequencies (default 10000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// Epsilon of the RMS norms (default 1e-6, as `LlamaConfig`'s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_eps: Option<f64>,
+    /// Whether the LM head is the token embedding (default false for Llama).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie_embeddings: Option<bool>,
 }
+
+/// The Llama family's settings, named as in `[model]`, for the messages that refuse them on
+/// another architecture.
+const LLAMA_FIELDS: [&str; 6] = [
+    "n_kv_head",
+    "head_dim",
+    "intermediate_size",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+];
 
 impl ModelConfig {
     /// The end-of-text id a checkpoint's `config.json` names as `bos_token_id` /
@@ -68,6 +101,98 @@ impl ModelConfig {
     /// last id (where fugu's trained tokenizers put `<|endoftext|>`).
     pub fn eot_id(&self) -> usize {
         50256.min(self.vocab_size.saturating_sub(1))
+    }
+
+    /// Key/value heads (`n_head` without grouped-query attention).
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    /// Size of one attention head.
+    pub fn head_size(&self) -> usize {
+        self.head_dim.unwrap_or(self.n_embd / self.n_head.max(1))
+    }
+
+    /// Width of the MLP's hidden layer.
+    pub fn mlp_width(&self) -> usize {
+        self.intermediate_size.unwrap_or(4 * self.n_embd)
+    }
+
+    /// Base of the rotary embeddings' frequencies.
+    pub fn rope_base(&self) -> f64 {
+        self.rope_theta.unwrap_or(10000.0)
+    }
+
+    /// Epsilon of the model's norms (GPT-2's layernorms: 1e-5).
+    pub fn norm_epsilon(&self) -> f64 {
+        match self.arch {
+            Arch::Gpt2 => 1e-5,
+        }
+    }
+
+    /// Whether the LM head is the token embedding.
+    pub fn tied(&self) -> bool {
+        match self.arch {
+            Arch::Gpt2 => true,
+        }
+    }
+
+    /// The names of the Llama-family fields this config sets.
+    fn llama_fields_set(&self) -> Vec<&'static str> {
+        let set = [
+            self.n_kv_head.is_some(),
+            self.head_dim.is_some(),
+            self.intermediate_size.is_some(),
+            self.rope_theta.is_some(),
+            self.norm_eps.is_some(),
+            self.tie_embeddings.is_some(),
+        ];
+        LLAMA_FIELDS
+            .into_iter()
+            .zip(set)
+            .filter_map(|(n, s)| s.then_some(n))
+            .collect()
+    }
+
+    /// Checks the shape: sizes at least 1, heads that divide what they split, and only the
+    /// fields the architecture has; errors name the field (`model.` + its name).
+    pub fn validate(&self) -> Result<()> {
+        let m = self;
+        let positive = [
+            ("model.vocab_size", m.vocab_size),
+            ("model.n_positions", m.n_positions),
+            ("model.n_embd", m.n_embd),
+            ("model.n_head", m.n_head),
+            ("model.n_layer", m.n_layer),
+            ("model.n_kv_head", m.kv_heads()),
+            ("model.head_dim", m.head_dim.unwrap_or(1)),
+            ("model.intermediate_size", m.intermediate_size.unwrap_or(1)),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                bail!("{name} = 0: must be at least 1");
+            }
+        }
+        if m.vocab_size > u32::MAX as usize / 2 {
+            bail!("model.vocab_size = {} is too large", m.vocab_size);
+        }
+        match m.arch {
+            Arch::Gpt2 => {
+                if let Some(f) = m.llama_fields_set().first() {
+                    bail!(
+                        "model.{f} is a Llama setting: GPT-2 has no such field (arch = \"gpt2\")"
+                    );
+                }
+                if !m.n_embd.is_multiple_of(m.n_head) {
+                    bail!(
+                        "model.n_embd = {} is not divisible by model.n_head = {}",
+                        m.n_embd,
+                        m.n_head
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -311,12 +436,8 @@ impl RunConfig {
     pub fn validate(&self) -> Result<()> {
         let m = &self.model;
         let t = &self.train;
+        m.validate()?;
         let positive = [
-            ("model.vocab_size", m.vocab_size),
-            ("model.n_positions", m.n_positions),
-            ("model.n_embd", m.n_embd),
-            ("model.n_head", m.n_head),
-            ("model.n_layer", m.n_layer),
             ("train.batch_size", t.batch_size),
             ("train.seq_len", t.seq_len),
         ];
@@ -325,22 +446,12 @@ impl RunConfig {
                 bail!("{name} = 0: must be at least 1");
             }
         }
-        if !m.n_embd.is_multiple_of(m.n_head) {
-            bail!(
-                "model.n_embd = {} is not divisible by model.n_head = {}",
-                m.n_embd,
-                m.n_head
-            );
-        }
         if t.seq_len > m.n_positions {
             bail!(
                 "train.seq_len = {} exceeds model.n_positions = {}",
                 t.seq_len,
                 m.n_positions
             );
-        }
-        if m.vocab_size > u32::MAX as usize / 2 {
-            bail!("model.vocab_size = {} is too large", m.vocab_size);
         }
         let checks = [
             ("train.lr", t.lr, t.lr > 0.0),
@@ -415,5 +526,27 @@ mod tests {
             .to_string()
             .contains("exceeds model.n_positions"));
         assert!(RunConfig::load("no-such-config").is_err());
+    }
+
+    #[test]
+    fn gpt2_refuses_llama_fields_by_name_and_writes_none_of_them() {
+        let base = BUILTIN[0].1;
+        let c = RunConfig::parse(
+            &base.replace("n_head = 4", "n_head = 4\nn_kv_head = 2"),
+            "x",
+        )
+        .unwrap();
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("model.n_kv_head is a Llama setting"), "{msg}");
+        // A GPT-2 config serialises with none of them (the bytes of files written before).
+        let c = RunConfig::parse(base, "x").unwrap();
+        let toml = toml::to_string(&c.model).unwrap();
+        for f in LLAMA_FIELDS {
+            assert!(!toml.contains(f), "{toml}");
+        }
+        assert_eq!(
+            (c.model.kv_heads(), c.model.head_size(), c.model.mlp_width()),
+            (4, 32, 512)
+        );
     }
 }

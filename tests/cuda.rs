@@ -37,7 +37,7 @@ mod gpu {
     use fugu::model::init::init_params;
     use fugu::model::paths::{MlpGelu, Residual};
     use fugu::model::table::{gpt2_params, padded_vocab};
-    use fugu::model::{Gpt2, OptimStep, TpRank};
+    use fugu::model::{Gpt2, Model, OptimStep, TpRank};
     use fugu::ops::RopeTable;
     use fugu::sample::{generate, Generator, SampleOptions};
     use fugu_io::rng::SplitMix64;
@@ -1088,6 +1088,7 @@ mod gpu {
             n_embd: 32,
             n_head: 4,
             n_layer: 2,
+            ..Default::default()
         }
     }
 
@@ -1132,8 +1133,8 @@ mod gpu {
                 ((losses[0] - losses[1]) / losses[0]).abs() < 1e-5,
                 "loss {losses:?}"
             );
-            let (gc, gg) = (cpu.download(cpu.grads), gpu.download(gpu.grads));
-            for spec in cpu.table.specs() {
+            let (gc, gg) = (cpu.download(cpu.core.grads), gpu.download(gpu.core.grads));
+            for spec in cpu.core.table.specs() {
                 // Gradients are sums over B·T positions of GEMM outputs.
                 compare(&spec.name, &gc[spec.range()], &gg[spec.range()], 1e-4);
             }
@@ -1183,8 +1184,8 @@ mod gpu {
             }
             let rel = ((losses[0] - losses[1]) / losses[0]).abs() as f64;
             assert!(rel <= 8.0 * u, "{dt:?}: loss {losses:?}");
-            let (gc, gg) = (cpu.download(cpu.grads), gpu.download(gpu.grads));
-            for spec in cpu.table.specs() {
+            let (gc, gg) = (cpu.download(cpu.core.grads), gpu.download(gpu.core.grads));
+            for spec in cpu.core.table.specs() {
                 compare(
                     &format!("{} ({dt:?})", spec.name),
                     &gc[spec.range()],
@@ -1251,7 +1252,12 @@ mod gpu {
         let cfg = small_cfg();
         let timers = Timers::new(TimerLevel::Fine);
         let mut gpu = model(&cfg, g);
-        timers.set_device_clock(gpu.be.device_clock().expect("a CUDA backend has a clock"));
+        timers.set_device_clock(
+            gpu.core
+                .be
+                .device_clock()
+                .expect("a CUDA backend has a clock"),
+        );
         let (b, t) = (2, 16);
         for step in 1..=2u64 {
             let w = batch(&cfg, b, t, step);
@@ -1291,7 +1297,12 @@ mod gpu {
         let cfg = small_cfg();
         let timers = Timers::new(TimerLevel::Fine);
         let mut gpu = model_in(&cfg, Dtype::Bf16, g);
-        timers.set_device_clock(gpu.be.device_clock().expect("a CUDA backend has a clock"));
+        timers.set_device_clock(
+            gpu.core
+                .be
+                .device_clock()
+                .expect("a CUDA backend has a clock"),
+        );
         let (b, t) = (2, 16);
         train_step(&mut gpu, &batch(&cfg, b, t, 1), b, t, 1, &timers);
         timers.take_step();

@@ -16,7 +16,7 @@ use fugu::backend::{Backend, CpuBackend};
 use fugu::config::{LrSchedule, ModelConfig, TrainConfig};
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
-use fugu::model::{Gpt2, OptimStep, TpRank};
+use fugu::model::{Gpt2, Model, OptimStep, TpRank};
 use fugu::train::schedule::lr_at;
 use safetensors::SafeTensors;
 use serde_json::Value;
@@ -48,6 +48,7 @@ fn load(name: &str) -> Golden {
         n_embd: u(&c, "n_embd"),
         n_head: u(&c, "n_head"),
         n_layer: u(&c, "n_layer"),
+        ..Default::default()
     };
     let train = TrainConfig {
         batch_size: u(&bt, "B"),
@@ -124,8 +125,8 @@ fn rel_err(a: &[f32], b: &[f64]) -> f64 {
 /// The model on `be`, loaded with the golden initial parameters.
 fn model<B: Backend>(g: &Golden, be: B) -> Gpt2<B> {
     let mut m = Gpt2::new(&g.cfg, TpRank::SERIAL, fugu::backend::Dtype::F32, be).unwrap();
-    let mut host = vec![0.0f32; m.table.total()];
-    for spec in m.table.specs() {
+    let mut host = vec![0.0f32; m.core.table.total()];
+    for spec in m.core.table.specs() {
         let (shape, vals) = &g.tensors[&spec.name];
         let dst = &mut host[spec.range()];
         if spec.name == "wte.weight" {
@@ -143,10 +144,10 @@ fn model<B: Backend>(g: &Golden, be: B) -> Gpt2<B> {
 
 /// A tensor of the model's flat buffer without padding (wte cut to the real vocabulary).
 fn unpadded<'a, B: Backend>(m: &Gpt2<B>, buf: &'a [f32], name: &str) -> &'a [f32] {
-    let s = m.table.get(name).unwrap();
+    let s = m.core.table.get(name).unwrap();
     let x = &buf[s.range()];
     if name == "wte.weight" {
-        &x[..m.cfg.vocab_size * m.cfg.n_embd]
+        &x[..m.core.cfg.vocab_size * m.core.cfg.n_embd]
     } else {
         x
     }
@@ -181,9 +182,9 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
     let loss2 = m.forward(&timers, true);
     assert_eq!(loss, loss2);
     m.backward(&timers);
-    let grads = m.download(m.grads);
+    let grads = m.download(m.core.grads);
     let mut worst = (0.0f64, String::new());
-    for spec in m.table.specs() {
+    for spec in m.core.table.specs() {
         let want = &g.tensors[&format!("grad.{}", spec.name)].1;
         let e = rel_err(unpadded(&m, &grads, &spec.name), want);
         if e > worst.0 {
@@ -197,7 +198,7 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
         worst.0
     );
     // Padded vocabulary rows get no gradient.
-    let wte = m.table.get("wte.weight").unwrap();
+    let wte = m.core.table.get("wte.weight").unwrap();
     assert!(grads[wte.range()][v * g.cfg.n_embd..]
         .iter()
         .all(|&x| x == 0.0));
@@ -246,9 +247,9 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
             &timers,
         );
     }
-    let params = m.download(m.params);
+    let params = m.download(m.core.params);
     let mut worst_abs = (0.0f64, String::new());
-    for spec in m.table.specs() {
+    for spec in m.core.table.specs() {
         let want = &g.tensors[&format!("final.{}", spec.name)].1;
         let got = unpadded(&m, &params, &spec.name);
         let e = got

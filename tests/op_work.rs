@@ -11,7 +11,7 @@ use fugu::config::ModelConfig;
 use fugu::dtype::Dtype;
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
-use fugu::model::{Gpt2, OptimStep, TpRank};
+use fugu::model::{Gpt2, Model, OptimStep, TpRank};
 
 fn step_work(cfg: &ModelConfig, (b, t): (usize, usize), compute: Dtype) -> Timers {
     let mut m = Gpt2::new(cfg, TpRank::SERIAL, compute, CpuBackend::new()).unwrap();
@@ -45,6 +45,7 @@ fn declared_work_adds_up_to_the_model_flops_on_every_path() {
         n_embd: 32,
         n_head: 4,
         n_layer: 2,
+        ..Default::default()
     };
     let (b, t) = (2, 12);
     let (h, l, vp) = (cfg.n_embd, cfg.n_layer, padded_vocab(cfg.vocab_size));

@@ -6,7 +6,7 @@ use fugu::config::ModelConfig;
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::init::init_params;
 use fugu::model::table::{gpt2_params, padded_vocab};
-use fugu::model::{Gpt2, TpRank};
+use fugu::model::{Gpt2, Model, TpRank};
 use fugu::sample::{generate, pick, Generator, SampleOptions};
 
 fn cfg() -> ModelConfig {
@@ -17,6 +17,7 @@ fn cfg() -> ModelConfig {
         n_embd: 32,
         n_head: 4,
         n_layer: 2,
+        ..Default::default()
     }
 }
 

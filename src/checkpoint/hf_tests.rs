@@ -313,6 +313,7 @@ fn missing_unknown_and_misshapen_tensors_are_named() {
             n_embd: 32,
             n_head: 4,
             n_layer: 2,
+            ..Default::default()
         },
         1,
     )

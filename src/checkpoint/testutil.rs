@@ -33,6 +33,7 @@ pub(crate) fn tiny() -> (ModelConfig, Table, Vec<f32>) {
         n_embd: 32,
         n_head: 4,
         n_layer: 2,
+        ..Default::default()
     };
     let table = gpt2_params(&cfg, 1).unwrap();
     let mut params = vec![0f32; table.total()];

@@ -1,6 +1,6 @@
 //! Op catalogues: every timer name a run can write, each with its [`OpClass`], declared once
 //! where the ops are run. A model declares its own ([`crate::model::registry::ops`]; GPT-2's
-//! in `model/gpt2_ops.rs`), the trainer the names of its phases ([`trainer`]). The breakdown's
+//! in `model/decoder_ops.rs`), the trainer the names of its phases ([`trainer`]). The breakdown's
 //! GEMM share ([`super::Breakdown`]) and the report's categories read a timer's class here
 //! instead of guessing it from its name; code that times an op names it through the constants
 //! [`op_catalogue!`] makes, so a typo is a compile error.

@@ -28,7 +28,7 @@ pub enum Recompute {
 }
 
 /// What the forward pass keeps of attention for the backward pass (chosen per backend and
-/// compute type by [`super::gpt2::Gpt2`], `FUGU_ATTENTION` overriding).
+/// compute type by each model, `FUGU_ATTENTION` overriding).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnKeep {
     /// The probabilities (B, NH, T, T) in the compute type: the three-step path (scores GEMM,
@@ -130,6 +130,33 @@ impl LayerActs {
             rstd: self.ln2_rstd,
         }
     }
+
+    /// The block's attention activations.
+    pub fn attn(&self) -> AttnActs {
+        AttnActs {
+            qkv: self.qkv,
+            att: self.att,
+            atty: self.atty,
+        }
+    }
+}
+
+/// A block's attention activations: the fused q, k, v rows, what is kept for the backward
+/// pass, and the output before the projection.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnActs {
+    pub qkv: Span,
+    pub att: AttnKept,
+    pub atty: Span,
+}
+
+/// The attention's gradient scratch: of q, k, v, of the probabilities (three-step path only)
+/// and of the output.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnGrads {
+    pub dqkv: Span,
+    pub datt: Option<Span>,
+    pub datty: Span,
 }
 
 /// [`AttnKeep`]'s tensor of one block.
@@ -373,6 +400,15 @@ pub fn grad_acts_table(d: &StepDims, keep: AttnKeep) -> Table {
 }
 
 impl GradActs {
+    /// The attention's share of the scratch.
+    pub fn attn(&self) -> AttnGrads {
+        AttnGrads {
+            dqkv: self.dqkv,
+            datt: self.datt,
+            datty: self.datty,
+        }
+    }
+
     pub fn new(table: Table, buf: BufId) -> GradActs {
         let s = |name: &str| span(&table, buf, name);
         GradActs {

@@ -15,6 +15,7 @@
 //! - sampling decodes one token at a time over a [`KvCache`].
 
 use super::acts::Recompute;
+use super::core::Core;
 use super::kv::KvCache;
 use super::stage::Stage;
 use super::table::{OwnedRange, Table};
@@ -76,63 +77,112 @@ pub struct OpForm {
 pub type GradsReady<'a, B> = dyn FnMut(&B, usize) + 'a;
 
 /// One pipeline stage of one tensor-parallel rank of a model, on backend `B`.
+///
+/// What every architecture does the same way is implemented here once over its [`Core`]; an
+/// architecture implements its activations, its passes and decoding.
 pub trait Model<B: Backend> {
+    /// The state every architecture shares.
+    fn core(&self) -> &Core<B>;
+    fn core_mut(&mut self) -> &mut Core<B>;
+
     // --- What it is and where it lives.
 
     /// The model's configuration (the whole model's, not the stage's).
-    fn config(&self) -> &ModelConfig;
+    fn config(&self) -> &ModelConfig {
+        &self.core().cfg
+    }
     /// This rank's tensor-parallel place.
-    fn tp(&self) -> TpRank;
+    fn tp(&self) -> TpRank {
+        self.core().tp
+    }
     /// The pipeline stage this model runs.
-    fn stage(&self) -> &Stage;
+    fn stage(&self) -> &Stage {
+        &self.core().stage
+    }
     /// The parameter table of this rank's share (stage and shard).
-    fn table(&self) -> &Table;
+    fn table(&self) -> &Table {
+        &self.core().table
+    }
     /// The buffers the table carves.
-    fn buffers(&self) -> ModelBuffers;
-    fn backend(&self) -> &B;
-    fn backend_mut(&mut self) -> &mut B;
+    fn buffers(&self) -> ModelBuffers {
+        let c = self.core();
+        ModelBuffers {
+            params: c.params,
+            grads: c.grads,
+            m: c.m,
+            v: c.v,
+        }
+    }
+    fn backend(&self) -> &B {
+        &self.core().be
+    }
+    fn backend_mut(&mut self) -> &mut B {
+        &mut self.core_mut().be
+    }
     /// The op forms this model runs on its backend, for the run header.
     fn forms(&self) -> Vec<OpForm>;
 
     // --- Settings, before the first step.
 
     /// Uses `comm` (this rank's tensor-parallel group) for the tensor-parallel collectives.
-    fn set_tp_comm(&mut self, comm: Rc<dyn Comm>) -> Result<()>;
+    fn set_tp_comm(&mut self, comm: Rc<dyn Comm>) -> Result<()> {
+        self.core_mut().set_tp_comm(comm)
+    }
     /// Restricts the optimizer to `owned` parameter ranges (ZeRO-1) and reallocates the AdamW
     /// moments to hold just those (zeroed).
-    fn set_owned(&mut self, owned: Vec<OwnedRange>) -> Result<()>;
+    fn set_owned(&mut self, owned: Vec<OwnedRange>) -> Result<()> {
+        self.core_mut().set_owned(owned)
+    }
     /// The parameter ranges this rank's optimizer updates.
-    fn owned(&self) -> &[OwnedRange];
+    fn owned(&self) -> &[OwnedRange] {
+        self.core().owned()
+    }
     /// Keeps the activations of `k` micro-batches at once (a pipeline schedule's most
     /// forward passes awaiting their backward pass).
     fn set_in_flight(&mut self, k: usize);
     /// Gradient accumulation over `m` micro-batches (each backward pass adds 1/m).
-    fn set_accumulation(&mut self, m: usize);
+    fn set_accumulation(&mut self, m: usize) {
+        self.core_mut().accumulation = m.max(1);
+    }
     /// Activation recomputation (memory and time only; the same bits).
     fn set_recompute(&mut self, r: Recompute);
     /// Multiplies the next backward pass's loss gradient (fp16 loss scaling); the gradient
     /// norm and the optimizer divide it out.
-    fn set_loss_scale(&mut self, scale: f32);
+    fn set_loss_scale(&mut self, scale: f32) {
+        self.core_mut().loss_scale = scale;
+    }
 
     // --- Parameters.
 
     /// Copies a host parameter buffer (laid out by [`Self::table`]) onto the backend.
-    fn load_params(&mut self, host: &[f32]) -> Result<()>;
+    fn load_params(&mut self, host: &[f32]) -> Result<()> {
+        self.core_mut().load_params(host)
+    }
     /// Rounds the whole f32 master into the compute copy (a no-op in f32), after the master
     /// changed other than by the optimizer (a ZeRO-1 all-gather).
-    fn refresh_compute_params(&mut self);
+    fn refresh_compute_params(&mut self) {
+        self.core_mut().refresh_compute_params()
+    }
     /// Bytes of the low-precision parameter copy (0 when computing in f32).
-    fn compute_params_bytes(&self) -> usize;
+    fn compute_params_bytes(&self) -> usize {
+        self.core().compute_params_bytes()
+    }
     /// Bytes of the activations of every in-flight micro-batch of `b`×`t`, and of the
     /// gradient scratch (the memory report).
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize);
     /// A whole buffer as a host copy.
-    fn download(&self, buf: BufId) -> Vec<f32>;
+    fn download(&self, buf: BufId) -> Vec<f32> {
+        self.core().download(buf)
+    }
 
     // --- One step.
 
     /// Loads a step's window of `micro × b` rows of `t + 1` tokens as `micro` micro-batches.
     fn set_batches(&mut self, window: &[u32], micro: usize, b: usize, t: usize) -> Result<()>;
+    /// Loads one window of `b` rows of `t + 1` tokens as micro-batch 0.
+    fn set_batch(&mut self, window: &[u32], b: usize, t: usize) -> Result<()> {
+        self.set_batches(window, 1, b, t)
+    }
     /// Where micro-batch `micro`'s input activations go on a stage after the first.
     fn stage_input(&self, micro: usize) -> Span;
     /// Micro-batch `micro`'s output after [`Self::forward_micro`]: the next stage's input.
@@ -145,7 +195,9 @@ pub trait Model<B: Backend> {
     /// over them after the step's last backward pass; `None` where there is none.
     fn tied_grad(&self) -> Option<Span>;
     /// Sets every gradient to zero.
-    fn zero_grad(&mut self);
+    fn zero_grad(&mut self) {
+        self.core_mut().zero_grad()
+    }
     /// The forward pass of micro-batch `micro`; the mean loss on the last stage (with
     /// `for_backward`, the logits replaced by the loss gradient), `None` elsewhere.
     fn forward_micro(&mut self, micro: usize, timers: &Timers, for_backward: bool) -> Option<f32>;
@@ -155,16 +207,31 @@ pub trait Model<B: Backend> {
     fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>);
     /// This rank's share of the squared gradient norm (summed over all ranks: the logical
     /// model's), the loss scale divided out.
-    fn grad_sq_sum(&mut self, timers: &Timers) -> f64;
+    fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
+        let tied = self.tied_grad();
+        self.core_mut().grad_sq_sum(tied, timers)
+    }
+    /// Global L2 norm of the gradients (one process; parallel runs all-reduce
+    /// [`Self::grad_sq_sum`] instead).
+    fn grad_norm(&mut self, timers: &Timers) -> f64 {
+        self.grad_sq_sum(timers).sqrt()
+    }
     /// Clipping against the global pre-clip `norm`, then one AdamW step.
-    fn apply_optimizer(&mut self, o: &OptimStep, norm: f64, timers: &Timers);
+    fn apply_optimizer(&mut self, o: &OptimStep, norm: f64, timers: &Timers) {
+        self.core_mut().apply_optimizer(o, norm, timers)
+    }
+    /// Logits of the last forward pass without the loss gradient (host copy, padded columns
+    /// included; the last stage only). Only meaningful after a forward pass not for backward.
+    fn last_logits(&self) -> Vec<f32>;
 
     // --- Decoding (the whole model on one rank).
 
     /// A key/value cache for [`Self::decode`] on this model's backend.
     fn kv_cache(&mut self) -> Result<KvCache>;
     /// Releases a cache's memory.
-    fn free_kv_cache(&mut self, cache: KvCache);
+    fn free_kv_cache(&mut self, cache: KvCache) {
+        self.core_mut().be.free(cache.buf());
+    }
     /// Next-token logits (real vocabulary only) after feeding `token` at position `pos`.
     fn decode(
         &mut self,

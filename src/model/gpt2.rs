@@ -23,90 +23,47 @@
 //! to the parameter ranges this rank updates.
 
 use super::acts::{
-    acts_table, grad_acts_table, stats_table, Acts, AttnKeep, AttnKept, GradActs, HeadActs,
-    LayerActs, Recompute, StepDims,
+    acts_table, grad_acts_table, stats_table, Acts, AttnKeep, GradActs, HeadActs, LayerActs,
+    Recompute, StepDims,
 };
-use super::contract::{GradsReady, Model, ModelBuffers, OpForm, OptimStep, TpRank};
-use super::gpt2_ops::{backward as bwd, forward as fwd};
+use super::contract::{GradsReady, Model, OpForm, TpRank};
+use super::core::{ActSets, Core};
+use super::decoder_ops::{backward as bwd, forward as fwd};
 use super::kv::KvCache;
 use super::layers::Layers;
 use super::params::{HeadParams, LayerParams, ParamSpans};
+use super::passes::{
+    attention_backward, attention_forward, ce_dims, embedding, embedding_backward,
+    embedding_forward, loss_forward, project_into_residual, BlockCtx, Pass,
+};
 use super::paths::{attention_path, mlp_gelu_path, residual_path, Knobs, MlpGelu, Residual};
 use super::stage::Stage;
-use super::table::{gpt2_stage_params, padded_vocab, OwnedRange, Split, Table};
+use super::table::{gpt2_stage_params, padded_vocab};
 use super::work;
 use crate::backend::{
-    AdamWPart, AdamWStep, Backend, BufId, CeDims, CeRows, Dtype, Embedding, KvRows, LayerNorm,
-    LayerNormGrads, Linear, LinearGrads, Span, TokSpan, WeightLayout,
+    Backend, Dtype, LayerNorm, LayerNormGrads, Linear, LinearGrads, Span, TokSpan, WeightLayout,
 };
-use crate::comm::{Comm, ReduceOp, SerialComm};
 use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
-use crate::metrics::timers::{TimerLevel, Timers, Work};
+use crate::metrics::timers::{TimerLevel, Timers};
 use anyhow::{bail, Result};
-use std::ops::Range;
-use std::rc::Rc;
 
 use TimerLevel::{Coarse, Fine};
 
-/// Where a forward pass's tokens come from and what attention looks at.
-#[derive(Clone, Copy)]
-enum Pass<'c> {
-    /// Micro-batch `micro` of [`Gpt2::set_batches`]: causal attention within each sequence.
-    Batch { micro: usize },
-    /// One token at position `pos` (a batch of 1×1), attending to `cache`.
-    Decode { cache: &'c KvCache, pos: usize },
-}
-
-/// The model on a backend.
-///
-/// Mixed precision: `compute` is the storage type of every activation, activation gradient
-/// and of the parameters the forward and backward passes read. With a 16-bit type the model
-/// keeps a second, rounded copy of the parameters in it (`compute_params`, refreshed from the
-/// f32 master after every update); the master, the gradients, the AdamW moments and all
-/// statistics (layernorm mean/rstd, cross-entropy maxima, sums and losses) stay f32.
+/// GPT-2 on a backend: the shared [`Core`] (buffers, tokens, optimizer), its parameter spans,
+/// its activations and the op forms it runs.
 pub struct Gpt2<B: Backend> {
-    pub cfg: ModelConfig,
-    pub tp: TpRank,
-    /// The pipeline stage this model runs (the whole model with one stage).
-    pub stage: Stage,
-    pub be: B,
-    /// Parameter table (this rank's shards); also carves gradients and moments.
-    pub table: Table,
-    /// The f32 master parameters (what the optimizer updates and checkpoints hold).
-    pub params: BufId,
-    pub grads: BufId,
-    pub m: BufId,
-    pub v: BufId,
-    /// Storage type of activations and of the parameters the passes read.
-    compute: Dtype,
-    /// The parameters in `compute` (the same buffer as `params` when that is f32).
-    compute_params: BufId,
-    /// Multiplies the loss gradient (fp16 dynamic loss scaling); the gradient norm and the
-    /// optimizer divide it out again.
-    loss_scale: f32,
-    /// Micro-batches per optimizer step (gradient accumulation): each backward pass adds
-    /// 1/accumulation of its micro-batch's mean gradient.
-    accumulation: usize,
-    /// Activations the backward pass recomputes instead of keeping.
-    recompute: Recompute,
+    pub core: Core<B>,
     /// Three-step or fused attention ([`attention_path`]).
     attn_keep: AttnKeep,
     /// Where the MLP's GELU runs ([`mlp_gelu_path`]).
     mlp_gelu: MlpGelu,
     /// How the projections join the residual stream ([`residual_path`]).
     residual: Residual,
-    /// Micro-batches whose activations are kept at once (pipeline schedules run several
-    /// forward passes before the first backward pass); micro-batch `j` uses set `j % in_flight`.
-    in_flight: usize,
-    /// Micro-batches loaded by the last [`Self::set_batches`].
-    micro_batches: usize,
     p: ParamSpans,
     g: ParamSpans,
     /// One activation set per in-flight micro-batch, and the gradient scratch they share.
-    acts: Option<(Vec<Acts>, GradActs)>,
-    tp_comm: Rc<dyn Comm>,
-    owned: Vec<OwnedRange>,
+    acts: Option<ActSets<Acts, GradActs>>,
 }
 
 impl<B: Backend> Gpt2<B> {
@@ -128,8 +85,7 @@ impl<B: Backend> Gpt2<B> {
     }
 
     /// Parameters only, no gradients or AdamW moments (a quarter of the memory), for
-    /// [`Self::decode`] and evaluation; the training methods ([`Self::backward`],
-    /// [`Self::apply_optimizer`]) must not be called on it.
+    /// [`Model::decode`] and evaluation; the training methods must not be called on it.
     pub fn for_inference(cfg: &ModelConfig, be: B) -> Result<Gpt2<B>> {
         Self::build(
             cfg,
@@ -145,128 +101,28 @@ impl<B: Backend> Gpt2<B> {
         cfg: &ModelConfig,
         tp: TpRank,
         stage: &Stage,
-        mut be: B,
+        be: B,
         trainable: bool,
         compute: Dtype,
     ) -> Result<Gpt2<B>> {
         let table = gpt2_stage_params(cfg, tp.size, stage)?;
-        let n = table.total();
-        let params = be.alloc(n, Dtype::F32)?;
-        let compute_params = match compute {
-            Dtype::F32 => params,
-            low => be.alloc(n, low)?,
-        };
-        let state_n = if trainable { n } else { 0 };
-        let grads = be.alloc(state_n, Dtype::F32)?;
-        let m = be.alloc(state_n, Dtype::F32)?;
-        let v = be.alloc(state_n, Dtype::F32)?;
-        let p = ParamSpans::new(&table, compute_params, stage);
-        let g = p.on(grads);
+        let core = Core::new(cfg, (tp, stage), table, be, trainable, compute)?;
+        let p = ParamSpans::new(&core.table, core.compute_params, stage);
+        let g = p.on(core.grads);
         let knobs = Knobs::from_env()?;
-        let attn_keep = attention_path(&be, cfg.n_embd / cfg.n_head, compute, knobs.attention)?;
-        let mlp_gelu = mlp_gelu_path(&be, compute, knobs.mlp_gelu)?;
-        let residual = residual_path(&be, compute, knobs.residual)?;
+        let be = &core.be;
+        let attn_keep = attention_path(be, cfg.n_embd / cfg.n_head, compute, knobs.attention)?;
+        let mlp_gelu = mlp_gelu_path(be, compute, knobs.mlp_gelu)?;
+        let residual = residual_path(be, compute, knobs.residual)?;
         Ok(Gpt2 {
-            cfg: cfg.clone(),
-            tp,
-            stage: stage.clone(),
-            be,
-            table,
-            params,
-            grads,
-            m,
-            v,
-            compute,
-            compute_params,
-            loss_scale: 1.0,
-            accumulation: 1,
-            recompute: Recompute::None,
+            core,
             attn_keep,
             mlp_gelu,
             residual,
-            in_flight: 1,
-            micro_batches: 0,
             p,
             g,
             acts: None,
-            tp_comm: Rc::new(SerialComm::new()),
-            owned: vec![OwnedRange {
-                flat: 0..state_n,
-                moment_offset: 0,
-            }],
         })
-    }
-
-    /// Panics (a bug in the caller) when the model was built by [`Self::for_inference`].
-    fn assert_trainable(&self) {
-        assert!(
-            self.be.buf_len(self.grads) == self.table.total(),
-            "training method called on a model built for inference"
-        );
-    }
-
-    /// Uses `comm` (this rank's tensor-parallel group, of size `tp.size`) for the TP
-    /// all-reduces.
-    pub fn set_tp_comm(&mut self, comm: Rc<dyn Comm>) -> Result<()> {
-        if comm.size() != self.tp.size || comm.rank() != self.tp.rank {
-            bail!(
-                "tensor-parallel communicator is rank {} of {}, the model was built as rank {} of {}",
-                comm.rank(),
-                comm.size(),
-                self.tp.rank,
-                self.tp.size
-            );
-        }
-        self.tp_comm = comm;
-        Ok(())
-    }
-
-    /// The gradient of `wte` when this stage holds one of its two tied copies (the first and
-    /// the last of several stages): the caller sums it with the other stage's after the
-    /// step's last backward pass. `None` with one stage (one copy) or in a middle stage.
-    pub fn tied_grad(&self) -> Option<Span> {
-        if self.stage.count == 1 {
-            return None;
-        }
-        self.g.embed.map(|e| e.wte).or(self.g.head.map(|h| h.wte))
-    }
-
-    /// Restricts the optimizer to `owned` parameter ranges (ZeRO-1) and reallocates the AdamW
-    /// moments to hold just those (zeroed).
-    pub fn set_owned(&mut self, owned: Vec<OwnedRange>) -> Result<()> {
-        let total = self.table.total();
-        let mut next = 0;
-        for o in &owned {
-            if o.flat.end > total || o.moment_offset != next {
-                bail!("owned parameter ranges must lie in 0..{total} with packed moment offsets");
-            }
-            next += o.flat.len();
-        }
-        self.be.free(self.m);
-        self.be.free(self.v);
-        self.m = self.be.alloc(next, Dtype::F32)?;
-        self.v = self.be.alloc(next, Dtype::F32)?;
-        self.owned = owned;
-        Ok(())
-    }
-
-    /// The parameter ranges this rank's optimizer updates.
-    pub fn owned(&self) -> &[OwnedRange] {
-        &self.owned
-    }
-    /// Copies a host parameter buffer (laid out by [`Self::table`]) onto the backend.
-    pub fn load_params(&mut self, host: &[f32]) -> Result<()> {
-        if host.len() != self.table.total() {
-            bail!(
-                "parameter buffer has {} floats, the model needs {}",
-                host.len(),
-                self.table.total()
-            );
-        }
-        let s = self.be.whole(self.params);
-        self.be.upload(s, host);
-        self.refresh_compute_params();
-        Ok(())
     }
 
     /// Whether attention runs in three steps (probabilities kept) or fused.
@@ -288,11 +144,12 @@ impl<B: Backend> Gpt2<B> {
     /// [`residual_path`] when the model is built). Fails if the backend has no residual
     /// epilogue for the model's activations.
     pub fn set_residual(&mut self, r: Residual) -> Result<()> {
-        if r == Residual::Epilogue && !self.be.residual_epilogue(self.compute) {
+        let c = &self.core;
+        if r == Residual::Epilogue && !c.be.residual_epilogue(c.compute) {
             bail!(
                 "the {} backend has no residual epilogue for activations stored as {}",
-                self.be.name(),
-                self.compute.name()
+                c.be.name(),
+                c.compute.name()
             );
         }
         self.residual = r;
@@ -301,105 +158,30 @@ impl<B: Backend> Gpt2<B> {
 
     /// Storage type of activations and of the parameters the passes read.
     pub fn compute_dtype(&self) -> Dtype {
-        self.compute
-    }
-
-    /// Bytes of the low-precision parameter copy (0 when computing in f32).
-    pub fn compute_params_bytes(&self) -> usize {
-        match self.compute {
-            Dtype::F32 => 0,
-            low => low.bytes() * self.table.total(),
-        }
-    }
-
-    /// Rounds the whole f32 master into the compute copy (a no-op in f32). The optimizer
-    /// refreshes what it updates; call this after changing the master any other way (a ZeRO-1
-    /// all-gather of the parameters).
-    pub fn refresh_compute_params(&mut self) {
-        if self.compute_params != self.params {
-            let (dst, src) = (
-                self.be.whole(self.compute_params),
-                self.be.whole(self.params),
-            );
-            self.be.copy(dst, src);
-        }
+        self.core.compute
     }
 
     /// Frees the activation and gradient-scratch buffers (reallocated at the next batch).
     fn free_acts(&mut self) {
-        if let Some((sets, g)) = self.acts.take() {
-            for a in sets {
-                self.be.free(a.buf);
-                self.be.free(a.stats_buf);
+        if let Some(acts) = self.acts.take() {
+            for a in acts.sets {
+                self.core.be.free(a.buf);
+                self.core.be.free(a.stats_buf);
             }
-            self.be.free(g.buf);
+            self.core.be.free(acts.grad.buf);
         }
-    }
-
-    /// Keeps the activations of `k` micro-batches at once (at least 1; a pipeline schedule's
-    /// largest number of forward passes awaiting their backward pass). Takes effect at the
-    /// next batch.
-    pub fn set_in_flight(&mut self, k: usize) {
-        let k = k.max(1);
-        if k != self.in_flight {
-            self.in_flight = k;
-            self.free_acts();
-        }
-    }
-
-    /// Sets the loss scale (fp16 dynamic loss scaling): the next backward pass computes
-    /// `scale ×` the gradients; [`Self::grad_sq_sum`] and [`Self::apply_optimizer`] divide
-    /// it out.
-    pub fn set_loss_scale(&mut self, scale: f32) {
-        self.loss_scale = scale;
-    }
-
-    /// Gradient accumulation over `m` micro-batches: each backward pass (after
-    /// `forward(.., true)`) adds 1/m of its micro-batch's mean-loss gradient, so `m` equal
-    /// micro-batches accumulate the gradient of their union's mean loss.
-    pub fn set_accumulation(&mut self, m: usize) {
-        self.accumulation = m.max(1);
-    }
-
-    /// Activation recomputation (changes memory and time only: the recomputed activations are
-    /// bit-identical to the kept ones, so are the gradients). Takes effect at the next batch.
-    pub fn set_recompute(&mut self, r: Recompute) {
-        if r != self.recompute {
-            self.recompute = r;
-            self.free_acts();
-        }
-    }
-
-    /// Parameters, gradients or a moment buffer as a host copy.
-    pub fn download(&self, buf: BufId) -> Vec<f32> {
-        let s = self.be.whole(buf);
-        let mut out = vec![0.0; s.len];
-        self.be.download(s, &mut out);
-        out
-    }
-
-    /// Bytes of the activations (with their f32 statistics) of every in-flight micro-batch of
-    /// `b`×`t`, and of the gradient scratch (for the memory report).
-    pub fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
-        let d = self.dims(b, t);
-        let el = self.compute.bytes();
-        (
-            self.in_flight
-                * (el * acts_table(&d, &self.stage, self.recompute, self.attn_keep).total()
-                    + Dtype::F32.bytes() * stats_table(&d, &self.stage, self.attn_keep).total()),
-            el * grad_acts_table(&d, self.attn_keep).total(),
-        )
     }
 
     fn dims(&self, b: usize, t: usize) -> StepDims {
+        let (cfg, tp) = (&self.core.cfg, self.core.tp.size);
         StepDims {
             b,
             t,
-            c: self.cfg.n_embd,
-            nh: self.cfg.n_head / self.tp.size,
-            hs: self.cfg.n_embd / self.cfg.n_head,
-            f: 4 * self.cfg.n_embd / self.tp.size,
-            vp: padded_vocab(self.cfg.vocab_size) / self.tp.size,
+            c: cfg.n_embd,
+            nh: cfg.n_head / tp,
+            hs: cfg.n_embd / cfg.n_head,
+            f: 4 * cfg.n_embd / tp,
+            vp: padded_vocab(cfg.vocab_size) / tp,
         }
     }
 
@@ -408,221 +190,56 @@ impl<B: Backend> Gpt2<B> {
         if self
             .acts
             .as_ref()
-            .is_some_and(|(a, _)| a[0].dims.b == b && a[0].dims.t == t)
+            .is_some_and(|a| a.sets[0].dims.b == b && a.sets[0].dims.t == t)
         {
             return Ok(());
         }
-        if t > self.cfg.n_positions {
-            bail!(
-                "sequence length {t} exceeds model.n_positions = {}",
-                self.cfg.n_positions
-            );
-        }
+        self.core.check_seq_len(t)?;
         let d = self.dims(b, t);
         self.free_acts();
-        let mut sets = Vec::with_capacity(self.in_flight);
-        for _ in 0..self.in_flight {
-            let at = acts_table(&d, &self.stage, self.recompute, self.attn_keep);
-            let st = stats_table(&d, &self.stage, self.attn_keep);
-            let ab = self.be.alloc(at.total(), self.compute)?;
-            let sb = self.be.alloc(st.total(), Dtype::F32)?;
-            sets.push(Acts::new(d, &self.stage, (at, ab), (st, sb)));
+        let c = &mut self.core;
+        let mut sets = Vec::with_capacity(c.in_flight);
+        for _ in 0..c.in_flight {
+            let at = acts_table(&d, &c.stage, c.recompute, self.attn_keep);
+            let st = stats_table(&d, &c.stage, self.attn_keep);
+            let ab = c.be.alloc(at.total(), c.compute)?;
+            let sb = c.be.alloc(st.total(), Dtype::F32)?;
+            sets.push(Acts::new(d, &c.stage, (at, ab), (st, sb)));
         }
         let gt = grad_acts_table(&d, self.attn_keep);
-        let gb = self.be.alloc(gt.total(), self.compute)?;
-        self.acts = Some((sets, GradActs::new(gt, gb)));
+        let gb = c.be.alloc(gt.total(), c.compute)?;
+        self.acts = Some(ActSets {
+            sets,
+            grad: GradActs::new(gt, gb),
+        });
         Ok(())
-    }
-
-    /// Loads a batch window of `b` rows of `t + 1` tokens (inputs are the first `t`, targets
-    /// the last `t` of each row) as micro-batch 0. Token ids must be below the vocabulary size.
-    pub fn set_batch(&mut self, window: &[u32], b: usize, t: usize) -> Result<()> {
-        self.set_batches(window, 1, b, t)
-    }
-
-    /// Loads a step's window of `micro × b` rows of `t + 1` tokens as `micro` micro-batches of
-    /// `b` rows (micro-batch `j` is rows `j·b..(j+1)·b`), for [`Self::forward_micro`] and
-    /// [`Self::backward_micro`]. Token ids must be below the vocabulary size.
-    pub fn set_batches(&mut self, window: &[u32], micro: usize, b: usize, t: usize) -> Result<()> {
-        if micro == 0 || window.len() != micro * b * (t + 1) {
-            bail!(
-                "batch has {} tokens, expected {micro} micro-batches of {b} x ({t} + 1)",
-                window.len()
-            );
-        }
-        if let Some((i, &bad)) = window
-            .iter()
-            .enumerate()
-            .find(|(_, &x)| x as usize >= self.cfg.vocab_size)
-        {
-            bail!(
-                "token id {bad} at position {i} of the batch is not below model.vocab_size = {}",
-                self.cfg.vocab_size
-            );
-        }
-        self.ensure_acts(b, t)?;
-        // Per micro-batch: its inputs, then its targets ([`Self::tokens`]).
-        let mut toks = Vec::with_capacity(2 * micro * b * t);
-        for mb in window.chunks(b * (t + 1)) {
-            for row in mb.chunks(t + 1) {
-                toks.extend_from_slice(&row[..t]);
-            }
-            for row in mb.chunks(t + 1) {
-                toks.extend_from_slice(&row[1..]);
-            }
-        }
-        self.be.set_tokens(&toks);
-        self.micro_batches = micro;
-        Ok(())
-    }
-
-    /// Micro-batch `micro`'s input and target tokens (B·T each).
-    fn tokens(&self, micro: usize) -> (TokSpan, TokSpan) {
-        assert!(
-            micro < self.micro_batches,
-            "micro-batch {micro} of {} loaded",
-            self.micro_batches
-        );
-        let n = self.acts_of(micro).dims.n();
-        (
-            TokSpan {
-                offset: 2 * n * micro,
-                len: n,
-            },
-            TokSpan {
-                offset: 2 * n * micro + n,
-                len: n,
-            },
-        )
     }
 
     /// The activation set of micro-batch `micro`.
     fn acts_of(&self, micro: usize) -> &Acts {
-        slot(&self.acts, micro).0
+        ActSets::slot(&self.acts, micro).0
     }
 
     fn grad_acts(&self) -> &GradActs {
-        slot(&self.acts, 0).1
+        ActSets::slot(&self.acts, 0).1
     }
 
-    /// Where micro-batch `micro`'s input residual stream (B·T, C) lies: a stage after the
-    /// first receives the previous stage's [`Self::stage_output`] here before
-    /// [`Self::forward_micro`].
-    pub fn stage_input(&self, micro: usize) -> Span {
-        self.acts_of(micro).encoded
+    /// Micro-batch `micro`'s input and target tokens (B·T each).
+    fn tokens(&self, micro: usize) -> (TokSpan, TokSpan) {
+        self.core.tokens(micro, self.acts_of(micro).dims.n())
     }
 
-    /// Micro-batch `micro`'s output residual stream (B·T, C) after [`Self::forward_micro`]: the
-    /// next stage's input.
-    pub fn stage_output(&self, micro: usize) -> Span {
-        let a = self.acts_of(micro);
-        a.layers.last().map_or(a.encoded, |l| l.resid3)
-    }
-
-    /// Where a stage before the last receives the gradient of its [`Self::stage_output`]
-    /// before [`Self::backward_micro`].
-    pub fn output_grad(&self) -> Span {
-        self.grad_acts().dres
-    }
-
-    /// The gradient of the stage's input after [`Self::backward_micro`]: sent to the previous
-    /// stage (its [`Self::output_grad`]).
-    pub fn input_grad(&self) -> Span {
-        self.grad_acts().dres
-    }
-
-    /// Forward pass on micro-batch 0 of the whole model (see [`Self::forward_micro`]).
+    /// Forward pass on micro-batch 0 of the whole model (see [`Model::forward_micro`]).
     /// Returns the mean loss.
     pub fn forward(&mut self, timers: &Timers, for_backward: bool) -> f32 {
         self.forward_micro(0, timers, for_backward)
             .expect("forward on a model without the loss (a pipeline stage before the last)")
     }
 
-    /// Forward pass of this stage on micro-batch `micro` of [`Self::set_batches`] (after
-    /// [`Self::stage_input`] received it, on a stage after the first). On the last stage,
-    /// returns the micro-batch's mean loss, and with `for_backward` replaces the logits by the
-    /// loss gradient (mean over B·T, divided by the accumulation count and multiplied by the
-    /// loss scale), ready for [`Self::backward_micro`]; `None` on other stages.
-    pub fn forward_micro(
-        &mut self,
-        micro: usize,
-        timers: &Timers,
-        for_backward: bool,
-    ) -> Option<f32> {
-        let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
-        self.forward_logits(timers, Pass::Batch { micro });
-        let (_, targets) = self.tokens(micro);
-        let a = slot(&self.acts, micro).0;
-        let h = a.head?;
-        let d = a.dims;
-        let n = d.n();
-        let vocab_start = self.tp.rank * d.vp;
-        let cd = CeDims {
-            n,
-            vp: d.vp,
-            v_valid: self.cfg.vocab_size.saturating_sub(vocab_start).min(d.vp),
-            vocab_start,
-        };
-        let dloss = for_backward.then_some(self.loss_scale / (n * self.accumulation) as f32);
-        let x = &mut Layers {
-            be: &mut self.be,
-            comm: &*self.tp_comm,
-            timers,
-        };
-        Some(loss_forward(x, &h, targets, cd, dloss))
-    }
-
-    /// Next-token logits (real vocabulary only) after feeding `token` at position `pos`, its
-    /// key and value appended to `cache` (which must hold positions `0..pos` from earlier
-    /// calls). The same forward pass as training ([`Self::forward`]) on a batch of one token,
-    /// with attention over the cache ([`Backend::attention_decode`]).
-    pub fn decode(
-        &mut self,
-        cache: &KvCache,
-        token: u32,
-        pos: usize,
-        timers: &Timers,
-    ) -> Result<Vec<f32>> {
-        if self.tp.size != 1 || self.stage.count != 1 {
-            bail!("decoding needs the whole model on one rank (tp = 1, one pipeline stage)");
-        }
-        if pos >= cache.positions() || pos >= self.cfg.n_positions {
-            bail!(
-                "context full: the model accepts at most n_positions = {} tokens",
-                self.cfg.n_positions
-            );
-        }
-        if token as usize >= self.cfg.vocab_size {
-            bail!(
-                "token id {token} is not below vocab_size {}",
-                self.cfg.vocab_size
-            );
-        }
-        self.ensure_acts(1, 1)?;
-        self.be.set_tokens(&[token]);
-        self.forward_logits(timers, Pass::Decode { cache, pos });
-        let h = self.acts_of(0).head.expect("the whole model has the head");
-        let logits = h.logits.sub(0, self.cfg.vocab_size);
-        let mut out = vec![0.0; logits.len];
-        self.be.download(logits, &mut out);
-        Ok(out)
-    }
-
-    /// A key/value cache for [`Self::decode`] on this model's backend (all positions).
-    pub fn kv_cache(&mut self) -> Result<KvCache> {
-        let d = self.dims(1, 1);
-        KvCache::new(
-            &mut self.be,
-            self.cfg.n_layer,
-            self.cfg.n_positions,
-            d.local_c(),
-            self.compute,
-        )
-    }
-
-    /// Releases a cache's memory.
-    pub fn free_kv_cache(&mut self, cache: KvCache) {
-        self.be.free(cache.buf());
+    /// Backward pass of micro-batch 0 after `forward(.., true)`: accumulates into the
+    /// gradient buffer.
+    pub fn backward(&mut self, timers: &Timers) {
+        self.backward_micro(0, timers, &mut |_, _| {});
     }
 
     /// This stage's forward pass from tokens (first stage) or its input (other stages) to
@@ -633,36 +250,39 @@ impl<B: Backend> Gpt2<B> {
             Pass::Batch { micro } => (self.tokens(micro).0, micro),
             Pass::Decode { .. } => (TokSpan { offset: 0, len: 1 }, 0),
         };
-        let a = slot(&self.acts, micro).0;
+        let a = ActSets::slot(&self.acts, micro).0;
         let d = a.dims;
         let p = &self.p;
+        let c = &mut self.core;
         let x = &mut Layers {
-            be: &mut self.be,
-            comm: &*self.tp_comm,
+            be: &mut c.be,
+            comm: &*c.tp_comm,
             timers,
         };
         // Replicated additions (position embedding, row-parallel biases) happen on one rank,
         // before the all-reduce sums the shards.
-        let first = self.tp.rank == 0;
+        let first = c.tp.rank == 0;
         // A stage after the first finds its input in `encoded` already.
         if let Some(e) = p.embed {
             let wpe = first.then_some(match pass {
                 Pass::Batch { .. } => e.wpe,
                 Pass::Decode { pos, .. } => e.wpe.sub(pos * d.c, d.c),
             });
-            let emb = embedding(e.wte, wpe, self.tp.rank, &d);
+            let emb = embedding(e.wte, wpe, c.tp.rank, &d);
             embedding_forward(x, &emb, a.encoded, inputs);
         }
         let mut resid = a.encoded;
         for (l, (la, lp)) in a.layers.iter().zip(&p.layers).enumerate() {
             let bp = BlockPass {
-                d: &d,
-                tp_first: first,
+                cx: BlockCtx {
+                    d: &d,
+                    tp_first: first,
+                    residual: self.residual,
+                    pass,
+                    layer: l,
+                    proj: a.proj,
+                },
                 gelu: self.mlp_gelu,
-                residual: self.residual,
-                pass,
-                layer: l,
-                proj: a.proj,
             };
             block_forward(x, la, lp, resid, &bp);
             resid = la.resid3;
@@ -675,228 +295,20 @@ impl<B: Backend> Gpt2<B> {
         x.layernorm(fwd::LAYERNORM, &lnf, h.lnf, stats, resid);
         x.linear(fwd::LM_HEAD, &lm_head, h.logits, h.lnf);
     }
-
-    /// Sets every gradient to zero.
-    pub fn zero_grad(&mut self) {
-        self.assert_trainable();
-        let s = self.be.whole(self.grads);
-        self.be.zero(s);
-    }
-
-    /// Backward pass of micro-batch 0 after `forward(.., true)`: accumulates into the
-    /// gradient buffer.
-    pub fn backward(&mut self, timers: &Timers) {
-        self.backward_micro(0, timers, &mut |_, _| {});
-    }
-
-    /// Backward pass of this stage for micro-batch `micro` after
-    /// `forward_micro(micro, .., true)` (and, on a stage before the last, after
-    /// [`Self::output_grad`] received the gradient of its output): accumulates into the
-    /// gradient buffer and leaves the gradient of the stage's input in [`Self::input_grad`].
-    /// Calls `ready(backend, from)` whenever the gradients at flat offsets `from..` have their
-    /// final value for this micro-batch (after each block, in reverse order, and with
-    /// `from = 0` at the end), so that after the step's last micro-batch their all-reduce can
-    /// start early.
-    pub fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
-        self.assert_trainable();
-        let (inputs, _) = self.tokens(micro);
-        let (a, ga) = slot(&self.acts, micro);
-        let d = a.dims;
-        let (p, g) = (&self.p, &self.g);
-        let x = &mut Layers {
-            be: &mut self.be,
-            comm: &*self.tp_comm,
-            timers,
-        };
-        let _bwd = timers.scope(trainer::phase::BACKWARD, Coarse);
-        // A stage before the last finds the gradient of its output in `dres` already.
-        if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
-            let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
-            head_backward(x, &d, (&h, &hp, &hg), ga, last);
-        }
-        for l in (0..a.layers.len()).rev() {
-            let (la, lp) = (&a.layers[l], &p.layers[l]);
-            let resid = if l == 0 {
-                a.encoded
-            } else {
-                a.layers[l - 1].resid3
-            };
-            let bp = BlockPass {
-                d: &d,
-                tp_first: self.tp.rank == 0,
-                gelu: self.mlp_gelu,
-                residual: self.residual,
-                pass: Pass::Batch { micro },
-                layer: l,
-                proj: a.proj,
-            };
-            if self.recompute == Recompute::Full && l + 1 < a.layers.len() {
-                // This block's activations, as the forward pass computed them, into the set
-                // all blocks share (the last block's are still there). Its inner op timers
-                // (and TP all-reduces) count as this one.
-                let _t = timers.scope(bwd::RECOMPUTE, Fine);
-                let _quiet = timers.pause();
-                block_forward(x, la, lp, resid, &bp);
-            }
-            let recompute_attention = self.recompute == Recompute::Attention;
-            block_backward(
-                x,
-                &bp,
-                (la, lp, &g.layers[l]),
-                ga,
-                resid,
-                recompute_attention,
-            );
-            ready(x.be, lp.ln1_w.offset);
-        }
-        if let Some(e) = g.embed {
-            let de = embedding(e.wte, Some(e.wpe), self.tp.rank, &d);
-            embedding_backward(x, &de, ga.dres, inputs);
-        }
-        ready(x.be, 0);
-    }
-
-    /// Global L2 norm of the gradients (one process; parallel runs all-reduce
-    /// [`Self::grad_sq_sum`] instead).
-    pub fn grad_norm(&mut self, timers: &Timers) -> f64 {
-        self.grad_sq_sum(timers).sqrt()
-    }
-
-    /// This rank's share of the squared gradient norm: the owned ranges of every tensor, with
-    /// replicated (not tensor-parallel) tensors counted on TP rank 0 only and the tied `wte`
-    /// on the first pipeline stage only, so the sum over all ranks is the squared norm of the
-    /// logical model's gradient.
-    pub fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
-        let mut spans = Vec::new();
-        let tied = self.tied_grad();
-        for spec in self.table.specs() {
-            if self.tp.rank != 0 && spec.split == Split::Replicated {
-                continue;
-            }
-            // The tied `wte` has a copy on the first and on the last stage: counted once.
-            if !self.stage.is_first() && tied.is_some_and(|g| g.offset == spec.offset) {
-                continue;
-            }
-            for (r, _) in owned_parts(&self.owned, spec.range()) {
-                spans.push(Span {
-                    buf: self.grads,
-                    offset: r.start,
-                    len: r.len(),
-                });
-            }
-        }
-        let _c = timers
-            .scope(trainer::optimizer::CLIP, Fine)
-            .with_work(|| work::traffic(&self.be, &spans, &[], &[]));
-        // Summed in table order, as before; the loss scale divided out.
-        let scale = self.loss_scale as f64;
-        self.be.sum_of_squares(&spans).iter().sum::<f64>() / (scale * scale)
-    }
-
-    /// Clipping (PyTorch `clip_grad_norm_`: scale by clip/(norm+1e-6) when that is below 1) and
-    /// one AdamW step on every tensor; weight decay only on 2-D tensors. `norm` is the pre-clip
-    /// global gradient norm from [`Self::grad_sq_sum`] (loss scale already divided out). The
-    /// gradients are multiplied by the clip factor over the loss scale, and the update rewrites
-    /// the compute copy of every range it updates (`AdamWPart::compute`).
-    pub fn apply_optimizer(&mut self, o: &OptimStep, norm: f64, timers: &Timers) {
-        self.assert_trainable();
-        let mut scale = 1.0f64;
-        if o.grad_clip > 0.0 {
-            let coef = o.grad_clip / (norm + 1e-6);
-            if coef < 1.0 {
-                scale = coef;
-            }
-        }
-        let scale = scale / self.loss_scale as f64;
-        let hp = AdamWStep {
-            lr: o.lr as f32,
-            beta1: o.beta1 as f32,
-            beta2: o.beta2 as f32,
-            eps: o.eps as f32,
-            weight_decay: o.weight_decay as f32,
-            step: o.step,
-            grad_scale: scale as f32,
-        };
-        let mut parts = Vec::new();
-        for spec in self.table.specs() {
-            for (r, moment) in owned_parts(&self.owned, spec.range()) {
-                let span = |buf, offset| Span {
-                    buf,
-                    offset,
-                    len: r.len(),
-                };
-                parts.push(AdamWPart {
-                    params: span(self.params, r.start),
-                    grads: span(self.grads, r.start),
-                    m: span(self.m, moment),
-                    v: span(self.v, moment),
-                    compute: (self.compute_params != self.params)
-                        .then(|| span(self.compute_params, r.start)),
-                    decay: spec.decay,
-                });
-            }
-        }
-        let _t = timers.scope(trainer::optimizer::ADAMW, Fine).with_work(|| {
-            let mut w = Work::default();
-            for p in &parts {
-                let copy: Vec<Span> = p.compute.into_iter().collect();
-                w += work::traffic(&self.be, &[p.grads], &copy, &[p.params, p.m, p.v]);
-            }
-            w
-        });
-        self.be.adamw(&parts, &hp);
-    }
-
-    /// Logits of the last forward pass without the loss gradient (host copy, padded columns
-    /// included). Only meaningful after `forward(.., false)`.
-    pub fn last_logits(&self) -> Vec<f32> {
-        let h = self
-            .acts_of(0)
-            .head
-            .expect("logits on the last pipeline stage only");
-        let mut out = vec![0.0; h.logits.len];
-        self.be.download(h.logits, &mut out);
-        out
-    }
 }
 
 impl<B: Backend> Model<B> for Gpt2<B> {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
+    fn core(&self) -> &Core<B> {
+        &self.core
     }
 
-    fn tp(&self) -> TpRank {
-        self.tp
-    }
-
-    fn stage(&self) -> &Stage {
-        &self.stage
-    }
-
-    fn table(&self) -> &Table {
-        &self.table
-    }
-
-    fn buffers(&self) -> ModelBuffers {
-        ModelBuffers {
-            params: self.params,
-            grads: self.grads,
-            m: self.m,
-            v: self.v,
-        }
-    }
-
-    fn backend(&self) -> &B {
-        &self.be
-    }
-
-    fn backend_mut(&mut self) -> &mut B {
-        &mut self.be
+    fn core_mut(&mut self) -> &mut Core<B> {
+        &mut self.core
     }
 
     fn forms(&self) -> Vec<OpForm> {
         let attention_note = (self.attn_keep == AttnKeep::LogSumExp).then(|| {
-            let recompute = if self.recompute == Recompute::Attention {
+            let recompute = if self.core.recompute == Recompute::Attention {
                 " (--recompute attention has nothing to recompute)"
             } else {
                 ""
@@ -929,106 +341,179 @@ impl<B: Backend> Model<B> for Gpt2<B> {
         ]
     }
 
-    fn set_tp_comm(&mut self, comm: Rc<dyn Comm>) -> Result<()> {
-        Gpt2::set_tp_comm(self, comm)
-    }
-
-    fn set_owned(&mut self, owned: Vec<OwnedRange>) -> Result<()> {
-        Gpt2::set_owned(self, owned)
-    }
-
-    fn owned(&self) -> &[OwnedRange] {
-        Gpt2::owned(self)
-    }
-
+    /// Takes effect at the next batch.
     fn set_in_flight(&mut self, k: usize) {
-        Gpt2::set_in_flight(self, k)
+        if self.core.set_in_flight(k) {
+            self.free_acts();
+        }
     }
 
-    fn set_accumulation(&mut self, m: usize) {
-        Gpt2::set_accumulation(self, m)
-    }
-
+    /// Changes memory and time only: the recomputed activations are bit-identical to the
+    /// kept ones, so are the gradients. Takes effect at the next batch.
     fn set_recompute(&mut self, r: Recompute) {
-        Gpt2::set_recompute(self, r)
+        if self.core.set_recompute(r) {
+            self.free_acts();
+        }
     }
 
-    fn set_loss_scale(&mut self, scale: f32) {
-        Gpt2::set_loss_scale(self, scale)
-    }
-
-    fn load_params(&mut self, host: &[f32]) -> Result<()> {
-        Gpt2::load_params(self, host)
-    }
-
-    fn refresh_compute_params(&mut self) {
-        Gpt2::refresh_compute_params(self)
-    }
-
-    fn compute_params_bytes(&self) -> usize {
-        Gpt2::compute_params_bytes(self)
-    }
-
+    /// Bytes of the activations (with their f32 statistics) of every in-flight micro-batch of
+    /// `b`×`t`, and of the gradient scratch (for the memory report).
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
-        Gpt2::activation_bytes(self, b, t)
+        let d = self.dims(b, t);
+        let c = &self.core;
+        let el = c.compute.bytes();
+        (
+            c.in_flight
+                * (el * acts_table(&d, &c.stage, c.recompute, self.attn_keep).total()
+                    + Dtype::F32.bytes() * stats_table(&d, &c.stage, self.attn_keep).total()),
+            el * grad_acts_table(&d, self.attn_keep).total(),
+        )
     }
 
-    fn download(&self, buf: BufId) -> Vec<f32> {
-        Gpt2::download(self, buf)
-    }
-
+    /// Micro-batch `j` is rows `j·b..(j+1)·b` of the window; token ids must be below the
+    /// vocabulary size.
     fn set_batches(&mut self, window: &[u32], micro: usize, b: usize, t: usize) -> Result<()> {
-        Gpt2::set_batches(self, window, micro, b, t)
+        self.core.load_batches(window, micro, b, t)?;
+        self.ensure_acts(b, t)
     }
 
+    /// The micro-batch's input residual stream (B·T, C).
     fn stage_input(&self, micro: usize) -> Span {
-        Gpt2::stage_input(self, micro)
+        self.acts_of(micro).encoded
     }
 
     fn stage_output(&self, micro: usize) -> Span {
-        Gpt2::stage_output(self, micro)
+        let a = self.acts_of(micro);
+        a.layers.last().map_or(a.encoded, |l| l.resid3)
     }
 
     fn output_grad(&self) -> Span {
-        Gpt2::output_grad(self)
+        self.grad_acts().dres
     }
 
     fn input_grad(&self) -> Span {
-        Gpt2::input_grad(self)
+        self.grad_acts().dres
     }
 
+    /// The gradient of `wte` when this stage holds one of its two tied copies (the first and
+    /// the last of several stages). `None` with one stage (one copy) or in a middle stage.
     fn tied_grad(&self) -> Option<Span> {
-        Gpt2::tied_grad(self)
+        if self.core.stage.count == 1 {
+            return None;
+        }
+        self.g.embed.map(|e| e.wte).or(self.g.head.map(|h| h.wte))
     }
 
-    fn zero_grad(&mut self) {
-        Gpt2::zero_grad(self)
-    }
-
+    /// On the last stage, the micro-batch's mean loss, and with `for_backward` the logits
+    /// replaced by the loss gradient (mean over B·T, divided by the accumulation count and
+    /// multiplied by the loss scale), ready for [`Model::backward_micro`]; `None` on other
+    /// stages.
     fn forward_micro(&mut self, micro: usize, timers: &Timers, for_backward: bool) -> Option<f32> {
-        Gpt2::forward_micro(self, micro, timers, for_backward)
+        let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
+        self.forward_logits(timers, Pass::Batch { micro });
+        let (_, targets) = self.tokens(micro);
+        let a = ActSets::slot(&self.acts, micro).0;
+        let h = a.head?;
+        let c = &mut self.core;
+        let cd = ce_dims(&a.dims, c.tp.rank, c.cfg.vocab_size);
+        let dloss = c.dloss(cd.n, for_backward);
+        let x = &mut Layers {
+            be: &mut c.be,
+            comm: &*c.tp_comm,
+            timers,
+        };
+        Some(loss_forward(x, &h, targets, cd, dloss))
     }
 
+    /// After `forward_micro(micro, .., true)` (and, on a stage before the last, after
+    /// [`Model::output_grad`] received the gradient of its output): `ready` is called after
+    /// each block, in reverse order, and with `from = 0` at the end.
     fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
-        Gpt2::backward_micro(self, micro, timers, ready)
+        self.core.assert_trainable();
+        let (inputs, _) = self.tokens(micro);
+        let (a, ga) = ActSets::slot(&self.acts, micro);
+        let d = a.dims;
+        let (p, g) = (&self.p, &self.g);
+        let c = &mut self.core;
+        let x = &mut Layers {
+            be: &mut c.be,
+            comm: &*c.tp_comm,
+            timers,
+        };
+        let _bwd = timers.scope(trainer::phase::BACKWARD, Coarse);
+        // A stage before the last finds the gradient of its output in `dres` already.
+        if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
+            let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
+            head_backward(x, &d, (&h, &hp, &hg), ga, last);
+        }
+        for l in (0..a.layers.len()).rev() {
+            let (la, lp) = (&a.layers[l], &p.layers[l]);
+            let resid = if l == 0 {
+                a.encoded
+            } else {
+                a.layers[l - 1].resid3
+            };
+            let bp = BlockPass {
+                cx: BlockCtx {
+                    d: &d,
+                    tp_first: c.tp.rank == 0,
+                    residual: self.residual,
+                    pass: Pass::Batch { micro },
+                    layer: l,
+                    proj: a.proj,
+                },
+                gelu: self.mlp_gelu,
+            };
+            if c.recompute == Recompute::Full && l + 1 < a.layers.len() {
+                // This block's activations, as the forward pass computed them, into the set
+                // all blocks share (the last block's are still there). Its inner op timers
+                // (and TP all-reduces) count as this one.
+                let _t = timers.scope(bwd::RECOMPUTE, Fine);
+                let _quiet = timers.pause();
+                block_forward(x, la, lp, resid, &bp);
+            }
+            let recompute_attention = c.recompute == Recompute::Attention;
+            block_backward(
+                x,
+                &bp,
+                (la, lp, &g.layers[l]),
+                ga,
+                resid,
+                recompute_attention,
+            );
+            ready(x.be, lp.ln1_w.offset);
+        }
+        if let Some(e) = g.embed {
+            let de = embedding(e.wte, Some(e.wpe), c.tp.rank, &d);
+            embedding_backward(x, &de, ga.dres, inputs);
+        }
+        ready(x.be, 0);
     }
 
-    fn grad_sq_sum(&mut self, timers: &Timers) -> f64 {
-        Gpt2::grad_sq_sum(self, timers)
+    fn last_logits(&self) -> Vec<f32> {
+        let h = self
+            .acts_of(0)
+            .head
+            .expect("logits on the last pipeline stage only");
+        self.core.download_span(h.logits)
     }
 
-    fn apply_optimizer(&mut self, o: &OptimStep, norm: f64, timers: &Timers) {
-        Gpt2::apply_optimizer(self, o, norm, timers)
-    }
-
+    /// All positions, each layer's keys and values of this rank's heads.
     fn kv_cache(&mut self) -> Result<KvCache> {
-        Gpt2::kv_cache(self)
+        let d = self.dims(1, 1);
+        let c = &mut self.core;
+        KvCache::new(
+            &mut c.be,
+            c.cfg.n_layer,
+            c.cfg.n_positions,
+            d.local_c(),
+            c.compute,
+        )
     }
 
-    fn free_kv_cache(&mut self, cache: KvCache) {
-        Gpt2::free_kv_cache(self, cache)
-    }
-
+    /// The same forward pass as training on a batch of one token, with attention over the
+    /// cache ([`Backend::attention_decode`]); `cache` must hold positions `0..pos` from
+    /// earlier calls, and gets this token's key and value.
     fn decode(
         &mut self,
         cache: &KvCache,
@@ -1036,23 +521,21 @@ impl<B: Backend> Model<B> for Gpt2<B> {
         pos: usize,
         timers: &Timers,
     ) -> Result<Vec<f32>> {
-        Gpt2::decode(self, cache, token, pos, timers)
+        self.core.load_decode_token(cache, token, pos)?;
+        self.ensure_acts(1, 1)?;
+        self.forward_logits(timers, Pass::Decode { cache, pos });
+        let h = self.acts_of(0).head.expect("the whole model has the head");
+        Ok(self
+            .core
+            .download_span(h.logits.sub(0, self.core.cfg.vocab_size)))
     }
 }
 
-/// What a block's forward pass needs besides its activations and parameters.
+/// What a block's pass needs besides its activations and parameters: the shared context and
+/// where the MLP's GELU runs.
 struct BlockPass<'a, 'c> {
-    d: &'a StepDims,
-    /// Tensor-parallel rank 0 (adds the replicated row-parallel biases, and in the residual
-    /// epilogue the stream).
-    tp_first: bool,
+    cx: BlockCtx<'a, 'c>,
     gelu: MlpGelu,
-    residual: Residual,
-    pass: Pass<'c>,
-    /// The block's index within the stage (its key/value cache layer when decoding).
-    layer: usize,
-    /// Scratch for a projection's output before it joins the residual stream.
-    proj: Span,
 }
 
 /// A block's layers at a step's dims: its parameters' spans (or, built from the gradient
@@ -1090,19 +573,6 @@ impl BlockLayers {
     }
 }
 
-/// The embedding of a step (this rank's vocabulary rows; `wpe` where this rank adds it), or
-/// with the gradients' spans, its backward pass's outputs.
-fn embedding(wte: Span, wpe: Option<Span>, tp_rank: usize, d: &StepDims) -> Embedding {
-    Embedding {
-        wte,
-        wpe,
-        vocab_start: tp_rank * d.vp,
-        b: d.b,
-        t: d.t,
-        c: d.c,
-    }
-}
-
 /// The final layernorm and the LM head (the tied `wte`, vocabulary-parallel under TP).
 fn head_layers(hp: &HeadParams, d: &StepDims) -> (LayerNorm, Linear) {
     let (n, c) = (d.n(), d.c);
@@ -1123,30 +593,6 @@ fn head_layers(hp: &HeadParams, d: &StepDims) -> (LayerNorm, Linear) {
     (lnf, lm_head)
 }
 
-/// The token (and position) embedding into `out`. TP: vocabulary-parallel, so each rank's
-/// rows are partial sums, all-reduced (the positions added on one rank).
-fn embedding_forward<B: Backend>(x: &mut Layers<B>, e: &Embedding, out: Span, tokens: TokSpan) {
-    // The all-reduce is timed inside the embedding's scope (its timer is the embedding's
-    // child).
-    let timers = x.timers;
-    let _t = {
-        let be = &*x.be;
-        timers.scope(fwd::EMBEDDING, Fine).with_work(|| {
-            // The rows of the tokens (an upper bound: a repeated token's row is counted
-            // again) and the positions' rows (on the first TP rank).
-            let rows = Span {
-                len: e.b * e.t * e.c,
-                ..e.wte
-            };
-            let wpe = e.wpe.map(|w| w.sub(0, e.t * e.c));
-            let read: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
-            work::traffic(be, &read, &[out], &[])
-        })
-    };
-    x.be.encoder_forward(e, out, tokens);
-    x.allreduce(fwd::EMBEDDING_ALLREDUCE, out, ReduceOp::Sum);
-}
-
 /// One transformer block's forward pass from its input `resid` (the residual stream) into its
 /// activations `la`, ending with its output in `la.resid3`: the one block forward, run by the
 /// forward pass and again by the backward pass under [`Recompute::Full`].
@@ -1157,13 +603,13 @@ fn block_forward<B: Backend>(
     resid: Span,
     bp: &BlockPass,
 ) {
-    let ly = BlockLayers::new(lp, bp.d, bp.tp_first);
+    let ly = BlockLayers::new(lp, bp.cx.d, bp.cx.tp_first);
     let stats1 = la.ln1_stats();
     x.layernorm(fwd::LAYERNORM, &ly.ln1, la.ln1, stats1, resid);
     x.linear(fwd::QKV, &ly.qkv, la.qkv, la.ln1);
-    attention_forward(x, la, bp);
+    attention_forward(x, &la.attn(), &bp.cx);
     let names = (fwd::PROJ, fwd::ATTENTION_ALLREDUCE);
-    project_into_residual(x, bp, names, &ly.attproj, (la.resid2, resid, la.atty));
+    project_into_residual(x, &bp.cx, names, &ly.attproj, (la.resid2, resid, la.atty));
     let stats2 = la.ln2_stats();
     x.layernorm(fwd::LAYERNORM, &ly.ln2, la.ln2, stats2, la.resid2);
     match bp.gelu {
@@ -1181,130 +627,11 @@ fn block_forward<B: Backend>(
     let names = (fwd::MLP_MM, fwd::MLP_ALLREDUCE);
     project_into_residual(
         x,
-        bp,
+        &bp.cx,
         names,
         &ly.fcproj,
         (la.resid3, la.resid2, la.fch_gelu),
     );
-}
-
-/// A block's attention from its `qkv` into `atty`: in three steps (probabilities kept), fused,
-/// or for one token over the key/value cache.
-fn attention_forward<B: Backend>(x: &mut Layers<B>, la: &LayerActs, bp: &BlockPass) {
-    let (d, timers) = (bp.d, x.timers);
-    let lc = d.local_c();
-    let ad = d.attn();
-    let be = &mut *x.be;
-    match bp.pass {
-        Pass::Batch { .. } => match la.att {
-            AttnKept::Probabilities(att) => {
-                let (q, k, v) = work::qkv_parts(la.qkv);
-                {
-                    let _t = timers
-                        .scope(fwd::BADDBMM, Fine)
-                        .with_work(|| work::attention(&*be, ad, 1, &[q, k], &[att]));
-                    be.attention_scores(att, la.qkv, ad);
-                }
-                {
-                    let _t = timers
-                        .scope(fwd::SOFTMAX, Fine)
-                        .with_work(|| work::traffic(&*be, &[], &[], &[att]));
-                    be.attention_softmax(att, ad);
-                }
-                let _t = timers
-                    .scope(fwd::BMM, Fine)
-                    .with_work(|| work::attention(&*be, ad, 1, &[att, v], &[la.atty]));
-                be.attention_values(la.atty, att, la.qkv, ad);
-            }
-            AttnKept::LogSumExp(lse) => {
-                let _t = timers
-                    .scope(fwd::FUSED, Fine)
-                    .with_work(|| work::attention(&*be, ad, 2, &[la.qkv], &[la.atty, lse]));
-                be.attention_forward(la.atty, lse, la.qkv, ad);
-            }
-        },
-        Pass::Decode { cache, pos } => {
-            let _t = timers.scope(fwd::DECODE, Fine);
-            let (k, v) = (cache.k(bp.layer), cache.v(bp.layer));
-            be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
-            be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
-            let kv = KvRows { k, v, len: pos + 1 };
-            be.attention_decode(la.atty, la.qkv.sub(0, lc), kv, d.nh, d.hs);
-        }
-    }
-}
-
-/// A block's row-parallel projection `l` whose output joins the residual stream: `out =
-/// resid + inp·W + b`, in the projection's GEMM or by its own op as `bp.residual` says, the
-/// GEMM timed as `names.0`. TP: each rank's product is a partial sum over its share of the
-/// input width; the first rank adds the bias (`l.bias` is `None` on the others) and, in the
-/// epilogue, the stream; the all-reduce (timed as `names.1`) sums them.
-fn project_into_residual<B: Backend>(
-    x: &mut Layers<B>,
-    bp: &BlockPass,
-    names: (&'static str, &'static str),
-    l: &Linear,
-    (out, resid, inp): (Span, Span, Span),
-) {
-    match bp.residual {
-        Residual::Separate => {
-            x.linear(names.0, l, bp.proj, inp);
-            x.allreduce(names.1, bp.proj, ReduceOp::Sum);
-            let be = &mut *x.be;
-            let _t = x
-                .timers
-                .scope(fwd::RESIDUAL, Fine)
-                .with_work(|| work::traffic(&*be, &[resid, bp.proj], &[out], &[]));
-            be.residual_forward(out, resid, bp.proj);
-        }
-        Residual::Epilogue => {
-            if bp.tp_first {
-                x.linear_residual(names.0, l, out, resid, bp.proj, inp);
-            } else {
-                x.linear(names.0, l, out, inp);
-            }
-            x.allreduce(names.1, out, ReduceOp::Sum);
-        }
-    }
-}
-
-/// The per-row cross-entropy of the logits against `targets` into `h.losses` and, with
-/// `dloss`, the logits replaced by their gradient (times `dloss`); returns the mean loss. TP:
-/// the logits are vocabulary-parallel; the row maxima, sums of exponentials and target
-/// logits are all-reduced across the shards.
-fn loss_forward<B: Backend>(
-    x: &mut Layers<B>,
-    h: &HeadActs,
-    targets: TokSpan,
-    cd: CeDims,
-    dloss: Option<f32>,
-) -> f32 {
-    let ar = fwd::LOSS_ALLREDUCE;
-    let timers = x.timers;
-    let _t = {
-        let be = &*x.be;
-        timers.scope(fwd::LOSS, Fine).with_work(|| {
-            let dlogits = dloss.map(|_| h.logits);
-            let written: Vec<Span> = [h.losses].into_iter().chain(dlogits).collect();
-            work::traffic(be, &[h.logits], &written, &[])
-        })
-    };
-    x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
-    x.be.copy(h.ce_max, h.ce_local_max);
-    x.allreduce(ar, h.ce_max, ReduceOp::Max);
-    x.be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
-    x.be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
-    x.allreduce(ar, h.ce_sum, ReduceOp::Sum);
-    x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
-    let rows = CeRows {
-        maxes: h.ce_max,
-        sums: h.ce_sum,
-        tl: h.ce_tl,
-    };
-    x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
-    let mut losses = vec![0.0f32; cd.n];
-    x.be.download(h.losses, &mut losses);
-    (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32
 }
 
 /// The last stage's backward pass from the loss gradient (in the logits) to the gradient of
@@ -1345,7 +672,7 @@ fn block_backward<B: Backend>(
     resid: Span,
     recompute_attention: bool,
 ) {
-    let ly = BlockLayers::new(lp, bp.d, bp.tp_first);
+    let ly = BlockLayers::new(lp, bp.cx.d, bp.cx.tp_first);
     let grads = |dinp, dw, dbias| LinearGrads {
         dinp: Some(dinp),
         dw,
@@ -1390,7 +717,7 @@ fn block_backward<B: Backend>(
     let names = (bwd::PROJ, None);
     let attproj_g = grads(ga.datty, lg.attproj_w, lg.attproj_b);
     x.linear_backward(names, &ly.attproj, &attproj_g, ga.dres, la.atty);
-    attention_backward(x, bp.d, la, ga, recompute_attention);
+    attention_backward(x, bp.cx.d, &la.attn(), &ga.attn(), recompute_attention);
     let names = (bwd::QKV, Some(bwd::ATTENTION_ALLREDUCE));
     let qkv_g = grads(ga.dln, lg.qkv_w, lg.qkv_b);
     x.linear_backward(names, &ly.qkv, &qkv_g, ga.dqkv, la.ln1);
@@ -1407,91 +734,4 @@ fn block_backward<B: Backend>(
         (ga.dln, resid, stats1),
         false,
     );
-}
-
-/// A block's attention backward from `ga.datty` into `ga.dqkv`: three steps over the kept
-/// (or, with `recompute`, recomputed) probabilities, or fused from the log-sum-exp.
-fn attention_backward<B: Backend>(
-    x: &mut Layers<B>,
-    d: &StepDims,
-    la: &LayerActs,
-    ga: &GradActs,
-    recompute: bool,
-) {
-    let (timers, ad) = (x.timers, d.attn());
-    let be = &mut *x.be;
-    match la.att {
-        AttnKept::Probabilities(att) => {
-            let datt = ga.datt.expect("datt exists with kept probabilities");
-            if recompute {
-                // The probabilities of this layer, as the forward pass computed them.
-                let _t = timers.scope(bwd::ATTENTION_RECOMPUTE, Fine);
-                be.attention_scores(att, la.qkv, ad);
-                be.attention_softmax(att, ad);
-            }
-            let (q, k, v) = work::qkv_parts(la.qkv);
-            let (dq, dk, dv) = work::qkv_parts(ga.dqkv);
-            {
-                let _t = timers
-                    .scope(bwd::BMM, Fine)
-                    .with_work(|| work::attention(&*be, ad, 2, &[ga.datty, att, v], &[datt, dv]));
-                be.attention_values_backward(datt, ga.dqkv, ga.datty, att, la.qkv, ad);
-            }
-            {
-                let _t = timers
-                    .scope(bwd::SOFTMAX, Fine)
-                    .with_work(|| work::traffic(&*be, &[att], &[], &[datt]));
-                be.attention_softmax_backward(datt, att, ad);
-            }
-            let _t = timers
-                .scope(bwd::BADDBMM, Fine)
-                .with_work(|| work::attention(&*be, ad, 2, &[datt, q, k], &[dq, dk]));
-            be.attention_scores_backward(ga.dqkv, datt, la.qkv, ad);
-        }
-        AttnKept::LogSumExp(lse) => {
-            let _t = timers.scope(bwd::FUSED, Fine).with_work(|| {
-                let read = [ga.datty, la.atty, lse, la.qkv];
-                work::attention(&*be, ad, 4, &read, &[ga.dqkv])
-            });
-            be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
-        }
-    }
-}
-
-/// The embedding's backward pass: its gradients (`de`'s tables) accumulate from `dout`.
-fn embedding_backward<B: Backend>(x: &mut Layers<B>, de: &Embedding, dout: Span, tokens: TokSpan) {
-    let be = &mut *x.be;
-    let _t = x.timers.scope(bwd::EMBEDDING, Fine).with_work(|| {
-        // Added into: the rows of the tokens (an upper bound, as in the forward pass) and the
-        // positions' rows.
-        let rows = Span {
-            len: de.b * de.t * de.c,
-            ..de.wte
-        };
-        let wpe = de.wpe.map(|w| w.sub(0, de.t * de.c));
-        let added: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
-        work::traffic(&*be, &[dout], &[], &added)
-    });
-    be.encoder_backward(de, dout, tokens);
-}
-
-/// The activation set of micro-batch `micro` and the shared gradient scratch.
-fn slot(acts: &Option<(Vec<Acts>, GradActs)>, micro: usize) -> (&Acts, &GradActs) {
-    let (sets, ga) = acts
-        .as_ref()
-        .expect("set_batches before forward or backward");
-    (&sets[micro % sets.len()], ga)
-}
-
-/// The parts of `range` (flat offsets) inside the owned ranges, each with the moment offset of
-/// its first element.
-fn owned_parts(owned: &[OwnedRange], range: Range<usize>) -> Vec<(Range<usize>, usize)> {
-    owned
-        .iter()
-        .filter_map(|o| {
-            let lo = o.flat.start.max(range.start);
-            let hi = o.flat.end.min(range.end);
-            (lo < hi).then(|| (lo..hi, o.moment_offset + (lo - o.flat.start)))
-        })
-        .collect()
 }

@@ -15,7 +15,7 @@
 //! The real attention operands are strided views into the fused QKV buffer; the benchmark's
 //! are contiguous, so their rates are an approximation there.
 
-use super::gpt2_ops::{backward as bwd, forward as fwd};
+use super::decoder_ops::{backward as bwd, forward as fwd};
 use crate::metrics::cost::{Collective, ComputeOp, CostModel, GemmCall, OpWork, Pass, Slice};
 use crate::metrics::ops::trainer;
 
@@ -198,6 +198,7 @@ mod tests {
             n_embd: 96,
             n_head: 4,
             n_layer: 3,
+            ..Default::default()
         };
         let (t, mb) = (64, 3);
         let vp = padded_vocab(m.vocab_size);

@@ -97,6 +97,7 @@ pub fn parse_config(f: &HfFields) -> Result<ModelConfig> {
         n_embd: f.int("n_embd", 768)?,
         n_head: f.int("n_head", 12)?,
         n_layer: f.int("n_layer", 12)?,
+        ..Default::default()
     };
     if !cfg.n_embd.is_multiple_of(cfg.n_head) {
         bail!(

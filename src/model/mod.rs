@@ -5,16 +5,18 @@
 
 pub mod acts;
 pub mod contract;
+pub mod core;
+pub mod decoder_ops;
 pub mod gpt2;
 pub mod gpt2_cost;
 pub mod gpt2_hf;
-pub mod gpt2_ops;
 pub mod hf_fields;
 pub mod hf_layout;
 pub mod init;
 pub mod kv;
 pub mod layers;
 pub mod params;
+pub mod passes;
 pub mod paths;
 pub mod registry;
 pub mod stage;

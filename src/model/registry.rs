@@ -84,7 +84,7 @@ pub fn update_hf_config(obj: &mut Map<String, Value>, cfg: &ModelConfig) {
 /// The op catalogue of architecture `arch`: its timer names and their classes.
 pub fn ops(arch: Arch) -> &'static OpCatalogue {
     match arch {
-        Arch::Gpt2 => &super::gpt2_ops::OPS,
+        Arch::Gpt2 => &super::decoder_ops::OPS,
     }
 }
 

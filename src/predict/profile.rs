@@ -138,7 +138,7 @@ impl Profile {
         Machine {
             compute: match (&self.compute.model_tflops_per_node, &self.compute.reference) {
                 (_, Some(r)) => Compute::Reference {
-                    run: r.clone(),
+                    run: Box::new(r.clone()),
                     gemm: GemmRates(self.compute.gemm.clone()),
                 },
                 (Some(r), None) => Compute::Rate {
@@ -237,6 +237,7 @@ pub fn measure(
             n_embd: dims.n_embd as usize,
             n_head: dims.n_head as usize,
             n_layer: dims.n_layer as usize,
+            ..Default::default()
         },
         seq_len: seq as usize,
         batch_per_rank: batch as usize,

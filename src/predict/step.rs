@@ -85,7 +85,7 @@ fn one() -> usize {
 pub enum Compute {
     /// A reference run's per-op times, and the machine's measured GEMM rates (maybe none:
     /// then GEMM time scales with FLOPs).
-    Reference { run: Reference, gemm: GemmRates },
+    Reference { run: Box<Reference>, gemm: GemmRates },
     /// The model FLOPs (Megatron's formula) at this rate per node, optimizer included.
     Rate { model_tflops_per_node: f64 },
 }

@@ -1,6 +1,7 @@
-//! GPT-2's op catalogue: the timer name and class of every op its passes run
-//! ([`crate::metrics::ops`]). `gpt2.rs` names its timers through these constants; the
-//! breakdown and the report classify them from [`OPS`].
+//! The op catalogue of the decoder-only transformers fugu builds: the timer name and class of
+//! every op their passes run ([`crate::metrics::ops`]). The models (`gpt2.rs`, `passes.rs`)
+//! name their timers through these constants; the breakdown and the report classify them
+//! from [`OPS`]. An architecture runs the ops it has; the names say what an op is, not whose.
 
 crate::metrics::ops::op_catalogue! {
     forward {

@@ -1,0 +1,276 @@
+//! The pieces of a forward or backward pass that every decoder architecture runs the same
+//! way: the token embedding (vocabulary-parallel), attention (three steps, fused, or one token
+//! over the key/value cache), a row-parallel projection joining the residual stream, and the
+//! vocabulary-parallel cross-entropy. Each is a short list of [`Layers`] and backend calls
+//! under the timers of [`super::decoder_ops`].
+
+use super::acts::{AttnActs, AttnGrads, AttnKept, HeadActs, StepDims};
+use super::decoder_ops::{backward as bwd, forward as fwd};
+use super::kv::KvCache;
+use super::layers::Layers;
+use super::paths::Residual;
+use super::work;
+use crate::backend::{Backend, CeDims, CeRows, Embedding, KvRows, Linear, Span, TokSpan};
+use crate::comm::ReduceOp;
+use crate::metrics::timers::TimerLevel::Fine;
+
+/// Where a forward pass's tokens come from and what attention looks at.
+#[derive(Clone, Copy)]
+pub enum Pass<'c> {
+    /// Micro-batch `micro` of a step's batches: causal attention within each sequence.
+    Batch { micro: usize },
+    /// One token at position `pos` (a batch of 1×1), attending to `cache`.
+    Decode { cache: &'c KvCache, pos: usize },
+}
+
+/// What a block's pass needs besides its activations and parameters.
+pub struct BlockCtx<'a, 'c> {
+    pub d: &'a StepDims,
+    /// Tensor-parallel rank 0 (adds the replicated row-parallel biases, and in the residual
+    /// epilogue the stream).
+    pub tp_first: bool,
+    pub residual: Residual,
+    pub pass: Pass<'c>,
+    /// The block's index within the stage (its key/value cache layer when decoding).
+    pub layer: usize,
+    /// Scratch for a projection's output before it joins the residual stream.
+    pub proj: Span,
+}
+
+/// The embedding of a step (this rank's vocabulary rows; `wpe` where this rank adds it), or
+/// with the gradients' spans, its backward pass's outputs.
+pub fn embedding(wte: Span, wpe: Option<Span>, tp_rank: usize, d: &StepDims) -> Embedding {
+    Embedding {
+        wte,
+        wpe,
+        vocab_start: tp_rank * d.vp,
+        b: d.b,
+        t: d.t,
+        c: d.c,
+    }
+}
+
+/// The token (and position) embedding into `out`. TP: vocabulary-parallel, so each rank's
+/// rows are partial sums, all-reduced (the positions added on one rank).
+pub fn embedding_forward<B: Backend>(x: &mut Layers<B>, e: &Embedding, out: Span, tokens: TokSpan) {
+    // The all-reduce is timed inside the embedding's scope (its timer is the embedding's
+    // child).
+    let timers = x.timers;
+    let _t = {
+        let be = &*x.be;
+        timers.scope(fwd::EMBEDDING, Fine).with_work(|| {
+            // The rows of the tokens (an upper bound: a repeated token's row is counted
+            // again) and the positions' rows (on the first TP rank).
+            let rows = Span {
+                len: e.b * e.t * e.c,
+                ..e.wte
+            };
+            let wpe = e.wpe.map(|w| w.sub(0, e.t * e.c));
+            let read: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
+            work::traffic(be, &read, &[out], &[])
+        })
+    };
+    x.be.encoder_forward(e, out, tokens);
+    x.allreduce(fwd::EMBEDDING_ALLREDUCE, out, ReduceOp::Sum);
+}
+
+/// The embedding's backward pass: its gradients (`de`'s tables) accumulate from `dout`.
+pub fn embedding_backward<B: Backend>(
+    x: &mut Layers<B>,
+    de: &Embedding,
+    dout: Span,
+    tokens: TokSpan,
+) {
+    let be = &mut *x.be;
+    let _t = x.timers.scope(bwd::EMBEDDING, Fine).with_work(|| {
+        // Added into: the rows of the tokens (an upper bound, as in the forward pass) and the
+        // positions' rows.
+        let rows = Span {
+            len: de.b * de.t * de.c,
+            ..de.wte
+        };
+        let wpe = de.wpe.map(|w| w.sub(0, de.t * de.c));
+        let added: Vec<Span> = [Some(rows), wpe].into_iter().flatten().collect();
+        work::traffic(&*be, &[dout], &[], &added)
+    });
+    be.encoder_backward(de, dout, tokens);
+}
+
+/// A block's attention from its `qkv` into `atty`: in three steps (probabilities kept), fused,
+/// or for one token over the key/value cache.
+pub fn attention_forward<B: Backend>(x: &mut Layers<B>, la: &AttnActs, bp: &BlockCtx) {
+    let (d, timers) = (bp.d, x.timers);
+    let lc = d.local_c();
+    let ad = d.attn();
+    let be = &mut *x.be;
+    match bp.pass {
+        Pass::Batch { .. } => match la.att {
+            AttnKept::Probabilities(att) => {
+                let (q, k, v) = work::qkv_parts(la.qkv);
+                {
+                    let _t = timers
+                        .scope(fwd::BADDBMM, Fine)
+                        .with_work(|| work::attention(&*be, ad, 1, &[q, k], &[att]));
+                    be.attention_scores(att, la.qkv, ad);
+                }
+                {
+                    let _t = timers
+                        .scope(fwd::SOFTMAX, Fine)
+                        .with_work(|| work::traffic(&*be, &[], &[], &[att]));
+                    be.attention_softmax(att, ad);
+                }
+                let _t = timers
+                    .scope(fwd::BMM, Fine)
+                    .with_work(|| work::attention(&*be, ad, 1, &[att, v], &[la.atty]));
+                be.attention_values(la.atty, att, la.qkv, ad);
+            }
+            AttnKept::LogSumExp(lse) => {
+                let _t = timers
+                    .scope(fwd::FUSED, Fine)
+                    .with_work(|| work::attention(&*be, ad, 2, &[la.qkv], &[la.atty, lse]));
+                be.attention_forward(la.atty, lse, la.qkv, ad);
+            }
+        },
+        Pass::Decode { cache, pos } => {
+            let _t = timers.scope(fwd::DECODE, Fine);
+            let (k, v) = (cache.k(bp.layer), cache.v(bp.layer));
+            be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
+            be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
+            let kv = KvRows { k, v, len: pos + 1 };
+            be.attention_decode(la.atty, la.qkv.sub(0, lc), kv, d.nh, d.hs);
+        }
+    }
+}
+
+/// A block's attention backward from `ga.datty` into `ga.dqkv`: three steps over the kept
+/// (or, with `recompute`, recomputed) probabilities, or fused from the log-sum-exp.
+pub fn attention_backward<B: Backend>(
+    x: &mut Layers<B>,
+    d: &StepDims,
+    la: &AttnActs,
+    ga: &AttnGrads,
+    recompute: bool,
+) {
+    let (timers, ad) = (x.timers, d.attn());
+    let be = &mut *x.be;
+    match la.att {
+        AttnKept::Probabilities(att) => {
+            let datt = ga.datt.expect("datt exists with kept probabilities");
+            if recompute {
+                // The probabilities of this layer, as the forward pass computed them.
+                let _t = timers.scope(bwd::ATTENTION_RECOMPUTE, Fine);
+                be.attention_scores(att, la.qkv, ad);
+                be.attention_softmax(att, ad);
+            }
+            let (q, k, v) = work::qkv_parts(la.qkv);
+            let (dq, dk, dv) = work::qkv_parts(ga.dqkv);
+            {
+                let _t = timers
+                    .scope(bwd::BMM, Fine)
+                    .with_work(|| work::attention(&*be, ad, 2, &[ga.datty, att, v], &[datt, dv]));
+                be.attention_values_backward(datt, ga.dqkv, ga.datty, att, la.qkv, ad);
+            }
+            {
+                let _t = timers
+                    .scope(bwd::SOFTMAX, Fine)
+                    .with_work(|| work::traffic(&*be, &[att], &[], &[datt]));
+                be.attention_softmax_backward(datt, att, ad);
+            }
+            let _t = timers
+                .scope(bwd::BADDBMM, Fine)
+                .with_work(|| work::attention(&*be, ad, 2, &[datt, q, k], &[dq, dk]));
+            be.attention_scores_backward(ga.dqkv, datt, la.qkv, ad);
+        }
+        AttnKept::LogSumExp(lse) => {
+            let _t = timers.scope(bwd::FUSED, Fine).with_work(|| {
+                let read = [ga.datty, la.atty, lse, la.qkv];
+                work::attention(&*be, ad, 4, &read, &[ga.dqkv])
+            });
+            be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
+        }
+    }
+}
+
+/// A block's row-parallel projection `l` whose output joins the residual stream: `out =
+/// resid + inp·W + b`, in the projection's GEMM or by its own op as `bp.residual` says, the
+/// GEMM timed as `names.0`. TP: each rank's product is a partial sum over its share of the
+/// input width; the first rank adds the bias (`l.bias` is `None` on the others) and, in the
+/// epilogue, the stream; the all-reduce (timed as `names.1`) sums them.
+pub fn project_into_residual<B: Backend>(
+    x: &mut Layers<B>,
+    bp: &BlockCtx,
+    names: (&'static str, &'static str),
+    l: &Linear,
+    (out, resid, inp): (Span, Span, Span),
+) {
+    match bp.residual {
+        Residual::Separate => {
+            x.linear(names.0, l, bp.proj, inp);
+            x.allreduce(names.1, bp.proj, ReduceOp::Sum);
+            let be = &mut *x.be;
+            let _t = x
+                .timers
+                .scope(fwd::RESIDUAL, Fine)
+                .with_work(|| work::traffic(&*be, &[resid, bp.proj], &[out], &[]));
+            be.residual_forward(out, resid, bp.proj);
+        }
+        Residual::Epilogue => {
+            if bp.tp_first {
+                x.linear_residual(names.0, l, out, resid, bp.proj, inp);
+            } else {
+                x.linear(names.0, l, out, inp);
+            }
+            x.allreduce(names.1, out, ReduceOp::Sum);
+        }
+    }
+}
+
+/// The per-row cross-entropy of the logits against `targets` into `h.losses` and, with
+/// `dloss`, the logits replaced by their gradient (times `dloss`); returns the mean loss. TP:
+/// the logits are vocabulary-parallel; the row maxima, sums of exponentials and target
+/// logits are all-reduced across the shards.
+pub fn loss_forward<B: Backend>(
+    x: &mut Layers<B>,
+    h: &HeadActs,
+    targets: TokSpan,
+    cd: CeDims,
+    dloss: Option<f32>,
+) -> f32 {
+    let ar = fwd::LOSS_ALLREDUCE;
+    let timers = x.timers;
+    let _t = {
+        let be = &*x.be;
+        timers.scope(fwd::LOSS, Fine).with_work(|| {
+            let dlogits = dloss.map(|_| h.logits);
+            let written: Vec<Span> = [h.losses].into_iter().chain(dlogits).collect();
+            work::traffic(be, &[h.logits], &written, &[])
+        })
+    };
+    x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
+    x.be.copy(h.ce_max, h.ce_local_max);
+    x.allreduce(ar, h.ce_max, ReduceOp::Max);
+    x.be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
+    x.be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
+    x.allreduce(ar, h.ce_sum, ReduceOp::Sum);
+    x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
+    let rows = CeRows {
+        maxes: h.ce_max,
+        sums: h.ce_sum,
+        tl: h.ce_tl,
+    };
+    x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
+    let mut losses = vec![0.0f32; cd.n];
+    x.be.download(h.losses, &mut losses);
+    (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32
+}
+
+/// The cross-entropy's dimensions on this rank: its share of the (padded) vocabulary.
+pub fn ce_dims(d: &StepDims, tp_rank: usize, vocab_size: usize) -> CeDims {
+    let vocab_start = tp_rank * d.vp;
+    CeDims {
+        n: d.n(),
+        vp: d.vp,
+        v_valid: vocab_size.saturating_sub(vocab_start).min(d.vp),
+        vocab_start,
+    }
+}
