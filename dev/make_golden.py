@@ -23,6 +23,7 @@ from safetensors.numpy import save as st_save, load as st_load
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt2_ref as ref  # noqa: E402
+import llama_ref  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN_DIR = os.path.join(REPO, "tests", "golden")
@@ -53,7 +54,53 @@ CASES = [
         "train": dict(n_steps=4, lr=2e-3, min_lr=0.0, warmup_steps=0, steps=4, schedule="constant",
                       beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, grad_clip=0.0),
     },
+    {
+        "file": "llama-gqa-untied.safetensors",
+        "model": llama_ref,
+        "description": "2-layer Llama, 4 query heads sharing 2 key/value heads of size 12 (heads * head_dim != "
+                       "hidden), untied head, rope_theta 100, vocab 61, cosine schedule, grad clipping",
+        "seed": 4321,
+        "config": llama_ref.LlamaConfig(vocab_size=61, max_position_embeddings=16, hidden_size=32,
+                                        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5,
+                                        rope_theta=100.0, tie_word_embeddings=False),
+        "B": 2,
+        "T": 12,
+        "train": dict(n_steps=4, lr=1e-3, min_lr=1e-4, warmup_steps=2, steps=4, schedule="cosine",
+                      beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0),
+    },
+    {
+        "file": "llama-mha-tied.safetensors",
+        "model": llama_ref,
+        "description": "2-layer Llama, 2 heads each with its own key/value head, tied embeddings, T == "
+                       "max_position_embeddings, vocab 37, constant lr, no clipping",
+        "seed": 8765,
+        "config": llama_ref.LlamaConfig(vocab_size=37, max_position_embeddings=8, hidden_size=16,
+                                        intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                                        rope_theta=10000.0, tie_word_embeddings=True),
+        "B": 3,
+        "T": 8,
+        "train": dict(n_steps=4, lr=2e-3, min_lr=0.0, warmup_steps=0, steps=4, schedule="constant",
+                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, grad_clip=0.0),
+    },
 ]
+
+# How each model's goldens are initialised (recorded in the file's metadata).
+INIT = {
+    "gpt2": {
+        "order": "params in HF order (wte, wpe, h.0.*, ..., ln_f.*), each mean + std*rng.standard_normal(shape) "
+                 "rounded to float32; then tokens = rng.integers(0, vocab_size, size=(B, T+1))",
+        "std": "weights/embeddings/linear biases 0.02; c_proj weights 0.02/sqrt(2*n_layer); "
+               "LayerNorm weight 1 + 0.1*N, LayerNorm bias 0.1*N",
+    },
+    "llama": {
+        "order": "params in save_pretrained order (model.embed_tokens, model.layers.0.*, ..., model.norm, "
+                 "lm_head when untied), each rounded to float32; then tokens = rng.integers(0, vocab_size, "
+                 "size=(B, T+1))",
+        "std": "matrices and the embedding 0.02*N; RMSNorm weights 1 + 0.1*N",
+    },
+}
 
 
 def canonical_safetensors(tensors: dict, metadata: dict) -> bytes:
@@ -79,19 +126,29 @@ def canonical_safetensors(tensors: dict, metadata: dict) -> bytes:
     return out
 
 
+def model_of(case):
+    """The reference module of a case (GPT-2 unless it names another) and its INIT key."""
+    m = case.get("model", ref)
+    return m, ("llama" if m is llama_ref else "gpt2")
+
+
 def make_case(case) -> tuple[bytes, dict]:
     cfg = case["config"]
     B, T, hp = case["B"], case["T"], case["train"]
-    assert T <= cfg.n_positions
+    mod, kind = model_of(case)
+    assert T <= (cfg.max_position_embeddings if kind == "llama" else cfg.n_positions)
     rng = np.random.default_rng(case["seed"])
-    params = ref.init_params(cfg, rng)                    # float64 holding float32 values
+    if kind == "llama":
+        params = mod.init_params(cfg, rng, norm_jitter=0.1)  # float64 holding float32 values
+    else:
+        params = mod.init_params(cfg, rng)
     tokens = rng.integers(0, cfg.vocab_size, size=(B, T + 1)).astype(np.int32)
-    names = [n for n, _ in ref.param_shapes(cfg)]
+    names = [n for n, _ in mod.param_shapes(cfg)]
 
-    loss, logits, grads = ref.loss_and_grads({k: v.copy() for k, v in params.items()}, cfg, tokens)
+    loss, logits, grads = mod.loss_and_grads({k: v.copy() for k, v in params.items()}, cfg, tokens)
 
     trained = {k: v.copy() for k, v in params.items()}
-    losses, norms, lrs = ref.train(trained, cfg, tokens, hp["n_steps"], hp)
+    losses, norms, lrs = ref.train(trained, cfg, tokens, hp["n_steps"], hp, model=mod)
     assert losses[0] == loss
 
     t = {}
@@ -119,13 +176,10 @@ def make_case(case) -> tuple[bytes, dict]:
         "init": json.dumps({
             "rng": "numpy.random.default_rng(seed)",
             "seed": case["seed"],
-            "order": "params in HF order (wte, wpe, h.0.*, ..., ln_f.*), each mean + std*rng.standard_normal(shape) "
-                     "rounded to float32; then tokens = rng.integers(0, vocab_size, size=(B, T+1))",
-            "std": "weights/embeddings/linear biases 0.02; c_proj weights 0.02/sqrt(2*n_layer); "
-                   "LayerNorm weight 1 + 0.1*N, LayerNorm bias 0.1*N",
+            **INIT[kind],
         }, sort_keys=True),
         "param_names": json.dumps(names),
-        "generator": "dev/make_golden.py (reference dev/gpt2_ref.py, float64)",
+        "generator": f"dev/make_golden.py (reference dev/{mod.__name__}.py, float64)",
     }
     summary = dict(loss=loss, losses=losses, norms=norms, lrs=lrs)
     return canonical_safetensors(t, metadata), summary
@@ -136,18 +190,22 @@ def f32_report(case) -> None:
     prints how far it lands from the float64 goldens: a floor for a Rust f32 trainer's
     deviation (it sums in different orders, so allow a healthy margin above these)."""
     cfg, hp = case["config"], case["train"]
+    mod, kind = model_of(case)
+    if kind == "llama":
+        print(f"{case['file']}: skipped (dev/llama_ref.py computes in float64 only)")
+        return
     data, _ = make_case(case)
     g = st_load(data)
-    names = [n for n, _ in ref.param_shapes(cfg)]
+    names = [n for n, _ in mod.param_shapes(cfg)]
     p32 = {n: g[n].copy() for n in names}  # float32
-    loss, logits, grads = ref.loss_and_grads({k: v.copy() for k, v in p32.items()}, cfg, g["tokens"])
+    loss, logits, grads = mod.loss_and_grads({k: v.copy() for k, v in p32.items()}, cfg, g["tokens"])
     assert logits.dtype == np.float32
     print(f"{case['file']}: float32 reference vs float64 golden")
     print(f"  loss   rel diff {abs(float(loss) - g['loss'][0]) / g['loss'][0]:.2e}")
     print(f"  logits max abs diff {np.abs(logits - g['logits']).max():.2e}")
     d = max((np.abs(grads[n] - g['grad.' + n]).max() / np.abs(g['grad.' + n]).max(), n) for n in names)
     print(f"  grads  max over tensors of max|diff|/max|golden| {d[0]:.2e} ({d[1]})")
-    losses, norms, lrs = ref.train(p32, cfg, g["tokens"], hp["n_steps"], hp)
+    losses, norms, lrs = ref.train(p32, cfg, g["tokens"], hp["n_steps"], hp, model=mod)
     print(f"  step_losses max abs diff {np.abs(np.array(losses, dtype=np.float64) - g['step_losses']).max():.2e}")
     print(f"  step_grad_norms max rel diff "
           f"{(np.abs(np.array(norms) - g['step_grad_norms']) / g['step_grad_norms']).max():.2e}")

@@ -17,16 +17,20 @@ pub enum Arch {
     /// GPT-2: pre-LN, tanh-GELU MLP, learned positions, tied embeddings, biases.
     #[default]
     Gpt2,
+    /// The Llama family: pre-RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
+    /// no biases, tied or untied LM head.
+    Llama,
 }
 
 impl Arch {
     /// Every architecture fugu builds.
-    pub const ALL: [Arch; 1] = [Arch::Gpt2];
+    pub const ALL: [Arch; 2] = [Arch::Gpt2, Arch::Llama];
 
     /// The name in configs (`arch = "gpt2"`) and in Hugging Face's `model_type`.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Gpt2 => "gpt2",
+            Arch::Llama => "llama",
         }
     }
 
@@ -127,6 +131,7 @@ impl ModelConfig {
     pub fn norm_epsilon(&self) -> f64 {
         match self.arch {
             Arch::Gpt2 => 1e-5,
+            Arch::Llama => self.norm_eps.unwrap_or(1e-6),
         }
     }
 
@@ -134,6 +139,7 @@ impl ModelConfig {
     pub fn tied(&self) -> bool {
         match self.arch {
             Arch::Gpt2 => true,
+            Arch::Llama => self.tie_embeddings.unwrap_or(false),
         }
     }
 
@@ -189,6 +195,43 @@ impl ModelConfig {
                         m.n_embd,
                         m.n_head
                     );
+                }
+            }
+            Arch::Llama => {
+                if m.intermediate_size.is_none() {
+                    bail!(
+                        "model.intermediate_size is missing: the Llama family needs the MLP width"
+                    );
+                }
+                if m.head_dim.is_none() && !m.n_embd.is_multiple_of(m.n_head) {
+                    bail!(
+                        "model.n_embd = {} is not divisible by model.n_head = {} (or set model.head_dim)",
+                        m.n_embd,
+                        m.n_head
+                    );
+                }
+                if !m.n_head.is_multiple_of(m.kv_heads()) {
+                    bail!(
+                        "model.n_kv_head = {} does not divide model.n_head = {}",
+                        m.kv_heads(),
+                        m.n_head
+                    );
+                }
+                if !m.head_size().is_multiple_of(2) {
+                    bail!(
+                        "model.head_dim = {}: rotary embeddings need an even head size",
+                        m.head_size()
+                    );
+                }
+                if !(m.rope_base().is_finite() && m.rope_base() > 1.0) {
+                    bail!(
+                        "model.rope_theta = {}: expected a number above 1",
+                        m.rope_base()
+                    );
+                }
+                let eps = m.norm_epsilon();
+                if !(eps.is_finite() && eps > 0.0 && eps < 1.0) {
+                    bail!("model.norm_eps = {eps}: expected a positive number below 1");
                 }
             }
         }
@@ -388,7 +431,7 @@ pub struct RunConfig {
 }
 
 /// Configs shipped with fugu, by name.
-pub const BUILTIN: [(&str, &str); 7] = [
+pub const BUILTIN: [(&str, &str); 10] = [
     ("gpt2-tiny-4k", include_str!("../configs/gpt2-tiny-4k.toml")),
     ("gpt2-tiny", include_str!("../configs/gpt2-tiny.toml")),
     ("gpt2-124m", include_str!("../configs/gpt2-124m.toml")),
@@ -396,6 +439,15 @@ pub const BUILTIN: [(&str, &str); 7] = [
     ("gpt2-774m", include_str!("../configs/gpt2-774m.toml")),
     ("gpt2-1.5b", include_str!("../configs/gpt2-1.5b.toml")),
     ("gpt-1.3b", include_str!("../configs/gpt-1.3b.toml")),
+    (
+        "llama-tiny-4k",
+        include_str!("../configs/llama-tiny-4k.toml"),
+    ),
+    (
+        "tinyllama-1.1b",
+        include_str!("../configs/tinyllama-1.1b.toml"),
+    ),
+    ("llm-jp-3-13b", include_str!("../configs/llm-jp-3-13b.toml")),
 ];
 
 impl RunConfig {

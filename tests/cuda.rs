@@ -688,7 +688,7 @@ mod gpu {
         // T = 1, T = 37 (not a multiple of any block size), T = 150 and 260 (rows longer than
         // a block of threads; the CUDA GEMMs in causal row blocks of uneven sizes).
         for (b, t, nh, hs) in [(2, 1, 3, 8), (2, 37, 3, 8), (2, 150, 2, 4), (1, 260, 1, 4)] {
-            let d = AttnDims { b, t, nh, hs };
+            let d = AttnDims::mha(b, t, nh, hs);
             let c = nh * hs;
             let qkv = be.rand(b * t * 3 * c, 1);
             let att = be.nan(b * nh * t * t);
@@ -709,16 +709,26 @@ mod gpu {
             be.run(|x| x.attention_scores_backward(dqkv, datt, qkv, d));
             be.check("attention dqkv", dqkv, GEMM);
         }
-        // Decoding over a cache of 1..=9 positions.
-        let (nh, hs, p) = (3, 5, 12);
-        let c = nh * hs;
-        let (kc, vc) = (be.rand(p * c, 3), be.rand(p * c, 4));
-        let q = be.rand(c, 5);
-        for len in 1..=9 {
-            let out = be.nan(c);
-            let kv = KvRows { k: kc, v: vc, len };
-            be.run(|x| x.attention_decode(out, q, kv, nh, hs));
-            be.check("attention_decode", out, GEMM);
+        // Decoding over a cache of 1..=9 positions, with a key/value head per query head and
+        // with grouped-query attention (two query heads per key/value head).
+        for (nh, kvh) in [(3, 3), (4, 2)] {
+            let (hs, p) = (5, 12);
+            let (c, ckv) = (nh * hs, kvh * hs);
+            let (kc, vc) = (be.rand(p * ckv, 3), be.rand(p * ckv, 4));
+            let q = be.rand(c, 5);
+            let d = AttnDims {
+                b: 1,
+                t: 1,
+                nh,
+                kv: kvh,
+                hs,
+            };
+            for len in 1..=9 {
+                let out = be.nan(c);
+                let kv = KvRows { k: kc, v: vc, len };
+                be.run(|x| x.attention_decode(out, q, kv, d));
+                be.check("attention_decode", out, GEMM);
+            }
         }
     }
 
@@ -817,7 +827,7 @@ mod gpu {
                 ));
                 return;
             }
-            let d = AttnDims { b, t, nh, hs };
+            let d = AttnDims::mha(b, t, nh, hs);
             let c = nh * hs;
             let qkv = be.rand(b * t * 3 * c, 1);
             let out = be.nan(b * t * c);
@@ -884,7 +894,7 @@ mod gpu {
                         "no fused attention on this device for hs = {hs} in {act:?}"
                     ));
                 }
-                let d = AttnDims { b, t, nh, hs };
+                let d = AttnDims::mha(b, t, nh, hs);
                 let c = nh * hs;
                 let qkv = be.rand(b * t * 3 * c, 1);
                 let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));

@@ -1,5 +1,5 @@
-//! The whole model against the float64 NumPy reference (`dev/gpt2_ref.py`) through the golden
-//! files in `tests/golden/`: logits, loss, every gradient, and the losses, gradient norms,
+//! The whole model against the float64 NumPy references (`dev/gpt2_ref.py`, `dev/llama_ref.py`)
+//! through the golden files in `tests/golden/`: logits, loss, every gradient, and the losses, gradient norms,
 //! learning rates and final parameters after several AdamW steps (with clipping and the
 //! warmup + cosine schedule, or constant LR without clipping).
 //!
@@ -8,15 +8,17 @@
 //! lands at about 1e-7 relative on the loss and 3e-7 (relative to each tensor's largest
 //! entry) on the gradients. fugu sums in different orders (blocked GEMM, parallel
 //! reductions), so the bounds below allow about 10x that, and still catch any real bug
-//! (a wrong formula moves these by 1e-3 or more).
+//! (a wrong formula moves these by 1e-3 or more). The Llama files (`dev/llama_ref.py`) are held
+//! to the same bounds: the same f32 arithmetic through similar depths.
 
 mod common;
 
 use fugu::backend::{Backend, CpuBackend};
+use fugu::config::Arch;
 use fugu::config::{LrSchedule, ModelConfig, TrainConfig};
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
-use fugu::model::{Gpt2, Model, OptimStep, TpRank};
+use fugu::model::{registry, Model, OptimStep, Stage, TpRank};
 use fugu::train::schedule::lr_at;
 use safetensors::SafeTensors;
 use serde_json::Value;
@@ -41,14 +43,32 @@ fn load(name: &str) -> Golden {
     let (c, bt, tr) = (j("config"), j("batch"), j("train"));
     let u = |v: &Value, k: &str| v[k].as_u64().unwrap() as usize;
     let f = |k: &str| tr[k].as_f64().unwrap();
-    let cfg = ModelConfig {
-        arch: fugu::config::Arch::Gpt2,
-        vocab_size: u(&c, "vocab_size"),
-        n_positions: u(&c, "n_positions"),
-        n_embd: u(&c, "n_embd"),
-        n_head: u(&c, "n_head"),
-        n_layer: u(&c, "n_layer"),
-        ..Default::default()
+    let cfg = if c.get("hidden_size").is_some() {
+        // dev/llama_ref.py's LlamaConfig.
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: u(&c, "vocab_size"),
+            n_positions: u(&c, "max_position_embeddings"),
+            n_embd: u(&c, "hidden_size"),
+            n_head: u(&c, "num_attention_heads"),
+            n_layer: u(&c, "num_hidden_layers"),
+            n_kv_head: Some(u(&c, "num_key_value_heads")),
+            head_dim: Some(u(&c, "head_dim")),
+            intermediate_size: Some(u(&c, "intermediate_size")),
+            rope_theta: c["rope_theta"].as_f64(),
+            norm_eps: c["rms_norm_eps"].as_f64(),
+            tie_embeddings: c["tie_word_embeddings"].as_bool(),
+        }
+    } else {
+        ModelConfig {
+            arch: Arch::Gpt2,
+            vocab_size: u(&c, "vocab_size"),
+            n_positions: u(&c, "n_positions"),
+            n_embd: u(&c, "n_embd"),
+            n_head: u(&c, "n_head"),
+            n_layer: u(&c, "n_layer"),
+            ..Default::default()
+        }
     };
     let train = TrainConfig {
         batch_size: u(&bt, "B"),
@@ -122,14 +142,22 @@ fn rel_err(a: &[f32], b: &[f64]) -> f64 {
         / scale
 }
 
-/// The model on `be`, loaded with the golden initial parameters.
-fn model<B: Backend>(g: &Golden, be: B) -> Gpt2<B> {
-    let mut m = Gpt2::new(&g.cfg, TpRank::SERIAL, fugu::backend::Dtype::F32, be).unwrap();
-    let mut host = vec![0.0f32; m.core.table.total()];
-    for spec in m.core.table.specs() {
+/// True for a table tensor whose rows are the (padded) vocabulary.
+fn vocab_rows(cfg: &ModelConfig, name: &str) -> bool {
+    registry::hf_layout(cfg).has_vocab_rows(name)
+}
+
+/// The model on `be` (built by the registry, as runs build it), loaded with the golden
+/// initial parameters.
+fn model<B: Backend + 'static>(g: &Golden, be: B) -> Box<dyn Model<B>> {
+    let whole = Stage::whole(g.cfg.n_layer);
+    let compute = fugu::backend::Dtype::F32;
+    let mut m = registry::build(&g.cfg, TpRank::SERIAL, &whole, compute, be).unwrap();
+    let mut host = vec![0.0f32; m.table().total()];
+    for spec in m.table().specs() {
         let (shape, vals) = &g.tensors[&spec.name];
         let dst = &mut host[spec.range()];
-        if spec.name == "wte.weight" {
+        if vocab_rows(&g.cfg, &spec.name) {
             assert_eq!(shape, &vec![g.cfg.vocab_size, g.cfg.n_embd]);
         } else {
             assert_eq!(shape, &spec.shape, "{}", spec.name);
@@ -142,12 +170,14 @@ fn model<B: Backend>(g: &Golden, be: B) -> Gpt2<B> {
     m
 }
 
-/// A tensor of the model's flat buffer without padding (wte cut to the real vocabulary).
-fn unpadded<'a, B: Backend>(m: &Gpt2<B>, buf: &'a [f32], name: &str) -> &'a [f32] {
-    let s = m.core.table.get(name).unwrap();
+/// A tensor of the model's flat buffer without padding (the vocabulary tensors cut to the real
+/// vocabulary).
+fn unpadded<'a, B: Backend>(m: &dyn Model<B>, buf: &'a [f32], name: &str) -> &'a [f32] {
+    let s = m.table().get(name).unwrap();
     let x = &buf[s.range()];
-    if name == "wte.weight" {
-        &x[..m.core.cfg.vocab_size * m.core.cfg.n_embd]
+    let cfg = m.config();
+    if vocab_rows(cfg, name) {
+        &x[..cfg.vocab_size * cfg.n_embd]
     } else {
         x
     }
@@ -155,7 +185,7 @@ fn unpadded<'a, B: Backend>(m: &Gpt2<B>, buf: &'a [f32], name: &str) -> &'a [f32
 
 /// The golden checks on the backend `new_backend` makes (called twice: one model for the
 /// single step, a fresh one for the AdamW steps).
-fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
+fn check<B: Backend + 'static>(name: &str, mut new_backend: impl FnMut() -> B) {
     let g = load(name);
     let timers = Timers::new(TimerLevel::Fine);
     let mut m = model(&g, new_backend());
@@ -163,7 +193,7 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
     m.set_batch(&g.tokens, b, t).unwrap();
 
     // Forward: logits and loss.
-    let loss = m.forward(&timers, false);
+    let loss = m.forward_micro(0, &timers, false).unwrap();
     let want_loss = g.tensors["loss"].1[0];
     let loss_err = (loss as f64 - want_loss).abs() / want_loss;
     assert!(
@@ -179,14 +209,14 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
 
     // Backward: every gradient.
     m.zero_grad();
-    let loss2 = m.forward(&timers, true);
+    let loss2 = m.forward_micro(0, &timers, true).unwrap();
     assert_eq!(loss, loss2);
-    m.backward(&timers);
-    let grads = m.download(m.core.grads);
+    m.backward_micro(0, &timers, &mut |_, _| {});
+    let grads = m.download(m.buffers().grads);
     let mut worst = (0.0f64, String::new());
-    for spec in m.core.table.specs() {
+    for spec in m.table().specs() {
         let want = &g.tensors[&format!("grad.{}", spec.name)].1;
-        let e = rel_err(unpadded(&m, &grads, &spec.name), want);
+        let e = rel_err(unpadded(&*m, &grads, &spec.name), want);
         if e > worst.0 {
             worst = (e, spec.name.clone());
         }
@@ -198,10 +228,16 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
         worst.0
     );
     // Padded vocabulary rows get no gradient.
-    let wte = m.core.table.get("wte.weight").unwrap();
-    assert!(grads[wte.range()][v * g.cfg.n_embd..]
+    for spec in m
+        .table()
+        .specs()
         .iter()
-        .all(|&x| x == 0.0));
+        .filter(|s| vocab_rows(&g.cfg, &s.name))
+    {
+        assert!(grads[spec.range()][v * g.cfg.n_embd..]
+            .iter()
+            .all(|&x| x == 0.0));
+    }
     eprintln!(
         "{name}: loss err {loss_err:.2e}, logits {e:.2e}, worst grad {} {:.2e}",
         worst.1, worst.0
@@ -212,8 +248,8 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
     m.set_batch(&g.tokens, b, t).unwrap();
     for s in 0..g.n_steps {
         m.zero_grad();
-        let l = m.forward(&timers, true);
-        m.backward(&timers);
+        let l = m.forward_micro(0, &timers, true).unwrap();
+        m.backward_micro(0, &timers, &mut |_, _| {});
         let norm = m.grad_norm(&timers);
         let lr = lr_at(&g.train, s);
         let want_l = g.tensors["step_losses"].1[s];
@@ -247,11 +283,11 @@ fn check<B: Backend>(name: &str, mut new_backend: impl FnMut() -> B) {
             &timers,
         );
     }
-    let params = m.download(m.core.params);
+    let params = m.download(m.buffers().params);
     let mut worst_abs = (0.0f64, String::new());
-    for spec in m.core.table.specs() {
+    for spec in m.table().specs() {
         let want = &g.tensors[&format!("final.{}", spec.name)].1;
-        let got = unpadded(&m, &params, &spec.name);
+        let got = unpadded(&*m, &params, &spec.name);
         let e = got
             .iter()
             .zip(want)
@@ -284,6 +320,18 @@ fn gpt2_micro_matches_the_reference() {
 #[test]
 fn gpt2_one_layer_constant_lr_matches_the_reference() {
     check("gpt2-l1-constant.safetensors", CpuBackend::new);
+}
+
+/// Grouped-query attention, head_dim · heads ≠ hidden, an untied head.
+#[test]
+fn llama_gqa_untied_matches_the_reference() {
+    check("llama-gqa-untied.safetensors", CpuBackend::new);
+}
+
+/// A key/value head per query head, tied embeddings, T = n_positions.
+#[test]
+fn llama_mha_tied_matches_the_reference() {
+    check("llama-mha-tied.safetensors", CpuBackend::new);
 }
 
 /// The CUDA backend (a GPU, else the host emulator) against the float64 reference with the

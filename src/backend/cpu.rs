@@ -418,9 +418,9 @@ impl Backend for CpuBackend {
         self.stored(&[dqkv]);
     }
 
-    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize) {
+    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
         let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, kv.k, kv.v]);
-        ops::attention::attention_decode(o, q, k, v, kv.len, (nh, nh), hs);
+        ops::attention::attention_decode(o, q, k, v, kv.len, (d.nh, d.kv), d.hs);
         self.stored(&[out]);
     }
 

@@ -96,15 +96,40 @@ pub struct TokSpan {
 pub struct AttnDims {
     pub b: usize,
     pub t: usize,
+    /// Query heads.
     pub nh: usize,
+    /// Key/value heads (`nh` for multi-head attention; fewer, dividing it, for grouped-query
+    /// attention).
+    pub kv: usize,
     pub hs: usize,
 }
 
 impl AttnDims {
-    /// The ops' shape of these dimensions (multi-head attention: a key/value head per query
-    /// head).
+    /// Multi-head attention: a key/value head per query head.
+    pub fn mha(b: usize, t: usize, nh: usize, hs: usize) -> AttnDims {
+        AttnDims {
+            b,
+            t,
+            nh,
+            kv: nh,
+            hs,
+        }
+    }
+
+    /// The ops' shape of these dimensions.
     pub fn shape(self) -> crate::ops::attention::AttnShape {
-        crate::ops::attention::AttnShape::mha(self.b, self.t, self.nh, self.hs)
+        crate::ops::attention::AttnShape {
+            b: self.b,
+            t: self.t,
+            nh: self.nh,
+            kv: self.kv,
+            hs: self.hs,
+        }
+    }
+
+    /// True for grouped-query attention (fewer key/value heads than query heads).
+    pub fn grouped(self) -> bool {
+        self.kv != self.nh
     }
 }
 
@@ -444,6 +469,11 @@ pub trait Backend: 'static {
     /// `hs` stored as `dt`: [`Self::attention_forward`] and [`Self::attention_backward`], which
     /// keep a log-sum-exp per row instead of the (B, NH, T, T) probabilities.
     fn fused_attention(&self, hs: usize, dt: Dtype) -> FusedAttention;
+    /// Whether the training attention ops (three-step and fused) take grouped-query
+    /// attention (`AttnDims::kv < nh`); decoding always does.
+    fn grouped_attention(&self) -> bool {
+        true
+    }
     /// Fused causal attention (FlashAttention): `out (B,T,NH·hs) = softmax(QKᵀ/√hs)·V`
     /// overwritten, as [`Self::attention_scores`], [`Self::attention_softmax`] and
     /// [`Self::attention_values`] compute it, and `lse (B,NH,T)` (f32) overwritten with each
@@ -463,8 +493,9 @@ pub trait Backend: 'static {
     );
     /// One new token attending over a key/value cache (incremental decoding): `out (nh·hs)`
     /// overwritten with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head ([`KvRows`]: the
-    /// new token's own key and value already at row `len - 1`).
-    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize);
+    /// new token's own key and value already at row `len - 1`; `kv·hs` wide rows, query head
+    /// `h` reading key/value head `h / (nh / kv)`); `d` gives the heads (`b = t = 1`).
+    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims);
 
     // --- the Llama family: RMS norm, rotary embeddings, SwiGLU ----------------------------
     /// `out` (n, c) and `rstd` (n, f32) overwritten (`ops/rmsnorm.rs`).

@@ -413,7 +413,7 @@ fn config_json_round_trip_and_rejections() {
     bad("scale_attn_weights", json!(false), "not supported");
     bad("add_cross_attention", json!(true), "not supported");
     bad("layer_norm_epsilon", json!(1e-6), "only 1e-5");
-    bad("model_type", json!("llama"), "only \"gpt2\"");
+    bad("model_type", json!("mistral"), "only \"gpt2\" or \"llama\"");
     bad("n_embd", json!("32"), "positive integer");
     bad("n_layer", json!(0), "positive integer");
     bad("n_head", json!(5), "not divisible");

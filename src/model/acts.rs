@@ -5,8 +5,9 @@
 //! own, because they stay f32 when the activations are 16-bit (mixed precision).
 
 use super::stage::Stage;
-use super::table::Table;
+use super::table::{padded_vocab, Table};
 use crate::backend::{AttnDims, BufId, NormStats, Span};
+use crate::config::ModelConfig;
 
 /// Which activations the backward pass recomputes instead of keeping from the forward pass
 /// (`--recompute`).
@@ -50,12 +51,6 @@ impl AttnKeep {
     }
 }
 
-/// The per-block activations that [`Recompute::Full`] keeps in one set shared by all layers
-/// (all but `resid3`, the block output).
-const SHARED_UNDER_FULL: [&str; 8] = [
-    "ln1", "qkv", "att", "atty", "resid2", "ln2", "fch", "fch_gelu",
-];
-
 /// Shapes of one step: `b` sequences of `t` tokens, hidden `c`, and this rank's share of heads,
 /// MLP width and (padded) vocabulary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,15 +60,32 @@ pub struct StepDims {
     pub c: usize,
     /// Local attention heads (n_head / tp).
     pub nh: usize,
-    /// Head size (c / n_head).
+    /// Local key/value heads (n_kv_head / tp; `nh` without grouped-query attention).
+    pub kv: usize,
+    /// Head size (GPT-2: c / n_head).
     pub hs: usize,
-    /// Local MLP width (4·c / tp).
+    /// Local MLP width (GPT-2: 4·c / tp).
     pub f: usize,
     /// Local padded vocabulary rows (padded_vocab / tp).
     pub vp: usize,
 }
 
 impl StepDims {
+    /// The shapes of a step of `b` sequences of `t` tokens of model `cfg` on one of `tp`
+    /// tensor-parallel ranks.
+    pub fn new(cfg: &ModelConfig, b: usize, t: usize, tp: usize) -> StepDims {
+        StepDims {
+            b,
+            t,
+            c: cfg.n_embd,
+            nh: cfg.n_head / tp,
+            kv: cfg.kv_heads() / tp,
+            hs: cfg.head_size(),
+            f: cfg.mlp_width() / tp,
+            vp: padded_vocab(cfg.vocab_size) / tp,
+        }
+    }
+
     /// Tokens per step (B·T), the row count of every 2-D activation.
     pub fn n(&self) -> usize {
         self.b * self.t
@@ -84,12 +96,21 @@ impl StepDims {
             b: self.b,
             t: self.t,
             nh: self.nh,
+            kv: self.kv,
             hs: self.hs,
         }
     }
     /// Width of this rank's attention heads (nh·hs = c / tp).
     pub fn local_c(&self) -> usize {
         self.nh * self.hs
+    }
+    /// Width of this rank's keys (and of its values): kv·hs.
+    pub fn kv_width(&self) -> usize {
+        self.kv * self.hs
+    }
+    /// Width of a row of the fused q, k, v projection: (nh + 2·kv)·hs.
+    pub fn qkv_width(&self) -> usize {
+        self.local_c() + 2 * self.kv_width()
     }
 }
 
@@ -175,6 +196,12 @@ pub struct HeadActs {
     pub lnf: Span,
     pub lnf_mean: Span,
     pub lnf_rstd: Span,
+    pub loss: LossActs,
+}
+
+/// What the cross-entropy reads and writes (`passes::loss_forward`), on the last stage.
+#[derive(Clone, Copy, Debug)]
+pub struct LossActs {
     /// Logits (B·T, Vp/tp); the cross-entropy overwrites them with their gradient.
     pub logits: Span,
     pub losses: Span,
@@ -244,33 +271,41 @@ fn span(table: &Table, buf: BufId, name: &str) -> Span {
     }
 }
 
+/// A decoder architecture's activations of one micro-batch, by name: one block's tensors in
+/// the compute type (`att` and `resid3`, the block output, among them) and its per-row f32
+/// statistics, and the head's (the loss's statistics are added to every head). The tables
+/// below carve them; each architecture resolves the names into its own structs
+/// ([`Carved`]).
+pub struct ActLayout {
+    pub block: Vec<(&'static str, Vec<usize>)>,
+    pub block_stats: Vec<&'static str>,
+    pub head: Vec<(&'static str, Vec<usize>)>,
+    pub head_stats: Vec<&'static str>,
+}
+
+/// The loss's per-row statistics, after the head's own.
+const LOSS_STATS: [&str; 5] = ["losses", "ce_local_max", "ce_max", "ce_sum", "ce_tl"];
+
 /// The activation table of `stage`'s blocks (and, on the last stage, the head) in the compute
 /// type's buffer. A tensor shared by all layers has no `h.L.` prefix: `att` under
 /// [`Recompute::Attention`], all but `resid3` under [`Recompute::Full`]. `att` exists only
 /// under [`AttnKeep::Probabilities`].
-pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute, keep: AttnKeep) -> Table {
+pub fn layered_acts_table(
+    d: &StepDims,
+    stage: &Stage,
+    (recompute, keep): (Recompute, AttnKeep),
+    layout: &ActLayout,
+) -> Table {
     let n = d.n();
-    let lc = d.local_c();
-    let block: [(&str, Vec<usize>); 9] = [
-        ("ln1", vec![n, d.c]),
-        ("qkv", vec![n, 3 * lc]),
-        ("att", vec![d.b, d.nh, d.t, d.t]),
-        ("atty", vec![n, lc]),
-        ("resid2", vec![n, d.c]),
-        ("ln2", vec![n, d.c]),
-        ("fch", vec![n, d.f]),
-        ("fch_gelu", vec![n, d.f]),
-        ("resid3", vec![n, d.c]),
-    ];
     let shared = |name: &str| match recompute {
         Recompute::None => false,
         Recompute::Attention => name == "att",
-        Recompute::Full => SHARED_UNDER_FULL.contains(&name),
+        Recompute::Full => name != "resid3",
     };
     let mut t = Table::default();
     t.push("encoded", &[n, d.c]);
     let kept = |name: &str| name != "att" || keep == AttnKeep::Probabilities;
-    let block: Vec<_> = block.into_iter().filter(|(name, _)| kept(name)).collect();
+    let block: Vec<_> = layout.block.iter().filter(|(name, _)| kept(name)).collect();
     for (name, shape) in block.iter().filter(|(name, _)| shared(name)) {
         t.push(*name, shape);
     }
@@ -281,19 +316,25 @@ pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute, keep: AttnK
     }
     t.push("proj", &[n, d.c]);
     if stage.is_last() {
-        t.push("lnf", &[n, d.c]);
-        t.push("logits", &[n, d.vp]);
+        for (name, shape) in &layout.head {
+            t.push(*name, shape);
+        }
     }
     t
 }
 
 /// The per-row statistics of one micro-batch on `stage` (always f32), with each block's
 /// attention log-sum-exp under [`AttnKeep::LogSumExp`].
-pub fn stats_table(d: &StepDims, stage: &Stage, keep: AttnKeep) -> Table {
+pub fn layered_stats_table(
+    d: &StepDims,
+    stage: &Stage,
+    keep: AttnKeep,
+    layout: &ActLayout,
+) -> Table {
     let n = d.n();
     let mut t = Table::default();
     for l in 0..stage.layers.len() {
-        for s in ["ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd"] {
+        for s in &layout.block_stats {
             t.push(format!("h.{l}.{s}"), &[n]);
         }
         if keep == AttnKeep::LogSumExp {
@@ -301,19 +342,107 @@ pub fn stats_table(d: &StepDims, stage: &Stage, keep: AttnKeep) -> Table {
         }
     }
     if stage.is_last() {
-        for s in [
-            "lnf_mean",
-            "lnf_rstd",
-            "losses",
-            "ce_local_max",
-            "ce_max",
-            "ce_sum",
-            "ce_tl",
-        ] {
-            t.push(s, &[n]);
+        for s in layout.head_stats.iter().chain(&LOSS_STATS) {
+            t.push(*s, &[n]);
         }
     }
     t
+}
+
+/// GPT-2's activations: layernorm outputs and statistics, the MLP's pre- and post-GELU rows.
+fn gpt2_layout(d: &StepDims) -> ActLayout {
+    let n = d.n();
+    ActLayout {
+        block: vec![
+            ("ln1", vec![n, d.c]),
+            ("qkv", vec![n, d.qkv_width()]),
+            ("att", vec![d.b, d.nh, d.t, d.t]),
+            ("atty", vec![n, d.local_c()]),
+            ("resid2", vec![n, d.c]),
+            ("ln2", vec![n, d.c]),
+            ("fch", vec![n, d.f]),
+            ("fch_gelu", vec![n, d.f]),
+            ("resid3", vec![n, d.c]),
+        ],
+        block_stats: vec!["ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd"],
+        head: vec![("lnf", vec![n, d.c]), ("logits", vec![n, d.vp])],
+        head_stats: vec!["lnf_mean", "lnf_rstd"],
+    }
+}
+
+/// GPT-2's activation table ([`layered_acts_table`]).
+pub fn acts_table(d: &StepDims, stage: &Stage, recompute: Recompute, keep: AttnKeep) -> Table {
+    layered_acts_table(d, stage, (recompute, keep), &gpt2_layout(d))
+}
+
+/// GPT-2's statistics table ([`layered_stats_table`]).
+pub fn stats_table(d: &StepDims, stage: &Stage, keep: AttnKeep) -> Table {
+    layered_stats_table(d, stage, keep, &gpt2_layout(d))
+}
+
+/// An activation table and a statistics table resolved into spans of their buffers: what an
+/// architecture's activation struct is built from.
+pub struct Carved<'a> {
+    pub acts: (&'a Table, BufId),
+    pub stats: (&'a Table, BufId),
+}
+
+impl Carved<'_> {
+    /// The tensor `name` (activation or statistic).
+    pub fn get(&self, name: &str) -> Span {
+        let (t, buf) = if self.acts.0.get(name).is_some() {
+            self.acts
+        } else {
+            self.stats
+        };
+        span(t, buf, name)
+    }
+
+    /// Block `l`'s tensor `name`: its own, or the one all blocks share.
+    pub fn layer(&self, l: usize, name: &str) -> Span {
+        match self.acts.0.get(name) {
+            Some(_) => self.get(name),
+            None => self.get(&format!("h.{l}.{name}")),
+        }
+    }
+
+    /// What block `l` keeps of attention.
+    pub fn att(&self, l: usize) -> AttnKept {
+        match self.stats.0.get(&format!("h.{l}.att_lse")) {
+            Some(_) => AttnKept::LogSumExp(self.layer(l, "att_lse")),
+            None => AttnKept::Probabilities(self.layer(l, "att")),
+        }
+    }
+
+    /// The loss's tensors (on the last stage).
+    pub fn loss(&self) -> LossActs {
+        LossActs {
+            logits: self.get("logits"),
+            losses: self.get("losses"),
+            ce_local_max: self.get("ce_local_max"),
+            ce_max: self.get("ce_max"),
+            ce_sum: self.get("ce_sum"),
+            ce_tl: self.get("ce_tl"),
+        }
+    }
+}
+
+impl crate::model::core::ActSet for Acts {
+    fn dims(&self) -> StepDims {
+        self.dims
+    }
+    fn bufs(&self) -> Vec<BufId> {
+        vec![self.buf, self.stats_buf]
+    }
+}
+
+impl crate::model::core::ActSet for GradActs {
+    fn dims(&self) -> StepDims {
+        unreachable!("the gradient scratch is sized with its activation sets")
+    }
+    fn bufs(&self) -> Vec<BufId> {
+        vec![self.buf]
+    }
 }
 
 impl Acts {
@@ -325,29 +454,19 @@ impl Acts {
         (table, buf): (Table, BufId),
         (stats, stats_buf): (Table, BufId),
     ) -> Acts {
-        let s = |name: &str| {
-            if table.get(name).is_some() {
-                span(&table, buf, name)
-            } else {
-                span(&stats, stats_buf, name)
-            }
+        let c = Carved {
+            acts: (&table, buf),
+            stats: (&stats, stats_buf),
         };
         let layers = (0..stage.layers.len())
             .map(|l| {
-                // A layer's own tensor, or the one all layers share.
-                let p = |x: &str| match table.get(x) {
-                    Some(_) => s(x),
-                    None => s(&format!("h.{l}.{x}")),
-                };
+                let p = |x: &str| c.layer(l, x);
                 LayerActs {
                     ln1: p("ln1"),
                     ln1_mean: p("ln1_mean"),
                     ln1_rstd: p("ln1_rstd"),
                     qkv: p("qkv"),
-                    att: match stats.get(&format!("h.{l}.att_lse")) {
-                        Some(_) => AttnKept::LogSumExp(p("att_lse")),
-                        None => AttnKept::Probabilities(p("att")),
-                    },
+                    att: c.att(l),
                     atty: p("atty"),
                     resid2: p("resid2"),
                     ln2: p("ln2"),
@@ -359,22 +478,19 @@ impl Acts {
                 }
             })
             .collect();
+        let (encoded, proj) = (c.get("encoded"), c.get("proj"));
+        let head = stage.is_last().then(|| HeadActs {
+            lnf: c.get("lnf"),
+            lnf_mean: c.get("lnf_mean"),
+            lnf_rstd: c.get("lnf_rstd"),
+            loss: c.loss(),
+        });
         Acts {
             dims,
-            encoded: s("encoded"),
+            encoded,
             layers,
-            proj: s("proj"),
-            head: stage.is_last().then(|| HeadActs {
-                lnf: s("lnf"),
-                lnf_mean: s("lnf_mean"),
-                lnf_rstd: s("lnf_rstd"),
-                logits: s("logits"),
-                losses: s("losses"),
-                ce_local_max: s("ce_local_max"),
-                ce_max: s("ce_max"),
-                ce_sum: s("ce_sum"),
-                ce_tl: s("ce_tl"),
-            }),
+            proj,
+            head,
             table,
             buf,
             stats_buf,
@@ -389,7 +505,7 @@ pub fn grad_acts_table(d: &StepDims, keep: AttnKeep) -> Table {
     let mut t = Table::default();
     t.push("dres", &[n, d.c]);
     t.push("dln", &[n, d.c]);
-    t.push("dqkv", &[n, 3 * local_c]);
+    t.push("dqkv", &[n, d.qkv_width()]);
     if keep == AttnKeep::Probabilities {
         t.push("datt", &[d.b, d.nh, d.t, d.t]);
     }

@@ -6,7 +6,7 @@
 //! activations and passes; [`super::contract::Model`]'s methods that only touch the core are
 //! implemented once, over [`super::contract::Model::core`].
 
-use super::acts::Recompute;
+use super::acts::{Recompute, StepDims};
 use super::contract::{OptimStep, TpRank};
 use super::kv::KvCache;
 use super::stage::Stage;
@@ -407,19 +407,78 @@ impl<B: Backend> Core<B> {
     }
 }
 
+/// An activation set or gradient scratch: the step shape it was carved for and the buffers
+/// it owns.
+pub trait ActSet {
+    fn dims(&self) -> StepDims;
+    fn bufs(&self) -> Vec<BufId>;
+}
+
 /// The activation sets of the in-flight micro-batches and the gradient scratch they share.
 pub struct ActSets<A, G> {
     pub sets: Vec<A>,
     pub grad: G,
 }
 
-impl<A, G> ActSets<A, G> {
+impl<A: ActSet, G: ActSet> ActSets<A, G> {
     /// The activation set of micro-batch `micro` and the shared gradient scratch.
     pub fn slot(acts: &Option<ActSets<A, G>>, micro: usize) -> (&A, &G) {
         let s = acts
             .as_ref()
             .expect("set_batches before forward or backward");
         (&s.sets[micro % s.sets.len()], &s.grad)
+    }
+
+    /// True when `acts` exist for steps of `b`×`t`.
+    pub fn fit(acts: &Option<ActSets<A, G>>, b: usize, t: usize) -> bool {
+        acts.as_ref().is_some_and(|a| {
+            let d = a.sets[0].dims();
+            d.b == b && d.t == t
+        })
+    }
+
+    /// Frees every buffer of `acts` (reallocated at the next batch).
+    pub fn free<B: Backend>(acts: &mut Option<ActSets<A, G>>, be: &mut B) {
+        if let Some(a) = acts.take() {
+            for buf in a.sets.iter().flat_map(A::bufs).chain(a.grad.bufs()) {
+                be.free(buf);
+            }
+        }
+    }
+}
+
+impl<B: Backend> Core<B> {
+    /// `in_flight` activation sets: each an activation table's buffer in the compute type and
+    /// a statistics table's in f32, from `tables`, made into sets by `set`; and the gradient
+    /// scratch `grad` (a table in the compute type) made by `scratch`.
+    pub fn alloc_acts<A, G>(
+        &mut self,
+        tables: impl Fn(&Core<B>) -> (Table, Table),
+        set: impl Fn((Table, BufId), (Table, BufId)) -> A,
+        (grad, scratch): (Table, impl FnOnce(Table, BufId) -> G),
+    ) -> Result<ActSets<A, G>> {
+        let mut sets = Vec::with_capacity(self.in_flight);
+        for _ in 0..self.in_flight {
+            let (at, st) = tables(self);
+            let ab = self.be.alloc(at.total(), self.compute)?;
+            let sb = self.be.alloc(st.total(), Dtype::F32)?;
+            sets.push(set((at, ab), (st, sb)));
+        }
+        let gb = self.be.alloc(grad.total(), self.compute)?;
+        Ok(ActSets {
+            sets,
+            grad: scratch(grad, gb),
+        })
+    }
+
+    /// Bytes of `in_flight` activation sets of `tables` (compute type, f32 statistics) and
+    /// of the gradient scratch table `grad` (the memory report).
+    pub fn act_bytes(&self, (acts, stats): (Table, Table), grad: Table) -> (usize, usize) {
+        let el = self.compute.bytes();
+        (
+            self.in_flight * (el * acts.total() + Dtype::F32.bytes() * stats.total()),
+            el * grad.total(),
+        )
     }
 }
 

@@ -9,8 +9,11 @@ crate::metrics::ops::op_catalogue! {
         /// Vocabulary-parallel embedding: the partial lookups summed over the TP group.
         EMBEDDING_ALLREDUCE = "forward:embedding:allreduce" => Communication;
         LAYERNORM = "forward:layernorm" => Norm;
+        RMSNORM = "forward:rmsnorm" => Norm;
         ATTENTION = "forward:attention" => Scope;
         QKV = "forward:attention:qkv" => Gemm;
+        /// Rotary embeddings of q and k, in place.
+        ROPE = "forward:attention:rope" => Activation;
         BADDBMM = "forward:attention:baddbmm" => AttentionMatmul;
         SOFTMAX = "forward:attention:softmax" => AttentionSoftmax;
         BMM = "forward:attention:bmm" => AttentionMatmul;
@@ -23,6 +26,7 @@ crate::metrics::ops::op_catalogue! {
         MLP = "forward:mlp" => Scope;
         MLP_MM = "forward:mlp:mm" => Gemm;
         GELU = "forward:mlp:gelu" => Activation;
+        SWIGLU = "forward:mlp:swiglu" => Activation;
         MLP_ALLREDUCE = "forward:mlp:allreduce" => Communication;
         RESIDUAL = "forward:residual" => Activation;
         LM_HEAD = "forward:lm-head" => Gemm;
@@ -33,10 +37,12 @@ crate::metrics::ops::op_catalogue! {
     backward {
         EMBEDDING = "backward:embedding" => Embedding;
         LAYERNORM = "backward:layernorm" => Norm;
+        RMSNORM = "backward:rmsnorm" => Norm;
         /// `--recompute full`: a block's forward pass again, its inner timers paused.
         RECOMPUTE = "backward:recompute" => Recompute;
         ATTENTION = "backward:attention" => Scope;
         QKV = "backward:attention:qkv" => Gemm;
+        ROPE = "backward:attention:rope" => Activation;
         BADDBMM = "backward:attention:baddbmm" => AttentionMatmul;
         SOFTMAX = "backward:attention:softmax" => AttentionSoftmax;
         BMM = "backward:attention:bmm" => AttentionMatmul;
@@ -48,6 +54,7 @@ crate::metrics::ops::op_catalogue! {
         MLP = "backward:mlp" => Scope;
         MLP_MM = "backward:mlp:mm" => Gemm;
         GELU = "backward:mlp:gelu" => Activation;
+        SWIGLU = "backward:mlp:swiglu" => Activation;
         MLP_ALLREDUCE = "backward:mlp:allreduce" => Communication;
         RESIDUAL = "backward:residual" => Activation;
         LM_HEAD = "backward:lm-head" => Gemm;
@@ -69,6 +76,9 @@ mod tests {
         const NON_GEMM: &[&str] = &[
             "softmax",
             "layernorm",
+            "rmsnorm",
+            "rope",
+            "swiglu",
             "gelu",
             "residual",
             "embedding",

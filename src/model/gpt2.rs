@@ -1,25 +1,26 @@
-//! GPT-2 forward and backward passes over a [`Backend`], llm.c style: one parameter buffer,
-//! one gradient buffer, two AdamW moment buffers (all carved by the parameter table) and one
-//! activation buffer (carved by the activation table).
+//! GPT-2 forward and backward passes over a [`Backend`], llm.c style: its state is a [`Core`]
+//! (one parameter buffer, one gradient buffer, two AdamW moment buffers, all carved by the
+//! parameter table) and one activation buffer per in-flight micro-batch (carved by the
+//! activation table).
 //!
 //! Tensor parallelism: the parameter table already holds this rank's shards (`gpt2_params(cfg,
 //! tp)`), and the activation shapes use the local head count, MLP width and vocabulary rows.
 //! The Megatron f/g all-reduces go through the tensor-parallel communicator (`TP:` below); with
-//! [`SerialComm`] they are no-ops.
+//! [`crate::comm::SerialComm`] they are no-ops.
 //!
 //! Pipeline parallelism: the model is one [`Stage`] (the whole model when there is one): its
 //! parameter table holds the stage's blocks, plus the embeddings on the first stage and the
 //! final layernorm and LM head on the last. A step's micro-batches are loaded together
-//! ([`Gpt2::set_batches`]) and each runs forward and backward by index
-//! ([`Gpt2::forward_micro`], [`Gpt2::backward_micro`]) in whatever order the schedule says,
-//! with up to [`Gpt2::set_in_flight`] micro-batches' activations kept at once. Between stages
-//! the caller moves [`Gpt2::stage_output`] / [`Gpt2::stage_input`] forward and
-//! [`Gpt2::input_grad`] / [`Gpt2::output_grad`] back. The first and the last stage each hold
-//! a copy of the tied `wte`; the caller sums their gradients ([`Gpt2::tied_grad`]).
+//! ([`Model::set_batches`]) and each runs forward and backward by index
+//! ([`Model::forward_micro`], [`Model::backward_micro`]) in whatever order the schedule says,
+//! with up to [`Model::set_in_flight`] micro-batches' activations kept at once. Between stages
+//! the caller moves [`Model::stage_output`] / [`Model::stage_input`] forward and
+//! [`Model::input_grad`] / [`Model::output_grad`] back. The first and the last stage each hold
+//! a copy of the tied `wte`; the caller sums their gradients ([`Model::tied_grad`]).
 //!
-//! Data parallelism and ZeRO-1 live outside the model: [`Gpt2::backward_micro`] reports when a
+//! Data parallelism and ZeRO-1 live outside the model: [`Model::backward_micro`] reports when a
 //! suffix of the gradient buffer is final (so the trainer can start bucket all-reduces while
-//! backward goes on), and [`Gpt2::set_owned`] restricts the optimizer (and the AdamW moments)
+//! backward goes on), and [`Model::set_owned`] restricts the optimizer (and the AdamW moments)
 //! to the parameter ranges this rank updates.
 
 use super::acts::{
@@ -33,12 +34,12 @@ use super::kv::KvCache;
 use super::layers::Layers;
 use super::params::{HeadParams, LayerParams, ParamSpans};
 use super::passes::{
-    attention_backward, attention_forward, ce_dims, embedding, embedding_backward,
-    embedding_forward, loss_forward, project_into_residual, BlockCtx, Pass,
+    attention_backward, attention_form, attention_forward, ce_dims, embedding, embedding_backward,
+    embedding_forward, loss_forward, project_into_residual, residual_form, BlockCtx, Pass,
 };
 use super::paths::{attention_path, mlp_gelu_path, residual_path, Knobs, MlpGelu, Residual};
 use super::stage::Stage;
-use super::table::{gpt2_stage_params, padded_vocab};
+use super::table::gpt2_stage_params;
 use super::work;
 use crate::backend::{
     Backend, Dtype, LayerNorm, LayerNormGrads, Linear, LinearGrads, Span, TokSpan, WeightLayout,
@@ -161,57 +162,32 @@ impl<B: Backend> Gpt2<B> {
         self.core.compute
     }
 
-    /// Frees the activation and gradient-scratch buffers (reallocated at the next batch).
-    fn free_acts(&mut self) {
-        if let Some(acts) = self.acts.take() {
-            for a in acts.sets {
-                self.core.be.free(a.buf);
-                self.core.be.free(a.stats_buf);
-            }
-            self.core.be.free(acts.grad.buf);
-        }
-    }
-
     fn dims(&self, b: usize, t: usize) -> StepDims {
-        let (cfg, tp) = (&self.core.cfg, self.core.tp.size);
-        StepDims {
-            b,
-            t,
-            c: cfg.n_embd,
-            nh: cfg.n_head / tp,
-            hs: cfg.n_embd / cfg.n_head,
-            f: 4 * cfg.n_embd / tp,
-            vp: padded_vocab(cfg.vocab_size) / tp,
-        }
+        StepDims::new(&self.core.cfg, b, t, self.core.tp.size)
     }
 
     /// Makes sure activation buffers for `b`×`t` exist (allocated once, reused every step).
     fn ensure_acts(&mut self, b: usize, t: usize) -> Result<()> {
-        if self
-            .acts
-            .as_ref()
-            .is_some_and(|a| a.sets[0].dims.b == b && a.sets[0].dims.t == t)
-        {
+        if ActSets::fit(&self.acts, b, t) {
             return Ok(());
         }
         self.core.check_seq_len(t)?;
         let d = self.dims(b, t);
-        self.free_acts();
-        let c = &mut self.core;
-        let mut sets = Vec::with_capacity(c.in_flight);
-        for _ in 0..c.in_flight {
-            let at = acts_table(&d, &c.stage, c.recompute, self.attn_keep);
-            let st = stats_table(&d, &c.stage, self.attn_keep);
-            let ab = c.be.alloc(at.total(), c.compute)?;
-            let sb = c.be.alloc(st.total(), Dtype::F32)?;
-            sets.push(Acts::new(d, &c.stage, (at, ab), (st, sb)));
-        }
-        let gt = grad_acts_table(&d, self.attn_keep);
-        let gb = c.be.alloc(gt.total(), c.compute)?;
-        self.acts = Some(ActSets {
-            sets,
-            grad: GradActs::new(gt, gb),
-        });
+        ActSets::free(&mut self.acts, &mut self.core.be);
+        let keep = self.attn_keep;
+        let stage = self.core.stage.clone();
+        let grad = (grad_acts_table(&d, keep), GradActs::new);
+        let acts = self.core.alloc_acts(
+            |c| {
+                (
+                    acts_table(&d, &c.stage, c.recompute, keep),
+                    stats_table(&d, &c.stage, keep),
+                )
+            },
+            |a, s| Acts::new(d, &stage, a, s),
+            grad,
+        )?;
+        self.acts = Some(acts);
         Ok(())
     }
 
@@ -293,7 +269,7 @@ impl<B: Backend> Gpt2<B> {
         let (lnf, lm_head) = head_layers(&hp, &d);
         let stats = h.lnf_stats();
         x.layernorm(fwd::LAYERNORM, &lnf, h.lnf, stats, resid);
-        x.linear(fwd::LM_HEAD, &lm_head, h.logits, h.lnf);
+        x.linear(fwd::LM_HEAD, &lm_head, h.loss.logits, h.lnf);
     }
 }
 
@@ -307,44 +283,24 @@ impl<B: Backend> Model<B> for Gpt2<B> {
     }
 
     fn forms(&self) -> Vec<OpForm> {
-        let attention_note = (self.attn_keep == AttnKeep::LogSumExp).then(|| {
-            let recompute = if self.core.recompute == Recompute::Attention {
-                " (--recompute attention has nothing to recompute)"
-            } else {
-                ""
-            };
-            format!("attention: fused (FlashAttention: one log-sum-exp per row kept, no T x T probabilities){recompute}")
-        });
         let mlp_note = (self.mlp_gelu == MlpGelu::Epilogue).then(|| {
             "MLP: GELU in the fc GEMM's epilogue, its derivative in the fc projection's input-gradient GEMM's".to_string()
         });
-        let residual_note = (self.residual == Residual::Epilogue).then(|| {
-            "residual: the projections' GEMMs read the residual stream and write the next one"
-                .to_string()
-        });
         vec![
-            OpForm {
-                key: "attention",
-                form: self.attn_keep.name(),
-                note: attention_note,
-            },
+            attention_form(self.attn_keep, self.core.recompute),
             OpForm {
                 key: "mlp_gelu",
                 form: self.mlp_gelu.name(),
                 note: mlp_note,
             },
-            OpForm {
-                key: "residual",
-                form: self.residual.name(),
-                note: residual_note,
-            },
+            residual_form(self.residual),
         ]
     }
 
     /// Takes effect at the next batch.
     fn set_in_flight(&mut self, k: usize) {
         if self.core.set_in_flight(k) {
-            self.free_acts();
+            ActSets::free(&mut self.acts, &mut self.core.be);
         }
     }
 
@@ -352,7 +308,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
     /// kept ones, so are the gradients. Takes effect at the next batch.
     fn set_recompute(&mut self, r: Recompute) {
         if self.core.set_recompute(r) {
-            self.free_acts();
+            ActSets::free(&mut self.acts, &mut self.core.be);
         }
     }
 
@@ -361,13 +317,11 @@ impl<B: Backend> Model<B> for Gpt2<B> {
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
         let d = self.dims(b, t);
         let c = &self.core;
-        let el = c.compute.bytes();
-        (
-            c.in_flight
-                * (el * acts_table(&d, &c.stage, c.recompute, self.attn_keep).total()
-                    + Dtype::F32.bytes() * stats_table(&d, &c.stage, self.attn_keep).total()),
-            el * grad_acts_table(&d, self.attn_keep).total(),
-        )
+        let tables = (
+            acts_table(&d, &c.stage, c.recompute, self.attn_keep),
+            stats_table(&d, &c.stage, self.attn_keep),
+        );
+        c.act_bytes(tables, grad_acts_table(&d, self.attn_keep))
     }
 
     /// Micro-batch `j` is rows `j·b..(j+1)·b` of the window; token ids must be below the
@@ -422,7 +376,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
             comm: &*c.tp_comm,
             timers,
         };
-        Some(loss_forward(x, &h, targets, cd, dloss))
+        Some(loss_forward(x, &h.loss, targets, cd, dloss))
     }
 
     /// After `forward_micro(micro, .., true)` (and, on a stage before the last, after
@@ -495,7 +449,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
             .acts_of(0)
             .head
             .expect("logits on the last pipeline stage only");
-        self.core.download_span(h.logits)
+        self.core.download_span(h.loss.logits)
     }
 
     /// All positions, each layer's keys and values of this rank's heads.
@@ -506,7 +460,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
             &mut c.be,
             c.cfg.n_layer,
             c.cfg.n_positions,
-            d.local_c(),
+            d.kv_width(),
             c.compute,
         )
     }
@@ -527,7 +481,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
         let h = self.acts_of(0).head.expect("the whole model has the head");
         Ok(self
             .core
-            .download_span(h.logits.sub(0, self.core.cfg.vocab_size)))
+            .download_span(h.loss.logits.sub(0, self.core.cfg.vocab_size)))
     }
 }
 
@@ -651,7 +605,7 @@ fn head_backward<B: Backend>(
         dw: hg.wte,
         dbias: None,
     };
-    x.linear_backward(names, &lm_head, &grads, h.logits, h.lnf);
+    x.linear_backward(names, &lm_head, &grads, h.loss.logits, h.lnf);
     let grads = LayerNormGrads {
         dinp: ga.dres,
         dw: hg.lnf_w,

@@ -15,8 +15,9 @@
 //! The real attention operands are strided views into the fused QKV buffer; the benchmark's
 //! are contiguous, so their rates are an approximation there.
 
+use super::decoder_cost::{attention, embedding_bytes, linear, tp_allreduces, Weight};
 use super::decoder_ops::{backward as bwd, forward as fwd};
-use crate::metrics::cost::{Collective, ComputeOp, CostModel, GemmCall, OpWork, Pass, Slice};
+use crate::metrics::cost::{ComputeOp, CostModel, OpWork, Pass, Slice};
 use crate::metrics::ops::trainer;
 
 /// GPT-2's compute ops and their cost (module docs).
@@ -46,35 +47,6 @@ const OPS: [ComputeOp; 13] = [
     },
 ];
 
-/// How a linear layer stores its weight (`ops/linear.rs`).
-#[derive(Clone, Copy)]
-enum Weight {
-    /// (in, out): the blocks' Conv1D weights.
-    InOut,
-    /// (out, in): the tied `wte` as the LM head.
-    OutIn,
-}
-
-fn call(m: usize, n: usize, k: usize, batch: usize, ta: bool, tb: bool, count: usize) -> GemmCall {
-    GemmCall::new([m, n, k], batch, (ta, tb), count)
-}
-
-/// The GEMMs of `count` linear layers of `n` tokens, `ic → oc`, in one pass.
-fn linear(pass: Pass, n: usize, ic: usize, oc: usize, w: Weight, count: usize) -> Vec<GemmCall> {
-    match (pass, w) {
-        (Pass::Forward, Weight::InOut) => vec![call(n, oc, ic, 1, false, false, count)],
-        (Pass::Forward, Weight::OutIn) => vec![call(n, oc, ic, 1, false, true, count)],
-        (Pass::Backward, Weight::InOut) => vec![
-            call(n, ic, oc, 1, false, true, count),
-            call(ic, oc, n, 1, true, false, count),
-        ],
-        (Pass::Backward, Weight::OutIn) => vec![
-            call(n, ic, oc, 1, false, false, count),
-            call(oc, ic, n, 1, true, false, count),
-        ],
-    }
-}
-
 /// The work of op `op` (forward timer name) in `pass` on slice `s`.
 fn work(op: &str, pass: Pass, s: &Slice) -> Option<OpWork> {
     let m = s.model;
@@ -82,7 +54,6 @@ fn work(op: &str, pass: Pass, s: &Slice) -> Option<OpWork> {
     let (n, nh, hs) = (s.mb * t, m.n_head / tp, m.n_embd / m.n_head);
     let (f, vp) = (4 * m.n_embd / tp, s.vocab / tp);
     let per_seq = s.mb * layers;
-    let forward = pass == Pass::Forward;
     let gemms = match op {
         fwd::QKV => linear(pass, n, c, 3 * (c / tp), Weight::InOut, layers),
         fwd::PROJ => linear(pass, n, c / tp, c, Weight::InOut, layers),
@@ -93,16 +64,7 @@ fn work(op: &str, pass: Pass, s: &Slice) -> Option<OpWork> {
         }
         fwd::LM_HEAD if s.last => linear(pass, n, c, vp, Weight::OutIn, 1),
         fwd::LM_HEAD => Vec::new(),
-        fwd::BADDBMM if forward => vec![call(t, t, hs, nh, false, true, per_seq)],
-        fwd::BADDBMM => vec![
-            call(t, hs, t, nh, false, false, per_seq),
-            call(t, hs, t, nh, true, false, per_seq),
-        ],
-        fwd::BMM if forward => vec![call(t, hs, t, nh, false, false, per_seq)],
-        fwd::BMM => vec![
-            call(t, t, hs, nh, false, true, per_seq),
-            call(t, hs, t, nh, true, false, per_seq),
-        ],
+        fwd::BADDBMM | fwd::BMM => attention(op, pass, (t, hs, nh), per_seq),
         _ => return elements(op, s).map(OpWork::Elements),
     };
     Some(OpWork::Gemms(gemms))
@@ -129,41 +91,9 @@ fn elements(op: &str, s: &Slice) -> Option<f64> {
     })
 }
 
-/// Megatron's tensor-parallel all-reduces (`model/layers.rs`): per block and micro-batch, the
-/// attention and MLP outputs (forward) and their input gradients (backward), B·T·C floats
-/// each; the vocabulary-parallel embedding (first stage) and LM head (last) theirs; the
-/// vocabulary-parallel cross-entropy's row maxima, sums and target logits (B·T floats each).
-fn tp_allreduces(s: &Slice) -> Vec<Collective> {
-    let (mb, t, c) = (s.mb as f64, s.seq_len as f64, s.model.n_embd as f64);
-    let stream = 4.0 * mb * t * c;
-    let on = |b: bool| if b { 1.0 } else { 0.0 };
-    let layers = s.layers as f64;
-    let mut v: Vec<Collective> = [
-        (fwd::ATTENTION_ALLREDUCE, layers),
-        (fwd::MLP_ALLREDUCE, layers),
-        (bwd::ATTENTION_ALLREDUCE, layers),
-        (bwd::MLP_ALLREDUCE, layers),
-        (fwd::EMBEDDING_ALLREDUCE, on(s.first)),
-        (bwd::LM_HEAD_ALLREDUCE, on(s.last)),
-    ]
-    .into_iter()
-    .map(|(name, calls)| Collective {
-        name,
-        bytes: stream,
-        calls,
-    })
-    .collect();
-    v.push(Collective {
-        name: fwd::LOSS_ALLREDUCE,
-        bytes: 4.0 * mb * t,
-        calls: 3.0 * on(s.last),
-    });
-    v
-}
-
 /// The tied `wte` (this rank's vocabulary rows), all-reduced between the first and last stage.
 fn tied_bytes(s: &Slice) -> Option<f64> {
-    Some(4.0 * (s.vocab / s.tp * s.model.n_embd) as f64)
+    Some(embedding_bytes(s))
 }
 
 #[cfg(test)]

@@ -34,6 +34,14 @@ fn fill_normal(out: &mut [f32], rng: &mut SplitMix64, std: f64) {
     }
 }
 
+/// Fills the first `real` elements of `dst` with N(0, std²) samples from the stream of
+/// tensor `name` under `seed`, and zeroes the rest (the padded vocabulary rows).
+pub fn normal_tensor(name: &str, seed: u64, dst: &mut [f32], std: f64, real: usize) {
+    let mut rng = SplitMix64::from_parts(&[seed, name_key(name)]);
+    fill_normal(&mut dst[..real], &mut rng, std);
+    dst[real..].fill(0.0);
+}
+
 /// Initialises the full (tp = 1) parameter buffer described by `table`.
 pub fn init_params(cfg: &ModelConfig, table: &Table, seed: u64) -> Vec<f32> {
     let mut buf = vec![0.0f32; table.total()];
@@ -59,15 +67,12 @@ pub fn init_tensor(cfg: &ModelConfig, name: &str, seed: u64, dst: &mut [f32]) {
     } else {
         INIT_STD
     };
-    let mut rng = SplitMix64::from_parts(&[seed, name_key(name)]);
-    if name == "wte.weight" {
-        // Only the real vocabulary rows; padded rows stay zero.
-        let real = cfg.vocab_size * cfg.n_embd;
-        fill_normal(&mut dst[..real], &mut rng, std);
-        dst[real..].fill(0.0);
-    } else {
-        fill_normal(dst, &mut rng, std);
-    }
+    // Only the real vocabulary rows of `wte`; padded rows stay zero.
+    let real = match name {
+        "wte.weight" => cfg.vocab_size * cfg.n_embd,
+        _ => dst.len(),
+    };
+    normal_tensor(name, seed, dst, std, real);
 }
 
 #[cfg(test)]

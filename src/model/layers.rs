@@ -4,7 +4,10 @@
 //! backend; a tensor-parallel layer does its own all-reduce (Megatron's `f`/`g`).
 
 use super::work;
-use crate::backend::{Backend, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, Span};
+use crate::backend::{
+    Backend, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm, RmsNormGrads,
+    Rope, Span,
+};
 use crate::comm::{Comm, ReduceOp};
 use crate::metrics::timers::{parent_of, TimerLevel, Timers};
 
@@ -153,6 +156,86 @@ impl<B: Backend> Layers<'_, B> {
             be.zero(g.dinp);
         }
         be.layernorm_backward(ln, g, dout, inp, stats);
+    }
+    /// An RMS norm's forward pass (`rstd`: its f32 row statistics), timed as `name`.
+    pub fn rmsnorm(&mut self, name: &'static str, r: &RmsNorm, out: Span, rstd: Span, inp: Span) {
+        let be = &mut *self.be;
+        let _t = self
+            .timers
+            .scope(name, TimerLevel::Fine)
+            .with_work(|| work::traffic(&*be, &[inp, r.w], &[out, rstd], &[]));
+        be.rmsnorm_forward(r, out, rstd, inp);
+    }
+
+    /// An RMS norm's backward pass, timed as `name`: the input and weight gradients
+    /// accumulate, or with `fresh` the input gradient is zeroed first (written, not added
+    /// into).
+    pub fn rmsnorm_backward(
+        &mut self,
+        name: &'static str,
+        r: &RmsNorm,
+        g: &RmsNormGrads,
+        (dout, inp, rstd): (Span, Span, Span),
+        fresh: bool,
+    ) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            let read = [dout, inp, r.w, rstd];
+            if fresh {
+                work::traffic(&*be, &read, &[g.dinp], &[g.dw])
+            } else {
+                work::traffic(&*be, &read, &[], &[g.dinp, g.dw])
+            }
+        });
+        if fresh {
+            be.zero(g.dinp);
+        }
+        be.rmsnorm_backward(r, g, dout, inp, rstd);
+    }
+
+    /// Rotary embeddings of `x`'s leading heads in place (`backward`: the gradient rotated
+    /// back), timed as `name`.
+    pub fn rope(&mut self, name: &'static str, r: &Rope, x: Span, backward: bool) {
+        let be = &mut *self.be;
+        let _t = self.timers.scope(name, TimerLevel::Fine).with_work(|| {
+            // The rotated heads are read and written; the table's rows once.
+            let heads = Span {
+                len: r.n * r.heads * 2 * r.half,
+                ..x
+            };
+            let table = r.table.sub(0, (2 * r.t * r.half).min(r.table.len));
+            work::traffic(&*be, &[heads, table], &[heads], &[])
+        });
+        if backward {
+            be.rope_backward(r, x);
+        } else {
+            be.rope_forward(r, x);
+        }
+    }
+
+    /// `out = silu(gate)·up` of the `[gate | up]` rows `inp`, timed as `name`.
+    pub fn swiglu(&mut self, name: &'static str, out: Span, inp: Span, f: usize) {
+        let be = &mut *self.be;
+        let _t = self
+            .timers
+            .scope(name, TimerLevel::Fine)
+            .with_work(|| work::traffic(&*be, &[inp], &[out], &[]));
+        be.swiglu_forward(out, inp, f);
+    }
+
+    /// SwiGLU's backward pass: `dinp` (`[dgate | dup]` rows) written, timed as `name`.
+    pub fn swiglu_backward(
+        &mut self,
+        name: &'static str,
+        (dinp, dout, inp): (Span, Span, Span),
+        f: usize,
+    ) {
+        let be = &mut *self.be;
+        let _t = self
+            .timers
+            .scope(name, TimerLevel::Fine)
+            .with_work(|| work::traffic(&*be, &[dout, inp], &[dinp], &[]));
+        be.swiglu_backward(dinp, dout, inp, f);
     }
 }
 

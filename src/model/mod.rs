@@ -6,6 +6,7 @@
 pub mod acts;
 pub mod contract;
 pub mod core;
+pub mod decoder_cost;
 pub mod decoder_ops;
 pub mod gpt2;
 pub mod gpt2_cost;
@@ -15,6 +16,10 @@ pub mod hf_layout;
 pub mod init;
 pub mod kv;
 pub mod layers;
+pub mod llama;
+pub mod llama_cost;
+pub mod llama_hf;
+pub mod llama_params;
 pub mod params;
 pub mod passes;
 pub mod paths;

@@ -4,7 +4,8 @@
 //! vocabulary-parallel cross-entropy. Each is a short list of [`Layers`] and backend calls
 //! under the timers of [`super::decoder_ops`].
 
-use super::acts::{AttnActs, AttnGrads, AttnKept, HeadActs, StepDims};
+use super::acts::{AttnActs, AttnGrads, AttnKeep, AttnKept, LossActs, Recompute, StepDims};
+use super::contract::OpForm;
 use super::decoder_ops::{backward as bwd, forward as fwd};
 use super::kv::KvCache;
 use super::layers::Layers;
@@ -106,7 +107,7 @@ pub fn attention_forward<B: Backend>(x: &mut Layers<B>, la: &AttnActs, bp: &Bloc
     match bp.pass {
         Pass::Batch { .. } => match la.att {
             AttnKept::Probabilities(att) => {
-                let (q, k, v) = work::qkv_parts(la.qkv);
+                let (q, k, v) = work::qkv_parts(la.qkv, ad);
                 {
                     let _t = timers
                         .scope(fwd::BADDBMM, Fine)
@@ -134,10 +135,11 @@ pub fn attention_forward<B: Backend>(x: &mut Layers<B>, la: &AttnActs, bp: &Bloc
         Pass::Decode { cache, pos } => {
             let _t = timers.scope(fwd::DECODE, Fine);
             let (k, v) = (cache.k(bp.layer), cache.v(bp.layer));
-            be.copy(k.sub(pos * lc, lc), la.qkv.sub(lc, lc));
-            be.copy(v.sub(pos * lc, lc), la.qkv.sub(2 * lc, lc));
+            let kw = d.kv_width();
+            be.copy(k.sub(pos * kw, kw), la.qkv.sub(lc, kw));
+            be.copy(v.sub(pos * kw, kw), la.qkv.sub(lc + kw, kw));
             let kv = KvRows { k, v, len: pos + 1 };
-            be.attention_decode(la.atty, la.qkv.sub(0, lc), kv, d.nh, d.hs);
+            be.attention_decode(la.atty, la.qkv.sub(0, lc), kv, ad);
         }
     }
 }
@@ -162,8 +164,8 @@ pub fn attention_backward<B: Backend>(
                 be.attention_scores(att, la.qkv, ad);
                 be.attention_softmax(att, ad);
             }
-            let (q, k, v) = work::qkv_parts(la.qkv);
-            let (dq, dk, dv) = work::qkv_parts(ga.dqkv);
+            let (q, k, v) = work::qkv_parts(la.qkv, ad);
+            let (dq, dk, dv) = work::qkv_parts(ga.dqkv, ad);
             {
                 let _t = timers
                     .scope(bwd::BMM, Fine)
@@ -231,7 +233,7 @@ pub fn project_into_residual<B: Backend>(
 /// logits are all-reduced across the shards.
 pub fn loss_forward<B: Backend>(
     x: &mut Layers<B>,
-    h: &HeadActs,
+    h: &LossActs,
     targets: TokSpan,
     cd: CeDims,
     dloss: Option<f32>,
@@ -272,5 +274,36 @@ pub fn ce_dims(d: &StepDims, tp_rank: usize, vocab_size: usize) -> CeDims {
         vp: d.vp,
         v_valid: vocab_size.saturating_sub(vocab_start).min(d.vp),
         vocab_start,
+    }
+}
+
+/// The run header's record of the attention form (`key: attention`).
+pub fn attention_form(keep: AttnKeep, recompute: Recompute) -> OpForm {
+    let note = (keep == AttnKeep::LogSumExp).then(|| {
+        let recompute = if recompute == Recompute::Attention {
+            " (--recompute attention has nothing to recompute)"
+        } else {
+            ""
+        };
+        format!("attention: fused (FlashAttention: one log-sum-exp per row kept, no T x T probabilities){recompute}")
+    });
+    OpForm {
+        key: "attention",
+        form: keep.name(),
+        note,
+    }
+}
+
+/// The run header's record of how the projections join the residual stream
+/// (`key: residual`).
+pub fn residual_form(residual: Residual) -> OpForm {
+    let note = (residual == Residual::Epilogue).then(|| {
+        "residual: the projections' GEMMs read the residual stream and write the next one"
+            .to_string()
+    });
+    OpForm {
+        key: "residual",
+        form: residual.name(),
+        note,
     }
 }

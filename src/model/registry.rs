@@ -7,8 +7,10 @@ use super::gpt2::Gpt2;
 use super::gpt2_hf;
 use super::hf_fields::HfFields;
 use super::hf_layout::HfLayout;
+use super::llama::Llama;
 use super::stage::Stage;
 use super::table::Table;
+use super::{llama_hf, llama_params};
 use crate::backend::{Backend, Dtype};
 use crate::config::{Arch, ModelConfig};
 use crate::metrics::cost::CostModel;
@@ -27,6 +29,7 @@ pub fn build<B: Backend>(
 ) -> Result<Box<dyn Model<B>>> {
     Ok(match cfg.arch {
         Arch::Gpt2 => Box::new(Gpt2::new_stage(cfg, tp, stage, compute, be)?),
+        Arch::Llama => Box::new(Llama::new_stage(cfg, tp, stage, compute, be)?),
     })
 }
 
@@ -34,6 +37,7 @@ pub fn build<B: Backend>(
 pub fn build_for_inference<B: Backend>(cfg: &ModelConfig, be: B) -> Result<Box<dyn Model<B>>> {
     Ok(match cfg.arch {
         Arch::Gpt2 => Box::new(Gpt2::for_inference(cfg, be)?),
+        Arch::Llama => Box::new(Llama::for_inference(cfg, be)?),
     })
 }
 
@@ -42,6 +46,7 @@ pub fn build_for_inference<B: Backend>(cfg: &ModelConfig, be: B) -> Result<Box<d
 pub fn full_params(cfg: &ModelConfig) -> Result<Table> {
     match cfg.arch {
         Arch::Gpt2 => super::table::gpt2_params(cfg, 1),
+        Arch::Llama => llama_params::llama_stage_params(cfg, 1, &Stage::whole(cfg.n_layer)),
     }
 }
 
@@ -49,6 +54,7 @@ pub fn full_params(cfg: &ModelConfig) -> Result<Table> {
 pub fn stage_params(cfg: &ModelConfig, tp_size: usize, stage: &Stage) -> Result<Table> {
     match cfg.arch {
         Arch::Gpt2 => super::table::gpt2_stage_params(cfg, tp_size, stage),
+        Arch::Llama => llama_params::llama_stage_params(cfg, tp_size, stage),
     }
 }
 
@@ -56,6 +62,7 @@ pub fn stage_params(cfg: &ModelConfig, tp_size: usize, stage: &Stage) -> Result<
 pub fn init_tensor(cfg: &ModelConfig, name: &str, seed: u64, dst: &mut [f32]) {
     match cfg.arch {
         Arch::Gpt2 => super::init::init_tensor(cfg, name, seed, dst),
+        Arch::Llama => llama_params::init_tensor(cfg, name, seed, dst),
     }
 }
 
@@ -63,6 +70,7 @@ pub fn init_tensor(cfg: &ModelConfig, name: &str, seed: u64, dst: &mut [f32]) {
 pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     match cfg.arch {
         Arch::Gpt2 => gpt2_hf::config_json(cfg),
+        Arch::Llama => llama_hf::config_json(cfg),
     }
 }
 
@@ -70,6 +78,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
 pub fn hf_layout(cfg: &ModelConfig) -> HfLayout {
     match cfg.arch {
         Arch::Gpt2 => gpt2_hf::LAYOUT,
+        Arch::Llama => llama_hf::layout(cfg),
     }
 }
 
@@ -78,13 +87,14 @@ pub fn hf_layout(cfg: &ModelConfig) -> HfLayout {
 pub fn update_hf_config(obj: &mut Map<String, Value>, cfg: &ModelConfig) {
     match cfg.arch {
         Arch::Gpt2 => gpt2_hf::update_config(obj, cfg),
+        Arch::Llama => llama_hf::update_config(obj, cfg),
     }
 }
 
 /// The op catalogue of architecture `arch`: its timer names and their classes.
 pub fn ops(arch: Arch) -> &'static OpCatalogue {
     match arch {
-        Arch::Gpt2 => &super::decoder_ops::OPS,
+        Arch::Gpt2 | Arch::Llama => &super::decoder_ops::OPS,
     }
 }
 
@@ -93,15 +103,21 @@ pub fn ops(arch: Arch) -> &'static OpCatalogue {
 pub fn cost(arch: Arch) -> &'static CostModel {
     match arch {
         Arch::Gpt2 => &super::gpt2_cost::COST,
+        Arch::Llama => &super::llama_cost::COST,
     }
 }
 
 /// Every timer name a run can write, whatever its architecture: the trainer's, then each
 /// architecture's (`fugu report` reads runs of any).
 pub fn all_ops() -> Vec<&'static OpCatalogue> {
-    std::iter::once(&trainer::OPS)
-        .chain(Arch::ALL.iter().map(|&a| ops(a)))
-        .collect()
+    let mut cats: Vec<&'static OpCatalogue> = vec![&trainer::OPS];
+    for a in Arch::ALL {
+        // Architectures may share a catalogue: each once.
+        if !cats.iter().any(|&c| std::ptr::eq(c, ops(a))) {
+            cats.push(ops(a));
+        }
+    }
+    cats
 }
 
 /// The config of architecture `arch` (from the file's `model_type`) in the `config.json`
@@ -110,6 +126,7 @@ pub fn parse_hf_config(arch: Arch, obj: &Map<String, Value>, path: &str) -> Resu
     let f = HfFields { obj, path };
     match arch {
         Arch::Gpt2 => gpt2_hf::parse_config(&f),
+        Arch::Llama => llama_hf::parse_config(&f),
     }
 }
 

@@ -101,8 +101,28 @@ impl Table {
         split: Split,
         tp: usize,
     ) -> usize {
-        let name = name.into();
         let offset = self.total.next_multiple_of(ALIGN);
+        self.push_at(name.into(), full, (split, tp), offset)
+    }
+
+    /// Appends tensors back to back (the first aligned, each next one where the previous
+    /// ends), each split by `split` over `tp` ranks: parts of one fused matrix (a layer's q,
+    /// k and v weights as one (out, in) GEMM operand), which stay separate tensors in files.
+    pub fn push_joined(&mut self, parts: &[(String, Vec<usize>)], split: Split, tp: usize) {
+        let mut offset = self.total.next_multiple_of(ALIGN);
+        for (name, full) in parts {
+            let i = self.push_at(name.clone(), full, (split, tp), offset);
+            offset = self.specs[i].range().end;
+        }
+    }
+
+    fn push_at(
+        &mut self,
+        name: String,
+        full: &[usize],
+        (split, tp): (Split, usize),
+        offset: usize,
+    ) -> usize {
         let spec = TensorSpec {
             decay: full.len() == 2,
             name: name.clone(),

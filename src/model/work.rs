@@ -80,14 +80,14 @@ pub fn attention<B: Backend>(
     }
 }
 
-/// Q, K and V of a (N, 3·C) qkv activation, as spans of its size for [`bytes`] (they
-/// interleave by row; only their lengths and type are meant).
-pub fn qkv_parts(qkv: Span) -> (Span, Span, Span) {
-    let third = Span {
-        len: qkv.len / 3,
+/// Q, K and V of a (N, (nh + 2·kv)·hs) qkv activation of attention `d`, as spans of their
+/// sizes for [`bytes`] (they interleave by row; only their lengths and type are meant).
+pub fn qkv_parts(qkv: Span, d: AttnDims) -> (Span, Span, Span) {
+    let part = |heads: usize| Span {
+        len: qkv.len / (d.nh + 2 * d.kv) * heads,
         ..qkv
     };
-    (third, third, third)
+    (part(d.nh), part(d.kv), part(d.kv))
 }
 
 /// (query, key) pairs with the key at or before the query, over every sequence and head.
@@ -125,12 +125,7 @@ mod tests {
         assert_eq!(w.bytes, 200.0 + 40.0 + 2.0 * (40.0 + 8.0));
         let w = linear_backward(&be, (4, 5, 2), None, dw, None, &[]);
         assert_eq!((w.flops, w.bytes), (80.0, 80.0));
-        let d = AttnDims {
-            b: 2,
-            t: 3,
-            nh: 4,
-            hs: 5,
-        };
+        let d = AttnDims::mha(2, 3, 4, 5);
         assert_eq!(causal_pairs(d), 2.0 * 4.0 * 6.0);
         assert_eq!(attention(&be, d, 2, &[], &[]).flops, 4.0 * 5.0 * 48.0);
     }

@@ -28,7 +28,6 @@ pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{acts_table, grad_acts_table, stats_table, AttnKeep, Recompute, StepDims};
 use crate::model::registry;
 use crate::model::stage::Stage;
-use crate::model::table::padded_vocab;
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
 use crate::parallel::grid::Grid;
 use anyhow::{bail, Result};
@@ -85,7 +84,10 @@ fn one() -> usize {
 pub enum Compute {
     /// A reference run's per-op times, and the machine's measured GEMM rates (maybe none:
     /// then GEMM time scales with FLOPs).
-    Reference { run: Box<Reference>, gemm: GemmRates },
+    Reference {
+        run: Box<Reference>,
+        gemm: GemmRates,
+    },
     /// The model FLOPs (Megatron's formula) at this rate per node, optimizer included.
     Rate { model_tflops_per_node: f64 },
 }
@@ -547,15 +549,7 @@ fn memory_gib(
     params: usize,
     owned: usize,
 ) -> f64 {
-    let d = StepDims {
-        b: mb,
-        t: seq_len,
-        c: cfg.n_embd,
-        nh: cfg.n_head / l.tp,
-        hs: cfg.n_embd / cfg.n_head,
-        f: 4 * cfg.n_embd / l.tp,
-        vp: padded_vocab(cfg.vocab_size) / l.tp,
-    };
+    let d = StepDims::new(cfg, mb, seq_len, l.tp);
     let in_flight = (stage.count - stage.index).min(l.micro_batches);
     let acts = in_flight
         * 4

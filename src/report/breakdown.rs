@@ -321,7 +321,18 @@ mod tests {
     fn categorize_by_words(name: &str) -> Category {
         const GEMM_OPS: &[&str] = &["qkv", "proj", "mm", "lm-head", "fc", "linear"];
         const ATTENTION_OPS: &[&str] = &["baddbmm", "bmm", "softmax", "fused"];
-        const ELEMENTWISE_OPS: &[&str] = &["layernorm", "gelu", "residual", "embedding", "loss"];
+        // The Llama family's row ops (`rmsnorm`, `rope` inside attention, `swiglu`) came after
+        // the names went by their class: elementwise, as their classes say.
+        const ELEMENTWISE_OPS: &[&str] = &[
+            "layernorm",
+            "gelu",
+            "residual",
+            "embedding",
+            "loss",
+            "rmsnorm",
+            "rope",
+            "swiglu",
+        ];
         let lower = name.to_ascii_lowercase();
         let mut parts: Vec<&str> = lower.split(':').collect();
         if parts.len() > 2 && parts.last() == Some(&"(other)") {
@@ -352,11 +363,11 @@ mod tests {
             if GEMM_OPS.contains(&last) {
                 return Category::Gemm;
             }
-            if ATTENTION_OPS.contains(&last) || parts.contains(&"attention") {
-                return Category::Attention;
-            }
             if ELEMENTWISE_OPS.contains(&last) {
                 return Category::Elementwise;
+            }
+            if ATTENTION_OPS.contains(&last) || parts.contains(&"attention") {
+                return Category::Attention;
             }
             return Category::OtherCompute;
         }

@@ -27,6 +27,7 @@ impl CudaBackend {
     /// The common storage type of the fused attention's tensors, checked.
     pub(super) fn fused_dtype(&self, d: AttnDims, spans: &[Span], what: &str) -> Dtype {
         let dt = self.dt(spans[0]);
+        assert!(!d.grouped(), "{what}: no grouped-query form on CUDA yet");
         assert!(
             spans.iter().all(|&s| self.dt(s) == dt)
                 && self.fused_attention(d.hs, dt) != FusedAttention::Unsupported,
@@ -138,6 +139,7 @@ fn heads_at(base: u64, dt: Dtype, h: Heads) -> Mat {
 
 impl Attn {
     pub(super) fn new(be: &CudaBackend, att: Span, qkv: Span, d: AttnDims) -> Attn {
+        assert!(!d.grouped(), "attention: no grouped-query form on CUDA yet");
         let c = d.nh * d.hs;
         assert_eq!(att.len, d.b * d.nh * d.t * d.t, "attention: att length");
         assert_eq!(qkv.len, d.b * d.t * 3 * c, "attention: qkv length");

@@ -861,16 +861,18 @@ FOR_TYPES(DEF)
 // (len floats), then softmax, then each thread one output element of the head.
 template <typename T>
 __device__ void attention_decode_k(T* out, const T* q, const T* kc, const T* vc, i64 len,
-                                   i64 nh, i64 hs, float scale) {
+                                   i64 nh, i64 kv, i64 hs, float scale) {
     DYNAMIC_SHARED(float, w);
     __shared__ double sh[ROW_THREADS];
     __shared__ float shf[ROW_THREADS];
-    i64 c = nh * hs;
+    // Cache rows are kv·hs wide; query head h reads key/value head h / (nh / kv).
+    i64 ckv = kv * hs;
     for (i64 h = blockIdx.x; h < nh; h += gridDim.x) {
         const T* qh = q + h * hs;
+        i64 kh = h / (nh / kv);
         float mx = NEG_INF;
         for (i64 s = threadIdx.x; s < len; s += blockDim.x) {
-            const T* k = kc + s * c + h * hs;
+            const T* k = kc + s * ckv + kh * hs;
             float acc = 0.0f;
             for (i64 d = 0; d < hs; d++) acc += ld(qh[d]) * ld(k[d]);
             w[s] = acc * scale;
@@ -884,7 +886,7 @@ __device__ void attention_decode_k(T* out, const T* q, const T* kc, const T* vc,
         __syncthreads();
         for (i64 d = threadIdx.x; d < hs; d += blockDim.x) {
             float acc = 0.0f;
-            for (i64 s = 0; s < len; s++) acc += w[s] * ld(vc[s * c + h * hs + d]);
+            for (i64 s = 0; s < len; s++) acc += w[s] * ld(vc[s * ckv + kh * hs + d]);
             st(out[h * hs + d], acc);
         }
         __syncthreads();
@@ -892,9 +894,9 @@ __device__ void attention_decode_k(T* out, const T* q, const T* kc, const T* vc,
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void attention_decode_##S(T* out, const T* q, const T* kc,         \
-                                                    const T* vc, i64 len, i64 nh, i64 hs,   \
-                                                    float scale) {                          \
-        attention_decode_k(out, q, kc, vc, len, nh, hs, scale);                             \
+                                                    const T* vc, i64 len, i64 nh, i64 kv,   \
+                                                    i64 hs, float scale) {                  \
+        attention_decode_k(out, q, kc, vc, len, nh, kv, hs, scale);                         \
     }
 FOR_TYPES(DEF)
 #undef DEF

@@ -1137,6 +1137,12 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// Not yet: the batched GEMMs and the flash kernels assume a key/value head per query
+    /// head.
+    fn grouped_attention(&self) -> bool {
+        false
+    }
+
     fn fused_attention(&self, hs: usize, dt: Dtype) -> FusedAttention {
         // The kernels hold a head in 64 columns of 16-bit values and multiply on the tensor
         // cores (flash_* in kernels.cu).
@@ -1212,19 +1218,20 @@ impl Backend for CudaBackend {
         self.launch(k, dt, grid, threads, shmem(rows.dkv), &args);
     }
 
-    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, nh: usize, hs: usize) {
+    fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
         let KvRows {
             k: k_cache,
             v: v_cache,
             len,
         } = kv;
-        let c = nh * hs;
+        let (nh, hs) = (d.nh, d.hs);
+        let (c, ckv) = (nh * hs, d.kv * hs);
         assert!(
-            out.len == c && q.len == c && len >= 1,
+            out.len == c && q.len == c && len >= 1 && d.kv > 0 && nh.is_multiple_of(d.kv),
             "attention_decode: shapes"
         );
         assert!(
-            k_cache.len >= len * c && v_cache.len >= len * c,
+            k_cache.len >= len * ckv && v_cache.len >= len * ckv,
             "attention_decode: cache"
         );
         self.launch(
@@ -1240,6 +1247,7 @@ impl Backend for CudaBackend {
                 Arg::Ptr(self.ptr(v_cache)),
                 Arg::I64(len as i64),
                 Arg::I64(nh as i64),
+                Arg::I64(d.kv as i64),
                 Arg::I64(hs as i64),
                 Arg::F32(attention_scale(hs)),
             ],
