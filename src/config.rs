@@ -143,6 +143,25 @@ impl ModelConfig {
         }
     }
 
+    /// The same model with every field its architecture has written out (a Llama config's
+    /// defaults filled in), so that two configs of one model compare equal whether they came
+    /// from a TOML file that left fields out or from a Hugging Face `config.json`. GPT-2's has
+    /// none of the Llama fields (its files' bytes stay as they were).
+    pub fn normalized(&self) -> ModelConfig {
+        match self.arch {
+            Arch::Gpt2 => self.clone(),
+            Arch::Llama => ModelConfig {
+                n_kv_head: Some(self.kv_heads()),
+                head_dim: Some(self.head_size()),
+                intermediate_size: self.intermediate_size,
+                rope_theta: Some(self.rope_base()),
+                norm_eps: Some(self.norm_epsilon()),
+                tie_embeddings: Some(self.tied()),
+                ..self.clone()
+            },
+        }
+    }
+
     /// The names of the Llama-family fields this config sets.
     fn llama_fields_set(&self) -> Vec<&'static str> {
         let set = [
@@ -453,8 +472,9 @@ pub const BUILTIN: [(&str, &str); 10] = [
 impl RunConfig {
     /// Parses TOML text; `origin` names the file in errors.
     pub fn parse(text: &str, origin: &str) -> Result<RunConfig> {
-        let cfg: RunConfig =
+        let mut cfg: RunConfig =
             toml::from_str(text).with_context(|| format!("invalid config {origin}"))?;
+        cfg.model = cfg.model.normalized();
         Ok(cfg)
     }
 

@@ -23,7 +23,6 @@ use fugu::checkpoint;
 use fugu::config::RunConfig;
 use fugu::metrics::jsonl::{read_metrics, Record};
 use fugu::model::registry;
-use fugu::model::table::gpt2_params;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -63,11 +62,39 @@ fn mpirun_missing() -> bool {
     missing
 }
 
+/// The same run with a Llama-family model of the same size: 4 query heads sharing 2
+/// key/value heads, SwiGLU, an untied head (or a tied one).
+fn llama_model(tied: bool) -> String {
+    let model = format!(
+        r#"[model]
+arch = "llama"
+vocab_size = 1024
+n_positions = 64
+n_embd = 64
+n_head = 4
+n_kv_head = 2
+n_layer = 2
+intermediate_size = 96
+rope_theta = 10000.0
+norm_eps = 1e-5
+tie_embeddings = {tied}
+"#
+    );
+    let train = &MODEL[MODEL.find("[train]").unwrap()..];
+    format!("{model}\n{train}")
+}
+
+/// A scratch folder with the test model (`m.toml`) and a token stream (`tok.bin`).
 fn tmp(name: &str) -> PathBuf {
+    tmp_with(name, MODEL)
+}
+
+/// [`tmp`] with the model config `model`.
+fn tmp_with(name: &str, model: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("fugu-mpi-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    std::fs::write(d.join("m.toml"), MODEL).unwrap();
+    std::fs::write(d.join("m.toml"), model).unwrap();
     // A deterministic token stream below the vocabulary (LCG), 20k tokens.
     let mut x = 12345u32;
     let ids: Vec<u8> = (0..20_000)
@@ -139,7 +166,7 @@ fn params_of(ckpt: &Path) -> (Vec<f32>, Vec<f32>) {
     let m = RunConfig::load(ckpt.join("../../m.toml").to_str().unwrap())
         .unwrap()
         .model;
-    let t = gpt2_params(&m, 1).unwrap();
+    let t = registry::full_params(&m).unwrap();
     let mut p = vec![0.0; t.total()];
     checkpoint::load_hf(ckpt)
         .unwrap()
@@ -285,6 +312,57 @@ fn parallel_layouts_match_the_serial_run() {
         "moments {mom} vs params+grads {pg}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The Llama family through every layout (grouped-query attention split by key/value heads
+/// under tp 2, the untied head on the last stage, ZeRO-1), against its serial run with the same
+/// tolerances as GPT-2's; and pp 2 with tied embeddings (the two stages' copies of the
+/// embedding all-reduced).
+#[test]
+fn llama_layouts_match_the_serial_run() {
+    if mpirun_missing() {
+        return;
+    }
+    for tied in [false, true] {
+        let dir = tmp_with(&format!("llama-{tied}"), &llama_model(tied));
+        let s = serial(&dir);
+        let pp2 = vec!["--pp", "2", "--micro-batches", "2", "--data-ranks", "2"];
+        let layouts = if tied {
+            vec![("pp2", 2, pp2)]
+        } else {
+            vec![
+                ("tp2", 2, vec!["--tp", "2", "--data-ranks", "2"]),
+                ("pp2", 2, pp2),
+                (
+                    "pp2tp2",
+                    4,
+                    vec![
+                        "--pp",
+                        "2",
+                        "--tp",
+                        "2",
+                        "--micro-batches",
+                        "2",
+                        "--data-ranks",
+                        "2",
+                    ],
+                ),
+                (
+                    "zero1",
+                    2,
+                    vec!["--batch-size", "2", "--zero", "1", "--bucket-mb", "0.05"],
+                ),
+            ]
+        };
+        for (name, np, extra) in layouts {
+            let mut args = extra.clone();
+            args.extend(["--out", name]);
+            ok(&train(&dir, np, &args));
+            let what = format!("llama (tied {tied}) {name}");
+            assert_same(&s, &dir.join(name), 4, &what);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// Pipeline parallelism: pp 2 (one block per stage of the 2-block model, the first with the

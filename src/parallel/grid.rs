@@ -79,10 +79,20 @@ impl Grid {
                 m.n_head
             );
         }
-        if !(4 * m.n_embd).is_multiple_of(tp) {
+        if m.kv_heads() != m.n_head && !m.kv_heads().is_multiple_of(tp) {
             bail!(
-                "--tp {tp} does not divide the MLP width 4*n_embd = {}",
-                4 * m.n_embd
+                "--tp {tp} does not divide model.n_kv_head = {} (each rank keeps whole key/value heads with the query heads that read them; replicating key/value heads is not supported)",
+                m.kv_heads()
+            );
+        }
+        if !m.mlp_width().is_multiple_of(tp) {
+            let name = match m.intermediate_size {
+                Some(_) => "model.intermediate_size",
+                None => "4*n_embd",
+            };
+            bail!(
+                "--tp {tp} does not divide the MLP width {name} = {}",
+                m.mlp_width()
             );
         }
         let vp = padded_vocab(m.vocab_size);
