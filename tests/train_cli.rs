@@ -1328,3 +1328,95 @@ fn recompute_gives_identical_training_in_less_memory() {
         "activations: full {full}, attention {attention}, none {none}"
     );
 }
+
+/// A Llama-family model the size of `SMALL` (GPT-2's vocabulary: the corpus is GPT-2 tokens),
+/// grouped-query attention and an untied head.
+const SMALL_LLAMA: &str = r#"
+[model]
+arch = "llama"
+vocab_size = 50257
+n_positions = 64
+n_embd = 64
+n_head = 4
+n_kv_head = 2
+n_layer = 2
+intermediate_size = 96
+rope_theta = 10000.0
+norm_eps = 1e-5
+tie_embeddings = false
+"#;
+
+/// The Llama family through the trainer's paths: a resumed run continues bit for bit,
+/// recomputation changes nothing, a checkpoint starts a new run with no config (`--init-from`,
+/// the model named by its architecture) and is sampled greedily.
+#[test]
+fn llama_resumes_exactly_recomputes_and_samples() {
+    let r = SmallRuns::new("llama");
+    let train = &SMALL[SMALL.find("[train]").unwrap()..];
+    std::fs::write(r.dir.join("small.toml"), format!("{SMALL_LLAMA}\n{train}")).unwrap();
+    ok(&r.run(&["--out", "a"]));
+    let full = losses(&r.dir.join("a"));
+    assert_eq!(full.len(), 6);
+    assert!(full[5].1 < full[0].1, "{full:?}");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(r.dir.join("a/ckpt-00000006/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["model_type"], "llama");
+    assert_eq!(config["num_key_value_heads"], 2);
+
+    std::fs::create_dir_all(r.dir.join("b")).unwrap();
+    copy_dir(
+        &r.dir.join("a/ckpt-00000003"),
+        &r.dir.join("b/ckpt-00000003"),
+    );
+    ok(&r.run(&["--out", "b", "--resume", "auto"]));
+    ok(&r.run(&["--out", "full", "--recompute", "full"]));
+    let ckpt = |run: &str, file: &str| {
+        std::fs::read(r.dir.join(run).join("ckpt-00000006").join(file)).unwrap()
+    };
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        assert!(ckpt("a", file) == ckpt("b", file), "resume: {file} differs");
+    }
+    assert!(ckpt("a", "model.safetensors") == ckpt("full", "model.safetensors"));
+    for (run, from) in [("b", 3), ("full", 0)] {
+        for (x, y) in losses(&r.dir.join(run)).iter().zip(&full[from..]) {
+            assert_eq!(x.1.to_bits(), y.1.to_bits(), "{run}: step {}", x.0);
+        }
+    }
+
+    let init = [
+        "train",
+        "--init-from",
+        "a/ckpt-00000006",
+        "--data",
+        &r.data,
+        "--threads",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--out",
+        "c",
+    ];
+    let out = fugu(&init, &r.dir);
+    ok(&out);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a llama model"));
+
+    let sample = [
+        "sample",
+        "--checkpoint",
+        "a",
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ];
+    let out = fugu(&sample, &r.dir);
+    ok(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ROMEO:"));
+}

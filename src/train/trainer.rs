@@ -802,9 +802,20 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let mem = self.memory;
         let global_batch = t.batch_size * grid.dp;
         let params_n = self.full_table.elements();
+        // A model taken from a checkpoint (--init-from) is named by its architecture; the
+        // config still gives the training settings.
+        let model_name = if self.cfg.model == opts.config.model {
+            opts.config_name.clone()
+        } else {
+            format!(
+                "a {} model with {}'s training settings",
+                self.cfg.model.arch.name(),
+                opts.config_name
+            )
+        };
         eprintln!(
             "fugu train: {} ({:.2}M parameters), B={} per rank x dp {} = {} sequences of T={}, steps={} | {} | out {}",
-            opts.config_name,
+            model_name,
             params_n as f64 / 1e6,
             t.batch_size,
             grid.dp,
