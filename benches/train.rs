@@ -1,8 +1,9 @@
-//! `cargo bench --bench train -- [--config gpt2-124m] [--shape 4x64] [--steps 5] [--threads 2]
+//! `cargo bench --bench train -- [--config gpt2-124m [--config llama-124m]] [--shape 4x64] [--steps 5] [--threads 2]
 //! [--device cpu|cuda|cuda:N] [--tf32] [--precision fp32|bf16|fp16] [--breakdown]`
 //! (`FUGU_ATTENTION=materialized|fused` picks the attention path; the activations line names it)
 //!
-//! Times full training steps (forward, backward, clip, AdamW) on random tokens and prints the
+//! Times full training steps (forward, backward, clip, AdamW) on random tokens, for each
+//! `--config` in turn (any architecture, built by the registry as runs build it), and prints the
 //! median step time, tokens/s, model TFLOP/s (Megatron formula) and MFU against the device's
 //! peak for the run's precision (the CPU's as `fugu bench gemm` measures it; on a GPU the
 //! FP32 CUDA-core peak, or the tensor-core peak with `--tf32` or bf16/fp16), plus the
@@ -17,15 +18,13 @@
 
 use clap::Parser;
 use fugu::backend::{Backend, CudaSettings, Device};
-use fugu::config::{Arch, ModelConfig, Precision, RunConfig};
+use fugu::config::{ModelConfig, Precision, RunConfig};
 use fugu::metrics::cost::Slice;
 use fugu::metrics::machine::MachineInfo;
 use fugu::metrics::ops::trainer;
 use fugu::metrics::timers::{Breakdown, Roofs, TimerLevel, Timers};
 use fugu::model::acts::Recompute;
-use fugu::model::init::init_params;
-use fugu::model::table::gpt2_params;
-use fugu::model::{registry, Gpt2, Model, OptimStep, Stage, TpRank};
+use fugu::model::{registry, OptimStep, Stage, TpRank};
 use std::time::Instant;
 
 #[path = "train/host_only.rs"]
@@ -33,9 +32,9 @@ mod host_only;
 
 #[derive(Parser)]
 struct Args {
-    /// Configs to time (built-in names or files).
-    #[arg(long, default_value = "gpt2-124m")]
-    config: String,
+    /// Configs to time (built-in names or files; repeatable: each in turn, same shapes).
+    #[arg(long, default_values_t = ["gpt2-124m".to_string()])]
+    config: Vec<String>,
     /// Batch shapes BxT (repeatable). Default: the 4x64 and 4x256.
     #[arg(long)]
     shape: Vec<String>,
@@ -81,7 +80,6 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let threads = fugu::train::set_threads(args.threads)?;
-    let cfg = RunConfig::load(&args.config)?.model;
     let machine = MachineInfo::detect(threads)?;
     println!(
         "host: {} | {} threads | CPU peak {:.0} GFLOP/s ({}) | precision {}",
@@ -96,13 +94,32 @@ fn main() -> anyhow::Result<()> {
     } else {
         args.shape.clone()
     };
-    let table = gpt2_params(&cfg, 1)?;
-    let params = init_params(&cfg, &table, 1);
     println!(
-        "{:<12} {:>7} {:>10} {:>10} {:>9} {:>7} {:>9}  device",
+        "{:<14} {:>7} {:>10} {:>10} {:>9} {:>7} {:>9}  device",
         "config", "BxT", "ms/step", "tokens/s", "TFLOP/s", "MFU", "non-GEMM"
     );
-    for s in &shapes {
+    for name in &args.config {
+        let cfg = RunConfig::load(name)?.model;
+        let table = registry::full_params(&cfg)?;
+        let mut params = vec![0.0f32; table.total()];
+        for spec in table.specs() {
+            registry::init_tensor(&cfg, &spec.name, 1, &mut params[spec.range()]);
+        }
+        time_config(&args, (name, &cfg), &params, &shapes, machine.peak_gflops)?;
+    }
+    Ok(())
+}
+
+/// Every shape of config `name` (`cfg`, initial parameters `params`): one row each, and the
+/// breakdown when asked.
+fn time_config(
+    args: &Args,
+    (name, cfg): (&str, &ModelConfig),
+    params: &[f32],
+    shapes: &[String],
+    cpu_peak: f64,
+) -> anyhow::Result<()> {
+    for s in shapes {
         let (b, t) = s
             .split_once('x')
             .and_then(|(b, t)| Some((b.parse::<usize>().ok()?, t.parse::<usize>().ok()?)))
@@ -110,17 +127,17 @@ fn main() -> anyhow::Result<()> {
         let cuda = CudaSettings { tf32: args.tf32 };
         let run = (args.steps, args.timers, args.precision, args.recompute);
         if args.host_only {
-            host_only::report(&args, &cfg, &params, (b, t), run)?;
+            host_only::report(args, cfg, params, (b, t), run)?;
             continue;
         }
         let (times, bd, peak, memory, device) = fugu::with_backend!(args.device, cuda, |be| {
-            time_steps(be, &cfg, &params, (b, t), run)
+            time_steps(be, cfg, params, (b, t), run)
         })?;
         if let Some((_, source)) = &peak {
             println!("device peak: {source}");
         }
         let peak = peak.map(|p| p.0);
-        let peak = peak.unwrap_or(machine.peak_gflops);
+        let peak = peak.unwrap_or(cpu_peak);
         let mut bd = bd;
         bd.set_roofs(Roofs {
             gflops: Some(peak),
@@ -131,13 +148,13 @@ fn main() -> anyhow::Result<()> {
         let med = times[times.len() / 2];
         let whole = Slice {
             vocab: cfg.vocab_size,
-            ..Stage::whole(cfg.n_layer).slice(&cfg, t, b, 1)
+            ..Stage::whole(cfg.n_layer).slice(cfg, t, b, 1)
         };
         let flops = registry::cost(cfg.arch).model_flops(&whole);
         let tflops = flops / (med / 1e3) / 1e12;
         println!(
-            "{:<12} {:>7} {:>10.1} {:>10.1} {:>9.3} {:>6.1}% {:>8.1}%  {device}",
-            args.config,
+            "{:<14} {:>7} {:>10.1} {:>10.1} {:>9.3} {:>6.1}% {:>8.1}%  {device}",
+            name,
             s,
             med,
             (b * t) as f64 / (med / 1e3),
@@ -184,19 +201,23 @@ fn time_steps<B: Backend>(
     if let Some((gbs, source)) = &memory {
         println!("memory: {gbs:.1} GB/s ({source})");
     }
-    let mut model = Gpt2::new(cfg, TpRank::SERIAL, dtype, be)?;
+    let whole = Stage::whole(cfg.n_layer);
+    let mut model = registry::build(cfg, TpRank::SERIAL, &whole, dtype, be)?;
     model.load_params(params)?;
     model.set_recompute(recompute);
     let (fwd, bwd) = model.activation_bytes(b, t);
+    let forms: Vec<String> = model
+        .forms()
+        .iter()
+        .map(|f| format!("{} {}", f.key, f.form))
+        .collect();
     println!(
-        "activations {b}x{t} (--recompute {recompute:?}, {} attention, GELU {}, residual {}): {:.1} MiB forward + {:.1} MiB backward scratch",
-        model.attention().name(),
-        model.mlp_gelu().name(),
-        model.residual().name(),
+        "activations {b}x{t} (--recompute {recompute:?}, {}): {:.1} MiB forward + {:.1} MiB backward scratch",
+        forms.join(", "),
         fwd as f64 / (1 << 20) as f64,
         bwd as f64 / (1 << 20) as f64
     );
-    let kernels = model.core.be.kernel_settings();
+    let kernels = model.backend().kernel_settings();
     if !kernels.is_empty() {
         let kv: Vec<String> = kernels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!("kernels: {}", kv.join(" "));
@@ -205,7 +226,7 @@ fn time_steps<B: Backend>(
         model.set_loss_scale(1024.0);
     }
     let timers = Timers::new(level);
-    if let Some(clock) = model.core.be.device_clock() {
+    if let Some(clock) = model.backend().device_clock() {
         timers.set_device_clock(clock);
     }
     let mut times = Vec::new();
@@ -217,8 +238,8 @@ fn time_steps<B: Backend>(
         let t0 = Instant::now();
         model.set_batch(&window, b, t)?;
         model.zero_grad();
-        model.forward(&timers, true);
-        model.backward(&timers);
+        model.forward_micro(0, &timers, true);
+        model.backward_micro(0, &timers, &mut |_, _| {});
         // As `fugu train` times it: the gradient norm and the update under "optimizer".
         let optimizer = timers.scope("optimizer", TimerLevel::Coarse);
         let norm = model.grad_norm(&timers);
@@ -236,7 +257,7 @@ fn time_steps<B: Backend>(
             &timers,
         );
         drop(optimizer);
-        model.core.be.sync();
+        model.backend_mut().sync();
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         timers.take_step();
         if step == 0 {
@@ -246,7 +267,7 @@ fn time_steps<B: Backend>(
         }
     }
     let total: f64 = times.iter().sum();
-    let ops = [registry::ops(Arch::Gpt2), &trainer::OPS];
+    let ops = [registry::ops(cfg.arch), &trainer::OPS];
     let bd = timers.breakdown(total, times.len() as u64, &ops);
     Ok((times, bd, peak, memory.map(|m| m.0), device))
 }

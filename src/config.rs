@@ -450,7 +450,7 @@ pub struct RunConfig {
 }
 
 /// Configs shipped with fugu, by name.
-pub const BUILTIN: [(&str, &str); 10] = [
+pub const BUILTIN: [(&str, &str); 11] = [
     ("gpt2-tiny-4k", include_str!("../configs/gpt2-tiny-4k.toml")),
     ("gpt2-tiny", include_str!("../configs/gpt2-tiny.toml")),
     ("gpt2-124m", include_str!("../configs/gpt2-124m.toml")),
@@ -462,6 +462,7 @@ pub const BUILTIN: [(&str, &str); 10] = [
         "llama-tiny-4k",
         include_str!("../configs/llama-tiny-4k.toml"),
     ),
+    ("llama-124m", include_str!("../configs/llama-124m.toml")),
     (
         "tinyllama-1.1b",
         include_str!("../configs/tinyllama-1.1b.toml"),

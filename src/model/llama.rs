@@ -592,7 +592,7 @@ fn layout(d: &StepDims) -> ActLayout {
 }
 
 /// The activation and statistics tables of a step of `d` on `stage`.
-fn act_tables(d: &StepDims, stage: Stage, (r, keep): (Recompute, AttnKeep)) -> (Table, Table) {
+pub fn act_tables(d: &StepDims, stage: Stage, (r, keep): (Recompute, AttnKeep)) -> (Table, Table) {
     let l = layout(d);
     (
         layered_acts_table(d, &stage, (r, keep), &l),
@@ -601,7 +601,7 @@ fn act_tables(d: &StepDims, stage: Stage, (r, keep): (Recompute, AttnKeep)) -> (
 }
 
 /// The gradient scratch every block reuses (`datt` only with kept probabilities).
-fn grad_table(d: &StepDims, keep: AttnKeep) -> Table {
+pub fn grad_table(d: &StepDims, keep: AttnKeep) -> Table {
     let n = d.n();
     let mut t = Table::default();
     t.push("dres", &[n, d.c]);

@@ -2,6 +2,7 @@
 //! model on a backend, its full parameter table and its initialisation. Adding an
 //! architecture adds one arm to each `match` here.
 
+use super::acts::{self, AttnKeep, Recompute, StepDims};
 use super::contract::{Model, TpRank};
 use super::gpt2::Gpt2;
 use super::gpt2_hf;
@@ -31,6 +32,27 @@ pub fn build<B: Backend>(
         Arch::Gpt2 => Box::new(Gpt2::new_stage(cfg, tp, stage, compute, be)?),
         Arch::Llama => Box::new(Llama::new_stage(cfg, tp, stage, compute, be)?),
     })
+}
+
+/// The tables one micro-batch's activations of `stage` are carved by at step shape `d`
+/// (compute type), its f32 statistics, and the gradient scratch the blocks share.
+pub fn activation_tables(
+    cfg: &ModelConfig,
+    d: &StepDims,
+    stage: &Stage,
+    (recompute, keep): (Recompute, AttnKeep),
+) -> [Table; 3] {
+    match cfg.arch {
+        Arch::Gpt2 => [
+            acts::acts_table(d, stage, recompute, keep),
+            acts::stats_table(d, stage, keep),
+            acts::grad_acts_table(d, keep),
+        ],
+        Arch::Llama => {
+            let (a, s) = super::llama::act_tables(d, stage.clone(), (recompute, keep));
+            [a, s, super::llama::grad_table(d, keep)]
+        }
+    }
 }
 
 /// The whole model with parameters only (no gradients or moments), for decoding.

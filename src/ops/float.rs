@@ -292,6 +292,21 @@ pub trait Float:
         super::gelu::gelu_backward_rows(dinp, inp, dout)
     }
 
+    /// `out = silu(gate) · up` over one row ([`super::swiglu::swiglu_forward`]'s loop).
+    fn swiglu_row(out: &mut [Self], gate: &[Self], up: &[Self]) {
+        super::swiglu::swiglu_row(out, gate, up)
+    }
+
+    /// One row of [`super::swiglu::swiglu_backward`].
+    fn swiglu_backward_row(
+        d: (&mut [Self], &mut [Self]),
+        dout: &[Self],
+        gate: &[Self],
+        up: &[Self],
+    ) {
+        super::swiglu::swiglu_backward_row(d, dout, gate, up)
+    }
+
     /// `C := alpha·A·B + beta·C` with A m×k, B k×n, C m×n. When `beta == 0`, C is not read
     /// (NaN or garbage in C does not propagate). `prec` is the arithmetic of the products
     /// (fugu-gemm's [`Precision`]: operands rounded to it, f32 accumulation); the f64 reference
@@ -453,6 +468,12 @@ impl Float for f32 {
     }
     fn gelu_backward_rows(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
         super::gelu::gelu_backward_rows_f32(dinp, inp, dout)
+    }
+    fn swiglu_row(out: &mut [f32], gate: &[f32], up: &[f32]) {
+        super::swiglu::swiglu_row_f32(out, gate, up)
+    }
+    fn swiglu_backward_row(d: (&mut [f32], &mut [f32]), dout: &[f32], gate: &[f32], up: &[f32]) {
+        super::swiglu::swiglu_backward_row_f32(d, dout, gate, up)
     }
     #[inline(always)]
     fn exp(self) -> Self {

@@ -106,6 +106,32 @@ macro_rules! dispatch_rows {
             }
         }
     };
+    // A kernel fugu-rows has no SVE form of yet: the portable body there.
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;) => {
+        $(#[$meta])*
+        #[inline(never)]
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            fn avx512($($arg: $ty),*) $(-> $ret)? {
+                $body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) $(-> $ret)? {
+                $body($($arg),*)
+            }
+            match $crate::ops::row_isa::row_isa() {
+                // SAFETY: as above: Avx512 only on a CPU with AVX-512F.
+                #[cfg(target_arch = "x86_64")]
+                $crate::ops::row_isa::RowIsa::Avx512 => unsafe { avx512($($arg),*) },
+                // SAFETY: Avx2Fma only on a CPU with AVX2 and FMA.
+                #[cfg(target_arch = "x86_64")]
+                $crate::ops::row_isa::RowIsa::Avx2Fma => unsafe { avx2($($arg),*) },
+                _ => $body($($arg),*),
+            }
+        }
+    };
 }
 pub(crate) use dispatch_rows;
 

@@ -32,9 +32,7 @@ pub fn swiglu_forward<T: Float>(out: &mut [T], inp: &[T], f: usize) {
         .for_each(|(o, x)| {
             for (o, x) in o.chunks_exact_mut(f).zip(x.chunks_exact(2 * f)) {
                 let (gate, up) = x.split_at(f);
-                for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-                    *o = g * sigmoid(g).0 * u;
-                }
+                T::swiglu_row(o, gate, up);
             }
         });
 }
@@ -59,16 +57,49 @@ pub fn swiglu_backward<T: Float>(dinp: &mut [T], dout: &[T], inp: &[T], f: usize
             {
                 let (gate, up) = x.split_at(f);
                 let (dgate, dup) = d.split_at_mut(f);
-                for ((((dg, du), &go), &a), &u) in
-                    dgate.iter_mut().zip(dup).zip(g).zip(gate).zip(up)
-                {
-                    let (s, one_minus_s) = sigmoid(a);
-                    let silu = a * s;
-                    *dg = go * u * (s * (T::ONE + a * one_minus_s));
-                    *du = go * silu;
-                }
+                T::swiglu_backward_row((dgate, dup), g, gate, up);
             }
         });
+}
+
+/// One row's `out = silu(gate) · up` (`Float::swiglu_row` runs it, vectorised for the CPU in
+/// f32).
+#[inline(always)]
+pub(crate) fn swiglu_row<T: Float>(out: &mut [T], gate: &[T], up: &[T]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g * sigmoid(g).0 * u;
+    }
+}
+
+/// One row's backward pass ([`swiglu_backward`]'s formulas).
+#[inline(always)]
+pub(crate) fn swiglu_backward_row<T: Float>(
+    (dgate, dup): (&mut [T], &mut [T]),
+    dout: &[T],
+    gate: &[T],
+    up: &[T],
+) {
+    for ((((dg, du), &go), &a), &u) in dgate.iter_mut().zip(dup).zip(dout).zip(gate).zip(up) {
+        let (s, one_minus_s) = sigmoid(a);
+        let silu = a * s;
+        *dg = go * u * (s * (T::ONE + a * one_minus_s));
+        *du = go * silu;
+    }
+}
+
+super::row_isa::dispatch_rows! {
+    /// [`swiglu_row`] in f32 with the widest vectors the CPU has (no SVE kernel yet).
+    pub(crate) fn swiglu_row_f32(out: &mut [f32], gate: &[f32], up: &[f32]) = swiglu_row::<f32>;
+}
+
+super::row_isa::dispatch_rows! {
+    /// [`swiglu_backward_row`] in f32 with the widest vectors the CPU has (no SVE kernel yet).
+    pub(crate) fn swiglu_backward_row_f32(
+        d: (&mut [f32], &mut [f32]),
+        dout: &[f32],
+        gate: &[f32],
+        up: &[f32],
+    ) = swiglu_backward_row::<f32>;
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use crate::config::ModelConfig;
 use crate::metrics::cost::{CostModel, OpWork, Slice};
 use crate::metrics::ops::trainer::{grads, optimizer, phase, pipeline};
 pub use crate::metrics::prediction::{Layout, Prediction};
-use crate::model::acts::{acts_table, grad_acts_table, stats_table, AttnKeep, Recompute, StepDims};
+use crate::model::acts::{AttnKeep, Recompute, StepDims};
 use crate::model::registry;
 use crate::model::stage::Stage;
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
@@ -551,11 +551,9 @@ fn memory_gib(
 ) -> f64 {
     let d = StepDims::new(cfg, mb, seq_len, l.tp);
     let in_flight = (stage.count - stage.index).min(l.micro_batches);
-    let acts = in_flight
-        * 4
-        * (acts_table(&d, stage, Recompute::None, AttnKeep::Probabilities).total()
-            + stats_table(&d, stage, AttnKeep::Probabilities).total());
-    let bytes =
-        8 * params + 8 * owned + acts + 4 * grad_acts_table(&d, AttnKeep::Probabilities).total();
+    let keep = (Recompute::None, AttnKeep::Probabilities);
+    let [acts, stats, grad] = registry::activation_tables(cfg, &d, stage, keep);
+    let acts = in_flight * 4 * (acts.total() + stats.total());
+    let bytes = 8 * params + 8 * owned + acts + 4 * grad.total();
     bytes as f64 / (1u64 << 30) as f64
 }
