@@ -40,7 +40,7 @@ use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
 use crate::ops::rope::RopeTable;
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use TimerLevel::{Coarse, Fine};
 
@@ -86,20 +86,14 @@ impl<B: Backend> Llama<B> {
         compute: Dtype,
     ) -> Result<Llama<B>> {
         cfg.validate()?;
-        if cfg.kv_heads() != cfg.n_head && !be.grouped_attention() {
-            bail!(
-                "the {} backend has no grouped-query attention yet (model.n_kv_head = {} < model.n_head = {})",
-                be.name(),
-                cfg.kv_heads(),
-                cfg.n_head
-            );
-        }
         let table = llama_stage_params(cfg, tp.size, stage)?;
         let mut core = Core::new(cfg, (tp, stage), table, be, trainable, compute)?;
         let p = LlamaSpans::new(&core.table, core.compute_params, stage, cfg.tied());
         let g = p.on(core.grads);
         let knobs = Knobs::from_env()?;
-        let attn_keep = attention_path(&core.be, cfg.head_size(), compute, knobs.attention)?;
+        let grouped = cfg.kv_heads() != cfg.n_head;
+        let head = (cfg.head_size(), grouped);
+        let attn_keep = attention_path(&core.be, head, compute, knobs.attention)?;
         let residual = residual_path(&core.be, compute, knobs.residual)?;
         let rope = RopeTable::<f32>::new(cfg.head_size(), cfg.n_positions, cfg.rope_base());
         let host: Vec<f32> = rope.cos.iter().chain(&rope.sin).copied().collect();

@@ -139,10 +139,10 @@ fn heads_at(base: u64, dt: Dtype, h: Heads) -> Mat {
 
 impl Attn {
     pub(super) fn new(be: &CudaBackend, att: Span, qkv: Span, d: AttnDims) -> Attn {
-        assert!(!d.grouped(), "attention: no grouped-query form on CUDA yet");
-        let c = d.nh * d.hs;
+        assert!(d.kv > 0 && d.nh.is_multiple_of(d.kv), "attention: {d:?}");
         assert_eq!(att.len, d.b * d.nh * d.t * d.t, "attention: att length");
-        assert_eq!(qkv.len, d.b * d.t * 3 * c, "attention: qkv length");
+        let width = d.shape().qkv_width();
+        assert_eq!(qkv.len, d.b * d.t * width, "attention: qkv length");
         let dt = be.dt(qkv);
         assert_eq!(be.dt(att), dt, "attention: att and qkv types differ");
         Attn {
@@ -156,22 +156,56 @@ impl Attn {
 
     /// Element (row0, col0) of every head of every sequence, for per-sequence layouts `m`.
     pub(super) fn every_head(&self, m: impl Fn(usize) -> Mat, row0: usize, col0: usize) -> Ptrs {
+        self.every_head_of(m, (row0, col0), |h| h)
+    }
+
+    /// [`Self::every_head`] where query head `h` reads matrix `of(h)` of `m`.
+    fn every_head_of(
+        &self,
+        m: impl Fn(usize) -> Mat,
+        (row0, col0): (usize, usize),
+        of: impl Fn(usize) -> usize,
+    ) -> Ptrs {
         let mut ptrs = Vec::with_capacity(self.d.b * self.d.nh);
         let mut ld = 0;
         for bi in 0..self.d.b {
             let (base, l, stride, dt) = m(bi);
             ld = l;
-            let at = |h: usize| base + (dt.bytes() * (h * stride + row0 * l + col0)) as u64;
+            let at = |h: usize| base + (dt.bytes() * (of(h) * stride + row0 * l + col0)) as u64;
             ptrs.extend((0..self.d.nh).map(at));
         }
         (ptrs, ld, self.dt)
     }
 
-    /// Part `part` (0 Q, 1 K, 2 V) of every head, from row `row0`.
+    /// Part `part` (0 Q, 1 K, 2 V) of every query head, from row `row0`: for K and V, the
+    /// key/value head query head `h` reads (`h / (nh / kv)`; the same one for a group).
     pub(super) fn qkv(&self, part: usize, row0: usize) -> Ptrs {
-        let d = self.d;
-        let f = |bi| heads_at(self.qkv, self.dt, Heads::qkv(bi, part, d.t, d.nh, d.hs));
-        self.every_head(f, row0, 0)
+        let shape = self.d.shape();
+        let f = |bi| heads_at(self.qkv, self.dt, Heads::qkv_grouped(bi, part, &shape));
+        let g = shape.group();
+        match part {
+            0 => self.every_head(f, row0, 0),
+            _ => self.every_head_of(f, (row0, 0), |h| h / g),
+        }
+    }
+
+    /// The query heads of `p` (one pointer per sequence and query head) that are member `i`
+    /// of their key/value group: one per key/value head, so that products writing a
+    /// key/value head's gradient run as `group()` batches, each adding its members' share.
+    pub(super) fn members(&self, p: &Ptrs, i: usize) -> Ptrs {
+        let (nh, g) = (self.d.nh, self.d.shape().group());
+        let ptrs =
+            p.0.iter()
+                .enumerate()
+                .filter(|(j, _)| (j % nh) % g == i)
+                .map(|(_, &x)| x)
+                .collect();
+        (ptrs, p.1, p.2)
+    }
+
+    /// Query heads per key/value head.
+    pub(super) fn group(&self) -> usize {
+        self.d.shape().group()
     }
 
     /// `att` of every head from element (row0, col0).

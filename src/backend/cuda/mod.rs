@@ -1094,10 +1094,15 @@ impl Backend for CudaBackend {
             let what = "attention_values_backward";
             self.gemm_ptrs(what, problem((false, true), m, 1.0, 0.0), &dy, &v, &c);
             // dV_h[r0..r1] = att[b, h][r0..T, r0..r1]ᵀ · dout_h[r0..T] (att is 0 above the
-            // diagonal, so earlier rows add nothing).
+            // diagonal, so earlier rows add nothing); a key/value head's group members add
+            // their shares in turn.
             let (p, dy, dv) = (a.att_at(r0, r0), a.rows_of(&g, r0), da.qkv(2, r0));
             let m = (r1 - r0, d.hs, d.t - r0);
-            self.gemm_ptrs(what, problem((true, false), m, 1.0, 0.0), &p, &dy, &dv);
+            for i in 0..a.group() {
+                let (p, dy, dv) = (a.members(&p, i), a.members(&dy, i), a.members(&dv, i));
+                let beta = if i == 0 { 0.0 } else { 1.0 };
+                self.gemm_ptrs(what, problem((true, false), m, 1.0, beta), &p, &dy, &dv);
+            }
         }
     }
 
@@ -1130,16 +1135,21 @@ impl Backend for CudaBackend {
             let (ds, k, dq) = (a.att_at(r0, 0), a.qkv(1, 0), da.qkv(0, r0));
             let m = (r1 - r0, d.hs, r1);
             self.gemm_ptrs(what, problem((false, false), m, a.scale, 0.0), &ds, &k, &dq);
-            // dK_h[r0..r1] = scale · datt[r0..T, r0..r1]ᵀ · Q_h[r0..T]
+            // dK_h[r0..r1] = scale · datt[r0..T, r0..r1]ᵀ · Q_h[r0..T], summed over the
+            // key/value head's group members in turn.
             let (ds, q, dk) = (a.att_at(r0, r0), a.qkv(0, r0), da.qkv(1, r0));
             let m = (r1 - r0, d.hs, d.t - r0);
-            self.gemm_ptrs(what, problem((true, false), m, a.scale, 0.0), &ds, &q, &dk);
+            for i in 0..a.group() {
+                let (ds, q, dk) = (a.members(&ds, i), a.members(&q, i), a.members(&dk, i));
+                let beta = if i == 0 { 0.0 } else { 1.0 };
+                self.gemm_ptrs(what, problem((true, false), m, a.scale, beta), &ds, &q, &dk);
+            }
         }
     }
 
-    /// Not yet: the batched GEMMs and the flash kernels assume a key/value head per query
-    /// head.
-    fn grouped_attention(&self) -> bool {
+    /// Not yet: the flash kernels assume a key/value head per query head (the three-step
+    /// path's batched GEMMs map each query head to its key/value head).
+    fn fused_grouped_attention(&self) -> bool {
         false
     }
 
