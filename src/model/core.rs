@@ -6,9 +6,11 @@
 //! activations and passes; [`super::contract::Model`]'s methods that only touch the core are
 //! implemented once, over [`super::contract::Model::core`].
 
-use super::acts::{Recompute, StepDims};
+use super::acts::{LossActs, Recompute, StepDims};
 use super::contract::{OptimStep, TpRank};
 use super::kv::KvCache;
+use super::layers::Layers;
+use super::passes::{ce_dims, loss_forward};
 use super::stage::Stage;
 use super::table::{OwnedRange, Split, Table};
 use super::work;
@@ -211,21 +213,64 @@ impl<B: Backend> Core<B> {
         self.be.zero(s);
     }
 
-    /// Keeps the activations of `k` micro-batches at once (at least 1); true when that
-    /// changed (the caller frees its activations, reallocated at the next batch).
-    pub fn set_in_flight(&mut self, k: usize) -> bool {
+    /// Keeps the activations of `k` micro-batches at once (at least 1); when that changes,
+    /// `acts` are freed (reallocated at the next batch).
+    pub fn set_in_flight<A: ActSet, G: ActSet>(
+        &mut self,
+        k: usize,
+        acts: &mut Option<ActSets<A, G>>,
+    ) {
         let k = k.max(1);
-        let changed = k != self.in_flight;
-        self.in_flight = k;
-        changed
+        if k != self.in_flight {
+            self.in_flight = k;
+            ActSets::free(acts, &mut self.be);
+        }
     }
 
-    /// Sets activation recomputation; true when that changed (the caller frees its
-    /// activations).
-    pub fn set_recompute(&mut self, r: Recompute) -> bool {
-        let changed = r != self.recompute;
-        self.recompute = r;
-        changed
+    /// Sets activation recomputation (memory and time only: the recomputed activations are
+    /// bit-identical to the kept ones, so are the gradients); when that changes, `acts` are
+    /// freed.
+    pub fn set_recompute<A: ActSet, G: ActSet>(
+        &mut self,
+        r: Recompute,
+        acts: &mut Option<ActSets<A, G>>,
+    ) {
+        if r != self.recompute {
+            self.recompute = r;
+            ActSets::free(acts, &mut self.be);
+        }
+    }
+
+    /// The cross-entropy of a micro-batch of shape `d` whose logits are in `loss` against
+    /// `targets` (the last stage's): its mean, and with `for_backward` the logits replaced by
+    /// the loss gradient ([`Self::dloss`]).
+    pub fn micro_loss(
+        &mut self,
+        (loss, d): (&LossActs, &StepDims),
+        targets: TokSpan,
+        timers: &Timers,
+        for_backward: bool,
+    ) -> f32 {
+        let cd = ce_dims(d, self.tp.rank, self.cfg.vocab_size);
+        let dloss = self.dloss(cd.n, for_backward);
+        let x = &mut Layers {
+            be: &mut self.be,
+            comm: &*self.tp_comm,
+            timers,
+        };
+        loss_forward(x, loss, targets, cd, dloss)
+    }
+
+    /// A key/value cache for decoding: every layer and position, rows of `kv_width` (this
+    /// rank's key/value heads).
+    pub fn kv_cache(&mut self, kv_width: usize) -> Result<KvCache> {
+        let (layers, positions) = (self.cfg.n_layer, self.cfg.n_positions);
+        KvCache::new(&mut self.be, layers, positions, kv_width, self.compute)
+    }
+
+    /// The real vocabulary's logits of one decoded token (host copy).
+    pub fn decoded_logits(&self, loss: &LossActs) -> Vec<f32> {
+        self.download_span(loss.logits.sub(0, self.cfg.vocab_size))
     }
 
     /// Checks a step's window of `micro × b` rows of `t + 1` tokens (every id below the

@@ -34,8 +34,8 @@ use super::kv::KvCache;
 use super::layers::Layers;
 use super::params::{HeadParams, LayerParams, ParamSpans};
 use super::passes::{
-    attention_backward, attention_form, attention_forward, ce_dims, embedding, embedding_backward,
-    embedding_forward, loss_forward, project_into_residual, residual_form, BlockCtx, Pass,
+    attention_backward, attention_form, attention_forward, embedding, embedding_backward,
+    embedding_forward, project_into_residual, residual_form, BlockCtx, Pass,
 };
 use super::paths::{attention_path, mlp_gelu_path, residual_path, Knobs, MlpGelu, Residual};
 use super::stage::Stage;
@@ -304,17 +304,13 @@ impl<B: Backend> Model<B> for Gpt2<B> {
 
     /// Takes effect at the next batch.
     fn set_in_flight(&mut self, k: usize) {
-        if self.core.set_in_flight(k) {
-            ActSets::free(&mut self.acts, &mut self.core.be);
-        }
+        self.core.set_in_flight(k, &mut self.acts);
     }
 
     /// Changes memory and time only: the recomputed activations are bit-identical to the
     /// kept ones, so are the gradients. Takes effect at the next batch.
     fn set_recompute(&mut self, r: Recompute) {
-        if self.core.set_recompute(r) {
-            ActSets::free(&mut self.acts, &mut self.core.be);
-        }
+        self.core.set_recompute(r, &mut self.acts);
     }
 
     /// Bytes of the activations (with their f32 statistics) of every in-flight micro-batch of
@@ -372,16 +368,8 @@ impl<B: Backend> Model<B> for Gpt2<B> {
         self.forward_logits(timers, Pass::Batch { micro });
         let (_, targets) = self.tokens(micro);
         let a = ActSets::slot(&self.acts, micro).0;
-        let h = a.head?;
-        let c = &mut self.core;
-        let cd = ce_dims(&a.dims, c.tp.rank, c.cfg.vocab_size);
-        let dloss = c.dloss(cd.n, for_backward);
-        let x = &mut Layers {
-            be: &mut c.be,
-            comm: &*c.tp_comm,
-            timers,
-        };
-        Some(loss_forward(x, &h.loss, targets, cd, dloss))
+        let loss = (&a.head?.loss, &a.dims);
+        Some(self.core.micro_loss(loss, targets, timers, for_backward))
     }
 
     /// After `forward_micro(micro, .., true)` (and, on a stage before the last, after
@@ -459,15 +447,8 @@ impl<B: Backend> Model<B> for Gpt2<B> {
 
     /// All positions, each layer's keys and values of this rank's heads.
     fn kv_cache(&mut self) -> Result<KvCache> {
-        let d = self.dims(1, 1);
-        let c = &mut self.core;
-        KvCache::new(
-            &mut c.be,
-            c.cfg.n_layer,
-            c.cfg.n_positions,
-            d.kv_width(),
-            c.compute,
-        )
+        let kv_width = self.dims(1, 1).kv_width();
+        self.core.kv_cache(kv_width)
     }
 
     /// The same forward pass as training on a batch of one token, with attention over the
@@ -484,9 +465,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
         self.ensure_acts(1, 1)?;
         self.forward_logits(timers, Pass::Decode { cache, pos });
         let h = self.acts_of(0).head.expect("the whole model has the head");
-        Ok(self
-            .core
-            .download_span(h.loss.logits.sub(0, self.core.cfg.vocab_size)))
+        Ok(self.core.decoded_logits(&h.loss))
     }
 }
 

@@ -26,8 +26,8 @@ use super::kv::KvCache;
 use super::layers::Layers;
 use super::llama_params::{llama_stage_params, LlamaLayerParams, LlamaSpans};
 use super::passes::{
-    attention_backward, attention_form, attention_forward, ce_dims, embedding, embedding_backward,
-    embedding_forward, loss_forward, project_into_residual, residual_form, BlockCtx, Pass,
+    attention_backward, attention_form, attention_forward, embedding, embedding_backward,
+    embedding_forward, project_into_residual, residual_form, BlockCtx, Pass,
 };
 use super::paths::{attention_path, residual_path, Knobs, Residual};
 use super::stage::Stage;
@@ -242,15 +242,11 @@ impl<B: Backend> Model<B> for Llama<B> {
     }
 
     fn set_in_flight(&mut self, k: usize) {
-        if self.core.set_in_flight(k) {
-            ActSets::free(&mut self.acts, &mut self.core.be);
-        }
+        self.core.set_in_flight(k, &mut self.acts);
     }
 
     fn set_recompute(&mut self, r: Recompute) {
-        if self.core.set_recompute(r) {
-            ActSets::free(&mut self.acts, &mut self.core.be);
-        }
+        self.core.set_recompute(r, &mut self.acts);
     }
 
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
@@ -296,16 +292,8 @@ impl<B: Backend> Model<B> for Llama<B> {
         self.forward_logits(timers, Pass::Batch { micro });
         let (_, targets) = self.tokens(micro);
         let a = ActSets::slot(&self.acts, micro).0;
-        let h = a.head?;
-        let c = &mut self.core;
-        let cd = ce_dims(&a.dims, c.tp.rank, c.cfg.vocab_size);
-        let dloss = c.dloss(cd.n, for_backward);
-        let x = &mut Layers {
-            be: &mut c.be,
-            comm: &*c.tp_comm,
-            timers,
-        };
-        Some(loss_forward(x, &h.loss, targets, cd, dloss))
+        let loss = (&a.head?.loss, &a.dims);
+        Some(self.core.micro_loss(loss, targets, timers, for_backward))
     }
 
     fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
@@ -379,15 +367,8 @@ impl<B: Backend> Model<B> for Llama<B> {
 
     /// All positions, each layer's keys and values of this rank's key/value heads only.
     fn kv_cache(&mut self) -> Result<KvCache> {
-        let d = self.dims(1, 1);
-        let c = &mut self.core;
-        KvCache::new(
-            &mut c.be,
-            c.cfg.n_layer,
-            c.cfg.n_positions,
-            d.kv_width(),
-            c.compute,
-        )
+        let kv_width = self.dims(1, 1).kv_width();
+        self.core.kv_cache(kv_width)
     }
 
     fn decode(
@@ -401,8 +382,7 @@ impl<B: Backend> Model<B> for Llama<B> {
         self.ensure_acts(1, 1)?;
         self.forward_logits(timers, Pass::Decode { cache, pos });
         let h = self.acts_of(0).head.expect("the whole model has the head");
-        let logits = h.loss.logits.sub(0, self.core.cfg.vocab_size);
-        Ok(self.core.download_span(logits))
+        Ok(self.core.decoded_logits(&h.loss))
     }
 }
 
