@@ -1347,8 +1347,9 @@ tie_embeddings = false
 "#;
 
 /// The Llama family through the trainer's paths: a resumed run continues bit for bit,
-/// recomputation changes nothing, a checkpoint starts a new run with no config (`--init-from`,
-/// the model named by its architecture) and is sampled greedily.
+/// recomputation changes nothing, a checkpoint split into Hugging Face shards starts a new run
+/// with no config (`--init-from`, the model named by its architecture), and a checkpoint is
+/// sampled greedily.
 #[test]
 fn llama_resumes_exactly_recomputes_and_samples() {
     let r = SmallRuns::new("llama");
@@ -1384,10 +1385,12 @@ fn llama_resumes_exactly_recomputes_and_samples() {
         }
     }
 
+    // As a Hugging Face directory saved in two shards with an index.
+    split_into_shards(&r.dir.join("a/ckpt-00000006"), &r.dir.join("hf"));
     let init = [
         "train",
         "--init-from",
-        "a/ckpt-00000006",
+        "hf",
         "--data",
         &r.data,
         "--threads",
