@@ -260,7 +260,9 @@ pub struct GradActs {
     pub dfch_gelu: Span,
 }
 
-fn span(table: &Table, buf: BufId, name: &str) -> Span {
+/// Tensor `name` of `table` as a span of `buf` (the activation, statistics and gradient-scratch
+/// tables of every architecture).
+pub fn span(table: &Table, buf: BufId, name: &str) -> Span {
     let s = table
         .get(name)
         .unwrap_or_else(|| panic!("activation {name} missing"));
@@ -428,18 +430,18 @@ impl Carved<'_> {
 }
 
 impl crate::model::core::ActSet for Acts {
-    fn dims(&self) -> StepDims {
-        self.dims
-    }
     fn bufs(&self) -> Vec<BufId> {
         vec![self.buf, self.stats_buf]
     }
 }
 
-impl crate::model::core::ActSet for GradActs {
+impl crate::model::core::StepActs for Acts {
     fn dims(&self) -> StepDims {
-        unreachable!("the gradient scratch is sized with its activation sets")
+        self.dims
     }
+}
+
+impl crate::model::core::ActSet for GradActs {
     fn bufs(&self) -> Vec<BufId> {
         vec![self.buf]
     }

@@ -215,7 +215,7 @@ impl<B: Backend> Core<B> {
 
     /// Keeps the activations of `k` micro-batches at once (at least 1); when that changes,
     /// `acts` are freed (reallocated at the next batch).
-    pub fn set_in_flight<A: ActSet, G: ActSet>(
+    pub fn set_in_flight<A: StepActs, G: ActSet>(
         &mut self,
         k: usize,
         acts: &mut Option<ActSets<A, G>>,
@@ -230,7 +230,7 @@ impl<B: Backend> Core<B> {
     /// Sets activation recomputation (memory and time only: the recomputed activations are
     /// bit-identical to the kept ones, so are the gradients); when that changes, `acts` are
     /// freed.
-    pub fn set_recompute<A: ActSet, G: ActSet>(
+    pub fn set_recompute<A: StepActs, G: ActSet>(
         &mut self,
         r: Recompute,
         acts: &mut Option<ActSets<A, G>>,
@@ -452,11 +452,14 @@ impl<B: Backend> Core<B> {
     }
 }
 
-/// An activation set or gradient scratch: the step shape it was carved for and the buffers
-/// it owns.
+/// An activation set or gradient scratch: the buffers it owns.
 pub trait ActSet {
-    fn dims(&self) -> StepDims;
     fn bufs(&self) -> Vec<BufId>;
+}
+
+/// A micro-batch's activation set: also the step shape it was carved for.
+pub trait StepActs: ActSet {
+    fn dims(&self) -> StepDims;
 }
 
 /// The activation sets of the in-flight micro-batches and the gradient scratch they share.
@@ -465,7 +468,7 @@ pub struct ActSets<A, G> {
     pub grad: G,
 }
 
-impl<A: ActSet, G: ActSet> ActSets<A, G> {
+impl<A: StepActs, G: ActSet> ActSets<A, G> {
     /// The activation set of micro-batch `micro` and the shared gradient scratch.
     pub fn slot(acts: &Option<ActSets<A, G>>, micro: usize) -> (&A, &G) {
         let s = acts

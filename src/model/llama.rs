@@ -16,11 +16,11 @@
 //! column-parallel layers' input gradients all-reduced, as GPT-2's.
 
 use super::acts::{
-    layered_acts_table, layered_stats_table, ActLayout, AttnActs, AttnGrads, AttnKeep, AttnKept,
-    Carved, LossActs, Recompute, StepDims,
+    layered_acts_table, layered_stats_table, span, ActLayout, AttnActs, AttnGrads, AttnKeep,
+    AttnKept, Carved, LossActs, Recompute, StepDims,
 };
 use super::contract::{GradsReady, Model, OpForm, TpRank};
-use super::core::{ActSet, ActSets, Core};
+use super::core::{ActSet, ActSets, Core, StepActs};
 use super::decoder_ops::{backward as bwd, forward as fwd};
 use super::kv::KvCache;
 use super::layers::Layers;
@@ -682,11 +682,14 @@ impl LlamaActs {
 }
 
 impl ActSet for LlamaActs {
-    fn dims(&self) -> StepDims {
-        self.dims
-    }
     fn bufs(&self) -> Vec<BufId> {
         self.bufs.to_vec()
+    }
+}
+
+impl StepActs for LlamaActs {
+    fn dims(&self) -> StepDims {
+        self.dims
     }
 }
 
@@ -706,14 +709,7 @@ struct LlamaGrads {
 
 impl LlamaGrads {
     fn new(table: Table, buf: BufId) -> LlamaGrads {
-        let s = |name: &str| {
-            let t = table.get(name).expect("gradient scratch tensor");
-            Span {
-                buf,
-                offset: t.offset,
-                len: t.len(),
-            }
-        };
+        let s = |name: &str| span(&table, buf, name);
         LlamaGrads {
             buf,
             dres: s("dres"),
@@ -736,9 +732,6 @@ impl LlamaGrads {
 }
 
 impl ActSet for LlamaGrads {
-    fn dims(&self) -> StepDims {
-        unreachable!("the gradient scratch is sized with its activation sets")
-    }
     fn bufs(&self) -> Vec<BufId> {
         vec![self.buf]
     }
