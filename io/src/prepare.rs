@@ -144,13 +144,6 @@ fn dataset_tokenizer(opts: &PrepareOptions, dir: &Path) -> Result<(Box<dyn Token
             tok
         }
     };
-    if !tok.safe_newline_cuts() {
-        return Err(Error::Config(format!(
-            "tokenizer `{}`: its pre-tokenizer is not GPT-2's, so documents cannot be cut at \
-             newlines for parallel tokenisation; only GPT-2-style byte-level BPE is supported",
-            tok.name()
-        )));
-    }
     let path = dir.join(TOKENIZER_FILE);
     std::fs::write(&path, tok.hf_tokenizer_json()?).map_err(|e| Error::io(&path, "write", e))?;
     Ok((tok, TOKENIZER_FILE.into()))
@@ -162,6 +155,7 @@ fn training_documents(opts: &PrepareOptions) -> Result<Vec<String>> {
     let mut docs: Vec<(u64, Vec<u8>)> = Vec::new();
     let mut walker = Walker {
         opts,
+        cuts: true,
         seq: 0,
         skipped: 0,
         seen: Seen::default(),
@@ -256,6 +250,7 @@ fn write_dataset(
 
     let mut walker = Walker {
         opts,
+        cuts: tok.safe_newline_cuts(),
         seq: 0,
         skipped: 0,
         seen: Seen::default(),
@@ -388,11 +383,17 @@ struct Chunk {
     seq: u64,
     source: String,
     bytes: Vec<u8>,
+    /// The document's first chunk ([`Tokenizer::encode`]; the others:
+    /// [`Tokenizer::encode_continuation`]).
+    first: bool,
     last: bool,
 }
 
 struct Walker<'a> {
     opts: &'a PrepareOptions,
+    /// Cut long documents at safe newlines (the tokenizer's
+    /// [`Tokenizer::safe_newline_cuts`]); else each is one chunk.
+    cuts: bool,
     seq: u64,
     skipped: u64,
     seen: Seen,
@@ -598,10 +599,31 @@ impl Walker<'_> {
         }
     }
 
-    /// Cuts one document into chunks at safe newlines.
+    /// Cuts one document into chunks at safe newlines (one chunk when the
+    /// tokenizer allows no cuts).
     fn walk_text<R: Read>(&mut self, mut r: R, source: &str, sink: &mut Sink) -> Result<()> {
         self.seq += 1;
         let seq = self.seq;
+        let mut first = true;
+        let mut sink = |bytes: Vec<u8>, last: bool| {
+            let chunk = Chunk {
+                seq,
+                source: source.into(),
+                bytes,
+                first,
+                last,
+            };
+            first = false;
+            sink(chunk)
+        };
+        if !self.cuts {
+            let mut whole = Vec::new();
+            r.read_to_end(&mut whole).map_err(|e| Error::Input {
+                path: source.into(),
+                what: format!("read: {e}"),
+            })?;
+            return sink(whole, true);
+        }
         let target = self.opts.chunk_bytes;
         let mut buf: Vec<u8> = Vec::with_capacity(target * 2);
         let mut scan_from = 0usize;
@@ -620,13 +642,7 @@ impl Walker<'_> {
                 }
             }
             if eof && buf.len() <= target * 2 {
-                let last = std::mem::take(&mut buf);
-                return sink(Chunk {
-                    seq,
-                    source: source.into(),
-                    bytes: last,
-                    last: true,
-                });
+                return sink(std::mem::take(&mut buf), true);
             }
             // Find a safe cut at or after `target`.
             let from = scan_from.max(target);
@@ -659,15 +675,7 @@ impl Walker<'_> {
                     }
                     continue;
                 }
-                None if eof => {
-                    let last = std::mem::take(&mut buf);
-                    return sink(Chunk {
-                        seq,
-                        source: source.into(),
-                        bytes: last,
-                        last: true,
-                    });
-                }
+                None if eof => return sink(std::mem::take(&mut buf), true),
                 None => {
                     // No safe newline in a long stretch: cut at a UTF-8 boundary.
                     let mut c = target * 8;
@@ -680,12 +688,7 @@ impl Walker<'_> {
             let rest = buf.split_off(cut);
             let chunk = std::mem::replace(&mut buf, rest);
             scan_from = 0;
-            sink(Chunk {
-                seq,
-                source: source.into(),
-                bytes: chunk,
-                last: false,
-            })?;
+            sink(chunk, false)?;
         }
     }
 }
@@ -736,9 +739,15 @@ impl Writer<'_> {
         let encoded: Vec<(Vec<u32>, bool)> = self.pool.install(|| {
             batch
                 .par_iter()
-                .map(|c| match std::str::from_utf8(&c.bytes) {
-                    Ok(s) => (tok.encode(s), false),
-                    Err(_) => (tok.encode(&String::from_utf8_lossy(&c.bytes)), true),
+                .map(|c| {
+                    let encode = |s: &str| match c.first {
+                        true => tok.encode(s),
+                        false => tok.encode_continuation(s),
+                    };
+                    match std::str::from_utf8(&c.bytes) {
+                        Ok(s) => (encode(s), false),
+                        Err(_) => (encode(&String::from_utf8_lossy(&c.bytes)), true),
+                    }
                 })
                 .collect()
         });

@@ -11,8 +11,8 @@ use std::time::Instant;
 use fugu_io::tar::{EntryKind, StreamSource, TarReader};
 use fugu_io::tokenizer::{
     bytes_to_unicode, gpt2_vocab_and_merges, hf_tokenizer_files, tokenizer_by_name, train_bpe,
-    train_bpe_with, write_hf_tokenizer_files, BpeTrainOptions, Gpt2Tokenizer, HfTokenizer,
-    Tokenizer, HF_TOKENIZER_FILES,
+    train_bpe_with, write_hf_tokenizer_files, BpeTrainOptions, ByteEncoding, Gpt2Tokenizer,
+    HfTokenizer, Tokenizer, HF_TOKENIZER_FILES,
 };
 use sha2::{Digest, Sha256};
 
@@ -425,10 +425,7 @@ fn bad_tokenizer_files_are_clear_errors() {
         "model":{"type":"WordLevel","vocab":{"<|endoftext|>":0,"a":1},"unk_token":"a"}}"#;
     std::fs::write(&p, wl).unwrap();
     let e = err(path);
-    assert!(
-        e.contains("byte-level BPE") && e.contains("WordLevel"),
-        "{e}"
-    );
+    assert!(e.contains("BPE") && e.contains("WordLevel"), "{e}");
     // A byte-level BPE missing byte tokens.
     let mut v: serde_json::Value = serde_json::from_str(&tok.to_json()).unwrap();
     let vocab = v["model"]["vocab"].as_object_mut().unwrap();
@@ -584,4 +581,192 @@ fn huge_whitespace_runs_do_not_panic() {
     assert_eq!(g.decode(&ids).unwrap(), text);
     let hf = HfTokenizer::gpt2().unwrap();
     assert_eq!(hf.decode(&hf.encode(&text)).unwrap(), text);
+}
+
+/// The Llama-style tokenizer of `tests/fixtures/llama-tokenizer` (SentencePiece BPE with byte
+/// fallback, converted by transformers; `dev/make_llama_tokenizer.py`).
+fn llama_fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama-tokenizer")
+}
+
+#[test]
+fn llama_style_tokenizer_gives_transformers_ids() {
+    let dir = llama_fixture();
+    let tok = HfTokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    assert_eq!(tok.byte_encoding(), ByteEncoding::ByteFallback);
+    assert_eq!(
+        (tok.vocab_size(), tok.eot(), tok.eot_token().as_str()),
+        (1000, 2, "</s>")
+    );
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(dir.join("expected_ids.json")).unwrap()).unwrap();
+    assert!(cases.len() >= 10);
+    for case in &cases {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(tok.encode(text), want, "{text:?}");
+        // A leading space is dropped by the round trip, as in transformers.
+        let back = text.strip_prefix(' ').unwrap_or(text);
+        assert_eq!(tok.decode(&want).unwrap(), back, "{text:?}");
+    }
+    // Characters the merges never saw go through <0xXX> byte tokens.
+    let ids = tok.encode("Ωμέγα 🐡");
+    let byte_tokens = tok.id_to_token();
+    assert!(
+        ids.iter()
+            .any(|&i| byte_tokens[i as usize].starts_with("<0x")),
+        "{ids:?}"
+    );
+    assert_eq!(tok.decode(&ids).unwrap(), "Ωμέγα 🐡");
+    // The directory form (as `--tokenizer DIR` and checkpoints use) loads the same tokenizer.
+    let by_dir = tokenizer_by_name(dir.to_str().unwrap()).unwrap();
+    assert_eq!(by_dir.encode("To be, or not"), tok.encode("To be, or not"));
+}
+
+/// The fixture as transformers writes it now (a `Metaspace` pre-tokenizer), and in the older
+/// form of Llama 2's own `tokenizer.json` (a `Prepend`+`Replace` normalizer, no pre-tokenizer).
+fn llama_fixture_forms() -> [HfTokenizer; 2] {
+    let json = std::fs::read_to_string(llama_fixture().join("tokenizer.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["pre_tokenizer"]["type"], "Metaspace");
+    v["pre_tokenizer"] = serde_json::Value::Null;
+    v["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]});
+    [
+        HfTokenizer::from_bytes(json.as_bytes()).unwrap(),
+        HfTokenizer::from_bytes(v.to_string().as_bytes()).unwrap(),
+    ]
+}
+
+#[test]
+fn llama_style_tokenizer_round_trips_the_corpus() {
+    for tok in llama_fixture_forms() {
+        round_trips_and_cuts_exactly(&tok);
+    }
+}
+
+fn round_trips_and_cuts_exactly(tok: &HfTokenizer) {
+    assert!(tok.safe_newline_cuts());
+    for (i, text) in corpus_sample().iter().enumerate() {
+        let ids = tok.encode(text);
+        assert!(ids.iter().all(|&i| i < tok.vocab_size()));
+        let back = text.strip_prefix(' ').unwrap_or(text);
+        assert!(tok.decode(&ids).unwrap() == back, "document {i}");
+        // Cut at every safe newline: the first part encoded as a text, the others as
+        // continuations (no `▁` in front), the ids are those of the whole.
+        let b = text.as_bytes();
+        let (mut parts, mut start, mut cuts) = (Vec::new(), 0, 0);
+        for j in 0..b.len() {
+            if fugu_io::tokenizer::is_safe_cut(b, j) {
+                let part = &text[start..=j];
+                parts.extend(match start {
+                    0 => tok.encode(part),
+                    _ => tok.encode_continuation(part),
+                });
+                start = j + 1;
+                cuts += 1;
+            }
+        }
+        parts.extend(tok.encode_continuation(&text[start..]));
+        assert!(cuts > 10, "document {i}: {cuts} cuts");
+        assert!(parts == ids, "document {i}: cut encoding differs");
+        // Without the continuation form, each part would gain a `▁`.
+        if let Some(j) = (1..b.len()).find(|&j| fugu_io::tokenizer::is_safe_cut(b, j)) {
+            let rest = &text[j + 1..];
+            assert_ne!(
+                tok.encode(rest),
+                tok.encode_continuation(rest),
+                "document {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn llama_style_tokenizer_files_load_back() {
+    let tok = HfTokenizer::from_file(llama_fixture().join("tokenizer.json")).unwrap();
+    let files = hf_tokenizer_files(&tok, Some(256)).unwrap();
+    let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+    // No GPT-2 slow-tokenizer files: GPT2Tokenizer would byte-level encode with them.
+    assert_eq!(
+        names,
+        [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json"
+        ]
+    );
+    let config: serde_json::Value = serde_json::from_slice(&files[1].1).unwrap();
+    assert_eq!(config["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(
+        (
+            &config["bos_token"],
+            &config["eos_token"],
+            &config["unk_token"]
+        ),
+        (&"<s>".into(), &"</s>".into(), &"<unk>".into())
+    );
+    assert_eq!(
+        (&config["add_bos_token"], &config["model_max_length"]),
+        (&false.into(), &256.into())
+    );
+    let back = HfTokenizer::from_bytes(&files[0].1).unwrap();
+    let text = "KING HENRY V.\nO for a Muse of fire";
+    assert_eq!(back.encode(text), tok.encode(text));
+}
+
+#[test]
+fn unusable_llama_style_tokenizers_are_refused_by_what_is_wrong() {
+    let json = std::fs::read_to_string(llama_fixture().join("tokenizer.json")).unwrap();
+    let refuse = |edit: &dyn Fn(&mut serde_json::Value)| -> String {
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        edit(&mut v);
+        match HfTokenizer::from_bytes(v.to_string().as_bytes()) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => e.to_string(),
+        }
+    };
+    // Byte fallback without a ByteFallback decoder step: <0xXX> would decode as names.
+    let e = refuse(&|v| {
+        v["decoder"]["decoders"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|d| d["type"] != "ByteFallback")
+    });
+    assert!(e.contains("ByteFallback"), "{e}");
+    // Neither byte fallback nor byte-level: some text has no encoding.
+    let e = refuse(&|v| v["model"]["byte_fallback"] = false.into());
+    assert!(
+        e.contains("byte fallback") && e.contains("byte-level"),
+        "{e}"
+    );
+    // A byte token missing.
+    let e = refuse(&|v| {
+        let vocab = v["model"]["vocab"].as_object_mut().unwrap();
+        let id = vocab.remove("<0x41>").unwrap();
+        vocab.insert("<0x41-renamed>".into(), id);
+    });
+    assert!(e.contains("0x41"), "{e}");
+    // A token holding a newline: cuts at newlines would not be exact, documents are whole.
+    let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let vocab = v["model"]["vocab"].as_object_mut().unwrap();
+    vocab.insert("\n\n".into(), 1000.into());
+    let whole_docs = HfTokenizer::from_bytes(v.to_string().as_bytes()).unwrap();
+    assert!(!whole_docs.safe_newline_cuts());
+    // A lowercasing normalizer: the data would not be the text.
+    let e = refuse(&|v| v["normalizer"] = serde_json::json!({"type": "Lowercase"}));
+    assert!(e.contains("does not give back the text"), "{e}");
+    // No end-of-text token of any known name.
+    let e = refuse(&|v| {
+        for t in v["added_tokens"].as_array_mut().unwrap() {
+            if t["content"] == "</s>" {
+                t["content"] = "<end>".into();
+            }
+        }
+        let vocab = v["model"]["vocab"].as_object_mut().unwrap();
+        let id = vocab.remove("</s>").unwrap();
+        vocab.insert("<end>".into(), id);
+    });
+    assert!(e.contains("end-of-text") && e.contains("</s>"), "{e}");
 }

@@ -20,8 +20,9 @@ pub struct PrepareArgs {
     /// Fraction of documents held out for validation (every round(1/f)-th).
     #[arg(long, default_value_t = 0.05)]
     pub val_fraction: f64,
-    /// Tokenizer: gpt2, or a Hugging Face tokenizer.json (file or folder; GPT-2-style
-    /// byte-level BPE), copied into the dataset.
+    /// Tokenizer: gpt2, or a Hugging Face tokenizer.json (file or folder; a byte-level BPE as
+    /// GPT-2's or Llama 3's, or a byte-fallback BPE as Llama 2's, Mistral's or LLM-jp's), copied
+    /// into the dataset.
     #[arg(long, default_value = "gpt2")]
     pub tokenizer: String,
     /// Train a byte-level BPE (Hugging Face tokenizers) on the training documents of the input

@@ -16,11 +16,12 @@ use std::sync::OnceLock;
 use serde_json::{json, Value};
 use tokenizers::models::bpe::{Vocab, BPE};
 
-use super::hf::{add_eot, byte_level_pipeline, HfTokenizer, EOT_TOKEN};
+use super::hf::{add_eot, byte_level_pipeline, ByteEncoding, HfTokenizer, EOT_TOKEN};
 use super::{Tokenizer, GPT2_EOT};
 use crate::error::{Error, Result};
 
-/// The files [`hf_tokenizer_files`] returns, in that order.
+/// The files [`hf_tokenizer_files`] returns for a byte-level tokenizer, in
+/// that order (a byte-fallback one has no `vocab.json` and `merges.txt`).
 pub const HF_TOKENIZER_FILES: [&str; 5] = [
     "tokenizer.json",
     "vocab.json",
@@ -162,9 +163,14 @@ fn build_gpt2_json() -> std::result::Result<String, String> {
 /// the order of [`HF_TOKENIZER_FILES`]: `tokenizer.json` (for
 /// `PreTrainedTokenizerFast` and Python's `tokenizers`), `vocab.json` and
 /// `merges.txt` (for the slow `GPT2Tokenizer`), `tokenizer_config.json`
-/// (`GPT2Tokenizer` class, `<|endoftext|>` as bos/eos/unk, no prefix space,
-/// no clean-up of spaces on decode so that decoding round-trips, and
+/// (`GPT2Tokenizer` class, the end-of-text token as bos/eos/unk, no prefix
+/// space, no clean-up of spaces on decode so that decoding round-trips, and
 /// `model_max_length` when given) and `special_tokens_map.json`.
+///
+/// A byte-fallback tokenizer (Llama's kind) gets `tokenizer.json`, a
+/// `tokenizer_config.json` of class `PreTrainedTokenizerFast` (which loads
+/// `tokenizer.json` as it is; `<s>`/`<unk>` as bos/unk when the vocabulary
+/// has them, no bos added) and `special_tokens_map.json`.
 ///
 /// Works for [`Gpt2Tokenizer`](super::Gpt2Tokenizer) (derived offline) and
 /// any [`HfTokenizer`]; other tokenizers give an error.
@@ -179,7 +185,80 @@ pub fn hf_tokenizer_files(
     let value: Value =
         serde_json::from_str(&json).map_err(|e| err(format!("not valid JSON: {e}")))?;
 
-    // vocab.json: every token (model and added) by id.
+    let eot = hf.eot_token();
+    let byte_level = hf.byte_encoding() == ByteEncoding::ByteLevel;
+    let has = |t: &str| hf.inner().token_to_id(t).is_some();
+    let (bos, unk) = if byte_level {
+        (eot.clone(), eot.clone())
+    } else {
+        let or_eot = |t: &str| if has(t) { t.to_string() } else { eot.clone() };
+        (or_eot("<s>"), or_eot("<unk>"))
+    };
+
+    // The added tokens, as transformers' `added_tokens_decoder`.
+    let mut added = serde_json::Map::new();
+    for t in value["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(content)) = (t["id"].as_u64(), t["content"].as_str()) else {
+            return Err(err(format!("added token {t} has no id/content")));
+        };
+        let flag = |k: &str| t[k].as_bool().unwrap_or(false);
+        added.insert(
+            id.to_string(),
+            json!({
+                "content": content,
+                "lstrip": flag("lstrip"),
+                "normalized": flag("normalized"),
+                "rstrip": flag("rstrip"),
+                "single_word": flag("single_word"),
+                "special": flag("special"),
+            }),
+        );
+    }
+    let mut config = json!({
+        "tokenizer_class": if byte_level { "GPT2Tokenizer" } else { "PreTrainedTokenizerFast" },
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "added_tokens_decoder": added,
+        "bos_token": bos,
+        "eos_token": eot,
+        "unk_token": unk,
+        "clean_up_tokenization_spaces": false,
+    });
+    if byte_level {
+        config["add_prefix_space"] = json!(false);
+        config["errors"] = json!("replace");
+    }
+    if let Some(n) = model_max_length {
+        config["model_max_length"] = json!(n);
+    }
+    let special = json!({
+        "bos_token": bos,
+        "eos_token": eot,
+        "unk_token": unk,
+    });
+    let pretty = |v: &Value| -> Result<Vec<u8>> {
+        let mut s = serde_json::to_string_pretty(v).map_err(|e| err(e.to_string()))?;
+        s.push('\n');
+        Ok(s.into_bytes())
+    };
+    let mut files = vec![(HF_TOKENIZER_FILES[0].into(), json.into_bytes())];
+    if byte_level {
+        let (vocab_json, merges_txt) = slow_gpt2_files(&hf, &value, &err)?;
+        files.push((HF_TOKENIZER_FILES[1].into(), vocab_json.into_bytes()));
+        files.push((HF_TOKENIZER_FILES[2].into(), merges_txt.into_bytes()));
+    }
+    files.push((HF_TOKENIZER_FILES[3].into(), pretty(&config)?));
+    files.push((HF_TOKENIZER_FILES[4].into(), pretty(&special)?));
+    Ok(files)
+}
+
+/// GPT-2's slow-tokenizer files for a byte-level tokenizer: `vocab.json`
+/// (every token, model and added, by id) and `merges.txt`.
+fn slow_gpt2_files(
+    hf: &HfTokenizer,
+    value: &Value,
+    err: &dyn Fn(String) -> Error,
+) -> Result<(String, String)> {
     let tokens = hf.id_to_token();
     let mut vocab_json = String::with_capacity(tokens.len() * 12);
     vocab_json.push('{');
@@ -221,57 +300,7 @@ pub fn hf_tokenizer_files(
         merges_txt.push_str(b);
         merges_txt.push('\n');
     }
-
-    // The added tokens, as transformers' `added_tokens_decoder`.
-    let mut added = serde_json::Map::new();
-    for t in value["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(id), Some(content)) = (t["id"].as_u64(), t["content"].as_str()) else {
-            return Err(err(format!("added token {t} has no id/content")));
-        };
-        let flag = |k: &str| t[k].as_bool().unwrap_or(false);
-        added.insert(
-            id.to_string(),
-            json!({
-                "content": content,
-                "lstrip": flag("lstrip"),
-                "normalized": flag("normalized"),
-                "rstrip": flag("rstrip"),
-                "single_word": flag("single_word"),
-                "special": flag("special"),
-            }),
-        );
-    }
-    let mut config = json!({
-        "tokenizer_class": "GPT2Tokenizer",
-        "add_bos_token": false,
-        "add_prefix_space": false,
-        "added_tokens_decoder": added,
-        "bos_token": EOT_TOKEN,
-        "eos_token": EOT_TOKEN,
-        "unk_token": EOT_TOKEN,
-        "clean_up_tokenization_spaces": false,
-        "errors": "replace",
-    });
-    if let Some(n) = model_max_length {
-        config["model_max_length"] = json!(n);
-    }
-    let special = json!({
-        "bos_token": EOT_TOKEN,
-        "eos_token": EOT_TOKEN,
-        "unk_token": EOT_TOKEN,
-    });
-    let pretty = |v: &Value| -> Result<Vec<u8>> {
-        let mut s = serde_json::to_string_pretty(v).map_err(|e| err(e.to_string()))?;
-        s.push('\n');
-        Ok(s.into_bytes())
-    };
-    Ok(vec![
-        (HF_TOKENIZER_FILES[0].into(), json.into_bytes()),
-        (HF_TOKENIZER_FILES[1].into(), vocab_json.into_bytes()),
-        (HF_TOKENIZER_FILES[2].into(), merges_txt.into_bytes()),
-        (HF_TOKENIZER_FILES[3].into(), pretty(&config)?),
-        (HF_TOKENIZER_FILES[4].into(), pretty(&special)?),
-    ])
+    Ok((vocab_json, merges_txt))
 }
 
 /// Writes [`hf_tokenizer_files`] into `dir` (created if missing); returns the

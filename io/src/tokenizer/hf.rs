@@ -1,12 +1,24 @@
 //! [`HfTokenizer`]: a Hugging Face `tokenizers::Tokenizer` (a `tokenizer.json`)
 //! behind fugu's [`Tokenizer`] trait.
 //!
-//! Only byte-level BPE tokenizers are accepted (BPE model, `ByteLevel`
-//! decoder, every one of the 256 byte symbols in the vocabulary, contiguous
-//! ids, an `<|endoftext|>` token): for those, every text has an encoding and
-//! `decode(encode(text)) == text`. GPT-2's own `tokenizer.json`, the ones
-//! [`train_bpe`](super::train_bpe) writes and those of most GPT-2-style models
-//! qualify.
+//! BPE tokenizers that can encode every text are accepted, in the two forms
+//! models ship ([`ByteEncoding`]):
+//!
+//! * **byte-level** (GPT-2, Llama 3, Qwen, the ones
+//!   [`train_bpe`](super::train_bpe) writes): a `ByteLevel` decoder and every
+//!   one of the 256 byte symbols in the vocabulary;
+//! * **byte fallback** (Llama 1/2, Mistral, LLM-jp, TinyLlama: SentencePiece
+//!   BPE converted by transformers): `model.byte_fallback: true`, the 256
+//!   `<0x00>`..`<0xFF>` tokens, a decoder with a `ByteFallback` step, and a
+//!   `▁` space marker added by a `Metaspace` pre-tokenizer or a
+//!   `Prepend`/`Replace` normalizer.
+//!
+//! Ids must be contiguous, one of [`END_OF_TEXT_TOKENS`] must be in the
+//! vocabulary (the end-of-text id), and a probe text must decode back to
+//! itself, but for a space in front (a normalizer that lowercases or strips
+//! accents is refused: the training data would silently not be the text). A text that starts with a
+//! space loses that space in a byte-fallback tokenizer's round trip (its
+//! decoder strips the `▁` prefix that encoding adds), exactly as in Python.
 
 use std::path::Path;
 use std::sync::OnceLock;
@@ -27,8 +39,28 @@ use crate::error::{Error, Result};
 const GPT2_SPLIT: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
-/// The end-of-text token every fugu tokenizer has (GPT-2's).
+/// The end-of-text token of GPT-2 and of the tokenizers fugu trains.
 pub const EOT_TOKEN: &str = "<|endoftext|>";
+
+/// The tokens taken as end-of-text, in order of preference: GPT-2's (also
+/// Qwen's), SentencePiece's `</s>` (Llama 1/2, Mistral, LLM-jp), Llama 3's,
+/// Gemma's.
+pub const END_OF_TEXT_TOKENS: [&str; 4] = [EOT_TOKEN, "</s>", "<|end_of_text|>", "<eos>"];
+
+/// Text every accepted tokenizer must decode back to itself after encoding.
+const ROUND_TRIP_PROBE: &str = "Round trip: A b  c\tD\n\nÉtude naïve 日本語 🎉 <0x41> 3.14 don't ";
+
+/// How a tokenizer encodes text its merges do not cover: every text has an
+/// encoding either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ByteEncoding {
+    /// Text is mapped to 256 printable byte symbols before BPE (GPT-2's
+    /// `bytes_to_unicode`); a `ByteLevel` decoder maps them back.
+    ByteLevel,
+    /// Unicode pieces, and a character missing from the vocabulary becomes
+    /// its UTF-8 bytes as `<0xXX>` tokens (SentencePiece's byte fallback).
+    ByteFallback,
+}
 
 /// A byte-level BPE tokenizer from the Hugging Face `tokenizers` crate.
 ///
@@ -42,9 +74,14 @@ pub struct HfTokenizer {
     inner: hf::Tokenizer,
     name: String,
     eot: u32,
+    encoding: ByteEncoding,
     vocab_size: u32,
     /// GPT-2's pre-tokenization exactly (see [`Tokenizer::safe_newline_cuts`]).
     gpt2_split: bool,
+    /// A byte-fallback tokenizer's pipeline without the `▁` it puts in front
+    /// of a text, for the parts of a document after a newline cut (`None`
+    /// when cuts would not be exact: see [`continuation_pipeline`]).
+    continuation: Option<hf::Tokenizer>,
     /// The id of each single-byte token (the lossless fallback encoding).
     byte_ids: Box<[u32; 256]>,
     /// `tokenizer.json`, pretty-printed, as the crate serialises it.
@@ -57,6 +94,7 @@ impl std::fmt::Debug for HfTokenizer {
             .field("name", &self.name)
             .field("vocab_size", &self.vocab_size)
             .field("eot", &self.eot)
+            .field("encoding", &self.encoding)
             .finish()
     }
 }
@@ -101,6 +139,16 @@ impl HfTokenizer {
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         std::fs::write(path, self.json.as_bytes()).map_err(|e| Error::io(path, "write", e))
+    }
+
+    /// How text outside the merges is encoded.
+    pub fn byte_encoding(&self) -> ByteEncoding {
+        self.encoding
+    }
+
+    /// The end-of-text token's string (one of [`END_OF_TEXT_TOKENS`]).
+    pub fn eot_token(&self) -> String {
+        self.inner.id_to_token(self.eot).unwrap_or_default()
     }
 
     /// The wrapped `tokenizers` tokenizer.
@@ -161,19 +209,14 @@ impl HfTokenizer {
     /// Validates and wraps a `tokenizers` tokenizer (see the module doc for
     /// what is required).
     pub(crate) fn from_hf(mut inner: hf::Tokenizer) -> std::result::Result<Self, String> {
-        if !matches!(inner.get_model(), ModelWrapper::BPE(_)) {
+        let ModelWrapper::BPE(bpe) = inner.get_model() else {
             return Err(format!(
-                "expected a byte-level BPE tokenizer (model type `BPE`), found model {}",
+                "expected a BPE tokenizer (model type `BPE`, byte-level as GPT-2's or with byte \
+                 fallback as Llama's), found model {}",
                 model_kind(inner.get_model())
             ));
-        }
-        if !matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) {
-            return Err(
-                "expected a byte-level BPE tokenizer (decoder type `ByteLevel`), found another \
-                 decoder or none"
-                    .into(),
-            );
-        }
+        };
+        let encoding = byte_encoding(&inner, bpe.byte_fallback)?;
         let vocab = inner.get_vocab(true);
         let n = vocab.len();
         let mut seen = vec![false; n];
@@ -190,17 +233,26 @@ impl HfTokenizer {
         }
         let vocab_size =
             u32::try_from(n).map_err(|_| format!("vocabulary of {n} tokens is too large"))?;
-        let eot = inner.token_to_id(EOT_TOKEN).ok_or_else(|| {
-            format!("has no `{EOT_TOKEN}` token (expected it as the end-of-text special token)")
-        })?;
-        let u = bytes_to_unicode();
+        let eot = END_OF_TEXT_TOKENS
+            .iter()
+            .find_map(|t| inner.token_to_id(t))
+            .ok_or_else(|| {
+                format!(
+                    "has no end-of-text token (expected one of {})",
+                    END_OF_TEXT_TOKENS.map(|t| format!("`{t}`")).join(", ")
+                )
+            })?;
         let mut byte_ids = Box::new([0u32; 256]);
+        let symbols = bytes_to_unicode();
         for (b, id) in byte_ids.iter_mut().enumerate() {
-            let sym = u[b].to_string();
+            let sym = match encoding {
+                ByteEncoding::ByteLevel => symbols[b].to_string(),
+                ByteEncoding::ByteFallback => format!("<0x{b:02X}>"),
+            };
             *id = inner.token_to_id(&sym).ok_or_else(|| {
                 format!(
-                    "not a full byte-level vocabulary: byte 0x{b:02x} (symbol {sym:?}) has no \
-                     token, so some text could not be encoded"
+                    "not a full byte vocabulary: byte 0x{b:02x} (token {sym:?}) has no id, so \
+                     some text could not be encoded"
                 )
             })?;
         }
@@ -216,17 +268,37 @@ impl HfTokenizer {
         let json = inner
             .to_string(true)
             .map_err(|e| format!("cannot serialise: {e}"))?;
+        let continuation = match encoding {
+            ByteEncoding::ByteFallback => continuation_pipeline(&inner, &json),
+            ByteEncoding::ByteLevel => None,
+        };
         // Special-token strings in the text are plain text (as Gpt2Tokenizer).
         inner.set_encode_special_tokens(true);
-        Ok(HfTokenizer {
+        let tok = HfTokenizer {
             inner,
             name: format!("bpe-{vocab_size}"),
             eot,
+            encoding,
             vocab_size,
             gpt2_split,
+            continuation,
             byte_ids,
             json,
-        })
+        };
+        let back = tok
+            .try_encode(ROUND_TRIP_PROBE)
+            .and_then(|ids| tok.decode(&ids))
+            .map_err(|e| e.to_string())?;
+        // A byte-level pre-tokenizer with `add_prefix_space` gives a text
+        // back with a space in front: every document starts with one.
+        if back.strip_prefix(' ').unwrap_or(&back) != ROUND_TRIP_PROBE {
+            return Err(format!(
+                "does not give back the text it encodes ({ROUND_TRIP_PROBE:?} decodes as \
+                 {back:?}): a normalizer that changes text (lowercasing, accents, \
+                 whitespace) would train on text that is not the data's"
+            ));
+        }
+        Ok(tok)
     }
 
     /// The vocabulary by id (model vocabulary and added tokens).
@@ -237,6 +309,79 @@ impl HfTokenizer {
         }
         out
     }
+}
+
+/// Which of the two accepted forms `t` has (see the module doc).
+fn byte_encoding(
+    t: &hf::Tokenizer,
+    byte_fallback: bool,
+) -> std::result::Result<ByteEncoding, String> {
+    let has_byte_fallback_step = match t.get_decoder() {
+        Some(DecoderWrapper::ByteFallback(_)) => true,
+        Some(DecoderWrapper::Sequence(seq)) => seq
+            .get_decoders()
+            .iter()
+            .any(|d| matches!(d, DecoderWrapper::ByteFallback(_))),
+        _ => false,
+    };
+    match (t.get_decoder(), byte_fallback) {
+        (Some(DecoderWrapper::ByteLevel(_)), false) => Ok(ByteEncoding::ByteLevel),
+        (_, true) if has_byte_fallback_step => Ok(ByteEncoding::ByteFallback),
+        (_, true) => Err(
+            "model.byte_fallback is true but the decoder has no `ByteFallback` step, so \
+             `<0xXX>` tokens would decode as their names"
+                .into(),
+        ),
+        _ => Err(
+            "expected a byte-level BPE (decoder type `ByteLevel`, as GPT-2's) or a BPE with \
+             byte fallback (`model.byte_fallback: true` and a `ByteFallback` decoder step, as \
+             Llama's), found neither: some text would have no encoding"
+                .into(),
+        ),
+    }
+}
+
+/// For a byte-fallback tokenizer, the same pipeline minus the `▁` put in
+/// front of a text (a `Prepend` normalizer step, or the `Metaspace`
+/// pre-tokenizer's prepend scheme), so that a document cut after a newline
+/// where [`is_safe_cut`](super::is_safe_cut) holds gives the ids of the whole
+/// when its first part is encoded normally and the others with this. Exact
+/// when no token contains a newline (byte fallback encodes `\n` as
+/// `<0x0A>`): no merge then crosses the newline, and after a safe cut the next
+/// part starts with a non-space character, which the whole text has no `▁`
+/// before either. `None` for other normalizers and pre-tokenizers (documents
+/// are then encoded whole).
+fn continuation_pipeline(inner: &hf::Tokenizer, json: &str) -> Option<hf::Tokenizer> {
+    if inner.get_vocab(true).keys().any(|t| t.contains('\n')) {
+        return None;
+    }
+    let mut v: serde_json::Value = serde_json::from_str(json).ok()?;
+    let is = |n: &serde_json::Value, kinds: &[&str]| {
+        n["type"].as_str().is_some_and(|t| kinds.contains(&t))
+    };
+    let normalizer = &mut v["normalizer"];
+    match normalizer["type"].as_str() {
+        None => {}
+        Some("Sequence") => {
+            let steps = normalizer["normalizers"].as_array_mut()?;
+            if !steps.iter().all(|n| is(n, &["Prepend", "Replace"])) {
+                return None;
+            }
+            steps.retain(|n| !is(n, &["Prepend"]));
+        }
+        Some("Prepend") => *normalizer = serde_json::Value::Null,
+        Some("Replace") => {}
+        Some(_) => return None,
+    }
+    let pre = &mut v["pre_tokenizer"];
+    match pre["type"].as_str() {
+        None => {}
+        Some("Metaspace") => pre["prepend_scheme"] = "never".into(),
+        Some(_) => return None,
+    }
+    let mut t = hf::Tokenizer::from_bytes(v.to_string().as_bytes()).ok()?;
+    t.set_encode_special_tokens(true);
+    Some(t)
 }
 
 fn model_kind(m: &ModelWrapper) -> &'static str {
@@ -303,6 +448,15 @@ impl Tokenizer for HfTokenizer {
         Ok(self.json.clone())
     }
     fn safe_newline_cuts(&self) -> bool {
-        self.gpt2_split
+        self.gpt2_split || self.continuation.is_some()
+    }
+    fn encode_continuation(&self, text: &str) -> Vec<u32> {
+        let Some(t) = &self.continuation else {
+            return self.encode(text);
+        };
+        match t.encode_fast(text, false) {
+            Ok(e) => e.get_ids().to_vec(),
+            Err(_) => text.bytes().map(|b| self.byte_ids[b as usize]).collect(),
+        }
     }
 }

@@ -13,14 +13,17 @@
 //!   `tiktoken-rs`, whose ranks are compiled into the binary: it works
 //!   offline). It is the fast path for the default tokenizer.
 //! * [`HfTokenizer`] wraps a Hugging Face `tokenizers::Tokenizer` loaded from a
-//!   `tokenizer.json` (any byte-level BPE with an `<|endoftext|>` token), or
+//!   `tokenizer.json` (a byte-level BPE as GPT-2's, or a byte-fallback BPE as
+//!   Llama's and Mistral's, with an end-of-text token), or
 //!   trained on a corpus with [`train_bpe`]: GPT-2's pre-tokenizer regex,
 //!   the 256-symbol byte alphabet always present (so no text is ever unknown),
 //!   `<|endoftext|>` as the last id, deterministic output.
 //! * [`hf_tokenizer_files`] turns either tokenizer into the files that
 //!   `transformers`' `AutoTokenizer` and Python's `tokenizers` load offline
 //!   from a checkpoint directory: `tokenizer.json`, `vocab.json`,
-//!   `merges.txt`, `tokenizer_config.json` and `special_tokens_map.json`. For
+//!   `merges.txt`, `tokenizer_config.json` and `special_tokens_map.json`
+//!   (no `vocab.json`/`merges.txt` for a byte-fallback tokenizer: GPT-2's
+//!   slow tokenizer could not read them). For
 //!   [`Gpt2Tokenizer`] the `vocab.json`/`merges.txt` are derived from the
 //!   tiktoken ranks ([`gpt2_vocab_and_merges`]: the standard tiktoken -> HF
 //!   conversion), byte-for-byte the vocabulary OpenAI published, and the
@@ -41,7 +44,7 @@ pub use export::{
     bytes_to_unicode, gpt2_vocab_and_merges, hf_tokenizer_files, write_hf_tokenizer_files,
     VocabAndMerges, HF_TOKENIZER_FILES,
 };
-pub use hf::{HfTokenizer, EOT_TOKEN};
+pub use hf::{ByteEncoding, HfTokenizer, END_OF_TEXT_TOKENS, EOT_TOKEN};
 pub use train::{train_bpe, train_bpe_with, BpeTrainOptions};
 
 /// A text tokenizer. Implementations must be deterministic and thread-safe.
@@ -57,11 +60,23 @@ pub trait Tokenizer: Send + Sync {
     /// Decodes ids to text (invalid UTF-8 is replaced by U+FFFD).
     fn decode(&self, ids: &[u32]) -> Result<String>;
     /// True when a text may be cut at any newline where [`is_safe_cut`] holds
-    /// and the parts encoded separately, giving the ids of encoding it whole
-    /// (GPT-2's pre-tokenizer regex). The default, `false`, means: encode
-    /// each document whole.
+    /// and the parts encoded separately (the first with [`encode`], the
+    /// others with [`encode_continuation`]), giving the ids of encoding it
+    /// whole: GPT-2's pre-tokenizer regex, or a byte-fallback BPE whose
+    /// tokens hold no newline. The default, `false`, means: encode each
+    /// document whole.
+    ///
+    /// [`encode`]: Tokenizer::encode
+    /// [`encode_continuation`]: Tokenizer::encode_continuation
     fn safe_newline_cuts(&self) -> bool {
         false
+    }
+    /// Encodes a part of a document that follows a cut (see
+    /// [`safe_newline_cuts`](Tokenizer::safe_newline_cuts)): without what a
+    /// tokenizer puts only in front of a whole text (SentencePiece's `▁`).
+    /// The default is [`encode`](Tokenizer::encode).
+    fn encode_continuation(&self, text: &str) -> Vec<u32> {
+        self.encode(text)
     }
     /// This tokenizer as a Hugging Face `tokenizer.json` (the input of
     /// [`hf_tokenizer_files`]). The default says the tokenizer cannot be
