@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check that a sharded fugu checkpoint loads in Hugging Face transformers.
 
-Usage: dev/check_sharded_checkpoint.py CKPT [REFERENCE_CKPT]
+Usage: dev/check_sharded_checkpoint.py CKPT [REFERENCE_CKPT] [--greedy PROMPT N EXPECTED_FILE]
 
 CKPT is a `ckpt-STEP` folder written by a parallel run (`--pp`/`--tp` above 1:
 model-0000i-of-0000N.safetensors + model.safetensors.index.json). For example:
@@ -15,13 +15,19 @@ Checks:
   * the index names every shard file, every shard holds exactly the tensors the
     index places in it (read with `safetensors`), and the optimizer index does
     the same for optimizer-*.safetensors;
-  * transformers: GPT2LMHeadModel.from_pretrained(CKPT) loads with no missing or
-    unexpected weights, and every parameter equals the tensor in the shards
-    (lm_head tied to wte);
+  * transformers: AutoModelForCausalLM.from_pretrained(CKPT) (GPT2LMHeadModel or
+    LlamaForCausalLM, from config.json) loads with no missing or unexpected
+    weights, and every parameter equals the tensor in the shards (lm_head tied
+    to the embedding when the config says so, a tensor of its own otherwise);
   * a forward pass on a few tokens gives finite logits;
   * with REFERENCE_CKPT (a single-file checkpoint of the same model and step,
     e.g. the same run on one process): every weight is equal to within 1e-5 and
-    so are the logits.
+    so are the logits;
+  * with --greedy PROMPT N EXPECTED_FILE: the checkpoint's own tokenizer
+    (AutoTokenizer) encodes PROMPT (no special tokens), `generate` adds N tokens
+    greedily, and the decoded text must equal EXPECTED_FILE's contents with the
+    final newline removed (what `fugu sample --checkpoint CKPT --prompt PROMPT
+    --max-tokens N --temperature 0` printed).
 
 Exits 0 and prints `skipped: <reason>` when torch/transformers/safetensors are
 not installed; exits 1 on any mismatch.
@@ -38,16 +44,25 @@ def fail(msg):
 
 
 def main():
-    if len(sys.argv) not in (2, 3):
+    args = sys.argv[1:]
+    greedy = None
+    if "--greedy" in args:
+        i = args.index("--greedy")
+        if len(args) < i + 4:
+            print(__doc__)
+            sys.exit(2)
+        greedy = (args[i + 1], int(args[i + 2]), args[i + 3])
+        del args[i:i + 4]
+    if len(args) not in (1, 2):
         print(__doc__)
         sys.exit(2)
-    ckpt = sys.argv[1]
-    ref = sys.argv[2] if len(sys.argv) == 3 else None
+    ckpt = args[0]
+    ref = args[1] if len(args) == 2 else None
     try:
         import numpy as np
         import torch
         from safetensors.numpy import load_file
-        from transformers import GPT2LMHeadModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         print(f"skipped: {e}")
         return
@@ -75,10 +90,12 @@ def main():
             fail(f"{kind} index total_size {index['metadata']['total_size']} != {total} bytes")
         print(f"{kind}: {len(wmap)} tensors in {len(files)} shards, {total} bytes")
 
-    model, info = GPT2LMHeadModel.from_pretrained(
+    model, info = AutoModelForCausalLM.from_pretrained(
         ckpt, local_files_only=True, output_loading_info=True
     )
-    missing = [k for k in info["missing_keys"] if not k.endswith(".attn.bias") and k != "lm_head.weight"]
+    tied = model.config.tie_word_embeddings
+    missing = [k for k in info["missing_keys"]
+               if not k.endswith(".attn.bias") and not (tied and k == "lm_head.weight")]
     if missing or info["unexpected_keys"]:
         fail(f"missing {missing}, unexpected {info['unexpected_keys']}")
     sd = model.state_dict()
@@ -87,8 +104,12 @@ def main():
         got = sd[name].detach().cpu().numpy()
         if got.shape != t.shape or not np.array_equal(got, t):
             fail(f"{k}: transformers holds a different tensor than the shard")
-    if not torch.equal(model.lm_head.weight, model.transformer.wte.weight):
-        fail("lm_head is not tied to wte")
+    embedding = model.get_input_embeddings().weight
+    if tied and not torch.equal(model.lm_head.weight, embedding):
+        fail("lm_head is not tied to the embedding")
+    if not tied and "lm_head.weight" not in stored:
+        fail("untied model, but the shards hold no lm_head.weight")
+    print(f"transformers: {type(model).__name__}, lm_head {'tied' if tied else 'untied'}")
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
         logits = model(ids).logits
@@ -97,7 +118,7 @@ def main():
     print(f"transformers: {sum(p.numel() for p in model.parameters())} parameters loaded, logits finite")
 
     if ref:
-        other = GPT2LMHeadModel.from_pretrained(ref, local_files_only=True)
+        other = AutoModelForCausalLM.from_pretrained(ref, local_files_only=True)
         osd = other.state_dict()
         worst = 0.0
         for k, t in sd.items():
@@ -107,6 +128,20 @@ def main():
         print(f"against {ref}: max |dweight| {worst:.3e}, max |dlogit| {dl:.3e}")
         if worst > 1e-5 or dl > 1e-4:
             fail("the sharded and the reference checkpoints differ")
+    if greedy:
+        prompt, n, expected_file = greedy
+        tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False,
+                                 pad_token_id=tok.eos_token_id, eos_token_id=None)
+        text = tok.decode(out[0], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        with open(expected_file) as f:
+            want = f.read().removesuffix("\n")
+        print(f"greedy ({out.shape[1] - ids.shape[1]} new tokens): {text!r}")
+        if text != want:
+            fail(f"transformers' greedy text differs from fugu's: {want!r}")
+        print("greedy text identical to fugu sample --temperature 0")
     print("ok")
 
 

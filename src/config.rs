@@ -99,12 +99,24 @@ const LLAMA_FIELDS: [&str; 6] = [
     "tie_embeddings",
 ];
 
+/// The token ids a checkpoint's `config.json` (`bos_token_id`, `eos_token_id`) and
+/// `generation_config.json` name: the tokenizer's when the run's data records one (a Llama
+/// tokenizer's `<s>`/`</s>` are 1/2), else [`ModelConfig::special_ids`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecialIds {
+    /// Beginning of text.
+    pub bos: usize,
+    /// End of text (where generation stops; also the padding id).
+    pub eos: usize,
+}
+
 impl ModelConfig {
-    /// The end-of-text id a checkpoint's `config.json` names as `bos_token_id` /
-    /// `eos_token_id`: GPT-2's `<|endoftext|>` (50256) when the vocabulary has it, else the
-    /// last id (where fugu's trained tokenizers put `<|endoftext|>`).
-    pub fn eot_id(&self) -> usize {
-        50256.min(self.vocab_size.saturating_sub(1))
+    /// The special ids a checkpoint's `config.json` names when no tokenizer says otherwise
+    /// (see [`SpecialIds`]): GPT-2's `<|endoftext|>` (50256) as both when the vocabulary has
+    /// it, else the last id (where fugu's trained tokenizers put `<|endoftext|>`).
+    pub fn special_ids(&self) -> SpecialIds {
+        let eot = 50256.min(self.vocab_size.saturating_sub(1));
+        SpecialIds { bos: eot, eos: eot }
     }
 
     /// Key/value heads (`n_head` without grouped-query attention).

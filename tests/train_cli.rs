@@ -1423,3 +1423,95 @@ fn llama_resumes_exactly_recomputes_and_samples() {
     ok(&out);
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("ROMEO:"));
 }
+
+/// A Llama-style tokenizer (SentencePiece BPE with byte fallback, `tests/fixtures/llama-tokenizer`)
+/// end to end: `prepare --tokenizer` shards with it, `train` copies it into the checkpoint with a
+/// `PreTrainedTokenizerFast` config and no GPT-2 slow-tokenizer files, `sample` decodes with it
+/// (the prompt's words keep their spaces), and a run from that checkpoint on data made with
+/// another tokenizer of the same size is refused at start, naming the difference.
+#[test]
+fn llama_tokenizer_prepares_trains_samples_and_guards_its_ids() {
+    let dir = tmp("llama-tokenizer");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-tokenizer");
+    let verse =
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n\
+                 Rough winds do shake the darling buds of May,\nAnd summer's lease hath all too \
+                 short a date.\n";
+    std::fs::write(dir.join("verse.txt"), verse.repeat(40)).unwrap();
+    let prepare = |tokenizer: &[&str], out: &str| {
+        let mut args = vec!["prepare", "--quiet", "--val-fraction", "0", "--out", out];
+        args.extend(tokenizer);
+        args.push("verse.txt");
+        ok(&fugu(&args, &dir));
+    };
+    prepare(&["--tokenizer", fixture.to_str().unwrap()], "sp");
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("sp/manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&m["vocab_size"], &m["eot"]),
+        (&1000.into(), &2.into()),
+        "{m}"
+    );
+
+    let train = &SMALL[SMALL.find("[train]").unwrap()..];
+    let model = SMALL_LLAMA.replace("vocab_size = 50257", "vocab_size = 1000");
+    std::fs::write(dir.join("l1000.toml"), format!("{model}\n{train}")).unwrap();
+    let run = |data: &str, extra: &[&str]| {
+        let mut args = vec!["train", "--data", data, "--threads", "1", "--steps", "2"];
+        args.extend(extra);
+        fugu(&args, &dir)
+    };
+    ok(&run("sp", &["--config", "l1000.toml", "--out", "a"]));
+    let ck = dir.join("a/ckpt-00000002");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert_eq!(config["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(config["eos_token"], "</s>");
+    assert!(!ck.join("vocab.json").exists() && !ck.join("merges.txt").exists());
+    let gen: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("generation_config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&gen["bos_token_id"], &gen["eos_token_id"]),
+        (&1.into(), &2.into())
+    );
+    let model: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&model["bos_token_id"], &model["eos_token_id"]),
+        (&1.into(), &2.into())
+    );
+
+    let out = fugu(
+        &[
+            "sample",
+            "--checkpoint",
+            "a",
+            "--prompt",
+            "Shall I compare",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+        ],
+        &dir,
+    );
+    ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("Shall I compare"), "{text}");
+
+    // Another tokenizer with as many ids (a byte-level BPE trained on the same text): refused.
+    prepare(&["--train-tokenizer", "--vocab-size", "1000"], "bpe");
+    let o = run("bpe", &["--init-from", "a/ckpt-00000002", "--out", "b"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("is not the one --data bpe was tokenised with"),
+        "{err}"
+    );
+    assert!(!dir.join("b/ckpt-00000002").exists());
+    // The same tokenizer is accepted.
+    ok(&run(
+        "sp",
+        &["--init-from", "a/ckpt-00000002", "--out", "c"],
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,7 +12,7 @@
 
 use super::st::{self, Data, Dtype, Entry, Header, OutTensor};
 use crate::atomic_write as atomic;
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, ModelConfig, SpecialIds};
 use crate::model::hf_layout::HfLayout;
 use crate::model::registry;
 use crate::model::table::{padded_vocab, Table, TensorSpec};
@@ -35,15 +35,14 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     registry::hf_config_json(cfg)
 }
 
-/// `generation_config.json` for `cfg`: the end-of-text token as bos, eos and padding, so that
-/// `generate` and `pipeline("text-generation")` stop at it and do not warn.
-pub fn generation_config_json(cfg: &ModelConfig) -> Value {
-    let eot = cfg.eot_id();
+/// `generation_config.json`: the beginning- and end-of-text ids, and the end of text as
+/// padding, so that `generate` and `pipeline("text-generation")` stop at it and do not warn.
+pub fn generation_config_json(ids: SpecialIds) -> Value {
     json!({
         "_from_model_config": true,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "pad_token_id": eot,
+        "bos_token_id": ids.bos,
+        "eos_token_id": ids.eos,
+        "pad_token_id": ids.eos,
     })
 }
 
@@ -711,19 +710,19 @@ pub fn save_model(dir: &Path, cfg: &ModelConfig, table: &Table, params: &[f32]) 
     atomic::write_file(&dir.join(MODEL_FILE), |w| {
         st::write_body(w, &header, &tensors)
     })?;
-    write_model_config(dir, cfg)
+    write_model_config(dir, cfg, cfg.special_ids())
 }
 
-/// Writes `dir/config.json` and `dir/generation_config.json` for `cfg` (atomically), as
-/// [`save_model`] does beside the weights.
-pub fn write_model_config(dir: &Path, cfg: &ModelConfig) -> Result<()> {
-    atomic::write_bytes(
-        &dir.join(CONFIG_FILE),
-        json_text(&hf_config_json(cfg)).as_bytes(),
-    )?;
+/// Writes `dir/config.json` and `dir/generation_config.json` for `cfg` (atomically) naming the
+/// special token ids `ids` (the tokenizer's), as [`save_model`] does beside the weights.
+pub fn write_model_config(dir: &Path, cfg: &ModelConfig, ids: SpecialIds) -> Result<()> {
+    let mut config = hf_config_json(cfg);
+    config["bos_token_id"] = ids.bos.into();
+    config["eos_token_id"] = ids.eos.into();
+    atomic::write_bytes(&dir.join(CONFIG_FILE), json_text(&config).as_bytes())?;
     atomic::write_bytes(
         &dir.join(GENERATION_CONFIG_FILE),
-        json_text(&generation_config_json(cfg)).as_bytes(),
+        json_text(&generation_config_json(ids)).as_bytes(),
     )
 }
 

@@ -172,21 +172,97 @@ fn sample_on<B: Backend>(
     };
     let mut stdout = std::io::stdout().lock();
     write!(stdout, "{}", args.prompt)?;
-    // Decode incrementally but print only complete UTF-8: hold back ids until they decode.
-    let mut pending: Vec<u32> = Vec::new();
+    let mut text = IncrementalText::new(tok.as_ref(), &prompt)?;
     generate(&mut g, &prompt, &opts, |id| {
-        pending.push(id);
-        if let Ok(s) = tok.decode(&pending) {
-            if !s.contains('\u{FFFD}') {
-                let _ = write!(stdout, "{s}");
-                let _ = stdout.flush();
-                pending.clear();
-            }
+        if let Some(s) = text.push(id) {
+            let _ = write!(stdout, "{s}");
+            let _ = stdout.flush();
         }
     })?;
-    if !pending.is_empty() {
-        write!(stdout, "{}", tok.decode(&pending).unwrap_or_default())?;
-    }
+    write!(stdout, "{}", text.finish())?;
     writeln!(stdout)?;
     Ok(())
+}
+
+/// The text of generated ids as they come, printed only in complete UTF-8 and decoded in context:
+/// the whole sequence (prompt included) is decoded each time and the new suffix returned, since
+/// a token decoded alone may differ from the same token after others (a SentencePiece-style
+/// decoder strips the leading space of a sequence; a byte-level token may be half a character).
+struct IncrementalText<'a> {
+    tok: &'a dyn fugu_io::Tokenizer,
+    ids: Vec<u32>,
+    /// Bytes of the decoded sequence already returned (the prompt's decoding at first).
+    done: usize,
+}
+
+impl<'a> IncrementalText<'a> {
+    fn new(tok: &'a dyn fugu_io::Tokenizer, prompt: &[u32]) -> Result<Self> {
+        let done = tok.decode(prompt)?.len();
+        Ok(IncrementalText {
+            tok,
+            ids: prompt.to_vec(),
+            done,
+        })
+    }
+
+    /// Adds a token; returns the new text once it is complete UTF-8.
+    fn push(&mut self, id: u32) -> Option<String> {
+        self.ids.push(id);
+        let all = self.tok.decode(&self.ids).ok()?;
+        if all.ends_with('\u{FFFD}') {
+            return None;
+        }
+        self.take(all)
+    }
+
+    /// What is left (possibly an incomplete character, as U+FFFD).
+    fn finish(&mut self) -> String {
+        let all = self.tok.decode(&self.ids).unwrap_or_default();
+        self.take(all).unwrap_or_default()
+    }
+
+    fn take(&mut self, all: String) -> Option<String> {
+        let new = all.get(self.done..)?.to_string();
+        self.done = all.len();
+        (!new.is_empty()).then_some(new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IncrementalText;
+    use fugu_io::Tokenizer;
+
+    /// Printed piece by piece, generated text is what decoding the whole sequence gives after
+    /// the prompt's text: with a SentencePiece-style tokenizer (a token decoded alone loses its
+    /// leading space) and with GPT-2's (a character split over several byte tokens is held back
+    /// until complete).
+    #[test]
+    fn incremental_text_is_the_whole_decoding() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/llama-tokenizer"
+        );
+        let llama = fugu_io::tokenizer_by_name(dir).unwrap();
+        let gpt2 = fugu_io::Gpt2Tokenizer::new();
+        for tok in [llama.as_ref(), &gpt2 as &dyn Tokenizer] {
+            let prompt = tok.encode("Shall I compare");
+            let more = tok.encode_continuation(" thee to a summer's day? 日本語 🐟 naïve");
+            let mut text = IncrementalText::new(tok, &prompt).unwrap();
+            let mut printed = String::new();
+            let mut held = 0;
+            for &id in &more {
+                match text.push(id) {
+                    Some(s) => printed.push_str(&s),
+                    None => held += 1,
+                }
+            }
+            printed.push_str(&text.finish());
+            let all: Vec<u32> = prompt.iter().chain(&more).copied().collect();
+            let whole = tok.decode(&all).unwrap();
+            assert_eq!(format!("Shall I compare{printed}"), whole, "{}", tok.name());
+            assert!(printed.starts_with(" thee"), "{printed:?}");
+            assert!(held > 0, "{}: no token was held back", tok.name());
+        }
+    }
 }

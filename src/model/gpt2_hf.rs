@@ -54,19 +54,19 @@ pub fn update_config(obj: &mut Map<String, Value>, cfg: &ModelConfig) {
 /// The `config.json` of a `GPT2LMHeadModel` for `cfg`, as fugu trains it (no dropout, tied
 /// embeddings, tanh GELU). Keys are sorted, like `save_pretrained` writes them.
 ///
-/// `bos_token_id` / `eos_token_id` are GPT-2's `<|endoftext|>` (50256) when the vocabulary
-/// contains it, else the last token.
+/// `bos_token_id` / `eos_token_id` are [`ModelConfig::special_ids`]; a checkpoint writes its
+/// tokenizer's over them ([`crate::checkpoint::write_model_config`]).
 pub fn config_json(cfg: &ModelConfig) -> Value {
-    let eot = cfg.eot_id();
+    let ids = cfg.special_ids();
     json!({
         "activation_function": "gelu_new",
         "add_cross_attention": false,
         "architectures": ["GPT2LMHeadModel"],
         "attn_pdrop": 0.0,
-        "bos_token_id": eot,
+        "bos_token_id": ids.bos,
         "dtype": "float32",
         "embd_pdrop": 0.0,
-        "eos_token_id": eot,
+        "eos_token_id": ids.eos,
         "initializer_range": 0.02,
         "layer_norm_epsilon": 1e-5,
         "model_type": "gpt2",

@@ -66,14 +66,14 @@ pub fn update_config(obj: &mut Map<String, Value>, cfg: &ModelConfig) {
 /// base is written both as transformers 5 reads it (`rope_parameters`) and as 4 does
 /// (`rope_theta`).
 pub fn config_json(cfg: &ModelConfig) -> Value {
-    let eot = cfg.eot_id();
+    let ids = cfg.special_ids();
     json!({
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": false,
         "attention_dropout": 0.0,
-        "bos_token_id": eot,
+        "bos_token_id": ids.bos,
         "dtype": "float32",
-        "eos_token_id": eot,
+        "eos_token_id": ids.eos,
         "head_dim": cfg.head_size(),
         "hidden_act": "silu",
         "hidden_size": cfg.n_embd,

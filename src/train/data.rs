@@ -1,13 +1,14 @@
 //! Training and validation data for `fugu train`: the `--data` argument, or the bundled
 //! Shakespeare corpus prepared on first use.
 
+use crate::config::{ModelConfig, SpecialIds};
 use crate::make_once::{found_or_made, LockTiming};
 use anyhow::{bail, Context, Result};
 use fugu_io::{
     tokenizer_by_name, DataSpec, Gpt2Tokenizer, Loader, LoaderConfig, Manifest, Tokenizer,
     GPT2_VOCAB,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Where `fugu train` prepares the bundled corpus when no `--data` is given: tokenised with
 /// GPT-2's BPE for a model with GPT-2's 50257 ids, else with a byte-level BPE of the model's
@@ -78,20 +79,81 @@ pub fn data_tokenizer(data: &str, vocab_size: usize) -> Result<Option<Box<dyn To
     }
 }
 
-/// The Hugging Face tokenizer files every checkpoint of a run on `data` carries (empty, with a
-/// warning, when the data records no tokenizer), after checking that the tokenizer's ids fit
-/// the model's `vocab_size`.
-pub fn checkpoint_tokenizer_files(
-    data: &str,
-    vocab_size: usize,
-    n_positions: usize,
-) -> Result<Vec<(String, Vec<u8>)>> {
+/// Refuses a run whose starting model (`dir`: a checkpoint being resumed, or an `--init-from`
+/// folder, named by `flag`) carries a `tokenizer.json` other than the one `data` was tokenised
+/// with: the ids would mean other text. Tokenizers are compared by what they do (vocabulary
+/// size, end-of-text id, the text of every id, the ids of a probe text), not by file bytes.
+/// Nothing to compare when either side records no tokenizer.
+pub fn check_model_tokenizer(dir: &Path, flag: &str, data: &str, vocab_size: usize) -> Result<()> {
+    let file = dir.join("tokenizer.json");
+    if !file.is_file() {
+        return Ok(());
+    }
+    let Some(data_tok) = data_tokenizer(data, vocab_size)? else {
+        return Ok(());
+    };
+    let model_tok = tokenizer_by_name(&file.display().to_string())
+        .with_context(|| format!("{flag} {}: reading its tokenizer", dir.display()))?;
+    let Some(difference) = tokenizer_difference(model_tok.as_ref(), data_tok.as_ref()) else {
+        return Ok(());
+    };
+    bail!(
+        "{flag} {}: the model's tokenizer ({}, {} ids) is not the one --data {data} was \
+         tokenised with ({}, {} ids): {difference}. The ids would stand for other text; prepare \
+         the data with `fugu prepare --tokenizer {}`",
+        dir.display(),
+        file.display(),
+        model_tok.vocab_size(),
+        data_tok.name(),
+        data_tok.vocab_size(),
+        dir.display()
+    )
+}
+
+/// How two tokenizers differ, or `None` when they encode and decode alike.
+fn tokenizer_difference(a: &dyn Tokenizer, b: &dyn Tokenizer) -> Option<String> {
+    if a.vocab_size() != b.vocab_size() {
+        return Some(format!("{} ids against {}", a.vocab_size(), b.vocab_size()));
+    }
+    if a.eot() != b.eot() {
+        return Some(format!("end-of-text id {} against {}", a.eot(), b.eot()));
+    }
+    for id in 0..a.vocab_size() {
+        let (x, y) = (a.decode(&[id]).ok(), b.decode(&[id]).ok());
+        if x != y {
+            return Some(format!(
+                "token id {id} is {x:?} in one and {y:?} in the other"
+            ));
+        }
+    }
+    const PROBE: &str =
+        "The quick brown fox, 1234 times: \"jumps\" over\n\tthe lazy dog's café 日本 🐟";
+    let (x, y) = (a.encode(PROBE), b.encode(PROBE));
+    (x != y).then(|| format!("{PROBE:?} encodes as {x:?} against {y:?}"))
+}
+
+/// What every checkpoint of a run says about its tokenizer.
+pub struct CheckpointTokenizer {
+    /// The Hugging Face tokenizer files (empty when the data records no tokenizer).
+    pub files: Vec<(String, Vec<u8>)>,
+    /// The ids `config.json` and `generation_config.json` name.
+    pub ids: SpecialIds,
+}
+
+/// The tokenizer files and special ids every checkpoint of a run on `data` carries (no files,
+/// with a warning, and the model's default ids when the data records no tokenizer), after
+/// checking that the tokenizer's ids fit the model's `vocab_size`.
+pub fn checkpoint_tokenizer(data: &str, m: &ModelConfig) -> Result<CheckpointTokenizer> {
+    let vocab_size = m.vocab_size;
     let Some(tok) = data_tokenizer(data, vocab_size)? else {
         eprintln!(
             "warning: --data {data} records no tokenizer and the model does not have GPT-2's \
              {GPT2_VOCAB} ids: checkpoints will carry no tokenizer files"
         );
-        return Ok(Vec::new());
+        return Ok(CheckpointTokenizer {
+            files: Vec::new(),
+            ids: m.special_ids(),
+        });
     };
     if tok.vocab_size() as usize > vocab_size {
         anyhow::bail!(
@@ -102,10 +164,13 @@ pub fn checkpoint_tokenizer_files(
             tok.vocab_size()
         );
     }
-    Ok(fugu_io::hf_tokenizer_files(
-        tok.as_ref(),
-        Some(n_positions),
-    )?)
+    Ok(CheckpointTokenizer {
+        files: fugu_io::hf_tokenizer_files(tok.as_ref(), Some(m.n_positions))?,
+        ids: SpecialIds {
+            bos: tok.bos() as usize,
+            eos: tok.eot() as usize,
+        },
+    })
 }
 
 /// Opens the training loader at the start, or at a saved cursor.

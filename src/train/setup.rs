@@ -144,8 +144,8 @@ pub(super) fn check_step_options(opts: &TrainOptions, t: &TrainConfig) -> Result
 pub(super) struct Data {
     /// Resolved training data (manifest, pattern or `.bin`).
     pub(super) path: String,
-    /// Rank 0: the data's Hugging Face tokenizer files, written into every checkpoint.
-    pub(super) tokenizer_files: Vec<(String, Vec<u8>)>,
+    /// Rank 0: the data's tokenizer files and special ids, written into every checkpoint.
+    pub(super) tokenizer: Option<data::CheckpointTokenizer>,
     /// Loader streams the global batch is read as (`--data-ranks`).
     pub(super) ranks: usize,
 }
@@ -155,9 +155,10 @@ pub(super) struct Data {
 pub(super) fn data(
     opts: &TrainOptions,
     dist: &Dist,
-    start_state: Option<&TrainState>,
+    output: &Output,
     m: &ModelConfig,
 ) -> Result<Data> {
+    let start_state = output.start_state.as_ref();
     let grid = dist.grid;
     let path = match start_state {
         Some(st) => resume::data(&st.data, opts.data.as_deref())?,
@@ -167,10 +168,20 @@ pub(super) fn data(
     let path = broadcast_string(dist, path);
     // What every checkpoint carries so that `transformers` tokenises like the data (rank 0
     // writes the checkpoints).
-    let tokenizer_files = if dist.is_root() {
-        data::checkpoint_tokenizer_files(&path, m.vocab_size, m.n_positions)?
+    let tokenizer = if dist.is_root() {
+        // The model the run starts from must have been trained with the data's tokenizer.
+        let model_dir = output.resume_from.as_deref().or(opts.init_from.as_deref());
+        if let Some(dir) = model_dir {
+            let flag = if output.resume_from.is_some() {
+                "resuming"
+            } else {
+                "--init-from"
+            };
+            data::check_model_tokenizer(dir, flag, &path, m.vocab_size)?;
+        }
+        Some(data::checkpoint_tokenizer(&path, m)?)
     } else {
-        Vec::new()
+        None
     };
     let ranks = opts
         .data_ranks
@@ -181,7 +192,7 @@ pub(super) fn data(
         .unwrap_or(grid.dp);
     Ok(Data {
         path,
-        tokenizer_files,
+        tokenizer,
         ranks,
     })
 }

@@ -101,8 +101,8 @@ pub struct Trainer<'d, B: Backend> {
     cfg: RunConfig,
     /// Resolved training data (manifest, pattern or `.bin`).
     data: String,
-    /// Rank 0: the data's Hugging Face tokenizer files, written into every checkpoint.
-    tokenizer_files: Vec<(String, Vec<u8>)>,
+    /// Rank 0: the data's tokenizer files and special ids, written into every checkpoint.
+    tokenizer: Option<data::CheckpointTokenizer>,
     val_data: String,
     val_loader: LoaderConfig,
     model: Box<dyn Model<B>>,
@@ -151,7 +151,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         dist.make_grid(opts.tp, opts.pp, &cfg.model)?;
         let dist: &'d Dist = dist;
         let (grid, t) = (dist.grid, cfg.train.clone());
-        let data = setup::data(&opts, dist, start_state, &cfg.model)?;
+        let data = setup::data(&opts, dist, &output, &cfg.model)?;
         let parts = setup::model(&opts, dist, &cfg, backend, output.resume_from.as_deref())?;
         let loaders = setup::loaders(&opts, dist, &cfg, &*parts.model, &data, start_state)?;
 
@@ -198,7 +198,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         };
         let mut trainer = Trainer {
             _run_lock: output.run_lock,
-            tokenizer_files: data.tokenizer_files,
+            tokenizer: data.tokenizer,
             dist,
             out: output.out,
             data: data.path,
@@ -565,7 +565,11 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 layout: Some(self.saved_layout),
                 loss_scaler: self.scaler,
             };
-            checkpoint::write_model_config(&tmp, &self.cfg.model)?;
+            let (files, ids) = match &self.tokenizer {
+                Some(t) => (t.files.as_slice(), t.ids),
+                None => (&[][..], self.cfg.model.special_ids()),
+            };
+            checkpoint::write_model_config(&tmp, &self.cfg.model, ids)?;
             for (kind, name) in [
                 (Kind::Model, sharded::MODEL_INDEX_FILE),
                 (Kind::Optimizer, sharded::OPTIMIZER_INDEX_FILE),
@@ -579,7 +583,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 &tmp,
                 done,
                 &state,
-                &self.tokenizer_files,
+                files,
                 self.opts.keep_last,
             )?;
             path = Some(written);

@@ -187,12 +187,13 @@ pub fn hf_tokenizer_files(
 
     let eot = hf.eot_token();
     let byte_level = hf.byte_encoding() == ByteEncoding::ByteLevel;
-    let has = |t: &str| hf.inner().token_to_id(t).is_some();
-    let (bos, unk) = if byte_level {
-        (eot.clone(), eot.clone())
-    } else {
-        let or_eot = |t: &str| if has(t) { t.to_string() } else { eot.clone() };
-        (or_eot("<s>"), or_eot("<unk>"))
+    let bos = hf
+        .inner()
+        .id_to_token(hf.bos())
+        .unwrap_or_else(|| eot.clone());
+    let unk = match hf.inner().token_to_id("<unk>") {
+        Some(_) if !byte_level => "<unk>".to_string(),
+        _ => eot.clone(),
     };
 
     // The added tokens, as transformers' `added_tokens_decoder`.

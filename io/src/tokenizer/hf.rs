@@ -47,6 +47,10 @@ pub const EOT_TOKEN: &str = "<|endoftext|>";
 /// Gemma's.
 pub const END_OF_TEXT_TOKENS: [&str; 4] = [EOT_TOKEN, "</s>", "<|end_of_text|>", "<eos>"];
 
+/// The tokens taken as beginning-of-text, in order of preference
+/// (SentencePiece's, Llama 3's, Gemma's); none: the end-of-text token.
+pub const BEGIN_OF_TEXT_TOKENS: [&str; 3] = ["<s>", "<|begin_of_text|>", "<bos>"];
+
 /// Text every accepted tokenizer must decode back to itself after encoding.
 const ROUND_TRIP_PROBE: &str = "Round trip: A b  c\tD\n\nÉtude naïve 日本語 🎉 <0x41> 3.14 don't ";
 
@@ -419,6 +423,12 @@ impl Tokenizer for HfTokenizer {
     }
     fn eot(&self) -> u32 {
         self.eot
+    }
+    fn bos(&self) -> u32 {
+        BEGIN_OF_TEXT_TOKENS
+            .iter()
+            .find_map(|t| self.inner.token_to_id(t))
+            .unwrap_or(self.eot)
     }
     fn encode(&self, text: &str) -> Vec<u32> {
         if self.gpt2_split {

@@ -55,6 +55,11 @@ pub trait Tokenizer: Send + Sync {
     fn vocab_size(&self) -> u32;
     /// The end-of-text id that separates documents.
     fn eot(&self) -> u32;
+    /// The beginning-of-text id a model's config names (`bos_token_id`); the end-of-text id
+    /// when the tokenizer has none of its own (GPT-2).
+    fn bos(&self) -> u32 {
+        self.eot()
+    }
     /// Encodes text; special-token strings in the text are encoded as plain text.
     fn encode(&self, text: &str) -> Vec<u32>;
     /// Decodes ids to text (invalid UTF-8 is replaced by U+FFFD).
