@@ -820,16 +820,16 @@ mod gpu {
 
     fn fused_attention_in(act: Dtype) {
         let Some(mut be) = Both::new(act) else { return };
-        for (b, t, nh, hs) in FUSED_SHAPES {
+        for (b, t, nh, kv, hs) in FUSED_SHAPES {
             if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
                 skipped(&format!(
                     "no fused attention on this device for hs = {hs} in {act:?}"
                 ));
                 return;
             }
-            let d = AttnDims::mha(b, t, nh, hs);
-            let c = nh * hs;
-            let qkv = be.rand(b * t * 3 * c, 1);
+            let d = AttnDims { b, t, nh, kv, hs };
+            let (c, w) = (nh * hs, d.shape().qkv_width());
+            let qkv = be.rand(b * t * w, 1);
             let out = be.nan(b * t * c);
             let lse = be.nan32(b * nh * t);
             be.run(|x| x.attention_forward(out, lse, qkv, d));
@@ -844,9 +844,9 @@ mod gpu {
             same_bits(&be.gpu, "out, 32 rows per warp", out, out32, d);
             same_bits(&be.gpu, "lse, 32 rows per warp", lse, lse32, d);
             let dout = be.rand(b * t * c, 2);
-            let dqkv = be.nan(b * t * 3 * c);
+            let dqkv = be.nan(b * t * w);
             be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
-            let dqkv32 = be.nan(b * t * 3 * c);
+            let dqkv32 = be.nan(b * t * w);
             be.gpu.set_flash_warp_rows(WIDE);
             be.gpu.attention_backward(dqkv32, dout, out, lse, qkv, d);
             be.gpu.set_flash_warp_rows(FlashWarpRows::default());
@@ -859,15 +859,20 @@ mod gpu {
         }
     }
 
-    /// The fused attention kernels' shapes: T = 1; T = 37, 70 and 150 (one to three key
-    /// blocks of 64, the last partial); head sizes 8, 64, 24 and 5 (padded to 64 columns;
-    /// 5 is not a multiple of 8: element-wise loads).
-    const FUSED_SHAPES: [(usize, usize, usize, usize); 5] = [
-        (2, 1, 3, 8),
-        (2, 37, 3, 8),
-        (1, 150, 2, 64),
-        (1, 70, 2, 24),
-        (1, 40, 2, 5),
+    /// The fused attention kernels' shapes (B, T, query heads, key/value heads, head size):
+    /// T = 1; T = 37, 70 and 150 (one to three key blocks of 64, the last partial); head sizes
+    /// 8, 64, 24 and 5 (padded to 64 columns; 5 is not a multiple of 8: element-wise loads);
+    /// grouped-query attention with groups of 2 and 4 query heads (the dK/dV kernels sum a
+    /// group's heads), one of them with several key/value heads.
+    const FUSED_SHAPES: [(usize, usize, usize, usize, usize); 8] = [
+        (2, 1, 3, 3, 8),
+        (2, 37, 3, 3, 8),
+        (1, 150, 2, 2, 64),
+        (1, 70, 2, 2, 24),
+        (1, 40, 2, 2, 5),
+        (2, 37, 4, 2, 8),
+        (1, 150, 4, 1, 64),
+        (2, 70, 8, 2, 24),
     ];
 
     /// The fused backward's dqkv against the CPU: the GEMM tolerance, plus four roundings of
@@ -884,23 +889,26 @@ mod gpu {
     #[test]
     fn fused_attention_one_kernel_backward() {
         // Plus 36 work items (4 sequences × 3 heads × 3 key blocks): more than the emulator's
-        // 32 blocks, so a block takes several items from the counter.
-        let shapes = FUSED_SHAPES.into_iter().chain([(4, 150, 3, 8)]);
+        // 32 blocks, so a block takes several items from the counter; and 24 over groups of 3
+        // query heads (4 sequences × 2 key/value heads × 3 key blocks).
+        let shapes = FUSED_SHAPES
+            .into_iter()
+            .chain([(4, 150, 3, 3, 8), (4, 150, 6, 2, 8)]);
         for act in [Dtype::Bf16, Dtype::F16] {
             let Some(mut be) = Both::new(act) else { return };
-            for (b, t, nh, hs) in shapes.clone() {
+            for (b, t, nh, kv, hs) in shapes.clone() {
                 if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
                     return skipped(&format!(
                         "no fused attention on this device for hs = {hs} in {act:?}"
                     ));
                 }
-                let d = AttnDims::mha(b, t, nh, hs);
-                let c = nh * hs;
-                let qkv = be.rand(b * t * 3 * c, 1);
+                let d = AttnDims { b, t, nh, kv, hs };
+                let (c, w) = (nh * hs, d.shape().qkv_width());
+                let qkv = be.rand(b * t * w, 1);
                 let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
                 be.run(|x| x.attention_forward(out, lse, qkv, d));
                 let dout = be.rand(b * t * c, 2);
-                let (dqkv, wide) = (be.nan(b * t * 3 * c), be.nan(b * t * 3 * c));
+                let (dqkv, wide) = (be.nan(b * t * w), be.nan(b * t * w));
                 be.gpu.set_flash_backward(FlashBackward::Fused);
                 be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
                 let tol = GEMM + FUSED_DQKV_TOL * act.unit_roundoff();
@@ -1153,10 +1161,10 @@ mod gpu {
 
     /// A Llama-family model (RMSNorm, RoPE, SwiGLU, untied head) on the device against the CPU
     /// backend, with a key/value head per query head and with grouped-query attention (two
-    /// query heads per key/value head: the three-step path's products map each query head to
-    /// its key/value head and add a group's key/value gradients in turn; the flash kernels
-    /// have no grouped form, so a grouped model runs three steps in bf16 too), in f32 with the
-    /// GPT-2 model's bounds and in bf16 with the mixed-precision test's.
+    /// query heads per key/value head), in f32 with the GPT-2 model's bounds and in bf16 with
+    /// the mixed-precision test's. f32 runs the three-step attention (its products map each
+    /// query head to its key/value head and add a group's key/value gradients in turn), bf16
+    /// the flash kernels (the dK/dV kernel sums a group's query heads).
     #[test]
     fn llama_model_loss_and_every_gradient() {
         let Some(g) = device() else { return };
@@ -1196,11 +1204,10 @@ mod gpu {
                 let kv = cfg.kv_heads();
                 let mut cpu = build(cfg, dt, CpuBackend::new());
                 let mut gpu = build(cfg, dt, g.take().or_else(device).unwrap());
-                if kv < cfg.n_head {
-                    let forms = gpu.forms();
-                    let form = forms.iter().find(|f| f.key == "attention").unwrap();
-                    assert_eq!(form.form, "three-step", "{dt:?}");
-                }
+                let forms = gpu.forms();
+                let form = forms.iter().find(|f| f.key == "attention").unwrap();
+                let want = if dt == Dtype::F32 { "three-step" } else { "fused" };
+                assert_eq!(form.form, want, "kv {kv} {dt:?}");
                 let losses = [
                     loss_grads(cpu.as_mut(), &w, (b, t), &timers),
                     loss_grads(gpu.as_mut(), &w, (b, t), &timers),

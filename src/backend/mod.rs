@@ -469,11 +469,6 @@ pub trait Backend: 'static {
     /// `hs` stored as `dt`: [`Self::attention_forward`] and [`Self::attention_backward`], which
     /// keep a log-sum-exp per row instead of the (B, NH, T, T) probabilities.
     fn fused_attention(&self, hs: usize, dt: Dtype) -> FusedAttention;
-    /// Whether the fused attention ops take grouped-query attention (`AttnDims::kv < nh`);
-    /// the three-step ops and decoding always do.
-    fn fused_grouped_attention(&self) -> bool {
-        true
-    }
     /// Fused causal attention (FlashAttention): `out (B,T,NH·hs) = softmax(QKᵀ/√hs)·V`
     /// overwritten, as [`Self::attention_scores`], [`Self::attention_softmax`] and
     /// [`Self::attention_values`] compute it, and `lse (B,NH,T)` (f32) overwritten with each

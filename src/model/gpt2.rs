@@ -112,12 +112,7 @@ impl<B: Backend> Gpt2<B> {
         let g = p.on(core.grads);
         let knobs = Knobs::from_env()?;
         let be = &core.be;
-        let attn_keep = attention_path(
-            be,
-            (cfg.n_embd / cfg.n_head, false),
-            compute,
-            knobs.attention,
-        )?;
+        let attn_keep = attention_path(be, cfg.n_embd / cfg.n_head, compute, knobs.attention)?;
         let mlp_gelu = mlp_gelu_path(be, compute, knobs.mlp_gelu)?;
         let residual = residual_path(be, compute, knobs.residual)?;
         Ok(Gpt2 {

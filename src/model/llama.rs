@@ -91,9 +91,7 @@ impl<B: Backend> Llama<B> {
         let p = LlamaSpans::new(&core.table, core.compute_params, stage, cfg.tied());
         let g = p.on(core.grads);
         let knobs = Knobs::from_env()?;
-        let grouped = cfg.kv_heads() != cfg.n_head;
-        let head = (cfg.head_size(), grouped);
-        let attn_keep = attention_path(&core.be, head, compute, knobs.attention)?;
+        let attn_keep = attention_path(&core.be, cfg.head_size(), compute, knobs.attention)?;
         let residual = residual_path(&core.be, compute, knobs.residual)?;
         let rope = RopeTable::<f32>::new(cfg.head_size(), cfg.n_positions, cfg.rope_base());
         let host: Vec<f32> = rope.cos.iter().chain(&rope.sin).copied().collect();

@@ -15,19 +15,10 @@ use anyhow::{bail, Result};
 /// ([`ATTENTION_ENV`]) says otherwise.
 pub(super) fn attention_path(
     be: &impl Backend,
-    (hs, grouped): (usize, bool),
+    hs: usize,
     compute: Dtype,
     ask: AttentionAsk,
 ) -> Result<AttnKeep> {
-    if grouped && !be.fused_grouped_attention() {
-        if ask == AttentionAsk::Fused {
-            bail!(
-                "{ATTENTION_ENV}=fused: the {} backend has no fused grouped-query attention (model.n_kv_head < model.n_head)",
-                be.name()
-            );
-        }
-        return Ok(AttnKeep::Probabilities);
-    }
     let support = be.fused_attention(hs, compute);
     Ok(match (ask, support) {
         (AttentionAsk::Auto, FusedAttention::Preferred)

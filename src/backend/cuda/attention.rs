@@ -27,7 +27,12 @@ impl CudaBackend {
     /// The common storage type of the fused attention's tensors, checked.
     pub(super) fn fused_dtype(&self, d: AttnDims, spans: &[Span], what: &str) -> Dtype {
         let dt = self.dt(spans[0]);
-        assert!(!d.grouped(), "{what}: no grouped-query form on CUDA yet");
+        assert!(
+            d.kv > 0 && d.nh.is_multiple_of(d.kv),
+            "{what}: {} query heads in groups over {} key/value heads",
+            d.nh,
+            d.kv
+        );
         assert!(
             spans.iter().all(|&s| self.dt(s) == dt)
                 && self.fused_attention(d.hs, dt) != FusedAttention::Unsupported,
@@ -86,20 +91,28 @@ impl CudaBackend {
             K::flash_backward_fused,
             K::flash_backward_fused_wide,
         );
-        self.launch(k, dt, tiles as u64, threads, FLASH_FUSED_SHMEM, &args);
+        let blocks = Self::flash_grid_kv(d);
+        self.launch(k, dt, blocks, threads, FLASH_FUSED_SHMEM, &args);
     }
 
-    /// One block per (64-row block, sequence, head); [`Self::launch`] caps the grid at the
-    /// engine's limit and the kernels loop over the rest.
+    /// One block per (64-row query block, sequence, query head); [`Self::launch`] caps the
+    /// grid at the engine's limit and the kernels loop over the rest.
     pub(super) fn flash_grid(d: AttnDims) -> u64 {
         (d.t.div_ceil(FLASH_ROWS) * d.b * d.nh) as u64
     }
 
-    /// The fused kernels' trailing arguments: qkv, B, T, nh, hs, scale.
-    pub(super) fn flash_args(&self, qkv: Span, d: AttnDims) -> [Arg; 6] {
+    /// The dK/dV kernels' blocks: one per (64-row key block, sequence, key/value head), each
+    /// over the query heads of its group.
+    pub(super) fn flash_grid_kv(d: AttnDims) -> u64 {
+        (d.t.div_ceil(FLASH_ROWS) * d.b * d.kv) as u64
+    }
+
+    /// The fused kernels' trailing arguments: qkv (rows `[q | k | v]`, `kv` key/value heads),
+    /// B, T, nh, kv, hs, scale.
+    pub(super) fn flash_args(&self, qkv: Span, d: AttnDims) -> [Arg; 7] {
         assert_eq!(
             qkv.len,
-            d.b * d.t * 3 * d.nh * d.hs,
+            d.b * d.t * d.shape().qkv_width(),
             "fused attention: qkv length"
         );
         [
@@ -107,6 +120,7 @@ impl CudaBackend {
             Arg::I64(d.b as i64),
             Arg::I64(d.t as i64),
             Arg::I64(d.nh as i64),
+            Arg::I64(d.kv as i64),
             Arg::I64(d.hs as i64),
             Arg::F32(attention_scale(d.hs)),
         ]

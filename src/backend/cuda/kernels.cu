@@ -1380,6 +1380,8 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 }
 
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
+// qkv rows are [q (nh heads) | k (kvh heads) | v (kvh heads)]: query head h reads key/value
+// head h / (nh / kvh) (grouped-query attention; kvh = nh without it).
 // Item = (query block, sequence, head), the longest query blocks first. K and V tiles are
 // double-buffered: the copies of key block kb + 1 run while block kb is multiplied. Each of
 // the block's FA_ROWS / (16·M) warps owns M groups of 16 query rows (FLASH_WARP_ROWS = 16·M
@@ -1387,22 +1389,25 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 // products instead of one (FlashAttention-2 gives a warp 32 rows), for twice the registers.
 template <typename T, int M>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
-                                i64 hs_, float scale) {
+                                i64 kvh, i64 hs_, float scale) {
     alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3, w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;  // raw scores to log2 units
-    i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
+        nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
         i64 q0 = qb * FA_ROWS;
         const T* base = qkv + b * Tn * ldq + h * hs;
+        const T* kbase = qkv + b * Tn * ldq + C + (h / grp) * hs;
+        const T* vbase = kbase + kvh * hs;
         __syncthreads();  // the previous item's reads are done
         fa_load(sK[1], base, q0, Tn, ldq, hs, vec);  // Q, in the buffer block 1 will use
-        fa_load(sK[0], base + C, 0, Tn, ldq, hs, vec);
-        fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
+        fa_load(sK[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load(sV[0], vbase, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
         u32 qa[M][FA_D / 16][4];
@@ -1422,8 +1427,8 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             int cur = (int)(kb & 1);
             __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
             if (kb < qb) {
-                fa_load(sK[cur ^ 1], base + C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load(sV[cur ^ 1], base + 2 * C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sK[cur ^ 1], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sV[cur ^ 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
             }
             cp_async_commit();
             cp_async_wait_prior();  // block kb's tiles have landed
@@ -1482,14 +1487,14 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD)                    \
-        flash_forward_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 hs,  \
-                          float scale) {                                                    \
-        flash_forward_k<T, 1>(out, lse, qkv, B, Tn, nh, hs, scale);                         \
+        flash_forward_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, \
+                          i64 hs, float scale) {                                            \
+        flash_forward_k<T, 1>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                    \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_FWD_WIDE)           \
         flash_forward_wide_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
-                               i64 hs, float scale) {                                       \
-        flash_forward_k<T, 2>(out, lse, qkv, B, Tn, nh, hs, scale);                         \
+                               i64 kvh, i64 hs, float scale) {                              \
+        flash_forward_k<T, 2>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                    \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF
@@ -1546,7 +1551,7 @@ __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, c
 template <typename T, int M>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
-                                    i64 hs_, float scale) {
+                                    i64 kvh, i64 hs_, float scale) {
     alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
     __shared__ float sL[FA_ROWS], sD[FA_ROWS];
@@ -1556,20 +1561,23 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
-    i64 C = nh * hs, ldq = 3 * C, nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
+        nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C),
          vec_delta = vec_o && fa_vec_ok(out, hs, C);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
         i64 q0 = qb * FA_ROWS;
         const T* base = qkv + b * Tn * ldq + h * hs;
+        const T* kbase = qkv + b * Tn * ldq + C + (h / grp) * hs;
+        const T* vbase = kbase + kvh * hs;
         const T* dob = dout + b * Tn * C + h * hs;
         const T* ob = out + b * Tn * C + h * hs;
         __syncthreads();
         fa_load(sQ, base, q0, Tn, ldq, hs, vec);  // Q and dO (M = 1: in block 1's buffers)
         fa_load(sDO, dob, q0, Tn, C, hs, vec_o);
-        fa_load(sK[0], base + C, 0, Tn, ldq, hs, vec);
-        fa_load(sV[0], base + 2 * C, 0, Tn, ldq, hs, vec);
+        fa_load(sK[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load(sV[0], vbase, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
         u32 qa[M][FA_D / 16][4], da[M][FA_D / 16][4];
@@ -1595,8 +1603,8 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             int cur = (int)(kb & 1);
             __syncthreads();
             if (kb < qb) {
-                fa_load(sK[cur ^ 1], base + C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load(sV[cur ^ 1], base + 2 * C, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sK[cur ^ 1], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sV[cur ^ 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
             }
             cp_async_commit();
             cp_async_wait_prior();
@@ -1641,15 +1649,17 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DQ)                     \
         flash_backward_dq_##S(T* dqkv, float* delta, const T* dout, const T* out,           \
-                              const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 hs, \
-                              float scale) {                                                 \
-        flash_backward_dq_k<T, 1>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, hs, scale);  \
+                              const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,  \
+                              i64 kvh, i64 hs, float scale) {                               \
+        flash_backward_dq_k<T, 1>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,     \
+                                  scale);                                                   \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DQ_WIDE)            \
         flash_backward_dq_wide_##S(T* dqkv, float* delta, const T* dout, const T* out,      \
                                    const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,   \
-                                   i64 hs, float scale) {                                   \
-        flash_backward_dq_k<T, 2>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, hs, scale);  \
+                                   i64 kvh, i64 hs, float scale) {                          \
+        flash_backward_dq_k<T, 2>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,     \
+                                  scale);                                                   \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF
@@ -1754,8 +1764,10 @@ __device__ void flash_backward_prep_k(float* delta, int* sync, i64 nsync, const 
 FOR_HALF_TYPES(DEF)
 #undef DEF
 
-// Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, head), the
-// longest (first key blocks) first; each block runs over the query blocks from its own on, Q
+// Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, key/value head),
+// the longest (first key blocks) first; each block runs over the query heads that share the
+// key/value head (one without grouped-query attention), summing their dK and dV, and for each
+// over the query blocks from its own on, Q
 // and dO tiles (and their statistics) double-buffered; M groups of 16 keys per warp (each Q
 // and dO fragment loaded from shared memory feeds M products). With one group the block's K
 // and V wait in the second Q and dO buffers until each warp holds its fragments in registers;
@@ -1779,7 +1791,7 @@ FOR_HALF_TYPES(DEF)
 template <typename T, int M, bool DQ>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
-                                     i64 hs_, float scale, float* dq_acc, int* sync) {
+                                     i64 kvh, i64 hs_, float scale, float* dq_acc, int* sync) {
     alignas(16) __shared__ T sQ[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
@@ -1792,27 +1804,18 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
-    i64 C = nh * hs, ldq = 3 * C, nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
+        nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
-    for (i64 item = fa_next_item<DQ>(-1, sync, &s_item); item < B * nh * nkb;
+    for (i64 item = fa_next_item<DQ>(-1, sync, &s_item); item < B * kvh * nkb;
          item = fa_next_item<DQ>(item, sync, &s_item)) {
-        i64 kb = item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
+        i64 kb = item / (B * kvh), bk = item % (B * kvh), b = bk / kvh, hk = bk % kvh;
         i64 k0 = kb * FA_ROWS;
         // The query blocks: from this key block up, or (DQ) from the last down to it.
         const i64 q_step = DQ ? -1 : 1, q_begin = DQ ? nkb - 1 : kb, q_end = DQ ? kb - 1 : nkb;
-        const T* base = qkv + b * Tn * ldq + h * hs;
-        const T* dob = dout + b * Tn * C + h * hs;
-        const float* lse_h = lse + bh * Tn;
-        const float* delta_h = delta + bh * Tn;
+        const T* kbase = qkv + b * Tn * ldq + C + hk * hs;
+        const T* vbase = kbase + kvh * hs;
         i64 q_first = q_begin * FA_ROWS;
-        __syncthreads();
-        fa_load(sK, base + C, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
-        fa_load(sV, base + 2 * C, k0, Tn, ldq, hs, vec);
-        fa_load(sQ[0], base, q_first, Tn, ldq, hs, vec);  // the first query block
-        fa_load(sO[0], dob, q_first, Tn, C, hs, vec_o);
-        fa_load_stats(sL[0], sD[0], lse_h, delta_h, q_first, Tn);
-        cp_async_wait_all();
-        __syncthreads();
         u32 ka[M][FA_D / 16][4], va[M][FA_D / 16][4];
         float dk[M][FA_D / 8][4], dv[M][FA_D / 8][4];
 #pragma unroll
@@ -1822,115 +1825,138 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
 #pragma unroll
                 for (int e = 0; e < 4; e++) dk[i][nd][e] = dv[i][nd][e] = 0.0f;
         }
-        if constexpr (!FA_REREAD(M)) {
-            fa_a_frags_m<T, M>(ka, sK, w0);
-            fa_a_frags_m<T, M>(va, sV, w0);
-        }
-        for (i64 qb = q_begin; qb != q_end; qb += q_step) {
-            int cur = (int)((qb - q_begin) * q_step & 1);
+        for (i64 h = hk * grp; h < (hk + 1) * grp; h++) {
+            i64 bh = b * nh + h;
+            const T* base = qkv + b * Tn * ldq + h * hs;
+            const T* dob = dout + b * Tn * C + h * hs;
+            const float* lse_h = lse + bh * Tn;
+            const float* delta_h = delta + bh * Tn;
+            bool first_head = h == hk * grp;
             __syncthreads();
-            if (qb + q_step != q_end) {
-                i64 q1 = (qb + q_step) * FA_ROWS;
-                fa_load(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
-                fa_load(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
-                fa_load_stats(sL[cur ^ 1], sD[cur ^ 1], lse_h, delta_h, q1, Tn);
+            if (first_head) {
+                fa_load(sK, kbase, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
+                fa_load(sV, vbase, k0, Tn, ldq, hs, vec);
             }
-            cp_async_commit();
-            cp_async_wait_prior();
+            fa_load(sQ[0], base, q_first, Tn, ldq, hs, vec);  // the head's first query block
+            fa_load(sO[0], dob, q_first, Tn, C, hs, vec_o);
+            fa_load_stats(sL[0], sD[0], lse_h, delta_h, q_first, Tn);
+            cp_async_wait_all();
             __syncthreads();
-            // Transposed scores: rows are this warp's keys, columns the block's queries. P is
-            // rounded to T (as the three-step path stores it) and feeds both dV and dS.
-            const float *sl = sL[cur], *sd = sD[cur];
-            u32 pa[M][FA_ROWS / 16][4];
-            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(ka, sK, w0);
-            {
-                float p[M][FA_ROWS / 8][4];
-                fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
+            // Without kv_shared, K and V wait in buffers the query blocks then reuse: their
+            // fragments are taken once, at the first head, and stay in registers.
+            if constexpr (!FA_REREAD(M)) {
+                if (first_head) {
+                    fa_a_frags_m<T, M>(ka, sK, w0);
+                    fa_a_frags_m<T, M>(va, sV, w0);
+                }
+            }
+            for (i64 qb = q_begin; qb != q_end; qb += q_step) {
+                int cur = (int)((qb - q_begin) * q_step & 1);
+                __syncthreads();
+                if (qb + q_step != q_end) {
+                    i64 q1 = (qb + q_step) * FA_ROWS;
+                    fa_load(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
+                    fa_load(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
+                    fa_load_stats(sL[cur ^ 1], sD[cur ^ 1], lse_h, delta_h, q1, Tn);
+                }
+                cp_async_commit();
+                cp_async_wait_prior();
+                __syncthreads();
+                // Transposed scores: rows are this warp's keys, columns the block's queries. P is
+                // rounded to T (as the three-step path stores it) and feeds both dV and dS.
+                const float *sl = sL[cur], *sd = sD[cur];
+                u32 pa[M][FA_ROWS / 16][4];
+                if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(ka, sK, w0);
+                {
+                    float p[M][FA_ROWS / 8][4];
+                    fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
+#pragma unroll
+                    for (int i = 0; i < M; i++) {
+#pragma unroll
+                        for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++)
+                                p[i][n][e] =
+                                    fast_exp2(fmaf(p[i][n][e], sl2, sl[n * 8 + 2 * t + (e & 1)]));
+                        // On the diagonal tile a query before the key is masked: transposed,
+                        // column before row.
+                        if (qb == kb) fa_mask(p[i], w0 + 16 * i, 0.0f, true);
+                        fa_pack<T>(pa[i], p[i]);
+                    }
+                }
+                fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
+                float ds[M][FA_ROWS / 8][4];
+                if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(va, sV, w0);
+                fa_mma_abt_m<T, M>(ds, va, sO[cur]);
 #pragma unroll
                 for (int i = 0; i < M; i++) {
 #pragma unroll
                     for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
                         for (int e = 0; e < 4; e++)
-                            p[i][n][e] =
-                                fast_exp2(fmaf(p[i][n][e], sl2, sl[n * 8 + 2 * t + (e & 1)]));
-                    // On the diagonal tile a query before the key is masked: transposed,
-                    // column before row.
-                    if (qb == kb) fa_mask(p[i], w0 + 16 * i, 0.0f, true);
-                    fa_pack<T>(pa[i], p[i]);
+                            ds[i][n][e] = fa_unpack<T>(pa[i], n, e) *
+                                          (ds[i][n][e] - sd[n * 8 + 2 * t + (e & 1)]);
+                    fa_pack<T>(pa[i], ds[i]);
                 }
-            }
-            fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
-            float ds[M][FA_ROWS / 8][4];
-            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(va, sV, w0);
-            fa_mma_abt_m<T, M>(ds, va, sO[cur]);
+                fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
+                if constexpr (DQ) {
+                    // dQ's share of this key block: dS (queries × keys) · K, the tile's
+                    // query rows w0.. by this warp, over every key of the block.
+                    fa_put_frags_m<T, M>(sdS, pa, w0);
+                    __syncthreads();
+                    fa_a_frags_trans_m<T, M>(pa, sdS, w0);
+                    float dq[M][FA_D / 8][4];
 #pragma unroll
-            for (int i = 0; i < M; i++) {
+                    for (int i = 0; i < M; i++)
 #pragma unroll
-                for (int n = 0; n < FA_ROWS / 8; n++)
+                        for (int nd = 0; nd < FA_D / 8; nd++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        ds[i][n][e] = fa_unpack<T>(pa[i], n, e) *
-                                      (ds[i][n][e] - sd[n * 8 + 2 * t + (e & 1)]);
-                fa_pack<T>(pa[i], ds[i]);
-            }
-            fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
-            if constexpr (DQ) {
-                // dQ's share of this key block: dS (queries × keys) · K, the tile's query rows
-                // w0.. by this warp, over every key of the block.
-                fa_put_frags_m<T, M>(sdS, pa, w0);
-                __syncthreads();
-                fa_a_frags_trans_m<T, M>(pa, sdS, w0);
-                float dq[M][FA_D / 8][4];
-#pragma unroll
-                for (int i = 0; i < M; i++)
-#pragma unroll
-                    for (int nd = 0; nd < FA_D / 8; nd++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) dq[i][nd][e] = 0.0f;
-                fa_mma_pb_m<T, M>(dq, pa, sK);
-                float* acc = dq_acc + (bh * nkb + qb) * FA_ROWS * FA_D;
-                fa_add_dq_share<T, M>(acc, sync + 1 + bh * nkb + qb, dq, kb, qb,
-                                      dqkv + b * Tn * ldq + h * hs, Tn, ldq, hs, scale, w0);
+                            for (int e = 0; e < 4; e++) dq[i][nd][e] = 0.0f;
+                    fa_mma_pb_m<T, M>(dq, pa, sK);
+                    float* acc = dq_acc + (bh * nkb + qb) * FA_ROWS * FA_D;
+                    fa_add_dq_share<T, M>(acc, sync + 1 + bh * nkb + qb, dq, kb, qb,
+                                          dqkv + b * Tn * ldq + h * hs, Tn, ldq, hs, scale, w0);
+                }
             }
         }
         float one[2] = {1.0f, 1.0f}, mul[2] = {scale, scale};
-        T* dst = dqkv + b * Tn * ldq + h * hs;
+        T* dst = dqkv + b * Tn * ldq + C + hk * hs;
 #pragma unroll
         for (int i = 0; i < M; i++) {
-            fa_store(dst + C, dk[i], k0 + w0 + 16 * i, Tn, ldq, hs, mul);
-            fa_store(dst + 2 * C, dv[i], k0 + w0 + 16 * i, Tn, ldq, hs, one);
+            fa_store(dst, dk[i], k0 + w0 + 16 * i, Tn, ldq, hs, mul);
+            fa_store(dst + kvh * hs, dv[i], k0 + w0 + 16 * i, Tn, ldq, hs, one);
         }
     }
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV)                    \
         flash_backward_dkv_##S(T* dqkv, const float* delta, const T* dout, const float* lse, \
-                               const T* qkv, i64 B, i64 Tn, i64 nh, i64 hs, float scale) {  \
-        flash_backward_dkv_k<T, 1, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale, \
-                                          nullptr, nullptr);                                 \
+                               const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs,        \
+                               float scale) {                                               \
+        flash_backward_dkv_k<T, 1, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,   \
+                                          scale, nullptr, nullptr);                          \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DKV_WIDE)           \
         flash_backward_dkv_wide_##S(T* dqkv, const float* delta, const T* dout,             \
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,  \
-                                    i64 hs, float scale) {                                  \
-        flash_backward_dkv_k<T, 2, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale, \
-                                          nullptr, nullptr);                                 \
+                                    i64 kvh, i64 hs, float scale) {                         \
+        flash_backward_dkv_k<T, 2, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,   \
+                                          scale, nullptr, nullptr);                          \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FUSED)                  \
         flash_backward_fused_##S(T* dqkv, const float* delta, const T* dout,                \
                                  const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
-                                 i64 hs, float scale, float* dq_acc, int* sync) {           \
-        flash_backward_dkv_k<T, 1, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale,  \
-                                         dq_acc, sync);                                      \
+                                 i64 kvh, i64 hs, float scale, float* dq_acc, int* sync) {  \
+        flash_backward_dkv_k<T, 1, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,    \
+                                         scale, dq_acc, sync);                               \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_FUSED)              \
         flash_backward_fused_wide_##S(T* dqkv, const float* delta, const T* dout,           \
                                       const float* lse, const T* qkv, i64 B, i64 Tn,        \
-                                      i64 nh, i64 hs, float scale, float* dq_acc,           \
+                                      i64 nh, i64 kvh, i64 hs, float scale, float* dq_acc,  \
                                       int* sync) {                                          \
-        flash_backward_dkv_k<T, 2, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, hs, scale,  \
-                                         dq_acc, sync);                                      \
+        flash_backward_dkv_k<T, 2, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,    \
+                                         scale, dq_acc, sync);                               \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF

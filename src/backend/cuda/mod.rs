@@ -1147,12 +1147,6 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// Not yet: the flash kernels assume a key/value head per query head (the three-step
-    /// path's batched GEMMs map each query head to its key/value head).
-    fn fused_grouped_attention(&self) -> bool {
-        false
-    }
-
     fn fused_attention(&self, hs: usize, dt: Dtype) -> FusedAttention {
         // The kernels hold a head in 64 columns of 16-bit values and multiply on the tensor
         // cores (flash_* in kernels.cu).
@@ -1225,7 +1219,8 @@ impl Backend for CudaBackend {
         args.extend(tail);
         let (k, threads) =
             FlashWarpRows::pick(rows.dkv, K::flash_backward_dkv, K::flash_backward_dkv_wide);
-        self.launch(k, dt, grid, threads, shmem(rows.dkv), &args);
+        let grid_kv = Self::flash_grid_kv(d);
+        self.launch(k, dt, grid_kv, threads, shmem(rows.dkv), &args);
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
