@@ -1206,7 +1206,11 @@ mod gpu {
                 let mut gpu = build(cfg, dt, g.take().or_else(device).unwrap());
                 let forms = gpu.forms();
                 let form = forms.iter().find(|f| f.key == "attention").unwrap();
-                let want = if dt == Dtype::F32 { "three-step" } else { "fused" };
+                let want = if dt == Dtype::F32 {
+                    "three-step"
+                } else {
+                    "fused"
+                };
                 assert_eq!(form.form, want, "kv {kv} {dt:?}");
                 let losses = [
                     loss_grads(cpu.as_mut(), &w, (b, t), &timers),

@@ -1515,3 +1515,115 @@ fn llama_tokenizer_prepares_trains_samples_and_guards_its_ids() {
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Evaluation is never skipped in silence: a dataset without a usable validation split (none
+/// held out, its shard deleted, a `.bin` file, a shard damaged under `--verify-data`) is an error
+/// at start naming the reason and the ways on, before any step or checkpoint; `--allow-no-eval`
+/// trains with a warning and no evaluation; `--eval-every 0` needs no validation data; and
+/// `--eval-batches 0` is refused rather than raised to 1.
+#[test]
+fn evaluation_is_never_skipped_in_silence() {
+    let dir = tmp("no-silent-eval");
+    let verse =
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n";
+    for i in 0..6 {
+        std::fs::write(dir.join(format!("v{i}.txt")), verse.repeat(30)).unwrap();
+    }
+    let files: Vec<String> = (0..6).map(|i| format!("v{i}.txt")).collect();
+    let prepare = |out: &str, val: &str| {
+        let mut args = vec!["prepare", "--quiet", "--val-fraction", val, "--out", out];
+        args.extend(files.iter().map(String::as_str));
+        ok(&fugu(&args, &dir));
+    };
+    prepare("noval", "0");
+    prepare("withval", "0.5");
+    std::fs::write(
+        dir.join("small.toml"),
+        SMALL.replace("eval_every = 0", "eval_every = 1"),
+    )
+    .unwrap();
+    let train = |data: &str, out: &str, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            data,
+            "--threads",
+            "1",
+            "--steps",
+            "2",
+            "--eval-batches",
+            "1",
+            "--out",
+            out,
+        ];
+        args.extend(extra);
+        fugu(&args, &dir)
+    };
+    let refused = |o: &Output, out: &str, why: &str| {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{out}: trained");
+        assert!(
+            err.contains("--allow-no-eval") && err.contains(why),
+            "{out}: {err}"
+        );
+        assert!(!dir.join(out).join("ckpt-00000002").exists(), "{out}");
+    };
+    // No document held out.
+    refused(&train("noval", "a", &[]), "a", "0 windows");
+    // With --allow-no-eval: a warning, no evaluation, a checkpoint.
+    let o = train("noval", "b", &["--allow-no-eval"]);
+    ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("warning: --allow-no-eval: no evaluation this run"),
+        "{err}"
+    );
+    let metrics = std::fs::read_to_string(dir.join("b/metrics.jsonl")).unwrap();
+    assert!(
+        !metrics.contains("val_loss\":") || metrics.contains("\"val_loss\":null"),
+        "{metrics}"
+    );
+    // No evaluation asked for: no validation data needed.
+    ok(&train("noval", "c", &["--eval-every", "0"]));
+    // The validation shard deleted.
+    ok(&train("withval", "d", &[]));
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("withval/manifest.json")).unwrap()).unwrap();
+    let shard = m["val"]["shards"][0]["file"].as_str().unwrap().to_string();
+    let shard_path = dir.join("withval").join(&shard);
+    let bytes = std::fs::read(&shard_path).unwrap();
+    std::fs::remove_file(&shard_path).unwrap();
+    refused(&train("withval", "e", &[]), "e", &shard);
+    // The validation shard with a flipped byte, under --verify-data.
+    let mut flipped = bytes.clone();
+    flipped[600] ^= 0x20;
+    std::fs::write(&shard_path, &flipped).unwrap();
+    refused(&train("withval", "f", &["--verify-data"]), "f", "sha256");
+    std::fs::write(&shard_path, &bytes).unwrap();
+    // A raw .bin file has no validation split: refused unless --val-data names one.
+    let tokens: Vec<u8> = (0..4000u32)
+        .flat_map(|i| (((i * 7919) % 50000) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(dir.join("x.bin"), tokens).unwrap();
+    refused(&train("x.bin", "g", &[]), "g", "x.bin");
+    ok(&train("x.bin", "h", &["--val-data", "withval"]));
+    // Zero evaluation batches: refused, not raised to one.
+    let args = [
+        "train",
+        "--config",
+        "small.toml",
+        "--data",
+        "withval",
+        "--eval-batches",
+        "0",
+    ];
+    let o = fugu(&args, &dir);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--eval-batches 0"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -562,8 +562,13 @@ impl ShardStream {
         let c = n / cfg.world as u64;
         if c == 0 {
             return Err(Error::Config(format!(
-                "the {:?} split holds {total} tokens = {n} windows of {w} tokens, fewer than one per rank for {} ranks",
-                cfg.split, cfg.world
+                "the {} split holds {total} tokens = {n} windows of {w} tokens, fewer than one per \
+                 rank for {} ranks",
+                match cfg.split {
+                    Split::Train => "training",
+                    Split::Val => "validation",
+                },
+                cfg.world
             )));
         }
         let mut s = ShardStream {

@@ -26,9 +26,15 @@ pub struct TrainArgs {
     /// raw .bin token file. Default: the bundled Shakespeare corpus.
     #[arg(long)]
     pub data: Option<String>,
-    /// Validation data (default: the validation split of --data, when it has one).
+    /// Validation data (default: the validation split of --data). Evaluating on data that
+    /// cannot be read is an error at start.
     #[arg(long)]
     pub val_data: Option<String>,
+    /// Train on when the validation split of --data cannot be read, has no window or is
+    /// missing (a .bin file), with a warning and no evaluation (default: an error at start,
+    /// naming the reason).
+    #[arg(long)]
+    pub allow_no_eval: bool,
     /// Read the data in file order (a .bin: consecutive windows, wrapping at the end).
     #[arg(long)]
     pub no_shuffle: bool,
@@ -150,6 +156,7 @@ impl TrainArgs {
             overrides: self.overrides.clone(),
             data: self.data.clone(),
             val_data: self.val_data.clone(),
+            allow_no_eval: self.allow_no_eval,
             shuffle: !self.no_shuffle,
             verify_data: self.verify_data,
             skip_bad_samples: self.skip_bad_samples,
@@ -162,7 +169,7 @@ impl TrainArgs {
             dump_grads: self.dump_grads.clone(),
             skip_nonfinite: self.skip_nonfinite,
             log_every: self.log_every,
-            eval_batches: self.eval_batches.max(1),
+            eval_batches: self.eval_batches,
             tty: std::io::stderr().is_terminal(),
             tp: self.tp,
             pp: self.pp,

@@ -186,39 +186,33 @@ pub fn train_loader(
     loader.with_context(|| format!("opening training data {data}"))
 }
 
-/// Fails unless `data` (an explicit `--val-data`) opens as a validation split with at least
-/// one window, naming the flag and the loader's reason.
-pub fn check_val_data(data: &str, cfg: &LoaderConfig) -> Result<()> {
+/// Fails unless `data` (given as `flag`) opens as a validation split with at least one window
+/// (with `--verify-data`, every validation shard's sha256 checked), naming the flag and the
+/// loader's reason.
+pub fn check_val_data(flag: &str, data: &str, cfg: &LoaderConfig) -> Result<()> {
     let loader = Loader::new(data, cfg).with_context(|| {
-        format!(
-            "--val-data {data}: cannot be read as validation data (a manifest with a val split)"
-        )
+        format!("{flag} {data}: cannot be read as validation data (a manifest with a val split)")
     })?;
     if loader.info().windows_per_epoch == 0 {
         bail!(
-            "--val-data {data}: its validation split holds no window of seq_len + 1 = {} tokens",
+            "{flag} {data}: its validation split holds no window of seq_len + 1 = {} tokens",
             cfg.seq_len + 1
         );
     }
     Ok(())
 }
 
-/// Mean loss over the first `batches` batches of the validation split, through `loss_of`
-/// (which runs a forward pass on one batch window). `None` when `data` has no validation
-/// split (a `.bin` file or bare shards without `--val-data`).
+/// Mean loss over the first `batches` batches of the validation split of `data` (checked at
+/// start by [`check_val_data`]: any failure now is an error), through `loss_of` (which runs a
+/// forward pass on one batch window).
 pub fn eval_loss(
     data: &str,
     cfg: &LoaderConfig,
     batches: usize,
     mut loss_of: impl FnMut(&[u32]) -> Result<f32>,
-) -> Result<Option<f64>> {
-    let mut loader = match Loader::new(data, cfg) {
-        Ok(l) => l,
-        Err(_) => return Ok(None),
-    };
-    if loader.info().windows_per_epoch == 0 {
-        return Ok(None);
-    }
+) -> Result<f64> {
+    let mut loader =
+        Loader::new(data, cfg).with_context(|| format!("opening validation data {data}"))?;
     let mut sum = 0.0f64;
     for _ in 0..batches {
         let batch = loader
@@ -227,7 +221,7 @@ pub fn eval_loss(
         sum += loss_of(&batch.tokens)? as f64;
         loader.recycle(batch);
     }
-    Ok(Some(sum / batches as f64))
+    Ok(sum / batches as f64)
 }
 
 /// The training batches of one data-parallel rank.

@@ -42,8 +42,11 @@ pub struct TrainOptions {
     pub overrides: TrainOverrides,
     /// `--data`; `None` = the bundled corpus.
     pub data: Option<String>,
-    /// `--val-data`; `None` = the validation split of `data` when it has one.
+    /// `--val-data`; `None` = the validation split of `data`.
     pub val_data: Option<String>,
+    /// `--allow-no-eval`: a validation split that cannot be read turns evaluation off with a
+    /// warning instead of failing at start.
+    pub allow_no_eval: bool,
     pub shuffle: bool,
     /// `--verify-data`: check every shard's sha256 at start (default: each shard's the first
     /// time it is read).

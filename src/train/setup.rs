@@ -264,13 +264,15 @@ pub(super) fn model<B: Backend>(
 /// shape (checked before anything that size is allocated).
 pub(super) struct Loaders {
     pub(super) source: BatchSource,
-    pub(super) val_data: String,
+    /// What evaluations read; `None`: no evaluation this run (`eval_every = 0`, or
+    /// `--allow-no-eval` with an unreadable split, warned about at start).
+    pub(super) val_data: Option<String>,
     pub(super) val_loader: LoaderConfig,
     pub(super) memory: Memory,
 }
 
-/// B rows per data-parallel rank, from the cursor when resuming; `--val-data` is opened now,
-/// so that a bad one fails here and not at the first evaluation.
+/// B rows per data-parallel rank, from the cursor when resuming; the validation data is opened
+/// now, so that a bad one fails here and evaluation is never skipped in silence.
 pub(super) fn loaders<B: Backend>(
     opts: &TrainOptions,
     dist: &Dist,
@@ -297,20 +299,53 @@ pub(super) fn loaders<B: Backend>(
         data.ranks,
         start_state.map(|s| &s.cursor),
     )?;
-    let val_data = opts.val_data.clone().unwrap_or_else(|| data.path.clone());
     let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
     val_loader.vocab_size = m.vocab_size as u32;
     val_loader.verify = lcfg.verify;
-    if let Some(v) = &opts.val_data {
-        // Asked for by name: it must work now, not be skipped in silence at the first eval.
-        data::check_val_data(v, &val_loader)?;
-    }
+    let val_data = validation_data(opts, dist, t, &data.path, &val_loader)?;
     Ok(Loaders {
         source,
         val_data,
         val_loader,
         memory,
     })
+}
+
+/// The data evaluations read, checked now: `--val-data` (always checked when given), else the
+/// validation split of `data`. One that cannot be read, or holds no window, is an error naming
+/// the reason and the ways on, unless `--allow-no-eval` (then a warning and no evaluation).
+fn validation_data(
+    opts: &TrainOptions,
+    dist: &Dist,
+    t: &TrainConfig,
+    data: &str,
+    val_loader: &LoaderConfig,
+) -> Result<Option<String>> {
+    if opts.eval_batches == 0 {
+        bail!("--eval-batches 0: an evaluation needs at least one batch (set train.eval_every = 0 for none)");
+    }
+    if let Some(v) = &opts.val_data {
+        data::check_val_data("--val-data", v, val_loader)?;
+        return Ok((t.eval_every > 0).then(|| v.clone()));
+    }
+    if t.eval_every == 0 {
+        return Ok(None);
+    }
+    match data::check_val_data("--data", data, val_loader) {
+        Ok(()) => Ok(Some(data.to_string())),
+        Err(e) if opts.allow_no_eval => {
+            if dist.is_root() {
+                eprintln!("warning: --allow-no-eval: no evaluation this run: {e:#}");
+            }
+            Ok(None)
+        }
+        Err(e) => Err(e.context(format!(
+            "train.eval_every = {} asks for evaluations, but --data has no usable validation \
+             split: give --val-data, set train.eval_every = 0 (--eval-every 0), or pass \
+             --allow-no-eval to train without evaluation",
+            t.eval_every
+        ))),
+    }
 }
 
 /// Memory accounting for the up-front check, the header and the end-of-run RSS line (bytes

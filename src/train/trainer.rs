@@ -103,7 +103,8 @@ pub struct Trainer<'d, B: Backend> {
     data: String,
     /// Rank 0: the data's tokenizer files and special ids, written into every checkpoint.
     tokenizer: Option<data::CheckpointTokenizer>,
-    val_data: String,
+    /// What evaluations read; `None`: no evaluation (decided and warned about at start).
+    val_data: Option<String>,
     val_loader: LoaderConfig,
     model: Box<dyn Model<B>>,
     /// This rank's stage of the pipeline (the whole model with `--pp 1`) and its schedule.
@@ -484,6 +485,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
     /// data-parallel ranks.
     pub fn evaluate(&mut self, done: u64, is_last: bool) -> Result<()> {
         let t = &self.cfg.train;
+        let Some(val_data) = &self.val_data else {
+            return Ok(());
+        };
         if t.eval_every == 0 || (!done.is_multiple_of(t.eval_every as u64) && !is_last) {
             return Ok(());
         }
@@ -495,25 +499,18 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let micro = self.opts.micro_batches;
         let rows = t.batch_size / micro;
         let (pipeline, dist) = (&mut self.pipeline, self.dist);
-        let v = data::eval_loss(
-            &self.val_data,
-            &self.val_loader,
-            self.opts.eval_batches,
-            |w| {
-                model.set_batches(w, micro, rows, t.seq_len)?;
-                let sum = pipeline.forward_only(model, micro, timers);
-                Ok((last_stage_sum(dist, sum) / micro as f64) as f32)
-            },
-        )?;
-        if let Some(v) = v {
-            let v = self.dist.dp_mean(v);
-            if let Some(w) = self.metrics.as_mut() {
-                w.eval(done, v)?;
-            }
-            self.progress
-                .message(&format!("step {done}: val_loss {v:.4}"));
-            self.totals.last_val = Some(v);
+        let v = data::eval_loss(val_data, &self.val_loader, self.opts.eval_batches, |w| {
+            model.set_batches(w, micro, rows, t.seq_len)?;
+            let sum = pipeline.forward_only(model, micro, timers);
+            Ok((last_stage_sum(dist, sum) / micro as f64) as f32)
+        })?;
+        let v = self.dist.dp_mean(v);
+        if let Some(w) = self.metrics.as_mut() {
+            w.eval(done, v)?;
         }
+        self.progress
+            .message(&format!("step {done}: val_loss {v:.4}"));
+        self.totals.last_val = Some(v);
         self.totals.add_outside("eval", t0);
         Ok(())
     }
