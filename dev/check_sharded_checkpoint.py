@@ -133,9 +133,11 @@ def main():
         tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
         with torch.no_grad():
+            # Both stop at the end-of-text token (generation_config.json's eos_token_id), which
+            # fugu does not print.
             out = model.generate(ids, max_new_tokens=n, do_sample=False,
-                                 pad_token_id=tok.eos_token_id, eos_token_id=None)
-        text = tok.decode(out[0], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                                 pad_token_id=tok.eos_token_id)
+        text = tok.decode(out[0], skip_special_tokens=True, clean_up_tokenization_spaces=False)
         with open(expected_file) as f:
             want = f.read().removesuffix("\n")
         print(f"greedy ({out.shape[1] - ids.shape[1]} new tokens): {text!r}")

@@ -21,7 +21,23 @@ pub struct SampleOptions {
     pub temperature: f64,
     /// Keep only the k most likely tokens (0 = all).
     pub top_k: usize,
+    /// Then keep only the most likely tokens whose probabilities add up to at least p
+    /// (nucleus sampling; 1 = all).
+    pub top_p: f64,
     pub seed: u64,
+    /// Stop after this token (the end-of-text id), which is returned but not passed on.
+    pub stop: Option<u32>,
+}
+
+/// Why [`generate`] stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The stop token came.
+    EndOfText,
+    /// The context (`n_positions`) is full.
+    Context,
 }
 
 /// A model ready for incremental decoding: an inference-only model and its cache.
@@ -56,6 +72,11 @@ impl<B: Backend> Generator<B> {
         self.pos
     }
 
+    /// Starts a new sequence: the cache's entries are overwritten from position 0 on.
+    pub fn restart(&mut self) {
+        self.pos = 0;
+    }
+
     /// Feeds one token; returns the next-token logits (real vocabulary only).
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
         let cache = self
@@ -76,7 +97,8 @@ impl<B: Backend> Drop for Generator<B> {
     }
 }
 
-/// Picks a token from logits: greedy at temperature 0, else softmax(logits/T) over the top k.
+/// Picks a token from logits: greedy at temperature 0, else softmax(logits/T) over the top k,
+/// then over the smallest set of most likely tokens holding probability top_p.
 pub fn pick(logits: &[f32], o: &SampleOptions, rng: &mut SplitMix64) -> u32 {
     let argmax = || {
         logits
@@ -107,7 +129,25 @@ pub fn pick(logits: &[f32], o: &SampleOptions, rng: &mut SplitMix64) -> u32 {
         .iter()
         .map(|&i| ((logits[i] as f64 - mx) / o.temperature).exp())
         .collect();
-    let total: f64 = w.iter().sum();
+    let mut total: f64 = w.iter().sum();
+    let (idx, w) = if o.top_p < 1.0 {
+        let mut order: Vec<usize> = (0..idx.len()).collect();
+        order.sort_by(|&a, &b| w[b].total_cmp(&w[a]).then(idx[a].cmp(&idx[b])));
+        let mut kept = 0.0;
+        let mut n = 0;
+        while n < order.len() && (n == 0 || kept < o.top_p * total) {
+            kept += w[order[n]];
+            n += 1;
+        }
+        total = kept;
+        let keep = &order[..n];
+        (
+            keep.iter().map(|&k| idx[k]).collect::<Vec<_>>(),
+            keep.iter().map(|&k| w[k]).collect::<Vec<_>>(),
+        )
+    } else {
+        (idx, w)
+    };
     let mut r = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
     for (k, &wi) in w.iter().enumerate() {
         if r < wi {
@@ -118,14 +158,15 @@ pub fn pick(logits: &[f32], o: &SampleOptions, rng: &mut SplitMix64) -> u32 {
     idx[idx.len() - 1] as u32
 }
 
-/// Runs the prompt through the model and generates up to `max_tokens` more tokens (stopping
-/// early at the context limit). Returns the generated ids.
+/// Runs the prompt through the model (from position 0) and generates up to `max_tokens` more
+/// tokens, stopping early at the stop token or the context limit. Returns the generated ids
+/// (the stop token last, when it came; it is not passed to `on_token`) and why it stopped.
 pub fn generate<B: Backend>(
     g: &mut Generator<B>,
     prompt: &[u32],
     o: &SampleOptions,
     mut on_token: impl FnMut(u32),
-) -> Result<Vec<u32>> {
+) -> Result<(Vec<u32>, Stop)> {
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenisation");
     }
@@ -137,19 +178,26 @@ pub fn generate<B: Backend>(
         );
     }
     let mut rng = SplitMix64::from_parts(&[o.seed, 0x5a3b1e]);
+    g.restart();
     let mut logits = Vec::new();
     for &tok in prompt {
         logits = g.step(tok)?;
     }
     let mut out = Vec::new();
-    for _ in 0..o.max_tokens {
+    while out.len() < o.max_tokens {
         let next = pick(&logits, o, &mut rng);
         out.push(next);
+        if o.stop == Some(next) {
+            return Ok((out, Stop::EndOfText));
+        }
         on_token(next);
-        if g.position() >= g.config().n_positions {
+        if out.len() == o.max_tokens {
             break;
+        }
+        if g.position() >= g.config().n_positions {
+            return Ok((out, Stop::Context));
         }
         logits = g.step(next)?;
     }
-    Ok(out)
+    Ok((out, Stop::MaxTokens))
 }

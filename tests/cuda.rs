@@ -1464,7 +1464,9 @@ mod gpu {
             max_tokens: 15,
             temperature: 0.0,
             top_k: 0,
+            top_p: 1.0,
             seed: 1,
+            stop: None,
         };
         let mut cpu = Generator::new(&cfg, &params, CpuBackend::new()).unwrap();
         let mut gpu = Generator::new(&cfg, &params, g).unwrap();

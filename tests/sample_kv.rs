@@ -7,7 +7,7 @@ use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::init::init_params;
 use fugu::model::table::{gpt2_params, padded_vocab};
 use fugu::model::{registry, Stage, TpRank};
-use fugu::sample::{generate, pick, Generator, SampleOptions};
+use fugu::sample::{generate, pick, Generator, SampleOptions, Stop};
 
 fn cfg() -> ModelConfig {
     ModelConfig {
@@ -82,6 +82,9 @@ fn kv_cache_matches_full_forward() {
     check_kv_cache(&llama(4, true));
 }
 
+/// Generation is deterministic for a seed; it stops at the context (and says so), and at the
+/// stop token (returned last, not passed on); a restarted generator gives the same text again
+/// (`-n`); top-k 1 and top-p near 0 are greedy, and top-p keeps the smallest most likely set.
 #[test]
 fn generation_is_deterministic_and_stops_at_the_context() {
     let cfg = cfg();
@@ -91,17 +94,43 @@ fn generation_is_deterministic_and_stops_at_the_context() {
         max_tokens: 100,
         temperature: 0.9,
         top_k: 20,
+        top_p: 1.0,
         seed: 5,
+        stop: None,
     };
-    let run = || {
-        let mut g = Generator::new(&cfg, &params, CpuBackend::new()).unwrap();
-        generate(&mut g, &[1, 2, 3], &o, |_| {}).unwrap()
-    };
-    let a = run();
-    assert_eq!(a, run());
-    // 24 positions, 3 used by the prompt: at most 22 new tokens (the last needs no step).
-    assert!(a.len() <= 22 && !a.is_empty(), "{}", a.len());
+    let mut g = Generator::new(&cfg, &params, CpuBackend::new()).unwrap();
+    let mut passed = Vec::new();
+    let (a, why) = generate(&mut g, &[1, 2, 3], &o, |t| passed.push(t)).unwrap();
+    assert_eq!(passed, a);
+    // The same generator again (as `fugu sample -n 2` reuses it): the same tokens.
+    assert_eq!(
+        generate(&mut g, &[1, 2, 3], &o, |_| {}).unwrap(),
+        (a.clone(), why)
+    );
+    // 24 positions, 3 used by the prompt: 22 new tokens (the last needs no step).
+    assert_eq!((a.len(), why), (22, Stop::Context));
     assert!(a.iter().all(|&x| (x as usize) < cfg.vocab_size));
+    let (short, why) = generate(
+        &mut g,
+        &[1, 2, 3],
+        &SampleOptions {
+            max_tokens: 5,
+            ..o.clone()
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!((short.as_slice(), why), (&a[..5], Stop::MaxTokens));
+    // A stop token: generation ends at its first occurrence, which is not passed on.
+    let stop = SampleOptions {
+        stop: Some(a[4]),
+        ..o.clone()
+    };
+    let first = a.iter().position(|&t| t == a[4]).unwrap();
+    let mut passed = Vec::new();
+    let (s, why) = generate(&mut g, &[1, 2, 3], &stop, |t| passed.push(t)).unwrap();
+    assert_eq!((s.as_slice(), why), (&a[..=first], Stop::EndOfText));
+    assert_eq!(passed, &a[..first]);
     // Greedy picks the argmax; top-k 1 is greedy too.
     let logits = [0.1f32, 2.0, -1.0, 1.9];
     let mut rng = fugu_io::rng::SplitMix64(1);
@@ -110,8 +139,32 @@ fn generation_is_deterministic_and_stops_at_the_context() {
         ..o.clone()
     };
     assert_eq!(pick(&logits, &greedy, &mut rng), 1);
-    let k1 = SampleOptions { top_k: 1, ..o };
+    let k1 = SampleOptions {
+        top_k: 1,
+        ..o.clone()
+    };
+    let p0 = SampleOptions {
+        top_p: 1e-9,
+        ..o.clone()
+    };
     for _ in 0..10 {
         assert_eq!(pick(&logits, &k1, &mut rng), 1);
+        assert_eq!(pick(&logits, &p0, &mut rng), 1);
     }
+    // At T = 1 the two best (2.0 and 1.9) hold 0.47 + 0.43 = 0.90 of the probability: top-p 0.85
+    // samples only those two, and both.
+    let p = SampleOptions {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 0.85,
+        ..o
+    };
+    let mut seen = [0usize; 4];
+    for _ in 0..400 {
+        seen[pick(&logits, &p, &mut rng) as usize] += 1;
+    }
+    assert!(
+        seen[0] == 0 && seen[2] == 0 && seen[1] > 100 && seen[3] > 100,
+        "{seen:?}"
+    );
 }

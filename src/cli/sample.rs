@@ -3,7 +3,7 @@
 use crate::backend::{Backend, CudaSettings, Device};
 use crate::checkpoint;
 use crate::model::registry;
-use crate::sample::{generate, Generator, SampleOptions};
+use crate::sample::{generate, Generator, SampleOptions, Stop};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::Write;
@@ -18,14 +18,27 @@ pub struct SampleArgs {
     pub checkpoint: Option<PathBuf>,
     #[arg(long, default_value = "\n")]
     pub prompt: String,
+    /// Most tokens generated per sample (fewer when the end-of-text token comes or the
+    /// context, n_positions, is full; both are said on stderr).
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
+    /// Samples to generate from the prompt, one after another (seeds seed, seed + 1, ...).
+    #[arg(short = 'n', long, default_value_t = 1)]
+    pub num_samples: usize,
     /// 0 = greedy.
     #[arg(long, default_value_t = 0.8)]
     pub temperature: f64,
     /// Sample from the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
+    /// Then from the smallest set of most likely tokens whose probability adds up to p
+    /// (nucleus sampling; 1 = all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Go on past the end-of-text token (the tokenizer's, also the checkpoint's
+    /// eos_token_id) instead of stopping there.
+    #[arg(long)]
+    pub ignore_eos: bool,
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
     #[arg(long)]
@@ -94,6 +107,15 @@ pub fn run(args: SampleArgs) -> Result<()> {
             "--temperature {}: expected a finite number >= 0 (0 = greedy)",
             args.temperature
         );
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!(
+            "--top-p {}: expected a number in (0, 1] (1 = all tokens)",
+            args.top_p
+        );
+    }
+    if args.num_samples == 0 {
+        bail!("--num-samples 0: expected at least one sample");
     }
     crate::train::set_threads(args.threads)?;
     let dir = resolve(args.checkpoint.as_deref())?;
@@ -164,22 +186,43 @@ fn sample_on<B: Backend>(
         dir.display(),
         prompt.len()
     );
-    let opts = SampleOptions {
-        max_tokens: args.max_tokens,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        seed: args.seed,
-    };
     let mut stdout = std::io::stdout().lock();
-    write!(stdout, "{}", args.prompt)?;
-    let mut text = IncrementalText::new(tok.as_ref(), &prompt)?;
-    generate(&mut g, &prompt, &opts, |id| {
-        if let Some(s) = text.push(id) {
-            let _ = write!(stdout, "{s}");
-            let _ = stdout.flush();
+    for i in 0..args.num_samples {
+        if i > 0 {
+            writeln!(stdout, "\n---")?;
         }
-    })?;
-    write!(stdout, "{}", text.finish())?;
+        let opts = SampleOptions {
+            max_tokens: args.max_tokens,
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed.wrapping_add(i as u64),
+            stop: (!args.ignore_eos).then(|| tok.eot()),
+        };
+        write!(stdout, "{}", args.prompt)?;
+        let mut text = IncrementalText::new(tok.as_ref(), &prompt)?;
+        let (ids, why) = generate(&mut g, &prompt, &opts, |id| {
+            if let Some(s) = text.push(id) {
+                let _ = write!(stdout, "{s}");
+                let _ = stdout.flush();
+            }
+        })?;
+        write!(stdout, "{}", text.finish())?;
+        stdout.flush()?;
+        match why {
+            Stop::MaxTokens => {}
+            Stop::EndOfText => eprintln!(
+                "\n(stopped at the end-of-text token after {} tokens; --ignore-eos goes on)",
+                ids.len() - 1
+            ),
+            Stop::Context => eprintln!(
+                "\n(stopped after {} of --max-tokens {}: the context of n_positions = {} is full)",
+                ids.len(),
+                args.max_tokens,
+                cfg.n_positions
+            ),
+        }
+    }
     writeln!(stdout)?;
     Ok(())
 }
