@@ -589,6 +589,8 @@ fn init_from_a_hugging_face_checkpoint() {
             "train",
             "--data",
             "tok.bin",
+            "--eval-every",
+            "0",
             "--no-shuffle",
             "--out",
             "auto-shape",
@@ -1501,7 +1503,17 @@ fn llama_tokenizer_prepares_trains_samples_and_guards_its_ids() {
 
     // Another tokenizer with as many ids (a byte-level BPE trained on the same text): refused.
     prepare(&["--train-tokenizer", "--vocab-size", "1000"], "bpe");
-    let o = run("bpe", &["--init-from", "a/ckpt-00000002", "--out", "b"]);
+    let o = run(
+        "bpe",
+        &[
+            "--init-from",
+            "a/ckpt-00000002",
+            "--out",
+            "b",
+            "--eval-every",
+            "0",
+        ],
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success() && err.contains("is not the one --data bpe was tokenised with"),
@@ -1511,7 +1523,14 @@ fn llama_tokenizer_prepares_trains_samples_and_guards_its_ids() {
     // The same tokenizer is accepted.
     ok(&run(
         "sp",
-        &["--init-from", "a/ckpt-00000002", "--out", "c"],
+        &[
+            "--init-from",
+            "a/ckpt-00000002",
+            "--out",
+            "c",
+            "--eval-every",
+            "0",
+        ],
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
