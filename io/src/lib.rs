@@ -20,6 +20,7 @@ pub mod manifest;
 pub mod prepare;
 mod replace;
 pub mod rng;
+pub mod sniff;
 pub mod tar;
 pub mod tokenizer;
 

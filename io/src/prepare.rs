@@ -12,6 +12,7 @@ use crate::manifest::{
     hex, Manifest, ShardInfo, SplitInfo, SplitRule, Totals, MANIFEST_FORMAT, MANIFEST_VERSION,
 };
 use crate::replace::Staging;
+use crate::sniff::not_text;
 use crate::tar::{EntryKind, StreamSource, TarReader, TarSource, TarWriter};
 use crate::tokenizer::{is_safe_cut, tokenizer_by_name, train_bpe, Tokenizer};
 use rayon::prelude::*;
@@ -499,6 +500,14 @@ impl Walker<'_> {
             }
             return Ok(());
         }
+        if !explicit && !meta.is_file() {
+            // A FIFO, socket or device in a folder: reading it could block forever.
+            eprintln!(
+                "notice: skipping {}: not a regular file (a FIFO, socket or device)",
+                path.display()
+            );
+            return Ok(());
+        }
         let kind = kind_of(&lower_name(path), explicit);
         if self.passed_over(&kind, &lower_name(path), || path.display().to_string()) {
             return Ok(());
@@ -518,8 +527,8 @@ impl Walker<'_> {
                 &source,
                 sink,
             ),
-            Kind::TextGz => self.walk_text(flate2::read::GzDecoder::new(r), &source, sink),
-            Kind::Text => self.walk_text(r, &source, sink),
+            Kind::TextGz => self.walk_text(flate2::read::GzDecoder::new(r), &source, true, sink),
+            Kind::Text => self.walk_text(r, &source, true, sink),
             Kind::Tokens | Kind::Skip => Ok(()),
         };
         match res {
@@ -545,10 +554,11 @@ impl Walker<'_> {
                 continue;
             }
             match kind {
-                Kind::Text => self.walk_text(tar.entry_reader(), &source, sink)?,
+                Kind::Text => self.walk_text(tar.entry_reader(), &source, true, sink)?,
                 Kind::TextGz => self.walk_text(
                     flate2::read::GzDecoder::new(tar.entry_reader()),
                     &source,
+                    true,
                     sink,
                 )?,
                 Kind::Jsonl => {
@@ -595,13 +605,30 @@ impl Walker<'_> {
                     continue;
                 }
             };
-            self.walk_text(text.as_bytes(), &format!("{source}:{lineno}"), sink)?;
+            self.walk_text(text.as_bytes(), &format!("{source}:{lineno}"), false, sink)?;
         }
     }
 
     /// Cuts one document into chunks at safe newlines (one chunk when the
-    /// tokenizer allows no cuts).
-    fn walk_text<R: Read>(&mut self, mut r: R, source: &str, sink: &mut Sink) -> Result<()> {
+    /// tokenizer allows no cuts). With `sniff` (a file's content, not a JSONL
+    /// string), content that is not text ([`not_text`]) is refused by name.
+    fn walk_text<R: Read>(
+        &mut self,
+        mut r: R,
+        source: &str,
+        sniff: bool,
+        sink: &mut Sink,
+    ) -> Result<()> {
+        let refuse_binary = |head: &[u8]| match not_text(head).filter(|_| sniff) {
+            Some(what) => Err(Error::Input {
+                path: source.into(),
+                what: format!(
+                    "is {what}, not text: fugu prepare tokenises text files, JSONL (`text` \
+                     field) and tar archives of them"
+                ),
+            }),
+            None => Ok(()),
+        };
         self.seq += 1;
         let seq = self.seq;
         let mut first = true;
@@ -622,6 +649,7 @@ impl Walker<'_> {
                 path: source.into(),
                 what: format!("read: {e}"),
             })?;
+            refuse_binary(&whole)?;
             return sink(whole, true);
         }
         let target = self.opts.chunk_bytes;
@@ -629,6 +657,7 @@ impl Walker<'_> {
         let mut scan_from = 0usize;
         let mut eof = false;
         let mut tmp = vec![0u8; 64 << 10];
+        let mut sniffed = false;
         loop {
             while !eof && buf.len() < target * 2 {
                 let n = r.read(&mut tmp).map_err(|e| Error::Input {
@@ -640,6 +669,10 @@ impl Walker<'_> {
                 } else {
                     buf.extend_from_slice(&tmp[..n]);
                 }
+            }
+            if !sniffed {
+                refuse_binary(&buf)?;
+                sniffed = true;
             }
             if eof && buf.len() <= target * 2 {
                 return sink(std::mem::take(&mut buf), true);

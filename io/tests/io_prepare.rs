@@ -343,3 +343,72 @@ fn bundled_corpus_is_embedded_and_readable() {
     assert_eq!(n, 42);
     assert!(bytes > 5_000_000);
 }
+
+/// Content that is not text is refused by name, never tokenised: a Parquet, zstd or Arrow
+/// stream file named explicitly (whatever its extension), a UTF-16 file, NUL bytes, and the
+/// same inside a folder or a tar archive; with `skip_bad` each is skipped and counted. A FIFO
+/// inside an input folder is passed over with a notice instead of blocking the walk.
+#[test]
+fn content_that_is_not_text_is_refused_by_name() {
+    let d = tmpdir("prep_not_text");
+    let cases: [(&str, &[u8], &str); 5] = [
+        ("docs.parquet", b"PAR1\x15\x04\x15\x10\x15\x14", "Parquet"),
+        (
+            "docs.jsonl.zst",
+            &[0x28, 0xb5, 0x2f, 0xfd, 0x04, 0x58],
+            "zstd",
+        ),
+        (
+            "data-00000-of-00001.arrow",
+            &[0xff, 0xff, 0xff, 0xff, 0x78, 0, 0, 0],
+            "Arrow IPC stream",
+        ),
+        ("utf16.txt", &[0xff, 0xfe, b'h', 0, b'i', 0], "UTF-16"),
+        ("ids.txt", b"12\x0034\x00", "NUL byte"),
+    ];
+    for (name, bytes, what) in cases {
+        let f = d.join(name);
+        write(&f, bytes);
+        let e = prepare(&opts(vec![f.clone()], d.join("out")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(name) && e.contains(what) && e.contains("not text"),
+            "{e}"
+        );
+    }
+    // In a folder (the .txt ones are read, so refused) and in a tar archive.
+    let folder = d.join("folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    write(&folder.join("a.txt"), b"plain text\n");
+    write(&folder.join("b.txt"), &[0xff, 0xfe, b'h', 0]);
+    let e = prepare(&opts(vec![folder.clone()], d.join("out")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("b.txt") && e.contains("UTF-16"), "{e}");
+    let mut tar = fugu_io::tar::TarWriter::new(Vec::new());
+    tar.append("x/ok.txt", b"fine\n").unwrap();
+    tar.append("x/bad.txt", b"PAR1\x15\x04").unwrap();
+    write(&d.join("t.tar"), &tar.finish().unwrap());
+    let e = prepare(&opts(vec![d.join("t.tar")], d.join("out")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bad.txt") && e.contains("Parquet"), "{e}");
+    // skip_bad: the folder's text is kept, the UTF-16 file skipped and counted.
+    let mut o = opts(vec![folder.clone()], d.join("out"));
+    o.skip_bad = true;
+    let m = prepare(&o).unwrap().manifest;
+    assert_eq!((m.totals.documents, m.totals.skipped_bad_inputs), (1, 1));
+    // A FIFO in the folder: passed over (reading it would wait for a writer forever).
+    std::fs::remove_file(folder.join("b.txt")).unwrap();
+    let fifo = folder.join("pipe.txt");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: mkfifo is not available");
+        return;
+    }
+    let m = prepare(&opts(vec![folder], d.join("out")))
+        .unwrap()
+        .manifest;
+    assert_eq!(m.totals.documents, 1);
+}
