@@ -1628,6 +1628,10 @@ fn evaluation_is_never_skipped_in_silence() {
     std::fs::write(dir.join("x.bin"), tokens).unwrap();
     refused(&train("x.bin", "g", &[]), "g", "x.bin");
     ok(&train("x.bin", "h", &["--val-data", "withval"]));
+    // A .bin file named as the validation data is read whole (nanoGPT's val.bin).
+    ok(&train("withval", "j", &["--val-data", "x.bin"]));
+    let metrics = std::fs::read_to_string(dir.join("j/metrics.jsonl")).unwrap();
+    assert_eq!(metrics.matches("\"type\":\"eval\"").count(), 2, "{metrics}");
     // Zero evaluation batches: refused, not raised to one.
     let args = [
         "train",

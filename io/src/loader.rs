@@ -1003,10 +1003,74 @@ impl RangeReader {
 // ---------------------------------------------------------------------------
 // Raw .bin source.
 
+/// llm.c's token files (`dev/data/*.bin`): a 256 × i32 header (magic 20240520, version 1 = u16
+/// tokens, the token count) before the tokens.
+const LLMC_MAGIC: u32 = 20240520;
+const LLMC_HEADER_BYTES: u64 = 1024;
+
+/// Where a `.bin` file's u16 tokens start and how many there are: a raw file (nanoGPT's
+/// `train.bin`/`val.bin`) from byte 0; an llm.c file after its header, whose version and token
+/// count are checked against the file.
+fn bin_layout(path: &Path, len: u64) -> Result<(u64, u64)> {
+    let mut head = [0u8; 12];
+    let bad = |offset: u64, what: String| Error::BadTokenFile {
+        path: path.into(),
+        offset,
+        what,
+    };
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| {
+            use std::io::Read;
+            f.read(&mut head)
+        })
+        .map_err(|e| Error::io(path, "read", e))?;
+    let word = |i: usize| {
+        u32::from_le_bytes([
+            head[4 * i],
+            head[4 * i + 1],
+            head[4 * i + 2],
+            head[4 * i + 3],
+        ])
+    };
+    if n == head.len() && word(0) == LLMC_MAGIC {
+        if word(1) != 1 {
+            return Err(bad(
+                4,
+                format!(
+                    "an llm.c token file of version {} (fugu reads version 1: u16 tokens)",
+                    word(1)
+                ),
+            ));
+        }
+        let tokens = word(2) as u64;
+        if len != LLMC_HEADER_BYTES + 2 * tokens {
+            return Err(bad(
+                8,
+                format!(
+                    "an llm.c token file whose header says {tokens} tokens, but it holds {} bytes \
+                     after the {LLMC_HEADER_BYTES}-byte header (truncated?)",
+                    len.saturating_sub(LLMC_HEADER_BYTES)
+                ),
+            ));
+        }
+        return Ok((LLMC_HEADER_BYTES, tokens));
+    }
+    if !len.is_multiple_of(2) {
+        return Err(bad(
+            len - 1,
+            format!("{len} bytes is not a whole number of u16 tokens"),
+        ));
+    }
+    Ok((0, len / 2))
+}
+
 struct BinStream {
     path: PathBuf,
     file: FileSource,
     file_pos: u64,
+    /// Offset of the first token (after llm.c's header), and the token count.
+    start: u64,
+    tokens: u64,
     n_windows: u64,
     c: u64,
     w: u64,
@@ -1025,22 +1089,15 @@ struct BinStream {
 impl BinStream {
     fn new(path: &Path, cfg: &LoaderConfig, shared: Arc<Shared>) -> Result<Self> {
         let file = FileSource::open(path, cfg.read_buffer)?;
-        let len = tar_len(&file);
-        if !len.is_multiple_of(2) {
-            return Err(Error::BadTokenFile {
-                path: path.into(),
-                offset: len - 1,
-                what: format!("{len} bytes is not a whole number of u16 tokens"),
-            });
-        }
+        let (start, tokens) = bin_layout(path, tar_len(&file))?;
         let w = cfg.window();
-        let n_windows = len / 2 / w;
+        let n_windows = tokens / w;
         let c = n_windows / cfg.world as u64;
         if c == 0 {
             return Err(Error::Config(format!(
                 "{}: {} tokens = {n_windows} windows of {w}, fewer than one per rank for {} ranks",
                 path.display(),
-                len / 2,
+                tokens,
                 cfg.world
             )));
         }
@@ -1048,6 +1105,8 @@ impl BinStream {
             path: path.into(),
             file,
             file_pos: 0,
+            start,
+            tokens,
             n_windows,
             c,
             w,
@@ -1093,7 +1152,7 @@ impl BinStream {
                 None => g,
             };
             self.k += 1;
-            let off = idx * self.w * 2;
+            let off = self.start + idx * self.w * 2;
             if off != self.file_pos {
                 let delta = off as i128 - self.file_pos as i128;
                 if (0..(1 << 20)).contains(&delta) {
@@ -1272,13 +1331,14 @@ impl Loader {
             DataSpec::Bin(p) => {
                 if cfg.split == Split::Val {
                     return Err(Error::Config(format!(
-                        "{}: a raw .bin file has no validation split",
+                        "{}: a raw .bin file has no validation split (evaluate on a .bin file \
+                         named as the validation data itself: fugu train --val-data val.bin)",
                         p.display()
                     )));
                 }
                 let b = BinStream::new(p, &cfg, shared.clone())?;
-                let fp = format!("bin:{}", tar_len(&b.file) / 2);
-                let (tokens, c) = (tar_len(&b.file) / 2, b.c);
+                let fp = format!("bin:{}", b.tokens);
+                let (tokens, c) = (b.tokens, b.c);
                 (Stream::Bin(Box::new(b)), "bin", fp, 1, tokens, c)
             }
             _ => {

@@ -313,3 +313,52 @@ fn raw_bin_windows_in_file_order_and_wrapping() {
         .unwrap();
     assert_eq!(r1.tokens[0], 7 * 64);
 }
+
+/// llm.c's token files (a 1024-byte header: magic 20240520, version 1, the token count) are
+/// read after their header, window for window as the raw file of the same tokens, shuffled and
+/// resumable alike; another version or a count the file does not hold is refused at open,
+/// naming the file and the field.
+#[test]
+fn llmc_bin_files_are_read_after_their_header() {
+    let d = tmpdir("llmc-bin");
+    let n = 1000u32;
+    let tokens: Vec<u8> = (0..n)
+        .flat_map(|t| ((t * 7) as u16).to_le_bytes())
+        .collect();
+    let header = |magic: u32, version: u32, count: u32| {
+        let mut h = vec![0u8; 1024];
+        for (i, v) in [magic, version, count].into_iter().enumerate() {
+            h[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        h
+    };
+    let raw = d.join("raw.bin");
+    std::fs::write(&raw, &tokens).unwrap();
+    let llmc = d.join("llmc.bin");
+    std::fs::write(&llmc, [header(20240520, 1, n), tokens.clone()].concat()).unwrap();
+    let (raw, llmc) = (raw.to_str().unwrap(), llmc.to_str().unwrap());
+    for shuffle in [false, true] {
+        let mut a = Loader::new(raw, &cfg(2, 31, 0, 1, shuffle)).unwrap();
+        let mut b = Loader::new(llmc, &cfg(2, 31, 0, 1, shuffle)).unwrap();
+        assert_eq!(a.info().windows_per_epoch, b.info().windows_per_epoch);
+        assert_eq!(take(&mut a, 20), take(&mut b, 20), "shuffle {shuffle}");
+    }
+    check_resume(llmc, cfg(2, 31, 0, 1, true), 4, 9);
+    let refused = |bytes: Vec<u8>, what: &str| {
+        let p = d.join("bad.bin");
+        std::fs::write(&p, bytes).unwrap();
+        let Err(e) = Loader::new(p.to_str().unwrap(), &cfg(1, 31, 0, 1, false)) else {
+            panic!("{what}: opened");
+        };
+        let e = e.to_string();
+        assert!(e.contains("bad.bin") && e.contains(what), "{e}");
+    };
+    refused(
+        [header(20240520, 2, n), tokens.clone()].concat(),
+        "version 2",
+    );
+    refused(
+        [header(20240520, 1, n + 5), tokens.clone()].concat(),
+        "truncated",
+    );
+}

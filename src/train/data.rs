@@ -191,7 +191,10 @@ pub fn train_loader(
 /// loader's reason.
 pub fn check_val_data(flag: &str, data: &str, cfg: &LoaderConfig) -> Result<()> {
     let loader = Loader::new(data, cfg).with_context(|| {
-        format!("{flag} {data}: cannot be read as validation data (a manifest with a val split)")
+        format!(
+            "{flag} {data}: cannot be read as validation data (a manifest with a val split, \
+             or with --val-data a .bin file or shard pattern read whole)"
+        )
     })?;
     if loader.info().windows_per_epoch == 0 {
         bail!(

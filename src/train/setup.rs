@@ -19,7 +19,7 @@ use crate::model::table::{Table, TensorSpec};
 use crate::model::{Model, TpRank};
 use crate::parallel::grad_sync::GradSync;
 use anyhow::{bail, Context, Result};
-use fugu_io::{LoaderConfig, Verify};
+use fugu_io::{DataSpec, LoaderConfig, Split, Verify};
 use std::path::{Path, PathBuf};
 
 /// The run's folder (locked by rank 0) and where it starts from.
@@ -302,6 +302,13 @@ pub(super) fn loaders<B: Backend>(
     let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
     val_loader.vocab_size = m.vocab_size as u32;
     val_loader.verify = lcfg.verify;
+    if let Some(v) = &opts.val_data {
+        // A `.bin` file (nanoGPT's val.bin, llm.c's) or a shard pattern named as validation
+        // data is read whole; a manifest, its `val` split.
+        if !matches!(DataSpec::parse(v), Ok(DataSpec::Manifest(_))) {
+            val_loader.split = Split::Train;
+        }
+    }
     let val_data = validation_data(opts, dist, t, &data.path, &val_loader)?;
     Ok(Loaders {
         source,
