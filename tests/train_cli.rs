@@ -367,11 +367,15 @@ fn bad_input_is_a_clear_error() {
         assert!(!dir.join("dev-out").exists(), "{extra:?} created --out");
     }
 
-    // --val-data that cannot be read is an error at start, not a skipped evaluation.
+    // --val-data that cannot be read is an error at start, not a skipped evaluation (a shard
+    // pattern is read whole: one naming missing shards is refused, naming the first).
     std::fs::write(dir.join("small.toml"), SMALL).unwrap();
     for (val, want) in [
         ("missing.json", "--val-data missing.json"),
-        ("shards-{000..001}.tar", "no validation split"),
+        (
+            "shards-{000..001}.tar",
+            "shards-000.tar: shard file is missing",
+        ),
     ] {
         let out = fugu(
             &[
