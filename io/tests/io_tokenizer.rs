@@ -770,3 +770,19 @@ fn unusable_llama_style_tokenizers_are_refused_by_what_is_wrong() {
     });
     assert!(e.contains("end-of-text") && e.contains("</s>"), "{e}");
 }
+
+/// Tokenizers compared by what they do: GPT-2 through tiktoken and through the `tokenizers`
+/// crate are the same; the Llama-style fixture and a BPE of as many ids trained here differ,
+/// and the difference is named.
+#[test]
+fn tokenizers_are_compared_by_what_they_do() {
+    use fugu_io::tokenizer::difference;
+    let gpt2 = Gpt2Tokenizer::new();
+    assert_eq!(difference(&gpt2, &HfTokenizer::gpt2().unwrap()), None);
+    let llama = HfTokenizer::from_file(llama_fixture().join("tokenizer.json")).unwrap();
+    assert_eq!(difference(&llama, &llama.clone()), None);
+    let d = difference(&llama, &gpt2).unwrap();
+    assert!(d.contains("1000 ids against 50257"), "{d}");
+    let bpe = train_bpe(&corpus_sample()[..2], 1000).unwrap();
+    assert!(difference(&llama, &bpe).is_some());
+}

@@ -126,11 +126,6 @@ impl AttnDims {
             hs: self.hs,
         }
     }
-
-    /// True for grouped-query attention (fewer key/value heads than query heads).
-    pub fn grouped(self) -> bool {
-        self.kv != self.nh
-    }
 }
 
 /// Whether a backend runs training attention fused ([`Backend::fused_attention`]).

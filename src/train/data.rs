@@ -94,7 +94,8 @@ pub fn check_model_tokenizer(dir: &Path, flag: &str, data: &str, vocab_size: usi
     };
     let model_tok = tokenizer_by_name(&file.display().to_string())
         .with_context(|| format!("{flag} {}: reading its tokenizer", dir.display()))?;
-    let Some(difference) = tokenizer_difference(model_tok.as_ref(), data_tok.as_ref()) else {
+    let Some(difference) = fugu_io::tokenizer::difference(model_tok.as_ref(), data_tok.as_ref())
+    else {
         return Ok(());
     };
     bail!(
@@ -108,28 +109,6 @@ pub fn check_model_tokenizer(dir: &Path, flag: &str, data: &str, vocab_size: usi
         data_tok.vocab_size(),
         dir.display()
     )
-}
-
-/// How two tokenizers differ, or `None` when they encode and decode alike.
-fn tokenizer_difference(a: &dyn Tokenizer, b: &dyn Tokenizer) -> Option<String> {
-    if a.vocab_size() != b.vocab_size() {
-        return Some(format!("{} ids against {}", a.vocab_size(), b.vocab_size()));
-    }
-    if a.eot() != b.eot() {
-        return Some(format!("end-of-text id {} against {}", a.eot(), b.eot()));
-    }
-    for id in 0..a.vocab_size() {
-        let (x, y) = (a.decode(&[id]).ok(), b.decode(&[id]).ok());
-        if x != y {
-            return Some(format!(
-                "token id {id} is {x:?} in one and {y:?} in the other"
-            ));
-        }
-    }
-    const PROBE: &str =
-        "The quick brown fox, 1234 times: \"jumps\" over\n\tthe lazy dog's café 日本 🐟";
-    let (x, y) = (a.encode(PROBE), b.encode(PROBE));
-    (x != y).then(|| format!("{PROBE:?} encodes as {x:?} against {y:?}"))
 }
 
 /// What every checkpoint of a run says about its tokenizer.

@@ -180,6 +180,29 @@ fn gpt2_fallback_encode(text: &str) -> Vec<u32> {
     }
 }
 
+/// How two tokenizers differ (vocabulary size, end-of-text id, the text of every id, the ids
+/// of a probe text), or `None` when they encode and decode alike.
+pub fn difference(a: &dyn Tokenizer, b: &dyn Tokenizer) -> Option<String> {
+    if a.vocab_size() != b.vocab_size() {
+        return Some(format!("{} ids against {}", a.vocab_size(), b.vocab_size()));
+    }
+    if a.eot() != b.eot() {
+        return Some(format!("end-of-text id {} against {}", a.eot(), b.eot()));
+    }
+    for id in 0..a.vocab_size() {
+        let (x, y) = (a.decode(&[id]).ok(), b.decode(&[id]).ok());
+        if x != y {
+            return Some(format!(
+                "token id {id} is {x:?} in one and {y:?} in the other"
+            ));
+        }
+    }
+    const PROBE: &str =
+        "The quick brown fox, 1234 times: \"jumps\" over\n\tthe lazy dog's café 日本 🐟";
+    let (x, y) = (a.encode(PROBE), b.encode(PROBE));
+    (x != y).then(|| format!("{PROBE:?} encodes as {x:?} against {y:?}"))
+}
+
 /// Names accepted by [`tokenizer_by_name`] (besides a path to a `tokenizer.json`).
 pub const TOKENIZER_NAMES: &[&str] = &["gpt2"];
 
