@@ -29,6 +29,15 @@ export CARGO_INCREMENTAL=0
 export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 df -h . | awk 'NR == 2 { print "disk: " $4 " free on " $6 " before the build" }'
 
+# Tests write their scratch folders under the temporary directory; a run gets its own, removed
+# when everything passed (kept for a look when something failed). Repeated local runs had left
+# 41 GB in /tmp.
+export TMPDIR="$(mktemp -d "${TMPDIR:-/tmp}/fugu-test.XXXXXX")"
+scratch_cleanup() {
+  if [ "$1" -eq 0 ]; then rm -rf "$TMPDIR"; else echo "test scratch kept in $TMPDIR"; fi
+}
+trap 'scratch_cleanup $?' EXIT
+
 skip() { case " ${FUGU_TEST_SKIP:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # Each stage's wall time, printed when it ends and again as a table at the end (CI must stay
 # well under its 90-minute limit: see which stage to trim).
@@ -104,12 +113,12 @@ if ! skip jobs; then
     export LOCAL_SLURM_CPUS=${LOCAL_SLURM_CPUS:-4}
     # start first: it also installs Open MPI (libopenmpi-dev), which the MPI build needs
     jobscripts/local-slurm.sh start >/dev/null
-    trap 'jobscripts/local-slurm.sh stop --purge >/dev/null 2>&1 || true' EXIT
+    trap 'rc=$?; jobscripts/local-slurm.sh stop --purge >/dev/null 2>&1 || true; scratch_cleanup $rc' EXIT
     features=${FUGU_JOBS_FEATURES-mpi}
     cargo build --release --locked -j2 ${features:+--features "$features"}
     FUGU_SLURM_TESTS=1 FUGU_JOBS_BIN=target/release/fugu cargo test --locked -j2 --test jobscripts
     jobscripts/local-slurm.sh stop --purge
-    trap - EXIT
+    trap 'scratch_cleanup $?' EXIT
   fi
 fi
 

@@ -14,6 +14,7 @@
 //! ```
 
 pub mod bundled;
+pub mod columnar;
 pub mod error;
 pub mod loader;
 pub mod manifest;

@@ -7,7 +7,9 @@
 //! depend on the thread count and a re-run is byte-identical.
 
 use crate::bundled;
+use crate::columnar;
 use crate::error::{Error, Result};
+use crate::loader::expand_braces;
 use crate::manifest::{
     hex, Manifest, ShardInfo, SplitInfo, SplitRule, Totals, MANIFEST_FORMAT, MANIFEST_VERSION,
 };
@@ -25,9 +27,14 @@ use std::time::Instant;
 /// Options of [`prepare`].
 #[derive(Clone, Debug)]
 pub struct PrepareOptions {
-    /// Text files, folders, `.tar`/`.tar.gz` archives, `.jsonl` (optionally
-    /// `.gz`). Empty: the bundled Shakespeare corpus.
+    /// Text files, folders, `.tar` archives, JSONL (`.jsonl`, `.ndjson`; a `.json` file named
+    /// here may also be one JSON array of records), Parquet, Arrow IPC and Hugging Face
+    /// `save_to_disk` folders; any but Parquet and Arrow may be compressed (`.gz`, `.zst`).
+    /// A path with braces (`shard-{000..009}.parquet`, `{a,b}.txt`) names every expansion.
+    /// Empty: the bundled Shakespeare corpus.
     pub inputs: Vec<PathBuf>,
+    /// The field (JSON) or column (Parquet, Arrow) holding each record's text.
+    pub text_field: String,
     /// Output folder: created, or replaced as a whole once the new dataset
     /// is complete (see [`prepare`]).
     pub out_dir: PathBuf,
@@ -60,6 +67,7 @@ impl Default for PrepareOptions {
     fn default() -> Self {
         PrepareOptions {
             inputs: Vec::new(),
+            text_field: "text".into(),
             out_dir: PathBuf::from("data/shakespeare"),
             tokenizer: "gpt2".into(),
             train_tokenizer: None,
@@ -195,10 +203,35 @@ fn walk_inputs(opts: &PrepareOptions, walker: &mut Walker, sink: &mut Sink) -> R
         walker.walk_tar(src, Path::new(bundled::SHAKESPEARE_NAME), sink)
     } else {
         for input in &opts.inputs {
-            walker.walk_path(input, true, sink)?;
+            for path in expand_input(input)? {
+                walker.walk_path(&path, true, sink)?;
+            }
         }
         Ok(())
     }
+}
+
+/// The files an input names: itself, or the expansions of its brace pattern (when no file of
+/// that literal name exists); a pattern that names a missing file is refused at the first.
+fn expand_input(input: &Path) -> Result<Vec<PathBuf>> {
+    let text = input.to_string_lossy();
+    if !text.contains('{') || input.exists() {
+        return Ok(vec![input.to_path_buf()]);
+    }
+    let paths: Vec<PathBuf> = expand_braces(&text)?
+        .into_iter()
+        .map(PathBuf::from)
+        .collect();
+    if let Some(missing) = paths.iter().find(|p| !p.exists()) {
+        return Err(Error::Input {
+            path: missing.clone(),
+            what: format!(
+                "does not exist (named by the pattern {text}, which expands to {} paths)",
+                paths.len()
+            ),
+        });
+    }
+    Ok(paths)
 }
 
 /// Walks the inputs and writes the shards and `manifest.json` into `dir`
@@ -333,6 +366,18 @@ struct Seen {
     first_unsupported: Option<String>,
 }
 
+/// A JSON value's type, for messages.
+fn json_type(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 /// The error for inputs that hold no document, with the likely reason.
 fn no_documents(inputs: &[PathBuf], walker: &Walker, totals: &Totals) -> Error {
     let shown: Vec<String> = inputs
@@ -369,7 +414,7 @@ fn no_documents(inputs: &[PathBuf], walker: &Walker, totals: &Totals) -> Error {
         )
     } else if let Some(first) = &seen.first_unsupported {
         format!(
-            "only files of unsupported types ({} skipped, e.g. {first}); prepare reads .txt, .text, .md, extension-less, .jsonl, .jsonl.gz, .gz, .tar, .tar.gz and .tgz files",
+            "only files of unsupported types ({} skipped, e.g. {first}); prepare reads .txt, .text, .md and extension-less text, .jsonl/.ndjson, .parquet, .arrow and .tar files (any but .parquet and .arrow may end in .gz or .zst), and .json files named as inputs",
             seen.unsupported
         )
     } else {
@@ -408,48 +453,98 @@ fn lower_name(p: &Path) -> String {
         .unwrap_or_default()
 }
 
-#[derive(PartialEq)]
+/// What a file holds, from its name (after any compression suffix).
+#[derive(Clone, Copy, PartialEq)]
 enum Kind {
     Tar,
-    TarGz,
+    /// One JSON object per line (`.jsonl`, `.ndjson`).
     Jsonl,
-    JsonlGz,
-    TextGz,
+    /// `.json` named explicitly: JSON Lines (what `datasets`' `to_json` writes) or one array of
+    /// records.
+    Json,
+    Parquet,
+    /// Arrow IPC, stream or file format (`.arrow`).
+    Arrow,
+    /// Comma/tab-separated values: refused with a reason (which column, which quoting?).
+    Csv,
     Text,
     /// Token ids of an already prepared dataset: never read as text.
     Tokens,
     Skip,
 }
 
-fn kind_of(name: &str, explicit: bool) -> Kind {
-    if name.ends_with(".tokens") {
+/// How a file's bytes are compressed.
+#[derive(Clone, Copy, PartialEq)]
+enum Codec {
+    Plain,
+    Gzip,
+    Zstd,
+}
+
+fn kind_of(name: &str, explicit: bool) -> (Kind, Codec) {
+    let (stem, codec) = if let Some(stem) = name.strip_suffix(".tgz") {
+        (format!("{stem}.tar"), Codec::Gzip)
+    } else if let Some(stem) = name.strip_suffix(".gz") {
+        (stem.to_string(), Codec::Gzip)
+    } else if let Some(stem) = name
+        .strip_suffix(".zst")
+        .or_else(|| name.strip_suffix(".zstd"))
+    {
+        (stem.to_string(), Codec::Zstd)
+    } else {
+        (name.to_string(), Codec::Plain)
+    };
+    let ends = |ext: &str| stem.ends_with(ext);
+    let kind = if ends(".tokens") {
         Kind::Tokens
-    } else if name.ends_with(".tar") {
+    } else if ends(".tar") {
         Kind::Tar
-    } else if name.ends_with(".tar.gz") || name.ends_with(".tgz") {
-        Kind::TarGz
-    } else if name.ends_with(".jsonl") {
+    } else if ends(".jsonl") || ends(".ndjson") {
         Kind::Jsonl
-    } else if name.ends_with(".jsonl.gz") {
-        Kind::JsonlGz
-    } else if name.ends_with(".gz") {
-        Kind::TextGz
-    } else if explicit
-        || name.ends_with(".txt")
-        || name.ends_with(".text")
-        || name.ends_with(".md")
-        || !name.contains('.')
+    } else if ends(".json") {
+        if explicit {
+            Kind::Json
+        } else {
+            Kind::Skip
+        }
+    } else if ends(".parquet") && codec == Codec::Plain {
+        Kind::Parquet
+    } else if ends(".arrow") && codec == Codec::Plain {
+        Kind::Arrow
+    } else if ends(".csv") || ends(".tsv") {
+        Kind::Csv
+    } else if codec != Codec::Plain
+        || explicit
+        || ends(".txt")
+        || ends(".text")
+        || ends(".md")
+        || !stem.contains('.')
     {
         Kind::Text
     } else {
         Kind::Skip
-    }
+    };
+    (kind, codec)
+}
+
+/// `r`'s bytes decompressed by `codec`.
+fn decoded<'r, R: Read + 'r>(r: R, codec: Codec, source: &str) -> Result<Box<dyn Read + 'r>> {
+    Ok(match codec {
+        Codec::Plain => Box::new(r),
+        Codec::Gzip => Box::new(flate2::read::GzDecoder::new(r)),
+        Codec::Zstd => Box::new(
+            zstd::stream::read::Decoder::new(r).map_err(|e| Error::Input {
+                path: source.into(),
+                what: format!("cannot start zstd decompression: {e}"),
+            })?,
+        ),
+    })
 }
 
 impl Walker<'_> {
     /// Counts a file or member that is not read (token ids, manifests,
     /// unsupported types); returns whether it is passed over.
-    fn passed_over(&mut self, kind: &Kind, lower: &str, source: impl Fn() -> String) -> bool {
+    fn passed_over(&mut self, kind: Kind, lower: &str, source: impl Fn() -> String) -> bool {
         match kind {
             Kind::Tokens => self.seen.token_files += 1,
             Kind::Skip if lower == "manifest.json" => self.seen.manifests += 1,
@@ -480,25 +575,7 @@ impl Walker<'_> {
             Err(e) => return self.bad(Error::io(path, "stat input", e)),
         };
         if meta.is_dir() {
-            let mut entries = Vec::new();
-            let rd = match std::fs::read_dir(path) {
-                Ok(r) => r,
-                Err(e) => return self.bad(Error::io(path, "list folder", e)),
-            };
-            for e in rd {
-                match e {
-                    Ok(e) => entries.push(e.path()),
-                    Err(e) => return self.bad(Error::io(path, "list folder", e)),
-                }
-            }
-            entries.sort();
-            for p in entries {
-                if lower_name(&p).starts_with('.') {
-                    continue;
-                }
-                self.walk_path(&p, false, sink)?;
-            }
-            return Ok(());
+            return self.walk_dir(path, sink);
         }
         if !explicit && !meta.is_file() {
             // A FIFO, socket or device in a folder: reading it could block forever.
@@ -508,33 +585,102 @@ impl Walker<'_> {
             );
             return Ok(());
         }
-        let kind = kind_of(&lower_name(path), explicit);
-        if self.passed_over(&kind, &lower_name(path), || path.display().to_string()) {
+        let (kind, codec) = kind_of(&lower_name(path), explicit);
+        if self.passed_over(kind, &lower_name(path), || path.display().to_string()) {
             return Ok(());
         }
-        let file = match File::open(path) {
-            Ok(f) => f,
-            Err(e) => return self.bad(Error::io(path, "open input", e)),
-        };
         let source = path.display().to_string();
-        let r = BufReader::with_capacity(1 << 20, file);
         let res = match kind {
-            Kind::Tar => self.walk_tar(StreamSource(r), path, sink),
-            Kind::TarGz => self.walk_tar(StreamSource(flate2::read::GzDecoder::new(r)), path, sink),
-            Kind::Jsonl => self.walk_jsonl(r, &source, sink),
-            Kind::JsonlGz => self.walk_jsonl(
-                BufReader::new(flate2::read::GzDecoder::new(r)),
-                &source,
-                sink,
-            ),
-            Kind::TextGz => self.walk_text(flate2::read::GzDecoder::new(r), &source, true, sink),
-            Kind::Text => self.walk_text(r, &source, true, sink),
-            Kind::Tokens | Kind::Skip => Ok(()),
+            Kind::Parquet => self.walk_columnar(path, columnar::parquet_texts, sink),
+            Kind::Arrow => self.walk_columnar(path, columnar::arrow_texts, sink),
+            Kind::Csv => Err(Error::Input {
+                path: path.into(),
+                what: "is CSV, which fugu prepare does not read (which column, which quoting?): \
+                       convert it to JSONL or Parquet and name its text field with --text-field"
+                    .into(),
+            }),
+            _ => match File::open(path) {
+                Ok(file) => {
+                    let r = BufReader::with_capacity(1 << 20, file);
+                    decoded(r, codec, &source)
+                        .and_then(|r| self.walk_stream(kind, r, &source, sink))
+                }
+                Err(e) => Err(Error::io(path, "open input", e)),
+            },
         };
         match res {
             Err(e @ (Error::Input { .. } | Error::Io { .. } | Error::Tar { .. })) => self.bad(e),
             other => other,
         }
+    }
+
+    /// A folder: a Hugging Face `save_to_disk` folder's data files in `state.json`'s order,
+    /// else every entry sorted by name (hidden ones left out).
+    fn walk_dir(&mut self, path: &Path, sink: &mut Sink) -> Result<()> {
+        match columnar::hf_dataset_files(path) {
+            Ok(Some(files)) => {
+                for f in files {
+                    self.walk_path(&f, true, sink)?;
+                }
+                return Ok(());
+            }
+            Ok(None) => {}
+            Err(e) => return self.bad(e),
+        }
+        let mut entries = Vec::new();
+        let rd = match std::fs::read_dir(path) {
+            Ok(r) => r,
+            Err(e) => return self.bad(Error::io(path, "list folder", e)),
+        };
+        for e in rd {
+            match e {
+                Ok(e) => entries.push(e.path()),
+                Err(e) => return self.bad(Error::io(path, "list folder", e)),
+            }
+        }
+        entries.sort();
+        for p in entries {
+            if lower_name(&p).starts_with('.') {
+                continue;
+            }
+            self.walk_path(&p, false, sink)?;
+        }
+        Ok(())
+    }
+
+    /// A stream of `kind` (a file or tar member, already decompressed).
+    fn walk_stream<R: Read>(
+        &mut self,
+        kind: Kind,
+        r: R,
+        source: &str,
+        sink: &mut Sink,
+    ) -> Result<()> {
+        match kind {
+            Kind::Tar => self.walk_tar(StreamSource(r), Path::new(source), sink),
+            Kind::Jsonl => self.walk_jsonl(BufReader::new(r), source, sink),
+            Kind::Json => self.walk_json(BufReader::new(r), source, sink),
+            Kind::Text => self.walk_text(r, source, true, sink),
+            _ => Ok(()),
+        }
+    }
+
+    /// The rows of a Parquet or Arrow file's `--text-field` column, each a document.
+    fn walk_columnar(
+        &mut self,
+        path: &Path,
+        read: fn(&Path, &str, &mut columnar::RowSink) -> Result<()>,
+        sink: &mut Sink,
+    ) -> Result<()> {
+        let source = path.display().to_string();
+        let field = self.opts.text_field.clone();
+        read(path, &field, &mut |row, text| match text {
+            Some(t) => self.walk_text(t.as_bytes(), &format!("{source}:row {row}"), false, sink),
+            None => self.bad(Error::Input {
+                path: format!("{source}:row {row}").into(),
+                what: format!("column `{field}` is null"),
+            }),
+        })
     }
 
     fn walk_tar<S: TarSource>(&mut self, src: S, path: &Path, sink: &mut Sink) -> Result<()> {
@@ -549,25 +695,51 @@ impl Walker<'_> {
                 continue;
             }
             let source = format!("{}:{}", path.display(), entry.name);
-            let kind = kind_of(base, false);
-            if self.passed_over(&kind, base, || source.clone()) {
+            let (kind, codec) = match kind_of(base, false) {
+                // Random-access formats and archives in archives are not read from a stream.
+                (Kind::Tar | Kind::Parquet | Kind::Arrow | Kind::Csv, _) => {
+                    (Kind::Skip, Codec::Plain)
+                }
+                other => other,
+            };
+            if self.passed_over(kind, base, || source.clone()) {
                 continue;
             }
-            match kind {
-                Kind::Text => self.walk_text(tar.entry_reader(), &source, true, sink)?,
-                Kind::TextGz => self.walk_text(
-                    flate2::read::GzDecoder::new(tar.entry_reader()),
-                    &source,
-                    true,
-                    sink,
-                )?,
-                Kind::Jsonl => {
-                    self.walk_jsonl(BufReader::new(tar.entry_reader()), &source, sink)?
-                }
-                _ => {}
-            }
+            let r = decoded(tar.entry_reader(), codec, &source)?;
+            self.walk_stream(kind, r, &source, sink)?;
         }
         Ok(())
+    }
+
+    /// The `--text-field` string of a JSON record, or what is wrong with it.
+    fn record_text(&self, v: &serde_json::Value) -> std::result::Result<String, String> {
+        let field = &self.opts.text_field;
+        match v.get(field) {
+            Some(serde_json::Value::String(t)) => Ok(t.clone()),
+            Some(other) => Err(format!(
+                "field `{field}` is not a string but {}",
+                json_type(other)
+            )),
+            None => {
+                let strings: Vec<&str> = v
+                    .as_object()
+                    .map(|o| {
+                        o.iter()
+                            .filter(|(_, x)| x.is_string())
+                            .map(|(k, _)| k.as_str())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                Err(if v.is_object() {
+                    format!(
+                        "record has no field `{field}` (its string fields: [{}]; choose one with --text-field)",
+                        strings.join(", ")
+                    )
+                } else {
+                    format!("is {}, not a JSON object", json_type(v))
+                })
+            }
+        }
     }
 
     fn walk_jsonl<R: BufRead>(&mut self, mut r: R, source: &str, sink: &mut Sink) -> Result<()> {
@@ -586,27 +758,55 @@ impl Walker<'_> {
             if line.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
-            let text = match serde_json::from_slice::<serde_json::Value>(&line) {
-                Ok(v) => match v.get("text").and_then(|t| t.as_str()) {
-                    Some(t) => t.to_owned(),
-                    None => {
-                        self.bad(Error::Input {
-                            path: format!("{source}:{lineno}").into(),
-                            what: "JSONL line has no string field `text`".into(),
-                        })?;
-                        continue;
-                    }
-                },
-                Err(e) => {
-                    self.bad(Error::Input {
-                        path: format!("{source}:{lineno}").into(),
-                        what: format!("invalid JSON: {e}"),
-                    })?;
-                    continue;
+            if lineno == 1 {
+                if let Some(what) = not_text(&line) {
+                    return Err(Error::Input {
+                        path: source.into(),
+                        what: format!("is {what}, not JSON Lines"),
+                    });
                 }
+            }
+            let at = format!("{source}:{lineno}");
+            let text = match serde_json::from_slice::<serde_json::Value>(&line) {
+                Ok(v) => self.record_text(&v),
+                Err(e) => Err(format!("invalid JSON: {e}")),
             };
-            self.walk_text(text.as_bytes(), &format!("{source}:{lineno}"), false, sink)?;
+            match text {
+                Ok(t) => self.walk_text(t.as_bytes(), &at, false, sink)?,
+                Err(what) => self.bad(Error::Input {
+                    path: at.into(),
+                    what,
+                })?,
+            }
         }
+    }
+
+    /// A `.json` file: one array of records, or JSON Lines.
+    fn walk_json<R: BufRead>(&mut self, mut r: R, source: &str, sink: &mut Sink) -> Result<()> {
+        let head = r.fill_buf().map_err(|e| Error::Input {
+            path: source.into(),
+            what: format!("read: {e}"),
+        })?;
+        let array = head.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[');
+        if !array {
+            return self.walk_jsonl(r, source, sink);
+        }
+        let records: Vec<serde_json::Value> =
+            serde_json::from_reader(r).map_err(|e| Error::Input {
+                path: source.into(),
+                what: format!("is not a JSON array of records: {e}"),
+            })?;
+        for (i, v) in records.iter().enumerate() {
+            let at = format!("{source}:[{i}]");
+            match self.record_text(v) {
+                Ok(t) => self.walk_text(t.as_bytes(), &at, false, sink)?,
+                Err(what) => self.bad(Error::Input {
+                    path: at.into(),
+                    what,
+                })?,
+            }
+        }
+        Ok(())
     }
 
     /// Cuts one document into chunks at safe newlines (one chunk when the
@@ -623,8 +823,8 @@ impl Walker<'_> {
             Some(what) => Err(Error::Input {
                 path: source.into(),
                 what: format!(
-                    "is {what}, not text: fugu prepare tokenises text files, JSONL (`text` \
-                     field) and tar archives of them"
+                    "is {what}, not text: fugu prepare reads text, JSON Lines, Parquet, Arrow \
+                     and tar files by their names (see `fugu prepare --help`)"
                 ),
             }),
             None => Ok(()),

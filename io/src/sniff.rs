@@ -7,13 +7,13 @@ pub const SNIFF_BYTES: usize = 4096;
 
 /// Magic bytes at offset 0 and the format they mean, with what to do about it.
 const MAGIC: &[(&[u8], &str)] = &[
-    (b"PAR1", "a Parquet file (export its text column to JSONL first)"),
-    (b"ARROW1", "an Arrow IPC file (export its text column to JSONL first)"),
+    (b"PAR1", "a Parquet file (name it .parquet to read its text column)"),
+    (b"ARROW1", "an Arrow IPC file (name it .arrow to read its text column)"),
     (
         &[0xff, 0xff, 0xff, 0xff],
-        "an Arrow IPC stream, as Hugging Face `save_to_disk` writes (export its text column to JSONL first)",
+        "an Arrow IPC stream, as Hugging Face `save_to_disk` writes (name it .arrow, or pass its folder)",
     ),
-    (&[0x28, 0xb5, 0x2f, 0xfd], "zstd-compressed data (decompress it first: `zstd -d`)"),
+    (&[0x28, 0xb5, 0x2f, 0xfd], "zstd-compressed data (name it .zst, .jsonl.zst or .tar.zst)"),
     (&[0x1f, 0x8b], "gzip-compressed data (name it .gz, .jsonl.gz or .tar.gz)"),
     (b"BZh", "bzip2-compressed data (decompress it first)"),
     (&[0xfd, b'7', b'z', b'X', b'Z', 0], "xz-compressed data (decompress it first)"),

@@ -7,10 +7,16 @@ use std::path::PathBuf;
 /// Arguments of `fugu prepare`.
 #[derive(clap::Args, Debug)]
 pub struct PrepareArgs {
-    /// Text files, folders of them, .tar/.tar.gz archives of text files, or
-    /// JSONL files with a `text` field (.gz accepted). None: the bundled
+    /// Inputs: text files (.txt, .md, no extension), JSON Lines (.jsonl, .ndjson; a .json
+    /// file named here may be one array of records), Parquet (.parquet), Arrow IPC (.arrow),
+    /// Hugging Face `save_to_disk` folders, .tar archives of text and JSONL, and folders of all
+    /// of these; any but Parquet and Arrow may be compressed (.gz, .zst). Brace patterns
+    /// (`train-{00000..00099}.parquet`, `{a,b}.txt`) name every expansion. None: the bundled
     /// Shakespeare corpus.
     pub inputs: Vec<PathBuf>,
+    /// The field of JSON records, or the column of Parquet/Arrow files, that holds the text.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
     /// Output folder for the shards and manifest.json.
     #[arg(short, long, default_value = "data/shakespeare")]
     pub out: PathBuf,
@@ -72,6 +78,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 pub fn run(args: PrepareArgs) -> anyhow::Result<()> {
     let opts = fugu_io::PrepareOptions {
         inputs: args.inputs,
+        text_field: args.text_field,
         out_dir: args.out,
         tokenizer: args.tokenizer,
         train_tokenizer: args.train_tokenizer.then_some(args.vocab_size),

@@ -115,3 +115,9 @@ pub fn python3() -> bool {
         .map(|o| o.status.success())
         .unwrap_or(false)
 }
+
+/// Prints a skip notice on the real stderr (the test harness captures `eprintln!`).
+pub fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "skipped: {why}");
+}
