@@ -1077,6 +1077,34 @@ fn checkpoints_carry_the_datas_tokenizer() {
     );
     ok(&o);
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("Shall I"));
+    // Fine-tuned on a token file, which records no tokenizer: the checkpoints carry the one of
+    // the model the run started from (not GPT-2's beside a 512-id model).
+    let bin: Vec<u8> = (0..4000u32)
+        .flat_map(|i| ((i * 7 % ids as u32) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(dir.join("tokens.bin"), bin).unwrap();
+    let o = fugu(
+        &[
+            "train",
+            "--init-from",
+            "own/ckpt-00000001",
+            "--data",
+            "tokens.bin",
+            "--allow-no-eval",
+            "--threads",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            "tuned",
+        ],
+        dir,
+    );
+    ok(&o);
+    assert_eq!(
+        std::fs::read(dir.join("tuned/ckpt-00000001/tokenizer.json")).unwrap(),
+        std::fs::read(dir.join("bpe/tokenizer.json")).unwrap()
+    );
     // A 512-id model on GPT-2-tokenised data is refused, naming the tokenizer's size.
     let o = fugu(
         &[

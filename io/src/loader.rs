@@ -236,14 +236,16 @@ pub enum DataSpec {
     Manifest(PathBuf),
     /// Explicit shard files (from a brace pattern or a single `.tar`).
     Shards(Vec<PathBuf>),
-    /// A raw little-endian `u16` token file.
+    /// A token file: raw little-endian `u16` (nanoGPT), llm.c's (a 1 KiB header), or
+    /// Megatron-LM's `.bin` beside its `.idx` (u16 or i32 tokens).
     Bin(PathBuf),
 }
 
 impl DataSpec {
     /// Interprets a `--data` argument: a manifest or its folder, a brace
-    /// pattern such as `data/train-{000000..000031}.tar`, a `.tar` shard, or
-    /// a `.bin` token file.
+    /// pattern such as `data/train-{000000..000031}.tar`, a `.tar` shard, a
+    /// `.bin` token file, or a Megatron-LM dataset (its `.bin`, its `.idx`, or the path prefix
+    /// both share, as Megatron's `--data-path` names it).
     pub fn parse(s: &str) -> Result<DataSpec> {
         if s.contains('{') {
             let files = expand_braces(s)?;
@@ -253,8 +255,17 @@ impl DataSpec {
         }
         let p = PathBuf::from(s);
         let lower = s.to_lowercase();
+        let megatron_prefix = || {
+            !p.exists()
+                && PathBuf::from(format!("{s}.bin")).is_file()
+                && PathBuf::from(format!("{s}.idx")).is_file()
+        };
         if lower.ends_with(".bin") {
             Ok(DataSpec::Bin(p))
+        } else if lower.ends_with(".idx") {
+            Ok(DataSpec::Bin(p.with_extension("bin")))
+        } else if megatron_prefix() {
+            Ok(DataSpec::Bin(PathBuf::from(format!("{s}.bin"))))
         } else if lower.ends_with(".tar") {
             Ok(DataSpec::Shards(vec![p]))
         } else {
@@ -1008,10 +1019,28 @@ impl RangeReader {
 const LLMC_MAGIC: u32 = 20240520;
 const LLMC_HEADER_BYTES: u64 = 1024;
 
-/// Where a `.bin` file's u16 tokens start and how many there are: a raw file (nanoGPT's
-/// `train.bin`/`val.bin`) from byte 0; an llm.c file after its header, whose version and token
-/// count are checked against the file.
-fn bin_layout(path: &Path, len: u64) -> Result<(u64, u64)> {
+/// Megatron-LM's index file (`MMIDIDX\0\0`, version 1): the dtype of the `.bin` beside it and
+/// every sequence's size and byte offset.
+const MEGATRON_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
+const MEGATRON_HEADER_BYTES: u64 = 9 + 8 + 1 + 8 + 8;
+
+/// Where a token file's tokens start, how many there are and how wide each is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct BinLayout {
+    start: u64,
+    tokens: u64,
+    /// Bytes per token: 2 (u16) or 4 (Megatron's i32 for vocabularies past 65,500).
+    width: u64,
+}
+
+/// A token file's layout: Megatron-LM's when an `.idx` lies beside it (dtype and size checked
+/// against the index's last sequence), llm.c's after its header (version and token count
+/// checked), else raw u16 from byte 0 (nanoGPT's `train.bin`/`val.bin`).
+fn bin_layout(path: &Path, len: u64) -> Result<BinLayout> {
+    let idx = path.with_extension("idx");
+    if idx.is_file() {
+        return megatron_layout(path, &idx, len);
+    }
     let mut head = [0u8; 12];
     let bad = |offset: u64, what: String| Error::BadTokenFile {
         path: path.into(),
@@ -1053,7 +1082,11 @@ fn bin_layout(path: &Path, len: u64) -> Result<(u64, u64)> {
                 ),
             ));
         }
-        return Ok((LLMC_HEADER_BYTES, tokens));
+        return Ok(BinLayout {
+            start: LLMC_HEADER_BYTES,
+            tokens,
+            width: 2,
+        });
     }
     if !len.is_multiple_of(2) {
         return Err(bad(
@@ -1061,16 +1094,108 @@ fn bin_layout(path: &Path, len: u64) -> Result<(u64, u64)> {
             format!("{len} bytes is not a whole number of u16 tokens"),
         ));
     }
-    Ok((0, len / 2))
+    Ok(BinLayout {
+        start: 0,
+        tokens: len / 2,
+        width: 2,
+    })
+}
+
+/// The layout of Megatron-LM's `bin` (`len` bytes) from its index `idx`. The documents'
+/// boundaries are not needed: the tokens are read as one stream, as nanoGPT's are (Megatron
+/// ends each document with the end-of-text id too).
+fn megatron_layout(bin: &Path, idx: &Path, len: u64) -> Result<BinLayout> {
+    use std::io::{Read, Seek, SeekFrom};
+    let bad = |offset: u64, what: String| Error::BadTokenFile {
+        path: idx.into(),
+        offset,
+        what,
+    };
+    let mut f = std::fs::File::open(idx).map_err(|e| Error::io(idx, "open", e))?;
+    let idx_len = f.metadata().map_err(|e| Error::io(idx, "stat", e))?.len();
+    let mut head = [0u8; MEGATRON_HEADER_BYTES as usize];
+    if idx_len < MEGATRON_HEADER_BYTES {
+        return Err(bad(
+            0,
+            format!("{idx_len} bytes is shorter than a Megatron-LM index header"),
+        ));
+    }
+    f.read_exact(&mut head)
+        .map_err(|e| Error::io(idx, "read", e))?;
+    if &head[..9] != MEGATRON_MAGIC {
+        return Err(bad(
+            0,
+            format!(
+                "lies beside {} but is not a Megatron-LM index (no MMIDIDX magic)",
+                bin.display()
+            ),
+        ));
+    }
+    let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+    let version = u64_at(&head[9..17]);
+    if version != 1 {
+        return Err(bad(
+            9,
+            format!("Megatron-LM index version {version} (fugu reads 1)"),
+        ));
+    }
+    let width = match head[17] {
+        8 => 2,
+        4 => 4,
+        code => {
+            return Err(bad(
+                17,
+                format!(
+                    "Megatron-LM dtype code {code}: fugu reads 8 (uint16) and 4 (int32) tokens"
+                ),
+            ))
+        }
+    };
+    let sequences = u64_at(&head[18..26]);
+    let sizes_at = MEGATRON_HEADER_BYTES;
+    let pointers_at = sizes_at + 4 * sequences;
+    if sequences == 0 || idx_len < pointers_at + 8 * sequences {
+        return Err(bad(
+            18,
+            format!("{sequences} sequences do not fit the {idx_len}-byte index (truncated?)"),
+        ));
+    }
+    let mut last = |at: u64, n: usize| -> Result<u64> {
+        let mut b = [0u8; 8];
+        f.seek(SeekFrom::Start(at))
+            .and_then(|_| f.read_exact(&mut b[..n]))
+            .map_err(|e| Error::io(idx, "read", e))?;
+        Ok(u64::from_le_bytes(b))
+    };
+    let last_size = last(sizes_at + 4 * (sequences - 1), 4)?;
+    let last_pointer = last(pointers_at + 8 * (sequences - 1), 8)?;
+    let end = last_pointer + last_size * width;
+    if end != len {
+        return Err(Error::BadTokenFile {
+            path: bin.into(),
+            offset: len.min(end),
+            what: format!(
+                "holds {len} bytes, but its index {} ends its last sequence at byte {end} \
+                 (truncated, or another dataset's index?)",
+                idx.display()
+            ),
+        });
+    }
+    Ok(BinLayout {
+        start: 0,
+        tokens: len / width,
+        width,
+    })
 }
 
 struct BinStream {
     path: PathBuf,
     file: FileSource,
     file_pos: u64,
-    /// Offset of the first token (after llm.c's header), and the token count.
+    /// Offset of the first token (after llm.c's header), the token count and width.
     start: u64,
     tokens: u64,
+    width: u64,
     n_windows: u64,
     c: u64,
     w: u64,
@@ -1089,7 +1214,11 @@ struct BinStream {
 impl BinStream {
     fn new(path: &Path, cfg: &LoaderConfig, shared: Arc<Shared>) -> Result<Self> {
         let file = FileSource::open(path, cfg.read_buffer)?;
-        let (start, tokens) = bin_layout(path, tar_len(&file))?;
+        let BinLayout {
+            start,
+            tokens,
+            width,
+        } = bin_layout(path, tar_len(&file))?;
         let w = cfg.window();
         let n_windows = tokens / w;
         let c = n_windows / cfg.world as u64;
@@ -1107,6 +1236,7 @@ impl BinStream {
             file_pos: 0,
             start,
             tokens,
+            width,
             n_windows,
             c,
             w,
@@ -1117,7 +1247,7 @@ impl BinStream {
             epoch: 0,
             k: 0,
             perm: None,
-            buf: vec![0u8; (w * 2) as usize],
+            buf: vec![0u8; (w * width) as usize],
             skip_bad: cfg.skip_bad_samples,
             shared,
         };
@@ -1152,7 +1282,7 @@ impl BinStream {
                 None => g,
             };
             self.k += 1;
-            let off = self.start + idx * self.w * 2;
+            let off = self.start + idx * self.w * self.width;
             if off != self.file_pos {
                 let delta = off as i128 - self.file_pos as i128;
                 if (0..(1 << 20)).contains(&delta) {
@@ -1169,20 +1299,27 @@ impl BinStream {
                     what: format!("cannot read a window of {} tokens: {e}", self.w),
                 }
             })?;
-            self.file_pos = off + self.w * 2;
-            let mut max = 0u16;
-            for (x, s) in out.iter_mut().zip(self.buf.chunks_exact(2)) {
-                let v = u16::from_le_bytes([s[0], s[1]]);
-                max = max.max(v);
-                *x = v as u32;
+            self.file_pos = off + self.w * self.width;
+            let mut max = 0u32;
+            if self.width == 2 {
+                for (x, s) in out.iter_mut().zip(self.buf.chunks_exact(2)) {
+                    *x = u16::from_le_bytes([s[0], s[1]]) as u32;
+                    max = max.max(*x);
+                }
+            } else {
+                // Megatron's i32: a negative id reads as a huge u32 and is refused below.
+                for (x, s) in out.iter_mut().zip(self.buf.chunks_exact(4)) {
+                    *x = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                    max = max.max(*x);
+                }
             }
-            if (max as u32) < self.vocab {
+            if max < self.vocab {
                 return Ok(());
             }
             let i = out.iter().position(|&v| v >= self.vocab).unwrap_or(0);
             let e = Error::BadTokenFile {
                 path: self.path.clone(),
-                offset: off + 2 * i as u64,
+                offset: off + self.width * i as u64,
                 what: format!(
                     "token id {} is not below the vocabulary size {}",
                     out[i], self.vocab

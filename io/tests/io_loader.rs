@@ -362,3 +362,112 @@ fn llmc_bin_files_are_read_after_their_header() {
         "truncated",
     );
 }
+
+/// Megatron-LM's `.idx` for sequences of `sizes` tokens of `width` bytes (dtype `code`).
+fn megatron_index(sizes: &[u32], width: u64, code: u8) -> Vec<u8> {
+    let mut idx = b"MMIDIDX\x00\x00".to_vec();
+    idx.extend_from_slice(&1u64.to_le_bytes());
+    idx.push(code);
+    idx.extend_from_slice(&(sizes.len() as u64).to_le_bytes());
+    idx.extend_from_slice(&(sizes.len() as u64 + 1).to_le_bytes());
+    for s in sizes {
+        idx.extend_from_slice(&(*s as i32).to_le_bytes());
+    }
+    let mut pointer = 0u64;
+    for s in sizes {
+        idx.extend_from_slice(&(pointer as i64).to_le_bytes());
+        pointer += *s as u64 * width;
+    }
+    for d in 0..=sizes.len() as i64 {
+        idx.extend_from_slice(&d.to_le_bytes());
+    }
+    idx
+}
+
+#[test]
+fn megatron_bin_idx_pairs_are_read_as_one_stream() {
+    let d = tmpdir("megatron");
+    let sizes = [300u32, 500, 200];
+    let ids: Vec<u32> = (0..1000u32).map(|t| (t * 13) % 4000).collect();
+    let u16s: Vec<u8> = ids.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect();
+    let i32s: Vec<u8> = ids.iter().flat_map(|&t| (t as i32).to_le_bytes()).collect();
+    std::fs::write(d.join("raw.bin"), &u16s).unwrap();
+    std::fs::write(d.join("c4_text_document.bin"), &u16s).unwrap();
+    std::fs::write(d.join("c4_text_document.idx"), megatron_index(&sizes, 2, 8)).unwrap();
+    std::fs::write(d.join("wide_text_document.bin"), &i32s).unwrap();
+    std::fs::write(
+        d.join("wide_text_document.idx"),
+        megatron_index(&sizes, 4, 4),
+    )
+    .unwrap();
+    let path = |n: &str| d.join(n).to_str().unwrap().to_string();
+    // The dataset by its .bin, its .idx or its prefix (Megatron's --data-path), u16 or i32:
+    // the same windows as the raw u16 file.
+    for shuffle in [false, true] {
+        let mut raw = Loader::new(&path("raw.bin"), &cfg(2, 31, 0, 1, shuffle)).unwrap();
+        let expect = take(&mut raw, 20);
+        for name in [
+            "c4_text_document.bin",
+            "c4_text_document.idx",
+            "c4_text_document",
+            "wide_text_document",
+        ] {
+            let mut l = Loader::new(&path(name), &cfg(2, 31, 0, 1, shuffle)).unwrap();
+            assert_eq!(take(&mut l, 20), expect, "{name}, shuffle {shuffle}");
+        }
+        // The same documents written by megatron-core's own IndexedDatasetBuilder
+        // (dev/make_megatron_fixture.py).
+        let fixtures =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/megatron");
+        for name in ["tiny_text_document", "wide_text_document"] {
+            let prefix = fixtures.join(name);
+            let mut l = Loader::new(prefix.to_str().unwrap(), &cfg(2, 31, 0, 1, shuffle)).unwrap();
+            assert_eq!(
+                take(&mut l, 20),
+                expect,
+                "megatron-core's {name}, shuffle {shuffle}"
+            );
+        }
+    }
+    check_resume(&path("wide_text_document"), cfg(2, 31, 0, 1, true), 4, 9);
+    let refused = |bin: &[u8], idx: Vec<u8>, want: &[&str]| {
+        std::fs::write(d.join("bad.bin"), bin).unwrap();
+        std::fs::write(d.join("bad.idx"), idx).unwrap();
+        let Err(e) = Loader::new(&path("bad"), &cfg(1, 31, 0, 1, false)) else {
+            panic!("{want:?}: opened");
+        };
+        let e = e.to_string();
+        assert!(want.iter().all(|w| e.contains(w)), "{want:?}: {e}");
+    };
+    refused(
+        &u16s[..1200],
+        megatron_index(&sizes, 2, 8),
+        &["bad.bin", "truncated"],
+    );
+    refused(
+        &u16s,
+        megatron_index(&sizes, 2, 6),
+        &["bad.idx", "dtype code 6"],
+    );
+    refused(
+        &u16s,
+        megatron_index(&sizes, 2, 8)[..60].to_vec(),
+        &["bad.idx", "truncated"],
+    );
+    refused(
+        &u16s,
+        b"not an index at all, but long enough".to_vec(),
+        &["bad.idx", "MMIDIDX"],
+    );
+    // A negative i32 token reads as an id beyond the vocabulary: refused by its offset.
+    let mut neg = i32s.clone();
+    neg[40..44].copy_from_slice(&(-1i32).to_le_bytes());
+    std::fs::write(d.join("bad.bin"), &neg).unwrap();
+    std::fs::write(d.join("bad.idx"), megatron_index(&sizes, 4, 4)).unwrap();
+    let mut l = Loader::new(&path("bad"), &cfg(1, 31, 0, 1, false)).unwrap();
+    let e = l.next_batch().unwrap_err().to_string();
+    assert!(
+        e.contains("bad.bin") && e.contains("offset 40") && e.contains("4294967295"),
+        "{e}"
+    );
+}

@@ -23,7 +23,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub config: Option<String>,
     /// Training data: a shard manifest (or its folder), a brace pattern of .tar shards, or a
-    /// raw .bin token file. Default: the bundled Shakespeare corpus.
+    /// token file (nanoGPT's or llm.c's .bin; Megatron-LM's .bin/.idx pair, or their prefix).
+    /// Default: the bundled Shakespeare corpus.
     #[arg(long)]
     pub data: Option<String>,
     /// Validation data (default: the validation split of --data). Evaluating on data that

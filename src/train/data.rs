@@ -58,9 +58,15 @@ pub fn resolve_data(data: Option<&str>, vocab_size: usize, quiet: bool) -> Resul
 }
 
 /// The tokenizer `data` was made with: its manifest's (`gpt2`, or the `tokenizer.json` that
-/// `fugu prepare` stored in the dataset folder). A `.bin` file or bare shards record none:
-/// GPT-2's is assumed for a model with GPT-2's 50257 ids, else `None`.
-pub fn data_tokenizer(data: &str, vocab_size: usize) -> Result<Option<Box<dyn Tokenizer>>> {
+/// `fugu prepare` stored in the dataset folder). Token files (`.bin`, Megatron's) and bare
+/// shards record none: then the tokenizer of the model the run starts from (`model_dir`, a
+/// checkpoint or an `--init-from` folder holding `tokenizer.json`), else GPT-2's for a model
+/// with GPT-2's 50257 ids, else `None`.
+pub fn data_tokenizer(
+    data: &str,
+    vocab_size: usize,
+    model_dir: Option<&Path>,
+) -> Result<Option<Box<dyn Tokenizer>>> {
     let spec = DataSpec::parse(data).with_context(|| format!("--data {data}"))?;
     match spec {
         DataSpec::Manifest(p) => {
@@ -74,8 +80,20 @@ pub fn data_tokenizer(data: &str, vocab_size: usize) -> Result<Option<Box<dyn To
                 .with_context(|| format!("the tokenizer of the dataset {}", dir.display()))?;
             Ok(Some(tok))
         }
-        _ if vocab_size == GPT2_VOCAB as usize => Ok(Some(Box::new(Gpt2Tokenizer::new()))),
-        _ => Ok(None),
+        _ => {
+            if let Some(file) = model_dir
+                .map(|d| d.join("tokenizer.json"))
+                .filter(|f| f.is_file())
+            {
+                let tok = tokenizer_by_name(&file.display().to_string())
+                    .with_context(|| format!("reading {}", file.display()))?;
+                return Ok(Some(tok));
+            }
+            if vocab_size == GPT2_VOCAB as usize {
+                return Ok(Some(Box::new(Gpt2Tokenizer::new())));
+            }
+            Ok(None)
+        }
     }
 }
 
@@ -89,7 +107,7 @@ pub fn check_model_tokenizer(dir: &Path, flag: &str, data: &str, vocab_size: usi
     if !file.is_file() {
         return Ok(());
     }
-    let Some(data_tok) = data_tokenizer(data, vocab_size)? else {
+    let Some(data_tok) = data_tokenizer(data, vocab_size, None)? else {
         return Ok(());
     };
     let model_tok = tokenizer_by_name(&file.display().to_string())
@@ -119,15 +137,21 @@ pub struct CheckpointTokenizer {
     pub ids: SpecialIds,
 }
 
-/// The tokenizer files and special ids every checkpoint of a run on `data` carries (no files,
-/// with a warning, and the model's default ids when the data records no tokenizer), after
-/// checking that the tokenizer's ids fit the model's `vocab_size`.
-pub fn checkpoint_tokenizer(data: &str, m: &ModelConfig) -> Result<CheckpointTokenizer> {
+/// The tokenizer files and special ids every checkpoint of a run on `data`, starting from the
+/// model in `model_dir` (if any), carries ([`data_tokenizer`]; no files, with a warning, and
+/// the model's default ids when neither records a tokenizer), after checking that the
+/// tokenizer's ids fit the model's `vocab_size`.
+pub fn checkpoint_tokenizer(
+    data: &str,
+    m: &ModelConfig,
+    model_dir: Option<&Path>,
+) -> Result<CheckpointTokenizer> {
     let vocab_size = m.vocab_size;
-    let Some(tok) = data_tokenizer(data, vocab_size)? else {
+    let Some(tok) = data_tokenizer(data, vocab_size, model_dir)? else {
         eprintln!(
-            "warning: --data {data} records no tokenizer and the model does not have GPT-2's \
-             {GPT2_VOCAB} ids: checkpoints will carry no tokenizer files"
+            "warning: --data {data} records no tokenizer, nor does a model the run starts \
+             from, and the model does not have GPT-2's {GPT2_VOCAB} ids: checkpoints will carry \
+             no tokenizer files (`fugu sample` will need one)"
         );
         return Ok(CheckpointTokenizer {
             files: Vec::new(),

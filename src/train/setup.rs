@@ -179,7 +179,7 @@ pub(super) fn data(
             };
             data::check_model_tokenizer(dir, flag, &path, m.vocab_size)?;
         }
-        Some(data::checkpoint_tokenizer(&path, m)?)
+        Some(data::checkpoint_tokenizer(&path, m, model_dir)?)
     } else {
         None
     };
