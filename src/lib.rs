@@ -4,6 +4,7 @@ pub mod atomic_write;
 pub mod backend;
 pub mod bench;
 pub mod checkpoint;
+pub mod choices;
 pub mod cli;
 pub mod comm;
 pub mod config;

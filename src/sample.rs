@@ -77,6 +77,12 @@ impl<B: Backend> Generator<B> {
         self.pos = 0;
     }
 
+    /// Continues from position `pos` (at most the current one): the cache keeps positions
+    /// before it, later ones are overwritten (a shared prefix is decoded once).
+    pub fn rewind_to(&mut self, pos: usize) {
+        self.pos = pos.min(self.pos);
+    }
+
     /// Feeds one token; returns the next-token logits (real vocabulary only).
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
         let cache = self

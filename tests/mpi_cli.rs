@@ -832,3 +832,54 @@ fn bench_comm_reports_every_operation_and_size() {
         }
     }
 }
+
+/// `fugu eval` on every layout: the serial run's checkpoint evaluated by 2 ranks as --tp 2 and
+/// as --pp 2 gives the serial evaluation's loss (the same forward pass with its sums in
+/// another order: 1e-5 relative, as the training losses above).
+#[test]
+fn eval_on_parallel_layouts_matches_the_serial_evaluation() {
+    if mpirun_missing() {
+        return;
+    }
+    let dir = tmp("eval");
+    serial(&dir);
+    let eval = |np: usize, layout: &[&str]| -> f64 {
+        let exe = env!("CARGO_BIN_EXE_fugu");
+        let mut cmd = if np == 0 {
+            Command::new(exe)
+        } else {
+            let mut c = Command::new("mpirun");
+            c.args([
+                "-np",
+                &np.to_string(),
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                exe,
+            ]);
+            c
+        };
+        let o = cmd
+            .args(["eval", "serial", "--data", "tok.bin", "--batches", "3"])
+            .args(["--threads", "1", "--format", "json"])
+            .args(layout)
+            .current_dir(&dir)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+            .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
+            .output()
+            .expect("running fugu eval");
+        ok(&o);
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)));
+        r["loss"].as_f64().unwrap()
+    };
+    let one = eval(0, &[]);
+    for layout in [&["--tp", "2"][..], &["--pp", "2"][..]] {
+        let l = eval(2, layout);
+        eprintln!("eval {layout:?}: {l} vs serial {one}");
+        assert!(((l - one) / one).abs() <= 1e-5, "{layout:?}: {l} vs {one}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

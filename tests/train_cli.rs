@@ -1682,3 +1682,160 @@ fn evaluation_is_never_skipped_in_silence() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn json_out(o: &Output) -> serde_json::Value {
+    ok(o);
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!("{e}: {}", String::from_utf8_lossy(&o.stdout));
+    })
+}
+
+/// `fugu eval` is the run's own evaluation: the same loss, to the bit, for the newest and an
+/// older checkpoint; bits per byte by hand from the manifest's counts; a token file read whole
+/// (no bits per byte); multiple-choice scores, checked against transformers float64 when it is
+/// installed (`FUGU_PYTHON`); and clear refusals.
+#[test]
+fn eval_reproduces_the_runs_evaluations_and_scores_choices() {
+    let runs = SmallRuns::new("eval");
+    let dir = &runs.dir;
+    ok(&runs.run(&[
+        "--out",
+        "r",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--ckpt-every",
+        "2",
+    ]));
+    let evals: Vec<(u64, f64, Option<f64>)> = read_metrics(dir.join("r/metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Eval(e) => Some((e.step, e.val_loss, e.val_bpb)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(evals.len(), 2, "{evals:?}");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&runs.data).unwrap()).unwrap();
+    let (tokens, bytes) = (
+        manifest["val"]["tokens"].as_f64().unwrap(),
+        manifest["val"]["text_bytes"].as_f64().unwrap(),
+    );
+    assert!(bytes > 0.0, "{}", manifest["val"]);
+    for (ckpt, (step, logged, logged_bpb)) in [("r", evals[1]), ("r/ckpt-00000002", evals[0])] {
+        let r = json_out(&fugu(
+            &["eval", ckpt, "--format", "json", "--threads", "1"],
+            dir,
+        ));
+        assert_eq!(r["step"].as_u64(), Some(step), "{r}");
+        assert_eq!(r["loss"].as_f64(), Some(logged), "{ckpt}: {r}");
+        let bpb = r["bits_per_byte"].as_f64().unwrap();
+        assert_eq!(Some(bpb), logged_bpb);
+        let by_hand = logged / std::f64::consts::LN_2 * tokens / bytes;
+        assert!(
+            (bpb - by_hand).abs() < 1e-12 * by_hand,
+            "{bpb} vs {by_hand}"
+        );
+        assert!((r["perplexity"].as_f64().unwrap() - logged.exp()).abs() < 1e-9 * logged.exp());
+    }
+    // A token file named as the data is read whole; it counts no text bytes.
+    let bin: Vec<u8> = (0..8000u32)
+        .flat_map(|i| ((i * 7919 % 50000) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(dir.join("val.bin"), bin).unwrap();
+    let r = json_out(&fugu(
+        &[
+            "eval",
+            "r",
+            "--data",
+            "val.bin",
+            "--batches",
+            "2",
+            "--format",
+            "json",
+        ],
+        dir,
+    ));
+    assert_eq!(
+        (r["split"].as_str(), r["tokens"].as_u64()),
+        (Some("whole"), Some(256))
+    );
+    assert!(
+        r["bits_per_byte"].is_null() && r["loss"].as_f64().unwrap() > 0.0,
+        "{r}"
+    );
+    // Refusals name what is wrong.
+    for (args, want) in [
+        (&["eval", "r", "--batch-size", "2"][..], "fugu checkpoint"),
+        (&["eval", "nowhere"][..], "not a fugu run"),
+        (&["eval", "r/ckpt-00000003"][..], "does not exist"),
+        (&["eval", "r", "--batches", "0"][..], "--batches 0"),
+        (&["eval", "r", "--data", "missing.bin"][..], "missing.bin"),
+    ] {
+        let o = fugu(args, dir);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
+    }
+    // Multiple choice, HellaSwag's layout.
+    let questions = [
+        (
+            "ROMEO: But, soft! what light through yonder",
+            ["window breaks?", "fish sings loud", "zero"],
+            0,
+        ),
+        (
+            "To be, or not to be, that is the",
+            ["question", "banana", "of the"],
+            0,
+        ),
+        (
+            "JULIET: O Romeo, Romeo! wherefore art thou",
+            ["Romeo?", "table", "seven nine"],
+            0,
+        ),
+    ];
+    let lines: String = questions
+        .iter()
+        .map(|(c, e, l)| serde_json::json!({"ctx": c, "endings": e, "label": l}).to_string() + "\n")
+        .collect();
+    std::fs::write(dir.join("q.jsonl"), lines).unwrap();
+    let o = fugu(
+        &["eval", "r", "--choices", "q.jsonl", "--format", "json"],
+        dir,
+    );
+    let r = json_out(&o);
+    let s = &r["score"];
+    assert_eq!(s["questions"], 3);
+    let acc = s["accuracy"].as_f64().unwrap();
+    assert_eq!(acc, s["correct"].as_f64().unwrap() / 3.0);
+    let means = s["mean_losses"].as_array().unwrap();
+    assert!(means.iter().all(|m| m.as_array().unwrap().len() == 3));
+    std::fs::write(dir.join("choices.json"), &o.stdout).unwrap();
+    let python = std::env::var("FUGU_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if has_torch {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("dev/check_choices.py");
+        let o = Command::new(&python)
+            .arg(script)
+            .args(["r/ckpt-00000004", "q.jsonl", "choices.json"])
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    } else {
+        common::skipped(&format!(
+            "fugu eval --choices against transformers: no torch/transformers in {python} (FUGU_PYTHON)"
+        ));
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -62,8 +62,22 @@ pub struct SplitInfo {
     pub samples: u64,
     /// Tokens, EOTs included.
     pub tokens: u64,
+    /// Bytes of the split's input text (what bits per byte divide by; 0 in manifests written
+    /// before fugu counted them).
+    #[serde(default)]
+    pub text_bytes: u64,
     /// The shards, in order.
     pub shards: Vec<ShardInfo>,
+}
+
+impl SplitInfo {
+    /// Tokens per byte of input text: what turns a loss in nats per token into bits per byte
+    /// (`loss / ln 2 × tokens / bytes`), comparable across tokenizers. `None` for manifests
+    /// that predate text byte counts, or an empty split.
+    pub fn tokens_per_byte(&self) -> Option<f64> {
+        (self.text_bytes > 0 && self.tokens > 0)
+            .then(|| self.tokens as f64 / self.text_bytes as f64)
+    }
 }
 
 /// One shard file.

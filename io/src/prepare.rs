@@ -1021,6 +1021,7 @@ impl Writer<'_> {
             }
         }
         d.text_bytes += c.bytes.len() as u64;
+        self.splits[d.split].text_bytes += c.bytes.len() as u64;
         d.part_bytes += c.bytes.len() as u64;
         self.totals.text_bytes += c.bytes.len() as u64;
         d.tokens.extend_from_slice(&ids);
@@ -1134,6 +1135,7 @@ struct SplitWriter {
     documents: u64,
     samples: u64,
     tokens: u64,
+    text_bytes: u64,
 }
 
 impl SplitWriter {
@@ -1146,6 +1148,7 @@ impl SplitWriter {
             documents: 0,
             samples: 0,
             tokens: 0,
+            text_bytes: 0,
         }
     }
 
@@ -1230,6 +1233,7 @@ impl SplitWriter {
             documents: self.documents,
             samples: self.samples,
             tokens: self.tokens,
+            text_bytes: self.text_bytes,
             shards: self.shards,
         })
     }

@@ -4,6 +4,7 @@ mod bench_comm;
 mod bench_gemm;
 pub use bench_gemm::{run as bench_gemm_run, BenchGemmArgs};
 mod bench_io;
+mod eval;
 mod predict;
 mod prepare;
 mod report;
@@ -33,6 +34,9 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Generate text from a checkpoint.
     Sample(sample::SampleArgs),
+    /// Evaluate a checkpoint: validation loss, perplexity and bits per byte, or accuracy on
+    /// multiple-choice questions (HellaSwag's layout).
+    Eval(Box<eval::EvalArgs>),
     /// Microbenchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -64,6 +68,7 @@ pub fn main() -> ExitCode {
         Command::Prepare(args) => prepare::run(args),
         Command::Train(args) => train::run(*args),
         Command::Sample(args) => sample::run(args),
+        Command::Eval(args) => eval::run(*args),
         Command::Bench(BenchCommand::Gemm(args)) => bench_gemm::run(args),
         Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
         Command::Bench(BenchCommand::Comm(args)) => bench_comm::run(args),

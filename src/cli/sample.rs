@@ -75,7 +75,7 @@ fn is_model_dir(p: &Path) -> bool {
     p.join(checkpoint::MODEL_FILE).exists() || p.join(checkpoint::hf::INDEX_FILE).exists()
 }
 
-fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
+pub(super) fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
     match ck {
         Some(p) if is_model_dir(p) => Ok(p.to_path_buf()),
         Some(p) => checkpoint::latest_checkpoint(p)?.with_context(|| {
@@ -132,7 +132,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
 /// The tokenizer of a checkpoint: its `tokenizer.json` (every fugu checkpoint has one; so do
 /// most Hugging Face model directories), else GPT-2's (with a warning unless the model has
 /// GPT-2's 50257 ids).
-fn checkpoint_tokenizer(
+pub(super) fn checkpoint_tokenizer(
     dir: &Path,
     cfg: &crate::config::ModelConfig,
 ) -> Result<Box<dyn fugu_io::Tokenizer>> {

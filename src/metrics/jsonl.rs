@@ -6,9 +6,13 @@
 //!   "step_ms":..,"tflops_per_process":..,"peak_pct":..,"timers":{name: ms}}`, and with several
 //!   ranks also `"timers_min"`, `"timers_max"` (over ranks; `timers` is then the mean) and
 //!   `"comm_bytes"`;
-//! * `{"type":"eval","step":..,"val_loss":..}`;
+//!   and `"bpb"` (the loss in bits per byte of text, when the data's manifest counts its bytes);
+//! * `{"type":"eval","step":..,"val_loss":..,"val_bpb":..}` (`val_bpb` as `bpb`);
 //! * `{"type":"event","kind":"checkpoint", ...}`: anything else (checkpoint written, skipped
 //!   non-finite step, ...), the payload's fields inline.
+//!
+//! Every line also carries `"time"`: when it was written, in seconds since the Unix epoch (UTC,
+//! millisecond resolution).
 //!
 //! Every line is written with one `write` call and flushed, so a reader (or `tail -f`) never
 //! sees a line that the writer has not finished, except after a crash, when the last line may be
@@ -71,6 +75,11 @@ pub struct StepRecord {
     /// [`crate::comm`]); absent for one process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_bytes: Option<u64>,
+    /// The loss in bits per byte of training text (`loss / ln 2 × tokens / text bytes` of the
+    /// training split): comparable across tokenizers. Absent when the data does not record
+    /// its text bytes (token files, older manifests).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bpb: Option<f64>,
 }
 
 /// A validation-loss measurement.
@@ -79,6 +88,9 @@ pub struct EvalRecord {
     pub step: u64,
     #[serde(deserialize_with = "f64_or_nan")]
     pub val_loss: f64,
+    /// The loss in bits per byte of the validation text (see [`StepRecord::bpb`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_bpb: Option<f64>,
 }
 
 /// One line of `metrics.jsonl` as read back.
@@ -114,6 +126,7 @@ fn map_f64_or_nan<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, f6
 struct Tagged<'a, T: ?Sized> {
     #[serde(rename = "type")]
     ty: &'a str,
+    time: f64,
     #[serde(flatten)]
     body: &'a T,
 }
@@ -183,7 +196,10 @@ impl MetricsWriter {
     }
 
     fn write_tagged<T: Serialize + ?Sized>(&mut self, ty: &str, body: &T) -> Result<()> {
-        let line = serde_json::to_string(&Tagged { ty, body })
+        let time = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| (d.as_millis() as f64) / 1e3);
+        let line = serde_json::to_string(&Tagged { ty, time, body })
             .with_context(|| format!("a {ty} record must serialise to a JSON object"))?;
         self.write_line(line)
     }
@@ -199,9 +215,9 @@ impl MetricsWriter {
         self.write_tagged("step", rec)
     }
 
-    /// `{"type":"eval","step":..,"val_loss":..}`.
-    pub fn eval(&mut self, step: u64, val_loss: f64) -> Result<()> {
-        self.write_tagged("eval", &EvalRecord { step, val_loss })
+    /// `{"type":"eval","step":..,"val_loss":..,"val_bpb":..}`.
+    pub fn eval(&mut self, rec: &EvalRecord) -> Result<()> {
+        self.write_tagged("eval", rec)
     }
 
     /// `{"type":"event","kind":kind, ...}`: an object's fields go inline (a `type` or `kind`
@@ -281,6 +297,8 @@ fn to_record(v: Value) -> Result<Record> {
         unreachable!("checked by the caller")
     };
     let ty = m.remove("type");
+    // Every line's write time; the typed records leave it out, headers and events too.
+    m.remove("time");
     Ok(match ty.as_ref().and_then(Value::as_str) {
         Some("header") => Record::Header(Value::Object(m)),
         Some("step") => Record::Step(serde_json::from_value(Value::Object(m))?),
@@ -341,6 +359,14 @@ mod tests {
         machine: Value,
     }
 
+    fn eval(step: u64, val_loss: f64) -> EvalRecord {
+        EvalRecord {
+            step,
+            val_loss,
+            val_bpb: None,
+        }
+    }
+
     #[test]
     fn write_then_read_all_kinds() {
         let p = tmp("kinds");
@@ -353,15 +379,22 @@ mod tests {
         })
         .unwrap();
         w.step(&step(1, 5.5)).unwrap();
-        w.eval(1, 5.25).unwrap();
+        w.eval(&eval(1, 5.25)).unwrap();
         w.event("checkpoint", &json!({"step": 1, "path": "ckpt/1"}))
             .unwrap();
         w.event("note", &json!("hello")).unwrap();
         drop(w);
 
         let text = std::fs::read_to_string(&p).unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
         for line in text.lines() {
             assert!(line.starts_with("{\"type\":\""), "{line}");
+            let v: Value = serde_json::from_str(line).unwrap();
+            let t = v["time"].as_f64().unwrap();
+            assert!((now - 60.0..=now + 1.0).contains(&t), "{line}");
         }
         let recs = read_metrics(&p).unwrap();
         assert_eq!(recs.len(), 5);
@@ -374,13 +407,7 @@ mod tests {
             r => panic!("{r:?}"),
         }
         assert_eq!(recs[1], Record::Step(step(1, 5.5)));
-        assert_eq!(
-            recs[2],
-            Record::Eval(EvalRecord {
-                step: 1,
-                val_loss: 5.25
-            })
-        );
+        assert_eq!(recs[2], Record::Eval(eval(1, 5.25)));
         assert_eq!(
             recs[3],
             Record::Event {
@@ -406,7 +433,7 @@ mod tests {
         s.grad_norm = f64::INFINITY;
         s.timers.insert("backward".into(), f64::NEG_INFINITY);
         w.step(&s).unwrap();
-        w.eval(3, f64::NAN).unwrap();
+        w.eval(&eval(3, f64::NAN)).unwrap();
         w.event("skipped", &json!({"step": 3, "loss": f64::NAN}))
             .unwrap();
         drop(w);
@@ -502,7 +529,7 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&p).unwrap(), before);
         let q = p.with_file_name("new.jsonl");
         let mut w = MetricsWriter::append(&q).unwrap();
-        w.eval(1, 1.0).unwrap();
+        w.eval(&eval(1, 1.0)).unwrap();
         assert_eq!(read_metrics(&q).unwrap().len(), 1);
         std::fs::remove_dir_all(p.parent().unwrap().parent().unwrap()).unwrap();
     }

@@ -5,7 +5,7 @@ use crate::config::{ModelConfig, SpecialIds};
 use crate::make_once::{found_or_made, LockTiming};
 use anyhow::{bail, Context, Result};
 use fugu_io::{
-    tokenizer_by_name, DataSpec, Gpt2Tokenizer, Loader, LoaderConfig, Manifest, Tokenizer,
+    tokenizer_by_name, DataSpec, Gpt2Tokenizer, Loader, LoaderConfig, Manifest, Split, Tokenizer,
     GPT2_VOCAB,
 };
 use std::path::{Path, PathBuf};
@@ -228,6 +228,25 @@ pub fn eval_loss(
         loader.recycle(batch);
     }
     Ok(sum / batches as f64)
+}
+
+/// Tokens per byte of text of `data`'s `split` (see `SplitInfo::tokens_per_byte`): `None` for
+/// token files, shard patterns and manifests that do not count text bytes.
+pub fn tokens_per_byte(data: &str, split: Split) -> Option<f64> {
+    let DataSpec::Manifest(path) = DataSpec::parse(data).ok()? else {
+        return None;
+    };
+    let (m, _) = Manifest::load(&path).ok()?;
+    match split {
+        Split::Train => &m.train,
+        Split::Val => &m.val,
+    }
+    .tokens_per_byte()
+}
+
+/// A loss in nats per token as bits per byte of text, given the data's tokens per byte.
+pub fn bits_per_byte(loss: f64, tokens_per_byte: Option<f64>) -> Option<f64> {
+    tokens_per_byte.map(|r| loss / std::f64::consts::LN_2 * r)
 }
 
 /// The training batches of one data-parallel rank.

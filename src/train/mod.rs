@@ -3,6 +3,7 @@
 pub mod data;
 pub mod dist;
 pub mod dump;
+pub mod eval;
 pub mod layout;
 pub mod lock;
 pub mod loss_scale;

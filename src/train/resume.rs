@@ -47,6 +47,9 @@ pub fn find(resume: Option<&str>, out: &Path, report: bool) -> Result<Option<Res
         out.to_path_buf()
     } else {
         let p = PathBuf::from(r);
+        if !p.exists() {
+            bail!("--resume {r}: {} does not exist", p.display());
+        }
         if is_checkpoint_dir(&p) {
             let state = open_checkpoint(&p).with_context(|| format!("--resume {r}"))?;
             return Ok(Some(ResumePoint { dir: p, state }));

@@ -75,7 +75,6 @@ pub(super) fn run_config(
     opts: &mut TrainOptions,
     dist: &Dist,
     start_state: Option<&TrainState>,
-    threads: usize,
 ) -> Result<RunConfig> {
     let cfg = match start_state {
         Some(st) => {
@@ -96,7 +95,6 @@ pub(super) fn run_config(
                 dist.is_root(),
             )?;
             opts.shuffle = resume::shuffle(st.shuffle, opts.shuffle)?;
-            resume::check_threads(st.threads, threads, dist.is_root());
             cfg
         }
         None => {
@@ -299,16 +297,7 @@ pub(super) fn loaders<B: Backend>(
         data.ranks,
         start_state.map(|s| &s.cursor),
     )?;
-    let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
-    val_loader.vocab_size = m.vocab_size as u32;
-    val_loader.verify = lcfg.verify;
-    if let Some(v) = &opts.val_data {
-        // A `.bin` file (nanoGPT's val.bin, llm.c's) or a shard pattern named as validation
-        // data is read whole; a manifest, its `val` split.
-        if !matches!(DataSpec::parse(v), Ok(DataSpec::Manifest(_))) {
-            val_loader.split = Split::Train;
-        }
-    }
+    let val_loader = val_loader_config(opts, dist, cfg);
     let val_data = validation_data(opts, dist, t, &data.path, &val_loader)?;
     Ok(Loaders {
         source,
@@ -316,6 +305,24 @@ pub(super) fn loaders<B: Backend>(
         val_loader,
         memory,
     })
+}
+
+/// How evaluations read: `B` rows per data-parallel rank, from the validation split of a
+/// manifest; a token file or shard pattern named by `--val-data` (nanoGPT's val.bin, llm.c's)
+/// is read whole.
+pub(super) fn val_loader_config(opts: &TrainOptions, dist: &Dist, cfg: &RunConfig) -> LoaderConfig {
+    let (grid, m, t) = (dist.grid, &cfg.model, &cfg.train);
+    let mut val_loader = LoaderConfig::val(t.batch_size, t.seq_len, grid.dp_rank, grid.dp);
+    val_loader.vocab_size = m.vocab_size as u32;
+    if opts.verify_data {
+        val_loader.verify = Verify::Full;
+    }
+    if let Some(v) = &opts.val_data {
+        if !matches!(DataSpec::parse(v), Ok(DataSpec::Manifest(_))) {
+            val_loader.split = Split::Train;
+        }
+    }
+    val_loader
 }
 
 /// The data evaluations read, checked now: `--val-data` (always checked when given), else the

@@ -33,7 +33,7 @@ use crate::checkpoint;
 use crate::checkpoint::sharded::{self, Kind};
 use crate::config::{Precision, RunConfig};
 use crate::metrics::cost::Slice;
-use crate::metrics::jsonl::{MetricsWriter, StepRecord};
+use crate::metrics::jsonl::{EvalRecord, MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::ops::trainer;
 use crate::metrics::progress::{Progress, StepLine};
@@ -106,6 +106,9 @@ pub struct Trainer<'d, B: Backend> {
     /// What evaluations read; `None`: no evaluation (decided and warned about at start).
     val_data: Option<String>,
     val_loader: LoaderConfig,
+    /// Tokens per byte of text of the training and validation data, for bits per byte.
+    train_tokens_per_byte: Option<f64>,
+    val_tokens_per_byte: Option<f64>,
     model: Box<dyn Model<B>>,
     /// This rank's stage of the pipeline (the whole model with `--pp 1`) and its schedule.
     pipeline: Pipeline,
@@ -147,7 +150,10 @@ impl<'d, B: Backend> Trainer<'d, B> {
         );
         let output = setup::output(&opts, dist)?;
         let start_state = output.start_state.as_ref();
-        let cfg = setup::run_config(&mut opts, dist, start_state, threads)?;
+        let cfg = setup::run_config(&mut opts, dist, start_state)?;
+        if let Some(st) = start_state {
+            super::resume::check_threads(st.threads, threads, dist.is_root());
+        }
         setup::check_step_options(&opts, &cfg.train)?;
         dist.make_grid(opts.tp, opts.pp, &cfg.model)?;
         let dist: &'d Dist = dist;
@@ -197,12 +203,18 @@ impl<'d, B: Backend> Trainer<'d, B> {
             last_loss: f32::NAN,
             ..Default::default()
         };
+        let train_tokens_per_byte = data::tokens_per_byte(&data.path, fugu_io::Split::Train);
         let mut trainer = Trainer {
             _run_lock: output.run_lock,
             tokenizer: data.tokenizer,
             dist,
             out: output.out,
             data: data.path,
+            train_tokens_per_byte,
+            val_tokens_per_byte: loaders
+                .val_data
+                .as_deref()
+                .and_then(|v| data::tokens_per_byte(v, loaders.val_loader.split)),
             val_data: loaders.val_data,
             val_loader: loaders.val_loader,
             sync: parts.sync,
@@ -449,6 +461,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 tflops_per_process: flops / 1e12,
                 peak_pct: pct,
                 timers: timer_map,
+                bpb: data::bits_per_byte(r.loss as f64, self.train_tokens_per_byte),
                 ..Default::default()
             };
             if let Some(st) = stats {
@@ -494,22 +507,25 @@ impl<'d, B: Backend> Trainer<'d, B> {
         // Not part of any step: timed apart, with the op timers paused.
         let t0 = Instant::now();
         let _paused = self.timers.pause();
-        let (model, timers) = (&mut *self.model, &self.timers);
-        // In micro-batches too (the activations are sized for one), through the pipeline.
-        let micro = self.opts.micro_batches;
-        let rows = t.batch_size / micro;
-        let (pipeline, dist) = (&mut self.pipeline, self.dist);
-        let v = data::eval_loss(val_data, &self.val_loader, self.opts.eval_batches, |w| {
-            model.set_batches(w, micro, rows, t.seq_len)?;
-            let sum = pipeline.forward_only(model, micro, timers);
-            Ok((last_stage_sum(dist, sum) / micro as f64) as f32)
-        })?;
-        let v = self.dist.dp_mean(v);
+        let v = validation_loss(
+            &mut *self.model,
+            &mut self.pipeline,
+            self.dist,
+            &self.timers,
+            (val_data, &self.val_loader, self.opts.eval_batches),
+            (self.opts.micro_batches, t.batch_size, t.seq_len),
+        )?;
+        let bpb = data::bits_per_byte(v, self.val_tokens_per_byte);
         if let Some(w) = self.metrics.as_mut() {
-            w.eval(done, v)?;
+            w.eval(&EvalRecord {
+                step: done,
+                val_loss: v,
+                val_bpb: bpb,
+            })?;
         }
+        let bits = bpb.map_or(String::new(), |b| format!(" ({b:.4} bits/byte)"));
         self.progress
-            .message(&format!("step {done}: val_loss {v:.4}"));
+            .message(&format!("step {done}: val_loss {v:.4}{bits}"));
         self.totals.last_val = Some(v);
         self.totals.add_outside("eval", t0);
         Ok(())
@@ -924,6 +940,27 @@ impl<'d, B: Backend> Trainer<'d, B> {
 
 /// A value only the last pipeline stage computes (the loss), on every stage: summed over the
 /// pipeline, the other stages adding 0. With one stage, `x` itself.
+/// The mean loss over the first `batches` batches of `val_data` (read with `loader`), averaged
+/// over data-parallel ranks: each batch run as `micro` micro-batches of `batch_size / micro`
+/// rows of `seq_len` (the activations are sized for one) through the pipeline's forward pass.
+/// What `fugu train` logs as `val_loss` and `fugu eval` prints.
+pub(super) fn validation_loss<B: Backend>(
+    model: &mut dyn Model<B>,
+    pipeline: &mut Pipeline,
+    dist: &Dist,
+    timers: &Timers,
+    (val_data, loader, batches): (&str, &LoaderConfig, usize),
+    (micro, batch_size, seq_len): (usize, usize, usize),
+) -> Result<f64> {
+    let rows = batch_size / micro;
+    let v = data::eval_loss(val_data, loader, batches, |w| {
+        model.set_batches(w, micro, rows, seq_len)?;
+        let sum = pipeline.forward_only(model, micro, timers);
+        Ok((last_stage_sum(dist, sum) / micro as f64) as f32)
+    })?;
+    Ok(dist.dp_mean(v))
+}
+
 fn last_stage_sum(dist: &Dist, x: f64) -> f64 {
     if dist.grid.pp == 1 {
         return x;
