@@ -5,7 +5,7 @@
 use crate::dtype::Dtype;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// A model family (`arch` in `[model]`): which model `crate::model::registry` builds from
 /// a [`ModelConfig`].
@@ -482,22 +482,95 @@ pub const BUILTIN: [(&str, &str); 11] = [
     ("llm-jp-3-13b", include_str!("../configs/llm-jp-3-13b.toml")),
 ];
 
+/// Puts `over`'s values into `base`: tables merged key by key, anything else replaced.
+fn merge_toml(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_toml(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// Applies one `--set SECTION.FIELD=VALUE`.
+fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
+    let Some((key, value)) = set.split_once('=') else {
+        bail!("--set {set:?}: expected SECTION.FIELD=VALUE, e.g. train.lr=3e-4");
+    };
+    let Some((section, field)) = key.trim().split_once('.') else {
+        bail!("--set {set:?}: name the section, e.g. train.{key} or model.{key}");
+    };
+    let value = value.trim();
+    let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    match table.get_mut(section) {
+        Some(toml::Value::Table(t)) => {
+            t.insert(field.to_string(), parsed);
+            Ok(())
+        }
+        _ => bail!(
+            "--set {set:?}: the config has no [{section}] section (it has [model] and [train])"
+        ),
+    }
+}
+
+/// How many `base =` links a config may follow.
+const MAX_BASE_DEPTH: usize = 8;
+
 impl RunConfig {
-    /// Parses TOML text; `origin` names the file in errors.
+    /// Parses TOML text; `origin` names the file in errors. A `base` names a built-in config
+    /// or a file (relative to the working directory) whose fields this text overrides.
     pub fn parse(text: &str, origin: &str) -> Result<RunConfig> {
-        let mut cfg: RunConfig =
-            toml::from_str(text).with_context(|| format!("invalid config {origin}"))?;
+        Self::from_table(Self::table(text, origin, Path::new("."), 0)?, origin)
+    }
+
+    fn from_table(table: toml::Table, origin: &str) -> Result<RunConfig> {
+        let mut cfg: RunConfig = toml::Value::Table(table)
+            .try_into()
+            .with_context(|| format!("invalid config {origin}"))?;
         cfg.model = cfg.model.normalized();
         Ok(cfg)
     }
 
-    /// Loads a config by path, or by built-in name (`gpt2-tiny`, `gpt2-124m`, ...).
-    pub fn load(name_or_path: &str) -> Result<RunConfig> {
-        let path = Path::new(name_or_path);
-        if path.exists() {
-            let text = std::fs::read_to_string(path)
+    /// The TOML table of `text` with its `base` chain merged under it: tables key by key, the
+    /// derived file's values winning.
+    fn table(text: &str, origin: &str, dir: &Path, depth: usize) -> Result<toml::Table> {
+        let mut table: toml::Table =
+            toml::from_str(text).with_context(|| format!("invalid config {origin}"))?;
+        let Some(base) = table.remove("base") else {
+            return Ok(table);
+        };
+        let Some(base) = base.as_str() else {
+            bail!("config {origin}: `base` must be a string (a built-in config's name or a file)");
+        };
+        if depth >= MAX_BASE_DEPTH {
+            bail!(
+                "config {origin}: `base = {base:?}` is more than {MAX_BASE_DEPTH} bases deep \
+                 (a cycle?)"
+            );
+        }
+        let (base_text, base_origin, base_dir) = Self::source(base, dir)
+            .with_context(|| format!("config {origin}: `base = {base:?}`"))?;
+        let mut merged = Self::table(&base_text, &base_origin, &base_dir, depth + 1)?;
+        merge_toml(&mut merged, table);
+        Ok(merged)
+    }
+
+    /// The text of a config by path (relative to `dir`) or built-in name, with the name errors
+    /// use and the folder its own `base` is relative to.
+    fn source(name_or_path: &str, dir: &Path) -> Result<(String, String, PathBuf)> {
+        let path = dir.join(name_or_path);
+        if path.is_file() {
+            let text = std::fs::read_to_string(&path)
                 .with_context(|| format!("reading config {}", path.display()))?;
-            return Self::parse(&text, &path.display().to_string());
+            let parent = path
+                .parent()
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+            return Ok((text, path.display().to_string(), parent));
         }
         let stem = name_or_path.trim_end_matches(".toml");
         let stem = Path::new(stem)
@@ -505,7 +578,7 @@ impl RunConfig {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
         match BUILTIN.iter().find(|(n, _)| *n == stem) {
-            Some((n, text)) => Self::parse(text, &format!("(built-in {n})")),
+            Some((n, text)) => Ok((text.to_string(), format!("(built-in {n})"), dir.into())),
             None => bail!(
                 "config {name_or_path:?} is neither a file nor a built-in config ({})",
                 BUILTIN
@@ -515,6 +588,23 @@ impl RunConfig {
                     .join(", ")
             ),
         }
+    }
+
+    /// Loads a config by path, or by built-in name (`gpt2-tiny`, `gpt2-124m`, ...).
+    pub fn load(name_or_path: &str) -> Result<RunConfig> {
+        Self::load_with(name_or_path, &[])
+    }
+
+    /// [`Self::load`], then `sets`: `SECTION.FIELD=VALUE` overrides (`train.lr=3e-4`,
+    /// `model.n_layer=4`, `train.lr_schedule=cosine`), the value read as TOML (a bare word as
+    /// a string). An unknown section or field is refused by name.
+    pub fn load_with(name_or_path: &str, sets: &[String]) -> Result<RunConfig> {
+        let (text, origin, dir) = Self::source(name_or_path, Path::new("."))?;
+        let mut table = Self::table(&text, &origin, &dir, 0)?;
+        for set in sets {
+            apply_set(&mut table, set)?;
+        }
+        Self::from_table(table, &origin)
     }
 
     /// Checks consistency; the error names the field and the expectation.
@@ -569,6 +659,56 @@ impl RunConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_states_what_differs_from_its_base_and_set_overrides_fields() {
+        let dir = std::env::temp_dir().join(format!("fugu-config-base-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        // A built-in base, then a file base (relative to the file naming it), then --set.
+        std::fs::write(
+            dir.join("sub/mid.toml"),
+            "base = \"gpt2-124m\"\n[train]\nlr = 1e-4\nsteps = 50\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("top.toml"),
+            "base = \"sub/mid.toml\"\n[model]\nn_layer = 4\n[train]\nsteps = 70\n",
+        )
+        .unwrap();
+        let top = dir.join("top.toml");
+        let c = RunConfig::load(top.to_str().unwrap()).unwrap();
+        let base = RunConfig::load("gpt2-124m").unwrap();
+        assert_eq!((c.model.n_layer, c.model.n_embd), (4, base.model.n_embd));
+        assert_eq!((c.train.lr, c.train.steps), (1e-4, 70));
+        assert_eq!(c.train.batch_size, base.train.batch_size);
+        let sets = [
+            "train.lr=3e-4",
+            "train.lr_schedule=constant",
+            "model.n_layer = 2",
+        ]
+        .map(String::from);
+        let c = RunConfig::load_with(top.to_str().unwrap(), &sets).unwrap();
+        assert_eq!((c.train.lr, c.model.n_layer), (3e-4, 2));
+        assert_eq!(c.train.lr_schedule, LrSchedule::Constant);
+        // Refusals name the problem.
+        for (set, want) in [
+            ("train.lrr=1", "lrr"),
+            ("lr=1", "name the section"),
+            ("optim.lr=1", "no [optim] section"),
+            ("train.lr", "SECTION.FIELD=VALUE"),
+            ("train.steps=many", "steps"),
+        ] {
+            let e = RunConfig::load_with(top.to_str().unwrap(), &[set.to_string()]).unwrap_err();
+            assert!(format!("{e:#}").contains(want), "{set}: {e:#}");
+        }
+        std::fs::write(dir.join("loop.toml"), "base = \"loop.toml\"\n").unwrap();
+        let e = RunConfig::load(dir.join("loop.toml").to_str().unwrap()).unwrap_err();
+        assert!(format!("{e:#}").contains("a cycle?"), "{e:#}");
+        std::fs::write(dir.join("nobase.toml"), "base = \"nothing-like-it\"\n").unwrap();
+        let e = RunConfig::load(dir.join("nobase.toml").to_str().unwrap()).unwrap_err();
+        assert!(format!("{e:#}").contains("nothing-like-it"), "{e:#}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn builtins_parse_and_validate() {

@@ -1740,6 +1740,55 @@ fn eval_reproduces_the_runs_evaluations_and_scores_choices() {
         );
         assert!((r["perplexity"].as_f64().unwrap() - logged.exp()).abs() < 1e-9 * logged.exp());
     }
+    // The same scalars as TensorBoard event files, read back here and by TensorBoard itself.
+    let events: Vec<PathBuf> = std::fs::read_dir(dir.join("r"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("tfevents"))
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let scalars = fugu::metrics::tensorboard::read_scalars(&events[0]).unwrap();
+    let val: Vec<(u64, f32)> = scalars
+        .iter()
+        .flat_map(|(step, v)| v.iter().filter(|x| x.0 == "val/loss").map(|x| (*step, x.1)))
+        .collect();
+    assert_eq!(val, vec![(2, evals[0].1 as f32), (4, evals[1].1 as f32)]);
+    let train_steps: Vec<u64> = scalars
+        .iter()
+        .filter(|(_, v)| v.iter().any(|x| x.0 == "train/loss"))
+        .map(|x| x.0)
+        .collect();
+    assert_eq!(train_steps, vec![1, 2, 3, 4]);
+    let python = std::env::var("FUGU_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = |module: &str| {
+        Command::new(&python)
+            .args(["-c", &format!("import {module}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let dev = |script: &str| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("dev")
+            .join(script)
+    };
+    if has("tensorboard") {
+        let o = Command::new(&python)
+            .arg(dev("check_tensorboard.py"))
+            .arg("r")
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    } else {
+        common::skipped(&format!(
+            "reading the event files with TensorBoard: no tensorboard in {python} (FUGU_PYTHON)"
+        ));
+    }
     // A token file named as the data is read whole; it counts no text bytes.
     let bin: Vec<u8> = (0..8000u32)
         .flat_map(|i| ((i * 7919 % 50000) as u16).to_le_bytes())
@@ -1813,15 +1862,9 @@ fn eval_reproduces_the_runs_evaluations_and_scores_choices() {
     let means = s["mean_losses"].as_array().unwrap();
     assert!(means.iter().all(|m| m.as_array().unwrap().len() == 3));
     std::fs::write(dir.join("choices.json"), &o.stdout).unwrap();
-    let python = std::env::var("FUGU_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_torch = Command::new(&python)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if has_torch {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("dev/check_choices.py");
+    if has("torch, transformers") {
         let o = Command::new(&python)
-            .arg(script)
+            .arg(dev("check_choices.py"))
             .args(["r/ckpt-00000004", "q.jsonl", "choices.json"])
             .current_dir(dir)
             .output()

@@ -24,6 +24,22 @@ pub enum PeakSource {
     Given,
 }
 
+/// What users read (`metrics.jsonl`'s and `fugu bench gemm`'s `peak_source`, reports):
+/// `measured (avx2 FMA loop)`, `cached (avx512 FMA loop, an earlier run)`,
+/// `measured (bf16 avx512 loop)`, `given`.
+impl std::fmt::Display for PeakSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeakSource::Measured { isa } => write!(f, "measured ({isa} FMA loop)"),
+            PeakSource::Cached { isa } => write!(f, "cached ({isa} FMA loop, an earlier run)"),
+            PeakSource::MeasuredNative { isa, prec } => {
+                write!(f, "measured ({} {isa} loop)", prec.name())
+            }
+            PeakSource::Given => f.write_str("given"),
+        }
+    }
+}
+
 /// An FP32 peak for a number of threads.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Peak {

@@ -587,7 +587,7 @@ pub fn run_shape(
         rt.kernel_at(prec).isa.to_string(),
         (rt.threads(), rt.topology().domains.len()),
         &times[0],
-        (peak.total_gflops(), format!("{:?}", peak.source)),
+        (peak.total_gflops(), peak.source.to_string()),
         "matrixmultiply",
     );
     row.dtype = prec.name().into();

@@ -60,6 +60,23 @@ pub fn read_hf_config(dir: &Path) -> Result<ModelConfig> {
     parse_hf_config(&text, &path)
 }
 
+/// The dropout probabilities `dir/config.json` sets above zero (`resid_pdrop`, `embd_pdrop`,
+/// `attn_pdrop`, `attention_dropout`, `hidden_dropout`, ...): fugu trains without dropout, so a
+/// run starting from such a model says so instead of dropping them in silence.
+pub fn dropout_settings(dir: &Path) -> Vec<(String, f64)> {
+    let Ok(text) = fs::read_to_string(dir.join(CONFIG_FILE)) else {
+        return Vec::new();
+    };
+    let Ok(Value::Object(obj)) = serde_json::from_str::<Value>(&text) else {
+        return Vec::new();
+    };
+    obj.iter()
+        .filter(|(k, _)| k.ends_with("pdrop") || k.ends_with("dropout"))
+        .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+        .filter(|(_, p)| *p > 0.0)
+        .collect()
+}
+
 fn parse_hf_config(text: &str, path: &Path) -> Result<ModelConfig> {
     let p = path.display();
     let v: Value = serde_json::from_str(text).map_err(|e| anyhow!("{p}: invalid JSON: {e}"))?;

@@ -25,8 +25,8 @@ pub mod st;
 mod testutil;
 
 pub use hf::{
-    hf_config_json, load_hf, load_model, read_hf_config, save_model, write_model_config, HfModel,
-    CONFIG_FILE, MODEL_FILE,
+    dropout_settings, hf_config_json, load_hf, load_model, read_hf_config, save_model,
+    write_model_config, HfModel, CONFIG_FILE, MODEL_FILE,
 };
 pub use optim::{load_optimizer, save_optimizer, save_table_tensors, OPTIMIZER_FILE};
 pub use st::Dtype;

@@ -267,8 +267,15 @@ pub fn run(args: PredictArgs) -> Result<()> {
         }
     );
     print!("{}", format_table(&out));
+    println!("{TABLE_UNITS}");
     Ok(())
 }
+
+/// What the table's columns measure, printed under it.
+pub const TABLE_UNITS: &str = "# units: step ms and its parts (compute, tp comm, dp comm, pp = \
+pipeline bubble and transfers, optim) in milliseconds per step; tokens/s for the whole job; \
+TF/node = TFLOP/s per node (model FLOPs); %peak of the FP32 peak; GiB/rank = memory per rank; \
+fits = within the node's memory";
 
 /// The prediction table: one line per node count, the step's parts in ms.
 pub fn format_table(rows: &[Prediction]) -> String {

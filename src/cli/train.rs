@@ -5,7 +5,7 @@ use crate::config::{RunConfig, TrainOverrides};
 use crate::metrics::timers::TimerLevel;
 use crate::train::dist::Dist;
 use crate::train::{self, ExitError, TrainOptions};
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -63,6 +63,10 @@ pub struct TrainArgs {
     pub out: Option<PathBuf>,
     #[command(flatten)]
     pub overrides: TrainOverrides,
+    /// Override one field of the config: SECTION.FIELD=VALUE (train.lr=3e-4,
+    /// model.n_layer=4); repeatable. The flags above win over it.
+    #[arg(long = "set", value_name = "SECTION.FIELD=VALUE")]
+    pub set: Vec<String>,
     /// Validation batches per evaluation.
     #[arg(long, default_value_t = 8)]
     pub eval_batches: usize,
@@ -150,8 +154,29 @@ impl TrainArgs {
     /// Converts to the trainer's options.
     pub fn options(&self) -> Result<TrainOptions> {
         crate::metrics::machine::check_peak_settings()?;
+        if !self.set.is_empty() && self.resume.is_some() {
+            bail!(
+                "--set: a resumed run keeps its settings; the flags of the fields that may \
+                 change (--steps, --eval-every, --ckpt-every) do that"
+            );
+        }
+        if let (Some(dir), None) = (&self.init_from, &self.config) {
+            if let Some(s) = self
+                .set
+                .iter()
+                .find(|s| s.trim_start().starts_with("model."))
+            {
+                bail!(
+                    "--set {s}: with --init-from {} and no --config the model's shape comes \
+                     from its config.json",
+                    dir.display()
+                );
+            }
+        }
+        let config = self.config.as_deref().unwrap_or(DEFAULT_CONFIG);
         Ok(TrainOptions {
-            config: RunConfig::load(self.config.as_deref().unwrap_or(DEFAULT_CONFIG))?,
+            config: RunConfig::load_with(config, &self.set)
+                .with_context(|| format!("--config {config}"))?,
             config_name: self.config_name(),
             config_given: self.config.is_some(),
             overrides: self.overrides.clone(),

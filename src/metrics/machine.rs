@@ -36,7 +36,7 @@ pub struct MachineInfo {
     /// FP32 peak of `threads` cores, GFLOP/s (what `peak_pct` divides by).
     pub peak_gflops: f64,
     /// How the peak was obtained, as in `fugu bench gemm`'s `peak_source` column
-    /// (`Measured { isa: Avx2 }` or `Given`).
+    /// (`measured (avx2 FMA loop)` or `given`).
     pub peak_source: String,
     /// The sentence `fugu bench gemm` prints (`peak 96.0 GFLOP/s = 2 cores x ...`).
     pub peak_description: String,
@@ -172,7 +172,7 @@ impl MachineInfo {
             pinned: topology.pin,
             peak_gflops_per_core: peak.per_core_gflops,
             peak_gflops: peak.total_gflops(),
-            peak_source: format!("{:?}", peak.source),
+            peak_source: peak.source.to_string(),
             peak_description: peak.describe(),
             gemm_kernels,
         }
@@ -337,7 +337,7 @@ mod tests {
         assert_eq!(m.layout, "2x3");
         assert_eq!(m.peak_gflops, 75.0);
         assert_eq!(m.peak_gflops_per_core, 12.5);
-        assert_eq!(m.peak_source, "Given");
+        assert_eq!(m.peak_source, "given");
         assert_eq!(m.peak_description, peak.describe());
         assert_eq!(m.isa, "portable");
         assert!(m.logical_cpus >= 1);

@@ -2,8 +2,9 @@
 //! ([`timers`]), what ops cost ([`cost`], declared by each model), Megatron's FLOPs formula
 //! ([`flops`]), the machine and its FP32 peak ([`machine`], the same
 //! figure `fugu bench gemm` reports against; measured once per machine and cached by
-//! [`peak_cache`]), its memory bandwidth ([`bandwidth`], cached the same way), `OUT/metrics.jsonl` ([`jsonl`]) and the step
-//! progress display ([`progress`]).
+//! [`peak_cache`]), its memory bandwidth ([`bandwidth`], cached the same way), `OUT/metrics.jsonl` ([`jsonl`]), the
+//! same scalars as TensorBoard event files ([`tensorboard`]) and the step progress display
+//! ([`progress`]).
 
 pub mod bandwidth;
 pub mod cost;
@@ -14,6 +15,7 @@ pub mod ops;
 pub mod peak_cache;
 pub mod prediction;
 pub mod progress;
+pub mod tensorboard;
 pub mod timers;
 
 pub use flops::megatron_flops_per_step;

@@ -342,6 +342,8 @@ pub enum LineStyle {
     Points,
     /// Dashed, no markers (ideal and peak lines).
     Dashed,
+    /// Solid, no markers (curves over many steps).
+    Solid,
 }
 
 /// One series of a [`LineChart`].
@@ -536,6 +538,11 @@ pub fn line_chart(c: &LineChart) -> Result<String> {
                         ))
                         .map_err(err)?;
                 }
+                LineStyle::Solid => {
+                    chart
+                        .draw_series(LineSeries::new(p.iter().copied(), col.stroke_width(2)))
+                        .map_err(err)?;
+                }
                 LineStyle::Markers | LineStyle::Points => {
                     if l.style == LineStyle::Markers {
                         chart
@@ -616,6 +623,13 @@ fn draw_legend_impl(
                     ))
                     .map_err(err)?;
                 }
+            }
+            Some(LineStyle::Solid) => {
+                area.draw(&PathElement::new(
+                    vec![(x, y), (x + 22, y)],
+                    col.stroke_width(2),
+                ))
+                .map_err(err)?;
             }
             Some(s) => {
                 if *s == LineStyle::Markers {

@@ -160,6 +160,7 @@ pub fn generate(opts: &ReportOptions) -> Result<ReportOutcome> {
     if !all_runs.is_empty() {
         sections.push(sections::runs_section(&all_runs));
         sections.extend(sections::loss_section(&all_runs)?);
+        sections.extend(sections::training_section(&all_runs)?);
         sections.push(sections::breakdown_section(&all_runs)?);
         sections.push(sections::roofline_section(&all_runs));
         sections.push(sections::scaling_section(&all_runs)?);

@@ -160,6 +160,8 @@ pub struct Run {
     pub steps: Vec<Step>,
     /// Validation losses `(step, loss)` by step (the last record of each step wins).
     pub evals: Vec<(u64, f64)>,
+    /// The same in bits per byte of text, for the evaluations that recorded it.
+    pub evals_bpb: Vec<(u64, f64)>,
     /// Medians over the measured (non-warm-up) steps.
     pub step_ms: f64,
     pub tokens_per_s: f64,
@@ -325,6 +327,7 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
     let mut headers = 0;
     let mut steps: BTreeMap<u64, Step> = BTreeMap::new();
     let mut evals: BTreeMap<u64, f64> = BTreeMap::new();
+    let mut evals_bpb: BTreeMap<u64, f64> = BTreeMap::new();
     let mut after_resume = false;
     for r in records {
         match r {
@@ -354,6 +357,10 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
             }
             Record::Eval(e) => {
                 evals.insert(e.step, e.val_loss);
+                match e.val_bpb {
+                    Some(b) => evals_bpb.insert(e.step, b),
+                    None => evals_bpb.remove(&e.step),
+                };
             }
             _ => {}
         }
@@ -437,7 +444,7 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
         cpu_model: s(&m["cpu_model"]),
         isa: s(&m["isa"]),
         peak_gflops: m["peak_gflops"].as_f64().filter(|p| *p > 0.0),
-        peak_source: s(&m["peak_source"]),
+        peak_source: human_peak_source(&s(&m["peak_source"])),
     };
     let config_name = h["config_name"]
         .as_str()
@@ -467,9 +474,33 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
         rates: OpRates::default(),
         steps,
         evals: evals.into_iter().collect(),
+        evals_bpb: evals_bpb.into_iter().collect(),
         bad_lines,
         notes,
     })
+}
+
+/// The peak's source in words: runs before fugu wrote words recorded Rust's debug text
+/// (`Measured { isa: Avx2 }`, `MeasuredNative { isa: Avx512, prec: Bf16 }`, `Given`).
+fn human_peak_source(s: &str) -> String {
+    let field = |name: &str| {
+        s.split(&format!("{name}: "))
+            .nth(1)
+            .and_then(|r| r.split([',', ' ', '}']).next())
+            .map(str::to_lowercase)
+            .unwrap_or_default()
+    };
+    if s == "Given" {
+        "given".into()
+    } else if s.starts_with("Measured {") {
+        format!("measured ({} FMA loop)", field("isa"))
+    } else if s.starts_with("Cached {") {
+        format!("cached ({} FMA loop, an earlier run)", field("isa"))
+    } else if s.starts_with("MeasuredNative {") {
+        format!("measured ({} {} loop)", field("prec"), field("isa"))
+    } else {
+        s.to_string()
+    }
 }
 
 fn u(v: &Value) -> Option<u64> {
@@ -907,6 +938,25 @@ mod tests {
             r.notes
         );
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn peak_sources_read_as_words_also_from_older_runs() {
+        for (old, words) in [
+            ("Measured { isa: Avx2 }", "measured (avx2 FMA loop)"),
+            (
+                "Cached { isa: Avx512 }",
+                "cached (avx512 FMA loop, an earlier run)",
+            ),
+            (
+                "MeasuredNative { isa: Avx512, prec: Bf16 }",
+                "measured (bf16 avx512 loop)",
+            ),
+            ("Given", "given"),
+            ("measured (sve FMA loop)", "measured (sve FMA loop)"),
+        ] {
+            assert_eq!(human_peak_source(old), words);
+        }
     }
 
     #[test]

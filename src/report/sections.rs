@@ -5,7 +5,7 @@ use super::breakdown::{Category, OpBreakdown};
 use super::charts::{self, Axis, BarChart, Line, LineChart, LineStyle, Rgb, Stack};
 use super::gemm::GemmRow;
 use super::inputs::Skipped;
-use super::runs::{median, Run};
+use super::runs::{median, Run, Step};
 use super::scaling::{find_series, Kind, ScalingInput, Series};
 use super::table::{Cell, Table};
 use anyhow::Result;
@@ -161,14 +161,29 @@ pub fn runs_section(runs: &[Run]) -> Section {
 
 /// Validation loss against step for every run that evaluated, and each run's largest relative
 /// deviation from a reference run with the same evaluation steps (the first fp32 run, else the
-/// first run): how precision, parallel layout or kernel changes move the curve. `None` when no
-/// run has evaluations.
+/// first run): how precision, parallel layout or kernel changes move the curve. In bits per
+/// byte of text when every run recorded it (comparable across tokenizers), else in nats per
+/// token, compared only between runs of one vocabulary. `None` when no run has evaluations.
 pub fn loss_section(runs: &[Run]) -> Result<Option<Section>> {
     let with: Vec<&Run> = runs.iter().filter(|r| !r.evals.is_empty()).collect();
     if with.is_empty() {
         return Ok(None);
     }
-    let steps_of = |r: &Run| r.evals.iter().map(|e| e.0).collect::<Vec<_>>();
+    let bpb = with.iter().all(|r| r.evals_bpb.len() == r.evals.len());
+    let series = |r: &Run| -> Vec<(u64, f64)> {
+        if bpb {
+            r.evals_bpb.clone()
+        } else {
+            r.evals.clone()
+        }
+    };
+    let unit = if bpb {
+        "bits per byte"
+    } else {
+        "nats per token"
+    };
+    let vocab = |r: &Run| r.model.as_ref().map(|m| m.vocab_size);
+    let steps_of = |r: &Run| series(r).iter().map(|e| e.0).collect::<Vec<_>>();
     let reference = with
         .iter()
         .find(|r| r.precision == "fp32")
@@ -180,13 +195,13 @@ pub fn loss_section(runs: &[Run]) -> Result<Option<Section>> {
             label: format!("{} ({})", r.name, r.precision),
             color: pal(i),
             style: LineStyle::Markers,
-            points: r.evals.iter().map(|&(s, l)| (s as f64, l)).collect(),
+            points: series(r).iter().map(|&(s, l)| (s as f64, l)).collect(),
         })
         .collect();
     let svg = charts::line_chart(&LineChart {
-        title: "Validation loss".into(),
+        title: format!("Validation loss ({unit})"),
         x: Axis::linear("step", true),
-        y: Axis::linear("validation loss", false),
+        y: Axis::linear(&format!("validation loss ({unit})"), false),
         lines,
         legend_notes: vec![],
     })?;
@@ -196,35 +211,44 @@ pub fn loss_section(runs: &[Run]) -> Result<Option<Section>> {
             "run",
             "precision",
             "evaluations",
-            "first val loss",
-            "last val loss",
+            &format!("first val loss ({unit})"),
+            &format!("last val loss ({unit})"),
             "max |Δ| vs reference (%)",
         ],
     );
     for r in &with {
-        let dev = (steps_of(r) == steps_of(reference)).then(|| {
-            r.evals
-                .iter()
-                .zip(&reference.evals)
+        let comparable =
+            steps_of(r) == steps_of(reference) && (bpb || vocab(r) == vocab(reference));
+        let (mine, theirs) = (series(r), series(reference));
+        let dev = comparable.then(|| {
+            mine.iter()
+                .zip(&theirs)
                 .map(|(a, b)| 100.0 * ((a.1 - b.1) / b.1).abs())
                 .fold(0.0f64, f64::max)
         });
         t.push(vec![
             Cell::text(&r.name),
             Cell::text(&r.precision),
-            Cell::int(r.evals.len()),
-            Cell::num(r.evals[0].1, 4),
-            Cell::num(r.evals[r.evals.len() - 1].1, 4),
+            Cell::int(mine.len()),
+            Cell::num(mine[0].1, 4),
+            Cell::num(mine[mine.len() - 1].1, 4),
             Cell::opt(dev, 3),
         ]);
     }
+    let basis = if bpb {
+        "Losses are in bits per byte of validation text (loss / ln 2 × tokens / text bytes), \
+         comparable between tokenizers."
+    } else {
+        "Losses are in nats per token (not every run recorded bits per byte), compared only \
+         between runs of one vocabulary size."
+    };
     Ok(Some(Section {
         title: "Loss curves".into(),
         items: vec![
             chart(
                 "loss.svg",
                 svg,
-                "validation loss against step, one line per run",
+                &format!("validation loss ({unit}) against step, one line per run"),
                 "One line per run that evaluated (`eval_every`); lower is better. Runs of the \
                  same model and data should overlay; a gap is what a change of precision or \
                  layout costs.",
@@ -233,9 +257,79 @@ pub fn loss_section(runs: &[Run]) -> Result<Option<Section>> {
                 t,
                 &format!(
                     "Reference: {} ({}). The deviation is the largest relative difference of \
-                     validation loss at the same step; empty when a run evaluated at other steps.",
+                     validation loss at the same step; empty when a run evaluated at other \
+                     steps or cannot be compared. {basis}",
                     reference.name, reference.precision
                 ),
+            ),
+        ],
+    }))
+}
+
+/// Training loss and learning rate against step, one line per run (every logged step).
+pub fn training_section(runs: &[Run]) -> Result<Option<Section>> {
+    let with: Vec<&Run> = runs.iter().filter(|r| !r.steps.is_empty()).collect();
+    if with.is_empty() {
+        return Ok(None);
+    }
+    let bpb = with
+        .iter()
+        .all(|r| r.steps.iter().all(|s| s.rec.bpb.is_some()));
+    let unit = if bpb {
+        "bits per byte"
+    } else {
+        "nats per token"
+    };
+    let chart_of = |title: String, y: &str, value: &dyn Fn(&Step) -> f64| {
+        let lines = with
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Line {
+                label: format!("{} ({})", r.name, r.precision),
+                color: pal(i),
+                style: LineStyle::Solid,
+                points: r
+                    .steps
+                    .iter()
+                    .map(|s| (s.rec.step as f64, value(s)))
+                    .filter(|p| p.1.is_finite())
+                    .collect(),
+            })
+            .collect();
+        charts::line_chart(&LineChart {
+            title,
+            x: Axis::linear("step", true),
+            y: Axis::linear(y, false),
+            lines,
+            legend_notes: vec![],
+        })
+    };
+    let loss = chart_of(
+        format!("Training loss ({unit})"),
+        &format!("training loss ({unit})"),
+        &|s| {
+            if bpb {
+                s.rec.bpb.unwrap_or(f64::NAN)
+            } else {
+                s.rec.loss
+            }
+        },
+    )?;
+    let lr = chart_of("Learning rate".into(), "learning rate", &|s| s.rec.lr)?;
+    Ok(Some(Section {
+        title: "Training curves".into(),
+        items: vec![
+            chart(
+                "train-loss.svg",
+                loss,
+                &format!("training loss ({unit}) against step, one line per run"),
+                "Each logged step's loss on its own batch (noisier than the validation loss).",
+            ),
+            chart(
+                "lr.svg",
+                lr,
+                "learning rate against step, one line per run",
+                "The schedule each step used (warmup, then cosine or constant).",
             ),
         ],
     }))

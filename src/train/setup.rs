@@ -116,10 +116,30 @@ pub(super) fn run_config(
                     }
                 }
             }
+            if let (Some(dir), true) = (&opts.init_from, dist.is_root()) {
+                let dropout = checkpoint::dropout_settings(dir);
+                if !dropout.is_empty() {
+                    let list: Vec<String> =
+                        dropout.iter().map(|(k, p)| format!("{k} = {p}")).collect();
+                    eprintln!(
+                        "warning: --init-from {}: its config.json sets dropout ({}); fugu \
+                         trains without dropout, so this run uses none",
+                        dir.display(),
+                        list.join(", ")
+                    );
+                }
+            }
             RunConfig { model, train }
         }
     };
     cfg.validate()?;
+    if dist.is_root() && start_state.is_none() && cfg.train.warmup_steps >= cfg.train.steps {
+        eprintln!(
+            "warning: train.warmup_steps = {} is not below train.steps = {}: the learning rate \
+             never reaches train.lr = {}",
+            cfg.train.warmup_steps, cfg.train.steps, cfg.train.lr
+        );
+    }
     Ok(cfg)
 }
 

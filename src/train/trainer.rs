@@ -37,6 +37,7 @@ use crate::metrics::jsonl::{EvalRecord, MetricsWriter, StepRecord};
 use crate::metrics::machine::{peak_rss_bytes, MachineInfo};
 use crate::metrics::ops::trainer;
 use crate::metrics::progress::{Progress, StepLine};
+use crate::metrics::tensorboard::TensorBoardWriter;
 use crate::metrics::timers::{Breakdown, OutsideStep, Roofs, TimerLevel, Timers};
 use crate::model::table::Table;
 use crate::model::{registry, Model, OptimStep, Stage};
@@ -121,6 +122,8 @@ pub struct Trainer<'d, B: Backend> {
     timers: Timers,
     /// Rank 0 only.
     metrics: Option<MetricsWriter>,
+    /// Rank 0 only: the same scalars for TensorBoard.
+    tensorboard: Option<TensorBoardWriter>,
     progress: Progress,
     watch: stop::StopWatch,
     /// The group the squared gradient norm is summed over.
@@ -222,6 +225,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             source: loaders.source,
             timers,
             metrics: None,
+            tensorboard: None,
             progress,
             watch,
             norm_comm,
@@ -481,6 +485,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 rec.comm_bytes = Some(r.comm_bytes);
             }
             w.step(&rec)?;
+            if let Some(tb) = self.tensorboard.as_mut() {
+                tb.step(&rec)?;
+            }
         }
         self.progress.update(&StepLine {
             step: r.done,
@@ -516,12 +523,16 @@ impl<'d, B: Backend> Trainer<'d, B> {
             (self.opts.micro_batches, t.batch_size, t.seq_len),
         )?;
         let bpb = data::bits_per_byte(v, self.val_tokens_per_byte);
+        let rec = EvalRecord {
+            step: done,
+            val_loss: v,
+            val_bpb: bpb,
+        };
         if let Some(w) = self.metrics.as_mut() {
-            w.eval(&EvalRecord {
-                step: done,
-                val_loss: v,
-                val_bpb: bpb,
-            })?;
+            w.eval(&rec)?;
+        }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            tb.eval(&rec)?;
         }
         let bits = bpb.map_or(String::new(), |b| format!(" ({b:.4} bits/byte)"));
         self.progress
@@ -757,6 +768,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
         };
         w.header(&self.header_json(machine, init_desc, flops_step))?;
         self.metrics = Some(w);
+        self.tensorboard = Some(TensorBoardWriter::create(&self.out)?);
         self.print_summary(machine, init_desc);
         self.print_notes();
         Ok(())
