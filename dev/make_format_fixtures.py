@@ -12,9 +12,11 @@ own Python library, into OUT (default tests/fixtures/formats):
   docs.jsonl.gz          gzip
   records.json           datasets' to_json (JSON Lines under a .json name)
   array.json             one JSON array of records
+  webdataset.tar         webdataset's TarWriter: one sample per document, its text as KEY.txt
 
-tests/io_formats.rs (`python_written_files_read_as_their_text`) reads the committed copy, and
-runs this script into a temporary folder when pyarrow, datasets and zstandard are importable.
+io/tests/io_formats.rs (`python_written_files_read_as_their_text`) reads the committed copy,
+and runs this script into a temporary folder when pyarrow, datasets, zstandard and webdataset
+are importable.
 """
 import gzip
 import json
@@ -53,6 +55,12 @@ def main(out):
         f.write(gzip.compress(lines.encode(), mtime=0))
     with open(os.path.join(out, "array.json"), "w", encoding="utf-8") as f:
         json.dump([{"text": d} for d in DOCS], f, ensure_ascii=False, indent=1)
+    import webdataset
+
+    with webdataset.TarWriter(os.path.join(out, "webdataset.tar")) as w:
+        for i, d in enumerate(DOCS):
+            w.write({"__key__": f"doc{i:04d}", "txt": d})
+
     import datasets
 
     datasets.disable_progress_bars()

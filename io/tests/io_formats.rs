@@ -2,7 +2,7 @@
 //! every one it cannot read is refused naming the file and the reason. Files come from three
 //! writers: arrow-rs/parquet/zstd/flate2 here (always), the Python libraries' own output
 //! committed in `tests/fixtures/formats` by `dev/make_format_fixtures.py` (always), and that
-//! script run afresh when pyarrow, datasets and zstandard are importable.
+//! script run afresh when pyarrow, datasets, zstandard and webdataset are importable.
 
 mod common;
 use arrow_array::{ArrayRef, Int64Array, LargeStringArray, RecordBatch, StringArray};
@@ -230,6 +230,7 @@ fn check_python_written(dir: &Path, scratch: &Path) {
         ("docs.jsonl.gz", "text"),
         ("records.json", "text"),
         ("array.json", "text"),
+        ("webdataset.tar", "text"),
     ] {
         let out = scratch.join(input.replace('/', "_"));
         let got = ids_of(dir.join(input), field, out);
@@ -261,7 +262,7 @@ fn python_written_files_read_as_their_text() {
     match ran {
         Ok(o) if o.status.success() => check_python_written(&fresh, &d.join("fresh-out")),
         Ok(o) => skipped(&format!(
-            "writing the formats afresh needs pyarrow, datasets and zstandard in {python} \
+            "writing the formats afresh needs pyarrow, datasets, zstandard and webdataset in {python} \
              (FUGU_PYTHON): {}",
             String::from_utf8_lossy(&o.stderr)
                 .lines()
