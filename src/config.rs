@@ -360,11 +360,11 @@ pub struct TrainOverrides {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub steps: Option<usize>,
     /// Peak learning rate.
-    #[arg(long)]
+    #[arg(long, value_parser = finite_f64)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
     /// Learning rate at the end of the cosine decay.
-    #[arg(long)]
+    #[arg(long, value_parser = finite_f64)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_lr: Option<f64>,
     /// Steps of linear warmup from 0 to --lr.
@@ -376,23 +376,23 @@ pub struct TrainOverrides {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr_schedule: Option<LrSchedule>,
     /// AdamW decoupled weight decay (2-D tensors only: matrices and embeddings).
-    #[arg(long)]
+    #[arg(long, value_parser = finite_f64)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<f64>,
     /// AdamW first-moment decay.
-    #[arg(long)]
+    #[arg(long, value_parser = finite_f64)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub beta1: Option<f64>,
     /// AdamW second-moment decay.
-    #[arg(long)]
+    #[arg(long, value_parser = finite_f64)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub beta2: Option<f64>,
     /// AdamW epsilon.
-    #[arg(long)]
+    #[arg(long, value_parser = finite_f64)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eps: Option<f64>,
     /// Global-norm gradient clipping (0 = off).
-    #[arg(long)]
+    #[arg(long, value_parser = finite_f64)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_clip: Option<f64>,
     /// Seed of the random init and of the data order.
@@ -412,6 +412,16 @@ pub struct TrainOverrides {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
+}
+
+/// Parses a flag's number, refusing NaN and infinities (which no setting means, and which
+/// JSON, where settings are stored, cannot hold).
+pub fn finite_f64(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number")),
+        Err(_) => Err(format!("`{s}` is not a number")),
+    }
 }
 
 impl TrainOverrides {
@@ -533,7 +543,33 @@ impl RunConfig {
             .try_into()
             .with_context(|| format!("invalid config {origin}"))?;
         cfg.model = cfg.model.normalized();
+        cfg.check_finite()
+            .with_context(|| format!("invalid config {origin}"))?;
         Ok(cfg)
+    }
+
+    /// Refuses NaN and infinite numbers, which no setting means (and which `state.json` and
+    /// the metrics header, JSON, cannot hold), naming the field.
+    fn check_finite(&self) -> Result<()> {
+        let (m, t) = (&self.model, &self.train);
+        let floats = [
+            ("model.rope_theta", m.rope_theta),
+            ("model.norm_eps", m.norm_eps),
+            ("train.lr", Some(t.lr)),
+            ("train.min_lr", Some(t.min_lr)),
+            ("train.weight_decay", Some(t.weight_decay)),
+            ("train.beta1", Some(t.beta1)),
+            ("train.beta2", Some(t.beta2)),
+            ("train.eps", Some(t.eps)),
+            ("train.grad_clip", Some(t.grad_clip)),
+        ];
+        match floats
+            .iter()
+            .find(|(_, v)| v.is_some_and(|v| !v.is_finite()))
+        {
+            Some((name, Some(v))) => bail!("{name} = {v}: expected a finite number"),
+            _ => Ok(()),
+        }
     }
 
     /// The TOML table of `text` with its `base` chain merged under it: tables key by key, the
@@ -609,9 +645,25 @@ impl RunConfig {
 
     /// Checks consistency; the error names the field and the expectation.
     pub fn validate(&self) -> Result<()> {
-        let m = &self.model;
-        let t = &self.train;
+        let (m, t) = (&self.model, &self.train);
         m.validate()?;
+        t.validate()?;
+        if t.seq_len > m.n_positions {
+            bail!(
+                "train.seq_len = {} exceeds model.n_positions = {}",
+                t.seq_len,
+                m.n_positions
+            );
+        }
+        Ok(())
+    }
+}
+
+impl TrainConfig {
+    /// The training settings' own checks (those that need no model); the error names the
+    /// field and the expectation.
+    pub fn validate(&self) -> Result<()> {
+        let t = self;
         let positive = [
             ("train.batch_size", t.batch_size),
             ("train.seq_len", t.seq_len),
@@ -621,11 +673,10 @@ impl RunConfig {
                 bail!("{name} = 0: must be at least 1");
             }
         }
-        if t.seq_len > m.n_positions {
+        if t.steps == 0 {
             bail!(
-                "train.seq_len = {} exceeds model.n_positions = {}",
-                t.seq_len,
-                m.n_positions
+                "train.steps = 0: nothing to train (`fugu eval CHECKPOINT` evaluates a model \
+                 without training it)"
             );
         }
         let checks = [

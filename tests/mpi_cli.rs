@@ -115,31 +115,33 @@ fn train(dir: &Path, np: usize, extra: &[&str]) -> Output {
 
 /// [`train`] with environment variables `env` set for every rank.
 fn train_env(dir: &Path, np: usize, extra: &[&str], env: &[(&str, &str)]) -> Output {
-    let exe = env!("CARGO_BIN_EXE_fugu");
-    let mut args: Vec<String> = vec![];
-    let mut cmd = if np == 0 {
-        Command::new(exe)
-    } else {
-        args.extend(
-            [
-                "-np",
-                &np.to_string(),
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                exe,
-            ]
-            .map(String::from),
-        );
-        Command::new("mpirun")
-    };
-    args.push("train".into());
+    let mut args: Vec<String> = vec!["train".into()];
     if !extra.contains(&"--config") {
         args.extend(["--config", "m.toml", "--data", "tok.bin"].map(String::from));
     }
     args.extend(["--no-shuffle", "--threads", "1", "--timers", "coarse"].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
-    cmd.args(&args)
+    fugu_ranks(dir, np, &args, env)
+}
+
+/// Runs `fugu ARGS` in `dir` as `np` MPI ranks (0 = no mpirun) with `env` set for every rank.
+fn fugu_ranks(dir: &Path, np: usize, args: &[String], env: &[(&str, &str)]) -> Output {
+    let exe = env!("CARGO_BIN_EXE_fugu");
+    let mut cmd = if np == 0 {
+        Command::new(exe)
+    } else {
+        let mut c = Command::new("mpirun");
+        c.args([
+            "-np",
+            &np.to_string(),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            exe,
+        ]);
+        c
+    };
+    cmd.args(args)
         .current_dir(dir)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -844,32 +846,13 @@ fn eval_on_parallel_layouts_matches_the_serial_evaluation() {
     let dir = tmp("eval");
     serial(&dir);
     let eval = |np: usize, layout: &[&str]| -> f64 {
-        let exe = env!("CARGO_BIN_EXE_fugu");
-        let mut cmd = if np == 0 {
-            Command::new(exe)
-        } else {
-            let mut c = Command::new("mpirun");
-            c.args([
-                "-np",
-                &np.to_string(),
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                exe,
-            ]);
-            c
-        };
-        let o = cmd
-            .args(["eval", "serial", "--data", "tok.bin", "--batches", "3"])
-            .args(["--threads", "1", "--format", "json"])
-            .args(layout)
-            .current_dir(&dir)
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-            .env("FUGU_PEAK_GFLOPS_PER_CORE", "100")
-            .output()
-            .expect("running fugu eval");
+        let mut args: Vec<String> = ["eval", "serial", "--data", "tok.bin", "--batches", "3"]
+            .into_iter()
+            .chain(["--threads", "1", "--format", "json"])
+            .chain(layout.iter().copied())
+            .map(String::from)
+            .collect();
+        let o = fugu_ranks(&dir, np, &args, &[]);
         ok(&o);
         let r: serde_json::Value = serde_json::from_slice(&o.stdout)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)));

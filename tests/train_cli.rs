@@ -1683,6 +1683,36 @@ fn evaluation_is_never_skipped_in_silence() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Runs `dev/SCRIPT ARGS...` (`script_and_args`) in `dir` with `$FUGU_PYTHON` (default
+/// `python3`) and asserts that it passes, when `modules` import there; else prints why `what`
+/// was skipped.
+fn dev_check(modules: &str, what: &str, script_and_args: &[&str], dir: &Path) {
+    let python = std::env::var("FUGU_PYTHON").unwrap_or_else(|_| "python3".into());
+    let importable = Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !importable {
+        common::skipped(&format!("{what}: no {modules} in {python} (FUGU_PYTHON)"));
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("dev")
+        .join(script_and_args[0]);
+    let o = Command::new(&python)
+        .arg(script)
+        .args(&script_and_args[1..])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{what}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 fn json_out(o: &Output) -> serde_json::Value {
     ok(o);
     serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
@@ -1759,36 +1789,12 @@ fn eval_reproduces_the_runs_evaluations_and_scores_choices() {
         .map(|x| x.0)
         .collect();
     assert_eq!(train_steps, vec![1, 2, 3, 4]);
-    let python = std::env::var("FUGU_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = |module: &str| {
-        Command::new(&python)
-            .args(["-c", &format!("import {module}")])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    let dev = |script: &str| {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("dev")
-            .join(script)
-    };
-    if has("tensorboard") {
-        let o = Command::new(&python)
-            .arg(dev("check_tensorboard.py"))
-            .arg("r")
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-    } else {
-        common::skipped(&format!(
-            "reading the event files with TensorBoard: no tensorboard in {python} (FUGU_PYTHON)"
-        ));
-    }
+    dev_check(
+        "tensorboard",
+        "reading the event files with TensorBoard",
+        &["check_tensorboard.py", "r"],
+        dir,
+    );
     // A token file named as the data is read whole; it counts no text bytes.
     let bin: Vec<u8> = (0..8000u32)
         .flat_map(|i| ((i * 7919 % 50000) as u16).to_le_bytes())
@@ -1862,23 +1868,181 @@ fn eval_reproduces_the_runs_evaluations_and_scores_choices() {
     let means = s["mean_losses"].as_array().unwrap();
     assert!(means.iter().all(|m| m.as_array().unwrap().len() == 3));
     std::fs::write(dir.join("choices.json"), &o.stdout).unwrap();
-    if has("torch, transformers") {
-        let o = Command::new(&python)
-            .arg(dev("check_choices.py"))
-            .args(["r/ckpt-00000004", "q.jsonl", "choices.json"])
-            .current_dir(dir)
-            .output()
-            .unwrap();
+    dev_check(
+        "torch, transformers",
+        "fugu eval --choices against transformers",
+        &[
+            "check_choices.py",
+            "r/ckpt-00000004",
+            "q.jsonl",
+            "choices.json",
+        ],
+        dir,
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Numbers no setting means, and sizes nothing can hold, are refused naming the flag or field,
+/// before the run's folder exists and without a panic; a closed pipe ends `predict` quietly.
+#[test]
+fn nonsense_numbers_are_refused_by_name_without_a_panic() {
+    let dir = tmp("nonsense");
+    std::fs::write(dir.join("small.toml"), SMALL).unwrap();
+    std::fs::write(dir.join("inf.toml"), SMALL.replace("lr = 2e-3", "lr = inf")).unwrap();
+    let cases: [(&[&str], &str); 12] = [
+        (&["--lr", "nan"], "--lr"),
+        (&["--lr", "inf"], "not a finite number"),
+        (&["--min-lr=-inf"], "--min-lr"),
+        (&["--beta2", "NaN"], "--beta2"),
+        (&["--bucket-mb", "0"], "--bucket-mb"),
+        (&["--bucket-mb", "nan"], "--bucket-mb"),
+        (&["--deadline-margin", "nan"], "--deadline-margin"),
+        (
+            &["--deadline-margin=-1"],
+            "expected a number of seconds >= 0",
+        ),
+        (&["--steps", "0"], "train.steps = 0: nothing to train"),
+        (
+            &["--set", "train.lr=nan"],
+            "train.lr = NaN: expected a finite number",
+        ),
+        (&["--set", "train.lrr=1"], "lrr"),
+        (&["--config", "inf.toml"], "train.lr = inf"),
+    ];
+    for (extra, want) in cases {
+        let mut a = vec!["train", "--out", "never"];
+        if !extra.contains(&"--config") {
+            a.extend(["--config", "small.toml"]);
+        }
+        a.extend_from_slice(extra);
+        let o = fugu(&a, &dir);
+        let err = String::from_utf8_lossy(&o.stderr);
         assert!(
-            o.status.success(),
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
+            !o.status.success() && err.contains(want) && !err.contains("panicked"),
+            "{extra:?}: {err}"
         );
-    } else {
-        common::skipped(&format!(
-            "fugu eval --choices against transformers: no torch/transformers in {python} (FUGU_PYTHON)"
-        ));
+        assert!(!dir.join("never").exists(), "{extra:?} created --out");
     }
+    let o = fugu(
+        &["bench", "gemm", "--shape", "18446744073709551615x2x2"],
+        &dir,
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("smaller shape") && !err.contains("panicked"),
+        "{err}"
+    );
+    // `| true`: the reader is gone before the first write.
+    let profile = Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles/fugaku.toml");
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "{} predict --config gpt2-124m --profile {} --nodes 1,2,4,8 --format json | true",
+            env!("CARGO_BIN_EXE_fugu"),
+            profile.display()
+        ))
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run follows its data: checkpoints name it by absolute path, so a resume from another
+/// folder finds it; a moved dataset is found again with --data (the loader checks it is the
+/// same one) and another dataset is refused; a new run in a folder whose earlier run left only
+/// metrics appends to them after a `restarted` event instead of emptying them.
+#[test]
+fn a_resumed_run_finds_its_data_and_metrics_are_never_emptied() {
+    let runs = SmallRuns::new("follow");
+    let dir = &runs.dir;
+    let corpus_dir = Path::new(&runs.data).parent().unwrap();
+    copy_dir(corpus_dir, &dir.join("a"));
+    let train = |cwd: &Path, extra: &[&str]| {
+        let mut a = vec!["train", "--config", "../small.toml", "--threads", "1"];
+        a.extend_from_slice(extra);
+        fugu(&a, cwd)
+    };
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    ok(&train(
+        &sub,
+        &["--data", "../a", "--out", "r", "--steps", "2"],
+    ));
+    // From the parent folder: the checkpoint's absolute path still finds the data.
+    let o = fugu(
+        &[
+            "train",
+            "--resume",
+            "sub/r",
+            "--steps",
+            "3",
+            "--threads",
+            "1",
+        ],
+        dir,
+    );
+    ok(&o);
+    // The dataset moves: the resume says where it looked and how to go on.
+    std::fs::rename(dir.join("a"), dir.join("b")).unwrap();
+    let o = fugu(&["train", "--resume", "sub/r", "--steps", "4"], dir);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("not there") && err.contains("--data"),
+        "{err}"
+    );
+    let o = fugu(
+        &[
+            "train",
+            "--resume",
+            "sub/r",
+            "--steps",
+            "4",
+            "--data",
+            "b",
+            "--threads",
+            "1",
+        ],
+        dir,
+    );
+    ok(&o);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("reading the run's data from here"));
+    // Another dataset is refused.
+    std::fs::write(
+        dir.join("other.txt"),
+        "Some other text entirely.\n".repeat(400),
+    )
+    .unwrap();
+    ok(&fugu(
+        &["prepare", "--quiet", "--out", "other", "other.txt"],
+        dir,
+    ));
+    let o = fugu(
+        &[
+            "train", "--resume", "sub/r", "--steps", "5", "--data", "other",
+        ],
+        dir,
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("is it the dataset the run was trained on"),
+        "{err}"
+    );
+    // A folder with only an earlier run's metrics (killed before its first checkpoint).
+    let killed = dir.join("killed");
+    std::fs::create_dir_all(&killed).unwrap();
+    let earlier = "{\"type\":\"step\",\"step\":1,\"loss\":9.0,\"lr\":0.1,\"grad_norm\":1.0,\
+                   \"tokens\":1,\"tokens_per_s\":1.0,\"step_ms\":1.0,\"tflops_per_process\":0.0,\
+                   \"peak_pct\":0.0,\"timers\":{}}\n";
+    std::fs::write(killed.join("metrics.jsonl"), earlier).unwrap();
+    let o = runs.run(&["--out", "killed", "--steps", "1"]);
+    ok(&o);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("holds an earlier run's lines"));
+    let text = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
+    assert!(
+        text.starts_with(earlier) && text.contains("\"kind\":\"restarted\""),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -1515,6 +1515,13 @@ impl Loader {
                     cur.kind, cur.data, engine.base.kind, engine.base.data
                 )));
             }
+            if cur.window > cur.windows_per_epoch && cur.windows_per_epoch > 0 {
+                return Err(Error::Cursor(format!(
+                    "cursor position {} is beyond the {} windows per epoch the cursor itself \
+                     records (an edited state.json?)",
+                    cur.window, cur.windows_per_epoch
+                )));
+            }
             let (epoch, window) = convert_position(cur, c);
             match &mut engine.stream {
                 Stream::Shards(s) => s.seek(epoch, window)?,

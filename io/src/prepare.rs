@@ -143,7 +143,10 @@ fn dataset_tokenizer(opts: &PrepareOptions, dir: &Path) -> Result<(Box<dyn Token
                     "--train-tokenizer: the inputs hold no training document to learn from".into(),
                 ));
             }
-            Box::new(train_bpe(docs, vocab)?)
+            Box::new(train_bpe(
+                docs.into_iter().flat_map(training_pieces),
+                vocab,
+            )?)
         }
         None => {
             let tok = tokenizer_by_name(&opts.tokenizer)?;
@@ -156,6 +159,39 @@ fn dataset_tokenizer(opts: &PrepareOptions, dir: &Path) -> Result<(Box<dyn Token
     let path = dir.join(TOKENIZER_FILE);
     std::fs::write(&path, tok.hf_tokenizer_json()?).map_err(|e| Error::io(&path, "write", e))?;
     Ok((tok, TOKENIZER_FILE.into()))
+}
+
+/// Longest text handed to the BPE trainer at once: it holds working memory many times the size
+/// of each text it is given (95× for one 100 MiB line), so longer documents go in pieces.
+const TRAINING_PIECE_BYTES: usize = 1 << 20;
+
+/// `doc` cut into pieces of at most [`TRAINING_PIECE_BYTES`], each cut at whitespace when
+/// there is some in the last 4 KiB before the limit (else at a character boundary): only the
+/// words at the cuts are counted differently.
+fn training_pieces(doc: String) -> Vec<String> {
+    if doc.len() <= TRAINING_PIECE_BYTES {
+        return vec![doc];
+    }
+    let mut pieces = Vec::new();
+    let mut rest = doc.as_str();
+    while rest.len() > TRAINING_PIECE_BYTES {
+        let mut cut = TRAINING_PIECE_BYTES;
+        while !rest.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let window = &rest[cut.saturating_sub(4096)..cut];
+        if let Some(ws) = window.rfind(char::is_whitespace) {
+            cut = cut - window.len() + ws;
+        }
+        let cut = cut.max(1);
+        let cut = (cut..=rest.len())
+            .find(|&c| rest.is_char_boundary(c))
+            .unwrap_or(rest.len());
+        pieces.push(rest[..cut].to_string());
+        rest = &rest[cut..];
+    }
+    pieces.push(rest.to_string());
+    pieces
 }
 
 /// Every input document that falls in the training split, as text (invalid UTF-8 replaced):
@@ -185,6 +221,25 @@ fn training_documents(opts: &PrepareOptions) -> Result<Vec<String>> {
         .filter(|(i, _)| val_every == 0 || *i as u64 % val_every != val_every - 1)
         .map(|(_, (_, t))| String::from_utf8_lossy(&t).into_owned())
         .collect())
+}
+
+/// Tokenisation threads: the CPUs this process may use, or fewer when asked; more than that
+/// only slows the work (and thousands exhaust the machine), so a larger count is capped with a
+/// warning. `Some(0)` is refused.
+fn worker_threads(asked: Option<usize>) -> Result<usize> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match asked {
+        None => Ok(cpus),
+        Some(0) => Err(Error::Config("--threads 0: expected at least 1".into())),
+        Some(n) if n > cpus => {
+            eprintln!(
+                "warning: --threads {n} is more than the {cpus} CPUs this process may use; \
+                 using {cpus}"
+            );
+            Ok(cpus)
+        }
+        Some(n) => Ok(n),
+    }
 }
 
 /// Every `val_every`-th document (1-based) goes to the validation split; 0: none.
@@ -250,7 +305,7 @@ fn write_dataset(
         "u32"
     };
     let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(opts.threads.unwrap_or(0))
+        .num_threads(worker_threads(opts.threads)?)
         .build()
         .map_err(|e| Error::Config(format!("thread pool: {e}")))?;
 
@@ -1236,5 +1291,31 @@ impl SplitWriter {
             text_bytes: self.text_bytes,
             shards: self.shards,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_training_documents_go_to_the_trainer_in_pieces_cut_at_whitespace() {
+        let word = "wörd ";
+        let doc = word.repeat(3 * TRAINING_PIECE_BYTES / word.len());
+        let pieces = training_pieces(doc.clone());
+        assert_eq!(pieces.concat(), doc);
+        assert!(pieces.len() >= 3);
+        for p in &pieces[1..] {
+            assert!(
+                p.len() <= TRAINING_PIECE_BYTES && p.starts_with(' '),
+                "{}",
+                &p[..8]
+            );
+        }
+        // No whitespace at all: cut at character boundaries.
+        let solid = "é".repeat(TRAINING_PIECE_BYTES);
+        let pieces = training_pieces(solid.clone());
+        assert_eq!((pieces.concat() == solid, pieces.len()), (true, 2));
+        assert_eq!(training_pieces("short".into()), vec!["short".to_string()]);
     }
 }

@@ -22,8 +22,9 @@
 //! Renames within one folder are atomic, so there is no fourth state. The
 //! parent folder is fsynced after the renames, so after a power loss the
 //! same states hold. Two `prepare` runs into the same folder at the same
-//! time are not supported: the later one's clean-up may make the earlier one
-//! fail, but never leaves a half-written `OUT`.
+//! time: the first holds an exclusive lock on `PARENT/.NAME.lock` from
+//! before its clean-up until its `Staging` is dropped, and the second is
+//! refused at once, naming the output folder.
 
 use crate::error::{Error, Result};
 use crate::manifest::MANIFEST_FORMAT;
@@ -41,6 +42,8 @@ pub(crate) struct Staging {
     dir: PathBuf,
     /// Set once the temporary folder has been renamed into place.
     committed: bool,
+    /// `.NAME.lock`, locked for as long as this staging lives (dropped last).
+    _lock: OutputLock,
 }
 
 /// Which kind of leftover a sibling of the output folder is.
@@ -75,6 +78,7 @@ impl Staging {
         };
         std::fs::create_dir_all(&parent)
             .map_err(|e| Error::io(&parent, "create output folder's parent", e))?;
+        let lock = OutputLock::take(&parent, &name, out_dir)?;
         clean_leftovers(&parent, &name, &out)?;
         check_replaceable(&out)?;
         let dir = parent.join(sibling(&name, Leftover::Tmp, std::process::id()));
@@ -85,6 +89,7 @@ impl Staging {
             name,
             dir,
             committed: false,
+            _lock: lock,
         })
     }
 
@@ -129,6 +134,58 @@ impl Drop for Staging {
         if !self.committed {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+/// The exclusive lock `PARENT/.NAME.lock` of one output folder: held from before the clean-up
+/// of leftovers until the staging ends (also when the process is killed: the kernel releases
+/// it), and its file removed then, so that nothing is left beside the dataset.
+struct OutputLock {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl OutputLock {
+    /// Takes the lock, or refuses when another process holds it. A lock file removed by its
+    /// previous holder between our open and our lock is not a lock: then it starts over.
+    fn take(parent: &Path, name: &str, out_dir: &Path) -> Result<OutputLock> {
+        use std::os::unix::fs::MetadataExt;
+        let path = parent.join(format!(".{name}.lock"));
+        loop {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .map_err(|e| Error::io(&path, "create the output folder's lock", e))?;
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(Error::Config(format!(
+                        "another `fugu prepare` is writing {} now (it holds {}); wait for it to \
+                         finish, or choose another --out",
+                        out_dir.display(),
+                        path.display()
+                    )))
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(Error::io(&path, "lock", e)),
+            }
+            let same = match (file.metadata(), std::fs::metadata(&path)) {
+                (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+                _ => false,
+            };
+            if same {
+                return Ok(OutputLock { path, file });
+            }
+        }
+    }
+}
+
+impl Drop for OutputLock {
+    fn drop(&mut self) {
+        // Removed while still held, then unlocked when `file` closes.
+        let _ = std::fs::remove_file(&self.path);
+        let _ = &self.file;
     }
 }
 

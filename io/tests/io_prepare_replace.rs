@@ -276,3 +276,25 @@ fn a_link_to_a_dataset_is_followed_and_kept() {
     assert_eq!(m, s.manifest, "the link's target holds the new dataset");
     assert_eq!(names(&parent), vec!["out"]);
 }
+
+#[test]
+fn a_second_prepare_into_the_same_folder_is_refused_while_the_first_runs() {
+    let d = tmpdir("replace_locked");
+    let out = d.join("out");
+    let inputs = texts(&d, 3, "a");
+    // Another process's prepare holds the folder's lock (taken here as it would be).
+    let held = std::fs::File::create(d.join(".out.lock")).unwrap();
+    held.try_lock().unwrap();
+    let e = prepare(&opts(vec![inputs.clone()], &out))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("another `fugu prepare` is writing") && e.contains("out") && !e.contains("tmp-"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    // Once it is released, the next run goes ahead and leaves no lock file behind.
+    drop(held);
+    prepare(&opts(vec![inputs], &out)).unwrap();
+    assert_eq!(names(&d), vec!["out", "texts-a"]);
+}

@@ -256,9 +256,18 @@ pub fn parse_shape(s: &str) -> Result<BenchShape> {
     if m == 0 || n == 0 || k == 0 || batch == 0 {
         bail!("bad --shape {s:?}: every dimension must be at least 1");
     }
-    let elems = (m * k + k * n + m * n).saturating_mul(batch);
-    if elems > 2_000_000_000 {
-        bail!("--shape {s:?} needs {elems} floats per operand copy; too large");
+    // Checked: a dimension near usize::MAX must be refused, not overflow.
+    let elems = [m.checked_mul(k), k.checked_mul(n), m.checked_mul(n)]
+        .into_iter()
+        .try_fold(0usize, |a, x| a.checked_add(x?))
+        .and_then(|e| e.checked_mul(batch));
+    const MAX_ELEMS: usize = 2_000_000_000;
+    match elems {
+        Some(e) if e <= MAX_ELEMS => {}
+        _ => bail!(
+            "--shape {s:?}: A, B and C hold more than {MAX_ELEMS} floats together (8 GB); \
+             give a smaller shape"
+        ),
     }
     Ok(shape("custom", s, m, n, k, batch, ta, tb))
 }
@@ -828,6 +837,16 @@ mod tests {
         assert_eq!((t.ta, t.tb, t.batch), (true, true, 4));
         assert!(parse_shape("7x5x3:tc").is_err());
         assert!(parse_shape("7x5x3:ta:ta").is_err());
+        // Sizes that overflow, or would not fit, are refused by name (no panic).
+        for huge in [
+            "18446744073709551615x2x2",
+            "4294967296x4294967296x1",
+            "65536x65536x65536",
+            "1024x1024x1024x100000",
+        ] {
+            let e = parse_shape(huge).unwrap_err().to_string();
+            assert!(e.contains(huge) && e.contains("smaller shape"), "{e}");
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `fugu eval`: a checkpoint's validation loss, perplexity and bits per byte (the trainer's own
 //! evaluation, on any layout under MPI), or its accuracy on multiple-choice questions.
 
-use super::sample::{checkpoint_tokenizer, resolve};
+use super::sample::{check_finite_weights, checkpoint_tokenizer, resolve};
 use super::train::TrainArgs;
 use crate::backend::{CudaSettings, Device};
 use crate::checkpoint;
@@ -179,6 +179,7 @@ fn run_choices(args: &EvalArgs, file: &Path) -> Result<()> {
     let table = registry::full_params(&hf.config)?;
     let mut params = vec![0.0f32; table.total()];
     hf.copy_into(&table, &mut params)?;
+    check_finite_weights(&dir, &table, &params)?;
     let tok = checkpoint_tokenizer(&dir, &hf.config)?;
     let cuda = CudaSettings { tf32: args.tf32 };
     let score = crate::with_backend!(args.device, cuda, |be| {

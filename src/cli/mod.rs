@@ -58,12 +58,33 @@ enum BenchCommand {
     Comm(bench_comm::BenchCommArgs),
 }
 
+/// `fugu predict ... | head`: when the reader of stdout goes away, end as Unix tools do
+/// (SIGPIPE's default action) instead of panicking in `println!`. Only for the commands that
+/// print results and run in one process; MPI jobs keep their launcher's signal settings.
+fn stop_quietly_on_a_closed_pipe() {
+    // SAFETY: restores a signal's default disposition before any other thread exists; no
+    // handler runs Rust code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// Entry point of the `fugu` binary.
 pub fn main() -> ExitCode {
     let matches = Cli::command()
         .mut_subcommand("train", train::with_config_defaults)
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if matches!(
+        cli.command,
+        Command::Prepare(_)
+            | Command::Sample(_)
+            | Command::Report(_)
+            | Command::Predict(_)
+            | Command::Bench(BenchCommand::Gemm(_) | BenchCommand::Io(_))
+    ) {
+        stop_quietly_on_a_closed_pipe();
+    }
     let result = match cli.command {
         Command::Prepare(args) => prepare::run(args),
         Command::Train(args) => train::run(*args),

@@ -78,6 +78,15 @@ fn is_model_dir(p: &Path) -> bool {
 pub(super) fn resolve(ck: Option<&Path>) -> Result<PathBuf> {
     match ck {
         Some(p) if is_model_dir(p) => Ok(p.to_path_buf()),
+        // A run folder: its newest whole checkpoint, passing over damaged ones (named on
+        // stderr) as `fugu train --resume` does.
+        Some(p) if !checkpoint::checkpoint_entries(p)?.is_empty() => {
+            let run = p.display().to_string();
+            match crate::train::resume::find(Some(&run), p, true)? {
+                Some(r) => Ok(r.dir),
+                None => bail!("{run}: holds no whole checkpoint"),
+            }
+        }
         Some(p) => checkpoint::latest_checkpoint(p)?.with_context(|| {
             let bin = if p.join("pytorch_model.bin").exists() {
                 " (it has pytorch_model.bin: fugu reads safetensors only; save it with \
@@ -123,10 +132,34 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let table = registry::full_params(&hf.config)?;
     let mut params = vec![0.0f32; table.total()];
     hf.copy_into(&table, &mut params)?;
+    check_finite_weights(&dir, &table, &params)?;
     let cuda = CudaSettings { tf32: args.tf32 };
     crate::with_backend!(args.device, cuda, |be| {
         sample_on(be, &args, &dir, &hf.config, &params)
     })
+}
+
+/// Refuses weights holding NaN or infinity (a diverged run's), naming the first tensor: they
+/// would decode to one repeated token.
+pub(super) fn check_finite_weights(
+    dir: &Path,
+    table: &crate::model::table::Table,
+    params: &[f32],
+) -> Result<()> {
+    if let Some(i) = params.iter().position(|x| !x.is_finite()) {
+        let name = table
+            .specs()
+            .iter()
+            .find(|s| (s.offset..s.offset + s.len()).contains(&i))
+            .map_or("?", |s| s.name.as_str());
+        bail!(
+            "{}: the weights hold non-finite values ({} in `{name}`): the run diverged before \
+             this checkpoint; use an earlier one",
+            dir.display(),
+            params[i]
+        );
+    }
+    Ok(())
 }
 
 /// The tokenizer of a checkpoint: its `tokenizer.json` (every fugu checkpoint has one; so do

@@ -112,8 +112,9 @@ pub struct TrainArgs {
     /// ZeRO stage: 1 shards the AdamW moments across data-parallel ranks.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
-    /// Data-parallel gradient bucket size in MiB (all-reduces start as buckets fill).
-    #[arg(long, default_value_t = 16.0)]
+    /// Data-parallel gradient bucket size in MiB (all-reduces start as buckets fill), more
+    /// than 0 and at most 65536.
+    #[arg(long, default_value_t = 16.0, value_parser = bucket_mib)]
     pub bucket_mb: f64,
     /// Run each rank's --batch-size sequences as N equal micro-batches and accumulate their
     /// gradients before the optimizer step: the same training, the activation memory of
@@ -138,8 +139,28 @@ pub struct TrainArgs {
     #[arg(long, value_name = "WHEN")]
     pub deadline: Option<String>,
     /// Seconds kept free before the deadline, on top of twice the longest step + checkpoint.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     pub deadline_margin: f64,
+}
+
+/// `--bucket-mb`: a finite size in (0, 65536] MiB.
+fn bucket_mib(s: &str) -> Result<f64, String> {
+    let v = crate::config::finite_f64(s)?;
+    if v > 0.0 && v <= 65536.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v} MiB: expected more than 0 and at most 65536"))
+    }
+}
+
+/// A finite, non-negative number of seconds.
+fn seconds(s: &str) -> Result<f64, String> {
+    let v = crate::config::finite_f64(s)?;
+    if v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v}: expected a number of seconds >= 0"))
+    }
 }
 
 impl TrainArgs {
@@ -174,9 +195,14 @@ impl TrainArgs {
             }
         }
         let config = self.config.as_deref().unwrap_or(DEFAULT_CONFIG);
+        let run_config = RunConfig::load_with(config, &self.set)
+            .with_context(|| format!("--config {config}"))?;
+        if self.resume.is_none() {
+            // Before anything is created: settings no run can use.
+            self.overrides.apply(&run_config.train).validate()?;
+        }
         Ok(TrainOptions {
-            config: RunConfig::load_with(config, &self.set)
-                .with_context(|| format!("--config {config}"))?,
+            config: run_config,
             config_name: self.config_name(),
             config_given: self.config.is_some(),
             overrides: self.overrides.clone(),

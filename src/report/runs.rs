@@ -355,6 +355,12 @@ pub fn parse_run(text: &str, name: &str) -> Result<Run> {
                 );
                 after_resume = false;
             }
+            // A run started over in the same folder: what came before is another history.
+            Record::Event { kind, .. } if kind == "restarted" => {
+                steps.clear();
+                evals.clear();
+                evals_bpb.clear();
+            }
             Record::Eval(e) => {
                 evals.insert(e.step, e.val_loss);
                 match e.val_bpb {

@@ -188,23 +188,13 @@ pub fn loss_section(runs: &[Run]) -> Result<Option<Section>> {
         .iter()
         .find(|r| r.precision == "fp32")
         .unwrap_or(&with[0]);
-    let lines = with
-        .iter()
-        .enumerate()
-        .map(|(i, r)| Line {
-            label: format!("{} ({})", r.name, r.precision),
-            color: pal(i),
-            style: LineStyle::Markers,
-            points: series(r).iter().map(|&(s, l)| (s as f64, l)).collect(),
-        })
-        .collect();
-    let svg = charts::line_chart(&LineChart {
-        title: format!("Validation loss ({unit})"),
-        x: Axis::linear("step", true),
-        y: Axis::linear(&format!("validation loss ({unit})"), false),
-        lines,
-        legend_notes: vec![],
-    })?;
+    let svg = per_run_chart(
+        &with,
+        format!("Validation loss ({unit})"),
+        &format!("validation loss ({unit})"),
+        LineStyle::Markers,
+        &|r| series(r).iter().map(|&(s, l)| (s as f64, l)).collect(),
+    )?;
     let mut t = Table::new(
         "loss",
         &[
@@ -266,6 +256,33 @@ pub fn loss_section(runs: &[Run]) -> Result<Option<Section>> {
     }))
 }
 
+/// A chart of one line per run (labelled with its name and precision) against step.
+fn per_run_chart(
+    runs: &[&Run],
+    title: String,
+    y: &str,
+    style: LineStyle,
+    points: &dyn Fn(&Run) -> Vec<(f64, f64)>,
+) -> Result<String> {
+    let lines = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Line {
+            label: format!("{} ({})", r.name, r.precision),
+            color: pal(i),
+            style,
+            points: points(r),
+        })
+        .collect();
+    charts::line_chart(&LineChart {
+        title,
+        x: Axis::linear("step", true),
+        y: Axis::linear(y, false),
+        lines,
+        legend_notes: vec![],
+    })
+}
+
 /// Training loss and learning rate against step, one line per run (every logged step).
 pub fn training_section(runs: &[Run]) -> Result<Option<Section>> {
     let with: Vec<&Run> = runs.iter().filter(|r| !r.steps.is_empty()).collect();
@@ -281,27 +298,12 @@ pub fn training_section(runs: &[Run]) -> Result<Option<Section>> {
         "nats per token"
     };
     let chart_of = |title: String, y: &str, value: &dyn Fn(&Step) -> f64| {
-        let lines = with
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Line {
-                label: format!("{} ({})", r.name, r.precision),
-                color: pal(i),
-                style: LineStyle::Solid,
-                points: r
-                    .steps
-                    .iter()
-                    .map(|s| (s.rec.step as f64, value(s)))
-                    .filter(|p| p.1.is_finite())
-                    .collect(),
-            })
-            .collect();
-        charts::line_chart(&LineChart {
-            title,
-            x: Axis::linear("step", true),
-            y: Axis::linear(y, false),
-            lines,
-            legend_notes: vec![],
+        per_run_chart(&with, title, y, LineStyle::Solid, &|r| {
+            r.steps
+                .iter()
+                .map(|s| (s.rec.step as f64, value(s)))
+                .filter(|p| p.1.is_finite())
+                .collect()
         })
     };
     let loss = chart_of(

@@ -57,6 +57,18 @@ pub fn resolve_data(data: Option<&str>, vocab_size: usize, quiet: bool) -> Resul
     Ok(manifest.display().to_string())
 }
 
+/// A `--data` argument as an absolute path (a brace pattern too), so that the run's
+/// checkpoints find it from any working directory.
+pub fn absolute_data(spec: &str) -> String {
+    let p = Path::new(spec);
+    if p.is_absolute() {
+        return spec.to_string();
+    }
+    std::env::current_dir()
+        .map(|cwd| cwd.join(p).display().to_string())
+        .unwrap_or_else(|_| spec.to_string())
+}
+
 /// The tokenizer `data` was made with: its manifest's (`gpt2`, or the `tokenizer.json` that
 /// `fugu prepare` stored in the dataset folder). Token files (`.bin`, Megatron's) and bare
 /// shards record none: then the tokenizer of the model the run starts from (`model_dir`, a

@@ -122,6 +122,20 @@ pub fn open_checkpoint(dir: &Path) -> Result<TrainState> {
             state.format
         );
     }
+    if let Some(named) = checkpoint::checkpoint_step(dir) {
+        if named != state.step {
+            bail!(
+                "{}: state.json says step {}, but the folder is named for step {named} \
+                 (edited or copied over?)",
+                dir.display(),
+                state.step
+            );
+        }
+    }
+    state
+        .config
+        .validate()
+        .with_context(|| format!("{}: state.json holds settings fugu refuses", dir.display()))?;
     let model = checkpoint::read_hf_config(dir)?;
     if model != state.config.model {
         bail!(
@@ -294,18 +308,30 @@ fn first_difference<T: serde::Serialize>(a: &T, b: &T) -> (String, String, Strin
 
 /// The data a resumed run reads: the saved `--data`, which an explicit `--data` must name too
 /// (the same string, or a path to the same file).
-pub fn data(saved: &str, given: Option<&str>) -> Result<String> {
+pub fn data(saved: &str, given: Option<&str>, report: bool) -> Result<String> {
     if let Some(g) = given {
         let same_file = match (Path::new(g).canonicalize(), Path::new(saved).canonicalize()) {
             (Ok(a), Ok(b)) => a == b,
             _ => false,
         };
-        if g != saved && !same_file {
-            bail!(
-                "--data {g}: the run reads {saved}; a resumed run keeps its data (drop --data, \
-                 or start a new run with another --out)"
+        if g != saved && !same_file && report {
+            eprintln!(
+                "notice: --data {g}: reading the run's data from here (the checkpoint names \
+                 {saved}); the data loader checks that it is the same dataset"
             );
         }
+        return Ok(super::data::absolute_data(g));
+    }
+    let first = fugu_io::expand_braces(saved)
+        .ok()
+        .and_then(|v| v.into_iter().next())
+        .unwrap_or_else(|| saved.to_string());
+    if !Path::new(&first).exists() {
+        bail!(
+            "the run's data {saved} is not there (moved or deleted?): pass --data with its \
+             new place; it must be the same dataset (the checkpoint's data cursor names its \
+             shards' checksums)"
+        );
     }
     Ok(saved.to_string())
 }
@@ -474,9 +500,21 @@ mod tests {
     }
 
     #[test]
-    fn data_and_order_are_kept() {
-        assert_eq!(data("a/manifest.json", None).unwrap(), "a/manifest.json");
-        assert!(data("a/manifest.json", Some("b/manifest.json")).is_err());
+    fn data_follows_its_path_and_order_is_kept() {
+        // The saved path when it is there; when it is gone, an error that says how to go on.
+        let dir = std::env::temp_dir().join(format!("fugu-resume-data-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let there = dir.join("manifest.json");
+        std::fs::write(&there, "{}").unwrap();
+        let there = there.display().to_string();
+        assert_eq!(data(&there, None, false).unwrap(), there);
+        let gone = dir.join("moved/manifest.json").display().to_string();
+        let e = data(&gone, None, false).unwrap_err().to_string();
+        assert!(e.contains("not there") && e.contains("--data"), "{e}");
+        // --data elsewhere is taken, as an absolute path (the loader checks the dataset).
+        let moved = data(&gone, Some("new/manifest.json"), false).unwrap();
+        assert!(Path::new(&moved).is_absolute() && moved.ends_with("new/manifest.json"));
+        std::fs::remove_dir_all(&dir).unwrap();
         assert!(shuffle(Some(true), false).is_err());
         assert!(!shuffle(Some(false), true).unwrap());
         assert!(shuffle(None, true).unwrap());

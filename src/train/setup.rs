@@ -179,8 +179,12 @@ pub(super) fn data(
     let start_state = output.start_state.as_ref();
     let grid = dist.grid;
     let path = match start_state {
-        Some(st) => resume::data(&st.data, opts.data.as_deref())?,
-        None if dist.is_root() => data::resolve_data(opts.data.as_deref(), m.vocab_size, false)?,
+        Some(st) => resume::data(&st.data, opts.data.as_deref(), dist.is_root())?,
+        None if dist.is_root() => data::absolute_data(&data::resolve_data(
+            opts.data.as_deref(),
+            m.vocab_size,
+            false,
+        )?),
         None => String::new(),
     };
     let path = broadcast_string(dist, path);
@@ -208,6 +212,18 @@ pub(super) fn data(
             saved.is_multiple_of(grid.dp).then_some(saved)
         })
         .unwrap_or(grid.dp);
+    let saved_ranks = start_state.and_then(|s| s.layout).map(|l| l.data_ranks);
+    if let (Some(saved), true) = (saved_ranks, dist.is_root()) {
+        if saved != ranks {
+            eprintln!(
+                "notice: the run read its global batch as {saved} data stream(s); it is now read \
+                 as {ranks} (dp = {}): the same global batch size, but the batches from here on \
+                 differ from an uninterrupted run's (keep them with --data-ranks {saved} and a \
+                 dp that divides it)",
+                grid.dp
+            );
+        }
+    }
     Ok(Data {
         path,
         tokenizer,
@@ -316,7 +332,14 @@ pub(super) fn loaders<B: Backend>(
         grid.dp,
         data.ranks,
         start_state.map(|s| &s.cursor),
-    )?;
+    )
+    .with_context(|| match start_state {
+        Some(_) => format!(
+            "resuming on {}: is it the dataset the run was trained on?",
+            data.path
+        ),
+        None => format!("opening the training data {}", data.path),
+    })?;
     let val_loader = val_loader_config(opts, dist, cfg);
     let val_data = validation_data(opts, dist, t, &data.path, &val_loader)?;
     Ok(Loaders {

@@ -160,6 +160,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
         setup::check_step_options(&opts, &cfg.train)?;
         dist.make_grid(opts.tp, opts.pp, &cfg.model)?;
         let dist: &'d Dist = dist;
+        if dist.is_root() {
+            warn_if_oversubscribed(dist, threads);
+        }
         let (grid, t) = (dist.grid, cfg.train.clone());
         let data = setup::data(&opts, dist, &output, &cfg.model)?;
         let parts = setup::model(&opts, dist, &cfg, backend, output.resume_from.as_deref())?;
@@ -760,12 +763,23 @@ impl<'d, B: Backend> Trainer<'d, B> {
         init_desc: &str,
         flops_step: f64,
     ) -> Result<()> {
+        // Appended, never truncated: a new run in a folder whose earlier run left metrics but
+        // no checkpoint (killed before its first) keeps those lines, after a `restarted` event
+        // that readers take as the start of a new history.
         let metrics_path = self.out.join("metrics.jsonl");
-        let mut w = if self.start_step > 0 {
-            MetricsWriter::append(&metrics_path)?
-        } else {
-            MetricsWriter::create(&metrics_path)?
-        };
+        let earlier = std::fs::metadata(&metrics_path).is_ok_and(|m| m.len() > 0);
+        let mut w = MetricsWriter::append(&metrics_path)?;
+        if earlier && self.start_step == 0 {
+            eprintln!(
+                "notice: {} holds an earlier run's lines (it wrote no checkpoint); this run \
+                 starts over from step 0 and appends after a `restarted` event",
+                metrics_path.display()
+            );
+            w.event(
+                "restarted",
+                &json!({"reason": "a new run from step 0 in a folder with earlier metrics"}),
+            )?;
+        }
         w.header(&self.header_json(machine, init_desc, flops_step))?;
         self.metrics = Some(w);
         self.tensorboard = Some(TensorBoardWriter::create(&self.out)?);
@@ -952,6 +966,27 @@ impl<'d, B: Backend> Trainer<'d, B> {
 
 /// A value only the last pipeline stage computes (the loss), on every stage: summed over the
 /// pipeline, the other stages adding 0. With one stage, `x` itself.
+/// Warns when the ranks on a node times their compute threads exceed its CPUs: a thread team
+/// then waits at every barrier for members the kernel has descheduled, and steps slow down
+/// several-fold.
+fn warn_if_oversubscribed(dist: &Dist, threads: usize) {
+    // SAFETY: sysconf reads a system constant; no memory is passed.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    let Ok(cpus) = usize::try_from(online) else {
+        return;
+    };
+    let per_node = dist.grid.world_size.div_ceil(dist.nodes.max(1));
+    if cpus > 0 && per_node * threads > cpus {
+        eprintln!(
+            "warning: {per_node} rank(s) per node × {threads} compute threads = {} threads on \
+             {cpus} CPUs: oversubscribed, each step waits for descheduled threads (use \
+             --threads {})",
+            per_node * threads,
+            (cpus / per_node).max(1)
+        );
+    }
+}
+
 /// The mean loss over the first `batches` batches of `val_data` (read with `loader`), averaged
 /// over data-parallel ranks: each batch run as `micro` micro-batches of `batch_size / micro`
 /// rows of `seq_len` (the activations are sized for one) through the pipeline's forward pass.

@@ -111,6 +111,15 @@ where
     tok.train(&mut trainer, texts.into_iter())
         .map_err(|e| Error::Tokenizer(format!("BPE training failed: {e}")))?;
     add_eot(&mut tok);
-    HfTokenizer::from_hf(tok)
-        .map_err(|e| Error::Tokenizer(format!("trained BPE tokenizer is invalid: {e}")))
+    let tok = HfTokenizer::from_hf(tok)
+        .map_err(|e| Error::Tokenizer(format!("trained BPE tokenizer is invalid: {e}")))?;
+    let got = super::Tokenizer::vocab_size(&tok);
+    if got < opts.vocab_size {
+        eprintln!(
+            "warning: the BPE trained {got} ids of the {} asked: the text holds no more pairs \
+             to merge (min_frequency {}); the dataset's tokenizer has {got} ids",
+            opts.vocab_size, opts.min_frequency
+        );
+    }
+    Ok(tok)
 }
