@@ -26,7 +26,8 @@
 # check runs on it. Each `max` run also sets sve-default-vector-length (in bytes): qemu-user
 # starts a process at that default (64 bytes = 512 bits), not at the largest enabled length, so
 # `sve2048=on` alone runs at 512 bits. Each run checks the vector length the kernels see.
-# Then fugu's own unit tests (`cargo test -p fugu --lib`: the ops with the SVE row kernels
+# Then fugu's own unit tests (`cargo test -p fugu --lib --no-default-features`, without the
+# Parquet/Arrow readers, which have no SVE code and cost minutes to cross-compile: the ops with the SVE row kernels
 # dispatched, the model, the checkpoints) at 512 and 128 bits (the sve512 and sve128 runs).
 #
 # Env: FUGU_QEMU_RUNS="a64fx sve512 ..." limits the runs (names: a64fx sve512 sve128 sve256
@@ -134,7 +135,7 @@ for run in sve512 sve128; do
     echo
     echo "== fugu unit tests, run '$run': qemu-aarch64 -cpu $cpu"
     if CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu $cpu" \
-        cargo test -q -p fugu --lib --target "$TARGET" -- --test-threads 2; then
+        cargo test -q -p fugu --lib --no-default-features --target "$TARGET" -- --test-threads 2; then
         echo "== fugu unit tests, run '$run': passed in $((SECONDS - run_start)) s"
     else
         echo "!! fugu unit tests, run '$run': FAILED" >&2

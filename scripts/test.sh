@@ -73,24 +73,27 @@ if ! skip host; then
 fi
 
 # The MPI and CUDA stages build fugu once, with both features (a second feature set would
-# rebuild the crate, its binary and test harnesses: minutes on two cores).
+# rebuild the crate, its binary and test harnesses: minutes on two cores), and without the
+# Parquet/Arrow readers (`formats`, tested by the host stage), whose crates would otherwise be
+# compiled again for this feature set.
 parallel_features="mpi cuda"
+no_formats="--no-default-features"
 
 if ! skip mpi; then
   stage "MPI tests (mpirun -np 2 and 4 --oversubscribe)"
   # Open MPI refuses to run as root without these; CI runs as root.
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  cargo test --locked -j2 --features "$parallel_features" --test mpi_cli -- --test-threads 1
+  cargo test --locked -j2 $no_formats --features "$parallel_features" --test mpi_cli -- --test-threads 1
 fi
 
 if ! skip cuda; then
   stage "CUDA backend (--features \"$parallel_features\"; GPU tests skip without a GPU)"
-  cargo clippy --locked -j2 --features "$parallel_features" --all-targets -- -D warnings
+  cargo clippy --locked -j2 $no_formats --features "$parallel_features" --all-targets -- -D warnings
   LD_LIBRARY_PATH="/opt/fugu-nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --locked -j2 --features "$parallel_features" --test cuda --test model_golden
+    cargo test --locked -j2 $no_formats --features "$parallel_features" --test cuda --test model_golden
   # The kernels also under the oldest CUDA 13 NVRTC (13.0), as a GPU machine may have it.
   LD_LIBRARY_PATH="/opt/fugu-nvrtc-13.0/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --locked -j2 --features "$parallel_features" --test cuda -- kernels_compile_with_nvrtc
+    cargo test --locked -j2 $no_formats --features "$parallel_features" --test cuda -- kernels_compile_with_nvrtc
 fi
 
 if ! skip aarch64; then
@@ -115,7 +118,9 @@ if ! skip jobs; then
     jobscripts/local-slurm.sh start >/dev/null
     trap 'rc=$?; jobscripts/local-slurm.sh stop --purge >/dev/null 2>&1 || true; scratch_cleanup $rc' EXIT
     features=${FUGU_JOBS_FEATURES-mpi}
-    cargo build --release --locked -j2 ${features:+--features "$features"}
+    # Without the Parquet/Arrow readers (`formats`): the jobs read text and prepared shards,
+    # and the release build of those crates would add minutes.
+    cargo build --release --locked -j2 --no-default-features ${features:+--features "$features"}
     FUGU_SLURM_TESTS=1 FUGU_JOBS_BIN=target/release/fugu cargo test --locked -j2 --test jobscripts
     jobscripts/local-slurm.sh stop --purge
     trap 'scratch_cleanup $?' EXIT

@@ -587,12 +587,18 @@ fn decoded<'r, R: Read + 'r>(r: R, codec: Codec, source: &str) -> Result<Box<dyn
     Ok(match codec {
         Codec::Plain => Box::new(r),
         Codec::Gzip => Box::new(flate2::read::GzDecoder::new(r)),
+        #[cfg(feature = "formats")]
         Codec::Zstd => Box::new(
             zstd::stream::read::Decoder::new(r).map_err(|e| Error::Input {
                 path: source.into(),
                 what: format!("cannot start zstd decompression: {e}"),
             })?,
         ),
+        #[cfg(not(feature = "formats"))]
+        Codec::Zstd => {
+            let _ = r;
+            return Err(columnar::not_built(source, "zstd"));
+        }
     })
 }
 

@@ -1,3 +1,4 @@
+#![cfg(feature = "formats")]
 //! Every input format `prepare` reads gives the ids of the same text read as `.txt` files, and
 //! every one it cannot read is refused naming the file and the reason. Files come from three
 //! writers: arrow-rs/parquet/zstd/flate2 here (always), the Python libraries' own output
