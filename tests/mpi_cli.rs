@@ -769,24 +769,13 @@ fn bench_comm_reports_every_operation_and_size() {
     if mpirun_missing() {
         return;
     }
-    let exe = env!("CARGO_BIN_EXE_fugu");
     for np in [2usize, 3] {
-        let out = Command::new("mpirun")
-            .args([
-                "-np",
-                &np.to_string(),
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                exe,
-            ])
-            .args(["bench", "comm", "--max-size", "64KiB", "--repeats", "2"])
-            .args(["--format", "json"])
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-            .output()
-            .expect("running mpirun");
+        let args = ["bench", "comm", "--max-size", "64KiB", "--repeats", "2"]
+            .into_iter()
+            .chain(["--format", "json"])
+            .map(String::from)
+            .collect::<Vec<_>>();
+        let out = fugu_ranks(Path::new("."), np, &args, &[]);
         ok(&out);
         let doc: serde_json::Value = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("np {np}: stdout is not one JSON document: {e}"));
@@ -846,7 +835,7 @@ fn eval_on_parallel_layouts_matches_the_serial_evaluation() {
     let dir = tmp("eval");
     serial(&dir);
     let eval = |np: usize, layout: &[&str]| -> f64 {
-        let mut args: Vec<String> = ["eval", "serial", "--data", "tok.bin", "--batches", "3"]
+        let args: Vec<String> = ["eval", "serial", "--data", "tok.bin", "--batches", "3"]
             .into_iter()
             .chain(["--threads", "1", "--format", "json"])
             .chain(layout.iter().copied())
