@@ -550,7 +550,11 @@ fn kind_of(name: &str, explicit: bool) -> (Kind, Codec) {
         (name.to_string(), Codec::Plain)
     };
     let ends = |ext: &str| stem.ends_with(ext);
-    let kind = if ends(".tokens") {
+    let kind = if stem == "manifest.json" {
+        // A prepared dataset's manifest, even when named: passed over and counted, so that
+        // the error for inputs without documents says to give it to `fugu train --data`.
+        Kind::Skip
+    } else if ends(".tokens") {
         Kind::Tokens
     } else if ends(".tar") {
         Kind::Tar
