@@ -142,7 +142,8 @@ impl Drop for Staging {
 /// it), and its file removed then, so that nothing is left beside the dataset.
 struct OutputLock {
     path: PathBuf,
-    file: std::fs::File,
+    /// Holds the lock until dropped.
+    _file: std::fs::File,
 }
 
 impl OutputLock {
@@ -175,7 +176,7 @@ impl OutputLock {
                 _ => false,
             };
             if same {
-                return Ok(OutputLock { path, file });
+                return Ok(OutputLock { path, _file: file });
             }
         }
     }
@@ -185,7 +186,6 @@ impl Drop for OutputLock {
     fn drop(&mut self) {
         // Removed while still held, then unlocked when `file` closes.
         let _ = std::fs::remove_file(&self.path);
-        let _ = &self.file;
     }
 }
 

@@ -1,9 +1,9 @@
 //! `fugu eval`: a checkpoint's validation loss, perplexity and bits per byte (the trainer's own
 //! evaluation, on any layout under MPI), or its accuracy on multiple-choice questions.
 
-use super::sample::{check_finite_weights, checkpoint_tokenizer, resolve};
+use super::sample::{check_finite_weights, checkpoint_tokenizer, resolve, RunOn};
 use super::train::TrainArgs;
-use crate::backend::{CudaSettings, Device};
+use crate::backend::CudaSettings;
 use crate::checkpoint;
 use crate::choices;
 use crate::model::registry;
@@ -55,14 +55,8 @@ pub struct EvalArgs {
     /// Run each batch as N micro-batches (the activation memory of one).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub micro_batches: usize,
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Where to run: cpu, cuda (device 0) or cuda:N (needs a build with --features cuda).
-    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N")]
-    pub device: Device,
-    /// With --device cuda: TF32 tensor cores for the GEMMs (default: strict fp32).
-    #[arg(long)]
-    pub tf32: bool,
+    #[command(flatten)]
+    pub run: RunOn,
     /// `text` (default) or `json` (one object on stdout).
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
@@ -113,7 +107,7 @@ fn train_options(args: &EvalArgs) -> Result<crate::train::TrainOptions> {
     t.tp = args.tp;
     t.pp = args.pp;
     t.micro_batches = args.micro_batches;
-    t.threads = args.threads;
+    t.threads = args.run.threads;
     t.options()
 }
 
@@ -124,8 +118,10 @@ pub fn run(args: EvalArgs) -> Result<()> {
     }
     let mut dist = Dist::init()?;
     let opts = train_options(&args)?;
-    let cuda = CudaSettings { tf32: args.tf32 };
-    let report = crate::with_backend!(args.device, cuda, |be| evaluate(opts, &mut dist, be));
+    let cuda = CudaSettings {
+        tf32: args.run.tf32,
+    };
+    let report = crate::with_backend!(args.run.device, cuda, |be| evaluate(opts, &mut dist, be));
     let report = match report {
         Err(e) if dist.is_parallel() => {
             // As `fugu train`: one rank's error ends the job, so no rank waits in a collective.
@@ -173,7 +169,7 @@ fn run_choices(args: &EvalArgs, file: &Path) -> Result<()> {
         bail!("--choices runs in one process and reads only its questions: drop --tp/--pp/--data");
     }
     let questions = choices::read_questions(file)?;
-    crate::train::set_threads(args.threads)?;
+    crate::train::set_threads(args.run.threads)?;
     let dir = resolve(Some(&args.checkpoint))?;
     let hf = checkpoint::load_hf(&dir)?;
     let table = registry::full_params(&hf.config)?;
@@ -181,8 +177,10 @@ fn run_choices(args: &EvalArgs, file: &Path) -> Result<()> {
     hf.copy_into(&table, &mut params)?;
     check_finite_weights(&dir, &table, &params)?;
     let tok = checkpoint_tokenizer(&dir, &hf.config)?;
-    let cuda = CudaSettings { tf32: args.tf32 };
-    let score = crate::with_backend!(args.device, cuda, |be| {
+    let cuda = CudaSettings {
+        tf32: args.run.tf32,
+    };
+    let score = crate::with_backend!(args.run.device, cuda, |be| {
         let mut g = Generator::new(&hf.config, &params, be)?;
         let n = questions.len();
         choices::score(&mut g, tok.as_ref(), &questions, |i| {

@@ -41,6 +41,14 @@ pub struct SampleArgs {
     pub ignore_eos: bool,
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
+    #[command(flatten)]
+    pub run: RunOn,
+}
+
+/// Where an inference command runs: compute threads and device (shared by `sample` and
+/// `eval`).
+#[derive(Args, Debug, Clone)]
+pub struct RunOn {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Where to run: cpu, cuda (device 0) or cuda:N (needs a build with --features cuda).
@@ -126,15 +134,17 @@ pub fn run(args: SampleArgs) -> Result<()> {
     if args.num_samples == 0 {
         bail!("--num-samples 0: expected at least one sample");
     }
-    crate::train::set_threads(args.threads)?;
+    crate::train::set_threads(args.run.threads)?;
     let dir = resolve(args.checkpoint.as_deref())?;
     let hf = checkpoint::load_hf(&dir)?;
     let table = registry::full_params(&hf.config)?;
     let mut params = vec![0.0f32; table.total()];
     hf.copy_into(&table, &mut params)?;
     check_finite_weights(&dir, &table, &params)?;
-    let cuda = CudaSettings { tf32: args.tf32 };
-    crate::with_backend!(args.device, cuda, |be| {
+    let cuda = CudaSettings {
+        tf32: args.run.tf32,
+    };
+    crate::with_backend!(args.run.device, cuda, |be| {
         sample_on(be, &args, &dir, &hf.config, &params)
     })
 }
