@@ -8,6 +8,8 @@ use crate::pack::{pack_one_panel, pack_panels, PanelFormat};
 use crate::precision::Precision;
 use crate::raw::{RawMat, RawMatMut};
 use crate::team::{split_range, Member, Team};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 
 /// Largest `mr × nr` tile any kernel may use (the SVE f16 kernel at 2048 bits: 256 × 10).
 pub(crate) const MAX_TILE: usize = 256 * 16;
@@ -324,24 +326,148 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
     }
 }
 
-/// Runs a problem whose rows fit one Ã block (m ≤ mc) on `team` as independent sequential
-/// GEMMs on column blocks of C (whole B̃ micro-panels each), one per member. Each member packs
-/// the whole Ã (private L2: [`SplitMode::Ic`]) and only the B̃ panels it uses, into its own
-/// buffers, so the members meet once per call instead of at barriers around a shared B̃ pack in
-/// every k block. Measured on Zen 4 (AVX2, 2 threads, `examples/blocking`): see
-/// `docs/KERNELS.md`, "Small problems on two threads".
-fn run_column_blocks(ctx: &Ctx, p: Problem, team: &Team) {
-    let nr = ctx.kernel.nr;
-    let npanels = p.n().div_ceil(nr);
-    let parts = team.size().min(npanels);
-    team.run(|me| {
-        if me.id < parts {
-            let panels = split_range(npanels, parts, me.id);
-            let c0 = panels.start * nr;
-            let cols = (panels.end * nr).min(p.n()) - c0;
-            run_sequential(ctx, p.cols(c0, cols));
+/// How many tiles of C [`run_tiles`] aims to cut per member: with several, the members that
+/// are running take the tiles of a member whose core is busy elsewhere.
+const TILES_PER_MEMBER: usize = 4;
+
+/// The narrowest column chunk of a tile, in B̃ micro-panels, when the members keep their
+/// packed Ã: below it a tile's B̃ packing and kernel start-up stop being small beside its
+/// arithmetic.
+const MIN_CHUNK_PANELS: usize = 8;
+
+/// Largest packed Ã row block (all of k) a member keeps between its tiles of that row block,
+/// in bytes. Above it a member packs Ã again for each tile, and the tiles are made as wide as
+/// the static split's (one column chunk per member and row block), so Ã is packed no more
+/// often than before.
+const KEEP_A_BYTES: usize = 8 << 20;
+
+/// Numbers [`run_tiles`] calls, so that a member's kept Ã is never taken for another call's.
+static TILE_CALLS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// A member's packed Ã row block for all of k: the call and row block it holds, and the
+    /// panels, one k block after another.
+    static KEPT_A: RefCell<(u64, usize, AlignedBuf)> = const {
+        RefCell::new((u64::MAX, 0, AlignedBuf::empty()))
+    };
+}
+
+/// Runs one problem on `team` ([`SplitMode::Ic`]) as tiles of C, a row block by a column
+/// chunk, handed out one at a time ([`Team::run_items`]). A member packs its own B̃ for each
+/// tile and its own Ã (private L2 per core), keeping the packed Ã row block for its next tile
+/// of the same row block when it fits [`KEEP_A_BYTES`]. The members never wait for each
+/// other: when one is held off its core (a busy machine), the others run its tiles.
+///
+/// The blocking is the whole problem's, and each tile of C is summed over the same k blocks by
+/// the same kernel whichever member runs it, so the result does not depend on the schedule.
+fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
+    let threads = team.size();
+    let (m, n, k) = (p.m(), p.n(), p.k());
+    let Kernel { mr, nr, .. } = ctx.kernel;
+    let blk = ctx.blocking_for(m, n, k);
+    let fmt = ctx.format();
+    // Row blocks: a multiple of `threads` when there are enough rows for that.
+    let n_ic_min = m.div_ceil(blk.mc);
+    let n_ic = if n_ic_min >= threads {
+        n_ic_min.next_multiple_of(threads)
+    } else {
+        n_ic_min
+    };
+    let mc = even_block(m, n_ic, mr, blk.mc.max(mr));
+    let n_ic = m.div_ceil(mc);
+    let kc = blk.kc;
+    let k_blocks = k.div_ceil(kc);
+    let a_words = |rows: usize| {
+        (0..k_blocks)
+            .map(|b| fmt.operand.panel_words(Side::A, kc.min(k - b * kc), mr))
+            .sum::<usize>()
+            * rows.div_ceil(mr)
+    };
+    let keep_a = a_words(mc) * 4 <= KEEP_A_BYTES;
+    // Column chunks: within nc, at least one tile per member (as the static split had), and
+    // several per member when Ã is kept.
+    let npanels = n.div_ceil(nr);
+    let fewest = npanels.div_ceil((blk.nc / nr).max(1));
+    let one_each = threads.div_ceil(n_ic);
+    let wanted = if keep_a {
+        let several = (TILES_PER_MEMBER * threads).div_ceil(n_ic);
+        one_each.max(several.min(npanels.div_ceil(MIN_CHUNK_PANELS)))
+    } else {
+        one_each
+    };
+    let jchunks = wanted.max(fewest).clamp(1, npanels);
+    let call = TILE_CALLS.fetch_add(1, SeqCst);
+    team.run_items(n_ic * jchunks, |_, t| {
+        let (ib, jb) = (t / jchunks, t % jchunks);
+        let (ic, panels) = (ib * mc, split_range(npanels, jchunks, jb));
+        let mcur = mc.min(m - ic);
+        let (jc, ncur) = (
+            panels.start * nr,
+            (panels.end * nr).min(n) - panels.start * nr,
+        );
+        let tile = p.rows(ic, mcur).cols(jc, ncur);
+        if !keep_a {
+            return run_block(ctx, &blk, tile, |pc, kcur, f| {
+                let aw = fmt.operand.panel_words(Side::A, kcur, mr);
+                with_thread_a(aw * mcur.div_ceil(mr), |ap| {
+                    pack_panels(fmt, Side::A, ap, tile.a.block(0, pc, mcur, kcur), mr);
+                    f(ap)
+                })
+            });
         }
+        KEPT_A.with(|kept| {
+            let kept = &mut *kept.borrow_mut();
+            let ap = kept.2.get(a_words(mcur));
+            if (kept.0, kept.1) != (call, ib) {
+                let mut at = 0;
+                for pc in (0..k).step_by(kc) {
+                    let kcur = kc.min(k - pc);
+                    let len = fmt.operand.panel_words(Side::A, kcur, mr) * mcur.div_ceil(mr);
+                    pack_panels(
+                        fmt,
+                        Side::A,
+                        &mut ap[at..at + len],
+                        tile.a.block(0, pc, mcur, kcur),
+                        mr,
+                    );
+                    at += len;
+                }
+                (kept.0, kept.1) = (call, ib);
+            }
+            let mut at = 0;
+            run_block(ctx, &blk, tile, |_, kcur, f| {
+                let len = fmt.operand.panel_words(Side::A, kcur, mr) * mcur.div_ceil(mr);
+                at += len;
+                f(&ap[at - len..at])
+            });
+        });
     });
+}
+
+/// Runs one tile of C (at most mc × nc) on the calling thread with the blocking `blk`: for each
+/// k block, packs B̃ into the thread's buffer and takes the packed Ã block from
+/// `a_block(pc, kcur, kernel)`, which calls `kernel` with it.
+fn run_block(
+    ctx: &Ctx,
+    blk: &Blocking,
+    p: Problem,
+    mut a_block: impl FnMut(usize, usize, &mut dyn FnMut(&[f32])),
+) {
+    let (m, n, k) = (p.m(), p.n(), p.k());
+    let Kernel { nr, .. } = ctx.kernel;
+    let fmt = ctx.format();
+    for pc in (0..k).step_by(blk.kc) {
+        let kcur = blk.kc.min(k - pc);
+        let bw = fmt.operand.panel_words(Side::B, kcur, nr);
+        let beta = if pc == 0 { p.beta } else { 1.0 };
+        with_thread_b(bw * n.div_ceil(nr), |bp| {
+            pack_panels(fmt, Side::B, bp, p.b.block(pc, 0, kcur, n).t(), nr);
+            a_block(pc, kcur, &mut |ap| {
+                let panels = 0..n.div_ceil(nr);
+                macro_kernel(ctx, blk.nb, ap, bp, m, n, kcur, panels, p.alpha, beta, p.c);
+            });
+        });
+    }
 }
 
 /// Packs, on member `me`, its share of the `w`-row panels of `src` (`words` per panel) into the
@@ -374,11 +500,11 @@ unsafe fn pack_together<'s>(
     unsafe { shared.slice(0..panels * words) }
 }
 
-/// Runs one problem on `team` while the caller waits, packing B̃ into `bbuf` (the domain's
-/// buffer, first touched by the members that pack it) and Ã per member ([`SplitMode::Ic`]) or
-/// per domain into `abuf` ([`SplitMode::Jr`]). Every member walks the jc and pc loops; the
-/// shared blocks are packed by [`pack_together`], and a barrier separates reading a block from
-/// packing the next.
+/// Runs one problem on `team` while the caller waits: as tiles ([`run_tiles`]) for
+/// [`SplitMode::Ic`]; for [`SplitMode::Jr`] SPMD, every member walking the jc, pc and ic loops,
+/// the domain's B̃ packed into `bbuf` and Ã into `abuf` (first touched by the members that
+/// pack them) by [`pack_together`], with a barrier between reading a block and packing the
+/// next.
 pub(crate) fn run_parallel(
     ctx: &Ctx,
     p: Problem,
@@ -390,31 +516,20 @@ pub(crate) fn run_parallel(
     let Some(p) = p.needs_kernel() else {
         return;
     };
+    if split == SplitMode::Ic {
+        return run_tiles(ctx, p, team);
+    }
     let threads = team.size();
     let (m, n, k) = (p.m(), p.n(), p.k());
     let Kernel { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc, nb } = ctx.blocking_for(m, n, k);
     let fmt = ctx.format();
-    let n_ic_min = m.div_ceil(mc);
-    if split == SplitMode::Ic && n_ic_min == 1 {
-        return run_column_blocks(ctx, p, team);
-    }
-    // Balance ic blocks over threads: a multiple of `threads` blocks when there are enough.
-    let n_ic = if n_ic_min >= threads {
-        n_ic_min.next_multiple_of(threads)
-    } else {
-        n_ic_min
-    };
-    let mc_eff = even_block(m, n_ic, mr, mc.max(mr));
-    let n_ic = m.div_ceil(mc_eff);
     // The shared buffers, sized for the largest block.
     let (kmax, nmax, mmax) = (kc.min(k), nc.min(n), mc.min(m));
     let bshared =
         SharedPanels::new(bbuf.get(fmt.operand.panel_words(Side::B, kmax, nr) * nmax.div_ceil(nr)));
-    let ashared = SharedPanels::new(match split {
-        SplitMode::Jr => abuf.get(fmt.operand.panel_words(Side::A, kmax, mr) * mmax.div_ceil(mr)),
-        SplitMode::Ic => abuf.get(0),
-    });
+    let ashared =
+        SharedPanels::new(abuf.get(fmt.operand.panel_words(Side::A, kmax, mr) * mmax.div_ceil(mr)));
     team.run(|me| {
         for jc in (0..n).step_by(nc) {
             let ncur = nc.min(n - jc);
@@ -430,42 +545,19 @@ pub(crate) fn run_parallel(
                 // SAFETY: every member packs here with the same arguments, and all pass the
                 // barrier that ends this pc step before B̃ is packed again.
                 let bp = unsafe { pack_together(&me, &bshared, fmt, Side::B, bsrc, nr, bw) };
-                match split {
-                    SplitMode::Ic => {
-                        let jchunks = threads.div_ceil(n_ic).min(npanels).max(1);
-                        for t in (me.id..n_ic * jchunks).step_by(me.size) {
-                            let (ib, jb) = (t / jchunks, t % jchunks);
-                            let ic = ib * mc_eff;
-                            let mcur = mc_eff.min(m - ic);
-                            with_thread_a(aw * mcur.div_ceil(mr), |ap| {
-                                pack_panels(fmt, Side::A, ap, p.a.block(ic, pc, mcur, kcur), mr);
-                                let c = p.c.block(ic, jc, mcur, ncur);
-                                let panels = split_range(npanels, jchunks, jb);
-                                macro_kernel(
-                                    ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
-                                );
-                            })
-                        }
+                for ic in (0..m).step_by(mc) {
+                    let mcur = mc.min(m - ic);
+                    let asrc = p.a.block(ic, pc, mcur, kcur);
+                    // SAFETY: every member packs here with the same arguments, and all pass the
+                    // barrier after the macro-kernels before Ã is packed again.
+                    let ap = unsafe { pack_together(&me, &ashared, fmt, Side::A, asrc, mr, aw) };
+                    let jchunks = threads.min(npanels);
+                    if me.id < jchunks {
+                        let c = p.c.block(ic, jc, mcur, ncur);
+                        let panels = split_range(npanels, jchunks, me.id);
+                        macro_kernel(ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c);
                     }
-                    SplitMode::Jr => {
-                        for ic in (0..m).step_by(mc) {
-                            let mcur = mc.min(m - ic);
-                            let asrc = p.a.block(ic, pc, mcur, kcur);
-                            // SAFETY: every member packs here with the same arguments, and all
-                            // pass the barrier after the macro-kernels before Ã is packed again.
-                            let ap =
-                                unsafe { pack_together(&me, &ashared, fmt, Side::A, asrc, mr, aw) };
-                            let jchunks = threads.min(npanels);
-                            if me.id < jchunks {
-                                let c = p.c.block(ic, jc, mcur, ncur);
-                                let panels = split_range(npanels, jchunks, me.id);
-                                macro_kernel(
-                                    ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c,
-                                );
-                            }
-                            me.barrier();
-                        }
-                    }
+                    me.barrier();
                 }
                 me.barrier();
             }

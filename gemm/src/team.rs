@@ -11,9 +11,18 @@
 //! until the scheduler moves it, longer than a small GEMM lasts (measured: `docs/KERNELS.md`,
 //! "Small problems on two threads").
 //!
-//! A job is SPMD, as in BLIS: every member runs the same closure with its [`Member`] id and
-//! meets the others at [`Member::barrier`]. One job runs at a time (`Team::run` holds a lock for
-//! the call); jobs never call back into their own team.
+//! Two kinds of job. [`Team::run`] is SPMD, as in BLIS: every member runs the same closure
+//! with its [`Member`] id and meets the others at [`Member::barrier`]. [`Team::run_items`] hands
+//! out numbered items, each to the next member that asks, and returns as soon as every item has
+//! run: a member whose core was taken by another process (a busy machine: the scheduler can
+//! hold a woken thread off for a whole time slice) arrives to find the items taken and is not
+//! waited for, so a late member costs its share of the work, not the whole call
+//! (`docs/KERNELS.md`, "A busy machine"). One job runs at a time (`Team::run` holds a lock
+//! for the call); jobs never call back into their own team.
+//!
+//! Waiting threads spin without `sched_yield`: on Linux's EEVDF scheduler a yield moves the
+//! yielder's deadline back by a slice, so a thread that yields in a tight loop soon hands its
+//! core to any runnable process, a `nice 19` one included, for a whole slice.
 
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -28,8 +37,8 @@ use std::time::{Duration, Instant};
 /// same cores loses at most this much per GEMM call.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
-/// The job of one call, run once by every member with its id. The lifetime is erased; see the
-/// SAFETY note in [`Team::run`].
+/// The job of one call, run by every member that enters it, with its id. The lifetime is
+/// erased; see the SAFETY note in [`Team::launch`].
 type Job = &'static (dyn Fn(usize) + Sync);
 
 /// The payload of the panic a member raises at a barrier when another member has panicked (so
@@ -40,20 +49,25 @@ struct Aborted;
 struct Shared {
     /// Bumped (under `job`'s lock) to start a job; workers compare it with the last they saw.
     epoch: AtomicU64,
-    /// The current job with its epoch; `None` between jobs.
+    /// The current job with its epoch; `None` between jobs and once the caller has closed it.
+    /// A worker enters a job only under this lock, counting itself in `inside`.
     job: Mutex<(u64, Option<Job>)>,
-    /// Workers still running the current job.
-    remaining: AtomicUsize,
+    /// Workers that entered the current job and have not left it.
+    inside: AtomicUsize,
+    /// The job's progress (members finished for [`Team::run`], items run for
+    /// [`Team::run_items`]) and the count that completes it.
+    progress: AtomicUsize,
+    target: AtomicUsize,
     /// Idle workers park here; `parked` counts them (Dekker-style with `epoch`: see `start`).
     park: Mutex<()>,
     wake: Condvar,
     parked: AtomicUsize,
-    /// A caller waiting for `remaining == 0` parks here once it has spun for [`SPIN`].
+    /// A caller waiting (for `progress`, then `inside`) parks here once it has spun for [`SPIN`].
     done: Mutex<()>,
     done_cv: Condvar,
     caller_parked: AtomicBool,
     /// The first panic of a member during the current job, re-raised by the caller; `aborted`
-    /// is set once it is recorded, and ends every barrier wait of the job.
+    /// is set once it is recorded, and ends every barrier wait and item loop of the job.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     aborted: AtomicBool,
     /// The job's barrier: members arrived, and the generation (bumped by the last to arrive).
@@ -62,12 +76,39 @@ struct Shared {
     shutdown: AtomicBool,
 }
 
+impl Shared {
+    /// Wakes the caller if it parked waiting for the job's progress or for members to leave.
+    fn poke_caller(&self) {
+        if self.caller_parked.load(SeqCst) {
+            let _g = lock(&self.done);
+            self.done_cv.notify_all();
+        }
+    }
+
+    /// Counts one unit of the job's progress.
+    fn advance(&self) {
+        if self.progress.fetch_add(1, SeqCst) + 1 == self.target.load(SeqCst) {
+            self.poke_caller();
+        }
+    }
+
+    /// Records a member's panic (not the [`Aborted`] echo of another's) and stops the job.
+    fn record_panic(&self, p: Box<dyn Any + Send>) {
+        if !p.is::<Aborted>() {
+            lock(&self.panic).get_or_insert(p);
+        }
+        self.aborted.store(true, SeqCst);
+        self.poke_caller();
+    }
+}
+
 /// Locks `m`, ignoring poisoning (no lock here is held across user code).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Spins until `ready()` or `spin` has passed; returns whether it became ready.
+/// Spins until `ready()` or `spin` has passed; returns whether it became ready. No
+/// `sched_yield` inside (see the module notes).
 fn spin_until(spin: Duration, ready: impl Fn() -> bool) -> bool {
     let deadline = Instant::now() + spin;
     loop {
@@ -80,9 +121,6 @@ fn spin_until(spin: Duration, ready: impl Fn() -> bool) -> bool {
         if Instant::now() >= deadline {
             return ready();
         }
-        // Give the core away if another thread is waiting for it: a member that shares its
-        // core with the one it waits for would otherwise hold that one off for the whole spin.
-        std::thread::yield_now();
     }
 }
 
@@ -105,7 +143,9 @@ impl Team {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             job: Mutex::new((0, None)),
-            remaining: AtomicUsize::new(0),
+            inside: AtomicUsize::new(0),
+            progress: AtomicUsize::new(0),
+            target: AtomicUsize::new(0),
             park: Mutex::new(()),
             wake: Condvar::new(),
             parked: AtomicUsize::new(0),
@@ -144,54 +184,89 @@ impl Team {
     /// ends the other members' barrier waits and is re-raised here once every member has
     /// stopped.
     pub(crate) fn run(&self, f: impl Fn(Member<'_>) + Sync) {
-        let _busy = lock(&self.busy);
         let s = &*self.shared;
         let size = self.size();
         let job = |id: usize| {
-            let r = catch_unwind(AssertUnwindSafe(|| {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| {
                 f(Member {
                     id,
                     size,
                     shared: s,
                 })
+            })) {
+                s.record_panic(p);
+            }
+            s.advance();
+        };
+        self.launch(size, &job);
+    }
+
+    /// Calls `f(member, item)` once for each item of `0..items`, each item on the next member
+    /// that asks for one, in order; returns once every item has run, without waiting for
+    /// members that had not started (see the module notes). `member` is the id of the member
+    /// running the item (`0..size`), for state a member keeps between its items. A panic in `f`
+    /// stops the handing out and is re-raised here.
+    pub(crate) fn run_items(&self, items: usize, f: impl Fn(usize, usize) + Sync) {
+        if items == 0 {
+            return;
+        }
+        let s = &*self.shared;
+        let next = AtomicUsize::new(0);
+        let job = |id: usize| {
+            let r = catch_unwind(AssertUnwindSafe(|| loop {
+                let i = next.fetch_add(1, SeqCst);
+                if i >= items || s.aborted.load(SeqCst) {
+                    return;
+                }
+                f(id, i);
+                s.advance();
             }));
             if let Err(p) = r {
-                if !p.is::<Aborted>() {
-                    lock(&s.panic).get_or_insert(p);
-                }
-                s.aborted.store(true, SeqCst);
+                s.record_panic(p);
             }
         };
-        let job: &(dyn Fn(usize) + Sync) = &job;
-        // SAFETY: the erased reference is used only by the workers, each of which calls it once
-        // for this job and then decrements `remaining`; `finish` does not return before
-        // `remaining` is 0, and it clears the job, so no worker reads the reference after `job`
-        // and `f` die.
+        self.launch(items, &job);
+    }
+
+    /// Calls `f` once on each item, on the team's members (see [`Team::run_items`]); items go
+    /// in order, each to the next member that is free.
+    pub(crate) fn for_each<I: Send>(&self, items: Vec<I>, f: impl Fn(I) + Sync) {
+        let n = items.len();
+        let slots: Vec<Mutex<Option<I>>> = items.into_iter().map(|i| Mutex::new(Some(i))).collect();
+        self.run_items(n, |_, i| {
+            if let Some(item) = lock(&slots[i]).take() {
+                f(item);
+            }
+        });
+    }
+
+    /// Runs `job` on the members until `target` units of progress are counted (or a member
+    /// panicked), closes it to late members, waits for those inside to leave, and re-raises
+    /// the first panic.
+    fn launch(&self, target: usize, job: &(dyn Fn(usize) + Sync)) {
+        let _busy = lock(&self.busy);
+        let s = &*self.shared;
+        // SAFETY: the erased reference is called only by workers that entered the job under
+        // `s.job`'s lock while it held this reference, and each counts itself in `inside`
+        // until its call returns. Below, the job is cleared under that lock (no worker enters
+        // after that) and this function does not return before `inside` is 0, so no worker
+        // reads the reference after `job` dies.
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(job) };
+        s.progress.store(0, SeqCst);
+        s.target.store(target, SeqCst);
         self.start(job);
-        self.finish();
+        self.wait(|| s.progress.load(SeqCst) >= target || s.aborted.load(SeqCst));
+        lock(&s.job).1 = None;
+        self.wait(|| s.inside.load(SeqCst) == 0);
         s.aborted.store(false, SeqCst);
         if let Some(p) = lock(&s.panic).take() {
             resume_unwind(p);
         }
     }
 
-    /// Calls `f` once on each item, on the team's members (see [`Team::run`]); items go in
-    /// order, each to the next member that is free.
-    pub(crate) fn for_each<I: Send>(&self, items: Vec<I>, f: impl Fn(I) + Sync) {
-        let queue = Mutex::new(items.into_iter());
-        self.run(|_| loop {
-            let Some(item) = lock(&queue).next() else {
-                return;
-            };
-            f(item);
-        });
-    }
-
     /// Publishes `job` to the workers and wakes the parked ones.
     fn start(&self, job: Job) {
         let s = &*self.shared;
-        s.remaining.store(self.workers.len(), SeqCst);
         s.arrived.store(0, SeqCst);
         {
             let mut j = lock(&s.job);
@@ -211,22 +286,22 @@ impl Team {
         }
     }
 
-    /// Waits until every worker taking part has finished, then clears the job.
-    fn finish(&self) {
+    /// The caller's wait until `ready()`: spin for [`SPIN`], then park until a worker's
+    /// progress or exit pokes it.
+    fn wait(&self, ready: impl Fn() -> bool) {
         let s = &*self.shared;
-        let all_done = || s.remaining.load(SeqCst) == 0;
-        if !spin_until(SPIN, all_done) {
-            let mut g = lock(&s.done);
-            s.caller_parked.store(true, SeqCst);
-            // The same store-then-load as in `start`, against a worker's decrement of
-            // `remaining` and its look at `caller_parked`.
-            fence(SeqCst);
-            while !all_done() {
-                g = s.done_cv.wait(g).unwrap_or_else(|e| e.into_inner());
-            }
-            s.caller_parked.store(false, SeqCst);
+        if spin_until(SPIN, &ready) {
+            return;
         }
-        lock(&s.job).1 = None;
+        let mut g = lock(&s.done);
+        s.caller_parked.store(true, SeqCst);
+        // The same store-then-load as in `start`, against a worker's update and its look at
+        // `caller_parked`.
+        fence(SeqCst);
+        while !ready() {
+            g = s.done_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        s.caller_parked.store(false, SeqCst);
     }
 }
 
@@ -248,8 +323,8 @@ impl Drop for Team {
     }
 }
 
-/// The loop of the worker that is member `id`: wait for a new epoch (spin, then park), run the
-/// job.
+/// The loop of the worker that is member `id`: wait for a new epoch (spin, then park), enter
+/// the job if it is still open, run it, leave.
 fn worker(s: &Shared, id: usize) {
     let mut seen = 0;
     loop {
@@ -265,15 +340,20 @@ fn worker(s: &Shared, id: usize) {
         if s.shutdown.load(SeqCst) {
             return;
         }
-        let (epoch, job) = *lock(&s.job);
-        seen = epoch;
+        let job = {
+            let g = lock(&s.job);
+            seen = g.0;
+            if g.1.is_some() {
+                s.inside.fetch_add(1, SeqCst);
+            }
+            g.1
+        };
         let Some(job) = job else {
             continue;
         };
         job(id);
-        if s.remaining.fetch_sub(1, SeqCst) == 1 && s.caller_parked.load(SeqCst) {
-            let _g = lock(&s.done);
-            s.done_cv.notify_all();
+        if s.inside.fetch_sub(1, SeqCst) == 1 {
+            s.poke_caller();
         }
     }
 }
@@ -393,6 +473,28 @@ mod tests {
                 count.fetch_add(1, SeqCst);
             });
             assert_eq!(count.load(SeqCst), 5);
+        }
+    }
+
+    /// A member that is held up (here: the one that took item 0 waits until every other
+    /// item has run) does not hold up the rest: the others run all its would-be share. A
+    /// static split would wait for ever; the wait gives up after ten seconds to fail instead.
+    #[test]
+    fn running_members_take_the_items_of_a_member_held_up() {
+        for size in 2..=3 {
+            let t = team(size);
+            let ran = AtomicUsize::new(0);
+            t.run_items(40, |_, i| {
+                if i == 0 {
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while ran.load(SeqCst) < 39 {
+                        assert!(Instant::now() < deadline, "the other items never ran");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+                ran.fetch_add(1, SeqCst);
+            });
+            assert_eq!(ran.load(SeqCst), 40, "size {size}");
         }
     }
 
