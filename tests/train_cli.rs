@@ -526,6 +526,57 @@ fn bad_input_is_a_clear_error() {
             assert!(p.join("state.json").exists() && p.join("model.safetensors").exists());
         }
     }
+    // A checkpoint whose weights hold NaN (its last float poisoned here) is refused by tensor
+    // when a run resumes from it, not trained on and later called "the last good checkpoint".
+    let newest = std::fs::read_dir(dir.join("z"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("ckpt-")
+        })
+        .max()
+        .expect("the diverging run wrote checkpoints");
+    let weights = newest.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let at = bytes.len() - 4;
+    bytes[at..].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&weights, bytes).unwrap();
+    let out = fugu(
+        &[
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            &data,
+            "--out",
+            "z",
+            "--lr",
+            "1e12",
+            "--min-lr",
+            "1e12",
+            "--grad-clip",
+            "0",
+            "--ckpt-every",
+            "1",
+            "--resume",
+            "auto",
+            "--steps",
+            "20",
+        ],
+        &dir,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("holds non-finite values")
+            && err.contains("tensor `"),
+        "{err}"
+    );
+    assert!(!err.contains("last good"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

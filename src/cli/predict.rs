@@ -173,16 +173,41 @@ pub fn run(args: PredictArgs) -> Result<()> {
         bail!("--nodes: give node counts of at least 1");
     }
     let seq_len = args.seq_len.unwrap_or(cfg.train.seq_len);
+    if seq_len == 0 || seq_len > cfg.model.n_positions {
+        bail!(
+            "--seq-len {seq_len}: expected 1 to {} (the model's n_positions)",
+            cfg.model.n_positions
+        );
+    }
+    if args.batch == Some(0) {
+        bail!("--batch 0: expected at least 1 sequence per step");
+    }
+    if args.micro_batches == 0 {
+        bail!("--micro-batches 0: expected at least 1");
+    }
+    let model_parallel = args
+        .tp
+        .checked_mul(args.pp)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--tp {} x --pp {}: expected positive degrees whose product fits",
+                args.tp,
+                args.pp
+            )
+        })?;
     let dp_of = |nodes: usize| -> Result<usize> {
-        let world = nodes * rpn;
-        if !world.is_multiple_of(args.tp * args.pp) || args.tp * args.pp == 0 {
+        let world = nodes.checked_mul(rpn).ok_or_else(|| {
+            anyhow::anyhow!("{nodes} node(s) x {rpn} ranks per node: too many ranks to count")
+        })?;
+        if !world.is_multiple_of(model_parallel) {
             bail!(
                 "{nodes} node(s) x {rpn} ranks = {world} ranks is not a multiple of tp {} x pp {}",
                 args.tp,
                 args.pp
             );
         }
-        let auto = world / (args.tp * args.pp);
+        let auto = world / model_parallel;
         if args.dp == "auto" {
             return Ok(auto);
         }
@@ -201,7 +226,15 @@ pub fn run(args: PredictArgs) -> Result<()> {
     };
     let global_batch = match args.batch {
         Some(b) => b,
-        None => cfg.train.batch_size * dp_of(args.nodes[0])?,
+        None => cfg
+            .train
+            .batch_size
+            .checked_mul(dp_of(args.nodes[0])?)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "the global batch (batch size x dp) is too large to count: give --batch"
+                )
+            })?,
     };
     let w = Workload {
         model: cfg.model.clone(),

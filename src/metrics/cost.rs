@@ -24,7 +24,8 @@ pub struct GemmShape {
 impl GemmShape {
     /// FLOPs of the whole batch.
     pub fn flops(&self) -> f64 {
-        2.0 * (self.m * self.n * self.k * self.batch) as f64
+        // In f64: a layout of a billion ranks overflows the integer product.
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64 * self.batch as f64
     }
 
     /// The shape in `--shape` syntax (what `parse_shape` reads back).

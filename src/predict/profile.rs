@@ -110,6 +110,11 @@ impl Profile {
         }
         self.network.intra.validate("network.intra")?;
         self.network.inter.validate("network.inter")?;
+        if let Some(g) = self.network.reduce_gbs {
+            if !(g > 0.0 && g.is_finite()) {
+                bail!("network.reduce_gbs = {g}: expected a positive number (GB/s a rank reduces at), or leave it out for a free reduction");
+            }
+        }
         GemmRates(self.compute.gemm.clone()).validate()?;
         if !self.compute.gemm.is_empty() && self.compute.reference.is_none() {
             bail!("[[compute.gemm]] rates scale a reference run's GEMM times: they need [compute.reference]");
@@ -122,6 +127,20 @@ impl Profile {
             (None, Some(r)) => {
                 if r.ops_ms.is_empty() || r.batch_per_rank == 0 || r.threads_per_rank == 0 {
                     bail!("compute.reference: needs ops_ms, batch_per_rank ≥ 1 and threads_per_rank ≥ 1");
+                }
+                if r.seq_len == 0 || r.micro_batches == 0 {
+                    bail!("compute.reference: seq_len and micro_batches must be at least 1");
+                }
+                for (op, ms) in &r.ops_ms {
+                    if !(*ms >= 0.0 && ms.is_finite()) {
+                        bail!("compute.reference.ops_ms.{op} = {ms}: expected a finite time ≥ 0 (ms per step)");
+                    }
+                }
+                if !(r.step_ms >= 0.0 && r.step_ms.is_finite()) {
+                    bail!(
+                        "compute.reference.step_ms = {}: expected a finite time ≥ 0",
+                        r.step_ms
+                    );
                 }
                 Ok(())
             }

@@ -202,12 +202,22 @@ pub fn check_layout(w: &Workload, l: &Layout) -> Result<Grid> {
     Ok(grid)
 }
 
-/// The nodes world ranks `ranks` sit on (block placement: rank r on node r / ranks_per_node).
-fn nodes_spanned(ranks: impl Iterator<Item = usize>, ranks_per_node: usize) -> usize {
-    ranks
-        .map(|r| r / ranks_per_node)
-        .collect::<std::collections::BTreeSet<_>>()
-        .len()
+/// The number of nodes the world ranks `start + i·stride` (i < `count`) sit on (block placement:
+/// rank r on node r / ranks_per_node).
+fn nodes_spanned(start: usize, stride: usize, count: usize, ranks_per_node: usize) -> usize {
+    // Ranks `start + i·stride`, i < count, on nodes of `ranks_per_node` consecutive ranks:
+    // a stride of a node or more puts every rank on its own node; a shorter one cannot skip a
+    // node, so the ranks cover every node from the first rank's to the last's. Arithmetic, not a
+    // list: a million-node layout has a million data-parallel ranks.
+    if count == 0 {
+        return 0;
+    }
+    let rpn = ranks_per_node.max(1);
+    if stride >= rpn {
+        return count;
+    }
+    let last = start + (count - 1) * stride;
+    last / rpn - start / rpn + 1
 }
 
 /// What every stage's prediction shares: the workload, the layout, the machine, the
@@ -451,11 +461,11 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         mb: l.micro_batch_size(w),
         tp_group: Group {
             ranks: l.tp,
-            nodes: nodes_spanned((0..l.tp).map(|t| grid.world_rank_of(0, 0, t)), rpn),
+            nodes: nodes_spanned(grid.world_rank_of(0, 0, 0), 1, l.tp, rpn),
         },
         dp_group: Group {
             ranks: l.dp,
-            nodes: nodes_spanned((0..l.dp).map(|d| grid.world_rank_of(0, d, 0)), rpn),
+            nodes: nodes_spanned(grid.world_rank_of(0, 0, 0), l.tp, l.dp, rpn),
         },
         next_stage_across: l.pp > 1 && grid.world_rank_of(1, 0, 0) / rpn != 0,
         last_stage_across: grid.world_rank_of(l.pp - 1, 0, 0) / rpn != 0,
@@ -556,4 +566,30 @@ fn memory_gib(
     let acts = in_flight * 4 * (acts.total() + stats.total());
     let bytes = 8 * params + 8 * owned + acts + 4 * grad.total();
     bytes as f64 / (1u64 << 30) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nodes_spanned;
+
+    /// The arithmetic count equals the count of a listed set, for strides below, at and above a
+    /// node, and it answers for a billion ranks without listing them.
+    #[test]
+    fn nodes_spanned_counts_without_listing_ranks() {
+        for rpn in 1..7 {
+            for start in 0..9 {
+                for stride in 1..10 {
+                    for count in 0..12 {
+                        let listed = (0..count)
+                            .map(|i| (start + i * stride) / rpn)
+                            .collect::<std::collections::BTreeSet<_>>()
+                            .len();
+                        assert_eq!(nodes_spanned(start, stride, count, rpn), listed);
+                    }
+                }
+            }
+        }
+        assert_eq!(nodes_spanned(0, 1, 4_000_000_000, 48), 83_333_334);
+        assert_eq!(nodes_spanned(0, 48, 1_000_000_000, 48), 1_000_000_000);
+    }
 }

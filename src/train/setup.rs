@@ -492,6 +492,27 @@ fn output_dir(opts: &TrainOptions, dist: &Dist) -> Result<PathBuf> {
 /// Loads the model's starting point: a checkpoint (parameters and AdamW moments), a Hugging
 /// Face directory (`--init-from`, parameters only) or the seeded random init. Returns how, for
 /// the header.
+/// Reads one tensor of a checkpoint, refusing NaN or infinite values by tensor and folder: a
+/// diverged run's checkpoint would train on as NaN (and be reported as the last good one).
+fn read_finite(
+    hf: &checkpoint::HfModel,
+    table: &Table,
+    spec: &TensorSpec,
+    out: &mut [f32],
+    dir: &Path,
+) -> Result<()> {
+    hf.read_tensor(table, &spec.name, out)?;
+    if let Some(x) = out.iter().find(|x| !x.is_finite()) {
+        bail!(
+            "{}: tensor `{}` holds non-finite values ({x}): the run diverged before this \
+             checkpoint; resume from an earlier one (--resume PATH)",
+            dir.display(),
+            spec.name
+        );
+    }
+    Ok(())
+}
+
 fn initialise<B: Backend>(
     model: &mut dyn Model<B>,
     full_table: &Table,
@@ -512,7 +533,7 @@ fn initialise<B: Backend>(
         layout::load_tensors(
             model,
             full_table,
-            &mut |s, out| hf.read_tensor(full_table, &s.name, out),
+            &mut |s, out| read_finite(&hf, full_table, s, out, ck),
             Some([&mut m, &mut v]),
         )?;
         return Ok(format!("resumed from {}", ck.display()));
@@ -532,7 +553,7 @@ fn initialise<B: Backend>(
         layout::load_tensors(
             model,
             full_table,
-            &mut |s, out| hf.read_tensor(full_table, &s.name, out),
+            &mut |s, out| read_finite(&hf, full_table, s, out, dir),
             None,
         )?;
         return Ok(format!("initialised from {}", dir.display()));
