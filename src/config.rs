@@ -47,6 +47,13 @@ impl Arch {
     }
 }
 
+/// Largest model width, head count, head size, MLP width or context a config may give.
+pub const MAX_DIM: usize = 1 << 20;
+/// Most transformer blocks a config may give.
+pub const MAX_LAYERS: usize = 10_000;
+/// Most weights a model may have (10¹³: 40 TB in f32, beyond any machine fugu runs on).
+pub const MAX_PARAMS: f64 = 1e13;
+
 /// A model's shape: the architecture and its dimensions.
 ///
 /// The fields after `n_layer` are the Llama family's (absent for GPT-2, whose files then read
@@ -191,6 +198,46 @@ impl ModelConfig {
             .collect()
     }
 
+    /// Refuses shapes beyond any machine fugu runs on before a table of them is built (a
+    /// `--set model.n_layer=2147483648` would list two billion layers' tensors): each size
+    /// within [`MAX_DIM`] (layers within [`MAX_LAYERS`]), and the weights, counted in f64 so that
+    /// nothing overflows, at most [`MAX_PARAMS`].
+    fn check_scale(&self) -> Result<()> {
+        let m = self;
+        for (name, v) in [
+            ("model.n_positions", m.n_positions),
+            ("model.n_embd", m.n_embd),
+            ("model.n_head", m.n_head),
+            ("model.n_kv_head", m.kv_heads()),
+            ("model.head_dim", m.head_dim.unwrap_or(1)),
+            ("model.intermediate_size", m.intermediate_size.unwrap_or(1)),
+        ] {
+            if v > MAX_DIM {
+                bail!("{name} = {v}: expected at most {MAX_DIM}");
+            }
+        }
+        if m.n_layer > MAX_LAYERS {
+            bail!(
+                "model.n_layer = {}: expected at most {MAX_LAYERS}",
+                m.n_layer
+            );
+        }
+        let (e, l) = (m.n_embd as f64, m.n_layer as f64);
+        let attn = (m.n_head + 2 * m.kv_heads()) as f64 * m.head_size() as f64 * e * 2.0;
+        let mlp = 3.0 * e * m.mlp_width() as f64;
+        let params = l * (attn + mlp) + 2.0 * m.vocab_size as f64 * e + m.n_positions as f64 * e;
+        if params > MAX_PARAMS {
+            bail!(
+                "model: about {params:.3e} weights (n_layer {}, n_embd {}, vocab {}): more than \
+                 fugu can hold ({MAX_PARAMS:.0e})",
+                m.n_layer,
+                m.n_embd,
+                m.vocab_size
+            );
+        }
+        Ok(())
+    }
+
     /// Checks the shape: sizes at least 1, heads that divide what they split, and only the
     /// fields the architecture has; errors name the field (`model.` + its name).
     pub fn validate(&self) -> Result<()> {
@@ -213,6 +260,7 @@ impl ModelConfig {
         if m.vocab_size > u32::MAX as usize / 2 {
             bail!("model.vocab_size = {} is too large", m.vocab_size);
         }
+        m.check_scale()?;
         match m.arch {
             Arch::Gpt2 => {
                 if let Some(f) = m.llama_fields_set().first() {
