@@ -2202,12 +2202,14 @@ fn slurm_sweep_trains_benchmarks_and_reports() {
     assert!(svgs >= 1, "no SVG chart in {}", report.display());
 }
 
-/// The pre-timeout path: SIGUSR1 to the batch shell (what `--signal=B:USR1@120` sends) is
-/// forwarded through mpirun to both ranks, which checkpoint and exit 4; the job resubmits
-/// itself and the continuation resumes at the checkpointed step and finishes.
+/// The stop path through mpirun: SIGTERM to the batch shell (what Slurm sends at the limit, or
+/// `scancel`) reaches both ranks as SIGUSR1 (the script converts it: on SIGTERM Open MPI's
+/// mpirun ends the job itself with exit 1), and they checkpoint and exit 4; the job resubmits
+/// itself and the continuation resumes at the checkpointed step and finishes. SIGUSR1 (what
+/// `--signal=B:USR1@120` sends) takes the same path from the forward on.
 #[test]
-fn slurm_usr1_checkpoints_exits_4_and_the_resubmitted_job_resumes() {
-    if !gated("slurm_usr1_checkpoints_exits_4_and_the_resubmitted_job_resumes") {
+fn slurm_sigterm_reaches_the_ranks_as_usr1_exits_4_and_the_resubmitted_job_resumes() {
+    if !gated("slurm_sigterm_reaches_the_ranks_as_usr1_exits_4_and_the_resubmitted_job_resumes") {
         return;
     }
     let dir = tmp("slurm-usr1");
@@ -2251,14 +2253,18 @@ fn slurm_usr1_checkpoints_exits_4_and_the_resubmitted_job_resumes() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let out = Command::new("scancel")
-        .args(["--batch", "--signal=USR1", &jid])
+        .args(["--batch", "--signal=TERM", &jid])
         .envs(slurm_env())
         .output()
         .unwrap();
     assert!(out.status.success(), "scancel: {}", text(&out));
     let (state, code) = wait_job(&jid, 120);
     let log = read(&dir.join(format!("fugu-train-{jid}.out")));
-    assert!(log.contains("got SIGUSR1: forwarding"), "{log}");
+    assert!(
+        log.contains("got SIGTERM: sending SIGUSR1 to mpirun"),
+        "{log}"
+    );
+    assert!(log.contains("received SIGUSR1"), "{log}");
     assert_eq!((state.as_str(), code), ("FAILED", 4), "{log}");
     let jobs = read(&run.join("jobs.log"));
     let next = jobs

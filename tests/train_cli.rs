@@ -874,6 +874,8 @@ fn deadline_and_signal_stop_with_a_checkpoint_and_resume_exactly() {
     } else {
         assert_eq!(out.status.code(), Some(4), "{err}");
         assert!(err.contains("received SIGUSR1"), "{err}");
+        // Said the moment the signal arrived, before the step ended.
+        assert!(err.contains("fugu: SIGUSR1: finishing this step"), "{err}");
         ok(&run(&["--out", "cut", "--resume", "auto"]));
     }
     let full = losses(&dir.join("full"));

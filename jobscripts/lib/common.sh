@@ -191,11 +191,15 @@ fugu_job_record() {
 # fugu_run_forwarding CMD...: runs CMD (the MPI launcher) in the background and waits for it.
 # SIGUSR1, SIGUSR2, SIGTERM and SIGINT sent to this batch shell are passed on to CMD (mpirun,
 # mpiexec and srun all forward them to every rank): the trainer checkpoints and exits with 4.
+# Open MPI's mpirun is sent SIGUSR1 for SIGTERM and SIGINT: it forwards SIGUSR1 and waits for
+# the ranks, while on SIGTERM/SIGINT it ends the job itself (exit 1, the ranks' last messages
+# lost, the checkpoint at the mercy of its kill timeout; measured with Open MPI 4.1).
 # The launcher's exit status ends up in FUGU_RC. FUGU_SIGNAL_FORWARD_CMD, when set, is run
 # instead of `kill -SIG PID` (its first argument is the signal name).
 fugu_run_forwarding() {
   FUGU_RC=0
   command -v "$1" >/dev/null 2>&1 || fugu_die "$1 not found in PATH (the MPI launcher of this job)"
+  FUGU_LAUNCHER_NAME=$(basename -- "$1")
   "$@" &
   FUGU_LAUNCHER_PID=$!
   local sig
@@ -217,13 +221,19 @@ fugu_run_forwarding() {
 }
 
 fugu_forward_signal() {
-  fugu_log "batch shell got SIG$1: forwarding it to the launcher (pid $FUGU_LAUNCHER_PID)"
+  local sig=$1
+  if [ "${FUGU_LAUNCHER_NAME:-}" = mpirun ] && { [ "$sig" = TERM ] || [ "$sig" = INT ]; }; then
+    sig=USR1
+    fugu_log "batch shell got SIG$1: sending SIGUSR1 to mpirun (pid $FUGU_LAUNCHER_PID), which passes it to the ranks (on SIG$1 it would end the job itself)"
+  else
+    fugu_log "batch shell got SIG$1: forwarding it to the launcher (pid $FUGU_LAUNCHER_PID)"
+  fi
   if [ -n "${FUGU_SIGNAL_FORWARD_CMD:-}" ]; then
     local cmd=()
     read -r -a cmd <<<"$FUGU_SIGNAL_FORWARD_CMD"
-    "${cmd[@]}" "$1" || fugu_log "'$FUGU_SIGNAL_FORWARD_CMD $1' failed"
+    "${cmd[@]}" "$sig" || fugu_log "'$FUGU_SIGNAL_FORWARD_CMD $sig' failed"
   else
-    kill -s "$1" "$FUGU_LAUNCHER_PID" 2>/dev/null || fugu_log "the launcher is already gone"
+    kill -s "$sig" "$FUGU_LAUNCHER_PID" 2>/dev/null || fugu_log "the launcher is already gone"
   fi
 }
 

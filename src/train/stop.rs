@@ -6,22 +6,45 @@
 //! and exit with [`super::EXIT_CHECKPOINTED`].
 
 use anyhow::{bail, Result};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The last stop signal received (0 = none).
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
 
-extern "C" fn on_signal(sig: libc::c_int) {
-    // Only an atomic swap and `_exit`: both async-signal-safe.
-    if SIGNALLED.swap(sig, Ordering::SeqCst) == libc::SIGINT && sig == libc::SIGINT {
-        // SAFETY: `_exit` is async-signal-safe; a second Ctrl-C means "quit now".
-        unsafe { libc::_exit(130) };
+/// Whether this process says, the moment the first stop signal arrives, what happens next
+/// (rank 0 only: every rank of an MPI job gets the signal).
+static ANNOUNCE: AtomicBool = AtomicBool::new(false);
+
+/// What the first stop signal starts, said at once: a step can take minutes, and a Ctrl-C
+/// that seems ignored gets pressed again.
+fn first_signal_message(sig: libc::c_int) -> &'static [u8] {
+    match sig {
+        libc::SIGINT => b"\nfugu: SIGINT: finishing this step, then writing a checkpoint and exiting (code 4); press Ctrl-C again to quit at once without one\n",
+        libc::SIGTERM => b"\nfugu: SIGTERM: finishing this step, then writing a checkpoint and exiting (code 4)\n",
+        _ => b"\nfugu: SIGUSR1: finishing this step, then writing a checkpoint and exiting (code 4)\n",
     }
 }
 
-/// Installs the SIGUSR1, SIGTERM and SIGINT handlers.
-pub fn install_handlers() {
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Only an atomic swap, `write` and `_exit`: all async-signal-safe.
+    let before = SIGNALLED.swap(sig, Ordering::SeqCst);
+    if before == libc::SIGINT && sig == libc::SIGINT {
+        // SAFETY: `_exit` is async-signal-safe; a second Ctrl-C means "quit now".
+        unsafe { libc::_exit(130) };
+    }
+    if before == 0 && ANNOUNCE.load(Ordering::SeqCst) {
+        let msg = first_signal_message(sig);
+        // SAFETY: `write` is async-signal-safe; the buffer is a static byte string of that
+        // length. A failed write is ignored (nothing else could be done here).
+        unsafe { libc::write(2, msg.as_ptr() as *const libc::c_void, msg.len()) };
+    }
+}
+
+/// Installs the SIGUSR1, SIGTERM and SIGINT handlers; `announce`: this process prints, on the
+/// first of them, what happens next.
+pub fn install_handlers(announce: bool) {
+    ANNOUNCE.store(announce, Ordering::SeqCst);
     for sig in [libc::SIGUSR1, libc::SIGTERM, libc::SIGINT] {
         // SAFETY: `on_signal` is an `extern "C"` function that only stores to an atomic, which
         // is async-signal-safe; `signal` is called before any other thread could race on the

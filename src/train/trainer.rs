@@ -146,7 +146,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
     /// model on `backend`, its initial state, data, and the run header.
     pub fn setup(mut opts: TrainOptions, dist: &'d mut Dist, backend: B) -> Result<Self> {
         let threads = set_threads(opts.threads)?;
-        stop::install_handlers();
+        stop::install_handlers(dist.is_root());
         let watch = stop::StopWatch::new(
             stop::find_deadline(opts.deadline.as_deref())?,
             std::time::Duration::from_secs_f64(opts.deadline_margin.max(0.0)),
