@@ -242,9 +242,16 @@ fn set_values(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
     }
 }
 
-/// Mutated copies of every shipped config.
-fn config_texts(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+/// `cases` mutated copies (one to three edits each) of the files in the repository folder
+/// `folder`, each given to `check` under `section`.
+fn mutated_files(
+    rng: &mut Rng,
+    cases: usize,
+    failures: &mut Vec<String>,
+    (section, folder): (&str, &str),
+    check: impl Fn(&str),
+) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(folder);
     let mut texts: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
@@ -255,37 +262,30 @@ fn config_texts(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
         for _ in 0..1 + rng.below(3) {
             text = mutate(rng, &text);
         }
-        failures.extend(no_panic("config", &text, || {
-            if let Ok(cfg) = RunConfig::parse(&text, "fuzz.toml") {
-                if cfg.validate().is_ok() {
-                    let _ = fugu::model::registry::full_params(&cfg.model);
-                }
-            }
-        }));
+        failures.extend(no_panic(section, &text, || check(&text)));
     }
+}
+
+/// Mutated copies of every shipped config.
+fn config_texts(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
+    mutated_files(rng, cases, failures, ("config", "configs"), |text| {
+        if let Ok(cfg) = RunConfig::parse(text, "fuzz.toml") {
+            if cfg.validate().is_ok() {
+                let _ = fugu::model::registry::full_params(&cfg.model);
+            }
+        }
+    });
 }
 
 /// Mutated copies of the shipped machine profiles, through the checks `fugu predict` makes.
 fn profiles(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles");
-    let mut texts: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
-        .collect();
-    texts.sort();
-    for i in 0..cases {
-        let mut text = texts[i % texts.len()].clone();
-        for _ in 0..1 + rng.below(3) {
-            text = mutate(rng, &text);
-        }
-        failures.extend(no_panic("profile", &text, || {
-            if let Ok(p) = toml::from_str::<Profile>(&text) {
-                if p.validate().is_ok() {
-                    let _ = p.machine();
-                }
+    mutated_files(rng, cases, failures, ("profile", "profiles"), |text| {
+        if let Ok(p) = toml::from_str::<Profile>(text) {
+            if p.validate().is_ok() {
+                let _ = p.machine();
             }
-        }));
-    }
+        }
+    });
 }
 
 /// A manifest as `fugu prepare` writes one, mutated.

@@ -490,28 +490,26 @@ fn bad_input_is_a_clear_error() {
 
     // A diverging run stops at the first non-finite loss with its own exit code and keeps
     // only complete checkpoints.
-    let out = fugu(
-        &[
-            "train",
-            "--config",
-            "small.toml",
-            "--data",
-            &data,
-            "--out",
-            "z",
-            "--lr",
-            "1e12",
-            "--min-lr",
-            "1e12",
-            "--grad-clip",
-            "0",
-            "--steps",
-            "20",
-            "--ckpt-every",
-            "1",
-        ],
-        &dir,
-    );
+    let diverging = [
+        "train",
+        "--config",
+        "small.toml",
+        "--data",
+        &data,
+        "--out",
+        "z",
+        "--lr",
+        "1e12",
+        "--min-lr",
+        "1e12",
+        "--grad-clip",
+        "0",
+        "--steps",
+        "20",
+        "--ckpt-every",
+        "1",
+    ];
+    let out = fugu(&diverging, &dir);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(err.contains("non-finite"), "{err}");
@@ -545,30 +543,7 @@ fn bad_input_is_a_clear_error() {
     let at = bytes.len() - 4;
     bytes[at..].copy_from_slice(&f32::NAN.to_le_bytes());
     std::fs::write(&weights, bytes).unwrap();
-    let out = fugu(
-        &[
-            "train",
-            "--config",
-            "small.toml",
-            "--data",
-            &data,
-            "--out",
-            "z",
-            "--lr",
-            "1e12",
-            "--min-lr",
-            "1e12",
-            "--grad-clip",
-            "0",
-            "--ckpt-every",
-            "1",
-            "--resume",
-            "auto",
-            "--steps",
-            "20",
-        ],
-        &dir,
-    );
+    let out = fugu(&[&diverging[..], &["--resume", "auto"]].concat(), &dir);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success()
