@@ -377,11 +377,13 @@ fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
     let n_ic = m.div_ceil(mc);
     let kc = blk.kc;
     let k_blocks = k.div_ceil(kc);
+    // Words of a packed Ã block of `rows` rows and `kcur` elements of k, and of all k blocks.
+    let a_block_words =
+        |rows: usize, kcur: usize| fmt.operand.panel_words(Side::A, kcur, mr) * rows.div_ceil(mr);
     let a_words = |rows: usize| {
         (0..k_blocks)
-            .map(|b| fmt.operand.panel_words(Side::A, kc.min(k - b * kc), mr))
+            .map(|b| a_block_words(rows, kc.min(k - b * kc)))
             .sum::<usize>()
-            * rows.div_ceil(mr)
     };
     let keep_a = a_words(mc) * 4 <= KEEP_A_BYTES;
     // Column chunks: within nc, at least one tile per member (as the static split had), and
@@ -408,8 +410,7 @@ fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
         let tile = p.rows(ic, mcur).cols(jc, ncur);
         if !keep_a {
             return run_block(ctx, &blk, tile, |pc, kcur, f| {
-                let aw = fmt.operand.panel_words(Side::A, kcur, mr);
-                with_thread_a(aw * mcur.div_ceil(mr), |ap| {
+                with_thread_a(a_block_words(mcur, kcur), |ap| {
                     pack_panels(fmt, Side::A, ap, tile.a.block(0, pc, mcur, kcur), mr);
                     f(ap)
                 })
@@ -422,7 +423,7 @@ fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
                 let mut at = 0;
                 for pc in (0..k).step_by(kc) {
                     let kcur = kc.min(k - pc);
-                    let len = fmt.operand.panel_words(Side::A, kcur, mr) * mcur.div_ceil(mr);
+                    let len = a_block_words(mcur, kcur);
                     pack_panels(
                         fmt,
                         Side::A,
@@ -436,7 +437,7 @@ fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
             }
             let mut at = 0;
             run_block(ctx, &blk, tile, |_, kcur, f| {
-                let len = fmt.operand.panel_words(Side::A, kcur, mr) * mcur.div_ceil(mr);
+                let len = a_block_words(mcur, kcur);
                 at += len;
                 f(&ap[at - len..at])
             });
