@@ -520,7 +520,7 @@ pub struct RunConfig {
 }
 
 /// Configs shipped with fugu, by name.
-pub const BUILTIN: [(&str, &str); 11] = [
+pub const BUILTIN: [(&str, &str); 13] = [
     ("gpt2-tiny-4k", include_str!("../configs/gpt2-tiny-4k.toml")),
     ("gpt2-tiny", include_str!("../configs/gpt2-tiny.toml")),
     ("gpt2-124m", include_str!("../configs/gpt2-124m.toml")),
@@ -528,6 +528,11 @@ pub const BUILTIN: [(&str, &str); 11] = [
     ("gpt2-774m", include_str!("../configs/gpt2-774m.toml")),
     ("gpt2-1.5b", include_str!("../configs/gpt2-1.5b.toml")),
     ("gpt-1.3b", include_str!("../configs/gpt-1.3b.toml")),
+    ("gpt-30b", include_str!("../configs/gpt-30b.toml")),
+    (
+        "fugaku-llm-13b",
+        include_str!("../configs/fugaku-llm-13b.toml"),
+    ),
     (
         "llama-tiny-4k",
         include_str!("../configs/llama-tiny-4k.toml"),

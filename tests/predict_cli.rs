@@ -441,3 +441,91 @@ fn predictions_are_charted_by_fugu_report() {
         );
     }
 }
+
+/// Memory is the fullest pipeline stage's (1F1B keeps `p − s` micro-batches in flight on stage
+/// `s`), against the layout's own ranks per node; `--recompute` trades time for memory; a
+/// layout that does not fit is named on stderr and fails unless allowed.
+#[test]
+fn memory_is_the_fullest_stage_and_a_layout_that_does_not_fit_fails() {
+    let fugaku = repo("profiles/fugaku.toml");
+    // The published 30B layout: TP 4 x PP 48, one rank per node, 1024 micro-batches of 1.
+    let thirty = [
+        "--profile",
+        fugaku.as_str(),
+        "--config",
+        "gpt-30b",
+        "--tp",
+        "4",
+        "--pp",
+        "48",
+        "--ranks-per-node",
+        "1",
+        "--threads",
+        "48",
+        "--nodes",
+        "192",
+        "--batch",
+        "1024",
+        "--micro-batch-size",
+        "1",
+    ];
+    let mut a = vec!["predict"];
+    a.extend_from_slice(&thirty);
+    let o = fugu(&a);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("pipeline stage 0 needs") && e.contains("32.00 GiB available"),
+        "{e}"
+    );
+    assert!(e.contains("--allow-oversubscribed-memory"), "{e}");
+    let mut allowed = thirty.to_vec();
+    allowed.push("--allow-oversubscribed-memory");
+    let p = &predictions(&allowed)[0];
+    // Stage 0 holds 48 micro-batches' activations of one block; the last stage one
+    // micro-batch's plus the LM head: the first is the fullest, and over 32 GiB.
+    assert_eq!(p["memory_stage"], 0);
+    let mem = p["memory_gib_per_rank"].as_f64().unwrap();
+    assert!(mem > 32.0 && !p["fits"].as_bool().unwrap(), "{p}");
+
+    // 1.3B on one node as one rank: the whole node's 32 GiB is that rank's (the profile's
+    // default of 4 ranks per node would give it 8).
+    let one = |extra: &[&str]| {
+        let mut a = vec![
+            "--profile",
+            fugaku.as_str(),
+            "--config",
+            "gpt-1.3b",
+            "--ranks-per-node",
+            "1",
+            "--threads",
+            "48",
+            "--batch",
+            "8",
+            "--micro-batch-size",
+            "2",
+        ];
+        a.extend_from_slice(extra);
+        predictions(&a)[0].clone()
+    };
+    let plain = one(&[]);
+    assert!(plain["fits"].as_bool().unwrap(), "{plain}");
+    assert_eq!(plain["memory_gib_available"].as_f64(), Some(32.0));
+    // Recomputation: less memory, more time (attention: the scores and softmax again; full:
+    // every block's forward pass but the last again, about a third more compute).
+    let att = one(&["--recompute", "attention"]);
+    let full = one(&["--recompute", "full"]);
+    let mem = |p: &Value| p["memory_gib_per_rank"].as_f64().unwrap();
+    let step = |p: &Value| p["step_ms"].as_f64().unwrap();
+    assert!(mem(&full) < mem(&att) && mem(&att) < mem(&plain));
+    assert!(step(&plain) < step(&att) && step(&att) < step(&full));
+    let extra = step(&full) / step(&plain) - 1.0;
+    assert!((0.25..0.34).contains(&extra), "full recompute adds {extra}");
+    assert!(full["timers_ms"]["backward:recompute"].as_f64().unwrap() > 0.0);
+    assert!(
+        att["timers_ms"]["backward:attention:recompute"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+}

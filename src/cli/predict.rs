@@ -61,6 +61,14 @@ pub struct PredictArgs {
     /// (Megatron's FLOPs formula), replacing the profile's compute section.
     #[arg(long, value_name = "TFLOPS")]
     pub tflops_per_node: Option<f64>,
+    /// Activations the backward pass recomputes instead of keeping (as `fugu train
+    /// --recompute`): costs time, saves memory.
+    #[arg(long, value_enum, default_value = "none")]
+    pub recompute: crate::model::acts::Recompute,
+    /// Print layouts that do not fit in memory and exit 0 (otherwise such a layout is named on
+    /// stderr and the exit status is 1).
+    #[arg(long)]
+    pub allow_oversubscribed_memory: bool,
     /// Output format.
     #[arg(long, default_value = "table", value_parser = ["table", "json"])]
     pub format: String,
@@ -240,6 +248,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
         model: cfg.model.clone(),
         seq_len,
         global_batch,
+        recompute: args.recompute,
     };
     let mut out = Vec::new();
     let mut unmeasured = std::collections::BTreeSet::new();
@@ -287,33 +296,62 @@ pub fn run(args: PredictArgs) -> Result<()> {
             predictions: &out,
         };
         println!("{}", serde_json::to_string_pretty(&o)?);
-        return Ok(());
+    } else {
+        println!(
+            "# fugu predict: {} (T = {seq_len}, global batch {global_batch}, recompute {}) on profile '{}'{}",
+            args.config,
+            args.recompute.name(),
+            profile.machine.name,
+            if profile.machine.estimate {
+                " (estimates from published figures)"
+            } else {
+                ""
+            }
+        );
+        print!("{}", format_table(&out));
+        println!("{TABLE_UNITS}");
     }
-    println!(
-        "# fugu predict: {} (T = {seq_len}, global batch {global_batch}) on profile '{}'{}",
-        args.config,
-        profile.machine.name,
-        if profile.machine.estimate {
-            " (estimates from published figures)"
-        } else {
-            ""
-        }
-    );
-    print!("{}", format_table(&out));
-    println!("{TABLE_UNITS}");
+    check_memory(
+        &out,
+        profile.machine.memory_gib_per_node,
+        args.allow_oversubscribed_memory,
+    )
+}
+
+/// Names every layout that does not fit on stderr (which stage, how much, what a rank has);
+/// an error unless `allow` (`--allow-oversubscribed-memory`).
+pub fn check_memory(rows: &[Prediction], gib_per_node: f64, allow: bool) -> Result<()> {
+    let over: Vec<&Prediction> = rows.iter().filter(|p| !p.fits).collect();
+    for p in &over {
+        let l = &p.layout;
+        eprintln!(
+            "does not fit: {} node(s), tp {} x pp {} x dp {}: pipeline stage {} needs {:.2} GiB per rank, \
+             {:.2} GiB available ({gib_per_node} GiB per node / {} ranks per node)",
+            l.nodes, l.tp, l.pp, l.dp, p.memory_stage, p.memory_gib_per_rank, p.memory_gib_available,
+            l.ranks_per_node
+        );
+    }
+    if !over.is_empty() && !allow {
+        bail!(
+            "{} layout(s) do not fit in memory (above): use fewer ranks per node, more tensor or \
+             pipeline parallelism, --zero 1, --recompute attention|full or a smaller micro-batch; \
+             --allow-oversubscribed-memory prints them without failing",
+            over.len()
+        );
+    }
     Ok(())
 }
 
 /// What the table's columns measure, printed under it.
 pub const TABLE_UNITS: &str = "# units: step ms and its parts (compute, tp comm, dp comm, pp = \
 pipeline bubble and transfers, optim) in milliseconds per step; tokens/s for the whole job; \
-TF/node = TFLOP/s per node (model FLOPs); %peak of the FP32 peak; GiB/rank = memory per rank; \
-fits = within the node's memory";
+TF/node = TFLOP/s per node (model FLOPs); %peak of the FP32 peak; GiB/rank = memory per rank of \
+the fullest pipeline stage, stage = which; fits = within the node's memory over its ranks";
 
 /// The prediction table: one line per node count, the step's parts in ms.
 pub fn format_table(rows: &[Prediction]) -> String {
     let mut s = format!(
-        "{:>6} {:>6} {:>9} {:>10} {:>10} {:>8} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>4}\n",
+        "{:>6} {:>6} {:>9} {:>10} {:>10} {:>8} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>5} {:>4}\n",
         "nodes",
         "ranks",
         "tp/pp/dp",
@@ -327,6 +365,7 @@ pub fn format_table(rows: &[Prediction]) -> String {
         "pp",
         "optim",
         "GiB/rank",
+        "stage",
         "fits"
     );
     for p in rows {
@@ -341,7 +380,7 @@ pub fn format_table(rows: &[Prediction]) -> String {
         let compute = t("forward") + t("backward") - tp_comm;
         let l = &p.layout;
         s += &format!(
-            "{:>6} {:>6} {:>9} {:>10.1} {:>10.0} {:>8.3} {:>6.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>4}\n",
+            "{:>6} {:>6} {:>9} {:>10.1} {:>10.0} {:>8.3} {:>6.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>5} {:>4}\n",
             l.nodes,
             l.world(),
             format!("{}/{}/{}", l.tp, l.pp, l.dp),
@@ -355,6 +394,7 @@ pub fn format_table(rows: &[Prediction]) -> String {
             pp,
             t("optimizer"),
             p.memory_gib_per_rank,
+            p.memory_stage,
             if p.fits { "yes" } else { "NO" }
         );
     }
@@ -398,6 +438,7 @@ fn run_gemm_shapes(a: GemmShapesArgs) -> Result<()> {
                     model: cfg.model.clone(),
                     seq_len,
                     global_batch: mbs,
+                    recompute: Default::default(),
                 };
                 let l = Layout {
                     nodes: 1,

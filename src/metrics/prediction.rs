@@ -29,6 +29,12 @@ pub struct Prediction {
     /// Per-timer ms per step, the same names a run records (parents are the sums of their
     /// children), for the slowest pipeline stage.
     pub timers_ms: BTreeMap<String, f64>,
+    /// Memory per rank of the fullest pipeline stage (GiB), and which stage that is (0-based).
     pub memory_gib_per_rank: f64,
+    #[serde(default)]
+    pub memory_stage: usize,
+    /// What one rank may use: the node's memory over the layout's ranks per node (GiB).
+    #[serde(default)]
+    pub memory_gib_available: f64,
     pub fits: bool,
 }

@@ -28,6 +28,17 @@ pub enum Recompute {
     Full,
 }
 
+impl Recompute {
+    /// The name on the command line (`--recompute attention`), in the run header and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Attention => "attention",
+            Recompute::Full => "full",
+        }
+    }
+}
+
 /// What the forward pass keeps of attention for the backward pass (chosen per backend and
 /// compute type by each model, `FUGU_ATTENTION` overriding).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -168,7 +168,7 @@ impl Profile {
             network: self.network,
             cores_per_node: m.cores_per_node,
             peak_gflops_per_core: m.peak_gflops_per_core,
-            memory_gib_per_rank: m.memory_gib_per_node / m.ranks_per_node as f64,
+            memory_gib_per_node: m.memory_gib_per_node,
         }
     }
 }

@@ -26,6 +26,7 @@ use crate::metrics::cost::{CostModel, OpWork, Slice};
 use crate::metrics::ops::trainer::{grads, optimizer, phase, pipeline};
 pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{AttnKeep, Recompute, StepDims};
+use crate::model::decoder_ops::{backward as bwd, forward as fwd};
 use crate::model::registry;
 use crate::model::stage::Stage;
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
@@ -34,12 +35,14 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// What is trained: the model, the sequence length and the global batch (sequences per step).
+/// What is trained: the model, the sequence length, the global batch (sequences per step) and
+/// what the backward pass recomputes instead of keeping (`--recompute`: time and memory).
 #[derive(Clone, Debug)]
 pub struct Workload {
     pub model: ModelConfig,
     pub seq_len: usize,
     pub global_batch: usize,
+    pub recompute: Recompute,
 }
 
 impl Layout {
@@ -99,8 +102,8 @@ pub struct Machine {
     pub network: Network,
     pub cores_per_node: usize,
     pub peak_gflops_per_core: f64,
-    /// Memory one rank may use (GiB), for the fits check.
-    pub memory_gib_per_rank: f64,
+    /// Memory of one node (GiB): a layout's ranks on a node share it (the fits check).
+    pub memory_gib_per_node: f64,
 }
 
 /// The work of one compute op (by its forward timer name) in one pass of a micro-batch on one
@@ -257,17 +260,16 @@ impl StepCtx<'_> {
         };
         let net = self.m.network.oversubscribed(oversub);
         let mut t: BTreeMap<String, f64> = BTreeMap::new();
-        match &self.m.compute {
-            Compute::Reference { run, gemm } => {
-                self.scaled_reference(run, gemm, &s, params, owned, oversub, &mut t)?
+        for pass in [Pass::Forward, Pass::Backward] {
+            for (name, ms) in self.compute_ops(&s, pass, None, oversub) {
+                *t.entry(name.to_owned()).or_default() += ms;
             }
-            Compute::Rate {
-                model_tflops_per_node,
-            } => self.at_rate(*model_tflops_per_node, stage, oversub, &mut t),
         }
+        self.reference_rest(&s, params, owned, oversub, &mut t)?;
         if l.tp > 1 {
             self.tp_allreduces(&net, &s, &mut t);
         }
+        self.recomputation(&net, &s, oversub, &mut t);
         let fwd = sum_prefix(&t, "forward:");
         let bwd = sum_prefix(&t, "backward:");
         if l.pp > 1 {
@@ -280,64 +282,110 @@ impl StepCtx<'_> {
         t.insert(phase::BACKWARD.into(), bwd);
         let opt = sum_prefix(&t, "optimizer:");
         t.insert(phase::OPTIMIZER.into(), opt);
-        let mem = memory_gib(&w.model, w.seq_len, self.mb, l, stage, params, owned);
+        let mem = memory_gib(w, self.mb, l, stage, params, owned);
         Ok((t, mem))
     }
 
-    /// The reference run's per-op times, each scaled by the op's work here over there (for the
-    /// GEMMs with measured rates, their predicted time at each side's thread count, so only
-    /// the oversubscription is applied on top).
-    #[allow(clippy::too_many_arguments)]
-    fn scaled_reference(
+    /// The compute ops of `pass` on slice `s` (all of them, or those named in `only`), ms per
+    /// step: a reference run's per-op times, each scaled by the op's work here over there (for
+    /// the GEMMs with measured rates, their predicted time at each side's thread count, so
+    /// only the oversubscription is applied on top); or, at a rate, the slice's GEMM FLOPs as
+    /// one `compute` timer per pass.
+    fn compute_ops(
         &self,
-        r: &Reference,
-        gemm: &GemmRates,
+        s: &Slice,
+        pass: Pass,
+        only: Option<&[&str]>,
+        oversub: f64,
+    ) -> Vec<(&'static str, f64)> {
+        let l = self.l;
+        let (r, gemm) = match &self.m.compute {
+            Compute::Reference { run, gemm } => (run, gemm),
+            Compute::Rate {
+                model_tflops_per_node,
+            } => {
+                // Megatron's FLOPs (the unpadded vocabulary, the whole layer ÷ tp) at the rate.
+                let cost = registry::cost(s.model.arch);
+                let whole = Slice {
+                    tp: 1,
+                    vocab: s.model.vocab_size,
+                    ..*s
+                };
+                let flops: f64 = cost
+                    .ops
+                    .iter()
+                    .filter(|op| only.is_none_or(|o| o.contains(&op.forward)))
+                    .flat_map(|op| cost.gemms(op.forward, pass, &whole).unwrap_or_default())
+                    .map(|c| c.flops())
+                    .sum();
+                let per_rank = model_tflops_per_node * 1e12 / l.ranks_per_node as f64;
+                let ms = flops / l.tp as f64 * self.mbf() / per_rank * 1e3 * oversub;
+                let name = match pass {
+                    Pass::Forward => "forward:compute",
+                    Pass::Backward => "backward:compute",
+                };
+                return vec![(name, ms)];
+            }
+        };
+        let rs = reference_shape(r);
+        let rmb = r.micro_batches.max(1) as f64;
+        let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
+        let (cost, rcost) = (registry::cost(s.model.arch), registry::cost(r.model.arch));
+        let mut out = Vec::new();
+        for op in cost.ops {
+            if only.is_some_and(|o| !o.contains(&op.forward)) {
+                continue;
+            }
+            let Some(name) = op.name(pass) else {
+                continue;
+            };
+            let Some(&ms) = r.ops_ms.get(name) else {
+                continue;
+            };
+            // With measured rates a GEMM op's work is its time on each side's threads.
+            let op = op.forward;
+            let is_gemm = cost.gemms(op, pass, s).is_some();
+            let rates = (!gemm.0.is_empty() && is_gemm).then_some(gemm);
+            let wn = op_work(cost, (op, pass), s, rates.map(|g| (g, l.threads_per_rank)));
+            let wr = op_work(
+                rcost,
+                (op, pass),
+                &rs,
+                rates.map(|g| (g, r.threads_per_rank)),
+            );
+            let by = if rates.is_some() { oversub } else { scale };
+            let (wn, wr) = (wn.unwrap_or(0.0), wr.unwrap_or(0.0));
+            if wr > 0.0 && wn > 0.0 {
+                out.push((name, ms * (wn * self.mbf()) / (wr * rmb) * by));
+            }
+        }
+        out
+    }
+
+    /// What a reference run's named ops leave of `forward` and `backward` (scaled by tokens
+    /// and blocks), and its optimizer (the update by the parameters a rank owns, the clipping
+    /// by those it holds); at a rate, the optimizer is inside the rate.
+    fn reference_rest(
+        &self,
         s: &Slice,
         params: usize,
         owned: usize,
         oversub: f64,
         t: &mut BTreeMap<String, f64>,
     ) -> Result<()> {
-        let l = self.l;
-        let whole = Stage::whole(r.model.n_layer);
-        let rs = reference_shape(r);
-        let rmb = r.micro_batches.max(1) as f64;
-        let scale = r.threads_per_rank as f64 / l.threads_per_rank as f64 * oversub;
-        let (cost, rcost) = (registry::cost(s.model.arch), registry::cost(r.model.arch));
+        let Compute::Reference { run: r, .. } = &self.m.compute else {
+            return Ok(());
+        };
+        let scale = r.threads_per_rank as f64 / self.l.threads_per_rank as f64 * oversub;
         for (dir, pass) in [
             (phase::FORWARD, Pass::Forward),
             (phase::BACKWARD, Pass::Backward),
         ] {
-            let mut known = 0.0;
-            for op in cost.ops {
-                let Some(name) = op.name(pass) else {
-                    continue;
-                };
-                let Some(&ms) = r.ops_ms.get(name) else {
-                    continue;
-                };
-                known += ms;
-                // With measured rates a GEMM op's work is its time on each side's threads.
-                let op = op.forward;
-                let is_gemm = cost.gemms(op, pass, s).is_some();
-                let rates = (!gemm.0.is_empty() && is_gemm).then_some(gemm);
-                let (wn, wr) = (
-                    op_work(cost, (op, pass), s, rates.map(|g| (g, l.threads_per_rank))),
-                    op_work(
-                        rcost,
-                        (op, pass),
-                        &rs,
-                        rates.map(|g| (g, r.threads_per_rank)),
-                    ),
-                );
-                let by = if rates.is_some() { oversub } else { scale };
-                let (wn, wr) = (wn.unwrap_or(0.0), wr.unwrap_or(0.0));
-                if wr > 0.0 && wn > 0.0 {
-                    *t.entry(name.to_owned()).or_default() +=
-                        ms * (wn * self.mbf()) / (wr * rmb) * by;
-                }
-            }
-            // What the named ops leave of the parent: scaled by tokens per step.
+            let known: f64 = registry::cost(r.model.arch)
+                .ops
+                .iter()
+                .filter_map(|op| r.ops_ms.get(op.name(pass)?))
+                .sum();
             let rest = r.ops_ms.get(dir).copied().unwrap_or(0.0) - known;
             if rest > 0.0 {
                 let tokens = self.per_rank as f64 / r.batch_per_rank as f64;
@@ -345,6 +393,7 @@ impl StepCtx<'_> {
                 t.insert(format!("{dir}:other"), rest * tokens * frac * scale);
             }
         }
+        let whole = Stage::whole(r.model.n_layer);
         let rparams = registry::stage_params(&r.model, 1, &whole)?.total() as f64;
         let clip = r.ops_ms.get(optimizer::CLIP).copied().unwrap_or(0.0);
         let update = r.ops_ms.get(phase::OPTIMIZER).copied().unwrap_or(0.0) - clip;
@@ -359,19 +408,41 @@ impl StepCtx<'_> {
         Ok(())
     }
 
-    /// The stage's share of the model FLOPs of its ranks' sequences at `rate` per node.
-    fn at_rate(&self, rate: f64, stage: &Stage, oversub: f64, t: &mut BTreeMap<String, f64>) {
-        let (w, l) = (self.w, self.l);
-        let slice = Slice {
-            mb: self.per_rank,
-            vocab: w.model.vocab_size,
-            ..stage.slice(&w.model, w.seq_len, self.per_rank, 1)
+    /// What the backward pass computes again (`--recompute`), as the trainer times it:
+    /// `attention` reruns each layer's scores GEMM and softmax (`backward:attention:recompute`);
+    /// `full` reruns the forward pass of every block but the stage's last, tensor-parallel
+    /// all-reduces included (`backward:recompute`).
+    fn recomputation(&self, net: &Network, s: &Slice, oversub: f64, t: &mut BTreeMap<String, f64>) {
+        let (name, ms) = match self.w.recompute {
+            Recompute::None => return,
+            Recompute::Attention => {
+                let ops = [fwd::BADDBMM, fwd::SOFTMAX];
+                let again = self.compute_ops(s, Pass::Forward, Some(&ops), oversub);
+                (bwd::ATTENTION_RECOMPUTE, again.iter().map(|o| o.1).sum())
+            }
+            Recompute::Full => {
+                let blocks = Slice {
+                    layers: s.layers.saturating_sub(1),
+                    first: false,
+                    last: false,
+                    ..*s
+                };
+                if blocks.layers == 0 {
+                    return;
+                }
+                let compute: f64 = self
+                    .compute_ops(&blocks, Pass::Forward, None, oversub)
+                    .iter()
+                    .map(|o| o.1)
+                    .sum();
+                let mut tp = BTreeMap::new();
+                if self.l.tp > 1 {
+                    self.tp_allreduces(net, &blocks, &mut tp);
+                }
+                (bwd::RECOMPUTE, compute + sum_prefix(&tp, "forward:"))
+            }
         };
-        let flops = registry::cost(w.model.arch).model_flops(&slice) / l.tp as f64;
-        let per_rank = rate * 1e12 / l.ranks_per_node as f64;
-        let ms = flops / per_rank * 1e3 * oversub;
-        t.insert("forward:compute".into(), ms / 3.0);
-        t.insert("backward:compute".into(), ms * 2.0 / 3.0);
+        t.insert(name.into(), ms);
     }
 
     /// Tensor-parallel all-reduces, as the architecture declares them.
@@ -493,8 +564,14 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         .iter()
         .map(|(t, _)| (t["forward"] + t["backward"]) / mbf)
         .collect();
-    let mut best: Option<(f64, BTreeMap<String, f64>, f64)> = None;
-    for (i, (mut t, mem)) in per_stage.into_iter().enumerate() {
+    // Memory: the fullest stage (1F1B keeps the most micro-batches in flight on the first).
+    let (memory_stage, mem) = per_stage
+        .iter()
+        .map(|(_, mem)| *mem)
+        .enumerate()
+        .fold((0, 0.0f64), |a, (i, m)| if m > a.1 { (i, m) } else { a });
+    let mut best: Option<(f64, BTreeMap<String, f64>)> = None;
+    for (i, (mut t, _)) in per_stage.into_iter().enumerate() {
         if l.pp > 1 {
             let others = per_micro
                 .iter()
@@ -508,10 +585,10 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
             .filter(|(k, _)| !k.contains(':') || k.starts_with("pipeline:"))
             .fold(0.0, |a, (_, v)| a + v);
         if best.as_ref().is_none_or(|b| step > b.0) {
-            best = Some((step, t, mem));
+            best = Some((step, t));
         }
     }
-    let (step_ms, timers_ms, mem) = best.expect("at least one stage");
+    let (step_ms, timers_ms) = best.expect("at least one stage");
     let whole = Slice {
         vocab: cfg.vocab_size,
         ..Stage::whole(cfg.n_layer).slice(cfg, w.seq_len, w.global_batch, 1)
@@ -527,7 +604,9 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         peak_pct: 100.0 * tflops_per_node / peak_node,
         timers_ms,
         memory_gib_per_rank: mem,
-        fits: mem <= m.memory_gib_per_rank,
+        memory_stage,
+        memory_gib_available: m.memory_gib_per_node / rpn as f64,
+        fits: mem <= m.memory_gib_per_node / rpn as f64,
     })
 }
 
@@ -549,20 +628,21 @@ fn sum_prefix(t: &BTreeMap<String, f64>, prefix: &str) -> f64 {
 
 /// Memory per rank (GiB), the run header's accounting: parameters and gradients (f32), AdamW
 /// moments (the owned share under ZeRO-1), the in-flight micro-batches' activations and
-/// statistics, and the backward scratch (the CPU's three-step attention keeps probabilities).
+/// statistics as `--recompute` keeps them, and the backward scratch (the CPU's three-step
+/// attention keeps probabilities). Stage `s` of `p` holds `min(p − s, m)` micro-batches in
+/// flight under 1F1B: the first stage the most.
 fn memory_gib(
-    cfg: &ModelConfig,
-    seq_len: usize,
+    w: &Workload,
     mb: usize,
     l: &Layout,
     stage: &Stage,
     params: usize,
     owned: usize,
 ) -> f64 {
-    let d = StepDims::new(cfg, mb, seq_len, l.tp);
+    let d = StepDims::new(&w.model, mb, w.seq_len, l.tp);
     let in_flight = (stage.count - stage.index).min(l.micro_batches);
-    let keep = (Recompute::None, AttnKeep::Probabilities);
-    let [acts, stats, grad] = registry::activation_tables(cfg, &d, stage, keep);
+    let keep = (w.recompute, AttnKeep::Probabilities);
+    let [acts, stats, grad] = registry::activation_tables(&w.model, &d, stage, keep);
     let acts = in_flight * 4 * (acts.total() + stats.total());
     let bytes = 8 * params + 8 * owned + acts + 4 * grad.total();
     bytes as f64 / (1u64 << 30) as f64

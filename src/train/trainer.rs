@@ -810,7 +810,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "ranks_per_node": grid.world_size / dist.nodes.max(1), "threads": self.threads,
                 "zero": opts.zero, "data_ranks": self.saved_layout.data_ranks,
                 "micro_batches": opts.micro_batches,
-                "recompute": format!("{:?}", opts.recompute).to_lowercase(),
+                "recompute": opts.recompute.name(),
                 "global_batch": global_batch, "bucket_mb": opts.bucket_mb,
                 "buckets": self.sync.buckets(),
             },
