@@ -529,3 +529,96 @@ fn memory_is_the_fullest_stage_and_a_layout_that_does_not_fit_fails() {
             > 0.0
     );
 }
+
+/// `fugu predict profile --base --fit`: the data-parallel class's inter-node bandwidth fitted
+/// to the published 124M run on 512 nodes reproduces it, leaves the tensor-parallel point (its
+/// own class) where it was, and the rest are printed as out-of-sample errors
+/// (docs/PREDICT.md records them).
+#[test]
+fn published_fugaku_runs_fit_the_data_parallel_class() {
+    let out = tmp("fit");
+    let fitted = out.join("fitted.toml");
+    let o = fugu(&[
+        "predict",
+        "profile",
+        "--base",
+        &repo("profiles/fugaku.toml"),
+        "--fit",
+        &repo("profiles/fugaku-published-runs.toml"),
+        "--fit-params",
+        "dp.inter.beta_gbs",
+        "--out",
+        fitted.to_str().unwrap(),
+    ]);
+    let table = ok(&o);
+    println!("{table}");
+    let row = |name: &str| -> Vec<String> {
+        let line = table.lines().find(|l| l.starts_with(name)).unwrap();
+        line[44..].split_whitespace().map(str::to_owned).collect()
+    };
+    // fit, measured, before, error, after, error, unit
+    let err = |name: &str| row(name)[5].trim_end_matches('%').parse::<f64>().unwrap();
+    assert_eq!(row("124M DP, 512 nodes")[0], "yes");
+    assert!(err("124M DP, 512 nodes").abs() <= 1.0, "{table}");
+    assert!(err("124M DP, 1 node").abs() <= 1.0, "{table}");
+    // Tensor-parallel traffic keeps its own (the network's) links: 1.3B TP 4 on 4 nodes is
+    // unchanged by the fit.
+    let tp = row("1.3B TP 4 across 4 nodes");
+    assert_eq!(tp[2], tp[4], "{table}");
+    assert!(table.contains("fitted dp.inter.beta_gbs = "), "{table}");
+    // The written profile holds the class and predicts what the fit printed.
+    let text = std::fs::read_to_string(&fitted).unwrap();
+    assert!(text.contains("[network.dp.inter]"), "{text}");
+    let p = &predictions(&[
+        "--profile",
+        fitted.to_str().unwrap(),
+        "--config",
+        "gpt2-124m",
+        "--batch",
+        "1024",
+        "--micro-batch-size",
+        "1",
+        "--ranks-per-node",
+        "1",
+        "--threads",
+        "48",
+        "--tflops-per-node",
+        "1.09",
+        "--nodes",
+        "512",
+    ])[0];
+    let tf = p["tflops_per_node"].as_f64().unwrap();
+    assert!((tf - 0.16).abs() < 0.0025, "{tf}");
+
+    for (args, want) in [
+        (vec!["--fit-params", "dp.inter.gamma"], "expected CLASS"),
+        (vec!["--fit-params", "dp.inter.beta_gbs"], "nothing to fit"),
+    ] {
+        let runs = out.join("nofit.toml");
+        std::fs::write(
+            &runs,
+            std::fs::read_to_string(repo("profiles/fugaku-published-runs.toml"))
+                .unwrap()
+                .replace("fit = true", "fit = false"),
+        )
+        .unwrap();
+        let mut a = vec![
+            "predict",
+            "profile",
+            "--base",
+            fugaku_path(),
+            "--fit",
+            runs.to_str().unwrap(),
+            "--out",
+            "/dev/null",
+        ];
+        a.extend(args);
+        let o = fugu(&a);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && e.contains(want), "{e}");
+    }
+}
+
+fn fugaku_path() -> &'static str {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/profiles/fugaku.toml")
+}

@@ -3,6 +3,7 @@
 
 use crate::config::RunConfig;
 use crate::metrics::ops::trainer::grads;
+use crate::predict::fit::{fit, Fitted, Param, Runs};
 use crate::predict::profile::{measure, Profile};
 use crate::predict::step::{layout_gemms, predict, unmeasured_gemms, Layout, Prediction, Workload};
 use anyhow::{bail, Context, Result};
@@ -112,25 +113,42 @@ pub struct GemmShapesArgs {
 pub struct ProfileArgs {
     /// The reference run: a one-process `fugu train` directory (or its metrics.jsonl) whose
     /// per-op timers the model scales.
-    #[arg(long, value_name = "DIR")]
-    pub run: PathBuf,
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "base",
+        requires = "comm"
+    )]
+    pub run: Option<PathBuf>,
     /// `fugu bench comm --format json` files: one node (the intra-node link) and optionally
     /// several nodes (the inter-node link).
-    #[arg(long, value_name = "FILE", required = true)]
+    #[arg(long, value_name = "FILE", requires = "run")]
     pub comm: Vec<PathBuf>,
     /// `fugu bench gemm --format json` files measured on the same machine (e.g. of the shapes
     /// `fugu predict gemm-shapes` prints): GEMM ops then scale by their measured rates.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", requires = "run")]
     pub gemm: Vec<PathBuf>,
+    /// Start from this profile instead of measurements (to fit it with --fit).
+    #[arg(long, value_name = "FILE", conflicts_with = "run")]
+    pub base: Option<PathBuf>,
+    /// Measured multi-node runs (TOML, docs/PREDICT.md): the traffic-class links named by
+    /// --fit-params are fitted to the runs marked `fit = true`, and every run's residual is
+    /// printed (the others are out-of-sample checks).
+    #[arg(long, value_name = "RUNS")]
+    pub fit: Option<PathBuf>,
+    /// The parameters to fit (comma-separated): `CLASS.intra|inter.alpha_us|beta_gbs` or
+    /// `CLASS.reduce_gbs`, CLASS one of tp, pp, dp. None: only the residuals.
+    #[arg(long, value_delimiter = ',', requires = "fit")]
+    pub fit_params: Vec<String>,
     /// Profile name.
     #[arg(long, default_value = "measured")]
     pub name: String,
     /// Cores of one node.
-    #[arg(long)]
-    pub cores_per_node: usize,
+    #[arg(long, requires = "run", required_unless_present = "base")]
+    pub cores_per_node: Option<usize>,
     /// Memory of one node, GiB.
-    #[arg(long)]
-    pub memory_gib: f64,
+    #[arg(long, requires = "run", required_unless_present = "base")]
+    pub memory_gib: Option<f64>,
     /// Where to write the profile (TOML).
     #[arg(long, short, value_name = "FILE")]
     pub out: PathBuf,
@@ -402,19 +420,42 @@ pub fn format_table(rows: &[Prediction]) -> String {
 }
 
 fn run_profile(a: ProfileArgs) -> Result<()> {
-    let m = measure(
-        &a.name,
-        &a.run,
-        &a.comm,
-        &a.gemm,
-        a.cores_per_node,
-        a.memory_gib,
-    )?;
-    for n in &m.notes {
-        eprintln!("{n}");
+    let mut profile = match (&a.base, &a.run, a.cores_per_node, a.memory_gib) {
+        (Some(base), _, _, _) => Profile::load(base)?,
+        (None, Some(run), Some(cores), Some(mem)) => {
+            let m = measure(&a.name, run, &a.comm, &a.gemm, cores, mem)?;
+            for n in &m.notes {
+                eprintln!("{n}");
+            }
+            m.profile
+        }
+        _ => bail!("give --base PROFILE, or --run, --comm, --cores-per-node and --memory-gib"),
+    };
+    let mut header =
+        "# fugu machine profile, written by `fugu predict profile` (docs/PREDICT.md)\n".to_string();
+    if let Some(runs_path) = &a.fit {
+        let runs = Runs::load(runs_path)?;
+        let params = a
+            .fit_params
+            .iter()
+            .map(|s| Param::parse(s.trim()))
+            .collect::<Result<Vec<_>>>()?;
+        let fitted = fit(&profile.machine(), &runs, &params)?;
+        print!("{}", format_fit(&fitted));
+        profile.network = fitted.network;
+        profile.validate()?;
+        header += &format!(
+            "# network classes fitted to {} ({})\n",
+            runs_path.display(),
+            fitted
+                .values
+                .iter()
+                .map(|(p, v)| format!("{} = {v:.4}", p.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
-    let text = toml::to_string(&m.profile)?;
-    let header = "# fugu machine profile, written by `fugu predict profile` (docs/PREDICT.md)\n";
+    let text = toml::to_string(&profile)?;
     crate::atomic_write::write_file(&a.out, |w| {
         w.write_all(format!("{header}{text}").as_bytes())?;
         Ok(())
@@ -422,6 +463,33 @@ fn run_profile(a: ProfileArgs) -> Result<()> {
     .with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
+}
+
+/// The fitted values and every run's residual before and after, fitted runs marked.
+pub fn format_fit(f: &Fitted) -> String {
+    let mut s = String::new();
+    for (p, v) in &f.values {
+        s += &format!("fitted {} = {v:.4}\n", p.name());
+    }
+    s += &format!(
+        "{:<44} {:>4} {:>10} {:>10} {:>8} {:>10} {:>8}\n",
+        "run", "fit", "measured", "before", "error", "after", "error"
+    );
+    for r in &f.residuals {
+        let err = |v: f64| 100.0 * (v - r.measured) / r.measured;
+        s += &format!(
+            "{:<44} {:>4} {:>10.3} {:>10.3} {:>+7.0}% {:>10.3} {:>+7.0}%  {}\n",
+            r.name,
+            if r.fit { "yes" } else { "no" },
+            r.measured,
+            r.before,
+            err(r.before),
+            r.after,
+            err(r.after),
+            r.unit
+        );
+    }
+    s
 }
 
 fn run_gemm_shapes(a: GemmShapesArgs) -> Result<()> {

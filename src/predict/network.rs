@@ -69,7 +69,8 @@ impl Link {
     }
 }
 
-/// The two link levels and the reduction rate.
+/// The two link levels and the reduction rate, and the traffic classes' own values where a
+/// profile gives them.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Network {
@@ -81,6 +82,68 @@ pub struct Network {
     /// free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reduce_gbs: Option<f64>,
+    /// Tensor-parallel collectives' own links (`[network.tp]`), each value defaulting to the
+    /// ones above.
+    #[serde(default, skip_serializing_if = "ClassLinks::is_empty")]
+    pub tp: ClassLinks,
+    /// Pipeline transfers' own links (`[network.pp]`).
+    #[serde(default, skip_serializing_if = "ClassLinks::is_empty")]
+    pub pp: ClassLinks,
+    /// Data-parallel gradient synchronisation's own links (`[network.dp]`).
+    #[serde(default, skip_serializing_if = "ClassLinks::is_empty")]
+    pub dp: ClassLinks,
+}
+
+/// The kinds of traffic a training step makes. Published runs show them at very different
+/// effective rates on one network (a framework's data-parallel all-reduce 5–60× slower than
+/// its tensor-parallel traffic), so each may have links of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Traffic {
+    /// Tensor-parallel all-reduces (activations, per block and micro-batch).
+    Tp,
+    /// Pipeline sends and receives between stages, and the tied embedding's all-reduce.
+    Pp,
+    /// Data-parallel gradient all-reduce (or ZeRO-1's reduce-scatter and all-gather).
+    Dp,
+}
+
+impl Traffic {
+    pub const ALL: [Traffic; 3] = [Traffic::Tp, Traffic::Pp, Traffic::Dp];
+
+    /// The profile's section name (`[network.dp]`) and `fugu bench comm --groups` key.
+    pub fn name(self) -> &'static str {
+        match self {
+            Traffic::Tp => "tp",
+            Traffic::Pp => "pp",
+            Traffic::Dp => "dp",
+        }
+    }
+}
+
+/// One traffic class's links and reduction rate; a value left out is the network's.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClassLinks {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra: Option<Link>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter: Option<Link>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_gbs: Option<f64>,
+}
+
+impl ClassLinks {
+    /// Nothing set.
+    pub const NONE: ClassLinks = ClassLinks {
+        intra: None,
+        inter: None,
+        reduce_gbs: None,
+    };
+
+    /// Nothing set: the class runs on the network's links.
+    pub fn is_empty(&self) -> bool {
+        *self == ClassLinks::default()
+    }
 }
 
 /// The ranks of a communicator: `ranks` spread evenly over `nodes` nodes.
@@ -129,6 +192,57 @@ fn scatter_gather_flat(l: &Link, g: f64, n: usize, m: f64) -> f64 {
 }
 
 impl Network {
+    /// The links traffic of class `c` runs on: the class's own values where given, the
+    /// network's elsewhere (the result has no classes of its own).
+    pub fn class(&self, c: Traffic) -> Network {
+        let own = *self.links(c);
+        Network {
+            intra: own.intra.unwrap_or(self.intra),
+            inter: own.inter.unwrap_or(self.inter),
+            reduce_gbs: own.reduce_gbs.or(self.reduce_gbs),
+            tp: ClassLinks::NONE,
+            pp: ClassLinks::NONE,
+            dp: ClassLinks::NONE,
+        }
+    }
+
+    /// Class `c`'s own values.
+    pub fn links(&self, c: Traffic) -> &ClassLinks {
+        match c {
+            Traffic::Tp => &self.tp,
+            Traffic::Pp => &self.pp,
+            Traffic::Dp => &self.dp,
+        }
+    }
+
+    /// Class `c`'s own values, to set.
+    pub fn links_mut(&mut self, c: Traffic) -> &mut ClassLinks {
+        match c {
+            Traffic::Tp => &mut self.tp,
+            Traffic::Pp => &mut self.pp,
+            Traffic::Dp => &mut self.dp,
+        }
+    }
+
+    /// Checks every link and rate, naming the field (`network.dp.inter`).
+    pub fn validate(&self) -> Result<()> {
+        self.intra.validate("network.intra")?;
+        self.inter.validate("network.inter")?;
+        check_reduce("network.reduce_gbs", self.reduce_gbs)?;
+        for c in Traffic::ALL {
+            let own = self.links(c);
+            let n = c.name();
+            if let Some(l) = own.intra {
+                l.validate(&format!("network.{n}.intra"))?;
+            }
+            if let Some(l) = own.inter {
+                l.validate(&format!("network.{n}.inter"))?;
+            }
+            check_reduce(&format!("network.{n}.reduce_gbs"), own.reduce_gbs)?;
+        }
+        Ok(())
+    }
+
     /// The reduction rate in bytes/s (∞ when not given).
     fn gamma(&self) -> f64 {
         self.reduce_gbs.map_or(f64::INFINITY, |g| g * 1e9)
@@ -146,8 +260,8 @@ impl Network {
                 alpha_us: self.intra.alpha_us * factor,
                 beta_gbs: self.intra.beta_gbs / factor,
             },
-            inter: self.inter,
             reduce_gbs: self.reduce_gbs.map(|g| g / factor),
+            ..*self
         }
     }
 
@@ -192,6 +306,16 @@ impl Network {
         } else {
             self.intra.time(m)
         }
+    }
+}
+
+fn check_reduce(what: &str, g: Option<f64>) -> Result<()> {
+    match g {
+        Some(g) if !(g > 0.0 && g.is_finite()) => bail!(
+            "{what} = {g}: expected a positive number (GB/s a rank reduces at), or leave it out \
+             for a free reduction"
+        ),
+        _ => Ok(()),
     }
 }
 
@@ -294,6 +418,9 @@ mod tests {
             beta_gbs: 5.0,
         },
         reduce_gbs: None,
+        tp: ClassLinks::NONE,
+        pp: ClassLinks::NONE,
+        dp: ClassLinks::NONE,
     };
 
     fn close(a: f64, b: f64) -> bool {

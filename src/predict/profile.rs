@@ -23,7 +23,7 @@
 //! ```
 
 use super::gemm::{read_bench_gemm, GemmRate, GemmRates, GEMM_RATE_FIELDS};
-use super::network::{fit_link, fit_reduce, Group, Link, Network};
+use super::network::{fit_link, fit_reduce, ClassLinks, Group, Link, Network};
 use super::step::{Compute, Machine, Reference};
 use crate::config::ModelConfig;
 use crate::report::comm::read_comm;
@@ -108,13 +108,7 @@ impl Profile {
                 bail!("{what} = {v}: expected a positive number");
             }
         }
-        self.network.intra.validate("network.intra")?;
-        self.network.inter.validate("network.inter")?;
-        if let Some(g) = self.network.reduce_gbs {
-            if !(g > 0.0 && g.is_finite()) {
-                bail!("network.reduce_gbs = {g}: expected a positive number (GB/s a rank reduces at), or leave it out for a free reduction");
-            }
-        }
+        self.network.validate()?;
         GemmRates(self.compute.gemm.clone()).validate()?;
         if !self.compute.gemm.is_empty() && self.compute.reference.is_none() {
             bail!("[[compute.gemm]] rates scale a reference run's GEMM times: they need [compute.reference]");
@@ -328,6 +322,9 @@ pub fn measure(
             intra,
             inter,
             reduce_gbs: None,
+            tp: ClassLinks::NONE,
+            pp: ClassLinks::NONE,
+            dp: ClassLinks::NONE,
         },
     };
     // The reduction rate, from the one-node all-reduce rows (the α–β part known).

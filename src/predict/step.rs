@@ -6,7 +6,9 @@
 //! predicted time: [`super::gemm`]), or one effective
 //! rate for the model's FLOPs ([`Compute::Rate`], for machines known only by a published
 //! figure). **Communication** comes from the [`Network`] model with the group
-//! placement of fugu's grid (TP innermost, then DP, then PP: `parallel/grid.rs`):
+//! placement of fugu's grid (TP innermost, then DP, then PP: `parallel/grid.rs`), each kind of
+//! traffic on its class's links ([`Traffic`]: a profile may give tensor-parallel, pipeline and
+//! data-parallel traffic links of their own):
 //!
 //! * tensor parallelism: per block and micro-batch, the all-reduces after the attention and
 //!   MLP outputs (forward) and of their input gradients (backward), B·T·C floats each; the
@@ -20,7 +22,7 @@
 //!   after the optimizer (`allgather-params`, not overlapped).
 
 use super::gemm::{GemmCall, GemmRates, Pass};
-use super::network::{Group, Network};
+use super::network::{Group, Network, Traffic};
 use crate::config::ModelConfig;
 use crate::metrics::cost::{CostModel, OpWork, Slice};
 use crate::metrics::ops::trainer::{grads, optimizer, phase, pipeline};
@@ -258,7 +260,7 @@ impl StepCtx<'_> {
         } else {
             params
         };
-        let net = self.m.network.oversubscribed(oversub);
+        let net = |c: Traffic| self.m.network.class(c).oversubscribed(oversub);
         let mut t: BTreeMap<String, f64> = BTreeMap::new();
         for pass in [Pass::Forward, Pass::Backward] {
             for (name, ms) in self.compute_ops(&s, pass, None, oversub) {
@@ -267,16 +269,16 @@ impl StepCtx<'_> {
         }
         self.reference_rest(&s, params, owned, oversub, &mut t)?;
         if l.tp > 1 {
-            self.tp_allreduces(&net, &s, &mut t);
+            self.tp_allreduces(&net(Traffic::Tp), &s, &mut t);
         }
-        self.recomputation(&net, &s, oversub, &mut t);
+        self.recomputation(&net(Traffic::Tp), &s, oversub, &mut t);
         let fwd = sum_prefix(&t, "forward:");
         let bwd = sum_prefix(&t, "backward:");
         if l.pp > 1 {
-            self.pipeline_transfers(&net, &s, stage, &mut t);
+            self.pipeline_transfers(&net(Traffic::Pp), &s, stage, &mut t);
         }
         if l.dp > 1 {
-            self.gradient_sync(&net, &table, bwd / self.mbf(), &mut t);
+            self.gradient_sync(&net(Traffic::Dp), &table, bwd / self.mbf(), &mut t);
         }
         t.insert(phase::FORWARD.into(), fwd);
         t.insert(phase::BACKWARD.into(), bwd);
