@@ -622,3 +622,113 @@ fn published_fugaku_runs_fit_the_data_parallel_class() {
 fn fugaku_path() -> &'static str {
     concat!(env!("CARGO_MANIFEST_DIR"), "/profiles/fugaku.toml")
 }
+
+/// `fugu predict --search`: ranked best first, every layout within memory, and the best
+/// layout's printed settings, given back to `fugu predict`, predict the same step (what the
+/// search assumed is what those flags run).
+#[test]
+fn search_ranks_layouts_and_its_settings_reproduce_the_best() {
+    let fugaku = repo("profiles/fugaku.toml");
+    let o = fugu(&[
+        "predict",
+        "--profile",
+        &fugaku,
+        "--config",
+        "gpt-1.3b",
+        "--batch",
+        "256",
+        "--nodes",
+        "16,64",
+        "--search",
+        "--top",
+        "4",
+        "--format",
+        "json",
+    ]);
+    let v: Value = serde_json::from_str(&ok(&o)).unwrap();
+    let per_nodes = v.as_array().unwrap();
+    assert_eq!(per_nodes.len(), 2);
+    for found in per_nodes {
+        let layouts = found["layouts"].as_array().unwrap();
+        assert_eq!(layouts.len(), 4, "{found}");
+        assert!(found["predicted"].as_u64().unwrap() >= 4);
+        let tf: Vec<f64> = layouts
+            .iter()
+            .map(|c| c["prediction"]["tflops_per_node"].as_f64().unwrap())
+            .collect();
+        assert!(tf.windows(2).all(|w| w[0] >= w[1]), "{tf:?}");
+        assert!(layouts
+            .iter()
+            .all(|c| c["prediction"]["fits"].as_bool().unwrap()));
+        // The best against plain data parallelism at the profile's 4 ranks per node (ZeRO-1
+        // off, no recomputation, micro-batch 1): never worse.
+        let nodes = found["nodes"].as_u64().unwrap().to_string();
+        let plain = &predictions(&[
+            "--profile",
+            &fugaku,
+            "--config",
+            "gpt-1.3b",
+            "--batch",
+            "256",
+            "--micro-batch-size",
+            "1",
+            "--nodes",
+            &nodes,
+            "--allow-oversubscribed-memory",
+        ])[0];
+        if plain["fits"].as_bool().unwrap() {
+            assert!(tf[0] >= plain["tflops_per_node"].as_f64().unwrap());
+        }
+        // The best layout's settings, given back to `fugu predict`, predict the same step.
+        let best = &layouts[0];
+        let l = &best["prediction"]["layout"];
+        let s = |k: &str| l[k].as_u64().unwrap().to_string();
+        let pp_layers: Vec<String> = best["prediction"]["pp_layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+        let mbs = best["micro_batch_size"].as_u64().unwrap().to_string();
+        let zero = if l["zero"].as_bool().unwrap() {
+            "1"
+        } else {
+            "0"
+        };
+        let flags = best["train_flags"].as_str().unwrap();
+        assert!(
+            flags.contains(&format!("--threads {}", s("threads_per_rank"))),
+            "{flags}"
+        );
+        let again = &predictions(&[
+            "--profile",
+            &fugaku,
+            "--config",
+            "gpt-1.3b",
+            "--batch",
+            "256",
+            "--nodes",
+            &nodes,
+            "--ranks-per-node",
+            &s("ranks_per_node"),
+            "--threads",
+            &s("threads_per_rank"),
+            "--tp",
+            &s("tp"),
+            "--pp",
+            &s("pp"),
+            "--pp-layers",
+            &pp_layers.join(","),
+            "--zero",
+            zero,
+            "--recompute",
+            best["recompute"].as_str().unwrap(),
+            "--micro-batch-size",
+            &mbs,
+        ])[0];
+        assert_eq!(
+            again["step_ms"], best["prediction"]["step_ms"],
+            "{again}\n{best}"
+        );
+    }
+}

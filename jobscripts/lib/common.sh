@@ -110,6 +110,7 @@ fugu_setup_train() {
   case "${FUGU_PRECISION:-}" in '' | fp32 | bf16 | fp16) ;; *) fugu_die "FUGU_PRECISION must be fp32, bf16 or fp16 (got $FUGU_PRECISION)" ;; esac
   case "${FUGU_RECOMPUTE:-}" in '' | none | attention | full) ;; *) fugu_die "FUGU_RECOMPUTE must be none, attention or full (got $FUGU_RECOMPUTE)" ;; esac
   [ -z "${FUGU_MICRO_BATCHES:-}" ] || fugu_require_uint FUGU_MICRO_BATCHES
+  case "${FUGU_PP_LAYERS:-}" in '' | [0-9]*) ;; *) fugu_die "FUGU_PP_LAYERS must be block counts per stage, like 5,5,4 (got $FUGU_PP_LAYERS)" ;; esac
   # A config given as a file: make it absolute, the ranks may start elsewhere.
   if [ -f "$FUGU_CONFIG" ] || [ -f "$FUGU_WORKDIR/$FUGU_CONFIG" ]; then
     case "$FUGU_CONFIG" in *.toml | */*) FUGU_CONFIG=$(fugu_abs "$FUGU_CONFIG") ;; esac
@@ -163,6 +164,7 @@ fugu_train_args() {
   # plain data-parallel jobs.
   [ "$FUGU_TP" = 1 ] || FUGU_TRAIN_ARGS+=(--tp "$FUGU_TP")
   [ "${FUGU_PP:-1}" = 1 ] || FUGU_TRAIN_ARGS+=(--pp "$FUGU_PP")
+  [ -z "${FUGU_PP_LAYERS:-}" ] || FUGU_TRAIN_ARGS+=(--pp-layers "$FUGU_PP_LAYERS")
   [ "$FUGU_ZERO" = 0 ] || FUGU_TRAIN_ARGS+=(--zero "$FUGU_ZERO")
   [ -z "${FUGU_STEPS:-}" ] || FUGU_TRAIN_ARGS+=(--steps "$FUGU_STEPS")
   [ -z "${FUGU_BATCH_SIZE:-}" ] || FUGU_TRAIN_ARGS+=(--batch-size "$FUGU_BATCH_SIZE")
@@ -425,7 +427,7 @@ FUGU_PJSUB_SETTINGS=(FUGU_HOME FUGU_BIN FUGU_CONFIG FUGU_DATA FUGU_STEPS FUGU_BA
   FUGU_TIMERS FUGU_EXTRA_ARGS FUGU_RANKS_PER_NODE FUGU_ELAPSE FUGU_DEADLINE_MARGIN FUGU_LLIO_TRANSFER
   FUGU_MPIEXEC_ARGS FUGU_GROUP FUGU_RSCGRP FUGU_PJSUB_ARGS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX
   FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR FUGU_ECO_STATE FUGU_LLIO_SHAREDTMP FUGU_PJSTAT
-  FUGU_PRECISION FUGU_MICRO_BATCHES FUGU_RECOMPUTE FUGU_PP)
+  FUGU_PRECISION FUGU_MICRO_BATCHES FUGU_RECOMPUTE FUGU_PP FUGU_PP_LAYERS)
 
 # fugu_write_env FILE VAR...: `export VAR=value` lines (shell-quoted) for the variables that are
 # set (an empty value is kept: FUGU_BENCH_SETS= means "no shape sets").

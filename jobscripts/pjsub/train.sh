@@ -49,6 +49,7 @@ fi
 : "${FUGU_SEQ_LEN:=}"            # --seq-len; empty: the config's
 : "${FUGU_TP:=1}"                # tensor-parallel degree (divides the rank count)
 : "${FUGU_PP:=1}"                # pipeline stages (FUGU_TP x FUGU_PP divides the rank count)
+: "${FUGU_PP_LAYERS:=}"          # --pp-layers: blocks per stage (e.g. 5,5,4; `fugu predict` prints them); empty: balanced
 : "${FUGU_ZERO:=0}"              # 1: shard the optimizer state over data-parallel ranks (ZeRO-1)
 : "${FUGU_PRECISION:=}"          # fp32 | bf16 | fp16 (mixed precision); empty: the config's
 : "${FUGU_MICRO_BATCHES:=}"      # --micro-batches (gradient accumulation); empty: 1

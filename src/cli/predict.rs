@@ -5,6 +5,7 @@ use crate::config::RunConfig;
 use crate::metrics::ops::trainer::grads;
 use crate::predict::fit::{fit, Fitted, Param, Runs};
 use crate::predict::profile::{measure, Profile};
+use crate::predict::search::{join, search, Space};
 use crate::predict::step::{layout_gemms, predict, unmeasured_gemms, Layout, Prediction, Workload};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -41,9 +42,9 @@ pub struct PredictArgs {
     /// be that.
     #[arg(long, default_value = "auto")]
     pub dp: String,
-    /// ZeRO stage: 0 or 1.
-    #[arg(long, default_value_t = 0)]
-    pub zero: u8,
+    /// ZeRO stage: 0 or 1 (default 0; with --search: both, unless given).
+    #[arg(long)]
+    pub zero: Option<u8>,
     /// Global batch in sequences per step (default: the config's batch size at one node's dp,
     /// kept fixed over the node counts: strong scaling).
     #[arg(long)]
@@ -62,14 +63,27 @@ pub struct PredictArgs {
     /// (Megatron's FLOPs formula), replacing the profile's compute section.
     #[arg(long, value_name = "TFLOPS")]
     pub tflops_per_node: Option<f64>,
+    /// Blocks per pipeline stage (comma-separated, as `fugu train --pp-layers`); default: the
+    /// stages balanced by predicted time (the counts are printed, to give `fugu train`).
+    #[arg(long, value_delimiter = ',')]
+    pub pp_layers: Option<Vec<usize>>,
     /// Activations the backward pass recomputes instead of keeping (as `fugu train
     /// --recompute`): costs time, saves memory.
-    #[arg(long, value_enum, default_value = "none")]
-    pub recompute: crate::model::acts::Recompute,
+    /// Default none; with --search: all three, unless given.
+    #[arg(long, value_enum)]
+    pub recompute: Option<crate::model::acts::Recompute>,
     /// Print layouts that do not fit in memory and exit 0 (otherwise such a layout is named on
     /// stderr and the exit status is 1).
     #[arg(long)]
     pub allow_oversubscribed_memory: bool,
+    /// Search every layout of the model on each node count (ranks per node, tp, pp, dp,
+    /// micro-batch size, recompute, ZeRO) within memory, and print the fastest with the
+    /// `fugu train` flags and job-script settings that run them. Needs --batch.
+    #[arg(long, conflicts_with_all = ["tp", "pp", "dp", "pp_layers", "micro_batches"])]
+    pub search: bool,
+    /// Layouts --search prints per node count.
+    #[arg(long, default_value_t = 5, requires = "search")]
+    pub top: usize,
     /// Output format.
     #[arg(long, default_value = "table", value_parser = ["table", "json"])]
     pub format: String,
@@ -192,8 +206,8 @@ pub fn run(args: PredictArgs) -> Result<()> {
     if rpn == 0 || threads == 0 {
         bail!("--ranks-per-node and --threads must be at least 1");
     }
-    if args.zero > 1 {
-        bail!("--zero {}: fugu has ZeRO stages 0 and 1", args.zero);
+    if let Some(z @ 2..) = args.zero {
+        bail!("--zero {z}: fugu has ZeRO stages 0 and 1");
     }
     if args.nodes.is_empty() || args.nodes.contains(&0) {
         bail!("--nodes: give node counts of at least 1");
@@ -210,6 +224,9 @@ pub fn run(args: PredictArgs) -> Result<()> {
     }
     if args.micro_batches == 0 {
         bail!("--micro-batches 0: expected at least 1");
+    }
+    if args.search {
+        return run_search(&args, &profile, &machine, &cfg, seq_len);
     }
     let model_parallel = args
         .tp
@@ -266,7 +283,8 @@ pub fn run(args: PredictArgs) -> Result<()> {
         model: cfg.model.clone(),
         seq_len,
         global_batch,
-        recompute: args.recompute,
+        recompute: args.recompute.unwrap_or_default(),
+        pp_layers: args.pp_layers.clone(),
     };
     let mut out = Vec::new();
     let mut unmeasured = std::collections::BTreeSet::new();
@@ -287,7 +305,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
             tp: args.tp,
             pp: args.pp,
             dp,
-            zero: args.zero == 1,
+            zero: args.zero == Some(1),
             micro_batches,
         };
         out.push(predict(&w, &l, &machine).with_context(|| format!("at {nodes} node(s)"))?);
@@ -318,7 +336,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
         println!(
             "# fugu predict: {} (T = {seq_len}, global batch {global_batch}, recompute {}) on profile '{}'{}",
             args.config,
-            args.recompute.name(),
+            w.recompute.name(),
             profile.machine.name,
             if profile.machine.estimate {
                 " (estimates from published figures)"
@@ -328,12 +346,145 @@ pub fn run(args: PredictArgs) -> Result<()> {
         );
         print!("{}", format_table(&out));
         println!("{TABLE_UNITS}");
+        for p in out.iter().filter(|p| p.layout.pp > 1) {
+            println!(
+                "# {} node(s): blocks per pipeline stage {} (fugu train --pp-layers {})",
+                p.layout.nodes,
+                join(&p.pp_layers),
+                join(&p.pp_layers)
+            );
+        }
     }
     check_memory(
         &out,
         profile.machine.memory_gib_per_node,
         args.allow_oversubscribed_memory,
     )
+}
+
+/// `fugu predict --search`: per node count, the fastest layouts within memory, each with its
+/// breakdown, and the commands that run them.
+fn run_search(
+    args: &PredictArgs,
+    profile: &Profile,
+    machine: &crate::predict::step::Machine,
+    cfg: &RunConfig,
+    seq_len: usize,
+) -> Result<()> {
+    let global_batch = args
+        .batch
+        .context("--search needs --batch (the global batch in sequences: the layouts split it)")?;
+    let mut ranks_per_node = vec![args
+        .ranks_per_node
+        .unwrap_or(profile.machine.ranks_per_node)];
+    if args.ranks_per_node.is_none() && ranks_per_node[0] != 1 {
+        ranks_per_node.push(1);
+    }
+    let recompute = match args.recompute {
+        Some(r) => vec![r],
+        None => crate::model::acts::Recompute::ALL.to_vec(),
+    };
+    let zero = match args.zero {
+        Some(z) => vec![z == 1],
+        None => vec![false, true],
+    };
+    if args.micro_batch_size == Some(0) {
+        bail!("--micro-batch-size 0: expected at least 1");
+    }
+    let mut all = Vec::new();
+    for &nodes in &args.nodes {
+        let space = Space {
+            model: cfg.model.clone(),
+            seq_len,
+            global_batch,
+            nodes,
+            ranks_per_node: ranks_per_node.clone(),
+            threads: args.threads,
+            micro_batch_sizes: args.micro_batch_size.map(|s| vec![s]),
+            recompute: recompute.clone(),
+            zero: zero.clone(),
+        };
+        let started = std::time::Instant::now();
+        let found = search(&space, machine, profile.machine.cores_per_node)?;
+        let secs = started.elapsed().as_secs_f64();
+        let top: Vec<_> = found.ranked.iter().take(args.top).collect();
+        if args.format == "json" {
+            all.push(serde_json::json!({
+                "nodes": nodes,
+                "predicted": found.predicted,
+                "refused": found.refused,
+                "over_memory": found.over_memory,
+                "seconds": secs,
+                "layouts": top.iter().map(|c| serde_json::json!({
+                    "prediction": c.prediction,
+                    "micro_batch_size": c.micro_batch_size,
+                    "recompute": c.recompute.name(),
+                    "train_flags": c.train_flags(seq_len),
+                    "job_settings": c.job_settings(seq_len),
+                })).collect::<Vec<_>>(),
+            }));
+            continue;
+        }
+        println!(
+            "# fugu predict --search: {} (T = {seq_len}, global batch {global_batch}) on {nodes} node(s) of profile '{}'{}: {} layouts predicted in {secs:.2} s, {} within memory, {} over memory, {} refused by the trainer's rules",
+            args.config,
+            profile.machine.name,
+            if profile.machine.estimate { " (estimates)" } else { "" },
+            found.predicted,
+            found.ranked.len(),
+            found.over_memory,
+            found.refused
+        );
+        if top.is_empty() {
+            println!("# no layout fits in memory");
+            continue;
+        }
+        let rows: Vec<Prediction> = top.iter().map(|c| c.prediction.clone()).collect();
+        let table = format_table(&rows);
+        let mut lines = table.lines();
+        println!(
+            "{:>3} {:>10} {:>4} {:>9} {:>4} | {}",
+            "#",
+            "rpn x thr",
+            "mbs",
+            "recompute",
+            "zero",
+            lines.next().unwrap_or("")
+        );
+        for (i, (c, line)) in top.iter().zip(lines).enumerate() {
+            let l = &c.prediction.layout;
+            println!(
+                "{:>3} {:>10} {:>4} {:>9} {:>4} | {line}",
+                i + 1,
+                format!("{}x{}", l.ranks_per_node, l.threads_per_rank),
+                c.micro_batch_size,
+                c.recompute.name(),
+                if l.zero { "1" } else { "0" },
+            );
+        }
+        for (i, c) in top.iter().enumerate() {
+            let l = &c.prediction.layout;
+            println!(
+                "# {}: mpirun -np {} fugu train --config {} {}",
+                i + 1,
+                l.world(),
+                args.config,
+                c.train_flags(seq_len)
+            );
+            println!(
+                "#    jobs: {} node(s), {} ranks per node: {}",
+                l.nodes,
+                l.ranks_per_node,
+                c.job_settings(seq_len)
+            );
+        }
+    }
+    if args.format == "json" {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+    } else {
+        println!("{TABLE_UNITS}");
+    }
+    Ok(())
 }
 
 /// Names every layout that does not fit on stderr (which stage, how much, what a rank has);
@@ -507,6 +658,7 @@ fn run_gemm_shapes(a: GemmShapesArgs) -> Result<()> {
                     seq_len,
                     global_batch: mbs,
                     recompute: Default::default(),
+                    pp_layers: None,
                 };
                 let l = Layout {
                     nodes: 1,

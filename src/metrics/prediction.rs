@@ -29,6 +29,9 @@ pub struct Prediction {
     /// Per-timer ms per step, the same names a run records (parents are the sums of their
     /// children), for the slowest pipeline stage.
     pub timers_ms: BTreeMap<String, f64>,
+    /// Blocks per pipeline stage (what `fugu train --pp-layers` takes to run this split).
+    #[serde(default)]
+    pub pp_layers: Vec<usize>,
     /// Memory per rank of the fullest pipeline stage (GiB), and which stage that is (0-based).
     pub memory_gib_per_rank: f64,
     #[serde(default)]

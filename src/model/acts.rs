@@ -29,6 +29,9 @@ pub enum Recompute {
 }
 
 impl Recompute {
+    /// Every choice, least recomputation first.
+    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Attention, Recompute::Full];
+
     /// The name on the command line (`--recompute attention`), in the run header and logs.
     pub fn name(self) -> &'static str {
         match self {

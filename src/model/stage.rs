@@ -114,12 +114,9 @@ impl Stage {
     }
 
     /// `m`'s blocks split into `pp` contiguous stages of at least one block each, balancing
-    /// the compute per stage at sequence length `seq_len` (module docs).
+    /// the compute per stage at sequence length `seq_len` (module docs): [`Self::balanced`] with
+    /// forward GEMM FLOPs as the costs.
     pub fn split(m: &ModelConfig, pp: usize, seq_len: usize) -> Result<Vec<Stage>> {
-        let n = m.n_layer;
-        if pp == 0 || pp > n {
-            bail!("cannot split model.n_layer = {n} blocks into {pp} pipeline stages (1..={n})");
-        }
         // Costs in forward FLOPs of one sequence (the backward's 2x is the same for every
         // part): one block, and the LM head.
         let model_cost = registry::cost(m.arch);
@@ -131,12 +128,37 @@ impl Stage {
             };
             model_cost.gemm_flops(Pass::Forward, &s)
         };
-        let (block, head) = (one(1, false), one(0, true));
+        let costs = PartCosts {
+            block: one(1, false),
+            first: 0.0,
+            last: one(0, true),
+        };
+        Self::balanced(m.n_layer, pp, costs)
+    }
+
+    /// `n` blocks split into `pp` contiguous stages of at least one block each, choosing the
+    /// run lengths that minimise the largest stage cost (its blocks, plus what the first and
+    /// last stage add); ties go to the split that gives earlier stages more blocks. `fugu
+    /// predict` calls it with predicted times and prints the counts as `--pp-layers`.
+    pub fn balanced(n: usize, pp: usize, c: PartCosts) -> Result<Vec<Stage>> {
+        if pp == 0 || pp > n {
+            bail!("cannot split model.n_layer = {n} blocks into {pp} pipeline stages (1..={n})");
+        }
+        let extra = |s: usize| {
+            let mut e = 0.0;
+            if s == 0 {
+                e += c.first;
+            }
+            if s == pp - 1 {
+                e += c.last;
+            }
+            e
+        };
         // best[s][k]: the smallest possible largest cost when stages s.. run blocks k..n,
         // and the length of stage s's run that achieves it.
         let mut best = vec![vec![(f64::INFINITY, 0usize); n + 1]; pp + 1];
         for (k, cell) in best[pp - 1].iter_mut().enumerate().take(n) {
-            *cell = ((n - k) as f64 * block + head, n - k);
+            *cell = ((n - k) as f64 * c.block + extra(pp - 1), n - k);
         }
         for s in (0..pp - 1).rev() {
             let later = pp - 1 - s; // stages after s, at least one block each
@@ -144,7 +166,7 @@ impl Stage {
                 let mut cell = (f64::INFINITY, 0);
                 // Longest run first, so that ties give earlier stages more blocks.
                 for len in (1..=n.saturating_sub(k + later)).rev() {
-                    let cost = (len as f64 * block).max(best[s + 1][k + len].0);
+                    let cost = (len as f64 * c.block + extra(s)).max(best[s + 1][k + len].0);
                     if cost < cell.0 {
                         cell = (cost, len);
                     }
@@ -166,6 +188,20 @@ impl Stage {
         debug_assert_eq!(k, n);
         Ok(stages)
     }
+
+    /// Blocks per stage, as `--pp-layers` takes them.
+    pub fn counts(stages: &[Stage]) -> Vec<usize> {
+        stages.iter().map(|s| s.layers.len()).collect()
+    }
+}
+
+/// What the parts of a model cost for [`Stage::balanced`], in any one unit: one block, and
+/// what the first stage (embeddings) and the last (final norm, LM head, loss) add.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PartCosts {
+    pub block: f64,
+    pub first: f64,
+    pub last: f64,
 }
 
 #[cfg(test)]
@@ -222,6 +258,27 @@ mod tests {
         }
         let e = Stage::split(&m, 13, 1024).unwrap_err().to_string();
         assert!(e.contains("n_layer = 12"), "{e}");
+    }
+
+    #[test]
+    fn balanced_stages_make_room_for_both_ends() {
+        // 10 blocks of cost 1, the first stage adding 2 and the last 4: the largest stage
+        // cost can be 6 (not 5: 3 + 5 + 1 blocks is too few), and ties give earlier stages
+        // more blocks.
+        let c = PartCosts {
+            block: 1.0,
+            first: 2.0,
+            last: 4.0,
+        };
+        let st = Stage::balanced(10, 3, c).unwrap();
+        assert_eq!(
+            st.iter().map(|s| s.layers.clone()).collect::<Vec<_>>(),
+            vec![0..4, 4..9, 9..10]
+        );
+        assert_eq!(Stage::counts(&st), vec![4, 5, 1]);
+        // One block per stage whatever the costs; more stages than blocks is an error.
+        assert_eq!(Stage::counts(&Stage::balanced(3, 3, c).unwrap()), [1, 1, 1]);
+        assert!(Stage::balanced(3, 4, c).is_err());
     }
 
     #[test]

@@ -61,6 +61,9 @@ pub struct MeasuredRun {
     pub micro_batch_size: usize,
     #[serde(default)]
     pub recompute: Option<String>,
+    /// Blocks per pipeline stage, as the run had them (`--pp-layers`); default: balanced.
+    #[serde(default)]
+    pub pp_layers: Option<Vec<usize>>,
     /// This model's compute rate (model TFLOP/s per node), replacing the profile's compute.
     #[serde(default)]
     pub compute_tflops_per_node: Option<f64>,
@@ -148,6 +151,7 @@ impl MeasuredRun {
             seq_len,
             global_batch: self.batch,
             recompute: self.recompute()?,
+            pp_layers: self.pp_layers.clone(),
         };
         let world = self.nodes * self.ranks_per_node;
         let mp = self.tp * self.pp;

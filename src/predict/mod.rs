@@ -8,7 +8,8 @@
 //!   tensor-, pipeline- and data-parallel communication with fugu's placement and overlap,
 //!   memory per rank with the trainer's own activation and parameter tables;
 //! * [`profile`]: the machine profile file (TOML) and building one from a run and benchmarks;
-//! * [`fit`]: a profile's traffic-class links fitted to measured multi-node runs.
+//! * [`fit`]: a profile's traffic-class links fitted to measured multi-node runs;
+//! * [`search`]: every layout of a model on a node count, ranked (`fugu predict --search`).
 //!
 //! It is a model, not a simulation: a prediction for 10 node counts takes milliseconds.
 //! `docs/PREDICT.md` states the assumptions and the validation against measured runs.
@@ -17,4 +18,5 @@ pub mod fit;
 pub mod gemm;
 pub mod network;
 pub mod profile;
+pub mod search;
 pub mod step;

@@ -30,7 +30,7 @@ pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{AttnKeep, Recompute, StepDims};
 use crate::model::decoder_ops::{backward as bwd, forward as fwd};
 use crate::model::registry;
-use crate::model::stage::Stage;
+use crate::model::stage::{PartCosts, Stage};
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
 use crate::parallel::grid::Grid;
 use anyhow::{bail, Result};
@@ -45,6 +45,8 @@ pub struct Workload {
     pub seq_len: usize,
     pub global_batch: usize,
     pub recompute: Recompute,
+    /// Blocks per pipeline stage (`--pp-layers`); `None`: stages balanced by predicted time.
+    pub pp_layers: Option<Vec<usize>>,
 }
 
 impl Layout {
@@ -288,6 +290,36 @@ impl StepCtx<'_> {
         Ok((t, mem))
     }
 
+    /// What a block, the first stage's embeddings and the last stage's head and loss take per
+    /// step (ms: compute and tensor-parallel all-reduces, forward and backward), to balance the
+    /// stages by.
+    fn part_costs(&self) -> PartCosts {
+        let (w, l) = (self.w, self.l);
+        let cost = |layers: usize, first: bool, last: bool| -> f64 {
+            let s = Slice {
+                layers,
+                first,
+                last,
+                ..Stage::whole(1).slice(&w.model, w.seq_len, self.mb, l.tp)
+            };
+            let mut t = BTreeMap::new();
+            for pass in [Pass::Forward, Pass::Backward] {
+                for (name, ms) in self.compute_ops(&s, pass, None, 1.0) {
+                    *t.entry(name.to_owned()).or_default() += ms;
+                }
+            }
+            if l.tp > 1 {
+                self.tp_allreduces(&self.m.network.class(Traffic::Tp), &s, &mut t);
+            }
+            t.values().sum()
+        };
+        PartCosts {
+            block: cost(1, false, false),
+            first: cost(0, true, false),
+            last: cost(0, false, true),
+        }
+    }
+
     /// The compute ops of `pass` on slice `s` (all of them, or those named in `only`), ms per
     /// step: a reference run's per-op times, each scaled by the op's work here over there (for
     /// the GEMMs with measured rates, their predicted time at each side's thread count, so
@@ -523,7 +555,13 @@ impl StepCtx<'_> {
 pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     let grid = check_layout(w, l)?;
     let cfg = &w.model;
-    let stages = Stage::split(cfg, l.pp, w.seq_len)?;
+    if l.pp > cfg.n_layer {
+        bail!(
+            "--pp {}: more stages than model.n_layer = {} blocks",
+            l.pp,
+            cfg.n_layer
+        );
+    }
     let per_rank = w.global_batch / l.dp;
     let rpn = l.ranks_per_node;
     let ctx = StepCtx {
@@ -542,6 +580,10 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         },
         next_stage_across: l.pp > 1 && grid.world_rank_of(1, 0, 0) / rpn != 0,
         last_stage_across: grid.world_rank_of(l.pp - 1, 0, 0) / rpn != 0,
+    };
+    let stages = match &w.pp_layers {
+        Some(counts) => Stage::layout(cfg, l.pp, w.seq_len, Some(counts))?,
+        None => Stage::balanced(cfg.n_layer, l.pp, ctx.part_costs())?,
     };
     let pass = |oversub: f64| -> Result<Vec<(BTreeMap<String, f64>, f64)>> {
         stages.iter().map(|s| ctx.stage(s, oversub)).collect()
@@ -607,6 +649,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         timers_ms,
         memory_gib_per_rank: mem,
         memory_stage,
+        pp_layers: Stage::counts(&stages),
         memory_gib_available: m.memory_gib_per_node / rpn as f64,
         fits: mem <= m.memory_gib_per_node / rpn as f64,
     })
