@@ -824,6 +824,92 @@ fn bench_comm_reports_every_operation_and_size() {
     }
 }
 
+/// `fugu bench comm --group dp|tp`: the data- and tensor-parallel groups of a tp 2 grid on 4
+/// ranks measured as a training step has them (2 ranks each, all groups at once), and `fugu
+/// predict profile` turning the files into the classes' own links; a class whose groups have
+/// one rank is a clear error.
+#[test]
+fn bench_comm_measures_a_traffic_class_and_predict_fits_its_links() {
+    if mpirun_missing() {
+        return;
+    }
+    let dir = tmp("comm-groups");
+    let run = |extra: &[&str]| -> Output {
+        let args: Vec<String> = ["bench", "comm", "--op", "sendrecv,allreduce"]
+            .into_iter()
+            .chain(["--max-size", "1MiB", "--repeats", "2", "--format", "json"])
+            .chain(extra.iter().copied())
+            .map(String::from)
+            .collect();
+        fugu_ranks(&dir, 4, &args, &[])
+    };
+    let mut files = Vec::new();
+    for (class, extra) in [
+        ("world", vec![]),
+        ("dp", vec!["--tp", "2", "--group", "dp"]),
+        ("tp", vec!["--tp", "2", "--group", "tp"]),
+    ] {
+        let out = run(&extra);
+        ok(&out);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if class == "world" {
+            assert_eq!(doc["ranks"], 4);
+            assert!(doc.get("group").is_none(), "{doc}");
+        } else {
+            assert_eq!(
+                (
+                    &doc["group"],
+                    &doc["ranks"],
+                    &doc["job_ranks"],
+                    &doc["nodes"]
+                ),
+                (
+                    &serde_json::json!(class),
+                    &serde_json::json!(2),
+                    &serde_json::json!(4),
+                    &serde_json::json!(1)
+                ),
+                "{doc}"
+            );
+            // The benchmark checked every result on the 2-rank groups (all-reduce sums of 2).
+            assert!(doc["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["ranks"] == 2));
+        }
+        let f = dir.join(format!("{class}.json"));
+        std::fs::write(&f, text).unwrap();
+        files.push(f);
+    }
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/predict/vm-zen4/ref");
+    let profile = dir.join("p.toml");
+    let mut args: Vec<String> = vec!["predict".into(), "profile".into(), "--run".into()];
+    args.push(fixtures.display().to_string());
+    for f in &files {
+        args.extend(["--comm".into(), f.display().to_string()]);
+    }
+    args.extend(["--cores-per-node", "2", "--memory-gib", "24", "--out"].map(String::from));
+    args.push(profile.display().to_string());
+    let out = fugu_ranks(&dir, 0, &args, &[]);
+    ok(&out);
+    let text = std::fs::read_to_string(&profile).unwrap();
+    for section in ["[network.tp.intra]", "[network.dp.intra]"] {
+        assert!(text.contains(section), "{section} missing:\n{text}");
+    }
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("dp traffic's intra-node link"), "{e}");
+
+    let out = run(&["--group", "tp"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains("have one rank each"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `fugu eval` on every layout: the serial run's checkpoint evaluated by 2 ranks as --tp 2 and
 /// as --pp 2 gives the serial evaluation's loss (the same forward pass with its sums in
 /// another order: 1e-5 relative, as the training losses above).

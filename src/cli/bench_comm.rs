@@ -23,6 +23,18 @@ pub struct BenchCommArgs {
     /// warm-up sample whose result is checked.
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
+    /// Measure the communicators of one traffic class of a training layout instead of the
+    /// whole job: `tp`, `pp` or `dp` groups of the trainer's grid for --tp and --pp (every
+    /// group of the class runs at once, as in a step; the times are those of world rank 0's
+    /// group). `fugu predict profile` fits that class's links from the result.
+    #[arg(long, value_parser = ["tp", "pp", "dp"])]
+    pub group: Option<String>,
+    /// Tensor-parallel degree of the layout whose groups --group measures.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages of the layout whose groups --group measures.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
     /// Output format (only rank 0 prints).
     #[arg(long, default_value = "table", value_parser = ["table", "json"])]
     pub format: String,
@@ -36,6 +48,14 @@ struct CommReport<'a> {
     nodes: usize,
     host: String,
     mpi_library: String,
+    /// With --group: the class, and the whole job's ranks and nodes (`ranks` and `nodes` are
+    /// then the measured group's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    group: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    job_ranks: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    job_nodes: Option<usize>,
     rows: &'a [crate::bench::comm::CommRow],
 }
 
@@ -56,33 +76,97 @@ pub fn run(args: BenchCommArgs) -> Result<()> {
         repeats: args.repeats,
         ..CommOptions::default()
     };
-    let dist = Dist::init()?;
+    let mut dist = Dist::init()?;
     let world = dist.world.clone();
-    let rows = run_bench(world.as_ref(), &opts)?;
+    let comm = match args.group.as_deref() {
+        None => world.clone(),
+        Some(class) => {
+            dist.make_grid(args.tp, args.pp, &layout_model(args.tp, args.pp))?;
+            match class {
+                "tp" => dist.tp.clone(),
+                "pp" => dist.pp.clone(),
+                _ => dist.dp.clone(),
+            }
+        }
+    };
+    if comm.size() < 2 {
+        if let Some(class) = &args.group {
+            anyhow::bail!(
+                "--group {class}: the {class} groups of tp {} x pp {} on {} ranks have one rank each: nothing to measure",
+                args.tp,
+                args.pp,
+                world.size()
+            );
+        }
+    }
+    let group_nodes = count_hosts(comm.as_ref());
+    let rows = run_bench(comm.as_ref(), &opts)?;
     if world.rank() != 0 {
         return Ok(());
     }
     let mpi_library = mpi_library();
+    let grouped = args.group.is_some();
     if args.format == "json" {
         let report = CommReport {
             benchmark: "comm",
-            ranks: world.size(),
-            nodes: dist.nodes,
+            ranks: comm.size(),
+            nodes: group_nodes,
             host: hostname(),
             mpi_library,
+            group: args.group.clone(),
+            job_ranks: grouped.then(|| world.size()),
+            job_nodes: grouped.then_some(dist.nodes),
             rows: &rows,
         };
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
+        let what = match &args.group {
+            Some(c) => format!(
+                "the {c} groups ({} ranks on {group_nodes} node(s) each) of tp {} x pp {} over {} ranks on {} node(s)",
+                comm.size(),
+                args.tp,
+                args.pp,
+                world.size(),
+                dist.nodes
+            ),
+            None => format!("{} ranks on {} node(s)", world.size(), dist.nodes),
+        };
         println!(
-            "# fugu bench comm: {} ranks on {} node(s), {mpi_library}; time = median over {} samples of the slowest rank",
-            world.size(),
-            dist.nodes,
+            "# fugu bench comm: {what}, {mpi_library}; time = median over {} samples of the slowest rank",
             opts.repeats
         );
         print!("{}", format_table(&rows));
     }
     Ok(())
+}
+
+/// A model shape any tp × pp grid accepts (the grid checks heads, blocks and widths): only the
+/// communicators are used.
+fn layout_model(tp: usize, pp: usize) -> crate::config::ModelConfig {
+    crate::config::ModelConfig {
+        n_head: tp.max(1),
+        n_layer: pp.max(1),
+        n_embd: 64 * tp.max(1),
+        vocab_size: 128 * tp.max(1),
+        n_positions: 64,
+        ..Default::default()
+    }
+}
+
+/// Distinct host names over the ranks of `comm` (every rank gets the count).
+fn count_hosts(comm: &dyn crate::comm::Comm) -> usize {
+    let host = hostname();
+    let n = comm
+        .gather_bytes(host.as_bytes())
+        .map(|all| {
+            all.into_iter()
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+        })
+        .unwrap_or(0);
+    let mut nb = (n as u64).to_le_bytes().to_vec();
+    comm.broadcast_bytes(&mut nb);
+    u64::from_le_bytes(nb[..8].try_into().expect("8 bytes")) as usize
 }
 
 fn mpi_library() -> String {

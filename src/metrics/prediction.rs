@@ -36,6 +36,9 @@ pub struct Prediction {
     pub memory_gib_per_rank: f64,
     #[serde(default)]
     pub memory_stage: usize,
+    /// Memory per rank of every pipeline stage (GiB), first to last.
+    #[serde(default)]
+    pub memory_gib_per_stage: Vec<f64>,
     /// What one rank may use: the node's memory over the layout's ranks per node (GiB).
     #[serde(default)]
     pub memory_gib_available: f64,

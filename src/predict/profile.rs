@@ -23,7 +23,7 @@
 //! ```
 
 use super::gemm::{read_bench_gemm, GemmRate, GemmRates, GEMM_RATE_FIELDS};
-use super::network::{fit_link, fit_reduce, ClassLinks, Group, Link, Network};
+use super::network::{fit_link, fit_reduce, ClassLinks, Group, Link, Network, Traffic};
 use super::step::{Compute, Machine, Reference};
 use crate::config::ModelConfig;
 use crate::report::comm::read_comm;
@@ -269,12 +269,26 @@ pub fn measure(
     let mut intra = None;
     let mut inter = None;
     let mut files = Vec::new();
+    // Per traffic class, from `--group` files: (class, link level inter?, link, the file).
+    let mut classes = Vec::new();
     for p in comm {
         let f = read_comm(p)?;
         let fit = fit_link(&f.rows).with_context(|| format!("fitting {}", p.display()))?;
+        let class = match f.group.as_deref() {
+            None => None,
+            Some(g) => Some(
+                Traffic::ALL
+                    .into_iter()
+                    .find(|c| c.name() == g)
+                    .with_context(|| {
+                        format!("{}: group `{g}`: expected tp, pp or dp", p.display())
+                    })?,
+            ),
+        };
         notes.push(format!(
-            "{}: {} link α = {:.2} µs, β = {:.2} GB/s ({} sendrecv rows, worst fit error {:.0}%)",
+            "{}: {}{} link α = {:.2} µs, β = {:.2} GB/s ({} sendrecv rows, worst fit error {:.0}%)",
             p.display(),
+            class.map_or(String::new(), |c| format!("{} traffic's ", c.name())),
             if f.nodes > 1 {
                 "inter-node"
             } else {
@@ -285,12 +299,17 @@ pub fn measure(
             fit.rows,
             100.0 * fit.max_rel_err
         ));
-        if f.nodes > 1 {
-            inter = Some(fit.link);
-        } else {
-            intra = Some(fit.link);
+        match (class, f.nodes > 1) {
+            (Some(c), across) => classes.push((c, across, fit.link, p.clone(), f)),
+            (None, true) => {
+                inter = Some(fit.link);
+                files.push((p.clone(), f));
+            }
+            (None, false) => {
+                intra = Some(fit.link);
+                files.push((p.clone(), f));
+            }
         }
-        files.push((p.clone(), f));
     }
     let intra: Link = intra.context(
         "no one-node `fugu bench comm` file given (--comm): the intra-node link is needed",
@@ -343,6 +362,27 @@ pub fn measure(
                 "{}: all-reduce rows leave no reduction cost to fit",
                 p.display()
             )),
+        }
+    }
+    // The classes' own links, and (from a one-node group) their reduction rate.
+    for (c, across, link, p, f) in classes {
+        if across {
+            profile.network.links_mut(c).inter = Some(link);
+        } else {
+            profile.network.links_mut(c).intra = Some(link);
+            let g = Group {
+                ranks: f.ranks,
+                nodes: 1,
+            };
+            let reduce = fit_reduce(&profile.network.class(c), g, &f.rows);
+            profile.network.links_mut(c).reduce_gbs = reduce;
+            if let Some(r) = reduce {
+                notes.push(format!(
+                    "{}: {} traffic's reduction rate γ = {r:.2} GB/s",
+                    p.display(),
+                    c.name()
+                ));
+            }
         }
     }
     for p in gemm {

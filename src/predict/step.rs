@@ -609,9 +609,10 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         .map(|(t, _)| (t["forward"] + t["backward"]) / mbf)
         .collect();
     // Memory: the fullest stage (1F1B keeps the most micro-batches in flight on the first).
-    let (memory_stage, mem) = per_stage
+    let memory_gib_per_stage: Vec<f64> = per_stage.iter().map(|(_, mem)| *mem).collect();
+    let (memory_stage, mem) = memory_gib_per_stage
         .iter()
-        .map(|(_, mem)| *mem)
+        .copied()
         .enumerate()
         .fold((0, 0.0f64), |a, (i, m)| if m > a.1 { (i, m) } else { a });
     let mut best: Option<(f64, BTreeMap<String, f64>)> = None;
@@ -649,6 +650,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         timers_ms,
         memory_gib_per_rank: mem,
         memory_stage,
+        memory_gib_per_stage,
         pp_layers: Stage::counts(&stages),
         memory_gib_available: m.memory_gib_per_node / rpn as f64,
         fits: mem <= m.memory_gib_per_node / rpn as f64,

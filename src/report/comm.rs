@@ -20,6 +20,14 @@ pub struct CommFile {
     pub host: String,
     #[serde(default)]
     pub mpi_library: String,
+    /// A traffic class's groups (`fugu bench comm --group tp|pp|dp`): then `ranks` and `nodes`
+    /// are one group's, and `job_ranks`, `job_nodes` the whole job's.
+    #[serde(default)]
+    pub group: Option<String>,
+    #[serde(default)]
+    pub job_ranks: Option<usize>,
+    #[serde(default)]
+    pub job_nodes: Option<usize>,
     pub rows: Vec<CommRow>,
     /// The file name (set when read).
     #[serde(skip)]
@@ -29,13 +37,22 @@ pub struct CommFile {
 impl CommFile {
     /// "8 ranks on 2 nodes".
     pub fn label(&self) -> String {
-        format!(
+        let s = |n: usize| if n == 1 { "" } else { "s" };
+        let mut l = format!(
             "{} rank{} on {} node{}",
             self.ranks,
-            if self.ranks == 1 { "" } else { "s" },
+            s(self.ranks),
             self.nodes,
-            if self.nodes == 1 { "" } else { "s" }
-        )
+            s(self.nodes)
+        );
+        if let Some(g) = &self.group {
+            l += &format!(" ({g} groups");
+            if let (Some(r), Some(n)) = (self.job_ranks, self.job_nodes) {
+                l += &format!(" of {r} ranks on {n} node{}", s(n));
+            }
+            l += ")";
+        }
+        l
     }
 }
 
