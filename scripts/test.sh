@@ -10,7 +10,8 @@
 #       (installed by install-deps.sh, no GPU needed),
 #   3. fugu-gemm and fugu-rows tests on aarch64 under QEMU (the kernels on the A64FX CPU model;
 #      every test at 512, 128, 256 and 2048-bit SVE) and fugu's unit tests at 512 and 128,
-#   4. the A64FX speed prediction of the SVE micro-kernel with llvm-mca (fails below 90%),
+#   4. the A64FX speed prediction of the SVE micro-kernels with llvm-mca (fails below 90%: the
+#      f32 k loop, and the f16 kernel over whole chunks),
 #   5. the batch job scripts (jobscripts/, docs/JOBS.md) for real: Slurm jobs submitted to a
 #      local single-node Slurm (jobscripts/local-slurm.sh, needs root) and the pjsub scripts
 #      under jobscripts/pjsub/local-pjsub.sh, with an MPI build of fugu (FUGU_JOBS_FEATURES,
@@ -104,6 +105,11 @@ fi
 if ! skip mca; then
   stage "A64FX prediction (llvm-mca)"
   scripts/predict-a64fx.sh
+  # The f16 kernel over a whole chunk of its F16_CHUNK steps (k loop, zeroing, fold into f32),
+  # chunks back to back; the build above is reused.
+  f16_chunk=$(sed -n 's/^pub const F16_CHUNK: usize = \([0-9]*\);$/\1/p' gemm/src/kernel.rs)
+  [ -n "$f16_chunk" ] || { echo "F16_CHUNK not found in gemm/src/kernel.rs" >&2; exit 1; }
+  FUGU_MCA_FUNC=fugu_sve_hgemm_2vx10 FUGU_MCA_CHUNK="$f16_chunk" scripts/predict-a64fx.sh
 fi
 
 if ! skip jobs; then
