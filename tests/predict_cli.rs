@@ -732,3 +732,85 @@ fn search_ranks_layouts_and_its_settings_reproduce_the_best() {
         );
     }
 }
+
+/// Runs files may name `fugu train` run directories: the layout and the median step time come
+/// from the run. The data-parallel class's intra-node bandwidth fitted to the 2-rank
+/// data-parallel run reproduces it; the other seven runs are out-of-sample checks, printed.
+#[test]
+fn runs_are_fitted_from_their_directories() {
+    let out = tmp("fit-dirs");
+    let profile = vm_profile("fit-dirs-profile", false);
+    let d = fixtures();
+    let mut runs = String::new();
+    for (name, fit) in [
+        ("dp2", true),
+        ("tp2", false),
+        ("dp2z", false),
+        ("pp2", false),
+        ("dp4", false),
+        ("tp2dp2", false),
+        ("tp4", false),
+    ] {
+        runs += &format!(
+            "[[run]]\nrun = \"{}\"\nfit = {fit}\n",
+            d.join(name).display()
+        );
+    }
+    let file = out.join("runs.toml");
+    std::fs::write(&file, &runs).unwrap();
+    let o = fugu(&[
+        "predict",
+        "profile",
+        "--base",
+        &profile,
+        "--fit",
+        file.to_str().unwrap(),
+        "--fit-params",
+        "dp.intra.beta_gbs",
+        "--out",
+        out.join("fitted.toml").to_str().unwrap(),
+    ]);
+    let table = ok(&o);
+    println!("{table}");
+    let cols = |name: &str| -> Vec<String> {
+        let line = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("{name} missing:\n{table}"));
+        line.split_whitespace().map(str::to_owned).collect()
+    };
+    // name, fit, measured, before, error, after, error, unit
+    let after_err = |name: &str| cols(name)[6].trim_end_matches('%').parse::<f64>().unwrap();
+    assert_eq!(cols("dp2")[1], "yes");
+    assert!(after_err("dp2").abs() <= 1.0, "{table}");
+    assert_eq!(cols("dp2")[7], "ms/step");
+    // Tensor parallelism and the pipeline keep their links: unchanged by the fit.
+    for name in ["tp2", "tp4", "pp2"] {
+        assert_eq!(cols(name)[3], cols(name)[5], "{name}: {table}");
+    }
+    // Every out-of-sample run within the 15% the validation holds them to.
+    for name in ["tp2", "dp2z", "pp2", "dp4", "tp2dp2", "tp4"] {
+        assert!(after_err(name).abs() <= 15.0, "{name}: {table}");
+    }
+    // A run directory says the layout: giving it as well is an error.
+    std::fs::write(
+        &file,
+        format!(
+            "[[run]]\nrun = \"{}\"\nnodes = 2\n",
+            d.join("dp2").display()
+        ),
+    )
+    .unwrap();
+    let o = fugu(&[
+        "predict",
+        "profile",
+        "--base",
+        &profile,
+        "--fit",
+        file.to_str().unwrap(),
+        "--out",
+        out.join("x.toml").to_str().unwrap(),
+    ]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("reads the layout"), "{e}");
+}

@@ -622,14 +622,21 @@ pub fn format_fit(f: &Fitted) -> String {
     for (p, v) in &f.values {
         s += &format!("fitted {} = {v:.4}\n", p.name());
     }
+    let w = f
+        .residuals
+        .iter()
+        .map(|r| r.name.chars().count())
+        .max()
+        .unwrap_or(3)
+        .max(44);
     s += &format!(
-        "{:<44} {:>4} {:>10} {:>10} {:>8} {:>10} {:>8}\n",
+        "{:<w$} {:>4} {:>10} {:>10} {:>8} {:>10} {:>8}\n",
         "run", "fit", "measured", "before", "error", "after", "error"
     );
     for r in &f.residuals {
         let err = |v: f64| 100.0 * (v - r.measured) / r.measured;
         s += &format!(
-            "{:<44} {:>4} {:>10.3} {:>10.3} {:>+7.0}% {:>10.3} {:>+7.0}%  {}\n",
+            "{:<w$} {:>4} {:>10.3} {:>10.3} {:>+7.0}% {:>10.3} {:>+7.0}%  {}\n",
             r.name,
             if r.fit { "yes" } else { "no" },
             r.measured,

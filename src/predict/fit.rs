@@ -10,7 +10,11 @@
 //! a handful of parameters and runs, each prediction milliseconds.
 //!
 //! ```toml
-//! [[run]]
+//! [[run]]                           # a fugu run: layout and step time from its directory
+//! run = "runs/gpt2-124m-n8-tp1"
+//! fit = true
+//!
+//! [[run]]                           # or given by numbers (published runs)
 //! name = "124M DP, 512 nodes"
 //! config = "gpt2-124m"
 //! nodes = 512
@@ -25,12 +29,15 @@
 //! ```
 
 use super::network::{ClassLinks, Link, Network, Traffic};
+use super::profile::run_model;
 use super::step::{predict, Compute, Layout, Machine, Prediction, Workload};
-use crate::config::RunConfig;
+use crate::config::{ModelConfig, RunConfig};
 use crate::model::acts::Recompute;
+use crate::model::stage::Stage;
+use crate::report::runs::read_run;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// A runs file.
 #[derive(Clone, Debug, Deserialize)]
@@ -39,14 +46,24 @@ pub struct Runs {
     pub run: Vec<MeasuredRun>,
 }
 
-/// One measured run: its layout and what it achieved.
-#[derive(Clone, Debug, Deserialize)]
+/// One measured run: its layout and what it achieved, given as numbers or read from a `fugu
+/// train` run directory (`run = "DIR"`: its header's model, layout, batch and micro-batches,
+/// and its median step time; stages split as the trainer splits them).
+#[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MeasuredRun {
+    #[serde(default)]
     pub name: String,
+    /// A `fugu train` run directory (or its metrics.jsonl), relative to the runs file.
+    #[serde(default)]
+    pub run: Option<PathBuf>,
+    #[serde(default)]
     pub config: String,
+    #[serde(default)]
     pub nodes: usize,
+    #[serde(default)]
     pub ranks_per_node: usize,
+    #[serde(default)]
     pub threads: usize,
     #[serde(default = "one")]
     pub tp: usize,
@@ -55,9 +72,11 @@ pub struct MeasuredRun {
     #[serde(default)]
     pub zero: bool,
     /// Global batch (sequences per step).
+    #[serde(default)]
     pub batch: usize,
     #[serde(default)]
     pub seq_len: Option<usize>,
+    #[serde(default)]
     pub micro_batch_size: usize,
     #[serde(default)]
     pub recompute: Option<String>,
@@ -77,6 +96,9 @@ pub struct MeasuredRun {
     pub fit: bool,
     #[serde(default)]
     pub source: String,
+    /// The model, when read from a run directory (else `config` is loaded).
+    #[serde(skip)]
+    pub model: Option<ModelConfig>,
 }
 
 fn one() -> usize {
@@ -88,8 +110,15 @@ impl Runs {
     pub fn load(path: &Path) -> Result<Runs> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the runs file {}", path.display()))?;
-        let runs: Runs = toml::from_str(&text)
+        let mut runs: Runs = toml::from_str(&text)
             .with_context(|| format!("in the runs file {}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for (i, r) in runs.run.iter_mut().enumerate() {
+            if let Some(dir) = r.run.clone() {
+                r.read_from(&base.join(dir))
+                    .with_context(|| format!("in the runs file {}, run[{i}]", path.display()))?;
+            }
+        }
         for (i, r) in runs.run.iter().enumerate() {
             r.check().with_context(|| {
                 format!("in the runs file {}, run[{i}] `{}`", path.display(), r.name)
@@ -103,7 +132,97 @@ impl Runs {
 }
 
 impl MeasuredRun {
+    /// Fills the layout and the measured step time in from a run directory: the fields a
+    /// runs file gave besides `run`, `fit`, `name`, `source` and `compute_tflops_per_node` are
+    /// an error (the run says them).
+    fn read_from(&mut self, dir: &Path) -> Result<()> {
+        let given = MeasuredRun {
+            run: self.run.clone(),
+            name: self.name.clone(),
+            fit: self.fit,
+            source: self.source.clone(),
+            compute_tflops_per_node: self.compute_tflops_per_node,
+            ..Default::default()
+        };
+        let layout_given = !self.config.is_empty()
+            || self.nodes != 0
+            || self.ranks_per_node != 0
+            || self.threads != 0
+            || self.tp != 1
+            || self.pp != 1
+            || self.zero
+            || self.batch != 0
+            || self.micro_batch_size != 0
+            || self.seq_len.is_some()
+            || self.pp_layers.is_some()
+            || self.tflops_per_node.is_some()
+            || self.step_ms.is_some();
+        if layout_given {
+            bail!(
+                "`run = \"{}\"` reads the layout and the step time from the run: leave out config, \
+                 nodes, ranks_per_node, threads, tp, pp, zero, batch, seq_len, micro_batch_size, \
+                 pp_layers, tflops_per_node and step_ms",
+                dir.display()
+            );
+        }
+        let metrics = if dir.is_dir() {
+            dir.join("metrics.jsonl")
+        } else {
+            dir.to_path_buf()
+        };
+        let name = if self.name.is_empty() {
+            dir.file_name()
+                .map_or_else(|| dir.display().to_string(), |f| f.to_string_lossy().into())
+        } else {
+            self.name.clone()
+        };
+        let r = read_run(&metrics, &name)?;
+        let dims = r
+            .model
+            .as_ref()
+            .with_context(|| format!("{}: the header has no model", metrics.display()))?;
+        let (Some(batch), Some(seq)) = (r.batch_size, r.seq_len) else {
+            bail!(
+                "{}: the header has no batch size or sequence length",
+                metrics.display()
+            );
+        };
+        if r.step_ms.is_nan() || r.step_ms <= 0.0 {
+            bail!(
+                "{}: no measured steps (after the warm-up)",
+                metrics.display()
+            );
+        }
+        let l = &r.layout;
+        let pp = (l.world / (l.tp * l.dp).max(1)).max(1) as usize;
+        let model = run_model(dims, seq as usize);
+        let micro = r.micro_batches.max(1);
+        let stages = Stage::split(&model, pp, seq as usize)?;
+        *self = MeasuredRun {
+            name,
+            config: r.config_name.clone(),
+            nodes: l.nodes as usize,
+            ranks_per_node: l.ranks_per_node as usize,
+            threads: l.threads as usize,
+            tp: l.tp as usize,
+            pp,
+            zero: l.zero > 0,
+            batch: (batch * l.dp) as usize,
+            seq_len: Some(seq as usize),
+            micro_batch_size: (batch / micro) as usize,
+            recompute: None,
+            pp_layers: (pp > 1).then(|| Stage::counts(&stages)),
+            step_ms: Some(r.step_ms),
+            model: Some(model),
+            ..given
+        };
+        Ok(())
+    }
+
     fn check(&self) -> Result<()> {
+        if self.config.is_empty() && self.model.is_none() {
+            bail!("config: missing (a model config name or file), or give run = \"DIR\"");
+        }
         for (what, v) in [
             ("nodes", self.nodes),
             ("ranks_per_node", self.ranks_per_node),
@@ -144,10 +263,16 @@ impl MeasuredRun {
 
     /// The run's prediction on `machine` with `network`.
     pub fn predict(&self, machine: &Machine, network: &Network) -> Result<Prediction> {
-        let cfg = RunConfig::load(&self.config)?;
-        let seq_len = self.seq_len.unwrap_or(cfg.train.seq_len);
+        let (model, default_seq) = match &self.model {
+            Some(m) => (m.clone(), m.n_positions),
+            None => {
+                let cfg = RunConfig::load(&self.config)?;
+                (cfg.model, cfg.train.seq_len)
+            }
+        };
+        let seq_len = self.seq_len.unwrap_or(default_seq);
         let w = Workload {
-            model: cfg.model,
+            model,
             seq_len,
             global_batch: self.batch,
             recompute: self.recompute()?,

@@ -27,7 +27,7 @@ use super::network::{fit_link, fit_reduce, ClassLinks, Group, Link, Network, Tra
 use super::step::{Compute, Machine, Reference};
 use crate::config::ModelConfig;
 use crate::report::comm::read_comm;
-use crate::report::runs::read_run;
+use crate::report::runs::{read_run, ModelDims};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -188,6 +188,19 @@ fn check_gemm_fields(text: &str) -> Result<()> {
     Ok(())
 }
 
+/// The model of a run, from its header's dimensions (sequences of `seq` tokens).
+pub fn run_model(dims: &ModelDims, seq: usize) -> ModelConfig {
+    ModelConfig {
+        arch: dims.arch,
+        vocab_size: dims.vocab_size as usize,
+        n_positions: seq,
+        n_embd: dims.n_embd as usize,
+        n_head: dims.n_head as usize,
+        n_layer: dims.n_layer as usize,
+        ..Default::default()
+    }
+}
+
 /// What [`measure`] fitted, for the user to see.
 #[derive(Clone, Debug)]
 pub struct Measured {
@@ -243,15 +256,7 @@ pub fn measure(
         .map(|p| p / run.layout.threads.max(1) as f64)
         .unwrap_or(0.0);
     let reference = Reference {
-        model: ModelConfig {
-            arch: dims.arch,
-            vocab_size: dims.vocab_size as usize,
-            n_positions: seq as usize,
-            n_embd: dims.n_embd as usize,
-            n_head: dims.n_head as usize,
-            n_layer: dims.n_layer as usize,
-            ..Default::default()
-        },
+        model: run_model(dims, seq as usize),
         seq_len: seq as usize,
         batch_per_rank: batch as usize,
         micro_batches: run.micro_batches.max(1) as usize,
