@@ -1,9 +1,17 @@
 #!/usr/bin/env python3
-"""PyTorch eager baseline for fugu's training-step benchmark (`cargo bench --bench train`).
+"""PyTorch baseline (eager or torch.compile) for fugu's training-step benchmark
+(`cargo bench --bench train`).
 
     python3 dev/bench_pytorch.py [--threads 2] [--shape 4x64 --shape 4x256] [--steps 5]
     python3 dev/bench_pytorch.py --device cuda [--tf32] --shape 4x1024 --shape 16x1024
     python3 dev/bench_pytorch.py --device cuda --autocast bf16 --shape 16x1024
+    python3 dev/bench_pytorch.py --device cuda --autocast bf16 --compile --shape 16x1024
+
+`--compile` runs the model under `torch.compile` (inductor: fused elementwise and normalisation
+kernels, SDPA flash attention; `--compile-mode` passes a mode such as `max-autotune`) with
+PyTorch's fused AdamW (`fused=True`; `--no-fused-adamw` for the default implementation), the
+strongest PyTorch baseline a GPU user would pick; its warm-up (`--warmup`, default 3 with
+--compile, 1 without) includes the compilation and is not timed.
 
 On a GPU (`--device cuda`) the same step runs on CUDA in fp32, with
 `torch.backends.cuda.matmul.allow_tf32` set by `--tf32` (off by default: strict fp32), and each
@@ -96,7 +104,18 @@ def main():
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (GPU)")
     ap.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
                     help="torch.autocast mixed precision (fp32 weights; fp16 adds a GradScaler)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode (default, reduce-overhead, max-autotune, ...)")
+    ap.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
+                    help="AdamW(fused=True) (default: on with --compile)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps first (default: 3 with --compile, else 1)")
     args = ap.parse_args()
+    fused = args.compile if args.fused_adamw is None else args.fused_adamw
+    warmup = args.warmup if args.warmup is not None else (3 if args.compile else 1)
+    if warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be at least 1")
     shapes = args.shape or ["4x64", "4x256"]
     dev = torch.device(args.device)
     gpu = dev.type == "cuda"
@@ -112,7 +131,11 @@ def main():
     where = (f"{torch.cuda.get_device_name(dev)}, {'TF32' if args.tf32 else 'strict fp32'}"
              if gpu else f"{torch.get_num_threads()} threads, CPU")
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
-    mode = f"eager + autocast {args.autocast}" if amp else "fp32 eager"
+    how = "compiled" if args.compile else "eager"
+    if args.compile and args.compile_mode:
+        how += f" ({args.compile_mode})"
+    mode = f"{how} + autocast {args.autocast}" if amp else f"fp32 {how}"
+    mode += ", fused AdamW" if fused else ""
     print(f"torch {torch.__version__} | {mode} | {where}")
     print(f"{'config':<12} {'BxT':>7} {'ms/step':>10} {'tokens/s':>10} {'TFLOP/s':>9}")
     for s in shapes:
@@ -122,17 +145,18 @@ def main():
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+            lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if fused else {}),
         )
+        step_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
         gen = torch.Generator().manual_seed(7)
         scaler = torch.amp.GradScaler(dev.type, enabled=args.autocast == "fp16")
         times = []
-        for step in range(args.steps + 1):
+        for step in range(args.steps + warmup):
             window = torch.randint(0, V, (b, t + 1), generator=gen).to(dev)
             sync()
             t0 = time.perf_counter()
             with torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
-                loss = model(window[:, :-1], window[:, 1:])
+                loss = step_model(window[:, :-1], window[:, 1:])
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -141,7 +165,7 @@ def main():
             opt.zero_grad(set_to_none=True)
             sync()
             ms = (time.perf_counter() - t0) * 1e3
-            if step > 0:
+            if step >= warmup:
                 times.append(ms)
         med = statistics.median(times)
         tflops = megatron_flops(b, t, NLAYER, H, V) / (med / 1e3) / 1e12

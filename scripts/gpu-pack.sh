@@ -5,6 +5,8 @@
 #   gpu/head/fugu, cuda-tests, mp-tests, bench-train   this checkout, release, --features cuda
 #   gpu/base-<rev>/bench-train                         the train benchmark of each REV given
 #   gpu/MANIFEST                                       what each binary was built from
+#   gpu/llmc/train_gpt2cu                              llm.c, built here (FUGU_LLMC_SRC), for
+#                                                      scripts/gpu-baselines.sh
 #
 #   scripts/gpu-pack.sh [REV ...]      # e.g. scripts/gpu-pack.sh 3fdd6f4
 #
@@ -68,6 +70,39 @@ for rev in "$@"; do
         --features cuda --bench train --no-run)
     echo "base-$sha: $(git log -1 --format=%s "$sha" | cut -c1-80)" >> gpu/MANIFEST
 done
+
+# llm.c's train_gpt2cu, the baseline of scripts/gpu-baselines.sh, built here (nvcc needs no
+# GPU) for sm_90 (H100/H200) from FUGU_LLMC_SRC (a git repository of karpathy/llm.c, a bare
+# snapshot will do, or a checkout), with the nvcc of FUGU_NVCC or of a Python's
+# nvidia-cuda-nvcc wheel (plus nvidia-cuda-profiler-api's header). CUDA 13 takes a
+# cudaMemLocation where llm.c (written for CUDA 12) passes cudaCpuDeviceId: patched in the copy.
+if [ -n "${FUGU_LLMC_SRC:-}" ]; then
+    src=$(mktemp -d)
+    if git -C "$FUGU_LLMC_SRC" rev-parse --git-dir >/dev/null 2>&1; then
+        git -C "$FUGU_LLMC_SRC" archive HEAD train_gpt2.cu llmc | tar -x -C "$src"
+        llmc_rev=$(git -C "$FUGU_LLMC_SRC" log -1 --format=%h)
+    else
+        cp -r "$FUGU_LLMC_SRC/train_gpt2.cu" "$FUGU_LLMC_SRC/llmc" "$src/"
+        llmc_rev="a checkout"
+    fi
+    sed -i 's/cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdviseSetPreferredLocation, cudaMemLocation{cudaMemLocationTypeHost, 0})/' \
+        "$src/llmc/cuda_utils.cuh"
+    nvcc="${FUGU_NVCC:-}"
+    if [ -z "$nvcc" ]; then
+        for py in python3 /opt/torchenv/bin/python; do
+            d=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))' 2>/dev/null) || continue
+            [ -x "$d/bin/nvcc" ] && nvcc="$d/bin/nvcc" && break
+        done
+    fi
+    [ -n "$nvcc" ] || { echo "gpu-pack: FUGU_LLMC_SRC given but no nvcc (FUGU_NVCC, or pip install nvidia-cuda-nvcc nvidia-cuda-profiler-api)" >&2; exit 1; }
+    nv=$(dirname "$(dirname "$nvcc")")
+    mkdir -p gpu/llmc
+    (cd "$src" && "$nvcc" -O3 -t=0 --use_fast_math -std=c++17 -DENABLE_BF16 \
+        --generate-code "arch=compute_90,code=[compute_90,sm_90]" -I"$nv/include" -L"$nv/lib" \
+        train_gpt2.cu -l:libcublas.so.13 -l:libcublasLt.so.13 -o "$root/gpu/llmc/train_gpt2cu")
+    rm -rf "$src"
+    echo "llmc: train_gpt2cu (bf16, sm_90) from $FUGU_LLMC_SRC at $llmc_rev, $("$nvcc" --version | tail -1)" >> gpu/MANIFEST
+fi
 
 for f in gpu/*/*; do
     [ -f "$f" ] || continue
