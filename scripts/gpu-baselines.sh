@@ -30,20 +30,8 @@ T="${FUGU_GPU_T:-1024}"
 STEPS="${FUGU_GPU_STEPS:-10}"
 ROUNDS="${FUGU_GPU_ROUNDS:-2}"
 
-left() { echo $((BUDGET - SECONDS)); }
-say() { printf '%s\n' "$*" | tee -a "$LOG"; }
-limited() {
-    local lim=$1 l
-    shift
-    l=$(($(left) - 10))
-    [ "$lim" -gt "$l" ] && lim=$l
-    if [ "$lim" -le 5 ]; then
-        say "skipped: out of time budget for: $*"
-        return 124
-    fi
-    timeout -k 5 "$lim" "$@" 2>&1 | tee -a "$LOG"
-    return "${PIPESTATUS[0]}"
-}
+# shellcheck source=scripts/gpu-lib.sh
+. scripts/gpu-lib.sh
 # row LABEL MS: one result.
 row() { printf '%-34s %s\n' "$1" "${2:-(no result)}" >> "$ROWS"; }
 

@@ -38,24 +38,8 @@ STEPS="${FUGU_GPU_STEPS:-10}"
 # on an H200; the one-kernel attention backward, 19% slower there, is left out).
 VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=split;FUGU_RESIDUAL=separate;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32}"
 
-left() { echo $((BUDGET - SECONDS)); }
-say() { printf '%s\n' "$*" | tee -a "$LOG"; }
-stage() { say ""; say "=== $* ($(left) s left) ==="; }
-# limited SECONDS CMD...: CMD under `timeout`, at most SECONDS and what is left of the budget.
-limited() {
-    local lim=$1 l
-    shift
-    l=$(($(left) - 10))
-    [ "$lim" -gt "$l" ] && lim=$l
-    if [ "$lim" -le 5 ]; then
-        say "skipped: out of time budget for: $*"
-        return 124
-    fi
-    timeout -k 5 "$lim" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 124 ] && say "timed out after ${lim} s: $*"
-    return "$rc"
-}
+# shellcheck source=scripts/gpu-lib.sh
+. scripts/gpu-lib.sh
 
 [ -f gpu/MANIFEST ] || { say "no gpu/MANIFEST: run scripts/gpu-pack.sh here first and carry gpu"; exit 2; }
 tee -a "$LOG" < gpu/MANIFEST

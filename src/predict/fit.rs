@@ -29,12 +29,11 @@
 //! ```
 
 use super::network::{ClassLinks, Link, Network, Traffic};
-use super::profile::run_model;
+use super::profile::read_run_shape;
 use super::step::{predict, Compute, Layout, Machine, Prediction, Workload};
 use crate::config::{ModelConfig, RunConfig};
 use crate::model::acts::Recompute;
 use crate::model::stage::Stage;
-use crate::report::runs::read_run;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -165,28 +164,13 @@ impl MeasuredRun {
                 dir.display()
             );
         }
-        let metrics = if dir.is_dir() {
-            dir.join("metrics.jsonl")
-        } else {
-            dir.to_path_buf()
-        };
         let name = if self.name.is_empty() {
             dir.file_name()
                 .map_or_else(|| dir.display().to_string(), |f| f.to_string_lossy().into())
         } else {
             self.name.clone()
         };
-        let r = read_run(&metrics, &name)?;
-        let dims = r
-            .model
-            .as_ref()
-            .with_context(|| format!("{}: the header has no model", metrics.display()))?;
-        let (Some(batch), Some(seq)) = (r.batch_size, r.seq_len) else {
-            bail!(
-                "{}: the header has no batch size or sequence length",
-                metrics.display()
-            );
-        };
+        let (metrics, r, model, batch, seq) = read_run_shape(dir, &name)?;
         if r.step_ms.is_nan() || r.step_ms <= 0.0 {
             bail!(
                 "{}: no measured steps (after the warm-up)",
@@ -195,7 +179,6 @@ impl MeasuredRun {
         }
         let l = &r.layout;
         let pp = (l.world / (l.tp * l.dp).max(1)).max(1) as usize;
-        let model = run_model(dims, seq as usize);
         let micro = r.micro_batches.max(1);
         let stages = Stage::split(&model, pp, seq as usize)?;
         *self = MeasuredRun {

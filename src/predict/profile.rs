@@ -27,7 +27,7 @@ use super::network::{fit_link, fit_reduce, ClassLinks, Group, Link, Network, Tra
 use super::step::{Compute, Machine, Reference};
 use crate::config::ModelConfig;
 use crate::report::comm::read_comm;
-use crate::report::runs::{read_run, ModelDims};
+use crate::report::runs::{read_run, ModelDims, Run};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -188,8 +188,34 @@ fn check_gemm_fields(text: &str) -> Result<()> {
     Ok(())
 }
 
+/// A `fugu train` run (its directory or metrics.jsonl): the metrics file, the run, its model
+/// (from the header's dimensions) and its batch size per replica and sequence length.
+pub fn read_run_shape(
+    path: &Path,
+    name: &str,
+) -> Result<(std::path::PathBuf, Run, ModelConfig, u64, u64)> {
+    let metrics = if path.is_dir() {
+        path.join("metrics.jsonl")
+    } else {
+        path.to_path_buf()
+    };
+    let run = read_run(&metrics, name)?;
+    let dims = run
+        .model
+        .as_ref()
+        .with_context(|| format!("{}: the header has no model", metrics.display()))?;
+    let (Some(batch), Some(seq)) = (run.batch_size, run.seq_len) else {
+        bail!(
+            "{}: the header has no batch size or sequence length",
+            metrics.display()
+        );
+    };
+    let model = run_model(dims, seq as usize);
+    Ok((metrics, run, model, batch, seq))
+}
+
 /// The model of a run, from its header's dimensions (sequences of `seq` tokens).
-pub fn run_model(dims: &ModelDims, seq: usize) -> ModelConfig {
+fn run_model(dims: &ModelDims, seq: usize) -> ModelConfig {
     ModelConfig {
         arch: dims.arch,
         vocab_size: dims.vocab_size as usize,
@@ -219,23 +245,8 @@ pub fn measure(
     cores_per_node: usize,
     memory_gib_per_node: f64,
 ) -> Result<Measured> {
-    let metrics = if run_dir.is_dir() {
-        run_dir.join("metrics.jsonl")
-    } else {
-        run_dir.to_path_buf()
-    };
-    let run = read_run(&metrics, name)?;
+    let (metrics, run, model, batch, seq) = read_run_shape(run_dir, name)?;
     let mut notes = Vec::new();
-    let dims = run
-        .model
-        .as_ref()
-        .with_context(|| format!("{}: the header has no model", metrics.display()))?;
-    let (Some(batch), Some(seq)) = (run.batch_size, run.seq_len) else {
-        bail!(
-            "{}: the header has no batch size or sequence length",
-            metrics.display()
-        );
-    };
     if run.layout.world != 1 {
         bail!(
             "{}: the reference must be a one-process run (it has {} ranks): its per-op times \
@@ -256,7 +267,7 @@ pub fn measure(
         .map(|p| p / run.layout.threads.max(1) as f64)
         .unwrap_or(0.0);
     let reference = Reference {
-        model: run_model(dims, seq as usize),
+        model,
         seq_len: seq as usize,
         batch_per_rank: batch as usize,
         micro_batches: run.micro_batches.max(1) as usize,
