@@ -380,6 +380,18 @@ fn ten_node_counts_and_bad_inputs() {
             vec!["predict", "--profile", &fugaku, "--dp", "7"],
             "leave dp = 4",
         ),
+        (
+            vec!["predict", "--profile", &fugaku, "--search"],
+            "--search needs --batch",
+        ),
+        (
+            vec!["predict", "--profile", &fugaku, "--search", "--tp", "2"],
+            "cannot be used with",
+        ),
+        (
+            vec!["predict", "--profile", &fugaku, "--zero", "2"],
+            "--zero 2: fugu has ZeRO stages 0 and 1",
+        ),
     ] {
         let o = fugu(&args);
         let e = String::from_utf8_lossy(&o.stderr);
