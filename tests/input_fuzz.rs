@@ -9,6 +9,7 @@
 use clap::{Args, FromArgMatches};
 use fugu::cli::TrainArgs;
 use fugu::config::RunConfig;
+use fugu::predict::fit::{fit, Runs};
 use fugu::predict::profile::Profile;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -288,6 +289,28 @@ fn profiles(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
     });
 }
 
+/// Mutated copies of the shipped runs file (published Fugaku runs), parsed and every run
+/// predicted on the Fugaku profile, as `fugu predict profile --fit` does.
+fn runs_files(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let file = root.join("profiles/fugaku-published-runs.toml");
+    let original = std::fs::read_to_string(&file).unwrap();
+    let machine = Profile::load(&root.join("profiles/fugaku.toml"))
+        .unwrap()
+        .machine();
+    for _ in 0..cases {
+        let mut text = original.clone();
+        for _ in 0..1 + rng.below(3) {
+            text = mutate(rng, &text);
+        }
+        failures.extend(no_panic("runs file", &text, || {
+            if let Ok(runs) = Runs::parse(&text, &file) {
+                let _ = fit(&machine, &runs, &[]);
+            }
+        }));
+    }
+}
+
 /// A manifest as `fugu prepare` writes one, mutated.
 fn manifests(rng: &mut Rng, cases: usize, failures: &mut Vec<String>) {
     let sha = "0".repeat(64);
@@ -378,11 +401,12 @@ fn hostile_numbers_and_mutated_files_are_refused_without_a_panic() {
     }));
     let mut failures = Vec::new();
     type Section = fn(&mut Rng, usize, &mut Vec<String>);
-    let sections: [(&str, Section, usize); 5] = [
+    let sections: [(&str, Section, usize); 6] = [
         ("train flags", train_flags, 3000),
         ("--set values", set_values, 1500),
         ("config texts", config_texts, 1500),
         ("machine profiles", profiles, 1500),
+        ("runs files", runs_files, 300),
         ("manifests", manifests, 1500),
     ];
     let mut report = Vec::new();

@@ -392,6 +392,18 @@ fn ten_node_counts_and_bad_inputs() {
             vec!["predict", "--profile", &fugaku, "--zero", "2"],
             "--zero 2: fugu has ZeRO stages 0 and 1",
         ),
+        (
+            vec![
+                "predict",
+                "--profile",
+                &fugaku,
+                "--batch",
+                "100000000000000000",
+                "--micro-batch-size",
+                "1",
+            ],
+            "too large to count",
+        ),
     ] {
         let o = fugu(&args);
         let e = String::from_utf8_lossy(&o.stderr);

@@ -414,6 +414,7 @@ fn run_search(
                 "predicted": found.predicted,
                 "refused": found.refused,
                 "over_memory": found.over_memory,
+                "first_refusal": found.first_refusal,
                 "seconds": secs,
                 "layouts": top.iter().map(|c| serde_json::json!({
                     "prediction": c.prediction,
@@ -426,7 +427,7 @@ fn run_search(
             continue;
         }
         println!(
-            "# fugu predict --search: {} (T = {seq_len}, global batch {global_batch}) on {nodes} node(s) of profile '{}'{}: {} layouts predicted in {secs:.2} s, {} within memory, {} over memory, {} refused by the trainer's rules",
+            "# fugu predict --search: {} (T = {seq_len}, global batch {global_batch}) on {nodes} node(s) of profile '{}'{}: {} layouts predicted in {secs:.2} s, {} within memory, {} over memory, {} refused (the trainer's rules, or too large to count)",
             args.config,
             profile.machine.name,
             if profile.machine.estimate { " (estimates)" } else { "" },
@@ -436,7 +437,10 @@ fn run_search(
             found.refused
         );
         if top.is_empty() {
-            println!("# no layout fits in memory");
+            match (&found.first_refusal, found.predicted) {
+                (Some(why), 0) => println!("# no layout is possible; the first refused: {why}"),
+                _ => println!("# no layout fits in memory"),
+            }
             continue;
         }
         let rows: Vec<Prediction> = top.iter().map(|c| c.prediction.clone()).collect();

@@ -109,8 +109,14 @@ impl Runs {
     pub fn load(path: &Path) -> Result<Runs> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the runs file {}", path.display()))?;
-        let mut runs: Runs = toml::from_str(&text)
-            .with_context(|| format!("in the runs file {}", path.display()))?;
+        Runs::parse(&text, path)
+    }
+
+    /// Parses and checks the text of the runs file `path` (run directories are relative to
+    /// its folder), naming the file and the run in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Runs> {
+        let mut runs: Runs =
+            toml::from_str(text).with_context(|| format!("in the runs file {}", path.display()))?;
         let base = path.parent().unwrap_or(Path::new("."));
         for (i, r) in runs.run.iter_mut().enumerate() {
             if let Some(dir) = r.run.clone() {
@@ -261,8 +267,18 @@ impl MeasuredRun {
             recompute: self.recompute()?,
             pp_layers: self.pp_layers.clone(),
         };
-        let world = self.nodes * self.ranks_per_node;
-        let mp = self.tp * self.pp;
+        let (Some(world), Some(mp)) = (
+            self.nodes.checked_mul(self.ranks_per_node),
+            self.tp.checked_mul(self.pp),
+        ) else {
+            bail!(
+                "too many ranks to count: {} nodes x {} ranks, tp {} x pp {}",
+                self.nodes,
+                self.ranks_per_node,
+                self.tp,
+                self.pp
+            );
+        };
         if !world.is_multiple_of(mp) {
             bail!(
                 "{world} ranks are not a multiple of tp {} x pp {}",
@@ -271,7 +287,8 @@ impl MeasuredRun {
             );
         }
         let dp = world / mp;
-        if !self.batch.is_multiple_of(dp * self.micro_batch_size) {
+        let split = dp.checked_mul(self.micro_batch_size).unwrap_or(0);
+        if split == 0 || !self.batch.is_multiple_of(split) {
             bail!(
                 "the batch {} does not split into dp {dp} x micro-batch size {}",
                 self.batch,

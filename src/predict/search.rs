@@ -48,6 +48,8 @@ pub struct Found {
     pub predicted: usize,
     pub refused: usize,
     pub over_memory: usize,
+    /// Why the first refused layout was refused (for a search that finds none).
+    pub first_refusal: Option<String>,
 }
 
 fn divisors(n: usize) -> Vec<usize> {
@@ -75,6 +77,7 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
         predicted: 0,
         refused: 0,
         over_memory: 0,
+        first_refusal: None,
     };
     for &rpn in &space.ranks_per_node {
         let Some(world) = space.nodes.checked_mul(rpn) else {
@@ -126,9 +129,15 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
                                 zero,
                                 micro_batches: per_replica / mbs,
                             };
-                            let Ok(p) = predict(&w, &l, machine) else {
-                                found.refused += 1;
-                                continue;
+                            let p = match predict(&w, &l, machine) {
+                                Ok(p) => p,
+                                Err(e) => {
+                                    found.refused += 1;
+                                    found.first_refusal.get_or_insert_with(|| {
+                                        format!("tp {tp} x pp {pp} x dp {dp}: {e:#}")
+                                    });
+                                    continue;
+                                }
                             };
                             found.predicted += 1;
                             if !p.fits {

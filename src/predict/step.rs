@@ -209,6 +209,30 @@ pub fn check_layout(w: &Workload, l: &Layout) -> Result<Grid> {
     Ok(grid)
 }
 
+/// Refuses a workload whose step the tables cannot count in machine words: the step's tokens
+/// times the widest row (hidden, MLP or vocabulary) and a micro-batch's attention scores of
+/// every layer, each with a margin of 64 (bytes and per-tensor factors), must fit in a `u64`.
+/// (A billion sequences of a 1024-token GPT-2 are far inside; 10^17 sequences are not.)
+fn check_sizes(w: &Workload, l: &Layout) -> Result<()> {
+    let m = &w.model;
+    let widest = m.n_embd.max(m.mlp_width()).max(m.vocab_size) as u128;
+    let tokens = w.global_batch as u128 * w.seq_len as u128;
+    let scores = l.micro_batch_size(w) as u128
+        * m.n_head as u128
+        * (w.seq_len as u128).pow(2)
+        * m.n_layer as u128;
+    if (tokens * widest).max(scores) * 64 > u64::MAX as u128 {
+        bail!(
+            "a global batch of {} sequences of {} tokens (micro-batches of {}) on this model is too \
+             large to count: give a smaller --batch or --seq-len",
+            w.global_batch,
+            w.seq_len,
+            l.micro_batch_size(w)
+        );
+    }
+    Ok(())
+}
+
 /// The number of nodes the world ranks `start + i·stride` (i < `count`) sit on (block placement:
 /// rank r on node r / ranks_per_node).
 fn nodes_spanned(start: usize, stride: usize, count: usize, ranks_per_node: usize) -> usize {
@@ -554,6 +578,7 @@ impl StepCtx<'_> {
 /// Predicts one step of `w` on `l` on machine `m`.
 pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     let grid = check_layout(w, l)?;
+    check_sizes(w, l)?;
     let cfg = &w.model;
     if l.pp > cfg.n_layer {
         bail!(
