@@ -95,7 +95,7 @@ pub struct MeasuredRun {
     pub fit: bool,
     #[serde(default)]
     pub source: String,
-    /// The model, when read from a run directory (else `config` is loaded).
+    /// The model: `config` loaded, or the run directory's (set by [`Runs::parse`]).
     #[serde(skip)]
     pub model: Option<ModelConfig>,
 }
@@ -119,9 +119,16 @@ impl Runs {
             toml::from_str(text).with_context(|| format!("in the runs file {}", path.display()))?;
         let base = path.parent().unwrap_or(Path::new("."));
         for (i, r) in runs.run.iter_mut().enumerate() {
-            if let Some(dir) = r.run.clone() {
-                r.read_from(&base.join(dir))
-                    .with_context(|| format!("in the runs file {}, run[{i}]", path.display()))?;
+            let what = || format!("in the runs file {}, run[{i}]", path.display());
+            match r.run.clone() {
+                Some(dir) => r.read_from(&base.join(dir)).with_context(what)?,
+                // The model once here, not at every prediction of the fit.
+                None if !r.config.is_empty() => {
+                    let cfg = RunConfig::load(&r.config).with_context(what)?;
+                    r.seq_len.get_or_insert(cfg.train.seq_len);
+                    r.model = Some(cfg.model);
+                }
+                None => {}
             }
         }
         for (i, r) in runs.run.iter().enumerate() {
@@ -209,7 +216,7 @@ impl MeasuredRun {
     }
 
     fn check(&self) -> Result<()> {
-        if self.config.is_empty() && self.model.is_none() {
+        if self.model.is_none() {
             bail!("config: missing (a model config name or file), or give run = \"DIR\"");
         }
         for (what, v) in [
@@ -242,27 +249,24 @@ impl MeasuredRun {
     }
 
     fn recompute(&self) -> Result<Recompute> {
-        Ok(match self.recompute.as_deref() {
-            None | Some("none") => Recompute::None,
-            Some("attention") => Recompute::Attention,
-            Some("full") => Recompute::Full,
-            Some(other) => bail!("recompute = \"{other}\": expected none, attention or full"),
-        })
+        let Some(name) = self.recompute.as_deref() else {
+            return Ok(Recompute::None);
+        };
+        Recompute::ALL
+            .into_iter()
+            .find(|r| r.name() == name)
+            .with_context(|| format!("recompute = \"{name}\": expected none, attention or full"))
     }
 
     /// The run's prediction on `machine` with `network`.
     pub fn predict(&self, machine: &Machine, network: &Network) -> Result<Prediction> {
-        let (model, default_seq) = match &self.model {
-            Some(m) => (m.clone(), m.n_positions),
-            None => {
-                let cfg = RunConfig::load(&self.config)?;
-                (cfg.model, cfg.train.seq_len)
-            }
-        };
-        let seq_len = self.seq_len.unwrap_or(default_seq);
+        let model = self
+            .model
+            .clone()
+            .context("checked: every run has its model")?;
         let w = Workload {
+            seq_len: self.seq_len.unwrap_or(model.n_positions),
             model,
-            seq_len,
             global_batch: self.batch,
             recompute: self.recompute()?,
             pp_layers: self.pp_layers.clone(),

@@ -79,6 +79,18 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
         over_memory: 0,
         first_refusal: None,
     };
+    // One workload per recomputation choice, shared by every layout.
+    let workloads: Vec<Workload> = space
+        .recompute
+        .iter()
+        .map(|&recompute| Workload {
+            model: m.clone(),
+            seq_len: space.seq_len,
+            global_batch: space.global_batch,
+            recompute,
+            pp_layers: None,
+        })
+        .collect();
     for &rpn in &space.ranks_per_node {
         let Some(world) = space.nodes.checked_mul(rpn) else {
             bail!(
@@ -110,15 +122,8 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
                     None => divisors(per_replica),
                 };
                 for mbs in sizes {
-                    for &recompute in &space.recompute {
+                    for w in &workloads {
                         for &zero in space.zero.iter().filter(|z| !**z || dp > 1) {
-                            let w = Workload {
-                                model: m.clone(),
-                                seq_len: space.seq_len,
-                                global_batch: space.global_batch,
-                                recompute,
-                                pp_layers: None,
-                            };
                             let l = Layout {
                                 nodes: space.nodes,
                                 ranks_per_node: rpn,
@@ -129,7 +134,7 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
                                 zero,
                                 micro_batches: per_replica / mbs,
                             };
-                            let p = match predict(&w, &l, machine) {
+                            let p = match predict(w, &l, machine) {
                                 Ok(p) => p,
                                 Err(e) => {
                                     found.refused += 1;
@@ -146,7 +151,7 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
                             }
                             found.ranked.push(Candidate {
                                 prediction: p,
-                                recompute,
+                                recompute: w.recompute,
                                 micro_batch_size: mbs,
                             });
                         }

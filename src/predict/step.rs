@@ -287,12 +287,7 @@ impl StepCtx<'_> {
             params
         };
         let net = |c: Traffic| self.m.network.class(c).oversubscribed(oversub);
-        let mut t: BTreeMap<String, f64> = BTreeMap::new();
-        for pass in [Pass::Forward, Pass::Backward] {
-            for (name, ms) in self.compute_ops(&s, pass, None, oversub) {
-                *t.entry(name.to_owned()).or_default() += ms;
-            }
-        }
+        let mut t = self.compute_timers(&s, oversub);
         self.reference_rest(&s, params, owned, oversub, &mut t)?;
         if l.tp > 1 {
             self.tp_allreduces(&net(Traffic::Tp), &s, &mut t);
@@ -326,12 +321,7 @@ impl StepCtx<'_> {
                 last,
                 ..Stage::whole(1).slice(&w.model, w.seq_len, self.mb, l.tp)
             };
-            let mut t = BTreeMap::new();
-            for pass in [Pass::Forward, Pass::Backward] {
-                for (name, ms) in self.compute_ops(&s, pass, None, 1.0) {
-                    *t.entry(name.to_owned()).or_default() += ms;
-                }
-            }
+            let mut t = self.compute_timers(&s, 1.0);
             if l.tp > 1 {
                 self.tp_allreduces(&self.m.network.class(Traffic::Tp), &s, &mut t);
             }
@@ -342,6 +332,17 @@ impl StepCtx<'_> {
             first: cost(0, true, false),
             last: cost(0, false, true),
         }
+    }
+
+    /// Every compute op of slice `s`, forward and backward, as timers (ms per step).
+    fn compute_timers(&self, s: &Slice, oversub: f64) -> BTreeMap<String, f64> {
+        let mut t = BTreeMap::new();
+        for pass in [Pass::Forward, Pass::Backward] {
+            for (name, ms) in self.compute_ops(s, pass, None, oversub) {
+                *t.entry(name.to_owned()).or_default() += ms;
+            }
+        }
+        t
     }
 
     /// The compute ops of `pass` on slice `s` (all of them, or those named in `only`), ms per
@@ -659,6 +660,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         }
     }
     let (step_ms, timers_ms) = best.expect("at least one stage");
+    let available = m.memory_gib_per_node / rpn as f64;
     let whole = Slice {
         vocab: cfg.vocab_size,
         ..Stage::whole(cfg.n_layer).slice(cfg, w.seq_len, w.global_batch, 1)
@@ -677,8 +679,8 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
         memory_stage,
         memory_gib_per_stage,
         pp_layers: Stage::counts(&stages),
-        memory_gib_available: m.memory_gib_per_node / rpn as f64,
-        fits: mem <= m.memory_gib_per_node / rpn as f64,
+        memory_gib_available: available,
+        fits: mem <= available,
     })
 }
 
