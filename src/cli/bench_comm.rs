@@ -2,7 +2,7 @@
 //! fugu's communicator over message sizes (`bench::comm`), run under an MPI launcher.
 
 use crate::bench::comm::{format_table, parse_size, run as run_bench, CommOp, CommOptions};
-use crate::train::dist::{hostname, Dist};
+use crate::train::dist::{count_hosts, hostname, Dist};
 use anyhow::Result;
 use serde::Serialize;
 
@@ -151,22 +151,6 @@ fn layout_model(tp: usize, pp: usize) -> crate::config::ModelConfig {
         n_positions: 64,
         ..Default::default()
     }
-}
-
-/// Distinct host names over the ranks of `comm` (every rank gets the count).
-fn count_hosts(comm: &dyn crate::comm::Comm) -> usize {
-    let host = hostname();
-    let n = comm
-        .gather_bytes(host.as_bytes())
-        .map(|all| {
-            all.into_iter()
-                .collect::<std::collections::BTreeSet<_>>()
-                .len()
-        })
-        .unwrap_or(0);
-    let mut nb = (n as u64).to_le_bytes().to_vec();
-    comm.broadcast_bytes(&mut nb);
-    u64::from_le_bytes(nb[..8].try_into().expect("8 bytes")) as usize
 }
 
 fn mpi_library() -> String {

@@ -22,6 +22,21 @@ fn launcher_world_size() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.parse().ok())
 }
 
+/// Distinct host names over the ranks of `comm` (every rank gets the count; collective).
+pub fn count_hosts(comm: &dyn Comm) -> usize {
+    let n = comm
+        .gather_bytes(hostname().as_bytes())
+        .map(|all| {
+            all.into_iter()
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+        })
+        .unwrap_or(0);
+    let mut nb = (n as u64).to_le_bytes().to_vec();
+    comm.broadcast_bytes(&mut nb);
+    u64::from_le_bytes(nb[..8].try_into().expect("8 bytes")) as usize
+}
+
 /// The job's processes and communicators.
 pub struct Dist {
     pub grid: Grid,
@@ -71,17 +86,7 @@ impl Dist {
             let rt = crate::parallel::mpi::MpiRuntime::init()?;
             let world = rt.world();
             let (r, n) = (world.rank(), world.size());
-            let host = hostname();
-            let nodes = match world.gather_bytes(host.as_bytes()) {
-                Some(all) => {
-                    let set: std::collections::BTreeSet<Vec<u8>> = all.into_iter().collect();
-                    set.len()
-                }
-                None => 0,
-            };
-            let mut nb = (nodes as u64).to_le_bytes().to_vec();
-            world.broadcast_bytes(&mut nb);
-            let nodes = u64::from_le_bytes(nb[..8].try_into().expect("8 bytes")) as usize;
+            let nodes = count_hosts(&world);
             let world: Rc<dyn Comm> = Rc::new(world);
             Ok(Dist {
                 grid: Grid {
