@@ -19,6 +19,8 @@
 #      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
 #   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works).
 #
+# FUGU_GPU_STAGES picks stages (e.g. "1 2"; default all; stage 0 always runs), and
+# FUGU_GPU_BREAKDOWN_ENV stage 4's second setting (default FUGU_FLASH_WARP_ROWS=32).
 # Each stage runs under `timeout` within what is left of FUGU_GPU_BUDGET (seconds, default
 # 540), so a hang costs its own stage only. Everything goes to $OUT/check.log; the benchmark
 # rows are printed again as one table at the end (the device tool returns the output's tail).
@@ -38,8 +40,15 @@ STEPS="${FUGU_GPU_STEPS:-10}"
 # on an H200; the one-kernel attention backward, 19% slower there, is left out).
 VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=split;FUGU_RESIDUAL=separate;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32}"
 
+# The stages to run (numbers, space-separated; default all): stage 0 always runs.
+STAGES="${FUGU_GPU_STAGES:-1 2 3 4 5 6 7 8}"
+# Stage 4's second breakdown: HEAD under these settings.
+BREAKDOWN_ENV="${FUGU_GPU_BREAKDOWN_ENV:-FUGU_FLASH_WARP_ROWS=32}"
+
 # shellcheck source=scripts/gpu-lib.sh
 . scripts/gpu-lib.sh
+# want N: whether stage N is asked for.
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 [ -f gpu/MANIFEST ] || { say "no gpu/MANIFEST: run scripts/gpu-pack.sh here first and carry gpu"; exit 2; }
 tee -a "$LOG" < gpu/MANIFEST
@@ -82,6 +91,7 @@ if [ "$rc" -ne 0 ]; then
 fi
 say "HEAD runs on this GPU"
 
+if want 1; then
 stage "1. CUDA tests on the GPU"
 # (the compile and kernel-cache tests need NVRTC alone, no GPU: CI runs them)
 limited 180 gpu/head/cuda-tests --skip kernels_compile --skip compiled_kernels_are_cached \
@@ -91,6 +101,7 @@ say "cuda tests: exit $?"
 # turns, and a kernel that traps takes its process's CUDA context with it.
 limited 60 gpu/head/cuda-tests fused_attention_one_kernel_backward
 say "one-kernel attention backward test: exit $?"
+fi
 
 # bench LABEL BINARY [ENV...]: one run of the train benchmark; its result row goes to $ROWS.
 bench() {
@@ -105,6 +116,7 @@ bench() {
     printf '%-44s %s\n' "$label" "${row:-(no result)}" >> "$ROWS"
 }
 
+if want 2; then
 stage "2. train benchmark, bf16 $SHAPE, two rounds"
 for round in 1 2; do
     for base in gpu/base-*; do
@@ -117,30 +129,43 @@ for round in 1 2; do
         bench "head $v r$round" gpu/head/bench-train $v
     done
 done
+fi
 
+if want 3; then
 stage "3. PyTorch eager, autocast bf16"
 PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_pytorch.py --device cuda --shape "$SHAPE" \
     --steps "$STEPS" --autocast bf16
+fi
 
-stage "4. per-op breakdowns (fine timers): HEAD, and with 32-row attention kernels"
+if want 4; then
+stage "4. per-op breakdowns (fine timers): HEAD, and HEAD with $BREAKDOWN_ENV"
 # (the attention timers show which of the three kernels gains or loses with 32 rows; each
 # op's GFLOP/s and GB/s against the device's memory peak printed above the table show which
 # is furthest from its limit)
 limited 90 gpu/head/bench-train --device cuda --precision bf16 --shape "$SHAPE" \
     --steps "$STEPS" --breakdown
-FUGU_FLASH_WARP_ROWS=32 limited 90 gpu/head/bench-train --device cuda --precision bf16 \
+# shellcheck disable=SC2086 # a list of assignments
+limited 90 env $BREAKDOWN_ENV gpu/head/bench-train --device cuda --precision bf16 \
     --shape "$SHAPE" --steps "$STEPS" --breakdown
+fi
 
+if want 5; then
 stage "5. mixed-precision tests on the GPU (200-step curves, exact resume)"
 limited 150 gpu/head/mp-tests gpu --test-threads 1
 say "mixed-precision tests: exit $?"
+fi
 
+if want 6; then
 stage "6. fp16"
 PRECISION=fp16 bench "head fp16" gpu/head/bench-train
+fi
 
+if want 7; then
 stage "7. cuBLAS alone on GPT-2's GEMMs, bf16"
 limited 90 target/release/fugu bench gemm --device cuda --set gpt2 --dtype bf16
+fi
 
+if want 8; then
 stage "8. Nsight Compute on the row and attention kernels of one step (where ncu works)"
 # Speed of light per kernel (duration, DRAM and SM throughput as % of peak), averaged over the
 # launches it profiles; the first matching launches (the warm-up step) are skipped.
@@ -151,6 +176,7 @@ limited 120 ncu --clock-control none --section SpeedOfLight --print-summary per-
     --timers off > "$OUT/ncu.txt"
 grep -E "^  [a-z_0-9]+|Duration|DRAM Throughput|Compute \(SM\) Throughput" "$OUT/ncu.txt" |
     head -150 | tee -a "$LOG"
+fi
 
 stage "summary (median ms/step of $STEPS steps; config BxT ms/step tokens/s TFLOP/s MFU non-GEMM)"
 tee -a "$LOG" < "$ROWS"

@@ -14,6 +14,7 @@
 //! | `FUGU_LAYERNORM_BACKWARD` | `split`, `fused` | the CUDA backend |
 //! | `FUGU_FLASH_BACKWARD` | `split`, `fused` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
+//! | `FUGU_GEMM_SELECT` | `first`, `timed` | the CUDA backend's cuBLASLt calls (`backend/cuda/lt.rs`) |
 
 use anyhow::{anyhow, Result};
 
@@ -121,6 +122,25 @@ impl FlashWarpRows {
     }
 }
 
+/// How a GPU GEMM's algorithm is chosen (`FUGU_GEMM_SELECT`): cuBLAS's/cuBLASLt's first
+/// heuristic choice, or the fastest of cuBLASLt's candidates, timed once per shape.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmSelect {
+    #[default]
+    First,
+    Timed,
+}
+
+impl GemmSelect {
+    /// The setting's value for this choice.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmSelect::First => "first",
+            GemmSelect::Timed => "timed",
+        }
+    }
+}
+
 /// The attention path asked for (`FUGU_ATTENTION`); the backend's support decides `Auto`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionAsk {
@@ -147,6 +167,9 @@ pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
 pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
 /// Environment variable: a linear layer's bias gradient, `separate` or `epilogue`.
 pub const BIAS_GRAD_ENV: &str = "FUGU_BIAS_GRAD";
+/// Environment variable: how a GPU GEMM's algorithm is chosen, `first` or `timed`
+/// ([`GemmSelect`]).
+pub const GEMM_SELECT_ENV: &str = "FUGU_GEMM_SELECT";
 
 /// Every op-form setting, as asked (module docs): `None` / `Auto` where unset, for the code
 /// that builds the model or backend to decide.
@@ -163,6 +186,7 @@ pub struct Knobs {
     /// `None`: the backend's measured default.
     pub flash_backward: Option<KernelForm>,
     pub bias_grad: InGemm,
+    pub gemm_select: GemmSelect,
 }
 
 impl Knobs {
@@ -188,6 +212,13 @@ impl Knobs {
             layernorm_backward: form(LAYERNORM_BACKWARD_ENV)?,
             flash_backward: form(FLASH_BACKWARD_ENV)?,
             bias_grad: parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?,
+            gemm_select: parse_form(
+                GEMM_SELECT_ENV,
+                &var(GEMM_SELECT_ENV),
+                GemmSelect::First,
+                &[GemmSelect::First, GemmSelect::Timed],
+                GemmSelect::name,
+            )?,
         })
     }
 }
@@ -275,6 +306,7 @@ mod tests {
             (LAYERNORM_BACKWARD_ENV, "split"),
             (FLASH_BACKWARD_ENV, "fused"),
             (BIAS_GRAD_ENV, "epilogue"),
+            (GEMM_SELECT_ENV, "timed"),
         ])
         .unwrap();
         assert_eq!(k.attention, AttentionAsk::Fused);
@@ -284,6 +316,7 @@ mod tests {
         assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
         assert_eq!(k.flash_backward, Some(KernelForm::Fused));
         assert_eq!(k.bias_grad, InGemm::Epilogue);
+        assert_eq!(k.gemm_select, GemmSelect::Timed);
     }
 
     #[test]
@@ -308,6 +341,11 @@ mod tests {
                 BIAS_GRAD_ENV,
                 "auto",
                 "FUGU_BIAS_GRAD=auto: expected separate or epilogue",
+            ),
+            (
+                GEMM_SELECT_ENV,
+                "best",
+                "FUGU_GEMM_SELECT=best: expected first or timed",
             ),
         ] {
             let e = read(&[(k, v)]).unwrap_err().to_string();

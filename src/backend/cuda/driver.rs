@@ -1,8 +1,9 @@
 //! The real device: cudarc over the CUDA driver, cuBLAS and NVRTC, all loaded at run time.
 
-use super::engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, MarkSlots};
+use super::engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall, MarkSlots, NoEpilogue};
 use super::lt::Lt;
 use super::{kernel_cache, kernel_names};
+use crate::backend::knobs::GemmSelect;
 use crate::backend::CudaSettings;
 use crate::dtype::Dtype;
 use crate::metrics::timers::{DeviceClock, DeviceMark};
@@ -338,7 +339,15 @@ impl Engine for DriverEngine {
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         let i = |x: usize| x as i32;
         if g.epilogue != Epilogue::None {
-            return self.lt.gemm_epilogue(g);
+            return self.lt.gemm(g);
+        }
+        // With algorithms timed per shape, cuBLASLt does every one-matrix call too (cuBLAS's
+        // own calls take no algorithm choice); what it has no algorithm for goes to cuBLAS.
+        if self.lt.select() == GemmSelect::Timed && g.batch == 1 {
+            match self.lt.gemm(g) {
+                Err(e) if e.is::<NoEpilogue>() => {}
+                done => return done,
+            }
         }
         if [g.a_type, g.b_type, g.c_type] != [Dtype::F32; 3] {
             return self.gemm_ex(g);
@@ -406,6 +415,10 @@ impl Engine for DriverEngine {
         }
         .result()?;
         Ok(())
+    }
+
+    fn set_gemm_select(&mut self, select: GemmSelect) {
+        self.lt.set_select(select);
     }
 
     fn sync(&self) -> Result<()> {

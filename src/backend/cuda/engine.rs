@@ -6,6 +6,7 @@
 //! Device memory is addressed by raw `u64` pointers: allocations are zero-filled byte ranges
 //! that stay valid while their [`DevAlloc`] lives.
 
+use crate::backend::knobs::GemmSelect;
 use crate::dtype::Dtype;
 use crate::metrics::timers::DeviceClock;
 use anyhow::Result;
@@ -154,13 +155,15 @@ impl GemmCall {
     }
 
     /// Fails unless a call with an epilogue is one that cuBLASLt's epilogues take: one
-    /// matrix, beta 0 (any beta for a bias gradient, which does not touch C's values), and
+    /// matrix, beta 0 (any beta for a bias gradient, which does not touch C's values, or
+    /// without an epilogue), and
     /// the bias, bias gradient and auxiliary matrix [`EPILOGUE_ALIGN`]-aligned, the latter
     /// with a leading dimension of at least m; a residual matrix must not overlap C.
     pub fn check_epilogue(&self) -> Result<()> {
         let aligned = |p: u64| p.is_multiple_of(EPILOGUE_ALIGN);
         let grad_ok = self.epilogue.bias_grad().is_none_or(|(g, _)| aligned(g));
-        let beta_ok = self.beta == 0.0 || self.epilogue.bias_grad().is_some();
+        let beta_ok =
+            self.beta == 0.0 || matches!(self.epilogue, Epilogue::None | Epilogue::BiasGrad { .. });
         let aux_ok = self.epilogue.aux().is_none_or(|(aux, ld)| {
             aligned(aux)
                 && ld >= self.m
@@ -238,6 +241,9 @@ pub trait Engine {
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()>;
     /// Queues `g`; a call with an epilogue may fail with [`NoEpilogue`].
     fn gemm(&self, g: &GemmCall) -> Result<()>;
+    /// How [`Self::gemm`] chooses its algorithm (`FUGU_GEMM_SELECT`); an engine with one
+    /// algorithm per GEMM (the emulator) ignores it.
+    fn set_gemm_select(&mut self, _select: GemmSelect) {}
     /// `g` on `g.batch` matrices given by pointer arrays instead of strides: `arrays` are the
     /// device addresses of three arrays of `g.batch` device pointers (A, B, C) in device
     /// memory (`cublasGemmBatchedEx`); `g.a`, `g.b`, `g.c` and the strides are ignored.

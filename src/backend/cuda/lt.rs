@@ -28,15 +28,24 @@
 //! Descriptors are made per call (microseconds of host time, hidden behind the queued GPU
 //! work), as PyTorch's `gemm_and_bias` does; the heuristic is told each pointer's alignment,
 //! so it never picks an algorithm that needs more.
+//!
+//! The algorithm is the heuristic's first choice (as PyTorch and llm.c take it), or, with
+//! `FUGU_GEMM_SELECT=timed`, the fastest of its first [`TIMED_CANDIDATES`] timed on the
+//! device the first time a shape is seen (then every one-matrix GEMM comes here, not to
+//! cuBLAS, which takes no algorithm choice). The choice is kept for the process only, so two
+//! processes may choose differently: a resumed run is then not bit-identical to an
+//! uninterrupted one.
 
 use super::engine::{Epilogue, GemmCall, NoEpilogue};
+use crate::backend::knobs::GemmSelect;
 use crate::dtype::Dtype;
 use anyhow::{Context, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of_val;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A cuBLASLt handle and its workspace, on the engine's stream.
 pub struct Lt {
@@ -45,6 +54,11 @@ pub struct Lt {
     stream: Arc<CudaStream>,
     /// f32 GEMMs may use TF32 tensor cores (`--tf32`), as the cuBLAS handle's math mode says.
     tf32: bool,
+    select: GemmSelect,
+    /// The algorithm timed fastest per shape ([`GemmSelect::Timed`]).
+    chosen: Mutex<HashMap<ShapeKey, sys::cublasLtMatmulAlgo_t>>,
+    /// Where timed candidates write, never the caller's outputs.
+    scratch: Mutex<Option<CudaSlice<u8>>>,
 }
 
 impl Lt {
@@ -61,13 +75,226 @@ impl Lt {
             workspace,
             stream,
             tf32,
+            select: GemmSelect::First,
+            chosen: Mutex::default(),
+            scratch: Mutex::default(),
         })
     }
 
-    /// `g` with its epilogue (see [`Epilogue`]), D at `g.c`.
-    pub fn gemm_epilogue(&self, g: &GemmCall) -> Result<()> {
+    /// How [`Self::gemm`] picks its algorithm (`FUGU_GEMM_SELECT`).
+    pub fn select(&self) -> GemmSelect {
+        self.select
+    }
+
+    pub fn set_select(&mut self, select: GemmSelect) {
+        self.select = select;
+    }
+
+    /// `g` with its epilogue (see [`Epilogue`]), D at `g.c`, by cuBLASLt's first heuristic
+    /// choice or, with [`GemmSelect::Timed`], the fastest of its candidates for this shape.
+    pub fn gemm(&self, g: &GemmCall) -> Result<()> {
         g.check_epilogue()?;
-        let compute = if g.a_type == Dtype::F32 && g.b_type == Dtype::F32 && self.tf32 {
+        let call = Call::new(self, g)?;
+        let algo = match self.select {
+            GemmSelect::First => call.candidates(self, 1)?[0].algo,
+            GemmSelect::Timed => self.timed_algo(g, &call)?,
+        };
+        call.run(self, &algo)
+    }
+
+    /// The algorithm timed fastest for `g`'s shape, types, epilogue and alignments: looked up,
+    /// or found now by running each of cuBLASLt's candidates ([`TIMED_CANDIDATES`]) on
+    /// scratch outputs (the caller's C, aux matrix and bias gradient are never written, so a
+    /// GEMM that accumulates is run once, by the caller) and reported on stderr.
+    fn timed_algo(&self, g: &GemmCall, call: &Call) -> Result<sys::cublasLtMatmulAlgo_t> {
+        let key = ShapeKey::of(g, self.tf32);
+        if let Some(algo) = self
+            .chosen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return Ok(*algo);
+        }
+        let candidates = call.candidates(self, TIMED_CANDIDATES)?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let trial_g = redirect(g, &mut scratch, &self.stream)?;
+        let trial = Call::new(self, &trial_g)?;
+        let ctx = self.stream.context();
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (ctx.new_event(timed)?, ctx.new_event(timed)?);
+        let mut times = Vec::with_capacity(candidates.len());
+        for c in &candidates {
+            // A candidate the library then refuses is left out (NoEpilogue), not fatal.
+            if trial.run(self, &c.algo).is_err() {
+                times.push(f32::INFINITY);
+                continue;
+            }
+            start.record(&self.stream)?;
+            for _ in 0..TIMED_RUNS {
+                trial.run(self, &c.algo)?;
+            }
+            end.record(&self.stream)?;
+            times.push(start.elapsed_ms(&end)? / TIMED_RUNS as f32);
+        }
+        let best = (0..times.len())
+            .min_by(|&i, &j| times[i].total_cmp(&times[j]))
+            .expect("cuBLASLt returned at least one candidate");
+        anyhow::ensure!(
+            times[best].is_finite(),
+            NoEpilogue("cuBLASLt ran none of its candidates".into())
+        );
+        eprintln!(
+            "note: cuBLASLt m {} n {} k {} ({}{}·{}{} → {}, {}{}): {} candidates timed, the \
+             heuristic's first {:.4} ms, #{best} {:.4} ms ({:+.1}%)",
+            g.m,
+            g.n,
+            g.k,
+            g.a_type.name(),
+            if g.trans_a { "ᵀ" } else { "" },
+            g.b_type.name(),
+            if g.trans_b { "ᵀ" } else { "" },
+            g.c_type.name(),
+            g.epilogue.name(),
+            if g.beta != 0.0 { ", accumulating" } else { "" },
+            times.len(),
+            times[0],
+            times[best],
+            (times[best] / times[0] - 1.0) * 100.0
+        );
+        let algo = candidates[best].algo;
+        self.chosen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, algo);
+        Ok(algo)
+    }
+}
+
+/// How many of cuBLASLt's heuristic candidates [`GemmSelect::Timed`] runs per shape, and how
+/// often each (after one untimed run): 8 × 11 runs of each of GPT-2's ~20 GEMM shapes is
+/// about a second, once.
+const TIMED_CANDIDATES: usize = 8;
+const TIMED_RUNS: usize = 10;
+
+/// What identifies a GEMM to cuBLASLt's heuristic: everything but the addresses, and the
+/// addresses' alignments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ShapeKey {
+    types: [Dtype; 3],
+    trans: [bool; 2],
+    mnk: [usize; 3],
+    /// lda, ldb, ldc, the aux matrix's.
+    ld: [usize; 4],
+    epilogue: u32,
+    bias: bool,
+    accumulates: bool,
+    /// A, B, C (read), D.
+    align: [u32; 4],
+    tf32: bool,
+}
+
+impl ShapeKey {
+    fn of(g: &GemmCall, tf32: bool) -> ShapeKey {
+        let c_in = g.epilogue.residual().unwrap_or(g.c);
+        ShapeKey {
+            types: [g.a_type, g.b_type, g.c_type],
+            trans: [g.trans_a, g.trans_b],
+            mnk: [g.m, g.n, g.k],
+            ld: [
+                g.lda,
+                g.ldb,
+                g.ldc,
+                g.epilogue.aux().map_or(0, |(_, ld)| ld),
+            ],
+            epilogue: lt_epilogue(&g.epilogue) as u32,
+            bias: g.epilogue.bias() != 0,
+            accumulates: g.beta != 0.0,
+            align: [g.a, g.b, c_in, g.c].map(alignment),
+            tf32,
+        }
+    }
+}
+
+/// `g` writing into `scratch` instead of its own outputs (D, a GELU's aux matrix, a bias
+/// gradient), reading C from there too when it accumulates; `scratch` grows to fit. The
+/// operands it reads (A, B, a bias, a residual, a GELU gradient's aux) are `g`'s.
+fn redirect(
+    g: &GemmCall,
+    scratch: &mut Option<CudaSlice<u8>>,
+    stream: &Arc<CudaStream>,
+) -> Result<GemmCall> {
+    let round = |b: usize| b.div_ceil(256) * 256;
+    let bytes = g.c_type.bytes();
+    let d_bytes = round(((g.n.max(1) - 1) * g.ldc + g.m) * bytes);
+    let aux_bytes = match g.epilogue {
+        Epilogue::GeluAux { ld_aux, .. } => round(((g.n.max(1) - 1) * ld_aux + g.m) * bytes),
+        _ => 0,
+    };
+    let grad_bytes = round(g.m.max(g.n) * bytes);
+    let need = d_bytes + aux_bytes + grad_bytes;
+    if scratch.as_ref().is_none_or(|s| s.len() < need) {
+        *scratch = None;
+        *scratch = Some(
+            stream
+                .alloc_zeros::<u8>(need)
+                .context("allocating the scratch outputs of cuBLASLt's timed candidates")?,
+        );
+    }
+    let s = scratch.as_ref().expect("allocated above");
+    let (base, _) = s.device_ptr(stream);
+    let mut t = *g;
+    t.c = base;
+    t.epilogue = match g.epilogue {
+        Epilogue::GeluAux { bias, ld_aux, .. } => Epilogue::GeluAux {
+            bias,
+            aux: base + d_bytes as u64,
+            ld_aux,
+        },
+        Epilogue::BiasGrad { of_a, .. } => Epilogue::BiasGrad {
+            grad: base + (d_bytes + aux_bytes) as u64,
+            of_a,
+        },
+        e => e,
+    };
+    Ok(t)
+}
+
+/// cuBLASLt's name for an epilogue.
+fn lt_epilogue(e: &Epilogue) -> sys::cublasLtEpilogue_t {
+    use sys::cublasLtEpilogue_t as E;
+    let bias = e.bias() != 0;
+    match e {
+        Epilogue::None => E::CUBLASLT_EPILOGUE_DEFAULT,
+        Epilogue::Bias { .. } | Epilogue::Residual { .. } if bias => E::CUBLASLT_EPILOGUE_BIAS,
+        Epilogue::Bias { .. } | Epilogue::Residual { .. } => E::CUBLASLT_EPILOGUE_DEFAULT,
+        Epilogue::GeluAux { .. } if bias => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+        Epilogue::GeluAux { .. } => E::CUBLASLT_EPILOGUE_GELU_AUX,
+        Epilogue::GeluGrad { .. } => E::CUBLASLT_EPILOGUE_DGELU,
+        Epilogue::BiasGrad { of_a: true, .. } => E::CUBLASLT_EPILOGUE_BGRADA,
+        Epilogue::BiasGrad { of_a: false, .. } => E::CUBLASLT_EPILOGUE_BGRADB,
+    }
+}
+
+/// One GEMM described to cuBLASLt: its descriptors and the addresses it reads and writes.
+struct Call {
+    desc: Desc,
+    a: Layout,
+    b: Layout,
+    c: Layout,
+    pref: Pref,
+    alpha: f32,
+    beta: f32,
+    ptr_a: u64,
+    ptr_b: u64,
+    /// C as read (a residual, or D itself) and D.
+    c_in: u64,
+    d: u64,
+}
+
+impl Call {
+    fn new(lt: &Lt, g: &GemmCall) -> Result<Call> {
+        let compute = if g.a_type == Dtype::F32 && g.b_type == Dtype::F32 && lt.tf32 {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
         } else {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
@@ -75,25 +302,14 @@ impl Lt {
         let desc = Desc::new(compute)?;
         use sys::cublasLtMatmulDescAttributes_t as D;
         let (ta, tb) = (g.trans_a as i32, g.trans_b as i32);
-        use sys::cublasLtEpilogue_t as E;
-        let bias = g.epilogue.bias();
-        let epilogue = match g.epilogue {
-            Epilogue::None => E::CUBLASLT_EPILOGUE_DEFAULT,
-            Epilogue::Bias { .. } | Epilogue::Residual { .. } if bias != 0 => {
-                E::CUBLASLT_EPILOGUE_BIAS
-            }
-            Epilogue::Bias { .. } | Epilogue::Residual { .. } => E::CUBLASLT_EPILOGUE_DEFAULT,
-            Epilogue::GeluAux { bias: 0, .. } => E::CUBLASLT_EPILOGUE_GELU_AUX,
-            Epilogue::GeluAux { .. } => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
-            Epilogue::GeluGrad { .. } => E::CUBLASLT_EPILOGUE_DGELU,
-            Epilogue::BiasGrad { of_a: true, .. } => E::CUBLASLT_EPILOGUE_BGRADA,
-            Epilogue::BiasGrad { of_a: false, .. } => E::CUBLASLT_EPILOGUE_BGRADB,
-        };
         desc.set(D::CUBLASLT_MATMUL_DESC_TRANSA, &ta)?;
         desc.set(D::CUBLASLT_MATMUL_DESC_TRANSB, &tb)?;
-        desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &lt_epilogue(&g.epilogue))?;
         // A bias, or the bias gradient the epilogue writes: C's type.
-        let bias_ptr = g.epilogue.bias_grad().map_or(bias, |(grad, _)| grad);
+        let bias_ptr = g
+            .epilogue
+            .bias_grad()
+            .map_or(g.epilogue.bias(), |(grad, _)| grad);
         if bias_ptr != 0 {
             let bias_type = cuda_type(g.c_type);
             desc.set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
@@ -118,7 +334,7 @@ impl Lt {
         };
         let pref = Pref::new()?;
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
-        let ws = self.workspace.len() as u64;
+        let ws = lt.workspace.len() as u64;
         pref.set(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws)?;
         pref.set(
             P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
@@ -136,36 +352,85 @@ impl Lt {
             P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
             &alignment(g.c),
         )?;
-        // SAFETY: every descriptor is live (dropped at the end of this function) and
-        // describes the matrices the backend passes: pointers inside live allocations covering
-        // the m·n·k extents with these leading dimensions and types, a bias or bias gradient
-        // of m values (n for BGRADB) of D's type, an aux matrix of D's type, m×n with its
-        // leading dimension, and a residual C of D's type and layout apart from D (checked by
-        // the backend and `check_epilogue`); alpha and beta are f32 host scalars, as
-        // CUBLAS_COMPUTE_32F(_FAST_TF32) requires; the workspace lives as long as `self`, and
-        // the stream orders its reuse.
+        Ok(Call {
+            desc,
+            a,
+            b,
+            c,
+            pref,
+            alpha: g.alpha,
+            beta,
+            ptr_a: g.a,
+            ptr_b: g.b,
+            c_in,
+            d: g.c,
+        })
+    }
+
+    /// Up to `n` of cuBLASLt's heuristic candidates, best first: at least one, or
+    /// [`NoEpilogue`].
+    fn candidates(&self, lt: &Lt, n: usize) -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>> {
+        let mut found = Vec::with_capacity(n);
+        let mut count = 0i32;
+        // SAFETY: the descriptors are live (owned by `self`); cuBLASLt writes at most `n`
+        // results into the vector's spare capacity and their number into `count`, after
+        // which they are initialised.
         unsafe {
-            let heur =
-                lt::get_matmul_algo_heuristic(self.handle, desc.0, a.0, b.0, c.0, c.0, pref.0)
-                    .map_err(|e| NoEpilogue(format!("cuBLASLt's heuristic: {e}")))?;
-            let (w, _) = self.workspace.device_ptr(&self.stream);
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                lt.handle,
+                self.desc.0,
+                self.a.0,
+                self.b.0,
+                self.c.0,
+                self.c.0,
+                self.pref.0,
+                n as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            )
+            .result()
+            .map_err(|e| NoEpilogue(format!("cuBLASLt's heuristic: {e}")))?;
+            found.set_len((count.max(0) as usize).min(n));
+        }
+        found.retain(|r: &sys::cublasLtMatmulHeuristicResult_t| {
+            r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+        });
+        if found.is_empty() {
+            return Err(NoEpilogue("cuBLASLt's heuristic found no algorithm".into()).into());
+        }
+        Ok(found)
+    }
+
+    /// Queues the call with `algo`.
+    fn run(&self, lt: &Lt, algo: &sys::cublasLtMatmulAlgo_t) -> Result<()> {
+        let (w, _) = lt.workspace.device_ptr(&lt.stream);
+        // SAFETY: every descriptor is live (owned by `self`) and describes the matrices the
+        // backend passes: pointers inside live allocations covering the m·n·k extents with
+        // these leading dimensions and types, a bias or bias gradient of m values (n for
+        // BGRADB) of D's type, an aux matrix of D's type, m×n with its leading dimension, and
+        // a residual C of D's type and layout apart from D (checked by the backend and
+        // `check_epilogue`); alpha and beta are f32 host scalars, as
+        // CUBLAS_COMPUTE_32F(_FAST_TF32) requires; `algo` came from the heuristic for these
+        // descriptors and alignments no stricter than these pointers'; the workspace lives
+        // as long as `lt`, and the stream orders its reuse.
+        unsafe {
             lt::matmul(
-                self.handle,
-                desc.0,
-                (&g.alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                g.a as *const c_void,
-                a.0,
-                g.b as *const c_void,
-                b.0,
-                c_in as *const c_void,
-                c.0,
-                g.c as *mut c_void,
-                c.0,
-                &heur.algo,
+                lt.handle,
+                self.desc.0,
+                (&self.alpha as *const f32).cast(),
+                (&self.beta as *const f32).cast(),
+                self.ptr_a as *const c_void,
+                self.a.0,
+                self.ptr_b as *const c_void,
+                self.b.0,
+                self.c_in as *const c_void,
+                self.c.0,
+                self.d as *mut c_void,
+                self.c.0,
+                algo,
                 w as *mut c_void,
-                self.workspace.len(),
-                self.stream.cu_stream() as sys::cudaStream_t,
+                lt.workspace.len(),
+                lt.stream.cu_stream() as sys::cudaStream_t,
             )
             .map_err(|e| -> anyhow::Error {
                 // Refused before anything was queued: the backend does the work with kernels.

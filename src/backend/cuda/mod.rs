@@ -265,7 +265,7 @@ impl CudaBackend {
 
     /// This backend with the kernel settings the environment asks for ([`Knobs`]:
     /// [`FLASH_WARP_ROWS_ENV`], [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`],
-    /// [`BIAS_GRAD_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
+    /// [`BIAS_GRAD_ENV`], `FUGU_GEMM_SELECT`; [`Self::new`] applies them, and the host-only benchmark); a value a
     /// setting does not take is an error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let k = Knobs::from_env()?;
@@ -273,6 +273,7 @@ impl CudaBackend {
         self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
         self.set_bias_grad(k.bias_grad);
+        self.eng.set_gemm_select(k.gemm_select);
         Ok(self)
     }
 
