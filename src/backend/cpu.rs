@@ -1,7 +1,8 @@
-//! The CPU backend: buffers are host `f32`s on cache-line boundaries ([`HostBuf`]), GEMMs go
-//! to fugu-gemm, the other ops to the rayon kernels of [`crate::ops`].
+//! The CPU backend: buffers are host memory on cache-line boundaries in their own type
+//! ([`HostStore`]: `f32`, or 16-bit floats in half the bytes), GEMMs go to fugu-gemm, the
+//! other ops to the rayon kernels of [`crate::ops`], all on `f32` views.
 
-use super::host_buf::HostBuf;
+use super::host_store::HostStore;
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
     FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
@@ -13,12 +14,11 @@ use anyhow::Result;
 /// Host-memory backend.
 #[derive(Default)]
 pub struct CpuBackend {
-    /// Every buffer is host `f32`s; a buffer allocated as `bf16`/`f16` holds only values of
-    /// that type ([`CpuBackend::stored`] rounds what each op writes), so low-precision runs
-    /// compute in `f32` on exactly the values a device would store: the reference for the
-    /// CUDA backend's low-precision kernels, not a memory saving.
-    bufs: Vec<HostBuf>,
-    dtypes: Vec<Dtype>,
+    /// Every buffer in its type; a `bf16`/`f16` one is stored in 16 bits and seen by the ops
+    /// as `f32`s, what they write rounded to the type, so low-precision runs compute in `f32`
+    /// on exactly the values a device would store (the reference for the CUDA backend's
+    /// low-precision kernels) and keep 16-bit activations in half the memory.
+    mem: HostStore,
     tokens: Vec<u32>,
 }
 
@@ -27,22 +27,11 @@ impl CpuBackend {
         CpuBackend::default()
     }
 
-    /// Read-only host view of a span (zero-copy). Private: code above the backend reaches
-    /// memory through `download`/`upload`/`with_host`, which every backend has.
-    fn host(&self, s: Span) -> &[f32] {
-        &self.bufs[s.buf.0 as usize].as_slice()[s.offset..s.offset + s.len]
-    }
-
-    /// Mutable host view of a span.
-    fn host_mut(&mut self, s: Span) -> &mut [f32] {
-        &mut self.bufs[s.buf.0 as usize].as_mut_slice()[s.offset..s.offset + s.len]
-    }
-
     /// The arithmetic of a GEMM on these operand spans: their 16-bit type when they all share
     /// one (the operands are then values of that type, so fugu-gemm's bf16 kernel runs them
     /// exactly as a tensor core would: exact products, f32 sums), otherwise f32.
     fn gemm_precision(&self, operands: &[Span]) -> ops::Precision {
-        let mut dts = operands.iter().map(|s| self.dtypes[s.buf.0 as usize]);
+        let mut dts = operands.iter().map(|s| self.mem.dtype(s.buf));
         let first = dts.next().unwrap_or(Dtype::F32);
         if dts.all(|d| d == first) {
             first.precision()
@@ -53,7 +42,7 @@ impl CpuBackend {
 
     /// `out = resid + inp·W + bias`, `resid` and `bias` each optional: the linear layers
     /// ([`ops::linear::linear_forward`], or its residual form). An absent span goes to
-    /// `views` as an empty one.
+    /// `run` as an empty one.
     fn linear_onto(&mut self, l: &Linear, out: Span, resid: Option<Span>, inp: Span) {
         let Linear {
             w,
@@ -66,81 +55,34 @@ impl CpuBackend {
         let prec = self.gemm_precision(&[inp, w]);
         let none = out.sub(0, 0);
         let read = [resid.unwrap_or(none), inp, w, bias.unwrap_or(none)];
-        let ([o], [r, i, w, b]) = views(&mut self.bufs, [out], read);
-        let b = bias.map(|_| b);
-        match resid {
-            Some(_) => ops::linear::linear_residual_forward(prec, o, r, i, w, layout, b, n, ic, oc),
-            None => ops::linear::linear_forward(prec, o, i, w, layout, b, n, ic, oc),
-        }
-        self.stored(&[out]);
-    }
-
-    /// Rounds what an op wrote to `written` to each span's buffer type (a no-op for `f32`
-    /// buffers). Every op that writes calls it for every span it writes.
-    fn stored(&mut self, written: &[Span]) {
-        for &w in written {
-            let dt = self.dtypes[w.buf.0 as usize];
-            dt.round_slice(self.host_mut(w));
-        }
+        self.mem.run([out], read, |[o], [r, i, w, b]| {
+            let b = bias.map(|_| &*b);
+            match resid {
+                Some(_) => {
+                    ops::linear::linear_residual_forward(prec, o, r, i, w, layout, b, n, ic, oc)
+                }
+                None => ops::linear::linear_forward(prec, o, i, w, layout, b, n, ic, oc),
+            }
+        });
     }
 
     /// [`Backend::rope_forward`] (`forward`) or its backward, in place on `x`.
     fn rope(&mut self, r: &Rope, x: Span, forward: bool) {
         r.check(x, "rope");
-        let ([x_], [table]) = views(&mut self.bufs, [x], [r.table]);
-        let (cos, sin) = table.split_at(table.len() / 2);
-        let view = ops::RopeView {
-            half: r.half,
-            cos,
-            sin,
-        };
-        if forward {
-            ops::rope_forward(x_, r.width, r.heads, r.t, view);
-        } else {
-            ops::rope_backward(x_, r.width, r.heads, r.t, view);
-        }
-        self.stored(&[x]);
+        self.mem.run([x], [r.table], |[x_], [table]| {
+            let (cos, sin) = table.split_at(table.len() / 2);
+            let view = ops::RopeView {
+                half: r.half,
+                cos,
+                sin,
+            };
+            if forward {
+                ops::rope_forward(x_, r.width, r.heads, r.t, view);
+            } else {
+                ops::rope_backward(x_, r.width, r.heads, r.t, view);
+            }
+        });
     }
-}
-
-/// Borrows `W` spans mutably and `R` spans immutably from `bufs` at once.
-///
-/// Panics (an internal bug, never user input) if a span is out of bounds or a written span
-/// overlaps any other span of the call.
-fn views<const W: usize, const R: usize>(
-    bufs: &mut [HostBuf],
-    w: [Span; W],
-    r: [Span; R],
-) -> ([&mut [f32]; W], [&[f32]; R]) {
-    for s in w.iter().chain(r.iter()) {
-        let len = bufs.get(s.buf.0 as usize).map_or(0, HostBuf::len);
-        assert!(
-            s.offset.checked_add(s.len).is_some_and(|end| end <= len),
-            "span {s:?} outside its buffer of {len} floats"
-        );
-    }
-    for (i, a) in w.iter().enumerate() {
-        for b in w.iter().skip(i + 1).chain(r.iter()) {
-            assert!(!a.overlaps(*b), "written span {a:?} overlaps {b:?}");
-        }
-    }
-    let ptrs: Vec<*mut f32> = bufs
-        .iter_mut()
-        .map(|v| v.as_mut_slice().as_mut_ptr())
-        .collect();
-    // SAFETY: every span was checked above to lie inside its buffer, and no written span
-    // overlaps another span of this call, so the mutable slices are disjoint from each other
-    // and from the shared ones. Shared spans may overlap each other (both are reads). The
-    // slices borrow `bufs` mutably for 'a, so no buffer can be reallocated or accessed
-    // elsewhere while they live.
-    let wm = w.map(|s| unsafe {
-        std::slice::from_raw_parts_mut(ptrs[s.buf.0 as usize].add(s.offset), s.len)
-    });
-    // SAFETY: as above.
-    let rm = r.map(|s| unsafe {
-        std::slice::from_raw_parts(ptrs[s.buf.0 as usize].add(s.offset) as *const f32, s.len)
-    });
-    (wm, rm)
 }
 
 impl Backend for CpuBackend {
@@ -164,50 +106,47 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&mut self, len: usize, dtype: Dtype) -> Result<BufId> {
-        self.bufs.push(HostBuf::zeroed(len)?);
-        self.dtypes.push(dtype);
-        Ok(BufId(self.bufs.len() as u32 - 1))
+        self.mem.alloc(len, dtype)
     }
 
     fn free(&mut self, buf: BufId) {
-        self.bufs[buf.0 as usize] = HostBuf::default();
+        self.mem.free(buf);
     }
 
     fn buf_len(&self, buf: BufId) -> usize {
-        self.bufs[buf.0 as usize].len()
+        self.mem.len(buf)
     }
 
     fn buf_dtype(&self, buf: BufId) -> Dtype {
-        self.dtypes[buf.0 as usize]
+        self.mem.dtype(buf)
     }
 
     fn free_memory(&self) -> Option<u64> {
         crate::metrics::machine::host_memory_available()
     }
 
+    fn workspace_bytes(&self) -> u64 {
+        self.mem.stage_bytes() as u64
+    }
+
     fn upload(&mut self, dst: Span, src: &[f32]) {
-        self.host_mut(dst).copy_from_slice(src);
-        self.stored(&[dst]);
+        self.mem.upload(dst, src);
     }
 
     fn download(&self, src: Span, dst: &mut [f32]) {
-        dst.copy_from_slice(self.host(src));
+        self.mem.download(src, dst);
     }
 
     fn with_host(&mut self, s: Span, f: &mut dyn FnMut(&mut [f32])) {
-        f(self.host_mut(s));
-        self.stored(&[s]);
+        self.mem.run([s], [], |[x], []| f(x));
     }
 
     fn zero(&mut self, s: Span) {
-        self.host_mut(s).fill(0.0);
+        self.mem.zero(s);
     }
 
     fn copy(&mut self, dst: Span, src: Span) {
-        assert_eq!(dst.len, src.len, "copy: span lengths differ");
-        let ([d], [s]) = views(&mut self.bufs, [dst], [src]);
-        d.copy_from_slice(s);
-        self.stored(&[dst]);
+        self.mem.copy(dst, src);
     }
 
     fn set_tokens(&mut self, tokens: &[u32]) {
@@ -226,16 +165,13 @@ impl Backend for CpuBackend {
         } = *e;
         let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
         match wpe {
-            Some(wpe) => {
-                let ([o], [e, p]) = views(&mut self.bufs, [out], [wte, wpe]);
-                ops::encoder::encoder_forward(o, toks, e, vocab_start, Some(p), b, t, c);
-            }
-            None => {
-                let ([o], [e]) = views(&mut self.bufs, [out], [wte]);
-                ops::encoder::encoder_forward(o, toks, e, vocab_start, None, b, t, c);
-            }
+            Some(wpe) => self.mem.run([out], [wte, wpe], |[o], [e, p]| {
+                ops::encoder::encoder_forward(o, toks, e, vocab_start, Some(p), b, t, c)
+            }),
+            None => self.mem.run([out], [wte], |[o], [e]| {
+                ops::encoder::encoder_forward(o, toks, e, vocab_start, None, b, t, c)
+            }),
         }
-        self.stored(&[out]);
     }
 
     fn encoder_backward(&mut self, de: &Embedding, dout: Span, tokens: TokSpan) {
@@ -249,24 +185,23 @@ impl Backend for CpuBackend {
         } = *de;
         let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
         match dwpe {
-            Some(dwpe) => {
-                let ([de, dp], [d]) = views(&mut self.bufs, [dwte, dwpe], [dout]);
-                ops::encoder::encoder_backward(de, Some(dp), d, toks, vocab_start, b, t, c);
-            }
-            None => {
-                let ([de], [d]) = views(&mut self.bufs, [dwte], [dout]);
-                ops::encoder::encoder_backward(de, None, d, toks, vocab_start, b, t, c);
-            }
+            Some(dwpe) => self.mem.run([dwte, dwpe], [dout], |[de, dp], [d]| {
+                ops::encoder::encoder_backward(de, Some(dp), d, toks, vocab_start, b, t, c)
+            }),
+            None => self.mem.run([dwte], [dout], |[de], [d]| {
+                ops::encoder::encoder_backward(de, None, d, toks, vocab_start, b, t, c)
+            }),
         }
-        self.stored(&[Some(dwte), dwpe].into_iter().flatten().collect::<Vec<_>>());
     }
 
     fn layernorm_forward(&mut self, ln: &LayerNorm, out: Span, stats: NormStats, inp: Span) {
         let LayerNorm { w, bias, n, c } = *ln;
         let NormStats { mean, rstd } = stats;
-        let ([o, m, r], [i, w, bi]) = views(&mut self.bufs, [out, mean, rstd], [inp, w, bias]);
-        ops::layernorm::layernorm_forward(o, m, r, i, w, bi, n, c);
-        self.stored(&[out, mean, rstd]);
+        self.mem.run(
+            [out, mean, rstd],
+            [inp, w, bias],
+            |[o, m, r], [i, w, bi]| ops::layernorm::layernorm_forward(o, m, r, i, w, bi, n, c),
+        );
     }
 
     fn layernorm_backward(
@@ -280,11 +215,13 @@ impl Backend for CpuBackend {
         let LayerNorm { w, n, c, .. } = *ln;
         let LayerNormGrads { dinp, dw, dbias } = *g;
         let NormStats { mean, rstd } = stats;
-        let written = [dinp, dw, dbias];
-        let ([di, dw, db], [d, i, w, m, r]) =
-            views(&mut self.bufs, written, [dout, inp, w, mean, rstd]);
-        ops::layernorm::layernorm_backward(di, dw, db, d, i, w, m, r, n, c);
-        self.stored(&written);
+        self.mem.run(
+            [dinp, dw, dbias],
+            [dout, inp, w, mean, rstd],
+            |[di, dw, db], [d, i, w, m, r]| {
+                ops::layernorm::layernorm_backward(di, dw, db, d, i, w, m, r, n, c)
+            },
+        );
     }
 
     fn linear_forward(&mut self, l: &Linear, out: Span, inp: Span) {
@@ -320,49 +257,39 @@ impl Backend for CpuBackend {
         let r = [dout, inp, w];
         let prec = self.gemm_precision(&r);
         match (dinp, dbias) {
-            (Some(di), Some(db)) => {
-                let ([di, dw, db], [d, i, w]) = views(&mut self.bufs, [di, dw, db], r);
-                lb(prec, Some(di), dw, Some(db), d, i, w, layout, n, ic, oc);
-            }
-            (Some(di), None) => {
-                let ([di, dw], [d, i, w]) = views(&mut self.bufs, [di, dw], r);
-                lb(prec, Some(di), dw, None, d, i, w, layout, n, ic, oc);
-            }
-            (None, Some(db)) => {
-                let ([dw, db], [d, i, w]) = views(&mut self.bufs, [dw, db], r);
-                lb(prec, None, dw, Some(db), d, i, w, layout, n, ic, oc);
-            }
-            (None, None) => {
-                let ([dw], [d, i, w]) = views(&mut self.bufs, [dw], r);
-                lb(prec, None, dw, None, d, i, w, layout, n, ic, oc);
-            }
+            (Some(di), Some(db)) => self.mem.run([di, dw, db], r, |[di, dw, db], [d, i, w]| {
+                lb(prec, Some(di), dw, Some(db), d, i, w, layout, n, ic, oc)
+            }),
+            (Some(di), None) => self.mem.run([di, dw], r, |[di, dw], [d, i, w]| {
+                lb(prec, Some(di), dw, None, d, i, w, layout, n, ic, oc)
+            }),
+            (None, Some(db)) => self.mem.run([dw, db], r, |[dw, db], [d, i, w]| {
+                lb(prec, None, dw, Some(db), d, i, w, layout, n, ic, oc)
+            }),
+            (None, None) => self.mem.run([dw], r, |[dw], [d, i, w]| {
+                lb(prec, None, dw, None, d, i, w, layout, n, ic, oc)
+            }),
         }
-        self.stored(
-            &[dinp, Some(dw), dbias]
-                .into_iter()
-                .flatten()
-                .collect::<Vec<_>>(),
-        );
     }
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[qkv]);
-        let ([a], [q]) = views(&mut self.bufs, [att], [qkv]);
-        ops::attention::attention_scores(prec, a, q, d.shape());
-        self.stored(&[att]);
+        self.mem.run([att], [qkv], |[a], [q]| {
+            ops::attention::attention_scores(prec, a, q, d.shape())
+        });
     }
 
     fn attention_softmax(&mut self, att: Span, d: AttnDims) {
-        let ([a], []) = views(&mut self.bufs, [att], []);
-        ops::attention::attention_softmax(a, d.b, d.t, d.nh);
-        self.stored(&[att]);
+        self.mem.run([att], [], |[a], []| {
+            ops::attention::attention_softmax(a, d.b, d.t, d.nh)
+        });
     }
 
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[att, qkv]);
-        let ([o], [a, q]) = views(&mut self.bufs, [out], [att, qkv]);
-        ops::attention::attention_values(prec, o, a, q, d.shape());
-        self.stored(&[out]);
+        self.mem.run([out], [att, qkv], |[o], [a, q]| {
+            ops::attention::attention_values(prec, o, a, q, d.shape())
+        });
     }
 
     fn attention_values_backward(
@@ -375,22 +302,23 @@ impl Backend for CpuBackend {
         d: AttnDims,
     ) {
         let prec = self.gemm_precision(&[dout, att, qkv]);
-        let ([da, dq], [dout, a, q]) = views(&mut self.bufs, [datt, dqkv], [dout, att, qkv]);
-        ops::attention::attention_values_backward(prec, da, dq, dout, a, q, d.shape());
-        self.stored(&[datt, dqkv]);
+        self.mem
+            .run([datt, dqkv], [dout, att, qkv], |[da, dq], [dout, a, q]| {
+                ops::attention::attention_values_backward(prec, da, dq, dout, a, q, d.shape())
+            });
     }
 
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims) {
-        let ([da], [a]) = views(&mut self.bufs, [datt], [att]);
-        ops::attention::attention_softmax_backward(da, a, d.b, d.t, d.nh);
-        self.stored(&[datt]);
+        self.mem.run([datt], [att], |[da], [a]| {
+            ops::attention::attention_softmax_backward(da, a, d.b, d.t, d.nh)
+        });
     }
 
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[datt, qkv]);
-        let ([dq], [da, q]) = views(&mut self.bufs, [dqkv], [datt, qkv]);
-        ops::attention::attention_scores_backward(prec, dq, da, q, d.shape());
-        self.stored(&[dqkv]);
+        self.mem.run([dqkv], [datt, qkv], |[dq], [da, q]| {
+            ops::attention::attention_scores_backward(prec, dq, da, q, d.shape())
+        });
     }
 
     fn fused_attention(&self, _hs: usize, _dt: Dtype) -> FusedAttention {
@@ -399,9 +327,9 @@ impl Backend for CpuBackend {
     }
 
     fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims) {
-        let ([o, l], [q]) = views(&mut self.bufs, [out, lse], [qkv]);
-        ops::attention::attention_forward_fused(o, l, q, d.shape());
-        self.stored(&[out, lse]);
+        self.mem.run([out, lse], [qkv], |[o, l], [q]| {
+            ops::attention::attention_forward_fused(o, l, q, d.shape())
+        });
     }
 
     fn attention_backward(
@@ -413,22 +341,23 @@ impl Backend for CpuBackend {
         qkv: Span,
         d: AttnDims,
     ) {
-        let ([dq], [dy, y, l, q]) = views(&mut self.bufs, [dqkv], [dout, out, lse, qkv]);
-        ops::attention::attention_backward_fused(dq, dy, y, l, q, d.shape());
-        self.stored(&[dqkv]);
+        self.mem
+            .run([dqkv], [dout, out, lse, qkv], |[dq], [dy, y, l, q]| {
+                ops::attention::attention_backward_fused(dq, dy, y, l, q, d.shape())
+            });
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
-        let ([o], [q, k, v]) = views(&mut self.bufs, [out], [q, kv.k, kv.v]);
-        ops::attention::attention_decode(o, q, k, v, kv.len, (d.nh, d.kv), d.hs);
-        self.stored(&[out]);
+        self.mem.run([out], [q, kv.k, kv.v], |[o], [q, k, v]| {
+            ops::attention::attention_decode(o, q, k, v, kv.len, (d.nh, d.kv), d.hs)
+        });
     }
 
     fn rmsnorm_forward(&mut self, r: &RmsNorm, out: Span, rstd: Span, inp: Span) {
         assert!(out.len == r.n * r.c && inp.len == r.n * r.c && rstd.len == r.n && r.w.len == r.c);
-        let ([o, rs], [i, w]) = views(&mut self.bufs, [out, rstd], [inp, r.w]);
-        ops::rmsnorm::rmsnorm_forward(o, rs, i, w, r.eps);
-        self.stored(&[out, rstd]);
+        self.mem.run([out, rstd], [inp, r.w], |[o, rs], [i, w]| {
+            ops::rmsnorm::rmsnorm_forward(o, rs, i, w, r.eps)
+        });
     }
 
     fn rmsnorm_backward(
@@ -442,10 +371,11 @@ impl Backend for CpuBackend {
         let (n, c) = (r.n, r.c);
         assert!(g.dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(g.dw.len == c && r.w.len == c && rstd.len == n);
-        let written = [g.dinp, g.dw];
-        let ([di, dw], [d, i, w, rs]) = views(&mut self.bufs, written, [dout, inp, r.w, rstd]);
-        ops::rmsnorm::rmsnorm_backward(di, dw, d, i, w, rs);
-        self.stored(&written);
+        self.mem.run(
+            [g.dinp, g.dw],
+            [dout, inp, r.w, rstd],
+            |[di, dw], [d, i, w, rs]| ops::rmsnorm::rmsnorm_backward(di, dw, d, i, w, rs),
+        );
     }
 
     fn rope_forward(&mut self, r: &Rope, x: Span) {
@@ -457,58 +387,56 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu_forward(&mut self, out: Span, inp: Span, f: usize) {
-        let ([o], [i]) = views(&mut self.bufs, [out], [inp]);
-        ops::swiglu::swiglu_forward(o, i, f);
-        self.stored(&[out]);
+        self.mem.run([out], [inp], |[o], [i]| {
+            ops::swiglu::swiglu_forward(o, i, f)
+        });
     }
 
     fn swiglu_backward(&mut self, dinp: Span, dout: Span, inp: Span, f: usize) {
-        let ([di], [d, i]) = views(&mut self.bufs, [dinp], [dout, inp]);
-        ops::swiglu::swiglu_backward(di, d, i, f);
-        self.stored(&[dinp]);
+        self.mem.run([dinp], [dout, inp], |[di], [d, i]| {
+            ops::swiglu::swiglu_backward(di, d, i, f)
+        });
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {
-        let ([o], [i]) = views(&mut self.bufs, [out], [inp]);
-        ops::gelu::gelu_forward(o, i);
-        self.stored(&[out]);
+        self.mem
+            .run([out], [inp], |[o], [i]| ops::gelu::gelu_forward(o, i));
     }
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
-        let ([di], [i, d]) = views(&mut self.bufs, [dinp], [inp, dout]);
-        ops::gelu::gelu_backward(di, i, d);
-        self.stored(&[dinp]);
+        self.mem.run([dinp], [inp, dout], |[di], [i, d]| {
+            ops::gelu::gelu_backward(di, i, d)
+        });
     }
 
     fn residual_forward(&mut self, out: Span, a: Span, b: Span) {
-        let ([o], [a, b]) = views(&mut self.bufs, [out], [a, b]);
-        ops::residual::residual_forward(o, a, b);
-        self.stored(&[out]);
+        self.mem.run([out], [a, b], |[o], [a, b]| {
+            ops::residual::residual_forward(o, a, b)
+        });
     }
 
     fn add_inplace(&mut self, acc: Span, x: Span) {
-        let ([a], [x]) = views(&mut self.bufs, [acc], [x]);
-        ops::residual::add_inplace(a, x);
-        self.stored(&[acc]);
+        self.mem
+            .run([acc], [x], |[a], [x]| ops::residual::add_inplace(a, x));
     }
 
     fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims) {
-        let ([m, s], [l]) = views(&mut self.bufs, [maxes, sums], [logits]);
-        ops::crossentropy::ce_row_stats(m, s, l, d.n, d.vp, d.v_valid);
-        self.stored(&[maxes, sums]);
+        self.mem.run([maxes, sums], [logits], |[m, s], [l]| {
+            ops::crossentropy::ce_row_stats(m, s, l, d.n, d.vp, d.v_valid)
+        });
     }
 
     fn ce_rescale_sums(&mut self, sums: Span, local_maxes: Span, maxes: Span) {
-        let ([s], [l, m]) = views(&mut self.bufs, [sums], [local_maxes, maxes]);
-        ops::crossentropy::ce_rescale_sums(s, l, m);
-        self.stored(&[sums]);
+        self.mem.run([sums], [local_maxes, maxes], |[s], [l, m]| {
+            ops::crossentropy::ce_rescale_sums(s, l, m)
+        });
     }
 
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims) {
         let tg = &self.tokens[targets.offset..targets.offset + targets.len];
-        let ([t], [l]) = views(&mut self.bufs, [tl], [logits]);
-        ops::crossentropy::ce_target_logit(t, l, tg, d.vocab_start, d.n, d.vp, d.v_valid);
-        self.stored(&[tl]);
+        self.mem.run([tl], [logits], |[t], [l]| {
+            ops::crossentropy::ce_target_logit(t, l, tg, d.vocab_start, d.n, d.vp, d.v_valid)
+        });
     }
 
     fn ce_finish(
@@ -523,45 +451,52 @@ impl Backend for CpuBackend {
         let CeRows { maxes, sums, tl } = rows;
         let tg = &self.tokens[targets.offset..targets.offset + targets.len];
         match dloss {
-            Some(dl) => {
-                let ([lo, lg], [m, s, t]) =
-                    views(&mut self.bufs, [losses, logits], [maxes, sums, tl]);
-                ops::crossentropy::ce_finish(
-                    lo,
-                    lg,
-                    m,
-                    s,
-                    t,
-                    tg,
-                    d.vocab_start,
-                    dl,
-                    d.n,
-                    d.vp,
-                    d.v_valid,
-                );
-            }
-            None => {
-                let ([lo], [m, s, t]) = views(&mut self.bufs, [losses], [maxes, sums, tl]);
-                for i in 0..d.n {
-                    lo[i] = s[i].ln() + m[i] - t[i];
-                }
-            }
+            Some(dl) => self.mem.run(
+                [losses, logits],
+                [maxes, sums, tl],
+                |[lo, lg], [m, s, t]| {
+                    ops::crossentropy::ce_finish(
+                        lo,
+                        lg,
+                        m,
+                        s,
+                        t,
+                        tg,
+                        d.vocab_start,
+                        dl,
+                        d.n,
+                        d.vp,
+                        d.v_valid,
+                    )
+                },
+            ),
+            None => self
+                .mem
+                .run([losses], [maxes, sums, tl], |[lo], [m, s, t]| {
+                    for i in 0..d.n {
+                        lo[i] = s[i].ln() + m[i] - t[i];
+                    }
+                }),
         }
-        self.stored(&[losses, logits]);
     }
 
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
         xs.iter()
-            .map(|&x| ops::adamw::sum_of_squares(self.host(x)))
+            .map(|&x| {
+                self.mem
+                    .run([], [x], |[], [x]| ops::adamw::sum_of_squares(x))
+            })
             .collect()
     }
 
     fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep) {
         for part in parts {
-            let written = [part.params, part.m, part.v];
-            let ([p, m, v], [g]) = views(&mut self.bufs, written, [part.grads]);
-            ops::adamw::adamw_update(p, g, m, v, &part.step(hp));
-            self.stored(&written);
+            let step = part.step(hp);
+            self.mem.run(
+                [part.params, part.m, part.v],
+                [part.grads],
+                |[p, m, v], [g]| ops::adamw::adamw_update(p, g, m, v, &step),
+            );
             if let Some(c) = part.compute {
                 self.copy(c, part.params);
             }
@@ -639,28 +574,5 @@ mod tests {
             let tol = ic as f32 * f32::EPSILON * ic as f32 * 2.0;
             assert!((a - b).abs() <= tol, "{a} vs {b}");
         }
-    }
-
-    #[test]
-    fn views_are_checked() {
-        let mut be = CpuBackend::new();
-        let a = be.alloc(10, Dtype::F32).unwrap();
-        let s = |o, l| Span {
-            buf: a,
-            offset: o,
-            len: l,
-        };
-        let ([w], [r]) = views(&mut be.bufs, [s(0, 5)], [s(5, 5)]);
-        w[0] = 1.0;
-        assert_eq!(r.len(), 5);
-        let overl = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = views(&mut be.bufs, [s(0, 5)], [s(4, 2)]);
-        }));
-        assert!(overl.is_err());
-        let oob = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = views(&mut be.bufs, [s(8, 5)], []);
-        }));
-        assert!(oob.is_err());
-        assert_eq!(be.host(s(0, 1)), &[1.0]);
     }
 }

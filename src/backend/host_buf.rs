@@ -12,32 +12,34 @@ use anyhow::{bail, Result};
 /// Where every [`HostBuf`] starts, in bytes: A64FX's cache line (x86's is 64).
 pub const HOST_ALIGN: usize = 256;
 
-/// `len` zero-initialised `f32`s whose first element is [`HOST_ALIGN`]-byte aligned: a `Vec`
-/// with up to `HOST_ALIGN` bytes of slack in front of the data (safe code; nothing is
-/// reallocated after construction, so the offset stays valid).
+/// `len` zero-initialised elements (`f32`, or the bits of a 16-bit float) whose first element
+/// is [`HOST_ALIGN`]-byte aligned: a `Vec` with up to `HOST_ALIGN` bytes of slack in front of
+/// the data (safe code; nothing is reallocated after construction, so the offset stays
+/// valid).
 #[derive(Default)]
-pub struct HostBuf {
-    store: Vec<f32>,
+pub struct HostBuf<T = f32> {
+    store: Vec<T>,
     start: usize,
     len: usize,
 }
 
-impl HostBuf {
+impl<T: Copy + Default> HostBuf<T> {
     /// Allocates `len` zeros, or says how much memory was asked for.
-    pub fn zeroed(len: usize) -> Result<HostBuf> {
-        let slack = HOST_ALIGN / std::mem::size_of::<f32>();
+    pub fn zeroed(len: usize) -> Result<HostBuf<T>> {
+        let size = std::mem::size_of::<T>();
+        let slack = HOST_ALIGN / size;
         let mut store = Vec::new();
         if store.try_reserve_exact(len + slack).is_err() {
             bail!(
                 "out of memory allocating {:.1} MiB",
-                len as f64 * 4.0 / (1 << 20) as f64
+                len as f64 * size as f64 / (1 << 20) as f64
             );
         }
-        store.resize(len + slack, 0.0);
-        // An f32 pointer is 4-byte aligned, so the distance to the next boundary is a whole
-        // number of floats, at most `slack - 1`.
+        store.resize(len + slack, T::default());
+        // A T pointer is size-aligned, so the distance to the next boundary is a whole
+        // number of elements, at most `slack - 1`.
         let misalign = store.as_ptr() as usize % HOST_ALIGN;
-        let start = (HOST_ALIGN - misalign) % HOST_ALIGN / std::mem::size_of::<f32>();
+        let start = (HOST_ALIGN - misalign) % HOST_ALIGN / size;
         Ok(HostBuf { store, start, len })
     }
 
@@ -45,11 +47,11 @@ impl HostBuf {
         self.len
     }
 
-    pub fn as_slice(&self) -> &[f32] {
+    pub fn as_slice(&self) -> &[T] {
         &self.store[self.start..self.start + self.len]
     }
 
-    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
         &mut self.store[self.start..self.start + self.len]
     }
 }
@@ -61,7 +63,7 @@ mod tests {
     #[test]
     fn buffers_start_on_the_boundary_and_hold_zeros() {
         for len in [0, 1, 7, 64, 1000, 300_000] {
-            let mut b = HostBuf::zeroed(len).unwrap();
+            let mut b = HostBuf::<f32>::zeroed(len).unwrap();
             assert_eq!(b.len(), len);
             assert_eq!(b.as_slice().len(), len);
             assert!(b.as_slice().iter().all(|&x| x == 0.0));
@@ -70,12 +72,19 @@ mod tests {
             }
             b.as_mut_slice().iter_mut().for_each(|x| *x = 1.0);
             assert!(b.as_slice().iter().all(|&x| x == 1.0));
+            let h = HostBuf::<u16>::zeroed(len).unwrap();
+            assert!(h.as_slice().len() == len && h.as_slice().iter().all(|&x| x == 0));
+            if len > 0 {
+                assert_eq!(h.as_slice().as_ptr() as usize % HOST_ALIGN, 0, "len {len}");
+            }
         }
     }
 
     #[test]
     fn an_impossible_size_is_an_error() {
-        let e = HostBuf::zeroed(usize::MAX / 8).err().expect("too large");
+        let e = HostBuf::<f32>::zeroed(usize::MAX / 8)
+            .err()
+            .expect("too large");
         assert!(e.to_string().contains("out of memory"), "{e}");
     }
 }

@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 mod host_buf;
+mod host_store;
 pub mod knobs;
 
 pub use crate::dtype::Dtype;
@@ -49,6 +50,11 @@ impl Span {
     }
 
     /// True when both spans touch a common element.
+    /// The span's elements in its buffer.
+    pub fn range(self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len
+    }
+
     pub fn overlaps(self, other: Span) -> bool {
         self.buf == other.buf
             && self.len > 0
@@ -343,6 +349,11 @@ pub trait Backend: 'static {
     /// that an impossible batch is refused up front).
     fn free_memory(&self) -> Option<u64> {
         None
+    }
+    /// Bytes of working memory the backend holds beside its buffers (the CPU's stage for
+    /// 16-bit spans, `backend/host_store.rs`), for the end-of-run memory line.
+    fn workspace_bytes(&self) -> u64 {
+        0
     }
     /// Waits for queued work (no-op on the CPU).
     fn sync(&self) {}

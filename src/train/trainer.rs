@@ -723,10 +723,16 @@ impl<'d, B: Backend> Trainer<'d, B> {
         let rss = crate::metrics::machine::peak_rss_bytes();
         if let Some(w) = self.metrics.as_mut() {
             if let Some(rss) = rss {
+                let workspace = self.model.backend().workspace_bytes() as f64;
+                let ws = if workspace > 0.0 {
+                    format!(" + the backend's workspace {}", mib(workspace))
+                } else {
+                    String::new()
+                };
                 eprintln!(
-                    "peak RSS {} = {:.2} x (params+grads+AdamW + activations)",
+                    "peak RSS {} = {:.2} x (params+grads+AdamW + activations{ws})",
                     mib(rss as f64),
-                    rss as f64 / (self.memory.state() + self.memory.activations())
+                    rss as f64 / (self.memory.state() + self.memory.activations() + workspace)
                 );
             }
             let skipped_bad = self.source.skipped_bad_samples();
