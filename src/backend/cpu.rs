@@ -2,7 +2,7 @@
 //! ([`HostStore`]: `f32`, or 16-bit floats in half the bytes), GEMMs go to fugu-gemm, the
 //! other ops to the rayon kernels of [`crate::ops`], all on `f32` views.
 
-use super::host_store::HostStore;
+use super::host_store::{Chunks, HostStore, Rows};
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
     FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
@@ -69,19 +69,46 @@ impl CpuBackend {
     /// [`Backend::rope_forward`] (`forward`) or its backward, in place on `x`.
     fn rope(&mut self, r: &Rope, x: Span, forward: bool) {
         r.check(x, "rope");
-        self.mem.run([x], [r.table], |[x_], [table]| {
-            let (cos, sin) = table.split_at(table.len() / 2);
-            let view = ops::RopeView {
-                half: r.half,
-                cos,
-                sin,
-            };
-            if forward {
-                ops::rope_forward(x_, r.width, r.heads, r.t, view);
-            } else {
-                ops::rope_backward(x_, r.width, r.heads, r.t, view);
-            }
-        });
+        // Chunks of whole sequences: a row's position is its index within one.
+        let seq = if r.n.is_multiple_of(r.t.max(1)) {
+            r.t.max(1)
+        } else {
+            r.n.max(1)
+        };
+        let (units, width) = (r.n / seq, seq * r.width);
+        self.mem.run_rows(
+            Chunks::Cache,
+            units,
+            [Rows::of(x, width)],
+            [Rows::whole(r.table)],
+            |_, [x_], [table]| {
+                let (cos, sin) = table.split_at(table.len() / 2);
+                let view = ops::RopeView {
+                    half: r.half,
+                    cos,
+                    sin,
+                };
+                if forward {
+                    ops::rope_forward(x_, r.width, r.heads, r.t, view);
+                } else {
+                    ops::rope_backward(x_, r.width, r.heads, r.t, view);
+                }
+            },
+        );
+    }
+}
+
+/// An attention tensor (B sequences of anything) in rows of one sequence each: attention is
+/// computed per sequence, so the ops run on chunks of whole sequences.
+fn per_sequence(s: Span, d: AttnDims) -> Rows {
+    Rows::of(s, s.len / d.b.max(1))
+}
+
+/// The shape of attention over `rows` of the sequences of `d`.
+fn sequences(d: AttnDims, rows: std::ops::Range<usize>) -> ops::attention::AttnShape {
+    ops::attention::AttnShape {
+        b: rows.len(),
+        ..d.shape()
     }
 }
 
@@ -164,13 +191,26 @@ impl Backend for CpuBackend {
             c,
         } = *e;
         let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
+        // Chunks of whole sequences (a position's embedding depends on its index in one).
+        let toks = |rows: &std::ops::Range<usize>| &toks[rows.start * t..rows.end * t];
+        let o = [Rows::of(out, t * c)];
         match wpe {
-            Some(wpe) => self.mem.run([out], [wte, wpe], |[o], [e, p]| {
-                ops::encoder::encoder_forward(o, toks, e, vocab_start, Some(p), b, t, c)
-            }),
-            None => self.mem.run([out], [wte], |[o], [e]| {
-                ops::encoder::encoder_forward(o, toks, e, vocab_start, None, b, t, c)
-            }),
+            Some(wpe) => self.mem.run_rows(
+                Chunks::Cache,
+                b,
+                o,
+                [Rows::whole(wte), Rows::whole(wpe)],
+                |rows, [o], [e, p]| {
+                    let (tk, n) = (toks(&rows), rows.len());
+                    ops::encoder::encoder_forward(o, tk, e, vocab_start, Some(p), n, t, c)
+                },
+            ),
+            None => self
+                .mem
+                .run_rows(Chunks::Cache, b, o, [Rows::whole(wte)], |rows, [o], [e]| {
+                    let (tk, n) = (toks(&rows), rows.len());
+                    ops::encoder::encoder_forward(o, tk, e, vocab_start, None, n, t, c)
+                }),
         }
     }
 
@@ -197,10 +237,14 @@ impl Backend for CpuBackend {
     fn layernorm_forward(&mut self, ln: &LayerNorm, out: Span, stats: NormStats, inp: Span) {
         let LayerNorm { w, bias, n, c } = *ln;
         let NormStats { mean, rstd } = stats;
-        self.mem.run(
-            [out, mean, rstd],
-            [inp, w, bias],
-            |[o, m, r], [i, w, bi]| ops::layernorm::layernorm_forward(o, m, r, i, w, bi, n, c),
+        self.mem.run_rows(
+            Chunks::Cache,
+            n,
+            [Rows::of(out, c), Rows::of(mean, 1), Rows::of(rstd, 1)],
+            [Rows::of(inp, c), Rows::whole(w), Rows::whole(bias)],
+            |rows, [o, m, r], [i, w, bi]| {
+                ops::layernorm::layernorm_forward(o, m, r, i, w, bi, rows.len(), c)
+            },
         );
     }
 
@@ -274,22 +318,37 @@ impl Backend for CpuBackend {
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[qkv]);
-        self.mem.run([att], [qkv], |[a], [q]| {
-            ops::attention::attention_scores(prec, a, q, d.shape())
-        });
+        let seq = |s| per_sequence(s, d);
+        self.mem.run_rows(
+            Chunks::Serial(1),
+            d.b,
+            [seq(att)],
+            [seq(qkv)],
+            |rows, [a], [q]| ops::attention::attention_scores(prec, a, q, sequences(d, rows)),
+        );
     }
 
     fn attention_softmax(&mut self, att: Span, d: AttnDims) {
-        self.mem.run([att], [], |[a], []| {
-            ops::attention::attention_softmax(a, d.b, d.t, d.nh)
-        });
+        // Chunks of whole (T, T) blocks: a row's causal length is its index within one.
+        let block = d.t * d.t;
+        let blocks = [Rows::of(att, block)];
+        self.mem
+            .run_rows(Chunks::Cache, d.b * d.nh, blocks, [], |rows, [a], []| {
+                ops::attention::attention_softmax(a, 1, d.t, rows.len())
+            });
     }
 
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[att, qkv]);
-        self.mem.run([out], [att, qkv], |[o], [a, q]| {
-            ops::attention::attention_values(prec, o, a, q, d.shape())
-        });
+        let seq = |s| per_sequence(s, d);
+        let read = [seq(att), seq(qkv)];
+        self.mem.run_rows(
+            Chunks::Serial(1),
+            d.b,
+            [seq(out)],
+            read,
+            |rows, [o], [a, q]| ops::attention::attention_values(prec, o, a, q, sequences(d, rows)),
+        );
     }
 
     fn attention_values_backward(
@@ -302,23 +361,41 @@ impl Backend for CpuBackend {
         d: AttnDims,
     ) {
         let prec = self.gemm_precision(&[dout, att, qkv]);
-        self.mem
-            .run([datt, dqkv], [dout, att, qkv], |[da, dq], [dout, a, q]| {
-                ops::attention::attention_values_backward(prec, da, dq, dout, a, q, d.shape())
-            });
+        let seq = |s| per_sequence(s, d);
+        self.mem.run_rows(
+            Chunks::Serial(1),
+            d.b,
+            [seq(datt), seq(dqkv)],
+            [seq(dout), seq(att), seq(qkv)],
+            |rows, [da, dq], [dout, a, q]| {
+                let shape = sequences(d, rows);
+                ops::attention::attention_values_backward(prec, da, dq, dout, a, q, shape)
+            },
+        );
     }
 
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims) {
-        self.mem.run([datt], [att], |[da], [a]| {
-            ops::attention::attention_softmax_backward(da, a, d.b, d.t, d.nh)
-        });
+        let block = d.t * d.t;
+        let (w, r) = ([Rows::of(datt, block)], [Rows::of(att, block)]);
+        self.mem
+            .run_rows(Chunks::Cache, d.b * d.nh, w, r, |rows, [da], [a]| {
+                ops::attention::attention_softmax_backward(da, a, 1, d.t, rows.len())
+            });
     }
 
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[datt, qkv]);
-        self.mem.run([dqkv], [datt, qkv], |[dq], [da, q]| {
-            ops::attention::attention_scores_backward(prec, dq, da, q, d.shape())
-        });
+        let seq = |s| per_sequence(s, d);
+        let read = [seq(datt), seq(qkv)];
+        self.mem.run_rows(
+            Chunks::Serial(1),
+            d.b,
+            [seq(dqkv)],
+            read,
+            |rows, [dq], [da, q]| {
+                ops::attention::attention_scores_backward(prec, dq, da, q, sequences(d, rows))
+            },
+        );
     }
 
     fn fused_attention(&self, _hs: usize, _dt: Dtype) -> FusedAttention {
@@ -327,9 +404,17 @@ impl Backend for CpuBackend {
     }
 
     fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims) {
-        self.mem.run([out, lse], [qkv], |[o, l], [q]| {
-            ops::attention::attention_forward_fused(o, l, q, d.shape())
-        });
+        let seq = |s| per_sequence(s, d);
+        let written = [seq(out), seq(lse)];
+        self.mem.run_rows(
+            Chunks::Cache,
+            d.b,
+            written,
+            [seq(qkv)],
+            |rows, [o, l], [q]| {
+                ops::attention::attention_forward_fused(o, l, q, sequences(d, rows))
+            },
+        );
     }
 
     fn attention_backward(
@@ -341,10 +426,16 @@ impl Backend for CpuBackend {
         qkv: Span,
         d: AttnDims,
     ) {
-        self.mem
-            .run([dqkv], [dout, out, lse, qkv], |[dq], [dy, y, l, q]| {
-                ops::attention::attention_backward_fused(dq, dy, y, l, q, d.shape())
-            });
+        let seq = |s| per_sequence(s, d);
+        self.mem.run_rows(
+            Chunks::Cache,
+            d.b,
+            [seq(dqkv)],
+            [seq(dout), seq(out), seq(lse), seq(qkv)],
+            |rows, [dq], [dy, y, l, q]| {
+                ops::attention::attention_backward_fused(dq, dy, y, l, q, sequences(d, rows))
+            },
+        );
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
@@ -355,9 +446,13 @@ impl Backend for CpuBackend {
 
     fn rmsnorm_forward(&mut self, r: &RmsNorm, out: Span, rstd: Span, inp: Span) {
         assert!(out.len == r.n * r.c && inp.len == r.n * r.c && rstd.len == r.n && r.w.len == r.c);
-        self.mem.run([out, rstd], [inp, r.w], |[o, rs], [i, w]| {
-            ops::rmsnorm::rmsnorm_forward(o, rs, i, w, r.eps)
-        });
+        self.mem.run_rows(
+            Chunks::Cache,
+            r.n,
+            [Rows::of(out, r.c), Rows::of(rstd, 1)],
+            [Rows::of(inp, r.c), Rows::whole(r.w)],
+            |_, [o, rs], [i, w]| ops::rmsnorm::rmsnorm_forward(o, rs, i, w, r.eps),
+        );
     }
 
     fn rmsnorm_backward(
@@ -387,43 +482,85 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu_forward(&mut self, out: Span, inp: Span, f: usize) {
-        self.mem.run([out], [inp], |[o], [i]| {
-            ops::swiglu::swiglu_forward(o, i, f)
-        });
+        self.mem.run_rows(
+            Chunks::Cache,
+            out.len / f.max(1),
+            [Rows::of(out, f)],
+            [Rows::of(inp, 2 * f)],
+            |_, [o], [i]| ops::swiglu::swiglu_forward(o, i, f),
+        );
     }
 
     fn swiglu_backward(&mut self, dinp: Span, dout: Span, inp: Span, f: usize) {
-        self.mem.run([dinp], [dout, inp], |[di], [d, i]| {
-            ops::swiglu::swiglu_backward(di, d, i, f)
-        });
+        self.mem.run_rows(
+            Chunks::Cache,
+            dout.len / f.max(1),
+            [Rows::of(dinp, 2 * f)],
+            [Rows::of(dout, f), Rows::of(inp, 2 * f)],
+            |_, [di], [d, i]| ops::swiglu::swiglu_backward(di, d, i, f),
+        );
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {
-        self.mem
-            .run([out], [inp], |[o], [i]| ops::gelu::gelu_forward(o, i));
+        // Elementwise: rows of one element.
+        let each = |s| Rows::of(s, 1);
+        self.mem.run_rows(
+            Chunks::Cache,
+            out.len,
+            [each(out)],
+            [each(inp)],
+            |_, [o], [i]| ops::gelu::gelu_forward(o, i),
+        );
     }
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
-        self.mem.run([dinp], [inp, dout], |[di], [i, d]| {
-            ops::gelu::gelu_backward(di, i, d)
-        });
+        // Elementwise: rows of one element.
+        let each = |s| Rows::of(s, 1);
+        let read = [each(inp), each(dout)];
+        self.mem.run_rows(
+            Chunks::Cache,
+            dinp.len,
+            [each(dinp)],
+            read,
+            |_, [di], [i, d]| ops::gelu::gelu_backward(di, i, d),
+        );
     }
 
     fn residual_forward(&mut self, out: Span, a: Span, b: Span) {
-        self.mem.run([out], [a, b], |[o], [a, b]| {
-            ops::residual::residual_forward(o, a, b)
-        });
+        // Elementwise: rows of one element.
+        let each = |s| Rows::of(s, 1);
+        let read = [each(a), each(b)];
+        self.mem.run_rows(
+            Chunks::Cache,
+            out.len,
+            [each(out)],
+            read,
+            |_, [o], [a, b]| ops::residual::residual_forward(o, a, b),
+        );
     }
 
     fn add_inplace(&mut self, acc: Span, x: Span) {
-        self.mem
-            .run([acc], [x], |[a], [x]| ops::residual::add_inplace(a, x));
+        // Elementwise: rows of one element.
+        let each = |s| Rows::of(s, 1);
+        self.mem.run_rows(
+            Chunks::Cache,
+            acc.len,
+            [each(acc)],
+            [each(x)],
+            |_, [a], [x]| ops::residual::add_inplace(a, x),
+        );
     }
 
     fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims) {
-        self.mem.run([maxes, sums], [logits], |[m, s], [l]| {
-            ops::crossentropy::ce_row_stats(m, s, l, d.n, d.vp, d.v_valid)
-        });
+        self.mem.run_rows(
+            Chunks::Cache,
+            d.n,
+            [Rows::of(maxes, 1), Rows::of(sums, 1)],
+            [Rows::of(logits, d.vp)],
+            |rows, [m, s], [l]| {
+                ops::crossentropy::ce_row_stats(m, s, l, rows.len(), d.vp, d.v_valid)
+            },
+        );
     }
 
     fn ce_rescale_sums(&mut self, sums: Span, local_maxes: Span, maxes: Span) {
@@ -434,9 +571,16 @@ impl Backend for CpuBackend {
 
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims) {
         let tg = &self.tokens[targets.offset..targets.offset + targets.len];
-        self.mem.run([tl], [logits], |[t], [l]| {
-            ops::crossentropy::ce_target_logit(t, l, tg, d.vocab_start, d.n, d.vp, d.v_valid)
-        });
+        self.mem.run_rows(
+            Chunks::Cache,
+            d.n,
+            [Rows::of(tl, 1)],
+            [Rows::of(logits, d.vp)],
+            |rows, [t], [l]| {
+                let (tg, n) = (&tg[rows.clone()], rows.len());
+                ops::crossentropy::ce_target_logit(t, l, tg, d.vocab_start, n, d.vp, d.v_valid)
+            },
+        );
     }
 
     fn ce_finish(
@@ -450,24 +594,17 @@ impl Backend for CpuBackend {
     ) {
         let CeRows { maxes, sums, tl } = rows;
         let tg = &self.tokens[targets.offset..targets.offset + targets.len];
+        let stats = [Rows::of(maxes, 1), Rows::of(sums, 1), Rows::of(tl, 1)];
         match dloss {
-            Some(dl) => self.mem.run(
-                [losses, logits],
-                [maxes, sums, tl],
-                |[lo, lg], [m, s, t]| {
-                    ops::crossentropy::ce_finish(
-                        lo,
-                        lg,
-                        m,
-                        s,
-                        t,
-                        tg,
-                        d.vocab_start,
-                        dl,
-                        d.n,
-                        d.vp,
-                        d.v_valid,
-                    )
+            Some(dl) => self.mem.run_rows(
+                Chunks::Cache,
+                d.n,
+                [Rows::of(losses, 1), Rows::of(logits, d.vp)],
+                stats,
+                |rows, [lo, lg], [m, s, t]| {
+                    let (tg, n) = (&tg[rows.clone()], rows.len());
+                    let (v0, vp, vv) = (d.vocab_start, d.vp, d.v_valid);
+                    ops::crossentropy::ce_finish(lo, lg, m, s, t, tg, v0, dl, n, vp, vv)
                 },
             ),
             None => self

@@ -16,6 +16,8 @@ use crate::dtype::{bf16_to_f32, f32_to_bf16, Dtype};
 use anyhow::Result;
 use fugu_gemm::precision::{f16_bits_of, f16_value_of};
 use rayon::prelude::*;
+use std::ops::Range;
+use std::sync::Mutex;
 
 /// A buffer's elements.
 enum Store {
@@ -45,7 +47,57 @@ pub struct HostStore {
     bufs: Vec<Store>,
     dtypes: Vec<Dtype>,
     stage: HostBuf<f32>,
+    /// Row chunks' stages ([`HostStore::run_rows`]), one per chunk in flight, reused.
+    chunk_stages: Mutex<Vec<Vec<f32>>>,
 }
+
+/// A span an op reads or writes in rows of `width` elements (`n · width` in all), or reads
+/// whole for every row (`width` 0: a weight, a bias, a table).
+#[derive(Clone, Copy, Debug)]
+pub struct Rows {
+    pub span: Span,
+    pub width: usize,
+}
+
+impl Rows {
+    pub fn of(span: Span, width: usize) -> Rows {
+        Rows { span, width }
+    }
+
+    /// Read whole by every row.
+    pub fn whole(span: Span) -> Rows {
+        Rows { span, width: 0 }
+    }
+
+    /// Rows `rows` of this span (all of it when whole).
+    fn part(self, rows: &Range<usize>) -> Span {
+        match self.width {
+            0 => self.span,
+            w => self.span.sub(rows.start * w, (rows.end - rows.start) * w),
+        }
+    }
+}
+
+/// About how many elements of its widest span a row chunk holds ([`HostStore::run_rows`]):
+/// with the chunk's other spans, a few hundred KiB, in the core's L2 while the op runs. A
+/// multiple of 64, so that chunks of an elementwise op (rows of one element) start on whole
+/// SIMD vectors and the op meets its tail where it would whole.
+const ROW_CHUNK: usize = 1 << 14;
+
+/// How [`HostStore::run_rows`] cuts an op's rows into chunks where it stages them.
+#[derive(Clone, Copy, Debug)]
+pub enum Chunks {
+    /// About [`ROW_CHUNK`] elements of the widest span per chunk (at least one row), the
+    /// chunks in parallel: row-wise ops, their chunks in cache.
+    Cache,
+    /// This many rows per chunk, one chunk after another: GEMMs (fugu-gemm's threads work on
+    /// one at a time; enough rows to amortise packing the operand every chunk shares).
+    Serial(usize),
+}
+
+/// An address shared with the threads of a parallel loop.
+#[derive(Clone, Copy)]
+struct Addr(usize);
 
 /// Elements per piece of a parallel conversion.
 const CONVERT_PIECE: usize = 1 << 15;
@@ -77,9 +129,11 @@ impl HostStore {
         self.dtypes[buf.0 as usize]
     }
 
-    /// Bytes of the stage (grown to the largest op's 16-bit spans so far).
+    /// Bytes of the stages (grown to the largest op's whole 16-bit spans so far, and the
+    /// row chunks').
     pub fn stage_bytes(&self) -> usize {
-        4 * self.stage.len()
+        let chunks = self.chunk_stages.lock().unwrap_or_else(|e| e.into_inner());
+        4 * (self.stage.len() + chunks.iter().map(Vec::capacity).sum::<usize>())
     }
 
     /// Writes `src` into `dst`, rounded to its type.
@@ -220,6 +274,178 @@ impl HostStore {
         out
     }
 
+    /// Runs `op` over `n` rows of the spans it writes (`w`, read first) and reads (`r`), as
+    /// [`Self::run`] does, but in chunks of rows ([`Chunks`]) where a row span is 16-bit:
+    /// each chunk's rows are decoded into a small stage of its own, the op runs on them, and
+    /// the written rows are rounded back while they are in cache, so a 16-bit row costs its
+    /// 16-bit bytes in memory traffic and the stage stays small. `op` gets the chunk's rows
+    /// and its views (whole spans whole); it must compute each row from that row alone, as
+    /// the row-wise ops do, so that chunks give the same values as one call. With no 16-bit
+    /// row span it runs once on every row ([`Self::run`]).
+    pub fn run_rows<const W: usize, const R: usize>(
+        &mut self,
+        chunks: Chunks,
+        n: usize,
+        w: [Rows; W],
+        r: [Rows; R],
+        op: impl for<'a> Fn(Range<usize>, [&'a mut [f32]; W], [&'a [f32]; R]) + Sync,
+    ) {
+        for x in w.iter().chain(&r) {
+            assert!(
+                x.width == 0 || x.span.len == n * x.width,
+                "rows: {:?} is not {n} rows of {}",
+                x.span,
+                x.width
+            );
+        }
+        assert!(
+            w.iter().all(|x| x.width > 0),
+            "rows: a written span is whole"
+        );
+        let chunked = w
+            .iter()
+            .chain(&r)
+            .any(|x| x.width > 0 && self.is_16bit(x.span));
+        if !chunked || n == 0 {
+            return self.run(w.map(|x| x.span), r.map(|x| x.span), |wv, rv| {
+                op(0..n, wv, rv)
+            });
+        }
+        self.check(&w.map(|x| x.span));
+        self.check(&r.map(|x| x.span));
+        for (i, a) in w.iter().enumerate() {
+            for b in w.iter().skip(i + 1).chain(r.iter()) {
+                assert!(
+                    !a.span.overlaps(b.span),
+                    "written span {a:?} overlaps {b:?}"
+                );
+            }
+        }
+        // Whole 16-bit spans: decoded once into the stage, shared by every chunk.
+        let mut end = 0usize;
+        let whole_at: [Option<usize>; R] = std::array::from_fn(|i| {
+            (r[i].width == 0 && self.is_16bit(r[i].span)).then(|| {
+                let at = end.next_multiple_of(SLOT_ALIGN) + r[i].span.offset % SLOT_ALIGN;
+                end = at + r[i].span.len;
+                at
+            })
+        });
+        if self.stage.len() < end {
+            self.stage = HostBuf::default();
+            self.stage = HostBuf::zeroed(end).unwrap_or_else(|e| {
+                panic!("staging {end} floats of 16-bit spans for an op: {e:#}")
+            });
+        }
+        for (x, at) in r.iter().zip(&whole_at) {
+            if let (Some(at), Store::Bits16(b)) = (at, &self.bufs[x.span.buf.0 as usize]) {
+                let dt = self.dtypes[x.span.buf.0 as usize];
+                let dst = &mut self.stage.as_mut_slice()[*at..*at + x.span.len];
+                decode(dt, &b.as_slice()[x.span.range()], dst);
+            }
+        }
+        let stage = Addr(self.stage.as_mut_slice().as_mut_ptr() as usize);
+        // Each buffer's first element, and whether it is 16-bit (its dtype) or f32 (None).
+        let bases: Vec<(Addr, Option<Dtype>)> = self
+            .bufs
+            .iter_mut()
+            .zip(&self.dtypes)
+            .map(|(b, &dt)| match b {
+                Store::F32(b) => (Addr(b.as_mut_slice().as_mut_ptr() as usize), None),
+                Store::Bits16(b) => (Addr(b.as_mut_slice().as_mut_ptr() as usize), Some(dt)),
+            })
+            .collect();
+        let widest = w.iter().chain(&r).map(|x| x.width).max().unwrap_or(1);
+        let chunk = match chunks {
+            Chunks::Cache => (ROW_CHUNK / widest).max(1),
+            Chunks::Serial(rows) => rows.max(1),
+        };
+        let pool = &self.chunk_stages;
+        let one_chunk = |c: usize| {
+            let rows = c * chunk..((c + 1) * chunk).min(n);
+            let mut own = pool
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop()
+                .unwrap_or_default();
+            // This chunk's 16-bit row spans: their slots in `own`.
+            let mut used = 0usize;
+            let mut slot = |x: &Rows| -> Option<usize> {
+                (x.width > 0 && bases[x.span.buf.0 as usize].1.is_some()).then(|| {
+                    let s = x.part(&rows);
+                    let at = used.next_multiple_of(SLOT_ALIGN) + s.offset % SLOT_ALIGN;
+                    used = at + s.len;
+                    at
+                })
+            };
+            let w_at: [Option<usize>; W] = std::array::from_fn(|i| slot(&w[i]));
+            let r_at: [Option<usize>; R] = std::array::from_fn(|i| slot(&r[i]));
+            if own.len() < used {
+                own.resize(used, 0.0);
+            }
+            let bits = |s: Span| {
+                let (Addr(base), _) = bases[s.buf.0 as usize];
+                // SAFETY: `s` lies inside its 16-bit buffer (checked above); the chunks'
+                // rows are disjoint, and no written span overlaps another span of the call,
+                // so no other thread writes these elements while this one reads them.
+                unsafe { std::slice::from_raw_parts((base as *const u16).add(s.offset), s.len) }
+            };
+            for (x, at) in w.iter().zip(&w_at).chain(r.iter().zip(&r_at)) {
+                if let Some(at) = *at {
+                    let s = x.part(&rows);
+                    let dt = bases[s.buf.0 as usize].1.expect("16-bit");
+                    decode_serial(dt, bits(s), &mut own[at..at + s.len]);
+                }
+            }
+            let own_ptr = own.as_mut_ptr();
+            let at = |x: &Rows, slot: Option<usize>, whole: Option<usize>| -> *mut f32 {
+                let s = x.part(&rows);
+                match (slot, whole) {
+                    // SAFETY: slots lie inside `own` (resized to `used` above).
+                    (Some(at), _) => unsafe { own_ptr.add(at) },
+                    // SAFETY: whole slots lie inside the stage (grown to `end` above).
+                    (None, Some(at)) => unsafe { (stage.0 as *mut f32).add(at) },
+                    // SAFETY: an f32 span, checked to lie inside its buffer.
+                    (None, None) => unsafe {
+                        (bases[s.buf.0 as usize].0 .0 as *mut f32).add(s.offset)
+                    },
+                }
+            };
+            // SAFETY: each written part is this chunk's rows of a written span (or their
+            // slots in this chunk's own stage): disjoint from every other chunk's, from the
+            // other spans of the call (checked above) and from each other; read parts are
+            // only read while the op runs. The slices cannot outlive `op` (its signature).
+            let wm: [&mut [f32]; W] = std::array::from_fn(|i| unsafe {
+                std::slice::from_raw_parts_mut(at(&w[i], w_at[i], None), w[i].part(&rows).len)
+            });
+            // SAFETY: as above.
+            let rm: [&[f32]; R] = std::array::from_fn(|i| unsafe {
+                std::slice::from_raw_parts(at(&r[i], r_at[i], whole_at[i]), r[i].part(&rows).len)
+            });
+            op(rows.clone(), wm, rm);
+            for (x, at) in w.iter().zip(&w_at) {
+                if let Some(at) = *at {
+                    let s = x.part(&rows);
+                    let (Addr(base), dt) = bases[s.buf.0 as usize];
+                    // SAFETY: this chunk's rows of a written 16-bit span: inside the buffer,
+                    // and written by this thread alone (as above).
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut((base as *mut u16).add(s.offset), s.len)
+                    };
+                    encode_serial(dt.expect("16-bit"), &own[at..at + s.len], dst);
+                }
+            }
+            pool.lock().unwrap_or_else(|e| e.into_inner()).push(own);
+        };
+        match chunks {
+            Chunks::Cache => (0..n.div_ceil(chunk)).into_par_iter().for_each(one_chunk),
+            Chunks::Serial(_) => (0..n.div_ceil(chunk)).for_each(one_chunk),
+        }
+    }
+
+    fn is_16bit(&self, s: Span) -> bool {
+        matches!(self.bufs[s.buf.0 as usize], Store::Bits16(_))
+    }
+
     /// Panics unless every span lies inside its buffer.
     fn check(&self, spans: &[Span]) {
         for s in spans {
@@ -232,28 +458,46 @@ impl HostStore {
     }
 }
 
-/// `dst` = the `f32` values of the `dt` bits in `src` (exact).
+/// `dst` = the `f32` values of the `dt` bits in `src` (exact), in parallel pieces.
 fn decode(dt: Dtype, src: &[u16], dst: &mut [f32]) {
-    let run = |(s, d): (&[u16], &mut [f32])| match dt {
-        Dtype::Bf16 => d.iter_mut().zip(s).for_each(|(d, &s)| *d = bf16_to_f32(s)),
-        Dtype::F16 => d.iter_mut().zip(s).for_each(|(d, &s)| *d = f16_value_of(s)),
-        Dtype::F32 => unreachable!("f32 spans are not staged"),
-    };
     src.par_chunks(CONVERT_PIECE)
         .zip(dst.par_chunks_mut(CONVERT_PIECE))
-        .for_each(run);
+        .for_each(|(s, d)| decode_serial(dt, s, d));
 }
 
-/// `dst` = `src` rounded to `dt` (nearest even), as bits.
+/// `dst` = `src` rounded to `dt` (nearest even), as bits, in parallel pieces.
 fn encode(dt: Dtype, src: &[f32], dst: &mut [u16]) {
-    let run = |(s, d): (&[f32], &mut [u16])| match dt {
-        Dtype::Bf16 => d.iter_mut().zip(s).for_each(|(d, &s)| *d = f32_to_bf16(s)),
-        Dtype::F16 => d.iter_mut().zip(s).for_each(|(d, &s)| *d = f16_bits_of(s)),
-        Dtype::F32 => unreachable!("f32 spans are not staged"),
-    };
     src.par_chunks(CONVERT_PIECE)
         .zip(dst.par_chunks_mut(CONVERT_PIECE))
-        .for_each(run);
+        .for_each(|(s, d)| encode_serial(dt, s, d));
+}
+
+fn decode_serial(dt: Dtype, src: &[u16], dst: &mut [f32]) {
+    match dt {
+        Dtype::Bf16 => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = bf16_to_f32(s)),
+        Dtype::F16 => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = f16_value_of(s)),
+        Dtype::F32 => unreachable!("f32 spans are not staged"),
+    }
+}
+
+fn encode_serial(dt: Dtype, src: &[f32], dst: &mut [u16]) {
+    match dt {
+        Dtype::Bf16 => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = f32_to_bf16(s)),
+        Dtype::F16 => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = f16_bits_of(s)),
+        Dtype::F32 => unreachable!("f32 spans are not staged"),
+    }
 }
 
 #[cfg(test)]
@@ -297,6 +541,68 @@ mod tests {
             }
             assert_eq!(after[..200], got[..200]);
             assert!(st.stage_bytes() >= 4 * 200);
+        }
+    }
+
+    /// Rows run in chunks (16-bit rows staged per chunk, whole spans once) give the values of
+    /// one call on every row, bit for bit, in either chunking and for rows of one element.
+    #[test]
+    fn row_chunks_equal_one_call() {
+        let (n, c) = (1000, 37);
+        // Each output row: input row scaled by the whole vector, plus the row's own sum.
+        let op = |o: &mut [f32], x: &[f32], g: &[f32]| {
+            for (o, x) in o.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
+                let sum: f32 = x.iter().sum();
+                for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
+                    *o = x * g + sum;
+                }
+            }
+        };
+        for dt in [Dtype::Bf16, Dtype::F16] {
+            let mut st = HostStore::default();
+            let x = st.alloc(n * c, dt).unwrap();
+            let g = st.alloc(c, dt).unwrap();
+            let outs: Vec<BufId> = (0..3).map(|_| st.alloc(n * c, dt).unwrap()).collect();
+            let xs: Vec<f32> = (0..n * c)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
+                .collect();
+            let gs: Vec<f32> = (0..c).map(|i| 0.5 + i as f32 / 19.0).collect();
+            st.upload(span(x, 0, n * c), &xs);
+            st.upload(span(g, 0, c), &gs);
+            let (xr, gr) = (span(x, 0, n * c), span(g, 0, c));
+            st.run([span(outs[0], 0, n * c)], [xr, gr], |[o], [x, g]| {
+                op(o, x, g)
+            });
+            for (k, chunks) in [Chunks::Cache, Chunks::Serial(7)].into_iter().enumerate() {
+                let w = [Rows::of(span(outs[k + 1], 0, n * c), c)];
+                st.run_rows(
+                    chunks,
+                    n,
+                    w,
+                    [Rows::of(xr, c), Rows::whole(gr)],
+                    |_, [o], [x, g]| op(o, x, g),
+                );
+            }
+            let get = |st: &HostStore, b| {
+                let mut v = vec![0.0f32; n * c];
+                st.download(span(b, 0, n * c), &mut v);
+                v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            assert_eq!(get(&st, outs[0]), get(&st, outs[1]), "{dt:?} cache chunks");
+            assert_eq!(get(&st, outs[0]), get(&st, outs[2]), "{dt:?} serial chunks");
+            // Elementwise, in place: rows of one element.
+            let e = span(outs[1], 0, n * c);
+            st.run_rows(
+                Chunks::Cache,
+                n * c,
+                [Rows::of(e, 1)],
+                [Rows::of(xr, 1)],
+                |_, [o], [x]| o.iter_mut().zip(x).for_each(|(o, &x)| *o -= x),
+            );
+            st.run([span(outs[0], 0, n * c)], [xr], |[o], [x]| {
+                o.iter_mut().zip(x).for_each(|(o, &x)| *o -= x)
+            });
+            assert_eq!(get(&st, outs[0]), get(&st, outs[1]), "{dt:?} elementwise");
         }
     }
 
