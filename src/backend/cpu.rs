@@ -2,7 +2,7 @@
 //! ([`HostStore`]: `f32`, or 16-bit floats in half the bytes), GEMMs go to fugu-gemm, the
 //! other ops to the rayon kernels of [`crate::ops`], all on `f32` views.
 
-use super::host_store::{Chunks, HostStore, Rows};
+use super::host_store::{Chunks, HostStore, Rows, Stored};
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
     FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
@@ -10,6 +10,25 @@ use super::{
 };
 use crate::ops;
 use anyhow::Result;
+
+/// About how many output elements a chunk of a 16-bit linear layer's rows holds (its f32
+/// stage: 128 MiB), and the fewest rows a chunk has: every chunk packs the whole weight again,
+/// so only the LM head (V columns) is cut, into about N·V/2^25 chunks.
+const GEMM_CHUNK: usize = 1 << 25;
+const GEMM_MIN_ROWS: usize = 64;
+
+/// `$body` with `$x` and `$y` bound to the slices of two [`Stored`] operands of one type
+/// (a GEMM's operands share their 16-bit type: `CpuBackend::gemm_precision`).
+macro_rules! same_stored {
+    ($a:expr, $b:expr, |$x:ident, $y:ident| $body:expr) => {
+        match ($a, $b) {
+            (Stored::F32($x), Stored::F32($y)) => $body,
+            (Stored::Bf16($x), Stored::Bf16($y)) => $body,
+            (Stored::F16($x), Stored::F16($y)) => $body,
+            _ => unreachable!("GEMM operands of one type (gemm_precision)"),
+        }
+    };
+}
 
 /// Host-memory backend.
 #[derive(Default)]
@@ -54,6 +73,28 @@ impl CpuBackend {
         } = *l;
         let prec = self.gemm_precision(&[inp, w]);
         let none = out.sub(0, 0);
+        if prec != ops::Precision::F32 {
+            // 16-bit operands, read as stored; the output in chunks of rows (the LM head's
+            // logits are the largest tensor of a step).
+            let resid_rows = resid.map_or(Rows::whole(none), |r| Rows::of(r, oc));
+            let read = [resid_rows, Rows::whole(bias.unwrap_or(none))];
+            let rows = Chunks::Serial((GEMM_CHUNK / oc.max(1)).max(GEMM_MIN_ROWS));
+            let stored = [Rows::of(inp, ic), Rows::whole(w)];
+            return self.mem.run_rows_stored(
+                rows,
+                n,
+                [Rows::of(out, oc)],
+                read,
+                stored,
+                |rows, [o], [r, b], [i, w]| {
+                    let (r, b) = (resid.map(|_| r), bias.map(|_| b));
+                    let n = rows.len();
+                    same_stored!(i, w, |i, w| {
+                        ops::linear::linear_onto_stored(prec, o, r, i, w, layout, b, n, ic, oc)
+                    })
+                },
+            );
+        }
         let read = [resid.unwrap_or(none), inp, w, bias.unwrap_or(none)];
         self.mem.run([out], read, |[o], [r, i, w, b]| {
             let b = bias.map(|_| &*b);
@@ -297,9 +338,53 @@ impl Backend for CpuBackend {
             ..
         } = *l;
         let LinearGrads { dinp, dw, dbias } = *g;
-        use ops::linear::linear_backward as lb;
         let r = [dout, inp, w];
         let prec = self.gemm_precision(&r);
+        if prec != ops::Precision::F32 {
+            // 16-bit operands, read as stored: the input gradient in chunks of rows, the
+            // weight gradient (a sum over every row) in one GEMM, the bias gradient's column
+            // sums on f32 views.
+            if let Some(di) = dinp {
+                let rows = Chunks::Serial((GEMM_CHUNK / ic.max(1)).max(GEMM_MIN_ROWS));
+                let stored = [Rows::of(dout, oc), Rows::whole(w)];
+                self.mem.run_rows_stored(
+                    rows,
+                    n,
+                    [Rows::of(di, ic)],
+                    [],
+                    stored,
+                    |rows, [di], [], [d, w]| {
+                        let n = rows.len();
+                        same_stored!(d, w, |d, w| {
+                            ops::linear::linear_backward_input_stored(
+                                prec, di, d, w, layout, n, ic, oc,
+                            )
+                        })
+                    },
+                );
+            }
+            let whole = |s: Span| Rows::of(s, s.len);
+            self.mem.run_rows_stored(
+                Chunks::Serial(1),
+                1,
+                [whole(dw)],
+                [],
+                [whole(dout), whole(inp)],
+                |_, [dw], [], [d, i]| {
+                    same_stored!(d, i, |d, i| {
+                        ops::linear::linear_backward_weight_stored(
+                            prec, dw, d, i, layout, n, ic, oc,
+                        )
+                    })
+                },
+            );
+            if let Some(db) = dbias {
+                self.mem
+                    .run([db], [dout], |[db], [d]| ops::add_column_sums(db, d, n));
+            }
+            return;
+        }
+        use ops::linear::linear_backward as lb;
         match (dinp, dbias) {
             (Some(di), Some(db)) => self.mem.run([di, dw, db], r, |[di, dw, db], [d, i, w]| {
                 lb(prec, Some(di), dw, Some(db), d, i, w, layout, n, ic, oc)

@@ -14,6 +14,8 @@ use super::host_buf::HostBuf;
 use super::{BufId, Span};
 use crate::dtype::{bf16_to_f32, f32_to_bf16, Dtype};
 use anyhow::Result;
+use fugu_gemm::half::slice::HalfBitsSliceExt;
+use fugu_gemm::half::{bf16, f16};
 use fugu_gemm::precision::{f16_bits_of, f16_value_of};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -83,6 +85,15 @@ impl Rows {
 /// multiple of 64, so that chunks of an elementwise op (rows of one element) start on whole
 /// SIMD vectors and the op meets its tail where it would whole.
 const ROW_CHUNK: usize = 1 << 14;
+
+/// A GEMM operand as it is stored: fugu-gemm packs 16-bit values as they are, so a GEMM
+/// reads them without the stage ([`HostStore::run_rows_stored`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Stored<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
 
 /// How [`HostStore::run_rows`] cuts an op's rows into chunks where it stages them.
 #[derive(Clone, Copy, Debug)]
@@ -290,7 +301,21 @@ impl HostStore {
         r: [Rows; R],
         op: impl for<'a> Fn(Range<usize>, [&'a mut [f32]; W], [&'a [f32]; R]) + Sync,
     ) {
-        for x in w.iter().chain(&r) {
+        self.run_rows_stored(chunks, n, w, r, [], |rows, wv, rv, []| op(rows, wv, rv));
+    }
+
+    /// [`Self::run_rows`] with GEMM operands `g` too, read as they are stored ([`Stored`]:
+    /// never staged), by rows or whole like the others; always in chunks.
+    pub fn run_rows_stored<const W: usize, const R: usize, const G: usize>(
+        &mut self,
+        chunks: Chunks,
+        n: usize,
+        w: [Rows; W],
+        r: [Rows; R],
+        g: [Rows; G],
+        op: impl for<'a> Fn(Range<usize>, [&'a mut [f32]; W], [&'a [f32]; R], [Stored<'a>; G]) + Sync,
+    ) {
+        for x in w.iter().chain(&r).chain(&g) {
             assert!(
                 x.width == 0 || x.span.len == n * x.width,
                 "rows: {:?} is not {n} rows of {}",
@@ -302,19 +327,20 @@ impl HostStore {
             w.iter().all(|x| x.width > 0),
             "rows: a written span is whole"
         );
-        let chunked = w
-            .iter()
-            .chain(&r)
-            .any(|x| x.width > 0 && self.is_16bit(x.span));
+        let chunked = G > 0
+            || w.iter()
+                .chain(&r)
+                .any(|x| x.width > 0 && self.is_16bit(x.span));
         if !chunked || n == 0 {
             return self.run(w.map(|x| x.span), r.map(|x| x.span), |wv, rv| {
-                op(0..n, wv, rv)
+                op(0..n, wv, rv, [(); G].map(|_| Stored::F32(&[])))
             });
         }
         self.check(&w.map(|x| x.span));
         self.check(&r.map(|x| x.span));
+        self.check(&g.map(|x| x.span));
         for (i, a) in w.iter().enumerate() {
-            for b in w.iter().skip(i + 1).chain(r.iter()) {
+            for b in w.iter().skip(i + 1).chain(r.iter()).chain(g.iter()) {
                 assert!(
                     !a.span.overlaps(b.span),
                     "written span {a:?} overlaps {b:?}"
@@ -354,7 +380,13 @@ impl HostStore {
                 Store::Bits16(b) => (Addr(b.as_mut_slice().as_mut_ptr() as usize), Some(dt)),
             })
             .collect();
-        let widest = w.iter().chain(&r).map(|x| x.width).max().unwrap_or(1);
+        let widest = w
+            .iter()
+            .chain(&r)
+            .chain(&g)
+            .map(|x| x.width)
+            .max()
+            .unwrap_or(1);
         let chunk = match chunks {
             Chunks::Cache => (ROW_CHUNK / widest).max(1),
             Chunks::Serial(rows) => rows.max(1),
@@ -421,7 +453,31 @@ impl HostStore {
             let rm: [&[f32]; R] = std::array::from_fn(|i| unsafe {
                 std::slice::from_raw_parts(at(&r[i], r_at[i], whole_at[i]), r[i].part(&rows).len)
             });
-            op(rows.clone(), wm, rm);
+            let gm: [Stored; G] = std::array::from_fn(|i| {
+                let s = g[i].part(&rows);
+                let (Addr(base), dt) = bases[s.buf.0 as usize];
+                // SAFETY: `s` lies inside its buffer (checked above) and is only read while
+                // the op runs: no written span overlaps it.
+                unsafe {
+                    match dt {
+                        None => Stored::F32(std::slice::from_raw_parts(
+                            (base as *const f32).add(s.offset),
+                            s.len,
+                        )),
+                        Some(dt) => {
+                            let bits = std::slice::from_raw_parts(
+                                (base as *const u16).add(s.offset),
+                                s.len,
+                            );
+                            match dt {
+                                Dtype::Bf16 => Stored::Bf16(bits.reinterpret_cast()),
+                                _ => Stored::F16(bits.reinterpret_cast()),
+                            }
+                        }
+                    }
+                }
+            });
+            op(rows.clone(), wm, rm, gm);
             for (x, at) in w.iter().zip(&w_at) {
                 if let Some(at) = *at {
                     let s = x.part(&rows);

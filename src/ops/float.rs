@@ -386,6 +386,29 @@ fn tail_mut<T>(data: &mut [T], offset: usize) -> &mut [T] {
     &mut data[offset.min(len)..]
 }
 
+/// `c = alpha·a·b + beta·c` in f32 on operands as they are stored (`f32`, or 16-bit values as
+/// `half::bf16`/`half::f16`, which fugu-gemm packs without converting them first): the f32
+/// GEMM of [`Float::gemm`], and the CPU backend's on 16-bit buffers.
+pub fn gemm_stored<A: fugu_gemm::Element, B: fugu_gemm::Element>(
+    prec: Precision,
+    alpha: f32,
+    a: Mat<'_, A>,
+    b: Mat<'_, B>,
+    beta: f32,
+    c: MatMutT<'_, f32>,
+) {
+    use fugu_gemm::{MatMut, MatRef};
+    let av = MatRef::with_offset(a.data, a.offset, a.rows, a.cols, a.rs, a.cs)
+        .unwrap_or_else(|e| gemm_failed(e));
+    let bv = MatRef::with_offset(b.data, b.offset, b.rows, b.cols, b.rs, b.cs)
+        .unwrap_or_else(|e| gemm_failed(e));
+    let cv = MatMut::with_offset(c.data, c.offset, c.rows, c.cols, c.rs, c.cs)
+        .unwrap_or_else(|e| gemm_failed(e));
+    fugu_gemm::Runtime::global()
+        .and_then(|rt| rt.at(prec).gemm(alpha, av, bv, beta, cv))
+        .unwrap_or_else(|e| gemm_failed(e));
+}
+
 fn gemm_failed(e: fugu_gemm::GemmError) -> ! {
     panic!("ops gemm (internal misuse): {e}")
 }
@@ -492,16 +515,7 @@ impl Float for f32 {
         beta: f32,
         c: MatMutT<'_, f32>,
     ) {
-        use fugu_gemm::{MatMut, MatRef};
-        let av = MatRef::with_offset(a.data, a.offset, a.rows, a.cols, a.rs, a.cs)
-            .unwrap_or_else(|e| gemm_failed(e));
-        let bv = MatRef::with_offset(b.data, b.offset, b.rows, b.cols, b.rs, b.cs)
-            .unwrap_or_else(|e| gemm_failed(e));
-        let cv = MatMut::with_offset(c.data, c.offset, c.rows, c.cols, c.rs, c.cs)
-            .unwrap_or_else(|e| gemm_failed(e));
-        fugu_gemm::Runtime::global()
-            .and_then(|rt| rt.at(prec).gemm(alpha, av, bv, beta, cv))
-            .unwrap_or_else(|e| gemm_failed(e));
+        gemm_stored(prec, alpha, a, b, beta, c);
     }
 
     fn gemm_strided_batched(

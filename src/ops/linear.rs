@@ -1,5 +1,6 @@
 //! Fully connected layer `y = x·W + bias` on the GEMM hooks.
 
+use super::float::gemm_stored;
 use super::{add_column_sums, Float, Mat, MatMutT, Precision};
 use rayon::prelude::*;
 
@@ -97,7 +98,21 @@ fn linear_onto<T: Float>(
     if let Some(bias) = bias {
         assert_eq!(bias.len(), oc, "linear_forward: bias length");
     }
-    let beta = match (resid, bias) {
+    let beta = start_rows(out, resid, bias, oc);
+    T::gemm(
+        prec,
+        T::ONE,
+        Mat::row_major(inp, n, ic),
+        w_view(w, layout, ic, oc),
+        beta,
+        MatMutT::row_major(out, n, oc),
+    );
+}
+
+/// Sets the rows of `out` (N, OC) to `resid + bias` (each optional) and returns the GEMM's
+/// `beta`: 1 when it is to add onto them, 0 when there is nothing to add onto.
+fn start_rows<T: Float>(out: &mut [T], resid: Option<&[T]>, bias: Option<&[T]>, oc: usize) -> T {
+    match (resid, bias) {
         (None, None) => T::ZERO,
         _ if oc == 0 => T::ONE,
         (Some(resid), _) => {
@@ -116,15 +131,103 @@ fn linear_onto<T: Float>(
                 .for_each(|row| row.copy_from_slice(bias));
             T::ONE
         }
-    };
-    T::gemm(
-        prec,
-        T::ONE,
-        Mat::row_major(inp, n, ic),
-        w_view(w, layout, ic, oc),
-        beta,
-        MatMutT::row_major(out, n, oc),
-    );
+    }
+}
+
+/// [`linear_forward`] / [`linear_residual_forward`] (`resid`) with `inp` and `w` as they are
+/// stored (f32, or 16-bit values: [`gemm_stored`]); the same arithmetic on the same values.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_onto_stored<E: fugu_gemm::Element>(
+    prec: Precision,
+    out: &mut [f32],
+    resid: Option<&[f32]>,
+    inp: &[E],
+    w: &[E],
+    layout: WeightLayout,
+    bias: Option<&[f32]>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    assert_eq!(out.len(), n * oc, "linear_forward: out length");
+    assert_eq!(inp.len(), n * ic, "linear_forward: inp length");
+    assert_eq!(w.len(), ic * oc, "linear_forward: weight length");
+    let beta = start_rows(out, resid, bias, oc);
+    let (a, b) = (Mat::row_major(inp, n, ic), w_view(w, layout, ic, oc));
+    gemm_stored(prec, 1.0, a, b, beta, MatMutT::row_major(out, n, oc));
+}
+
+/// The input gradient's GEMM operands, `dout` (N, OC) and `Wᵀ` (OC, IC).
+fn input_grad_operands<'a, T>(
+    dout: &'a [T],
+    w: &'a [T],
+    layout: WeightLayout,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) -> (Mat<'a, T>, Mat<'a, T>) {
+    (Mat::row_major(dout, n, oc), w_view(w, layout, ic, oc).t())
+}
+
+/// The weight gradient's GEMM operands in the weight's layout: `inpᵀ`, `dout` for `InOut`
+/// ((IC, OC) += (IC, N)·(N, OC)), `doutᵀ`, `inp` for `OutIn`; and the gradient's rows and
+/// columns.
+fn weight_grad_operands<'a, T>(
+    dout: &'a [T],
+    inp: &'a [T],
+    layout: WeightLayout,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) -> (Mat<'a, T>, Mat<'a, T>, usize, usize) {
+    match layout {
+        WeightLayout::InOut => (
+            Mat::row_major(inp, n, ic).t(),
+            Mat::row_major(dout, n, oc),
+            ic,
+            oc,
+        ),
+        WeightLayout::OutIn => (
+            Mat::row_major(dout, n, oc).t(),
+            Mat::row_major(inp, n, ic),
+            oc,
+            ic,
+        ),
+    }
+}
+
+/// [`linear_backward`]'s input gradient (`dinp`, overwritten) with `dout` and `w` as stored.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_input_stored<E: fugu_gemm::Element>(
+    prec: Precision,
+    dinp: &mut [f32],
+    dout: &[E],
+    w: &[E],
+    layout: WeightLayout,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    assert_eq!(dinp.len(), n * ic, "linear_backward: dinp length");
+    let (a, b) = input_grad_operands(dout, w, layout, n, ic, oc);
+    gemm_stored(prec, 1.0, a, b, 0.0, MatMutT::row_major(dinp, n, ic));
+}
+
+/// [`linear_backward`]'s weight gradient (`dw`, accumulated) with `dout` and `inp` as stored.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_weight_stored<E: fugu_gemm::Element>(
+    prec: Precision,
+    dw: &mut [f32],
+    dout: &[E],
+    inp: &[E],
+    layout: WeightLayout,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    assert_eq!(dw.len(), ic * oc, "linear_backward: dw length");
+    let (a, b, rows, cols) = weight_grad_operands(dout, inp, layout, n, ic, oc);
+    gemm_stored(prec, 1.0, a, b, 1.0, MatMutT::row_major(dw, rows, cols));
 }
 
 /// Backward of [`linear_forward`].
@@ -156,33 +259,18 @@ pub fn linear_backward<T: Float>(
     assert_eq!(dw.len(), ic * oc, "linear_backward: dw length");
     if let Some(dinp) = dinp {
         assert_eq!(dinp.len(), n * ic, "linear_backward: dinp length");
-        T::gemm(
-            prec,
-            T::ONE,
-            Mat::row_major(dout, n, oc),
-            w_view(w, layout, ic, oc).t(),
-            T::ZERO,
-            MatMutT::row_major(dinp, n, ic),
-        );
+        let (a, b) = input_grad_operands(dout, w, layout, n, ic, oc);
+        T::gemm(prec, T::ONE, a, b, T::ZERO, MatMutT::row_major(dinp, n, ic));
     }
-    match layout {
-        WeightLayout::InOut => T::gemm(
-            prec,
-            T::ONE,
-            Mat::row_major(inp, n, ic).t(),
-            Mat::row_major(dout, n, oc),
-            T::ONE,
-            MatMutT::row_major(dw, ic, oc),
-        ),
-        WeightLayout::OutIn => T::gemm(
-            prec,
-            T::ONE,
-            Mat::row_major(dout, n, oc).t(),
-            Mat::row_major(inp, n, ic),
-            T::ONE,
-            MatMutT::row_major(dw, oc, ic),
-        ),
-    }
+    let (a, b, rows, cols) = weight_grad_operands(dout, inp, layout, n, ic, oc);
+    T::gemm(
+        prec,
+        T::ONE,
+        a,
+        b,
+        T::ONE,
+        MatMutT::row_major(dw, rows, cols),
+    );
     if let Some(dbias) = dbias {
         assert_eq!(dbias.len(), oc, "linear_backward: dbias length");
         add_column_sums(dbias, dout, n);
