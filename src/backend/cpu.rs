@@ -17,6 +17,15 @@ use anyhow::Result;
 const GEMM_CHUNK: usize = 1 << 25;
 const GEMM_MIN_ROWS: usize = 64;
 
+/// Chunks of the m rows of an m×n×k GEMM's output: about [`GEMM_CHUNK`] elements each, never
+/// so few rows that fugu-gemm would block k otherwise than for the whole (its one-pass k
+/// for a C larger than the last-level cache), so the chunks' values are the whole GEMM's.
+fn gemm_chunks(prec: ops::Precision, m: usize, n: usize, k: usize) -> Chunks {
+    let same_sums =
+        fugu_gemm::Runtime::global().map_or(1, |rt| rt.at(prec).rows_keeping_sums(m, n, k));
+    Chunks::Serial((GEMM_CHUNK / n.max(1)).max(GEMM_MIN_ROWS).max(same_sums))
+}
+
 /// `$body` with `$x` and `$y` bound to the slices of two [`Stored`] operands of one type
 /// (a GEMM's operands share their 16-bit type: `CpuBackend::gemm_precision`).
 macro_rules! same_stored {
@@ -78,7 +87,7 @@ impl CpuBackend {
             // logits are the largest tensor of a step).
             let resid_rows = resid.map_or(Rows::whole(none), |r| Rows::of(r, oc));
             let read = [resid_rows, Rows::whole(bias.unwrap_or(none))];
-            let rows = Chunks::Serial((GEMM_CHUNK / oc.max(1)).max(GEMM_MIN_ROWS));
+            let rows = gemm_chunks(prec, n, oc, ic);
             let stored = [Rows::of(inp, ic), Rows::whole(w)];
             return self.mem.run_rows_stored(
                 rows,
@@ -345,7 +354,7 @@ impl Backend for CpuBackend {
             // weight gradient (a sum over every row) in one GEMM, the bias gradient's column
             // sums on f32 views.
             if let Some(di) = dinp {
-                let rows = Chunks::Serial((GEMM_CHUNK / ic.max(1)).max(GEMM_MIN_ROWS));
+                let rows = gemm_chunks(prec, n, ic, oc);
                 let stored = [Rows::of(dout, oc), Rows::whole(w)];
                 self.mem.run_rows_stored(
                     rows,

@@ -101,8 +101,9 @@ pub enum Chunks {
     /// About [`ROW_CHUNK`] elements of the widest span per chunk (at least one row), the
     /// chunks in parallel: row-wise ops, their chunks in cache.
     Cache,
-    /// This many rows per chunk, one chunk after another: GEMMs (fugu-gemm's threads work on
-    /// one at a time; enough rows to amortise packing the operand every chunk shares).
+    /// At least this many rows per chunk (the rows split evenly), one chunk after another:
+    /// GEMMs (fugu-gemm's threads work on one at a time; enough rows to amortise packing the
+    /// operand every chunk shares, and to keep the GEMM's sums those of the whole).
     Serial(usize),
 }
 
@@ -387,13 +388,18 @@ impl HostStore {
             .map(|x| x.width)
             .max()
             .unwrap_or(1);
-        let chunk = match chunks {
-            Chunks::Cache => (ROW_CHUNK / widest).max(1),
-            Chunks::Serial(rows) => rows.max(1),
+        // Chunk c holds rows bounds[c]..bounds[c + 1].
+        let count = match chunks {
+            Chunks::Cache => n.div_ceil((ROW_CHUNK / widest).max(1)),
+            Chunks::Serial(rows) => (n / rows.max(1)).max(1),
+        };
+        let bound = |c: usize| match chunks {
+            Chunks::Cache => (c * (ROW_CHUNK / widest).max(1)).min(n),
+            Chunks::Serial(_) => c * n / count,
         };
         let pool = &self.chunk_stages;
         let one_chunk = |c: usize| {
-            let rows = c * chunk..((c + 1) * chunk).min(n);
+            let rows = bound(c)..bound(c + 1);
             let mut own = pool
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -493,8 +499,8 @@ impl HostStore {
             pool.lock().unwrap_or_else(|e| e.into_inner()).push(own);
         };
         match chunks {
-            Chunks::Cache => (0..n.div_ceil(chunk)).into_par_iter().for_each(one_chunk),
-            Chunks::Serial(_) => (0..n.div_ceil(chunk)).for_each(one_chunk),
+            Chunks::Cache => (0..count).into_par_iter().for_each(one_chunk),
+            Chunks::Serial(_) => (0..count).for_each(one_chunk),
         }
     }
 

@@ -942,7 +942,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 ""
             };
             let cpu_note = if self.model.backend().name() == "cpu" {
-                ": on the CPU backend this is the rounding reference (f32 buffers rounded to the type), slower than fp32, not faster"
+                ": on the CPU backend stored in 16 bits, computed in f32 (the rounding reference for a GPU); faster than fp32 only where the CPU's 16-bit GEMM kernel is (machine.gemm_kernels in the metrics header)"
             } else {
                 ""
             };

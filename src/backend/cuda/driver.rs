@@ -421,6 +421,10 @@ impl Engine for DriverEngine {
         self.lt.set_select(select);
     }
 
+    fn gemm_select(&self) -> GemmSelect {
+        self.lt.select()
+    }
+
     fn sync(&self) -> Result<()> {
         self.stream.synchronize()?;
         Ok(())

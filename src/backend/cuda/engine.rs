@@ -244,6 +244,10 @@ pub trait Engine {
     /// How [`Self::gemm`] chooses its algorithm (`FUGU_GEMM_SELECT`); an engine with one
     /// algorithm per GEMM (the emulator) ignores it.
     fn set_gemm_select(&mut self, _select: GemmSelect) {}
+    /// The choice [`Self::gemm`] makes (the emulator's: its one algorithm, `First`).
+    fn gemm_select(&self) -> GemmSelect {
+        GemmSelect::First
+    }
     /// `g` on `g.batch` matrices given by pointer arrays instead of strides: `arrays` are the
     /// device addresses of three arrays of `g.batch` device pointers (A, B, C) in device
     /// memory (`cublasGemmBatchedEx`); `g.a`, `g.b`, `g.c` and the strides are ignored.

@@ -33,7 +33,7 @@ pub mod kernel_cache;
 mod lt;
 mod nvrtc;
 
-use crate::backend::knobs::Knobs;
+use crate::backend::knobs::{Knobs, GEMM_SELECT_ENV};
 pub use driver::gpu_present;
 pub use forms::{
     parse_in_gemm, BiasGrad, FlashBackward, FlashWarpRows, KernelForm, LayernormBackward,
@@ -265,7 +265,7 @@ impl CudaBackend {
 
     /// This backend with the kernel settings the environment asks for ([`Knobs`]:
     /// [`FLASH_WARP_ROWS_ENV`], [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`],
-    /// [`BIAS_GRAD_ENV`], `FUGU_GEMM_SELECT`; [`Self::new`] applies them, and the host-only benchmark); a value a
+    /// [`BIAS_GRAD_ENV`], [`GEMM_SELECT_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
     /// setting does not take is an error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let k = Knobs::from_env()?;
@@ -566,6 +566,7 @@ impl Backend for CudaBackend {
             ),
             (FLASH_BACKWARD_ENV, self.flash_backward.name().to_string()),
             (BIAS_GRAD_ENV, self.bias_grad.name().to_string()),
+            (GEMM_SELECT_ENV, self.eng.gemm_select().name().to_string()),
         ]
     }
 
