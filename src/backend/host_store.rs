@@ -49,8 +49,11 @@ pub struct HostStore {
     bufs: Vec<Store>,
     dtypes: Vec<Dtype>,
     stage: HostBuf<f32>,
-    /// Row chunks' stages ([`HostStore::run_rows`]), one per chunk in flight, reused.
+    /// Row chunks' stages ([`HostStore::run_rows`]), one per chunk in flight, reused: small
+    /// ones for [`Chunks::Cache`], and the one of the [`Chunks::Serial`] chunk in flight (kept
+    /// apart, so that the large GEMM chunks grow one buffer, not every small one in turn).
     chunk_stages: Mutex<Vec<Vec<f32>>>,
+    serial_stage: Mutex<Vec<Vec<f32>>>,
 }
 
 /// A span an op reads or writes in rows of `width` elements (`n · width` in all), or reads
@@ -144,8 +147,11 @@ impl HostStore {
     /// Bytes of the stages (grown to the largest op's whole 16-bit spans so far, and the
     /// row chunks').
     pub fn stage_bytes(&self) -> usize {
-        let chunks = self.chunk_stages.lock().unwrap_or_else(|e| e.into_inner());
-        4 * (self.stage.len() + chunks.iter().map(Vec::capacity).sum::<usize>())
+        let held = |m: &Mutex<Vec<Vec<f32>>>| -> usize {
+            let bufs = m.lock().unwrap_or_else(|e| e.into_inner());
+            bufs.iter().map(Vec::capacity).sum()
+        };
+        4 * (self.stage.len() + held(&self.chunk_stages) + held(&self.serial_stage))
     }
 
     /// Writes `src` into `dst`, rounded to its type.
@@ -397,7 +403,10 @@ impl HostStore {
             Chunks::Cache => (c * (ROW_CHUNK / widest).max(1)).min(n),
             Chunks::Serial(_) => c * n / count,
         };
-        let pool = &self.chunk_stages;
+        let pool = match chunks {
+            Chunks::Cache => &self.chunk_stages,
+            Chunks::Serial(_) => &self.serial_stage,
+        };
         let one_chunk = |c: usize| {
             let rows = bound(c)..bound(c + 1);
             let mut own = pool
@@ -418,6 +427,7 @@ impl HostStore {
             let w_at: [Option<usize>; W] = std::array::from_fn(|i| slot(&w[i]));
             let r_at: [Option<usize>; R] = std::array::from_fn(|i| slot(&r[i]));
             if own.len() < used {
+                own.reserve_exact(used - own.len());
                 own.resize(used, 0.0);
             }
             let bits = |s: Span| {
