@@ -216,13 +216,7 @@ impl HostStore {
         r: [Span; R],
         op: impl for<'a> FnOnce([&'a mut [f32]; W], [&'a [f32]; R]) -> T,
     ) -> T {
-        self.check(&w);
-        self.check(&r);
-        for (i, a) in w.iter().enumerate() {
-            for b in w.iter().skip(i + 1).chain(r.iter()) {
-                assert!(!a.overlaps(*b), "written span {a:?} overlaps {b:?}");
-            }
-        }
+        self.check_call(&w, &r);
         // Each 16-bit span's slot in the stage.
         let mut end = 0usize;
         let mut slot = |s: &Span| -> Option<usize> {
@@ -235,12 +229,7 @@ impl HostStore {
         };
         let w_at: [Option<usize>; W] = std::array::from_fn(|i| slot(&w[i]));
         let r_at: [Option<usize>; R] = std::array::from_fn(|i| slot(&r[i]));
-        if self.stage.len() < end {
-            self.stage = HostBuf::default();
-            self.stage = HostBuf::zeroed(end).unwrap_or_else(|e| {
-                panic!("staging {end} floats of 16-bit spans for an op: {e:#}")
-            });
-        }
+        self.grow_stage(end);
         for (s, at) in w.iter().zip(&w_at).chain(r.iter().zip(&r_at)) {
             if let (Some(at), Store::Bits16(b)) = (at, &self.bufs[s.buf.0 as usize]) {
                 let dt = self.dtypes[s.buf.0 as usize];
@@ -343,17 +332,8 @@ impl HostStore {
                 op(0..n, wv, rv, [(); G].map(|_| Stored::F32(&[])))
             });
         }
-        self.check(&w.map(|x| x.span));
-        self.check(&r.map(|x| x.span));
-        self.check(&g.map(|x| x.span));
-        for (i, a) in w.iter().enumerate() {
-            for b in w.iter().skip(i + 1).chain(r.iter()).chain(g.iter()) {
-                assert!(
-                    !a.span.overlaps(b.span),
-                    "written span {a:?} overlaps {b:?}"
-                );
-            }
-        }
+        let read: Vec<Span> = r.iter().chain(&g).map(|x| x.span).collect();
+        self.check_call(&w.map(|x| x.span), &read);
         // Whole 16-bit spans: decoded once into the stage, shared by every chunk.
         let mut end = 0usize;
         let whole_at: [Option<usize>; R] = std::array::from_fn(|i| {
@@ -363,12 +343,7 @@ impl HostStore {
                 at
             })
         });
-        if self.stage.len() < end {
-            self.stage = HostBuf::default();
-            self.stage = HostBuf::zeroed(end).unwrap_or_else(|e| {
-                panic!("staging {end} floats of 16-bit spans for an op: {e:#}")
-            });
-        }
+        self.grow_stage(end);
         for (x, at) in r.iter().zip(&whole_at) {
             if let (Some(at), Store::Bits16(b)) = (at, &self.bufs[x.span.buf.0 as usize]) {
                 let dt = self.dtypes[x.span.buf.0 as usize];
@@ -511,6 +486,28 @@ impl HostStore {
         match chunks {
             Chunks::Cache => (0..count).into_par_iter().for_each(one_chunk),
             Chunks::Serial(_) => (0..count).for_each(one_chunk),
+        }
+    }
+
+    /// Panics unless every span lies inside its buffer and no written span overlaps another
+    /// span of the call (reads may overlap each other).
+    fn check_call(&self, written: &[Span], read: &[Span]) {
+        self.check(written);
+        self.check(read);
+        for (i, a) in written.iter().enumerate() {
+            for b in written.iter().skip(i + 1).chain(read) {
+                assert!(!a.overlaps(*b), "written span {a:?} overlaps {b:?}");
+            }
+        }
+    }
+
+    /// Grows the stage to at least `len` floats (its old contents are not kept).
+    fn grow_stage(&mut self, len: usize) {
+        if self.stage.len() < len {
+            self.stage = HostBuf::default();
+            self.stage = HostBuf::zeroed(len).unwrap_or_else(|e| {
+                panic!("staging {len} floats of 16-bit spans for an op: {e:#}")
+            });
         }
     }
 

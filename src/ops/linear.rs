@@ -92,12 +92,13 @@ fn linear_onto<T: Float>(
     ic: usize,
     oc: usize,
 ) {
-    assert_eq!(out.len(), n * oc, "linear_forward: out length");
-    assert_eq!(inp.len(), n * ic, "linear_forward: inp length");
-    assert_eq!(w.len(), ic * oc, "linear_forward: weight length");
-    if let Some(bias) = bias {
-        assert_eq!(bias.len(), oc, "linear_forward: bias length");
-    }
+    check_forward(
+        out.len(),
+        inp.len(),
+        w.len(),
+        bias.map(<[T]>::len),
+        (n, ic, oc),
+    );
     let beta = start_rows(out, resid, bias, oc);
     T::gemm(
         prec,
@@ -107,6 +108,22 @@ fn linear_onto<T: Float>(
         beta,
         MatMutT::row_major(out, n, oc),
     );
+}
+
+/// Panics unless a linear layer's output, input, weight and bias lengths fit (N, IC, OC).
+fn check_forward(
+    out: usize,
+    inp: usize,
+    w: usize,
+    bias: Option<usize>,
+    (n, ic, oc): (usize, usize, usize),
+) {
+    assert_eq!(out, n * oc, "linear_forward: out length");
+    assert_eq!(inp, n * ic, "linear_forward: inp length");
+    assert_eq!(w, ic * oc, "linear_forward: weight length");
+    if let Some(bias) = bias {
+        assert_eq!(bias, oc, "linear_forward: bias length");
+    }
 }
 
 /// Sets the rows of `out` (N, OC) to `resid + bias` (each optional) and returns the GEMM's
@@ -149,9 +166,13 @@ pub fn linear_onto_stored<E: fugu_gemm::Element>(
     ic: usize,
     oc: usize,
 ) {
-    assert_eq!(out.len(), n * oc, "linear_forward: out length");
-    assert_eq!(inp.len(), n * ic, "linear_forward: inp length");
-    assert_eq!(w.len(), ic * oc, "linear_forward: weight length");
+    check_forward(
+        out.len(),
+        inp.len(),
+        w.len(),
+        bias.map(<[f32]>::len),
+        (n, ic, oc),
+    );
     let beta = start_rows(out, resid, bias, oc);
     let (a, b) = (Mat::row_major(inp, n, ic), w_view(w, layout, ic, oc));
     gemm_stored(prec, 1.0, a, b, beta, MatMutT::row_major(out, n, oc));
