@@ -838,3 +838,73 @@ fn runs_are_fitted_from_their_directories() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("reads the layout"), "{e}");
 }
+
+/// A64FX by its kernels' rates (`profiles/fugaku-kernels.toml`): a GEMM op takes its FLOPs at
+/// the precision's rate (fp16's time is fp32's times the rates' ratio), a row op its bytes at
+/// the rank's share of the memory bandwidth (worked by hand for GELU; fp16 moves half the
+/// bytes), and 16-bit activations fit twice the micro-batch. The largest micro-batch fits and
+/// one more sequence does not; bf16, which A64FX lacks, is refused by the field's name.
+#[test]
+fn kernel_rates_time_fp16_against_fp32_and_find_the_largest_micro_batch() {
+    let profile = repo("profiles/fugaku-kernels.toml");
+    let at = |precision: &str, extra: &[&str]| {
+        let mut a = vec![
+            "--profile",
+            profile.as_str(),
+            "--config",
+            "gpt2-124m",
+            "--precision",
+            precision,
+        ];
+        a.extend_from_slice(extra);
+        predictions(&a)[0].clone()
+    };
+    let (f32_, f16) = (
+        at("fp32", &["--batch", "16"]),
+        at("fp16", &["--batch", "16"]),
+    );
+    let ms = |p: &Value, k: &str| p["timers_ms"][k].as_f64().unwrap();
+    // GEMMs: the profile's rates, 123.8 and 233.2 GFLOP/s per core.
+    for op in [
+        "forward:mlp:mm",
+        "backward:attention:qkv",
+        "forward:lm-head",
+    ] {
+        let ratio = ms(&f16, op) / ms(&f32_, op);
+        assert!((ratio - 123.8 / 233.2).abs() < 1e-9, "{op}: {ratio}");
+    }
+    // GELU forward, fp32: 4 sequences x 1024 tokens x 3072 x 12 blocks, read and written (8
+    // bytes), at 804/4 GB/s.
+    let gelu = 4.0 * 1024.0 * 3072.0 * 12.0 * 8.0 / (804e9 / 4.0) * 1e3;
+    assert!((ms(&f32_, "forward:mlp:gelu") - gelu).abs() < 1e-9 * gelu);
+    assert!((ms(&f16, "forward:mlp:gelu") - gelu / 2.0).abs() < 1e-9 * gelu);
+    let step = |p: &Value| p["step_ms"].as_f64().unwrap();
+    let speedup = step(&f32_) / step(&f16);
+    assert!((1.7..1.95).contains(&speedup), "fp16 {speedup}x fp32");
+    let mem = |p: &Value| p["memory_gib_per_rank"].as_f64().unwrap();
+    assert!(mem(&f16) < 0.7 * mem(&f32_));
+
+    let mbs = |p: &Value| p["micro_batch_size"].as_u64().unwrap() as usize;
+    let (big32, big16) = (
+        at("fp32", &["--largest-micro-batch"]),
+        at("fp16", &["--largest-micro-batch"]),
+    );
+    assert!(mbs(&big16) >= 2 * mbs(&big32), "{big32} {big16}");
+    for (precision, p) in [("fp32", &big32), ("fp16", &big16)] {
+        assert!(p["fits"].as_bool().unwrap(), "{p}");
+        // One more sequence per rank (4 data-parallel ranks on the node) does not fit.
+        let more = (4 * (mbs(p) + 1)).to_string();
+        let over = at(
+            precision,
+            &["--batch", &more, "--allow-oversubscribed-memory"],
+        );
+        assert!(!over["fits"].as_bool().unwrap(), "{over}");
+    }
+
+    let o = fugu(&["predict", "--profile", &profile, "--precision", "bf16"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("compute.kernels.gemm_gflops_per_core.bf16"),
+        "{e}"
+    );
+}

@@ -1206,6 +1206,59 @@ fn micro_batches_accumulate_the_full_batch_gradient() {
     assert!(!r.dir.join("bad").join("metrics.jsonl").exists());
 }
 
+/// `fugu predict` counts a rank's memory as the trainer's header does, in each precision
+/// (parameters, gradients and moments in f32, the 16-bit compute copy, activations and the
+/// gradient scratch in the precision's type, statistics in f32): the same bytes for the same
+/// model, batch and sequence length, one rank, three-step attention.
+#[test]
+fn predicted_memory_is_the_headers_in_each_precision() {
+    let r = SmallRuns::new("predicted-memory");
+    let profile = Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles/fugaku.toml");
+    for precision in ["fp32", "bf16", "fp16"] {
+        let a = r.args(&["--out", precision, "--steps", "1", "--precision", precision]);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        ok(&fugu_with_env(
+            &a,
+            &r.dir,
+            &[("FUGU_ATTENTION", "materialized")],
+        ));
+        let recs = read_metrics(r.dir.join(precision).join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.into_iter().next() else {
+            panic!("{precision}: no header")
+        };
+        let mem = &h["memory"];
+        let header = mem["params_grads_adam_bytes"].as_f64().unwrap()
+            + mem["activation_bytes"].as_f64().unwrap();
+        let o = fugu(
+            &[
+                "predict",
+                "--profile",
+                profile.to_str().unwrap(),
+                "--config",
+                "small.toml",
+                "--ranks-per-node",
+                "1",
+                "--threads",
+                "1",
+                "--precision",
+                precision,
+                "--format",
+                "json",
+            ],
+            &r.dir,
+        );
+        ok(&o);
+        let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let p = &json["predictions"][0];
+        assert_eq!(p["micro_batch_size"], 4, "{p}");
+        let predicted = p["memory_gib_per_rank"].as_f64().unwrap() * (1u64 << 30) as f64;
+        assert!(
+            (predicted - header).abs() < 1.0,
+            "{precision}: predicted {predicted} bytes, header {header}"
+        );
+    }
+}
+
 /// `--recompute attention` recomputes each layer's attention probabilities in the backward
 /// pass, `--recompute full` each block's whole forward pass, from the same inputs with the
 /// same ops: the losses and parameters are bit-identical to the run that keeps them, and the

@@ -1,12 +1,14 @@
 //! `fugu predict`: predicted step time, throughput, breakdown and memory of a model at several
 //! node counts on a machine profile; `fugu predict profile` builds a profile from measurements.
 
-use crate::config::RunConfig;
+use crate::config::{Precision, RunConfig};
 use crate::metrics::ops::trainer::grads;
 use crate::predict::fit::{fit, Fitted, Param, Runs};
 use crate::predict::profile::{measure, Profile};
 use crate::predict::search::{join, search, Space};
-use crate::predict::step::{layout_gemms, predict, unmeasured_gemms, Layout, Prediction, Workload};
+use crate::predict::step::{
+    layout_gemms, predict, unmeasured_gemms, Layout, Machine, Prediction, Workload,
+};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -72,6 +74,14 @@ pub struct PredictArgs {
     /// Default none; with --search: all three, unless given.
     #[arg(long, value_enum)]
     pub recompute: Option<crate::model::acts::Recompute>,
+    /// Precision of the step (as `fugu train --precision`): the activations' bytes in memory;
+    /// on a profile with `[compute.kernels]`, also the GEMM rate and the row ops' bytes.
+    #[arg(long, value_enum, default_value = "fp32")]
+    pub precision: Precision,
+    /// Find the largest micro-batch (sequences) that fits in memory at each node count, and
+    /// predict the step at it (global batch = micro-batch size x dp x --micro-batches).
+    #[arg(long, conflicts_with_all = ["batch", "micro_batch_size", "search"])]
+    pub largest_micro_batch: bool,
     /// Print layouts that do not fit in memory and exit 0 (otherwise such a layout is named on
     /// stderr and the exit status is 1).
     #[arg(long)]
@@ -173,7 +183,10 @@ struct Output<'a> {
     profile: &'a str,
     estimate: bool,
     config: &'a str,
+    precision: &'a str,
     seq_len: usize,
+    /// The global batch of the first node count (with --largest-micro-batch each node count's
+    /// is its prediction's micro-batch size x dp x micro-batches).
     global_batch: usize,
     predictions: &'a [Prediction],
 }
@@ -284,6 +297,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
         seq_len,
         global_batch,
         recompute: args.recompute.unwrap_or_default(),
+        precision: args.precision,
         pp_layers: args.pp_layers.clone(),
     };
     let mut out = Vec::new();
@@ -308,7 +322,12 @@ pub fn run(args: PredictArgs) -> Result<()> {
             zero: args.zero == Some(1),
             micro_batches,
         };
-        out.push(predict(&w, &l, &machine).with_context(|| format!("at {nodes} node(s)"))?);
+        let p = if args.largest_micro_batch {
+            largest_micro_batch(&w, &l, &machine)
+        } else {
+            predict(&w, &l, &machine)
+        };
+        out.push(p.with_context(|| format!("at {nodes} node(s)"))?);
         unmeasured.extend(unmeasured_gemms(&w, &l, &machine)?);
     }
     if !unmeasured.is_empty() {
@@ -327,16 +346,23 @@ pub fn run(args: PredictArgs) -> Result<()> {
             profile: &profile.machine.name,
             estimate: profile.machine.estimate,
             config: &args.config,
+            precision: args.precision.name(),
             seq_len,
             global_batch,
             predictions: &out,
         };
         println!("{}", serde_json::to_string_pretty(&o)?);
     } else {
+        let batch = if args.largest_micro_batch {
+            "the largest micro-batch within memory".to_string()
+        } else {
+            format!("global batch {global_batch}")
+        };
         println!(
-            "# fugu predict: {} (T = {seq_len}, global batch {global_batch}, recompute {}) on profile '{}'{}",
+            "# fugu predict: {} (T = {seq_len}, {batch}, recompute {}, {}) on profile '{}'{}",
             args.config,
             w.recompute.name(),
+            args.precision.name(),
             profile.machine.name,
             if profile.machine.estimate {
                 " (estimates from published figures)"
@@ -346,6 +372,18 @@ pub fn run(args: PredictArgs) -> Result<()> {
         );
         print!("{}", format_table(&out));
         println!("{TABLE_UNITS}");
+        if args.largest_micro_batch {
+            for p in &out {
+                println!(
+                    "# {} node(s): largest micro-batch within memory: {} sequence(s) ({:.2} of {:.2} GiB per rank; global batch {})",
+                    p.layout.nodes,
+                    p.micro_batch_size,
+                    p.memory_gib_per_rank,
+                    p.memory_gib_available,
+                    p.micro_batch_size * p.layout.dp * p.layout.micro_batches
+                );
+            }
+        }
         for p in out.iter().filter(|p| p.layout.pp > 1) {
             println!(
                 "# {} node(s): blocks per pipeline stage {} (fugu train --pp-layers {})",
@@ -360,6 +398,54 @@ pub fn run(args: PredictArgs) -> Result<()> {
         profile.machine.memory_gib_per_node,
         args.allow_oversubscribed_memory,
     )
+}
+
+/// The prediction at the largest micro-batch size that fits in memory on layout `l` (its
+/// micro-batches per step kept): memory grows with the micro-batch, so doubling from one
+/// sequence and then bisection find it. An error when even one sequence does not fit.
+fn largest_micro_batch(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
+    let at = |mbs: usize| -> Result<Prediction> {
+        let global_batch = mbs
+            .checked_mul(l.dp * l.micro_batches)
+            .context("the micro-batch is too large to count")?;
+        predict(
+            &Workload {
+                global_batch,
+                ..w.clone()
+            },
+            l,
+            m,
+        )
+    };
+    let one = at(1)?;
+    if !one.fits {
+        bail!(
+            "not even one sequence per micro-batch fits: {:.2} GiB per rank needed, {:.2} GiB available \
+             (use more tensor or pipeline parallelism, --recompute or fewer ranks per node)",
+            one.memory_gib_per_rank,
+            one.memory_gib_available
+        );
+    }
+    // fits(lo), and hi is past the largest (or the count's limit).
+    let (mut lo, mut best) = (1usize, one);
+    let mut hi = loop {
+        let next = lo * 2;
+        if next > 1 << 24 {
+            break next;
+        }
+        match at(next) {
+            Ok(p) if p.fits => (lo, best) = (next, p),
+            _ => break next,
+        }
+    };
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match at(mid) {
+            Ok(p) if p.fits => (lo, best) = (mid, p),
+            _ => hi = mid,
+        }
+    }
+    Ok(best)
 }
 
 /// `fugu predict --search`: per node count, the fastest layouts within memory, each with its
@@ -402,6 +488,7 @@ fn run_search(
             threads: args.threads,
             micro_batch_sizes: args.micro_batch_size.map(|s| vec![s]),
             recompute: recompute.clone(),
+            precision: args.precision,
             zero: zero.clone(),
         };
         let started = std::time::Instant::now();
@@ -669,6 +756,8 @@ fn run_gemm_shapes(a: GemmShapesArgs) -> Result<()> {
                     seq_len,
                     global_batch: mbs,
                     recompute: Default::default(),
+                    // The shapes are the same in every precision.
+                    precision: Default::default(),
                     pp_layers: None,
                 };
                 let l = Layout {

@@ -93,6 +93,23 @@ pub enum OpWork {
     Elements(f64),
 }
 
+/// The memory traffic of a non-GEMM op per element of its [`OpWork::Elements`]: how many
+/// values it reads plus writes of the step's activation type (f32, or 16-bit under
+/// `--precision bf16|fp16`) and of f32 (parameter gradients, statistics, tokens). What
+/// `fugu predict` times such an op by on a machine known by its kernels' rates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Streams {
+    pub act: f64,
+    pub f32: f64,
+}
+
+impl Streams {
+    /// Bytes moved over `elements` elements with activations of `act_bytes` bytes.
+    pub fn bytes(self, elements: f64, act_bytes: f64) -> f64 {
+        elements * (self.act * act_bytes + self.f32 * 4.0)
+    }
+}
+
 /// The part of a model one rank works on per micro-batch.
 #[derive(Clone, Copy, Debug)]
 pub struct Slice<'a> {
@@ -154,6 +171,9 @@ pub struct CostModel {
     /// The work of the op whose forward timer is `op`, in `pass`, on a slice; `None` for a name
     /// that is not one of [`Self::ops`].
     pub work: fn(op: &str, pass: Pass, s: &Slice) -> Option<OpWork>,
+    /// The memory traffic per element of a non-GEMM op (forward timer name) in `pass`;
+    /// `None` for a GEMM op or a name that is not one of [`Self::ops`].
+    pub streams: fn(op: &str, pass: Pass) -> Option<Streams>,
     /// The tensor-parallel all-reduces one rank of a slice makes per micro-batch (with
     /// `s.tp > 1`), forward and backward.
     pub tp_allreduces: fn(s: &Slice) -> Vec<Collective>,

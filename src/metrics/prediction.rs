@@ -22,6 +22,9 @@ pub struct Layout {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Prediction {
     pub layout: Layout,
+    /// Sequences per micro-batch (the global batch over dp and the micro-batches).
+    #[serde(default)]
+    pub micro_batch_size: usize,
     pub step_ms: f64,
     pub tokens_per_s: f64,
     pub tflops_per_node: f64,

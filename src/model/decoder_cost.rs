@@ -4,7 +4,8 @@
 //! of Megatron's layout.
 
 use super::decoder_ops::{backward as bwd, forward as fwd};
-use crate::metrics::cost::{Collective, GemmCall, Pass, Slice};
+use crate::metrics::cost::{Collective, GemmCall, Pass, Slice, Streams};
+use crate::metrics::ops::trainer;
 
 /// How a linear layer stores its weight (`ops/linear.rs`).
 #[derive(Clone, Copy)]
@@ -76,6 +77,48 @@ pub fn attention(
     }
 }
 
+/// What the non-GEMM ops of both architectures read and write per element of their
+/// `elements` count, as the CPU backend runs them (`backend/cpu.rs`, `ops/`): a row op reads
+/// its inputs and writes its output once (a row stays in cache between a kernel's passes);
+/// a backward op that accumulates into a gradient reads it too. Parameter gradients and
+/// statistics are f32, a norm's per-column sums and per-row statistics are left out (one
+/// value per row or column, not per element).
+pub fn streams(op: &str, pass: Pass) -> Option<Streams> {
+    let forward = pass == Pass::Forward;
+    let act = |act: f64| Some(Streams { act, f32: 0.0 });
+    match op {
+        // Scores in, probabilities out; backward: probabilities and their gradient in, the
+        // scores' gradient out.
+        fwd::SOFTMAX if forward => act(2.0),
+        fwd::SOFTMAX => act(3.0),
+        // Input in, output out; backward: input and output gradient in, input gradient out.
+        fwd::GELU if forward => act(2.0),
+        fwd::GELU => act(3.0),
+        // Gate and up in, product out; backward: gate, up and the output gradient in, both
+        // inputs' gradients out.
+        fwd::SWIGLU if forward => act(3.0),
+        fwd::SWIGLU => act(5.0),
+        // Row in, normalised row out; backward: the row, the output gradient and the residual
+        // stream's gradient in, that gradient out (accumulated).
+        fwd::LAYERNORM | fwd::RMSNORM if forward => act(2.0),
+        fwd::LAYERNORM | fwd::RMSNORM => act(4.0),
+        // Two streams in, their sum out (forward); the gradient added into the stream's.
+        fwd::RESIDUAL => act(3.0),
+        // q and k rotated in place, forward and backward.
+        fwd::ROPE => act(2.0),
+        // Token and position rows (the compute copy) in, their sum out; backward: the output
+        // gradient in, the two tables' f32 gradients read and written.
+        fwd::EMBEDDING if forward => act(3.0),
+        fwd::EMBEDDING => Some(Streams { act: 1.0, f32: 4.0 }),
+        // Logits read twice (row maximum, then the sum of exponentials); backward: logits in,
+        // their gradient out.
+        fwd::LOSS => act(2.0),
+        // Token ids in, inputs and targets out (32-bit each).
+        trainer::data::BATCH_GENERATOR => Some(Streams { act: 0.0, f32: 3.0 }),
+        _ => None,
+    }
+}
+
 /// Megatron's tensor-parallel all-reduces (`model/layers.rs`): per block and micro-batch, the
 /// attention and MLP outputs (forward) and their input gradients (backward), B·T·C floats
 /// each; the vocabulary-parallel embedding (first stage) and LM head (last) theirs; the
@@ -112,4 +155,57 @@ pub fn tp_allreduces(s: &Slice) -> Vec<Collective> {
 /// two copies all-reduce once per step.
 pub fn embedding_bytes(s: &Slice) -> f64 {
     4.0 * (s.vocab / s.tp * s.model.n_embd) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Arch, ModelConfig};
+    use crate::metrics::cost::{OpWork, Pass, Slice};
+    use crate::model::registry;
+
+    /// Every op of both architectures is either GEMMs or has its memory traffic declared, in
+    /// each pass it runs: a machine known by its kernels' rates times every op.
+    #[test]
+    fn every_non_gemm_op_declares_its_streams() {
+        for arch in [Arch::Gpt2, Arch::Llama] {
+            let m = ModelConfig {
+                arch,
+                vocab_size: 1000,
+                n_positions: 64,
+                n_embd: 96,
+                n_head: 4,
+                n_layer: 3,
+                ..Default::default()
+            };
+            let s = Slice {
+                model: &m,
+                seq_len: 64,
+                mb: 2,
+                tp: 1,
+                layers: 3,
+                first: true,
+                last: true,
+                vocab: 1024,
+            };
+            let cost = registry::cost(arch);
+            for op in cost.ops {
+                for pass in [Pass::Forward, Pass::Backward] {
+                    if op.name(pass).is_none() {
+                        continue;
+                    }
+                    let work = (cost.work)(op.forward, pass, &s);
+                    let streams = (cost.streams)(op.forward, pass);
+                    match work {
+                        Some(OpWork::Gemms(_)) => assert!(streams.is_none(), "{}", op.forward),
+                        Some(OpWork::Elements(_)) => {
+                            let st =
+                                streams.unwrap_or_else(|| panic!("{}: no streams", op.forward));
+                            assert!(st.act + st.f32 > 0.0, "{}", op.forward);
+                        }
+                        None => panic!("{arch:?} {}: no work", op.forward),
+                    }
+                }
+            }
+        }
+    }
 }

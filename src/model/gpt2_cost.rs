@@ -15,7 +15,7 @@
 //! The real attention operands are strided views into the fused QKV buffer; the benchmark's
 //! are contiguous, so their rates are an approximation there.
 
-use super::decoder_cost::{attention, embedding_bytes, linear, tp_allreduces, Weight};
+use super::decoder_cost::{attention, embedding_bytes, linear, streams, tp_allreduces, Weight};
 use super::decoder_ops::{backward as bwd, forward as fwd};
 use crate::metrics::cost::{ComputeOp, CostModel, OpWork, Pass, Slice};
 use crate::metrics::ops::trainer;
@@ -24,6 +24,7 @@ use crate::metrics::ops::trainer;
 pub static COST: CostModel = CostModel {
     ops: &OPS,
     work,
+    streams,
     tp_allreduces,
     tied_bytes,
 };

@@ -5,7 +5,7 @@
 //! serves `nh / kv` of them, the products are the same); the LM head; and the elements of
 //! the RMS norms, rotary embeddings, SwiGLU, residual adds, embedding and loss.
 
-use super::decoder_cost::{attention, embedding_bytes, linear, tp_allreduces, Weight};
+use super::decoder_cost::{attention, embedding_bytes, linear, streams, tp_allreduces, Weight};
 use super::decoder_ops::{backward as bwd, forward as fwd};
 use crate::metrics::cost::{ComputeOp, CostModel, OpWork, Pass, Slice};
 use crate::metrics::ops::trainer;
@@ -14,6 +14,7 @@ use crate::metrics::ops::trainer;
 pub static COST: CostModel = CostModel {
     ops: &OPS,
     work,
+    streams,
     tp_allreduces,
     tied_bytes,
 };

@@ -269,6 +269,8 @@ impl MeasuredRun {
             model,
             global_batch: self.batch,
             recompute: self.recompute()?,
+            // The published runs, and the ones `fugu train` records, are fitted in f32.
+            precision: Default::default(),
             pp_layers: self.pp_layers.clone(),
         };
         let (Some(world), Some(mp)) = (

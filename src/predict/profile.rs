@@ -15,7 +15,8 @@
 //! [compute]                      # one of:
 //! model_tflops_per_node = 1.09   #   a rate for the model FLOPs, or
 //! [compute.reference]            #   a reference run's per-op times (`fugu predict profile`),
-//! [[compute.gemm]]               #   with optional measured GEMM rates (`fugu bench gemm`)
+//! [[compute.gemm]]               #   with optional measured GEMM rates (`fugu bench gemm`), or
+//! [compute.kernels]              #   GEMM rates per precision and the memory bandwidth
 //!
 //! [network]
 //! intra = { alpha_us = 0.5, beta_gbs = 10.0 }
@@ -24,7 +25,7 @@
 
 use super::gemm::{read_bench_gemm, GemmRate, GemmRates, GEMM_RATE_FIELDS};
 use super::network::{fit_link, fit_reduce, ClassLinks, Group, Link, Network, Traffic};
-use super::step::{Compute, Machine, Reference};
+use super::step::{Compute, KernelRates, Machine, Reference};
 use crate::config::ModelConfig;
 use crate::report::comm::read_comm;
 use crate::report::runs::{read_run, ModelDims, Run};
@@ -60,7 +61,7 @@ pub struct MachineSection {
     pub sources: Vec<String>,
 }
 
-/// `[compute]`: exactly one of the two.
+/// `[compute]`: exactly one of the three.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ComputeSection {
@@ -72,6 +73,9 @@ pub struct ComputeSection {
     /// predicted time at each shape instead of their FLOPs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gemm: Vec<GemmRate>,
+    /// The machine's kernels: GEMM rates per precision and the memory bandwidth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<KernelRates>,
 }
 
 impl Profile {
@@ -113,7 +117,19 @@ impl Profile {
         if !self.compute.gemm.is_empty() && self.compute.reference.is_none() {
             bail!("[[compute.gemm]] rates scale a reference run's GEMM times: they need [compute.reference]");
         }
-        match (&self.compute.model_tflops_per_node, &self.compute.reference) {
+        let c = &self.compute;
+        let given = [
+            c.model_tflops_per_node.is_some(),
+            c.reference.is_some(),
+            c.kernels.is_some(),
+        ];
+        if given.iter().filter(|g| **g).count() != 1 {
+            bail!("[compute]: give exactly one of model_tflops_per_node, [compute.reference] and [compute.kernels]");
+        }
+        if let Some(k) = &c.kernels {
+            return k.validate("compute.kernels");
+        }
+        match (&c.model_tflops_per_node, &c.reference) {
             (Some(r), None) if *r > 0.0 && r.is_finite() => Ok(()),
             (Some(r), None) => {
                 bail!("compute.model_tflops_per_node = {r}: expected a positive number")
@@ -138,10 +154,7 @@ impl Profile {
                 }
                 Ok(())
             }
-            (Some(_), Some(_)) => {
-                bail!("[compute]: give model_tflops_per_node or [compute.reference], not both")
-            }
-            (None, None) => bail!("[compute]: give model_tflops_per_node or [compute.reference]"),
+            _ => unreachable!("exactly one section, checked above"),
         }
     }
 
@@ -149,15 +162,23 @@ impl Profile {
     pub fn machine(&self) -> Machine {
         let m = &self.machine;
         Machine {
-            compute: match (&self.compute.model_tflops_per_node, &self.compute.reference) {
-                (_, Some(r)) => Compute::Reference {
+            compute: match &self.compute {
+                ComputeSection {
+                    reference: Some(r), ..
+                } => Compute::Reference {
                     run: Box::new(r.clone()),
                     gemm: GemmRates(self.compute.gemm.clone()),
                 },
-                (Some(r), None) => Compute::Rate {
+                ComputeSection {
+                    kernels: Some(k), ..
+                } => Compute::Kernels(k.clone()),
+                ComputeSection {
+                    model_tflops_per_node: Some(r),
+                    ..
+                } => Compute::Rate {
                     model_tflops_per_node: *r,
                 },
-                (None, None) => unreachable!("validated"),
+                _ => unreachable!("validated"),
             },
             network: self.network,
             cores_per_node: m.cores_per_node,
@@ -352,6 +373,7 @@ pub fn measure(
             model_tflops_per_node: None,
             reference: Some(reference),
             gemm: Vec::new(),
+            kernels: None,
         },
         network: Network {
             intra,
@@ -408,4 +430,56 @@ pub fn measure(
     }
     profile.validate()?;
     Ok(Measured { profile, notes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Profile;
+
+    const MACHINE: &str = "[machine]\nname = \"m\"\ncores_per_node = 4\npeak_gflops_per_core = 10\n\
+        memory_gib_per_node = 8\nranks_per_node = 1\nthreads_per_rank = 4\n\
+        [network]\nintra = { alpha_us = 1, beta_gbs = 1 }\ninter = { alpha_us = 1, beta_gbs = 1 }\n";
+
+    fn check(compute: &str) -> Result<(), String> {
+        let text = format!("{MACHINE}{compute}");
+        let p: Profile = toml::from_str(&text).map_err(|e| e.to_string())?;
+        p.validate().map_err(|e| format!("{e:#}"))
+    }
+
+    /// `[compute.kernels]`: one compute section only, a positive rate for at least one
+    /// precision and a positive bandwidth, each error naming its field.
+    #[test]
+    fn kernel_rates_are_checked_by_field() {
+        let kernels = "[compute.kernels]\nmemory_gbs_per_node = 100\n";
+        check(&format!(
+            "{kernels}gemm_gflops_per_core = {{ fp16 = 20 }}\n"
+        ))
+        .unwrap();
+        for (compute, want) in [
+            (
+                format!("{kernels}gemm_gflops_per_core = {{}}\n"),
+                "give a rate for at least one of fp32, bf16, fp16",
+            ),
+            (
+                format!("{kernels}gemm_gflops_per_core = {{ fp32 = 10, bf16 = -1 }}\n"),
+                "gemm_gflops_per_core.bf16 = -1",
+            ),
+            (
+                "[compute.kernels]\nmemory_gbs_per_node = 0\ngemm_gflops_per_core = { fp32 = 1 }\n"
+                    .to_string(),
+                "compute.kernels.memory_gbs_per_node = 0",
+            ),
+            (
+                format!("[compute]\nmodel_tflops_per_node = 1\n{kernels}gemm_gflops_per_core = {{ fp32 = 1 }}\n"),
+                "exactly one of",
+            ),
+            (
+                format!("{kernels}gemm_gflops_per_core = {{ fp8 = 1 }}\n"),
+                "unknown field `fp8`",
+            ),
+        ] {
+            let e = check(&compute).unwrap_err();
+            assert!(e.contains(want), "{compute}: {e}");
+        }
+    }
 }

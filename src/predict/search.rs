@@ -10,7 +10,7 @@
 //! counted and dropped.
 
 use super::step::{predict, Layout, Machine, Prediction, Workload};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Precision};
 use crate::model::acts::Recompute;
 use anyhow::{bail, Result};
 
@@ -27,6 +27,8 @@ pub struct Space {
     /// Micro-batch sizes to try; `None`: every divisor of a replica's sequences.
     pub micro_batch_sizes: Option<Vec<usize>>,
     pub recompute: Vec<Recompute>,
+    /// The step's precision (`--precision`).
+    pub precision: Precision,
     /// ZeRO-1 off and on (on only where dp > 1).
     pub zero: Vec<bool>,
 }
@@ -36,6 +38,7 @@ pub struct Space {
 pub struct Candidate {
     pub prediction: Prediction,
     pub recompute: Recompute,
+    pub precision: Precision,
     pub micro_batch_size: usize,
 }
 
@@ -88,6 +91,7 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
             seq_len: space.seq_len,
             global_batch: space.global_batch,
             recompute,
+            precision: space.precision,
             pp_layers: None,
         })
         .collect();
@@ -152,6 +156,7 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
                             found.ranked.push(Candidate {
                                 prediction: p,
                                 recompute: w.recompute,
+                                precision: w.precision,
                                 micro_batch_size: mbs,
                             });
                         }
@@ -194,6 +199,9 @@ impl Candidate {
         if self.recompute != Recompute::None {
             f += &format!(" --recompute {}", self.recompute.name());
         }
+        if self.precision != Precision::Fp32 {
+            f += &format!(" --precision {}", self.precision.name());
+        }
         f
     }
 
@@ -216,6 +224,9 @@ impl Candidate {
         );
         if l.pp > 1 {
             s += &format!(" FUGU_PP_LAYERS={}", join(&p.pp_layers));
+        }
+        if self.precision != Precision::Fp32 {
+            s += &format!(" FUGU_PRECISION={}", self.precision.name());
         }
         s
     }

@@ -23,7 +23,7 @@
 
 use super::gemm::{GemmCall, GemmRates, Pass};
 use super::network::{Group, Network, Traffic};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Precision};
 use crate::metrics::cost::{CostModel, OpWork, Slice};
 use crate::metrics::ops::trainer::{grads, optimizer, phase, pipeline};
 pub use crate::metrics::prediction::{Layout, Prediction};
@@ -33,18 +33,21 @@ use crate::model::registry;
 use crate::model::stage::{PartCosts, Stage};
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
 use crate::parallel::grid::Grid;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// What is trained: the model, the sequence length, the global batch (sequences per step) and
-/// what the backward pass recomputes instead of keeping (`--recompute`: time and memory).
+/// What is trained: the model, the sequence length, the global batch (sequences per step),
+/// what the backward pass recomputes instead of keeping (`--recompute`: time and memory) and
+/// the precision (`--precision`: the activations' bytes; the time of GEMMs and row ops on a
+/// machine known by its kernels' rates).
 #[derive(Clone, Debug)]
 pub struct Workload {
     pub model: ModelConfig,
     pub seq_len: usize,
     pub global_batch: usize,
     pub recompute: Recompute,
+    pub precision: Precision,
     /// Blocks per pipeline stage (`--pp-layers`); `None`: stages balanced by predicted time.
     pub pp_layers: Option<Vec<usize>>,
 }
@@ -97,6 +100,76 @@ pub enum Compute {
     },
     /// The model FLOPs (Megatron's formula) at this rate per node, optimizer included.
     Rate { model_tflops_per_node: f64 },
+    /// Each GEMM at the machine's GEMM rate in the step's precision, each other op (and the
+    /// optimizer) its bytes at the node's memory bandwidth: for a machine fugu has not run on,
+    /// from its kernels' predicted rates.
+    Kernels(KernelRates),
+}
+
+/// A machine's compute from its kernels (`[compute.kernels]` in a profile): GEMM GFLOP/s per
+/// core in each precision it has a kernel for, and the node's memory bandwidth. A roofline:
+/// GEMMs at their rate, everything else at the bandwidth, nothing overlapped.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelRates {
+    pub gemm_gflops_per_core: PrecisionRates,
+    /// Memory bandwidth of one node (GB/s), shared by its ranks.
+    pub memory_gbs_per_node: f64,
+}
+
+/// One rate per precision; a precision the machine has no kernel for is left out.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrecisionRates {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp32: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp16: Option<f64>,
+}
+
+impl PrecisionRates {
+    pub fn get(&self, p: Precision) -> Option<f64> {
+        match p {
+            Precision::Fp32 => self.fp32,
+            Precision::Bf16 => self.bf16,
+            Precision::Fp16 => self.fp16,
+        }
+    }
+}
+
+impl KernelRates {
+    /// Checks the numbers (`what` names the section in errors).
+    pub fn validate(&self, what: &str) -> Result<()> {
+        let r = &self.gemm_gflops_per_core;
+        let given = [("fp32", r.fp32), ("bf16", r.bf16), ("fp16", r.fp16)];
+        if given.iter().all(|(_, v)| v.is_none()) {
+            bail!("{what}.gemm_gflops_per_core: give a rate for at least one of fp32, bf16, fp16");
+        }
+        for (name, v) in given {
+            if let Some(v) = v.filter(|v| !(*v > 0.0 && v.is_finite())) {
+                bail!("{what}.gemm_gflops_per_core.{name} = {v}: expected a positive number");
+            }
+        }
+        let bw = self.memory_gbs_per_node;
+        if !(bw > 0.0 && bw.is_finite()) {
+            bail!("{what}.memory_gbs_per_node = {bw}: expected a positive number");
+        }
+        Ok(())
+    }
+
+    /// The GEMM rate in `p`, or an error naming the missing field.
+    fn gemm_rate(&self, p: Precision) -> Result<f64> {
+        self.gemm_gflops_per_core.get(p).with_context(|| {
+            format!(
+                "--precision {}: the profile has no {} GEMM rate (compute.kernels.gemm_gflops_per_core.{}): the machine has no kernel for it",
+                p.name(),
+                p.name(),
+                p.name()
+            )
+        })
+    }
 }
 
 /// The machine: compute, network, node size.
@@ -288,7 +361,11 @@ impl StepCtx<'_> {
         };
         let net = |c: Traffic| self.m.network.class(c).oversubscribed(oversub);
         let mut t = self.compute_timers(&s, oversub);
-        self.reference_rest(&s, params, owned, oversub, &mut t)?;
+        match &self.m.compute {
+            Compute::Reference { .. } => self.reference_rest(&s, params, owned, oversub, &mut t)?,
+            Compute::Kernels(k) => self.kernel_optimizer(k, params, owned, &mut t),
+            Compute::Rate { .. } => {}
+        }
         if l.tp > 1 {
             self.tp_allreduces(&net(Traffic::Tp), &s, &mut t);
         }
@@ -360,6 +437,7 @@ impl StepCtx<'_> {
         let l = self.l;
         let (r, gemm) = match &self.m.compute {
             Compute::Reference { run, gemm } => (run, gemm),
+            Compute::Kernels(k) => return self.kernel_ops(k, s, pass, only, oversub),
             Compute::Rate {
                 model_tflops_per_node,
             } => {
@@ -421,6 +499,75 @@ impl StepCtx<'_> {
         out
     }
 
+    /// The compute ops of `pass` on slice `s` (all, or those in `only`), ms per step, on a
+    /// machine known by its kernels: a GEMM op its FLOPs at the rate of the step's precision
+    /// on the rank's threads, any other op its bytes ([`crate::metrics::cost::Streams`]) at the
+    /// rank's share of the node's memory bandwidth (which oversubscribed cores do not change).
+    fn kernel_ops(
+        &self,
+        k: &KernelRates,
+        s: &Slice,
+        pass: Pass,
+        only: Option<&[&str]>,
+        oversub: f64,
+    ) -> Vec<(&'static str, f64)> {
+        let (l, prec) = (self.l, self.w.precision);
+        let gemm_rate = k.gemm_rate(prec).unwrap_or(f64::NAN) * 1e9 * l.threads_per_rank as f64;
+        let act = prec.compute_dtype().bytes() as f64;
+        let cost = registry::cost(s.model.arch);
+        let mut out = Vec::new();
+        for op in cost.ops {
+            let Some(name) = op.name(pass) else {
+                continue;
+            };
+            if only.is_some_and(|o| !o.contains(&op.forward)) {
+                continue;
+            }
+            let seconds = match (cost.work)(op.forward, pass, s) {
+                Some(OpWork::Gemms(calls)) => {
+                    calls.iter().map(|c| c.flops()).sum::<f64>() / gemm_rate * oversub
+                }
+                Some(OpWork::Elements(n)) => match (cost.streams)(op.forward, pass) {
+                    Some(st) => st.bytes(n, act) / self.bandwidth(k),
+                    None => continue,
+                },
+                None => continue,
+            };
+            if seconds > 0.0 {
+                out.push((name, seconds * 1e3 * self.mbf()));
+            }
+        }
+        out
+    }
+
+    /// One rank's share of the node's memory bandwidth, bytes per second.
+    fn bandwidth(&self, k: &KernelRates) -> f64 {
+        k.memory_gbs_per_node * 1e9 / self.l.ranks_per_node as f64
+    }
+
+    /// The optimizer on a machine known by its kernels, ms per step: the gradient norm reads
+    /// every gradient the rank holds (f32); AdamW reads the parameter, gradient and two
+    /// moments and writes the parameter and moments (f32) of each one it owns, and the compute
+    /// copy in a 16-bit precision.
+    fn kernel_optimizer(
+        &self,
+        k: &KernelRates,
+        params: usize,
+        owned: usize,
+        t: &mut BTreeMap<String, f64>,
+    ) {
+        let copy = match self.w.precision {
+            Precision::Fp32 => 0.0,
+            p => p.compute_dtype().bytes() as f64,
+        };
+        let bw = self.bandwidth(k);
+        t.insert(optimizer::CLIP.into(), 4.0 * params as f64 / bw * 1e3);
+        t.insert(
+            "optimizer:update".into(),
+            (28.0 + copy) * owned as f64 / bw * 1e3,
+        );
+    }
+
     /// What a reference run's named ops leave of `forward` and `backward` (scaled by tokens
     /// and blocks), and its optimizer (the update by the parameters a rank owns, the clipping
     /// by those it holds); at a rate, the optimizer is inside the rate.
@@ -433,7 +580,7 @@ impl StepCtx<'_> {
         t: &mut BTreeMap<String, f64>,
     ) -> Result<()> {
         let Compute::Reference { run: r, .. } = &self.m.compute else {
-            return Ok(());
+            unreachable!("a reference run's rest without a reference run");
         };
         let scale = r.threads_per_rank as f64 / self.l.threads_per_rank as f64 * oversub;
         for (dir, pass) in [
@@ -580,6 +727,9 @@ impl StepCtx<'_> {
 pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     let grid = check_layout(w, l)?;
     check_sizes(w, l)?;
+    if let Compute::Kernels(k) = &m.compute {
+        k.gemm_rate(w.precision)?;
+    }
     let cfg = &w.model;
     if l.pp > cfg.n_layer {
         bail!(
@@ -670,6 +820,7 @@ pub fn predict(w: &Workload, l: &Layout, m: &Machine) -> Result<Prediction> {
     let peak_node = m.peak_gflops_per_core * m.cores_per_node as f64 / 1e3;
     Ok(Prediction {
         layout: *l,
+        micro_batch_size: l.micro_batch_size(w),
         step_ms,
         tokens_per_s: (w.global_batch * w.seq_len) as f64 / (step_ms * 1e-3),
         tflops_per_node,
@@ -700,11 +851,12 @@ fn sum_prefix(t: &BTreeMap<String, f64>, prefix: &str) -> f64 {
         .fold(0.0, |a, (_, v)| a + v)
 }
 
-/// Memory per rank (GiB), the run header's accounting: parameters and gradients (f32), AdamW
-/// moments (the owned share under ZeRO-1), the in-flight micro-batches' activations and
-/// statistics as `--recompute` keeps them, and the backward scratch (the CPU's three-step
-/// attention keeps probabilities). Stage `s` of `p` holds `min(p − s, m)` micro-batches in
-/// flight under 1F1B: the first stage the most.
+/// Memory per rank (GiB), the run header's accounting: parameters and gradients (f32) and, in
+/// a 16-bit precision, the parameters' compute copy; AdamW moments (the owned share under
+/// ZeRO-1); the in-flight micro-batches' activations (in the precision's type) and statistics
+/// (f32) as `--recompute` keeps them; and the backward scratch (the precision's type; the
+/// CPU's three-step attention keeps probabilities). Stage `s` of `p` holds `min(p − s, m)`
+/// micro-batches in flight under 1F1B: the first stage the most.
 fn memory_gib(
     w: &Workload,
     mb: usize,
@@ -717,8 +869,13 @@ fn memory_gib(
     let in_flight = (stage.count - stage.index).min(l.micro_batches);
     let keep = (w.recompute, AttnKeep::Probabilities);
     let [acts, stats, grad] = registry::activation_tables(&w.model, &d, stage, keep);
-    let acts = in_flight * 4 * (acts.total() + stats.total());
-    let bytes = 8 * params + 8 * owned + acts + 4 * grad.total();
+    let el = w.precision.compute_dtype().bytes();
+    let copy = match w.precision {
+        Precision::Fp32 => 0,
+        _ => el * params,
+    };
+    let acts = in_flight * (el * acts.total() + 4 * stats.total());
+    let bytes = 8 * params + copy + 8 * owned + acts + el * grad.total();
     bytes as f64 / (1u64 << 30) as f64
 }
 
