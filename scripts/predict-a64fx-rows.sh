@@ -19,7 +19,8 @@
 # NEON q register; `ldp q` counts two).
 # Compute only: HBM bandwidth (256 GB/s per CMG) is not in llvm-mca's model. Output: a table,
 # target/aarch64-rows/rows.tsv, and the predicted non-GEMM share of a GPT-2 124M step on one
-# A64FX CMG for each of the three (each op the larger of its compute and its HBM time).
+# A64FX CMG for each of the three (each op the larger of its compute and its HBM time), in
+# fp32 and in fp16 (16-bit activations: half the bytes; GEMMs at the f16 kernel's rate).
 # Release builds for aarch64 with Debian's rustc as in scripts/test-aarch64.sh (two target
 # directories, several minutes each the first time).
 set -euo pipefail
@@ -89,6 +90,13 @@ KERNELS = [
     ("adamw::chunk_sum_of_squares", 1, "sum of squares (gradient norm), f64 lanes",
      ["sve::sum_sq_dev_f64"]),
 ]
+# The fugu-rows kernels that read and write 16-bit rows themselves (the fp16 step's SVE
+# column uses them; the other ops stage their rows through f32 and are timed as f32 kernels).
+HALF = {
+    "gelu::gelu_rows_f32": ["sve::gelu_f16"],
+    "gelu::gelu_backward_rows_f32": ["sve::gelu_backward_f16"],
+    "layernorm::layernorm_row_f32": ["sve::sum_f64_f16", "sve::sum_sq_dev_f64_f16", "sve::normalise_f16"],
+}
 header = re.compile(r"^[0-9a-f]+ <(.*)>:$")
 insn = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
 branch = re.compile(r"^(b(\.\w+)?|cbn?z|tbn?z)$")
@@ -119,7 +127,9 @@ def vector_loads(op, ops):
         return 2
     if op in ("ldr", "ldur") and re.match(r"[qz]\d+,", ops):
         return 1
-    if op == "ld1w" and re.search(r"\{\s*z\d+\.d", ops):
+    # f32 or 16-bit values into 64-bit lanes: half a vector of f32; 16-bit values into 32-bit
+    # lanes (`ld1h {z.s}`) as many elements as an f32 load.
+    if op in ("ld1w", "ld1h") and re.search(r"\{\s*z\d+\.d", ops):
         return 0.5
     if op.startswith("ld1") and re.search(r"\{\s*[zv]\d+", ops):
         return 1
@@ -229,6 +239,19 @@ for build in ("a64fx", "generic"):
         rows.append((sym, build, kinds, len(loops), cpe, note))
 
 funcs = functions(os.path.join(out, "sve-asm.dis"))
+for sym, hand in HALF.items():
+    loops, missing = [], []
+    for h in hand:
+        body = find(funcs, h)
+        found = vector_loops(body) if body else []
+        if not found:
+            missing.append(h)
+        loops += found[:1]
+    if missing:
+        rows.append((sym, "sve-f16", None, None, None, "no loop in " + ", ".join(missing)))
+        continue
+    cpe, kinds, note = timed(loops, "sve-f16", sym)
+    rows.append((sym, "sve-f16", kinds, len(loops), cpe, note))
 for sym, _, what, hand in KERNELS:
     loops, missing = [], []
     for h in hand:
@@ -265,13 +288,22 @@ for sym, _, what, _ in KERNELS:
 # cores at 2.2 GHz, 256 GB/s of HBM. Each op costs the larger of its compute time (elements x
 # cycles/element above, over 12 cores) and its HBM time (bytes it reads and writes); the GEMMs
 # run at 85% of the CMG's f32 peak (12 x 2.2 GHz x 64 FLOP/cycle).
+# Then the same step in fp16 (16-bit activations in memory, `--precision fp16`): activation
+# bytes halve (AdamW and the gradient norm stay f32), the GEMMs run at the f16 kernel's
+# predicted share of the f16 peak relative to the f32 kernel's (94.1% over whole chunks
+# against 99.9%: docs/KERNELS.md) on twice the FLOP/cycle, and the row kernels' compute is
+# the 16-bit kernels' cycles where fugu-rows has them (GELU, the layernorm forward row: loads,
+# widening and rounding included), the f32 kernels' elsewhere (those ops stage their rows
+# through f32 in cache; the conversions are not counted).
 L, C, H, V, T = 12, 768, 12, 50257, 1024
 params = 124_439_808
 causal = L * H * T * (T + 1) // 2                      # attention scores at or below the diagonal
 gemm_flop = 6 * (12 * C * C * L + V * C) * T + 3 * 4 * T * T * C * L
 cmg_hz, hbm = 12 * 2.2e9, 256e9
 gemm_s = gemm_flop / (0.85 * cmg_hz * 64)
-OPS = [  # (op, kernel, elements, bytes per element through HBM)
+F16_GEMM_SPEEDUP = 2 * 0.941 / 0.999
+OPS = [  # (op, kernel, elements, bytes per element through HBM in fp32; all activations but
+    #    AdamW's and the gradient norm's, which read and write f32 in every precision)
     # One exponential per element: exp(x - max) stored with its sum, then the row (in L1 at
     # this T) scaled; the row is read from and written to HBM once between the two passes.
     ("attention softmax: exp and sum", "fastmath::exp_sum_f32", causal, 4),
@@ -286,27 +318,41 @@ OPS = [  # (op, kernel, elements, bytes per element through HBM)
     ("AdamW", "adamw::update_chunk", params, 28),
     ("gradient norm: sum of squares", "adamw::chunk_sum_of_squares", params, 4),
 ]
-print()
-print(f"GPT-2 124M step, B=1 T=1024, one A64FX CMG: GEMMs {gemm_flop / 1e12:.3f} TFLOP in "
-      f"{gemm_s * 1e3:.0f} ms; non-GEMM ops, ms (each the larger of compute and HBM time):")
-print(f"{'op':<32} {'HBM':>6} " + " ".join(f"{b:>9}" for b in ("sve-asm", "a64fx", "generic")))
-total = {b: 0.0 for b in ("sve-asm", "a64fx", "generic")}
-for op, sym, n, nbytes in OPS:
-    mem = n * nbytes / hbm
-    cells = []
-    for b in total:
-        r = by.get((sym, b))
-        t = max(mem, n * r[4] / cmg_hz) if r and r[4] else None
-        if t is None:
-            total[b] = None if total[b] is None else float("nan")
-        elif total[b] is not None:
-            total[b] += t
-        cells.append(f"{t * 1e3:>9.1f}" if t is not None else f"{'-':>9}")
-    print(f"{op:<32} {mem * 1e3:>6.1f} " + " ".join(cells))
-print(f"{'total':<32} {'':>6} " + " ".join(
-    f"{t * 1e3:>9.1f}" if t is not None else f"{'-':>9}" for t in total.values()))
-for b, t in total.items():
-    if t is not None and t == t:
-        print(f"{b}: non-GEMM {t * 1e3:.0f} ms = {100 * t / (t + gemm_s):.1f}% of a "
-              f"{(t + gemm_s) * 1e3:.0f} ms step")
+F32_ONLY = ("adamw::update_chunk", "adamw::chunk_sum_of_squares")
+
+
+def step_table(precision):
+    """The step's non-GEMM ops in `precision` (fp32 or fp16), ms, and their share."""
+    half = precision == "fp16"
+    g = gemm_s / F16_GEMM_SPEEDUP if half else gemm_s
+    print()
+    print(f"GPT-2 124M step in {precision}, B=1 T=1024, one A64FX CMG: GEMMs "
+          f"{gemm_flop / 1e12:.3f} TFLOP in {g * 1e3:.0f} ms; non-GEMM ops, ms (each the "
+          f"larger of compute and HBM time):")
+    print(f"{'op':<32} {'HBM':>6} " + " ".join(f"{b:>9}" for b in ("sve-asm", "a64fx", "generic")))
+    total = {b: 0.0 for b in ("sve-asm", "a64fx", "generic")}
+    for op, sym, n, nbytes in OPS:
+        mem = n * nbytes / hbm / (2 if half and sym not in F32_ONLY else 1)
+        cells = []
+        for b in total:
+            r = by.get((sym, b))
+            if half and b == "sve-asm" and by.get((sym, "sve-f16")):
+                r = by[(sym, "sve-f16")]
+            t = max(mem, n * r[4] / cmg_hz) if r and r[4] else None
+            if t is None:
+                total[b] = None if total[b] is None else float("nan")
+            elif total[b] is not None:
+                total[b] += t
+            cells.append(f"{t * 1e3:>9.1f}" if t is not None else f"{'-':>9}")
+        print(f"{op:<32} {mem * 1e3:>6.1f} " + " ".join(cells))
+    print(f"{'total':<32} {'':>6} " + " ".join(
+        f"{t * 1e3:>9.1f}" if t is not None else f"{'-':>9}" for t in total.values()))
+    for b, t in total.items():
+        if t is not None and t == t:
+            print(f"{precision} {b}: non-GEMM {t * 1e3:.0f} ms = {100 * t / (t + g):.1f}% of a "
+                  f"{(t + g) * 1e3:.0f} ms step")
+
+
+for precision in ("fp32", "fp16"):
+    step_table(precision)
 PY

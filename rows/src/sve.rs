@@ -56,6 +56,18 @@ pub const EXP_CONSTS: [f32; 8] = [
 const LN2_HI: f32 = 0.693_145_751_953_125; // 0x1.62e4p-1
 const LN2_LO: f32 = (core::f64::consts::LN_2 - LN2_HI as f64) as f32;
 
+/// The 16-bit formats the `*_half` kernels read and write, as bits (`u16`): each value is
+/// widened to f32 exactly, the kernel computes as its f32 form does, and each result is
+/// rounded to nearest even once (overflow to infinity, subnormals kept, NaN quiet), so a
+/// `*_half` kernel gives the bits of its f32 form run on the widened row and rounded after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
 /// Proof that the CPU has SVE: the kernels are methods of this token, so they are safe to call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sve {
@@ -153,6 +165,61 @@ impl Sve {
         }
     }
 
+    /// `out[j] = x[j]` rounded to the 16-bit format (to nearest even; [`Half`]).
+    pub fn round_half(&self, fmt: Half, out: &mut [u16], x: &[f32]) {
+        assert_eq!(out.len(), x.len(), "round_half: lengths differ");
+        let (y, xp, n) = (out.as_mut_ptr(), x.as_ptr(), x.len());
+        // SAFETY: `self` proves SVE; the kernel reads `x[..len]`, writes `out[..len]`.
+        unsafe {
+            match fmt {
+                Half::F16 => round_f16(y, xp, n),
+                Half::Bf16 => round_bf16(y, xp, n),
+            }
+        }
+    }
+
+    /// `out[j] = x[j]` widened from the 16-bit format to f32 (exact; [`Half`]).
+    pub fn widen_half(&self, fmt: Half, out: &mut [f32], x: &[u16]) {
+        assert_eq!(out.len(), x.len(), "widen_half: lengths differ");
+        let (y, xp, n) = (out.as_mut_ptr(), x.as_ptr(), x.len());
+        // SAFETY: `self` proves SVE; the kernel reads `x[..len]`, writes `out[..len]`.
+        unsafe {
+            match fmt {
+                Half::F16 => widen_f16(y, xp, n),
+                Half::Bf16 => widen_bf16(y, xp, n),
+            }
+        }
+    }
+
+    /// [`Sve::gelu`] on 16-bit rows ([`Half`]).
+    pub fn gelu_half(&self, fmt: Half, out: &mut [u16], inp: &[u16]) {
+        assert_eq!(out.len(), inp.len(), "gelu_half: lengths differ");
+        let k = with_exp_consts(&gelu_consts());
+        let (y, x, n) = (out.as_mut_ptr(), inp.as_ptr(), inp.len());
+        // SAFETY: `self` proves SVE; the kernel reads `inp[..len]`, writes `out[..len]`.
+        unsafe {
+            match fmt {
+                Half::F16 => gelu_f16(y, x, n, k.as_ptr()),
+                Half::Bf16 => gelu_bf16(y, x, n, k.as_ptr()),
+            }
+        }
+    }
+
+    /// [`Sve::gelu_backward`] on 16-bit rows ([`Half`]).
+    pub fn gelu_backward_half(&self, fmt: Half, dinp: &mut [u16], inp: &[u16], dout: &[u16]) {
+        assert_eq!(dinp.len(), inp.len(), "gelu_backward_half: dinp length");
+        assert_eq!(dout.len(), inp.len(), "gelu_backward_half: dout length");
+        let k = with_exp_consts(&gelu_consts());
+        let (d, x, g, n) = (dinp.as_mut_ptr(), inp.as_ptr(), dout.as_ptr(), inp.len());
+        // SAFETY: `self` proves SVE; the kernel reads `inp`/`dout[..len]`, writes `dinp[..len]`.
+        unsafe {
+            match fmt {
+                Half::F16 => gelu_backward_f16(d, x, g, n, k.as_ptr()),
+                Half::Bf16 => gelu_backward_bf16(d, x, g, n, k.as_ptr()),
+            }
+        }
+    }
+
     /// `Σ x` in f64 (each element converted exactly, summed in `4·VL/2` f64 lanes).
     pub fn sum_f64(&self, x: &[f32]) -> f64 {
         // SAFETY: `self` proves SVE; the kernel reads `x[..len]` only.
@@ -177,15 +244,8 @@ impl Sve {
         bias: &[f32],
         eps: f64,
     ) -> (f32, f32) {
-        let c = x.len();
-        assert!(c > 0, "layernorm_row: empty row");
-        assert!(
-            out.len() == c && w.len() == c && bias.len() == c,
-            "layernorm_row: out, w and bias must have the row's length {c}"
-        );
-        let mu = self.sum_f64(x) / c as f64;
-        let var = self.sum_sq_dev_f64(x, mu) / c as f64;
-        let (mu, rs) = (mu as f32, (1.0 / (var + eps).sqrt()) as f32);
+        let c = layernorm_lengths("layernorm_row", out.len(), x.len(), w, bias);
+        let (mu, rs) = row_stats(c, eps, || self.sum_f64(x), |mu| self.sum_sq_dev_f64(x, mu));
         // SAFETY: `self` proves SVE; reads `x`, `w`, `bias[..c]`, writes `out[..c]`.
         unsafe {
             normalise(
@@ -196,6 +256,59 @@ impl Sve {
                 c,
                 [mu, rs].as_ptr(),
             )
+        }
+        (mu, rs)
+    }
+
+    /// [`Sve::sum_f64`] of a 16-bit row ([`Half`]).
+    pub fn sum_f64_half(&self, fmt: Half, x: &[u16]) -> f64 {
+        let (xp, n) = (x.as_ptr(), x.len());
+        // SAFETY: `self` proves SVE; the kernels read `x[..len]` only.
+        unsafe {
+            match fmt {
+                Half::F16 => sum_f64_f16(xp, n),
+                Half::Bf16 => sum_f64_bf16(xp, n),
+            }
+        }
+    }
+
+    /// [`Sve::sum_sq_dev_f64`] of a 16-bit row ([`Half`]).
+    pub fn sum_sq_dev_f64_half(&self, fmt: Half, x: &[u16], c: f64) -> f64 {
+        let (xp, n) = (x.as_ptr(), x.len());
+        // SAFETY: `self` proves SVE; the kernels read `x[..len]` only.
+        unsafe {
+            match fmt {
+                Half::F16 => sum_sq_dev_f64_f16(xp, n, &c),
+                Half::Bf16 => sum_sq_dev_f64_bf16(xp, n, &c),
+            }
+        }
+    }
+
+    /// [`Sve::layernorm_row`] on a 16-bit row ([`Half`]: `x` and `out`; `w`, `bias` f32).
+    pub fn layernorm_row_half(
+        &self,
+        fmt: Half,
+        out: &mut [u16],
+        x: &[u16],
+        w: &[f32],
+        bias: &[f32],
+        eps: f64,
+    ) -> (f32, f32) {
+        let c = layernorm_lengths("layernorm_row_half", out.len(), x.len(), w, bias);
+        let (mu, rs) = row_stats(
+            c,
+            eps,
+            || self.sum_f64_half(fmt, x),
+            |mu| self.sum_sq_dev_f64_half(fmt, x, mu),
+        );
+        let (y, xp, k) = (out.as_mut_ptr(), x.as_ptr(), [mu, rs]);
+        let (wp, bp) = (w.as_ptr(), bias.as_ptr());
+        // SAFETY: `self` proves SVE; reads `x`, `w`, `bias[..c]`, writes `out[..c]`.
+        unsafe {
+            match fmt {
+                Half::F16 => normalise_f16(y, xp, wp, bp, c, k.as_ptr()),
+                Half::Bf16 => normalise_bf16(y, xp, wp, bp, c, k.as_ptr()),
+            }
         }
         (mu, rs)
     }
@@ -281,6 +394,29 @@ impl Sve {
             )
         }
     }
+}
+
+/// A layernorm row's length `c`, checked: not empty, and `out`, `w`, `bias` of length `c`.
+fn layernorm_lengths(what: &str, out: usize, c: usize, w: &[f32], bias: &[f32]) -> usize {
+    assert!(c > 0, "{what}: empty row");
+    assert!(
+        out == c && w.len() == c && bias.len() == c,
+        "{what}: out, w and bias must have the row's length {c}"
+    );
+    c
+}
+
+/// A row's mean and `1/√(var + eps)` (the biased variance), summed in f64 by `sum` and
+/// `sum_sq_dev` (about a centre), rounded to f32.
+fn row_stats(
+    c: usize,
+    eps: f64,
+    sum: impl FnOnce() -> f64,
+    sum_sq_dev: impl FnOnce(f64) -> f64,
+) -> (f32, f32) {
+    let mu = sum() / c as f64;
+    let var = sum_sq_dev(mu) / c as f64;
+    (mu as f32, (1.0 / (var + eps).sqrt()) as f32)
 }
 
 /// The scalars of one AdamW step (see [`Sve::adamw`]).
@@ -420,10 +556,15 @@ macro_rules! loop2_tail {
     };
 }
 
-/// `ld1w`/`st1w` of both chains: register `z$r` (chain 1) and `z($r+8)` (chain 2) at
-/// `{$ptr}[{i}..]` and `[{j}..]`.
+/// Loads of both chains at `{$ptr}[{i}..]` (predicate `p1`) and `[{j}..]` (`p2`) into `z$r1`
+/// and `z$r2` as f32, from a row of `$fmt` elements (`f32` when not given): 16-bit elements
+/// are loaded into 32-bit lanes (`ld1h`) and widened exactly (`f16`: `fcvt`; `bf16`: the bits
+/// shifted into the high half).
 macro_rules! ld2 {
     ($r1:literal, $r2:literal, $ptr:literal) => {
+        ld2!(f32, $r1, $r2, $ptr)
+    };
+    (f32, $r1:literal, $r2:literal, $ptr:literal) => {
         concat!(
             "ld1w {{z",
             $r1,
@@ -437,9 +578,62 @@ macro_rules! ld2 {
             "}, {j}, lsl #2]\n",
         )
     };
+    (f16, $r1:literal, $r2:literal, $ptr:literal) => {
+        concat!(
+            ld2!(half, $r1, $r2, $ptr),
+            "fcvt z",
+            $r1,
+            ".s, p0/m, z",
+            $r1,
+            ".h\n",
+            "fcvt z",
+            $r2,
+            ".s, p0/m, z",
+            $r2,
+            ".h\n",
+        )
+    };
+    (bf16, $r1:literal, $r2:literal, $ptr:literal) => {
+        concat!(
+            ld2!(half, $r1, $r2, $ptr),
+            "lsl z",
+            $r1,
+            ".s, z",
+            $r1,
+            ".s, #16\n",
+            "lsl z",
+            $r2,
+            ".s, z",
+            $r2,
+            ".s, #16\n",
+        )
+    };
+    (half, $r1:literal, $r2:literal, $ptr:literal) => {
+        concat!(
+            "ld1h {{z",
+            $r1,
+            ".s}}, p1/z, [{",
+            $ptr,
+            "}, {i}, lsl #1]\n",
+            "ld1h {{z",
+            $r2,
+            ".s}}, p2/z, [{",
+            $ptr,
+            "}, {j}, lsl #1]\n",
+        )
+    };
 }
+
+/// Stores of both chains' f32 vectors `z$r1` (`p1`, `[{i}..]`) and `z$r2` (`p2`, `[{j}..]`)
+/// into a row of `$fmt` elements (`f32` when not given), rounded to nearest even: `f16` by
+/// `fcvt` (in place; overflow to infinity, subnormals kept); `bf16` by integer rounding into
+/// the temporaries `z$t1`/`z$t2` (`z$u1`/`z$u2` and `p3`/`p4` for NaN lanes, which keep their
+/// payload's top bits and are made quiet), as `fugu_gemm::precision` rounds.
 macro_rules! st2 {
     ($r1:literal, $r2:literal, $ptr:literal) => {
+        st2!(f32, $r1, $r2, $ptr, (0, 0), (0, 0))
+    };
+    (f32, $r1:literal, $r2:literal, $ptr:literal, $tmp1:tt, $tmp2:tt) => {
         concat!(
             "st1w {{z",
             $r1,
@@ -451,6 +645,114 @@ macro_rules! st2 {
             ".s}}, p2, [{",
             $ptr,
             "}, {j}, lsl #2]\n",
+        )
+    };
+    (f16, $r1:literal, $r2:literal, $ptr:literal, $tmp1:tt, $tmp2:tt) => {
+        concat!(
+            "fcvt z",
+            $r1,
+            ".h, p0/m, z",
+            $r1,
+            ".s\n",
+            "fcvt z",
+            $r2,
+            ".h, p0/m, z",
+            $r2,
+            ".s\n",
+            "st1h {{z",
+            $r1,
+            ".s}}, p1, [{",
+            $ptr,
+            "}, {i}, lsl #1]\n",
+            "st1h {{z",
+            $r2,
+            ".s}}, p2, [{",
+            $ptr,
+            "}, {j}, lsl #1]\n",
+        )
+    };
+    (bf16, $r1:literal, $r2:literal, $ptr:literal, ($t1:literal, $u1:literal), ($t2:literal, $u2:literal)) => {
+        concat!(
+            bf16_round!($r1, $t1, $u1, 3),
+            bf16_round!($r2, $t2, $u2, 4),
+            "st1h {{z",
+            $t1,
+            ".s}}, p1, [{",
+            $ptr,
+            "}, {i}, lsl #1]\n",
+            "st1h {{z",
+            $t2,
+            ".s}}, p2, [{",
+            $ptr,
+            "}, {j}, lsl #1]\n",
+        )
+    };
+}
+
+/// `z$t` = the bfloat16 bits of `z$r`'s f32 values, rounded to nearest even
+/// (`(b + 0x7fff + ((b >> 16) & 1)) >> 16`), NaN lanes (`p$p`) `(b >> 16) | 0x40` (quiet);
+/// `z$u` is a temporary. Needs `p0` all true.
+macro_rules! bf16_round {
+    ($r:literal, $t:literal, $u:literal, $p:literal) => {
+        concat!(
+            "lsr z",
+            $t,
+            ".s, z",
+            $r,
+            ".s, #16\n",
+            "and z",
+            $t,
+            ".s, z",
+            $t,
+            ".s, #1\n",
+            "add z",
+            $t,
+            ".s, z",
+            $t,
+            ".s, z",
+            $r,
+            ".s\n",
+            "add z",
+            $t,
+            ".s, z",
+            $t,
+            ".s, #128, lsl #8\n",
+            "sub z",
+            $t,
+            ".s, z",
+            $t,
+            ".s, #1\n",
+            "lsr z",
+            $t,
+            ".s, z",
+            $t,
+            ".s, #16\n",
+            "fcmuo p",
+            $p,
+            ".s, p0/z, z",
+            $r,
+            ".s, z",
+            $r,
+            ".s\n",
+            "lsr z",
+            $u,
+            ".s, z",
+            $r,
+            ".s, #16\n",
+            "orr z",
+            $u,
+            ".s, z",
+            $u,
+            ".s, #0x40\n",
+            "sel z",
+            $t,
+            ".s, p",
+            $p,
+            ", z",
+            $u,
+            ".s, z",
+            $t,
+            ".s\n",
         )
     };
 }
@@ -706,93 +1008,214 @@ macro_rules! zero_below {
     };
 }
 
-/// # Safety
-/// SVE; `inp[..n]` readable, `out[..n]` writable; `k[..14]`: [`EXP_CONSTS`], [`gelu_consts`].
-#[inline(never)]
-#[target_feature(enable = "sve")]
-unsafe fn gelu(out: *mut f32, inp: *const f32, n: usize, k: *const f32) {
-    // SAFETY: loads and stores predicated on index < n; constants from k[..14].
-    unsafe {
-        sve_asm!(
-            "ptrue p0.s",
-            "cntw {vl}",
-            load_consts!(exp),
-            load_consts!(24 @ 32, 25 @ 36, 26 @ 40, 29 @ 52),
-            loop2_head!("s"),
-            ld2!(0, 8, "x"),
-            gelu_sigmoid!(),
-            zero_below!(),
-            "fmul z0.s, z0.s, z3.s",
-            "fmul z8.s, z8.s, z11.s",
-            "mov z0.s, p3/m, #0",
-            "mov z8.s, p4/m, #0",
-            st2!(0, 8, "y"),
-            loop2_tail!(),
-            x = in(reg) inp,
-            y = in(reg) out,
-            n = in(reg) n,
-            k = in(reg) k,
-        );
-    }
+/// A row of f32 rounded into `$fmt` (`$round`) and one of `$fmt` widened to f32 (`$widen`):
+/// the loads and stores of the 16-bit kernels alone.
+macro_rules! convert_kernels {
+    ($($fmt:tt: $round:ident, $widen:ident;)+) => {$(
+        /// # Safety
+        /// SVE; `x[..n]` readable, `out[..n]` writable.
+        #[inline(never)]
+        #[target_feature(enable = "sve")]
+        unsafe fn $round(out: *mut u16, x: *const f32, n: usize) {
+            // SAFETY: loads and stores predicated on index < n. Registers clobbered.
+            unsafe {
+                sve_asm!(
+                    "ptrue p0.s",
+                    "cntw {vl}",
+                    loop2_head!("s"),
+                    ld2!(f32, 0, 8, "x"),
+                    st2!($fmt, 0, 8, "y", (1, 2), (9, 10)),
+                    loop2_tail!(),
+                    x = in(reg) x,
+                    y = in(reg) out,
+                    n = in(reg) n,
+                );
+            }
+        }
+
+        /// # Safety
+        /// SVE; `x[..n]` readable, `out[..n]` writable.
+        #[inline(never)]
+        #[target_feature(enable = "sve")]
+        unsafe fn $widen(out: *mut f32, x: *const u16, n: usize) {
+            // SAFETY: loads and stores predicated on index < n. Registers clobbered.
+            unsafe {
+                sve_asm!(
+                    "ptrue p0.s",
+                    "cntw {vl}",
+                    loop2_head!("s"),
+                    ld2!($fmt, 0, 8, "x"),
+                    st2!(0, 8, "y"),
+                    loop2_tail!(),
+                    x = in(reg) x,
+                    y = in(reg) out,
+                    n = in(reg) n,
+                );
+            }
+        }
+    )+};
 }
 
-/// # Safety
-/// SVE; `inp`, `dout[..n]` readable, `dinp[..n]` writable; `k[..14]` as for [`gelu`].
-#[inline(never)]
-#[target_feature(enable = "sve")]
-unsafe fn gelu_backward(
-    dinp: *mut f32,
-    inp: *const f32,
-    dout: *const f32,
-    n: usize,
-    k: *const f32,
-) {
-    // SAFETY: loads and stores predicated on index < n; constants from k[..14].
-    unsafe {
-        sve_asm!(
-            "ptrue p0.s",
-            "cntw {vl}",
-            load_consts!(exp),
-            load_consts!(24 @ 32, 25 @ 36, 26 @ 40, 27 @ 44, 28 @ 48, 29 @ 52),
-            loop2_head!("s"),
-            ld2!(0, 8, "x"),
-            ld2!(7, 15, "g"),
-            gelu_sigmoid!(),
-            // s(1 − s)·x, with 1 − s = e·s (no cancellation where s is near 1)
-            "fmul z4.s, z5.s, z3.s",
-            "fmul z12.s, z13.s, z11.s",
-            "fmul z4.s, z4.s, z3.s",
-            "fmul z12.s, z12.s, z11.s",
-            "fmul z4.s, z4.s, z0.s",
-            "fmul z12.s, z12.s, z8.s",
-            // 2k + 6ka·x²
-            "movprfx z5, z27",
-            "fmla z5.s, p0/m, z1.s, z28.s",
-            "movprfx z13, z27",
-            "fmla z13.s, p0/m, z9.s, z28.s",
-            // (s + x·s(1−s)·(2k + 6ka·x²))·dout
-            "fmla z3.s, p0/m, z4.s, z5.s",
-            "fmla z11.s, p0/m, z12.s, z13.s",
-            zero_below!(),
-            "fmul z0.s, z3.s, z7.s",
-            "fmul z8.s, z11.s, z15.s",
-            "mov z0.s, p3/m, #0",
-            "mov z8.s, p4/m, #0",
-            st2!(0, 8, "y"),
-            loop2_tail!(),
-            x = in(reg) inp,
-            g = in(reg) dout,
-            y = in(reg) dinp,
-            n = in(reg) n,
-            k = in(reg) k,
-        );
-    }
+convert_kernels! {
+    f16: round_f16, widen_f16;
+    bf16: round_bf16, widen_bf16;
+}
+
+/// GELU forward and backward over rows of `$fmt` elements (`$t`): `$gelu`, `$backward`.
+macro_rules! gelu_kernels {
+    ($($fmt:tt, $t:ty: $gelu:ident, $backward:ident;)+) => {$(
+        /// # Safety
+        /// SVE; `inp[..n]` readable, `out[..n]` writable; `k[..14]`: [`EXP_CONSTS`],
+        /// [`gelu_consts`].
+        #[inline(never)]
+        #[target_feature(enable = "sve")]
+        unsafe fn $gelu(out: *mut $t, inp: *const $t, n: usize, k: *const f32) {
+            // SAFETY: loads and stores predicated on index < n; constants from k[..14].
+            unsafe {
+                sve_asm!(
+                    "ptrue p0.s",
+                    "cntw {vl}",
+                    load_consts!(exp),
+                    load_consts!(24 @ 32, 25 @ 36, 26 @ 40, 29 @ 52),
+                    loop2_head!("s"),
+                    ld2!($fmt, 0, 8, "x"),
+                    gelu_sigmoid!(),
+                    zero_below!(),
+                    "fmul z0.s, z0.s, z3.s",
+                    "fmul z8.s, z8.s, z11.s",
+                    "mov z0.s, p3/m, #0",
+                    "mov z8.s, p4/m, #0",
+                    st2!($fmt, 0, 8, "y", (1, 2), (9, 10)),
+                    loop2_tail!(),
+                    x = in(reg) inp,
+                    y = in(reg) out,
+                    n = in(reg) n,
+                    k = in(reg) k,
+                );
+            }
+        }
+
+        /// # Safety
+        /// SVE; `inp`, `dout[..n]` readable, `dinp[..n]` writable; `k[..14]` as for the
+        /// forward kernel.
+        #[inline(never)]
+        #[target_feature(enable = "sve")]
+        unsafe fn $backward(
+            dinp: *mut $t,
+            inp: *const $t,
+            dout: *const $t,
+            n: usize,
+            k: *const f32,
+        ) {
+            // SAFETY: loads and stores predicated on index < n; constants from k[..14].
+            unsafe {
+                sve_asm!(
+                    "ptrue p0.s",
+                    "cntw {vl}",
+                    load_consts!(exp),
+                    load_consts!(24 @ 32, 25 @ 36, 26 @ 40, 27 @ 44, 28 @ 48, 29 @ 52),
+                    loop2_head!("s"),
+                    ld2!($fmt, 0, 8, "x"),
+                    ld2!($fmt, 7, 15, "g"),
+                    gelu_sigmoid!(),
+                    // s(1 − s)·x, with 1 − s = e·s (no cancellation where s is near 1)
+                    "fmul z4.s, z5.s, z3.s",
+                    "fmul z12.s, z13.s, z11.s",
+                    "fmul z4.s, z4.s, z3.s",
+                    "fmul z12.s, z12.s, z11.s",
+                    "fmul z4.s, z4.s, z0.s",
+                    "fmul z12.s, z12.s, z8.s",
+                    // 2k + 6ka·x²
+                    "movprfx z5, z27",
+                    "fmla z5.s, p0/m, z1.s, z28.s",
+                    "movprfx z13, z27",
+                    "fmla z13.s, p0/m, z9.s, z28.s",
+                    // (s + x·s(1−s)·(2k + 6ka·x²))·dout
+                    "fmla z3.s, p0/m, z4.s, z5.s",
+                    "fmla z11.s, p0/m, z12.s, z13.s",
+                    zero_below!(),
+                    "fmul z0.s, z3.s, z7.s",
+                    "fmul z8.s, z11.s, z15.s",
+                    "mov z0.s, p3/m, #0",
+                    "mov z8.s, p4/m, #0",
+                    st2!($fmt, 0, 8, "y", (1, 2), (9, 10)),
+                    loop2_tail!(),
+                    x = in(reg) inp,
+                    g = in(reg) dout,
+                    y = in(reg) dinp,
+                    n = in(reg) n,
+                    k = in(reg) k,
+                );
+            }
+        }
+    )+};
+}
+
+gelu_kernels! {
+    f32, f32: gelu, gelu_backward;
+    f16, u16: gelu_f16, gelu_backward_f16;
+    bf16, u16: gelu_bf16, gelu_backward_bf16;
 }
 
 /// Head of the four-chain f64 loop: `p1`–`p4` for elements `{i}`, `{j}`, `{j2}`, `{j3}`..
-/// (`{vl}` = f64 lanes apart), each f32 loaded into a 64-bit lane and converted to f64 in
-/// `z0`–`z3`; exits to `4:` when `p1` is empty.
+/// (`{vl}` = f64 lanes apart), each element of `{x}` (`$fmt`, f32 when not given) loaded into
+/// a 64-bit lane and converted to f64 in `z0`–`z3`; exits to `4:` when `p1` is empty.
 macro_rules! loop4_f64_head {
+    () => {
+        concat!(
+            loop4_f64_predicates!(),
+            "ld1w {{z0.d}}, p1/z, [{x}, {i}, lsl #2]\n",
+            "ld1w {{z1.d}}, p2/z, [{x}, {j}, lsl #2]\n",
+            "ld1w {{z2.d}}, p3/z, [{x}, {j2}, lsl #2]\n",
+            "ld1w {{z3.d}}, p4/z, [{x}, {j3}, lsl #2]\n",
+            "fcvt z0.d, p0/m, z0.s\n",
+            "fcvt z1.d, p0/m, z1.s\n",
+            "fcvt z2.d, p0/m, z2.s\n",
+            "fcvt z3.d, p0/m, z3.s\n",
+        )
+    };
+    (f32) => {
+        loop4_f64_head!()
+    };
+    (f16) => {
+        concat!(
+            loop4_f64_half_loads!(),
+            "fcvt z0.d, p0/m, z0.h\n",
+            "fcvt z1.d, p0/m, z1.h\n",
+            "fcvt z2.d, p0/m, z2.h\n",
+            "fcvt z3.d, p0/m, z3.h\n",
+        )
+    };
+    (bf16) => {
+        concat!(
+            loop4_f64_half_loads!(),
+            "lsl z0.d, z0.d, #16\n",
+            "lsl z1.d, z1.d, #16\n",
+            "lsl z2.d, z2.d, #16\n",
+            "lsl z3.d, z3.d, #16\n",
+            "fcvt z0.d, p0/m, z0.s\n",
+            "fcvt z1.d, p0/m, z1.s\n",
+            "fcvt z2.d, p0/m, z2.s\n",
+            "fcvt z3.d, p0/m, z3.s\n",
+        )
+    };
+}
+
+/// [`loop4_f64_head`]'s 16-bit loads, one element into each 64-bit lane.
+macro_rules! loop4_f64_half_loads {
+    () => {
+        concat!(
+            loop4_f64_predicates!(),
+            "ld1h {{z0.d}}, p1/z, [{x}, {i}, lsl #1]\n",
+            "ld1h {{z1.d}}, p2/z, [{x}, {j}, lsl #1]\n",
+            "ld1h {{z2.d}}, p3/z, [{x}, {j2}, lsl #1]\n",
+            "ld1h {{z3.d}}, p4/z, [{x}, {j3}, lsl #1]\n",
+        )
+    };
+}
+
+/// [`loop4_f64_head`]'s loop label, exit and predicates.
+macro_rules! loop4_f64_predicates {
     () => {
         concat!(
             "mov {i}, #0\n",
@@ -805,14 +1228,6 @@ macro_rules! loop4_f64_head {
             "whilelo p2.d, {j}, {n}\n",
             "whilelo p3.d, {j2}, {n}\n",
             "whilelo p4.d, {j3}, {n}\n",
-            "ld1w {{z0.d}}, p1/z, [{x}, {i}, lsl #2]\n",
-            "ld1w {{z1.d}}, p2/z, [{x}, {j}, lsl #2]\n",
-            "ld1w {{z2.d}}, p3/z, [{x}, {j2}, lsl #2]\n",
-            "ld1w {{z3.d}}, p4/z, [{x}, {j3}, lsl #2]\n",
-            "fcvt z0.d, p0/m, z0.s\n",
-            "fcvt z1.d, p0/m, z1.s\n",
-            "fcvt z2.d, p0/m, z2.s\n",
-            "fcvt z3.d, p0/m, z3.s\n",
         )
     };
 }
@@ -847,104 +1262,117 @@ macro_rules! f64_prologue {
     };
 }
 
-/// # Safety
-/// SVE; `x[..n]` readable.
-#[inline(never)]
-#[target_feature(enable = "sve")]
-unsafe fn sum_f64(x: *const f32, n: usize) -> f64 {
-    let bits: u64;
-    // SAFETY: loads predicated on index < n. Registers clobbered.
-    unsafe {
-        sve_asm!(
-            f64_prologue!(),
-            loop4_f64_head!(),
-            "fadd z28.d, p1/m, z28.d, z0.d",
-            "fadd z29.d, p2/m, z29.d, z1.d",
-            "fadd z30.d, p3/m, z30.d, z2.d",
-            "fadd z31.d, p4/m, z31.d, z3.d",
-            loop4_f64_tail!(),
-            x = in(reg) x,
-            n = in(reg) n,
-            r = out(reg) bits,
-            j2 = out(reg) _,
-            j3 = out(reg) _,
-        );
-    }
-    f64::from_bits(bits)
+/// A layernorm row's kernels over `x` (and `out`) of `$fmt` elements (`$t`): the sum and the
+/// sum of squared deviations in f64, and the normalisation.
+macro_rules! layernorm_kernels {
+    ($($fmt:tt, $t:ty: $sum:ident, $sum_sq_dev:ident, $normalise:ident;)+) => {$(
+        /// # Safety
+        /// SVE; `x[..n]` readable.
+        #[inline(never)]
+        #[target_feature(enable = "sve")]
+        unsafe fn $sum(x: *const $t, n: usize) -> f64 {
+            let bits: u64;
+            // SAFETY: loads predicated on index < n. Registers clobbered.
+            unsafe {
+                sve_asm!(
+                    f64_prologue!(),
+                    loop4_f64_head!($fmt),
+                    "fadd z28.d, p1/m, z28.d, z0.d",
+                    "fadd z29.d, p2/m, z29.d, z1.d",
+                    "fadd z30.d, p3/m, z30.d, z2.d",
+                    "fadd z31.d, p4/m, z31.d, z3.d",
+                    loop4_f64_tail!(),
+                    x = in(reg) x,
+                    n = in(reg) n,
+                    r = out(reg) bits,
+                    j2 = out(reg) _,
+                    j3 = out(reg) _,
+                );
+            }
+            f64::from_bits(bits)
+        }
+
+        /// # Safety
+        /// SVE; `x[..n]` readable; `c` points to the f64 centre.
+        #[inline(never)]
+        #[target_feature(enable = "sve")]
+        unsafe fn $sum_sq_dev(x: *const $t, n: usize, c: *const f64) -> f64 {
+            let bits: u64;
+            // SAFETY: loads predicated on index < n; the centre read from *c. Registers
+            // clobbered.
+            unsafe {
+                sve_asm!(
+                    f64_prologue!(),
+                    "ld1rd {{z24.d}}, p0/z, [{k}]",
+                    loop4_f64_head!($fmt),
+                    "fsub z0.d, z0.d, z24.d",
+                    "fsub z1.d, z1.d, z24.d",
+                    "fsub z2.d, z2.d, z24.d",
+                    "fsub z3.d, z3.d, z24.d",
+                    "fmla z28.d, p1/m, z0.d, z0.d",
+                    "fmla z29.d, p2/m, z1.d, z1.d",
+                    "fmla z30.d, p3/m, z2.d, z2.d",
+                    "fmla z31.d, p4/m, z3.d, z3.d",
+                    loop4_f64_tail!(),
+                    x = in(reg) x,
+                    n = in(reg) n,
+                    k = in(reg) c,
+                    r = out(reg) bits,
+                    j2 = out(reg) _,
+                    j3 = out(reg) _,
+                );
+            }
+            f64::from_bits(bits)
+        }
+
+        /// `out = (x − mean)·rstd·w + bias` (`w`, `bias` f32).
+        ///
+        /// # Safety
+        /// SVE; `x`, `w`, `bias[..n]` readable, `out[..n]` writable; `k[..2]`: mean, rstd.
+        #[inline(never)]
+        #[target_feature(enable = "sve")]
+        unsafe fn $normalise(
+            out: *mut $t,
+            x: *const $t,
+            w: *const f32,
+            b: *const f32,
+            n: usize,
+            k: *const f32,
+        ) {
+            // SAFETY: loads and stores predicated on index < n; constants from k[..2].
+            unsafe {
+                sve_asm!(
+                    "ptrue p0.s",
+                    "cntw {vl}",
+                    load_consts!(24 @ 0, 25 @ 4),
+                    loop2_head!("s"),
+                    ld2!($fmt, 0, 8, "x"),
+                    ld2!(1, 9, "w"),
+                    ld2!(2, 10, "b"),
+                    "fsub z0.s, z0.s, z24.s",
+                    "fsub z8.s, z8.s, z24.s",
+                    "fmul z0.s, z0.s, z25.s",
+                    "fmul z8.s, z8.s, z25.s",
+                    "fmad z0.s, p0/m, z1.s, z2.s",
+                    "fmad z8.s, p0/m, z9.s, z10.s",
+                    st2!($fmt, 0, 8, "y", (1, 2), (9, 10)),
+                    loop2_tail!(),
+                    x = in(reg) x,
+                    w = in(reg) w,
+                    b = in(reg) b,
+                    y = in(reg) out,
+                    n = in(reg) n,
+                    k = in(reg) k,
+                );
+            }
+        }
+    )+};
 }
 
-/// # Safety
-/// SVE; `x[..n]` readable; `c` points to the f64 centre.
-#[inline(never)]
-#[target_feature(enable = "sve")]
-unsafe fn sum_sq_dev_f64(x: *const f32, n: usize, c: *const f64) -> f64 {
-    let bits: u64;
-    // SAFETY: loads predicated on index < n; the centre read from *c. Registers clobbered.
-    unsafe {
-        sve_asm!(
-            f64_prologue!(),
-            "ld1rd {{z24.d}}, p0/z, [{k}]",
-            loop4_f64_head!(),
-            "fsub z0.d, z0.d, z24.d",
-            "fsub z1.d, z1.d, z24.d",
-            "fsub z2.d, z2.d, z24.d",
-            "fsub z3.d, z3.d, z24.d",
-            "fmla z28.d, p1/m, z0.d, z0.d",
-            "fmla z29.d, p2/m, z1.d, z1.d",
-            "fmla z30.d, p3/m, z2.d, z2.d",
-            "fmla z31.d, p4/m, z3.d, z3.d",
-            loop4_f64_tail!(),
-            x = in(reg) x,
-            n = in(reg) n,
-            k = in(reg) c,
-            r = out(reg) bits,
-            j2 = out(reg) _,
-            j3 = out(reg) _,
-        );
-    }
-    f64::from_bits(bits)
-}
-
-/// `out = (x − mean)·rstd·w + bias`.
-///
-/// # Safety
-/// SVE; `x`, `w`, `bias[..n]` readable, `out[..n]` writable; `k[..2]`: mean, rstd.
-#[inline(never)]
-#[target_feature(enable = "sve")]
-unsafe fn normalise(
-    out: *mut f32,
-    x: *const f32,
-    w: *const f32,
-    b: *const f32,
-    n: usize,
-    k: *const f32,
-) {
-    // SAFETY: loads and stores predicated on index < n; constants from k[..2].
-    unsafe {
-        sve_asm!(
-            "ptrue p0.s",
-            "cntw {vl}",
-            load_consts!(24 @ 0, 25 @ 4),
-            loop2_head!("s"),
-            ld2!(0, 8, "x"),
-            ld2!(1, 9, "w"),
-            ld2!(2, 10, "b"),
-            "fsub z0.s, z0.s, z24.s",
-            "fsub z8.s, z8.s, z24.s",
-            "fmul z0.s, z0.s, z25.s",
-            "fmul z8.s, z8.s, z25.s",
-            "fmad z0.s, p0/m, z1.s, z2.s",
-            "fmad z8.s, p0/m, z9.s, z10.s",
-            st2!(0, 8, "y"),
-            loop2_tail!(),
-            x = in(reg) x,
-            w = in(reg) w,
-            b = in(reg) b,
-            y = in(reg) out,
-            n = in(reg) n,
-            k = in(reg) k,
-        );
-    }
+layernorm_kernels! {
+    f32, f32: sum_f64, sum_sq_dev_f64, normalise;
+    f16, u16: sum_f64_f16, sum_sq_dev_f64_f16, normalise_f16;
+    bf16, u16: sum_f64_bf16, sum_sq_dev_f64_bf16, normalise_bf16;
 }
 
 /// `sums = [Σ dout·w, Σ dout·w·x̂]` in f64, `x̂ = (x − mean)·rstd` (products in f32, each

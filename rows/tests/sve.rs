@@ -11,7 +11,8 @@ fn sve_row_kernels() {
 
 #[cfg(target_arch = "aarch64")]
 mod sve {
-    use fugu_rows::sve::{AdamWScalars, Sve};
+    use fugu_gemm::precision::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+    use fugu_rows::sve::{AdamWScalars, Half, Sve};
 
     /// f32 unit roundoff.
     const U: f64 = 1.0 / (1u64 << 24) as f64;
@@ -331,6 +332,239 @@ mod sve {
                     (got - want).abs() <= tol,
                     "layernorm backward c={c} j={j}: {got} vs {want}"
                 );
+            }
+        }
+    }
+
+    /// fugu's exact converters for a 16-bit format.
+    fn encode(fmt: Half, x: f32) -> u16 {
+        match fmt {
+            Half::F16 => f32_to_f16(x),
+            Half::Bf16 => f32_to_bf16(x),
+        }
+    }
+    fn decode(fmt: Half, h: u16) -> f32 {
+        match fmt {
+            Half::F16 => f16_to_f32(h),
+            Half::Bf16 => bf16_to_f32(h),
+        }
+    }
+
+    /// A signalling NaN of the format (the hardware's conversions make it quiet, fugu's
+    /// converters keep it as it is: neither arithmetic nor rounding makes one).
+    fn signalling(fmt: Half, h: u16) -> bool {
+        match fmt {
+            Half::F16 => h & 0x7c00 == 0x7c00 && h & 0x3ff != 0 && h & 0x200 == 0,
+            Half::Bf16 => h & 0x7f80 == 0x7f80 && h & 0x7f != 0 && h & 0x40 == 0,
+        }
+    }
+
+    /// A 16-bit buffer with `data` at offset 3 and guards around it (as [`Guarded`]).
+    struct Guarded16 {
+        buf: Vec<u16>,
+        n: usize,
+    }
+    const GUARD16: u16 = 0xA5A5;
+    impl Guarded16 {
+        fn new(n: usize) -> Guarded16 {
+            Guarded16 {
+                buf: vec![GUARD16; GUARD + n + TAIL],
+                n,
+            }
+        }
+        fn slice(&mut self) -> &mut [u16] {
+            &mut self.buf[GUARD..GUARD + self.n]
+        }
+        fn data(&self) -> &[u16] {
+            &self.buf[GUARD..GUARD + self.n]
+        }
+        fn check(&self, what: &str) {
+            let outside = self.buf[..GUARD].iter().chain(&self.buf[GUARD + self.n..]);
+            assert!(
+                outside.into_iter().all(|&v| v == GUARD16),
+                "{what}: wrote outside its slice (n = {})",
+                self.n
+            );
+        }
+    }
+
+    /// The same bits, or both NaN.
+    fn same16(a: u16, b: u16, fmt: Half) -> bool {
+        a == b || (decode(fmt, a).is_nan() && decode(fmt, b).is_nan())
+    }
+
+    /// Rounding into f16/bf16 gives fugu's converters' bits on f32 patterns across the whole
+    /// range (a stride through all 2^32, and every pattern around the rounding ties, the
+    /// overflow threshold, the subnormals and the NaNs); widening gives theirs on all 65,536
+    /// 16-bit patterns (signalling NaNs: both NaN). Guards around every output.
+    #[test]
+    fn half_rounding_and_widening_are_fugus_converters() {
+        let Some(s) = sve() else { return };
+        for fmt in [Half::F16, Half::Bf16] {
+            let mut xs: Vec<f32> = (0..(1u64 << 32))
+                .step_by(997)
+                .map(|b| f32::from_bits(b as u32))
+                .collect();
+            for centre in [
+                0x3f80_0000u32, // 1.0
+                0x3f80_8000,    // a bf16 tie
+                0x3f80_1000,    // an f16 tie
+                0x477f_f000,    // near f16's largest (65504)
+                0x4780_0000,    // 65536
+                0x3380_0000,    // 2^-24: f16's smallest subnormal
+                0x3880_0000,    // 2^-14: f16's smallest normal
+                0x7f7f_ffff,    // f32's largest
+                0x7f80_0000,    // infinity
+                0x7fc0_0000,    // NaN
+                0x0000_0001,    // f32's smallest subnormal
+            ] {
+                for d in 0..4096u32 {
+                    for sign in [0, 0x8000_0000u32] {
+                        xs.push(f32::from_bits(
+                            centre.wrapping_add(d).wrapping_sub(2048) | sign,
+                        ));
+                    }
+                }
+            }
+            let mut out = Guarded16::new(xs.len());
+            s.round_half(fmt, out.slice(), &xs);
+            out.check("round_half");
+            for (x, &h) in xs.iter().zip(out.data()) {
+                let want = encode(fmt, *x);
+                assert!(
+                    h == want || (x.is_nan() && decode(fmt, h).is_nan()),
+                    "{fmt:?}: {x:e} ({:#010x}) rounds to {h:#06x}, fugu's converter {want:#06x}",
+                    x.to_bits()
+                );
+            }
+            let all: Vec<u16> = (0..=u16::MAX).collect();
+            for n in lengths(&s).into_iter().chain([all.len()]) {
+                let mut wide = Guarded::new(&vec![0.0; n]);
+                s.widen_half(fmt, wide.slice(), &all[..n]);
+                wide.check("widen_half");
+                for (&h, &v) in all[..n].iter().zip(wide.data()) {
+                    let want = decode(fmt, h);
+                    if signalling(fmt, h) {
+                        assert!(v.is_nan(), "{fmt:?} {h:#06x}");
+                    } else {
+                        assert_eq!(v.to_bits(), want.to_bits(), "{fmt:?} {h:#06x}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows of `n` values in `[lo, hi)` rounded to the format, with the format's specials
+    /// (zeros, infinities, a NaN, the largest finite value, subnormals) in the first places.
+    fn half_row(fmt: Half, n: usize, seed: u64, lo: f32, hi: f32) -> Vec<u16> {
+        let mut v: Vec<u16> = values(n, seed, lo, hi)
+            .iter()
+            .map(|&x| encode(fmt, x))
+            .collect();
+        let largest = match fmt {
+            Half::F16 => 0x7bff,
+            Half::Bf16 => 0x7f7f,
+        };
+        let specials = [
+            0x0000,
+            0x8000,
+            0x7c00 | 0x8000,
+            0x7e00,
+            largest,
+            0x0001,
+            0x83ff,
+        ];
+        for (d, &sp) in v.iter_mut().zip(&specials) {
+            *d = match (fmt, sp) {
+                (Half::Bf16, 0xfc00) => 0xff80,
+                (Half::Bf16, 0x7e00) => 0x7fc0,
+                _ => sp,
+            };
+        }
+        v
+    }
+
+    /// The 16-bit GELU and layernorm kernels give the bits of their f32 forms run on the
+    /// widened rows and rounded once by fugu's converters (so a 16-bit run of the trainer
+    /// computes what the staged f32 path computes), on lengths around the vector length, with
+    /// the formats' specials in the rows; and against f64: within the f32 kernel's bound plus
+    /// one rounding to the format (half an ulp of it: 2^-11 for f16, 2^-8 for bf16, relative).
+    #[test]
+    fn half_gelu_and_layernorm_are_their_f32_forms_rounded() {
+        let Some(s) = sve() else { return };
+        let wide =
+            |fmt: Half, h: &[u16]| -> Vec<f32> { h.iter().map(|&b| decode(fmt, b)).collect() };
+        let round =
+            |fmt: Half, x: &[f32]| -> Vec<u16> { x.iter().map(|&v| encode(fmt, v)).collect() };
+        for fmt in [Half::F16, Half::Bf16] {
+            let half_u = match fmt {
+                Half::F16 => 1.0 / 2048.0,
+                Half::Bf16 => 1.0 / 256.0,
+            };
+            for n in lengths(&s).into_iter().chain([3001]) {
+                let x = half_row(fmt, n, 70 + n as u64, -8.0, 8.0);
+                let g = half_row(fmt, n, 80 + n as u64, -1.0, 1.0);
+                let (xf, gf) = (wide(fmt, &x), wide(fmt, &g));
+                let mut want = vec![0.0f32; n];
+                s.gelu(&mut want, &xf);
+                let mut out = Guarded16::new(n);
+                s.gelu_half(fmt, out.slice(), &x);
+                out.check("gelu_half");
+                for (j, (&h, w)) in out.data().iter().zip(round(fmt, &want)).enumerate() {
+                    assert!(
+                        same16(h, w, fmt),
+                        "{fmt:?} gelu n={n} j={j}: {h:#06x} vs {w:#06x}"
+                    );
+                    let xj = xf[j] as f64;
+                    if xj.is_finite() && xj.abs() < 60.0 {
+                        let y = gelu64(xj).0;
+                        let got = decode(fmt, h) as f64;
+                        let tol = half_u * y.abs() + 64.0 * U * (1.0 + xj.abs()) * y.abs() + 1e-7;
+                        assert!((got - y).abs() <= tol, "{fmt:?} gelu({xj}) = {got} vs {y}");
+                    }
+                }
+                s.gelu_backward(&mut want, &xf, &gf);
+                let mut din = Guarded16::new(n);
+                s.gelu_backward_half(fmt, din.slice(), &x, &g);
+                din.check("gelu_backward_half");
+                for (j, (&h, w)) in din.data().iter().zip(round(fmt, &want)).enumerate() {
+                    assert!(
+                        same16(h, w, fmt),
+                        "{fmt:?} gelu' n={n} j={j}: {h:#06x} vs {w:#06x}"
+                    );
+                }
+            }
+            let eps = 1e-5;
+            for c in lengths(&s).into_iter().filter(|&c| c > 0).chain([768]) {
+                let x: Vec<u16> = round(fmt, &values(c, 5 + c as u64, -3.0, 4.0));
+                let w = values(c, 6 + c as u64, 0.5, 1.5);
+                let b = values(c, 7 + c as u64, -0.2, 0.2);
+                let xf = wide(fmt, &x);
+                let mut want = vec![0.0f32; c];
+                let stats = s.layernorm_row(&mut want, &xf, &w, &b, eps);
+                let mut out = Guarded16::new(c);
+                let got = s.layernorm_row_half(fmt, out.slice(), &x, &w, &b, eps);
+                out.check("layernorm_row_half");
+                assert_eq!(got, stats, "{fmt:?} layernorm stats c={c}");
+                let mu = xf.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
+                let var = xf.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / c as f64;
+                for (j, (&h, wv)) in out.data().iter().zip(round(fmt, &want)).enumerate() {
+                    assert_eq!(h, wv, "{fmt:?} layernorm c={c} j={j}");
+                    let y = (xf[j] as f64 - mu) / (var + eps).sqrt() * w[j] as f64 + b[j] as f64;
+                    let terms = ((xf[j] as f64 - mu) / (var + eps).sqrt() * w[j] as f64).abs()
+                        + (b[j] as f64).abs();
+                    // The f32 kernel's roundings (as in the f32 test, and the mean's rounding
+                    // to f32 carried through rstd·w), then one rounding to the format.
+                    let rs = 1.0 / (var + eps).sqrt();
+                    let tol = half_u * y.abs()
+                        + 8.0 * U * (terms + mu.abs() * rs * (w[j] as f64).abs())
+                        + 1e-30;
+                    let v = decode(fmt, h) as f64;
+                    assert!(
+                        (v - y).abs() <= tol,
+                        "{fmt:?} layernorm c={c} j={j}: {v} vs {y}"
+                    );
+                }
             }
         }
     }

@@ -596,6 +596,12 @@ impl Backend for CpuBackend {
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {
+        // 16-bit spans: the 16-bit kernel on the stored bits.
+        if self.mem.run_elementwise_bits([out], [inp], |dt, [o], [i]| {
+            ops::half_rows::gelu_forward(dt, o, i)
+        }) {
+            return;
+        }
         // Elementwise: rows of one element.
         let each = |s| Rows::of(s, 1);
         self.mem.run_rows(
@@ -608,6 +614,15 @@ impl Backend for CpuBackend {
     }
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
+        // 16-bit spans: the 16-bit kernel on the stored bits.
+        if self
+            .mem
+            .run_elementwise_bits([dinp], [inp, dout], |dt, [di], [i, d]| {
+                ops::half_rows::gelu_backward(dt, di, i, d)
+            })
+        {
+            return;
+        }
         // Elementwise: rows of one element.
         let each = |s| Rows::of(s, 1);
         let read = [each(inp), each(dout)];

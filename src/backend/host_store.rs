@@ -8,15 +8,19 @@
 //! thus compute in `f32` on exactly the values a device stores and round what they write
 //! once, as before storage was typed: the results are bit for bit the same. The stage holds
 //! one op's 16-bit spans at a time (the largest: the LM head's logits), so it is what a 16-bit
-//! run pays in memory on top of its buffers.
+//! run pays in memory on top of its buffers. Row ops stage in cache-sized chunks of rows
+//! ([`HostStore::run_rows`]), GEMMs read 16-bit operands as stored
+//! ([`HostStore::run_rows_stored`]), and ops with 16-bit kernels of their own get the bits
+//! ([`HostStore::run_elementwise_bits`]). The conversions are `ops::half_rows`' (fugu-rows'
+//! SVE kernels on a CPU with SVE).
 
 use super::host_buf::HostBuf;
 use super::{BufId, Span};
-use crate::dtype::{bf16_to_f32, f32_to_bf16, Dtype};
+use crate::dtype::Dtype;
+use crate::ops::half_rows;
 use anyhow::Result;
 use fugu_gemm::half::slice::HalfBitsSliceExt;
 use fugu_gemm::half::{bf16, f16};
-use fugu_gemm::precision::{f16_bits_of, f16_value_of};
 use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::Mutex;
@@ -489,6 +493,67 @@ impl HostStore {
         }
     }
 
+    /// Runs an elementwise op on spans of one 16-bit type as they are stored (bits, no stage):
+    /// `op` gets the type and equal pieces of every span (about [`ROW_CHUNK`] elements), the
+    /// pieces in parallel; for kernels that read and write 16-bit values themselves
+    /// (`ops::half_rows`). Returns `false`, running nothing, unless every span is of one
+    /// 16-bit type (the caller then runs its f32 op through [`Self::run_rows`]).
+    ///
+    /// Panics as [`Self::run`] does, and if the spans' lengths differ.
+    pub fn run_elementwise_bits<const W: usize, const R: usize>(
+        &mut self,
+        w: [Span; W],
+        r: [Span; R],
+        op: impl for<'a> Fn(Dtype, [&'a mut [u16]; W], [&'a [u16]; R]) + Sync,
+    ) -> bool {
+        let Some(&first) = w.first() else {
+            return false;
+        };
+        let dt = self.dtype(first.buf);
+        if dt == Dtype::F32 || w.iter().chain(&r).any(|x| self.dtype(x.buf) != dt) {
+            return false;
+        }
+        self.check_call(&w, &r);
+        let n = first.len;
+        assert!(
+            w.iter().chain(&r).all(|x| x.len == n),
+            "elementwise: spans of different lengths"
+        );
+        let bases: Vec<Addr> = self
+            .bufs
+            .iter_mut()
+            .map(|b| match b {
+                Store::Bits16(b) => Addr(b.as_mut_slice().as_mut_ptr() as usize),
+                Store::F32(_) => Addr(0),
+            })
+            .collect();
+        let piece =
+            |c: usize, x: &Span| (x.offset + c * ROW_CHUNK, ROW_CHUNK.min(n - c * ROW_CHUNK));
+        (0..n.div_ceil(ROW_CHUNK)).into_par_iter().for_each(|c| {
+            // SAFETY: every span lies inside its 16-bit buffer (checked above), piece `c` of
+            // each inside it; no written span overlaps another span of the call, and the
+            // pieces of one span are disjoint, so each written piece is this task's alone
+            // and no task writes what another reads. The slices cannot outlive `op`.
+            let wm: [&mut [u16]; W] = std::array::from_fn(|i| unsafe {
+                let (at, len) = piece(c, &w[i]);
+                std::slice::from_raw_parts_mut(
+                    (bases[w[i].buf.0 as usize].0 as *mut u16).add(at),
+                    len,
+                )
+            });
+            // SAFETY: as above (read only).
+            let rm: [&[u16]; R] = std::array::from_fn(|i| unsafe {
+                let (at, len) = piece(c, &r[i]);
+                std::slice::from_raw_parts(
+                    (bases[r[i].buf.0 as usize].0 as *const u16).add(at),
+                    len,
+                )
+            });
+            op(dt, wm, rm);
+        });
+        true
+    }
+
     /// Panics unless every span lies inside its buffer and no written span overlaps another
     /// span of the call (reads may overlap each other).
     fn check_call(&self, written: &[Span], read: &[Span]) {
@@ -542,31 +607,11 @@ fn encode(dt: Dtype, src: &[f32], dst: &mut [u16]) {
 }
 
 fn decode_serial(dt: Dtype, src: &[u16], dst: &mut [f32]) {
-    match dt {
-        Dtype::Bf16 => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, &s)| *d = bf16_to_f32(s)),
-        Dtype::F16 => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, &s)| *d = f16_value_of(s)),
-        Dtype::F32 => unreachable!("f32 spans are not staged"),
-    }
+    half_rows::widen(dt, src, dst);
 }
 
 fn encode_serial(dt: Dtype, src: &[f32], dst: &mut [u16]) {
-    match dt {
-        Dtype::Bf16 => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, &s)| *d = f32_to_bf16(s)),
-        Dtype::F16 => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, &s)| *d = f16_bits_of(s)),
-        Dtype::F32 => unreachable!("f32 spans are not staged"),
-    }
+    half_rows::round(dt, src, dst);
 }
 
 #[cfg(test)]
@@ -615,6 +660,60 @@ mod tests {
 
     /// Rows run in chunks (16-bit rows staged per chunk, whole spans once) give the values of
     /// one call on every row, bit for bit, in either chunking and for rows of one element.
+    #[test]
+    fn elementwise_bits_cover_the_spans_and_refuse_mixed_types() {
+        // More than two pieces, spans at odd offsets: each output element is its input's bits
+        // plus the other input's, so a piece out of place or missed shows.
+        let n = 2 * ROW_CHUNK + 77;
+        for dt in [Dtype::Bf16, Dtype::F16] {
+            let mut st = HostStore::default();
+            let a = st.alloc(n + 5, dt).unwrap();
+            let b = st.alloc(n + 3, dt).unwrap();
+            let out = st.alloc(n + 1, dt).unwrap();
+            let (sa, sb, so) = (span(a, 5, n), span(b, 3, n), span(out, 1, n));
+            let pattern =
+                |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * k) % 251) as f32).collect() };
+            st.upload(sa, &pattern(3));
+            st.upload(sb, &pattern(5));
+            let ran = st.run_elementwise_bits([so], [sa, sb], |t, [o], [x, y]| {
+                assert_eq!(t, dt);
+                for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                    *o = x.wrapping_add(y);
+                }
+            });
+            assert!(ran, "{dt:?}");
+            let bits = |s: Span| -> Vec<u16> {
+                let mut v = vec![0.0f32; n];
+                st.download(s, &mut v);
+                let mut h = vec![0u16; n];
+                half_rows::round(dt, &v, &mut h);
+                h
+            };
+            let want: Vec<u16> = bits(sa)
+                .iter()
+                .zip(bits(sb))
+                .map(|(&x, y)| x.wrapping_add(y))
+                .collect();
+            assert_eq!(bits(so), want, "{dt:?}");
+            // An f32 span, or another 16-bit type, among them: nothing runs.
+            let f = st.alloc(n, Dtype::F32).unwrap();
+            let other = st
+                .alloc(
+                    n,
+                    if dt == Dtype::F16 {
+                        Dtype::Bf16
+                    } else {
+                        Dtype::F16
+                    },
+                )
+                .unwrap();
+            for s in [span(f, 0, n), span(other, 0, n)] {
+                assert!(!st.run_elementwise_bits([so], [s], |_, _, _| panic!("ran")));
+                assert!(!st.run_elementwise_bits([s], [sa], |_, _, _| panic!("ran")));
+            }
+        }
+    }
+
     #[test]
     fn row_chunks_equal_one_call() {
         let (n, c) = (1000, 37);

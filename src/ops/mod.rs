@@ -26,6 +26,7 @@
 //! | `linear.rs` | `y = x·W + b`, W in Conv1D (in, out) or (out, in) layout |
 //! | `attention.rs` | causal attention on fused qkv: scores, softmax, values (+ backward) |
 //! | `gelu.rs` | GELU, tanh approximation |
+//! | `half_rows.rs` | rows stored in 16 bits: conversions to and from f32, and the ops with 16-bit kernels (GELU; fugu-rows' SVE `*_half` kernels) |
 //! | `residual.rs` | residual add |
 //! | `crossentropy.rs` | fused softmax + cross-entropy in phases (vocabulary-parallel ready) |
 //! | `adamw.rs` | PyTorch AdamW step, sum of squares for gradient clipping |
@@ -38,6 +39,7 @@ pub mod encoder;
 pub mod fastmath;
 pub mod float;
 pub mod gelu;
+pub mod half_rows;
 pub mod layernorm;
 pub mod linear;
 pub mod residual;

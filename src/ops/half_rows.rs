@@ -1,0 +1,189 @@
+//! Rows stored in 16 bits (the CPU backend's bf16/f16 buffers, as bits): their conversion to
+//! and from f32, and the ops that read and write them as stored. On a CPU with SVE these are
+//! fugu-rows' `*_half` kernels, which widen each value as they load it and round each result
+//! as they store it; elsewhere each piece of a row is widened into a small f32 buffer (in L1),
+//! the f32 kernel runs on it and the result is rounded back. Both give the bits of the f32 op
+//! run on the widened rows and rounded once (`rows/tests/sve.rs` checks the kernels against
+//! fugu-gemm's converters), so which runs does not change a value.
+
+#[cfg(target_arch = "aarch64")]
+use super::row_isa::{row_isa, RowIsa};
+use crate::dtype::Dtype;
+use fugu_gemm::precision::{bf16_to_f32, f16_bits_of, f16_value_of, f32_to_bf16};
+
+/// Elements per piece where a row is widened into an f32 buffer (16 KiB).
+const PIECE: usize = 4096;
+
+/// `dst[j] = src[j]` widened from `dt` (bits) to f32, exactly.
+pub fn widen(dt: Dtype, src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "half_rows::widen: lengths differ");
+    #[cfg(target_arch = "aarch64")]
+    if let RowIsa::Sve(sve) = row_isa() {
+        return sve.widen_half(half(dt), dst, src);
+    }
+    match dt {
+        Dtype::Bf16 => widen_bf16(src, dst),
+        Dtype::F16 => widen_f16(src, dst),
+        Dtype::F32 => panic!("half_rows::widen: f32 is not a 16-bit type"),
+    }
+}
+
+/// `dst[j] = src[j]` rounded to `dt` (nearest even), as bits.
+pub fn round(dt: Dtype, src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len(), "half_rows::round: lengths differ");
+    #[cfg(target_arch = "aarch64")]
+    if let RowIsa::Sve(sve) = row_isa() {
+        return sve.round_half(half(dt), dst, src);
+    }
+    match dt {
+        Dtype::Bf16 => round_bf16(src, dst),
+        Dtype::F16 => round_f16(src, dst),
+        Dtype::F32 => panic!("half_rows::round: f32 is not a 16-bit type"),
+    }
+}
+
+#[inline(always)]
+fn widen_bf16_body(src: &[u16], dst: &mut [f32]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, &s)| *d = bf16_to_f32(s));
+}
+
+#[inline(always)]
+fn widen_f16_body(src: &[u16], dst: &mut [f32]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, &s)| *d = f16_value_of(s));
+}
+
+#[inline(always)]
+fn round_bf16_body(src: &[f32], dst: &mut [u16]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, &s)| *d = f32_to_bf16(s));
+}
+
+#[inline(always)]
+fn round_f16_body(src: &[f32], dst: &mut [u16]) {
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, &s)| *d = f16_bits_of(s));
+}
+
+// The conversions compiled for the widest x86 vectors (exact integer and float operations:
+// every variant gives the same bits). On SVE, `widen` and `round` call fugu-rows instead.
+super::row_isa::dispatch_rows! {
+    fn widen_bf16(src: &[u16], dst: &mut [f32]) = widen_bf16_body;
+}
+super::row_isa::dispatch_rows! {
+    fn widen_f16(src: &[u16], dst: &mut [f32]) = widen_f16_body;
+}
+super::row_isa::dispatch_rows! {
+    fn round_bf16(src: &[f32], dst: &mut [u16]) = round_bf16_body;
+}
+super::row_isa::dispatch_rows! {
+    fn round_f16(src: &[f32], dst: &mut [u16]) = round_f16_body;
+}
+
+/// [`super::gelu::gelu_forward`] on rows stored in `dt`: `out` is overwritten.
+pub fn gelu_forward(dt: Dtype, out: &mut [u16], inp: &[u16]) {
+    assert_eq!(
+        out.len(),
+        inp.len(),
+        "half_rows::gelu_forward: lengths differ"
+    );
+    #[cfg(target_arch = "aarch64")]
+    if let RowIsa::Sve(sve) = row_isa() {
+        return sve.gelu_half(half(dt), out, inp);
+    }
+    let mut x = [0.0f32; PIECE];
+    let mut y = [0.0f32; PIECE];
+    for (o, i) in out.chunks_mut(PIECE).zip(inp.chunks(PIECE)) {
+        let n = i.len();
+        widen(dt, i, &mut x[..n]);
+        super::gelu::gelu_rows_f32(&mut y[..n], &x[..n]);
+        round(dt, &y[..n], o);
+    }
+}
+
+/// [`super::gelu::gelu_backward`] on rows stored in `dt`: `dinp` is overwritten.
+pub fn gelu_backward(dt: Dtype, dinp: &mut [u16], inp: &[u16], dout: &[u16]) {
+    assert_eq!(
+        dinp.len(),
+        inp.len(),
+        "half_rows::gelu_backward: dinp length"
+    );
+    assert_eq!(
+        dout.len(),
+        inp.len(),
+        "half_rows::gelu_backward: dout length"
+    );
+    #[cfg(target_arch = "aarch64")]
+    if let RowIsa::Sve(sve) = row_isa() {
+        return sve.gelu_backward_half(half(dt), dinp, inp, dout);
+    }
+    let mut x = [0.0f32; PIECE];
+    let mut g = [0.0f32; PIECE];
+    let mut d = [0.0f32; PIECE];
+    for ((o, i), go) in dinp
+        .chunks_mut(PIECE)
+        .zip(inp.chunks(PIECE))
+        .zip(dout.chunks(PIECE))
+    {
+        let n = i.len();
+        widen(dt, i, &mut x[..n]);
+        widen(dt, go, &mut g[..n]);
+        super::gelu::gelu_backward_rows_f32(&mut d[..n], &x[..n], &g[..n]);
+        round(dt, &d[..n], o);
+    }
+}
+
+/// fugu-rows' name of a 16-bit type.
+#[cfg(target_arch = "aarch64")]
+fn half(dt: Dtype) -> fugu_rows::sve::Half {
+    match dt {
+        Dtype::F16 => fugu_rows::sve::Half::F16,
+        Dtype::Bf16 => fugu_rows::sve::Half::Bf16,
+        Dtype::F32 => panic!("half_rows: f32 is not a 16-bit type"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 16-bit GELU is the f32 GELU of the widened rows, rounded once by fugu's converters
+    /// (whichever kernel runs: fugu-rows' on SVE, the staged pieces elsewhere), over more than
+    /// one piece and with an uneven tail; and widening then rounding is the identity.
+    #[test]
+    fn gelu_on_16_bit_rows_is_the_f32_gelu_rounded() {
+        let n = 2 * PIECE + 37;
+        let xs: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 2000) as f32 / 125.0 - 8.0)
+            .collect();
+        let gs: Vec<f32> = (0..n)
+            .map(|i| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        for dt in [Dtype::Bf16, Dtype::F16] {
+            let enc = |v: &[f32]| {
+                let mut h = vec![0u16; v.len()];
+                round(dt, v, &mut h);
+                h
+            };
+            let (x, g) = (enc(&xs), enc(&gs));
+            let mut xw = vec![0.0f32; n];
+            let mut gw = vec![0.0f32; n];
+            widen(dt, &x, &mut xw);
+            widen(dt, &g, &mut gw);
+            assert_eq!(enc(&xw), x, "{dt:?}: widen then round");
+            let mut want = vec![0.0f32; n];
+            super::super::gelu::gelu_forward(&mut want, &xw);
+            let mut out = vec![0u16; n];
+            gelu_forward(dt, &mut out, &x);
+            assert_eq!(out, enc(&want), "{dt:?} forward");
+            super::super::gelu::gelu_backward(&mut want, &xw, &gw);
+            gelu_backward(dt, &mut out, &x, &g);
+            assert_eq!(out, enc(&want), "{dt:?} backward");
+        }
+    }
+}
