@@ -188,24 +188,55 @@ impl HostStore {
         }
     }
 
-    /// `dst = src`, rounded to `dst`'s type (bits copied as they are between spans of one
-    /// 16-bit type).
+    /// `dst = src`, rounded to `dst`'s type: bits copied as they are between spans of one
+    /// type, f32 rounded straight into a 16-bit span and 16-bit values widened straight into
+    /// an f32 one (no stage: the compute copy of the weights is refreshed this way); only
+    /// between the two 16-bit types through the stage.
     pub fn copy(&mut self, dst: Span, src: Span) {
         assert_eq!(dst.len, src.len, "copy: span lengths differ");
+        self.check_call(&[dst], &[src]);
         let (dd, ds) = (self.dtype(dst.buf), self.dtype(src.buf));
-        if dd == ds && dd != Dtype::F32 {
-            self.check(&[dst, src]);
-            assert!(!dst.overlaps(src), "copy: {dst:?} overlaps {src:?}");
-            let mut bits = vec![0u16; 0];
-            if let Store::Bits16(b) = &self.bufs[src.buf.0 as usize] {
-                bits.extend_from_slice(&b.as_slice()[src.range()]);
-            }
-            if let Store::Bits16(b) = &mut self.bufs[dst.buf.0 as usize] {
-                b.as_mut_slice()[dst.range()].copy_from_slice(&bits);
+        if dst.buf == src.buf {
+            match &mut self.bufs[dst.buf.0 as usize] {
+                Store::F32(b) => b.as_mut_slice().copy_within(src.range(), dst.offset),
+                Store::Bits16(b) => b.as_mut_slice().copy_within(src.range(), dst.offset),
             }
             return;
         }
-        self.run([dst], [src], |[d], [s]| d.copy_from_slice(s));
+        match self.two(dst.buf, src.buf) {
+            (Store::F32(d), Store::F32(s)) => {
+                d.as_mut_slice()[dst.range()].copy_from_slice(&s.as_slice()[src.range()])
+            }
+            (Store::Bits16(d), Store::Bits16(s)) if dd == ds => {
+                d.as_mut_slice()[dst.range()].copy_from_slice(&s.as_slice()[src.range()])
+            }
+            (Store::Bits16(d), Store::F32(s)) => encode(
+                dd,
+                &s.as_slice()[src.range()],
+                &mut d.as_mut_slice()[dst.range()],
+            ),
+            (Store::F32(d), Store::Bits16(s)) => decode(
+                ds,
+                &s.as_slice()[src.range()],
+                &mut d.as_mut_slice()[dst.range()],
+            ),
+            (Store::Bits16(_), Store::Bits16(_)) => {
+                self.run([dst], [src], |[d], [s]| d.copy_from_slice(s))
+            }
+        }
+    }
+
+    /// Buffer `dst` to write and buffer `src` to read (two different buffers).
+    fn two(&mut self, dst: BufId, src: BufId) -> (&mut Store, &Store) {
+        let (d, s) = (dst.0 as usize, src.0 as usize);
+        assert_ne!(d, s, "two: the same buffer");
+        if d < s {
+            let (lo, hi) = self.bufs.split_at_mut(s);
+            (&mut lo[d], &hi[0])
+        } else {
+            let (lo, hi) = self.bufs.split_at_mut(d);
+            (&mut hi[0], &lo[s])
+        }
     }
 
     /// Runs `op` on `f32` views of the spans it writes (`w`, read first: some ops update in
