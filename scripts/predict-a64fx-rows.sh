@@ -239,7 +239,10 @@ for build in ("a64fx", "generic"):
         rows.append((sym, build, kinds, len(loops), cpe, note))
 
 funcs = functions(os.path.join(out, "sve-asm.dis"))
-for sym, hand in HALF.items():
+
+
+def hand_written(sym, hand, build):
+    """The row of fugu-rows kernels `hand` (one loop each) standing for `sym`."""
     loops, missing = [], []
     for h in hand:
         body = find(funcs, h)
@@ -248,23 +251,13 @@ for sym, hand in HALF.items():
             missing.append(h)
         loops += found[:1]
     if missing:
-        rows.append((sym, "sve-f16", None, None, None, "no loop in " + ", ".join(missing)))
-        continue
-    cpe, kinds, note = timed(loops, "sve-f16", sym)
-    rows.append((sym, "sve-f16", kinds, len(loops), cpe, note))
-for sym, _, what, hand in KERNELS:
-    loops, missing = [], []
-    for h in hand:
-        body = find(funcs, h)
-        found = vector_loops(body) if body else []
-        if not found:
-            missing.append(h)
-        loops += found[:1]
-    if missing:
-        rows.append((sym, "sve-asm", None, None, None, "no loop in " + ", ".join(missing)))
-        continue
-    cpe, kinds, note = timed(loops, "sve-asm", sym)
-    rows.append((sym, "sve-asm", kinds, len(loops), cpe, note))
+        return (sym, build, None, None, None, "no loop in " + ", ".join(missing))
+    cpe, kinds, note = timed(loops, build, sym)
+    return (sym, build, kinds, len(loops), cpe, note)
+
+
+rows += [hand_written(sym, hand, "sve-f16") for sym, hand in HALF.items()]
+rows += [hand_written(sym, hand, "sve-asm") for sym, _, _, hand in KERNELS]
 
 with open(os.path.join(out, "rows.tsv"), "w") as f:
     f.write("kernel\tbuild\tvectors\tloops\tcycles_per_element\n")

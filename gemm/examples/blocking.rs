@@ -354,6 +354,7 @@ fn main() {
                 },
                 blocking,
                 f16_chunked: None,
+                bf16_native: None,
                 split: None,
             })
             .unwrap()

@@ -233,14 +233,22 @@ impl KernelChoice {
     }
 
     /// The kernel for GEMMs at `prec`, with the f16 accumulation `f16_chunked` asks for
-    /// ([`crate::RuntimeConfig::f16_chunked`]): the native kernel of `prec` where there is
-    /// one, the portable f16-chunk emulation when chunks are asked for and there is no native
-    /// f16 kernel, the f32 kernel (fed operands that the packing rounds to `prec`) otherwise.
-    pub fn at(&self, prec: Precision, f16_chunked: Option<bool>) -> Kernel {
+    /// ([`crate::RuntimeConfig::f16_chunked`]) and the bf16 kernel `bf16_native` asks for
+    /// ([`crate::RuntimeConfig::bf16_native`]): the native kernel of `prec` where there is
+    /// one (and bf16's is not declined), the portable f16-chunk emulation when chunks are
+    /// asked for and there is no native f16 kernel, the f32 kernel (fed operands that the
+    /// packing rounds to `prec`) otherwise.
+    pub fn at(
+        &self,
+        prec: Precision,
+        f16_chunked: Option<bool>,
+        bf16_native: Option<bool>,
+    ) -> Kernel {
         let native = native_16bit_kernel(self.native_isa, prec).unwrap_or(self.f32);
-        match (prec, f16_chunked) {
-            (Precision::F16, Some(false)) => self.f32,
-            (Precision::F16, Some(true)) if native.accumulation == Accumulation::F32 => {
+        match (prec, f16_chunked, bf16_native) {
+            (Precision::Bf16, _, Some(false)) => self.f32,
+            (Precision::F16, Some(false), _) => self.f32,
+            (Precision::F16, Some(true), _) if native.accumulation == Accumulation::F32 => {
                 arch::portable::f16_chunked_kernel()
             }
             _ => native,
@@ -248,8 +256,8 @@ impl KernelChoice {
     }
 
     /// The kernel of each precision, in the order of [`Precision::ALL`] ([`Self::at`]).
-    pub fn all(&self, f16_chunked: Option<bool>) -> [Kernel; 3] {
-        Precision::ALL.map(|p| self.at(p, f16_chunked))
+    pub fn all(&self, f16_chunked: Option<bool>, bf16_native: Option<bool>) -> [Kernel; 3] {
+        Precision::ALL.map(|p| self.at(p, f16_chunked, bf16_native))
     }
 }
 
@@ -381,15 +389,26 @@ mod tests {
         };
         assert_eq!(choice.f32.isa, want_f32);
         assert_eq!(choice.native_isa, widest.isa);
-        let bf16 = choice.at(Precision::Bf16, None);
+        let bf16 = choice.at(Precision::Bf16, None, None);
         match native_16bit_kernel(widest.isa, Precision::Bf16) {
             Some(k) => assert_eq!((bf16.isa, bf16.operand), (k.isa, k.operand)),
             None => assert_eq!(bf16.isa, choice.f32.isa),
         }
+        // Declining the native bf16 kernel (FUGU_GEMM_BF16=f32) gives the f32 kernel, and
+        // leaves the other precisions' kernels as they were.
+        let declined = choice.at(Precision::Bf16, None, Some(false));
+        assert_eq!(
+            (declined.isa, declined.operand),
+            (choice.f32.isa, choice.f32.operand)
+        );
+        for p in [Precision::F32, Precision::F16] {
+            let (a, b) = (choice.at(p, None, Some(false)), choice.at(p, None, None));
+            assert_eq!((a.isa, a.operand, a.mr), (b.isa, b.operand, b.mr));
+        }
         for isa in available_isas() {
             let forced = KernelChoice::new(Some(isa)).unwrap();
             assert!(forced
-                .all(None)
+                .all(None, None)
                 .iter()
                 .all(|k| k.isa == isa
                     || (k.isa == Isa::Portable && k.accumulation != Accumulation::F32)));

@@ -29,6 +29,12 @@ pub struct RuntimeConfig {
     /// in f32 (the f32 kernel after an f16 rounding pack). `None`: chunks where a native f16
     /// kernel exists, f32 elsewhere.
     pub f16_chunked: Option<bool>,
+    /// Which kernel bf16 GEMMs run (`FUGU_GEMM_BF16=native|f32`): `Some(false)` the f32
+    /// kernel after a bf16 rounding pack (the same products, summed by f32 FMAs), where a
+    /// native bf16 kernel (AVX-512 BF16's `vdpbf16ps`) is slower than the f32 one, as on
+    /// Sapphire Rapids, whose `vdpbf16ps` issues on one port where f32 FMAs issue on two.
+    /// `None` or `Some(true)`: the native kernel where there is one.
+    pub bf16_native: Option<bool>,
     /// How a domain's threads share one GEMM (`FUGU_GEMM_SPLIT=ic|jr`).
     pub split: Option<SplitMode>,
 }
@@ -69,11 +75,26 @@ impl RuntimeConfig {
             }),
             Err(_) => None,
         };
+        let bf16_native = match std::env::var("FUGU_GEMM_BF16") {
+            Ok(v) => Some(match v.trim() {
+                "native" => true,
+                "f32" => false,
+                _ => {
+                    return Err(GemmError::Config {
+                        what: "FUGU_GEMM_BF16".into(),
+                        value: v,
+                        expected: "native (the CPU's bf16 kernel) or f32 (the f32 kernel on bf16-rounded operands)".into(),
+                    })
+                }
+            }),
+            Err(_) => None,
+        };
         Ok(RuntimeConfig {
             isa,
             topology: TopologyRequest::from_env()?,
             blocking: None,
             f16_chunked,
+            bf16_native,
             split,
         })
     }
@@ -134,7 +155,7 @@ impl Runtime {
         });
         let kc_fixed = crate::blocking::kc_overridden() || cfg.blocking.is_some();
         let ctx_for = |prec: Precision| -> Result<Ctx, GemmError> {
-            let kernel = choice.at(prec, cfg.f16_chunked);
+            let kernel = choice.at(prec, cfg.f16_chunked, cfg.bf16_native);
             let blk = match cfg.blocking {
                 Some(b) => b,
                 None => Blocking::derive_for(

@@ -72,6 +72,7 @@ pub fn small_block_runtime_split(
             nb: 2 * k.nr,
         }),
         f16_chunked: None,
+        bf16_native: None,
         split,
     })
     .expect("runtime")

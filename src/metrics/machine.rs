@@ -207,7 +207,8 @@ impl MachineInfo {
         let topology = Topology::build(&cfg.topology);
         let peak = machine_peak(kernel.isa, topology.threads(), None)?;
         bandwidth_override()?;
-        let kernels = fugu_gemm::kernel::describe_kernels(&choice.all(cfg.f16_chunked));
+        let kernels =
+            fugu_gemm::kernel::describe_kernels(&choice.all(cfg.f16_chunked, cfg.bf16_native));
         Ok(MachineInfo::from_parts(
             kernel.isa, &topology, &peak, kernels,
         ))
