@@ -61,34 +61,16 @@ impl RuntimeConfig {
             }),
             Err(_) => None,
         };
-        let f16_chunked = match std::env::var("FUGU_GEMM_F16") {
-            Ok(v) => Some(match v.trim() {
-                "chunked" => true,
-                "f32" => false,
-                _ => {
-                    return Err(GemmError::Config {
-                        what: "FUGU_GEMM_F16".into(),
-                        value: v,
-                        expected: "chunked (f16 accumulation in chunks, as on A64FX) or f32".into(),
-                    })
-                }
-            }),
-            Err(_) => None,
-        };
-        let bf16_native = match std::env::var("FUGU_GEMM_BF16") {
-            Ok(v) => Some(match v.trim() {
-                "native" => true,
-                "f32" => false,
-                _ => {
-                    return Err(GemmError::Config {
-                        what: "FUGU_GEMM_BF16".into(),
-                        value: v,
-                        expected: "native (the CPU's bf16 kernel) or f32 (the f32 kernel on bf16-rounded operands)".into(),
-                    })
-                }
-            }),
-            Err(_) => None,
-        };
+        let f16_chunked = env_switch(
+            "FUGU_GEMM_F16",
+            ("chunked", "f32"),
+            "chunked (f16 accumulation in chunks, as on A64FX) or f32",
+        )?;
+        let bf16_native = env_switch(
+            "FUGU_GEMM_BF16",
+            ("native", "f32"),
+            "native (the CPU's bf16 kernel) or f32 (the f32 kernel on bf16-rounded operands)",
+        )?;
         Ok(RuntimeConfig {
             isa,
             topology: TopologyRequest::from_env()?,
@@ -97,6 +79,25 @@ impl RuntimeConfig {
             bf16_native,
             split,
         })
+    }
+}
+
+/// A two-way setting from environment variable `name`: `Some(true)` for `on`, `Some(false)`
+/// for `off`, `None` when unset; any other value an error naming the variable and `expected`.
+fn env_switch(
+    name: &str,
+    (on, off): (&str, &str),
+    expected: &str,
+) -> Result<Option<bool>, GemmError> {
+    match std::env::var(name) {
+        Ok(v) if v.trim() == on => Ok(Some(true)),
+        Ok(v) if v.trim() == off => Ok(Some(false)),
+        Ok(v) => Err(GemmError::Config {
+            what: name.into(),
+            value: v,
+            expected: expected.into(),
+        }),
+        Err(_) => Ok(None),
     }
 }
 
