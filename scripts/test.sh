@@ -14,8 +14,8 @@
 #      f32 k loop, and the f16 kernel over whole chunks),
 #   5. the batch job scripts (jobscripts/, docs/JOBS.md) for real: Slurm jobs submitted to a
 #      local single-node Slurm (jobscripts/local-slurm.sh, needs root) and the pjsub scripts
-#      under jobscripts/pjsub/local-pjsub.sh, with an MPI build of fugu (FUGU_JOBS_FEATURES,
-#      default "mpi"). Not root: skipped with a message.
+#      under jobscripts/pjsub/local-pjsub.sh, with the MPI stage's build of fugu (its
+#      features, no second build). Not root: skipped with a message.
 # Skip stages with FUGU_TEST_SKIP="fmt host mpi cuda aarch64 mca jobs" (space-separated) for quick loops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -123,11 +123,11 @@ if ! skip jobs; then
     # start first: it also installs Open MPI (libopenmpi-dev), which the MPI build needs
     jobscripts/local-slurm.sh start >/dev/null
     trap 'rc=$?; jobscripts/local-slurm.sh stop --purge >/dev/null 2>&1 || true; scratch_cleanup $rc' EXIT
-    features=${FUGU_JOBS_FEATURES-mpi}
-    # Without the Parquet/Arrow readers (`formats`): the jobs read text and prepared shards,
-    # and the release build of those crates would add minutes.
-    cargo build --release --locked -j2 --no-default-features ${features:+--features "$features"}
-    FUGU_SLURM_TESTS=1 FUGU_JOBS_BIN=target/release/fugu cargo test --locked -j2 --test jobscripts
+    # The jobs run the fugu binary of the MPI and CUDA stages' build (same features, so only
+    # this test file is compiled here; fugu itself is optimised in that profile: Cargo.toml).
+    # A release build of its own cost about 240 s of this stage's 390.
+    FUGU_SLURM_TESTS=1 cargo test --locked -j2 $no_formats --features "$parallel_features" \
+      --test jobscripts
     jobscripts/local-slurm.sh stop --purge
     trap 'scratch_cleanup $?' EXIT
   fi

@@ -14,8 +14,9 @@
 //!   mpirun), and the pjsub training under `local-pjsub.sh` with 2 ranks, including its own
 //!   deadline.
 //!
-//! The MPI jobs need a binary built with `--features mpi`: set `FUGU_JOBS_BIN` (scripts/test.sh
-//! builds `target/release/fugu` for it); otherwise the test build of `fugu` is used.
+//! The MPI jobs need a binary built with `--features mpi`: this test's own build of `fugu` when
+//! it is built with that feature (scripts/test.sh does), or the binary `FUGU_JOBS_BIN` names
+//! (a release build, say).
 
 use fugu::metrics::jsonl::{read_metrics, Record};
 use serde_json::Value;
@@ -1530,7 +1531,7 @@ fn assert_comm_result(p: &Path, ranks: u64) {
 }
 
 /// Whether 2-rank MPI jobs can run here: mpirun, and a fugu built with MPI (this test build
-/// with `--features mpi`, or FUGU_JOBS_BIN, which scripts/test.sh builds with it).
+/// with `--features mpi`, as scripts/test.sh builds it, or FUGU_JOBS_BIN).
 fn mpi_jobs(test: &str) -> bool {
     if !have("mpirun") {
         skipped(&format!("{test} (mpirun not installed)"));

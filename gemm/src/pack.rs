@@ -7,7 +7,7 @@
 use crate::arch::prefetch::prefetch_read;
 use crate::arch::transpose::{transposes, TransposeFn, Transposes};
 use crate::kernel::{Operand, Side};
-use crate::precision::{bf16_to_f32, f16_bits_of, f16_to_f32, f32_to_bf16, Precision, Storage};
+use crate::precision::{bf16_to_f32, f16_bits_of, f16_value_of, round_bf16, Precision, Storage};
 use crate::raw::RawMat;
 use std::cell::RefCell;
 
@@ -48,7 +48,9 @@ pub(crate) fn pack_one_panel(
 ) {
     if fmt.operand == Operand::F32 {
         pack_source_panel(panel, src, r0, w);
-        fmt.prec.round_slice(panel);
+        if !src.storage.exact_in(fmt.prec) {
+            fmt.prec.round_slice(panel);
+        }
         return;
     }
     // 16-bit words: pack as f32 into a scratch panel, then convert it.
@@ -120,7 +122,7 @@ unsafe fn pair_words_avx2(dst: &mut [f32], f32_panel: &[f32], w: usize) {
 #[inline(always)]
 fn pair_words(dst: &mut [f32], f32_panel: &[f32], w: usize) {
     let word = |lo: f32, hi: f32| {
-        f32::from_bits(u32::from(f32_to_bf16(lo)) | (u32::from(f32_to_bf16(hi)) << 16))
+        f32::from_bits((round_bf16(lo).to_bits() >> 16) | (round_bf16(hi).to_bits() & 0xffff_0000))
     };
     let mut runs = f32_panel.chunks_exact(w);
     for out in dst.chunks_exact_mut(w) {
@@ -277,28 +279,78 @@ fn transpose_rows(
 fn pack_source_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     match src.storage {
         Storage::F32 => pack_f32_panel(panel, src, r0, w),
-        Storage::F16 => pack_converted_panel(panel, src, r0, w, f16_to_f32),
-        Storage::Bf16 => pack_converted_panel(panel, src, r0, w, bf16_to_f32),
+        Storage::F16 | Storage::Bf16 => pack_converted_panel(panel, src, r0, w),
     }
 }
 
-/// [`pack_source_panel`] for 16-bit sources: element by element, `to_f32` of each one's bits.
-fn pack_converted_panel(
-    panel: &mut [f32],
-    src: RawMat,
-    r0: usize,
-    w: usize,
-    to_f32: fn(u16) -> f32,
-) {
+/// `dst[i] = src[i]` widened exactly from 16-bit `storage` to `f32`: a plain loop over
+/// branch-free conversions, which the compiler vectorises.
+fn widen_run(storage: Storage, src: &[u16], dst: &mut [f32]) {
+    match storage {
+        Storage::Bf16 => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, &h)| *d = bf16_to_f32(h)),
+        Storage::F16 => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, &h)| *d = f16_value_of(h)),
+        Storage::F32 => unreachable!("widen_run: 16-bit sources only"),
+    }
+}
+
+/// [`pack_source_panel`] for 16-bit sources. Contiguous along k (A row-major, B stored
+/// transposed): the panel's rows are widened, each one sequential run, into an `f32` block,
+/// which the `f32` pack then transposes. Contiguous along the panel: each k step's run is
+/// widened straight into place. Otherwise element by element.
+fn pack_converted_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
+    let (k, s_w, s_k) = (src.cols, src.rs, src.cs);
     let rows = w.min(src.rows - r0);
     let base = src.u16_ptr();
+    if s_k == 1 && s_w != 1 {
+        thread_local! {
+            static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
+        return ROWS.with(|block| {
+            let mut block = block.borrow_mut();
+            if block.len() < rows * k {
+                block.resize(rows * k, 0.0);
+            }
+            for (r, out) in block.chunks_exact_mut(k.max(1)).take(rows).enumerate() {
+                // SAFETY: row r0+r, columns 0..k are inside the source view, contiguous along
+                // k, whose elements are 16 bits.
+                let run = unsafe { std::slice::from_raw_parts(base.add((r0 + r) * s_w), k) };
+                widen_run(src.storage, run, out);
+            }
+            let widened = RawMat {
+                ptr: block.as_ptr().cast(),
+                storage: Storage::F32,
+                rows,
+                cols: k,
+                rs: k,
+                cs: 1,
+            };
+            pack_f32_panel(panel, widened, 0, w)
+        });
+    }
     if rows < w {
         panel.fill(0.0);
     }
     for (p, out) in panel.chunks_exact_mut(w).enumerate() {
-        for (r, o) in out[..rows].iter_mut().enumerate() {
-            // SAFETY: (r0+r, p) is inside the source view, whose elements are 16 bits.
-            *o = to_f32(unsafe { *base.add((r0 + r) * src.rs + p * src.cs) });
+        if s_w == 1 {
+            // SAFETY: rows r0..r0+rows of column p are inside the source view, contiguous
+            // along rows, whose elements are 16 bits.
+            let run = unsafe { std::slice::from_raw_parts(base.add(r0 + p * s_k), rows) };
+            widen_run(src.storage, run, &mut out[..rows]);
+        } else {
+            for (r, o) in out[..rows].iter_mut().enumerate() {
+                // SAFETY: (r0+r, p) is inside the source view, whose elements are 16 bits.
+                let h = unsafe { *base.add((r0 + r) * s_w + p * s_k) };
+                *o = match src.storage {
+                    Storage::Bf16 => bf16_to_f32(h),
+                    _ => f16_value_of(h),
+                };
+            }
         }
     }
 }
