@@ -26,14 +26,15 @@ fn gemm_chunks(prec: ops::Precision, m: usize, n: usize, k: usize) -> Chunks {
     Chunks::Serial((GEMM_CHUNK / n.max(1)).max(GEMM_MIN_ROWS).max(same_sums))
 }
 
-/// `$body` with `$x` and `$y` bound to the slices of two [`Stored`] operands of one type
-/// (a GEMM's operands share their 16-bit type: `CpuBackend::gemm_precision`).
+/// `$body` with each `$x` bound to the slice of its [`Stored`] operand, all of one type (a
+/// GEMM's operands share their 16-bit type: `CpuBackend::gemm_precision`; one operand, any).
 macro_rules! same_stored {
-    ($a:expr, $b:expr, |$x:ident, $y:ident| $body:expr) => {
-        match ($a, $b) {
-            (Stored::F32($x), Stored::F32($y)) => $body,
-            (Stored::Bf16($x), Stored::Bf16($y)) => $body,
-            (Stored::F16($x), Stored::F16($y)) => $body,
+    (($($s:expr),+), |$($x:ident),+| $body:expr) => {
+        #[allow(unreachable_patterns)]
+        match ($($s,)+) {
+            ($(Stored::F32($x),)+) => $body,
+            ($(Stored::Bf16($x),)+) => $body,
+            ($(Stored::F16($x),)+) => $body,
             _ => unreachable!("GEMM operands of one type (gemm_precision)"),
         }
     };
@@ -98,7 +99,7 @@ impl CpuBackend {
                 |rows, [o], [r, b], [i, w]| {
                     let (r, b) = (resid.map(|_| r), bias.map(|_| b));
                     let n = rows.len();
-                    same_stored!(i, w, |i, w| {
+                    same_stored!((i, w), |i, w| {
                         ops::linear::linear_onto_stored(prec, o, r, i, w, layout, b, n, ic, oc)
                     })
                 },
@@ -145,6 +146,32 @@ impl CpuBackend {
                 }
             },
         );
+    }
+    /// The three-step attention's batched GEMMs, one sequence at a time: their operands `g`
+    /// read as stored when they share a 16-bit type (`prec`), so only what they write is
+    /// staged; otherwise (`f32`, or mixed types) on `f32` views of every operand, in one call.
+    fn attention_gemms<const W: usize, const G: usize>(
+        &mut self,
+        prec: ops::Precision,
+        d: AttnDims,
+        w: [Rows; W],
+        g: [Rows; G],
+        op: impl for<'a> Fn(std::ops::Range<usize>, [&'a mut [f32]; W], [Stored<'a>; G]) + Sync,
+    ) {
+        if prec != ops::Precision::F32 {
+            return self.mem.run_rows_stored(
+                Chunks::Serial(1),
+                d.b,
+                w,
+                [],
+                g,
+                |rows, wv, [], gv| op(rows, wv, gv),
+            );
+        }
+        self.mem
+            .run_rows(Chunks::Serial(1), d.b, w, g, |rows, wv, rv| {
+                op(rows, wv, rv.map(Stored::F32))
+            });
     }
 }
 
@@ -243,24 +270,32 @@ impl Backend for CpuBackend {
         let toks = &self.tokens[tokens.offset..tokens.offset + tokens.len];
         // Chunks of whole sequences (a position's embedding depends on its index in one).
         let toks = |rows: &std::ops::Range<usize>| &toks[rows.start * t..rows.end * t];
-        let o = [Rows::of(out, t * c)];
+        // The token table read as stored (its rows widened as they are gathered: a 16-bit
+        // table is not staged whole).
+        let (o, table) = ([Rows::of(out, t * c)], [Rows::whole(wte)]);
         match wpe {
-            Some(wpe) => self.mem.run_rows(
+            Some(wpe) => self.mem.run_rows_stored(
                 Chunks::Cache,
                 b,
                 o,
-                [Rows::whole(wte), Rows::whole(wpe)],
-                |rows, [o], [e, p]| {
+                [Rows::whole(wpe)],
+                table,
+                |rows, [o], [p], [e]| {
                     let (tk, n) = (toks(&rows), rows.len());
-                    ops::encoder::encoder_forward(o, tk, e, vocab_start, Some(p), n, t, c)
+                    same_stored!((e), |e| {
+                        ops::encoder::encoder_forward(o, tk, e, vocab_start, Some(p), n, t, c)
+                    })
                 },
             ),
-            None => self
-                .mem
-                .run_rows(Chunks::Cache, b, o, [Rows::whole(wte)], |rows, [o], [e]| {
-                    let (tk, n) = (toks(&rows), rows.len());
-                    ops::encoder::encoder_forward(o, tk, e, vocab_start, None, n, t, c)
-                }),
+            None => {
+                self.mem
+                    .run_rows_stored(Chunks::Cache, b, o, [], table, |rows, [o], [], [e]| {
+                        let (tk, n) = (toks(&rows), rows.len());
+                        same_stored!((e), |e| {
+                            ops::encoder::encoder_forward(o, tk, e, vocab_start, None, n, t, c)
+                        })
+                    })
+            }
         }
     }
 
@@ -364,7 +399,7 @@ impl Backend for CpuBackend {
                     stored,
                     |rows, [di], [], [d, w]| {
                         let n = rows.len();
-                        same_stored!(d, w, |d, w| {
+                        same_stored!((d, w), |d, w| {
                             ops::linear::linear_backward_input_stored(
                                 prec, di, d, w, layout, n, ic, oc,
                             )
@@ -380,7 +415,7 @@ impl Backend for CpuBackend {
                 [],
                 [whole(dout), whole(inp)],
                 |_, [dw], [], [d, i]| {
-                    same_stored!(d, i, |d, i| {
+                    same_stored!((d, i), |d, i| {
                         ops::linear::linear_backward_weight_stored(
                             prec, dw, d, i, layout, n, ic, oc,
                         )
@@ -413,13 +448,12 @@ impl Backend for CpuBackend {
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[qkv]);
         let seq = |s| per_sequence(s, d);
-        self.mem.run_rows(
-            Chunks::Serial(1),
-            d.b,
-            [seq(att)],
-            [seq(qkv)],
-            |rows, [a], [q]| ops::attention::attention_scores(prec, a, q, sequences(d, rows)),
-        );
+        // Written up to each row's causal block; the softmax sets the rest before reading it.
+        let (w, g) = ([Rows::overwritten(att, att.len / d.b.max(1))], [seq(qkv)]);
+        self.attention_gemms(prec, d, w, g, |rows, [a], [q]| {
+            let shape = sequences(d, rows);
+            same_stored!((q), |q| ops::attention::attention_scores(prec, a, q, shape))
+        });
     }
 
     fn attention_softmax(&mut self, att: Span, d: AttnDims) {
@@ -435,14 +469,13 @@ impl Backend for CpuBackend {
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[att, qkv]);
         let seq = |s| per_sequence(s, d);
-        let read = [seq(att), seq(qkv)];
-        self.mem.run_rows(
-            Chunks::Serial(1),
-            d.b,
-            [seq(out)],
-            read,
-            |rows, [o], [a, q]| ops::attention::attention_values(prec, o, a, q, sequences(d, rows)),
-        );
+        let (w, g) = ([seq(out)], [seq(att), seq(qkv)]);
+        self.attention_gemms(prec, d, w, g, |rows, [o], [a, q]| {
+            let shape = sequences(d, rows);
+            same_stored!((a, q), |a, q| {
+                ops::attention::attention_values(prec, o, a, q, shape)
+            })
+        });
     }
 
     fn attention_values_backward(
@@ -456,16 +489,16 @@ impl Backend for CpuBackend {
     ) {
         let prec = self.gemm_precision(&[dout, att, qkv]);
         let seq = |s| per_sequence(s, d);
-        self.mem.run_rows(
-            Chunks::Serial(1),
-            d.b,
-            [seq(datt), seq(dqkv)],
-            [seq(dout), seq(att), seq(qkv)],
-            |rows, [da, dq], [dout, a, q]| {
-                let shape = sequences(d, rows);
+        // datt as att in the forward pass (its softmax backward sets the rest); dqkv's Q and K
+        // columns are kept.
+        let datt_rows = Rows::overwritten(datt, datt.len / d.b.max(1));
+        let (w, g) = ([datt_rows, seq(dqkv)], [seq(dout), seq(att), seq(qkv)]);
+        self.attention_gemms(prec, d, w, g, |rows, [da, dq], [dout, a, q]| {
+            let shape = sequences(d, rows);
+            same_stored!((dout, a, q), |dout, a, q| {
                 ops::attention::attention_values_backward(prec, da, dq, dout, a, q, shape)
-            },
-        );
+            })
+        });
     }
 
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims) {
@@ -480,16 +513,13 @@ impl Backend for CpuBackend {
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[datt, qkv]);
         let seq = |s| per_sequence(s, d);
-        let read = [seq(datt), seq(qkv)];
-        self.mem.run_rows(
-            Chunks::Serial(1),
-            d.b,
-            [seq(dqkv)],
-            read,
-            |rows, [dq], [da, q]| {
-                ops::attention::attention_scores_backward(prec, dq, da, q, sequences(d, rows))
-            },
-        );
+        let (w, g) = ([seq(dqkv)], [seq(datt), seq(qkv)]);
+        self.attention_gemms(prec, d, w, g, |rows, [dq], [da, q]| {
+            let shape = sequences(d, rows);
+            same_stored!((da, q), |da, q| {
+                ops::attention::attention_scores_backward(prec, dq, da, q, shape)
+            })
+        });
     }
 
     fn fused_attention(&self, _hs: usize, _dt: Dtype) -> FusedAttention {

@@ -66,16 +66,33 @@ pub struct HostStore {
 pub struct Rows {
     pub span: Span,
     pub width: usize,
+    /// A written span whose elements the op sets before it reads them, or leaves to be set
+    /// before anything reads them: its 16-bit rows are not decoded into the stage first.
+    pub overwritten: bool,
 }
 
 impl Rows {
     pub fn of(span: Span, width: usize) -> Rows {
-        Rows { span, width }
+        Rows {
+            span,
+            width,
+            overwritten: false,
+        }
     }
 
     /// Read whole by every row.
     pub fn whole(span: Span) -> Rows {
-        Rows { span, width: 0 }
+        Rows::of(span, 0)
+    }
+
+    /// Written rows of `width` that the op overwrites without reading them first (where it
+    /// writes nothing, the stage's stale values are stored: only for spans whose unwritten
+    /// elements nothing reads before another op sets them).
+    pub fn overwritten(span: Span, width: usize) -> Rows {
+        Rows {
+            overwritten: true,
+            ..Rows::of(span, width)
+        }
     }
 
     /// Rows `rows` of this span (all of it when whole).
@@ -413,9 +430,11 @@ impl HostStore {
             Chunks::Cache => (c * (ROW_CHUNK / widest).max(1)).min(n),
             Chunks::Serial(_) => c * n / count,
         };
-        let pool = match chunks {
-            Chunks::Cache => &self.chunk_stages,
-            Chunks::Serial(_) => &self.serial_stage,
+        // Chunks run in parallel, each converting its rows alone; or one after another, each
+        // converting its rows in parallel pieces.
+        let (pool, convert) = match chunks {
+            Chunks::Cache => (&self.chunk_stages, Convert::Serial),
+            Chunks::Serial(_) => (&self.serial_stage, Convert::Parallel),
         };
         let one_chunk = |c: usize| {
             let rows = bound(c)..bound(c + 1);
@@ -448,10 +467,10 @@ impl HostStore {
                 unsafe { std::slice::from_raw_parts((base as *const u16).add(s.offset), s.len) }
             };
             for (x, at) in w.iter().zip(&w_at).chain(r.iter().zip(&r_at)) {
-                if let Some(at) = *at {
+                if let (Some(at), false) = (*at, x.overwritten) {
                     let s = x.part(&rows);
                     let dt = bases[s.buf.0 as usize].1.expect("16-bit");
-                    decode_serial(dt, bits(s), &mut own[at..at + s.len]);
+                    convert.decode(dt, bits(s), &mut own[at..at + s.len]);
                 }
             }
             let own_ptr = own.as_mut_ptr();
@@ -513,7 +532,7 @@ impl HostStore {
                     let dst = unsafe {
                         std::slice::from_raw_parts_mut((base as *mut u16).add(s.offset), s.len)
                     };
-                    encode_serial(dt.expect("16-bit"), &own[at..at + s.len], dst);
+                    convert.encode(dt.expect("16-bit"), &own[at..at + s.len], dst);
                 }
             }
             pool.lock().unwrap_or_else(|e| e.into_inner()).push(own);
@@ -635,6 +654,29 @@ fn encode(dt: Dtype, src: &[f32], dst: &mut [u16]) {
     src.par_chunks(CONVERT_PIECE)
         .zip(dst.par_chunks_mut(CONVERT_PIECE))
         .for_each(|(s, d)| encode_serial(dt, s, d));
+}
+
+/// How a chunk converts its rows: on its own thread, or in parallel pieces.
+#[derive(Clone, Copy)]
+enum Convert {
+    Serial,
+    Parallel,
+}
+
+impl Convert {
+    fn decode(self, dt: Dtype, src: &[u16], dst: &mut [f32]) {
+        match self {
+            Convert::Serial => decode_serial(dt, src, dst),
+            Convert::Parallel => decode(dt, src, dst),
+        }
+    }
+
+    fn encode(self, dt: Dtype, src: &[f32], dst: &mut [u16]) {
+        match self {
+            Convert::Serial => encode_serial(dt, src, dst),
+            Convert::Parallel => encode(dt, src, dst),
+        }
+    }
 }
 
 fn decode_serial(dt: Dtype, src: &[u16], dst: &mut [f32]) {
@@ -761,7 +803,7 @@ mod tests {
             let mut st = HostStore::default();
             let x = st.alloc(n * c, dt).unwrap();
             let g = st.alloc(c, dt).unwrap();
-            let outs: Vec<BufId> = (0..3).map(|_| st.alloc(n * c, dt).unwrap()).collect();
+            let outs: Vec<BufId> = (0..5).map(|_| st.alloc(n * c, dt).unwrap()).collect();
             let xs: Vec<f32> = (0..n * c)
                 .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
                 .collect();
@@ -772,8 +814,11 @@ mod tests {
             st.run([span(outs[0], 0, n * c)], [xr, gr], |[o], [x, g]| {
                 op(o, x, g)
             });
-            for (k, chunks) in [Chunks::Cache, Chunks::Serial(7)].into_iter().enumerate() {
-                let w = [Rows::of(span(outs[k + 1], 0, n * c), c)];
+            // Written rows decoded first, then (the op sets every element) not decoded.
+            let kinds = [Rows::of, Rows::of, Rows::overwritten, Rows::overwritten];
+            let chunkings = [Chunks::Cache, Chunks::Serial(7)].repeat(2);
+            for (k, (chunks, rows)) in chunkings.into_iter().zip(kinds).enumerate() {
+                let w = [rows(span(outs[k + 1], 0, n * c), c)];
                 st.run_rows(
                     chunks,
                     n,
@@ -789,6 +834,16 @@ mod tests {
             };
             assert_eq!(get(&st, outs[0]), get(&st, outs[1]), "{dt:?} cache chunks");
             assert_eq!(get(&st, outs[0]), get(&st, outs[2]), "{dt:?} serial chunks");
+            assert_eq!(
+                get(&st, outs[0]),
+                get(&st, outs[3]),
+                "{dt:?} cache, overwritten"
+            );
+            assert_eq!(
+                get(&st, outs[0]),
+                get(&st, outs[4]),
+                "{dt:?} serial, overwritten"
+            );
             // Elementwise, in place: rows of one element.
             let e = span(outs[1], 0, n * c);
             st.run_rows(

@@ -21,7 +21,7 @@
 //! `datt` right of a row's block are then never written or read; the softmax and its
 //! backward zero the rest of each row, so the products see exact zeros above the diagonal.
 
-use super::{BatchMat, BatchMatMut, Float, Precision};
+use super::{BatchMat, BatchMatMut, Float, GemmOperand, Precision};
 use rayon::prelude::*;
 
 /// Causal blocks of the attention GEMMs: query rows in this many blocks, each multiplied only
@@ -253,7 +253,12 @@ pub fn scale<T: Float>(hs: usize) -> T {
 /// * `qkv`: (B, T, (nh + 2·kv)·hs).
 ///
 /// One strided batched GEMM (batch = kv) per batch element, causal block and group member.
-pub fn attention_scores<T: Float>(prec: Precision, att: &mut [T], qkv: &[T], d: AttnShape) {
+pub fn attention_scores<T: Float, E: GemmOperand<T>>(
+    prec: Precision,
+    att: &mut [T],
+    qkv: &[E],
+    d: AttnShape,
+) {
     let AttnShape { b, t, nh, hs, .. } = d;
     d.check(qkv.len(), "attention_scores");
     assert_eq!(att.len(), b * nh * t * t, "attention_scores: att length");
@@ -267,7 +272,7 @@ pub fn attention_scores<T: Float>(prec: Precision, att: &mut [T], qkv: &[T], d: 
         for (r0, r1) in causal_blocks(t) {
             for i in 0..g {
                 // att[r0..r1, 0..r1] = α·Q[r0..r1]·K[0..r1]ᵀ
-                T::gemm_strided_batched(
+                E::gemm_strided_batched(
                     prec,
                     alpha,
                     q.every(g, i).block((r0, r1), (0, hs)).view(qkv),
@@ -314,11 +319,11 @@ fn softmax_row<T: Float>(row: &mut [T]) -> (T, f64) {
 ///
 /// * `out`: (B, T, nh·hs), **overwritten**, written in place through strides.
 /// * `att`: (B, nh, T, T) after [`attention_softmax`] (zero above the diagonal); `qkv` as above.
-pub fn attention_values<T: Float>(
+pub fn attention_values<T: Float, E: GemmOperand<T>>(
     prec: Precision,
     out: &mut [T],
-    att: &[T],
-    qkv: &[T],
+    att: &[E],
+    qkv: &[E],
     d: AttnShape,
 ) {
     let AttnShape { b, t, nh, hs, .. } = d;
@@ -335,7 +340,7 @@ pub fn attention_values<T: Float>(
         for (r0, r1) in causal_blocks(t) {
             for i in 0..g {
                 // out[r0..r1] = att[r0..r1, 0..r1]·V[0..r1]
-                T::gemm_strided_batched(
+                E::gemm_strided_batched(
                     prec,
                     T::ONE,
                     a.every(g, i).block((r0, r1), (0, r1)).view(att),
@@ -356,13 +361,13 @@ pub fn attention_values<T: Float>(
 /// * `dqkv`: like `qkv`; its V columns are **overwritten** with `attᵀ·dout` (each key/value
 ///   head the sum over its group's query heads); Q and K columns are untouched.
 /// * `dout`: (B, T, nh·hs); `att`, `qkv` from the forward pass.
-pub fn attention_values_backward<T: Float>(
+pub fn attention_values_backward<T: Float, E: GemmOperand<T>>(
     prec: Precision,
     datt: &mut [T],
     dqkv: &mut [T],
-    dout: &[T],
-    att: &[T],
-    qkv: &[T],
+    dout: &[E],
+    att: &[E],
+    qkv: &[E],
     d: AttnShape,
 ) {
     let AttnShape { b, t, nh, hs, .. } = d;
@@ -394,7 +399,7 @@ pub fn attention_values_backward<T: Float>(
             for i in 0..g {
                 let (a, y) = (a.every(g, i), y.every(g, i));
                 // datt[r0..r1, 0..r1] = dout[r0..r1]·V[0..r1]ᵀ
-                T::gemm_strided_batched(
+                E::gemm_strided_batched(
                     prec,
                     T::ONE,
                     y.block((r0, r1), (0, hs)).view(dout),
@@ -404,7 +409,7 @@ pub fn attention_values_backward<T: Float>(
                 );
                 // dV[r0..r1] (+)= att[r0..T, r0..r1]ᵀ·dout[r0..T] (att is 0 above the diagonal,
                 // so earlier query rows add nothing).
-                T::gemm_strided_batched(
+                E::gemm_strided_batched(
                     prec,
                     T::ONE,
                     a.block((r0, t), (r0, r1)).view(att).t(),
@@ -495,11 +500,11 @@ super::row_isa::dispatch_rows! {
 ///   columns are untouched.
 /// * `datt`: (B, nh, T, T), the score gradient from [`attention_softmax_backward`] (zero above
 ///   the diagonal); `qkv` from the forward pass.
-pub fn attention_scores_backward<T: Float>(
+pub fn attention_scores_backward<T: Float, E: GemmOperand<T>>(
     prec: Precision,
     dqkv: &mut [T],
-    datt: &[T],
-    qkv: &[T],
+    datt: &[E],
+    qkv: &[E],
     d: AttnShape,
 ) {
     let AttnShape { b, t, nh, hs, .. } = d;
@@ -521,7 +526,7 @@ pub fn attention_scores_backward<T: Float>(
             for i in 0..g {
                 let (a, q) = (a.every(g, i), q.every(g, i));
                 // dQ[r0..r1] = α·datt[r0..r1, 0..r1]·K[0..r1]
-                T::gemm_strided_batched(
+                E::gemm_strided_batched(
                     prec,
                     alpha,
                     a.block((r0, r1), (0, r1)).view(datt),
@@ -530,7 +535,7 @@ pub fn attention_scores_backward<T: Float>(
                     q.block((r0, r1), (0, hs)).view_mut(dqkv),
                 );
                 // dK[r0..r1] (+)= α·datt[r0..T, r0..r1]ᵀ·Q[r0..T]
-                T::gemm_strided_batched(
+                E::gemm_strided_batched(
                     prec,
                     alpha,
                     a.block((r0, t), (r0, r1)).view(datt).t(),
@@ -728,7 +733,7 @@ mod tests {
     use crate::ops::testutil::*;
 
     /// The three forward steps; returns (att, out).
-    fn forward_grouped<T: Float>(qkv: &[T], d: AttnShape) -> (Vec<T>, Vec<T>) {
+    fn forward_grouped<T: Float + GemmOperand<T>>(qkv: &[T], d: AttnShape) -> (Vec<T>, Vec<T>) {
         let AttnShape { b, t, nh, hs, .. } = d;
         let mut att = vec![T::from_f64(f64::NAN); b * nh * t * t];
         let mut out = vec![T::from_f64(f64::NAN); b * t * nh * hs];
@@ -738,12 +743,23 @@ mod tests {
         (att, out)
     }
 
-    fn forward<T: Float>(qkv: &[T], b: usize, t: usize, nh: usize, hs: usize) -> (Vec<T>, Vec<T>) {
+    fn forward<T: Float + GemmOperand<T>>(
+        qkv: &[T],
+        b: usize,
+        t: usize,
+        nh: usize,
+        hs: usize,
+    ) -> (Vec<T>, Vec<T>) {
         forward_grouped(qkv, AttnShape::mha(b, t, nh, hs))
     }
 
     /// The three backward steps; returns dqkv (every column overwritten).
-    fn backward_grouped<T: Float>(dout: &[T], att: &[T], qkv: &[T], d: AttnShape) -> Vec<T> {
+    fn backward_grouped<T: Float + GemmOperand<T>>(
+        dout: &[T],
+        att: &[T],
+        qkv: &[T],
+        d: AttnShape,
+    ) -> Vec<T> {
         let AttnShape { b, t, nh, .. } = d;
         let mut datt = vec![T::from_f64(f64::NAN); b * nh * t * t];
         let mut dqkv = vec![T::from_f64(f64::NAN); qkv.len()];
@@ -754,7 +770,7 @@ mod tests {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn backward<T: Float>(
+    fn backward<T: Float + GemmOperand<T>>(
         dout: &[T],
         att: &[T],
         qkv: &[T],

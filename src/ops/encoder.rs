@@ -1,7 +1,7 @@
 //! GPT-2 input embedding: `out[b, t] = wte[token] + wpe[t]`, with `wte` possibly one shard of a
 //! vocabulary-parallel (tensor-parallel) embedding table.
 
-use super::Float;
+use super::{Float, TableRow};
 use rayon::prelude::*;
 
 /// Local row of token `tok` in a shard holding rows `vocab_start .. vocab_start + rows`.
@@ -24,10 +24,10 @@ fn local_row(tok: u32, vocab_start: usize, rows: usize) -> Option<usize> {
 ///
 /// Parallel over the B·T rows.
 #[allow(clippy::too_many_arguments)]
-pub fn encoder_forward<T: Float>(
+pub fn encoder_forward<T: Float, E: TableRow<T>>(
     out: &mut [T],
     tokens: &[u32],
-    wte: &[T],
+    wte: &[E],
     vocab_start: usize,
     wpe: Option<&[T]>,
     b: usize,
@@ -51,7 +51,7 @@ pub fn encoder_forward<T: Float>(
     let rows = wte.len() / c;
     out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
         match local_row(tokens[i], vocab_start, rows) {
-            Some(r) => o.copy_from_slice(&wte[r * c..(r + 1) * c]),
+            Some(r) => E::widen_row(&wte[r * c..(r + 1) * c], o),
             None => o.fill(T::ZERO),
         }
         if let Some(wpe) = wpe {

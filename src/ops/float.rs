@@ -526,41 +526,123 @@ impl Float for f32 {
         beta: f32,
         c: BatchMatMut<'_, f32>,
     ) {
-        use fugu_gemm::{BatchMut, BatchRef};
-        let av = BatchRef::new(
-            tail(a.data, a.offset),
-            a.batch,
-            a.rows,
-            a.cols,
-            a.rs,
-            a.cs,
-            a.bs,
-        )
-        .unwrap_or_else(|e| gemm_failed(e));
-        let bv = BatchRef::new(
-            tail(b.data, b.offset),
-            b.batch,
-            b.rows,
-            b.cols,
-            b.rs,
-            b.cs,
-            b.bs,
-        )
-        .unwrap_or_else(|e| gemm_failed(e));
-        let cv = BatchMut::new(
-            tail_mut(c.data, c.offset),
-            c.batch,
-            c.rows,
-            c.cols,
-            c.rs,
-            c.cs,
-            c.bs,
-        )
-        .unwrap_or_else(|e| gemm_failed(e));
-        fugu_gemm::Runtime::global()
-            .and_then(|rt| rt.at(prec).gemm_strided_batched(alpha, av, bv, beta, cv))
-            .unwrap_or_else(|e| gemm_failed(e));
+        fugu_gemm_strided_batched(prec, alpha, a, b, beta, c)
     }
+}
+
+/// A strided batched GEMM's operand type for results in `T` ([`Float::gemm_strided_batched`]'s
+/// `A` and `B`): `T` itself, and for `f32` results the 16-bit types a backend stores
+/// ([`half::bf16`], [`half::f16`]), which fugu-gemm packs as stored (exact conversions): ops
+/// generic over it read 16-bit tensors without staging them in `f32`.
+pub trait GemmOperand<T: Float>: Copy + Send + Sync + 'static {
+    /// [`Float::gemm_strided_batched`] with operands of this type.
+    fn gemm_strided_batched(
+        prec: Precision,
+        alpha: T,
+        a: BatchMat<'_, Self>,
+        b: BatchMat<'_, Self>,
+        beta: T,
+        c: BatchMatMut<'_, T>,
+    );
+}
+
+impl<E: fugu_gemm::Element> GemmOperand<f32> for E {
+    fn gemm_strided_batched(
+        prec: Precision,
+        alpha: f32,
+        a: BatchMat<'_, E>,
+        b: BatchMat<'_, E>,
+        beta: f32,
+        c: BatchMatMut<'_, f32>,
+    ) {
+        fugu_gemm_strided_batched(prec, alpha, a, b, beta, c)
+    }
+}
+
+impl GemmOperand<f64> for f64 {
+    fn gemm_strided_batched(
+        prec: Precision,
+        alpha: f64,
+        a: BatchMat<'_, f64>,
+        b: BatchMat<'_, f64>,
+        beta: f64,
+        c: BatchMatMut<'_, f64>,
+    ) {
+        <f64 as Float>::gemm_strided_batched(prec, alpha, a, b, beta, c)
+    }
+}
+
+/// The element type of a table an op reads rows of into `T` values (an embedding): `T`
+/// itself, and for `f32` the 16-bit types a backend stores, widened exactly as the rows are
+/// read, so the table is never staged in `f32`.
+pub trait TableRow<T>: Copy + Send + Sync + 'static {
+    /// `dst = src`, exactly.
+    fn widen_row(src: &[Self], dst: &mut [T]);
+}
+
+impl<T: Float> TableRow<T> for T {
+    fn widen_row(src: &[T], dst: &mut [T]) {
+        dst.copy_from_slice(src)
+    }
+}
+
+impl TableRow<f32> for fugu_gemm::half::bf16 {
+    fn widen_row(src: &[fugu_gemm::half::bf16], dst: &mut [f32]) {
+        use fugu_gemm::half::slice::HalfFloatSliceExt;
+        super::half_rows::widen(crate::dtype::Dtype::Bf16, src.reinterpret_cast(), dst)
+    }
+}
+
+impl TableRow<f32> for fugu_gemm::half::f16 {
+    fn widen_row(src: &[fugu_gemm::half::f16], dst: &mut [f32]) {
+        use fugu_gemm::half::slice::HalfFloatSliceExt;
+        super::half_rows::widen(crate::dtype::Dtype::F16, src.reinterpret_cast(), dst)
+    }
+}
+
+/// fugu-gemm's strided batched GEMM at `prec` on operands of any type it takes.
+fn fugu_gemm_strided_batched<E: fugu_gemm::Element>(
+    prec: Precision,
+    alpha: f32,
+    a: BatchMat<'_, E>,
+    b: BatchMat<'_, E>,
+    beta: f32,
+    c: BatchMatMut<'_, f32>,
+) {
+    use fugu_gemm::{BatchMut, BatchRef};
+    let av = BatchRef::new(
+        tail(a.data, a.offset),
+        a.batch,
+        a.rows,
+        a.cols,
+        a.rs,
+        a.cs,
+        a.bs,
+    )
+    .unwrap_or_else(|e| gemm_failed(e));
+    let bv = BatchRef::new(
+        tail(b.data, b.offset),
+        b.batch,
+        b.rows,
+        b.cols,
+        b.rs,
+        b.cs,
+        b.bs,
+    )
+    .unwrap_or_else(|e| gemm_failed(e));
+    let cv = BatchMut::new(
+        tail_mut(c.data, c.offset),
+        c.batch,
+        c.rows,
+        c.cols,
+        c.rs,
+        c.cs,
+        c.bs,
+    )
+    .unwrap_or_else(|e| gemm_failed(e));
+    fugu_gemm::Runtime::global()
+        .and_then(|rt| rt.at(prec).gemm_strided_batched(alpha, av, bv, beta, cv))
+        .unwrap_or_else(|e| gemm_failed(e));
 }
 
 impl Float for f64 {
@@ -680,7 +762,7 @@ mod tests {
             rs: 12,
             cs: 1,
         };
-        f64::gemm_strided_batched(
+        <f64 as Float>::gemm_strided_batched(
             Precision::F32,
             1.0,
             xa(&x),
@@ -707,7 +789,7 @@ mod tests {
                 cs: 1,
             },
         );
-        f32::gemm_strided_batched(
+        <f32 as Float>::gemm_strided_batched(
             Precision::F32,
             1.0,
             BatchMat {

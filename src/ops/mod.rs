@@ -60,7 +60,7 @@ pub use crossentropy::{
     crossentropy_forward_backward,
 };
 pub use encoder::{encoder_backward, encoder_forward};
-pub use float::{BatchMat, BatchMatMut, Float, Mat, MatMutT, Precision};
+pub use float::{BatchMat, BatchMatMut, Float, GemmOperand, Mat, MatMutT, Precision, TableRow};
 pub use gelu::{gelu_backward, gelu_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward, LN_EPS};
 pub use linear::{linear_backward, linear_forward, WeightLayout};

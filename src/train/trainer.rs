@@ -681,6 +681,9 @@ impl<'d, B: Backend> Trainer<'d, B> {
     /// RSS and the `end` event.
     pub fn finish(mut self) -> Result<TrainOutcome> {
         self.progress.finish();
+        // The run's peak, read before the breakdown's roofs: on a CPU those time a memory
+        // triad whose arrays (larger than the last-level cache) would count as the run's.
+        let rss = crate::metrics::machine::peak_rss_bytes();
         let tot = &self.totals;
         let root = self.dist.is_root();
         if tot.timed_steps > 0 && root {
@@ -720,7 +723,6 @@ impl<'d, B: Backend> Trainer<'d, B> {
             );
             b.write_json(self.out.join("breakdown.json"))?;
         }
-        let rss = crate::metrics::machine::peak_rss_bytes();
         if let Some(w) = self.metrics.as_mut() {
             if let Some(rss) = rss {
                 let workspace = self.model.backend().workspace_bytes() as f64;
