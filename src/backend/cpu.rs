@@ -147,6 +147,7 @@ impl CpuBackend {
             },
         );
     }
+
     /// The three-step attention's batched GEMMs, one sequence at a time: their operands `g`
     /// read as stored when they share a 16-bit type (`prec`), so only what they write is
     /// staged; otherwise (`f32`, or mixed types) on `f32` views of every operand, in one call.

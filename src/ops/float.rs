@@ -609,27 +609,8 @@ fn fugu_gemm_strided_batched<E: fugu_gemm::Element>(
     beta: f32,
     c: BatchMatMut<'_, f32>,
 ) {
-    use fugu_gemm::{BatchMut, BatchRef};
-    let av = BatchRef::new(
-        tail(a.data, a.offset),
-        a.batch,
-        a.rows,
-        a.cols,
-        a.rs,
-        a.cs,
-        a.bs,
-    )
-    .unwrap_or_else(|e| gemm_failed(e));
-    let bv = BatchRef::new(
-        tail(b.data, b.offset),
-        b.batch,
-        b.rows,
-        b.cols,
-        b.rs,
-        b.cs,
-        b.bs,
-    )
-    .unwrap_or_else(|e| gemm_failed(e));
+    use fugu_gemm::BatchMut;
+    let (av, bv) = (batch_ref(a), batch_ref(b));
     let cv = BatchMut::new(
         tail_mut(c.data, c.offset),
         c.batch,
@@ -643,6 +624,13 @@ fn fugu_gemm_strided_batched<E: fugu_gemm::Element>(
     fugu_gemm::Runtime::global()
         .and_then(|rt| rt.at(prec).gemm_strided_batched(alpha, av, bv, beta, cv))
         .unwrap_or_else(|e| gemm_failed(e));
+}
+
+/// fugu-gemm's view of a read-only batch.
+fn batch_ref<E: fugu_gemm::Element>(m: BatchMat<'_, E>) -> fugu_gemm::BatchRef<'_, E> {
+    let data = tail(m.data, m.offset);
+    fugu_gemm::BatchRef::new(data, m.batch, m.rows, m.cols, m.rs, m.cs, m.bs)
+        .unwrap_or_else(|e| gemm_failed(e))
 }
 
 impl Float for f64 {
