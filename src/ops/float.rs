@@ -323,20 +323,6 @@ pub trait Float:
         beta: Self,
         c: MatMutT<'_, Self>,
     );
-
-    /// Strided batched GEMM, `C[p] := alpha·A[p]·B[p] + beta·C[p]` for every `p < batch`
-    /// (PyTorch `baddbmm`; `bmm` with `beta = 0`). C is not read when `beta == 0`.
-    ///
-    /// # Panics
-    /// As [`Float::gemm`], and when the batch sizes differ.
-    fn gemm_strided_batched(
-        prec: Precision,
-        alpha: Self,
-        a: BatchMat<'_, Self>,
-        b: BatchMat<'_, Self>,
-        beta: Self,
-        c: BatchMatMut<'_, Self>,
-    );
 }
 
 fn check_shapes(am: usize, ak: usize, bk: usize, bn: usize, cm: usize, cn: usize) {
@@ -517,25 +503,19 @@ impl Float for f32 {
     ) {
         gemm_stored(prec, alpha, a, b, beta, c);
     }
-
-    fn gemm_strided_batched(
-        prec: Precision,
-        alpha: f32,
-        a: BatchMat<'_, f32>,
-        b: BatchMat<'_, f32>,
-        beta: f32,
-        c: BatchMatMut<'_, f32>,
-    ) {
-        fugu_gemm_strided_batched(prec, alpha, a, b, beta, c)
-    }
 }
 
-/// A strided batched GEMM's operand type for results in `T` ([`Float::gemm_strided_batched`]'s
-/// `A` and `B`): `T` itself, and for `f32` results the 16-bit types a backend stores
-/// ([`half::bf16`], [`half::f16`]), which fugu-gemm packs as stored (exact conversions): ops
-/// generic over it read 16-bit tensors without staging them in `f32`.
+/// The operand type of a strided batched GEMM with results in `T`: `T` itself, and for `f32`
+/// results the 16-bit types a backend stores ([`half::bf16`], [`half::f16`]), which fugu-gemm
+/// packs as stored (exact conversions): ops generic over it read 16-bit tensors without
+/// staging them in `f32`.
 pub trait GemmOperand<T: Float>: Copy + Send + Sync + 'static {
-    /// [`Float::gemm_strided_batched`] with operands of this type.
+    /// Strided batched GEMM, `C[p] := alpha·A[p]·B[p] + beta·C[p]` for every `p < batch`
+    /// (PyTorch `baddbmm`; `bmm` with `beta = 0`). C is not read when `beta == 0`. `prec` as
+    /// for [`Float::gemm`].
+    ///
+    /// # Panics
+    /// As [`Float::gemm`], and when the batch sizes differ.
     fn gemm_strided_batched(
         prec: Precision,
         alpha: T,
@@ -561,14 +541,34 @@ impl<E: fugu_gemm::Element> GemmOperand<f32> for E {
 
 impl GemmOperand<f64> for f64 {
     fn gemm_strided_batched(
-        prec: Precision,
+        _prec: Precision,
         alpha: f64,
         a: BatchMat<'_, f64>,
         b: BatchMat<'_, f64>,
         beta: f64,
         c: BatchMatMut<'_, f64>,
     ) {
-        <f64 as Float>::gemm_strided_batched(prec, alpha, a, b, beta, c)
+        assert!(
+            a.batch == c.batch && b.batch == c.batch,
+            "ops gemm: batch mismatch: A has {}, B has {}, C has {}",
+            a.batch,
+            b.batch,
+            c.batch
+        );
+        check_shapes(a.rows, a.cols, b.rows, b.cols, c.rows, c.cols);
+        for p in 0..c.batch {
+            let off = c.offset + p * c.bs;
+            gemm_naive(
+                alpha,
+                &a.matrix(p),
+                &b.matrix(p),
+                beta,
+                c.data,
+                off,
+                c.rs,
+                c.cs,
+            );
+        }
     }
 }
 
@@ -656,37 +656,6 @@ impl Float for f64 {
         check_shapes(a.rows, a.cols, b.rows, b.cols, c.rows, c.cols);
         gemm_naive(alpha, &a, &b, beta, c.data, c.offset, c.rs, c.cs);
     }
-
-    fn gemm_strided_batched(
-        _prec: Precision,
-        alpha: f64,
-        a: BatchMat<'_, f64>,
-        b: BatchMat<'_, f64>,
-        beta: f64,
-        c: BatchMatMut<'_, f64>,
-    ) {
-        assert!(
-            a.batch == c.batch && b.batch == c.batch,
-            "ops gemm: batch mismatch: A has {}, B has {}, C has {}",
-            a.batch,
-            b.batch,
-            c.batch
-        );
-        check_shapes(a.rows, a.cols, b.rows, b.cols, c.rows, c.cols);
-        for p in 0..c.batch {
-            let off = c.offset + p * c.bs;
-            gemm_naive(
-                alpha,
-                &a.matrix(p),
-                &b.matrix(p),
-                beta,
-                c.data,
-                off,
-                c.rs,
-                c.cs,
-            );
-        }
-    }
 }
 
 #[cfg(test)]
@@ -750,7 +719,7 @@ mod tests {
             rs: 12,
             cs: 1,
         };
-        <f64 as Float>::gemm_strided_batched(
+        <f64 as GemmOperand<f64>>::gemm_strided_batched(
             Precision::F32,
             1.0,
             xa(&x),
@@ -777,7 +746,7 @@ mod tests {
                 cs: 1,
             },
         );
-        <f32 as Float>::gemm_strided_batched(
+        <f32 as GemmOperand<f32>>::gemm_strided_batched(
             Precision::F32,
             1.0,
             BatchMat {

@@ -4,8 +4,8 @@
 //!
 //! * Generic over [`Float`]: the same code runs in `f32` (production; matrix products on
 //!   fugu-gemm) and `f64` (finite-difference tests; matrix products as a plain loop).
-//! * Matrix products go through [`Float::gemm`] / [`Float::gemm_strided_batched`] with strided
-//!   views, so transposes, heads and the fused qkv layout cost no copies.
+//! * Matrix products go through [`Float::gemm`] / [`GemmOperand::gemm_strided_batched`] with
+//!   strided views, so transposes, heads and the fused qkv layout cost no copies.
 //! * Everything else is parallel over rows (`B*T`, or `(b, head, row)`) with rayon; each row's
 //!   arithmetic is sequential, so results never depend on the number of threads. Reductions
 //!   over rows into parameter gradients (layernorm `dw`/`db`, bias gradients) sum fixed blocks
