@@ -274,7 +274,9 @@ pub fn f32_to_f16(x: f32) -> u16 {
     sign | v as u16 // a carry into exponent 0x1f is inf, as it should be
 }
 
-/// `bf16` bits to `f32` (exact).
+/// `bf16` bits to `f32` (exact). Inlined into callers' loops (other crates' too: without
+/// it each element is a call, and a loop of them is not vectorised).
+#[inline(always)]
 pub fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }

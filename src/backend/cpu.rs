@@ -458,6 +458,16 @@ impl Backend for CpuBackend {
     }
 
     fn attention_softmax(&mut self, att: Span, d: AttnDims) {
+        // 16-bit: each row read and written as stored, up to its causal length.
+        let rows = [Rows::of(att, d.t)];
+        if self
+            .mem
+            .run_rows_bits(d.b * d.nh * d.t, rows, [], |rows, dt, [a], []| {
+                ops::half_rows::attention_softmax(dt, a, rows.start, d.t)
+            })
+        {
+            return;
+        }
         // Chunks of whole (T, T) blocks: a row's causal length is its index within one.
         let block = d.t * d.t;
         let blocks = [Rows::of(att, block)];
@@ -503,6 +513,16 @@ impl Backend for CpuBackend {
     }
 
     fn attention_softmax_backward(&mut self, datt: Span, att: Span, d: AttnDims) {
+        // 16-bit: each row read and written as stored, up to its causal length.
+        let (w, r) = ([Rows::of(datt, d.t)], [Rows::of(att, d.t)]);
+        if self
+            .mem
+            .run_rows_bits(d.b * d.nh * d.t, w, r, |rows, dt, [da], [a]| {
+                ops::half_rows::attention_softmax_backward(dt, da, a, rows.start, d.t)
+            })
+        {
+            return;
+        }
         let block = d.t * d.t;
         let (w, r) = ([Rows::of(datt, block)], [Rows::of(att, block)]);
         self.mem
@@ -628,13 +648,16 @@ impl Backend for CpuBackend {
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {
         // 16-bit spans: the 16-bit kernel on the stored bits.
-        if self.mem.run_elementwise_bits([out], [inp], |dt, [o], [i]| {
-            ops::half_rows::gelu_forward(dt, o, i)
-        }) {
-            return;
-        }
         // Elementwise: rows of one element.
         let each = |s| Rows::of(s, 1);
+        if self
+            .mem
+            .run_rows_bits(out.len, [each(out)], [each(inp)], |_, dt, [o], [i]| {
+                ops::half_rows::gelu_forward(dt, o, i)
+            })
+        {
+            return;
+        }
         self.mem.run_rows(
             Chunks::Cache,
             out.len,
@@ -646,17 +669,17 @@ impl Backend for CpuBackend {
 
     fn gelu_backward(&mut self, dinp: Span, inp: Span, dout: Span) {
         // 16-bit spans: the 16-bit kernel on the stored bits.
+        // Elementwise: rows of one element.
+        let each = |s| Rows::of(s, 1);
+        let read = [each(inp), each(dout)];
         if self
             .mem
-            .run_elementwise_bits([dinp], [inp, dout], |dt, [di], [i, d]| {
+            .run_rows_bits(dinp.len, [each(dinp)], read, |_, dt, [di], [i, d]| {
                 ops::half_rows::gelu_backward(dt, di, i, d)
             })
         {
             return;
         }
-        // Elementwise: rows of one element.
-        let each = |s| Rows::of(s, 1);
-        let read = [each(inp), each(dout)];
         self.mem.run_rows(
             Chunks::Cache,
             dinp.len,

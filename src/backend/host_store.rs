@@ -11,7 +11,7 @@
 //! run pays in memory on top of its buffers. Row ops stage in cache-sized chunks of rows
 //! ([`HostStore::run_rows`]), GEMMs read 16-bit operands as stored
 //! ([`HostStore::run_rows_stored`]), and ops with 16-bit kernels of their own get the bits
-//! ([`HostStore::run_elementwise_bits`]). The conversions are `ops::half_rows`' (fugu-rows'
+//! ([`HostStore::run_rows_bits`]). The conversions are `ops::half_rows`' (fugu-rows'
 //! SVE kernels on a CPU with SVE).
 
 use super::host_buf::HostBuf;
@@ -543,32 +543,41 @@ impl HostStore {
         }
     }
 
-    /// Runs an elementwise op on spans of one 16-bit type as they are stored (bits, no stage):
-    /// `op` gets the type and equal pieces of every span (about [`ROW_CHUNK`] elements), the
-    /// pieces in parallel; for kernels that read and write 16-bit values themselves
-    /// (`ops::half_rows`). Returns `false`, running nothing, unless every span is of one
-    /// 16-bit type (the caller then runs its f32 op through [`Self::run_rows`]).
+    /// Runs a row-wise op on rows of one 16-bit type as they are stored (bits, no stage): `op`
+    /// gets the type, the chunk's rows and their parts of every span, in chunks of about
+    /// [`ROW_CHUNK`] elements of the widest (at least one row), the chunks in parallel; for
+    /// kernels that read and write 16-bit values themselves (`ops::half_rows`), so that a
+    /// row costs its 16-bit bytes and no more (an elementwise op: rows of one element).
+    /// Returns `false`, running nothing, unless every span is of one 16-bit type (the caller
+    /// then runs its f32 op through [`Self::run_rows`]).
     ///
-    /// Panics as [`Self::run`] does, and if the spans' lengths differ.
-    pub fn run_elementwise_bits<const W: usize, const R: usize>(
+    /// Panics as [`Self::run_rows`] does, and if a span is whole (`width` 0).
+    pub fn run_rows_bits<const W: usize, const R: usize>(
         &mut self,
-        w: [Span; W],
-        r: [Span; R],
-        op: impl for<'a> Fn(Dtype, [&'a mut [u16]; W], [&'a [u16]; R]) + Sync,
+        n: usize,
+        w: [Rows; W],
+        r: [Rows; R],
+        op: impl for<'a> Fn(Range<usize>, Dtype, [&'a mut [u16]; W], [&'a [u16]; R]) + Sync,
     ) -> bool {
-        let Some(&first) = w.first() else {
+        let Some(first) = w.first() else {
             return false;
         };
-        let dt = self.dtype(first.buf);
-        if dt == Dtype::F32 || w.iter().chain(&r).any(|x| self.dtype(x.buf) != dt) {
+        let dt = self.dtype(first.span.buf);
+        if dt == Dtype::F32 || w.iter().chain(&r).any(|x| self.dtype(x.span.buf) != dt) {
             return false;
         }
-        self.check_call(&w, &r);
-        let n = first.len;
-        assert!(
-            w.iter().chain(&r).all(|x| x.len == n),
-            "elementwise: spans of different lengths"
-        );
+        if n == 0 {
+            return true;
+        }
+        self.check_call(&w.map(|x| x.span), &r.map(|x| x.span));
+        for x in w.iter().chain(&r) {
+            assert!(
+                x.width > 0 && x.span.len == n * x.width,
+                "rows: {:?} is not {n} rows of {}",
+                x.span,
+                x.width
+            );
+        }
         let bases: Vec<Addr> = self
             .bufs
             .iter_mut()
@@ -577,29 +586,30 @@ impl HostStore {
                 Store::F32(_) => Addr(0),
             })
             .collect();
-        let piece =
-            |c: usize, x: &Span| (x.offset + c * ROW_CHUNK, ROW_CHUNK.min(n - c * ROW_CHUNK));
-        (0..n.div_ceil(ROW_CHUNK)).into_par_iter().for_each(|c| {
-            // SAFETY: every span lies inside its 16-bit buffer (checked above), piece `c` of
-            // each inside it; no written span overlaps another span of the call, and the
-            // pieces of one span are disjoint, so each written piece is this task's alone
-            // and no task writes what another reads. The slices cannot outlive `op`.
+        let widest = w.iter().chain(&r).map(|x| x.width).max().unwrap_or(1);
+        let per_chunk = (ROW_CHUNK / widest).max(1);
+        (0..n.div_ceil(per_chunk)).into_par_iter().for_each(|c| {
+            let rows = c * per_chunk..((c + 1) * per_chunk).min(n);
+            // SAFETY: every span lies inside its 16-bit buffer (checked above), these rows
+            // of each inside it; no written span overlaps another span of the call, and the
+            // chunks' rows are disjoint, so each written part is this task's alone and no
+            // task writes what another reads. The slices cannot outlive `op`.
             let wm: [&mut [u16]; W] = std::array::from_fn(|i| unsafe {
-                let (at, len) = piece(c, &w[i]);
+                let s = w[i].part(&rows);
                 std::slice::from_raw_parts_mut(
-                    (bases[w[i].buf.0 as usize].0 as *mut u16).add(at),
-                    len,
+                    (bases[s.buf.0 as usize].0 as *mut u16).add(s.offset),
+                    s.len,
                 )
             });
             // SAFETY: as above (read only).
             let rm: [&[u16]; R] = std::array::from_fn(|i| unsafe {
-                let (at, len) = piece(c, &r[i]);
+                let s = r[i].part(&rows);
                 std::slice::from_raw_parts(
-                    (bases[r[i].buf.0 as usize].0 as *const u16).add(at),
-                    len,
+                    (bases[s.buf.0 as usize].0 as *const u16).add(s.offset),
+                    s.len,
                 )
             });
-            op(dt, wm, rm);
+            op(rows, dt, wm, rm);
         });
         true
     }
@@ -731,58 +741,64 @@ mod tests {
         }
     }
 
-    /// Rows run in chunks (16-bit rows staged per chunk, whole spans once) give the values of
-    /// one call on every row, bit for bit, in either chunking and for rows of one element.
+    /// 16-bit rows as stored: every row reaches the op once, with its index, in chunks of
+    /// rows of several widths (rows of one element: an elementwise op); any f32 span or
+    /// other 16-bit type among the spans runs nothing.
     #[test]
-    fn elementwise_bits_cover_the_spans_and_refuse_mixed_types() {
-        // More than two pieces, spans at odd offsets: each output element is its input's bits
-        // plus the other input's, so a piece out of place or missed shows.
-        let n = 2 * ROW_CHUNK + 77;
-        for dt in [Dtype::Bf16, Dtype::F16] {
-            let mut st = HostStore::default();
-            let a = st.alloc(n + 5, dt).unwrap();
-            let b = st.alloc(n + 3, dt).unwrap();
-            let out = st.alloc(n + 1, dt).unwrap();
-            let (sa, sb, so) = (span(a, 5, n), span(b, 3, n), span(out, 1, n));
-            let pattern =
-                |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * k) % 251) as f32).collect() };
-            st.upload(sa, &pattern(3));
-            st.upload(sb, &pattern(5));
-            let ran = st.run_elementwise_bits([so], [sa, sb], |t, [o], [x, y]| {
-                assert_eq!(t, dt);
-                for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-                    *o = x.wrapping_add(y);
+    fn rows_as_bits_cover_the_spans_and_refuse_mixed_types() {
+        // More than two chunks, spans at odd offsets: each output element is its input's bits
+        // plus the other input's plus its row's index mod 64 (finite values of either type),
+        // so a row out of place or missed shows.
+        for (n, c) in [(2 * ROW_CHUNK + 77, 1), (3 * ROW_CHUNK / 100 + 5, 100)] {
+            let len = n * c;
+            for dt in [Dtype::Bf16, Dtype::F16] {
+                let mut st = HostStore::default();
+                let a = st.alloc(len + 5, dt).unwrap();
+                let b = st.alloc(len + 3, dt).unwrap();
+                let out = st.alloc(len + 1, dt).unwrap();
+                let (sa, sb, so) = (span(a, 5, len), span(b, 3, len), span(out, 1, len));
+                let pattern =
+                    |k: usize| -> Vec<f32> { (0..len).map(|i| ((i * k) % 251) as f32).collect() };
+                st.upload(sa, &pattern(3));
+                st.upload(sb, &pattern(5));
+                let rows = |s| Rows::of(s, c);
+                let ran =
+                    st.run_rows_bits(n, [rows(so)], [rows(sa), rows(sb)], |rs, t, [o], [x, y]| {
+                        assert_eq!(t, dt);
+                        assert_eq!(o.len(), rs.len() * c);
+                        for (j, ((o, &x), &y)) in o.iter_mut().zip(x).zip(y).enumerate() {
+                            let row = ((rs.start + j / c) % 64) as u16;
+                            *o = x.wrapping_add(y).wrapping_add(row);
+                        }
+                    });
+                assert!(ran, "{dt:?}");
+                let bits = |s: Span| -> Vec<u16> {
+                    let mut v = vec![0.0f32; len];
+                    st.download(s, &mut v);
+                    let mut h = vec![0u16; len];
+                    half_rows::round(dt, &v, &mut h);
+                    h
+                };
+                let want: Vec<u16> = bits(sa)
+                    .iter()
+                    .zip(bits(sb))
+                    .enumerate()
+                    .map(|(j, (&x, y))| x.wrapping_add(y).wrapping_add((j / c % 64) as u16))
+                    .collect();
+                assert_eq!(bits(so), want, "{dt:?} rows of {c}");
+                // An f32 span, or another 16-bit type, among them: nothing runs.
+                let f = st.alloc(len, Dtype::F32).unwrap();
+                let other_dt = if dt == Dtype::F16 {
+                    Dtype::Bf16
+                } else {
+                    Dtype::F16
+                };
+                let other = st.alloc(len, other_dt).unwrap();
+                for s in [span(f, 0, len), span(other, 0, len)] {
+                    let never = |_, _, _: [&mut [u16]; 1], _: [&[u16]; 1]| panic!("ran");
+                    assert!(!st.run_rows_bits(n, [rows(so)], [rows(s)], never));
+                    assert!(!st.run_rows_bits(n, [rows(s)], [rows(sa)], never));
                 }
-            });
-            assert!(ran, "{dt:?}");
-            let bits = |s: Span| -> Vec<u16> {
-                let mut v = vec![0.0f32; n];
-                st.download(s, &mut v);
-                let mut h = vec![0u16; n];
-                half_rows::round(dt, &v, &mut h);
-                h
-            };
-            let want: Vec<u16> = bits(sa)
-                .iter()
-                .zip(bits(sb))
-                .map(|(&x, y)| x.wrapping_add(y))
-                .collect();
-            assert_eq!(bits(so), want, "{dt:?}");
-            // An f32 span, or another 16-bit type, among them: nothing runs.
-            let f = st.alloc(n, Dtype::F32).unwrap();
-            let other = st
-                .alloc(
-                    n,
-                    if dt == Dtype::F16 {
-                        Dtype::Bf16
-                    } else {
-                        Dtype::F16
-                    },
-                )
-                .unwrap();
-            for s in [span(f, 0, n), span(other, 0, n)] {
-                assert!(!st.run_elementwise_bits([so], [s], |_, _, _| panic!("ran")));
-                assert!(!st.run_elementwise_bits([s], [sa], |_, _, _| panic!("ran")));
             }
         }
     }

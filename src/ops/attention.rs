@@ -308,8 +308,8 @@ pub fn attention_softmax<T: Float>(att: &mut [T], b: usize, t: usize, nh: usize)
 /// One row's softmax in place: the maximum subtracted, each exponential taken once and stored
 /// with their sum (in f64), then the row scaled by its reciprocal (vectorised row kernels).
 /// Returns the maximum and the sum (the fused path's log-sum-exp).
-fn softmax_row<T: Float>(row: &mut [T]) -> (T, f64) {
-    let mx = super::crossentropy::row_max(row);
+pub(crate) fn softmax_row<T: Float>(row: &mut [T]) -> (T, f64) {
+    let mx = T::row_max(row);
     let sum = T::exp_sum_row(row, mx);
     T::scale_row(row, T::from_f64(1.0 / sum));
     (mx, sum)

@@ -51,7 +51,7 @@ pub fn ce_row_stats<T: Float>(
 
 /// A row's maximum and its sum of exponentials relative to it.
 fn row_stats<T: Float>(row: &[T]) -> (T, T) {
-    let m = row_max(row);
+    let m = T::row_max(row);
     (m, T::from_f64(sum_exp(row, m)))
 }
 
@@ -80,6 +80,7 @@ fn rescaled<T: Float>(sum: T, local: T, global: T) -> T {
     }
 }
 
+#[inline(always)]
 pub(crate) fn row_max<T: Float>(row: &[T]) -> T {
     // Eight independent lanes so the loop vectorises; max is exact, so the order is free.
     const LANES: usize = 8;
@@ -95,6 +96,11 @@ pub(crate) fn row_max<T: Float>(row: &[T]) -> T {
         m = m.max(x);
     }
     m
+}
+
+super::row_isa::dispatch_rows! {
+    /// [`row_max`] in f32 with the widest vectors the CPU has (max is exact: the same value).
+    pub(crate) fn row_max_f32(row: &[f32]) -> f32 = row_max::<f32>;
 }
 
 /// `Σ exp(x - max)` accumulated in `f64`.

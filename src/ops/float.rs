@@ -250,6 +250,10 @@ pub trait Float:
             *x *= scale;
         }
     }
+    /// The row's largest element (−inf for an empty row; NaNs ignored, as [`Float::max`]).
+    fn row_max(row: &[Self]) -> Self {
+        super::crossentropy::row_max(row)
+    }
     fn ln(self) -> Self;
     fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
@@ -455,6 +459,9 @@ impl Float for f32 {
     }
     fn scale_row(row: &mut [f32], scale: f32) {
         super::fastmath::scale_f32(row, scale)
+    }
+    fn row_max(row: &[f32]) -> f32 {
+        super::crossentropy::row_max_f32(row)
     }
     fn layernorm_row(out: &mut [f32], x: &[f32], w: &[f32], bias: &[f32]) -> (f32, f32) {
         super::layernorm::layernorm_row_f32(out, x, w, bias)

@@ -9,7 +9,7 @@
 #[cfg(target_arch = "aarch64")]
 use super::row_isa::{row_isa, RowIsa};
 use crate::dtype::Dtype;
-use fugu_gemm::precision::{bf16_to_f32, f16_bits_of, f16_value_of, f32_to_bf16};
+use fugu_gemm::precision::{bf16_to_f32, f16_bits_of, f16_value_of};
 
 /// Elements per piece where a row is widened into an f32 buffer (16 KiB).
 const PIECE: usize = 4096;
@@ -60,7 +60,9 @@ fn widen_f16_body(src: &[u16], dst: &mut [f32]) {
 fn round_bf16_body(src: &[f32], dst: &mut [u16]) {
     dst.iter_mut()
         .zip(src)
-        .for_each(|(d, &s)| *d = f32_to_bf16(s));
+        // The branch-free rounding (bit for bit `f32_to_bf16`, NaNs included: fugu-gemm's
+        // tests), so that the loop vectorises.
+        .for_each(|(d, &s)| *d = (fugu_gemm::precision::round_bf16(s).to_bits() >> 16) as u16);
 }
 
 #[inline(always)]
@@ -138,6 +140,61 @@ pub fn gelu_backward(dt: Dtype, dinp: &mut [u16], inp: &[u16], dout: &[u16]) {
     }
 }
 
+/// [`super::attention::attention_softmax`] on rows of causal (T, T) blocks stored in `dt`:
+/// `att` holds whole rows of `t`, the first of them row `first` of the blocks' rows (a row's
+/// causal length is its index within its block, plus one). Each row is widened up to that
+/// length only, its f32 softmax rounded back, and the rest set to zero, so the masked half
+/// of a block is written but never read.
+pub fn attention_softmax(dt: Dtype, att: &mut [u16], first: usize, t: usize) {
+    assert_eq!(
+        att.len() % t.max(1),
+        0,
+        "half_rows::attention_softmax: whole rows"
+    );
+    let mut x = vec![0.0f32; t];
+    for (r, row) in att.chunks_mut(t.max(1)).enumerate() {
+        let live = (first + r) % t + 1;
+        let (l, masked) = row.split_at_mut(live);
+        widen(dt, l, &mut x[..live]);
+        super::attention::softmax_row::<f32>(&mut x[..live]);
+        round(dt, &x[..live], l);
+        masked.fill(0);
+    }
+}
+
+/// [`super::attention::attention_softmax_backward`] on rows stored in `dt`, laid out as in
+/// [`attention_softmax`]: each row of `datt` and `att` widened up to its causal length,
+/// `datt`'s f32 result rounded back and the rest of its row set to zero.
+pub fn attention_softmax_backward(
+    dt: Dtype,
+    datt: &mut [u16],
+    att: &[u16],
+    first: usize,
+    t: usize,
+) {
+    assert_eq!(
+        datt.len(),
+        att.len(),
+        "half_rows::attention_softmax_backward: lengths differ"
+    );
+    assert_eq!(
+        datt.len() % t.max(1),
+        0,
+        "half_rows::attention_softmax_backward: whole rows"
+    );
+    let (mut d, mut a) = (vec![0.0f32; t], vec![0.0f32; t]);
+    let rows = datt.chunks_mut(t.max(1)).zip(att.chunks(t.max(1)));
+    for (r, (drow, arow)) in rows.enumerate() {
+        let live = (first + r) % t + 1;
+        let (dl, masked) = drow.split_at_mut(live);
+        widen(dt, dl, &mut d[..live]);
+        widen(dt, &arow[..live], &mut a[..live]);
+        super::attention::softmax_backward_row_f32(&mut d[..live], &a[..live]);
+        round(dt, &d[..live], dl);
+        masked.fill(0);
+    }
+}
+
 /// fugu-rows' name of a 16-bit type.
 #[cfg(target_arch = "aarch64")]
 fn half(dt: Dtype) -> fugu_rows::sve::Half {
@@ -184,6 +241,54 @@ mod tests {
             super::super::gelu::gelu_backward(&mut want, &xw, &gw);
             gelu_backward(dt, &mut out, &x, &g);
             assert_eq!(out, enc(&want), "{dt:?} backward");
+        }
+    }
+
+    /// The 16-bit attention softmax and its backward are the f32 ops on the widened blocks,
+    /// rounded once, whatever rows a call starts at (chunks of 5 rows cut across blocks);
+    /// the masked half of every row is zero and its old contents never matter.
+    #[test]
+    fn attention_softmax_on_16_bit_rows_is_the_f32_softmax_rounded() {
+        let (t, blocks) = (37, 3);
+        let n = blocks * t * t;
+        let xs: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 125.0 - 4.0)
+            .collect();
+        let gs: Vec<f32> = (0..n)
+            .map(|i| ((i * 104_729) % 999) as f32 / 400.0 - 1.2)
+            .collect();
+        for dt in [Dtype::Bf16, Dtype::F16] {
+            let enc = |v: &[f32]| {
+                let mut h = vec![0u16; v.len()];
+                round(dt, v, &mut h);
+                h
+            };
+            let dec = |h: &[u16]| {
+                let mut v = vec![0.0f32; h.len()];
+                widen(dt, h, &mut v);
+                v
+            };
+            let (x, g) = (enc(&xs), enc(&gs));
+            let mut want = dec(&x);
+            super::super::attention::attention_softmax(&mut want, 1, t, blocks);
+            let mut att = x.clone();
+            for (c, rows) in att.chunks_mut(5 * t).enumerate() {
+                attention_softmax(dt, rows, 5 * c, t);
+            }
+            assert_eq!(att, enc(&want), "{dt:?} forward");
+            let mut dwant = dec(&g);
+            super::super::attention::attention_softmax_backward(
+                &mut dwant,
+                &dec(&att),
+                1,
+                t,
+                blocks,
+            );
+            let mut datt = g.clone();
+            for (c, (d, a)) in datt.chunks_mut(5 * t).zip(att.chunks(5 * t)).enumerate() {
+                attention_softmax_backward(dt, d, a, 5 * c, t);
+            }
+            assert_eq!(datt, enc(&dwant), "{dt:?} backward");
         }
     }
 }
