@@ -1209,7 +1209,8 @@ fn micro_batches_accumulate_the_full_batch_gradient() {
 /// `fugu predict` counts a rank's memory as the trainer's header does, in each precision
 /// (parameters, gradients and moments in f32, the 16-bit compute copy, activations and the
 /// gradient scratch in the precision's type, statistics in f32): the same bytes for the same
-/// model, batch and sequence length, one rank, three-step attention.
+/// model, batch and sequence length, one rank, three-step attention. And the CPU backend's
+/// workspace after the step is within the header's bound.
 #[test]
 fn predicted_memory_is_the_headers_in_each_precision() {
     let r = SmallRuns::new("predicted-memory");
@@ -1223,12 +1224,30 @@ fn predicted_memory_is_the_headers_in_each_precision() {
             &[("FUGU_ATTENTION", "materialized")],
         ));
         let recs = read_metrics(r.dir.join(precision).join("metrics.jsonl")).unwrap();
-        let Some(Record::Header(h)) = recs.into_iter().next() else {
+        let Some(Record::Header(h)) = recs.first() else {
             panic!("{precision}: no header")
         };
         let mem = &h["memory"];
         let header = mem["params_grads_adam_bytes"].as_f64().unwrap()
             + mem["activation_bytes"].as_f64().unwrap();
+        // The backend's workspace (the CPU's stage for 16-bit activations) stays within the
+        // header's bound, which the up-front memory check counts; none in f32.
+        let bound = mem["workspace_bound_bytes"].as_f64().unwrap();
+        let used = recs
+            .iter()
+            .find_map(|rec| match rec {
+                Record::Event { kind, data } if kind == "end" => data["workspace_bytes"].as_f64(),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("{precision}: no workspace in the end event"));
+        if precision == "fp32" {
+            assert_eq!((used, bound), (0.0, 0.0), "fp32 stages nothing");
+        } else {
+            assert!(
+                used > 0.0 && used <= bound,
+                "{precision}: workspace {used} of at most {bound}"
+            );
+        }
         let o = fugu(
             &[
                 "predict",

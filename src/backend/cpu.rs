@@ -2,11 +2,11 @@
 //! ([`HostStore`]: `f32`, or 16-bit floats in half the bytes), GEMMs go to fugu-gemm, the
 //! other ops to the rayon kernels of [`crate::ops`], all on `f32` views.
 
-use super::host_store::{Chunks, HostStore, Rows, Stored};
+use super::host_store::{Chunks, HostStore, Rows, Stored, ROW_CHUNK};
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
     FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
-    RmsNormGrads, Rope, Span, TokSpan,
+    RmsNormGrads, Rope, Span, StepShapes, TokSpan,
 };
 use crate::ops;
 use anyhow::Result;
@@ -29,15 +29,17 @@ fn gemm_chunks(prec: ops::Precision, m: usize, n: usize, k: usize) -> Chunks {
 /// `$body` with each `$x` bound to the slice of its [`Stored`] operand, all of one type (a
 /// GEMM's operands share their 16-bit type: `CpuBackend::gemm_precision`; one operand, any).
 macro_rules! same_stored {
-    (($($s:expr),+), |$($x:ident),+| $body:expr) => {
+    (($($s:expr),+), |$($x:ident),+| $body:expr) => {{
+        // A block, so that the macro is an expression wherever it is used (a closure's body).
         #[allow(unreachable_patterns)]
-        match ($($s,)+) {
+        let out = match ($($s,)+) {
             ($(Stored::F32($x),)+) => $body,
             ($(Stored::Bf16($x),)+) => $body,
             ($(Stored::F16($x),)+) => $body,
             _ => unreachable!("GEMM operands of one type (gemm_precision)"),
-        }
-    };
+        };
+        out
+    }};
 }
 
 /// Host-memory backend.
@@ -148,6 +150,33 @@ impl CpuBackend {
         );
     }
 
+    /// A norm's backward pass over `n` rows in [`ops::ROW_BLOCK`]-row blocks (16-bit rows staged
+    /// a block at a time, in cache): `op` accumulates the input gradient `dinp` of its rows and
+    /// overwrites their blocks' partial parameter gradients (`per_block` each); returns every
+    /// block's partials, for the caller to add in block order (`ops::add_block_partials`), so
+    /// the sums are those of one call on every row.
+    fn norm_backward_blocks<const R: usize>(
+        &mut self,
+        n: usize,
+        per_block: usize,
+        dinp: Rows,
+        read: [Rows; R],
+        op: impl for<'a> Fn(&'a mut [f32], &'a mut [f32], [&'a [f32]; R]) + Sync,
+    ) -> Vec<f32> {
+        let partials = std::sync::Mutex::new(ops::block_partials::<f32>(n, per_block));
+        let block = ops::ROW_BLOCK;
+        self.mem
+            .run_rows(Chunks::Rows(block), n, [dinp], read, |rows, [di], r| {
+                // The rows start a block (f32 spans: all of them in one call).
+                let blocks = rows.start / block..rows.end.div_ceil(block);
+                let mut own = ops::block_partials::<f32>(rows.len(), per_block);
+                op(di, &mut own, r);
+                let mut all = partials.lock().unwrap_or_else(|e| e.into_inner());
+                all[blocks.start * per_block..blocks.end * per_block].copy_from_slice(&own);
+            });
+        partials.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The three-step attention's batched GEMMs, one sequence at a time: their operands `g`
     /// read as stored when they share a 16-bit type (`prec`), so only what they write is
     /// staged; otherwise (`f32`, or mixed types) on `f32` views of every operand, in one call.
@@ -232,6 +261,34 @@ impl Backend for CpuBackend {
 
     fn workspace_bytes(&self) -> u64 {
         self.mem.stage_bytes() as u64
+    }
+
+    /// The stages 16-bit activations need (`host_store.rs`), in f32s: the largest chunk of a
+    /// GEMM's staged rows (a linear layer's output with its residual, or its input's gradient;
+    /// one sequence's attention probabilities with its q, k, v gradient), plus the largest
+    /// span staged whole (the embedding's output gradient, a tensor-parallel all-reduce:
+    /// rows × width), plus the row chunks in flight (each at most six row spans of
+    /// `ROW_CHUNK` elements, a norm's block of rows, or one sequence's rows; twice the
+    /// threads, for the rayon tasks a waiting thread may start). None with f32 activations.
+    fn workspace_bound(&self, s: &StepShapes) -> u64 {
+        if s.act == Dtype::F32 {
+            return 0;
+        }
+        let prec = s.act.precision();
+        let n = s.rows;
+        let chunk = |cols: usize, k: usize| gemm_chunks(prec, n, cols, k).largest(n, cols) * cols;
+        let linear = s
+            .linears
+            .iter()
+            .map(|&(ic, oc, resid)| (chunk(oc, ic) * (1 + resid as usize)).max(chunk(ic, oc)));
+        let attention = s.scores_per_sequence + s.t * s.qkv_width;
+        let serial = linear.fold(attention, usize::max);
+        let whole = n * s.width;
+        let row_chunk = (6 * ROW_CHUNK)
+            .max(3 * ops::ROW_BLOCK * s.width)
+            .max(s.t * s.sequence_width);
+        let in_flight = 2 * rayon::current_num_threads() * row_chunk;
+        4 * (serial + whole + in_flight) as u64
     }
 
     fn upload(&mut self, dst: Span, src: &[f32]) {
@@ -345,13 +402,21 @@ impl Backend for CpuBackend {
         let LayerNorm { w, n, c, .. } = *ln;
         let LayerNormGrads { dinp, dw, dbias } = *g;
         let NormStats { mean, rstd } = stats;
-        self.mem.run(
-            [dinp, dw, dbias],
-            [dout, inp, w, mean, rstd],
-            |[di, dw, db], [d, i, w, m, r]| {
-                ops::layernorm::layernorm_backward(di, dw, db, d, i, w, m, r, n, c)
-            },
-        );
+        let read = [
+            Rows::of(dout, c),
+            Rows::of(inp, c),
+            Rows::whole(w),
+            Rows::of(mean, 1),
+            Rows::of(rstd, 1),
+        ];
+        let partials = self.norm_backward_blocks(n, 2 * c, Rows::of(dinp, c), read, |di, p, r| {
+            let [d, i, w, m, rs] = r;
+            ops::layernorm::layernorm_backward_blocks(di, p, d, i, w, m, rs, c)
+        });
+        self.mem.run([dw, dbias], [], |[dw, db], []| {
+            ops::add_block_partials(dw, &partials, 2 * c, 0);
+            ops::add_block_partials(db, &partials, 2 * c, c);
+        });
     }
 
     fn linear_forward(&mut self, l: &Linear, out: Span, inp: Span) {
@@ -388,7 +453,7 @@ impl Backend for CpuBackend {
         if prec != ops::Precision::F32 {
             // 16-bit operands, read as stored: the input gradient in chunks of rows, the
             // weight gradient (a sum over every row) in one GEMM, the bias gradient's column
-            // sums on f32 views.
+            // sums row by row.
             if let Some(di) = dinp {
                 let rows = gemm_chunks(prec, n, ic, oc);
                 let stored = [Rows::of(dout, oc), Rows::whole(w)];
@@ -424,8 +489,14 @@ impl Backend for CpuBackend {
                 },
             );
             if let Some(db) = dbias {
-                self.mem
-                    .run([db], [dout], |[db], [d]| ops::add_column_sums(db, d, n));
+                self.mem.run_rows_stored(
+                    Chunks::Serial(1),
+                    1,
+                    [whole(db)],
+                    [],
+                    [whole(dout)],
+                    |_, [db], [], [d]| same_stored!((d), |d| ops::add_column_sums(db, d, n)),
+                );
             }
             return;
         }
@@ -611,11 +682,19 @@ impl Backend for CpuBackend {
         let (n, c) = (r.n, r.c);
         assert!(g.dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(g.dw.len == c && r.w.len == c && rstd.len == n);
-        self.mem.run(
-            [g.dinp, g.dw],
-            [dout, inp, r.w, rstd],
-            |[di, dw], [d, i, w, rs]| ops::rmsnorm::rmsnorm_backward(di, dw, d, i, w, rs),
-        );
+        let read = [
+            Rows::of(dout, c),
+            Rows::of(inp, c),
+            Rows::whole(r.w),
+            Rows::of(rstd, 1),
+        ];
+        let partials = self.norm_backward_blocks(n, c, Rows::of(g.dinp, c), read, |di, p, r| {
+            let [d, i, w, rs] = r;
+            ops::rmsnorm::rmsnorm_backward_blocks(di, p, d, i, w, rs)
+        });
+        self.mem.run([g.dw], [], |[dw], []| {
+            ops::add_block_partials(dw, &partials, c, 0)
+        });
     }
 
     fn rope_forward(&mut self, r: &Rope, x: Span) {

@@ -108,7 +108,7 @@ impl Rows {
 /// with the chunk's other spans, a few hundred KiB, in the core's L2 while the op runs. A
 /// multiple of 64, so that chunks of an elementwise op (rows of one element) start on whole
 /// SIMD vectors and the op meets its tail where it would whole.
-const ROW_CHUNK: usize = 1 << 14;
+pub const ROW_CHUNK: usize = 1 << 14;
 
 /// A GEMM operand as it is stored: fugu-gemm packs 16-bit values as they are, so a GEMM
 /// reads them without the stage ([`HostStore::run_rows_stored`]).
@@ -125,10 +125,24 @@ pub enum Chunks {
     /// About [`ROW_CHUNK`] elements of the widest span per chunk (at least one row), the
     /// chunks in parallel: row-wise ops, their chunks in cache.
     Cache,
+    /// This many rows per chunk (the last one fewer), the chunks in parallel: row-wise ops
+    /// whose rows go in fixed blocks (a reduction's partial sums, `ops::ROW_BLOCK`).
+    Rows(usize),
     /// At least this many rows per chunk (the rows split evenly), one chunk after another:
     /// GEMMs (fugu-gemm's threads work on one at a time; enough rows to amortise packing the
     /// operand every chunk shares, and to keep the GEMM's sums those of the whole).
     Serial(usize),
+}
+
+impl Chunks {
+    /// The most rows one chunk of `n` rows holds, `widest` elements in the op's widest row.
+    pub fn largest(self, n: usize, widest: usize) -> usize {
+        match self {
+            Chunks::Cache => (ROW_CHUNK / widest.max(1)).max(1).min(n),
+            Chunks::Rows(rows) => rows.max(1).min(n),
+            Chunks::Serial(rows) => n.div_ceil((n / rows.max(1)).max(1)),
+        }
+    }
 }
 
 /// An address shared with the threads of a parallel loop.
@@ -422,18 +436,24 @@ impl HostStore {
             .max()
             .unwrap_or(1);
         // Chunk c holds rows bounds[c]..bounds[c + 1].
+        // Rows per parallel chunk.
+        let per = match chunks {
+            Chunks::Cache => (ROW_CHUNK / widest).max(1),
+            Chunks::Rows(rows) => rows.max(1),
+            Chunks::Serial(_) => 0,
+        };
         let count = match chunks {
-            Chunks::Cache => n.div_ceil((ROW_CHUNK / widest).max(1)),
+            Chunks::Cache | Chunks::Rows(_) => n.div_ceil(per),
             Chunks::Serial(rows) => (n / rows.max(1)).max(1),
         };
         let bound = |c: usize| match chunks {
-            Chunks::Cache => (c * (ROW_CHUNK / widest).max(1)).min(n),
+            Chunks::Cache | Chunks::Rows(_) => (c * per).min(n),
             Chunks::Serial(_) => c * n / count,
         };
         // Chunks run in parallel, each converting its rows alone; or one after another, each
         // converting its rows in parallel pieces.
         let (pool, convert) = match chunks {
-            Chunks::Cache => (&self.chunk_stages, Convert::Serial),
+            Chunks::Cache | Chunks::Rows(_) => (&self.chunk_stages, Convert::Serial),
             Chunks::Serial(_) => (&self.serial_stage, Convert::Parallel),
         };
         let one_chunk = |c: usize| {
@@ -538,7 +558,7 @@ impl HostStore {
             pool.lock().unwrap_or_else(|e| e.into_inner()).push(own);
         };
         match chunks {
-            Chunks::Cache => (0..count).into_par_iter().for_each(one_chunk),
+            Chunks::Cache | Chunks::Rows(_) => (0..count).into_par_iter().for_each(one_chunk),
             Chunks::Serial(_) => (0..count).for_each(one_chunk),
         }
     }
@@ -819,7 +839,7 @@ mod tests {
             let mut st = HostStore::default();
             let x = st.alloc(n * c, dt).unwrap();
             let g = st.alloc(c, dt).unwrap();
-            let outs: Vec<BufId> = (0..5).map(|_| st.alloc(n * c, dt).unwrap()).collect();
+            let outs: Vec<BufId> = (0..6).map(|_| st.alloc(n * c, dt).unwrap()).collect();
             let xs: Vec<f32> = (0..n * c)
                 .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
                 .collect();
@@ -831,8 +851,15 @@ mod tests {
                 op(o, x, g)
             });
             // Written rows decoded first, then (the op sets every element) not decoded.
-            let kinds = [Rows::of, Rows::of, Rows::overwritten, Rows::overwritten];
-            let chunkings = [Chunks::Cache, Chunks::Serial(7)].repeat(2);
+            let kinds = [
+                Rows::of,
+                Rows::of,
+                Rows::overwritten,
+                Rows::overwritten,
+                Rows::of,
+            ];
+            let mut chunkings = [Chunks::Cache, Chunks::Serial(7)].repeat(2);
+            chunkings.push(Chunks::Rows(64));
             for (k, (chunks, rows)) in chunkings.into_iter().zip(kinds).enumerate() {
                 let w = [rows(span(outs[k + 1], 0, n * c), c)];
                 st.run_rows(
@@ -840,7 +867,12 @@ mod tests {
                     n,
                     w,
                     [Rows::of(xr, c), Rows::whole(gr)],
-                    |_, [o], [x, g]| op(o, x, g),
+                    |rs, [o], [x, g]| {
+                        if let Chunks::Rows(k) = chunks {
+                            assert!(rs.start % k == 0 && rs.len() <= k, "{rs:?}: blocks of {k}");
+                        }
+                        op(o, x, g)
+                    },
                 );
             }
             let get = |st: &HostStore, b| {
@@ -860,6 +892,7 @@ mod tests {
                 get(&st, outs[4]),
                 "{dt:?} serial, overwritten"
             );
+            assert_eq!(get(&st, outs[0]), get(&st, outs[5]), "{dt:?} rows of 64");
             // Elementwise, in place: rows of one element.
             let e = span(outs[1], 0, n * c);
             st.run_rows(

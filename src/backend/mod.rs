@@ -97,6 +97,28 @@ pub struct TokSpan {
     pub len: usize,
 }
 
+/// What sizes a backend's working memory in a training step ([`Backend::workspace_bound`]):
+/// the activations' type, their `rows` (B·T) and residual `width`, every linear layer's
+/// shape, and the attention's per-sequence tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepShapes {
+    pub act: Dtype,
+    pub rows: usize,
+    pub width: usize,
+    /// Each linear layer on `rows` rows: (inputs, outputs, whether its forward pass reads a
+    /// residual of `outputs` columns).
+    pub linears: Vec<(usize, usize, bool)>,
+    /// Elements of one sequence's attention probabilities (heads·T·T; 0 when fused).
+    pub scores_per_sequence: usize,
+    /// Columns of one sequence's q, k, v rows.
+    pub qkv_width: usize,
+    /// Tokens per sequence.
+    pub t: usize,
+    /// Columns of the widest activation a row op takes a whole sequence of at a time (the
+    /// embedding's output, C; rotary embeddings' q, k, v rows).
+    pub sequence_width: usize,
+}
+
 /// Dimensions of one attention call: `b` sequences of `t` tokens, `nh` local heads of size `hs`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnDims {
@@ -353,6 +375,11 @@ pub trait Backend: 'static {
     /// Bytes of working memory the backend holds beside its buffers (the CPU's stage for
     /// 16-bit spans, `backend/host_store.rs`), for the end-of-run memory line.
     fn workspace_bytes(&self) -> u64 {
+        0
+    }
+    /// The most [`Self::workspace_bytes`] a step of these shapes can make the backend hold,
+    /// for the up-front memory check and the header (0: none beside its buffers).
+    fn workspace_bound(&self, _step: &StepShapes) -> u64 {
         0
     }
     /// Waits for queued work (no-op on the CPU).

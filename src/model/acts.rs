@@ -6,7 +6,7 @@
 
 use super::stage::Stage;
 use super::table::{padded_vocab, Table};
-use crate::backend::{AttnDims, BufId, NormStats, Span};
+use crate::backend::{AttnDims, BufId, Dtype, NormStats, Span, StepShapes};
 use crate::config::ModelConfig;
 
 /// Which activations the backward pass recomputes instead of keeping from the forward pass
@@ -112,6 +112,33 @@ impl StepDims {
             nh: self.nh,
             kv: self.kv,
             hs: self.hs,
+        }
+    }
+    /// The step's shapes that size a backend's working memory ([`crate::backend::StepShapes`]):
+    /// activations of type `act`, a decoder block's linear layers (the MLP's first one
+    /// `mlp_up` columns wide: GELU's `f`, SwiGLU's gate and up `2·f`) and the LM head, and
+    /// the attention path's per-sequence tensors (`rope`: rotary embeddings on q, k rows).
+    pub fn step_shapes(&self, act: Dtype, mlp_up: usize, keep: AttnKeep, rope: bool) -> StepShapes {
+        let c = self.c;
+        let scores = match keep {
+            AttnKeep::Probabilities => self.nh * self.t * self.t,
+            AttnKeep::LogSumExp => 0,
+        };
+        StepShapes {
+            act,
+            rows: self.n(),
+            width: c,
+            linears: vec![
+                (c, self.qkv_width(), false),
+                (self.local_c(), c, true),
+                (c, mlp_up, false),
+                (self.f, c, true),
+                (c, self.vp, false),
+            ],
+            scores_per_sequence: scores,
+            qkv_width: self.qkv_width(),
+            t: self.t,
+            sequence_width: if rope { self.qkv_width() } else { c },
         }
     }
     /// Width of this rank's attention heads (nh·hs = c / tp).

@@ -170,6 +170,9 @@ pub trait Model<B: Backend> {
     /// Bytes of the activations of every in-flight micro-batch of `b`×`t`, and of the
     /// gradient scratch (the memory report).
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize);
+    /// The shapes of a step of `b`×`t` that size the backend's working memory
+    /// ([`crate::backend::Backend::workspace_bound`]).
+    fn step_shapes(&self, b: usize, t: usize) -> crate::backend::StepShapes;
     /// A whole buffer as a host copy.
     fn download(&self, buf: BufId) -> Vec<f32> {
         self.core().download(buf)

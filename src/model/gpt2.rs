@@ -308,6 +308,11 @@ impl<B: Backend> Model<B> for Gpt2<B> {
         self.core.set_recompute(r, &mut self.acts);
     }
 
+    fn step_shapes(&self, b: usize, t: usize) -> crate::backend::StepShapes {
+        let d = self.dims(b, t);
+        d.step_shapes(self.core.compute, d.f, self.attn_keep, false)
+    }
+
     /// Bytes of the activations (with their f32 statistics) of every in-flight micro-batch of
     /// `b`×`t`, and of the gradient scratch (for the memory report).
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {

@@ -247,6 +247,11 @@ impl<B: Backend> Model<B> for Llama<B> {
         self.core.set_recompute(r, &mut self.acts);
     }
 
+    fn step_shapes(&self, b: usize, t: usize) -> crate::backend::StepShapes {
+        let d = self.dims(b, t);
+        d.step_shapes(self.core.compute, 2 * d.f, self.attn_keep, true)
+    }
+
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {
         let d = self.dims(b, t);
         let c = &self.core;

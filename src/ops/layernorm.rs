@@ -189,11 +189,35 @@ pub fn layernorm_backward<T: Float>(
     assert_eq!(dbias.len(), c, "layernorm_backward: dbias length");
     assert_eq!(mean.len(), n, "layernorm_backward: mean length");
     assert_eq!(rstd.len(), n, "layernorm_backward: rstd length");
-    // One pass over each block of rows: the input gradient row by row, and the rows' shares of
-    // the parameter gradients into the block's partials `[dw (C) | dbias (C)]` while the rows
-    // are in cache; then the blocks' partials in order (`ops::ROW_BLOCK`).
-    let rows = super::ROW_BLOCK;
     let mut partials = super::block_partials::<T>(n, 2 * c);
+    layernorm_backward_blocks(dinp, &mut partials, dout, inp, w, mean, rstd, c);
+    super::add_block_partials(dw, &partials, 2 * c, 0);
+    super::add_block_partials(dbias, &partials, 2 * c, c);
+}
+
+/// The rows' part of [`layernorm_backward`], for rows that start a [`super::ROW_BLOCK`] block:
+/// `dinp` accumulated as there, and each block's partials `[dw (C) | dbias (C)]`
+/// **overwritten** in `partials` (`2·C` per block), to be added in block order
+/// ([`super::add_block_partials`]). One pass over each block of rows, the parameter
+/// gradients' shares taken while the rows are in cache.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_blocks<T: Float>(
+    dinp: &mut [T],
+    partials: &mut [T],
+    dout: &[T],
+    inp: &[T],
+    w: &[T],
+    mean: &[T],
+    rstd: &[T],
+    c: usize,
+) {
+    let rows = super::ROW_BLOCK;
+    let n = mean.len();
+    assert_eq!(
+        partials.len(),
+        n.div_ceil(rows) * 2 * c,
+        "layernorm_backward: partials length"
+    );
     partials
         .par_chunks_mut(2 * c)
         .zip(dinp.par_chunks_mut(rows * c))
@@ -201,6 +225,7 @@ pub fn layernorm_backward<T: Float>(
         .zip(inp.par_chunks(rows * c))
         .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
         .for_each(|((((p, di), g), x), (mu, rs))| {
+            p.fill(T::ZERO);
             let (pw, pb) = p.split_at_mut(c);
             for ((((di, g), x), &mu), &rs) in di
                 .chunks_exact_mut(c)
@@ -216,8 +241,6 @@ pub fn layernorm_backward<T: Float>(
                 }
             }
         });
-    super::add_block_partials(dw, &partials, 2 * c, 0);
-    super::add_block_partials(dbias, &partials, 2 * c, c);
 }
 
 #[cfg(test)]

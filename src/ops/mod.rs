@@ -124,8 +124,9 @@ pub(crate) fn add_block_partials<T: Float>(
 
 /// `dst[j] += Σ_i src[i*width + j]` over rows `i = 0..n` for every column `j < width`
 /// (`dst.len() == width`): the rows in [`ROW_BLOCK`]-row blocks, each summed in row order,
-/// then the blocks in order, so the result is the same whatever the number of threads.
-pub(crate) fn add_column_sums<T: Float>(dst: &mut [T], src: &[T], n: usize) {
+/// then the blocks in order, so the result is the same whatever the number of threads. `src`
+/// is read as stored (a 16-bit row is widened into a row of `T` as it is added).
+pub(crate) fn add_column_sums<T: Float, E: TableRow<T>>(dst: &mut [T], src: &[E], n: usize) {
     let width = dst.len();
     assert_eq!(src.len(), n * width, "add_column_sums: src length");
     if width == 0 {
@@ -136,8 +137,10 @@ pub(crate) fn add_column_sums<T: Float>(dst: &mut [T], src: &[T], n: usize) {
         .par_chunks_mut(width)
         .zip(src.par_chunks(ROW_BLOCK * width))
         .for_each(|(p, rows)| {
+            let mut wide = vec![T::ZERO; width];
             for row in rows.chunks_exact(width) {
-                for (x, &y) in p.iter_mut().zip(row) {
+                E::widen_row(row, &mut wide);
+                for (x, &y) in p.iter_mut().zip(&wide) {
                     *x += y;
                 }
             }

@@ -56,8 +56,28 @@ pub fn rmsnorm_backward<T: Float>(
     assert_eq!(dout.len(), n * c, "rmsnorm_backward: dout length");
     assert_eq!(inp.len(), n * c, "rmsnorm_backward: inp length");
     assert_eq!(dw.len(), c, "rmsnorm_backward: dw length");
-    let rows = super::ROW_BLOCK;
     let mut partials = super::block_partials::<T>(n, c);
+    rmsnorm_backward_blocks(dinp, &mut partials, dout, inp, w, rstd);
+    super::add_block_partials(dw, &partials, c, 0);
+}
+
+/// The rows' part of [`rmsnorm_backward`], for rows that start a [`super::ROW_BLOCK`] block:
+/// `dinp` accumulated as there, and each block's partial `dw` (C) **overwritten** in
+/// `partials`, to be added in block order ([`super::add_block_partials`]).
+pub fn rmsnorm_backward_blocks<T: Float>(
+    dinp: &mut [T],
+    partials: &mut [T],
+    dout: &[T],
+    inp: &[T],
+    w: &[T],
+    rstd: &[T],
+) {
+    let (c, n, rows) = (w.len(), rstd.len(), super::ROW_BLOCK);
+    assert_eq!(
+        partials.len(),
+        n.div_ceil(rows) * c,
+        "rmsnorm_backward: partials length"
+    );
     partials
         .par_chunks_mut(c)
         .zip(dinp.par_chunks_mut(rows * c))
@@ -65,6 +85,7 @@ pub fn rmsnorm_backward<T: Float>(
         .zip(inp.par_chunks(rows * c))
         .zip(rstd.par_chunks(rows))
         .for_each(|((((pw, di), g), x), rs)| {
+            pw.fill(T::ZERO);
             for (((di, g), x), &rs) in di
                 .chunks_exact_mut(c)
                 .zip(g.chunks_exact(c))
@@ -85,7 +106,6 @@ pub fn rmsnorm_backward<T: Float>(
                 }
             }
         });
-    super::add_block_partials(dw, &partials, c, 0);
 }
 
 #[cfg(test)]

@@ -415,6 +415,9 @@ pub(super) struct Memory {
     /// Forward activations, and the backward pass's gradient scratch.
     pub(super) forward: f64,
     pub(super) backward: f64,
+    /// The most working memory the backend holds beside its buffers in a step (the CPU's
+    /// stage for 16-bit activations; 0 where none).
+    pub(super) workspace: f64,
 }
 
 impl Memory {
@@ -426,6 +429,7 @@ impl Memory {
             moments: 8.0 * moment_n as f64,
             forward: act_b as f64,
             backward: gact_b as f64,
+            workspace: model.backend().workspace_bound(&model.step_shapes(b, t)) as f64,
         }
     }
 
@@ -436,18 +440,31 @@ impl Memory {
     pub(super) fn activations(&self) -> f64 {
         self.forward + self.backward
     }
+
+    /// What a step adds to the state: activations, gradient scratch and the workspace.
+    pub(super) fn step(&self) -> f64 {
+        self.activations() + self.workspace
+    }
 }
 
 /// Refuses a batch shape whose buffers cannot fit, before anything that size is allocated:
-/// activations and backward scratch against the backend's free memory, the loader's prefetched
+/// activations, backward scratch and the backend's workspace against its free memory, the loader's prefetched
 /// batches against the host's (`MemAvailable`). Where a figure is unknown it is not checked.
 fn check_memory<B: Backend>(be: &B, mem: &Memory, lcfg: &LoaderConfig) -> Result<()> {
     let (b, t) = (lcfg.batch_size, lcfg.seq_len);
     let gib = |x: f64| x / (1u64 << 30) as f64;
     if let Some(free) = be.free_memory() {
-        if mem.activations() > free as f64 {
+        if mem.step() > free as f64 {
+            let ws = if mem.workspace > 0.0 {
+                format!(
+                    " (and the backend's workspace {:.1} GiB)",
+                    gib(mem.workspace)
+                )
+            } else {
+                String::new()
+            };
             bail!(
-                "--batch-size {b} --seq-len {t}: activations need {:.1} GiB per rank on {}, which has {:.1} GiB free; lower the batch size or the sequence length",
+                "--batch-size {b} --seq-len {t}: activations need {:.1} GiB per rank{ws} on {}, which has {:.1} GiB free; lower the batch size or the sequence length",
                 gib(mem.activations()),
                 be.describe(),
                 gib(free as f64)

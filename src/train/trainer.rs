@@ -747,6 +747,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "end",
                 &json!({"steps": self.cfg.train.steps, "last_loss": tot.last_loss,
                         "val_loss": tot.last_val, "peak_rss_bytes": rss,
+                        "workspace_bytes": self.model.backend().workspace_bytes(),
                         "checkpoint": tot.last_checkpoint,
                         "skipped_bad_samples": skipped_bad}),
             )?;
@@ -834,6 +835,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "adam_moment_bytes": mem.moments,
                 "params_grads_adam_bytes": mem.state(),
                 "activation_bytes": mem.activations(),
+                "workspace_bound_bytes": mem.workspace,
             },
             "flops_per_step": flops_step,
             "flops_per_step_per_rank": self.flops_per_rank,
@@ -892,7 +894,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
             machine.peak_source
         );
         eprintln!(
-            "  memory per rank: params+grads 8 B x {:.2}M = {}, AdamW moments 8 B x {:.2}M = {}{}, activations {} (forward {} + backward scratch {}), expected total {}",
+            "  memory per rank: params+grads 8 B x {:.2}M = {}, AdamW moments 8 B x {:.2}M = {}{}, activations {} (forward {} + backward scratch {}){}, expected total {}",
             mem.params_grads / 8e6,
             mib(mem.params_grads),
             mem.moments / 8e6,
@@ -901,7 +903,8 @@ impl<'d, B: Backend> Trainer<'d, B> {
             mib(mem.activations()),
             mib(mem.forward),
             mib(mem.backward),
-            mib(mem.state() + mem.activations())
+            if mem.workspace > 0.0 { format!(", backend workspace at most {}", mib(mem.workspace)) } else { String::new() },
+            mib(mem.state() + mem.step())
         );
     }
 
