@@ -135,13 +135,32 @@ pub enum Chunks {
 }
 
 impl Chunks {
+    /// How `n` rows are cut, `widest` elements in the op's widest row: the number of chunks,
+    /// and where chunk `c` starts (chunk `c` holds rows `start(c)..start(c + 1)`).
+    fn cut(self, n: usize, widest: usize) -> (usize, impl Fn(usize) -> usize) {
+        let per = match self {
+            Chunks::Cache => (ROW_CHUNK / widest.max(1)).max(1),
+            Chunks::Rows(rows) => rows.max(1),
+            Chunks::Serial(_) => 0,
+        };
+        let count = match self {
+            Chunks::Cache | Chunks::Rows(_) => n.div_ceil(per),
+            Chunks::Serial(rows) => (n / rows.max(1)).max(1),
+        };
+        let start = move |c: usize| match self {
+            Chunks::Cache | Chunks::Rows(_) => (c * per).min(n),
+            Chunks::Serial(_) => c * n / count,
+        };
+        (count, start)
+    }
+
     /// The most rows one chunk of `n` rows holds, `widest` elements in the op's widest row.
     pub fn largest(self, n: usize, widest: usize) -> usize {
-        match self {
-            Chunks::Cache => (ROW_CHUNK / widest.max(1)).max(1).min(n),
-            Chunks::Rows(rows) => rows.max(1).min(n),
-            Chunks::Serial(rows) => n.div_ceil((n / rows.max(1)).max(1)),
-        }
+        let (count, start) = self.cut(n, widest);
+        (0..count)
+            .map(|c| start(c + 1) - start(c))
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -435,21 +454,7 @@ impl HostStore {
             .map(|x| x.width)
             .max()
             .unwrap_or(1);
-        // Chunk c holds rows bounds[c]..bounds[c + 1].
-        // Rows per parallel chunk.
-        let per = match chunks {
-            Chunks::Cache => (ROW_CHUNK / widest).max(1),
-            Chunks::Rows(rows) => rows.max(1),
-            Chunks::Serial(_) => 0,
-        };
-        let count = match chunks {
-            Chunks::Cache | Chunks::Rows(_) => n.div_ceil(per),
-            Chunks::Serial(rows) => (n / rows.max(1)).max(1),
-        };
-        let bound = |c: usize| match chunks {
-            Chunks::Cache | Chunks::Rows(_) => (c * per).min(n),
-            Chunks::Serial(_) => c * n / count,
-        };
+        let (count, bound) = chunks.cut(n, widest);
         // Chunks run in parallel, each converting its rows alone; or one after another, each
         // converting its rows in parallel pieces.
         let (pool, convert) = match chunks {
@@ -607,9 +612,9 @@ impl HostStore {
             })
             .collect();
         let widest = w.iter().chain(&r).map(|x| x.width).max().unwrap_or(1);
-        let per_chunk = (ROW_CHUNK / widest).max(1);
-        (0..n.div_ceil(per_chunk)).into_par_iter().for_each(|c| {
-            let rows = c * per_chunk..((c + 1) * per_chunk).min(n);
+        let (count, start) = Chunks::Cache.cut(n, widest);
+        (0..count).into_par_iter().for_each(|c| {
+            let rows = start(c)..start(c + 1);
             // SAFETY: every span lies inside its 16-bit buffer (checked above), these rows
             // of each inside it; no written span overlaps another span of the call, and the
             // chunks' rows are disjoint, so each written part is this task's alone and no

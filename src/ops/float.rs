@@ -582,14 +582,27 @@ impl GemmOperand<f64> for f64 {
 /// The element type of a table an op reads rows of into `T` values (an embedding): `T`
 /// itself, and for `f32` the 16-bit types a backend stores, widened exactly as the rows are
 /// read, so the table is never staged in `f32`.
-pub trait TableRow<T>: Copy + Send + Sync + 'static {
+pub trait TableRow<T: Float>: Copy + Send + Sync + 'static {
     /// `dst = src`, exactly.
     fn widen_row(src: &[Self], dst: &mut [T]);
+    /// `acc[j] += src[j]`, the row widened into `wide` (of its length) first where it is
+    /// not already of type `T`.
+    fn add_row(acc: &mut [T], src: &[Self], wide: &mut [T]) {
+        Self::widen_row(src, wide);
+        for (x, &y) in acc.iter_mut().zip(&*wide) {
+            *x += y;
+        }
+    }
 }
 
 impl<T: Float> TableRow<T> for T {
     fn widen_row(src: &[T], dst: &mut [T]) {
         dst.copy_from_slice(src)
+    }
+    fn add_row(acc: &mut [T], src: &[T], _wide: &mut [T]) {
+        for (x, &y) in acc.iter_mut().zip(src) {
+            *x += y;
+        }
     }
 }
 

@@ -139,10 +139,7 @@ pub(crate) fn add_column_sums<T: Float, E: TableRow<T>>(dst: &mut [T], src: &[E]
         .for_each(|(p, rows)| {
             let mut wide = vec![T::ZERO; width];
             for row in rows.chunks_exact(width) {
-                E::widen_row(row, &mut wide);
-                for (x, &y) in p.iter_mut().zip(&wide) {
-                    *x += y;
-                }
+                E::add_row(p, row, &mut wide);
             }
         });
     add_block_partials(dst, &partials, width, 0);
