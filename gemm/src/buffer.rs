@@ -1,4 +1,4 @@
-//! 64-byte-aligned f32 buffers for packed panels, reused across calls.
+//! 64-byte-aligned f32 buffers for packed panels and `gemm_into`'s tiles, reused across calls.
 //!
 //! Buffers are allocated zeroed, which on Linux maps fresh pages lazily, so the pages land on the
 //! NUMA node of the thread that first writes them (first-touch placement): each domain's packing
@@ -64,6 +64,7 @@ impl Drop for AlignedBuf {
 thread_local! {
     static PACK_A: RefCell<AlignedBuf> = const { RefCell::new(AlignedBuf::empty()) };
     static PACK_B: RefCell<AlignedBuf> = const { RefCell::new(AlignedBuf::empty()) };
+    static TILE_C: RefCell<AlignedBuf> = const { RefCell::new(AlignedBuf::empty()) };
 }
 
 /// Runs `f` with this thread's A packing buffer of at least `len` floats.
@@ -74,6 +75,12 @@ pub(crate) fn with_thread_a<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R
 /// Runs `f` with this thread's B packing buffer of at least `len` floats.
 pub(crate) fn with_thread_b<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     PACK_B.with(|b| f(b.borrow_mut().get(len)))
+}
+
+/// Runs `f` with this thread's `f32` tile of C (a `gemm_into` tile's sums) of at least `len`
+/// floats.
+pub(crate) fn with_thread_c<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    TILE_C.with(|b| f(b.borrow_mut().get(len)))
 }
 
 /// A packed buffer that the members of one team job fill in disjoint panels and then all

@@ -2,7 +2,8 @@
 //! worker team (`team.rs`). See `docs/KERNELS.md` for the loop structure and packed layouts.
 
 use crate::blocking::Blocking;
-use crate::buffer::{with_thread_a, with_thread_b, AlignedBuf, SharedPanels};
+use crate::buffer::{with_thread_a, with_thread_b, with_thread_c, AlignedBuf, SharedPanels};
+use crate::into::Target;
 use crate::kernel::{Kernel, Side};
 use crate::pack::{pack_one_panel, pack_panels, PanelFormat};
 use crate::precision::Precision;
@@ -14,14 +15,55 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 /// Largest `mr × nr` tile any kernel may use (the SVE f16 kernel at 2048 bits: 256 × 10).
 pub(crate) const MAX_TILE: usize = 256 * 16;
 
-/// One validated GEMM: `C := alpha·A·B + beta·C` with A m×k, B k×n, C m×n.
+/// One validated GEMM: `C := alpha·A·B + beta·C` with A m×k, B k×n, C m×n, or into a D
+/// (`Dest::Into`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Problem {
     pub alpha: f32,
     pub a: RawMat,
     pub b: RawMat,
     pub beta: f32,
-    pub c: RawMatMut,
+    pub c: Dest,
+}
+
+/// Where a problem's sums go.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Dest {
+    /// An `f32` C, updated in place: each k block of the product is added onto it.
+    F32(RawMatMut),
+    /// A D of any storage, written once from `f32` tiles ([`Target`]); `beta` scales its `c`.
+    Into(Target),
+}
+
+impl Dest {
+    fn shape(&self) -> (usize, usize, usize, usize) {
+        match self {
+            Dest::F32(c) => (c.rows, c.cols, c.rs, c.cs),
+            Dest::Into(t) => (t.d.rows, t.d.cols, t.d.rs, t.d.cs),
+        }
+    }
+
+    fn t(self) -> Dest {
+        match self {
+            Dest::F32(c) => Dest::F32(c.t()),
+            Dest::Into(t) => Dest::Into(t.t()),
+        }
+    }
+
+    fn block(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Dest {
+        match self {
+            Dest::F32(c) => Dest::F32(c.block(r0, c0, rows, cols)),
+            Dest::Into(t) => Dest::Into(t.block(r0, c0, rows, cols)),
+        }
+    }
+
+    /// The `f32` C of a problem that is not `Into` (the loops below add onto it in place).
+    fn f32(self) -> RawMatMut {
+        match self {
+            Dest::F32(c) => c,
+            Dest::Into(_) => unreachable!("an Into problem runs by tiles (with_f32_c)"),
+        }
+    }
 }
 
 /// How the threads of one domain share a GEMM.
@@ -135,10 +177,10 @@ fn even_block(len: usize, blocks: usize, unit: usize, cap: usize) -> usize {
 
 impl Problem {
     pub fn m(&self) -> usize {
-        self.c.rows
+        self.c.shape().0
     }
     pub fn n(&self) -> usize {
-        self.c.cols
+        self.c.shape().1
     }
     pub fn k(&self) -> usize {
         self.a.cols
@@ -152,7 +194,8 @@ impl Problem {
     /// Transposes the problem when that makes C unit-stride along m (the kernel's vector
     /// dimension): `Cᵀ = Bᵀ·Aᵀ`.
     pub fn oriented(self) -> Problem {
-        if self.c.rs != 1 && (self.c.cs == 1 || self.c.cols == 1) {
+        let (_, cols, rs, cs) = self.c.shape();
+        if rs != 1 && (cs == 1 || cols == 1) {
             Problem {
                 alpha: self.alpha,
                 a: self.b.t(),
@@ -191,7 +234,10 @@ impl Problem {
             return None;
         }
         if p.is_scale_only() {
-            scale_c(p.c, p.beta);
+            match p.c {
+                Dest::F32(c) => scale_c(c, p.beta),
+                Dest::Into(t) => t.store_start_only(p.beta),
+            }
             return None;
         }
         Some(p)
@@ -307,6 +353,9 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
     let Some(p) = p.needs_kernel() else {
         return;
     };
+    if let Dest::Into(_) = p.c {
+        return run_tiles(ctx, p, 1, |count, tile| (0..count).for_each(tile));
+    }
     let (m, n, k) = (p.m(), p.n(), p.k());
     let Kernel { mr, nr, .. } = ctx.kernel;
     let Blocking { mc, kc, nc, nb } = ctx.blocking_for(m, n, k);
@@ -326,7 +375,7 @@ pub(crate) fn run_sequential(ctx: &Ctx, p: Problem) {
                     let mcur = mc.min(m - ic);
                     with_thread_a(aw * mcur.div_ceil(mr), |ap| {
                         pack_panels(fmt, Side::A, ap, p.a.block(ic, pc, mcur, kcur), mr);
-                        let c = p.c.block(ic, jc, mcur, ncur);
+                        let c = p.c.f32().block(ic, jc, mcur, ncur);
                         macro_kernel(
                             ctx,
                             nb,
@@ -373,16 +422,28 @@ thread_local! {
     };
 }
 
-/// Runs one problem on `team` ([`SplitMode::Ic`]) as tiles of C, a row block by a column
-/// chunk, handed out one at a time ([`Team::run_items`]). A member packs its own B̃ for each
+/// The largest `f32` tile an [`Dest::Into`] problem's tile is summed in, in bytes: its column
+/// chunks are cut narrow enough that a thread's tile (the row block × the chunk) stays in L2
+/// or close to it, beside the packed Ã block.
+const INTO_TILE_BYTES: usize = 1 << 20;
+
+/// Runs one problem as tiles of C, a row block by a column chunk, on `threads` threads:
+/// `run_items(count, tile)` calls `tile(t)` once for each `t < count`, in any order and on any
+/// of them (a team's members one at a time: [`Team::run_items`]; the caller alone: in turn).
+/// [`SplitMode::Ic`], and every [`Dest::Into`] problem (each tile summed in the thread's own
+/// `f32` tile: [`with_f32_c`]). A member packs its own B̃ for each
 /// tile and its own Ã (private L2 per core), keeping the packed Ã row block for its next tile
 /// of the same row block when it fits [`KEEP_A_BYTES`]. The members never wait for each
 /// other: when one is held off its core (a busy machine), the others run its tiles.
 ///
 /// The blocking is the whole problem's, and each tile of C is summed over the same k blocks by
 /// the same kernel whichever member runs it, so the result does not depend on the schedule.
-fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
-    let threads = team.size();
+fn run_tiles(
+    ctx: &Ctx,
+    p: Problem,
+    threads: usize,
+    run_items: impl FnOnce(usize, &(dyn Fn(usize) + Sync)),
+) {
     let (m, n, k) = (p.m(), p.n(), p.k());
     let Kernel { mr, nr, .. } = ctx.kernel;
     let blk = ctx.blocking_for(m, n, k);
@@ -419,8 +480,15 @@ fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
         one_each
     };
     let jchunks = wanted.max(fewest).clamp(1, npanels);
+    let jchunks = match p.c {
+        Dest::F32(_) => jchunks,
+        Dest::Into(_) => {
+            let panels_per_tile = (INTO_TILE_BYTES / (4 * mc * nr)).max(1);
+            jchunks.max(npanels.div_ceil(panels_per_tile))
+        }
+    };
     let call = TILE_CALLS.fetch_add(1, SeqCst);
-    team.run_items(n_ic * jchunks, |_, t| {
+    run_items(n_ic * jchunks, &|t| {
         let (ib, jb) = (t / jchunks, t % jchunks);
         let (ic, panels) = (ib * mc, split_range(npanels, jchunks, jb));
         let mcur = mc.min(m - ic);
@@ -428,42 +496,64 @@ fn run_tiles(ctx: &Ctx, p: Problem, team: &Team) {
             panels.start * nr,
             (panels.end * nr).min(n) - panels.start * nr,
         );
-        let tile = p.rows(ic, mcur).cols(jc, ncur);
-        if !keep_a {
-            return run_block(ctx, &blk, tile, |pc, kcur, f| {
-                with_thread_a(a_block_words(mcur, kcur), |ap| {
-                    pack_panels(fmt, Side::A, ap, tile.a.block(0, pc, mcur, kcur), mr);
-                    f(ap)
-                })
-            });
-        }
-        KEPT_A.with(|kept| {
-            let kept = &mut *kept.borrow_mut();
-            let ap = kept.2.get(a_words(mcur));
-            if (kept.0, kept.1) != (call, ib) {
-                let mut at = 0;
-                for pc in (0..k).step_by(kc) {
-                    let kcur = kc.min(k - pc);
-                    let len = a_block_words(mcur, kcur);
-                    pack_panels(
-                        fmt,
-                        Side::A,
-                        &mut ap[at..at + len],
-                        tile.a.block(0, pc, mcur, kcur),
-                        mr,
-                    );
-                    at += len;
-                }
-                (kept.0, kept.1) = (call, ib);
+        with_f32_c(p.rows(ic, mcur).cols(jc, ncur), |tile| {
+            if !keep_a {
+                return run_block(ctx, &blk, tile, |pc, kcur, f| {
+                    with_thread_a(a_block_words(mcur, kcur), |ap| {
+                        pack_panels(fmt, Side::A, ap, tile.a.block(0, pc, mcur, kcur), mr);
+                        f(ap)
+                    })
+                });
             }
-            let mut at = 0;
-            run_block(ctx, &blk, tile, |_, kcur, f| {
-                let len = a_block_words(mcur, kcur);
-                at += len;
-                f(&ap[at - len..at])
+            KEPT_A.with(|kept| {
+                let kept = &mut *kept.borrow_mut();
+                let ap = kept.2.get(a_words(mcur));
+                if (kept.0, kept.1) != (call, ib) {
+                    let mut at = 0;
+                    for pc in (0..k).step_by(kc) {
+                        let kcur = kc.min(k - pc);
+                        let len = a_block_words(mcur, kcur);
+                        let src = tile.a.block(0, pc, mcur, kcur);
+                        pack_panels(fmt, Side::A, &mut ap[at..at + len], src, mr);
+                        at += len;
+                    }
+                    (kept.0, kept.1) = (call, ib);
+                }
+                let mut at = 0;
+                run_block(ctx, &blk, tile, |_, kcur, f| {
+                    let len = a_block_words(mcur, kcur);
+                    at += len;
+                    f(&ap[at - len..at])
+                });
             });
         });
     });
+}
+
+/// Runs `f` on `tile` with an `f32` C: the tile's own, or for a [`Dest::Into`] tile this
+/// thread's `f32` tile holding each element's start, converted into D once `f` has added
+/// every k block of the product onto it.
+fn with_f32_c(tile: Problem, f: impl FnOnce(Problem)) {
+    let Dest::Into(target) = tile.c else {
+        return f(tile);
+    };
+    let (m, n) = (tile.m(), tile.n());
+    with_thread_c(m * n, |buf| {
+        let c = RawMatMut {
+            ptr: buf.as_mut_ptr(),
+            rows: m,
+            cols: n,
+            rs: 1,
+            cs: m,
+        };
+        let beta = target.start(tile.beta, c);
+        f(Problem {
+            beta,
+            c: Dest::F32(c),
+            ..tile
+        });
+        target.store(c);
+    })
 }
 
 /// Runs one tile of C (at most mc × nc) on the calling thread with the blocking `blk`: for each
@@ -486,7 +576,8 @@ fn run_block(
             pack_panels(fmt, Side::B, bp, p.b.block(pc, 0, kcur, n).t(), nr);
             a_block(pc, kcur, &mut |ap| {
                 let panels = 0..n.div_ceil(nr);
-                macro_kernel(ctx, blk.nb, ap, bp, m, n, kcur, panels, p.alpha, beta, p.c);
+                let c = p.c.f32();
+                macro_kernel(ctx, blk.nb, ap, bp, m, n, kcur, panels, p.alpha, beta, c);
             });
         });
     }
@@ -538,8 +629,10 @@ pub(crate) fn run_parallel(
     let Some(p) = p.needs_kernel() else {
         return;
     };
-    if split == SplitMode::Ic {
-        return run_tiles(ctx, p, team);
+    if split == SplitMode::Ic || matches!(p.c, Dest::Into(_)) {
+        return run_tiles(ctx, p, team.size(), |count, tile| {
+            team.run_items(count, |_, t| tile(t))
+        });
     }
     let threads = team.size();
     let (m, n, k) = (p.m(), p.n(), p.k());
@@ -575,7 +668,7 @@ pub(crate) fn run_parallel(
                     let ap = unsafe { pack_together(&me, &ashared, fmt, Side::A, asrc, mr, aw) };
                     let jchunks = threads.min(npanels);
                     if me.id < jchunks {
-                        let c = p.c.block(ic, jc, mcur, ncur);
+                        let c = p.c.f32().block(ic, jc, mcur, ncur);
                         let panels = split_range(npanels, jchunks, me.id);
                         macro_kernel(ctx, nb, ap, bp, mcur, ncur, kcur, panels, p.alpha, beta, c);
                     }
@@ -662,13 +755,13 @@ mod tests {
             a: RawMat::f32(a.as_ptr(), m, k, k, 1),
             b: RawMat::f32(b.as_ptr(), k, n, n, 1),
             beta: 0.0,
-            c: RawMatMut {
+            c: Dest::F32(RawMatMut {
                 ptr: c.as_mut_ptr(),
                 rows: m,
                 cols: n,
                 rs: n,
                 cs: 1,
-            },
+            }),
         };
         run_sequential(ctx, p);
         let mut want = vec![0.0f32; m * n];

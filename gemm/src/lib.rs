@@ -48,6 +48,7 @@ pub use view::{BatchMut, BatchRef, MatMut, MatRef};
 mod blocking;
 mod buffer;
 mod driver;
+mod into;
 mod pack;
 pub mod peak;
 mod raw;
@@ -58,7 +59,7 @@ pub mod topology;
 
 pub use blocking::{Blocking, CacheInfo};
 pub use driver::SplitMode;
-pub use runtime::{PrecisionGemm, Runtime, RuntimeConfig};
+pub use runtime::{PrecisionGemm, Runtime, RuntimeConfig, Start};
 pub use topology::{Topology, TopologyRequest};
 
 /// `C := alpha·A·B + beta·C` on the process-wide runtime ([`Runtime::global`]).

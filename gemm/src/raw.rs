@@ -108,3 +108,47 @@ impl RawMatMut {
         }
     }
 }
+
+/// A validated writable strided block of any [`Storage`] (the D of [`crate::PrecisionGemm::gemm_into`]):
+/// `ptr` points at element (0, 0); elements do not alias.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawOut {
+    pub ptr: *mut u8,
+    pub storage: Storage,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+// SAFETY: as for RawMatMut: built from a validated view that outlives the call, and each thread
+// writes its own tiles.
+unsafe impl Send for RawOut {}
+// SAFETY: as above.
+unsafe impl Sync for RawOut {}
+
+impl RawOut {
+    /// The transpose.
+    pub fn t(self) -> Self {
+        RawOut {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// The `rows × cols` block at `(r0, c0)`; the caller keeps it inside the view.
+    pub fn block(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Self {
+        debug_assert!(r0 + rows <= self.rows && c0 + cols <= self.cols);
+        RawOut {
+            ptr: self
+                .ptr
+                .wrapping_add((r0 * self.rs + c0 * self.cs) * self.storage.bytes()),
+            rows,
+            cols,
+            ..self
+        }
+    }
+}

@@ -3,11 +3,12 @@
 
 use crate::blocking::{Blocking, CacheInfo};
 use crate::buffer::AlignedBuf;
-use crate::driver::{run_parallel, run_sequential, Ctx, Problem, SplitMode, MAX_TILE};
+use crate::driver::{run_parallel, run_sequential, Ctx, Dest, Problem, SplitMode, MAX_TILE};
 use crate::error::GemmError;
+use crate::into::Target;
 use crate::kernel::{Isa, Kernel, KernelChoice};
 use crate::precision::{Element, Precision};
-use crate::raw::{RawMat, RawMatMut};
+use crate::raw::{RawMat, RawMatMut, RawOut};
 use crate::team::Team;
 use crate::topology::{pin_current_thread, Topology, TopologyRequest};
 use crate::view::{BatchMut, BatchRef, MatMut, MatRef};
@@ -505,6 +506,75 @@ impl PrecisionGemm<'_> {
         Ok(())
     }
 
+    /// `D := alpha·A·B + start` with D of any [`Element`] type, written once: each element is
+    /// summed in `f32` (the start, then the product's k blocks, as [`Self::gemm`] adds them onto
+    /// an `f32` C) in a tile of the thread's own, then rounded to D's type (to nearest even).
+    /// So a 16-bit D costs its 16-bit bytes and no `f32` copy of D exists, and its values are
+    /// those of [`Self::gemm`] with `beta = 1` on a unit-stride `f32` C set to the start,
+    /// rounded once: bit for bit. The start is `beta·C + bias` ([`Start`]); C is read and not
+    /// written. Mismatched shapes return [`GemmError::ShapeMismatch`].
+    pub fn gemm_into<TA: Element, TB: Element, TD: Element>(
+        &self,
+        alpha: f32,
+        a: MatRef<'_, TA>,
+        b: MatRef<'_, TB>,
+        start: Start<'_, TD>,
+        mut d: MatMut<'_, TD>,
+    ) -> Result<(), GemmError> {
+        let (m, n) = (d.rows(), d.cols());
+        check_shapes(&a, &b, m, n, "")?;
+        if let Some(c) = &start.c {
+            if (c.rows(), c.cols()) != (m, n) {
+                return Err(GemmError::ShapeMismatch {
+                    detail: format!(
+                        "C is {}x{}, D is {m}x{n}: the start's C has D's shape",
+                        c.rows(),
+                        c.cols()
+                    ),
+                });
+            }
+        }
+        if let Some(bias) = start.bias {
+            if bias.len() != n {
+                return Err(GemmError::ShapeMismatch {
+                    detail: format!(
+                        "the bias has {} values, D has {n} columns: one per column",
+                        bias.len()
+                    ),
+                });
+            }
+        }
+        let bias = start.bias.map(|b| RawMat {
+            ptr: b.as_ptr().cast(),
+            storage: TD::STORAGE,
+            rows: m,
+            cols: n,
+            rs: 0,
+            cs: 1,
+        });
+        let target = Target {
+            d: RawOut {
+                ptr: d.ptr_mut().cast(),
+                storage: TD::STORAGE,
+                rows: m,
+                cols: n,
+                rs: d.row_stride(),
+                cs: d.col_stride(),
+            },
+            c: start.c.as_ref().map(raw),
+            bias,
+        };
+        let p = Problem {
+            alpha,
+            a: raw(&a),
+            b: raw(&b),
+            beta: start.beta,
+            c: Dest::Into(target),
+        };
+        self.rt.run_one(self.ctx, p);
+        Ok(())
+    }
+
     /// Strided batched GEMM: `C[i] := alpha·A[i]·B[i] + beta·C[i]` for every `i` of the batch
     /// (PyTorch's `baddbmm`; `bmm` is `beta = 0`).
     pub fn gemm_strided_batched<TA: Element, TB: Element>(
@@ -627,12 +697,35 @@ fn problem<TA: Element, TB: Element>(
         a: raw(a),
         b: raw(b),
         beta,
-        c: RawMatMut {
+        c: Dest::F32(RawMatMut {
             ptr: c.ptr_mut(),
             rows: c.rows(),
             cols: c.cols(),
             rs: c.row_stride(),
             cs: c.col_stride(),
-        },
+        }),
+    }
+}
+
+/// What each element of a [`PrecisionGemm::gemm_into`] starts from before the product is
+/// added: `beta·c + bias[j]` (`j` its column), each term optional, in `f32` (`beta·c`, then
+/// `+ bias[j]`, each rounded to `f32`: what adding onto an `f32` C set to `c`, scaled, then
+/// `+= bias` does; C is not read when `beta` is 0). [`Start::zero`]: nothing.
+#[derive(Clone, Copy, Debug)]
+pub struct Start<'a, T> {
+    pub beta: f32,
+    pub c: Option<MatRef<'a, T>>,
+    /// One value per column of D.
+    pub bias: Option<&'a [T]>,
+}
+
+impl<'a, T> Start<'a, T> {
+    /// No start: D is the product alone.
+    pub fn zero() -> Self {
+        Start {
+            beta: 0.0,
+            c: None,
+            bias: None,
+        }
     }
 }

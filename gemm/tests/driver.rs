@@ -505,3 +505,217 @@ fn the_ic_split_gives_the_sequential_result_bit_for_bit_whatever_the_schedule() 
     eprintln!("checked {checked} two-thread GEMMs bit for bit");
     assert!(checked >= 120);
 }
+
+/// One element type D may be stored in, for [`gemm_into_is_the_f32_gemm_rounded_once`]: the
+/// value of an `f32` in it (rounded to nearest even by fugu-gemm's bit converters) and its
+/// bits.
+trait IntoType: fugu_gemm::Element + std::fmt::Debug {
+    const NAME: &'static str;
+    fn of(x: f32) -> Self;
+    fn value(self) -> f32;
+    fn bits(self) -> u32;
+}
+
+impl IntoType for f32 {
+    const NAME: &'static str = "f32";
+    fn of(x: f32) -> f32 {
+        x
+    }
+    fn value(self) -> f32 {
+        self
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+}
+
+impl IntoType for fugu_gemm::half::bf16 {
+    const NAME: &'static str = "bf16";
+    fn of(x: f32) -> Self {
+        Self::from_bits(fugu_gemm::precision::f32_to_bf16(x))
+    }
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+
+impl IntoType for fugu_gemm::half::f16 {
+    const NAME: &'static str = "f16";
+    fn of(x: f32) -> Self {
+        Self::from_bits(fugu_gemm::precision::f32_to_f16(x))
+    }
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+
+/// What a D starts from in one case: (beta and C, the bias).
+type StartCase = (Option<f32>, bool);
+
+/// The starts every case cycles through: none; C; C scaled; the bias; C and the bias; and C
+/// with beta 0 (not read: it holds NaNs).
+const STARTS: [StartCase; 6] = [
+    (None, false),
+    (Some(1.0), false),
+    (Some(-0.5), false),
+    (None, true),
+    (Some(1.0), true),
+    (Some(0.0), true),
+];
+
+/// Runs `gemm_into` on one case with D of type `T` in `layout` (padded: the padding must stay
+/// as it was) and compares every element, bit for bit, with `gemm` on an `f32` C of the same
+/// layout set to the start (`beta·C`, then `+ bias`), rounded once to `T`.
+#[allow(clippy::too_many_arguments)]
+fn check_into<T: IntoType>(
+    g: fugu_gemm::PrecisionGemm<'_>,
+    rng: &mut Rng,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    (beta, with_bias): StartCase,
+    layout: Layout,
+    what: &str,
+) {
+    use fugu_gemm::Start;
+    let (a, b) = (rng.vec(m * k), rng.vec(k * n));
+    // C of large values too, so that an f16 D overflows to infinity somewhere.
+    let c: Vec<T> = (0..m * n)
+        .map(|i| match beta {
+            Some(0.0) => T::of(f32::NAN),
+            _ if i % 17 == 3 => T::of(7.0e4),
+            _ => T::of(rng.f32() * 4.0),
+        })
+        .collect();
+    let bias: Vec<T> = (0..n).map(|_| T::of(rng.f32())).collect();
+    let (len, off, rs, cs) = geometry(layout, m, n);
+    let pad = T::of(-3.25);
+    // The f32 C: the start, computed as adding onto an f32 C does.
+    let mut want = vec![0.0f32; len];
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = match beta {
+                Some(beta) if beta != 0.0 => beta * c[i * n + j].value(),
+                _ => 0.0,
+            };
+            if with_bias {
+                s = match beta {
+                    Some(beta) if beta != 0.0 => s + bias[j].value(),
+                    _ => bias[j].value(),
+                };
+            }
+            want[off + i * rs + j * cs] = s;
+        }
+    }
+    let has_start = matches!(beta, Some(b) if b != 0.0) || with_bias;
+    let (av, bv) = (
+        MatRef::row_major(&a, m, k).unwrap(),
+        MatRef::row_major(&b, k, n).unwrap(),
+    );
+    let cview = MatMut::with_offset(&mut want, off, m, n, rs, cs).unwrap();
+    g.gemm(alpha, av, bv, if has_start { 1.0 } else { 0.0 }, cview)
+        .unwrap();
+    let mut got = vec![pad; len];
+    let start = Start {
+        beta: beta.unwrap_or(0.0),
+        c: beta.map(|_| MatRef::row_major(&c, m, n).unwrap()),
+        bias: with_bias.then_some(&bias[..]),
+    };
+    let dview = MatMut::with_offset(&mut got, off, m, n, rs, cs).unwrap();
+    g.gemm_into(alpha, av, bv, start, dview).unwrap();
+    let inside = |e: usize| (0..m).any(|i| (0..n).any(|j| off + i * rs + j * cs == e));
+    for e in 0..len {
+        let expected = if inside(e) { T::of(want[e]) } else { pad };
+        assert!(
+            got[e].bits() == expected.bits(),
+            "{what}, D {} {layout:?}, {m}x{n}x{k}, alpha {alpha}, start {:?}: element {e} is \
+             {:?}, want {:?}",
+            T::NAME,
+            (beta, with_bias),
+            got[e],
+            expected
+        );
+    }
+}
+
+/// `gemm_into` writes D once from the thread's own `f32` tiles, yet every element is the `f32`
+/// GEMM's (on a C set to the start) rounded once to D's type, bit for bit: on every ISA and
+/// thread layout, both splits, every precision, D in f32, bf16 and f16, row- and column-major
+/// with padding left untouched, every kind of start, and shapes with edge tiles, several row
+/// blocks and column chunks, one element, and `k = 0` (D is the start alone).
+#[test]
+fn gemm_into_is_the_f32_gemm_rounded_once() {
+    use fugu_gemm::half::{bf16, f16};
+    let mut rng = Rng::new(31);
+    let mut checked = 0;
+    let mut case = 0usize;
+    for isa in runnable_isas() {
+        for (lname, layout) in layouts() {
+            for split in [SplitMode::Ic, SplitMode::Jr] {
+                let rt = small_block_runtime_split(isa, layout.clone(), Some(split));
+                for prec in Precision::ALL {
+                    let g = rt.at(prec);
+                    for shape in [
+                        (67, 130, 40),
+                        (200, 37, 33),
+                        (9, 301, 70),
+                        (1, 1, 1),
+                        (5, 6, 0),
+                    ] {
+                        case += 1;
+                        let alpha = if case % 2 == 0 { 1.0 } else { -1.25 };
+                        let start = STARTS[case % STARTS.len()];
+                        let d_layout = LAYOUTS[case % 2];
+                        let what = format!("{isa}, {lname}, {split:?}, {prec}");
+                        check_into::<f32>(g, &mut rng, shape, alpha, start, d_layout, &what);
+                        check_into::<bf16>(g, &mut rng, shape, alpha, start, d_layout, &what);
+                        check_into::<f16>(g, &mut rng, shape, alpha, start, d_layout, &what);
+                        checked += 3;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("checked {checked} gemm_into calls bit for bit");
+    assert!(checked >= 360);
+}
+
+#[test]
+fn gemm_into_names_a_mismatched_start() {
+    use fugu_gemm::Start;
+    let rt = small_block_runtime(runnable_isas()[0], layouts()[0].1.clone());
+    let g = rt.at(Precision::F32);
+    let (a, b, c) = (vec![1.0f32; 6], vec![1.0f32; 12], vec![0.0f32; 6]);
+    let mut d = vec![0.0f32; 8];
+    let (av, bv) = (
+        MatRef::row_major(&a, 2, 3).unwrap(),
+        MatRef::row_major(&b, 3, 4).unwrap(),
+    );
+    let start = Start {
+        beta: 1.0,
+        c: Some(MatRef::row_major(&c, 2, 3).unwrap()),
+        bias: None,
+    };
+    let e = g
+        .gemm_into(1.0, av, bv, start, MatMut::row_major(&mut d, 2, 4).unwrap())
+        .unwrap_err();
+    assert!(e.to_string().contains("C is 2x3, D is 2x4"), "{e}");
+    let bias = [0.0f32; 3];
+    let start = Start {
+        bias: Some(&bias[..]),
+        ..Start::zero()
+    };
+    let e = g
+        .gemm_into(1.0, av, bv, start, MatMut::row_major(&mut d, 2, 4).unwrap())
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("bias has 3 values, D has 4 columns"),
+        "{e}"
+    );
+    assert!(d.iter().all(|&x| x == 0.0), "D untouched on an error");
+}
