@@ -668,7 +668,7 @@ fn gemm_into_is_the_f32_gemm_rounded_once() {
                         (5, 6, 0),
                     ] {
                         case += 1;
-                        let alpha = if case % 2 == 0 { 1.0 } else { -1.25 };
+                        let alpha = if case.is_multiple_of(2) { 1.0 } else { -1.25 };
                         let start = STARTS[case % STARTS.len()];
                         let d_layout = LAYOUTS[case % 2];
                         let what = format!("{isa}, {lname}, {split:?}, {prec}");
