@@ -135,27 +135,6 @@ impl Ctx {
         b.nc = balanced(n, b.nc, self.kernel.nr);
         b
     }
-
-    /// The fewest rows `r` such that every product of `r..=m` rows sums over k in the same
-    /// blocks as the m×n×k one ([`PrecisionGemm::rows_keeping_sums`]): kc depends on m only
-    /// through C's size against the last-level cache, and grows with it, so a bisection finds
-    /// where it starts to equal the whole's.
-    ///
-    /// [`PrecisionGemm::rows_keeping_sums`]: crate::PrecisionGemm::rows_keeping_sums
-    pub fn rows_keeping_sums(&self, m: usize, n: usize, k: usize) -> usize {
-        let kc = |rows| self.blocking_for(rows, n, k).kc;
-        let whole = kc(m);
-        let (mut lo, mut hi) = (1, m.max(1));
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if kc(mid) == whole {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        lo
-    }
 }
 
 /// The block size that cuts `len` into as many blocks as `block` does, but of nearly equal
@@ -726,22 +705,6 @@ mod tests {
             kc(&ctx(0, false), 20, 13, 15),
             8,
             "no last-level cache known"
-        );
-    }
-
-    #[test]
-    fn rows_keeping_sums_is_where_c_outgrows_the_cache() {
-        let c = ctx(512, false);
-        let kc = |m| c.blocking_for(m, 13, 17).kc;
-        // C of m × 13 floats outgrows 512 bytes from m = 10 on: k = 17 in one block.
-        assert_eq!(c.rows_keeping_sums(20, 13, 17), 10);
-        assert_eq!((kc(9), kc(10), kc(20)), (8, 17, 17));
-        // A C inside the cache: every row count blocks k alike.
-        assert_eq!(c.rows_keeping_sums(9, 13, 17), 1);
-        assert_eq!(
-            ctx(512, true).rows_keeping_sums(20, 13, 17),
-            1,
-            "FUGU_GEMM_KC given"
         );
     }
 

@@ -478,14 +478,6 @@ pub struct PrecisionGemm<'a> {
 }
 
 impl PrecisionGemm<'_> {
-    /// The fewest rows `r` such that every product of `r..=m` rows of an m×n×k product sums
-    /// over k in the same blocks as the whole: a caller that cuts C's rows into chunks of at
-    /// least `r` gets the same values bit for bit. (The k blocking depends on m only through
-    /// C's size against the last-level cache, [`Ctx::blocking_for`], and grows with it.)
-    pub fn rows_keeping_sums(&self, m: usize, n: usize, k: usize) -> usize {
-        self.ctx.rows_keeping_sums(m, n, k)
-    }
-
     /// `C := alpha·A·B + beta·C`.
     ///
     /// A is m×k, B is k×n and C is m×n; any strides. A and B may be `f32`, [`half::f16`] or

@@ -2,7 +2,7 @@
 //! ([`HostStore`]: `f32`, or 16-bit floats in half the bytes), GEMMs go to fugu-gemm, the
 //! other ops to the rayon kernels of [`crate::ops`], all on `f32` views.
 
-use super::host_store::{Chunks, HostStore, Rows, Stored, ROW_CHUNK};
+use super::host_store::{Chunks, HostStore, Rows, Stored, StoredMut, ROW_CHUNK};
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
     FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
@@ -10,21 +10,6 @@ use super::{
 };
 use crate::ops;
 use anyhow::Result;
-
-/// About how many output elements a chunk of a 16-bit linear layer's rows holds (its f32
-/// stage: 128 MiB), and the fewest rows a chunk has: every chunk packs the whole weight again,
-/// so only the LM head (V columns) is cut, into about N·V/2^25 chunks.
-const GEMM_CHUNK: usize = 1 << 25;
-const GEMM_MIN_ROWS: usize = 64;
-
-/// Chunks of the m rows of an m×n×k GEMM's output: about [`GEMM_CHUNK`] elements each, never
-/// so few rows that fugu-gemm would block k otherwise than for the whole (its one-pass k
-/// for a C larger than the last-level cache), so the chunks' values are the whole GEMM's.
-fn gemm_chunks(prec: ops::Precision, m: usize, n: usize, k: usize) -> Chunks {
-    let same_sums =
-        fugu_gemm::Runtime::global().map_or(1, |rt| rt.at(prec).rows_keeping_sums(m, n, k));
-    Chunks::Serial((GEMM_CHUNK / n.max(1)).max(GEMM_MIN_ROWS).max(same_sums))
-}
 
 /// `$body` with each `$x` bound to the slice of its [`Stored`] operand, all of one type (a
 /// GEMM's operands share their 16-bit type: `CpuBackend::gemm_precision`; one operand, any).
@@ -37,6 +22,21 @@ macro_rules! same_stored {
             ($(Stored::Bf16($x),)+) => $body,
             ($(Stored::F16($x),)+) => $body,
             _ => unreachable!("GEMM operands of one type (gemm_precision)"),
+        };
+        out
+    }};
+}
+
+/// `$body` with `$o` bound to the slice of a written [`StoredMut`] and each `$x` to that of a
+/// [`Stored`] operand, all of one type (checked by the caller: [`CpuBackend::one_type`]).
+macro_rules! same_stored_mut {
+    ($o:expr, ($($s:expr),+), |$ox:ident, $($x:ident),+| $body:expr) => {{
+        #[allow(unreachable_patterns)]
+        let out = match ($o, $($s,)+) {
+            (StoredMut::F32($ox), $(Stored::F32($x),)+) => $body,
+            (StoredMut::Bf16($ox), $(Stored::Bf16($x),)+) => $body,
+            (StoredMut::F16($ox), $(Stored::F16($x),)+) => $body,
+            _ => unreachable!("operands of one type (one_type)"),
         };
         out
     }};
@@ -71,9 +71,14 @@ impl CpuBackend {
         }
     }
 
+    /// Whether every span is of one 16-bit type.
+    fn one_16bit_type(&self, spans: &[Span]) -> bool {
+        let first = spans.first().map_or(Dtype::F32, |s| self.mem.dtype(s.buf));
+        first != Dtype::F32 && spans.iter().all(|s| self.mem.dtype(s.buf) == first)
+    }
+
     /// `out = resid + inp·W + bias`, `resid` and `bias` each optional: the linear layers
-    /// ([`ops::linear::linear_forward`], or its residual form). An absent span goes to
-    /// `run` as an empty one.
+    /// ([`ops::linear::linear_forward`], or its residual form).
     fn linear_onto(&mut self, l: &Linear, out: Span, resid: Option<Span>, inp: Span) {
         let Linear {
             w,
@@ -84,31 +89,23 @@ impl CpuBackend {
             oc,
         } = *l;
         let prec = self.gemm_precision(&[inp, w]);
+        // An absent span goes to the op as an empty one (of `out`'s buffer).
         let none = out.sub(0, 0);
-        if prec != ops::Precision::F32 {
-            // 16-bit operands, read as stored; the output in chunks of rows (the LM head's
-            // logits are the largest tensor of a step).
-            let resid_rows = resid.map_or(Rows::whole(none), |r| Rows::of(r, oc));
-            let read = [resid_rows, Rows::whole(bias.unwrap_or(none))];
-            let rows = gemm_chunks(prec, n, oc, ic);
-            let stored = [Rows::of(inp, ic), Rows::whole(w)];
-            return self.mem.run_rows_stored(
-                rows,
-                n,
-                [Rows::of(out, oc)],
-                read,
-                stored,
-                |rows, [o], [r, b], [i, w]| {
-                    let (r, b) = (resid.map(|_| r), bias.map(|_| b));
-                    let n = rows.len();
-                    same_stored!((i, w), |i, w| {
-                        ops::linear::linear_onto_stored(prec, o, r, i, w, layout, b, n, ic, oc)
+        let (r, b) = (resid.unwrap_or(none), bias.unwrap_or(none));
+        if self.one_16bit_type(&[out, r, inp, w, b]) {
+            // Every operand as stored; `out` written once, each element rounded from its f32
+            // sum in fugu-gemm's tile (no f32 copy of it: the LM head's logits are the
+            // largest tensor of a step).
+            return self
+                .mem
+                .run_stored([out], [r, inp, w, b], |[o], [r, i, w, b]| {
+                    same_stored_mut!(o, (r, i, w, b), |o, r, i, w, b| {
+                        let (r, b) = (resid.map(|_| &*r), bias.map(|_| &*b));
+                        ops::linear::linear_into(prec, o, r, i, w, layout, b, n, ic, oc)
                     })
-                },
-            );
+                });
         }
-        let read = [resid.unwrap_or(none), inp, w, bias.unwrap_or(none)];
-        self.mem.run([out], read, |[o], [r, i, w, b]| {
+        self.mem.run([out], [r, inp, w, b], |[o], [r, i, w, b]| {
             let b = bias.map(|_| &*b);
             match resid {
                 Some(_) => {
@@ -263,32 +260,26 @@ impl Backend for CpuBackend {
         self.mem.stage_bytes() as u64
     }
 
-    /// The stages 16-bit activations need (`host_store.rs`), in f32s: the largest chunk of a
-    /// GEMM's staged rows (a linear layer's output with its residual, or its input's gradient;
-    /// one sequence's attention probabilities with its q, k, v gradient), plus the largest
-    /// span staged whole (the embedding's output gradient, a tensor-parallel all-reduce:
-    /// rows × width), plus the row chunks in flight (each at most six row spans of
-    /// `ROW_CHUNK` elements, a norm's block of rows, or one sequence's rows; twice the
-    /// threads, for the rayon tasks a waiting thread may start). None with f32 activations.
+    /// The stages 16-bit activations need (`host_store.rs`), in f32s: one sequence's
+    /// attention probabilities with its q, k, v gradient (the three-step attention's GEMMs,
+    /// a sequence at a time), plus the largest span staged whole (the embedding's output
+    /// gradient, a tensor-parallel all-reduce: rows × width), plus the row chunks in flight
+    /// (each at most six row spans of `ROW_CHUNK` elements, a norm's block of rows, or one
+    /// sequence's rows; twice the threads, for the rayon tasks a waiting thread may start).
+    /// None with f32 activations. The linear layers stage nothing (fugu-gemm writes their
+    /// 16-bit outputs from its own tiles, at most 1 MiB per thread, like its packing buffers
+    /// not counted here).
     fn workspace_bound(&self, s: &StepShapes) -> u64 {
         if s.act == Dtype::F32 {
             return 0;
         }
-        let prec = s.act.precision();
-        let n = s.rows;
-        let chunk = |cols: usize, k: usize| gemm_chunks(prec, n, cols, k).largest(n, cols) * cols;
-        let linear = s
-            .linears
-            .iter()
-            .map(|&(ic, oc, resid)| (chunk(oc, ic) * (1 + resid as usize)).max(chunk(ic, oc)));
         let attention = s.scores_per_sequence + s.t * s.qkv_width;
-        let serial = linear.fold(attention, usize::max);
-        let whole = n * s.width;
+        let whole = s.rows * s.width;
         let row_chunk = (6 * ROW_CHUNK)
             .max(3 * ops::ROW_BLOCK * s.width)
             .max(s.t * s.sequence_width);
         let in_flight = 2 * rayon::current_num_threads() * row_chunk;
-        4 * (serial + whole + in_flight) as u64
+        4 * (attention + whole + in_flight) as u64
     }
 
     fn upload(&mut self, dst: Span, src: &[f32]) {
@@ -450,28 +441,17 @@ impl Backend for CpuBackend {
         let LinearGrads { dinp, dw, dbias } = *g;
         let r = [dout, inp, w];
         let prec = self.gemm_precision(&r);
-        if prec != ops::Precision::F32 {
-            // 16-bit operands, read as stored: the input gradient in chunks of rows, the
-            // weight gradient (a sum over every row) in one GEMM, the bias gradient's column
-            // sums row by row.
+        let grad_types = [dout, inp, w, dinp.unwrap_or(dout)];
+        if self.one_16bit_type(&grad_types) {
+            // 16-bit operands, read as stored: the input gradient written once (rounded from
+            // fugu-gemm's tiles), the weight gradient (a sum over every row) in one GEMM, the
+            // bias gradient's column sums row by row.
             if let Some(di) = dinp {
-                let rows = gemm_chunks(prec, n, ic, oc);
-                let stored = [Rows::of(dout, oc), Rows::whole(w)];
-                self.mem.run_rows_stored(
-                    rows,
-                    n,
-                    [Rows::of(di, ic)],
-                    [],
-                    stored,
-                    |rows, [di], [], [d, w]| {
-                        let n = rows.len();
-                        same_stored!((d, w), |d, w| {
-                            ops::linear::linear_backward_input_stored(
-                                prec, di, d, w, layout, n, ic, oc,
-                            )
-                        })
-                    },
-                );
+                self.mem.run_stored([di], [dout, w], |[di], [d, w]| {
+                    same_stored_mut!(di, (d, w), |di, d, w| {
+                        ops::linear::linear_backward_input_into(prec, di, d, w, layout, n, ic, oc)
+                    })
+                });
             }
             let whole = |s: Span| Rows::of(s, s.len);
             self.mem.run_rows_stored(
@@ -952,6 +932,81 @@ mod tests {
             // |error| of a k-term f32 sum <= k·u·Σ|products|; Σ|products| < k·1.7·0.8 here.
             let tol = ic as f32 * f32::EPSILON * ic as f32 * 2.0;
             assert!((a - b).abs() <= tol, "{a} vs {b}");
+        }
+    }
+
+    /// A linear layer whose spans all hold one 16-bit type writes its output (and its input's
+    /// gradient) once from fugu-gemm's f32 tiles: the values of the same GEMMs on f32 views
+    /// (an f32 output, the operands' precision), rounded once, bit for bit; the weight and
+    /// bias gradients equal too.
+    #[test]
+    fn a_16_bit_linear_is_the_f32_views_result_rounded_once() {
+        let (n, ic, oc) = (70, 37, 29);
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * seed % 101) as f32 - 50.0) / 23.0)
+                .collect()
+        };
+        for dt in [Dtype::Bf16, Dtype::F16] {
+            let mut be = CpuBackend::new();
+            let mut new = |len: usize, dt: Dtype, seed: usize| {
+                let buf = be.alloc(len, dt).unwrap();
+                (buf, len, seed)
+            };
+            let bufs = [
+                new(n * ic, dt, 37),
+                new(ic * oc, dt, 13),
+                new(oc, dt, 7),
+                new(n * oc, dt, 17),
+                new(n * oc, dt, 0),
+                new(n * oc, Dtype::F32, 0),
+                new(n * ic, dt, 0),
+                new(n * ic, Dtype::F32, 0),
+                new(ic * oc, Dtype::F32, 0),
+                new(ic * oc, Dtype::F32, 0),
+                new(oc, Dtype::F32, 0),
+                new(oc, Dtype::F32, 0),
+            ];
+            let spans = bufs.map(|(buf, len, seed)| {
+                let s = Span {
+                    buf,
+                    offset: 0,
+                    len,
+                };
+                be.upload(s, &values(len, seed));
+                s
+            });
+            let [x, w, bias, resid, out16, out32, dx16, dx32, dw16, dw32, db16, db32] = spans;
+            let linear = Linear {
+                w,
+                layout: crate::backend::WeightLayout::OutIn,
+                bias: Some(bias),
+                n,
+                ic,
+                oc,
+            };
+            be.linear_residual_forward(&linear, out16, resid, out16, x);
+            be.linear_residual_forward(&linear, out32, resid, out32, x);
+            // The gradient of `out` is `resid`'s values (any 16-bit values do).
+            let grads = |dinp, dw, dbias| LinearGrads {
+                dinp: Some(dinp),
+                dw,
+                dbias: Some(dbias),
+            };
+            be.linear_backward(&linear, &grads(dx16, dw16, db16), resid, x);
+            be.linear_backward(&linear, &grads(dx32, dw32, db32), resid, x);
+            let get = |s: Span| {
+                let mut v = vec![0.0; s.len];
+                be.download(s, &mut v);
+                v
+            };
+            let rounded = |v: Vec<f32>| v.into_iter().map(|x| dt.round(x)).collect::<Vec<_>>();
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert_eq!(bits(get(out16)), bits(rounded(get(out32))), "{dt:?} out");
+            assert_eq!(bits(get(dx16)), bits(rounded(get(dx32))), "{dt:?} dinp");
+            assert_eq!(bits(get(dw16)), bits(get(dw32)), "{dt:?} dw");
+            assert_eq!(bits(get(db16)), bits(get(db32)), "{dt:?} dbias");
+            assert!(get(out16).iter().any(|&v| v != 0.0));
         }
     }
 }

@@ -119,6 +119,62 @@ pub enum Stored<'a> {
     F16(&'a [f16]),
 }
 
+/// A span to write as it is stored ([`HostStore::run_stored`]).
+#[derive(Debug)]
+pub enum StoredMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// The elements of span `s` of the buffer at `base` (its 16-bit type, or `None`: f32), as
+/// stored.
+///
+/// # Safety
+/// `s` lies inside that buffer, and nothing writes its elements while the slice lives.
+unsafe fn stored<'a>((Addr(base), dt): (Addr, Option<Dtype>), s: Span) -> Stored<'a> {
+    // SAFETY: the caller's promise.
+    unsafe {
+        match dt {
+            None => Stored::F32(std::slice::from_raw_parts(
+                (base as *const f32).add(s.offset),
+                s.len,
+            )),
+            Some(dt) => {
+                let bits = std::slice::from_raw_parts((base as *const u16).add(s.offset), s.len);
+                match dt {
+                    Dtype::Bf16 => Stored::Bf16(bits.reinterpret_cast()),
+                    _ => Stored::F16(bits.reinterpret_cast()),
+                }
+            }
+        }
+    }
+}
+
+/// [`stored`] to write.
+///
+/// # Safety
+/// `s` lies inside that buffer, and nothing else reads or writes its elements while the slice
+/// lives.
+unsafe fn stored_mut<'a>((Addr(base), dt): (Addr, Option<Dtype>), s: Span) -> StoredMut<'a> {
+    // SAFETY: the caller's promise.
+    unsafe {
+        match dt {
+            None => StoredMut::F32(std::slice::from_raw_parts_mut(
+                (base as *mut f32).add(s.offset),
+                s.len,
+            )),
+            Some(dt) => {
+                let bits = std::slice::from_raw_parts_mut((base as *mut u16).add(s.offset), s.len);
+                match dt {
+                    Dtype::Bf16 => StoredMut::Bf16(bits.reinterpret_cast_mut()),
+                    _ => StoredMut::F16(bits.reinterpret_cast_mut()),
+                }
+            }
+        }
+    }
+}
+
 /// How [`HostStore::run_rows`] cuts an op's rows into chunks where it stages them.
 #[derive(Clone, Copy, Debug)]
 pub enum Chunks {
@@ -152,15 +208,6 @@ impl Chunks {
             Chunks::Serial(_) => c * n / count,
         };
         (count, start)
-    }
-
-    /// The most rows one chunk of `n` rows holds, `widest` elements in the op's widest row.
-    pub fn largest(self, n: usize, widest: usize) -> usize {
-        let (count, start) = self.cut(n, widest);
-        (0..count)
-            .map(|c| start(c + 1) - start(c))
-            .max()
-            .unwrap_or(0)
     }
 }
 
@@ -366,6 +413,29 @@ impl HostStore {
         out
     }
 
+    /// Runs `op` once on the spans it writes (`w`) and reads (`r`) as they are stored, 16-bit
+    /// ones as bits (no stage): for ops that read and write each type themselves (fugu-gemm's
+    /// `gemm_into`). Panics as [`Self::run`] does.
+    pub fn run_stored<const W: usize, const R: usize>(
+        &mut self,
+        w: [Span; W],
+        r: [Span; R],
+        op: impl for<'a> FnOnce([StoredMut<'a>; W], [Stored<'a>; R]),
+    ) {
+        self.check_call(&w, &r);
+        let bases = self.bases();
+        // SAFETY: every span lies inside its buffer (checked above); no written span overlaps
+        // another span of the call, so each written slice is the only view of its elements
+        // and the read ones are only read. The slices borrow `self` mutably and cannot
+        // outlive `op` (its signature).
+        let wm: [StoredMut; W] =
+            std::array::from_fn(|i| unsafe { stored_mut(bases[w[i].buf.0 as usize], w[i]) });
+        // SAFETY: as above.
+        let rm: [Stored; R] =
+            std::array::from_fn(|i| unsafe { stored(bases[r[i].buf.0 as usize], r[i]) });
+        op(wm, rm)
+    }
+
     /// Runs `op` over `n` rows of the spans it writes (`w`, read first) and reads (`r`), as
     /// [`Self::run`] does, but in chunks of rows ([`Chunks`]) where a row span is 16-bit:
     /// each chunk's rows are decoded into a small stage of its own, the op runs on them, and
@@ -437,16 +507,7 @@ impl HostStore {
             }
         }
         let stage = Addr(self.stage.as_mut_slice().as_mut_ptr() as usize);
-        // Each buffer's first element, and whether it is 16-bit (its dtype) or f32 (None).
-        let bases: Vec<(Addr, Option<Dtype>)> = self
-            .bufs
-            .iter_mut()
-            .zip(&self.dtypes)
-            .map(|(b, &dt)| match b {
-                Store::F32(b) => (Addr(b.as_mut_slice().as_mut_ptr() as usize), None),
-                Store::Bits16(b) => (Addr(b.as_mut_slice().as_mut_ptr() as usize), Some(dt)),
-            })
-            .collect();
+        let bases = self.bases();
         let widest = w
             .iter()
             .chain(&r)
@@ -523,29 +584,11 @@ impl HostStore {
             let rm: [&[f32]; R] = std::array::from_fn(|i| unsafe {
                 std::slice::from_raw_parts(at(&r[i], r_at[i], whole_at[i]), r[i].part(&rows).len)
             });
+            // SAFETY: each part lies inside its buffer (checked above) and is only read while
+            // the op runs: no written span overlaps it.
             let gm: [Stored; G] = std::array::from_fn(|i| {
                 let s = g[i].part(&rows);
-                let (Addr(base), dt) = bases[s.buf.0 as usize];
-                // SAFETY: `s` lies inside its buffer (checked above) and is only read while
-                // the op runs: no written span overlaps it.
-                unsafe {
-                    match dt {
-                        None => Stored::F32(std::slice::from_raw_parts(
-                            (base as *const f32).add(s.offset),
-                            s.len,
-                        )),
-                        Some(dt) => {
-                            let bits = std::slice::from_raw_parts(
-                                (base as *const u16).add(s.offset),
-                                s.len,
-                            );
-                            match dt {
-                                Dtype::Bf16 => Stored::Bf16(bits.reinterpret_cast()),
-                                _ => Stored::F16(bits.reinterpret_cast()),
-                            }
-                        }
-                    }
-                }
+                unsafe { stored(bases[s.buf.0 as usize], s) }
             });
             op(rows.clone(), wm, rm, gm);
             for (x, at) in w.iter().zip(&w_at) {
@@ -641,6 +684,18 @@ impl HostStore {
 
     /// Panics unless every span lies inside its buffer and no written span overlaps another
     /// span of the call (reads may overlap each other).
+    /// Each buffer's first element, and its 16-bit type (`None`: f32).
+    fn bases(&mut self) -> Vec<(Addr, Option<Dtype>)> {
+        self.bufs
+            .iter_mut()
+            .zip(&self.dtypes)
+            .map(|(b, &dt)| match b {
+                Store::F32(b) => (Addr(b.as_mut_slice().as_mut_ptr() as usize), None),
+                Store::Bits16(b) => (Addr(b.as_mut_slice().as_mut_ptr() as usize), Some(dt)),
+            })
+            .collect()
+    }
+
     fn check_call(&self, written: &[Span], read: &[Span]) {
         self.check(written);
         self.check(read);

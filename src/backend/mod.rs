@@ -98,16 +98,13 @@ pub struct TokSpan {
 }
 
 /// What sizes a backend's working memory in a training step ([`Backend::workspace_bound`]):
-/// the activations' type, their `rows` (B·T) and residual `width`, every linear layer's
-/// shape, and the attention's per-sequence tensors.
+/// the activations' type, their `rows` (B·T) and residual `width`, and the attention's
+/// per-sequence tensors.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepShapes {
     pub act: Dtype,
     pub rows: usize,
     pub width: usize,
-    /// Each linear layer on `rows` rows: (inputs, outputs, whether its forward pass reads a
-    /// residual of `outputs` columns).
-    pub linears: Vec<(usize, usize, bool)>,
     /// Elements of one sequence's attention probabilities (heads·T·T; 0 when fused).
     pub scores_per_sequence: usize,
     /// Columns of one sequence's q, k, v rows.

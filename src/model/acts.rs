@@ -115,10 +115,9 @@ impl StepDims {
         }
     }
     /// The step's shapes that size a backend's working memory ([`crate::backend::StepShapes`]):
-    /// activations of type `act`, a decoder block's linear layers (the MLP's first one
-    /// `mlp_up` columns wide: GELU's `f`, SwiGLU's gate and up `2·f`) and the LM head, and
-    /// the attention path's per-sequence tensors (`rope`: rotary embeddings on q, k rows).
-    pub fn step_shapes(&self, act: Dtype, mlp_up: usize, keep: AttnKeep, rope: bool) -> StepShapes {
+    /// activations of type `act` and the attention path's per-sequence tensors (`rope`: rotary
+    /// embeddings on q, k rows).
+    pub fn step_shapes(&self, act: Dtype, keep: AttnKeep, rope: bool) -> StepShapes {
         let c = self.c;
         let scores = match keep {
             AttnKeep::Probabilities => self.nh * self.t * self.t,
@@ -128,13 +127,6 @@ impl StepDims {
             act,
             rows: self.n(),
             width: c,
-            linears: vec![
-                (c, self.qkv_width(), false),
-                (self.local_c(), c, true),
-                (c, mlp_up, false),
-                (self.f, c, true),
-                (c, self.vp, false),
-            ],
             scores_per_sequence: scores,
             qkv_width: self.qkv_width(),
             t: self.t,

@@ -310,7 +310,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
 
     fn step_shapes(&self, b: usize, t: usize) -> crate::backend::StepShapes {
         let d = self.dims(b, t);
-        d.step_shapes(self.core.compute, d.f, self.attn_keep, false)
+        d.step_shapes(self.core.compute, self.attn_keep, false)
     }
 
     /// Bytes of the activations (with their f32 statistics) of every in-flight micro-batch of

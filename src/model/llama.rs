@@ -249,7 +249,7 @@ impl<B: Backend> Model<B> for Llama<B> {
 
     fn step_shapes(&self, b: usize, t: usize) -> crate::backend::StepShapes {
         let d = self.dims(b, t);
-        d.step_shapes(self.core.compute, 2 * d.f, self.attn_keep, true)
+        d.step_shapes(self.core.compute, self.attn_keep, true)
     }
 
     fn activation_bytes(&self, b: usize, t: usize) -> (usize, usize) {

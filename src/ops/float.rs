@@ -399,6 +399,41 @@ pub fn gemm_stored<A: fugu_gemm::Element, B: fugu_gemm::Element>(
         .unwrap_or_else(|e| gemm_failed(e));
 }
 
+/// `d = alpha·a·b + beta·c + bias` through fugu-gemm's `gemm_into`: D of any stored type,
+/// written once from f32 sums (each tile's start, then the product), rounded once; the values
+/// of [`gemm_stored`] on an f32 `d` set to the start (`beta·c`, then `+ bias`), rounded.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_into_stored<'c, A: fugu_gemm::Element, B: fugu_gemm::Element, D: fugu_gemm::Element>(
+    prec: Precision,
+    alpha: f32,
+    a: Mat<'_, A>,
+    b: Mat<'_, B>,
+    beta: f32,
+    c: Option<Mat<'c, D>>,
+    bias: Option<&'c [D]>,
+    d: MatMutT<'_, D>,
+) {
+    use fugu_gemm::{MatMut, MatRef};
+    let view = |m: Mat<'c, D>| {
+        MatRef::with_offset(m.data, m.offset, m.rows, m.cols, m.rs, m.cs)
+            .unwrap_or_else(|e| gemm_failed(e))
+    };
+    let av = MatRef::with_offset(a.data, a.offset, a.rows, a.cols, a.rs, a.cs)
+        .unwrap_or_else(|e| gemm_failed(e));
+    let bv = MatRef::with_offset(b.data, b.offset, b.rows, b.cols, b.rs, b.cs)
+        .unwrap_or_else(|e| gemm_failed(e));
+    let dv = MatMut::with_offset(d.data, d.offset, d.rows, d.cols, d.rs, d.cs)
+        .unwrap_or_else(|e| gemm_failed(e));
+    let start = fugu_gemm::Start {
+        beta,
+        c: c.map(view),
+        bias,
+    };
+    fugu_gemm::Runtime::global()
+        .and_then(|rt| rt.at(prec).gemm_into(alpha, av, bv, start, dv))
+        .unwrap_or_else(|e| gemm_failed(e));
+}
+
 fn gemm_failed(e: fugu_gemm::GemmError) -> ! {
     panic!("ops gemm (internal misuse): {e}")
 }

@@ -1,6 +1,6 @@
 //! Fully connected layer `y = x·W + bias` on the GEMM hooks.
 
-use super::float::gemm_stored;
+use super::float::{gemm_into_stored, gemm_stored};
 use super::{add_column_sums, Float, Mat, MatMutT, Precision};
 use rayon::prelude::*;
 
@@ -151,17 +151,19 @@ fn start_rows<T: Float>(out: &mut [T], resid: Option<&[T]>, bias: Option<&[T]>, 
     }
 }
 
-/// [`linear_forward`] / [`linear_residual_forward`] (`resid`) with `inp` and `w` as they are
-/// stored (f32, or 16-bit values: [`gemm_stored`]); the same arithmetic on the same values.
+/// [`linear_forward`] / [`linear_residual_forward`] (`resid`) on buffers as they are stored,
+/// all of one type `E` (f32, or 16-bit values): `out` is written once, each element's f32 sum
+/// (`resid + bias`, then `inp·W`) rounded to `E` ([`gemm_into_stored`]), the values of the f32
+/// op on the same values rounded once, with no f32 copy of `out`.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_onto_stored<E: fugu_gemm::Element>(
+pub fn linear_into<E: fugu_gemm::Element>(
     prec: Precision,
-    out: &mut [f32],
-    resid: Option<&[f32]>,
+    out: &mut [E],
+    resid: Option<&[E]>,
     inp: &[E],
     w: &[E],
     layout: WeightLayout,
-    bias: Option<&[f32]>,
+    bias: Option<&[E]>,
     n: usize,
     ic: usize,
     oc: usize,
@@ -170,12 +172,16 @@ pub fn linear_onto_stored<E: fugu_gemm::Element>(
         out.len(),
         inp.len(),
         w.len(),
-        bias.map(<[f32]>::len),
+        bias.map(<[E]>::len),
         (n, ic, oc),
     );
-    let beta = start_rows(out, resid, bias, oc);
+    if let Some(r) = resid {
+        assert_eq!(r.len(), n * oc, "linear_forward: resid length");
+    }
     let (a, b) = (Mat::row_major(inp, n, ic), w_view(w, layout, ic, oc));
-    gemm_stored(prec, 1.0, a, b, beta, MatMutT::row_major(out, n, oc));
+    let c = resid.map(|r| Mat::row_major(r, n, oc));
+    let d = MatMutT::row_major(out, n, oc);
+    gemm_into_stored(prec, 1.0, a, b, 1.0, c, bias, d);
 }
 
 /// The input gradient's GEMM operands, `dout` (N, OC) and `Wᵀ` (OC, IC).
@@ -217,11 +223,12 @@ fn weight_grad_operands<'a, T>(
     }
 }
 
-/// [`linear_backward`]'s input gradient (`dinp`, overwritten) with `dout` and `w` as stored.
+/// [`linear_backward`]'s input gradient (`dinp`, overwritten) on buffers as they are stored,
+/// all of one type: written once, rounded once ([`gemm_into_stored`]).
 #[allow(clippy::too_many_arguments)]
-pub fn linear_backward_input_stored<E: fugu_gemm::Element>(
+pub fn linear_backward_input_into<E: fugu_gemm::Element>(
     prec: Precision,
-    dinp: &mut [f32],
+    dinp: &mut [E],
     dout: &[E],
     w: &[E],
     layout: WeightLayout,
@@ -231,7 +238,8 @@ pub fn linear_backward_input_stored<E: fugu_gemm::Element>(
 ) {
     assert_eq!(dinp.len(), n * ic, "linear_backward: dinp length");
     let (a, b) = input_grad_operands(dout, w, layout, n, ic, oc);
-    gemm_stored(prec, 1.0, a, b, 0.0, MatMutT::row_major(dinp, n, ic));
+    let d = MatMutT::row_major(dinp, n, ic);
+    gemm_into_stored(prec, 1.0, a, b, 0.0, None, None, d);
 }
 
 /// [`linear_backward`]'s weight gradient (`dw`, accumulated) with `dout` and `inp` as stored.
