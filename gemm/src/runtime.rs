@@ -545,14 +545,7 @@ impl PrecisionGemm<'_> {
             cs: 1,
         });
         let target = Target {
-            d: RawOut {
-                ptr: d.ptr_mut().cast(),
-                storage: TD::STORAGE,
-                rows: m,
-                cols: n,
-                rs: d.row_stride(),
-                cs: d.col_stride(),
-            },
+            d: raw_out(&mut d),
             c: start.c.as_ref().map(raw),
             bias,
         };
@@ -567,6 +560,27 @@ impl PrecisionGemm<'_> {
         Ok(())
     }
 
+    /// Strided batched [`Self::gemm_into`] with no start: `D[i] := alpha·A[i]·B[i]` for every
+    /// `i` of the batch, each element's `f32` sum rounded once to D's type (`bmm` into a
+    /// 16-bit tensor, with no `f32` copy of it).
+    pub fn gemm_into_strided_batched<TA: Element, TB: Element, TD: Element>(
+        &self,
+        alpha: f32,
+        a: BatchRef<'_, TA>,
+        b: BatchRef<'_, TB>,
+        mut d: BatchMut<'_, TD>,
+    ) -> Result<(), GemmError> {
+        let problems = batch_problems(alpha, a, b, 0.0, &mut d, |d| {
+            Dest::Into(Target {
+                d: raw_out(d),
+                c: None,
+                bias: None,
+            })
+        })?;
+        self.rt.run_batch(self.ctx, problems);
+        Ok(())
+    }
+
     /// Strided batched GEMM: `C[i] := alpha·A[i]·B[i] + beta·C[i]` for every `i` of the batch
     /// (PyTorch's `baddbmm`; `bmm` is `beta = 0`).
     pub fn gemm_strided_batched<TA: Element, TB: Element>(
@@ -577,26 +591,7 @@ impl PrecisionGemm<'_> {
         beta: f32,
         mut c: BatchMut<'_, f32>,
     ) -> Result<(), GemmError> {
-        if a.batch() != c.batch() || b.batch() != c.batch() {
-            return Err(GemmError::BatchMismatch {
-                detail: format!(
-                    "A has {} matrices, B has {}, C has {}",
-                    a.batch(),
-                    b.batch(),
-                    c.batch()
-                ),
-            });
-        }
-        let mut cs = c.matrices();
-        let mut problems = Vec::with_capacity(cs.len());
-        for (i, ci) in cs.iter_mut().enumerate() {
-            let (ai, bi) = (
-                a.matrix(i).expect("i < batch"),
-                b.matrix(i).expect("i < batch"),
-            );
-            check_shapes(&ai, &bi, ci.rows(), ci.cols(), "")?;
-            problems.push(problem(alpha, &ai, &bi, beta, ci));
-        }
+        let problems = batch_problems(alpha, a, b, beta, &mut c, |c| Dest::F32(raw_f32(c)))?;
         self.rt.run_batch(self.ctx, problems);
         Ok(())
     }
@@ -677,6 +672,67 @@ fn raw<T: Element>(v: &MatRef<'_, T>) -> RawMat {
     }
 }
 
+/// The problems of a strided batch, each C (or D) made a [`Dest`] by `dest`.
+fn batch_problems<TA: Element, TB: Element, TC>(
+    alpha: f32,
+    a: BatchRef<'_, TA>,
+    b: BatchRef<'_, TB>,
+    beta: f32,
+    c: &mut BatchMut<'_, TC>,
+    dest: impl Fn(&mut MatMut<'_, TC>) -> Dest,
+) -> Result<Vec<Problem>, GemmError> {
+    if a.batch() != c.batch() || b.batch() != c.batch() {
+        return Err(GemmError::BatchMismatch {
+            detail: format!(
+                "A has {} matrices, B has {}, C has {}",
+                a.batch(),
+                b.batch(),
+                c.batch()
+            ),
+        });
+    }
+    let mut cs = c.matrices();
+    let mut problems = Vec::with_capacity(cs.len());
+    for (i, ci) in cs.iter_mut().enumerate() {
+        let (ai, bi) = (
+            a.matrix(i).expect("i < batch"),
+            b.matrix(i).expect("i < batch"),
+        );
+        check_shapes(&ai, &bi, ci.rows(), ci.cols(), "")?;
+        problems.push(Problem {
+            alpha,
+            a: raw(&ai),
+            b: raw(&bi),
+            beta,
+            c: dest(ci),
+        });
+    }
+    Ok(problems)
+}
+
+/// An `f32` C.
+fn raw_f32(c: &mut MatMut<'_, f32>) -> RawMatMut {
+    RawMatMut {
+        ptr: c.ptr_mut(),
+        rows: c.rows(),
+        cols: c.cols(),
+        rs: c.row_stride(),
+        cs: c.col_stride(),
+    }
+}
+
+/// A D of any element type.
+fn raw_out<T: Element>(d: &mut MatMut<'_, T>) -> RawOut {
+    RawOut {
+        ptr: d.ptr_mut().cast(),
+        storage: T::STORAGE,
+        rows: d.rows(),
+        cols: d.cols(),
+        rs: d.row_stride(),
+        cs: d.col_stride(),
+    }
+}
+
 fn problem<TA: Element, TB: Element>(
     alpha: f32,
     a: &MatRef<'_, TA>,
@@ -689,13 +745,7 @@ fn problem<TA: Element, TB: Element>(
         a: raw(a),
         b: raw(b),
         beta,
-        c: Dest::F32(RawMatMut {
-            ptr: c.ptr_mut(),
-            rows: c.rows(),
-            cols: c.cols(),
-            rs: c.row_stride(),
-            cs: c.col_stride(),
-        }),
+        c: Dest::F32(raw_f32(c)),
     }
 }
 

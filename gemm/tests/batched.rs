@@ -216,3 +216,71 @@ fn batch_errors_name_the_problem() {
         .unwrap_err();
     assert!(err.to_string().contains("problem 0"), "{err}");
 }
+
+/// `gemm_into_strided_batched` writes each D once, rounded from the `f32` sums: bit for bit the
+/// strided batched `gemm` (beta 0) rounded to D's type, matrix by matrix, with the padding
+/// between the matrices untouched; on every runnable kernel and thread layout (the batch
+/// scheduler's whole problems per thread and its all-threads-per-problem path), at every
+/// precision, with transposed operands.
+#[test]
+fn strided_batched_into_16_bits_is_the_f32_batch_rounded() {
+    use fugu_gemm::half::{bf16, f16};
+    use fugu_gemm::precision::{f32_to_bf16, f32_to_f16};
+    use fugu_gemm::Precision;
+    let mut rng = Rng::new(19);
+    let mut checked = 0;
+    for (name, rt) in runtimes() {
+        for prec in Precision::ALL {
+            let g = rt.at(prec);
+            for &(batch, m, n, k) in &[(5, 33, 17, 9), (48, 16, 16, 8), (2, 70, 130, 40)] {
+                for (ta, tb) in [(false, false), (true, false), (false, true)] {
+                    let (ars, acs) = if ta { (1, m) } else { (k, 1) };
+                    let (brs, bcs) = if tb { (1, k) } else { (n, 1) };
+                    let (sa, sb, sc) = (m * k + 3, k * n + 1, m * n + 2);
+                    let (a, b) = (rng.vec(batch * sa + 1), rng.vec(batch * sb + 1));
+                    let av = BatchRef::new(&a, batch, m, k, ars, acs, sa).unwrap();
+                    let bv = BatchRef::new(&b, batch, k, n, brs, bcs, sb).unwrap();
+                    let mut want = vec![0.0f32; batch * sc + 1];
+                    g.gemm_strided_batched(
+                        -0.75,
+                        av,
+                        bv,
+                        0.0,
+                        BatchMut::new(&mut want, batch, m, n, n, 1, sc).unwrap(),
+                    )
+                    .unwrap();
+                    let pad = 0x7e01u16;
+                    let inside = |e: usize| e % sc < m * n && e < batch * sc;
+                    let mut hb = vec![bf16::from_bits(pad); want.len()];
+                    g.gemm_into_strided_batched(
+                        -0.75,
+                        av,
+                        bv,
+                        BatchMut::new(&mut hb, batch, m, n, n, 1, sc).unwrap(),
+                    )
+                    .unwrap();
+                    let mut hf = vec![f16::from_bits(pad); want.len()];
+                    g.gemm_into_strided_batched(
+                        -0.75,
+                        av,
+                        bv,
+                        BatchMut::new(&mut hf, batch, m, n, n, 1, sc).unwrap(),
+                    )
+                    .unwrap();
+                    for e in 0..want.len() {
+                        let (wb, wf) = match inside(e) {
+                            true => (f32_to_bf16(want[e]), f32_to_f16(want[e])),
+                            false => (pad, pad),
+                        };
+                        let what = format!("{name}, {prec}, batch {batch} {m}x{n}x{k} ta={ta} tb={tb}: element {e}");
+                        assert_eq!(hb[e].to_bits(), wb, "{what} (bf16)");
+                        assert_eq!(hf[e].to_bits(), wf, "{what} (f16)");
+                    }
+                    checked += 2;
+                }
+            }
+        }
+    }
+    eprintln!("checked {checked} batched GEMMs into 16 bits");
+    assert!(checked >= 100);
+}

@@ -27,16 +27,16 @@ macro_rules! same_stored {
     }};
 }
 
-/// `$body` with `$o` bound to the slice of a written [`StoredMut`] and each `$x` to that of a
-/// [`Stored`] operand, all of one type (checked by the caller: [`CpuBackend::one_type`]).
+/// `$body` with each `$o` bound to the slice of a written [`StoredMut`] and each `$x` to that
+/// of a [`Stored`] operand, all of one type (checked by the caller: `one_16bit_type`).
 macro_rules! same_stored_mut {
-    ($o:expr, ($($s:expr),+), |$ox:ident, $($x:ident),+| $body:expr) => {{
+    (($($o:expr),+), ($($s:expr),+), |($($ox:ident),+), $($x:ident),+| $body:expr) => {{
         #[allow(unreachable_patterns)]
-        let out = match ($o, $($s,)+) {
-            (StoredMut::F32($ox), $(Stored::F32($x),)+) => $body,
-            (StoredMut::Bf16($ox), $(Stored::Bf16($x),)+) => $body,
-            (StoredMut::F16($ox), $(Stored::F16($x),)+) => $body,
-            _ => unreachable!("operands of one type (one_type)"),
+        let out = match ($($o,)+ $($s,)+) {
+            ($(StoredMut::F32($ox),)+ $(Stored::F32($x),)+) => $body,
+            ($(StoredMut::Bf16($ox),)+ $(Stored::Bf16($x),)+) => $body,
+            ($(StoredMut::F16($ox),)+ $(Stored::F16($x),)+) => $body,
+            _ => unreachable!("operands of one type (one_16bit_type)"),
         };
         out
     }};
@@ -99,7 +99,7 @@ impl CpuBackend {
             return self
                 .mem
                 .run_stored([out], [r, inp, w, b], |[o], [r, i, w, b]| {
-                    same_stored_mut!(o, (r, i, w, b), |o, r, i, w, b| {
+                    same_stored_mut!((o), (r, i, w, b), |(o), r, i, w, b| {
                         let (r, b) = (resid.map(|_| &*r), bias.map(|_| &*b));
                         ops::linear::linear_into(prec, o, r, i, w, layout, b, n, ic, oc)
                     })
@@ -448,7 +448,7 @@ impl Backend for CpuBackend {
             // bias gradient's column sums row by row.
             if let Some(di) = dinp {
                 self.mem.run_stored([di], [dout, w], |[di], [d, w]| {
-                    same_stored_mut!(di, (d, w), |di, d, w| {
+                    same_stored_mut!((di), (d, w), |(di), d, w| {
                         ops::linear::linear_backward_input_into(prec, di, d, w, layout, n, ic, oc)
                     })
                 });
@@ -499,6 +499,13 @@ impl Backend for CpuBackend {
 
     fn attention_scores(&mut self, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[qkv]);
+        if self.one_16bit_type(&[att, qkv]) {
+            return self.mem.run_stored([att], [qkv], |[a], [q]| {
+                same_stored_mut!((a), (q), |(a), q| {
+                    ops::attention::attention_scores(prec, a, q, d.shape())
+                })
+            });
+        }
         let seq = |s| per_sequence(s, d);
         // Written up to each row's causal block; the softmax sets the rest before reading it.
         let (w, g) = ([Rows::overwritten(att, att.len / d.b.max(1))], [seq(qkv)]);
@@ -530,6 +537,13 @@ impl Backend for CpuBackend {
 
     fn attention_values(&mut self, out: Span, att: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[att, qkv]);
+        if self.one_16bit_type(&[out, att, qkv]) {
+            return self.mem.run_stored([out], [att, qkv], |[o], [a, q]| {
+                same_stored_mut!((o), (a, q), |(o), a, q| {
+                    ops::attention::attention_values(prec, o, a, q, d.shape())
+                })
+            });
+        }
         let seq = |s| per_sequence(s, d);
         let (w, g) = ([seq(out)], [seq(att), seq(qkv)]);
         self.attention_gemms(prec, d, w, g, |rows, [o], [a, q]| {
@@ -550,6 +564,15 @@ impl Backend for CpuBackend {
         d: AttnDims,
     ) {
         let prec = self.gemm_precision(&[dout, att, qkv]);
+        // With grouped keys and values, dV sums over each group in f32: staged.
+        if d.kv == d.nh && self.one_16bit_type(&[datt, dqkv, dout, att, qkv]) {
+            let (w, r) = ([datt, dqkv], [dout, att, qkv]);
+            return self.mem.run_stored(w, r, |[da, dq], [dout, a, q]| {
+                same_stored_mut!((da, dq), (dout, a, q), |(da, dq), dout, a, q| {
+                    ops::attention::attention_values_backward(prec, da, dq, dout, a, q, d.shape())
+                })
+            });
+        }
         let seq = |s| per_sequence(s, d);
         // datt as att in the forward pass (its softmax backward sets the rest); dqkv's Q and K
         // columns are kept.
@@ -584,6 +607,14 @@ impl Backend for CpuBackend {
 
     fn attention_scores_backward(&mut self, dqkv: Span, datt: Span, qkv: Span, d: AttnDims) {
         let prec = self.gemm_precision(&[datt, qkv]);
+        // With grouped keys and values, dK sums over each group in f32: staged.
+        if d.kv == d.nh && self.one_16bit_type(&[dqkv, datt, qkv]) {
+            return self.mem.run_stored([dqkv], [datt, qkv], |[dq], [da, q]| {
+                same_stored_mut!((dq), (da, q), |(dq), da, q| {
+                    ops::attention::attention_scores_backward(prec, dq, da, q, d.shape())
+                })
+            });
+        }
         let seq = |s| per_sequence(s, d);
         let (w, g) = ([seq(dqkv)], [seq(datt), seq(qkv)]);
         self.attention_gemms(prec, d, w, g, |rows, [dq], [da, q]| {
@@ -1007,6 +1038,79 @@ mod tests {
             assert_eq!(bits(get(dw16)), bits(get(dw32)), "{dt:?} dw");
             assert_eq!(bits(get(db16)), bits(get(db32)), "{dt:?} dbias");
             assert!(get(out16).iter().any(|&v| v != 0.0));
+        }
+    }
+
+    /// The attention GEMMs on 16-bit spans (multi-head: no group sums) write their results once
+    /// from fugu-gemm's f32 tiles: the values of the same GEMMs with f32 outputs (the staged
+    /// path), rounded once, bit for bit.
+    #[test]
+    fn attention_gemms_into_16_bits_are_the_f32_results_rounded_once() {
+        let d = AttnDims {
+            b: 2,
+            t: 19,
+            nh: 3,
+            kv: 3,
+            hs: 8,
+        };
+        let c = d.nh * d.hs;
+        let (qkv_len, att_len, y_len) = (d.b * d.t * 3 * c, d.b * d.nh * d.t * d.t, d.b * d.t * c);
+        for dt in [Dtype::Bf16, Dtype::F16] {
+            let mut be = CpuBackend::new();
+            let mut span = |len: usize, dtype: Dtype, seed: usize| {
+                let s = Span {
+                    buf: be.alloc(len, dtype).unwrap(),
+                    offset: 0,
+                    len,
+                };
+                let v: Vec<f32> = (0..len)
+                    .map(|i| ((i * seed % 97) as f32 - 48.0) / 41.0)
+                    .collect();
+                if seed > 0 {
+                    be.upload(s, &v);
+                }
+                s
+            };
+            let (qkv, att, dout, datt_in) = (
+                span(qkv_len, dt, 31),
+                span(att_len, dt, 17),
+                span(y_len, dt, 11),
+                span(att_len, dt, 23),
+            );
+            // Outputs: 16-bit, and f32 (the staged path on the same 16-bit inputs).
+            let outs = |be: &mut CpuBackend, ty: Dtype| {
+                let mut zero = |len: usize| {
+                    let s = Span {
+                        buf: be.alloc(len, ty).unwrap(),
+                        offset: 0,
+                        len,
+                    };
+                    be.zero(s);
+                    s
+                };
+                [zero(att_len), zero(y_len), zero(att_len), zero(qkv_len)]
+            };
+            let (o16, o32) = (outs(&mut be, dt), outs(&mut be, Dtype::F32));
+            for [scores, y, datt, dqkv] in [o16, o32] {
+                be.attention_scores(scores, qkv, d);
+                be.attention_values(y, att, qkv, d);
+                be.attention_values_backward(datt, dqkv, dout, att, qkv, d);
+                be.attention_scores_backward(dqkv, datt_in, qkv, d);
+            }
+            let get = |s: Span| {
+                let mut v = vec![0.0; s.len];
+                be.download(s, &mut v);
+                v
+            };
+            for (name, (s16, s32)) in ["scores", "values", "datt", "dqkv"]
+                .iter()
+                .zip(o16.into_iter().zip(o32))
+            {
+                let want: Vec<u32> = get(s32).iter().map(|&x| dt.round(x).to_bits()).collect();
+                let got: Vec<u32> = get(s16).iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "{dt:?} {name}");
+                assert!(get(s16).iter().any(|&x| x != 0.0), "{dt:?} {name}: written");
+            }
         }
     }
 }

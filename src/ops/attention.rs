@@ -253,9 +253,9 @@ pub fn scale<T: Float>(hs: usize) -> T {
 /// * `qkv`: (B, T, (nh + 2·kv)·hs).
 ///
 /// One strided batched GEMM (batch = kv) per batch element, causal block and group member.
-pub fn attention_scores<T: Float, E: GemmOperand<T>>(
+pub fn attention_scores<T: Float, O, E: GemmOperand<T, O>>(
     prec: Precision,
-    att: &mut [T],
+    att: &mut [O],
     qkv: &[E],
     d: AttnShape,
 ) {
@@ -319,9 +319,9 @@ pub(crate) fn softmax_row<T: Float>(row: &mut [T]) -> (T, f64) {
 ///
 /// * `out`: (B, T, nh·hs), **overwritten**, written in place through strides.
 /// * `att`: (B, nh, T, T) after [`attention_softmax`] (zero above the diagonal); `qkv` as above.
-pub fn attention_values<T: Float, E: GemmOperand<T>>(
+pub fn attention_values<T: Float, O, E: GemmOperand<T, O>>(
     prec: Precision,
-    out: &mut [T],
+    out: &mut [O],
     att: &[E],
     qkv: &[E],
     d: AttnShape,
@@ -361,10 +361,10 @@ pub fn attention_values<T: Float, E: GemmOperand<T>>(
 /// * `dqkv`: like `qkv`; its V columns are **overwritten** with `attᵀ·dout` (each key/value
 ///   head the sum over its group's query heads); Q and K columns are untouched.
 /// * `dout`: (B, T, nh·hs); `att`, `qkv` from the forward pass.
-pub fn attention_values_backward<T: Float, E: GemmOperand<T>>(
+pub fn attention_values_backward<T: Float, O, E: GemmOperand<T, O>>(
     prec: Precision,
-    datt: &mut [T],
-    dqkv: &mut [T],
+    datt: &mut [O],
+    dqkv: &mut [O],
     dout: &[E],
     att: &[E],
     qkv: &[E],
@@ -500,9 +500,9 @@ super::row_isa::dispatch_rows! {
 ///   columns are untouched.
 /// * `datt`: (B, nh, T, T), the score gradient from [`attention_softmax_backward`] (zero above
 ///   the diagonal); `qkv` from the forward pass.
-pub fn attention_scores_backward<T: Float, E: GemmOperand<T>>(
+pub fn attention_scores_backward<T: Float, O, E: GemmOperand<T, O>>(
     prec: Precision,
-    dqkv: &mut [T],
+    dqkv: &mut [O],
     datt: &[E],
     qkv: &[E],
     d: AttnShape,

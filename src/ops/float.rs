@@ -547,26 +547,55 @@ impl Float for f32 {
     }
 }
 
-/// The operand type of a strided batched GEMM with results in `T`: `T` itself, and for `f32`
-/// results the 16-bit types a backend stores ([`half::bf16`], [`half::f16`]), which fugu-gemm
-/// packs as stored (exact conversions): ops generic over it read 16-bit tensors without
-/// staging them in `f32`.
-pub trait GemmOperand<T: Float>: Copy + Send + Sync + 'static {
+/// The operand type of a strided batched GEMM computed in `T`, its results stored in `O`
+/// (`T` itself by default): `T`, and for `f32` the 16-bit types a backend stores
+/// ([`half::bf16`], [`half::f16`]), which fugu-gemm packs as stored (exact conversions): ops
+/// generic over it read 16-bit tensors without staging them in `f32`; with a 16-bit `O` they
+/// write 16-bit results too, each rounded once from its `f32` sum (fugu-gemm's `gemm_into`).
+pub trait GemmOperand<T: Float, O = T>: Copy + Send + Sync + 'static {
     /// Strided batched GEMM, `C[p] := alpha·A[p]·B[p] + beta·C[p]` for every `p < batch`
     /// (PyTorch `baddbmm`; `bmm` with `beta = 0`). C is not read when `beta == 0`. `prec` as
     /// for [`Float::gemm`].
     ///
     /// # Panics
-    /// As [`Float::gemm`], and when the batch sizes differ.
+    /// As [`Float::gemm`], when the batch sizes differ, and when a 16-bit C would be added
+    /// onto (`beta != 0`: it is written once, from `f32` sums).
     fn gemm_strided_batched(
         prec: Precision,
         alpha: T,
         a: BatchMat<'_, Self>,
         b: BatchMat<'_, Self>,
         beta: T,
-        c: BatchMatMut<'_, T>,
+        c: BatchMatMut<'_, O>,
     );
 }
+
+/// 16-bit results, written once ([`GemmOperand`]).
+macro_rules! gemm_operand_into {
+    ($out:ty) => {
+        impl<E: fugu_gemm::Element> GemmOperand<f32, $out> for E {
+            fn gemm_strided_batched(
+                prec: Precision,
+                alpha: f32,
+                a: BatchMat<'_, E>,
+                b: BatchMat<'_, E>,
+                beta: f32,
+                c: BatchMatMut<'_, $out>,
+            ) {
+                assert_eq!(
+                    beta, 0.0,
+                    "ops gemm: a 16-bit C is written once, not added onto"
+                );
+                let (av, bv, cv) = (batch_ref(a), batch_ref(b), batch_mut(c));
+                fugu_gemm::Runtime::global()
+                    .and_then(|rt| rt.at(prec).gemm_into_strided_batched(alpha, av, bv, cv))
+                    .unwrap_or_else(|e| gemm_failed(e));
+            }
+        }
+    };
+}
+gemm_operand_into!(fugu_gemm::half::bf16);
+gemm_operand_into!(fugu_gemm::half::f16);
 
 impl<E: fugu_gemm::Element> GemmOperand<f32> for E {
     fn gemm_strided_batched(
@@ -664,21 +693,17 @@ fn fugu_gemm_strided_batched<E: fugu_gemm::Element>(
     beta: f32,
     c: BatchMatMut<'_, f32>,
 ) {
-    use fugu_gemm::BatchMut;
-    let (av, bv) = (batch_ref(a), batch_ref(b));
-    let cv = BatchMut::new(
-        tail_mut(c.data, c.offset),
-        c.batch,
-        c.rows,
-        c.cols,
-        c.rs,
-        c.cs,
-        c.bs,
-    )
-    .unwrap_or_else(|e| gemm_failed(e));
+    let (av, bv, cv) = (batch_ref(a), batch_ref(b), batch_mut(c));
     fugu_gemm::Runtime::global()
         .and_then(|rt| rt.at(prec).gemm_strided_batched(alpha, av, bv, beta, cv))
         .unwrap_or_else(|e| gemm_failed(e));
+}
+
+/// fugu-gemm's view of a writable batch.
+fn batch_mut<T>(c: BatchMatMut<'_, T>) -> fugu_gemm::BatchMut<'_, T> {
+    let data = tail_mut(c.data, c.offset);
+    fugu_gemm::BatchMut::new(data, c.batch, c.rows, c.cols, c.rs, c.cs, c.bs)
+        .unwrap_or_else(|e| gemm_failed(e))
 }
 
 /// fugu-gemm's view of a read-only batch.
