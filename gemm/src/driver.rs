@@ -401,9 +401,11 @@ thread_local! {
     };
 }
 
-/// The largest `f32` tile an [`Dest::Into`] problem's tile is summed in, in bytes: its column
-/// chunks are cut narrow enough that a thread's tile (the row block × the chunk) stays in L2
-/// or close to it, beside the packed Ã block.
+/// The largest `f32` tile an [`Dest::Into`] problem's tile is summed in, in bytes, where its
+/// members keep their packed Ã ([`KEEP_A_BYTES`]): its column chunks are cut narrow enough
+/// that a thread's tile (the row block × the chunk) stays in L2 or close to it, beside the
+/// packed Ã block. Otherwise the tiles are those of an `f32` C (a row block × about
+/// `n / threads` columns: Ã is packed once per tile), and so is the `f32` tile.
 const INTO_TILE_BYTES: usize = 1 << 20;
 
 /// Runs one problem as tiles of C, a row block by a column chunk, on `threads` threads:
@@ -459,12 +461,15 @@ fn run_tiles(
         one_each
     };
     let jchunks = wanted.max(fewest).clamp(1, npanels);
+    // An Into problem's tiles narrow enough for its f32 tile to stay in cache, where the
+    // packed Ã is kept across them (otherwise every tile would pack its Ã again: the LM head's
+    // input gradient, k = V, went from 5.4-5.6 to 5.7-7.4 s per step at B=8).
     let jchunks = match p.c {
-        Dest::F32(_) => jchunks,
-        Dest::Into(_) => {
+        Dest::Into(_) if keep_a => {
             let panels_per_tile = (INTO_TILE_BYTES / (4 * mc * nr)).max(1);
             jchunks.max(npanels.div_ceil(panels_per_tile))
         }
+        _ => jchunks,
     };
     let call = TILE_CALLS.fetch_add(1, SeqCst);
     run_items(n_ic * jchunks, &|t| {

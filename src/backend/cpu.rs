@@ -28,7 +28,7 @@ macro_rules! same_stored {
 }
 
 /// `$body` with each `$o` bound to the slice of a written [`StoredMut`] and each `$x` to that
-/// of a [`Stored`] operand, all of one type (checked by the caller: `one_16bit_type`).
+/// of a [`Stored`] operand, all of one type (checked by the caller: `one_type`).
 macro_rules! same_stored_mut {
     (($($o:expr),+), ($($s:expr),+), |($($ox:ident),+), $($x:ident),+| $body:expr) => {{
         #[allow(unreachable_patterns)]
@@ -36,7 +36,7 @@ macro_rules! same_stored_mut {
             ($(StoredMut::F32($ox),)+ $(Stored::F32($x),)+) => $body,
             ($(StoredMut::Bf16($ox),)+ $(Stored::Bf16($x),)+) => $body,
             ($(StoredMut::F16($ox),)+ $(Stored::F16($x),)+) => $body,
-            _ => unreachable!("operands of one type (one_16bit_type)"),
+            _ => unreachable!("operands of one type (one_type)"),
         };
         out
     }};
@@ -71,10 +71,18 @@ impl CpuBackend {
         }
     }
 
+    /// The type every span is of, if they share one.
+    fn one_type(&self, spans: &[Span]) -> Option<Dtype> {
+        let first = spans.first().map_or(Dtype::F32, |s| self.mem.dtype(s.buf));
+        spans
+            .iter()
+            .all(|s| self.mem.dtype(s.buf) == first)
+            .then_some(first)
+    }
+
     /// Whether every span is of one 16-bit type.
     fn one_16bit_type(&self, spans: &[Span]) -> bool {
-        let first = spans.first().map_or(Dtype::F32, |s| self.mem.dtype(s.buf));
-        first != Dtype::F32 && spans.iter().all(|s| self.mem.dtype(s.buf) == first)
+        self.one_type(spans).is_some_and(|d| d != Dtype::F32)
     }
 
     /// `out = resid + inp·W + bias`, `resid` and `bias` each optional: the linear layers
@@ -92,10 +100,11 @@ impl CpuBackend {
         // An absent span goes to the op as an empty one (of `out`'s buffer).
         let none = out.sub(0, 0);
         let (r, b) = (resid.unwrap_or(none), bias.unwrap_or(none));
-        if self.one_16bit_type(&[out, r, inp, w, b]) {
+        if self.one_type(&[out, r, inp, w, b]).is_some() {
             // Every operand as stored; `out` written once, each element rounded from its f32
-            // sum in fugu-gemm's tile (no f32 copy of it: the LM head's logits are the
-            // largest tensor of a step).
+            // sum in fugu-gemm's tile (a 16-bit `out` has no f32 copy: the LM head's logits
+            // are the largest tensor of a step; an f32 one is written to memory once, not
+            // once per k block).
             return self
                 .mem
                 .run_stored([out], [r, inp, w, b], |[o], [r, i, w, b]| {
@@ -442,8 +451,8 @@ impl Backend for CpuBackend {
         let r = [dout, inp, w];
         let prec = self.gemm_precision(&r);
         let grad_types = [dout, inp, w, dinp.unwrap_or(dout)];
-        if self.one_16bit_type(&grad_types) {
-            // 16-bit operands, read as stored: the input gradient written once (rounded from
+        if self.one_type(&grad_types).is_some() {
+            // Operands read as stored: the input gradient written once (rounded from
             // fugu-gemm's tiles), the weight gradient (a sum over every row) in one GEMM, the
             // bias gradient's column sums row by row.
             if let Some(di) = dinp {
