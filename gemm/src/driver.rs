@@ -404,17 +404,17 @@ thread_local! {
 /// The largest `f32` tile an [`Dest::Into`] problem's tile is summed in, in bytes, where its
 /// members keep their packed Ã ([`KEEP_A_BYTES`]): its column chunks are cut narrow enough
 /// that a thread's tile (the row block × the chunk) stays in L2 or close to it, beside the
-/// packed Ã block. Otherwise the tiles are those of an `f32` C (a row block × about
-/// `n / threads` columns: Ã is packed once per tile), and so is the `f32` tile.
+/// packed Ã block. Otherwise the tiles, and so the `f32` tile, are those an `f32` C is cut
+/// into, so that Ã (packed once per tile) is packed no more often.
 const INTO_TILE_BYTES: usize = 1 << 20;
 
 /// Runs one problem as tiles of C, a row block by a column chunk, on `threads` threads:
 /// `run_items(count, tile)` calls `tile(t)` once for each `t < count`, in any order and on any
 /// of them (a team's members one at a time: [`Team::run_items`]; the caller alone: in turn).
 /// [`SplitMode::Ic`], and every [`Dest::Into`] problem (each tile summed in the thread's own
-/// `f32` tile: [`with_f32_c`]). A member packs its own B̃ for each
-/// tile and its own Ã (private L2 per core), keeping the packed Ã row block for its next tile
-/// of the same row block when it fits [`KEEP_A_BYTES`]. The members never wait for each
+/// `f32` tile: [`with_f32_c`]). A member packs its own B̃ for each tile and its own Ã (private
+/// L2 per core), keeping the packed Ã row block for its next tile of the same row block when
+/// it fits [`KEEP_A_BYTES`]. The members never wait for each
 /// other: when one is held off its core (a busy machine), the others run its tiles.
 ///
 /// The blocking is the whole problem's, and each tile of C is summed over the same k blocks by

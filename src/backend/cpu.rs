@@ -183,9 +183,10 @@ impl CpuBackend {
         partials.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The three-step attention's batched GEMMs, one sequence at a time: their operands `g`
-    /// read as stored when they share a 16-bit type (`prec`), so only what they write is
-    /// staged; otherwise (`f32`, or mixed types) on `f32` views of every operand, in one call.
+    /// The three-step attention's batched GEMMs where they cannot write as stored (f32, mixed
+    /// types, or grouped keys' gradients, summed over a group in f32), one sequence at a time:
+    /// their operands `g` read as stored when they share a 16-bit type (`prec`), so only what
+    /// they write is staged; otherwise on `f32` views of every operand, in one call.
     fn attention_gemms<const W: usize, const G: usize>(
         &mut self,
         prec: ops::Precision,
@@ -270,14 +271,14 @@ impl Backend for CpuBackend {
     }
 
     /// The stages 16-bit activations need (`host_store.rs`), in f32s: one sequence's
-    /// attention probabilities with its q, k, v gradient (the three-step attention's GEMMs,
-    /// a sequence at a time), plus the largest span staged whole (the embedding's output
+    /// attention probabilities with its q, k, v gradient (the three-step attention's backward
+    /// GEMMs with grouped keys and values, a sequence at a time), plus the largest span staged whole (the embedding's output
     /// gradient, a tensor-parallel all-reduce: rows × width), plus the row chunks in flight
     /// (each at most six row spans of `ROW_CHUNK` elements, a norm's block of rows, or one
     /// sequence's rows; twice the threads, for the rayon tasks a waiting thread may start).
     /// None with f32 activations. The linear layers stage nothing (fugu-gemm writes their
-    /// 16-bit outputs from its own tiles, at most 1 MiB per thread, like its packing buffers
-    /// not counted here).
+    /// 16-bit outputs from f32 tiles of its own, which, like its packing buffers, are not
+    /// counted here).
     fn workspace_bound(&self, s: &StepShapes) -> u64 {
         if s.act == Dtype::F32 {
             return 0;
