@@ -142,7 +142,7 @@ fn column_to_f32(src: RawMat, j: usize, dst: &mut [f32]) {
 fn column_from_f32(src: &[f32], d: RawOut, j: usize) {
     let n = src.len();
     debug_assert!(n <= d.rows && j < d.cols);
-    let base = d.ptr.wrapping_add(j * d.cs * d.storage.bytes());
+    let base = d.ptr().wrapping_add(j * d.cs * d.storage.bytes());
     let bf16_bits = |x: f32| (round_bf16(x).to_bits() >> 16) as u16;
     match d.storage {
         Storage::F32 => {

@@ -109,46 +109,32 @@ impl RawMatMut {
     }
 }
 
-/// A validated writable strided block of any [`Storage`] (the D of [`crate::PrecisionGemm::gemm_into`]):
-/// `ptr` points at element (0, 0); elements do not alias.
+/// A validated writable strided block of any [`Storage`] (the D of
+/// [`crate::PrecisionGemm::gemm_into`]): a [`RawMat`] whose pointer was taken from a writable
+/// view ([`RawOut::ptr`]); its elements do not alias.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct RawOut {
-    pub ptr: *mut u8,
-    pub storage: Storage,
-    pub rows: usize,
-    pub cols: usize,
-    pub rs: usize,
-    pub cs: usize,
-}
-
-// SAFETY: as for RawMatMut: built from a validated view that outlives the call, and each thread
-// writes its own tiles.
-unsafe impl Send for RawOut {}
-// SAFETY: as above.
-unsafe impl Sync for RawOut {}
+pub(crate) struct RawOut(pub RawMat);
 
 impl RawOut {
+    /// The pointer to element (0, 0), to write through.
+    pub fn ptr(self) -> *mut u8 {
+        self.0.ptr as *mut u8
+    }
+
     /// The transpose.
     pub fn t(self) -> Self {
-        RawOut {
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-            ..self
-        }
+        RawOut(self.0.t())
     }
 
     /// The `rows × cols` block at `(r0, c0)`; the caller keeps it inside the view.
     pub fn block(self, r0: usize, c0: usize, rows: usize, cols: usize) -> Self {
-        debug_assert!(r0 + rows <= self.rows && c0 + cols <= self.cols);
-        RawOut {
-            ptr: self
-                .ptr
-                .wrapping_add((r0 * self.rs + c0 * self.cs) * self.storage.bytes()),
-            rows,
-            cols,
-            ..self
-        }
+        RawOut(self.0.block(r0, c0, rows, cols))
+    }
+}
+
+impl std::ops::Deref for RawOut {
+    type Target = RawMat;
+    fn deref(&self) -> &RawMat {
+        &self.0
     }
 }

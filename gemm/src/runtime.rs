@@ -723,14 +723,14 @@ fn raw_f32(c: &mut MatMut<'_, f32>) -> RawMatMut {
 
 /// A D of any element type.
 fn raw_out<T: Element>(d: &mut MatMut<'_, T>) -> RawOut {
-    RawOut {
-        ptr: d.ptr_mut().cast(),
+    RawOut(RawMat {
+        ptr: d.ptr_mut().cast_const().cast(),
         storage: T::STORAGE,
         rows: d.rows(),
         cols: d.cols(),
         rs: d.row_stride(),
         cs: d.col_stride(),
-    }
+    })
 }
 
 fn problem<TA: Element, TB: Element>(

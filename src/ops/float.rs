@@ -387,13 +387,7 @@ pub fn gemm_stored<A: fugu_gemm::Element, B: fugu_gemm::Element>(
     beta: f32,
     c: MatMutT<'_, f32>,
 ) {
-    use fugu_gemm::{MatMut, MatRef};
-    let av = MatRef::with_offset(a.data, a.offset, a.rows, a.cols, a.rs, a.cs)
-        .unwrap_or_else(|e| gemm_failed(e));
-    let bv = MatRef::with_offset(b.data, b.offset, b.rows, b.cols, b.rs, b.cs)
-        .unwrap_or_else(|e| gemm_failed(e));
-    let cv = MatMut::with_offset(c.data, c.offset, c.rows, c.cols, c.rs, c.cs)
-        .unwrap_or_else(|e| gemm_failed(e));
+    let (av, bv, cv) = (mat_ref(a), mat_ref(b), mat_mut(c));
     fugu_gemm::Runtime::global()
         .and_then(|rt| rt.at(prec).gemm(alpha, av, bv, beta, cv))
         .unwrap_or_else(|e| gemm_failed(e));
@@ -413,25 +407,27 @@ pub fn gemm_into_stored<'c, A: fugu_gemm::Element, B: fugu_gemm::Element, D: fug
     bias: Option<&'c [D]>,
     d: MatMutT<'_, D>,
 ) {
-    use fugu_gemm::{MatMut, MatRef};
-    let view = |m: Mat<'c, D>| {
-        MatRef::with_offset(m.data, m.offset, m.rows, m.cols, m.rs, m.cs)
-            .unwrap_or_else(|e| gemm_failed(e))
-    };
-    let av = MatRef::with_offset(a.data, a.offset, a.rows, a.cols, a.rs, a.cs)
-        .unwrap_or_else(|e| gemm_failed(e));
-    let bv = MatRef::with_offset(b.data, b.offset, b.rows, b.cols, b.rs, b.cs)
-        .unwrap_or_else(|e| gemm_failed(e));
-    let dv = MatMut::with_offset(d.data, d.offset, d.rows, d.cols, d.rs, d.cs)
-        .unwrap_or_else(|e| gemm_failed(e));
+    let (av, bv, dv) = (mat_ref(a), mat_ref(b), mat_mut(d));
     let start = fugu_gemm::Start {
         beta,
-        c: c.map(view),
+        c: c.map(mat_ref),
         bias,
     };
     fugu_gemm::Runtime::global()
         .and_then(|rt| rt.at(prec).gemm_into(alpha, av, bv, start, dv))
         .unwrap_or_else(|e| gemm_failed(e));
+}
+
+/// fugu-gemm's view of a read-only matrix.
+fn mat_ref<T>(m: Mat<'_, T>) -> fugu_gemm::MatRef<'_, T> {
+    fugu_gemm::MatRef::with_offset(m.data, m.offset, m.rows, m.cols, m.rs, m.cs)
+        .unwrap_or_else(|e| gemm_failed(e))
+}
+
+/// fugu-gemm's view of a writable matrix.
+fn mat_mut<T>(m: MatMutT<'_, T>) -> fugu_gemm::MatMut<'_, T> {
+    fugu_gemm::MatMut::with_offset(m.data, m.offset, m.rows, m.cols, m.rs, m.cs)
+        .unwrap_or_else(|e| gemm_failed(e))
 }
 
 fn gemm_failed(e: fugu_gemm::GemmError) -> ! {
