@@ -8,9 +8,8 @@ use crate::raw::{RawMat, RawMatMut, RawOut};
 
 /// Where a GEMM's sums go and what they start from other than `C`: `D := alpha·A·B + start`,
 /// `start = beta·c + bias` (each term optional; `beta` is the problem's; C is not read when it
-/// is 0), in the kernel's
-/// orientation like the rest of the problem (`bias` is a view with a zero stride along the
-/// rows it repeats over).
+/// is 0), in the kernel's orientation like the rest of the problem (`bias` is a view with a
+/// zero stride along what it repeats over).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Target {
     pub d: RawOut,
@@ -45,7 +44,10 @@ impl Target {
         if c.is_none() && self.bias.is_none() {
             return 0.0;
         }
+        // The bias as one column per column of the tile; one for all of them where it repeats
+        // along the columns (a row-major D: the kernel's rows are its columns), widened once.
         let mut add = Vec::new();
+        let mut widened = None;
         for j in 0..tile.cols {
             // SAFETY: column j of the tile, `rows` floats from its start (unit row stride),
             // is inside the caller's tile and written by this thread alone.
@@ -60,8 +62,12 @@ impl Target {
                         col.iter_mut().for_each(|x| *x *= beta);
                     }
                     if let Some(b) = bias {
-                        add.resize(tile.rows, 0.0);
-                        column_to_f32(b, j, &mut add);
+                        let column = if b.cs == 0 { 0 } else { j };
+                        if widened != Some(column) {
+                            add.resize(tile.rows, 0.0);
+                            column_to_f32(b, column, &mut add);
+                            widened = Some(column);
+                        }
                         col.iter_mut().zip(&add).for_each(|(x, b)| *x += b);
                     }
                 }

@@ -670,7 +670,9 @@ fn gemm_into_is_the_f32_gemm_rounded_once() {
                         case += 1;
                         let alpha = if case.is_multiple_of(2) { 1.0 } else { -1.25 };
                         let start = STARTS[case % STARTS.len()];
-                        let d_layout = LAYOUTS[case % 2];
+                        // Each start with both layouts of D (a row-major D repeats the bias along the
+                        // kernel's columns, a column-major one along its rows).
+                        let d_layout = LAYOUTS[(case / STARTS.len()) % 2];
                         let what = format!("{isa}, {lname}, {split:?}, {prec}");
                         check_into::<f32>(g, &mut rng, shape, alpha, start, d_layout, &what);
                         check_into::<bf16>(g, &mut rng, shape, alpha, start, d_layout, &what);
