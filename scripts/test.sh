@@ -7,7 +7,7 @@
 #   2c. the CUDA backend (same features): clippy, then tests/cuda.rs and the float64 golden
 #       test on the CUDA backend: on a GPU when there is one, otherwise on the host emulator of
 #       the device (src/backend/cuda/emu.rs); the kernels are also compiled by the real NVRTC
-#       (installed by install-deps.sh, no GPU needed),
+#       (installed by install-deps.sh, no GPU needed); the CUDA module's unit tests,
 #   3. fugu-gemm and fugu-rows tests on aarch64 under QEMU (the kernels on the A64FX CPU model;
 #      every test at 512, 128, 256 and 2048-bit SVE) and fugu's unit tests at 512 and 128,
 #   4. the A64FX speed prediction of the SVE micro-kernels with llvm-mca (fails below 90%: the
@@ -92,6 +92,8 @@ if ! skip cuda; then
   cargo clippy --locked -j2 $no_formats --features "$parallel_features" --all-targets -- -D warnings
   LD_LIBRARY_PATH="/opt/fugu-nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --locked -j2 $no_formats --features "$parallel_features" --test cuda --test model_golden
+  # The CUDA module's own unit tests (its disk caches), which the host stage's build leaves out.
+  cargo test --locked -j2 $no_formats --features "$parallel_features" --lib backend::cuda::
   # The kernels also under the oldest CUDA 13 NVRTC (13.0), as a GPU machine may have it.
   LD_LIBRARY_PATH="/opt/fugu-nvrtc-13.0/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --locked -j2 $no_formats --features "$parallel_features" --test cuda -- kernels_compile_with_nvrtc

@@ -1597,6 +1597,47 @@ mod gpu {
         }
     }
 
+    /// `FUGU_GEMM_SELECT=timed` keeps its choices on disk (`FUGU_GEMM_CACHE`): a second run
+    /// times nothing, says where its algorithms came from, and, running the same algorithms,
+    /// trains to the same bits. Needs a GPU: the emulator has one algorithm per GEMM.
+    #[test]
+    fn timed_gemm_choices_are_kept_on_disk_and_reused() {
+        if super::common::cuda_gpu().is_err() {
+            return skipped("no GPU (the emulator has one algorithm per GEMM, nothing to time)");
+        }
+        let cache = tmp("gemm-cache");
+        let run = |name: &str| {
+            let out = tmp(name);
+            let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
+            c.args(RUN)
+                .args(["--device", "cuda", "--precision", "bf16"]);
+            c.args(["--out", out.to_str().unwrap()]);
+            c.env("FUGU_GEMM_SELECT", "timed")
+                .env("FUGU_GEMM_CACHE", &cache);
+            let o = c.output().expect("running fugu");
+            ok(&o);
+            let recs = read_metrics(out.join("metrics.jsonl")).unwrap();
+            let Some(Record::Header(h)) = recs.first() else {
+                panic!("no header in {}", out.display())
+            };
+            assert_eq!(h["kernels"]["FUGU_GEMM_SELECT"], "timed", "{h}");
+            (
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+                losses(&out),
+            )
+        };
+        let (err1, first) = run("gemm-timed-1");
+        assert!(err1.contains("candidates timed"), "{err1}");
+        let files: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        let (err2, second) = run("gemm-timed-2");
+        assert!(!err2.contains("candidates timed"), "{err2}");
+        assert!(err2.contains("timed before for"), "{err2}");
+        let bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&first), bits(&second), "{first:?} {second:?}");
+        let _ = std::fs::remove_dir_all(&cache);
+    }
+
     /// A kernel setting with a value it does not take (`FUGU_FLASH_WARP_ROWS` neither 16 nor
     /// 32, `FUGU_LAYERNORM_BACKWARD` neither split nor fused) is refused by name when the CUDA
     /// backend starts.

@@ -134,7 +134,7 @@ impl DriverEngine {
         unsafe { blas_sys::cublasSetMathMode(*blas.handle(), mode) }
             .result()
             .context("setting the cuBLAS math mode")?;
-        let lt = Lt::new(stream.clone(), major, settings.tf32)?;
+        let lt = Lt::new(stream.clone(), &name, (major, minor), settings.tf32)?;
         let tf32 = if settings.tf32 { ", TF32" } else { "" };
         Ok(DriverEngine {
             tf32: settings.tf32,

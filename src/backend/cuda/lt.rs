@@ -32,10 +32,11 @@
 //! The algorithm is the heuristic's first choice (as PyTorch and llm.c take it), or, with
 //! `FUGU_GEMM_SELECT=timed`, the fastest of its first [`TIMED_CANDIDATES`] timed on the
 //! device the first time a shape is seen (then every one-matrix GEMM comes here, not to
-//! cuBLAS, which takes no algorithm choice). The choice is kept for the process only, so two
-//! processes may choose differently: a resumed run is then not bit-identical to an
-//! uninterrupted one.
+//! cuBLAS, which takes no algorithm choice). The choices are kept on disk per GPU model and
+//! cuBLASLt version ([`super::algo_cache`]), so later runs and resumed ones take the same
+//! algorithms without timing them again.
 
+use super::algo_cache::{AlgoCache, Choice, Identity};
 use super::engine::{Epilogue, GemmCall, NoEpilogue};
 use crate::backend::knobs::GemmSelect;
 use crate::dtype::Dtype;
@@ -55,16 +56,26 @@ pub struct Lt {
     /// f32 GEMMs may use TF32 tensor cores (`--tf32`), as the cuBLAS handle's math mode says.
     tf32: bool,
     select: GemmSelect,
-    /// The algorithm timed fastest per shape ([`GemmSelect::Timed`]).
+    /// The algorithm this process runs per shape ([`GemmSelect::Timed`]): timed here, or
+    /// taken from the disk cache once cuBLASLt accepted it for the shape.
     chosen: Mutex<HashMap<ShapeKey, sys::cublasLtMatmulAlgo_t>>,
+    /// The choices on disk: opened at the first timed GEMM.
+    cache: Mutex<Option<AlgoCache>>,
+    /// What the cached choices are valid for.
+    identity: Identity,
     /// Where timed candidates write, never the caller's outputs.
     scratch: Mutex<Option<CudaSlice<u8>>>,
 }
 
 impl Lt {
     /// A handle on `stream` with NVIDIA's recommended workspace (32 MiB from Hopper, sm_90,
-    /// on; 4 MiB before).
-    pub fn new(stream: Arc<CudaStream>, major: i32, tf32: bool) -> Result<Lt> {
+    /// on; 4 MiB before), for GPU `gpu` of compute capability `major.minor`.
+    pub fn new(
+        stream: Arc<CudaStream>,
+        gpu: &str,
+        (major, minor): (i32, i32),
+        tf32: bool,
+    ) -> Result<Lt> {
         let bytes = if major >= 9 { 32 << 20 } else { 4 << 20 };
         let workspace = stream
             .alloc_zeros::<u8>(bytes)
@@ -77,6 +88,15 @@ impl Lt {
             tf32,
             select: GemmSelect::First,
             chosen: Mutex::default(),
+            cache: Mutex::default(),
+            identity: Identity {
+                gpu: gpu.to_string(),
+                major,
+                minor,
+                // SAFETY: takes no arguments; cuBLASLt is loaded (the handle above).
+                lt_version: unsafe { sys::cublasLtGetVersion() },
+                workspace: bytes,
+            },
             scratch: Mutex::default(),
         })
     }
@@ -102,20 +122,50 @@ impl Lt {
         call.run(self, &algo)
     }
 
-    /// The algorithm timed fastest for `g`'s shape, types, epilogue and alignments: looked up,
-    /// or found now by running each of cuBLASLt's candidates ([`TIMED_CANDIDATES`]) on
-    /// scratch outputs (the caller's C, aux matrix and bias gradient are never written, so a
-    /// GEMM that accumulates is run once, by the caller) and reported on stderr.
+    /// The algorithm timed fastest for `g`'s shape, types, epilogue and alignments: chosen
+    /// before in this process, or stored on disk (and accepted by cuBLASLt for this call), or
+    /// timed now ([`Self::time_candidates`]) and stored.
     fn timed_algo(&self, g: &GemmCall, call: &Call) -> Result<sys::cublasLtMatmulAlgo_t> {
         let key = ShapeKey::of(g, self.tf32);
-        if let Some(algo) = self
-            .chosen
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-        {
+        let mut chosen = self.chosen.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(algo) = chosen.get(&key) {
             return Ok(*algo);
         }
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let cache = cache.get_or_insert_with(|| {
+            let cache = AlgoCache::from_env(self.identity.clone());
+            if let (false, Some(file)) = (cache.is_empty(), cache.file()) {
+                eprintln!(
+                    "note: cuBLASLt algorithms timed before for {} GEMM shapes, from {}",
+                    cache.len(),
+                    file.display()
+                );
+            }
+            cache
+        });
+        let shape = key.to_string();
+        let stored = cache.get(&shape);
+        let algo = match stored.map(|c| sys::cublasLtMatmulAlgo_t { data: c.algo }) {
+            Some(algo) if call.accepts(self, &algo) => algo,
+            _ => {
+                if stored.is_some() {
+                    eprintln!(
+                        "note: cuBLASLt refuses the algorithm stored for {shape}; timing again"
+                    );
+                }
+                let timed = self.time_candidates(g, call)?;
+                let kept = cache.insert(&shape, timed, stored.is_some());
+                sys::cublasLtMatmulAlgo_t { data: kept.algo }
+            }
+        };
+        chosen.insert(key, algo);
+        Ok(algo)
+    }
+
+    /// The fastest of cuBLASLt's candidates ([`TIMED_CANDIDATES`]) for `g`, each run on
+    /// scratch outputs (the caller's C, aux matrix and bias gradient are never written, so a
+    /// GEMM that accumulates is run once, by the caller); reported on stderr.
+    fn time_candidates(&self, g: &GemmCall, call: &Call) -> Result<Choice> {
         let candidates = call.candidates(self, TIMED_CANDIDATES)?;
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let trial_g = redirect(g, &mut scratch, &self.stream)?;
@@ -162,12 +212,11 @@ impl Lt {
             times[best],
             (times[best] / times[0] - 1.0) * 100.0
         );
-        let algo = candidates[best].algo;
-        self.chosen
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, algo);
-        Ok(algo)
+        Ok(Choice {
+            algo: candidates[best].algo.data,
+            first_ms: times[0],
+            chosen_ms: times[best],
+        })
     }
 }
 
@@ -178,7 +227,7 @@ const TIMED_CANDIDATES: usize = 8;
 const TIMED_RUNS: usize = 10;
 
 /// What identifies a GEMM to cuBLASLt's heuristic: everything but the addresses, and the
-/// addresses' alignments.
+/// addresses' alignments. Its text is the disk cache's key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct ShapeKey {
     types: [Dtype; 3],
@@ -213,6 +262,26 @@ impl ShapeKey {
             align: [g.a, g.b, c_in, g.c].map(alignment),
             tf32,
         }
+    }
+}
+
+impl std::fmt::Display for ShapeKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [a, b, c] = self.types.map(Dtype::name);
+        let [ta, tb] = self.trans.map(u8::from);
+        let [m, n, k] = self.mnk;
+        let [lda, ldb, ldc, ld_aux] = self.ld;
+        let [al_a, al_b, al_c, al_d] = self.align;
+        write!(
+            f,
+            "a={a} b={b} c={c} ta={ta} tb={tb} m={m} n={n} k={k} lda={lda} ldb={ldb} ldc={ldc} \
+             ld_aux={ld_aux} epilogue={} bias={} accumulates={} align={al_a},{al_b},{al_c},{al_d} \
+             tf32={}",
+            self.epilogue,
+            u8::from(self.bias),
+            u8::from(self.accumulates),
+            u8::from(self.tf32)
+        )
     }
 }
 
@@ -399,6 +468,30 @@ impl Call {
             return Err(NoEpilogue("cuBLASLt's heuristic found no algorithm".into()).into());
         }
         Ok(found)
+    }
+
+    /// Whether cuBLASLt runs this call with `algo` (one stored by an earlier process), within
+    /// the workspace.
+    fn accepts(&self, lt: &Lt, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
+        // SAFETY: the descriptors are live (owned by `self`); cuBLASLt reads `algo` and writes
+        // one result, which is plain data (zeroed is a valid value).
+        let mut result: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoCheck(
+                lt.handle,
+                self.desc.0,
+                self.a.0,
+                self.b.0,
+                self.c.0,
+                self.c.0,
+                algo,
+                &mut result,
+            )
+        };
+        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.workspaceSize <= lt.workspace.len()
     }
 
     /// Queues the call with `algo`.

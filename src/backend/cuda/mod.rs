@@ -22,6 +22,7 @@
 //! NCCL would hand device pointers to the collective instead and save the two PCIe copies per
 //! all-reduce.
 
+pub mod algo_cache;
 mod attention;
 mod columns;
 mod driver;
