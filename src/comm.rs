@@ -60,6 +60,26 @@ pub trait Comm {
     fn barrier(&self);
     /// Starts a sum all-reduce of `send` into a result of the same length.
     fn start_allreduce(&self, send: Vec<f32>, recv: Vec<f32>) -> Box<dyn Pending>;
+    /// Whether the communication library says it reads and writes GPU memory itself (a
+    /// CUDA-aware MPI), so that [`Comm::start_allreduce_device`] may be handed device
+    /// addresses; `false` where it does not say (the default).
+    fn takes_device_memory(&self) -> bool {
+        false
+    }
+    /// Starts a sum all-reduce of the `len` f32 at address `send` into the `len` f32 at `recv`
+    /// (a GPU's memory, for a library that takes it), for a group of more than one; waiting
+    /// gives back two empty buffers. A group that cannot (the group of one, never asked:
+    /// nothing to reduce) panics.
+    ///
+    /// # Safety
+    /// `send` and `recv` must each address `len` f32 that do not overlap, that the library can
+    /// read and write (device memory for a CUDA-aware MPI), that stay allocated until the
+    /// returned operation has completed (waited for or dropped), and that nothing else writes
+    /// meanwhile (nor reads `recv`); work queued on a GPU that writes `send` must have finished.
+    unsafe fn start_allreduce_device(&self, send: u64, recv: u64, len: usize) -> Box<dyn Pending> {
+        let _ = (send, recv, len);
+        panic!("this communicator does not reduce device memory");
+    }
     /// Starts a sum reduce-scatter: `send` (a multiple of `size` long) is summed over the
     /// group and rank `r` receives block `r` (`send.len() / size` elements) in `recv`.
     fn start_reduce_scatter(&self, send: Vec<f32>, recv: Vec<f32>) -> Box<dyn Pending>;

@@ -948,6 +948,9 @@ mod gpu {
             be.check("add_inplace", out, 0.0);
             be.run(|x| x.add_inplace(bb, out));
             be.check("add_inplace", bb, 0.0);
+            // One multiply rounded once on both: the same bits (1/3 is not a power of two).
+            be.run(|x| x.scale_inplace(out, 1.0 / 3.0));
+            be.check("scale_inplace", out, 0.0);
             let dst = be.nan(n);
             be.run(|x| x.copy(dst, a));
             be.check("copy", dst, 0.0);

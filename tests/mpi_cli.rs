@@ -941,3 +941,93 @@ fn eval_on_parallel_layouts_matches_the_serial_evaluation() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Data parallelism on GPU ranks with the gradient buckets handed to MPI as device addresses
+/// (`FUGU_CUDA_AWARE_MPI=on`) trains to the same bits as through host memory: the same sums
+/// by the same MPI, the same f32 multiply for the average. Runs on the CUDA emulator, whose
+/// device memory is host memory that this MPI (not CUDA-aware) can read: it covers fugu's side
+/// (the addresses, the waits, the sums buffer, the average and copy back on the device), not a
+/// CUDA-aware MPI's. `auto` stays on host memory with an MPI that does not say it takes GPU
+/// memory; `on` is refused, by name, with host buffers and with ZeRO-1.
+#[test]
+#[cfg(feature = "cuda")]
+fn device_buckets_train_as_host_staged() {
+    if mpirun_missing() {
+        return;
+    }
+    let dir = tmp("device-buckets");
+    let emulate = (fugu::backend::cuda::EMULATE_ENV, "1");
+    let run = |memory: &str| {
+        let out = format!("dp2-{memory}");
+        let env = [emulate, ("FUGU_CUDA_AWARE_MPI", memory)];
+        let args = ["--device", "cuda", "--bucket-mb", "0.02", "--out", &out];
+        ok(&train_env(&dir, 2, &args, &env));
+        let recs = read_metrics(dir.join(&out).join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.first() else {
+            panic!("no header in {out}")
+        };
+        assert!(h["layout"]["buckets"].as_u64().unwrap() > 3, "{h}");
+        let staging = h["layout"]["bucket_memory"].as_str().unwrap().to_string();
+        let sums = h["memory"]["bucket_sums_bytes"].as_u64().unwrap();
+        let ck = dir.join(&out).join("ckpt-00000004");
+        (staging, sums, losses(&dir.join(&out)), params_of(&ck))
+    };
+    let host = run("off");
+    let device = run("on");
+    let auto = run("auto");
+    assert_eq!((host.0.as_str(), host.1), ("host", 0));
+    let params = registry::full_params(
+        &RunConfig::load(dir.join("m.toml").to_str().unwrap())
+            .unwrap()
+            .model,
+    )
+    .unwrap()
+    .total() as u64;
+    assert_eq!((device.0.as_str(), device.1), ("device", 4 * params));
+    assert_eq!(
+        (auto.0.as_str(), auto.1),
+        ("host", 0),
+        "this MPI is not CUDA-aware"
+    );
+    assert_eq!(host.2.len(), 4);
+    let bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&host.2),
+        bits(&device.2),
+        "{:?} {:?}",
+        host.2,
+        device.2
+    );
+    assert!(host.3 == device.3, "parameters or moments differ");
+
+    for (args, says) in [
+        (
+            vec!["--device", "cpu"],
+            "FUGU_CUDA_AWARE_MPI=on: the gradients are in host memory (--device cpu)",
+        ),
+        (
+            vec!["--device", "cuda", "--zero", "1"],
+            "FUGU_CUDA_AWARE_MPI=on: ZeRO-1's reduce-scatter goes through host memory only",
+        ),
+    ] {
+        let mut args = args.clone();
+        args.extend(["--out", "refused"]);
+        let out = train_env(&dir, 2, &args, &[emulate, ("FUGU_CUDA_AWARE_MPI", "on")]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains(says), "{err}");
+    }
+    let out = train_env(
+        &dir,
+        2,
+        &["--out", "bad"],
+        &[("FUGU_CUDA_AWARE_MPI", "yes")],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("FUGU_CUDA_AWARE_MPI=yes: expected off, auto or on"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -814,6 +814,13 @@ impl Backend for CpuBackend {
         );
     }
 
+    fn scale_inplace(&mut self, x: Span, factor: f32) {
+        self.mem
+            .run_rows(Chunks::Cache, x.len, [Rows::of(x, 1)], [], |_, [x], []| {
+                ops::scale_inplace(x, factor)
+            });
+    }
+
     fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims) {
         self.mem.run_rows(
             Chunks::Cache,

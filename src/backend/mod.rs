@@ -336,6 +336,12 @@ pub trait Backend: 'static {
         f(&mut tmp);
         self.upload(s, &tmp);
     }
+    /// The address of f32 span `s` in the device's memory, for a collective that reads and
+    /// writes it there (a CUDA-aware MPI), once the work queued before has finished; `None`
+    /// where buffers are host memory (lent by [`Self::with_host`]).
+    fn device_address(&self, _s: Span) -> Option<u64> {
+        None
+    }
     /// Sets a span to zero.
     fn zero(&mut self, s: Span);
     /// `dst = src` (same length, not overlapping), converted to `dst`'s type when the two
@@ -551,6 +557,8 @@ pub trait Backend: 'static {
     fn residual_forward(&mut self, out: Span, a: Span, b: Span);
     /// `acc += x`.
     fn add_inplace(&mut self, acc: Span, x: Span);
+    /// `x *= factor`, each element rounded once to its type (in f32: the host's `*x *= factor`).
+    fn scale_inplace(&mut self, x: Span, factor: f32);
 
     // --- fused softmax cross-entropy, in phases (vocabulary-parallel TP all-reduces between) ---
     /// This shard's row maxima and sums of exponentials relative to them (one pass on a GPU).

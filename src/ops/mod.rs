@@ -64,7 +64,7 @@ pub use float::{BatchMat, BatchMatMut, Float, GemmOperand, Mat, MatMutT, Precisi
 pub use gelu::{gelu_backward, gelu_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward, LN_EPS};
 pub use linear::{linear_backward, linear_forward, WeightLayout};
-pub use residual::{add_inplace, residual_backward, residual_forward};
+pub use residual::{add_inplace, residual_backward, residual_forward, scale_inplace};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward, RopeTable, RopeView};
 pub use swiglu::{swiglu_backward, swiglu_forward};

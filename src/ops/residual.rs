@@ -1,4 +1,4 @@
-//! Residual connections: `out = a + b`.
+//! Residual connections (`out = a + b`) and the other elementwise updates in place.
 
 use super::{Float, ELEM_CHUNK};
 use rayon::prelude::*;
@@ -33,6 +33,15 @@ pub fn add_inplace<T: Float>(acc: &mut [T], x: &[T]) {
                 *a += v;
             }
         });
+}
+
+/// `x *= factor` elementwise (data parallelism's gradient average), rounded once per element.
+pub fn scale_inplace<T: Float>(x: &mut [T], factor: T) {
+    x.par_chunks_mut(ELEM_CHUNK).for_each(|x| {
+        for v in x {
+            *v *= factor;
+        }
+    });
 }
 
 #[cfg(test)]

@@ -16,13 +16,61 @@
 //!   the AdamW moments, and [`GradSync::gather_params`] all-gathers the updated parameters.
 //!
 //! With one data-parallel rank everything here is a no-op.
+//!
+//! Where the buckets go to the collective ([`BucketMemory`], `FUGU_CUDA_AWARE_MPI`): through
+//! host memory (a download before, an upload after; any backend and MPI), or, for plain data
+//! parallelism on a GPU backend with an MPI that reads and writes GPU memory (CUDA-aware), as
+//! device addresses: each bucket is all-reduced from the gradient buffer into a second f32
+//! buffer on the device (MPI's in-place all-reduce has no portable spelling in rsmpi), then
+//! averaged and copied back there by the backend's kernels. The same sums and the same f32
+//! multiply as the host path, so the same bits.
 
 use crate::backend::{Backend, BufId, Span};
 use crate::comm::{Comm, Pending};
+use crate::dtype::Dtype;
 use crate::model::table::Table;
 use crate::model::OwnedRange;
+use anyhow::{bail, Result};
 use std::ops::Range;
 use std::rc::Rc;
+
+/// Environment variable: where the gradient buckets go to MPI ([`BucketMemory`]).
+pub const CUDA_AWARE_MPI_ENV: &str = "FUGU_CUDA_AWARE_MPI";
+
+/// Where the data-parallel buckets are handed to the collective, as asked
+/// (`FUGU_CUDA_AWARE_MPI`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BucketMemory {
+    /// Host memory (`off`, the default until the device path has run on a GPU).
+    #[default]
+    Host,
+    /// Device memory where the backend's buffers are a GPU's, the MPI library says it takes
+    /// them (Open MPI's `MPIX_Query_cuda_support`) and ZeRO-1 is off; else host (`auto`).
+    Auto,
+    /// Device memory, told rather than asked (`on`: an MPI that takes GPU memory without
+    /// saying so); refused with ZeRO-1 or host buffers.
+    Device,
+}
+
+impl BucketMemory {
+    /// The choice in [`CUDA_AWARE_MPI_ENV`] (`off`, `auto`, `on`; unset: `off`).
+    pub fn from_env() -> Result<BucketMemory> {
+        match std::env::var(CUDA_AWARE_MPI_ENV).as_deref() {
+            Err(_) | Ok("off") => Ok(BucketMemory::Host),
+            Ok("auto") => Ok(BucketMemory::Auto),
+            Ok("on") => Ok(BucketMemory::Device),
+            Ok(v) => bail!("{CUDA_AWARE_MPI_ENV}={v}: expected off, auto or on"),
+        }
+    }
+}
+
+/// Where this rank's buckets go to the collective.
+enum Staging {
+    /// Downloaded into host vectors and uploaded back.
+    Host,
+    /// Device addresses, summed into `sums` (f32, the gradient buffer's length).
+    Device { sums: BufId, bytes: usize },
+}
 
 /// Default bucket size (floats): 4 Mi floats = 16 MiB, about 13 buckets for GPT-2 124M.
 pub const DEFAULT_BUCKET_FLOATS: usize = 4 << 20;
@@ -47,6 +95,7 @@ impl Bucket {
 pub struct GradSync {
     comm: Rc<dyn Comm>,
     zero: bool,
+    staging: Staging,
     /// In table order; launched from the last.
     buckets: Vec<Bucket>,
     pending: Vec<Option<Box<dyn Pending>>>,
@@ -96,11 +145,68 @@ impl GradSync {
         GradSync {
             comm,
             zero,
+            staging: Staging::Host,
             next: n,
             pending: (0..n).map(|_| None).collect(),
             spare: (0..n).map(|_| None).collect(),
             gather_scratch: Default::default(),
             buckets,
+        }
+    }
+
+    /// Hands the buckets to the collective in the device's memory where `ask` says so and the
+    /// backend and MPI library allow it (see [`BucketMemory`]); a device buffer of the
+    /// gradients' length receives the sums. Call once, before the first step. Refuses `on`
+    /// (naming the setting) where it cannot be done; nothing changes with one rank.
+    pub fn place_buckets<B: Backend>(
+        &mut self,
+        ask: BucketMemory,
+        be: &mut B,
+        grads: BufId,
+    ) -> Result<()> {
+        if !self.active() || ask == BucketMemory::Host {
+            return Ok(());
+        }
+        let on_device = be.device_address(be.whole(grads)).is_some();
+        if ask == BucketMemory::Device {
+            if !on_device {
+                bail!(
+                    "{CUDA_AWARE_MPI_ENV}=on: the gradients are in host memory (--device {}); \
+                     it takes a GPU backend (--device cuda)",
+                    be.name()
+                );
+            }
+            if self.zero {
+                bail!(
+                    "{CUDA_AWARE_MPI_ENV}=on: ZeRO-1's reduce-scatter goes through host memory \
+                     only; use --zero 0, or {CUDA_AWARE_MPI_ENV}=auto or off"
+                );
+            }
+        } else if !(on_device && self.comm.takes_device_memory() && !self.zero) {
+            return Ok(());
+        }
+        let len = be.buf_len(grads);
+        let sums = be.alloc(len, Dtype::F32)?;
+        self.staging = Staging::Device {
+            sums,
+            bytes: 4 * len,
+        };
+        Ok(())
+    }
+
+    /// Where the buckets go to the collective: `"host"` or `"device"` (the run header).
+    pub fn staging(&self) -> &'static str {
+        match self.staging {
+            Staging::Host => "host",
+            Staging::Device { .. } => "device",
+        }
+    }
+
+    /// Device memory held for the buckets' sums (0 through host memory).
+    pub fn device_sums_bytes(&self) -> usize {
+        match self.staging {
+            Staging::Host => 0,
+            Staging::Device { bytes, .. } => bytes,
         }
     }
 
@@ -164,6 +270,26 @@ impl GradSync {
         let b = &self.buckets[i];
         let dp = self.comm.size();
         let len = b.range.len();
+        if let Staging::Device { sums, .. } = self.staging {
+            let at = |buf| Span {
+                buf,
+                offset: b.range.start,
+                len,
+            };
+            let addresses = be
+                .device_address(at(grads))
+                .zip(be.device_address(at(sums)));
+            let (send, recv) = addresses.expect("place_buckets checked the device buffers");
+            // SAFETY: both are `len` f32 of the device's own buffers (the gradients and the
+            // sums, apart), which stay allocated while the operation is in flight (the trainer
+            // drops this before the model, and dropping a pending operation waits); the
+            // backward pass has finished writing this range (`ready`: final from here on, the
+            // backend waited for its queued work), nothing touches it until `finish` has
+            // waited, and the sums are read only there. The library takes device memory
+            // (`place_buckets`: it says so, or the user said so).
+            self.pending[i] = Some(unsafe { self.comm.start_allreduce_device(send, recv, len) });
+            return;
+        }
         let (send_len, recv_len) = if self.zero {
             (b.chunk * dp, b.chunk)
         } else {
@@ -202,6 +328,16 @@ impl GradSync {
             };
             let (mut result, send) = p.wait();
             let b = &self.buckets[i];
+            if let Staging::Device { sums, .. } = self.staging {
+                let at = |buf| Span {
+                    buf,
+                    offset: b.range.start,
+                    len: b.range.len(),
+                };
+                be.scale_inplace(at(sums), scale);
+                be.copy(at(grads), at(sums));
+                continue;
+            }
             let dst = if self.zero {
                 b.owned(r)
             } else {

@@ -73,6 +73,25 @@ impl MpiRuntime {
     }
 }
 
+/// Whether the MPI library says it takes CUDA device memory in its calls: Open MPI's
+/// `MPIX_Query_cuda_support()` (its `mpi-ext.h` extension), looked up in the loaded library,
+/// so that an MPI without the extension (MPICH, ...) answers `false` rather than failing to
+/// link. Asked once per process.
+fn cuda_aware() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
+        type Query = unsafe extern "C" fn() -> c_int;
+        let this = libloading::os::unix::Library::this();
+        // SAFETY: `MPIX_Query_cuda_support` is declared `int MPIX_Query_cuda_support(void)` in
+        // Open MPI's mpi-ext.h, which `Query` matches; it is called after MPI_Init (the
+        // communicator exists), as its documentation requires.
+        unsafe {
+            this.get::<Query>(b"MPIX_Query_cuda_support\0")
+                .is_ok_and(|query| query() == 1)
+        }
+    })
+}
+
 /// One MPI communicator.
 pub struct MpiComm {
     comm: SimpleCommunicator,
@@ -315,6 +334,38 @@ impl Comm for MpiComm {
     fn start_allreduce(&self, send: Vec<f32>, recv: Vec<f32>) -> Box<dyn Pending> {
         assert_eq!(send.len(), recv.len(), "start_allreduce: buffer lengths");
         self.start(NonBlocking::AllReduce, send, recv)
+    }
+
+    fn takes_device_memory(&self) -> bool {
+        cuda_aware()
+    }
+
+    unsafe fn start_allreduce_device(&self, send: u64, recv: u64, len: usize) -> Box<dyn Pending> {
+        self.count_bytes(4 * len);
+        // SAFETY: RSMPI_REQUEST_NULL is a constant of the MPI shim, read-only. The caller
+        // guarantees that `send` and `recv` hold `len` f32 each, apart, that the library may
+        // access, that stay allocated and untouched by others until the returned MpiPending
+        // completes (its Drop waits); the communicator outlives the request (the trainer
+        // waits every bucket).
+        let req = unsafe {
+            let mut req = ffi::RSMPI_REQUEST_NULL;
+            ffi::MPI_Iallreduce(
+                send as *const c_void,
+                recv as *mut c_void,
+                count(len),
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                self.comm.as_raw(),
+                &mut req,
+            );
+            req
+        };
+        Box::new(MpiPending {
+            req,
+            send: Vec::new(),
+            recv: Vec::new(),
+            done: false,
+        })
     }
 
     fn start_reduce_scatter(&self, send: Vec<f32>, recv: Vec<f32>) -> Box<dyn Pending> {

@@ -17,7 +17,7 @@ use crate::model::registry;
 use crate::model::stage::Stage;
 use crate::model::table::{Table, TensorSpec};
 use crate::model::{Model, TpRank};
-use crate::parallel::grad_sync::GradSync;
+use crate::parallel::grad_sync::{BucketMemory, GradSync};
 use anyhow::{bail, Context, Result};
 use fugu_io::{DataSpec, LoaderConfig, Split, Verify};
 use std::path::{Path, PathBuf};
@@ -267,12 +267,14 @@ pub(super) fn model<B: Backend>(
     model.set_in_flight(pipeline::in_flight(stage.index, stage.count, micro));
     let pipeline = Pipeline::new(dist.pp.clone(), dist.tied.clone(), stage);
     let bucket_floats = ((opts.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1);
-    let sync = GradSync::new(
+    let mut sync = GradSync::new(
         model.table(),
         dist.dp.clone(),
         bucket_floats,
         opts.zero == 1,
     );
+    let grads = model.buffers().grads;
+    sync.place_buckets(BucketMemory::from_env()?, model.backend_mut(), grads)?;
     model.set_owned(sync.owned(model.table().total()))?;
     let full_table = registry::full_params(m)?;
     let init_desc = initialise(

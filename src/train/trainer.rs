@@ -110,12 +110,14 @@ pub struct Trainer<'d, B: Backend> {
     /// Tokens per byte of text of the training and validation data, for bits per byte.
     train_tokens_per_byte: Option<f64>,
     val_tokens_per_byte: Option<f64>,
+    /// Declared (so dropped) before the model: buckets in flight in the device's memory are
+    /// waited for before the buffers they address are freed.
+    sync: GradSync,
     model: Box<dyn Model<B>>,
     /// This rank's stage of the pipeline (the whole model with `--pp 1`) and its schedule.
     pipeline: Pipeline,
     /// Every stage of the pipeline (one with `--pp 1`).
     stages: Vec<Stage>,
-    sync: GradSync,
     /// The logical (tp = 1) parameter table, as in checkpoints.
     full_table: Table,
     source: BatchSource,
@@ -822,6 +824,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "recompute": opts.recompute.name(),
                 "global_batch": global_batch, "bucket_mb": opts.bucket_mb,
                 "buckets": self.sync.buckets(),
+                "bucket_memory": self.sync.staging(),
             },
             "backend": self.model.backend().name(),
             "precision": t.precision.name(),
@@ -836,6 +839,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "params_grads_adam_bytes": mem.state(),
                 "activation_bytes": mem.activations(),
                 "workspace_bound_bytes": mem.workspace,
+                "bucket_sums_bytes": self.sync.device_sums_bytes(),
             },
             "flops_per_step": flops_step,
             "flops_per_step_per_rank": self.flops_per_rank,

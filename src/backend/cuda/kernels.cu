@@ -2188,6 +2188,20 @@ __device__ void add_inplace_k(T* acc, const T* x, i64 n) {
 FOR_TYPES(DEF)
 #undef DEF
 
+// x *= factor, rounded once: data parallelism's gradient average (CUDA-aware collectives).
+template <typename T>
+__device__ void scale_inplace_k(T* x, float factor, i64 n) {
+    GRID_STRIDE(t, stride);
+    map_elems(x, n, aligned16(x), t, stride,
+              [factor](i64, float v) { return v * factor; }, x);
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void scale_inplace_##S(T* x, float factor, i64 n) {                \
+        scale_inplace_k(x, factor, n);                                                      \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
 // dst (T) = src (float), rounded: the master → compute-copy refresh of mixed precision.
 template <typename T>
 __device__ void convert_k(T* dst, const float* src, i64 n) {

@@ -18,9 +18,9 @@
 //! [`Backend::upload`]/[`Backend::download`] are ordered with every kernel before them.
 //!
 //! Collectives (MPI data and tensor parallelism) stage through host memory
-//! ([`Backend::with_host`]'s default and the gradient buckets' `download`). A CUDA-aware MPI or
-//! NCCL would hand device pointers to the collective instead and save the two PCIe copies per
-//! all-reduce.
+//! ([`Backend::with_host`]'s default and the gradient buckets' `download`), except data
+//! parallelism's buckets with `FUGU_CUDA_AWARE_MPI` (`parallel::grad_sync`), which go to a
+//! CUDA-aware MPI as device addresses ([`Backend::device_address`]).
 
 pub mod algo_cache;
 mod attention;
@@ -165,6 +165,7 @@ kernels!(
     swiglu_backward,
     residual_forward,
     add_inplace,
+    scale_inplace,
     ce_row_stats,
     ce_rescale_sums,
     ce_target_logit,
@@ -702,6 +703,12 @@ impl Backend for CudaBackend {
         if let Err(e) = self.eng.sync() {
             self.fail("synchronize", e);
         }
+    }
+
+    fn device_address(&self, s: Span) -> Option<u64> {
+        assert_eq!(self.dt(s), Dtype::F32, "device_address: {s:?} is not f32");
+        self.sync();
+        Some(self.ptr(s))
     }
 
     fn device_clock(&self) -> Option<Box<dyn crate::metrics::timers::DeviceClock>> {
@@ -1408,6 +1415,15 @@ impl Backend for CudaBackend {
             Arg::I64(acc.len as i64),
         ];
         self.launch_packs(K::add_inplace, self.dt(acc), acc.len, &args);
+    }
+
+    fn scale_inplace(&mut self, x: Span, factor: f32) {
+        let args = [
+            Arg::Ptr(self.ptr(x)),
+            Arg::F32(factor),
+            Arg::I64(x.len as i64),
+        ];
+        self.launch_packs(K::scale_inplace, self.dt(x), x.len, &args);
     }
 
     fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims) {
