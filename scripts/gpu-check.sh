@@ -79,6 +79,14 @@ mkdir -p target/release && cp gpu/head/fugu target/release/fugu
 stage "device"
 limited 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
     --format=csv
+# Whether this machine has an MPI, and a CUDA-aware one (FUGU_CUDA_AWARE_MPI=auto asks
+# Open MPI's MPIX_Query_cuda_support): what a later call could test the device buckets with.
+if command -v mpirun >/dev/null; then
+    say "MPI: $(mpirun --version 2>&1 | head -1); built with CUDA: $(ompi_info --parsable --all \
+        2>/dev/null | sed -n 's/^mca:opal:base:param:opal_built_with_cuda_support:value://p')"
+else
+    say "MPI: no mpirun on this machine"
+fi
 
 stage "0. HEAD's kernels on this GPU"
 limited 120 gpu/head/bench-train --device cuda --precision bf16 --shape 1x64 --steps 1 \
