@@ -15,6 +15,10 @@
 //! | `FUGU_FLASH_BACKWARD` | `split`, `fused` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
 //! | `FUGU_GEMM_SELECT` | `first`, `timed` | the CUDA backend's cuBLASLt calls (`backend/cuda/lt.rs`) |
+//!
+//! Not op forms, and read where they apply: `FUGU_CUDA_AWARE_MPI` (`off`, `auto`, `on`; the
+//! data-parallel buckets' memory, `parallel/grad_sync.rs`), `FUGU_GEMM_CACHE` (the timed
+//! cuBLASLt choices' directory, `backend/cuda/algo_cache.rs`).
 
 use anyhow::{anyhow, Result};
 
