@@ -135,7 +135,7 @@ fn column_to_f32(src: RawMat, j: usize, dst: &mut [f32]) {
             if src.rs == 1 {
                 // SAFETY: as above.
                 let bits = unsafe { std::slice::from_raw_parts(p, n) };
-                widen_run(src.storage, bits, dst);
+                crate::convert::widen(src.storage, bits, dst);
             } else {
                 // SAFETY: as above.
                 (0..n).for_each(|i| dst[i] = widen(unsafe { *p.add(i * src.rs) }));
@@ -167,7 +167,7 @@ fn column_from_f32(src: &[f32], d: RawOut, j: usize) {
             if d.rs == 1 {
                 // SAFETY: as above.
                 let bits = unsafe { std::slice::from_raw_parts_mut(p, n) };
-                round_run(d.storage, src, bits);
+                crate::convert::round(d.storage, src, bits);
             } else {
                 let round: fn(f32) -> u16 = if d.storage == Storage::Bf16 {
                     bf16_bits
@@ -180,60 +180,3 @@ fn column_from_f32(src: &[f32], d: RawOut, j: usize) {
         }
     }
 }
-
-/// `dst = src` widened from 16-bit `storage` (exact), compiled for the widest x86 vectors the
-/// CPU has (the same integer and float operations in every variant: the same bits).
-fn widen_run(storage: Storage, src: &[u16], dst: &mut [f32]) {
-    match storage {
-        Storage::Bf16 => widen_bf16(src, dst),
-        _ => widen_f16(src, dst),
-    }
-}
-
-/// `dst = src` rounded to 16-bit `storage` (to nearest even), compiled as [`widen_run`] is.
-fn round_run(storage: Storage, src: &[f32], dst: &mut [u16]) {
-    match storage {
-        Storage::Bf16 => round_bf16_bits(src, dst),
-        _ => round_f16_bits(src, dst),
-    }
-}
-
-/// A conversion loop `$name(src, dst)` over `$body`, run as an AVX-512 or AVX2 variant where
-/// the CPU has one.
-macro_rules! dispatch_x86 {
-    ($name:ident($src:ty, $dst:ty) = $body:expr) => {
-        fn $name(src: &[$src], dst: &mut [$dst]) {
-            #[inline(always)]
-            fn body(src: &[$src], dst: &mut [$dst]) {
-                dst.iter_mut().zip(src).for_each(|(d, &s)| *d = $body(s));
-            }
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512bw")]
-                unsafe fn avx512(src: &[$src], dst: &mut [$dst]) {
-                    body(src, dst)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2(src: &[$src], dst: &mut [$dst]) {
-                    body(src, dst)
-                }
-                if std::arch::is_x86_feature_detected!("avx512bw") {
-                    // SAFETY: the CPU has AVX-512 F and BW (checked just above).
-                    return unsafe { avx512(src, dst) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: the CPU has AVX2 and FMA (checked just above).
-                    return unsafe { avx2(src, dst) };
-                }
-            }
-            body(src, dst)
-        }
-    };
-}
-
-dispatch_x86!(widen_bf16(u16, f32) = bf16_to_f32);
-dispatch_x86!(widen_f16(u16, f32) = f16_value_of);
-dispatch_x86!(round_bf16_bits(f32, u16) = |x: f32| (round_bf16(x).to_bits() >> 16) as u16);
-dispatch_x86!(round_f16_bits(f32, u16) = f16_bits_of);

@@ -35,6 +35,7 @@
 //! ```
 
 pub mod arch;
+pub mod convert;
 mod error;
 pub mod kernel;
 pub mod precision;

@@ -283,22 +283,6 @@ fn pack_source_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
     }
 }
 
-/// `dst[i] = src[i]` widened exactly from 16-bit `storage` to `f32`: a plain loop over
-/// branch-free conversions, which the compiler vectorises.
-fn widen_run(storage: Storage, src: &[u16], dst: &mut [f32]) {
-    match storage {
-        Storage::Bf16 => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, &h)| *d = bf16_to_f32(h)),
-        Storage::F16 => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(d, &h)| *d = f16_value_of(h)),
-        Storage::F32 => unreachable!("widen_run: 16-bit sources only"),
-    }
-}
-
 /// [`pack_source_panel`] for 16-bit sources. Contiguous along k (A row-major, B stored
 /// transposed): the panel's rows are widened, each one sequential run, into an `f32` block,
 /// which the `f32` pack then transposes. Contiguous along the panel: each k step's run is
@@ -320,7 +304,7 @@ fn pack_converted_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
                 // SAFETY: row r0+r, columns 0..k are inside the source view, contiguous along
                 // k, whose elements are 16 bits.
                 let run = unsafe { std::slice::from_raw_parts(base.add((r0 + r) * s_w), k) };
-                widen_run(src.storage, run, out);
+                crate::convert::widen(src.storage, run, out);
             }
             let widened = RawMat {
                 ptr: block.as_ptr().cast(),
@@ -341,7 +325,7 @@ fn pack_converted_panel(panel: &mut [f32], src: RawMat, r0: usize, w: usize) {
             // SAFETY: rows r0..r0+rows of column p are inside the source view, contiguous
             // along rows, whose elements are 16 bits.
             let run = unsafe { std::slice::from_raw_parts(base.add(r0 + p * s_k), rows) };
-            widen_run(src.storage, run, &mut out[..rows]);
+            crate::convert::widen(src.storage, run, &mut out[..rows]);
         } else {
             for (r, o) in out[..rows].iter_mut().enumerate() {
                 // SAFETY: (r0+r, p) is inside the source view, whose elements are 16 bits.

@@ -1,15 +1,17 @@
 //! Rows stored in 16 bits (the CPU backend's bf16/f16 buffers, as bits): their conversion to
 //! and from f32, and the ops that read and write them as stored. On a CPU with SVE these are
 //! fugu-rows' `*_half` kernels, which widen each value as they load it and round each result
-//! as they store it; elsewhere each piece of a row is widened into a small f32 buffer (in L1),
-//! the f32 kernel runs on it and the result is rounded back. Both give the bits of the f32 op
+//! as they store it; elsewhere each piece of a row is widened into a small f32 buffer (in L1,
+//! by fugu-gemm's `convert`, the packs' conversions), the f32 kernel runs on it and the
+//! result is rounded back. Both give the bits of the f32 op
 //! run on the widened rows and rounded once (`rows/tests/sve.rs` checks the kernels against
 //! fugu-gemm's converters), so which runs does not change a value.
 
 #[cfg(target_arch = "aarch64")]
 use super::row_isa::{row_isa, RowIsa};
 use crate::dtype::Dtype;
-use fugu_gemm::precision::{bf16_to_f32, f16_bits_of, f16_value_of};
+use fugu_gemm::convert;
+use fugu_gemm::precision::Storage;
 
 /// Elements per piece where a row is widened into an f32 buffer (16 KiB).
 const PIECE: usize = 4096;
@@ -21,11 +23,7 @@ pub fn widen(dt: Dtype, src: &[u16], dst: &mut [f32]) {
     if let RowIsa::Sve(sve) = row_isa() {
         return sve.widen_half(half(dt), dst, src);
     }
-    match dt {
-        Dtype::Bf16 => widen_bf16(src, dst),
-        Dtype::F16 => widen_f16(src, dst),
-        Dtype::F32 => panic!("half_rows::widen: f32 is not a 16-bit type"),
-    }
+    convert::widen(storage(dt), src, dst)
 }
 
 /// `dst[j] = src[j]` rounded to `dt` (nearest even), as bits.
@@ -35,56 +33,17 @@ pub fn round(dt: Dtype, src: &[f32], dst: &mut [u16]) {
     if let RowIsa::Sve(sve) = row_isa() {
         return sve.round_half(half(dt), dst, src);
     }
+    convert::round(storage(dt), src, dst)
+}
+
+/// fugu-gemm's name for 16-bit type `dt` (its conversions, compiled for the widest x86
+/// vectors; on SVE, `widen` and `round` call fugu-rows instead).
+fn storage(dt: Dtype) -> Storage {
     match dt {
-        Dtype::Bf16 => round_bf16(src, dst),
-        Dtype::F16 => round_f16(src, dst),
-        Dtype::F32 => panic!("half_rows::round: f32 is not a 16-bit type"),
+        Dtype::Bf16 => Storage::Bf16,
+        Dtype::F16 => Storage::F16,
+        Dtype::F32 => panic!("half_rows: f32 is not a 16-bit type"),
     }
-}
-
-#[inline(always)]
-fn widen_bf16_body(src: &[u16], dst: &mut [f32]) {
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, &s)| *d = bf16_to_f32(s));
-}
-
-#[inline(always)]
-fn widen_f16_body(src: &[u16], dst: &mut [f32]) {
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, &s)| *d = f16_value_of(s));
-}
-
-#[inline(always)]
-fn round_bf16_body(src: &[f32], dst: &mut [u16]) {
-    dst.iter_mut()
-        .zip(src)
-        // The branch-free rounding (bit for bit `f32_to_bf16`, NaNs included: fugu-gemm's
-        // tests), so that the loop vectorises.
-        .for_each(|(d, &s)| *d = (fugu_gemm::precision::round_bf16(s).to_bits() >> 16) as u16);
-}
-
-#[inline(always)]
-fn round_f16_body(src: &[f32], dst: &mut [u16]) {
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, &s)| *d = f16_bits_of(s));
-}
-
-// The conversions compiled for the widest x86 vectors (exact integer and float operations:
-// every variant gives the same bits). On SVE, `widen` and `round` call fugu-rows instead.
-super::row_isa::dispatch_rows! {
-    fn widen_bf16(src: &[u16], dst: &mut [f32]) = widen_bf16_body;
-}
-super::row_isa::dispatch_rows! {
-    fn widen_f16(src: &[u16], dst: &mut [f32]) = widen_f16_body;
-}
-super::row_isa::dispatch_rows! {
-    fn round_bf16(src: &[f32], dst: &mut [u16]) = round_bf16_body;
-}
-super::row_isa::dispatch_rows! {
-    fn round_f16(src: &[f32], dst: &mut [u16]) = round_f16_body;
 }
 
 /// [`super::gelu::gelu_forward`] on rows stored in `dt`: `out` is overwritten.
