@@ -152,6 +152,13 @@ fn fugu_ranks(dir: &Path, np: usize, args: &[String], env: &[(&str, &str)]) -> O
         .expect("running fugu")
 }
 
+/// Asserts that a run failed and said `says` on stderr.
+fn refused(out: &Output, says: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "succeeded: {err}");
+    assert!(err.contains(says), "{err}");
+}
+
 /// The loss of every step, the last record of each step where a resume from an older
 /// checkpoint ran it again.
 fn losses(run: &Path) -> Vec<f64> {
@@ -691,12 +698,7 @@ fn bad_layouts_are_refused_with_the_reason() {
     }
     let dir = tmp("badtp");
     let out = train(&dir, 2, &["--tp", "3", "--out", "x"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("--tp 3 does not divide the number of MPI ranks (2)"),
-        "{err}"
-    );
+    refused(&out, "--tp 3 does not divide the number of MPI ranks (2)");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1013,9 +1015,7 @@ fn device_buckets_train_as_host_staged() {
         let mut args = args.clone();
         args.extend(["--out", "refused"]);
         let out = train_env(&dir, 2, &args, &[emulate, ("FUGU_CUDA_AWARE_MPI", "on")]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{err}");
-        assert!(err.contains(says), "{err}");
+        refused(&out, says);
     }
     let out = train_env(
         &dir,
@@ -1023,11 +1023,6 @@ fn device_buckets_train_as_host_staged() {
         &["--out", "bad"],
         &[("FUGU_CUDA_AWARE_MPI", "yes")],
     );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("FUGU_CUDA_AWARE_MPI=yes: expected off, auto or on"),
-        "{err}"
-    );
+    refused(&out, "FUGU_CUDA_AWARE_MPI=yes: expected off, auto or on");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -337,8 +337,8 @@ pub trait Backend: 'static {
         self.upload(s, &tmp);
     }
     /// The address of f32 span `s` in the device's memory, for a collective that reads and
-    /// writes it there (a CUDA-aware MPI), once the work queued before has finished; `None`
-    /// where buffers are host memory (lent by [`Self::with_host`]).
+    /// writes it there (a CUDA-aware MPI; wait for the work queued before with [`Self::sync`]
+    /// first); `None` where buffers are host memory (lent by [`Self::with_host`]).
     fn device_address(&self, _s: Span) -> Option<u64> {
         None
     }

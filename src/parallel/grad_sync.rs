@@ -280,11 +280,12 @@ impl GradSync {
                 .device_address(at(grads))
                 .zip(be.device_address(at(sums)));
             let (send, recv) = addresses.expect("place_buckets checked the device buffers");
+            be.sync();
             // SAFETY: both are `len` f32 of the device's own buffers (the gradients and the
             // sums, apart), which stay allocated while the operation is in flight (the trainer
             // drops this before the model, and dropping a pending operation waits); the
-            // backward pass has finished writing this range (`ready`: final from here on, the
-            // backend waited for its queued work), nothing touches it until `finish` has
+            // backward pass has finished writing this range (`ready`: final from here on, and
+            // the device's queued work just waited for), nothing touches it until `finish` has
             // waited, and the sums are read only there. The library takes device memory
             // (`place_buckets`: it says so, or the user said so).
             self.pending[i] = Some(unsafe { self.comm.start_allreduce_device(send, recv, len) });

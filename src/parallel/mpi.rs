@@ -152,25 +152,48 @@ fn peer(r: usize) -> c_int {
 impl MpiComm {
     /// Starts `kind` on owned buffers (lengths already checked by the caller).
     fn start(&self, kind: NonBlocking, send: Vec<f32>, mut recv: Vec<f32>) -> Box<dyn Pending> {
-        self.count_bytes(4 * send.len());
         let (sp, rp) = (
             send.as_ptr() as *const c_void,
             recv.as_mut_ptr() as *mut c_void,
         );
-        // SAFETY: RSMPI_REQUEST_NULL is a constant of the MPI shim, read-only. Both buffers are
-        // moved into the returned MpiPending, which is the only owner until MPI_Wait/MPI_Test
-        // reports completion (its Drop waits), so MPI reads `send` and writes `recv` while
-        // nothing else can; the heap storage of a Vec does not move when the Vec is moved. The
-        // counts fit the lengths (checked by the callers), peers are ranks of this
-        // communicator (checked by the callers), and the communicator outlives the request
-        // (the trainer waits every bucket and transfer).
-        let req = unsafe {
+        // SAFETY: both buffers are moved into the returned MpiPending, which is the only owner
+        // until MPI_Wait/MPI_Test reports completion (its Drop waits), so MPI reads `send` and
+        // writes `recv` while nothing else can; the heap storage of a Vec does not move when
+        // the Vec is moved. The counts fit the lengths (checked by the callers), peers are
+        // ranks of this communicator (checked by the callers), and the communicator outlives
+        // the request (the trainer waits every bucket and transfer).
+        let req = unsafe { self.request(kind, (sp, send.len()), (rp, recv.len())) };
+        Box::new(MpiPending {
+            req,
+            send,
+            recv,
+            done: false,
+        })
+    }
+
+    /// Issues `kind` on `send` and `recv` (address and f32 count each), counting the sent
+    /// payload, and returns its request.
+    ///
+    /// # Safety
+    /// The buffers must hold their counts, stay allocated and untouched by others (`send` not
+    /// written, `recv` not read or written) until the request completes, and be memory this MPI
+    /// library can access; peers must be ranks of this communicator.
+    unsafe fn request(
+        &self,
+        kind: NonBlocking,
+        (sp, send_len): (*const c_void, usize),
+        (rp, recv_len): (*mut c_void, usize),
+    ) -> ffi::MPI_Request {
+        self.count_bytes(4 * send_len);
+        // SAFETY: RSMPI_REQUEST_NULL is a constant of the MPI shim, read-only; the buffers
+        // are as the caller guarantees.
+        unsafe {
             let mut req = ffi::RSMPI_REQUEST_NULL;
             match kind {
                 NonBlocking::AllReduce => ffi::MPI_Iallreduce(
                     sp,
                     rp,
-                    count(send.len()),
+                    count(send_len),
                     ffi::RSMPI_FLOAT,
                     ffi::RSMPI_SUM,
                     self.comm.as_raw(),
@@ -179,7 +202,7 @@ impl MpiComm {
                 NonBlocking::ReduceScatter => ffi::MPI_Ireduce_scatter_block(
                     sp,
                     rp,
-                    count(recv.len()),
+                    count(recv_len),
                     ffi::RSMPI_FLOAT,
                     ffi::RSMPI_SUM,
                     self.comm.as_raw(),
@@ -187,7 +210,7 @@ impl MpiComm {
                 ),
                 NonBlocking::Send { to, tag: t } => ffi::MPI_Isend(
                     sp,
-                    count(send.len()),
+                    count(send_len),
                     ffi::RSMPI_FLOAT,
                     peer(to),
                     tag(t),
@@ -196,7 +219,7 @@ impl MpiComm {
                 ),
                 NonBlocking::Recv { from, tag: t } => ffi::MPI_Irecv(
                     rp,
-                    count(recv.len()),
+                    count(recv_len),
                     ffi::RSMPI_FLOAT,
                     peer(from),
                     tag(t),
@@ -205,13 +228,7 @@ impl MpiComm {
                 ),
             };
             req
-        };
-        Box::new(MpiPending {
-            req,
-            send,
-            recv,
-            done: false,
-        })
+        }
     }
 
     /// In-place blocking all-reduce through a kept scratch copy (MPI_IN_PLACE has no
@@ -341,25 +358,12 @@ impl Comm for MpiComm {
     }
 
     unsafe fn start_allreduce_device(&self, send: u64, recv: u64, len: usize) -> Box<dyn Pending> {
-        self.count_bytes(4 * len);
-        // SAFETY: RSMPI_REQUEST_NULL is a constant of the MPI shim, read-only. The caller
-        // guarantees that `send` and `recv` hold `len` f32 each, apart, that the library may
-        // access, that stay allocated and untouched by others until the returned MpiPending
-        // completes (its Drop waits); the communicator outlives the request (the trainer
-        // waits every bucket).
-        let req = unsafe {
-            let mut req = ffi::RSMPI_REQUEST_NULL;
-            ffi::MPI_Iallreduce(
-                send as *const c_void,
-                recv as *mut c_void,
-                count(len),
-                ffi::RSMPI_FLOAT,
-                ffi::RSMPI_SUM,
-                self.comm.as_raw(),
-                &mut req,
-            );
-            req
-        };
+        let (sp, rp) = (send as *const c_void, recv as *mut c_void);
+        // SAFETY: the caller guarantees that `send` and `recv` hold `len` f32 each, apart, that
+        // the library may access, that stay allocated and untouched by others until the
+        // returned MpiPending completes (its Drop waits); the communicator outlives the
+        // request (the trainer waits every bucket).
+        let req = unsafe { self.request(NonBlocking::AllReduce, (sp, len), (rp, len)) };
         Box::new(MpiPending {
             req,
             send: Vec::new(),

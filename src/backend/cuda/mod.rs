@@ -707,7 +707,6 @@ impl Backend for CudaBackend {
 
     fn device_address(&self, s: Span) -> Option<u64> {
         assert_eq!(self.dt(s), Dtype::F32, "device_address: {s:?} is not f32");
-        self.sync();
         Some(self.ptr(s))
     }
 
