@@ -23,7 +23,8 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::emu::EpilogueCounts;
     use fugu::backend::cuda::{
-        self, BiasGrad, CudaBackend, FlashBackward, FlashWarpRows, LayernormBackward,
+        self, BiasGrad, CudaBackend, FlashBackward, FlashQueryRows, FlashWarpRows,
+        LayernormBackward,
     };
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CeRows, CpuBackend, Dtype, Embedding,
@@ -757,6 +758,21 @@ mod gpu {
         dkv: 32,
     };
 
+    /// The fused attention's forms other than the default: 32 rows per warp; 128 query rows
+    /// per block (the forward and dQ kernels), with 16 and with 32 rows per warp.
+    const OTHER_FORMS: [(FlashWarpRows, FlashQueryRows); 3] = [
+        (WIDE, FlashQueryRows(64)),
+        (
+            FlashWarpRows {
+                forward: 16,
+                dq: 16,
+                dkv: 16,
+            },
+            FlashQueryRows(128),
+        ),
+        (WIDE, FlashQueryRows(128)),
+    ];
+
     /// `x` and `y` hold the same bits on `be`.
     fn same_bits(be: &CudaBackend, what: &str, x: Span, y: Span, d: AttnDims) {
         let (mut u, mut v) = (vec![0.0; x.len], vec![0.0; y.len]);
@@ -835,22 +851,32 @@ mod gpu {
             be.run(|x| x.attention_forward(out, lse, qkv, d));
             be.check("fused attention out", out, GEMM);
             be.check("fused attention lse", lse, GEMM);
-            // The kernels with 32 rows per warp do each row's arithmetic in the same order as
-            // with 16: the same bits.
-            let (out32, lse32) = (be.nan(b * t * c), be.nan32(b * nh * t));
-            be.gpu.set_flash_warp_rows(WIDE);
-            be.gpu.attention_forward(out32, lse32, qkv, d);
+            // The kernels with 32 rows per warp, and those with 128 query rows per block, do
+            // each row's arithmetic in the same order as the default: the same bits.
+            for (warp, query) in OTHER_FORMS {
+                let (o, l) = (be.nan(b * t * c), be.nan32(b * nh * t));
+                be.gpu.set_flash_warp_rows(warp);
+                be.gpu.set_flash_query_rows(query);
+                be.gpu.attention_forward(o, l, qkv, d);
+                let what = format!("{} rows per warp, {} per block", warp.forward, query.0);
+                same_bits(&be.gpu, &format!("out, {what}"), out, o, d);
+                same_bits(&be.gpu, &format!("lse, {what}"), lse, l, d);
+            }
             be.gpu.set_flash_warp_rows(FlashWarpRows::default());
-            same_bits(&be.gpu, "out, 32 rows per warp", out, out32, d);
-            same_bits(&be.gpu, "lse, 32 rows per warp", lse, lse32, d);
+            be.gpu.set_flash_query_rows(FlashQueryRows::default());
             let dout = be.rand(b * t * c, 2);
             let dqkv = be.nan(b * t * w);
             be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
-            let dqkv32 = be.nan(b * t * w);
-            be.gpu.set_flash_warp_rows(WIDE);
-            be.gpu.attention_backward(dqkv32, dout, out, lse, qkv, d);
+            for (warp, query) in OTHER_FORMS {
+                let other = be.nan(b * t * w);
+                be.gpu.set_flash_warp_rows(warp);
+                be.gpu.set_flash_query_rows(query);
+                be.gpu.attention_backward(other, dout, out, lse, qkv, d);
+                let what = format!("{} rows per warp, {} per block", warp.forward, query.0);
+                same_bits(&be.gpu, &format!("dqkv, {what}"), dqkv, other, d);
+            }
             be.gpu.set_flash_warp_rows(FlashWarpRows::default());
-            same_bits(&be.gpu, "dqkv, 32 rows per warp", dqkv, dqkv32, d);
+            be.gpu.set_flash_query_rows(FlashQueryRows::default());
             be.check(
                 "fused attention dqkv",
                 dqkv,

@@ -11,6 +11,7 @@
 //! | `FUGU_MLP_GELU` | `auto`, `epilogue`, `separate` | the model |
 //! | `FUGU_RESIDUAL` | `auto`, `epilogue`, `separate` | the model |
 //! | `FUGU_FLASH_WARP_ROWS` | `16`, `32`, or `F,Q,KV` | the CUDA backend (`backend/cuda/forms.rs`) |
+//! | `FUGU_FLASH_QUERY_ROWS` | `64`, `128` | the CUDA backend |
 //! | `FUGU_LAYERNORM_BACKWARD` | `split`, `fused` | the CUDA backend |
 //! | `FUGU_FLASH_BACKWARD` | `split`, `fused` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
@@ -126,6 +127,33 @@ impl FlashWarpRows {
     }
 }
 
+/// Query rows per block of the fused attention's forward and dQ kernels
+/// (`FUGU_FLASH_QUERY_ROWS`): 64 (the default) or 128, each block then loading every key and
+/// value tile once for twice the rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashQueryRows(pub usize);
+
+impl Default for FlashQueryRows {
+    fn default() -> Self {
+        FlashQueryRows(64)
+    }
+}
+
+impl FlashQueryRows {
+    /// [`FLASH_QUERY_ROWS_ENV`]'s value: empty (the default), `64` or `128`.
+    pub fn parse(v: &str) -> Result<FlashQueryRows> {
+        match v.trim() {
+            "" => Ok(Self::default()),
+            "64" => Ok(FlashQueryRows(64)),
+            "128" => Ok(FlashQueryRows(128)),
+            _ => Err(anyhow!(
+                "{FLASH_QUERY_ROWS_ENV}={v}: expected 64 or 128 (query rows per block of the \
+                 forward and dQ attention kernels)"
+            )),
+        }
+    }
+}
+
 /// How a GPU GEMM's algorithm is chosen (`FUGU_GEMM_SELECT`): cuBLAS's/cuBLASLt's first
 /// heuristic choice, or the fastest of cuBLASLt's candidates, timed once per shape.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -165,6 +193,9 @@ pub const MLP_GELU_ENV: &str = "FUGU_MLP_GELU";
 pub const RESIDUAL_ENV: &str = "FUGU_RESIDUAL";
 /// Environment variable: rows per warp of the fused attention kernels ([`FlashWarpRows`]).
 pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
+/// Environment variable: query rows per block of the fused attention's forward and dQ kernels
+/// ([`FlashQueryRows`]).
+pub const FLASH_QUERY_ROWS_ENV: &str = "FUGU_FLASH_QUERY_ROWS";
 /// Environment variable: the layernorm backward's form, `fused` or `split`.
 pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
 /// Environment variable: the fused attention backward's form, `split` or `fused`.
@@ -185,6 +216,7 @@ pub struct Knobs {
     /// `None`: `auto`.
     pub residual: Option<InGemm>,
     pub flash_warp_rows: FlashWarpRows,
+    pub flash_query_rows: FlashQueryRows,
     /// `None`: the backend's measured default.
     pub layernorm_backward: Option<KernelForm>,
     /// `None`: the backend's measured default.
@@ -213,6 +245,7 @@ impl Knobs {
             mlp_gelu: parse_in_gemm_auto(MLP_GELU_ENV, &var(MLP_GELU_ENV))?,
             residual: parse_in_gemm_auto(RESIDUAL_ENV, &var(RESIDUAL_ENV))?,
             flash_warp_rows: FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?,
+            flash_query_rows: FlashQueryRows::parse(&var(FLASH_QUERY_ROWS_ENV))?,
             layernorm_backward: form(LAYERNORM_BACKWARD_ENV)?,
             flash_backward: form(FLASH_BACKWARD_ENV)?,
             bias_grad: parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?,
@@ -307,6 +340,7 @@ mod tests {
             (MLP_GELU_ENV, "separate"),
             (RESIDUAL_ENV, "auto"),
             (FLASH_WARP_ROWS_ENV, "32,16,32"),
+            (FLASH_QUERY_ROWS_ENV, "128"),
             (LAYERNORM_BACKWARD_ENV, "split"),
             (FLASH_BACKWARD_ENV, "fused"),
             (BIAS_GRAD_ENV, "epilogue"),
@@ -317,6 +351,7 @@ mod tests {
         assert_eq!(k.mlp_gelu, Some(InGemm::Separate));
         assert_eq!(k.residual, None);
         assert_eq!(k.flash_warp_rows.dq, 16);
+        assert_eq!(k.flash_query_rows, FlashQueryRows(128));
         assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
         assert_eq!(k.flash_backward, Some(KernelForm::Fused));
         assert_eq!(k.bias_grad, InGemm::Epilogue);
@@ -350,6 +385,12 @@ mod tests {
                 GEMM_SELECT_ENV,
                 "best",
                 "FUGU_GEMM_SELECT=best: expected first or timed",
+            ),
+            (
+                FLASH_QUERY_ROWS_ENV,
+                "96",
+                "FUGU_FLASH_QUERY_ROWS=96: expected 64 or 128 (query rows per block of the \
+                 forward and dQ attention kernels)",
             ),
         ] {
             let e = read(&[(k, v)]).unwrap_err().to_string();

@@ -54,7 +54,7 @@ impl CudaBackend {
         d: AttnDims,
     ) {
         // One query block (and one work item) per tile of the grid.
-        let tiles = Self::flash_grid(d) as usize;
+        let tiles = Self::flash_grid(d, FLASH_ROWS) as usize;
         // The kernel's item counter and turns are ints.
         assert!(
             tiles < i32::MAX as usize,
@@ -95,10 +95,10 @@ impl CudaBackend {
         self.launch(k, dt, blocks, threads, FLASH_FUSED_SHMEM, &args);
     }
 
-    /// One block per (64-row query block, sequence, query head); [`Self::launch`] caps the
-    /// grid at the engine's limit and the kernels loop over the rest.
-    pub(super) fn flash_grid(d: AttnDims) -> u64 {
-        (d.t.div_ceil(FLASH_ROWS) * d.b * d.nh) as u64
+    /// One block per (query block of `rows` rows, sequence, query head); [`Self::launch`]
+    /// caps the grid at the engine's limit and the kernels loop over the rest.
+    pub(super) fn flash_grid(d: AttnDims, rows: usize) -> u64 {
+        (d.t.div_ceil(rows) * d.b * d.nh) as u64
     }
 
     /// The dK/dV kernels' blocks: one per (64-row key block, sequence, key/value head), each

@@ -1,13 +1,13 @@
 //! The kernel forms a CUDA backend can run for the same op, and the environment settings that
-//! pick them (`FUGU_FLASH_WARP_ROWS`, `FUGU_LAYERNORM_BACKWARD`, `FUGU_FLASH_BACKWARD`,
+//! pick them (`FUGU_FLASH_WARP_ROWS`, `FUGU_FLASH_QUERY_ROWS`, `FUGU_LAYERNORM_BACKWARD`, `FUGU_FLASH_BACKWARD`,
 //! `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's default, the others
 //! are for A/B runs. The run header records which ran ([`super::CudaBackend`]'s `kernel_settings`).
 
-use super::attention::FLASH_THREADS;
-use super::{InGemm, K};
+use super::attention::{FLASH_LDS, FLASH_ROWS, FLASH_THREADS};
+use super::{InGemm, K, WARP};
 pub use crate::backend::knobs::{
-    parse_in_gemm, FlashWarpRows, KernelForm, BIAS_GRAD_ENV, FLASH_BACKWARD_ENV,
-    FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, FlashQueryRows, FlashWarpRows, KernelForm, BIAS_GRAD_ENV, FLASH_BACKWARD_ENV,
+    FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
 };
 
 // `FUGU_FLASH_WARP_ROWS` (read by `backend/knobs.rs`): rows per warp of the fused attention kernels, `16` (the default) or
@@ -25,6 +25,46 @@ impl FlashWarpRows {
             (wide, FLASH_THREADS / 2)
         } else {
             (narrow, FLASH_THREADS)
+        }
+    }
+}
+
+// `FUGU_FLASH_QUERY_ROWS`: query rows per block of the forward and dQ kernels, `64` (the
+// default: 4 warps of 16 rows, or 2 of 32) or `128` (the `_q128` kernels: 8 warps of 16, or 4
+// of 32, FlashAttention-2's block for heads of 64), which load each key and value tile once
+// for twice the rows: half the tile traffic from L2, twice the warps at each barrier, and in
+// a causal block's last key tile the warps whose rows all come before it skip it.
+
+/// The four forms of a kernel over query blocks (the forward, dQ): 16 or 32 rows per warp,
+/// 64 or 128 rows per block.
+pub(super) struct QueryKernels {
+    pub narrow: K,
+    pub wide: K,
+    pub narrow_q128: K,
+    pub wide_q128: K,
+}
+
+impl FlashQueryRows {
+    /// The form of `k` for `warp_rows` rows per warp and this many per block, with its
+    /// threads per block.
+    pub(super) fn pick(self, warp_rows: usize, k: QueryKernels) -> (K, u32) {
+        let kernel = match (warp_rows == 32, self.0 == 128) {
+            (false, false) => k.narrow,
+            (true, false) => k.wide,
+            (false, true) => k.narrow_q128,
+            (true, true) => k.wide_q128,
+        };
+        (kernel, (self.0 / warp_rows) as u32 * WARP)
+    }
+
+    /// Dynamic shared memory of the dQ kernel: Q and dO tiles of this many rows where they do
+    /// not fit in a key block's two tiles or are read again on every key block (32 rows per
+    /// warp), else none (`QDO_DYNAMIC` in `kernels.cu`).
+    pub(super) fn dq_shmem(self, warp_rows: usize) -> u32 {
+        if warp_rows == 32 || self.0 > FLASH_ROWS {
+            2 * self.0 as u32 * FLASH_LDS * 2
+        } else {
+            0
         }
     }
 }

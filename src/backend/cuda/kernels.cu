@@ -1256,6 +1256,16 @@ __device__ void fa_a_frags_trans_m(u32 (*a)[FA_ROWS / 16][4], T* s, int row0) {
             ldsm_x4_trans(a[i][kk], lp + 2 * (kk * 16 * FA_LDS + 16 * i));
 }
 
+// Query rows per block of the forward and dQ kernels: W warps of M groups of 16 rows (64, or
+// 128: FUGU_FLASH_QUERY_ROWS, the host's FlashQueryRows). Key blocks stay FA_ROWS keys.
+#define FA_QROWS(M, W) (16 * (M) * (W))
+
+// The last key block a query block of QR rows from q0 sees (causal; nkb key blocks in all).
+__device__ i64 fa_last_key_block(i64 q0, int QR, i64 nkb) {
+    i64 last = (q0 + QR - 1) / FA_ROWS;
+    return last < nkb - 1 ? last : nkb - 1;
+}
+
 // Whether a backward kernel with M row groups per warp reads its own tile's A fragments (Q
 // and dO, or K and V) again on every loop step, from dynamic shared memory where the tile
 // stays, instead of holding them in registers from before the loop: with two groups the
@@ -1387,31 +1397,34 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 // the block's FA_ROWS / (16·M) warps owns M groups of 16 query rows (FLASH_WARP_ROWS = 16·M
 // on the host): with M = 2 every K and V fragment a warp loads from shared memory feeds two
 // products instead of one (FlashAttention-2 gives a warp 32 rows), for twice the registers.
-template <typename T, int M>
+template <typename T, int M, int W>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 kvh, i64 hs_, float scale) {
-    alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
-    alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
+    constexpr int QR = FA_QROWS(M, W);
+    static_assert(QR <= 2 * FA_ROWS, "Q is loaded into key block 1's two tiles");
+    // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1]; Q (QR rows) first in block 1's.
+    alignas(16) __shared__ T sKV[4][FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3, w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;  // raw scores to log2 units
-    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
-        nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh, nqb = (Tn + QR - 1) / QR,
+        nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
-        i64 q0 = qb * FA_ROWS;
+        i64 q0 = qb * QR, kend = QR > FA_ROWS ? fa_last_key_block(q0, QR, nkb) : qb;
         const T* base = qkv + b * Tn * ldq + h * hs;
         const T* kbase = qkv + b * Tn * ldq + C + (h / grp) * hs;
         const T* vbase = kbase + kvh * hs;
         __syncthreads();  // the previous item's reads are done
-        fa_load(sK[1], base, q0, Tn, ldq, hs, vec);  // Q, in the buffer block 1 will use
-        fa_load(sK[0], kbase, 0, Tn, ldq, hs, vec);
-        fa_load(sV[0], vbase, 0, Tn, ldq, hs, vec);
+        for (int r = 0; r < QR; r += FA_ROWS)  // Q, in the tiles block 1 will use
+            fa_load(sKV[2] + r * FA_LDS, base, q0 + r, Tn, ldq, hs, vec);
+        fa_load(sKV[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load(sKV[1], vbase, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
         u32 qa[M][FA_D / 16][4];
-        fa_a_frags_m<T, M>(qa, sK[1], w0);
+        fa_a_frags_m<T, M>(qa, sKV[2], w0);
         // m: running maximum of the raw scores; l: this lane's part of the running sum (per
         // row group, rows g and g + 8).
         float m[M][2], l[M][2], o[M][FA_D / 8][4];
@@ -1423,22 +1436,27 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             for (int nd = 0; nd < FA_D / 8; nd++)
                 o[i][nd][0] = o[i][nd][1] = o[i][nd][2] = o[i][nd][3] = 0.0f;
         }
-        for (i64 kb = 0; kb <= qb; kb++) {
+        for (i64 kb = 0; kb <= kend; kb++) {
             int cur = (int)(kb & 1);
             __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
-            if (kb < qb) {
-                fa_load(sK[cur ^ 1], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load(sV[cur ^ 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+            if (kb < kend) {
+                fa_load(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
             }
             cp_async_commit();
             cp_async_wait_prior();  // block kb's tiles have landed
             __syncthreads();
+            // This warp's first row, counted from the key block's first key (w0 on the
+            // diagonal block of a 64-row query block, compiled as before for those).
+            int off = QR > FA_ROWS ? (int)(q0 + w0 - kb * FA_ROWS) : w0;
+            if (QR > FA_ROWS && off + 16 * M <= 0) continue;  // every key after every row
             float s[M][FA_ROWS / 8][4];
-            fa_mma_abt_m<T, M>(s, qa, sK[cur]);
+            fa_mma_abt_m<T, M>(s, qa, sKV[2 * cur]);
             u32 pa[M][FA_ROWS / 16][4];
 #pragma unroll
             for (int i = 0; i < M; i++) {
-                if (kb == qb) fa_mask(s[i], w0 + 16 * i, NEG_INF, false);
+                if (QR > FA_ROWS ? off + 16 * i < FA_ROWS - 1 : kb == qb)
+                    fa_mask(s[i], off + 16 * i, NEG_INF, false);
                 float mx[2] = {m[i][0], m[i][1]};
 #pragma unroll
                 for (int n = 0; n < FA_ROWS / 8; n++)
@@ -1468,7 +1486,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                     }
                 fa_pack<T>(pa[i], s[i]);
             }
-            fa_mma_pb_m<T, M>(o, pa, sV[cur]);
+            fa_mma_pb_m<T, M>(o, pa, sKV[2 * cur + 1]);
         }
 #pragma unroll
         for (int i = 0; i < M; i++) {
@@ -1489,12 +1507,22 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD)                    \
         flash_forward_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, \
                           i64 hs, float scale) {                                            \
-        flash_forward_k<T, 1>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                    \
+        flash_forward_k<T, 1, 4>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_FWD_WIDE)           \
         flash_forward_wide_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
                                i64 kvh, i64 hs, float scale) {                              \
-        flash_forward_k<T, 2>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                    \
+        flash_forward_k<T, 2, 2>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(2 * FA_THREADS, FA_MINB_FWD / 2)            \
+        flash_forward_q128_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
+                               i64 kvh, i64 hs, float scale) {                              \
+        flash_forward_k<T, 1, 8>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD_WIDE / 2)           \
+        flash_forward_wide_q128_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn,        \
+                                    i64 nh, i64 kvh, i64 hs, float scale) {                 \
+        flash_forward_k<T, 2, 4>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF
@@ -1548,36 +1576,42 @@ __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, c
 // With two groups the Q and dO fragments are read again from shared memory for every key
 // block (the registers go to the accumulators), so Q and dO stay in dynamic shared memory
 // (FLASH_KV_SHMEM bytes) instead of the buffers key block 1 then fills.
-template <typename T, int M>
+template <typename T, int M, int W>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                     i64 kvh, i64 hs_, float scale) {
-    alignas(16) __shared__ T sK[2][FA_ROWS * FA_LDS];
-    alignas(16) __shared__ T sV[2][FA_ROWS * FA_LDS];
-    __shared__ float sL[FA_ROWS], sD[FA_ROWS];
+    constexpr int QR = FA_QROWS(M, W);
+    // Q and dO in dynamic shared memory (FlashQueryRows::dq_shmem on the host) where they are
+    // read again on every key block or are taller than one tile; else in block 1's tiles.
+    constexpr bool QDO_DYNAMIC = FA_REREAD(M) || QR > FA_ROWS;
+    // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1].
+    alignas(16) __shared__ T sKV[4][FA_ROWS * FA_LDS];
+    __shared__ float sL[QR], sD[QR];
     DYNAMIC_SHARED(Pack<float>, fa_qdo);
-    T* sQ = FA_REREAD(M) ? reinterpret_cast<T*>(fa_qdo) : sK[1];
-    T* sDO = FA_REREAD(M) ? sQ + FA_ROWS * FA_LDS : sV[1];
+    T* sQ = QDO_DYNAMIC ? reinterpret_cast<T*>(fa_qdo) : sKV[2];
+    T* sDO = QDO_DYNAMIC ? sQ + QR * FA_LDS : sKV[3];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
-    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
-        nqb = (Tn + FA_ROWS - 1) / FA_ROWS;
+    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh, nqb = (Tn + QR - 1) / QR,
+        nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C),
          vec_delta = vec_o && fa_vec_ok(out, hs, C);
     for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
         i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
-        i64 q0 = qb * FA_ROWS;
+        i64 q0 = qb * QR, kend = QR > FA_ROWS ? fa_last_key_block(q0, QR, nkb) : qb;
         const T* base = qkv + b * Tn * ldq + h * hs;
         const T* kbase = qkv + b * Tn * ldq + C + (h / grp) * hs;
         const T* vbase = kbase + kvh * hs;
         const T* dob = dout + b * Tn * C + h * hs;
         const T* ob = out + b * Tn * C + h * hs;
         __syncthreads();
-        fa_load(sQ, base, q0, Tn, ldq, hs, vec);  // Q and dO (M = 1: in block 1's buffers)
-        fa_load(sDO, dob, q0, Tn, C, hs, vec_o);
-        fa_load(sK[0], kbase, 0, Tn, ldq, hs, vec);
-        fa_load(sV[0], vbase, 0, Tn, ldq, hs, vec);
+        for (int r = 0; r < QR; r += FA_ROWS) {  // Q and dO
+            fa_load(sQ + r * FA_LDS, base, q0 + r, Tn, ldq, hs, vec);
+            fa_load(sDO + r * FA_LDS, dob, q0 + r, Tn, C, hs, vec_o);
+        }
+        fa_load(sKV[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load(sKV[1], vbase, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
         u32 qa[M][FA_D / 16][4], da[M][FA_D / 16][4];
@@ -1585,7 +1619,9 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             fa_a_frags_m<T, M>(qa, sQ, w0);
             fa_a_frags_m<T, M>(da, sDO, w0);
         }
-        fa_delta(sD, sL, delta + bh * Tn, lse + bh * Tn, sDO, ob, q0, Tn, C, hs, vec_delta);
+        for (int r = 0; r < QR; r += FA_ROWS)
+            fa_delta(sD + r, sL + r, delta + bh * Tn, lse + bh * Tn, sDO + r * FA_LDS, ob,
+                     q0 + r, Tn, C, hs, vec_delta);
         __syncthreads();
         float nl[M][2], dr[M][2], dq[M][FA_D / 8][4];
 #pragma unroll
@@ -1599,25 +1635,31 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             for (int nd = 0; nd < FA_D / 8; nd++)
                 dq[i][nd][0] = dq[i][nd][1] = dq[i][nd][2] = dq[i][nd][3] = 0.0f;
         }
-        for (i64 kb = 0; kb <= qb; kb++) {
+        for (i64 kb = 0; kb <= kend; kb++) {
             int cur = (int)(kb & 1);
             __syncthreads();
-            if (kb < qb) {
-                fa_load(sK[cur ^ 1], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load(sV[cur ^ 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+            if (kb < kend) {
+                fa_load(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
             }
             cp_async_commit();
             cp_async_wait_prior();
             __syncthreads();
+            // This warp's first row, counted from the key block's first key (w0 on the
+            // diagonal block of a 64-row query block, compiled as before for those).
+            int off = QR > FA_ROWS ? (int)(q0 + w0 - kb * FA_ROWS) : w0;
+            if (QR > FA_ROWS && off + 16 * M <= 0) continue;  // every key after every row
+            T* sK = sKV[2 * cur];
             // P rounded to T (as the three-step path stores it), then dS = P ∘ (dP − Δ).
             u32 pa[M][FA_ROWS / 16][4];
             if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(qa, sQ, w0);
             {
                 float s[M][FA_ROWS / 8][4];
-                fa_mma_abt_m<T, M>(s, qa, sK[cur]);
+                fa_mma_abt_m<T, M>(s, qa, sK);
 #pragma unroll
                 for (int i = 0; i < M; i++) {
-                    if (kb == qb) fa_mask(s[i], w0 + 16 * i, NEG_INF, false);
+                    if (QR > FA_ROWS ? off + 16 * i < FA_ROWS - 1 : kb == qb)
+                        fa_mask(s[i], off + 16 * i, NEG_INF, false);
 #pragma unroll
                     for (int n = 0; n < FA_ROWS / 8; n++)
 #pragma unroll
@@ -1628,7 +1670,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             }
             float dp[M][FA_ROWS / 8][4];
             if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(da, sDO, w0);
-            fa_mma_abt_m<T, M>(dp, da, sV[cur]);
+            fa_mma_abt_m<T, M>(dp, da, sKV[2 * cur + 1]);
 #pragma unroll
             for (int i = 0; i < M; i++) {
 #pragma unroll
@@ -1638,7 +1680,7 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
                         dp[i][n][e] = fa_unpack<T>(pa[i], n, e) * (dp[i][n][e] - dr[i][e >> 1]);
                 fa_pack<T>(pa[i], dp[i]);
             }
-            fa_mma_pb_m<T, M>(dq, pa, sK[cur]);
+            fa_mma_pb_m<T, M>(dq, pa, sK);
         }
         float mul[2] = {scale, scale};
 #pragma unroll
@@ -1651,15 +1693,29 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         flash_backward_dq_##S(T* dqkv, float* delta, const T* dout, const T* out,           \
                               const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,  \
                               i64 kvh, i64 hs, float scale) {                               \
-        flash_backward_dq_k<T, 1>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,     \
-                                  scale);                                                   \
+        flash_backward_dq_k<T, 1, 4>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
+                                     scale);                                                \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DQ_WIDE)            \
         flash_backward_dq_wide_##S(T* dqkv, float* delta, const T* dout, const T* out,      \
                                    const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,   \
                                    i64 kvh, i64 hs, float scale) {                          \
-        flash_backward_dq_k<T, 2>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,     \
-                                  scale);                                                   \
+        flash_backward_dq_k<T, 2, 2>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
+                                     scale);                                                \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(2 * FA_THREADS, FA_MINB_DQ / 2)             \
+        flash_backward_dq_q128_##S(T* dqkv, float* delta, const T* dout, const T* out,      \
+                                   const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,   \
+                                   i64 kvh, i64 hs, float scale) {                          \
+        flash_backward_dq_k<T, 1, 8>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
+                                     scale);                                                \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DQ_WIDE / 2)            \
+        flash_backward_dq_wide_q128_##S(T* dqkv, float* delta, const T* dout,               \
+                                        const T* out, const float* lse, const T* qkv, i64 B, \
+                                        i64 Tn, i64 nh, i64 kvh, i64 hs, float scale) {     \
+        flash_backward_dq_k<T, 2, 4>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
+                                     scale);                                                \
     }
 FOR_HALF_TYPES(DEF)
 #undef DEF

@@ -36,10 +36,11 @@ mod nvrtc;
 
 use crate::backend::knobs::{Knobs, GEMM_SELECT_ENV};
 pub use driver::gpu_present;
+use forms::QueryKernels;
 pub use forms::{
-    parse_in_gemm, BiasGrad, FlashBackward, FlashWarpRows, KernelForm, LayernormBackward,
-    BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_WARP_ROWS_ENV,
-    LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, BiasGrad, FlashBackward, FlashQueryRows, FlashWarpRows, KernelForm,
+    LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV,
+    FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
 };
 use gemm::problem;
 pub use gemm::DeviceGemm;
@@ -175,8 +176,12 @@ kernels!(
     half:
     flash_forward,
     flash_forward_wide,
+    flash_forward_q128,
+    flash_forward_wide_q128,
     flash_backward_dq,
     flash_backward_dq_wide,
+    flash_backward_dq_q128,
+    flash_backward_dq_wide_q128,
     flash_backward_dkv,
     flash_backward_dkv_wide,
     flash_backward_prep,
@@ -236,6 +241,7 @@ pub struct CudaBackend {
     no_epilogue: std::collections::HashSet<EpilogueShape>,
     /// Rows per warp of the fused attention kernels, and the form of their backward pass.
     flash_warp_rows: FlashWarpRows,
+    flash_query_rows: FlashQueryRows,
     flash_backward: FlashBackward,
     /// The one-kernel attention backward's dQ accumulators and counters
     /// ([`FlashBackward::Fused`]).
@@ -272,6 +278,7 @@ impl CudaBackend {
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let k = Knobs::from_env()?;
         self.set_flash_warp_rows(k.flash_warp_rows);
+        self.set_flash_query_rows(k.flash_query_rows);
         self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
         self.set_bias_grad(k.bias_grad);
@@ -285,6 +292,17 @@ impl CudaBackend {
             assert!(r == 16 || r == 32, "flash warp rows: 16 or 32, not {r}");
         }
         self.flash_warp_rows = rows;
+    }
+
+    /// Query rows per block of the fused attention's forward and dQ kernels
+    /// ([`FLASH_QUERY_ROWS_ENV`]).
+    pub fn set_flash_query_rows(&mut self, rows: FlashQueryRows) {
+        assert!(
+            rows.0 == 64 || rows.0 == 128,
+            "flash query rows: 64 or 128, not {}",
+            rows.0
+        );
+        self.flash_query_rows = rows;
     }
 
     /// The form of the fused attention's backward pass ([`FLASH_BACKWARD_ENV`]).
@@ -323,6 +341,7 @@ impl CudaBackend {
             tables: Default::default(),
             no_epilogue: Default::default(),
             flash_warp_rows: FlashWarpRows::default(),
+            flash_query_rows: FlashQueryRows::default(),
             flash_backward: FLASH_BACKWARD_DEFAULT,
             attn_dq: Scratch::default(),
             layernorm_backward: LAYERNORM_BACKWARD_DEFAULT,
@@ -562,6 +581,7 @@ impl Backend for CudaBackend {
                 FLASH_WARP_ROWS_ENV,
                 format!("{},{},{}", r.forward, r.dq, r.dkv),
             ),
+            (FLASH_QUERY_ROWS_ENV, self.flash_query_rows.0.to_string()),
             (
                 LAYERNORM_BACKWARD_ENV,
                 self.layernorm_backward.name().to_string(),
@@ -1175,13 +1195,18 @@ impl Backend for CudaBackend {
         assert_eq!(self.dt(lse), Dtype::F32, "attention_forward: lse is f32");
         let mut args = vec![Arg::Ptr(self.ptr(out)), Arg::Ptr(self.ptr(lse))];
         args.extend(self.flash_args(qkv, d));
-        // Four warps of 16 query rows, or two of 32, per block of FLASH_ROWS rows.
-        let (kernel, threads) = FlashWarpRows::pick(
+        // Warps of 16 or 32 query rows, in blocks of 64 or 128 rows.
+        let q = self.flash_query_rows;
+        let (kernel, threads) = q.pick(
             self.flash_warp_rows.forward,
-            K::flash_forward,
-            K::flash_forward_wide,
+            QueryKernels {
+                narrow: K::flash_forward,
+                wide: K::flash_forward_wide,
+                narrow_q128: K::flash_forward_q128,
+                wide_q128: K::flash_forward_wide_q128,
+            },
         );
-        self.launch(kernel, dt, Self::flash_grid(d), threads, 0, &args);
+        self.launch(kernel, dt, Self::flash_grid(d, q.0), threads, 0, &args);
     }
 
     fn attention_backward(
@@ -1207,7 +1232,8 @@ impl Backend for CudaBackend {
                 d,
             );
         }
-        let (grid, tail) = (Self::flash_grid(d), self.flash_args(qkv, d));
+        let q = self.flash_query_rows;
+        let (grid, tail) = (Self::flash_grid(d, q.0), self.flash_args(qkv, d));
         let (dq, dy, y, l) = (self.ptr(dqkv), self.ptr(dout), self.ptr(out), self.ptr(lse));
         let mut args = vec![
             Arg::Ptr(dq),
@@ -1217,13 +1243,19 @@ impl Backend for CudaBackend {
             Arg::Ptr(l),
         ];
         args.extend(tail.iter().copied());
-        // The wide kernels keep two 64-row tiles (Q and dO, or K and V) in dynamic shared
-        // memory.
         let rows = self.flash_warp_rows;
+        let (k, threads) = q.pick(
+            rows.dq,
+            QueryKernels {
+                narrow: K::flash_backward_dq,
+                wide: K::flash_backward_dq_wide,
+                narrow_q128: K::flash_backward_dq_q128,
+                wide_q128: K::flash_backward_dq_wide_q128,
+            },
+        );
+        self.launch(k, dt, grid, threads, q.dq_shmem(rows.dq), &args);
+        // The wide dK/dV kernel keeps two 64-row tiles (K and V) in dynamic shared memory.
         let shmem = |r: usize| if r == 32 { FLASH_KV_SHMEM } else { 0 };
-        let (k, threads) =
-            FlashWarpRows::pick(rows.dq, K::flash_backward_dq, K::flash_backward_dq_wide);
-        self.launch(k, dt, grid, threads, shmem(rows.dq), &args);
         let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
         args.extend(tail);
         let (k, threads) =
