@@ -80,7 +80,7 @@ torch_() { # LABEL ARGS...: dev/bench_pytorch.py --compile, its median ms/step
 llmc_() { # LABEL: llm.c's median step time over steps 4.. (its own timing per step)
     [ -n "$llmc" ] || return 0
     limited 120 "$llmc" -i "$OUT/llmc_train.bin" -j "$OUT/llmc_val.bin" -e d12 -b "$B" -t "$T" \
-        -x $((STEPS + 3)) -v 0 -s 0 -n 0 -c 0.1 -l 1e-4 > "$OUT/run.txt"
+        -x $((STEPS + 3)) -v 100000 -m 1 -s 0 -n 0 -c 0.1 -l 1e-4 > "$OUT/run.txt"
     cat "$OUT/run.txt" >> "$LOG"
     row "$1" "$(awk '/^step / { for (i = 1; i < NF; i++) if ($(i + 1) == "ms") print $i }' "$OUT/run.txt" |
         tail -n +4 | sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)] }')"
