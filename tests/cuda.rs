@@ -1727,6 +1727,7 @@ mod gpu {
             panic!("no header in the CUDA run's metrics")
         };
         assert_eq!(h["kernels"][cuda::FLASH_WARP_ROWS_ENV], "16,16,16", "{h}");
+        assert_eq!(h["kernels"][cuda::FLASH_QUERY_ROWS_ENV], "64", "{h}");
         assert_eq!(h["kernels"][cuda::LAYERNORM_BACKWARD_ENV], "fused", "{h}");
         assert_eq!(h["kernels"][cuda::BIAS_GRAD_ENV], "separate", "{h}");
         assert_eq!(h["kernels"][cuda::FLASH_BACKWARD_ENV], "split", "{h}");
