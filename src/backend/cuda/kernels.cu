@@ -2403,6 +2403,71 @@ __device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const 
 FOR_TYPES(DEF)
 #undef DEF
 
+// The cross-entropy of rows whose whole vocabulary is on this device (no tensor parallelism)
+// with one read of the logits from memory instead of three: ce_row_stats's statistics, in the
+// same per-thread order and block tree (the same bits), each element kept in shared memory as
+// it is read (the row's VP elements: the host's ce_one_pass_shmem), then ce_target_logit and
+// ce_finish from there (vocab_start 0).
+template <typename T>
+__device__ void ce_one_pass_k(float* losses, T* logits, const u32* targets, float dloss,
+                              int has_grad, i64 N, i64 VP, i64 V) {
+    __shared__ float shf[ROW_THREADS];
+    __shared__ double sh[ROW_THREADS];
+    DYNAMIC_SHARED(Pack<float>, ce_row);
+    T* srow = reinterpret_cast<T*>(ce_row);
+    bool vec = rows_aligned(logits, VP);
+    for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
+        __syncthreads();  // the previous row's reads of srow are done
+        float m = NEG_INF, g = 0.0f;
+        double s = 0.0;
+        int terms = 0;
+        for_each_elem<T>(V, vec, threadIdx.x, blockDim.x,
+                         [&](i64 j, float x) {
+                             st(srow[j], x);  // exact: x is a T widened
+                             if (x > m) {
+                                 float scale = expf(m - x);
+                                 s *= (double)scale;
+                                 g *= scale;
+                                 m = x;
+                             }
+                             if (m != NEG_INF) g += expf(x - m);
+                             if (++terms == PACK(T)) {
+                                 s += (double)g;
+                                 g = 0.0f;
+                                 terms = 0;
+                             }
+                         },
+                         logits + r * VP);
+        s += (double)g;
+        float mx = block_max_f(m, shf);
+        // (block_sum_d's barriers also complete srow)
+        float sum = (float)block_sum_d(m == NEG_INF ? 0.0 : s * (double)expf(m - mx), sh);
+        i64 tj = (i64)targets[r];
+        float tl = (tj >= 0 && tj < V) ? ld(srow[tj]) : 0.0f;
+        if (threadIdx.x == 0)
+            losses[r] = has_grad ? (float)(log((double)sum) + (double)mx - (double)tl)
+                                 : logf(sum) + mx - tl;
+        if (!has_grad) continue;
+        float inv = 1.0f / sum;
+        float k = dloss * inv;
+        T* row = logits + r * VP;
+        auto grad = [&](i64 j, float x) {
+            if (j >= V) return 0.0f;
+            if (j == tj) return dloss * (expf(x - mx) * inv - 1.0f);
+            return expf(x - mx) * k;
+        };
+        map_elems(row, VP, vec, threadIdx.x, blockDim.x, grad, (const T*)srow);
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void ce_one_pass_##S(float* losses, T* logits, const u32* targets,  \
+                                               float dloss, int has_grad, i64 N, i64 VP,    \
+                                               i64 V) {                                     \
+        ce_one_pass_k(losses, logits, targets, dloss, has_grad, N, VP, V);                  \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
 // ---- optimizer (ops/adamw.rs) ---------------------------------------------------------------
 //
 // Both kernels work on many tensors in one launch (a GPT-2 step has one per parameter tensor:
