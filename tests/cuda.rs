@@ -1039,28 +1039,6 @@ mod gpu {
                 be.check("ce target logit", tl, 0.0);
                 be.check("ce losses", lo, ELEM * 10.0);
                 be.check("ce dlogits", logits, ELEM * 10.0);
-                // The same as one op (on a GPU, one pass over the logits where the whole
-                // vocabulary is there): the phases' losses and gradient, to the bit.
-                let logits1 = be.rand(rows * vp, 3);
-                let lo1 = be.nan32(rows);
-                let scratch = CeRows {
-                    maxes: be.nan32(rows),
-                    sums: be.nan32(rows),
-                    tl: be.nan32(rows),
-                };
-                be.run(|x| x.ce_whole_vocab(lo1, logits1, scratch, tg, dloss, d));
-                be.check("ce losses, one op", lo1, ELEM * 10.0);
-                for (what, a, b) in [("losses", lo, lo1), ("dlogits", logits, logits1)] {
-                    let (mut u, mut v) = (vec![0.0f32; a.len], vec![0.0f32; b.len]);
-                    be.gpu.download(a, &mut u);
-                    be.gpu.download(b, &mut v);
-                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&u),
-                        bits(&v),
-                        "ce {what}, one op against the phases: {d:?}"
-                    );
-                }
             }
         }
         // A shard without real columns (maximum −∞, sum 0), and sums moved to larger maxima as

@@ -576,20 +576,6 @@ pub trait Backend: 'static {
         dloss: Option<f32>,
         d: CeDims,
     );
-    /// The phases for logits that hold the whole vocabulary (no tensor parallelism, so no
-    /// all-reduces between them): what [`ce_phases`] gives, in one op so that a device backend
-    /// can read the logits once (`rows`: the phases' scratch, if a backend runs them).
-    fn ce_whole_vocab(
-        &mut self,
-        losses: Span,
-        logits: Span,
-        rows: CeRows,
-        targets: TokSpan,
-        dloss: Option<f32>,
-        d: CeDims,
-    ) {
-        ce_phases(self, losses, logits, rows, targets, dloss, d);
-    }
 
     // --- optimizer -----------------------------------------------------------------------
     /// Σ x² of each span, in f64, deterministic (all spans in one call, so a device backend
@@ -599,22 +585,6 @@ pub trait Backend: 'static {
     /// part's compute copy refreshed; `hp.weight_decay` applies to the parts marked `decay`.
     /// Parameters, gradients and moments are f32.
     fn adamw(&mut self, parts: &[AdamWPart], hp: &AdamWStep);
-}
-
-/// [`Backend::ce_whole_vocab`] as its phases: row statistics (which are then already the
-/// global ones), target logits, losses and gradient.
-pub fn ce_phases<B: Backend + ?Sized>(
-    be: &mut B,
-    losses: Span,
-    logits: Span,
-    rows: CeRows,
-    targets: TokSpan,
-    dloss: Option<f32>,
-    d: CeDims,
-) {
-    be.ce_row_stats(rows.maxes, rows.sums, logits, d);
-    be.ce_target_logit(rows.tl, logits, targets, d);
-    be.ce_finish(losses, logits, rows, targets, dloss, d);
 }
 
 /// [`Backend::linear_residual_forward`] as two ops: [`Backend::linear_forward`] into

@@ -248,23 +248,19 @@ pub fn loss_forward<B: Backend>(
             work::traffic(be, &[h.logits], &written, &[])
         })
     };
+    x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
+    x.be.copy(h.ce_max, h.ce_local_max);
+    x.allreduce(ar, h.ce_max, ReduceOp::Max);
+    x.be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
+    x.be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
+    x.allreduce(ar, h.ce_sum, ReduceOp::Sum);
+    x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
     let rows = CeRows {
         maxes: h.ce_max,
         sums: h.ce_sum,
         tl: h.ce_tl,
     };
-    if x.comm.size() == 1 {
-        x.be.ce_whole_vocab(h.losses, h.logits, rows, targets, dloss, cd);
-    } else {
-        x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
-        x.be.copy(h.ce_max, h.ce_local_max);
-        x.allreduce(ar, h.ce_max, ReduceOp::Max);
-        x.be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
-        x.be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
-        x.allreduce(ar, h.ce_sum, ReduceOp::Sum);
-        x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
-        x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
-    }
+    x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
     let mut losses = vec![0.0f32; cd.n];
     x.be.download(h.losses, &mut losses);
     (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32

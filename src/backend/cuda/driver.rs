@@ -23,8 +23,6 @@ pub struct DriverEngine {
     tf32: bool,
     /// Compute capability major version.
     major: i32,
-    /// Shared memory a block may opt in to (bytes).
-    shmem_optin: u32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -138,15 +136,9 @@ impl DriverEngine {
             .context("setting the cuBLAS math mode")?;
         let lt = Lt::new(stream.clone(), &name, (major, minor), settings.tf32)?;
         let tf32 = if settings.tf32 { ", TF32" } else { "" };
-        let shmem_optin = ctx
-            .attribute(
-                drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .context("asking the GPU's shared memory per block")?;
         Ok(DriverEngine {
             tf32: settings.tf32,
             major,
-            shmem_optin: shmem_optin.max(0) as u32,
             ctx,
             stream,
             blas,
@@ -265,11 +257,6 @@ impl Engine for DriverEngine {
 
     fn mma_16bit(&self) -> bool {
         self.major >= 8
-    }
-
-    fn max_dynamic_shmem(&self) -> u32 {
-        // Less 8 KB for the kernels' static shared memory.
-        self.shmem_optin.saturating_sub(8 * 1024)
     }
 
     fn free_bytes(&self) -> Option<usize> {

@@ -172,11 +172,6 @@ impl Engine for Emulator {
         true
     }
 
-    /// An H100's (227 KB per block, less 8 KB for static shared memory).
-    fn max_dynamic_shmem(&self) -> u32 {
-        219 * 1024
-    }
-
     fn free_bytes(&self) -> Option<usize> {
         None
     }

@@ -227,11 +227,6 @@ pub trait Engine {
     /// Whether the device runs `mma.m16n8k16` on bf16/f16 operands (sm_80 and newer; the
     /// emulator emulates it): the fused attention kernels need it.
     fn mma_16bit(&self) -> bool;
-    /// The most dynamic shared memory one block of a kernel may ask for (with room for a few
-    /// KB of static shared memory beside it): 48 KB unless the device allows more.
-    fn max_dynamic_shmem(&self) -> u32 {
-        48 * 1024
-    }
     /// Free device memory in bytes, when known (for out-of-memory messages).
     fn free_bytes(&self) -> Option<usize>;
     fn alloc(&mut self, bytes: usize) -> Result<DevAlloc>;

@@ -52,9 +52,9 @@ use columns::COLUMN_CHUNK_ROWS;
 
 use super::WeightLayout;
 use super::{
-    ce_phases, AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, CudaSettings, Dtype,
-    Embedding, FusedAttention, InGemm, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads,
-    NormStats, RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
+    AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, CudaSettings, Dtype, Embedding,
+    FusedAttention, InGemm, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats,
+    RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
 };
 use anyhow::{Context, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall};
@@ -171,7 +171,6 @@ kernels!(
     ce_rescale_sums,
     ce_target_logit,
     ce_finish,
-    ce_one_pass,
     adamw,
     sum_of_squares;
     half:
@@ -1532,38 +1531,6 @@ impl Backend for CudaBackend {
             Arg::I64(d.v_valid as i64),
         ];
         self.launch_rows(K::ce_finish, self.dt(logits), d.n, 0, &args);
-    }
-
-    fn ce_whole_vocab(
-        &mut self,
-        losses: Span,
-        logits: Span,
-        rows: CeRows,
-        targets: TokSpan,
-        dloss: Option<f32>,
-        d: CeDims,
-    ) {
-        // The row in shared memory, if it fits; else the phases.
-        let shmem = (d.vp * self.dt(logits).bytes()).next_multiple_of(16);
-        if d.vocab_start != 0 || shmem > self.eng.max_dynamic_shmem() as usize {
-            return ce_phases(self, losses, logits, rows, targets, dloss, d);
-        }
-        check_ce(logits, d);
-        assert!(
-            losses.len == d.n && targets.len == d.n,
-            "ce_whole_vocab: lengths"
-        );
-        let args = [
-            Arg::Ptr(self.ptr(losses)),
-            Arg::Ptr(self.ptr(logits)),
-            Arg::Ptr(self.tok_ptr(targets)),
-            Arg::F32(dloss.unwrap_or(0.0)),
-            Arg::I32(dloss.is_some() as i32),
-            Arg::I64(d.n as i64),
-            Arg::I64(d.vp as i64),
-            Arg::I64(d.v_valid as i64),
-        ];
-        self.launch_rows(K::ce_one_pass, self.dt(logits), d.n, shmem as u32, &args);
     }
 
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
