@@ -48,6 +48,16 @@ use std::ffi::c_void;
 use std::mem::size_of_val;
 use std::sync::{Arc, Mutex};
 
+/// The timed algorithms ([`GemmSelect::Timed`]), under one lock.
+#[derive(Default)]
+struct Choices {
+    /// The algorithm this process runs per shape: timed here, or taken from the disk cache
+    /// once cuBLASLt accepted it for the shape.
+    chosen: HashMap<ShapeKey, sys::cublasLtMatmulAlgo_t>,
+    /// The choices on disk: opened at the first timed GEMM.
+    cache: Option<AlgoCache>,
+}
+
 /// A cuBLASLt handle and its workspace, on the engine's stream.
 pub struct Lt {
     handle: sys::cublasLtHandle_t,
@@ -56,11 +66,8 @@ pub struct Lt {
     /// f32 GEMMs may use TF32 tensor cores (`--tf32`), as the cuBLAS handle's math mode says.
     tf32: bool,
     select: GemmSelect,
-    /// The algorithm this process runs per shape ([`GemmSelect::Timed`]): timed here, or
-    /// taken from the disk cache once cuBLASLt accepted it for the shape.
-    chosen: Mutex<HashMap<ShapeKey, sys::cublasLtMatmulAlgo_t>>,
-    /// The choices on disk: opened at the first timed GEMM.
-    cache: Mutex<Option<AlgoCache>>,
+    /// [`GemmSelect::Timed`]'s choices.
+    choices: Mutex<Choices>,
     /// What the cached choices are valid for.
     identity: Identity,
     /// Where timed candidates write, never the caller's outputs.
@@ -87,8 +94,7 @@ impl Lt {
             stream,
             tf32,
             select: GemmSelect::First,
-            chosen: Mutex::default(),
-            cache: Mutex::default(),
+            choices: Mutex::default(),
             identity: Identity {
                 gpu: gpu.to_string(),
                 major,
@@ -127,11 +133,11 @@ impl Lt {
     /// timed now ([`Self::time_candidates`]) and stored.
     fn timed_algo(&self, g: &GemmCall, call: &Call) -> Result<sys::cublasLtMatmulAlgo_t> {
         let key = ShapeKey::of(g, self.tf32);
-        let mut chosen = self.chosen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut choices = self.choices.lock().unwrap_or_else(|e| e.into_inner());
+        let Choices { chosen, cache } = &mut *choices;
         if let Some(algo) = chosen.get(&key) {
             return Ok(*algo);
         }
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         let cache = cache.get_or_insert_with(|| {
             let cache = AlgoCache::from_env(self.identity.clone());
             if let (false, Some(file)) = (cache.is_empty(), cache.file()) {
