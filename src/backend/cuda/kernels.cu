@@ -1503,29 +1503,22 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         }
     }
 }
-#define DEF(S, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD)                    \
-        flash_forward_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, \
-                          i64 hs, float scale) {                                            \
-        flash_forward_k<T, 1, 4>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_FWD_WIDE)           \
-        flash_forward_wide_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
-                               i64 kvh, i64 hs, float scale) {                              \
-        flash_forward_k<T, 2, 2>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(2 * FA_THREADS, FA_MINB_FWD / 2)            \
-        flash_forward_q128_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
-                               i64 kvh, i64 hs, float scale) {                              \
-        flash_forward_k<T, 1, 8>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD_WIDE / 2)           \
-        flash_forward_wide_q128_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn,        \
-                                    i64 nh, i64 kvh, i64 hs, float scale) {                 \
-        flash_forward_k<T, 2, 4>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                 \
+// The forward kernel's forms: NAME_S with W warps of M groups of 16 query rows per block,
+// compiled for MINB blocks per SM.
+#define FA_FWD(S, T, NAME, M, W, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
+        NAME##_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, \
+                   float scale) {                                                            \
+        flash_forward_k<T, M, W>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                  \
     }
+#define DEF(S, T)                                                                            \
+    FA_FWD(S, T, flash_forward, 1, 4, FA_MINB_FWD)                                           \
+    FA_FWD(S, T, flash_forward_wide, 2, 2, FA_MINB_FWD_WIDE)                                 \
+    FA_FWD(S, T, flash_forward_q128, 1, 8, FA_MINB_FWD / 2)                                  \
+    FA_FWD(S, T, flash_forward_wide_q128, 2, 4, FA_MINB_FWD_WIDE / 2)
 FOR_HALF_TYPES(DEF)
 #undef DEF
+#undef FA_FWD
 
 // Δ = rowsum(dO ∘ O) of query rows row0 .. row0+64 (dO in the shared tile `sdo`, O the rows of
 // `ob` with row stride C) into `delta` (global, rows before Tn) and `sd`, and −lse·log2(e)
@@ -1688,37 +1681,22 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             fa_store(dqkv + b * Tn * ldq + h * hs, dq[i], q0 + w0 + 16 * i, Tn, ldq, hs, mul);
     }
 }
-#define DEF(S, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DQ)                     \
-        flash_backward_dq_##S(T* dqkv, float* delta, const T* dout, const T* out,           \
-                              const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,  \
-                              i64 kvh, i64 hs, float scale) {                               \
-        flash_backward_dq_k<T, 1, 4>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
-                                     scale);                                                \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DQ_WIDE)            \
-        flash_backward_dq_wide_##S(T* dqkv, float* delta, const T* dout, const T* out,      \
-                                   const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,   \
-                                   i64 kvh, i64 hs, float scale) {                          \
-        flash_backward_dq_k<T, 2, 2>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
-                                     scale);                                                \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(2 * FA_THREADS, FA_MINB_DQ / 2)             \
-        flash_backward_dq_q128_##S(T* dqkv, float* delta, const T* dout, const T* out,      \
-                                   const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,   \
-                                   i64 kvh, i64 hs, float scale) {                          \
-        flash_backward_dq_k<T, 1, 8>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
-                                     scale);                                                \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DQ_WIDE / 2)            \
-        flash_backward_dq_wide_q128_##S(T* dqkv, float* delta, const T* dout,               \
-                                        const T* out, const float* lse, const T* qkv, i64 B, \
-                                        i64 Tn, i64 nh, i64 kvh, i64 hs, float scale) {     \
-        flash_backward_dq_k<T, 2, 4>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,  \
-                                     scale);                                                \
+// The dQ kernel's forms, as the forward's (FA_FWD).
+#define FA_DQ(S, T, NAME, M, W, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
+        NAME##_##S(T* dqkv, float* delta, const T* dout, const T* out, const float* lse,     \
+                   const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale) {      \
+        flash_backward_dq_k<T, M, W>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,   \
+                                     scale);                                                 \
     }
+#define DEF(S, T)                                                                            \
+    FA_DQ(S, T, flash_backward_dq, 1, 4, FA_MINB_DQ)                                         \
+    FA_DQ(S, T, flash_backward_dq_wide, 2, 2, FA_MINB_DQ_WIDE)                               \
+    FA_DQ(S, T, flash_backward_dq_q128, 1, 8, FA_MINB_DQ / 2)                                \
+    FA_DQ(S, T, flash_backward_dq_wide_q128, 2, 4, FA_MINB_DQ_WIDE / 2)
 FOR_HALF_TYPES(DEF)
 #undef DEF
+#undef FA_DQ
 
 // The per-row statistics of query rows row0.. for the dK/dV kernel: −lse·log2(e) (−∞ past T:
 // probabilities 0) and delta (0 past T).
