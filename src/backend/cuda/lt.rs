@@ -93,7 +93,7 @@ impl Lt {
             workspace,
             stream,
             tf32,
-            select: GemmSelect::First,
+            select: GemmSelect::default(),
             choices: Mutex::default(),
             identity: Identity {
                 gpu: gpu.to_string(),
