@@ -807,9 +807,10 @@ mod gpu {
             |v| FlashBackward::parse(cuda::FLASH_BACKWARD_ENV, v, cuda::FLASH_BACKWARD_DEFAULT);
         assert_eq!(parse("").unwrap(), FlashBackward::Split);
         assert_eq!(parse("fused").unwrap(), FlashBackward::Fused);
+        assert_eq!(parse("stored").unwrap(), FlashBackward::Stored);
         let e = parse("one").unwrap_err().to_string();
         assert!(
-            e.contains("FUGU_FLASH_BACKWARD=one: expected split or fused"),
+            e.contains("FUGU_FLASH_BACKWARD=one: expected split, fused or stored"),
             "{e}"
         );
     }
@@ -944,6 +945,50 @@ mod gpu {
                 be.gpu.set_flash_warp_rows(FlashWarpRows::default());
                 be.gpu.set_flash_backward(FlashBackward::Split);
                 same_bits(&be.gpu, "dqkv, one kernel, 32 rows per warp", dqkv, wide, d);
+            }
+        }
+    }
+
+    /// The attention backward with stored dS (`FUGU_FLASH_BACKWARD=stored`): the dK/dV kernel
+    /// stores each tile's dS and a dQ kernel multiplies it by K, the same products on the same
+    /// values, summed in the same order, as the dQ kernel of the default form: the same bits
+    /// as the default (on a GPU this holds where the tensor cores sum a product's terms in
+    /// the order they sum its transpose's, which the test checks), in its 16- and 32-row
+    /// forms, with every sequence in one chunk of dS tiles and one sequence per chunk.
+    #[test]
+    fn fused_attention_stored_ds_backward() {
+        for act in [Dtype::Bf16, Dtype::F16] {
+            let Some(mut be) = Both::new(act) else { return };
+            for (b, t, nh, kv, hs) in FUSED_SHAPES {
+                if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
+                    return skipped(&format!(
+                        "no fused attention on this device for hs = {hs} in {act:?}"
+                    ));
+                }
+                let d = AttnDims { b, t, nh, kv, hs };
+                let (c, w) = (nh * hs, d.shape().qkv_width());
+                let qkv = be.rand(b * t * w, 1);
+                let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
+                be.run(|x| x.attention_forward(out, lse, qkv, d));
+                let dout = be.rand(b * t * c, 2);
+                let split = be.nan(b * t * w);
+                be.gpu.attention_backward(split, dout, out, lse, qkv, d);
+                be.gpu.set_flash_backward(FlashBackward::Stored);
+                for (warp, budget) in [(16, usize::MAX), (32, usize::MAX), (16, 1), (32, 1)] {
+                    let stored = be.nan(b * t * w);
+                    be.gpu.set_flash_warp_rows(FlashWarpRows {
+                        forward: 16,
+                        dq: warp,
+                        dkv: warp,
+                    });
+                    be.gpu.set_flash_ds_budget(budget);
+                    be.gpu.attention_backward(stored, dout, out, lse, qkv, d);
+                    let what = format!("dqkv, stored dS, {warp} rows per warp, budget {budget}");
+                    same_bits(&be.gpu, &what, split, stored, d);
+                }
+                be.gpu.set_flash_warp_rows(FlashWarpRows::default());
+                be.gpu.set_flash_backward(FlashBackward::Split);
+                be.gpu.set_flash_ds_budget(usize::MAX);
             }
         }
     }
@@ -1694,7 +1739,7 @@ mod gpu {
             (
                 cuda::FLASH_BACKWARD_ENV,
                 "one",
-                "FUGU_FLASH_BACKWARD=one: expected split or fused",
+                "FUGU_FLASH_BACKWARD=one: expected split, fused or stored",
             ),
         ] {
             let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));

@@ -13,7 +13,7 @@
 //! | `FUGU_FLASH_WARP_ROWS` | `16`, `32`, or `F,Q,KV` | the CUDA backend (`backend/cuda/forms.rs`) |
 //! | `FUGU_FLASH_QUERY_ROWS` | `64`, `128` | the CUDA backend |
 //! | `FUGU_LAYERNORM_BACKWARD` | `split`, `fused` | the CUDA backend |
-//! | `FUGU_FLASH_BACKWARD` | `split`, `fused` | the CUDA backend |
+//! | `FUGU_FLASH_BACKWARD` | `split`, `fused`, `stored` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
 //! | `FUGU_GEMM_SELECT` | `first`, `timed` | the CUDA backend's cuBLASLt calls (`backend/cuda/lt.rs`) |
 //!
@@ -71,6 +71,44 @@ impl KernelForm {
             v,
             default,
             &[KernelForm::Split, KernelForm::Fused],
+            Self::name,
+        )
+    }
+}
+
+/// How the fused attention's backward pass runs (`FUGU_FLASH_BACKWARD`; the CUDA backend's
+/// `forms.rs` says what each form launches and which is the default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashBackward {
+    /// A dQ kernel, then a dK/dV kernel: each computes the tiles' probabilities and dS.
+    Split,
+    /// One kernel: dQ's shares added across key blocks in a fixed order.
+    Fused,
+    /// The dK/dV kernel stores dS; a dQ kernel multiplies it by K.
+    Stored,
+}
+
+impl FlashBackward {
+    /// The setting's value for this form (the run header shows it).
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashBackward::Split => "split",
+            FlashBackward::Fused => "fused",
+            FlashBackward::Stored => "stored",
+        }
+    }
+
+    /// The value `v` of setting `env`: empty (`default`), `split`, `fused` or `stored`.
+    pub fn parse(env: &str, v: &str, default: FlashBackward) -> Result<FlashBackward> {
+        parse_form(
+            env,
+            v,
+            default,
+            &[
+                FlashBackward::Split,
+                FlashBackward::Fused,
+                FlashBackward::Stored,
+            ],
             Self::name,
         )
     }
@@ -199,7 +237,7 @@ pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
 pub const FLASH_QUERY_ROWS_ENV: &str = "FUGU_FLASH_QUERY_ROWS";
 /// Environment variable: the layernorm backward's form, `fused` or `split`.
 pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
-/// Environment variable: the fused attention backward's form, `split` or `fused`.
+/// Environment variable: the fused attention backward's form, `split`, `fused` or `stored`.
 pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
 /// Environment variable: a linear layer's bias gradient, `separate` or `epilogue`.
 pub const BIAS_GRAD_ENV: &str = "FUGU_BIAS_GRAD";
@@ -221,7 +259,7 @@ pub struct Knobs {
     /// `None`: the backend's measured default.
     pub layernorm_backward: Option<KernelForm>,
     /// `None`: the backend's measured default.
-    pub flash_backward: Option<KernelForm>,
+    pub flash_backward: Option<FlashBackward>,
     pub bias_grad: InGemm,
     pub gemm_select: GemmSelect,
 }
@@ -248,7 +286,12 @@ impl Knobs {
             flash_warp_rows: FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?,
             flash_query_rows: FlashQueryRows::parse(&var(FLASH_QUERY_ROWS_ENV))?,
             layernorm_backward: form(LAYERNORM_BACKWARD_ENV)?,
-            flash_backward: form(FLASH_BACKWARD_ENV)?,
+            flash_backward: {
+                let v = var(FLASH_BACKWARD_ENV);
+                (!v.is_empty())
+                    .then(|| FlashBackward::parse(FLASH_BACKWARD_ENV, &v, FlashBackward::Split))
+                    .transpose()?
+            },
             bias_grad: parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?,
             gemm_select: parse_form(
                 GEMM_SELECT_ENV,
@@ -316,7 +359,13 @@ fn parse_form<F: Copy>(
         .find(|&f| name(f) == v)
         .ok_or_else(|| {
             let names: Vec<&str> = forms.iter().map(|&f| name(f)).collect();
-            anyhow!("{env}={v}: expected {}", names.join(" or "))
+            let (last, rest) = names.split_last().expect("a setting has forms");
+            let listed = if rest.is_empty() {
+                last.to_string()
+            } else {
+                format!("{} or {last}", rest.join(", "))
+            };
+            anyhow!("{env}={v}: expected {listed}")
         })
 }
 
@@ -343,7 +392,7 @@ mod tests {
             (FLASH_WARP_ROWS_ENV, "32,16,32"),
             (FLASH_QUERY_ROWS_ENV, "128"),
             (LAYERNORM_BACKWARD_ENV, "split"),
-            (FLASH_BACKWARD_ENV, "fused"),
+            (FLASH_BACKWARD_ENV, "stored"),
             (BIAS_GRAD_ENV, "epilogue"),
             (GEMM_SELECT_ENV, "first"),
         ])
@@ -354,7 +403,7 @@ mod tests {
         assert_eq!(k.flash_warp_rows.dq, 16);
         assert_eq!(k.flash_query_rows, FlashQueryRows(128));
         assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
-        assert_eq!(k.flash_backward, Some(KernelForm::Fused));
+        assert_eq!(k.flash_backward, Some(FlashBackward::Stored));
         assert_eq!(k.bias_grad, InGemm::Epilogue);
         assert_eq!(k.gemm_select, GemmSelect::First);
     }
@@ -375,7 +424,7 @@ mod tests {
             (
                 FLASH_BACKWARD_ENV,
                 "one",
-                "FUGU_FLASH_BACKWARD=one: expected split or fused",
+                "FUGU_FLASH_BACKWARD=one: expected split, fused or stored",
             ),
             (
                 BIAS_GRAD_ENV,

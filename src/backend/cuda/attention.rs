@@ -5,7 +5,8 @@
 use super::engine::Arg;
 use super::gemm::{Mat, Ptrs};
 use super::{
-    AttnDims, Backend, CudaBackend, Dtype, FlashWarpRows, FusedAttention, Span, ELEM_THREADS, K,
+    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashWarpRows, FusedAttention, Span,
+    ELEM_THREADS, K,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
@@ -20,6 +21,11 @@ pub(super) const FLASH_LDS: u32 = 72;
 pub(super) const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * FLASH_LDS * 2;
 /// Dynamic shared memory of the one-kernel attention backward: K, V and dS.
 pub(super) const FLASH_FUSED_SHMEM: u32 = 3 * FLASH_ROWS as u32 * FLASH_LDS * 2;
+/// The most memory the tiles of dS take at once in the backward pass with stored dS
+/// ([`FlashBackward::Stored`]): the sequences go through in chunks that fit (at least one
+/// sequence per chunk, whatever its size: heads × T² bytes in 16 bits, 12 MiB for GPT-2 124M
+/// at T = 1024, 2 GiB for 32 heads at T = 8192).
+pub(super) const FLASH_DS_BUDGET: usize = 512 << 20;
 pub(super) const FLASH_MAX_HEAD: usize = 64;
 pub(super) const FLASH_ROWS: usize = 64;
 
@@ -63,25 +69,11 @@ impl CudaBackend {
         let acc_bytes = tiles * FLASH_ROWS * FLASH_MAX_HEAD * 4;
         let acc = self.scratch(|s| &mut s.attn_dq, acc_bytes + 4 * (1 + tiles));
         let sync = acc + acc_bytes as u64;
-        let (dy, y) = (self.ptr(dout), self.ptr(out));
-        let args = [
-            Arg::Ptr(delta),
-            Arg::Ptr(sync),
-            Arg::I64(1 + tiles as i64),
-            Arg::Ptr(dy),
-            Arg::Ptr(y),
-            Arg::I64(d.b as i64),
-            Arg::I64(d.t as i64),
-            Arg::I64(d.nh as i64),
-            Arg::I64(d.hs as i64),
-        ];
-        // 8 threads per row.
-        let grid = (8 * lse.len).div_ceil(ELEM_THREADS as usize) as u64;
-        self.launch(K::flash_backward_prep, dt, grid, ELEM_THREADS, 0, &args);
+        self.flash_delta(dt, delta, (sync, 1 + tiles), (dout, out), d);
         let mut args = vec![
             Arg::Ptr(self.ptr(dqkv)),
             Arg::Ptr(delta),
-            Arg::Ptr(dy),
+            Arg::Ptr(self.ptr(dout)),
             Arg::Ptr(self.ptr(lse)),
         ];
         args.extend(self.flash_args(qkv, d));
@@ -93,6 +85,95 @@ impl CudaBackend {
         );
         let blocks = Self::flash_grid_kv(d);
         self.launch(k, dt, blocks, threads, FLASH_FUSED_SHMEM, &args);
+    }
+
+    /// Δ = rowsum(dout ∘ out) into `delta` (`flash_backward_prep`), which also zeroes `n`
+    /// counters at `sync` (the one-kernel backward's; none for the others).
+    fn flash_delta(
+        &mut self,
+        dt: Dtype,
+        delta: u64,
+        (sync, n): (u64, usize),
+        (dout, out): (Span, Span),
+        d: AttnDims,
+    ) {
+        let args = [
+            Arg::Ptr(delta),
+            Arg::Ptr(sync),
+            Arg::I64(n as i64),
+            Arg::Ptr(self.ptr(dout)),
+            Arg::Ptr(self.ptr(out)),
+            Arg::I64(d.b as i64),
+            Arg::I64(d.t as i64),
+            Arg::I64(d.nh as i64),
+            Arg::I64(d.hs as i64),
+        ];
+        // 8 threads per row.
+        let grid = (8 * d.b * d.nh * d.t).div_ceil(ELEM_THREADS as usize) as u64;
+        self.launch(K::flash_backward_prep, dt, grid, ELEM_THREADS, 0, &args);
+    }
+
+    /// The fused attention's backward pass with stored dS ([`FlashBackward::Stored`]): Δ, then
+    /// for each chunk of sequences whose dS tiles fit in the budget ([`FLASH_DS_BUDGET`]),
+    /// `flash_backward_dkv_store` (dK, dV, and dS for every causal tile pair) and
+    /// `flash_backward_dq_stored` (dQ from dS and K).
+    pub(super) fn attention_backward_stored_ds(
+        &mut self,
+        (dt, delta): (Dtype, u64),
+        (dqkv, dout): (Span, Span),
+        (out, lse, qkv): (Span, Span, Span),
+        d: AttnDims,
+    ) {
+        debug_assert_eq!(self.flash_backward, FlashBackward::Stored);
+        self.flash_delta(dt, delta, (delta, 0), (dout, out), d);
+        let nkb = d.t.div_ceil(FLASH_ROWS);
+        let per_seq = d.nh * nkb * (nkb + 1) / 2 * FLASH_ROWS * FLASH_ROWS * dt.bytes();
+        let chunk = (self.flash_ds_budget / per_seq).clamp(1, d.b);
+        let ds = self.scratch(|s| &mut s.attn_dq, chunk * per_seq);
+        let (w, c) = (d.shape().qkv_width(), d.nh * d.hs);
+        let (dq, dy, l, x) = (
+            self.ptr(dqkv),
+            self.ptr(dout),
+            self.ptr(lse),
+            self.qkv_ptr(qkv, d),
+        );
+        let rows = self.flash_warp_rows;
+        for b0 in (0..d.b).step_by(chunk) {
+            let part = AttnDims {
+                b: chunk.min(d.b - b0),
+                ..d
+            };
+            // The chunk's first sequence in each tensor.
+            let at = |p: u64, per_seq_elems: usize, bytes: usize| {
+                p + (b0 * per_seq_elems * bytes) as u64
+            };
+            let (dq, x) = (at(dq, d.t * w, dt.bytes()), at(x, d.t * w, dt.bytes()));
+            let tail = flash_dims(x, part);
+            let mut args = vec![
+                Arg::Ptr(dq),
+                Arg::Ptr(at(delta, d.nh * d.t, 4)),
+                Arg::Ptr(at(dy, d.t * c, dt.bytes())),
+                Arg::Ptr(at(l, d.nh * d.t, 4)),
+            ];
+            args.extend(tail);
+            args.push(Arg::Ptr(ds));
+            let (k, threads) = FlashWarpRows::pick(
+                rows.dkv,
+                K::flash_backward_dkv_store,
+                K::flash_backward_dkv_store_wide,
+            );
+            let kv_grid = Self::flash_grid_kv(part);
+            self.launch(k, dt, kv_grid, threads, dkv_shmem(rows.dkv), &args);
+            let mut args = vec![Arg::Ptr(dq), Arg::Ptr(ds)];
+            args.extend(tail);
+            let (k, threads) = FlashWarpRows::pick(
+                rows.dq,
+                K::flash_backward_dq_stored,
+                K::flash_backward_dq_stored_wide,
+            );
+            let q_grid = Self::flash_grid(part, FLASH_ROWS);
+            self.launch(k, dt, q_grid, threads, 0, &args);
+        }
     }
 
     /// One block per (query block of `rows` rows, sequence, query head); [`Self::launch`]
@@ -110,20 +191,41 @@ impl CudaBackend {
     /// The fused kernels' trailing arguments: qkv (rows `[q | k | v]`, `kv` key/value heads),
     /// B, T, nh, kv, hs, scale.
     pub(super) fn flash_args(&self, qkv: Span, d: AttnDims) -> [Arg; 7] {
+        flash_dims(self.qkv_ptr(qkv, d), d)
+    }
+
+    /// The device address of the fused kernels' qkv, after checking its length.
+    fn qkv_ptr(&self, qkv: Span, d: AttnDims) -> u64 {
         assert_eq!(
             qkv.len,
             d.b * d.t * d.shape().qkv_width(),
             "fused attention: qkv length"
         );
-        [
-            Arg::Ptr(self.ptr(qkv)),
-            Arg::I64(d.b as i64),
-            Arg::I64(d.t as i64),
-            Arg::I64(d.nh as i64),
-            Arg::I64(d.kv as i64),
-            Arg::I64(d.hs as i64),
-            Arg::F32(attention_scale(d.hs)),
-        ]
+        self.ptr(qkv)
+    }
+}
+
+/// The fused kernels' trailing arguments for qkv at device address `qkv` (see
+/// [`CudaBackend::flash_args`]).
+fn flash_dims(qkv: u64, d: AttnDims) -> [Arg; 7] {
+    [
+        Arg::Ptr(qkv),
+        Arg::I64(d.b as i64),
+        Arg::I64(d.t as i64),
+        Arg::I64(d.nh as i64),
+        Arg::I64(d.kv as i64),
+        Arg::I64(d.hs as i64),
+        Arg::F32(attention_scale(d.hs)),
+    ]
+}
+
+/// Dynamic shared memory of a dK/dV kernel with `rows` keys per warp: the wide ones keep
+/// their K and V tiles there ([`FLASH_KV_SHMEM`]).
+pub(super) fn dkv_shmem(rows: usize) -> u32 {
+    if rows == 32 {
+        FLASH_KV_SHMEM
+    } else {
+        0
     }
 }
 

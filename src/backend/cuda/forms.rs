@@ -6,8 +6,8 @@
 use super::attention::{FLASH_LDS, FLASH_ROWS, FLASH_THREADS};
 use super::{InGemm, K, WARP};
 pub use crate::backend::knobs::{
-    parse_in_gemm, FlashQueryRows, FlashWarpRows, KernelForm, BIAS_GRAD_ENV, FLASH_BACKWARD_ENV,
-    FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, FlashBackward, FlashQueryRows, FlashWarpRows, KernelForm, BIAS_GRAD_ENV,
+    FLASH_BACKWARD_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
 };
 
 // `FUGU_FLASH_WARP_ROWS` (read by `backend/knobs.rs`): rows per warp of the fused attention kernels, `16` (the default) or
@@ -86,22 +86,28 @@ pub const LAYERNORM_BACKWARD_DEFAULT: LayernormBackward = KernelForm::Fused;
 /// [`LN_FUSED_SHMEM`]).
 pub type LayernormBackward = KernelForm;
 
-// `FUGU_FLASH_BACKWARD`: how the fused attention's backward pass runs, `split` (the default:
-// a kernel for dQ, then one for dK and dV, seven tensor-core products per tile) or `fused`
-// (one kernel, five products, dQ added across key blocks in a fixed order) ([`FlashBackward`]).
+// `FUGU_FLASH_BACKWARD`: how the fused attention's backward pass runs ([`FlashBackward`]):
+// `split` (the default: a kernel for dQ, then one for dK and dV, seven tensor-core products
+// per tile), `fused` (one kernel, five products, dQ added across key blocks in a fixed order)
+// or `stored` (five products: the dK/dV kernel stores each tile's dS, a kernel for dQ reads it
+// back).
 
 /// The attention backward's form where [`FLASH_BACKWARD_ENV`] is unset: split. Measured on one
 /// H200, GPT-2 124M B=16 T=1024 bf16, two alternating rounds (2026-11-28): 36.6 ms/step
 /// against 43.6 for the one kernel (its attention backward 14.2 ms against 6.5: the blocks
-/// waiting for their turns to add dQ cost more than the two products it saves).
-pub const FLASH_BACKWARD_DEFAULT: FlashBackward = KernelForm::Split;
-
-/// How the fused attention's backward pass runs ([`FLASH_BACKWARD_ENV`]): `Split`,
-/// `flash_backward_dq` (which also computes Δ = rowsum(dO ∘ O)), then `flash_backward_dkv`;
-/// `Fused`, `flash_backward_prep` (Δ), then `flash_backward_fused`: dK and dV as the dK/dV
-/// kernel computes them, and each tile's share of dQ from the dS it computes anyway (dQ's f32
-/// shares added in another order).
-pub type FlashBackward = KernelForm;
+/// waiting for their turns to add dQ cost more than the two products it saves). `stored` has
+/// not run on a GPU yet.
+///
+/// What each form launches: `Split`, `flash_backward_dq` (which also computes Δ = rowsum(dO
+/// ∘ O)), then `flash_backward_dkv`; `Fused`, `flash_backward_prep` (Δ), then
+/// `flash_backward_fused`: dK and dV as the dK/dV kernel computes them, and each tile's share
+/// of dQ from the dS it computes anyway (dQ's f32 shares added in another order); `Stored`,
+/// `flash_backward_prep`, then per chunk of sequences (so that the tiles of dS, T's size each,
+/// stay within [`super::attention::FLASH_DS_BUDGET`]) `flash_backward_dkv_store` and
+/// `flash_backward_dq_stored` (64 query rows per block whatever `FUGU_FLASH_QUERY_ROWS`; 16 or
+/// 32 per warp as `FUGU_FLASH_WARP_ROWS` says for dQ): the same products as `Split` on the
+/// same dS values, summed in the same order.
+pub const FLASH_BACKWARD_DEFAULT: FlashBackward = FlashBackward::Split;
 
 // `FUGU_BIAS_GRAD`: how a linear layer's bias gradient is computed, `separate` (the
 // default: column-sum kernels reading the output gradient again after the weight-gradient

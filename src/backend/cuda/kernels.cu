@@ -923,7 +923,10 @@ FOR_TYPES(DEF)
 // pair instead of FlashAttention-2's five, which adds dQ's shares with floating-point atomics
 // (an order that changes from run to run). FUGU_FLASH_BACKWARD=fused runs five: the dK/dV
 // kernel also multiplies each tile's dS by K and adds the shares of a query block's dQ in turn,
-// key block 0 first (flash_backward_dkv_k with DQ, after flash_backward_prep computes Δ).
+// key block 0 first (flash_backward_dkv_k with DS_TURNS, after flash_backward_prep computes Δ).
+// FUGU_FLASH_BACKWARD=stored runs five too: the dK/dV kernel stores each tile's dS (DS_STORE),
+// and flash_backward_dq_stored multiplies it by K, key blocks in order: the same bits as the
+// default, for a write and a read of dS (T² bytes per (sequence, head) in 16 bits).
 // Every warp of a block runs the same loop (masking is done on values), which the host
 // emulator's warp-collective mma and ldmatrix need.
 
@@ -954,6 +957,11 @@ FOR_TYPES(DEF)
 // registers spilled 96 and about 400 (the 16-row kernels spill 76 and 32 at their caps).
 #define FA_MINB_DQ_WIDE 4
 #define FA_MINB_DKV_WIDE 4
+// The dQ kernel from stored dS (FUGU_FLASH_BACKWARD=stored): two products' operands per tile
+// (K, dS) and one accumulator, 37 KB of static shared memory; 5 blocks per SM fit an H100's
+// 228 KB (ptxas, CUDA 13.5, sm_90: 96 registers, 162 with 32 rows per warp, no spills; not
+// yet measured on a GPU).
+#define FA_MINB_DQ_STORED 5
 // The one-kernel backward (FUGU_FLASH_BACKWARD=fused; measured 14.2 ms per GPT-2 124M step on
 // an H200 against 6.5 for the two kernels, opt-in): 65 KB of shared memory per
 // block (the dK/dV kernel's, plus K, V and dS kept for dQ), so 3 blocks per SM whatever the
@@ -1226,19 +1234,20 @@ __device__ void fa_a_frags_m(u32 (*a)[FA_D / 16][4], const T* s, int row0) {
 }
 
 // Stores a warp's M groups of A fragments (16 rows × 64 columns each, from row0; as fa_pack
-// leaves them) into tile `s`: the inverse of fa_a_frags_m.
-template <typename T, int M>
+// leaves them) into tile `s` of row stride LD (a shared-memory tile, or a dS tile in global
+// memory): the inverse of fa_a_frags_m.
+template <typename T, int M, int LD = FA_LDS>
 __device__ void fa_put_frags_m(T* s, u32 (*a)[FA_ROWS / 16][4], int row0) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int i = 0; i < M; i++)
 #pragma unroll
         for (int kk = 0; kk < FA_ROWS / 16; kk++) {
-            T* p = s + (row0 + 16 * i + g) * FA_LDS + kk * 16 + 2 * t;
+            T* p = s + (row0 + 16 * i + g) * LD + kk * 16 + 2 * t;
             st32(p, a[i][kk][0]);
-            st32(p + 8 * FA_LDS, a[i][kk][1]);
+            st32(p + 8 * LD, a[i][kk][1]);
             st32(p + 8, a[i][kk][2]);
-            st32(p + 8 * FA_LDS + 8, a[i][kk][3]);
+            st32(p + 8 * LD + 8, a[i][kk][3]);
         }
 }
 
@@ -1758,9 +1767,11 @@ __device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[FA_D / 8][4],
     if (threadIdx.x == 0) *(volatile int*)turn = (int)kb + 1;
 }
 
-// Before the one-kernel backward (flash_backward_fused): delta (B, nh, T) = rowsum(dout ∘ out),
-// 8 lanes per row each over 8 of its (at most 64) columns, added in a butterfly; and the
-// kernel's `nsync` counters zeroed (the item counter and every query block's turn).
+// Before the one-kernel backward (flash_backward_fused) and the dK/dV kernel that stores dS:
+// delta (B, nh, T) = rowsum(dout ∘ out), 8 lanes per row each over 8 of its (at most 64)
+// columns, added in a butterfly (rows not in 16-byte packs: one lane along the row), the same
+// sums in the same order as fa_delta's; and `nsync` counters zeroed (the one-kernel
+// backward's item counter and every query block's turn).
 template <typename T>
 __device__ void flash_backward_prep_k(float* delta, int* sync, i64 nsync, const T* dout,
                                       const T* out, i64 B, i64 Tn, i64 nh, i64 hs) {
@@ -1779,8 +1790,8 @@ __device__ void flash_backward_prep_k(float* delta, int* sync, i64 nsync, const 
             if (vec) {
                 Pack<T> d = ld_pack(dout + at), o = ld_pack(out + at);
                 for (int j = 0; j < 8; j++) s += ld(d.v[j]) * ld(o.v[j]);
-            } else {
-                for (int j = 0; j < 8 && c + j < hs; j++) s += ld(dout[at + j]) * ld(out[at + j]);
+            } else if (c == 0) {  // the whole row in order, as fa_delta's element path
+                for (int j = 0; j < hs; j++) s += ld(dout[at + j]) * ld(out[at + j]);
             }
         }
         s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -1810,8 +1821,15 @@ FOR_HALF_TYPES(DEF)
 // beyond the 48 KB of static memory) and each warp reads its fragments again for every query
 // block.
 //
-// With DQ (the one-kernel backward, flash_backward_fused: FlashAttention-2's five products per
-// tile instead of seven) the kernel also computes dQ: each tile's dS goes to shared memory
+// What the kernel does with each tile's dS besides multiplying it into dK: DS_DROP, nothing (the
+// dQ kernel computes dS again); DS_STORE (FUGU_FLASH_BACKWARD=stored), stores it to `ds` for
+// flash_backward_dq_stored (rounded to T as the products take it; keys × queries, row-major,
+// FA_ROWS × FA_ROWS, the tiles of a (sequence, query head) one after another, query block qb's
+// key blocks 0 ..= qb from tile qb·(qb + 1)/2 on), at T's size per element (GPT-2 124M B=16:
+// 214 MB per layer); DS_TURNS, the one-kernel backward below.
+//
+// With DS_TURNS (the one-kernel backward, flash_backward_fused: FlashAttention-2's five products
+// per tile instead of seven) the kernel also computes dQ: each tile's dS goes to shared memory
 // (keys × queries, FLASH_FUSED_SHMEM: K and V stay in dynamic shared memory for the product)
 // and the block's warps multiply it by K for the tile's query rows. The key blocks' shares of
 // one query block's dQ are added in a fixed order, key block 0 first, through an f32
@@ -1822,10 +1840,13 @@ FOR_HALF_TYPES(DEF)
 // time, a block runs over the query blocks from the last down to its own. Items are handed out
 // by a counter in the order blocks ask (sync[0]), so the item a block waits for has been taken
 // by a running block (no wait on a block the GPU has not started, whatever its scheduling).
-template <typename T, int M, bool DQ>
+enum FaDs { DS_DROP, DS_STORE, DS_TURNS };
+template <typename T, int M, FaDs DS>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
-                                     i64 kvh, i64 hs_, float scale, float* dq_acc, int* sync) {
+                                     i64 kvh, i64 hs_, float scale, T* ds_out, float* dq_acc,
+                                     int* sync) {
+    constexpr bool DQ = DS == DS_TURNS;
     alignas(16) __shared__ T sQ[2][FA_ROWS * FA_LDS];
     alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
@@ -1839,7 +1860,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
     i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
-        nkb = (Tn + FA_ROWS - 1) / FA_ROWS;
+        nkb = (Tn + FA_ROWS - 1) / FA_ROWS, ntri = nkb * (nkb + 1) / 2;
     bool vec = fa_vec_ok(qkv, hs, ldq), vec_o = fa_vec_ok(dout, hs, C);
     for (i64 item = fa_next_item<DQ>(-1, sync, &s_item); item < B * kvh * nkb;
          item = fa_next_item<DQ>(item, sync, &s_item)) {
@@ -1932,6 +1953,9 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                           (ds[i][n][e] - sd[n * 8 + 2 * t + (e & 1)]);
                     fa_pack<T>(pa[i], ds[i]);
                 }
+                if constexpr (DS == DS_STORE)
+                    fa_put_frags_m<T, M, FA_ROWS>(
+                        ds_out + (bh * ntri + qb * (qb + 1) / 2 + kb) * FA_ROWS * FA_ROWS, pa, w0);
                 fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
                 if constexpr (DQ) {
                     // dQ's share of this key block: dS (queries × keys) · K, the tile's
@@ -1962,38 +1986,102 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         }
     }
 }
-#define DEF(S, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV)                    \
-        flash_backward_dkv_##S(T* dqkv, const float* delta, const T* dout, const float* lse, \
-                               const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs,        \
-                               float scale) {                                               \
-        flash_backward_dkv_k<T, 1, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,   \
-                                          scale, nullptr, nullptr);                          \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_DKV_WIDE)           \
-        flash_backward_dkv_wide_##S(T* dqkv, const float* delta, const T* dout,             \
-                                    const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,  \
-                                    i64 kvh, i64 hs, float scale) {                         \
-        flash_backward_dkv_k<T, 2, false>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,   \
-                                          scale, nullptr, nullptr);                          \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FUSED)                  \
-        flash_backward_fused_##S(T* dqkv, const float* delta, const T* dout,                \
-                                 const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
-                                 i64 kvh, i64 hs, float scale, float* dq_acc, int* sync) {  \
-        flash_backward_dkv_k<T, 1, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,    \
-                                         scale, dq_acc, sync);                               \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS / 2, FA_MINB_FUSED)              \
-        flash_backward_fused_wide_##S(T* dqkv, const float* delta, const T* dout,           \
-                                      const float* lse, const T* qkv, i64 B, i64 Tn,        \
-                                      i64 nh, i64 kvh, i64 hs, float scale, float* dq_acc,  \
-                                      int* sync) {                                          \
-        flash_backward_dkv_k<T, 2, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,    \
-                                         scale, dq_acc, sync);                               \
+// The dK/dV kernel's forms: 16 or 32 keys per warp (M), each with dS dropped, stored or used
+// for dQ in turn (DS); the one-kernel backward's also take its accumulators and counters.
+#define FA_DKV(S, T, NAME, M, MINB, DS)                                                      \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), MINB)                     \
+        NAME##_##S(T* dqkv, const float* delta, const T* dout, const float* lse,             \
+                   const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
+                   T* ds) {                                                                  \
+        flash_backward_dkv_k<T, M, DS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,      \
+                                       scale, ds, nullptr, nullptr);                         \
     }
+#define FA_FUSED(S, T, NAME, M)                                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_FUSED)            \
+        NAME##_##S(T* dqkv, const float* delta, const T* dout, const float* lse,             \
+                   const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
+                   float* dq_acc, int* sync) {                                               \
+        flash_backward_dkv_k<T, M, DS_TURNS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs, \
+                                             scale, nullptr, dq_acc, sync);                  \
+    }
+#define DEF(S, T)                                                                            \
+    FA_DKV(S, T, flash_backward_dkv, 1, FA_MINB_DKV, DS_DROP)                                \
+    FA_DKV(S, T, flash_backward_dkv_wide, 2, FA_MINB_DKV_WIDE, DS_DROP)                      \
+    FA_DKV(S, T, flash_backward_dkv_store, 1, FA_MINB_DKV, DS_STORE)                         \
+    FA_DKV(S, T, flash_backward_dkv_store_wide, 2, FA_MINB_DKV_WIDE, DS_STORE)               \
+    FA_FUSED(S, T, flash_backward_fused, 1)                                                  \
+    FA_FUSED(S, T, flash_backward_fused_wide, 2)
 FOR_HALF_TYPES(DEF)
 #undef DEF
+#undef FA_FUSED
+#undef FA_DKV
+
+// Backward with stored dS (FUGU_FLASH_BACKWARD=stored), after flash_backward_prep (Δ) and
+// flash_backward_dkv_store (dK, dV and the dS tiles): the Q columns of dqkv, dQ = scale ·
+// Σ_kb dS_kb · K_kb over the key blocks kb ≤ qb in order, as flash_backward_dq adds them (the
+// same products of the same dS values: the same bits on the emulator; on a GPU where the
+// tensor cores sum a product's terms as they sum its transpose's). Five tensor-core products
+// per tile pair in all instead of seven; dS is written once and read once (at T's size: for
+// GPT-2 124M B=16, 214 MB per layer each way). Item = (64-row query block, sequence, head),
+// the longest first; each warp M groups of 16 query rows; the K and dS tiles double-buffered.
+template <typename T, int M>
+__device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn,
+                                           i64 nh, i64 kvh, i64 hs_, float scale) {
+    // Key block c's tiles: K in sKS[2c], dS (keys × queries) in sKS[2c + 1].
+    alignas(16) __shared__ T sKS[4][FA_ROWS * FA_LDS];
+    int hs = (int)hs_, w0 = threadIdx.x / WARP * 16 * M;
+    i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
+        nqb = (Tn + FA_ROWS - 1) / FA_ROWS, ntri = nqb * (nqb + 1) / 2;
+    const i64 tile = FA_ROWS * FA_ROWS;
+    bool vec = fa_vec_ok(qkv, hs, ldq), vec_s = fa_vec_ok(ds, FA_ROWS, FA_ROWS);
+    for (i64 item = blockIdx.x; item < B * nh * nqb; item += gridDim.x) {
+        i64 qb = nqb - 1 - item / (B * nh), bh = item % (B * nh), b = bh / nh, h = bh % nh;
+        const T* kbase = qkv + b * Tn * ldq + C + (h / grp) * hs;
+        const T* dsb = ds + (bh * ntri + qb * (qb + 1) / 2) * tile;  // key block 0's tile
+        __syncthreads();  // the previous item's reads are done
+        fa_load(sKS[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load(sKS[1], dsb, 0, FA_ROWS, FA_ROWS, FA_ROWS, vec_s);
+        cp_async_wait_all();
+        float dq[M][FA_D / 8][4];
+#pragma unroll
+        for (int i = 0; i < M; i++)
+#pragma unroll
+            for (int nd = 0; nd < FA_D / 8; nd++)
+                dq[i][nd][0] = dq[i][nd][1] = dq[i][nd][2] = dq[i][nd][3] = 0.0f;
+        for (i64 kb = 0; kb <= qb; kb++) {
+            int cur = (int)(kb & 1);
+            __syncthreads();
+            if (kb < qb) {
+                fa_load(sKS[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load(sKS[2 * (cur ^ 1) + 1], dsb + (kb + 1) * tile, 0, FA_ROWS, FA_ROWS,
+                        FA_ROWS, vec_s);
+            }
+            cp_async_commit();
+            cp_async_wait_prior();
+            __syncthreads();
+            u32 pa[M][FA_ROWS / 16][4];  // dS of this warp's query rows, keys along k
+            fa_a_frags_trans_m<T, M>(pa, sKS[2 * cur + 1], w0);
+            fa_mma_pb_m<T, M>(dq, pa, sKS[2 * cur]);
+        }
+        float mul[2] = {scale, scale};
+#pragma unroll
+        for (int i = 0; i < M; i++)
+            fa_store(dqkv + b * Tn * ldq + h * hs, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq,
+                     hs, mul);
+    }
+}
+#define FA_DQ_STORED(S, T, NAME, M)                                                          \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_DQ_STORED)        \
+        NAME##_##S(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh,       \
+                   i64 hs, float scale) {                                                    \
+        flash_backward_dq_stored_k<T, M>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);          \
+    }
+#define DEF(S, T)                                                                            \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored, 1)                                          \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_wide, 2)
+FOR_HALF_TYPES(DEF)
+#undef DEF
+#undef FA_DQ_STORED
 
 // ---- the Llama family (ops/rmsnorm.rs, ops/rope.rs, ops/swiglu.rs) -----------------------
 

@@ -46,7 +46,7 @@ use gemm::problem;
 pub use gemm::DeviceGemm;
 
 use attention::{
-    attention_scale, causal_block_rows, causal_blocks, Attn, FLASH_KV_SHMEM, FLASH_MAX_HEAD,
+    attention_scale, causal_block_rows, causal_blocks, dkv_shmem, Attn, FLASH_MAX_HEAD,
 };
 use columns::COLUMN_CHUNK_ROWS;
 
@@ -184,6 +184,10 @@ kernels!(
     flash_backward_dq_wide_q128,
     flash_backward_dkv,
     flash_backward_dkv_wide,
+    flash_backward_dkv_store,
+    flash_backward_dkv_store_wide,
+    flash_backward_dq_stored,
+    flash_backward_dq_stored_wide,
     flash_backward_prep,
     flash_backward_fused,
     flash_backward_fused_wide,
@@ -243,8 +247,10 @@ pub struct CudaBackend {
     flash_warp_rows: FlashWarpRows,
     flash_query_rows: FlashQueryRows,
     flash_backward: FlashBackward,
+    /// The most bytes of dS tiles at once with [`FlashBackward::Stored`].
+    flash_ds_budget: usize,
     /// The one-kernel attention backward's dQ accumulators and counters
-    /// ([`FlashBackward::Fused`]).
+    /// ([`FlashBackward::Fused`]), or the tiles of dS ([`FlashBackward::Stored`]).
     attn_dq: Scratch,
     /// The form of the layernorm backward kernels.
     layernorm_backward: LayernormBackward,
@@ -310,6 +316,13 @@ impl CudaBackend {
         self.flash_backward = form;
     }
 
+    /// The most bytes the tiles of dS take at once with [`FlashBackward::Stored`] (the
+    /// sequences go through in chunks that fit, at least one at a time); the default is
+    /// `FLASH_DS_BUDGET` (512 MiB). Tests set it small to run several chunks.
+    pub fn set_flash_ds_budget(&mut self, bytes: usize) {
+        self.flash_ds_budget = bytes;
+    }
+
     /// The form of the layernorm backward kernels ([`LAYERNORM_BACKWARD_ENV`]).
     pub fn set_layernorm_backward(&mut self, form: LayernormBackward) {
         self.layernorm_backward = form;
@@ -343,6 +356,7 @@ impl CudaBackend {
             flash_warp_rows: FlashWarpRows::default(),
             flash_query_rows: FlashQueryRows::default(),
             flash_backward: FLASH_BACKWARD_DEFAULT,
+            flash_ds_budget: attention::FLASH_DS_BUDGET,
             attn_dq: Scratch::default(),
             layernorm_backward: LAYERNORM_BACKWARD_DEFAULT,
             bias_grad: BiasGrad::default(),
@@ -1224,13 +1238,24 @@ impl Backend for CudaBackend {
             "attention_backward: lengths"
         );
         let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
-        if self.flash_backward == FlashBackward::Fused {
-            return self.attention_backward_one_kernel(
-                (dt, delta),
-                (dqkv, dout),
-                (out, lse, qkv),
-                d,
-            );
+        match self.flash_backward {
+            FlashBackward::Split => {}
+            FlashBackward::Fused => {
+                return self.attention_backward_one_kernel(
+                    (dt, delta),
+                    (dqkv, dout),
+                    (out, lse, qkv),
+                    d,
+                )
+            }
+            FlashBackward::Stored => {
+                return self.attention_backward_stored_ds(
+                    (dt, delta),
+                    (dqkv, dout),
+                    (out, lse, qkv),
+                    d,
+                )
+            }
         }
         let q = self.flash_query_rows;
         let (grid, tail) = (Self::flash_grid(d, q.0), self.flash_args(qkv, d));
@@ -1254,14 +1279,13 @@ impl Backend for CudaBackend {
             },
         );
         self.launch(k, dt, grid, threads, q.dq_shmem(rows.dq), &args);
-        // The wide dK/dV kernel keeps two 64-row tiles (K and V) in dynamic shared memory.
-        let shmem = |r: usize| if r == 32 { FLASH_KV_SHMEM } else { 0 };
         let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
         args.extend(tail);
+        args.push(Arg::Ptr(0)); // no dS stored
         let (k, threads) =
             FlashWarpRows::pick(rows.dkv, K::flash_backward_dkv, K::flash_backward_dkv_wide);
         let grid_kv = Self::flash_grid_kv(d);
-        self.launch(k, dt, grid_kv, threads, shmem(rows.dkv), &args);
+        self.launch(k, dt, grid_kv, threads, dkv_shmem(rows.dkv), &args);
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
