@@ -23,7 +23,7 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::emu::EpilogueCounts;
     use fugu::backend::cuda::{
-        self, BiasGrad, CudaBackend, FlashBackward, FlashQueryRows, FlashWarpRows,
+        self, BiasGrad, CudaBackend, FlashBackward, FlashForward, FlashQueryRows, FlashWarpRows,
         LayernormBackward,
     };
     use fugu::backend::{
@@ -993,6 +993,45 @@ mod gpu {
         }
     }
 
+    /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_FORWARD=wgmma`, the tensor
+    /// cores reading K and V from swizzled shared memory): against the CPU as the default
+    /// kernel is, on every fused-attention test shape; on the emulator, which sums each
+    /// 16-deep slice in k order as it does for mma.sync, also the same bits as the default
+    /// kernel (a GPU's order inside either instruction is unspecified). Skipped on a GPU
+    /// without warpgroup MMA (compute capability other than 9.0).
+    #[test]
+    fn fused_attention_wgmma_forward() {
+        for act in [Dtype::Bf16, Dtype::F16] {
+            let Some(mut be) = Both::new(act) else { return };
+            if !be.gpu.has_wgmma() {
+                return skipped("no warpgroup MMA on this GPU (compute capability 9.0 only)");
+            }
+            let emulated = be.gpu.describe().contains("emulator");
+            for (b, t, nh, kv, hs) in FUSED_SHAPES {
+                if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
+                    return skipped(&format!(
+                        "no fused attention on this device for hs = {hs} in {act:?}"
+                    ));
+                }
+                let d = AttnDims { b, t, nh, kv, hs };
+                let (c, w) = (nh * hs, d.shape().qkv_width());
+                let qkv = be.rand(b * t * w, 1);
+                let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
+                be.gpu.attention_forward(out, lse, qkv, d);
+                let (o, l) = (be.nan(b * t * c), be.nan32(b * nh * t));
+                be.gpu.set_flash_forward(FlashForward::Wgmma);
+                be.run(|x| x.attention_forward(o, l, qkv, d));
+                be.gpu.set_flash_forward(FlashForward::Mma);
+                be.check("wgmma attention out", o, GEMM);
+                be.check("wgmma attention lse", l, GEMM);
+                if emulated {
+                    same_bits(&be.gpu, "out, wgmma (emulated)", out, o, d);
+                    same_bits(&be.gpu, "lse, wgmma (emulated)", lse, l, d);
+                }
+            }
+        }
+    }
+
     #[test]
     fn pointwise_loss_and_optimizer() {
         for act in ACTS {
@@ -1741,10 +1780,25 @@ mod gpu {
                 "one",
                 "FUGU_FLASH_BACKWARD=one: expected split, fused or stored",
             ),
+            (
+                cuda::FLASH_FORWARD_ENV,
+                "tma",
+                "FUGU_FLASH_FORWARD=tma: expected mma or wgmma",
+            ),
+            // The wgmma forward kernel has 64 query rows per block (a device without wgmma
+            // is refused first: "needs a GPU of compute capability 9.0").
+            (
+                cuda::FLASH_QUERY_ROWS_ENV,
+                "128",
+                "FUGU_FLASH_FORWARD=wgmma",
+            ),
         ] {
             let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
             c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
             c.env(var, value);
+            if var == cuda::FLASH_QUERY_ROWS_ENV {
+                c.env(cuda::FLASH_FORWARD_ENV, "wgmma");
+            }
             if emulate {
                 c.env(cuda::EMULATE_ENV, "1");
             }

@@ -76,6 +76,9 @@ mod imp {
         fn mma_16bit(&self) -> bool {
             true // an sm_80+ GPU: fused attention in bf16/fp16, as on an H100
         }
+        fn wgmma(&self) -> bool {
+            true // as an H100
+        }
         fn free_bytes(&self) -> Option<usize> {
             None
         }

@@ -13,6 +13,7 @@
 //! | `FUGU_FLASH_WARP_ROWS` | `16`, `32`, or `F,Q,KV` | the CUDA backend (`backend/cuda/forms.rs`) |
 //! | `FUGU_FLASH_QUERY_ROWS` | `64`, `128` | the CUDA backend |
 //! | `FUGU_LAYERNORM_BACKWARD` | `split`, `fused` | the CUDA backend |
+//! | `FUGU_FLASH_FORWARD` | `mma`, `wgmma` | the CUDA backend |
 //! | `FUGU_FLASH_BACKWARD` | `split`, `fused`, `stored` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
 //! | `FUGU_GEMM_SELECT` | `first`, `timed` | the CUDA backend's cuBLASLt calls (`backend/cuda/lt.rs`) |
@@ -73,6 +74,26 @@ impl KernelForm {
             &[KernelForm::Split, KernelForm::Fused],
             Self::name,
         )
+    }
+}
+
+/// The tensor-core instruction of the fused attention's forward kernel (`FUGU_FLASH_FORWARD`):
+/// `mma.sync` per warp (every sm_80+ GPU), or Hopper's warpgroup `wgmma` (compute capability
+/// 9.0 only; 16 query rows per warp, 64 per block).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashForward {
+    #[default]
+    Mma,
+    Wgmma,
+}
+
+impl FlashForward {
+    /// The setting's value for this form (the run header shows it).
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashForward::Mma => "mma",
+            FlashForward::Wgmma => "wgmma",
+        }
     }
 }
 
@@ -237,6 +258,9 @@ pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
 pub const FLASH_QUERY_ROWS_ENV: &str = "FUGU_FLASH_QUERY_ROWS";
 /// Environment variable: the layernorm backward's form, `fused` or `split`.
 pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
+/// Environment variable: the fused attention forward kernel's tensor-core instruction, `mma` or
+/// `wgmma` ([`FlashForward`]).
+pub const FLASH_FORWARD_ENV: &str = "FUGU_FLASH_FORWARD";
 /// Environment variable: the fused attention backward's form, `split`, `fused` or `stored`.
 pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
 /// Environment variable: a linear layer's bias gradient, `separate` or `epilogue`.
@@ -256,6 +280,7 @@ pub struct Knobs {
     pub residual: Option<InGemm>,
     pub flash_warp_rows: FlashWarpRows,
     pub flash_query_rows: FlashQueryRows,
+    pub flash_forward: FlashForward,
     /// `None`: the backend's measured default.
     pub layernorm_backward: Option<KernelForm>,
     /// `None`: the backend's measured default.
@@ -285,6 +310,13 @@ impl Knobs {
             residual: parse_in_gemm_auto(RESIDUAL_ENV, &var(RESIDUAL_ENV))?,
             flash_warp_rows: FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?,
             flash_query_rows: FlashQueryRows::parse(&var(FLASH_QUERY_ROWS_ENV))?,
+            flash_forward: parse_form(
+                FLASH_FORWARD_ENV,
+                &var(FLASH_FORWARD_ENV),
+                FlashForward::Mma,
+                &[FlashForward::Mma, FlashForward::Wgmma],
+                FlashForward::name,
+            )?,
             layernorm_backward: form(LAYERNORM_BACKWARD_ENV)?,
             flash_backward: {
                 let v = var(FLASH_BACKWARD_ENV);
@@ -391,6 +423,7 @@ mod tests {
             (RESIDUAL_ENV, "auto"),
             (FLASH_WARP_ROWS_ENV, "32,16,32"),
             (FLASH_QUERY_ROWS_ENV, "128"),
+            (FLASH_FORWARD_ENV, "wgmma"),
             (LAYERNORM_BACKWARD_ENV, "split"),
             (FLASH_BACKWARD_ENV, "stored"),
             (BIAS_GRAD_ENV, "epilogue"),
@@ -402,6 +435,7 @@ mod tests {
         assert_eq!(k.residual, None);
         assert_eq!(k.flash_warp_rows.dq, 16);
         assert_eq!(k.flash_query_rows, FlashQueryRows(128));
+        assert_eq!(k.flash_forward, FlashForward::Wgmma);
         assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
         assert_eq!(k.flash_backward, Some(FlashBackward::Stored));
         assert_eq!(k.bias_grad, InGemm::Epilogue);
@@ -435,6 +469,11 @@ mod tests {
                 GEMM_SELECT_ENV,
                 "best",
                 "FUGU_GEMM_SELECT=best: expected timed or first",
+            ),
+            (
+                FLASH_FORWARD_ENV,
+                "tma",
+                "FUGU_FLASH_FORWARD=tma: expected mma or wgmma",
             ),
             (
                 FLASH_QUERY_ROWS_ENV,

@@ -21,8 +21,9 @@ use std::sync::Arc;
 pub struct DriverEngine {
     /// cuBLAS may use TF32 tensor cores for f32 GEMMs (`--tf32`).
     tf32: bool,
-    /// Compute capability major version.
+    /// Compute capability (major, minor).
     major: i32,
+    minor: i32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -139,6 +140,7 @@ impl DriverEngine {
         Ok(DriverEngine {
             tf32: settings.tf32,
             major,
+            minor,
             ctx,
             stream,
             blas,
@@ -257,6 +259,10 @@ impl Engine for DriverEngine {
 
     fn mma_16bit(&self) -> bool {
         self.major >= 8
+    }
+
+    fn wgmma(&self) -> bool {
+        (self.major, self.minor) == (9, 0)
     }
 
     fn free_bytes(&self) -> Option<usize> {

@@ -172,6 +172,10 @@ impl Engine for Emulator {
         true
     }
 
+    fn wgmma(&self) -> bool {
+        true
+    }
+
     fn free_bytes(&self) -> Option<usize> {
         None
     }

@@ -133,20 +133,25 @@ static inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
     return r;
 }
 
-// Warp-collective helpers for kernels.cu's emulated mma: every lane of a warp publishes up to
-// FUGU_EMU_WARP_WORDS words, waits one scheduler round (the whole warp has published), reads
-// the warp's 32 × FUGU_EMU_WARP_WORDS words, and releases them with a second round, as
-// __shfl_xor_sync does.
+// Warp-collective helpers for kernels.cu's emulated mma: every lane of a warp (or of a group of
+// `lanes` threads) publishes up to FUGU_EMU_WARP_WORDS words, waits one scheduler round (the
+// whole warp has published), reads the warp's 32 × FUGU_EMU_WARP_WORDS words, and releases
+// them with a second round, as __shfl_xor_sync does.
 #define FUGU_EMU_WARP_WORDS 8
 namespace fugu_emu {
 static std::vector<unsigned> warp_words;
 }
-static inline const unsigned* fugu_emu_warp_publish(const unsigned* w, int n) {
+// `lanes` consecutive threads (32, a warp; or a warpgroup's 128 for the emulated wgmma), every
+// one of which must reach the call.
+static inline const unsigned* fugu_emu_lanes_publish(const unsigned* w, int n, unsigned lanes) {
     fugu_emu::warp_words.resize((size_t)blockDim.x * FUGU_EMU_WARP_WORDS);
     memcpy(&fugu_emu::warp_words[(size_t)threadIdx.x * FUGU_EMU_WARP_WORDS], w,
            (size_t)n * sizeof *w);
     fugu_emu::yield();
-    return &fugu_emu::warp_words[(size_t)(threadIdx.x & ~31u) * FUGU_EMU_WARP_WORDS];
+    return &fugu_emu::warp_words[(size_t)(threadIdx.x / lanes * lanes) * FUGU_EMU_WARP_WORDS];
+}
+static inline const unsigned* fugu_emu_warp_publish(const unsigned* w, int n) {
+    return fugu_emu_lanes_publish(w, n, 32);
 }
 static inline void fugu_emu_warp_release() { fugu_emu::yield(); }
 

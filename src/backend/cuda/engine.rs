@@ -227,6 +227,12 @@ pub trait Engine {
     /// Whether the device runs `mma.m16n8k16` on bf16/f16 operands (sm_80 and newer; the
     /// emulator emulates it): the fused attention kernels need it.
     fn mma_16bit(&self) -> bool;
+    /// Whether the device runs warpgroup MMA (`wgmma`, compute capability 9.0 exactly, for
+    /// which the kernels are built as sm_90a; the emulator emulates it): the
+    /// `flash_forward_wgmma` kernels need it.
+    fn wgmma(&self) -> bool {
+        false
+    }
     /// Free device memory in bytes, when known (for out-of-memory messages).
     fn free_bytes(&self) -> Option<usize>;
     fn alloc(&mut self, bytes: usize) -> Result<DevAlloc>;

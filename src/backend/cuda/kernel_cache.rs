@@ -50,7 +50,7 @@ pub fn cache_file(dir: &Path, major: i32, minor: i32) -> Result<PathBuf> {
     for part in [
         KERNELS_SOURCE,
         &NVRTC_OPTIONS.join(" "),
-        &format!("sm_{major}{minor} cubin"),
+        &format!("sm_{} cubin", super::arch_name(major, minor)),
         &format!("nvrtc {nv_major}.{nv_minor}"),
     ] {
         key.update((part.len() as u64).to_le_bytes());

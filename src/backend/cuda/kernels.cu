@@ -1181,6 +1181,131 @@ __device__ u32 pack2(float lo, float hi) {
 }
 #endif
 
+// ---- warpgroup MMA (wgmma, sm_90a: FUGU_FLASH_FORWARD=wgmma) ----------------------------
+//
+// A warpgroup (4 warps) multiplies A (64 × 16, from registers: warp w its rows 16w.., in
+// mma.m16n8k16's A layout) by B (16 × 64) that the tensor cores read from shared memory
+// themselves, into D (64 × 64 f32: warp w its rows 16w.., per 8 columns in mma's C layout, so
+// the fa_* helpers' accumulator code serves both). B comes from a 64 × 64 tile of 16-bit
+// elements, rows of 128 bytes in the 128-byte swizzle (the 16-byte chunk c of row r stored at
+// chunk c ^ (r % 8); tiles 1024-byte aligned, fa_sw): a K tile (keys × head dimensions) is B
+// K-major for S = Q·Kᵀ, the k16 slice kd starting 32·kd bytes in; a V tile (keys × head
+// dimensions) is B N-major (wgmma's transposed B) for O += P·V, the slice of keys 16·kk..
+// starting 2048·kk bytes in. The shared-memory descriptor: start address / 16 (bits 0-13), the
+// leading and stride byte offsets / 16 (bits 16-29, 32-45) both 1024 (a group of 8 rows; a
+// 64-column tile has one 128-byte swizzle atom across, so whichever of the two the layout does
+// not use is ignored), swizzle mode 1, 128 bytes (bits 62-63). Tiles written by the threads
+// (cp.async or stores) are fenced to the tensor cores' asynchronous reads (fence.proxy.async)
+// before the barrier that precedes the products.
+typedef unsigned long long u64;
+
+// Element (r, c) of a 64 × 64 tile in the 128-byte swizzle.
+__device__ int fa_sw(int r, int c) { return r * FA_D + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
+
+#if defined(__CUDACC_RTC__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ u64 wg_desc(smem_t a) {
+    return (u64)((a & 0x3FFFF) >> 4) | ((u64)(1024 >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+__device__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ void wg_fence_tiles() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#define WG_D8(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
+// d (64 × 64 of the warpgroup) = A · B, or with `acc` d + A · B.
+#define WGMMA(T, PTX)                                                                        \
+    template <int TRANS_B>                                                                   \
+    __device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T) {      \
+        asm volatile(                                                                        \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                     \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " "                    \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "        \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "    \
+            "%31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"                            \
+            : WG_D8(0), WG_D8(1), WG_D8(2), WG_D8(3), WG_D8(4), WG_D8(5), WG_D8(6), WG_D8(7) \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS_B),           \
+              "r"(acc));                                                                     \
+    }
+WGMMA(bf16, "bf16")
+WGMMA(f16, "f16")
+#undef WGMMA
+#undef WG_D8
+#elif defined(__CUDACC_RTC__)
+// Below sm_90a the instruction does not exist: the host never launches the wgmma kernels there
+// (Engine::wgmma), and the bodies trap.
+__device__ u64 wg_desc(smem_t) { return 0; }
+__device__ void wg_fence() {}
+__device__ void wg_commit() {}
+__device__ void wg_wait() {}
+__device__ void wg_fence_tiles() {}
+template <int TRANS_B, typename T>
+__device__ void wgmma_64x64x16(float (*)[4], const u32*, u64, int, T) {
+    __trap();
+}
+#else
+// The host emulator: the descriptor is the tile's host address (the layout constants are the
+// ones above); the products of the widened values summed in f32 in k order per 16-deep slice,
+// as the emulated mma16816 sums them (a GPU's order inside the instruction is unspecified).
+__device__ u64 wg_desc(smem_t a) { return (u64)(uintptr_t)a; }
+__device__ void wg_fence() {}
+__device__ void wg_commit() {}
+__device__ void wg_wait() {}
+__device__ void wg_fence_tiles() {}
+// Byte address of row r, element c of the swizzled tile whose slice starts at `start`: the
+// address before the swizzle, then bits 4-6 XOR bits 7-9 (tiles are 1024-byte aligned).
+__device__ const char* wg_at(u64 start, int r, int c) {
+    uintptr_t a = (uintptr_t)start + (r >> 3) * 1024 + (r & 7) * 128 + (c >> 3) * 16 + (c & 7) * 2;
+    return (const char*)(a ^ (((a >> 7) & 7) << 4));
+}
+template <int TRANS_B, typename T>
+__device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T) {
+    u32 mine[4] = {a[0], a[1], a[2], a[3]};
+    const u32* all = fugu_emu_lanes_publish(mine, 4, 4 * WARP);
+    int warp = (threadIdx.x / WARP) & 3, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    for (int n = 0; n < 8; n++)
+        for (int e = 0; e < 4; e++) {
+            int row = 16 * warp + g + (e >> 1) * 8, col = 8 * n + 2 * t + (e & 1);
+            float sum = 0.0f;
+            for (int k = 0; k < 16; k++) {
+                int rr = row & 15, la = 32 * (row >> 4) + 4 * (rr & 7) + ((k & 7) >> 1);
+                u32 w = all[la * FUGU_EMU_WARP_WORDS + (rr >> 3) + 2 * (k >> 3)];
+                T x, y;
+                x.bits = (unsigned short)((k & 1) ? w >> 16 : w & 0xffffu);
+                const char* p = TRANS_B ? wg_at(desc, k, col) : wg_at(desc, col, k);
+                memcpy(&y.bits, p, 2);
+                sum += ld(x) * ld(y);
+            }
+            d[n][e] = acc ? d[n][e] + sum : sum;
+        }
+    fugu_emu_warp_release();
+}
+#endif
+
+// acc (this warp's 16 rows of the warpgroup's 64 × 64) = A (fragments over FA_D) · Bᵀ, B the
+// swizzled tile `s` (64 rows × FA_D: K), as fa_mma_abt computes it.
+template <typename T>
+__device__ void fa_wg_abt(float (*acc)[4], u32 (*a)[4], T* s) {
+    smem_t sb = smem(s);
+    wg_fence();
+#pragma unroll
+    for (int kd = 0; kd < FA_D / 16; kd++)
+        wgmma_64x64x16<0>(acc, a[kd], wg_desc(sb + 32 * kd), kd > 0, T());
+    wg_commit();
+    wg_wait();
+}
+// acc += P (this warp's 16 rows × 64 keys, packed A fragments) · B, B the swizzled tile `s`
+// (64 keys × FA_D: V), as fa_mma_pb computes it.
+template <typename T>
+__device__ void fa_wg_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
+    smem_t sb = smem(s);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < FA_ROWS / 16; kk++)
+        wgmma_64x64x16<1>(acc, pa[kk], wg_desc(sb + 2048 * kk), 1, T());
+    wg_commit();
+    wg_wait();
+}
+
 // Whether a tile's rows can be copied 8 elements (16 bytes) at a time.
 template <typename T>
 __device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
@@ -1192,21 +1317,25 @@ __device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
 // asynchronous 16-byte copies in the current group (complete after cp_async_wait_prior of a
 // later group, or of this one's successor, and a barrier), else element by element (complete
 // after the next barrier).
-template <typename T>
+//
+// With SW the tile is laid out for the tensor cores' own reads (wgmma): rows of FA_D elements
+// (128 bytes), no padding, the 16-byte chunks of row r swizzled (fa_sw).
+template <typename T, bool SW = false>
 __device__ void fa_load(T* s, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
+    auto at = [](int r, int c) { return SW ? fa_sw(r, c) : r * FA_LDS + c; };
     if (vec) {
         smem_t sb = smem(s);
         for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
             int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
             bool valid = row0 + r < Tn && c < hs;
-            cp_async16(sb + 2 * (r * FA_LDS + c), valid ? src + (row0 + r) * ldq + c : src, valid);
+            cp_async16(sb + 2 * at(r, c), valid ? src + (row0 + r) * ldq + c : src, valid);
         }
     } else {
         T z;
         z.bits = 0;
         for (int i = threadIdx.x; i < FA_ROWS * FA_D; i += blockDim.x) {
             int r = i / FA_D, c = i % FA_D;
-            s[r * FA_LDS + c] = (row0 + r < Tn && c < hs) ? src[(row0 + r) * ldq + c] : z;
+            s[at(r, c)] = (row0 + r < Tn && c < hs) ? src[(row0 + r) * ldq + c] : z;
         }
     }
 }
@@ -1406,13 +1535,18 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 // the block's FA_ROWS / (16·M) warps owns M groups of 16 query rows (FLASH_WARP_ROWS = 16·M
 // on the host): with M = 2 every K and V fragment a warp loads from shared memory feeds two
 // products instead of one (FlashAttention-2 gives a warp 32 rows), for twice the registers.
-template <typename T, int M, int W>
+// With WG (flash_forward_wgmma, sm_90a) the block's one warpgroup multiplies with wgmma, the
+// tensor cores reading K and V from swizzled tiles (the "warpgroup MMA" section above); the
+// rest, softmax included, is the same code.
+template <typename T, int M, int W, bool WG = false>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 kvh, i64 hs_, float scale) {
     constexpr int QR = FA_QROWS(M, W);
     static_assert(QR <= 2 * FA_ROWS, "Q is loaded into key block 1's two tiles");
+    static_assert(!WG || (M == 1 && W == 4), "wgmma: one warpgroup of 16-row warps");
     // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1]; Q (QR rows) first in block 1's.
-    alignas(16) __shared__ T sKV[4][FA_ROWS * FA_LDS];
+    // With WG, K and V in the 128-byte swizzle (each tile 1024-byte aligned: 9 KB apart).
+    alignas(1024) __shared__ T sKV[4][FA_ROWS * FA_LDS];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3, w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;  // raw scores to log2 units
@@ -1428,9 +1562,10 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         __syncthreads();  // the previous item's reads are done
         for (int r = 0; r < QR; r += FA_ROWS)  // Q, in the tiles block 1 will use
             fa_load(sKV[2] + r * FA_LDS, base, q0 + r, Tn, ldq, hs, vec);
-        fa_load(sKV[0], kbase, 0, Tn, ldq, hs, vec);
-        fa_load(sKV[1], vbase, 0, Tn, ldq, hs, vec);
+        fa_load<T, WG>(sKV[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load<T, WG>(sKV[1], vbase, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
+        if constexpr (WG) wg_fence_tiles();
         __syncthreads();
         u32 qa[M][FA_D / 16][4];
         fa_a_frags_m<T, M>(qa, sKV[2], w0);
@@ -1449,18 +1584,23 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             int cur = (int)(kb & 1);
             __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
             if (kb < kend) {
-                fa_load(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load<T, WG>(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load<T, WG>(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs,
+                               vec);
             }
             cp_async_commit();
             cp_async_wait_prior();  // block kb's tiles have landed
+            if constexpr (WG) wg_fence_tiles();
             __syncthreads();
             // This warp's first row, counted from the key block's first key (w0 on the
             // diagonal block of a 64-row query block, compiled as before for those).
             int off = QR > FA_ROWS ? (int)(q0 + w0 - kb * FA_ROWS) : w0;
             if (QR > FA_ROWS && off + 16 * M <= 0) continue;  // every key after every row
             float s[M][FA_ROWS / 8][4];
-            fa_mma_abt_m<T, M>(s, qa, sKV[2 * cur]);
+            if constexpr (WG)
+                fa_wg_abt<T>(s[0], qa[0], sKV[2 * cur]);
+            else
+                fa_mma_abt_m<T, M>(s, qa, sKV[2 * cur]);
             u32 pa[M][FA_ROWS / 16][4];
 #pragma unroll
             for (int i = 0; i < M; i++) {
@@ -1495,7 +1635,10 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                     }
                 fa_pack<T>(pa[i], s[i]);
             }
-            fa_mma_pb_m<T, M>(o, pa, sKV[2 * cur + 1]);
+            if constexpr (WG)
+                fa_wg_pb<T>(o[0], pa[0], sKV[2 * cur + 1]);
+            else
+                fa_mma_pb_m<T, M>(o, pa, sKV[2 * cur + 1]);
         }
 #pragma unroll
         for (int i = 0; i < M; i++) {
@@ -1524,7 +1667,12 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     FA_FWD(S, T, flash_forward, 1, 4, FA_MINB_FWD)                                           \
     FA_FWD(S, T, flash_forward_wide, 2, 2, FA_MINB_FWD_WIDE)                                 \
     FA_FWD(S, T, flash_forward_q128, 1, 8, FA_MINB_FWD / 2)                                  \
-    FA_FWD(S, T, flash_forward_wide_q128, 2, 4, FA_MINB_FWD_WIDE / 2)
+    FA_FWD(S, T, flash_forward_wide_q128, 2, 4, FA_MINB_FWD_WIDE / 2)                      \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD)                    \
+        flash_forward_wgmma_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
+                                i64 kvh, i64 hs, float scale) {                              \
+        flash_forward_k<T, 1, 4, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);            \
+    }
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_FWD

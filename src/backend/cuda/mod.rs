@@ -38,15 +38,17 @@ use crate::backend::knobs::{Knobs, GEMM_SELECT_ENV};
 pub use driver::gpu_present;
 use forms::QueryKernels;
 pub use forms::{
-    parse_in_gemm, BiasGrad, FlashBackward, FlashQueryRows, FlashWarpRows, KernelForm,
-    LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV,
-    FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, BiasGrad, FlashBackward, FlashForward, FlashQueryRows, FlashWarpRows,
+    KernelForm, LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV,
+    FLASH_FORWARD_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT,
+    LAYERNORM_BACKWARD_ENV,
 };
 use gemm::problem;
 pub use gemm::DeviceGemm;
 
 use attention::{
     attention_scale, causal_block_rows, causal_blocks, dkv_shmem, Attn, FLASH_MAX_HEAD,
+    FLASH_THREADS,
 };
 use columns::COLUMN_CHUNK_ROWS;
 
@@ -56,7 +58,7 @@ use super::{
     FusedAttention, InGemm, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats,
     RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
 };
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
@@ -178,6 +180,7 @@ kernels!(
     flash_forward_wide,
     flash_forward_q128,
     flash_forward_wide_q128,
+    flash_forward_wgmma,
     flash_backward_dq,
     flash_backward_dq_wide,
     flash_backward_dq_q128,
@@ -246,6 +249,7 @@ pub struct CudaBackend {
     /// Rows per warp of the fused attention kernels, and the form of their backward pass.
     flash_warp_rows: FlashWarpRows,
     flash_query_rows: FlashQueryRows,
+    flash_forward: FlashForward,
     flash_backward: FlashBackward,
     /// The most bytes of dS tiles at once with [`FlashBackward::Stored`].
     flash_ds_budget: usize,
@@ -285,6 +289,13 @@ impl CudaBackend {
         let k = Knobs::from_env()?;
         self.set_flash_warp_rows(k.flash_warp_rows);
         self.set_flash_query_rows(k.flash_query_rows);
+        if let Some(why) =
+            k.flash_forward
+                .refusal(self.eng.wgmma(), k.flash_warp_rows.forward, k.flash_query_rows)
+        {
+            bail!("{why}");
+        }
+        self.set_flash_forward(k.flash_forward);
         self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
         self.set_bias_grad(k.bias_grad);
@@ -309,6 +320,24 @@ impl CudaBackend {
             rows.0
         );
         self.flash_query_rows = rows;
+    }
+
+    /// The fused attention forward kernel's tensor-core instruction ([`FLASH_FORWARD_ENV`]).
+    /// Panics where the device or the rows per warp and block set do not allow it
+    /// ([`Self::with_env_settings`] turns that into an error).
+    pub fn set_flash_forward(&mut self, form: FlashForward) {
+        let refusal = form.refusal(
+            self.eng.wgmma(),
+            self.flash_warp_rows.forward,
+            self.flash_query_rows,
+        );
+        assert!(refusal.is_none(), "{}", refusal.unwrap_or_default());
+        self.flash_forward = form;
+    }
+
+    /// Whether the device runs the warpgroup-MMA kernels ([`FlashForward::Wgmma`]).
+    pub fn has_wgmma(&self) -> bool {
+        self.eng.wgmma()
     }
 
     /// The form of the fused attention's backward pass ([`FLASH_BACKWARD_ENV`]).
@@ -355,6 +384,7 @@ impl CudaBackend {
             no_epilogue: Default::default(),
             flash_warp_rows: FlashWarpRows::default(),
             flash_query_rows: FlashQueryRows::default(),
+            flash_forward: FlashForward::default(),
             flash_backward: FLASH_BACKWARD_DEFAULT,
             flash_ds_budget: attention::FLASH_DS_BUDGET,
             attn_dq: Scratch::default(),
@@ -553,7 +583,10 @@ pub fn nvrtc_available() -> bool {
 /// the kernels can be checked on a machine with NVRTC but no GPU (the backend itself loads
 /// [`kernels_cubin`]). Call only when [`nvrtc_available`].
 pub fn kernels_ptx(major: i32, minor: i32) -> Result<String> {
-    let ptx = compile_kernels(&format!("compute_{major}{minor}"), nvrtc::Output::Ptx)?;
+    let ptx = compile_kernels(
+        &format!("compute_{}", arch_name(major, minor)),
+        nvrtc::Output::Ptx,
+    )?;
     Ok(String::from_utf8_lossy(&ptx).into_owned())
 }
 
@@ -561,7 +594,18 @@ pub fn kernels_ptx(major: i32, minor: i32) -> Result<String> {
 /// what [`CudaBackend::new`] loads, through the on-disk cache ([`kernel_cache`]). Call only
 /// when [`nvrtc_available`].
 pub fn kernels_cubin(major: i32, minor: i32) -> Result<Vec<u8>> {
-    compile_kernels(&format!("sm_{major}{minor}"), nvrtc::Output::Cubin)
+    compile_kernels(
+        &format!("sm_{}", arch_name(major, minor)),
+        nvrtc::Output::Cubin,
+    )
+}
+
+/// The architecture the kernels are compiled for on a GPU of compute capability
+/// `major.minor`: `XY`, or for 9.0 `90a`, Hopper's arch-specific features (wgmma, which the
+/// `flash_forward_wgmma` kernels use; code built for it runs on 9.0 only, as it is loaded).
+pub fn arch_name(major: i32, minor: i32) -> String {
+    let features = if (major, minor) == (9, 0) { "a" } else { "" };
+    format!("{major}{minor}{features}")
 }
 
 /// Compiles `kernels.cu` for architecture `arch` (`compute_XY` or `sm_XY`) into `out`.
@@ -596,6 +640,7 @@ impl Backend for CudaBackend {
                 format!("{},{},{}", r.forward, r.dq, r.dkv),
             ),
             (FLASH_QUERY_ROWS_ENV, self.flash_query_rows.0.to_string()),
+            (FLASH_FORWARD_ENV, self.flash_forward.name().to_string()),
             (
                 LAYERNORM_BACKWARD_ENV,
                 self.layernorm_backward.name().to_string(),
@@ -1209,17 +1254,21 @@ impl Backend for CudaBackend {
         assert_eq!(self.dt(lse), Dtype::F32, "attention_forward: lse is f32");
         let mut args = vec![Arg::Ptr(self.ptr(out)), Arg::Ptr(self.ptr(lse))];
         args.extend(self.flash_args(qkv, d));
-        // Warps of 16 or 32 query rows, in blocks of 64 or 128 rows.
+        // Warps of 16 or 32 query rows, in blocks of 64 or 128 rows (wgmma: 16 and 64).
         let q = self.flash_query_rows;
-        let (kernel, threads) = q.pick(
+        let (kernel, threads) = if self.flash_forward == FlashForward::Wgmma {
+            (K::flash_forward_wgmma, FLASH_THREADS)
+        } else {
+            q.pick(
             self.flash_warp_rows.forward,
             QueryKernels {
                 narrow: K::flash_forward,
                 wide: K::flash_forward_wide,
                 narrow_q128: K::flash_forward_q128,
                 wide_q128: K::flash_forward_wide_q128,
-            },
-        );
+                },
+            )
+        };
         self.launch(kernel, dt, Self::flash_grid(d, q.0), threads, 0, &args);
     }
 
