@@ -103,12 +103,20 @@ if want 1; then
 stage "1. CUDA tests on the GPU"
 # (the compile and kernel-cache tests need NVRTC alone, no GPU: CI runs them)
 limited 180 gpu/head/cuda-tests --skip kernels_compile --skip compiled_kernels_are_cached \
-    --skip fused_attention_one_kernel_backward
+    --skip fused_attention_one_kernel_backward --skip wgmma
 say "cuda tests: exit $?"
 # The one-kernel attention backward in its own process: its blocks wait for each other's
 # turns, and a kernel that traps takes its process's CUDA context with it.
 limited 60 gpu/head/cuda-tests fused_attention_one_kernel_backward
 say "one-kernel attention backward test: exit $?"
+# The warpgroup-MMA tests in their own (first run on a GPU: a wrong descriptor can fault, which
+# also takes the context): the layouts alone, then the attention forward.
+limited 60 gpu/head/cuda-tests wgmma_layouts
+say "wgmma layouts test: exit $?"
+limited 60 gpu/head/cuda-tests fused_attention_wgmma_forward
+say "wgmma attention forward test: exit $?"
+limited 60 gpu/head/cuda-tests fused_attention_wgmma_backward
+say "wgmma attention backward test: exit $?"
 fi
 
 # bench LABEL BINARY [ENV...]: one run of the train benchmark; its result row goes to $ROWS.

@@ -23,7 +23,7 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::emu::EpilogueCounts;
     use fugu::backend::cuda::{
-        self, BiasGrad, CudaBackend, FlashBackward, FlashForward, FlashQueryRows, FlashWarpRows,
+        self, BiasGrad, CudaBackend, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows,
         LayernormBackward,
     };
     use fugu::backend::{
@@ -993,7 +993,7 @@ mod gpu {
         }
     }
 
-    /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_FORWARD=wgmma`, the tensor
+    /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`, the tensor
     /// cores reading K and V from swizzled shared memory): against the CPU as the default
     /// kernel is, on every fused-attention test shape; on the emulator, which sums each
     /// 16-deep slice in k order as it does for mma.sync, also the same bits as the default
@@ -1019,14 +1019,108 @@ mod gpu {
                 let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
                 be.gpu.attention_forward(out, lse, qkv, d);
                 let (o, l) = (be.nan(b * t * c), be.nan32(b * nh * t));
-                be.gpu.set_flash_forward(FlashForward::Wgmma);
+                be.gpu.set_flash_mma(FlashMma::Wgmma);
                 be.run(|x| x.attention_forward(o, l, qkv, d));
-                be.gpu.set_flash_forward(FlashForward::Mma);
+                be.gpu.set_flash_mma(FlashMma::Sync);
                 be.check("wgmma attention out", o, GEMM);
                 be.check("wgmma attention lse", l, GEMM);
                 if emulated {
                     same_bits(&be.gpu, "out, wgmma (emulated)", out, o, d);
                     same_bits(&be.gpu, "lse, wgmma (emulated)", lse, l, d);
+                }
+            }
+        }
+    }
+
+    /// The backward pass with stored dS on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`,
+    /// `FUGU_FLASH_BACKWARD=stored`: the dK/dV kernel's four products and the dQ kernel's one
+    /// with the tensor cores reading Q, dO and K from swizzled shared memory): against the
+    /// CPU as the default kernels are, on every fused-attention test shape; on the emulator
+    /// also the same bits as the default (the same sums in the same order there).
+    #[test]
+    fn fused_attention_wgmma_backward() {
+        for act in [Dtype::Bf16, Dtype::F16] {
+            let Some(mut be) = Both::new(act) else { return };
+            if !be.gpu.has_wgmma() {
+                return skipped("no warpgroup MMA on this GPU (compute capability 9.0 only)");
+            }
+            let emulated = be.gpu.describe().contains("emulator");
+            for (b, t, nh, kv, hs) in FUSED_SHAPES {
+                if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
+                    return skipped(&format!(
+                        "no fused attention on this device for hs = {hs} in {act:?}"
+                    ));
+                }
+                let d = AttnDims { b, t, nh, kv, hs };
+                let (c, w) = (nh * hs, d.shape().qkv_width());
+                let qkv = be.rand(b * t * w, 1);
+                let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
+                be.run(|x| x.attention_forward(out, lse, qkv, d));
+                let dout = be.rand(b * t * c, 2);
+                let (split, wg) = (be.nan(b * t * w), be.nan(b * t * w));
+                be.gpu.attention_backward(split, dout, out, lse, qkv, d);
+                be.gpu.set_flash_backward(FlashBackward::Stored);
+                be.gpu.set_flash_mma(FlashMma::Wgmma);
+                be.run(|x| x.attention_backward(wg, dout, out, lse, qkv, d));
+                be.gpu.set_flash_mma(FlashMma::Sync);
+                be.gpu.set_flash_backward(FlashBackward::Split);
+                let tol = GEMM + FUSED_DQKV_TOL * act.unit_roundoff();
+                be.check("wgmma attention dqkv", wg, tol);
+                if emulated {
+                    same_bits(&be.gpu, "dqkv, wgmma (emulated)", split, wg, d);
+                }
+            }
+        }
+    }
+
+    /// The operand layouts of the wgmma kernels on their own (`CudaBackend::wgmma_probe`):
+    /// one warpgroup multiplies a 64 × 64 A from registers by a 64 × 64 tile that the tensor
+    /// cores read from swizzled shared memory, as a K tile (A·Bᵀ) and as a V tile (A·B), against
+    /// the products in f64 of the same 16-bit values. Where the wgmma attention kernels fail
+    /// on a GPU, this names the layout that is wrong.
+    #[test]
+    fn wgmma_layouts() {
+        for act in [Dtype::Bf16, Dtype::F16] {
+            let Some(mut be) = Both::new(act) else { return };
+            if !be.gpu.has_wgmma() {
+                return skipped("no warpgroup MMA on this GPU (compute capability 9.0 only)");
+            }
+            let n = 64;
+            let (a, b) = (be.rand(n * n, 5), be.rand(n * n, 6));
+            let (mut av, mut bv) = (vec![0.0; n * n], vec![0.0; n * n]);
+            be.gpu.download(a, &mut av);
+            be.gpu.download(b, &mut bv);
+            for transposed in [false, true] {
+                let d = be.nan32(n * n);
+                be.gpu.wgmma_probe(d, a, b, transposed);
+                let mut got = vec![0.0; n * n];
+                be.gpu.download(d, &mut got);
+                let what = if transposed {
+                    "A·B (V tiles)"
+                } else {
+                    "A·Bᵀ (K tiles)"
+                };
+                for i in 0..n {
+                    for j in 0..n {
+                        let (mut want, mut size) = (0.0f64, 0.0f64);
+                        for k in 0..n {
+                            let bk = if transposed {
+                                bv[k * n + j]
+                            } else {
+                                bv[j * n + k]
+                            };
+                            let p = av[i * n + k] as f64 * bk as f64;
+                            want += p;
+                            size += p.abs();
+                        }
+                        // f32 sums of 64 exact products (16-bit operands).
+                        let err = (got[i * n + j] as f64 - want).abs();
+                        assert!(
+                            err <= 64.0 * f32::EPSILON as f64 * size,
+                            "wgmma {what}, {act:?}: d[{i}][{j}] = {}, want {want}",
+                            got[i * n + j]
+                        );
+                    }
                 }
             }
         }
@@ -1781,23 +1875,19 @@ mod gpu {
                 "FUGU_FLASH_BACKWARD=one: expected split, fused or stored",
             ),
             (
-                cuda::FLASH_FORWARD_ENV,
+                cuda::FLASH_MMA_ENV,
                 "tma",
-                "FUGU_FLASH_FORWARD=tma: expected mma or wgmma",
+                "FUGU_FLASH_MMA=tma: expected sync or wgmma",
             ),
             // The wgmma forward kernel has 64 query rows per block (a device without wgmma
             // is refused first: "needs a GPU of compute capability 9.0").
-            (
-                cuda::FLASH_QUERY_ROWS_ENV,
-                "128",
-                "FUGU_FLASH_FORWARD=wgmma",
-            ),
+            (cuda::FLASH_QUERY_ROWS_ENV, "128", "FUGU_FLASH_MMA=wgmma"),
         ] {
             let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
             c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
             c.env(var, value);
             if var == cuda::FLASH_QUERY_ROWS_ENV {
-                c.env(cuda::FLASH_FORWARD_ENV, "wgmma");
+                c.env(cuda::FLASH_MMA_ENV, "wgmma");
             }
             if emulate {
                 c.env(cuda::EMULATE_ENV, "1");

@@ -13,7 +13,7 @@
 //! | `FUGU_FLASH_WARP_ROWS` | `16`, `32`, or `F,Q,KV` | the CUDA backend (`backend/cuda/forms.rs`) |
 //! | `FUGU_FLASH_QUERY_ROWS` | `64`, `128` | the CUDA backend |
 //! | `FUGU_LAYERNORM_BACKWARD` | `split`, `fused` | the CUDA backend |
-//! | `FUGU_FLASH_FORWARD` | `mma`, `wgmma` | the CUDA backend |
+//! | `FUGU_FLASH_MMA` | `sync`, `wgmma` | the CUDA backend |
 //! | `FUGU_FLASH_BACKWARD` | `split`, `fused`, `stored` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
 //! | `FUGU_GEMM_SELECT` | `first`, `timed` | the CUDA backend's cuBLASLt calls (`backend/cuda/lt.rs`) |
@@ -77,22 +77,23 @@ impl KernelForm {
     }
 }
 
-/// The tensor-core instruction of the fused attention's forward kernel (`FUGU_FLASH_FORWARD`):
-/// `mma.sync` per warp (every sm_80+ GPU), or Hopper's warpgroup `wgmma` (compute capability
-/// 9.0 only; 16 query rows per warp, 64 per block).
+/// The tensor-core instruction of the fused attention kernels that have a form for each
+/// (`FUGU_FLASH_MMA`): `mma.sync` per warp (every sm_80+ GPU), or Hopper's warpgroup `wgmma`
+/// (compute capability 9.0 only; 16 rows per warp, 64 per block): the forward kernel, and the
+/// backward pass's with stored dS (`FUGU_FLASH_BACKWARD=stored`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum FlashForward {
+pub enum FlashMma {
     #[default]
-    Mma,
+    Sync,
     Wgmma,
 }
 
-impl FlashForward {
+impl FlashMma {
     /// The setting's value for this form (the run header shows it).
     pub fn name(self) -> &'static str {
         match self {
-            FlashForward::Mma => "mma",
-            FlashForward::Wgmma => "wgmma",
+            FlashMma::Sync => "sync",
+            FlashMma::Wgmma => "wgmma",
         }
     }
 }
@@ -258,9 +259,9 @@ pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
 pub const FLASH_QUERY_ROWS_ENV: &str = "FUGU_FLASH_QUERY_ROWS";
 /// Environment variable: the layernorm backward's form, `fused` or `split`.
 pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
-/// Environment variable: the fused attention forward kernel's tensor-core instruction, `mma` or
-/// `wgmma` ([`FlashForward`]).
-pub const FLASH_FORWARD_ENV: &str = "FUGU_FLASH_FORWARD";
+/// Environment variable: the fused attention kernels' tensor-core instruction, `sync` or
+/// `wgmma` ([`FlashMma`]).
+pub const FLASH_MMA_ENV: &str = "FUGU_FLASH_MMA";
 /// Environment variable: the fused attention backward's form, `split`, `fused` or `stored`.
 pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
 /// Environment variable: a linear layer's bias gradient, `separate` or `epilogue`.
@@ -280,7 +281,7 @@ pub struct Knobs {
     pub residual: Option<InGemm>,
     pub flash_warp_rows: FlashWarpRows,
     pub flash_query_rows: FlashQueryRows,
-    pub flash_forward: FlashForward,
+    pub flash_mma: FlashMma,
     /// `None`: the backend's measured default.
     pub layernorm_backward: Option<KernelForm>,
     /// `None`: the backend's measured default.
@@ -310,12 +311,12 @@ impl Knobs {
             residual: parse_in_gemm_auto(RESIDUAL_ENV, &var(RESIDUAL_ENV))?,
             flash_warp_rows: FlashWarpRows::parse(&var(FLASH_WARP_ROWS_ENV))?,
             flash_query_rows: FlashQueryRows::parse(&var(FLASH_QUERY_ROWS_ENV))?,
-            flash_forward: parse_form(
-                FLASH_FORWARD_ENV,
-                &var(FLASH_FORWARD_ENV),
-                FlashForward::Mma,
-                &[FlashForward::Mma, FlashForward::Wgmma],
-                FlashForward::name,
+            flash_mma: parse_form(
+                FLASH_MMA_ENV,
+                &var(FLASH_MMA_ENV),
+                FlashMma::Sync,
+                &[FlashMma::Sync, FlashMma::Wgmma],
+                FlashMma::name,
             )?,
             layernorm_backward: form(LAYERNORM_BACKWARD_ENV)?,
             flash_backward: {
@@ -423,7 +424,7 @@ mod tests {
             (RESIDUAL_ENV, "auto"),
             (FLASH_WARP_ROWS_ENV, "32,16,32"),
             (FLASH_QUERY_ROWS_ENV, "128"),
-            (FLASH_FORWARD_ENV, "wgmma"),
+            (FLASH_MMA_ENV, "wgmma"),
             (LAYERNORM_BACKWARD_ENV, "split"),
             (FLASH_BACKWARD_ENV, "stored"),
             (BIAS_GRAD_ENV, "epilogue"),
@@ -435,7 +436,7 @@ mod tests {
         assert_eq!(k.residual, None);
         assert_eq!(k.flash_warp_rows.dq, 16);
         assert_eq!(k.flash_query_rows, FlashQueryRows(128));
-        assert_eq!(k.flash_forward, FlashForward::Wgmma);
+        assert_eq!(k.flash_mma, FlashMma::Wgmma);
         assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
         assert_eq!(k.flash_backward, Some(FlashBackward::Stored));
         assert_eq!(k.bias_grad, InGemm::Epilogue);
@@ -471,9 +472,9 @@ mod tests {
                 "FUGU_GEMM_SELECT=best: expected timed or first",
             ),
             (
-                FLASH_FORWARD_ENV,
+                FLASH_MMA_ENV,
                 "tma",
-                "FUGU_FLASH_FORWARD=tma: expected mma or wgmma",
+                "FUGU_FLASH_MMA=tma: expected sync or wgmma",
             ),
             (
                 FLASH_QUERY_ROWS_ENV,

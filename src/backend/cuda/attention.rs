@@ -5,8 +5,8 @@
 use super::engine::Arg;
 use super::gemm::{Mat, Ptrs};
 use super::{
-    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashWarpRows, FusedAttention, Span,
-    ELEM_THREADS, K,
+    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashMma, FlashWarpRows, FusedAttention,
+    Span, ELEM_THREADS, K,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
@@ -157,20 +157,27 @@ impl CudaBackend {
             ];
             args.extend(tail);
             args.push(Arg::Ptr(ds));
-            let (k, threads) = FlashWarpRows::pick(
-                rows.dkv,
-                K::flash_backward_dkv_store,
-                K::flash_backward_dkv_store_wide,
-            );
+            // With wgmma, 16 rows per warp (FlashMma::refusal).
+            let (k, threads) = match self.flash_mma {
+                FlashMma::Wgmma => (K::flash_backward_dkv_store_wgmma, FLASH_THREADS),
+                FlashMma::Sync => FlashWarpRows::pick(
+                    rows.dkv,
+                    K::flash_backward_dkv_store,
+                    K::flash_backward_dkv_store_wide,
+                ),
+            };
             let kv_grid = Self::flash_grid_kv(part);
             self.launch(k, dt, kv_grid, threads, dkv_shmem(rows.dkv), &args);
             let mut args = vec![Arg::Ptr(dq), Arg::Ptr(ds)];
             args.extend(tail);
-            let (k, threads) = FlashWarpRows::pick(
-                rows.dq,
-                K::flash_backward_dq_stored,
-                K::flash_backward_dq_stored_wide,
-            );
+            let (k, threads) = match self.flash_mma {
+                FlashMma::Wgmma => (K::flash_backward_dq_stored_wgmma, FLASH_THREADS),
+                FlashMma::Sync => FlashWarpRows::pick(
+                    rows.dq,
+                    K::flash_backward_dq_stored,
+                    K::flash_backward_dq_stored_wide,
+                ),
+            };
             let q_grid = Self::flash_grid(part, FLASH_ROWS);
             self.launch(k, dt, q_grid, threads, 0, &args);
         }

@@ -6,9 +6,9 @@
 use super::attention::{FLASH_LDS, FLASH_ROWS, FLASH_THREADS};
 use super::{InGemm, K, WARP};
 pub use crate::backend::knobs::{
-    parse_in_gemm, FlashBackward, FlashForward, FlashQueryRows, FlashWarpRows, KernelForm,
-    BIAS_GRAD_ENV, FLASH_BACKWARD_ENV, FLASH_FORWARD_ENV, FLASH_QUERY_ROWS_ENV,
-    FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows, KernelForm,
+    BIAS_GRAD_ENV, FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV,
+    LAYERNORM_BACKWARD_ENV,
 };
 
 // `FUGU_FLASH_WARP_ROWS` (read by `backend/knobs.rs`): rows per warp of the fused attention kernels, `16` (the default) or
@@ -70,36 +70,40 @@ impl FlashQueryRows {
     }
 }
 
-// `FUGU_FLASH_FORWARD`: the fused attention forward kernel's tensor-core instruction, `mma`
-// (the default: `mma.sync` per warp, the query-rows and warp-rows forms above) or `wgmma`
-// (`flash_forward_wgmma`, compute capability 9.0 only: the block's warpgroup multiplies with
-// Hopper's warpgroup MMA, the tensor cores reading K and V from shared memory themselves, with
-// 16 query rows per warp and 64 per block; not yet run on a GPU) ([`FlashForward`]).
+// `FUGU_FLASH_MMA`: the fused attention kernels' tensor-core instruction, `sync` (the default:
+// `mma.sync` per warp, every kernel and form above) or `wgmma` (compute capability 9.0 only:
+// each block's warpgroup multiplies with Hopper's warpgroup MMA, the tensor cores reading the
+// K, V (forward), Q and dO (dK/dV) or K (dQ) tiles from swizzled shared memory themselves:
+// `flash_forward_wgmma`, and with `FUGU_FLASH_BACKWARD=stored` `flash_backward_dkv_store_wgmma`
+// and `flash_backward_dq_stored_wgmma`; the split and one-kernel backward passes have no wgmma
+// form and keep mma.sync; 16 rows per warp and 64 per block; not yet run on a GPU)
+// ([`FlashMma`]).
 
-impl FlashForward {
+impl FlashMma {
     /// The reason this form cannot run on a device (`wgmma`: whether it has warpgroup MMA)
     /// with these rows per warp and per block, if it cannot.
     pub(super) fn refusal(
         self,
         wgmma: bool,
-        warp_rows: usize,
+        warp_rows: FlashWarpRows,
         query_rows: FlashQueryRows,
     ) -> Option<String> {
+        let FlashWarpRows { forward, dq, dkv } = warp_rows;
         match self {
-            FlashForward::Mma => None,
-            FlashForward::Wgmma if !wgmma => Some(format!(
-                "{FLASH_FORWARD_ENV}=wgmma needs a GPU of compute capability 9.0 (H100, H200); \
+            FlashMma::Sync => None,
+            FlashMma::Wgmma if !wgmma => Some(format!(
+                "{FLASH_MMA_ENV}=wgmma needs a GPU of compute capability 9.0 (H100, H200); \
                  this device has no warpgroup MMA"
             )),
-            FlashForward::Wgmma if warp_rows != 16 || query_rows != FlashQueryRows(64) => {
+            FlashMma::Wgmma if [forward, dq, dkv] != [16; 3] || query_rows.0 != 64 => {
                 Some(format!(
-                    "{FLASH_FORWARD_ENV}=wgmma runs 16 query rows per warp and 64 per block, \
-                     not {warp_rows} and {}: leave {FLASH_WARP_ROWS_ENV}'s forward entry at 16 \
-                     and {FLASH_QUERY_ROWS_ENV} at 64",
+                    "{FLASH_MMA_ENV}=wgmma runs 16 rows per warp and 64 per block, not \
+                     {forward},{dq},{dkv} and {}: leave {FLASH_WARP_ROWS_ENV} at 16 and \
+                     {FLASH_QUERY_ROWS_ENV} at 64",
                     query_rows.0
                 ))
             }
-            FlashForward::Wgmma => None,
+            FlashMma::Wgmma => None,
         }
     }
 }

@@ -1181,7 +1181,7 @@ __device__ u32 pack2(float lo, float hi) {
 }
 #endif
 
-// ---- warpgroup MMA (wgmma, sm_90a: FUGU_FLASH_FORWARD=wgmma) ----------------------------
+// ---- warpgroup MMA (wgmma, sm_90a: FUGU_FLASH_MMA=wgmma) ----------------------------
 //
 // A warpgroup (4 warps) multiplies A (64 × 16, from registers: warp w its rows 16w.., in
 // mma.m16n8k16's A layout) by B (16 × 64) that the tensor cores read from shared memory
@@ -1989,14 +1989,17 @@ FOR_HALF_TYPES(DEF)
 // by a counter in the order blocks ask (sync[0]), so the item a block waits for has been taken
 // by a running block (no wait on a block the GPU has not started, whatever its scheduling).
 enum FaDs { DS_DROP, DS_STORE, DS_TURNS };
-template <typename T, int M, FaDs DS>
+template <typename T, int M, FaDs DS, bool WG = false>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                      i64 kvh, i64 hs_, float scale, T* ds_out, float* dq_acc,
                                      int* sync) {
     constexpr bool DQ = DS == DS_TURNS;
-    alignas(16) __shared__ T sQ[2][FA_ROWS * FA_LDS];
-    alignas(16) __shared__ T sO[2][FA_ROWS * FA_LDS];
+    static_assert(!WG || (M == 1 && !DQ), "wgmma: one warpgroup of 16-key warps, no turns");
+    // With WG, the Q and dO tiles in the 128-byte swizzle (K and V, read once into registers,
+    // as they are).
+    alignas(1024) __shared__ T sQ[2][FA_ROWS * FA_LDS];
+    alignas(1024) __shared__ T sO[2][FA_ROWS * FA_LDS];
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
     __shared__ i64 s_item;
     DYNAMIC_SHARED(Pack<float>, fa_kv);
@@ -2040,10 +2043,11 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 fa_load(sK, kbase, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
                 fa_load(sV, vbase, k0, Tn, ldq, hs, vec);
             }
-            fa_load(sQ[0], base, q_first, Tn, ldq, hs, vec);  // the head's first query block
-            fa_load(sO[0], dob, q_first, Tn, C, hs, vec_o);
+            fa_load<T, WG>(sQ[0], base, q_first, Tn, ldq, hs, vec);  // the first query block
+            fa_load<T, WG>(sO[0], dob, q_first, Tn, C, hs, vec_o);
             fa_load_stats(sL[0], sD[0], lse_h, delta_h, q_first, Tn);
             cp_async_wait_all();
+            if constexpr (WG) wg_fence_tiles();
             __syncthreads();
             // Without kv_shared, K and V wait in buffers the query blocks then reuse: their
             // fragments are taken once, at the first head, and stay in registers.
@@ -2058,12 +2062,13 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 __syncthreads();
                 if (qb + q_step != q_end) {
                     i64 q1 = (qb + q_step) * FA_ROWS;
-                    fa_load(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
-                    fa_load(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
+                    fa_load<T, WG>(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
+                    fa_load<T, WG>(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
                     fa_load_stats(sL[cur ^ 1], sD[cur ^ 1], lse_h, delta_h, q1, Tn);
                 }
                 cp_async_commit();
                 cp_async_wait_prior();
+                if constexpr (WG) wg_fence_tiles();
                 __syncthreads();
                 // Transposed scores: rows are this warp's keys, columns the block's queries. P is
                 // rounded to T (as the three-step path stores it) and feeds both dV and dS.
@@ -2072,7 +2077,10 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(ka, sK, w0);
                 {
                     float p[M][FA_ROWS / 8][4];
-                    fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
+                    if constexpr (WG)
+                        fa_wg_abt<T>(p[0], ka[0], sQ[cur]);
+                    else
+                        fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
 #pragma unroll
                     for (int i = 0; i < M; i++) {
 #pragma unroll
@@ -2087,10 +2095,15 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                         fa_pack<T>(pa[i], p[i]);
                     }
                 }
-                fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
                 float ds[M][FA_ROWS / 8][4];
-                if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(va, sV, w0);
-                fa_mma_abt_m<T, M>(ds, va, sO[cur]);
+                if constexpr (WG) {
+                    fa_wg_pb<T>(dv[0], pa[0], sO[cur]);
+                    fa_wg_abt<T>(ds[0], va[0], sO[cur]);
+                } else {
+                    fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
+                    if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(va, sV, w0);
+                    fa_mma_abt_m<T, M>(ds, va, sO[cur]);
+                }
 #pragma unroll
                 for (int i = 0; i < M; i++) {
 #pragma unroll
@@ -2104,7 +2117,10 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 if constexpr (DS == DS_STORE)
                     fa_put_frags_m<T, M, FA_ROWS>(
                         ds_out + (bh * ntri + qb * (qb + 1) / 2 + kb) * FA_ROWS * FA_ROWS, pa, w0);
-                fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
+                if constexpr (WG)
+                    fa_wg_pb<T>(dk[0], pa[0], sQ[cur]);
+                else
+                    fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
                 if constexpr (DQ) {
                     // dQ's share of this key block: dS (queries × keys) · K, the tile's
                     // query rows w0.. by this warp, over every key of the block.
@@ -2152,16 +2168,26 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         flash_backward_dkv_k<T, M, DS_TURNS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs, \
                                              scale, nullptr, dq_acc, sync);                  \
     }
+#define FA_DKV_WG(S, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV)                    \
+        flash_backward_dkv_store_wgmma_##S(T* dqkv, const float* delta, const T* dout,       \
+                                           const float* lse, const T* qkv, i64 B, i64 Tn,    \
+                                           i64 nh, i64 kvh, i64 hs, float scale, T* ds) {    \
+        flash_backward_dkv_k<T, 1, DS_STORE, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh,   \
+                                                   kvh, hs, scale, ds, nullptr, nullptr);    \
+    }
 #define DEF(S, T)                                                                            \
     FA_DKV(S, T, flash_backward_dkv, 1, FA_MINB_DKV, DS_DROP)                                \
     FA_DKV(S, T, flash_backward_dkv_wide, 2, FA_MINB_DKV_WIDE, DS_DROP)                      \
     FA_DKV(S, T, flash_backward_dkv_store, 1, FA_MINB_DKV, DS_STORE)                         \
     FA_DKV(S, T, flash_backward_dkv_store_wide, 2, FA_MINB_DKV_WIDE, DS_STORE)               \
+    FA_DKV_WG(S, T)                                                                          \
     FA_FUSED(S, T, flash_backward_fused, 1)                                                  \
     FA_FUSED(S, T, flash_backward_fused_wide, 2)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_FUSED
+#undef FA_DKV_WG
 #undef FA_DKV
 
 // Backward with stored dS (FUGU_FLASH_BACKWARD=stored), after flash_backward_prep (Δ) and
@@ -2172,11 +2198,13 @@ FOR_HALF_TYPES(DEF)
 // per tile pair in all instead of seven; dS is written once and read once (at T's size: for
 // GPT-2 124M B=16, 214 MB per layer each way). Item = (64-row query block, sequence, head),
 // the longest first; each warp M groups of 16 query rows; the K and dS tiles double-buffered.
-template <typename T, int M>
+template <typename T, int M, bool WG = false>
 __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn,
                                            i64 nh, i64 kvh, i64 hs_, float scale) {
-    // Key block c's tiles: K in sKS[2c], dS (keys × queries) in sKS[2c + 1].
-    alignas(16) __shared__ T sKS[4][FA_ROWS * FA_LDS];
+    static_assert(!WG || M == 1, "wgmma: one warpgroup of 16-row warps");
+    // Key block c's tiles: K in sKS[2c] (with WG in the 128-byte swizzle), dS (keys ×
+    // queries) in sKS[2c + 1].
+    alignas(1024) __shared__ T sKS[4][FA_ROWS * FA_LDS];
     int hs = (int)hs_, w0 = threadIdx.x / WARP * 16 * M;
     i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
         nqb = (Tn + FA_ROWS - 1) / FA_ROWS, ntri = nqb * (nqb + 1) / 2;
@@ -2187,9 +2215,10 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
         const T* kbase = qkv + b * Tn * ldq + C + (h / grp) * hs;
         const T* dsb = ds + (bh * ntri + qb * (qb + 1) / 2) * tile;  // key block 0's tile
         __syncthreads();  // the previous item's reads are done
-        fa_load(sKS[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load<T, WG>(sKS[0], kbase, 0, Tn, ldq, hs, vec);
         fa_load(sKS[1], dsb, 0, FA_ROWS, FA_ROWS, FA_ROWS, vec_s);
         cp_async_wait_all();
+        if constexpr (WG) wg_fence_tiles();
         float dq[M][FA_D / 8][4];
 #pragma unroll
         for (int i = 0; i < M; i++)
@@ -2200,16 +2229,20 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
             int cur = (int)(kb & 1);
             __syncthreads();
             if (kb < qb) {
-                fa_load(sKS[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load<T, WG>(sKS[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
                 fa_load(sKS[2 * (cur ^ 1) + 1], dsb + (kb + 1) * tile, 0, FA_ROWS, FA_ROWS,
                         FA_ROWS, vec_s);
             }
             cp_async_commit();
             cp_async_wait_prior();
+            if constexpr (WG) wg_fence_tiles();
             __syncthreads();
             u32 pa[M][FA_ROWS / 16][4];  // dS of this warp's query rows, keys along k
             fa_a_frags_trans_m<T, M>(pa, sKS[2 * cur + 1], w0);
-            fa_mma_pb_m<T, M>(dq, pa, sKS[2 * cur]);
+            if constexpr (WG)
+                fa_wg_pb<T>(dq[0], pa[0], sKS[2 * cur]);
+            else
+                fa_mma_pb_m<T, M>(dq, pa, sKS[2 * cur]);
         }
         float mul[2] = {scale, scale};
 #pragma unroll
@@ -2218,18 +2251,54 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
                      hs, mul);
     }
 }
-#define FA_DQ_STORED(S, T, NAME, M)                                                          \
+#define FA_DQ_STORED(S, T, NAME, M, WG)                                                      \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_DQ_STORED)        \
         NAME##_##S(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh,       \
                    i64 hs, float scale) {                                                    \
-        flash_backward_dq_stored_k<T, M>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);          \
+        flash_backward_dq_stored_k<T, M, WG>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);      \
     }
 #define DEF(S, T)                                                                            \
-    FA_DQ_STORED(S, T, flash_backward_dq_stored, 1)                                          \
-    FA_DQ_STORED(S, T, flash_backward_dq_stored_wide, 2)
+    FA_DQ_STORED(S, T, flash_backward_dq_stored, 1, false)                                   \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_wide, 2, false)                              \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_wgmma, 1, true)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_DQ_STORED
+
+// The warpgroup-MMA layouts on their own (tests/cuda.rs, wgmma_layouts): d (64 × 64 f32,
+// row-major) = a · bᵀ (trans = 0: b a K tile, as S = Q·Kᵀ) or a · b (trans = 1: b a V tile, as
+// O = P·V), a and b 64 × 64 row-major; one block of one warpgroup. On a GPU where the flash
+// kernels' wgmma results are wrong this says which operand layout is.
+template <typename T>
+__device__ void flash_wgmma_probe_k(float* d, const T* a, const T* b, int trans) {
+    alignas(1024) __shared__ T sB[FA_ROWS * FA_D];
+    alignas(16) __shared__ T sA[FA_ROWS * FA_LDS];
+    fa_load(sA, a, 0, FA_ROWS, FA_D, FA_D, true);
+    fa_load<T, true>(sB, b, 0, FA_ROWS, FA_D, FA_D, true);
+    cp_async_wait_all();
+    wg_fence_tiles();
+    __syncthreads();
+    int w0 = threadIdx.x / WARP * 16, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    u32 fa[FA_D / 16][4];
+    fa_a_frags(fa, sA, w0);
+    float acc[FA_ROWS / 8][4];
+    if (trans) {
+        for (int n = 0; n < FA_ROWS / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        fa_wg_pb<T>(acc, fa, sB);
+    } else {
+        fa_wg_abt<T>(acc, fa, sB);
+    }
+    for (int n = 0; n < FA_ROWS / 8; n++)
+        for (int e = 0; e < 4; e++)
+            d[(w0 + g + (e >> 1) * 8) * FA_ROWS + n * 8 + 2 * t + (e & 1)] = acc[n][e];
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)                              \
+        flash_wgmma_probe_##S(float* d, const T* a, const T* b, int trans) {                 \
+        flash_wgmma_probe_k(d, a, b, trans);                                                 \
+    }
+FOR_HALF_TYPES(DEF)
+#undef DEF
 
 // ---- the Llama family (ops/rmsnorm.rs, ops/rope.rs, ops/swiglu.rs) -----------------------
 

@@ -38,16 +38,15 @@ use crate::backend::knobs::{Knobs, GEMM_SELECT_ENV};
 pub use driver::gpu_present;
 use forms::QueryKernels;
 pub use forms::{
-    parse_in_gemm, BiasGrad, FlashBackward, FlashForward, FlashQueryRows, FlashWarpRows,
-    KernelForm, LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV,
-    FLASH_FORWARD_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT,
-    LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, BiasGrad, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows, KernelForm,
+    LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_MMA_ENV,
+    FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
 };
 use gemm::problem;
 pub use gemm::DeviceGemm;
 
 use attention::{
-    attention_scale, causal_block_rows, causal_blocks, dkv_shmem, Attn, FLASH_MAX_HEAD,
+    attention_scale, causal_block_rows, causal_blocks, dkv_shmem, Attn, FLASH_MAX_HEAD, FLASH_ROWS,
     FLASH_THREADS,
 };
 use columns::COLUMN_CHUNK_ROWS;
@@ -189,11 +188,14 @@ kernels!(
     flash_backward_dkv_wide,
     flash_backward_dkv_store,
     flash_backward_dkv_store_wide,
+    flash_backward_dkv_store_wgmma,
     flash_backward_dq_stored,
     flash_backward_dq_stored_wide,
+    flash_backward_dq_stored_wgmma,
     flash_backward_prep,
     flash_backward_fused,
     flash_backward_fused_wide,
+    flash_wgmma_probe,
 );
 
 /// Device memory of one buffer (`None` for zero-length and freed buffers), its length in
@@ -249,7 +251,7 @@ pub struct CudaBackend {
     /// Rows per warp of the fused attention kernels, and the form of their backward pass.
     flash_warp_rows: FlashWarpRows,
     flash_query_rows: FlashQueryRows,
-    flash_forward: FlashForward,
+    flash_mma: FlashMma,
     flash_backward: FlashBackward,
     /// The most bytes of dS tiles at once with [`FlashBackward::Stored`].
     flash_ds_budget: usize,
@@ -290,12 +292,12 @@ impl CudaBackend {
         self.set_flash_warp_rows(k.flash_warp_rows);
         self.set_flash_query_rows(k.flash_query_rows);
         if let Some(why) =
-            k.flash_forward
-                .refusal(self.eng.wgmma(), k.flash_warp_rows.forward, k.flash_query_rows)
+            k.flash_mma
+                .refusal(self.eng.wgmma(), k.flash_warp_rows, k.flash_query_rows)
         {
             bail!("{why}");
         }
-        self.set_flash_forward(k.flash_forward);
+        self.set_flash_mma(k.flash_mma);
         self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
         self.set_bias_grad(k.bias_grad);
@@ -322,22 +324,46 @@ impl CudaBackend {
         self.flash_query_rows = rows;
     }
 
-    /// The fused attention forward kernel's tensor-core instruction ([`FLASH_FORWARD_ENV`]).
-    /// Panics where the device or the rows per warp and block set do not allow it
+    /// The fused attention kernels' tensor-core instruction ([`FLASH_MMA_ENV`]). Panics
+    /// where the device or the rows per warp and block set do not allow it
     /// ([`Self::with_env_settings`] turns that into an error).
-    pub fn set_flash_forward(&mut self, form: FlashForward) {
+    pub fn set_flash_mma(&mut self, form: FlashMma) {
         let refusal = form.refusal(
             self.eng.wgmma(),
-            self.flash_warp_rows.forward,
+            self.flash_warp_rows,
             self.flash_query_rows,
         );
         assert!(refusal.is_none(), "{}", refusal.unwrap_or_default());
-        self.flash_forward = form;
+        self.flash_mma = form;
     }
 
-    /// Whether the device runs the warpgroup-MMA kernels ([`FlashForward::Wgmma`]).
+    /// Whether the device runs the warpgroup-MMA kernels ([`FlashMma::Wgmma`]).
     pub fn has_wgmma(&self) -> bool {
         self.eng.wgmma()
+    }
+
+    /// The warpgroup-MMA layouts the wgmma kernels use, on their own (a test's probe): `d`
+    /// (64 × 64, f32) = `a` · `b`ᵀ (`transposed` false: `b` read as the K tiles are) or `a` ·
+    /// `b` (true: as the V tiles are); `a` and `b` 64 × 64 row-major, 16-bit, one type.
+    /// Needs [`Self::has_wgmma`].
+    pub fn wgmma_probe(&mut self, d: Span, a: Span, b: Span, transposed: bool) {
+        let n = FLASH_ROWS * FLASH_MAX_HEAD;
+        assert!(
+            d.len == n && a.len == n && b.len == n && self.dt(d) == Dtype::F32,
+            "wgmma_probe: 64 × 64 operands and an f32 result"
+        );
+        let dt = self.dt(a);
+        assert!(
+            self.dt(b) == dt && dt != Dtype::F32 && self.eng.wgmma(),
+            "wgmma_probe: {dt:?}"
+        );
+        let args = [
+            Arg::Ptr(self.ptr(d)),
+            Arg::Ptr(self.ptr(a)),
+            Arg::Ptr(self.ptr(b)),
+            Arg::I32(transposed as i32),
+        ];
+        self.launch(K::flash_wgmma_probe, dt, 1, FLASH_THREADS, 0, &args);
     }
 
     /// The form of the fused attention's backward pass ([`FLASH_BACKWARD_ENV`]).
@@ -384,7 +410,7 @@ impl CudaBackend {
             no_epilogue: Default::default(),
             flash_warp_rows: FlashWarpRows::default(),
             flash_query_rows: FlashQueryRows::default(),
-            flash_forward: FlashForward::default(),
+            flash_mma: FlashMma::default(),
             flash_backward: FLASH_BACKWARD_DEFAULT,
             flash_ds_budget: attention::FLASH_DS_BUDGET,
             attn_dq: Scratch::default(),
@@ -640,7 +666,7 @@ impl Backend for CudaBackend {
                 format!("{},{},{}", r.forward, r.dq, r.dkv),
             ),
             (FLASH_QUERY_ROWS_ENV, self.flash_query_rows.0.to_string()),
-            (FLASH_FORWARD_ENV, self.flash_forward.name().to_string()),
+            (FLASH_MMA_ENV, self.flash_mma.name().to_string()),
             (
                 LAYERNORM_BACKWARD_ENV,
                 self.layernorm_backward.name().to_string(),
@@ -1256,16 +1282,16 @@ impl Backend for CudaBackend {
         args.extend(self.flash_args(qkv, d));
         // Warps of 16 or 32 query rows, in blocks of 64 or 128 rows (wgmma: 16 and 64).
         let q = self.flash_query_rows;
-        let (kernel, threads) = if self.flash_forward == FlashForward::Wgmma {
+        let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
             (K::flash_forward_wgmma, FLASH_THREADS)
         } else {
             q.pick(
-            self.flash_warp_rows.forward,
-            QueryKernels {
-                narrow: K::flash_forward,
-                wide: K::flash_forward_wide,
-                narrow_q128: K::flash_forward_q128,
-                wide_q128: K::flash_forward_wide_q128,
+                self.flash_warp_rows.forward,
+                QueryKernels {
+                    narrow: K::flash_forward,
+                    wide: K::flash_forward_wide,
+                    narrow_q128: K::flash_forward_q128,
+                    wide_q128: K::flash_forward_wide_q128,
                 },
             )
         };
