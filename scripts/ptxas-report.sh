@@ -29,8 +29,11 @@ export LD_LIBRARY_PATH="${NVRTC_LIB:+$NVRTC_LIB:}${LD_LIBRARY_PATH:-}"
 cargo run --quiet --release --features cuda --example kernels_ptx -- "$MAJOR" "$MINOR" \
     > "$DIR/kernels.ptx"
 FEATURES=""; [ "$MAJOR$MINOR" = 90 ] && FEATURES=a  # the backend compiles for sm_90a there (arch_name)
-"$PTXAS" -arch="sm_$MAJOR$MINOR$FEATURES" -v "$DIR/kernels.ptx" -o "$DIR/kernels.cubin" 2>&1 |
-    awk -v filter="$FILTER" '
+"$PTXAS" -arch="sm_$MAJOR$MINOR$FEATURES" -v "$DIR/kernels.ptx" -o "$DIR/kernels.cubin" \
+    > "$DIR/ptxas.txt" 2>&1
+# ptxas's performance notes (e.g. C7512: wgmma instructions serialized for want of registers).
+grep "Potential Performance Loss" "$DIR/ptxas.txt" || true
+awk -v filter="$FILTER" '
         /Compiling entry function/ { name = $7; gsub(/[^A-Za-z0-9_]/, "", name); spill = ""; next }
         /spill stores/ { spill = $5 " B spilled (stores), " $9 " B (loads)"; next }
         /Used [0-9]+ registers/ {
@@ -39,4 +42,4 @@ FEATURES=""; [ "$MAJOR$MINOR" = 90 ] && FEATURES=a  # the backend compiles for s
                 for (i = 1; i <= NF; i++) if ($(i + 1) == "bytes" && $(i + 2) == "smem") smem = $i
                 printf "%-36s %4s registers  %6s B smem  %s\n", name, regs, smem, spill
             }
-        }'
+        }' "$DIR/ptxas.txt"

@@ -957,6 +957,10 @@ FOR_TYPES(DEF)
 // registers spilled 96 and about 400 (the 16-row kernels spill 76 and 32 at their caps).
 #define FA_MINB_DQ_WIDE 4
 #define FA_MINB_DKV_WIDE 4
+// The dK/dV kernel on warpgroup MMA (FUGU_FLASH_MMA=wgmma): at 3 blocks per SM (the others'
+// 168-register cap) ptxas (CUDA 13.5) serializes its wgmma instructions for want of registers;
+// at 2 it does not. Not yet measured on a GPU.
+#define FA_MINB_DKV_WG 2
 // The dQ kernel from stored dS (FUGU_FLASH_BACKWARD=stored): two products' operands per tile
 // (K, dS) and one accumulator, 37 KB of static shared memory; 5 blocks per SM fit an H100's
 // 228 KB (ptxas, CUDA 13.5, sm_90: 96 registers, 162 with 32 rows per warp, no spills; not
@@ -2169,7 +2173,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                              scale, nullptr, dq_acc, sync);                  \
     }
 #define FA_DKV_WG(S, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV)                    \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV_WG)                 \
         flash_backward_dkv_store_wgmma_##S(T* dqkv, const float* delta, const T* dout,       \
                                            const float* lse, const T* qkv, i64 B, i64 Tn,    \
                                            i64 nh, i64 kvh, i64 hs, float scale, T* ds) {    \
