@@ -993,14 +993,10 @@ mod gpu {
         }
     }
 
-    /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`, the tensor
-    /// cores reading K and V from swizzled shared memory): against the CPU as the default
-    /// kernel is, on every fused-attention test shape; on the emulator, which sums each
-    /// 16-deep slice in k order as it does for mma.sync, also the same bits as the default
-    /// kernel (a GPU's order inside either instruction is unspecified). Skipped on a GPU
-    /// without warpgroup MMA (compute capability other than 9.0).
-    #[test]
-    fn fused_attention_wgmma_forward() {
+    /// Runs `case` on every fused-attention test shape, in bf16 and f16, on a device with
+    /// warpgroup MMA (skipped elsewhere: compute capability other than 9.0), with whether the
+    /// device is the emulator.
+    fn each_wgmma_case(mut case: impl FnMut(&mut Both, AttnDims, bool)) {
         for act in [Dtype::Bf16, Dtype::F16] {
             let Some(mut be) = Both::new(act) else { return };
             if !be.gpu.has_wgmma() {
@@ -1013,23 +1009,34 @@ mod gpu {
                         "no fused attention on this device for hs = {hs} in {act:?}"
                     ));
                 }
-                let d = AttnDims { b, t, nh, kv, hs };
-                let (c, w) = (nh * hs, d.shape().qkv_width());
-                let qkv = be.rand(b * t * w, 1);
-                let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
-                be.gpu.attention_forward(out, lse, qkv, d);
-                let (o, l) = (be.nan(b * t * c), be.nan32(b * nh * t));
-                be.gpu.set_flash_mma(FlashMma::Wgmma);
-                be.run(|x| x.attention_forward(o, l, qkv, d));
-                be.gpu.set_flash_mma(FlashMma::Sync);
-                be.check("wgmma attention out", o, GEMM);
-                be.check("wgmma attention lse", l, GEMM);
-                if emulated {
-                    same_bits(&be.gpu, "out, wgmma (emulated)", out, o, d);
-                    same_bits(&be.gpu, "lse, wgmma (emulated)", lse, l, d);
-                }
+                case(&mut be, AttnDims { b, t, nh, kv, hs }, emulated);
             }
         }
+    }
+
+    /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`, the tensor
+    /// cores reading K and V from swizzled shared memory): against the CPU as the default
+    /// kernel is, on every fused-attention test shape; on the emulator, which sums each
+    /// 16-deep slice in k order as it does for mma.sync, also the same bits as the default
+    /// kernel (a GPU's order inside either instruction is unspecified).
+    #[test]
+    fn fused_attention_wgmma_forward() {
+        each_wgmma_case(|be, d, emulated| {
+            let (c, w) = (d.nh * d.hs, d.shape().qkv_width());
+            let qkv = be.rand(d.b * d.t * w, 1);
+            let (out, lse) = (be.nan(d.b * d.t * c), be.nan32(d.b * d.nh * d.t));
+            be.gpu.attention_forward(out, lse, qkv, d);
+            let (o, l) = (be.nan(d.b * d.t * c), be.nan32(d.b * d.nh * d.t));
+            be.gpu.set_flash_mma(FlashMma::Wgmma);
+            be.run(|x| x.attention_forward(o, l, qkv, d));
+            be.gpu.set_flash_mma(FlashMma::Sync);
+            be.check("wgmma attention out", o, GEMM);
+            be.check("wgmma attention lse", l, GEMM);
+            if emulated {
+                same_bits(&be.gpu, "out, wgmma (emulated)", out, o, d);
+                same_bits(&be.gpu, "lse, wgmma (emulated)", lse, l, d);
+            }
+        });
     }
 
     /// The backward pass with stored dS on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`,
@@ -1039,38 +1046,26 @@ mod gpu {
     /// also the same bits as the default (the same sums in the same order there).
     #[test]
     fn fused_attention_wgmma_backward() {
-        for act in [Dtype::Bf16, Dtype::F16] {
-            let Some(mut be) = Both::new(act) else { return };
-            if !be.gpu.has_wgmma() {
-                return skipped("no warpgroup MMA on this GPU (compute capability 9.0 only)");
+        each_wgmma_case(|be, d, emulated| {
+            let (c, w) = (d.nh * d.hs, d.shape().qkv_width());
+            let (n, act) = (d.b * d.t, be.act);
+            let qkv = be.rand(n * w, 1);
+            let (out, lse) = (be.nan(n * c), be.nan32(d.b * d.nh * d.t));
+            be.run(|x| x.attention_forward(out, lse, qkv, d));
+            let dout = be.rand(n * c, 2);
+            let (split, wg) = (be.nan(n * w), be.nan(n * w));
+            be.gpu.attention_backward(split, dout, out, lse, qkv, d);
+            be.gpu.set_flash_backward(FlashBackward::Stored);
+            be.gpu.set_flash_mma(FlashMma::Wgmma);
+            be.run(|x| x.attention_backward(wg, dout, out, lse, qkv, d));
+            be.gpu.set_flash_mma(FlashMma::Sync);
+            be.gpu.set_flash_backward(FlashBackward::Split);
+            let tol = GEMM + FUSED_DQKV_TOL * act.unit_roundoff();
+            be.check("wgmma attention dqkv", wg, tol);
+            if emulated {
+                same_bits(&be.gpu, "dqkv, wgmma (emulated)", split, wg, d);
             }
-            let emulated = be.gpu.describe().contains("emulator");
-            for (b, t, nh, kv, hs) in FUSED_SHAPES {
-                if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
-                    return skipped(&format!(
-                        "no fused attention on this device for hs = {hs} in {act:?}"
-                    ));
-                }
-                let d = AttnDims { b, t, nh, kv, hs };
-                let (c, w) = (nh * hs, d.shape().qkv_width());
-                let qkv = be.rand(b * t * w, 1);
-                let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
-                be.run(|x| x.attention_forward(out, lse, qkv, d));
-                let dout = be.rand(b * t * c, 2);
-                let (split, wg) = (be.nan(b * t * w), be.nan(b * t * w));
-                be.gpu.attention_backward(split, dout, out, lse, qkv, d);
-                be.gpu.set_flash_backward(FlashBackward::Stored);
-                be.gpu.set_flash_mma(FlashMma::Wgmma);
-                be.run(|x| x.attention_backward(wg, dout, out, lse, qkv, d));
-                be.gpu.set_flash_mma(FlashMma::Sync);
-                be.gpu.set_flash_backward(FlashBackward::Split);
-                let tol = GEMM + FUSED_DQKV_TOL * act.unit_roundoff();
-                be.check("wgmma attention dqkv", wg, tol);
-                if emulated {
-                    same_bits(&be.gpu, "dqkv, wgmma (emulated)", split, wg, d);
-                }
-            }
-        }
+        });
     }
 
     /// The operand layouts of the wgmma kernels on their own (`CudaBackend::wgmma_probe`):
