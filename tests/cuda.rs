@@ -921,8 +921,53 @@ mod gpu {
         let shapes = FUSED_SHAPES
             .into_iter()
             .chain([(4, 150, 3, 3, 8), (4, 150, 6, 2, 8)]);
+        each_attention_case(shapes, false, |be, x, _| {
+            let AttnCase {
+                d,
+                qkv,
+                out,
+                lse,
+                dout,
+            } = x;
+            let n = d.b * d.t * d.shape().qkv_width();
+            let (dqkv, wide) = (be.nan(n), be.nan(n));
+            be.gpu.set_flash_backward(FlashBackward::Fused);
+            be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
+            let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
+            be.check("fused attention dqkv, one kernel", dqkv, tol);
+            be.gpu.set_flash_warp_rows(WIDE);
+            be.gpu.attention_backward(wide, dout, out, lse, qkv, d);
+            be.gpu.set_flash_warp_rows(FlashWarpRows::default());
+            be.gpu.set_flash_backward(FlashBackward::Split);
+            same_bits(&be.gpu, "dqkv, one kernel, 32 rows per warp", dqkv, wide, d);
+        });
+    }
+
+    /// The inputs of a fused-attention test case: qkv, the forward pass's out and lse (on
+    /// both backends, default kernels) and a random dout.
+    #[derive(Clone, Copy)]
+    struct AttnCase {
+        d: AttnDims,
+        qkv: Span,
+        out: Span,
+        lse: Span,
+        dout: Span,
+    }
+
+    /// Runs `case` on each of `shapes` (B, T, query heads, key/value heads, head size), in
+    /// bf16 and f16, with whether the device is the emulator; with `wgmma`, only on a device
+    /// with warpgroup MMA (skipped elsewhere: compute capability other than 9.0).
+    fn each_attention_case(
+        shapes: impl IntoIterator<Item = (usize, usize, usize, usize, usize)> + Clone,
+        wgmma: bool,
+        mut case: impl FnMut(&mut Both, AttnCase, bool),
+    ) {
         for act in [Dtype::Bf16, Dtype::F16] {
             let Some(mut be) = Both::new(act) else { return };
+            if wgmma && !be.gpu.has_wgmma() {
+                return skipped("no warpgroup MMA on this GPU (compute capability 9.0 only)");
+            }
+            let emulated = be.gpu.describe().contains("emulator");
             for (b, t, nh, kv, hs) in shapes.clone() {
                 if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
                     return skipped(&format!(
@@ -930,21 +975,19 @@ mod gpu {
                     ));
                 }
                 let d = AttnDims { b, t, nh, kv, hs };
-                let (c, w) = (nh * hs, d.shape().qkv_width());
-                let qkv = be.rand(b * t * w, 1);
+                let c = nh * hs;
+                let qkv = be.rand(b * t * d.shape().qkv_width(), 1);
                 let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
                 be.run(|x| x.attention_forward(out, lse, qkv, d));
                 let dout = be.rand(b * t * c, 2);
-                let (dqkv, wide) = (be.nan(b * t * w), be.nan(b * t * w));
-                be.gpu.set_flash_backward(FlashBackward::Fused);
-                be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
-                let tol = GEMM + FUSED_DQKV_TOL * act.unit_roundoff();
-                be.check("fused attention dqkv, one kernel", dqkv, tol);
-                be.gpu.set_flash_warp_rows(WIDE);
-                be.gpu.attention_backward(wide, dout, out, lse, qkv, d);
-                be.gpu.set_flash_warp_rows(FlashWarpRows::default());
-                be.gpu.set_flash_backward(FlashBackward::Split);
-                same_bits(&be.gpu, "dqkv, one kernel, 32 rows per warp", dqkv, wide, d);
+                let x = AttnCase {
+                    d,
+                    qkv,
+                    out,
+                    lse,
+                    dout,
+                };
+                case(&mut be, x, emulated);
             }
         }
     }
@@ -957,61 +1000,34 @@ mod gpu {
     /// forms, with every sequence in one chunk of dS tiles and one sequence per chunk.
     #[test]
     fn fused_attention_stored_ds_backward() {
-        for act in [Dtype::Bf16, Dtype::F16] {
-            let Some(mut be) = Both::new(act) else { return };
-            for (b, t, nh, kv, hs) in FUSED_SHAPES {
-                if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
-                    return skipped(&format!(
-                        "no fused attention on this device for hs = {hs} in {act:?}"
-                    ));
-                }
-                let d = AttnDims { b, t, nh, kv, hs };
-                let (c, w) = (nh * hs, d.shape().qkv_width());
-                let qkv = be.rand(b * t * w, 1);
-                let (out, lse) = (be.nan(b * t * c), be.nan32(b * nh * t));
-                be.run(|x| x.attention_forward(out, lse, qkv, d));
-                let dout = be.rand(b * t * c, 2);
-                let split = be.nan(b * t * w);
-                be.gpu.attention_backward(split, dout, out, lse, qkv, d);
-                be.gpu.set_flash_backward(FlashBackward::Stored);
-                for (warp, budget) in [(16, usize::MAX), (32, usize::MAX), (16, 1), (32, 1)] {
-                    let stored = be.nan(b * t * w);
-                    be.gpu.set_flash_warp_rows(FlashWarpRows {
-                        forward: 16,
-                        dq: warp,
-                        dkv: warp,
-                    });
-                    be.gpu.set_flash_ds_budget(budget);
-                    be.gpu.attention_backward(stored, dout, out, lse, qkv, d);
-                    let what = format!("dqkv, stored dS, {warp} rows per warp, budget {budget}");
-                    same_bits(&be.gpu, &what, split, stored, d);
-                }
-                be.gpu.set_flash_warp_rows(FlashWarpRows::default());
-                be.gpu.set_flash_backward(FlashBackward::Split);
-                be.gpu.set_flash_ds_budget(usize::MAX);
+        each_attention_case(FUSED_SHAPES, false, |be, x, _| {
+            let AttnCase {
+                d,
+                qkv,
+                out,
+                lse,
+                dout,
+            } = x;
+            let n = d.b * d.t * d.shape().qkv_width();
+            let split = be.nan(n);
+            be.gpu.attention_backward(split, dout, out, lse, qkv, d);
+            be.gpu.set_flash_backward(FlashBackward::Stored);
+            for (warp, budget) in [(16, usize::MAX), (32, usize::MAX), (16, 1), (32, 1)] {
+                let stored = be.nan(n);
+                be.gpu.set_flash_warp_rows(FlashWarpRows {
+                    forward: 16,
+                    dq: warp,
+                    dkv: warp,
+                });
+                be.gpu.set_flash_ds_budget(budget);
+                be.gpu.attention_backward(stored, dout, out, lse, qkv, d);
+                let what = format!("dqkv, stored dS, {warp} rows per warp, budget {budget}");
+                same_bits(&be.gpu, &what, split, stored, d);
             }
-        }
-    }
-
-    /// Runs `case` on every fused-attention test shape, in bf16 and f16, on a device with
-    /// warpgroup MMA (skipped elsewhere: compute capability other than 9.0), with whether the
-    /// device is the emulator.
-    fn each_wgmma_case(mut case: impl FnMut(&mut Both, AttnDims, bool)) {
-        for act in [Dtype::Bf16, Dtype::F16] {
-            let Some(mut be) = Both::new(act) else { return };
-            if !be.gpu.has_wgmma() {
-                return skipped("no warpgroup MMA on this GPU (compute capability 9.0 only)");
-            }
-            let emulated = be.gpu.describe().contains("emulator");
-            for (b, t, nh, kv, hs) in FUSED_SHAPES {
-                if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
-                    return skipped(&format!(
-                        "no fused attention on this device for hs = {hs} in {act:?}"
-                    ));
-                }
-                case(&mut be, AttnDims { b, t, nh, kv, hs }, emulated);
-            }
-        }
+            be.gpu.set_flash_warp_rows(FlashWarpRows::default());
+            be.gpu.set_flash_backward(FlashBackward::Split);
+            be.gpu.set_flash_ds_budget(usize::MAX);
+        });
     }
 
     /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`, the tensor
@@ -1021,12 +1037,11 @@ mod gpu {
     /// kernel (a GPU's order inside either instruction is unspecified).
     #[test]
     fn fused_attention_wgmma_forward() {
-        each_wgmma_case(|be, d, emulated| {
-            let (c, w) = (d.nh * d.hs, d.shape().qkv_width());
-            let qkv = be.rand(d.b * d.t * w, 1);
-            let (out, lse) = (be.nan(d.b * d.t * c), be.nan32(d.b * d.nh * d.t));
-            be.gpu.attention_forward(out, lse, qkv, d);
-            let (o, l) = (be.nan(d.b * d.t * c), be.nan32(d.b * d.nh * d.t));
+        each_attention_case(FUSED_SHAPES, true, |be, x, emulated| {
+            let AttnCase {
+                d, qkv, out, lse, ..
+            } = x;
+            let (o, l) = (be.nan(out.len), be.nan32(lse.len));
             be.gpu.set_flash_mma(FlashMma::Wgmma);
             be.run(|x| x.attention_forward(o, l, qkv, d));
             be.gpu.set_flash_mma(FlashMma::Sync);
@@ -1046,21 +1061,23 @@ mod gpu {
     /// also the same bits as the default (the same sums in the same order there).
     #[test]
     fn fused_attention_wgmma_backward() {
-        each_wgmma_case(|be, d, emulated| {
-            let (c, w) = (d.nh * d.hs, d.shape().qkv_width());
-            let (n, act) = (d.b * d.t, be.act);
-            let qkv = be.rand(n * w, 1);
-            let (out, lse) = (be.nan(n * c), be.nan32(d.b * d.nh * d.t));
-            be.run(|x| x.attention_forward(out, lse, qkv, d));
-            let dout = be.rand(n * c, 2);
-            let (split, wg) = (be.nan(n * w), be.nan(n * w));
+        each_attention_case(FUSED_SHAPES, true, |be, x, emulated| {
+            let AttnCase {
+                d,
+                qkv,
+                out,
+                lse,
+                dout,
+            } = x;
+            let n = d.b * d.t * d.shape().qkv_width();
+            let (split, wg) = (be.nan(n), be.nan(n));
             be.gpu.attention_backward(split, dout, out, lse, qkv, d);
             be.gpu.set_flash_backward(FlashBackward::Stored);
             be.gpu.set_flash_mma(FlashMma::Wgmma);
             be.run(|x| x.attention_backward(wg, dout, out, lse, qkv, d));
             be.gpu.set_flash_mma(FlashMma::Sync);
             be.gpu.set_flash_backward(FlashBackward::Split);
-            let tol = GEMM + FUSED_DQKV_TOL * act.unit_roundoff();
+            let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
             be.check("wgmma attention dqkv", wg, tol);
             if emulated {
                 same_bits(&be.gpu, "dqkv, wgmma (emulated)", split, wg, d);
