@@ -922,21 +922,14 @@ mod gpu {
             .into_iter()
             .chain([(4, 150, 3, 3, 8), (4, 150, 6, 2, 8)]);
         each_attention_case(shapes, false, |be, x, _| {
-            let AttnCase {
-                d,
-                qkv,
-                out,
-                lse,
-                dout,
-            } = x;
-            let n = d.b * d.t * d.shape().qkv_width();
+            let (d, n) = (x.d, x.width());
             let (dqkv, wide) = (be.nan(n), be.nan(n));
             be.gpu.set_flash_backward(FlashBackward::Fused);
-            be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
+            be.run(|b| x.backward(b, dqkv));
             let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
             be.check("fused attention dqkv, one kernel", dqkv, tol);
             be.gpu.set_flash_warp_rows(WIDE);
-            be.gpu.attention_backward(wide, dout, out, lse, qkv, d);
+            x.backward(&mut be.gpu, wide);
             be.gpu.set_flash_warp_rows(FlashWarpRows::default());
             be.gpu.set_flash_backward(FlashBackward::Split);
             same_bits(&be.gpu, "dqkv, one kernel, 32 rows per warp", dqkv, wide, d);
@@ -952,6 +945,18 @@ mod gpu {
         out: Span,
         lse: Span,
         dout: Span,
+    }
+
+    impl AttnCase {
+        /// dqkv's length.
+        fn width(&self) -> usize {
+            self.d.b * self.d.t * self.d.shape().qkv_width()
+        }
+
+        /// The backward pass into `dqkv` on backend `x`.
+        fn backward(&self, x: &mut dyn Backend, dqkv: Span) {
+            x.attention_backward(dqkv, self.dout, self.out, self.lse, self.qkv, self.d);
+        }
     }
 
     /// Runs `case` on each of `shapes` (B, T, query heads, key/value heads, head size), in
@@ -1001,16 +1006,9 @@ mod gpu {
     #[test]
     fn fused_attention_stored_ds_backward() {
         each_attention_case(FUSED_SHAPES, false, |be, x, _| {
-            let AttnCase {
-                d,
-                qkv,
-                out,
-                lse,
-                dout,
-            } = x;
-            let n = d.b * d.t * d.shape().qkv_width();
+            let (d, n) = (x.d, x.width());
             let split = be.nan(n);
-            be.gpu.attention_backward(split, dout, out, lse, qkv, d);
+            x.backward(&mut be.gpu, split);
             be.gpu.set_flash_backward(FlashBackward::Stored);
             for (warp, budget) in [(16, usize::MAX), (32, usize::MAX), (16, 1), (32, 1)] {
                 let stored = be.nan(n);
@@ -1020,7 +1018,7 @@ mod gpu {
                     dkv: warp,
                 });
                 be.gpu.set_flash_ds_budget(budget);
-                be.gpu.attention_backward(stored, dout, out, lse, qkv, d);
+                x.backward(&mut be.gpu, stored);
                 let what = format!("dqkv, stored dS, {warp} rows per warp, budget {budget}");
                 same_bits(&be.gpu, &what, split, stored, d);
             }
@@ -1062,19 +1060,12 @@ mod gpu {
     #[test]
     fn fused_attention_wgmma_backward() {
         each_attention_case(FUSED_SHAPES, true, |be, x, emulated| {
-            let AttnCase {
-                d,
-                qkv,
-                out,
-                lse,
-                dout,
-            } = x;
-            let n = d.b * d.t * d.shape().qkv_width();
+            let (d, n) = (x.d, x.width());
             let (split, wg) = (be.nan(n), be.nan(n));
-            be.gpu.attention_backward(split, dout, out, lse, qkv, d);
+            x.backward(&mut be.gpu, split);
             be.gpu.set_flash_backward(FlashBackward::Stored);
             be.gpu.set_flash_mma(FlashMma::Wgmma);
-            be.run(|x| x.attention_backward(wg, dout, out, lse, qkv, d));
+            be.run(|b| x.backward(b, wg));
             be.gpu.set_flash_mma(FlashMma::Sync);
             be.gpu.set_flash_backward(FlashBackward::Split);
             let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
