@@ -284,9 +284,11 @@ impl CudaBackend {
     }
 
     /// This backend with the kernel settings the environment asks for ([`Knobs`]:
-    /// [`FLASH_WARP_ROWS_ENV`], [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`],
-    /// [`BIAS_GRAD_ENV`], [`GEMM_SELECT_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
-    /// setting does not take is an error naming it.
+    /// [`FLASH_WARP_ROWS_ENV`], [`FLASH_QUERY_ROWS_ENV`], [`FLASH_MMA_ENV`],
+    /// [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`], [`BIAS_GRAD_ENV`],
+    /// [`GEMM_SELECT_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
+    /// setting does not take, or `wgmma` where the device or the rows set cannot run it, is an
+    /// error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let k = Knobs::from_env()?;
         self.set_flash_warp_rows(k.flash_warp_rows);
