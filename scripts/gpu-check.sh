@@ -117,6 +117,8 @@ limited 60 gpu/head/cuda-tests fused_attention_wgmma_forward
 say "wgmma attention forward test: exit $?"
 limited 60 gpu/head/cuda-tests fused_attention_wgmma_backward
 say "wgmma attention backward test: exit $?"
+limited 90 gpu/head/cuda-tests stored_wgmma_attention_trains_as_the_defaults
+say "wgmma training test: exit $?"
 fi
 
 # bench LABEL BINARY [ENV...]: one run of the train benchmark; its result row goes to $ROWS.

@@ -1750,49 +1750,58 @@ mod gpu {
         losses(out)
     }
 
+    /// `fugu train --precision bf16 --steps 2` on sequences of 130 tokens (three key blocks
+    /// of 64) with the kernel settings `env`, as a child process on the GPU, or with `emulate`
+    /// on the emulator: its losses, after checking that the run header records the fused
+    /// attention and each setting; or the child's stderr where it failed.
+    fn train_with(emulate: bool, name: &str, env: &[(&str, &str)]) -> Result<Vec<f64>, String> {
+        let out = tmp(&format!("train-with-{name}"));
+        let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
+        c.args([
+            "train",
+            "--device",
+            "cuda",
+            "--precision",
+            "bf16",
+            "--steps",
+            "2",
+        ]);
+        c.args(["--batch-size", "2", "--seq-len", "130", "--eval-every", "0"]);
+        c.args(["--out", out.to_str().unwrap()]);
+        c.envs(env.iter().copied());
+        if emulate {
+            c.env(cuda::EMULATE_ENV, "1");
+        }
+        let o = c.output().expect("running fugu");
+        if !o.status.success() {
+            return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+        }
+        let recs = read_metrics(out.join("metrics.jsonl")).unwrap();
+        let Some(Record::Header(h)) = recs.first() else {
+            panic!("no header in {}", out.display())
+        };
+        assert_eq!(h["attention"], "fused", "{h}");
+        for (k, v) in env {
+            assert_eq!(h["kernels"][*k], *v, "{h}");
+        }
+        Ok(losses(&out))
+    }
+
     /// `fugu train --precision bf16` with the one-kernel attention backward
-    /// (`FUGU_FLASH_BACKWARD=fused`) trains as with the two kernels: sequences of 130 tokens
-    /// (three key blocks of 64, so dQ's shares are added across blocks in turn), the first
-    /// loss the same bits (the same forward pass), the second, after a step on the gradients
-    /// of each, within 1e-4 relative. The two add dQ's f32 shares in different orders; only
-    /// where a sum then rounds to the other neighbouring bf16 value does a gradient differ, by
-    /// one step of the type in one element, which moves the next loss by far less than this
-    /// (on the emulator the losses came out identical). Runs `fugu` as a child process, on the
-    /// GPU where there is one (a kernel that traps waiting for its turn fails the run, not the
-    /// tests' process).
+    /// (`FUGU_FLASH_BACKWARD=fused`) trains as with the two kernels: the first loss the same
+    /// bits (the same forward pass), the second, after a step on the gradients of each, within
+    /// 1e-4 relative. The two add dQ's f32 shares in different orders; only where a sum then
+    /// rounds to the other neighbouring bf16 value does a gradient differ, by one step of the
+    /// type in one element, which moves the next loss by far less than this (on the emulator
+    /// the losses came out identical). Runs `fugu` as a child process, on the GPU where there
+    /// is one (a kernel that traps waiting for its turn fails the run, not the tests' process).
     #[test]
     fn one_kernel_attention_backward_trains_as_the_two_kernels() {
         let Some(emulate) = binary_mode() else {
             return;
         };
-        let run = |form: &str| {
-            let out = tmp(&format!("flash-backward-{form}"));
-            let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
-            c.args([
-                "train",
-                "--device",
-                "cuda",
-                "--precision",
-                "bf16",
-                "--steps",
-                "2",
-            ]);
-            c.args(["--batch-size", "2", "--seq-len", "130", "--eval-every", "0"]);
-            c.args(["--out", out.to_str().unwrap()]);
-            c.env(cuda::FLASH_BACKWARD_ENV, form);
-            if emulate {
-                c.env(cuda::EMULATE_ENV, "1");
-            }
-            ok(&c.output().expect("running fugu"));
-            let recs = read_metrics(out.join("metrics.jsonl")).unwrap();
-            let Some(Record::Header(h)) = recs.first() else {
-                panic!("no header in {}", out.display())
-            };
-            assert_eq!(h["attention"], "fused", "{h}");
-            assert_eq!(h["kernels"][cuda::FLASH_BACKWARD_ENV], form, "{h}");
-            losses(&out)
-        };
-        let (split, fused) = (run("split"), run("fused"));
+        let form = |f| train_with(emulate, f, &[(cuda::FLASH_BACKWARD_ENV, f)]).unwrap();
+        let (split, fused) = (form("split"), form("fused"));
         assert_eq!(split.len(), 2);
         assert_eq!(
             split[0].to_bits(),
@@ -1804,6 +1813,39 @@ mod gpu {
                 ((a - b) / a).abs() <= 1e-4,
                 "split {split:?} fused {fused:?}"
             );
+        }
+    }
+
+    /// `fugu train --precision bf16` with the backward pass on stored dS and every attention
+    /// kernel that has a warpgroup-MMA form on it (`FUGU_FLASH_BACKWARD=stored
+    /// FUGU_FLASH_MMA=wgmma`) trains as the defaults: on the emulator the same bits in both
+    /// losses (the same sums in the same order); on a GPU within 1e-4 relative (a GPU's
+    /// order inside either instruction is unspecified, as for the one-kernel backward above).
+    /// Skipped on a GPU without warpgroup MMA (the run is refused there, by name).
+    #[test]
+    fn stored_wgmma_attention_trains_as_the_defaults() {
+        let Some(emulate) = binary_mode() else {
+            return;
+        };
+        let split = train_with(emulate, "defaults", &[]).unwrap();
+        let env = [
+            (cuda::FLASH_BACKWARD_ENV, "stored"),
+            (cuda::FLASH_MMA_ENV, "wgmma"),
+        ];
+        let wg = match train_with(emulate, "stored-wgmma", &env) {
+            Err(e) if e.contains("needs a GPU of compute capability 9.0") => {
+                return skipped("no warpgroup MMA on this GPU (compute capability 9.0 only)")
+            }
+            r => r.unwrap(),
+        };
+        assert_eq!(wg.len(), 2);
+        for (a, b) in split.iter().zip(&wg) {
+            let close = if emulate {
+                a.to_bits() == b.to_bits()
+            } else {
+                ((a - b) / a).abs() <= 1e-4
+            };
+            assert!(close, "defaults {split:?}, stored dS on wgmma {wg:?}");
         }
     }
 
