@@ -1029,25 +1029,30 @@ mod gpu {
     }
 
     /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`, the tensor
-    /// cores reading K and V from swizzled shared memory): against the CPU as the default
-    /// kernel is, on every fused-attention test shape; on the emulator, which sums each
-    /// 16-deep slice in k order as it does for mma.sync, also the same bits as the default
-    /// kernel (a GPU's order inside either instruction is unspecified).
+    /// cores reading K and V from swizzled shared memory), with 64 and 128 query rows per
+    /// block (one warpgroup or two): against the CPU as the default kernel is, on every
+    /// fused-attention test shape; on the emulator, which sums each 16-deep slice in k order
+    /// as it does for mma.sync, also the same bits as the default kernel (a GPU's order
+    /// inside either instruction is unspecified).
     #[test]
     fn fused_attention_wgmma_forward() {
         each_attention_case(FUSED_SHAPES, true, |be, x, emulated| {
             let AttnCase {
                 d, qkv, out, lse, ..
             } = x;
-            let (o, l) = (be.nan(out.len), be.nan32(lse.len));
-            be.gpu.set_flash_mma(FlashMma::Wgmma);
-            be.run(|x| x.attention_forward(o, l, qkv, d));
-            be.gpu.set_flash_mma(FlashMma::Sync);
-            be.check("wgmma attention out", o, GEMM);
-            be.check("wgmma attention lse", l, GEMM);
-            if emulated {
-                same_bits(&be.gpu, "out, wgmma (emulated)", out, o, d);
-                same_bits(&be.gpu, "lse, wgmma (emulated)", lse, l, d);
+            for rows in [64, 128] {
+                let (o, l) = (be.nan(out.len), be.nan32(lse.len));
+                be.gpu.set_flash_query_rows(FlashQueryRows(rows));
+                be.gpu.set_flash_mma(FlashMma::Wgmma);
+                be.run(|x| x.attention_forward(o, l, qkv, d));
+                be.gpu.set_flash_mma(FlashMma::Sync);
+                be.gpu.set_flash_query_rows(FlashQueryRows::default());
+                be.check(&format!("wgmma attention out, {rows} rows"), o, GEMM);
+                be.check(&format!("wgmma attention lse, {rows} rows"), l, GEMM);
+                if emulated {
+                    same_bits(&be.gpu, &format!("out, wgmma, {rows} rows"), out, o, d);
+                    same_bits(&be.gpu, &format!("lse, wgmma, {rows} rows"), lse, l, d);
+                }
             }
         });
     }
@@ -1924,14 +1929,14 @@ mod gpu {
                 "tma",
                 "FUGU_FLASH_MMA=tma: expected sync or wgmma",
             ),
-            // The wgmma forward kernel has 64 query rows per block (a device without wgmma
-            // is refused first: "needs a GPU of compute capability 9.0").
-            (cuda::FLASH_QUERY_ROWS_ENV, "128", "FUGU_FLASH_MMA=wgmma"),
+            // The wgmma kernels have 16 rows per warp (a device without wgmma is refused
+            // first: "needs a GPU of compute capability 9.0").
+            (cuda::FLASH_WARP_ROWS_ENV, "32", "FUGU_FLASH_MMA=wgmma"),
         ] {
             let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
             c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
             c.env(var, value);
-            if var == cuda::FLASH_QUERY_ROWS_ENV {
+            if var == cuda::FLASH_WARP_ROWS_ENV && value == "32" {
                 c.env(cuda::FLASH_MMA_ENV, "wgmma");
             }
             if emulate {

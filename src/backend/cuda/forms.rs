@@ -76,18 +76,14 @@ impl FlashQueryRows {
 // K, V (forward), Q and dO (dK/dV) or K (dQ) tiles from swizzled shared memory themselves:
 // `flash_forward_wgmma`, and with `FUGU_FLASH_BACKWARD=stored` `flash_backward_dkv_store_wgmma`
 // and `flash_backward_dq_stored_wgmma`; the split and one-kernel backward passes have no wgmma
-// form and keep mma.sync; 16 rows per warp and 64 per block; not yet run on a GPU)
-// ([`FlashMma`]).
+// form and keep mma.sync; 16 rows per warp; the forward with 64 or 128 query rows per block,
+// one warpgroup or two, as `FUGU_FLASH_QUERY_ROWS` says (`flash_forward_wgmma_q128`), the
+// backward's with 64; not yet run on a GPU) ([`FlashMma`]).
 
 impl FlashMma {
     /// The reason this form cannot run on a device (`wgmma`: whether it has warpgroup MMA)
-    /// with these rows per warp and per block, if it cannot.
-    pub(super) fn refusal(
-        self,
-        wgmma: bool,
-        warp_rows: FlashWarpRows,
-        query_rows: FlashQueryRows,
-    ) -> Option<String> {
+    /// with these rows per warp, if it cannot.
+    pub(super) fn refusal(self, wgmma: bool, warp_rows: FlashWarpRows) -> Option<String> {
         let FlashWarpRows { forward, dq, dkv } = warp_rows;
         match self {
             FlashMma::Sync => None,
@@ -95,14 +91,10 @@ impl FlashMma {
                 "{FLASH_MMA_ENV}=wgmma needs a GPU of compute capability 9.0 (H100, H200); \
                  this device has no warpgroup MMA"
             )),
-            FlashMma::Wgmma if [forward, dq, dkv] != [16; 3] || query_rows.0 != 64 => {
-                Some(format!(
-                    "{FLASH_MMA_ENV}=wgmma runs 16 rows per warp and 64 per block, not \
-                     {forward},{dq},{dkv} and {}: leave {FLASH_WARP_ROWS_ENV} at 16 and \
-                     {FLASH_QUERY_ROWS_ENV} at 64",
-                    query_rows.0
-                ))
-            }
+            FlashMma::Wgmma if [forward, dq, dkv] != [16; 3] => Some(format!(
+                "{FLASH_MMA_ENV}=wgmma runs 16 rows per warp, not {forward},{dq},{dkv}: leave \
+                 {FLASH_WARP_ROWS_ENV} at 16"
+            )),
             FlashMma::Wgmma => None,
         }
     }

@@ -1547,7 +1547,9 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                                 i64 kvh, i64 hs_, float scale) {
     constexpr int QR = FA_QROWS(M, W);
     static_assert(QR <= 2 * FA_ROWS, "Q is loaded into key block 1's two tiles");
-    static_assert(!WG || (M == 1 && W == 4), "wgmma: one warpgroup of 16-row warps");
+    // With WG each warpgroup (4 warps) owns 64 of the block's rows; a warpgroup's warps skip
+    // a key tile together (key blocks and warpgroups are both 64-row aligned).
+    static_assert(!WG || (M == 1 && W % 4 == 0), "wgmma: warpgroups of 16-row warps");
     // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1]; Q (QR rows) first in block 1's.
     // With WG, K and V in the 128-byte swizzle (each tile 1024-byte aligned: 9 KB apart).
     alignas(1024) __shared__ T sKV[4][FA_ROWS * FA_LDS];
@@ -1667,18 +1669,23 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                    float scale) {                                                            \
         flash_forward_k<T, M, W>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                  \
     }
+// The warpgroup-MMA forms (FUGU_FLASH_MMA=wgmma): W warps of 16 rows, one or two warpgroups.
+#define FA_FWD_WG(S, T, NAME, W, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
+        NAME##_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, \
+                   float scale) {                                                            \
+        flash_forward_k<T, 1, W, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);            \
+    }
 #define DEF(S, T)                                                                            \
     FA_FWD(S, T, flash_forward, 1, 4, FA_MINB_FWD)                                           \
     FA_FWD(S, T, flash_forward_wide, 2, 2, FA_MINB_FWD_WIDE)                                 \
     FA_FWD(S, T, flash_forward_q128, 1, 8, FA_MINB_FWD / 2)                                  \
     FA_FWD(S, T, flash_forward_wide_q128, 2, 4, FA_MINB_FWD_WIDE / 2)                      \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_FWD)                    \
-        flash_forward_wgmma_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,     \
-                                i64 kvh, i64 hs, float scale) {                              \
-        flash_forward_k<T, 1, 4, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);            \
-    }
+    FA_FWD_WG(S, T, flash_forward_wgmma, 4, FA_MINB_FWD)                                     \
+    FA_FWD_WG(S, T, flash_forward_wgmma_q128, 8, FA_MINB_FWD / 2)
 FOR_HALF_TYPES(DEF)
 #undef DEF
+#undef FA_FWD_WG
 #undef FA_FWD
 
 // Δ = rowsum(dO ∘ O) of query rows row0 .. row0+64 (dO in the shared tile `sdo`, O the rows of

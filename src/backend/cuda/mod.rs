@@ -180,6 +180,7 @@ kernels!(
     flash_forward_q128,
     flash_forward_wide_q128,
     flash_forward_wgmma,
+    flash_forward_wgmma_q128,
     flash_backward_dq,
     flash_backward_dq_wide,
     flash_backward_dq_q128,
@@ -293,10 +294,7 @@ impl CudaBackend {
         let k = Knobs::from_env()?;
         self.set_flash_warp_rows(k.flash_warp_rows);
         self.set_flash_query_rows(k.flash_query_rows);
-        if let Some(why) =
-            k.flash_mma
-                .refusal(self.eng.wgmma(), k.flash_warp_rows, k.flash_query_rows)
-        {
+        if let Some(why) = k.flash_mma.refusal(self.eng.wgmma(), k.flash_warp_rows) {
             bail!("{why}");
         }
         self.set_flash_mma(k.flash_mma);
@@ -327,14 +325,10 @@ impl CudaBackend {
     }
 
     /// The fused attention kernels' tensor-core instruction ([`FLASH_MMA_ENV`]). Panics
-    /// where the device or the rows per warp and block set do not allow it
+    /// where the device or the rows per warp set do not allow it
     /// ([`Self::with_env_settings`] turns that into an error).
     pub fn set_flash_mma(&mut self, form: FlashMma) {
-        let refusal = form.refusal(
-            self.eng.wgmma(),
-            self.flash_warp_rows,
-            self.flash_query_rows,
-        );
+        let refusal = form.refusal(self.eng.wgmma(), self.flash_warp_rows);
         assert!(refusal.is_none(), "{}", refusal.unwrap_or_default());
         self.flash_mma = form;
     }
@@ -1285,7 +1279,10 @@ impl Backend for CudaBackend {
         // Warps of 16 or 32 query rows, in blocks of 64 or 128 rows (wgmma: 16 and 64).
         let q = self.flash_query_rows;
         let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
-            (K::flash_forward_wgmma, FLASH_THREADS)
+            // One warpgroup per 64 rows (16 per warp: FlashMma::refusal).
+            let wide = q.0 > FLASH_ROWS;
+            let k = [K::flash_forward_wgmma, K::flash_forward_wgmma_q128][wide as usize];
+            (k, q.0 as u32 / 16 * WARP)
         } else {
             q.pick(
                 self.flash_warp_rows.forward,
