@@ -79,7 +79,7 @@ impl KernelForm {
 
 /// The tensor-core instruction of the fused attention kernels that have a form for each
 /// (`FUGU_FLASH_MMA`): `mma.sync` per warp (every sm_80+ GPU), or Hopper's warpgroup `wgmma`
-/// (compute capability 9.0 only; 16 rows per warp, 64 per block): the forward kernel, and the
+/// (compute capability 9.0 only; 16 rows per warp): the forward kernel, and the
 /// backward pass's with stored dS (`FUGU_FLASH_BACKWARD=stored`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum FlashMma {
