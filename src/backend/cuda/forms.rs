@@ -1,6 +1,6 @@
 //! The kernel forms a CUDA backend can run for the same op, and the environment settings that
-//! pick them (`FUGU_FLASH_WARP_ROWS`, `FUGU_FLASH_QUERY_ROWS`, `FUGU_LAYERNORM_BACKWARD`,
-//! `FUGU_FLASH_BACKWARD`, `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's
+//! pick them (`FUGU_FLASH_WARP_ROWS`, `FUGU_FLASH_QUERY_ROWS`, `FUGU_FLASH_MMA`,
+//! `FUGU_LAYERNORM_BACKWARD`, `FUGU_FLASH_BACKWARD`, `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's
 //! default, the others are for A/B runs. The run header records which ran ([`super::CudaBackend`]'s `kernel_settings`).
 
 use super::attention::{FLASH_LDS, FLASH_ROWS, FLASH_THREADS};
