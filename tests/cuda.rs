@@ -1043,9 +1043,9 @@ mod gpu {
             for rows in [64, 128] {
                 let (o, l) = (be.nan(out.len), be.nan32(lse.len));
                 be.gpu.set_flash_query_rows(FlashQueryRows(rows));
-                be.gpu.set_flash_mma(FlashMma::Wgmma);
+                be.gpu.set_flash_mma(FlashMma::Wgmma).unwrap();
                 be.run(|x| x.attention_forward(o, l, qkv, d));
-                be.gpu.set_flash_mma(FlashMma::Sync);
+                be.gpu.set_flash_mma(FlashMma::Sync).unwrap();
                 be.gpu.set_flash_query_rows(FlashQueryRows::default());
                 be.check(&format!("wgmma attention out, {rows} rows"), o, GEMM);
                 be.check(&format!("wgmma attention lse, {rows} rows"), l, GEMM);
@@ -1069,9 +1069,9 @@ mod gpu {
             let (split, wg) = (be.nan(n), be.nan(n));
             x.backward(&mut be.gpu, split);
             be.gpu.set_flash_backward(FlashBackward::Stored);
-            be.gpu.set_flash_mma(FlashMma::Wgmma);
+            be.gpu.set_flash_mma(FlashMma::Wgmma).unwrap();
             be.run(|b| x.backward(b, wg));
-            be.gpu.set_flash_mma(FlashMma::Sync);
+            be.gpu.set_flash_mma(FlashMma::Sync).unwrap();
             be.gpu.set_flash_backward(FlashBackward::Split);
             let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
             be.check("wgmma attention dqkv", wg, tol);

@@ -299,12 +299,6 @@ impl Knobs {
     /// The settings `get` gives (an unset or empty setting is its default).
     pub fn read(get: impl Fn(&str) -> Option<String>) -> Result<Knobs> {
         let var = |k: &str| get(k).unwrap_or_default();
-        let form = |k: &str| -> Result<Option<KernelForm>> {
-            let v = var(k);
-            (!v.is_empty())
-                .then(|| KernelForm::parse(k, &v, KernelForm::Split))
-                .transpose()
-        };
         Ok(Knobs {
             attention: parse_attention(&var(ATTENTION_ENV))?,
             mlp_gelu: parse_in_gemm_auto(MLP_GELU_ENV, &var(MLP_GELU_ENV))?,
@@ -318,13 +312,14 @@ impl Knobs {
                 &[FlashMma::Sync, FlashMma::Wgmma],
                 FlashMma::name,
             )?,
-            layernorm_backward: form(LAYERNORM_BACKWARD_ENV)?,
-            flash_backward: {
-                let v = var(FLASH_BACKWARD_ENV);
-                (!v.is_empty())
-                    .then(|| FlashBackward::parse(FLASH_BACKWARD_ENV, &v, FlashBackward::Split))
-                    .transpose()?
-            },
+            layernorm_backward: unset_or(
+                LAYERNORM_BACKWARD_ENV,
+                &var(LAYERNORM_BACKWARD_ENV),
+                |k, v| KernelForm::parse(k, v, KernelForm::Split),
+            )?,
+            flash_backward: unset_or(FLASH_BACKWARD_ENV, &var(FLASH_BACKWARD_ENV), |k, v| {
+                FlashBackward::parse(k, v, FlashBackward::Split)
+            })?,
             bias_grad: parse_in_gemm(BIAS_GRAD_ENV, &var(BIAS_GRAD_ENV))?,
             gemm_select: parse_form(
                 GEMM_SELECT_ENV,
@@ -335,6 +330,12 @@ impl Knobs {
             )?,
         })
     }
+}
+
+/// `None` where setting `env` is unset or empty (the user of the setting decides), else its
+/// value `v` as `parse` reads it.
+fn unset_or<F>(env: &str, v: &str, parse: impl Fn(&str, &str) -> Result<F>) -> Result<Option<F>> {
+    (!v.is_empty()).then(|| parse(env, v)).transpose()
 }
 
 fn parse_attention(v: &str) -> Result<AttentionAsk> {

@@ -5,8 +5,8 @@
 use super::engine::Arg;
 use super::gemm::{Mat, Ptrs};
 use super::{
-    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashMma, FlashWarpRows, FusedAttention,
-    Span, ELEM_THREADS, K,
+    AttnDims, Backend, CudaBackend, Dtype, FlashMma, FlashWarpRows, FusedAttention, Span,
+    ELEM_THREADS, K,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
@@ -22,7 +22,7 @@ pub(super) const FLASH_KV_SHMEM: u32 = 2 * FLASH_ROWS as u32 * FLASH_LDS * 2;
 /// Dynamic shared memory of the one-kernel attention backward: K, V and dS.
 pub(super) const FLASH_FUSED_SHMEM: u32 = 3 * FLASH_ROWS as u32 * FLASH_LDS * 2;
 /// The most memory the tiles of dS take at once in the backward pass with stored dS
-/// ([`FlashBackward::Stored`]): the sequences go through in chunks that fit (at least one
+/// ([`super::FlashBackward::Stored`]): the sequences go through in chunks that fit (at least one
 /// sequence per chunk, whatever its size: heads × T² bytes in 16 bits, 12 MiB for GPT-2 124M
 /// at T = 1024, 2 GiB for 32 heads at T = 8192).
 pub(super) const FLASH_DS_BUDGET: usize = 512 << 20;
@@ -113,7 +113,7 @@ impl CudaBackend {
         self.launch(K::flash_backward_prep, dt, grid, ELEM_THREADS, 0, &args);
     }
 
-    /// The fused attention's backward pass with stored dS ([`FlashBackward::Stored`]): Δ, then
+    /// The fused attention's backward pass with stored dS ([`super::FlashBackward::Stored`]): Δ, then
     /// for each chunk of sequences whose dS tiles fit in the budget ([`FLASH_DS_BUDGET`]),
     /// `flash_backward_dkv_store` (dK, dV, and dS for every causal tile pair) and
     /// `flash_backward_dq_stored` (dQ from dS and K).
@@ -124,7 +124,6 @@ impl CudaBackend {
         (out, lse, qkv): (Span, Span, Span),
         d: AttnDims,
     ) {
-        debug_assert_eq!(self.flash_backward, FlashBackward::Stored);
         self.flash_delta(dt, delta, (delta, 0), (dout, out), d);
         let nkb = d.t.div_ceil(FLASH_ROWS);
         let per_seq = d.nh * nkb * (nkb + 1) / 2 * FLASH_ROWS * FLASH_ROWS * dt.bytes();

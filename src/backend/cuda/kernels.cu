@@ -2162,14 +2162,15 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     }
 }
 // The dK/dV kernel's forms: 16 or 32 keys per warp (M), each with dS dropped, stored or used
-// for dQ in turn (DS); the one-kernel backward's also take its accumulators and counters.
-#define FA_DKV(S, T, NAME, M, MINB, DS)                                                      \
+// for dQ in turn (DS), on mma.sync or (WG) wgmma; the one-kernel backward's also take its
+// accumulators and counters.
+#define FA_DKV(S, T, NAME, M, MINB, DS, WG)                                                  \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), MINB)                     \
         NAME##_##S(T* dqkv, const float* delta, const T* dout, const float* lse,             \
                    const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
                    T* ds) {                                                                  \
-        flash_backward_dkv_k<T, M, DS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,      \
-                                       scale, ds, nullptr, nullptr);                         \
+        flash_backward_dkv_k<T, M, DS, WG>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,  \
+                                           scale, ds, nullptr, nullptr);                     \
     }
 #define FA_FUSED(S, T, NAME, M)                                                              \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_FUSED)            \
@@ -2179,26 +2180,17 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         flash_backward_dkv_k<T, M, DS_TURNS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs, \
                                              scale, nullptr, dq_acc, sync);                  \
     }
-#define FA_DKV_WG(S, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MINB_DKV_WG)                 \
-        flash_backward_dkv_store_wgmma_##S(T* dqkv, const float* delta, const T* dout,       \
-                                           const float* lse, const T* qkv, i64 B, i64 Tn,    \
-                                           i64 nh, i64 kvh, i64 hs, float scale, T* ds) {    \
-        flash_backward_dkv_k<T, 1, DS_STORE, true>(dqkv, delta, dout, lse, qkv, B, Tn, nh,   \
-                                                   kvh, hs, scale, ds, nullptr, nullptr);    \
-    }
 #define DEF(S, T)                                                                            \
-    FA_DKV(S, T, flash_backward_dkv, 1, FA_MINB_DKV, DS_DROP)                                \
-    FA_DKV(S, T, flash_backward_dkv_wide, 2, FA_MINB_DKV_WIDE, DS_DROP)                      \
-    FA_DKV(S, T, flash_backward_dkv_store, 1, FA_MINB_DKV, DS_STORE)                         \
-    FA_DKV(S, T, flash_backward_dkv_store_wide, 2, FA_MINB_DKV_WIDE, DS_STORE)               \
-    FA_DKV_WG(S, T)                                                                          \
+    FA_DKV(S, T, flash_backward_dkv, 1, FA_MINB_DKV, DS_DROP, false)                         \
+    FA_DKV(S, T, flash_backward_dkv_wide, 2, FA_MINB_DKV_WIDE, DS_DROP, false)               \
+    FA_DKV(S, T, flash_backward_dkv_store, 1, FA_MINB_DKV, DS_STORE, false)                  \
+    FA_DKV(S, T, flash_backward_dkv_store_wide, 2, FA_MINB_DKV_WIDE, DS_STORE, false)        \
+    FA_DKV(S, T, flash_backward_dkv_store_wgmma, 1, FA_MINB_DKV_WG, DS_STORE, true)          \
     FA_FUSED(S, T, flash_backward_fused, 1)                                                  \
     FA_FUSED(S, T, flash_backward_fused_wide, 2)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_FUSED
-#undef FA_DKV_WG
 #undef FA_DKV
 
 // Backward with stored dS (FUGU_FLASH_BACKWARD=stored), after flash_backward_prep (Δ) and

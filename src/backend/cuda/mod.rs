@@ -294,10 +294,7 @@ impl CudaBackend {
         let k = Knobs::from_env()?;
         self.set_flash_warp_rows(k.flash_warp_rows);
         self.set_flash_query_rows(k.flash_query_rows);
-        if let Some(why) = k.flash_mma.refusal(self.eng.wgmma(), k.flash_warp_rows) {
-            bail!("{why}");
-        }
-        self.set_flash_mma(k.flash_mma);
+        self.set_flash_mma(k.flash_mma)?;
         self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
         self.set_bias_grad(k.bias_grad);
@@ -324,13 +321,14 @@ impl CudaBackend {
         self.flash_query_rows = rows;
     }
 
-    /// The fused attention kernels' tensor-core instruction ([`FLASH_MMA_ENV`]). Panics
-    /// where the device or the rows per warp set do not allow it
-    /// ([`Self::with_env_settings`] turns that into an error).
-    pub fn set_flash_mma(&mut self, form: FlashMma) {
-        let refusal = form.refusal(self.eng.wgmma(), self.flash_warp_rows);
-        assert!(refusal.is_none(), "{}", refusal.unwrap_or_default());
+    /// The fused attention kernels' tensor-core instruction ([`FLASH_MMA_ENV`]); an error,
+    /// and the setting kept, where the device or the rows per warp set do not allow it.
+    pub fn set_flash_mma(&mut self, form: FlashMma) -> Result<()> {
+        if let Some(why) = form.refusal(self.eng.wgmma(), self.flash_warp_rows) {
+            bail!("{why}");
+        }
         self.flash_mma = form;
+        Ok(())
     }
 
     /// Whether the device runs the warpgroup-MMA kernels ([`FlashMma::Wgmma`]).
