@@ -906,9 +906,10 @@ FOR_TYPES(DEF)
 // FlashAttention-2 on the tensor cores, for the 16-bit storage types only (FOR_HALF_TYPES; the
 // host never selects it for f32, or on a GPU older than sm_80): the (T, T) probabilities are
 // never stored. A block of FA_THREADS threads (4 warps) owns 64 query rows (forward, dQ) or 64
-// keys (dK, dV) of one (sequence, head); each warp 16 of them. Tiles of 64 rows × hs (hs ≤ 64,
-// zero-padded to 64 columns) go through shared memory row-major (row stride FA_LDS = 72
-// elements: 16-byte rows land in different banks). Products are mma.m16n8k16 (16-bit operands,
+// keys (dK, dV) of one (sequence, head); each warp 16 of them. Tiles of 64 rows × hs go
+// through shared memory row-major, zero-padded to D columns (D = 64 for heads of at most 64,
+// the _d128 kernels D = 128 for heads of 65 to 128; row stride FA_LDS(D) = D + 8 elements:
+// 16-byte rows land in different banks). Products are mma.m16n8k16 (16-bit operands,
 // f32 accumulation). The accumulator layout of S = Q·Kᵀ is the A-operand layout of P·V, so
 // probabilities go from registers to the next product without shared memory; operands needed
 // transposed (V in P·V, K in dS·K, Q and dO in the dK/dV products) are read with
@@ -931,8 +932,10 @@ FOR_TYPES(DEF)
 // emulator's warp-collective mma and ldmatrix need.
 
 #define FA_ROWS 64
-#define FA_D 64
-#define FA_LDS 72
+// The head width of the warpgroup-MMA kernels' tiles (and of the 64 × 64 probe).
+#define FA_WG_D 64
+// Row stride, in elements, of a shared-memory tile of width D.
+#define FA_LDS(D) ((D) + 8)
 #define FA_THREADS 128
 #define POS_INF __int_as_float(0x7f800000)
 #define LOG2E 1.4426950408889634f
@@ -1204,7 +1207,7 @@ __device__ u32 pack2(float lo, float hi) {
 typedef unsigned long long u64;
 
 // Element (r, c) of a 64 × 64 tile in the 128-byte swizzle.
-__device__ int fa_sw(int r, int c) { return r * FA_D + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
+__device__ int fa_sw(int r, int c) { return r * FA_WG_D + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
 
 #if defined(__CUDACC_RTC__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ u64 wg_desc(smem_t a) {
@@ -1285,20 +1288,20 @@ __device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T
 }
 #endif
 
-// acc (this warp's 16 rows of the warpgroup's 64 × 64) = A (fragments over FA_D) · Bᵀ, B the
-// swizzled tile `s` (64 rows × FA_D: K), as fa_mma_abt computes it.
+// acc (this warp's 16 rows of the warpgroup's 64 × 64) = A (fragments over FA_WG_D) · Bᵀ, B the
+// swizzled tile `s` (64 rows × FA_WG_D: K), as fa_mma_abt_m computes it.
 template <typename T>
 __device__ void fa_wg_abt(float (*acc)[4], u32 (*a)[4], T* s) {
     smem_t sb = smem(s);
     wg_fence();
 #pragma unroll
-    for (int kd = 0; kd < FA_D / 16; kd++)
+    for (int kd = 0; kd < FA_WG_D / 16; kd++)
         wgmma_64x64x16<0>(acc, a[kd], wg_desc(sb + 32 * kd), kd > 0, T());
     wg_commit();
     wg_wait();
 }
 // acc += P (this warp's 16 rows × 64 keys, packed A fragments) · B, B the swizzled tile `s`
-// (64 keys × FA_D: V), as fa_mma_pb computes it.
+// (64 keys × FA_WG_D: V), as fa_mma_pb_m computes it.
 template <typename T>
 __device__ void fa_wg_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
     smem_t sb = smem(s);
@@ -1317,59 +1320,60 @@ __device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
 }
 
 // Rows row0 .. row0+64 (columns 0 .. hs) of a row-major matrix with row stride `ldq` into a
-// 64 × FA_D tile `s` (row stride FA_LDS), zero beyond row Tn and column hs: with `vec`, as
+// 64 × D tile `s` (row stride FA_LDS(D)), zero beyond row Tn and column hs: with `vec`, as
 // asynchronous 16-byte copies in the current group (complete after cp_async_wait_prior of a
 // later group, or of this one's successor, and a barrier), else element by element (complete
 // after the next barrier).
 //
-// With SW the tile is laid out for the tensor cores' own reads (wgmma): rows of FA_D elements
+// With SW the tile is laid out for the tensor cores' own reads (wgmma): rows of FA_WG_D elements
 // (128 bytes), no padding, the 16-byte chunks of row r swizzled (fa_sw).
-template <typename T, bool SW = false>
+template <typename T, int D, bool SW = false>
 __device__ void fa_load(T* s, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
-    auto at = [](int r, int c) { return SW ? fa_sw(r, c) : r * FA_LDS + c; };
+    static_assert(!SW || D == FA_WG_D, "the swizzled tiles are 64 columns wide");
+    auto at = [](int r, int c) { return SW ? fa_sw(r, c) : r * FA_LDS(D) + c; };
     if (vec) {
         smem_t sb = smem(s);
-        for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
-            int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
+        for (int i = threadIdx.x; i < FA_ROWS * (D / 8); i += blockDim.x) {
+            int r = i / (D / 8), c = (i % (D / 8)) * 8;
             bool valid = row0 + r < Tn && c < hs;
             cp_async16(sb + 2 * at(r, c), valid ? src + (row0 + r) * ldq + c : src, valid);
         }
     } else {
         T z;
         z.bits = 0;
-        for (int i = threadIdx.x; i < FA_ROWS * FA_D; i += blockDim.x) {
-            int r = i / FA_D, c = i % FA_D;
+        for (int i = threadIdx.x; i < FA_ROWS * D; i += blockDim.x) {
+            int r = i / D, c = i % D;
             s[at(r, c)] = (row0 + r < Tn && c < hs) ? src[(row0 + r) * ldq + c] : z;
         }
     }
 }
 
 // The A fragments (16 rows from `row`, the head dimension in chunks of 16) of a tile. Heads
-// narrower than FA_D are zero-padded, so every chunk is multiplied.
-template <typename T>
+// narrower than the tile's D columns are zero-padded, so every chunk is multiplied.
+template <typename T, int D>
 __device__ void fa_a_frags(u32 (*a)[4], const T* s, int row) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int kd = 0; kd < FA_D / 16; kd++) {
-        const T* p = s + (row + g) * FA_LDS + kd * 16 + 2 * t;
+    for (int kd = 0; kd < D / 16; kd++) {
+        const T* p = s + (row + g) * FA_LDS(D) + kd * 16 + 2 * t;
         a[kd][0] = ld32(p);
-        a[kd][1] = ld32(p + 8 * FA_LDS);
+        a[kd][1] = ld32(p + 8 * FA_LDS(D));
         a[kd][2] = ld32(p + 8);
-        a[kd][3] = ld32(p + 8 * FA_LDS + 8);
+        a[kd][3] = ld32(p + 8 * FA_LDS(D) + 8);
     }
 }
 
 // The A fragments of a warp's M row groups (16 rows each, from `row0`) of a tile.
-template <typename T, int M>
-__device__ void fa_a_frags_m(u32 (*a)[FA_D / 16][4], const T* s, int row0) {
+template <typename T, int M, int D>
+__device__ void fa_a_frags_m(u32 (*a)[D / 16][4], const T* s, int row0) {
 #pragma unroll
-    for (int i = 0; i < M; i++) fa_a_frags(a[i], s, row0 + 16 * i);
+    for (int i = 0; i < M; i++) fa_a_frags<T, D>(a[i], s, row0 + 16 * i);
 }
 
 // Stores a warp's M groups of A fragments (16 rows × 64 columns each, from row0; as fa_pack
 // leaves them) into tile `s` of row stride LD (a shared-memory tile, or a dS tile in global
 // memory): the inverse of fa_a_frags_m.
-template <typename T, int M, int LD = FA_LDS>
+template <typename T, int M, int LD = FA_LDS(FA_ROWS)>
 __device__ void fa_put_frags_m(T* s, u32 (*a)[FA_ROWS / 16][4], int row0) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -1384,18 +1388,19 @@ __device__ void fa_put_frags_m(T* s, u32 (*a)[FA_ROWS / 16][4], int row0) {
         }
 }
 
-// The A fragments of the transpose of tile `s` (64 × 64): rows row0.. of sᵀ (columns of s), k
-// along s's rows, in M groups of 16 rows; by ldmatrix.trans, matrix j of each x4 the 8 × 8
-// block at s's rows 16·kk + 8·(j / 2), columns row0 + 8·(j % 2).
+// The A fragments of the transpose of tile `s` (64 × 64, row stride FA_LDS(64)): rows
+// row0.. of sᵀ (columns of s), k along s's rows, in M groups of 16 rows; by ldmatrix.trans,
+// matrix j of each x4 the 8 × 8 block at s's rows 16·kk + 8·(j / 2), columns row0 + 8·(j % 2).
 template <typename T, int M>
 __device__ void fa_a_frags_trans_m(u32 (*a)[FA_ROWS / 16][4], T* s, int row0) {
+    constexpr int LD = FA_LDS(FA_ROWS);
     int lane = threadIdx.x % WARP, j = lane >> 3, r = lane & 7;
-    smem_t lp = smem(s) + 2 * ((r + 8 * (j >> 1)) * FA_LDS + 8 * (j & 1) + row0);
+    smem_t lp = smem(s) + 2 * ((r + 8 * (j >> 1)) * LD + 8 * (j & 1) + row0);
 #pragma unroll
     for (int i = 0; i < M; i++)
 #pragma unroll
         for (int kk = 0; kk < FA_ROWS / 16; kk++)
-            ldsm_x4_trans(a[i][kk], lp + 2 * (kk * 16 * FA_LDS + 16 * i));
+            ldsm_x4_trans(a[i][kk], lp + 2 * (kk * 16 * LD + 16 * i));
 }
 
 // Query rows per block of the forward and dQ kernels: W warps of M groups of 16 rows (64, or
@@ -1408,27 +1413,27 @@ __device__ i64 fa_last_key_block(i64 q0, int QR, i64 nkb) {
     return last < nkb - 1 ? last : nkb - 1;
 }
 
-// Whether a backward kernel with M row groups per warp reads its own tile's A fragments (Q
-// and dO, or K and V) again on every loop step, from dynamic shared memory where the tile
-// stays, instead of holding them in registers from before the loop: with two groups the
-// registers go to the doubled accumulators.
-#define FA_REREAD(M) ((M) > 1)
+// Whether a backward kernel with M row groups per warp and tiles D wide reads its own tile's A
+// fragments (Q and dO, or K and V) again on every loop step, from dynamic shared memory where
+// the tile stays, instead of holding them in registers from before the loop: with two groups,
+// or heads of 128, the registers go to the accumulators (twice as many either way).
+#define FA_REREAD(M, D) ((M) > 1 || (D) > 64)
 
-// acc[i] (16 × 64) = A[i] (16 × FA_D, fragments) · Bᵀ for each of a warp's M row groups, B
-// the 64 rows of tile `s` (64 × FA_D), read by ldmatrix (32 columns per ldmatrix.x4): each B
-// fragment loaded from shared memory serves M products.
-template <typename T, int M>
-__device__ void fa_mma_abt_m(float (*acc)[FA_ROWS / 8][4], u32 (*a)[FA_D / 16][4], T* s) {
+// acc[i] (16 × 64) = A[i] (16 × D, fragments) · Bᵀ for each of a warp's M row groups, B the
+// 64 rows of tile `s` (64 × D), read by ldmatrix (32 columns per ldmatrix.x4): each B fragment
+// loaded from shared memory serves M products.
+template <typename T, int M, int D>
+__device__ void fa_mma_abt_m(float (*acc)[FA_ROWS / 8][4], u32 (*a)[D / 16][4], T* s) {
     int lane = threadIdx.x % WARP;
-    smem_t lp = smem(s) + 2 * ((lane & 7) * FA_LDS + (lane >> 3) * 8);
+    smem_t lp = smem(s) + 2 * ((lane & 7) * FA_LDS(D) + (lane >> 3) * 8);
 #pragma unroll
     for (int n = 0; n < FA_ROWS / 8; n++) {
 #pragma unroll
         for (int i = 0; i < M; i++) acc[i][n][0] = acc[i][n][1] = acc[i][n][2] = acc[i][n][3] = 0.0f;
 #pragma unroll
-        for (int kd = 0; kd < FA_D / 16; kd += 2) {
+        for (int kd = 0; kd < D / 16; kd += 2) {
             u32 b[4];
-            ldsm_x4(b, lp + 2 * (n * 8 * FA_LDS + kd * 16));
+            ldsm_x4(b, lp + 2 * (n * 8 * FA_LDS(D) + kd * 16));
 #pragma unroll
             for (int i = 0; i < M; i++) {
                 mma16816(acc[i][n], a[i][kd], b, T());
@@ -1436,12 +1441,6 @@ __device__ void fa_mma_abt_m(float (*acc)[FA_ROWS / 8][4], u32 (*a)[FA_D / 16][4
             }
         }
     }
-}
-// The same for one row group.
-template <typename T>
-__device__ void fa_mma_abt(float (*acc)[4], u32 (*a)[4], T* s) {
-    fa_mma_abt_m<T, 1>(reinterpret_cast<float (*)[FA_ROWS / 8][4]>(acc),
-                       reinterpret_cast<u32 (*)[FA_D / 16][4]>(a), s);
 }
 
 // P (16 × 64, accumulator layout) rounded to T as A fragments (16 keys per fragment).
@@ -1465,31 +1464,25 @@ __device__ float fa_unpack(u32 (*pa)[4], int n, int e) {
     return ld(x);
 }
 
-// acc[i] (16 × FA_D) += P[i] (16 × 64, packed A fragments) · B for each of a warp's M row
-// groups, B the row-major tile `s` (64 × FA_D), read transposed by ldmatrix (16 columns per
+// acc[i] (16 × D) += P[i] (16 × 64, packed A fragments) · B for each of a warp's M row
+// groups, B the row-major tile `s` (64 × D), read transposed by ldmatrix (16 columns per
 // ldmatrix.x4): each B fragment serves M products.
-template <typename T, int M>
-__device__ void fa_mma_pb_m(float (*acc)[FA_D / 8][4], u32 (*pa)[FA_ROWS / 16][4], T* s) {
+template <typename T, int M, int D>
+__device__ void fa_mma_pb_m(float (*acc)[D / 8][4], u32 (*pa)[FA_ROWS / 16][4], T* s) {
     int lane = threadIdx.x % WARP;
-    smem_t lp = smem(s) + 2 * (((lane & 8) + (lane & 7)) * FA_LDS + (lane >> 4) * 8);
+    smem_t lp = smem(s) + 2 * (((lane & 8) + (lane & 7)) * FA_LDS(D) + (lane >> 4) * 8);
 #pragma unroll
     for (int kk = 0; kk < FA_ROWS / 16; kk++)
 #pragma unroll
-        for (int nd = 0; nd < FA_D / 16; nd++) {
+        for (int nd = 0; nd < D / 16; nd++) {
             u32 b[4];
-            ldsm_x4_trans(b, lp + 2 * (kk * 16 * FA_LDS + nd * 16));
+            ldsm_x4_trans(b, lp + 2 * (kk * 16 * FA_LDS(D) + nd * 16));
 #pragma unroll
             for (int i = 0; i < M; i++) {
                 mma16816(acc[i][2 * nd], pa[i][kk], b, T());
                 mma16816(acc[i][2 * nd + 1], pa[i][kk], b + 2, T());
             }
         }
-}
-// The same for one row group.
-template <typename T>
-__device__ void fa_mma_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
-    fa_mma_pb_m<T, 1>(reinterpret_cast<float (*)[FA_D / 8][4]>(acc),
-                      reinterpret_cast<u32 (*)[FA_ROWS / 16][4]>(pa), s);
 }
 
 __device__ float quad_max(float v) {
@@ -1503,13 +1496,13 @@ __device__ float quad_sum(float v) {
 
 // Stores a warp's 16 × hs accumulator tile at rows row0.. of a row-major matrix (row stride
 // ldq; rows from Tn on and columns from hs on are dropped), times mul[0] (rows g) and mul[1]
-// (rows g + 8).
-template <typename T>
+// (rows g + 8); D / 8 accumulators of 8 columns.
+template <typename T, int D>
 __device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int hs,
                          const float* mul) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int nd = 0; nd < FA_D / 8; nd++)
+    for (int nd = 0; nd < D / 8; nd++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             i64 row = row0 + g + (e >> 1) * 8;
@@ -1531,6 +1524,29 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
         }
 }
 
+// The dynamic shared memory after the first n tiles of width D there: fa_tiles puts a kernel's
+// tiles there for D = 128 only (for 64, at its start).
+template <typename T, int D>
+__device__ T* fa_dynamic(int n) {
+    DYNAMIC_SHARED(Pack<float>, dyn);
+    return reinterpret_cast<T*>(dyn) + (D > 64 ? n : 0) * FA_ROWS * FA_LDS(D);
+}
+
+// A kernel's N shared-memory tiles of FA_ROWS rows × D (row stride FA_LDS(D)), 1024-byte
+// aligned (the swizzled tiles' need): for D = 64 a static array (ID tells a kernel's arrays
+// apart), within the 48 KB a kernel may declare; for D = 128 (18 KB a tile) tiles `at` ..
+// `at` + N of the dynamic shared memory, which the host sizes (flash_tiles_shmem).
+template <typename T, int D, int N, int ID>
+__device__ T (*fa_tiles(int at))[FA_ROWS * FA_LDS(D)] {
+    typedef T Tile[FA_ROWS * FA_LDS(D)];
+    if constexpr (D <= 64) {
+        alignas(1024) __shared__ Tile s[N];
+        return s;
+    } else {
+        return reinterpret_cast<Tile*>(fa_dynamic<T, D>(at));
+    }
+}
+
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
 // qkv rows are [q (nh heads) | k (kvh heads) | v (kvh heads)]: query head h reads key/value
 // head h / (nh / kvh) (grouped-query attention; kvh = nh without it).
@@ -1541,18 +1557,20 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 // products instead of one (FlashAttention-2 gives a warp 32 rows), for twice the registers.
 // With WG (flash_forward_wgmma, sm_90a) the block's one warpgroup multiplies with wgmma, the
 // tensor cores reading K and V from swizzled tiles (the "warpgroup MMA" section above); the
-// rest, softmax included, is the same code.
-template <typename T, int M, int W, bool WG = false>
+// rest, softmax included, is the same code. Heads of up to D columns (64; 128 for the _d128
+// kernel, its four tiles in dynamic shared memory).
+template <typename T, int D, int M, int W, bool WG = false>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 kvh, i64 hs_, float scale) {
     constexpr int QR = FA_QROWS(M, W);
     static_assert(QR <= 2 * FA_ROWS, "Q is loaded into key block 1's two tiles");
     // With WG each warpgroup (4 warps) owns 64 of the block's rows; a warpgroup's warps skip
     // a key tile together (key blocks and warpgroups are both 64-row aligned).
-    static_assert(!WG || (M == 1 && W % 4 == 0), "wgmma: warpgroups of 16-row warps");
+    static_assert(!WG || (M == 1 && W % 4 == 0 && D == FA_WG_D),
+                  "wgmma: warpgroups of 16-row warps");
     // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1]; Q (QR rows) first in block 1's.
     // With WG, K and V in the 128-byte swizzle (each tile 1024-byte aligned: 9 KB apart).
-    alignas(1024) __shared__ T sKV[4][FA_ROWS * FA_LDS];
+    auto sKV = fa_tiles<T, D, 4, 0>(0);
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         t = lane & 3, w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;  // raw scores to log2 units
@@ -1567,32 +1585,33 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         const T* vbase = kbase + kvh * hs;
         __syncthreads();  // the previous item's reads are done
         for (int r = 0; r < QR; r += FA_ROWS)  // Q, in the tiles block 1 will use
-            fa_load(sKV[2] + r * FA_LDS, base, q0 + r, Tn, ldq, hs, vec);
-        fa_load<T, WG>(sKV[0], kbase, 0, Tn, ldq, hs, vec);
-        fa_load<T, WG>(sKV[1], vbase, 0, Tn, ldq, hs, vec);
+            fa_load<T, D>(sKV[2] + r * FA_LDS(D), base, q0 + r, Tn, ldq, hs, vec);
+        fa_load<T, D, WG>(sKV[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load<T, D, WG>(sKV[1], vbase, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         if constexpr (WG) wg_fence_tiles();
         __syncthreads();
-        u32 qa[M][FA_D / 16][4];
-        fa_a_frags_m<T, M>(qa, sKV[2], w0);
+        u32 qa[M][D / 16][4];
+        fa_a_frags_m<T, M, D>(qa, sKV[2], w0);
         // m: running maximum of the raw scores; l: this lane's part of the running sum (per
         // row group, rows g and g + 8).
-        float m[M][2], l[M][2], o[M][FA_D / 8][4];
+        float m[M][2], l[M][2], o[M][D / 8][4];
 #pragma unroll
         for (int i = 0; i < M; i++) {
             m[i][0] = m[i][1] = NEG_INF;
             l[i][0] = l[i][1] = 0.0f;
 #pragma unroll
-            for (int nd = 0; nd < FA_D / 8; nd++)
+            for (int nd = 0; nd < D / 8; nd++)
                 o[i][nd][0] = o[i][nd][1] = o[i][nd][2] = o[i][nd][3] = 0.0f;
         }
         for (i64 kb = 0; kb <= kend; kb++) {
             int cur = (int)(kb & 1);
             __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
             if (kb < kend) {
-                fa_load<T, WG>(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load<T, WG>(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs,
-                               vec);
+                fa_load<T, D, WG>(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs,
+                                  vec);
+                fa_load<T, D, WG>(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq,
+                                  hs, vec);
             }
             cp_async_commit();
             cp_async_wait_prior();  // block kb's tiles have landed
@@ -1606,7 +1625,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             if constexpr (WG)
                 fa_wg_abt<T>(s[0], qa[0], sKV[2 * cur]);
             else
-                fa_mma_abt_m<T, M>(s, qa, sKV[2 * cur]);
+                fa_mma_abt_m<T, M, D>(s, qa, sKV[2 * cur]);
             u32 pa[M][FA_ROWS / 16][4];
 #pragma unroll
             for (int i = 0; i < M; i++) {
@@ -1627,7 +1646,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                     neg[r] = -mx[r] * sl2;
                     l[i][r] *= corr;
 #pragma unroll
-                    for (int nd = 0; nd < FA_D / 8; nd++) {
+                    for (int nd = 0; nd < D / 8; nd++) {
                         o[i][nd][2 * r] *= corr;
                         o[i][nd][2 * r + 1] *= corr;
                     }
@@ -1644,7 +1663,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             if constexpr (WG)
                 fa_wg_pb<T>(o[0], pa[0], sKV[2 * cur + 1]);
             else
-                fa_mma_pb_m<T, M>(o, pa, sKV[2 * cur + 1]);
+                fa_mma_pb_m<T, M, D>(o, pa, sKV[2 * cur + 1]);
         }
 #pragma unroll
         for (int i = 0; i < M; i++) {
@@ -1657,30 +1676,30 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                 if (t == 0 && r0 + 8 * r < Tn)
                     lse[bh * Tn + r0 + 8 * r] = m[i][r] * scale + logf(l[i][r]);
             }
-            fa_store(out + b * Tn * C + h * hs, o[i], q0 + w0 + 16 * i, Tn, C, hs, inv);
+            fa_store<T, D>(out + b * Tn * C + h * hs, o[i], q0 + w0 + 16 * i, Tn, C, hs, inv);
         }
     }
 }
 // The forward kernel's forms: NAME_S with W warps of M groups of 16 query rows per block,
-// compiled for MINB blocks per SM.
-#define FA_FWD(S, T, NAME, M, W, MINB)                                                       \
+// heads of up to D columns, compiled for MINB blocks per SM.
+#define FA_FWD(S, T, NAME, D, M, W, MINB)                                                    \
     extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
         NAME##_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, \
                    float scale) {                                                            \
-        flash_forward_k<T, M, W>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);                  \
+        flash_forward_k<T, D, M, W>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);               \
     }
 // The warpgroup-MMA forms (FUGU_FLASH_MMA=wgmma): W warps of 16 rows, one or two warpgroups.
 #define FA_FWD_WG(S, T, NAME, W, MINB)                                                       \
     extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
         NAME##_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, \
                    float scale) {                                                            \
-        flash_forward_k<T, 1, W, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);            \
+        flash_forward_k<T, FA_WG_D, 1, W, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);      \
     }
 #define DEF(S, T)                                                                            \
-    FA_FWD(S, T, flash_forward, 1, 4, FA_MINB_FWD)                                           \
-    FA_FWD(S, T, flash_forward_wide, 2, 2, FA_MINB_FWD_WIDE)                                 \
-    FA_FWD(S, T, flash_forward_q128, 1, 8, FA_MINB_FWD / 2)                                  \
-    FA_FWD(S, T, flash_forward_wide_q128, 2, 4, FA_MINB_FWD_WIDE / 2)                      \
+    FA_FWD(S, T, flash_forward, 64, 1, 4, FA_MINB_FWD)                                       \
+    FA_FWD(S, T, flash_forward_wide, 64, 2, 2, FA_MINB_FWD_WIDE)                             \
+    FA_FWD(S, T, flash_forward_q128, 64, 1, 8, FA_MINB_FWD / 2)                              \
+    FA_FWD(S, T, flash_forward_wide_q128, 64, 2, 4, FA_MINB_FWD_WIDE / 2)                  \
     FA_FWD_WG(S, T, flash_forward_wgmma, 4, FA_MINB_FWD)                                     \
     FA_FWD_WG(S, T, flash_forward_wgmma_q128, 8, FA_MINB_FWD / 2)
 FOR_HALF_TYPES(DEF)
@@ -1691,24 +1710,23 @@ FOR_HALF_TYPES(DEF)
 // Δ = rowsum(dO ∘ O) of query rows row0 .. row0+64 (dO in the shared tile `sdo`, O the rows of
 // `ob` with row stride C) into `delta` (global, rows before Tn) and `sd`, and −lse·log2(e)
 // into `sl` (+∞ past Tn: probabilities 0), for the dQ kernel. With `vec` (O's rows in 16-byte
-// packs), 8 lanes per row each take one pack of the row's 64 (zero-padded) columns, O read
-// coalesced (a row's 128 bytes by 8 neighbouring lanes), and add theirs in a butterfly;
+// packs), D / 8 lanes per row each take one pack of the row's D (zero-padded) columns, O read
+// coalesced (a row's 2·D bytes by neighbouring lanes), and add theirs in a butterfly;
 // otherwise a thread per row runs along it.
-template <typename T>
+template <typename T, int D>
 __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, const T* sdo,
                          const T* ob, i64 row0, i64 Tn, i64 C, int hs, bool vec) {
     if (vec) {
-        for (int i = threadIdx.x; i < FA_ROWS * (FA_D / 8); i += blockDim.x) {
-            int r = i / (FA_D / 8), c = (i % (FA_D / 8)) * 8;
+        for (int i = threadIdx.x; i < FA_ROWS * (D / 8); i += blockDim.x) {
+            int r = i / (D / 8), c = (i % (D / 8)) * 8;
             i64 row = row0 + r;
             float s = 0.0f;
             if (row < Tn && c < hs) {
-                Pack<T> o = ld_pack(ob + row * C + c), d = ld_pack(sdo + r * FA_LDS + c);
+                Pack<T> o = ld_pack(ob + row * C + c), d = ld_pack(sdo + r * FA_LDS(D) + c);
                 for (int j = 0; j < 8; j++) s += ld(d.v[j]) * ld(o.v[j]);
             }
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            s += __shfl_xor_sync(0xffffffffu, s, 4);
+#pragma unroll
+            for (int x = 1; x < D / 8; x *= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
             if (c == 0) {
                 if (row < Tn) delta[row] = s;
                 sd[r] = s;
@@ -1722,7 +1740,7 @@ __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, c
         float s = 0.0f, l2 = POS_INF;
         if (row < Tn) {
             for (int c = 0; c < hs; c++)
-                s += ld(sdo[threadIdx.x * FA_LDS + c]) * ld(ob[row * C + c]);
+                s += ld(sdo[threadIdx.x * FA_LDS(D) + c]) * ld(ob[row * C + c]);
             delta[row] = s;
             l2 = lse[row] * LOG2E;
         }
@@ -1736,21 +1754,22 @@ __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, c
 // double-buffered as in the forward kernel; M groups of 16 query rows per warp, as there.
 // With two groups the Q and dO fragments are read again from shared memory for every key
 // block (the registers go to the accumulators), so Q and dO stay in dynamic shared memory
-// (FLASH_KV_SHMEM bytes) instead of the buffers key block 1 then fills.
-template <typename T, int M, int W>
+// (FLASH_KV_SHMEM bytes) instead of the buffers key block 1 then fills. Heads of up to D
+// columns (the _d128 kernel: 128, every tile in dynamic shared memory, Q and dO after K and V).
+template <typename T, int D, int M, int W>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                     i64 kvh, i64 hs_, float scale) {
     constexpr int QR = FA_QROWS(M, W);
+    constexpr bool REREAD = FA_REREAD(M, D);
     // Q and dO in dynamic shared memory (FlashQueryRows::dq_shmem on the host) where they are
     // read again on every key block or are taller than one tile; else in block 1's tiles.
-    constexpr bool QDO_DYNAMIC = FA_REREAD(M) || QR > FA_ROWS;
+    constexpr bool QDO_DYNAMIC = REREAD || QR > FA_ROWS;
     // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1].
-    alignas(16) __shared__ T sKV[4][FA_ROWS * FA_LDS];
+    auto sKV = fa_tiles<T, D, 4, 0>(0);
     __shared__ float sL[QR], sD[QR];
-    DYNAMIC_SHARED(Pack<float>, fa_qdo);
-    T* sQ = QDO_DYNAMIC ? reinterpret_cast<T*>(fa_qdo) : sKV[2];
-    T* sDO = QDO_DYNAMIC ? sQ + QR * FA_LDS : sKV[3];
+    T* sQ = QDO_DYNAMIC ? fa_dynamic<T, D>(4) : sKV[2];
+    T* sDO = QDO_DYNAMIC ? sQ + QR * FA_LDS(D) : sKV[3];
     int hs = (int)hs_, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
@@ -1768,23 +1787,23 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         const T* ob = out + b * Tn * C + h * hs;
         __syncthreads();
         for (int r = 0; r < QR; r += FA_ROWS) {  // Q and dO
-            fa_load(sQ + r * FA_LDS, base, q0 + r, Tn, ldq, hs, vec);
-            fa_load(sDO + r * FA_LDS, dob, q0 + r, Tn, C, hs, vec_o);
+            fa_load<T, D>(sQ + r * FA_LDS(D), base, q0 + r, Tn, ldq, hs, vec);
+            fa_load<T, D>(sDO + r * FA_LDS(D), dob, q0 + r, Tn, C, hs, vec_o);
         }
-        fa_load(sKV[0], kbase, 0, Tn, ldq, hs, vec);
-        fa_load(sKV[1], vbase, 0, Tn, ldq, hs, vec);
+        fa_load<T, D>(sKV[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load<T, D>(sKV[1], vbase, 0, Tn, ldq, hs, vec);
         cp_async_wait_all();
         __syncthreads();
-        u32 qa[M][FA_D / 16][4], da[M][FA_D / 16][4];
-        if constexpr (!FA_REREAD(M)) {
-            fa_a_frags_m<T, M>(qa, sQ, w0);
-            fa_a_frags_m<T, M>(da, sDO, w0);
+        u32 qa[M][D / 16][4], da[M][D / 16][4];
+        if constexpr (!REREAD) {
+            fa_a_frags_m<T, M, D>(qa, sQ, w0);
+            fa_a_frags_m<T, M, D>(da, sDO, w0);
         }
         for (int r = 0; r < QR; r += FA_ROWS)
-            fa_delta(sD + r, sL + r, delta + bh * Tn, lse + bh * Tn, sDO + r * FA_LDS, ob,
+            fa_delta<T, D>(sD + r, sL + r, delta + bh * Tn, lse + bh * Tn, sDO + r * FA_LDS(D), ob,
                      q0 + r, Tn, C, hs, vec_delta);
         __syncthreads();
-        float nl[M][2], dr[M][2], dq[M][FA_D / 8][4];
+        float nl[M][2], dr[M][2], dq[M][D / 8][4];
 #pragma unroll
         for (int i = 0; i < M; i++) {
             int r = w0 + 16 * i + g;
@@ -1793,15 +1812,15 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             dr[i][0] = sD[r];
             dr[i][1] = sD[r + 8];
 #pragma unroll
-            for (int nd = 0; nd < FA_D / 8; nd++)
+            for (int nd = 0; nd < D / 8; nd++)
                 dq[i][nd][0] = dq[i][nd][1] = dq[i][nd][2] = dq[i][nd][3] = 0.0f;
         }
         for (i64 kb = 0; kb <= kend; kb++) {
             int cur = (int)(kb & 1);
             __syncthreads();
             if (kb < kend) {
-                fa_load(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load<T, D>(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load<T, D>(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
             }
             cp_async_commit();
             cp_async_wait_prior();
@@ -1813,10 +1832,10 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
             T* sK = sKV[2 * cur];
             // P rounded to T (as the three-step path stores it), then dS = P ∘ (dP − Δ).
             u32 pa[M][FA_ROWS / 16][4];
-            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(qa, sQ, w0);
+            if constexpr (REREAD) fa_a_frags_m<T, M, D>(qa, sQ, w0);
             {
                 float s[M][FA_ROWS / 8][4];
-                fa_mma_abt_m<T, M>(s, qa, sK);
+                fa_mma_abt_m<T, M, D>(s, qa, sK);
 #pragma unroll
                 for (int i = 0; i < M; i++) {
                     if (QR > FA_ROWS ? off + 16 * i < FA_ROWS - 1 : kb == qb)
@@ -1830,8 +1849,8 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
                 }
             }
             float dp[M][FA_ROWS / 8][4];
-            if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(da, sDO, w0);
-            fa_mma_abt_m<T, M>(dp, da, sKV[2 * cur + 1]);
+            if constexpr (REREAD) fa_a_frags_m<T, M, D>(da, sDO, w0);
+            fa_mma_abt_m<T, M, D>(dp, da, sKV[2 * cur + 1]);
 #pragma unroll
             for (int i = 0; i < M; i++) {
 #pragma unroll
@@ -1841,27 +1860,27 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
                         dp[i][n][e] = fa_unpack<T>(pa[i], n, e) * (dp[i][n][e] - dr[i][e >> 1]);
                 fa_pack<T>(pa[i], dp[i]);
             }
-            fa_mma_pb_m<T, M>(dq, pa, sK);
+            fa_mma_pb_m<T, M, D>(dq, pa, sK);
         }
         float mul[2] = {scale, scale};
 #pragma unroll
         for (int i = 0; i < M; i++)
-            fa_store(dqkv + b * Tn * ldq + h * hs, dq[i], q0 + w0 + 16 * i, Tn, ldq, hs, mul);
+            fa_store<T, D>(dqkv + b * Tn * ldq + h * hs, dq[i], q0 + w0 + 16 * i, Tn, ldq, hs, mul);
     }
 }
 // The dQ kernel's forms, as the forward's (FA_FWD).
-#define FA_DQ(S, T, NAME, M, W, MINB)                                                        \
+#define FA_DQ(S, T, NAME, D, M, W, MINB)                                                     \
     extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
         NAME##_##S(T* dqkv, float* delta, const T* dout, const T* out, const float* lse,     \
                    const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale) {      \
-        flash_backward_dq_k<T, M, W>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh, hs,   \
-                                     scale);                                                 \
+        flash_backward_dq_k<T, D, M, W>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh,    \
+                                        hs, scale);                                          \
     }
 #define DEF(S, T)                                                                            \
-    FA_DQ(S, T, flash_backward_dq, 1, 4, FA_MINB_DQ)                                         \
-    FA_DQ(S, T, flash_backward_dq_wide, 2, 2, FA_MINB_DQ_WIDE)                               \
-    FA_DQ(S, T, flash_backward_dq_q128, 1, 8, FA_MINB_DQ / 2)                                \
-    FA_DQ(S, T, flash_backward_dq_wide_q128, 2, 4, FA_MINB_DQ_WIDE / 2)
+    FA_DQ(S, T, flash_backward_dq, 64, 1, 4, FA_MINB_DQ)                                     \
+    FA_DQ(S, T, flash_backward_dq_wide, 64, 2, 2, FA_MINB_DQ_WIDE)                           \
+    FA_DQ(S, T, flash_backward_dq_q128, 64, 1, 8, FA_MINB_DQ / 2)                            \
+    FA_DQ(S, T, flash_backward_dq_wide_q128, 64, 2, 4, FA_MINB_DQ_WIDE / 2)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_DQ
@@ -1897,10 +1916,10 @@ __device__ i64 fa_next_item(i64 prev, int* sync, i64* s_item) {
 // (kb = 0) is stored, later ones are added to what is stored, and the last (the diagonal tile,
 // kb = qb) writes dQ = scale · sum into `dst` (the (sequence, head)'s Q columns, row stride
 // ldq); then passes the turn on. `acc` is the query block's 64 × 64 f32 tile laid out as the
-// accumulators are held (row group of 16, element of a lane's FA_D / 2, lane): a warp's
+// accumulators are held (row group of 16, element of a lane's D / 2, lane): a warp's
 // accesses are 128 contiguous bytes.
-template <typename T, int M>
-__device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[FA_D / 8][4], i64 kb, i64 qb,
+template <typename T, int M, int D>
+__device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[D / 8][4], i64 kb, i64 qb,
                                 T* dst, i64 Tn, i64 ldq, int hs, float scale, int w0) {
     if (threadIdx.x == 0) fa_wait_turn(turn, (int)kb);
     __syncthreads();
@@ -1908,9 +1927,9 @@ __device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[FA_D / 8][4],
     float mul[2] = {scale, scale};
 #pragma unroll
     for (int i = 0; i < M; i++) {
-        float* a = acc + (w0 / 16 + i) * (FA_D / 2) * WARP + lane;
+        float* a = acc + (w0 / 16 + i) * (D / 2) * WARP + lane;
 #pragma unroll
-        for (int nd = 0; nd < FA_D / 8; nd++)
+        for (int nd = 0; nd < D / 8; nd++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 float* p = a + (nd * 4 + e) * WARP;
@@ -1919,7 +1938,7 @@ __device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[FA_D / 8][4],
                 if (kb < qb) __stcg(p, v);
                 dq[i][nd][e] = v;
             }
-        if (kb == qb) fa_store(dst, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq, hs, mul);
+        if (kb == qb) fa_store<T, D>(dst, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq, hs, mul);
     }
     __threadfence();  // the shares stored are visible before the turn is passed
     __syncthreads();
@@ -2000,24 +2019,24 @@ FOR_HALF_TYPES(DEF)
 // by a counter in the order blocks ask (sync[0]), so the item a block waits for has been taken
 // by a running block (no wait on a block the GPU has not started, whatever its scheduling).
 enum FaDs { DS_DROP, DS_STORE, DS_TURNS };
-template <typename T, int M, FaDs DS, bool WG = false>
+template <typename T, int D, int M, FaDs DS, bool WG = false>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                      i64 kvh, i64 hs_, float scale, T* ds_out, float* dq_acc,
                                      int* sync) {
-    constexpr bool DQ = DS == DS_TURNS;
-    static_assert(!WG || (M == 1 && !DQ), "wgmma: one warpgroup of 16-key warps, no turns");
+    constexpr bool DQ = DS == DS_TURNS, REREAD = FA_REREAD(M, D);
+    static_assert(!WG || (M == 1 && !DQ && D == FA_WG_D),
+                  "wgmma: one warpgroup of 16-key warps, no turns");
     // With WG, the Q and dO tiles in the 128-byte swizzle (K and V, read once into registers,
-    // as they are).
-    alignas(1024) __shared__ T sQ[2][FA_ROWS * FA_LDS];
-    alignas(1024) __shared__ T sO[2][FA_ROWS * FA_LDS];
+    // as they are). With D = 128 every tile in dynamic shared memory: Q, dO, then K and V.
+    auto sQ = fa_tiles<T, D, 2, 0>(0);
+    auto sO = fa_tiles<T, D, 2, 1>(2);
     __shared__ float sL[2][FA_ROWS], sD[2][FA_ROWS];
     __shared__ i64 s_item;
-    DYNAMIC_SHARED(Pack<float>, fa_kv);
-    constexpr bool kv_shared = FA_REREAD(M) || DQ;
-    T* sK = kv_shared ? reinterpret_cast<T*>(fa_kv) : sQ[1];
-    T* sV = kv_shared ? sK + FA_ROWS * FA_LDS : sO[1];
-    T* sdS = sV + FA_ROWS * FA_LDS;  // DQ: dS of the tile, keys × queries
+    constexpr bool kv_shared = REREAD || DQ;
+    T* sK = kv_shared ? fa_dynamic<T, D>(4) : sQ[1];
+    T* sV = kv_shared ? sK + FA_ROWS * FA_LDS(D) : sO[1];
+    T* sdS = sV + FA_ROWS * FA_LDS(D);  // DQ: dS of the tile, keys × queries
     int hs = (int)hs_, warp = threadIdx.x / WARP, t = (threadIdx.x % WARP) & 3,
         w0 = warp * 16 * M;
     float sl2 = scale * LOG2E;
@@ -2033,12 +2052,12 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         const T* kbase = qkv + b * Tn * ldq + C + hk * hs;
         const T* vbase = kbase + kvh * hs;
         i64 q_first = q_begin * FA_ROWS;
-        u32 ka[M][FA_D / 16][4], va[M][FA_D / 16][4];
-        float dk[M][FA_D / 8][4], dv[M][FA_D / 8][4];
+        u32 ka[M][D / 16][4], va[M][D / 16][4];
+        float dk[M][D / 8][4], dv[M][D / 8][4];
 #pragma unroll
         for (int i = 0; i < M; i++) {
 #pragma unroll
-            for (int nd = 0; nd < FA_D / 8; nd++)
+            for (int nd = 0; nd < D / 8; nd++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) dk[i][nd][e] = dv[i][nd][e] = 0.0f;
         }
@@ -2051,21 +2070,21 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
             bool first_head = h == hk * grp;
             __syncthreads();
             if (first_head) {
-                fa_load(sK, kbase, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
-                fa_load(sV, vbase, k0, Tn, ldq, hs, vec);
+                fa_load<T, D>(sK, kbase, k0, Tn, ldq, hs, vec);  // K and V: this block's own keys
+                fa_load<T, D>(sV, vbase, k0, Tn, ldq, hs, vec);
             }
-            fa_load<T, WG>(sQ[0], base, q_first, Tn, ldq, hs, vec);  // the first query block
-            fa_load<T, WG>(sO[0], dob, q_first, Tn, C, hs, vec_o);
+            fa_load<T, D, WG>(sQ[0], base, q_first, Tn, ldq, hs, vec);  // the first query block
+            fa_load<T, D, WG>(sO[0], dob, q_first, Tn, C, hs, vec_o);
             fa_load_stats(sL[0], sD[0], lse_h, delta_h, q_first, Tn);
             cp_async_wait_all();
             if constexpr (WG) wg_fence_tiles();
             __syncthreads();
             // Without kv_shared, K and V wait in buffers the query blocks then reuse: their
             // fragments are taken once, at the first head, and stay in registers.
-            if constexpr (!FA_REREAD(M)) {
+            if constexpr (!REREAD) {
                 if (first_head) {
-                    fa_a_frags_m<T, M>(ka, sK, w0);
-                    fa_a_frags_m<T, M>(va, sV, w0);
+                    fa_a_frags_m<T, M, D>(ka, sK, w0);
+                    fa_a_frags_m<T, M, D>(va, sV, w0);
                 }
             }
             for (i64 qb = q_begin; qb != q_end; qb += q_step) {
@@ -2073,8 +2092,8 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 __syncthreads();
                 if (qb + q_step != q_end) {
                     i64 q1 = (qb + q_step) * FA_ROWS;
-                    fa_load<T, WG>(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
-                    fa_load<T, WG>(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
+                    fa_load<T, D, WG>(sQ[cur ^ 1], base, q1, Tn, ldq, hs, vec);
+                    fa_load<T, D, WG>(sO[cur ^ 1], dob, q1, Tn, C, hs, vec_o);
                     fa_load_stats(sL[cur ^ 1], sD[cur ^ 1], lse_h, delta_h, q1, Tn);
                 }
                 cp_async_commit();
@@ -2085,13 +2104,13 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 // rounded to T (as the three-step path stores it) and feeds both dV and dS.
                 const float *sl = sL[cur], *sd = sD[cur];
                 u32 pa[M][FA_ROWS / 16][4];
-                if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(ka, sK, w0);
+                if constexpr (REREAD) fa_a_frags_m<T, M, D>(ka, sK, w0);
                 {
                     float p[M][FA_ROWS / 8][4];
                     if constexpr (WG)
                         fa_wg_abt<T>(p[0], ka[0], sQ[cur]);
                     else
-                        fa_mma_abt_m<T, M>(p, ka, sQ[cur]);
+                        fa_mma_abt_m<T, M, D>(p, ka, sQ[cur]);
 #pragma unroll
                     for (int i = 0; i < M; i++) {
 #pragma unroll
@@ -2111,9 +2130,9 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                     fa_wg_pb<T>(dv[0], pa[0], sO[cur]);
                     fa_wg_abt<T>(ds[0], va[0], sO[cur]);
                 } else {
-                    fa_mma_pb_m<T, M>(dv, pa, sO[cur]);
-                    if constexpr (FA_REREAD(M)) fa_a_frags_m<T, M>(va, sV, w0);
-                    fa_mma_abt_m<T, M>(ds, va, sO[cur]);
+                    fa_mma_pb_m<T, M, D>(dv, pa, sO[cur]);
+                    if constexpr (REREAD) fa_a_frags_m<T, M, D>(va, sV, w0);
+                    fa_mma_abt_m<T, M, D>(ds, va, sO[cur]);
                 }
 #pragma unroll
                 for (int i = 0; i < M; i++) {
@@ -2131,23 +2150,23 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 if constexpr (WG)
                     fa_wg_pb<T>(dk[0], pa[0], sQ[cur]);
                 else
-                    fa_mma_pb_m<T, M>(dk, pa, sQ[cur]);
+                    fa_mma_pb_m<T, M, D>(dk, pa, sQ[cur]);
                 if constexpr (DQ) {
                     // dQ's share of this key block: dS (queries × keys) · K, the tile's
                     // query rows w0.. by this warp, over every key of the block.
                     fa_put_frags_m<T, M>(sdS, pa, w0);
                     __syncthreads();
                     fa_a_frags_trans_m<T, M>(pa, sdS, w0);
-                    float dq[M][FA_D / 8][4];
+                    float dq[M][D / 8][4];
 #pragma unroll
                     for (int i = 0; i < M; i++)
 #pragma unroll
-                        for (int nd = 0; nd < FA_D / 8; nd++)
+                        for (int nd = 0; nd < D / 8; nd++)
 #pragma unroll
                             for (int e = 0; e < 4; e++) dq[i][nd][e] = 0.0f;
-                    fa_mma_pb_m<T, M>(dq, pa, sK);
-                    float* acc = dq_acc + (bh * nkb + qb) * FA_ROWS * FA_D;
-                    fa_add_dq_share<T, M>(acc, sync + 1 + bh * nkb + qb, dq, kb, qb,
+                    fa_mma_pb_m<T, M, D>(dq, pa, sK);
+                    float* acc = dq_acc + (bh * nkb + qb) * FA_ROWS * D;
+                    fa_add_dq_share<T, M, D>(acc, sync + 1 + bh * nkb + qb, dq, kb, qb,
                                           dqkv + b * Tn * ldq + h * hs, Tn, ldq, hs, scale, w0);
                 }
             }
@@ -2156,36 +2175,36 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         T* dst = dqkv + b * Tn * ldq + C + hk * hs;
 #pragma unroll
         for (int i = 0; i < M; i++) {
-            fa_store(dst, dk[i], k0 + w0 + 16 * i, Tn, ldq, hs, mul);
-            fa_store(dst + kvh * hs, dv[i], k0 + w0 + 16 * i, Tn, ldq, hs, one);
+            fa_store<T, D>(dst, dk[i], k0 + w0 + 16 * i, Tn, ldq, hs, mul);
+            fa_store<T, D>(dst + kvh * hs, dv[i], k0 + w0 + 16 * i, Tn, ldq, hs, one);
         }
     }
 }
-// The dK/dV kernel's forms: 16 or 32 keys per warp (M), each with dS dropped, stored or used
-// for dQ in turn (DS), on mma.sync or (WG) wgmma; the one-kernel backward's also take its
-// accumulators and counters.
-#define FA_DKV(S, T, NAME, M, MINB, DS, WG)                                                  \
+// The dK/dV kernel's forms: heads of up to D columns, 16 or 32 keys per warp (M), each with
+// dS dropped, stored or used for dQ in turn (DS), on mma.sync or (WG) wgmma; the one-kernel
+// backward's also take its accumulators and counters.
+#define FA_DKV(S, T, NAME, D, M, MINB, DS, WG)                                               \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), MINB)                     \
         NAME##_##S(T* dqkv, const float* delta, const T* dout, const float* lse,             \
                    const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
                    T* ds) {                                                                  \
-        flash_backward_dkv_k<T, M, DS, WG>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs,  \
-                                           scale, ds, nullptr, nullptr);                     \
+        flash_backward_dkv_k<T, D, M, DS, WG>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh,   \
+                                              hs, scale, ds, nullptr, nullptr);              \
     }
 #define FA_FUSED(S, T, NAME, M)                                                              \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_FUSED)            \
         NAME##_##S(T* dqkv, const float* delta, const T* dout, const float* lse,             \
                    const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
                    float* dq_acc, int* sync) {                                               \
-        flash_backward_dkv_k<T, M, DS_TURNS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, hs, \
-                                             scale, nullptr, dq_acc, sync);                  \
+        flash_backward_dkv_k<T, 64, M, DS_TURNS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, \
+                                                 hs, scale, nullptr, dq_acc, sync);          \
     }
 #define DEF(S, T)                                                                            \
-    FA_DKV(S, T, flash_backward_dkv, 1, FA_MINB_DKV, DS_DROP, false)                         \
-    FA_DKV(S, T, flash_backward_dkv_wide, 2, FA_MINB_DKV_WIDE, DS_DROP, false)               \
-    FA_DKV(S, T, flash_backward_dkv_store, 1, FA_MINB_DKV, DS_STORE, false)                  \
-    FA_DKV(S, T, flash_backward_dkv_store_wide, 2, FA_MINB_DKV_WIDE, DS_STORE, false)        \
-    FA_DKV(S, T, flash_backward_dkv_store_wgmma, 1, FA_MINB_DKV_WG, DS_STORE, true)          \
+    FA_DKV(S, T, flash_backward_dkv, 64, 1, FA_MINB_DKV, DS_DROP, false)                     \
+    FA_DKV(S, T, flash_backward_dkv_wide, 64, 2, FA_MINB_DKV_WIDE, DS_DROP, false)           \
+    FA_DKV(S, T, flash_backward_dkv_store, 64, 1, FA_MINB_DKV, DS_STORE, false)              \
+    FA_DKV(S, T, flash_backward_dkv_store_wide, 64, 2, FA_MINB_DKV_WIDE, DS_STORE, false)    \
+    FA_DKV(S, T, flash_backward_dkv_store_wgmma, 64, 1, FA_MINB_DKV_WG, DS_STORE, true)      \
     FA_FUSED(S, T, flash_backward_fused, 1)                                                  \
     FA_FUSED(S, T, flash_backward_fused_wide, 2)
 FOR_HALF_TYPES(DEF)
@@ -2201,13 +2220,13 @@ FOR_HALF_TYPES(DEF)
 // per tile pair in all instead of seven; dS is written once and read once (at T's size: for
 // GPT-2 124M B=16, 214 MB per layer each way). Item = (64-row query block, sequence, head),
 // the longest first; each warp M groups of 16 query rows; the K and dS tiles double-buffered.
-template <typename T, int M, bool WG = false>
+template <typename T, int D, int M, bool WG = false>
 __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn,
                                            i64 nh, i64 kvh, i64 hs_, float scale) {
-    static_assert(!WG || M == 1, "wgmma: one warpgroup of 16-row warps");
+    static_assert(!WG || (M == 1 && D == FA_WG_D), "wgmma: one warpgroup of 16-row warps");
     // Key block c's tiles: K in sKS[2c] (with WG in the 128-byte swizzle), dS (keys ×
-    // queries) in sKS[2c + 1].
-    alignas(1024) __shared__ T sKS[4][FA_ROWS * FA_LDS];
+    // queries, a 64-column tile) in sKS[2c + 1].
+    auto sKS = fa_tiles<T, D, 4, 0>(0);
     int hs = (int)hs_, w0 = threadIdx.x / WARP * 16 * M;
     i64 C = nh * hs, ldq = (nh + 2 * kvh) * hs, grp = nh / kvh,
         nqb = (Tn + FA_ROWS - 1) / FA_ROWS, ntri = nqb * (nqb + 1) / 2;
@@ -2218,23 +2237,23 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
         const T* kbase = qkv + b * Tn * ldq + C + (h / grp) * hs;
         const T* dsb = ds + (bh * ntri + qb * (qb + 1) / 2) * tile;  // key block 0's tile
         __syncthreads();  // the previous item's reads are done
-        fa_load<T, WG>(sKS[0], kbase, 0, Tn, ldq, hs, vec);
-        fa_load(sKS[1], dsb, 0, FA_ROWS, FA_ROWS, FA_ROWS, vec_s);
+        fa_load<T, D, WG>(sKS[0], kbase, 0, Tn, ldq, hs, vec);
+        fa_load<T, FA_ROWS>(sKS[1], dsb, 0, FA_ROWS, FA_ROWS, FA_ROWS, vec_s);
         cp_async_wait_all();
         if constexpr (WG) wg_fence_tiles();
-        float dq[M][FA_D / 8][4];
+        float dq[M][D / 8][4];
 #pragma unroll
         for (int i = 0; i < M; i++)
 #pragma unroll
-            for (int nd = 0; nd < FA_D / 8; nd++)
+            for (int nd = 0; nd < D / 8; nd++)
                 dq[i][nd][0] = dq[i][nd][1] = dq[i][nd][2] = dq[i][nd][3] = 0.0f;
         for (i64 kb = 0; kb <= qb; kb++) {
             int cur = (int)(kb & 1);
             __syncthreads();
             if (kb < qb) {
-                fa_load<T, WG>(sKS[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
-                fa_load(sKS[2 * (cur ^ 1) + 1], dsb + (kb + 1) * tile, 0, FA_ROWS, FA_ROWS,
-                        FA_ROWS, vec_s);
+                fa_load<T, D, WG>(sKS[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs, vec);
+                fa_load<T, FA_ROWS>(sKS[2 * (cur ^ 1) + 1], dsb + (kb + 1) * tile, 0, FA_ROWS,
+                                    FA_ROWS, FA_ROWS, vec_s);
             }
             cp_async_commit();
             cp_async_wait_prior();
@@ -2245,12 +2264,12 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
             if constexpr (WG)
                 fa_wg_pb<T>(dq[0], pa[0], sKS[2 * cur]);
             else
-                fa_mma_pb_m<T, M>(dq, pa, sKS[2 * cur]);
+                fa_mma_pb_m<T, M, D>(dq, pa, sKS[2 * cur]);
         }
         float mul[2] = {scale, scale};
 #pragma unroll
         for (int i = 0; i < M; i++)
-            fa_store(dqkv + b * Tn * ldq + h * hs, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq,
+            fa_store<T, D>(dqkv + b * Tn * ldq + h * hs, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq,
                      hs, mul);
     }
 }
@@ -2258,7 +2277,7 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_DQ_STORED)        \
         NAME##_##S(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh,       \
                    i64 hs, float scale) {                                                    \
-        flash_backward_dq_stored_k<T, M, WG>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);      \
+        flash_backward_dq_stored_k<T, 64, M, WG>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);  \
     }
 #define DEF(S, T)                                                                            \
     FA_DQ_STORED(S, T, flash_backward_dq_stored, 1, false)                                   \
@@ -2274,16 +2293,16 @@ FOR_HALF_TYPES(DEF)
 // kernels' wgmma results are wrong this says which operand layout is.
 template <typename T>
 __device__ void flash_wgmma_probe_k(float* d, const T* a, const T* b, int trans) {
-    alignas(1024) __shared__ T sB[FA_ROWS * FA_D];
-    alignas(16) __shared__ T sA[FA_ROWS * FA_LDS];
-    fa_load(sA, a, 0, FA_ROWS, FA_D, FA_D, true);
-    fa_load<T, true>(sB, b, 0, FA_ROWS, FA_D, FA_D, true);
+    alignas(1024) __shared__ T sB[FA_ROWS * FA_WG_D];
+    alignas(16) __shared__ T sA[FA_ROWS * FA_LDS(FA_WG_D)];
+    fa_load<T, FA_WG_D>(sA, a, 0, FA_ROWS, FA_WG_D, FA_WG_D, true);
+    fa_load<T, FA_WG_D, true>(sB, b, 0, FA_ROWS, FA_WG_D, FA_WG_D, true);
     cp_async_wait_all();
     wg_fence_tiles();
     __syncthreads();
     int w0 = threadIdx.x / WARP * 16, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    u32 fa[FA_D / 16][4];
-    fa_a_frags(fa, sA, w0);
+    u32 fa[FA_WG_D / 16][4];
+    fa_a_frags<T, FA_WG_D>(fa, sA, w0);
     float acc[FA_ROWS / 8][4];
     if (trans) {
         for (int n = 0; n < FA_ROWS / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
