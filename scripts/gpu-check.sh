@@ -17,7 +17,9 @@
 #      32-row attention kernels,
 #   5. the GPU mixed-precision tests (200-step bf16 and fp16 curves against fp32, exact
 #      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
-#   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works).
+#   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works),
+#   9. heads of 128 (llama-d128, B=8 T=2048): fused attention (the _d128 kernels) against the
+#      three-step path in two rounds, and the fused run's breakdown.
 #
 # FUGU_GPU_STAGES picks stages (e.g. "1 2"; default all; stage 0 always runs), and
 # FUGU_GPU_BREAKDOWN_ENV stage 4's second setting (default FUGU_FLASH_WARP_ROWS=32).
@@ -41,7 +43,7 @@ STEPS="${FUGU_GPU_STEPS:-10}"
 VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=split;FUGU_RESIDUAL=separate;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32}"
 
 # The stages to run (numbers, space-separated; default all): stage 0 always runs.
-STAGES="${FUGU_GPU_STAGES:-1 2 3 4 5 6 7 8}"
+STAGES="${FUGU_GPU_STAGES:-1 2 3 4 5 6 7 8 9}"
 # Stage 4's second breakdown: HEAD under these settings.
 BREAKDOWN_ENV="${FUGU_GPU_BREAKDOWN_ENV:-FUGU_FLASH_WARP_ROWS=32}"
 
@@ -121,15 +123,17 @@ limited 90 gpu/head/cuda-tests stored_wgmma_attention_trains_as_the_defaults
 say "wgmma training test: exit $?"
 fi
 
-# bench LABEL BINARY [ENV...]: one run of the train benchmark; its result row goes to $ROWS.
+# bench LABEL BINARY [ENV...]: one run of the train benchmark (CONFIG, default gpt2-124m, at
+# SHAPE); its result row goes to $ROWS.
 bench() {
     local label=$1 bin=$2
     shift 2
     say "--- $label"
-    limited 90 env "$@" "$bin" --device cuda --precision "${PRECISION:-bf16}" --shape "$SHAPE" \
-        --steps "$STEPS" --timers coarse > "$OUT/run.txt"
+    local config=${CONFIG:-gpt2-124m}
+    limited 90 env "$@" "$bin" --config "$config" --device cuda --precision "${PRECISION:-bf16}" \
+        --shape "$SHAPE" --steps "$STEPS" --timers coarse > "$OUT/run.txt"
     local row
-    row=$(grep -E "^gpt2-124m +$SHAPE " "$OUT/run.txt" | head -1)
+    row=$(grep -E "^$config +$SHAPE " "$OUT/run.txt" | head -1)
     cat "$OUT/run.txt"
     printf '%-44s %s\n' "$label" "${row:-(no result)}" >> "$ROWS"
 }
@@ -194,6 +198,19 @@ limited 120 ncu --clock-control none --section SpeedOfLight --print-summary per-
     --timers off > "$OUT/ncu.txt"
 grep -E "^  [a-z_0-9]+|Duration|DRAM Throughput|Compute \(SM\) Throughput" "$OUT/ncu.txt" |
     head -150 | tee -a "$LOG"
+fi
+
+if want 9; then
+stage "9. heads of 128: llama-d128 bf16 8x2048, fused attention against the three-step path"
+# (the _d128 kernels' first run on a GPU: the attention timers of the two paths side by side)
+for round in 1 2; do
+    for path in fused materialized; do
+        CONFIG=llama-d128 SHAPE=8x2048 bench "llama-d128 $path r$round" gpu/head/bench-train \
+            FUGU_ATTENTION=$path
+    done
+done
+limited 90 gpu/head/bench-train --config llama-d128 --device cuda --precision bf16 \
+    --shape 8x2048 --steps "$STEPS" --breakdown
 fi
 
 stage "summary (median ms/step of $STEPS steps; config BxT ms/step tokens/s TFLOP/s MFU non-GEMM)"

@@ -520,7 +520,7 @@ pub struct RunConfig {
 }
 
 /// Configs shipped with fugu, by name.
-pub const BUILTIN: [(&str, &str); 13] = [
+pub const BUILTIN: [(&str, &str); 14] = [
     ("gpt2-tiny-4k", include_str!("../configs/gpt2-tiny-4k.toml")),
     ("gpt2-tiny", include_str!("../configs/gpt2-tiny.toml")),
     ("gpt2-124m", include_str!("../configs/gpt2-124m.toml")),
@@ -538,6 +538,7 @@ pub const BUILTIN: [(&str, &str); 13] = [
         include_str!("../configs/llama-tiny-4k.toml"),
     ),
     ("llama-124m", include_str!("../configs/llama-124m.toml")),
+    ("llama-d128", include_str!("../configs/llama-d128.toml")),
     (
         "tinyllama-1.1b",
         include_str!("../configs/tinyllama-1.1b.toml"),

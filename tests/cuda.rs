@@ -747,7 +747,23 @@ mod gpu {
     #[test]
     fn fused_attention() {
         for act in [Dtype::Bf16, Dtype::F16] {
-            fused_attention_in(act);
+            fused_attention_in(act, &FUSED_SHAPES);
+        }
+    }
+
+    /// The same for heads of 65 to 128 (the `_d128` kernels: tiles 128 columns wide, in
+    /// dynamic shared memory; the backward's reread their own tiles' fragments): 128 (the
+    /// whole tile, three key blocks, the last partial), 100 with grouped-query attention (not
+    /// a multiple of 8: element-wise loads), 72 (16-byte rows, most of the tile padding). The
+    /// other forms' settings leave these heads on the one form: the same bits. Tolerances as
+    /// above: the rounding of P and dS moves each term by u relative, whatever the head size.
+    #[test]
+    fn fused_attention_head_128() {
+        for act in [Dtype::Bf16, Dtype::F16] {
+            fused_attention_in(
+                act,
+                &[(1, 150, 2, 2, 128), (2, 70, 4, 2, 100), (1, 37, 3, 3, 72)],
+            );
         }
     }
 
@@ -835,9 +851,9 @@ mod gpu {
         }
     }
 
-    fn fused_attention_in(act: Dtype) {
+    fn fused_attention_in(act: Dtype, shapes: &[(usize, usize, usize, usize, usize)]) {
         let Some(mut be) = Both::new(act) else { return };
-        for (b, t, nh, kv, hs) in FUSED_SHAPES {
+        for &(b, t, nh, kv, hs) in shapes {
             if be.gpu.fused_attention(hs, act) == FusedAttention::Unsupported {
                 skipped(&format!(
                     "no fused attention on this device for hs = {hs} in {act:?}"
@@ -1377,9 +1393,11 @@ mod gpu {
     /// A Llama-family model (RMSNorm, RoPE, SwiGLU, untied head) on the device against the CPU
     /// backend, with a key/value head per query head and with grouped-query attention (two
     /// query heads per key/value head), in f32 with the GPT-2 model's bounds and in bf16 with
-    /// the mixed-precision test's. f32 runs the three-step attention (its products map each
-    /// query head to its key/value head and add a group's key/value gradients in turn), bf16
-    /// the flash kernels (the dK/dV kernel sums a group's query heads).
+    /// the mixed-precision test's; and with heads of 128 (two query heads sharing one
+    /// key/value head, as Llama's 7-8B models have them). f32 runs the three-step attention
+    /// (its products map each query head to its key/value head and add a group's key/value
+    /// gradients in turn), bf16 the flash kernels (the dK/dV kernel sums a group's query
+    /// heads; heads of 128 the `_d128` kernels).
     #[test]
     fn llama_model_loss_and_every_gradient() {
         let Some(g) = device() else { return };
@@ -1397,6 +1415,12 @@ mod gpu {
             n_kv_head: Some(2),
             ..mha.clone()
         };
+        let head_128 = ModelConfig {
+            n_embd: 256,
+            n_head: 2,
+            n_kv_head: Some(1),
+            ..mha.clone()
+        };
         fn build<B: Backend + 'static>(cfg: &ModelConfig, dt: Dtype, be: B) -> Box<dyn Model<B>> {
             let whole = Stage::whole(cfg.n_layer);
             let mut m = registry::build(cfg, TpRank::SERIAL, &whole, dt, be).unwrap();
@@ -1412,7 +1436,7 @@ mod gpu {
         let w = batch(&mha, b, t, 5);
         let u = Dtype::Bf16.unit_roundoff();
         let mut g = Some(g);
-        for cfg in [&mha, &gqa] {
+        for cfg in [&mha, &gqa, &head_128] {
             for (dt, loss_tol, grad_tol) in
                 [(Dtype::F32, 1e-5, 1e-4), (Dtype::Bf16, 8.0 * u, 64.0 * u)]
             {

@@ -79,6 +79,9 @@ mod imp {
         fn wgmma(&self) -> bool {
             true // as an H100
         }
+        fn max_dynamic_shared(&self) -> u32 {
+            232_448 // as an H100
+        }
         fn free_bytes(&self) -> Option<usize> {
             None
         }

@@ -3,18 +3,19 @@
 //! arguments.
 
 use super::engine::Arg;
+use super::forms::QueryKernels;
 use super::gemm::{Mat, Ptrs};
 use super::{
-    AttnDims, Backend, CudaBackend, Dtype, FlashMma, FlashWarpRows, FusedAttention, Span,
-    ELEM_THREADS, K,
+    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows,
+    FusedAttention, Span, ELEM_THREADS, K, WARP,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
 
-/// Threads per block of the fused attention kernels (`FA_THREADS`) and the largest head they
-/// hold (`FA_D`); a block owns `FLASH_ROWS` query rows or keys (`FA_ROWS`).
+/// Threads per block of the fused attention kernels (`FA_THREADS`); a block owns
+/// `FLASH_ROWS` query rows or keys (`FA_ROWS`).
 pub(super) const FLASH_THREADS: u32 = 128;
-/// Row stride of the fused kernels' shared-memory tiles, in elements (`FA_LDS`).
+/// Row stride of the head-64 kernels' shared-memory tiles, in elements (`FA_LDS(64)`).
 pub(super) const FLASH_LDS: u32 = 72;
 /// Dynamic shared memory of the wide backward attention kernels (`FA_REREAD`): two tiles (Q
 /// and dO, or K and V) of `FLASH_ROWS` rows of 16-bit elements.
@@ -26,8 +27,28 @@ pub(super) const FLASH_FUSED_SHMEM: u32 = 3 * FLASH_ROWS as u32 * FLASH_LDS * 2;
 /// sequence per chunk, whatever its size: heads × T² bytes in 16 bits, 12 MiB for GPT-2 124M
 /// at T = 1024, 2 GiB for 32 heads at T = 8192).
 pub(super) const FLASH_DS_BUDGET: usize = 512 << 20;
-pub(super) const FLASH_MAX_HEAD: usize = 64;
+/// The widest head of the fused kernels in each of their forms (`D = 64` in `kernels.cu`): wider
+/// heads, up to [`FLASH_MAX_HEAD`], run the `_d128` kernels ([`D128_FORM`]).
+pub(super) const FLASH_HEAD_64: usize = 64;
+/// The widest head of the fused attention on a GPU (the `_d128` kernels, `D = 128`).
+pub(super) const FLASH_MAX_HEAD: usize = 128;
 pub(super) const FLASH_ROWS: usize = 64;
+/// The one form of the kernels for heads of 65 to 128 (`flash_forward_d128`,
+/// `flash_backward_dq_d128`, `flash_backward_dkv_d128`): 64 query rows or keys per block, 16
+/// per warp, `mma.sync`, the split backward; `FUGU_FLASH_*` choose among the head-64 kernels.
+pub(super) const D128_FORM: &str =
+    "64 query rows per block, 16 per warp, mma.sync, the split backward";
+
+/// The most tiles a `_d128` kernel keeps in dynamic shared memory (the backward's six: 102 KB,
+/// more than sm_86 and sm_89 GPUs give a block, where heads over 64 take the three-step path).
+pub(super) const D128_MOST_TILES: u32 = 6;
+
+/// Dynamic shared memory of `tiles` tiles of the `_d128` kernels (`fa_tiles`: 64 rows of 128 +
+/// 8 elements of 16 bits, 17 KB each): the forward's four (K and V, double-buffered), the
+/// backward's six (its own Q and dO, or K and V, too).
+pub(super) fn d128_shmem(tiles: u32) -> u32 {
+    tiles * FLASH_ROWS as u32 * (FLASH_MAX_HEAD as u32 + 8) * 2
+}
 
 impl CudaBackend {
     /// The common storage type of the fused attention's tensors, checked.
@@ -49,6 +70,105 @@ impl CudaBackend {
         dt
     }
 
+    /// The forward kernel for heads of `d.hs`, as the form settings say: warps of 16 or 32
+    /// query rows, in blocks of 64 or 128 rows (wgmma: 16 and 64); heads over 64, the
+    /// `_d128` kernel ([`D128_FORM`]).
+    pub(super) fn forward_kernel(&mut self, d: AttnDims) -> FlashLaunch {
+        if self.head_128(d) {
+            return FlashLaunch::d128(K::flash_forward_d128, 4);
+        }
+        let q = self.flash_query_rows;
+        let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
+            // One warpgroup per 64 rows (16 per warp: FlashMma::refusal).
+            let wide = q.0 > FLASH_ROWS;
+            let k = [K::flash_forward_wgmma, K::flash_forward_wgmma_q128][wide as usize];
+            (k, q.0 as u32 / 16 * WARP)
+        } else {
+            q.pick(
+                self.flash_warp_rows.forward,
+                QueryKernels {
+                    narrow: K::flash_forward,
+                    wide: K::flash_forward_wide,
+                    narrow_q128: K::flash_forward_q128,
+                    wide_q128: K::flash_forward_wide_q128,
+                },
+            )
+        };
+        FlashLaunch {
+            kernel,
+            threads,
+            rows: q.0,
+            shmem: 0,
+        }
+    }
+
+    /// The backward's form ([`FlashBackward`]) for heads of `d.hs`: as set, or for heads over
+    /// 64 split ([`D128_FORM`]).
+    pub(super) fn backward_form(&mut self, d: AttnDims) -> FlashBackward {
+        if self.head_128(d) {
+            FlashBackward::Split
+        } else {
+            self.flash_backward
+        }
+    }
+
+    /// The split backward's dQ and dK/dV kernels for heads of `d.hs`, as the form settings
+    /// say; heads over 64, the `_d128` kernels (both reread their own tiles' fragments from
+    /// dynamic shared memory: six tiles).
+    pub(super) fn split_kernels(&mut self, d: AttnDims) -> (FlashLaunch, FlashLaunch) {
+        if self.head_128(d) {
+            return (
+                FlashLaunch::d128(K::flash_backward_dq_d128, D128_MOST_TILES),
+                FlashLaunch::d128(K::flash_backward_dkv_d128, D128_MOST_TILES),
+            );
+        }
+        let (q, rows) = (self.flash_query_rows, self.flash_warp_rows);
+        let (kernel, threads) = q.pick(
+            rows.dq,
+            QueryKernels {
+                narrow: K::flash_backward_dq,
+                wide: K::flash_backward_dq_wide,
+                narrow_q128: K::flash_backward_dq_q128,
+                wide_q128: K::flash_backward_dq_wide_q128,
+            },
+        );
+        let dq = FlashLaunch {
+            kernel,
+            threads,
+            rows: q.0,
+            shmem: q.dq_shmem(rows.dq),
+        };
+        let (kernel, threads) =
+            FlashWarpRows::pick(rows.dkv, K::flash_backward_dkv, K::flash_backward_dkv_wide);
+        let dkv = FlashLaunch {
+            kernel,
+            threads,
+            rows: FLASH_ROWS,
+            shmem: dkv_shmem(rows.dkv),
+        };
+        (dq, dkv)
+    }
+
+    /// Whether heads of `d.hs` take the `_d128` kernels (over 64 columns); the first time they
+    /// do where the form settings ask for other forms than the defaults, a note on stderr says
+    /// that those settings choose among the head-64 kernels only.
+    fn head_128(&mut self, d: AttnDims) -> bool {
+        let wide = d.hs > FLASH_HEAD_64;
+        let defaults = self.flash_warp_rows == FlashWarpRows::default()
+            && self.flash_query_rows == FlashQueryRows::default()
+            && self.flash_mma == FlashMma::Sync
+            && self.flash_backward == super::forms::FLASH_BACKWARD_DEFAULT;
+        if wide && !defaults && !self.head_128_noted {
+            eprintln!(
+                "note: attention heads of {} run the head-128 kernels' one form ({D128_FORM}); \
+                 the FUGU_FLASH_* settings choose among the kernels for heads of at most 64",
+                d.hs
+            );
+            self.head_128_noted = true;
+        }
+        wide
+    }
+
     /// The fused attention's backward pass as one kernel ([`FlashBackward::Fused`]): Δ and
     /// the kernel's counters zeroed by `flash_backward_prep`, then `flash_backward_fused` with
     /// an f32 accumulator tile per query block (64 × 64: 16 KB, 50 MB for GPT-2 124M B=16).
@@ -66,7 +186,7 @@ impl CudaBackend {
             tiles < i32::MAX as usize,
             "attention_backward: {tiles} tiles"
         );
-        let acc_bytes = tiles * FLASH_ROWS * FLASH_MAX_HEAD * 4;
+        let acc_bytes = tiles * FLASH_ROWS * FLASH_HEAD_64 * 4;
         let acc = self.scratch(|s| &mut s.attn_dq, acc_bytes + 4 * (1 + tiles));
         let sync = acc + acc_bytes as u64;
         self.flash_delta(dt, delta, (sync, 1 + tiles), (dout, out), d);
@@ -97,6 +217,12 @@ impl CudaBackend {
         (dout, out): (Span, Span),
         d: AttnDims,
     ) {
+        // 8 lanes of 8 columns per row (backward_form keeps wider heads on the split form).
+        assert!(
+            d.hs <= FLASH_HEAD_64,
+            "flash_backward_prep: head size {}",
+            d.hs
+        );
         let args = [
             Arg::Ptr(delta),
             Arg::Ptr(sync),
@@ -223,6 +349,27 @@ fn flash_dims(qkv: u64, d: AttnDims) -> [Arg; 7] {
         Arg::I64(d.hs as i64),
         Arg::F32(attention_scale(d.hs)),
     ]
+}
+
+/// One fused attention kernel's launch: the kernel, its threads per block, the query rows or
+/// keys a block owns, its dynamic shared memory.
+pub(super) struct FlashLaunch {
+    pub kernel: K,
+    pub threads: u32,
+    pub rows: usize,
+    pub shmem: u32,
+}
+
+impl FlashLaunch {
+    /// A `_d128` kernel ([`D128_FORM`]) with `tiles` tiles in dynamic shared memory.
+    fn d128(kernel: K, tiles: u32) -> FlashLaunch {
+        FlashLaunch {
+            kernel,
+            threads: FLASH_THREADS,
+            rows: FLASH_ROWS,
+            shmem: d128_shmem(tiles),
+        }
+    }
 }
 
 /// Dynamic shared memory of a dK/dV kernel with `rows` keys per warp: the wide ones keep

@@ -265,6 +265,14 @@ impl Engine for DriverEngine {
         (self.major, self.minor) == (9, 0)
     }
 
+    fn max_dynamic_shared(&self) -> u32 {
+        use drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        // An attribute every driver of an sm_70+ GPU reports; 0 (nothing large runs) if not.
+        self.ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_or(0, |b| b.max(0) as u32)
+    }
+
     fn free_bytes(&self) -> Option<usize> {
         self.ctx.mem_get_info().ok().map(|(free, _)| free)
     }

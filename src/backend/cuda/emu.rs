@@ -20,6 +20,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// The emulated device's most dynamic shared memory per block: an H100's opt-in limit.
+const H100_DYNAMIC_SHARED: u32 = 232_448;
+
 const SHIM: &str = include_str!("emu_shim.h");
 
 /// `int fugu_emu_launch(unsigned kernel, unsigned grid, unsigned block, unsigned shmem,
@@ -176,6 +179,10 @@ impl Engine for Emulator {
         true
     }
 
+    fn max_dynamic_shared(&self) -> u32 {
+        H100_DYNAMIC_SHARED
+    }
+
     fn free_bytes(&self) -> Option<usize> {
         None
     }
@@ -220,6 +227,13 @@ impl Engine for Emulator {
     }
 
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
+        if shmem > H100_DYNAMIC_SHARED {
+            bail!(
+                "{}: {shmem} bytes of dynamic shared memory, more than the {H100_DYNAMIC_SHARED} \
+                 an H100 gives a block",
+                kernel_names()[kernel]
+            );
+        }
         // Each argument's value, and a pointer to it (what cuLaunchKernel takes).
         let mut vals: Vec<[u8; 8]> = args
             .iter()

@@ -233,6 +233,10 @@ pub trait Engine {
     fn wgmma(&self) -> bool {
         false
     }
+    /// The most dynamic shared memory a block may be given, in bytes (the device's opt-in
+    /// limit: 227 KB on an H100, 163 KB on an A100, 99 KB on sm_86 and sm_89 GPUs): the
+    /// head-128 attention kernels need up to 102 KB.
+    fn max_dynamic_shared(&self) -> u32;
     /// Free device memory in bytes, when known (for out-of-memory messages).
     fn free_bytes(&self) -> Option<usize>;
     fn alloc(&mut self, bytes: usize) -> Result<DevAlloc>;

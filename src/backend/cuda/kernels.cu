@@ -974,6 +974,12 @@ FOR_TYPES(DEF)
 // block (the dK/dV kernel's, plus K, V and dS kept for dQ), so 3 blocks per SM whatever the
 // rows per warp.
 #define FA_MINB_FUSED 3
+// The head-128 kernels (the _d128 forms: every tile in dynamic shared memory, 18 KB each; the
+// backward's reread their own tiles' fragments, FA_REREAD): the forward's four tiles (70 KB)
+// allow 3 blocks per SM in an H100's 228 KB, the backward's six (104 KB) 2.
+#define FA_MINB_FWD_D128 2
+#define FA_MINB_DQ_D128 2
+#define FA_MINB_DKV_D128 2
 
 #ifdef __CUDACC_RTC__
 template <typename T>
@@ -1700,6 +1706,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     FA_FWD(S, T, flash_forward_wide, 64, 2, 2, FA_MINB_FWD_WIDE)                             \
     FA_FWD(S, T, flash_forward_q128, 64, 1, 8, FA_MINB_FWD / 2)                              \
     FA_FWD(S, T, flash_forward_wide_q128, 64, 2, 4, FA_MINB_FWD_WIDE / 2)                  \
+    FA_FWD(S, T, flash_forward_d128, 128, 1, 4, FA_MINB_FWD_D128)                            \
     FA_FWD_WG(S, T, flash_forward_wgmma, 4, FA_MINB_FWD)                                     \
     FA_FWD_WG(S, T, flash_forward_wgmma_q128, 8, FA_MINB_FWD / 2)
 FOR_HALF_TYPES(DEF)
@@ -1880,7 +1887,8 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
     FA_DQ(S, T, flash_backward_dq, 64, 1, 4, FA_MINB_DQ)                                     \
     FA_DQ(S, T, flash_backward_dq_wide, 64, 2, 2, FA_MINB_DQ_WIDE)                           \
     FA_DQ(S, T, flash_backward_dq_q128, 64, 1, 8, FA_MINB_DQ / 2)                            \
-    FA_DQ(S, T, flash_backward_dq_wide_q128, 64, 2, 4, FA_MINB_DQ_WIDE / 2)
+    FA_DQ(S, T, flash_backward_dq_wide_q128, 64, 2, 4, FA_MINB_DQ_WIDE / 2)                  \
+    FA_DQ(S, T, flash_backward_dq_d128, 128, 1, 4, FA_MINB_DQ_D128)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_DQ
@@ -2205,6 +2213,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     FA_DKV(S, T, flash_backward_dkv_store, 64, 1, FA_MINB_DKV, DS_STORE, false)              \
     FA_DKV(S, T, flash_backward_dkv_store_wide, 64, 2, FA_MINB_DKV_WIDE, DS_STORE, false)    \
     FA_DKV(S, T, flash_backward_dkv_store_wgmma, 64, 1, FA_MINB_DKV_WG, DS_STORE, true)      \
+    FA_DKV(S, T, flash_backward_dkv_d128, 128, 1, FA_MINB_DKV_D128, DS_DROP, false)          \
     FA_FUSED(S, T, flash_backward_fused, 1)                                                  \
     FA_FUSED(S, T, flash_backward_fused_wide, 2)
 FOR_HALF_TYPES(DEF)

@@ -36,7 +36,6 @@ mod nvrtc;
 
 use crate::backend::knobs::{Knobs, GEMM_SELECT_ENV};
 pub use driver::gpu_present;
-use forms::QueryKernels;
 pub use forms::{
     parse_in_gemm, BiasGrad, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows, KernelForm,
     LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_MMA_ENV,
@@ -46,8 +45,8 @@ use gemm::problem;
 pub use gemm::DeviceGemm;
 
 use attention::{
-    attention_scale, causal_block_rows, causal_blocks, dkv_shmem, Attn, FLASH_MAX_HEAD, FLASH_ROWS,
-    FLASH_THREADS,
+    attention_scale, causal_block_rows, causal_blocks, d128_shmem, Attn, D128_MOST_TILES,
+    FLASH_HEAD_64, FLASH_MAX_HEAD, FLASH_ROWS, FLASH_THREADS,
 };
 use columns::COLUMN_CHUNK_ROWS;
 
@@ -181,12 +180,15 @@ kernels!(
     flash_forward_wide_q128,
     flash_forward_wgmma,
     flash_forward_wgmma_q128,
+    flash_forward_d128,
     flash_backward_dq,
     flash_backward_dq_wide,
     flash_backward_dq_q128,
     flash_backward_dq_wide_q128,
+    flash_backward_dq_d128,
     flash_backward_dkv,
     flash_backward_dkv_wide,
+    flash_backward_dkv_d128,
     flash_backward_dkv_store,
     flash_backward_dkv_store_wide,
     flash_backward_dkv_store_wgmma,
@@ -254,6 +256,8 @@ pub struct CudaBackend {
     flash_query_rows: FlashQueryRows,
     flash_mma: FlashMma,
     flash_backward: FlashBackward,
+    /// Whether the note that the form settings do not apply to heads over 64 has been given.
+    head_128_noted: bool,
     /// The most bytes of dS tiles at once with [`FlashBackward::Stored`].
     flash_ds_budget: usize,
     /// The one-kernel attention backward's dQ accumulators and counters
@@ -341,7 +345,7 @@ impl CudaBackend {
     /// `b` (true: as the V tiles are); `a` and `b` 64 × 64 row-major, 16-bit, one type.
     /// Needs [`Self::has_wgmma`].
     pub fn wgmma_probe(&mut self, d: Span, a: Span, b: Span, transposed: bool) {
-        let n = FLASH_ROWS * FLASH_MAX_HEAD;
+        let n = FLASH_ROWS * FLASH_HEAD_64;
         assert!(
             d.len == n && a.len == n && b.len == n && self.dt(d) == Dtype::F32,
             "wgmma_probe: 64 × 64 operands and an f32 result"
@@ -406,6 +410,7 @@ impl CudaBackend {
             flash_query_rows: FlashQueryRows::default(),
             flash_mma: FlashMma::default(),
             flash_backward: FLASH_BACKWARD_DEFAULT,
+            head_128_noted: false,
             flash_ds_budget: attention::FLASH_DS_BUDGET,
             attn_dq: Scratch::default(),
             layernorm_backward: LAYERNORM_BACKWARD_DEFAULT,
@@ -1256,9 +1261,13 @@ impl Backend for CudaBackend {
     }
 
     fn fused_attention(&self, hs: usize, dt: Dtype) -> FusedAttention {
-        // The kernels hold a head in 64 columns of 16-bit values and multiply on the tensor
-        // cores (flash_* in kernels.cu).
-        if dt != Dtype::F32 && hs <= FLASH_MAX_HEAD && self.eng.mma_16bit() {
+        // The kernels hold a head in 64 or 128 columns of 16-bit values and multiply on the
+        // tensor cores (flash_* in kernels.cu); the head-128 ones need more shared memory than
+        // some GPUs give a block.
+        let fits = hs <= FLASH_HEAD_64
+            || (hs <= FLASH_MAX_HEAD
+                && d128_shmem(D128_MOST_TILES) <= self.eng.max_dynamic_shared());
+        if dt != Dtype::F32 && fits && self.eng.mma_16bit() {
             FusedAttention::Preferred
         } else {
             FusedAttention::Unsupported
@@ -1274,25 +1283,15 @@ impl Backend for CudaBackend {
         assert_eq!(self.dt(lse), Dtype::F32, "attention_forward: lse is f32");
         let mut args = vec![Arg::Ptr(self.ptr(out)), Arg::Ptr(self.ptr(lse))];
         args.extend(self.flash_args(qkv, d));
-        // Warps of 16 or 32 query rows, in blocks of 64 or 128 rows (wgmma: 16 and 64).
-        let q = self.flash_query_rows;
-        let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
-            // One warpgroup per 64 rows (16 per warp: FlashMma::refusal).
-            let wide = q.0 > FLASH_ROWS;
-            let k = [K::flash_forward_wgmma, K::flash_forward_wgmma_q128][wide as usize];
-            (k, q.0 as u32 / 16 * WARP)
-        } else {
-            q.pick(
-                self.flash_warp_rows.forward,
-                QueryKernels {
-                    narrow: K::flash_forward,
-                    wide: K::flash_forward_wide,
-                    narrow_q128: K::flash_forward_q128,
-                    wide_q128: K::flash_forward_wide_q128,
-                },
-            )
-        };
-        self.launch(kernel, dt, Self::flash_grid(d, q.0), threads, 0, &args);
+        let k = self.forward_kernel(d);
+        self.launch(
+            k.kernel,
+            dt,
+            Self::flash_grid(d, k.rows),
+            k.threads,
+            k.shmem,
+            &args,
+        );
     }
 
     fn attention_backward(
@@ -1310,7 +1309,7 @@ impl Backend for CudaBackend {
             "attention_backward: lengths"
         );
         let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
-        match self.flash_backward {
+        match self.backward_form(d) {
             FlashBackward::Split => {}
             FlashBackward::Fused => {
                 return self.attention_backward_one_kernel(
@@ -1329,8 +1328,8 @@ impl Backend for CudaBackend {
                 )
             }
         }
-        let q = self.flash_query_rows;
-        let (grid, tail) = (Self::flash_grid(d, q.0), self.flash_args(qkv, d));
+        let (kq, kkv) = self.split_kernels(d);
+        let (grid, tail) = (Self::flash_grid(d, kq.rows), self.flash_args(qkv, d));
         let (dq, dy, y, l) = (self.ptr(dqkv), self.ptr(dout), self.ptr(out), self.ptr(lse));
         let mut args = vec![
             Arg::Ptr(dq),
@@ -1340,24 +1339,12 @@ impl Backend for CudaBackend {
             Arg::Ptr(l),
         ];
         args.extend(tail.iter().copied());
-        let rows = self.flash_warp_rows;
-        let (k, threads) = q.pick(
-            rows.dq,
-            QueryKernels {
-                narrow: K::flash_backward_dq,
-                wide: K::flash_backward_dq_wide,
-                narrow_q128: K::flash_backward_dq_q128,
-                wide_q128: K::flash_backward_dq_wide_q128,
-            },
-        );
-        self.launch(k, dt, grid, threads, q.dq_shmem(rows.dq), &args);
+        self.launch(kq.kernel, dt, grid, kq.threads, kq.shmem, &args);
         let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
         args.extend(tail);
         args.push(Arg::Ptr(0)); // no dS stored
-        let (k, threads) =
-            FlashWarpRows::pick(rows.dkv, K::flash_backward_dkv, K::flash_backward_dkv_wide);
         let grid_kv = Self::flash_grid_kv(d);
-        self.launch(k, dt, grid_kv, threads, dkv_shmem(rows.dkv), &args);
+        self.launch(kkv.kernel, dt, grid_kv, kkv.threads, kkv.shmem, &args);
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
