@@ -51,8 +51,7 @@ fn source() -> String {
          extern \"C\" int fugu_emu_launch(unsigned k, unsigned grid, unsigned block, \
          unsigned shmem, void** args) {{\n\
          \x20   if (k >= sizeof fugu_emu_table / sizeof fugu_emu_table[0]) return 1;\n\
-         \x20   fugu_emu_table[k](grid, block, shmem, args);\n\
-         \x20   return 0;\n}}\n",
+         \x20   return fugu_emu_table[k](grid, block, shmem, args);\n}}\n",
         table.join("\n")
     )
 }
@@ -255,10 +254,11 @@ impl Engine for Emulator {
         // the pointer arguments are host addresses inside live allocations, as the backend
         // checks; the lock keeps the shim's global scheduler to one launch at a time.
         let rc = unsafe { (self.launch)(kernel as u32, grid, block, shmem, ptrs.as_ptr()) };
-        if rc != 0 {
-            bail!("emulator has no kernel {kernel}");
+        match rc {
+            0 => Ok(()),
+            2 => bail!("wrote past its {shmem} bytes of dynamic shared memory"),
+            _ => bail!("emulator has no kernel {kernel}"),
         }
-        Ok(())
     }
 
     fn gemm(&self, g: &GemmCall) -> Result<()> {

@@ -74,12 +74,20 @@ void invoke(void** a) {
     call(F, a);
 }
 
+// 256 KB after a launch's dynamic shared memory filled with GUARD_BYTE: a kernel that writes
+// into them wrote past what the host gave it (the launch then fails; reads are not checked).
+constexpr unsigned GUARD = 1u << 18;
+constexpr unsigned char GUARD_BYTE = 0xA5;
+
 // Runs kernel F on `grid` blocks of `block` threads; `args` points at each argument's value.
+// Returns 0, or 2 where the kernel wrote past its `shmem` bytes of dynamic shared memory.
 template <auto F>
-void run(unsigned grid, unsigned block, unsigned shmem, void** args) {
+int run(unsigned grid, unsigned block, unsigned shmem, void** args) {
     body = &invoke<F>;
     body_args = args;
-    dyn_shared.assign(shmem / sizeof(double) + 1, 0.0);
+    dyn_shared.assign((shmem + GUARD) / sizeof(double) + 1, 0.0);
+    unsigned char* guard = reinterpret_cast<unsigned char*>(dyn_shared.data()) + shmem;
+    memset(guard, GUARD_BYTE, GUARD);
     gridDim = {grid, 1, 1};
     blockDim = {block, 1, 1};
     fibers.resize(block);
@@ -112,9 +120,12 @@ void run(unsigned grid, unsigned block, unsigned shmem, void** args) {
             }
         }
     }
+    for (unsigned i = 0; i < GUARD; i++)
+        if (guard[i] != GUARD_BYTE) return 2;
+    return 0;
 }
 
-typedef void (*launcher)(unsigned, unsigned, unsigned, void**);
+typedef int (*launcher)(unsigned, unsigned, unsigned, void**);
 }  // namespace fugu_emu
 
 static inline void __syncthreads() { fugu_emu::yield(); }
