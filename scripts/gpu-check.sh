@@ -105,8 +105,12 @@ if want 1; then
 stage "1. CUDA tests on the GPU"
 # (the compile and kernel-cache tests need NVRTC alone, no GPU: CI runs them)
 limited 180 gpu/head/cuda-tests --skip kernels_compile --skip compiled_kernels_are_cached \
-    --skip fused_attention_one_kernel_backward --skip wgmma
+    --skip fused_attention_one_kernel_backward --skip wgmma --skip head_128
 say "cuda tests: exit $?"
+# The head-128 kernels in their own process (first run on a GPU: 102 KB of dynamic shared
+# memory each).
+limited 60 gpu/head/cuda-tests head_128
+say "head-128 attention test: exit $?"
 # The one-kernel attention backward in its own process: its blocks wait for each other's
 # turns, and a kernel that traps takes its process's CUDA context with it.
 limited 60 gpu/head/cuda-tests fused_attention_one_kernel_backward

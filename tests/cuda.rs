@@ -757,13 +757,13 @@ mod gpu {
     /// a multiple of 8: element-wise loads), 72 (16-byte rows, most of the tile padding). The
     /// other forms' settings leave these heads on the one form: the same bits. Tolerances as
     /// above: the rounding of P and dS moves each term by u relative, whatever the head size.
+    const HEAD_128_SHAPES: [(usize, usize, usize, usize, usize); 3] =
+        [(1, 150, 2, 2, 128), (2, 70, 4, 2, 100), (1, 37, 3, 3, 72)];
+
     #[test]
     fn fused_attention_head_128() {
         for act in [Dtype::Bf16, Dtype::F16] {
-            fused_attention_in(
-                act,
-                &[(1, 150, 2, 2, 128), (2, 70, 4, 2, 100), (1, 37, 3, 3, 72)],
-            );
+            fused_attention_in(act, &HEAD_128_SHAPES);
         }
     }
 
@@ -1018,15 +1018,20 @@ mod gpu {
     /// values, summed in the same order, as the dQ kernel of the default form: the same bits
     /// as the default (on a GPU this holds where the tensor cores sum a product's terms in
     /// the order they sum its transpose's, which the test checks), in its 16- and 32-row
-    /// forms, with every sequence in one chunk of dS tiles and one sequence per chunk.
+    /// forms, with every sequence in one chunk of dS tiles and one sequence per chunk; heads of
+    /// 65 to 128 too (the head-128 kernels, Δ by the prep kernel's 16 lanes per row).
     #[test]
     fn fused_attention_stored_ds_backward() {
-        each_attention_case(FUSED_SHAPES, false, |be, x, _| {
+        let shapes = FUSED_SHAPES.into_iter().chain(HEAD_128_SHAPES);
+        each_attention_case(shapes, false, |be, x, _| {
             let (d, n) = (x.d, x.width());
             let split = be.nan(n);
             x.backward(&mut be.gpu, split);
             be.gpu.set_flash_backward(FlashBackward::Stored);
             for (warp, budget) in [(16, usize::MAX), (32, usize::MAX), (16, 1), (32, 1)] {
+                if warp == 32 && d.hs > 64 {
+                    continue; // the head-128 kernels have 16 rows per warp only
+                }
                 let stored = be.nan(n);
                 be.gpu.set_flash_warp_rows(FlashWarpRows {
                     forward: 16,

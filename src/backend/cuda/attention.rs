@@ -33,11 +33,13 @@ pub(super) const FLASH_HEAD_64: usize = 64;
 /// The widest head of the fused attention on a GPU (the `_d128` kernels, `D = 128`).
 pub(super) const FLASH_MAX_HEAD: usize = 128;
 pub(super) const FLASH_ROWS: usize = 64;
-/// The one form of the kernels for heads of 65 to 128 (`flash_forward_d128`,
-/// `flash_backward_dq_d128`, `flash_backward_dkv_d128`): 64 query rows or keys per block, 16
-/// per warp, `mma.sync`, the split backward; `FUGU_FLASH_*` choose among the head-64 kernels.
+/// The forms of the kernels for heads of 65 to 128 (`flash_forward_d128`, the split backward's
+/// `flash_backward_dq_d128` and `flash_backward_dkv_d128`, the stored-dS backward's
+/// `flash_backward_dkv_store_d128` and `flash_backward_dq_stored_d128`): 64 query rows or keys
+/// per block, 16 per warp, `mma.sync`; the other `FUGU_FLASH_*` forms are the head-64
+/// kernels'.
 pub(super) const D128_FORM: &str =
-    "64 query rows per block, 16 per warp, mma.sync, the split backward";
+    "64 query rows per block, 16 per warp, mma.sync, the split or stored backward";
 
 /// The most tiles a `_d128` kernel keeps in dynamic shared memory (the backward's six: 102 KB,
 /// more than sm_86 and sm_89 GPUs give a block, where heads over 64 take the three-step path).
@@ -102,10 +104,10 @@ impl CudaBackend {
         }
     }
 
-    /// The backward's form ([`FlashBackward`]) for heads of `d.hs`: as set, or for heads over
-    /// 64 split ([`D128_FORM`]).
+    /// The backward's form ([`FlashBackward`]) for heads of `d.hs`: as set, but for heads over
+    /// 64 split where the one-kernel form is set ([`D128_FORM`]).
     pub(super) fn backward_form(&mut self, d: AttnDims) -> FlashBackward {
-        if self.head_128(d) {
+        if self.head_128(d) && self.flash_backward == FlashBackward::Fused {
             FlashBackward::Split
         } else {
             self.flash_backward
@@ -150,15 +152,15 @@ impl CudaBackend {
     }
 
     /// Whether heads of `d.hs` take the `_d128` kernels (over 64 columns); the first time they
-    /// do where the form settings ask for other forms than the defaults, a note on stderr says
-    /// that those settings choose among the head-64 kernels only.
+    /// do where the form settings ask for a form they do not have, a note on stderr says that
+    /// those settings choose among the head-64 kernels only.
     fn head_128(&mut self, d: AttnDims) -> bool {
         let wide = d.hs > FLASH_HEAD_64;
-        let defaults = self.flash_warp_rows == FlashWarpRows::default()
+        let d128_has = self.flash_warp_rows == FlashWarpRows::default()
             && self.flash_query_rows == FlashQueryRows::default()
             && self.flash_mma == FlashMma::Sync
-            && self.flash_backward == super::forms::FLASH_BACKWARD_DEFAULT;
-        if wide && !defaults && !self.head_128_noted {
+            && self.flash_backward != FlashBackward::Fused;
+        if wide && !d128_has && !self.head_128_noted {
             eprintln!(
                 "note: attention heads of {} run the head-128 kernels' one form ({D128_FORM}); \
                  the FUGU_FLASH_* settings choose among the kernels for heads of at most 64",
@@ -217,12 +219,6 @@ impl CudaBackend {
         (dout, out): (Span, Span),
         d: AttnDims,
     ) {
-        // 8 lanes of 8 columns per row (backward_form keeps wider heads on the split form).
-        assert!(
-            d.hs <= FLASH_HEAD_64,
-            "flash_backward_prep: head size {}",
-            d.hs
-        );
         let args = [
             Arg::Ptr(delta),
             Arg::Ptr(sync),
@@ -234,9 +230,14 @@ impl CudaBackend {
             Arg::I64(d.nh as i64),
             Arg::I64(d.hs as i64),
         ];
-        // 8 threads per row.
-        let grid = (8 * d.b * d.nh * d.t).div_ceil(ELEM_THREADS as usize) as u64;
-        self.launch(K::flash_backward_prep, dt, grid, ELEM_THREADS, 0, &args);
+        // A lane per 8 columns of a row's tile: 8 lanes, or 16 for heads over 64.
+        let (k, lanes) = if d.hs > FLASH_HEAD_64 {
+            (K::flash_backward_prep_d128, FLASH_MAX_HEAD / 8)
+        } else {
+            (K::flash_backward_prep, FLASH_HEAD_64 / 8)
+        };
+        let grid = (lanes * d.b * d.nh * d.t).div_ceil(ELEM_THREADS as usize) as u64;
+        self.launch(k, dt, grid, ELEM_THREADS, 0, &args);
     }
 
     /// The fused attention's backward pass with stored dS ([`super::FlashBackward::Stored`]): Δ, then
@@ -262,7 +263,7 @@ impl CudaBackend {
             self.ptr(lse),
             self.qkv_ptr(qkv, d),
         );
-        let rows = self.flash_warp_rows;
+        let (kkv, kq) = self.stored_kernels(d);
         for b0 in (0..d.b).step_by(chunk) {
             let part = AttnDims {
                 b: chunk.min(d.b - b0),
@@ -282,30 +283,51 @@ impl CudaBackend {
             ];
             args.extend(tail);
             args.push(Arg::Ptr(ds));
-            // With wgmma, 16 rows per warp (FlashMma::refusal).
-            let (k, threads) = match self.flash_mma {
-                FlashMma::Wgmma => (K::flash_backward_dkv_store_wgmma, FLASH_THREADS),
-                FlashMma::Sync => FlashWarpRows::pick(
+            let kv_grid = Self::flash_grid_kv(part);
+            self.launch(kkv.kernel, dt, kv_grid, kkv.threads, kkv.shmem, &args);
+            let mut args = vec![Arg::Ptr(dq), Arg::Ptr(ds)];
+            args.extend(tail);
+            let q_grid = Self::flash_grid(part, kq.rows);
+            self.launch(kq.kernel, dt, q_grid, kq.threads, kq.shmem, &args);
+        }
+    }
+
+    /// The stored-dS backward's dK/dV kernel (storing dS) and dQ kernel for heads of `d.hs`,
+    /// as the form settings say (with wgmma, 16 rows per warp: FlashMma::refusal); heads over
+    /// 64, the `_d128` kernels (the dQ kernel's four tiles, the dK/dV kernel's six).
+    fn stored_kernels(&mut self, d: AttnDims) -> (FlashLaunch, FlashLaunch) {
+        if self.head_128(d) {
+            return (
+                FlashLaunch::d128(K::flash_backward_dkv_store_d128, D128_MOST_TILES),
+                FlashLaunch::d128(K::flash_backward_dq_stored_d128, 4),
+            );
+        }
+        let rows = self.flash_warp_rows;
+        let (dkv, dq) = match self.flash_mma {
+            FlashMma::Wgmma => (
+                (K::flash_backward_dkv_store_wgmma, FLASH_THREADS),
+                (K::flash_backward_dq_stored_wgmma, FLASH_THREADS),
+            ),
+            FlashMma::Sync => (
+                FlashWarpRows::pick(
                     rows.dkv,
                     K::flash_backward_dkv_store,
                     K::flash_backward_dkv_store_wide,
                 ),
-            };
-            let kv_grid = Self::flash_grid_kv(part);
-            self.launch(k, dt, kv_grid, threads, dkv_shmem(rows.dkv), &args);
-            let mut args = vec![Arg::Ptr(dq), Arg::Ptr(ds)];
-            args.extend(tail);
-            let (k, threads) = match self.flash_mma {
-                FlashMma::Wgmma => (K::flash_backward_dq_stored_wgmma, FLASH_THREADS),
-                FlashMma::Sync => FlashWarpRows::pick(
+                FlashWarpRows::pick(
                     rows.dq,
                     K::flash_backward_dq_stored,
                     K::flash_backward_dq_stored_wide,
                 ),
-            };
-            let q_grid = Self::flash_grid(part, FLASH_ROWS);
-            self.launch(k, dt, q_grid, threads, 0, &args);
-        }
+            ),
+        };
+        let launch = |(kernel, threads), shmem| FlashLaunch {
+            kernel,
+            threads,
+            rows: FLASH_ROWS,
+            shmem,
+        };
+        (launch(dkv, dkv_shmem(rows.dkv)), launch(dq, 0))
     }
 
     /// One block per (query block of `rows` rows, sequence, query head); [`Self::launch`]

@@ -980,6 +980,8 @@ FOR_TYPES(DEF)
 #define FA_MINB_FWD_D128 2
 #define FA_MINB_DQ_D128 2
 #define FA_MINB_DKV_D128 2
+// The dQ kernel from stored dS for heads of 128: four tiles (70 KB), 3 blocks per SM.
+#define FA_MINB_DQ_STORED_D128 3
 
 #ifdef __CUDACC_RTC__
 template <typename T>
@@ -1954,21 +1956,22 @@ __device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[D / 8][4], i6
 }
 
 // Before the one-kernel backward (flash_backward_fused) and the dK/dV kernel that stores dS:
-// delta (B, nh, T) = rowsum(dout ∘ out), 8 lanes per row each over 8 of its (at most 64)
-// columns, added in a butterfly (rows not in 16-byte packs: one lane along the row), the same
-// sums in the same order as fa_delta's; and `nsync` counters zeroed (the one-kernel
-// backward's item counter and every query block's turn).
-template <typename T>
+// delta (B, nh, T) = rowsum(dout ∘ out), L = D / 8 lanes per row (heads of at most D) each
+// over 8 of its columns, added in a butterfly (rows not in 16-byte packs: one lane along the
+// row), the same sums in the same order as fa_delta's; and `nsync` counters zeroed (the
+// one-kernel backward's item counter and every query block's turn).
+template <typename T, int D>
 __device__ void flash_backward_prep_k(float* delta, int* sync, i64 nsync, const T* dout,
                                       const T* out, i64 B, i64 Tn, i64 nh, i64 hs) {
+    constexpr int L = D / 8;
     GRID_STRIDE(i, stride);
     for (i64 k = i; k < nsync; k += stride) sync[k] = 0;
     i64 C = nh * hs, rows = B * nh * Tn;
     bool vec = fa_vec_ok(dout, (int)hs, C) && fa_vec_ok(out, (int)hs, C);
-    int lane = threadIdx.x % WARP, c = (lane % 8) * 8;
+    int lane = threadIdx.x % WARP, c = (lane % L) * 8;
     // Whole warps run the loop (the butterfly needs every lane); stride is a multiple of 32.
-    for (i64 w = i - lane; w < rows * 8; w += stride) {
-        i64 row = (w + lane) / 8;
+    for (i64 w = i - lane; w < rows * L; w += stride) {
+        i64 row = (w + lane) / L;
         float s = 0.0f;
         if (row < rows && c < hs) {
             i64 bh = row / Tn, tt = row % Tn, b = bh / nh, h = bh % nh;
@@ -1980,20 +1983,22 @@ __device__ void flash_backward_prep_k(float* delta, int* sync, i64 nsync, const 
                 for (int j = 0; j < hs; j++) s += ld(dout[at + j]) * ld(out[at + j]);
             }
         }
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        s += __shfl_xor_sync(0xffffffffu, s, 4);
+#pragma unroll
+        for (int x = 1; x < L; x *= 2) s += __shfl_xor_sync(0xffffffffu, s, x);
         if (row < rows && c == 0) delta[row] = s;
     }
 }
-#define DEF(S, T)                                                                            \
-    extern "C" __global__ void flash_backward_prep_##S(float* delta, int* sync, i64 nsync,   \
-                                                       const T* dout, const T* out, i64 B,  \
-                                                       i64 Tn, i64 nh, i64 hs) {            \
-        flash_backward_prep_k(delta, sync, nsync, dout, out, B, Tn, nh, hs);                 \
+#define FA_PREP(S, T, NAME, D)                                                               \
+    extern "C" __global__ void NAME##_##S(float* delta, int* sync, i64 nsync, const T* dout, \
+                                          const T* out, i64 B, i64 Tn, i64 nh, i64 hs) {     \
+        flash_backward_prep_k<T, D>(delta, sync, nsync, dout, out, B, Tn, nh, hs);           \
     }
+#define DEF(S, T)                                                                            \
+    FA_PREP(S, T, flash_backward_prep, 64)                                                   \
+    FA_PREP(S, T, flash_backward_prep_d128, 128)
 FOR_HALF_TYPES(DEF)
 #undef DEF
+#undef FA_PREP
 
 // Backward, part 2: the K and V columns of dqkv. Item = (key block, sequence, key/value head),
 // the longest (first key blocks) first; each block runs over the query heads that share the
@@ -2214,6 +2219,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     FA_DKV(S, T, flash_backward_dkv_store_wide, 64, 2, FA_MINB_DKV_WIDE, DS_STORE, false)    \
     FA_DKV(S, T, flash_backward_dkv_store_wgmma, 64, 1, FA_MINB_DKV_WG, DS_STORE, true)      \
     FA_DKV(S, T, flash_backward_dkv_d128, 128, 1, FA_MINB_DKV_D128, DS_DROP, false)          \
+    FA_DKV(S, T, flash_backward_dkv_store_d128, 128, 1, FA_MINB_DKV_D128, DS_STORE, false)   \
     FA_FUSED(S, T, flash_backward_fused, 1)                                                  \
     FA_FUSED(S, T, flash_backward_fused_wide, 2)
 FOR_HALF_TYPES(DEF)
@@ -2282,16 +2288,17 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
                      hs, mul);
     }
 }
-#define FA_DQ_STORED(S, T, NAME, M, WG)                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_DQ_STORED)        \
+#define FA_DQ_STORED(S, T, NAME, D, M, MINB, WG)                                             \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), MINB)                     \
         NAME##_##S(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh,       \
                    i64 hs, float scale) {                                                    \
-        flash_backward_dq_stored_k<T, 64, M, WG>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);  \
+        flash_backward_dq_stored_k<T, D, M, WG>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);   \
     }
 #define DEF(S, T)                                                                            \
-    FA_DQ_STORED(S, T, flash_backward_dq_stored, 1, false)                                   \
-    FA_DQ_STORED(S, T, flash_backward_dq_stored_wide, 2, false)                              \
-    FA_DQ_STORED(S, T, flash_backward_dq_stored_wgmma, 1, true)
+    FA_DQ_STORED(S, T, flash_backward_dq_stored, 64, 1, FA_MINB_DQ_STORED, false)            \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_wide, 64, 2, FA_MINB_DQ_STORED, false)       \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_wgmma, 64, 1, FA_MINB_DQ_STORED, true)       \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_d128, 128, 1, FA_MINB_DQ_STORED_D128, false)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_DQ_STORED
