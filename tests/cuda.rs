@@ -358,7 +358,7 @@ mod gpu {
 
     fn llama_row_ops_in(act: Dtype) {
         let Some(mut be) = Both::new(act) else { return };
-        for (n, c) in [(13, 37), (1, 5), (70, 64), (3, 768)] {
+        for (n, c) in [(13, 37), (1, 5), (70, 64), (3, 768), (2, 2064)] {
             let (out, rstd) = (be.nan(n * c), be.nan32(n));
             let (inp, w) = (be.rand(n * c, 21), be.rand(c, 22));
             let r = RmsNorm { w, n, c, eps: 1e-5 };
@@ -375,25 +375,28 @@ mod gpu {
             // Column sums over n rows in different orders.
             be.check("rmsnorm_backward dw", g.dw, GEMM);
         }
-        // Two sequences of 6 positions, rows of 3 rotated heads of 8 and 2 of 8 left alone
-        // (the V part of a GQA qkv row), a table of 9 positions.
-        let (t, hs, heads, width) = (6, 8, 3, 5 * 8);
-        let n = 2 * t;
-        let tab = RopeTable::<f32>::new(hs, 9, 10_000.0);
-        let table = be.buf(&[tab.cos.clone(), tab.sin.clone()].concat(), Dtype::F32);
-        let r = Rope {
-            table,
-            n,
-            width,
-            heads,
-            half: hs / 2,
-            t,
-        };
-        let x = be.rand(n * width, 26);
-        be.run(|b| b.rope_forward(&r, x));
-        be.check("rope_forward", x, ELEM);
-        be.run(|b| b.rope_backward(&r, x));
-        be.check("rope_backward", x, ELEM);
+        // Two sequences of 6 positions, rows of 3 rotated heads and 2 left alone (the V part
+        // of a GQA qkv row), a table of 9 positions; heads of 8 (halves of 4: pair by pair in
+        // the 16-bit types, whose packs are 8 wide) and 32 (16-byte packs in every type).
+        for hs in [8, 32] {
+            let (t, heads, width) = (6, 3, 5 * hs);
+            let n = 2 * t;
+            let tab = RopeTable::<f32>::new(hs, 9, 10_000.0);
+            let table = be.buf(&[tab.cos.clone(), tab.sin.clone()].concat(), Dtype::F32);
+            let r = Rope {
+                table,
+                n,
+                width,
+                heads,
+                half: hs / 2,
+                t,
+            };
+            let x = be.rand(n * width, 26);
+            be.run(|b| b.rope_forward(&r, x));
+            be.check("rope_forward", x, ELEM);
+            be.run(|b| b.rope_backward(&r, x));
+            be.check("rope_backward", x, ELEM);
+        }
         for (n, f) in [(7, 13), (1, 1), (4, 256)] {
             let out = be.nan(n * f);
             let inp = be.buf(

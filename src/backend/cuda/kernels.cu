@@ -679,8 +679,9 @@ FOR_TYPES(DEF)
 // row order; with `with_xhat` (layernorm) also part2[k, c] = Σ dout·x̂. One thread per (chunk,
 // group of columns): a 16-byte pack of columns where the rows of dout (and inp) are 16-byte
 // aligned, so a warp reads 512 contiguous bytes of a row per load; one column otherwise. Each
-// column's sum is the same whatever the grouping. T is the type of dout and inp.
-template <int W, typename T>
+// column's sum is the same whatever the grouping. T is the type of dout and inp. With RMS (the
+// RMS norm's weight gradient, rmsnorm_dw_partials_k) only Σ dout·x̂, x̂ = x·rstd, into part.
+template <int W, bool RMS = false, typename T>
 __device__ void column_group(float* part, float* part2, const T* dout, const T* inp,
                              const float* mean, const float* rstd, bool with_xhat, i64 r0,
                              i64 r1, i64 C, i64 c0, i64 at) {
@@ -697,16 +698,20 @@ __device__ void column_group(float* part, float* part2, const T* dout, const T* 
                 if (with_xhat) x.v[j] = inp[r * C + c0 + j];
             }
         }
-        float m = with_xhat ? mean[r] : 0.0f, rs = with_xhat ? rstd[r] : 0.0f;
+        float m = with_xhat && !RMS ? mean[r] : 0.0f, rs = with_xhat ? rstd[r] : 0.0f;
         for (int j = 0; j < W; j++) {
             float gj = ld(g.v[j]);
-            s[j] += gj;
-            if (with_xhat) s2[j] += gj * ((ld(x.v[j]) - m) * rs);
+            if constexpr (RMS) {
+                s[j] += gj * (ld(x.v[j]) * rs);
+            } else {
+                s[j] += gj;
+                if (with_xhat) s2[j] += gj * ((ld(x.v[j]) - m) * rs);
+            }
         }
     }
     for (int j = 0; j < W; j++) {
         part[at + j] = s[j];
-        if (with_xhat) part2[at + j] = s2[j];
+        if (!RMS && with_xhat) part2[at + j] = s2[j];
     }
 }
 template <typename T>
@@ -2340,52 +2345,75 @@ FOR_HALF_TYPES(DEF)
 
 // ---- the Llama family (ops/rmsnorm.rs, ops/rope.rs, ops/swiglu.rs) -----------------------
 
-// RMS norm forward: a block per row, the mean square in double; out = w·(x·rstd).
-template <typename T>
+// RMS norm forward, as layernorm_forward_k: one warp per row, the mean square in double, rows
+// of up to R packs per lane from registers (LaneRow; Llama's 2048 and 4096 take the loops,
+// reading the row twice, from cache the second time); out = w·(x·rstd).
+template <typename T, int R>
 __device__ void rmsnorm_forward_k(T* out, float* rstd, const T* inp, const T* w, i64 N, i64 C,
                                   float eps) {
-    __shared__ double sh[ROW_THREADS];
-    for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
+    const int P = PACK(T);
+    bool vec = rows_aligned(inp, C) && rows_aligned(out, C) && aligned16(w);
+    i64 packs = whole_packs<T>(C, vec);
+    bool cached = vec && lane_row_fits<R>(packs);
+    WARP_ROWS(row, N) {
         const T* x = inp + row * C;
         T* o = out + row * C;
+        LaneRow<T, R> xr;
+        if (cached) lane_row_load(xr, x, packs, lane);
         double ss = 0.0;
-        for (i64 j = threadIdx.x; j < C; j += blockDim.x) {
-            double v = (double)ld(x[j]);
-            ss += v * v;
+        ln_row_each(cached, xr, x, C, vec, packs, lane, [&](i64, float v) {
+            double d = (double)v;
+            ss += d * d;
+        });
+        float rs = (float)(1.0 / sqrt(warp_sum_d(ss) / (double)C + (double)eps));
+        if (cached) {
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                i64 k = lane + (i64)i * WARP;
+                if (k >= packs) continue;
+                Pack<T> wp = ld_pack(w + k * P), op;
+#pragma unroll
+                for (int j = 0; j < P; j++) st(op.v[j], ld(wp.v[j]) * (ld(xr.p[i].v[j]) * rs));
+                st_pack(o + k * P, op);
+            }
+        } else {
+            map_elems(o, C, vec, lane, WARP, [&](i64, float v, float wc) { return wc * (v * rs); },
+                      x, w);
         }
-        double ms = block_sum_d(ss, sh) / (double)C;
-        float rs = (float)(1.0 / sqrt(ms + (double)eps));
-        for (i64 j = threadIdx.x; j < C; j += blockDim.x) st(o[j], ld(w[j]) * (ld(x[j]) * rs));
-        if (threadIdx.x == 0) rstd[row] = rs;
+        if (lane == 0) rstd[row] = rs;
     }
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void rmsnorm_forward_##S(T* out, float* rstd, const T* inp,        \
                                                    const T* w, i64 N, i64 C, float eps) {   \
-        rmsnorm_forward_k(out, rstd, inp, w, N, C, eps);                                    \
+        rmsnorm_forward_k<T, LN_LANE_PACKS>(out, rstd, inp, w, N, C, eps);                  \
     }
 FOR_TYPES(DEF)
 #undef DEF
 
 // RMS norm backward, the input gradient: a block per row, dinp += rstd·(g·w − x̂·mean(g·w·x̂)),
-// x̂ = x·rstd, the mean in double.
+// x̂ = x·rstd, the mean in double; by the packed loops, as layernorm_backward_dinp_k.
 template <typename T>
 __device__ void rmsnorm_backward_dinp_k(T* dinp, const T* dout, const T* inp, const T* w,
                                         const float* rstd, i64 N, i64 C) {
     __shared__ double sh[ROW_THREADS];
+    bool vec = rows_aligned(dinp, C) && rows_aligned(dout, C) && rows_aligned(inp, C) &&
+               aligned16(w);
     for (i64 row = blockIdx.x; row < N; row += gridDim.x) {
         const T* g = dout + row * C;
         const T* x = inp + row * C;
         T* d = dinp + row * C;
         float rs = rstd[row];
         double s = 0.0;
-        for (i64 j = threadIdx.x; j < C; j += blockDim.x)
-            s += (double)(ld(g[j]) * ld(w[j]) * (ld(x[j]) * rs));
+        for_each_elem<T>(C, vec, threadIdx.x, blockDim.x, [&](i64, float gc, float wc, float xc) {
+            s += (double)(gc * wc * (xc * rs));
+        }, g, w, x);
         float m = (float)(block_sum_d(s, sh) / (double)C);
-        for (i64 j = threadIdx.x; j < C; j += blockDim.x) {
-            float xhat = ld(x[j]) * rs;
-            st(d[j], ld(d[j]) + (ld(g[j]) * ld(w[j]) - xhat * m) * rs);
-        }
+        map_elems(d, C, vec, threadIdx.x, blockDim.x,
+                  [&](i64, float dc, float gc, float wc, float xc) {
+                      return dc + (gc * wc - (xc * rs) * m) * rs;
+                  },
+                  d, g, w, x);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -2398,18 +2426,24 @@ FOR_TYPES(DEF)
 #undef DEF
 
 // RMS norm backward, stage 1 of the weight gradient's column sums (stage 2: column_finish):
-// part[k, c] = Σ over chunk k's rows of dout·x·rstd, a thread per (chunk, column), rows in
-// order.
+// part[k, c] = Σ over chunk k's rows of dout·x·rstd, rows in order; a thread per (chunk,
+// pack of columns) where the rows are 16-byte aligned, else per (chunk, column), as
+// column_partials_k (column_group's RMS form).
 template <typename T>
 __device__ void rmsnorm_dw_partials_k(float* part, const T* dout, const T* inp,
                                       const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {
+    bool vec = rows_aligned(dout, C) && rows_aligned(inp, C);
+    i64 width = vec ? PACK(T) : 1, groups = C / width;
     GRID_STRIDE(t, stride);
-    for (i64 idx = t; idx < chunks * C; idx += stride) {
-        i64 k = idx / C, c = idx % C;
+    for (i64 idx = t; idx < chunks * groups; idx += stride) {
+        i64 k = idx / groups, c0 = (idx % groups) * width;
         i64 r0 = k * rpc, r1 = r0 + rpc < N ? r0 + rpc : N;
-        float s = 0.0f;
-        for (i64 r = r0; r < r1; r++) s += ld(dout[r * C + c]) * (ld(inp[r * C + c]) * rstd[r]);
-        part[idx] = s;
+        if (vec)
+            column_group<PACK(T), true>(part, nullptr, dout, inp, nullptr, rstd, true, r0, r1,
+                                        C, c0, k * C + c0);
+        else
+            column_group<1, true>(part, nullptr, dout, inp, nullptr, rstd, true, r0, r1, C, c0,
+                                  k * C + c0);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -2421,21 +2455,45 @@ __device__ void rmsnorm_dw_partials_k(float* part, const T* dout, const T* inp,
 FOR_TYPES(DEF)
 #undef DEF
 
-// Rotary embeddings in place (rotate_half): a thread per (row, head, i < half) pair; `dir`
-// +1 rotates, −1 rotates back (the backward). table: cos (P, half), then sin (P, half).
+// Rotary embeddings in place (rotate_half): a thread per pack of (row, head, i < half) pairs
+// (a 16-byte pack of the head's first half and the matching one of its second) where the
+// rows and halves are 16-byte aligned, else per pair; `dir` +1 rotates, −1 rotates back (the
+// backward). table: cos (P, half), then sin (P, half).
+__device__ void rope_pair(float& x0, float& x1, float c, float sn) {
+    float r0 = x0 * c - x1 * sn, r1 = x1 * c + x0 * sn;
+    x0 = r0;
+    x1 = r1;
+}
 template <typename T>
 __device__ void rope_k(T* x, const float* table, i64 N, i64 width, i64 heads, i64 half, i64 Tn,
                        i64 P, float dir) {
+    const int W = PACK(T);
+    bool vec = half % W == 0 && rows_aligned(x, width);
+    i64 step = vec ? W : 1, per_head = half / step;
     GRID_STRIDE(t, stride);
-    for (i64 idx = t; idx < N * heads * half; idx += stride) {
-        i64 i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
-        i64 p = row % Tn;
-        float c = table[p * half + i], sn = dir * table[P * half + p * half + i];
+    for (i64 idx = t; idx < N * heads * per_head; idx += stride) {
+        i64 i = (idx % per_head) * step, h = (idx / per_head) % heads,
+            row = idx / (per_head * heads);
+        const float* cs = table + (row % Tn) * half + i;
         T* a = x + row * width + h * 2 * half + i;
         T* b = a + half;
-        float x0 = ld(*a), x1 = ld(*b);
-        st(*a, x0 * c - x1 * sn);
-        st(*b, x1 * c + x0 * sn);
+        if (vec) {
+            Pack<T> pa = ld_pack(a), pb = ld_pack(b);
+#pragma unroll
+            for (int e = 0; e < W; e++) {
+                float x0 = ld(pa.v[e]), x1 = ld(pb.v[e]);
+                rope_pair(x0, x1, cs[e], dir * cs[P * half + e]);
+                st(pa.v[e], x0);
+                st(pb.v[e], x1);
+            }
+            st_pack(a, pa);
+            st_pack(b, pb);
+        } else {
+            float x0 = ld(*a), x1 = ld(*b);
+            rope_pair(x0, x1, cs[0], dir * cs[P * half]);
+            st(*a, x0);
+            st(*b, x1);
+        }
     }
 }
 #define DEF(S, T)                                                                            \
@@ -2455,16 +2513,38 @@ __device__ void swiglu_sigmoid(float x, float& s, float& one_minus_s) {
     s = past ? 0.0f : 1.0f / (1.0f + e);
     one_minus_s = e * s;
 }
-// out (N, F) = silu(gate)·up of inp rows [gate | up] (2F): a thread per output element.
+// The SwiGLU kernels' loop: f(r, j, n) for each run of n output elements (row r, columns j ..
+// j + n) a thread takes: a 16-byte pack where F is whole packs and the arrays 16-byte aligned
+// (one index division per pack), else one element.
+template <typename T, typename Fn>
+__device__ void swiglu_each(i64 N, i64 F, bool vec, Fn f) {
+    i64 step = vec ? PACK(T) : 1, per_row = F / step;
+    GRID_STRIDE(t, stride);
+    for (i64 idx = t; idx < N * per_row; idx += stride)
+        f(idx / per_row, (idx % per_row) * step, step);
+}
+// out (N, F) = silu(gate)·up of inp rows [gate | up] (2F).
+__device__ float swiglu_elem(float g, float u) {
+    float s, oms;
+    swiglu_sigmoid(g, s, oms);
+    return g * s * u;
+}
 template <typename T>
 __device__ void swiglu_forward_k(T* out, const T* inp, i64 N, i64 F) {
-    GRID_STRIDE(t, stride);
-    for (i64 idx = t; idx < N * F; idx += stride) {
-        i64 r = idx / F, j = idx % F;
-        float g = ld(inp[r * 2 * F + j]), u = ld(inp[r * 2 * F + F + j]), s, oms;
-        swiglu_sigmoid(g, s, oms);
-        st(out[idx], g * s * u);
-    }
+    bool vec = F % PACK(T) == 0 && all_aligned16(out, inp);
+    swiglu_each<T>(N, F, vec, [&](i64 r, i64 j, i64 n) {
+        const T* g = inp + r * 2 * F + j;
+        T* o = out + r * F + j;
+        if (n > 1) {
+            Pack<T> gp = ld_pack(g), up = ld_pack(g + F), op;
+#pragma unroll
+            for (int e = 0; e < PACK(T); e++)
+                st(op.v[e], swiglu_elem(ld(gp.v[e]), ld(up.v[e])));
+            st_pack(o, op);
+        } else {
+            st(*o, swiglu_elem(ld(g[0]), ld(g[F])));
+        }
+    });
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void swiglu_forward_##S(T* out, const T* inp, i64 N, i64 F) {      \
@@ -2474,17 +2554,36 @@ FOR_TYPES(DEF)
 #undef DEF
 
 // dinp (N, 2F) = [dout·up·silu'(gate) | dout·silu(gate)], silu' = σ·(1 + x·(1 − σ)).
+__device__ void swiglu_grads(float g, float u, float d, float& dg, float& du) {
+    float s, oms;
+    swiglu_sigmoid(g, s, oms);
+    dg = d * u * (s * (1.0f + g * oms));
+    du = d * (g * s);
+}
 template <typename T>
 __device__ void swiglu_backward_k(T* dinp, const T* dout, const T* inp, i64 N, i64 F) {
-    GRID_STRIDE(t, stride);
-    for (i64 idx = t; idx < N * F; idx += stride) {
-        i64 r = idx / F, j = idx % F;
-        float g = ld(inp[r * 2 * F + j]), u = ld(inp[r * 2 * F + F + j]), d = ld(dout[idx]), s,
-              oms;
-        swiglu_sigmoid(g, s, oms);
-        st(dinp[r * 2 * F + j], d * u * (s * (1.0f + g * oms)));
-        st(dinp[r * 2 * F + F + j], d * (g * s));
-    }
+    bool vec = F % PACK(T) == 0 && all_aligned16(dinp, dout, inp);
+    swiglu_each<T>(N, F, vec, [&](i64 r, i64 j, i64 n) {
+        const T* g = inp + r * 2 * F + j;
+        const T* d = dout + r * F + j;
+        T* dg = dinp + r * 2 * F + j;
+        float a, b;
+        if (n > 1) {
+            Pack<T> gp = ld_pack(g), up = ld_pack(g + F), dp = ld_pack(d), ga, gb;
+#pragma unroll
+            for (int e = 0; e < PACK(T); e++) {
+                swiglu_grads(ld(gp.v[e]), ld(up.v[e]), ld(dp.v[e]), a, b);
+                st(ga.v[e], a);
+                st(gb.v[e], b);
+            }
+            st_pack(dg, ga);
+            st_pack(dg + F, gb);
+        } else {
+            swiglu_grads(ld(g[0]), ld(g[F]), ld(d[0]), a, b);
+            st(dg[0], a);
+            st(dg[F], b);
+        }
+    });
 }
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void swiglu_backward_##S(T* dinp, const T* dout, const T* inp,     \

@@ -576,7 +576,7 @@ impl CudaBackend {
             Arg::I64(r.positions() as i64),
             Arg::F32(dir),
         ];
-        self.launch_elems(K::rope, self.dt(x), r.n * r.heads * r.half, &args);
+        self.launch_packs(K::rope, self.dt(x), r.n * r.heads * r.half, &args);
     }
 
     /// Uploads `data` into the index scratch; returns its device address.
@@ -1389,11 +1389,10 @@ impl Backend for CudaBackend {
     fn rmsnorm_forward(&mut self, r: &RmsNorm, out: Span, rstd: Span, inp: Span) {
         let (n, c) = (r.n, r.c);
         assert!(out.len == n * c && inp.len == n * c && rstd.len == n && r.w.len == c);
-        self.launch_rows(
+        self.launch_warp_rows(
             K::rmsnorm_forward,
             self.dt(out),
             n,
-            0,
             &[
                 Arg::Ptr(self.ptr(out)),
                 Arg::Ptr(self.ptr(rstd)),
@@ -1434,7 +1433,7 @@ impl Backend for CudaBackend {
         );
         let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
         let (part, _) = self.column_partial_sums(chunks, c);
-        self.launch_elems(
+        self.launch_packs(
             K::rmsnorm_dw_partials,
             self.dt(dout),
             chunks * c,
@@ -1469,7 +1468,7 @@ impl Backend for CudaBackend {
             Arg::I64(n as i64),
             Arg::I64(f as i64),
         ];
-        self.launch_elems(K::swiglu_forward, self.dt(out), out.len, &args);
+        self.launch_packs(K::swiglu_forward, self.dt(out), out.len, &args);
     }
 
     fn swiglu_backward(&mut self, dinp: Span, dout: Span, inp: Span, f: usize) {
@@ -1483,7 +1482,7 @@ impl Backend for CudaBackend {
             Arg::I64(n as i64),
             Arg::I64(f as i64),
         ];
-        self.launch_elems(K::swiglu_backward, self.dt(dinp), dout.len, &args);
+        self.launch_packs(K::swiglu_backward, self.dt(dinp), dout.len, &args);
     }
 
     fn gelu_forward(&mut self, out: Span, inp: Span) {
