@@ -366,14 +366,26 @@ mod gpu {
             be.check("rmsnorm_forward out", out, ELEM * 10.0);
             be.check("rmsnorm_forward rstd", rstd, ELEM);
             let dout = be.rand(n * c, 23);
-            let g = RmsNormGrads {
-                dinp: be.rand(n * c, 24),
-                dw: be.rand32(c, 25),
-            };
-            be.run(|x| x.rmsnorm_backward(&r, &g, dout, inp, rstd));
-            be.check("rmsnorm_backward dinp", g.dinp, ELEM * 10.0);
-            // Column sums over n rows in different orders.
-            be.check("rmsnorm_backward dw", g.dw, GEMM);
+            // Both forms (FUGU_LAYERNORM_BACKWARD picks the RMS norm's too): the one-pass
+            // kernel (8 warps' column sums per block; rows of 2064 fit 5 in its 48 KB) and the
+            // input gradient, then the column sums.
+            for form in [LayernormBackward::Split, LayernormBackward::Fused] {
+                be.gpu.set_layernorm_backward(form);
+                let g = RmsNormGrads {
+                    dinp: be.rand(n * c, 24),
+                    dw: be.rand32(c, 25),
+                };
+                be.run(|x| x.rmsnorm_backward(&r, &g, dout, inp, rstd));
+                be.check(
+                    &format!("rmsnorm_backward dinp ({form:?})"),
+                    g.dinp,
+                    ELEM * 10.0,
+                );
+                // Column sums over n rows in different orders.
+                be.check(&format!("rmsnorm_backward dw ({form:?})"), g.dw, GEMM);
+            }
+            be.gpu
+                .set_layernorm_backward(cuda::LAYERNORM_BACKWARD_DEFAULT);
         }
         // Two sequences of 6 positions, rows of 3 rotated heads and 2 left alone (the V part
         // of a GQA qkv row), a table of 9 positions; heads of 8 (halves of 4: pair by pair in

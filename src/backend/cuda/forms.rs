@@ -100,10 +100,11 @@ impl FlashMma {
     }
 }
 
-// `FUGU_LAYERNORM_BACKWARD`: how the layernorm backward pass runs, `fused` (the default: the
-// input gradient and the weight gradients' column sums in one pass over dout and the input)
-// or `split` (the input gradient, then the column sums, which read dout and the input a
-// second time) ([`LayernormBackward`]).
+// `FUGU_LAYERNORM_BACKWARD`: how the layernorm backward pass runs, and the RMS norm's,
+// `fused` (the default: the input gradient and the weight gradients' column sums in one pass
+// over dout and the input; `layernorm_backward`, `rmsnorm_backward`: the same kernel, its RMS
+// form without the mean and the bias) or `split` (the input gradient, then the column sums,
+// which read dout and the input a second time) ([`LayernormBackward`]).
 
 /// The layernorm backward's form where [`LAYERNORM_BACKWARD_ENV`] is unset: fused. Measured on
 /// one H200, GPT-2 124M B=16 T=1024 bf16, two alternating rounds (2026-11-28): 35.8 ms/step

@@ -565,24 +565,29 @@ FOR_TYPES(DEF)
 // block's warps reach each shuffle and barrier together. Rows of up to R packs per lane are
 // read once, into registers (LaneRow: dout and inp together; w and dinp, pack by pack, as
 // they are used), in the packed loops' order of terms; wider or unaligned rows by the loops.
+//
+// With RMS, the RMS norm's backward (rmsnorm_backward; FUGU_LAYERNORM_BACKWARD picks its form
+// too): no mean (x̂ = x·rstd, no mean(g·w) term, as rmsnorm_backward_dinp_k computes dinp), no
+// bias, so one column sum per warp ([warps][C] floats), Σ dout·x̂ into `part`.
 __device__ i64 ln_acc_index(i64 c, i64 packs, int P) {
     return c < packs * P ? (c % P) * packs + c / P : c;
 }
-template <typename T, int R>
+template <typename T, int R, bool RMS = false>
 __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T* dout,
                                      const T* inp, const T* w, const float* mean,
                                      const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {
-    DYNAMIC_SHARED(float, acc);  // [warps][2][C]
+    DYNAMIC_SHARED(float, acc);  // [warps][SUMS][C]
+    constexpr int SUMS = RMS ? 1 : 2;
     const int P = PACK(T);
     int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP, warps = blockDim.x / WARP;
     bool vec = rows_aligned(dinp, C) && rows_aligned(dout, C) && rows_aligned(inp, C) &&
                aligned16(w);
     i64 packs = whole_packs<T>(C, vec);
     bool cached = vec && lane_row_fits<R>(packs);
-    float* db = acc + (i64)wi * 2 * C;
-    float* dw = db + C;
+    float* db = acc + (i64)wi * SUMS * C;
+    float* dw = db + (SUMS - 1) * C;
     for (i64 k = blockIdx.x; k < chunks; k += gridDim.x) {
-        for (i64 i = threadIdx.x; i < (i64)warps * 2 * C; i += blockDim.x) acc[i] = 0.0f;
+        for (i64 i = threadIdx.x; i < (i64)warps * SUMS * C; i += blockDim.x) acc[i] = 0.0f;
         __syncthreads();
         i64 r0 = k * rpc, r1 = r0 + rpc < N ? r0 + rpc : N;
         i64 steps = (r1 - r0 + warps - 1) / warps;
@@ -593,14 +598,14 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
             const T* g = dout + row * C;
             const T* x = inp + row * C;
             T* d = dinp + row * C;
-            float mu = mean[row], rs = rstd[row];
+            float mu = RMS ? 0.0f : mean[row], rs = rstd[row];
             LnRowSums s;
             // One element's terms: the row sums and this warp's column sums.
             auto add = [&](i64 c, float gc, float wc, float xc) {
                 float xhat = (xc - mu) * rs;
                 ln_row_add(s, gc, wc, xhat);
                 i64 a = ln_acc_index(c, packs, P);
-                db[a] += gc;
+                if constexpr (!RMS) db[a] += gc;
                 dw[a] += gc * xhat;
             };
             if (cached) {
@@ -618,7 +623,7 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
                     for (int j = 0; j < P; j++)
                         add(kp * P + j, ld(gr.p[i].v[j]), ld(wp.v[j]), ld(xr.p[i].v[j]));
                 }
-                float m1 = (float)(warp_sum_d(s.s1) / (double)C);
+                float m1 = RMS ? 0.0f : (float)(warp_sum_d(s.s1) / (double)C);
                 float m2 = (float)(warp_sum_d(s.s2) / (double)C);
 #pragma unroll
                 for (int i = 0; i < R; i++) {
@@ -636,7 +641,7 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
                 continue;
             }
             for_each_elem<T>(n, vec, lane, WARP, add, g, w, x);
-            float m1 = (float)(warp_sum_d(s.s1) / (double)C);
+            float m1 = RMS ? 0.0f : (float)(warp_sum_d(s.s1) / (double)C);
             float m2 = (float)(warp_sum_d(s.s2) / (double)C);
             map_elems(d, n, vec, lane, WARP,
                       [&](i64, float dc, float gc, float wc, float xc) {
@@ -649,11 +654,15 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
             i64 a = ln_acc_index(c, packs, P);
             float sb = 0.0f, sw = 0.0f;
             for (int j = 0; j < warps; j++) {
-                sb += acc[(i64)j * 2 * C + a];
-                sw += acc[(i64)j * 2 * C + C + a];
+                if constexpr (!RMS) sb += acc[(i64)j * 2 * C + a];
+                sw += acc[(i64)j * SUMS * C + (SUMS - 1) * C + a];
             }
-            part[k * C + c] = sb;
-            part2[k * C + c] = sw;
+            if constexpr (RMS) {
+                part[k * C + c] = sw;
+            } else {
+                part[k * C + c] = sb;
+                part2[k * C + c] = sw;
+            }
         }
         __syncthreads();  // acc is zeroed for the next chunk
     }
@@ -669,6 +678,12 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
         const float* mean, const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {          \
         layernorm_backward_k<T, LN_LANE_PACKS>(dinp, part, part2, dout, inp, w, mean, rstd, N, \
                                                C, rpc, chunks);                             \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(ROW_THREADS, LN_BACKWARD_MIN_BLOCKS(T))     \
+        rmsnorm_backward_##S(T* dinp, float* part, const T* dout, const T* inp, const T* w,  \
+                             const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {         \
+        layernorm_backward_k<T, LN_LANE_PACKS, true>(dinp, part, nullptr, dout, inp, w,      \
+                                                     nullptr, rstd, N, C, rpc, chunks);      \
     }
 FOR_TYPES(DEF)
 #undef DEF

@@ -159,6 +159,7 @@ kernels!(
     gelu_forward,
     gelu_backward,
     rmsnorm_forward,
+    rmsnorm_backward,
     rmsnorm_backward_dinp,
     rmsnorm_dw_partials,
     rope,
@@ -1416,6 +1417,34 @@ impl Backend for CudaBackend {
         let (n, c) = (r.n, r.c);
         assert!(g.dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(g.dw.len == c && r.w.len == c && rstd.len == n);
+        let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
+        // The one-pass kernel (layernorm_backward's RMS form, FUGU_LAYERNORM_BACKWARD): each
+        // warp's column sums of dout·x̂ in shared memory.
+        let warp_bytes = std::mem::size_of::<f32>() * c.max(1);
+        let fused_warps = (LN_FUSED_SHMEM / warp_bytes).min((ROW_THREADS / WARP) as usize);
+        if self.layernorm_backward == LayernormBackward::Fused && fused_warps > 0 {
+            let (part, _) = self.column_partial_sums(chunks, c);
+            self.launch(
+                K::rmsnorm_backward,
+                self.dt(g.dinp),
+                chunks as u64,
+                fused_warps as u32 * WARP,
+                (fused_warps * warp_bytes) as u32,
+                &[
+                    Arg::Ptr(self.ptr(g.dinp)),
+                    Arg::Ptr(part),
+                    Arg::Ptr(self.ptr(dout)),
+                    Arg::Ptr(self.ptr(inp)),
+                    Arg::Ptr(self.ptr(r.w)),
+                    Arg::Ptr(self.ptr(rstd)),
+                    Arg::I64(n as i64),
+                    Arg::I64(c as i64),
+                    Arg::I64(COLUMN_CHUNK_ROWS as i64),
+                    Arg::I64(chunks as i64),
+                ],
+            );
+            return self.column_finish(g.dw, part, None, c, chunks);
+        }
         self.launch_rows(
             K::rmsnorm_backward_dinp,
             self.dt(g.dinp),
@@ -1431,7 +1460,6 @@ impl Backend for CudaBackend {
                 Arg::I64(c as i64),
             ],
         );
-        let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
         let (part, _) = self.column_partial_sums(chunks, c);
         self.launch_packs(
             K::rmsnorm_dw_partials,
