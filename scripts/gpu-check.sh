@@ -18,8 +18,9 @@
 #   5. the GPU mixed-precision tests (200-step bf16 and fp16 curves against fp32, exact
 #      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
 #   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works),
-#   9. heads of 128 (llama-d128, B=8 T=2048): fused attention (the _d128 kernels) against the
-#      three-step path in two rounds, and the fused run's breakdown.
+#   9. Llama: llama-124m (each gpu/base-* binary against HEAD) and llama-d128 (B=8 T=2048,
+#      heads of 128: fused attention, the _d128 kernels, against the three-step path) in two
+#      rounds, and HEAD's breakdown of each.
 #
 # FUGU_GPU_STAGES picks stages (e.g. "1 2"; default all; stage 0 always runs), and
 # FUGU_GPU_BREAKDOWN_ENV stage 4's second setting (default FUGU_FLASH_WARP_ROWS=32).
@@ -205,14 +206,22 @@ grep -E "^  [a-z_0-9]+|Duration|DRAM Throughput|Compute \(SM\) Throughput" "$OUT
 fi
 
 if want 9; then
-stage "9. heads of 128: llama-d128 bf16 8x2048, fused attention against the three-step path"
-# (the _d128 kernels' first run on a GPU: the attention timers of the two paths side by side)
+stage "9. Llama: llama-124m bf16 $SHAPE (each gpu/base-* against HEAD), llama-d128 8x2048 fused against three-step"
+# (the packed Llama row kernels against a base build's; the _d128 kernels' first run on a GPU:
+# the attention timers of the two paths side by side)
 for round in 1 2; do
+    for base in gpu/base-*; do
+        [ -x "$base/bench-train" ] &&
+            CONFIG=llama-124m bench "$(basename "$base") llama-124m r$round" "$base/bench-train"
+    done
+    CONFIG=llama-124m bench "head llama-124m r$round" gpu/head/bench-train
     for path in fused materialized; do
         CONFIG=llama-d128 SHAPE=8x2048 bench "llama-d128 $path r$round" gpu/head/bench-train \
             FUGU_ATTENTION=$path
     done
 done
+limited 90 gpu/head/bench-train --config llama-124m --device cuda --precision bf16 \
+    --shape "$SHAPE" --steps "$STEPS" --breakdown
 limited 90 gpu/head/bench-train --config llama-d128 --device cuda --precision bf16 \
     --shape 8x2048 --steps "$STEPS" --breakdown
 fi
