@@ -162,8 +162,8 @@ impl CudaBackend {
             && self.flash_backward != FlashBackward::Fused;
         if wide && !d128_has && !self.head_128_noted {
             eprintln!(
-                "note: attention heads of {} run the head-128 kernels' one form ({D128_FORM}); \
-                 the FUGU_FLASH_* settings choose among the kernels for heads of at most 64",
+                "note: attention heads of {} run the head-128 kernels ({D128_FORM}); the other \
+                 FUGU_FLASH_* forms are those of the kernels for heads of at most 64",
                 d.hs
             );
             self.head_128_noted = true;
