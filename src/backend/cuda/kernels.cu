@@ -680,8 +680,9 @@ __device__ void layernorm_backward_k(T* dinp, float* part, float* part2, const T
                                                C, rpc, chunks);                             \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(ROW_THREADS, LN_BACKWARD_MIN_BLOCKS(T))     \
-        rmsnorm_backward_##S(T* dinp, float* part, const T* dout, const T* inp, const T* w,  \
-                             const float* rstd, i64 N, i64 C, i64 rpc, i64 chunks) {         \
+        rmsnorm_backward_##S(T* dinp, const T* dout, const T* inp, const T* w,               \
+                             const float* rstd, i64 N, i64 C, float* part, i64 rpc,          \
+                             i64 chunks) {                                                   \
         layernorm_backward_k<T, LN_LANE_PACKS, true>(dinp, part, nullptr, dout, inp, w,      \
                                                      nullptr, rstd, N, C, rpc, chunks);      \
     }

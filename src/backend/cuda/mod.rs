@@ -1422,44 +1422,37 @@ impl Backend for CudaBackend {
         // warp's column sums of dout·x̂ in shared memory.
         let warp_bytes = std::mem::size_of::<f32>() * c.max(1);
         let fused_warps = (LN_FUSED_SHMEM / warp_bytes).min((ROW_THREADS / WARP) as usize);
+        // Both forms' kernels take the rows first.
+        let rows = [
+            Arg::Ptr(self.ptr(g.dinp)),
+            Arg::Ptr(self.ptr(dout)),
+            Arg::Ptr(self.ptr(inp)),
+            Arg::Ptr(self.ptr(r.w)),
+            Arg::Ptr(self.ptr(rstd)),
+            Arg::I64(n as i64),
+            Arg::I64(c as i64),
+        ];
         if self.layernorm_backward == LayernormBackward::Fused && fused_warps > 0 {
             let (part, _) = self.column_partial_sums(chunks, c);
+            let mut args = rows.to_vec();
+            args.extend([
+                Arg::Ptr(part),
+                Arg::I64(COLUMN_CHUNK_ROWS as i64),
+                Arg::I64(chunks as i64),
+            ]);
+            let (threads, shmem) = (fused_warps as u32 * WARP, (fused_warps * warp_bytes) as u32);
+            let dt = self.dt(g.dinp);
             self.launch(
                 K::rmsnorm_backward,
-                self.dt(g.dinp),
+                dt,
                 chunks as u64,
-                fused_warps as u32 * WARP,
-                (fused_warps * warp_bytes) as u32,
-                &[
-                    Arg::Ptr(self.ptr(g.dinp)),
-                    Arg::Ptr(part),
-                    Arg::Ptr(self.ptr(dout)),
-                    Arg::Ptr(self.ptr(inp)),
-                    Arg::Ptr(self.ptr(r.w)),
-                    Arg::Ptr(self.ptr(rstd)),
-                    Arg::I64(n as i64),
-                    Arg::I64(c as i64),
-                    Arg::I64(COLUMN_CHUNK_ROWS as i64),
-                    Arg::I64(chunks as i64),
-                ],
+                threads,
+                shmem,
+                &args,
             );
             return self.column_finish(g.dw, part, None, c, chunks);
         }
-        self.launch_rows(
-            K::rmsnorm_backward_dinp,
-            self.dt(g.dinp),
-            n,
-            0,
-            &[
-                Arg::Ptr(self.ptr(g.dinp)),
-                Arg::Ptr(self.ptr(dout)),
-                Arg::Ptr(self.ptr(inp)),
-                Arg::Ptr(self.ptr(r.w)),
-                Arg::Ptr(self.ptr(rstd)),
-                Arg::I64(n as i64),
-                Arg::I64(c as i64),
-            ],
-        );
+        self.launch_rows(K::rmsnorm_backward_dinp, self.dt(g.dinp), n, 0, &rows);
         let (part, _) = self.column_partial_sums(chunks, c);
         self.launch_packs(
             K::rmsnorm_dw_partials,
