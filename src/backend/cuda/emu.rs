@@ -228,9 +228,8 @@ impl Engine for Emulator {
     fn launch(&self, kernel: usize, grid: u32, block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
         if shmem > H100_DYNAMIC_SHARED {
             bail!(
-                "{}: {shmem} bytes of dynamic shared memory, more than the {H100_DYNAMIC_SHARED} \
-                 an H100 gives a block",
-                kernel_names()[kernel]
+                "{shmem} bytes of dynamic shared memory, more than the {H100_DYNAMIC_SHARED} an \
+                 H100 gives a block"
             );
         }
         // Each argument's value, and a pointer to it (what cuLaunchKernel takes).

@@ -957,6 +957,9 @@ FOR_TYPES(DEF)
 #define FA_WG_D 64
 // Row stride, in elements, of a shared-memory tile of width D.
 #define FA_LDS(D) ((D) + 8)
+// The widest tiles a kernel keeps in static shared memory (fa_tiles); wider ones (the _d128
+// kernels') go to dynamic shared memory, and their backward kernels reread (FA_REREAD).
+#define FA_STATIC_D 64
 #define FA_THREADS 128
 #define POS_INF __int_as_float(0x7f800000)
 #define LOG2E 1.4426950408889634f
@@ -1446,7 +1449,7 @@ __device__ i64 fa_last_key_block(i64 q0, int QR, i64 nkb) {
 // fragments (Q and dO, or K and V) again on every loop step, from dynamic shared memory where
 // the tile stays, instead of holding them in registers from before the loop: with two groups,
 // or heads of 128, the registers go to the accumulators (twice as many either way).
-#define FA_REREAD(M, D) ((M) > 1 || (D) > 64)
+#define FA_REREAD(M, D) ((M) > 1 || (D) > FA_STATIC_D)
 
 // acc[i] (16 × 64) = A[i] (16 × D, fragments) · Bᵀ for each of a warp's M row groups, B the
 // 64 rows of tile `s` (64 × D), read by ldmatrix (32 columns per ldmatrix.x4): each B fragment
@@ -1558,7 +1561,7 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 template <typename T, int D>
 __device__ T* fa_dynamic(int n) {
     DYNAMIC_SHARED(Pack<float>, dyn);
-    return reinterpret_cast<T*>(dyn) + (D > 64 ? n : 0) * FA_ROWS * FA_LDS(D);
+    return reinterpret_cast<T*>(dyn) + (D > FA_STATIC_D ? n : 0) * FA_ROWS * FA_LDS(D);
 }
 
 // A kernel's N shared-memory tiles of FA_ROWS rows × D (row stride FA_LDS(D)), 1024-byte
@@ -1568,7 +1571,7 @@ __device__ T* fa_dynamic(int n) {
 template <typename T, int D, int N, int ID>
 __device__ T (*fa_tiles(int at))[FA_ROWS * FA_LDS(D)] {
     typedef T Tile[FA_ROWS * FA_LDS(D)];
-    if constexpr (D <= 64) {
+    if constexpr (D <= FA_STATIC_D) {
         alignas(1024) __shared__ Tile s[N];
         return s;
     } else {

@@ -74,6 +74,15 @@ pub const EMULATE_ENV: &str = "FUGU_CUDA_EMULATE";
 /// GPU allows a block without opting in.
 const LN_FUSED_SHMEM: usize = 48 << 10;
 
+/// The one-pass norm backward kernel's warps per block (0: rows too wide for it) and each
+/// warp's bytes of shared memory for `sums` column sums of `c` floats, within
+/// [`LN_FUSED_SHMEM`].
+fn norm_backward_warps(sums: usize, c: usize) -> (usize, usize) {
+    let warp_bytes = sums * std::mem::size_of::<f32>() * c.max(1);
+    let warps = (LN_FUSED_SHMEM / warp_bytes).min((ROW_THREADS / WARP) as usize);
+    (warps, warp_bytes)
+}
+
 /// Threads per block of the row kernels (`ROW_THREADS` in `kernels.cu`).
 const ROW_THREADS: u32 = 256;
 /// Threads per warp (`WARP` in `kernels.cu`).
@@ -967,8 +976,7 @@ impl Backend for CudaBackend {
         assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c);
         assert!(w.len == c && dw.len == c && dbias.len == c && mean.len == n && rstd.len == n);
         // The one-pass kernel's shared memory: each warp's column sums of dout and dout·x̂.
-        let warp_bytes = 2 * std::mem::size_of::<f32>() * c.max(1);
-        let fused_warps = (LN_FUSED_SHMEM / warp_bytes).min((ROW_THREADS / WARP) as usize);
+        let (fused_warps, warp_bytes) = norm_backward_warps(2, c);
         if self.layernorm_backward == LayernormBackward::Fused && fused_warps > 0 {
             let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
             let (part, part2) = self.column_partial_sums(chunks, c);
@@ -1420,8 +1428,7 @@ impl Backend for CudaBackend {
         let chunks = n.div_ceil(COLUMN_CHUNK_ROWS).max(1);
         // The one-pass kernel (layernorm_backward's RMS form, FUGU_LAYERNORM_BACKWARD): each
         // warp's column sums of dout·x̂ in shared memory.
-        let warp_bytes = std::mem::size_of::<f32>() * c.max(1);
-        let fused_warps = (LN_FUSED_SHMEM / warp_bytes).min((ROW_THREADS / WARP) as usize);
+        let (fused_warps, warp_bytes) = norm_backward_warps(1, c);
         // Both forms' kernels take the rows first.
         let rows = [
             Arg::Ptr(self.ptr(g.dinp)),
