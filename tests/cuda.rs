@@ -237,6 +237,13 @@ mod gpu {
         }
     }
 
+    /// A span's values as bits (for results that must agree exactly).
+    fn bits<B: Backend>(be: &B, s: Span) -> Vec<u32> {
+        let mut v = vec![0.0; s.len];
+        be.download(s, &mut v);
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     fn compare(what: &str, cpu: &[f32], gpu: &[f32], tol: f64) {
         assert_eq!(cpu.len(), gpu.len(), "{what}: length");
         let scale = cpu.iter().fold(1.0f64, |m, &x| m.max((x as f64).abs()));
@@ -1261,6 +1268,41 @@ mod gpu {
                 be.check("ce target logit", tl, 0.0);
                 be.check("ce losses", lo, ELEM * 10.0);
                 be.check("ce dlogits", logits, ELEM * 10.0);
+                if vocab_start != 0 {
+                    continue;
+                }
+                // One shard in one pass: the phases' bits, on each backend.
+                let one = be.rand(rows * vp, 3);
+                let (mx1, sm1, tl1, lo1) = (
+                    be.nan32(rows),
+                    be.nan32(rows),
+                    be.nan32(rows),
+                    be.nan32(rows),
+                );
+                be.run(|x| {
+                    let rows = CeRows {
+                        maxes: mx1,
+                        sums: sm1,
+                        tl: tl1,
+                    };
+                    x.ce_fused(lo1, one, rows, tg, dloss, d);
+                });
+                let pairs = [(mx, mx1), (sm, sm1), (tl, tl1), (lo, lo1), (logits, one)];
+                for (what, (phases, fused)) in
+                    ["max", "sum", "tl", "losses", "logits"].iter().zip(pairs)
+                {
+                    let at = format!("ce_fused {what} ({dloss:?}, vp {vp})");
+                    assert_eq!(
+                        bits(&be.cpu, phases),
+                        bits(&be.cpu, fused),
+                        "{at} on the CPU"
+                    );
+                    assert_eq!(
+                        bits(&be.gpu, phases),
+                        bits(&be.gpu, fused),
+                        "{at} on the GPU"
+                    );
+                }
             }
         }
         // A shard without real columns (maximum −∞, sum 0), and sums moved to larger maxima as

@@ -887,6 +887,47 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn ce_fused(
+        &mut self,
+        losses: Span,
+        logits: Span,
+        rows: CeRows,
+        targets: TokSpan,
+        dloss: Option<f32>,
+        d: CeDims,
+    ) {
+        assert_eq!(d.vocab_start, 0, "ce_fused: logits split across ranks");
+        let CeRows { maxes, sums, tl } = rows;
+        let tg = &self.tokens[targets.offset..targets.offset + targets.len];
+        let (vp, vv) = (d.vp, d.v_valid);
+        let [losses, maxes, sums, tl] = [losses, maxes, sums, tl].map(|s| Rows::of(s, 1));
+        let lg = Rows::of(logits, vp);
+        match dloss {
+            Some(dl) => self.mem.run_rows(
+                Chunks::Cache,
+                d.n,
+                [losses, lg, maxes, sums, tl],
+                [],
+                |rows, [lo, lg, maxes, sums, tl], []| {
+                    let stats = ops::CeStats { maxes, sums, tl };
+                    let (tg, n) = (&tg[rows.clone()], rows.len());
+                    ops::ce_fused(lo, lg, stats, tg, dl, n, vp, vv)
+                },
+            ),
+            None => self.mem.run_rows(
+                Chunks::Cache,
+                d.n,
+                [losses, maxes, sums, tl],
+                [lg],
+                |rows, [lo, maxes, sums, tl], [lg]| {
+                    let stats = ops::CeStats { maxes, sums, tl };
+                    let (tg, n) = (&tg[rows.clone()], rows.len());
+                    ops::ce_fused_losses(lo, lg, stats, tg, (n, vp, vv))
+                },
+            ),
+        }
+    }
+
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
         xs.iter()
             .map(|&x| {

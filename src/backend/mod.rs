@@ -560,7 +560,8 @@ pub trait Backend: 'static {
     /// `x *= factor`, each element rounded once to its type (in f32: the host's `*x *= factor`).
     fn scale_inplace(&mut self, x: Span, factor: f32);
 
-    // --- fused softmax cross-entropy, in phases (vocabulary-parallel TP all-reduces between) ---
+    // --- fused softmax cross-entropy, in phases (vocabulary-parallel TP all-reduces between),
+    // or in one pass for one shard ---
     /// This shard's row maxima and sums of exponentials relative to them (one pass on a GPU).
     fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims);
     /// `sums` from this shard's `local_maxes` to the all-reduced `maxes` (N each).
@@ -568,6 +569,21 @@ pub trait Backend: 'static {
     fn ce_target_logit(&mut self, tl: Span, logits: Span, targets: TokSpan, d: CeDims);
     /// Per-row losses, and (when `dloss` is `Some`) the logits overwritten by their gradient.
     fn ce_finish(
+        &mut self,
+        losses: Span,
+        logits: Span,
+        rows: CeRows,
+        targets: TokSpan,
+        dloss: Option<f32>,
+        d: CeDims,
+    );
+    /// The phases in one pass for logits not split across ranks (`d.vocab_start` 0, nothing to
+    /// all-reduce between phases): `rows` **overwritten** with the row statistics, the
+    /// per-row losses, and with `dloss` the logits overwritten by their gradient, each row
+    /// finished while it is in cache, so the logits are read from memory once, not twice. The
+    /// same values, bit for bit, as [`Self::ce_row_stats`], [`Self::ce_target_logit`] and
+    /// [`Self::ce_finish`] in turn.
+    fn ce_fused(
         &mut self,
         losses: Span,
         logits: Span,

@@ -228,9 +228,10 @@ pub fn project_into_residual<B: Backend>(
 }
 
 /// The per-row cross-entropy of the logits against `targets` into `h.losses` and, with
-/// `dloss`, the logits replaced by their gradient (times `dloss`); returns the mean loss. TP:
-/// the logits are vocabulary-parallel; the row maxima, sums of exponentials and target
-/// logits are all-reduced across the shards.
+/// `dloss`, the logits replaced by their gradient (times `dloss`); returns the mean loss.
+/// Without TP in one pass over the logits ([`Backend::ce_fused`]); with TP the logits are
+/// vocabulary-parallel, and the row maxima, sums of exponentials and target logits are
+/// all-reduced across the shards between the phases.
 pub fn loss_forward<B: Backend>(
     x: &mut Layers<B>,
     h: &LossActs,
@@ -248,19 +249,23 @@ pub fn loss_forward<B: Backend>(
             work::traffic(be, &[h.logits], &written, &[])
         })
     };
-    x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
-    x.be.copy(h.ce_max, h.ce_local_max);
-    x.allreduce(ar, h.ce_max, ReduceOp::Max);
-    x.be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
-    x.be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
-    x.allreduce(ar, h.ce_sum, ReduceOp::Sum);
-    x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
     let rows = CeRows {
         maxes: h.ce_max,
         sums: h.ce_sum,
         tl: h.ce_tl,
     };
-    x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
+    if x.comm.size() == 1 {
+        x.be.ce_fused(h.losses, h.logits, rows, targets, dloss, cd);
+    } else {
+        x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
+        x.be.copy(h.ce_max, h.ce_local_max);
+        x.allreduce(ar, h.ce_max, ReduceOp::Max);
+        x.be.ce_rescale_sums(h.ce_sum, h.ce_local_max, h.ce_max);
+        x.be.ce_target_logit(h.ce_tl, h.logits, targets, cd);
+        x.allreduce(ar, h.ce_sum, ReduceOp::Sum);
+        x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
+        x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
+    }
     let mut losses = vec![0.0f32; cd.n];
     x.be.download(h.losses, &mut losses);
     (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32

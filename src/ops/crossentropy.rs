@@ -173,18 +173,142 @@ pub fn ce_finish<T: Float>(
         .zip(losses.par_iter_mut())
         .enumerate()
         .for_each(|(i, (row, loss))| {
-            let (m, s) = (maxes[i], sums[i]);
-            *loss = T::from_f64(s.to_f64().ln() + m.to_f64() - tl[i].to_f64());
-            let inv = T::ONE / s;
-            let (real, pad) = row.split_at_mut(v_valid);
-            // The target's logit, read before the row is overwritten.
-            let target = local_target(targets[i], vocab_start, v_valid).map(|j| (j, real[j]));
-            T::exp_scale_row(real, m, dloss * inv);
-            if let Some((j, x)) = target {
-                real[j] = dloss * ((x - m).exp() * inv - T::ONE);
-            }
-            pad.fill(T::ZERO);
+            let target = local_target(targets[i], vocab_start, v_valid);
+            let stats = (maxes[i], sums[i], tl[i]);
+            *loss = finish_row(row, stats, target, dloss, v_valid);
         });
+}
+
+/// One row's loss from its statistics `(max, sum, target logit)`, and the row overwritten by
+/// its gradient (`target`: the target's local column, if in this shard).
+#[inline]
+fn finish_row<T: Float>(
+    row: &mut [T],
+    (m, s, tl): (T, T, T),
+    target: Option<usize>,
+    dloss: T,
+    v_valid: usize,
+) -> T {
+    let loss = T::from_f64(s.to_f64().ln() + m.to_f64() - tl.to_f64());
+    let inv = T::ONE / s;
+    let (real, pad) = row.split_at_mut(v_valid);
+    // The target's logit, read before the row is overwritten.
+    let target = target.map(|j| (j, real[j]));
+    T::exp_scale_row(real, m, dloss * inv);
+    if let Some((j, x)) = target {
+        real[j] = dloss * ((x - m).exp() * inv - T::ONE);
+    }
+    pad.fill(T::ZERO);
+    loss
+}
+
+/// The statistics the phases leave per row ([`ce_fused`] writes them too): maxima, sums of
+/// exponentials relative to them, target logits; (N) each, **overwritten**.
+pub struct CeStats<'a, T> {
+    pub maxes: &'a mut [T],
+    pub sums: &'a mut [T],
+    pub tl: &'a mut [T],
+}
+
+/// Phases 1, 3 and 4 row by row, for logits not split across ranks (`vocab_start = 0`, so
+/// phase 2 has nothing to do): each row's statistics (into `stats`), target logit, loss and
+/// gradient while the row is in cache, so the logits come from memory once instead of twice.
+/// The same per-row code as the phases, so the same values and bits as [`ce_row_stats`],
+/// [`ce_target_logit`] and [`ce_finish`] in turn.
+#[allow(clippy::too_many_arguments)]
+pub fn ce_fused<T: Float>(
+    losses: &mut [T],
+    logits_to_dlogits: &mut [T],
+    stats: CeStats<'_, T>,
+    targets: &[u32],
+    dloss: T,
+    n: usize,
+    vp: usize,
+    v_valid: usize,
+) {
+    check_fused(
+        logits_to_dlogits.len(),
+        losses,
+        &stats,
+        targets,
+        (n, vp, v_valid),
+    );
+    let CeStats { maxes, sums, tl } = stats;
+    logits_to_dlogits
+        .par_chunks_mut(vp)
+        .zip(losses.par_iter_mut())
+        .zip(
+            maxes
+                .par_iter_mut()
+                .zip(sums.par_iter_mut())
+                .zip(tl.par_iter_mut()),
+        )
+        .zip(targets.par_iter())
+        .for_each(|(((row, loss), ((m, s), t)), &tgt)| {
+            let target = fused_row_stats(row, tgt, v_valid, (m, s, t));
+            *loss = finish_row(row, (*m, *s, *t), target, dloss, v_valid);
+        });
+}
+
+/// [`ce_fused`] without the gradient (evaluation): the statistics, and the losses as
+/// `ln(sum) + max - tl` in `T` (the backends' evaluation form); the logits are only read.
+pub fn ce_fused_losses<T: Float>(
+    losses: &mut [T],
+    logits: &[T],
+    stats: CeStats<'_, T>,
+    targets: &[u32],
+    (n, vp, v_valid): (usize, usize, usize),
+) {
+    check_fused(logits.len(), losses, &stats, targets, (n, vp, v_valid));
+    let CeStats { maxes, sums, tl } = stats;
+    logits
+        .par_chunks(vp)
+        .zip(losses.par_iter_mut())
+        .zip(
+            maxes
+                .par_iter_mut()
+                .zip(sums.par_iter_mut())
+                .zip(tl.par_iter_mut()),
+        )
+        .zip(targets.par_iter())
+        .for_each(|(((row, loss), ((m, s), t)), &tgt)| {
+            fused_row_stats(row, tgt, v_valid, (m, s, t));
+            *loss = s.ln() + *m - *t;
+        });
+}
+
+fn check_fused<T>(
+    logits_len: usize,
+    losses: &[T],
+    stats: &CeStats<'_, T>,
+    targets: &[u32],
+    (n, vp, v_valid): (usize, usize, usize),
+) {
+    check_logits(logits_len, n, vp, v_valid, "ce_fused");
+    for (what, len) in [
+        ("losses", losses.len()),
+        ("maxes", stats.maxes.len()),
+        ("sums", stats.sums.len()),
+        ("tl", stats.tl.len()),
+        ("targets", targets.len()),
+    ] {
+        assert_eq!(len, n, "ce_fused: {what} length");
+    }
+}
+
+/// One row's maximum, sum of exponentials and target logit (phases 1 and 3, one shard) into
+/// `(m, s, t)`; returns the target's column.
+#[inline]
+fn fused_row_stats<T: Float>(
+    row: &[T],
+    tgt: u32,
+    v_valid: usize,
+    (m, s, t): (&mut T, &mut T, &mut T),
+) -> Option<usize> {
+    (*m, *s) = row_stats(&row[..v_valid]);
+    let target = local_target(tgt, 0, v_valid);
+    *t = target.map_or(T::ZERO, |j| row[j]);
+    target
 }
 
 fn check_targets(targets: &[u32], v_valid: usize, op: &str) {
@@ -196,8 +320,8 @@ fn check_targets(targets: &[u32], v_valid: usize, op: &str) {
     }
 }
 
-/// Serial fused forward + backward (the phases with `vocab_start = 0`; no rescaling, the
-/// maxima being global already).
+/// Serial fused forward + backward ([`ce_fused`]: the phases row by row with `vocab_start =
+/// 0`; no rescaling, the maxima being global already).
 ///
 /// * `losses`: (N), **overwritten** with the per-row losses.
 /// * `logits`: (N, VP), **overwritten** with `dloss · (softmax - onehot)` (padding 0).
@@ -220,14 +344,12 @@ pub fn crossentropy_forward_backward<T: Float>(
         "crossentropy_forward_backward",
     );
     check_targets(targets, v_valid, "crossentropy_forward_backward");
-    let mut maxes = vec![T::ZERO; n];
-    let mut sums = vec![T::ZERO; n];
-    let mut tl = vec![T::ZERO; n];
-    ce_row_stats(&mut maxes, &mut sums, logits, n, vp, v_valid);
-    ce_target_logit(&mut tl, logits, targets, 0, n, vp, v_valid);
-    ce_finish(
-        losses, logits, &maxes, &sums, &tl, targets, 0, dloss, n, vp, v_valid,
-    );
+    let stats = CeStats {
+        maxes: &mut vec![T::ZERO; n],
+        sums: &mut vec![T::ZERO; n],
+        tl: &mut vec![T::ZERO; n],
+    };
+    ce_fused(losses, logits, stats, targets, dloss, n, vp, v_valid);
     T::from_f64(losses.iter().map(|l| l.to_f64()).sum())
 }
 
@@ -389,6 +511,66 @@ mod tests {
         assert_eq!(sums[0], 2.0);
         assert!((sums[1] - 3.0 * (-1.0f64).exp()).abs() < 1e-15);
         assert_eq!(sums[2], 0.0);
+    }
+
+    /// The row-by-row forms give the phases' statistics, losses and gradient bit for bit, with
+    /// a gradient and without.
+    #[test]
+    fn fused_rows_match_the_phases() {
+        let (n, vp, v) = (37, 80, 67);
+        let mut rng = Rng::new(73);
+        let x = to_f32(&logits(&mut rng, n, vp, v, 9.0));
+        let mut targets = rng.tokens(n, v);
+        targets[3] = (v - 1) as u32;
+        let dloss = 0.25f32;
+        let (mut m, mut s, mut tl) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        ce_row_stats(&mut m, &mut s, &x, n, vp, v);
+        ce_target_logit(&mut tl, &x, &targets, 0, n, vp, v);
+        let (mut losses, mut d) = (vec![0f32; n], x.clone());
+        ce_finish(
+            &mut losses,
+            &mut d,
+            &m,
+            &s,
+            &tl,
+            &targets,
+            0,
+            dloss,
+            n,
+            vp,
+            v,
+        );
+        let eval: Vec<f32> = (0..n).map(|i| s[i].ln() + m[i] - tl[i]).collect();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let want_stats = (bits(&m), bits(&s), bits(&tl));
+        for with_gradient in [true, false] {
+            let (mut fm, mut fs, mut ft) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            let stats = CeStats {
+                maxes: &mut fm,
+                sums: &mut fs,
+                tl: &mut ft,
+            };
+            let (mut fl, mut fd) = (vec![f32::NAN; n], x.clone());
+            let want_losses = if with_gradient {
+                ce_fused(&mut fl, &mut fd, stats, &targets, dloss, n, vp, v);
+                assert_eq!(bits(&fd), bits(&d), "gradient");
+                &losses
+            } else {
+                ce_fused_losses(&mut fl, &x, stats, &targets, (n, vp, v));
+                &eval
+            };
+            let what = if with_gradient {
+                "training"
+            } else {
+                "evaluation"
+            };
+            assert_eq!(
+                (bits(&fm), bits(&fs), bits(&ft)),
+                want_stats,
+                "{what}: statistics"
+            );
+            assert_eq!(bits(&fl), bits(want_losses), "{what}: losses");
+        }
     }
 
     #[test]

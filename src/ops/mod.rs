@@ -56,8 +56,8 @@ pub use attention::{
     attention_values, attention_values_backward,
 };
 pub use crossentropy::{
-    ce_finish, ce_rescale_sums, ce_row_stats, ce_target_logit, crossentropy_forward,
-    crossentropy_forward_backward,
+    ce_finish, ce_fused, ce_fused_losses, ce_rescale_sums, ce_row_stats, ce_target_logit,
+    crossentropy_forward, crossentropy_forward_backward, CeStats,
 };
 pub use encoder::{encoder_backward, encoder_forward};
 pub use float::{BatchMat, BatchMatMut, Float, GemmOperand, Mat, MatMutT, Precision, TableRow};

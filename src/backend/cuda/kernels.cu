@@ -2722,8 +2722,8 @@ FOR_TYPES(DEF)
 
 // ---- cross-entropy phases (ops/crossentropy.rs); T is the logits' type --------------------
 
-// This shard's row statistics in one pass: maxes[r] and sums[r] = Σ exp(x - maxes[r]) (the sum
-// in double). Each thread keeps a running maximum m and its sum relative to m, scaled down
+// A row's statistics in one pass (ce_stats_row: the block's; every thread gets them; ce_row_stats
+// this shard's, into maxes[r] and sums[r] = Σ exp(x - maxes[r])), the sum in double. Each thread keeps a running maximum m and its sum relative to m, scaled down
 // when m grows (rarely, after the first elements); the block then takes the maximum M of the
 // threads' and adds their sums scaled by exp(m - M), in a fixed tree. A thread adds its
 // exponentials in float, PACK(T) at a time (at most 8 terms of at most 1 each: within 8
@@ -2731,33 +2731,42 @@ FOR_TYPES(DEF)
 // instead of per element (conversions to double run at a quarter of the exponential's rate
 // or less; 824M logits per GPT-2 124M B=16 step).
 template <typename T>
+__device__ void ce_stats_row(float& mx, double& sum, const T* row, bool aligned, i64 V,
+                             float* shf, double* sh) {
+    float m = NEG_INF, g = 0.0f;  // g: the group's sum, relative to m
+    double s = 0.0;
+    int terms = 0;
+    for_each_elem<T>(V, aligned, threadIdx.x, blockDim.x,
+                     [&](i64, float x) {
+                         if (x > m) {
+                             float scale = expf(m - x);  // 0 · 0 from m = −∞
+                             s *= (double)scale;
+                             g *= scale;
+                             m = x;
+                         }
+                         if (m != NEG_INF) g += expf(x - m);
+                         if (++terms == PACK(T)) {
+                             s += (double)g;
+                             g = 0.0f;
+                             terms = 0;
+                         }
+                     },
+                     row);
+    s += (double)g;
+    mx = block_max_f(m, shf);
+    sum = block_sum_d(m == NEG_INF ? 0.0 : s * (double)expf(m - mx), sh);
+}
+
+template <typename T>
 __device__ void ce_row_stats_k(float* maxes, float* sums, const T* logits, i64 N, i64 VP,
                                i64 V) {
     __shared__ float shf[ROW_THREADS];
     __shared__ double sh[ROW_THREADS];
+    bool aligned = rows_aligned(logits, VP);
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
-        float m = NEG_INF, g = 0.0f;  // g: the group's sum, relative to m
-        double s = 0.0;
-        int terms = 0;
-        for_each_elem<T>(V, rows_aligned(logits, VP), threadIdx.x, blockDim.x,
-                         [&](i64, float x) {
-                             if (x > m) {
-                                 float scale = expf(m - x);  // 0 · 0 from m = −∞
-                                 s *= (double)scale;
-                                 g *= scale;
-                                 m = x;
-                             }
-                             if (m != NEG_INF) g += expf(x - m);
-                             if (++terms == PACK(T)) {
-                                 s += (double)g;
-                                 g = 0.0f;
-                                 terms = 0;
-                             }
-                         },
-                         logits + r * VP);
-        s += (double)g;
-        float mx = block_max_f(m, shf);
-        s = block_sum_d(m == NEG_INF ? 0.0 : s * (double)expf(m - mx), sh);
+        float mx;
+        double s;
+        ce_stats_row(mx, s, logits + r * VP, aligned, V, shf, sh);
         if (threadIdx.x == 0) {
             maxes[r] = mx;
             sums[r] = (float)s;
@@ -2838,6 +2847,55 @@ __device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const 
                                              i64 V) {                                       \
         ce_finish_k(losses, logits, maxes, sums, tl, targets, vocab_start, dloss, has_grad, \
                     N, VP, V);                                                              \
+    }
+FOR_TYPES(DEF)
+#undef DEF
+
+// The phases for one shard in one kernel (Backend::ce_fused; vocabulary from 0): a row's
+// statistics, target logit, loss and, with `has_grad`, gradient, its block rereading the row
+// for the gradient straight after reading it for the statistics (from L2: the rows in flight
+// at once, a block per SM or two, take a few tens of MB), so the logits come from HBM once.
+// The same code as ce_row_stats, ce_target_logit and ce_finish: the same bits.
+template <typename T>
+__device__ void ce_fused_k(float* losses, T* logits, float* maxes, float* sums, float* tl,
+                           const u32* targets, float dloss, int has_grad, i64 N, i64 VP,
+                           i64 V) {
+    __shared__ float shf[ROW_THREADS];
+    __shared__ double sh[ROW_THREADS];
+    bool aligned = rows_aligned(logits, VP);
+    for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
+        T* row = logits + r * VP;
+        i64 tj = (i64)targets[r];
+        // Read before the statistics' reductions, whose barriers come before any write.
+        float t = tj < V ? ld(row[tj]) : 0.0f;
+        float m;
+        double sd;
+        ce_stats_row(m, sd, row, aligned, V, shf, sh);
+        float s = (float)sd;
+        if (threadIdx.x == 0) {
+            maxes[r] = m;
+            sums[r] = s;
+            tl[r] = t;
+            losses[r] = has_grad ? (float)(log((double)s) + (double)m - (double)t)
+                                 : logf(s) + m - t;
+        }
+        if (!has_grad) continue;
+        float inv = 1.0f / s;
+        float k = dloss * inv;
+        auto grad = [&](i64 j, float x) {
+            if (j >= V) return 0.0f;
+            if (j == tj) return dloss * (expf(x - m) * inv - 1.0f);
+            return expf(x - m) * k;
+        };
+        map_elems(row, VP, aligned, threadIdx.x, blockDim.x, grad, row);
+    }
+}
+#define DEF(S, T)                                                                            \
+    extern "C" __global__ void ce_fused_##S(float* losses, T* logits, float* maxes,          \
+                                            float* sums, float* tl, const u32* targets,     \
+                                            float dloss, int has_grad, i64 N, i64 VP,       \
+                                            i64 V) {                                        \
+        ce_fused_k(losses, logits, maxes, sums, tl, targets, dloss, has_grad, N, VP, V);    \
     }
 FOR_TYPES(DEF)
 #undef DEF

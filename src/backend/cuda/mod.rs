@@ -181,6 +181,7 @@ kernels!(
     ce_rescale_sums,
     ce_target_logit,
     ce_finish,
+    ce_fused,
     adamw,
     sum_of_squares;
     half:
@@ -1644,6 +1645,36 @@ impl Backend for CudaBackend {
             Arg::I64(d.v_valid as i64),
         ];
         self.launch_rows(K::ce_finish, self.dt(logits), d.n, 0, &args);
+    }
+
+    fn ce_fused(
+        &mut self,
+        losses: Span,
+        logits: Span,
+        rows: CeRows,
+        targets: TokSpan,
+        dloss: Option<f32>,
+        d: CeDims,
+    ) {
+        let CeRows { maxes, sums, tl } = rows;
+        check_ce(logits, d);
+        assert_eq!(d.vocab_start, 0, "ce_fused: logits split across ranks");
+        assert!(losses.len == d.n && maxes.len == d.n && sums.len == d.n && tl.len == d.n);
+        assert_eq!(targets.len, d.n, "ce_fused: targets length");
+        let args = [
+            Arg::Ptr(self.ptr(losses)),
+            Arg::Ptr(self.ptr(logits)),
+            Arg::Ptr(self.ptr(maxes)),
+            Arg::Ptr(self.ptr(sums)),
+            Arg::Ptr(self.ptr(tl)),
+            Arg::Ptr(self.tok_ptr(targets)),
+            Arg::F32(dloss.unwrap_or(0.0)),
+            Arg::I32(dloss.is_some() as i32),
+            Arg::I64(d.n as i64),
+            Arg::I64(d.vp as i64),
+            Arg::I64(d.v_valid as i64),
+        ];
+        self.launch_rows(K::ce_fused, self.dt(logits), d.n, 0, &args);
     }
 
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
