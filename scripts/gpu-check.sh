@@ -41,7 +41,7 @@ STEPS="${FUGU_GPU_STEPS:-10}"
 # HEAD's speed settings to compare (environment assignments, space-separated per variant):
 # each setting's other form, which checks its default (docs/TRAINING.md has the 2026-11-28 A/B
 # on an H200; the one-kernel attention backward, 19% slower there, is left out).
-VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=split;FUGU_RESIDUAL=separate;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32}"
+VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=split;FUGU_RESIDUAL=separate;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32;FUGU_CROSS_ENTROPY=fused}"
 
 # The stages to run (numbers, space-separated; default all): stage 0 always runs.
 STAGES="${FUGU_GPU_STAGES:-1 2 3 4 5 6 7 8 9}"

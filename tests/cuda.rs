@@ -23,8 +23,8 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::emu::EpilogueCounts;
     use fugu::backend::cuda::{
-        self, BiasGrad, CudaBackend, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows,
-        LayernormBackward,
+        self, BiasGrad, CrossEntropyForm, CudaBackend, FlashBackward, FlashMma, FlashQueryRows,
+        FlashWarpRows, LayernormBackward, CROSS_ENTROPY_DEFAULT,
     };
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CeRows, CpuBackend, Dtype, Embedding,
@@ -1271,38 +1271,42 @@ mod gpu {
                 if vocab_start != 0 {
                     continue;
                 }
-                // One shard in one pass: the phases' bits, on each backend.
-                let one = be.rand(rows * vp, 3);
-                let (mx1, sm1, tl1, lo1) = (
-                    be.nan32(rows),
-                    be.nan32(rows),
-                    be.nan32(rows),
-                    be.nan32(rows),
-                );
-                be.run(|x| {
-                    let rows = CeRows {
-                        maxes: mx1,
-                        sums: sm1,
-                        tl: tl1,
-                    };
-                    x.ce_fused(lo1, one, rows, tg, dloss, d);
-                });
-                let pairs = [(mx, mx1), (sm, sm1), (tl, tl1), (lo, lo1), (logits, one)];
-                for (what, (phases, fused)) in
-                    ["max", "sum", "tl", "losses", "logits"].iter().zip(pairs)
-                {
-                    let at = format!("ce_fused {what} ({dloss:?}, vp {vp})");
-                    assert_eq!(
-                        bits(&be.cpu, phases),
-                        bits(&be.cpu, fused),
-                        "{at} on the CPU"
+                // One shard as one op, in each CUDA form: the phases' bits, on each backend.
+                for form in [CrossEntropyForm::Split, CrossEntropyForm::Fused] {
+                    be.gpu.set_cross_entropy(form);
+                    let one = be.rand(rows * vp, 3);
+                    let (mx1, sm1, tl1, lo1) = (
+                        be.nan32(rows),
+                        be.nan32(rows),
+                        be.nan32(rows),
+                        be.nan32(rows),
                     );
-                    assert_eq!(
-                        bits(&be.gpu, phases),
-                        bits(&be.gpu, fused),
-                        "{at} on the GPU"
-                    );
+                    be.run(|x| {
+                        let rows = CeRows {
+                            maxes: mx1,
+                            sums: sm1,
+                            tl: tl1,
+                        };
+                        x.ce_whole_vocab(lo1, one, rows, tg, dloss, d);
+                    });
+                    let pairs = [(mx, mx1), (sm, sm1), (tl, tl1), (lo, lo1), (logits, one)];
+                    for (what, (phases, whole)) in
+                        ["max", "sum", "tl", "losses", "logits"].iter().zip(pairs)
+                    {
+                        let at = format!("ce_whole_vocab {what} ({form:?}, {dloss:?}, vp {vp})");
+                        assert_eq!(
+                            bits(&be.cpu, phases),
+                            bits(&be.cpu, whole),
+                            "{at} on the CPU"
+                        );
+                        assert_eq!(
+                            bits(&be.gpu, phases),
+                            bits(&be.gpu, whole),
+                            "{at} on the GPU"
+                        );
+                    }
                 }
+                be.gpu.set_cross_entropy(CROSS_ENTROPY_DEFAULT);
             }
         }
         // A shard without real columns (maximum −∞, sum 0), and sums moved to larger maxima as

@@ -887,7 +887,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn ce_fused(
+    fn ce_whole_vocab(
         &mut self,
         losses: Span,
         logits: Span,
@@ -896,7 +896,10 @@ impl Backend for CpuBackend {
         dloss: Option<f32>,
         d: CeDims,
     ) {
-        assert_eq!(d.vocab_start, 0, "ce_fused: logits split across ranks");
+        assert_eq!(
+            d.vocab_start, 0,
+            "ce_whole_vocab: logits split across ranks"
+        );
         let CeRows { maxes, sums, tl } = rows;
         let tg = &self.tokens[targets.offset..targets.offset + targets.len];
         let (vp, vv) = (d.vp, d.v_valid);

@@ -13,6 +13,7 @@
 //! | `FUGU_FLASH_WARP_ROWS` | `16`, `32`, or `F,Q,KV` | the CUDA backend (`backend/cuda/forms.rs`) |
 //! | `FUGU_FLASH_QUERY_ROWS` | `64`, `128` | the CUDA backend |
 //! | `FUGU_LAYERNORM_BACKWARD` | `split`, `fused` | the CUDA backend |
+//! | `FUGU_CROSS_ENTROPY` | `split`, `fused` | the CUDA backend (the cross-entropy without TP) |
 //! | `FUGU_FLASH_MMA` | `sync`, `wgmma` | the CUDA backend |
 //! | `FUGU_FLASH_BACKWARD` | `split`, `fused`, `stored` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
@@ -259,6 +260,9 @@ pub const FLASH_WARP_ROWS_ENV: &str = "FUGU_FLASH_WARP_ROWS";
 pub const FLASH_QUERY_ROWS_ENV: &str = "FUGU_FLASH_QUERY_ROWS";
 /// Environment variable: the layernorm backward's form, `fused` or `split`.
 pub const LAYERNORM_BACKWARD_ENV: &str = "FUGU_LAYERNORM_BACKWARD";
+/// Environment variable: the one-shard cross-entropy's form, `split` (its phases' kernels) or
+/// `fused` (one kernel).
+pub const CROSS_ENTROPY_ENV: &str = "FUGU_CROSS_ENTROPY";
 /// Environment variable: the fused attention kernels' tensor-core instruction, `sync` or
 /// `wgmma` ([`FlashMma`]).
 pub const FLASH_MMA_ENV: &str = "FUGU_FLASH_MMA";
@@ -284,6 +288,8 @@ pub struct Knobs {
     pub flash_mma: FlashMma,
     /// `None`: the backend's measured default.
     pub layernorm_backward: Option<KernelForm>,
+    /// `None`: the backend's measured default.
+    pub cross_entropy: Option<KernelForm>,
     /// `None`: the backend's measured default.
     pub flash_backward: Option<FlashBackward>,
     pub bias_grad: InGemm,
@@ -317,6 +323,9 @@ impl Knobs {
                 &var(LAYERNORM_BACKWARD_ENV),
                 |k, v| KernelForm::parse(k, v, KernelForm::Split),
             )?,
+            cross_entropy: unset_or(CROSS_ENTROPY_ENV, &var(CROSS_ENTROPY_ENV), |k, v| {
+                KernelForm::parse(k, v, KernelForm::Split)
+            })?,
             flash_backward: unset_or(FLASH_BACKWARD_ENV, &var(FLASH_BACKWARD_ENV), |k, v| {
                 FlashBackward::parse(k, v, FlashBackward::Split)
             })?,
@@ -427,6 +436,7 @@ mod tests {
             (FLASH_QUERY_ROWS_ENV, "128"),
             (FLASH_MMA_ENV, "wgmma"),
             (LAYERNORM_BACKWARD_ENV, "split"),
+            (CROSS_ENTROPY_ENV, "fused"),
             (FLASH_BACKWARD_ENV, "stored"),
             (BIAS_GRAD_ENV, "epilogue"),
             (GEMM_SELECT_ENV, "first"),
@@ -439,6 +449,7 @@ mod tests {
         assert_eq!(k.flash_query_rows, FlashQueryRows(128));
         assert_eq!(k.flash_mma, FlashMma::Wgmma);
         assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
+        assert_eq!(k.cross_entropy, Some(KernelForm::Fused));
         assert_eq!(k.flash_backward, Some(FlashBackward::Stored));
         assert_eq!(k.bias_grad, InGemm::Epilogue);
         assert_eq!(k.gemm_select, GemmSelect::First);

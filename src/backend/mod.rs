@@ -561,7 +561,7 @@ pub trait Backend: 'static {
     fn scale_inplace(&mut self, x: Span, factor: f32);
 
     // --- fused softmax cross-entropy, in phases (vocabulary-parallel TP all-reduces between),
-    // or in one pass for one shard ---
+    // or as one op for one shard ---
     /// This shard's row maxima and sums of exponentials relative to them (one pass on a GPU).
     fn ce_row_stats(&mut self, maxes: Span, sums: Span, logits: Span, d: CeDims);
     /// `sums` from this shard's `local_maxes` to the all-reduced `maxes` (N each).
@@ -577,13 +577,14 @@ pub trait Backend: 'static {
         dloss: Option<f32>,
         d: CeDims,
     );
-    /// The phases in one pass for logits not split across ranks (`d.vocab_start` 0, nothing to
-    /// all-reduce between phases): `rows` **overwritten** with the row statistics, the
-    /// per-row losses, and with `dloss` the logits overwritten by their gradient, each row
-    /// finished while it is in cache, so the logits are read from memory once, not twice. The
-    /// same values, bit for bit, as [`Self::ce_row_stats`], [`Self::ce_target_logit`] and
-    /// [`Self::ce_finish`] in turn.
-    fn ce_fused(
+    /// The phases as one op where the logits hold the whole vocabulary (`d.vocab_start` 0,
+    /// no tensor parallelism: nothing to all-reduce between phases): `rows` **overwritten**
+    /// with the row statistics, the per-row losses, and with `dloss` the logits overwritten by
+    /// their gradient. The same values, bit for bit, as [`Self::ce_row_stats`],
+    /// [`Self::ce_target_logit`] and [`Self::ce_finish`] in turn, which a backend may run;
+    /// one op lets it finish each row while the row is in cache instead (the CPU backend;
+    /// the CUDA backend's `FUGU_CROSS_ENTROPY=fused`), reading the logits from memory once.
+    fn ce_whole_vocab(
         &mut self,
         losses: Span,
         logits: Span,

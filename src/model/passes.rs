@@ -229,7 +229,7 @@ pub fn project_into_residual<B: Backend>(
 
 /// The per-row cross-entropy of the logits against `targets` into `h.losses` and, with
 /// `dloss`, the logits replaced by their gradient (times `dloss`); returns the mean loss.
-/// Without TP in one pass over the logits ([`Backend::ce_fused`]); with TP the logits are
+/// Without TP as one op ([`Backend::ce_whole_vocab`]); with TP the logits are
 /// vocabulary-parallel, and the row maxima, sums of exponentials and target logits are
 /// all-reduced across the shards between the phases.
 pub fn loss_forward<B: Backend>(
@@ -255,7 +255,7 @@ pub fn loss_forward<B: Backend>(
         tl: h.ce_tl,
     };
     if x.comm.size() == 1 {
-        x.be.ce_fused(h.losses, h.logits, rows, targets, dloss, cd);
+        x.be.ce_whole_vocab(h.losses, h.logits, rows, targets, dloss, cd);
     } else {
         x.be.ce_row_stats(h.ce_local_max, h.ce_sum, h.logits, cd);
         x.be.copy(h.ce_max, h.ce_local_max);

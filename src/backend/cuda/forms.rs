@@ -1,14 +1,14 @@
 //! The kernel forms a CUDA backend can run for the same op, and the environment settings that
 //! pick them (`FUGU_FLASH_WARP_ROWS`, `FUGU_FLASH_QUERY_ROWS`, `FUGU_FLASH_MMA`,
-//! `FUGU_LAYERNORM_BACKWARD`, `FUGU_FLASH_BACKWARD`, `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's
+//! `FUGU_LAYERNORM_BACKWARD`, `FUGU_CROSS_ENTROPY`, `FUGU_FLASH_BACKWARD`, `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's
 //! default, the others are for A/B runs. The run header records which ran ([`super::CudaBackend`]'s `kernel_settings`).
 
 use super::attention::{FLASH_LDS, FLASH_ROWS, FLASH_THREADS};
 use super::{InGemm, K, WARP};
 pub use crate::backend::knobs::{
     parse_in_gemm, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows, KernelForm,
-    BIAS_GRAD_ENV, FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV,
-    LAYERNORM_BACKWARD_ENV,
+    BIAS_GRAD_ENV, CROSS_ENTROPY_ENV, FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_QUERY_ROWS_ENV,
+    FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
 };
 
 // `FUGU_FLASH_WARP_ROWS` (read by `backend/knobs.rs`): rows per warp of the fused attention kernels, `16` (the default) or
@@ -117,6 +117,23 @@ pub const LAYERNORM_BACKWARD_DEFAULT: LayernormBackward = KernelForm::Fused;
 /// `column_finish` (the split form where C is too wide for its shared memory,
 /// [`LN_FUSED_SHMEM`]).
 pub type LayernormBackward = KernelForm;
+
+// `FUGU_CROSS_ENTROPY`: how the cross-entropy runs where the logits hold the whole vocabulary
+// (no tensor parallelism, `Backend::ce_whole_vocab`): `split` (the default: its phases' kernels,
+// `ce_row_stats` reading the logits, `ce_target_logit`, then `ce_finish` reading them again
+// and writing the gradient) or `fused` (`ce_fused`: one kernel whose block finishes a row
+// straight after its statistics, rereading it while it may still be in L2). The same bits.
+
+/// The one-shard cross-entropy's form where [`CROSS_ENTROPY_ENV`] is unset: split, the form
+/// measured on an H200 (2.23 ms of a GPT-2 124M B=16 T=1024 bf16 step, 2026-11-30, at 2.2 TB/s
+/// over its three passes). `fused` has not run on a GPU: whether its rereads hit L2 (about a
+/// thousand rows of 100 KB in flight against 50 MB) is what the A/B measures. An earlier
+/// one-kernel form that kept each row in shared memory (b538c39, reverted) was slower, 3.21
+/// ms: at 2 blocks per SM too few loads were in flight.
+pub const CROSS_ENTROPY_DEFAULT: CrossEntropyForm = KernelForm::Split;
+
+/// The form of the one-shard cross-entropy ([`CROSS_ENTROPY_ENV`]).
+pub type CrossEntropyForm = KernelForm;
 
 // `FUGU_FLASH_BACKWARD`: how the fused attention's backward pass runs ([`FlashBackward`]):
 // `split` (the default: a kernel for dQ, then one for dK and dV, seven tensor-core products

@@ -2851,7 +2851,7 @@ __device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const 
 FOR_TYPES(DEF)
 #undef DEF
 
-// The phases for one shard in one kernel (Backend::ce_fused; vocabulary from 0): a row's
+// The phases for one shard in one kernel (Backend::ce_whole_vocab, FUGU_CROSS_ENTROPY=fused): a row's
 // statistics, target logit, loss and, with `has_grad`, gradient, its block rereading the row
 // for the gradient straight after reading it for the statistics (from L2: the rows in flight
 // at once, a block per SM or two, take a few tens of MB), so the logits come from HBM once.

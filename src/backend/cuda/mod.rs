@@ -41,6 +41,7 @@ pub use forms::{
     LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_MMA_ENV,
     FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
 };
+pub use forms::{CrossEntropyForm, CROSS_ENTROPY_DEFAULT, CROSS_ENTROPY_ENV};
 use gemm::problem;
 pub use gemm::DeviceGemm;
 
@@ -279,6 +280,8 @@ pub struct CudaBackend {
     attn_dq: Scratch,
     /// The form of the layernorm backward kernels.
     layernorm_backward: LayernormBackward,
+    /// The form of the cross-entropy without tensor parallelism.
+    cross_entropy: CrossEntropyForm,
     /// How linear layers' bias gradients are computed, and the vector cuBLASLt writes one to
     /// ([`BiasGrad::Epilogue`]).
     bias_grad: BiasGrad,
@@ -304,7 +307,7 @@ impl CudaBackend {
 
     /// This backend with the kernel settings the environment asks for ([`Knobs`]:
     /// [`FLASH_WARP_ROWS_ENV`], [`FLASH_QUERY_ROWS_ENV`], [`FLASH_MMA_ENV`],
-    /// [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`], [`BIAS_GRAD_ENV`],
+    /// [`FLASH_BACKWARD_ENV`], [`LAYERNORM_BACKWARD_ENV`], [`CROSS_ENTROPY_ENV`], [`BIAS_GRAD_ENV`],
     /// [`GEMM_SELECT_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
     /// setting does not take, or `wgmma` where the device or the rows set cannot run it, is an
     /// error naming it.
@@ -315,6 +318,7 @@ impl CudaBackend {
         self.set_flash_mma(k.flash_mma)?;
         self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
+        self.set_cross_entropy(k.cross_entropy.unwrap_or(CROSS_ENTROPY_DEFAULT));
         self.set_bias_grad(k.bias_grad);
         self.eng.set_gemm_select(k.gemm_select);
         Ok(self)
@@ -395,6 +399,11 @@ impl CudaBackend {
         self.layernorm_backward = form;
     }
 
+    /// The form of the cross-entropy without tensor parallelism ([`CROSS_ENTROPY_ENV`]).
+    pub fn set_cross_entropy(&mut self, form: CrossEntropyForm) {
+        self.cross_entropy = form;
+    }
+
     /// How linear layers' bias gradients are computed ([`BIAS_GRAD_ENV`]).
     pub fn set_bias_grad(&mut self, form: BiasGrad) {
         self.bias_grad = form;
@@ -428,6 +437,7 @@ impl CudaBackend {
             flash_ds_budget: attention::FLASH_DS_BUDGET,
             attn_dq: Scratch::default(),
             layernorm_backward: LAYERNORM_BACKWARD_DEFAULT,
+            cross_entropy: CROSS_ENTROPY_DEFAULT,
             bias_grad: BiasGrad::default(),
             bias_grad_sums: Scratch::default(),
         }
@@ -684,6 +694,7 @@ impl Backend for CudaBackend {
                 LAYERNORM_BACKWARD_ENV,
                 self.layernorm_backward.name().to_string(),
             ),
+            (CROSS_ENTROPY_ENV, self.cross_entropy.name().to_string()),
             (FLASH_BACKWARD_ENV, self.flash_backward.name().to_string()),
             (BIAS_GRAD_ENV, self.bias_grad.name().to_string()),
             (GEMM_SELECT_ENV, self.eng.gemm_select().name().to_string()),
@@ -1647,7 +1658,7 @@ impl Backend for CudaBackend {
         self.launch_rows(K::ce_finish, self.dt(logits), d.n, 0, &args);
     }
 
-    fn ce_fused(
+    fn ce_whole_vocab(
         &mut self,
         losses: Span,
         logits: Span,
@@ -1656,11 +1667,19 @@ impl Backend for CudaBackend {
         dloss: Option<f32>,
         d: CeDims,
     ) {
+        assert_eq!(
+            d.vocab_start, 0,
+            "ce_whole_vocab: logits split across ranks"
+        );
+        if self.cross_entropy == CrossEntropyForm::Split {
+            self.ce_row_stats(rows.maxes, rows.sums, logits, d);
+            self.ce_target_logit(rows.tl, logits, targets, d);
+            return self.ce_finish(losses, logits, rows, targets, dloss, d);
+        }
         let CeRows { maxes, sums, tl } = rows;
         check_ce(logits, d);
-        assert_eq!(d.vocab_start, 0, "ce_fused: logits split across ranks");
         assert!(losses.len == d.n && maxes.len == d.n && sums.len == d.n && tl.len == d.n);
-        assert_eq!(targets.len, d.n, "ce_fused: targets length");
+        assert_eq!(targets.len, d.n, "ce_whole_vocab: targets length");
         let args = [
             Arg::Ptr(self.ptr(losses)),
             Arg::Ptr(self.ptr(logits)),
