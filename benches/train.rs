@@ -1,5 +1,6 @@
 //! `cargo bench --bench train -- [--config gpt2-124m [--config llama-124m]] [--shape 4x64] [--steps 5] [--threads 2]
-//! [--device cpu|cuda|cuda:N] [--tf32] [--precision fp32|bf16|fp16] [--breakdown]`
+//! [--device cpu|cuda|cuda:N] [--tf32] [--precision fp32|bf16|fp16] [--recompute ..] [--loss-chunk ROWS]
+//! [--breakdown]`
 //! (`FUGU_ATTENTION=materialized|fused` picks the attention path; the activations line names it)
 //!
 //! Times full training steps (forward, backward, clip, AdamW) on random tokens, for each
@@ -58,6 +59,9 @@ struct Args {
     /// forward pass rerun in the backward pass); the activation memory is printed per shape.
     #[arg(long, value_enum, default_value = "none")]
     recompute: Recompute,
+    /// The LM head and the loss this many rows at a time (`fugu train --loss-chunk`).
+    #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..))]
+    loss_chunk: Option<u64>,
     /// Timer detail: fine times every op (on a GPU with CUDA events, read after each step;
     /// recording them costs a little host time: use coarse or off for throughput
     /// comparisons).
@@ -125,7 +129,8 @@ fn time_config(
             .and_then(|(b, t)| Some((b.parse::<usize>().ok()?, t.parse::<usize>().ok()?)))
             .ok_or_else(|| anyhow::anyhow!("--shape {s}: expected BxT, e.g. 4x64"))?;
         let cuda = CudaSettings { tf32: args.tf32 };
-        let run = (args.steps, args.timers, args.precision, args.recompute);
+        let memory = (args.recompute, args.loss_chunk.map(|r| r as usize));
+        let run = (args.steps, args.timers, args.precision, memory);
         if args.host_only {
             host_only::report(args, cfg, params, (b, t), run)?;
             continue;
@@ -180,7 +185,9 @@ type Timed = (
 );
 
 /// Timed steps, timer detail, precision, recomputation.
-type Run = (usize, TimerLevel, Precision, Recompute);
+/// Timed steps, timer level, precision, and what trades time for memory: recomputation and
+/// the loss chunk.
+type Run = (usize, TimerLevel, Precision, (Recompute, Option<usize>));
 
 /// One warm-up step and `steps` timed steps of B×T on `be`: the step times (ms), the per-op
 /// breakdown, the device's peak (GFLOP/s, when it has its own), its memory bandwidth (at fine
@@ -190,7 +197,7 @@ fn time_steps<B: Backend>(
     cfg: &ModelConfig,
     params: &[f32],
     (b, t): (usize, usize),
-    (steps, level, precision, recompute): Run,
+    (steps, level, precision, (recompute, loss_chunk)): Run,
 ) -> anyhow::Result<Timed> {
     let device = be.describe();
     let dtype = precision.compute_dtype();
@@ -205,6 +212,7 @@ fn time_steps<B: Backend>(
     let mut model = registry::build(cfg, TpRank::SERIAL, &whole, dtype, be)?;
     model.load_params(params)?;
     model.set_recompute(recompute);
+    model.set_loss_chunk(loss_chunk);
     let (fwd, bwd) = model.activation_bytes(b, t);
     let forms: Vec<String> = model
         .forms()
@@ -212,7 +220,7 @@ fn time_steps<B: Backend>(
         .map(|f| format!("{} {}", f.key, f.form))
         .collect();
     println!(
-        "activations {b}x{t} (--recompute {recompute:?}, {}): {:.1} MiB forward + {:.1} MiB backward scratch",
+        "activations {b}x{t} (--recompute {recompute:?}, --loss-chunk {loss_chunk:?}, {}): {:.1} MiB forward + {:.1} MiB backward scratch",
         forms.join(", "),
         fwd as f64 / (1 << 20) as f64,
         bwd as f64 / (1 << 20) as f64

@@ -682,6 +682,7 @@ fn pjsub_directives_follow_the_documented_syntax() {
         "FUGU_PRECISION",
         "FUGU_MICRO_BATCHES",
         "FUGU_RECOMPUTE",
+        "FUGU_LOSS_CHUNK",
         "FUGU_PP",
     ] {
         assert!(m.contains_key(v), "pjsub/train.sh: setting {v}");
@@ -844,6 +845,7 @@ fn slurm_directives_match_the_a64fx_layout() {
         "FUGU_PRECISION",
         "FUGU_MICRO_BATCHES",
         "FUGU_RECOMPUTE",
+        "FUGU_LOSS_CHUNK",
         "FUGU_PP",
     ] {
         assert!(m.contains_key(v), "slurm/train.sh: setting {v}");
@@ -1159,6 +1161,24 @@ fn common_sh_helpers() {
     assert!(
         !args.contains("--pp") && args.trim_end().ends_with('|'),
         "{args}"
+    );
+    // FUGU_LOSS_CHUNK: passed on as --loss-chunk; 0 rows refused by name.
+    let args = common_sh_ok(
+        "FUGU_CONFIG=c FUGU_DATA=d FUGU_OUT=o FUGU_THREADS=1 FUGU_TP=1 FUGU_ZERO=0 FUGU_PP=1 \
+         FUGU_LOSS_CHUNK=512; fugu_train_args; echo \"${FUGU_TRAIN_ARGS[*]}\"",
+        &[],
+    );
+    assert!(args.contains("--loss-chunk 512"), "{args}");
+    let out = common_sh(
+        "FUGU_CONFIG=c FUGU_DATA=d FUGU_THREADS=1 FUGU_TP=1 FUGU_PP=1 FUGU_ZERO=0 FUGU_RANKS=1 \
+         FUGU_AUTO_RESUBMIT=0 FUGU_RESUBMIT_MAX=0 FUGU_RESUBMIT_COUNT=0 FUGU_LOSS_CHUNK=0 \
+         FUGU_BIN=/bin/true; fugu_setup_train",
+        &[],
+    );
+    assert!(
+        !out.status.success() && text(&out).contains("FUGU_LOSS_CHUNK must be at least 1"),
+        "{}",
+        text(&out)
     );
 
     // The comm benchmark's result is renamed into place only when it is one complete document;

@@ -244,14 +244,21 @@ fn parallel_layouts_match_the_serial_run() {
     // with small buckets so that blocks cross tensor boundaries; tp = 2 with the projections
     // adding onto the residual stream in their GEMMs (the first rank adds the stream, the
     // all-reduce sums it with the other rank's partial product: a different order of f32
-    // sums, inside the same tolerances).
+    // sums, inside the same tolerances); tp = 2 x dp = 2 with the LM head and loss in chunks
+    // of 24 rows (of 64: the vocabulary-parallel loss all-reduced per chunk, the head's
+    // weight gradient summed per chunk, inside the same tolerances).
     let tp2 = vec!["--tp", "2", "--data-ranks", "2"];
     let epilogue = [("FUGU_RESIDUAL", "epilogue")];
     for (name, np, extra, env) in [
         ("dp2", 2, vec!["--batch-size", "2"], &[][..]),
         ("tp2", 2, tp2.clone(), &[]),
         ("tp2-residual", 2, tp2, &epilogue),
-        ("tp2dp2", 4, vec!["--tp", "2", "--batch-size", "2"], &[]),
+        (
+            "tp2dp2-loss-chunk",
+            4,
+            vec!["--tp", "2", "--batch-size", "2", "--loss-chunk", "24"],
+            &[],
+        ),
         (
             "zero1",
             2,
@@ -343,7 +350,8 @@ fn llama_layouts_match_the_serial_run() {
                 ("tp2", 2, vec!["--tp", "2", "--data-ranks", "2"]),
                 ("pp2", 2, pp2),
                 (
-                    "pp2tp2",
+                    // With the LM head and loss in chunks of 24 rows (of 64).
+                    "pp2tp2-loss-chunk",
                     4,
                     vec![
                         "--pp",
@@ -354,6 +362,8 @@ fn llama_layouts_match_the_serial_run() {
                         "2",
                         "--data-ranks",
                         "2",
+                        "--loss-chunk",
+                        "24",
                     ],
                 ),
                 (

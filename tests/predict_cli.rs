@@ -552,6 +552,17 @@ fn memory_is_the_fullest_stage_and_a_layout_that_does_not_fit_fails() {
             .unwrap()
             > 0.0
     );
+    // The loss in chunks of 512 rows: the logits of 512 rows instead of the micro-batch's
+    // 2 × 1024 (f32, the padded vocabulary of 50,304), plus the head's input gradient (2048 ×
+    // 2048), and the same time.
+    let chunk = one(&["--loss-chunk", "512"]);
+    let saved = (mem(&plain) - mem(&chunk)) * (1u64 << 30) as f64;
+    let want = ((2048 - 512) * 50_304 - 2048 * 2048) as f64 * 4.0;
+    assert!(
+        (saved - want).abs() < 1e-3 * want,
+        "saved {saved} bytes, want {want}"
+    );
+    assert_eq!(step(&chunk), step(&plain));
 }
 
 /// `fugu predict profile --base --fit`: the data-parallel class's inter-node bandwidth fitted

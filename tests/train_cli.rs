@@ -1463,6 +1463,83 @@ fn recompute_gives_identical_training_in_less_memory() {
     );
 }
 
+/// `--loss-chunk`: the LM head and the loss in chunks of rows (48, 48 and 32 of a batch of
+/// 4 × 32), for GPT-2 and the Llama family: the logits of one chunk held instead of the whole
+/// batch's (less activation memory), the same training and evaluation losses. Tolerances: the first step's loss is the
+/// same function of the same parameters (each row's logits and loss are its own; only a GEMM
+/// of fewer rows computes them), so within 1e-6; after it the head's weight gradient, summed
+/// chunk by chunk instead of in one GEMM, moves the parameters in their last bits, which over
+/// six steps moves the losses by far less than 1e-4.
+#[test]
+fn loss_chunks_train_the_same_in_less_memory() {
+    let gpt2 = SmallRuns::new("loss-chunk-gpt2");
+    let llama = SmallRuns::new("loss-chunk-llama");
+    let train = &SMALL[SMALL.find("[train]").unwrap()..];
+    std::fs::write(
+        llama.dir.join("small.toml"),
+        format!("{SMALL_LLAMA}\n{train}"),
+    )
+    .unwrap();
+    for (arch, r) in [("gpt2", &gpt2), ("llama", &llama)] {
+        let header = |run: &str| {
+            let recs = read_metrics(r.dir.join(run).join("metrics.jsonl")).unwrap();
+            let Some(Record::Header(h)) = recs.into_iter().next() else {
+                panic!("{run}: no header")
+            };
+            h
+        };
+        let (whole, chunked) = ("whole", "chunked");
+        ok(&r.run(&["--out", whole, "--eval-every", "3"]));
+        ok(&r.run(&["--out", chunked, "--eval-every", "3", "--loss-chunk", "48"]));
+        let evals = |run: &str| -> Vec<f64> {
+            let recs = read_metrics(r.dir.join(run).join("metrics.jsonl")).unwrap();
+            recs.into_iter()
+                .filter_map(|r| match r {
+                    Record::Eval(e) => Some(e.val_loss),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (ea, eb) = (evals(whole), evals(chunked));
+        assert_eq!(ea.len(), 2, "{arch}: {ea:?}");
+        for (x, y) in ea.iter().zip(&eb) {
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs(),
+                "{arch}: evaluation {x} vs {y}"
+            );
+        }
+        let (a, b) = (losses(&r.dir.join(whole)), losses(&r.dir.join(chunked)));
+        assert_eq!(a.len(), 6);
+        assert_eq!(a.len(), b.len());
+        for ((s, x), (_, y)) in a.iter().zip(&b) {
+            let tol = if *s == 0 { 1e-6 } else { 1e-4 };
+            assert!(
+                (x - y).abs() <= tol * x.abs(),
+                "{arch}: step {s}: {x} vs {y}"
+            );
+        }
+        let (hw, hc) = (header(whole), header(chunked));
+        assert_eq!(hc["layout"]["loss_chunk"], 48, "{hc}");
+        assert!(hw["layout"]["loss_chunk"].is_null(), "{hw}");
+        let act = |h: &serde_json::Value| h["memory"]["activation_bytes"].as_f64().unwrap();
+        // The logits of 128 rows of the padded vocabulary (50,304 f32) against 48 rows and
+        // the head's input gradient (128 × 64).
+        let saved = act(&hw) - act(&hc);
+        let want = ((128 - 48) * 50_304 - 128 * 64) as f64 * 4.0;
+        assert_eq!(
+            saved,
+            want,
+            "{arch}: activation bytes {} vs {}",
+            act(&hw),
+            act(&hc)
+        );
+    }
+    let e = gpt2.run(&["--out", "zero", "--loss-chunk", "0"]);
+    assert!(!e.status.success());
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(err.contains("--loss-chunk"), "{err}");
+}
+
 /// A Llama-family model the size of `SMALL` (GPT-2's vocabulary: the corpus is GPT-2 tokens),
 /// grouped-query attention and an untied head.
 const SMALL_LLAMA: &str = r#"

@@ -110,6 +110,10 @@ fugu_setup_train() {
   case "${FUGU_PRECISION:-}" in '' | fp32 | bf16 | fp16) ;; *) fugu_die "FUGU_PRECISION must be fp32, bf16 or fp16 (got $FUGU_PRECISION)" ;; esac
   case "${FUGU_RECOMPUTE:-}" in '' | none | attention | full) ;; *) fugu_die "FUGU_RECOMPUTE must be none, attention or full (got $FUGU_RECOMPUTE)" ;; esac
   [ -z "${FUGU_MICRO_BATCHES:-}" ] || fugu_require_uint FUGU_MICRO_BATCHES
+  if [ -n "${FUGU_LOSS_CHUNK:-}" ]; then
+    fugu_require_uint FUGU_LOSS_CHUNK
+    [ "$FUGU_LOSS_CHUNK" -ge 1 ] || fugu_die "FUGU_LOSS_CHUNK must be at least 1 (rows per chunk)"
+  fi
   case "${FUGU_PP_LAYERS:-}" in '' | [0-9]*) ;; *) fugu_die "FUGU_PP_LAYERS must be block counts per stage, like 5,5,4 (got $FUGU_PP_LAYERS)" ;; esac
   # A config given as a file: make it absolute, the ranks may start elsewhere.
   if [ -f "$FUGU_CONFIG" ] || [ -f "$FUGU_WORKDIR/$FUGU_CONFIG" ]; then
@@ -175,6 +179,7 @@ fugu_train_args() {
   [ -z "${FUGU_PRECISION:-}" ] || FUGU_TRAIN_ARGS+=(--precision "$FUGU_PRECISION")
   [ -z "${FUGU_MICRO_BATCHES:-}" ] || FUGU_TRAIN_ARGS+=(--micro-batches "$FUGU_MICRO_BATCHES")
   [ -z "${FUGU_RECOMPUTE:-}" ] || FUGU_TRAIN_ARGS+=(--recompute "$FUGU_RECOMPUTE")
+  [ -z "${FUGU_LOSS_CHUNK:-}" ] || FUGU_TRAIN_ARGS+=(--loss-chunk "$FUGU_LOSS_CHUNK")
   [ -z "${FUGU_TIMERS:-}" ] || FUGU_TRAIN_ARGS+=(--timers "$FUGU_TIMERS")
   [ -z "${FUGU_DEADLINE:-}" ] || FUGU_TRAIN_ARGS+=(--deadline "$FUGU_DEADLINE")
   local extra=()
@@ -427,7 +432,7 @@ FUGU_PJSUB_SETTINGS=(FUGU_HOME FUGU_BIN FUGU_CONFIG FUGU_DATA FUGU_STEPS FUGU_BA
   FUGU_TIMERS FUGU_EXTRA_ARGS FUGU_RANKS_PER_NODE FUGU_ELAPSE FUGU_DEADLINE_MARGIN FUGU_LLIO_TRANSFER
   FUGU_MPIEXEC_ARGS FUGU_GROUP FUGU_RSCGRP FUGU_PJSUB_ARGS FUGU_AUTO_RESUBMIT FUGU_RESUBMIT_MAX
   FUGU_RESUBMIT_COUNT FUGU_BUNDLED_DATA_DIR FUGU_ECO_STATE FUGU_LLIO_SHAREDTMP FUGU_PJSTAT
-  FUGU_PRECISION FUGU_MICRO_BATCHES FUGU_RECOMPUTE FUGU_PP FUGU_PP_LAYERS)
+  FUGU_PRECISION FUGU_MICRO_BATCHES FUGU_RECOMPUTE FUGU_LOSS_CHUNK FUGU_PP FUGU_PP_LAYERS)
 
 # fugu_write_env FILE VAR...: `export VAR=value` lines (shell-quoted) for the variables that are
 # set (an empty value is kept: FUGU_BENCH_SETS= means "no shape sets").

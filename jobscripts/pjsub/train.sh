@@ -54,6 +54,7 @@ fi
 : "${FUGU_PRECISION:=}"          # fp32 | bf16 | fp16 (mixed precision); empty: the config's
 : "${FUGU_MICRO_BATCHES:=}"      # --micro-batches (gradient accumulation); empty: 1
 : "${FUGU_RECOMPUTE:=}"          # none | attention | full (activation recomputation); empty: none
+: "${FUGU_LOSS_CHUNK:=}"         # --loss-chunk ROWS (the LM head and loss in chunks); empty: whole
 : "${FUGU_THREADS:=12}"          # compute threads per rank (12 = the cores of one CMG)
 : "${FUGU_RANKS_PER_NODE:=4}"    # ranks per node (keep equal to --mpi max-proc-per-node)
 : "${FUGU_WORKDIR:=${PJM_O_WORKDIR:-$PWD}}"  # base of the relative paths below

@@ -34,6 +34,7 @@ set -euo pipefail
 : "${FUGU_PRECISION:=}"          # fp32 | bf16 | fp16 (mixed precision); empty: the config's
 : "${FUGU_MICRO_BATCHES:=}"      # --micro-batches (gradient accumulation); empty: 1
 : "${FUGU_RECOMPUTE:=}"          # none | attention | full (activation recomputation); empty: none
+: "${FUGU_LOSS_CHUNK:=}"         # --loss-chunk ROWS (the LM head and loss in chunks); empty: whole
 : "${FUGU_THREADS:=${SLURM_CPUS_PER_TASK:-12}}"  # compute threads per rank (12 = one A64FX CMG)
 : "${FUGU_WORKDIR:=${SLURM_SUBMIT_DIR:-$PWD}}"  # base of the relative paths below
 : "${FUGU_OUT:=}"                # run directory; empty: runs/CONFIG-nRANKS-tpTP (stable across resubmits)

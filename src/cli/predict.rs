@@ -74,6 +74,10 @@ pub struct PredictArgs {
     /// Default none; with --search: all three, unless given.
     #[arg(long, value_enum)]
     pub recompute: Option<crate::model::acts::Recompute>,
+    /// The LM head and the loss this many rows at a time (as `fugu train --loss-chunk`): the
+    /// logits of one chunk in memory instead of a micro-batch's.
+    #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub loss_chunk: Option<u64>,
     /// Precision of the step (as `fugu train --precision`): the activations' bytes in memory;
     /// on a profile with `[compute.kernels]`, also the GEMM rate and the row ops' bytes.
     #[arg(long, value_enum, default_value = "fp32")]
@@ -297,6 +301,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
         seq_len,
         global_batch,
         recompute: args.recompute.unwrap_or_default(),
+        loss_chunk: args.loss_chunk.map(|r| r as usize),
         precision: args.precision,
         pp_layers: args.pp_layers.clone(),
     };
@@ -359,9 +364,12 @@ pub fn run(args: PredictArgs) -> Result<()> {
             format!("global batch {global_batch}")
         };
         println!(
-            "# fugu predict: {} (T = {seq_len}, {batch}, recompute {}, {}) on profile '{}'{}",
+            "# fugu predict: {} (T = {seq_len}, {batch}, recompute {}{}, {}) on profile '{}'{}",
             args.config,
             w.recompute.name(),
+            w.loss_chunk
+                .map(|r| format!(", loss chunk {r}"))
+                .unwrap_or_default(),
             args.precision.name(),
             profile.machine.name,
             if profile.machine.estimate {
@@ -488,6 +496,7 @@ fn run_search(
             threads: args.threads,
             micro_batch_sizes: args.micro_batch_size.map(|s| vec![s]),
             recompute: recompute.clone(),
+            loss_chunk: args.loss_chunk.map(|r| r as usize),
             precision: args.precision,
             zero: zero.clone(),
         };
@@ -507,6 +516,7 @@ fn run_search(
                     "prediction": c.prediction,
                     "micro_batch_size": c.micro_batch_size,
                     "recompute": c.recompute.name(),
+                    "loss_chunk": c.loss_chunk,
                     "train_flags": c.train_flags(seq_len),
                     "job_settings": c.job_settings(seq_len),
                 })).collect::<Vec<_>>(),
@@ -756,6 +766,7 @@ fn run_gemm_shapes(a: GemmShapesArgs) -> Result<()> {
                     seq_len,
                     global_batch: mbs,
                     recompute: Default::default(),
+                    loss_chunk: None,
                     // The shapes are the same in every precision.
                     precision: Default::default(),
                     pp_layers: None,

@@ -128,6 +128,13 @@ pub struct TrainArgs {
     /// pass of time). Identical gradients either way. May change when resuming.
     #[arg(long, value_enum, default_value = "none")]
     pub recompute: crate::model::acts::Recompute,
+    /// Run the LM head and the loss ROWS rows at a time, each chunk's backward pass with it:
+    /// the logits of one chunk in memory instead of a whole micro-batch's (B·T × vocabulary;
+    /// the largest activation of a small model with a large vocabulary). The same losses;
+    /// the head's weight gradient is summed chunk by chunk (its last bits may differ). May
+    /// change when resuming.
+    #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub loss_chunk: Option<u64>,
     /// Read the global batch as N data streams (default: one per data-parallel rank, or the
     /// resumed checkpoint's). Keeping N fixed keeps the data order when dp changes.
     #[arg(long, value_name = "N")]
@@ -230,6 +237,7 @@ impl TrainArgs {
             bucket_mb: self.bucket_mb,
             micro_batches: self.micro_batches,
             recompute: self.recompute,
+            loss_chunk: self.loss_chunk.map(|r| r as usize),
             data_ranks: self.data_ranks,
             deadline: self.deadline.clone(),
             deadline_margin: self.deadline_margin,

@@ -82,6 +82,10 @@ pub struct StepDims {
     pub f: usize,
     /// Local padded vocabulary rows (padded_vocab / tp).
     pub vp: usize,
+    /// Rows of logits the LM head computes at once: `b·t`, or fewer with a loss chunk
+    /// ([`Self::with_loss_chunk`]; the last stage then runs the head, the loss and the head's
+    /// backward chunk by chunk in the forward pass, `passes::head_and_loss`).
+    pub loss_rows: usize,
 }
 
 impl StepDims {
@@ -97,7 +101,39 @@ impl StepDims {
             hs: cfg.head_size(),
             f: cfg.mlp_width() / tp,
             vp: padded_vocab(cfg.vocab_size) / tp,
+            loss_rows: b * t,
         }
+    }
+
+    /// These shapes with the LM head's logits `chunk` rows at a time (`None`, or a chunk of
+    /// at least `b·t` rows: the whole micro-batch at once).
+    pub fn with_loss_chunk(self, chunk: Option<usize>) -> StepDims {
+        let n = self.n();
+        StepDims {
+            loss_rows: chunk.map_or(n, |rows| rows.clamp(1, n)),
+            ..self
+        }
+    }
+
+    /// Whether the LM head and the loss run in chunks of rows ([`Self::loss_rows`]).
+    pub fn loss_chunked(&self) -> bool {
+        self.loss_rows < self.n()
+    }
+
+    /// The head's tensors after the final norm's output `norm` (rows of `c`): the logits
+    /// ([`Self::loss_rows`] rows of this rank's vocabulary), and with a loss chunk the
+    /// gradient of the head's input (`head_dinp`), kept from the forward pass for the
+    /// backward.
+    pub fn head_tensors(&self, norm: &'static str) -> Vec<(&'static str, Vec<usize>)> {
+        let n = self.n();
+        let mut head = vec![
+            (norm, vec![n, self.c]),
+            ("logits", vec![self.loss_rows, self.vp]),
+        ];
+        if self.loss_chunked() {
+            head.push(("head_dinp", vec![n, self.c]));
+        }
+        head
     }
 
     /// Tokens per step (B·T), the row count of every 2-D activation.
@@ -232,11 +268,15 @@ pub struct HeadActs {
     pub loss: LossActs,
 }
 
-/// What the cross-entropy reads and writes (`passes::loss_forward`), on the last stage.
+/// What the LM head and the cross-entropy read and write (`passes::head_and_loss`), on the
+/// last stage.
 #[derive(Clone, Copy, Debug)]
 pub struct LossActs {
-    /// Logits (B·T, Vp/tp); the cross-entropy overwrites them with their gradient.
+    /// Logits ([`StepDims::loss_rows`], Vp/tp); the cross-entropy overwrites them with their
+    /// gradient.
     pub logits: Span,
+    /// With a loss chunk: the gradient of the LM head's input (B·T, C), from the forward pass.
+    pub head_dinp: Option<Span>,
     pub losses: Span,
     /// Cross-entropy row statistics (ops/crossentropy.rs): this shard's maxima, the
     /// all-reduced maxima, the sums of exponentials and the target logits.
@@ -244,6 +284,22 @@ pub struct LossActs {
     pub ce_max: Span,
     pub ce_sum: Span,
     pub ce_tl: Span,
+}
+
+impl LossActs {
+    /// What the loss of rows `r0..r0 + m` reads and writes: `logits` (a chunk's, `m` rows)
+    /// and those rows of the losses and statistics (no head gradient: the loss has none).
+    pub fn rows(&self, logits: Span, r0: usize, m: usize) -> LossActs {
+        LossActs {
+            logits,
+            head_dinp: None,
+            losses: self.losses.sub(r0, m),
+            ce_local_max: self.ce_local_max.sub(r0, m),
+            ce_max: self.ce_max.sub(r0, m),
+            ce_sum: self.ce_sum.sub(r0, m),
+            ce_tl: self.ce_tl.sub(r0, m),
+        }
+    }
 }
 
 impl HeadActs {
@@ -400,7 +456,7 @@ fn gpt2_layout(d: &StepDims) -> ActLayout {
             ("resid3", vec![n, d.c]),
         ],
         block_stats: vec!["ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd"],
-        head: vec![("lnf", vec![n, d.c]), ("logits", vec![n, d.vp])],
+        head: d.head_tensors("lnf"),
         head_stats: vec!["lnf_mean", "lnf_rstd"],
     }
 }
@@ -453,6 +509,7 @@ impl Carved<'_> {
     pub fn loss(&self) -> LossActs {
         LossActs {
             logits: self.get("logits"),
+            head_dinp: self.acts.0.get("head_dinp").map(|_| self.get("head_dinp")),
             losses: self.get("losses"),
             ce_local_max: self.get("ce_local_max"),
             ce_max: self.get("ce_max"),

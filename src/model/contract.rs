@@ -146,6 +146,11 @@ pub trait Model<B: Backend> {
     }
     /// Activation recomputation (memory and time only; the same bits).
     fn set_recompute(&mut self, r: Recompute);
+    /// The LM head and the loss in chunks of `rows` rows (`None`: the whole micro-batch at
+    /// once): the logits of one chunk held instead of the micro-batch's, the head's backward
+    /// pass run with the loss in the forward pass (memory; the head's weight gradient is
+    /// summed chunk by chunk, so it may differ in the last bits).
+    fn set_loss_chunk(&mut self, rows: Option<usize>);
     /// Multiplies the next backward pass's loss gradient (fp16 loss scaling); the gradient
     /// norm and the optimizer divide it out.
     fn set_loss_scale(&mut self, scale: f32) {

@@ -10,11 +10,11 @@ use super::acts::{LossActs, Recompute, StepDims};
 use super::contract::{OptimStep, TpRank};
 use super::kv::KvCache;
 use super::layers::Layers;
-use super::passes::{ce_dims, loss_forward};
+use super::passes::{ce_dims, head_and_loss};
 use super::stage::Stage;
 use super::table::{OwnedRange, Split, Table};
 use super::work;
-use crate::backend::{AdamWPart, AdamWStep, Backend, BufId, Dtype, Span, TokSpan};
+use crate::backend::{AdamWPart, AdamWStep, Backend, BufId, Dtype, Linear, Span, TokSpan};
 use crate::comm::{Comm, SerialComm};
 use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
@@ -55,6 +55,8 @@ pub struct Core<B: Backend> {
     pub accumulation: usize,
     /// Activations the backward pass recomputes instead of keeping.
     pub recompute: Recompute,
+    /// Rows of logits per LM head chunk (`None`: the whole micro-batch at once).
+    pub loss_chunk: Option<usize>,
     /// Micro-batches whose activations are kept at once (pipeline schedules run several
     /// forward passes before the first backward pass); micro-batch `j` uses set `j % in_flight`.
     pub in_flight: usize,
@@ -100,6 +102,7 @@ impl<B: Backend> Core<B> {
             loss_scale: 1.0,
             accumulation: 1,
             recompute: Recompute::None,
+            loss_chunk: None,
             in_flight: 1,
             micro_batches: 0,
             tp_comm: Rc::new(SerialComm::new()),
@@ -241,12 +244,15 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// The cross-entropy of a micro-batch of shape `d` whose logits are in `loss` against
-    /// `targets` (the last stage's): its mean, and with `for_backward` the logits replaced by
-    /// the loss gradient ([`Self::dloss`]).
-    pub fn micro_loss(
+    /// The LM head and the cross-entropy of a micro-batch of shape `d` against `targets` (the
+    /// last stage's; `head`, its input and its weight's gradient as
+    /// [`super::passes::head_and_loss`] takes them): the mean loss, and with `for_backward`
+    /// the loss gradient ([`Self::dloss`]) in the logits, or with a loss chunk carried through
+    /// the head already.
+    pub fn head_loss(
         &mut self,
         (loss, d): (&LossActs, &StepDims),
+        head: (&Linear, Span, Option<Span>),
         targets: TokSpan,
         timers: &Timers,
         for_backward: bool,
@@ -258,7 +264,25 @@ impl<B: Backend> Core<B> {
             comm: &*self.tp_comm,
             timers,
         };
-        loss_forward(x, loss, targets, cd, dloss)
+        head_and_loss(x, head, loss, targets, (cd, dloss))
+    }
+
+    /// Rows of logits per LM head chunk (`None`: the whole micro-batch at once); when that
+    /// changes, `acts` are freed.
+    pub fn set_loss_chunk<A: StepActs, G: ActSet>(
+        &mut self,
+        rows: Option<usize>,
+        acts: &mut Option<ActSets<A, G>>,
+    ) {
+        if rows != self.loss_chunk {
+            self.loss_chunk = rows;
+            ActSets::free(acts, &mut self.be);
+        }
+    }
+
+    /// The shapes of a step of `b`×`t` on this rank (with the loss chunk).
+    pub fn dims(&self, b: usize, t: usize) -> StepDims {
+        StepDims::new(&self.cfg, b, t, self.tp.size).with_loss_chunk(self.loss_chunk)
     }
 
     /// A key/value cache for decoding: every layer and position, rows of `kv_width` (this

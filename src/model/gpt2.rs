@@ -44,6 +44,7 @@ use super::work;
 use crate::backend::{
     Backend, Dtype, LayerNorm, LayerNormGrads, Linear, LinearGrads, Span, TokSpan, WeightLayout,
 };
+use crate::comm::ReduceOp;
 use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
@@ -163,7 +164,7 @@ impl<B: Backend> Gpt2<B> {
     }
 
     fn dims(&self, b: usize, t: usize) -> StepDims {
-        StepDims::new(&self.core.cfg, b, t, self.core.tp.size)
+        self.core.dims(b, t)
     }
 
     /// Makes sure activation buffers for `b`×`t` exist (allocated once, reused every step).
@@ -219,9 +220,10 @@ impl<B: Backend> Gpt2<B> {
     }
 
     /// This stage's forward pass from tokens (first stage) or its input (other stages) to
-    /// its output (the logits on the last stage; everything but the loss), shared by training
-    /// and decoding; `pass` says where the tokens and attention's keys and values come from.
-    fn forward_logits(&mut self, timers: &Timers, pass: Pass) {
+    /// its output (on the last stage the final layernorm's, and when decoding the logits; a
+    /// batch's LM head runs with its loss, [`Core::head_loss`]), shared by training and
+    /// decoding; `pass` says where the tokens and attention's keys and values come from.
+    fn forward_stage(&mut self, timers: &Timers, pass: Pass) {
         let (inputs, micro) = match pass {
             Pass::Batch { micro } => (self.tokens(micro).0, micro),
             Pass::Decode { .. } => (TokSpan { offset: 0, len: 1 }, 0),
@@ -269,7 +271,9 @@ impl<B: Backend> Gpt2<B> {
         let (lnf, lm_head) = head_layers(&hp, &d);
         let stats = h.lnf_stats();
         x.layernorm(fwd::LAYERNORM, &lnf, h.lnf, stats, resid);
-        x.linear(fwd::LM_HEAD, &lm_head, h.loss.logits, h.lnf);
+        if let Pass::Decode { .. } = pass {
+            x.linear(fwd::LM_HEAD, &lm_head, h.loss.logits, h.lnf);
+        }
     }
 }
 
@@ -306,6 +310,11 @@ impl<B: Backend> Model<B> for Gpt2<B> {
     /// kept ones, so are the gradients. Takes effect at the next batch.
     fn set_recompute(&mut self, r: Recompute) {
         self.core.set_recompute(r, &mut self.acts);
+    }
+
+    /// Takes effect at the next batch.
+    fn set_loss_chunk(&mut self, rows: Option<usize>) {
+        self.core.set_loss_chunk(rows, &mut self.acts);
     }
 
     fn step_shapes(&self, b: usize, t: usize) -> crate::backend::StepShapes {
@@ -364,12 +373,20 @@ impl<B: Backend> Model<B> for Gpt2<B> {
     /// multiplied by the loss scale), ready for [`Model::backward_micro`]; `None` on other
     /// stages.
     fn forward_micro(&mut self, micro: usize, timers: &Timers, for_backward: bool) -> Option<f32> {
-        let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
-        self.forward_logits(timers, Pass::Batch { micro });
+        {
+            let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
+            self.forward_stage(timers, Pass::Batch { micro });
+        }
         let (_, targets) = self.tokens(micro);
         let a = ActSets::slot(&self.acts, micro).0;
-        let loss = (&a.head?.loss, &a.dims);
-        Some(self.core.micro_loss(loss, targets, timers, for_backward))
+        let (h, hp) = (a.head?, self.p.head?);
+        let (_, lm_head) = head_layers(&hp, &a.dims);
+        let head = (&lm_head, h.lnf, self.g.head.map(|g| g.wte));
+        let loss = (&h.loss, &a.dims);
+        Some(
+            self.core
+                .head_loss(loss, head, targets, timers, for_backward),
+        )
     }
 
     /// After `forward_micro(micro, .., true)` (and, on a stage before the last, after
@@ -463,7 +480,7 @@ impl<B: Backend> Model<B> for Gpt2<B> {
     ) -> Result<Vec<f32>> {
         self.core.load_decode_token(cache, token, pos)?;
         self.ensure_acts(1, 1)?;
-        self.forward_logits(timers, Pass::Decode { cache, pos });
+        self.forward_stage(timers, Pass::Decode { cache, pos });
         let h = self.acts_of(0).head.expect("the whole model has the head");
         Ok(self.core.decoded_logits(&h.loss))
     }
@@ -583,20 +600,30 @@ fn head_backward<B: Backend>(
     last: Span,
 ) {
     let (lnf, lm_head) = head_layers(hp, d);
-    let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
-    let grads = LinearGrads {
-        dinp: Some(ga.dln),
-        dw: hg.wte,
-        dbias: None,
+    let dln = match h.loss.head_dinp {
+        // With a loss chunk the head's backward pass ran with the loss.
+        Some(dinp) => {
+            x.allreduce(bwd::LM_HEAD_ALLREDUCE, dinp, ReduceOp::Sum);
+            dinp
+        }
+        None => {
+            let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
+            let grads = LinearGrads {
+                dinp: Some(ga.dln),
+                dw: hg.wte,
+                dbias: None,
+            };
+            x.linear_backward(names, &lm_head, &grads, h.loss.logits, h.lnf);
+            ga.dln
+        }
     };
-    x.linear_backward(names, &lm_head, &grads, h.loss.logits, h.lnf);
     let grads = LayerNormGrads {
         dinp: ga.dres,
         dw: hg.lnf_w,
         dbias: hg.lnf_b,
     };
     let stats = h.lnf_stats();
-    x.layernorm_backward(bwd::LAYERNORM, &lnf, &grads, (ga.dln, last, stats), true);
+    x.layernorm_backward(bwd::LAYERNORM, &lnf, &grads, (dln, last, stats), true);
 }
 
 /// One block's backward pass: `ga.dres` holds the gradient of its output on entry and of its

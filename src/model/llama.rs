@@ -36,6 +36,7 @@ use crate::backend::{
     Backend, BufId, Dtype, Linear, LinearGrads, RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
     WeightLayout,
 };
+use crate::comm::ReduceOp;
 use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
@@ -113,7 +114,7 @@ impl<B: Backend> Llama<B> {
     }
 
     fn dims(&self, b: usize, t: usize) -> StepDims {
-        StepDims::new(&self.core.cfg, b, t, self.core.tp.size)
+        self.core.dims(b, t)
     }
 
     /// Makes sure activation buffers for `b`×`t` exist (allocated once, reused every step).
@@ -176,9 +177,10 @@ impl<B: Backend> Llama<B> {
         }
     }
 
-    /// This stage's forward pass from tokens (first stage) or its input to its output (the
-    /// logits on the last stage), shared by training and decoding.
-    fn forward_logits(&mut self, timers: &Timers, pass: Pass) {
+    /// This stage's forward pass from tokens (first stage) or its input to its output (on
+    /// the last stage the final norm's, and when decoding the logits; a batch's LM head runs
+    /// with its loss, [`Core::head_loss`]), shared by training and decoding.
+    fn forward_stage(&mut self, timers: &Timers, pass: Pass) {
         let (inputs, micro) = match pass {
             Pass::Batch { micro } => (self.tokens(micro).0, micro),
             Pass::Decode { .. } => (TokSpan { offset: 0, len: 1 }, 0),
@@ -219,7 +221,9 @@ impl<B: Backend> Llama<B> {
         };
         let (norm, head) = head_layers((norm, w), &d, eps);
         x.rmsnorm(fwd::RMSNORM, &norm, h.nf, h.nf_rstd, resid);
-        x.linear(fwd::LM_HEAD, &head, h.loss.logits, h.nf);
+        if let Pass::Decode { .. } = pass {
+            x.linear(fwd::LM_HEAD, &head, h.loss.logits, h.nf);
+        }
     }
 }
 
@@ -245,6 +249,10 @@ impl<B: Backend> Model<B> for Llama<B> {
 
     fn set_recompute(&mut self, r: Recompute) {
         self.core.set_recompute(r, &mut self.acts);
+    }
+
+    fn set_loss_chunk(&mut self, rows: Option<usize>) {
+        self.core.set_loss_chunk(rows, &mut self.acts);
     }
 
     fn step_shapes(&self, b: usize, t: usize) -> crate::backend::StepShapes {
@@ -291,12 +299,20 @@ impl<B: Backend> Model<B> for Llama<B> {
     }
 
     fn forward_micro(&mut self, micro: usize, timers: &Timers, for_backward: bool) -> Option<f32> {
-        let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
-        self.forward_logits(timers, Pass::Batch { micro });
+        {
+            let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
+            self.forward_stage(timers, Pass::Batch { micro });
+        }
         let (_, targets) = self.tokens(micro);
         let a = ActSets::slot(&self.acts, micro).0;
-        let loss = (&a.head?.loss, &a.dims);
-        Some(self.core.micro_loss(loss, targets, timers, for_backward))
+        let (h, hp) = (a.head?, self.p.head?);
+        let (_, lm_head) = head_layers(hp, &a.dims, self.core.cfg.norm_epsilon());
+        let head = (&lm_head, h.nf, self.g.head.map(|(_, w)| w));
+        let loss = (&h.loss, &a.dims);
+        Some(
+            self.core
+                .head_loss(loss, head, targets, timers, for_backward),
+        )
     }
 
     fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
@@ -383,7 +399,7 @@ impl<B: Backend> Model<B> for Llama<B> {
     ) -> Result<Vec<f32>> {
         self.core.load_decode_token(cache, token, pos)?;
         self.ensure_acts(1, 1)?;
-        self.forward_logits(timers, Pass::Decode { cache, pos });
+        self.forward_stage(timers, Pass::Decode { cache, pos });
         let h = self.acts_of(0).head.expect("the whole model has the head");
         Ok(self.core.decoded_logits(&h.loss))
     }
@@ -479,18 +495,28 @@ fn head_backward<B: Backend>(
     last: Span,
 ) {
     let (norm, head) = head_layers(hp, d, eps);
-    let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
-    let grads = LinearGrads {
-        dinp: Some(ga.dn),
-        dw: hg.1,
-        dbias: None,
+    let dn = match h.loss.head_dinp {
+        // With a loss chunk the head's backward pass ran with the loss.
+        Some(dinp) => {
+            x.allreduce(bwd::LM_HEAD_ALLREDUCE, dinp, ReduceOp::Sum);
+            dinp
+        }
+        None => {
+            let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
+            let grads = LinearGrads {
+                dinp: Some(ga.dn),
+                dw: hg.1,
+                dbias: None,
+            };
+            x.linear_backward(names, &head, &grads, h.loss.logits, h.nf);
+            ga.dn
+        }
     };
-    x.linear_backward(names, &head, &grads, h.loss.logits, h.nf);
     let grads = RmsNormGrads {
         dinp: ga.dres,
         dw: hg.0,
     };
-    x.rmsnorm_backward(bwd::RMSNORM, &norm, &grads, (ga.dn, last, h.nf_rstd), true);
+    x.rmsnorm_backward(bwd::RMSNORM, &norm, &grads, (dn, last, h.nf_rstd), true);
 }
 
 /// One block's backward pass: `ga.dres` holds the gradient of its output on entry and of its
@@ -563,7 +589,7 @@ fn layout(d: &StepDims) -> ActLayout {
             ("resid3", vec![n, d.c]),
         ],
         block_stats: vec!["n1_rstd", "n2_rstd"],
-        head: vec![("nf", vec![n, d.c]), ("logits", vec![n, d.vp])],
+        head: d.head_tensors("nf"),
         head_stats: vec!["nf_rstd"],
     }
 }

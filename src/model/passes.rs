@@ -11,9 +11,12 @@ use super::kv::KvCache;
 use super::layers::Layers;
 use super::paths::Residual;
 use super::work;
-use crate::backend::{Backend, CeDims, CeRows, Embedding, KvRows, Linear, Span, TokSpan};
+use crate::backend::{
+    Backend, CeDims, CeRows, Embedding, KvRows, Linear, LinearGrads, Span, TokSpan,
+};
 use crate::comm::ReduceOp;
-use crate::metrics::timers::TimerLevel::Fine;
+use crate::metrics::ops::trainer::phase;
+use crate::metrics::timers::TimerLevel::{Coarse, Fine};
 
 /// Where a forward pass's tokens come from and what attention looks at.
 #[derive(Clone, Copy)]
@@ -227,18 +230,79 @@ pub fn project_into_residual<B: Backend>(
     }
 }
 
-/// The per-row cross-entropy of the logits against `targets` into `h.losses` and, with
-/// `dloss`, the logits replaced by their gradient (times `dloss`); returns the mean loss.
-/// Without TP as one op ([`Backend::ce_whole_vocab`]); with TP the logits are
-/// vocabulary-parallel, and the row maxima, sums of exponentials and target logits are
-/// all-reduced across the shards between the phases.
-pub fn loss_forward<B: Backend>(
+/// The LM head's logits of a micro-batch and their cross-entropy against `targets` (per-row
+/// losses into `h.losses`); returns the mean loss. `head` is the whole micro-batch's head
+/// (`head.n` rows) on `inp`, the final norm's output. With `dloss` the logits are replaced by
+/// their gradient (times `dloss`) for the head's backward pass.
+///
+/// With a loss chunk (`h.logits` holding fewer rows than the micro-batch,
+/// [`super::acts::StepDims::loss_rows`]) the head runs chunk by chunk, so the logits of the
+/// whole micro-batch are never held: each chunk's logits and loss, and with `dloss` the
+/// head's backward pass at once (its input gradient into `h.head_dinp`, its weight gradient
+/// added to `dw`; timed in the backward phase), the gradient of the chunk's logits being
+/// consumed before the next chunk overwrites them.
+pub fn head_and_loss<B: Backend>(
+    x: &mut Layers<B>,
+    (head, inp, dw): (&Linear, Span, Option<Span>),
+    h: &LossActs,
+    targets: TokSpan,
+    (cd, dloss): (CeDims, Option<f32>),
+) -> f32 {
+    let timers = x.timers;
+    let rows = h.logits.len / cd.vp;
+    if rows >= cd.n {
+        let _fwd = timers.scope(phase::FORWARD, Coarse);
+        x.linear(fwd::LM_HEAD, head, h.logits, inp);
+        loss_rows(x, h, targets, cd, dloss);
+    } else {
+        // With a gradient to carry back: where the head's input and weight gradients go.
+        let grads = dloss.map(|_| match (h.head_dinp, dw) {
+            (Some(dinp), Some(dw)) => (dinp, dw),
+            _ => panic!("a loss chunk's backward pass needs the head's input and weight gradients"),
+        });
+        let c = head.ic;
+        for r0 in (0..cd.n).step_by(rows) {
+            let m = rows.min(cd.n - r0);
+            let l = Linear { n: m, ..*head };
+            let (logits, rows_in) = (h.logits.sub(0, m * cd.vp), inp.sub(r0 * c, m * c));
+            {
+                let _fwd = timers.scope(phase::FORWARD, Coarse);
+                x.linear(fwd::LM_HEAD, &l, logits, rows_in);
+                let part = h.rows(logits, r0, m);
+                let targets = TokSpan {
+                    offset: targets.offset + r0,
+                    len: m,
+                };
+                loss_rows(x, &part, targets, CeDims { n: m, ..cd }, dloss);
+            }
+            if let Some((dinp, dw)) = grads {
+                let _bwd = timers.scope(phase::BACKWARD, Coarse);
+                let g = LinearGrads {
+                    dinp: Some(dinp.sub(r0 * c, m * c)),
+                    dw,
+                    dbias: None,
+                };
+                x.linear_backward((bwd::LM_HEAD, None), &l, &g, logits, rows_in);
+            }
+        }
+    }
+    let mut losses = vec![0.0f32; cd.n];
+    x.be.download(h.losses, &mut losses);
+    (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32
+}
+
+/// The per-row cross-entropy of `h.logits` against `targets` into `h.losses` and, with
+/// `dloss`, the logits replaced by their gradient (times `dloss`). Without TP as one op
+/// ([`Backend::ce_whole_vocab`]); with TP the logits are vocabulary-parallel, and the row
+/// maxima, sums of exponentials and target logits are all-reduced across the shards between
+/// the phases.
+fn loss_rows<B: Backend>(
     x: &mut Layers<B>,
     h: &LossActs,
     targets: TokSpan,
     cd: CeDims,
     dloss: Option<f32>,
-) -> f32 {
+) {
     let ar = fwd::LOSS_ALLREDUCE;
     let timers = x.timers;
     let _t = {
@@ -266,9 +330,6 @@ pub fn loss_forward<B: Backend>(
         x.allreduce(ar, h.ce_tl, ReduceOp::Sum);
         x.be.ce_finish(h.losses, h.logits, rows, targets, dloss, cd);
     }
-    let mut losses = vec![0.0f32; cd.n];
-    x.be.download(h.losses, &mut losses);
-    (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32
 }
 
 /// The cross-entropy's dimensions on this rank: its share of the (padded) vocabulary.

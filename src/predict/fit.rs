@@ -269,6 +269,7 @@ impl MeasuredRun {
             model,
             global_batch: self.batch,
             recompute: self.recompute()?,
+            loss_chunk: None,
             // The published runs, and the ones `fugu train` records, are fitted in f32.
             precision: Default::default(),
             pp_layers: self.pp_layers.clone(),

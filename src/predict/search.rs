@@ -27,6 +27,8 @@ pub struct Space {
     /// Micro-batch sizes to try; `None`: every divisor of a replica's sequences.
     pub micro_batch_sizes: Option<Vec<usize>>,
     pub recompute: Vec<Recompute>,
+    /// Rows of logits per LM head chunk (`--loss-chunk`), in every layout.
+    pub loss_chunk: Option<usize>,
     /// The step's precision (`--precision`).
     pub precision: Precision,
     /// ZeRO-1 off and on (on only where dp > 1).
@@ -38,6 +40,7 @@ pub struct Space {
 pub struct Candidate {
     pub prediction: Prediction,
     pub recompute: Recompute,
+    pub loss_chunk: Option<usize>,
     pub precision: Precision,
     pub micro_batch_size: usize,
 }
@@ -91,6 +94,7 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
             seq_len: space.seq_len,
             global_batch: space.global_batch,
             recompute,
+            loss_chunk: space.loss_chunk,
             precision: space.precision,
             pp_layers: None,
         })
@@ -156,6 +160,7 @@ pub fn search(space: &Space, machine: &Machine, cores_per_node: usize) -> Result
                             found.ranked.push(Candidate {
                                 prediction: p,
                                 recompute: w.recompute,
+                                loss_chunk: w.loss_chunk,
                                 precision: w.precision,
                                 micro_batch_size: mbs,
                             });
@@ -199,6 +204,9 @@ impl Candidate {
         if self.recompute != Recompute::None {
             f += &format!(" --recompute {}", self.recompute.name());
         }
+        if let Some(rows) = self.loss_chunk {
+            f += &format!(" --loss-chunk {rows}");
+        }
         if self.precision != Precision::Fp32 {
             f += &format!(" --precision {}", self.precision.name());
         }
@@ -227,6 +235,9 @@ impl Candidate {
         }
         if self.precision != Precision::Fp32 {
             s += &format!(" FUGU_PRECISION={}", self.precision.name());
+        }
+        if let Some(rows) = self.loss_chunk {
+            s += &format!(" FUGU_LOSS_CHUNK={rows}");
         }
         s
     }

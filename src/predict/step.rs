@@ -47,6 +47,8 @@ pub struct Workload {
     pub seq_len: usize,
     pub global_batch: usize,
     pub recompute: Recompute,
+    /// Rows of logits per LM head chunk (`--loss-chunk`); `None`: a whole micro-batch's.
+    pub loss_chunk: Option<usize>,
     pub precision: Precision,
     /// Blocks per pipeline stage (`--pp-layers`); `None`: stages balanced by predicted time.
     pub pp_layers: Option<Vec<usize>>,
@@ -854,7 +856,7 @@ fn sum_prefix(t: &BTreeMap<String, f64>, prefix: &str) -> f64 {
 /// Memory per rank (GiB), the run header's accounting: parameters and gradients (f32) and, in
 /// a 16-bit precision, the parameters' compute copy; AdamW moments (the owned share under
 /// ZeRO-1); the in-flight micro-batches' activations (in the precision's type) and statistics
-/// (f32) as `--recompute` keeps them; and the backward scratch (the precision's type; the
+/// (f32) as `--recompute` and `--loss-chunk` keep them; and the backward scratch (the precision's type; the
 /// CPU's three-step attention keeps probabilities). Stage `s` of `p` holds `min(p − s, m)`
 /// micro-batches in flight under 1F1B: the first stage the most.
 fn memory_gib(
@@ -865,7 +867,7 @@ fn memory_gib(
     params: usize,
     owned: usize,
 ) -> f64 {
-    let d = StepDims::new(&w.model, mb, w.seq_len, l.tp);
+    let d = StepDims::new(&w.model, mb, w.seq_len, l.tp).with_loss_chunk(w.loss_chunk);
     let in_flight = (stage.count - stage.index).min(l.micro_batches);
     let keep = (w.recompute, AttnKeep::Probabilities);
     let [acts, stats, grad] = registry::activation_tables(&w.model, &d, stage, keep);

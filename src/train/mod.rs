@@ -82,6 +82,8 @@ pub struct TrainOptions {
     pub micro_batches: usize,
     /// `--recompute`: activations the backward pass recomputes instead of keeping.
     pub recompute: crate::model::acts::Recompute,
+    /// `--loss-chunk`: rows of logits per LM head chunk (`None`: a whole micro-batch).
+    pub loss_chunk: Option<usize>,
     /// `--data-ranks` (default: the data-parallel size, or the checkpoint's).
     pub data_ranks: Option<usize>,
     /// `--deadline`: stop with a checkpoint before this time (see [`stop::find_deadline`]).

@@ -286,6 +286,7 @@ pub(super) fn model<B: Backend>(
     )?;
     model.set_accumulation(micro);
     model.set_recompute(opts.recompute);
+    model.set_loss_chunk(opts.loss_chunk);
     Ok(ModelParts {
         model,
         stages,

@@ -822,6 +822,7 @@ impl<'d, B: Backend> Trainer<'d, B> {
                 "zero": opts.zero, "data_ranks": self.saved_layout.data_ranks,
                 "micro_batches": opts.micro_batches,
                 "recompute": opts.recompute.name(),
+                "loss_chunk": opts.loss_chunk,
                 "global_batch": global_batch, "bucket_mb": opts.bucket_mb,
                 "buckets": self.sync.buckets(),
                 "bucket_memory": self.sync.staging(),
