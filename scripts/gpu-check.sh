@@ -11,7 +11,8 @@
 #      epilogues, the fused attention kernels, training against the CPU),
 #   2. the train benchmark (GPT-2 124M, B=16 T=1024, bf16, `--timers coarse`) in two
 #      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
-#      and HEAD under each setting of FUGU_GPU_VARIANTS (default below),
+#      HEAD under each setting of FUGU_GPU_VARIANTS (default below), and HEAD with
+#      --loss-chunk FUGU_GPU_LOSS_CHUNK (default 4096; empty: not run),
 #   3. PyTorch eager + autocast bf16 on the same shape (dev/bench_pytorch.py),
 #   4. per-op breakdowns (fine timers: each op's ms, TFLOP/s and TB/s) of HEAD and with
 #      32-row attention kernels,
@@ -41,6 +42,8 @@ STEPS="${FUGU_GPU_STEPS:-10}"
 # HEAD's speed settings to compare (environment assignments, space-separated per variant):
 # each setting's other form, which checks its default (docs/TRAINING.md has the 2026-11-28 A/B
 # on an H200; the one-kernel attention backward, 19% slower there, is left out).
+# The LM head and loss in chunks of this many rows, timed in stage 2 (empty: not timed).
+LOSS_CHUNK="${FUGU_GPU_LOSS_CHUNK-4096}"
 VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=split;FUGU_RESIDUAL=separate;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32;FUGU_CROSS_ENTROPY=fused}"
 
 # The stages to run (numbers, space-separated; default all): stage 0 always runs.
@@ -129,14 +132,15 @@ say "wgmma training test: exit $?"
 fi
 
 # bench LABEL BINARY [ENV...]: one run of the train benchmark (CONFIG, default gpt2-124m, at
-# SHAPE); its result row goes to $ROWS.
+# SHAPE, with BENCH_ARGS if set); its result row goes to $ROWS.
 bench() {
     local label=$1 bin=$2
     shift 2
     say "--- $label"
     local config=${CONFIG:-gpt2-124m}
+    # shellcheck disable=SC2086 # BENCH_ARGS is a list of arguments
     limited 90 env "$@" "$bin" --config "$config" --device cuda --precision "${PRECISION:-bf16}" \
-        --shape "$SHAPE" --steps "$STEPS" --timers coarse > "$OUT/run.txt"
+        --shape "$SHAPE" --steps "$STEPS" --timers coarse ${BENCH_ARGS:-} > "$OUT/run.txt"
     local row
     row=$(grep -E "^$config +$SHAPE " "$OUT/run.txt" | head -1)
     cat "$OUT/run.txt"
@@ -155,6 +159,10 @@ for round in 1 2; do
         # shellcheck disable=SC2086 # a variant is a list of assignments
         bench "head $v r$round" gpu/head/bench-train $v
     done
+    if [ -n "$LOSS_CHUNK" ]; then
+        BENCH_ARGS="--loss-chunk $LOSS_CHUNK" bench "head --loss-chunk $LOSS_CHUNK r$round" \
+            gpu/head/bench-train
+    fi
 done
 fi
 
