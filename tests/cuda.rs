@@ -1247,12 +1247,7 @@ mod gpu {
             };
             for dloss in [Some(0.2f32), None] {
                 let logits = be.rand(rows * vp, 3);
-                let (mx, sm, tl, lo) = (
-                    be.nan32(rows),
-                    be.nan32(rows),
-                    be.nan32(rows),
-                    be.nan32(rows),
-                );
+                let [mx, sm, tl, lo] = [(); 4].map(|_| be.nan32(rows));
                 be.run(|x| {
                     x.ce_row_stats(mx, sm, logits, d);
                     x.ce_target_logit(tl, logits, tg, d);
@@ -1275,12 +1270,7 @@ mod gpu {
                 for form in [CrossEntropyForm::Split, CrossEntropyForm::Fused] {
                     be.gpu.set_cross_entropy(form);
                     let one = be.rand(rows * vp, 3);
-                    let (mx1, sm1, tl1, lo1) = (
-                        be.nan32(rows),
-                        be.nan32(rows),
-                        be.nan32(rows),
-                        be.nan32(rows),
-                    );
+                    let [mx1, sm1, tl1, lo1] = [(); 4].map(|_| be.nan32(rows));
                     be.run(|x| {
                         let rows = CeRows {
                             maxes: mx1,

@@ -35,7 +35,7 @@ use super::layers::Layers;
 use super::params::{HeadParams, LayerParams, ParamSpans};
 use super::passes::{
     attention_backward, attention_form, attention_forward, embedding, embedding_backward,
-    embedding_forward, project_into_residual, residual_form, BlockCtx, Pass,
+    embedding_forward, lm_head_backward, project_into_residual, residual_form, BlockCtx, Pass,
 };
 use super::paths::{attention_path, mlp_gelu_path, residual_path, Knobs, MlpGelu, Residual};
 use super::stage::Stage;
@@ -44,7 +44,6 @@ use super::work;
 use crate::backend::{
     Backend, Dtype, LayerNorm, LayerNormGrads, Linear, LinearGrads, Span, TokSpan, WeightLayout,
 };
-use crate::comm::ReduceOp;
 use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
@@ -600,23 +599,7 @@ fn head_backward<B: Backend>(
     last: Span,
 ) {
     let (lnf, lm_head) = head_layers(hp, d);
-    let dln = match h.loss.head_dinp {
-        // With a loss chunk the head's backward pass ran with the loss.
-        Some(dinp) => {
-            x.allreduce(bwd::LM_HEAD_ALLREDUCE, dinp, ReduceOp::Sum);
-            dinp
-        }
-        None => {
-            let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
-            let grads = LinearGrads {
-                dinp: Some(ga.dln),
-                dw: hg.wte,
-                dbias: None,
-            };
-            x.linear_backward(names, &lm_head, &grads, h.loss.logits, h.lnf);
-            ga.dln
-        }
-    };
+    let dln = lm_head_backward(x, (&lm_head, h.lnf), &h.loss, (ga.dln, hg.wte));
     let grads = LayerNormGrads {
         dinp: ga.dres,
         dw: hg.lnf_w,

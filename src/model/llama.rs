@@ -27,7 +27,7 @@ use super::layers::Layers;
 use super::llama_params::{llama_stage_params, LlamaLayerParams, LlamaSpans};
 use super::passes::{
     attention_backward, attention_form, attention_forward, embedding, embedding_backward,
-    embedding_forward, project_into_residual, residual_form, BlockCtx, Pass,
+    embedding_forward, lm_head_backward, project_into_residual, residual_form, BlockCtx, Pass,
 };
 use super::paths::{attention_path, residual_path, Knobs, Residual};
 use super::stage::Stage;
@@ -36,7 +36,6 @@ use crate::backend::{
     Backend, BufId, Dtype, Linear, LinearGrads, RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
     WeightLayout,
 };
-use crate::comm::ReduceOp;
 use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
@@ -495,23 +494,7 @@ fn head_backward<B: Backend>(
     last: Span,
 ) {
     let (norm, head) = head_layers(hp, d, eps);
-    let dn = match h.loss.head_dinp {
-        // With a loss chunk the head's backward pass ran with the loss.
-        Some(dinp) => {
-            x.allreduce(bwd::LM_HEAD_ALLREDUCE, dinp, ReduceOp::Sum);
-            dinp
-        }
-        None => {
-            let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
-            let grads = LinearGrads {
-                dinp: Some(ga.dn),
-                dw: hg.1,
-                dbias: None,
-            };
-            x.linear_backward(names, &head, &grads, h.loss.logits, h.nf);
-            ga.dn
-        }
-    };
+    let dn = lm_head_backward(x, (&head, h.nf), &h.loss, (ga.dn, hg.1));
     let grads = RmsNormGrads {
         dinp: ga.dres,
         dw: hg.0,

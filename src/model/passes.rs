@@ -291,6 +291,30 @@ pub fn head_and_loss<B: Backend>(
     (losses.iter().map(|&x| x as f64).sum::<f64>() / cd.n as f64) as f32
 }
 
+/// The LM head's backward pass on `inp` after [`head_and_loss`] left the loss gradient in
+/// `h.logits`: its input gradient into `dinp` (scratch), its weight gradient added to `dw`;
+/// or, with a loss chunk, where that already ran, nothing but the all-reduce. Returns the
+/// span holding the head's input gradient, all-reduced across TP ranks.
+pub fn lm_head_backward<B: Backend>(
+    x: &mut Layers<B>,
+    (head, inp): (&Linear, Span),
+    h: &LossActs,
+    (dinp, dw): (Span, Span),
+) -> Span {
+    if let Some(kept) = h.head_dinp {
+        x.allreduce(bwd::LM_HEAD_ALLREDUCE, kept, ReduceOp::Sum);
+        return kept;
+    }
+    let names = (bwd::LM_HEAD, Some(bwd::LM_HEAD_ALLREDUCE));
+    let grads = LinearGrads {
+        dinp: Some(dinp),
+        dw,
+        dbias: None,
+    };
+    x.linear_backward(names, head, &grads, h.logits, inp);
+    dinp
+}
+
 /// The per-row cross-entropy of `h.logits` against `targets` into `h.losses` and, with
 /// `dloss`, the logits replaced by their gradient (times `dloss`). Without TP as one op
 /// ([`Backend::ce_whole_vocab`]); with TP the logits are vocabulary-parallel, and the row

@@ -233,21 +233,10 @@ pub fn ce_fused<T: Float>(
         targets,
         (n, vp, v_valid),
     );
-    let CeStats { maxes, sums, tl } = stats;
-    logits_to_dlogits
-        .par_chunks_mut(vp)
-        .zip(losses.par_iter_mut())
-        .zip(
-            maxes
-                .par_iter_mut()
-                .zip(sums.par_iter_mut())
-                .zip(tl.par_iter_mut()),
-        )
-        .zip(targets.par_iter())
-        .for_each(|(((row, loss), ((m, s), t)), &tgt)| {
-            let target = fused_row_stats(row, tgt, v_valid, (m, s, t));
-            *loss = finish_row(row, (*m, *s, *t), target, dloss, v_valid);
-        });
+    let rows = logits_to_dlogits.par_chunks_mut(vp);
+    each_row(rows, losses, stats, targets, v_valid, |row, st, target| {
+        finish_row(row, st, target, dloss, v_valid)
+    });
 }
 
 /// [`ce_fused`] without the gradient (evaluation): the statistics, and the losses as
@@ -260,20 +249,33 @@ pub fn ce_fused_losses<T: Float>(
     (n, vp, v_valid): (usize, usize, usize),
 ) {
     check_fused(logits.len(), losses, &stats, targets, (n, vp, v_valid));
+    let rows = logits.par_chunks(vp);
+    each_row(rows, losses, stats, targets, v_valid, |_, (m, s, t), _| {
+        s.ln() + m - t
+    });
+}
+
+/// The one-shard rows in parallel: each row's statistics ([`fused_row_stats`]) into `stats`,
+/// then `loss(row, (max, sum, target logit), target column)` into `losses`.
+fn each_row<T: Float, R: AsRef<[T]> + Send>(
+    rows: impl IndexedParallelIterator<Item = R>,
+    losses: &mut [T],
+    stats: CeStats<'_, T>,
+    targets: &[u32],
+    v_valid: usize,
+    loss: impl Fn(R, (T, T, T), Option<usize>) -> T + Sync + Send,
+) {
     let CeStats { maxes, sums, tl } = stats;
-    logits
-        .par_chunks(vp)
-        .zip(losses.par_iter_mut())
-        .zip(
-            maxes
-                .par_iter_mut()
-                .zip(sums.par_iter_mut())
-                .zip(tl.par_iter_mut()),
-        )
+    let stats = maxes
+        .par_iter_mut()
+        .zip(sums.par_iter_mut())
+        .zip(tl.par_iter_mut());
+    rows.zip(losses.par_iter_mut())
+        .zip(stats)
         .zip(targets.par_iter())
-        .for_each(|(((row, loss), ((m, s), t)), &tgt)| {
-            fused_row_stats(row, tgt, v_valid, (m, s, t));
-            *loss = s.ln() + *m - *t;
+        .for_each(|(((row, l), ((m, s), t)), &tgt)| {
+            let target = fused_row_stats(row.as_ref(), tgt, v_valid, (m, s, t));
+            *l = loss(row, (*m, *s, *t), target);
         });
 }
 

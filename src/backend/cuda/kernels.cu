@@ -2858,16 +2858,16 @@ FOR_TYPES(DEF)
 // The same code as ce_row_stats, ce_target_logit and ce_finish: the same bits.
 template <typename T>
 __device__ void ce_fused_k(float* losses, T* logits, float* maxes, float* sums, float* tl,
-                           const u32* targets, float dloss, int has_grad, i64 N, i64 VP,
-                           i64 V) {
+                           const u32* targets, i64 vocab_start, float dloss, int has_grad,
+                           i64 N, i64 VP, i64 V) {
     __shared__ float shf[ROW_THREADS];
     __shared__ double sh[ROW_THREADS];
     bool aligned = rows_aligned(logits, VP);
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
         T* row = logits + r * VP;
-        i64 tj = (i64)targets[r];
+        i64 tj = (i64)targets[r] - vocab_start;  // vocab_start: 0, ce_finish's arguments
         // Read before the statistics' reductions, whose barriers come before any write.
-        float t = tj < V ? ld(row[tj]) : 0.0f;
+        float t = (tj >= 0 && tj < V) ? ld(row[tj]) : 0.0f;
         float m;
         double sd;
         ce_stats_row(m, sd, row, aligned, V, shf, sh);
@@ -2893,9 +2893,10 @@ __device__ void ce_fused_k(float* losses, T* logits, float* maxes, float* sums, 
 #define DEF(S, T)                                                                            \
     extern "C" __global__ void ce_fused_##S(float* losses, T* logits, float* maxes,          \
                                             float* sums, float* tl, const u32* targets,     \
-                                            float dloss, int has_grad, i64 N, i64 VP,       \
-                                            i64 V) {                                        \
-        ce_fused_k(losses, logits, maxes, sums, tl, targets, dloss, has_grad, N, VP, V);    \
+                                            i64 vocab_start, float dloss, int has_grad,     \
+                                            i64 N, i64 VP, i64 V) {                         \
+        ce_fused_k(losses, logits, maxes, sums, tl, targets, vocab_start, dloss, has_grad,  \
+                   N, VP, V);                                                               \
     }
 FOR_TYPES(DEF)
 #undef DEF

@@ -582,6 +582,37 @@ impl CudaBackend {
         );
     }
 
+    /// `ce_finish` or `ce_fused` (the same arguments, a block per row): the losses, and
+    /// with `dloss` the logits' gradient; `ce_fused` also writes `rows`' statistics.
+    fn ce_launch(
+        &self,
+        k: K,
+        (losses, logits, rows): (Span, Span, CeRows),
+        targets: TokSpan,
+        dloss: Option<f32>,
+        d: CeDims,
+    ) {
+        let CeRows { maxes, sums, tl } = rows;
+        check_ce(logits, d);
+        assert!(losses.len == d.n && maxes.len == d.n && sums.len == d.n && tl.len == d.n);
+        assert_eq!(targets.len, d.n, "{k:?}: targets length");
+        let args = [
+            Arg::Ptr(self.ptr(losses)),
+            Arg::Ptr(self.ptr(logits)),
+            Arg::Ptr(self.ptr(maxes)),
+            Arg::Ptr(self.ptr(sums)),
+            Arg::Ptr(self.ptr(tl)),
+            Arg::Ptr(self.tok_ptr(targets)),
+            Arg::I64(d.vocab_start as i64),
+            Arg::F32(dloss.unwrap_or(0.0)),
+            Arg::I32(dloss.is_some() as i32),
+            Arg::I64(d.n as i64),
+            Arg::I64(d.vp as i64),
+            Arg::I64(d.v_valid as i64),
+        ];
+        self.launch_rows(k, self.dt(logits), d.n, 0, &args);
+    }
+
     /// Rotary embeddings in place on `x`, `dir` +1 (forward) or −1 (backward).
     fn rope(&self, r: &Rope, x: Span, dir: f32) {
         r.check(x, "rope");
@@ -1637,25 +1668,7 @@ impl Backend for CudaBackend {
         dloss: Option<f32>,
         d: CeDims,
     ) {
-        let CeRows { maxes, sums, tl } = rows;
-        check_ce(logits, d);
-        assert!(losses.len == d.n && maxes.len == d.n && sums.len == d.n && tl.len == d.n);
-        assert_eq!(targets.len, d.n, "ce_finish: targets length");
-        let args = [
-            Arg::Ptr(self.ptr(losses)),
-            Arg::Ptr(self.ptr(logits)),
-            Arg::Ptr(self.ptr(maxes)),
-            Arg::Ptr(self.ptr(sums)),
-            Arg::Ptr(self.ptr(tl)),
-            Arg::Ptr(self.tok_ptr(targets)),
-            Arg::I64(d.vocab_start as i64),
-            Arg::F32(dloss.unwrap_or(0.0)),
-            Arg::I32(dloss.is_some() as i32),
-            Arg::I64(d.n as i64),
-            Arg::I64(d.vp as i64),
-            Arg::I64(d.v_valid as i64),
-        ];
-        self.launch_rows(K::ce_finish, self.dt(logits), d.n, 0, &args);
+        self.ce_launch(K::ce_finish, (losses, logits, rows), targets, dloss, d);
     }
 
     fn ce_whole_vocab(
@@ -1676,24 +1689,7 @@ impl Backend for CudaBackend {
             self.ce_target_logit(rows.tl, logits, targets, d);
             return self.ce_finish(losses, logits, rows, targets, dloss, d);
         }
-        let CeRows { maxes, sums, tl } = rows;
-        check_ce(logits, d);
-        assert!(losses.len == d.n && maxes.len == d.n && sums.len == d.n && tl.len == d.n);
-        assert_eq!(targets.len, d.n, "ce_whole_vocab: targets length");
-        let args = [
-            Arg::Ptr(self.ptr(losses)),
-            Arg::Ptr(self.ptr(logits)),
-            Arg::Ptr(self.ptr(maxes)),
-            Arg::Ptr(self.ptr(sums)),
-            Arg::Ptr(self.ptr(tl)),
-            Arg::Ptr(self.tok_ptr(targets)),
-            Arg::F32(dloss.unwrap_or(0.0)),
-            Arg::I32(dloss.is_some() as i32),
-            Arg::I64(d.n as i64),
-            Arg::I64(d.vp as i64),
-            Arg::I64(d.v_valid as i64),
-        ];
-        self.launch_rows(K::ce_fused, self.dt(logits), d.n, 0, &args);
+        self.ce_launch(K::ce_fused, (losses, logits, rows), targets, dloss, d);
     }
 
     fn sum_of_squares(&mut self, xs: &[Span]) -> Vec<f64> {
