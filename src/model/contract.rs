@@ -207,7 +207,10 @@ pub trait Model<B: Backend> {
         self.core_mut().zero_grad()
     }
     /// The forward pass of micro-batch `micro`; the mean loss on the last stage (with
-    /// `for_backward`, the logits replaced by the loss gradient), `None` elsewhere.
+    /// `for_backward`, the logits replaced by the loss gradient, or with a loss chunk
+    /// ([`Self::set_loss_chunk`]) the LM head's backward pass run already: its weight
+    /// gradient accumulated, its input gradient kept for [`Self::backward_micro`]), `None`
+    /// elsewhere.
     fn forward_micro(&mut self, micro: usize, timers: &Timers, for_backward: bool) -> Option<f32>;
     /// The backward pass of micro-batch `micro`, accumulating into the gradients; calls
     /// `ready(backend, from)` whenever the gradients at flat offsets `from..` are final for

@@ -369,8 +369,8 @@ impl<B: Backend> Model<B> for Gpt2<B> {
 
     /// On the last stage, the micro-batch's mean loss, and with `for_backward` the logits
     /// replaced by the loss gradient (mean over B·T, divided by the accumulation count and
-    /// multiplied by the loss scale), ready for [`Model::backward_micro`]; `None` on other
-    /// stages.
+    /// multiplied by the loss scale; with a loss chunk carried through the LM head already),
+    /// ready for [`Model::backward_micro`]; `None` on other stages.
     fn forward_micro(&mut self, micro: usize, timers: &Timers, for_backward: bool) -> Option<f32> {
         {
             let _fwd = timers.scope(trainer::phase::FORWARD, Coarse);
