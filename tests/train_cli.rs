@@ -1898,7 +1898,8 @@ fn json_out(o: &Output) -> serde_json::Value {
 }
 
 /// `fugu eval` is the run's own evaluation: the same loss, to the bit, for the newest and an
-/// older checkpoint; bits per byte by hand from the manifest's counts; a token file read whole
+/// older checkpoint, and within 1e-6 with `--loss-chunk`; bits per byte by hand from the
+/// manifest's counts; a token file read whole
 /// (no bits per byte); multiple-choice scores, checked against transformers float64 when it is
 /// installed (`FUGU_PYTHON`); and clear refusals.
 #[test]
@@ -1947,6 +1948,26 @@ fn eval_reproduces_the_runs_evaluations_and_scores_choices() {
         );
         assert!((r["perplexity"].as_f64().unwrap() - logged.exp()).abs() < 1e-9 * logged.exp());
     }
+    // With the LM head and loss in chunks of 48 rows (of 128): the same loss (each row's own,
+    // from a GEMM of fewer rows).
+    let r = json_out(&fugu(
+        &[
+            "eval",
+            "r",
+            "--loss-chunk",
+            "48",
+            "--format",
+            "json",
+            "--threads",
+            "1",
+        ],
+        dir,
+    ));
+    let chunked = r["loss"].as_f64().unwrap();
+    assert!(
+        (chunked - evals[1].1).abs() <= 1e-6 * evals[1].1,
+        "{chunked} vs {evals:?}"
+    );
     // The same scalars as TensorBoard event files, read back here and by TensorBoard itself.
     let events: Vec<PathBuf> = std::fs::read_dir(dir.join("r"))
         .unwrap()

@@ -55,6 +55,10 @@ pub struct EvalArgs {
     /// Run each batch as N micro-batches (the activation memory of one).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub micro_batches: usize,
+    /// The LM head and the loss ROWS rows at a time (as `fugu train --loss-chunk`): the
+    /// logits of one chunk in memory instead of a micro-batch's.
+    #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub loss_chunk: Option<u64>,
     #[command(flatten)]
     pub run: RunOn,
     /// `text` (default) or `json` (one object on stdout).
@@ -107,6 +111,7 @@ fn train_options(args: &EvalArgs) -> Result<crate::train::TrainOptions> {
     t.tp = args.tp;
     t.pp = args.pp;
     t.micro_batches = args.micro_batches;
+    t.loss_chunk = args.loss_chunk;
     t.threads = args.run.threads;
     t.options()
 }

@@ -126,8 +126,9 @@ pub type LayernormBackward = KernelForm;
 
 /// The one-shard cross-entropy's form where [`CROSS_ENTROPY_ENV`] is unset: split, the form
 /// measured on an H200 (2.23 ms of a GPT-2 124M B=16 T=1024 bf16 step, 2026-11-30, at 2.2 TB/s
-/// over its three passes). `fused` has not run on a GPU: whether its rereads hit L2 (about a
-/// thousand rows of 100 KB in flight against 50 MB) is what the A/B measures. An earlier
+/// over its three passes). `fused` has not run on a GPU: whether its rereads hit L2 (5 blocks
+/// per SM at its 46-48 registers: 660 rows of 100 KB in flight against 50-60 MB) is what the
+/// A/B measures. An earlier
 /// one-kernel form that kept each row in shared memory (b538c39, reverted) was slower, 3.21
 /// ms: at 2 blocks per SM too few loads were in flight.
 pub const CROSS_ENTROPY_DEFAULT: CrossEntropyForm = KernelForm::Split;
