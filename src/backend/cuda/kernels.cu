@@ -2722,8 +2722,9 @@ FOR_TYPES(DEF)
 
 // ---- cross-entropy phases (ops/crossentropy.rs); T is the logits' type --------------------
 
-// A row's statistics in one pass (ce_stats_row: the block's; every thread gets them; ce_row_stats
-// this shard's, into maxes[r] and sums[r] = Σ exp(x - maxes[r])), the sum in double. Each thread keeps a running maximum m and its sum relative to m, scaled down
+// A row's statistics in one pass (ce_stats_row: the block's; every thread gets them;
+// ce_row_stats: this shard's, into maxes[r] and sums[r] = Σ exp(x - maxes[r])), the sum in
+// double. Each thread keeps a running maximum m and its sum relative to m, scaled down
 // when m grows (rarely, after the first elements); the block then takes the maximum M of the
 // threads' and adds their sums scaled by exp(m - M), in a fixed tree. A thread adds its
 // exponentials in float, PACK(T) at a time (at most 8 terms of at most 1 each: within 8
@@ -2815,28 +2816,37 @@ __device__ void ce_target_logit_k(float* tl, const T* logits, const u32* targets
 FOR_TYPES(DEF)
 #undef DEF
 
-// Losses; with `has_grad`, the logits overwritten by dloss·(softmax - onehot) (padding 0).
-// Without it, the loss as the CPU backend's evaluation path computes it (in float).
+// One row's loss into *loss (thread 0) from its statistics (max m, sum s, target logit t), and
+// with `has_grad` the row overwritten by dloss·(softmax - onehot) (padding 0; tj the target's
+// column in this shard, or outside 0..V); without it, the loss as the CPU backend's
+// evaluation path computes it (in float). ce_finish and ce_fused.
+template <typename T>
+__device__ void ce_finish_row(float* loss, T* row, float m, float s, float t, i64 tj, float dloss,
+                              int has_grad, bool aligned, i64 VP, i64 V) {
+    if (threadIdx.x == 0)
+        *loss = has_grad ? (float)(log((double)s) + (double)m - (double)t) : logf(s) + m - t;
+    if (!has_grad) return;
+    float inv = 1.0f / s;
+    float k = dloss * inv;
+    auto grad = [&](i64 j, float x) {
+        if (j >= V) return 0.0f;
+        if (j == tj) return dloss * (expf(x - m) * inv - 1.0f);
+        return expf(x - m) * k;
+    };
+    map_elems(row, VP, aligned, threadIdx.x, blockDim.x, grad, row);
+}
+
+// Phase 4: every row's loss and, with `has_grad`, gradient (ce_finish_row) from the
+// all-reduced statistics.
 template <typename T>
 __device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const float* sums,
                             const float* tl, const u32* targets, i64 vocab_start, float dloss,
                             int has_grad, i64 N, i64 VP, i64 V) {
+    bool aligned = rows_aligned(logits, VP);
     for (i64 r = blockIdx.x; r < N; r += gridDim.x) {
-        float m = maxes[r], s = sums[r];
-        if (threadIdx.x == 0)
-            losses[r] = has_grad ? (float)(log((double)s) + (double)m - (double)tl[r])
-                                 : logf(s) + m - tl[r];
-        if (!has_grad) continue;
-        float inv = 1.0f / s;
-        float k = dloss * inv;
         i64 tj = (i64)targets[r] - vocab_start;
-        T* row = logits + r * VP;
-        auto grad = [&](i64 j, float x) {
-            if (j >= V) return 0.0f;
-            if (j == tj) return dloss * (expf(x - m) * inv - 1.0f);
-            return expf(x - m) * k;
-        };
-        map_elems(row, VP, rows_aligned(logits, VP), threadIdx.x, blockDim.x, grad, row);
+        ce_finish_row(losses + r, logits + r * VP, maxes[r], sums[r], tl[r], tj, dloss, has_grad,
+                      aligned, VP, V);
     }
 }
 #define DEF(S, T)                                                                            \
@@ -2851,8 +2861,8 @@ __device__ void ce_finish_k(float* losses, T* logits, const float* maxes, const 
 FOR_TYPES(DEF)
 #undef DEF
 
-// The phases for one shard in one kernel (Backend::ce_whole_vocab, FUGU_CROSS_ENTROPY=fused): a row's
-// statistics, target logit, loss and, with `has_grad`, gradient, its block rereading the row
+// The phases for one shard in one kernel (Backend::ce_whole_vocab, FUGU_CROSS_ENTROPY=fused):
+// a row's statistics, target logit, loss and, with `has_grad`, gradient, its block rereading the row
 // for the gradient straight after reading it for the statistics, from L2 if it is still there
 // (ptxas, sm_90: 46-48 registers, 5 blocks per SM: 660 rows of GPT-2's 100 KB in flight
 // against an L2 of 50-60 MB; the A/B measures whether it is), the logits then read from HBM
@@ -2878,18 +2888,8 @@ __device__ void ce_fused_k(float* losses, T* logits, float* maxes, float* sums, 
             maxes[r] = m;
             sums[r] = s;
             tl[r] = t;
-            losses[r] = has_grad ? (float)(log((double)s) + (double)m - (double)t)
-                                 : logf(s) + m - t;
         }
-        if (!has_grad) continue;
-        float inv = 1.0f / s;
-        float k = dloss * inv;
-        auto grad = [&](i64 j, float x) {
-            if (j >= V) return 0.0f;
-            if (j == tj) return dloss * (expf(x - m) * inv - 1.0f);
-            return expf(x - m) * k;
-        };
-        map_elems(row, VP, aligned, threadIdx.x, blockDim.x, grad, row);
+        ce_finish_row(losses + r, row, m, s, t, tj, dloss, has_grad, aligned, VP, V);
     }
 }
 #define DEF(S, T)                                                                            \
