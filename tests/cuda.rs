@@ -905,12 +905,13 @@ mod gpu {
             be.gpu.set_flash_query_rows(FlashQueryRows::default());
             let dout = be.rand(b * t * c, 2);
             let dqkv = be.nan(b * t * w);
-            be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d));
+            be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d, None));
             for (warp, query) in OTHER_FORMS {
                 let other = be.nan(b * t * w);
                 be.gpu.set_flash_warp_rows(warp);
                 be.gpu.set_flash_query_rows(query);
-                be.gpu.attention_backward(other, dout, out, lse, qkv, d);
+                be.gpu
+                    .attention_backward(other, dout, out, lse, qkv, d, None);
                 let what = format!("{} rows per warp, {} per block", warp.forward, query.0);
                 same_bits(&be.gpu, &format!("dqkv, {what}"), dqkv, other, d);
             }
@@ -993,7 +994,7 @@ mod gpu {
 
         /// The backward pass into `dqkv` on backend `x`.
         fn backward(&self, x: &mut dyn Backend, dqkv: Span) {
-            x.attention_backward(dqkv, self.dout, self.out, self.lse, self.qkv, self.d);
+            x.attention_backward(dqkv, self.dout, self.out, self.lse, self.qkv, self.d, None);
         }
     }
 
@@ -1121,6 +1122,81 @@ mod gpu {
             if emulated {
                 same_bits(&be.gpu, "dqkv, wgmma (emulated)", split, wg, d);
             }
+        });
+    }
+
+    /// The attention backward with the rotary embedding undone in its dQ and dK stores
+    /// (`Backend::attention_backward`'s `rope`; heads of 64 and 128, `rope_in_stores`), in
+    /// every backward form it has for the head size: the same bits as the backward followed
+    /// by the rope kernel, which it replaces (each pair of columns rounded to the type,
+    /// rotated by the same f32 arithmetic, `rope_pair`, rounded again). Heads of 24 and 100
+    /// run the rope kernel after the backward, as the model did before. Against the CPU (the
+    /// backward, then its rope op) too: the fused backward's tolerance doubled (a rotated
+    /// value mixes two gradients, each within it, by a cosine and a sine whose absolute values
+    /// add to at most √2) plus one more rounding of the type (2u).
+    #[test]
+    fn fused_attention_backward_rotates_back() {
+        let shapes = [
+            (1, 150, 4, 2, 64),
+            (2, 70, 2, 1, 128),
+            (1, 70, 2, 2, 24),
+            (1, 37, 4, 2, 100),
+        ];
+        each_attention_case(shapes, false, |be, x, _| {
+            let (d, n) = (x.d, x.width());
+            let in_stores = be.gpu.rope_in_attention_backward(d.hs);
+            assert_eq!(in_stores, d.hs == 64 || d.hs == 128, "{d:?}");
+            assert!(!be.cpu.rope_in_attention_backward(d.hs));
+            let tab = RopeTable::<f32>::new(d.hs, d.t + 3, 10_000.0);
+            let table = be.buf(&[tab.cos.clone(), tab.sin.clone()].concat(), Dtype::F32);
+            let r = Rope {
+                table,
+                n: d.b * d.t,
+                width: d.shape().qkv_width(),
+                heads: d.nh + d.kv,
+                half: d.hs / 2,
+                t: d.t,
+            };
+            let rotated = be.nan(n);
+            be.run(|b| {
+                b.attention_backward(rotated, x.dout, x.out, x.lse, x.qkv, d, Some(&r));
+            });
+            let u = be.act.unit_roundoff();
+            let tol = 2.0 * (GEMM + FUSED_DQKV_TOL * u) + 2.0 * u;
+            be.check("fused attention dqkv, rotated back", rotated, tol);
+            let mut forms = vec![
+                (FlashBackward::Split, FlashMma::Sync, 16),
+                (FlashBackward::Stored, FlashMma::Sync, 16),
+            ];
+            if d.hs <= 64 {
+                forms.extend([
+                    (FlashBackward::Split, FlashMma::Sync, 32),
+                    (FlashBackward::Stored, FlashMma::Sync, 32),
+                    (FlashBackward::Fused, FlashMma::Sync, 16),
+                ]);
+                if be.gpu.has_wgmma() {
+                    forms.push((FlashBackward::Stored, FlashMma::Wgmma, 16));
+                }
+            }
+            for (form, mma, rows) in forms {
+                be.gpu.set_flash_backward(form);
+                be.gpu.set_flash_mma(mma).unwrap();
+                be.gpu.set_flash_warp_rows(FlashWarpRows {
+                    forward: 16,
+                    dq: rows,
+                    dkv: rows,
+                });
+                let (then, inside) = (be.nan(n), be.nan(n));
+                x.backward(&mut be.gpu, then);
+                be.gpu.rope_backward(&r, then);
+                be.gpu
+                    .attention_backward(inside, x.dout, x.out, x.lse, x.qkv, d, Some(&r));
+                let what = format!("dqkv rotated back, {form:?} {mma:?} {rows} rows per warp");
+                same_bits(&be.gpu, &what, then, inside, d);
+            }
+            be.gpu.set_flash_backward(FlashBackward::Split);
+            be.gpu.set_flash_mma(FlashMma::Sync).unwrap();
+            be.gpu.set_flash_warp_rows(FlashWarpRows::default());
         });
     }
 
@@ -1512,6 +1588,12 @@ mod gpu {
                     "fused"
                 };
                 assert_eq!(form.form, want, "kv {kv} {dt:?}");
+                // The rope's backward in the fused backward's stores for heads of 128 (the
+                // `_d128` kernels; these configs' others are 8 wide: the rope op after it).
+                let rope = forms.iter().find(|f| f.key == "rope_backward").unwrap();
+                let inside = dt == Dtype::Bf16 && cfg.head_size() == 128;
+                let want = if inside { "attention" } else { "separate" };
+                assert_eq!(rope.form, want, "kv {kv} {dt:?}");
                 let losses = [
                     loss_grads(cpu.as_mut(), &w, (b, t), &timers),
                     loss_grads(gpu.as_mut(), &w, (b, t), &timers),

@@ -1569,6 +1569,12 @@ fn llama_resumes_exactly_recomputes_and_samples() {
     ok(&r.run(&["--out", "a"]));
     let full = losses(&r.dir.join("a"));
     assert_eq!(full.len(), 6);
+    // The CPU rotates the gradients back by the rope op (`model::passes::rope_in_attention`).
+    let recs = read_metrics(r.dir.join("a").join("metrics.jsonl")).unwrap();
+    let Some(Record::Header(h)) = recs.into_iter().next() else {
+        panic!("llama: no header")
+    };
+    assert_eq!(h["rope_backward"], "separate", "{h}");
     assert!(full[5].1 < full[0].1, "{full:?}");
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(r.dir.join("a/ckpt-00000006/config.json")).unwrap())

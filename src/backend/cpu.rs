@@ -654,6 +654,7 @@ impl Backend for CpuBackend {
         );
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &mut self,
         dqkv: Span,
@@ -662,6 +663,7 @@ impl Backend for CpuBackend {
         lse: Span,
         qkv: Span,
         d: AttnDims,
+        rope: Option<&Rope>,
     ) {
         let seq = |s| per_sequence(s, d);
         self.mem.run_rows(
@@ -673,6 +675,9 @@ impl Backend for CpuBackend {
                 ops::attention::attention_backward_fused(dq, dy, y, l, q, sequences(d, rows))
             },
         );
+        if let Some(r) = rope {
+            self.rope_backward(r, dqkv);
+        }
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {

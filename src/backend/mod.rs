@@ -512,7 +512,11 @@ pub trait Backend: 'static {
     /// [`Self::fused_attention`] is not `Unsupported`.
     fn attention_forward(&mut self, out: Span, lse: Span, qkv: Span, d: AttnDims);
     /// Backward of [`Self::attention_forward`] from its `out` and `lse`: the Q, K and V columns
-    /// of `dqkv` overwritten (the probabilities recomputed as `exp(s_ij − lse_i)`).
+    /// of `dqkv` overwritten (the probabilities recomputed as `exp(s_ij − lse_i)`). With
+    /// `rope` (the rotary embedding `qkv`'s q and k heads went through), the Q and K columns
+    /// then rotated back as [`Self::rope_backward`] would: the gradients of the heads before
+    /// rotation, the same values.
+    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &mut self,
         dqkv: Span,
@@ -521,7 +525,14 @@ pub trait Backend: 'static {
         lse: Span,
         qkv: Span,
         d: AttnDims,
+        rope: Option<&Rope>,
     );
+    /// Whether [`Self::attention_backward`] rotates the gradients back in its own stores (no
+    /// pass of their own over dQ and dK) for heads of `hs`: a model then hands it the rotary
+    /// embedding instead of running [`Self::rope_backward`] after it.
+    fn rope_in_attention_backward(&self, _hs: usize) -> bool {
+        false
+    }
     /// One new token attending over a key/value cache (incremental decoding): `out (nh·hs)`
     /// overwritten with `softmax(q·K[0..len]ᵀ/√hs)·V[0..len]` per head ([`KvRows`]: the
     /// new token's own key and value already at row `len - 1`; `kv·hs` wide rows, query head

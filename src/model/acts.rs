@@ -259,6 +259,16 @@ pub enum AttnKept {
     LogSumExp(Span),
 }
 
+impl AttnKept {
+    /// Which of the two is kept.
+    pub fn keep(&self) -> AttnKeep {
+        match self {
+            AttnKept::Probabilities(_) => AttnKeep::Probabilities,
+            AttnKept::LogSumExp(_) => AttnKeep::LogSumExp,
+        }
+    }
+}
+
 /// The last stage's activations: final layernorm, logits and the loss statistics.
 #[derive(Clone, Copy, Debug)]
 pub struct HeadActs {

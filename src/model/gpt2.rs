@@ -665,7 +665,14 @@ fn block_backward<B: Backend>(
     let names = (bwd::PROJ, None);
     let attproj_g = grads(ga.datty, lg.attproj_w, lg.attproj_b);
     x.linear_backward(names, &ly.attproj, &attproj_g, ga.dres, la.atty);
-    attention_backward(x, bp.cx.d, &la.attn(), &ga.attn(), recompute_attention);
+    attention_backward(
+        x,
+        bp.cx.d,
+        &la.attn(),
+        &ga.attn(),
+        recompute_attention,
+        None,
+    );
     let names = (bwd::QKV, Some(bwd::ATTENTION_ALLREDUCE));
     let qkv_g = grads(ga.dln, lg.qkv_w, lg.qkv_b);
     x.linear_backward(names, &ly.qkv, &qkv_g, ga.dqkv, la.ln1);

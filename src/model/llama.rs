@@ -27,7 +27,8 @@ use super::layers::Layers;
 use super::llama_params::{llama_stage_params, LlamaLayerParams, LlamaSpans};
 use super::passes::{
     attention_backward, attention_form, attention_forward, embedding, embedding_backward,
-    embedding_forward, lm_head_backward, project_into_residual, residual_form, BlockCtx, Pass,
+    embedding_forward, lm_head_backward, project_into_residual, residual_form, rope_backward_form,
+    rope_in_attention, BlockCtx, Pass,
 };
 use super::paths::{attention_path, residual_path, Knobs, Residual};
 use super::stage::Stage;
@@ -239,6 +240,11 @@ impl<B: Backend> Model<B> for Llama<B> {
         vec![
             attention_form(self.attn_keep, self.core.recompute),
             residual_form(self.residual),
+            rope_backward_form(rope_in_attention(
+                &self.core.be,
+                self.attn_keep,
+                self.core.cfg.head_size(),
+            )),
         ]
     }
 
@@ -544,8 +550,8 @@ fn block_backward<B: Backend>(
         ga.dres,
         la.atty,
     );
-    attention_backward(x, d, &la.attn(), &ga.attn(), recompute_attention);
-    x.rope(bwd::ROPE, &bp.rope, ga.dqkv, true);
+    let rope = Some(&bp.rope);
+    attention_backward(x, d, &la.attn(), &ga.attn(), recompute_attention, rope);
     let names = (bwd::QKV, Some(bwd::ATTENTION_ALLREDUCE));
     x.linear_backward(names, &ly.qkv, &grads(ga.dn, lg.qkv), ga.dqkv, la.n1);
     let norm_g = RmsNormGrads {

@@ -12,7 +12,7 @@ use super::layers::Layers;
 use super::paths::Residual;
 use super::work;
 use crate::backend::{
-    Backend, CeDims, CeRows, Embedding, KvRows, Linear, LinearGrads, Span, TokSpan,
+    Backend, CeDims, CeRows, Embedding, KvRows, Linear, LinearGrads, Rope, Span, TokSpan,
 };
 use crate::comm::ReduceOp;
 use crate::metrics::ops::trainer::phase;
@@ -148,16 +148,24 @@ pub fn attention_forward<B: Backend>(x: &mut Layers<B>, la: &AttnActs, bp: &Bloc
 }
 
 /// A block's attention backward from `ga.datty` into `ga.dqkv`: three steps over the kept
-/// (or, with `recompute`, recomputed) probabilities, or fused from the log-sum-exp.
+/// (or, with `recompute`, recomputed) probabilities, or fused from the log-sum-exp. With
+/// `rope` (the rotary embedding the q and k heads went through), the gradients of q and k
+/// are then rotated back: in the fused backward's own stores where the backend does that
+/// ([`Backend::rope_in_attention_backward`]: no pass over them of its own), else by the rope
+/// op (timed as `rope`).
 pub fn attention_backward<B: Backend>(
     x: &mut Layers<B>,
     d: &StepDims,
     la: &AttnActs,
     ga: &AttnGrads,
     recompute: bool,
+    rope: Option<&Rope>,
 ) {
     let (timers, ad) = (x.timers, d.attn());
     let be = &mut *x.be;
+    let keep = la.att.keep();
+    let inside = rope.filter(|_| rope_in_attention(&*be, keep, ad.hs));
+    let rope_left = if inside.is_some() { None } else { rope };
     match la.att {
         AttnKept::Probabilities(att) => {
             let datt = ga.datt.expect("datt exists with kept probabilities");
@@ -191,8 +199,11 @@ pub fn attention_backward<B: Backend>(
                 let read = [ga.datty, la.atty, lse, la.qkv];
                 work::attention(&*be, ad, 4, &read, &[ga.dqkv])
             });
-            be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad);
+            be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad, inside);
         }
+    }
+    if let Some(r) = rope_left {
+        x.rope(bwd::ROPE, r, ga.dqkv, true);
     }
 }
 
@@ -381,6 +392,30 @@ pub fn attention_form(keep: AttnKeep, recompute: Recompute) -> OpForm {
         key: "attention",
         form: keep.name(),
         note,
+    }
+}
+
+/// Whether the attention backward of heads of `hs` kept as `keep` rotates the gradients of
+/// rotary-embedded q and k back in its own stores ([`Backend::rope_in_attention_backward`]:
+/// the fused backward only), instead of the rope op after it.
+pub fn rope_in_attention(be: &impl Backend, keep: AttnKeep, hs: usize) -> bool {
+    keep == AttnKeep::LogSumExp && be.rope_in_attention_backward(hs)
+}
+
+/// The run header's record of where the rotary embedding's backward runs (`key:
+/// rope_backward`): `attention`, in the fused attention backward's stores
+/// ([`rope_in_attention`]); `separate`, its own op.
+pub fn rope_backward_form(in_attention: bool) -> OpForm {
+    OpForm {
+        key: "rope_backward",
+        form: if in_attention {
+            "attention"
+        } else {
+            "separate"
+        },
+        note: in_attention.then(|| {
+            "rope backward: in the fused attention backward's stores of dQ and dK".to_string()
+        }),
     }
 }
 

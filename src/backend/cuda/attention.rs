@@ -7,7 +7,7 @@ use super::forms::QueryKernels;
 use super::gemm::{Mat, Ptrs};
 use super::{
     AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows,
-    FusedAttention, Span, ELEM_THREADS, K, WARP,
+    FusedAttention, Rope, Span, ELEM_THREADS, K, WARP,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
@@ -44,6 +44,29 @@ pub(super) const D128_FORM: &str =
 /// The most tiles a `_d128` kernel keeps in dynamic shared memory (the backward's six: 102 KB,
 /// more than sm_86 and sm_89 GPUs give a block, where heads over 64 take the three-step path).
 pub(super) const D128_MOST_TILES: u32 = 6;
+
+/// Whether the backward kernels rotate dQ and dK back in their stores for heads of `hs`
+/// (`FaRope` in `kernels.cu`: heads exactly as wide as their tiles, where each lane holds both
+/// columns of a rotated pair): 64, and 128 for the `_d128` kernels. Other heads take the rope
+/// kernel after the backward, as before.
+pub(super) fn rope_in_stores(hs: usize) -> bool {
+    hs == FLASH_HEAD_64 || hs == FLASH_MAX_HEAD
+}
+
+/// One fused attention backward call as [`Backend::attention_backward`] gets it, with its
+/// storage type, Δ's scratch and the kernels' trailing rope arguments
+/// ([`CudaBackend::rope_args`]).
+pub(super) struct FlashBackwardCall {
+    pub dt: Dtype,
+    pub delta: u64,
+    pub dqkv: Span,
+    pub dout: Span,
+    pub out: Span,
+    pub lse: Span,
+    pub qkv: Span,
+    pub d: AttnDims,
+    pub rope: [Arg; 2],
+}
 
 /// Dynamic shared memory of `tiles` tiles of the `_d128` kernels (`fa_tiles`: 64 rows of 128 +
 /// 8 elements of 16 bits, 17 KB each): the forward's four (K and V, double-buffered), the
@@ -171,16 +194,75 @@ impl CudaBackend {
         wide
     }
 
+    /// The backward kernels' trailing arguments for `rope` (the rotary embedding to undo in
+    /// the dQ and dK stores, [`rope_in_stores`]): its table's address and positions, or none;
+    /// and the rope left for [`Self::rope`] to undo after the kernels (heads of other widths).
+    pub(super) fn rope_args<'r>(
+        &self,
+        rope: Option<&'r Rope>,
+        dqkv: Span,
+        d: AttnDims,
+    ) -> ([Arg; 2], Option<&'r Rope>) {
+        let none = [Arg::Ptr(0), Arg::I64(0)];
+        let Some(r) = rope else {
+            return (none, None);
+        };
+        r.check(dqkv, "attention_backward's rope");
+        assert!(
+            2 * r.half == d.hs
+                && r.heads == d.nh + d.kv
+                && r.width == d.shape().qkv_width()
+                && (r.n, r.t) == (d.b * d.t, d.t),
+            "attention_backward: {r:?} is not the rope of q and k in {d:?}"
+        );
+        assert_eq!(self.dt(r.table), Dtype::F32, "rope: the table is f32");
+        if rope_in_stores(d.hs) {
+            let table = [Arg::Ptr(self.ptr(r.table)), Arg::I64(r.positions() as i64)];
+            (table, None)
+        } else {
+            (none, Some(r))
+        }
+    }
+
+    /// The fused attention's backward pass as two kernels ([`FlashBackward::Split`], the
+    /// default): dQ (and Δ) per query block, then dK and dV per key block.
+    pub(super) fn attention_backward_split(&mut self, c: &FlashBackwardCall) {
+        let d = c.d;
+        let (kq, kkv) = self.split_kernels(d);
+        let (grid, tail) = (Self::flash_grid(d, kq.rows), self.flash_args(c.qkv, d));
+        let (dq, dy, l) = (self.ptr(c.dqkv), self.ptr(c.dout), self.ptr(c.lse));
+        let mut args = vec![
+            Arg::Ptr(dq),
+            Arg::Ptr(c.delta),
+            Arg::Ptr(dy),
+            Arg::Ptr(self.ptr(c.out)),
+            Arg::Ptr(l),
+        ];
+        args.extend(tail.iter().chain(&c.rope).copied());
+        self.launch(kq.kernel, c.dt, grid, kq.threads, kq.shmem, &args);
+        let mut args = vec![Arg::Ptr(dq), Arg::Ptr(c.delta), Arg::Ptr(dy), Arg::Ptr(l)];
+        args.extend(tail);
+        args.push(Arg::Ptr(0)); // no dS stored
+        args.extend(c.rope);
+        let grid_kv = Self::flash_grid_kv(d);
+        self.launch(kkv.kernel, c.dt, grid_kv, kkv.threads, kkv.shmem, &args);
+    }
+
     /// The fused attention's backward pass as one kernel ([`FlashBackward::Fused`]): Δ and
     /// the kernel's counters zeroed by `flash_backward_prep`, then `flash_backward_fused` with
     /// an f32 accumulator tile per query block (64 × 64: 16 KB, 50 MB for GPT-2 124M B=16).
-    pub(super) fn attention_backward_one_kernel(
-        &mut self,
-        (dt, delta): (Dtype, u64),
-        (dqkv, dout): (Span, Span),
-        (out, lse, qkv): (Span, Span, Span),
-        d: AttnDims,
-    ) {
+    pub(super) fn attention_backward_one_kernel(&mut self, c: &FlashBackwardCall) {
+        let FlashBackwardCall {
+            dt,
+            delta,
+            dqkv,
+            dout,
+            out,
+            lse,
+            qkv,
+            d,
+            ..
+        } = *c;
         // One query block (and one work item) per tile of the grid.
         let tiles = Self::flash_grid(d, FLASH_ROWS) as usize;
         // The kernel's item counter and turns are ints.
@@ -200,6 +282,7 @@ impl CudaBackend {
         ];
         args.extend(self.flash_args(qkv, d));
         args.extend([Arg::Ptr(acc), Arg::Ptr(sync)]);
+        args.extend(c.rope);
         let (k, threads) = FlashWarpRows::pick(
             self.flash_warp_rows.dkv,
             K::flash_backward_fused,
@@ -244,13 +327,18 @@ impl CudaBackend {
     /// for each chunk of sequences whose dS tiles fit in the budget ([`FLASH_DS_BUDGET`]),
     /// `flash_backward_dkv_store` (dK, dV, and dS for every causal tile pair) and
     /// `flash_backward_dq_stored` (dQ from dS and K).
-    pub(super) fn attention_backward_stored_ds(
-        &mut self,
-        (dt, delta): (Dtype, u64),
-        (dqkv, dout): (Span, Span),
-        (out, lse, qkv): (Span, Span, Span),
-        d: AttnDims,
-    ) {
+    pub(super) fn attention_backward_stored_ds(&mut self, call: &FlashBackwardCall) {
+        let FlashBackwardCall {
+            dt,
+            delta,
+            dqkv,
+            dout,
+            out,
+            lse,
+            qkv,
+            d,
+            ..
+        } = *call;
         self.flash_delta(dt, delta, (delta, 0), (dout, out), d);
         let nkb = d.t.div_ceil(FLASH_ROWS);
         let per_seq = d.nh * nkb * (nkb + 1) / 2 * FLASH_ROWS * FLASH_ROWS * dt.bytes();
@@ -283,10 +371,11 @@ impl CudaBackend {
             ];
             args.extend(tail);
             args.push(Arg::Ptr(ds));
+            args.extend(call.rope);
             let kv_grid = Self::flash_grid_kv(part);
             self.launch(kkv.kernel, dt, kv_grid, kkv.threads, kkv.shmem, &args);
             let mut args = vec![Arg::Ptr(dq), Arg::Ptr(ds)];
-            args.extend(tail);
+            args.extend(tail.iter().chain(&call.rope).copied());
             let q_grid = Self::flash_grid(part, kq.rows);
             self.launch(kq.kernel, dt, q_grid, kq.threads, kq.shmem, &args);
         }

@@ -184,6 +184,9 @@ static inline unsigned __float_as_uint(float f) {
     return x;
 }
 
+// A product rounded on its own (the emulator compiles with -ffp-contract=off: every product is).
+static inline float __fmul_rn(float a, float b) { return a * b; }
+
 // Global-memory access and ordering between blocks. Blocks run one after another here, so a
 // fence orders nothing and an atomic is a plain read-modify-write.
 static inline void __threadfence() {}

@@ -922,6 +922,16 @@ __device__ void attention_decode_k(T* out, const T* q, const T* kc, const T* vc,
 FOR_TYPES(DEF)
 #undef DEF
 
+// A rotary embedding's rotation of the pair (x0, x1) (ops/rope.rs; rope_k below). The products
+// are rounded on their own (__fmul_rn: never contracted into an fma), as the CPU
+// computes them, so that the attention backward's stores (fa_store with FaRope) rotate to the
+// same bits as this kernel.
+__device__ void rope_pair(float& x0, float& x1, float c, float sn) {
+    float r0 = __fmul_rn(x0, c) - __fmul_rn(x1, sn), r1 = __fmul_rn(x1, c) + __fmul_rn(x0, sn);
+    x0 = r0;
+    x1 = r1;
+}
+
 // ---- fused (flash) attention (ops/attention.rs, attention_forward_fused / _backward_fused) ---
 //
 // FlashAttention-2 on the tensor cores, for the 16-bit storage types only (FOR_HALF_TYPES; the
@@ -1526,13 +1536,51 @@ __device__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// The rotary embedding the attention backward's dQ and dK stores undo (Backend::
+// attention_backward's `rope`): `table` the cosines (p positions × D / 2), then the sines; no
+// table, no rotation. Only for heads of exactly D columns (the host runs the rope kernel
+// otherwise): each lane then holds columns c and c + D / 2 of its rows (accumulators nd and
+// nd + D / 16).
+struct FaRope {
+    const float* table;
+    i64 p;
+};
+
+// x rounded to T, as a store and a load of it give.
+template <typename T>
+__device__ float fa_round(float x) {
+    T v;
+    st(v, x);
+    return ld(v);
+}
+
 // Stores a warp's 16 × hs accumulator tile at rows row0.. of a row-major matrix (row stride
 // ldq; rows from Tn on and columns from hs on are dropped), times mul[0] (rows g) and mul[1]
-// (rows g + 8); D / 8 accumulators of 8 columns.
+// (rows g + 8); D / 8 accumulators of 8 columns. With `rope` (heads of D columns), the rows
+// (positions row0..) rotated back as rope_k with dir = −1 does after a plain store: each pair
+// of columns (c, c + D / 2) rounded to T, rotated by rope_pair, rounded again: the same bits.
 template <typename T, int D>
 __device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int hs,
-                         const float* mul) {
+                         const float* mul, FaRope rope = FaRope{nullptr, 0}) {
     int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    if (rope.table != nullptr && hs == D) {
+        constexpr int H = D / 2;
+#pragma unroll
+        for (int nd = 0; nd < D / 16; nd++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                i64 row = row0 + g + (e >> 1) * 8;
+                int c = nd * 8 + 2 * t + (e & 1);
+                if (row >= Tn) continue;
+                float x0 = fa_round<T>(acc[nd][e] * mul[e >> 1]),
+                      x1 = fa_round<T>(acc[nd + D / 16][e] * mul[e >> 1]);
+                const float* cs = rope.table + row * H + c;
+                rope_pair(x0, x1, cs[0], -1.0f * cs[rope.p * H]);
+                st(dst[row * ldq + c], x0);
+                st(dst[row * ldq + c + H], x1);
+            }
+        return;
+    }
 #pragma unroll
     for (int nd = 0; nd < D / 8; nd++)
 #pragma unroll
@@ -1792,7 +1840,7 @@ __device__ void fa_delta(float* sd, float* sl, float* delta, const float* lse, c
 template <typename T, int D, int M, int W>
 __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const T* out,
                                     const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
-                                    i64 kvh, i64 hs_, float scale) {
+                                    i64 kvh, i64 hs_, float scale, FaRope rope) {
     constexpr int QR = FA_QROWS(M, W);
     constexpr bool REREAD = FA_REREAD(M, D);
     // Q and dO in dynamic shared memory (FlashQueryRows::dq_shmem on the host) where they are
@@ -1898,16 +1946,18 @@ __device__ void flash_backward_dq_k(T* dqkv, float* delta, const T* dout, const 
         float mul[2] = {scale, scale};
 #pragma unroll
         for (int i = 0; i < M; i++)
-            fa_store<T, D>(dqkv + b * Tn * ldq + h * hs, dq[i], q0 + w0 + 16 * i, Tn, ldq, hs, mul);
+            fa_store<T, D>(dqkv + b * Tn * ldq + h * hs, dq[i], q0 + w0 + 16 * i, Tn, ldq, hs, mul,
+                           rope);
     }
 }
 // The dQ kernel's forms, as the forward's (FA_FWD).
 #define FA_DQ(S, T, NAME, D, M, W, MINB)                                                     \
     extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
         NAME##_##S(T* dqkv, float* delta, const T* dout, const T* out, const float* lse,     \
-                   const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale) {      \
+                   const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
+                   const float* rope, i64 rope_p) {                                          \
         flash_backward_dq_k<T, D, M, W>(dqkv, delta, dout, out, lse, qkv, B, Tn, nh, kvh,    \
-                                        hs, scale);                                          \
+                                        hs, scale, FaRope{rope, rope_p});                    \
     }
 #define DEF(S, T)                                                                            \
     FA_DQ(S, T, flash_backward_dq, 64, 1, 4, FA_MINB_DQ)                                     \
@@ -1954,7 +2004,8 @@ __device__ i64 fa_next_item(i64 prev, int* sync, i64* s_item) {
 // accesses are 128 contiguous bytes.
 template <typename T, int M, int D>
 __device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[D / 8][4], i64 kb, i64 qb,
-                                T* dst, i64 Tn, i64 ldq, int hs, float scale, int w0) {
+                                T* dst, i64 Tn, i64 ldq, int hs, float scale, int w0,
+                                FaRope rope) {
     if (threadIdx.x == 0) fa_wait_turn(turn, (int)kb);
     __syncthreads();
     int lane = threadIdx.x % WARP;
@@ -1972,7 +2023,8 @@ __device__ void fa_add_dq_share(float* acc, int* turn, float (*dq)[D / 8][4], i6
                 if (kb < qb) __stcg(p, v);
                 dq[i][nd][e] = v;
             }
-        if (kb == qb) fa_store<T, D>(dst, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq, hs, mul);
+        if (kb == qb)
+            fa_store<T, D>(dst, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq, hs, mul, rope);
     }
     __threadfence();  // the shares stored are visible before the turn is passed
     __syncthreads();
@@ -2060,7 +2112,7 @@ template <typename T, int D, int M, FaDs DS, bool WG = false>
 __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      const float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                      i64 kvh, i64 hs_, float scale, T* ds_out, float* dq_acc,
-                                     int* sync) {
+                                     int* sync, FaRope rope) {
     constexpr bool DQ = DS == DS_TURNS, REREAD = FA_REREAD(M, D);
     static_assert(!WG || (M == 1 && !DQ && D == FA_WG_D),
                   "wgmma: one warpgroup of 16-key warps, no turns");
@@ -2204,7 +2256,8 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                     fa_mma_pb_m<T, M, D>(dq, pa, sK);
                     float* acc = dq_acc + (bh * nkb + qb) * FA_ROWS * D;
                     fa_add_dq_share<T, M, D>(acc, sync + 1 + bh * nkb + qb, dq, kb, qb,
-                                          dqkv + b * Tn * ldq + h * hs, Tn, ldq, hs, scale, w0);
+                                          dqkv + b * Tn * ldq + h * hs, Tn, ldq, hs, scale, w0,
+                                          rope);
                 }
             }
         }
@@ -2212,7 +2265,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
         T* dst = dqkv + b * Tn * ldq + C + hk * hs;
 #pragma unroll
         for (int i = 0; i < M; i++) {
-            fa_store<T, D>(dst, dk[i], k0 + w0 + 16 * i, Tn, ldq, hs, mul);
+            fa_store<T, D>(dst, dk[i], k0 + w0 + 16 * i, Tn, ldq, hs, mul, rope);
             fa_store<T, D>(dst + kvh * hs, dv[i], k0 + w0 + 16 * i, Tn, ldq, hs, one);
         }
     }
@@ -2224,17 +2277,19 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), MINB)                     \
         NAME##_##S(T* dqkv, const float* delta, const T* dout, const float* lse,             \
                    const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
-                   T* ds) {                                                                  \
+                   T* ds, const float* rope, i64 rope_p) {                                   \
         flash_backward_dkv_k<T, D, M, DS, WG>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh,   \
-                                              hs, scale, ds, nullptr, nullptr);              \
+                                              hs, scale, ds, nullptr, nullptr,               \
+                                              FaRope{rope, rope_p});                         \
     }
 #define FA_FUSED(S, T, NAME, M)                                                              \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), FA_MINB_FUSED)            \
         NAME##_##S(T* dqkv, const float* delta, const T* dout, const float* lse,             \
                    const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, float scale,        \
-                   float* dq_acc, int* sync) {                                               \
+                   float* dq_acc, int* sync, const float* rope, i64 rope_p) {                \
         flash_backward_dkv_k<T, 64, M, DS_TURNS>(dqkv, delta, dout, lse, qkv, B, Tn, nh, kvh, \
-                                                 hs, scale, nullptr, dq_acc, sync);          \
+                                                 hs, scale, nullptr, dq_acc, sync,           \
+                                                 FaRope{rope, rope_p});                      \
     }
 #define DEF(S, T)                                                                            \
     FA_DKV(S, T, flash_backward_dkv, 64, 1, FA_MINB_DKV, DS_DROP, false)                     \
@@ -2261,7 +2316,7 @@ FOR_HALF_TYPES(DEF)
 // the longest first; each warp M groups of 16 query rows; the K and dS tiles double-buffered.
 template <typename T, int D, int M, bool WG = false>
 __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn,
-                                           i64 nh, i64 kvh, i64 hs_, float scale) {
+                                           i64 nh, i64 kvh, i64 hs_, float scale, FaRope rope) {
     static_assert(!WG || (M == 1 && D == FA_WG_D), "wgmma: one warpgroup of 16-row warps");
     // Key block c's tiles: K in sKS[2c] (with WG in the 128-byte swizzle), dS (keys ×
     // queries, a 64-column tile) in sKS[2c + 1].
@@ -2309,14 +2364,15 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
 #pragma unroll
         for (int i = 0; i < M; i++)
             fa_store<T, D>(dqkv + b * Tn * ldq + h * hs, dq[i], qb * FA_ROWS + w0 + 16 * i, Tn, ldq,
-                     hs, mul);
+                           hs, mul, rope);
     }
 }
 #define FA_DQ_STORED(S, T, NAME, D, M, MINB, WG)                                             \
     extern "C" __global__ void __launch_bounds__(FA_THREADS / (M), MINB)                     \
         NAME##_##S(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh,       \
-                   i64 hs, float scale) {                                                    \
-        flash_backward_dq_stored_k<T, D, M, WG>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale);   \
+                   i64 hs, float scale, const float* rope, i64 rope_p) {                     \
+        flash_backward_dq_stored_k<T, D, M, WG>(dqkv, ds, qkv, B, Tn, nh, kvh, hs, scale,    \
+                                                FaRope{rope, rope_p});                       \
     }
 #define DEF(S, T)                                                                            \
     FA_DQ_STORED(S, T, flash_backward_dq_stored, 64, 1, FA_MINB_DQ_STORED, false)            \
@@ -2478,11 +2534,6 @@ FOR_TYPES(DEF)
 // (a 16-byte pack of the head's first half and the matching one of its second) where the
 // rows and halves are 16-byte aligned, else per pair; `dir` +1 rotates, −1 rotates back (the
 // backward). table: cos (P, half), then sin (P, half).
-__device__ void rope_pair(float& x0, float& x1, float c, float sn) {
-    float r0 = x0 * c - x1 * sn, r1 = x1 * c + x0 * sn;
-    x0 = r0;
-    x1 = r1;
-}
 template <typename T>
 __device__ void rope_k(T* x, const float* table, i64 N, i64 width, i64 heads, i64 half, i64 Tn,
                        i64 P, float dir) {

@@ -46,8 +46,8 @@ use gemm::problem;
 pub use gemm::DeviceGemm;
 
 use attention::{
-    attention_scale, causal_block_rows, causal_blocks, d128_shmem, Attn, D128_MOST_TILES,
-    FLASH_HEAD_64, FLASH_MAX_HEAD, FLASH_ROWS, FLASH_THREADS,
+    attention_scale, causal_block_rows, causal_blocks, d128_shmem, rope_in_stores, Attn,
+    FlashBackwardCall, D128_MOST_TILES, FLASH_HEAD_64, FLASH_MAX_HEAD, FLASH_ROWS, FLASH_THREADS,
 };
 use columns::COLUMN_CHUNK_ROWS;
 
@@ -1349,6 +1349,7 @@ impl Backend for CudaBackend {
         );
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &mut self,
         dqkv: Span,
@@ -1357,6 +1358,7 @@ impl Backend for CudaBackend {
         lse: Span,
         qkv: Span,
         d: AttnDims,
+        rope: Option<&Rope>,
     ) {
         let dt = self.fused_dtype(d, &[dqkv, dout, out, qkv], "attention_backward");
         assert!(
@@ -1364,42 +1366,30 @@ impl Backend for CudaBackend {
             "attention_backward: lengths"
         );
         let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
+        let (rope_args, rope_after) = self.rope_args(rope, dqkv, d);
+        let call = FlashBackwardCall {
+            dt,
+            delta,
+            dqkv,
+            dout,
+            out,
+            lse,
+            qkv,
+            d,
+            rope: rope_args,
+        };
         match self.backward_form(d) {
-            FlashBackward::Split => {}
-            FlashBackward::Fused => {
-                return self.attention_backward_one_kernel(
-                    (dt, delta),
-                    (dqkv, dout),
-                    (out, lse, qkv),
-                    d,
-                )
-            }
-            FlashBackward::Stored => {
-                return self.attention_backward_stored_ds(
-                    (dt, delta),
-                    (dqkv, dout),
-                    (out, lse, qkv),
-                    d,
-                )
-            }
+            FlashBackward::Split => self.attention_backward_split(&call),
+            FlashBackward::Fused => self.attention_backward_one_kernel(&call),
+            FlashBackward::Stored => self.attention_backward_stored_ds(&call),
         }
-        let (kq, kkv) = self.split_kernels(d);
-        let (grid, tail) = (Self::flash_grid(d, kq.rows), self.flash_args(qkv, d));
-        let (dq, dy, y, l) = (self.ptr(dqkv), self.ptr(dout), self.ptr(out), self.ptr(lse));
-        let mut args = vec![
-            Arg::Ptr(dq),
-            Arg::Ptr(delta),
-            Arg::Ptr(dy),
-            Arg::Ptr(y),
-            Arg::Ptr(l),
-        ];
-        args.extend(tail.iter().copied());
-        self.launch(kq.kernel, dt, grid, kq.threads, kq.shmem, &args);
-        let mut args = vec![Arg::Ptr(dq), Arg::Ptr(delta), Arg::Ptr(dy), Arg::Ptr(l)];
-        args.extend(tail);
-        args.push(Arg::Ptr(0)); // no dS stored
-        let grid_kv = Self::flash_grid_kv(d);
-        self.launch(kkv.kernel, dt, grid_kv, kkv.threads, kkv.shmem, &args);
+        if let Some(r) = rope_after {
+            self.rope(r, dqkv, -1.0);
+        }
+    }
+
+    fn rope_in_attention_backward(&self, hs: usize) -> bool {
+        rope_in_stores(hs)
     }
 
     fn attention_decode(&mut self, out: Span, q: Span, kv: KvRows, d: AttnDims) {
