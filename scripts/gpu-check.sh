@@ -20,8 +20,8 @@
 #      resume), 6. HEAD in fp16, 7. cuBLAS alone on GPT-2's GEMMs,
 #   8. Nsight Compute's speed of light for the row and attention kernels (where ncu works),
 #   9. Llama: llama-124m (each gpu/base-* binary against HEAD) and llama-d128 (B=8 T=2048,
-#      heads of 128: fused attention, the _d128 kernels, against the three-step path) in two
-#      rounds, and HEAD's breakdown of each.
+#      heads of 128: fused attention, the _d128 kernels, against the three-step path, and
+#      with the stored-dS backward on wgmma) in two rounds, and HEAD's breakdown of each.
 #
 # FUGU_GPU_STAGES picks stages (e.g. "1 2"; default all; stage 0 always runs), and
 # FUGU_GPU_BREAKDOWN_ENV stage 4's second setting (default FUGU_FLASH_WARP_ROWS=32).
@@ -227,6 +227,9 @@ for round in 1 2; do
         CONFIG=llama-d128 SHAPE=8x2048 bench "llama-d128 $path r$round" gpu/head/bench-train \
             FUGU_ATTENTION=$path
     done
+    # The head-128 kernels on warpgroup MMA (the forward and the stored-dS backward).
+    CONFIG=llama-d128 SHAPE=8x2048 bench "llama-d128 stored wgmma r$round" gpu/head/bench-train \
+        FUGU_FLASH_BACKWARD=stored FUGU_FLASH_MMA=wgmma
 done
 limited 90 gpu/head/bench-train --config llama-124m --device cuda --precision bf16 \
     --shape "$SHAPE" --steps "$STEPS" --breakdown

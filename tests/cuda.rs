@@ -1075,12 +1075,15 @@ mod gpu {
     /// The forward kernel on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`, the tensor
     /// cores reading K and V from swizzled shared memory), with 64 and 128 query rows per
     /// block (one warpgroup or two): against the CPU as the default kernel is, on every
-    /// fused-attention test shape; on the emulator, which sums each 16-deep slice in k order
-    /// as it does for mma.sync, also the same bits as the default kernel (a GPU's order
-    /// inside either instruction is unspecified).
+    /// fused-attention test shape, heads of 65 to 128 too (`flash_forward_wgmma_d128`: two
+    /// 64-column swizzled tiles per K and V tile, 64 rows per block whatever the setting); on
+    /// the emulator, which sums each 16-deep slice in k order as it does for mma.sync, also
+    /// the same bits as the default kernel (a GPU's order inside either instruction is
+    /// unspecified).
     #[test]
     fn fused_attention_wgmma_forward() {
-        each_attention_case(FUSED_SHAPES, true, |be, x, emulated| {
+        let shapes = FUSED_SHAPES.into_iter().chain(HEAD_128_SHAPES);
+        each_attention_case(shapes, true, |be, x, emulated| {
             let AttnCase {
                 d, qkv, out, lse, ..
             } = x;
@@ -1104,11 +1107,13 @@ mod gpu {
     /// The backward pass with stored dS on Hopper's warpgroup MMA (`FUGU_FLASH_MMA=wgmma`,
     /// `FUGU_FLASH_BACKWARD=stored`: the dK/dV kernel's four products and the dQ kernel's one
     /// with the tensor cores reading Q, dO and K from swizzled shared memory): against the
-    /// CPU as the default kernels are, on every fused-attention test shape; on the emulator
-    /// also the same bits as the default (the same sums in the same order there).
+    /// CPU as the default kernels are, on every fused-attention test shape, heads of 65 to
+    /// 128 too (the `_wgmma_d128` kernels); on the emulator also the same bits as the default
+    /// (the same sums in the same order there).
     #[test]
     fn fused_attention_wgmma_backward() {
-        each_attention_case(FUSED_SHAPES, true, |be, x, emulated| {
+        let shapes = FUSED_SHAPES.into_iter().chain(HEAD_128_SHAPES);
+        each_attention_case(shapes, true, |be, x, emulated| {
             let (d, n) = (x.d, x.width());
             let (split, wg) = (be.nan(n), be.nan(n));
             x.backward(&mut be.gpu, split);
@@ -1174,9 +1179,9 @@ mod gpu {
                     (FlashBackward::Stored, FlashMma::Sync, 32),
                     (FlashBackward::Fused, FlashMma::Sync, 16),
                 ]);
-                if be.gpu.has_wgmma() {
-                    forms.push((FlashBackward::Stored, FlashMma::Wgmma, 16));
-                }
+            }
+            if be.gpu.has_wgmma() {
+                forms.push((FlashBackward::Stored, FlashMma::Wgmma, 16));
             }
             for (form, mma, rows) in forms {
                 be.gpu.set_flash_backward(form);

@@ -35,11 +35,11 @@ pub(super) const FLASH_MAX_HEAD: usize = 128;
 pub(super) const FLASH_ROWS: usize = 64;
 /// The forms of the kernels for heads of 65 to 128 (`flash_forward_d128`, the split backward's
 /// `flash_backward_dq_d128` and `flash_backward_dkv_d128`, the stored-dS backward's
-/// `flash_backward_dkv_store_d128` and `flash_backward_dq_stored_d128`): 64 query rows or keys
-/// per block, 16 per warp, `mma.sync`; the other `FUGU_FLASH_*` forms are the head-64
-/// kernels'.
+/// `flash_backward_dkv_store_d128` and `flash_backward_dq_stored_d128`, and on warpgroup MMA
+/// the forward's and the stored-dS backward's `_wgmma_d128`): 64 query rows or keys per block,
+/// 16 per warp; the other `FUGU_FLASH_*` forms are the head-64 kernels'.
 pub(super) const D128_FORM: &str =
-    "64 query rows per block, 16 per warp, mma.sync, the split or stored backward";
+    "64 query rows per block, 16 per warp, the split or stored backward";
 
 /// The most tiles a `_d128` kernel keeps in dynamic shared memory (the backward's six: 102 KB,
 /// more than sm_86 and sm_89 GPUs give a block, where heads over 64 take the three-step path).
@@ -70,10 +70,16 @@ pub(super) struct FlashBackwardCall {
 
 /// Dynamic shared memory of `tiles` tiles of the `_d128` kernels (`fa_tiles`: 64 rows of 128 +
 /// 8 elements of 16 bits, 17 KB each): the forward's four (K and V, double-buffered), the
-/// backward's six (its own Q and dO, or K and V, too).
+/// backward's six (its own Q and dO, or K and V, too); and [`FLASH_TILE_ALIGN`] bytes to start
+/// them on a 1024-byte boundary (`fa_dynamic`).
 pub(super) fn d128_shmem(tiles: u32) -> u32 {
-    tiles * FLASH_ROWS as u32 * (FLASH_MAX_HEAD as u32 + 8) * 2
+    tiles * FLASH_ROWS as u32 * (FLASH_MAX_HEAD as u32 + 8) * 2 + FLASH_TILE_ALIGN
 }
+
+/// The alignment of the tiles the tensor cores read themselves (the 128-byte swizzle's
+/// pattern repeats every 1024 bytes of shared memory): the `_d128` kernels' dynamic shared
+/// memory, which starts after their static, leaves up to this much unused before its first.
+pub(super) const FLASH_TILE_ALIGN: u32 = 1024;
 
 impl CudaBackend {
     /// The common storage type of the fused attention's tensors, checked.
@@ -100,7 +106,9 @@ impl CudaBackend {
     /// `_d128` kernel ([`D128_FORM`]).
     pub(super) fn forward_kernel(&mut self, d: AttnDims) -> FlashLaunch {
         if self.head_128(d) {
-            return FlashLaunch::d128(K::flash_forward_d128, 4);
+            let wgmma = self.flash_mma == FlashMma::Wgmma;
+            let k = [K::flash_forward_d128, K::flash_forward_wgmma_d128][wgmma as usize];
+            return FlashLaunch::d128(k, 4);
         }
         let q = self.flash_query_rows;
         let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
@@ -181,7 +189,6 @@ impl CudaBackend {
         let wide = d.hs > FLASH_HEAD_64;
         let d128_has = self.flash_warp_rows == FlashWarpRows::default()
             && self.flash_query_rows == FlashQueryRows::default()
-            && self.flash_mma == FlashMma::Sync
             && self.flash_backward != FlashBackward::Fused;
         if wide && !d128_has && !self.head_128_noted {
             eprintln!(
@@ -386,9 +393,19 @@ impl CudaBackend {
     /// 64, the `_d128` kernels (the dQ kernel's four tiles, the dK/dV kernel's six).
     fn stored_kernels(&mut self, d: AttnDims) -> (FlashLaunch, FlashLaunch) {
         if self.head_128(d) {
+            let (dkv, dq) = match self.flash_mma {
+                FlashMma::Sync => (
+                    K::flash_backward_dkv_store_d128,
+                    K::flash_backward_dq_stored_d128,
+                ),
+                FlashMma::Wgmma => (
+                    K::flash_backward_dkv_store_wgmma_d128,
+                    K::flash_backward_dq_stored_wgmma_d128,
+                ),
+            };
             return (
-                FlashLaunch::d128(K::flash_backward_dkv_store_d128, D128_MOST_TILES),
-                FlashLaunch::d128(K::flash_backward_dq_stored_d128, 4),
+                FlashLaunch::d128(dkv, D128_MOST_TILES),
+                FlashLaunch::d128(dq, 4),
             );
         }
         let rows = self.flash_warp_rows;

@@ -1250,6 +1250,12 @@ typedef unsigned long long u64;
 
 // Element (r, c) of a 64 × 64 tile in the 128-byte swizzle.
 __device__ int fa_sw(int r, int c) { return r * FA_WG_D + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
+// Element (r, c) of a 64 × D swizzled tile: D / 64 such 64 × 64 tiles one after another (8 KB
+// apart, so each 1024-byte aligned), columns 64·j .. in the j-th (the _d128 wgmma kernels).
+template <int D>
+__device__ int fa_swd(int r, int c) {
+    return (c / FA_WG_D) * (FA_ROWS * FA_WG_D) + fa_sw(r, c % FA_WG_D);
+}
 
 #if defined(__CUDACC_RTC__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ u64 wg_desc(smem_t a) {
@@ -1330,27 +1336,36 @@ __device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T
 }
 #endif
 
-// acc (this warp's 16 rows of the warpgroup's 64 × 64) = A (fragments over FA_WG_D) · Bᵀ, B the
-// swizzled tile `s` (64 rows × FA_WG_D: K), as fa_mma_abt_m computes it.
-template <typename T>
+// The byte offset of the 64 × 64 swizzled tile j of a D-wide one (fa_swd).
+#define FA_WG_TILE_BYTES (FA_ROWS * FA_WG_D * 2)
+
+// acc (this warp's 16 rows of the warpgroup's 64 × 64) = A (fragments over D) · Bᵀ, B the
+// swizzled tile `s` (64 rows × D: K), as fa_mma_abt_m computes it: the k16 slice kd from the
+// 64-column tile kd / 4, 32 · (kd % 4) bytes in.
+template <typename T, int D = FA_WG_D>
 __device__ void fa_wg_abt(float (*acc)[4], u32 (*a)[4], T* s) {
     smem_t sb = smem(s);
     wg_fence();
 #pragma unroll
-    for (int kd = 0; kd < FA_WG_D / 16; kd++)
-        wgmma_64x64x16<0>(acc, a[kd], wg_desc(sb + 32 * kd), kd > 0, T());
+    for (int kd = 0; kd < D / 16; kd++)
+        wgmma_64x64x16<0>(acc, a[kd], wg_desc(sb + (kd / 4) * FA_WG_TILE_BYTES + 32 * (kd % 4)),
+                          kd > 0, T());
     wg_commit();
     wg_wait();
 }
 // acc += P (this warp's 16 rows × 64 keys, packed A fragments) · B, B the swizzled tile `s`
-// (64 keys × FA_WG_D: V), as fa_mma_pb_m computes it.
-template <typename T>
+// (64 keys × D: V), as fa_mma_pb_m computes it: columns 64·j .. of acc (its accumulators
+// 8·j ..) from the 64-column tile j.
+template <typename T, int D = FA_WG_D>
 __device__ void fa_wg_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
     smem_t sb = smem(s);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < FA_ROWS / 16; kk++)
-        wgmma_64x64x16<1>(acc, pa[kk], wg_desc(sb + 2048 * kk), 1, T());
+    for (int j = 0; j < D / FA_WG_D; j++)
+#pragma unroll
+        for (int kk = 0; kk < FA_ROWS / 16; kk++)
+            wgmma_64x64x16<1>(acc + j * (FA_WG_D / 8), pa[kk],
+                              wg_desc(sb + j * FA_WG_TILE_BYTES + 2048 * kk), 1, T());
     wg_commit();
     wg_wait();
 }
@@ -1367,12 +1382,12 @@ __device__ bool fa_vec_ok(const T* base, i64 hs, i64 ldq) {
 // later group, or of this one's successor, and a barrier), else element by element (complete
 // after the next barrier).
 //
-// With SW the tile is laid out for the tensor cores' own reads (wgmma): rows of FA_WG_D elements
-// (128 bytes), no padding, the 16-byte chunks of row r swizzled (fa_sw).
+// With SW the tile is laid out for the tensor cores' own reads (wgmma): D / 64 tiles of 64
+// columns, rows of 128 bytes, no padding, the 16-byte chunks of row r swizzled (fa_swd).
 template <typename T, int D, bool SW = false>
 __device__ void fa_load(T* s, const T* src, i64 row0, i64 Tn, i64 ldq, int hs, bool vec) {
-    static_assert(!SW || D == FA_WG_D, "the swizzled tiles are 64 columns wide");
-    auto at = [](int r, int c) { return SW ? fa_sw(r, c) : r * FA_LDS(D) + c; };
+    static_assert(!SW || D % FA_WG_D == 0, "the swizzled tiles are 64 columns wide");
+    auto at = [](int r, int c) { return SW ? fa_swd<D>(r, c) : r * FA_LDS(D) + c; };
     if (vec) {
         smem_t sb = smem(s);
         for (int i = threadIdx.x; i < FA_ROWS * (D / 8); i += blockDim.x) {
@@ -1605,11 +1620,16 @@ __device__ void fa_mask(float (*acc)[4], int row, float v, bool below) {
 }
 
 // The dynamic shared memory after the first n tiles of width D there: fa_tiles puts a kernel's
-// tiles there for D = 128 only (for 64, at its start).
+// tiles there for D = 128 only (for 64, at its start), from the first 1024-byte boundary (the
+// swizzled tiles' need; dynamic memory starts after the static, at no such boundary: the host
+// adds FLASH_TILE_ALIGN bytes, d128_shmem).
 template <typename T, int D>
 __device__ T* fa_dynamic(int n) {
     DYNAMIC_SHARED(Pack<float>, dyn);
-    return reinterpret_cast<T*>(dyn) + (D > FA_STATIC_D ? n : 0) * FA_ROWS * FA_LDS(D);
+    char* base = reinterpret_cast<char*>(dyn);
+    if constexpr (D > FA_STATIC_D)
+        base += (1024 - ((unsigned long long)smem(base) & 1023)) & 1023;
+    return reinterpret_cast<T*>(base) + (D > FA_STATIC_D ? n : 0) * FA_ROWS * FA_LDS(D);
 }
 
 // A kernel's N shared-memory tiles of FA_ROWS rows × D (row stride FA_LDS(D)), 1024-byte
@@ -1646,7 +1666,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     static_assert(QR <= 2 * FA_ROWS, "Q is loaded into key block 1's two tiles");
     // With WG each warpgroup (4 warps) owns 64 of the block's rows; a warpgroup's warps skip
     // a key tile together (key blocks and warpgroups are both 64-row aligned).
-    static_assert(!WG || (M == 1 && W % 4 == 0 && D == FA_WG_D),
+    static_assert(!WG || (M == 1 && W % 4 == 0 && D % FA_WG_D == 0),
                   "wgmma: warpgroups of 16-row warps");
     // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1]; Q (QR rows) first in block 1's.
     // With WG, K and V in the 128-byte swizzle (each tile 1024-byte aligned: 9 KB apart).
@@ -1703,7 +1723,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             if (QR > FA_ROWS && off + 16 * M <= 0) continue;  // every key after every row
             float s[M][FA_ROWS / 8][4];
             if constexpr (WG)
-                fa_wg_abt<T>(s[0], qa[0], sKV[2 * cur]);
+                fa_wg_abt<T, D>(s[0], qa[0], sKV[2 * cur]);
             else
                 fa_mma_abt_m<T, M, D>(s, qa, sKV[2 * cur]);
             u32 pa[M][FA_ROWS / 16][4];
@@ -1741,7 +1761,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                 fa_pack<T>(pa[i], s[i]);
             }
             if constexpr (WG)
-                fa_wg_pb<T>(o[0], pa[0], sKV[2 * cur + 1]);
+                fa_wg_pb<T, D>(o[0], pa[0], sKV[2 * cur + 1]);
             else
                 fa_mma_pb_m<T, M, D>(o, pa, sKV[2 * cur + 1]);
         }
@@ -1768,12 +1788,13 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
                    float scale) {                                                            \
         flash_forward_k<T, D, M, W>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);               \
     }
-// The warpgroup-MMA forms (FUGU_FLASH_MMA=wgmma): W warps of 16 rows, one or two warpgroups.
-#define FA_FWD_WG(S, T, NAME, W, MINB)                                                       \
+// The warpgroup-MMA forms (FUGU_FLASH_MMA=wgmma): W warps of 16 rows, one or two warpgroups,
+// heads of up to D columns.
+#define FA_FWD_WG(S, T, NAME, D, W, MINB)                                                    \
     extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
         NAME##_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, \
                    float scale) {                                                            \
-        flash_forward_k<T, FA_WG_D, 1, W, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);      \
+        flash_forward_k<T, D, 1, W, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);         \
     }
 #define DEF(S, T)                                                                            \
     FA_FWD(S, T, flash_forward, 64, 1, 4, FA_MINB_FWD)                                       \
@@ -1781,8 +1802,9 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     FA_FWD(S, T, flash_forward_q128, 64, 1, 8, FA_MINB_FWD / 2)                              \
     FA_FWD(S, T, flash_forward_wide_q128, 64, 2, 4, FA_MINB_FWD_WIDE / 2)                  \
     FA_FWD(S, T, flash_forward_d128, 128, 1, 4, FA_MINB_FWD_D128)                            \
-    FA_FWD_WG(S, T, flash_forward_wgmma, 4, FA_MINB_FWD)                                     \
-    FA_FWD_WG(S, T, flash_forward_wgmma_q128, 8, FA_MINB_FWD / 2)
+    FA_FWD_WG(S, T, flash_forward_wgmma, 64, 4, FA_MINB_FWD)                                 \
+    FA_FWD_WG(S, T, flash_forward_wgmma_q128, 64, 8, FA_MINB_FWD / 2)                        \
+    FA_FWD_WG(S, T, flash_forward_wgmma_d128, 128, 4, FA_MINB_FWD_D128)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_FWD_WG
@@ -2114,7 +2136,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                                      i64 kvh, i64 hs_, float scale, T* ds_out, float* dq_acc,
                                      int* sync, FaRope rope) {
     constexpr bool DQ = DS == DS_TURNS, REREAD = FA_REREAD(M, D);
-    static_assert(!WG || (M == 1 && !DQ && D == FA_WG_D),
+    static_assert(!WG || (M == 1 && !DQ && D % FA_WG_D == 0),
                   "wgmma: one warpgroup of 16-key warps, no turns");
     // With WG, the Q and dO tiles in the 128-byte swizzle (K and V, read once into registers,
     // as they are). With D = 128 every tile in dynamic shared memory: Q, dO, then K and V.
@@ -2197,7 +2219,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 {
                     float p[M][FA_ROWS / 8][4];
                     if constexpr (WG)
-                        fa_wg_abt<T>(p[0], ka[0], sQ[cur]);
+                        fa_wg_abt<T, D>(p[0], ka[0], sQ[cur]);
                     else
                         fa_mma_abt_m<T, M, D>(p, ka, sQ[cur]);
 #pragma unroll
@@ -2216,8 +2238,9 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 }
                 float ds[M][FA_ROWS / 8][4];
                 if constexpr (WG) {
-                    fa_wg_pb<T>(dv[0], pa[0], sO[cur]);
-                    fa_wg_abt<T>(ds[0], va[0], sO[cur]);
+                    fa_wg_pb<T, D>(dv[0], pa[0], sO[cur]);
+                    if constexpr (REREAD) fa_a_frags_m<T, M, D>(va, sV, w0);
+                    fa_wg_abt<T, D>(ds[0], va[0], sO[cur]);
                 } else {
                     fa_mma_pb_m<T, M, D>(dv, pa, sO[cur]);
                     if constexpr (REREAD) fa_a_frags_m<T, M, D>(va, sV, w0);
@@ -2237,7 +2260,7 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                     fa_put_frags_m<T, M, FA_ROWS>(
                         ds_out + (bh * ntri + qb * (qb + 1) / 2 + kb) * FA_ROWS * FA_ROWS, pa, w0);
                 if constexpr (WG)
-                    fa_wg_pb<T>(dk[0], pa[0], sQ[cur]);
+                    fa_wg_pb<T, D>(dk[0], pa[0], sQ[cur]);
                 else
                     fa_mma_pb_m<T, M, D>(dk, pa, sQ[cur]);
                 if constexpr (DQ) {
@@ -2299,6 +2322,8 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
     FA_DKV(S, T, flash_backward_dkv_store_wgmma, 64, 1, FA_MINB_DKV_WG, DS_STORE, true)      \
     FA_DKV(S, T, flash_backward_dkv_d128, 128, 1, FA_MINB_DKV_D128, DS_DROP, false)          \
     FA_DKV(S, T, flash_backward_dkv_store_d128, 128, 1, FA_MINB_DKV_D128, DS_STORE, false)   \
+    FA_DKV(S, T, flash_backward_dkv_store_wgmma_d128, 128, 1, FA_MINB_DKV_D128, DS_STORE,     \
+           true)                                                                             \
     FA_FUSED(S, T, flash_backward_fused, 1)                                                  \
     FA_FUSED(S, T, flash_backward_fused_wide, 2)
 FOR_HALF_TYPES(DEF)
@@ -2317,7 +2342,7 @@ FOR_HALF_TYPES(DEF)
 template <typename T, int D, int M, bool WG = false>
 __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i64 B, i64 Tn,
                                            i64 nh, i64 kvh, i64 hs_, float scale, FaRope rope) {
-    static_assert(!WG || (M == 1 && D == FA_WG_D), "wgmma: one warpgroup of 16-row warps");
+    static_assert(!WG || (M == 1 && D % FA_WG_D == 0), "wgmma: one warpgroup of 16-row warps");
     // Key block c's tiles: K in sKS[2c] (with WG in the 128-byte swizzle), dS (keys ×
     // queries, a 64-column tile) in sKS[2c + 1].
     auto sKS = fa_tiles<T, D, 4, 0>(0);
@@ -2356,7 +2381,7 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
             u32 pa[M][FA_ROWS / 16][4];  // dS of this warp's query rows, keys along k
             fa_a_frags_trans_m<T, M>(pa, sKS[2 * cur + 1], w0);
             if constexpr (WG)
-                fa_wg_pb<T>(dq[0], pa[0], sKS[2 * cur]);
+                fa_wg_pb<T, D>(dq[0], pa[0], sKS[2 * cur]);
             else
                 fa_mma_pb_m<T, M, D>(dq, pa, sKS[2 * cur]);
         }
@@ -2378,7 +2403,9 @@ __device__ void flash_backward_dq_stored_k(T* dqkv, const T* ds, const T* qkv, i
     FA_DQ_STORED(S, T, flash_backward_dq_stored, 64, 1, FA_MINB_DQ_STORED, false)            \
     FA_DQ_STORED(S, T, flash_backward_dq_stored_wide, 64, 2, FA_MINB_DQ_STORED, false)       \
     FA_DQ_STORED(S, T, flash_backward_dq_stored_wgmma, 64, 1, FA_MINB_DQ_STORED, true)       \
-    FA_DQ_STORED(S, T, flash_backward_dq_stored_d128, 128, 1, FA_MINB_DQ_STORED_D128, false)
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_d128, 128, 1, FA_MINB_DQ_STORED_D128, false)  \
+    FA_DQ_STORED(S, T, flash_backward_dq_stored_wgmma_d128, 128, 1, FA_MINB_DQ_STORED_D128,   \
+                 true)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_DQ_STORED
