@@ -2086,6 +2086,42 @@ fn eval_reproduces_the_runs_evaluations_and_scores_choices() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A batch whose activations cannot fit in memory is refused before anything that size is
+/// allocated, naming the batch shape and each setting that would hold fewer activations and
+/// is not in use yet (`train/setup.rs`, `memory_remedies`).
+#[test]
+fn activations_that_cannot_fit_are_refused_with_what_would_help() {
+    let r = SmallRuns::new("too-big");
+    // 50M sequences of 32 tokens: their logits alone are hundreds of petabytes.
+    let big = ["--batch-size", "50000000", "--steps", "1"];
+    let refusal = |run: &str, extra: &[&str]| {
+        let mut a = vec!["--out", run];
+        a.extend(big);
+        a.extend(extra);
+        let o = r.run(&a);
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(!o.status.success() && !err.contains("panicked"), "{err}");
+        assert!(err.contains("--batch-size 50000000 --seq-len"), "{err}");
+        assert!(
+            err.contains("lower the batch size or the sequence length"),
+            "{err}"
+        );
+        err
+    };
+    let err = refusal("big", &[]);
+    for remedy in ["--micro-batches", "--recompute full", "--loss-chunk ROWS"] {
+        assert!(err.contains(remedy), "{remedy}: {err}");
+    }
+    let err = refusal(
+        "big-chunked",
+        &["--recompute", "full", "--loss-chunk", "64"],
+    );
+    assert!(err.contains("--micro-batches"), "{err}");
+    for used in ["--recompute full", "--loss-chunk ROWS"] {
+        assert!(!err.contains(used), "{used} is in use: {err}");
+    }
+}
+
 /// Numbers no setting means, and sizes nothing can hold, are refused naming the flag or field,
 /// before the run's folder exists and without a panic; a closed pipe ends `predict` quietly.
 #[test]

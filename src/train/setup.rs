@@ -13,6 +13,7 @@ use crate::backend::Backend;
 use crate::checkpoint;
 use crate::checkpoint::optim::OptimizerFiles;
 use crate::config::{ModelConfig, RunConfig, TrainConfig};
+use crate::model::acts::Recompute;
 use crate::model::registry;
 use crate::model::stage::Stage;
 use crate::model::table::{Table, TensorSpec};
@@ -327,7 +328,7 @@ pub(super) fn loaders<B: Backend>(
         lcfg.verify = Verify::Full;
     }
     let memory = Memory::of(model, t.batch_size / opts.micro_batches, t.seq_len);
-    check_memory(model.backend(), &memory, &lcfg)?;
+    check_memory(model.backend(), &memory, &lcfg, opts)?;
     let source = BatchSource::open(
         &data.path,
         &lcfg,
@@ -453,7 +454,12 @@ impl Memory {
 /// Refuses a batch shape whose buffers cannot fit, before anything that size is allocated:
 /// activations, backward scratch and the backend's workspace against its free memory, the loader's prefetched
 /// batches against the host's (`MemAvailable`). Where a figure is unknown it is not checked.
-fn check_memory<B: Backend>(be: &B, mem: &Memory, lcfg: &LoaderConfig) -> Result<()> {
+fn check_memory<B: Backend>(
+    be: &B,
+    mem: &Memory,
+    lcfg: &LoaderConfig,
+    opts: &TrainOptions,
+) -> Result<()> {
     let (b, t) = (lcfg.batch_size, lcfg.seq_len);
     let gib = |x: f64| x / (1u64 << 30) as f64;
     if let Some(free) = be.free_memory() {
@@ -467,10 +473,11 @@ fn check_memory<B: Backend>(be: &B, mem: &Memory, lcfg: &LoaderConfig) -> Result
                 String::new()
             };
             bail!(
-                "--batch-size {b} --seq-len {t}: activations need {:.1} GiB per rank{ws} on {}, which has {:.1} GiB free; lower the batch size or the sequence length",
+                "--batch-size {b} --seq-len {t}: activations need {:.1} GiB per rank{ws} on {}, which has {:.1} GiB free; {}",
                 gib(mem.activations()),
                 be.describe(),
-                gib(free as f64)
+                gib(free as f64),
+                memory_remedies(opts, b)
             );
         }
     }
@@ -487,6 +494,24 @@ fn check_memory<B: Backend>(be: &B, mem: &Memory, lcfg: &LoaderConfig) -> Result
         }
     }
     Ok(())
+}
+
+/// What a run whose activations do not fit can change: the batch shape, and each setting
+/// that holds fewer activations and is not yet at its most (`b`: sequences per rank).
+fn memory_remedies(opts: &TrainOptions, b: usize) -> String {
+    let mut r = vec!["lower the batch size or the sequence length".to_string()];
+    if opts.micro_batches < b {
+        r.push("run the batch in more parts (--micro-batches, gradients accumulated)".into());
+    }
+    if opts.recompute != Recompute::Full {
+        r.push(
+            "keep fewer activations (--recompute full: the blocks' forward passes again)".into(),
+        );
+    }
+    if opts.loss_chunk.is_none() {
+        r.push("hold the logits a chunk at a time (--loss-chunk ROWS, e.g. 4096)".into());
+    }
+    r.join(", or ")
 }
 
 /// `--out`, or the run folder implied by `--resume DIR`, or a fresh `runs/CONFIG-TIME`.
