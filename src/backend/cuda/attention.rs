@@ -259,17 +259,7 @@ impl CudaBackend {
     /// the kernel's counters zeroed by `flash_backward_prep`, then `flash_backward_fused` with
     /// an f32 accumulator tile per query block (64 × 64: 16 KB, 50 MB for GPT-2 124M B=16).
     pub(super) fn attention_backward_one_kernel(&mut self, c: &FlashBackwardCall) {
-        let FlashBackwardCall {
-            dt,
-            delta,
-            dqkv,
-            dout,
-            out,
-            lse,
-            qkv,
-            d,
-            ..
-        } = *c;
+        let d = c.d;
         // One query block (and one work item) per tile of the grid.
         let tiles = Self::flash_grid(d, FLASH_ROWS) as usize;
         // The kernel's item counter and turns are ints.
@@ -280,14 +270,14 @@ impl CudaBackend {
         let acc_bytes = tiles * FLASH_ROWS * FLASH_HEAD_64 * 4;
         let acc = self.scratch(|s| &mut s.attn_dq, acc_bytes + 4 * (1 + tiles));
         let sync = acc + acc_bytes as u64;
-        self.flash_delta(dt, delta, (sync, 1 + tiles), (dout, out), d);
+        self.flash_delta(c, (sync, 1 + tiles));
         let mut args = vec![
-            Arg::Ptr(self.ptr(dqkv)),
-            Arg::Ptr(delta),
-            Arg::Ptr(self.ptr(dout)),
-            Arg::Ptr(self.ptr(lse)),
+            Arg::Ptr(self.ptr(c.dqkv)),
+            Arg::Ptr(c.delta),
+            Arg::Ptr(self.ptr(c.dout)),
+            Arg::Ptr(self.ptr(c.lse)),
         ];
-        args.extend(self.flash_args(qkv, d));
+        args.extend(self.flash_args(c.qkv, d));
         args.extend([Arg::Ptr(acc), Arg::Ptr(sync)]);
         args.extend(c.rope);
         let (k, threads) = FlashWarpRows::pick(
@@ -296,25 +286,19 @@ impl CudaBackend {
             K::flash_backward_fused_wide,
         );
         let blocks = Self::flash_grid_kv(d);
-        self.launch(k, dt, blocks, threads, FLASH_FUSED_SHMEM, &args);
+        self.launch(k, c.dt, blocks, threads, FLASH_FUSED_SHMEM, &args);
     }
 
-    /// Δ = rowsum(dout ∘ out) into `delta` (`flash_backward_prep`), which also zeroes `n`
-    /// counters at `sync` (the one-kernel backward's; none for the others).
-    fn flash_delta(
-        &mut self,
-        dt: Dtype,
-        delta: u64,
-        (sync, n): (u64, usize),
-        (dout, out): (Span, Span),
-        d: AttnDims,
-    ) {
+    /// Δ = rowsum(dout ∘ out) of call `c` into its `delta` (`flash_backward_prep`), which
+    /// also zeroes `n` counters at `sync` (the one-kernel backward's; none for the others).
+    fn flash_delta(&mut self, c: &FlashBackwardCall, (sync, n): (u64, usize)) {
+        let d = c.d;
         let args = [
-            Arg::Ptr(delta),
+            Arg::Ptr(c.delta),
             Arg::Ptr(sync),
             Arg::I64(n as i64),
-            Arg::Ptr(self.ptr(dout)),
-            Arg::Ptr(self.ptr(out)),
+            Arg::Ptr(self.ptr(c.dout)),
+            Arg::Ptr(self.ptr(c.out)),
             Arg::I64(d.b as i64),
             Arg::I64(d.t as i64),
             Arg::I64(d.nh as i64),
@@ -327,7 +311,7 @@ impl CudaBackend {
             (K::flash_backward_prep, FLASH_HEAD_64 / 8)
         };
         let grid = (lanes * d.b * d.nh * d.t).div_ceil(ELEM_THREADS as usize) as u64;
-        self.launch(k, dt, grid, ELEM_THREADS, 0, &args);
+        self.launch(k, c.dt, grid, ELEM_THREADS, 0, &args);
     }
 
     /// The fused attention's backward pass with stored dS ([`super::FlashBackward::Stored`]): Δ, then
@@ -335,28 +319,18 @@ impl CudaBackend {
     /// `flash_backward_dkv_store` (dK, dV, and dS for every causal tile pair) and
     /// `flash_backward_dq_stored` (dQ from dS and K).
     pub(super) fn attention_backward_stored_ds(&mut self, call: &FlashBackwardCall) {
-        let FlashBackwardCall {
-            dt,
-            delta,
-            dqkv,
-            dout,
-            out,
-            lse,
-            qkv,
-            d,
-            ..
-        } = *call;
-        self.flash_delta(dt, delta, (delta, 0), (dout, out), d);
+        let (dt, delta, d) = (call.dt, call.delta, call.d);
+        self.flash_delta(call, (delta, 0));
         let nkb = d.t.div_ceil(FLASH_ROWS);
         let per_seq = d.nh * nkb * (nkb + 1) / 2 * FLASH_ROWS * FLASH_ROWS * dt.bytes();
         let chunk = (self.flash_ds_budget / per_seq).clamp(1, d.b);
         let ds = self.scratch(|s| &mut s.attn_dq, chunk * per_seq);
         let (w, c) = (d.shape().qkv_width(), d.nh * d.hs);
         let (dq, dy, l, x) = (
-            self.ptr(dqkv),
-            self.ptr(dout),
-            self.ptr(lse),
-            self.qkv_ptr(qkv, d),
+            self.ptr(call.dqkv),
+            self.ptr(call.dout),
+            self.ptr(call.lse),
+            self.qkv_ptr(call.qkv, d),
         );
         let (kkv, kq) = self.stored_kernels(d);
         for b0 in (0..d.b).step_by(chunk) {
