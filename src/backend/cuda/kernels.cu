@@ -1342,30 +1342,41 @@ __device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T
 // acc (this warp's 16 rows of the warpgroup's 64 × 64) = A (fragments over D) · Bᵀ, B the
 // swizzled tile `s` (64 rows × D: K), as fa_mma_abt_m computes it: the k16 slice kd from the
 // 64-column tile kd / 4, 32 · (kd % 4) bytes in.
+// fa_wg_abt_issue only issues the products (after a wg_fence; a wg_commit and wg_wait
+// later), so that another chain can follow before the wait.
 template <typename T, int D = FA_WG_D>
-__device__ void fa_wg_abt(float (*acc)[4], u32 (*a)[4], T* s) {
+__device__ void fa_wg_abt_issue(float (*acc)[4], u32 (*a)[4], T* s) {
     smem_t sb = smem(s);
-    wg_fence();
 #pragma unroll
     for (int kd = 0; kd < D / 16; kd++)
         wgmma_64x64x16<0>(acc, a[kd], wg_desc(sb + (kd / 4) * FA_WG_TILE_BYTES + 32 * (kd % 4)),
                           kd > 0, T());
+}
+template <typename T, int D = FA_WG_D>
+__device__ void fa_wg_abt(float (*acc)[4], u32 (*a)[4], T* s) {
+    wg_fence();
+    fa_wg_abt_issue<T, D>(acc, a, s);
     wg_commit();
     wg_wait();
 }
 // acc += P (this warp's 16 rows × 64 keys, packed A fragments) · B, B the swizzled tile `s`
 // (64 keys × D: V), as fa_mma_pb_m computes it: columns 64·j .. of acc (its accumulators
 // 8·j ..) from the 64-column tile j.
+// (fa_wg_pb_issue: the products only, as fa_wg_abt_issue.)
 template <typename T, int D = FA_WG_D>
-__device__ void fa_wg_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
+__device__ void fa_wg_pb_issue(float (*acc)[4], u32 (*pa)[4], T* s) {
     smem_t sb = smem(s);
-    wg_fence();
 #pragma unroll
     for (int j = 0; j < D / FA_WG_D; j++)
 #pragma unroll
         for (int kk = 0; kk < FA_ROWS / 16; kk++)
             wgmma_64x64x16<1>(acc + j * (FA_WG_D / 8), pa[kk],
                               wg_desc(sb + j * FA_WG_TILE_BYTES + 2048 * kk), 1, T());
+}
+template <typename T, int D = FA_WG_D>
+__device__ void fa_wg_pb(float (*acc)[4], u32 (*pa)[4], T* s) {
+    wg_fence();
+    fa_wg_pb_issue<T, D>(acc, pa, s);
     wg_commit();
     wg_wait();
 }
@@ -2238,9 +2249,14 @@ __device__ void flash_backward_dkv_k(T* dqkv, const float* delta, const T* dout,
                 }
                 float ds[M][FA_ROWS / 8][4];
                 if constexpr (WG) {
-                    fa_wg_pb<T, D>(dv[0], pa[0], sO[cur]);
+                    // dV += Pᵀ·dO and dPᵀ = V·dOᵀ (independent: one wait for both, the tensor
+                    // cores running the second chain straight after the first).
                     if constexpr (REREAD) fa_a_frags_m<T, M, D>(va, sV, w0);
-                    fa_wg_abt<T, D>(ds[0], va[0], sO[cur]);
+                    wg_fence();
+                    fa_wg_pb_issue<T, D>(dv[0], pa[0], sO[cur]);
+                    fa_wg_abt_issue<T, D>(ds[0], va[0], sO[cur]);
+                    wg_commit();
+                    wg_wait();
                 } else {
                     fa_mma_pb_m<T, M, D>(dv, pa, sO[cur]);
                     if constexpr (REREAD) fa_a_frags_m<T, M, D>(va, sV, w0);
