@@ -1588,6 +1588,17 @@ __device__ float fa_round(float x) {
     return ld(v);
 }
 
+// Calls f(nd, e, row, c) for each of a warp's N accumulators of 8 columns (nd) and their 4
+// entries (e: rows g and g + 8 from row0, columns 2t and 2t + 1 of the 8).
+template <int N, typename F>
+__device__ void fa_each_acc(i64 row0, F f) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nd = 0; nd < N; nd++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) f(nd, e, row0 + g + (e >> 1) * 8, nd * 8 + 2 * t + (e & 1));
+}
+
 // Stores a warp's 16 × hs accumulator tile at rows row0.. of a row-major matrix (row stride
 // ldq; rows from Tn on and columns from hs on are dropped), times mul[0] (rows g) and mul[1]
 // (rows g + 8); D / 8 accumulators of 8 columns. With `rope` (heads of D columns), the rows
@@ -1596,33 +1607,22 @@ __device__ float fa_round(float x) {
 template <typename T, int D>
 __device__ void fa_store(T* dst, float (*acc)[4], i64 row0, i64 Tn, i64 ldq, int hs,
                          const float* mul, FaRope rope = FaRope{nullptr, 0}) {
-    int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
     if (rope.table != nullptr && hs == D) {
         constexpr int H = D / 2;
-#pragma unroll
-        for (int nd = 0; nd < D / 16; nd++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                i64 row = row0 + g + (e >> 1) * 8;
-                int c = nd * 8 + 2 * t + (e & 1);
-                if (row >= Tn) continue;
-                float x0 = fa_round<T>(acc[nd][e] * mul[e >> 1]),
-                      x1 = fa_round<T>(acc[nd + D / 16][e] * mul[e >> 1]);
-                const float* cs = rope.table + row * H + c;
-                rope_pair(x0, x1, cs[0], -1.0f * cs[rope.p * H]);
-                st(dst[row * ldq + c], x0);
-                st(dst[row * ldq + c + H], x1);
-            }
+        fa_each_acc<D / 16>(row0, [&](int nd, int e, i64 row, int c) {
+            if (row >= Tn) return;
+            float x0 = fa_round<T>(acc[nd][e] * mul[e >> 1]),
+                  x1 = fa_round<T>(acc[nd + D / 16][e] * mul[e >> 1]);
+            const float* cs = rope.table + row * H + c;
+            rope_pair(x0, x1, cs[0], -1.0f * cs[rope.p * H]);
+            st(dst[row * ldq + c], x0);
+            st(dst[row * ldq + c + H], x1);
+        });
         return;
     }
-#pragma unroll
-    for (int nd = 0; nd < D / 8; nd++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            i64 row = row0 + g + (e >> 1) * 8;
-            int c = nd * 8 + 2 * t + (e & 1);
-            if (row < Tn && c < hs) st(dst[row * ldq + c], acc[nd][e] * mul[e >> 1]);
-        }
+    fa_each_acc<D / 8>(row0, [&](int nd, int e, i64 row, int c) {
+        if (row < Tn && c < hs) st(dst[row * ldq + c], acc[nd][e] * mul[e >> 1]);
+    });
 }
 
 // Sets the entries of a diagonal tile's accumulators above the diagonal (local column after
