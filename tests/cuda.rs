@@ -1178,6 +1178,7 @@ mod gpu {
                     (FlashBackward::Split, FlashMma::Sync, 32),
                     (FlashBackward::Stored, FlashMma::Sync, 32),
                     (FlashBackward::Fused, FlashMma::Sync, 16),
+                    (FlashBackward::Fused, FlashMma::Sync, 32),
                 ]);
             }
             if be.gpu.has_wgmma() {
@@ -1185,12 +1186,12 @@ mod gpu {
             }
             for (form, mma, rows) in forms {
                 be.gpu.set_flash_backward(form);
-                be.gpu.set_flash_mma(mma).unwrap();
                 be.gpu.set_flash_warp_rows(FlashWarpRows {
                     forward: 16,
                     dq: rows,
                     dkv: rows,
                 });
+                be.gpu.set_flash_mma(mma).unwrap();
                 let (then, inside) = (be.nan(n), be.nan(n));
                 x.backward(&mut be.gpu, then);
                 be.gpu.rope_backward(&r, then);
