@@ -28,8 +28,8 @@ mod gpu {
     };
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CeRows, CpuBackend, Dtype, Embedding,
-        FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
-        RmsNormGrads, Rope, Span, TokSpan, WeightLayout,
+        FusedAttention, FusedOut, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads,
+        NormStats, RmsNorm, RmsNormGrads, Rope, Span, TokSpan, WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
     use fugu::config::{ModelConfig, RunConfig};
@@ -905,13 +905,13 @@ mod gpu {
             be.gpu.set_flash_query_rows(FlashQueryRows::default());
             let dout = be.rand(b * t * c, 2);
             let dqkv = be.nan(b * t * w);
-            be.run(|x| x.attention_backward(dqkv, dout, out, lse, qkv, d, None));
+            be.run(|x| x.attention_backward(dqkv, dout, FusedOut { out, lse }, qkv, d, None));
             for (warp, query) in OTHER_FORMS {
                 let other = be.nan(b * t * w);
                 be.gpu.set_flash_warp_rows(warp);
                 be.gpu.set_flash_query_rows(query);
                 be.gpu
-                    .attention_backward(other, dout, out, lse, qkv, d, None);
+                    .attention_backward(other, dout, FusedOut { out, lse }, qkv, d, None);
                 let what = format!("{} rows per warp, {} per block", warp.forward, query.0);
                 same_bits(&be.gpu, &format!("dqkv, {what}"), dqkv, other, d);
             }
@@ -987,6 +987,14 @@ mod gpu {
     }
 
     impl AttnCase {
+        /// The forward pass's out and lse.
+        fn fwd(&self) -> FusedOut {
+            FusedOut {
+                out: self.out,
+                lse: self.lse,
+            }
+        }
+
         /// dqkv's length.
         fn width(&self) -> usize {
             self.d.b * self.d.t * self.d.shape().qkv_width()
@@ -994,7 +1002,7 @@ mod gpu {
 
         /// The backward pass into `dqkv` on backend `x`.
         fn backward(&self, x: &mut dyn Backend, dqkv: Span) {
-            x.attention_backward(dqkv, self.dout, self.out, self.lse, self.qkv, self.d, None);
+            x.attention_backward(dqkv, self.dout, self.fwd(), self.qkv, self.d, None);
         }
     }
 
@@ -1164,7 +1172,7 @@ mod gpu {
             };
             let rotated = be.nan(n);
             be.run(|b| {
-                b.attention_backward(rotated, x.dout, x.out, x.lse, x.qkv, d, Some(&r));
+                b.attention_backward(rotated, x.dout, x.fwd(), x.qkv, d, Some(&r));
             });
             let u = be.act.unit_roundoff();
             let tol = 2.0 * (GEMM + FUSED_DQKV_TOL * u) + 2.0 * u;
@@ -1196,7 +1204,7 @@ mod gpu {
                 x.backward(&mut be.gpu, then);
                 be.gpu.rope_backward(&r, then);
                 be.gpu
-                    .attention_backward(inside, x.dout, x.out, x.lse, x.qkv, d, Some(&r));
+                    .attention_backward(inside, x.dout, x.fwd(), x.qkv, d, Some(&r));
                 let what = format!("dqkv rotated back, {form:?} {mma:?} {rows} rows per warp");
                 same_bits(&be.gpu, &what, then, inside, d);
             }

@@ -5,8 +5,8 @@
 use super::host_store::{Chunks, HostStore, Rows, Stored, StoredMut, ROW_CHUNK};
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, Dtype, Embedding,
-    FusedAttention, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats, RmsNorm,
-    RmsNormGrads, Rope, Span, StepShapes, TokSpan,
+    FusedAttention, FusedOut, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats,
+    RmsNorm, RmsNormGrads, Rope, Span, StepShapes, TokSpan,
 };
 use crate::ops;
 use anyhow::Result;
@@ -654,13 +654,11 @@ impl Backend for CpuBackend {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &mut self,
         dqkv: Span,
         dout: Span,
-        out: Span,
-        lse: Span,
+        FusedOut { out, lse }: FusedOut,
         qkv: Span,
         d: AttnDims,
         rope: Option<&Rope>,

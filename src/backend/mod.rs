@@ -153,6 +153,14 @@ impl AttnDims {
     }
 }
 
+/// What [`Backend::attention_forward`] wrote and its backward pass reads: `out` (B, T, NH·hs)
+/// and `lse` (B, NH, T), f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedOut {
+    pub out: Span,
+    pub lse: Span,
+}
+
 /// Whether a backend runs training attention fused ([`Backend::fused_attention`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FusedAttention {
@@ -516,13 +524,11 @@ pub trait Backend: 'static {
     /// `rope` (the rotary embedding `qkv`'s q and k heads went through), the Q and K columns
     /// then rotated back as [`Self::rope_backward`] would: the gradients of the heads before
     /// rotation, the same values.
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &mut self,
         dqkv: Span,
         dout: Span,
-        out: Span,
-        lse: Span,
+        fwd: FusedOut,
         qkv: Span,
         d: AttnDims,
         rope: Option<&Rope>,

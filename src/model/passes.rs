@@ -12,7 +12,7 @@ use super::layers::Layers;
 use super::paths::Residual;
 use super::work;
 use crate::backend::{
-    Backend, CeDims, CeRows, Embedding, KvRows, Linear, LinearGrads, Rope, Span, TokSpan,
+    Backend, CeDims, CeRows, Embedding, FusedOut, KvRows, Linear, LinearGrads, Rope, Span, TokSpan,
 };
 use crate::comm::ReduceOp;
 use crate::metrics::ops::trainer::phase;
@@ -199,7 +199,8 @@ pub fn attention_backward<B: Backend>(
                 let read = [ga.datty, la.atty, lse, la.qkv];
                 work::attention(&*be, ad, 4, &read, &[ga.dqkv])
             });
-            be.attention_backward(ga.dqkv, ga.datty, la.atty, lse, la.qkv, ad, inside);
+            let fwd = FusedOut { out: la.atty, lse };
+            be.attention_backward(ga.dqkv, ga.datty, fwd, la.qkv, ad, inside);
         }
     }
     if let Some(r) = rope_left {

@@ -54,8 +54,8 @@ use columns::COLUMN_CHUNK_ROWS;
 use super::WeightLayout;
 use super::{
     AdamWPart, AdamWStep, AttnDims, Backend, BufId, CeDims, CeRows, CudaSettings, Dtype, Embedding,
-    FusedAttention, InGemm, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads, NormStats,
-    RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
+    FusedAttention, FusedOut, InGemm, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads,
+    NormStats, RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
 };
 use anyhow::{bail, Context, Result};
 use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall};
@@ -1352,13 +1352,11 @@ impl Backend for CudaBackend {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &mut self,
         dqkv: Span,
         dout: Span,
-        out: Span,
-        lse: Span,
+        FusedOut { out, lse }: FusedOut,
         qkv: Span,
         d: AttnDims,
         rope: Option<&Rope>,
