@@ -2259,4 +2259,117 @@ mod gpu {
             }
         }
     }
+
+    /// `fugu bench attention` times the three-step path and every fused form the device runs,
+    /// each checked against the three steps first (the bench refuses a form more than 16
+    /// roundings of bf16 away, `bench/attention.rs`), one row per distinct set of kernels:
+    /// heads of 64 (the four mma.sync forward forms, the split, stored and one-kernel
+    /// backward's at 16 and 32 rows per warp, and 128 query rows for the split dQ; with wgmma,
+    /// its forward at 64 and 128 rows and its stored-dS backward), and heads of 128 (one form
+    /// per instruction; their other settings launch the same kernels, so no row of their own).
+    #[test]
+    fn bench_attention_times_each_form_checked_against_the_three_steps() {
+        let Some(emulate) = binary_mode() else {
+            return;
+        };
+        let wgmma = emulate || super::common::cuda_gpu().is_ok_and(|b| b.has_wgmma());
+        let args = [
+            "bench",
+            "attention",
+            "--device",
+            "cuda",
+            "--shape",
+            "1x70x4x64x2",
+            "--shape",
+            "1x40x2x128",
+            "--budget",
+            "0",
+            "--rounds",
+            "1",
+            "--format",
+            "json",
+        ];
+        let out = ok(&fugu(&args, emulate));
+        let rows: Vec<serde_json::Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let forms = |hs: u64, pass: &str| -> Vec<(String, String)> {
+            rows.iter()
+                .filter(|r| r["head_size"] == hs && r["pass"] == pass)
+                .map(|r| {
+                    let k: Vec<&str> = r["kernels"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|k| k.as_str().unwrap())
+                        .collect();
+                    (r["form"].as_str().unwrap().to_string(), k.join(","))
+                })
+                .collect()
+        };
+        let f64s = forms(64, "forward");
+        let b64s = forms(64, "backward");
+        assert_eq!(f64s.len(), 5 + 2 * wgmma as usize, "{f64s:?}");
+        assert_eq!(b64s.len(), 9 + wgmma as usize, "{b64s:?}");
+        assert_eq!(f64s[0], ("three-step".into(), String::new()));
+        assert_eq!(f64s[1], ("default".into(), "flash_forward".into()));
+        assert_eq!(
+            b64s[1],
+            (
+                "default".into(),
+                "flash_backward_dq,flash_backward_dkv".into()
+            )
+        );
+        let f128s = forms(128, "forward");
+        let b128s = forms(128, "backward");
+        assert_eq!(f128s.len(), 2 + wgmma as usize, "{f128s:?}");
+        assert_eq!(b128s.len(), 3 + wgmma as usize, "{b128s:?}");
+        assert_eq!(f128s[1].1, "flash_forward_d128");
+        if wgmma {
+            assert!(
+                f64s.iter().any(|f| f.1 == "flash_forward_wgmma_q128"),
+                "{f64s:?}"
+            );
+            assert!(
+                b128s.iter().any(|f| f.1.contains("dq_stored_wgmma_d128")),
+                "{b128s:?}"
+            );
+        }
+        for set in [&f64s, &b64s, &f128s, &b128s] {
+            let kernels: std::collections::BTreeSet<_> = set.iter().map(|f| &f.1).collect();
+            assert_eq!(
+                kernels.len(),
+                set.len(),
+                "a set of kernels timed twice: {set:?}"
+            );
+        }
+        for r in &rows {
+            assert_eq!(r["dtype"], "bf16");
+            assert!(r["ms"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["tflops"].as_f64().unwrap() > 0.0, "{r}");
+            if r["form"] == "three-step" {
+                assert_eq!(r["speedup"], 1.0, "{r}");
+            } else {
+                assert!(
+                    r["max_rel_diff"].as_f64().unwrap() < 16.0 * 2f64.powi(-8),
+                    "{r}"
+                );
+            }
+        }
+        // A shape whose key/value heads do not divide the query heads is refused by name.
+        let bad = fugu(
+            &[
+                "bench",
+                "attention",
+                "--device",
+                "cuda",
+                "--shape",
+                "1x8x3x16x2",
+            ],
+            emulate,
+        );
+        assert!(!bad.status.success());
+        assert!(String::from_utf8_lossy(&bad.stderr).contains("do not divide"));
+    }
 }

@@ -1,5 +1,6 @@
 //! The `fugu` command line: one module per subcommand.
 
+mod bench_attention;
 mod bench_comm;
 mod bench_gemm;
 pub use bench_gemm::{run as bench_gemm_run, BenchGemmArgs};
@@ -51,6 +52,9 @@ enum Command {
 enum BenchCommand {
     /// GEMM throughput against matrixmultiply, as GFLOP/s and % of peak.
     Gemm(bench_gemm::BenchGemmArgs),
+    /// Attention alone, forward and backward: the three-step path and each fused form, as
+    /// ms, TFLOP/s and % of peak, each form checked against the three steps.
+    Attention(bench_attention::BenchAttentionArgs),
     /// Data-loader throughput from the page cache.
     Io(bench_io::BenchIoArgs),
     /// Collectives and send/recv over message sizes: latency, algorithm and bus bandwidth
@@ -81,7 +85,9 @@ pub fn main() -> ExitCode {
             | Command::Sample(_)
             | Command::Report(_)
             | Command::Predict(_)
-            | Command::Bench(BenchCommand::Gemm(_) | BenchCommand::Io(_))
+            | Command::Bench(
+                BenchCommand::Gemm(_) | BenchCommand::Attention(_) | BenchCommand::Io(_)
+            )
     ) {
         stop_quietly_on_a_closed_pipe();
     }
@@ -91,6 +97,7 @@ pub fn main() -> ExitCode {
         Command::Sample(args) => sample::run(args),
         Command::Eval(args) => eval::run(*args),
         Command::Bench(BenchCommand::Gemm(args)) => bench_gemm::run(args),
+        Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(args),
         Command::Bench(BenchCommand::Io(args)) => bench_io::run(args),
         Command::Bench(BenchCommand::Comm(args)) => bench_comm::run(args),
         Command::Report(args) => report::run(args),

@@ -84,7 +84,7 @@ impl FlashQueryRows {
 impl FlashMma {
     /// The reason this form cannot run on a device (`wgmma`: whether it has warpgroup MMA)
     /// with these rows per warp, if it cannot.
-    pub(super) fn refusal(self, wgmma: bool, warp_rows: FlashWarpRows) -> Option<String> {
+    pub fn refusal(self, wgmma: bool, warp_rows: FlashWarpRows) -> Option<String> {
         let FlashWarpRows { forward, dq, dkv } = warp_rows;
         match self {
             FlashMma::Sync => None,

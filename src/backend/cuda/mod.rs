@@ -289,6 +289,9 @@ pub struct CudaBackend {
     /// ([`BiasGrad::Epilogue`]).
     bias_grad: BiasGrad,
     bias_grad_sums: Scratch,
+    /// The kernels launched since [`Self::log_launches`] (indices into [`kernel_names`],
+    /// each once, in first-launch order); `None` when not logging.
+    launch_log: std::cell::RefCell<Option<Vec<usize>>>,
 }
 
 impl CudaBackend {
@@ -385,6 +388,20 @@ impl CudaBackend {
         self.launch(K::flash_wgmma_probe, dt, 1, FLASH_THREADS, 0, &args);
     }
 
+    /// Starts noting which kernels the backend launches (a benchmark's labels:
+    /// `fugu bench attention` names the kernels each form ran); [`Self::launched`] returns them.
+    pub fn log_launches(&self) {
+        *self.launch_log.borrow_mut() = Some(Vec::new());
+    }
+
+    /// The kernels launched since [`Self::log_launches`], each once, in the order of their
+    /// first launch (their names in `kernels.cu`, with the storage type), and stops noting.
+    pub fn launched(&self) -> Vec<String> {
+        let names = kernel_names();
+        let log = self.launch_log.borrow_mut().take().unwrap_or_default();
+        log.into_iter().map(|i| names[i].clone()).collect()
+    }
+
     /// The form of the fused attention's backward pass ([`FLASH_BACKWARD_ENV`]).
     pub fn set_flash_backward(&mut self, form: FlashBackward) {
         self.flash_backward = form;
@@ -443,6 +460,7 @@ impl CudaBackend {
             cross_entropy: CROSS_ENTROPY_DEFAULT,
             bias_grad: BiasGrad::default(),
             bias_grad_sums: Scratch::default(),
+            launch_log: Default::default(),
         }
     }
 
@@ -542,6 +560,11 @@ impl CudaBackend {
         }
         let grid = grid.min(self.eng.max_blocks() as u64) as u32;
         let index = kernel_index(k, dt);
+        if let Some(log) = self.launch_log.borrow_mut().as_mut() {
+            if !log.contains(&index) {
+                log.push(index);
+            }
+        }
         if let Err(e) = self.eng.launch(index, grid, block, shmem, args) {
             self.fail(&kernel_names()[index], e);
         }
