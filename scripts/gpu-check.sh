@@ -9,6 +9,11 @@
 #      one here: a kernels.cu it refuses ends the call at once instead of every stage failing),
 #   1. the CUDA tests (tests/cuda.rs on the GPU: every kernel against the CPU, cuBLASLt's
 #      epilogues, the fused attention kernels, training against the CPU),
+#  10. (run after stage 1: cheap, and what the attention kernels are measured by) attention
+#      alone: `fugu bench attention` (every fused form and the three-step path, forward and
+#      backward, each checked against the three steps, ms and TFLOP/s) on GPT-2 124M's and two
+#      head-128 shapes, and PyTorch's scaled-dot-product attention (flash, efficient, cuDNN,
+#      math) on the same shapes (dev/bench_attention.py),
 #   2. the train benchmark (GPT-2 124M, B=16 T=1024, bf16, `--timers coarse`) in two
 #      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
 #      HEAD under each setting of FUGU_GPU_VARIANTS (default below), and HEAD with
@@ -47,7 +52,7 @@ LOSS_CHUNK="${FUGU_GPU_LOSS_CHUNK-4096}"
 VARIANTS="${FUGU_GPU_VARIANTS:-FUGU_MLP_GELU=separate;FUGU_LAYERNORM_BACKWARD=split;FUGU_RESIDUAL=separate;FUGU_BIAS_GRAD=epilogue;FUGU_FLASH_WARP_ROWS=32;FUGU_CROSS_ENTROPY=fused}"
 
 # The stages to run (numbers, space-separated; default all): stage 0 always runs.
-STAGES="${FUGU_GPU_STAGES:-1 2 3 4 5 6 7 8 9}"
+STAGES="${FUGU_GPU_STAGES:-1 10 2 3 4 5 6 7 8 9}"
 # Stage 4's second breakdown: HEAD under these settings.
 BREAKDOWN_ENV="${FUGU_GPU_BREAKDOWN_ENV:-FUGU_FLASH_WARP_ROWS=32}"
 
@@ -129,6 +134,14 @@ limited 60 gpu/head/cuda-tests fused_attention_wgmma_backward
 say "wgmma attention backward test: exit $?"
 limited 90 gpu/head/cuda-tests stored_wgmma_attention_trains_as_the_defaults
 say "wgmma training test: exit $?"
+fi
+
+if want 10; then
+stage "10. attention alone: fugu's forms and the three-step path, then PyTorch SDPA, bf16"
+limited 150 target/release/fugu bench attention --device cuda --set gpt2,llama --budget 0.3 \
+    --rounds 3
+PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_attention.py --device cuda --set gpt2,llama \
+    --budget 0.3 --rounds 3
 fi
 
 # bench LABEL BINARY [ENV...]: one run of the train benchmark (CONFIG, default gpt2-124m, at
