@@ -170,8 +170,8 @@ def run_case(name, shape, dtype_name, device, budget, rounds, as_json):
         print(head)
         print(f"{'pass':<8} {'ms':>8} {'min ms':>8} {'TFLOP/s':>8}  backend")
         for r in rows:
-            print(f"{r['pass']:<8} {r['ms']:>8.3f} {r['ms_min']:>8.3f} {r['tflops']:>8.1f}  "
-                  f"{r['backend']}")
+            rate = f"{r['tflops']:.1f}" if r["tflops"] >= 10 else f"{r['tflops']:.4f}"
+            print(f"{r['pass']:<8} {r['ms']:>8.3f} {r['ms_min']:>8.3f} {rate:>8}  {r['backend']}")
     sys.stdout.flush()
 
 
