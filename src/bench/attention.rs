@@ -413,26 +413,28 @@ impl<'f, F> Contender<'f, F> {
 }
 
 /// Every row of shape `case` in type `dt`: the three-step path and each fused form that
-/// launches kernels no earlier form did, forward and backward.
+/// launches kernels no earlier form did, forward and backward; rates against `peak`
+/// (GFLOP/s) where known.
 pub fn run_case<B: AttentionForms>(
     be: &mut B,
     case: &AttnCase,
     dt: Dtype,
     opts: AttnBenchOptions,
+    peak: Option<f64>,
 ) -> Result<Vec<AttnRow>> {
     let d = case.d;
     let x = Bufs::new(be, d, dt)?;
-    let rows = run_case_on(be, case, dt, opts, &x);
+    let rows = run_case_on(be, (case, dt), opts, &x, peak);
     x.free(be);
     rows
 }
 
 fn run_case_on<B: AttentionForms>(
     be: &mut B,
-    case: &AttnCase,
-    dt: Dtype,
+    (case, dt): (&AttnCase, Dtype),
     opts: AttnBenchOptions,
     x: &Bufs,
+    peak: Option<f64>,
 ) -> Result<Vec<AttnRow>> {
     let d = case.d;
     be.upload(x.qkv, &fill(x.qkv.len, 1));
@@ -462,7 +464,6 @@ fn run_case_on<B: AttentionForms>(
         check(case, label, "q, k, v gradients", diff, dt)?;
         Contender::add_new(&mut bwd, label, kernels, form, diff);
     }
-    let peak = be.peak_gflops(dt).map(|(gflops, _)| gflops);
     let mut rows = Vec::new();
     for (pass, contenders) in [(AttnPass::Forward, &fwd), (AttnPass::Backward, &bwd)] {
         let times = time_pass(be, x, d, pass, contenders, opts)?;
@@ -690,7 +691,7 @@ mod tests {
             budget_s: 0.0,
             rounds: 1,
         };
-        let rows = run_case(&mut be, &case, Dtype::F32, opts).unwrap();
+        let rows = run_case(&mut be, &case, Dtype::F32, opts, Some(1e3)).unwrap();
         let forms: Vec<_> = rows.iter().map(|r| (r.pass, r.form.as_str())).collect();
         assert_eq!(
             forms,
@@ -707,6 +708,8 @@ mod tests {
             let flops = 2.0 * r.pass.products() as f64 * 16.0 * pairs;
             let want = flops / (r.ms * 1e-3) / 1e12;
             assert!((r.tflops - want).abs() <= 1e-9 * want, "{r:?}");
+            let pct = r.peak_pct.unwrap();
+            assert!((pct - 100.0 * r.tflops).abs() <= 1e-9 * pct, "{r:?}");
             if r.form != "three-step" {
                 assert!(r.max_rel_diff.unwrap() < 1e-5, "{r:?}");
             }

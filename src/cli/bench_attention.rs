@@ -1,7 +1,7 @@
 //! `fugu bench attention`: the three-step path and each fused attention form of a device,
 //! forward and backward, on named model shapes or custom ones (`bench/attention.rs`).
 
-use crate::backend::{CudaSettings, Device, Dtype};
+use crate::backend::{Backend, CudaSettings, Device, Dtype};
 use crate::bench::attention::{
     case_header, case_set, format_row, parse_case, run_case, table_header, AttentionForms,
     AttnBenchOptions, AttnCase,
@@ -65,16 +65,32 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
     match args.device {
         Device::Cpu => {
             let mut be = crate::backend::cpu::CpuBackend::new();
-            run_cases(&mut be, &args, &cases)
+            // Where f32 FMAs run the type's GEMMs the backend has no peak of its own: the
+            // machine's FP32 peak, as the trainer's MFU and `fugu bench gemm` use.
+            let peak = match be.peak_gflops(args.dtype) {
+                Some(p) => Some(p),
+                None => {
+                    let rt = fugu_gemm::Runtime::global()?;
+                    let p = crate::metrics::machine::machine_peak(
+                        rt.kernel_at(args.dtype.precision()).isa,
+                        rt.threads(),
+                        None,
+                    )?;
+                    Some((p.total_gflops(), p.describe()))
+                }
+            };
+            run_cases(&mut be, &args, &cases, peak)
         }
         Device::Cuda(ordinal) => run_on_cuda(ordinal, &args, &cases),
     }
 }
 
+/// Every case on `be`, rates against `peak` (GFLOP/s and where it comes from).
 fn run_cases<B: AttentionForms>(
     be: &mut B,
     args: &BenchAttentionArgs,
     cases: &[AttnCase],
+    peak: Option<(f64, String)>,
 ) -> Result<()> {
     eprintln!("device: {}", be.describe());
     let opts = AttnBenchOptions {
@@ -83,13 +99,12 @@ fn run_cases<B: AttentionForms>(
     };
     let json = args.format == "json";
     for case in cases {
-        let peak = be.peak_gflops(args.dtype);
         let header = case_header(case, args.dtype, peak.as_ref());
         // JSON rows go to stdout alone; the header is progress on stderr.
         if json {
             eprintln!("{header}");
         }
-        let rows = run_case(be, case, args.dtype, opts)?;
+        let rows = run_case(be, case, args.dtype, opts, peak.as_ref().map(|p| p.0))?;
         if !json {
             println!("{header}\n{}", table_header());
         }
@@ -111,7 +126,8 @@ fn run_on_cuda(
     cases: &[AttnCase],
 ) -> Result<()> {
     let mut be = crate::backend::cuda::CudaBackend::new(ordinal, CudaSettings::default())?;
-    run_cases(&mut be, args, cases)
+    let peak = be.peak_gflops(args.dtype);
+    run_cases(&mut be, args, cases, peak)
 }
 
 #[cfg(not(feature = "cuda"))]
