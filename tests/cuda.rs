@@ -2279,7 +2279,7 @@ mod gpu {
             "--device",
             "cuda",
             "--shape",
-            "1x70x4x64x2",
+            "1x40x2x64x1",
             "--shape",
             "1x40x2x128",
             "--budget",
@@ -2357,6 +2357,19 @@ mod gpu {
                 );
             }
         }
+        // --only keeps the forms whose settings name it (the three-step path stays).
+        let mut only: Vec<&str> = args.to_vec();
+        only.splice(4..6, ["--only", "QUERY_ROWS=128"]);
+        let out = ok(&fugu(&only, emulate));
+        let forms: Vec<String> = out
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["form"].to_string())
+            .collect();
+        assert!(forms.iter().any(|f| f.contains("QUERY_ROWS=128")), "{forms:?}");
+        assert!(
+            forms.iter().all(|f| f.contains("QUERY_ROWS=128") || f == "\"three-step\""),
+            "{forms:?}"
+        );
         // A shape whose key/value heads do not divide the query heads is refused by name.
         let bad = fugu(
             &[

@@ -242,13 +242,30 @@ mod cuda_forms {
     }
 }
 
-/// How long to time each contender, and how.
-#[derive(Clone, Copy, Debug)]
+/// How long to time each contender, and which.
+#[derive(Clone, Debug, Default)]
 pub struct AttnBenchOptions {
     /// Seconds of timed calls per contender and pass, over all rounds.
     pub budget_s: f64,
     /// Rounds: every contender is timed once per round, in turn (drift hits all alike).
     pub rounds: usize,
+    /// Only the fused forms whose settings contain this text.
+    pub only: Option<String>,
+    /// Not the fused forms whose settings contain this text.
+    pub skip: Option<String>,
+}
+
+impl AttnBenchOptions {
+    /// Whether the fused form with these settings is to be timed.
+    fn wants(&self, label: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| label.contains(o.as_str()))
+            && self
+                .skip
+                .as_ref()
+                .is_none_or(|s| !label.contains(s.as_str()))
+    }
 }
 
 /// One timed contender of one pass on one shape.
@@ -419,7 +436,7 @@ pub fn run_case<B: AttentionForms>(
     be: &mut B,
     case: &AttnCase,
     dt: Dtype,
-    opts: AttnBenchOptions,
+    opts: &AttnBenchOptions,
     peak: Option<f64>,
 ) -> Result<Vec<AttnRow>> {
     let d = case.d;
@@ -432,7 +449,7 @@ pub fn run_case<B: AttentionForms>(
 fn run_case_on<B: AttentionForms>(
     be: &mut B,
     (case, dt): (&AttnCase, Dtype),
-    opts: AttnBenchOptions,
+    opts: &AttnBenchOptions,
     x: &Bufs,
     peak: Option<f64>,
 ) -> Result<Vec<AttnRow>> {
@@ -445,7 +462,8 @@ fn run_case_on<B: AttentionForms>(
     three_step_backward(be, x, d);
     let want_dqkv = download(be, x.dqkv);
 
-    let forms = be.fused_forms(d, dt);
+    let mut forms = be.fused_forms(d, dt);
+    forms.retain(|(label, _)| opts.wants(label));
     let mut fwd = vec![Contender::three_step()];
     let mut bwd = vec![Contender::three_step()];
     for (label, form) in &forms {
@@ -533,7 +551,7 @@ fn time_pass<B: AttentionForms>(
     d: AttnDims,
     pass: AttnPass,
     contenders: &[Contender<'_, B::Form>],
-    opts: AttnBenchOptions,
+    opts: &AttnBenchOptions,
 ) -> Result<Vec<Vec<f64>>> {
     let clock = be.device_clock();
     let run = |be: &mut B, c: &Contender<'_, B::Form>, calls: usize| -> Result<f64> {
@@ -690,8 +708,9 @@ mod tests {
         let opts = AttnBenchOptions {
             budget_s: 0.0,
             rounds: 1,
+            ..Default::default()
         };
-        let rows = run_case(&mut be, &case, Dtype::F32, opts, Some(1e3)).unwrap();
+        let rows = run_case(&mut be, &case, Dtype::F32, &opts, Some(1e3)).unwrap();
         let forms: Vec<_> = rows.iter().map(|r| (r.pass, r.form.as_str())).collect();
         assert_eq!(
             forms,
@@ -714,6 +733,31 @@ mod tests {
                 assert!(r.max_rel_diff.unwrap() < 1e-5, "{r:?}");
             }
         }
+    }
+
+    #[test]
+    fn forms_are_picked_by_their_settings() {
+        let o = |only: Option<&str>, skip: Option<&str>| AttnBenchOptions {
+            only: only.map(str::to_string),
+            skip: skip.map(str::to_string),
+            ..Default::default()
+        };
+        let wg = "FUGU_FLASH_MMA=wgmma FUGU_FLASH_BACKWARD=stored";
+        assert!(o(None, None).wants(wg) && o(None, None).wants("default"));
+        assert!(o(Some("wgmma"), None).wants(wg) && !o(Some("wgmma"), None).wants("default"));
+        assert!(!o(None, Some("wgmma")).wants(wg) && o(None, Some("wgmma")).wants("default"));
+        // On the CPU, skipping its one form leaves the three-step path alone.
+        let mut be = CpuBackend::new();
+        let case = parse_case("1x9x2x8").unwrap();
+        let opts = AttnBenchOptions {
+            rounds: 1,
+            ..o(None, Some("reference"))
+        };
+        let rows = run_case(&mut be, &case, Dtype::F32, &opts, None).unwrap();
+        assert!(rows
+            .iter()
+            .all(|r| r.form == "three-step" && r.peak_pct.is_none()));
+        assert_eq!(rows.len(), 2);
     }
 
     #[test]

@@ -32,6 +32,15 @@ pub struct BenchAttentionArgs {
     /// Rounds over the contenders (each timed once per round; the median is reported).
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
+    /// Time only the fused forms whose settings contain this text (e.g. `wgmma`; the
+    /// default form's settings read `default`); the three-step path always runs, as the
+    /// reference.
+    #[arg(long)]
+    pub only: Option<String>,
+    /// Leave out the fused forms whose settings contain this text (e.g. `wgmma`, to time the
+    /// others in a process a faulting kernel cannot take down).
+    #[arg(long)]
+    pub skip: Option<String>,
     /// Output format.
     #[arg(long, default_value = "table", value_parser = ["table", "json"])]
     pub format: String,
@@ -96,6 +105,8 @@ fn run_cases<B: AttentionForms>(
     let opts = AttnBenchOptions {
         budget_s: args.budget,
         rounds: args.rounds,
+        only: args.only.clone(),
+        skip: args.skip.clone(),
     };
     let json = args.format == "json";
     for case in cases {
@@ -104,7 +115,7 @@ fn run_cases<B: AttentionForms>(
         if json {
             eprintln!("{header}");
         }
-        let rows = run_case(be, case, args.dtype, opts, peak.as_ref().map(|p| p.0))?;
+        let rows = run_case(be, case, args.dtype, &opts, peak.as_ref().map(|p| p.0))?;
         if !json {
             println!("{header}\n{}", table_header());
         }
