@@ -13,7 +13,9 @@
 #      alone: `fugu bench attention` (every fused form and the three-step path, forward and
 #      backward, each checked against the three steps, ms and TFLOP/s) on GPT-2 124M's and two
 #      head-128 shapes, and PyTorch's scaled-dot-product attention (flash, efficient, cuDNN,
-#      math) on the same shapes (dev/bench_attention.py),
+#      math) on the same shapes (dev/bench_attention.py); the fastest forms alone
+#      (scripts/attention-best.py), whose settings stage 2 then times in the step as variants
+#      (FUGU_GPU_ATTENTION_VARIANTS=0: not),
 #   2. the train benchmark (GPT-2 124M, B=16 T=1024, bf16, `--timers coarse`) in two
 #      alternating rounds over the variants: each gpu/base-*/ binary (older commits), HEAD,
 #      HEAD under each setting of FUGU_GPU_VARIANTS (default below), and HEAD with
@@ -141,9 +143,17 @@ stage "10. attention alone: fugu's forms and the three-step path, then PyTorch S
 # The warpgroup-MMA forms in a process of their own (their first run on a GPU: a kernel that
 # faults takes its process's CUDA context, and the other forms' rows, with it).
 limited 120 target/release/fugu bench attention --device cuda --set gpt2,llama --budget 0.3 \
-    --rounds 3 --skip wgmma
+    --rounds 3 --skip wgmma --format json > "$OUT/attention-sync.jsonl"
 limited 60 target/release/fugu bench attention --device cuda --set gpt2,llama --budget 0.3 \
-    --rounds 3 --only wgmma
+    --rounds 3 --only wgmma --format json > "$OUT/attention-wgmma.jsonl"
+say "fastest fused forms (every row: $OUT/attention-*.jsonl):"
+python3 scripts/attention-best.py "$OUT"/attention-*.jsonl 2>&1 | tee -a "$LOG"
+# Stage 2 then times the step with the fastest forms (forward, backward, both) as variants.
+if [ "${FUGU_GPU_ATTENTION_VARIANTS:-1}" = 1 ]; then
+    best=$(python3 scripts/attention-best.py --variants gpt2-124m --known "$VARIANTS" \
+        "$OUT"/attention-*.jsonl)
+    [ -n "$best" ] && VARIANTS="$VARIANTS;$best" && say "stage 2 variants added: $best"
+fi
 PYTHONUNBUFFERED=1 limited 120 python3 dev/bench_attention.py --device cuda --set gpt2,llama \
     --budget 0.3 --rounds 3
 fi
