@@ -2323,7 +2323,7 @@ mod gpu {
         );
         let f128s = forms(128, "forward");
         let b128s = forms(128, "backward");
-        assert_eq!(f128s.len(), 2 + wgmma as usize, "{f128s:?}");
+        assert_eq!(f128s.len(), 2 + 2 * wgmma as usize, "{f128s:?}");
         assert_eq!(b128s.len(), 3 + wgmma as usize, "{b128s:?}");
         assert_eq!(f128s[1].1, "flash_forward_d128");
         if wgmma {
@@ -2365,9 +2365,14 @@ mod gpu {
             .lines()
             .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["form"].to_string())
             .collect();
-        assert!(forms.iter().any(|f| f.contains("QUERY_ROWS=128")), "{forms:?}");
         assert!(
-            forms.iter().all(|f| f.contains("QUERY_ROWS=128") || f == "\"three-step\""),
+            forms.iter().any(|f| f.contains("QUERY_ROWS=128")),
+            "{forms:?}"
+        );
+        assert!(
+            forms
+                .iter()
+                .all(|f| f.contains("QUERY_ROWS=128") || f == "\"three-step\""),
             "{forms:?}"
         );
         // A shape whose key/value heads do not divide the query heads is refused by name.

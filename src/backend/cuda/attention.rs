@@ -36,10 +36,11 @@ pub(super) const FLASH_ROWS: usize = 64;
 /// The forms of the kernels for heads of 65 to 128 (`flash_forward_d128`, the split backward's
 /// `flash_backward_dq_d128` and `flash_backward_dkv_d128`, the stored-dS backward's
 /// `flash_backward_dkv_store_d128` and `flash_backward_dq_stored_d128`, and on warpgroup MMA
-/// the forward's and the stored-dS backward's `_wgmma_d128`): 64 query rows or keys per block,
-/// 16 per warp; the other `FUGU_FLASH_*` forms are the head-64 kernels'.
-pub(super) const D128_FORM: &str =
-    "64 query rows per block, 16 per warp, the split or stored backward";
+/// the forward's and the stored-dS backward's `_wgmma_d128`): 64 query rows or keys per block
+/// (the wgmma forward 128 too, `flash_forward_wgmma_d128_q128`), 16 per warp; the other
+/// `FUGU_FLASH_*` forms are the head-64 kernels'.
+pub(super) const D128_FORM: &str = "64 query rows per block (128 in the wgmma forward), 16 per \
+     warp, the split or stored backward";
 
 /// The most tiles a `_d128` kernel keeps in dynamic shared memory (the backward's six: 102 KB,
 /// more than sm_86 and sm_89 GPUs give a block, where heads over 64 take the three-step path).
@@ -106,9 +107,16 @@ impl CudaBackend {
     /// `_d128` kernel ([`D128_FORM`]).
     pub(super) fn forward_kernel(&mut self, d: AttnDims) -> FlashLaunch {
         if self.head_128(d) {
-            let wgmma = self.flash_mma == FlashMma::Wgmma;
-            let k = [K::flash_forward_d128, K::flash_forward_wgmma_d128][wgmma as usize];
-            return FlashLaunch::d128(k, 4);
+            return match (self.flash_mma, self.flash_query_rows.0) {
+                (FlashMma::Sync, _) => FlashLaunch::d128(K::flash_forward_d128, 4),
+                (FlashMma::Wgmma, 128) => FlashLaunch {
+                    // Two warpgroups of 64 rows on the same K and V tiles.
+                    threads: 2 * FLASH_THREADS,
+                    rows: 2 * FLASH_ROWS,
+                    ..FlashLaunch::d128(K::flash_forward_wgmma_d128_q128, 4)
+                },
+                (FlashMma::Wgmma, _) => FlashLaunch::d128(K::flash_forward_wgmma_d128, 4),
+            };
         }
         let q = self.flash_query_rows;
         let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
@@ -187,8 +195,12 @@ impl CudaBackend {
     /// those settings choose among the head-64 kernels only.
     fn head_128(&mut self, d: AttnDims) -> bool {
         let wide = d.hs > FLASH_HEAD_64;
+        // 128 query rows: the wgmma forward has them, and the stored-dS backward's dQ kernel
+        // has 64 at every head size; the split backward's head-128 dQ kernel has 64 only.
+        let rows_128 =
+            self.flash_mma == FlashMma::Wgmma && self.flash_backward == FlashBackward::Stored;
         let d128_has = self.flash_warp_rows == FlashWarpRows::default()
-            && self.flash_query_rows == FlashQueryRows::default()
+            && (self.flash_query_rows == FlashQueryRows::default() || rows_128)
             && self.flash_backward != FlashBackward::Fused;
         if wide && !d128_has && !self.head_128_noted {
             eprintln!(

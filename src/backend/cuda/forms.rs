@@ -79,7 +79,8 @@ impl FlashQueryRows {
 // form and keep mma.sync; 16 rows per warp; the forward with 64 or 128 query rows per block,
 // one warpgroup or two, as `FUGU_FLASH_QUERY_ROWS` says (`flash_forward_wgmma_q128`), the
 // backward's with 64; heads of 65 to 128 the `_wgmma_d128` forms of the three, 64 rows per
-// block; not yet run on a GPU) ([`FlashMma`]).
+// block, the forward with 128 too (`flash_forward_wgmma_d128_q128`); not yet run on a GPU)
+// ([`FlashMma`]).
 
 impl FlashMma {
     /// The reason this form cannot run on a device (`wgmma`: whether it has warpgroup MMA)

@@ -1020,6 +1020,10 @@ __device__ void rope_pair(float& x0, float& x1, float c, float sn) {
 // backward's reread their own tiles' fragments, FA_REREAD): the forward's four tiles (70 KB)
 // allow 3 blocks per SM in an H100's 228 KB, the backward's six (104 KB) 2.
 #define FA_MINB_FWD_D128 2
+// The head-128 forward on warpgroup MMA with 128 query rows per block (two warpgroups on the
+// same K and V tiles, FlashAttention-3's block for heads of 128): at about 190 registers, one
+// block of 8 warps per SM (two would cap them at 128 and spill).
+#define FA_MINB_FWD_D128_Q128 1
 #define FA_MINB_DQ_D128 2
 #define FA_MINB_DKV_D128 2
 // The dQ kernel from stored dS for heads of 128: four tiles (70 KB), 3 blocks per SM.
@@ -1823,7 +1827,8 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     FA_FWD(S, T, flash_forward_d128, 128, 1, 4, FA_MINB_FWD_D128)                            \
     FA_FWD_WG(S, T, flash_forward_wgmma, 64, 4, FA_MINB_FWD)                                 \
     FA_FWD_WG(S, T, flash_forward_wgmma_q128, 64, 8, FA_MINB_FWD / 2)                        \
-    FA_FWD_WG(S, T, flash_forward_wgmma_d128, 128, 4, FA_MINB_FWD_D128)
+    FA_FWD_WG(S, T, flash_forward_wgmma_d128, 128, 4, FA_MINB_FWD_D128)                      \
+    FA_FWD_WG(S, T, flash_forward_wgmma_d128_q128, 128, 8, FA_MINB_FWD_D128_Q128)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_FWD_WG

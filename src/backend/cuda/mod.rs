@@ -194,6 +194,7 @@ kernels!(
     flash_forward_wgmma_q128,
     flash_forward_d128,
     flash_forward_wgmma_d128,
+    flash_forward_wgmma_d128_q128,
     flash_backward_dq,
     flash_backward_dq_wide,
     flash_backward_dq_q128,
