@@ -604,15 +604,7 @@ fn time_pass<B: AttentionForms>(
 /// Deterministic values in [-1, 1): q, k, v that give softmax rows neither flat nor one-hot
 /// at heads of 64-128 (scores of about ±1 after the 1/√hs scale), and an output gradient.
 fn fill(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    super::fill(n, seed).into_iter().map(|v| 2.0 * v).collect()
 }
 
 /// The table's header line of a shape, naming what the rates are against.

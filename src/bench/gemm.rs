@@ -387,18 +387,6 @@ struct Operands {
     b: Vec<f32>,
 }
 
-fn fill(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
-
 /// Strides (row, col) of the stored A (m×k logical) and B (k×n logical).
 fn strides(s: &BenchShape) -> ((usize, usize), (usize, usize)) {
     let a = if s.ta { (1, s.m) } else { (s.k, 1) };
@@ -529,8 +517,8 @@ pub fn run_shape(
 ) -> Result<BenchRow> {
     let prec = opts.prec;
     let mut ops = Operands {
-        a: fill(s.batch * s.m * s.k, 1),
-        b: fill(s.batch * s.k * s.n, 2),
+        a: super::fill(s.batch * s.m * s.k, 1),
+        b: super::fill(s.batch * s.k * s.n, 2),
     };
     prec.round_slice(&mut ops.a);
     prec.round_slice(&mut ops.b);
@@ -741,8 +729,8 @@ pub fn run_shape_cuda(
     use crate::backend::{Backend, Dtype};
     let prec = opts.prec;
     let mut ops = Operands {
-        a: fill(s.batch * s.m * s.k, 1),
-        b: fill(s.batch * s.k * s.n, 2),
+        a: super::fill(s.batch * s.m * s.k, 1),
+        b: super::fill(s.batch * s.k * s.n, 2),
     };
     prec.round_slice(&mut ops.a);
     prec.round_slice(&mut ops.b);
