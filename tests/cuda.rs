@@ -1264,6 +1264,16 @@ mod gpu {
                     }
                 }
             }
+            // The emulator's products take effect at the wait, as a GPU's asynchronous ones
+            // do: accumulators read before it still hold what they held (so a kernel that
+            // reads them early fails here as it would on a GPU, where that is undefined).
+            if be.gpu.describe().contains("emulator") {
+                let d = be.nan32(n * n);
+                be.gpu.wgmma_probe_read_before_wait(d, a, b);
+                let mut got = vec![0.0; n * n];
+                be.gpu.download(d, &mut got);
+                assert!(got.iter().all(|&v| v == -1.0), "{act:?}: {:?}", &got[..8]);
+            }
         }
     }
 

@@ -1313,10 +1313,17 @@ __device__ void wgmma_64x64x16(float (*)[4], const u32*, u64, int, T) {
 // The host emulator: the descriptor is the tile's host address (the layout constants are the
 // ones above); the products of the widened values summed in f32 in k order per 16-deep slice,
 // as the emulated mma16816 sums them (a GPU's order inside the instruction is unspecified).
+//
+// As on a GPU, where wgmma.mma_async runs asynchronously, a product takes effect at the wait
+// for its group, not at its issue: wgmma_64x64x16 queues the thread's product (the addresses
+// of its accumulators and A fragments, the descriptor), wg_commit closes a group, and wg_wait
+// computes the committed products in issue order, reading the A fragments and the tile then
+// and writing the accumulators then. A kernel that reads or writes an accumulator or an A
+// fragment, or overwrites a tile, between a product's issue and the wait for its group
+// (undefined on a GPU) computes something else here and fails its tests; a wait with products
+// not committed, or a block that ends with products never waited for, stops the emulator.
 __device__ u64 wg_desc(smem_t a) { return (u64)(uintptr_t)a; }
 __device__ void wg_fence() {}
-__device__ void wg_commit() {}
-__device__ void wg_wait() {}
 __device__ void wg_fence_tiles() {}
 // Byte address of row r, element c of the swizzled tile whose slice starts at `start`: the
 // address before the swizzle, then bits 4-6 XOR bits 7-9 (tiles are 1024-byte aligned).
@@ -1324,8 +1331,10 @@ __device__ const char* wg_at(u64 start, int r, int c) {
     uintptr_t a = (uintptr_t)start + (r >> 3) * 1024 + (r & 7) * 128 + (c >> 3) * 16 + (c & 7) * 2;
     return (const char*)(a ^ (((a >> 7) & 7) << 4));
 }
+// One product of the warpgroup, computed now (every thread of the warpgroup calls it with its
+// own accumulators and fragments: the A fragments are gathered across the 128 threads).
 template <int TRANS_B, typename T>
-__device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T) {
+void wg_product(float (*d)[4], const u32* a, u64 desc, int acc) {
     u32 mine[4] = {a[0], a[1], a[2], a[3]};
     const u32* all = fugu_emu_lanes_publish(mine, 4, 4 * WARP);
     int warp = (threadIdx.x / WARP) & 3, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
@@ -1345,6 +1354,52 @@ __device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T
             d[n][e] = acc ? d[n][e] + sum : sum;
         }
     fugu_emu_warp_release();
+}
+// A thread's products in flight: issued, and how many of them are in committed groups.
+struct WgPending {
+    float (*d)[4];
+    const u32* a;
+    u64 desc;
+    int acc;
+    void (*run)(float (*)[4], const u32*, u64, int);
+};
+struct WgQueue {
+    std::vector<WgPending> issued;
+    size_t committed = 0;
+    unsigned block = 0;
+};
+static std::vector<WgQueue> wg_queues;
+static WgQueue& wg_queue() {
+    if (wg_queues.size() < blockDim.x) wg_queues.resize(blockDim.x);
+    WgQueue& q = wg_queues[threadIdx.x];
+    if (q.block != blockIdx.x) {
+        if (!q.issued.empty()) {
+            fprintf(stderr, "emulated wgmma: a block ended with products never waited for\n");
+            abort();
+        }
+        q.block = blockIdx.x;
+    }
+    return q;
+}
+template <int TRANS_B, typename T>
+__device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T) {
+    wg_queue().issued.push_back({d, a, desc, acc, &wg_product<TRANS_B, T>});
+}
+__device__ void wg_commit() {
+    WgQueue& q = wg_queue();
+    q.committed = q.issued.size();
+}
+__device__ void wg_wait() {
+    WgQueue& q = wg_queue();
+    if (q.committed != q.issued.size()) {
+        fprintf(stderr, "emulated wgmma: a wait with products not committed to a group\n");
+        abort();
+    }
+    // The vector is not touched while its products run (each yields to the other threads).
+    std::vector<WgPending> run;
+    run.swap(q.issued);
+    q.committed = 0;
+    for (const WgPending& p : run) p.run(p.d, p.a, p.desc, p.acc);
 }
 #endif
 
@@ -2442,7 +2497,10 @@ FOR_HALF_TYPES(DEF)
 // The warpgroup-MMA layouts on their own (tests/cuda.rs, wgmma_layouts): d (64 × 64 f32,
 // row-major) = a · bᵀ (trans = 0: b a K tile, as S = Q·Kᵀ) or a · b (trans = 1: b a V tile, as
 // O = P·V), a and b 64 × 64 row-major; one block of one warpgroup. On a GPU where the flash
-// kernels' wgmma results are wrong this says which operand layout is.
+// kernels' wgmma results are wrong this says which operand layout is. trans = 2 (the
+// emulator's check of its asynchrony, undefined on a GPU): a · bᵀ's accumulators, set to -1
+// first, read between the products' issue and their wait, so d is all -1 where products take
+// effect at the wait.
 template <typename T>
 __device__ void flash_wgmma_probe_k(float* d, const T* a, const T* b, int trans) {
     alignas(1024) __shared__ T sB[FA_ROWS * FA_WG_D];
@@ -2455,12 +2513,22 @@ __device__ void flash_wgmma_probe_k(float* d, const T* a, const T* b, int trans)
     int w0 = threadIdx.x / WARP * 16, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
     u32 fa[FA_WG_D / 16][4];
     fa_a_frags<T, FA_WG_D>(fa, sA, w0);
-    float acc[FA_ROWS / 8][4];
-    if (trans) {
-        for (int n = 0; n < FA_ROWS / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float acc[FA_ROWS / 8][4], early[FA_ROWS / 8][4];
+    for (int n = 0; n < FA_ROWS / 8; n++)
+        for (int e = 0; e < 4; e++) acc[n][e] = trans == 1 ? 0.0f : -1.0f;
+    if (trans == 1) {
         fa_wg_pb<T>(acc, fa, sB);
-    } else {
+    } else if (trans == 0) {
         fa_wg_abt<T>(acc, fa, sB);
+    } else {
+        wg_fence();
+        fa_wg_abt_issue<T>(acc, fa, sB);
+        for (int n = 0; n < FA_ROWS / 8; n++)
+            for (int e = 0; e < 4; e++) early[n][e] = acc[n][e];
+        wg_commit();
+        wg_wait();
+        for (int n = 0; n < FA_ROWS / 8; n++)
+            for (int e = 0; e < 4; e++) acc[n][e] = early[n][e];
     }
     for (int n = 0; n < FA_ROWS / 8; n++)
         for (int e = 0; e < 4; e++)

@@ -370,6 +370,17 @@ impl CudaBackend {
     /// `b` (true: as the V tiles are); `a` and `b` 64 × 64 row-major, 16-bit, one type.
     /// Needs [`Self::has_wgmma`].
     pub fn wgmma_probe(&mut self, d: Span, a: Span, b: Span, transposed: bool) {
+        self.wgmma_probe_mode(d, a, b, transposed as i32)
+    }
+
+    /// The emulator's check that a warpgroup product takes effect at its wait, not its issue
+    /// (undefined on a GPU, so the emulator only): [`Self::wgmma_probe`]'s `a` · `b`ᵀ with the
+    /// accumulators, set to -1 first, read between the issue and the wait: `d` all -1.
+    pub fn wgmma_probe_read_before_wait(&mut self, d: Span, a: Span, b: Span) {
+        self.wgmma_probe_mode(d, a, b, 2)
+    }
+
+    fn wgmma_probe_mode(&mut self, d: Span, a: Span, b: Span, mode: i32) {
         let n = FLASH_ROWS * FLASH_HEAD_64;
         assert!(
             d.len == n && a.len == n && b.len == n && self.dt(d) == Dtype::F32,
@@ -384,7 +395,7 @@ impl CudaBackend {
             Arg::Ptr(self.ptr(d)),
             Arg::Ptr(self.ptr(a)),
             Arg::Ptr(self.ptr(b)),
-            Arg::I32(transposed as i32),
+            Arg::I32(mode),
         ];
         self.launch(K::flash_wgmma_probe, dt, 1, FLASH_THREADS, 0, &args);
     }
