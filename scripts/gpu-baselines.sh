@@ -16,6 +16,11 @@
 #
 # The budget (FUGU_GPU_BUDGET, default 520 s) is shared: torch.compile's first step per
 # precision takes ~1 minute and is not timed (--warmup 3).
+#
+# FUGU_GPU_CONFIG=llama-124m (or llama-d128, with FUGU_GPU_B/FUGU_GPU_T) times that config
+# instead, fugu against the same Llama-family model in compiled PyTorch (no llm.c, which
+# trains GPT-2 only; no MFU column, whose FLOP formula is GPT-2's: the ratios say it), and
+# FUGU_GPU_PRECISIONS (default "bf16 fp32 tf32") picks the precisions.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 OUT="${OUT:-/tmp/fugu-gpu-baselines}"
@@ -29,6 +34,8 @@ B="${FUGU_GPU_B:-16}"
 T="${FUGU_GPU_T:-1024}"
 STEPS="${FUGU_GPU_STEPS:-10}"
 ROUNDS="${FUGU_GPU_ROUNDS:-2}"
+CONFIG="${FUGU_GPU_CONFIG:-gpt2-124m}"
+PRECISIONS="${FUGU_GPU_PRECISIONS:-bf16 fp32 tf32}"
 
 # shellcheck source=scripts/gpu-lib.sh
 . scripts/gpu-lib.sh
@@ -64,21 +71,24 @@ fi
 fugu() { # LABEL ARGS...: the train benchmark, its median ms/step
     local label=$1
     shift
-    limited 90 gpu/head/bench-train --device cuda --shape "${B}x${T}" --steps "$STEPS" \
-        --timers coarse "$@" > "$OUT/run.txt"
+    limited 90 gpu/head/bench-train --config "$CONFIG" --device cuda --shape "${B}x${T}" \
+        --steps "$STEPS" --timers coarse "$@" > "$OUT/run.txt"
     cat "$OUT/run.txt" >> "$LOG"
-    row "$label" "$(awk -v s="${B}x${T}" '$1 == "gpt2-124m" && $2 == s { print $3; exit }' "$OUT/run.txt")"
+    row "$label" "$(ms_of "$OUT/run.txt")"
+}
+ms_of() { # FILE: the ms/step of CONFIG's row at BxT in a benchmark's output
+    awk -v c="$CONFIG" -v s="${B}x${T}" '$1 == c && $2 == s { print $3; exit }' "$1"
 }
 torch_() { # LABEL ARGS...: dev/bench_pytorch.py --compile, its median ms/step
     local label=$1
     shift
     PYTHONUNBUFFERED=1 limited 150 python3 dev/bench_pytorch.py --device cuda --compile \
-        --shape "${B}x${T}" --steps "$STEPS" "$@" > "$OUT/run.txt"
+        --config "$CONFIG" --shape "${B}x${T}" --steps "$STEPS" "$@" > "$OUT/run.txt"
     cat "$OUT/run.txt" >> "$LOG"
-    row "$label" "$(awk -v s="${B}x${T}" '$1 == "gpt2-124m" && $2 == s { print $3; exit }' "$OUT/run.txt")"
+    row "$label" "$(ms_of "$OUT/run.txt")"
 }
 llmc_() { # LABEL: llm.c's median step time over steps 4.. (its own timing per step)
-    [ -n "$llmc" ] || return 0
+    [ -n "$llmc" ] && [ "$CONFIG" = gpt2-124m ] || return 0
     limited 120 "$llmc" -i "$OUT/llmc_train.bin" -j "$OUT/llmc_val.bin" -e d12 -b "$B" -t "$T" \
         -x $((STEPS + 3)) -v 100000 -m 1 -s 0 -n 0 -c 0.1 -l 1e-4 > "$OUT/run.txt"
     cat "$OUT/run.txt" >> "$LOG"
@@ -88,25 +98,34 @@ llmc_() { # LABEL: llm.c's median step time over steps 4.. (its own timing per s
 
 for r in $(seq 1 "$ROUNDS"); do
     say "=== round $r ($(left) s left)"
-    fugu "fugu bf16" --precision bf16
-    torch_ "pytorch-compile bf16" --autocast bf16
-    llmc_ "llm.c bf16"
-    fugu "fugu fp32" --precision fp32
-    torch_ "pytorch-compile fp32"
-    fugu "fugu tf32" --precision fp32 --tf32
-    torch_ "pytorch-compile tf32" --tf32
+    for p in $PRECISIONS; do
+        case $p in
+        bf16)
+            fugu "fugu bf16" --precision bf16
+            torch_ "pytorch-compile bf16" --autocast bf16
+            llmc_ "llm.c bf16" ;;
+        fp32)
+            fugu "fugu fp32" --precision fp32
+            torch_ "pytorch-compile fp32" ;;
+        tf32)
+            fugu "fugu tf32" --precision fp32 --tf32
+            torch_ "pytorch-compile tf32" --tf32 ;;
+        *) say "unknown precision $p in FUGU_GPU_PRECISIONS (bf16, fp32, tf32)" ;;
+        esac
+    done
 done
 
 say ""
-say "=== summary: median ms/step per run; mean over rounds, MFU, fugu / baseline"
+say "=== summary ($CONFIG ${B}x${T}): median ms/step per run; mean over rounds, MFU, fugu / baseline"
 tee -a "$LOG" < "$ROWS"
-awk -v b="$B" -v t="$T" '
+awk -v b="$B" -v t="$T" -v c="$CONFIG" '
     function peak(l) { return l ~ /bf16/ ? 989e12 : (l ~ /tf32/ ? 494.5e12 : 66.9e12) }
     $NF ~ /^[0-9.]+$/ { l = $0; sub(/ +[0-9.]+$/, "", l); ms[l] += $NF; n[l]++; if (!(l in seen)) { seen[l] = 1; ord[++k] = l } }
     END {
         f = 72 * b * t * 12 * 768 * 768 * (1 + t / (6 * 768) + 50257 / (12 * 12 * 768))
         for (i = 1; i <= k; i++) { l = ord[i]; m = ms[l] / n[l]
-            printf "%-34s %8.2f ms  MFU %5.1f%%", l, m, 100 * f / (m / 1e3) / peak(l)
+            printf "%-34s %8.2f ms", l, m
+            if (c == "gpt2-124m") printf "  MFU %5.1f%%", 100 * f / (m / 1e3) / peak(l)
             split(l, w, " "); p = w[2]; fl = "fugu " p
             if (l != fl && (fl in ms)) printf "  fugu is %.2fx", m / (ms[fl] / n[fl])
             printf "\n" } }' "$ROWS" | tee -a "$LOG"
