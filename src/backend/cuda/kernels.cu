@@ -1157,16 +1157,63 @@ template <typename T>
 __device__ smem_t smem(T* p) {
     return reinterpret_cast<char*>(p);
 }
-// Copies complete at once here.
-__device__ void cp_async16(smem_t dst, const void* src, bool valid) {
-    if (valid)
-        memcpy(dst, src, 16);
-    else
-        memset(dst, 0, 16);
+// Copies land when a wait says they have, as on a GPU, where they run asynchronously: each
+// thread queues its copies in the current group, cp_async_commit closes the group, and a wait
+// carries out the groups it waits for (all but the newest one, or all) in order. A kernel that
+// reads a tile before waiting for its copies, or whose copies overwrite a tile that an
+// earlier product still reads (the emulated wgmma reads at its wait), computes something else
+// here and fails its tests. Copies a block never waited for are dropped at its end.
+struct CpCopy {
+    smem_t dst;
+    const void* src;
+    bool valid;
+};
+struct CpQueue {
+    std::vector<std::vector<CpCopy>> committed;
+    std::vector<CpCopy> current;
+    unsigned block = 0;
+};
+static std::vector<CpQueue> cp_queues;
+static CpQueue& cp_queue() {
+    if (cp_queues.size() < blockDim.x) cp_queues.resize(blockDim.x);
+    CpQueue& q = cp_queues[threadIdx.x];
+    if (q.block != blockIdx.x) {
+        q.committed.clear();
+        q.current.clear();
+        q.block = blockIdx.x;
+    }
+    return q;
 }
-__device__ void cp_async_commit() {}
-__device__ void cp_async_wait_prior() {}
-__device__ void cp_async_wait_all() {}
+static void cp_land(const std::vector<CpCopy>& group) {
+    for (const CpCopy& c : group) {
+        if (c.valid)
+            memcpy(c.dst, c.src, 16);
+        else
+            memset(c.dst, 0, 16);
+    }
+}
+__device__ void cp_async16(smem_t dst, const void* src, bool valid) {
+    cp_queue().current.push_back({dst, src, valid});
+}
+__device__ void cp_async_commit() {
+    CpQueue& q = cp_queue();
+    q.committed.push_back(std::move(q.current));
+    q.current.clear();
+}
+__device__ void cp_async_wait_prior() {
+    CpQueue& q = cp_queue();
+    while (q.committed.size() > 1) {
+        cp_land(q.committed.front());
+        q.committed.erase(q.committed.begin());
+    }
+}
+__device__ void cp_async_wait_all() {
+    CpQueue& q = cp_queue();
+    for (const auto& g : q.committed) cp_land(g);
+    cp_land(q.current);
+    q.committed.clear();
+    q.current.clear();
+}
 template <typename T>
 __device__ float half_of(u32 w, int k) {
     T x;
