@@ -469,6 +469,10 @@ fn run_case_on<B: AttentionForms>(
     for (label, form) in &forms {
         be.set_form(form)
             .with_context(|| format!("attention form {label}"))?;
+        // Cleared first, so that a form that leaves any of its output unwritten fails the
+        // check rather than passing on what the three steps left there.
+        be.zero(x.out);
+        be.zero(x.dqkv);
         be.note_kernels();
         fused_forward(be, x, d);
         let kernels = strip_type(be.noted_kernels(), dt);
