@@ -1168,22 +1168,29 @@ struct CpCopy {
     const void* src;
     bool valid;
 };
-struct CpQueue {
-    std::vector<std::vector<CpCopy>> committed;
-    std::vector<CpCopy> current;
-    unsigned block = 0;
-};
-static std::vector<CpQueue> cp_queues;
-static CpQueue& cp_queue() {
-    if (cp_queues.size() < blockDim.x) cp_queues.resize(blockDim.x);
-    CpQueue& q = cp_queues[threadIdx.x];
+// The calling thread's entry of an emulated per-thread state (its asynchronous copies or
+// products in flight), after Q::new_block where the thread's last use was in another block.
+template <typename Q>
+Q& fugu_thread_state(std::vector<Q>& all) {
+    if (all.size() < blockDim.x) all.resize(blockDim.x);
+    Q& q = all[threadIdx.x];
     if (q.block != blockIdx.x) {
-        q.committed.clear();
-        q.current.clear();
+        q.new_block();
         q.block = blockIdx.x;
     }
     return q;
 }
+struct CpQueue {
+    std::vector<std::vector<CpCopy>> committed;
+    std::vector<CpCopy> current;
+    unsigned block = 0;
+    void new_block() {
+        committed.clear();
+        current.clear();
+    }
+};
+static std::vector<CpQueue> cp_queues;
+static CpQueue& cp_queue() { return fugu_thread_state(cp_queues); }
 static void cp_land(const std::vector<CpCopy>& group) {
     for (const CpCopy& c : group) {
         if (c.valid)
@@ -1414,20 +1421,15 @@ struct WgQueue {
     std::vector<WgPending> issued;
     size_t committed = 0;
     unsigned block = 0;
-};
-static std::vector<WgQueue> wg_queues;
-static WgQueue& wg_queue() {
-    if (wg_queues.size() < blockDim.x) wg_queues.resize(blockDim.x);
-    WgQueue& q = wg_queues[threadIdx.x];
-    if (q.block != blockIdx.x) {
-        if (!q.issued.empty()) {
+    void new_block() {
+        if (!issued.empty()) {
             fprintf(stderr, "emulated wgmma: a block ended with products never waited for\n");
             abort();
         }
-        q.block = blockIdx.x;
     }
-    return q;
-}
+};
+static std::vector<WgQueue> wg_queues;
+static WgQueue& wg_queue() { return fugu_thread_state(wg_queues); }
 template <int TRANS_B, typename T>
 __device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T) {
     wg_queue().issued.push_back({d, a, desc, acc, &wg_product<TRANS_B, T>});
