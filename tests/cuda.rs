@@ -23,8 +23,8 @@ fn cuda_tests() {
 mod gpu {
     use fugu::backend::cuda::emu::EpilogueCounts;
     use fugu::backend::cuda::{
-        self, BiasGrad, CrossEntropyForm, CudaBackend, FlashBackward, FlashMma, FlashQueryRows,
-        FlashWarpRows, LayernormBackward, CROSS_ENTROPY_DEFAULT,
+        self, BiasGrad, CrossEntropyForm, CudaBackend, FlashBackward, FlashMma, FlashOverlap,
+        FlashQueryRows, FlashWarpRows, LayernormBackward, CROSS_ENTROPY_DEFAULT,
     };
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CeRows, CpuBackend, Dtype, Embedding,
@@ -1095,20 +1095,29 @@ mod gpu {
             let AttnCase {
                 d, qkv, out, lse, ..
             } = x;
-            for rows in [64, 128] {
+            for (rows, overlap) in [64, 128]
+                .into_iter()
+                .flat_map(|r| [(r, FlashOverlap::Off), (r, FlashOverlap::On)])
+            {
                 let (o, l) = (be.nan(out.len), be.nan32(lse.len));
                 be.gpu.set_flash_query_rows(FlashQueryRows(rows));
                 be.gpu.set_flash_mma(FlashMma::Wgmma).unwrap();
+                be.gpu.set_flash_overlap(overlap).unwrap();
                 be.run(|x| x.attention_forward(o, l, qkv, d));
+                be.gpu.set_flash_overlap(FlashOverlap::Off).unwrap();
                 be.gpu.set_flash_mma(FlashMma::Sync).unwrap();
                 be.gpu.set_flash_query_rows(FlashQueryRows::default());
-                be.check(&format!("wgmma attention out, {rows} rows"), o, GEMM);
-                be.check(&format!("wgmma attention lse, {rows} rows"), l, GEMM);
+                let form = format!("{rows} rows, overlap {}", overlap.name());
+                be.check(&format!("wgmma attention out, {form}"), o, GEMM);
+                be.check(&format!("wgmma attention lse, {form}"), l, GEMM);
                 if emulated {
-                    same_bits(&be.gpu, &format!("out, wgmma, {rows} rows"), out, o, d);
-                    same_bits(&be.gpu, &format!("lse, wgmma, {rows} rows"), lse, l, d);
+                    same_bits(&be.gpu, &format!("out, wgmma, {form}"), out, o, d);
+                    same_bits(&be.gpu, &format!("lse, wgmma, {form}"), lse, l, d);
                 }
             }
+            // The overlap needs the warpgroup-MMA kernels.
+            let e = be.gpu.set_flash_overlap(FlashOverlap::On).unwrap_err();
+            assert!(e.to_string().contains("FUGU_FLASH_MMA=wgmma"), "{e}");
         });
     }
 
@@ -2320,7 +2329,7 @@ mod gpu {
         };
         let f64s = forms(64, "forward");
         let b64s = forms(64, "backward");
-        assert_eq!(f64s.len(), 5 + 2 * wgmma as usize, "{f64s:?}");
+        assert_eq!(f64s.len(), 5 + 4 * wgmma as usize, "{f64s:?}");
         assert_eq!(b64s.len(), 9 + wgmma as usize, "{b64s:?}");
         assert_eq!(f64s[0], ("three-step".into(), String::new()));
         assert_eq!(f64s[1], ("default".into(), "flash_forward".into()));
@@ -2333,7 +2342,7 @@ mod gpu {
         );
         let f128s = forms(128, "forward");
         let b128s = forms(128, "backward");
-        assert_eq!(f128s.len(), 2 + 2 * wgmma as usize, "{f128s:?}");
+        assert_eq!(f128s.len(), 2 + 4 * wgmma as usize, "{f128s:?}");
         assert_eq!(b128s.len(), 3 + wgmma as usize, "{b128s:?}");
         assert_eq!(f128s[1].1, "flash_forward_d128");
         if wgmma {

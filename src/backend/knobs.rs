@@ -99,6 +99,25 @@ impl FlashMma {
     }
 }
 
+/// Whether the warpgroup-MMA forward overlaps each key block's softmax with the previous
+/// block's P·V product (`FUGU_FLASH_OVERLAP`; the CUDA backend's `forms.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashOverlap {
+    #[default]
+    Off,
+    On,
+}
+
+impl FlashOverlap {
+    /// The setting's value for this form (the run header shows it).
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashOverlap::Off => "off",
+            FlashOverlap::On => "on",
+        }
+    }
+}
+
 /// How the fused attention's backward pass runs (`FUGU_FLASH_BACKWARD`; the CUDA backend's
 /// `forms.rs` says what each form launches and which is the default).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -266,6 +285,9 @@ pub const CROSS_ENTROPY_ENV: &str = "FUGU_CROSS_ENTROPY";
 /// Environment variable: the fused attention kernels' tensor-core instruction, `sync` or
 /// `wgmma` ([`FlashMma`]).
 pub const FLASH_MMA_ENV: &str = "FUGU_FLASH_MMA";
+/// Environment variable: whether the wgmma attention forward overlaps softmax with the last
+/// block's product, `off` or `on` ([`FlashOverlap`]).
+pub const FLASH_OVERLAP_ENV: &str = "FUGU_FLASH_OVERLAP";
 /// Environment variable: the fused attention backward's form, `split`, `fused` or `stored`.
 pub const FLASH_BACKWARD_ENV: &str = "FUGU_FLASH_BACKWARD";
 /// Environment variable: a linear layer's bias gradient, `separate` or `epilogue`.
@@ -286,6 +308,7 @@ pub struct Knobs {
     pub flash_warp_rows: FlashWarpRows,
     pub flash_query_rows: FlashQueryRows,
     pub flash_mma: FlashMma,
+    pub flash_overlap: FlashOverlap,
     /// `None`: the backend's measured default.
     pub layernorm_backward: Option<KernelForm>,
     /// `None`: the backend's measured default.
@@ -317,6 +340,13 @@ impl Knobs {
                 FlashMma::Sync,
                 &[FlashMma::Sync, FlashMma::Wgmma],
                 FlashMma::name,
+            )?,
+            flash_overlap: parse_form(
+                FLASH_OVERLAP_ENV,
+                &var(FLASH_OVERLAP_ENV),
+                FlashOverlap::Off,
+                &[FlashOverlap::Off, FlashOverlap::On],
+                FlashOverlap::name,
             )?,
             layernorm_backward: unset_or(
                 LAYERNORM_BACKWARD_ENV,
@@ -435,6 +465,7 @@ mod tests {
             (FLASH_WARP_ROWS_ENV, "32,16,32"),
             (FLASH_QUERY_ROWS_ENV, "128"),
             (FLASH_MMA_ENV, "wgmma"),
+            (FLASH_OVERLAP_ENV, "on"),
             (LAYERNORM_BACKWARD_ENV, "split"),
             (CROSS_ENTROPY_ENV, "fused"),
             (FLASH_BACKWARD_ENV, "stored"),
@@ -448,6 +479,7 @@ mod tests {
         assert_eq!(k.flash_warp_rows.dq, 16);
         assert_eq!(k.flash_query_rows, FlashQueryRows(128));
         assert_eq!(k.flash_mma, FlashMma::Wgmma);
+        assert_eq!(k.flash_overlap, FlashOverlap::On);
         assert_eq!(k.layernorm_backward, Some(KernelForm::Split));
         assert_eq!(k.cross_entropy, Some(KernelForm::Fused));
         assert_eq!(k.flash_backward, Some(FlashBackward::Stored));
@@ -487,6 +519,11 @@ mod tests {
                 FLASH_MMA_ENV,
                 "tma",
                 "FUGU_FLASH_MMA=tma: expected sync or wgmma",
+            ),
+            (
+                FLASH_OVERLAP_ENV,
+                "yes",
+                "FUGU_FLASH_OVERLAP=yes: expected off or on",
             ),
             (
                 FLASH_QUERY_ROWS_ENV,

@@ -129,15 +129,16 @@ impl AttentionForms for crate::backend::cpu::CpuBackend {
 mod cuda_forms {
     use super::*;
     use crate::backend::cuda::{
-        CudaBackend, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows,
-        FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_QUERY_ROWS_ENV,
-        FLASH_WARP_ROWS_ENV,
+        CudaBackend, FlashBackward, FlashMma, FlashOverlap, FlashQueryRows, FlashWarpRows,
+        FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_OVERLAP_ENV,
+        FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV,
     };
 
     /// One combination of the fused attention's settings.
     #[derive(Clone, Copy, Debug, PartialEq)]
     pub struct CudaForm {
         mma: FlashMma,
+        overlap: FlashOverlap,
         backward: FlashBackward,
         query_rows: usize,
         warp_rows: usize,
@@ -150,6 +151,9 @@ mod cuda_forms {
             let mut s = Vec::new();
             if self.mma != FlashMma::default() {
                 s.push(format!("{FLASH_MMA_ENV}={}", self.mma.name()));
+            }
+            if self.overlap != FlashOverlap::default() {
+                s.push(format!("{FLASH_OVERLAP_ENV}={}", self.overlap.name()));
             }
             if self.backward != FLASH_BACKWARD_DEFAULT {
                 s.push(format!("{FLASH_BACKWARD_ENV}={}", self.backward.name()));
@@ -171,26 +175,32 @@ mod cuda_forms {
     impl AttentionForms for CudaBackend {
         type Form = CudaForm;
 
-        /// Every combination of `FUGU_FLASH_MMA` (wgmma where the device has it),
-        /// `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS` and `FUGU_FLASH_WARP_ROWS` (the same
-        /// rows for all three kernels) the backend accepts, the defaults first.
+        /// Every combination of `FUGU_FLASH_MMA` (wgmma where the device has it, with
+        /// `FUGU_FLASH_OVERLAP` off and on), `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS` and
+        /// `FUGU_FLASH_WARP_ROWS` (the same rows for all three kernels) the backend accepts,
+        /// the defaults first.
         fn fused_forms(&self, d: AttnDims, dt: Dtype) -> Vec<(String, CudaForm)> {
             if self.fused_attention(d.hs, dt) == FusedAttention::Unsupported {
                 return Vec::new();
             }
             let default = CudaForm {
                 mma: FlashMma::default(),
+                overlap: FlashOverlap::default(),
                 backward: FLASH_BACKWARD_DEFAULT,
                 query_rows: FlashQueryRows::default().0,
                 warp_rows: FlashWarpRows::default().forward,
             };
             let mut forms = vec![default];
-            let mmas: &[FlashMma] = if self.has_wgmma() {
-                &[FlashMma::Sync, FlashMma::Wgmma]
+            let mmas: &[(FlashMma, FlashOverlap)] = if self.has_wgmma() {
+                &[
+                    (FlashMma::Sync, FlashOverlap::Off),
+                    (FlashMma::Wgmma, FlashOverlap::Off),
+                    (FlashMma::Wgmma, FlashOverlap::On),
+                ]
             } else {
-                &[FlashMma::Sync]
+                &[(FlashMma::Sync, FlashOverlap::Off)]
             };
-            for &mma in mmas {
+            for &(mma, overlap) in mmas {
                 for backward in [
                     FlashBackward::Split,
                     FlashBackward::Stored,
@@ -200,6 +210,7 @@ mod cuda_forms {
                         for warp_rows in [16, 32] {
                             let f = CudaForm {
                                 mma,
+                                overlap,
                                 backward,
                                 query_rows,
                                 warp_rows,
@@ -229,7 +240,9 @@ mod cuda_forms {
             });
             self.set_flash_query_rows(FlashQueryRows(f.query_rows));
             self.set_flash_backward(f.backward);
-            self.set_flash_mma(f.mma)
+            self.set_flash_overlap(FlashOverlap::Off)?;
+            self.set_flash_mma(f.mma)?;
+            self.set_flash_overlap(f.overlap)
         }
 
         fn note_kernels(&self) {

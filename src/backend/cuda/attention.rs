@@ -6,8 +6,8 @@ use super::engine::Arg;
 use super::forms::QueryKernels;
 use super::gemm::{Mat, Ptrs};
 use super::{
-    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows,
-    FusedAttention, Rope, Span, ELEM_THREADS, K, WARP,
+    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashMma, FlashOverlap, FlashQueryRows,
+    FlashWarpRows, FusedAttention, Rope, Span, ELEM_THREADS, K, WARP,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
@@ -106,6 +106,7 @@ impl CudaBackend {
     /// query rows, in blocks of 64 or 128 rows (wgmma: 16 and 64); heads over 64, the
     /// `_d128` kernel ([`D128_FORM`]).
     pub(super) fn forward_kernel(&mut self, d: AttnDims) -> FlashLaunch {
+        let overlap = self.flash_overlap == FlashOverlap::On;
         if self.head_128(d) {
             return match (self.flash_mma, self.flash_query_rows.0) {
                 (FlashMma::Sync, _) => FlashLaunch::d128(K::flash_forward_d128, 4),
@@ -113,16 +114,34 @@ impl CudaBackend {
                     // Two warpgroups of 64 rows on the same K and V tiles.
                     threads: 2 * FLASH_THREADS,
                     rows: 2 * FLASH_ROWS,
-                    ..FlashLaunch::d128(K::flash_forward_wgmma_d128_q128, 4)
+                    ..FlashLaunch::d128(
+                        [
+                            K::flash_forward_wgmma_d128_q128,
+                            K::flash_forward_wgmma_overlap_d128_q128,
+                        ][overlap as usize],
+                        4,
+                    )
                 },
-                (FlashMma::Wgmma, _) => FlashLaunch::d128(K::flash_forward_wgmma_d128, 4),
+                (FlashMma::Wgmma, _) => FlashLaunch::d128(
+                    [
+                        K::flash_forward_wgmma_d128,
+                        K::flash_forward_wgmma_overlap_d128,
+                    ][overlap as usize],
+                    4,
+                ),
             };
         }
         let q = self.flash_query_rows;
         let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
             // One warpgroup per 64 rows (16 per warp: FlashMma::refusal).
             let wide = q.0 > FLASH_ROWS;
-            let k = [K::flash_forward_wgmma, K::flash_forward_wgmma_q128][wide as usize];
+            let k = [
+                [K::flash_forward_wgmma, K::flash_forward_wgmma_q128],
+                [
+                    K::flash_forward_wgmma_overlap,
+                    K::flash_forward_wgmma_overlap_q128,
+                ],
+            ][overlap as usize][wide as usize];
             (k, q.0 as u32 / 16 * WARP)
         } else {
             q.pick(

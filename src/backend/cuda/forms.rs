@@ -1,14 +1,16 @@
 //! The kernel forms a CUDA backend can run for the same op, and the environment settings that
 //! pick them (`FUGU_FLASH_WARP_ROWS`, `FUGU_FLASH_QUERY_ROWS`, `FUGU_FLASH_MMA`,
-//! `FUGU_LAYERNORM_BACKWARD`, `FUGU_CROSS_ENTROPY`, `FUGU_FLASH_BACKWARD`, `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's
-//! default, the others are for A/B runs. The run header records which ran ([`super::CudaBackend`]'s `kernel_settings`).
+//! `FUGU_FLASH_OVERLAP`, `FUGU_LAYERNORM_BACKWARD`, `FUGU_CROSS_ENTROPY`,
+//! `FUGU_FLASH_BACKWARD`, `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's
+//! default, the others are for A/B runs. The run header records which ran
+//! ([`super::CudaBackend`]'s `kernel_settings`).
 
 use super::attention::{FLASH_LDS, FLASH_ROWS, FLASH_THREADS};
 use super::{InGemm, K, WARP};
 pub use crate::backend::knobs::{
-    parse_in_gemm, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows, KernelForm,
-    BIAS_GRAD_ENV, CROSS_ENTROPY_ENV, FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_QUERY_ROWS_ENV,
-    FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, FlashBackward, FlashMma, FlashOverlap, FlashQueryRows, FlashWarpRows,
+    KernelForm, BIAS_GRAD_ENV, CROSS_ENTROPY_ENV, FLASH_BACKWARD_ENV, FLASH_MMA_ENV,
+    FLASH_OVERLAP_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_ENV,
 };
 
 // `FUGU_FLASH_WARP_ROWS` (read by `backend/knobs.rs`): rows per warp of the fused attention kernels, `16` (the default) or
@@ -99,6 +101,25 @@ impl FlashMma {
             )),
             FlashMma::Wgmma => None,
         }
+    }
+}
+
+// `FUGU_FLASH_OVERLAP`: whether the wgmma forward kernels overlap each key block's softmax
+// with the previous block's P·V product (`on`: the `flash_forward_wgmma_overlap` forms,
+// FlashAttention-3's intra-warpgroup pipelining: S of block kb and P·V of block kb - 1 issued
+// together, the softmax run while the second is in flight; the same sums in the same order,
+// so the same bits) or not (`off`, the default). Needs `FUGU_FLASH_MMA=wgmma`; not yet run on
+// a GPU ([`FlashOverlap`]).
+
+impl FlashOverlap {
+    /// Why this form cannot run with the kernels' instruction `mma`, if it cannot.
+    pub fn refusal(self, mma: FlashMma) -> Option<String> {
+        (self == FlashOverlap::On && mma != FlashMma::Wgmma).then(|| {
+            format!(
+                "{FLASH_OVERLAP_ENV}=on overlaps warpgroup MMA products: it needs \
+                 {FLASH_MMA_ENV}=wgmma"
+            )
+        })
     }
 }
 

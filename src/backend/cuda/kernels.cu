@@ -1024,6 +1024,10 @@ __device__ void rope_pair(float& x0, float& x1, float c, float sn) {
 // same K and V tiles, FlashAttention-3's block for heads of 128): at about 190 registers, one
 // block of 8 warps per SM (two would cap them at 128 and spill).
 #define FA_MINB_FWD_D128_Q128 1
+// The overlapped wgmma forward (FUGU_FLASH_OVERLAP=on) keeps a second P and the scores of the
+// next block live beside the product in flight: compiled for 4 blocks per SM as the others,
+// until ptxas says otherwise (scripts/ptxas-report.sh).
+#define FA_MINB_FWD_OVL 4
 #define FA_MINB_DQ_D128 2
 #define FA_MINB_DKV_D128 2
 // The dQ kernel from stored dS for heads of 128: four tiles (70 KB), 3 blocks per SM.
@@ -1331,6 +1335,28 @@ __device__ u64 wg_desc(smem_t a) {
 __device__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits until at most the newest committed group is in flight.
+__device__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+// Pins n accumulators (rows of 4) in place around a wait: the compiler may move register
+// reads and writes across an asm statement that does not name them, so without this it could
+// read an accumulator before the wait for its product (CUTLASS's warpgroup_fence_operand).
+template <int N>
+__device__ void wg_fence_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; n++)
+        asm volatile(""
+                     : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
+                     :
+                     : "memory");
+}
+// The same for n A fragments (rows of 4 registers): they stay the fragments' registers until
+// the wait, so that no value computed meanwhile is given them while a product still reads them.
+template <int N>
+__device__ void wg_fence_frags(u32 (*a)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; n++)
+        asm volatile("" : "+r"(a[n][0]), "+r"(a[n][1]), "+r"(a[n][2]), "+r"(a[n][3]) : : "memory");
+}
 __device__ void wg_fence_tiles() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #define WG_D8(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
 // d (64 × 64 of the warpgroup) = A · B, or with `acc` d + A · B.
@@ -1358,6 +1384,11 @@ __device__ u64 wg_desc(smem_t) { return 0; }
 __device__ void wg_fence() {}
 __device__ void wg_commit() {}
 __device__ void wg_wait() {}
+__device__ void wg_wait1() {}
+template <int N>
+__device__ void wg_fence_acc(float (*)[4]) {}
+template <int N>
+__device__ void wg_fence_frags(u32 (*)[4]) {}
 __device__ void wg_fence_tiles() {}
 template <int TRANS_B, typename T>
 __device__ void wgmma_64x64x16(float (*)[4], const u32*, u64, int, T) {
@@ -1409,7 +1440,7 @@ void wg_product(float (*d)[4], const u32* a, u64 desc, int acc) {
         }
     fugu_emu_warp_release();
 }
-// A thread's products in flight: issued, and how many of them are in committed groups.
+// A thread's products in flight: the committed groups', in order, and those issued since.
 struct WgPending {
     float (*d)[4];
     const u32* a;
@@ -1418,11 +1449,11 @@ struct WgPending {
     void (*run)(float (*)[4], const u32*, u64, int);
 };
 struct WgQueue {
-    std::vector<WgPending> issued;
-    size_t committed = 0;
+    std::vector<std::vector<WgPending>> committed;
+    std::vector<WgPending> current;
     unsigned block = 0;
     void new_block() {
-        if (!issued.empty()) {
+        if (!committed.empty() || !current.empty()) {
             fprintf(stderr, "emulated wgmma: a block ended with products never waited for\n");
             abort();
         }
@@ -1432,24 +1463,34 @@ static std::vector<WgQueue> wg_queues;
 static WgQueue& wg_queue() { return fugu_thread_state(wg_queues); }
 template <int TRANS_B, typename T>
 __device__ void wgmma_64x64x16(float (*d)[4], const u32* a, u64 desc, int acc, T) {
-    wg_queue().issued.push_back({d, a, desc, acc, &wg_product<TRANS_B, T>});
+    wg_queue().current.push_back({d, a, desc, acc, &wg_product<TRANS_B, T>});
 }
 __device__ void wg_commit() {
     WgQueue& q = wg_queue();
-    q.committed = q.issued.size();
+    q.committed.push_back(std::move(q.current));
+    q.current.clear();
 }
-__device__ void wg_wait() {
+// Carries out the committed groups but the newest `left`, in order.
+__device__ void wg_wait_left(size_t left) {
     WgQueue& q = wg_queue();
-    if (q.committed != q.issued.size()) {
+    if (!q.current.empty()) {
         fprintf(stderr, "emulated wgmma: a wait with products not committed to a group\n");
         abort();
     }
-    // The vector is not touched while its products run (each yields to the other threads).
-    std::vector<WgPending> run;
-    run.swap(q.issued);
-    q.committed = 0;
-    for (const WgPending& p : run) p.run(p.d, p.a, p.desc, p.acc);
+    // The groups run are moved out first: each product yields to the other threads.
+    size_t n = q.committed.size() > left ? q.committed.size() - left : 0;
+    std::vector<std::vector<WgPending>> run(std::make_move_iterator(q.committed.begin()),
+                                            std::make_move_iterator(q.committed.begin() + n));
+    q.committed.erase(q.committed.begin(), q.committed.begin() + n);
+    for (const auto& g : run)
+        for (const WgPending& p : g) p.run(p.d, p.a, p.desc, p.acc);
 }
+__device__ void wg_wait() { wg_wait_left(0); }
+__device__ void wg_wait1() { wg_wait_left(1); }
+template <int N>
+__device__ void wg_fence_acc(float (*)[4]) {}
+template <int N>
+__device__ void wg_fence_frags(u32 (*)[4]) {}
 #endif
 
 // The byte offset of the 64 × 64 swizzled tile j of a D-wide one (fa_swd).
@@ -1774,6 +1815,51 @@ __device__ T (*fa_tiles(int at))[FA_ROWS * FA_LDS(D)] {
     }
 }
 
+// One key block's step of the forward's online softmax for a group of 16 rows: s (their raw
+// scores, masked from row `row` of the block where `mask`) becomes P, packed into pa; the
+// running maximum m and this lane's part of the running sum l move on; corr is each of the
+// lane's two rows' rescale of what was summed before, for the caller to apply to its output
+// accumulators (after the product still reading them, where one is in flight).
+template <typename T>
+__device__ void fa_softmax_step(float (*s)[4], u32 (*pa)[4], float* m, float* l, float* corr,
+                                bool mask, int row, float sl2) {
+    if (mask) fa_mask(s, row, NEG_INF, false);
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+    float neg[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        // Column 0 is in every row's first key block: m is finite from then on.
+        mx[r] = quad_max(mx[r]);
+        corr[r] = fast_exp2((m[r] - mx[r]) * sl2);
+        m[r] = mx[r];
+        neg[r] = -mx[r] * sl2;
+        l[r] *= corr[r];
+    }
+#pragma unroll
+    for (int n = 0; n < FA_ROWS / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            s[n][e] = fast_exp2(fmaf(s[n][e], sl2, neg[e >> 1]));
+            l[e >> 1] += s[n][e];
+        }
+    fa_pack<T>(pa, s);
+}
+// o (a 16-row group's output accumulators over D columns) scaled per row by corr.
+template <int D>
+__device__ void fa_rescale(float (*o)[4], const float* corr) {
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd++) {
+        o[nd][0] *= corr[0];
+        o[nd][1] *= corr[0];
+        o[nd][2] *= corr[1];
+        o[nd][3] *= corr[1];
+    }
+}
+
 // Forward: out (B, T, C) and lse (B, nh, T), the log-sum-exp of each row's scaled scores.
 // qkv rows are [q (nh heads) | k (kvh heads) | v (kvh heads)]: query head h reads key/value
 // head h / (nh / kvh) (grouped-query attention; kvh = nh without it).
@@ -1786,7 +1872,18 @@ __device__ T (*fa_tiles(int at))[FA_ROWS * FA_LDS(D)] {
 // tensor cores reading K and V from swizzled tiles (the "warpgroup MMA" section above); the
 // rest, softmax included, is the same code. Heads of up to D columns (64; 128 for the _d128
 // kernel, its four tiles in dynamic shared memory).
-template <typename T, int D, int M, int W, bool WG = false>
+//
+// With OVL (flash_forward_wgmma_overlap, FUGU_FLASH_OVERLAP=on) each warpgroup overlaps a key
+// block's softmax with the previous block's P·V product, FlashAttention-3's intra-warpgroup
+// pipelining: it issues S = Q·Kᵀ of block kb and O += P·V of block kb - 1 together, waits for
+// S alone (wg_wait1), computes block kb's P while the P·V product runs, then waits for it and
+// rescales O. The sums are the same, in the same order, as without (O rescaled after adding
+// block kb - 1's P·V rather than before adding block kb's). V's tile of block kb - 1 is read
+// while block kb's K and V tiles are in use, so K and V load separately: K of block kb + 1 at
+// the top of the step, V of block kb + 1 after the step's P·V product has waited. A warpgroup
+// whose rows all come before a key block does not skip it (its scores are all masked, its P
+// zero: the same sums).
+template <typename T, int D, int M, int W, bool WG = false, bool OVL = false>
 __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh,
                                 i64 kvh, i64 hs_, float scale) {
     constexpr int QR = FA_QROWS(M, W);
@@ -1795,6 +1892,7 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     // a key tile together (key blocks and warpgroups are both 64-row aligned).
     static_assert(!WG || (M == 1 && W % 4 == 0 && D % FA_WG_D == 0),
                   "wgmma: warpgroups of 16-row warps");
+    static_assert(!OVL || WG, "the overlapped steps are wgmma's");
     // Key block c's tiles: K in sKV[2c], V in sKV[2c + 1]; Q (QR rows) first in block 1's.
     // With WG, K and V in the 128-byte swizzle (each tile 1024-byte aligned: 9 KB apart).
     auto sKV = fa_tiles<T, D, 4, 0>(0);
@@ -1831,66 +1929,99 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
             for (int nd = 0; nd < D / 8; nd++)
                 o[i][nd][0] = o[i][nd][1] = o[i][nd][2] = o[i][nd][3] = 0.0f;
         }
-        for (i64 kb = 0; kb <= kend; kb++) {
-            int cur = (int)(kb & 1);
-            __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
-            if (kb < kend) {
-                fa_load<T, D, WG>(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs,
-                                  vec);
-                fa_load<T, D, WG>(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq,
-                                  hs, vec);
-            }
+        if constexpr (OVL) {
+            // Block 0's scores and P (no product in flight yet); K of block 1 loads meanwhile.
+            __syncthreads();  // every warp has its Q fragments: block 1's tiles are free
+            if (kend > 0) fa_load<T, D, WG>(sKV[2], kbase, FA_ROWS, Tn, ldq, hs, vec);
             cp_async_commit();
-            cp_async_wait_prior();  // block kb's tiles have landed
-            if constexpr (WG) wg_fence_tiles();
-            __syncthreads();
-            // This warp's first row, counted from the key block's first key (w0 on the
-            // diagonal block of a 64-row query block, compiled as before for those).
-            int off = QR > FA_ROWS ? (int)(q0 + w0 - kb * FA_ROWS) : w0;
-            if (QR > FA_ROWS && off + 16 * M <= 0) continue;  // every key after every row
-            float s[M][FA_ROWS / 8][4];
-            if constexpr (WG)
-                fa_wg_abt<T, D>(s[0], qa[0], sKV[2 * cur]);
-            else
-                fa_mma_abt_m<T, M, D>(s, qa, sKV[2 * cur]);
-            u32 pa[M][FA_ROWS / 16][4];
-#pragma unroll
-            for (int i = 0; i < M; i++) {
-                if (QR > FA_ROWS ? off + 16 * i < FA_ROWS - 1 : kb == qb)
-                    fa_mask(s[i], off + 16 * i, NEG_INF, false);
-                float mx[2] = {m[i][0], m[i][1]};
-#pragma unroll
-                for (int n = 0; n < FA_ROWS / 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[i][n][e]);
-                float neg[2];
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    // Column 0 is in every row's first key block: m is finite from then on.
-                    mx[r] = quad_max(mx[r]);
-                    float corr = fast_exp2((m[i][r] - mx[r]) * sl2);
-                    m[i][r] = mx[r];
-                    neg[r] = -mx[r] * sl2;
-                    l[i][r] *= corr;
-#pragma unroll
-                    for (int nd = 0; nd < D / 8; nd++) {
-                        o[i][nd][2 * r] *= corr;
-                        o[i][nd][2 * r + 1] *= corr;
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < FA_ROWS / 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        s[i][n][e] = fast_exp2(fmaf(s[i][n][e], sl2, neg[e >> 1]));
-                        l[i][e >> 1] += s[i][n][e];
-                    }
-                fa_pack<T>(pa[i], s[i]);
+            // P of the block before kb, read by its P·V product until that waits.
+            u32 pa[FA_ROWS / 16][4];
+            {
+                float s[FA_ROWS / 8][4], corr[2];
+                fa_wg_abt<T, D>(s, qa[0], sKV[0]);
+                int off = QR > FA_ROWS ? (int)(q0 + w0) : w0;
+                bool mask = QR > FA_ROWS ? off < FA_ROWS - 1 : qb == 0;
+                fa_softmax_step<T>(s, pa, m[0], l[0], corr, mask, off, sl2);
             }
-            if constexpr (WG)
-                fa_wg_pb<T, D>(o[0], pa[0], sKV[2 * cur + 1]);
-            else
-                fa_mma_pb_m<T, M, D>(o, pa, sKV[2 * cur + 1]);
+            if (kend > 0) fa_load<T, D, WG>(sKV[3], vbase, FA_ROWS, Tn, ldq, hs, vec);
+            cp_async_commit();
+            for (i64 kb = 1; kb <= kend; kb++) {
+                int cur = (int)(kb & 1);
+                cp_async_wait_prior();  // block kb's K (and block kb - 1's V) landed
+                wg_fence_tiles();
+                __syncthreads();  // and no warp reads block kb - 1's K any more
+                if (kb < kend)
+                    fa_load<T, D, WG>(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq,
+                                      hs, vec);
+                cp_async_commit();
+                float s[FA_ROWS / 8][4], corr[2];
+                wg_fence_acc<D / 8>(o[0]);
+                wg_fence();
+                fa_wg_abt_issue<T, D>(s, qa[0], sKV[2 * cur]);
+                wg_commit();
+                fa_wg_pb_issue<T, D>(o[0], pa, sKV[2 * (cur ^ 1) + 1]);
+                wg_commit();
+                wg_wait1();  // S of block kb; block kb - 1's P·V may still run
+                wg_fence_acc<FA_ROWS / 8>(s);
+                int off = QR > FA_ROWS ? (int)(q0 + w0 - kb * FA_ROWS) : w0;
+                bool mask = QR > FA_ROWS ? off < FA_ROWS - 1 : kb == qb;
+                u32 pn[FA_ROWS / 16][4];
+                fa_softmax_step<T>(s, pn, m[0], l[0], corr, mask, off, sl2);
+                wg_wait();  // block kb - 1's P·V: O and pa are free
+                wg_fence_acc<D / 8>(o[0]);
+                wg_fence_frags<FA_ROWS / 16>(pa);
+                fa_rescale<D>(o[0], corr);
+#pragma unroll
+                for (int kk = 0; kk < FA_ROWS / 16; kk++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) pa[kk][j] = pn[kk][j];
+                __syncthreads();  // no warpgroup reads block kb - 1's V any more
+                if (kb < kend)
+                    fa_load<T, D, WG>(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn,
+                                      ldq, hs, vec);
+                cp_async_commit();
+            }
+            // The last block's P·V (its V tile loaded a step ago, or before the loop).
+            cp_async_wait_all();
+            wg_fence_tiles();
+            __syncthreads();
+            fa_wg_pb<T, D>(o[0], pa, sKV[2 * (kend & 1) + 1]);
+        } else {
+            for (i64 kb = 0; kb <= kend; kb++) {
+                int cur = (int)(kb & 1);
+                __syncthreads();  // buffer cur ^ 1 (Q, or block kb - 1) is no longer read
+                if (kb < kend) {
+                    fa_load<T, D, WG>(sKV[2 * (cur ^ 1)], kbase, (kb + 1) * FA_ROWS, Tn, ldq, hs,
+                                      vec);
+                    fa_load<T, D, WG>(sKV[2 * (cur ^ 1) + 1], vbase, (kb + 1) * FA_ROWS, Tn, ldq,
+                                      hs, vec);
+                }
+                cp_async_commit();
+                cp_async_wait_prior();  // block kb's tiles have landed
+                if constexpr (WG) wg_fence_tiles();
+                __syncthreads();
+                // This warp's first row, counted from the key block's first key (w0 on the
+                // diagonal block of a 64-row query block, compiled as before for those).
+                int off = QR > FA_ROWS ? (int)(q0 + w0 - kb * FA_ROWS) : w0;
+                if (QR > FA_ROWS && off + 16 * M <= 0) continue;  // every key after every row
+                float s[M][FA_ROWS / 8][4];
+                if constexpr (WG)
+                    fa_wg_abt<T, D>(s[0], qa[0], sKV[2 * cur]);
+                else
+                    fa_mma_abt_m<T, M, D>(s, qa, sKV[2 * cur]);
+                u32 pa[M][FA_ROWS / 16][4];
+#pragma unroll
+                for (int i = 0; i < M; i++) {
+                    bool mask = QR > FA_ROWS ? off + 16 * i < FA_ROWS - 1 : kb == qb;
+                    float corr[2];
+                    fa_softmax_step<T>(s[i], pa[i], m[i], l[i], corr, mask, off + 16 * i, sl2);
+                    fa_rescale<D>(o[i], corr);
+                }
+                if constexpr (WG)
+                    fa_wg_pb<T, D>(o[0], pa[0], sKV[2 * cur + 1]);
+                else
+                    fa_mma_pb_m<T, M, D>(o, pa, sKV[2 * cur + 1]);
+            }
         }
 #pragma unroll
         for (int i = 0; i < M; i++) {
@@ -1916,12 +2047,12 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
         flash_forward_k<T, D, M, W>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);               \
     }
 // The warpgroup-MMA forms (FUGU_FLASH_MMA=wgmma): W warps of 16 rows, one or two warpgroups,
-// heads of up to D columns.
-#define FA_FWD_WG(S, T, NAME, D, W, MINB)                                                    \
+// heads of up to D columns, each step's softmax overlapped with the last one's P·V or not.
+#define FA_FWD_WG(S, T, NAME, D, W, MINB, OVL)                                               \
     extern "C" __global__ void __launch_bounds__(WARP * (W), MINB)                           \
         NAME##_##S(T* out, float* lse, const T* qkv, i64 B, i64 Tn, i64 nh, i64 kvh, i64 hs, \
                    float scale) {                                                            \
-        flash_forward_k<T, D, 1, W, true>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);         \
+        flash_forward_k<T, D, 1, W, true, OVL>(out, lse, qkv, B, Tn, nh, kvh, hs, scale);    \
     }
 #define DEF(S, T)                                                                            \
     FA_FWD(S, T, flash_forward, 64, 1, 4, FA_MINB_FWD)                                       \
@@ -1929,10 +2060,14 @@ __device__ void flash_forward_k(T* out, float* lse, const T* qkv, i64 B, i64 Tn,
     FA_FWD(S, T, flash_forward_q128, 64, 1, 8, FA_MINB_FWD / 2)                              \
     FA_FWD(S, T, flash_forward_wide_q128, 64, 2, 4, FA_MINB_FWD_WIDE / 2)                  \
     FA_FWD(S, T, flash_forward_d128, 128, 1, 4, FA_MINB_FWD_D128)                            \
-    FA_FWD_WG(S, T, flash_forward_wgmma, 64, 4, FA_MINB_FWD)                                 \
-    FA_FWD_WG(S, T, flash_forward_wgmma_q128, 64, 8, FA_MINB_FWD / 2)                        \
-    FA_FWD_WG(S, T, flash_forward_wgmma_d128, 128, 4, FA_MINB_FWD_D128)                      \
-    FA_FWD_WG(S, T, flash_forward_wgmma_d128_q128, 128, 8, FA_MINB_FWD_D128_Q128)
+    FA_FWD_WG(S, T, flash_forward_wgmma, 64, 4, FA_MINB_FWD, false)                          \
+    FA_FWD_WG(S, T, flash_forward_wgmma_q128, 64, 8, FA_MINB_FWD / 2, false)                 \
+    FA_FWD_WG(S, T, flash_forward_wgmma_d128, 128, 4, FA_MINB_FWD_D128, false)               \
+    FA_FWD_WG(S, T, flash_forward_wgmma_d128_q128, 128, 8, FA_MINB_FWD_D128_Q128, false)     \
+    FA_FWD_WG(S, T, flash_forward_wgmma_overlap, 64, 4, FA_MINB_FWD_OVL, true)               \
+    FA_FWD_WG(S, T, flash_forward_wgmma_overlap_q128, 64, 8, FA_MINB_FWD_OVL / 2, true)      \
+    FA_FWD_WG(S, T, flash_forward_wgmma_overlap_d128, 128, 4, FA_MINB_FWD_D128, true)        \
+    FA_FWD_WG(S, T, flash_forward_wgmma_overlap_d128_q128, 128, 8, FA_MINB_FWD_D128_Q128, true)
 FOR_HALF_TYPES(DEF)
 #undef DEF
 #undef FA_FWD_WG

@@ -37,9 +37,10 @@ mod nvrtc;
 use crate::backend::knobs::{Knobs, GEMM_SELECT_ENV};
 pub use driver::gpu_present;
 pub use forms::{
-    parse_in_gemm, BiasGrad, FlashBackward, FlashMma, FlashQueryRows, FlashWarpRows, KernelForm,
-    LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_MMA_ENV,
-    FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, BiasGrad, FlashBackward, FlashMma, FlashOverlap, FlashQueryRows, FlashWarpRows,
+    KernelForm, LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV,
+    FLASH_MMA_ENV, FLASH_OVERLAP_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV,
+    LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
 };
 pub use forms::{CrossEntropyForm, CROSS_ENTROPY_DEFAULT, CROSS_ENTROPY_ENV};
 use gemm::problem;
@@ -195,6 +196,10 @@ kernels!(
     flash_forward_d128,
     flash_forward_wgmma_d128,
     flash_forward_wgmma_d128_q128,
+    flash_forward_wgmma_overlap,
+    flash_forward_wgmma_overlap_q128,
+    flash_forward_wgmma_overlap_d128,
+    flash_forward_wgmma_overlap_d128_q128,
     flash_backward_dq,
     flash_backward_dq_wide,
     flash_backward_dq_q128,
@@ -274,6 +279,7 @@ pub struct CudaBackend {
     flash_warp_rows: FlashWarpRows,
     flash_query_rows: FlashQueryRows,
     flash_mma: FlashMma,
+    flash_overlap: FlashOverlap,
     flash_backward: FlashBackward,
     /// Whether the note that the form settings do not apply to heads over 64 has been given.
     head_128_noted: bool,
@@ -323,6 +329,7 @@ impl CudaBackend {
         self.set_flash_warp_rows(k.flash_warp_rows);
         self.set_flash_query_rows(k.flash_query_rows);
         self.set_flash_mma(k.flash_mma)?;
+        self.set_flash_overlap(k.flash_overlap)?;
         self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
         self.set_cross_entropy(k.cross_entropy.unwrap_or(CROSS_ENTROPY_DEFAULT));
@@ -357,6 +364,16 @@ impl CudaBackend {
             bail!("{why}");
         }
         self.flash_mma = form;
+        Ok(())
+    }
+
+    /// Whether the wgmma forward overlaps softmax with the last block's product
+    /// ([`FLASH_OVERLAP_ENV`]); an error, and the setting kept, without wgmma kernels.
+    pub fn set_flash_overlap(&mut self, form: FlashOverlap) -> Result<()> {
+        if let Some(why) = form.refusal(self.flash_mma) {
+            bail!("{why}");
+        }
+        self.flash_overlap = form;
         Ok(())
     }
 
@@ -464,6 +481,7 @@ impl CudaBackend {
             flash_warp_rows: FlashWarpRows::default(),
             flash_query_rows: FlashQueryRows::default(),
             flash_mma: FlashMma::default(),
+            flash_overlap: FlashOverlap::default(),
             flash_backward: FLASH_BACKWARD_DEFAULT,
             head_128_noted: false,
             flash_ds_budget: attention::FLASH_DS_BUDGET,
@@ -764,6 +782,7 @@ impl Backend for CudaBackend {
                 self.layernorm_backward.name().to_string(),
             ),
             (CROSS_ENTROPY_ENV, self.cross_entropy.name().to_string()),
+            (FLASH_OVERLAP_ENV, self.flash_overlap.name().to_string()),
             (FLASH_BACKWARD_ENV, self.flash_backward.name().to_string()),
             (BIAS_GRAD_ENV, self.bias_grad.name().to_string()),
             (GEMM_SELECT_ENV, self.eng.gemm_select().name().to_string()),
