@@ -2132,6 +2132,18 @@ mod gpu {
             // The wgmma kernels have 16 rows per warp (a device without wgmma is refused
             // first: "needs a GPU of compute capability 9.0").
             (cuda::FLASH_WARP_ROWS_ENV, "32", "FUGU_FLASH_MMA=wgmma"),
+            (
+                cuda::FLASH_OVERLAP_ENV,
+                "yes",
+                "FUGU_FLASH_OVERLAP=yes: expected off or on",
+            ),
+            // The overlap is the wgmma kernels'.
+            (
+                cuda::FLASH_OVERLAP_ENV,
+                "on",
+                "FUGU_FLASH_OVERLAP=on overlaps warpgroup MMA products: it needs \
+                 FUGU_FLASH_MMA=wgmma",
+            ),
         ] {
             let mut c = Command::new(env!("CARGO_BIN_EXE_fugu"));
             c.args(["bench", "gemm", "--device", "cuda", "--shape", "8x16x24"]);
