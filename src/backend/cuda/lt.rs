@@ -36,7 +36,7 @@
 //! cuBLASLt version ([`super::algo_cache`]), so later runs and resumed ones take the same
 //! algorithms without timing them again.
 
-use super::algo_cache::{AlgoCache, Choice, Identity};
+use super::algo_cache::{gemm_cache, AlgoCache, Choice, Identity};
 use super::engine::{Epilogue, GemmCall, NoEpilogue};
 use crate::backend::knobs::GemmSelect;
 use crate::dtype::Dtype;
@@ -139,7 +139,7 @@ impl Lt {
             return Ok(*algo);
         }
         let cache = cache.get_or_insert_with(|| {
-            let cache = AlgoCache::from_env(self.identity.clone());
+            let cache = gemm_cache(&self.identity);
             if let (false, Some(file)) = (cache.is_empty(), cache.file()) {
                 eprintln!(
                     "note: cuBLASLt algorithms timed before for {} GEMM shapes, from {}",

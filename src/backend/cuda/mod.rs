@@ -23,6 +23,7 @@
 //! CUDA-aware MPI as device addresses ([`Backend::device_address`]).
 
 pub mod algo_cache;
+pub mod choice_cache;
 mod attention;
 mod columns;
 mod driver;

@@ -1,0 +1,189 @@
+//! Timed choices kept on disk between runs: one file per identity (what makes a choice valid:
+//! the GPU, the library or kernels that were timed), one line per shape. The cuBLASLt
+//! algorithms (`algo_cache.rs`) and the fused attention's forms (`attention_select.rs`) are
+//! kept so.
+//!
+//! Choices made once per process let two processes choose differently, so that a resumed run
+//! was not bit-identical to an uninterrupted one; kept on disk, a later run takes the same.
+//! Ranks of a job share the file: each adds its choices under a merge with what is on disk,
+//! where the entry already there wins (the first writer's choice), and a process whose own
+//! timing lost takes the stored one, so that ranks and later runs converge on one choice per
+//! shape. Files are written atomically (temporary name, fsync, rename); a file that does not
+//! parse is named in a note and replaced; one that cannot be written costs a note on stderr
+//! once, not the run.
+
+use anyhow::{bail, Context, Result};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// What a cache holds: its file's first line, how notes name it, and one choice's text after
+/// `SHAPE | ` on its line.
+pub trait Entry: Copy {
+    /// The first line of a cache file (the format's name and version).
+    const HEADER: &'static str;
+    /// The cache as notes name it ("the GEMM algorithm cache").
+    const CACHE: &'static str;
+    /// Its choices as notes name them ("timed GEMM algorithms").
+    const CHOICES: &'static str;
+    /// The environment variable that moves or disables the cache.
+    const ENV: &'static str;
+    /// The choice's fields, without newlines or ` | `.
+    fn fields(&self) -> String;
+    /// A choice from [`Self::fields`]' text; an error naming what is wrong.
+    fn parse(fields: &str) -> Result<Self>;
+}
+
+/// The choices of one identity: those on disk when the process first looked, and its own.
+pub struct ChoiceCache<E: Entry> {
+    /// `None`: kept for the process only.
+    file: Option<PathBuf>,
+    /// The file's second line: what the choices are valid for.
+    identity: String,
+    entries: BTreeMap<String, E>,
+    /// A failed store has been reported (once per process).
+    store_failed: bool,
+}
+
+impl<E: Entry> ChoiceCache<E> {
+    /// The cache of `identity` (its file `file_name`) in the directory the environment names
+    /// ([`Entry::ENV`], else `subdir` of the user's fugu cache), or in memory only where
+    /// disabled or no home is known.
+    pub fn from_env(subdir: &str, file_name: &str, identity: String) -> ChoiceCache<E> {
+        let dir = crate::user_cache::cache_path(E::ENV, subdir);
+        ChoiceCache::open(dir.as_deref(), file_name, identity)
+    }
+
+    /// The cache of `identity` in `dir/file_name` (`dir` `None`: in memory only), with what
+    /// its file holds; a file that does not parse is named in a note and left to be replaced.
+    pub fn open(dir: Option<&Path>, file_name: &str, identity: String) -> ChoiceCache<E> {
+        let file = dir.map(|d| d.join(file_name));
+        let entries = match file.as_deref().map(|f| read(f, &identity)) {
+            Some(Ok(entries)) => entries,
+            Some(Err(e)) => {
+                eprintln!("note: ignoring {}: {e:#} (it will be replaced)", E::CACHE);
+                BTreeMap::new()
+            }
+            None => BTreeMap::new(),
+        };
+        ChoiceCache {
+            file,
+            identity,
+            entries,
+            store_failed: false,
+        }
+    }
+
+    /// The file the choices are kept in, if any.
+    pub fn file(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// How many shapes have a choice.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn get(&self, shape: &str) -> Option<E> {
+        self.entries.get(shape).copied()
+    }
+
+    /// Records `choice` for `shape` and stores it. With `replace` false (a shape timed because
+    /// it had no entry), an entry another process stored meanwhile wins and is returned
+    /// instead; with `replace` true (the stored one was refused) `choice` overwrites it.
+    pub fn insert(&mut self, shape: &str, choice: E, replace: bool) -> E {
+        let mut merged = match self.file.as_deref().map(|f| read(f, &self.identity)) {
+            Some(Ok(on_disk)) => on_disk,
+            _ => BTreeMap::new(),
+        };
+        // This process's earlier choices stand for it; the disk's others are taken in.
+        for (k, v) in std::mem::take(&mut self.entries) {
+            merged.entry(k).or_insert(v);
+        }
+        let kept = if replace {
+            merged.insert(shape.to_string(), choice);
+            choice
+        } else {
+            *merged.entry(shape.to_string()).or_insert(choice)
+        };
+        self.entries = merged;
+        self.store();
+        kept
+    }
+
+    /// Writes every entry to the file (atomically), reporting a failure once.
+    fn store(&mut self) {
+        let Some(file) = self.file.as_deref() else {
+            return;
+        };
+        let result = file
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .with_context(|| format!("creating {}", file.display()))
+            .and_then(|()| {
+                crate::atomic_write::write_file(file, |w| write(w, &self.identity, &self.entries))
+            });
+        if let Err(e) = result {
+            if !self.store_failed {
+                eprintln!(
+                    "note: could not keep the {} in {}: {e:#} (the next run times them again; \
+                     {}=DIR puts the cache elsewhere)",
+                    E::CHOICES,
+                    file.display(),
+                    E::ENV
+                );
+            }
+            self.store_failed = true;
+        }
+    }
+}
+
+fn write<E: Entry>(w: &mut dyn Write, identity: &str, entries: &BTreeMap<String, E>) -> Result<()> {
+    writeln!(w, "{}", E::HEADER)?;
+    writeln!(w, "{identity}")?;
+    for (shape, c) in entries {
+        writeln!(w, "{shape} | {}", c.fields())?;
+    }
+    Ok(())
+}
+
+/// The entries of cache file `file`: none where it does not exist or holds another identity;
+/// an error naming the file and line where it does not parse.
+pub(super) fn read<E: Entry>(file: &Path, identity: &str) -> Result<BTreeMap<String, E>> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", file.display())),
+    };
+    let mut lines = text.lines();
+    let where_ = |n: usize| format!("{} line {n}", file.display());
+    if lines.next() != Some(E::HEADER) {
+        bail!("{}: expected {:?}", where_(1), E::HEADER);
+    }
+    if lines.next() != Some(identity) {
+        // Another identity under the same file name (names that differ in punctuation).
+        return Ok(BTreeMap::new());
+    }
+    let mut entries = BTreeMap::new();
+    for (i, line) in lines.enumerate() {
+        let parsed = line
+            .split_once(" | ")
+            .context("expected `SHAPE | FIELDS`")
+            .and_then(|(shape, fields)| Ok((shape, E::parse(fields)?)));
+        let (shape, choice) = parsed.with_context(|| format!("{}: {line:?}", where_(i + 3)))?;
+        entries.insert(shape.to_string(), choice);
+    }
+    Ok(entries)
+}
+
+/// A file name's part from free text (a GPU's name): `[A-Za-z0-9]` kept, anything else `-`
+/// (the identity line inside tells apart names that differ only there).
+pub fn file_part(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect()
+}
