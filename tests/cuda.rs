@@ -1223,6 +1223,151 @@ mod gpu {
         });
     }
 
+    /// `FUGU_FLASH_SELECT=timed` (`attention_select.rs`): the first forward and backward call
+    /// of a shape time every form and run the fastest, writing the caller's outputs as that
+    /// form run from its settings does (the same bits: the timed calls wrote scratch), within
+    /// the fused attention's tolerance of the CPU; the choices are kept on disk (one entry per
+    /// pass), so that a backend opening the cache again runs the stored forms without timing
+    /// (only their kernels launch); and a stored choice is what runs (an entry written by hand
+    /// for 128 query rows launches that form's kernel).
+    #[test]
+    fn timed_attention_forms_run_the_fastest_and_are_kept() {
+        use fugu::backend::cuda::attention_select::{shape_key, FlashPass, FormChoice};
+        use fugu::backend::cuda::choice_cache::Entry;
+        use fugu::backend::cuda::{FlashForm, FlashSelect};
+        let Some(mut be) = Both::new(Dtype::Bf16) else {
+            return;
+        };
+        // GQA, and a last query block of 32 rows.
+        let d = AttnDims {
+            b: 1,
+            t: 96,
+            nh: 2,
+            kv: 1,
+            hs: 64,
+        };
+        let (n, c) = (d.b * d.t * d.shape().qkv_width(), d.b * d.t * d.nh * d.hs);
+        let (qkv, dout) = (be.rand(n, 1), be.rand(c, 2));
+        let dir = tmp("attention-forms");
+        be.gpu.set_flash_timing(1, 1);
+        be.gpu.set_attention_cache(Some(&dir));
+        be.gpu.set_flash_select(FlashSelect::Timed);
+        let (out, lse, dqkv) = (be.nan(c), be.nan32(d.b * d.nh * d.t), be.nan(n));
+        let fwd = FusedOut { out, lse };
+        be.run(|x| x.attention_forward(out, lse, qkv, d));
+        be.run(|x| x.attention_backward(dqkv, dout, fwd, qkv, d, None));
+        be.check("timed attention out", out, GEMM);
+        be.check("timed attention lse", lse, GEMM);
+        let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
+        be.check("timed attention dqkv", dqkv, tol);
+
+        // One file, holding the two passes' choices.
+        let files: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        let text = std::fs::read_to_string(&files[0]).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        let stored = |pass| {
+            let key = shape_key(pass, d, Dtype::Bf16, false);
+            let line = lines[2..]
+                .iter()
+                .find_map(|l| l.strip_prefix(&format!("{key} | ")))
+                .unwrap_or_else(|| panic!("no {key} in {text}"));
+            FormChoice::parse(line).unwrap()
+        };
+        let (f_fwd, f_bwd) = (stored(FlashPass::Forward), stored(FlashPass::Backward));
+        assert!(f_fwd.chosen_ms <= f_fwd.default_ms, "{f_fwd:?}");
+        assert!(f_bwd.chosen_ms <= f_bwd.default_ms, "{f_bwd:?}");
+
+        // Each chosen form run from its settings: the same bits, and the kernels it launches.
+        type Outs = (Span, Span, Span);
+        let settings_run = |g: &mut CudaBackend, form: FlashForm, (o, l, dq): Outs| {
+            g.set_flash_select(FlashSelect::Settings);
+            g.set_flash_form(form).unwrap();
+            g.log_launches();
+            g.attention_forward(o, l, qkv, d);
+            let forward = g.launched();
+            g.log_launches();
+            g.attention_backward(dq, dout, fwd, qkv, d, None);
+            let backward = g.launched();
+            g.set_flash_form(FlashForm::default()).unwrap();
+            (forward, backward)
+        };
+        let timed_run = |g: &mut CudaBackend, (o, l, dq): Outs| {
+            g.set_attention_cache(Some(&dir));
+            g.set_flash_select(FlashSelect::Timed);
+            g.log_launches();
+            g.attention_forward(o, l, qkv, d);
+            let forward = g.launched();
+            g.log_launches();
+            g.attention_backward(dq, dout, fwd, qkv, d, None);
+            let backward = g.launched();
+            g.set_flash_select(FlashSelect::Settings);
+            (forward, backward)
+        };
+        let mut outs = || (be.nan(c), be.nan32(d.b * d.nh * d.t), be.nan(n));
+        let (as_fwd, as_bwd, again, by_hand) = (outs(), outs(), outs(), outs());
+        let (fwd_kernels, _) = settings_run(&mut be.gpu, f_fwd.form, as_fwd);
+        same_bits(&be.gpu, "timed forward, as its settings", out, as_fwd.0, d);
+        let (_, bwd_kernels) = settings_run(&mut be.gpu, f_bwd.form, as_bwd);
+        same_bits(
+            &be.gpu,
+            "timed backward, as its settings",
+            dqkv,
+            as_bwd.2,
+            d,
+        );
+
+        // Opened again: the stored forms, and nothing else, run.
+        let (forward, backward) = timed_run(&mut be.gpu, again);
+        assert_eq!(forward, fwd_kernels);
+        assert_eq!(backward, bwd_kernels);
+        same_bits(&be.gpu, "stored forward form", out, again.0, d);
+        same_bits(&be.gpu, "stored backward form", dqkv, again.2, d);
+
+        // A choice written by hand is the one that runs.
+        let q128 = FlashForm {
+            query_rows: FlashQueryRows(128),
+            ..FlashForm::default()
+        };
+        let entry = |pass| {
+            let choice = FormChoice {
+                form: q128,
+                default_ms: 1.0,
+                chosen_ms: 0.5,
+            };
+            let key = shape_key(pass, d, Dtype::Bf16, false);
+            format!("{key} | {}", choice.fields())
+        };
+        let edited = [
+            lines[0].to_string(),
+            lines[1].to_string(),
+            entry(FlashPass::Forward),
+            entry(FlashPass::Backward),
+        ];
+        std::fs::write(&files[0], edited.join("\n") + "\n").unwrap();
+        let (want_fwd, want_bwd) = settings_run(&mut be.gpu, q128, by_hand);
+        assert!(
+            want_fwd[0].starts_with("flash_forward_q128"),
+            "{want_fwd:?}"
+        );
+        assert!(want_bwd
+            .iter()
+            .any(|k| k.starts_with("flash_backward_dq_q128")));
+        let (forward, backward) = timed_run(&mut be.gpu, by_hand);
+        assert_eq!(forward, want_fwd);
+        assert_eq!(backward, want_bwd);
+        let (o, l, dq) = by_hand;
+        be.cpu.attention_forward(o, l, qkv, d);
+        be.cpu.attention_backward(dq, dout, fwd, qkv, d, None);
+        be.check("stored 128-row forward", o, GEMM);
+        be.check("stored 128-row backward", dq, tol);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// The operand layouts of the wgmma kernels on their own (`CudaBackend::wgmma_probe`):
     /// one warpgroup multiplies a 64 × 64 A from registers by a 64 × 64 tile that the tensor
     /// cores read from swizzled shared memory, as a K tile (A·Bᵀ) and as a V tile (A·B), against

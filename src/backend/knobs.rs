@@ -17,11 +17,13 @@
 //! | `FUGU_FLASH_MMA` | `sync`, `wgmma` | the CUDA backend |
 //! | `FUGU_FLASH_BACKWARD` | `split`, `fused`, `stored` | the CUDA backend |
 //! | `FUGU_BIAS_GRAD` | `separate`, `epilogue` | the CUDA backend |
+//! | `FUGU_FLASH_SELECT` | `settings`, `timed` | the CUDA backend's fused attention (`backend/cuda/attention_select.rs`) |
 //! | `FUGU_GEMM_SELECT` | `first`, `timed` | the CUDA backend's cuBLASLt calls (`backend/cuda/lt.rs`) |
 //!
 //! Not op forms, and read where they apply: `FUGU_CUDA_AWARE_MPI` (`off`, `auto`, `on`; the
 //! data-parallel buckets' memory, `parallel/grad_sync.rs`), `FUGU_GEMM_CACHE` (the timed
-//! cuBLASLt choices' directory, `backend/cuda/algo_cache.rs`).
+//! cuBLASLt choices' directory, `backend/cuda/algo_cache.rs`), `FUGU_ATTENTION_CACHE` (the
+//! timed attention forms', `backend/cuda/attention_select.rs`).
 
 use anyhow::{anyhow, Result};
 
@@ -254,6 +256,26 @@ impl GemmSelect {
     }
 }
 
+/// How the fused attention's form is chosen on a GPU (`FUGU_FLASH_SELECT`): as the
+/// `FUGU_FLASH_*` form settings give it (the default: their measured defaults where unset), or
+/// the fastest of every form the device runs, timed once per shape and pass and kept on disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashSelect {
+    #[default]
+    Settings,
+    Timed,
+}
+
+impl FlashSelect {
+    /// The setting's value for this choice.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashSelect::Settings => "settings",
+            FlashSelect::Timed => "timed",
+        }
+    }
+}
+
 /// The attention path asked for (`FUGU_ATTENTION`); the backend's support decides `Auto`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionAsk {
@@ -295,6 +317,18 @@ pub const BIAS_GRAD_ENV: &str = "FUGU_BIAS_GRAD";
 /// Environment variable: how a GPU GEMM's algorithm is chosen, `first` or `timed`
 /// ([`GemmSelect`]).
 pub const GEMM_SELECT_ENV: &str = "FUGU_GEMM_SELECT";
+/// Environment variable: how the fused attention's form is chosen, `settings` or `timed`
+/// ([`FlashSelect`]).
+pub const FLASH_SELECT_ENV: &str = "FUGU_FLASH_SELECT";
+/// The settings that pick the fused attention's form, which [`FlashSelect::Timed`] chooses
+/// itself.
+pub const FLASH_FORM_ENVS: [&str; 5] = [
+    FLASH_WARP_ROWS_ENV,
+    FLASH_QUERY_ROWS_ENV,
+    FLASH_MMA_ENV,
+    FLASH_OVERLAP_ENV,
+    FLASH_BACKWARD_ENV,
+];
 
 /// Every op-form setting, as asked (module docs): `None` / `Auto` where unset, for the code
 /// that builds the model or backend to decide.
@@ -317,6 +351,7 @@ pub struct Knobs {
     pub flash_backward: Option<FlashBackward>,
     pub bias_grad: InGemm,
     pub gemm_select: GemmSelect,
+    pub flash_select: FlashSelect,
 }
 
 impl Knobs {
@@ -325,10 +360,27 @@ impl Knobs {
         Knobs::read(|k| std::env::var(k).ok())
     }
 
-    /// The settings `get` gives (an unset or empty setting is its default).
+    /// The settings `get` gives (an unset or empty setting is its default); a form setting of
+    /// the fused attention beside `FUGU_FLASH_SELECT=timed` is an error naming both.
     pub fn read(get: impl Fn(&str) -> Option<String>) -> Result<Knobs> {
         let var = |k: &str| get(k).unwrap_or_default();
+        let flash_select = parse_form(
+            FLASH_SELECT_ENV,
+            &var(FLASH_SELECT_ENV),
+            FlashSelect::Settings,
+            &[FlashSelect::Settings, FlashSelect::Timed],
+            FlashSelect::name,
+        )?;
+        if flash_select == FlashSelect::Timed {
+            if let Some(k) = FLASH_FORM_ENVS.iter().find(|k| !var(k).is_empty()) {
+                return Err(anyhow!(
+                    "{FLASH_SELECT_ENV}=timed chooses the attention's form by timing every                      form, so {k}={} would be ignored: unset one of the two",
+                    var(k)
+                ));
+            }
+        }
         Ok(Knobs {
+            flash_select,
             attention: parse_attention(&var(ATTENTION_ENV))?,
             mlp_gelu: parse_in_gemm_auto(MLP_GELU_ENV, &var(MLP_GELU_ENV))?,
             residual: parse_in_gemm_auto(RESIDUAL_ENV, &var(RESIDUAL_ENV))?,
@@ -473,6 +525,9 @@ mod tests {
             (GEMM_SELECT_ENV, "first"),
         ])
         .unwrap();
+        assert_eq!(k.flash_select, FlashSelect::Settings);
+        let timed = read(&[(FLASH_SELECT_ENV, "timed"), (FLASH_MMA_ENV, "")]).unwrap();
+        assert_eq!(timed.flash_select, FlashSelect::Timed);
         assert_eq!(k.attention, AttentionAsk::Fused);
         assert_eq!(k.mlp_gelu, Some(InGemm::Separate));
         assert_eq!(k.residual, None);
@@ -526,6 +581,11 @@ mod tests {
                 "FUGU_FLASH_OVERLAP=yes: expected off or on",
             ),
             (
+                FLASH_SELECT_ENV,
+                "fastest",
+                "FUGU_FLASH_SELECT=fastest: expected settings or timed",
+            ),
+            (
                 FLASH_QUERY_ROWS_ENV,
                 "96",
                 "FUGU_FLASH_QUERY_ROWS=96: expected 64 or 128 (query rows per block of the \
@@ -534,6 +594,20 @@ mod tests {
         ] {
             let e = read(&[(k, v)]).unwrap_err().to_string();
             assert_eq!(e, want);
+        }
+    }
+
+    #[test]
+    fn timed_attention_forms_refuse_a_form_setting_beside_them() {
+        for k in FLASH_FORM_ENVS {
+            let e = read(&[(FLASH_SELECT_ENV, "timed"), (k, "16")])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("FUGU_FLASH_SELECT=timed chooses the attention's form")
+                    && e.contains(&format!("{k}=16 would be ignored")),
+                "{e}"
+            );
         }
     }
 }

@@ -128,121 +128,26 @@ impl AttentionForms for crate::backend::cpu::CpuBackend {
 #[cfg(feature = "cuda")]
 mod cuda_forms {
     use super::*;
-    use crate::backend::cuda::{
-        CudaBackend, FlashBackward, FlashMma, FlashOverlap, FlashQueryRows, FlashWarpRows,
-        FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_OVERLAP_ENV,
-        FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV,
-    };
-
-    /// One combination of the fused attention's settings.
-    #[derive(Clone, Copy, Debug, PartialEq)]
-    pub struct CudaForm {
-        mma: FlashMma,
-        overlap: FlashOverlap,
-        backward: FlashBackward,
-        query_rows: usize,
-        warp_rows: usize,
-    }
-
-    impl CudaForm {
-        /// The environment settings that select this form (those that differ from the
-        /// defaults), or `default`.
-        fn label(&self) -> String {
-            let mut s = Vec::new();
-            if self.mma != FlashMma::default() {
-                s.push(format!("{FLASH_MMA_ENV}={}", self.mma.name()));
-            }
-            if self.overlap != FlashOverlap::default() {
-                s.push(format!("{FLASH_OVERLAP_ENV}={}", self.overlap.name()));
-            }
-            if self.backward != FLASH_BACKWARD_DEFAULT {
-                s.push(format!("{FLASH_BACKWARD_ENV}={}", self.backward.name()));
-            }
-            if self.query_rows != FlashQueryRows::default().0 {
-                s.push(format!("{FLASH_QUERY_ROWS_ENV}={}", self.query_rows));
-            }
-            if self.warp_rows != FlashWarpRows::default().forward {
-                s.push(format!("{FLASH_WARP_ROWS_ENV}={}", self.warp_rows));
-            }
-            if s.is_empty() {
-                "default".into()
-            } else {
-                s.join(" ")
-            }
-        }
-    }
+    use crate::backend::cuda::{CudaBackend, FlashForm, FlashSelect};
 
     impl AttentionForms for CudaBackend {
-        type Form = CudaForm;
+        type Form = FlashForm;
 
-        /// Every combination of `FUGU_FLASH_MMA` (wgmma where the device has it, with
-        /// `FUGU_FLASH_OVERLAP` off and on), `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS` and
-        /// `FUGU_FLASH_WARP_ROWS` (the same rows for all three kernels) the backend accepts,
-        /// the defaults first.
-        fn fused_forms(&self, d: AttnDims, dt: Dtype) -> Vec<(String, CudaForm)> {
+        /// Every form the device runs ([`FlashForm::every`]), labelled by its settings.
+        fn fused_forms(&self, d: AttnDims, dt: Dtype) -> Vec<(String, FlashForm)> {
             if self.fused_attention(d.hs, dt) == FusedAttention::Unsupported {
                 return Vec::new();
             }
-            let default = CudaForm {
-                mma: FlashMma::default(),
-                overlap: FlashOverlap::default(),
-                backward: FLASH_BACKWARD_DEFAULT,
-                query_rows: FlashQueryRows::default().0,
-                warp_rows: FlashWarpRows::default().forward,
-            };
-            let mut forms = vec![default];
-            let mmas: &[(FlashMma, FlashOverlap)] = if self.has_wgmma() {
-                &[
-                    (FlashMma::Sync, FlashOverlap::Off),
-                    (FlashMma::Wgmma, FlashOverlap::Off),
-                    (FlashMma::Wgmma, FlashOverlap::On),
-                ]
-            } else {
-                &[(FlashMma::Sync, FlashOverlap::Off)]
-            };
-            for &(mma, overlap) in mmas {
-                for backward in [
-                    FlashBackward::Split,
-                    FlashBackward::Stored,
-                    FlashBackward::Fused,
-                ] {
-                    for query_rows in [64, 128] {
-                        for warp_rows in [16, 32] {
-                            let f = CudaForm {
-                                mma,
-                                overlap,
-                                backward,
-                                query_rows,
-                                warp_rows,
-                            };
-                            let rows = FlashWarpRows {
-                                forward: warp_rows,
-                                dq: warp_rows,
-                                dkv: warp_rows,
-                            };
-                            if mma.refusal(self.has_wgmma(), rows).is_none() && !forms.contains(&f)
-                            {
-                                forms.push(f);
-                            }
-                        }
-                    }
-                }
-            }
-            forms.into_iter().map(|f| (f.label(), f)).collect()
+            FlashForm::every(self.has_wgmma())
+                .into_iter()
+                .map(|f| (f.label(), f))
+                .collect()
         }
 
-        fn set_form(&mut self, f: &CudaForm) -> Result<()> {
-            let r = f.warp_rows;
-            self.set_flash_warp_rows(FlashWarpRows {
-                forward: r,
-                dq: r,
-                dkv: r,
-            });
-            self.set_flash_query_rows(FlashQueryRows(f.query_rows));
-            self.set_flash_backward(f.backward);
-            self.set_flash_overlap(FlashOverlap::Off)?;
-            self.set_flash_mma(f.mma)?;
-            self.set_flash_overlap(f.overlap)
+        /// The form `f` for every shape (not timed per shape: `FUGU_FLASH_SELECT` set aside).
+        fn set_form(&mut self, f: &FlashForm) -> Result<()> {
+            self.set_flash_select(FlashSelect::Settings);
+            self.set_flash_form(*f)
         }
 
         fn note_kernels(&self) {

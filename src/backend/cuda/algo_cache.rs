@@ -178,10 +178,7 @@ mod tests {
         let mut memory = AlgoCache::open(None, &id.file_name(), id.line());
         assert!(memory.is_empty());
         assert_eq!(memory.insert(SHAPE, choice(3), false), choice(3));
-        assert_eq!(
-            open(&dir, identity(130100)).get(SHAPE),
-            Some(choice(1))
-        );
+        assert_eq!(open(&dir, identity(130100)).get(SHAPE), Some(choice(1)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -204,10 +201,7 @@ mod tests {
         assert_eq!(on_disk.get("only the second's"), Some(choice(9)));
 
         assert_eq!(second.insert(SHAPE, choice(4), true), choice(4));
-        assert_eq!(
-            open(&dir, identity(1)).get(SHAPE),
-            Some(choice(4))
-        );
+        assert_eq!(open(&dir, identity(1)).get(SHAPE), Some(choice(4)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

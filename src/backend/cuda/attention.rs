@@ -6,8 +6,8 @@ use super::engine::Arg;
 use super::forms::QueryKernels;
 use super::gemm::{Mat, Ptrs};
 use super::{
-    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashMma, FlashOverlap, FlashQueryRows,
-    FlashWarpRows, FusedAttention, Rope, Span, ELEM_THREADS, K, WARP,
+    AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashForm, FlashMma, FlashOverlap,
+    FlashQueryRows, FlashWarpRows, FusedAttention, Rope, Span, ELEM_THREADS, K, WARP,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
@@ -54,13 +54,15 @@ pub(super) fn rope_in_stores(hs: usize) -> bool {
     hs == FLASH_HEAD_64 || hs == FLASH_MAX_HEAD
 }
 
-/// One fused attention backward call as [`Backend::attention_backward`] gets it, with its
-/// storage type, Δ's scratch and the kernels' trailing rope arguments
-/// ([`CudaBackend::rope_args`]).
+/// One fused attention backward call as [`Backend::attention_backward`] gets it, with the
+/// form to run, its storage type, Δ's scratch and the kernels' trailing rope arguments
+/// ([`CudaBackend::rope_args`]); the gradient's device address (a timed call's is scratch).
+#[derive(Clone, Copy)]
 pub(super) struct FlashBackwardCall {
+    pub form: FlashForm,
     pub dt: Dtype,
     pub delta: u64,
-    pub dqkv: Span,
+    pub dqkv: u64,
     pub dout: Span,
     pub out: Span,
     pub lse: Span,
@@ -102,13 +104,13 @@ impl CudaBackend {
         dt
     }
 
-    /// The forward kernel for heads of `d.hs`, as the form settings say: warps of 16 or 32
-    /// query rows, in blocks of 64 or 128 rows (wgmma: 16 and 64); heads over 64, the
-    /// `_d128` kernel ([`D128_FORM`]).
-    pub(super) fn forward_kernel(&mut self, d: AttnDims) -> FlashLaunch {
-        let overlap = self.flash_overlap == FlashOverlap::On;
-        if self.head_128(d) {
-            return match (self.flash_mma, self.flash_query_rows.0) {
+    /// The forward kernel of form `f` for heads of `d.hs`: warps of 16 or 32 query rows, in
+    /// blocks of 64 or 128 rows (wgmma: 16 and 64); heads over 64, the `_d128` kernel
+    /// ([`D128_FORM`]).
+    pub(super) fn forward_kernel(&mut self, f: FlashForm, d: AttnDims) -> FlashLaunch {
+        let overlap = f.overlap == FlashOverlap::On;
+        if self.head_128(f, d) {
+            return match (f.mma, f.query_rows.0) {
                 (FlashMma::Sync, _) => FlashLaunch::d128(K::flash_forward_d128, 4),
                 (FlashMma::Wgmma, 128) => FlashLaunch {
                     // Two warpgroups of 64 rows on the same K and V tiles.
@@ -131,8 +133,8 @@ impl CudaBackend {
                 ),
             };
         }
-        let q = self.flash_query_rows;
-        let (kernel, threads) = if self.flash_mma == FlashMma::Wgmma {
+        let q = f.query_rows;
+        let (kernel, threads) = if f.mma == FlashMma::Wgmma {
             // One warpgroup per 64 rows (16 per warp: FlashMma::refusal).
             let wide = q.0 > FLASH_ROWS;
             let k = [
@@ -145,7 +147,7 @@ impl CudaBackend {
             (k, q.0 as u32 / 16 * WARP)
         } else {
             q.pick(
-                self.flash_warp_rows.forward,
+                f.warp_rows.forward,
                 QueryKernels {
                     narrow: K::flash_forward,
                     wide: K::flash_forward_wide,
@@ -162,27 +164,31 @@ impl CudaBackend {
         }
     }
 
-    /// The backward's form ([`FlashBackward`]) for heads of `d.hs`: as set, but for heads over
-    /// 64 split where the one-kernel form is set ([`D128_FORM`]).
-    pub(super) fn backward_form(&mut self, d: AttnDims) -> FlashBackward {
-        if self.head_128(d) && self.flash_backward == FlashBackward::Fused {
+    /// The backward pass of form `f` ([`FlashBackward`]) for heads of `d.hs`: as the form
+    /// says, but for heads over 64 split where it says one kernel ([`D128_FORM`]).
+    pub(super) fn backward_form(&mut self, f: FlashForm, d: AttnDims) -> FlashBackward {
+        if self.head_128(f, d) && f.backward == FlashBackward::Fused {
             FlashBackward::Split
         } else {
-            self.flash_backward
+            f.backward
         }
     }
 
-    /// The split backward's dQ and dK/dV kernels for heads of `d.hs`, as the form settings
-    /// say; heads over 64, the `_d128` kernels (both reread their own tiles' fragments from
-    /// dynamic shared memory: six tiles).
-    pub(super) fn split_kernels(&mut self, d: AttnDims) -> (FlashLaunch, FlashLaunch) {
-        if self.head_128(d) {
+    /// The split backward's dQ and dK/dV kernels of form `f` for heads of `d.hs`; heads over
+    /// 64, the `_d128` kernels (both reread their own tiles' fragments from dynamic shared
+    /// memory: six tiles).
+    pub(super) fn split_kernels(
+        &mut self,
+        f: FlashForm,
+        d: AttnDims,
+    ) -> (FlashLaunch, FlashLaunch) {
+        if self.head_128(f, d) {
             return (
                 FlashLaunch::d128(K::flash_backward_dq_d128, D128_MOST_TILES),
                 FlashLaunch::d128(K::flash_backward_dkv_d128, D128_MOST_TILES),
             );
         }
-        let (q, rows) = (self.flash_query_rows, self.flash_warp_rows);
+        let (q, rows) = (f.query_rows, f.warp_rows);
         let (kernel, threads) = q.pick(
             rows.dq,
             QueryKernels {
@@ -210,17 +216,16 @@ impl CudaBackend {
     }
 
     /// Whether heads of `d.hs` take the `_d128` kernels (over 64 columns); the first time they
-    /// do where the form settings ask for a form they do not have, a note on stderr says that
-    /// those settings choose among the head-64 kernels only.
-    fn head_128(&mut self, d: AttnDims) -> bool {
+    /// do where form `f` is one they do not have, a note on stderr says that the form settings
+    /// choose among the head-64 kernels only.
+    fn head_128(&mut self, f: FlashForm, d: AttnDims) -> bool {
         let wide = d.hs > FLASH_HEAD_64;
         // 128 query rows: the wgmma forward has them, and the stored-dS backward's dQ kernel
         // has 64 at every head size; the split backward's head-128 dQ kernel has 64 only.
-        let rows_128 =
-            self.flash_mma == FlashMma::Wgmma && self.flash_backward == FlashBackward::Stored;
-        let d128_has = self.flash_warp_rows == FlashWarpRows::default()
-            && (self.flash_query_rows == FlashQueryRows::default() || rows_128)
-            && self.flash_backward != FlashBackward::Fused;
+        let rows_128 = f.mma == FlashMma::Wgmma && f.backward == FlashBackward::Stored;
+        let d128_has = f.warp_rows == FlashWarpRows::default()
+            && (f.query_rows == FlashQueryRows::default() || rows_128)
+            && f.backward != FlashBackward::Fused;
         if wide && !d128_has && !self.head_128_noted {
             eprintln!(
                 "note: attention heads of {} run the head-128 kernels ({D128_FORM}); the other \
@@ -262,13 +267,40 @@ impl CudaBackend {
         }
     }
 
+    /// The forward kernel of form `f` writing the output and the log-sum-exp rows at `outs`
+    /// (device addresses; a timed call's are scratch).
+    pub(super) fn flash_forward(
+        &mut self,
+        f: FlashForm,
+        (out, lse): (u64, u64),
+        qkv: Span,
+        d: AttnDims,
+        dt: Dtype,
+    ) {
+        let mut args = vec![Arg::Ptr(out), Arg::Ptr(lse)];
+        args.extend(self.flash_args(qkv, d));
+        let k = self.forward_kernel(f, d);
+        let grid = Self::flash_grid(d, k.rows);
+        self.launch(k.kernel, dt, grid, k.threads, k.shmem, &args);
+    }
+
+    /// The kernels of the backward pass of `c`'s form (not the rope kernel after them, where
+    /// the stores do not undo it).
+    pub(super) fn flash_backward(&mut self, c: &FlashBackwardCall) {
+        match self.backward_form(c.form, c.d) {
+            FlashBackward::Split => self.attention_backward_split(c),
+            FlashBackward::Fused => self.attention_backward_one_kernel(c),
+            FlashBackward::Stored => self.attention_backward_stored_ds(c),
+        }
+    }
+
     /// The fused attention's backward pass as two kernels ([`FlashBackward::Split`], the
     /// default): dQ (and Δ) per query block, then dK and dV per key block.
     pub(super) fn attention_backward_split(&mut self, c: &FlashBackwardCall) {
         let d = c.d;
-        let (kq, kkv) = self.split_kernels(d);
+        let (kq, kkv) = self.split_kernels(c.form, d);
         let (grid, tail) = (Self::flash_grid(d, kq.rows), self.flash_args(c.qkv, d));
-        let (dq, dy, l) = (self.ptr(c.dqkv), self.ptr(c.dout), self.ptr(c.lse));
+        let (dq, dy, l) = (c.dqkv, self.ptr(c.dout), self.ptr(c.lse));
         let mut args = vec![
             Arg::Ptr(dq),
             Arg::Ptr(c.delta),
@@ -303,7 +335,7 @@ impl CudaBackend {
         let sync = acc + acc_bytes as u64;
         self.flash_delta(c, (sync, 1 + tiles));
         let mut args = vec![
-            Arg::Ptr(self.ptr(c.dqkv)),
+            Arg::Ptr(c.dqkv),
             Arg::Ptr(c.delta),
             Arg::Ptr(self.ptr(c.dout)),
             Arg::Ptr(self.ptr(c.lse)),
@@ -312,7 +344,7 @@ impl CudaBackend {
         args.extend([Arg::Ptr(acc), Arg::Ptr(sync)]);
         args.extend(c.rope);
         let (k, threads) = FlashWarpRows::pick(
-            self.flash_warp_rows.dkv,
+            c.form.warp_rows.dkv,
             K::flash_backward_fused,
             K::flash_backward_fused_wide,
         );
@@ -358,12 +390,12 @@ impl CudaBackend {
         let ds = self.scratch(|s| &mut s.attn_dq, chunk * per_seq);
         let (w, c) = (d.shape().qkv_width(), d.nh * d.hs);
         let (dq, dy, l, x) = (
-            self.ptr(call.dqkv),
+            call.dqkv,
             self.ptr(call.dout),
             self.ptr(call.lse),
             self.qkv_ptr(call.qkv, d),
         );
-        let (kkv, kq) = self.stored_kernels(d);
+        let (kkv, kq) = self.stored_kernels(call.form, d);
         for b0 in (0..d.b).step_by(chunk) {
             let part = AttnDims {
                 b: chunk.min(d.b - b0),
@@ -393,12 +425,12 @@ impl CudaBackend {
         }
     }
 
-    /// The stored-dS backward's dK/dV kernel (storing dS) and dQ kernel for heads of `d.hs`,
-    /// as the form settings say (with wgmma, 16 rows per warp: FlashMma::refusal); heads over
-    /// 64, the `_d128` kernels (the dQ kernel's four tiles, the dK/dV kernel's six).
-    fn stored_kernels(&mut self, d: AttnDims) -> (FlashLaunch, FlashLaunch) {
-        if self.head_128(d) {
-            let (dkv, dq) = match self.flash_mma {
+    /// The stored-dS backward's dK/dV kernel (storing dS) and dQ kernel of form `f` for heads
+    /// of `d.hs` (with wgmma, 16 rows per warp: FlashMma::refusal); heads over 64, the `_d128`
+    /// kernels (the dQ kernel's four tiles, the dK/dV kernel's six).
+    fn stored_kernels(&mut self, f: FlashForm, d: AttnDims) -> (FlashLaunch, FlashLaunch) {
+        if self.head_128(f, d) {
+            let (dkv, dq) = match f.mma {
                 FlashMma::Sync => (
                     K::flash_backward_dkv_store_d128,
                     K::flash_backward_dq_stored_d128,
@@ -413,8 +445,8 @@ impl CudaBackend {
                 FlashLaunch::d128(dq, 4),
             );
         }
-        let rows = self.flash_warp_rows;
-        let (dkv, dq) = match self.flash_mma {
+        let rows = f.warp_rows;
+        let (dkv, dq) = match f.mma {
             FlashMma::Wgmma => (
                 (K::flash_backward_dkv_store_wgmma, FLASH_THREADS),
                 (K::flash_backward_dq_stored_wgmma, FLASH_THREADS),

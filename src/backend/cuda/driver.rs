@@ -35,6 +35,8 @@ pub struct DriverEngine {
     dynamic_shmem: std::sync::Mutex<Vec<u32>>,
     _module: Arc<CudaModule>,
     name: String,
+    /// [`Engine::kernels_identity`]: the GPU, its compute capability and the kernels' build.
+    kernels_identity: String,
 }
 
 /// Fails with a clear message unless the dynamic library behind `present` can be loaded.
@@ -136,6 +138,10 @@ impl DriverEngine {
             .result()
             .context("setting the cuBLAS math mode")?;
         let lt = Lt::new(stream.clone(), &name, (major, minor), settings.tf32)?;
+        let kernels_identity = format!(
+            "gpu={name:?} sm={major}{minor} kernels={}",
+            &kernel_cache::build_key(major, minor)?[..16]
+        );
         let tf32 = if settings.tf32 { ", TF32" } else { "" };
         Ok(DriverEngine {
             tf32: settings.tf32,
@@ -149,6 +155,7 @@ impl DriverEngine {
             kernels,
             _module: module,
             name: format!("{name} (sm_{major}{minor}{tf32})"),
+            kernels_identity,
         })
     }
 
@@ -160,6 +167,10 @@ impl DriverEngine {
 impl Engine for DriverEngine {
     fn describe(&self) -> String {
         self.name.clone()
+    }
+
+    fn kernels_identity(&self) -> String {
+        self.kernels_identity.clone()
     }
 
     /// Memory clock × bus width × 2 (double data rate), as the driver reports them (3.35 TB/s

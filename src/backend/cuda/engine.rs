@@ -265,6 +265,17 @@ pub trait Engine {
     fn sync(&self) -> Result<()>;
     /// The device's clock, for the timers (marks between the queued work).
     fn clock(&self) -> Box<dyn DeviceClock>;
+    /// What makes a choice timed among the backend's kernels valid in a later process (the
+    /// timed attention forms' cache, `attention_select.rs`): the device and the kernels'
+    /// build. By default the device's description and the kernels' source; a GPU's engine
+    /// names its compute capability and compiler too.
+    fn kernels_identity(&self) -> String {
+        format!(
+            "device={:?} kernels={}",
+            self.describe(),
+            super::kernels_source_key()
+        )
+    }
 }
 
 /// The live marks of a device clock, one slot each; freed slots are reused (a GPU's events are

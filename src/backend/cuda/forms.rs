@@ -3,7 +3,8 @@
 //! `FUGU_FLASH_OVERLAP`, `FUGU_LAYERNORM_BACKWARD`, `FUGU_CROSS_ENTROPY`,
 //! `FUGU_FLASH_BACKWARD`, `FUGU_BIAS_GRAD`): the form measured fastest on a GPU is each one's
 //! default, the others are for A/B runs. The run header records which ran
-//! ([`super::CudaBackend`]'s `kernel_settings`).
+//! ([`super::CudaBackend`]'s `kernel_settings`). With `FUGU_FLASH_SELECT=timed` the fused
+//! attention's form ([`FlashForm`]) is instead timed per shape (`attention_select.rs`).
 
 use super::attention::{FLASH_LDS, FLASH_ROWS, FLASH_THREADS};
 use super::{InGemm, K, WARP};
@@ -120,6 +121,118 @@ impl FlashOverlap {
                  {FLASH_MMA_ENV}=wgmma"
             )
         })
+    }
+}
+
+/// One form of the fused attention: every setting that picks its kernels
+/// (`FUGU_FLASH_WARP_ROWS`, `FUGU_FLASH_QUERY_ROWS`, `FUGU_FLASH_MMA`, `FUGU_FLASH_OVERLAP`,
+/// `FUGU_FLASH_BACKWARD`). The backend runs the one its settings give, and `fugu bench
+/// attention` each of [`FlashForm::every`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashForm {
+    pub warp_rows: FlashWarpRows,
+    pub query_rows: FlashQueryRows,
+    pub mma: FlashMma,
+    pub overlap: FlashOverlap,
+    pub backward: FlashBackward,
+}
+
+impl Default for FlashForm {
+    fn default() -> Self {
+        FlashForm {
+            warp_rows: FlashWarpRows::default(),
+            query_rows: FlashQueryRows::default(),
+            mma: FlashMma::default(),
+            overlap: FlashOverlap::default(),
+            backward: FLASH_BACKWARD_DEFAULT,
+        }
+    }
+}
+
+impl FlashForm {
+    /// Why this form cannot run on a device (`wgmma`: whether it has warpgroup MMA), if it
+    /// cannot: the instruction's refusal first, then the overlap's.
+    pub fn refusal(&self, wgmma: bool) -> Option<String> {
+        self.mma
+            .refusal(wgmma, self.warp_rows)
+            .or_else(|| self.overlap.refusal(self.mma))
+    }
+
+    /// The environment settings that select this form (those that differ from the
+    /// defaults, rows per warp as one number where the three kernels share it), or `default`.
+    pub fn label(&self) -> String {
+        let d = FlashForm::default();
+        let mut s = Vec::new();
+        if self.mma != d.mma {
+            s.push(format!("{FLASH_MMA_ENV}={}", self.mma.name()));
+        }
+        if self.overlap != d.overlap {
+            s.push(format!("{FLASH_OVERLAP_ENV}={}", self.overlap.name()));
+        }
+        if self.backward != d.backward {
+            s.push(format!("{FLASH_BACKWARD_ENV}={}", self.backward.name()));
+        }
+        if self.query_rows != d.query_rows {
+            s.push(format!("{FLASH_QUERY_ROWS_ENV}={}", self.query_rows.0));
+        }
+        let FlashWarpRows { forward, dq, dkv } = self.warp_rows;
+        if self.warp_rows != d.warp_rows {
+            s.push(if forward == dq && dq == dkv {
+                format!("{FLASH_WARP_ROWS_ENV}={forward}")
+            } else {
+                format!("{FLASH_WARP_ROWS_ENV}={forward},{dq},{dkv}")
+            });
+        }
+        if s.is_empty() {
+            "default".into()
+        } else {
+            s.join(" ")
+        }
+    }
+
+    /// Every form a device runs (`wgmma`: whether it has warpgroup MMA) with one number of
+    /// rows per warp for all three kernels: each `FUGU_FLASH_MMA` (wgmma with
+    /// `FUGU_FLASH_OVERLAP` off and on), `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS` and
+    /// `FUGU_FLASH_WARP_ROWS` the others allow, the default first. Forms may launch the same
+    /// kernels for a given head size (the head-128 kernels have fewer forms).
+    pub fn every(wgmma: bool) -> Vec<FlashForm> {
+        let mut forms = vec![FlashForm::default()];
+        let mmas: &[(FlashMma, FlashOverlap)] = if wgmma {
+            &[
+                (FlashMma::Sync, FlashOverlap::Off),
+                (FlashMma::Wgmma, FlashOverlap::Off),
+                (FlashMma::Wgmma, FlashOverlap::On),
+            ]
+        } else {
+            &[(FlashMma::Sync, FlashOverlap::Off)]
+        };
+        for &(mma, overlap) in mmas {
+            for backward in [
+                FlashBackward::Split,
+                FlashBackward::Stored,
+                FlashBackward::Fused,
+            ] {
+                for query_rows in [64, 128] {
+                    for r in [16, 32] {
+                        let f = FlashForm {
+                            warp_rows: FlashWarpRows {
+                                forward: r,
+                                dq: r,
+                                dkv: r,
+                            },
+                            query_rows: FlashQueryRows(query_rows),
+                            mma,
+                            overlap,
+                            backward,
+                        };
+                        if f.refusal(wgmma).is_none() && !forms.contains(&f) {
+                            forms.push(f);
+                        }
+                    }
+                }
+            }
+        }
+        forms
     }
 }
 

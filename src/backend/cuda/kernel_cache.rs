@@ -45,6 +45,13 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// The cache file of `kernels.cu` compiled for compute capability `major.minor` by this
 /// NVRTC, in `dir`.
 pub fn cache_file(dir: &Path, major: i32, minor: i32) -> Result<PathBuf> {
+    let key = build_key(major, minor)?;
+    Ok(dir.join(format!("kernels-sm{major}{minor}-{key}.cubin")))
+}
+
+/// The SHA-256 (hex) of everything that determines the kernels' machine code for compute
+/// capability `major.minor`: the source, NVRTC's options, the architecture and NVRTC's version.
+pub fn build_key(major: i32, minor: i32) -> Result<String> {
     let (nv_major, nv_minor) = nvrtc::version()?;
     let mut key = Sha256::new();
     for part in [
@@ -56,8 +63,7 @@ pub fn cache_file(dir: &Path, major: i32, minor: i32) -> Result<PathBuf> {
         key.update((part.len() as u64).to_le_bytes());
         key.update(part.as_bytes());
     }
-    let name = format!("kernels-sm{major}{minor}-{}.cubin", hex(&key.finalize()));
-    Ok(dir.join(name))
+    Ok(hex(&key.finalize()))
 }
 
 /// The cubin in cache file `file`, if it is there and whole (its header's hash matches).

@@ -23,8 +23,9 @@
 //! CUDA-aware MPI as device addresses ([`Backend::device_address`]).
 
 pub mod algo_cache;
-pub mod choice_cache;
 mod attention;
+pub mod attention_select;
+pub mod choice_cache;
 mod columns;
 mod driver;
 pub mod emu;
@@ -35,13 +36,14 @@ pub mod kernel_cache;
 mod lt;
 mod nvrtc;
 
-use crate::backend::knobs::{Knobs, GEMM_SELECT_ENV};
+pub use crate::backend::knobs::FlashSelect;
+use crate::backend::knobs::{Knobs, FLASH_SELECT_ENV, GEMM_SELECT_ENV};
 pub use driver::gpu_present;
 pub use forms::{
-    parse_in_gemm, BiasGrad, FlashBackward, FlashMma, FlashOverlap, FlashQueryRows, FlashWarpRows,
-    KernelForm, LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT, FLASH_BACKWARD_ENV,
-    FLASH_MMA_ENV, FLASH_OVERLAP_ENV, FLASH_QUERY_ROWS_ENV, FLASH_WARP_ROWS_ENV,
-    LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
+    parse_in_gemm, BiasGrad, FlashBackward, FlashForm, FlashMma, FlashOverlap, FlashQueryRows,
+    FlashWarpRows, KernelForm, LayernormBackward, BIAS_GRAD_ENV, FLASH_BACKWARD_DEFAULT,
+    FLASH_BACKWARD_ENV, FLASH_MMA_ENV, FLASH_OVERLAP_ENV, FLASH_QUERY_ROWS_ENV,
+    FLASH_WARP_ROWS_ENV, LAYERNORM_BACKWARD_DEFAULT, LAYERNORM_BACKWARD_ENV,
 };
 pub use forms::{CrossEntropyForm, CROSS_ENTROPY_DEFAULT, CROSS_ENTROPY_ENV};
 use gemm::problem;
@@ -64,6 +66,13 @@ use engine::{Arg, DevAlloc, Engine, Epilogue, GemmCall};
 
 /// The kernels' CUDA C source (compiled by NVRTC when a backend is created).
 pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
+
+/// The first 16 hex digits of the SHA-256 of [`KERNELS_SOURCE`] (an engine's
+/// [`Engine::kernels_identity`] where it has no compiler build to name).
+pub fn kernels_source_key() -> String {
+    use sha2::Digest;
+    fugu_io::manifest::hex(&sha2::Sha256::digest(KERNELS_SOURCE))[..16].to_string()
+}
 
 /// NVRTC options: no FMA contraction (the CPU reference has none), IEEE division and square
 /// root (NVRTC's defaults, spelled out).
@@ -276,12 +285,11 @@ pub struct CudaBackend {
     /// Linear-layer GEMMs whose epilogue the engine could not run ([`NoEpilogue`]): their
     /// bias or GELU is done by kernels from then on.
     no_epilogue: std::collections::HashSet<EpilogueShape>,
-    /// Rows per warp of the fused attention kernels, and the form of their backward pass.
-    flash_warp_rows: FlashWarpRows,
-    flash_query_rows: FlashQueryRows,
-    flash_mma: FlashMma,
-    flash_overlap: FlashOverlap,
-    flash_backward: FlashBackward,
+    /// The fused attention's form, as the settings give it.
+    flash: FlashForm,
+    /// Whether the fused attention runs [`Self::flash`] or forms timed per shape, and those.
+    flash_select: FlashSelect,
+    timed_forms: attention_select::TimedForms,
     /// Whether the note that the form settings do not apply to heads over 64 has been given.
     head_128_noted: bool,
     /// The most bytes of dS tiles at once with [`FlashBackward::Stored`].
@@ -327,16 +335,36 @@ impl CudaBackend {
     /// error naming it.
     pub fn with_env_settings(mut self) -> Result<CudaBackend> {
         let k = Knobs::from_env()?;
-        self.set_flash_warp_rows(k.flash_warp_rows);
-        self.set_flash_query_rows(k.flash_query_rows);
-        self.set_flash_mma(k.flash_mma)?;
-        self.set_flash_overlap(k.flash_overlap)?;
-        self.set_flash_backward(k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT));
+        self.set_flash_form(FlashForm {
+            warp_rows: k.flash_warp_rows,
+            query_rows: k.flash_query_rows,
+            mma: k.flash_mma,
+            overlap: k.flash_overlap,
+            backward: k.flash_backward.unwrap_or(FLASH_BACKWARD_DEFAULT),
+        })?;
         self.set_layernorm_backward(k.layernorm_backward.unwrap_or(LAYERNORM_BACKWARD_DEFAULT));
         self.set_cross_entropy(k.cross_entropy.unwrap_or(CROSS_ENTROPY_DEFAULT));
         self.set_bias_grad(k.bias_grad);
         self.eng.set_gemm_select(k.gemm_select);
+        self.set_flash_select(k.flash_select);
         Ok(self)
+    }
+
+    /// The fused attention's form, every setting at once; an error, and the form kept, where
+    /// the device cannot run it ([`FlashForm::refusal`]).
+    pub fn set_flash_form(&mut self, form: FlashForm) -> Result<()> {
+        if let Some(why) = form.refusal(self.eng.wgmma()) {
+            bail!("{why}");
+        }
+        self.set_flash_warp_rows(form.warp_rows);
+        self.set_flash_query_rows(form.query_rows);
+        self.flash = form;
+        Ok(())
+    }
+
+    /// The fused attention's form as the settings give it.
+    pub fn flash_form(&self) -> FlashForm {
+        self.flash
     }
 
     /// Rows per warp of the fused attention kernels ([`FLASH_WARP_ROWS_ENV`]).
@@ -344,7 +372,7 @@ impl CudaBackend {
         for r in [rows.forward, rows.dq, rows.dkv] {
             assert!(r == 16 || r == 32, "flash warp rows: 16 or 32, not {r}");
         }
-        self.flash_warp_rows = rows;
+        self.flash.warp_rows = rows;
     }
 
     /// Query rows per block of the fused attention's forward and dQ kernels
@@ -355,26 +383,26 @@ impl CudaBackend {
             "flash query rows: 64 or 128, not {}",
             rows.0
         );
-        self.flash_query_rows = rows;
+        self.flash.query_rows = rows;
     }
 
     /// The fused attention kernels' tensor-core instruction ([`FLASH_MMA_ENV`]); an error,
     /// and the setting kept, where the device or the rows per warp set do not allow it.
     pub fn set_flash_mma(&mut self, form: FlashMma) -> Result<()> {
-        if let Some(why) = form.refusal(self.eng.wgmma(), self.flash_warp_rows) {
+        if let Some(why) = form.refusal(self.eng.wgmma(), self.flash.warp_rows) {
             bail!("{why}");
         }
-        self.flash_mma = form;
+        self.flash.mma = form;
         Ok(())
     }
 
     /// Whether the wgmma forward overlaps softmax with the last block's product
     /// ([`FLASH_OVERLAP_ENV`]); an error, and the setting kept, without wgmma kernels.
     pub fn set_flash_overlap(&mut self, form: FlashOverlap) -> Result<()> {
-        if let Some(why) = form.refusal(self.flash_mma) {
+        if let Some(why) = form.refusal(self.flash.mma) {
             bail!("{why}");
         }
-        self.flash_overlap = form;
+        self.flash.overlap = form;
         Ok(())
     }
 
@@ -434,7 +462,7 @@ impl CudaBackend {
 
     /// The form of the fused attention's backward pass ([`FLASH_BACKWARD_ENV`]).
     pub fn set_flash_backward(&mut self, form: FlashBackward) {
-        self.flash_backward = form;
+        self.flash.backward = form;
     }
 
     /// The most bytes the tiles of dS take at once with [`FlashBackward::Stored`] (the
@@ -479,11 +507,9 @@ impl CudaBackend {
             attn_delta: Scratch::default(),
             tables: Default::default(),
             no_epilogue: Default::default(),
-            flash_warp_rows: FlashWarpRows::default(),
-            flash_query_rows: FlashQueryRows::default(),
-            flash_mma: FlashMma::default(),
-            flash_overlap: FlashOverlap::default(),
-            flash_backward: FLASH_BACKWARD_DEFAULT,
+            flash: FlashForm::default(),
+            flash_select: FlashSelect::default(),
+            timed_forms: Default::default(),
             head_128_noted: false,
             flash_ds_budget: attention::FLASH_DS_BUDGET,
             attn_dq: Scratch::default(),
@@ -769,22 +795,28 @@ impl Backend for CudaBackend {
         self.eng.describe()
     }
 
+    /// The attention's form settings read `timed` where the forms are timed per shape (the
+    /// notes on stderr name each choice).
     fn kernel_settings(&self) -> Vec<(&'static str, String)> {
-        let r = self.flash_warp_rows;
+        let f = self.flash;
+        let r = f.warp_rows;
+        let timed = self.flash_select == FlashSelect::Timed;
+        let form = |v: String| if timed { "timed".to_string() } else { v };
         vec![
             (
                 FLASH_WARP_ROWS_ENV,
-                format!("{},{},{}", r.forward, r.dq, r.dkv),
+                form(format!("{},{},{}", r.forward, r.dq, r.dkv)),
             ),
-            (FLASH_QUERY_ROWS_ENV, self.flash_query_rows.0.to_string()),
-            (FLASH_MMA_ENV, self.flash_mma.name().to_string()),
+            (FLASH_QUERY_ROWS_ENV, form(f.query_rows.0.to_string())),
+            (FLASH_MMA_ENV, form(f.mma.name().to_string())),
             (
                 LAYERNORM_BACKWARD_ENV,
                 self.layernorm_backward.name().to_string(),
             ),
             (CROSS_ENTROPY_ENV, self.cross_entropy.name().to_string()),
-            (FLASH_OVERLAP_ENV, self.flash_overlap.name().to_string()),
-            (FLASH_BACKWARD_ENV, self.flash_backward.name().to_string()),
+            (FLASH_OVERLAP_ENV, form(f.overlap.name().to_string())),
+            (FLASH_BACKWARD_ENV, form(f.backward.name().to_string())),
+            (FLASH_SELECT_ENV, self.flash_select.name().to_string()),
             (BIAS_GRAD_ENV, self.bias_grad.name().to_string()),
             (GEMM_SELECT_ENV, self.eng.gemm_select().name().to_string()),
         ]
@@ -1394,17 +1426,9 @@ impl Backend for CudaBackend {
             "attention_forward: out/lse length"
         );
         assert_eq!(self.dt(lse), Dtype::F32, "attention_forward: lse is f32");
-        let mut args = vec![Arg::Ptr(self.ptr(out)), Arg::Ptr(self.ptr(lse))];
-        args.extend(self.flash_args(qkv, d));
-        let k = self.forward_kernel(d);
-        self.launch(
-            k.kernel,
-            dt,
-            Self::flash_grid(d, k.rows),
-            k.threads,
-            k.shmem,
-            &args,
-        );
+        let form = self.forward_form(qkv, d, dt);
+        let outs = (self.ptr(out), self.ptr(lse));
+        self.flash_forward(form, outs, qkv, d, dt);
     }
 
     fn attention_backward(
@@ -1423,10 +1447,11 @@ impl Backend for CudaBackend {
         );
         let delta = self.scratch(|s| &mut s.attn_delta, 4 * lse.len);
         let (rope_args, rope_after) = self.rope_args(rope, dqkv, d);
-        let call = FlashBackwardCall {
+        let mut call = FlashBackwardCall {
+            form: self.flash,
             dt,
             delta,
-            dqkv,
+            dqkv: self.ptr(dqkv),
             dout,
             out,
             lse,
@@ -1434,11 +1459,8 @@ impl Backend for CudaBackend {
             d,
             rope: rope_args,
         };
-        match self.backward_form(d) {
-            FlashBackward::Split => self.attention_backward_split(&call),
-            FlashBackward::Fused => self.attention_backward_one_kernel(&call),
-            FlashBackward::Stored => self.attention_backward_stored_ds(&call),
-        }
+        call.form = self.backward_form_for(&call);
+        self.flash_backward(&call);
         if let Some(r) = rope_after {
             self.rope(r, dqkv, -1.0);
         }

@@ -1,0 +1,453 @@
+//! `FUGU_FLASH_SELECT=timed`: the fused attention's form chosen per shape by timing, as
+//! `FUGU_GEMM_SELECT=timed` chooses cuBLASLt's algorithms.
+//!
+//! The fused attention has 24 forms on an H100 or H200 (`FUGU_FLASH_MMA`,
+//! `FUGU_FLASH_OVERLAP`, `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS`,
+//! `FUGU_FLASH_WARP_ROWS`: [`FlashForm::every`]; for heads of 64, 8 distinct forward kernels
+//! and 9 backward passes), and which is fastest depends on the GPU, the
+//! head size, the sequence length and the batch; the defaults are the forms measured fastest on
+//! one H200 for GPT-2 124M. With `timed`, the first forward (and backward) call of each shape
+//! runs every form that launches other kernels for that pass ([`TIMED_ROUNDS`] rounds of
+//! [`TIMED_CALLS`] calls each, after one untimed call, alternating so that drift hits all
+//! alike) and keeps the fastest round's time of each: the forward and the backward pass each
+//! take their fastest form. Timed calls write scratch outputs, never the caller's; the
+//! caller's call then runs the chosen form. A note on stderr names each choice and the
+//! default form's time beside it.
+//!
+//! Choices are kept on disk per GPU model, compute capability and build of the kernels (their
+//! source, compiler options and NVRTC: any change is another file, never a stale hit), one line
+//! per (pass, shape, type, rope), shared by a job's ranks, the first writer's choice winning
+//! (`choice_cache.rs`): a resumed run, and every rank, runs the same forms, so a run stays
+//! bit-identical to an uninterrupted one though forms may sum in other orders.
+//!
+//! Where: `FUGU_ATTENTION_CACHE` (a directory; `off` keeps choices for the process only), else
+//! `$XDG_CACHE_HOME/fugu/attention`, else `$HOME/.cache/fugu/attention`.
+
+use super::attention::FlashBackwardCall;
+use super::choice_cache::{file_part, ChoiceCache, Entry};
+use super::engine::Arg;
+use super::{AttnDims, CudaBackend, DevAlloc, Dtype, FlashForm, Span};
+use crate::backend::knobs::{FlashSelect, Knobs, FLASH_FORM_ENVS};
+use anyhow::{anyhow, bail, Context, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Environment variable: the timed attention forms' directory, or `off`.
+pub const ATTENTION_CACHE_ENV: &str = "FUGU_ATTENTION_CACHE";
+
+/// The first line of a cache file.
+const HEADER: &str = "fugu attention forms, format 1";
+
+/// Rounds of timing per (pass, shape): every candidate once per round, in turn.
+pub const TIMED_ROUNDS: usize = 3;
+/// Calls per candidate and round (its time is their mean; a candidate's fastest round counts).
+pub const TIMED_CALLS: usize = 2;
+
+/// The pass a form is chosen for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashPass {
+    Forward,
+    Backward,
+}
+
+/// One stored choice: the form, and the times that chose it (for the reader).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FormChoice {
+    pub form: FlashForm,
+    /// The default form's time and the chosen one's, in ms per call.
+    pub default_ms: f32,
+    pub chosen_ms: f32,
+}
+
+impl Entry for FormChoice {
+    const HEADER: &'static str = HEADER;
+    const CACHE: &'static str = "the attention form cache";
+    const CHOICES: &'static str = "timed attention forms";
+    const ENV: &'static str = ATTENTION_CACHE_ENV;
+
+    /// Every form setting, written out (a default that changes later does not change what a
+    /// stored choice means), then the times: `FUGU_FLASH_WARP_ROWS=16,16,16 … default_ms=F
+    /// chosen_ms=F`.
+    fn fields(&self) -> String {
+        let f = &self.form;
+        let r = f.warp_rows;
+        let settings = [
+            format!("{},{},{}", r.forward, r.dq, r.dkv),
+            f.query_rows.0.to_string(),
+            f.mma.name().to_string(),
+            f.overlap.name().to_string(),
+            f.backward.name().to_string(),
+        ];
+        let mut out: Vec<String> = FLASH_FORM_ENVS
+            .iter()
+            .zip(settings)
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        out.push(format!("default_ms={}", self.default_ms));
+        out.push(format!("chosen_ms={}", self.chosen_ms));
+        out.join(" ")
+    }
+
+    /// The settings are read as the environment's are ([`Knobs::read`]), each required.
+    fn parse(text: &str) -> Result<FormChoice> {
+        let mut fields = HashMap::new();
+        for f in text.split(' ') {
+            let (k, v) = f
+                .split_once('=')
+                .with_context(|| format!("expected NAME=VALUE, not {f:?}"))?;
+            if fields.insert(k, v).is_some() {
+                bail!("{k} given twice");
+            }
+        }
+        let mut take = |k: &str| fields.remove(k).with_context(|| format!("no {k}"));
+        let mut settings = HashMap::new();
+        for k in FLASH_FORM_ENVS {
+            settings.insert(k, take(k)?.to_string());
+        }
+        let default_ms = take("default_ms")?.parse().context("default_ms")?;
+        let chosen_ms = take("chosen_ms")?.parse().context("chosen_ms")?;
+        if let Some(k) = fields.keys().next() {
+            bail!("unexpected field {k}");
+        }
+        let k = Knobs::read(|k| settings.get(k).cloned())?;
+        let backward = k
+            .flash_backward
+            .ok_or_else(|| anyhow!("the backward form is empty"))?;
+        Ok(FormChoice {
+            form: FlashForm {
+                warp_rows: k.flash_warp_rows,
+                query_rows: k.flash_query_rows,
+                mma: k.flash_mma,
+                overlap: k.flash_overlap,
+                backward,
+            },
+            default_ms,
+            chosen_ms,
+        })
+    }
+}
+
+/// What one choice is for: the pass, the shape, the type, and whether the backward kernels
+/// undo RoPE in their stores (they do more work).
+pub fn shape_key(pass: FlashPass, d: AttnDims, dt: Dtype, rope: bool) -> String {
+    let pass = match pass {
+        FlashPass::Forward => "forward",
+        FlashPass::Backward => "backward",
+    };
+    let rope = if rope { " rope" } else { "" };
+    format!(
+        "{pass} b={} t={} heads={} kv={} hs={} {}{rope}",
+        d.b,
+        d.t,
+        d.nh,
+        d.kv,
+        d.hs,
+        dt.name()
+    )
+}
+
+/// The timed choices of a backend ([`FlashSelect::Timed`]).
+pub(super) struct TimedForms {
+    /// The form this process runs per [`shape_key`]: timed here, or taken from the disk.
+    chosen: HashMap<String, FlashForm>,
+    /// The choices on disk: opened at the first timed call.
+    cache: Option<ChoiceCache<FormChoice>>,
+    /// Rounds, and calls per round ([`TIMED_ROUNDS`], [`TIMED_CALLS`]; tests use fewer).
+    rounds: usize,
+    calls: usize,
+    /// The cache's directory where set by [`CudaBackend::set_attention_cache`] (`Some(None)`:
+    /// in memory only); `None`, the environment's.
+    dir: Option<Option<PathBuf>>,
+}
+
+impl Default for TimedForms {
+    fn default() -> Self {
+        TimedForms {
+            chosen: HashMap::new(),
+            cache: None,
+            rounds: TIMED_ROUNDS,
+            calls: TIMED_CALLS,
+            dir: None,
+        }
+    }
+}
+
+impl CudaBackend {
+    /// How the fused attention's form is chosen ([`FlashSelect`]).
+    pub fn set_flash_select(&mut self, select: FlashSelect) {
+        self.flash_select = select;
+    }
+
+    /// Rounds of timing, and calls per round, of [`FlashSelect::Timed`] (tests: 1 and 1).
+    pub fn set_flash_timing(&mut self, rounds: usize, calls: usize) {
+        assert!(
+            rounds >= 1 && calls >= 1,
+            "flash timing: {rounds} × {calls}"
+        );
+        self.timed_forms.rounds = rounds;
+        self.timed_forms.calls = calls;
+    }
+
+    /// Keeps the timed choices in `dir` (`None`: for the process only) instead of the
+    /// environment's directory, and forgets those made so far: the next call of each shape
+    /// takes the form stored there, or times them again.
+    pub fn set_attention_cache(&mut self, dir: Option<&Path>) {
+        let t = &mut self.timed_forms;
+        t.chosen.clear();
+        t.cache = None;
+        t.dir = Some(dir.map(Path::to_path_buf));
+    }
+
+    /// The form the forward pass runs on this shape: the settings', or the timed choice
+    /// (timed now on scratch outputs where there is none).
+    pub(super) fn forward_form(&mut self, qkv: Span, d: AttnDims, dt: Dtype) -> FlashForm {
+        if self.flash_select == FlashSelect::Settings {
+            return self.flash;
+        }
+        let key = shape_key(FlashPass::Forward, d, dt, false);
+        let out_bytes = d.b * d.t * d.nh * d.hs * dt.bytes();
+        let sizes = [out_bytes, 4 * d.b * d.nh * d.t];
+        self.timed_form(key, &sizes, &mut |be, f, s| {
+            be.flash_forward(f, (s[0], s[1]), qkv, d, dt)
+        })
+    }
+
+    /// The form the backward pass runs for `call`: the settings', or the timed choice (timed
+    /// now, writing scratch gradients, where there is none).
+    pub(super) fn backward_form_for(&mut self, call: &FlashBackwardCall) -> FlashForm {
+        if self.flash_select == FlashSelect::Settings {
+            return self.flash;
+        }
+        let rope = !matches!(call.rope[0], Arg::Ptr(0));
+        let key = shape_key(FlashPass::Backward, call.d, call.dt, rope);
+        let sizes = [call.d.b * call.d.t * call.d.shape().qkv_width() * call.dt.bytes()];
+        self.timed_form(key, &sizes, &mut |be, form, s| {
+            be.flash_backward(&FlashBackwardCall {
+                form,
+                dqkv: s[0],
+                ..*call
+            })
+        })
+    }
+
+    /// The choice for `key`: made before in this process, or stored on disk (where the device
+    /// runs it), or timed now ([`Self::time_forms`], `run` launching one call of a form with
+    /// scratch outputs of `sizes` bytes) and stored. Where the scratch cannot be allocated, the
+    /// settings' form, with a note.
+    fn timed_form(
+        &mut self,
+        key: String,
+        sizes: &[usize],
+        run: &mut dyn FnMut(&mut CudaBackend, FlashForm, &[u64]),
+    ) -> FlashForm {
+        if let Some(&f) = self.timed_forms.chosen.get(&key) {
+            return f;
+        }
+        let mut cache = self.timed_forms.cache.take().unwrap_or_else(|| {
+            let identity = self.eng.kernels_identity();
+            let device = file_part(&self.eng.describe());
+            let device: Vec<&str> = device.split('-').filter(|w| !w.is_empty()).collect();
+            let name = format!(
+                "attention-{}-{}.txt",
+                device.join("-").chars().take(40).collect::<String>(),
+                &fugu_io::manifest::hex(&<sha2::Sha256 as sha2::Digest>::digest(&identity))[..12]
+            );
+            let cache = match &self.timed_forms.dir {
+                Some(dir) => ChoiceCache::open(dir.as_deref(), &name, identity),
+                None => ChoiceCache::from_env("attention", &name, identity),
+            };
+            if let (false, Some(file)) = (cache.is_empty(), cache.file()) {
+                eprintln!(
+                    "note: attention forms timed before for {} shapes, from {}",
+                    cache.len(),
+                    file.display()
+                );
+            }
+            cache
+        });
+        let stored = cache.get(&key);
+        let form = match stored {
+            Some(c) if c.form.refusal(self.has_wgmma()).is_none() => c.form,
+            _ => match self.scratch_outputs(sizes) {
+                Ok(outs) => {
+                    let ptrs: Vec<u64> = outs.iter().map(|a| a.ptr).collect();
+                    let timed = self.time_forms(&key, &ptrs, run);
+                    // Queued calls may still write the scratch outputs.
+                    crate::backend::Backend::sync(self);
+                    drop(outs);
+                    cache.insert(&key, timed, stored.is_some()).form
+                }
+                Err(e) => {
+                    eprintln!(
+                        "note: attention {key}: no memory to time its forms ({e:#}); running \
+                         the default form"
+                    );
+                    self.flash
+                }
+            },
+        };
+        self.timed_forms.cache = Some(cache);
+        self.timed_forms.chosen.insert(key, form);
+        form
+    }
+
+    /// Scratch outputs of `sizes` bytes for timed calls.
+    fn scratch_outputs(&mut self, sizes: &[usize]) -> Result<Vec<DevAlloc>> {
+        sizes.iter().map(|&b| self.eng.alloc(b.max(1))).collect()
+    }
+
+    /// Every form of [`FlashForm::every`] that launches other kernels for this pass than the
+    /// ones before it (each run once untimed to find out), timed in alternating rounds; the
+    /// fastest, with the default form's time beside it, named in a note.
+    fn time_forms(
+        &mut self,
+        key: &str,
+        outs: &[u64],
+        run: &mut dyn FnMut(&mut CudaBackend, FlashForm, &[u64]),
+    ) -> FormChoice {
+        let mut candidates: Vec<(FlashForm, Vec<usize>)> = Vec::new();
+        for form in FlashForm::every(self.has_wgmma()) {
+            let kernels = self.launches_of(|be| run(be, form, outs));
+            if !candidates.iter().any(|(_, k)| *k == kernels) {
+                candidates.push((form, kernels));
+            }
+        }
+        let clock = self.eng.clock();
+        let (rounds, calls) = (self.timed_forms.rounds, self.timed_forms.calls);
+        let mut ms = vec![f64::INFINITY; candidates.len()];
+        for _ in 0..rounds {
+            for (i, (form, _)) in candidates.iter().enumerate() {
+                let start = clock.mark();
+                for _ in 0..calls {
+                    run(self, *form, outs);
+                }
+                let end = clock.mark();
+                ms[i] = ms[i].min(clock.take_interval(start, end) / calls as f64);
+            }
+        }
+        let best = (0..ms.len())
+            .min_by(|&i, &j| ms[i].total_cmp(&ms[j]))
+            .expect("the default form is a candidate");
+        let default = FlashForm::default();
+        let default_ms = candidates
+            .iter()
+            .position(|(f, _)| *f == default)
+            .map_or(f64::NAN, |i| ms[i]);
+        let chosen = candidates[best].0;
+        eprintln!(
+            "note: attention {key}: {} forms timed, the default {default_ms:.4} ms, {} {:.4} ms \
+             ({:+.1}%)",
+            candidates.len(),
+            chosen.label(),
+            ms[best],
+            (ms[best] / default_ms - 1.0) * 100.0
+        );
+        FormChoice {
+            form: chosen,
+            default_ms: default_ms as f32,
+            chosen_ms: ms[best] as f32,
+        }
+    }
+
+    /// The kernels `f` launches (indices, each once), whatever an outer
+    /// [`Self::log_launches`] is noting (which goes on without them).
+    fn launches_of(&mut self, f: impl FnOnce(&mut CudaBackend)) -> Vec<usize> {
+        let outer = self.launch_log.borrow_mut().replace(Vec::new());
+        f(self);
+        std::mem::replace(&mut *self.launch_log.borrow_mut(), outer).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::knobs::{FlashBackward, FlashMma, FlashOverlap, FlashQueryRows};
+
+    #[test]
+    fn every_form_is_stored_and_read_back_exactly() {
+        let forms = FlashForm::every(true);
+        assert_eq!(forms.len(), 24);
+        assert_eq!(FlashForm::every(false).len(), 12);
+        for (i, &form) in forms.iter().enumerate() {
+            let c = FormChoice {
+                form,
+                default_ms: 0.25,
+                chosen_ms: 0.125 + i as f32 / 1024.0,
+            };
+            let text = c.fields();
+            assert!(!text.contains(" | ") && !text.contains('\n'), "{text}");
+            assert_eq!(FormChoice::parse(&text).unwrap(), c, "{text}");
+        }
+        let wide = FlashForm {
+            warp_rows: crate::backend::knobs::FlashWarpRows {
+                forward: 32,
+                dq: 16,
+                dkv: 32,
+            },
+            query_rows: FlashQueryRows(128),
+            mma: FlashMma::Sync,
+            overlap: FlashOverlap::Off,
+            backward: FlashBackward::Fused,
+        };
+        let c = FormChoice {
+            form: wide,
+            default_ms: 1.0,
+            chosen_ms: 0.5,
+        };
+        assert_eq!(
+            c.fields(),
+            "FUGU_FLASH_WARP_ROWS=32,16,32 FUGU_FLASH_QUERY_ROWS=128 FUGU_FLASH_MMA=sync \
+             FUGU_FLASH_OVERLAP=off FUGU_FLASH_BACKWARD=fused default_ms=1 chosen_ms=0.5"
+        );
+    }
+
+    #[test]
+    fn a_damaged_entry_names_what_is_wrong() {
+        let good = FormChoice {
+            form: FlashForm::default(),
+            default_ms: 1.0,
+            chosen_ms: 0.5,
+        }
+        .fields();
+        for (damaged, want) in [
+            (
+                good.replace("FUGU_FLASH_MMA=sync ", ""),
+                "no FUGU_FLASH_MMA",
+            ),
+            (
+                good.replace("=sync", "=tma"),
+                "FUGU_FLASH_MMA=tma: expected sync or wgmma",
+            ),
+            (good.replace("=split", "="), "the backward form is empty"),
+            (good.replace("chosen_ms=0.5", "chosen_ms=fast"), "chosen_ms"),
+            (format!("{good} extra=1"), "unexpected field extra"),
+            (format!("{good} chosen_ms=1"), "chosen_ms given twice"),
+            (
+                good.replace(" default_ms=1", " default_ms"),
+                "expected NAME=VALUE",
+            ),
+        ] {
+            let e = format!("{:#}", FormChoice::parse(&damaged).unwrap_err());
+            assert!(e.contains(want), "{damaged}: {e}");
+        }
+    }
+
+    #[test]
+    fn each_pass_shape_type_and_rope_has_its_key() {
+        let d = AttnDims {
+            b: 16,
+            t: 1024,
+            nh: 12,
+            kv: 4,
+            hs: 64,
+        };
+        assert_eq!(
+            shape_key(FlashPass::Backward, d, Dtype::Bf16, true),
+            "backward b=16 t=1024 heads=12 kv=4 hs=64 bf16 rope"
+        );
+        assert_eq!(
+            shape_key(FlashPass::Forward, d, Dtype::F16, false),
+            "forward b=16 t=1024 heads=12 kv=4 hs=64 f16"
+        );
+    }
+}
