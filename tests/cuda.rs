@@ -1284,29 +1284,27 @@ mod gpu {
 
         // Each chosen form run from its settings: the same bits, and the kernels it launches.
         type Outs = (Span, Span, Span);
-        let settings_run = |g: &mut CudaBackend, form: FlashForm, (o, l, dq): Outs| {
+        let both_passes = |g: &mut CudaBackend, (o, l, dq): Outs| {
+            g.log_launches();
+            g.attention_forward(o, l, qkv, d);
+            let forward = g.launched();
+            g.log_launches();
+            g.attention_backward(dq, dout, fwd, qkv, d, None);
+            (forward, g.launched())
+        };
+        let settings_run = |g: &mut CudaBackend, form: FlashForm, outs: Outs| {
             g.set_flash_select(FlashSelect::Settings);
             g.set_flash_form(form).unwrap();
-            g.log_launches();
-            g.attention_forward(o, l, qkv, d);
-            let forward = g.launched();
-            g.log_launches();
-            g.attention_backward(dq, dout, fwd, qkv, d, None);
-            let backward = g.launched();
+            let kernels = both_passes(g, outs);
             g.set_flash_form(FlashForm::default()).unwrap();
-            (forward, backward)
+            kernels
         };
-        let timed_run = |g: &mut CudaBackend, (o, l, dq): Outs| {
+        let timed_run = |g: &mut CudaBackend, outs: Outs| {
             g.set_attention_cache(Some(&dir));
             g.set_flash_select(FlashSelect::Timed);
-            g.log_launches();
-            g.attention_forward(o, l, qkv, d);
-            let forward = g.launched();
-            g.log_launches();
-            g.attention_backward(dq, dout, fwd, qkv, d, None);
-            let backward = g.launched();
+            let kernels = both_passes(g, outs);
             g.set_flash_select(FlashSelect::Settings);
-            (forward, backward)
+            kernels
         };
         let mut outs = || (be.nan(c), be.nan32(d.b * d.nh * d.t), be.nan(n));
         let (as_fwd, as_bwd, again, by_hand) = (outs(), outs(), outs(), outs());
