@@ -1281,6 +1281,12 @@ mod gpu {
         let (f_fwd, f_bwd) = (stored(FlashPass::Forward), stored(FlashPass::Backward));
         assert!(f_fwd.chosen_ms <= f_fwd.default_ms, "{f_fwd:?}");
         assert!(f_bwd.chosen_ms <= f_bwd.default_ms, "{f_bwd:?}");
+        // Every distinct kernel set was timed (none left out for disagreeing with the
+        // default): forward, 16 or 32 rows per warp by 64 or 128 per block with mma.sync,
+        // and with wgmma 64 or 128, overlapped or not; backward, the split pass's four, the
+        // one kernel's two, the stored-dS pass's two, and its wgmma form.
+        let wgmma = be.gpu.has_wgmma() as usize;
+        assert_eq!((f_fwd.timed, f_bwd.timed), (4 + 4 * wgmma, 8 + wgmma));
 
         // Each chosen form run from its settings: the same bits, and the kernels it launches.
         type Outs = (Span, Span, Span);
@@ -1334,6 +1340,7 @@ mod gpu {
         let entry = |pass| {
             let choice = FormChoice {
                 form: q128,
+                timed: 1,
                 default_ms: 1.0,
                 chosen_ms: 0.5,
             };

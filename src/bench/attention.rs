@@ -14,6 +14,7 @@
 
 use crate::backend::{AttnDims, Backend, Dtype, FusedAttention, FusedOut, Span};
 use crate::model::work;
+use crate::ops::attention::{form_tolerance as tolerance, max_rel_diff};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::time::Instant;
@@ -288,30 +289,6 @@ fn download<B: Backend + ?Sized>(be: &B, s: Span) -> Vec<f32> {
     let mut v = vec![0.0; s.len];
     be.download(s, &mut v);
     v
-}
-
-/// max |a − b| / max(1, max |b|); NaN anywhere gives NaN.
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    let mut scale = 1.0f64;
-    let mut diff = 0.0f64;
-    for (&x, &y) in a.iter().zip(b) {
-        if x.is_nan() || y.is_nan() {
-            return f64::NAN;
-        }
-        scale = scale.max(y.abs() as f64);
-        diff = diff.max((x as f64 - y as f64).abs());
-    }
-    diff / scale
-}
-
-/// How far a fused form may be from the three-step path: both round the probabilities (and
-/// in the backward pass dS) to the type for their products, from maxima and sums found in
-/// another order, so each term of an output moves by a few units of the type's rounding; 16
-/// of them relative to the largest value catches a wrong result, not rounding (the CUDA
-/// tests hold each kernel to 4-8 against the CPU). In f32, where that is 1e-6, the sums'
-/// order over thousands of terms is what differs: 1e-4.
-fn tolerance(dt: Dtype) -> f64 {
-    (16.0 * dt.unit_roundoff()).max(1e-4)
 }
 
 /// A contender: its label, the kernels it launches, and how to run one call of its pass.

@@ -710,6 +710,32 @@ fn head_dot<T: Float>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).fold(T::ZERO, |acc, (&x, &y)| acc + x * y)
 }
 
+/// max |a − b| / max(1, max |b|) over two results of attention (an output, or the q, k, v
+/// gradients); NaN anywhere gives NaN.
+pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let mut scale = 1.0f64;
+    let mut diff = 0.0f64;
+    for (&x, &y) in a.iter().zip(b) {
+        if x.is_nan() || y.is_nan() {
+            return f64::NAN;
+        }
+        scale = scale.max(y.abs() as f64);
+        diff = diff.max((x as f64 - y as f64).abs());
+    }
+    diff / scale
+}
+
+/// How far ([`max_rel_diff`]) two ways of computing attention in `dt` may be apart (`fugu bench
+/// attention`'s fused forms against the three-step path, a timed form against the default
+/// one): both round the probabilities (and in the backward pass dS) to the type for their
+/// products, from maxima and sums found in another order, so each term of an output moves by
+/// a few units of the type's rounding; 16 of them relative to the largest value catches a
+/// wrong result, not rounding (the CUDA tests hold each kernel to 4-8 against the CPU). In
+/// f32, where that is 1e-6, the sums' order over thousands of terms is what differs: 1e-4.
+pub fn form_tolerance(dt: crate::dtype::Dtype) -> f64 {
+    (16.0 * dt.unit_roundoff()).max(1e-4)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,15 +4,16 @@
 //! The fused attention has 24 forms on an H100 or H200 (`FUGU_FLASH_MMA`,
 //! `FUGU_FLASH_OVERLAP`, `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS`,
 //! `FUGU_FLASH_WARP_ROWS`: [`FlashForm::every`]; for heads of 64, 8 distinct forward kernels
-//! and 9 backward passes), and which is fastest depends on the GPU, the
-//! head size, the sequence length and the batch; the defaults are the forms measured fastest on
-//! one H200 for GPT-2 124M. With `timed`, the first forward (and backward) call of each shape
-//! runs every form that launches other kernels for that pass ([`TIMED_ROUNDS`] rounds of
-//! [`TIMED_CALLS`] calls each, after one untimed call, alternating so that drift hits all
-//! alike) and keeps the fastest round's time of each: the forward and the backward pass each
-//! take their fastest form. Timed calls write scratch outputs, never the caller's; the
-//! caller's call then runs the chosen form. A note on stderr names each choice and the
-//! default form's time beside it.
+//! and 9 backward passes), and which is fastest depends on the GPU, the head size, the
+//! sequence length and the batch; the defaults are the forms measured fastest on one H200 for
+//! GPT-2 124M. With `timed`, the first forward (and backward) call of each shape runs every
+//! form once, untimed, to learn which kernels it launches and to hold its results to the
+//! default form's (one that computes something else, a kernel broken on a new GPU, is named in
+//! a warning and left out); each distinct kernel set left is then timed, [`TIMED_ROUNDS`]
+//! rounds of [`TIMED_CALLS`] calls, alternating so that drift hits all alike, and the one with
+//! the fastest round runs: the forward and the backward pass each take their fastest form.
+//! Timed calls write scratch outputs, never the caller's; the caller's call then runs the
+//! chosen form. A note on stderr names each choice and the default form's time beside it.
 //!
 //! Choices are kept on disk per GPU model, compute capability and build of the kernels (their
 //! source, compiler options and NVRTC: any change is another file, never a stale hit), one line
@@ -28,6 +29,7 @@ use super::choice_cache::{file_part, ChoiceCache, Entry};
 use super::engine::Arg;
 use super::{AttnDims, CudaBackend, DevAlloc, Dtype, FlashForm, Span};
 use crate::backend::knobs::{FlashSelect, Knobs, FLASH_FORM_ENVS};
+use crate::ops::attention::{form_tolerance, max_rel_diff};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -50,10 +52,13 @@ pub enum FlashPass {
     Backward,
 }
 
-/// One stored choice: the form, and the times that chose it (for the reader).
+/// One stored choice: the form, and how it was chosen (for the reader).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FormChoice {
     pub form: FlashForm,
+    /// How many forms were timed (those launching distinct kernels whose results agreed with
+    /// the default form's).
+    pub timed: usize,
     /// The default form's time and the chosen one's, in ms per call.
     pub default_ms: f32,
     pub chosen_ms: f32,
@@ -66,8 +71,8 @@ impl Entry for FormChoice {
     const ENV: &'static str = ATTENTION_CACHE_ENV;
 
     /// Every form setting, written out (a default that changes later does not change what a
-    /// stored choice means), then the times: `FUGU_FLASH_WARP_ROWS=16,16,16 … default_ms=F
-    /// chosen_ms=F`.
+    /// stored choice means), then the forms timed and the times: `FUGU_FLASH_WARP_ROWS=16,16,16
+    /// … timed=N default_ms=F chosen_ms=F`.
     fn fields(&self) -> String {
         let f = &self.form;
         let r = f.warp_rows;
@@ -83,6 +88,7 @@ impl Entry for FormChoice {
             .zip(settings)
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
+        out.push(format!("timed={}", self.timed));
         out.push(format!("default_ms={}", self.default_ms));
         out.push(format!("chosen_ms={}", self.chosen_ms));
         out.join(" ")
@@ -104,6 +110,7 @@ impl Entry for FormChoice {
         for k in FLASH_FORM_ENVS {
             settings.insert(k, take(k)?.to_string());
         }
+        let timed = take("timed")?.parse().context("timed")?;
         let default_ms = take("default_ms")?.parse().context("default_ms")?;
         let chosen_ms = take("chosen_ms")?.parse().context("chosen_ms")?;
         if let Some(k) = fields.keys().next() {
@@ -121,6 +128,7 @@ impl Entry for FormChoice {
                 overlap: k.flash_overlap,
                 backward,
             },
+            timed,
             default_ms,
             chosen_ms,
         })
@@ -144,6 +152,30 @@ pub fn shape_key(pass: FlashPass, d: AttnDims, dt: Dtype, rope: bool) -> String 
         d.hs,
         dt.name()
     )
+}
+
+/// One scratch output of a timed call: its address, length and storage type.
+struct Out {
+    ptr: u64,
+    len: usize,
+    dt: Dtype,
+}
+
+/// Whether a form's outputs `got` agree with the default form's `want` (each output within
+/// [`form_tolerance`] of its type, [`max_rel_diff`]); where they do not, which output is how
+/// far off.
+fn agreement(outs: &[Out], got: &[Vec<f32>], want: &[Vec<f32>]) -> Result<(), String> {
+    for (i, ((o, g), w)) in outs.iter().zip(got).zip(want).enumerate() {
+        let (diff, tol) = (max_rel_diff(g, w), form_tolerance(o.dt));
+        // NaN (a NaN in either) is no agreement.
+        if diff.is_nan() || diff > tol {
+            return Err(format!(
+                "output {i} ({}) off by {diff:.1e} of its largest value, more than {tol:.0e}",
+                o.dt.name()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The timed choices of a backend ([`FlashSelect::Timed`]).
@@ -205,9 +237,11 @@ impl CudaBackend {
             return self.flash;
         }
         let key = shape_key(FlashPass::Forward, d, dt, false);
-        let out_bytes = d.b * d.t * d.nh * d.hs * dt.bytes();
-        let sizes = [out_bytes, 4 * d.b * d.nh * d.t];
-        self.timed_form(key, &sizes, &mut |be, f, s| {
+        let outs = [
+            (d.b * d.t * d.nh * d.hs, dt),
+            (d.b * d.nh * d.t, Dtype::F32),
+        ];
+        self.timed_form(key, &outs, &mut |be, f, s| {
             be.flash_forward(f, (s[0], s[1]), qkv, d, dt)
         })
     }
@@ -220,8 +254,8 @@ impl CudaBackend {
         }
         let rope = !matches!(call.rope[0], Arg::Ptr(0));
         let key = shape_key(FlashPass::Backward, call.d, call.dt, rope);
-        let sizes = [call.d.b * call.d.t * call.d.shape().qkv_width() * call.dt.bytes()];
-        self.timed_form(key, &sizes, &mut |be, form, s| {
+        let outs = [(call.d.b * call.d.t * call.d.shape().qkv_width(), call.dt)];
+        self.timed_form(key, &outs, &mut |be, form, s| {
             be.flash_backward(&FlashBackwardCall {
                 form,
                 dqkv: s[0],
@@ -232,12 +266,12 @@ impl CudaBackend {
 
     /// The choice for `key`: made before in this process, or stored on disk (where the device
     /// runs it), or timed now ([`Self::time_forms`], `run` launching one call of a form with
-    /// scratch outputs of `sizes` bytes) and stored. Where the scratch cannot be allocated, the
-    /// settings' form, with a note.
+    /// scratch outputs of `outs`' lengths and types) and stored. Where the scratch cannot be
+    /// allocated, the settings' form, with a note.
     fn timed_form(
         &mut self,
         key: String,
-        sizes: &[usize],
+        outs: &[(usize, Dtype)],
         run: &mut dyn FnMut(&mut CudaBackend, FlashForm, &[u64]),
     ) -> FlashForm {
         if let Some(&f) = self.timed_forms.chosen.get(&key) {
@@ -268,13 +302,21 @@ impl CudaBackend {
         let stored = cache.get(&key);
         let form = match stored {
             Some(c) if c.form.refusal(self.has_wgmma()).is_none() => c.form,
-            _ => match self.scratch_outputs(sizes) {
-                Ok(outs) => {
-                    let ptrs: Vec<u64> = outs.iter().map(|a| a.ptr).collect();
-                    let timed = self.time_forms(&key, &ptrs, run);
+            _ => match self.scratch_outputs(outs) {
+                Ok(scratch) => {
+                    let outs: Vec<Out> = scratch
+                        .iter()
+                        .zip(outs)
+                        .map(|(a, &(len, dt))| Out {
+                            ptr: a.ptr,
+                            len,
+                            dt,
+                        })
+                        .collect();
+                    let timed = self.time_forms(&key, &outs, run);
                     // Queued calls may still write the scratch outputs.
                     crate::backend::Backend::sync(self);
-                    drop(outs);
+                    drop(scratch);
                     cache.insert(&key, timed, stored.is_some()).form
                 }
                 Err(e) => {
@@ -291,35 +333,59 @@ impl CudaBackend {
         form
     }
 
-    /// Scratch outputs of `sizes` bytes for timed calls.
-    fn scratch_outputs(&mut self, sizes: &[usize]) -> Result<Vec<DevAlloc>> {
-        sizes.iter().map(|&b| self.eng.alloc(b.max(1))).collect()
+    /// Scratch outputs of `outs`' lengths and types for timed calls.
+    fn scratch_outputs(&mut self, outs: &[(usize, Dtype)]) -> Result<Vec<DevAlloc>> {
+        outs.iter()
+            .map(|&(len, dt)| self.eng.alloc((len * dt.bytes()).max(1)))
+            .collect()
     }
 
     /// Every form of [`FlashForm::every`] that launches other kernels for this pass than the
-    /// ones before it (each run once untimed to find out), timed in alternating rounds; the
-    /// fastest, with the default form's time beside it, named in a note.
+    /// ones before it (each run once untimed to find out) and whose results agree with the
+    /// default form's ([`agreement`]; one that does not is named in a warning and left out),
+    /// timed in alternating rounds; the fastest, with the default form's time beside it, named
+    /// in a note.
     fn time_forms(
         &mut self,
         key: &str,
-        outs: &[u64],
+        outs: &[Out],
         run: &mut dyn FnMut(&mut CudaBackend, FlashForm, &[u64]),
     ) -> FormChoice {
-        let mut candidates: Vec<(FlashForm, Vec<usize>)> = Vec::new();
+        let ptrs: Vec<u64> = outs.iter().map(|o| o.ptr).collect();
+        let mut candidates: Vec<FlashForm> = Vec::new();
+        // The kernel sets run so far, those left out too.
+        let mut seen: Vec<Vec<usize>> = Vec::new();
+        let mut reference: Option<Vec<Vec<f32>>> = None;
         for form in FlashForm::every(self.has_wgmma()) {
-            let kernels = self.launches_of(|be| run(be, form, outs));
-            if !candidates.iter().any(|(_, k)| *k == kernels) {
-                candidates.push((form, kernels));
+            let kernels = self.launches_of(|be| run(be, form, &ptrs));
+            if seen.contains(&kernels) {
+                continue;
             }
+            seen.push(kernels);
+            let got: Vec<Vec<f32>> = outs.iter().map(|o| self.read_out(o)).collect();
+            // The default form comes first: the others are held to its results.
+            if let Some(want) = &reference {
+                if let Err(why) = agreement(outs, &got, want) {
+                    eprintln!(
+                        "warning: attention {key}: {} left out of the timing, its results are \
+                         not the default form's: {why}",
+                        form.label()
+                    );
+                    continue;
+                }
+            } else {
+                reference = Some(got);
+            }
+            candidates.push(form);
         }
         let clock = self.eng.clock();
         let (rounds, calls) = (self.timed_forms.rounds, self.timed_forms.calls);
         let mut ms = vec![f64::INFINITY; candidates.len()];
         for _ in 0..rounds {
-            for (i, (form, _)) in candidates.iter().enumerate() {
+            for (i, form) in candidates.iter().enumerate() {
                 let start = clock.mark();
                 for _ in 0..calls {
-                    run(self, *form, outs);
+                    run(self, *form, &ptrs);
                 }
                 let end = clock.mark();
                 ms[i] = ms[i].min(clock.take_interval(start, end) / calls as f64);
@@ -331,9 +397,9 @@ impl CudaBackend {
         let default = FlashForm::default();
         let default_ms = candidates
             .iter()
-            .position(|(f, _)| *f == default)
+            .position(|f| *f == default)
             .map_or(f64::NAN, |i| ms[i]);
-        let chosen = candidates[best].0;
+        let chosen = candidates[best];
         eprintln!(
             "note: attention {key}: {} forms timed, the default {default_ms:.4} ms, {} {:.4} ms \
              ({:+.1}%)",
@@ -344,9 +410,17 @@ impl CudaBackend {
         );
         FormChoice {
             form: chosen,
+            timed: candidates.len(),
             default_ms: default_ms as f32,
             chosen_ms: ms[best] as f32,
         }
+    }
+
+    /// A scratch output's values (after the work queued so far).
+    fn read_out(&self, o: &Out) -> Vec<f32> {
+        let mut v = vec![0.0; o.len];
+        self.download_raw(o.ptr, o.dt, &mut v);
+        v
     }
 
     /// The kernels `f` launches (indices, each once), whatever an outer
@@ -371,6 +445,7 @@ mod tests {
         for (i, &form) in forms.iter().enumerate() {
             let c = FormChoice {
                 form,
+                timed: i + 1,
                 default_ms: 0.25,
                 chosen_ms: 0.125 + i as f32 / 1024.0,
             };
@@ -391,13 +466,14 @@ mod tests {
         };
         let c = FormChoice {
             form: wide,
+            timed: 9,
             default_ms: 1.0,
             chosen_ms: 0.5,
         };
         assert_eq!(
             c.fields(),
             "FUGU_FLASH_WARP_ROWS=32,16,32 FUGU_FLASH_QUERY_ROWS=128 FUGU_FLASH_MMA=sync \
-             FUGU_FLASH_OVERLAP=off FUGU_FLASH_BACKWARD=fused default_ms=1 chosen_ms=0.5"
+             FUGU_FLASH_OVERLAP=off FUGU_FLASH_BACKWARD=fused timed=9 default_ms=1 chosen_ms=0.5"
         );
     }
 
@@ -405,6 +481,7 @@ mod tests {
     fn a_damaged_entry_names_what_is_wrong() {
         let good = FormChoice {
             form: FlashForm::default(),
+            timed: 1,
             default_ms: 1.0,
             chosen_ms: 0.5,
         }
@@ -430,6 +507,35 @@ mod tests {
             let e = format!("{:#}", FormChoice::parse(&damaged).unwrap_err());
             assert!(e.contains(want), "{damaged}: {e}");
         }
+    }
+
+    /// A form is held to the default's results output by output, at its type's tolerance; a
+    /// NaN is never agreement.
+    #[test]
+    fn a_form_that_computes_something_else_is_left_out() {
+        let outs = [
+            Out {
+                ptr: 0,
+                len: 3,
+                dt: Dtype::Bf16,
+            },
+            Out {
+                ptr: 0,
+                len: 2,
+                dt: Dtype::F32,
+            },
+        ];
+        let want = vec![vec![1.0, -2.0, 4.0], vec![5.0, 6.0]];
+        let near = vec![vec![1.0, -2.0, 4.0 + 0.1], vec![5.0, 6.0 + 5e-4]];
+        assert_eq!(agreement(&outs, &near, &want), Ok(()));
+        let off = vec![vec![1.0, -2.0, 4.5], vec![5.0, 6.0]];
+        let e = agreement(&outs, &off, &want).unwrap_err();
+        assert!(e.starts_with("output 0 (bf16) off by 1.2e-1"), "{e}");
+        let lse_off = vec![want[0].clone(), vec![5.0, 6.01]];
+        let e = agreement(&outs, &lse_off, &want).unwrap_err();
+        assert!(e.starts_with("output 1 (f32)"), "{e}");
+        let nan = vec![vec![1.0, f32::NAN, 4.0], want[1].clone()];
+        assert!(agreement(&outs, &nan, &want).is_err());
     }
 
     #[test]

@@ -521,6 +521,23 @@ impl CudaBackend {
         }
     }
 
+    /// `dst.len()` values of type `dt` at device address `ptr`, as f32 (after the work queued
+    /// so far).
+    fn download_raw(&self, ptr: u64, dt: Dtype, dst: &mut [f32]) {
+        let r = match dt {
+            Dtype::F32 => self.eng.download(as_bytes_mut(dst), ptr),
+            dt => {
+                let mut bytes = vec![0u8; dt.bytes() * dst.len()];
+                let r = self.eng.download(&mut bytes, ptr);
+                dt.decode(&bytes, dst);
+                r
+            }
+        };
+        if let Err(e) = r {
+            self.fail("download", e);
+        }
+    }
+
     /// Device address of a span, after checking that it lies inside its buffer. Panics (a bug
     /// in the caller, as with the CPU backend's views) otherwise.
     fn ptr(&self, s: Span) -> u64 {
@@ -893,18 +910,7 @@ impl Backend for CudaBackend {
         if dst.is_empty() {
             return;
         }
-        let r = match self.dt(src) {
-            Dtype::F32 => self.eng.download(as_bytes_mut(dst), self.ptr(src)),
-            dt => {
-                let mut bytes = vec![0u8; dt.bytes() * dst.len()];
-                let r = self.eng.download(&mut bytes, self.ptr(src));
-                dt.decode(&bytes, dst);
-                r
-            }
-        };
-        if let Err(e) = r {
-            self.fail("download", e);
-        }
+        self.download_raw(self.ptr(src), self.dt(src), dst);
     }
 
     fn zero(&mut self, s: Span) {
