@@ -116,7 +116,8 @@ if want 1; then
 stage "1. CUDA tests on the GPU"
 # (the compile and kernel-cache tests need NVRTC alone, no GPU: CI runs them)
 limited 180 gpu/head/cuda-tests --skip kernels_compile --skip compiled_kernels_are_cached \
-    --skip fused_attention_one_kernel_backward --skip wgmma --skip head_128
+    --skip fused_attention_one_kernel_backward --skip wgmma --skip head_128 \
+    --skip timed_attention_forms
 say "cuda tests: exit $?"
 # The head-128 kernels in their own process (first run on a GPU: 102 KB of dynamic shared
 # memory each).
@@ -134,8 +135,11 @@ limited 60 gpu/head/cuda-tests fused_attention_wgmma_forward
 say "wgmma attention forward test: exit $?"
 limited 60 gpu/head/cuda-tests fused_attention_wgmma_backward
 say "wgmma attention backward test: exit $?"
-limited 90 gpu/head/cuda-tests stored_wgmma_attention_trains_as_the_defaults
-say "wgmma training test: exit $?"
+# Timing every attention form runs the wgmma ones too.
+limited 60 gpu/head/cuda-tests timed_attention_forms
+say "timed attention forms test: exit $?"
+limited 120 gpu/head/cuda-tests timed_and_wgmma_attention_forms_train_as_the_defaults
+say "timed and wgmma training test: exit $?"
 fi
 
 if want 10; then

@@ -21,11 +21,13 @@ fn cuda_tests() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
+    use fugu::backend::cuda::attention_select::ATTENTION_CACHE_ENV;
     use fugu::backend::cuda::emu::EpilogueCounts;
     use fugu::backend::cuda::{
         self, BiasGrad, CrossEntropyForm, CudaBackend, FlashBackward, FlashMma, FlashOverlap,
         FlashQueryRows, FlashWarpRows, LayernormBackward, CROSS_ENTROPY_DEFAULT,
     };
+    use fugu::backend::knobs::FLASH_SELECT_ENV;
     use fugu::backend::{
         AdamWPart, AdamWStep, AttnDims, Backend, CeDims, CeRows, CpuBackend, Dtype, Embedding,
         FusedAttention, FusedOut, KvRows, LayerNorm, LayerNormGrads, Linear, LinearGrads,
@@ -2123,6 +2125,9 @@ mod gpu {
         ]);
         c.args(["--batch-size", "2", "--seq-len", "130", "--eval-every", "0"]);
         c.args(["--out", out.to_str().unwrap()]);
+        // Timed attention forms kept for the process only: tests write nothing to the home
+        // directory's cache.
+        c.env(ATTENTION_CACHE_ENV, "off");
         c.envs(env.iter().copied());
         if emulate {
             c.env(cuda::EMULATE_ENV, "1");
@@ -2171,18 +2176,32 @@ mod gpu {
         }
     }
 
-    /// `fugu train --precision bf16` with the backward pass on stored dS and every attention
-    /// kernel that has a warpgroup-MMA form on it (`FUGU_FLASH_BACKWARD=stored
-    /// FUGU_FLASH_MMA=wgmma`) trains as the defaults: on the emulator the same bits in both
-    /// losses (the same sums in the same order); on a GPU within 1e-4 relative (a GPU's
-    /// order inside either instruction is unspecified, as for the one-kernel backward above).
-    /// Skipped on a GPU without warpgroup MMA (the run is refused there, by name).
+    /// `fugu train --precision bf16` with the attention's forms timed per shape
+    /// (`FUGU_FLASH_SELECT=timed`, the header saying so) trains as the defaults: the first loss
+    /// the same bits on the emulator (every forward form sums in the same order there), the
+    /// second within 1e-4 relative (the fastest backward may be the one kernel, whose dQ sums
+    /// in another order); on a GPU both within 1e-4. And with the backward pass on stored dS
+    /// and every attention kernel that has a warpgroup-MMA form on it
+    /// (`FUGU_FLASH_BACKWARD=stored FUGU_FLASH_MMA=wgmma`): on the emulator the same bits in
+    /// both losses (the same sums in the same order); on a GPU within 1e-4 relative (a GPU's
+    /// order inside either instruction is unspecified, as for the one-kernel backward above),
+    /// skipped on a GPU without warpgroup MMA (the run is refused there, by name).
     #[test]
-    fn stored_wgmma_attention_trains_as_the_defaults() {
+    fn timed_and_wgmma_attention_forms_train_as_the_defaults() {
         let Some(emulate) = binary_mode() else {
             return;
         };
         let split = train_with(emulate, "defaults", &[]).unwrap();
+        let timed = train_with(emulate, "timed", &[(FLASH_SELECT_ENV, "timed")]).unwrap();
+        assert_eq!(timed.len(), 2);
+        for (i, (a, b)) in split.iter().zip(&timed).enumerate() {
+            let close = if emulate && i == 0 {
+                a.to_bits() == b.to_bits()
+            } else {
+                ((a - b) / a).abs() <= 1e-4
+            };
+            assert!(close, "defaults {split:?}, timed forms {timed:?}");
+        }
         let env = [
             (cuda::FLASH_BACKWARD_ENV, "stored"),
             (cuda::FLASH_MMA_ENV, "wgmma"),
