@@ -7,7 +7,7 @@ use super::forms::QueryKernels;
 use super::gemm::{Mat, Ptrs};
 use super::{
     AttnDims, Backend, CudaBackend, Dtype, FlashBackward, FlashForm, FlashMma, FlashOverlap,
-    FlashQueryRows, FlashWarpRows, FusedAttention, Rope, Span, ELEM_THREADS, K, WARP,
+    FlashQueryRows, FlashSelect, FlashWarpRows, FusedAttention, Rope, Span, ELEM_THREADS, K, WARP,
 };
 use crate::ops::attention::Heads;
 pub(super) use crate::ops::attention::{causal_block_rows, causal_blocks};
@@ -167,11 +167,33 @@ impl CudaBackend {
     /// The backward pass of form `f` ([`FlashBackward`]) for heads of `d.hs`: as the form
     /// says, but for heads over 64 split where it says one kernel ([`D128_FORM`]).
     pub(super) fn backward_form(&mut self, f: FlashForm, d: AttnDims) -> FlashBackward {
-        if self.head_128(f, d) && f.backward == FlashBackward::Fused {
-            FlashBackward::Split
-        } else {
-            f.backward
+        self.head_128(f, d);
+        backward_of(f, d)
+    }
+
+    /// The scratch (beyond Δ) the backward pass of form `f` takes for `d` in `dt`, in bytes:
+    /// the one-kernel form's dQ accumulators and counters, the stored-dS form's tiles of dS
+    /// for one chunk of sequences, none for the split form.
+    pub(super) fn backward_scratch_bytes(&self, f: FlashForm, d: AttnDims, dt: Dtype) -> usize {
+        match backward_of(f, d) {
+            FlashBackward::Split => 0,
+            FlashBackward::Fused => {
+                let (tiles, acc_bytes) = one_kernel_scratch(d);
+                acc_bytes + 4 * (1 + tiles)
+            }
+            FlashBackward::Stored => {
+                let (chunk, per_seq) = self.stored_ds_chunk(d, dt);
+                chunk * per_seq
+            }
         }
+    }
+
+    /// The stored-dS backward's sequences per chunk, and the bytes of one sequence's dS tiles
+    /// (every causal tile pair of every head), for `d` in `dt`.
+    fn stored_ds_chunk(&self, d: AttnDims, dt: Dtype) -> (usize, usize) {
+        let nkb = d.t.div_ceil(FLASH_ROWS);
+        let per_seq = d.nh * nkb * (nkb + 1) / 2 * FLASH_ROWS * FLASH_ROWS * dt.bytes();
+        ((self.flash_ds_budget / per_seq).clamp(1, d.b), per_seq)
     }
 
     /// The split backward's dQ and dK/dV kernels of form `f` for heads of `d.hs`; heads over
@@ -216,8 +238,8 @@ impl CudaBackend {
     }
 
     /// Whether heads of `d.hs` take the `_d128` kernels (over 64 columns); the first time they
-    /// do where form `f` is one they do not have, a note on stderr says that the form settings
-    /// choose among the head-64 kernels only.
+    /// do where form `f`, set by the settings (not timed), is one they do not have, a note on
+    /// stderr says that the form settings choose among the head-64 kernels only.
     fn head_128(&mut self, f: FlashForm, d: AttnDims) -> bool {
         let wide = d.hs > FLASH_HEAD_64;
         // 128 query rows: the wgmma forward has them, and the stored-dS backward's dQ kernel
@@ -226,7 +248,8 @@ impl CudaBackend {
         let d128_has = f.warp_rows == FlashWarpRows::default()
             && (f.query_rows == FlashQueryRows::default() || rows_128)
             && f.backward != FlashBackward::Fused;
-        if wide && !d128_has && !self.head_128_noted {
+        let set = self.flash_select == FlashSelect::Settings;
+        if wide && !d128_has && set && !self.head_128_noted {
             eprintln!(
                 "note: attention heads of {} run the head-128 kernels ({D128_FORM}); the other \
                  FUGU_FLASH_* forms are those of the kernels for heads of at most 64",
@@ -323,14 +346,12 @@ impl CudaBackend {
     /// an f32 accumulator tile per query block (64 × 64: 16 KB, 50 MB for GPT-2 124M B=16).
     pub(super) fn attention_backward_one_kernel(&mut self, c: &FlashBackwardCall) {
         let d = c.d;
-        // One query block (and one work item) per tile of the grid.
-        let tiles = Self::flash_grid(d, FLASH_ROWS) as usize;
+        let (tiles, acc_bytes) = one_kernel_scratch(d);
         // The kernel's item counter and turns are ints.
         assert!(
             tiles < i32::MAX as usize,
             "attention_backward: {tiles} tiles"
         );
-        let acc_bytes = tiles * FLASH_ROWS * FLASH_HEAD_64 * 4;
         let acc = self.scratch(|s| &mut s.attn_dq, acc_bytes + 4 * (1 + tiles));
         let sync = acc + acc_bytes as u64;
         self.flash_delta(c, (sync, 1 + tiles));
@@ -384,9 +405,7 @@ impl CudaBackend {
     pub(super) fn attention_backward_stored_ds(&mut self, call: &FlashBackwardCall) {
         let (dt, delta, d) = (call.dt, call.delta, call.d);
         self.flash_delta(call, (delta, 0));
-        let nkb = d.t.div_ceil(FLASH_ROWS);
-        let per_seq = d.nh * nkb * (nkb + 1) / 2 * FLASH_ROWS * FLASH_ROWS * dt.bytes();
-        let chunk = (self.flash_ds_budget / per_seq).clamp(1, d.b);
+        let (chunk, per_seq) = self.stored_ds_chunk(d, dt);
         let ds = self.scratch(|s| &mut s.attn_dq, chunk * per_seq);
         let (w, c) = (d.shape().qkv_width(), d.nh * d.hs);
         let (dq, dy, l, x) = (
@@ -500,6 +519,23 @@ impl CudaBackend {
         );
         self.ptr(qkv)
     }
+}
+
+/// The backward pass form `f` runs for heads of `d.hs`: its own, but split where it is the
+/// one kernel and the heads are over 64 ([`D128_FORM`]).
+fn backward_of(f: FlashForm, d: AttnDims) -> FlashBackward {
+    if d.hs > FLASH_HEAD_64 && f.backward == FlashBackward::Fused {
+        FlashBackward::Split
+    } else {
+        f.backward
+    }
+}
+
+/// The one-kernel backward's query blocks for `d` (one work item and one f32 accumulator tile
+/// each, 64 × 64: 16 KB, 50 MB for GPT-2 124M B=16) and its accumulators' bytes.
+fn one_kernel_scratch(d: AttnDims) -> (usize, usize) {
+    let tiles = CudaBackend::flash_grid(d, FLASH_ROWS) as usize;
+    (tiles, tiles * FLASH_ROWS * FLASH_HEAD_64 * 4)
 }
 
 /// The fused kernels' trailing arguments for qkv at device address `qkv` (see

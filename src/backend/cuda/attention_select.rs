@@ -154,6 +154,14 @@ pub fn shape_key(pass: FlashPass, d: AttnDims, dt: Dtype, rope: bool) -> String 
     )
 }
 
+/// One pass to time: its outputs' lengths and types (written to scratch), the scratch a form
+/// takes of its own, and one call of a form on scratch outputs at the given addresses.
+struct TimedPass<'a> {
+    outs: &'a [(usize, Dtype)],
+    scratch: &'a dyn Fn(&CudaBackend, FlashForm) -> usize,
+    run: &'a mut dyn FnMut(&mut CudaBackend, FlashForm, &[u64]),
+}
+
 /// One scratch output of a timed call: its address, length and storage type.
 struct Out {
     ptr: u64,
@@ -241,9 +249,12 @@ impl CudaBackend {
             (d.b * d.t * d.nh * d.hs, dt),
             (d.b * d.nh * d.t, Dtype::F32),
         ];
-        self.timed_form(key, &outs, &mut |be, f, s| {
-            be.flash_forward(f, (s[0], s[1]), qkv, d, dt)
-        })
+        let pass = TimedPass {
+            outs: &outs,
+            scratch: &|_, _| 0,
+            run: &mut |be, f, s| be.flash_forward(f, (s[0], s[1]), qkv, d, dt),
+        };
+        self.timed_form(key, pass)
     }
 
     /// The form the backward pass runs for `call`: the settings', or the timed choice (timed
@@ -255,25 +266,24 @@ impl CudaBackend {
         let rope = !matches!(call.rope[0], Arg::Ptr(0));
         let key = shape_key(FlashPass::Backward, call.d, call.dt, rope);
         let outs = [(call.d.b * call.d.t * call.d.shape().qkv_width(), call.dt)];
-        self.timed_form(key, &outs, &mut |be, form, s| {
-            be.flash_backward(&FlashBackwardCall {
-                form,
-                dqkv: s[0],
-                ..*call
-            })
-        })
+        let pass = TimedPass {
+            outs: &outs,
+            scratch: &|be, f| be.backward_scratch_bytes(f, call.d, call.dt),
+            run: &mut |be, form, s| {
+                be.flash_backward(&FlashBackwardCall {
+                    form,
+                    dqkv: s[0],
+                    ..*call
+                })
+            },
+        };
+        self.timed_form(key, pass)
     }
 
     /// The choice for `key`: made before in this process, or stored on disk (where the device
-    /// runs it), or timed now ([`Self::time_forms`], `run` launching one call of a form with
-    /// scratch outputs of `outs`' lengths and types) and stored. Where the scratch cannot be
-    /// allocated, the settings' form, with a note.
-    fn timed_form(
-        &mut self,
-        key: String,
-        outs: &[(usize, Dtype)],
-        run: &mut dyn FnMut(&mut CudaBackend, FlashForm, &[u64]),
-    ) -> FlashForm {
+    /// runs it), or timed now ([`Self::time_forms`]) and stored. Where the scratch outputs
+    /// cannot be allocated, the settings' form, with a note.
+    fn timed_form(&mut self, key: String, pass: TimedPass) -> FlashForm {
         if let Some(&f) = self.timed_forms.chosen.get(&key) {
             return f;
         }
@@ -302,21 +312,24 @@ impl CudaBackend {
         let stored = cache.get(&key);
         let form = match stored {
             Some(c) if c.form.refusal(self.has_wgmma()).is_none() => c.form,
-            _ => match self.scratch_outputs(outs) {
+            _ => match self.scratch_outputs(pass.outs) {
                 Ok(scratch) => {
                     let outs: Vec<Out> = scratch
                         .iter()
-                        .zip(outs)
+                        .zip(pass.outs)
                         .map(|(a, &(len, dt))| Out {
                             ptr: a.ptr,
                             len,
                             dt,
                         })
                         .collect();
-                    let timed = self.time_forms(&key, &outs, run);
-                    // Queued calls may still write the scratch outputs.
+                    let timed = self.time_forms(&key, &outs, pass.scratch, pass.run);
+                    // Queued calls may still write the scratch outputs; the forms' own scratch
+                    // (the one-kernel backward's accumulators, stored dS) is given back too, for
+                    // the chosen form to take what it needs.
                     crate::backend::Backend::sync(self);
                     drop(scratch);
+                    self.attn_dq = Default::default();
                     cache.insert(&key, timed, stored.is_some()).form
                 }
                 Err(e) => {
@@ -349,6 +362,7 @@ impl CudaBackend {
         &mut self,
         key: &str,
         outs: &[Out],
+        scratch: &dyn Fn(&CudaBackend, FlashForm) -> usize,
         run: &mut dyn FnMut(&mut CudaBackend, FlashForm, &[u64]),
     ) -> FormChoice {
         let ptrs: Vec<u64> = outs.iter().map(|o| o.ptr).collect();
@@ -357,6 +371,10 @@ impl CudaBackend {
         let mut seen: Vec<Vec<usize>> = Vec::new();
         let mut reference: Option<Vec<Vec<f32>>> = None;
         for form in FlashForm::every(self.has_wgmma()) {
+            if let Some(why) = self.scratch_refusal(scratch(self, form)) {
+                eprintln!("note: attention {key}: {} not timed: {why}", form.label());
+                continue;
+            }
             let kernels = self.launches_of(|be| run(be, form, &ptrs));
             if seen.contains(&kernels) {
                 continue;
@@ -414,6 +432,20 @@ impl CudaBackend {
             default_ms: default_ms as f32,
             chosen_ms: ms[best] as f32,
         }
+    }
+
+    /// Why a form that takes `bytes` of scratch would not fit in the device's free memory (with
+    /// what its scratch already holds), if it would not: timing it must not end the run.
+    fn scratch_refusal(&self, bytes: usize) -> Option<String> {
+        let held = self.attn_dq.0.as_ref().map_or(0, |a| a.bytes);
+        let free = self.eng.free_bytes()?;
+        (bytes > held + free).then(|| {
+            format!(
+                "its {:.0} MiB of scratch exceed the {:.0} MiB free",
+                bytes as f64 / (1 << 20) as f64,
+                (held + free) as f64 / (1 << 20) as f64
+            )
+        })
     }
 
     /// A scratch output's values (after the work queued so far).
