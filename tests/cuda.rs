@@ -1234,7 +1234,7 @@ mod gpu {
     /// for 128 query rows launches that form's kernel).
     #[test]
     fn timed_attention_forms_run_the_fastest_and_are_kept() {
-        use fugu::backend::cuda::attention_select::{shape_key, FlashPass, FormChoice};
+        use fugu::backend::cuda::attention_select::{lock_path, shape_key, FlashPass, FormChoice};
         use fugu::backend::cuda::choice_cache::Entry;
         use fugu::backend::cuda::{FlashForm, FlashSelect};
         let Some(mut be) = Both::new(Dtype::Bf16) else {
@@ -1372,7 +1372,35 @@ mod gpu {
         be.cpu.attention_backward(dq, dout, fwd, qkv, d, None);
         be.check("stored 128-row forward", o, GEMM);
         be.check("stored 128-row backward", dq, tol);
+
+        // Ranks sharing a cache: where another process holds a shape's lock (timing it), this
+        // one waits for its choice and runs it (here a choice written a moment later).
+        let shared = tmp("attention-forms-shared");
+        std::fs::create_dir_all(&shared).unwrap();
+        let file = shared.join(files[0].file_name().unwrap());
+        let key = shape_key(FlashPass::Forward, d, Dtype::Bf16, false);
+        let mut lock = lock_path(&file, &key).into_os_string();
+        lock.push(".lock");
+        std::fs::write(&lock, "another rank").unwrap();
+        let writer = {
+            let (file, lock) = (file.clone(), lock.clone());
+            let text = [edited[0].clone(), edited[1].clone(), edited[2].clone()].join("\n");
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(1500));
+                std::fs::write(&file, text + "\n").unwrap();
+                std::fs::remove_file(&lock).unwrap();
+            })
+        };
+        let g = &mut be.gpu;
+        g.set_attention_cache(Some(&shared));
+        g.set_flash_select(FlashSelect::Timed);
+        g.log_launches();
+        g.attention_forward(by_hand.0, by_hand.1, qkv, d);
+        assert_eq!(g.launched(), want_fwd);
+        g.set_flash_select(FlashSelect::Settings);
+        writer.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&shared);
     }
 
     /// The operand layouts of the wgmma kernels on their own (`CudaBackend::wgmma_probe`):

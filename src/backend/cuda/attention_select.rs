@@ -17,8 +17,10 @@
 //!
 //! Choices are kept on disk per GPU model, compute capability and build of the kernels (their
 //! source, compiler options and NVRTC: any change is another file, never a stale hit), one line
-//! per (pass, shape, type, rope), shared by a job's ranks, the first writer's choice winning
-//! (`choice_cache.rs`): a resumed run, and every rank, runs the same forms, so a run stays
+//! per (pass, shape, type, rope), shared by a job's ranks: the first rank to find a shape
+//! missing times it under a lock file beside the cache's (`crate::make_once`), the others wait
+//! for its choice (and where two stored at once, the first writer's choice wins,
+//! `choice_cache.rs`). A resumed run, and every rank, runs the same forms, so a run stays
 //! bit-identical to an uninterrupted one though forms may sum in other orders.
 //!
 //! Where: `FUGU_ATTENTION_CACHE` (a directory; `off` keeps choices for the process only), else
@@ -29,6 +31,7 @@ use super::choice_cache::{file_part, ChoiceCache, Entry};
 use super::engine::Arg;
 use super::{AttnDims, CudaBackend, DevAlloc, Dtype, FlashForm, Span};
 use crate::backend::knobs::{FlashSelect, Knobs, FLASH_FORM_ENVS};
+use crate::make_once::{found_or_made, LockTiming};
 use crate::ops::attention::{form_tolerance, max_rel_diff};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::HashMap;
@@ -133,6 +136,15 @@ impl Entry for FormChoice {
             chosen_ms,
         })
     }
+}
+
+/// The path whose lock (`<path>.lock`, [`crate::make_once`]) the ranks sharing cache file
+/// `file` take to time shape `key`: the file's path and a hash of the key.
+pub fn lock_path(file: &Path, key: &str) -> PathBuf {
+    let hash = fugu_io::manifest::hex(&<sha2::Sha256 as sha2::Digest>::digest(key));
+    let mut p = file.as_os_str().to_owned();
+    p.push(format!(".{}", &hash[..12]));
+    PathBuf::from(p)
 }
 
 /// What one choice is for: the pass, the shape, the type, and whether the backward kernels
@@ -309,41 +321,61 @@ impl CudaBackend {
             }
             cache
         });
+        let wgmma = self.has_wgmma();
+        let runnable = |c: &FormChoice| c.form.refusal(wgmma).is_none();
         let stored = cache.get(&key);
-        let form = match stored {
-            Some(c) if c.form.refusal(self.has_wgmma()).is_none() => c.form,
-            _ => match self.scratch_outputs(pass.outs) {
-                Ok(scratch) => {
-                    let outs: Vec<Out> = scratch
-                        .iter()
-                        .zip(pass.outs)
-                        .map(|(a, &(len, dt))| Out {
-                            ptr: a.ptr,
-                            len,
-                            dt,
-                        })
-                        .collect();
-                    let timed = self.time_forms(&key, &outs, pass.scratch, pass.run);
-                    // Queued calls may still write the scratch outputs; the forms' own scratch
-                    // (the one-kernel backward's accumulators, stored dS) is given back too, for
-                    // the chosen form to take what it needs.
-                    crate::backend::Backend::sync(self);
-                    drop(scratch);
-                    self.attn_dq = Default::default();
-                    cache.insert(&key, timed, stored.is_some()).form
-                }
-                Err(e) => {
-                    eprintln!(
-                        "note: attention {key}: no memory to time its forms ({e:#}); running \
-                         the default form"
-                    );
-                    self.flash
-                }
-            },
+        let timed = match (stored, cache.file()) {
+            (Some(c), _) if runnable(&c) => Ok(c),
+            // Ranks sharing the file: the first to find the shape missing times it, the
+            // others wait for its choice (make_once: a lock file beside the cache's).
+            (None, Some(file)) => {
+                let look = cache.reader();
+                found_or_made(
+                    &lock_path(file, &key),
+                    "timing the attention's forms",
+                    LockTiming::default(),
+                    || look(&key).filter(runnable),
+                    || self.time_on_scratch(&key, pass),
+                )
+                .map(|(c, _)| c)
+            }
+            _ => self.time_on_scratch(&key, pass),
+        };
+        let form = match timed {
+            Ok(c) if stored == Some(c) => c.form,
+            Ok(c) => cache.insert(&key, c, stored.is_some()).form,
+            Err(e) => {
+                eprintln!("note: attention {key}: {e:#}; running the default form");
+                self.flash
+            }
         };
         self.timed_forms.cache = Some(cache);
         self.timed_forms.chosen.insert(key, form);
         form
+    }
+
+    /// [`Self::time_forms`] for `pass` on scratch outputs, given back afterwards with the forms'
+    /// own scratch (the one-kernel backward's accumulators, stored dS: the chosen form takes
+    /// what it needs); an error where the outputs cannot be allocated.
+    fn time_on_scratch(&mut self, key: &str, pass: TimedPass) -> Result<FormChoice> {
+        let scratch = self
+            .scratch_outputs(pass.outs)
+            .context("no memory to time its forms")?;
+        let outs: Vec<Out> = scratch
+            .iter()
+            .zip(pass.outs)
+            .map(|(a, &(len, dt))| Out {
+                ptr: a.ptr,
+                len,
+                dt,
+            })
+            .collect();
+        let timed = self.time_forms(key, &outs, pass.scratch, pass.run);
+        // Queued calls may still write the scratch.
+        crate::backend::Backend::sync(self);
+        drop(scratch);
+        self.attn_dq = Default::default();
+        Ok(timed)
     }
 
     /// Scratch outputs of `outs`' lengths and types for timed calls.

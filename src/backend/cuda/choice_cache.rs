@@ -92,6 +92,18 @@ impl<E: Entry> ChoiceCache<E> {
         self.entries.get(shape).copied()
     }
 
+    /// What the file holds for a shape, read again at each call (none in memory only, or where
+    /// the file does not parse): for a process waiting for another's choice.
+    pub fn reader(&self) -> impl Fn(&str) -> Option<E> {
+        let (file, identity) = (self.file.clone(), self.identity.clone());
+        move |shape| {
+            read::<E>(file.as_deref()?, &identity)
+                .ok()?
+                .get(shape)
+                .copied()
+        }
+    }
+
     /// Records `choice` for `shape` and stores it. With `replace` false (a shape timed because
     /// it had no entry), an entry another process stored meanwhile wins and is returned
     /// instead; with `replace` true (the stored one was refused) `choice` overwrites it.
