@@ -27,7 +27,7 @@
 //! `$XDG_CACHE_HOME/fugu/attention`, else `$HOME/.cache/fugu/attention`.
 
 use super::attention::FlashBackwardCall;
-use super::choice_cache::{file_part, ChoiceCache, Entry};
+use super::choice_cache::{file_part, short_sha, ChoiceCache, Entry};
 use super::engine::Arg;
 use super::{AttnDims, CudaBackend, DevAlloc, Dtype, FlashForm, Span};
 use crate::backend::knobs::{FlashSelect, Knobs, FLASH_FORM_ENVS};
@@ -141,9 +141,8 @@ impl Entry for FormChoice {
 /// The path whose lock (`<path>.lock`, [`crate::make_once`]) the ranks sharing cache file
 /// `file` take to time shape `key`: the file's path and a hash of the key.
 pub fn lock_path(file: &Path, key: &str) -> PathBuf {
-    let hash = fugu_io::manifest::hex(&<sha2::Sha256 as sha2::Digest>::digest(key));
     let mut p = file.as_os_str().to_owned();
-    p.push(format!(".{}", &hash[..12]));
+    p.push(format!(".{}", short_sha(key, 12)));
     PathBuf::from(p)
 }
 
@@ -299,28 +298,10 @@ impl CudaBackend {
         if let Some(&f) = self.timed_forms.chosen.get(&key) {
             return f;
         }
-        let mut cache = self.timed_forms.cache.take().unwrap_or_else(|| {
-            let identity = self.eng.kernels_identity();
-            let device = file_part(&self.eng.describe());
-            let device: Vec<&str> = device.split('-').filter(|w| !w.is_empty()).collect();
-            let name = format!(
-                "attention-{}-{}.txt",
-                device.join("-").chars().take(40).collect::<String>(),
-                &fugu_io::manifest::hex(&<sha2::Sha256 as sha2::Digest>::digest(&identity))[..12]
-            );
-            let cache = match &self.timed_forms.dir {
-                Some(dir) => ChoiceCache::open(dir.as_deref(), &name, identity),
-                None => ChoiceCache::from_env("attention", &name, identity),
-            };
-            if let (false, Some(file)) = (cache.is_empty(), cache.file()) {
-                eprintln!(
-                    "note: attention forms timed before for {} shapes, from {}",
-                    cache.len(),
-                    file.display()
-                );
-            }
-            cache
-        });
+        let mut cache = match self.timed_forms.cache.take() {
+            Some(c) => c,
+            None => self.open_form_cache(),
+        };
         let wgmma = self.has_wgmma();
         let runnable = |c: &FormChoice| c.form.refusal(wgmma).is_none();
         let stored = cache.get(&key);
@@ -376,6 +357,32 @@ impl CudaBackend {
         drop(scratch);
         self.attn_dq = Default::default();
         Ok(timed)
+    }
+
+    /// The cache of this device's and kernel build's choices ([`super::engine::Engine::kernels_identity`]),
+    /// in the directory [`Self::set_attention_cache`] or the environment names; a note says
+    /// how many shapes it already holds.
+    fn open_form_cache(&self) -> ChoiceCache<FormChoice> {
+        let identity = self.eng.kernels_identity();
+        let device = file_part(&self.eng.describe());
+        let device: Vec<&str> = device.split('-').filter(|w| !w.is_empty()).collect();
+        let name = format!(
+            "attention-{}-{}.txt",
+            device.join("-").chars().take(40).collect::<String>(),
+            short_sha(&identity, 12)
+        );
+        let cache = match &self.timed_forms.dir {
+            Some(dir) => ChoiceCache::open(dir.as_deref(), &name, identity),
+            None => ChoiceCache::from_env("attention", &name, identity),
+        };
+        if let (false, Some(file)) = (cache.is_empty(), cache.file()) {
+            eprintln!(
+                "note: attention forms timed before for {} shapes, from {}",
+                cache.len(),
+                file.display()
+            );
+        }
+        cache
     }
 
     /// Scratch outputs of `outs`' lengths and types for timed calls.

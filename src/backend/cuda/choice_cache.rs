@@ -199,3 +199,10 @@ pub fn file_part(text: &str) -> String {
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect()
 }
+
+/// The first `digits` hex digits of the SHA-256 of `text` (a file name's part that tells
+/// identities or shapes apart).
+pub fn short_sha(text: &str, digits: usize) -> String {
+    use sha2::Digest;
+    fugu_io::manifest::hex(&sha2::Sha256::digest(text))[..digits].to_string()
+}

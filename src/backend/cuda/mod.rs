@@ -70,8 +70,7 @@ pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
 /// The first 16 hex digits of the SHA-256 of [`KERNELS_SOURCE`] (an engine's
 /// [`Engine::kernels_identity`] where it has no compiler build to name).
 pub fn kernels_source_key() -> String {
-    use sha2::Digest;
-    fugu_io::manifest::hex(&sha2::Sha256::digest(KERNELS_SOURCE))[..16].to_string()
+    choice_cache::short_sha(KERNELS_SOURCE, 16)
 }
 
 /// NVRTC options: no FMA contraction (the CPU reference has none), IEEE division and square
