@@ -1263,10 +1263,11 @@ mod gpu {
         let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
         be.check("timed attention dqkv", dqkv, tol);
 
-        // One file, holding the two passes' choices.
+        // One file, holding the two passes' choices (beside it, the lock its writers take).
         let files: Vec<PathBuf> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_none_or(|e| e != "flock"))
             .collect();
         assert_eq!(files.len(), 1, "{files:?}");
         let text = std::fs::read_to_string(&files[0]).unwrap();
@@ -2282,7 +2283,12 @@ mod gpu {
         };
         let (err1, first) = run("gemm-timed-1");
         assert!(err1.contains("candidates timed"), "{err1}");
-        let files: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
+        // One file of choices (beside it, the lock its writers take).
+        let files: Vec<PathBuf> = std::fs::read_dir(&cache)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_none_or(|e| e != "flock"))
+            .collect();
         assert_eq!(files.len(), 1, "{files:?}");
         let (err2, second) = run("gemm-timed-2");
         assert!(!err2.contains("candidates timed"), "{err2}");

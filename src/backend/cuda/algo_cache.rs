@@ -9,7 +9,8 @@
 //! line; any change is another file, never a stale hit), one line per GEMM shape, and an entry
 //! the library then refuses for its shape is timed again and replaced.
 //!
-//! Ranks of a job share the file, and the first writer's choice wins (`choice_cache.rs`).
+//! Ranks of a job share the file: the first to find a shape missing times it while the others
+//! wait for its choice and take it (`choice_cache.rs`).
 //!
 //! Where: `FUGU_GEMM_CACHE` (a directory; `off` disables), else `$XDG_CACHE_HOME/fugu/gemm`,
 //! else `$HOME/.cache/fugu/gemm`. A cache that cannot be written costs a note on stderr once,

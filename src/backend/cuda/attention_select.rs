@@ -18,20 +18,19 @@
 //! Choices are kept on disk per GPU model, compute capability and build of the kernels (their
 //! source, compiler options and NVRTC: any change is another file, never a stale hit), one line
 //! per (pass, shape, type, rope), shared by a job's ranks: the first rank to find a shape
-//! missing times it under a lock file beside the cache's (`crate::make_once`), the others wait
-//! for its choice (and where two stored at once, the first writer's choice wins,
-//! `choice_cache.rs`). A resumed run, and every rank, runs the same forms, so a run stays
+//! missing times it under a lock file beside the cache's and stores its choice before letting
+//! the lock go, the others wait for that choice (`choice_cache.rs`). A resumed run, and every rank, runs the same forms, so a run stays
 //! bit-identical to an uninterrupted one though forms may sum in other orders.
 //!
 //! Where: `FUGU_ATTENTION_CACHE` (a directory; `off` keeps choices for the process only), else
 //! `$XDG_CACHE_HOME/fugu/attention`, else `$HOME/.cache/fugu/attention`.
 
 use super::attention::FlashBackwardCall;
+pub use super::choice_cache::lock_path;
 use super::choice_cache::{file_part, short_sha, ChoiceCache, Entry};
 use super::engine::Arg;
 use super::{AttnDims, CudaBackend, DevAlloc, Dtype, FlashForm, Span};
 use crate::backend::knobs::{FlashSelect, Knobs, FLASH_FORM_ENVS};
-use crate::make_once::{found_or_made, LockTiming};
 use crate::ops::attention::{form_tolerance, max_rel_diff};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::HashMap;
@@ -136,14 +135,6 @@ impl Entry for FormChoice {
             chosen_ms,
         })
     }
-}
-
-/// The path whose lock (`<path>.lock`, [`crate::make_once`]) the ranks sharing cache file
-/// `file` take to time shape `key`: the file's path and a hash of the key.
-pub fn lock_path(file: &Path, key: &str) -> PathBuf {
-    let mut p = file.as_os_str().to_owned();
-    p.push(format!(".{}", short_sha(key, 12)));
-    PathBuf::from(p)
 }
 
 /// What one choice is for: the pass, the shape, the type, and whether the backward kernels
@@ -304,27 +295,9 @@ impl CudaBackend {
         };
         let wgmma = self.has_wgmma();
         let runnable = |c: &FormChoice| c.form.refusal(wgmma).is_none();
-        let stored = cache.get(&key);
-        let timed = match (stored, cache.file()) {
-            (Some(c), _) if runnable(&c) => Ok(c),
-            // Ranks sharing the file: the first to find the shape missing times it, the
-            // others wait for its choice (make_once: a lock file beside the cache's).
-            (None, Some(file)) => {
-                let look = cache.reader();
-                found_or_made(
-                    &lock_path(file, &key),
-                    "timing the attention's forms",
-                    LockTiming::default(),
-                    || look(&key).filter(runnable),
-                    || self.time_on_scratch(&key, pass),
-                )
-                .map(|(c, _)| c)
-            }
-            _ => self.time_on_scratch(&key, pass),
-        };
-        let form = match timed {
-            Ok(c) if stored == Some(c) => c.form,
-            Ok(c) => cache.insert(&key, c, stored.is_some()).form,
+        let what = "timing the attention's forms";
+        let form = match cache.choose(&key, what, runnable, || self.time_on_scratch(&key, pass)) {
+            Ok(c) => c.form,
             Err(e) => {
                 eprintln!("note: attention {key}: {e:#}; running the default form");
                 self.flash

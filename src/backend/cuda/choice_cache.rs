@@ -8,10 +8,16 @@
 //! Ranks of a job share the file: each adds its choices under a merge with what is on disk,
 //! where the entry already there wins (the first writer's choice), and a process whose own
 //! timing lost takes the stored one, so that ranks and later runs converge on one choice per
-//! shape. Files are written atomically (temporary name, fsync, rename); a file that does not
-//! parse is named in a note and replaced; one that cannot be written costs a note on stderr
-//! once, not the run.
+//! shape. Files are written atomically (temporary name, fsync, rename) under an advisory lock
+//! (`<file>.flock`), so that two processes storing different shapes at once keep both; a file
+//! that does not parse is named in a note and replaced; one that cannot be written costs a note
+//! on stderr once, not the run.
+//!
+//! [`ChoiceCache::choose`] times a shape once among the processes sharing the file: the first
+//! to find it missing times it under a lock of that shape's (`crate::make_once`) and stores its
+//! choice before letting the lock go; the others wait for that choice and take it.
 
+use crate::make_once::{found_or_made, LockTiming};
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -104,10 +110,45 @@ impl<E: Entry> ChoiceCache<E> {
         }
     }
 
+    /// The choice for `shape` that `accept` takes: this process's or the file's; else, where
+    /// another process sharing the file is timing the shape (its lock, [`lock_path`]), the
+    /// choice it stores, waited for; else `time()`'s, timed under the lock and stored before
+    /// the lock goes (so that a waiter finds it, never a gap in which it times the shape too).
+    /// A stored choice `accept` refuses (a library that no longer runs it) is timed again and
+    /// replaced. `what` names the timing in the notes on stderr.
+    pub fn choose(
+        &mut self,
+        shape: &str,
+        what: &str,
+        accept: impl Fn(&E) -> bool,
+        time: impl FnOnce() -> Result<E>,
+    ) -> Result<E> {
+        if let Some(c) = self.get(shape).filter(&accept) {
+            return Ok(c);
+        }
+        let Some(lock) = self.file().map(|f| lock_path(f, shape)) else {
+            return Ok(self.insert(shape, time()?, true));
+        };
+        let look = self.reader();
+        let (choice, _) = found_or_made(
+            &lock,
+            what,
+            LockTiming::default(),
+            || look(shape).filter(&accept),
+            // Under the lock the file holds no accepted choice: this one replaces any there.
+            || Ok(self.insert(shape, time()?, true)),
+        )?;
+        self.entries.insert(shape.to_string(), choice);
+        Ok(choice)
+    }
+
     /// Records `choice` for `shape` and stores it. With `replace` false (a shape timed because
     /// it had no entry), an entry another process stored meanwhile wins and is returned
     /// instead; with `replace` true (the stored one was refused) `choice` overwrites it.
     pub fn insert(&mut self, shape: &str, choice: E, replace: bool) -> E {
+        // Read, merge and write with no other process's store in between (one would lose
+        // the other's new entries).
+        let _writing = self.file.as_deref().and_then(WriteLock::take);
         let mut merged = match self.file.as_deref().map(|f| read(f, &self.identity)) {
             Some(Ok(on_disk)) => on_disk,
             _ => BTreeMap::new(),
@@ -152,6 +193,37 @@ impl<E: Entry> ChoiceCache<E> {
             self.store_failed = true;
         }
     }
+}
+
+/// An advisory lock on `<file>.flock` while a process reads, merges and writes the file
+/// (released when dropped, or when the process dies). Where the file system cannot lock, none
+/// is taken: stores then only race as they did before.
+struct WriteLock {
+    _held: std::fs::File,
+}
+
+impl WriteLock {
+    fn take(file: &Path) -> Option<WriteLock> {
+        let mut name = file.as_os_str().to_owned();
+        name.push(".flock");
+        std::fs::create_dir_all(file.parent()?).ok()?;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(PathBuf::from(name))
+            .ok()?;
+        f.lock().ok()?;
+        Some(WriteLock { _held: f })
+    }
+}
+
+/// The path whose lock (`<path>.lock`, [`crate::make_once`]) the processes sharing cache
+/// file `file` take to time shape `shape`: the file's path and a hash of the shape.
+pub fn lock_path(file: &Path, shape: &str) -> PathBuf {
+    let mut p = file.as_os_str().to_owned();
+    p.push(format!(".{}", short_sha(shape, 12)));
+    PathBuf::from(p)
 }
 
 fn write<E: Entry>(w: &mut dyn Write, identity: &str, entries: &BTreeMap<String, E>) -> Result<()> {
@@ -205,4 +277,122 @@ pub fn file_part(text: &str) -> String {
 pub fn short_sha(text: &str, digits: usize) -> String {
     use sha2::Digest;
     fugu_io::manifest::hex(&sha2::Sha256::digest(text))[..digits].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::algo_cache::Choice;
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const ID: &str = "identity test";
+
+    fn open(dir: &Path) -> ChoiceCache<Choice> {
+        ChoiceCache::open(Some(dir), "choices.txt", ID.to_string())
+    }
+
+    fn choice(seed: u64) -> Choice {
+        Choice {
+            algo: [seed; 8],
+            first_ms: 1.0,
+            chosen_ms: 0.5,
+        }
+    }
+
+    fn fresh_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("fugu-choices-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Two processes (here threads, each with its own view of the file) meet a shape: the
+    /// first times it, the second waits and takes its choice without timing. The choice is on
+    /// disk before the lock goes: a watcher that reads the file the moment the lock is gone
+    /// finds it there (a holder storing after letting the lock go would leave a waiter a gap in
+    /// which it finds neither, and times the shape too).
+    #[test]
+    fn a_shape_is_timed_once_and_stored_before_its_lock_goes() {
+        let dir = fresh_dir("once");
+        let file = dir.join("choices.txt");
+        let lock = crate::make_once::lock_path(&lock_path(&file, "shape"));
+        let seen_after_lock = {
+            let (lock, look) = (lock.clone(), open(&dir).reader());
+            std::thread::spawn(move || {
+                while !lock.exists() {
+                    std::hint::spin_loop();
+                }
+                while lock.exists() {
+                    std::hint::spin_loop();
+                }
+                look("shape")
+            })
+        };
+        let timing = Arc::new(AtomicBool::new(false));
+        let first = {
+            let (dir, timing) = (dir.clone(), timing.clone());
+            std::thread::spawn(move || {
+                open(&dir).choose(
+                    "shape",
+                    "timing",
+                    |_| true,
+                    || {
+                        timing.store(true, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(600));
+                        Ok(choice(1))
+                    },
+                )
+            })
+        };
+        while !timing.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut second = open(&dir);
+        let waited = second.choose("shape", "timing", |_| true, || panic!("timed twice"));
+        assert_eq!(waited.unwrap(), choice(1));
+        assert_eq!(second.get("shape"), Some(choice(1)));
+        assert_eq!(first.join().unwrap().unwrap(), choice(1));
+        assert_eq!(seen_after_lock.join().unwrap(), Some(choice(1)));
+        assert!(!lock.exists());
+
+        // A stored choice the caller refuses is timed again and replaced.
+        let mut third = open(&dir);
+        let retimed = third.choose("shape", "timing", |c| c.algo[0] != 1, || Ok(choice(2)));
+        assert_eq!(retimed.unwrap(), choice(2));
+        assert_eq!(open(&dir).get("shape"), Some(choice(2)));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Processes storing different shapes at the same moment keep every one (each reads,
+    /// merges and writes under the file's advisory lock; without it one's rename drops what
+    /// another wrote since it read).
+    #[test]
+    fn stores_of_different_shapes_at_once_keep_them_all() {
+        let dir = fresh_dir("stores");
+        let writers: Vec<_> = (0..4u64)
+            .map(|w| {
+                let dir = dir.clone();
+                std::thread::spawn(move || {
+                    for i in 0..12 {
+                        // A fresh view per store: nothing of its own to write back later.
+                        open(&dir).insert(&format!("shape {w} {i}"), choice(w * 100 + i), false);
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        let all = open(&dir);
+        for (w, i) in (0..4u64).flat_map(|w| (0..12).map(move |i| (w, i))) {
+            assert_eq!(
+                all.get(&format!("shape {w} {i}")),
+                Some(choice(w * 100 + i))
+            );
+        }
+        assert_eq!(all.len(), 48);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -130,7 +130,8 @@ impl Lt {
 
     /// The algorithm timed fastest for `g`'s shape, types, epilogue and alignments: chosen
     /// before in this process, or stored on disk (and accepted by cuBLASLt for this call), or
-    /// timed now ([`Self::time_candidates`]) and stored.
+    /// timed now ([`Self::time_candidates`]) and stored, by one of the processes sharing the
+    /// cache while the others wait for its choice ([`super::choice_cache::ChoiceCache::choose`]).
     fn timed_algo(&self, g: &GemmCall, call: &Call) -> Result<sys::cublasLtMatmulAlgo_t> {
         let key = ShapeKey::of(g, self.tf32);
         let mut choices = self.choices.lock().unwrap_or_else(|e| e.into_inner());
@@ -150,20 +151,14 @@ impl Lt {
             cache
         });
         let shape = key.to_string();
-        let stored = cache.get(&shape);
-        let algo = match stored.map(|c| sys::cublasLtMatmulAlgo_t { data: c.algo }) {
-            Some(algo) if call.accepts(self, &algo) => algo,
-            _ => {
-                if stored.is_some() {
-                    eprintln!(
-                        "note: cuBLASLt refuses the algorithm stored for {shape}; timing again"
-                    );
-                }
-                let timed = self.time_candidates(g, call)?;
-                let kept = cache.insert(&shape, timed, stored.is_some());
-                sys::cublasLtMatmulAlgo_t { data: kept.algo }
-            }
-        };
+        let algo_of = |c: &Choice| sys::cublasLtMatmulAlgo_t { data: c.algo };
+        let accepted = |c: &Choice| call.accepts(self, &algo_of(c));
+        if cache.get(&shape).is_some_and(|c| !accepted(&c)) {
+            eprintln!("note: cuBLASLt refuses the algorithm stored for {shape}; timing again");
+        }
+        let what = "timing cuBLASLt's algorithms";
+        let algo =
+            algo_of(&cache.choose(&shape, what, accepted, || self.time_candidates(g, call))?);
         chosen.insert(key, algo);
         Ok(algo)
     }
