@@ -1404,6 +1404,69 @@ mod gpu {
         let _ = std::fs::remove_dir_all(&shared);
     }
 
+    /// Timing the backward's forms on a device whose free memory cannot hold a form's own
+    /// scratch (the stored-dS tiles, the one-kernel backward's dQ accumulators): those forms
+    /// are never run (an allocation past the emulated device's size fails, as on a full GPU),
+    /// a form without scratch is chosen, and its gradients match the CPU's. Emulator only:
+    /// it is given a memory size just above what the run holds plus the timed calls' outputs.
+    #[test]
+    fn timed_attention_forms_skip_those_whose_scratch_does_not_fit() {
+        use fugu::backend::cuda::FlashSelect;
+        let emulator = match cuda::emu::Emulator::new() {
+            Ok(e) => e,
+            Err(e) => return skipped(&format!("no CUDA emulator ({e:#})")),
+        };
+        let memory = emulator.memory();
+        let mut be = Both {
+            cpu: CpuBackend::new(),
+            gpu: CudaBackend::with_engine(Box::new(emulator)),
+            act: Dtype::Bf16,
+        };
+        let d = AttnDims {
+            b: 1,
+            t: 96,
+            nh: 2,
+            kv: 1,
+            hs: 64,
+        };
+        let (n, c) = (d.b * d.t * d.shape().qkv_width(), d.b * d.t * d.nh * d.hs);
+        let (qkv, dout) = (be.rand(n, 1), be.rand(c, 2));
+        let (out, lse, dqkv) = (be.nan(c), be.nan32(d.b * d.nh * d.t), be.nan(n));
+        let fwd = FusedOut { out, lse };
+        be.run(|x| x.attention_forward(out, lse, qkv, d));
+        // The default (split) backward once, for what it holds between calls.
+        be.gpu.attention_backward(dqkv, dout, fwd, qkv, d, None);
+        // Room for the timed calls' scratch gradients and 16 KiB: less than either form's own
+        // scratch (the dS tiles, 2 heads × 3 tile pairs × 64² × 2 bytes = 48 KiB; the one-kernel
+        // backward's f32 dQ accumulators, 96 × 2 × 64 × 4 bytes, and its tiles' counters).
+        memory.set_size(Some(memory.used() + n * 2 + (16 << 10)));
+        let g = &mut be.gpu;
+        g.set_flash_timing(1, 1);
+        g.set_attention_cache(None);
+        g.set_flash_select(FlashSelect::Timed);
+        let scratch_kernel = |k: &String| k.contains("store") || k.contains("fused");
+        g.log_launches();
+        g.attention_backward(dqkv, dout, fwd, qkv, d, None);
+        let timing = g.launched();
+        assert!(
+            timing.iter().any(|k| k.starts_with("flash_backward_dq")),
+            "{timing:?}"
+        );
+        assert!(!timing.iter().any(scratch_kernel), "{timing:?}");
+        g.log_launches();
+        g.attention_backward(dqkv, dout, fwd, qkv, d, None);
+        let chosen = g.launched();
+        assert!(
+            !chosen.is_empty() && !chosen.iter().any(scratch_kernel),
+            "{chosen:?}"
+        );
+        g.set_flash_select(FlashSelect::Settings);
+        memory.set_size(None);
+        be.cpu.attention_backward(dqkv, dout, fwd, qkv, d, None);
+        let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
+        be.check("backward timed in little memory", dqkv, tol);
+    }
+
     /// The operand layouts of the wgmma kernels on their own (`CudaBackend::wgmma_probe`):
     /// one warpgroup multiplies a 64 × 64 A from registers by a 64 × 64 tile that the tensor
     /// cores read from swizzled shared memory, as a K tile (A·Bᵀ) and as a V tile (A·B), against

@@ -137,6 +137,14 @@ impl Entry for FormChoice {
     }
 }
 
+/// `bytes` for a note: in KiB below a MiB (the emulator's small shapes), else in MiB.
+fn size_text(bytes: usize) -> String {
+    match bytes {
+        b if b < 1 << 20 => format!("{} KiB", b.div_ceil(1 << 10)),
+        b => format!("{:.0} MiB", b as f64 / (1 << 20) as f64),
+    }
+}
+
 /// What one choice is for: the pass, the shape, the type, and whether the backward kernels
 /// undo RoPE in their stores (they do more work).
 pub fn shape_key(pass: FlashPass, d: AttnDims, dt: Dtype, rope: bool) -> String {
@@ -382,9 +390,11 @@ impl CudaBackend {
         // The kernel sets run so far, those left out too.
         let mut seen: Vec<Vec<usize>> = Vec::new();
         let mut reference: Option<Vec<Vec<f32>>> = None;
+        let mut too_big: Vec<String> = Vec::new();
         for form in FlashForm::every(self.has_wgmma()) {
-            if let Some(why) = self.scratch_refusal(scratch(self, form)) {
-                eprintln!("note: attention {key}: {} not timed: {why}", form.label());
+            let bytes = scratch(self, form);
+            if !self.scratch_fits(bytes) {
+                too_big.push(format!("{} ({})", form.label(), size_text(bytes)));
                 continue;
             }
             let kernels = self.launches_of(|be| run(be, form, &ptrs));
@@ -407,6 +417,15 @@ impl CudaBackend {
                 reference = Some(got);
             }
             candidates.push(form);
+        }
+        if let (false, Some(free)) = (too_big.is_empty(), self.scratch_room()) {
+            eprintln!(
+                "note: attention {key}: {} forms not timed, their own scratch exceeding the {} \
+                 free: {}",
+                too_big.len(),
+                size_text(free),
+                too_big.join(", ")
+            );
         }
         let clock = self.eng.clock();
         let (rounds, calls) = (self.timed_forms.rounds, self.timed_forms.calls);
@@ -446,18 +465,17 @@ impl CudaBackend {
         }
     }
 
-    /// Why a form that takes `bytes` of scratch would not fit in the device's free memory (with
-    /// what its scratch already holds), if it would not: timing it must not end the run.
-    fn scratch_refusal(&self, bytes: usize) -> Option<String> {
+    /// Whether a form's own scratch of `bytes` fits in the device's free memory with what its
+    /// scratch already holds ([`Self::scratch_room`]; a device that cannot tell: yes). Timing
+    /// a form must not end the run.
+    fn scratch_fits(&self, bytes: usize) -> bool {
+        self.scratch_room().is_none_or(|room| bytes <= room)
+    }
+
+    /// The free memory and what the forms' scratch holds already, if the device tells.
+    fn scratch_room(&self) -> Option<usize> {
         let held = self.attn_dq.0.as_ref().map_or(0, |a| a.bytes);
-        let free = self.eng.free_bytes()?;
-        (bytes > held + free).then(|| {
-            format!(
-                "its {:.0} MiB of scratch exceed the {:.0} MiB free",
-                bytes as f64 / (1 << 20) as f64,
-                (held + free) as f64 / (1 << 20) as f64
-            )
-        })
+        Some(self.eng.free_bytes()? + held)
     }
 
     /// A scratch output's values (after the work queued so far).

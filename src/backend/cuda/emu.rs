@@ -17,7 +17,7 @@ use crate::ops::gelu::{gelu_backward_rows, gelu_rows};
 use anyhow::{bail, Context, Result};
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The emulated device's most dynamic shared memory per block: an H100's opt-in limit.
@@ -107,6 +107,50 @@ pub struct Emulator {
     refuse_epilogues: bool,
     /// The GEMMs run with each kind of epilogue (tests: which path a linear layer took).
     epilogues: Arc<EpilogueCounts>,
+    memory: Arc<EmulatedMemory>,
+}
+
+/// The emulated device's memory: what its live allocations hold and, where a test gives it
+/// one, a size, past which an allocation fails as on a full GPU and below which
+/// [`Engine::free_bytes`] is answered (without one, it answers nothing, like a driver that
+/// cannot tell, and allocations are the host's).
+#[derive(Debug, Default)]
+pub struct EmulatedMemory {
+    used: AtomicUsize,
+    /// Bytes; 0: no size.
+    size: AtomicUsize,
+}
+
+impl EmulatedMemory {
+    /// Gives the device `bytes` of memory (`None`: no size).
+    pub fn set_size(&self, bytes: Option<usize>) {
+        self.size.store(bytes.unwrap_or(0), Ordering::SeqCst);
+    }
+
+    /// The bytes its live allocations hold.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::SeqCst)
+    }
+
+    fn free(&self) -> Option<usize> {
+        match self.size.load(Ordering::SeqCst) {
+            0 => None,
+            size => Some(size.saturating_sub(self.used())),
+        }
+    }
+}
+
+/// One allocation's host words, counted in its device's [`EmulatedMemory`] while it lives.
+struct Held {
+    _words: Vec<u128>,
+    bytes: usize,
+    memory: Arc<EmulatedMemory>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.memory.used.fetch_sub(self.bytes, Ordering::SeqCst);
+    }
 }
 
 /// How many GEMMs an [`Emulator`] has run with these epilogues.
@@ -129,6 +173,7 @@ impl Emulator {
                 launch: c.launch,
                 refuse_epilogues: false,
                 epilogues: Default::default(),
+                memory: Default::default(),
             }),
             Err(e) => bail!("CUDA emulator: {e}"),
         }
@@ -137,6 +182,11 @@ impl Emulator {
     /// The counts of the GEMMs this emulator runs with epilogues, as they go up.
     pub fn epilogue_counts(&self) -> Arc<EpilogueCounts> {
         self.epilogues.clone()
+    }
+
+    /// Its memory: what is held, and a size a test may give it.
+    pub fn memory(&self) -> Arc<EmulatedMemory> {
+        self.memory.clone()
     }
 
     /// This emulator, answering every GEMM with an epilogue with [`NoEpilogue`].
@@ -183,21 +233,30 @@ impl Engine for Emulator {
     }
 
     fn free_bytes(&self) -> Option<usize> {
-        None
+        self.memory.free()
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevAlloc> {
         // u128 words: 16-byte aligned (the fused attention kernels copy 16-byte rows where the
         // tensor allows it, as on a GPU, whose allocations are 256-byte aligned), zero-filled,
         // like device memory.
+        if let Some(free) = self.memory.free().filter(|&f| bytes > f) {
+            bail!("out of emulated device memory: {bytes} bytes asked, {free} free");
+        }
         let mut v: Vec<u128> = Vec::new();
         v.try_reserve_exact(bytes.div_ceil(16).max(1))?;
         v.resize(bytes.div_ceil(16).max(1), 0);
         let ptr = v.as_mut_ptr() as u64;
+        self.memory.used.fetch_add(bytes, Ordering::SeqCst);
+        let held = Held {
+            _words: v,
+            bytes,
+            memory: self.memory.clone(),
+        };
         Ok(DevAlloc {
             ptr,
             bytes,
-            _owner: Box::new(v),
+            _owner: Box::new(held),
         })
     }
 
