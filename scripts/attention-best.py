@@ -7,7 +7,8 @@
 The table names, per shape and pass, the default form's time, the fastest form's (its
 settings, kernels, TFLOP/s, % of peak) and the speed-up. `--variants CASE` prints, for
 `scripts/gpu-check.sh`'s stage 2, the settings of the fastest forward form, of the fastest
-backward form, and both together where they do not set one variable two ways, as environment
+backward form, and both together (the forward's rows per warp for its kernel, the backward's
+for its two) where they do not set one variable two ways, as environment
 assignments separated by ';' (the defaults, and those `--known` lists, left out): what the full training step is then
 timed with, so that forms measured fastest alone are checked in a step in the same call.
 Rows of several files (e.g. a run without the wgmma forms and one with only them) are
@@ -43,24 +44,50 @@ def assignments(form):
     return {} if form == "default" else dict(a.split("=", 1) for a in form.split())
 
 
+WARP_ROWS = "FUGU_FLASH_WARP_ROWS"
+
+
+def warp_rows(form):
+    """A form's rows per warp of the forward, dQ and dK/dV kernels (`R` or `F,Q,KV`)."""
+    rows = form.get(WARP_ROWS, "16").split(",")
+    return rows * 3 if len(rows) == 1 else rows
+
+
+def merge(forward, backward):
+    """Both passes' fastest forms as one setting: the forward's rows per warp for its kernel
+    and the backward's for dQ and dK/dV; None where they set another variable two ways, or
+    where the result asks warpgroup MMA (16 rows per warp only) for other rows."""
+    merged = {}
+    for s in (forward, backward):
+        for k, v in s.items():
+            if k == WARP_ROWS:
+                continue
+            if merged.get(k, v) != v:
+                return None
+            merged[k] = v
+    rows = [warp_rows(forward)[0]] + warp_rows(backward)[1:]
+    if rows != ["16"] * 3:
+        if merged.get("FUGU_FLASH_MMA") == "wgmma":
+            return None
+        merged[WARP_ROWS] = rows[0] if len(set(rows)) == 1 else ",".join(rows)
+    return merged
+
+
 def variants(rows, case, known=()):
     """The settings to time in a step (see the module's doc), none that `known` has already."""
     key = lambda v: tuple(sorted(v.split()))
     seen = {key(k) for k in known}
     out = []
-    sets = []
+    best = {}
     for pass_ in ("forward", "backward"):
-        _, best = fastest(rows, case, pass_)
-        if best is not None:
-            sets.append(assignments(best["form"]))
-    merged = {}
-    for s in sets:
-        if any(merged.get(k, v) != v for k, v in s.items()):
-            merged = None
-            break
-        merged.update(s)
-    if merged is not None:
-        sets.append(merged)
+        _, b = fastest(rows, case, pass_)
+        if b is not None:
+            best[pass_] = assignments(b["form"])
+    sets = list(best.values())
+    if len(best) == 2:
+        merged = merge(best["forward"], best["backward"])
+        if merged is not None:
+            sets.append(merged)
     for s in sets:
         v = " ".join(f"{k}={x}" for k, x in sorted(s.items()))
         if v and key(v) not in seen:

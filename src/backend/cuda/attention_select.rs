@@ -1,10 +1,10 @@
 //! `FUGU_FLASH_SELECT=timed`: the fused attention's form chosen per shape by timing, as
 //! `FUGU_GEMM_SELECT=timed` chooses cuBLASLt's algorithms.
 //!
-//! The fused attention has 24 forms on an H100 or H200 (`FUGU_FLASH_MMA`,
+//! The fused attention has 36 forms on an H100 or H200 (`FUGU_FLASH_MMA`,
 //! `FUGU_FLASH_OVERLAP`, `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS`,
 //! `FUGU_FLASH_WARP_ROWS`: [`FlashForm::every`]; for heads of 64, 8 distinct forward kernels
-//! and 9 backward passes), and which is fastest depends on the GPU, the head size, the
+//! and 15 backward passes), and which is fastest depends on the GPU, the head size, the
 //! sequence length and the batch; the defaults are the forms measured fastest on one H200 for
 //! GPT-2 124M. With `timed`, the first forward (and backward) call of each shape runs every
 //! form once, untimed, to learn which kernels it launches and to hold its results to the
@@ -502,8 +502,8 @@ mod tests {
     #[test]
     fn every_form_is_stored_and_read_back_exactly() {
         let forms = FlashForm::every(true);
-        assert_eq!(forms.len(), 24);
-        assert_eq!(FlashForm::every(false).len(), 12);
+        assert_eq!(forms.len(), 36);
+        assert_eq!(FlashForm::every(false).len(), 24);
         for (i, &form) in forms.iter().enumerate() {
             let c = FormChoice {
                 form,

@@ -190,11 +190,14 @@ impl FlashForm {
         }
     }
 
-    /// Every form a device runs (`wgmma`: whether it has warpgroup MMA) with one number of
-    /// rows per warp for all three kernels: each `FUGU_FLASH_MMA` (wgmma with
-    /// `FUGU_FLASH_OVERLAP` off and on), `FUGU_FLASH_BACKWARD`, `FUGU_FLASH_QUERY_ROWS` and
-    /// `FUGU_FLASH_WARP_ROWS` the others allow, the default first. Forms may launch the same
-    /// kernels for a given head size (the head-128 kernels have fewer forms).
+    /// Every form a device runs (`wgmma`: whether it has warpgroup MMA): each `FUGU_FLASH_MMA`
+    /// (wgmma with `FUGU_FLASH_OVERLAP` off and on), `FUGU_FLASH_BACKWARD`,
+    /// `FUGU_FLASH_QUERY_ROWS` and `FUGU_FLASH_WARP_ROWS` the others allow, the default first;
+    /// the rows per warp as 16 or 32 for every kernel, or the dK/dV kernel's apart from the
+    /// forward and dQ kernels' (so that the backward pass, timed apart from the forward, meets
+    /// every pairing of its two kernels' rows). Forms may launch the same kernels for a pass
+    /// and head size (the head-128 kernels have fewer forms; the forward reads only its own
+    /// rows).
     pub fn every(wgmma: bool) -> Vec<FlashForm> {
         let mut forms = vec![FlashForm::default()];
         let mmas: &[(FlashMma, FlashOverlap)] = if wgmma {
@@ -213,12 +216,12 @@ impl FlashForm {
                 FlashBackward::Fused,
             ] {
                 for query_rows in [64, 128] {
-                    for r in [16, 32] {
+                    for (r, dkv) in [(16, 16), (32, 32), (16, 32), (32, 16)] {
                         let f = FlashForm {
                             warp_rows: FlashWarpRows {
                                 forward: r,
                                 dq: r,
-                                dkv: r,
+                                dkv,
                             },
                             query_rows: FlashQueryRows(query_rows),
                             mma,
