@@ -72,16 +72,29 @@ mod gpu {
             skipped("NVRTC (libnvrtc.so.13) not found; scripts/install-deps.sh installs it");
             return;
         }
-        for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
-            let ptx = cuda::kernels_ptx(major, minor)
-                .unwrap_or_else(|e| panic!("sm_{major}{minor}: {e:#}"));
-            for name in cuda::kernel_names() {
-                assert!(
-                    ptx.contains(&format!(".entry {name}(")),
-                    "sm_{major}{minor}: no kernel {name} in the PTX"
-                );
+        let archs = [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)];
+        // One compile per core at a time (NVRTC compiles programs concurrently; each takes
+        // about half a minute of one core).
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::thread::scope(|s| {
+            for _ in 0..cores.min(archs.len()) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let Some(&(major, minor)) = archs.get(i) else {
+                        return;
+                    };
+                    let ptx = cuda::kernels_ptx(major, minor)
+                        .unwrap_or_else(|e| panic!("sm_{major}{minor}: {e:#}"));
+                    for name in cuda::kernel_names() {
+                        assert!(
+                            ptx.contains(&format!(".entry {name}(")),
+                            "sm_{major}{minor}: no kernel {name} in the PTX"
+                        );
+                    }
+                });
             }
-        }
+        });
     }
 
     /// The kernel cache (`kernel_cache.rs`): a miss compiles a cubin (an ELF file) and stores

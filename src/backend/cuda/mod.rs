@@ -318,12 +318,15 @@ impl CudaBackend {
     /// test hook: the end-to-end tests run `fugu --device cuda` on machines without a GPU);
     /// logs and the metrics header then name the emulator as the device.
     pub fn new(ordinal: Option<usize>, settings: CudaSettings) -> Result<CudaBackend> {
+        // A setting with a value it does not take is refused before the kernels are compiled
+        // (seconds; the device's own refusals, such as wgmma on another GPU, come after).
+        let knobs = Knobs::from_env()?;
         let be = if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
             Self::emulated()?
         } else {
             Self::with_engine(Box::new(driver::DriverEngine::new(ordinal, settings)?))
         };
-        be.with_env_settings()
+        be.with_knobs(knobs)
     }
 
     /// This backend with the kernel settings the environment asks for ([`Knobs`]:
@@ -332,8 +335,12 @@ impl CudaBackend {
     /// [`GEMM_SELECT_ENV`]; [`Self::new`] applies them, and the host-only benchmark); a value a
     /// setting does not take, or `wgmma` where the device or the rows set cannot run it, is an
     /// error naming it.
-    pub fn with_env_settings(mut self) -> Result<CudaBackend> {
-        let k = Knobs::from_env()?;
+    pub fn with_env_settings(self) -> Result<CudaBackend> {
+        self.with_knobs(Knobs::from_env()?)
+    }
+
+    /// This backend with settings `k` ([`Self::with_env_settings`]).
+    fn with_knobs(mut self, k: Knobs) -> Result<CudaBackend> {
         self.set_flash_form(FlashForm {
             warp_rows: k.flash_warp_rows,
             query_rows: k.flash_query_rows,
