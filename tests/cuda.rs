@@ -1241,6 +1241,15 @@ mod gpu {
         });
     }
 
+    /// The timed-forms tests' shape: GQA, and a last query block of 32 rows.
+    const TIMED_SHAPE: AttnDims = AttnDims {
+        b: 1,
+        t: 96,
+        nh: 2,
+        kv: 1,
+        hs: 64,
+    };
+
     /// `FUGU_FLASH_SELECT=timed` (`attention_select.rs`): the first forward and backward call
     /// of a shape time every form and run the fastest, writing the caller's outputs as that
     /// form run from its settings does (the same bits: the timed calls wrote scratch), within
@@ -1256,14 +1265,7 @@ mod gpu {
         let Some(mut be) = Both::new(Dtype::Bf16) else {
             return;
         };
-        // GQA, and a last query block of 32 rows.
-        let d = AttnDims {
-            b: 1,
-            t: 96,
-            nh: 2,
-            kv: 1,
-            hs: 64,
-        };
+        let d = TIMED_SHAPE;
         let (n, c) = (d.b * d.t * d.shape().qkv_width(), d.b * d.t * d.nh * d.hs);
         let (qkv, dout) = (be.rand(n, 1), be.rand(c, 2));
         let dir = tmp("attention-forms");
@@ -1440,13 +1442,7 @@ mod gpu {
             gpu: CudaBackend::with_engine(Box::new(emulator)),
             act: Dtype::Bf16,
         };
-        let d = AttnDims {
-            b: 1,
-            t: 96,
-            nh: 2,
-            kv: 1,
-            hs: 64,
-        };
+        let d = TIMED_SHAPE;
         let (n, c) = (d.b * d.t * d.shape().qkv_width(), d.b * d.t * d.nh * d.hs);
         let (qkv, dout) = (be.rand(n, 1), be.rand(c, 2));
         let (out, lse, dqkv) = (be.nan(c), be.nan32(d.b * d.nh * d.t), be.nan(n));
