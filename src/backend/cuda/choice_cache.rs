@@ -321,12 +321,16 @@ mod tests {
         let seen_after_lock = {
             let (lock, look) = (lock.clone(), open(&dir).reader());
             std::thread::spawn(move || {
-                while !lock.exists() {
-                    std::hint::spin_loop();
-                }
-                while lock.exists() {
-                    std::hint::spin_loop();
-                }
+                // Spinning, to read the file the instant the lock goes; a minute at most.
+                let start = std::time::Instant::now();
+                let spin_while = |held: bool| {
+                    while lock.exists() == held {
+                        assert!(start.elapsed() < Duration::from_secs(60), "no lock seen");
+                        std::hint::spin_loop();
+                    }
+                };
+                spin_while(false);
+                spin_while(true);
                 look("shape")
             })
         };
@@ -347,6 +351,7 @@ mod tests {
             })
         };
         while !timing.load(Ordering::SeqCst) {
+            assert!(!first.is_finished(), "the first process never timed");
             std::thread::sleep(Duration::from_millis(5));
         }
         let mut second = open(&dir);
