@@ -19,12 +19,13 @@
 
 use clap::Parser;
 use fugu::backend::{Backend, CudaSettings, Device};
-use fugu::config::{ModelConfig, Precision, RunConfig};
-use fugu::metrics::cost::Slice;
+use fugu::config::{Precision, RunConfig};
 use fugu::metrics::machine::MachineInfo;
 use fugu::metrics::ops::trainer;
 use fugu::metrics::timers::{Breakdown, Roofs, TimerLevel, Timers};
 use fugu::model::acts::Recompute;
+use fugu::model::cost::Slice;
+use fugu::model::ModelConfig;
 use fugu::model::{registry, OptimStep, Stage, TpRank};
 use std::time::Instant;
 

@@ -6,9 +6,9 @@
 //! prefix. Only the logits come back to the host, where [`pick`] chooses the next token.
 
 use crate::backend::Backend;
-use crate::config::ModelConfig;
 use crate::metrics::timers::{TimerLevel, Timers};
 use crate::model::kv::KvCache;
+use crate::model::ModelConfig;
 use crate::model::{registry, Model};
 use anyhow::{bail, Result};
 use fugu_io::rng::SplitMix64;

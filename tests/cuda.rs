@@ -34,12 +34,13 @@ mod gpu {
         NormStats, RmsNorm, RmsNormGrads, Rope, Span, TokSpan, WeightLayout,
     };
     use fugu::checkpoint::checkpoint_dir_name;
-    use fugu::config::{ModelConfig, RunConfig};
+    use fugu::config::RunConfig;
     use fugu::metrics::jsonl::{read_metrics, Record};
     use fugu::metrics::timers::{TimerLevel, Timers};
     use fugu::model::init::init_params;
     use fugu::model::paths::{MlpGelu, Residual};
     use fugu::model::table::{gpt2_params, padded_vocab};
+    use fugu::model::ModelConfig;
     use fugu::model::{registry, Gpt2, Model, OptimStep, Stage, TpRank};
     use fugu::ops::RopeTable;
     use fugu::sample::{generate, Generator, SampleOptions};
@@ -1259,7 +1260,8 @@ mod gpu {
     /// for 128 query rows launches that form's kernel).
     #[test]
     fn timed_attention_forms_run_the_fastest_and_are_kept() {
-        use fugu::backend::cuda::attention_select::{lock_path, shape_key, FlashPass, FormChoice};
+        use fugu::backend::cuda::attention_select::{shape_key, FlashPass, FormChoice};
+        use fugu::backend::cuda::choice_cache::lock_path;
         use fugu::backend::cuda::choice_cache::Entry;
         use fugu::backend::cuda::{FlashForm, FlashSelect};
         let Some(mut be) = Both::new(Dtype::Bf16) else {
@@ -1754,7 +1756,7 @@ mod gpu {
 
     fn small_cfg() -> ModelConfig {
         ModelConfig {
-            arch: fugu::config::Arch::Gpt2,
+            arch: fugu::model::Arch::Gpt2,
             vocab_size: 300,
             n_positions: 24,
             n_embd: 32,
@@ -1831,7 +1833,7 @@ mod gpu {
         let Some(g) = device() else { return };
         let timers = Timers::new(TimerLevel::Off);
         let mha = ModelConfig {
-            arch: fugu::config::Arch::Llama,
+            arch: fugu::model::Arch::Llama,
             n_kv_head: Some(4),
             intermediate_size: Some(48),
             rope_theta: Some(100.0),

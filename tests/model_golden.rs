@@ -14,10 +14,11 @@
 mod common;
 
 use fugu::backend::{Backend, CpuBackend};
-use fugu::config::Arch;
-use fugu::config::{LrSchedule, ModelConfig, TrainConfig};
+use fugu::config::{LrSchedule, TrainConfig};
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
+use fugu::model::Arch;
+use fugu::model::ModelConfig;
 use fugu::model::{registry, Model, OptimStep, Stage, TpRank};
 use fugu::train::schedule::lr_at;
 use safetensors::SafeTensors;

@@ -7,10 +7,10 @@
 mod common;
 
 use fugu::backend::CpuBackend;
-use fugu::config::ModelConfig;
 use fugu::dtype::Dtype;
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::table::padded_vocab;
+use fugu::model::ModelConfig;
 use fugu::model::{Gpt2, Model, OptimStep, TpRank};
 
 fn step_work(cfg: &ModelConfig, (b, t): (usize, usize), compute: Dtype) -> Timers {
@@ -39,7 +39,7 @@ fn step_work(cfg: &ModelConfig, (b, t): (usize, usize), compute: Dtype) -> Timer
 #[test]
 fn declared_work_adds_up_to_the_model_flops_on_every_path() {
     let cfg = ModelConfig {
-        arch: fugu::config::Arch::Gpt2,
+        arch: fugu::model::Arch::Gpt2,
         vocab_size: 50,
         n_positions: 16,
         n_embd: 32,

@@ -2,16 +2,16 @@
 //! prefix, at every position.
 
 use fugu::backend::CpuBackend;
-use fugu::config::ModelConfig;
 use fugu::metrics::timers::{TimerLevel, Timers};
 use fugu::model::init::init_params;
 use fugu::model::table::{gpt2_params, padded_vocab};
+use fugu::model::ModelConfig;
 use fugu::model::{registry, Stage, TpRank};
 use fugu::sample::{generate, pick, Generator, SampleOptions, Stop};
 
 fn cfg() -> ModelConfig {
     ModelConfig {
-        arch: fugu::config::Arch::Gpt2,
+        arch: fugu::model::Arch::Gpt2,
         vocab_size: 300,
         n_positions: 24,
         n_embd: 32,
@@ -25,7 +25,7 @@ fn cfg() -> ModelConfig {
 /// an untied head, or one key/value head per query head with a tied one.
 fn llama(kv: usize, tied: bool) -> ModelConfig {
     ModelConfig {
-        arch: fugu::config::Arch::Llama,
+        arch: fugu::model::Arch::Llama,
         vocab_size: 300,
         n_positions: 24,
         n_embd: 32,

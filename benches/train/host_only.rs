@@ -4,7 +4,7 @@
 //! runs nothing cannot see): it is the floor that launch overhead sets.
 
 use super::{Args, Run};
-use fugu::config::ModelConfig;
+use fugu::model::ModelConfig;
 
 #[cfg(not(feature = "cuda"))]
 pub fn report(

@@ -10,7 +10,7 @@ use fugu_gemm::peak::Peak;
 use fugu_gemm::{BatchMut, BatchRef, MatMut, MatRef, Precision, Runtime};
 use serde::Serialize;
 
-pub use crate::metrics::cost::GemmShape;
+pub use crate::model::cost::GemmShape;
 
 /// One benchmark problem: a named [`GemmShape`].
 #[derive(Clone, Debug, PartialEq, Serialize)]

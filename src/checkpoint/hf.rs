@@ -12,10 +12,10 @@
 
 use super::st::{self, Data, Dtype, Entry, Header, OutTensor};
 use crate::atomic_write as atomic;
-use crate::config::{Arch, ModelConfig, SpecialIds};
 use crate::model::hf_layout::HfLayout;
 use crate::model::registry;
 use crate::model::table::{padded_vocab, Table, TensorSpec};
+use crate::model::{Arch, ModelConfig, SpecialIds};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};

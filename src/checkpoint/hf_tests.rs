@@ -156,7 +156,6 @@ fn changed_config_and_layout() {
     let mut m3 = m.clone();
     m3.config.vocab_size = 200;
     let cfg3 = ModelConfig {
-        arch: crate::config::Arch::Gpt2,
         vocab_size: 200,
         ..cfg
     };
@@ -307,7 +306,6 @@ fn missing_unknown_and_misshapen_tensors_are_named() {
         .unwrap();
     let other = gpt2_params(
         &ModelConfig {
-            arch: crate::config::Arch::Gpt2,
             vocab_size: 300,
             n_positions: 16,
             n_embd: 32,

@@ -32,8 +32,8 @@ pub use optim::{load_optimizer, save_optimizer, save_table_tensors, OPTIMIZER_FI
 pub use st::Dtype;
 
 use crate::atomic_write::{self as atomic, TMP_PREFIX};
-use crate::config::ModelConfig;
 use crate::model::table::Table;
+use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
 use serde::Serialize;

@@ -6,10 +6,10 @@
 use super::hf::{self, check_full_table, check_len, list, read_hf_config};
 use super::st::{self, Data, Dtype, OutTensor};
 use crate::atomic_write as atomic;
-use crate::config::ModelConfig;
 use crate::model::hf_layout::HfLayout;
 use crate::model::registry;
 use crate::model::table::{padded_vocab, Table};
+use crate::model::ModelConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::fs;

@@ -19,9 +19,9 @@
 //! whole shard.
 
 use super::st::{self, Data, Dtype, OutTensor};
-use crate::config::ModelConfig;
 use crate::model::registry;
 use crate::model::stage::Stage;
+use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use std::collections::{BTreeMap, HashSet, VecDeque};

@@ -1,8 +1,8 @@
 //! Helpers for the checkpoint tests.
 
-use crate::config::ModelConfig;
 use crate::model::gpt2_hf::LAYOUT;
 use crate::model::table::{gpt2_params, Table};
+use crate::model::ModelConfig;
 use std::fs;
 use std::path::PathBuf;
 
@@ -27,7 +27,6 @@ impl Drop for TestDir {
 /// A tiny config (vocabulary 101 → 128 rows) and deterministic non-zero parameters.
 pub(crate) fn tiny() -> (ModelConfig, Table, Vec<f32>) {
     let cfg = ModelConfig {
-        arch: crate::config::Arch::Gpt2,
         vocab_size: 101,
         n_positions: 16,
         n_embd: 32,

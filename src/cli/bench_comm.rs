@@ -142,8 +142,8 @@ pub fn run(args: BenchCommArgs) -> Result<()> {
 
 /// A model shape any tp × pp grid accepts (the grid checks heads, blocks and widths): only the
 /// communicators are used.
-fn layout_model(tp: usize, pp: usize) -> crate::config::ModelConfig {
-    crate::config::ModelConfig {
+fn layout_model(tp: usize, pp: usize) -> crate::model::ModelConfig {
+    crate::model::ModelConfig {
         n_head: tp.max(1),
         n_layer: pp.max(1),
         n_embd: 64 * tp.max(1),

@@ -177,7 +177,7 @@ pub(super) fn check_finite_weights(
 /// GPT-2's 50257 ids).
 pub(super) fn checkpoint_tokenizer(
     dir: &Path,
-    cfg: &crate::config::ModelConfig,
+    cfg: &crate::model::ModelConfig,
 ) -> Result<Box<dyn fugu_io::Tokenizer>> {
     let file = dir.join("tokenizer.json");
     if file.is_file() {
@@ -210,7 +210,7 @@ fn sample_on<B: Backend>(
     be: B,
     args: &SampleArgs,
     dir: &Path,
-    cfg: &crate::config::ModelConfig,
+    cfg: &crate::model::ModelConfig,
     params: &[f32],
 ) -> Result<()> {
     let device = be.describe();

@@ -1,6 +1,6 @@
 //! Megatron's model FLOPs formula for GPT models, and throughput as TFLOP/s and % of peak.
 //! Runs, benchmarks and predictions count model FLOPs from the architecture's cost model
-//! (`metrics/cost.rs`, `CostModel::model_flops`); the formula here is the independent check
+//! (`model/cost.rs`, `CostModel::model_flops`); the formula here is the independent check
 //! that GPT-2's cost model (`model/gpt2_cost.rs`) and the ops' declared work agree with it.
 
 /// FLOPs of one training step (forward + backward) of a GPT with `l` layers, hidden size `h`,

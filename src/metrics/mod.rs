@@ -7,7 +7,6 @@
 //! ([`progress`]).
 
 pub mod bandwidth;
-pub mod cost;
 pub mod flops;
 pub mod jsonl;
 pub mod machine;

@@ -7,7 +7,7 @@
 use super::stage::Stage;
 use super::table::{padded_vocab, Table};
 use crate::backend::{AttnDims, BufId, Dtype, NormStats, Span, StepShapes};
-use crate::config::ModelConfig;
+use crate::model::ModelConfig;
 
 /// Which activations the backward pass recomputes instead of keeping from the forward pass
 /// (`--recompute`).

@@ -21,8 +21,8 @@ use super::stage::Stage;
 use super::table::{OwnedRange, Table};
 use crate::backend::{Backend, BufId, Span};
 use crate::comm::Comm;
-use crate::config::ModelConfig;
 use crate::metrics::timers::Timers;
+use crate::model::ModelConfig;
 use anyhow::Result;
 use std::rc::Rc;
 

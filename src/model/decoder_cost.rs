@@ -4,8 +4,8 @@
 //! of Megatron's layout.
 
 use super::decoder_ops::{backward as bwd, forward as fwd};
-use crate::metrics::cost::{Collective, GemmCall, Pass, Slice, Streams};
 use crate::metrics::ops::trainer;
+use crate::model::cost::{Collective, GemmCall, Pass, Slice, Streams};
 
 /// How a linear layer stores its weight (`ops/linear.rs`).
 #[derive(Clone, Copy)]
@@ -159,9 +159,9 @@ pub fn embedding_bytes(s: &Slice) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{Arch, ModelConfig};
-    use crate::metrics::cost::{OpWork, Pass, Slice};
+    use crate::model::cost::{OpWork, Pass, Slice};
     use crate::model::registry;
+    use crate::model::{Arch, ModelConfig};
 
     /// Every op of both architectures is either GEMMs or has its memory traffic declared, in
     /// each pass it runs: a machine known by its kernels' rates times every op.

@@ -44,9 +44,9 @@ use super::work;
 use crate::backend::{
     Backend, Dtype, LayerNorm, LayerNormGrads, Linear, LinearGrads, Span, TokSpan, WeightLayout,
 };
-use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
+use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 
 use TimerLevel::{Coarse, Fine};

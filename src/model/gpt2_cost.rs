@@ -17,8 +17,8 @@
 
 use super::decoder_cost::{attention, embedding_bytes, linear, streams, tp_allreduces, Weight};
 use super::decoder_ops::{backward as bwd, forward as fwd};
-use crate::metrics::cost::{ComputeOp, CostModel, OpWork, Pass, Slice};
 use crate::metrics::ops::trainer;
+use crate::model::cost::{ComputeOp, CostModel, OpWork, Pass, Slice};
 
 /// GPT-2's compute ops and their cost (module docs).
 pub static COST: CostModel = CostModel {
@@ -100,9 +100,9 @@ fn tied_bytes(s: &Slice) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Arch, ModelConfig};
     use crate::metrics::flops::megatron_flops_per_step;
     use crate::model::table::padded_vocab;
+    use crate::model::{Arch, ModelConfig};
 
     fn slice(m: &ModelConfig, t: usize, mb: usize, tp: usize, vocab: usize) -> Slice<'_> {
         Slice {

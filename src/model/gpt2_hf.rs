@@ -3,7 +3,7 @@
 
 use super::hf_fields::HfFields;
 use super::hf_layout::{HfLayout, TiedHead};
-use crate::config::{Arch, ModelConfig};
+use crate::model::{Arch, ModelConfig};
 use anyhow::{bail, Result};
 use serde_json::{json, Map, Value};
 

@@ -6,7 +6,7 @@
 //! the same whatever the tensor-parallel layout or the order tensors are created in.
 
 use super::table::Table;
-use crate::config::ModelConfig;
+use crate::model::ModelConfig;
 use fugu_io::rng::SplitMix64;
 
 /// Standard deviation of the ordinary weights.

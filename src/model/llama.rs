@@ -37,9 +37,9 @@ use crate::backend::{
     Backend, BufId, Dtype, Linear, LinearGrads, RmsNorm, RmsNormGrads, Rope, Span, TokSpan,
     WeightLayout,
 };
-use crate::config::ModelConfig;
 use crate::metrics::ops::trainer;
 use crate::metrics::timers::{TimerLevel, Timers};
+use crate::model::ModelConfig;
 use crate::ops::rope::RopeTable;
 use anyhow::Result;
 

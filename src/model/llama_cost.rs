@@ -7,8 +7,8 @@
 
 use super::decoder_cost::{attention, embedding_bytes, linear, streams, tp_allreduces, Weight};
 use super::decoder_ops::{backward as bwd, forward as fwd};
-use crate::metrics::cost::{ComputeOp, CostModel, OpWork, Pass, Slice};
 use crate::metrics::ops::trainer;
+use crate::model::cost::{ComputeOp, CostModel, OpWork, Pass, Slice};
 
 /// The Llama family's compute ops and their cost (module docs).
 pub static COST: CostModel = CostModel {
@@ -117,7 +117,7 @@ fn tied_bytes(s: &Slice) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Arch, ModelConfig};
+    use crate::model::{Arch, ModelConfig};
 
     /// FLOPs per step worked by hand for a GQA model with an untied head: per token and
     /// block, 2·C·(nh + 2·kv)·hs (q, k, v), 2·nh·hs·C (o), 2·3·C·F (gate, up, down), and

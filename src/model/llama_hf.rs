@@ -6,7 +6,7 @@
 use super::hf_fields::HfFields;
 use super::hf_layout::{HfLayout, TiedHead};
 use super::llama_params::{EMBED, LM_HEAD};
-use crate::config::{Arch, ModelConfig};
+use crate::model::{Arch, ModelConfig};
 use anyhow::{bail, Result};
 use serde_json::{json, Map, Value};
 

@@ -6,7 +6,7 @@ use super::init::{normal_tensor, INIT_STD};
 use super::stage::Stage;
 use super::table::{padded_vocab, Split, Table};
 use crate::backend::{BufId, Span};
-use crate::config::ModelConfig;
+use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 
 /// The token embedding (also the LM head when tied).
@@ -192,7 +192,7 @@ mod tests {
 
     fn cfg(tied: bool) -> ModelConfig {
         ModelConfig {
-            arch: crate::config::Arch::Llama,
+            arch: crate::model::Arch::Llama,
             vocab_size: 300,
             n_positions: 32,
             n_embd: 64,

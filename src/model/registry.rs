@@ -13,9 +13,9 @@ use super::stage::Stage;
 use super::table::Table;
 use super::{llama_hf, llama_params};
 use crate::backend::{Backend, Dtype};
-use crate::config::{Arch, ModelConfig};
-use crate::metrics::cost::CostModel;
 use crate::metrics::ops::{trainer, OpCatalogue};
+use crate::model::cost::CostModel;
+use crate::model::{Arch, ModelConfig};
 use anyhow::Result;
 use serde_json::{Map, Value};
 

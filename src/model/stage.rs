@@ -17,10 +17,10 @@
 //! block's, whose non-GEMM ops the count leaves out): `--pp-layers` sets the blocks per stage
 //! explicitly ([`Stage::layout`]).
 
-use crate::config::ModelConfig;
-use crate::metrics::cost::{Pass, Slice};
+use crate::model::cost::{Pass, Slice};
 use crate::model::registry;
 use crate::model::table::padded_vocab;
+use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 use std::ops::Range;
 

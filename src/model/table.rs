@@ -7,7 +7,7 @@
 //! and the gradient-norm rule for replicated tensors all follow from it.
 
 use super::stage::Stage;
-use crate::config::ModelConfig;
+use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 

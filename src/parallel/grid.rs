@@ -11,8 +11,8 @@
 //! - PP outermost: only a micro-batch's activations (B·T·C floats) cross a stage boundary, the
 //!   least traffic of the three, so stages may sit on the most distant nodes.
 
-use crate::config::ModelConfig;
 use crate::model::table::padded_vocab;
+use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 
 /// Where this process sits in the grid.

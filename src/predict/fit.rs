@@ -31,9 +31,10 @@
 use super::network::{ClassLinks, Link, Network, Traffic};
 use super::profile::read_run_shape;
 use super::step::{predict, Compute, Layout, Machine, Prediction, Workload};
-use crate::config::{ModelConfig, RunConfig};
+use crate::config::RunConfig;
 use crate::model::acts::Recompute;
 use crate::model::stage::Stage;
+use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};

@@ -1,5 +1,5 @@
 //! The measured GEMM rates (`fugu bench gemm --format json`) that turn the GEMM calls a model
-//! declares per op ([`crate::metrics::cost`]; GPT-2's in `model/gpt2_cost.rs`) into time.
+//! declares per op ([`crate::model::cost`]; GPT-2's in `model/gpt2_cost.rs`) into time.
 //!
 //! **The rates** ([`GemmRates`]): a row measured at the same shape, transposes and thread count
 //! is used as is. Otherwise the nearest row in shape (the sum of |ln x − ln x'| over m, n, k
@@ -8,7 +8,7 @@
 //! a set of layouts makes, so that they can all be measured exactly.
 
 use crate::bench::gemm::GemmShape;
-pub use crate::metrics::cost::{GemmCall, Pass};
+pub use crate::model::cost::{GemmCall, Pass};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;

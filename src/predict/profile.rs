@@ -26,7 +26,7 @@
 use super::gemm::{read_bench_gemm, GemmRate, GemmRates, GEMM_RATE_FIELDS};
 use super::network::{fit_link, fit_reduce, ClassLinks, Group, Link, Network, Traffic};
 use super::step::{Compute, KernelRates, Machine, Reference};
-use crate::config::ModelConfig;
+use crate::model::ModelConfig;
 use crate::report::comm::read_comm;
 use crate::report::runs::{read_run, ModelDims, Run};
 use anyhow::{bail, Context, Result};

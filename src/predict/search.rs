@@ -10,8 +10,9 @@
 //! counted and dropped.
 
 use super::step::{predict, Layout, Machine, Prediction, Workload};
-use crate::config::{ModelConfig, Precision};
+use crate::config::Precision;
 use crate::model::acts::Recompute;
+use crate::model::ModelConfig;
 use anyhow::{bail, Result};
 
 /// What to search over.

@@ -1,7 +1,7 @@
 //! One training step of a layout, predicted op by op under the same timer names as a real run.
 //!
 //! **Compute.** Either a reference run's per-op times, each scaled by the op's work in the new
-//! layout ([`op_work`]: the model's declared cost, [`crate::metrics::cost`]: FLOPs for the
+//! layout ([`op_work`]: the model's declared cost, [`crate::model::cost`]: FLOPs for the
 //! GEMMs, elements for the rest, per rank and per step; with measured GEMM rates, the GEMMs'
 //! predicted time: [`super::gemm`]), or one effective
 //! rate for the model's FLOPs ([`Compute::Rate`], for machines known only by a published
@@ -23,14 +23,15 @@
 
 use super::gemm::{GemmCall, GemmRates, Pass};
 use super::network::{Group, Network, Traffic};
-use crate::config::{ModelConfig, Precision};
-use crate::metrics::cost::{CostModel, OpWork, Slice};
+use crate::config::Precision;
 use crate::metrics::ops::trainer::{grads, optimizer, phase, pipeline};
 pub use crate::metrics::prediction::{Layout, Prediction};
 use crate::model::acts::{AttnKeep, Recompute, StepDims};
+use crate::model::cost::{CostModel, OpWork, Slice};
 use crate::model::decoder_ops::{backward as bwd, forward as fwd};
 use crate::model::registry;
 use crate::model::stage::{PartCosts, Stage};
+use crate::model::ModelConfig;
 use crate::parallel::grad_sync::{bucket_ranges, DEFAULT_BUCKET_FLOATS};
 use crate::parallel::grid::Grid;
 use anyhow::{bail, Context, Result};
@@ -503,7 +504,7 @@ impl StepCtx<'_> {
 
     /// The compute ops of `pass` on slice `s` (all, or those in `only`), ms per step, on a
     /// machine known by its kernels: a GEMM op its FLOPs at the rate of the step's precision
-    /// on the rank's threads, any other op its bytes ([`crate::metrics::cost::Streams`]) at the
+    /// on the rank's threads, any other op its bytes ([`crate::model::cost::Streams`]) at the
     /// rank's share of the node's memory bandwidth (which oversubscribed cores do not change).
     fn kernel_ops(
         &self,

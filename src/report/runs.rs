@@ -8,9 +8,9 @@
 //! malformed line in the middle, no step records), which it reports as an error naming the
 //! file.
 
-use crate::config::Arch;
 use crate::metrics::jsonl::{parse_metrics, Record, StepRecord};
 use crate::metrics::Roofs;
+use crate::model::Arch;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;

@@ -1,8 +1,8 @@
 //! Training and validation data for `fugu train`: the `--data` argument, or the bundled
 //! Shakespeare corpus prepared on first use.
 
-use crate::config::{ModelConfig, SpecialIds};
 use crate::make_once::{found_or_made, LockTiming};
+use crate::model::{ModelConfig, SpecialIds};
 use anyhow::{bail, Context, Result};
 use fugu_io::{
     tokenizer_by_name, DataSpec, Gpt2Tokenizer, Loader, LoaderConfig, Manifest, Split, Tokenizer,

@@ -1,7 +1,7 @@
 //! The processes of a training job: MPI (cargo feature `mpi`, when started by an MPI
 //! launcher) or one process, and the pp × dp × tp grid and communicators over them.
 
-use crate::config::ModelConfig;
+use crate::model::ModelConfig;
 use crate::parallel::{Comm, Grid, SerialComm};
 use anyhow::Result;
 use std::rc::Rc;

@@ -2,8 +2,8 @@
 //! GPT-2 names (unprefixed, `wte.weight` unpadded), for comparison with other implementations.
 
 use crate::checkpoint;
-use crate::config::ModelConfig;
 use crate::model::table::Table;
+use crate::model::ModelConfig;
 use anyhow::Result;
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -4,7 +4,7 @@
 //! run's op times by it, times GEMMs at measured rates with it, pipeline stages are balanced
 //! by it, and model FLOPs (MFU) are summed from it.
 
-use crate::config::ModelConfig;
+use super::ModelConfig;
 use serde::{Deserialize, Serialize};
 
 /// `batch` GEMMs of C (m×n) = A (m×k) · B (k×n), row-major, with A stored transposed when
