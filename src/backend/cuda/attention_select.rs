@@ -19,14 +19,14 @@
 //! source, compiler options and NVRTC: any change is another file, never a stale hit), one line
 //! per (pass, shape, type, rope), shared by a job's ranks: the first rank to find a shape
 //! missing times it under a lock file beside the cache's and stores its choice before letting
-//! the lock go, the others wait for that choice (`choice_cache.rs`). A resumed run, and every rank, runs the same forms, so a run stays
-//! bit-identical to an uninterrupted one though forms may sum in other orders.
+//! the lock go, the others wait for that choice (`choice_cache.rs`). A resumed run, and every
+//! rank, runs the same forms, so a run stays bit-identical to an uninterrupted one though
+//! forms may sum in other orders.
 //!
 //! Where: `FUGU_ATTENTION_CACHE` (a directory; `off` keeps choices for the process only), else
 //! `$XDG_CACHE_HOME/fugu/attention`, else `$HOME/.cache/fugu/attention`.
 
 use super::attention::FlashBackwardCall;
-pub use super::choice_cache::lock_path;
 use super::choice_cache::{file_part, short_sha, ChoiceCache, Entry};
 use super::engine::Arg;
 use super::{AttnDims, CudaBackend, DevAlloc, Dtype, FlashForm, Span};

@@ -115,7 +115,7 @@ impl<E: Entry> ChoiceCache<E> {
     /// choice it stores, waited for; else `time()`'s, timed under the lock and stored before
     /// the lock goes (so that a waiter finds it, never a gap in which it times the shape too).
     /// A stored choice `accept` refuses (a library that no longer runs it) is timed again and
-    /// replaced. `what` names the timing in the notes on stderr.
+    /// replaced, with a note. `what` names the timing in the notes on stderr.
     pub fn choose(
         &mut self,
         shape: &str,
@@ -123,8 +123,12 @@ impl<E: Entry> ChoiceCache<E> {
         accept: impl Fn(&E) -> bool,
         time: impl FnOnce() -> Result<E>,
     ) -> Result<E> {
-        if let Some(c) = self.get(shape).filter(&accept) {
-            return Ok(c);
+        match self.get(shape) {
+            Some(c) if accept(&c) => return Ok(c),
+            Some(_) => {
+                eprintln!("note: the choice stored for {shape} does not run here; {what} again")
+            }
+            None => {}
         }
         let Some(lock) = self.file().map(|f| lock_path(f, shape)) else {
             return Ok(self.insert(shape, time()?, true));

@@ -153,9 +153,6 @@ impl Lt {
         let shape = key.to_string();
         let algo_of = |c: &Choice| sys::cublasLtMatmulAlgo_t { data: c.algo };
         let accepted = |c: &Choice| call.accepts(self, &algo_of(c));
-        if cache.get(&shape).is_some_and(|c| !accepted(&c)) {
-            eprintln!("note: cuBLASLt refuses the algorithm stored for {shape}; timing again");
-        }
         let what = "timing cuBLASLt's algorithms";
         let algo =
             algo_of(&cache.choose(&shape, what, accepted, || self.time_candidates(g, call))?);
