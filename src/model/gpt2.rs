@@ -29,6 +29,7 @@ use super::acts::{
 };
 use super::contract::{GradsReady, Model, OpForm, TpRank};
 use super::core::{ActSets, Core};
+use super::decoder::{self, Blocks};
 use super::decoder_ops::{backward as bwd, forward as fwd};
 use super::kv::KvCache;
 use super::layers::Layers;
@@ -223,56 +224,39 @@ impl<B: Backend> Gpt2<B> {
     /// batch's LM head runs with its loss, [`Core::head_loss`]), shared by training and
     /// decoding; `pass` says where the tokens and attention's keys and values come from.
     fn forward_stage(&mut self, timers: &Timers, pass: Pass) {
-        let (inputs, micro) = match pass {
-            Pass::Batch { micro } => (self.tokens(micro).0, micro),
-            Pass::Decode { .. } => (TokSpan { offset: 0, len: 1 }, 0),
+        let inputs = match pass {
+            Pass::Batch { micro } => self.tokens(micro).0,
+            Pass::Decode { .. } => TokSpan { offset: 0, len: 1 },
         };
-        let a = ActSets::slot(&self.acts, micro).0;
-        let d = a.dims;
-        let p = &self.p;
+        self.on_blocks(pass, timers, |x, s, _| decoder::forward_stage(x, s, inputs));
+    }
+
+    /// Runs `f` with this model's layers, its pieces of `pass` ([`Blocks`]) and the
+    /// recomputation setting.
+    fn on_blocks<R>(
+        &mut self,
+        pass: Pass,
+        timers: &Timers,
+        f: impl FnOnce(&mut Layers<B>, &Gpt2Pass, Recompute) -> R,
+    ) -> R {
+        let (a, ga) = ActSets::slot(&self.acts, pass.micro());
         let c = &mut self.core;
+        let s = Gpt2Pass {
+            a,
+            ga,
+            p: &self.p,
+            g: &self.g,
+            tp_rank: c.tp.rank,
+            residual: self.residual,
+            gelu: self.mlp_gelu,
+            pass,
+        };
         let x = &mut Layers {
             be: &mut c.be,
             comm: &*c.tp_comm,
             timers,
         };
-        // Replicated additions (position embedding, row-parallel biases) happen on one rank,
-        // before the all-reduce sums the shards.
-        let first = c.tp.rank == 0;
-        // A stage after the first finds its input in `encoded` already.
-        if let Some(e) = p.embed {
-            let wpe = first.then_some(match pass {
-                Pass::Batch { .. } => e.wpe,
-                Pass::Decode { pos, .. } => e.wpe.sub(pos * d.c, d.c),
-            });
-            let emb = embedding(e.wte, wpe, c.tp.rank, &d);
-            embedding_forward(x, &emb, a.encoded, inputs);
-        }
-        let mut resid = a.encoded;
-        for (l, (la, lp)) in a.layers.iter().zip(&p.layers).enumerate() {
-            let bp = BlockPass {
-                cx: BlockCtx {
-                    d: &d,
-                    tp_first: first,
-                    residual: self.residual,
-                    pass,
-                    layer: l,
-                    proj: a.proj,
-                },
-                gelu: self.mlp_gelu,
-            };
-            block_forward(x, la, lp, resid, &bp);
-            resid = la.resid3;
-        }
-        let (Some(h), Some(hp)) = (a.head, p.head) else {
-            return;
-        };
-        let (lnf, lm_head) = head_layers(&hp, &d);
-        let stats = h.lnf_stats();
-        x.layernorm(fwd::LAYERNORM, &lnf, h.lnf, stats, resid);
-        if let Pass::Decode { .. } = pass {
-            x.linear(fwd::LM_HEAD, &lm_head, h.loss.logits, h.lnf);
-        }
+        f(x, &s, c.recompute)
     }
 }
 
@@ -394,63 +378,11 @@ impl<B: Backend> Model<B> for Gpt2<B> {
     fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
         self.core.assert_trainable();
         let (inputs, _) = self.tokens(micro);
-        let (a, ga) = ActSets::slot(&self.acts, micro);
-        let d = a.dims;
-        let (p, g) = (&self.p, &self.g);
-        let c = &mut self.core;
-        let x = &mut Layers {
-            be: &mut c.be,
-            comm: &*c.tp_comm,
-            timers,
-        };
-        let _bwd = timers.scope(trainer::phase::BACKWARD, Coarse);
-        // A stage before the last finds the gradient of its output in `dres` already.
-        if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
-            let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
-            head_backward(x, &d, (&h, &hp, &hg), ga, last);
-        }
-        for l in (0..a.layers.len()).rev() {
-            let (la, lp) = (&a.layers[l], &p.layers[l]);
-            let resid = if l == 0 {
-                a.encoded
-            } else {
-                a.layers[l - 1].resid3
-            };
-            let bp = BlockPass {
-                cx: BlockCtx {
-                    d: &d,
-                    tp_first: c.tp.rank == 0,
-                    residual: self.residual,
-                    pass: Pass::Batch { micro },
-                    layer: l,
-                    proj: a.proj,
-                },
-                gelu: self.mlp_gelu,
-            };
-            if c.recompute == Recompute::Full && l + 1 < a.layers.len() {
-                // This block's activations, as the forward pass computed them, into the set
-                // all blocks share (the last block's are still there). Its inner op timers
-                // (and TP all-reduces) count as this one.
-                let _t = timers.scope(bwd::RECOMPUTE, Fine);
-                let _quiet = timers.pause();
-                block_forward(x, la, lp, resid, &bp);
-            }
-            let recompute_attention = c.recompute == Recompute::Attention;
-            block_backward(
-                x,
-                &bp,
-                (la, lp, &g.layers[l]),
-                ga,
-                resid,
-                recompute_attention,
-            );
-            ready(x.be, lp.ln1_w.offset);
-        }
-        if let Some(e) = g.embed {
-            let de = embedding(e.wte, Some(e.wpe), c.tp.rank, &d);
-            embedding_backward(x, &de, ga.dres, inputs);
-        }
-        ready(x.be, 0);
+        self.on_blocks(Pass::Batch { micro }, timers, |x, s, recompute| {
+            let _bwd = timers.scope(trainer::phase::BACKWARD, Coarse);
+            // A stage before the last finds the gradient of its output in `dres` already.
+            decoder::backward_stage(x, s, recompute, inputs, ready);
+        });
     }
 
     fn last_logits(&self) -> Vec<f32> {
@@ -482,6 +414,105 @@ impl<B: Backend> Model<B> for Gpt2<B> {
         self.forward_stage(timers, Pass::Decode { cache, pos });
         let h = self.acts_of(0).head.expect("the whole model has the head");
         Ok(self.core.decoded_logits(&h.loss))
+    }
+}
+
+/// GPT-2's pieces of a pass over one micro-batch ([`Blocks`]): its activations, gradient
+/// scratch, parameter and gradient spans, and the pass's settings.
+struct Gpt2Pass<'a, 'c> {
+    a: &'a Acts,
+    ga: &'a GradActs,
+    p: &'a ParamSpans,
+    g: &'a ParamSpans,
+    tp_rank: usize,
+    residual: Residual,
+    gelu: MlpGelu,
+    pass: Pass<'c>,
+}
+
+impl<'c> Gpt2Pass<'_, 'c> {
+    fn block_pass(&self, layer: usize) -> BlockPass<'_, 'c> {
+        BlockPass {
+            cx: BlockCtx {
+                d: &self.a.dims,
+                // Replicated additions (position embedding, row-parallel biases) happen on
+                // one rank, before the all-reduce sums the shards.
+                tp_first: self.tp_rank == 0,
+                residual: self.residual,
+                pass: self.pass,
+                layer,
+                proj: self.a.proj,
+            },
+            gelu: self.gelu,
+        }
+    }
+}
+
+impl<B: Backend> Blocks<B> for Gpt2Pass<'_, '_> {
+    fn layers(&self) -> usize {
+        self.a.layers.len()
+    }
+
+    fn encoded(&self) -> Span {
+        self.a.encoded
+    }
+
+    fn block_output(&self, l: usize) -> Span {
+        self.a.layers[l].resid3
+    }
+
+    fn block_grads_start(&self, l: usize) -> usize {
+        self.p.layers[l].ln1_w.offset
+    }
+
+    fn embed_forward(&self, x: &mut Layers<B>, inputs: TokSpan) {
+        // A stage after the first finds its input in `encoded` already.
+        let Some(e) = self.p.embed else {
+            return;
+        };
+        let d = &self.a.dims;
+        let wpe = (self.tp_rank == 0).then_some(match self.pass {
+            Pass::Batch { .. } => e.wpe,
+            Pass::Decode { pos, .. } => e.wpe.sub(pos * d.c, d.c),
+        });
+        let emb = embedding(e.wte, wpe, self.tp_rank, d);
+        embedding_forward(x, &emb, self.a.encoded, inputs);
+    }
+
+    fn block_forward(&self, x: &mut Layers<B>, l: usize, resid: Span) {
+        let bp = self.block_pass(l);
+        block_forward(x, &self.a.layers[l], &self.p.layers[l], resid, &bp);
+    }
+
+    fn head_forward(&self, x: &mut Layers<B>, resid: Span) {
+        let (Some(h), Some(hp)) = (self.a.head, self.p.head) else {
+            return;
+        };
+        let (lnf, lm_head) = head_layers(&hp, &self.a.dims);
+        let stats = h.lnf_stats();
+        x.layernorm(fwd::LAYERNORM, &lnf, h.lnf, stats, resid);
+        if let Pass::Decode { .. } = self.pass {
+            x.linear(fwd::LM_HEAD, &lm_head, h.loss.logits, h.lnf);
+        }
+    }
+
+    fn head_backward(&self, x: &mut Layers<B>, last: Span) {
+        if let (Some(h), Some(hp), Some(hg)) = (self.a.head, self.p.head, self.g.head) {
+            head_backward(x, &self.a.dims, (&h, &hp, &hg), self.ga, last);
+        }
+    }
+
+    fn block_backward(&self, x: &mut Layers<B>, l: usize, resid: Span, recompute_attention: bool) {
+        let bp = self.block_pass(l);
+        let (la, lp, lg) = (&self.a.layers[l], &self.p.layers[l], &self.g.layers[l]);
+        block_backward(x, &bp, (la, lp, lg), self.ga, resid, recompute_attention);
+    }
+
+    fn embed_backward(&self, x: &mut Layers<B>, inputs: TokSpan) {
+        if let Some(e) = self.g.embed {
+            let de = embedding(e.wte, Some(e.wpe), self.tp_rank, &self.a.dims);
+            embedding_backward(x, &de, self.ga.dres, inputs);
+        }
     }
 }
 

@@ -21,6 +21,7 @@ use super::acts::{
 };
 use super::contract::{GradsReady, Model, OpForm, TpRank};
 use super::core::{ActSet, ActSets, Core, StepActs};
+use super::decoder::{self, Blocks};
 use super::decoder_ops::{backward as bwd, forward as fwd};
 use super::kv::KvCache;
 use super::layers::Layers;
@@ -43,7 +44,7 @@ use crate::model::ModelConfig;
 use crate::ops::rope::RopeTable;
 use anyhow::Result;
 
-use TimerLevel::{Coarse, Fine};
+use TimerLevel::Coarse;
 
 /// A Llama model on a backend: the shared [`Core`], its parameter spans, the rotary table,
 /// its activations and the op forms it runs.
@@ -181,49 +182,42 @@ impl<B: Backend> Llama<B> {
     /// the last stage the final norm's, and when decoding the logits; a batch's LM head runs
     /// with its loss, [`Core::head_loss`]), shared by training and decoding.
     fn forward_stage(&mut self, timers: &Timers, pass: Pass) {
-        let (inputs, micro) = match pass {
-            Pass::Batch { micro } => (self.tokens(micro).0, micro),
-            Pass::Decode { .. } => (TokSpan { offset: 0, len: 1 }, 0),
+        let inputs = match pass {
+            Pass::Batch { micro } => self.tokens(micro).0,
+            Pass::Decode { .. } => TokSpan { offset: 0, len: 1 },
         };
-        let d = self.acts_of(micro).dims;
+        self.on_blocks(pass, timers, |x, s, _| decoder::forward_stage(x, s, inputs));
+    }
+
+    /// Runs `f` with this model's layers, its pieces of `pass` ([`Blocks`]: the pass's rotary
+    /// embedding, [`Self::rope_for`], among them) and the recomputation setting.
+    fn on_blocks<R>(
+        &mut self,
+        pass: Pass,
+        timers: &Timers,
+        f: impl FnOnce(&mut Layers<B>, &LlamaPass, Recompute) -> R,
+    ) -> R {
+        let d = self.acts_of(pass.micro()).dims;
         let rope = self.rope_for(&d, pass);
-        let a = ActSets::slot(&self.acts, micro).0;
-        let p = &self.p;
+        let (a, ga) = ActSets::slot(&self.acts, pass.micro());
         let c = &mut self.core;
+        let s = LlamaPass {
+            a,
+            ga,
+            p: &self.p,
+            g: &self.g,
+            tp_rank: c.tp.rank,
+            residual: self.residual,
+            pass,
+            rope,
+            eps: c.cfg.norm_epsilon(),
+        };
         let x = &mut Layers {
             be: &mut c.be,
             comm: &*c.tp_comm,
             timers,
         };
-        let eps = c.cfg.norm_epsilon();
-        if let Some(e) = p.embed {
-            embedding_forward(x, &embedding(e, None, c.tp.rank, &d), a.encoded, inputs);
-        }
-        let mut resid = a.encoded;
-        for (l, (la, lp)) in a.layers.iter().zip(&p.layers).enumerate() {
-            let bp = BlockPass {
-                cx: BlockCtx {
-                    d: &d,
-                    tp_first: c.tp.rank == 0,
-                    residual: self.residual,
-                    pass,
-                    layer: l,
-                    proj: a.proj,
-                },
-                rope,
-                eps,
-            };
-            block_forward(x, la, lp, resid, &bp);
-            resid = la.resid3;
-        }
-        let (Some(h), Some((norm, w))) = (a.head, p.head) else {
-            return;
-        };
-        let (norm, head) = head_layers((norm, w), &d, eps);
-        x.rmsnorm(fwd::RMSNORM, &norm, h.nf, h.nf_rstd, resid);
-        if let Pass::Decode { .. } = pass {
-            x.linear(fwd::LM_HEAD, &head, h.loss.logits, h.nf);
-        }
+        f(x, &s, c.recompute)
     }
 }
 
@@ -323,62 +317,10 @@ impl<B: Backend> Model<B> for Llama<B> {
     fn backward_micro(&mut self, micro: usize, timers: &Timers, ready: &mut GradsReady<B>) {
         self.core.assert_trainable();
         let (inputs, _) = self.tokens(micro);
-        let d = self.acts_of(micro).dims;
-        let rope = self.rope_for(&d, Pass::Batch { micro });
-        let (a, ga) = ActSets::slot(&self.acts, micro);
-        let (p, g) = (&self.p, &self.g);
-        let c = &mut self.core;
-        let eps = c.cfg.norm_epsilon();
-        let x = &mut Layers {
-            be: &mut c.be,
-            comm: &*c.tp_comm,
-            timers,
-        };
-        let _bwd = timers.scope(trainer::phase::BACKWARD, Coarse);
-        if let (Some(h), Some(hp), Some(hg)) = (a.head, p.head, g.head) {
-            let last = a.layers.last().map_or(a.encoded, |l| l.resid3);
-            head_backward(x, (&d, eps), (&h, hp, hg), ga, last);
-        }
-        for l in (0..a.layers.len()).rev() {
-            let (la, lp) = (&a.layers[l], &p.layers[l]);
-            let resid = if l == 0 {
-                a.encoded
-            } else {
-                a.layers[l - 1].resid3
-            };
-            let bp = BlockPass {
-                cx: BlockCtx {
-                    d: &d,
-                    tp_first: c.tp.rank == 0,
-                    residual: self.residual,
-                    pass: Pass::Batch { micro },
-                    layer: l,
-                    proj: a.proj,
-                },
-                rope,
-                eps,
-            };
-            if c.recompute == Recompute::Full && l + 1 < a.layers.len() {
-                // As GPT-2's: this block's activations again, into the shared set.
-                let _t = timers.scope(bwd::RECOMPUTE, Fine);
-                let _quiet = timers.pause();
-                block_forward(x, la, lp, resid, &bp);
-            }
-            let recompute_attention = c.recompute == Recompute::Attention;
-            block_backward(
-                x,
-                &bp,
-                (la, lp, &g.layers[l]),
-                ga,
-                resid,
-                recompute_attention,
-            );
-            ready(x.be, lp.attn_norm.offset);
-        }
-        if let Some(e) = g.embed {
-            embedding_backward(x, &embedding(e, None, c.tp.rank, &d), ga.dres, inputs);
-        }
-        ready(x.be, 0);
+        self.on_blocks(Pass::Batch { micro }, timers, |x, s, recompute| {
+            let _bwd = timers.scope(trainer::phase::BACKWARD, Coarse);
+            decoder::backward_stage(x, s, recompute, inputs, ready);
+        });
     }
 
     fn last_logits(&self) -> Vec<f32> {
@@ -407,6 +349,98 @@ impl<B: Backend> Model<B> for Llama<B> {
         self.forward_stage(timers, Pass::Decode { cache, pos });
         let h = self.acts_of(0).head.expect("the whole model has the head");
         Ok(self.core.decoded_logits(&h.loss))
+    }
+}
+
+/// The Llama family's pieces of a pass over one micro-batch ([`Blocks`]): its activations,
+/// gradient scratch, parameter and gradient spans, and the pass's settings, rotary embedding
+/// and norms' epsilon.
+struct LlamaPass<'a, 'c> {
+    a: &'a LlamaActs,
+    ga: &'a LlamaGrads,
+    p: &'a LlamaSpans,
+    g: &'a LlamaSpans,
+    tp_rank: usize,
+    residual: Residual,
+    pass: Pass<'c>,
+    rope: Rope,
+    eps: f64,
+}
+
+impl<'c> LlamaPass<'_, 'c> {
+    fn block_pass(&self, layer: usize) -> BlockPass<'_, 'c> {
+        BlockPass {
+            cx: BlockCtx {
+                d: &self.a.dims,
+                tp_first: self.tp_rank == 0,
+                residual: self.residual,
+                pass: self.pass,
+                layer,
+                proj: self.a.proj,
+            },
+            rope: self.rope,
+            eps: self.eps,
+        }
+    }
+}
+
+impl<B: Backend> Blocks<B> for LlamaPass<'_, '_> {
+    fn layers(&self) -> usize {
+        self.a.layers.len()
+    }
+
+    fn encoded(&self) -> Span {
+        self.a.encoded
+    }
+
+    fn block_output(&self, l: usize) -> Span {
+        self.a.layers[l].resid3
+    }
+
+    fn block_grads_start(&self, l: usize) -> usize {
+        self.p.layers[l].attn_norm.offset
+    }
+
+    fn embed_forward(&self, x: &mut Layers<B>, inputs: TokSpan) {
+        if let Some(e) = self.p.embed {
+            let emb = embedding(e, None, self.tp_rank, &self.a.dims);
+            embedding_forward(x, &emb, self.a.encoded, inputs);
+        }
+    }
+
+    fn block_forward(&self, x: &mut Layers<B>, l: usize, resid: Span) {
+        let bp = self.block_pass(l);
+        block_forward(x, &self.a.layers[l], &self.p.layers[l], resid, &bp);
+    }
+
+    fn head_forward(&self, x: &mut Layers<B>, resid: Span) {
+        let (Some(h), Some(hp)) = (self.a.head, self.p.head) else {
+            return;
+        };
+        let (norm, head) = head_layers(hp, &self.a.dims, self.eps);
+        x.rmsnorm(fwd::RMSNORM, &norm, h.nf, h.nf_rstd, resid);
+        if let Pass::Decode { .. } = self.pass {
+            x.linear(fwd::LM_HEAD, &head, h.loss.logits, h.nf);
+        }
+    }
+
+    fn head_backward(&self, x: &mut Layers<B>, last: Span) {
+        if let (Some(h), Some(hp), Some(hg)) = (self.a.head, self.p.head, self.g.head) {
+            head_backward(x, (&self.a.dims, self.eps), (&h, hp, hg), self.ga, last);
+        }
+    }
+
+    fn block_backward(&self, x: &mut Layers<B>, l: usize, resid: Span, recompute_attention: bool) {
+        let bp = self.block_pass(l);
+        let (la, lp, lg) = (&self.a.layers[l], &self.p.layers[l], &self.g.layers[l]);
+        block_backward(x, &bp, (la, lp, lg), self.ga, resid, recompute_attention);
+    }
+
+    fn embed_backward(&self, x: &mut Layers<B>, inputs: TokSpan) {
+        if let Some(e) = self.g.embed {
+            let de = embedding(e, None, self.tp_rank, &self.a.dims);
+            embedding_backward(x, &de, self.ga.dres, inputs);
+        }
     }
 }
 

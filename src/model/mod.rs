@@ -8,6 +8,7 @@ pub mod acts;
 pub mod contract;
 pub mod core;
 pub mod cost;
+pub mod decoder;
 pub mod decoder_cost;
 pub mod decoder_ops;
 pub mod gpt2;

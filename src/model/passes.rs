@@ -27,6 +27,16 @@ pub enum Pass<'c> {
     Decode { cache: &'c KvCache, pos: usize },
 }
 
+impl Pass<'_> {
+    /// The micro-batch whose activations the pass uses (a decoded token: the one set).
+    pub fn micro(self) -> usize {
+        match self {
+            Pass::Batch { micro } => micro,
+            Pass::Decode { .. } => 0,
+        }
+    }
+}
+
 /// What a block's pass needs besides its activations and parameters.
 pub struct BlockCtx<'a, 'c> {
     pub d: &'a StepDims,
