@@ -163,8 +163,8 @@ mod tests {
         let dir = fresh_dir("restart");
         let mut cache = open(&dir, identity(130100));
         assert!(cache.is_empty());
-        assert_eq!(cache.insert(SHAPE, choice(1), false), choice(1));
-        assert_eq!(cache.insert("other shape", choice(2), false), choice(2));
+        assert_eq!(cache.insert(SHAPE, choice(1), |_| true), choice(1));
+        assert_eq!(cache.insert("other shape", choice(2), |_| true), choice(2));
 
         let again = open(&dir, identity(130100));
         assert_eq!(again.len(), 2);
@@ -178,7 +178,7 @@ mod tests {
         let id = identity(130100);
         let mut memory = AlgoCache::open(None, &id.file_name(), id.line());
         assert!(memory.is_empty());
-        assert_eq!(memory.insert(SHAPE, choice(3), false), choice(3));
+        assert_eq!(memory.insert(SHAPE, choice(3), |_| true), choice(3));
         assert_eq!(open(&dir, identity(130100)).get(SHAPE), Some(choice(1)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -191,17 +191,17 @@ mod tests {
         let mut first = open(&dir, identity(1));
         let mut second = open(&dir, identity(1));
         assert_eq!(
-            second.insert("only the second's", choice(9), false),
+            second.insert("only the second's", choice(9), |_| true),
             choice(9)
         );
-        assert_eq!(first.insert(SHAPE, choice(1), false), choice(1));
-        assert_eq!(second.insert(SHAPE, choice(2), false), choice(1));
+        assert_eq!(first.insert(SHAPE, choice(1), |_| true), choice(1));
+        assert_eq!(second.insert(SHAPE, choice(2), |_| true), choice(1));
         assert_eq!(second.get(SHAPE), Some(choice(1)));
         let on_disk = open(&dir, identity(1));
         assert_eq!(on_disk.get(SHAPE), Some(choice(1)));
         assert_eq!(on_disk.get("only the second's"), Some(choice(9)));
 
-        assert_eq!(second.insert(SHAPE, choice(4), true), choice(4));
+        assert_eq!(second.insert(SHAPE, choice(4), |_| false), choice(4));
         assert_eq!(open(&dir, identity(1)).get(SHAPE), Some(choice(4)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -210,7 +210,7 @@ mod tests {
     fn a_damaged_file_is_ignored_and_replaced() {
         let dir = fresh_dir("damaged");
         let mut cache = open(&dir, identity(1));
-        cache.insert(SHAPE, choice(1), false);
+        cache.insert(SHAPE, choice(1), |_| true);
         let file = cache.file().unwrap().to_path_buf();
         let good = std::fs::read_to_string(&file).unwrap();
         let line = good.lines().nth(2).unwrap();
@@ -229,7 +229,7 @@ mod tests {
             );
             let mut cache = open(&dir, identity(1));
             assert!(cache.is_empty(), "{damaged}");
-            cache.insert(SHAPE, choice(2), false);
+            cache.insert(SHAPE, choice(2), |_| true);
             let replaced = read(&file, &identity(1)).unwrap();
             assert_eq!(replaced.len(), 1);
             assert_eq!(replaced.get(SHAPE), Some(&choice(2)));

@@ -6,9 +6,9 @@
 //! Choices made once per process let two processes choose differently, so that a resumed run
 //! was not bit-identical to an uninterrupted one; kept on disk, a later run takes the same.
 //! Ranks of a job share the file: each adds its choices under a merge with what is on disk,
-//! where the entry already there wins (the first writer's choice), and a process whose own
-//! timing lost takes the stored one, so that ranks and later runs converge on one choice per
-//! shape. Files are written atomically (temporary name, fsync, rename) under an advisory lock
+//! where an entry already there that the process can run wins (the first writer's choice),
+//! and a process whose own timing lost takes the stored one, so that ranks and later runs
+//! converge on one choice per shape. Files are written atomically (temporary name, fsync, rename) under an advisory lock
 //! (`<file>.flock`), so that two processes storing different shapes at once keep both; a file
 //! that does not parse is named in a note and replaced; one that cannot be written costs a note
 //! on stderr once, not the run.
@@ -131,7 +131,7 @@ impl<E: Entry> ChoiceCache<E> {
             None => {}
         }
         let Some(lock) = self.file().map(|f| lock_path(f, shape)) else {
-            return Ok(self.insert(shape, time()?, true));
+            return Ok(self.insert(shape, time()?, &accept));
         };
         let look = self.reader();
         let (choice, _) = found_or_made(
@@ -139,17 +139,18 @@ impl<E: Entry> ChoiceCache<E> {
             what,
             LockTiming::default(),
             || look(shape).filter(&accept),
-            // Under the lock the file holds no accepted choice: this one replaces any there.
-            || Ok(self.insert(shape, time()?, true)),
+            // Timed under the lock, or without it after a long wait for another process,
+            // whose choice, if it stored one meanwhile, wins (so that the two agree).
+            || Ok(self.insert(shape, time()?, &accept)),
         )?;
         self.entries.insert(shape.to_string(), choice);
         Ok(choice)
     }
 
-    /// Records `choice` for `shape` and stores it. With `replace` false (a shape timed because
-    /// it had no entry), an entry another process stored meanwhile wins and is returned
-    /// instead; with `replace` true (the stored one was refused) `choice` overwrites it.
-    pub fn insert(&mut self, shape: &str, choice: E, replace: bool) -> E {
+    /// Records `choice` for `shape` and stores it, unless the file holds an entry for `shape`
+    /// that `keep` takes (one another process stored meanwhile): that one wins and is
+    /// returned instead. An entry `keep` refuses (one the library no longer runs) is replaced.
+    pub fn insert(&mut self, shape: &str, choice: E, keep: impl Fn(&E) -> bool) -> E {
         // Read, merge and write with no other process's store in between (one would lose
         // the other's new entries).
         let _writing = self.file.as_deref().and_then(WriteLock::take);
@@ -161,12 +162,11 @@ impl<E: Entry> ChoiceCache<E> {
         for (k, v) in std::mem::take(&mut self.entries) {
             merged.entry(k).or_insert(v);
         }
-        let kept = if replace {
-            merged.insert(shape.to_string(), choice);
-            choice
-        } else {
-            *merged.entry(shape.to_string()).or_insert(choice)
+        let kept = match merged.get(shape) {
+            Some(&there) if keep(&there) => there,
+            _ => choice,
         };
+        merged.insert(shape.to_string(), kept);
         self.entries = merged;
         self.store();
         kept
@@ -371,6 +371,17 @@ mod tests {
         let retimed = third.choose("shape", "timing", |c| c.algo[0] != 1, || Ok(choice(2)));
         assert_eq!(retimed.unwrap(), choice(2));
         assert_eq!(open(&dir).get("shape"), Some(choice(2)));
+
+        // A process timing a shape (without the lock, after a long wait) while another stores
+        // a choice for it takes the stored one, so that the two run the same.
+        let mut late = open(&dir);
+        let stored_meanwhile = || {
+            open(&dir).insert("new shape", choice(7), |_| true);
+            Ok(choice(8))
+        };
+        let taken = late.choose("new shape", "timing", |_| true, stored_meanwhile);
+        assert_eq!(taken.unwrap(), choice(7));
+        assert_eq!(open(&dir).get("new shape"), Some(choice(7)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -386,7 +397,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..12 {
                         // A fresh view per store: nothing of its own to write back later.
-                        open(&dir).insert(&format!("shape {w} {i}"), choice(w * 100 + i), false);
+                        open(&dir).insert(&format!("shape {w} {i}"), choice(w * 100 + i), |_| true);
                     }
                 })
             })
