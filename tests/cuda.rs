@@ -1242,6 +1242,16 @@ mod gpu {
         });
     }
 
+    /// The files of timed choices in cache folder `dir` (not the lock files beside them that
+    /// their writers take, `<file>.flock`).
+    fn choice_files(dir: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_none_or(|e| e != "flock"))
+            .collect()
+    }
+
     /// The timed-forms tests' shape: GQA, and a last query block of 32 rows.
     const TIMED_SHAPE: AttnDims = AttnDims {
         b: 1,
@@ -1283,12 +1293,8 @@ mod gpu {
         let tol = GEMM + FUSED_DQKV_TOL * be.act.unit_roundoff();
         be.check("timed attention dqkv", dqkv, tol);
 
-        // One file, holding the two passes' choices (beside it, the lock its writers take).
-        let files: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_none_or(|e| e != "flock"))
-            .collect();
+        // One file, holding the two passes' choices.
+        let files = choice_files(&dir);
         assert_eq!(files.len(), 1, "{files:?}");
         let text = std::fs::read_to_string(&files[0]).unwrap();
         let lines: Vec<&str> = text.lines().collect();
@@ -2362,12 +2368,7 @@ mod gpu {
         };
         let (err1, first) = run("gemm-timed-1");
         assert!(err1.contains("candidates timed"), "{err1}");
-        // One file of choices (beside it, the lock its writers take).
-        let files: Vec<PathBuf> = std::fs::read_dir(&cache)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_none_or(|e| e != "flock"))
-            .collect();
+        let files = choice_files(&cache);
         assert_eq!(files.len(), 1, "{files:?}");
         let (err2, second) = run("gemm-timed-2");
         assert!(!err2.contains("candidates timed"), "{err2}");

@@ -68,9 +68,9 @@ pub fn skipped(why: &str) {
 /// letting it fall back or skip: that is what a GPU run is for.
 #[cfg(feature = "cuda")]
 pub fn cuda_gpu() -> Result<fugu::backend::cuda::CudaBackend, anyhow::Error> {
-    use fugu::backend::cuda::{gpu_present, CudaBackend, EMULATE_ENV};
+    use fugu::backend::cuda::{emulation_asked, gpu_present, CudaBackend, EMULATE_ENV};
     use fugu::backend::CudaSettings;
-    if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
+    if emulation_asked() {
         // The backend would start the emulator: tests that need a GPU skip.
         anyhow::bail!("{EMULATE_ENV}=1: the emulator, not a GPU");
     }

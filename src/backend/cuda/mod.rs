@@ -80,6 +80,11 @@ pub const NVRTC_OPTIONS: &[&str] = &["--fmad=false", "--prec-div=true", "--prec-
 /// Environment variable that turns `--device cuda` into the host emulator (tests only).
 pub const EMULATE_ENV: &str = "FUGU_CUDA_EMULATE";
 
+/// Whether the environment asks for the emulator ([`EMULATE_ENV`]`=1`).
+pub fn emulation_asked() -> bool {
+    std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1")
+}
+
 /// Dynamic shared memory per block of the fused layernorm backward: 2·C floats per warp, so
 /// 8 warps up to C = 768, fewer above and the split form past C = 6144. 48 KiB is what every
 /// GPU allows a block without opting in.
@@ -321,7 +326,7 @@ impl CudaBackend {
         // A setting with a value it does not take is refused before the kernels are compiled
         // (seconds; the device's own refusals, such as wgmma on another GPU, come after).
         let knobs = Knobs::from_env()?;
-        let be = if std::env::var_os(EMULATE_ENV).is_some_and(|v| v == "1") {
+        let be = if emulation_asked() {
             Self::emulated()?
         } else {
             Self::with_engine(Box::new(driver::DriverEngine::new(ordinal, settings)?))
